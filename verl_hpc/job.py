@@ -1,0 +1,66 @@
+"""What every rank runs: `python -m verl_hpc.job CONFIG [dotted.overrides ...]`.
+
+The same entry serves every launcher (srun from an sbatch script, submitit, mpirun, torchrun, the
+local launcher, a plain `python`): the runtime works out the rank, the config says which program
+(`trainer.job`) to run on it.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+from verl_hpc.config import ConfigError, JobConfig, from_container, load_config, validate
+
+log = logging.getLogger(__name__)
+
+# trainer.job -> "module:function" taking (cfg, ctx); imported lazily so a smoke job does not pay
+# for importing vLLM and Megatron.
+PROGRAMS = {
+    "smoke": "verl_hpc.trainer.smoke:run",
+}
+
+
+def resolve_program(name: str):
+    if name not in PROGRAMS:
+        raise ConfigError(f"trainer.job: '{name}' is not available in this version; "
+                          f"valid: {', '.join(sorted(PROGRAMS))}")
+    module, func = PROGRAMS[name].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
+    """Run the configured program on this rank; returns its summary (rank 0's is the job's)."""
+    from verl_hpc import runtime
+
+    if isinstance(cfg, dict):
+        cfg = from_container(cfg)
+    program = resolve_program(cfg.trainer.job)
+    ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
+                            seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task)
+    try:
+        return program(cfg, ctx)
+    finally:
+        runtime.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0])
+        return 0 if argv else 2
+    path = None if "=" in argv[0] else argv[0]
+    try:
+        cfg = load_config(path, argv[1:] if path else argv)
+        # Ranks validate again (cheap): an sbatch script may pass overrides never checked by submit.
+        validate(cfg, check_model=True)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

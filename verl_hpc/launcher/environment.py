@@ -1,0 +1,29 @@
+"""The environment every rank starts with: project defaults, GPU-cluster defaults, user overrides."""
+from __future__ import annotations
+
+# Always set. HDF5 file locking fails on Lustre without flock and when a reader opens a file a
+# writer holds (FINDINGS.md); vLLM must stay in the calling process for the hybrid engine.
+BASE = {
+    "PYTHONUNBUFFERED": "1",
+    "HDF5_USE_FILE_LOCKING": "FALSE",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+# Only for GPU jobs; every value is a default the user can override with `slurm.env`.
+GPU = {
+    "NCCL_DEBUG": "WARN",
+    "NCCL_IB_TIMEOUT": "22",  # InfiniBand retry timeout exponent: survive transient fabric hiccups
+    "NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective aborts the rank instead of hanging
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron's TP/SP communication overlap needs ordering
+    "NVTE_FWD_LAYERNORM_SM_MARGIN": "0",
+}
+
+
+def job_environment(cfg) -> dict[str, str]:
+    env = dict(BASE)
+    env["OMP_NUM_THREADS"] = str(max(1, cfg.slurm.cpus_per_task))
+    if cfg.slurm.gpus_per_node > 0:
+        env.update(GPU)
+    env.update({str(k): str(v) for k, v in cfg.slurm.env.items()})
+    return env

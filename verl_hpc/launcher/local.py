@@ -1,0 +1,48 @@
+"""Local ranks on this machine through torch's elastic launcher (what `torchrun` runs).
+
+It already does what a local job needs: one process per rank with RANK/WORLD_SIZE/MASTER_*,
+per-rank log files, rank 0 teed to the console, and when one rank fails it stops the others at
+once. Called in-process (not as a `torchrun` subprocess) so that a failure comes back as data:
+which rank, its exit code and its log file, for the message the user reads.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from verl_hpc.launcher.plan import Plan
+
+
+def rank_log(log_dir: Path, rank: int) -> Path | None:
+    """The log file the launcher wrote for a rank (log_dir/<run id>/attempt_0/<rank>/stderr.log)."""
+    found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
+    return found[-1] if found else None
+
+
+def run_local(plan: Plan, config_path: Path) -> int:
+    plan.log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(plan.env)  # inherited by the rank processes
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.tasks_per_node, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+        # every rank's stdout+stderr go to its file; rank 0's is also shown here
+        logs_specs=DefaultLogsSpecs(log_dir=str(plan.log_dir), redirects=Std.ALL, tee=Std.ALL,
+                                    local_ranks_filter={0}),
+        start_method="spawn")
+    print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
+    try:
+        elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
+    except ChildFailedError as err:
+        print(f"[submit] local job FAILED; logs in {plan.log_dir}", file=sys.stderr)
+        for rank, failure in sorted(err.failures.items()):
+            print(f"[submit]   rank {rank} exited with code {failure.exitcode}; "
+                  f"log: {rank_log(plan.log_dir, rank)}", file=sys.stderr)
+        return 1
+    print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
+    return 0

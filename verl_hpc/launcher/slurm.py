@@ -1,0 +1,137 @@
+"""Submission to Slurm through submitit, then waiting with rank 0's log streamed and a verdict.
+
+submitit writes the sbatch script, tracks the job through sacct (which is why the dev cluster runs
+slurmdbd: without accounting a job that died without a result is never seen to end) and handles
+the per-task log files. We add the MPI/PMIx launch, fail-fast on a dead rank, the container and
+environment, and a failure message that names the rank and its log.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import submitit
+
+from verl_hpc.launcher.plan import Plan
+
+FINISHED_OK = "COMPLETED"
+# --kill-on-bad-exit: one rank exiting non-zero ends the step at once instead of leaving the
+# others blocked in a collective until the time limit.
+SRUN_ARGS = ["--mpi=pmix", "--kill-on-bad-exit=1"]
+
+
+def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
+    s = cfg.slurm
+    python = "python"
+    srun_args = list(SRUN_ARGS)
+    c = s.container
+    if c.runtime == "apptainer":
+        binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
+        gpu = " --nv" if s.gpus_per_node else ""
+        python = f"apptainer exec{gpu}{binds} {' '.join(c.extra_args)} {shlex.quote(c.image)} python"
+    elif c.runtime == "pyxis":
+        srun_args += [f"--container-image={c.image}", *c.extra_args]
+        if c.mounts:
+            srun_args.append("--container-mounts=" + ",".join(c.mounts))
+    else:
+        python = sys.executable  # the submitter's venv is on the shared filesystem
+    ex = submitit.SlurmExecutor(folder=str(plan.log_dir), python=python, max_num_timeout=3)
+    params = dict(
+        job_name=s.job_name, nodes=plan.nodes, ntasks_per_node=plan.tasks_per_node,
+        cpus_per_task=s.cpus_per_task, time=s.time_min, signal_delay_s=s.signal_delay_s,
+        srun_args=srun_args,
+        setup=[f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] + list(s.setup),
+        additional_parameters={**({"requeue": True} if s.requeue else {}), **dict(s.additional)})
+    if plan.gpus_per_node:
+        params["gpus_per_node"] = plan.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(s, key):
+            params[key] = getattr(s, key)
+    if s.mem_gb:
+        params["mem"] = f"{s.mem_gb}GB"
+    if s.exclusive:
+        params["exclusive"] = True
+    ex.update_parameters(**params)
+    return ex
+
+
+def sbatch_text(ex: submitit.SlurmExecutor) -> str:
+    """The exact script submitit would submit (for --dry-run). submitit has no public call for it;
+    tests/unit/test_submit.py fails loudly if this private one changes."""
+    return ex._make_submission_file_text(ex._submitit_command_str, "dry-run")
+
+
+def submit(ex: submitit.SlurmExecutor, fn, *args) -> submitit.Job:
+    return ex.submit(fn, *args)
+
+
+def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0) -> int:
+    """Stream rank 0's stdout, print a status line now and then; 0 if COMPLETED, else 1."""
+    out_path = Path(job.paths.stdout)
+    offset, t0, last_status = 0, time.time(), 0.0
+    print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}", flush=True)
+    while True:
+        done = job.done()
+        offset = _stream(out_path, offset)
+        now = time.time()
+        if done:
+            break
+        if now - last_status >= status_every_s:
+            print(f"[submit] job {job.job_id} {job.state} {time.strftime('%M:%S', time.gmtime(now - t0))}"
+                  " elapsed", flush=True)
+            last_status = now
+        time.sleep(poll_s)
+    _stream(out_path, offset)
+    state = job.state
+    if state.startswith(FINISHED_OK):
+        print(f"[submit] job {job.job_id} {state} in {now - t0:.0f}s; logs: {job.paths.folder}")
+        return 0
+    print(f"[submit] job {job.job_id} ended {state}", file=sys.stderr)
+    for rank, reason, log in failed_ranks(job):
+        print(f"[submit]   rank {rank}: {reason}; log: {log}", file=sys.stderr)
+    print(f"[submit] all logs: {job.paths.folder}", file=sys.stderr)
+    return 1
+
+
+def _stream(path: Path, offset: int) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return offset
+    if chunk:
+        sys.stdout.write(chunk.decode(errors="replace"))
+        sys.stdout.flush()
+    return offset + len(chunk)
+
+
+_SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (.+)")
+
+
+def failed_ranks(job: submitit.Job) -> list[tuple[int, str, Path]]:
+    """Ranks that failed, from srun's own report in the batch log (it names each task that exited
+    non-zero); falls back to task logs with a traceback when srun said nothing."""
+    folder = Path(job.paths.folder)
+    batch_err = Path(str(job.paths.stderr))
+    found: dict[int, str] = {}
+    text = batch_err.read_text(errors="replace") if batch_err.exists() else ""
+    for m in _SRUN_TASK.finditer(text):
+        for rank in _expand(m.group(1)):
+            found.setdefault(rank, m.group(2).strip())
+    if not found:
+        for log in sorted(folder.glob(f"{job.job_id}_*_log.err")):
+            if "Traceback" in log.read_text(errors="replace"):
+                found[int(log.name.split("_")[1])] = "raised an exception"
+    return [(r, why, folder / f"{job.job_id}_{r}_log.err") for r, why in sorted(found.items())]
+
+
+def _expand(spec: str) -> list[int]:
+    ranks = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        ranks += range(int(lo), int(hi or lo) + 1)
+    return ranks

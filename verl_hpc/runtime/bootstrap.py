@@ -1,0 +1,111 @@
+"""Bring one rank up: launcher env -> torch.distributed (+ MPI) -> device, threads, seeds, signals."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.runtime import device as devices
+from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
+from verl_hpc.runtime.seeding import seed_everything
+from verl_hpc.runtime.signals import PreemptionFlag
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RankContext:
+    env: LaunchEnv
+    device: torch.device
+    backend: str
+    preemption: PreemptionFlag
+    generator: torch.Generator
+    mpi_comm: Any = None  # mpi4py COMM_WORLD when launched by an MPI-capable launcher
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def _init_mpi(env: LaunchEnv):
+    """Initialise MPI only where a launcher set up an MPI world; a bare `import mpi4py.MPI` in a
+    plain process would try a singleton init that fails without an MPI runtime installed."""
+    if not env.mpi_capable:
+        return None
+    from mpi4py import MPI  # MPI_Init happens at import
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != env.world_size or comm.Get_rank() != env.rank:
+        raise RuntimeError(
+            f"MPI world (rank {comm.Get_rank()} of {comm.Get_size()}) disagrees with the launcher "
+            f"({env.launcher}: rank {env.rank} of {env.world_size}); with Slurm use srun --mpi=pmix")
+    return comm
+
+
+def _rendezvous_over_mpi(env: LaunchEnv, comm) -> LaunchEnv:
+    """mpirun gives no MASTER_ADDR: rank 0 publishes its host name and a port over MPI."""
+    if env.master_addr and env.master_port:
+        return env
+    addr_port = (socket.gethostname(), port_for_job(env.job_id or str(os.getppid())))
+    addr, port = comm.bcast(addr_port if env.rank == 0 else None, root=0)
+    return dataclasses.replace(env, master_addr=addr, master_port=port)
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
+                        format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+
+
+def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
+              num_threads: int = 0, env: LaunchEnv | None = None) -> RankContext:
+    """Initialise this rank inside any launcher and return what the job needs to know.
+
+    `timeout_s` bounds every collective: a rank that dies or wedges fails the others with an
+    error after at most that long instead of leaving the job hanging until its time limit.
+    """
+    env = env or detect()
+    _setup_logging(env.rank)
+    if num_threads > 0:
+        # before vLLM: its CPU worker makes later set_num_threads calls no-ops (FINDINGS.md)
+        torch.set_num_threads(num_threads)
+    comm = _init_mpi(env)
+    if env.launcher == "mpirun":
+        env = _rendezvous_over_mpi(env, comm)
+    dev = devices.device_for(env.local_rank)
+    backend = devices.backend_for(backend)
+    if not dist.is_initialized():
+        # env:// everywhere: under torchrun it joins the agent's store (a tcp:// URL would try to
+        # open a second store on the same port); elsewhere it reads what we export here.
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend=backend, init_method="env://",
+            rank=env.rank, world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **({"device_id": dev} if backend == "nccl" else {}))
+    log.info("rank %d/%d up via %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
+             env.rank, env.world_size, env.launcher, env.local_rank, env.node_rank, dev, backend,
+             env.master_addr, env.master_port, ", MPI initialised" if comm is not None else "")
+    return RankContext(env=env, device=dev, backend=backend,
+                       preemption=PreemptionFlag().install(),
+                       generator=seed_everything(seed, env.rank), mpi_comm=comm)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

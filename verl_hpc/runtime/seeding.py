@@ -1,0 +1,16 @@
+"""Seeds for the trainer's own RNG streams (vLLM reseeds the global RNG, see FINDINGS.md)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int, rank: int = 0) -> torch.Generator:
+    """Seed python/numpy/torch globals per rank and return a private generator for the trainer."""
+    rank_seed = seed + 1000003 * rank
+    random.seed(rank_seed)
+    np.random.seed(rank_seed % 2**32)
+    torch.manual_seed(rank_seed)
+    return torch.Generator().manual_seed(rank_seed)

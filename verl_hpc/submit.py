@@ -1,0 +1,93 @@
+"""`python -m verl_hpc.submit CONFIG [dotted.overrides ...]`: validate, plan, run on Slurm or locally.
+
+On a login node with Slurm it submits through submitit (one task per GPU, srun --mpi=pmix), waits
+while streaming rank 0's log, and exits non-zero naming the failed rank's log when the job fails.
+Where there is no Slurm, or with --local, it starts the ranks on this machine instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate
+from verl_hpc.launcher.plan import make_plan, write_resolved_config
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m verl_hpc.submit", description=__doc__.split("\n")[0])
+    p.add_argument("config", nargs="?", help="YAML job config (configs/*.yaml); omit for defaults")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    p.add_argument("--local", action="store_true", help="run the ranks on this machine")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and the sbatch script, submit nothing")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config")
+    p.add_argument("--no-wait", action="store_true", help="submit and return the job id")
+    p.add_argument("--sbatch-script", metavar="PATH",
+                   help="write a standalone sbatch script (and its resolved config) and stop")
+    p.add_argument("--skip-model-check", action="store_true",
+                   help="do not read model.path (plan a job for a model this machine cannot see)")
+    args = p.parse_args(argv)
+    if args.config and "=" in args.config:  # only overrides were given
+        args.overrides.insert(0, args.config)
+        args.config = None
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate(cfg, check_model=not args.skip_model_check)
+        plan = make_plan(cfg, local=args.local)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.describe(), flush=True)
+    if args.print_config:
+        print(to_yaml(cfg), flush=True)
+
+    if args.sbatch_script:
+        from verl_hpc.launcher.sbatch import render
+
+        script = Path(args.sbatch_script).absolute()
+        config_path = write_resolved_config(cfg, script.parent)
+        logs = script.parent / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        script.write_text(render(plan, cfg, config_path, logs, config_source=args.config or "defaults",
+                                 script_name=script.name))
+        print(f"[submit] wrote {script} and {config_path}; submit with: sbatch {script}")
+        return 0
+
+    if plan.backend == "local":
+        from verl_hpc.launcher.local import run_local
+
+        if args.dry_run:
+            print(f"[submit] dry run: would start {plan.world_size} local rank(s) of "
+                  "`python -m verl_hpc.job <resolved config>`")
+            return 0
+        return run_local(plan, write_resolved_config(cfg, plan.log_dir))
+
+    from verl_hpc import job as job_entry
+    from verl_hpc.launcher import slurm
+
+    executor = slurm.make_executor(plan, cfg)
+    if args.dry_run:
+        print("[submit] dry run: the sbatch script submitit would submit:\n")
+        print(slurm.sbatch_text(executor))
+        return 0
+    job = slurm.submit(executor, job_entry.run, to_container(cfg))
+    write_resolved_config(cfg, Path(str(plan.log_dir).replace("%j", str(job.job_id))))
+    if args.no_wait:
+        print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}")
+        return 0
+    try:
+        return slurm.wait(job)
+    except KeyboardInterrupt:
+        print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Programs the ranks run: the RL loop, SFT, and the distributed smoke job."""

@@ -1,0 +1,71 @@
+"""The distributed smoke job: proves N ranks can talk, and that failures and signals behave.
+
+Each step all-reduces over torch.distributed (and MPI where the launcher gave one) and checks the
+answer; rank and world size must agree between the launcher, torch.distributed and MPI. Knobs in
+`trainer.smoke` make one rank die on purpose, which the tests use to check that the job fails fast.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.runtime.device import collective_device
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg, ctx) -> dict:
+    s = cfg.trainer.smoke
+    rank, world = ctx.rank, ctx.world_size
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise RuntimeError(f"torch.distributed says rank {dist.get_rank()}/{dist.get_world_size()}, "
+                           f"launcher says {rank}/{world}")
+    expected = world * (world + 1) // 2
+    steps_done, t0 = 0, time.time()
+    for step in range(s.steps):
+        if rank == s.fail_rank and step == s.fail_at_step:
+            log.error("smoke: rank %d dies on purpose at step %d (trainer.smoke.fail_rank)", rank, step)
+            logging.shutdown()
+            os._exit(3)  # no cleanup, like a segfault or an OOM kill: the others must not hang
+        t = torch.tensor([float(rank + 1)], device=collective_device())
+        dist.all_reduce(t)
+        if int(t.item()) != expected:
+            raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
+        if ctx.mpi_comm is not None and ctx.mpi_comm.allreduce(rank + 1) != expected:
+            raise RuntimeError("MPI allreduce disagrees with torch.distributed")
+        time.sleep(s.step_seconds)
+        steps_done = step + 1
+        if rank == 0:
+            rate = steps_done / max(time.time() - t0, 1e-9)
+            log.info("smoke step %d/%d ok (all_reduce=%d) %.1f steps/s, ETA %.0fs", steps_done,
+                     s.steps, expected, rate, (s.steps - steps_done) / rate)
+        if ctx.preemption.agreed():
+            log.warning("smoke: preemption flag set at step %d; stopping early", steps_done)
+            break
+
+    mine = dict(rank=rank, world_size=world, launcher=ctx.env.launcher, host=socket.gethostname(),
+                local_rank=ctx.env.local_rank, job_id=ctx.env.job_id, backend=ctx.backend,
+                torch_rank=dist.get_rank(), torch_world=dist.get_world_size(),
+                mpi_rank=ctx.mpi_comm.Get_rank() if ctx.mpi_comm is not None else None,
+                mpi_size=ctx.mpi_comm.Get_size() if ctx.mpi_comm is not None else None,
+                preempted=ctx.preemption.is_set(), signal=ctx.preemption.signal_name,
+                steps=steps_done)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    summary = dict(ok=all(r["torch_rank"] == r["rank"] for r in everyone), world_size=world,
+                   steps=steps_done, ranks=everyone, seconds=round(time.time() - t0, 3))
+    if rank == 0:
+        out = Path(cfg.trainer.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "smoke_result.json").write_text(json.dumps(summary, indent=1))
+        print(f"SMOKE_RESULT {json.dumps(summary)}", flush=True)
+        log.info("smoke: %d ranks agreed on rank/world size over %d steps; result in %s",
+                 world, steps_done, out / "smoke_result.json")
+    return summary
