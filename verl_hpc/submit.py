@@ -27,7 +27,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="write a standalone sbatch script (and its resolved config) and stop")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not read model.path (plan a job for a model this machine cannot see)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # options may come after the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = None

@@ -81,6 +81,8 @@ command -v apt-get >/dev/null || die "needs a Debian/Ubuntu system with apt-get"
 install -d /run/verl_hpc
 exec 9>/run/verl_hpc/devcluster.lock
 flock -w "$TMO" 9 || die "another start.sh/stop.sh holds /run/verl_hpc/devcluster.lock"
+# Daemons must not inherit the lock's descriptor, or the lock outlives this script.
+spawn() { "$@" 9>&-; }
 
 # ---------------------------------------------------------------- packages
 # openmpi-bin/libopenmpi-dev: Open MPI 4.1 (mpicc for mpi4py/parallel h5py builds).
@@ -116,7 +118,7 @@ install -d -o munge -g munge -m 0755 /run/munge
 install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
 if ! alive munged /run/munge/munged.pid; then
   rm -f /run/munge/munge.socket.2*   # a stale socket/lock makes munged refuse to start
-  su -s /bin/sh munge -c /usr/sbin/munged
+  spawn su -s /bin/sh munge -c /usr/sbin/munged
 fi
 wait_for "$TMO" sh -c 'munge -n | unmunge' || die "munged did not come up (see /var/log/munge/munged.log)"
 log "munged up"
@@ -214,7 +216,7 @@ EOF
     # A killed mysqld leaves its pid file and socket behind; the init script copes with the
     # pid file, a leftover socket only needs removing.
     rm -f /run/mysqld/mysqld.sock /run/mysqld/mysqld.sock.lock
-    /etc/init.d/mariadb start >/dev/null
+    spawn /etc/init.d/mariadb start >/dev/null
   fi
   wait_for "$TMO" mysqladmin ping || die "MariaDB did not come up (see /var/log/mysql/error.log or syslog)"
   mysql -uroot <<'EOF'
@@ -246,7 +248,7 @@ EOF
   if [ "$(install_if_changed "$NEW" /etc/slurm/slurmdbd.conf)" = 1 ]; then
     stop_daemon slurmdbd /run/slurmdbd.pid
   fi
-  alive slurmdbd /run/slurmdbd.pid || slurmdbd
+  alive slurmdbd /run/slurmdbd.pid || spawn slurmdbd
   wait_for "$TMO" sacctmgr -n list cluster || die "slurmdbd did not come up (see /var/log/slurm/slurmdbd.log)"
   log "slurmdbd up"
 else
@@ -258,9 +260,9 @@ if [ "$CHANGED" = 1 ]; then
   stop_daemon slurmd /run/slurmd.pid
   stop_daemon slurmctld /run/slurmctld.pid
 fi
-alive slurmctld /run/slurmctld.pid || slurmctld
+alive slurmctld /run/slurmctld.pid || spawn slurmctld
 wait_for "$TMO" scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log)"
-alive slurmd /run/slurmd.pid || slurmd
+alive slurmd /run/slurmd.pid || spawn slurmd
 log "slurmctld/slurmd up"
 
 # ---------------------------------------------------------------- wait for an idle node
@@ -282,7 +284,7 @@ done
 sinfo -o '%P %a %T %D %c %m %G %N'
 # Smoke test: one PMIx step end to end (munge credential, slurmd launch, PMIx server in slurmd).
 # A node that reports idle but cannot run steps would otherwise make every later srun hang.
-timeout 60 srun --job-name=devcluster-smoke -N1 -n1 --mpi=pmix true \
+spawn timeout 60 srun --job-name=devcluster-smoke -N1 -n1 --mpi=pmix true \
   || die "srun --mpi=pmix smoke step failed (srun --mpi=list: $(srun --mpi=list 2>&1 | tr -s ' \n\t' ' '))"
 acct=off; [ "$DBD" = 1 ] && acct="on (sacct)"
 log "READY: cluster '$CLUSTER', node $H $st, partition $PART, $CPUS CPUs, $GPUS fake GPUs, accounting $acct; stop with slurm/devcluster/stop.sh"

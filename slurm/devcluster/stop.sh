@@ -47,7 +47,7 @@ if [ -x /etc/init.d/mariadb ] && mysqladmin ping >/dev/null 2>&1; then
   if [ "$PURGE" = 1 ]; then mysql -uroot -e 'DROP DATABASE IF EXISTS slurm_acct_db' && echo "[devcluster] dropped slurm_acct_db"; fi
   /etc/init.d/mariadb stop >/dev/null && echo "[devcluster] stopped mariadb"
 elif [ "$PURGE" = 1 ] && [ -d /var/lib/mysql/slurm_acct_db ]; then
-  /etc/init.d/mariadb start >/dev/null 2>&1 \
+  /etc/init.d/mariadb start >/dev/null 2>&1 9>&- \
     && mysql -uroot -e 'DROP DATABASE IF EXISTS slurm_acct_db' && echo "[devcluster] dropped slurm_acct_db"
   /etc/init.d/mariadb stop >/dev/null 2>&1
 fi

@@ -2,10 +2,14 @@
 
 The four modes differ in how tokens and sequences are weighted:
 
-- ``token-mean``:              sum_{i,t} m_it l_it / N_tokens             (every token weighs the same)
-- ``seq-mean-token-sum``:      (1/N_seqs) sum_i sum_t m_it l_it          (long answers weigh more)
-- ``seq-mean-token-mean``:     (1/N_seqs) sum_i (sum_t m_it l_it / |y_i|) (GRPO paper: every answer weighs the same)
-- ``seq-mean-token-sum-norm``: (1/N_seqs) sum_i sum_t m_it l_it / L      (Dr.GRPO: L a constant, e.g. max length)
+- ``token-mean``:              sum_{i,t} m_it l_it / N_tokens
+                               (every token weighs the same; DAPO)
+- ``seq-mean-token-sum``:      (1/N_seqs) sum_i sum_t m_it l_it
+                               (the response is one action; long answers weigh more)
+- ``seq-mean-token-mean``:     (1/N_seqs) sum_i (sum_t m_it l_it / |y_i|)
+                               (GRPO paper: every answer weighs the same)
+- ``seq-mean-token-sum-norm``: (1/N_seqs) sum_i sum_t m_it l_it / L
+                               (Dr.GRPO: L a constant such as the max length, no length bias)
 
 Why the global counts: with data parallelism and gradient accumulation a rank only sees a
 micro-batch. Dividing by the *local* token count and then averaging micro-batches weights a token
@@ -62,7 +66,8 @@ def agg_loss(
     if mode == "token-mean":
         return masked_sum(loss_mat, m) / _count(global_tokens, m.sum(), "global_tokens")
 
-    n_seqs = _count(global_seqs, torch.tensor(float(m.shape[0]), dtype=m.dtype, device=m.device), "global_seqs")
+    local_seqs = torch.tensor(float(m.shape[0]), dtype=m.dtype, device=m.device)
+    n_seqs = _count(global_seqs, local_seqs, "global_seqs")
     seq_sums = masked_sum(loss_mat, m, dim=-1)
     if mode == "seq-mean-token-sum":
         return seq_sums.sum() / n_seqs

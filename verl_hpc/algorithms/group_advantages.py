@@ -30,7 +30,8 @@ def _prepare(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gro
 
 def _broadcast(seq_adv: torch.Tensor, response_mask: torch.Tensor) -> Pair:
     valid = as_float_mask(response_mask, seq_adv) > 0
-    adv = torch.where(valid, seq_adv.unsqueeze(-1), torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device))
+    zero = torch.zeros((), dtype=seq_adv.dtype, device=seq_adv.device)
+    adv = torch.where(valid, seq_adv.unsqueeze(-1), zero)
     return adv, adv.clone()
 
 
@@ -90,7 +91,8 @@ def opo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_id
     scores, codes, n_groups = _prepare(token_level_rewards, response_mask, group_ids)
     lengths = as_float_mask(response_mask, scores).sum(dim=-1)
     counts = group_counts(codes, n_groups, scores.dtype)[codes]
-    weighted = group_sum(lengths * scores, codes, n_groups)[codes] / group_sum(lengths, codes, n_groups)[codes]
+    weighted = group_sum(lengths * scores, codes, n_groups) / group_sum(lengths, codes, n_groups)
+    weighted = weighted[codes]
     baseline = torch.where(counts > 1, weighted, torch.zeros_like(scores))
     return _broadcast(scores - baseline, response_mask)
 

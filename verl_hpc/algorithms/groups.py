@@ -18,7 +18,9 @@ GroupIds = Union[torch.Tensor, np.ndarray, Sequence[Any]]
 GROUP_STD_EPS = 1e-6
 
 
-def group_index(group_ids: GroupIds, batch: int, device: torch.device | str = "cpu") -> Tuple[torch.Tensor, int]:
+def group_index(
+    group_ids: GroupIds, batch: int, device: torch.device | str = "cpu"
+) -> Tuple[torch.Tensor, int]:
     """Map group ids to dense codes `[batch]` (int64, first-seen order) and return (codes, n_groups)."""
     if isinstance(group_ids, torch.Tensor):
         if group_ids.dim() != 1:
@@ -30,8 +32,8 @@ def group_index(group_ids: GroupIds, batch: int, device: torch.device | str = "c
                 f"shape mismatch: group_ids has shape {tuple(group_ids.shape)} but the batch has "
                 f"{batch} rows (token tensors are [{batch}, response_len])"
             )
-        _, codes = torch.unique(group_ids, return_inverse=True)
-        return codes.to(device=device, dtype=torch.long), int(codes.max().item()) + 1 if batch else 0
+        uniques, codes = torch.unique(group_ids, return_inverse=True)
+        return codes.to(device=device, dtype=torch.long), int(uniques.numel())
     ids = list(group_ids.tolist() if isinstance(group_ids, np.ndarray) else group_ids)
     if len(ids) != batch:
         raise ValueError(
@@ -55,7 +57,9 @@ def group_sum(x: torch.Tensor, codes: torch.Tensor, n_groups: int) -> torch.Tens
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, codes, x)
 
 
-def group_mean_std(scores: torch.Tensor, codes: torch.Tensor, n_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def group_mean_std(
+    scores: torch.Tensor, codes: torch.Tensor, n_groups: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-sample (group mean, group std) with the unbiased sample std (torch.std's default).
 
     A group of one sample has no spread to estimate, so it gets mean 0 and std 1: its advantage is

@@ -62,7 +62,10 @@ def _metrics(valid, adv, ratio, log_ratio, low, high, clip_ratio_c=None, clippin
             frac_low = masked_mean(((adv < 0) & (ratio < 1 - low)).to(ratio.dtype), valid)
         else:
             frac_high = frac_low = zero
-        dual = zero if clip_ratio_c is None else masked_mean(((adv < 0) & (ratio > clip_ratio_c)).to(ratio.dtype), valid)
+        if clip_ratio_c is None:
+            dual = zero
+        else:
+            dual = masked_mean(((adv < 0) & (ratio > clip_ratio_c)).to(ratio.dtype), valid)
         return {
             "pg_clipfrac": (frac_high + frac_low).detach(),
             "pg_clipfrac_high": frac_high.detach(),

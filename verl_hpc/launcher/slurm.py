@@ -18,6 +18,8 @@ import submitit
 from verl_hpc.launcher.plan import Plan
 
 FINISHED_OK = "COMPLETED"
+ACTIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
+                 "SUSPENDED", "UNKNOWN"}
 # --kill-on-bad-exit: one rank exiting non-zero ends the step at once instead of leaving the
 # others blocked in a collective until the time limit.
 SRUN_ARGS = ["--mpi=pmix", "--kill-on-bad-exit=1"]
@@ -85,7 +87,7 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
             last_status = now
         time.sleep(poll_s)
     _stream(out_path, offset)
-    state = job.state
+    state = final_state(job)
     if state.startswith(FINISHED_OK):
         print(f"[submit] job {job.job_id} {state} in {now - t0:.0f}s; logs: {job.paths.folder}")
         return 0
@@ -94,6 +96,17 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
         print(f"[submit]   rank {rank}: {reason}; log: {log}", file=sys.stderr)
     print(f"[submit] all logs: {job.paths.folder}", file=sys.stderr)
     return 1
+
+
+def final_state(job: submitit.Job, timeout_s: float = 60.0) -> str:
+    """The job's state from sacct once Slurm has finished it. submitit calls a job done as soon as
+    its result file exists, while sacct may still say RUNNING or COMPLETING for a few seconds."""
+    end = time.time() + timeout_s
+    while True:
+        state = job.get_info(mode="force").get("State", "UNKNOWN")
+        if state.split()[0] not in ACTIVE_STATES or time.time() > end:
+            return state
+        time.sleep(1.0)
 
 
 def _stream(path: Path, offset: int) -> int:

@@ -1,0 +1,63 @@
+"""The local backend of the submitter: real ranks on this machine talking over gloo."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+REPO = Path(__file__).resolve().parents[2]
+
+
+def submit(tmp_path, *overrides, timeout=180):
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
+           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *overrides]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_local_ranks_agree(tmp_path):
+    r = submit(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
+    assert result["world_size"] == 2 and result["steps"] == 3 and result["ok"]
+    assert sorted(x["rank"] for x in result["ranks"]) == [0, 1]
+    assert all(x["launcher"] == "torchrun" and x["torch_world"] == 2 for x in result["ranks"])
+    assert "SMOKE_RESULT" in r.stdout  # rank 0's output reaches the console
+
+
+def test_dead_rank_fails_fast_and_is_named(tmp_path):
+    t0 = time.time()
+    r = submit(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+               "trainer.smoke.fail_at_step=2", timeout=120)
+    elapsed = time.time() - t0
+    assert r.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s to notice a dead rank"
+    assert "rank 1 exited with code 3" in r.stderr, r.stderr
+    log = Path(r.stderr.split("rank 1 exited with code 3; log: ")[1].split()[0])
+    assert log.exists() and "dies on purpose" in log.read_text()
+
+
+def test_warning_signal_sets_flag_on_every_rank(tmp_path):
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
+           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j",
+           "trainer.smoke.steps=300", "trainer.smoke.step_seconds=0.1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        for line in proc.stdout:  # wait until rank 0 is stepping
+            seen += line
+            if "smoke step 3/" in line:
+                break
+        # what Slurm's --signal=USR2@N does: the signal to every task of the step
+        subprocess.run(["pkill", "-USR2", "-f", f"verl_hpc.job {tmp_path}"], check=True)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, seen + out
+    result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
+    assert result["steps"] < 300
+    assert all(x["preempted"] and x["signal"] == "SIGUSR2" for x in result["ranks"]), result

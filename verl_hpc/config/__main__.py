@@ -1,0 +1,47 @@
+"""`python -m verl_hpc.config [CONFIG] [key=value ...] [--print-config] [--no-model-check]`
+
+Loads and validates a config the way a job would. Prints a one-line summary (or, with
+--print-config, the resolved YAML) and exits 0; a bad config prints `error: <message>` on stderr
+and exits 2, without a traceback.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from verl_hpc.config import ConfigError, load_config, to_yaml, validate
+
+USAGE = "usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--no-model-check]"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 1)[1].strip())
+        return 0
+    flags = {a for a in args if a.startswith("--")}
+    unknown = flags - {"--print-config", "--no-model-check"}
+    positional = [a for a in args if not a.startswith("--")]
+    try:
+        if unknown:
+            raise ConfigError(f"unknown option {sorted(unknown)[0]!r}; {USAGE}")
+        # The config file is the first argument when it is not an override; the rest are overrides
+        # (parse_override then reports a stray word as a malformed override).
+        path = positional.pop(0) if positional and "=" not in positional[0] else None
+        cfg = load_config(path, positional)
+        validate(cfg, check_model="--no-model-check" not in flags)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "--print-config" in flags:
+        sys.stdout.write(to_yaml(cfg))
+    else:
+        p = cfg.parallel
+        print(f"ok: {path or 'defaults'}: trainer.job={cfg.trainer.job}, world size {cfg.world_size} "
+              f"({cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node}), tp={p.tp} pp={p.pp} dp={cfg.dp}, "
+              f"rollout.tp={cfg.rollout.tp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
