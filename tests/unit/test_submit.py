@@ -1,0 +1,76 @@
+"""The submitter's planning paths that submit nothing: dry runs, rendered scripts, refusals."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_hpc import submit
+from verl_hpc.config import load_config
+from verl_hpc.launcher import slurm
+from verl_hpc.launcher.plan import make_plan
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_submit(*args):
+    return subprocess.run([sys.executable, "-m", "verl_hpc.submit", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_plan_and_submitit_script(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)  # pretend Slurm is here
+    rc = submit.main(["configs/grpo_8b.yaml", "--dry-run", "--skip-model-check",
+                      f"slurm.log_dir={tmp_path}/%j", "slurm.partition=gpu", "slurm.account=proj1",
+                      "slurm.env.NCCL_IB_TIMEOUT=23"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "on slurm" in out and "tp=2" in out
+    for line in ["#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --account=proj1", "#SBATCH --requeue", "#SBATCH --signal=USR2@",
+                 "--mpi=pmix", "--kill-on-bad-exit=1", "export NCCL_IB_TIMEOUT=23",
+                 "export CUDA_DEVICE_MAX_CONNECTIONS=1"]:
+        assert line in out, line
+
+
+def test_submitit_private_script_hook_still_exists():
+    # slurm.sbatch_text relies on submitit internals; a new submitit release must fail here first
+    cfg = load_config("configs/demo.yaml", [])
+    ex = slurm.make_executor(make_plan(cfg, local=False), cfg)
+    text = slurm.sbatch_text(ex)
+    assert text.startswith("#!/bin/bash") and "submitit.core._submit" in text
+
+
+@pytest.mark.parametrize("runtime,needle", [
+    ("apptainer", "apptainer exec --bind /scratch /img/verl.sif python -u -m verl_hpc.job"),
+    ("pyxis", "--container-image=nvcr.io/me/verl:1 --container-mounts=/scratch"),
+    ("none", f"{sys.executable} -u -m verl_hpc.job"),
+])
+def test_sbatch_script_container_flags(tmp_path, runtime, needle):
+    image = "/img/verl.sif" if runtime == "apptainer" else "nvcr.io/me/verl:1"
+    script = tmp_path / "job.sbatch"
+    r = run_submit("configs/demo.yaml", "--sbatch-script", str(script),
+                   f"slurm.container.runtime={runtime}", f"slurm.container.image={image}",
+                   "slurm.container.mounts=[/scratch]")
+    assert r.returncode == 0, r.stderr
+    text = script.read_text()
+    assert needle in text, text
+    assert (tmp_path / "config.yaml").exists() and (tmp_path / "logs").is_dir()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["parallel.tp=3"], ["parallel.tp", "world size"]),
+    (["trainer.total_step=5"], ["trainer.total_steps"]),
+    (["slurm.nodes=2", "--local"], ["slurm.nodes=2", "local run has one node"]),
+    (["slurm.tasks_per_node=8", "slurm.gpus_per_node=4"], ["slurm.tasks_per_node", "GPU"]),
+])
+def test_impossible_jobs_are_refused_before_submission(args, words):
+    r = run_submit("configs/demo.yaml", "--dry-run", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip()
+    assert err.startswith("error: ") and "Traceback" not in err
+    for w in words:
+        assert w in err, err
