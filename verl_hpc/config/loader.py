@@ -302,6 +302,9 @@ def from_container(data: Union[Mapping, JobConfig]) -> JobConfig:
 
 
 def to_yaml(cfg: JobConfig) -> str:
-    """Resolved YAML that `load_config` reads back to an equal config."""
+    """Resolved YAML that `load_config` reads back to an equal config.
+
+    Non-ASCII is escaped: written raw, some characters (U+0085, U+2028) read back as line breaks.
+    """
     return yaml.safe_dump(escape_interpolations(to_container(cfg)), sort_keys=False,
-                          default_flow_style=False, allow_unicode=True)
+                          default_flow_style=False, allow_unicode=False)

@@ -97,7 +97,7 @@ def _scalar(value, tp):
         return True, float(number)
     if tp is int and isinstance(number, float) and number.is_integer():
         return True, int(number)  # 4e9 bytes
-    return tp is int and isinstance(number, int), value if not isinstance(number, int) else number
+    return tp is int and isinstance(number, int), number
 
 
 def _exact(value, tp):
