@@ -1,8 +1,9 @@
-"""`python -m verl_hpc.config [CONFIG] [key=value ...] [--print-config] [--no-model-check]`
+"""`python -m verl_hpc.config [CONFIG] [key=value ...] [--print-config] [--skip-model-check]`
 
 Loads and validates a config the way a job would. Prints a one-line summary (or, with
---print-config, the resolved YAML) and exits 0; a bad config prints `error: <message>` on stderr
-and exits 2, without a traceback.
+--print-config, the resolved YAML, printed even when the semantic checks then fail) and exits 0;
+a bad config prints `error: <message>` on stderr and exits 2, without a traceback.
+--skip-model-check skips reading model.path (for big configs on machines without the model).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import List, Optional
 
 from verl_hpc.config import ConfigError, load_config, to_yaml, validate
 
-USAGE = "usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--no-model-check]"
+USAGE = "usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--skip-model-check]"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -20,7 +21,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 1)[1].strip())
         return 0
     flags = {a for a in args if a.startswith("--")}
-    unknown = flags - {"--print-config", "--no-model-check"}
+    unknown = flags - {"--print-config", "--skip-model-check"}
     positional = [a for a in args if not a.startswith("--")]
     try:
         if unknown:
@@ -29,13 +30,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # (parse_override then reports a stray word as a malformed override).
         path = positional.pop(0) if positional and "=" not in positional[0] else None
         cfg = load_config(path, positional)
-        validate(cfg, check_model="--no-model-check" not in flags)
+        if "--print-config" in flags:  # before the semantic checks: seeing it helps fix them
+            sys.stdout.write(to_yaml(cfg))
+        validate(cfg, check_model="--skip-model-check" not in flags)
     except ConfigError as e:
+        sys.stdout.flush()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if "--print-config" in flags:
-        sys.stdout.write(to_yaml(cfg))
-    else:
+    if "--print-config" not in flags:
         p = cfg.parallel
         print(f"ok: {path or 'defaults'}: trainer.job={cfg.trainer.job}, world size {cfg.world_size} "
               f"({cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node}), tp={p.tp} pp={p.pp} dp={cfg.dp}, "

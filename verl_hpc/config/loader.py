@@ -217,9 +217,9 @@ def _translate(e: OmegaConfBaseException, conf, layers: Sequence[dict]) -> str:
                     f"${{oc.env:{missing}}} for the environment variable")
         return text
     if isinstance(e, ValidationError) and raw is not None:
-        try:
+        try:  # resolve once more without types, to show what the interpolation produced
             value = OmegaConf.select(OmegaConf.create(OmegaConf.to_container(conf)), key)
-        except OmegaConfBaseException:
+        except (OmegaConfBaseException, ValueError):  # conf is None when the merge itself failed
             value = "?"
         return f"{key}: {show(raw)} gives {show(value)}, expected {type_name(type_at(key))}"
     return f"{key}: cannot resolve {show(raw)}: {msg}"

@@ -145,6 +145,8 @@ def check_value(value, tp, path: tuple, where: Callable[[tuple], str], mode: str
         return None if value is None else check_value(value, _optional_inner(tp), path, where, mode)
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
+        if value is None and mode == "raw":
+            return {}  # "model:" with every key commented out
         if not isinstance(value, Mapping):
             raise _type_error(path, tp, value, where)
         out = {}

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Iterator, List, NamedTuple, Tuple
 
 from verl_hpc.config.errors import ConfigError, choice_message, raise_if_any
-from verl_hpc.config.schema import GROUP_ESTIMATORS, JobConfig, critic_enabled, ref_enabled
+from verl_hpc.config.schema import GROUP_ESTIMATORS, JobConfig, critic_enabled
 
 
 # ---------------------------------------------------------------------------------- choices
@@ -91,7 +92,10 @@ def get(cfg, key: str):
 
 
 def _ranges(cfg: JobConfig) -> List[str]:
-    p = [f"{k}: must be > 0, got {get(cfg, k)}" for k in _POSITIVE if get(cfg, k) <= 0]
+    # NaN passes every comparison below, and YAML accepts .nan / .inf: reject them first.
+    p = [f"{k}: must be a finite number, got {v}" for k, v, _ in _fields(cfg)
+         if isinstance(v, float) and not math.isfinite(v)]
+    p += [f"{k}: must be > 0, got {get(cfg, k)}" for k in _POSITIVE if get(cfg, k) <= 0]
     p += [f"{k}: must be >= 0, got {get(cfg, k)}" for k in _NON_NEGATIVE if get(cfg, k) < 0]
     p += [f"{k}: must be in {i}, got {get(cfg, k)}" for k, i in _RANGES if not _in(get(cfg, k), i)]
     a = cfg.actor
@@ -244,6 +248,7 @@ class ModelShape(NamedTuple):
     kv_heads: int
     layers: int
     vocab_size: int
+    max_positions: int = 0  # max_position_embeddings; 0 when config.json does not say
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -263,9 +268,12 @@ def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
     missing = [k for k in ("num_attention_heads", "num_hidden_layers", "vocab_size") if k not in data]
     if missing:
         raise ConfigError(f"{field}: '{file}' has no {', '.join(missing)}")
-    heads = int(data["num_attention_heads"])
-    return ModelShape(heads, int(data.get("num_key_value_heads") or heads),
-                      int(data["num_hidden_layers"]), int(data["vocab_size"]))
+    try:
+        heads = int(data["num_attention_heads"])
+        return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
+                          int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None
 
 
 def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
@@ -283,6 +291,10 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     if rtp > 0 and (m.heads % rtp or (m.kv_heads % rtp if rtp <= m.kv_heads else rtp % m.kv_heads)):
         p.append(f"rollout.tp = {rtp} does not fit the model's num_attention_heads = {m.heads} / "
                  f"num_key_value_heads = {m.kv_heads} {src}: it must divide both, or be a multiple of the KV heads")
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if m.max_positions and seq > m.max_positions:
+        p.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's "
+                 f"max_position_embeddings = {m.max_positions} {src}")
     stages = par.pp * (par.vpp or 1)
     if stages > 0 and m.layers % stages:
         what = "parallel.pp" if par.vpp is None else f"parallel.pp * parallel.vpp = {par.pp} * {par.vpp}"

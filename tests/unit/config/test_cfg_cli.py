@@ -58,7 +58,7 @@ def test_model_check_and_its_switch(capsys):
     path = str(REPO / "configs/ppo_70b.yaml")
     assert main([path]) == 2
     assert "model.path: no such folder '/path/to/Meta-Llama-3-70B-Instruct'" in capsys.readouterr().err
-    assert main([path, "--no-model-check"]) == 0
+    assert main([path, "--skip-model-check"]) == 0
     assert "tp=8 pp=2 dp=4" in capsys.readouterr().out
 
 
@@ -73,7 +73,14 @@ def test_overrides_without_a_file_and_unknown_options(capsys):
 
 
 def test_print_config_output_loads_back_equal(tmp_path, capsys):
-    assert main([str(REPO / "configs/grpo_8b.yaml"), "--print-config", "--no-model-check"]) == 0
+    assert main([str(REPO / "configs/grpo_8b.yaml"), "--print-config", "--skip-model-check"]) == 0
     dumped = tmp_path / "dump.yaml"
     dumped.write_text(capsys.readouterr().out)
     assert load_config(dumped) == load_config(REPO / "configs/grpo_8b.yaml")
+
+
+def test_print_config_still_prints_when_semantic_checks_fail(capsys):
+    assert main(["trainer.job=smoke", "parallel.tp=3", "--print-config"]) == 2
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["parallel"]["tp"] == 3
+    assert err.startswith("error: parallel.tp * parallel.pp = 3")

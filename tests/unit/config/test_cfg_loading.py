@@ -205,3 +205,13 @@ def test_config_error_is_a_value_error():
         load_config(None, ["parallel.tp=two"])
     with pytest.raises(ConfigError):
         from_container(["not", "a", "mapping"])
+
+
+def test_empty_section_in_a_file_is_allowed(write):
+    path = write("empty.yaml", "model:\n  # path: /m\ntrainer:\n  seed: 5\n")
+    assert load_config(path).trainer.seed == 5
+
+
+def test_from_container_checks_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.total_step' \(from a config container\)"):
+        from_container({"trainer": {"total_step": 3}})

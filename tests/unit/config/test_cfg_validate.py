@@ -86,6 +86,7 @@ CASES = {
     "resume path must exist": (["trainer.resume=/no/such/ckpt"],
                                ["trainer.resume: no such checkpoint '/no/such/ckpt'", "auto, never"]),
     "top_p range": (["rollout.top_p=0"], ["rollout.top_p: must be in (0, 1], got 0.0"]),
+    "not a number": (["actor.optim.lr=.nan"], ["actor.optim.lr: must be a finite number, got nan"]),
     "overlong buffer longer than the response": (
         ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=512"],
         ["algorithm.overlong_buffer.len = 512", "data.max_response_length = 128"]),
@@ -133,7 +134,7 @@ def model_problems(path, overrides=()):
 def test_model_checks_pass_on_a_matching_model(model_dir):
     cfg = load_config(None, ["model.path=" + model_dir(), "parallel.tp=2"] + OK[1:])
     validate(cfg, check_model=True)
-    assert read_model_shape(cfg.model.path) == (32, 8, 32, 128256)
+    assert read_model_shape(cfg.model.path) == (32, 8, 32, 128256, 0)
 
 
 def test_missing_model_folder_only_when_checked(tmp_path):
@@ -147,9 +148,17 @@ def test_model_folder_without_config_json(tmp_path):
 
 
 def test_tp_must_divide_heads_and_kv_heads(model_dir):
-    found, _ = model_problems(model_dir(heads=12, kv=3, layers=12), ["parallel.tp=2"])
-    has(" | ".join(found), "parallel.tp = 2 does not divide the model's num_attention_heads = 12"
-        if False else "parallel.tp = 2 does not divide the model's num_key_value_heads = 3")
+    text = one_problem(["model.path=" + model_dir(heads=12, kv=3, layers=12), "parallel.tp=2"],
+                       check_model=True)
+    has(text, "parallel.tp = 2 does not divide the model's num_key_value_heads = 3")
+    found, _ = model_problems(model_dir(heads=9, kv=9, layers=12, name="m9"), ["parallel.tp=2"])
+    assert any("num_attention_heads = 9" in f for f in found) and any("num_key_value_heads = 9" in f for f in found)
+
+
+def test_sequence_must_fit_the_model_window(model_dir):
+    text = one_problem(["model.path=" + model_dir(max_position_embeddings=256)], check_model=True)
+    has(text, "data.max_prompt_length + data.max_response_length = 384",
+        "max_position_embeddings = 256")
 
 
 def test_pp_must_divide_layers(model_dir):
@@ -184,7 +193,7 @@ def test_kv_heads_default_to_heads_and_text_config(model_dir, tmp_path):
     nested.mkdir()
     (nested / "config.json").write_text(json.dumps({"text_config": {
         "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 10}}))
-    assert read_model_shape(str(nested)) == (8, 8, 4, 10)
+    assert read_model_shape(str(nested)) == (8, 8, 4, 10, 0)
 
 
 def test_config_json_missing_fields(model_dir, tmp_path):

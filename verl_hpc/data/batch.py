@@ -1,0 +1,27 @@
+"""PromptBatch: the prompts of one step, as the trainer hands them to rollout and rewards."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+
+@dataclass
+class PromptBatch:
+    """Parallel lists, one entry per prompt. Token ids are unpadded lists: rollout engines take them
+    as they are, and padding belongs to whoever builds tensors from them."""
+
+    ids: List[str] = field(default_factory=list)  # stable sample ids, "<file name>:<row>"
+    prompt_ids: List[List[int]] = field(default_factory=list)
+    prompt_texts: List[str] = field(default_factory=list)  # after the chat template
+    data_sources: List[str] = field(default_factory=list)
+    ground_truths: List[str] = field(default_factory=list)
+    extras: List[Dict[str, Any]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __post_init__(self):
+        sizes = {len(v) for v in (self.ids, self.prompt_ids, self.prompt_texts, self.data_sources,
+                                  self.ground_truths, self.extras)}
+        if len(sizes) > 1:
+            raise ValueError(f"PromptBatch: fields of unequal lengths {sorted(sizes)}")

@@ -1,0 +1,60 @@
+"""PromptDataset: records + rendered prompts + token ids, after the length filter.
+
+Everything is tokenised once at load time: the length filter needs every prompt's length anyway,
+and a step then only indexes lists. (GSM8K's 7.5k and MATH's 12k prompts take about a second.)
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+from verl_hpc.data.batch import PromptBatch
+from verl_hpc.data.errors import DataError
+from verl_hpc.data.filtering import filter_overlong
+from verl_hpc.data.records import PromptRecord, load_records
+from verl_hpc.data.templates import encode_prompts
+
+
+@dataclass
+class PromptDataset:
+    records: List[PromptRecord]
+    texts: List[str]
+    token_ids: List[List[int]]
+    n_dropped: int = 0  # prompts removed by the length filter
+
+    @classmethod
+    def load(cls, paths: Sequence[str], tokenizer, prompt_key: str = "prompt", max_prompt_length: int = 256,
+             overlong_prompts: str = "drop", wrap_plain_text: bool = True,
+             what: str = "data.train_files") -> "PromptDataset":
+        if not paths:
+            raise DataError(f"{what}: empty; expected at least one .parquet or .jsonl file")
+        records = load_records(paths, prompt_key, what=what)
+        texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text)
+        kept, dropped = filter_overlong([r.id for r in records], [len(x) for x in ids], max_prompt_length,
+                                        overlong_prompts, what=what)
+        if not kept:
+            raise DataError(f"{what}: all {len(records)} prompts are longer than data.max_prompt_length = "
+                            f"{max_prompt_length} tokens; nothing is left to train on")
+        return cls([records[i] for i in kept], [texts[i] for i in kept], [ids[i] for i in kept], dropped)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def batch(self, indices: Sequence[int]) -> PromptBatch:
+        recs = [self.records[i] for i in indices]
+        return PromptBatch(ids=[r.id for r in recs], prompt_ids=[list(self.token_ids[i]) for i in indices],
+                           prompt_texts=[self.texts[i] for i in indices],
+                           data_sources=[r.data_source for r in recs],
+                           ground_truths=[r.ground_truth for r in recs], extras=[dict(r.extra) for r in recs])
+
+    def indices_by_source(self) -> Dict[str, List[int]]:
+        groups: Dict[str, List[int]] = {}
+        for i, r in enumerate(self.records):
+            groups.setdefault(r.data_source, []).append(i)
+        return groups
+
+    def fingerprint(self) -> str:
+        """A short digest of the sample ids in order: a resumed sampler checks it indexes the same rows."""
+        digest = hashlib.sha1("\n".join(r.id for r in self.records).encode()).hexdigest()[:16]
+        return f"{len(self.records)}:{digest}"

@@ -1,0 +1,205 @@
+"""Prompt records read from parquet or JSONL files and validated row by row.
+
+A row has the prompt under `prompt_key` (plain text, or chat messages: a list of {role, content}),
+`data_source` (routes the row to its reward function), `ground_truth` (the reference answer, a
+string or a number) and an optional `extra` dict handed to the reward function untouched.
+
+Each record gets a stable id `<file name>:<row>` (row = 0-based index of the record in its file,
+blank JSONL lines not counted), so a failing reward or an overlong prompt can be traced back to
+the line that caused it. Both formats are read with pyarrow; for JSONL that pyarrow cannot type
+(a field that is a number in one row and a string in another, which hand-written files often
+have) or cannot parse, the file is re-read line by line with `json` so the error names the line.
+
+Arrow stores a column of dicts with one schema, so a key present in some rows' `extra` reads as
+None in the others; None values in `extra` (and in message dicts) are therefore dropped, for
+parquet and JSONL alike, so a reward function sees the same dict whichever format it came from.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import pyarrow as pa
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from verl_hpc.data.errors import DataError
+
+VALID_ROLES = ("system", "user", "assistant", "tool")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+Messages = List[Dict[str, str]]
+
+
+@dataclass
+class PromptRecord:
+    id: str  # "<file name>:<row>"
+    prompt: Union[str, Messages]  # text, or chat messages [{role, content}, ...]
+    data_source: str
+    ground_truth: str  # numbers are kept as their text ("72", "0.5")
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_chat(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+
+def read_rows(path: str, what: str = "data file") -> List[Dict[str, Any]]:
+    """All rows of a parquet or JSONL file as plain dicts; a DataError names the file otherwise."""
+    if not os.path.isfile(path):
+        raise DataError(f"{what} '{path}': no such file")
+    lower = path.lower()
+    if lower.endswith(PARQUET_SUFFIXES):
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{what} '{path}': not a readable parquet file ({e})") from e
+    if lower.endswith(JSONL_SUFFIXES):
+        try:
+            return pa_json.read_json(path).to_pylist()
+        except pa.ArrowException:
+            return _read_jsonl_slowly(path, what)  # locates the bad line, or copes with mixed types
+    raise DataError(f"{what} '{path}': unknown file type; valid: {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
+
+
+def _read_jsonl_slowly(path: str, what: str) -> List[Dict[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{what} '{path}' line {line_no}: invalid JSON ({e.msg} at column {e.colno}); "
+                                "expected one JSON object per line") from e
+            if not isinstance(row, dict):
+                raise DataError(f"{what} '{path}' line {line_no}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def jsonl_line_numbers(path: str) -> List[int]:
+    """1-based line numbers of the non-blank lines: row i of a JSONL file is on line [i]."""
+    with open(path, encoding="utf-8") as f:
+        return [n for n, line in enumerate(f, start=1) if line.strip()]
+
+
+def locate(path: str, row: int, lines: Optional[Sequence[int]] = None) -> str:
+    """'file' row N (line L): how every message names a row."""
+    line = f" (line {lines[row]})" if lines is not None and row < len(lines) else ""
+    return f"'{path}' row {row}{line}"
+
+
+# ----------------------------------------------------------------------------------- fields
+def _drop_none(d: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _ground_truth(value) -> Union[str, None]:
+    """The ground truth as text, or None when it is not a string or a number."""
+    if isinstance(value, bool):  # a bool is an int in Python, but never a meaningful answer
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    return value if isinstance(value, str) else None
+
+
+def _messages_problem(value) -> Optional[str]:
+    if not value:
+        return "is an empty list of messages; expected at least one {role, content} message"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            return f"item {i} is {_short(m)}; expected a list of {{role, content}} dicts"
+        if m["role"] not in VALID_ROLES:
+            return f"item {i} has unknown role {_short(m['role'])}; valid: {', '.join(VALID_ROLES)}"
+        if not isinstance(m["content"], str):
+            return f"item {i} has content {_short(m['content'])}; expected text"
+    if not any(m["content"].strip() for m in value):
+        return "is empty (every message's content is blank)"
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def row_problems(row: Dict[str, Any], prompt_key: str) -> List[str]:
+    """What is wrong with one row, as 'field ...; expected ...' fragments (empty when valid)."""
+    p = []
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        p.append(f"field '{prompt_key}' (data.prompt_key) is missing; expected text or a list of "
+                 "{role, content} messages")
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            p.append(f"field '{prompt_key}' is empty; expected the prompt text")
+    elif isinstance(prompt, list):
+        problem = _messages_problem(prompt)
+        if problem:
+            p.append(f"field '{prompt_key}' {problem}")
+    else:
+        p.append(f"field '{prompt_key}' is {type(prompt).__name__} {_short(prompt)}; expected text or a "
+                 "list of {role, content} messages")
+    source = row.get("data_source")
+    if not isinstance(source, str) or not source.strip():
+        got = "missing" if source is None else f"{_short(source)}"
+        p.append(f"field 'data_source' is {got}; expected a non-empty name such as 'gsm8k' (it picks the "
+                 "reward function)")
+    truth = row.get("ground_truth")
+    if truth is None:
+        p.append("field 'ground_truth' is missing; expected the reference answer as text or a number")
+    elif _ground_truth(truth) is None:
+        p.append(f"field 'ground_truth' is {type(truth).__name__} {_short(truth)}; expected text or a number")
+    elif not _ground_truth(truth).strip():
+        p.append("field 'ground_truth' is empty; expected the reference answer")
+    extra = row.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        p.append(f"field 'extra' is {type(extra).__name__} {_short(extra)}; expected a dict (or no field)")
+    return p
+
+
+def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRecord:
+    """A validated row (row_problems(row) == []) as a PromptRecord."""
+    prompt = row[prompt_key]
+    if not isinstance(prompt, str):
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return PromptRecord(id=record_id, prompt=prompt, data_source=row["data_source"],
+                        ground_truth=_ground_truth(row["ground_truth"]),
+                        extra=_drop_none(row.get("extra") or {}))
+
+
+def load_records(paths: Sequence[str], prompt_key: str = "prompt",
+                 what: str = "data.train_files") -> List[PromptRecord]:
+    """Every row of every file as PromptRecords, or one DataError listing the bad rows."""
+    records: List[PromptRecord] = []
+    problems: List[str] = []
+    total = 0
+    names = [os.path.basename(p) for p in paths]
+    for path, name in zip(paths, names):
+        # ids must stay unique: two files with one base name keep their path as given
+        label = path if names.count(name) > 1 else name
+        rows = read_rows(path, what=f"{what} file")
+        if not rows:
+            problems.append(f"{what} file '{path}': no rows")
+            total += 1
+            continue
+        lines = None
+        for i, row in enumerate(rows):
+            found = row_problems(row, prompt_key)
+            if found:
+                if lines is None and path.lower().endswith(JSONL_SUFFIXES):
+                    lines = jsonl_line_numbers(path)
+                total += len(found)
+                problems.extend(f"{locate(path, i, lines)}: {msg}" for msg in found)
+            elif not problems:  # once anything failed, only the problems are still wanted
+                records.append(to_record(row, f"{label}:{i}", prompt_key))
+    if problems:
+        raise DataError.from_problems(problems, total)
+    return records

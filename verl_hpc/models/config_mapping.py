@@ -1,0 +1,231 @@
+"""Hugging Face config.json -> the facts Megatron needs (`ModelArch`) -> `TransformerConfig`.
+
+Supported: decoder-only Llama, Qwen2 and Mistral checkpoints, i.e. RMSNorm, SwiGLU MLP, RoPE
+(default, linear or llama3 scaling), grouped-query attention, tied or untied embeddings, and
+Qwen2's QKV bias. Anything else is refused with an error that names the config.json field and
+what would be accepted: a model that loads but computes something else is worse than no model.
+
+config.json is read as plain JSON (not through transformers) so that errors can name the exact
+field, and both the transformers 4 spelling (`rope_theta`, `rope_scaling`) and the 5 spelling
+(`rope_parameters`) are understood.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from verl_hpc.config.errors import ConfigError
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "MistralForCausalLM": "mistral"}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")
+# transformers' own defaults for fields a config.json may leave out
+_DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048),
+             "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
+             "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072)}
+ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArch:
+    """A validated decoder-only architecture, in Megatron's terms."""
+
+    family: str  # llama | qwen2 | mistral
+    architecture: str  # the HF class name, e.g. LlamaForCausalLM
+    vocab_size: int  # real vocabulary (config.json); Megatron pads it, see padded_vocab_size
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int  # num_key_value_heads
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]  # None, or {"rope_type": "linear"|"llama3", ...}
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    source: str = "config.json"  # where it came from, for messages
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Vocabulary rounded up so every TP rank holds an equal, aligned slice (Megatron-LM rule)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def load_hf_config(model_path) -> Dict[str, Any]:
+    """config.json of a model folder as a dict, with errors that say what is wrong where."""
+    path = Path(model_path) if model_path else None
+    if path is None or not path.is_dir():
+        raise ConfigError(f"model.path: {str(model_path)!r} is not a folder; it must be a Hugging "
+                          f"Face model folder (config.json + *.safetensors)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"model.path: {path} has no config.json; expected a Hugging Face model "
+                          f"folder (config.json + *.safetensors)")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg_file}: expected a JSON object at the top level")
+    return data
+
+
+def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
+    archs = cfg.get("architectures")
+    if archs:
+        if not isinstance(archs, list) or len(archs) != 1:
+            raise ConfigError(f"{src}: architectures={archs!r}: expected one architecture")
+        if archs[0] not in ARCHITECTURES:
+            raise ConfigError(f"{src}: architectures={archs!r} is not supported; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[archs[0]], archs[0]
+    by_type = {v: k for k, v in ARCHITECTURES.items()}
+    if cfg.get("model_type") in by_type:
+        return cfg["model_type"], by_type[cfg["model_type"]]
+    raise ConfigError(f"{src}: needs 'architectures' (one of {', '.join(ARCHITECTURES)}) or a "
+                      f"supported 'model_type'; got model_type={cfg.get('model_type')!r}")
+
+
+def _rope(cfg: Dict[str, Any], family: str, src: str) -> tuple[float, Optional[Dict[str, Any]]]:
+    """(theta, scaling) from rope_parameters (transformers 5) or rope_theta/rope_scaling (4)."""
+    field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{src}: {field}.rope_type={rope_type!r} is not implemented; "
+                          f"supported: {', '.join(ROPE_TYPES)}")
+    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{src}: partial_rotary_factor={cfg['partial_rotary_factor']} is not "
+                          f"supported; only 1.0 (rotary over the whole head)")
+    if rope_type == "default":
+        return theta, None
+    need = ("factor",) if rope_type == "linear" else (
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in need if k not in params]
+    if missing:
+        raise ConfigError(f"{src}: {field} of type {rope_type!r} needs {', '.join(missing)}")
+    return theta, {"rope_type": rope_type, **{k: float(params[k]) for k in need}}
+
+
+def _int_field(cfg, key, src, default=None) -> int:
+    value = cfg.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{src}: {key}={value!r}: expected a positive integer")
+    return value
+
+
+def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelArch:
+    """Validate a config.json dict and return the architecture in Megatron's terms."""
+    src = source
+    family, arch_name = _family(cfg, src)
+    missing = [k for k in REQUIRED if k not in cfg]
+    if missing:
+        raise ConfigError(f"{src}: missing required field(s) {', '.join(missing)} "
+                          f"(a {arch_name} config.json has them all)")
+    heads = _int_field(cfg, "num_attention_heads", src)
+    hidden = _int_field(cfg, "hidden_size", src)
+    groups = _int_field(cfg, "num_key_value_heads", src, heads)
+    if heads % groups:
+        raise ConfigError(f"{src}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={groups}")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"{src}: hidden_size={hidden} is not a multiple of num_attention_heads="
+                          f"{heads} and no head_dim is given")
+    head_dim = _int_field(cfg, "head_dim", src, hidden // heads)
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{src}: hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
+    if family in ("llama", "mistral"):
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ConfigError(f"{src}: {key}=true is not supported; only false")
+    if family == "mistral" and cfg.get("sliding_window") is not None:
+        raise ConfigError(f"{src}: sliding_window={cfg['sliding_window']} is not implemented; only "
+                          f"null (full attention)")
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        raise ConfigError(f"{src}: use_sliding_window=true is not implemented; only false")
+    if cfg.get("quantization_config"):
+        raise ConfigError(f"{src}: quantization_config is set; quantized checkpoints are not "
+                          f"supported, use the unquantized model")
+    theta, scaling = _rope(cfg, family, src)
+    defaults = _DEFAULTS[family]
+    return ModelArch(
+        family=family, architecture=arch_name,
+        vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,
+        ffn_hidden_size=_int_field(cfg, "intermediate_size", src),
+        num_layers=_int_field(cfg, "num_hidden_layers", src),
+        num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
+                                           defaults["max_position_embeddings"]),
+        source=src)
+
+
+def load_arch(model_path) -> ModelArch:
+    """`parse_hf_config(load_hf_config(model_path))`."""
+    return parse_hf_config(load_hf_config(model_path), source=str(Path(model_path) / "config.json"))
+
+
+def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
+    """Errors naming both the parallel field and the model field when the layout cannot split."""
+    rules = (("num_attention_heads", arch.num_attention_heads, tp, "parallel.tp"),
+             ("num_key_value_heads", arch.num_query_groups, tp, "parallel.tp"),
+             ("intermediate_size", arch.ffn_hidden_size, tp, "parallel.tp"),
+             ("num_hidden_layers", arch.num_layers, pp, "parallel.pp"))
+    problems = [f"{par}={n} does not divide {field}={value} of {arch.source}"
+                for field, value, n, par in rules if value % n]
+    if problems:
+        raise ConfigError.from_problems(problems)
+
+
+def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
+                       dtype: torch.dtype = torch.float32, init_weights: bool = False,
+                       use_cpu_initialization: Optional[bool] = None, **overrides):
+    """Megatron `TransformerConfig` for `arch` at this layout.
+
+    init_weights=False skips Megatron's random initialisation: weights come from the checkpoint,
+    and Megatron's CPU initialisation would build each full matrix on every rank first.
+    `overrides` are passed through (e.g. recompute settings from the engine).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    from verl_hpc.runtime.device import has_gpu
+
+    check_parallel(arch, tp, pp)
+    kwargs = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,  # RL fine-tuning runs without dropout
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        perform_initialization=init_weights,
+        use_cpu_initialization=(not has_gpu()) if use_cpu_initialization is None
+        else use_cpu_initialization,
+        # the fused kernels need CUDA/apex; the unfused paths are exact and run everywhere
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,151 @@
+"""Build this rank's Megatron `GPTModel` stage for an HF architecture.
+
+Layer spec: the local (pure PyTorch) spec on CPU, where Transformer Engine cannot be installed;
+the Transformer Engine spec on GPU when TE is importable (required for `fp8`). Both give the same
+parameters under different names, which verl_hpc.models.weights understands.
+
+Padded vocabulary: Megatron pads the vocabulary so that TP ranks hold equal slices
+(`config_mapping.padded_vocab_size`). The padded rows are zero and never trained, but their logits
+would still be 0, i.e. a real probability. A forward hook on the output layer sets them to -inf
+in every output of the model, so they can be neither sampled nor scored: vocab-parallel logits
+keep their shape (equal shards) with -inf in the padded columns, and `full_vocab_logits` returns
+exactly the real vocabulary.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from verl_hpc.models.config_mapping import (
+    DEFAULT_VOCAB_DIVISOR,
+    ModelArch,
+    padded_vocab_size,
+    transformer_config,
+)
+from verl_hpc.runtime.device import has_gpu
+
+log = logging.getLogger(__name__)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401  (GPU images only; never imported on CPU paths)
+    except Exception:  # ImportError, or a broken CUDA install raising OSError
+        return False
+    return True
+
+
+def layer_spec(use_te: Optional[bool] = None, fp8: bool = False):
+    """The decoder layer spec: TE on GPU when available (required for fp8), local otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if fp8 and not has_gpu():
+        raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
+                           "has none. Set model.fp8=false for CPU runs.")
+    if fp8 and not transformer_engine_available():
+        raise RuntimeError("model.fp8=true needs transformer_engine, which is not importable here; "
+                           "install the 'gpu' extra (transformer-engine[pytorch]) or set "
+                           "model.fp8=false")
+    if use_te is None:
+        use_te = has_gpu() and transformer_engine_available()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def _rope_kwargs(arch: ModelArch) -> dict:
+    kw = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta)
+    if arch.rope_scaling and arch.rope_scaling["rope_type"] == "linear":
+        # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
+        kw["seq_len_interpolation_factor"] = arch.rope_scaling["factor"]
+    return kw
+
+
+def _apply_llama3_scaling(model, arch: ModelArch) -> None:
+    """Megatron's GPTModel forwards only `factor` for llama3 scaling (its other three parameters
+    default to Llama 3.1's values); recompute inv_freq with all four from config.json."""
+    rope = model.rotary_pos_emb
+    s = arch.rope_scaling
+    dim = arch.head_dim
+    base = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rope.inv_freq = rope._apply_scaling(
+        base, factor=s["factor"], low_freq_factor=s["low_freq_factor"],
+        high_freq_factor=s["high_freq_factor"],
+        original_max_position_embeddings=s["original_max_position_embeddings"],
+    ).to(rope.inv_freq.device)
+
+
+def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
+    padded, real = model.vocab_size, arch.vocab_size
+    if padded == real:
+        return
+    per_rank = padded // tp
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        start = 0 if width == padded else tp_rank * per_rank  # gathered or this rank's slice
+        first_pad = real - start
+        if first_pad >= width:
+            return output  # this rank's slice has no padded columns
+        cols = torch.arange(width, device=logits.device) >= max(first_pad, 0)
+        return logits.masked_fill(cols, float("-inf")), bias
+
+    model.output_layer.register_forward_hook(hook)
+
+
+def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    parallel_output: bool = True, use_te: Optional[bool] = None, fp8: bool = False,
+                    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR, vp_stage: Optional[int] = None,
+                    **config_overrides):
+    """This rank's `GPTModel` for `arch` under the initialised Megatron model parallelism.
+
+    pre/post_process default to this rank's pipeline stage (first stage embeds, last stage has
+    the output layer). Weights are not initialised: load them with `weights.load_hf_weights`.
+    `parallel_output=True` keeps logits vocab-parallel (what training needs).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if not has_gpu() and dtype != torch.float32:
+        log.warning("model dtype %s on CPU: Megatron's CPU paths are verified in float32 only", dtype)
+    if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
+        config_overrides.setdefault("fp8", "hybrid")
+    config = transformer_config(arch, tp, pp, dtype=dtype, **config_overrides)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(use_te, fp8),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, vp_stage=vp_stage,
+        **_rope_kwargs(arch))
+    if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
+        _apply_llama3_scaling(model, arch)
+    if post_process:
+        _mask_padded_vocab(model, arch, ps.get_tensor_model_parallel_rank(), tp)
+    model.verl_arch = arch  # the mapping reads the real vocabulary and family from here
+    # On GPU, use_cpu_initialization=False already placed the parameters on the current device.
+    return model
+
+
+def full_vocab_logits(logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """Vocab-parallel logits `[..., padded/tp]` -> `[..., vocab_size]` on every TP rank.
+
+    Differentiable (Megatron's gather; its backward splits). For inspection and tests: losses
+    and entropy should stay vocab-parallel (verl_hpc.algorithms.entropy).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., : arch.vocab_size]

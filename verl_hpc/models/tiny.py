@@ -1,0 +1,163 @@
+"""Tiny Hugging Face models for tests and the demo: a real HF folder, made from nothing, offline.
+
+    python -m verl_hpc.models.tiny OUT --family llama|qwen2|mistral [--tied] [--layers 2] [--shards 2]
+
+writes OUT/config.json, model.safetensors (or model-0000k-of-0000n.safetensors + index.json),
+tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.from_pretrained`,
+`AutoTokenizer` and vLLM load it. Shapes default to hidden 128, 4 heads, 2 KV heads (GQA), head_dim
+32 (vLLM's CPU attention needs >= 32), vocab 500: deliberately not a multiple of 128, so Megatron's
+vocabulary padding is exercised at every TP size. Output is a pure function of the arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "mistral")
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+# ChatML-like: role headers between <|im_start|> / <|im_end|>, as most instruct models do.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_WORDS = ("the answer is what plus minus times equals compute sum of and a number question think "
+          "step first then so result user assistant system please give final").split()
+
+
+def corpus(seed: int = 0, lines: int = 2000) -> List[str]:
+    """A small built-in training text: arithmetic, digits and a few words."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op, res = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(2, 8)))
+        out.append(f"{words} {a} {op} {b} = {res}")
+        out.append(f"What is {a} {op} {b}? The answer is {res}.")
+    return out
+
+
+def train_tokenizer(vocab_size: int = 480, seed: int = 0):
+    """A byte-level BPE tokenizer trained on `corpus(seed)`, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
+        model_max_length=256)
+
+
+def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: int = 500,
+              hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+              ffn: int = 256, max_positions: int = 256, special_ids: Dict[str, int] | None = None):
+    """A transformers config object of the family with tiny shapes."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
+    ids = special_ids or {}
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tied, bos_token_id=ids.get("bos"),
+                  eos_token_id=ids.get("eos"), pad_token_id=ids.get("pad"))
+    if family == "llama":
+        return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"],
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if family == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, sliding_window=None,
+                             architectures=["MistralForCausalLM"],
+                             rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    if hidden != heads * head_dim:
+        raise ValueError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
+    return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def random_state_dict(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
+    """Seeded weights: matrices and biases N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
+    swapped or misplaced norm in a weight mapping changes the logits visibly."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in sorted(model.state_dict().items()):
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        out[name] = (1.0 + 0.1 * noise) if "norm" in name else 0.02 * noise
+    return out
+
+
+def save_safetensors(state: Dict[str, torch.Tensor], out: Path, shards: int = 1) -> List[Path]:
+    """HF layout: one model.safetensors, or `shards` files plus model.safetensors.index.json."""
+    from safetensors.torch import save_file
+
+    names = sorted(state)
+    if shards <= 1:
+        save_file({n: state[n].contiguous() for n in names}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return [out / "model.safetensors"]
+    groups = [names[i::shards] for i in range(shards)]  # interleaved: every file holds layers
+    files, weight_map = [], {}
+    for k, group in enumerate(groups, start=1):
+        fname = f"model-{k:05d}-of-{shards:05d}.safetensors"
+        save_file({n: state[n].contiguous() for n in group}, str(out / fname),
+                  metadata={"format": "pt"})
+        weight_map.update({n: fname for n in group})
+        files.append(out / fname)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
+
+
+def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: int = 2,
+                    vocab_size: int = 500, seed: int = 0, shards: int = 1, **shape) -> Path:
+    """Write a tiny HF model folder to `out` and return its path. Deterministic given the args."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size=min(480, vocab_size), seed=seed)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+    ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}|>") for k in ("bos", "eos", "pad")}
+    config = hf_config(family, tied=tied, layers=layers, vocab_size=vocab_size,
+                       special_ids=ids, **shape)
+    torch.manual_seed(seed)  # from_config initialises weights; they are all replaced below
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = random_state_dict(model, seed)
+    if tied:
+        state.pop("lm_head.weight", None)  # HF checkpoints of tied models store it once
+    config.save_pretrained(out)
+    save_safetensors(state, out, shards=shards)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m verl_hpc.models.tiny", description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="output folder (created)")
+    ap.add_argument("--family", choices=FAMILIES, default="llama")
+    ap.add_argument("--tied", action="store_true", help="tie input embeddings and lm_head")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=500)
+    ap.add_argument("--shards", type=int, default=1, help="safetensors files (>1 writes an index)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    path = make_tiny_model(a.out, a.family, tied=a.tied, layers=a.layers,
+                           vocab_size=a.vocab_size, seed=a.seed, shards=a.shards)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

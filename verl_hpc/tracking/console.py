@@ -1,0 +1,122 @@
+"""Console backend: a compact table of key metrics every `log_every` steps, plus progress.
+
+Only a handful of metrics fit a terminal line, so they are chosen by prefix in a fixed order
+(reward first, losses next, cost last); everything else goes to the files. The table is a rich
+Table on a terminal and fixed-width text in a Slurm log, so successive steps line up under
+each other and `grep`/`awk` still work.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Mapping, Sequence, TextIO
+
+from verl_hpc.tracking.progress import RichBar, StepRate
+from verl_hpc.tracking.values import select
+
+KEY_PREFIXES: tuple[str, ...] = (
+    "reward/mean", "val/", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
+    "critic/vf_loss", "response_length/mean", "perf/tokens_per_s", "timing_s/step",
+)
+MAX_CELLS = 12
+CELLS_PER_ROW = 3
+NAME_WIDTH = 22
+VALUE_WIDTH = 10
+
+
+def format_value(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)  # nan, inf, -inf: shown, never hidden
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a < 1e-3:
+        return f"{v:.2e}"
+    return f"{v:.4g}"
+
+
+def _cells(metrics: Mapping[str, float], prefixes: Sequence[str]) -> list[tuple[str, str]]:
+    names = select(metrics, prefixes)[:MAX_CELLS]
+    return [(n, format_value(metrics[n])) for n in names]
+
+
+def text_table(cells: list[tuple[str, str]]) -> list[str]:
+    """Fixed-width rows of `name value` cells; the widths never depend on the step's content."""
+    rows = []
+    for i in range(0, len(cells), CELLS_PER_ROW):
+        row = cells[i:i + CELLS_PER_ROW]
+        rows.append("  " + "   ".join(f"{n:<{NAME_WIDTH}} {v:>{VALUE_WIDTH}}" for n, v in row))
+    return rows
+
+
+class ConsoleBackend:
+    def __init__(self, total_steps: int, log_every: int = 1, *, stream: TextIO | None = None,
+                 tty: bool | None = None, prefixes: Sequence[str] = KEY_PREFIXES) -> None:
+        self._stream = stream  # None: sys.stdout at each write (pytest's capsys swaps it)
+        self.log_every = max(int(log_every), 1)
+        self.total = int(total_steps)
+        self.prefixes = tuple(prefixes)
+        self.rate = StepRate(total_steps)
+        if tty is None:
+            tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar: RichBar | None = None
+        if tty:
+            try:
+                self._bar = RichBar(self.rate, self.stream)
+            except ImportError:  # rich is a core dependency, but a bare env still gets the text
+                self._bar = None
+        self._last_printed: int | None = None
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stdout
+
+    def _due(self, step: int, metrics: Mapping[str, float]) -> bool:
+        """Every log_every steps, the first and last step, and any step carrying validation."""
+        return (self._last_printed is None or step % self.log_every == 0 or step >= self.total
+                or any(k.startswith("val/") for k in metrics))
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.rate.update(step)
+        if self._bar is not None:
+            self._bar.update()
+        if not self._due(step, metrics):
+            return
+        self._last_printed = step
+        cells = _cells(metrics, self.prefixes)
+        if self._bar is not None:
+            self._bar.console.print(self._rich_table(step, cells))
+        else:
+            print(self.rate.line(), file=self.stream)
+            for row in text_table(cells):
+                print(row, file=self.stream)
+            self.stream.flush()
+
+    def _rich_table(self, step: int, cells: list[tuple[str, str]]):
+        from rich import box
+        from rich.table import Table
+
+        table = Table(title=f"step {step}/{self.total}", title_justify="left", box=box.SIMPLE,
+                      show_header=False, pad_edge=False)
+        for _ in range(min(len(cells), CELLS_PER_ROW)):
+            table.add_column(style="cyan", no_wrap=True)
+            table.add_column(justify="right", no_wrap=True)
+        for i in range(0, len(cells), CELLS_PER_ROW):
+            row = cells[i:i + CELLS_PER_ROW]
+            row = row + [("", "")] * (min(len(cells), CELLS_PER_ROW) - len(row))
+            table.add_row(*[x for cell in row for x in cell])
+        return table
+
+    def note(self, text: str) -> None:
+        """A one-off line (where the plots went); above the bar when there is one."""
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

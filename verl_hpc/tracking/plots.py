@@ -1,0 +1,96 @@
+"""PNG training curves from the metrics history: reward, validation accuracy, KL, entropy, length.
+
+One figure, one panel per group, step on x. A group with no matching metric is left out rather
+than drawn empty, so an SFT run or a run without validation still gets a clean figure.
+
+Drawn with matplotlib's object API on an Agg canvas, not pyplot: pyplot keeps global figures and
+picks a GUI backend from the environment, neither of which a batch job or a caller wants touched.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+MAX_LINES = 6  # per panel; past that a legend stops being readable
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    ylabel: str
+    patterns: tuple[str, ...]  # fnmatch patterns, in legend order
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel("Reward", "reward", ("reward/mean", "reward/max", "reward/min", "val/reward/*")),
+    Panel("Validation accuracy", "accuracy", ("val/acc", "val/acc/*")),
+    Panel("KL divergence", "KL", ("actor/kl", "actor/ppo_kl", "*/kl")),
+    Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
+    Panel("Response length", "tokens", ("response_length/mean", "response_length/max",
+                                        "response_length/min")),
+)
+# What the tracker keeps in memory when there is no JSONL file to read back.
+PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for p in panel.patterns)
+
+
+@dataclass
+class PlotResult:
+    path: Path
+    panels: list[str] = field(default_factory=list)
+
+
+def wanted(name: str, patterns: Iterable[str] = PLOT_PATTERNS) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _series(history: Sequence[dict[str, Any]], patterns: Sequence[str]):
+    """{name: (steps, values)} for names matching the patterns, in pattern order, steps sorted."""
+    keys = dict.fromkeys(k for row in history for k in row)  # ordered union over all rows
+    names: list[str] = []
+    for pattern in patterns:
+        names += [k for k in keys if k not in names and fnmatch.fnmatchcase(k, pattern)]
+    out = {}
+    for name in names[:MAX_LINES]:
+        points = sorted((row["step"], row[name]) for row in history
+                        if name in row and isinstance(row[name], (int, float)))
+        if any(math.isfinite(v) for _, v in points):
+            out[name] = ([s for s, _ in points], [float(v) for _, v in points])
+    return out
+
+
+def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
+                title: str = "", panels: Sequence[Panel] = PANELS) -> PlotResult | None:
+    """Draw the panels that have data into one PNG at `path`; None when there is nothing to draw."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    drawn = [(p, s) for p in panels if (s := _series(history, p.patterns))]
+    if not drawn:
+        return None
+    cols = 1 if len(drawn) == 1 else 2
+    rows = math.ceil(len(drawn) / cols)
+    fig = Figure(figsize=(6.0 * cols, 3.4 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, (panel, series) in zip(axes, drawn):
+        for name, (steps, values) in series.items():
+            sparse = name.startswith("val/") or len(steps) <= 30  # a few points: show each one
+            ax.plot(steps, values, label=name, marker="o" if sparse else None, markersize=3,
+                    linewidth=1.4)
+        ax.set_title(panel.title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small", loc="best")
+    for ax in axes[len(drawn):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return PlotResult(path=path, panels=[p.title for p, _ in drawn])

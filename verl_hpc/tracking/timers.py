@@ -1,0 +1,84 @@
+"""Seconds per stage of the RL step, and throughput from token/sample counts.
+
+    timer = StageTimer(sync=runtime_synchronize)      # sync: see below
+    with timer("generate"):
+        batch = rollout.generate(batch)
+    ...
+    metrics |= timer.pop()                             # timing_s/generate, ..., timing_s/step
+    metrics |= throughput(metrics["timing_s/step"], tokens=n_tokens, samples=n_samples)
+
+GPU work is asynchronous: without a device synchronize at the stage edges the time of one stage's
+kernels is billed to whichever later stage first waits on them. The timer takes that synchronize
+as a callable because only runtime/ may touch torch.cuda (DESIGN.md); on CPU it is not needed.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator
+
+# The stages of DESIGN.md's step, in order; other names are accepted too (a recipe may add one).
+STAGES = ("generate", "reward", "old_logprob", "ref", "values", "adv", "update_critic",
+          "update_actor", "sync")
+
+
+class StageTimer:
+    def __init__(self, prefix: str = "timing_s", sync: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.prefix = prefix
+        self._sync = sync
+        self._clock = clock
+        self._totals: dict[str, float] = {}
+        self._step_start = clock()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the block; a stage entered twice in one step adds up (e.g. generate per micro-batch).
+
+        The time is recorded even when the block raises, so a step that fails half-way still
+        says where it spent its time.
+        """
+        if self._sync is not None:
+            self._sync()
+        start = self._clock()
+        try:
+            yield
+        finally:
+            if self._sync is not None:
+                self._sync()
+            self._totals[name] = self._totals.get(name, 0.0) + (self._clock() - start)
+
+    __call__ = stage
+
+    def seconds(self, name: str) -> float:
+        return self._totals.get(name, 0.0)
+
+    def pop(self) -> dict[str, float]:
+        """This step's `<prefix>/<stage>` (only stages that ran) and `<prefix>/step`; then reset.
+
+        `step` is wall time since the previous pop (or construction), so work outside any named
+        stage (data loading, logging, checkpoints) still shows up as step minus the sum of stages.
+        """
+        now = self._clock()
+        out = {f"{self.prefix}/{name}": secs for name, secs in self._totals.items()}
+        out[f"{self.prefix}/step"] = now - self._step_start
+        self._totals = {}
+        self._step_start = now
+        return out
+
+
+def throughput(step_seconds: float, *, tokens: int | float | None = None,
+               samples: int | float | None = None, world_size: int = 1,
+               prefix: str = "perf") -> dict[str, float]:
+    """tokens/s and samples/s for the whole job, plus tokens/s per GPU (the number to compare
+    across cluster sizes). Nothing is returned for a step time <= 0: a rate from a zero-length
+    step is an artefact of the clock, not a measurement."""
+    if not step_seconds or step_seconds <= 0:
+        return {}
+    out: dict[str, float] = {}
+    if tokens is not None:
+        out[f"{prefix}/tokens_per_s"] = tokens / step_seconds
+        out[f"{prefix}/tokens_per_s_per_gpu"] = tokens / step_seconds / max(int(world_size), 1)
+    if samples is not None:
+        out[f"{prefix}/samples_per_s"] = samples / step_seconds
+    return out
