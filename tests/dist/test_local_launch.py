@@ -61,3 +61,17 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path):
     result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
     assert result["steps"] < 300
     assert all(x["preempted"] and x["signal"] == "SIGUSR2" for x in result["ranks"]), result
+
+
+def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path):
+    # rank 1 stays alive but stops answering: only the collective timeout can end this job
+    t0 = time.time()
+    r = submit(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+               "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
+               "trainer.collective_timeout_s=8", timeout=120)
+    elapsed = time.time() - t0
+    assert r.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s to give up on a wedged rank"
+    assert "rank 0 exited with code 1" in r.stderr, r.stderr
+    log = Path(r.stderr.split("rank 0 exited with code 1; log: ")[1].split()[0])
+    assert "timed out" in log.read_text().lower() or "timeout" in log.read_text().lower()

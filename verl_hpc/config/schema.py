@@ -167,12 +167,15 @@ class RewardConfig:
 
 @dataclass
 class SmokeConfig:
-    """The distributed smoke job; fail_rank/fail_at_step make one rank die on purpose (tests)."""
+    """The distributed smoke job; fail_rank/fail_at_step make one rank fail on purpose (tests)."""
 
     steps: int = 3
     step_seconds: float = 0.2
     fail_rank: int = -1
     fail_at_step: int = -1
+    # exit: the rank dies at once (like a crash); hang: it stops answering collectives (like a
+    # wedged GPU or a stuck file system), which only trainer.collective_timeout_s can catch
+    fail_mode: str = choice("exit", "exit", "hang")
 
 
 @dataclass

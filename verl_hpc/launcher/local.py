@@ -34,6 +34,9 @@ def run_local(plan: Plan, config_path: Path) -> int:
         # every rank's stdout+stderr go to its file; rank 0's is also shown here
         logs_specs=DefaultLogsSpecs(log_dir=str(plan.log_dir), redirects=Std.ALL, tee=Std.ALL,
                                     local_ranks_filter={0}),
+        # When one rank fails the launcher sends the others SIGTERM, which our ranks take as
+        # "checkpoint at the next step boundary" (runtime/signals.py); a rank that never reaches
+        # one is killed 30 s later (torch's fixed grace period on this path).
         start_method="spawn")
     print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
     try:

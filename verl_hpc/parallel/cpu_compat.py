@@ -15,6 +15,8 @@ Three kinds of replacement, narrowest that works for each target:
   global `torch` becomes `_CpuTorch`, which forwards everything to torch except that a "cuda"
   device in a tensor factory means the CPU, and `torch.cuda.*` has CPU stand-ins (current device
   = cpu, synchronize/streams = no-ops). The real `torch` module is untouched.
+- Tensor.cuda() calls (tied embeddings across pipeline stages): the methods in
+  `SCOPED_TENSOR_CUDA` run with `Tensor.cuda` answering the tensor itself, for their duration only.
 - Type-name checks (item 7): `param.type() == 'torch.cuda.FloatTensor'` in the functions of
   `TYPE_NAME_FUNCTIONS`; their code objects get the CPU type names as constants. Nothing else in
   those functions changes.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import logging
 import types
@@ -50,6 +53,21 @@ TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.optimizer.clip_grads": "6: grad-norm tensors on CUDA",
     "megatron.core.optimizer.distrib_optimizer": "7: shard buffers on CUDA",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "rotary inv_freq to CUDA",
+    # Not in FINDINGS.md, found while building verl_hpc.models:
+    "megatron.core.transformer.utils": "get_default_causal_mask (attention_mask=None) on CUDA",
+    "megatron.core.tensor_parallel.mappings": "gather/scatter outputs (full-vocab logits) on CUDA",
+    "megatron.core.tensor_parallel.utils": "1-D split/gather buffers (recompute) on CUDA",
+}
+# Not proxied, on purpose: tensor_parallel.layers (its CUDA uses sit behind GPU-only options:
+# use_cpu_initialization=False, sequence_parallel, gradient_accumulation_fusion) and
+# tensor_parallel.data.broadcast_data (calls Tensor.cuda(); the engine batches without it).
+
+# "module:Class.method" run with Tensor.cuda() returning the tensor itself (CPU): they call
+# `.cuda()` on a tensor, which no module-level replacement can reach.
+SCOPED_TENSOR_CUDA: Dict[str, str] = {
+    "megatron.core.models.common.language_module.language_module:"
+    "LanguageModule.setup_embeddings_and_output_layer":
+        "tied embeddings with pp > 1: weight.data.cuda() before the embedding all-reduce",
 }
 
 # "module:Qualified.name" -> number of 'torch.cuda.*Tensor' constants replaced (checked at apply)
@@ -71,7 +89,7 @@ _CUDA_FORWARDED = ("is_available", "device_count", "nvtx", "is_current_stream_ca
 @dataclasses.dataclass(frozen=True)
 class PatchRecord:
     target: str  # what was replaced: "module:attribute"
-    kind: str  # rng-tracker | rng-state-helper | module-torch | type-names
+    kind: str  # rng-tracker | rng-state-helper | module-torch | scoped-tensor-cuda | type-names
     why: str
 
 
@@ -304,6 +322,33 @@ def _patch_type_names() -> None:
         fn.__code__ = new_code
 
 
+def _tensor_itself(self, *args, **kwargs):
+    return self
+
+
+def _with_cpu_tensor_cuda(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = _tensor_itself  # model construction is single-threaded
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved
+
+    return wrapper
+
+
+def _patch_scoped_tensor_cuda() -> None:
+    for target, why in SCOPED_TENSOR_CUDA.items():
+        module_name, qualname = target.split(":")
+        cls_name, meth = qualname.split(".")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        original = cls.__dict__[meth]
+        _remember(target, original, "scoped-tensor-cuda", why)
+        setattr(cls, meth, _with_cpu_tensor_cuda(original))
+
+
 def apply(force: bool = False) -> Tuple[PatchRecord, ...]:
     """Make megatron-core usable on this rank if it has no GPU; a no-op with a GPU. Idempotent.
 
@@ -318,6 +363,7 @@ def apply(force: bool = False) -> Tuple[PatchRecord, ...]:
                     megatron.core.__version__)
     _patch_rng()
     _patch_torch_globals()
+    _patch_scoped_tensor_cuda()
     _patch_type_names()
     log.debug("cpu_compat applied %d replacements to megatron-core", len(_applied))
     return applied()
@@ -328,6 +374,10 @@ def revert() -> None:
     for target, (kind, original) in _originals.items():
         if kind == "type-names":
             resolve_function(target).__code__ = original
+        elif kind == "scoped-tensor-cuda":
+            module_name, qualname = target.split(":")
+            cls_name, meth = qualname.split(".")
+            setattr(getattr(importlib.import_module(module_name), cls_name), meth, original)
         else:
             module_name, attr = target.split(":")
             setattr(importlib.import_module(module_name), attr, original)

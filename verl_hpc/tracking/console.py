@@ -1,7 +1,8 @@
 """Console backend: a compact table of key metrics every `log_every` steps, plus progress.
 
-Only a handful of metrics fit a terminal line, so they are chosen by prefix in a fixed order
-(reward first, losses next, cost last); everything else goes to the files. The table is a rich
+Only a handful of metrics fit a terminal line, so they are chosen by name or prefix (a pattern
+ending in '/') in a fixed order: reward first, losses next, cost last; everything else goes to
+the files. The table is a rich
 Table on a terminal and fixed-width text in a Slurm log, so successive steps line up under
 each other and `grep`/`awk` still work.
 """
@@ -20,7 +21,7 @@ KEY_PREFIXES: tuple[str, ...] = (
 )
 MAX_CELLS = 12
 CELLS_PER_ROW = 3
-NAME_WIDTH = 22
+NAME_WIDTH = 26
 VALUE_WIDTH = 10
 
 
@@ -87,7 +88,8 @@ class ConsoleBackend:
         self._last_printed = step
         cells = _cells(metrics, self.prefixes)
         if self._bar is not None:
-            self._bar.console.print(self._rich_table(step, cells))
+            self._bar.console.print(self._rich_table(step, cells) if cells
+                                    else f"step {step}/{self.total}")
         else:
             print(self.rate.line(), file=self.stream)
             for row in text_table(cells):

@@ -23,11 +23,12 @@ class Panel:
     title: str
     ylabel: str
     patterns: tuple[str, ...]  # fnmatch patterns, in legend order
+    ylim: tuple[float, float] | None = None  # fixed axis where the quantity has a natural range
 
 
 PANELS: tuple[Panel, ...] = (
     Panel("Reward", "reward", ("reward/mean", "reward/max", "reward/min", "val/reward/*")),
-    Panel("Validation accuracy", "accuracy", ("val/acc", "val/acc/*")),
+    Panel("Validation accuracy", "accuracy", ("val/acc", "val/acc/*"), ylim=(-0.02, 1.02)),
     Panel("KL divergence", "KL", ("actor/kl", "actor/ppo_kl", "*/kl")),
     Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
     Panel("Response length", "tokens", ("response_length/mean", "response_length/max",
@@ -67,6 +68,7 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     """Draw the panels that have data into one PNG at `path`; None when there is nothing to draw."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     drawn = [(p, s) for p in panels if (s := _series(history, p.patterns))]
     if not drawn:
@@ -83,6 +85,9 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
                     linewidth=1.4)
         ax.set_title(panel.title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
         ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small", loc="best")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TextIO
 
@@ -34,7 +35,8 @@ def missing_packages(backends: Iterable[str]) -> list[str]:
     return [f"tracking.backends has {name!r} but the {pkg} package is not installed; "
             f"`pip install {pkg}` or remove it from tracking.backends"
             for name, pkg in OPTIONAL_PACKAGES.items()
-            if name in backends and importlib.util.find_spec(pkg) is None]
+            if name in backends and pkg not in sys.modules  # find_spec raises on a spec-less one
+            and importlib.util.find_spec(pkg) is None]
 
 
 class Tracker:
@@ -61,7 +63,10 @@ class Tracker:
         if not self.is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        for name in dict.fromkeys(backends):  # a name listed twice is one backend
+        # console last: its rate clock starts when built, and the other backends' imports
+        # (tensorboard, wandb) would otherwise count as time spent on the first step
+        names = sorted(dict.fromkeys(backends), key=lambda n: n == "console")
+        for name in names:  # dict.fromkeys: a name listed twice is one backend
             self._backends[name] = self._build(name, config, log_every, prometheus_port,
                                                start_step, stream, tty, project, experiment)
         where = ", ".join(self._backends) or "nothing"

@@ -86,10 +86,15 @@ def flatten_config(config: Mapping[str, Any] | None, sep: str = ".") -> dict[str
     return out
 
 
-def select(names: Iterable[str], prefixes: Iterable[str]) -> list[str]:
-    """Names starting with any prefix, grouped in prefix order (the order a reader expects)."""
+def select(names: Iterable[str], patterns: Iterable[str]) -> list[str]:
+    """Names matching any pattern, grouped in pattern order (the order a reader expects).
+
+    A pattern ending in '/' is a prefix (`val/` takes every validation metric); any other pattern
+    is an exact name, so `perf/tokens_per_s` does not also drag in `perf/tokens_per_s_per_gpu`.
+    """
     names = list(names)
     chosen: list[str] = []
-    for prefix in prefixes:
-        chosen.extend(n for n in names if n.startswith(prefix) and n not in chosen)
+    for pattern in patterns:
+        hits = [n for n in names if (n.startswith(pattern) if pattern.endswith("/") else n == pattern)]
+        chosen.extend(n for n in hits if n not in chosen)
     return chosen

@@ -21,6 +21,16 @@ from verl_hpc.runtime.device import collective_device
 log = logging.getLogger(__name__)
 
 
+def _fail_on_purpose(mode: str, rank: int, step: int) -> None:
+    if mode == "hang":
+        log.error("smoke: rank %d hangs on purpose at step %d (trainer.smoke.fail_mode=hang)", rank, step)
+        while True:  # alive but silent: the others must give up after trainer.collective_timeout_s
+            time.sleep(3600)
+    log.error("smoke: rank %d dies on purpose at step %d (trainer.smoke.fail_rank)", rank, step)
+    logging.shutdown()
+    os._exit(3)  # no cleanup, like a segfault or an OOM kill: the others must not hang
+
+
 def run(cfg, ctx) -> dict:
     s = cfg.trainer.smoke
     rank, world = ctx.rank, ctx.world_size
@@ -31,9 +41,7 @@ def run(cfg, ctx) -> dict:
     steps_done, t0 = 0, time.time()
     for step in range(s.steps):
         if rank == s.fail_rank and step == s.fail_at_step:
-            log.error("smoke: rank %d dies on purpose at step %d (trainer.smoke.fail_rank)", rank, step)
-            logging.shutdown()
-            os._exit(3)  # no cleanup, like a segfault or an OOM kill: the others must not hang
+            _fail_on_purpose(s.fail_mode, rank, step)
         t = torch.tensor([float(rank + 1)], device=collective_device())
         dist.all_reduce(t)
         if int(t.item()) != expected:

@@ -1,0 +1,9 @@
+"""Dataset preprocessors: public task formats -> the prompt parquet files the trainer reads.
+
+    python -m verl_hpc.data.prepare gsm8k IN.jsonl OUT.parquet
+    python -m verl_hpc.data.prepare math IN.jsonl OUT.parquet
+    python -m verl_hpc.data.prepare synthetic OUT_DIR --n-train N --n-val M --seed S
+
+Every output row has `prompt` (plain text; the chat template is applied when the data is loaded,
+see verl_hpc.data.templates), `data_source`, `ground_truth` and `extra`.
+"""

@@ -1,0 +1,59 @@
+"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic} ...`: see verl_hpc/data/prepare/__init__.py."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from verl_hpc.data.errors import DataError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verl_hpc.data.prepare", description=__doc__)
+    sub = p.add_subparsers(dest="task", required=True)
+    for task, fmt in (("gsm8k", "question, answer ending with '#### <number>'"),
+                      ("math", "problem, solution with \\boxed{answer}")):
+        s = sub.add_parser(task, help=f"public {task} JSONL ({fmt}) -> prompt parquet")
+        s.add_argument("input", help="JSONL (or parquet) file in the public format")
+        s.add_argument("output", help="parquet file to write")
+        s.add_argument("--instruction", default=None, help="text appended to every prompt")
+    s = sub.add_parser("synthetic", help="synthetic arithmetic task for CPU runs: train/val/sft parquet")
+    s.add_argument("out_dir")
+    s.add_argument("--n-train", type=int, default=2000)
+    s.add_argument("--n-val", type=int, default=200)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--difficulty", type=int, default=2, help="1: operands 0..4, 2: 0..9, k: 0..10^(k-1)-1")
+    s.add_argument("--sft-noise", type=float, default=0.0, help="fraction of SFT rows with a wrong label")
+    s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
+    s.add_argument("--n-sft", type=int, default=-1, help="SFT rows (default: --n-train)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from verl_hpc.data.prepare.io import write_parquet
+
+    try:
+        if args.task == "synthetic":
+            from verl_hpc.data.prepare import synthetic
+
+            rows = synthetic.generate(args.n_train, args.n_val, args.seed, args.difficulty, args.sft_noise,
+                                      args.n_sft, args.noise_kind)
+            for name, path in synthetic.write(args.out_dir, rows).items():
+                print(f"wrote {len(rows[name])} rows to {path}")
+            return 0
+        if args.task == "gsm8k":
+            from verl_hpc.data.prepare.gsm8k import INSTRUCTION, gsm8k_rows as convert
+        else:
+            from verl_hpc.data.prepare.competition_math import INSTRUCTION, math_rows as convert
+        rows = convert(args.input, args.instruction if args.instruction is not None else INSTRUCTION)
+        write_parquet(rows, args.output)
+        print(f"wrote {len(rows)} {args.task} rows to {args.output}")
+        return 0
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""HF <-> Megatron tensor rules for Llama-style decoders (Llama, Qwen2, Mistral), one per parameter.
+
+Each rule knows, for one Megatron parameter of one layer:
+- `load(reader, arch, layer, lay)`: this TP rank's shard (`lay: Layout`), read as slices of the
+  HF tensors;
+- `to_hf(full, arch, layer, lay)`: the HF tensors from the TP-gathered Megatron tensor (shards
+  concatenated along `tp_dim` in rank order);
+- `hf_entries(arch, layer)`: the HF names and shapes it produces (export plans without any tensor).
+
+Megatron layouts (FINDINGS.md, verified for parity with transformers):
+- linear_qkv: per query group g, that group's q heads, then its k head, then its v head, along
+  dim 0; TP rank r holds groups [r*G/tp, (r+1)*G/tp), which are contiguous in that layout.
+- linear_fc1: TP rank r holds [gate rows of r; up rows of r]; gathered, the shards interleave.
+- linear_proj / linear_fc2 split dim 1 (row-parallel); embedding / output layer split dim 0 of
+  the padded vocabulary, whose padded rows are zero on load and dropped on export.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from verl_hpc.models.config_mapping import ModelArch
+
+HFTensors = List[Tuple[str, torch.Tensor]]
+LAYER = "model.layers.{i}."
+
+
+def _rows(start: int, stop: int) -> Tuple[slice, ...]:
+    return (slice(start, stop),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a shard sits: this TP rank of `tp`, and the padded vocabulary of the model."""
+
+    tp_rank: int
+    tp: int
+    padded_vocab: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Replicated on every TP rank (norm weights)."""
+
+    hf: str
+    tp_dim: Optional[int] = None
+
+    def hf_entries(self, arch: ModelArch, layer: Optional[int]):
+        return [(self.hf.format(i=layer), (arch.hidden_size,))]
+
+    def load(self, reader, arch, layer, lay) -> torch.Tensor:
+        return reader.read(self.hf.format(i=layer))
+
+    def to_hf(self, full, arch, layer, lay) -> HFTensors:
+        return [(self.hf.format(i=layer), full)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Row-parallel linear: the HF weight split along `tp_dim` (1 = input features)."""
+
+    hf: str
+    shape: str  # "proj" (hidden, heads*head_dim) or "fc2" (hidden, ffn)
+    tp_dim: int = 1
+
+    def hf_entries(self, arch, layer):
+        cols = arch.num_attention_heads * arch.head_dim if self.shape == "proj" else arch.ffn_hidden_size
+        return [(self.hf.format(i=layer), (arch.hidden_size, cols))]
+
+    def load(self, reader, arch, layer, lay):
+        name = self.hf.format(i=layer)
+        size = reader.shape(name)[self.tp_dim] // lay.tp
+        index = [slice(None)] * (self.tp_dim + 1)
+        index[self.tp_dim] = slice(lay.tp_rank * size, (lay.tp_rank + 1) * size)
+        return reader.read(name, tuple(index))
+
+    def to_hf(self, full, arch, layer, lay):
+        return [(self.hf.format(i=layer), full)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Embedding or output layer: rows of the padded vocabulary, split along dim 0."""
+
+    hf: str
+    tp_dim: int = 0
+
+    def hf_entries(self, arch, layer):
+        return [(self.hf, (arch.vocab_size, arch.hidden_size))]
+
+    def load(self, reader, arch, layer, lay):
+        per_rank = lay.padded_vocab // lay.tp
+        start, stop = lay.tp_rank * per_rank, (lay.tp_rank + 1) * per_rank
+        out = torch.zeros(per_rank, arch.hidden_size, dtype=reader.dtype(self.hf))
+        real_stop = min(stop, arch.vocab_size)
+        if real_stop > start:  # a rank may hold only padding when the vocabulary is tiny
+            out[: real_stop - start] = reader.read(self.hf, _rows(start, real_stop))
+        return out
+
+    def to_hf(self, full, arch, layer, lay):
+        return [(self.hf, full[: arch.vocab_size])]
+
+
+@dataclasses.dataclass(frozen=True)
+class QKV:
+    """q_proj/k_proj/v_proj (weight or Qwen2's bias) <-> Megatron's fused linear_qkv."""
+
+    part: str  # "weight" | "bias"
+    tp_dim: int = 0
+
+    def _names(self, layer):
+        return [f"{LAYER}self_attn.{p}_proj.{self.part}".format(i=layer) for p in "qkv"]
+
+    def hf_entries(self, arch, layer):
+        q_rows = arch.num_attention_heads * arch.head_dim
+        kv_rows = arch.num_query_groups * arch.head_dim
+        tail = (arch.hidden_size,) if self.part == "weight" else ()
+        return [(n, (rows,) + tail) for n, rows in zip(self._names(layer), (q_rows, kv_rows, kv_rows))]
+
+    def load(self, reader, arch, layer, lay):
+        groups = arch.num_query_groups // lay.tp
+        g0, hd, hpg = lay.tp_rank * groups, arch.head_dim, arch.heads_per_group
+        q_name, k_name, v_name = self._names(layer)
+        q = reader.read(q_name, _rows(g0 * hpg * hd, (g0 + groups) * hpg * hd))
+        k = reader.read(k_name, _rows(g0 * hd, (g0 + groups) * hd))
+        v = reader.read(v_name, _rows(g0 * hd, (g0 + groups) * hd))
+        tail = q.shape[1:]
+        fused = torch.cat([q.reshape(groups, hpg * hd, *tail), k.reshape(groups, hd, *tail),
+                           v.reshape(groups, hd, *tail)], dim=1)
+        return fused.reshape(groups * (hpg + 2) * hd, *tail)
+
+    def to_hf(self, full, arch, layer, lay):
+        hd, hpg = arch.head_dim, arch.heads_per_group
+        tail = full.shape[1:]
+        grouped = full.reshape(arch.num_query_groups, (hpg + 2) * hd, *tail)
+        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+        return [(n, t.reshape(-1, *tail).contiguous())
+                for n, t in zip(self._names(layer), (q, k, v))]
+
+
+@dataclasses.dataclass(frozen=True)
+class GateUp:
+    """gate_proj/up_proj <-> Megatron's linear_fc1 ([gate; up] per TP rank)."""
+
+    tp_dim: int = 0
+
+    @staticmethod
+    def _names(layer):
+        return [f"{LAYER}mlp.{p}_proj.weight".format(i=layer) for p in ("gate", "up")]
+
+    def hf_entries(self, arch, layer):
+        return [(n, (arch.ffn_hidden_size, arch.hidden_size)) for n in self._names(layer)]
+
+    def load(self, reader, arch, layer, lay):
+        rows = arch.ffn_hidden_size // lay.tp
+        return torch.cat([reader.read(n, _rows(lay.tp_rank * rows, (lay.tp_rank + 1) * rows))
+                          for n in self._names(layer)], dim=0)
+
+    def to_hf(self, full, arch, layer, lay):
+        per_rank = full.reshape(lay.tp, 2, arch.ffn_hidden_size // lay.tp, arch.hidden_size)
+        return [(n, per_rank[:, j].reshape(arch.ffn_hidden_size, arch.hidden_size).contiguous())
+                for j, n in enumerate(self._names(layer))]
+
+
+# Megatron parameter name within a decoder layer -> rule. Local spec names, plus the Transformer
+# Engine spec's names for the norms it fuses into the following linear layer.
+LAYER_RULES: Dict[str, object] = {
+    "input_layernorm.weight": Copy(LAYER + "input_layernorm.weight"),
+    "self_attention.linear_qkv.layer_norm_weight": Copy(LAYER + "input_layernorm.weight"),
+    "self_attention.linear_qkv.weight": QKV("weight"),
+    "self_attention.linear_qkv.bias": QKV("bias"),
+    "self_attention.linear_proj.weight": Split(LAYER + "self_attn.o_proj.weight", "proj"),
+    "pre_mlp_layernorm.weight": Copy(LAYER + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.layer_norm_weight": Copy(LAYER + "post_attention_layernorm.weight"),
+    "mlp.linear_fc1.weight": GateUp(),
+    "mlp.linear_fc2.weight": Split(LAYER + "mlp.down_proj.weight", "fc2"),
+}
+
+
+def model_rules(arch: ModelArch) -> Dict[str, object]:
+    """Megatron parameter names outside the decoder layers -> rule."""
+    lm_head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    return {"embedding.word_embeddings.weight": Vocab("model.embed_tokens.weight"),
+            "decoder.final_layernorm.weight": Copy("model.norm.weight"),
+            "output_layer.weight": Vocab(lm_head)}
+
+
+def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int]):
+    """(rule, global layer or None) for a Megatron parameter name of this stage.
+
+    `layer_numbers` maps the stage-local index j of `decoder.layers.{j}` to the global layer
+    index (Megatron's 1-based `layer_number` minus one), which carries the pipeline offset.
+    """
+    if name.startswith("decoder.layers."):
+        local, _, suffix = name[len("decoder.layers."):].partition(".")
+        if suffix in LAYER_RULES:
+            return LAYER_RULES[suffix], layer_numbers[int(local)]
+    elif name in model_rules(arch):
+        return model_rules(arch)[name], None
+    raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({arch.family}); "
+                   f"verl_hpc.models.weight_rules covers the Llama/Qwen2/Mistral layer layout")

@@ -1,0 +1,184 @@
+"""RewardScorer: one score per response, from rules, a custom function and/or a reward model.
+
+    scorer = RewardScorer.from_config(cfg.reward, reward_model=None)
+    scorer.check_samples(ds.ids, ds.data_sources, ds.ground_truths)   # at load: unknown sources, bad answers
+    scores, metrics = scorer.score(ids, data_sources, response_texts, ground_truths, extras)
+    token_rewards = scorer.to_token_level(scores, response_mask)       # [B, T], score on the last token
+
+A reward function that raises (or returns something that is not a finite number) follows
+reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
+'reward/errors_total') and logs the first traceback once (kept in `first_error`); 'raise' stops with
+a RewardError naming the sample's id and data_source, the original exception chained. An unknown
+data_source is a configuration problem, not a failing function, and raises under both settings.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from verl_hpc.rewards import registry
+from verl_hpc.rewards.custom import CustomFn, load_custom_function
+from verl_hpc.rewards.errors import RewardError
+from verl_hpc.rewards.reward_model import RewardModel, combine, rm_scores
+
+log = logging.getLogger(__name__)
+ON_ERROR = ("zero", "raise")
+MAX_LISTED = 10
+
+
+class RewardScorer:
+    def __init__(self, on_error: str = "zero", custom_function: Optional[CustomFn] = None,
+                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = "strict"):
+        if on_error not in ON_ERROR:
+            raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
+        if gsm8k_method not in ("strict", "flexible"):
+            raise RewardError(f"gsm8k_method: invalid value {gsm8k_method!r}; valid: strict, flexible")
+        self.on_error, self.custom, self.reward_model = on_error, custom_function, reward_model
+        self.gsm8k_method = gsm8k_method
+        self.errors_total = 0
+        self.first_error: Optional[str] = None  # "sample <id> (data_source <ds>):\n<traceback>"
+
+    @classmethod
+    def from_config(cls, reward_cfg, reward_model: Optional[RewardModel] = None,
+                    gsm8k_method: str = "strict") -> "RewardScorer":
+        fn = None
+        if reward_cfg.custom_function:
+            fn = load_custom_function(reward_cfg.custom_function, reward_cfg.allow_custom_code)
+        if reward_cfg.reward_model.enable and reward_model is None:
+            raise RewardError("reward.reward_model.enable is true, but no reward model was passed to the scorer "
+                              "(the engine's reward role builds it from reward.reward_model.path)")
+        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None, gsm8k_method)
+
+    # ------------------------------------------------------------------------------ routing
+    def rule_for(self, data_source: str) -> Optional[registry.RuleScorer]:
+        scorer = registry.resolve(data_source)
+        if scorer is not None and scorer.name == "gsm8k" and self.gsm8k_method == "flexible":
+            scorer = registry.get_scorer("gsm8k_flexible")
+        return scorer
+
+    def check_samples(self, ids: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[str]) -> None:
+        """Refuse, before training starts, samples no rule can score or whose ground truth it rejects."""
+        if self.custom is not None:
+            return  # the user's function decides what it accepts
+        problems: List[str] = []
+        rules = {ds: self.rule_for(ds) for ds in set(data_sources)}
+        for ds in sorted(ds for ds, rule in rules.items() if rule is None and self.reward_model is None):
+            first = next(i for i, d in zip(ids, data_sources) if d == ds)
+            problems.append(f"sample {first} (and every other with this source): {registry.unknown_source_message(ds)}")
+        for sample_id, ds, truth in zip(ids, data_sources, ground_truths):
+            rule = rules[ds]
+            problem = rule.check(truth) if rule is not None and rule.check is not None else None
+            if problem:
+                problems.append(f"sample {sample_id} (data_source {ds!r}): field {problem}")
+        if problems:
+            shown = problems[:MAX_LISTED] + ([f"... and {len(problems) - MAX_LISTED} more"]
+                                             if len(problems) > MAX_LISTED else [])
+            raise RewardError(shown[0] if len(problems) == 1 else
+                              "\n".join([f"{len(problems)} problems with rewards for the data:"] +
+                                        [f"  - {p}" for p in shown]))
+
+    # ------------------------------------------------------------------------------ scoring
+    def score(self, ids: Sequence[str], data_sources: Sequence[str], response_texts: Sequence[str],
+              ground_truths: Sequence[str], extras: Optional[Sequence[Mapping[str, Any]]] = None,
+              rm_batch: Any = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+        n = len(ids)
+        extras = list(extras) if extras is not None else [{} for _ in range(n)]
+        if not (len(data_sources) == len(response_texts) == len(ground_truths) == len(extras) == n):
+            raise RewardError("RewardScorer.score: ids, data_sources, response_texts, ground_truths and extras "
+                              "must have one entry per response")
+        rule = torch.zeros(n, dtype=torch.float32)
+        has_rule = torch.zeros(n, dtype=torch.bool)
+        errors = 0
+        returned: Dict[str, List[float]] = defaultdict(list)  # extra numbers of dict-returning functions
+        for i in range(n):
+            fn = self._function_for(ids[i], data_sources[i])
+            if fn is None:
+                continue  # reward model only
+            has_rule[i] = True
+            try:
+                value, info = _as_score(fn(data_sources[i], response_texts[i], ground_truths[i], extras[i]))
+            except Exception as e:  # noqa: BLE001 - any failure of user/rule code follows on_error
+                errors += 1
+                self._handle_error(e, ids[i], data_sources[i])
+                continue
+            rule[i] = value
+            for key, v in info.items():
+                returned[key].append(v)
+        scores = rule
+        metrics: Dict[str, float] = {}
+        if self.reward_model is not None:
+            rm = rm_scores(self.reward_model, rm_batch, n)
+            scores = combine(rule, has_rule, rm)
+            metrics["reward/rm/mean"] = float(rm.mean()) if n else 0.0
+            metrics["reward/rule/mean"] = float(rule[has_rule].mean()) if has_rule.any() else 0.0
+        self.errors_total += errors
+        metrics.update(_summaries(scores, data_sources, returned))
+        metrics["reward/errors"] = float(errors)
+        metrics["reward/errors_total"] = float(self.errors_total)
+        return scores, metrics
+
+    def _function_for(self, sample_id: str, data_source: str):
+        if self.custom is not None:
+            return self.custom
+        rule = self.rule_for(data_source)
+        if rule is None:
+            if self.reward_model is not None:
+                return None
+            raise RewardError(f"sample {sample_id}: {registry.unknown_source_message(data_source)}")
+        return lambda ds, text, truth, extra: rule.fn(text, truth, extra)
+
+    def _handle_error(self, exc: Exception, sample_id: str, data_source: str) -> None:
+        where = f"sample {sample_id} (data_source {data_source!r})"
+        if self.on_error == "raise":
+            raise RewardError(f"reward function failed on {where}: {type(exc).__name__}: {exc} "
+                              "(set reward.on_error=zero to score such samples 0 and go on)") from exc
+        if self.first_error is None:
+            self.first_error = f"{where}:\n" + "".join(traceback.format_exception(exc))
+            log.error("reward function failed on %s; scoring it 0 (reward.on_error=zero); further failures are "
+                      "only counted in reward/errors. First traceback:\n%s", where, self.first_error)
+
+    @staticmethod
+    def to_token_level(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T] zeros with each row's score on its last valid response token (rows without one stay 0)."""
+        mask = response_mask.bool()
+        if mask.dim() != 2 or scores.shape != (mask.shape[0],):
+            raise RewardError(f"to_token_level: scores {tuple(scores.shape)} and response_mask "
+                              f"{tuple(response_mask.shape)} must be [B] and [B, T]")
+        out = torch.zeros(mask.shape, dtype=torch.float32)
+        rows = torch.nonzero(mask.any(dim=1)).flatten()
+        last = mask.shape[1] - 1 - mask.flip(1).to(torch.int8).argmax(dim=1)
+        out[rows, last[rows]] = scores[rows].to(torch.float32)
+        return out
+
+
+def _as_score(out) -> Tuple[float, Dict[str, float]]:
+    """A function's return value as (score, numeric extras); anything else is a failure."""
+    info: Dict[str, float] = {}
+    if isinstance(out, Mapping):
+        if "score" not in out:
+            raise RewardError(f"reward function returned a dict without 'score' (keys: {sorted(out)})")
+        info = {k: float(v) for k, v in out.items()
+                if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out = out["score"]
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if not isinstance(out, (int, float)) or not math.isfinite(float(out)):
+        raise RewardError(f"reward function returned {out!r}; expected a finite number or a dict with 'score'")
+    return float(out), info
+
+
+def _summaries(scores: torch.Tensor, data_sources: Sequence[str], returned: Dict[str, List[float]]) -> Dict[str, float]:
+    metrics = {"reward/score/mean": float(scores.mean()) if len(scores) else 0.0}
+    by_source: Dict[str, List[int]] = defaultdict(list)
+    for i, ds in enumerate(data_sources):
+        by_source[ds].append(i)
+    for ds, idx in sorted(by_source.items()):
+        metrics[f"reward/score/{ds}"] = float(scores[idx].mean())
+    for key, values in sorted(returned.items()):
+        metrics[f"reward/extra/{key}"] = sum(values) / len(values)
+    return metrics
