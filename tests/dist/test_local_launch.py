@@ -41,7 +41,8 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path):
     assert log.exists() and "dies on purpose" in log.read_text()
 
 
-def test_warning_signal_sets_flag_on_every_rank(tmp_path):
+@pytest.mark.parametrize("sig", ["USR2", "TERM"])
+def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j",
            "trainer.smoke.steps=300", "trainer.smoke.step_seconds=0.1"]
@@ -52,15 +53,15 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path):
             seen += line
             if "smoke step 3/" in line:
                 break
-        # what Slurm's --signal=USR2@N does: the signal to every task of the step
-        subprocess.run(["pkill", "-USR2", "-f", f"verl_hpc.job {tmp_path}"], check=True)
+        # what Slurm's --signal=USR2@N (or a preemption's SIGTERM) does: signal every task
+        subprocess.run(["pkill", f"-{sig}", "-f", f"verl_hpc.job {tmp_path}"], check=True)
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 0, seen + out
     result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
     assert result["steps"] < 300
-    assert all(x["preempted"] and x["signal"] == "SIGUSR2" for x in result["ranks"]), result
+    assert all(x["preempted"] and x["signal"] == f"SIG{sig}" for x in result["ranks"]), result
 
 
 def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path):
