@@ -100,14 +100,19 @@ class ConsoleBackend:
         from rich import box
         from rich.table import Table
 
+        # as many cells per row as the terminal fits: a value cut to "12,3…" would be worse than
+        # a taller table
+        per_row = max(1, min(CELLS_PER_ROW, self._bar.console.width // (NAME_WIDTH + VALUE_WIDTH + 4),
+                             len(cells)))
         table = Table(title=f"step {step}/{self.total}", title_justify="left", box=box.SIMPLE,
                       show_header=False, pad_edge=False)
-        for _ in range(min(len(cells), CELLS_PER_ROW)):
-            table.add_column(style="cyan", no_wrap=True)
-            table.add_column(justify="right", no_wrap=True)
-        for i in range(0, len(cells), CELLS_PER_ROW):
-            row = cells[i:i + CELLS_PER_ROW]
-            row = row + [("", "")] * (min(len(cells), CELLS_PER_ROW) - len(row))
+        for _ in range(per_row):
+            table.add_column(style="cyan", overflow="fold")
+            table.add_column(justify="right", no_wrap=True, min_width=len(max(
+                (v for _, v in cells), key=len)))
+        for i in range(0, len(cells), per_row):
+            row = cells[i:i + per_row]
+            row = row + [("", "")] * (per_row - len(row))
             table.add_row(*[x for cell in row for x in cell])
         return table
 

@@ -96,7 +96,8 @@ class RichBar:
     def update(self) -> None:
         self._progress.update(self._task, completed=self._rate.step,
                               rate=format_rate(self._rate.seconds_per_step()),
-                              eta=format_duration(self._rate.eta_seconds()))
+                              eta=format_duration(self._rate.eta_seconds()),
+                              refresh=True)  # else a table printed now sits above a stale bar
 
     def stop(self) -> None:
         self._progress.stop()

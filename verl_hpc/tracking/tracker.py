@@ -66,9 +66,14 @@ class Tracker:
         # console last: its rate clock starts when built, and the other backends' imports
         # (tensorboard, wandb) would otherwise count as time spent on the first step
         names = sorted(dict.fromkeys(backends), key=lambda n: n == "console")
-        for name in names:  # dict.fromkeys: a name listed twice is one backend
-            self._backends[name] = self._build(name, config, log_every, prometheus_port,
-                                               start_step, stream, tty, project, experiment)
+        try:
+            for name in names:  # dict.fromkeys: a name listed twice is one backend
+                self._backends[name] = self._build(name, config, log_every, prometheus_port,
+                                                   start_step, stream, tty, project, experiment)
+        except Exception:
+            for built in self._backends.values():  # no open files or served port left behind
+                built.close()
+            raise
         where = ", ".join(self._backends) or "nothing"
         log.info("tracking: %s -> %s", where, self.output_dir)
 

@@ -1,0 +1,52 @@
+"""Prometheus: gauges with sanitised names served on a port, scraped over HTTP."""
+import socket
+import urllib.request
+
+import pytest
+
+from verl_hpc.tracking import Tracker
+from verl_hpc.tracking.prometheus_backend import PrometheusBackend, sanitize
+
+pytestmark = pytest.mark.unit
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_sanitize():
+    assert sanitize("val/acc/synthetic_arith") == "verl_hpc_val_acc_synthetic_arith"
+    assert sanitize("perf/tokens-per.s") == "verl_hpc_perf_tokens_per_s"
+
+
+def test_scrape_latest_values(tmp_path):
+    port = free_port()
+    tracker = Tracker(["prometheus"], tmp_path, 10, "p", "e", None, is_main=True,
+                      prometheus_port=port, plots_enabled=False)
+    tracker.log({"reward/mean": 0.25, "val/acc/synthetic_arith": 0.5}, 1)
+    tracker.log({"reward/mean": 0.75, "actor/kl": float("nan"), "actor_kl": 2.0}, 2)
+    body = scrape(port)
+    assert "verl_hpc_reward_mean 0.75" in body
+    assert "verl_hpc_val_acc_synthetic_arith 0.5" in body
+    assert "verl_hpc_step 2.0" in body
+    assert "verl_hpc_actor_kl NaN" in body and "verl_hpc_actor_kl_2 2.0" in body  # no clash
+    tracker.close()
+    with pytest.raises(OSError):
+        scrape(port)  # the server is gone with the tracker
+
+
+def test_port_in_use_is_a_warning_not_a_crash(caplog):
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        backend = PrometheusBackend(port=s.getsockname()[1])
+        backend.log({"reward/mean": 1.0}, 1)
+        backend.close()
+    assert "cannot serve prometheus metrics" in caplog.text
