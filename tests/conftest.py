@@ -18,3 +18,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _wait_for_text(folder, pattern, needle, proc=None, timeout=180) -> float:
+    """Poll files matching `pattern` (recursive glob under `folder`) until one contains `needle`;
+    returns the time it was seen. Fails (never hangs) if the process ends first or time runs out."""
+    import time
+    from pathlib import Path
+
+    end = time.time() + timeout
+    while time.time() < end and (proc is None or proc.poll() is None):
+        for f in Path(folder).glob(pattern):
+            if needle in f.read_text(errors="replace"):
+                return time.time()
+        time.sleep(0.2)
+    logs = "".join(f"\n--- {f}\n{f.read_text(errors='replace')[-2000:]}"
+                   for f in sorted(Path(folder).rglob("*")) if f.is_file())
+    raise AssertionError(f"'{needle}' never appeared in {folder}/{pattern}{logs}")
+
+
+@pytest.fixture
+def wait_for_text():
+    return _wait_for_text
