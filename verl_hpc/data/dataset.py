@@ -30,7 +30,7 @@ class PromptDataset:
         if not paths:
             raise DataError(f"{what}: empty; expected at least one .parquet or .jsonl file")
         records = load_records(paths, prompt_key, what=what)
-        texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text)
+        texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text, [r.id for r in records])
         kept, dropped = filter_overlong([r.id for r in records], [len(x) for x in ids], max_prompt_length,
                                         overlong_prompts, what=what)
         if not kept:

@@ -178,6 +178,7 @@ def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRec
 def load_records(paths: Sequence[str], prompt_key: str = "prompt",
                  what: str = "data.train_files") -> List[PromptRecord]:
     """Every row of every file as PromptRecords, or one DataError listing the bad rows."""
+    paths = [str(p) for p in paths]  # also takes an OmegaConf ListConfig
     records: List[PromptRecord] = []
     problems: List[str] = []
     total = 0

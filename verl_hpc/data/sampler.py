@@ -69,7 +69,8 @@ class EpochSampler:
         if strict:
             _check_same(state, "seed", str(self.seed), "data.seed")
             _check_same(state, "shuffle", int(self.shuffle), "data.shuffle")
-            _check_same(state, "fingerprint", self.fingerprint, "the train set (files, prompt_key, length filter)")
+            _check_same(state, "fingerprint", self.fingerprint,
+                        "train set (data.train_files, data.prompt_key, data.max_prompt_length)")
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if not (epoch >= 0 and 0 <= offset < self.size):
             raise DataError(f"sampler state: position epoch {epoch}, offset {offset} is outside a dataset of "

@@ -12,7 +12,7 @@ A rendered template already holds the special tokens the model expects, so it is
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 from verl_hpc.data.errors import DataError
 
@@ -35,16 +35,25 @@ def render_prompt(tokenizer, prompt: Prompt, wrap_plain_text: bool = True) -> Tu
     return text, True
 
 
-def encode_prompts(tokenizer, prompts: Sequence[Prompt],
-                   wrap_plain_text: bool = True) -> Tuple[List[str], List[List[int]]]:
-    """Rendered texts and their token ids, in one batched tokenizer call per kind."""
-    rendered = [render_prompt(tokenizer, p, wrap_plain_text) for p in prompts]
+def encode_prompts(tokenizer, prompts: Sequence[Prompt], wrap_plain_text: bool = True,
+                   sample_ids: Optional[Sequence[str]] = None) -> Tuple[List[str], List[List[int]]]:
+    """Rendered texts and their token ids, in one batched tokenizer call per kind. `sample_ids`
+    only serve the error message when a template cannot render a prompt."""
+    rendered = []
+    for i, p in enumerate(prompts):
+        try:
+            rendered.append(render_prompt(tokenizer, p, wrap_plain_text))
+        except DataError as e:
+            raise DataError(f"sample {sample_ids[i] if sample_ids else i}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a Jinja template's own checks (roles must alternate, ...)
+            raise DataError(f"sample {sample_ids[i] if sample_ids else i}: the tokenizer's chat_template cannot "
+                            f"render this prompt ({type(e).__name__}: {e})") from e
     texts = [t for t, _ in rendered]
-    ids: List[List[int]] = [[] for _ in prompts]
+    token_ids: List[List[int]] = [[] for _ in prompts]
     for templated in (True, False):  # templated texts carry their own special tokens
         idx = [i for i, (_, tpl) in enumerate(rendered) if tpl == templated]
         if idx:
             enc = tokenizer([texts[i] for i in idx], add_special_tokens=not templated)["input_ids"]
-            for i, token_ids in zip(idx, enc):
-                ids[i] = list(token_ids)
-    return texts, ids
+            for i, row in zip(idx, enc):
+                token_ids[i] = list(row)
+    return texts, token_ids

@@ -26,7 +26,8 @@ def synthetic_arith_score(solution_str: str, ground_truth: str, extra=None) -> f
 
 def check_integer_ground_truth(ground_truth: str) -> Optional[str]:
     if not re.fullmatch(r"\s*-?\d+\s*", str(ground_truth)):
-        return f"ground_truth {ground_truth!r} is not an integer; expected e.g. '7' (synthetic_arith answers are integers)"
+        return (f"ground_truth {ground_truth!r} is not an integer; expected e.g. '7' "
+                "(synthetic_arith answers are integers)")
     return None
 
 

@@ -58,5 +58,6 @@ def gsm8k_score(solution_str: str, ground_truth: str, extra=None, method: str = 
 def check_ground_truth(ground_truth: str) -> Optional[str]:
     """A problem with a gsm8k ground truth (it must be a number), or None."""
     if parse_number(ground_truth) is None:
-        return f"ground_truth {ground_truth!r} is not a number; expected e.g. '72' or '1,200' (gsm8k answers are numbers)"
+        return (f"ground_truth {ground_truth!r} is not a number; expected e.g. '72' or '1,200' "
+                "(gsm8k answers are numbers)")
     return None

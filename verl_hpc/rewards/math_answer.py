@@ -109,5 +109,6 @@ def math_score(solution_str: str, ground_truth: str, extra=None) -> float:
 
 def check_ground_truth(ground_truth: str) -> Optional[str]:
     if not normalize_answer(ground_truth):
-        return f"ground_truth {ground_truth!r} is empty after normalisation; expected the boxed answer, e.g. '\\frac{{1}}{{2}}'"
+        return (f"ground_truth {ground_truth!r} is empty after normalisation; expected the boxed answer, "
+                "e.g. '\\frac{1}{2}'")
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import traceback
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -149,10 +150,10 @@ class RewardScorer:
         if mask.dim() != 2 or scores.shape != (mask.shape[0],):
             raise RewardError(f"to_token_level: scores {tuple(scores.shape)} and response_mask "
                               f"{tuple(response_mask.shape)} must be [B] and [B, T]")
-        out = torch.zeros(mask.shape, dtype=torch.float32)
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         rows = torch.nonzero(mask.any(dim=1)).flatten()
         last = mask.shape[1] - 1 - mask.flip(1).to(torch.int8).argmax(dim=1)
-        out[rows, last[rows]] = scores[rows].to(torch.float32)
+        out[rows, last[rows]] = scores.to(out)[rows]
         return out
 
 
@@ -163,11 +164,11 @@ def _as_score(out) -> Tuple[float, Dict[str, float]]:
         if "score" not in out:
             raise RewardError(f"reward function returned a dict without 'score' (keys: {sorted(out)})")
         info = {k: float(v) for k, v in out.items()
-                if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+                if k != "score" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
         out = out["score"]
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
-    if not isinstance(out, (int, float)) or not math.isfinite(float(out)):
+    if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
         raise RewardError(f"reward function returned {out!r}; expected a finite number or a dict with 'score'")
     return float(out), info
 

@@ -43,6 +43,12 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def make_tokenizer():
+    """A builder, for tests that change a tokenizer (the session one is shared)."""
+    return _build_tokenizer
+
+
+@pytest.fixture(scope="session")
 def plain_tokenizer():
     """The same tokenizer without a chat template."""
     tok = _build_tokenizer()

@@ -59,7 +59,8 @@ def test_math_cli(files, tmp_path):
 @pytest.mark.parametrize("task,rows,message", [
     ("gsm8k", [GSM8K[0], {"question": "q", "answer": "no final line"}], "row 1 (line 2): field 'answer' has no final"),
     ("gsm8k", [{"answer": "#### 3"}], "row 0 (line 1): field 'question' is missing"),
-    ("math", [MATH[0], {"problem": "p", "solution": "x = \\boxed{3"}], "row 1 (line 2): field 'solution' has no complete"),
+    ("math", [MATH[0], {"problem": "p", "solution": "x = \\boxed{3"}],
+     "row 1 (line 2): field 'solution' has no complete"),
 ])
 def test_bad_input_rows_exit_2_naming_the_line(files, tmp_path, task, rows, message):
     proc = prepare(task, files.jsonl("in.jsonl", rows), tmp_path / "out.parquet")

@@ -59,7 +59,7 @@ def test_state_from_another_run_is_refused():
     state = EpochSampler(10, seed=1, fingerprint="10:abc").state_dict()
     with pytest.raises(DataError, match="resume with the same data.seed"):
         EpochSampler(10, seed=2, fingerprint="10:abc").load_state_dict(state)
-    with pytest.raises(DataError, match=r"resume with the same the train set"):
+    with pytest.raises(DataError, match=r"resume with the same train set"):
         EpochSampler(10, seed=1, fingerprint="11:def").load_state_dict(state)
     EpochSampler(12, seed=1, fingerprint="12:x").load_state_dict(state, strict=False)  # explicit override
     with pytest.raises(DataError, match="'mixture' one"):

@@ -23,6 +23,19 @@ def test_raw_text_when_asked_or_without_a_template(tokenizer, plain_tokenizer):
         render_prompt(plain_tokenizer, [{"role": "user", "content": "hi"}])
 
 
+def test_template_failures_name_the_sample(files, tokenizer, plain_tokenizer, make_tokenizer):
+    chat = {"prompt": [{"role": "user", "content": "hi"}], "data_source": "m", "ground_truth": "1"}
+    path = files.jsonl("chat.jsonl", [files.row(0), chat])
+    with pytest.raises(DataError, match="sample chat.jsonl:1: a prompt is a list of chat messages but the tokenizer"):
+        PromptDataset.load([path], plain_tokenizer)
+    strict = make_tokenizer()  # a template with its own rule, as many instruct models have
+    strict.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                            + tokenizer.chat_template)
+    sys_row = {**chat, "prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}
+    with pytest.raises(DataError, match=r"sample sys.jsonl:0: the tokenizer's chat_template cannot render.*no system"):
+        PromptDataset.load([files.jsonl("sys.jsonl", [sys_row])], strict)
+
+
 def test_token_ids_have_exactly_one_bos(tokenizer):
     bos = tokenizer.bos_token_id
     texts, ids = encode_prompts(tokenizer, ["3+4=", [{"role": "user", "content": "3+4="}]])
