@@ -108,9 +108,10 @@ def _rope(cfg: Dict[str, Any], family: str, src: str) -> tuple[float, Optional[D
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{src}: {field}.rope_type={rope_type!r} is not implemented; "
                           f"supported: {', '.join(ROPE_TYPES)}")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError(f"{src}: partial_rotary_factor={cfg['partial_rotary_factor']} is not "
-                          f"supported; only 1.0 (rotary over the whole head)")
+    partial = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ConfigError(f"{src}: partial_rotary_factor={partial} is not supported; only 1.0 "
+                          f"(rotary over the whole head)")
     if rope_type == "default":
         return theta, None
     need = ("factor",) if rope_type == "linear" else (

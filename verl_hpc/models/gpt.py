@@ -96,6 +96,32 @@ def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
+def _mark_tensor_parallel(model) -> None:
+    """Give every TP-split weight Megatron's `tensor_model_parallel` / `partition_dim` attributes.
+
+    megatron-core 0.16.1 sets them on weights only inside its random initialisers, which
+    `init_weights=False` skips. Without them Megatron's gradient-norm and optimizer code treat a
+    split weight as a replica (counted on TP rank 0 only), and export would not gather it.
+    """
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                     parallel_output: bool = True, use_te: Optional[bool] = None, fp8: bool = False,
@@ -104,7 +130,8 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
     """This rank's `GPTModel` for `arch` under the initialised Megatron model parallelism.
 
     pre/post_process default to this rank's pipeline stage (first stage embeds, last stage has
-    the output layer). Weights are not initialised: load them with `weights.load_hf_weights`.
+    the output layer). With virtual pipeline stages, build one chunk per `vp_stage`.
+    Weights are not initialised: load them with `weights.load_hf_weights`.
     `parallel_output=True` keeps logits vocab-parallel (what training needs).
     """
     from megatron.core import parallel_state as ps
@@ -120,6 +147,15 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
         log.warning("model dtype %s on CPU: Megatron's CPU paths are verified in float32 only", dtype)
     if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
         config_overrides.setdefault("fp8", "hybrid")
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp:  # Megatron's layer offsets per virtual stage read it from the config
+        if vp_stage is None:
+            raise ValueError(f"virtual pipeline size {vpp}: build one chunk per vp_stage in "
+                             f"range({vpp}) (build_gpt_model(arch, vp_stage=i))")
+        if arch.num_layers % (pp * vpp):
+            raise ValueError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
+                             f"num_hidden_layers={arch.num_layers} of {arch.source}")
+        config_overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
     config = transformer_config(arch, tp, pp, dtype=dtype, **config_overrides)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(use_te, fp8),
@@ -128,6 +164,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, vp_stage=vp_stage,
         **_rope_kwargs(arch))
+    _mark_tensor_parallel(model)
     if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch)
     if post_process:

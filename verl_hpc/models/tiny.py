@@ -11,6 +11,7 @@ vocabulary padding is exercised at every TP size. Output is a pure function of t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 from pathlib import Path
@@ -41,10 +42,9 @@ def corpus(seed: int = 0, lines: int = 2000) -> List[str]:
     return out
 
 
-def train_tokenizer(vocab_size: int = 480, seed: int = 0):
-    """A byte-level BPE tokenizer trained on `corpus(seed)`, wrapped for transformers."""
+@functools.lru_cache(maxsize=4)
+def _trained_bpe(vocab_size: int, seed: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -53,16 +53,27 @@ def train_tokenizer(vocab_size: int = 480, seed: int = 0):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus(seed), trainer=trainer)
+    return tok.to_str()
+
+
+def train_tokenizer(vocab_size: int = 480, seed: int = 0):
+    """A byte-level BPE tokenizer trained on `corpus(seed)`, wrapped for transformers."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        tokenizer_object=Tokenizer.from_str(_trained_bpe(vocab_size, seed)),
+        bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"], chat_template=CHAT_TEMPLATE,
         model_max_length=256)
 
 
 def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: int = 500,
               hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
-              ffn: int = 256, max_positions: int = 256, special_ids: Dict[str, int] | None = None):
-    """A transformers config object of the family with tiny shapes."""
+              ffn: int = 256, max_positions: int = 256, special_ids: Dict[str, int] | None = None,
+              rope_scaling: Dict | None = None):
+    """A transformers config object of the family with tiny shapes. `rope_scaling` (e.g.
+    {"rope_type": "llama3", "factor": 8.0, ...}) is merged into rope_parameters."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     if family not in FAMILIES:
@@ -73,17 +84,17 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
                   max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   tie_word_embeddings=tied, bos_token_id=ids.get("bos"),
                   eos_token_id=ids.get("eos"), pad_token_id=ids.get("pad"))
+    theta = {"llama": 10000.0, "mistral": 100000.0, "qwen2": 1000000.0}[family]
+    rope = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
     if family == "llama":
         return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"],
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                           rope_parameters=rope)
     if family == "mistral":
         return MistralConfig(**common, head_dim=head_dim, sliding_window=None,
-                             architectures=["MistralForCausalLM"],
-                             rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+                             architectures=["MistralForCausalLM"], rope_parameters=rope)
     if hidden != heads * head_dim:
         raise ValueError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
-    return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"],
-                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], rope_parameters=rope)
 
 
 def random_state_dict(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
@@ -122,12 +133,16 @@ def save_safetensors(state: Dict[str, torch.Tensor], out: Path, shards: int = 1)
 
 def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: int = 2,
                     vocab_size: int = 500, seed: int = 0, shards: int = 1, **shape) -> Path:
-    """Write a tiny HF model folder to `out` and return its path. Deterministic given the args."""
+    """Write a tiny HF model folder to `out` and return its path. Deterministic given the args.
+
+    `seed` draws the weights; every tiny model shares one tokenizer (trained on corpus(0)).
+    `shape` overrides hf_config's sizes (hidden, heads, kv_heads, head_dim, ffn, max_positions,
+    rope_scaling)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(vocab_size=min(480, vocab_size), seed=seed)
+    tokenizer = train_tokenizer(vocab_size=min(480, vocab_size))
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
     ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}|>") for k in ("bos", "eos", "pad")}

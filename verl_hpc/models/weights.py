@@ -21,6 +21,8 @@ bucket. `all_stages=False` yields only the caller's stage (still TP-gathered), f
 store each stage's part themselves (HF or HDF5 export) and need no cross-stage traffic.
 
 The iterator is a collective: all model-parallel ranks of a replica must exhaust it together.
+Yielded tensors may share storage with the live parameters (no copy is made where none is
+needed): consume or copy them before the next optimizer step.
 """
 from __future__ import annotations
 
@@ -45,6 +47,20 @@ class LoadReport:
     bytes_read: int  # bytes copied out of the checkpoint files by this rank
 
 
+def _chunks(model) -> list:
+    """A model, or the list of this rank's virtual-pipeline chunks, as a list of the GPTModels
+    from build_gpt_model (unwrapping Megatron's DDP / Float16Module wrappers)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for i, chunk in enumerate(chunks):
+        while not hasattr(chunk, "verl_arch") and hasattr(chunk, "module"):
+            chunk = chunk.module
+        if not hasattr(chunk, "verl_arch"):
+            raise TypeError(f"{type(chunk).__name__} was not built by "
+                            f"verl_hpc.models.build_gpt_model (it has no verl_arch)")
+        chunks[i] = chunk
+    return chunks
+
+
 def _layer_numbers(model) -> Dict[int, int]:
     """Stage-local layer index -> global HF layer index (carries the pipeline offset)."""
     return {j: layer.layer_number - 1 for j, layer in enumerate(model.decoder.layers)}
@@ -57,33 +73,42 @@ def _layout(model) -> Layout:
                   tp=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.vocab_size)
 
 
-def _exported_params(model) -> List[Tuple[str, torch.nn.Parameter]]:
+def _exported_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
     """Parameters in a stable order, minus the tied output layer of the last stage (the HF
     checkpoint stores a tied lm_head once, as the embedding)."""
-    arch = model.verl_arch
-    return [(n, p) for n, p in model.named_parameters()
+    arch = chunk.verl_arch
+    return [(n, p) for n, p in chunk.named_parameters()
             if not (arch.tie_word_embeddings and n == "output_layer.weight")]
 
 
+def _load_param(reader, chunk, name, param, layers, lay) -> None:
+    arch = chunk.verl_arch
+    rule, layer = rule_for(name, arch, layers)
+    shard = rule.load(reader, arch, layer, lay)
+    if tuple(shard.shape) != tuple(param.shape):
+        raise RuntimeError(f"{name}: the HF checkpoint gives shape {tuple(shard.shape)} for "
+                           f"TP rank {lay.tp_rank}/{lay.tp}, the model expects "
+                           f"{tuple(param.shape)}; does config.json match the weights?")
+    split = bool(getattr(param, "tensor_model_parallel", False))
+    if lay.tp > 1 and (split != (rule.tp_dim is not None)
+                       or (split and param.partition_dim != rule.tp_dim)):
+        raise RuntimeError(f"{name}: Megatron marks it tensor_model_parallel={split} "
+                           f"partition_dim={getattr(param, 'partition_dim', None)}, the HF "
+                           f"mapping splits dim {rule.tp_dim}; build it with build_gpt_model")
+    with torch.no_grad():
+        param.copy_(shard)
+
+
 def load_hf_weights(model, checkpoint: Union[str, Path, HFCheckpointReader]) -> LoadReport:
-    """Fill every parameter of this rank's `model` (from `gpt.build_gpt_model`) from the HF
-    checkpoint, reading only this rank's slices."""
-    arch = model.verl_arch
+    """Fill every parameter of this rank's `model` (from `gpt.build_gpt_model`, or the list of
+    its virtual-pipeline chunks) from the HF checkpoint, reading only this rank's slices."""
     reader = checkpoint if isinstance(checkpoint, HFCheckpointReader) else HFCheckpointReader(checkpoint)
-    lay, layers = _layout(model), _layer_numbers(model)
     start_bytes, count, elements = reader.bytes_read, 0, 0
-    for name, param in model.named_parameters():
-        rule, layer = rule_for(name, arch, layers)
-        shard = rule.load(reader, arch, layer, lay)
-        if tuple(shard.shape) != tuple(param.shape):
-            raise RuntimeError(f"{name}: the HF checkpoint gives shape {tuple(shard.shape)} for "
-                               f"TP rank {lay.tp_rank}/{lay.tp}, the model expects "
-                               f"{tuple(param.shape)}; does config.json match the weights?")
-        if getattr(param, "tensor_model_parallel", False) and lay.tp > 1:
-            assert param.partition_dim == rule.tp_dim, (name, param.partition_dim, rule.tp_dim)
-        with torch.no_grad():
-            param.copy_(shard)
-        count, elements = count + 1, elements + param.numel()
+    for chunk in _chunks(model):
+        lay, layers = _layout(chunk), _layer_numbers(chunk)
+        for name, param in chunk.named_parameters():
+            _load_param(reader, chunk, name, param, layers, lay)
+            count, elements = count + 1, elements + param.numel()
     report = LoadReport(count, elements, reader.bytes_read - start_bytes)
     log.info("loaded %d parameters (%.1f M elements, %.1f MB read) from %s", count, elements / 1e6,
              report.bytes_read / 1e6, reader.folder)
@@ -100,11 +125,12 @@ def _tp_gather(tensor: torch.Tensor, dim: Optional[int], group, tp: int) -> torc
 
 def _stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:
     """(HF name, shape) of everything this stage exports, in export order."""
-    arch, layers = model.verl_arch, _layer_numbers(model)
     out = []
-    for name, _ in _exported_params(model):
-        rule, layer = rule_for(name, arch, layers)
-        out.extend(rule.hf_entries(arch, layer))
+    for chunk in _chunks(model):
+        arch, layers = chunk.verl_arch, _layer_numbers(chunk)
+        for name, _ in _exported_params(chunk):
+            rule, layer = rule_for(name, arch, layers)
+            out.extend(rule.hf_entries(arch, layer))
     return out
 
 
@@ -112,20 +138,22 @@ def _stage_tensors(model, dtype) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered (collective over the TP group)."""
     from megatron.core import parallel_state as ps
 
-    arch, lay, layers = model.verl_arch, _layout(model), _layer_numbers(model)
     group = ps.get_tensor_model_parallel_group()
-    for name, param in _exported_params(model):
-        rule, layer = rule_for(name, arch, layers)
-        tp_dim = rule.tp_dim if getattr(param, "tensor_model_parallel", False) else None
-        full = _tp_gather(param, tp_dim, group, lay.tp)
-        for hf_name, t in rule.to_hf(full, arch, layer, lay):
-            yield hf_name, (t if dtype is None else t.to(dtype))
+    for chunk in _chunks(model):
+        arch, lay, layers = chunk.verl_arch, _layout(chunk), _layer_numbers(chunk)
+        for name, param in _exported_params(chunk):
+            rule, layer = rule_for(name, arch, layers)
+            full = _tp_gather(param, rule.tp_dim, group, lay.tp)
+            for hf_name, t in rule.to_hf(full, arch, layer, lay):
+                yield hf_name, (t if dtype is None else t.to(dtype))
 
 
 def export_hf_weights(model, *, all_stages: bool = True,
                       dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` per the layout contract in the module docstring.
 
+    model: this rank's model, or its list of virtual-pipeline chunks (then the order is stage
+    by stage, chunk by chunk: still the same on every rank, no longer strictly HF order).
     dtype: cast each tensor (default: the parameters' dtype). A collective iterator.
     """
     from megatron.core import parallel_state as ps
@@ -135,18 +163,20 @@ def export_hf_weights(model, *, all_stages: bool = True,
         yield from _stage_tensors(model, dtype)
         return
     group, my_stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
-    param_dtype = dtype or next(p for _, p in model.named_parameters()).dtype
+    first_param = next(p for chunk in _chunks(model) for _, p in chunk.named_parameters())
+    param_dtype, device = dtype or first_param.dtype, first_param.device
     # Every stage learns every stage's (name, shape) list: one small exchange per export.
     plans: List[List[Tuple[str, Tuple[int, ...]]]] = [None] * pp  # type: ignore[list-item]
     dist.all_gather_object(plans, _stage_entries(model), group=group)
-    device = next(p for _, p in model.named_parameters()).device
     for stage, plan in enumerate(plans):
         src = dist.get_global_rank(group, stage)
         mine = _stage_tensors(model, dtype) if stage == my_stage else None
         for hf_name, shape in plan:
             if mine is not None:
                 got_name, tensor = next(mine)
-                assert got_name == hf_name, (got_name, hf_name)
+                if got_name != hf_name or tuple(tensor.shape) != tuple(shape):
+                    raise RuntimeError(f"export plan mismatch: planned {hf_name} {shape}, "
+                                       f"produced {got_name} {tuple(tensor.shape)}")
                 tensor = tensor.contiguous()
             else:
                 tensor = torch.empty(shape, dtype=param_dtype, device=device)

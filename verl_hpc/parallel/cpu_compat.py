@@ -118,42 +118,20 @@ class _NoStream:
     def __init__(self, *args, **kwargs):
         pass
 
-    def wait_stream(self, other):
+    def wait_stream(self, *args, **kwargs):
         pass
 
-    def synchronize(self):
-        pass
-
-    def record_event(self, *args, **kwargs):
-        return None
+    synchronize = record_event = wait_stream
 
 
 class _CpuCuda:
     """`torch.cuda` as seen from a proxied megatron module on a machine without a GPU."""
 
     Stream = _NoStream
-
-    @staticmethod
-    def current_device():
-        return torch.device("cpu")
-
-    @staticmethod
-    def synchronize(*args, **kwargs):
-        pass
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    @staticmethod
-    def stream(stream=None):
-        return contextlib.nullcontext()
-
-    @staticmethod
-    def default_stream(*args, **kwargs):
-        return _NoStream()
-
-    current_stream = default_stream
+    current_device = staticmethod(lambda: torch.device("cpu"))
+    synchronize = empty_cache = staticmethod(lambda *args, **kwargs: None)
+    stream = staticmethod(lambda stream=None: contextlib.nullcontext())
+    default_stream = current_stream = staticmethod(lambda *args, **kwargs: _NoStream())
 
     def __getattr__(self, name):
         if name in _CUDA_FORWARDED:
@@ -299,14 +277,20 @@ def _retarget_consts(code: types.CodeType) -> Tuple[types.CodeType, int]:
     return code.replace(co_consts=tuple(consts)), count
 
 
+def _owner(target: str):
+    """'module:Class.attr' or 'module:attr' -> (the object holding attr, attr)."""
+    module_name, qualname = target.split(":")
+    *path, attr = qualname.split(".")
+    obj = importlib.import_module(module_name)
+    for part in path:
+        obj = getattr(obj, part)
+    return obj, attr
+
+
 def resolve_function(target: str):
     """'module:Class.method' -> the plain function object (unwrapping classmethod/staticmethod)."""
-    module_name, qualname = target.split(":")
-    obj = importlib.import_module(module_name)
-    parts = qualname.split(".")
-    for part in parts[:-1]:
-        obj = getattr(obj, part)
-    fn = obj.__dict__[parts[-1]] if isinstance(obj, type) else getattr(obj, parts[-1])
+    obj, attr = _owner(target)
+    fn = obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)
     return getattr(fn, "__func__", fn)
 
 
@@ -341,9 +325,7 @@ def _with_cpu_tensor_cuda(fn):
 
 def _patch_scoped_tensor_cuda() -> None:
     for target, why in SCOPED_TENSOR_CUDA.items():
-        module_name, qualname = target.split(":")
-        cls_name, meth = qualname.split(".")
-        cls = getattr(importlib.import_module(module_name), cls_name)
+        cls, meth = _owner(target)
         original = cls.__dict__[meth]
         _remember(target, original, "scoped-tensor-cuda", why)
         setattr(cls, meth, _with_cpu_tensor_cuda(original))
@@ -374,12 +356,7 @@ def revert() -> None:
     for target, (kind, original) in _originals.items():
         if kind == "type-names":
             resolve_function(target).__code__ = original
-        elif kind == "scoped-tensor-cuda":
-            module_name, qualname = target.split(":")
-            cls_name, meth = qualname.split(".")
-            setattr(getattr(importlib.import_module(module_name), cls_name), meth, original)
         else:
-            module_name, attr = target.split(":")
-            setattr(importlib.import_module(module_name), attr, original)
+            setattr(*_owner(target), original)
     _originals.clear()
     _applied.clear()

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.parallel import cpu_compat
 from verl_hpc.runtime.device import has_gpu
 
@@ -47,10 +48,10 @@ def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
     """The data-parallel size, or an error naming the fields when the layout cannot tile the world."""
     for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: must be a positive integer; got {value!r}")
+            raise ConfigError(f"{name}: must be a positive integer; got {value!r}")
     model = tp * pp * cp
     if world_size % model:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.tp={tp} x parallel.pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
             + f" = {model} ranks per model replica does not divide the world size {world_size}; "
             f"choose tp*pp dividing {world_size}")
@@ -102,7 +103,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
                            "verl_hpc.runtime.bootstrap() first")
     check_layout(dist.get_world_size(), tp, pp, cp)
     if vpp is not None and (vpp < 1 or pp == 1):
-        raise ValueError(f"parallel.vpp={vpp}: virtual stages need parallel.pp > 1 and vpp >= 1")
+        raise ConfigError(f"parallel.vpp={vpp}: virtual stages need parallel.pp > 1 and vpp >= 1")
     if ps.model_parallel_is_initialized():
         have = current()
         if (have.tp, have.pp, have.cp, have.vpp) != (tp, pp, cp, vpp):
@@ -116,7 +117,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
         # unless told use_gloo_process_groups=False.
         distributed_timeout_minutes=timeout_minutes)
     if not has_gpu():
-        cpu_compat.apply()
+        cpu_compat.apply()  # before seeding: seeding fills the (CPU) RNG tracker it installs
     seed_model_parallel(seed)
     mp = current()
     log.info("megatron model parallel: tp=%d pp=%d dp=%d cp=%d (this rank tp %d, pp %d, dp %d)%s",

@@ -58,28 +58,31 @@ def launch(world_size: int, scenario: str, args: dict, workdir: Path, timeout: f
 # ----------------------------------------------------------------------------- rank side
 
 
-def _forward(model, ids):
-    """Logits through Megatron's own schedule (pipelined with p2p when pp > 1); None off the
-    last stage. Exercises the schedule/p2p CPU help, not only the model."""
+def _forward(chunks, ids):
+    """Logits through Megatron's own schedule (pipelined with p2p when pp > 1, interleaved with
+    virtual stages), one sequence per micro-batch; None off the last stage. Exercises the
+    schedule/p2p CPU help, not only the model."""
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     captured = []
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
 
     def loss_func(output):
         captured.append(output.detach())
         return output.sum() * 0.0, {}
 
     def step(data_iterator, m):
-        batch = next(data_iterator)
-        return m(batch, pos, None), loss_func
+        return m(next(data_iterator), pos, None), loss_func
 
+    batches = [ids[i:i + 1] for i in range(ids.shape[0])]
+    iters = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
-            seq_length=ids.shape[1], micro_batch_size=ids.shape[0], forward_only=True)
-    return captured[0] if captured else None
+            forward_step_func=step, data_iterator=iters, model=chunks,
+            num_microbatches=len(batches), seq_length=ids.shape[1], micro_batch_size=1,
+            forward_only=True)
+    return torch.cat(captured) if captured else None
 
 
 def _spy_safe_open(record):
@@ -125,7 +128,7 @@ def _spy_safe_open(record):
     safetensors.safe_open = Handle
 
 
-def _check_model(spec: dict, mp, out: dict) -> None:
+def _check_model(spec: dict, mp, out: dict) -> None:  # noqa: C901 (one check list per model)
     import torch
     from safetensors.torch import load_file
 
@@ -139,7 +142,8 @@ def _check_model(spec: dict, mp, out: dict) -> None:
     reads, real_safe_open = [], safetensors.safe_open
     if spec.get("spy"):
         _spy_safe_open(reads)
-    model = build_gpt_model(arch)
+    model = [build_gpt_model(arch, vp_stage=i) for i in range(mp.vpp)] if mp.vpp else [
+        build_gpt_model(arch)]
     try:
         report = load_hf_weights(model, folder)
     finally:
@@ -168,31 +172,28 @@ def _check_model(spec: dict, mp, out: dict) -> None:
                 tensor, original[name])
         res["export_names"] = names
         res["export_exact"] = bool(exact and sorted(names) == sorted(original))
+        res["stage_export_names"] = [n for n, _ in export_hf_weights(model, all_stages=False)]
     out[spec["name"]] = res
 
 
 def _train_smoke(spec: dict, out: dict) -> None:
     """DDP + DistributedOptimizer + grad clipping + the no-pipelining schedule, one Adam step
-    (FINDINGS.md items 3, 5-7 on CPU): the grad norm equals plain autograd's on the same loss."""
+    (FINDINGS.md items 3, 5-7 on CPU). Megatron's global grad norm of the next-token
+    cross-entropy must equal transformers' (computed by the test): at TP > 1 that needs every
+    split weight to carry Megatron's tensor-parallel attributes, and the -inf padded columns
+    must not disturb the vocab-parallel cross-entropy."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from verl_hpc.models import build_gpt_model, load_arch, load_hf_weights
+    from verl_hpc.models import build_gpt_model, export_hf_weights, load_arch, load_hf_weights
+    from verl_hpc.models.gpt import full_vocab_logits
 
     arch = load_arch(spec["dir"])
-    ref_model = build_gpt_model(arch)
-    load_hf_weights(ref_model, spec["dir"])
-    ids = torch.load(Path(spec["dir"]) / "ref_logits.pt")["ids"]
+    ref = torch.load(Path(spec["dir"]) / "ref_logits.pt")
+    ids = ref["ids"]
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-
-    def loss_of(logits):
-        return logits[..., : arch.vocab_size].float().pow(2).mean()
-
-    loss_of(ref_model(ids, pos, None)).backward()
-    ref_norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in ref_model.parameters())))
-
     model = build_gpt_model(arch)
     load_hf_weights(model, spec["dir"])
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
@@ -201,9 +202,12 @@ def _train_smoke(spec: dict, out: dict) -> None:
                                                  use_distributed_optimizer=True), [ddp])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    labels = ids.roll(-1, dims=1)
+
     def step(data_iterator, m):
-        logits = m(next(data_iterator), pos, None)
-        return logits, lambda out: (loss_of(out), {})
+        # labels=: Megatron's vocab-parallel cross-entropy over logits whose padded columns are
+        # -inf; returns the per-token loss
+        return m(next(data_iterator), pos, None, labels=labels), lambda o: (o.float().mean(), {})
 
     ddp.zero_grad_buffer()
     opt.zero_grad()
@@ -212,29 +216,57 @@ def _train_smoke(spec: dict, out: dict) -> None:
                                 micro_batch_size=ids.shape[0], forward_only=False)
     ok, grad_norm, _ = opt.step()
     moved = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters())
-    out["train_smoke"] = {"ok": bool(ok), "grad_norm": float(grad_norm), "ref_norm": ref_norm,
-                          "max_param_change": moved}
+    # export after the step, from the DDP-wrapped model: the test loads it into transformers
+    with torch.no_grad():
+        logits = full_vocab_logits(model(ids, pos, None), arch)
+    exported = {n: t.clone() for n, t in export_hf_weights(ddp)}
+    if torch.distributed.get_rank() == 0:
+        torch.save({"state": exported, "logits": logits, "ids": ids}, spec["save_to"])
+    unmarked = [n for n, p in model.named_parameters()
+                if p.dim() == 2 and "layernorm" not in n and not getattr(p, "tensor_model_parallel", False)]
+    out["train_smoke"] = {"ok": bool(ok), "grad_norm": float(grad_norm),
+                          "ref_norm": float(ref["grad_norm"]), "max_param_change": moved,
+                          "unmarked_split_weights": unmarked}
+
+
+def _run_layout(layout: dict) -> dict:
+    from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
+
+    t = time.time()
+    mp = init_model_parallel(layout["tp"], layout["pp"], vpp=layout.get("vpp"), seed=1)
+    out = {"tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank, "dp_rank": mp.dp_rank, "dp": mp.dp,
+           "patches": [p.target for p in mp.cpu_patches], "models": {},
+           "seconds": {"model_parallel_init": time.time() - t}}
+    for spec in layout["models"]:
+        t = time.time()
+        _check_model(spec, mp, out["models"])
+        out["seconds"][spec["name"]] = time.time() - t
+    if layout.get("train_smoke"):
+        t = time.time()
+        _train_smoke(layout["train_smoke"], out)
+        out["seconds"]["train_smoke"] = time.time() - t
+    destroy_model_parallel()
+    return out
 
 
 def main(scenario: str, workdir: str) -> None:
-    from verl_hpc.parallel import init_model_parallel
-    from verl_hpc.runtime import bootstrap
-
-    args = json.loads((Path(workdir) / "args.json").read_text())
-    ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=120)
-    mp = init_model_parallel(args.get("tp", 1), args.get("pp", 1), seed=1)
-    out = {"rank": ctx.rank, "tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank,
-           "patches": [p.target for p in mp.cpu_patches], "models": {}}
-    if scenario == "models":
-        for spec in args["models"]:
-            _check_model(spec, mp, out["models"])
-        if args.get("train_smoke"):
-            _train_smoke(args["train_smoke"], out)
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}")
-    (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
+    """Scenario "layouts": for each layout in args["layouts"] in turn, initialise Megatron model
+    parallelism over the same ranks (data parallel fills the rest), run its checks, tear it
+    down. One process set serves every layout: importing megatron on 4 ranks sharing 2 cores
+    costs far more than the checks themselves."""
     import torch.distributed as dist
 
+    from verl_hpc.runtime import bootstrap
+
+    t0 = time.time()
+    args = json.loads((Path(workdir) / "args.json").read_text())
+    ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
+    out = {"rank": ctx.rank, "layouts": {}, "seconds": {"bootstrap": time.time() - t0}}
+    if scenario != "layouts":
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    for layout in args["layouts"]:
+        out["layouts"][layout["name"]] = _run_layout(layout)
+    (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
 

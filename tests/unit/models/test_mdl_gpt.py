@@ -1,0 +1,71 @@
+"""verl_hpc.models.gpt pieces that need no process group: RoPE scaling, the padded-vocabulary
+mask, and the clear errors of the layer-spec choice."""
+import pytest
+import torch
+
+from verl_hpc.models.config_mapping import parse_hf_config
+from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec
+
+pytestmark = pytest.mark.unit
+
+
+def test_llama3_rope_inv_freq_matches_transformers():
+    """build_gpt_model recomputes inv_freq with all four llama3 parameters (Megatron's GPTModel
+    forwards only `factor`); compare with transformers' own function."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from verl_hpc.models.config_mapping import parse_hf_config
+    from verl_hpc.models.gpt import _apply_llama3_scaling
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0, "original_max_position_embeddings": 1024}
+    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=rope)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    arch = parse_hf_config({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+
+    class Holder:
+        rotary_pos_emb = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, rotary_base=500000,
+                                         use_cpu_initialization=True)
+
+    _apply_llama3_scaling(Holder, arch)
+    assert torch.allclose(Holder.rotary_pos_emb.inv_freq, expected.float(), rtol=1e-6, atol=0)
+
+
+class _FakeOutputLayer(torch.nn.Module):
+    def forward(self, x):
+        return x, None
+
+
+class _FakeModel:
+    def __init__(self, padded):
+        self.vocab_size = padded
+        self.output_layer = _FakeOutputLayer()
+
+
+@pytest.mark.parametrize("tp_rank, width, masked_from", [
+    (0, 256, None),  # rank 0 of 2 holds ids 0..255: all real
+    (1, 256, 500 - 256),  # rank 1 holds 256..511: 500..511 are padding
+    (0, 512, 500),  # gathered (parallel_output=False): the full padded vocabulary
+])
+def test_padded_vocab_logits_are_minus_inf(tp_rank, width, masked_from):
+    arch = parse_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 500,
+                            "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                            "num_attention_heads": 2})
+    model = _FakeModel(512)
+    _mask_padded_vocab(model, arch, tp_rank, tp=2)
+    logits, _ = model.output_layer(torch.zeros(3, 2, width, requires_grad=True))
+    if masked_from is None:
+        assert torch.isfinite(logits).all()
+        return
+    assert torch.isneginf(logits[..., masked_from:]).all()
+    assert torch.isfinite(logits[..., :masked_from]).all()
+    logits[..., :masked_from].sum().backward()  # the mask is differentiable where it matters
+
+
+def test_fp8_without_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="model.fp8=true needs a CUDA GPU"):
+        layer_spec(fp8=True)
+    spec = layer_spec()  # the local spec on CPU
+    assert "TENorm" not in repr(spec) and "TELayerNorm" not in repr(spec)
