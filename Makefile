@@ -20,8 +20,8 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
-demo: venv
-	$(BIN)/python -m verl_hpc.submit configs/demo.yaml --local
+demo: venv  # tiny model + synthetic data + SFT warm start + GRPO; prints val accuracy before/after
+	$(BIN)/python -m verl_hpc.trainer.demo
 
 cluster:
 	bash slurm/devcluster/start.sh

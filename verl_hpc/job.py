@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 # for importing vLLM and Megatron.
 PROGRAMS = {
     "smoke": "verl_hpc.trainer.smoke:run",
+    "rl": "verl_hpc.trainer.rl:run",
+    "sft": "verl_hpc.trainer.sft:run",
 }
 
 

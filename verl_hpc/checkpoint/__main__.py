@@ -7,9 +7,10 @@
 CKPT is a checkpoint directory (step_000120) or a checkpoint root (its `latest` is used).
 Exit codes: 0 ok, 1 verify found damage (a bad index included), 2 no such checkpoint or other error.
 
-Subcommands are registered with @subcommand. `export CKPT --hf OUT` (a Hugging Face folder) comes
-with the Megatron engine, which owns the HF <-> Megatron name mapping it needs; it will live in its
-own module and register itself here the same way.
+    export CKPT --hf OUT    the actor as a Hugging Face folder (safetensors, config.json, tokenizer;
+                            verl_hpc/checkpoint/hf_export.py); single process, any saving layout
+
+Subcommands are registered with @subcommand.
 """
 from __future__ import annotations
 
@@ -124,9 +125,19 @@ def verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_export() -> None:
+    from verl_hpc.checkpoint import hf_export
+
+    subcommand("export", "write the actor as a Hugging Face folder (--hf OUT)",
+               hf_export.add_arguments)(hf_export.run_cli)
+
+
+_register_export()
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_hpc.checkpoint",
-                                     description="Inspect and verify verl_hpc HDF5 checkpoints.")
+                                     description="Inspect, verify and export verl_hpc HDF5 checkpoints.")
     subs = parser.add_subparsers(dest="command", required=True)
     for cmd in SUBCOMMANDS.values():
         p = subs.add_parser(cmd.name, help=cmd.help)

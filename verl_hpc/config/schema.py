@@ -50,6 +50,9 @@ class DataConfig:
     seed: int = 1
     overlong_prompts: str = choice("drop", "drop", "error")
     mixture: Dict[str, float] = field(default_factory=dict)  # data_source -> sampling weight
+    wrap_plain_text: bool = True  # plain-text prompts go through the tokenizer's chat template
+    sft_files: List[str] = default_list()  # trainer.job=sft: rows with prompt and response columns
+    response_key: str = "response"  # SFT: column holding the target response
 
 
 @dataclass
@@ -162,6 +165,7 @@ class RewardConfig:
     allow_custom_code: bool = False  # custom_function runs user code: an explicit opt-in
     custom_function: str = ""  # "package.module:function"
     on_error: str = choice("zero", "zero", "raise")
+    gsm8k_method: str = choice("strict", "strict", "flexible")  # answer extraction for gsm8k rows
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -189,6 +193,9 @@ class TrainerConfig:
     seed: int = 1
     resume: str = "auto"  # auto | never | path of a checkpoint
     max_nonfinite_in_a_row: int = 3  # steps with a non-finite loss tolerated before failing
+    sft_epochs: int = 1  # trainer.job=sft: passes over data.sft_files (total_steps caps the steps)
+    hf_output_dir: str = ""  # trainer.job=sft: auto: <output_dir>/hf (the HF folder RL starts from)
+    inject_nan_at_steps: List[int] = default_list()  # tests: RL steps whose loss is made NaN
     collective_timeout_s: int = 600  # a dead rank fails the job instead of hanging it
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 
@@ -250,6 +257,9 @@ class TrackingConfig:
     )
     log_every: int = 1
     prometheus_port: int = 0  # needed when "prometheus" is a backend
+    plots: bool = True  # PNG plots of the run's curves at the end
+    console_metrics: List[str] = default_list()  # extra metric keys for the console table
+    wandb_mode: str = choice("offline", "offline", "online", "disabled")
 
 
 @dataclass
@@ -308,4 +318,5 @@ def resolve_auto(cfg: JobConfig) -> JobConfig:
     cfg.ref.enable = ref_enabled(cfg)
     cfg.rollout.max_tokens = cfg.rollout.max_tokens or cfg.data.max_response_length
     cfg.checkpoint.dir = cfg.checkpoint.dir or f"{cfg.trainer.output_dir}/checkpoints"
+    cfg.trainer.hf_output_dir = cfg.trainer.hf_output_dir or f"{cfg.trainer.output_dir}/hf"
     return cfg

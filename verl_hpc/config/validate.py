@@ -230,8 +230,13 @@ def _job(cfg: JobConfig) -> List[str]:
         p.append(f"trainer.resume: no such checkpoint '{t.resume}'; valid: auto, never, or an existing path")
     if t.job in ("rl", "sft") and not cfg.model.path:
         p.append(f"model.path: empty, but trainer.job = {t.job} needs a Hugging Face model folder")
-    if t.job in ("rl", "sft") and not cfg.data.train_files:
+    if t.job == "rl" and not cfg.data.train_files:
         p.append(f"data.train_files: empty, but trainer.job = {t.job} needs at least one prompt file")
+    if t.job == "sft" and not cfg.data.sft_files:
+        p.append("data.sft_files: empty, but trainer.job = sft needs at least one file with prompt and "
+                 f"{cfg.data.response_key} columns")
+    if t.max_nonfinite_in_a_row < 1:
+        p.append(f"trainer.max_nonfinite_in_a_row = {t.max_nonfinite_in_a_row}: must be >= 1")
     if t.smoke.fail_rank >= max(cfg.world_size, 1):
         p.append(f"trainer.smoke.fail_rank = {t.smoke.fail_rank} is not a rank of this job "
                  f"(world size {cfg.world_size})")

@@ -116,6 +116,8 @@ def _stream(path: Path, offset: int) -> int:
             chunk = f.read()
     except FileNotFoundError:
         return offset
+    if offset and not chunk and path.stat().st_size < offset:  # a requeued attempt began a new log
+        return 0
     if chunk:
         sys.stdout.write(chunk.decode(errors="replace"))
         sys.stdout.flush()

@@ -1,0 +1,131 @@
+"""Rollout throughput: in-process vLLM (VLLMRollout) against HF `generate` on the same model, same run.
+
+    python benchmarks/bench_rollout.py            # 64 prompts x 32 tokens, n=4, 128 new tokens, 2 repeats
+    python benchmarks/bench_rollout.py --quick    # 16 prompts, n=2, 32 new tokens, 1 repeat
+    python benchmarks/bench_rollout.py --prompts 64 --n 4 --new-tokens 128 --repeats 3
+
+Model: Llama-style, 25.9M parameters (hidden 512, 8 heads, 4 KV heads, head_dim 64, 6 layers,
+ffn 1408, vocab 8000), random weights (matrices N(0, 0.02)) from verl_hpc.models.tiny, float32.
+Prompts: random token ids. Sampling: temperature 1, min_tokens = max_tokens, so that every
+sequence has exactly --new-tokens tokens on both sides (HF's min_new_tokens masks EOS the same way).
+
+Measured, after one warm-up call each, in alternating order per repeat (medians printed):
+  vllm       VLLMRollout.generate: the project's rollout (per-token logprobs included)
+  hf         model.generate(num_return_sequences=n): plain transformers, the peer of the goal
+  hf-rollout HFRollout.generate: the project's fallback (adds logprob recording)
+Printed: tokens/s of each and the ratio vllm / hf (goal >= 2x). Engine start-up is reported apart.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPE = dict(hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1408, max_positions=512)
+PROMPT_LEN = 32
+
+
+def build_model(folder: Path) -> Path:
+    from verl_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(folder, "llama", layers=6, vocab_size=8000, seed=0, **SHAPE)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="16 prompts, n=2, 32 new tokens, 1 repeat")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-hf-rollout", action="store_true", help="skip the HFRollout figure")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.prompts, a.n, a.new_tokens, a.repeats = 16, 2, 32, 1
+
+    import torch
+
+    from verl_hpc.rollout import HFRollout, SamplingSpec, VLLMRollout
+
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    tmp = tempfile.TemporaryDirectory(prefix="bench_rollout_")
+    path = build_model(Path(tmp.name) / "llama26m")
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, 8000, (a.prompts, PROMPT_LEN), generator=gen).tolist()
+    spec = SamplingSpec(n=a.n, temperature=1.0, max_tokens=a.new_tokens, min_tokens=a.new_tokens,
+                        seed=0)
+    tokens = a.prompts * a.n * a.new_tokens
+
+    start = time.perf_counter()
+    vllm = VLLMRollout(str(path), max_prompt_length=PROMPT_LEN, max_response_length=a.new_tokens,
+                       max_num_seqs=max(256, a.prompts * a.n))
+    vllm_startup = time.perf_counter() - start
+    start = time.perf_counter()
+    hf_rollout = HFRollout(str(path), max_prompt_length=PROMPT_LEN,
+                           max_response_length=a.new_tokens, batch_size=a.prompts)
+    hf_startup = time.perf_counter() - start
+    model = hf_rollout.model
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: llama {params / 1e6:.1f}M params, float32, torch threads "
+          f"{torch.get_num_threads()}; {a.prompts} prompts x {PROMPT_LEN} tokens x n={a.n} x "
+          f"{a.new_tokens} new tokens = {tokens} tokens per call")
+    print(f"start-up: vLLM engine {vllm_startup:.1f} s (vllm import included), "
+          f"HF model {hf_startup:.1f} s")
+
+    ids = torch.tensor(prompts)
+    hf_kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                     top_p=1.0, num_return_sequences=a.n, max_new_tokens=a.new_tokens,
+                     min_new_tokens=a.new_tokens, pad_token_id=model.config.pad_token_id)
+
+    def run_vllm():
+        result = vllm.generate(prompts, spec)
+        assert result.num_response_tokens == tokens, result.num_response_tokens
+
+    def run_hf():
+        with torch.no_grad():
+            out = model.generate(ids, **hf_kwargs)
+        assert out.shape == (a.prompts * a.n, PROMPT_LEN + a.new_tokens), out.shape
+
+    def run_hf_rollout():
+        result = hf_rollout.generate(prompts, spec)
+        assert result.num_response_tokens == tokens, result.num_response_tokens
+
+    runs = {"vllm": run_vllm, "hf": run_hf}
+    if not a.no_hf_rollout:
+        runs["hf-rollout"] = run_hf_rollout
+    warm = SamplingSpec(n=1, temperature=1.0, max_tokens=4, min_tokens=4)
+    vllm.generate(prompts[:4], warm)
+    hf_rollout.generate(prompts[:4], warm)
+    with torch.no_grad():
+        model.generate(ids[:4], **{**hf_kwargs, "attention_mask": torch.ones_like(ids[:4]),
+                                   "max_new_tokens": 4, "min_new_tokens": 4})
+    seconds = {name: [] for name in runs}
+    for rep in range(a.repeats):
+        order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+        for name in order:
+            start = time.perf_counter()
+            runs[name]()
+            seconds[name].append(time.perf_counter() - start)
+            print(f"  repeat {rep + 1} {name:<10} {seconds[name][-1]:7.2f} s "
+                  f"{tokens / seconds[name][-1]:8.0f} tok/s", flush=True)
+    rate = {name: tokens / statistics.median(s) for name, s in seconds.items()}
+    for name, r in rate.items():
+        print(f"{name:<10} {r:8.0f} tok/s (median of {a.repeats})")
+    ratio = rate["vllm"] / rate["hf"]
+    print(f"ratio vllm / hf generate = {ratio:.2f}x (goal >= 2x: {'met' if ratio >= 2 else 'NOT met'})")
+    if "hf-rollout" in rate:
+        print(f"ratio vllm / HFRollout  = {rate['vllm'] / rate['hf-rollout']:.2f}x")
+    vllm.close()
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main()

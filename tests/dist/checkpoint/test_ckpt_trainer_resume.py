@@ -1,0 +1,66 @@
+"""Exact resume (issue 7): 6 GRPO steps straight vs 3 steps, stop, resume from `latest`, 3 more.
+The final checkpoints (weights, Adam moments, step counts) must be bitwise equal and every per-step
+metric equal. 1 rank, tiny model, HF rollout seeded per step. The tiny model never answers right,
+so the rewards (and GRPO advantages) are all zero: an entropy bonus makes the updates non-zero."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_trainer_helpers import grpo, logs, make_assets, read_all, stable_metrics
+
+pytestmark = pytest.mark.dist
+MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+
+
+def test_ckpt_trainer_resume_is_exact(assets, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc, s = grpo(assets, straight, "trainer.total_steps=6", *MOVING)
+    assert proc.returncode == 0, logs(proc, straight)
+    # "stop" after 3: the same job with total_steps=3 (constant LR: the schedule does not depend on it)
+    proc, s1 = grpo(assets, split, "trainer.total_steps=3", *MOVING)
+    assert proc.returncode == 0, logs(proc, split)
+    assert s1["steps"] == 3 and (split / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    proc, s2 = grpo(assets, split, "trainer.total_steps=6", *MOVING)
+    assert proc.returncode == 0, logs(proc, split)
+    assert s2["resumed_from"] == 3 and s2["steps"] == 6, s2
+    assert "continuing at step 4" in logs(proc, split)
+
+    a, b = read_all(straight / "checkpoints"), read_all(split / "checkpoints")
+    assert sorted(a) == sorted(b) and any(n.startswith("actor/optim/exp_avg/") for n in a)
+    differ = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not differ, f"not bitwise equal after resume: {differ[:5]}"
+    first = read_all(split / "checkpoints" / "step_000003")
+    assert any(not torch.equal(first[n], a[n]) for n in a if n.startswith("actor/model/")), "weights never moved"
+
+    ma, mb = stable_metrics(straight), stable_metrics(split)
+    assert [m["step"] for m in mb] == [1, 2, 3, 4, 5, 6], [m["step"] for m in mb]
+    assert ma == mb, next((x, y) for x, y in zip(ma, mb) if x != y)
+
+    from verl_hpc.checkpoint import read_metadata
+
+    ts = read_metadata(split / "checkpoints")["trainer_state"]
+    assert ts["step"] == 6 and ts["loader"]["step"] == 6 and "scheduler" in ts["engines"]["actor"]
+    assert json.loads(json.dumps(ts)) == ts  # plain JSON, nothing pickled
+
+
+def test_ckpt_trainer_resume_never_and_path(assets, tmp_path):
+    out = tmp_path / "out"
+    proc, _ = grpo(assets, out, "trainer.total_steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=0")
+    assert proc.returncode == 0, logs(proc, out)
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["step_000001", "step_000002"], ckpts
+    # an explicit path resumes from that checkpoint, even when `latest` is later
+    proc, s = grpo(assets, out, "trainer.total_steps=3", f"trainer.resume={out}/checkpoints/step_000001",
+                   "checkpoint.dir=" + str(tmp_path / "other"))
+    assert proc.returncode == 0, logs(proc, out)
+    assert s["resumed_from"] == 1 and s["steps"] == 3
+    proc, s = grpo(assets, out, "trainer.total_steps=1", "trainer.resume=never", f"checkpoint.dir={tmp_path}/fresh")
+    assert proc.returncode == 0, logs(proc, out)
+    assert s["resumed_from"] == 0 and s["steps"] == 1

@@ -1,0 +1,316 @@
+"""Spawn gloo ranks that run engine scenarios under the project's runtime, and the scenarios.
+
+`launch(n, args, workdir)` starts n copies of this file with torchrun-style variables, so
+`verl_hpc.runtime.bootstrap()` brings each rank up as in a real job. One process set runs every
+layout of `args["layouts"]` in turn (init model parallel, run the layout's checks, tear down):
+spawning ranks and importing Megatron costs far more than the checks. Each rank writes
+`rank{r}.json`; tensors the test compares (exports, forward outputs) are saved by global rank 0
+as `<layout>.<check>.<model>.pt`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, args: dict, workdir: Path, timeout: float = 400):
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "args.json").write_text(json.dumps(args))
+    port, procs = _free_port(), []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL="WARNING",
+                   PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+        log = open(workdir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, str(workdir)], cwd=REPO, env=env,
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, failed = time.time() + timeout, False
+    for proc, log in procs:
+        try:
+            failed |= proc.wait(timeout=max(1.0, deadline - time.time())) != 0
+        except subprocess.TimeoutExpired:
+            failed = True
+        log.close()
+    for proc, _ in procs:  # only our own children, by handle
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if failed:
+        tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (workdir / f"rank{r}.log").read_text()[-5000:]
+                 for r, (p, _) in enumerate(procs)]
+        raise AssertionError(f"engine scenarios on {world_size} ranks failed:\n" + "\n".join(tails))
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _optim(spec: dict):
+    from verl_hpc.config.schema import OptimConfig
+
+    return OptimConfig(**spec)
+
+
+def _actor_cfg(spec: dict):
+    from verl_hpc.config.schema import ActorConfig
+
+    return ActorConfig(**spec)
+
+
+def _engine(args, model: str, **kw):
+    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+
+    opts = dict(model_path=args["models"][model], optim=_optim(args["optim"]),
+                micro_batch_size=args["micro_batch_size"], total_steps=args["total_steps"],
+                use_distributed_optimizer=True)
+    opts.update(kw)
+    return MegatronEngine(EngineOptions(**opts))
+
+
+def _save(workdir, name, obj):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(obj, Path(workdir) / f"{name}.pt")
+
+
+def _export(engine) -> dict:
+    return {n: t.clone() for n, t in engine.export_hf_weights()}
+
+
+def _full_logits(engine, ids):
+    """Full-vocabulary logits of the engine's model through Megatron's schedule (None off the
+    last stage), one sequence per micro-batch; broadcast so every rank returns them."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from verl_hpc.models.gpt import full_vocab_logits
+
+    arch = engine.gpt_chunks[0].verl_arch
+    captured = []
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+
+    def step(it, m):
+        def loss(o):
+            captured.append(full_vocab_logits(o, arch).detach())
+            return o.new_zeros(()), {}
+        return m(next(it), pos, None), loss
+
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter([ids[i:i + 1] for i in range(len(ids))]),
+                                    model=engine.chunks, num_microbatches=len(ids),
+                                    seq_length=ids.shape[1], micro_batch_size=1, forward_only=True)
+    out = torch.cat(captured) if captured else torch.zeros(len(ids), ids.shape[1], arch.vocab_size)
+    group = ps.get_pipeline_model_parallel_group()
+    dist.broadcast(out, src=dist.get_global_rank(group, group.size() - 1), group=group)
+    return out
+
+
+def check_actor(args, layout, workdir, model, batch) -> dict:
+    """Forward outputs; one actor update with fixed micro-batches, one with dynamic batching."""
+    from verl_hpc.engines.megatron import Actor
+
+    res = {}
+    acfg = _actor_cfg(args["actor"][model])
+    eng = _engine(args, model)
+    fwd = eng.forward(batch)
+    _save(workdir, f"{layout}.forward.{model}", fwd)
+    metrics = Actor(eng, acfg).update(batch)
+    res["fixed"] = metrics
+    _save(workdir, f"{layout}.fixed.{model}", _export(eng))
+    if args.get("export_logits") == layout and model == args["export_logits_model"]:
+        _save(workdir, f"{layout}.logits.{model}", _full_logits(eng, batch["input_ids"]))
+    del eng
+    gc.collect()
+    eng = _engine(args, model, max_tokens_per_microbatch=args["max_tokens"])
+    res["dynamic"] = Actor(eng, acfg).update(batch)
+    _save(workdir, f"{layout}.dynamic.{model}", _export(eng))
+    return res
+
+
+def check_roles(args, layout, workdir, batch) -> dict:
+    """Critic values + update, reference (frozen), reward model scores."""
+    import torch
+
+    from verl_hpc.config.schema import CriticConfig
+    from verl_hpc.engines.megatron import Critic, EngineOptions, MegatronEngine, Reference, RewardModel
+
+    res = {}
+    critic = Critic(_engine(args, "llama", head="value"), CriticConfig(ppo_mini_batch_size=8))
+    values = critic.values(batch)["values"]
+    cb = dict(batch, values=values, returns=values + torch.linspace(-1, 1, values.numel()).view_as(values))
+    res["critic_update"] = critic.update(cb)
+    values_after = critic.values(batch)["values"]
+    _save(workdir, f"{layout}.critic.llama", {"before": values, "after": values_after})
+    res["critic_export_names"] = [n for n, _ in critic.engine.export_hf_weights()][-2:]
+    del critic
+    ref = Reference(MegatronEngine(EngineOptions(model_path=args["models"]["llama"], trainable=False,
+                                                 micro_batch_size=3)))
+    res["ref_requires_grad"] = any(p.requires_grad for p in ref.engine._parameters())
+    res["ref_optimizer"] = ref.engine.optimizer is not None
+    res["ref_grads"] = any(p.grad is not None for p in ref.engine._parameters())
+    try:
+        ref.engine.train_step(batch, lambda *a: None)
+        res["ref_train_error"] = ""
+    except RuntimeError as e:
+        res["ref_train_error"] = str(e)
+    _save(workdir, f"{layout}.ref.llama", ref.log_probs(batch))
+    del ref
+    rm = RewardModel(MegatronEngine(EngineOptions(model_path=args["models"]["reward"], head="value",
+                                                  trainable=False, max_tokens_per_microbatch=30)))
+    _save(workdir, f"{layout}.reward.reward", rm.score(batch))
+    return res
+
+
+def check_nonfinite(args, layout, workdir, batch) -> dict:
+    import torch
+
+    from verl_hpc.engines.megatron import Actor
+
+    eng = _engine(args, "llama")
+    before = _export(eng)
+    bad = dict(batch, advantages=batch["advantages"].clone())
+    bad["advantages"][1, 0] = float("nan")
+    metrics = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(bad)
+    after = _export(eng)
+    same = all(torch.equal(before[n], after[n]) for n in before)
+    good = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(batch)  # still trains afterwards
+    return {"metrics": metrics, "unchanged": same, "then": good}
+
+
+def _write_state(workdir, tag, state):
+    import torch
+    import torch.distributed as dist
+
+    slabs = [(t.name, t.local.clone(), tuple(t.global_shape), tuple(t.offsets)) for t in state.tensors]
+    torch.save({"slabs": slabs, "meta": state.meta}, Path(workdir) / f"{tag}.state{dist.get_rank()}.pt")
+
+
+def _read_state(workdir, tag):
+    """Every writer's slabs assembled into global tensors (a stand-in for the HDF5 layer)."""
+    import torch
+
+    tensors, meta = {}, None
+    for f in sorted(Path(workdir).glob(f"{tag}.state*.pt")):
+        d = torch.load(f)
+        meta = d["meta"]
+        for name, local, gshape, offs in d["slabs"]:
+            full = tensors.setdefault(name, torch.full(gshape, float("nan"), dtype=local.dtype))
+            full[tuple(slice(o, o + n) for o, n in zip(offs, local.shape))] = local
+    return tensors, meta
+
+
+def check_state_save(args, layout, workdir, batch, batch2) -> dict:
+    from verl_hpc.engines.megatron import Actor
+
+    eng = _engine(args, "llama", optim=_optim(args["state_optim"]))
+    actor = Actor(eng, _actor_cfg(args["actor"]["llama"]))
+    actor.update(batch)
+    st = eng.state()
+    _write_state(workdir, layout, st)
+    names = sorted({t.name for t in st.tensors})
+    m2 = actor.update(batch2)
+    _save(workdir, f"{layout}.continued.llama", _export(eng))
+    return {"names": names, "meta": st.meta, "step2": m2}
+
+
+def check_state_load(args, layout, workdir, batch2) -> dict:
+    import math
+
+    from verl_hpc.engines.megatron import Actor
+
+    tensors, meta = _read_state(workdir, args["state_from"])
+    # saved with the distributed optimizer, loaded into the plain one: the slabs do not care
+    eng = _engine(args, "llama", optim=_optim(args["state_optim"]), use_distributed_optimizer=False)
+    nan_targets = []
+
+    def load_into(targets):
+        for t in targets:
+            src = tensors[t.name][tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local.shape))]
+            if bool(src.isnan().any()):
+                nan_targets.append(t.name)
+            t.local.copy_(src)
+
+    eng.load_state(load_into, meta)
+    lr_loaded = eng.lr
+    names = sorted({t.name for t in eng.state().tensors})
+    m2 = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(batch2)
+    _save(workdir, f"{layout}.resumed.llama", _export(eng))
+    return {"names": names, "lr_loaded": lr_loaded, "step2": m2, "nan_targets": nan_targets,
+            "all_finite": all(math.isfinite(v) for v in m2.values())}
+
+
+def _run_layout(args, layout: dict, workdir) -> dict:
+    import torch
+
+    from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
+
+    t0 = time.time()
+    mp = init_model_parallel(layout["tp"], layout["pp"], vpp=layout.get("vpp"), seed=1)
+    data = torch.load(Path(workdir) / "batch.pt")
+    out = {"dp": mp.dp, "tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank, "checks": {}, "seconds": {}}
+    name = layout["name"]
+    for check in layout["checks"]:
+        print(f"layout {name}: {check}", flush=True)  # where a hang was, in the rank's log
+        t = time.time()
+        if check == "actor":
+            for model in args["actor_models"][name]:
+                out["checks"][f"actor.{model}"] = check_actor(args, name, workdir, model,
+                                                              data[f"batch.{model}"])
+        elif check == "roles":
+            out["checks"]["roles"] = check_roles(args, name, workdir, data["batch.llama"])
+        elif check == "nonfinite":
+            out["checks"]["nonfinite"] = check_nonfinite(args, name, workdir, data["batch.llama"])
+        elif check == "state_save":
+            out["checks"]["state_save"] = check_state_save(args, name, workdir, data["batch.llama"],
+                                                           data["batch2.llama"])
+        elif check == "state_load":
+            out["checks"]["state_load"] = check_state_load(args, name, workdir, data["batch2.llama"])
+        else:
+            raise SystemExit(f"unknown check {check!r}")
+        out["seconds"][check] = time.time() - t
+        gc.collect()
+    destroy_model_parallel()
+    out["seconds"]["layout"] = time.time() - t0
+    return out
+
+
+def main(workdir: str) -> None:
+    import torch.distributed as dist
+
+    from verl_hpc.runtime import bootstrap
+
+    t0 = time.time()
+    args = json.loads((Path(workdir) / "args.json").read_text())
+    ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
+    out = {"rank": ctx.rank, "layouts": {}, "seconds": {"bootstrap": time.time() - t0}}
+    for layout in args["layouts"]:
+        out["layouts"][layout["name"]] = _run_layout(args, layout, workdir)
+        dist.barrier()
+    out["seconds"]["total"] = time.time() - t0
+    (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

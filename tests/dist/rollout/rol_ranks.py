@@ -1,0 +1,143 @@
+"""Spawn gloo ranks that run the rollout scenario under the project's runtime; and its references.
+
+`launch(n, args, workdir)` starts n copies of this file with torchrun-style variables (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so `verl_hpc.runtime.bootstrap()` brings each rank up
+as in a real job. Each rank writes rank{r}.json; a failing rank fails the launch with every
+rank's log tail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, args: dict, workdir: Path, timeout: float = 420):
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "args.json").write_text(json.dumps(args))
+    port, procs = _free_port(), []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL="INFO",
+                   PYTHONPATH=str(REPO))
+        env.pop("SLURM_JOB_ID", None)
+        log = open(workdir / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, __file__, str(workdir)], cwd=REPO, env=env,
+                                       stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, failed = time.time() + timeout, False
+    for proc, log in procs:
+        try:
+            failed |= proc.wait(timeout=max(1.0, deadline - time.time())) != 0
+        except subprocess.TimeoutExpired:
+            failed = True
+        log.close()
+    for proc, _ in procs:  # only our own children, by handle
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if failed:
+        tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (workdir / f"rank{r}.log").read_text()[-4000:]
+                 for r, (p, _) in enumerate(procs)]
+        raise AssertionError(f"rollout scenario on {world_size} ranks failed:\n" + "\n".join(tails))
+    return port, [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def perturbed_state(path, seed=11, scale=0.02):
+    """Every checkpoint tensor changed a little: a stand-in for an actor update."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(f"{path}/model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in sorted(state.items())}
+
+
+def hf_greedy(path, prompts, max_new, state=None):
+    """Plain transformers greedy decode, one prompt at a time, no cache, ending at EOS (kept):
+    (tokens, logprobs) per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, lps = list(prompt), []
+            for _ in range(max_new):
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                tok = int(logp.argmax())
+                ids.append(tok)
+                lps.append(float(logp[tok]))
+                if tok == model.config.eos_token_id:
+                    break
+            out.append((ids[len(prompt):], lps))
+    return out
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _as_dict(result):
+    return dict(prompt_index=result.prompt_index, sample_index=result.sample_index,
+                response_ids=result.response_ids, logprobs=result.logprobs,
+                finish_reason=result.finish_reason)
+
+
+def _collective_ok():
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == dist.get_world_size()
+
+
+def _scenario(workdir: Path) -> None:
+    from verl_hpc.rollout import SamplingSpec
+    from verl_hpc.rollout.vllm_compat import job_token
+    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.runtime import bootstrap, shutdown
+
+    args = json.loads((workdir / "args.json").read_text())
+    ctx = bootstrap(seed=3)
+    greedy = SamplingSpec(temperature=0, max_tokens=args["max_new"])
+    sampled = SamplingSpec(n=2, temperature=0.8, top_k=20, max_tokens=args["max_new"], seed=9)
+    new_state = perturbed_state(args["model"])
+    out = {"rank": ctx.rank}
+    for tp in (2, 1):
+        engine = VLLMRollout(args["model"], tp=tp, ctx=ctx, max_prompt_length=args["max_prompt"],
+                             max_response_length=args["max_new"])
+        if tp == 2:
+            out["shm"] = sorted(n for n in os.listdir("/dev/shm") if "cpushm" in n)
+            out["token"] = job_token()
+        out[f"tp{tp}"] = _as_dict(engine.generate(args["prompts"], greedy))
+        out[f"tp{tp}_sampled"] = _as_dict(engine.generate(args["prompts"], sampled))
+        out[f"tp{tp}_load"] = engine.load_weights(iter(new_state.items()))
+        out[f"tp{tp}_updated"] = _as_dict(engine.generate(args["prompts"], greedy))
+        engine.close()
+        out[f"tp{tp}_dist_after_close"] = _collective_ok()
+    (workdir / f"rank{ctx.rank}.json").write_text(json.dumps(out))
+    shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _scenario(Path(sys.argv[1]))

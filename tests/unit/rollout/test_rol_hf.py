@@ -1,0 +1,158 @@
+"""HFRollout (transformers generate) against the same independent reference as VLLMRollout."""
+import logging
+
+import pytest
+import torch
+from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, eos_first_state, hf_greedy, load_hf, max_diff,
+                         perturbed_state, pick_stop_string, prompts_of_lengths,
+                         teacher_forced_logprobs)
+
+from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout import engine as engine_mod
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
+EOS = 2
+PROMPTS = prompts_of_lengths(3, 17, 64, 160)
+
+
+def _build(path, **kw):
+    from verl_hpc.rollout import HFRollout
+
+    # batch_size 3: 4 prompts make two batches, each left-padded to its longest prompt
+    return HFRollout(path, max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW, batch_size=3,
+                     **kw)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = _build(tiny_model)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return load_hf(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def reference(hf):
+    """transformers' greedy tokens and logprobs for PROMPTS on the original weights."""
+    return hf_greedy(hf, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    from safetensors.torch import load_file
+
+    return load_file(f"{tiny_model}/model.safetensors")
+
+
+def _assert_matches(result, reference):
+    assert result.response_ids == [toks for toks, _ in reference]
+    diff = max_diff(result.logprobs, [lps for _, lps in reference])
+    assert diff <= TOL, diff
+    return diff
+
+
+def test_greedy_matches_transformers_reference(engine, reference):
+    diff = _assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+    print(f"HFRollout greedy vs reference: max |logprob diff| = {diff:.2e}")
+    two = engine.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0, max_tokens=MAX_NEW))
+    assert two.response_ids[0] == two.response_ids[1] and two.sample_index == [0, 1, 0, 1]
+
+
+def test_sampling_is_seeded_ordered_and_logprobs_are_processed(engine, hf):
+    spec = SamplingSpec(n=3, temperature=0.7, top_k=20, max_tokens=MAX_NEW, seed=5)
+    first, again = engine.generate(PROMPTS[:3], spec), engine.generate(PROMPTS[:3], spec)
+    assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
+    assert first.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2] and first.sample_index == [0, 1, 2] * 3
+    assert len({tuple(r) for r in first.response_ids[:3]}) == 3
+    assert engine.generate(PROMPTS[:3], spec.for_step(1)).response_ids != first.response_ids
+    for row in (0, 4, 8):
+        ref = teacher_forced_logprobs(hf, PROMPTS[first.prompt_index[row]], first.response_ids[row],
+                                      temperature=0.7, top_k=20)
+        assert max_diff([first.logprobs[row]], [ref]) <= TOL, row
+
+
+def test_raw_logprobs_ignore_temperature(tiny_model, hf):
+    raw = _build(tiny_model, logprobs_mode="raw")
+    result = raw.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0.7, top_k=20,
+                                                    max_tokens=MAX_NEW))
+    for row in range(len(result)):
+        ref = teacher_forced_logprobs(hf, PROMPTS[result.prompt_index[row]], result.response_ids[row])
+        assert max_diff([result.logprobs[row]], [ref]) <= TOL
+
+
+def test_stop_strings(engine, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    greedy = engine.generate(PROMPTS, GREEDY)
+    picks = [pick_stop_string(tok, r) for r in greedy.response_ids]
+    row = next(i for i, p in enumerate(picks) if p)
+    stop, count = picks[row]
+    result = engine.generate([PROMPTS[row], PROMPTS[row]], SamplingSpec(
+        temperature=0, max_tokens=MAX_NEW, stop=(stop, "never-seen")))
+    assert result.finish_reason == ["stop", "stop"]
+    assert result.response_ids[0] == greedy.response_ids[row][:count]
+
+
+def test_eos_and_min_tokens(engine, hf, tiny_model, original):
+    first_token = hf_greedy(hf, PROMPTS[:1], max_new=1)[0][0][0]
+    state = eos_first_state(original, first_token, EOS)
+    model = load_hf(tiny_model, state)
+    engine.load_weights(iter(state.items()))
+    try:
+        result = engine.generate(PROMPTS[:2], GREEDY)
+        assert result.response_ids[0] == [EOS] and result.finish_reason[0] == "stop"
+        _assert_matches(result, hf_greedy(model, PROMPTS[:2], eos=EOS))
+        held = engine.generate(PROMPTS[:1], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
+                                                         min_tokens=3))
+        _assert_matches(held, hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3))
+    finally:
+        engine.load_weights(iter(original.items()))
+
+
+def test_load_weights_is_strict_and_a_full_update_repairs(engine, tiny_model, original,
+                                                          reference):
+    new_state = perturbed_state(tiny_model)
+    info = engine.load_weights(iter(new_state.items()))
+    assert info["tensors"] == len(original)
+    _assert_matches(engine.generate(PROMPTS, GREEDY),
+                    hf_greedy(load_hf(tiny_model, new_state), PROMPTS))
+    name = "model.norm.weight"
+    bad_updates = {
+        "not a weight": [("model.nrom.weight", original[name])],
+        "came twice": [(name, original[name]), (name, original[name])],
+        "has shape": [(name, original[name][:-1])],
+        "lacks 20 of the model's 21": [(name, original[name])],
+    }
+    for needle, update in bad_updates.items():
+        with pytest.raises(ValueError, match=needle):
+            engine.load_weights(iter(update))
+        with pytest.raises(RuntimeError, match="call load_weights again with every weight"):
+            engine.generate(PROMPTS[:1], GREEDY)
+    engine.load_weights(iter(original.items()))
+    _assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+
+
+def test_tied_model_accepts_lm_head_or_not(tmp_path):
+    from verl_hpc.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tied", "qwen2", tied=True)
+    eng = _build(str(path))
+    state = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    assert "lm_head.weight" in state
+    eng.load_weights(iter(state.items()))
+    eng.load_weights((k, v) for k, v in state.items() if k != "lm_head.weight")
+    assert eng.generate([[5, 6]], GREEDY).finish_reason
+
+
+def test_sleep_noop_logged_once(engine, caplog, monkeypatch):
+    monkeypatch.setattr(engine_mod, "_said", set())
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.engine"):
+        engine.sleep(), engine.wake(), engine.sleep(), engine.wake()
+    assert sum("no-ops" in r.getMessage() for r in caplog.records) == 1

@@ -1,0 +1,160 @@
+"""vllm_compat: its targets are pinned (a new vLLM release that moves one fails here, by name),
+and each handler does what it says, without building an engine."""
+import inspect
+import mmap
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from verl_hpc.rollout import vllm_compat as compat
+
+pytestmark = pytest.mark.unit
+
+
+def test_pinned_vllm_version():
+    import vllm
+
+    assert vllm.__version__ == compat.VERIFIED_VLLM_VERSION, (
+        f"vLLM {vllm.__version__} is not the release verl_hpc.rollout.vllm_compat was checked "
+        f"against ({compat.VERIFIED_VLLM_VERSION}): re-check every target in its docstring and the "
+        "pins of this file, then update VERIFIED_VLLM_VERSION")
+
+
+def test_shutdown_targets_are_where_the_guard_expects_them():
+    from vllm.distributed import parallel_state
+    from vllm.v1.engine import core, core_client
+
+    assert callable(core.cleanup_dist_env_and_memory), "EngineCore's cleanup moved"
+    assert "cleanup_dist_env_and_memory()" in inspect.getsource(core.EngineCore.shutdown), (
+        "EngineCore.shutdown no longer calls core.cleanup_dist_env_and_memory: re-check hazard 1")
+    assert "destroy_distributed_environment()" in inspect.getsource(
+        parallel_state.cleanup_dist_env_and_memory)
+    assert "torch.distributed.destroy_process_group()" in inspect.getsource(
+        parallel_state.destroy_distributed_environment), "default-group teardown moved"
+    assert "engine_core.shutdown" in inspect.getsource(core_client.InprocClient.__init__), (
+        "the in-process client's finalizer changed: close() and GC paths need re-checking")
+
+
+def test_cpu_worker_targets():
+    from vllm.distributed.device_communicators import cpu_communicator as cc
+    from vllm.v1.worker import cpu_worker
+
+    make = inspect.getattr_static(cc._CPUSHMDistributed, "make_group_name")
+    assert isinstance(make, staticmethod), "make_group_name is no longer a staticmethod"
+    if not getattr(make.__func__, "_verl_hpc_shm", False):  # unpatched: its source is vLLM's
+        src = inspect.getsource(make.__func__)
+        assert 'os.environ["VLLM_DIST_IDENT"]' in src and "cpushm" in src
+    assert "make_group_name" in inspect.getsource(cc.CpuCommunicator._all_group_ranks_share_shm_group_name)
+    init_device = inspect.getsource(cpu_worker.CPUWorker.init_device)
+    assert "torch.set_num_threads = " in init_device, "hazard 3 moved or was fixed upstream"
+    assert "set_random_seed" in init_device
+
+
+def test_weight_update_api_is_there():
+    from vllm import LLM
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for name in ("collective_rpc", "reset_prefix_cache", "sleep", "wake_up", "generate"):
+        assert callable(getattr(LLM, name)), name
+    params = inspect.signature(GPUModelRunner.reload_weights).parameters
+    assert {"weights_iterator", "is_checkpoint_format"} <= set(params)
+    from vllm.config.model import LogprobsMode
+
+    assert {"processed_logprobs", "raw_logprobs"} <= set(LogprobsMode.__args__)
+
+
+def test_shutdown_guard_is_installed_once():
+    from vllm.v1.engine import core
+
+    compat.install_shutdown_guard()
+    first = core.cleanup_dist_env_and_memory
+    compat.install_shutdown_guard()
+    assert core.cleanup_dist_env_and_memory is first and first._verl_hpc_guard
+    assert compat.SHUTDOWN_TARGET in {r.target for r in compat.applied()}
+
+
+def test_destroy_is_skipped_only_for_the_protected_default_group(monkeypatch):
+    import torch.distributed as dist
+
+    calls, world = [], object()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append(group))
+    monkeypatch.setattr(compat, "_default_group", lambda: world)
+    monkeypatch.setattr(compat, "_protected_groups", [world])
+    sub = object()
+    with compat._default_group_kept():
+        dist.destroy_process_group()  # the trainer's default group: kept
+        dist.destroy_process_group(world)
+        dist.destroy_process_group(sub)  # a group vLLM made: destroyed
+    assert calls == [sub]
+    monkeypatch.setattr(compat, "_protected_groups", [])
+    with compat._default_group_kept():
+        dist.destroy_process_group()  # vLLM's own default group (no trainer group): destroyed
+    assert calls == [sub, None]
+
+
+def test_preserved_rng():
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    with compat.preserved_rng(torch.device("cpu")):
+        random.seed(9), np.random.seed(9), torch.manual_seed(9)
+        torch.rand(100)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_torch_threads_kept():
+    real, threads = torch.set_num_threads, torch.get_num_threads()
+    with compat.torch_threads_kept():
+        torch.set_num_threads = lambda n: None  # what vLLM's CPU worker does
+    assert torch.set_num_threads is real and torch.get_num_threads() == threads
+
+
+def test_job_token():
+    assert compat.job_token({"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "4", "MASTER_PORT": "1"}) == \
+        "verlhpc-slurm123.4"
+    assert compat.job_token({"MASTER_ADDR": "node:7", "MASTER_PORT": "29500"}) == "verlhpc-node_7-29500"
+    assert compat.job_token({}).startswith("verlhpc-pid")
+
+
+def test_shm_names_get_the_job_token(monkeypatch):
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    class Comm:
+        unique_name, ranks = "tp:0", [0, 1]
+
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what env:// gives (external launcher)
+    monkeypatch.setattr(compat, "_shm_token", compat._shm_token)
+    compat.install_shm_names("verlhpc-slurm9.0")
+    assert _CPUSHMDistributed.make_group_name(Comm()) == "verlhpc-slurm9.0_-tp:0-[0-1]-cpushm"
+    compat.install_shm_names("verlhpc-other")  # a second install only changes the token
+    assert _CPUSHMDistributed.make_group_name(Comm()).startswith("verlhpc-other_-tp:0")
+
+
+def test_stale_shm_cleanup(tmp_path):
+    now = time.time()
+    names = {"stale": "-tp:0-[0-1]-cpushm_0", "young": "verlhpc-b_-tp:0-[0-1]-cpushm_1",
+             "own": "verlhpc-a_-tp:0-[0-1]-cpushm_0", "mapped": "verlhpc-c_-tp:0-[0-1]-cpushm_0",
+             "other": "psm_1234"}
+    for key, name in names.items():
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        if key != "young":
+            os.utime(path, (now - 3600, now - 3600))
+    with open(tmp_path / names["mapped"], "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        removed = compat.remove_stale_shm("verlhpc-a", shm_dir=tmp_path, now=now)
+    assert removed == [names["stale"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("young", "own", "mapped", "other"))
+
+
+def test_cpu_kv_cache_bytes(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 512, '
+        '"num_hidden_layers": 6}')
+    # 2 (K,V) * 6 layers * 4 heads * 64 dims * 4 bytes = 12 KiB per token; 160 -> 256 tokens
+    assert compat.cpu_kv_cache_bytes(str(tmp_path), 160, 256) == 12 * 1024 * 256 * 256
+    assert compat.cpu_kv_cache_bytes(str(tmp_path), 16, 1) == 32 << 20  # floor

@@ -1,0 +1,217 @@
+"""The RL trainer's checkpointer: what a training checkpoint holds, when it is written, how a run
+resumes from one, and the requeue after Slurm's warning signal (storage: docs/checkpoints.md).
+
+    ckpt = TrainerCheckpointer(cfg, ctx, roles, loader=..., kl_ctrl=..., guard=...)
+    start = ckpt.resume()              # 0 (fresh) or the step of the checkpoint loaded
+    for step in range(start + 1, total + 1):
+        ...; ckpt.maybe_save(step)     # checkpoint.save_every, and always at the last step
+    ckpt.maybe_save(step, force=True)  # on the preemption flag
+    ckpt.close(); ckpt.requeue_if_preempted()   # after the run's summary is written
+
+What a checkpoint holds:
+- tensors: the actor's and (PPO) the critic's engine state, names prefixed `actor/`, `critic/`
+  (`actor/model/...`, `actor/optim/exp_avg/...`; layout independent, see engines/base.py). The
+  reference policy and a reward model are not trained and are rebuilt from their folders.
+- metadata (rank 0's): `config` (resolved YAML), `trainer_state` = {step, engines: {role: engine
+  meta (LR scheduler, optimizer step, ...)}, loader (sampler position), kl_ctrl, guard counters,
+  metrics: {file, step} (the JSONL history up to `step`; the tracker drops later rows on resume)}.
+- rank_state: each rank's RNG states (python, numpy, torch CPU, the trainer generator). Rollout
+  sampling does not depend on them (seeded per step), but anything else random does.
+
+Requeue (one rank runs it): after the forced save is committed, rank 0 runs `scontrol requeue
+$SLURM_JOB_ID` and every rank leaves with SystemExit. Why our own call rather than submitit's
+checkpoint/requeue handler: the runtime owns USR2/SIGTERM (the trainer must finish the step in
+flight on every rank first; submitit's handler acts inside the signal, mid-collective, on rank 0
+only), the same code serves plain `sbatch launch/*.sbatch` jobs without submitit, and the
+requeued job needs nothing new from submitit: it runs the same pickled call with
+`trainer.resume=auto`. SystemExit (not an exception) keeps submitit from writing a result file,
+so the submitter keeps waiting through REQUEUED/PENDING (Slurm holds a requeued batch job ~120 s
+before it may start again) until the resumed attempt finishes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+log = logging.getLogger(__name__)
+
+TRAINED_ROLES = ("actor", "critic")
+FORMAT = "verl_hpc.rl_trainer/1"
+
+
+def _prefixed(prefix: str, tensors) -> list:
+    """The same slabs (sharing storage) under `prefix/`: loads fill the engine's tensors in place."""
+    from verl_hpc.checkpoint.sharded import ShardedTensor
+
+    return [ShardedTensor(f"{prefix}/{t.name}", t.local, t.global_shape, t.offsets) for t in tensors]
+
+
+class TrainerCheckpointer:
+    def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None) -> None:
+        self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.loader, self.kl_ctrl, self.guard = loader, kl_ctrl, guard
+        c = cfg.checkpoint
+        self.root = Path(c.dir or f"{cfg.trainer.output_dir}/checkpoints")
+        self.save_every, self.keep_last = int(c.save_every), int(c.keep_last)
+        self.total_steps = int(cfg.trainer.total_steps)
+        self.layout = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+                       "dp": max(1, ctx.world_size // (cfg.parallel.tp * cfg.parallel.pp))}
+        self.last_saved: Optional[int] = None
+        self.preempted_at: Optional[int] = None
+        self._async = None
+        if c.async_save:  # collective (own gloo group): every rank builds its checkpointer
+            from verl_hpc.checkpoint.async_save import AsyncSaver
+
+            self._async = AsyncSaver(self.root, keep_last=self.keep_last, layout=self.layout)
+
+    # ------------------------------------------------------------------------------ saving
+    def _engines(self) -> Dict[str, Any]:
+        return {n: getattr(self.roles, n).engine for n in TRAINED_ROLES if getattr(self.roles, n, None)}
+
+    def due(self, step: int) -> bool:
+        return step == self.total_steps or (self.save_every > 0 and step % self.save_every == 0)
+
+    def maybe_save(self, step: int, *, force: bool = False) -> Optional[str]:
+        """Save after `step` if it is due (or `force`); collective. Returns the path (async: the
+        path it will have once committed) or None."""
+        if self.last_saved == step:
+            return str(self.root / f"step_{step:06d}")
+        if not (force or self.due(step)):
+            return None
+        from verl_hpc.checkpoint.rng import capture_rng_state
+        from verl_hpc.checkpoint.save import save_checkpoint
+
+        t0 = time.perf_counter()
+        tensors, engine_meta = [], {}
+        for name, engine in self._engines().items():
+            st = engine.state()
+            tensors += _prefixed(name, st.tensors)
+            engine_meta[name] = st.meta
+        metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta)}
+        rank_state = capture_rng_state(generators={"trainer": self.ctx.generator})
+        if self._async is not None and not force:
+            self._async.save(step, tensors, metadata=metadata, rank_state=rank_state)
+            path = self.root / f"step_{step:06d}"
+            how = f"async, blocked {self._async.last_blocked_s:.2f}s"
+        else:
+            if self._async is not None:  # a forced save (preemption) is committed before we go on
+                self._async.wait()
+            path = save_checkpoint(self.root, step, tensors, metadata=metadata, rank_state=rank_state,
+                                   layout=self.layout, keep_last=self.keep_last)
+            how = f"{time.perf_counter() - t0:.2f}s"
+        self.last_saved = step
+        if self.ctx.rank == 0:
+            log.info("checkpoint: step %d -> %s (%s)", step, path, how)
+        return str(path)
+
+    def _config_yaml(self) -> str:
+        from verl_hpc.config import to_yaml
+
+        return to_yaml(self.cfg)
+
+    def _trainer_state(self, step: int, engine_meta: dict) -> dict:
+        metrics_file = Path(self.cfg.trainer.output_dir) / "metrics.jsonl"
+        return {"format": FORMAT, "step": int(step), "engines": engine_meta,
+                "loader": self.loader.state_dict() if self.loader is not None else None,
+                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+                "guard": {"in_a_row": self.guard.in_a_row, "total": self.guard.total} if self.guard else None,
+                "metrics": {"file": str(metrics_file), "step": int(step)}}
+
+    def close(self) -> None:
+        """Wait for an async save in flight (before the process group goes away)."""
+        if self._async is not None:
+            self._async.wait()
+
+    # ------------------------------------------------------------------------------ resuming
+    def find(self) -> Optional[Path]:
+        """The checkpoint `trainer.resume` asks for: auto -> `latest` under checkpoint.dir (None:
+        a fresh start), never -> None, anything else -> that path (which must exist)."""
+        from verl_hpc.checkpoint.index import find_latest, resolve
+
+        how = str(self.cfg.trainer.resume or "auto")
+        if how == "never":
+            return None
+        if how == "auto":
+            return find_latest(self.root)
+        return resolve(how)
+
+    def resume(self) -> int:
+        """Load the checkpoint `trainer.resume` names into the engines and the trainer's state;
+        returns its step (0 for a fresh start). Every rank calls this."""
+        from verl_hpc.checkpoint.load import open_checkpoint
+        from verl_hpc.checkpoint.rng import restore_rng_state
+
+        path = self.find()
+        if path is None:
+            if self.ctx.rank == 0:
+                log.info("resume: trainer.resume=%s and no checkpoint under %s: starting fresh",
+                         self.cfg.trainer.resume, self.root)
+            return 0
+        t0 = time.perf_counter()
+        with open_checkpoint(path) as reader:
+            ts = reader.metadata.get("trainer_state") or {}
+            if ts.get("format") != FORMAT:
+                raise ValueError(f"{path}: not an RL trainer checkpoint (trainer_state.format="
+                                 f"{ts.get('format')!r}, expected {FORMAT!r}); trainer.resume=never starts fresh")
+            for name, engine in self._engines().items():
+                if name not in ts["engines"]:
+                    raise ValueError(f"{path} has no {name} state (saved roles: {sorted(ts['engines'])}); "
+                                     "the algorithm must match the run that saved it")
+                engine.load_state(lambda slabs, n=name: reader.load_into(_prefixed(n, slabs)),
+                                  ts["engines"][name])
+            if reader.world_size == self.ctx.world_size:
+                restore_rng_state(reader.rank_state(self.ctx.rank), generators={"trainer": self.ctx.generator})
+            elif self.ctx.rank == 0:
+                log.warning("resume: saved by %d ranks, running on %d: per-rank RNG states not restored",
+                            reader.world_size, self.ctx.world_size)
+        if self.loader is not None and ts.get("loader") is not None:
+            self.loader.load_state_dict(ts["loader"])
+        if self.kl_ctrl is not None and ts.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(ts["kl_ctrl"])
+        if self.guard is not None and ts.get("guard"):
+            self.guard.in_a_row, self.guard.total = int(ts["guard"]["in_a_row"]), int(ts["guard"]["total"])
+        step = int(ts["step"])
+        self.last_saved = step
+        if self.ctx.rank == 0:
+            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
+                     time.perf_counter() - t0, step + 1)
+        return step
+
+    # ------------------------------------------------------------------------------ requeue
+    def requeue_if_preempted(self) -> None:
+        """After a preemption save: on Slurm (with slurm.requeue) requeue the job and leave with
+        SystemExit on every rank; elsewhere just say how to resume. Collective."""
+        if self.preempted_at is None:
+            return
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not (job_id and self.cfg.slurm.requeue):
+            if self.ctx.rank == 0:
+                why = "slurm.requeue=false" if job_id else "not a Slurm job"
+                log.warning("preempted after step %d; not requeued (%s): run the same job again to "
+                            "resume from %s (trainer.resume=auto)", self.preempted_at, why, self.root)
+            return
+        error = None
+        if self.ctx.rank == 0:
+            cmd = ["scontrol", "requeue", job_id]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if proc.returncode != 0:
+                error = f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}"
+                log.error("requeue: %s; the checkpoint of step %d is committed; resubmit to resume",
+                          error, self.preempted_at)
+            else:
+                log.warning("requeue: job %s requeued after the checkpoint of step %d; it resumes "
+                            "from %s when Slurm starts it again", job_id, self.preempted_at, self.root)
+        _barrier()  # no rank leaves before the requeue is in (srun --kill-on-bad-exit)
+        if error is None:
+            raise SystemExit(0)  # not an Exception: submitit writes no result, the submitter waits on
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

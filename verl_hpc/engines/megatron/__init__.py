@@ -1,0 +1,17 @@
+"""Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its four roles.
+
+    engine.py     MegatronEngine, EngineOptions: build, forward, train_step, export, state
+    roles.py      Actor, Critic, Reference, RewardModel, build_engine(role, cfg, ctx)
+    partition.py  data-parallel row split and (token-budget) micro-batches
+    schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
+    outputs.py    log-probs / entropy from vocab-parallel logits; values / scores from a value head
+    value_head.py the hidden -> 1 head of critics and reward models
+    optim.py      optimizer config, LR schedule, the guarded (non-finite skipping) step
+    state.py      layout-independent state slabs for HDF5 checkpoints
+"""
+from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
+from verl_hpc.engines.megatron.roles import (Actor, Critic, Reference, RewardModel, build_engine,
+                                             engine_options)
+
+__all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "Reference", "RewardModel",
+           "build_engine", "engine_options"]

@@ -1,0 +1,328 @@
+"""`MegatronEngine`: one Hugging Face model as Megatron-Core TP/PP/DP shards behind `TrainingEngine`.
+
+    mp = verl_hpc.parallel.init_model_parallel(tp, pp)        # once per job, before any engine
+    eng = MegatronEngine(EngineOptions(model_path=..., optim=cfg.actor.optim, ...))
+    out = eng.forward(batch)                                  # {"log_probs", "entropy"}: [B, T]
+    metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
+
+Build: `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights from the HF folder
+(each rank reads its own slices), a value head instead of the vocabulary projection for critics and
+reward models (value_head.py). Trainable engines wrap every chunk in Megatron's DDP (fp32 grad
+buffers, no overlap) and get Adam through get_megatron_optimizer (optim.py); frozen ones
+(reference, reward) keep no grads and no optimizer and run in eval mode.
+
+Precision: the parameters are in `dtype` (bf16 on GPU, fp32 on CPU, where Megatron's CPU paths are
+verified). No Float16Module wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py
+upcasts only the response rows it needs. FP8 (`fp8=True`) selects the Transformer Engine layer
+spec with Megatron's "hybrid" recipe; verl_hpc.models.gpt raises a clear error where there is no GPU
+or no TE. Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
+
+Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
+takes and how they form micro-batches; schedule.py runs them and reduces the results.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
+from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
+from verl_hpc.engines.megatron import optim as optim_lib
+from verl_hpc.engines.megatron import outputs as outputs_lib
+from verl_hpc.engines.megatron.partition import plan_microbatches
+from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
+from verl_hpc.runtime.device import has_gpu
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADS = ("lm", "value")
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    model_path: str
+    head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
+    dtype: str = "float32"  # model.dtype
+    trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
+    optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
+    total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
+    micro_batch_size: int = 4  # sequences per micro-batch when max_tokens_per_microbatch is 0
+    max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
+    use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
+    sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)
+    fp8: bool = False  # not in the config schema yet: a keyword for now
+    temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
+    loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
+    value_head_seed: int = 1234
+
+
+def _check_options(o: EngineOptions) -> None:
+    if o.head not in HEADS:
+        raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
+    if o.dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {o.dtype!r}; valid: {', '.join(DTYPES)}")
+    if o.trainable and o.optim is None:
+        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim)")
+    if o.micro_batch_size < 1 and o.max_tokens_per_microbatch < 1:
+        raise ValueError("micro_batch_size must be >= 1 when max_tokens_per_microbatch is 0; got "
+                         f"{o.micro_batch_size}")
+    if o.sequence_parallel and not has_gpu():
+        raise ValueError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
+                         "(GPU); Megatron's local spec rejects it. Set it false on CPU.")
+    if o.temperature <= 0:
+        raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")
+
+
+class MegatronEngine(TrainingEngine):
+    def __init__(self, options: EngineOptions):
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("MegatronEngine needs Megatron model parallelism: call "
+                               "verl_hpc.parallel.init_model_parallel first")
+        _check_options(options)
+        self.options = o = options
+        self.dtype = DTYPES[o.dtype]
+        self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.sequence_parallel = o.sequence_parallel and self.tp > 1
+        self.pad_seq_to = (16 if o.fp8 else 1) * (self.tp if self.sequence_parallel else 1)
+        self.gpt_chunks, self.heads = self._build_model()
+        self.device = next(self.gpt_chunks[0].parameters()).device
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+        self._key_source = self._find_key_source()
+        self.optimizer = self.scheduler = None
+        if o.trainable:
+            self.chunks = self._wrap_ddp()
+            self.optimizer = self._build_optimizer()
+            self.scheduler = optim_lib.build_scheduler(self.optimizer, o.optim, o.total_steps)
+            if self.dtype == torch.float16:
+                self.chunks[0].config.grad_scale_func = self.optimizer.scale_loss
+        else:
+            self.chunks = self.gpt_chunks
+            for p in self._parameters():
+                p.requires_grad_(False)
+        self.steps_applied = 0
+
+    # ------------------------------------------------------------------ build
+
+    def _arch(self):
+        from verl_hpc.models import load_arch, load_hf_config, parse_hf_config
+
+        path = self.options.model_path
+        if self.options.head == "lm":
+            return load_arch(path)
+        from verl_hpc.engines.megatron.value_head import causal_lm_config
+
+        arch = parse_hf_config(causal_lm_config(load_hf_config(path)), source=f"{path}/config.json")
+        return dataclasses.replace(arch, tie_word_embeddings=False)  # the head replaces lm_head
+
+    def _build_model(self):
+        from megatron.core import parallel_state as ps
+
+        from verl_hpc.engines.megatron.value_head import attach_value_head, head_detached
+        from verl_hpc.models import build_gpt_model, load_hf_weights
+
+        o = self.options
+        arch = self._arch()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        overrides = dict(calculate_per_token_loss=True, sequence_parallel=self.sequence_parallel)
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        if vpp and pp == 2:
+            # At pp=2 the previous and next stage are the same rank: the interleaved schedule's
+            # batched isend/irecv of activations and gradients then match in the wrong order
+            # (seen with gloo: silently swapped, wrong loss and gradients). Unbatched p2p orders
+            # sends and receives by rank parity and is correct.
+            overrides.update(batch_p2p_comm=False)
+        if pp > 1 and not vpp:  # micro-batches differ in shape: stages exchange shapes first
+            # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
+            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        stages = list(range(vpp)) if vpp else [None]
+        chunks = [build_gpt_model(arch, dtype=self.dtype, fp8=o.fp8, vp_stage=v, **overrides)
+                  for v in stages]
+        heads = [None] * len(chunks)
+        with contextlib.ExitStack() as stack:
+            if o.head == "value":
+                for i, gpt in enumerate(chunks):
+                    if gpt.post_process:
+                        heads[i] = attach_value_head(gpt, o.model_path, seed=o.value_head_seed,
+                                                     sequence_parallel=self.sequence_parallel)
+                        stack.enter_context(head_detached(gpt))
+            load_hf_weights(chunks, o.model_path)
+        return chunks, heads
+
+    def _wrap_ddp(self):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.options.use_distributed_optimizer,
+            check_for_nan_in_grad=False)  # guarded_step reports non-finite steps instead
+        return [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
+                                        disable_bucketing=i > 0)
+                for i, gpt in enumerate(self.gpt_chunks)]
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        cfg = optim_lib.optimizer_config(self.options.optim, self.dtype,
+                                         self.options.use_distributed_optimizer)
+        return get_megatron_optimizer(cfg, self.chunks)
+
+    def _find_key_source(self) -> int:
+        """Global rank of the reporting rank of DP replica 0 (it names the metrics)."""
+        me = dist.get_rank() if self.reporting and self.dp_rank == 0 else -1
+        t = torch.tensor([me], dtype=torch.long, device=self._coll_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _coll_device(self):
+        from verl_hpc.runtime.device import collective_device
+
+        return collective_device()
+
+    def _parameters(self):
+        for gpt in self.gpt_chunks:
+            yield from gpt.parameters()
+
+    # ------------------------------------------------------------------ running
+
+    def _labels_path(self, want) -> bool:
+        """Log-probs only: let Megatron's own cross-entropy run on the unpermuted logits."""
+        return self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
+
+    def _output_fn(self, want):
+        if self._labels_path(want):
+            return outputs_lib.lm_outputs_from_token_losses
+        if self.options.head == "lm":
+            temperature = self.options.temperature
+            return lambda out, data, want: outputs_lib.lm_outputs(out, data, want, temperature)
+        return outputs_lib.value_outputs
+
+    def _my_microbatches(self, batch) -> List[MicroBatch]:
+        lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+        plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
+                                 max_tokens=self.options.max_tokens_per_microbatch,
+                                 multiple_of=self.pp if self.vpp else 1)
+        mine = plan[self.dp_rank]
+        shape = None
+        if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)
+            seq = max(max((lengths[i] for i in rows), default=1) for rows in mine)
+            shape = (max(max(len(r) for r in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
+        return [MicroBatch(batch, rows, self.device, self.pad_seq_to, shape) for rows in mine]
+
+    def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
+        check_batch(batch, need_response=False)
+        want = tuple(outputs or self.default_outputs)
+        mbs = self._my_microbatches(batch)
+        for c in self.chunks:
+            c.eval()
+        with torch.no_grad():
+            collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
+                                        forward_only=True, with_labels=self._labels_path(want))
+        return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
+                              self.device, self.reporting)
+
+    def global_counts(self, batch) -> GlobalCounts:
+        mask = get_response_mask(batch)
+        norm = self.options.loss_norm_len or float(mask.shape[1])
+        return GlobalCounts(tokens=float(mask.sum()), seqs=float(mask.shape[0]), norm_len=norm)
+
+    def forward_backward(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> List[dict]:
+        """Gradients of the whole batch's loss into the DDP buffers (no optimizer step); returns
+        this rank's per-micro-batch records (last stage only)."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine is frozen (reference / reward model): no training")
+        check_batch(batch)
+        counts = self.global_counts(batch)
+        mbs = self._my_microbatches(batch)
+        for c in self.chunks:
+            c.train()
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        want = tuple(outputs) or self.default_outputs[:1]
+        _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
+                                  counts=counts, forward_only=False,
+                                  with_labels=self._labels_path(want))
+        self._num_microbatches = len(mbs)
+        return records
+
+    def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        records = self.forward_backward(batch, loss_fn, outputs)
+        # DP gradient SUM (reduce-scatter with the distributed optimizer), tied-embedding and
+        # sequence-parallel norm grads; num_tokens=None: no rescaling (schedule.py docstring).
+        finalize_model_grads(self.chunks, num_tokens=None)
+        metrics = self._reduce_metrics(records)
+        applied, grad_norm = optim_lib.guarded_step(self.optimizer, math.isfinite(metrics["loss"]))
+        self.steps_applied += int(applied)
+        metrics.update(grad_norm=grad_norm, lr=optim_lib.current_lr(self.optimizer),
+                       nonfinite=0.0 if applied else 1.0,
+                       num_microbatches=float(self._num_microbatches))
+        if not applied:
+            log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
+                        metrics["loss"], grad_norm)
+        return metrics
+
+    def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
+        """Loss = sum of contributions; loss_fn metrics = token-weighted means over the batch."""
+        keys = sorted({k for r in records for k in r} - {"loss", "tokens"}) if self.reporting else []
+        box = [keys]
+        dist.broadcast_object_list(box, src=self._key_source)
+        keys = box[0]
+        vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=self._coll_device())
+        if self.reporting:
+            for r in records:
+                vec[0] += float(r["loss"])
+                vec[1] += r["tokens"]
+                for j, k in enumerate(keys):
+                    if k in r:
+                        vec[2 + j] += float(r[k]) * r["tokens"]
+        dist.all_reduce(vec)
+        tokens = max(float(vec[1]), 1.0)
+        out = {"loss": float(vec[0]), "tokens": float(vec[1])}
+        out.update({k: float(vec[2 + j]) / tokens for j, k in enumerate(keys)})
+        return out
+
+    def scheduler_step(self) -> float:
+        if self.scheduler is None:
+            return 0.0
+        self.scheduler.step(increment=1)
+        return optim_lib.current_lr(self.optimizer)
+
+    @property
+    def lr(self) -> float:
+        return optim_lib.current_lr(self.optimizer) if self.optimizer is not None else 0.0
+
+    # ------------------------------------------------------------------ weights and state
+
+    def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        if self.options.head == "value":
+            from verl_hpc.engines.megatron.value_head import export_value_model
+
+            return export_value_model(self.gpt_chunks, self.heads)
+        from verl_hpc.models import export_hf_weights
+
+        return export_hf_weights(self.gpt_chunks)
+
+    def state(self) -> EngineState:
+        from verl_hpc.engines.megatron.state import engine_state
+
+        return engine_state(self)
+
+    def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+        from verl_hpc.engines.megatron.state import load_engine_state
+
+        load_engine_state(self, load_into, meta)

@@ -1,0 +1,99 @@
+"""Optimizer, LR schedule and the guarded optimizer step of the Megatron engine.
+
+- Adam(W) through `megatron.core.optimizer.get_megatron_optimizer`: the DistributedOptimizer
+  (states sharded over data parallel) when `parallel.use_distributed_optimizer`, otherwise
+  Megatron's mixed-precision (bf16/fp16) or plain fp32 wrapper. On CPU Megatron picks torch's AdamW.
+- `OptimizerParamScheduler` for linear warmup (from 0) then constant / linear / cosine decay to
+  `min_lr`. The schedule counts *trainer steps* (the role calls `scheduler_step()` once per
+  update, as verl does), so `optim.warmup_steps` and `total_steps` are in trainer steps.
+- `guarded_step` is ChainedOptimizer.step with one change: the gradient norm is computed first
+  and, when it or the loss is inf/nan, nothing is applied (Megatron checks for inf/nan only with an
+  fp16 grad scaler; in bf16/fp32 it would write nan into the weights). The trainer skips and
+  counts such steps.
+"""
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def optimizer_config(optim, dtype, use_distributed_optimizer: bool):
+    """Megatron's OptimizerConfig from the job config's `optim` section (OptimConfig)."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    betas = list(optim.betas)
+    if len(betas) != 2:
+        raise ValueError(f"optim.betas: expected two numbers; got {betas}")
+    if optim.clip_grad < 0:
+        raise ValueError(f"optim.clip_grad: must be >= 0 (0 = no clipping); got {optim.clip_grad}")
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer)
+
+
+def build_scheduler(optimizer, optim, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if optim.lr_decay_style not in DECAY_STYLES:
+        raise ValueError(f"optim.lr_decay_style: {optim.lr_decay_style!r}; valid: {', '.join(DECAY_STYLES)}")
+    if optim.min_lr > optim.lr or optim.min_lr < 0:
+        raise ValueError(f"optim.min_lr={optim.min_lr} must be in [0, optim.lr={optim.lr}]")
+    if optim.warmup_steps < 0:
+        raise ValueError(f"optim.warmup_steps: must be >= 0; got {optim.warmup_steps}")
+    decay_steps = max(int(total_steps), optim.warmup_steps + 1, 1)
+    if optim.lr_decay_style != "constant" and optim.warmup_steps >= total_steps:
+        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} must be below trainer.total_steps="
+                         f"{total_steps} for lr_decay_style={optim.lr_decay_style!r}")
+    wd = optim.weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_decay_style, start_wd=wd, end_wd=wd, wd_incr_steps=decay_steps,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True)
+
+
+def schedule_lr(optim, total_steps: int, step: int) -> float:
+    """The LR the scheduler gives after `step` scheduler steps (a pure reference for tests)."""
+    max_lr, min_lr, warmup = optim.lr, optim.min_lr, optim.warmup_steps
+    decay = max(int(total_steps), warmup + 1, 1)
+    if warmup > 0 and step <= warmup:
+        return max_lr * step / warmup
+    if optim.lr_decay_style == "constant":
+        return max_lr
+    if step > decay:
+        return min_lr
+    ratio = (step - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if optim.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def current_lr(optimizer) -> float:
+    groups = optimizer.param_groups
+    return float(groups[0]["lr"]) if groups else 0.0
+
+
+def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float]:
+    """(applied, grad_norm). Collective over the optimizer's groups whatever the outcome."""
+    import torch
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()  # fp16 grad scaler: unscale + inf check (collective)
+    grad_norm = float(optimizer.get_grad_norm())  # global over TP/PP/DP (collective)
+    if found_inf or not loss_is_finite or not math.isfinite(grad_norm):
+        return False, grad_norm
+    for opt in optimizer.chained_optimizers:
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    with torch.no_grad():
+        optimizer.step_with_ready_grads()
+    return True, grad_norm

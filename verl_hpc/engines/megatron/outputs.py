@@ -1,0 +1,92 @@
+"""Per-micro-batch outputs from the last pipeline stage's model output, aligned to responses.
+
+Language-model head: logits are vocab-parallel `[b, s, V/tp]` (this rank's slice of the padded
+vocabulary; the padded columns are -inf, set by verl_hpc.models.gpt). Only the rows at response
+positions are taken (`[b, T, V/tp]`), then
+- log_probs: -`tensor_parallel.vocab_parallel_cross_entropy` (max and sum-exp all-reduced over the
+  TP group, the target's logit from the rank that holds it); exp(-inf) = 0 keeps padded entries out;
+- entropy: `verl_hpc.algorithms.entropy_from_logits` with a TP all-reduce, exact and with a
+  communication-free backward.
+Neither gathers the vocabulary. Megatron's cross-entropy works in place on float32 input (it turns
+its argument into the softmax), so when entropy is also wanted it gets its own copy.
+
+Log-probs only (no entropy, temperature 1): the model is called with `labels=` (the next token
+at every position), so Megatron runs the same vocab-parallel cross-entropy on its `[s, b, V/tp]`
+output-layer result directly, without materialising the transposed `[b, s, V/tp]` logits or the
+response rows; the per-position losses `[b, s]` are then indexed at the response positions.
+
+Value head: `[b, s, 1]` -> values `[b, T]` from positions p + t - 1, and the reward model's
+sequence score from the last token p + r - 1.
+"""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+LM_OUTPUTS = ("log_probs", "entropy")
+VALUE_OUTPUTS = ("values", "scores", "token_scores")
+
+
+def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x[b, positions[b, t]] -> [b, T, ...]."""
+    b = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+    return x[b, positions]
+
+
+def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
+               temperature: float = 1.0) -> Dict[str, torch.Tensor]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce
+
+    unknown = set(want) - set(LM_OUTPUTS)
+    if unknown:
+        raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
+    resp = _rows(logits, mb["_positions"])
+    if temperature != 1.0:  # rollout sampled from logits / temperature: score the same distribution
+        resp = resp / temperature
+    out: Dict[str, torch.Tensor] = {}
+    if "entropy" in want:
+        group = ps.get_tensor_model_parallel_group()
+        tp_reduce = process_group_all_reduce(group) if ps.get_tensor_model_parallel_world_size() > 1 else None
+        out["entropy"] = entropy_from_logits(resp, all_reduce=tp_reduce).float()
+    if "log_probs" in want:
+        ce_input = resp.clone() if ("entropy" in want and resp.dtype == torch.float32) else resp
+        out["log_probs"] = -vocab_parallel_cross_entropy(ce_input, mb["_targets"])
+    return out
+
+
+def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """labels[b, i] = input_ids[b, i + 1] (the last position gets a dummy 0, never read)."""
+    return torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+
+
+def lm_outputs_from_token_losses(token_nll: torch.Tensor, mb: Dict[str, torch.Tensor],
+                                 want: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """Megatron's per-position loss `[b, s]` (labels = next tokens) -> log_probs `[b, T]`."""
+    if tuple(want) != ("log_probs",):
+        raise ValueError(f"the labels path gives log_probs only; asked for {tuple(want)}")
+    return {"log_probs": -token_nll.gather(1, mb["_positions"])}
+
+
+def value_outputs(values: torch.Tensor, mb: Dict[str, torch.Tensor],
+                  want: Sequence[str]) -> Dict[str, torch.Tensor]:
+    unknown = set(want) - set(VALUE_OUTPUTS)
+    if unknown:
+        raise ValueError(f"a value-head engine gives {VALUE_OUTPUTS}; asked for {sorted(unknown)}")
+    v = values.squeeze(-1).float()  # [b, s]
+    out: Dict[str, torch.Tensor] = {}
+    if "values" in want:
+        out["values"] = v.gather(1, mb["_positions"])
+    if "scores" in want or "token_scores" in want:
+        last = (mb["prompt_lengths"] + mb["response_lengths"] - 1).clamp(min=0).unsqueeze(1)
+        scores = v.gather(1, last).squeeze(1)
+        out["scores"] = scores
+        if "token_scores" in want:  # the score on the last response token, as verl's rewards
+            t = mb["_positions"].shape[1]
+            col = (mb["response_lengths"] - 1).clamp(min=0).unsqueeze(1)
+            out["token_scores"] = torch.zeros(v.shape[0], t, device=v.device).scatter(
+                1, col, scores.unsqueeze(1))
+    return out

@@ -1,0 +1,175 @@
+"""Micro-batches through Megatron's `get_forward_backward_func()` schedules, with exact loss scaling.
+
+How the loss stays exactly the full-batch loss (megatron-core 0.16.1, checked in
+pipeline_parallel/schedules.py `forward_step_calc_loss`, distributed/distributed_data_parallel.py
+and distributed/finalize_model_grads.py):
+- A loss callback returning a 2-tuple (loss, metrics) has its loss divided by the number of
+  micro-batches (and multiplied by the CP size); DDP then scales gradients by 1/dp (or averages in
+  the collective). Both assume equal micro-batches: with token-budget micro-batches of different
+  sizes that weights a token by the size of the batch it landed in.
+- We build the model with `calculate_per_token_loss=True` and return a 3-tuple (loss, num_tokens,
+  metrics). Then the schedule does *not* divide, and DDP uses gradient_scaling_factor = 1.0, i.e. a
+  plain SUM over data-parallel ranks (it also refuses average_in_collective). The only remaining
+  scaling is in `finalize_model_grads(model, num_tokens)`, which divides every gradient by the
+  summed num_tokens; we do not register it as `config.finalize_model_grads_func` and call it
+  ourselves with num_tokens=None, so nothing is divided.
+- Each micro-batch's loss is its contribution, aggregated with the counts of the whole batch
+  (`GlobalCounts` -> `agg_loss(global_tokens=, global_seqs=, norm_len=)`). Sum over micro-batches
+  (gradient accumulation) and DP ranks (DDP sum) = the full-batch loss: the gradient is that of the
+  full batch whatever the split, with no multiply-then-divide round trip.
+Empty micro-batches (see partition.py) run one 1-token dummy sequence whose loss is 0 * (finite
+function of the output), so they add exactly zero.
+
+Results of forward-only runs exist on the last pipeline stage (every TP rank has the same values).
+TP rank 0 of the last stage writes its rows into zero `[K, B, T]` buffers, and one SUM all-reduce
+over all ranks gives every rank the whole batch's outputs (rows are disjoint; x + 0 = x exactly).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.engines.base import GlobalCounts
+from verl_hpc.engines.batch import response_positions, response_tokens, select_rows
+from verl_hpc.engines.megatron.outputs import next_token_labels
+
+OutputFn = Callable[[torch.Tensor, Dict[str, torch.Tensor], Sequence[str]], Dict[str, torch.Tensor]]
+
+
+class MicroBatch:
+    """A micro-batch on the model's device: the rows' sub-batch plus precomputed index tensors.
+
+    `shape=(rows, seq)` pads it to a fixed shape (Megatron's interleaved schedule exchanges
+    activations of one fixed shape): extra rows are dummies cut off again before the loss."""
+
+    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, pad_seq_to: int,
+                 shape: Optional[Tuple[int, int]] = None):
+        self.rows = rows
+        self.dummy = not rows
+        if self.dummy:  # one sequence of one prompt token and no response token
+            sub = {"input_ids": torch.zeros(1, pad_seq_to, dtype=torch.long),
+                   "prompt_lengths": torch.ones(1, dtype=torch.long),
+                   "response_lengths": torch.zeros(1, dtype=torch.long),
+                   "response_mask": torch.zeros(1, 1)}
+        else:
+            sub = select_rows(batch, rows, pad_seq_to=pad_seq_to)
+        if shape is not None:
+            sub = _pad_to(sub, *shape)
+        ids = sub["input_ids"]
+        width = sub["response_mask"].shape[1]
+        sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
+        sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
+        sub["_labels"] = next_token_labels(ids)
+        self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
+        self.position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(self.data["input_ids"])
+        self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
+        self.real_rows = len(rows)
+
+    def loss_view(self, output: torch.Tensor):
+        """(output, data) without the padding rows."""
+        n = self.real_rows
+        if n == self.data["input_ids"].shape[0]:
+            return output, self.data
+        return output[:n], {k: v[:n] for k, v in self.data.items()}
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        return tuple(self.data["input_ids"].shape)
+
+
+def _pad_to(sub: Dict[str, torch.Tensor], rows: int, seq: int) -> Dict[str, torch.Tensor]:
+    """Pad a sub-batch with zero rows (prompt length 1, no response) and its sequences to `seq`."""
+    b = sub["input_ids"].shape[0]
+    out = {}
+    for key, v in sub.items():
+        if key == "input_ids":
+            v = torch.nn.functional.pad(v, (0, seq - v.shape[1]))
+        extra = rows - b
+        if extra:
+            fill = torch.ones if key == "prompt_lengths" else torch.zeros
+            v = torch.cat([v, fill((extra,) + tuple(v.shape[1:]), dtype=v.dtype)])
+        out[key] = v
+    return out
+
+
+def _dummy_loss(output: torch.Tensor) -> torch.Tensor:
+    # -inf (padded vocabulary) must not meet the 0: 0 * -inf = nan.
+    return torch.where(torch.isfinite(output), output, torch.zeros_like(output)).mean() * 0.0
+
+
+def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, want: Sequence[str],
+                 *, loss_fn=None, counts: Optional[GlobalCounts] = None, forward_only: bool,
+                 with_labels: bool = False) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
+    """Run all micro-batches. Forward-only: returns [(mb, detached outputs)] on the last stage.
+    Training: returns per-micro-batch records {"loss", "tokens", metrics...} on the last stage.
+    with_labels: call the model with next-token labels (its output is then the per-position
+    cross-entropy, see outputs.py)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    collected: List[Tuple[MicroBatch, Dict[str, torch.Tensor]]] = []
+    records: List[dict] = []
+    # one iterator per virtual stage: each chunk walks the same micro-batches
+    iters = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
+
+    def step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        labels = mb.data["_labels"] if with_labels else None
+        output = model(mb.data["input_ids"], mb.position_ids, None, labels=labels)
+
+        def loss_callback(out):
+            if forward_only:
+                if not mb.dummy:
+                    with torch.no_grad():
+                        o, data = mb.loss_view(out)
+                        collected.append((mb, {k: v.detach() for k, v in output_fn(o, data, want).items()}))
+                return out.new_zeros(()), {}
+            if mb.dummy:
+                loss, metrics = _dummy_loss(out), {}
+            else:
+                o, data = mb.loss_view(out)
+                loss, metrics = loss_fn(output_fn(o, data, want), data, counts)
+                if o.shape[0] != out.shape[0]:  # padding rows join the graph with weight 0
+                    loss = loss + _dummy_loss(out)
+            records.append({"loss": loss.detach().float(), "tokens": mb.tokens,
+                            **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
+            num_tokens = torch.tensor(int(mb.tokens), dtype=torch.int, device=loss.device)
+            return loss, num_tokens, {}
+
+        return output, loss_callback
+
+    seq, mbs = max(mb.shape[1] for mb in microbatches), max(mb.shape[0] for mb in microbatches)
+    get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iters, model=list(chunks),
+        num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
+        forward_only=forward_only)
+    return collected, records
+
+
+def gather_outputs(collected, batch_size: int, width: int, keys: Sequence[str], device,
+                   reporting: bool) -> Dict[str, torch.Tensor]:
+    """Every rank gets `{key: [B, T] or [B]}` for the whole batch (see the module docstring)."""
+    out = {}
+    for key in keys:
+        per_seq = key == "scores"
+        buf = torch.zeros((batch_size,) if per_seq else (batch_size, width), dtype=torch.float32,
+                          device=device)
+        if reporting:
+            for mb, values in collected:
+                rows = torch.as_tensor(mb.rows, device=device)
+                v = values[key].float()
+                if per_seq:
+                    buf[rows] = v
+                else:
+                    v = v * mb.data["response_mask"][: len(mb.rows)].to(v.dtype)
+                    buf[rows, : v.shape[1]] = v
+        out[key] = buf
+    if dist.is_initialized() and dist.get_world_size() > 1 and out:
+        flat = torch.cat([t.flatten() for t in out.values()])
+        dist.all_reduce(flat)
+        offset = 0
+        for key, t in out.items():
+            out[key] = flat[offset: offset + t.numel()].view_as(t)
+            offset += t.numel()
+    return {k: v.cpu() for k, v in out.items()}

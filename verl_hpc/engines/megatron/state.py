@@ -1,0 +1,253 @@
+"""The Megatron engine's state as layout-independent slabs (contract: verl_hpc/engines/base.py).
+
+Every parameter of this rank becomes one or more *pieces* of logical tensors whose names and
+global shapes do not depend on TP/PP/DP/VPP:
+- layer names carry the global layer number (`decoder.layers.{layer_number - 1}`), not the
+  stage-local index; Transformer Engine's fused-norm names map to the local spec's;
+- TP-split weights are slabs at `tp_rank * local_size` along their partition dim;
+- the vocabulary (embedding, untied output layer) has the model's real size: Megatron's TP padding
+  rows are cut off (they are zero and never trained);
+- `linear_fc1` holds [gate_r; up_r] per TP rank, so its gathered layout changes with TP; it is
+  stored as two tensors `.../gate` and `.../up` of shape [ffn, hidden] instead;
+- with tied embeddings and pp > 1 the last stage's copy of the embedding is not saved; on load it
+  is filled from the embedding's slabs like any other target.
+Optimizer states follow their parameter's pieces. With the distributed optimizer a rank holds a
+flat element range of each parameter's local shard: it is cut into boxes (rows, or parts of a
+row) with verl_hpc.checkpoint's `flat_range_slabs` and each box into the pieces it crosses.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+FORMAT = "verl_hpc.megatron_engine/1"
+TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Local rows [lo, hi) of a parameter = logical tensor `name` at `offsets` (for row lo)."""
+
+    name: str
+    global_shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    lo: int
+    hi: int
+
+
+def _logical_name(gpt, local: str) -> str:
+    m = _LAYER.match(local)
+    if m:
+        j, rest = int(m.group(1)), m.group(2)
+        rest = TE_NAMES.get(rest, rest)
+        return f"decoder.layers.{gpt.decoder.layers[j].layer_number - 1}.{rest}"
+    return local
+
+
+def param_pieces(gpt, local: str, param: torch.Tensor, tp_rank: int, tp: int,
+                 value_head: bool) -> Tuple[List[Piece], bool]:
+    """(pieces, saved): saved is False for a load-only target (the tied output-layer copy)."""
+    shape = tuple(param.shape)
+    arch = gpt.verl_arch
+    if local == "output_layer.weight" and value_head:
+        return [Piece("value_head.weight", shape, (0,) * len(shape), 0, shape[0])], True
+    if local == "output_layer.weight" and arch.tie_word_embeddings:
+        local, saved = "embedding.word_embeddings.weight", False
+    else:
+        saved = True
+    name = _logical_name(gpt, local)
+    if local in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        per, real = shape[0], arch.vocab_size
+        start = tp_rank * per
+        hi = max(0, min(per, real - start))
+        return [Piece(name, (real,) + shape[1:], (start,) + (0,) * (len(shape) - 1), 0, hi)], saved
+    if name.endswith("mlp.linear_fc1.weight") and gpt.config.gated_linear_unit:
+        f = shape[0] // 2
+        glob = (f * tp,) + shape[1:]
+        off = (tp_rank * f,) + (0,) * (len(shape) - 1)
+        return [Piece(f"{name}/gate", glob, off, 0, f), Piece(f"{name}/up", glob, off, f, 2 * f)], saved
+    glob, off = list(shape), [0] * len(shape)
+    if getattr(param, "tensor_model_parallel", False) and tp > 1:
+        d = param.partition_dim
+        glob[d], off[d] = shape[d] * tp, tp_rank * shape[d]
+    return [Piece(name, tuple(glob), tuple(off), 0, shape[0] if shape else 1)], saved
+
+
+def _box_slabs(prefix: str, pieces: Sequence[Piece], tensor: torch.Tensor,
+               box_off: Sequence[int]) -> Iterator[Any]:
+    """ShardedTensors for a local box `tensor` whose first element sits at local `box_off`."""
+    from verl_hpc.checkpoint.sharded import ShardedTensor
+
+    if tensor.dim() == 0:
+        raise ValueError("0-d parameters are not expected in a Megatron GPT model")
+    r0b, r1b = box_off[0], box_off[0] + tensor.shape[0]
+    for pc in pieces:
+        r0, r1 = max(r0b, pc.lo), min(r1b, pc.hi)
+        if r0 >= r1:
+            continue
+        offsets = [pc.offsets[0] + r0 - pc.lo] + [pc.offsets[d] + box_off[d]
+                                                  for d in range(1, tensor.dim())]
+        yield ShardedTensor(f"{prefix}/{pc.name}", tensor[r0 - r0b: r1 - r0b], pc.global_shape,
+                            offsets)
+
+
+def _flat_slabs(prefix: str, pieces, flat: torch.Tensor, shape, start: int, stop: int):
+    """Slabs of a flat element range [start, stop) of a parameter of local `shape`."""
+    from verl_hpc.checkpoint.sharded import flat_range_slabs
+
+    for fs, fe, off, box in flat_range_slabs(shape, start, stop):
+        yield from _box_slabs(prefix, pieces, flat[fs - start: fe - start].view(box), off)
+
+
+def _named_params(engine) -> Iterator[Tuple[Any, str, torch.nn.Parameter, Optional[Any]]]:
+    for gpt, head in zip(engine.gpt_chunks, engine.heads):
+        for local, p in gpt.named_parameters():
+            yield gpt, local, p, head
+
+
+def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for gpt, local, p, head in _named_params(engine):
+        out[id(p)] = param_pieces(gpt, local, p, tp_rank, tp, value_head=head is not None)
+    return out
+
+
+# ----------------------------------------------------------------------------- optimizer states
+
+
+def _torch_state_step(state: dict, group: dict):
+    return state.get("step", group.get("step"))
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Create Adam's moments (zeros, step 0) where the inner optimizer has not stepped yet."""
+    for opt in optimizer.chained_optimizers:
+        inner = opt.optimizer
+        if inner is None:
+            continue
+        if any(len(inner.state[p]) == 0 for g in inner.param_groups for p in g["params"]):
+            if getattr(opt, "init_state_fn", None) is not None:
+                opt.init_state_fn(inner, opt.config)
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                for g in inner.param_groups:
+                    for p in g["params"]:
+                        inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _optimizer_entries(engine) -> Iterator[Tuple[torch.nn.Parameter, int, int, Dict[str, torch.Tensor]]]:
+    """(model param, flat start, flat stop, {"main"?, "exp_avg", "exp_avg_sq"} flat tensors)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    keep_main = engine.dtype != torch.float32
+    for opt in engine.optimizer.chained_optimizers:
+        if isinstance(opt, DistributedOptimizer):
+            for group in opt.model_float16_groups + opt.model_fp32_groups:
+                for p in group:
+                    rng = opt._get_model_param_range_map(p)["param"]
+                    st = opt._get_main_param_and_optimizer_states(p)
+                    t = {k: st[k].view(-1) for k in ("exp_avg", "exp_avg_sq")}
+                    if keep_main:
+                        t["main"] = st["param"].view(-1)
+                    yield p, rng.start, rng.end, t
+            continue
+        if isinstance(opt, Float16OptimizerWithFloat16Params):
+            pairs = [(p, m) for mg, g in zip(opt.fp32_from_float16_groups, opt.float16_groups)
+                     for p, m in zip(g, mg)]
+            pairs += [(p, p) for g in opt.fp32_from_fp32_groups for p in g]
+        else:  # FP32Optimizer: the model parameters are the optimizer's
+            pairs = [(p, p) for g in opt.optimizer.param_groups for p in g["params"]]
+        for p, main in pairs:
+            st = opt.optimizer.state[main]
+            t = {k: st[k].view(-1) for k in ("exp_avg", "exp_avg_sq")}
+            if keep_main:
+                t["main"] = main.data.view(-1)
+            yield p, 0, p.numel(), t
+
+
+def _optimizer_step_count(engine) -> int:
+    for opt in engine.optimizer.chained_optimizers:
+        for g in opt.optimizer.param_groups:
+            for p in g["params"]:
+                step = _torch_state_step(opt.optimizer.state[p], g)
+                if step is not None:
+                    return int(step)
+    return 0
+
+
+def _set_optimizer_step_count(engine, step: int) -> None:
+    for opt in engine.optimizer.chained_optimizers:
+        for g in opt.optimizer.param_groups:
+            if "step" in g:
+                g["step"] = step
+            for p in g["params"]:
+                st = opt.optimizer.state[p]
+                if "step" in st:
+                    st["step"] = torch.as_tensor(float(step), dtype=st["step"].dtype,
+                                                 device=st["step"].device)
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+def _slabs(engine, for_load: bool) -> List[Any]:
+    pieces = _pieces_by_param(engine)
+    out = []
+    for _, _, p, _ in _named_params(engine):
+        ps_, saved = pieces[id(p)]
+        if saved or for_load:
+            out.extend(_box_slabs("model", ps_, p.data, (0,) * p.dim()))
+    if engine.optimizer is not None:
+        ensure_optimizer_state(engine.optimizer)
+        for p, start, stop, tensors in _optimizer_entries(engine):
+            ps_, saved = pieces[id(p)]
+            if not (saved or for_load):
+                continue
+            for key, flat in tensors.items():
+                out.extend(_flat_slabs(f"optim/{key}", ps_, flat, tuple(p.shape), start, stop))
+    return out
+
+
+def engine_state(engine):
+    from verl_hpc.engines.base import EngineState
+
+    meta: Dict[str, Any] = {"format": FORMAT, "head": engine.options.head,
+                            "dtype": engine.options.dtype, "steps_applied": engine.steps_applied}
+    tensors = _slabs(engine, for_load=False)
+    if engine.optimizer is not None:
+        meta["optimizer_step"] = _optimizer_step_count(engine)
+        meta["scheduler"] = engine.scheduler.state_dict()
+        scaler = engine.optimizer.chained_optimizers[0].grad_scaler if hasattr(
+            engine.optimizer.chained_optimizers[0], "grad_scaler") else None
+        if scaler is not None:
+            meta["grad_scaler"] = {k: float(v) if torch.is_tensor(v) else v
+                                   for k, v in scaler.state_dict().items()}
+    return EngineState(tensors=tensors, meta=meta)
+
+
+def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"engine state format {meta.get('format')!r}; this engine reads {FORMAT}")
+    if meta.get("head") != engine.options.head:
+        raise ValueError(f"engine state is of a {meta.get('head')!r} head; this engine has "
+                         f"{engine.options.head!r}")
+    with torch.no_grad():
+        load_into(_slabs(engine, for_load=True))
+    engine.steps_applied = int(meta.get("steps_applied", 0))
+    if engine.optimizer is None:
+        return
+    _set_optimizer_step_count(engine, int(meta.get("optimizer_step", 0)))
+    if "scheduler" in meta:
+        engine.scheduler.load_state_dict(dict(meta["scheduler"]))
+    scaler = getattr(engine.optimizer.chained_optimizers[0], "grad_scaler", None)
+    if scaler is not None and "grad_scaler" in meta:
+        scaler.load_state_dict({k: torch.tensor(v) if isinstance(v, float) else v
+                                for k, v in meta["grad_scaler"].items()})

@@ -1,0 +1,27 @@
+"""Resharding: the actor's new weights from the Megatron training layout into the in-process
+rollout engine, after every update, collectively, in buckets, without disk (DESIGN.md, "The step").
+
+    from verl_hpc.resharding import WeightSync, sync
+    metrics = sync(actor, rollout, bucket_mb=cfg.rollout.bucket_mb)   # every rank, same point
+    # or: syncer = WeightSync.from_config(cfg); metrics = syncer(actor, rollout)
+
+    sync/seconds  sync/bytes  sync/gb_per_s  sync/buckets  sync/peak_bucket_bytes
+    sync/tensors  sync/largest_tensor_bytes  sync/export_seconds  sync/load_seconds ...
+
+Modules:
+    sync.py      the step: wake, export -> buckets -> load_weights, failure agreement, metrics
+    buckets.py   BucketStream: byte-bounded buckets over a (name, tensor) stream, its counts
+    sinks.py     NullSink / DigestSink: load_weights receivers for benchmarks and tests
+    memory.py    HeapPeak: the peak extra host memory of a block (glibc heap in use, sampled)
+
+Where the layouts change: Megatron's TP shards are gathered and un-fused into HF tensors and the
+PP stages broadcast theirs (verl_hpc.models.weights.export_hf_weights), so every rank holds each
+full HF tensor in turn; the rollout engine cuts its own inference-TP slices from them (vLLM's
+weight loaders), so training TP and inference TP are independent in both directions.
+"""
+from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
+from verl_hpc.resharding.sinks import DigestSink, NullSink
+from verl_hpc.resharding.sync import SyncError, WeightSync, export_source, sync
+
+__all__ = ["BucketStream", "DigestSink", "NullSink", "SyncError", "WeightSync", "bucket_bytes_from",
+           "export_source", "sync"]

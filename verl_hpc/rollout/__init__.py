@@ -1,0 +1,32 @@
+"""Rollout: sample responses with logprobs from the current policy (DESIGN.md, "rollout/").
+
+    rollout = build_rollout(cfg, ctx)                 # VLLMRollout or HFRollout (rollout.engine)
+    result  = rollout.generate(prompts, SamplingSpec.from_config(cfg).for_step(step))
+    metrics = rollout_metrics(result)
+    rollout.load_weights(iter_of_hf_name_and_full_tensor)   # after each actor update
+    rollout.sleep(); ...; rollout.wake()               # GPU memory between phases (else a no-op)
+
+Multi-rank contract and logprob semantics: `rollout.engine` and `rollout.vllm_rollout`.
+The engine modules import vLLM / transformers only when an engine is built.
+"""
+from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.factory import build_rollout
+from verl_hpc.rollout.metrics import rollout_metrics
+from verl_hpc.rollout.prompts import PromptTooLongError
+from verl_hpc.rollout.result import RolloutResult
+from verl_hpc.rollout.spec import SamplingSpec
+
+__all__ = ["RolloutEngine", "RolloutResult", "SamplingSpec", "PromptTooLongError", "build_rollout",
+           "rollout_metrics", "VLLMRollout", "HFRollout"]
+
+
+def __getattr__(name):  # lazy: importing the package must not import vllm or transformers
+    if name == "VLLMRollout":
+        from verl_hpc.rollout.vllm_rollout import VLLMRollout
+
+        return VLLMRollout
+    if name == "HFRollout":
+        from verl_hpc.rollout.hf_rollout import HFRollout
+
+        return HFRollout
+    raise AttributeError(name)

@@ -1,0 +1,124 @@
+"""The rollout interface every engine implements, and the multi-rank `generate` they share.
+
+Multi-rank contract (a job of W ranks, rollout.tp = T, so R = W / T replicas):
+- every rank calls `generate(prompts, sampling)` with the SAME global prompt list and spec (the
+  trainer broadcasts them); it is a collective: all ranks call it, the same number of times;
+- replica r generates the contiguous shard `ReplicaLayout.shard(P)[r]` (its T ranks together);
+- the shards are all-gathered, so every rank returns the SAME global RolloutResult, rows in
+  prompt order (prompt 0's n samples first);
+- `load_weights` is called on every rank with the FULL (unsharded) HF tensors; each engine takes
+  the slices its TP rank needs. It is not a collective in this package, but vLLM's TP ranks must
+  all do it before the next generate.
+
+Logprobs are those of the sampled tokens; which distribution they come from is the engine's
+`logprobs_mode` ("processed" by default: the distribution actually sampled from, see vllm_rollout).
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from typing import Iterable, List, Tuple
+
+import torch
+
+from verl_hpc.rollout.prompts import check_prompts, fit_prompts
+from verl_hpc.rollout.replicas import ReplicaLayout, gather_shards
+from verl_hpc.rollout.result import RolloutResult, ShardOutput
+from verl_hpc.rollout.spec import SamplingSpec
+
+log = logging.getLogger(__name__)
+_said: set = set()
+
+
+def log_once(key: str, message: str, *args) -> None:
+    """INFO once per process for `key` (sleep/wake no-ops are called every step)."""
+    if key not in _said:
+        _said.add(key)
+        log.info(message, *args)
+
+
+class RolloutEngine(abc.ABC):
+    """generate / load_weights / sleep / wake / close; subclasses supply `_generate_shard`."""
+
+    name = "rollout"
+
+    def __init__(self, *, layout: ReplicaLayout, max_prompt_length: int, max_response_length: int,
+                 prompt_overflow: str, vocab_size: int | None):
+        self.layout = layout
+        self.max_prompt_length = int(max_prompt_length)
+        self.max_response_length = int(max_response_length)
+        self.prompt_overflow = prompt_overflow
+        self.vocab_size = vocab_size
+        self._broken: str | None = None  # why the weights are undefined (a failed load_weights)
+        self._closed = False
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: List[List[int]], sampling: SamplingSpec) -> RolloutResult:
+        """Sample `sampling.n` responses for each prompt; see the module doc for multi-rank use."""
+        start = time.perf_counter()
+        self._check_usable()
+        sampling.validate()
+        if sampling.max_tokens > self.max_response_length:
+            raise ValueError(
+                f"sampling.max_tokens={sampling.max_tokens} exceeds what this engine was built "
+                f"for (rollout.max_tokens / data.max_response_length = {self.max_response_length})")
+        fitted, truncated = fit_prompts(check_prompts(prompts, self.vocab_size),
+                                        self.max_prompt_length, self.prompt_overflow)
+        shard = self.layout.shard(len(fitted))
+        local = (self._generate_shard([fitted[i] for i in shard], shard.start, sampling)
+                 if len(shard) else ShardOutput.empty())
+        rows = gather_shards(self.layout, local)
+        return RolloutResult(prompts=fitted, prompt_index=rows.prompt_index,
+                             sample_index=rows.sample_index, response_ids=rows.response_ids,
+                             logprobs=rows.logprobs, finish_reason=rows.finish_reason,
+                             num_truncated=truncated, seconds=time.perf_counter() - start)
+
+    @abc.abstractmethod
+    def _generate_shard(self, prompts: List[List[int]], first_index: int,
+                        sampling: SamplingSpec) -> ShardOutput:
+        """Generate for prompts[k] whose global index is first_index + k; rows in prompt order."""
+
+    # ------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+        """Replace all weights from (hf_name, full tensor) pairs, consumed lazily, in ONE call
+        (see rollout.weights for why it must be the complete set). Returns {tensors, bytes,
+        seconds}. A failure leaves the weights undefined: generate then refuses to run."""
+
+    # ------------------------------------------------------------------ memory phases
+    def sleep(self) -> None:
+        """Release accelerator memory between rollout phases (a logged no-op where unsupported)."""
+        log_once(f"{self.name}-sleep", "%s: sleep()/wake() are no-ops here (%s)", self.name,
+                 self._sleep_unsupported_reason())
+
+    def wake(self) -> None:
+        log_once(f"{self.name}-sleep", "%s: sleep()/wake() are no-ops here (%s)", self.name,
+                 self._sleep_unsupported_reason())
+
+    def _sleep_unsupported_reason(self) -> str:
+        return "this engine keeps its memory"
+
+    # ------------------------------------------------------------------ lifetime
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the engine. Safe to call twice; torch.distributed stays usable afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _mark_broken(self, why: str) -> None:
+        self._broken = why
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name}: generate() after close()")
+        if self._broken:
+            raise RuntimeError(f"{self.name}: the weights are undefined after a failed "
+                               f"load_weights ({self._broken}); {self._recovery_hint()}")
+
+    def _recovery_hint(self) -> str:
+        return "restart the job from its last checkpoint"

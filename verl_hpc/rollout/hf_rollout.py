@@ -1,0 +1,243 @@
+"""`HFRollout`: transformers `generate` behind the rollout interface, for machines without vLLM.
+
+Each rank is one replica (rollout.tp must be 1) and generates its shard in batches of left-padded
+prompts, n samples per prompt (`num_return_sequences`, rows i*n+j). Logprobs follow the same
+`logprobs_mode` as VLLMRollout, in the same processing order as vLLM's sampler: raw logits ->
+min_tokens' EOS mask -> temperature -> top-k -> top-p -> sample. To own that order, every
+processor is passed to `generate` explicitly (HF would otherwise put custom processors before its
+own temperature/top-k/top-p) with a generation config of our own (a model's generation_config.json
+may carry top_k, repetition_penalty, ... that vLLM does not apply to explicit sampling params).
+A recorder placed at the mode's point in that list keeps one step of log-softmax and gathers the
+sampled token's value when the next step shows which token it was.
+
+Greedy responses and logprobs equal vLLM's (fp32, <= 1e-4). Sampled responses do not: HF draws a
+batch from torch's global generator (seeded per batch from the spec seed, inside a saved-and-
+restored RNG state), vLLM per request.
+
+Finish: the first EOS (kept in the response) or the first token whose text completes a stop
+string (after min_tokens, as vLLM checks) ends a sequence with "stop"; otherwise "length".
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable, List, Tuple
+
+import torch
+
+from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.replicas import ReplicaLayout
+from verl_hpc.rollout.result import ShardOutput
+from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.vllm_compat import preserved_rng
+from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names
+from verl_hpc.runtime import device as devices
+
+
+class _SampledLogprobs:
+    """A logits processor that records log-softmax(scores) of the tokens that get sampled."""
+
+    def __init__(self):
+        self.steps: List[torch.Tensor] = []
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:  # the token drawn from the previous step's scores
+            self.steps.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.LongTensor) -> torch.Tensor:
+        if self._last is not None:
+            self.steps.append(self._last.gather(1, sequences[:, -1:]).squeeze(1))
+            self._last = None
+        return torch.stack(self.steps, dim=1).cpu()
+
+
+class HFRollout(RolloutEngine):
+    name = "hf"
+
+    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = "float32",
+                 max_prompt_length: int = 256, max_response_length: int = 128,
+                 prompt_overflow: str = "truncate", seed: int = 0, batch_size: int = 64,
+                 tokenizer_path: str | None = None, trust_remote_code: bool = False,
+                 logprobs_mode: str = "processed", ctx=None, **_ignored):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if tp != 1:
+            raise ValueError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
+                             "replica per rank (rollout.tp=1)")
+        layout = ReplicaLayout.detect(1, ctx)
+        super().__init__(layout=layout, max_prompt_length=max_prompt_length,
+                         max_response_length=max_response_length,
+                         prompt_overflow=prompt_overflow, vocab_size=None)
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
+        self.device = ctx.device if ctx is not None else (
+            devices.device_for(int(os.environ.get("LOCAL_RANK", 0))) if devices.has_gpu()
+            else torch.device("cpu"))
+        self.batch_size = int(batch_size)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        self._tokenizer = None
+        self.trust_remote_code = trust_remote_code
+        torch_dtype = getattr(torch, dtype) if self.device.type != "cpu" else torch.float32
+        with preserved_rng(self.device):
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
+        self.model.eval()
+        config = self.model.config
+        self.vocab_size = config.get_text_config().vocab_size
+        eos = self.model.generation_config.eos_token_id
+        eos = config.eos_token_id if eos is None else eos
+        self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        pad = config.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        # vLLM applies none of a model's generation_config.json defaults (top_k, repetition
+        # penalty, ...) to explicit sampling params; HF fills unset fields from it: start clean.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+            bos_token_id=config.bos_token_id)
+        self._required = checkpoint_weight_names(model_path)
+        self._targets = {**self.model.state_dict(keep_vars=True),
+                         **dict(self.model.named_parameters(remove_duplicate=False))}
+        unknown = sorted(self._required - set(self._targets))
+        if unknown:
+            raise ValueError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "
+                             f"model's parameters ({model_path})")
+        self._optional = set(self._targets) - self._required  # e.g. a tied lm_head.weight
+
+    @classmethod
+    def from_config(cls, cfg, ctx=None, **overrides) -> "HFRollout":
+        from verl_hpc.rollout.factory import engine_kwargs
+
+        return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "hf"), **overrides})
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                self.tokenizer_path, trust_remote_code=self.trust_remote_code)
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def _generate_shard(self, prompts: List[List[int]], first_index: int,
+                        sampling: SamplingSpec) -> ShardOutput:
+        rows = ShardOutput.empty()
+        for start in range(0, len(prompts), self.batch_size):
+            batch = prompts[start:start + self.batch_size]
+            rows.extend(self._generate_batch(batch, first_index + start, sampling))
+        return rows
+
+    def _processors(self, s: SamplingSpec, prompt_len: int, recorder: _SampledLogprobs):
+        from transformers.generation import logits_process as lp
+
+        chain = [recorder] if self.logprobs_mode == "raw" else []
+        if s.min_tokens and self.eos_ids:
+            chain.append(lp.MinNewTokensLengthLogitsProcessor(
+                prompt_len, s.min_tokens, self.eos_ids, device=self.device))
+        if not s.greedy:
+            if s.temperature != 1.0:
+                chain.append(lp.TemperatureLogitsWarper(s.temperature))
+            if s.top_k > 0:
+                chain.append(lp.TopKLogitsWarper(top_k=s.top_k))
+            if s.top_p < 1.0:
+                chain.append(lp.TopPLogitsWarper(top_p=s.top_p))
+        if self.logprobs_mode == "processed":
+            chain.append(recorder)
+        return lp.LogitsProcessorList(chain)
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: List[List[int]], first_index: int,
+                        s: SamplingSpec) -> ShardOutput:
+        from transformers import GenerationConfig
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        recorder = _SampledLogprobs()
+        copies = 1 if s.greedy else s.n  # HF refuses n > 1 greedy: generate once, repeat below
+        gen = GenerationConfig(
+            max_new_tokens=s.max_tokens, do_sample=not s.greedy, num_return_sequences=copies,
+            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+            # our processors do temperature/top-k/top-p (module doc); HF's stay neutral
+            **({} if s.greedy else dict(temperature=1.0, top_k=0, top_p=1.0)))
+        # HF's own stop-string check only saves work (the cut is ours, in _finish); it ignores
+        # min_tokens, so it is left out when min_tokens is set
+        extra = (dict(stop_strings=list(s.stop), tokenizer=self.tokenizer)
+                 if s.stop and not s.min_tokens else {})
+        with preserved_rng(self.device):
+            torch.manual_seed(request_seed(s.seed, "hf", first_index))
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                generation_config=gen, logits_processor=self._processors(s, width, recorder),
+                **extra)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        logprobs = recorder.finish(sequences).tolist()
+        responses = sequences[:, width:].cpu().tolist()
+        rows = ShardOutput.empty()
+        for r in range(len(prompts) * s.n):
+            tokens, lps = responses[r // (s.n // copies)], logprobs[r // (s.n // copies)]
+            end, reason = self._finish(tokens, s)
+            rows.prompt_index.append(first_index + r // s.n)
+            rows.sample_index.append(r % s.n)
+            rows.response_ids.append(tokens[:end])
+            rows.logprobs.append(lps[:end])
+            rows.finish_reason.append(reason)
+        return rows
+
+    def _finish(self, tokens: List[int], s: SamplingSpec) -> Tuple[int, str]:
+        """Length of the response and why it ended (rows past the end are HF's padding)."""
+        end, reason = len(tokens), "length"
+        for pos, tok in enumerate(tokens):
+            if tok in self.eos_ids and pos >= s.min_tokens:
+                end, reason = pos + 1, "stop"
+                break
+        if s.stop:
+            decode = lambda k: self.tokenizer.decode(tokens[:k], skip_special_tokens=True)  # noqa: E731
+            if any(stop in decode(end) for stop in s.stop):
+                floor = len(decode(s.min_tokens))  # vLLM looks for stops after min_tokens only
+                for count in range(s.min_tokens + 1, end + 1):
+                    text = decode(count)
+                    if any(0 <= text.find(stop, max(floor - len(stop) + 1, 0)) for stop in s.stop):
+                        return count, "stop"
+        return end, reason
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+        """Copy each tensor into the parameter of that HF name (strict: unknown names, repeated
+        names, wrong shapes and missing checkpoint tensors are errors)."""
+        if self._closed:
+            raise RuntimeError("hf rollout: load_weights() after close()")
+        checked = CheckedWeights(weights, self._required, self._optional, pass_optional=True)
+        start = time.perf_counter()
+        try:
+            for name, tensor in checked:
+                param = self._targets[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the "
+                                     f"model's is {tuple(param.shape)}")
+                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            checked.finish()
+        except Exception as exc:
+            self._mark_broken(f"{type(exc).__name__}: {str(exc)[:200]}")
+            raise
+        self._broken = None  # a complete update defines every weight again
+        return dict(tensors=checked.tensors, bytes=checked.bytes,
+                    seconds=time.perf_counter() - start)
+
+    def _recovery_hint(self) -> str:
+        return "call load_weights again with every weight"
+
+    def _sleep_unsupported_reason(self) -> str:
+        return "the HF fallback keeps its weights where they are"
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.model = None
+            self._targets = {}

@@ -1,0 +1,78 @@
+"""Inference replicas: which prompts this rank generates, and putting the shards back together.
+
+`rollout.tp` consecutive ranks form one inference tensor-parallel group, which is one data-parallel
+replica: ranks [0, tp) are replica 0, [tp, 2tp) replica 1, ... (the order vLLM's external launcher
+gives its TP groups). With R replicas and P prompts, replica r generates the contiguous shard
+[start_r, end_r); the first P % R replicas take one prompt more. All TP ranks of a replica generate
+the same shard together (vLLM's TP needs identical input on them); its TP rank 0 (the leader)
+contributes the rows, and one all_gather over the default group gives every rank all shards in
+replica order, which is prompt order.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+from verl_hpc.rollout.result import ShardOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    rank: int
+    world_size: int
+    tp: int
+
+    def __post_init__(self):
+        if self.tp < 1 or self.world_size % self.tp:
+            raise ValueError(
+                f"rollout.tp={self.tp} must divide the number of ranks ({self.world_size}): each "
+                f"group of rollout.tp consecutive ranks is one inference replica; valid: "
+                f"{', '.join(str(d) for d in range(1, self.world_size + 1) if self.world_size % d == 0)}")
+
+    @classmethod
+    def detect(cls, tp: int, ctx=None) -> "ReplicaLayout":
+        """From a RankContext, else from torch.distributed if initialised, else one process."""
+        if ctx is not None:
+            return cls(ctx.rank, ctx.world_size, tp)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), tp)
+        return cls(0, 1, tp)
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def num_replicas(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+    def shard(self, num_prompts: int, replica: int | None = None) -> range:
+        r = self.replica if replica is None else replica
+        base, extra = divmod(num_prompts, self.num_replicas)
+        start = r * base + min(r, extra)
+        return range(start, start + base + (1 if r < extra else 0))
+
+
+def gather_shards(layout: ReplicaLayout, local: ShardOutput) -> ShardOutput:
+    """Every rank gets all replicas' rows in prompt order. A collective over the default group
+    when world_size > 1: every rank must call it, the same number of times."""
+    if layout.world_size == 1:
+        return local
+    import torch.distributed as dist
+
+    gathered: List[object] = [None] * layout.world_size
+    dist.all_gather_object(gathered, (layout.replica, local if layout.is_leader else None))
+    merged = ShardOutput.empty()
+    for replica, rows in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0]):
+        merged.extend(rows)
+    return merged

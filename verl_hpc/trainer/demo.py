@@ -1,0 +1,72 @@
+"""`make demo`: a tiny model learns "3+4=" -> "7" with SFT on noisy labels, then GRPO fixes it.
+
+    python -m verl_hpc.trainer.demo [--out outputs/demo] [--ranks 1] [overrides for the RL phase ...]
+
+Steps, each a separate command you can also run by hand:
+  1. python -m verl_hpc.models.tiny OUT/model                     a random-init tiny Llama + tokenizer
+  2. python -m verl_hpc.data.prepare synthetic OUT/data ...        train/val/sft parquet, noisy SFT labels
+  3. python -m verl_hpc.submit configs/demo_sft.yaml --local       SFT warm start -> OUT/sft/hf
+  4. python -m verl_hpc.submit configs/demo_rl.yaml --local        GRPO from OUT/sft/hf, validated
+Prints validation accuracy before and after the RL phase and where the plot is; exits 1 when the
+rise is under --min-rise points.
+
+Why the noise: a fraction (--sft-noise, > 0.5) of SFT labels is the sum plus one, so the warm start
+answers "3+4=" with "8" greedily while still giving "7" some probability. GRPO samples both, rewards
+the right one, and greedy accuracy climbs (verl_hpc/data/prepare/synthetic.py explains the choice).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def sh(cmd, what: str) -> None:
+    print(f"\n=== {what}: {' '.join(cmd)}", flush=True)
+    t = time.time()
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        sys.exit(f"demo: '{what}' failed with exit code {rc}")
+    print(f"=== {what}: done in {time.time() - t:.0f}s", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="outputs/demo")
+    ap.add_argument("--ranks", type=int, default=1, help="local ranks for SFT and RL")
+    ap.add_argument("--sft-noise", type=float, default=0.62)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
+    a = ap.parse_args(argv)
+    out, py, t0 = Path(a.out), sys.executable, time.time()
+    common = [f"slurm.tasks_per_node={a.ranks}", f"data.train_files=[{out}/data/train.parquet]",
+              f"data.val_files=[{out}/data/val.parquet]"]
+    sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
+        "--seed", str(a.seed)], "tiny model")
+    sh([py, "-m", "verl_hpc.data.prepare", "synthetic", str(out / "data"), "--n-train", "2000",
+        "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise)], "synthetic data")
+    sh([py, "-m", "verl_hpc.submit", "configs/demo_sft.yaml", "--local", *common,
+        f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
+        f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")
+    sh([py, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", *common,
+        f"model.path={out}/sft/hf", f"trainer.output_dir={out}/rl", *a.overrides], "GRPO")
+    summary = json.loads((out / "rl" / "rl_summary.json").read_text())
+    before = 100 * summary["val_before"]["val/acc/all"]
+    after = 100 * summary["val_after"]["val/acc/all"]
+    print("\n" + "=" * 72)
+    print(f"validation accuracy (greedy, {out}/data/val.parquet):")
+    print(f"  after SFT warm start (before RL): {before:5.1f}%")
+    print(f"  after {summary['steps']} GRPO steps:          {after:5.1f}%   ({after - before:+.1f} points)")
+    print(f"plot:    {summary.get('plot')}")
+    print(f"metrics: {summary.get('metrics_file')}")
+    print(f"wall time: {time.time() - t0:.0f}s")
+    print("=" * 72)
+    return 0 if after - before >= a.min_rise else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Non-finite losses and gradient norms: the engines skip such an optimizer step and say so
+(`<role>/nonfinite_steps`); the trainer counts steps with any skip and stops the run after
+`trainer.max_nonfinite_in_a_row` of them in a row, with a message that says what to look at."""
+from __future__ import annotations
+
+from typing import Dict
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class NonFiniteGuard:
+    def __init__(self, max_in_a_row: int):
+        self.max_in_a_row = max(1, int(max_in_a_row))
+        self.in_a_row = 0
+        self.total = 0
+
+    def check(self, metrics: Dict[str, float], step: int) -> Dict[str, float]:
+        """Update the counters from a step's metrics; raise NonFiniteError at the limit."""
+        skipped = {k: v for k, v in metrics.items() if k.endswith("/nonfinite_steps") and v > 0}
+        if skipped:
+            self.in_a_row += 1
+            self.total += 1
+        else:
+            self.in_a_row = 0
+        out = {"train/nonfinite_steps_total": float(self.total), "train/nonfinite_in_a_row": float(self.in_a_row)}
+        if self.in_a_row >= self.max_in_a_row:
+            where = ", ".join(f"{k}={v:g}" for k, v in sorted(skipped.items()))
+            raise NonFiniteError(
+                f"step {step}: non-finite loss or grad norm in {self.in_a_row} steps in a row ({where}); "
+                f"updates were skipped, stopping at trainer.max_nonfinite_in_a_row={self.max_in_a_row}. "
+                "Look at the learning rate (actor.optim.lr), actor.optim.clip_grad, the reward scale and "
+                "model.dtype; the metrics file has the last finite steps.")
+        return out

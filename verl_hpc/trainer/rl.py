@@ -1,0 +1,205 @@
+"""The RL program (`trainer.job: rl`): DESIGN.md's step, for every recipe of the algorithm library.
+
+    python -m verl_hpc.submit configs/grpo_tiny_cpu.yaml --local      # or on Slurm without --local
+
+An algorithm is configuration: the estimator, the policy loss, the KL mode and the aggregation are
+read from `algorithm.*` / `actor.*`; the step below is the same for PPO, GRPO, DAPO, RLOO, ReMax,
+REINFORCE++ and GSPO. Every rank runs the same code on the same global batch (rank 0 samples the
+prompts and broadcasts them); the engines split rows over data-parallel ranks internally.
+
+Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
+step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
+warning signal) it saves, stops cleanly and (on Slurm) requeues the job, which resumes from `latest`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from verl_hpc.algorithms import make_kl_controller, masked_mean
+from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
+from verl_hpc.trainer import shaping
+from verl_hpc.trainer.batching import (assemble, broadcast_prompts, logprob_diff_metrics,
+                                       response_stats)
+from verl_hpc.trainer.guard import NonFiniteGuard
+from verl_hpc.trainer.roles import build_roles, sync_weights
+
+log = logging.getLogger(__name__)
+
+
+class RLTrainer:
+    def __init__(self, cfg, ctx):
+        from verl_hpc.data import PromptLoader, load_val_dataset
+        from verl_hpc.rewards import RewardScorer
+        from verl_hpc.rollout import SamplingSpec
+        from verl_hpc.trainer.validation import Validator
+
+        self.cfg, self.ctx = cfg, ctx
+        self.roles = build_roles(cfg, ctx)
+        tok, d = self.roles.tokenizer, cfg.data
+        self.loader = PromptLoader.from_config(d, tok, d.wrap_plain_text) if ctx.rank == 0 else None
+        val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
+        self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model, cfg.reward.gsm8k_method)
+        if ctx.rank == 0:  # refuse unscorable data before spending compute on it
+            ds = self.loader.dataset
+            self.scorer.check_samples(*_columns(ds))
+            if val_set is not None:
+                self.scorer.check_samples(*_columns(val_set))
+        self.validator = Validator(cfg, ctx, tok, val_set)
+        self.sampling = SamplingSpec.from_config(cfg)
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
+        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
+                                                kl_ctrl=self.kl_ctrl, guard=self.guard)
+        self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
+
+    # ------------------------------------------------------------------------------ the step
+    def step(self, step: int, timer) -> Dict[str, float]:
+        cfg, r, m = self.cfg, self.roles, {}
+        prompts = broadcast_prompts(self.loader, self.ctx)
+        with timer("generate"):
+            result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step))
+            batch = assemble(prompts, result, r.tokenizer, r.pad_id)
+        with timer("reward"):
+            scores, m_reward = shaping.score_batch(self.scorer, batch, r.reward_model)
+            token_scores, m_shape = shaping.to_token_level(self.scorer, scores, batch, cfg)
+            keep, m_filter = shaping.dynamic_sampling_filter(token_scores, batch, cfg)
+            baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
+            if not bool(keep.all()):
+                batch, token_scores = batch.select(keep), token_scores[keep]
+                baselines = baselines[keep] if baselines is not None else None
+        m.update(m_reward, **m_shape, **m_filter, **response_stats(batch))
+        if len(batch) == 0:  # every group filtered out: nothing to learn from this step
+            return dict(m, **{"filter/empty_step": 1.0})
+        t = batch.tensors
+        with timer("old_logprob"):
+            t.update(r.actor.log_probs(t))
+        m.update(logprob_diff_metrics(batch.rollout_log_probs, t["old_log_probs"], t["response_mask"]))
+        m["actor/entropy"] = float(masked_mean(t.pop("entropy"), t["response_mask"]))
+        if r.ref is not None:
+            with timer("ref"):
+                t.update(r.ref.log_probs(t))
+        if r.critic is not None:
+            with timer("values"):
+                t.update(r.critic.values(t))
+        with timer("adv"):
+            rewards, m_kl = shaping.kl_in_reward(token_scores, t, self.kl_ctrl, cfg)
+            t["advantages"], t["returns"] = shaping.advantages(cfg, rewards, t, batch.group_ids, baselines)
+            if step in self.inject_nan:  # test hook: a NaN loss must be skipped, counted, and stop the run
+                t["advantages"] = torch.full_like(t["advantages"], float("nan"))
+        m.update(m_kl)
+        if r.critic is not None:
+            with timer("update_critic"):
+                m.update(r.critic.update(t))
+        with timer("update_actor"):
+            m.update(r.actor.update(t))
+        with timer("sync"):
+            sync_weights(r.actor, r.rollout, cfg)  # -> resharding.sync(r.actor, r.rollout, bucket_mb=...)
+        m.update(self.guard.check(m, step))
+        m["train/tokens"] = float(t["response_mask"].sum() + t["prompt_lengths"].sum())
+        m["train/samples"] = float(len(batch))
+        return m
+
+    def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
+        """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""
+        if self.cfg.algorithm.adv_estimator != "remax":
+            return None
+        import dataclasses
+
+        spec = dataclasses.replace(self.sampling.for_step(step), n=1, temperature=0.0)
+        greedy = assemble(prompts, self.roles.rollout.generate(prompts.prompt_ids, spec),
+                          self.roles.tokenizer, self.roles.pad_id)
+        scores, _ = shaping.score_batch(self.scorer, greedy, self.roles.reward_model)
+        return scores[batch.group_ids]
+
+    # ------------------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        from verl_hpc.config import to_container
+        from verl_hpc.tracking import StageTimer, Tracker, throughput
+
+        cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
+        os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
+        start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
+        if start:
+            sync_weights(self.roles.actor, self.roles.rollout, cfg)
+        tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
+                          tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
+                          log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,
+                          plots_enabled=cfg.tracking.plots, start_step=start + 1)
+        summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
+        try:
+            if self.validator and not start:
+                summary["val_before"] = self._validate(tracker, 0)
+            timer, t0 = StageTimer(), time.time()
+            for step in range(start + 1, tr.total_steps + 1):
+                metrics = self.step(step, timer)
+                metrics.update(timer.pop())
+                metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
+                                          samples=metrics.get("train/samples"), world_size=ctx.world_size))
+                summary["steps"] = step
+                summary["reward_mean"] = metrics.get("reward/score/mean")
+                summary.setdefault("history", []).append(
+                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
+                last = step == tr.total_steps
+                if self.validator and (last or step % tr.val_every == 0):
+                    metrics.update(val := self._validate(None, step))
+                    summary["val_after"] = val
+                tracker.log(metrics, step)
+                self.checkpointer.maybe_save(step)
+                if ctx.preemption.agreed():
+                    log.warning("rl: preemption flag set after step %d; saving and stopping", step)
+                    self.checkpointer.maybe_save(step, force=True)
+                    self.checkpointer.preempted_at = step
+                    summary["stopped"] = "preempted"
+                    break
+            self.checkpointer.close()  # an async save in flight is committed before we report
+            summary["seconds"] = round(time.time() - t0, 1)
+        finally:
+            summary["plot"] = str(tracker.close() or "") or None
+            summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
+        summary["nonfinite_total"] = self.guard.total
+        return summary
+
+    def _validate(self, tracker, step: int) -> Dict[str, float]:
+        val = self.validator.run(self.roles.rollout, self.scorer, self.roles.pad_id, self.roles.reward_model)
+        if tracker is not None:
+            tracker.log(val, step)
+        if self.ctx.rank == 0:
+            log.info("validation at step %d: %s", step,
+                     ", ".join(f"{k}={v:.3f}" for k, v in sorted(val.items())))
+        return val
+
+
+def _columns(ds):
+    """(ids, data_sources, ground_truths) of a PromptDataset, for RewardScorer.check_samples."""
+    b = ds.batch(range(len(ds)))
+    return b.ids, b.data_sources, b.ground_truths
+
+
+def run(cfg, ctx) -> dict:
+    from verl_hpc.tracking import missing_packages
+
+    missing = missing_packages(cfg.tracking.backends)  # on every rank, before any collective work
+    if missing:
+        raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
+    trainer = RLTrainer(cfg, ctx)
+    try:
+        summary = trainer.fit()
+    finally:  # all ranks together, before the runtime tears the process group down
+        trainer.roles.rollout.close()
+    if ctx.rank == 0:
+        out = Path(cfg.trainer.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
+              flush=True)
+    trainer.checkpointer.requeue_if_preempted()  # on Slurm: requeue, then SystemExit on every rank
+    return summary

@@ -1,0 +1,128 @@
+"""The SFT program (`trainer.job: sft`): cross-entropy on response tokens, on the actor's engine.
+
+    python -m verl_hpc.submit configs/demo_sft.yaml --local
+
+Rows of `data.sft_files` hold a prompt (`data.prompt_key`, text or chat messages) and a response
+(`data.response_key`); the prompt is rendered with the same chat template as the RL run
+(`verl_hpc.data.templates.render_prompt`), the response is appended with EOS, and only response
+tokens are in the loss (token mean over the global batch). `data.train_batch_size` sequences per
+optimizer step, `trainer.sft_epochs` passes, at most `trainer.total_steps` steps. At the end the
+weights are written as a Hugging Face folder (`trainer.hf_output_dir`, auto: <output_dir>/hf) with
+the tokenizer and config, ready to be an RL run's `model.path`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+
+from verl_hpc.engines.batch import pack_sequences
+from verl_hpc.trainer.batching import broadcast_object
+
+log = logging.getLogger(__name__)
+
+
+def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
+    """(prompt ids, response ids + EOS) per row of data.sft_files; DataError names file and row."""
+    from verl_hpc.data import DataError, encode_prompts, read_rows
+
+    d, out = cfg.data, []
+    eos = tokenizer.eos_token_id
+    for path in d.sft_files:
+        rows = read_rows(path, what="data.sft_files")
+        for i, row in enumerate(rows):
+            for key in (d.prompt_key, d.response_key):
+                if row.get(key) in (None, "", []):
+                    raise DataError(f"data.sft_files '{path}' row {i}: field '{key}' is missing or empty")
+        _, prompts = encode_prompts(tokenizer, [r[d.prompt_key] for r in rows], d.wrap_plain_text,
+                                    [f"{Path(path).name}:{i}" for i in range(len(rows))])
+        responses = tokenizer([str(r[d.response_key]) for r in rows], add_special_tokens=False)["input_ids"]
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            r = list(r) + ([eos] if eos is not None else [])
+            if len(p) + len(r) > d.max_prompt_length + d.max_response_length:
+                continue  # too long for the configured budget: dropped (counted below)
+            out.append((list(p), r))
+    return out
+
+
+def nll_loss(out, mb, counts):
+    from verl_hpc.algorithms import agg_loss
+
+    mask = mb["response_mask"]
+    loss = agg_loss(-out["log_probs"], mask, "token-mean", **counts.agg_kwargs())
+    scale = counts.tokens / max(float(mask.sum()), 1.0)
+    return loss, {"nll": loss.detach() * scale}
+
+
+def save_hf(engine, cfg, ctx, out_dir: str) -> None:
+    """Collective: every rank joins the weight gather; rank 0 writes the folder."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in engine.export_hf_weights()}
+    if ctx.rank != 0:
+        return
+    src, dst = Path(cfg.model.path), Path(out_dir)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():  # config, tokenizer, chat template: everything but the weights
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
+            shutil.copy2(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+def run(cfg, ctx) -> dict:
+    from verl_hpc.config import to_container
+    from verl_hpc.engines.megatron.roles import build_engine
+    from verl_hpc.tracking import Tracker, missing_packages
+    from verl_hpc.trainer.roles import load_tokenizer
+
+    missing = missing_packages(cfg.tracking.backends)
+    if missing:
+        raise RuntimeError("; ".join(missing))
+    tokenizer = load_tokenizer(cfg)
+    rows = broadcast_object(load_sft_rows(cfg, tokenizer) if ctx.rank == 0 else None)
+    if not rows:
+        raise RuntimeError("SFT: no usable rows in data.sft_files (all empty or over the length budget)")
+    tr, bs = cfg.trainer, cfg.data.train_batch_size
+    per_epoch = math.ceil(len(rows) / bs)
+    steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
+    actor = build_engine("actor", cfg, ctx, total_steps=steps)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tracker = Tracker(cfg.tracking.backends, tr.output_dir, steps, tr.project_name, tr.experiment_name,
+                      to_container(cfg), is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
+                      plots_enabled=cfg.tracking.plots)
+    rng, order, t0, losses = random.Random(cfg.data.seed), [], time.time(), []
+    try:
+        for step in range(1, steps + 1):
+            if len(order) < bs:  # next epoch, same shuffle on every rank (same seed)
+                perm = list(range(len(rows)))
+                rng.shuffle(perm)
+                order += perm
+            take, order = order[:bs], order[bs:]
+            batch = pack_sequences([rows[i][0] for i in take], [rows[i][1] for i in take], pad)
+            m = actor.engine.train_step(batch, nll_loss, ("log_probs",))
+            lr = actor.engine.scheduler_step()
+            metrics = {"sft/loss": m["nll"] if "nll" in m else m["loss"], "sft/grad_norm": m["grad_norm"],
+                       "sft/lr": lr, "sft/nonfinite": m["nonfinite"], "sft/epoch": step / per_epoch}
+            losses.append(metrics["sft/loss"])
+            tracker.log(metrics, step)
+    finally:
+        tracker.close()
+    save_hf(actor.engine, cfg, ctx, tr.hf_output_dir)
+    summary = dict(steps=steps, rows=len(rows), first_loss=losses[0], last_loss=losses[-1],
+                   seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir)
+    if ctx.rank == 0:
+        Path(tr.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(tr.output_dir) / "sft_summary.json").write_text(json.dumps(summary, indent=1))
+        log.info("sft: %d steps over %d rows, loss %.3f -> %.3f; HF folder %s", steps, len(rows),
+                 losses[0], losses[-1], tr.hf_output_dir)
+        print(f"SFT_RESULT {json.dumps(summary)}", flush=True)
+    return summary

@@ -1,0 +1,44 @@
+"""Validation on held-out prompts: greedy (rollout.val_temperature) responses, scored by the same
+rules as training; accuracy (score >= 1) and mean reward per data_source.
+
+Rank 0 holds the val set and broadcasts each chunk; generate is collective, so every rank runs it.
+Metrics: val/acc/<data_source>, val/reward/<data_source>, and val/acc/all, val/reward/all.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict
+
+from verl_hpc.trainer.batching import assemble, broadcast_object
+from verl_hpc.trainer.shaping import score_batch
+
+
+class Validator:
+    def __init__(self, cfg, ctx, tokenizer, dataset):
+        from verl_hpc.data import val_batches
+        from verl_hpc.rollout import SamplingSpec
+
+        self.spec = SamplingSpec.validation_from_config(cfg)
+        chunks = list(val_batches(dataset, cfg.data.val_batch_size)) if ctx.rank == 0 and dataset else None
+        self.chunks = broadcast_object(chunks) or []
+        self.tokenizer = tokenizer
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+    def run(self, rollout, scorer, pad_id: int, reward_model=None) -> Dict[str, float]:
+        sums, hits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+        for prompts in self.chunks:
+            result = rollout.generate(prompts.prompt_ids, self.spec)
+            batch = assemble(prompts, result, self.tokenizer, pad_id)
+            scores, _ = score_batch(scorer, batch, reward_model)
+            for ds, s in zip(batch.data_sources, scores.tolist()):
+                for key in (ds, "all"):
+                    sums[key] += s
+                    hits[key] += float(s >= 1.0)
+                    counts[key] += 1
+        out = {}
+        for key, n in counts.items():
+            out[f"val/acc/{key}"] = hits[key] / n
+            out[f"val/reward/{key}"] = sums[key] / n
+        return out
