@@ -11,7 +11,7 @@ import torch
 from ckpt_trainer_helpers import grpo, logs, make_assets, read_all, stable_metrics
 
 pytestmark = pytest.mark.dist
-MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3"]
+MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant"]
 
 
 @pytest.fixture(scope="module")

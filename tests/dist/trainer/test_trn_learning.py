@@ -28,7 +28,9 @@ def rises(out, k=10):
 
 def rl(warm, out, *extra, ranks=1):
     proc, summary = run_job("configs/demo_rl.yaml", out, f"model.path={warm}/sft/hf", *data_overrides(warm),
-                            "trainer.val_every=0", "actor.optim.lr=1e-3", *extra, ranks=ranks, timeout=500)
+                            "trainer.val_every=0", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant",
+                            "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", *extra,
+                            ranks=ranks, timeout=500)
     assert proc.returncode == 0, logs(proc, out)
     return summary
 
