@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rollout.py            # 64 prompts x 32 tokens, n=4, 128 new tokens, 2 repeats
     python benchmarks/bench_rollout.py --quick    # 16 prompts, n=2, 32 new tokens, 1 repeat
-    python benchmarks/bench_rollout.py --prompts 64 --n 4 --new-tokens 128 --repeats 3
+    python benchmarks/bench_rollout.py --prompts 64 --n 4 --new-tokens 128 --repeats 3 --threads 1
 
 Model: Llama-style, 25.9M parameters (hidden 512, 8 heads, 4 KV heads, head_dim 64, 6 layers,
 ffn 1408, vocab 8000), random weights (matrices N(0, 0.02)) from verl_hpc.models.tiny, float32.
@@ -46,6 +46,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-hf-rollout", action="store_true", help="skip the HFRollout figure")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for both engines (0: torch's default); 1 is steadier on a "
+                         "machine shared with other jobs")
     a = ap.parse_args(argv)
     if a.quick:
         a.prompts, a.n, a.new_tokens, a.repeats = 16, 2, 32, 1
@@ -54,7 +57,10 @@ def main(argv=None) -> None:
 
     from verl_hpc.rollout import HFRollout, SamplingSpec, VLLMRollout
 
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)  # before vLLM: its CPU worker would otherwise keep it
     print("command:", shlex.join([sys.executable, *sys.argv]))
+    print("load average at start: %.1f %.1f %.1f on %d CPUs" % (*os.getloadavg(), os.cpu_count()))
     tmp = tempfile.TemporaryDirectory(prefix="bench_rollout_")
     path = build_model(Path(tmp.name) / "llama26m")
     gen = torch.Generator().manual_seed(0)
@@ -122,6 +128,8 @@ def main(argv=None) -> None:
     print(f"ratio vllm / hf generate = {ratio:.2f}x (goal >= 2x: {'met' if ratio >= 2 else 'NOT met'})")
     if "hf-rollout" in rate:
         print(f"ratio vllm / HFRollout  = {rate['vllm'] / rate['hf-rollout']:.2f}x")
+    print("load average at end: %.1f %.1f %.1f (figures are only comparable on a quiet machine)"
+          % os.getloadavg())
     vllm.close()
     tmp.cleanup()
 

@@ -16,6 +16,17 @@ MAX_PROMPT, MAX_NEW = 192, 12
 LENGTHS = (3, 17, 40, 64, 150)  # 5 prompts: the two TP=1 replicas take 3 and 2
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The references below run tiny models: one thread (see tests/unit/rollout/conftest.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _prompts():
     import torch
 

@@ -8,3 +8,16 @@ def tiny_model(tmp_path_factory):
 
     return str(make_tiny_model(tmp_path_factory.mktemp("rol") / "llama", "llama"))
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a machine shared with other jobs
+    OpenMP threads spin-waiting behind them made these tests up to 10x slower (measured: the HF
+    file took 199 s with 2 threads, 23 s with 1, same load). Restored after each module."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
