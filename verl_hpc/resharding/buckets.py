@@ -29,6 +29,7 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 import torch
 
 MB = 1 << 20
+Item = Tuple[str, torch.Tensor]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -41,8 +42,8 @@ def bucket_bytes_from(bucket_mb: Optional[float] = None, bucket_bytes: Optional[
         raise ValueError("give exactly one of bucket_mb (rollout.bucket_mb) or bucket_bytes")
     value = int(bucket_bytes if bucket_bytes is not None else float(bucket_mb) * MB)
     if value < 1:
-        raise ValueError(f"rollout.bucket_mb must be > 0; got {bucket_mb if bucket_mb is not None else bucket_bytes}"
-                         + (" bytes" if bucket_bytes is not None else " MiB"))
+        got = f"{bucket_mb} MiB" if bucket_mb is not None else f"{bucket_bytes} bytes"
+        raise ValueError(f"rollout.bucket_mb must be > 0; got {got}")
     return value
 
 
@@ -104,7 +105,7 @@ class BucketStream:
             self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.held_bytes)
         yield from self._hand_on(bucket)
 
-    def _hand_on(self, bucket: List[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+    def _hand_on(self, bucket: List[Item]) -> Iterator[Item]:
         if not bucket:
             return
         self.buckets += 1

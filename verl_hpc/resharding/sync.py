@@ -69,7 +69,8 @@ def _agree(failed: bool, seconds: float):
         return failed, seconds, 0 if failed else -1
     big = float(dist.get_world_size() + 1)
     me = float(dist.get_rank()) if failed else big
-    vec = torch.tensor([float(failed), seconds, -me], dtype=torch.float64, device=collective_device())
+    vec = torch.tensor([float(failed), seconds, -me], dtype=torch.float64,
+                       device=collective_device())
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)
     first = int(-vec[2].item())
     return bool(vec[0].item() > 0), float(vec[1].item()), (first if first < big else -1)

@@ -143,7 +143,7 @@ def _step_layout(st, args, ctx, step, workdir, out):
     if dist.get_rank() == 0:
         torch.save(state, Path(workdir) / f"{step['layout']}.state.pt")
     st.actor, st.layout = actor, step["layout"]
-    out["updates"][step["layout"]] = {k: v for k, v in metrics.items() if k in ("actor/pg_loss", "actor/grad_norm")}
+    out["updates"][step["layout"]] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm")}
 
 
 def _step_check(st, args, step, out):

@@ -41,7 +41,16 @@ def hf_greedy(path, prompts, max_new, state=None):
     """transformers greedy decode, no cache, ending at EOS (kept): (tokens, logprobs) per prompt."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 threads on 2 busy cores: 600 ms per forward instead of 8
+    try:
+        return _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                          prompts, max_new, state)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _hf_greedy(model, prompts, max_new, state):
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -152,8 +161,9 @@ def test_tied_embeddings_exported_once_and_bitwise(run):
 
 def test_memory_bound(run):
     """Code path: the bucket never holds more than max(bucket, largest tensor). Process heap: one
-    sync adds at most that plus twice the largest tensor (the export's in-flight tensor: its TP
-    parts, gloo's flat buffer and the concatenation; see verl_hpc/resharding/memory.py)."""
+    sync adds at most what the bucket held plus twice the largest tensor: the tensor the export
+    is gathering (its TP parts and their concatenation, 2x; gloo's own flat buffer lives inside
+    the collective), measured 1.2x-2.1x (verl_hpc/resharding/memory.py says how)."""
     for r in run["ranks"]:
         mem = r["memory"]["tp2"]
         for key, m in mem.items():
@@ -161,10 +171,11 @@ def test_memory_bound(run):
             bucket, largest = met["sync/bucket_bytes"], met["sync/largest_tensor_bytes"]
             held = max(min(bucket, met["sync/bytes"]), largest)
             assert met["sync/peak_bucket_bytes"] <= max(bucket, largest)
+            over = (m["peak_bytes"] - met["sync/peak_bucket_bytes"]) / largest
             print(f"rank {r['rank']} {key}: peak extra heap {m['peak_bytes'] / 1e6:.2f} MB = held "
-                  f"{met['sync/peak_bucket_bytes'] / 1e6:.2f} MB + {(m['peak_bytes'] - met['sync/peak_bucket_bytes']) / largest:.2f}"
-                  f" x largest ({largest / 1e6:.2f} MB); bucket {bucket / 1e6:.2f} MB, "
-                  f"left allocated after {m['end_bytes'] / 1e6:.2f} MB")
+                  f"{met['sync/peak_bucket_bytes'] / 1e6:.2f} MB + {over:.2f} x largest "
+                  f"({largest / 1e6:.2f} MB); bucket {bucket / 1e6:.2f} MB, left allocated after "
+                  f"{m['end_bytes'] / 1e6:.2f} MB")
             if key.startswith("null"):
                 assert m["peak_bytes"] >= largest  # the meter saw the largest tensor
                 assert m["peak_bytes"] <= held + 2 * largest + (256 << 10), (key, m["peak_bytes"])
