@@ -79,10 +79,12 @@ def build_engine(folder, micro_batch_size):
                                         use_distributed_optimizer=False))
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
+def timed(fn):
+    """(wall seconds, CPU seconds of this process). On a shared machine the CPU time is the
+    steadier measure of work; wall time includes waiting for other jobs' threads."""
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def worker(args) -> None:
@@ -102,7 +104,7 @@ def worker(args) -> None:
     times = []
     for _ in range(args.iters):
         dist.barrier()
-        times.append(timed(lambda: engine.forward_backward(batch, nll_loss)))
+        times.append(timed(lambda: engine.forward_backward(batch, nll_loss))[0])
     t = torch.tensor(times)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
     if dist.get_rank() == 0:
@@ -136,9 +138,11 @@ def peer_ratio(folder, args) -> dict:
     for _ in range(args.iters):
         te.append(timed(lambda: engine.forward_backward(batch, nll_loss)))
         th.append(timed(lambda: hf_step(hf, batch)))
-    me, mh = statistics.median(te), statistics.median(th)
     tokens = SEQS * SEQ_LEN
+    me, mh = statistics.median(w for w, _ in te), statistics.median(w for w, _ in th)
+    ce, ch = statistics.median(c for _, c in te), statistics.median(c for _, c in th)
     return {"engine_tok_s": tokens / me, "hf_tok_s": tokens / mh, "ratio": mh / me,
+            "engine_tok_cpu_s": tokens / ce, "hf_tok_cpu_s": tokens / ch, "cpu_ratio": ch / ce,
             "loss_engine": float(loss_engine), "loss_hf": loss_hf,
             "params_m": sum(p.numel() for p in hf.parameters()) / 1e6}
 
@@ -189,8 +193,10 @@ def main() -> None:
         print(f"model {peer['params_m']:.1f}M params, batch {SEQS} x {SEQ_LEN} tokens, "
               f"{args.threads} threads, {args.iters} iterations (median), {args.warmup} warm-up")
         print(f"loss: engine {peer['loss_engine']:.6f}  transformers {peer['loss_hf']:.6f}")
-        print(f"fwd+bwd TP1: engine {peer['engine_tok_s']:.0f} tok/s, transformers "
+        print(f"fwd+bwd TP1 wall: engine {peer['engine_tok_s']:.0f} tok/s, transformers "
               f"{peer['hf_tok_s']:.0f} tok/s, ratio {peer['ratio']:.3f} (goal >= 0.9)")
+        print(f"fwd+bwd TP1 CPU time: engine {peer['engine_tok_cpu_s']:.0f} tok/cpu-s, transformers "
+              f"{peer['hf_tok_cpu_s']:.0f} tok/cpu-s, ratio {peer['cpu_ratio']:.3f}")
         if not args.skip_layouts:
             lay = layout_runs(folder, args)
             for name in ("tp1", "tp2", "pp2"):

@@ -17,7 +17,11 @@ T is response_mask's width when given, else max(response_lengths). Outputs of an
 
 Why right padding: with a causal mask a valid token only attends to earlier tokens, which are all
 valid, so no padding mask is needed at all, positions are plain 0..S-1 (the same as an unpadded
-Hugging Face forward), and Megatron's attention runs with attention_mask=None (causal only).
+Hugging Face forward), and Megatron's attention runs with attention_mask=None, i.e. causal only:
+the local spec's softmax (megatron-core 0.16.1 FusedScaleMaskSoftmax.forward_torch_softmax, layers
+built with attn_mask_type=causal) then builds the upper-triangular mask itself, the engine's SDPA
+core attention passes is_causal=True, and TE's attention is causal by its mask type. Outputs at
+padding positions are garbage and are masked out.
 Rollout engines produce left-padded prompts; `pack_sequences` builds this format from token lists.
 
 Alignment: the log-prob of response token t (input_ids[b, p + t], p = prompt_lengths[b]) comes from

@@ -178,6 +178,10 @@ def check_roles(args, layout, workdir, batch) -> dict:
     rm = RewardModel(MegatronEngine(EngineOptions(model_path=args["models"]["reward"], head="value",
                                                   trainable=False, max_tokens_per_microbatch=30)))
     _save(workdir, f"{layout}.reward.reward", rm.score(batch))
+    del rm
+    local = MegatronEngine(EngineOptions(model_path=args["models"]["llama"], trainable=False,
+                                         sdpa_attention=False))
+    _save(workdir, f"{layout}.local_attention.llama", local.forward(batch))
     return res
 
 
@@ -224,13 +228,13 @@ def check_state_save(args, layout, workdir, batch, batch2) -> dict:
 
     eng = _engine(args, "llama", optim=_optim(args["state_optim"]))
     actor = Actor(eng, _actor_cfg(args["actor"]["llama"]))
-    actor.update(batch)
+    m1 = actor.update(batch)
     st = eng.state()
     _write_state(workdir, layout, st)
     names = sorted({t.name for t in st.tensors})
     m2 = actor.update(batch2)
     _save(workdir, f"{layout}.continued.llama", _export(eng))
-    return {"names": names, "meta": st.meta, "step2": m2}
+    return {"names": names, "meta": st.meta, "step1": m1, "step2": m2}
 
 
 def check_state_load(args, layout, workdir, batch2) -> dict:

@@ -252,6 +252,13 @@ def test_critic_reference_and_reward_roles(run, layout):
     assert int((scores["rm_token_scores"] != 0).sum()) == len(last)
 
 
+@pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
+def test_sdpa_core_attention_equals_megatron_local_attention(run, layout):
+    sdpa, local = _load(run, f"{layout}.forward.llama"), _load(run, f"{layout}.local_attention.llama")
+    for key in ("log_probs", "entropy"):
+        assert float((sdpa[key] - local[key]).abs().max()) <= 1e-5, key
+
+
 def test_nonfinite_loss_is_reported_and_skipped(run):
     res = run["ranks"][0]["layouts"]["tp1"]["checks"]["nonfinite"]
     assert res["metrics"]["actor/nonfinite_steps"] == 1.0
@@ -270,6 +277,9 @@ def test_state_saved_at_tp2pp2_resumes_at_tp1(run):
     assert any(n.startswith("optim/exp_avg_sq/") for n in all_saved)
     assert not loaded["nan_targets"], "every slab the loader asked for was written"
     assert saved["meta"]["optimizer_step"] == 1 and saved["meta"]["scheduler"]["num_steps"] == 1
-    assert loaded["lr_loaded"] == pytest.approx(0.05 - (0.05 - 0.01) * 1 / 10)
+    # linear decay 0.05 -> 0.01 over 10 trainer steps: the LR each update used, and after loading
+    assert saved["step1"]["actor/lr"] == pytest.approx(0.05)
+    assert saved["step2"]["actor/lr"] == pytest.approx(0.05 - (0.05 - 0.01) * 1 / 10)
+    assert loaded["lr_loaded"] == loaded["step2"]["actor/lr"] == pytest.approx(saved["step2"]["actor/lr"])
     assert loaded["step2"]["actor/loss"] == pytest.approx(saved["step2"]["actor/loss"], abs=1e-5)
     assert _max_diff(_load(run, "tp1_resume.resumed.llama"), _load(run, "tp2pp2.continued.llama")) <= WEIGHT_TOL

@@ -6,6 +6,7 @@
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
     outputs.py    log-probs / entropy from vocab-parallel logits; values / scores from a value head
     value_head.py the hidden -> 1 head of critics and reward models
+    sdpa.py       causal core attention through torch SDPA for the local (CPU) layer spec
     optim.py      optimizer config, LR schedule, the guarded (non-finite skipping) step
     state.py      layout-independent state slabs for HDF5 checkpoints
 """

@@ -9,7 +9,9 @@ Build: `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights f
 (each rank reads its own slices), a value head instead of the vocabulary projection for critics and
 reward models (value_head.py). Trainable engines wrap every chunk in Megatron's DDP (fp32 grad
 buffers, no overlap) and get Adam through get_megatron_optimizer (optim.py); frozen ones
-(reference, reward) keep no grads and no optimizer and run in eval mode.
+(reference, reward) keep no grads and no optimizer and run in eval mode. With the local layer
+spec (CPU), core attention runs through torch's SDPA kernel (sdpa.py; `sdpa_attention=False`
+keeps Megatron's own).
 
 Precision: the parameters are in `dtype` (bf16 on GPU, fp32 on CPU, where Megatron's CPU paths are
 verified). No Float16Module wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py
@@ -61,6 +63,7 @@ class EngineOptions:
     temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int = 1234
+    sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
 
 
 def _check_options(o: EngineOptions) -> None:
@@ -160,6 +163,10 @@ class MegatronEngine(TrainingEngine):
                                                      sequence_parallel=self.sequence_parallel)
                         stack.enter_context(head_detached(gpt))
             load_hf_weights(chunks, o.model_path)
+        if o.sdpa_attention:
+            from verl_hpc.engines.megatron.sdpa import use_sdpa_core_attention
+
+            use_sdpa_core_attention(chunks)  # a no-op for Transformer Engine layers
         return chunks, heads
 
     def _wrap_ddp(self):

@@ -11,7 +11,8 @@ critic.update: values (the critic's at rollout time), returns.
 
 An update runs `ppo_epochs` passes over consecutive mini-batches of `ppo_mini_batch_size` prompts
 (x rollout.n sequences), one optimizer step each, then advances the LR schedule by one trainer
-step. Metrics are means over the optimizer steps, prefixed with the role ("actor/pg_loss");
+step. Metrics are means over the optimizer steps, prefixed with the role ("actor/pg_loss",
+"actor/lr" = the LR these steps used);
 `<role>/nonfinite_steps` counts skipped steps (the trainer decides what to do about them).
 """
 from __future__ import annotations
@@ -64,8 +65,8 @@ class _Trainable:
         for _ in range(self.cfg.ppo_epochs):
             for rows in split_rows(batch["input_ids"].shape[0], size):
                 steps.append(self.engine.train_step(take_rows(batch, rows), self.loss_fn, self.outputs))
-        metrics = _mean_metrics(steps, self.prefix)
-        metrics[f"{self.prefix}/lr"] = self.engine.scheduler_step()
+        metrics = _mean_metrics(steps, self.prefix)  # <role>/lr: the LR this update used
+        self.engine.scheduler_step()
         return metrics
 
 

@@ -162,8 +162,8 @@ def gather_outputs(collected, batch_size: int, width: int, keys: Sequence[str], 
                 if per_seq:
                     buf[rows] = v
                 else:
-                    v = v * mb.data["response_mask"][: len(mb.rows)].to(v.dtype)
-                    buf[rows, : v.shape[1]] = v
+                    valid = mb.data["response_mask"][: len(mb.rows)] > 0
+                    buf[rows, : v.shape[1]] = torch.where(valid, v, torch.zeros_like(v))
         out[key] = buf
     if dist.is_initialized() and dist.get_world_size() > 1 and out:
         flat = torch.cat([t.flatten() for t in out.values()])

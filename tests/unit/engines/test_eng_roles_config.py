@@ -1,0 +1,48 @@
+"""Role -> engine options from the job config (verl_hpc.engines.megatron.roles.engine_options)."""
+import pytest
+
+from verl_hpc.config.schema import JobConfig
+from verl_hpc.engines.megatron.roles import engine_options
+
+pytestmark = pytest.mark.unit
+
+
+def _cfg():
+    cfg = JobConfig()
+    cfg.model.path, cfg.model.dtype = "/models/policy", "bfloat16"
+    cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_microbatch = 3, 4096
+    cfg.critic.model_path, cfg.critic.micro_batch_size = "/models/critic", 5
+    cfg.rollout.temperature, cfg.trainer.total_steps = 0.7, 42
+    cfg.parallel.use_distributed_optimizer = False
+    return cfg
+
+
+def test_actor_and_reference_share_the_policy_model():
+    cfg = _cfg()
+    actor, ref = engine_options("actor", cfg), engine_options("ref", cfg)
+    for o in (actor, ref):
+        assert (o.model_path, o.head, o.dtype, o.temperature) == ("/models/policy", "lm", "bfloat16", 0.7)
+        assert (o.micro_batch_size, o.max_tokens_per_microbatch) == (3, 4096)
+        assert not o.use_distributed_optimizer and o.total_steps == 42
+    assert actor.trainable and actor.optim is cfg.actor.optim
+    assert not ref.trainable and ref.optim is None
+
+
+def test_critic_and_reward_model_have_value_heads():
+    cfg = _cfg()
+    critic = engine_options("critic", cfg, fp8=True, loss_norm_len=128.0)
+    assert (critic.model_path, critic.head, critic.micro_batch_size) == ("/models/critic", "value", 5)
+    assert critic.trainable and critic.optim is cfg.critic.optim and critic.optim.lr == 1e-5
+    assert critic.fp8 and critic.loss_norm_len == 128.0
+    cfg.critic.model_path = ""
+    assert engine_options("critic", cfg).model_path == "/models/policy"  # auto: model.path
+    with pytest.raises(ValueError, match="reward.reward_model.path"):
+        engine_options("reward", cfg)
+    cfg.reward.reward_model.path = "/models/rm"
+    rm = engine_options("reward", cfg)
+    assert (rm.model_path, rm.head, rm.trainable) == ("/models/rm", "value", False)
+
+
+def test_unknown_role():
+    with pytest.raises(ValueError, match="valid: actor, critic, ref, reward"):
+        engine_options("judge", _cfg())
