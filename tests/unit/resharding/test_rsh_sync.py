@@ -172,10 +172,29 @@ def test_heap_peak_sees_a_short_lived_allocation():
         x = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB, written
         time.sleep(0.01)
         y = torch.cat([x, x])  # 16 MiB more while x lives
+        time.sleep(0.05)  # long enough for the sampling thread to see it on a busy machine
         del x, y
     assert 24 << 20 <= mem.peak_bytes < 28 << 20
     assert abs(mem.end_bytes) < 1 << 20 and mem.samples > 3
     assert abs(heap_in_use() - before) < 1 << 20
+
+
+_FRESH_PROBE = """
+import json, sys, torch
+from verl_hpc.resharding import sync
+from verl_hpc.resharding.memory import HeapPeak
+from verl_hpc.resharding.sinks import NullSink
+sizes_mb = [1, 1, 4, 0.5, 2, 8, 1, 1, 3]
+class Fresh:
+    def export_hf_weights(self):
+        for i, mb in enumerate(sizes_mb):
+            yield f"w{i}", torch.ones(int(mb * (1 << 20)) // 4)  # written: really resident
+bucket_mb = int(sys.argv[1])
+sync(Fresh(), NullSink(), bucket_mb=bucket_mb)
+with HeapPeak() as mem:
+    m = sync(Fresh(), NullSink(), bucket_mb=bucket_mb)
+print(json.dumps({"peak": mem.peak_bytes, "held": m["sync/peak_bucket_bytes"]}))
+"""
 
 
 @pytest.mark.skipif(not available(), reason="needs glibc mallinfo2")
@@ -183,19 +202,25 @@ def test_heap_peak_sees_a_short_lived_allocation():
 def test_memory_bound_with_fresh_tensors(bucket_mb):
     """A producer that allocates each tensor fresh (as the TP all-gather does) and a consumer
     that drops them: the extra heap stays within the bucket (or one tensor larger than it) plus
-    the one tensor the producer is making."""
-    sizes_mb = [1, 1, 4, 0.5, 2, 8, 1, 1, 3]
+    the one tensor the producer is making. Measured in a fresh interpreter: earlier tests in the
+    same process change glibc's mmap threshold and what the heap meter sees."""
+    import json
+    import subprocess
+    import sys
 
-    class Fresh:
-        def export_hf_weights(self):
-            for i, mb in enumerate(sizes_mb):
-                yield f"w{i}", torch.ones(int(mb * (1 << 20)) // 4)  # written: really resident
-
-    sync(Fresh(), NullSink(), bucket_mb=bucket_mb)
-    with HeapPeak() as mem:
-        m = sync(Fresh(), NullSink(), bucket_mb=bucket_mb)
     largest = 8 << 20
-    assert m["sync/peak_bucket_bytes"] <= max(bucket_mb << 20, largest)
     bound = max(bucket_mb << 20, largest) + largest
-    assert mem.peak_bytes <= bound + (1 << 20), (mem.peak_bytes, bound)
-    assert mem.peak_bytes >= largest  # the meter saw the largest tensor at least
+    peaks = []
+    # The meter samples from a thread; on a loaded machine it can miss a short-lived tensor, so
+    # up to 3 runs: every run must respect the bound, and one must have seen the largest tensor.
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _FRESH_PROBE, str(bucket_mb)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        assert r["held"] <= max(bucket_mb << 20, largest)
+        assert r["peak"] <= bound + (1 << 20), (r["peak"], bound)
+        peaks.append(r["peak"])
+        if r["peak"] >= largest:
+            break
+    assert max(peaks) >= largest, peaks  # the meter saw the largest tensor at least once
