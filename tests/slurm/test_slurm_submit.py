@@ -80,6 +80,21 @@ def test_dead_rank_fails_job_fast_and_names_log(tmp_path, wait_for_text):
     assert Path(m.group(2)).exists() and "dies on purpose" in Path(m.group(2)).read_text()
 
 
+def test_warning_signal_sets_flag_on_all_ranks(tmp_path):
+    r = submit(tmp_path, *FOUR_RANKS, "trainer.smoke.steps=600", "trainer.smoke.step_seconds=0.1",
+               "--no-wait")
+    assert r.returncode == 0, r.stderr
+    job_id = re.search(r"job (\d+) submitted", r.stdout).group(1)
+    log = next_log(tmp_path / "logs" / job_id, f"{job_id}_0_log.err", "smoke step 3/")
+    # what --signal=USR2@N does before the time limit: USR2 to every task of the job's steps
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    state = wait_state(job_id)
+    assert state == "COMPLETED", state + _logs(log.parent)
+    result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
+    assert result["steps"] < 600
+    assert all(x["preempted"] and x["signal"] == "SIGUSR2" for x in result["ranks"]), result
+
+
 def next_log(folder: Path, name: str, needle: str, timeout=120) -> Path:
     end = time.time() + timeout
     while time.time() < end:
