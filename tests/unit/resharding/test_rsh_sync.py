@@ -174,7 +174,9 @@ def test_heap_peak_sees_a_short_lived_allocation():
         y = torch.cat([x, x])  # 16 MiB more while x lives
         time.sleep(0.05)  # long enough for the sampling thread to see it on a busy machine
         del x, y
-    assert 24 << 20 <= mem.peak_bytes < 28 << 20
+    # The figure is the whole process's heap: other threads (a finished test's gloo or vLLM
+    # workers) may free or allocate a little meanwhile, so allow the same 1 MiB as for end_bytes.
+    assert (24 << 20) - (1 << 20) <= mem.peak_bytes < 28 << 20
     assert abs(mem.end_bytes) < 1 << 20 and mem.samples > 3
     assert abs(heap_in_use() - before) < 1 << 20
 
