@@ -33,6 +33,13 @@ Only without a GPU (`runtime.device.has_gpu()` false):
 5. The CPU KV cache: with kv_cache_memory_bytes unset vLLM reserves gpu_memory_utilization of the
    node's RAM per engine (12 GiB at 0.5 on a 24 GiB node, which fails for a second rank). Without
    an explicit size, `cpu_kv_cache_bytes` sizes it for max_num_seqs full-length sequences.
+6. Tied embeddings after a weight reload: the CPU linear method packs each weight for its GEMM
+   kernel once, after loading (`dispatch_cpu_unquantized_gemm` -> `layer.cpu_linear`). A tied
+   model's `lm_head` shares `embed_tokens`' Parameter but receives no checkpoint tensor of its own,
+   so `reload_weights` re-packs the embedding and skips the head ("ParallelLMHead: Failed to load
+   weights" in vLLM's log): generation then runs on the OLD output projection (measured: logprob
+   diff 2.1 against transformers after an update). `refresh_tied_lm_head` re-runs the head's
+   post-load step on the new shared weight after every reload.
 
 Not undone (documented): the CPU worker binds the process's memory to one NUMA node (strict
 MEMBIND of the first allowed CPU's node) and replaces a few torch APIs for CPU use at import
@@ -285,6 +292,27 @@ def engine_construction(device: torch.device, *, tp: int):
         remove_stale_shm(token)
     with preserved_rng(device), (torch_threads_kept() if cpu else contextlib.nullcontext()):
         yield
+
+
+def _refresh_lm_head(model) -> bool:
+    """Inside the worker: the head's post-load processing, on the weight it shares with the
+    embedding. Raises if the two no longer share storage (the refresh would then pack a stale
+    tensor): a vLLM release that changes how tying works must be looked at, not papered over."""
+    inner = getattr(model, "model", model)
+    head, embed = model.lm_head, inner.embed_tokens
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        raise RuntimeError("vllm: lm_head and embed_tokens of a tied model no longer share their "
+                           "weight after reload_weights; refresh_tied_lm_head needs revisiting")
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+def refresh_tied_lm_head(llm) -> None:
+    """After `reload_weights` of a tied-embedding model on CPU (handler 6)."""
+    if has_gpu():
+        return
+    if not all(llm.apply_model(_refresh_lm_head)):
+        raise RuntimeError("vllm: the tied lm_head was not refreshed on every worker")
 
 
 def engine_call(device: torch.device):

@@ -94,7 +94,8 @@ class VLLMRollout(RolloutEngine):
         self._asleep = False
         self._weights_dropped = False  # sleep level 2 until the next load_weights
         self._weight_names = checkpoint_weight_names(model_path)
-        self._optional_names = {"lm_head.weight"} if tied_embeddings(model_path) else set()
+        self._tied = tied_embeddings(model_path)
+        self._optional_names = {"lm_head.weight"} if self._tied else set()
 
         max_model_len = self.max_prompt_length + self.max_response_length
         positions = config.get("max_position_embeddings")
@@ -188,7 +189,9 @@ class VLLMRollout(RolloutEngine):
             with vllm_compat.engine_call(self.device):
                 self.llm.collective_rpc("reload_weights", kwargs=dict(
                     weights_iterator=iter(checked), is_checkpoint_format=True))
-            checked.finish()
+                checked.finish()
+                if self._tied:
+                    vllm_compat.refresh_tied_lm_head(self.llm)
         except Exception as exc:
             self._mark_broken(f"{type(exc).__name__}: {str(exc)[:200]}")
             raise

@@ -25,11 +25,12 @@ import torch
 
 from verl_hpc.algorithms import make_kl_controller, masked_mean
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
+from verl_hpc.resharding import WeightSync
 from verl_hpc.trainer import shaping
 from verl_hpc.trainer.batching import (assemble, broadcast_prompts, logprob_diff_metrics,
                                        response_stats)
 from verl_hpc.trainer.guard import NonFiniteGuard
-from verl_hpc.trainer.roles import build_roles, sync_weights
+from verl_hpc.trainer.roles import build_roles
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class RLTrainer:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
+        self.weight_sync = WeightSync.from_config(cfg)  # actor -> rollout after every update
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
                                                 kl_ctrl=self.kl_ctrl, guard=self.guard)
         self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
@@ -79,6 +81,7 @@ class RLTrainer:
         m.update(m_reward, **m_shape, **m_filter, **response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
+        r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training; sync wakes it
         t = batch.tensors
         with timer("old_logprob"):
             t.update(r.actor.log_probs(t))
@@ -102,7 +105,7 @@ class RLTrainer:
         with timer("update_actor"):
             m.update(r.actor.update(t))
         with timer("sync"):
-            sync_weights(r.actor, r.rollout, cfg)  # -> resharding.sync(r.actor, r.rollout, bucket_mb=...)
+            m.update(self.weight_sync(r.actor, r.rollout))
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(t["response_mask"].sum() + t["prompt_lengths"].sum())
         m["train/samples"] = float(len(batch))
@@ -129,7 +132,7 @@ class RLTrainer:
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
         if start:
-            sync_weights(self.roles.actor, self.roles.rollout, cfg)
+            self.weight_sync(self.roles.actor, self.roles.rollout)
         tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
                           tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
                           log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,

@@ -59,8 +59,3 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
     if ctx.rank == 0:
         log.info("roles: %s; rollout: %s", ", ".join(roles.names()), cfg.rollout.engine)
     return roles
-
-
-def sync_weights(actor, rollout, cfg) -> dict:
-    """Actor weights -> rollout engine (collective). The one line to switch to resharding.sync."""
-    return rollout.load_weights(actor.engine.export_hf_weights())

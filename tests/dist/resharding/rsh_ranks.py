@@ -15,7 +15,8 @@ Megatron and vLLM costs far more than the checks):
                                     rollout's log-probs with the actor (engine.forward)
     {"digests": [mb, mb]}           sync into a DigestSink at each bucket size (bitwise comparison)
     {"tied": mb}                    a Megatron model of args["tied_model"] (tied embeddings, not
-                                    updated) at the current layout, synced into a DigestSink
+                                    updated) at the current layout, synced into a DigestSink and
+                                    into a vLLM engine built from args["tied_other"]
     {"memory": [mb, ...]}           sync into a NullSink inside HeapPeak (args["memory_model"])
     {"failure": rank}               a sink that raises on that rank: every rank must raise SyncError
 """
@@ -178,7 +179,7 @@ def _step_digests(st, step, out):
     out["digests"][st.layout] = runs
 
 
-def _step_tied(st, args, step, out):
+def _step_tied(st, args, ctx, step, out):
     from verl_hpc.models import build_gpt_model, load_arch, load_hf_weights
     from verl_hpc.resharding import DigestSink, sync
 
@@ -186,7 +187,33 @@ def _step_tied(st, args, step, out):
     load_hf_weights(model, args["tied_model"])
     sink = DigestSink()
     metrics = sync(model, sink, bucket_mb=step["tied"])
-    out["tied"][st.layout] = dict(records=sink.records, metrics=metrics)
+    # one vLLM engine per process (a second one's close() tears down vLLM's global parallel
+    # groups under the first): the scenario's engine makes way and comes back afterwards
+    tp = st.rollout_tp
+    st.rollout.close()
+    st.rollout = None
+    vllm = _tied_into_vllm(model, args, step, ctx)
+    _step_rollout(st, args, ctx, tp)
+    out["tied"][st.layout] = dict(records=sink.records, metrics=metrics, vllm=vllm)
+
+
+def _tied_into_vllm(model, args, step, ctx):
+    """The tied model's weights synced into a vLLM engine (inference TP = world size) that was
+    built from another tied model of the same shape: what it then generates must come from the
+    synced weights, output projection included (vllm_compat hazard 6)."""
+    import torch.distributed as dist
+
+    from verl_hpc.resharding import sync
+    from verl_hpc.rollout import SamplingSpec, VLLMRollout
+
+    rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,
+                          max_prompt_length=args["max_prompt"], max_response_length=args["max_new"])
+    try:
+        sync(model, rollout, bucket_mb=step["tied"])
+        res = rollout.generate(args["prompts"], SamplingSpec(temperature=0, max_tokens=args["max_new"]))
+        return dict(response_ids=res.response_ids, logprobs=res.logprobs)
+    finally:
+        rollout.close()
 
 
 def _step_memory(st, args, step, out):
@@ -261,7 +288,7 @@ def _scenario(workdir: Path) -> None:
         elif "digests" in step:
             _step_digests(st, step, out)
         elif "tied" in step:
-            _step_tied(st, args, step, out)
+            _step_tied(st, args, ctx, step, out)
         elif "memory" in step:
             _step_memory(st, args, step, out)
         elif "failure" in step:

@@ -40,6 +40,7 @@ def test_trn_recipe_runs_three_steps(recipe, assets, tmp_path):
         if not row.get("filter/empty_step"):  # DAPO may filter every group of a tiny batch
             assert "timing_s/update_actor" in row
             assert "rollout/logprob_diff_max" in row and "actor/pg_loss" in row
+            assert row["sync/bytes"] > 0 and row["sync/buckets"] >= 1  # resharding.sync ran
     if recipe == "dapo":  # the filter ran and said what it dropped
         assert all("filter/dropped_groups" in r or "filter/kept_groups" in r for r in rows), rows[0]
     if recipe == "ppo":

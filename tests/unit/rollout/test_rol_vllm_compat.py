@@ -54,11 +54,21 @@ def test_cpu_worker_targets():
     assert "set_random_seed" in init_device
 
 
+def test_cpu_embedding_packs_its_weight_after_loading():
+    """Hazard 6's cause: the CPU embedding/LM-head method packs the weight in its post-load step
+    (test_rol_vllm_tied.py shows the stale head and the refresh end to end)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    src = inspect.getsource(UnquantizedEmbeddingMethod.process_weights_after_loading)
+    assert "dispatch_cpu_unquantized_gemm" in src, "hazard 6 moved: check refresh_tied_lm_head"
+
+
 def test_weight_update_api_is_there():
     from vllm import LLM
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    for name in ("collective_rpc", "reset_prefix_cache", "sleep", "wake_up", "generate"):
+    for name in ("collective_rpc", "apply_model", "reset_prefix_cache", "sleep", "wake_up",
+                 "generate"):
         assert callable(getattr(LLM, name)), name
     params = inspect.signature(GPUModelRunner.reload_weights).parameters
     assert {"weights_iterator", "is_checkpoint_format"} <= set(params)
