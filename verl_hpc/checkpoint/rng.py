@@ -1,19 +1,45 @@
-"""RNG states as plain arrays, for `rank_state` (never pickled): python, numpy, torch CPU, generators.
+"""RNG states as plain arrays, for `rank_state` (never pickled): python, numpy, torch CPU, the
+accelerator's default generator (CUDA, when initialised), Megatron's named model-parallel RNG
+states (its `get_cuda_rng_tracker()`: the streams dropout and weight init draw from inside
+tensor-parallel regions; on CPU, cpu_compat's tracker) and any extra generators.
 
     rank_state = capture_rng_state(generators={"trainer": ctx.generator})
     ...
     restore_rng_state(read_rank_state(ckpt, rank), generators={"trainer": ctx.generator})
 
-Accelerator RNG states (CUDA) are the engine's to add, through the runtime's device layer, as
-uint8 arrays like `torch_cpu` here.
+A state saved on a GPU and restored without one (or the reverse) cannot be continued exactly:
+restore says so in the log and keeps the current accelerator state.
 """
 from __future__ import annotations
 
+import logging
 import random
+import sys
 from typing import Optional
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+TRACKER_PREFIX = "megatron_tracker_"  # + the tracker's state name, e.g. model-parallel-rng
+_TRACKER_MODULE = "megatron.core.tensor_parallel.random"
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().copy()
+
+
+def _tracker():
+    """Megatron's RNG tracker if this process has set one up (never creates one)."""
+    rnd = sys.modules.get(_TRACKER_MODULE)
+    if rnd is None or not getattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return None
+    return rnd._CUDA_RNG_STATE_TRACKER
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def capture_rng_state(generators: Optional[dict] = None) -> dict[str, np.ndarray]:
@@ -26,11 +52,25 @@ def capture_rng_state(generators: Optional[dict] = None) -> dict[str, np.ndarray
         "numpy_keys": np.asarray(keys, dtype=np.uint32),
         "numpy_meta": np.asarray([pos, has_gauss], dtype=np.int64),
         "numpy_gauss": np.asarray([cached], dtype=np.float64),
-        "torch_cpu": torch.get_rng_state().numpy().copy(),
+        "torch_cpu": _bytes(torch.get_rng_state()),
     }
+    if _cuda_ready():
+        out["torch_cuda"] = _bytes(torch.cuda.get_rng_state())  # the current device's generator
+    tracker = _tracker()
+    if tracker is not None:
+        for name, state in tracker.get_states().items():
+            if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8):
+                # TE's CUDA-graph-safe tracker keeps generator objects, not byte states
+                raise TypeError(f"checkpoint: Megatron RNG tracker state {name!r} is a "
+                                f"{type(state).__name__}, not a byte tensor: cannot be saved")
+            out[TRACKER_PREFIX + name] = _bytes(state)
     for name, gen in (generators or {}).items():
-        out[f"generator_{name}"] = gen.get_state().numpy().copy()
+        out[f"generator_{name}"] = _bytes(gen.get_state())
     return out
+
+
+def _byte_tensor(array) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, np.uint8))
 
 
 def restore_rng_state(state: dict, generators: Optional[dict] = None) -> None:
@@ -40,6 +80,25 @@ def restore_rng_state(state: dict, generators: Optional[dict] = None) -> None:
     pos, np_has_gauss = (int(x) for x in state["numpy_meta"])
     np.random.set_state(("MT19937", np.asarray(state["numpy_keys"], np.uint32), pos, np_has_gauss,
                          float(state["numpy_gauss"][0])))
-    torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(state["torch_cpu"], np.uint8)))
+    torch.set_rng_state(_byte_tensor(state["torch_cpu"]))
+    if "torch_cuda" in state and _cuda_ready():
+        torch.cuda.set_rng_state(_byte_tensor(state["torch_cuda"]))
+    elif "torch_cuda" in state or _cuda_ready():
+        log.warning("resume: the checkpoint's RNG states were %s a GPU and this run is %s one: "
+                    "the CUDA generator is not restored (sampling continues, not bit-exactly)",
+                    "saved on" if "torch_cuda" in state else "saved without",
+                    "without" if "torch_cuda" in state else "on")
+    saved = {k[len(TRACKER_PREFIX):]: v for k, v in state.items() if k.startswith(TRACKER_PREFIX)}
+    tracker = _tracker()
+    if saved and tracker is None:
+        log.warning("resume: the checkpoint has Megatron RNG tracker states (%s) but this process "
+                    "has no tracker yet: not restored", ", ".join(sorted(saved)))
+    elif saved:
+        states = dict(tracker.get_states())
+        missing = sorted(set(states) - set(saved))
+        if missing:
+            log.warning("resume: Megatron RNG tracker states %s are not in the checkpoint: kept", missing)
+        states.update({name: _byte_tensor(v) for name, v in saved.items()})
+        tracker.set_states(states)
     for name, gen in (generators or {}).items():
-        gen.set_state(torch.from_numpy(np.ascontiguousarray(state[f"generator_{name}"], np.uint8)))
+        gen.set_state(_byte_tensor(state[f"generator_{name}"]))

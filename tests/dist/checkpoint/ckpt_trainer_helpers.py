@@ -13,7 +13,8 @@ TINY_GRPO = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "act
              "actor.micro_batch_size=8", "trainer.val_every=0", "tracking.backends=[jsonl]",
              "tracking.plots=false"]
 # metrics that measure the machine, not the run
-VOLATILE = ("timing_s/", "perf/", "throughput/", "time")
+VOLATILE = ("timing_s/", "perf/", "throughput/", "time", "sync/seconds", "sync/gb_per_s",
+            "sync/export_seconds", "sync/load_seconds", "sync/wake_seconds")
 
 
 def grpo(root: Path, out: Path, *extra, ranks: int = 1, timeout: int = 400):

@@ -1,4 +1,5 @@
-"""Exact resume (issue 7): 6 GRPO steps straight vs 3 steps, stop, resume from `latest`, 3 more.
+"""Exact resume (issue 7): 6 GRPO steps straight vs 3 steps (saved asynchronously), stop, resume
+from `latest`, 3 more.
 The final checkpoints (weights, Adam moments, step counts) must be bitwise equal and every per-step
 metric equal. 1 rank, tiny model, HF rollout seeded per step. The tiny model never answers right,
 so the rewards (and GRPO advantages) are all zero: an entropy bonus makes the updates non-zero."""
@@ -23,10 +24,13 @@ def test_ckpt_trainer_resume_is_exact(assets, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     proc, s = grpo(assets, straight, "trainer.total_steps=6", *MOVING)
     assert proc.returncode == 0, logs(proc, straight)
-    # "stop" after 3: the same job with total_steps=3 (constant LR: the schedule does not depend on it)
-    proc, s1 = grpo(assets, split, "trainer.total_steps=3", *MOVING)
+    # "stop" after 3: the same job with total_steps=3 (constant LR: the schedule does not depend on
+    # it), saving every step asynchronously: the resume below starts from an async-written checkpoint
+    proc, s1 = grpo(assets, split, "trainer.total_steps=3", "checkpoint.async_save=true",
+                    "checkpoint.save_every=1", *MOVING)
     assert proc.returncode == 0, logs(proc, split)
     assert s1["steps"] == 3 and (split / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert logs(proc, split).count("(async, blocked") == 3
     proc, s2 = grpo(assets, split, "trainer.total_steps=6", *MOVING)
     assert proc.returncode == 0, logs(proc, split)
     assert s2["resumed_from"] == 3 and s2["steps"] == 6, s2

@@ -144,3 +144,44 @@ def test_checksum_is_zlibs_crc32_of_each_block():
     assert checksum.block_crcs(data, block).tolist() == want  # whichever implementation is installed
     assert checksum.block_bytes_for(1) == checksum.block_bytes_for(16 << 30) == 4 << 20
     assert checksum.block_bytes_for((16 << 30) + 1) == 8 << 20
+
+
+def test_megatron_tracker_states_round_trip(tmp_path, monkeypatch):
+    """The named model-parallel RNG streams (dropout inside TP regions) resume where they were;
+    a tracker state the checkpoint lacks is kept, and a process without a tracker is told."""
+    import megatron.core.tensor_parallel.random as rnd
+
+    from verl_hpc.parallel.cpu_compat import _tracker_class
+
+    tracker = _tracker_class()()
+    monkeypatch.setattr(rnd, "_CUDA_RNG_STATE_TRACKER", tracker)
+    monkeypatch.setattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    tracker.add("model-parallel-rng", 123)
+    with tracker.fork():
+        torch.rand(3)  # somewhere along the stream
+    state = capture_rng_state()
+    assert state["megatron_tracker_model-parallel-rng"].dtype == np.uint8
+    save_checkpoint(tmp_path, 1, [], rank_state=state)
+    with tracker.fork():
+        expected = torch.rand(4)
+    tracker.add("expert-parallel-rng", 7)  # not in the checkpoint
+
+    restore_rng_state(read_rank_state(tmp_path, 0))
+    with tracker.fork():
+        assert torch.equal(torch.rand(4), expected)
+    assert set(tracker.get_states()) == {"model-parallel-rng", "expert-parallel-rng"}
+
+    monkeypatch.setattr(rnd, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
+    assert not any(k.startswith("megatron_tracker_") for k in capture_rng_state())
+
+
+@pytest.mark.gpu
+def test_cuda_generator_round_trip(tmp_path):
+    torch.cuda.init()
+    torch.cuda.manual_seed(3)
+    torch.rand(5, device="cuda")
+    save_checkpoint(tmp_path, 1, [], rank_state=capture_rng_state())
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(99)
+    restore_rng_state(read_rank_state(tmp_path, 0))
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
