@@ -26,6 +26,7 @@ import torch
 from verl_hpc.algorithms import make_kl_controller, masked_mean
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.resharding import WeightSync
+from verl_hpc.rollout.metrics import rollout_metrics
 from verl_hpc.trainer import shaping
 from verl_hpc.trainer.batching import (assemble, broadcast_prompts, logprob_diff_metrics,
                                        response_stats)
@@ -70,6 +71,7 @@ class RLTrainer:
         with timer("generate"):
             result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step))
             batch = assemble(prompts, result, r.tokenizer, r.pad_id)
+        m.update(rollout_metrics(result))  # tokens/s, lengths, truncated prompts, finish reasons
         with timer("reward"):
             scores, m_reward = shaping.score_batch(self.scorer, batch, r.reward_model)
             token_scores, m_shape = shaping.to_token_level(self.scorer, scores, batch, cfg)

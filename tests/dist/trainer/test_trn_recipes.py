@@ -36,7 +36,8 @@ def test_trn_recipe_runs_three_steps(recipe, assets, tmp_path):
     for row in rows:
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
-        assert "timing_s/generate" in row
+        assert "timing_s/generate" in row and row["rollout/tokens_per_s"] > 0
+        assert row["rollout/sequences"] == 4 * n  # train_batch_size prompts x rollout.n
         if not row.get("filter/empty_step"):  # DAPO may filter every group of a tiny batch
             assert "timing_s/update_actor" in row
             assert "rollout/logprob_diff_max" in row and "actor/pg_loss" in row
