@@ -2,7 +2,7 @@
 Megatron engine at each layout of args["layouts"] in turn, record full-vocabulary logits of fixed
 token ids, and optionally save the loaded state again (at that layout) as a new checkpoint.
 
-    python ckpt_layout_ranks.py WORKDIR     (started by eng_ranks.launch-style env: RANK, WORLD_SIZE...)
+    python ckpt_layout_ranks.py WORKDIR     (started by tests/rank_launcher.py)
 """
 from __future__ import annotations
 

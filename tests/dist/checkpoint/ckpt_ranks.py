@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import zlib
@@ -157,46 +155,19 @@ SCENARIOS = {"save": scenario_save, "kill": scenario_kill}
 
 # ----------------------------------------------------------------------------- launching (test side)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start(world_size: int, scenario: str, args: dict, workdir: Path):
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "args.json").write_text(json.dumps(dict(args, workdir=str(workdir))))
-    port, procs = _free_port(), []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL="WARNING", PYTHONPATH=str(REPO))
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(workdir)], cwd=REPO, env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    return procs
+    """The rank processes, running (for kill -9)."""
+    from rank_launcher import start_ranks  # tests/: on sys.path under pytest, not in the ranks
+
+    return start_ranks(__file__, world_size, dict(args, workdir=str(workdir)), workdir, argv=[scenario])[1]
 
 
 def launch(world_size: int, scenario: str, args: dict, workdir: Path, timeout: float = 240):
-    workdir = Path(workdir)
-    procs = start(world_size, scenario, args, workdir)
-    deadline, failed = time.time() + timeout, False
-    for p in procs:
-        try:
-            failed |= p.wait(timeout=max(1.0, deadline - time.time())) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-    for p in procs:  # only our own children, by handle
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if failed:
-        tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (workdir / f"rank{r}.log").read_text()[-4000:]
-                 for r, p in enumerate(procs)]
-        raise AssertionError(f"{scenario} on {world_size} ranks failed:\n" + "\n".join(tails))
-    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    from rank_launcher import launch_ranks
+
+    return launch_ranks(__file__, world_size, dict(args, workdir=str(workdir)), workdir,
+                        argv=[scenario], timeout=timeout, what=scenario)
 
 
 def _main(scenario: str, workdir: str) -> None:

@@ -10,9 +10,7 @@ rounding (TP changes the summation order of row-parallel layers; 1e-4); B's tens
 and B's logits at TP2xPP2 are bitwise A's. `export A --hf` in one process matches the engine in
 transformers, and `h5ls -r` lists the tensors.
 """
-import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,32 +27,10 @@ IDS = torch.randint(5, 480, (3, 12), generator=torch.Generator().manual_seed(0))
 
 
 def _launch(world: int, args: dict, workdir: Path, timeout: float = 400) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "args.json").write_text(json.dumps(args))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "ckpt_layout_ranks.py"), str(workdir)],
-                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = False
-    for proc, log in procs:
-        try:
-            failed |= proc.wait(timeout=timeout) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-        log.close()
-    for proc, _ in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if failed:
-        raise AssertionError("\n".join((workdir / f"rank{r}.log").read_text()[-4000:] for r in range(world)))
+    from rank_launcher import launch_ranks
+
+    launch_ranks(HERE / "ckpt_layout_ranks.py", world, args, workdir, timeout=timeout,
+                 what="checkpoint layout scenario")
 
 
 @pytest.fixture(scope="module")

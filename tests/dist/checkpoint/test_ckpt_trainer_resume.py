@@ -5,7 +5,6 @@ metric equal. 1 rank, tiny model, HF rollout seeded per step. The tiny model nev
 so the rewards (and GRPO advantages) are all zero: an entropy bonus makes the updates non-zero."""
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch

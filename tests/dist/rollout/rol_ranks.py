@@ -9,51 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(world_size: int, args: dict, workdir: Path, timeout: float = 420):
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "args.json").write_text(json.dumps(args))
-    port, procs = _free_port(), []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL="INFO",
-                   PYTHONPATH=str(REPO))
-        env.pop("SLURM_JOB_ID", None)
-        log = open(workdir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(workdir)], cwd=REPO, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    deadline, failed = time.time() + timeout, False
-    for proc, log in procs:
-        try:
-            failed |= proc.wait(timeout=max(1.0, deadline - time.time())) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-        log.close()
-    for proc, _ in procs:  # only our own children, by handle
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if failed:
-        tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (workdir / f"rank{r}.log").read_text()[-4000:]
-                 for r, (p, _) in enumerate(procs)]
-        raise AssertionError(f"rollout scenario on {world_size} ranks failed:\n" + "\n".join(tails))
-    return port, [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    """(port, per-rank results): the port names the job's CPU shared-memory segments."""
+    from rank_launcher import launch_ranks  # tests/: on sys.path under pytest, not in the ranks
+
+    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="rollout scenario",
+                        log_level="INFO", with_port=True)
 
 
 def perturbed_state(path, seed=11, scale=0.02):
