@@ -58,6 +58,15 @@ def max_diff(a, b):
     return max((abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v)), default=0.0)
 
 
+def assert_matches(result, reference):
+    """A rollout result equals a (tokens, logprobs)-per-prompt reference: tokens exactly, logprobs
+    within TOL; returns the largest logprob difference."""
+    assert result.response_ids == [toks for toks, _ in reference]
+    diff = max_diff(result.logprobs, [lps for _, lps in reference])
+    assert diff <= TOL, diff
+    return diff
+
+
 def perturbed_state(path, seed=11, scale=0.02):
     """Every checkpoint tensor changed a little (norms too): a stand-in for an actor update."""
     from safetensors.torch import load_file

@@ -2,9 +2,8 @@
 import logging
 
 import pytest
-import torch
-from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, eos_first_state, hf_greedy, load_hf, max_diff,
-                         perturbed_state, pick_stop_string, prompts_of_lengths,
+from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first_state, hf_greedy,
+                         load_hf, max_diff, perturbed_state, pick_stop_string, prompts_of_lengths,
                          teacher_forced_logprobs)
 
 from verl_hpc.rollout import SamplingSpec
@@ -33,32 +32,13 @@ def engine(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_model):
-    return load_hf(tiny_model)
-
-
-@pytest.fixture(scope="module")
 def reference(hf):
     """transformers' greedy tokens and logprobs for PROMPTS on the original weights."""
     return hf_greedy(hf, PROMPTS)
 
 
-@pytest.fixture(scope="module")
-def original(tiny_model):
-    from safetensors.torch import load_file
-
-    return load_file(f"{tiny_model}/model.safetensors")
-
-
-def _assert_matches(result, reference):
-    assert result.response_ids == [toks for toks, _ in reference]
-    diff = max_diff(result.logprobs, [lps for _, lps in reference])
-    assert diff <= TOL, diff
-    return diff
-
-
 def test_greedy_matches_transformers_reference(engine, reference):
-    diff = _assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+    diff = assert_matches(engine.generate(PROMPTS, GREEDY), reference)
     print(f"HFRollout greedy vs reference: max |logprob diff| = {diff:.2e}")
     two = engine.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0, max_tokens=MAX_NEW))
     assert two.response_ids[0] == two.response_ids[1] and two.sample_index == [0, 1, 0, 1]
@@ -108,10 +88,10 @@ def test_eos_and_min_tokens(engine, hf, tiny_model, original):
     try:
         result = engine.generate(PROMPTS[:2], GREEDY)
         assert result.response_ids[0] == [EOS] and result.finish_reason[0] == "stop"
-        _assert_matches(result, hf_greedy(model, PROMPTS[:2], eos=EOS))
+        assert_matches(result, hf_greedy(model, PROMPTS[:2], eos=EOS))
         held = engine.generate(PROMPTS[:1], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
                                                          min_tokens=3))
-        _assert_matches(held, hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3))
+        assert_matches(held, hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3))
     finally:
         engine.load_weights(iter(original.items()))
 
@@ -121,7 +101,7 @@ def test_load_weights_is_strict_and_a_full_update_repairs(engine, tiny_model, or
     new_state = perturbed_state(tiny_model)
     info = engine.load_weights(iter(new_state.items()))
     assert info["tensors"] == len(original)
-    _assert_matches(engine.generate(PROMPTS, GREEDY),
+    assert_matches(engine.generate(PROMPTS, GREEDY),
                     hf_greedy(load_hf(tiny_model, new_state), PROMPTS))
     name = "model.norm.weight"
     bad_updates = {
@@ -136,7 +116,7 @@ def test_load_weights_is_strict_and_a_full_update_repairs(engine, tiny_model, or
         with pytest.raises(RuntimeError, match="call load_weights again with every weight"):
             engine.generate(PROMPTS[:1], GREEDY)
     engine.load_weights(iter(original.items()))
-    _assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+    assert_matches(engine.generate(PROMPTS, GREEDY), reference)
 
 
 def test_tied_model_accepts_lm_head_or_not(tmp_path):

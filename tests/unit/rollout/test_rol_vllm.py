@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, eos_first_state, hf_greedy, load_hf, max_diff,
-                         perturbed_state, pick_stop_string, prompts_of_lengths,
+from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first_state, hf_greedy,
+                         load_hf, max_diff, perturbed_state, pick_stop_string, prompts_of_lengths,
                          teacher_forced_logprobs)
 
 from verl_hpc.rollout import PromptTooLongError, SamplingSpec
@@ -47,28 +47,9 @@ def engine(built):
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_model):
-    return load_hf(tiny_model)
-
-
-@pytest.fixture(scope="module")
 def reference(hf):
     """transformers' greedy tokens and logprobs for PROMPTS on the original weights."""
     return hf_greedy(hf, PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def original(tiny_model):
-    from safetensors.torch import load_file
-
-    return load_file(f"{tiny_model}/model.safetensors")
-
-
-def _assert_matches(result, reference):
-    assert result.response_ids == [toks for toks, _ in reference]
-    diff = max_diff(result.logprobs, [lps for _, lps in reference])
-    assert diff <= TOL, diff
-    return diff
 
 
 def test_construction_leaves_rng_and_threads_alone(built):
@@ -84,7 +65,7 @@ def test_greedy_matches_transformers(engine, reference):
     torch.manual_seed(7)
     result = engine.generate(PROMPTS, GREEDY)
     assert torch.equal(torch.rand(2), before), "generate changed the global RNG"
-    diff = _assert_matches(result, ref)
+    diff = assert_matches(result, ref)
     print(f"greedy vs transformers: max |logprob diff| = {diff:.2e}")
     assert result.finish_reason == ["length"] * 4 and result.prompts == PROMPTS
     assert result.prompt_index == [0, 1, 2, 3] and result.sample_index == [0] * 4
@@ -123,7 +104,7 @@ def test_truncate_keeps_the_end_of_a_long_prompt(engine, hf):
     long = prompts_of_lengths(MAX_PROMPT + 8, seed=3)[0]
     result = engine.generate([long, PROMPTS[0]], GREEDY)
     assert result.num_truncated == 1 and result.prompts[0] == long[-MAX_PROMPT:]
-    _assert_matches(result, hf_greedy(hf, [long[-MAX_PROMPT:], PROMPTS[0]]))
+    assert_matches(result, hf_greedy(hf, [long[-MAX_PROMPT:], PROMPTS[0]]))
 
 
 def test_reject_names_the_prompt(engine, monkeypatch):
@@ -164,11 +145,11 @@ def test_load_weights_updates_the_engine_and_resets_the_prefix_cache(engine, tin
     assert torch.equal(torch.rand(2), before), "load_weights changed the global RNG"
     assert info["tensors"] == len(original) and info["bytes"] == sum(
         t.numel() * 4 for t in original.values())
-    diff = _assert_matches(engine.generate(PROMPTS, GREEDY), new_ref)
+    diff = assert_matches(engine.generate(PROMPTS, GREEDY), new_ref)
     print(f"after load_weights: max |logprob diff| = {diff:.2e}; without reset: {stale_diff:.2e}")
 
     engine.load_weights(iter(original.items()))  # and back: the other tests expect these
-    _assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+    assert_matches(engine.generate(PROMPTS, GREEDY), reference)
 
 
 def test_eos_ends_with_stop_and_min_tokens_holds_it_back(engine, hf, tiny_model, original):
@@ -179,12 +160,12 @@ def test_eos_ends_with_stop_and_min_tokens_holds_it_back(engine, hf, tiny_model,
     try:
         result = engine.generate(PROMPTS[:1], GREEDY)
         assert result.response_ids == [[EOS]] and result.finish_reason == ["stop"]
-        _assert_matches(result, hf_greedy(model, PROMPTS[:1], eos=EOS))
+        assert_matches(result, hf_greedy(model, PROMPTS[:1], eos=EOS))
         held = engine.generate(PROMPTS[:1], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
                                                          min_tokens=3))
         ref = hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3)
         assert len(held.response_ids[0]) >= 4 and EOS not in held.response_ids[0][:3]
-        _assert_matches(held, ref)
+        assert_matches(held, ref)
         assert held.finish_reason == ["stop" if ref[0][0][-1] == EOS else "length"]
     finally:
         engine.load_weights(iter(original.items()))

@@ -1,9 +1,8 @@
 """A tied-embedding model (Qwen2, lm_head = embed_tokens) in vLLM after a weight update: the
 output projection must follow the new embedding (vllm_compat hazard 6)."""
 import pytest
-import torch
-from rol_helpers import MAX_NEW, MAX_PROMPT, TOL, hf_greedy, load_hf, max_diff, perturbed_state, \
-    prompts_of_lengths
+from rol_helpers import (MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, max_diff,
+                         perturbed_state, prompts_of_lengths)
 
 from verl_hpc.rollout import SamplingSpec
 
@@ -29,21 +28,14 @@ def engine(tied_model):
     engine.close()
 
 
-def _check(result, reference):
-    assert result.response_ids == [toks for toks, _ in reference]
-    diff = max_diff(result.logprobs, [lps for _, lps in reference])
-    assert diff <= TOL, diff
-    return diff
-
-
 def test_tied_head_follows_every_weight_update(engine, tied_model):
-    _check(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(tied_model), PROMPTS))
+    assert_matches(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(tied_model), PROMPTS))
     for seed in (11, 12):  # twice: the refresh must not only work the first time
         state = perturbed_state(tied_model, seed=seed, scale=0.05)
         assert "lm_head.weight" not in state  # the checkpoint stores the tied weight once
         info = engine.load_weights(iter(state.items()))
         assert info["tensors"] == len(state)
-        diff = _check(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(tied_model, state), PROMPTS))
+        diff = assert_matches(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(tied_model, state), PROMPTS))
         print(f"seed {seed}: max |logprob diff| = {diff:.2e}")
 
 
