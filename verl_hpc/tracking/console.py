@@ -15,9 +15,11 @@ from typing import Mapping, Sequence, TextIO
 from verl_hpc.tracking.progress import RichBar, StepRate
 from verl_hpc.tracking.values import select
 
+# names the trainers emit (verl_hpc/trainer: rl.py's step, sft.py); tracking.console_metrics adds more
 KEY_PREFIXES: tuple[str, ...] = (
-    "reward/mean", "val/", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
-    "critic/vf_loss", "response_length/mean", "perf/tokens_per_s", "timing_s/step",
+    "reward/score/mean", "val/", "actor/pg_loss", "actor/kl", "reward/kl", "actor/entropy",
+    "actor/grad_norm", "critic/vf_loss", "response_length/mean", "sft/", "perf/tokens_per_s",
+    "timing_s/step",
 )
 MAX_CELLS = 12
 CELLS_PER_ROW = 3
@@ -54,11 +56,12 @@ def text_table(cells: list[tuple[str, str]]) -> list[str]:
 
 class ConsoleBackend:
     def __init__(self, total_steps: int, log_every: int = 1, *, stream: TextIO | None = None,
-                 tty: bool | None = None, prefixes: Sequence[str] = KEY_PREFIXES) -> None:
+                 tty: bool | None = None, prefixes: Sequence[str] = KEY_PREFIXES,
+                 extra: Sequence[str] = ()) -> None:
         self._stream = stream  # None: sys.stdout at each write (pytest's capsys swaps it)
         self.log_every = max(int(log_every), 1)
         self.total = int(total_steps)
-        self.prefixes = tuple(prefixes)
+        self.prefixes = tuple(prefixes) + tuple(extra)  # extra (tracking.console_metrics) last
         self.rate = StepRate(total_steps)
         if tty is None:
             tty = bool(getattr(self.stream, "isatty", lambda: False)())

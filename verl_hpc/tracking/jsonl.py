@@ -1,7 +1,8 @@
 """`<output_dir>/metrics.jsonl`: one JSON object per logged step, appended, resumable.
 
-A line is `{"step": 12, "time": 1718000000.1, "reward/mean": 0.5, ...}`; NaN/inf are written as
-null and their names listed under `nonfinite`, so the file stays strict JSON that any tool reads.
+A line is `{"step": 12, "time": 1718000000.1, "reward/score/mean": 0.5, ...}`; NaN/inf are
+written as null and their names listed under `nonfinite`, so the file stays strict JSON that any
+tool reads.
 
 Resume: a job restarted from a checkpoint at step k replays steps k, k+1, ...; lines the first
 attempt wrote for those steps describe a trajectory that no longer exists, so they are dropped

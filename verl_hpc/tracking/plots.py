@@ -27,12 +27,12 @@ class Panel:
 
 
 PANELS: tuple[Panel, ...] = (
-    Panel("Reward", "reward", ("reward/mean", "reward/max", "reward/min", "val/reward/*")),
+    Panel("Reward", "reward", ("reward/score/mean", "val/reward/*")),
     Panel("Validation accuracy", "accuracy", ("val/acc", "val/acc/*"), ylim=(-0.02, 1.02)),
     Panel("KL divergence", "KL", ("actor/kl", "actor/ppo_kl", "*/kl")),
     Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
-    Panel("Response length", "tokens", ("response_length/mean", "response_length/max",
-                                        "response_length/min")),
+    Panel("Response length", "tokens", ("response_length/mean", "response_length/max")),
+    Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for p in panel.patterns)

@@ -44,7 +44,7 @@ class Tracker:
                  project: str, experiment: str, config: Mapping[str, Any] | None, is_main: bool,
                  log_every: int = 1, prometheus_port: int = 0, *, start_step: int | None = None,
                  plots_enabled: bool = True, stream: TextIO | None = None,
-                 tty: bool | None = None) -> None:
+                 tty: bool | None = None, console_metrics: Sequence[str] = ()) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"tracking.backends: unknown {unknown}; valid: {', '.join(BACKENDS)}")
@@ -60,6 +60,7 @@ class Tracker:
         self._memory: list[dict[str, Any]] = []  # plot inputs when there is no metrics.jsonl
         self._plot_keys: dict[str, bool] = {}
         self._closed = False
+        self._console_metrics = tuple(console_metrics)
         if not self.is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,8 @@ class Tracker:
         # imports are local: each optional backend costs its import only when asked for
         if name == "console":
             from verl_hpc.tracking.console import ConsoleBackend
-            return ConsoleBackend(self.total_steps, log_every, stream=stream, tty=tty)
+            return ConsoleBackend(self.total_steps, log_every, stream=stream, tty=tty,
+                                  extra=self._console_metrics)
         if name == "jsonl":
             return jsonl.JsonlBackend(self.output_dir, start_step=start_step)
         if name == "tensorboard":

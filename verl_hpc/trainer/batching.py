@@ -91,9 +91,10 @@ def logprob_diff_metrics(rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask:
     return {f"{prefix}/logprob_diff_max": float(diff.max()), f"{prefix}/logprob_diff_mean": float(diff.mean())}
 
 
-def response_stats(batch: RolloutBatch, prefix: str = "response") -> Dict[str, float]:
+def response_stats(batch: RolloutBatch, prefix: str = "response_length") -> Dict[str, float]:
+    """Lengths of the responses trained on (after any filter; verl's names)."""
     lengths = batch.mask.sum(-1)
-    return {f"{prefix}/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-            f"{prefix}/length_max": float(lengths.max()) if len(lengths) else 0.0}
+    return {f"{prefix}/mean": float(lengths.mean()) if len(lengths) else 0.0,
+            f"{prefix}/max": float(lengths.max()) if len(lengths) else 0.0}
 
 

@@ -98,7 +98,7 @@ def run(cfg, ctx) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     tracker = Tracker(cfg.tracking.backends, tr.output_dir, steps, tr.project_name, tr.experiment_name,
                       to_container(cfg), is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
-                      plots_enabled=cfg.tracking.plots)
+                      plots_enabled=cfg.tracking.plots, console_metrics=cfg.tracking.console_metrics)
     rng, order, t0, losses = random.Random(cfg.data.seed), [], time.time(), []
     try:
         for step in range(1, steps + 1):

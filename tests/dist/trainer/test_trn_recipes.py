@@ -6,7 +6,12 @@ import pytest
 
 from trn_helpers import data_overrides, logs, make_assets, metrics, run_job
 
+from verl_hpc.tracking import write_plots
+from verl_hpc.tracking.console import KEY_PREFIXES
+
 pytestmark = pytest.mark.dist
+SHOWN = ("reward/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+         "response_length/mean", "perf/tokens_per_s", "timing_s/step")
 RECIPES = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo"]
 
 
@@ -42,6 +47,11 @@ def test_trn_recipe_runs_three_steps(recipe, assets, tmp_path):
             assert "timing_s/update_actor" in row
             assert "rollout/logprob_diff_max" in row and "actor/pg_loss" in row
             assert row["sync/bytes"] > 0 and row["sync/buckets"] >= 1  # resharding.sync ran
+            for key in SHOWN:  # the console table and the plots show names the trainer emits
+                assert key in row and key in KEY_PREFIXES, key
+    panels = write_plots(rows, tmp_path / "curves.png").panels
+    trained = any("actor/entropy" in r for r in rows)  # DAPO may filter every step of a tiny run
+    assert {"Reward", "Response length"} | ({"Entropy"} if trained else set()) <= set(panels), panels
     if recipe == "dapo":  # the filter ran and said what it dropped
         assert all("filter/dropped_groups" in r or "filter/kept_groups" in r for r in rows), rows[0]
     if recipe == "ppo":

@@ -9,7 +9,7 @@ from verl_hpc.tracking.progress import StepRate, format_duration, format_rate
 
 pytestmark = pytest.mark.unit
 
-METRICS = {"reward/mean": 0.532, "actor/pg_loss": -0.012, "actor/kl": math.nan,
+METRICS = {"reward/score/mean": 0.532, "actor/pg_loss": -0.012, "actor/kl": math.nan,
            "actor/entropy": 1.23, "response_length/mean": 45.25, "perf/tokens_per_s": 12345.6,
            "perf/tokens_per_s_per_gpu": 3086.4, "timing_s/generate": 1.0, "zzz/other": 7.0}
 
@@ -26,14 +26,23 @@ def test_non_tty_prints_progress_line_and_table(capsys):
     progress = [ln for ln in lines if ln.startswith("step 2/200 (1%) ")]
     assert len(progress) == 1 and "ETA" in progress[0]
     table = "\n".join(lines[1:lines.index(progress[0])])
-    for name in ("reward/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
+    for name in ("reward/score/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
                  "response_length/mean", "perf/tokens_per_s"):
         assert name in table
     assert "nan" in table  # a non-finite value is shown, not hidden
     # only the chosen keys: not everything that was logged
     assert "zzz/other" not in table and "timing_s/generate" not in table
     assert "tokens_per_s_per_gpu" not in table
-    assert table.index("reward/mean") < table.index("actor/pg_loss")
+    assert table.index("reward/score/mean") < table.index("actor/pg_loss")
+
+
+def test_console_metrics_adds_keys_after_the_default_ones(capsys):
+    con = ConsoleBackend(total_steps=5, extra=["zzz/other", "timing_s/"])
+    con.log(METRICS, 1)
+    con.close()
+    out = capsys.readouterr().out
+    assert "zzz/other" in out and "timing_s/generate" in out
+    assert out.index("reward/score/mean") < out.index("zzz/other") < out.index("timing_s/generate")
 
 
 def test_log_every_first_last_and_validation_steps(capsys):
@@ -87,4 +96,4 @@ def test_rich_mode_on_a_terminal_renders_table_and_bar():
     con.note("plots: /x.png")
     con.close()
     out = buf.getvalue()
-    assert "reward/mean" in out and "step 5/5" in out and "plots: /x.png" in out
+    assert "reward/score/mean" in out and "step 5/5" in out and "plots: /x.png" in out

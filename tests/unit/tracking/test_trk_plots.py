@@ -13,7 +13,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def history(steps=12, with_val=True, with_kl=True):
     rows = []
     for s in range(1, steps + 1):
-        row = {"step": s, "time": 0.0, "reward/mean": s / steps, "actor/entropy": 2 - s / steps,
+        row = {"step": s, "time": 0.0, "reward/score/mean": s / steps, "actor/entropy": 2 - s / steps,
                "response_length/mean": 30.0 + s, "actor/pg_loss": 0.1}
         if with_kl:
             row["actor/kl"] = math.nan if s == 5 else 0.01 * s
@@ -44,6 +44,11 @@ def test_missing_groups_are_skipped(tmp_path):
     res = write_plots(history(with_val=False, with_kl=False), tmp_path / "c.png")
     assert res.panels == ["Reward", "Entropy", "Response length"]
     read_png(res.path)
+
+
+def test_sft_loss_panel(tmp_path):
+    rows = [{"step": s, "sft/loss": 3.0 / s, "sft/lr": 1e-3} for s in range(1, 6)]
+    assert write_plots(rows, tmp_path / "sft.png").panels == ["SFT loss"]
 
 
 def test_all_nan_series_and_nothing_to_plot(tmp_path):
