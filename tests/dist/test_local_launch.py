@@ -14,13 +14,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def submit(tmp_path, *overrides, timeout=180):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *overrides]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def popen_submit(tmp_path, *overrides):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *overrides]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -53,7 +53,7 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path, wait_for_text):
 
 @pytest.mark.parametrize("sig", ["USR2", "TERM"])
 def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml", "--local",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j",
            "trainer.smoke.steps=300", "trainer.smoke.step_seconds=0.1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

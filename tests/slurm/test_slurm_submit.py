@@ -25,7 +25,7 @@ def cluster_is_up():
 
 
 def submit(tmp_path, *args, timeout=240):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -60,7 +60,7 @@ def test_same_job_through_plain_sbatch(tmp_path):
 
 
 def test_dead_rank_fails_job_fast_and_names_log(tmp_path, wait_for_text):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo.yaml",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *FOUR_RANKS,
            "trainer.smoke.steps=500", "trainer.smoke.fail_rank=1", "trainer.smoke.fail_at_step=2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -37,7 +37,7 @@ def test_dry_run_prints_plan_and_submitit_script(tmp_path, monkeypatch, capsys):
 
 def test_submitit_private_script_hook_still_exists():
     # slurm.sbatch_text relies on submitit internals; a new submitit release must fail here first
-    cfg = load_config("configs/demo.yaml", [])
+    cfg = load_config("configs/smoke.yaml", [])
     ex = slurm.make_executor(make_plan(cfg, local=False), cfg)
     text = slurm.sbatch_text(ex)
     assert text.startswith("#!/bin/bash") and "submitit.core._submit" in text
@@ -51,7 +51,7 @@ def test_submitit_private_script_hook_still_exists():
 def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     image = "/img/verl.sif" if runtime == "apptainer" else "nvcr.io/me/verl:1"
     script = tmp_path / "job.sbatch"
-    r = run_submit("configs/demo.yaml", "--sbatch-script", str(script),
+    r = run_submit("configs/smoke.yaml", "--sbatch-script", str(script),
                    f"slurm.container.runtime={runtime}", f"slurm.container.image={image}",
                    "slurm.container.mounts=[/scratch]")
     assert r.returncode == 0, r.stderr
@@ -68,7 +68,7 @@ def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     (["slurm.tasks_per_node=8", "slurm.gpus_per_node=4"], ["slurm.tasks_per_node", "GPU"]),
 ])
 def test_impossible_jobs_are_refused_before_submission(args, words):
-    r = run_submit("configs/demo.yaml", "--dry-run", *args)
+    r = run_submit("configs/smoke.yaml", "--dry-run", *args)
     assert r.returncode == 2, r.stdout + r.stderr
     err = r.stderr.strip()
     assert err.startswith("error: ") and "Traceback" not in err

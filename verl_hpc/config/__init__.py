@@ -1,6 +1,6 @@
 """Job configuration: typed schema, YAML + extends + CLI overrides + recipes, validation.
 
-    cfg = load_config("configs/demo.yaml", ["trainer.total_steps=10"])  # typed, recipe applied
+    cfg = load_config("configs/smoke.yaml", ["trainer.total_steps=10"])  # typed, recipe applied
     validate(cfg, check_model=True)      # semantic + layout checks; one ConfigError for all problems
     text = to_yaml(cfg); d = to_container(cfg); cfg2 = from_container(d)
 

@@ -20,7 +20,7 @@ def cli(*args):
 
 
 def test_bad_override_exits_2_with_one_line():
-    run = cli("configs/demo.yaml", "trainer.total_step=5")
+    run = cli("configs/smoke.yaml", "trainer.total_step=5")
     assert run.returncode == 2
     assert run.stdout == ""
     assert run.stderr.splitlines() == [
@@ -34,18 +34,18 @@ def test_missing_file_exits_2_with_one_line():
 
 
 def test_print_config_is_the_resolved_yaml():
-    run = cli("configs/demo.yaml", "trainer.total_steps=7", "--print-config")
+    run = cli("configs/smoke.yaml", "trainer.total_steps=7", "--print-config")
     assert run.returncode == 0, run.stderr
     printed = yaml.safe_load(run.stdout)
     assert printed["trainer"]["total_steps"] == 7
     assert printed["trainer"]["job"] == "smoke"
-    assert printed["trainer"]["output_dir"] == "outputs/verl_hpc/demo"  # resolved, not ${...}
+    assert printed["trainer"]["output_dir"] == "outputs/verl_hpc/smoke"  # resolved, not ${...}
     assert set(printed) == {"model", "data", "algorithm", "actor", "critic", "ref", "rollout", "reward",
                             "trainer", "checkpoint", "parallel", "slurm", "tracking"}
 
 
 def test_semantic_problems_go_to_stderr_and_exit_2(capsys):
-    code = main([str(REPO / "configs/demo.yaml"), "parallel.tp=3", "parallel.vpp=2"])
+    code = main([str(REPO / "configs/smoke.yaml"), "parallel.tp=3", "parallel.vpp=2"])
     out, err = capsys.readouterr()
     assert code == 2
     lines = err.splitlines()
@@ -67,7 +67,7 @@ def test_overrides_without_a_file_and_unknown_options(capsys):
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["job"] == "smoke"
     assert main(["--frobnicate"]) == 2
     assert "unknown option '--frobnicate'" in capsys.readouterr().err
-    assert main([str(REPO / "configs/demo.yaml"), "stray"]) == 2
+    assert main([str(REPO / "configs/smoke.yaml"), "stray"]) == 2
     assert "malformed override 'stray': expected key=value" in capsys.readouterr().err
     assert main(["--help"]) == 0
 

@@ -11,13 +11,14 @@ pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
-@pytest.mark.parametrize("name", ["demo", "grpo_tiny_cpu", "grpo_8b", "ppo_70b"])
+@pytest.mark.parametrize("name", ["smoke", "demo_sft", "demo_rl", "grpo_tiny_cpu", "grpo_8b",
+                                  "ppo_70b"])
 def test_shipped_config_is_valid(name):
     validate(load_config(CONFIGS / f"{name}.yaml"), check_model=False)
 
 
-def test_demo_is_two_local_cpu_ranks_running_smoke():
-    cfg = load_config(CONFIGS / "demo.yaml")
+def test_smoke_is_two_local_cpu_ranks():
+    cfg = load_config(CONFIGS / "smoke.yaml")
     validate(cfg, check_model=True)  # no model involved
     assert (cfg.trainer.job, cfg.world_size, cfg.slurm.gpus_per_node, cfg.parallel.backend) == \
         ("smoke", 2, 0, "gloo")
