@@ -15,8 +15,10 @@ What a checkpoint holds:
 - metadata (rank 0's): `config` (resolved YAML), `trainer_state` = {step, engines: {role: engine
   meta (LR scheduler, optimizer step, ...)}, loader (sampler position), kl_ctrl, guard counters,
   metrics: {file, step} (the JSONL history up to `step`; the tracker drops later rows on resume)}.
-- rank_state: each rank's RNG states (python, numpy, torch CPU, the trainer generator). Rollout
-  sampling does not depend on them (seeded per step), but anything else random does.
+- rank_state: each rank's RNG states (python, numpy, torch CPU, CUDA, Megatron's RNG tracker,
+  the trainer generator). Rollout sampling does not depend on them (seeded per step), but
+  anything else random does. Rank 0's also holds `metrics_jsonl`: the metric history up to the
+  step (the JSONL rows), put back on resume where the output directory lacks it.
 
 Requeue (one rank runs it): after the forced save is committed, rank 0 runs `scontrol requeue
 $SLURM_JOB_ID` and every rank leaves with SystemExit. Why our own call rather than submitit's
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("actor", "critic")
 FORMAT = "verl_hpc.rl_trainer/1"
+HISTORY_KEY = "metrics_jsonl"  # rank 0's rank_state: the metrics JSONL rows up to the step
 
 
 def _prefixed(prefix: str, tensors) -> list:
@@ -93,6 +96,12 @@ class TrainerCheckpointer:
             engine_meta[name] = st.meta
         metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta)}
         rank_state = capture_rng_state(generators={"trainer": self.ctx.generator})
+        if self.ctx.rank == 0:
+            from verl_hpc.tracking.jsonl import lines_until
+
+            history = lines_until(self._metrics_file(), step)  # empty without the jsonl backend
+            if history:
+                rank_state[HISTORY_KEY] = history.encode()
         if self._async is not None and not force:
             self._async.save(step, tensors, metadata=metadata, rank_state=rank_state)
             path = self.root / f"step_{step:06d}"
@@ -113,8 +122,13 @@ class TrainerCheckpointer:
 
         return to_yaml(self.cfg)
 
+    def _metrics_file(self) -> Path:
+        from verl_hpc.tracking.jsonl import FILENAME
+
+        return Path(self.cfg.trainer.output_dir) / FILENAME
+
     def _trainer_state(self, step: int, engine_meta: dict) -> dict:
-        metrics_file = Path(self.cfg.trainer.output_dir) / "metrics.jsonl"
+        metrics_file = self._metrics_file()
         return {"format": FORMAT, "step": int(step), "engines": engine_meta,
                 "loader": self.loader.state_dict() if self.loader is not None else None,
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
@@ -163,6 +177,8 @@ class TrainerCheckpointer:
                                      "the algorithm must match the run that saved it")
                 engine.load_state(lambda slabs, n=name: reader.load_into(_prefixed(n, slabs)),
                                   ts["engines"][name])
+            if self.ctx.rank == 0:
+                self._restore_history(reader, int(ts["step"]))
             if reader.world_size == self.ctx.world_size:
                 restore_rng_state(reader.rank_state(self.ctx.rank), generators={"trainer": self.ctx.generator})
             elif self.ctx.rank == 0:
@@ -180,6 +196,13 @@ class TrainerCheckpointer:
             log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
                      time.perf_counter() - t0, step + 1)
         return step
+
+    def _restore_history(self, reader, step: int) -> None:
+        from verl_hpc.tracking.jsonl import restore_lines
+
+        saved = reader.rank_state(0).get(HISTORY_KEY)
+        if isinstance(saved, (bytes, bytearray)) and saved:
+            restore_lines(self._metrics_file(), bytes(saved).decode("utf-8"), step)
 
     # ------------------------------------------------------------------------------ requeue
     def requeue_if_preempted(self) -> None:

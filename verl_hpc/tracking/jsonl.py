@@ -51,6 +51,33 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     return rows
 
 
+def lines_until(path: str | os.PathLike, step: int) -> str:
+    """The well-formed lines of rows with step <= `step`, as written (for a checkpoint to carry)."""
+    path = Path(path)
+    if not path.exists():
+        return ""
+    with path.open(encoding="utf-8") as f:
+        return "".join(line if line.endswith("\n") else line + "\n" for line in f
+                       if (row := _parse(line)) is not None and row["step"] <= step)
+
+
+def restore_lines(path: str | os.PathLike, text: str, step: int) -> bool:
+    """Put a checkpoint's history (`lines_until` of the saving run) back when this file has fewer
+    rows up to `step` than it (a resume into a new output_dir, or a lost file); rows after `step`
+    are the resumed run's to rewrite. Atomic (temporary file + os.replace). True if written."""
+    path = Path(path)
+    have = lines_until(path, step).count("\n")
+    if text.count("\n") <= have:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    log.info("tracking: %s: %d row(s) up to step %d restored from the checkpoint", path,
+             text.count("\n"), step)
+    return True
+
+
 def truncate_from(path: str | os.PathLike, step: int) -> int:
     """Drop rows with step >= `step` (and unreadable lines); returns how many rows were dropped.
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from ckpt_trainer_helpers import grpo, logs, make_assets, read_all, stable_metrics
+from ckpt_trainer_helpers import grpo, logs, make_assets, metrics, read_all, stable_metrics
 
 pytestmark = pytest.mark.dist
 MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant"]
@@ -61,6 +61,13 @@ def test_ckpt_trainer_resume_never_and_path(assets, tmp_path):
     assert proc.returncode == 0, logs(proc, out)
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
     assert ckpts == ["step_000001", "step_000002"], ckpts
+    # into a new output directory: the metric history comes from the checkpoint
+    moved = tmp_path / "moved"
+    proc, s = grpo(assets, moved, "trainer.total_steps=3",
+                   f"checkpoint.dir={tmp_path}/moved_ckpt", f"trainer.resume={out}/checkpoints/step_000002")
+    assert proc.returncode == 0, logs(proc, moved)
+    assert s["resumed_from"] == 2 and [m["step"] for m in metrics(moved)] == [1, 2, 3]
+    assert metrics(moved)[:2] == metrics(out)[:2]  # the saving run's rows, as written
     # an explicit path resumes from that checkpoint, even when `latest` is later
     proc, s = grpo(assets, out, "trainer.total_steps=3", f"trainer.resume={out}/checkpoints/step_000001",
                    "checkpoint.dir=" + str(tmp_path / "other"))

@@ -91,3 +91,21 @@ def test_backend_truncate_from_keeps_appending(tmp_path):
     b.log({"x": 30.0}, 3)
     b.close()
     assert [(r["step"], r["x"]) for r in lines(b.path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_history_lines_for_a_checkpoint_and_back(tmp_path):
+    from verl_hpc.tracking.jsonl import lines_until, restore_lines
+
+    src = tmp_path / "a" / "metrics.jsonl"
+    src.parent.mkdir()
+    src.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')  # cut short
+    saved = lines_until(src, 2)
+    assert saved == '{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n'
+    assert lines_until(src, 1).count("\n") == 1 and lines_until(tmp_path / "none", 5) == ""
+
+    dst = tmp_path / "b" / "metrics.jsonl"  # a resume into a new output directory
+    assert restore_lines(dst, saved, 2) and dst.read_text() == saved
+    assert not restore_lines(dst, saved, 2)  # already there: left alone
+    dst.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x": 9.0}\n')
+    assert not restore_lines(dst, saved, 2)  # the local file is the same run's: kept as it is
+    assert dst.read_text().count("\n") == 3
