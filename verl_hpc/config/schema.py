@@ -83,6 +83,7 @@ class AlgorithmConfig:
     kl_penalty: str = choice_from("k1", "KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    max_num_gen_batches: int = 4  # with filter_groups: generation rounds per step at most
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 

@@ -54,7 +54,7 @@ _POSITIVE = [
     "rollout.n", "rollout.tp", "rollout.bucket_mb", "trainer.total_steps", "trainer.collective_timeout_s",
     "trainer.max_nonfinite_in_a_row", "trainer.smoke.steps", "parallel.tp", "parallel.pp",
     "slurm.nodes", "slurm.tasks_per_node", "slurm.cpus_per_task", "slurm.time_min",
-    "tracking.log_every", "algorithm.kl_ctrl.horizon",
+    "tracking.log_every", "algorithm.kl_ctrl.horizon", "algorithm.max_num_gen_batches",
 ]
 _NON_NEGATIVE = [
     "actor.max_tokens_per_microbatch", "critic.max_tokens_per_microbatch", "actor.optim.warmup_steps",

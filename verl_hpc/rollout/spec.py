@@ -61,9 +61,11 @@ class SamplingSpec:
                 raise ValueError(f"{field}={value!r} is not valid: expected {valid}")
         return self
 
-    def for_step(self, step: int) -> "SamplingSpec":
-        """The same spec with a seed of its own for training step `step` (see module doc)."""
-        return dataclasses.replace(self, seed=request_seed(self.seed, "step", step) % 2**31)
+    def for_step(self, step: int, round_: int = 0) -> "SamplingSpec":
+        """The same spec with a seed of its own for training step `step` (see module doc), and for
+        each further generation round of that step (DAPO's refill) another one."""
+        parts = ("step", step) if round_ == 0 else ("step", step, "round", round_)
+        return dataclasses.replace(self, seed=request_seed(self.seed, *parts) % 2**31)
 
     @classmethod
     def from_config(cls, cfg) -> "SamplingSpec":

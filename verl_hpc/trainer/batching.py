@@ -7,7 +7,7 @@ rank, so `assemble` builds identical tensors everywhere; the engines then split 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,41 @@ class RolloutBatch:
         return RolloutBatch(tensors, take(self.ids), take(self.data_sources), take(self.ground_truths),
                             take(self.extras), take(self.response_texts), self.group_ids[rows],
                             self.rollout_log_probs[rows])
+
+
+def _pad_cat(tensors: Sequence[torch.Tensor], fill) -> torch.Tensor:
+    """Row-concatenate, right-padding dim 1 to the widest (1-D tensors are just concatenated)."""
+    if tensors[0].dim() < 2:
+        return torch.cat(list(tensors))
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors])
+
+
+def concat_batches(parts: Sequence[Tuple[RolloutBatch, torch.Tensor]], pad_id: int
+                   ) -> Tuple[RolloutBatch, torch.Tensor]:
+    """Several generation rounds' (batch, token_scores) as one (DAPO's refill): rows in order,
+    [B, T] tensors right-padded to the widest round (pad_id for token ids, 0 elsewhere: outside
+    every response mask), group ids made distinct across rounds."""
+    if len(parts) == 1:
+        return parts[0]
+    batches = [b for b, _ in parts]
+    offsets, total = [], 0
+    for b in batches:  # a round's group ids are its prompt indices
+        offsets.append(total)
+        total += int(b.group_ids.max()) + 1 if len(b) else 0
+    tensors = {k: _pad_cat([b.tensors[k] for b in batches], pad_id if k == "input_ids" else 0)
+               for k in batches[0].tensors}
+    joined = RolloutBatch(tensors, *(sum((getattr(b, f) for b in batches), []) for f in
+                                     ("ids", "data_sources", "ground_truths", "extras", "response_texts")),
+                          torch.cat([b.group_ids + o for b, o in zip(batches, offsets)]),
+                          _pad_cat([b.rollout_log_probs for b in batches], 0.0))
+    return joined, _pad_cat([s for _, s in parts], 0.0)
+
+
+def first_groups(batch: RolloutBatch, n_groups: int) -> torch.Tensor:
+    """Keep mask of the rows of the first `n_groups` groups, in order of appearance."""
+    order = list(dict.fromkeys(batch.group_ids.tolist()))[:n_groups]
+    return torch.isin(batch.group_ids, torch.tensor(order, dtype=batch.group_ids.dtype))
 
 
 def assemble(prompts, result, tokenizer, pad_id: int) -> RolloutBatch:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -28,8 +27,8 @@ from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rollout.metrics import rollout_metrics
 from verl_hpc.trainer import shaping
-from verl_hpc.trainer.batching import (assemble, broadcast_prompts, logprob_diff_metrics,
-                                       response_stats)
+from verl_hpc.trainer.batching import (assemble, broadcast_prompts, concat_batches, first_groups,
+                                       logprob_diff_metrics, response_stats)
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
 
@@ -67,20 +66,8 @@ class RLTrainer:
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
         cfg, r, m = self.cfg, self.roles, {}
-        prompts = broadcast_prompts(self.loader, self.ctx)
-        with timer("generate"):
-            result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step))
-            batch = assemble(prompts, result, r.tokenizer, r.pad_id)
-        m.update(rollout_metrics(result))  # tokens/s, lengths, truncated prompts, finish reasons
-        with timer("reward"):
-            scores, m_reward = shaping.score_batch(self.scorer, batch, r.reward_model)
-            token_scores, m_shape = shaping.to_token_level(self.scorer, scores, batch, cfg)
-            keep, m_filter = shaping.dynamic_sampling_filter(token_scores, batch, cfg)
-            baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
-            if not bool(keep.all()):
-                batch, token_scores = batch.select(keep), token_scores[keep]
-                baselines = baselines[keep] if baselines is not None else None
-        m.update(m_reward, **m_shape, **m_filter, **response_stats(batch))
+        batch, token_scores, baselines = self._sample(step, timer, m)
+        m.update(response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
         r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training; sync wakes it
@@ -112,6 +99,52 @@ class RLTrainer:
         m["train/tokens"] = float(t["response_mask"].sum() + t["prompt_lengths"].sum())
         m["train/samples"] = float(len(batch))
         return m
+
+    def _sample(self, step: int, timer, m: Dict[str, float]):
+        """Prompts -> responses -> token-level scores -> (DAPO) informative groups only.
+
+        With algorithm.filter_groups, rounds of train_batch_size prompts are generated until that
+        many groups with differing rewards are kept (the first train_batch_size of them are
+        trained on) or algorithm.max_num_gen_batches rounds ran (then the step trains on what it
+        kept and says how many groups it missed). Reward and rollout metrics describe the first
+        round, unfiltered, as for every other recipe; filter/* the whole step."""
+        cfg, r = self.cfg, self.roles
+        want = cfg.data.train_batch_size
+        rounds = cfg.algorithm.max_num_gen_batches if cfg.algorithm.filter_groups else 1
+        parts, kept, dropped = [], 0, {}
+        for round_ in range(rounds):
+            prompts = broadcast_prompts(self.loader, self.ctx)
+            with timer("generate"):
+                result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_))
+                batch = assemble(prompts, result, r.tokenizer, r.pad_id)
+            with timer("reward"):
+                scores, m_reward = shaping.score_batch(self.scorer, batch, r.reward_model)
+                token_scores, m_shape = shaping.to_token_level(self.scorer, scores, batch, cfg)
+                keep, m_filter = shaping.dynamic_sampling_filter(token_scores, batch, cfg)
+                baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
+            if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
+                m.update(rollout_metrics(result), **m_reward, **m_shape)
+            for k in ("filter/dropped_groups", "filter/dropped_samples"):
+                dropped[k] = dropped.get(k, 0.0) + m_filter.get(k, 0.0)
+            if not bool(keep.all()):
+                batch, token_scores = batch.select(keep), token_scores[keep]
+                baselines = baselines[keep] if baselines is not None else None
+            parts.append((batch, token_scores, baselines))
+            kept += len(set(batch.group_ids.tolist()))
+            if kept >= want:
+                break
+        batch, token_scores = concat_batches([(b, s) for b, s, _ in parts], r.pad_id)
+        baselines = None if parts[0][2] is None else torch.cat([bl for _, _, bl in parts])
+        if kept > want:  # a full batch, as every other step trains on
+            keep = first_groups(batch, want)
+            batch, token_scores = batch.select(keep), token_scores[keep]
+            baselines = baselines[keep] if baselines is not None else None
+        if cfg.algorithm.filter_groups:
+            m.update(dropped, **{"filter/gen_batches": float(len(parts)),
+                                 "filter/kept_groups": float(min(kept, want)),
+                                 "filter/kept_samples": float(len(batch)),
+                                 "filter/missing_groups": float(max(want - kept, 0))})
+        return batch, token_scores, baselines
 
     def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
         """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""

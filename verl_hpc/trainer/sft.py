@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import List, Tuple
 
-import torch
 
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.trainer.batching import broadcast_object

@@ -36,8 +36,8 @@ def to_token_level(scorer, scores: torch.Tensor, batch, cfg) -> Tuple[torch.Tens
 
 def dynamic_sampling_filter(token_scores: torch.Tensor, batch, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
     """DAPO's filter: groups whose responses all scored the same carry no signal. Returns the keep
-    mask (all true when algorithm.filter_groups is off) and counts. No re-sampling to refill the
-    batch: the step trains on the informative groups it got."""
+    mask (all true when algorithm.filter_groups is off) and counts. Refilling the batch with more
+    generation rounds is the trainer's loop (RLTrainer._sample, algorithm.max_num_gen_batches)."""
     if not cfg.algorithm.filter_groups:
         return torch.ones(len(batch), dtype=torch.bool), {}
     keep, counts = filter_groups(sequence_scores(token_scores, batch.mask), batch.group_ids)

@@ -50,3 +50,21 @@ def test_trn_ppo_with_critic_learns(warm, tmp_path):
     assert any("critic/vf_loss" in m for m in rows)
     gain, first, last = rises(tmp_path / "out")
     assert gain > MARGIN, (first, last)
+
+
+def test_trn_dapo_refills_the_batch_with_informative_groups(warm, tmp_path):
+    """DAPO's dynamic sampling on the warm model (its groups are mixed: some all right or all
+    wrong, some not): rounds of 8 prompts are generated until 8 groups with differing rewards
+    are kept, and exactly those 8 groups (32 samples) are trained on."""
+    rl(warm, tmp_path / "out", "algorithm.recipe=dapo", "algorithm.overlong_buffer.enable=false",
+       "rollout.n=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+       "actor.micro_batch_size=16", "algorithm.max_num_gen_batches=8", "trainer.total_steps=4")
+    rows = [m for m in metrics(tmp_path / "out") if m.get("step", 0) >= 1]
+    assert len(rows) == 4
+    for m in rows:
+        assert 1 <= m["filter/gen_batches"] <= 8
+        if m["filter/missing_groups"] == 0:
+            assert m["filter/kept_groups"] == 8 and m["train/samples"] == 32, m
+    print("generation rounds per step:", [m["filter/gen_batches"] for m in rows],
+          "groups dropped:", [m["filter/dropped_groups"] for m in rows])
+    assert any(m["filter/gen_batches"] > 1 for m in rows), "no step needed a second round"

@@ -45,6 +45,9 @@ def test_step_seeds_are_distinct_and_stable():
     spec = SamplingSpec(seed=5)
     seeds = {spec.for_step(s).seed for s in range(100)}
     assert len(seeds) == 100 and spec.for_step(3) == spec.for_step(3)
+    rounds = {spec.for_step(3, k).seed for k in range(5)}  # DAPO's refill rounds of one step
+    assert len(rounds) == 5 and spec.for_step(3, 0) == spec.for_step(3)
+    assert not rounds & (seeds - {spec.for_step(3).seed})
     assert request_seed(1, 2) == request_seed(1, 2) != request_seed(1, 3)
 
 

@@ -5,7 +5,7 @@ import torch
 from verl_hpc.config import load_config
 from verl_hpc.data import PromptBatch
 from verl_hpc.rollout import RolloutResult
-from verl_hpc.trainer.batching import assemble, logprob_diff_metrics
+from verl_hpc.trainer.batching import assemble, concat_batches, first_groups, logprob_diff_metrics
 from verl_hpc.trainer.guard import NonFiniteError, NonFiniteGuard
 from verl_hpc.trainer import shaping
 
@@ -32,6 +32,34 @@ def test_trn_assemble_repeats_prompt_fields_and_masks():
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.1)
     kept = b.select(torch.tensor([False, True, False, True]))
     assert kept.ids == ["a", "b"] and kept.tensors["input_ids"].shape[0] == 2
+
+
+def _round(responses, n=2):
+    k = len(responses) // n
+    prompts = PromptBatch(ids=[f"p{i}" for i in range(k)], prompt_ids=[[1, 2]] * k,
+                          prompt_texts=["x"] * k, data_sources=["s"] * k, ground_truths=["1"] * k,
+                          extras=[{}] * k)
+    res = RolloutResult(prompts=[[1, 2]] * k, prompt_index=[i // n for i in range(len(responses))],
+                        sample_index=[i % n for i in range(len(responses))], response_ids=responses,
+                        logprobs=[[-0.5] * len(r) for r in responses],
+                        finish_reason=["stop"] * len(responses))
+    return assemble(prompts, res, Tok(), pad_id=0)
+
+
+def test_trn_dapo_refill_concatenates_rounds():
+    a = _round([[5], [6], [7], [8]]).select(torch.tensor([False, False, True, True]))  # group 1 kept
+    b = _round([[5, 6, 7], [6], [7, 8], [9]])
+    sa, sb = torch.ones(2, 1), torch.full((4, 3), 2.0)
+    batch, scores = concat_batches([(a, sa), (b, sb)], pad_id=0)
+    assert len(batch) == 6 and batch.ids == ["p1", "p1", "p0", "p0", "p1", "p1"]
+    assert batch.group_ids.tolist() == [1, 1, 2, 2, 3, 3]  # distinct across rounds
+    assert batch.mask.tolist()[0] == [1, 0, 0] and batch.mask.tolist()[2] == [1, 1, 1]
+    assert batch.tensors["input_ids"][0].tolist() == [1, 2, 7, 0, 0]  # padded with pad_id
+    assert scores.shape == (6, 3) and scores[0].tolist() == [1, 0, 0]
+    assert batch.rollout_log_probs.shape == (6, 3)
+    assert batch.tensors["response_lengths"].tolist() == [1, 1, 3, 1, 2, 1]
+    keep = first_groups(batch, 2)
+    assert keep.tolist() == [True, True, True, True, False, False]
 
 
 def test_trn_guard_counts_and_stops():
