@@ -20,6 +20,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from verl_hpc.runtime.device import accelerator_rng_state, has_gpu, set_accelerator_rng_state
+
 log = logging.getLogger(__name__)
 
 TRACKER_PREFIX = "megatron_tracker_"  # + the tracker's state name, e.g. model-parallel-rng
@@ -38,10 +40,6 @@ def _tracker():
     return rnd._CUDA_RNG_STATE_TRACKER
 
 
-def _cuda_ready() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def capture_rng_state(generators: Optional[dict] = None) -> dict[str, np.ndarray]:
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
@@ -54,8 +52,9 @@ def capture_rng_state(generators: Optional[dict] = None) -> dict[str, np.ndarray
         "numpy_gauss": np.asarray([cached], dtype=np.float64),
         "torch_cpu": _bytes(torch.get_rng_state()),
     }
-    if _cuda_ready():
-        out["torch_cuda"] = _bytes(torch.cuda.get_rng_state())  # the current device's generator
+    cuda = accelerator_rng_state()  # the current device's generator, through runtime/ (DESIGN.md)
+    if cuda is not None:
+        out["torch_cuda"] = _bytes(cuda)
     tracker = _tracker()
     if tracker is not None:
         for name, state in tracker.get_states().items():
@@ -81,9 +80,8 @@ def restore_rng_state(state: dict, generators: Optional[dict] = None) -> None:
     np.random.set_state(("MT19937", np.asarray(state["numpy_keys"], np.uint32), pos, np_has_gauss,
                          float(state["numpy_gauss"][0])))
     torch.set_rng_state(_byte_tensor(state["torch_cpu"]))
-    if "torch_cuda" in state and _cuda_ready():
-        torch.cuda.set_rng_state(_byte_tensor(state["torch_cuda"]))
-    elif "torch_cuda" in state or _cuda_ready():
+    restored = "torch_cuda" in state and set_accelerator_rng_state(_byte_tensor(state["torch_cuda"]))
+    if not restored and ("torch_cuda" in state or has_gpu()):
         log.warning("resume: the checkpoint's RNG states were %s a GPU and this run is %s one: "
                     "the CUDA generator is not restored (sampling continues, not bit-exactly)",
                     "saved on" if "torch_cuda" in state else "saved without",

@@ -37,3 +37,19 @@ def backend_for(requested: str) -> str:
     if requested == "nccl" and not has_gpu():
         raise RuntimeError("parallel.backend=nccl but this rank sees no CUDA device; use auto or gloo")
     return requested
+
+
+def accelerator_rng_state():
+    """The current CUDA device's default generator state (a CPU uint8 tensor), or None where no
+    CUDA context exists yet (nothing has drawn from it: there is nothing to save)."""
+    if not (has_gpu() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.get_rng_state()
+
+
+def set_accelerator_rng_state(state: torch.Tensor) -> bool:
+    """Restore what accelerator_rng_state() returned; False (nothing done) without a GPU."""
+    if not has_gpu():
+        return False
+    torch.cuda.set_rng_state(state)
+    return True
