@@ -41,6 +41,13 @@ Only without a GPU (`runtime.device.has_gpu()` false):
    diff 2.1 against transformers after an update). `refresh_tied_lm_head` re-runs the head's
    post-load step on the new shared weight after every reload.
 
+Log noise (every platform): each weight update makes vLLM log "Reloading and processing weights
+took ...", "Successfully reset prefix cache" and "RotaryEmbedding: Failed to load weights" (a layer
+with buffers but no checkpoint tensors; likewise a tied "ParallelLMHead"): three lines per RL step
+that say nothing (VLLMRollout checks every checkpoint tensor arrived and refreshes a tied head;
+the sync logs its own timing). `quiet_reload_logs` drops exactly those records; any other
+"Failed to load weights" still shows.
+
 Not undone (documented): the CPU worker binds the process's memory to one NUMA node (strict
 MEMBIND of the first allowed CPU's node) and replaces a few torch APIs for CPU use at import
 (torch.cuda.Event/Stream, Tensor.pin_memory): harmless on single-NUMA nodes; on multi-socket CPU
@@ -285,6 +292,7 @@ def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *
 def engine_construction(device: torch.device, *, tp: int):
     """Around `vllm.LLM(...)`: every handler that applies on this machine."""
     protect_default_group()
+    quiet_reload_logs()
     cpu = not has_gpu()
     if cpu and tp > 1:
         token = job_token()
@@ -313,6 +321,31 @@ def refresh_tied_lm_head(llm) -> None:
         return
     if not all(llm.apply_model(_refresh_lm_head)):
         raise RuntimeError("vllm: the tied lm_head was not refreshed on every worker")
+
+
+RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
+                  "vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool")
+# layers whose values do not come from checkpoint tensors (rotary: computed buffers; a tied head:
+# the embedding's weight, refreshed by refresh_tied_lm_head)
+NO_CHECKPOINT_LAYERS = frozenset({"RotaryEmbedding", "ParallelLMHead"})
+
+
+class _ReloadNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith(("Reloading and processing weights took", "Successfully reset prefix cache")):
+            return False
+        if msg == "%s: Failed to load weights" and record.args and record.args[0] in NO_CHECKPOINT_LAYERS:
+            return False
+        return True
+
+
+def quiet_reload_logs() -> None:
+    """Install the filter on vLLM's reload loggers (idempotent)."""
+    for name in RELOAD_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ReloadNoise) for f in logger.filters):
+            logger.addFilter(_ReloadNoise())
 
 
 def engine_call(device: torch.device):

@@ -168,3 +168,33 @@ def test_cpu_kv_cache_bytes(tmp_path):
     # 2 (K,V) * 6 layers * 4 heads * 64 dims * 4 bytes = 12 KiB per token; 160 -> 256 tokens
     assert compat.cpu_kv_cache_bytes(str(tmp_path), 160, 256) == 12 * 1024 * 256 * 256
     assert compat.cpu_kv_cache_bytes(str(tmp_path), 16, 1) == 32 << 20  # floor
+
+
+def test_reload_noise_filter_drops_only_the_per_update_lines():
+    import logging
+
+    compat.quiet_reload_logs()
+    compat.quiet_reload_logs()  # idempotent
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert sum(isinstance(f, compat._ReloadNoise) for f in layerwise.filters) == 1
+
+    def passes(msg, *args):
+        record = logging.LogRecord("vllm", logging.WARNING, "f.py", 1, msg, args, None)
+        return layerwise.filter(record)
+
+    assert not passes("Reloading and processing weights took %.2f seconds", 0.01)
+    assert not passes("Successfully reset prefix cache")
+    assert not passes("%s: Failed to load weights", "RotaryEmbedding")
+    assert passes("%s: Failed to load weights", "QKVParallelLinear")  # a real failure still shows
+    assert passes("something else")
+
+
+def test_reload_noise_messages_are_vllms():
+    from vllm.model_executor.model_loader.reload import inplace, layerwise
+    from vllm.v1.core import block_pool
+
+    assert "Reloading and processing weights took" in inspect.getsource(inplace)
+    assert '"%s: Failed to load weights"' in inspect.getsource(layerwise)
+    assert '"Successfully reset prefix cache"' in inspect.getsource(block_pool)
+    for mod in (inplace, layerwise, block_pool):
+        assert mod.logger.name in compat.RELOAD_LOGGERS
