@@ -161,6 +161,7 @@ class TrainerCheckpointer:
 
         path = self.find()
         if path is None:
+            self._check_no_collisions(0)
             if self.ctx.rank == 0:
                 log.info("resume: trainer.resume=%s and no checkpoint under %s: starting fresh",
                          self.cfg.trainer.resume, self.root)
@@ -191,11 +192,27 @@ class TrainerCheckpointer:
         if self.guard is not None and ts.get("guard"):
             self.guard.in_a_row, self.guard.total = int(ts["guard"]["in_a_row"]), int(ts["guard"]["total"])
         step = int(ts["step"])
+        self._check_no_collisions(step)
         self.last_saved = step
         if self.ctx.rank == 0:
             log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
                      time.perf_counter() - t0, step + 1)
         return step
+
+    def _check_no_collisions(self, start: int) -> None:
+        """Fail now, not at the first save hours later, when checkpoint.dir already holds steps
+        this run would save again (an earlier run's, with trainer.resume=never or a path to an
+        older step): a step is saved once."""
+        from verl_hpc.checkpoint.publish import STEP_DIR, list_checkpoints
+
+        taken = sorted(p.name for p in list_checkpoints(self.root)
+                       if start < int(STEP_DIR.match(p.name).group(1)) <= self.total_steps)
+        if taken:
+            raise ValueError(
+                f"checkpoint.dir={self.root} already holds {', '.join(taken)} from an earlier run, "
+                f"which this run (steps {start + 1}..{self.total_steps}, trainer.resume="
+                f"{self.cfg.trainer.resume}) would save again: set another checkpoint.dir, remove "
+                "them, or resume from the latest (trainer.resume=auto)")
 
     def _restore_history(self, reader, step: int) -> None:
         from verl_hpc.tracking.jsonl import restore_lines

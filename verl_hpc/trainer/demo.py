@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
     a = ap.parse_args(argv)
     out, py, t0 = Path(a.out), sys.executable, time.time()
+    for phase in ("sft", "rl"):  # a rerun starts over (no resume from the last run's checkpoints)
+        shutil.rmtree(out / phase, ignore_errors=True)
     common = [f"slurm.tasks_per_node={a.ranks}", f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
     sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",

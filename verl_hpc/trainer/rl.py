@@ -171,7 +171,9 @@ class RLTrainer:
         tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
                           tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
                           log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,
-                          plots_enabled=cfg.tracking.plots, start_step=start + 1,
+                          plots_enabled=cfg.tracking.plots,
+                          # resumed: keep the history up to `start`; fresh: none of an earlier run's
+                          start_step=start + 1 if start else 0,
                           console_metrics=cfg.tracking.console_metrics)
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
         try:

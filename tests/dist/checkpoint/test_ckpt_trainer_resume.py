@@ -61,6 +61,10 @@ def test_ckpt_trainer_resume_never_and_path(assets, tmp_path):
     assert proc.returncode == 0, logs(proc, out)
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
     assert ckpts == ["step_000001", "step_000002"], ckpts
+    # a fresh run into the same checkpoint.dir would save step 1 and 2 again: refused at the start
+    proc, _ = grpo(assets, out, "trainer.total_steps=2", "trainer.resume=never")
+    assert proc.returncode != 0
+    assert "already holds step_000001, step_000002 from an earlier run" in logs(proc, out)
     # into a new output directory: the metric history comes from the checkpoint
     moved = tmp_path / "moved"
     proc, s = grpo(assets, moved, "trainer.total_steps=3",
