@@ -142,10 +142,12 @@ class WeightSync:
             "sync/load_seconds": max(seconds - stream.export_seconds - wake_seconds, 0.0),
             "sync/wake_seconds": wake_seconds,
         }
-        log.info("weight sync %d: %.1f MB in %d buckets (%d tensors) in %.3f s (%.2f GB/s; export "
-                 "%.3f s, load %.3f s)", self.count, stream.bytes / 1e6, stream.buckets,
-                 stream.tensors, slowest, self.last["sync/gb_per_s"], stream.export_seconds,
-                 self.last["sync/load_seconds"])
+        # the first in full; later ones are in the step's metrics (sync/*), not one more log line
+        log.log(logging.INFO if self.count == 1 else logging.DEBUG,
+                "weight sync %d: %.1f MB in %d buckets (%d tensors) in %.3f s (%.2f GB/s; export "
+                "%.3f s, load %.3f s)", self.count, stream.bytes / 1e6, stream.buckets,
+                stream.tensors, slowest, self.last["sync/gb_per_s"], stream.export_seconds,
+                self.last["sync/load_seconds"])
         return dict(self.last)
 
 
