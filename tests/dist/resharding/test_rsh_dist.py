@@ -22,6 +22,7 @@ reload (vllm_compat hazard 6) would show as a parity failure.
 import pytest
 import torch
 
+from hf_reference import hf_greedy_from
 from rsh_ranks import launch
 
 pytestmark = pytest.mark.dist
@@ -36,39 +37,6 @@ LR = 2e-3  # Adam's first step moves every weight by ~lr: visible in the greedy 
 def _prompts():
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(5, 480, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-def hf_greedy(path, prompts, max_new, state=None):
-    """transformers greedy decode, no cache, ending at EOS (kept): (tokens, logprobs) per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads on 2 busy cores: 600 ms per forward instead of 8
-    try:
-        return _hf_greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-                          prompts, max_new, state)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _hf_greedy(model, prompts, max_new, state):
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        model.tie_weights()
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids, lps = list(prompt), []
-            for _ in range(max_new):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-                tok = int(logp.argmax())
-                ids.append(tok)
-                lps.append(float(logp[tok]))
-                if tok == model.config.eos_token_id:
-                    break
-            out.append((ids[len(prompt):], lps))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +71,14 @@ def run(tmp_path_factory):
 
 def test_vllm_after_update_equals_transformers_with_exported_weights(run):
     ranks, prompts = run["ranks"], _prompts()
-    original = hf_greedy(run["model"], prompts, MAX_NEW)
+    original = hf_greedy_from(run["model"], prompts, MAX_NEW)
     for label, check in ranks[0]["checks"].items():
         for r in ranks[1:]:
             assert r["checks"][label]["response_ids"] == check["response_ids"], f"{label}: ranks differ"
             for mine, theirs in zip(r["checks"][label]["logprobs"], check["logprobs"]):
                 assert mine == pytest.approx(theirs, abs=TOL), label
         state = torch.load(run["work"] / f"{check['layout']}.state.pt")
-        ref = hf_greedy(run["model"], prompts, MAX_NEW, state=state)
+        ref = hf_greedy_from(run["model"], prompts, MAX_NEW, state=state)
         assert check["response_ids"] == [toks for toks, _ in ref], label
         diff = max(abs(a - b) for got, (_, lps) in zip(check["logprobs"], ref) for a, b in zip(got, lps))
         moved = max(abs(a - b) for got, (_, lps) in zip(check["logprobs"], original)
@@ -165,8 +133,8 @@ def test_tied_model_in_vllm_equals_transformers(run):
     """PP2 training (tied output layer on stage 1) -> vLLM at inference TP2, built from another
     tied model: greedy tokens and log-probs equal transformers' on the synced model."""
     prompts = _prompts()
-    ref = hf_greedy(run["tied_model"], prompts, MAX_NEW)
-    other = hf_greedy(run["tied_other"], prompts, MAX_NEW)
+    ref = hf_greedy_from(run["tied_model"], prompts, MAX_NEW)
+    other = hf_greedy_from(run["tied_other"], prompts, MAX_NEW)
     for r in run["ranks"]:
         got = r["tied"]["pp2"]["vllm"]
         assert got["response_ids"] == [toks for toks, _ in ref]

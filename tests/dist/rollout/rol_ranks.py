@@ -1,4 +1,4 @@
-"""Spawn gloo ranks that run the rollout scenario under the project's runtime; and its references.
+"""Spawn gloo ranks that run the rollout scenario under the project's runtime.
 
 `launch(n, args, workdir)` starts n copies of this file with torchrun-style variables (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so `verl_hpc.runtime.bootstrap()` brings each rank up
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-
+sys.path.insert(0, str(REPO / "tests"))  # hf_reference, in the rank processes too
 
 
 def launch(world_size: int, args: dict, workdir: Path, timeout: float = 420):
@@ -22,40 +22,6 @@ def launch(world_size: int, args: dict, workdir: Path, timeout: float = 420):
 
     return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="rollout scenario",
                         log_level="INFO", with_port=True)
-
-
-def perturbed_state(path, seed=11, scale=0.02):
-    """Every checkpoint tensor changed a little: a stand-in for an actor update."""
-    import torch
-    from safetensors.torch import load_file
-
-    state = load_file(f"{path}/model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in sorted(state.items())}
-
-
-def hf_greedy(path, prompts, max_new, state=None):
-    """Plain transformers greedy decode, one prompt at a time, no cache, ending at EOS (kept):
-    (tokens, logprobs) per prompt."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(state, strict=False)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids, lps = list(prompt), []
-            for _ in range(max_new):
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-                tok = int(logp.argmax())
-                ids.append(tok)
-                lps.append(float(logp[tok]))
-                if tok == model.config.eos_token_id:
-                    break
-            out.append((ids[len(prompt):], lps))
-    return out
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -79,6 +45,7 @@ def _collective_ok():
 
 
 def _scenario(workdir: Path) -> None:
+    from hf_reference import perturbed_state
     from verl_hpc.rollout import SamplingSpec
     from verl_hpc.rollout.vllm_compat import job_token
     from verl_hpc.rollout.vllm_rollout import VLLMRollout

@@ -7,7 +7,8 @@ shared-memory segments must carry the job's token and go away with the job.
 import os
 
 import pytest
-from rol_ranks import hf_greedy, launch, perturbed_state
+from hf_reference import hf_greedy_from, perturbed_state
+from rol_ranks import launch
 
 pytestmark = pytest.mark.dist
 
@@ -50,8 +51,8 @@ def test_tp2_and_two_tp1_replicas_match_transformers(tmp_path_factory):
     prompts = _prompts()
     port, ranks = launch(2, dict(model=model, prompts=prompts, max_prompt=MAX_PROMPT,
                                  max_new=MAX_NEW), tmp_path_factory.mktemp("rol_ranks"))
-    ref = hf_greedy(model, prompts, MAX_NEW)
-    ref_new = hf_greedy(model, prompts, MAX_NEW, state=perturbed_state(model))
+    ref = hf_greedy_from(model, prompts, MAX_NEW)
+    ref_new = hf_greedy_from(model, prompts, MAX_NEW, state=perturbed_state(model))
 
     for key in ("tp2", "tp2_sampled", "tp2_updated", "tp1", "tp1_sampled", "tp1_updated"):
         assert ranks[0][key] == ranks[1][key], f"{key}: ranks returned different results"

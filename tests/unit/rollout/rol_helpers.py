@@ -1,45 +1,22 @@
-"""Helpers of the rollout unit tests: an independent transformers reference and test data."""
+"""Helpers of the rollout unit tests: test data and comparisons; the transformers reference itself
+is tests/hf_reference.py (shared with the dist tests), re-exported here."""
 import torch
+import hf_reference
+from hf_reference import load_hf, perturbed_state  # noqa: F401 (re-exported)
 
 MAX_PROMPT = 192  # > vLLM's CPU KV block of 128 tokens, so a long prompt leaves a cached block
 MAX_NEW = 16
 TOL = 1e-4
 
 
+def hf_greedy(model, prompts, max_new=MAX_NEW, eos=None, min_tokens=0):
+    """hf_reference.hf_greedy with these tests' response length."""
+    return hf_reference.hf_greedy(model, prompts, max_new, eos=eos, min_tokens=min_tokens)
+
+
 def prompts_of_lengths(*lengths, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(5, 480, (n,), generator=gen).tolist() for n in lengths]
-
-
-def load_hf(path, state=None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if state is not None:
-        model.load_state_dict(state, strict=False)
-    return model
-
-
-@torch.no_grad()
-def hf_greedy(model, prompts, max_new=MAX_NEW, eos=None, min_tokens=0):
-    """Token by token, one prompt at a time, no cache, no padding: the plainest greedy decode.
-    EOS (if given) is masked for the first min_tokens tokens and ends a response (kept in it).
-    Returns (tokens, logprobs) per prompt."""
-    out = []
-    for prompt in prompts:
-        ids, lps = list(prompt), []
-        for step in range(max_new):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            if eos is not None and step < min_tokens:
-                logits[eos] = float("-inf")
-            logp = torch.log_softmax(logits, -1)
-            tok = int(logp.argmax())
-            ids.append(tok)
-            lps.append(float(logp[tok]))
-            if tok == eos:
-                break
-        out.append((ids[len(prompt):], lps))
-    return out
 
 
 @torch.no_grad()
@@ -65,15 +42,6 @@ def assert_matches(result, reference):
     diff = max_diff(result.logprobs, [lps for _, lps in reference])
     assert diff <= TOL, diff
     return diff
-
-
-def perturbed_state(path, seed=11, scale=0.02):
-    """Every checkpoint tensor changed a little (norms too): a stand-in for an actor update."""
-    from safetensors.torch import load_file
-
-    state = load_file(f"{path}/model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in sorted(state.items())}
 
 
 def pick_stop_string(tokenizer, response, min_count=3):
