@@ -55,11 +55,13 @@ def pick_stop_string(tokenizer, response, min_count=3):
     return None
 
 
-def eos_first_state(state, top_token, eos, factor=10.0):
-    """lm_head row of EOS = factor x the row of `top_token`: where that token has the largest
-    (positive) logit, EOS now wins."""
-    state = dict(state)
+def eos_first(hf, path, original, prompt, eos, factor=10.0):
+    """Weights whose greedy first token after `prompt` is EOS, and their transformers model: the
+    lm_head row of EOS becomes factor x the row of the token the original weights pick first
+    (where that token has the largest, positive logit, EOS now wins)."""
+    top_token = hf_greedy(hf, [prompt], max_new=1)[0][0][0]
+    state = dict(original)
     head = state["lm_head.weight"].clone()
     head[eos] = factor * head[top_token]
     state["lm_head.weight"] = head
-    return state
+    return state, load_hf(path, state)

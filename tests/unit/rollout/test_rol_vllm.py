@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first_state, hf_greedy,
+from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first, hf_greedy,
                          load_hf, max_diff, perturbed_state, pick_stop_string, prompts_of_lengths,
                          teacher_forced_logprobs)
 
@@ -153,9 +153,7 @@ def test_load_weights_updates_the_engine_and_resets_the_prefix_cache(engine, tin
 
 
 def test_eos_ends_with_stop_and_min_tokens_holds_it_back(engine, hf, tiny_model, original):
-    first_token = hf_greedy(hf, PROMPTS[:1], max_new=1)[0][0][0]
-    state = eos_first_state(original, first_token, EOS)
-    model = load_hf(tiny_model, state)
+    state, model = eos_first(hf, tiny_model, original, PROMPTS[0], EOS)
     engine.load_weights(iter(state.items()))
     try:
         result = engine.generate(PROMPTS[:1], GREEDY)
