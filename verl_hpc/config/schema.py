@@ -35,6 +35,12 @@ class ModelConfig:
     dtype: str = choice("float32", "float32", "bfloat16", "float16")
     trust_remote_code: bool = False
     fp8: bool = False  # Transformer Engine FP8; GPU only
+    fp8_recipe: str = choice("delayed", "delayed", "tensorwise", "mxfp8", "blockwise")  # with fp8
+    # Fused kernels; null = auto: on where the kernel exists (GPU; RoPE fusion also needs Transformer
+    # Engine, gradient-accumulation fusion apex's fused_weight_gradient_mlp_cuda), off on CPU.
+    bias_activation_fusion: Optional[bool] = None
+    apply_rope_fusion: Optional[bool] = None
+    gradient_accumulation_fusion: Optional[bool] = None
 
 
 @dataclass
@@ -150,6 +156,8 @@ class RolloutConfig:
     kv_cache_memory_bytes: int = 0  # CPU KV cache size; 0 = auto
     enforce_eager: bool = True
     sleep_between_phases: bool = False  # vLLM sleep mode (GPU only; a logged no-op elsewhere)
+    # 2: weights dropped too (the trainer loads new ones after every wake); 1: weights kept in host RAM
+    sleep_level: int = choice(2, 1, 2)
     prompt_overflow: str = choice("truncate", "truncate", "reject")
     bucket_mb: int = 512  # resharding bucket size
     val_temperature: float = 0.0
@@ -216,6 +224,9 @@ class ParallelConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    # Megatron DDP communication overlap; null = auto: on with GPUs, off on CPU
+    overlap_grad_reduce: Optional[bool] = None  # DP gradient reduce during the backward pass
+    overlap_param_gather: Optional[bool] = None  # distributed optimizer's param all-gather in forward
     backend: str = choice("auto", "auto", "nccl", "gloo")  # auto: nccl with GPUs, else gloo
 
 

@@ -142,6 +142,14 @@ def _layout(cfg: JobConfig) -> List[str]:
         p.append("model.fp8 needs GPUs (Transformer Engine), but slurm.gpus_per_node = 0 (a CPU job)")
     if par.vpp is not None and par.pp <= 1:
         p.append(f"parallel.vpp = {par.vpp} needs parallel.pp > 1 (got {par.pp}): it interleaves pipeline stages")
+    if par.sequence_parallel and s.gpus_per_node == 0:
+        p.append("parallel.sequence_parallel needs the Transformer Engine layer spec (GPUs), but "
+                 "slurm.gpus_per_node = 0 (a CPU job): Megatron's torch norm of the local spec does "
+                 "not support it; set parallel.sequence_parallel=false")
+    p += _gpu_only_switches(cfg)
+    if par.overlap_param_gather and not par.use_distributed_optimizer:
+        p.append("parallel.overlap_param_gather = true needs parallel.use_distributed_optimizer = true "
+                 "(only the distributed optimizer all-gathers parameters)")
     if par.sequence_parallel and par.tp <= 1:
         p.append(f"parallel.sequence_parallel needs parallel.tp > 1 (got {par.tp}): it splits activations "
                  "across the tensor-parallel group")
@@ -154,6 +162,19 @@ def _layout(cfg: JobConfig) -> List[str]:
         p += _batches(cfg, world // mp, f"the data-parallel size {world // mp} (world size {world} / "
                                         f"(parallel.tp {par.tp} * parallel.pp {par.pp}))")
     return p
+
+
+GPU_ONLY_SWITCHES = ("model.bias_activation_fusion", "model.apply_rope_fusion",
+                     "model.gradient_accumulation_fusion", "parallel.overlap_grad_reduce",
+                     "parallel.overlap_param_gather")
+
+
+def _gpu_only_switches(cfg: JobConfig) -> List[str]:
+    """GPU kernels / overlap switched on explicitly in a CPU job (null = auto is always fine)."""
+    if cfg.slurm.gpus_per_node > 0:
+        return []
+    return [f"{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to null (auto) "
+            "or false" for k in GPU_ONLY_SWITCHES if get(cfg, k) is True]
 
 
 def _batches(cfg: JobConfig, dp: int, dp_words: str) -> List[str]:

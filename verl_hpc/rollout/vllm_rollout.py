@@ -29,7 +29,10 @@ under the old weights generates from stale keys and values (FINDINGS.md; the uni
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
 `sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
 level 2: weights dropped too, valid only when load_weights follows every wake), `wake()` ->
-`LLM.wake_up()`. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
+`LLM.wake_up()`. The trainer uses `rollout.sleep_level` (default 2: its sync loads new weights
+after every wake, so level 1's copy of every weight to host and back would be thrown away); this
+class defaults to 1 for standalone use, and refuses generate() after a level-2 wake until
+load_weights() ran. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
 no-ops said once in the log. Not yet run on a GPU by this project.
 
 dtype: float32 on CPU (bf16 CPU kernels diverge from HF, FINDINGS.md); model.dtype on GPU.
@@ -223,6 +226,10 @@ class VLLMRollout(RolloutEngine):
         if self._sleep_requested:
             return "rollout.sleep_between_phases: vLLM sleep mode needs a GPU"
         return "rollout.sleep_between_phases is off"
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
 
     # ------------------------------------------------------------------ lifetime
     def _check_usable(self) -> None:  # every rank, before its shard: all ranks raise alike
