@@ -63,11 +63,14 @@ VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
 def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
     """vLLM's external launcher reads RANK and LOCAL_RANK from the environment (torchrun sets
-    them; srun and mpirun do not)."""
+    them; srun and mpirun do not) and uses LOCAL_RANK as the index of its GPU among the visible
+    ones. That index comes from runtime.device.local_device_index, the rule the rank's own device
+    follows, and overrides a launcher's LOCAL_RANK: under per-task GPU binding a task sees one GPU
+    whatever its local rank, and vLLM would look for cuda:<local rank>."""
     local = ctx.env.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", layout.rank))
     os.environ.setdefault("RANK", str(layout.rank))
     os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ["LOCAL_RANK"] = str(devices.local_device_index(local))
 
 
 class VLLMRollout(RolloutEngine):
