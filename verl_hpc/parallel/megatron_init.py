@@ -95,7 +95,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
 
     `timeout_minutes` bounds every collective on Megatron's groups (TP, PP, DP, ... and their gloo
     twins); megatron-core 0.16.1 turns it into `timedelta(minutes=...)` for each `new_group`, so a
-    fraction of a minute is kept exactly.
+    fraction of a minute is kept exactly. (0.16.1 leaves it off one group, the expert-data-parallel
+    gloo twin, which dense models never use.)
 
     Re-initialising with the same sizes is a no-op; with other sizes, call
     `destroy_model_parallel()` first.
