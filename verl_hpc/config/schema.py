@@ -157,7 +157,7 @@ class RolloutConfig:
     enforce_eager: bool = True
     sleep_between_phases: bool = False  # vLLM sleep mode (GPU only; a logged no-op elsewhere)
     # 2: weights dropped too (the trainer loads new ones after every wake); 1: weights kept in host RAM
-    sleep_level: int = choice(2, 1, 2)
+    sleep_level: int = 2  # 1 or 2
     prompt_overflow: str = choice("truncate", "truncate", "reject")
     bucket_mb: int = 512  # resharding bucket size
     val_temperature: float = 0.0

@@ -105,6 +105,8 @@ def _ranges(cfg: JobConfig) -> List[str]:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be > 1, got {a.clip_ratio_c}")
     if cfg.critic.cliprange_value <= 0:
         p.append(f"critic.cliprange_value: must be > 0, got {cfg.critic.cliprange_value}")
+    if cfg.rollout.sleep_level not in (1, 2):
+        p.append(f"rollout.sleep_level: must be 1 or 2, got {cfg.rollout.sleep_level}")
     if cfg.rollout.top_k != -1 and cfg.rollout.top_k <= 0:
         p.append(f"rollout.top_k: must be -1 (off) or > 0, got {cfg.rollout.top_k}")
     for role in ("actor", "critic"):
