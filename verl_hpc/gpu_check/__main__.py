@@ -64,8 +64,10 @@ def main(argv=None) -> int:
 
     from verl_hpc.gpu_check.checks import Kit, environment_line, run_checks
 
-    if not args.cpu_rehearsal and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False). Use --dry-run "
+    from verl_hpc.runtime.device import has_gpu
+
+    if not args.cpu_rehearsal and not has_gpu():
+        print("gpu_check: no CUDA device here. Use --dry-run "
               "to list the checks, or --cpu-rehearsal to test the kit itself on CPU.", file=sys.stderr)
         return 2
     torch.use_deterministic_algorithms(True, warn_only=True)

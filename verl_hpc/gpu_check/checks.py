@@ -34,18 +34,15 @@ class Kit:
         return "float32" if self.rehearsal else "bfloat16"
 
     def measure(self, component: str, fn: Callable[[], Any], facts: Optional[dict] = None):
-        """Run fn; record torch.cuda.max_memory_allocated over it (and the plan's budget)."""
-        import torch
+        """Run fn; record the GPU's max_memory_allocated over it (and the plan's budget)."""
+        from verl_hpc.runtime.device import peak_memory_allocated, reset_peak_memory
 
-        gpu = not self.rehearsal
-        if gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory()
         value = fn()
-        if gpu:
-            torch.cuda.synchronize()
+        peak = peak_memory_allocated()
+        if peak is not None and not self.rehearsal:
             budget = self.plan(component, dict(facts or {})) if self.plan else None
-            self.peaks[component] = (torch.cuda.max_memory_allocated(), budget)
+            self.peaks[component] = (peak, budget)
         return value
 
 
@@ -317,9 +314,10 @@ def te_fp8(kit: Kit) -> str:
         raise NotTestable("needs Transformer Engine (the GPU image; not in the carried wheels)")
     import torch
 
-    if torch.cuda.get_device_capability() < (8, 9):
-        raise NotTestable(f"FP8 needs compute capability >= 8.9; this GPU has "
-                          f"{torch.cuda.get_device_capability()}")
+    from verl_hpc.runtime.device import compute_capability
+
+    if compute_capability() < (8, 9):
+        raise NotTestable(f"FP8 needs compute capability >= 8.9; this GPU has {compute_capability()}")
     eng = MegatronEngine(EngineOptions(model_path=_tiny_model(kit), trainable=False,
                                        dtype="bfloat16", fp8=True, micro_batch_size=2))
     out = eng.forward(_batch(), ("log_probs",))
@@ -394,6 +392,6 @@ def run_checks(kit: Kit, only: Optional[List[str]] = None, log=print) -> List[Tu
 def environment_line() -> str:
     import torch
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), {gpu}, "
-            f"host {os.uname().nodename}")
+    from verl_hpc.runtime.device import describe_accelerator
+
+    return f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"

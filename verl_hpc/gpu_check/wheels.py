@@ -33,9 +33,10 @@ def requirements() -> List[str]:
             "packaging"]
 
 
-# Present wherever CUDA torch is installed (torch's own dependencies), so not carried.
+# Present wherever CUDA torch is installed (torch's own dependencies), so not carried. numpy is
+# carried: torch does not require it (h5py and transformers do).
 WITH_TORCH = {"torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec",
-              "filelock", "typing-extensions", "setuptools", "numpy", "cuda-bindings",
+              "filelock", "typing-extensions", "setuptools", "cuda-bindings",
               "cuda-pathfinder", "cuda-toolkit"}
 
 

@@ -67,3 +67,30 @@ def set_accelerator_rng_state(state: torch.Tensor) -> bool:
         return False
     torch.cuda.set_rng_state(state)
     return True
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window on the current GPU (no-op without one)."""
+    if has_gpu():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_allocated() -> int | None:
+    """Peak bytes allocated by torch on the current GPU since reset_peak_memory(); None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def describe_accelerator() -> str:
+    """e.g. 'NVIDIA H100 80GB HBM3 (sm 9.0), CUDA 13.0' or 'no GPU'."""
+    if not has_gpu():
+        return "no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} (sm {major}.{minor}), CUDA {torch.version.cuda}"
+
+
+def compute_capability() -> tuple[int, int] | None:
+    return tuple(torch.cuda.get_device_capability()) if has_gpu() else None
