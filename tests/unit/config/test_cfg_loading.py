@@ -182,6 +182,14 @@ def test_property_strings_and_ints_survive_yaml_and_container(name, steps):
     assert dataclasses.asdict(from_container(yaml.safe_load(to_yaml(cfg)))) == dataclasses.asdict(cfg)
 
 
+def test_base_yaml_is_generated_from_the_schema():
+    """configs/base.yaml is the generated reference; rewrite it with --print-base after a change."""
+    from verl_hpc.config.reference import base_yaml
+
+    assert (CONFIGS / "base.yaml").read_text() == base_yaml(), \
+        "configs/base.yaml is stale: python -m verl_hpc.config --print-base > configs/base.yaml"
+
+
 def test_base_yaml_is_the_schema_defaults_minus_recipe_fields():
     """base.yaml lists every field with its default, except those recipes set (commented out there)."""
     from verl_hpc.config.structure import all_paths
