@@ -30,11 +30,18 @@ class OptimConfig(Section):
         return p
 
 
+@dataclass
 class TrainedRole(Section):
     """What the actor and the critic share: how a step's sequences become optimizer steps and
     micro batches, and the rules that keep every data-parallel rank's share equal."""
 
     name = ""
+    ppo_epochs: int = opt(1, "passes over each step's batch", check=">0")
+    ppo_mini_batch_size: int = opt(8, "prompts per optimizer step (x rollout.n sequences)", check=">0")
+    micro_batch_size: int = opt(4, "sequences per forward/backward when max_tokens_per_microbatch is 0",
+                                check=">0")
+    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
+                                         check=">=0")
 
     def batch_problems(self, job) -> List[str]:
         layout, d = job.layout, job.data
@@ -73,12 +80,6 @@ class ActorConfig(TrainedRole):
     use_kl_loss: bool = opt(False, "KL to the reference policy as a loss term (GRPO style; needs ref)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", check=">=0")
     kl_loss_type: str = opt("k3", "same names as algorithm.kl_penalty", choices_from="KL_ESTIMATORS")
-    ppo_epochs: int = opt(1, "passes over each step's batch", check=">0")
-    ppo_mini_batch_size: int = opt(8, "prompts per optimizer step (x rollout.n sequences)", check=">0")
-    micro_batch_size: int = opt(4, "sequences per forward/backward when max_tokens_per_microbatch is 0",
-                                check=">0")
-    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
-                                         check=">=0")
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:
@@ -97,12 +98,6 @@ class CriticConfig(TrainedRole):
     model_path: str = opt("", "model the value head is added to", auto="model.path")
     cliprange_value: float = opt(0.5, "value clipping around the old values")
     loss_agg_mode: str = opt("token-mean", "how token losses become one loss", choices_from="LOSS_AGG_MODES")
-    ppo_epochs: int = opt(1, "passes over each step's batch", check=">0")
-    ppo_mini_batch_size: int = opt(8, "prompts per optimizer step (x rollout.n sequences)", check=">0")
-    micro_batch_size: int = opt(4, "sequences per forward/backward when max_tokens_per_microbatch is 0",
-                                check=">0")
-    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
-                                         check=">=0")
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-5), "lr defaults to 1e-5")
 
     @staticmethod
