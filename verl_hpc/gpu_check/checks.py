@@ -218,7 +218,7 @@ def _train_engine(kit: Kit):
     from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
 
     return MegatronEngine(EngineOptions(
-        model_path=_tiny_model(kit), dtype=kit.dtype, micro_batch_size=2, total_steps=10,
+        model_path=_tiny_model(kit), dtype=kit.dtype, micro_batch_size=2, total_steps=4,
         use_distributed_optimizer=True, optim=OptimConfig(lr=1e-3, weight_decay=0.01)))
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.models.config_mapping import (
     DEFAULT_VOCAB_DIVISOR,
     ModelArch,
@@ -38,9 +39,10 @@ def transformer_engine_available() -> bool:
 
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+FP8_DEFAULT_RECIPE = default_of("model.fp8_recipe")
 
 
-def check_fp8_supported(recipe: str = "delayed") -> None:
+def check_fp8_supported(recipe: str = FP8_DEFAULT_RECIPE) -> None:
     """The documented errors for model.fp8=true where it cannot run (before any model is built)."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"model.fp8_recipe: {recipe!r}; valid: {', '.join(FP8_RECIPES)}")
@@ -136,7 +138,7 @@ def _mark_tensor_parallel(model) -> None:
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                     parallel_output: bool = True, use_te: Optional[bool] = None, fp8: bool = False,
-                    fp8_recipe: str = "delayed",
+                    fp8_recipe: str = FP8_DEFAULT_RECIPE,
                     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR, vp_stage: Optional[int] = None,
                     **config_overrides):
     """This rank's `GPTModel` for `arch` under the initialised Megatron model parallelism.
@@ -177,7 +179,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
 
 
 def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32,
-                           fp8: bool = False, fp8_recipe: str = "delayed",
+                           fp8: bool = False, fp8_recipe: str = FP8_DEFAULT_RECIPE,
                            vp_stage: Optional[int] = None, **config_overrides):
     """The TransformerConfig build_gpt_model gives GPTModel (no model built: testable anywhere)."""
     from megatron.core import parallel_state as ps

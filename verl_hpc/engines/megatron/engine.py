@@ -8,14 +8,16 @@
 Build: `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights from the HF folder
 (each rank reads its own slices), a value head instead of the vocabulary projection for critics and
 reward models (value_head.py). Trainable engines wrap every chunk in Megatron's DDP (fp32 grad
-buffers; gradient-reduce / parameter-gather overlap per kernels.py, on with GPUs) and get Adam through get_megatron_optimizer (optim.py); frozen ones
-(reference, reward) keep no grads and no optimizer and run in eval mode. With the local layer
+buffers; gradient-reduce / parameter-gather overlap per kernels.py, on with GPUs) and get Adam
+through get_megatron_optimizer (optim.py); frozen ones (reference, reward) keep no grads and no
+optimizer and run in eval mode. With the local layer
 spec (CPU), core attention runs through torch's SDPA kernel (sdpa.py; `sdpa_attention=False`
 keeps Megatron's own).
 
 Precision: the parameters are in `dtype` (bf16 on GPU, fp32 on CPU, where Megatron's CPU paths are
-verified); fused kernels per kernels.py (on where they exist, off on CPU). No Float16Module wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py
-upcasts only the response rows it needs. FP8 (`fp8=True`, model.fp8) selects the Transformer Engine
+verified); fused kernels per kernels.py (on where they exist, off on CPU). No Float16Module
+wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py upcasts only the response rows
+it needs. FP8 (`fp8=True`, model.fp8) selects the Transformer Engine
 layer spec with Megatron's "hybrid" format and `fp8_recipe` (model.fp8_recipe); where there is no
 GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.check_fp8_supported).
 Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
@@ -34,6 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import optim as optim_lib
@@ -54,16 +57,16 @@ HEADS = ("lm", "value")
 class EngineOptions:
     model_path: str
     head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
-    dtype: str = "float32"  # model.dtype
+    dtype: str = default_of("model.dtype")  # model.dtype
     trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
     optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
     total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
-    micro_batch_size: int = 4  # sequences per micro-batch when max_tokens_per_microbatch is 0
+    micro_batch_size: int = default_of("actor.micro_batch_size")  # sequences per micro-batch when max_tokens_per_microbatch is 0
     max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
     use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
     sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)
     fp8: bool = False  # model.fp8
-    fp8_recipe: str = "delayed"  # model.fp8_recipe
+    fp8_recipe: str = default_of("model.fp8_recipe")  # model.fp8_recipe
     kernels: KernelSwitches = dataclasses.field(default_factory=KernelSwitches)  # None = auto
     temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
