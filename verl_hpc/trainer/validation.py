@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Dict
 
 from verl_hpc.trainer.batching import assemble, broadcast_object
-from verl_hpc.trainer.shaping import score_batch
+from verl_hpc.trainer.scoring import score_batch
 
 
 class Validator:

@@ -94,6 +94,7 @@ def _step_layout(st, args, ctx, step, workdir, out):
     import torch
     import torch.distributed as dist
 
+    from verl_hpc.algorithms import PolicyObjective
     from verl_hpc.engines import build_engine
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
 
@@ -104,7 +105,7 @@ def _step_layout(st, args, ctx, step, workdir, out):
     actor = build_engine("actor", cfg, ctx)
     batch = train_batch()
     batch["old_log_probs"] = actor.log_probs(batch)["old_log_probs"]
-    metrics = actor.update(batch)
+    metrics = actor.update(batch, PolicyObjective.from_config(cfg.actor))
     state = {n: t.clone() for n, t in actor.engine.export_hf_weights()}
     if dist.get_rank() == 0:
         torch.save(state, Path(workdir) / f"{step['layout']}.state.pt")
