@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.runtime.device import has_gpu
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -207,8 +208,6 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
     from megatron.core.transformer import TransformerConfig
-
-    from verl_hpc.runtime.device import has_gpu
 
     check_parallel(arch, tp, pp)
     kwargs = dict(

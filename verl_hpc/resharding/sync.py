@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
+from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
 
 def _agree(failed: bool, seconds: float):
     """(any rank failed, the slowest rank's seconds, lowest failing rank) over the default group."""
-    from verl_hpc.runtime.device import collective_device
-
     if not (dist.is_available() and dist.is_initialized()):
         return failed, seconds, 0 if failed else -1
     big = float(dist.get_world_size() + 1)

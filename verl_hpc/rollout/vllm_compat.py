@@ -71,6 +71,7 @@ from typing import Dict, List, Set, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from verl_hpc.runtime.device import has_gpu
 
@@ -101,8 +102,6 @@ def applied() -> Tuple[PatchRecord, ...]:
 # ---------------------------------------------------------------- 1. shutdown keeps the trainer's group
 def protect_default_group() -> None:
     """Call before building an engine: an initialised default group belongs to the trainer."""
-    import torch.distributed as dist
-
     install_shutdown_guard()
     if dist.is_available() and dist.is_initialized():
         group = _default_group()
@@ -111,8 +110,6 @@ def protect_default_group() -> None:
 
 
 def _default_group():
-    import torch.distributed as dist
-
     return dist.group.WORLD if dist.is_initialized() else None
 
 
@@ -124,8 +121,6 @@ def _is_protected_default(group) -> bool:
 
 @contextlib.contextmanager
 def _default_group_kept():
-    import torch.distributed as dist
-
     real = dist.destroy_process_group
 
     def destroy_process_group(group=None):

@@ -48,6 +48,7 @@ import torch
 
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.factory import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -142,8 +143,6 @@ class VLLMRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, ctx=None, **overrides) -> "VLLMRollout":
-        from verl_hpc.rollout.factory import engine_kwargs
-
         return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "vllm"), **overrides})
 
     # ------------------------------------------------------------------ generate

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 
 @functools.cache
@@ -23,8 +24,6 @@ def device_for(local_rank: int) -> torch.device:
 
 def collective_device() -> torch.device:
     """Where tensors for torch.distributed collectives must live for the active backend."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -14,6 +14,8 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from verl_hpc.engines.megatron.roles import build_engine
+
 log = logging.getLogger(__name__)
 
 
@@ -43,8 +45,6 @@ def load_tokenizer(cfg):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
-    from verl_hpc.engines.megatron.roles import build_engine
-
     tokenizer = load_tokenizer(cfg)
     actor = build_engine("actor", cfg, ctx)
     ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None

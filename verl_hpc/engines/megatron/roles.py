@@ -22,10 +22,12 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from verl_hpc.engines.base import LossFn
 from verl_hpc.engines.batch import Batch, as_engine_batch, split_rows
 from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
+from verl_hpc.parallel import init_from_config
 
 ROLES = ("actor", "critic", "ref", "reward")
 
@@ -148,10 +150,7 @@ def build_engine(role: str, cfg, ctx=None, **kwargs):
     parallelism from cfg.parallel if nobody has yet (collective: call on every rank).
     ctx: the rank's RankContext (verl_hpc.runtime.bootstrap), which must exist: the engine lives
     on its default process group. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from verl_hpc.parallel import init_from_config
 
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs the rank runtime: call verl_hpc.runtime.bootstrap()")
