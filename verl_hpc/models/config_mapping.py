@@ -20,6 +20,7 @@ import torch
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
+from verl_hpc.runtime.device import has_gpu
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -193,8 +194,6 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
     from megatron.core.transformer import TransformerConfig
-
-    from verl_hpc.runtime.device import has_gpu
 
     check_parallel(arch, tp, pp)
     kwargs = dict(
