@@ -115,6 +115,10 @@ class ActorConfig:
     micro_batch_size: int = 4  # sequences per forward; used when max_tokens_per_microbatch is 0
     max_tokens_per_microbatch: int = 0  # dynamic batching by token budget; 0 = off
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # host offload while the role is idle (between its own phases); results are unchanged
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
 
 
 @dataclass
@@ -128,11 +132,15 @@ class CriticConfig:
     micro_batch_size: int = 4
     max_tokens_per_microbatch: int = 0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    param_offload: bool = False  # as actor.*_offload
+    grad_offload: bool = False
+    optimizer_offload: bool = False
 
 
 @dataclass
 class RefConfig:
     enable: Optional[bool] = None  # auto: on iff a KL term is used (in reward or as a loss)
+    param_offload: bool = False  # weights on the host except while computing ref log-probs
 
 
 @dataclass
@@ -216,6 +224,10 @@ class ParallelConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved schedule)
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
+    # activation recompute (Megatron's): selective = the attention core; full = whole layers
+    recompute_granularity: str = choice("none", "none", "selective", "full")
+    recompute_method: str = choice("uniform", "uniform", "block")  # full only
+    recompute_num_layers: int = 1  # full: layers per recompute unit (uniform) / recomputed (block)
     backend: str = choice("auto", "auto", "nccl", "gloo")  # auto: nccl with GPUs, else gloo
 
 
@@ -232,6 +244,7 @@ class SlurmConfig:
     nodes: int = 1
     tasks_per_node: int = 2  # ranks per node; one per GPU on GPU clusters
     gpus_per_node: int = 0  # 0 = CPU job
+    gpu_type: str = ""  # e.g. h100-80gb: the memory plan's limit (verl_hpc.planning.hardware.GPUS)
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0 = not requested
     time_min: int = 60

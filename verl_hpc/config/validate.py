@@ -54,7 +54,7 @@ _POSITIVE = [
     "rollout.n", "rollout.tp", "rollout.bucket_mb", "trainer.total_steps", "trainer.collective_timeout_s",
     "trainer.max_nonfinite_in_a_row", "trainer.smoke.steps", "parallel.tp", "parallel.pp",
     "slurm.nodes", "slurm.tasks_per_node", "slurm.cpus_per_task", "slurm.time_min",
-    "tracking.log_every", "algorithm.kl_ctrl.horizon", "algorithm.max_num_gen_batches",
+    "parallel.recompute_num_layers", "tracking.log_every", "algorithm.kl_ctrl.horizon", "algorithm.max_num_gen_batches",
 ]
 _NON_NEGATIVE = [
     "actor.max_tokens_per_microbatch", "critic.max_tokens_per_microbatch", "actor.optim.warmup_steps",
@@ -140,6 +140,12 @@ def _layout(cfg: JobConfig) -> List[str]:
         p.append("parallel.backend = nccl needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): use gloo or auto")
     if s.gpus_per_node == 0 and cfg.model.fp8:
         p.append("model.fp8 needs GPUs (Transformer Engine), but slurm.gpus_per_node = 0 (a CPU job)")
+    if s.gpu_type:
+        from verl_hpc.planning.hardware import GPU_ALIASES, GPUS, gpu_type
+
+        if gpu_type(s.gpu_type) is None:
+            p.append(f"slurm.gpu_type = {s.gpu_type!r} is not a known GPU; valid: "
+                     f"{', '.join(sorted([*GPUS, *GPU_ALIASES]))} (or leave it empty and pass --gpu-memory-gb)")
     if par.vpp is not None and par.pp <= 1:
         p.append(f"parallel.vpp = {par.vpp} needs parallel.pp > 1 (got {par.pp}): it interleaves pipeline stages")
     if par.sequence_parallel and par.tp <= 1:

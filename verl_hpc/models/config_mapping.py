@@ -16,8 +16,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import torch
-
+# torch is imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
+# config.json through this module on login nodes that have no torch.
 from verl_hpc.config.errors import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -198,7 +198,7 @@ def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
-                       dtype: torch.dtype = torch.float32, init_weights: bool = False,
+                       dtype=None, init_weights: bool = False,
                        use_cpu_initialization: Optional[bool] = None, **overrides):
     """Megatron `TransformerConfig` for `arch` at this layout.
 
@@ -206,11 +206,13 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     and Megatron's CPU initialisation would build each full matrix on every rank first.
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
+    import torch
     from megatron.core.transformer import TransformerConfig
 
     from verl_hpc.runtime.device import has_gpu
 
     check_parallel(arch, tp, pp)
+    dtype = torch.float32 if dtype is None else dtype
     kwargs = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,

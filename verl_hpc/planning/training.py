@@ -1,0 +1,126 @@
+"""Bytes of one Megatron role on one rank: model states and activations.
+
+Model states (Megatron-LM docs/.../dist_optimizer.md; `theoretical_memory_usage.py`):
+- weights in the model dtype (2 bytes bf16, 4 bytes fp32), in DDP's contiguous param buffer;
+- main grads in fp32 (`grad_reduce_in_fp32`, what the engine sets): 4 bytes, never sharded;
+- Adam: exp_avg + exp_avg_sq in fp32 (8 bytes) plus, for bf16/fp16, an fp32 master copy
+  (4 bytes); the distributed optimizer shards these over DP.
+  => bf16: 6 + 12/DP bytes per parameter with the distributed optimizer, 18 without.
+
+Activations per transformer layer, per micro-batch of s tokens x b sequences (Korthikanti et al.
+2022, arXiv 2205.05198, section 4 and Table 2), written as elements x activation bytes so that the
+same formula serves fp32 CPU runs, SwiGLU MLPs and grouped-query attention. With tensor parallel t:
+- sequence parallel on: everything / t;
+- off: the norm inputs, the QKV and fc1 inputs (and dropout masks) are replicated, the rest / t;
+- selective recompute (Megatron's default module core_attn): the s^2 attention terms are dropped;
+- full recompute: only each recompute unit's input (s*b*h, / t with SP) stays, plus one unit's
+  activations rebuilt during its backward (uniform), or the first N layers recomputed (block).
+Pipeline 1F1B keeps min(m, p) micro-batches in flight on the first stage; the interleaved schedule
+multiplies by (1 + (p - 1) / (p * v)) (Megatron's `theoretical_memory_usage.py`).
+The attention kernel decides the s^2 term: "flash" (TE / flash-attn / torch SDPA: only a
+log-sum-exp row per head, fp32) or "unfused" (softmax probabilities [b, a, s, s] kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+from verl_hpc.models.config_mapping import ModelArch
+from verl_hpc.planning.model_shape import StageParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    param_bytes: int  # model dtype
+    act_bytes: int  # activations
+    master_copy: bool  # fp32 main params kept by the optimizer (bf16/fp16 training)
+
+    @classmethod
+    def of(cls, dtype: str) -> "Precision":
+        half = dtype in ("bfloat16", "float16")
+        return cls(2 if half else 4, 2 if half else 4, half)
+
+
+def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, dp: int,
+                      distributed_optimizer: bool) -> Dict[str, float]:
+    """weights / grads / optimizer bytes of a role on one rank."""
+    n = params.total
+    out = {"weights": float(n * prec.param_bytes), "grads": 0.0, "optimizer": 0.0}
+    if not trainable:
+        return out
+    # Megatron aligns every parameter's start in its buffers to 64 elements (distributed optimizer)
+    padded = n + (32 * params.num_tensors if distributed_optimizer else 0)
+    out["weights"] = float(padded * prec.param_bytes)
+    out["grads"] = float(padded * 4)
+    opt_per_param = 8 + (4 if prec.master_copy else 0)
+    out["optimizer"] = float(padded * opt_per_param / (dp if distributed_optimizer else 1))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSetup:
+    tp: int
+    sequence_parallel: bool
+    recompute: str  # none | selective | full
+    recompute_method: str  # uniform | block
+    recompute_num_layers: int
+    attention: str = "flash"  # flash | unfused
+    dropout: bool = False  # RL fine-tuning runs without dropout (the engine sets 0.0)
+
+
+def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
+    """Saved activation bytes of one transformer layer for one micro-batch (no recompute)."""
+    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+    hq, hkv = a * arch.head_dim, arch.num_query_groups * arch.head_dim
+    sb = s * b
+    e = act_bytes
+    # replicated over TP unless sequence parallel: norm inputs, QKV input, fc1 input (+ masks)
+    rep = 4 * sb * h * e + (2 * sb * h if st.dropout else 0)
+    # split over TP: Q, K (after RoPE), V, the attention output (proj input); SwiGLU keeps fc1's
+    # two halves, silu(gate) and the product (fc2 input): 4 x s*b*ffn
+    split = sb * (hq + hkv + hkv + hq) * e + 4 * sb * f * e
+    if st.attention == "unfused":
+        quad = a * s * s * b * e + (a * s * s * b * (1 + e) if st.dropout else 0)
+    else:
+        quad = a * s * b * 4  # log-sum-exp per query row, fp32
+    if st.recompute == "selective":
+        quad = 0.0
+    rep_div = t if st.sequence_parallel else 1
+    return rep / rep_div + (split + quad) / t
+
+
+def layer_input_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
+    return s * b * arch.hidden_size * act_bytes / (st.tp if st.sequence_parallel else 1)
+
+
+def stage_activation_bytes(arch: ModelArch, layers: int, s: int, b: int, act_bytes: int,
+                           st: ActivationSetup) -> Dict[str, float]:
+    """Saved bytes of one micro-batch over `layers` layers: {"saved", "recompute_working"}."""
+    per_layer = layer_activation_bytes(arch, s, b, act_bytes, st)
+    if st.recompute != "full":
+        return {"saved": layers * per_layer, "recompute_working": 0.0}
+    n = max(1, min(st.recompute_num_layers, layers))
+    inp = layer_input_bytes(arch, s, b, act_bytes, st)
+    if st.recompute_method == "block":  # the first n layers recomputed, the rest kept whole
+        return {"saved": inp + (layers - n) * per_layer, "recompute_working": n * per_layer}
+    units = -(-layers // n)
+    return {"saved": units * inp, "recompute_working": n * per_layer}
+
+
+def in_flight_factor(pp: int, vpp: int, microbatches: int) -> float:
+    """Micro-batches of a stage's layers whose activations the first stage holds at once."""
+    if pp <= 1:
+        return 1.0
+    if vpp and vpp > 1:
+        return pp * (1 + (pp - 1) / (pp * vpp))
+    return float(min(microbatches, pp))
+
+
+def logits_bytes(arch: ModelArch, tokens: int, tp: int, act_bytes: int, head: str,
+                 padded_vocab: int) -> float:
+    """The output layer's [tokens, V/t] logits plus the vocab-parallel cross-entropy's fp32
+    working copies (softmax / log-softmax over the TP slice); a value head keeps [tokens, 1]."""
+    if head == "value":
+        return float(tokens * 4)
+    v = padded_vocab / tp
+    return tokens * v * act_bytes + 2 * tokens * v * 4
