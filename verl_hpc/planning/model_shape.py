@@ -61,8 +61,7 @@ def model_arch(path: str, *, allow_known: bool = True, field: str = "model.path"
     arch = known_arch(path) if allow_known else None
     if arch is None:
         raise ConfigError(f"{field}: {path!r} has no config.json here and its name matches no known "
-                          f"architecture ({', '.join(KNOWN)}); plan where the model folder is, or pass "
-                          f"--model-arch NAME")
+                          f"architecture ({', '.join(KNOWN)}); plan where the model folder is")
     return arch
 
 

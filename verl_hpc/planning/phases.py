@@ -19,12 +19,12 @@ from typing import Dict, List, Optional
 
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
-from verl_hpc.planning.model_shape import model_arch, stage_params
+from verl_hpc.planning.model_shape import model_arch, stage_params, total_params
 from verl_hpc.planning.rollout import rollout_bytes, sleep_level
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
-PHASES = ("startup", "rollout", "old_logprob", "ref_logprob", "values", "update_critic",
+PHASES = ("build", "startup", "rollout", "old_logprob", "ref_logprob", "values", "update_critic",
           "update_actor", "weight_sync", "checkpoint")
 COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding",
               "overhead")
@@ -99,11 +99,11 @@ class MemoryPlan:
 def microbatch_shape(role_cfg, cfg) -> tuple:
     """(s, b, micro-batches per optimizer step per DP rank) in the worst case (full-length rows)."""
     max_seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    s = max_seq  # a row longer than the token budget still forms a micro-batch of its own
     if role_cfg.max_tokens_per_microbatch > 0:
-        s = min(max_seq, role_cfg.max_tokens_per_microbatch)
         b = max(1, role_cfg.max_tokens_per_microbatch // s)
     else:
-        s, b = max_seq, role_cfg.micro_batch_size
+        b = role_cfg.micro_batch_size
     rows = max(1, role_cfg.ppo_mini_batch_size * cfg.rollout.n // max(1, cfg.dp))
     return s, b, -(-rows // b)
 
@@ -183,7 +183,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
     vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
     sleeping = gpu and cfg.rollout.sleep_between_phases
     vllm_idle = vl.asleep_device if sleeping else vl.budget
-    bucket = cfg.rollout.bucket_mb * 2 ** 20
+    # a bucket never holds more than the whole model
+    bucket = min(cfg.rollout.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
@@ -201,7 +202,9 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         return r
 
     table = {
-        # built, then (offloaded,) then vLLM allocates its budget
+        # each role is built whole, then offloads what it offloads; the actor is the largest
+        "build": row({"actor": "train"}, {}, 0.0),
+        # vLLM starts last and needs gpu_memory_utilization x total free
         "startup": row({}, {}, vl.budget),
         "rollout": row({}, {}, vl.budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
