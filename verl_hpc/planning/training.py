@@ -66,6 +66,7 @@ class ActivationSetup:
     recompute_num_layers: int
     attention: str = "flash"  # flash | unfused
     dropout: bool = False  # RL fine-tuning runs without dropout (the engine sets 0.0)
+    gated_mlp: bool = True  # SwiGLU (Llama, Qwen2); False: GPT's GeLU MLP (the paper's model)
 
 
 def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
@@ -77,8 +78,8 @@ def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: 
     # replicated over TP unless sequence parallel: norm inputs, QKV input, fc1 input (+ masks)
     rep = 4 * sb * h * e + (2 * sb * h if st.dropout else 0)
     # split over TP: Q, K (after RoPE), V, the attention output (proj input); SwiGLU keeps fc1's
-    # two halves, silu(gate) and the product (fc2 input): 4 x s*b*ffn
-    split = sb * (hq + hkv + hkv + hq) * e + 4 * sb * f * e
+    # two halves, silu(gate) and the product (fc2 input): 4 x s*b*ffn; GeLU its input and output
+    split = sb * (hq + hkv + hkv + hq) * e + (4 if st.gated_mlp else 2) * sb * f * e
     if st.attention == "unfused":
         quad = a * s * s * b * e + (a * s * s * b * (1 + e) if st.dropout else 0)
     else:
