@@ -140,7 +140,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
     sp = par.sequence_parallel and tp > 1
     setup = ActivationSetup(tp=tp, sequence_parallel=sp, recompute=par.recompute_granularity,
                             recompute_method=par.recompute_method,
-                            recompute_num_layers=par.recompute_num_layers)
+                            recompute_num_layers=par.recompute_num_layers,
+                            impl="te" if gpu else "local")  # GPU: TE layers; CPU: the local spec
     vpp = par.vpp or 0
     last = stage == pp - 1
 
@@ -165,7 +166,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
     def activations(role_cfg, head) -> Dict[str, float]:
         s, b, m = microbatch_shape(role_cfg, cfg)
         layers = actor_params.layers
-        acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup)
+        acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)
         factor = in_flight_factor(pp, vpp, m) if stage == 0 else 1.0
         vocab = padded_vocab_size(arch.vocab_size, tp)
         logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0

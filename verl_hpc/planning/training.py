@@ -67,10 +67,18 @@ class ActivationSetup:
     attention: str = "flash"  # flash | unfused
     dropout: bool = False  # RL fine-tuning runs without dropout (the engine sets 0.0)
     gated_mlp: bool = True  # SwiGLU (Llama, Qwen2); False: GPT's GeLU MLP (the paper's model)
+    # what the layer's code saves for backward (measured; docs/memory.md):
+    #   paper: the paper's accounting (GPT, LayerNorm, separate Q/K/V) - the published figures
+    #   te:    Transformer Engine layers (GPU): norms fused into the next linear
+    #   local: Megatron's local spec (CPU): unfused RMSNorm (keeps its normalised copy too),
+    #          SwiGLU keeps 5 x ffn, RoPE's cos/sin per layer
+    impl: str = "te"
 
 
 def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
     """Saved activation bytes of one transformer layer for one micro-batch (no recompute)."""
+    if st.impl != "paper":
+        return _implemented_layer_bytes(arch, s, b, act_bytes, st)
     h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
     hq, hkv = a * arch.head_dim, arch.num_query_groups * arch.head_dim
     sb = s * b
@@ -90,22 +98,53 @@ def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: 
     return rep / rep_div + (split + quad) / t
 
 
+def _implemented_layer_bytes(arch: ModelArch, s: int, b: int, e: int, st: ActivationSetup) -> float:
+    """What Megatron's layer code keeps, tensor by tensor (the same terms as the paper, counted
+    the way the kernels hold them):
+    - each norm keeps its input and its normalised output (fp32 rsqrt per row besides); the local
+      spec's unfused RMSNorm keeps one more copy (the product before the weight);
+    - Q and K after RoPE are new tensors; V is a view of the fused QKV output, which therefore
+      stays alive whole; the attention output (proj input); flash attention's fp32 log-sum-exp;
+    - SwiGLU: fc1's output (2 ffn) and the product (fc2 input); the local spec also keeps silu(gate)
+      and the gate's sum (5 ffn in all)."""
+    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+    hq, hkv, d = a * arch.head_dim, arch.num_query_groups * arch.head_dim, arch.head_dim
+    sb = s * b
+    local = st.impl == "local"
+    norm = 2 * sb * h * e + sb * 4  # input + normalised output, rsqrt
+    rep = 2 * norm + (2 * sb * h * e if local else 0)  # local: + the linear inputs' copies
+    split = sb * (3 * hq + 3 * hkv) * e + (5 if local else 3) * sb * f * e
+    quad = 0.0 if st.recompute == "selective" else a * s * b * 4
+    rope = 4 * s * d * 4 if local else 0.0  # cos/sin of Q and K, fp32, per layer
+    return rep / (t if st.sequence_parallel else 1) + (split + quad) / t + rope
+
+
+def final_norm_bytes(arch: ModelArch, s: int, b: int, e: int, st: ActivationSetup) -> float:
+    """The last stage's final norm: its input and normalised output, and the rsqrt per row (the
+    output layer's own input is counted with the logits)."""
+    if st.impl == "paper":
+        return 0.0
+    return (2 * s * b * arch.hidden_size * e + s * b * 4) / (st.tp if st.sequence_parallel else 1)
+
+
 def layer_input_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
     return s * b * arch.hidden_size * act_bytes / (st.tp if st.sequence_parallel else 1)
 
 
 def stage_activation_bytes(arch: ModelArch, layers: int, s: int, b: int, act_bytes: int,
-                           st: ActivationSetup) -> Dict[str, float]:
-    """Saved bytes of one micro-batch over `layers` layers: {"saved", "recompute_working"}."""
+                           st: ActivationSetup, last_stage: bool = False) -> Dict[str, float]:
+    """Saved bytes of one micro-batch over `layers` layers (+ the final norm on the last stage):
+    {"saved", "recompute_working"}."""
     per_layer = layer_activation_bytes(arch, s, b, act_bytes, st)
+    tail = final_norm_bytes(arch, s, b, act_bytes, st) if last_stage else 0.0
     if st.recompute != "full":
-        return {"saved": layers * per_layer, "recompute_working": 0.0}
+        return {"saved": layers * per_layer + tail, "recompute_working": 0.0}
     n = max(1, min(st.recompute_num_layers, layers))
     inp = layer_input_bytes(arch, s, b, act_bytes, st)
     if st.recompute_method == "block":  # the first n layers recomputed, the rest kept whole
-        return {"saved": inp + (layers - n) * per_layer, "recompute_working": n * per_layer}
+        return {"saved": inp + (layers - n) * per_layer + tail, "recompute_working": n * per_layer}
     units = -(-layers // n)
-    return {"saved": units * inp, "recompute_working": n * per_layer}
+    return {"saved": units * inp + tail, "recompute_working": n * per_layer}
 
 
 def in_flight_factor(pp: int, vpp: int, microbatches: int) -> float:
@@ -121,7 +160,8 @@ def logits_bytes(arch: ModelArch, tokens: int, tp: int, act_bytes: int, head: st
                  padded_vocab: int) -> float:
     """The output layer's [tokens, V/t] logits plus the vocab-parallel cross-entropy's fp32
     working copies (softmax / log-softmax over the TP slice); a value head keeps [tokens, 1]."""
+    inp = tokens * arch.hidden_size * act_bytes  # the output layer's input, kept for backward
     if head == "value":
-        return float(tokens * 4)
+        return float(inp + tokens * 4)
     v = padded_vocab / tp
-    return tokens * v * act_bytes + 2 * tokens * v * 4
+    return inp + tokens * v * act_bytes + 2 * tokens * v * 4

@@ -53,3 +53,9 @@ def set_accelerator_rng_state(state: torch.Tensor) -> bool:
         return False
     torch.cuda.set_rng_state(state)
     return True
+
+
+def synchronize() -> None:
+    """Wait for the current accelerator's queued work (asynchronous copies); a no-op on CPU."""
+    if has_gpu():
+        torch.cuda.synchronize()

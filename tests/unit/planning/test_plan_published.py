@@ -55,7 +55,8 @@ def test_activation_bytes_per_layer_match_korthikanti_table2(model):
     s, b = 2048, 1
     for (recompute, sp, tp), expected in table2(s, b, arch.hidden_size, arch.num_attention_heads, t).items():
         setup = ActivationSetup(tp=tp, sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
-                                recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False)
+                                recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False,
+                                impl="paper")
         got = layer_activation_bytes(arch, s, b, 2, setup)
         assert got == pytest.approx(expected, rel=0.02), (recompute, sp, tp, got, expected)
 
@@ -64,7 +65,8 @@ def test_full_recompute_keeps_the_layer_input_only():
     # Table 2, last row: full recompute stores 2sbh per layer (bf16 input); / t with SP
     arch, s, t = GPT3_175B["arch"], 2048, 8
     setup = ActivationSetup(tp=t, sequence_parallel=True, recompute="full", recompute_method="uniform",
-                            recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False)
+                            recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False,
+                                impl="paper")
     got = stage_activation_bytes(arch, 12, s, 1, 2, setup)
     assert got["saved"] == pytest.approx(12 * 2 * s * arch.hidden_size / t, rel=0.02)
     # while one unit is rebuilt for its backward, that unit's activations exist again
@@ -123,7 +125,8 @@ def test_first_stage_activations_of_gpt3_175b_match_megatron_total():
     model = GPT3_175B
     arch, t, p, s = model["arch"], model["t"], model["p"], 2048
     setup = ActivationSetup(tp=t, sequence_parallel=True, recompute="selective", recompute_method="uniform",
-                            recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False)
+                            recompute_num_layers=1, attention="unfused", dropout=True, gated_mlp=False,
+                                impl="paper")
     layers = arch.num_layers // p
     got = stage_activation_bytes(arch, layers, s, 1, 2, setup)["saved"] * in_flight_factor(p, 0, 64)
     h = arch.hidden_size
