@@ -47,7 +47,9 @@ class RoleState:
         return total
 
     def offloaded(self) -> float:
-        return sum(size for part, size in self.parts.items() if self.offload.get(part, False))
+        """Host bytes while idle: gradients are dropped, not copied (every update zeroes them)."""
+        return sum(size for part, size in self.parts.items()
+                   if self.offload.get(part, False) and part != "grads")
 
 
 @dataclasses.dataclass
@@ -215,7 +217,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm"), vllm_idle),
         # sync: vLLM is woken whole (weights and KV cache) before the weights stream in
         "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.budget),
-        "checkpoint": row({"actor": "forward", "critic": "forward"}, {}, vllm_idle),
+        # each saved role's state is read while it is resident, one role at a time
+        "checkpoint": row({"actor": "train"}, {}, vllm_idle),
     }
     if "ref" not in roles:
         del table["ref_logprob"]
