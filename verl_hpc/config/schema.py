@@ -324,6 +324,17 @@ def ref_enabled(cfg: JobConfig) -> bool:
     return cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
 
 
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
+
+
+def rollout_max_num_seqs(cfg: JobConfig) -> int:
+    """Sequences one rollout call can have in flight: the training batch x rollout.n (and the
+    validation batch); vLLM's CPU KV cache is sized for this many full-length sequences, so a
+    tiny job does not reserve the cache of 256."""
+    val = cfg.data.val_batch_size if cfg.trainer.val_every else 1
+    return max(1, min(VLLM_MAX_NUM_SEQS, max(cfg.data.train_batch_size * cfg.rollout.n, val)))
+
+
 def resolve_auto(cfg: JobConfig) -> JobConfig:
     """Fill the "auto" fields so that code downstream reads concrete values. Idempotent."""
     cfg.model.tokenizer_path = cfg.model.tokenizer_path or cfg.model.path

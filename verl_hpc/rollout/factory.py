@@ -19,7 +19,10 @@ def engine_kwargs(cfg, engine: str) -> dict:
                   tokenizer_path=cfg.model.tokenizer_path or None,
                   trust_remote_code=cfg.model.trust_remote_code)
     if engine == "vllm":
-        kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization,
+        from verl_hpc.config.schema import rollout_max_num_seqs
+
+        kwargs.update(max_num_seqs=rollout_max_num_seqs(cfg),
+                      gpu_memory_utilization=r.gpu_memory_utilization,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
                       sleep_between_phases=r.sleep_between_phases)
     return kwargs

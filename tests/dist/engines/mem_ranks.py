@@ -154,7 +154,7 @@ def run_layout(args, layout, workdir) -> dict:
     del ref
     gc.collect()
     if layout.get("offload"):
-        res = {flag: rl_steps(args, layout, batch, flag) for flag in (False, True)}
+        res = {name: rl_steps(args, layout, batch, flag) for name, flag in (("off", False), ("on", True))}
         if torch.distributed.get_rank() == 0:
             torch.save({k: v["export"] for k, v in res.items()},
                        Path(workdir) / f"{layout['name']}.exports.pt")

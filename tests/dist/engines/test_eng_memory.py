@@ -101,22 +101,22 @@ def test_role_bytes_and_saved_activations_match_the_plan(run):
 
 def test_offload_changes_nothing_and_frees_the_idle_roles(run):
     exports = torch.load(run["work"] / "tp2pp2_full.exports.pt")
-    off, on = exports[False], exports[True]
+    off, on = exports["off"], exports["on"]
     assert off.keys() == on.keys() and off
     for name in off:
         assert torch.equal(off[name], on[name]), name  # bitwise
     arch = run["arch"]
     for r in run["ranks"]:
         res = r["layouts"]["tp2pp2_full"]["offload"]
-        for step in res[True]["idle"]:
+        for step in res["on"]["idle"]:
             # the plan's idle figure for a role offloading everything: RoleState.resident("idle")
             planned_idle = RoleState("actor", {"weights": 1.0, "grads": 1.0, "optimizer": 1.0},
                                      {"weights": True, "grads": True, "optimizer": True}).resident("idle")
             assert sum(step["actor"].values()) == planned_idle == 0, step
             assert step["ref"]["params"] == 0, step
-        for step in res[False]["idle"]:
+        for step in res["off"]["idle"]:
             assert step["actor"]["params"] > 0 and step["ref"]["params"] > 0
         # resident again for an update: the same bytes as without offload
-        assert res[True]["walk_resident"] == res[False]["walk_resident"]
-        assert res[True]["walk_idle"]["weights"] == 0
+        assert res["on"]["walk_resident"] == res["off"]["walk_resident"]
+        assert res["on"]["walk_idle"]["weights"] == 0
     assert arch.num_layers == 4
