@@ -81,7 +81,7 @@ def _planned(arch, layout, rank_out):
 
 def test_role_bytes_and_saved_activations_match_the_plan(run):
     arch, rows, bad = run["arch"], [], []
-    header = (f"{'layout':<16}{'rank':>5}{'stage':>6}{'kind':>12}{'measured':>12}{'planned':>12}{'ratio':>8}")
+    header = (f"{'layout':<16}{'rank':>5}{'stage':>6}{'kind':>16}{'measured':>12}{'planned':>12}{'ratio':>8}")
     for layout in LAYOUTS:
         for r in run["ranks"]:
             out = r["layouts"][layout["name"]]
@@ -91,7 +91,7 @@ def test_role_bytes_and_saved_activations_match_the_plan(run):
                        ("activations", out["activations"], acts, ACT_TOL)]
             for kind, measured, planned, tol in checks:
                 ratio = measured / planned if planned else float("inf")
-                rows.append(f"{layout['name']:<16}{r['rank']:>5}{out['pp_rank']:>6}{kind:>12}"
+                rows.append(f"{layout['name']:<16}{r['rank']:>5}{out['pp_rank']:>6}{kind:>16}"
                             f"{measured:>12,}{int(planned):>12,}{ratio:>8.3f}")
                 if abs(ratio - 1) > tol:
                     bad.append(rows[-1])

@@ -68,3 +68,17 @@ def test_cpu_job_is_compared_with_node_ram(tmp_path):
     plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"),
                                 ["slurm.gpus_per_node=0", "parallel.backend=gloo", "slurm.mem_gb=64"]))
     assert plan.device == "cpu" and plan.limit == 64e9 and not plan.fits()
+
+
+def test_cpu_kv_cache_is_sized_for_the_rollout_batch():
+    from verl_hpc.config.schema import rollout_max_num_seqs
+    from verl_hpc.planning.model_shape import KNOWN
+    from verl_hpc.planning.rollout import cpu_kv_bytes
+
+    cfg = load_config(str(REPO / "configs/grpo_tiny_cpu.yaml"), ["trainer.val_every=0"])
+    assert rollout_max_num_seqs(cfg) == cfg.data.train_batch_size * cfg.rollout.n == 32
+    arch = KNOWN["llama-3.2-1b"]
+    # 2 (K, V) x layers x kv heads x head_dim x 4 bytes per token, 32 sequences of 128 tokens
+    per_token = 2 * 16 * 8 * 64 * 4
+    assert cpu_kv_bytes(arch, 96, 32) == per_token * 32 * 128
+    assert cpu_kv_bytes(arch, 96, 256) == min(per_token * 256 * 128, 4 << 30)
