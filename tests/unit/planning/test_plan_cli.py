@@ -71,12 +71,11 @@ def test_cpu_job_is_compared_with_node_ram(tmp_path):
 
 
 def test_cpu_kv_cache_is_sized_for_the_rollout_batch():
-    from verl_hpc.config.schema import rollout_max_num_seqs
     from verl_hpc.planning.model_shape import KNOWN
     from verl_hpc.planning.rollout import cpu_kv_bytes
 
     cfg = load_config(str(REPO / "configs/grpo_tiny_cpu.yaml"), ["trainer.val_every=0"])
-    assert rollout_max_num_seqs(cfg) == cfg.data.train_batch_size * cfg.rollout.n == 32
+    assert cfg.rollout.max_num_seqs(cfg) == cfg.data.train_batch_size * cfg.rollout.n == 32
     arch = KNOWN["llama-3.2-1b"]
     # 2 (K, V) x layers x kv heads x head_dim x 4 bytes per token, 32 sequences of 128 tokens
     per_token = 2 * 16 * 8 * 64 * 4
