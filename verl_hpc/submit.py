@@ -27,11 +27,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="write a standalone sbatch script (and its resolved config) and stop")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not read model.path (plan a job for a model this machine cannot see)")
+    p.add_argument("--ignore-memory-plan", action="store_true",
+                   help="submit even when the memory plan (python -m verl_hpc.plan) says it does not fit")
     args = p.parse_intermixed_args(argv)  # options may come after the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
         args.config = None
     return args
+
+
+def memory_check(cfg, args) -> int:
+    """Print the memory plan's verdict; 2 (and one line on stderr) when the job would not fit."""
+    if cfg.trainer.job == "smoke":  # no model, no engines
+        return 0
+    from verl_hpc.planning import plan_job, refusal, verdict
+    from verl_hpc.plan import suggest_command
+
+    try:
+        mplan = plan_job(cfg)
+    except ConfigError as err:  # the model's shape is not known here: say so, do not guess
+        print(f"[submit] memory plan: skipped ({err})", flush=True)
+        return 0
+    print(f"[submit] {verdict(mplan)}", flush=True)
+    if mplan.fits() or args.ignore_memory_plan:
+        return 0
+    print(f"error: {refusal(mplan, suggest_command(args.config, args.overrides))} "
+          f"(or pass --ignore-memory-plan)", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(plan.describe(), flush=True)
+    if memory_check(cfg, args) != 0:
+        return 2
     if args.print_config:
         print(to_yaml(cfg), flush=True)
 

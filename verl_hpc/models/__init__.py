@@ -17,9 +17,21 @@ from verl_hpc.models.config_mapping import (
     parse_hf_config,
     transformer_config,
 )
-from verl_hpc.models.gpt import build_gpt_model, full_vocab_logits, layer_spec
-from verl_hpc.models.hf_checkpoint import HFCheckpointReader
-from verl_hpc.models.weights import LoadReport, export_hf_weights, load_hf_weights
+
+# The torch-backed parts load on first use, so that `verl_hpc.models.config_mapping` (config.json
+# reading, used by the memory planner on login nodes) imports without torch.
+_LAZY = {"build_gpt_model": "gpt", "full_vocab_logits": "gpt", "layer_spec": "gpt",
+         "HFCheckpointReader": "hf_checkpoint", "LoadReport": "weights",
+         "export_hf_weights": "weights", "load_hf_weights": "weights"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"verl_hpc.models.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'verl_hpc.models' has no attribute {name!r}")
+
 
 __all__ = ["HFCheckpointReader", "LoadReport", "ModelArch", "build_gpt_model", "check_parallel",
            "export_hf_weights", "full_vocab_logits", "layer_spec", "load_arch", "load_hf_config",

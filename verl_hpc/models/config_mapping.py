@@ -15,12 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import torch
-
+# torch (and the runtime's device probe) are imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
+# config.json through this module on login nodes that have no torch.
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
-from verl_hpc.runtime.device import has_gpu
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -185,7 +184,7 @@ def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None)
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
-                       dtype: torch.dtype = torch.float32, init_weights: bool = False,
+                       dtype=None, init_weights: bool = False,
                        use_cpu_initialization: Optional[bool] = None, **overrides):
     """Megatron `TransformerConfig` for `arch` at this layout.
 
@@ -193,9 +192,13 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     and Megatron's CPU initialisation would build each full matrix on every rank first.
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
+    import torch
+
+    from verl_hpc.runtime.device import has_gpu
     from megatron.core.transformer import TransformerConfig
 
     check_parallel(arch, tp, pp)
+    dtype = torch.float32 if dtype is None else dtype
     kwargs = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,

@@ -19,7 +19,8 @@ def engine_kwargs(cfg, engine: str) -> dict:
                   tokenizer_path=cfg.model.tokenizer_path,
                   trust_remote_code=cfg.model.trust_remote_code)
     if engine == "vllm":
-        kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization,
+        kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
+                      gpu_memory_utilization=r.gpu_memory_utilization,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
                       sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
     return kwargs

@@ -68,6 +68,12 @@ def set_accelerator_rng_state(state: torch.Tensor) -> bool:
     return True
 
 
+def synchronize() -> None:
+    """Wait for the current accelerator's queued work (asynchronous copies); a no-op on CPU."""
+    if has_gpu():
+        torch.cuda.synchronize()
+
+
 def reset_peak_memory() -> None:
     """Start a new peak-memory window on the current GPU (no-op without one)."""
     if has_gpu():

@@ -17,6 +17,12 @@ class ParallelConfig(Section):
     overlap_grad_reduce: Optional[bool] = opt(None, "DP gradient reduce during backward; auto: on with GPUs")
     overlap_param_gather: Optional[bool] = opt(
         None, "distributed optimizer's param all-gather during forward; auto: on with GPUs")
+    recompute_granularity: str = opt("none", "activation recompute: selective (attention core) | full (whole layers)",
+                                     choices=("none", "selective", "full"))
+    recompute_method: str = opt("uniform", "full only: uniform (units of recompute_num_layers) | block (first N layers)",
+                                choices=("uniform", "block"))
+    recompute_num_layers: int = opt(1, "full only: layers per unit (uniform) or recomputed layers per stage (block)",
+                                    check=">0")
     backend: str = opt("auto", "auto (nccl with GPUs, else gloo) | nccl | gloo", choices=("auto", "nccl", "gloo"))
 
     def check(self, job) -> List[str]:
@@ -58,6 +64,7 @@ class SlurmConfig(Section):
     nodes: int = opt(1, "world size = nodes * tasks_per_node", check=">0")
     tasks_per_node: int = opt(2, "ranks per node; one per GPU on GPU clusters", check=">0")
     gpus_per_node: int = opt(0, "0 = CPU job", check=">=0")
+    gpu_type: str = opt("", "h100-80gb | h200 | a100-80gb | ...: the memory plan's limit (\"\" = --gpu-memory-gb)")
     cpus_per_task: int = opt(1, "CPU cores per rank", check=">0")
     mem_gb: int = opt(0, "0 = not requested", check=">=0")
     time_min: int = opt(60, "time limit in minutes", check=">0")
@@ -89,6 +96,12 @@ class SlurmConfig(Section):
         if self.gpus_per_node > 0 and self.tasks_per_node > self.gpus_per_node:
             p.append(f"slurm.tasks_per_node = {self.tasks_per_node} is more than slurm.gpus_per_node = "
                      f"{self.gpus_per_node}: more ranks than GPUs requested (one rank per GPU)")
+        if self.gpu_type:
+            from verl_hpc.planning.hardware import GPU_ALIASES, GPUS, gpu_type
+
+            if gpu_type(self.gpu_type) is None:
+                p.append(f"slurm.gpu_type = {self.gpu_type!r} is not a known GPU; valid: "
+                         f"{', '.join(sorted([*GPUS, *GPU_ALIASES]))} (or leave it empty and pass --gpu-memory-gb)")
         if self.time_min > 0 and self.signal_delay_s >= self.time_min * 60:
             p.append(f"slurm.signal_delay_s = {self.signal_delay_s} is not shorter than slurm.time_min = "
                      f"{self.time_min} minutes")

@@ -42,6 +42,10 @@ class TrainedRole(Section):
                                 check=">0")
     max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
                                          check=">=0")
+    # host offload while the role is idle; results are unchanged (engines/megatron/offload.py)
+    param_offload: bool = opt(False, "keep the weights in host memory while the role is idle")
+    grad_offload: bool = opt(False, "drop the fp32 gradient buffers while idle (each update zeroes them)")
+    optimizer_offload: bool = opt(False, "keep the optimizer states in host memory while idle")
 
     def batch_problems(self, job) -> List[str]:
         layout, d = job.layout, job.data
@@ -126,6 +130,7 @@ class CriticConfig(TrainedRole):
 class RefConfig(Section):
     enable: Optional[bool] = opt(None, "frozen reference policy",
                                  auto="on iff a KL term is used (algorithm.use_kl_in_reward or actor.use_kl_loss)")
+    param_offload: bool = opt(False, "weights in host memory except while computing reference log-probs")
 
     @staticmethod
     def kl_users(job) -> List[str]:

@@ -9,6 +9,9 @@ from verl_hpc.config.fields import Section, opt
 from verl_hpc.config.layout import inference_tp_problems
 
 
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
+
+
 @dataclass
 class RolloutConfig(Section):
     engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate, a slow fallback)",
@@ -46,6 +49,14 @@ class RolloutConfig(Section):
 
     def resolve(self, job) -> None:
         self.max_tokens = self.max_tokens or job.data.max_response_length
+
+    @staticmethod
+    def max_num_seqs(job) -> int:
+        """Sequences one rollout call can have in flight: the training batch x n (or the
+        validation batch); vLLM's CPU KV cache is sized for this many full-length sequences, so
+        a small job does not reserve the cache of vLLM's default 256."""
+        val = job.data.val_batch_size if job.trainer.val_every else 1
+        return max(1, min(VLLM_MAX_NUM_SEQS, max(job.data.train_batch_size * job.rollout.n, val)))
 
 
 @dataclass

@@ -55,6 +55,17 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEADS = ("lm", "value")
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_overrides(o: "EngineOptions") -> Dict[str, Any]:
+    """Megatron TransformerConfig fields for the recompute options (none: Megatron's default)."""
+    if o.recompute_granularity == "selective":  # Megatron's default module list: ["core_attn"]
+        return dict(recompute_granularity="selective")
+    if o.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=o.recompute_method,
+                    recompute_num_layers=o.recompute_num_layers)
+    return {}
 
 
 @dataclasses.dataclass
@@ -76,6 +87,14 @@ class EngineOptions:
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int = 1234
     sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
+    # activation recompute (parallel.recompute_*): none | selective (core attention) | full
+    recompute_granularity: str = default_of("parallel.recompute_granularity")
+    recompute_method: str = default_of("parallel.recompute_method")  # full: uniform | block
+    recompute_num_layers: int = default_of("parallel.recompute_num_layers")
+    # host offload while idle (<role>.*_offload; offload.py)
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
 
 
 def _check_options(o: EngineOptions) -> None:
@@ -96,6 +115,9 @@ def _check_options(o: EngineOptions) -> None:
         from verl_hpc.models.gpt import check_fp8_supported
 
         check_fp8_supported(o.fp8_recipe)
+    if o.recompute_granularity not in RECOMPUTE:
+        raise ValueError(f"parallel.recompute_granularity: {o.recompute_granularity!r}; valid: "
+                         f"{', '.join(RECOMPUTE)}")
     if o.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")
 
@@ -137,6 +159,15 @@ class MegatronEngine(TrainingEngine):
             for p in self._parameters():
                 p.requires_grad_(False)
         self.steps_applied = 0
+        from verl_hpc.engines.megatron.offload import Offloader
+
+        self.offloader = Offloader(self, params=o.param_offload, grads=o.grad_offload and o.trainable,
+                                   optimizer=o.optimizer_offload and o.trainable)
+        self.offloader.offload()  # idle from birth: the role's phases bring back what they need
+
+    def resident(self, what: str = "train"):
+        """Context: the engine's offloaded states back on the device for `what` (forward | train)."""
+        return self.offloader.resident(what)
 
     # ------------------------------------------------------------------ build
 
@@ -155,7 +186,7 @@ class MegatronEngine(TrainingEngine):
         arch = self._arch()
         pp = ps.get_pipeline_model_parallel_world_size()
         overrides = dict(calculate_per_token_loss=True, sequence_parallel=self.sequence_parallel,
-                         **self.perf.transformer_overrides())
+                         **self.perf.transformer_overrides(), **recompute_overrides(o))
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         if vpp and pp == 2:
             # At pp=2 the previous and next stage are the same rank: the interleaved schedule's
@@ -265,8 +296,8 @@ class MegatronEngine(TrainingEngine):
         mbs = self._my_microbatches(batch)
         for c in self.chunks:
             c.eval()
-        self._sync_params()
-        with torch.no_grad():
+        with torch.no_grad(), self.resident("forward"):
+            self._sync_params()
             collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
                                         forward_only=True, with_labels=self._labels_path(want))
         return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
@@ -297,6 +328,10 @@ class MegatronEngine(TrainingEngine):
         return records
 
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
+        with self.resident("train"):
+            return self._train_step(batch, loss_fn, outputs)
+
+    def _train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
         records = self.forward_backward(batch, loss_fn, outputs)
@@ -348,17 +383,28 @@ class MegatronEngine(TrainingEngine):
     # ------------------------------------------------------------------ weights and state
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        self._sync_params()
-        if self.options.head == "value":
-            from verl_hpc.engines.megatron.value_head import export_value_model
+        with self.resident("forward"):  # offloaded weights come back for the export, then leave
+            self._sync_params()
+            if self.options.head == "value":
+                from verl_hpc.engines.megatron.value_head import export_value_model
 
-            return export_value_model(self.gpt_chunks, self.heads)
-
-        return export_hf_weights(self.gpt_chunks)
+                yield from export_value_model(self.gpt_chunks, self.heads)
+            else:
+                yield from export_hf_weights(self.gpt_chunks)
 
     def state(self) -> EngineState:
-        self._sync_params()
-        return engine_state(self)
+        """With offload on, the state is copied to host tensors while the engine is briefly
+        resident, so that the roles of a checkpoint are on the device one at a time."""
+        if not self.offloader.any:
+            self._sync_params()
+            return engine_state(self)
+        with self.resident("train"):
+            self._sync_params()
+            st = engine_state(self)
+            tensors = [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True))
+                       for t in st.tensors]
+        return dataclasses.replace(st, tensors=tensors)
 
     def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
-        load_engine_state(self, load_into, meta)
+        with self.resident("train"):
+            load_engine_state(self, load_into, meta)

@@ -68,9 +68,10 @@ class _Trainable:
             raise ValueError(f"{self.prefix}.ppo_mini_batch_size must be >= 1")
         outputs = tuple(getattr(loss, "outputs", ("log_probs",)))
         steps = []
-        for _ in range(self.cfg.ppo_epochs):
-            for rows in split_rows(batch["input_ids"].shape[0], size):
-                steps.append(self.engine.train_step(take_rows(batch, rows), loss, outputs))
+        with self.engine.resident("train"):  # offloaded states come back once for the whole update
+            for _ in range(self.cfg.ppo_epochs):
+                for rows in split_rows(batch["input_ids"].shape[0], size):
+                    steps.append(self.engine.train_step(take_rows(batch, rows), loss, outputs))
         metrics = _mean_metrics(steps, self.prefix)  # <role>/lr: the LR this update used
         self.engine.scheduler_step()
         return metrics
@@ -117,6 +118,12 @@ class RewardModel:
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
+def _offload(role_cfg) -> Dict[str, bool]:
+    """<role>.param_offload / grad_offload / optimizer_offload (the reference has weights only)."""
+    return {k: bool(getattr(role_cfg, k, False))
+            for k in ("param_offload", "grad_offload", "optimizer_offload")}
+
+
 def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
                    loss_norm_len: Optional[float] = None,
                    total_steps: Optional[int] = None) -> EngineOptions:
@@ -125,21 +132,26 @@ def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
 
     if role not in ROLES:
         raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
-    common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                  sequence_parallel=cfg.parallel.sequence_parallel,
+    par = cfg.parallel
+    common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
+                  sequence_parallel=par.sequence_parallel,
                   fp8=cfg.model.fp8 if fp8 is None else fp8, fp8_recipe=cfg.model.fp8_recipe,
-                  kernels=KernelSwitches.from_config(cfg.model, cfg.parallel),
-                  total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len)
+                  kernels=KernelSwitches.from_config(cfg.model, par),
+                  total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len,
+                  recompute_granularity=par.recompute_granularity,
+                  recompute_method=par.recompute_method,
+                  recompute_num_layers=par.recompute_num_layers)
     if role in ("actor", "ref"):
         a = cfg.actor
-        return EngineOptions(model_path=cfg.model.path, head="lm", trainable=role == "actor",
+        offload = _offload(a if role == "actor" else cfg.ref)
+        return EngineOptions(model_path=cfg.model.path, head="lm", trainable=role == "actor", **offload,
                              optim=a.optim if role == "actor" else None,
                              micro_batch_size=a.micro_batch_size,
                              max_tokens_per_microbatch=a.max_tokens_per_microbatch,
                              temperature=cfg.rollout.temperature, **common)
     if role == "critic":
         c = cfg.critic
-        return EngineOptions(model_path=c.model_path, head="value", optim=c.optim,
+        return EngineOptions(model_path=c.model_path, head="value", optim=c.optim, **_offload(c),
                              micro_batch_size=c.micro_batch_size,
                              max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
     rm = cfg.reward.reward_model

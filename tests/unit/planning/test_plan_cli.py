@@ -1,0 +1,83 @@
+"""`python -m verl_hpc.plan`: the shipped flagship configs fit, switched-off memory features do not,
+--suggest is quick, and the planner runs where torch is not installed."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_hpc.config import load_config
+from verl_hpc.planning import MARGIN, plan_job
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[3]
+OFF = ["parallel.recompute_granularity=none", "ref.param_offload=false"] + [
+    f"{r}.{f}=false" for r in ("actor", "critic") for f in ("param_offload", "grad_offload", "optimizer_offload")]
+
+# run the CLI with torch made unimportable: the planner must not need it (login nodes)
+NO_TORCH = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['verl_hpc.plan'] + sys.argv[1:]; "
+            "runpy.run_module('verl_hpc.plan', run_name='__main__')")
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("config", ["configs/ppo_70b.yaml", "configs/grpo_8b.yaml"])
+def test_shipped_flagships_fit_with_headroom(config):
+    plan = plan_job(load_config(str(REPO / config), []))
+    assert plan.device == "gpu" and plan.limit > 70e9
+    assert plan.fits(margin=MARGIN), (plan.peak / 2 ** 30, plan.limit / 2 ** 30, plan.peak_phase)
+    # the start-up rule of vLLM: what the roles keep + its budget must fit the GPU
+    assert plan.phase_total("startup") <= plan.limit
+
+
+def test_plan_cli_fits_and_refuses_without_offload_and_recompute():
+    ok = run_plan("configs/ppo_70b.yaml")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for needle in ("update_actor", "weight_sync", "vllm", "host memory per node", "fits, headroom"):
+        assert needle in ok.stdout, needle
+    print(ok.stdout)
+    bad = run_plan("configs/ppo_70b.yaml", *OFF)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    line = bad.stderr.strip().splitlines()[-1]
+    assert "peak" in line and "exceeds" in line and "--suggest" in line and "largest component" in line, line
+
+
+def test_suggest_answers_quickly_with_fitting_layouts():
+    start = time.monotonic()
+    r = run_plan("configs/ppo_70b.yaml", *OFF, "--suggest")
+    took = time.monotonic() - start
+    assert "layouts fit with >= 10% headroom" in r.stdout, r.stdout[-2000:]
+    assert "training MFU" in r.stdout  # the step-time assumptions are printed
+    assert took < 10 * 3, took  # < 10 s on a quiet machine; generous on a loaded one
+    suggested = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("x1.00")][0]
+    overrides = suggested.split("headroom")[1].split("%", 1)[1].split()
+    again = run_plan("configs/ppo_70b.yaml", *OFF, *overrides)
+    assert again.returncode == 0, again.stderr  # the suggested layout does fit
+
+
+def test_unknown_gpu_type_is_refused_with_the_valid_names():
+    r = run_plan("configs/ppo_70b.yaml", "slurm.gpu_type=h999")
+    assert r.returncode == 2 and "slurm.gpu_type" in r.stderr and "h100-80gb" in r.stderr
+
+
+def test_cpu_job_is_compared_with_node_ram(tmp_path):
+    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"),
+                                ["slurm.gpus_per_node=0", "parallel.backend=gloo", "slurm.mem_gb=64"]))
+    assert plan.device == "cpu" and plan.limit == 64e9 and not plan.fits()
+
+
+def test_cpu_kv_cache_is_sized_for_the_rollout_batch():
+    from verl_hpc.planning.model_shape import KNOWN
+    from verl_hpc.planning.rollout import cpu_kv_bytes
+
+    cfg = load_config(str(REPO / "configs/grpo_tiny_cpu.yaml"), ["trainer.val_every=0"])
+    assert cfg.rollout.max_num_seqs(cfg) == cfg.data.train_batch_size * cfg.rollout.n == 32
+    arch = KNOWN["llama-3.2-1b"]
+    # 2 (K, V) x layers x kv heads x head_dim x 4 bytes per token, 32 sequences of 128 tokens
+    per_token = 2 * 16 * 8 * 64 * 4
+    assert cpu_kv_bytes(arch, 96, 32) == per_token * 32 * 128
+    assert cpu_kv_bytes(arch, 96, 256) == min(per_token * 256 * 128, 4 << 30)

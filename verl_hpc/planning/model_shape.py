@@ -1,0 +1,115 @@
+"""The model's shape for the planner, and the parameter count each rank holds.
+
+Shapes come from the model folder's config.json through `verl_hpc.models.config_mapping` (the
+project's one reader), or, where this machine cannot see the folder (a login node planning for a
+cluster path, `--skip-model-check`), from `KNOWN`: a few published architectures, matched by the
+folder's name. Counts follow Megatron-Core's GPT layout exactly (what `build_gpt_model` builds):
+per layer, QKV [(q + 2 kv heads) * head_dim, h] and the output projection split over TP, SwiGLU's
+fc1 [2 ffn, h] and fc2 [h, ffn] split over TP, two RMSNorm weights [h] replicated; the vocabulary
+padded to a multiple of 128 * TP; embedding on the first stage, final norm and output layer on the
+last (a tied output layer with PP > 1 keeps its own copy on the last stage, as Megatron does).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Dict, Optional
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.models.config_mapping import ModelArch, load_arch, padded_vocab_size
+
+
+def _llama(name, vocab, hidden, ffn, layers, heads, kv, tied=False, max_pos=8192) -> ModelArch:
+    return ModelArch(family="llama", architecture="LlamaForCausalLM", vocab_size=vocab,
+                     hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+                     num_attention_heads=heads, num_query_groups=kv, head_dim=hidden // heads,
+                     rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
+                     tie_word_embeddings=tied, qkv_bias=False, max_position_embeddings=max_pos,
+                     source=f"known architecture {name}")
+
+
+# Published config.json values (meta-llama/*, Qwen/* on the Hugging Face hub).
+KNOWN: Dict[str, ModelArch] = {
+    "llama-3-70b": _llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8),
+    "llama-3-8b": _llama("llama-3-8b", 128256, 4096, 14336, 32, 32, 8),
+    "llama-3.2-1b": _llama("llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, tied=True),
+    "qwen2.5-7b": dataclasses.replace(_llama("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4),
+                                      family="qwen2", architecture="Qwen2ForCausalLM",
+                                      qkv_bias=True, head_dim=128),
+}
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower())
+
+
+def known_arch(path_or_name: str) -> Optional[ModelArch]:
+    """A KNOWN architecture whose name appears in the folder name (Meta-Llama-3-70B-Instruct ->
+    llama-3-70b), the longest match first; None when nothing matches."""
+    name = _normalise(Path(str(path_or_name)).name or str(path_or_name))
+    for key in sorted(KNOWN, key=len, reverse=True):
+        if key in name:
+            return KNOWN[key]
+    return None
+
+
+def model_arch(path: str, *, allow_known: bool = True, field: str = "model.path") -> ModelArch:
+    """The architecture at `path` (config.json), else a KNOWN one by name when allowed."""
+    if path and Path(path, "config.json").is_file():
+        return load_arch(path)
+    arch = known_arch(path) if allow_known else None
+    if arch is None:
+        raise ConfigError(f"{field}: {path!r} has no config.json here and its name matches no known "
+                          f"architecture ({', '.join(KNOWN)}); plan where the model folder is")
+    return arch
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParams:
+    """Parameters (elements) of one rank of one pipeline stage, by kind."""
+
+    layers: int  # transformer layers on this rank (all its virtual chunks)
+    layer_params: int
+    embedding: int
+    output: int  # output layer (vocab projection or value head) + final norm
+    num_tensors: int  # parameter tensors (Megatron pads each one's start in its buffers)
+
+    @property
+    def total(self) -> int:
+        return self.layer_params + self.embedding + self.output
+
+
+def layer_params(arch: ModelArch, tp: int) -> int:
+    d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
+        arch.hidden_size, arch.ffn_hidden_size
+    qkv_out = (nq + 2 * nkv) * d
+    per_rank = (qkv_out * h + nq * d * h + 3 * f * h) // tp
+    if arch.qkv_bias:
+        per_rank += qkv_out // tp
+    return per_rank + 2 * h  # the two norms, replicated over TP
+
+
+def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm") -> StageParams:
+    """What a rank of pipeline stage `stage` (0 = first) holds. head: lm | value (critic, RM)."""
+    h = arch.hidden_size
+    layers = arch.num_layers // pp
+    vocab = padded_vocab_size(arch.vocab_size, tp)
+    first, last = stage == 0, stage == pp - 1
+    embedding = vocab * h // tp if first else 0
+    output = 0
+    if last:
+        if head == "value":
+            output = h  # ValueHead: [1, h], replicated
+        elif not arch.tie_word_embeddings or pp > 1:
+            output = vocab * h // tp
+        output += h  # final norm
+    tensors = layers * (6 + (1 if arch.qkv_bias else 0)) + int(first) + 2 * int(last)
+    return StageParams(layers, layers * layer_params(arch, tp), embedding, output, tensors)
+
+
+def total_params(arch: ModelArch) -> int:
+    """Unsharded parameter count (real vocabulary, as in the HF checkpoint)."""
+    h = arch.hidden_size
+    emb = arch.vocab_size * h
+    return arch.num_layers * layer_params(arch, 1) + emb * (1 if arch.tie_word_embeddings else 2) + h

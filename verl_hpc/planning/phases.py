@@ -1,0 +1,255 @@
+"""The memory plan of a job: bytes per rank for each phase of the RL step x each component.
+
+    plan = plan_job(cfg)                  # cfg: a loaded JobConfig
+    plan.peak, plan.peak_phase, plan.limit, plan.fits(margin=0.0)
+    plan.table  -> {phase: {component: bytes}};  plan.host -> {phase: bytes per node}
+
+Phases, in the order the trainer runs them (verl_hpc/trainer/rl.py): start-up (the Megatron roles
+built, then vLLM, which needs gpu_memory_utilization x total free), rollout, old log-probs,
+reference log-probs, critic values, critic update, actor update, weight sync (vLLM woken, the
+actor's weights exported through resharding buckets), checkpoint save. A role that is not running
+in a phase keeps only what it does not offload (actor/critic/ref.*_offload). The peak is the
+maximum over phases; it is computed for the first and the last pipeline stage (embedding vs.
+output layer and logits) and the heavier one is reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
+from verl_hpc.planning import hardware
+from verl_hpc.planning.model_shape import model_arch, stage_params, total_params
+from verl_hpc.planning.rollout import rollout_bytes, sleep_level
+from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
+                                        model_state_bytes, stage_activation_bytes)
+
+PHASES = ("build", "startup", "rollout", "old_logprob", "ref_logprob", "values", "update_critic",
+          "update_actor", "weight_sync", "checkpoint")
+COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding",
+              "overhead")
+
+
+@dataclasses.dataclass
+class RoleState:
+    """Bytes of one Megatron role on one rank, and which parts it offloads while idle."""
+
+    name: str
+    parts: Dict[str, float]  # weights / grads / optimizer
+    offload: Dict[str, bool]
+
+    def resident(self, active: str) -> float:
+        """active: 'idle' | 'forward' (weights needed) | 'train' (everything)."""
+        total = 0.0
+        for part, size in self.parts.items():
+            needed = active == "train" or (active == "forward" and part == "weights")
+            total += size if needed or not self.offload.get(part, False) else 0.0
+        return total
+
+    def offloaded(self) -> float:
+        """Host bytes while idle: gradients are dropped, not copied (every update zeroes them)."""
+        return sum(size for part, size in self.parts.items()
+                   if self.offload.get(part, False) and part != "grads")
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    table: Dict[str, Dict[str, float]]  # phase -> component -> bytes (one rank)
+    host: Dict[str, float]  # phase -> bytes per node
+    limit: float  # device bytes per rank (GPU) or node RAM (CPU job)
+    host_limit: float  # node RAM (0 = unknown)
+    device: str  # gpu | cpu
+    stage: int  # the pipeline stage the table describes
+    ranks_per_node: int
+    notes: List[str]
+
+    def phase_total(self, phase: str) -> float:
+        return sum(self.table[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.table, key=self.phase_total)
+
+    @property
+    def peak(self) -> float:
+        return self.phase_total(self.peak_phase)
+
+    @property
+    def largest_component(self) -> str:
+        row = self.table[self.peak_phase]
+        return max(row, key=row.get)
+
+    @property
+    def host_peak(self) -> float:
+        return max(self.host.values()) if self.host else 0.0
+
+    def checked_peak(self) -> float:
+        """What is compared against the limit: the device peak on GPUs, the node's host peak on CPUs."""
+        return self.peak if self.device == "gpu" else self.host_peak
+
+    def headroom(self) -> Optional[float]:
+        """Fraction of the limit left at the peak; None when the limit is unknown."""
+        if self.limit <= 0:
+            return None
+        return 1.0 - self.checked_peak() / self.limit
+
+    def fits(self, margin: float = 0.0) -> bool:
+        h = self.headroom()
+        return h is None or h >= margin
+
+
+def microbatch_shape(role_cfg, cfg) -> tuple:
+    """(s, b, micro-batches per optimizer step per DP rank) in the worst case (full-length rows)."""
+    max_seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    s = max_seq  # a row longer than the token budget still forms a micro-batch of its own
+    if role_cfg.max_tokens_per_microbatch > 0:
+        b = max(1, role_cfg.max_tokens_per_microbatch // s)
+    else:
+        b = role_cfg.micro_batch_size
+    rows = max(1, role_cfg.ppo_mini_batch_size * cfg.rollout.n // max(1, cfg.dp))
+    return s, b, -(-rows // b)
+
+
+def _arch_for(path: str, field: str, allow_known: bool) -> ModelArch:
+    return model_arch(path, allow_known=allow_known, field=field)
+
+
+def gpu_total_bytes(cfg, gpu_memory_gb: Optional[float]) -> float:
+    if cfg.slurm.gpus_per_node <= 0:
+        return 0.0
+    if gpu_memory_gb:
+        return gpu_memory_gb * hardware.GB
+    g = hardware.gpu_type(cfg.slurm.gpu_type)
+    return float(g.memory_bytes) if g else 0.0
+
+
+def plan_job(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optional[float] = None,
+             allow_known: bool = True, stage: Optional[int] = None) -> MemoryPlan:
+    """The plan of the heavier of the first and last pipeline stage (or of `stage`)."""
+    pp = cfg.parallel.pp
+    stages = [stage] if stage is not None else sorted({0, pp - 1})
+    plans = [_plan_stage(cfg, s, gpu_memory_gb, node_memory_gb, allow_known) for s in stages]
+    return max(plans, key=lambda p: p.checked_peak())
+
+
+def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> MemoryPlan:
+    par, gpu = cfg.parallel, cfg.slurm.gpus_per_node > 0
+    tp, pp, dp = par.tp, par.pp, max(1, cfg.dp)
+    prec = Precision.of(cfg.model.dtype)
+    arch = _arch_for(cfg.model.path, "model.path", allow_known)
+    gpu_total = gpu_total_bytes(cfg, gpu_memory_gb)
+    notes: List[str] = []
+    sp = par.sequence_parallel and tp > 1
+    setup = ActivationSetup(tp=tp, sequence_parallel=sp, recompute=par.recompute_granularity,
+                            recompute_method=par.recompute_method,
+                            recompute_num_layers=par.recompute_num_layers,
+                            impl="te" if gpu else "local")  # GPU: TE layers; CPU: the local spec
+    vpp = par.vpp or 0
+    last = stage == pp - 1
+
+    def role(name, role_cfg, head, trainable, path_field, path):
+        a = arch if path in ("", cfg.model.path) else _arch_for(path, path_field, allow_known)
+        params = stage_params(a, tp, pp, stage, head)
+        parts = model_state_bytes(params, prec, trainable=trainable, dp=dp,
+                                  distributed_optimizer=par.use_distributed_optimizer)
+        off = {"weights": getattr(role_cfg, "param_offload", False),
+               "grads": getattr(role_cfg, "grad_offload", False),
+               "optimizer": getattr(role_cfg, "optimizer_offload", False)}
+        return RoleState(name, parts, off), a, params
+
+    actor, _, actor_params = role("actor", cfg.actor, "lm", True, "model.path", cfg.model.path)
+    roles = {"actor": actor}
+    if cfg.critic.enable:
+        roles["critic"] = role("critic", cfg.critic, "value", True, "critic.model_path",
+                               cfg.critic.model_path)[0]
+    if cfg.ref.enable:
+        roles["ref"] = role("ref", cfg.ref, "lm", False, "model.path", cfg.model.path)[0]
+
+    def activations(role_cfg, head) -> Dict[str, float]:
+        s, b, m = microbatch_shape(role_cfg, cfg)
+        layers = actor_params.layers
+        acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)
+        factor = in_flight_factor(pp, vpp, m) if stage == 0 else 1.0
+        vocab = padded_vocab_size(arch.vocab_size, tp)
+        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
+        return {"activations": acts["saved"] * factor + acts["recompute_working"], "logits": logits}
+
+    def forward_working(role_cfg, head) -> Dict[str, float]:
+        # no_grad: nothing is saved; one layer's intermediates and the logits of a micro-batch
+        s, b, _ = microbatch_shape(role_cfg, cfg)
+        one = stage_activation_bytes(arch, 1, s, b, prec.act_bytes,
+                                     dataclasses.replace(setup, recompute="none"))["saved"]
+        vocab = padded_vocab_size(arch.vocab_size, tp)
+        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
+        return {"activations": one, "logits": logits}
+
+    vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
+    sleeping = gpu and cfg.rollout.sleep_between_phases
+    vllm_idle = vl.asleep_device if sleeping else vl.budget
+    # a bucket never holds more than the whole model
+    bucket = min(cfg.resharding.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
+    # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
+    # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
+    largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
+    resharding = 2 * bucket + largest
+    overhead = float(hardware.GPU_OVERHEAD_BYTES) if gpu else 0.0
+
+    def row(active: Dict[str, str], extra: Dict[str, float], vllm: float) -> Dict[str, float]:
+        r = {c: 0.0 for c in COMPONENTS}
+        for name, st in roles.items():
+            r[name] = st.resident(active.get(name, "idle"))
+        r.update(extra)
+        r["vllm"] = vllm
+        tensors = sum(v for k, v in r.items() if k != "overhead")
+        r["overhead"] = overhead + hardware.FRAGMENTATION * tensors if gpu else 0.0
+        return r
+
+    table = {
+        # each role is built whole, then offloads what it offloads; the actor is the largest
+        "build": row({"actor": "train"}, {}, 0.0),
+        # vLLM starts last and needs gpu_memory_utilization x total free
+        "startup": row({}, {}, vl.budget),
+        "rollout": row({}, {}, vl.budget),
+        "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
+        "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
+        "values": row({"critic": "forward"}, forward_working(cfg.critic, "value"), vllm_idle),
+        "update_critic": row({"critic": "train"}, activations(cfg.critic, "value"), vllm_idle),
+        "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm"), vllm_idle),
+        # sync: vLLM is woken whole (weights and KV cache) before the weights stream in
+        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.budget),
+        # each saved role's state is read while it is resident, one role at a time
+        "checkpoint": row({"actor": "train"}, {}, vllm_idle),
+    }
+    if "ref" not in roles:
+        del table["ref_logprob"]
+    if "critic" not in roles:
+        del table["values"], table["update_critic"]
+    if gpu and vl.kv_cache <= 0:
+        notes.append(f"vLLM's budget ({cfg.rollout.gpu_memory_utilization} x GPU) leaves no room for a "
+                     f"KV cache after its {vl.weights / hardware.GiB:.1f} GiB of weights")
+
+    # ----- host memory per node
+    per_node = cfg.slurm.tasks_per_node
+    process = hardware.HOST_PROCESS_BYTES_GPU if gpu else hardware.HOST_PROCESS_BYTES_CPU
+    offloaded = sum(st.offloaded() for st in roles.values()) if gpu else 0.0
+    vllm_host = vl.asleep_host
+    ckpt_stage = 0.0
+    if cfg.checkpoint.async_save:  # pinned snapshot buffers of everything a rank saves, kept
+        ckpt_stage = sum(st.parts["weights"] + st.parts["optimizer"] for n, st in roles.items() if n != "ref")
+    host = {}
+    for phase, r in table.items():
+        device_on_host = 0.0 if gpu else sum(r.values())
+        # async-save snapshot buffers are allocated at the first save and kept (reused) after it
+        host[phase] = per_node * (process + offloaded + vllm_host + device_on_host + ckpt_stage)
+    host_limit = (node_memory_gb or cfg.slurm.mem_gb) * hardware.GB if (node_memory_gb or cfg.slurm.mem_gb) \
+        else float(hardware.local_ram_bytes() if not gpu else 0)
+    limit = gpu_total if gpu else host_limit
+    if gpu and gpu_total <= 0:
+        notes.append("GPU memory unknown: set slurm.gpu_type or pass --gpu-memory-gb")
+    if not gpu and not (node_memory_gb or cfg.slurm.mem_gb):
+        notes.append("CPU job: node RAM taken as this machine's (slurm.mem_gb is 0)")
+    if gpu and sleeping is False:
+        notes.append("rollout.sleep_between_phases is off: vLLM keeps its whole budget during training")
+    if gpu and sleeping:
+        notes.append(f"vLLM sleep level {sleep_level(cfg)}")
+    return MemoryPlan(table, host, limit, host_limit, "gpu" if gpu else "cpu", stage, per_node, notes)

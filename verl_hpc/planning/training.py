@@ -1,0 +1,167 @@
+"""Bytes of one Megatron role on one rank: model states and activations.
+
+Model states (Megatron-LM docs/.../dist_optimizer.md; `theoretical_memory_usage.py`):
+- weights in the model dtype (2 bytes bf16, 4 bytes fp32), in DDP's contiguous param buffer;
+- main grads in fp32 (`grad_reduce_in_fp32`, what the engine sets): 4 bytes, never sharded;
+- Adam: exp_avg + exp_avg_sq in fp32 (8 bytes) plus, for bf16/fp16, an fp32 master copy
+  (4 bytes); the distributed optimizer shards these over DP.
+  => bf16: 6 + 12/DP bytes per parameter with the distributed optimizer, 18 without.
+
+Activations per transformer layer, per micro-batch of s tokens x b sequences (Korthikanti et al.
+2022, arXiv 2205.05198, section 4 and Table 2), written as elements x activation bytes so that the
+same formula serves fp32 CPU runs, SwiGLU MLPs and grouped-query attention. With tensor parallel t:
+- sequence parallel on: everything / t;
+- off: the norm inputs, the QKV and fc1 inputs (and dropout masks) are replicated, the rest / t;
+- selective recompute (Megatron's default module core_attn): the s^2 attention terms are dropped;
+- full recompute: only each recompute unit's input (s*b*h, / t with SP) stays, plus one unit's
+  activations rebuilt during its backward (uniform), or the first N layers recomputed (block).
+Pipeline 1F1B keeps min(m, p) micro-batches in flight on the first stage; the interleaved schedule
+multiplies by (1 + (p - 1) / (p * v)) (Megatron's `theoretical_memory_usage.py`).
+The attention kernel decides the s^2 term: "flash" (TE / flash-attn / torch SDPA: only a
+log-sum-exp row per head, fp32) or "unfused" (softmax probabilities [b, a, s, s] kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+from verl_hpc.models.config_mapping import ModelArch
+from verl_hpc.planning.model_shape import StageParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    param_bytes: int  # model dtype
+    act_bytes: int  # activations
+    master_copy: bool  # fp32 main params kept by the optimizer (bf16/fp16 training)
+
+    @classmethod
+    def of(cls, dtype: str) -> "Precision":
+        half = dtype in ("bfloat16", "float16")
+        return cls(2 if half else 4, 2 if half else 4, half)
+
+
+def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, dp: int,
+                      distributed_optimizer: bool) -> Dict[str, float]:
+    """weights / grads / optimizer bytes of a role on one rank."""
+    n = params.total
+    out = {"weights": float(n * prec.param_bytes), "grads": 0.0, "optimizer": 0.0}
+    if not trainable:
+        return out
+    # Megatron aligns every parameter's start in its buffers to 64 elements (distributed optimizer)
+    padded = n + (32 * params.num_tensors if distributed_optimizer else 0)
+    out["weights"] = float(padded * prec.param_bytes)
+    out["grads"] = float(padded * 4)
+    opt_per_param = 8 + (4 if prec.master_copy else 0)
+    out["optimizer"] = float(padded * opt_per_param / (dp if distributed_optimizer else 1))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSetup:
+    tp: int
+    sequence_parallel: bool
+    recompute: str  # none | selective | full
+    recompute_method: str  # uniform | block
+    recompute_num_layers: int
+    attention: str = "flash"  # flash | unfused
+    dropout: bool = False  # RL fine-tuning runs without dropout (the engine sets 0.0)
+    gated_mlp: bool = True  # SwiGLU (Llama, Qwen2); False: GPT's GeLU MLP (the paper's model)
+    # what the layer's code saves for backward (measured; docs/memory.md):
+    #   paper: the paper's accounting (GPT, LayerNorm, separate Q/K/V) - the published figures
+    #   te:    Transformer Engine layers (GPU): norms fused into the next linear
+    #   local: Megatron's local spec (CPU): unfused RMSNorm (keeps its normalised copy too),
+    #          SwiGLU keeps 5 x ffn, RoPE's cos/sin per layer
+    impl: str = "te"
+
+
+def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
+    """Saved activation bytes of one transformer layer for one micro-batch (no recompute)."""
+    if st.impl != "paper":
+        return _implemented_layer_bytes(arch, s, b, act_bytes, st)
+    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+    hq, hkv = a * arch.head_dim, arch.num_query_groups * arch.head_dim
+    sb = s * b
+    e = act_bytes
+    # replicated over TP unless sequence parallel: norm inputs, QKV input, fc1 input (+ masks)
+    rep = 4 * sb * h * e + (2 * sb * h if st.dropout else 0)
+    # split over TP: Q, K (after RoPE), V, the attention output (proj input); SwiGLU keeps fc1's
+    # two halves, silu(gate) and the product (fc2 input): 4 x s*b*ffn; GeLU its input and output
+    split = sb * (hq + hkv + hkv + hq) * e + (4 if st.gated_mlp else 2) * sb * f * e
+    if st.attention == "unfused":
+        quad = a * s * s * b * e + (a * s * s * b * (1 + e) if st.dropout else 0)
+    else:
+        quad = a * s * b * 4  # log-sum-exp per query row, fp32
+    if st.recompute == "selective":
+        quad = 0.0
+    rep_div = t if st.sequence_parallel else 1
+    return rep / rep_div + (split + quad) / t
+
+
+def _implemented_layer_bytes(arch: ModelArch, s: int, b: int, e: int, st: ActivationSetup) -> float:
+    """What Megatron's layer code keeps, tensor by tensor (the same terms as the paper, counted
+    the way the kernels hold them):
+    - each norm keeps its input and its normalised output (fp32 rsqrt per row besides); the local
+      spec's unfused RMSNorm keeps one more copy (the product before the weight);
+    - Q and K after RoPE are new tensors; V is a view of the fused QKV output, which therefore
+      stays alive whole; the attention output (proj input); flash attention's fp32 log-sum-exp;
+    - SwiGLU: fc1's output (2 ffn) and the product (fc2 input); the local spec also keeps silu(gate)
+      and the gate's sum (5 ffn in all)."""
+    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+    hq, hkv, d = a * arch.head_dim, arch.num_query_groups * arch.head_dim, arch.head_dim
+    sb = s * b
+    local = st.impl == "local"
+    norm = 2 * sb * h * e + sb * 4  # input + normalised output, rsqrt
+    rep = 2 * norm + (2 * sb * h * e if local else 0)  # local: + the linear inputs' copies
+    split = sb * (3 * hq + 3 * hkv) * e + (5 if local else 3) * sb * f * e
+    quad = 0.0 if st.recompute == "selective" else a * s * b * 4
+    rope = 4 * s * d * 4 if local else 0.0  # cos/sin of Q and K, fp32, per layer
+    return rep / (t if st.sequence_parallel else 1) + (split + quad) / t + rope
+
+
+def final_norm_bytes(arch: ModelArch, s: int, b: int, e: int, st: ActivationSetup) -> float:
+    """The last stage's final norm: its input and normalised output, and the rsqrt per row (the
+    output layer's own input is counted with the logits)."""
+    if st.impl == "paper":
+        return 0.0
+    return (2 * s * b * arch.hidden_size * e + s * b * 4) / (st.tp if st.sequence_parallel else 1)
+
+
+def layer_input_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
+    return s * b * arch.hidden_size * act_bytes / (st.tp if st.sequence_parallel else 1)
+
+
+def stage_activation_bytes(arch: ModelArch, layers: int, s: int, b: int, act_bytes: int,
+                           st: ActivationSetup, last_stage: bool = False) -> Dict[str, float]:
+    """Saved bytes of one micro-batch over `layers` layers (+ the final norm on the last stage):
+    {"saved", "recompute_working"}."""
+    per_layer = layer_activation_bytes(arch, s, b, act_bytes, st)
+    tail = final_norm_bytes(arch, s, b, act_bytes, st) if last_stage else 0.0
+    if st.recompute != "full":
+        return {"saved": layers * per_layer + tail, "recompute_working": 0.0}
+    n = max(1, min(st.recompute_num_layers, layers))
+    inp = layer_input_bytes(arch, s, b, act_bytes, st)
+    if st.recompute_method == "block":  # the first n layers recomputed, the rest kept whole
+        return {"saved": inp + (layers - n) * per_layer + tail, "recompute_working": n * per_layer}
+    units = -(-layers // n)
+    return {"saved": units * inp + tail, "recompute_working": n * per_layer}
+
+
+def in_flight_factor(pp: int, vpp: int, microbatches: int) -> float:
+    """Micro-batches of a stage's layers whose activations the first stage holds at once."""
+    if pp <= 1:
+        return 1.0
+    if vpp and vpp > 1:
+        return pp * (1 + (pp - 1) / (pp * vpp))
+    return float(min(microbatches, pp))
+
+
+def logits_bytes(arch: ModelArch, tokens: int, tp: int, act_bytes: int, head: str,
+                 padded_vocab: int) -> float:
+    """The output layer's [tokens, V/t] logits plus the vocab-parallel cross-entropy's fp32
+    working copies (softmax / log-softmax over the TP slice); a value head keeps [tokens, 1]."""
+    inp = tokens * arch.hidden_size * act_bytes  # the output layer's input, kept for backward
+    if head == "value":
+        return float(inp + tokens * 4)
+    v = padded_vocab / tp
+    return inp + tokens * v * act_bytes + 2 * tokens * v * 4
