@@ -166,8 +166,8 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
-        if start:
-            self.weight_sync(self.roles.actor, self.roles.rollout)
+        if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
+            self.weight_sync(self.roles.actor, self.roles.rollout)  # wakes it first
         tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
                           tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
                           log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,
