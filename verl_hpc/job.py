@@ -34,6 +34,8 @@ def resolve_program(name: str):
 
 def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     """Run the configured program on this rank; returns its summary (rank 0's is the job's)."""
+    # local: submit imports this module on the login node to hand `run` to submitit, where the
+    # rank runtime (torch.distributed) is not needed
     from verl_hpc import runtime
 
     if isinstance(cfg, dict):

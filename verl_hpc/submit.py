@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(cfg), flush=True)
 
+    # Each path imports only its launcher: submitit (Slurm), torch's elastic launcher (--local) and
+    # jinja2 (--sbatch-script) are heavy or optional, and the login node needs one of them.
     if args.sbatch_script:
         from verl_hpc.launcher.sbatch import render
 

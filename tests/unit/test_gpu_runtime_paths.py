@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------ construction order (1)
 def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypatch):
-    import verl_hpc.engines.megatron.roles as engine_roles
     import verl_hpc.rollout as rollout_pkg
     from verl_hpc.trainer import roles
 
@@ -39,7 +38,7 @@ def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypat
         return role
 
     monkeypatch.setattr(rollout_pkg, "build_rollout", build_rollout)
-    monkeypatch.setattr(engine_roles, "build_engine", build_engine)
+    monkeypatch.setattr(roles, "build_engine", build_engine)  # trainer.roles imports it by name
     monkeypatch.setattr(roles, "load_tokenizer", lambda cfg: None)
     cfg = load_config(None, ["model.path=/m", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
                              "reward.reward_model.enable=true", "reward.reward_model.path=/rm"])

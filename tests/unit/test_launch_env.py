@@ -19,7 +19,8 @@ def test_torchrun_wins_over_slurm():
 
 
 def test_mpirun_inside_allocation_uses_open_mpi_ranks():
-    # inside an allocation every mpirun rank sees SLURM_PROCID=0 (FINDINGS.md): OMPI_* must win
+    # inside an allocation every mpirun rank sees SLURM_PROCID=0 (docs/platform-notes.md, "Slurm and
+    # MPI"): OMPI_* must win
     env = dict(OMPI_COMM_WORLD_RANK="2", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="0",
                OMPI_COMM_WORLD_LOCAL_SIZE="2", OMPI_COMM_WORLD_NODE_RANK="1",
                SLURM_PROCID="0", SLURM_STEP_ID="0", SLURM_NTASKS="1", SLURM_JOB_ID="77")

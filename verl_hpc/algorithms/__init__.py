@@ -5,6 +5,7 @@ An algorithm is configuration (estimator + policy loss + KL mode + aggregation),
     adv, ret   = compute_advantages(cfg.algorithm.adv_estimator, rewards, mask, group_ids=..., ...)
     loss, mets = compute_policy_loss(cfg.actor.policy_loss, old_logp, logp, adv, mask,
                                      clip_ratio_low=..., loss_agg_mode=..., global_tokens=...)
+    loss       = PolicyObjective.from_config(cfg.actor)   # what actor.update(batch, loss) minimises
 
 Inputs are right-padded `[batch, response_len]` tensors with a `response_mask`. See
 docs/algorithms.md for the formulas and verl_hpc/config/recipes.py for named recipes.
@@ -30,6 +31,7 @@ from .kl import (
     make_kl_controller,
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence_scores
+from .objectives import PolicyObjective, ValueObjective
 from .policy_losses import compute_policy_loss
 from .registry import (
     ADV_ESTIMATOR_REGISTRY,
@@ -49,6 +51,8 @@ __all__ = [
     "KL_ESTIMATOR_REGISTRY",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
+    "PolicyObjective",
+    "ValueObjective",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",

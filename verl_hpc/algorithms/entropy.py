@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 # all_reduce(tensor, op) -> reduced tensor, op in {"max", "sum"}; may reduce in place.
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
@@ -89,8 +90,6 @@ def entropy_from_logits(logits: torch.Tensor, all_reduce: Optional[AllReduce] = 
 
 def process_group_all_reduce(group=None) -> AllReduce:
     """An `all_reduce(t, op)` over a torch.distributed process group (the TP group)."""
-    import torch.distributed as dist
-
     ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
     def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:

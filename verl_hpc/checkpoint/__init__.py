@@ -5,9 +5,9 @@ Lustre/GPFS at 1000 ranks:
 - Independent I/O. Each rank writes a file nobody else touches: no byte-range lock traffic on a
   shared file (GPFS tokens, Lustre extent locks), no collective buffering to tune, and no
   collective I/O hang modes. The shared-file route has three that bite exactly at scale
-  (FINDINGS.md): a rank with an empty slab (norms and biases at 1000 ranks) hangs a collective
-  write; metadata written by one rank is silently lost (all must make identical calls); filters
-  need collective writes. A dead or slow rank then stalls all 1000.
+  (docs/platform-notes.md, "HDF5"): a rank with an empty slab (norms and biases at 1000 ranks)
+  hangs a collective write; metadata written by one rank is silently lost (all must make
+  identical calls); filters need collective writes. A dead or slow rank then stalls all 1000.
 - The saving side needs only the serial h5py wheel and three small control collectives; parallel
   HDF5 would have to be built against each site's MPI (Debian's Open MPI has no Lustre/GPFS
   MPI-IO drivers anyway). Measured here both routes write at the same speed.

@@ -21,6 +21,9 @@ import sys
 import time
 from typing import Callable, Optional
 
+import yaml
+
+from verl_hpc.checkpoint import hf_export
 from verl_hpc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from verl_hpc.checkpoint.load import CheckpointReader
 
@@ -49,8 +52,6 @@ def _mb(n: float) -> str:
 
 def _config_summary(text: str, width: int = 100) -> list[str]:
     """One line per top-level section of a YAML config: its scalar fields, cut at `width`."""
-    import yaml
-
     try:
         cfg = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -126,8 +127,6 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def _register_export() -> None:
-    from verl_hpc.checkpoint import hf_export
-
     subcommand("export", "write the actor as a Hugging Face folder (--hf OUT)",
                hf_export.add_arguments)(hf_export.run_cli)
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from verl_hpc.config.schema import default_of
 from verl_hpc.checkpoint.comm import SingleComm, TorchComm
@@ -42,7 +43,6 @@ log = logging.getLogger("verl_hpc.checkpoint")
 def _private_comm(group):
     if group is not None and hasattr(group, "gather") and hasattr(group, "bcast"):
         return group  # a comm.Comm (tests: ThreadComm)
-    import torch.distributed as dist
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return SingleComm()

@@ -4,7 +4,7 @@ Each dataset stores `crc32` (uint32 array, one value per block of `crc32_block_b
 C-order raw bytes; the last block may be short) as attributes. A dataset no bigger than one block
 has a single value, equal to `zlib.crc32(array.tobytes())`.
 
-Why CRC32 in blocks rather than a position-weighted sum (FINDINGS.md, "HDF5 checkpoints with MPI"):
+Why CRC32 in blocks rather than a position-weighted sum (docs/platform-notes.md, "HDF5"):
 the weighted sum's selling point is that partial sums over any partition add up, which matters
 when one shared dataset is written and read with different splits. Here every dataset is one
 writer's piece (file per rank), so what a re-split read needs is to check *part* of a dataset; a

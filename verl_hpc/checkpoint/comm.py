@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional, Protocol
 
+import torch.distributed as dist
+
 
 class Comm(Protocol):
     rank: int
@@ -42,8 +44,6 @@ class TorchComm:
     read back from disk."""
 
     def __init__(self, group=None) -> None:
-        import torch.distributed as dist
-
         self._dist, self.group = dist, group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -109,7 +109,6 @@ class ThreadComm:
 def as_comm(group=None) -> Comm:
     if group is not None and hasattr(group, "gather") and hasattr(group, "bcast"):
         return group
-    import torch.distributed as dist
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return SingleComm()
@@ -118,6 +117,4 @@ def as_comm(group=None) -> Comm:
 
 def is_rank0() -> bool:
     """Rank 0 of the default group, or a process outside any group: the one that logs."""
-    import torch.distributed as dist
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

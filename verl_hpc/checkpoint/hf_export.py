@@ -28,9 +28,12 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import yaml
 
 from verl_hpc.checkpoint.errors import CheckpointError
 from verl_hpc.checkpoint.load import CheckpointReader
+from verl_hpc.models.config_mapping import load_arch
+from verl_hpc.models.weight_rules import LAYER_RULES, Layout, model_rules
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,6 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 def model_folders(reader: CheckpointReader, model: Optional[str] = None) -> Tuple[Path, Path]:
     """(model folder, tokenizer folder) for the export, from `--model` or the checkpoint's config."""
-    import yaml
-
     if model:
         return Path(model), Path(model)
     text = reader.metadata.get("config")
@@ -56,8 +57,6 @@ def model_folders(reader: CheckpointReader, model: Optional[str] = None) -> Tupl
 
 def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every model tensor of the role under `prefix`, read whole."""
-    from verl_hpc.models.weight_rules import LAYER_RULES, Layout, model_rules
-
     names = sorted(n for n in reader.tensors() if n.startswith(prefix))
     if not names:
         roots = sorted({n.split("/")[0] for n in reader.tensors()})
@@ -87,8 +86,6 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
 def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", shard_gb: float = 5.0) -> Path:
     """Write the HF folder `out` from checkpoint `ckpt` (a directory, or a root: its `latest`)."""
     from safetensors.torch import save_file
-
-    from verl_hpc.models.config_mapping import load_arch
 
     out = Path(out)
     with CheckpointReader(ckpt) as reader:

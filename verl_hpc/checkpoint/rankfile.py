@@ -35,8 +35,8 @@ FILE_KW = dict(libver=("earliest", "v110"),  # readable by HDF5 1.10 tools (Debi
 
 def open_h5(path, mode: str = "r") -> h5py.File:
     """h5py.File without HDF5's file locking: Lustre mounted without flock fails every locked
-    open, and a reader opening a file that a writer holds gets errno 11 (FINDINGS.md). Files are
-    only read after their atomic publish, so the lock protects nothing here. Outside this
+    open, and a reader opening a file that a writer holds gets errno 11 (docs/platform-notes.md,
+    "HDF5"). Files are only read after their atomic publish, so the lock protects nothing here. Outside this
     package (h5ls, h5dump, user scripts) set HDF5_USE_FILE_LOCKING=FALSE for the same reason."""
     kw = FILE_KW if mode == "w" else {}
     try:

@@ -17,8 +17,8 @@ What a checkpoint holds:
   metrics: {file, step} (the JSONL history up to `step`; the tracker drops later rows on resume)}.
 - rank_state: each rank's RNG states (python, numpy, torch CPU, CUDA, Megatron's RNG tracker,
   the trainer generator). Rollout sampling does not depend on them (seeded per step), but
-  anything else random does. Rank 0's also holds `metrics_jsonl`: the metric history up to the
-  step (the JSONL rows), put back on resume where the output directory lacks it.
+  anything else random does. Rank 0's also holds the metric history up to the step
+  (verl_hpc.tracking.history), put back on resume where the output directory lacks it.
 
 Requeue (one rank runs it): after the forced save is committed, rank 0 runs `scontrol requeue
 $SLURM_JOB_ID` and every rank leaves with SystemExit. Why our own call rather than submitit's
@@ -39,20 +39,25 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-
+from verl_hpc.checkpoint.async_save import AsyncSaver
+from verl_hpc.checkpoint.index import find_latest, resolve
+from verl_hpc.checkpoint.load import open_checkpoint
+from verl_hpc.checkpoint.publish import STEP_DIR, list_checkpoints
+from verl_hpc.checkpoint.rng import capture_rng_state, restore_rng_state
+from verl_hpc.checkpoint.save import save_checkpoint
+from verl_hpc.checkpoint.sharded import ShardedTensor
+from verl_hpc.config import to_yaml
 from verl_hpc.config.layout import Layout
+from verl_hpc.tracking.history import MetricHistory
 
 log = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("actor", "critic")
 FORMAT = "verl_hpc.rl_trainer/1"
-HISTORY_KEY = "metrics_jsonl"  # rank 0's rank_state: the metrics JSONL rows up to the step
 
 
 def _prefixed(prefix: str, tensors) -> list:
     """The same slabs (sharing storage) under `prefix/`: loads fill the engine's tensors in place."""
-    from verl_hpc.checkpoint.sharded import ShardedTensor
-
     return [ShardedTensor(f"{prefix}/{t.name}", t.local, t.global_shape, t.offsets) for t in tensors]
 
 
@@ -66,12 +71,11 @@ class TrainerCheckpointer:
         self.total_steps = int(cfg.trainer.total_steps)
         self.layout = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
                        "dp": Layout(ctx.world_size, cfg.parallel.tp, cfg.parallel.pp).dp}
+        self.history = MetricHistory(cfg.trainer.output_dir)  # carried by rank 0's rank_state
         self.last_saved: Optional[int] = None
         self.preempted_at: Optional[int] = None
         self._async = None
         if c.async_save:  # collective (own gloo group): every rank builds its checkpointer
-            from verl_hpc.checkpoint.async_save import AsyncSaver
-
             self._async = AsyncSaver(self.root, keep_last=self.keep_last, layout=self.layout)
 
     # ------------------------------------------------------------------------------ saving
@@ -88,8 +92,6 @@ class TrainerCheckpointer:
             return str(self.root / f"step_{step:06d}")
         if not (force or self.due(step)):
             return None
-        from verl_hpc.checkpoint.rng import capture_rng_state
-        from verl_hpc.checkpoint.save import save_checkpoint
 
         t0 = time.perf_counter()
         tensors, engine_meta = [], {}
@@ -100,11 +102,7 @@ class TrainerCheckpointer:
         metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta)}
         rank_state = capture_rng_state(generators={"trainer": self.ctx.generator})
         if self.ctx.rank == 0:
-            from verl_hpc.tracking.jsonl import lines_until
-
-            history = lines_until(self._metrics_file(), step)  # empty without the jsonl backend
-            if history:
-                rank_state[HISTORY_KEY] = history.encode()
+            rank_state.update(self.history.snapshot(step))  # empty without the jsonl backend
         if self._async is not None and not force:
             self._async.save(step, tensors, metadata=metadata, rank_state=rank_state)
             path = self.root / f"step_{step:06d}"
@@ -121,17 +119,10 @@ class TrainerCheckpointer:
         return str(path)
 
     def _config_yaml(self) -> str:
-        from verl_hpc.config import to_yaml
-
         return to_yaml(self.cfg)
 
-    def _metrics_file(self) -> Path:
-        from verl_hpc.tracking.jsonl import FILENAME
-
-        return Path(self.cfg.trainer.output_dir) / FILENAME
-
     def _trainer_state(self, step: int, engine_meta: dict) -> dict:
-        metrics_file = self._metrics_file()
+        metrics_file = self.history.path
         return {"format": FORMAT, "step": int(step), "engines": engine_meta,
                 "loader": self.loader.state_dict() if self.loader is not None else None,
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
@@ -147,8 +138,6 @@ class TrainerCheckpointer:
     def find(self) -> Optional[Path]:
         """The checkpoint `trainer.resume` asks for: auto -> `latest` under checkpoint.dir (None:
         a fresh start), never -> None, anything else -> that path (which must exist)."""
-        from verl_hpc.checkpoint.index import find_latest, resolve
-
         how = str(self.cfg.trainer.resume or "auto")
         if how == "never":
             return None
@@ -159,9 +148,6 @@ class TrainerCheckpointer:
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` names into the engines and the trainer's state;
         returns its step (0 for a fresh start). Every rank calls this."""
-        from verl_hpc.checkpoint.load import open_checkpoint
-        from verl_hpc.checkpoint.rng import restore_rng_state
-
         path = self.find()
         if path is None:
             self._check_no_collisions(0)
@@ -182,7 +168,7 @@ class TrainerCheckpointer:
                 engine.load_state(lambda slabs, n=name: reader.load_into(_prefixed(n, slabs)),
                                   ts["engines"][name])
             if self.ctx.rank == 0:
-                self._restore_history(reader, int(ts["step"]))
+                self.history.restore(reader.rank_state(0), int(ts["step"]))
             if reader.world_size == self.ctx.world_size:
                 restore_rng_state(reader.rank_state(self.ctx.rank), generators={"trainer": self.ctx.generator})
             elif self.ctx.rank == 0:
@@ -206,8 +192,6 @@ class TrainerCheckpointer:
         """Fail now, not at the first save hours later, when checkpoint.dir already holds steps
         this run would save again (an earlier run's, with trainer.resume=never or a path to an
         older step): a step is saved once."""
-        from verl_hpc.checkpoint.publish import STEP_DIR, list_checkpoints
-
         taken = sorted(p.name for p in list_checkpoints(self.root)
                        if start < int(STEP_DIR.match(p.name).group(1)) <= self.total_steps)
         if taken:
@@ -216,13 +200,6 @@ class TrainerCheckpointer:
                 f"which this run (steps {start + 1}..{self.total_steps}, trainer.resume="
                 f"{self.cfg.trainer.resume}) would save again: set another checkpoint.dir, remove "
                 "them, or resume from the latest (trainer.resume=auto)")
-
-    def _restore_history(self, reader, step: int) -> None:
-        from verl_hpc.tracking.jsonl import restore_lines
-
-        saved = reader.rank_state(0).get(HISTORY_KEY)
-        if isinstance(saved, (bytes, bytearray)) and saved:
-            restore_lines(self._metrics_file(), bytes(saved).decode("utf-8"), step)
 
     # ------------------------------------------------------------------------------ requeue
     def requeue_if_preempted(self) -> None:

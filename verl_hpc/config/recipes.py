@@ -6,7 +6,7 @@ Values follow each method's paper; where a paper gives no number, verl's example
 (`examples/*_trainer/`) or defaults are used, and a comment says so. docs/algorithms.md has the table.
 
 This module imports nothing from verl_hpc (nor torch) so that config can validate names cheaply;
-tests/unit/algorithms/test_recipes.py checks that the name tuples equal the algorithm registries.
+tests/unit/algorithms/test_alg_registry_recipes.py checks that the name tuples equal the algorithm registries.
 """
 
 # Names of verl_hpc.algorithms' registries (order is for display only).

@@ -1,6 +1,6 @@
 """Training engines behind one interface (`TrainingEngine`, base.py) and the batch format they
 take (batch.py). The Megatron-Core engine and its roles live in `verl_hpc.engines.megatron`
-(imported lazily: it pulls megatron-core in).
+(megatron-core itself is imported only inside the functions that use it).
 
     from verl_hpc.engines import build_engine
     actor = build_engine("actor", cfg, ctx)

@@ -38,6 +38,12 @@ Batch = Dict[str, torch.Tensor]
 SEQUENCE_KEYS = ("input_ids", "prompt_lengths", "response_lengths")
 
 
+def as_engine_batch(batch) -> Mapping[str, torch.Tensor]:
+    """This format of `batch`: a mapping as it is, or the trainer's typed batch (anything with
+    `engine_batch()`, verl_hpc.trainer.step_batch.StepBatch), which engines do not import."""
+    return batch.engine_batch() if hasattr(batch, "engine_batch") else batch
+
+
 def response_width(batch: Mapping[str, torch.Tensor]) -> int:
     if "response_mask" in batch:
         return int(batch["response_mask"].shape[1])

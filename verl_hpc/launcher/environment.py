@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 # Always set. HDF5 file locking fails on Lustre without flock and when a reader opens a file a
-# writer holds (FINDINGS.md); vLLM must stay in the calling process for the hybrid engine.
+# writer holds (docs/platform-notes.md, "HDF5"); vLLM must stay in the calling process for the hybrid engine.
 BASE = {
     "PYTHONUNBUFFERED": "1",
     "HDF5_USE_FILE_LOCKING": "FALSE",

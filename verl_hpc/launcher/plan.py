@@ -6,7 +6,7 @@ import shutil
 import time
 from pathlib import Path
 
-from verl_hpc.config import to_yaml
+from verl_hpc.config import ConfigError, to_yaml
 from verl_hpc.launcher.environment import job_environment
 
 
@@ -61,8 +61,6 @@ def make_plan(cfg, *, local: bool = False) -> Plan:
 
 
 def raise_layout(message: str):
-    from verl_hpc.config import ConfigError
-
     raise ConfigError(message)
 
 

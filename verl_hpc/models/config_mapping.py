@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
+from verl_hpc.runtime.device import has_gpu
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -194,8 +195,6 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     """
     import torch
     from megatron.core.transformer import TransformerConfig
-
-    from verl_hpc.runtime.device import has_gpu
 
     check_parallel(arch, tp, pp)
     dtype = torch.float32 if dtype is None else dtype

@@ -7,7 +7,8 @@ Each rule knows, for one Megatron parameter of one layer:
   concatenated along `tp_dim` in rank order);
 - `hf_entries(arch, layer)`: the HF names and shapes it produces (export plans without any tensor).
 
-Megatron layouts (FINDINGS.md, verified for parity with transformers):
+Megatron layouts (docs/platform-notes.md, "megatron-core 0.16.1 on CPU"; verified for parity with
+transformers):
 - linear_qkv: per query group g, that group's q heads, then its k head, then its v head, along
   dim 0; TP rank r holds groups [r*G/tp, (r+1)*G/tp), which are contiguous in that layout.
 - linear_fc1: TP rank r holds [gate rows of r; up rows of r]; gathered, the shards interleave.

@@ -1,7 +1,8 @@
 """CPU help for megatron-core 0.16.1: the one place that bends Megatron to run without a GPU.
 
-megatron-core hard-codes CUDA in a few places on the model and training paths (FINDINGS.md,
-"megatron-core 0.16.1 on CPU with gloo", items 1-7, plus rotary's `torch.cuda.current_device()`).
+megatron-core hard-codes CUDA in a few places on the model and training paths
+(docs/platform-notes.md, "megatron-core 0.16.1 on CPU", items 1-7, plus rotary's
+`torch.cuda.current_device()`).
 `apply()` replaces exactly those, on every rank, after `parallel_state.initialize_model_parallel`,
 and only when `runtime.device.has_gpu()` is false; on a GPU machine it does nothing. It is
 idempotent and records what it changed (`applied()`).
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 VERIFIED_MEGATRON_VERSION = "0.16.1"
 
-# module -> why it needs CPU allocation (FINDINGS.md item numbers)
+# module -> why it needs CPU allocation (item numbers of docs/platform-notes.md)
 TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.utils": "1: GlobalMemoryBuffer.get_tensor; 6: local_multi_tensor_l2_norm",
     "megatron.core.pipeline_parallel.schedules": "3: torch.zeros(device='cuda') token counters",
@@ -53,7 +54,7 @@ TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.optimizer.clip_grads": "6: grad-norm tensors on CUDA",
     "megatron.core.optimizer.distrib_optimizer": "7: shard buffers on CUDA",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "rotary inv_freq to CUDA",
-    # Not in FINDINGS.md, found while building verl_hpc.models:
+    # Found while building verl_hpc.models (the "found later" paragraph of the same section):
     "megatron.core.transformer.utils": "get_default_causal_mask (attention_mask=None) on CUDA",
     "megatron.core.tensor_parallel.mappings": "gather/scatter outputs (full-vocab logits) on CUDA",
     "megatron.core.tensor_parallel.utils": "1-D split/gather buffers (recompute) on CUDA",
@@ -301,7 +302,7 @@ def _patch_type_names() -> None:
         if count != expected:
             raise RuntimeError(
                 f"cpu_compat: {target} has {count} CUDA tensor-type constants, expected {expected}; "
-                f"megatron-core changed, re-check FINDINGS.md item 7 against it")
+                f"megatron-core changed, re-check item 7 of docs/platform-notes.md against it")
         _remember(target, fn.__code__, "type-names", "7: rejects non-'torch.cuda.*Tensor' params")
         fn.__code__ = new_code
 

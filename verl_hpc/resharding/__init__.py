@@ -9,7 +9,7 @@ rollout engine, after every update, collectively, in buckets, without disk (DESI
     sync/tensors  sync/largest_tensor_bytes  sync/export_seconds  sync/load_seconds ...
 
 Modules:
-    sync.py      the step: wake, export -> buckets -> load_weights, failure agreement, metrics
+    sync.py      the step: export -> buckets -> load_weights, failure agreement, metrics
     buckets.py   BucketStream: byte-bounded buckets over a (name, tensor) stream, its counts
     sinks.py     NullSink / DigestSink: load_weights receivers for benchmarks and tests
     memory.py    HeapPeak: the peak extra host memory of a block (glibc heap in use, sampled)

@@ -11,9 +11,9 @@ rank's rollout engine takes the full tensors and cuts its own slices, whatever i
 (vLLM's loaders do this), so no inference-side collective is needed. The stream goes through
 `BucketStream` (buckets of `bucket_mb`) into ONE `rollout.load_weights` call.
 
-Steps: `rollout.wake()` (vLLM sleep mode on GPU when rollout.sleep_between_phases; a logged no-op
-elsewhere) -> export -> buckets -> load_weights -> agreement. Putting the rollout to sleep is the
-trainer's business (after generate, before training): the weights must be resident to be loaded.
+Steps: export -> buckets -> load_weights -> agreement. The rollout must hold its weights to take
+new ones: sleeping and waking it (vLLM sleep mode, rollout.sleep_between_phases) is the trainer's
+business, which wakes it right before calling this (verl_hpc/trainer/rl.py).
 
 Failure handling: if this rank's consumer raises (a bad name, a shape the engine rejects), the
 rest of the export is still run (discarded) so that the other ranks' collectives complete, and
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
+from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
 
 def _agree(failed: bool, seconds: float):
     """(any rank failed, the slowest rank's seconds, lowest failing rank) over the default group."""
-    from verl_hpc.runtime.device import collective_device
-
     if not (dist.is_available() and dist.is_initialized()):
         return failed, seconds, 0 if failed else -1
     big = float(dist.get_world_size() + 1)
@@ -83,10 +82,8 @@ class WeightSync:
         metrics = syncer(actor, rollout)
     """
 
-    def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
-                 wake: bool = True):
+    def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None):
         self.bucket_bytes = bucket_bytes_from(bucket_mb, bucket_bytes)
-        self.wake = wake
         self.last: Dict[str, float] = {}
         self.count = 0
 
@@ -100,11 +97,7 @@ class WeightSync:
         start = time.perf_counter()
         stream = BucketStream(export(), self.bucket_bytes)
         error: Optional[BaseException] = None
-        wake_seconds = 0.0
         try:
-            if self.wake:
-                rollout.wake()  # a logged no-op where sleep mode is off or unsupported
-                wake_seconds = time.perf_counter() - start
             rollout.load_weights(iter(stream))
             if not stream.source_exhausted:
                 raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
@@ -138,10 +131,9 @@ class WeightSync:
             "sync/largest_tensor_bytes": float(stream.largest_tensor_bytes),
             "sync/bucket_bytes": float(self.bucket_bytes),
             # this rank's split of its own wall time: in the export (collectives, re-fusion),
-            # in the rollout engine (load_weights minus the export it pulled), in wake()
+            # in the rollout engine (load_weights minus the export it pulled)
             "sync/export_seconds": stream.export_seconds,
-            "sync/load_seconds": max(seconds - stream.export_seconds - wake_seconds, 0.0),
-            "sync/wake_seconds": wake_seconds,
+            "sync/load_seconds": max(seconds - stream.export_seconds, 0.0),
         }
         # the first in full; later ones are in the step's metrics (sync/*), not one more log line
         log.log(logging.INFO if self.count == 1 else logging.DEBUG,
@@ -152,7 +144,7 @@ class WeightSync:
         return dict(self.last)
 
 
-def sync(actor, rollout, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
-         wake: bool = True) -> Dict[str, float]:
+def sync(actor, rollout, *, bucket_mb: Optional[float] = None,
+         bucket_bytes: Optional[int] = None) -> Dict[str, float]:
     """One weight sync (see the module docstring); a collective over all ranks of the job."""
-    return WeightSync(bucket_mb=bucket_mb, bucket_bytes=bucket_bytes, wake=wake)(actor, rollout)
+    return WeightSync(bucket_mb=bucket_mb, bucket_bytes=bucket_bytes)(actor, rollout)

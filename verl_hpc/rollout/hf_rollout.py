@@ -27,6 +27,7 @@ import torch
 
 from verl_hpc.config.schema import default_of
 from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.factory import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -108,8 +109,6 @@ class HFRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, ctx=None, **overrides) -> "HFRollout":
-        from verl_hpc.rollout.factory import engine_kwargs
-
         return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "hf"), **overrides})
 
     @property

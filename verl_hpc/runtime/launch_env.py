@@ -3,7 +3,7 @@
 Launchers are recognised in a fixed order, most explicit first, because their variables overlap:
 torchrun (RANK/WORLD_SIZE) > mpirun (OMPI_COMM_WORLD_*) > srun job step (SLURM_PROCID inside a
 step) > a single plain process. `mpirun` inside a Slurm allocation leaves SLURM_PROCID=0 on every
-rank (FINDINGS.md), which is why Open MPI's variables are read before Slurm's.
+rank (docs/platform-notes.md, "Slurm and MPI"), which is why Open MPI's variables are read before Slurm's.
 """
 from __future__ import annotations
 

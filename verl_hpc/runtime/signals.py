@@ -12,6 +12,11 @@ import signal
 import time
 from typing import Iterable
 
+import torch
+import torch.distributed as dist
+
+from verl_hpc.runtime.device import collective_device
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
@@ -41,12 +46,8 @@ class PreemptionFlag:
 
     def agreed(self, group=None) -> bool:
         """True on every rank if any rank saw a signal (a MAX all-reduce: one collective)."""
-        import torch
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return self.is_set()
-        from verl_hpc.runtime.device import collective_device
 
         t = torch.tensor([1 if self.is_set() else 0], dtype=torch.int32, device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 # The stages of DESIGN.md's step, in order; other names are accepted too (a recipe may add one).
 STAGES = ("generate", "reward", "old_logprob", "ref", "values", "adv", "update_critic",
-          "update_actor", "sync")
+          "update_actor", "wake", "sync")
 
 
 class StageTimer:

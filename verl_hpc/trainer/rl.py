@@ -7,43 +7,49 @@ read from `algorithm.*` / `actor.*`; the step below is the same for PPO, GRPO, D
 REINFORCE++ and GSPO. Every rank runs the same code on the same global batch (rank 0 samples the
 prompts and broadcasts them); the engines split rows over data-parallel ranks internally.
 
+The step's pieces: trainer/sampling.py (generate, score, DAPO filter), trainer/step_batch.py
+(the typed batch the stages fill), trainer/advantage.py (KL in reward, advantages),
+verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise).
+
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
 warning signal) it saves, stops cleanly and (on Slurm) requeues the job, which resumes from `latest`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
-from verl_hpc.algorithms import make_kl_controller, masked_mean
+from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller, masked_mean
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
+from verl_hpc.config import to_container
+from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import WeightSync
-from verl_hpc.rollout.metrics import rollout_metrics
-from verl_hpc.trainer import shaping
-from verl_hpc.trainer.batching import (assemble, broadcast_prompts, concat_batches, first_groups,
-                                       logprob_diff_metrics, response_stats)
+from verl_hpc.rewards import RewardScorer
+from verl_hpc.rollout import SamplingSpec
+from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
+from verl_hpc.trainer.advantage import AdvantageStage
+from verl_hpc.trainer.batching import logprob_diff_metrics, response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
+from verl_hpc.trainer.sampling import StepSampler
+from verl_hpc.trainer.validation import Validator
 
 log = logging.getLogger(__name__)
 
 
 class RLTrainer:
-    def __init__(self, cfg, ctx):
-        from verl_hpc.data import PromptLoader, load_val_dataset
-        from verl_hpc.rewards import RewardScorer
-        from verl_hpc.rollout import SamplingSpec
-        from verl_hpc.trainer.validation import Validator
-
+    def __init__(self, cfg, ctx, roles=None):
+        """roles: the Roles to run (default: built from cfg, a collective); tests pass fakes."""
         self.cfg, self.ctx = cfg, ctx
-        self.roles = build_roles(cfg, ctx)
+        self.roles = roles if roles is not None else build_roles(cfg, ctx)
         tok, d = self.roles.tokenizer, cfg.data
         self.loader = PromptLoader.from_config(d, tok, d.wrap_plain_text) if ctx.rank == 0 else None
         val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
@@ -54,9 +60,12 @@ class RLTrainer:
             if val_set is not None:
                 self.scorer.check_samples(*_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
-        self.sampling = SamplingSpec.from_config(cfg.rollout)
+        self.sampler = StepSampler(cfg, ctx, self.roles, self.loader, self.scorer, SamplingSpec.from_config(cfg.rollout))
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl)
+        self.policy_loss = PolicyObjective.from_config(cfg.actor)
+        self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
@@ -65,109 +74,53 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
-        cfg, r, m = self.cfg, self.roles, {}
-        batch, token_scores, baselines = self._sample(step, timer, m)
+        r = self.roles
+        batch, m = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> DAPO filter)
         m.update(response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
-        r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training; sync wakes it
-        t = batch.tensors
+        r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training
         with timer("old_logprob"):
-            t.update(r.actor.log_probs(t))
-        m.update(logprob_diff_metrics(batch.rollout_log_probs, t["old_log_probs"], t["response_mask"]))
-        m["actor/entropy"] = float(masked_mean(t.pop("entropy"), t["response_mask"]))
+            batch.fill(r.actor.log_probs(batch))  # old_log_probs, entropy
+        m.update(logprob_diff_metrics(batch.rollout_log_probs, batch.old_log_probs, batch.mask))
+        m["actor/entropy"] = float(masked_mean(batch.entropy, batch.mask))
         if r.ref is not None:
             with timer("ref"):
-                t.update(r.ref.log_probs(t))
+                batch.fill(r.ref.log_probs(batch))  # ref_log_probs
         if r.critic is not None:
             with timer("values"):
-                t.update(r.critic.values(t))
+                batch.fill(r.critic.values(batch))  # values
         with timer("adv"):
-            rewards, m_kl = shaping.kl_in_reward(token_scores, t, self.kl_ctrl, cfg)
-            t["advantages"], t["returns"] = shaping.advantages(cfg, rewards, t, batch.group_ids, baselines)
+            m_adv = self.advantage(batch)  # rewards (- KL penalty), advantages, returns
             if step in self.inject_nan:  # test hook: a NaN loss must be skipped, counted, and stop the run
-                t["advantages"] = torch.full_like(t["advantages"], float("nan"))
-        m.update(m_kl)
+                batch.advantages = torch.full_like(batch.advantages, float("nan"))
+        m.update(m_adv)
         if r.critic is not None:
             with timer("update_critic"):
-                m.update(r.critic.update(t))
+                m.update(r.critic.update(batch, self.value_loss))
         with timer("update_actor"):
-            m.update(r.actor.update(t))
-        with timer("sync"):
-            m.update(self.weight_sync(r.actor, r.rollout))
+            m.update(r.actor.update(batch, self.policy_loss))
+        m.update(self._sync_weights(timer))
         m.update(self.guard.check(m, step))
-        m["train/tokens"] = float(t["response_mask"].sum() + t["prompt_lengths"].sum())
+        m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))
         return m
 
-    def _sample(self, step: int, timer, m: Dict[str, float]):
-        """Prompts -> responses -> token-level scores -> (DAPO) informative groups only.
-
-        With algorithm.filter_groups, rounds of train_batch_size prompts are generated until that
-        many groups with differing rewards are kept (the first train_batch_size of them are
-        trained on) or algorithm.max_num_gen_batches rounds ran (then the step trains on what it
-        kept and says how many groups it missed). Reward and rollout metrics describe the first
-        round, unfiltered, as for every other recipe; filter/* the whole step."""
-        cfg, r = self.cfg, self.roles
-        want = cfg.data.train_batch_size
-        rounds = cfg.algorithm.max_num_gen_batches if cfg.algorithm.filter_groups else 1
-        parts, kept, dropped = [], 0, {}
-        for round_ in range(rounds):
-            prompts = broadcast_prompts(self.loader, self.ctx)
-            with timer("generate"):
-                result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_))
-                batch = assemble(prompts, result, r.tokenizer, r.pad_id)
-            with timer("reward"):
-                scores, m_reward = shaping.score_batch(self.scorer, batch, r.reward_model)
-                token_scores, m_shape = shaping.to_token_level(self.scorer, scores, batch, cfg)
-                keep, m_filter = shaping.dynamic_sampling_filter(token_scores, batch, cfg)
-                baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
-            if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
-                m.update(rollout_metrics(result), **m_reward, **m_shape)
-            for k in ("filter/dropped_groups", "filter/dropped_samples"):
-                dropped[k] = dropped.get(k, 0.0) + m_filter.get(k, 0.0)
-            if not bool(keep.all()):
-                batch, token_scores = batch.select(keep), token_scores[keep]
-                baselines = baselines[keep] if baselines is not None else None
-            parts.append((batch, token_scores, baselines))
-            kept += len(set(batch.group_ids.tolist()))
-            if kept >= want:
-                break
-        batch, token_scores = concat_batches([(b, s) for b, s, _ in parts], r.pad_id)
-        baselines = None if parts[0][2] is None else torch.cat([bl for _, _, bl in parts])
-        if kept > want:  # a full batch, as every other step trains on
-            keep = first_groups(batch, want)
-            batch, token_scores = batch.select(keep), token_scores[keep]
-            baselines = baselines[keep] if baselines is not None else None
-        if cfg.algorithm.filter_groups:
-            m.update(dropped, **{"filter/gen_batches": float(len(parts)),
-                                 "filter/kept_groups": float(min(kept, want)),
-                                 "filter/kept_samples": float(len(batch)),
-                                 "filter/missing_groups": float(max(want - kept, 0))})
-        return batch, token_scores, baselines
-
-    def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
-        """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""
-        if self.cfg.algorithm.adv_estimator != "remax":
-            return None
-        import dataclasses
-
-        spec = dataclasses.replace(self.sampling.for_step(step), n=1, temperature=0.0)
-        greedy = assemble(prompts, self.roles.rollout.generate(prompts.prompt_ids, spec),
-                          self.roles.tokenizer, self.roles.pad_id)
-        scores, _ = shaping.score_batch(self.scorer, greedy, self.roles.reward_model)
-        return scores[batch.group_ids]
+    def _sync_weights(self, timer=None) -> Dict[str, float]:
+        """Wake the rollout (it must hold its weights to take new ones), then the resharding step."""
+        timer = timer or (lambda _stage: contextlib.nullcontext())
+        with timer("wake"):
+            self.roles.rollout.wake()  # a logged no-op where sleep mode is off or unsupported
+        with timer("sync"):
+            return self.weight_sync(self.roles.actor, self.roles.rollout)
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        from verl_hpc.config import to_container
-        from verl_hpc.tracking import StageTimer, Tracker, throughput
-
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
         if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
-            self.weight_sync(self.roles.actor, self.roles.rollout)  # wakes it first
+            self._sync_weights()
         tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
                           tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
                           log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,
@@ -226,8 +179,6 @@ def _columns(ds):
 
 
 def run(cfg, ctx) -> dict:
-    from verl_hpc.tracking import missing_packages
-
     missing = missing_packages(cfg.tracking.backends)  # on every rank, before any collective work
     if missing:
         raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")

@@ -21,6 +21,8 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
+from verl_hpc.engines.megatron.roles import build_engine
+
 log = logging.getLogger(__name__)
 
 
@@ -50,8 +52,6 @@ def load_tokenizer(cfg):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
-    from verl_hpc.engines.megatron.roles import build_engine
-
     tokenizer = load_tokenizer(cfg)
     rollout = None
     if with_rollout:

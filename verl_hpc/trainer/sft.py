@@ -21,17 +21,20 @@ import time
 from pathlib import Path
 from typing import List, Tuple
 
-
+from verl_hpc.algorithms import agg_loss
+from verl_hpc.config import to_container
+from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.engines.batch import pack_sequences
+from verl_hpc.engines.megatron.roles import build_engine
+from verl_hpc.tracking import Tracker, missing_packages
 from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.trainer.roles import load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
     """(prompt ids, response ids + EOS) per row of data.sft_files; DataError names file and row."""
-    from verl_hpc.data import DataError, encode_prompts, read_rows
-
     d, out = cfg.data, []
     eos = tokenizer.eos_token_id
     for path in d.sft_files:
@@ -52,8 +55,6 @@ def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
 
 
 def nll_loss(out, mb, counts):
-    from verl_hpc.algorithms import agg_loss
-
     mask = mb["response_mask"]
     loss = agg_loss(-out["log_probs"], mask, "token-mean", **counts.agg_kwargs())
     scale = counts.tokens / max(float(mask.sum()), 1.0)
@@ -78,11 +79,6 @@ def save_hf(engine, cfg, ctx, out_dir: str) -> None:
 
 
 def run(cfg, ctx) -> dict:
-    from verl_hpc.config import to_container
-    from verl_hpc.engines.megatron.roles import build_engine
-    from verl_hpc.tracking import Tracker, missing_packages
-    from verl_hpc.trainer.roles import load_tokenizer
-
     missing = missing_packages(cfg.tracking.backends)
     if missing:
         raise RuntimeError("; ".join(missing))

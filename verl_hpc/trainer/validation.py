@@ -9,15 +9,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict
 
+from verl_hpc.data import val_batches
+from verl_hpc.rollout import SamplingSpec
 from verl_hpc.trainer.batching import assemble, broadcast_object
-from verl_hpc.trainer.shaping import score_batch
+from verl_hpc.trainer.scoring import score_batch
 
 
 class Validator:
     def __init__(self, cfg, ctx, tokenizer, dataset):
-        from verl_hpc.data import val_batches
-        from verl_hpc.rollout import SamplingSpec
-
         self.spec = SamplingSpec.validation_from_config(cfg.rollout)
         chunks = list(val_batches(dataset, cfg.data.val_batch_size)) if ctx.rank == 0 and dataset else None
         self.chunks = broadcast_object(chunks) or []

@@ -14,7 +14,7 @@ TINY_GRPO = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "act
              "tracking.plots=false"]
 # metrics that measure the machine, not the run
 VOLATILE = ("timing_s/", "perf/", "throughput/", "time", "sync/seconds", "sync/gb_per_s",
-            "sync/export_seconds", "sync/load_seconds", "sync/wake_seconds", "rollout/seconds",
+            "sync/export_seconds", "sync/load_seconds", "rollout/seconds",
             "rollout/tokens_per_s")
 
 

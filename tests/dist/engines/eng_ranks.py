@@ -40,6 +40,14 @@ def _actor_cfg(spec: dict):
     return ActorConfig(**spec)
 
 
+def _update(eng, acfg, batch):
+    """One Actor.update with the policy objective of `acfg` (what the trainer passes)."""
+    from verl_hpc.algorithms import PolicyObjective
+    from verl_hpc.engines.megatron import Actor
+
+    return Actor(eng, acfg).update(batch, PolicyObjective.from_config(acfg))
+
+
 def _engine(args, model: str, **kw):
     from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
 
@@ -94,14 +102,12 @@ def _full_logits(engine, ids):
 
 def check_actor(args, layout, workdir, model, batch) -> dict:
     """Forward outputs; one actor update with fixed micro-batches, one with dynamic batching."""
-    from verl_hpc.engines.megatron import Actor
-
     res = {}
     acfg = _actor_cfg(args["actor"][model])
     eng = _engine(args, model)
     fwd = eng.forward(batch)
     _save(workdir, f"{layout}.forward.{model}", fwd)
-    metrics = Actor(eng, acfg).update(batch)
+    metrics = _update(eng, acfg, batch)
     res["fixed"] = metrics
     _save(workdir, f"{layout}.fixed.{model}", _export(eng))
     if args.get("export_logits") == layout and model == args["export_logits_model"]:
@@ -109,7 +115,7 @@ def check_actor(args, layout, workdir, model, batch) -> dict:
     del eng
     gc.collect()
     eng = _engine(args, model, max_tokens_per_microbatch=args["max_tokens"])
-    res["dynamic"] = Actor(eng, acfg).update(batch)
+    res["dynamic"] = _update(eng, acfg, batch)
     _save(workdir, f"{layout}.dynamic.{model}", _export(eng))
     return res
 
@@ -118,6 +124,7 @@ def check_roles(args, layout, workdir, batch) -> dict:
     """Critic values + update, reference (frozen), reward model scores."""
     import torch
 
+    from verl_hpc.algorithms import ValueObjective
     from verl_hpc.config.schema import CriticConfig
     from verl_hpc.engines.megatron import Critic, EngineOptions, MegatronEngine, Reference, RewardModel
 
@@ -125,7 +132,7 @@ def check_roles(args, layout, workdir, batch) -> dict:
     critic = Critic(_engine(args, "llama", head="value"), CriticConfig(ppo_mini_batch_size=8))
     values = critic.values(batch)["values"]
     cb = dict(batch, values=values, returns=values + torch.linspace(-1, 1, values.numel()).view_as(values))
-    res["critic_update"] = critic.update(cb)
+    res["critic_update"] = critic.update(cb, ValueObjective.from_config(critic.cfg))
     values_after = critic.values(batch)["values"]
     _save(workdir, f"{layout}.critic.llama", {"before": values, "after": values_after})
     res["critic_export_names"] = [n for n, _ in critic.engine.export_hf_weights()][-2:]
@@ -155,16 +162,14 @@ def check_roles(args, layout, workdir, batch) -> dict:
 def check_nonfinite(args, layout, workdir, batch) -> dict:
     import torch
 
-    from verl_hpc.engines.megatron import Actor
-
     eng = _engine(args, "llama")
     before = _export(eng)
     bad = dict(batch, advantages=batch["advantages"].clone())
     bad["advantages"][1, 0] = float("nan")
-    metrics = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(bad)
+    metrics = _update(eng, _actor_cfg(args["actor"]["llama"]), bad)
     after = _export(eng)
     same = all(torch.equal(before[n], after[n]) for n in before)
-    good = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(batch)  # still trains afterwards
+    good = _update(eng, _actor_cfg(args["actor"]["llama"]), batch)  # still trains afterwards
     return {"metrics": metrics, "unchanged": same, "then": good}
 
 
@@ -191,23 +196,19 @@ def _read_state(workdir, tag):
 
 
 def check_state_save(args, layout, workdir, batch, batch2) -> dict:
-    from verl_hpc.engines.megatron import Actor
-
     eng = _engine(args, "llama", optim=_optim(args["state_optim"]))
-    actor = Actor(eng, _actor_cfg(args["actor"]["llama"]))
-    m1 = actor.update(batch)
+    acfg = _actor_cfg(args["actor"]["llama"])
+    m1 = _update(eng, acfg, batch)
     st = eng.state()
     _write_state(workdir, layout, st)
     names = sorted({t.name for t in st.tensors})
-    m2 = actor.update(batch2)
+    m2 = _update(eng, acfg, batch2)
     _save(workdir, f"{layout}.continued.llama", _export(eng))
     return {"names": names, "meta": st.meta, "step1": m1, "step2": m2}
 
 
 def check_state_load(args, layout, workdir, batch2) -> dict:
     import math
-
-    from verl_hpc.engines.megatron import Actor
 
     tensors, meta = _read_state(workdir, args["state_from"])
     # saved with the distributed optimizer, loaded into the plain one: the slabs do not care
@@ -224,7 +225,7 @@ def check_state_load(args, layout, workdir, batch2) -> dict:
     eng.load_state(load_into, meta)
     lr_loaded = eng.lr
     names = sorted({t.name for t in eng.state().tensors})
-    m2 = Actor(eng, _actor_cfg(args["actor"]["llama"])).update(batch2)
+    m2 = _update(eng, _actor_cfg(args["actor"]["llama"]), batch2)
     _save(workdir, f"{layout}.resumed.llama", _export(eng))
     return {"names": names, "lr_loaded": lr_loaded, "step2": m2, "nan_targets": nan_targets,
             "all_finite": all(math.isfinite(v) for v in m2.values())}

@@ -71,7 +71,7 @@ def _hf_response_logprobs(logits, batch):
 
 
 def _actor_loss(logp, ent, mask, batch, cfg):
-    """The loss of verl_hpc.engines.megatron.roles.Actor, on the whole batch at once."""
+    """The loss of verl_hpc.algorithms.PolicyObjective (what Actor.update runs), on the whole batch at once."""
     from verl_hpc.algorithms import agg_loss, compute_policy_loss, kl_loss
 
     loss, _ = compute_policy_loss("vanilla", batch["old_log_probs"], logp, batch["advantages"], mask,

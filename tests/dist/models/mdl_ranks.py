@@ -145,10 +145,10 @@ def _check_model(spec: dict, mp, out: dict) -> None:  # noqa: C901 (one check li
 
 def _train_smoke(spec: dict, out: dict) -> None:
     """DDP + DistributedOptimizer + grad clipping + the no-pipelining schedule, one Adam step
-    (FINDINGS.md items 3, 5-7 on CPU). Megatron's global grad norm of the next-token
-    cross-entropy must equal transformers' (computed by the test): at TP > 1 that needs every
-    split weight to carry Megatron's tensor-parallel attributes, and the -inf padded columns
-    must not disturb the vocab-parallel cross-entropy."""
+    (docs/platform-notes.md, "megatron-core 0.16.1 on CPU", items 3, 5-7). Megatron's global grad
+    norm of the next-token cross-entropy must equal transformers' (computed by the test): at
+    TP > 1 that needs every split weight to carry Megatron's tensor-parallel attributes, and the
+    -inf padded columns must not disturb the vocab-parallel cross-entropy."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -6,19 +6,9 @@ as in a real job. Each rank writes rank{r}.json; global rank 0 saves the exporte
 layout as `<layout>.state.pt` for the test to build a transformers model from. A failing rank
 fails the launch with every rank's log tail.
 
-The scenario (args["steps"], in order; one process set for all, since spawning ranks and importing
-Megatron and vLLM costs far more than the checks):
-    {"rollout": tp}                 close the current vLLM engine (if any), build one at inference TP
-    {"layout": name, "tp", "pp"}    (re)initialise Megatron at that layout, build the actor from the
-                                    job config, run one Actor.update; export it for the test
-    {"check": label, "bucket_mb"}   sync the actor into vLLM, greedy generate, recompute the
-                                    rollout's log-probs with the actor (engine.forward)
-    {"digests": [mb, mb]}           sync into a DigestSink at each bucket size (bitwise comparison)
-    {"tied": mb}                    a Megatron model of args["tied_model"] (tied embeddings, not
-                                    updated) at the current layout, synced into a DigestSink and
-                                    into a vLLM engine built from args["tied_other"]
-    {"memory": [mb, ...]}           sync into a NullSink inside HeapPeak (args["memory_model"])
-    {"failure": rank}               a sink that raises on that rank: every rank must raise SyncError
+The scenario is `scenario()` below, plain code read top to bottom: one process set for all the
+checks, since spawning ranks and importing Megatron and vLLM costs far more than the checks.
+`args` (args.json) carries only the test's inputs: model folders, prompts, lengths, the LR.
 """
 from __future__ import annotations
 
@@ -73,96 +63,90 @@ def _job_config(args, tp: int, pp: int):
     return cfg
 
 
-class _State:
-    rollout = None
-    rollout_tp = 0
-    actor = None
-    layout = ""
-
-
-def _step_rollout(st, args, ctx, tp):
+def _build_rollout(args, ctx, tp: int):
+    """A vLLM engine at inference TP `tp` (one replica per `tp` ranks)."""
     from verl_hpc.rollout import build_rollout
 
-    if st.rollout is not None:
-        st.rollout.close()
     cfg = _job_config(args, 1, 1)
     cfg.rollout.tp = tp
-    st.rollout, st.rollout_tp = build_rollout(cfg, ctx, max_num_seqs=16), tp
+    return build_rollout(cfg, ctx, max_num_seqs=16)
 
 
-def _step_layout(st, args, ctx, step, workdir, out):
+def _train_at(args, ctx, layout: str, tp: int, pp: int, workdir, out):
+    """(Re)initialise Megatron at tp x pp, build the actor from the job config, run one
+    Actor.update; rank 0 saves the exported weights for the test."""
     import torch
     import torch.distributed as dist
 
+    from verl_hpc.algorithms import PolicyObjective
     from verl_hpc.engines import build_engine
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
 
-    st.actor = None
     destroy_model_parallel()
-    init_model_parallel(step["tp"], step["pp"], seed=1)
-    cfg = _job_config(args, step["tp"], step["pp"])
+    init_model_parallel(tp, pp, seed=1)
+    cfg = _job_config(args, tp, pp)
     actor = build_engine("actor", cfg, ctx)
     batch = train_batch()
     batch["old_log_probs"] = actor.log_probs(batch)["old_log_probs"]
-    metrics = actor.update(batch)
+    metrics = actor.update(batch, PolicyObjective.from_config(cfg.actor))
     state = {n: t.clone() for n, t in actor.engine.export_hf_weights()}
     if dist.get_rank() == 0:
-        torch.save(state, Path(workdir) / f"{step['layout']}.state.pt")
-    st.actor, st.layout = actor, step["layout"]
-    out["updates"][step["layout"]] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm")}
+        torch.save(state, Path(workdir) / f"{layout}.state.pt")
+    out["updates"][layout] = {k: metrics[k] for k in ("actor/pg_loss", "actor/grad_norm")}
+    return actor
 
 
-def _step_check(st, args, step, out):
+def check_sync(actor, rollout, args, *, layout: str, rollout_tp: int, bucket_mb: float) -> dict:
+    """Sync the actor into vLLM, greedy generate, recompute the rollout's log-probs with the actor
+    (engine.forward)."""
     import torch
 
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.resharding import sync
     from verl_hpc.rollout import SamplingSpec
 
-    metrics = sync(st.actor, st.rollout, bucket_mb=step["bucket_mb"])
+    rollout.wake()  # the trainer's order: wake, then sync (a no-op on CPU)
+    metrics = sync(actor, rollout, bucket_mb=bucket_mb)
     greedy = SamplingSpec(temperature=0, max_tokens=args["max_new"])
-    res = st.rollout.generate(args["prompts"], greedy)
+    res = rollout.generate(args["prompts"], greedy)
     batch = pack_sequences([res.prompts[i] for i in res.prompt_index], res.response_ids)
-    actor_lp = st.actor.log_probs(batch)["old_log_probs"]
+    actor_lp = actor.log_probs(batch)["old_log_probs"]
     diff = 0.0
     for row, lps in enumerate(res.logprobs):
         ref = actor_lp[row, :len(lps)]
         diff = max(diff, float((torch.tensor(lps) - ref).abs().max()))
-    out["checks"][step["check"]] = dict(
-        layout=st.layout, rollout_tp=st.rollout_tp, metrics=metrics,
-        response_ids=res.response_ids, logprobs=res.logprobs, actor_logprob_diff=diff)
+    return dict(layout=layout, rollout_tp=rollout_tp, metrics=metrics, response_ids=res.response_ids,
+                logprobs=res.logprobs, actor_logprob_diff=diff)
 
 
-def _step_digests(st, step, out):
+def sync_digests(actor, bucket_sizes) -> list:
+    """Sync into a DigestSink at each bucket size (for a bitwise comparison)."""
     from verl_hpc.resharding import DigestSink, sync
 
     runs = []
-    for mb in step["digests"]:
+    for mb in bucket_sizes:
         sink = DigestSink()
-        metrics = sync(st.actor, sink, bucket_mb=mb)
+        metrics = sync(actor, sink, bucket_mb=mb)
         runs.append(dict(bucket_mb=mb, records=sink.records, metrics=metrics))
-    out["digests"][st.layout] = runs
+    return runs
 
 
-def _step_tied(st, args, ctx, step, out):
+def tied_model_sync(args, ctx, bucket_mb: float) -> dict:
+    """A Megatron model of args["tied_model"] (tied embeddings, not updated) at the current
+    layout, synced into a DigestSink and into a vLLM engine built from args["tied_other"]. The
+    caller must have closed its own engine: one vLLM engine per process (a second one's close()
+    tears down vLLM's global parallel groups under the first)."""
     from verl_hpc.models import build_gpt_model, load_arch, load_hf_weights
     from verl_hpc.resharding import DigestSink, sync
 
     model = build_gpt_model(load_arch(args["tied_model"]))
     load_hf_weights(model, args["tied_model"])
     sink = DigestSink()
-    metrics = sync(model, sink, bucket_mb=step["tied"])
-    # one vLLM engine per process (a second one's close() tears down vLLM's global parallel
-    # groups under the first): the scenario's engine makes way and comes back afterwards
-    tp = st.rollout_tp
-    st.rollout.close()
-    st.rollout = None
-    vllm = _tied_into_vllm(model, args, step, ctx)
-    _step_rollout(st, args, ctx, tp)
-    out["tied"][st.layout] = dict(records=sink.records, metrics=metrics, vllm=vllm)
+    metrics = sync(model, sink, bucket_mb=bucket_mb)
+    return dict(records=sink.records, metrics=metrics, vllm=_tied_into_vllm(model, args, bucket_mb, ctx))
 
 
-def _tied_into_vllm(model, args, step, ctx):
+def _tied_into_vllm(model, args, bucket_mb, ctx):
     """The tied model's weights synced into a vLLM engine (inference TP = world size) that was
     built from another tied model of the same shape: what it then generates must come from the
     synced weights, output projection included (vllm_compat hazard 6)."""
@@ -174,14 +158,14 @@ def _tied_into_vllm(model, args, step, ctx):
     rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,
                           max_prompt_length=args["max_prompt"], max_response_length=args["max_new"])
     try:
-        sync(model, rollout, bucket_mb=step["tied"])
+        sync(model, rollout, bucket_mb=bucket_mb)
         res = rollout.generate(args["prompts"], SamplingSpec(temperature=0, max_tokens=args["max_new"]))
         return dict(response_ids=res.response_ids, logprobs=res.logprobs)
     finally:
         rollout.close()
 
 
-def _step_memory(st, args, step, out):
+def sync_memory(actor, rollout, args, bucket_sizes) -> dict:
     """Peak extra heap of a sync into a sink that drops what it gets, at each bucket size, from a
     model with a larger vocabulary (so its largest tensor, the embedding, dwarfs heap noise),
     built at the current layout; and into vLLM from the actor, for the record."""
@@ -192,15 +176,15 @@ def _step_memory(st, args, step, out):
     model = build_gpt_model(load_arch(args["memory_model"]))
     load_hf_weights(model, args["memory_model"])
     res = {}
-    for mb in step["memory"]:
+    for mb in bucket_sizes:
         sync(model, NullSink(), bucket_mb=mb)  # warm: first-call allocations apart
         with HeapPeak() as mem:
             metrics = sync(model, NullSink(), bucket_mb=mb)
         res[f"null@{mb}"] = dict(peak_bytes=mem.peak_bytes, end_bytes=mem.end_bytes, metrics=metrics)
     with HeapPeak() as mem:
-        metrics = sync(st.actor, st.rollout, bucket_mb=step["memory"][0])
+        metrics = sync(actor, rollout, bucket_mb=bucket_sizes[0])
     res["vllm"] = dict(peak_bytes=mem.peak_bytes, end_bytes=mem.end_bytes, metrics=metrics)
-    out["memory"][st.layout] = res
+    return res
 
 
 class _FailingSink:
@@ -209,9 +193,6 @@ class _FailingSink:
     def __init__(self, fail: bool):
         self.fail = fail
 
-    def wake(self):
-        pass
-
     def load_weights(self, weights):
         for k, _ in enumerate(weights):
             if self.fail and k == 3:
@@ -219,20 +200,60 @@ class _FailingSink:
         return {}
 
 
-def _step_failure(st, step, out):
+def sync_failing_on(actor, rank: int, out) -> None:
+    """A sink that raises on `rank`: every rank must raise SyncError, and a sync still works after."""
     import torch.distributed as dist
 
     from verl_hpc.resharding import NullSink, SyncError, sync
 
     try:
-        sync(st.actor, _FailingSink(dist.get_rank() == step["failure"]), bucket_mb=1)
+        sync(actor, _FailingSink(dist.get_rank() == rank), bucket_mb=1)
         out["failure"] = "no error"
     except SyncError as exc:
         out["failure"] = str(exc)
-    out["after_failure_ok"] = sync(st.actor, NullSink(), bucket_mb=1)["sync/tensors"] > 0
+    out["after_failure_ok"] = sync(actor, NullSink(), bucket_mb=1)["sync/tensors"] > 0
 
 
-def _scenario(workdir: Path) -> None:
+SMALL_MB = 0.05  # 51 KiB: smaller than the embedding (256 KB) and the fused fc1 / qkv weights
+
+
+def scenario(args, ctx, workdir: Path, out: dict, timed) -> None:
+    """The table of tests/dist/resharding/test_rsh_dist.py's docstring, in its order."""
+    with timed("build vLLM at inference TP2"):
+        rollout = _build_rollout(args, ctx, tp=2)
+
+    with timed("train at PP2"):
+        actor = _train_at(args, ctx, "pp2", tp=1, pp=2, workdir=workdir, out=out)
+    with timed("PP2 -> inference TP2"):
+        out["checks"]["pp2->inf_tp2"] = check_sync(actor, rollout, args, layout="pp2", rollout_tp=2,
+                                                   bucket_mb=SMALL_MB)
+        out["digests"]["pp2"] = sync_digests(actor, [SMALL_MB, 512])
+    with timed("tied embeddings at PP2"):
+        rollout.close()  # one vLLM engine per process: ours makes way for the tied model's
+        out["tied"]["pp2"] = tied_model_sync(args, ctx, SMALL_MB)
+        rollout = _build_rollout(args, ctx, tp=2)
+
+    with timed("train at TP2"):
+        actor = None  # the PP2 actor's model goes before Megatron is re-initialised
+        actor = _train_at(args, ctx, "tp2", tp=2, pp=1, workdir=workdir, out=out)
+    with timed("TP2 -> inference TP2"):
+        out["checks"]["tp2->inf_tp2"] = check_sync(actor, rollout, args, layout="tp2", rollout_tp=2,
+                                                   bucket_mb=1)
+        out["digests"]["tp2"] = sync_digests(actor, [SMALL_MB, 512])
+        out["memory"]["tp2"] = sync_memory(actor, rollout, args, [1, 8])
+        sync_failing_on(actor, 1, out)
+
+    with timed("TP2 -> inference TP1 (2 replicas)"):
+        rollout.close()
+        rollout = _build_rollout(args, ctx, tp=1)
+        out["checks"]["tp2->inf_tp1"] = check_sync(actor, rollout, args, layout="tp2", rollout_tp=1,
+                                                   bucket_mb=SMALL_MB)
+    rollout.close()
+
+
+def main(workdir: Path) -> None:
+    import contextlib
+
     import torch.distributed as dist
 
     from verl_hpc.runtime import bootstrap
@@ -241,30 +262,18 @@ def _scenario(workdir: Path) -> None:
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=240, seed=3)
     out = {"rank": ctx.rank, "updates": {}, "checks": {}, "digests": {}, "memory": {}, "tied": {},
            "seconds": {}}
-    st = _State()
-    for step in args["steps"]:
+
+    @contextlib.contextmanager
+    def timed(label):
         t = time.time()
-        if "rollout" in step:
-            _step_rollout(st, args, ctx, step["rollout"])
-        elif "layout" in step:
-            _step_layout(st, args, ctx, step, workdir, out)
-        elif "check" in step:
-            _step_check(st, args, step, out)
-        elif "digests" in step:
-            _step_digests(st, step, out)
-        elif "tied" in step:
-            _step_tied(st, args, ctx, step, out)
-        elif "memory" in step:
-            _step_memory(st, args, step, out)
-        elif "failure" in step:
-            _step_failure(st, step, out)
-        out["seconds"][json.dumps(step)] = round(time.time() - t, 2)
+        yield
+        out["seconds"][label] = round(time.time() - t, 2)
+
+    scenario(args, ctx, workdir, out, timed)
     (workdir / f"rank{ctx.rank}.json").write_text(json.dumps(out))
     dist.barrier()
-    if st.rollout is not None:
-        st.rollout.close()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _scenario(Path(sys.argv[1]))
+    main(Path(sys.argv[1]))

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.dist
 TOL = 1e-4
 MAX_PROMPT, MAX_NEW = 64, 12
 LENGTHS = (3, 17, 40, 9)
-SMALL_MB = 0.05  # 51 KiB: smaller than the embedding (256 KB) and the fused fc1 / qkv weights
 LR = 2e-3  # Adam's first step moves every weight by ~lr: visible in the greedy outputs
 
 
@@ -49,20 +48,9 @@ def run(tmp_path_factory):
     tied_other = str(make_tiny_model(root / "qwen2_tied_other", "qwen2", tied=True, seed=5))
     # embedding 4 MB: the largest tensor dwarfs heap noise in the memory check
     big = str(make_tiny_model(root / "llama_v8k", "llama", vocab_size=8000, seed=1))
-    steps = [{"rollout": 2},
-             {"layout": "pp2", "tp": 1, "pp": 2},
-             {"check": "pp2->inf_tp2", "bucket_mb": SMALL_MB},
-             {"digests": [SMALL_MB, 512]},
-             {"tied": SMALL_MB},
-             {"layout": "tp2", "tp": 2, "pp": 1},
-             {"check": "tp2->inf_tp2", "bucket_mb": 1},
-             {"digests": [SMALL_MB, 512]},
-             {"memory": [1, 8]},
-             {"failure": 1},
-             {"rollout": 1},
-             {"check": "tp2->inf_tp1", "bucket_mb": SMALL_MB}]
-    args = dict(model=llama, tied_model=tied, tied_other=tied_other, memory_model=big, prompts=_prompts(), max_new=MAX_NEW,
-                max_prompt=MAX_PROMPT, lr=LR, steps=steps)
+    # what the ranks run, in order: rsh_ranks.scenario
+    args = dict(model=llama, tied_model=tied, tied_other=tied_other, memory_model=big, prompts=_prompts(),
+                max_new=MAX_NEW, max_prompt=MAX_PROMPT, lr=LR)
     work = root / "ranks"
     ranks = launch(2, args, work)
     print("rank 0 step seconds:", ranks[0]["seconds"])

@@ -49,8 +49,6 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
     them is the TransformerConfig of the test above (the model itself needs TE + a GPU)."""
     import megatron.core.parallel_state as ps
 
-    import verl_hpc.models as models
-
     seen = {}
 
     class Stop(Exception):
@@ -60,7 +58,7 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(models, "build_gpt_model", fake_build)
+    monkeypatch.setattr(engine_mod, "build_gpt_model", fake_build)
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
     eng = engine_mod.MegatronEngine.__new__(engine_mod.MegatronEngine)
@@ -289,7 +287,6 @@ def test_build_engine_passes_the_trainer_timeout(monkeypatch):
     import megatron.core.parallel_state as ps
     import torch.distributed as dist
 
-    import verl_hpc.parallel as parallel
     from verl_hpc.engines.megatron import roles
 
     seen = {}
@@ -303,7 +300,7 @@ def test_build_engine_passes_the_trainer_timeout(monkeypatch):
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
-    monkeypatch.setattr(parallel, "init_from_config", fake_init)
+    monkeypatch.setattr(roles, "init_from_config", fake_init)
     with pytest.raises(Stop):
         roles.build_engine("actor", _cfg("trainer.collective_timeout_s=77"))
     assert seen == {"timeout_s": 77}

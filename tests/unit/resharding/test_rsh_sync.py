@@ -1,4 +1,4 @@
-"""sync / WeightSync in one process (no torch.distributed): metrics, wake before loading, what a
+"""sync / WeightSync in one process (no torch.distributed): metrics, one load_weights call, what a
 sink receives, failure handling (the export is run to its end when the consumer fails, and not
 when the export itself failed), sinks and the heap meter."""
 import time
@@ -63,14 +63,14 @@ class RecordingRollout:
 def test_metrics_and_delivery():
     rollout = RecordingRollout()
     m = sync(Role(FakeEngine()), rollout, bucket_mb=1)
-    assert rollout.calls == ["wake", "load"]  # one load_weights call with the whole stream
+    assert rollout.calls == ["load"]  # one load_weights call with the whole stream; waking is the trainer's
     assert list(rollout.received) == list(SHAPES)
     total = sum(torch.Size(s).numel() * 4 for s in SHAPES.values())
     assert m["sync/bytes"] == total and m["sync/tensors"] == len(SHAPES)
     assert m["sync/buckets"] == 1 and m["sync/peak_bucket_bytes"] == total
     assert m["sync/gb_per_s"] == pytest.approx(total / m["sync/seconds"] / 1e9)
     assert m["sync/largest_tensor_bytes"] == 64 * 16 * 4
-    for key in ("sync/seconds", "sync/export_seconds", "sync/load_seconds", "sync/wake_seconds"):
+    for key in ("sync/seconds", "sync/export_seconds", "sync/load_seconds"):
         assert m[key] >= 0
 
 
@@ -82,12 +82,6 @@ def test_small_buckets_same_tensors():
     assert ma["sync/peak_bucket_bytes"] == 64 * 16 * 4  # one tensor alone, larger than a bucket
     assert list(a.received) == list(b.received)
     assert all(torch.equal(a.received[n], b.received[n]) for n in a.received)
-
-
-def test_wake_can_be_left_to_the_caller():
-    rollout = RecordingRollout()
-    WeightSync(bucket_mb=1, wake=False)(FakeEngine(), rollout)
-    assert rollout.calls == ["load"]
 
 
 def test_weight_sync_from_config_and_counts():
@@ -122,17 +116,6 @@ def test_export_failure_is_raised_as_is_without_draining():
     with pytest.raises(RuntimeError, match="all_gather failed"):
         sync(engine, RecordingRollout(), bucket_bytes=1)
     assert engine.pulled == 2
-
-
-def test_wake_failure_still_runs_the_export():
-    class Sleepy(RecordingRollout):
-        def wake(self):
-            raise RuntimeError("cannot wake")
-
-    engine = FakeEngine()
-    with pytest.raises(SyncError, match="cannot wake"):
-        sync(engine, Sleepy(), bucket_mb=1)
-    assert engine.pulled == len(SHAPES)
 
 
 def test_export_source_accepts_roles_engines_and_models():

@@ -109,3 +109,18 @@ def test_history_lines_for_a_checkpoint_and_back(tmp_path):
     dst.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x": 9.0}\n')
     assert not restore_lines(dst, saved, 2)  # the local file is the same run's: kept as it is
     assert dst.read_text().count("\n") == 3
+
+
+def test_metric_history_travels_in_a_rank_state(tmp_path):
+    """What TrainerCheckpointer does with it: rank 0's rank_state carries the rows up to the step."""
+    from verl_hpc.tracking.history import HISTORY_KEY, MetricHistory
+
+    src = MetricHistory(tmp_path / "a")
+    assert src.snapshot(2) == {}  # no jsonl backend, no file: nothing to carry
+    src.path.parent.mkdir()
+    src.path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x": 3.0}\n')
+    rank_state = {"rng": b"...", **src.snapshot(2)}
+    assert rank_state[HISTORY_KEY].decode().count("\n") == 2
+    dst = MetricHistory(tmp_path / "b")
+    assert dst.restore(rank_state, 2) and dst.path.read_text().count("\n") == 2
+    assert not dst.restore({}, 2)  # a checkpoint without history: nothing happens

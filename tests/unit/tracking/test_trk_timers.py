@@ -50,7 +50,7 @@ def test_stage_time_recorded_when_block_raises_and_sync_called_at_edges():
 
 def test_all_design_stages_named_and_real_clock_works():
     assert STAGES == ("generate", "reward", "old_logprob", "ref", "values", "adv",
-                      "update_critic", "update_actor", "sync")
+                      "update_critic", "update_actor", "wake", "sync")
     timer = StageTimer(prefix="t")
     for name in STAGES:
         with timer(name):

@@ -1,13 +1,16 @@
-"""Unit tests of the trainer's pieces that need no engine: batch assembly, guard, shaping."""
+"""Unit tests of the trainer's pieces that need no engine: batch assembly, guard, the DAPO
+filter and the advantage stage."""
 import pytest
 import torch
 
 from verl_hpc.config import load_config
 from verl_hpc.data import PromptBatch
 from verl_hpc.rollout import RolloutResult
-from verl_hpc.trainer.batching import assemble, concat_batches, first_groups, logprob_diff_metrics
+from verl_hpc.trainer.advantage import advantages
+from verl_hpc.trainer.batching import assemble, logprob_diff_metrics
 from verl_hpc.trainer.guard import NonFiniteError, NonFiniteGuard
-from verl_hpc.trainer import shaping
+from verl_hpc.trainer.sampling import dynamic_sampling_filter
+from verl_hpc.trainer.step_batch import concat_batches, first_groups
 
 pytestmark = pytest.mark.unit
 
@@ -27,11 +30,11 @@ def test_trn_assemble_repeats_prompt_fields_and_masks():
     assert b.ids == ["a", "a", "b", "b"] and b.ground_truths == ["1", "1", "2", "2"]
     assert b.group_ids.tolist() == [0, 0, 1, 1]
     assert b.mask.tolist() == [[1, 0], [1, 1], [0, 0], [1, 1]]  # the empty reply is masked out
-    assert b.tensors["input_ids"][1].tolist() == [1, 2, 6, 7]
+    assert b.input_ids[1].tolist() == [1, 2, 6, 7]
     m = logprob_diff_metrics(b.rollout_log_probs, b.rollout_log_probs + 0.1 * b.mask, b.mask)
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.1)
     kept = b.select(torch.tensor([False, True, False, True]))
-    assert kept.ids == ["a", "b"] and kept.tensors["input_ids"].shape[0] == 2
+    assert kept.ids == ["a", "b"] and kept.input_ids.shape[0] == 2
 
 
 def _round(responses, n=2):
@@ -49,15 +52,17 @@ def _round(responses, n=2):
 def test_trn_dapo_refill_concatenates_rounds():
     a = _round([[5], [6], [7], [8]]).select(torch.tensor([False, False, True, True]))  # group 1 kept
     b = _round([[5, 6, 7], [6], [7, 8], [9]])
-    sa, sb = torch.ones(2, 1), torch.full((4, 3), 2.0)
-    batch, scores = concat_batches([(a, sa), (b, sb)], pad_id=0)
+    a.token_scores, b.token_scores = torch.ones(2, 1), torch.full((4, 3), 2.0)
+    batch = concat_batches([a, b], pad_id=0)
+    scores = batch.token_scores
     assert len(batch) == 6 and batch.ids == ["p1", "p1", "p0", "p0", "p1", "p1"]
     assert batch.group_ids.tolist() == [1, 1, 2, 2, 3, 3]  # distinct across rounds
     assert batch.mask.tolist()[0] == [1, 0, 0] and batch.mask.tolist()[2] == [1, 1, 1]
-    assert batch.tensors["input_ids"][0].tolist() == [1, 2, 7, 0, 0]  # padded with pad_id
+    assert batch.input_ids[0].tolist() == [1, 2, 7, 0, 0]  # padded with pad_id
     assert scores.shape == (6, 3) and scores[0].tolist() == [1, 0, 0]
     assert batch.rollout_log_probs.shape == (6, 3)
-    assert batch.tensors["response_lengths"].tolist() == [1, 1, 3, 1, 2, 1]
+    assert batch.response_lengths.tolist() == [1, 1, 3, 1, 2, 1]
+    assert batch.baselines is None  # a field no round filled stays unfilled
     keep = first_groups(batch, 2)
     assert keep.tolist() == [True, True, True, True, False, False]
 
@@ -81,8 +86,8 @@ def test_trn_grpo_advantages_and_filter():
         group_ids = torch.tensor([0, 0, 1, 1])
         def __len__(self):
             return 4
-    B.mask = mask
-    keep, m = shaping.dynamic_sampling_filter(token_scores, B(), cfg)
+    B.mask, B.token_scores = mask, token_scores
+    keep, m = dynamic_sampling_filter(B(), cfg.algorithm)
     assert keep.tolist() == [True, True, False, False] and m["filter/dropped_groups"] == 1
-    adv, _ = shaping.advantages(cfg, token_scores, {"response_mask": mask}, B.group_ids)
+    adv, _ = advantages(cfg.algorithm, token_scores, mask, B.group_ids)
     assert adv[0, 0] > 0 > adv[1, 0] and adv[2].abs().max() < 1e-4

@@ -9,6 +9,12 @@
     sdpa.py       causal core attention through torch SDPA for the local (CPU) layer spec
     optim.py      optimizer config, LR schedule, the guarded (non-finite skipping) step
     state.py      layout-independent state slabs for HDF5 checkpoints
+
+Imports: megatron.core (and transformers, vLLM) are imported inside the functions that use them,
+here and in verl_hpc.models, verl_hpc.parallel and verl_hpc.rollout; these are the only
+function-level imports there. Importing verl_hpc must not need them: each costs seconds, and the
+submit CLI, the checkpoint tools and the unit tests of the pure parts never touch them. The
+project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
 from verl_hpc.engines.megatron.roles import (Actor, Critic, Reference, RewardModel, build_engine,

@@ -44,8 +44,12 @@ from verl_hpc.engines.megatron.kernels import KernelSwitches, PerfOptions
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.partition import plan_microbatches
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
+from verl_hpc.engines.megatron.state import engine_state, load_engine_state
+from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
 from verl_hpc.models.gpt import transformer_engine_available
-from verl_hpc.runtime.device import has_gpu
+from verl_hpc.models import (build_gpt_model, export_hf_weights, load_arch, load_hf_config, load_hf_weights,
+                             parse_hf_config)
+from verl_hpc.runtime.device import collective_device, has_gpu
 
 log = logging.getLogger(__name__)
 
@@ -168,21 +172,15 @@ class MegatronEngine(TrainingEngine):
     # ------------------------------------------------------------------ build
 
     def _arch(self):
-        from verl_hpc.models import load_arch, load_hf_config, parse_hf_config
-
         path = self.options.model_path
         if self.options.head == "lm":
             return load_arch(path)
-        from verl_hpc.engines.megatron.value_head import causal_lm_config
 
         arch = parse_hf_config(causal_lm_config(load_hf_config(path)), source=f"{path}/config.json")
         return dataclasses.replace(arch, tie_word_embeddings=False)  # the head replaces lm_head
 
     def _build_model(self):
         from megatron.core import parallel_state as ps
-
-        from verl_hpc.engines.megatron.value_head import attach_value_head, head_detached
-        from verl_hpc.models import build_gpt_model, load_hf_weights
 
         o = self.options
         arch = self._arch()
@@ -260,8 +258,6 @@ class MegatronEngine(TrainingEngine):
         return int(t.item())
 
     def _coll_device(self):
-        from verl_hpc.runtime.device import collective_device
-
         return collective_device()
 
     def _parameters(self):

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from typing import Tuple
 
+import torch
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def optimizer_config(optim, dtype, use_distributed_optimizer: bool):
     """Megatron's OptimizerConfig from the job config's `optim` section (OptimConfig)."""
-    import torch
     from megatron.core.optimizer import OptimizerConfig
 
     betas = list(optim.betas)
@@ -79,7 +80,6 @@ def current_lr(optimizer) -> float:
 
 def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float]:
     """(applied, grad_norm). Collective over the optimizer's groups whatever the outcome."""
-    import torch
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     found_inf = optimizer.prepare_grads()  # fp16 grad scaler: unscale + inf check (collective)

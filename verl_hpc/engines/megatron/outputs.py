@@ -24,6 +24,8 @@ from typing import Dict, Sequence
 
 import torch
 
+from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce
+
 LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values", "scores", "token_scores")
 
@@ -38,8 +40,6 @@ def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence
                temperature: float = 1.0) -> Dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce
 
     unknown = set(want) - set(LM_OUTPUTS)
     if unknown:

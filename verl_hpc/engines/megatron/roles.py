@@ -1,13 +1,15 @@
 """The four roles of the RL step on top of `MegatronEngine`, and `build_engine(role, cfg, ctx)`.
 
-    actor  = build_engine("actor", cfg, ctx)     # Actor:       log_probs(batch), update(batch)
+    actor  = build_engine("actor", cfg, ctx)     # Actor:       log_probs(batch), update(batch, loss)
     ref    = build_engine("ref", cfg, ctx)       # Reference:   log_probs(batch)
-    critic = build_engine("critic", cfg, ctx)    # Critic:      values(batch), update(batch)
+    critic = build_engine("critic", cfg, ctx)    # Critic:      values(batch), update(batch, loss)
     rm     = build_engine("reward", cfg, ctx)    # RewardModel: score(batch)
 
-Batch keys the roles read besides the sequence keys (engines/batch.py), all `[B, T]`:
-actor.update: old_log_probs, advantages, and ref_log_probs when actor.use_kl_loss;
-critic.update: values (the critic's at rollout time), returns.
+The loss is the caller's (verl_hpc.algorithms.objectives: PolicyObjective, ValueObjective); a
+role only runs it. Batches are the engines' dict format (engines/batch.py) or the trainer's typed
+batch (verl_hpc.trainer.step_batch.StepBatch). Keys the objectives read besides the sequence keys,
+all `[B, T]`: the policy's: old_log_probs, advantages, and ref_log_probs with the KL loss; the
+critic's: values (the critic's at rollout time), returns.
 
 An update runs `ppo_epochs` passes over consecutive mini-batches of `ppo_mini_batch_size` prompts
 (x rollout.n sequences), one optimizer step each, then advances the LR schedule by one trainer
@@ -20,10 +22,12 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
-from verl_hpc.engines.base import GlobalCounts
-from verl_hpc.engines.batch import Batch, split_rows
+from verl_hpc.engines.base import LossFn
+from verl_hpc.engines.batch import Batch, as_engine_batch, split_rows
 from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
+from verl_hpc.parallel import init_from_config
 
 ROLES = ("actor", "critic", "ref", "reward")
 
@@ -47,95 +51,50 @@ def _mean_metrics(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float
 
 
 class _Trainable:
+    """A trained role: runs the objective it is handed (verl_hpc.algorithms.objectives) over
+    mini-batches; what the loss is belongs to the algorithm library, not to the engine."""
+
     prefix = ""
 
     def __init__(self, engine: MegatronEngine, role_cfg, n: int = 1):
         self.engine, self.cfg, self.n = engine, role_cfg, max(1, n)
 
-    def loss_fn(self, out, mb, counts: GlobalCounts):
-        raise NotImplementedError
-
-    outputs = ("log_probs",)
-
-    def update(self, batch: Mapping[str, torch.Tensor]) -> Dict[str, float]:
+    def update(self, batch, loss: LossFn) -> Dict[str, float]:
+        """`ppo_epochs` passes of one optimizer step per mini-batch of `loss`; `loss.outputs`
+        names the engine outputs it needs (default: log-probs)."""
+        batch = as_engine_batch(batch)
         size = self.cfg.ppo_mini_batch_size * self.n
         if size < 1:
             raise ValueError(f"{self.prefix}.ppo_mini_batch_size must be >= 1")
+        outputs = tuple(getattr(loss, "outputs", ("log_probs",)))
         steps = []
         with self.engine.resident("train"):  # offloaded states come back once for the whole update
             for _ in range(self.cfg.ppo_epochs):
                 for rows in split_rows(batch["input_ids"].shape[0], size):
-                    steps.append(self.engine.train_step(take_rows(batch, rows), self.loss_fn,
-                                                        self.outputs))
+                    steps.append(self.engine.train_step(take_rows(batch, rows), loss, outputs))
         metrics = _mean_metrics(steps, self.prefix)  # <role>/lr: the LR this update used
         self.engine.scheduler_step()
         return metrics
 
 
 class Actor(_Trainable):
-    """PPO-family policy update: policy loss (actor.policy_loss) + optional KL loss
-    (actor.use_kl_loss) - entropy_coeff * entropy, all aggregated with actor.loss_agg_mode."""
+    """The policy: log-probs (and entropy) of the sampled tokens; updates with the objective the
+    trainer passes (verl_hpc.algorithms.PolicyObjective)."""
 
     prefix = "actor"
 
-    def __init__(self, engine, role_cfg, n: int = 1):
-        super().__init__(engine, role_cfg, n)
-        self.outputs = ("log_probs", "entropy") if role_cfg.entropy_coeff else ("log_probs",)
-
     def log_probs(self, batch) -> Dict[str, torch.Tensor]:
-        out = self.engine.forward(batch, ("log_probs", "entropy"))
+        out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy"))
         return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
-
-    def loss_fn(self, out, mb, counts: GlobalCounts):
-        from verl_hpc.algorithms import agg_loss, compute_policy_loss, kl_loss
-
-        c = self.cfg
-        mask = mb["response_mask"]
-        agg = dict(loss_agg_mode=c.loss_agg_mode, **counts.agg_kwargs())
-        loss, metrics = compute_policy_loss(
-            c.policy_loss, mb["old_log_probs"], out["log_probs"], mb["advantages"], mask,
-            clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
-            clip_ratio_c=c.clip_ratio_c, **agg)
-        metrics = dict(metrics, pg_loss=loss.detach())
-        if c.entropy_coeff:
-            ent = agg_loss(out["entropy"], mask, c.loss_agg_mode, counts.tokens, counts.seqs,
-                           counts.norm_len)
-            loss = loss - c.entropy_coeff * ent
-            metrics["entropy_loss"] = ent.detach()
-        if c.use_kl_loss:
-            if "ref_log_probs" not in mb:
-                raise ValueError("actor.use_kl_loss=true but the batch has no 'ref_log_probs'")
-            kl, kl_metrics = kl_loss(out["log_probs"], mb["ref_log_probs"], mask, c.kl_loss_coef,
-                                     c.kl_loss_type, **agg)
-            loss = loss + kl
-            metrics["kl_loss"] = kl_metrics["kl_loss"]
-        # pg_loss / entropy_loss / kl_loss are this micro-batch's contributions; x tokens/mb_tokens
-        # makes the engine's token-weighted mean their sum, i.e. the whole batch's value.
-        scale = counts.tokens / max(float(mask.sum()), 1.0)
-        for key in ("pg_loss", "entropy_loss", "kl_loss"):
-            if key in metrics:
-                metrics[key] = metrics[key] * scale
-        return loss, metrics
 
 
 class Critic(_Trainable):
-    """Value regression with PPO value clipping (critic.cliprange_value, critic.loss_agg_mode)."""
+    """Values; updates with the objective the trainer passes (verl_hpc.algorithms.ValueObjective)."""
 
     prefix = "critic"
-    outputs = ("values",)
 
     def values(self, batch) -> Dict[str, torch.Tensor]:
-        return {"values": self.engine.forward(batch, ("values",))["values"]}
-
-    def loss_fn(self, out, mb, counts: GlobalCounts):
-        from verl_hpc.algorithms import value_loss
-
-        c = self.cfg
-        loss, metrics = value_loss(out["values"], mb["values"], mb["returns"], mb["response_mask"],
-                                   cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
-                                   **counts.agg_kwargs())
-        scale = counts.tokens / max(float(mb["response_mask"].sum()), 1.0)
-        return loss, dict(metrics, vf_loss=loss.detach() * scale)
+        return {"values": self.engine.forward(as_engine_batch(batch), ("values",))["values"]}
 
 
 class Reference:
@@ -145,7 +104,7 @@ class Reference:
         self.engine = engine
 
     def log_probs(self, batch) -> Dict[str, torch.Tensor]:
-        return {"ref_log_probs": self.engine.forward(batch, ("log_probs",))["log_probs"]}
+        return {"ref_log_probs": self.engine.forward(as_engine_batch(batch), ("log_probs",))["log_probs"]}
 
 
 class RewardModel:
@@ -155,7 +114,7 @@ class RewardModel:
         self.engine = engine
 
     def score(self, batch) -> Dict[str, torch.Tensor]:
-        out = self.engine.forward(batch, ("scores", "token_scores"))
+        out = self.engine.forward(as_engine_batch(batch), ("scores", "token_scores"))
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
@@ -208,10 +167,7 @@ def build_engine(role: str, cfg, ctx=None, **kwargs):
     parallelism from cfg.parallel if nobody has yet (collective: call on every rank).
     ctx: the rank's RankContext (verl_hpc.runtime.bootstrap), which must exist: the engine lives
     on its default process group. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from verl_hpc.parallel import init_from_config
 
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs the rank runtime: call verl_hpc.runtime.bootstrap()")

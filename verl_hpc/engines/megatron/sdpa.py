@@ -3,7 +3,8 @@
 Megatron's local-spec `DotProductAttention` materialises the GQA key/value repeat, the
 `[b*np, s, s]` scores, a masked_fill and a softmax, then a second bmm. On CPU (where the
 Transformer Engine spec is unavailable) PyTorch's fused SDPA kernel computes the same causal
-attention with less memory traffic (FINDINGS.md: 0.96x -> 0.99x of transformers' fwd+bwd).
+attention with less memory traffic (0.96x -> 0.99x of transformers' fwd+bwd:
+docs/platform-notes.md, "megatron-core 0.16.1 on CPU").
 
 `use_sdpa_core_attention(chunks)` swaps each layer's `self_attention.core_attention` for
 `SdpaCoreAttention`, which keeps the replaced module's sizes and scale and accepts exactly the case

@@ -23,6 +23,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
+from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
+from verl_hpc.engines.base import EngineState
+
 FORMAT = "verl_hpc.megatron_engine/1"
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
@@ -81,8 +84,6 @@ def param_pieces(gpt, local: str, param: torch.Tensor, tp_rank: int, tp: int,
 def _box_slabs(prefix: str, pieces: Sequence[Piece], tensor: torch.Tensor,
                box_off: Sequence[int]) -> Iterator[Any]:
     """ShardedTensors for a local box `tensor` whose first element sits at local `box_off`."""
-    from verl_hpc.checkpoint.sharded import ShardedTensor
-
     if tensor.dim() == 0:
         raise ValueError("0-d parameters are not expected in a Megatron GPT model")
     r0b, r1b = box_off[0], box_off[0] + tensor.shape[0]
@@ -98,8 +99,6 @@ def _box_slabs(prefix: str, pieces: Sequence[Piece], tensor: torch.Tensor,
 
 def _flat_slabs(prefix: str, pieces, flat: torch.Tensor, shape, start: int, stop: int):
     """Slabs of a flat element range [start, stop) of a parameter of local `shape`."""
-    from verl_hpc.checkpoint.sharded import flat_range_slabs
-
     for fs, fe, off, box in flat_range_slabs(shape, start, stop):
         yield from _box_slabs(prefix, pieces, flat[fs - start: fe - start].view(box), off)
 
@@ -228,8 +227,6 @@ def _slabs(engine, for_load: bool) -> List[Any]:
 
 
 def engine_state(engine):
-    from verl_hpc.engines.base import EngineState
-
     meta: Dict[str, Any] = {"format": FORMAT, "head": engine.options.head,
                             "dtype": engine.options.dtype, "steps_applied": engine.steps_applied}
     tensors = _slabs(engine, for_load=False)

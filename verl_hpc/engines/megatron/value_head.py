@@ -20,6 +20,10 @@ import logging
 from typing import Iterator, Tuple
 
 import torch
+import torch.distributed as dist
+
+from verl_hpc.models import export_hf_weights
+from verl_hpc.models.hf_checkpoint import HFCheckpointReader
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,6 @@ def head_detached(gpt):
 
 def attach_value_head(gpt, folder, *, sequence_parallel: bool, seed: int = 1234) -> ValueHead:
     """Replace `gpt.output_layer` (call before loading weights) and initialise the head."""
-    from verl_hpc.models.hf_checkpoint import HFCheckpointReader
-
     old = gpt.output_layer
     device, dtype = old.weight.device, old.weight.dtype
     head = ValueHead(gpt.config.hidden_size, dtype, device, sequence_parallel)
@@ -97,10 +99,7 @@ def attach_value_head(gpt, folder, *, sequence_parallel: bool, seed: int = 1234)
 
 def export_value_model(gpt_chunks, heads) -> Iterator[Tuple[str, torch.Tensor]]:
     """Backbone HF tensors then `score.weight` (from the last stage, broadcast over the pipeline)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from verl_hpc.models import export_hf_weights
 
     stack = contextlib.ExitStack()
     with stack:

@@ -1,0 +1,107 @@
+"""The losses the trainer hands the engines: what a policy or a critic update minimises.
+
+    loss    = PolicyObjective.from_config(cfg.actor)   # policy loss + KL loss - entropy bonus
+    metrics = actor.update(batch, loss)                # the engine only runs it
+    metrics = critic.update(batch, ValueObjective.from_config(cfg.critic))
+
+An objective is a `LossFn` (verl_hpc/engines/base.py): called once per micro-batch with the
+model's outputs (with grad), the micro-batch and the global counts of the whole batch, it returns
+that micro-batch's *contribution* to the full-batch loss, so the sum the engine forms over
+micro-batches and data-parallel ranks does not depend on the split. `outputs` names what the
+engine must compute for it. `counts` is duck-typed (`tokens`, `seqs`, `norm_len`,
+`agg_kwargs()`, i.e. engines.base.GlobalCounts): the algorithm library does not import engines.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, Tuple
+
+import torch
+
+from .aggregation import agg_loss
+from .kl import kl_loss
+from .policy_losses import compute_policy_loss
+from .value_loss import value_loss
+
+
+def _batch_totals(metrics: Dict[str, torch.Tensor], keys, counts, mask: torch.Tensor) -> None:
+    """Turn this micro-batch's contributions in `keys` into whole-batch values: the engine reports
+    a token-weighted mean of each metric over micro-batches, and x tokens/mb_tokens makes that
+    mean their sum, i.e. the whole batch's value."""
+    scale = counts.tokens / max(float(mask.sum()), 1.0)
+    for key in keys:
+        if key in metrics:
+            metrics[key] = metrics[key] * scale
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyObjective:
+    """PPO-family policy objective: `policy_loss` (actor.policy_loss, clipped per its options)
+    + `kl_loss_coef` * KL(actor || ref) when `use_kl_loss` - `entropy_coeff` * entropy, each term
+    aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask and (with the
+    KL loss) ref_log_probs from the micro-batch."""
+
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+
+    @classmethod
+    def from_config(cls, actor_cfg) -> "PolicyObjective":
+        """From the `actor` section (ActorConfig)."""
+        return cls(**{f.name: getattr(actor_cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def outputs(self) -> Tuple[str, ...]:
+        return ("log_probs", "entropy") if self.entropy_coeff else ("log_probs",)
+
+    def __call__(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], counts):
+        mask = mb["response_mask"]
+        agg = dict(loss_agg_mode=self.loss_agg_mode, **counts.agg_kwargs())
+        loss, metrics = compute_policy_loss(
+            self.policy_loss, mb["old_log_probs"], out["log_probs"], mb["advantages"], mask,
+            clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, **agg)
+        metrics = dict(metrics, pg_loss=loss.detach())
+        if self.entropy_coeff:
+            ent = agg_loss(out["entropy"], mask, self.loss_agg_mode, counts.tokens, counts.seqs,
+                           counts.norm_len)
+            loss = loss - self.entropy_coeff * ent
+            metrics["entropy_loss"] = ent.detach()
+        if self.use_kl_loss:
+            if "ref_log_probs" not in mb:
+                raise ValueError("actor.use_kl_loss=true but the batch has no 'ref_log_probs'")
+            kl, kl_metrics = kl_loss(out["log_probs"], mb["ref_log_probs"], mask, self.kl_loss_coef,
+                                     self.kl_loss_type, **agg)
+            loss = loss + kl
+            metrics["kl_loss"] = kl_metrics["kl_loss"]
+        _batch_totals(metrics, ("pg_loss", "entropy_loss", "kl_loss"), counts, mask)
+        return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueObjective:
+    """Value regression with PPO value clipping (critic.cliprange_value), aggregated with
+    critic.loss_agg_mode. Reads values (the critic's at rollout time), returns, response_mask."""
+
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    outputs: Tuple[str, ...] = ("values",)
+
+    @classmethod
+    def from_config(cls, critic_cfg) -> "ValueObjective":
+        """From the `critic` section (CriticConfig)."""
+        return cls(cliprange_value=critic_cfg.cliprange_value, loss_agg_mode=critic_cfg.loss_agg_mode)
+
+    def __call__(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], counts):
+        loss, metrics = value_loss(out["values"], mb["values"], mb["returns"], mb["response_mask"],
+                                   cliprange_value=self.cliprange_value,
+                                   loss_agg_mode=self.loss_agg_mode, **counts.agg_kwargs())
+        metrics = dict(metrics, vf_loss=loss.detach())
+        _batch_totals(metrics, ("vf_loss",), counts, mb["response_mask"])
+        return loss, metrics

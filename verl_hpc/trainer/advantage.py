@@ -1,0 +1,56 @@
+"""Scores -> rewards -> advantages: the algorithm stage of the step, as configuration.
+
+    advantage = AdvantageStage(cfg.algorithm, kl_ctrl)
+    metrics   = advantage(batch)     # fills batch.rewards, batch.advantages, batch.returns
+
+rewards = token_scores - beta * KL(actor_old || ref) per token when algorithm.use_kl_in_reward
+(beta from the KL controller, which this stage also updates), else the token scores; then the
+estimator algorithm.adv_estimator (gae, grpo, rloo, remax, reinforce++, ...) on the rewards.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from verl_hpc.algorithms import apply_kl_penalty, compute_advantages
+
+
+def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
+                 ) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """rewards = scores - beta * KL(actor_old || ref) per token, and the controller's update."""
+    a = algorithm_cfg
+    if not a.use_kl_in_reward:
+        return token_scores, {}
+    rewards, m = apply_kl_penalty(token_scores, batch.old_log_probs, batch.ref_log_probs,
+                                  batch.response_mask, kl_ctrl.value, a.kl_penalty)
+    kl = float(m["kl"])
+    kl_ctrl.update(kl, n_steps=token_scores.shape[0])
+    return rewards, {"reward/kl": kl, "reward/kl_coef": kl_ctrl.value}
+
+
+def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor,
+               values: Optional[torch.Tensor] = None, baselines: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) `[B, T]` of algorithm.adv_estimator; values for GAE, baselines for ReMax."""
+    a = algorithm_cfg
+    inputs = dict(group_ids=group_ids, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std)
+    if values is not None:
+        inputs["values"] = values
+    if baselines is not None:
+        inputs["reward_baselines"] = baselines
+    return compute_advantages(a.adv_estimator, rewards, response_mask, **inputs)
+
+
+class AdvantageStage:
+    """The step's advantage computation with its settings (the `algorithm` section) and the KL
+    controller (owned by the trainer: it is checkpointed with it)."""
+
+    def __init__(self, algorithm_cfg, kl_ctrl):
+        self.cfg, self.kl_ctrl = algorithm_cfg, kl_ctrl
+
+    def __call__(self, batch) -> Dict[str, float]:
+        batch.rewards, metrics = kl_in_reward(batch.token_scores, batch, self.kl_ctrl, self.cfg)
+        batch.advantages, batch.returns = advantages(self.cfg, batch.rewards, batch.response_mask,
+                                                     batch.group_ids, batch.values, batch.baselines)
+        return metrics

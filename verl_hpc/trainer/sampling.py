@@ -1,0 +1,83 @@
+"""Prompts -> responses -> scores -> (DAPO) informative groups: the step's batch.
+
+    sampler = StepSampler(cfg, ctx, roles, loader, scorer, sampling)
+    batch, metrics = sampler.sample(step, timer)    # StepBatch with the rollout's and scoring's fields
+
+With algorithm.filter_groups (DAPO's dynamic sampling), rounds of train_batch_size prompts are
+generated until that many groups with differing rewards are kept (the first train_batch_size of
+them are trained on) or algorithm.max_num_gen_batches rounds ran (then the step trains on what
+it kept and says how many groups it missed). Reward and rollout metrics describe the first
+round, unfiltered, as for every other recipe; filter/* the whole step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from verl_hpc.algorithms import filter_groups, sequence_scores
+from verl_hpc.rollout.metrics import rollout_metrics
+from verl_hpc.trainer.batching import assemble, broadcast_prompts
+from verl_hpc.trainer.scoring import score_batch, to_token_level
+from verl_hpc.trainer.step_batch import StepBatch, concat_batches, first_groups
+
+
+def dynamic_sampling_filter(batch, algorithm_cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """DAPO's filter: groups whose responses all scored the same carry no signal. Returns the keep
+    mask (all true when algorithm.filter_groups is off) and counts (reads batch.token_scores)."""
+    if not algorithm_cfg.filter_groups:
+        return torch.ones(len(batch), dtype=torch.bool), {}
+    keep, counts = filter_groups(sequence_scores(batch.token_scores, batch.mask), batch.group_ids)
+    return keep, {f"filter/{k}": float(v) for k, v in counts.items()}
+
+
+class StepSampler:
+    def __init__(self, cfg, ctx, roles, loader, scorer, sampling):
+        self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.loader, self.scorer, self.sampling = loader, scorer, sampling
+
+    def sample(self, step: int, timer) -> Tuple[StepBatch, Dict[str, float]]:
+        cfg, r, m = self.cfg, self.roles, {}
+        want = cfg.data.train_batch_size
+        rounds = cfg.algorithm.max_num_gen_batches if cfg.algorithm.filter_groups else 1
+        parts, kept, dropped = [], 0, {}
+        for round_ in range(rounds):
+            prompts = broadcast_prompts(self.loader, self.ctx)
+            with timer("generate"):
+                result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_))
+                batch = assemble(prompts, result, r.tokenizer, r.pad_id)
+            with timer("reward"):
+                scores, m_reward = score_batch(self.scorer, batch, r.reward_model)
+                batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
+                keep, m_filter = dynamic_sampling_filter(batch, cfg.algorithm)
+                batch.baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
+            if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
+                m.update(rollout_metrics(result), **m_reward, **m_shape)
+            for k in ("filter/dropped_groups", "filter/dropped_samples"):
+                dropped[k] = dropped.get(k, 0.0) + m_filter.get(k, 0.0)
+            if not bool(keep.all()):
+                batch = batch.select(keep)
+            parts.append(batch)
+            kept += len(set(batch.group_ids.tolist()))
+            if kept >= want:
+                break
+        batch = concat_batches(parts, r.pad_id)
+        if kept > want:  # a full batch, as every other step trains on
+            batch = batch.select(first_groups(batch, want))
+        if cfg.algorithm.filter_groups:
+            m.update(dropped, **{"filter/gen_batches": float(len(parts)),
+                                 "filter/kept_groups": float(min(kept, want)),
+                                 "filter/kept_samples": float(len(batch)),
+                                 "filter/missing_groups": float(max(want - kept, 0))})
+        return batch, m
+
+    def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
+        """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""
+        if self.cfg.algorithm.adv_estimator != "remax":
+            return None
+        spec = dataclasses.replace(self.sampling.for_step(step), n=1, temperature=0.0)
+        greedy = assemble(prompts, self.roles.rollout.generate(prompts.prompt_ids, spec),
+                          self.roles.tokenizer, self.roles.pad_id)
+        scores, _ = score_batch(self.scorer, greedy, self.roles.reward_model)
+        return scores[batch.group_ids]

@@ -1,0 +1,32 @@
+"""Responses -> scores: the rewards stage of the step (fills StepBatch.token_scores).
+
+    scores, metrics = score_batch(scorer, batch, rm=roles.reward_model)    # [B] outcome scores
+    token_scores, m = to_token_level(scorer, scores, batch, cfg)           # + DAPO overlong shaping
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from verl_hpc.algorithms import apply_overlong_penalty
+
+
+def score_batch(scorer, batch, rm=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Outcome score per sequence. Rule scores are deterministic and every rank holds the same
+    rows, so every rank scores them (no broadcast); a reward model's forward is a collective."""
+    rm_batch = batch.engine_batch() if rm is not None else None
+    return scorer.score(batch.ids, batch.data_sources, batch.response_texts, batch.ground_truths,
+                        batch.extras, rm_batch=rm_batch)
+
+
+def to_token_level(scorer, scores: torch.Tensor, batch, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """[B, T] scores on each response's last token; with algorithm.overlong_buffer DAPO's length
+    penalty on the responses that ran into the buffer before the length limit."""
+    token_scores = scorer.to_token_level(scores, batch.mask)
+    ob = cfg.algorithm.overlong_buffer
+    if not ob.enable:
+        return token_scores, {}
+    max_len = cfg.rollout.max_tokens
+    token_scores, m = apply_overlong_penalty(token_scores, batch.mask, max_len, ob.len, ob.penalty_factor)
+    return token_scores, {f"reward/{k}": float(v) for k, v in m.items()}
