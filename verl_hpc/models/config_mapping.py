@@ -20,7 +20,6 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
-from verl_hpc.runtime.device import has_gpu
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -193,8 +192,11 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     and Megatron's CPU initialisation would build each full matrix on every rank first.
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
-    import torch
+    import torch  # local: the planner imports this module on login nodes without torch
+
     from megatron.core.transformer import TransformerConfig
+
+    from verl_hpc.runtime.device import has_gpu  # runtime imports torch
 
     check_parallel(arch, tp, pp)
     dtype = torch.float32 if dtype is None else dtype
