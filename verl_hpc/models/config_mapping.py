@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-# torch (and the runtime's device probe) are imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
+# torch is imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
 # config.json through this module on login nodes that have no torch.
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
@@ -192,10 +192,11 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     and Megatron's CPU initialisation would build each full matrix on every rank first.
     `overrides` are passed through (e.g. recompute settings from the engine).
     """
-    import torch
+    import torch  # local: the planner imports this module on login nodes without torch
 
-    from verl_hpc.runtime.device import has_gpu
     from megatron.core.transformer import TransformerConfig
+
+    from verl_hpc.runtime.device import has_gpu  # runtime imports torch
 
     check_parallel(arch, tp, pp)
     dtype = torch.float32 if dtype is None else dtype

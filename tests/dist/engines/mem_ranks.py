@@ -109,19 +109,21 @@ def saved_activation_bytes(engine, s: int, b: int) -> int:
 def rl_steps(args, layout, batch, offload: bool) -> dict:
     """3 steps of old log-probs, ref log-probs, actor update, export; returns the last export and
     the idle roles' resident bytes after each step."""
-    from verl_hpc.engines.megatron import Actor, MegatronEngine
+    from verl_hpc.algorithms import PolicyObjective
     from verl_hpc.config.schema import ActorConfig
+    from verl_hpc.engines.megatron import Actor, MegatronEngine
 
     flags = dict(param_offload=offload, grad_offload=offload, optimizer_offload=offload)
-    actor = Actor(MegatronEngine(_options(args, layout, **flags)),
-                  ActorConfig(ppo_mini_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1))
+    acfg = ActorConfig(ppo_mini_batch_size=4, use_kl_loss=True, kl_loss_coef=0.1)
+    actor = Actor(MegatronEngine(_options(args, layout, **flags)), acfg)
+    objective = PolicyObjective.from_config(acfg)
     ref = MegatronEngine(_options(args, layout, trainable=False, param_offload=offload))
     idle, export = [], None
     for _ in range(3):
         t = dict(batch)
         t.update(actor.log_probs(t))
         t["ref_log_probs"] = ref.forward(t, ("log_probs",))["log_probs"]
-        actor.update(t)
+        actor.update(t, objective)
         export = {n: w.clone() for n, w in actor.engine.export_hf_weights()}
         idle.append({"actor": actor.engine.offloader.device_bytes(),
                      "ref": ref.offloader.device_bytes()})
