@@ -123,6 +123,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     log.info("megatron model parallel: tp=%d pp=%d dp=%d cp=%d (this rank tp %d, pp %d, dp %d)%s",
              mp.tp, mp.pp, mp.dp, mp.cp, mp.tp_rank, mp.pp_rank, mp.dp_rank,
              f", {len(mp.cpu_patches)} CPU replacements" if mp.cpu_patches else "")
+    from verl_hpc.parallel.placement import log_placement
+
+    log_placement()  # which nodes each TP/DP group landed on (collective, once per job)
     return mp
 
 

@@ -98,8 +98,9 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
             rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             **({"device_id": dev} if backend == "nccl" else {}))
-    log.info("rank %d/%d up via %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
-             env.rank, env.world_size, env.launcher, env.local_rank, env.node_rank, dev, backend,
+    log.info("rank %d/%d up via %s on host %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
+             env.rank, env.world_size, env.launcher, socket.gethostname(), env.local_rank,
+             env.node_rank, dev, backend,
              env.master_addr, env.master_port, ", MPI initialised" if comm is not None else "")
     return RankContext(env=env, device=dev, backend=backend,
                        preemption=PreemptionFlag().install(),
