@@ -181,6 +181,9 @@ class SmokeConfig:
     # exit: the rank dies at once (like a crash); hang: it stops answering collectives (like a
     # wedged GPU or a stuck file system), which only trainer.collective_timeout_s can catch
     fail_mode: str = choice("exit", "exit", "hang")
+    # also all-reduce over MPI each step; off where only torch.distributed's timeout may end a
+    # stalled step (an MPI collective has none: a dropped link would hang it for good)
+    mpi: bool = True
 
 
 @dataclass

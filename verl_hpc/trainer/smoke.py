@@ -46,7 +46,7 @@ def run(cfg, ctx) -> dict:
         dist.all_reduce(t)
         if int(t.item()) != expected:
             raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
-        if ctx.mpi_comm is not None and ctx.mpi_comm.allreduce(rank + 1) != expected:
+        if s.mpi and ctx.mpi_comm is not None and ctx.mpi_comm.allreduce(rank + 1) != expected:
             raise RuntimeError("MPI allreduce disagrees with torch.distributed")
         time.sleep(s.step_seconds)
         steps_done = step + 1
