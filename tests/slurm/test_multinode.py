@@ -1,21 +1,24 @@
 """A GRPO job across two dev-cluster nodes is the same job as on one node (issue 14).
 
-Four tiny GRPO jobs of 4 ranks each (TP2 inside a node, DP2 across nodes on 2 nodes x 2 ranks;
+Five tiny GRPO jobs of 4 ranks each (TP2 inside a node, DP2 across nodes on 2 nodes x 2 ranks;
 the same TP2 x DP2 layout on 1 node x 4 ranks), through both entry points of a user:
-  A: 2 nodes x 2, `python -m verl_hpc.submit`, 2 steps      B: 1 node x 4, `sbatch launch/dev/...`, 2 steps
+  A: 2 nodes x 2, `python -m verl_hpc.submit`, 4 steps      B: 1 node x 4, `sbatch launch/dev/...`, 4 steps
   C: 1 node x 4, submit, resumes A's step-2 checkpoint -> 3  D: 2 nodes x 2, sbatch, resumes B's -> 3
-A and B must agree bitwise (model and optimizer), and so must C and D: a checkpoint written by 4
-ranks on 2 nodes resumes on 1 node and the reverse. A's ranks must have found the rendezvous on
-the first host of the nodelist and their node-local ranks, with every TP group inside one node.
+  E: 2 nodes x 2, submit, 4 steps, sent Slurm's warning signal (USR2) early: checkpoint, requeue, resume
+A and B agree bitwise (model and optimizer) at every step; C and D equal A at step 3: a checkpoint
+written by 4 ranks on 2 nodes resumes on 1 node and the reverse; E's last step equals A's. A's
+ranks must have found the rendezvous on the first host of the nodelist and their node-local
+ranks, with every TP group inside one node.
 Needs `slurm/devcluster/start.sh --nodes 2` (what `make cluster` starts); fails, never skips.
 """
+import subprocess
 import time
 
 import pytest
 import torch
 
 from mn_helpers import (all_logs, assert_two_nodes, finish, make_assets, rank_lines, read_all, sbatch_grpo,
-                        submit_grpo)
+                        submit_grpo, wait_for)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 
@@ -45,10 +48,10 @@ def _pair(first, second, timeout=600):
 def two_steps(assets, tmp_path_factory):
     base = tmp_path_factory.mktemp("mn_two_steps")
     a, b = base / "a_2x2", base / "b_1x4"
-    log_a, log_b, seconds = _pair(
-        lambda: (submit_grpo(assets, a, 2, 2, "trainer.total_steps=2"), a),
-        lambda: (sbatch_grpo(assets, b, 1, 4, "trainer.total_steps=2"), b))
-    print(f"\n[multinode] A (2 nodes x 2, submit) and B (1 node x 4, sbatch), 2 GRPO steps each: "
+    every = ["trainer.total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=0"]
+    log_a, log_b, seconds = _pair(lambda: (submit_grpo(assets, a, 2, 2, *every), a),
+                                  lambda: (sbatch_grpo(assets, b, 1, 4, *every), b))
+    print(f"\n[multinode] A (2 nodes x 2, submit) and B (1 node x 4, sbatch), 4 GRPO steps each: "
           f"{seconds:.0f}s wall together")
     return dict(a=a, b=b, log_a=log_a, log_b=log_b)
 
@@ -78,11 +81,17 @@ def _bitwise(x, y, what):
     return ta
 
 
-def test_two_nodes_equal_one_node_bitwise(two_steps, assets):
-    a = _bitwise(two_steps["a"] / "checkpoints" / "step_000002", two_steps["b"] / "checkpoints" / "step_000002",
-                 "2 nodes x 2 (TP2 in node, DP2 across) vs 1 node x 4, after 2 steps")
-    metrics = (two_steps["a"] / "metrics.jsonl").read_text().splitlines()
-    assert len(metrics) == 2 and a
+def ckpt(out, step):
+    return out / "checkpoints" / f"step_{step:06d}"
+
+
+def test_two_nodes_equal_one_node_bitwise(two_steps):
+    for step in (2, 4):
+        _bitwise(ckpt(two_steps["a"], step), ckpt(two_steps["b"], step),
+                 f"2 nodes x 2 (TP2 in node, DP2 across) vs 1 node x 4, step {step}")
+    first, last = read_all(ckpt(two_steps["a"], 1)), read_all(ckpt(two_steps["a"], 4))
+    assert any(not torch.equal(first[n], last[n]) for n in last if n.startswith("actor/model/")), \
+        "the weights never moved"
 
 
 def test_checkpoint_crosses_between_two_nodes_and_one(two_steps, assets, tmp_path):
@@ -96,8 +105,33 @@ def test_checkpoint_crosses_between_two_nodes_and_one(two_steps, assets, tmp_pat
           f"1-node checkpoint), step 3: {seconds:.0f}s wall together")
     assert "continuing at step 3" in log_c and "continuing at step 3" in log_d, log_c[-3000:]
     assert {x["host"] for x in rank_lines(all_logs(d, tail=10**7)).values()} == {"node1", "node2"}
-    three = _bitwise(c / "checkpoints" / "step_000003", d / "checkpoints" / "step_000003",
-                     "step 3 resumed on 1 node from 2 nodes vs on 2 nodes from 1 node")
-    two = read_all(two_steps["a"] / "checkpoints" / "step_000002")
-    assert any(not torch.equal(two[n], three[n]) for n in three if n.startswith("actor/model/")), \
-        "step 3 did not change the weights"
+    _bitwise(ckpt(c, 3), ckpt(two_steps["a"], 3), "step 3 resumed on 1 node from 2 nodes vs straight on 2")
+    _bitwise(ckpt(d, 3), ckpt(two_steps["a"], 3), "step 3 resumed on 2 nodes from 1 node vs straight on 2")
+
+
+def test_warning_signal_on_two_nodes_checkpoints_requeues_resumes_exactly(two_steps, assets, tmp_path):
+    e = tmp_path / "e_2x2_usr2"
+    t0 = time.time()
+    proc = submit_grpo(assets, e, 2, 2, "trainer.total_steps=4", "slurm.requeue=true")
+    try:
+        # once Megatron is up (the signal handlers long installed), before the first step ends
+        def placed():
+            assert proc.poll() is None, proc.communicate()
+            logs = list((e / "logs").glob("*/*_0_log.err"))
+            return logs and "placement:" in logs[0].read_text(errors="replace") and logs[0].parent.name
+        job_id = wait_for(placed, 600, "job E's ranks to initialise")
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+        t_signal = time.time()
+        rc, text = finish(proc, e, timeout=900)  # ~120 s of Slurm's requeue hold included
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"\n[multinode] E: USR2 {t_signal - t0:.0f}s after submission; checkpoint, requeue, resume and "
+          f"4 steps done {time.time() - t_signal:.0f}s after the signal")
+    assert rc == 0, text[-12000:]
+    assert "received SIGUSR2" in text and "requeued after the checkpoint of step" in text, text[-8000:]
+    sacct = subprocess.run(["sacct", "-j", job_id, "-D", "-X", "-n", "-o", "State"], capture_output=True,
+                           text=True, timeout=30).stdout.split()
+    assert "REQUEUED" in sacct and sacct[-1] == "COMPLETED", sacct
+    assert {x["host"] for x in rank_lines(all_logs(e, tail=10**7)).values()} == {"node1", "node2"}
+    _bitwise(ckpt(e, 4), ckpt(two_steps["a"], 4), "step 4 after USR2 + requeue + resume vs straight")

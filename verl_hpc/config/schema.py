@@ -264,6 +264,7 @@ class TrackingConfig:
     plots: bool = True  # PNG plots of the run's curves at the end
     console_metrics: List[str] = default_list()  # extra metric keys for the console table
     wandb_mode: str = choice("offline", "offline", "online", "disabled")
+    comm_bytes: bool = False  # per stage: payload bytes and calls of every collective (benchmarks)
 
 
 @dataclass

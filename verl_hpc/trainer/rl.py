@@ -26,6 +26,7 @@ from verl_hpc.algorithms import make_kl_controller, masked_mean
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rollout.metrics import rollout_metrics
+from verl_hpc.runtime import collectives
 from verl_hpc.trainer import shaping
 from verl_hpc.trainer.batching import (assemble, broadcast_prompts, concat_batches, first_groups,
                                        logprob_diff_metrics, response_stats)
@@ -179,7 +180,9 @@ class RLTrainer:
         try:
             if self.validator and not start:
                 summary["val_before"] = self._validate(tracker, 0)
-            timer, t0 = StageTimer(), time.time()
+            # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
+            timer = StageTimer(comm=collectives.counts if self.cfg.tracking.comm_bytes else None)
+            t0 = time.time()
             for step in range(start + 1, tr.total_steps + 1):
                 metrics = self.step(step, timer)
                 metrics.update(timer.pop())
