@@ -138,8 +138,9 @@ def _name_groups() -> None:
 
     from verl_hpc.runtime.collectives import name_group
 
+    cp1 = ps.get_context_parallel_world_size() == 1  # then DDP's dp_cp group is the DP group
     getters = [("mp", ps.get_model_parallel_group), ("cp", ps.get_context_parallel_group),
-               ("dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+               ("dp" if cp1 else "dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
                ("dp_gloo", ps.get_data_parallel_group_gloo), ("pp", ps.get_pipeline_model_parallel_group),
                ("dp", ps.get_data_parallel_group), ("tp", ps.get_tensor_model_parallel_group)]
     for name, get in getters:
