@@ -24,7 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from scaling_formulas import Layout, Model, optimizer_bytes, resharding_bytes  # noqa: E402
+from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, resharding_bytes,  # noqa: E402
+                              tp_activation_bytes)
 
 # name: (nodes, tasks per node, tp, pp)
 LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1)}
@@ -32,7 +33,6 @@ TINY = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "actor.pp
         "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
         "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20"]
 OPT_STEPS = 2  # data.train_batch_size / actor.ppo_mini_batch_size
-LOGPROB_SCALARS = 6  # vocab-parallel log-softmax (max, sum, target) + entropy: all-reduces per response token
 P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
@@ -100,16 +100,12 @@ def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
         f[names[op]] = b * OPT_STEPS
     for (op, grp), b in resharding_bytes(m, lay, dtype_bytes=4).items():
         f["resharding TP all-gather" if grp == "tp" else "resharding PP broadcast"] = b
-    last = pp == 1  # rank 0 is on the first stage; the last stage only when there is one
-    layers = m.layers // pp
-    if tp > 1:  # forward: 2 per layer + embedding (first stage); backward: 2 per layer + LM head (last)
-        fwd = (2 * layers + 1) * tokens * m.hidden * 4 + (LOGPROB_SCALARS * resp * 4 if last else 0)
-        bwd = (2 * layers + (1 if last else 0)) * tokens * m.hidden * 4 + (LOGPROB_SCALARS * resp * 4 if last else 0)
-        f["TP all-reduce (old_logprob)"] = fwd
-        f["TP all-reduce (update_actor)"] = fwd + bwd
-    if pp > 1:  # the first stage sends its activations forward and receives their grads back
-        f["PP p2p (old_logprob)"] = tokens * m.hidden * 4
-        f["PP p2p (update_actor)"] = 2 * tokens * m.hidden * 4
+    # rank 0 sits on the first pipeline stage (and the last one only when pp == 1)
+    f["TP all-reduce (old_logprob)"] = tp_activation_bytes(m, lay, tokens, 4, False, resp_tokens=resp)
+    f["TP all-reduce (update_actor)"] = tp_activation_bytes(m, lay, tokens, 4, True, resp_tokens=resp)
+    f["PP p2p (old_logprob)"] = pp_p2p_bytes(m, lay, tokens, 4, False)
+    f["PP p2p (update_actor)"] = pp_p2p_bytes(m, lay, tokens, 4, True)
+    f = {k: v for k, v in f.items() if v}
     return f
 
 

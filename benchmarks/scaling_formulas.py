@@ -108,24 +108,35 @@ def resharding_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0) ->
     return out
 
 
-def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool) -> int:
-    """TP all-reduces of one pass over `tokens` tokens on one rank's stage: 2 per layer (attention
-    and MLP row-parallel outputs) + the vocab-parallel embedding forward; backward another 2 per
-    layer (column-parallel input grads) + the output layer's input grad. With sequence
-    parallelism each all-reduce becomes a reduce-scatter + all-gather of the same payload."""
+def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,
+                        stage: int = 0, resp_tokens: int = 0, logprob_scalars: int = 6) -> int:
+    """TP all-reduces of one pass over `tokens` tokens on one rank of pipeline stage `stage`:
+    forward 2 per layer (attention and MLP row-parallel outputs) + the vocab-parallel embedding
+    (first stage); backward another 2 per layer (column-parallel input grads) + the output
+    layer's input grad (last stage). The last stage's vocab-parallel log-softmax and entropy add
+    `logprob_scalars` one-value all-reduces per response token, forward and again backward.
+    With sequence parallelism each all-reduce becomes a reduce-scatter + all-gather of the same
+    payload."""
     if lay.tp == 1:
         return 0
-    calls = 2 * (m.layers // lay.pp) + 1
-    return calls * tokens * m.hidden * act_bytes * (2 if backward else 1)
+    first, last = stage == 0, stage == lay.pp - 1
+    layers = m.layers // lay.pp
+    scalars = logprob_scalars * resp_tokens * 4 if last else 0  # fp32 statistics
+    out = (2 * layers + first) * tokens * m.hidden * act_bytes + scalars
+    if backward:
+        out += (2 * layers + last) * tokens * m.hidden * act_bytes + scalars
+    return out
 
 
-def pp_p2p_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool) -> int:
-    """Activations sent across pipeline boundaries by one rank for one pass: pp*vpp - 1 chunk
-    boundaries per micro-batch, spread over the pp ranks; with SP each TP rank sends 1/tp."""
+def pp_p2p_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool, sp: bool = False) -> int:
+    """Activations one rank sends or receives across pipeline boundaries in one pass: pp*vpp - 1
+    chunk boundaries per micro-batch, each with a sender and a receiver, spread over pp ranks
+    (pp=2, vpp=1: the first stage sends once; pp=2, vpp=5: 9 per rank). Backward sends the
+    gradients back the same way. With sequence parallelism each TP rank moves 1/tp of it."""
     if lay.pp == 1:
         return 0
-    boundaries = lay.pp * lay.vpp - 1
-    return boundaries * tokens * m.hidden * act_bytes * (2 if backward else 1) // lay.pp
+    ends = 2 * (lay.pp * lay.vpp - 1)
+    return ends * tokens * m.hidden * act_bytes * (2 if backward else 1) // lay.pp // (lay.tp if sp else 1)
 
 
 # ------------------------------------------------------------------ the 70B estimate
@@ -144,7 +155,7 @@ def estimate(cfg: dict, m: Model = LLAMA3_70B, nvlink_gbs: float = 360.0, ib_gbs
     opt_steps = d["train_batch_size"] // cfg["actor"]["ppo_mini_batch_size"]
     bf16 = 2
     tp_fwd = tp_activation_bytes(m, lay, tokens, bf16, False)
-    pp_fwd = pp_p2p_bytes(m, lay, tokens, bf16, False)
+    pp_fwd = pp_p2p_bytes(m, lay, tokens, bf16, False, sp=bool(p.get("sequence_parallel")))
     ring = lambda n: 2 * (n - 1) / n  # noqa: E731
     rows = []
 
