@@ -20,7 +20,9 @@ import torch
 from mn_helpers import (all_logs, assert_two_nodes, finish, make_assets, rank_lines, read_all, sbatch_grpo,
                         submit_grpo, wait_for)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
+# a loaded 2-core machine needs minutes per 4-rank job (imports, Megatron init); E also waits
+# out Slurm's ~120 s requeue hold
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module", autouse=True)
