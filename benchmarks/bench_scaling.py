@@ -33,7 +33,7 @@ TINY = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "actor.pp
         "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
         "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20"]
 OPT_STEPS = 2  # data.train_batch_size / actor.ppo_mini_batch_size
-P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+P2P = ("send", "recv", "batch_isend_irecv")
 
 
 def assets(root: Path) -> Path:
