@@ -59,11 +59,26 @@ def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
     if proc.returncode != 0:
         raise SystemExit(f"[bench] {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"[bench] {name}: done in {time.time() - t0:.0f}s", flush=True)
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return _rows(out)
 
 
-def measured(row: dict) -> dict[str, float]:
-    """Bytes of the last step grouped into the formula's classes (rank 0)."""
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _finished(run: Path, steps: int) -> bool:
+    return (run / "metrics.jsonl").exists() and len(_rows(run)) == steps
+
+
+SIZE1 = "groups of one rank (handed over, nothing moves; not compared)"
+
+
+def measured(row: dict, name: str) -> dict[str, float]:
+    """Bytes of the last step grouped into the formula's classes (rank 0). Megatron and the
+    engine call their collectives on groups of one rank too (DP at dp=1, TP at tp=1): counted,
+    but kept apart, since no byte leaves the rank."""
+    nodes, tpn, tp, pp = LAYOUTS[name]
+    dp = nodes * tpn // (tp * pp)
     out: dict[str, float] = {}
     for key, v in row.items():
         if not key.startswith("comm_bytes/"):
@@ -71,6 +86,8 @@ def measured(row: dict) -> dict[str, float]:
         _, stage, opgroup = key.split("/", 2)
         op, group = opgroup.split("@", 1)
         cls = classify(stage, op, group)
+        if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1):
+            cls = SIZE1
         out[cls] = out.get(cls, 0.0) + v
     return out
 
@@ -151,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/scaling")
     p.add_argument("--work", default="outputs/bench_scaling", help="job folders (assets, runs)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take a layout's newest finished run under --work instead of running it again")
     a = p.parse_args(argv)
     out, work = Path(a.out), Path(a.work).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -158,13 +177,17 @@ def main(argv=None) -> int:
     m = Model.from_hf(root / "model")
     results = {}
     for name in a.only:
-        run = work / f"run_{name}_{time.strftime('%H%M%S')}"
-        rows = run_layout(name, root, run, a.steps)
+        done = [d for d in sorted(work.glob(f"run_{name}_*")) if _finished(d, a.steps)]
+        if a.reuse and done:
+            print(f"[bench] {name}: reusing {done[-1]}")
+            rows = _rows(done[-1])
+        else:
+            rows = run_layout(name, root, work / f"run_{name}_{time.strftime('%H%M%S')}", a.steps)
         later = rows[1:] or rows
         stage_s = {}
         for k in sorted({k for r in later for k in r if k.startswith("timing_s/")}):
             stage_s[k.split("/", 1)[1]] = sum(r.get(k, 0.0) for r in later) / len(later)
-        meas, form = measured(rows[-1]), formulas(name, m, rows[-1])
+        meas, form = measured(rows[-1], name), formulas(name, m, rows[-1])
         results[name] = dict(stage_s=stage_s, bytes={c: (meas.get(c, 0.0), form.get(c)) for c in sorted(set(meas) | set(form))})
     lines = ["| layout | stage times, s (mean of steps 2..) | step s |", "|---|---|---:|"]
     for n, r in results.items():
