@@ -11,6 +11,7 @@ ranks must have found the rendezvous on the first host of the nodelist and their
 ranks, with every TP group inside one node.
 Needs `slurm/devcluster/start.sh --nodes 2` (what `make cluster` starts); fails, never skips.
 """
+import json
 import subprocess
 import time
 
@@ -132,9 +133,12 @@ def test_warning_signal_on_two_nodes_checkpoints_requeues_resumes_exactly(two_st
     print(f"\n[multinode] E: USR2 {t_signal - t0:.0f}s after submission; checkpoint, requeue, resume and "
           f"4 steps done {time.time() - t_signal:.0f}s after the signal")
     assert rc == 0, text[-12000:]
-    assert "received SIGUSR2" in text and "requeued after the checkpoint of step" in text, text[-8000:]
+    full = all_logs(e, tail=10**7)  # both attempts: a requeued task appends to its log
+    assert "received SIGUSR2" in full and "requeued after the checkpoint of step" in full, text[-8000:]
+    summary = json.loads((e / "rl_summary.json").read_text())
+    assert summary["steps"] == 4 and 0 < summary["resumed_from"] < 4, summary
     sacct = subprocess.run(["sacct", "-j", job_id, "-D", "-X", "-n", "-o", "State"], capture_output=True,
                            text=True, timeout=30).stdout.split()
     assert "REQUEUED" in sacct and sacct[-1] == "COMPLETED", sacct
-    assert {x["host"] for x in rank_lines(all_logs(e, tail=10**7)).values()} == {"node1", "node2"}
+    assert {x["host"] for x in rank_lines(full).values()} == {"node1", "node2"}
     _bitwise(ckpt(e, 4), ckpt(two_steps["a"], 4), "step 4 after USR2 + requeue + resume vs straight")
