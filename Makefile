@@ -1,6 +1,7 @@
 # The two commands of the README. Both create the virtual environment on first use.
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
-#   make test   start the single-node dev Slurm cluster, then run the whole test suite
+#   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
+#               single-node tests run on either node), then run the whole test suite
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -23,8 +24,9 @@ venv: $(VENV)/.installed
 demo: venv  # tiny model + synthetic data + SFT warm start + GRPO; prints val accuracy before/after
 	$(BIN)/python -m verl_hpc.trainer.demo
 
+DEV_NODES ?= 2
 cluster:
-	bash slurm/devcluster/start.sh
+	bash slurm/devcluster/start.sh --nodes $(DEV_NODES)
 
 cluster-stop:
 	bash slurm/devcluster/stop.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install, configure and start a single-node Slurm cluster on a Debian bookworm workstation or
-# CI machine, as root, without systemd: munge, slurmctld, slurmd, slurmdbd + MariaDB (so `sacct`
+# Install, configure and start a Slurm cluster of one or several nodes on a Debian bookworm
+# workstation or CI machine, as root, without systemd: munge, slurmctld, slurmd, slurmdbd + MariaDB (so `sacct`
 # works), Open MPI with PMIx (so `srun --mpi=pmix` starts MPI ranks directly) and fake GPUs via gres
 # (so GPU-shaped job specs such as `--gpus-per-node=2` schedule and set CUDA_VISIBLE_DEVICES).
 #
@@ -9,7 +9,15 @@
 # killed daemon or a rebooted container are detected (pid gone or owned by another program) and
 # removed. Two concurrent runs are serialised by a lock file.
 #
+#   start.sh [--nodes N]     N=1 (default): one node, the machine itself (NodeAddr 127.0.0.1).
+#                            N>1: N nodes node1..N, each slurmd in its own network + UTS namespace
+#                            joined by a private bridge (netns.sh says how); slurmctld, slurmdbd
+#                            and munge are shared. A run with another N reconfigures the cluster.
 # Knobs (environment; the older SLURM_CI_<NAME> spelling of each is accepted as a fallback):
+#   VERL_HPC_DEVCLUSTER_NODES=1        same as --nodes (the option wins)
+#   VERL_HPC_DEVCLUSTER_SUBNET=10.213.7   /24 used inside the cluster's own namespaces only
+#   VERL_HPC_DEVCLUSTER_LINK_RATE=2gbit   inter-node bandwidth (tc tbf); 0: unshaped
+#   VERL_HPC_DEVCLUSTER_LINK_DELAY_US=200 inter-node latency (tc netem, where the kernel has it)
 #   VERL_HPC_DEVCLUSTER_DBD=1          1: slurmdbd + MariaDB so `sacct` works (submitit needs it to
 #                                      see jobs that die without writing a result); 0: no accounting
 #   VERL_HPC_DEVCLUSTER_CPUS=8         CPUs advertised for the node (raised to nproc if lower;
@@ -26,6 +34,19 @@ knob() { # knob NAME DEFAULT -> $VERL_HPC_DEVCLUSTER_NAME, else $SLURM_CI_NAME, 
   printf '%s' "${!new:-${!old:-$2}}"
 }
 DBD=$(knob DBD 1)
+NODES=$(knob NODES 1)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) NODES=${2:?--nodes needs a number}; shift 2 ;;
+    --nodes=*) NODES=${1#--nodes=}; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "usage: $0 [--nodes N]" >&2; exit 2 ;;
+  esac
+done
+case "$NODES" in ''|*[!0-9]*|0) echo "[devcluster] ERROR: --nodes $NODES: expected a whole number >= 1" >&2; exit 2 ;; esac
+SUBNET=$(knob SUBNET 10.213.7)
+LINK_RATE=$(knob LINK_RATE 2gbit)
+LINK_DELAY_US=$(knob LINK_DELAY_US 200)
 NCPU_HW=$(nproc)
 CPUS=$(knob CPUS 8); [ "$CPUS" -lt "$NCPU_HW" ] && CPUS=$NCPU_HW
 GPUS=$(knob GPUS 4)
@@ -83,6 +104,23 @@ exec 9>/run/verl_hpc/devcluster.lock
 flock -w "$TMO" 9 || die "another start.sh/stop.sh holds /run/verl_hpc/devcluster.lock"
 # Daemons must not inherit the lock's descriptor, or the lock outlives this script.
 spawn() { "$@" 9>&-; }
+. "$(dirname "$0")/netns.sh"
+# all slurmd pids (one per node in multi-node mode), from their pid files, else by exact name
+slurmd_pids() {
+  local f pid
+  for f in /run/slurmd.pid /run/slurmd-node*.pid; do
+    [ -s "$f" ] || continue
+    pid=$(cat "$f"); [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = slurmd ] && echo "$pid"
+  done
+  pgrep -x slurmd || true
+}
+stop_all_slurmd() {
+  local pids; pids=$(slurmd_pids | sort -u | tr '\n' ' ')
+  [ -n "${pids// }" ] || return 0
+  kill $pids 2>/dev/null
+  wait_for 30 sh -c "for p in $pids; do kill -0 \$p 2>/dev/null && exit 1; done; exit 0" || kill -9 $pids 2>/dev/null
+  rm -f /run/slurmd.pid /run/slurmd-node*.pid
+}
 
 # ---------------------------------------------------------------- packages
 # openmpi-bin/libopenmpi-dev: Open MPI 4.1 (mpicc for mpi4py/parallel h5py builds).
@@ -91,6 +129,8 @@ spawn() { "$@" 9>&-; }
 # -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
 # us). hdf5-tools: h5ls/h5dump for checkpoint tests.
 PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools"
+# multi-node: ip netns/tc (iproute2), unshare/nsenter (util-linux), the controller forwarders (socat)
+[ "$NODES" -gt 1 ] && PKGS="$PKGS iproute2 socat util-linux"
 [ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
 missing=""
 for p in $PKGS; do
@@ -147,9 +187,30 @@ if [ "$GPUS" -gt 0 ]; then
   done
   echo "Name=gpu File=/dev/fakegpu[0-$((GPUS - 1))]" > "$NEW_GRES"
 fi
+if [ "$NODES" = 1 ]; then
+  SLURMD_FILES="SlurmdSpoolDir=/var/spool/slurmd
+SlurmdPidFile=/run/slurmd.pid
+SlurmdLogFile=/var/log/slurm/slurmd.log"
+  NODE_LINES="NodeName=${H} NodeAddr=127.0.0.1 CPUs=${CPUS} Sockets=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${MEM} ${GRES_NODE} State=UNKNOWN"
+  NODE_NAMES=$H
+else
+  # one slurmd per node on one filesystem: %n (the node name) keeps their files apart
+  SLURMD_FILES="SlurmdSpoolDir=/var/spool/slurmd/%n
+SlurmdPidFile=/run/slurmd-%n.pid
+SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+# PMIx puts each step's client directory under TmpFS: per node, or the second node's step
+# fails with 'Cannot create directory /tmp/spmix_appdir_...: File exists'
+TmpFS=/var/spool/slurmd/%n/tmp"
+  NODE_LINES=""
+  for ((k = 1; k <= NODES; k++)); do
+    [ "$k" -gt 1 ] && NODE_LINES+=$'\n'
+    NODE_LINES+="NodeName=node$k NodeAddr=$(node_addr "$k") CPUs=${CPUS} Sockets=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=$((MEM / NODES)) ${GRES_NODE} State=UNKNOWN"
+  done
+  NODE_NAMES="node[1-$NODES]"
+fi
 NEW=$(mktemp)
 cat > "$NEW" <<EOF
-# generated by slurm/devcluster/start.sh -- single-node development cluster
+# generated by slurm/devcluster/start.sh -- development cluster of ${NODES} node(s)
 ClusterName=${CLUSTER}
 SlurmctldHost=${H}(127.0.0.1)
 SlurmUser=root
@@ -159,11 +220,9 @@ CredType=cred/munge
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=/var/spool/slurmctld
-SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
-SlurmdLogFile=/var/log/slurm/slurmd.log
+${SLURMD_FILES}
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
@@ -184,8 +243,14 @@ ReturnToService=2
 KillWait=5
 InactiveLimit=0
 MinJobAge=300
-NodeName=${H} NodeAddr=127.0.0.1 CPUs=${CPUS} Sockets=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${MEM} ${GRES_NODE} State=UNKNOWN
+${NODE_LINES}
 PartitionName=${PART} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption, for tests of the stop/requeue rule: a job in 'scavenger' (PriorityTier 0) is
+# preempted by a job of any other partition that needs its CPUs: SIGTERM at once, requeued by Slurm
+# after GraceTime. Nothing outranks the default partition, so its jobs are never preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=0 GraceTime=60
 EOF
 CHANGED=$(install_if_changed "$NEW" /etc/slurm/slurm.conf)
 chmod 644 /etc/slurm/slurm.conf
@@ -257,26 +322,54 @@ fi
 
 # ---------------------------------------------------------------- slurmctld + slurmd
 if [ "$CHANGED" = 1 ]; then
-  stop_daemon slurmd /run/slurmd.pid
+  stop_all_slurmd
   stop_daemon slurmctld /run/slurmctld.pid
 fi
-alive slurmctld /run/slurmctld.pid || spawn slurmctld
-wait_for "$TMO" scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log)"
-alive slurmd /run/slurmd.pid || spawn slurmd
+if [ "$NODES" = 1 ]; then
+  # a multi-node cluster ran before: its namespaces, forwarders and hosts lines go
+  if [ -d "$NET_RUN" ] || ip netns list 2>/dev/null | grep -q "^${NS_HEAD}\b"; then
+    stop_all_slurmd; stop_daemon slurmctld /run/slurmctld.pid; net_down; rmdir "$NET_RUN" 2>/dev/null
+    log "multi-node network removed"
+  fi
+  alive slurmctld /run/slurmctld.pid || spawn slurmctld
+  wait_for "$TMO" scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log)"
+  alive slurmd /run/slurmd.pid || spawn slurmd
+else
+  # a single-node slurmd (root namespace) or nodes beyond N left from a larger cluster go first
+  if [ -s /run/slurmd.pid ] || ip netns list | grep -q "^${NS_PREFIX}$((NODES + 1))\b"; then
+    stop_all_slurmd; stop_daemon slurmctld /run/slurmctld.pid; net_down
+  fi
+  # slurmctld must run inside the head namespace: one in the root namespace goes
+  if alive slurmctld /run/slurmctld.pid && [ "$(readlink /proc/"$(cat /run/slurmctld.pid)"/ns/net)" != "net:[$(stat -L -c %i "/run/netns/$NS_HEAD" 2>/dev/null)]" ]; then
+    stop_daemon slurmctld /run/slurmctld.pid
+  fi
+  net_up "$NODES"
+  alive slurmctld /run/slurmctld.pid || spawn nsenter --net="/run/netns/$NS_HEAD" slurmctld
+  wait_for "$TMO" scontrol ping || die "slurmctld did not come up (see /var/log/slurm/slurmctld.log, $NET_RUN/*.log)"
+  for ((k = 1; k <= NODES; k++)); do node_slurmd_up "$k"; done
+  shaped=unshaped; [ "$LINK_RATE" = 0 ] || shaped="$LINK_RATE"
+  if tc -n "$NS_HEAD" qdisc show dev vhn1 | grep -q netem; then shaped+=", ${LINK_DELAY_US} us"; else shaped+=", latency not shaped (no netem in this kernel)"; fi
+  log "network: $NODES node namespaces on ${SUBNET}.0/24, inter-node links $shaped"
+fi
 log "slurmctld/slurmd up"
 
 # ---------------------------------------------------------------- wait for an idle node
 end=$(( $(date +%s) + TMO ))
 while :; do
-  st=$(sinfo -h -n "$H" -o %T 2>/dev/null || true)
-  case "$st" in
-    idle|mixed|allocated|completing) break ;;
-    down*|drain*|inval*|fail*) scontrol update nodename="$H" state=resume 2>/dev/null || true ;;
-  esac
+  # every node usable (sinfo prints one line per node with -N)
+  states=$(sinfo -h -N -n "$NODE_NAMES" -o '%N %T' 2>/dev/null || true)
+  bad=$(echo "$states" | awk '$2 !~ /^(idle|mixed|allocated|completing)$/ {print $1}')
+  st=$(echo "$states" | awk '{print $2}' | sort -u | paste -sd, -)
+  [ -n "$states" ] && [ -z "$bad" ] && break
+  for b in $bad; do
+    case "$(echo "$states" | awk -v n="$b" '$1 == n {print $2}')" in
+      down*|drain*|inval*|fail*) scontrol update nodename="$b" state=resume 2>/dev/null || true ;;
+    esac
+  done
   if [ "$(date +%s)" -ge "$end" ]; then
-    echo "[devcluster] node $H not usable after ${TMO}s (state '$st')" >&2
+    echo "[devcluster] node(s) ${bad:-$NODE_NAMES} not usable after ${TMO}s (states: $states)" >&2
     sinfo -R >&2 || true
-    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+    tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd*.log >&2 || true
     exit 1
   fi
   sleep 0.5
@@ -285,11 +378,21 @@ sinfo -o '%P %a %T %D %c %m %G %N'
 # Smoke test: one PMIx step end to end (munge credential, slurmd launch, PMIx server in slurmd).
 # A node that reports idle but cannot run steps would otherwise make every later srun hang.
 # Skipped when other jobs fill the node (it then evidently runs jobs; the step would only queue).
+# Multi-node: one task per node, started from node1 (srun must reach every slurmd and the
+# machine's own namespace has no route to them); every node must answer with its own host name.
 case "$st" in
   idle|mixed)
-    spawn timeout 60 srun --job-name=devcluster-smoke -N1 -n1 --mpi=pmix true \
-      || die "srun --mpi=pmix smoke step failed (srun --mpi=list: $(srun --mpi=list 2>&1 | tr -s ' \n\t' ' '))" ;;
-  *) log "node $st with other jobs: smoke step skipped" ;;
+    if [ "$NODES" = 1 ]; then
+      spawn timeout 60 srun --job-name=devcluster-smoke -N1 -n1 --mpi=pmix true \
+        || die "srun --mpi=pmix smoke step failed (srun --mpi=list: $(srun --mpi=list 2>&1 | tr -s ' \n\t' ' '))"
+    else
+      got=$(spawn timeout 90 nsenter --net=/run/netns/"$(node_ns 1)" srun --job-name=devcluster-smoke -N"$NODES" \
+              --ntasks-per-node=1 --mpi=pmix hostname | sort | paste -sd, -) \
+        || die "srun --mpi=pmix smoke step over $NODES nodes failed (see /var/log/slurm/slurmd-node*.log)"
+      want=$(for ((k = 1; k <= NODES; k++)); do echo "node$k"; done | sort | paste -sd, -)
+      [ "$got" = "$want" ] || die "smoke step ran on '$got', expected '$want'"
+    fi ;;
+  *) log "nodes $st with other jobs: smoke step skipped" ;;
 esac
 acct=off; [ "$DBD" = 1 ] && acct="on (sacct)"
-log "READY: cluster '$CLUSTER', node $H $st, partition $PART, $CPUS CPUs, $GPUS fake GPUs, accounting $acct; stop with slurm/devcluster/stop.sh"
+log "READY: cluster '$CLUSTER', $NODES node(s) $NODE_NAMES $st, partition $PART, $CPUS CPUs + $GPUS fake GPUs per node, accounting $acct; stop with slurm/devcluster/stop.sh"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Stop the single-node development cluster started by slurm/devcluster/start.sh: cancel jobs,
-# then stop slurmd, slurmctld, slurmdbd, MariaDB and munged. Safe to run when nothing runs.
+# Stop the development cluster started by slurm/devcluster/start.sh: cancel jobs, then stop
+# slurmd (one per node), slurmctld, slurmdbd, MariaDB and munged; for a multi-node cluster also
+# its socat forwarders, network namespaces (with their links and addresses) and /etc/hosts lines.
+# Safe to run when nothing runs.
 #   --purge : also wipe Slurm state (job ids restart at 1) and the accounting database
 # Packages and configuration files stay; start.sh brings everything back in seconds.
 set -uo pipefail
@@ -16,6 +18,8 @@ esac
 install -d /run/verl_hpc
 exec 9>/run/verl_hpc/devcluster.lock
 flock -w 120 9 || { echo "[devcluster] another start.sh/stop.sh holds the lock" >&2; exit 1; }
+spawn() { "$@" 9>&-; }
+. "$(dirname "$0")/netns.sh"
 
 # stop_pid NAME PIDFILE: stop the daemon NAME. The pid file is trusted only if its pid is that
 # program (a stale file may name a reused pid); otherwise the daemon is looked up by exact name.
@@ -41,6 +45,8 @@ if command -v scancel >/dev/null && scontrol ping >/dev/null 2>&1; then
   for _ in $(seq 1 20); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.5; done
 fi
 stop_pid slurmd /run/slurmd.pid
+for f in /run/slurmd-node*.pid; do [ -e "$f" ] && stop_pid slurmd "$f"; done
+while pgrep -x slurmd >/dev/null; do stop_pid slurmd /nonexistent; done  # one without a pid file
 stop_pid slurmctld /run/slurmctld.pid
 stop_pid slurmdbd /run/slurmdbd.pid
 if [ -x /etc/init.d/mariadb ] && mysqladmin ping >/dev/null 2>&1; then
@@ -52,6 +58,9 @@ elif [ "$PURGE" = 1 ] && [ -d /var/lib/mysql/slurm_acct_db ]; then
   /etc/init.d/mariadb stop >/dev/null 2>&1
 fi
 stop_pid munged /run/munge/munged.pid
+if [ -d "$NET_RUN" ] || ip netns list 2>/dev/null | grep -q "^${NS_HEAD}\b"; then
+  net_down && rmdir "$NET_RUN" 2>/dev/null; echo "[devcluster] removed the multi-node namespaces, links, forwarders and hosts lines"
+fi
 if [ "$PURGE" = 1 ]; then
   rm -rf /var/spool/slurmctld/* /var/spool/slurmd/*
   echo "[devcluster] purged Slurm state (job ids restart at 1)"

@@ -40,6 +40,14 @@ def test_srun_step():
     assert e.master_addr in ("gpu007",)  # scontrol or the fallback parser, same answer
 
 
+@pytest.mark.parametrize("spec,node,n", [("2(x4)", 3, 2), ("3,2", 1, 2), ("3,2", 0, 3),
+                                         ("2(x2),1", 2, 1), ("4", 0, 4)])
+def test_local_world_size_is_this_nodes_count(spec, node, n):
+    env = dict(SLURM_PROCID="0", SLURM_NTASKS="9", SLURM_NODEID=str(node), SLURM_STEP_ID="0",
+               SLURM_JOB_ID="1", SLURM_STEP_NODELIST="n[1-4]", SLURM_STEP_TASKS_PER_NODE=spec)
+    assert detect(env).local_world_size == n
+
+
 def test_batch_script_without_step_is_a_single_process():
     # the sbatch script itself has SLURM_PROCID=0 but is not a rank of the job step
     e = detect(dict(SLURM_PROCID="0", SLURM_NTASKS="8", SLURM_JOB_ID="9"))

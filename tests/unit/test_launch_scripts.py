@@ -21,6 +21,8 @@ SCRIPTS = sorted(LAUNCH.glob("*.sbatch"))
 SHELL_SCRIPTS = [
     ROOT / "slurm/devcluster/start.sh",
     ROOT / "slurm/devcluster/stop.sh",
+    ROOT / "slurm/devcluster/netns.sh",
+    ROOT / "slurm/devcluster/on_node.sh",
     ROOT / "containers/install.sh",
     ROOT / "containers/enroot/build.sh",
 ]

@@ -92,8 +92,9 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
         print(f"[submit] job {job.job_id} {state} in {now - t0:.0f}s; logs: {job.paths.folder}")
         return 0
     print(f"[submit] job {job.job_id} ended {state}", file=sys.stderr)
-    for rank, reason, log in failed_ranks(job):
-        print(f"[submit]   rank {rank}: {reason}; log: {log}", file=sys.stderr)
+    for rank, reason, node, log in failed_ranks(job):
+        where = f" (node {node})" if node else ""
+        print(f"[submit]   rank {rank}: {reason}{where}; log: {log}", file=sys.stderr)
     print(f"[submit] all logs: {job.paths.folder}", file=sys.stderr)
     return 1
 
@@ -124,24 +125,32 @@ def _stream(path: Path, offset: int) -> int:
     return offset + len(chunk)
 
 
-_SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([\d,\-]+): (.+)")
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 
 
-def failed_ranks(job: submitit.Job) -> list[tuple[int, str, Path]]:
-    """Ranks that failed, from srun's own report in the batch log (it names each task that exited
-    non-zero); falls back to task logs with a traceback when srun said nothing."""
+def failed_ranks(job: submitit.Job) -> list[tuple[int, str, str, Path]]:
+    """(rank, why, node, log) of the ranks that failed, from srun's own report in the batch log (it
+    names each task that exited non-zero and its node); falls back to the task logs with a
+    traceback when srun said nothing. The node matters on a multi-node job: a whole node dying
+    shows up as its ranks killed and the other nodes' ranks failing in a collective."""
     folder = Path(job.paths.folder)
     batch_err = Path(str(job.paths.stderr))
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, str]] = {}
     text = batch_err.read_text(errors="replace") if batch_err.exists() else ""
     for m in _SRUN_TASK.finditer(text):
-        for rank in _expand(m.group(1)):
-            found.setdefault(rank, m.group(2).strip())
+        for rank in _expand(m.group(2)):
+            found.setdefault(rank, (m.group(3).strip(), m.group(1)))
     if not found:
         for log in sorted(folder.glob(f"{job.job_id}_*_log.err")):
             if "Traceback" in log.read_text(errors="replace"):
-                found[int(log.name.split("_")[1])] = "raised an exception"
-    return [(r, why, folder / f"{job.job_id}_{r}_log.err") for r, why in sorted(found.items())]
+                found[int(log.name.split("_")[1])] = ("raised an exception", _host_of(log))
+    return [(r, why, node, folder / f"{job.job_id}_{r}_log.err") for r, (why, node) in sorted(found.items())]
+
+
+def _host_of(log: Path) -> str:
+    """The host a rank ran on, from the runtime's `rank R/W up via ... on host H` line."""
+    m = re.search(r" up via \S+ on host (\S+)", log.read_text(errors="replace"))
+    return m.group(1) if m else ""
 
 
 def _expand(spec: str) -> list[int]:

@@ -118,7 +118,31 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     log.info("megatron model parallel: tp=%d pp=%d dp=%d cp=%d (this rank tp %d, pp %d, dp %d)%s",
              mp.tp, mp.pp, mp.dp, mp.cp, mp.tp_rank, mp.pp_rank, mp.dp_rank,
              f", {len(mp.cpu_patches)} CPU replacements" if mp.cpu_patches else "")
+    from verl_hpc.parallel.placement import log_placement
+
+    _name_groups()
+
+    log_placement()  # which nodes each TP/DP group landed on (collective, once per job)
     return mp
+
+
+def _name_groups() -> None:
+    """Names for Megatron's groups in collective errors and counts (runtime/collectives.py).
+    Where two names are one group (dp and dp_cp when cp=1), the later, plainer name wins."""
+    from megatron.core import parallel_state as ps
+
+    from verl_hpc.runtime.collectives import name_group
+
+    cp1 = ps.get_context_parallel_world_size() == 1  # then DDP's dp_cp group is the DP group
+    getters = [("mp", ps.get_model_parallel_group), ("cp", ps.get_context_parallel_group),
+               ("dp" if cp1 else "dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+               ("dp_gloo", ps.get_data_parallel_group_gloo), ("pp", ps.get_pipeline_model_parallel_group),
+               ("dp", ps.get_data_parallel_group), ("tp", ps.get_tensor_model_parallel_group)]
+    for name, get in getters:
+        try:
+            name_group(get(), name)
+        except (AssertionError, RuntimeError, AttributeError):  # not built in this layout
+            pass
 
 
 def init_from_config(parallel_cfg, seed: int = 1, timeout_s: Optional[float] = None) -> ModelParallel:

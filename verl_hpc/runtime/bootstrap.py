@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_hpc.runtime import collectives
 from verl_hpc.runtime import device as devices
 from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
 from verl_hpc.runtime.seeding import seed_everything
@@ -99,8 +100,11 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
             rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             **({"device_id": dev} if backend == "nccl" else {}))
-    log.info("rank %d/%d up via %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
-             env.rank, env.world_size, env.launcher, env.local_rank, env.node_rank, dev, backend,
+    # every collective from here on is named in its errors and counted (runtime/collectives.py)
+    collectives.install(timeout_s)
+    log.info("rank %d/%d up via %s on host %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
+             env.rank, env.world_size, env.launcher, socket.gethostname(), env.local_rank,
+             env.node_rank, dev, backend,
              env.master_addr, env.master_port, ", MPI initialised" if comm is not None else "")
     return RankContext(env=env, device=dev, backend=backend,
                        preemption=PreemptionFlag().install(),

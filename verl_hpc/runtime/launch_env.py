@@ -73,6 +73,20 @@ def expand_first_host(nodelist: str) -> str:
     return prefix + start
 
 
+def tasks_on_node(spec: str, node_id: int) -> int:
+    """Tasks on node `node_id` from Slurm's compact per-node list, e.g. "2(x3),1" -> 2,2,2,1.
+    An uneven step ("3,2") has a different count on each node, so the first entry is not enough."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise RuntimeError(f"cannot parse SLURM_STEP_TASKS_PER_NODE={spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise RuntimeError(f"SLURM_NODEID={node_id} is outside SLURM_STEP_TASKS_PER_NODE={spec!r}")
+    return counts[node_id]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,8 +118,9 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         return LaunchEnv(
             launcher="srun", rank=_int(env, "SLURM_PROCID"), world_size=_int(env, "SLURM_NTASKS"),
             local_rank=_int(env, "SLURM_LOCALID", 0),
-            # e.g. "4(x2)" or "3,2": tasks on this job's first node; fine for the usual even layouts
-            local_world_size=int(re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", "1")).group()),
+            local_world_size=tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE")
+                                           or env.get("SLURM_TASKS_PER_NODE", "1"),
+                                           _int(env, "SLURM_NODEID", 0)),
             node_rank=_int(env, "SLURM_NODEID", 0),
             master_addr=env.get("MASTER_ADDR") or expand_first_host(nodelist),
             master_port=_int(env, "MASTER_PORT", port_for_job(job_id)), job_id=job_id,

@@ -24,8 +24,14 @@ STAGES = ("generate", "reward", "old_logprob", "ref", "values", "adv", "update_c
 
 class StageTimer:
     def __init__(self, prefix: str = "timing_s", sync: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 comm: Callable[[], dict] | None = None) -> None:
+        """`comm`: a snapshot of collective counts ({(op, group): (calls, bytes)}, e.g.
+        runtime.collectives.counts); given, pop() also reports the payload bytes each stage moved
+        as `comm_bytes/<stage>/<op>@<group>` (and `comm_calls/...`)."""
         self.prefix = prefix
+        self._comm = comm
+        self._comm_totals: dict[str, float] = {}
         self._sync = sync
         self._clock = clock
         self._totals: dict[str, float] = {}
@@ -41,12 +47,20 @@ class StageTimer:
         if self._sync is not None:
             self._sync()
         start = self._clock()
+        before = self._comm() if self._comm is not None else None
         try:
             yield
         finally:
             if self._sync is not None:
                 self._sync()
             self._totals[name] = self._totals.get(name, 0.0) + (self._clock() - start)
+            if before is not None:
+                for (op, group), (calls, nbytes) in self._comm().items():
+                    c0, b0 = before.get((op, group), (0, 0))
+                    if calls > c0:
+                        for kind, v in (("comm_bytes", nbytes - b0), ("comm_calls", calls - c0)):
+                            key = f"{kind}/{name}/{op}@{group}"
+                            self._comm_totals[key] = self._comm_totals.get(key, 0) + v
 
     __call__ = stage
 
@@ -62,6 +76,8 @@ class StageTimer:
         now = self._clock()
         out = {f"{self.prefix}/{name}": secs for name, secs in self._totals.items()}
         out[f"{self.prefix}/step"] = now - self._step_start
+        out.update(self._comm_totals)
+        self._comm_totals = {}
         self._totals = {}
         self._step_start = now
         return out

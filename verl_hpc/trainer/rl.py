@@ -34,6 +34,7 @@ from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
+from verl_hpc.runtime import collectives
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
 from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import logprob_diff_metrics, response_stats
@@ -132,7 +133,9 @@ class RLTrainer:
         try:
             if self.validator and not start:
                 summary["val_before"] = self._validate(tracker, 0)
-            timer, t0 = StageTimer(), time.time()
+            # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
+            timer = StageTimer(comm=collectives.counts if self.cfg.tracking.comm_bytes else None)
+            t0 = time.time()
             for step in range(start + 1, tr.total_steps + 1):
                 metrics = self.step(step, timer)
                 metrics.update(timer.pop())

@@ -46,7 +46,7 @@ def run(cfg, ctx) -> dict:
         dist.all_reduce(t)
         if int(t.item()) != expected:
             raise RuntimeError(f"all_reduce gave {t.item()}, expected {expected}")
-        if ctx.mpi_comm is not None and ctx.mpi_comm.allreduce(rank + 1) != expected:
+        if s.mpi and ctx.mpi_comm is not None and ctx.mpi_comm.allreduce(rank + 1) != expected:
             raise RuntimeError("MPI allreduce disagrees with torch.distributed")
         time.sleep(s.step_seconds)
         steps_done = step + 1
@@ -59,7 +59,9 @@ def run(cfg, ctx) -> dict:
             break
 
     mine = dict(rank=rank, world_size=world, launcher=ctx.env.launcher, host=socket.gethostname(),
-                local_rank=ctx.env.local_rank, job_id=ctx.env.job_id, backend=ctx.backend,
+                local_rank=ctx.env.local_rank, local_world_size=ctx.env.local_world_size,
+                node_rank=ctx.env.node_rank, master_addr=ctx.env.master_addr,
+                master_port=ctx.env.master_port, job_id=ctx.env.job_id, backend=ctx.backend,
                 torch_rank=dist.get_rank(), torch_world=dist.get_world_size(),
                 mpi_rank=ctx.mpi_comm.Get_rank() if ctx.mpi_comm is not None else None,
                 mpi_size=ctx.mpi_comm.Get_size() if ctx.mpi_comm is not None else None,

@@ -17,6 +17,8 @@ class TrackingConfig(Section):
     plots: bool = opt(True, "PNG plots of reward, val accuracy, KL, ... at the end")
     console_metrics: List[str] = opt([], "extra metric keys shown in the console table")
     wandb_mode: str = opt("offline", "W&B mode", choices=("offline", "online", "disabled"))
+    comm_bytes: bool = opt(False, "per stage: payload bytes and calls of every collective, as metrics "
+                                  "comm_bytes/<stage>/<collective>@<group> (benchmarks/bench_scaling.py)")
 
     def check(self, job) -> List[str]:
         if "prometheus" in self.backends and self.prometheus_port <= 0:

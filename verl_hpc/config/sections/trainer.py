@@ -20,6 +20,9 @@ class SmokeConfig(Section):
     # wedged GPU or a stuck file system), which only trainer.collective_timeout_s can catch
     fail_mode: str = opt("exit", "exit (dies at once) | hang (stops answering collectives)",
                          choices=("exit", "hang"))
+    # off where only torch.distributed's timeout may end a stalled step (an MPI collective has
+    # none: a dropped link would hang it for good)
+    mpi: bool = opt(True, "also all-reduce over MPI each step (false: torch.distributed only)")
 
     def check(self, job) -> List[str]:
         p = []

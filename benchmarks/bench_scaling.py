@@ -1,0 +1,215 @@
+"""Scaling on the dev cluster: 1, 2 and 4 ranks on 1 and 2 nodes, a tiny GRPO job each.
+
+    python benchmarks/bench_scaling.py                 # all layouts (needs start.sh --nodes 2)
+    python benchmarks/bench_scaling.py --only 2x2 --steps 3 --out benchmarks/results/scaling
+
+Each layout is a real job submitted with `python -m verl_hpc.submit` and `tracking.comm_bytes=true`:
+every torch.distributed call is wrapped (runtime/collectives.py) and rank 0 logs, per stage of
+each step, the payload bytes of every (collective, group). The script prints and writes
+  * step time by stage (mean over the steps after the first, which warms up),
+  * per collective: bytes measured on rank 0 in the last step / bytes of the analytical formula
+    (benchmarks/scaling_formulas.py; goal 1.00 +- 0.02),
+  * a PNG plot (stage times, and measured vs formula bytes).
+Token counts come from the step's own metrics (train/tokens, rollout/response_tokens): the
+synthetic prompts all have one length, so they equal the padded shapes the engine runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, resharding_bytes,  # noqa: E402
+                              tp_activation_bytes)
+
+# name: (nodes, tasks per node, tp, pp)
+LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1)}
+TINY = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+        "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
+        "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20"]
+OPT_STEPS = 2  # data.train_batch_size / actor.ppo_mini_batch_size
+P2P = ("send", "recv", "batch_isend_irecv")
+
+
+def assets(root: Path) -> Path:
+    if not (root / "model" / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(root / "model"), "--layers", "2"],
+                       cwd=REPO, check=True, capture_output=True)
+    if not (root / "data" / "train.parquet").exists():
+        subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(root / "data"),
+                        "--n-train", "500", "--n-val", "20"], cwd=REPO, check=True, capture_output=True)
+    return root
+
+
+def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
+    nodes, tpn, tp, pp = LAYOUTS[name]
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/model",
+           f"data.train_files=[{root}/data/train.parquet]", f"data.val_files=[{root}/data/val.parquet]",
+           *TINY, f"trainer.total_steps={steps}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+           f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tpn}", f"trainer.output_dir={out}",
+           f"slurm.log_dir={out}/logs/%j"]
+    t0 = time.time()
+    print(f"[bench] {name}: {nodes} node(s) x {tpn} rank(s), tp={tp} pp={pp} ...", flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"[bench] {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"[bench] {name}: done in {time.time() - t0:.0f}s", flush=True)
+    return _rows(out)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _finished(run: Path, steps: int) -> bool:
+    return (run / "metrics.jsonl").exists() and len(_rows(run)) == steps
+
+
+SIZE1 = "groups of one rank (handed over, nothing moves; not compared)"
+
+
+def measured(row: dict, name: str) -> dict[str, float]:
+    """Bytes of the last step grouped into the formula's classes (rank 0). Megatron and the
+    engine call their collectives on groups of one rank too (DP at dp=1, TP at tp=1): counted,
+    but kept apart, since no byte leaves the rank."""
+    nodes, tpn, tp, pp = LAYOUTS[name]
+    dp = nodes * tpn // (tp * pp)
+    out: dict[str, float] = {}
+    for key, v in row.items():
+        if not key.startswith("comm_bytes/"):
+            continue
+        _, stage, opgroup = key.split("/", 2)
+        op, group = opgroup.split("@", 1)
+        cls = classify(stage, op, group)
+        if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1):
+            cls = SIZE1
+        out[cls] = out.get(cls, 0.0) + v
+    return out
+
+
+def classify(stage: str, op: str, group: str) -> str:
+    if op in P2P:
+        return f"PP p2p ({stage})"
+    table = {("update_actor", "reduce_scatter_tensor", "dp"): "DP reduce-scatter (grads)",
+             ("update_actor", "all_gather_into_tensor", "dp"): "DP all-gather (params)",
+             ("sync", "all_gather", "tp"): "resharding TP all-gather",
+             ("sync", "broadcast", "pp"): "resharding PP broadcast"}
+    if (stage, op, group) in table:
+        return table[(stage, op, group)]
+    if op == "all_reduce" and group == "tp" and stage in ("old_logprob", "update_actor"):
+        return f"TP all-reduce ({stage})"
+    return "control (scalars, objects; no formula)"
+
+
+def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
+    nodes, tpn, tp, pp = LAYOUTS[name]
+    lay = Layout(tp=tp, pp=pp, dp=nodes * tpn // (tp * pp))
+    tokens = row["train/tokens"] / lay.dp  # per DP replica (= per rank of a TP/PP group)
+    resp = row["rollout/response_tokens"] / lay.dp
+    f: dict[str, float] = {}
+    names = {"reduce_scatter_tensor": "DP reduce-scatter (grads)", "all_gather_into_tensor": "DP all-gather (params)"}
+    for (op, _), b in optimizer_bytes(m, lay, grad_bytes=4, param_bytes=4).items():
+        f[names[op]] = b * OPT_STEPS
+    for (op, grp), b in resharding_bytes(m, lay, dtype_bytes=4).items():
+        f["resharding TP all-gather" if grp == "tp" else "resharding PP broadcast"] = b
+    # rank 0 sits on the first pipeline stage (and the last one only when pp == 1)
+    f["TP all-reduce (old_logprob)"] = tp_activation_bytes(m, lay, tokens, 4, False, resp_tokens=resp)
+    f["TP all-reduce (update_actor)"] = tp_activation_bytes(m, lay, tokens, 4, True, resp_tokens=resp)
+    f["PP p2p (old_logprob)"] = pp_p2p_bytes(m, lay, tokens, 4, False)
+    f["PP p2p (update_actor)"] = pp_p2p_bytes(m, lay, tokens, 4, True)
+    f = {k: v for k, v in f.items() if v}
+    return f
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = list(results)
+    stages = sorted({s for r in results.values() for s in r["stage_s"] if s != "step"})
+    bottom = [0.0] * len(names)
+    for s in stages:
+        vals = [results[n]["stage_s"].get(s, 0.0) for n in names]
+        a1.bar(names, vals, bottom=bottom, label=s)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a1.set_ylabel("seconds per step (mean)")
+    a1.set_xlabel("nodes x ranks per node")
+    a1.set_title("step time by stage")
+    a1.legend(fontsize=7)
+    xs, ys, labels = [], [], []
+    for n in names:
+        for cls, (meas, form) in results[n]["bytes"].items():
+            if form:
+                xs.append(form)
+                ys.append(meas)
+                labels.append(f"{n} {cls}")
+    a2.loglog(xs, ys, "o")
+    lo, hi = min(xs + ys) / 2, max(xs + ys) * 2
+    a2.loglog([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = formula")
+    a2.set_xlabel("formula bytes per step (rank 0)")
+    a2.set_ylabel("measured bytes per step (rank 0)")
+    a2.set_title("collective payload: measured vs formula")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/scaling")
+    p.add_argument("--work", default="outputs/bench_scaling", help="job folders (assets, runs)")
+    p.add_argument("--reuse", action="store_true",
+                   help="take a layout's newest finished run under --work instead of running it again")
+    a = p.parse_args(argv)
+    out, work = Path(a.out), Path(a.work).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    root = assets(work / "assets")
+    m = Model.from_hf(root / "model")
+    results = {}
+    for name in a.only:
+        done = [d for d in sorted(work.glob(f"run_{name}_*")) if _finished(d, a.steps)]
+        if a.reuse and done:
+            print(f"[bench] {name}: reusing {done[-1]}")
+            rows = _rows(done[-1])
+        else:
+            rows = run_layout(name, root, work / f"run_{name}_{time.strftime('%H%M%S')}", a.steps)
+        later = rows[1:] or rows
+        stage_s = {}
+        for k in sorted({k for r in later for k in r if k.startswith("timing_s/")}):
+            stage_s[k.split("/", 1)[1]] = sum(r.get(k, 0.0) for r in later) / len(later)
+        meas, form = measured(rows[-1], name), formulas(name, m, rows[-1])
+        results[name] = dict(stage_s=stage_s, bytes={c: (meas.get(c, 0.0), form.get(c)) for c in sorted(set(meas) | set(form))})
+    lines = ["| layout | stage times, s (mean of steps 2..) | step s |", "|---|---|---:|"]
+    for n, r in results.items():
+        st = ", ".join(f"{k} {v:.2f}" for k, v in r["stage_s"].items() if k != "step")
+        lines.append(f"| {n} | {st} | {r['stage_s'].get('step', 0):.2f} |")
+    lines += ["", "| layout | collective | measured bytes | formula bytes | ratio |", "|---|---|---:|---:|---:|"]
+    for n, r in results.items():
+        for cls, (meas, form) in r["bytes"].items():
+            ratio = f"{meas / form:.3f}" if form else "-"
+            lines.append(f"| {n} | {cls} | {meas:,.0f} | {form:,.0f} | {ratio} |" if form else
+                         f"| {n} | {cls} | {meas:,.0f} | - | - |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "scaling.md").write_text(table + "\n")
+    (out / "scaling.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "scaling.png")
+    ratios = [meas / form for r in results.values() for meas, form in r["bytes"].values() if form]
+    bad = [x for x in ratios if abs(x - 1) > 0.02]
+    print(f"\n[bench] {len(ratios)} collectives with a formula; {len(bad)} outside 1.00 +- 0.02; "
+          f"wrote {out}/scaling.md, scaling.json, scaling.png")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Analytical payload bytes of the collectives of one RL step, per rank (docs/scaling.md).
+
+The same functions are checked against the bytes counted on real tiny runs
+(benchmarks/bench_scaling.py, which wraps every torch.distributed call) and evaluated for the
+flagship layout (`python benchmarks/scaling_formulas.py configs/ppo_70b.yaml`).
+
+Payload = what one rank hands to one collective (runtime/collectives.py): all-reduce/broadcast/p2p
+the tensor, reduce-scatter the full input, all-gather the full output. Time on a link of bus
+bandwidth B follows from the algorithm: ring all-reduce 2(n-1)/n x payload / B, reduce-scatter and
+all-gather (n-1)/n x payload / B, broadcast (pipelined) payload / B, p2p payload / B.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+
+    @classmethod
+    def from_hf(cls, folder_or_dict) -> "Model":
+        c = folder_or_dict if isinstance(folder_or_dict, dict) else \
+            json.loads((Path(folder_or_dict) / "config.json").read_text())
+        h, n = c["hidden_size"], c["num_attention_heads"]
+        return cls(hidden=h, layers=c["num_hidden_layers"], ffn=c["intermediate_size"], heads=n,
+                   kv_heads=c.get("num_key_value_heads", n), head_dim=c.get("head_dim") or h // n,
+                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)))
+
+    def layer_params(self) -> dict[str, tuple[int, bool]]:
+        """{name: (elements, split by TP)} of one transformer layer (Llama: SwiGLU, GQA, RMSNorm)."""
+        h, hd = self.hidden, self.head_dim
+        return {"qkv": (h * (self.heads + 2 * self.kv_heads) * hd, True), "proj": (self.heads * hd * h, True),
+                "fc1": (2 * self.ffn * h, True), "fc2": (self.ffn * h, True), "norms": (2 * h, False)}
+
+    def hf_params(self) -> int:
+        per_layer = sum(n for n, _ in self.layer_params().values())
+        return self.layers * per_layer + self.hidden + self.vocab * self.hidden * (1 if self.tied else 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP."""
+    m = divisible_by * tp
+    return math.ceil(vocab / m) * m
+
+
+def rank_params(m: Model, lay: Layout, stage: int) -> list[tuple[int, bool]]:
+    """(elements on this rank, TP-split) of every parameter of pipeline stage `stage`."""
+    out = []
+    if stage == 0:
+        out.append((padded_vocab(m.vocab, lay.tp) * m.hidden // lay.tp, True))
+    for _ in range(m.layers // lay.pp):
+        out += [(n // lay.tp if split else n, split) for n, split in m.layer_params().values()]
+    if stage == lay.pp - 1:
+        out.append((m.hidden, False))
+        if not m.tied:
+            out.append((padded_vocab(m.vocab, lay.tp) * m.hidden // lay.tp, True))
+    return out
+
+
+def dist_opt_buffer(m: Model, lay: Layout, stage: int = 0) -> int:
+    """Elements of the distributed optimizer's grad/param buffer on one rank: every parameter
+    starts at a multiple of 64 elements and the buffer ends at a multiple of lcm(DP, 128)
+    (megatron-core param_and_grad_buffer; one bucket: the tiny models fit one)."""
+    index = 0
+    for n, _ in rank_params(m, lay, stage):
+        index = math.ceil(index / 64) * 64 + n
+    div = math.lcm(lay.dp, 128)
+    return math.ceil(index / div) * div
+
+
+def optimizer_bytes(m: Model, lay: Layout, grad_bytes: int, param_bytes: int, stage: int = 0) -> dict:
+    """Per optimizer step: grads reduce-scattered and params all-gathered over the DP group."""
+    if lay.dp == 1:
+        return {}
+    n = dist_opt_buffer(m, lay, stage)
+    return {("reduce_scatter_tensor", "dp"): n * grad_bytes, ("all_gather_into_tensor", "dp"): n * param_bytes}
+
+
+def resharding_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0) -> dict:
+    """One weight sync (models/weights.py export): each TP-split parameter of the stage is
+    all-gathered whole (padded vocabulary included), then with PP every full HF tensor of every
+    stage is broadcast over the PP group (every rank takes part in every broadcast)."""
+    out = {}
+    if lay.tp > 1:
+        out[("all_gather", "tp")] = sum(n * lay.tp for n, split in rank_params(m, lay, stage) if split) * dtype_bytes
+    if lay.pp > 1:
+        out[("broadcast", "pp")] = m.hf_params() * dtype_bytes
+    return out
+
+
+def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,
+                        stage: int = 0, resp_tokens: int = 0, logprob_scalars: int = 6) -> int:
+    """TP all-reduces of one pass over `tokens` tokens on one rank of pipeline stage `stage`:
+    forward 2 per layer (attention and MLP row-parallel outputs) + the vocab-parallel embedding
+    (first stage); backward another 2 per layer (column-parallel input grads) + the output
+    layer's input grad (last stage). The last stage's vocab-parallel log-softmax and entropy add
+    `logprob_scalars` one-value all-reduces per response token, forward and again backward.
+    With sequence parallelism each all-reduce becomes a reduce-scatter + all-gather of the same
+    payload."""
+    if lay.tp == 1:
+        return 0
+    first, last = stage == 0, stage == lay.pp - 1
+    layers = m.layers // lay.pp
+    scalars = logprob_scalars * resp_tokens * 4 if last else 0  # fp32 statistics
+    out = (2 * layers + first) * tokens * m.hidden * act_bytes + scalars
+    if backward:
+        out += (2 * layers + last) * tokens * m.hidden * act_bytes + scalars
+    return out
+
+
+def pp_p2p_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool, sp: bool = False) -> int:
+    """Activations one rank sends or receives across pipeline boundaries in one pass: pp*vpp - 1
+    chunk boundaries per micro-batch, each with a sender and a receiver, spread over pp ranks
+    (pp=2, vpp=1: the first stage sends once; pp=2, vpp=5: 9 per rank). Backward sends the
+    gradients back the same way. With sequence parallelism each TP rank moves 1/tp of it."""
+    if lay.pp == 1:
+        return 0
+    ends = 2 * (lay.pp * lay.vpp - 1)
+    return ends * tokens * m.hidden * act_bytes * (2 if backward else 1) // lay.pp // (lay.tp if sp else 1)
+
+
+# ------------------------------------------------------------------ the 70B estimate
+LLAMA3_70B = Model(hidden=8192, layers=80, ffn=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)
+
+
+def estimate(cfg: dict, m: Model = LLAMA3_70B, nvlink_gbs: float = 360.0, ib_gbs: float = 40.0) -> list[dict]:
+    """Bytes and seconds per stage of one PPO step for the config's layout. Bandwidths are bus
+    bandwidths per GPU: NVLink 4 all-reduce ~360 GB/s on 8 H100 (NCCL tests), one 400 Gb/s NDR
+    rail per GPU ~40 GB/s effective (of 50 GB/s). TP groups sit inside a node, DP and PP cross."""
+    p, d, r = cfg["parallel"], cfg["data"], cfg["rollout"]
+    world = cfg["slurm"]["nodes"] * cfg["slurm"]["tasks_per_node"]
+    lay = Layout(tp=p["tp"], pp=p["pp"], dp=world // (p["tp"] * p["pp"]), vpp=p.get("vpp") or 1)
+    seqs = d["train_batch_size"] * r.get("n", 1)
+    tokens = seqs * (d["max_prompt_length"] + d["max_response_length"]) // lay.dp  # per DP replica
+    opt_steps = d["train_batch_size"] // cfg["actor"]["ppo_mini_batch_size"]
+    bf16 = 2
+    tp_fwd = tp_activation_bytes(m, lay, tokens, bf16, False)
+    pp_fwd = pp_p2p_bytes(m, lay, tokens, bf16, False, sp=bool(p.get("sequence_parallel")))
+    ring = lambda n: 2 * (n - 1) / n  # noqa: E731
+    rows = []
+
+    def add(stage, what, payload, factor, gbs, link):
+        rows.append(dict(stage=stage, collective=what, payload_gb=payload / 1e9,
+                         seconds=payload * factor / (gbs * 1e9), link=link))
+
+    models = [("actor", True), ("critic", bool(cfg.get("critic", {}).get("enable")))]
+    passes = {"old_logprob": 1, "ref": 1}
+    for stage, n in passes.items():
+        add(stage, "TP all-reduce (activations)", tp_fwd * n, ring(lay.tp), nvlink_gbs, "NVLink")
+        add(stage, "PP send/recv (activations)", pp_fwd * n, 1, ib_gbs, "IB")
+    if models[1][1]:
+        add("values", "TP all-reduce (activations)", tp_fwd, ring(lay.tp), nvlink_gbs, "NVLink")
+        add("values", "PP send/recv (activations)", pp_fwd, 1, ib_gbs, "IB")
+    for name, on in models:
+        if not on:
+            continue
+        stage = f"update_{name}"
+        add(stage, "TP all-reduce (activations, fwd+bwd)", 2 * tp_fwd, ring(lay.tp), nvlink_gbs, "NVLink")
+        add(stage, "PP send/recv (activations, fwd+bwd)", 2 * pp_fwd, 1, ib_gbs, "IB")
+        opt = optimizer_bytes(m, lay, grad_bytes=4, param_bytes=bf16)
+        for (op, _), b in opt.items():
+            add(stage, f"DP {op} x{opt_steps} optimizer steps", b * opt_steps, (lay.dp - 1) / lay.dp, ib_gbs, "IB")
+    for (op, grp), b in resharding_bytes(m, lay, bf16).items():
+        factor, gbs, link = ((lay.tp - 1) / lay.tp, nvlink_gbs, "NVLink") if grp == "tp" else (1, ib_gbs, "IB")
+        add("sync", f"resharding {op} ({grp})", b, factor, gbs, link)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    path = argv[0] if argv else "configs/ppo_70b.yaml"
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    base = OmegaConf.to_container(OmegaConf.load(Path(path).parent / raw.get("extends", "base.yaml")))
+    cfg = OmegaConf.to_container(OmegaConf.merge(base, {k: v for k, v in raw.items() if k != "extends"}))
+    rows = estimate(cfg)
+    print(f"| stage | collective | payload per rank (GB) | link | est. seconds |\n|---|---|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['stage']} | {r['collective']} | {r['payload_gb']:.1f} | {r['link']} | {r['seconds']:.2f} |")
+    by_stage: dict[str, float] = {}
+    for r in rows:
+        by_stage[r["stage"]] = by_stage.get(r["stage"], 0.0) + r["seconds"]
+    print("\nseconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in by_stage.items())
+          + f"; total {sum(by_stage.values()):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,81 @@
+"""Named and counted collectives (runtime/collectives.py), the per-stage byte metrics of the stage
+timer, the placement summary, and the scaling formulas against hand counts for the tiny model."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verl_hpc.parallel.placement import Placement
+from verl_hpc.runtime import collectives
+from verl_hpc.tracking.timers import StageTimer
+
+pytestmark = pytest.mark.unit
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+
+@pytest.fixture
+def world(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    collectives.install(timeout_s=7)
+    collectives.reset()
+    yield
+    dist.destroy_process_group()
+
+
+def test_counts_payload_per_collective_and_group(world):
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    dist.all_reduce(t, async_op=True).wait()
+    out = torch.empty(10, dtype=torch.float64)
+    dist.all_gather_into_tensor(out, torch.ones(10, dtype=torch.float64))
+    g = dist.new_group([0])
+    collectives.name_group(g, "tp")
+    dist.broadcast(t, 0, group=g)
+    assert collectives.counts() == {("all_reduce", "world"): (2, 80), ("all_gather_into_tensor", "world"): (1, 80),
+                                    ("broadcast", "tp"): (1, 40)}
+
+
+def test_failure_names_collective_group_rank_and_timeout(world):
+    def broken(*args, **kwargs):
+        raise RuntimeError("Timed out waiting 7000ms for recv operation to complete")
+
+    wrapped = collectives._wrap("all_reduce", broken)
+    with pytest.raises(collectives.CollectiveError,
+                       match=r"collective all_reduce on group 'world' \(ranks \[0\]\) failed on rank 0 after "
+                             r"[\d.]+s \(collective timeout 7s\): RuntimeError: Timed out"):
+        wrapped(torch.ones(1))
+
+
+def test_stage_timer_reports_bytes_per_stage(world):
+    timer = StageTimer(comm=collectives.counts)
+    with timer("sync"):
+        dist.all_reduce(torch.ones(4))
+    with timer("adv"):
+        pass
+    m = timer.pop()
+    assert m["comm_bytes/sync/all_reduce@world"] == 16 and m["comm_calls/sync/all_reduce@world"] == 1
+    assert not any(k.startswith("comm_bytes/adv") for k in m)
+    assert not any(k.startswith("comm_") for k in timer.pop())  # reset by pop
+
+
+def test_placement_summary_and_split_tp_warning_flag():
+    ok = Placement(hosts=("node1", "node1", "node2", "node2"), tp_groups=((0, 1), (2, 3)), dp_groups=((0, 2), (1, 3)))
+    assert ok.tp_inside_nodes and "TP groups each inside one node" in ok.describe()
+    assert "DP groups span up to 2 node(s)" in ok.describe()
+    split = Placement(hosts=("node1", "node2"), tp_groups=((0, 1),), dp_groups=((0,), (1,)))
+    assert not split.tp_inside_nodes and "SPLIT ACROSS NODES" in split.describe()
+
+
+def test_formulas_match_hand_counts_for_the_tiny_llama():
+    from scaling_formulas import Layout, Model, dist_opt_buffer, resharding_bytes
+
+    m = Model(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, head_dim=32, vocab=500)
+    # by hand: embedding 500x128, per layer qkv 128x256 + o 128x128 + gate/up 128x512 + down 256x128
+    # + 2 norms, final norm, untied head
+    assert m.hf_params() == 64000 + 2 * (32768 + 16384 + 65536 + 32768 + 256) + 128 + 64000
+    # TP2 rank: vocab padded to 512, halves of every split weight; 213632 is a multiple of 128
+    assert dist_opt_buffer(m, Layout(tp=2, dp=2)) == 512 * 64 * 2 + 2 * (73728 + 256) + 128
+    assert resharding_bytes(m, Layout(tp=2), 4) == {("all_gather", "tp"): (512 * 128 * 2 + 2 * 147456) * 4}
+    assert dist_opt_buffer(m, Layout(dp=3)) % 384 == 0  # padded to lcm(3, 128)

@@ -1,0 +1,183 @@
+"""Every torch.distributed collective, named and counted.
+
+`install()` (called by `runtime.bootstrap`) replaces the collectives in the `torch.distributed`
+namespace with thin wrappers, so that calls from Megatron-Core, vLLM and this project alike:
+  * fail with an error that names the collective, the group (tp/dp/pp/... or its ranks), this rank
+    and how long it waited: a bare gloo/NCCL timeout says neither which collective nor which group
+    hung, and on a multi-node job that is the first thing to know (which link, which layout);
+  * are counted: calls and payload bytes per (collective, group), read by benchmarks/bench_scaling.py
+    and compared with the analytical formulas in docs/scaling.md.
+The wrappers look the real function up at call time's closure, cost a dict update per call, and
+wrap the Work handle of `async_op=True` calls so that an error surfacing in `wait()` is named too.
+torch has no hook API for this (its c10d logger only logs), hence the wrapping.
+
+Payload bytes are what the caller hands to the collective on this rank, not what crosses a wire:
+all_reduce/broadcast/send/recv: the tensor; reduce_scatter: the full input; all_gather: the full
+output. The wire traffic follows from the algorithm (ring: 2(n-1)/n of the payload for all-reduce,
+(n-1)/n for reduce-scatter and all-gather) and is applied in the formulas, not here.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+_TENSOR_ARG = {  # collective -> how to find its payload tensor(s)
+    "all_reduce": lambda a, k: _arg(a, k, 0, "tensor"),
+    "broadcast": lambda a, k: _arg(a, k, 0, "tensor"),
+    "reduce": lambda a, k: _arg(a, k, 0, "tensor"),
+    "send": lambda a, k: _arg(a, k, 0, "tensor"),
+    "recv": lambda a, k: _arg(a, k, 0, "tensor"),
+    "reduce_scatter_tensor": lambda a, k: _arg(a, k, 1, "input"),
+    "_reduce_scatter_base": lambda a, k: _arg(a, k, 1, "input"),
+    "all_gather_into_tensor": lambda a, k: _arg(a, k, 0, "output_tensor"),
+    "_all_gather_base": lambda a, k: _arg(a, k, 0, "output_tensor"),
+    "all_gather": lambda a, k: _arg(a, k, 0, "tensor_list"),
+    "reduce_scatter": lambda a, k: _arg(a, k, 1, "input_list"),
+    "all_to_all_single": lambda a, k: _arg(a, k, 1, "input"),
+    "barrier": lambda a, k: None,
+    "all_gather_object": lambda a, k: None,
+    "broadcast_object_list": lambda a, k: None,
+    "batch_isend_irecv": lambda a, k: [op.tensor for op in _arg(a, k, 0, "p2p_op_list") or []],
+}
+# isend/irecv stay unwrapped: torch.distributed.P2POp accepts only the very function objects
+# isend/irecv as its `op` (a wrapper fails its check), so point-to-point traffic is counted where
+# the batch is handed over (batch_isend_irecv, which Megatron's pipeline schedules use) and in
+# the blocking send/recv.
+_lock = threading.Lock()
+_counts: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+_names: dict[Any, str] = {}
+_timeout_s: float | None = None
+_installed = False
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it, its group and this rank."""
+
+
+def _arg(args, kwargs, pos, name):
+    return args[pos] if len(args) > pos else kwargs.get(name)
+
+
+def _nbytes(obj) -> int:
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+def name_group(group, name: str) -> None:
+    """Give a process group a readable name (tp, dp, pp, ...) for counts and errors."""
+    if group is not None:
+        _names[group] = name
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    name = _names.get(group)
+    if name:
+        return name
+    try:
+        return "ranks" + str(dist.get_process_group_ranks(group)).replace(" ", "")
+    except Exception:  # a group this rank is not in, or torch internals changed
+        return "unnamed"
+
+
+def _describe(op: str, group) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    except Exception:
+        ranks = "?"
+    return f"'{group_name(group)}' (ranks {ranks})"
+
+
+def _fail(op: str, group, t0: float, err: BaseException):
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    raise CollectiveError(
+        f"collective {op} on group {_describe(op, group)} failed on rank {rank} after "
+        f"{time.monotonic() - t0:.1f}s (collective timeout {_timeout_s or '?'}s): "
+        f"{type(err).__name__}: {err}") from err
+
+
+class _NamedWork:
+    """A Work handle whose wait() names the collective when it fails."""
+
+    def __init__(self, work, op, group, t0):
+        self._work, self._op, self._group, self._t0 = work, op, group, t0
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except CollectiveError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised with the name
+            _fail(self._op, self._group, self._t0, err)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _wrap(op: str, fn: Callable) -> Callable:
+    payload = _TENSOR_ARG[op]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        group = kwargs.get("group")
+        if group is None and op in ("all_reduce", "reduce_scatter_tensor", "_reduce_scatter_base",
+                                    "all_gather_into_tensor", "_all_gather_base", "all_gather",
+                                    "reduce_scatter", "barrier"):
+            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        key = (op, group_name(group))
+        nbytes = _nbytes(payload(args, kwargs))
+        with _lock:
+            c = _counts[key]
+            c[0] += 1
+            c[1] += nbytes
+        t0 = time.monotonic()
+        try:
+            out = fn(*args, **kwargs)
+        except CollectiveError:
+            raise
+        except Exception as err:  # noqa: BLE001 - re-raised with the name
+            _fail(op, group, t0, err)
+        if out is not None and hasattr(out, "wait") and op != "batch_isend_irecv":
+            return _NamedWork(out, op, group, t0)
+        if op == "batch_isend_irecv" and out:
+            return [_NamedWork(w, op, group, t0) for w in out]
+        return out
+
+    wrapper.__wrapped_collective__ = fn
+    return wrapper
+
+
+def install(timeout_s: float | None = None) -> None:
+    """Wrap the collectives of torch.distributed (once per process)."""
+    global _installed, _timeout_s
+    _timeout_s = timeout_s if timeout_s is not None else _timeout_s
+    if _installed:
+        return
+    for op in _TENSOR_ARG:
+        fn = getattr(dist, op, None)
+        if fn is not None and not hasattr(fn, "__wrapped_collective__"):
+            setattr(dist, op, _wrap(op, fn))
+    _installed = True
+
+
+def counts() -> dict[tuple[str, str], tuple[int, int]]:
+    """{(collective, group): (calls, payload bytes)} on this rank since the last reset()."""
+    with _lock:
+        return {k: (v[0], v[1]) for k, v in _counts.items()}
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()
