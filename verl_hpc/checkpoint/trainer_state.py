@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 
+from verl_hpc.checkpoint.namespace import KEY as NAMESPACE_KEY, check_namespace
 from verl_hpc.config.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,10 @@ class TrainerCheckpointer:
             st = engine.state()
             tensors += _prefixed(name, st.tensors)
             engine_meta[name] = st.meta
-        metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta)}
+        if self.last_saved is None:  # first save of this process: not into another namespace's folder
+            check_namespace(self.root, self.cfg.trainer.namespace, "save into")
+        metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta),
+                    NAMESPACE_KEY: self.cfg.trainer.namespace}
         rank_state = capture_rng_state(generators={"trainer": self.ctx.generator})
         if self.ctx.rank == 0:
             from verl_hpc.tracking.jsonl import lines_until
@@ -163,6 +167,7 @@ class TrainerCheckpointer:
         from verl_hpc.checkpoint.rng import restore_rng_state
 
         path = self.find()
+        check_namespace(path or self.root, self.cfg.trainer.namespace, "resume from" if path else "save into")
         if path is None:
             self._check_no_collisions(0)
             if self.ctx.rank == 0:
