@@ -89,8 +89,9 @@ spawn() { "$@" 9>&-; }
 # libpmix2 is what Slurm's mpi/pmix plugin loads at `srun --mpi=pmix`; libpmix-dev is named
 # explicitly because Slurm's mpi_pmix_v4.so dlopen()s the unversioned libpmix.so, which only the
 # -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
-# us). hdf5-tools: h5ls/h5dump for checkpoint tests.
-PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools"
+# us). hdf5-tools: h5ls/h5dump for checkpoint tests. prometheus-pushgateway: the tests push
+# metrics to a real gateway they start themselves (the packaged service is not started).
+PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway"
 [ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
 missing=""
 for p in $PKGS; do

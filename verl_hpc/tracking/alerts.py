@@ -34,7 +34,7 @@ class AlertWebhook:
 
     def body(self, event: str, step: int | None, details: Mapping[str, Any]) -> dict:
         run = "/".join(x for x in (self.labels["namespace"], self.labels["experiment"]) if x)
-        where = f" at step {step}" if step is not None else ""
+        where = f" after step {step}" if step is not None else ""  # the last step completed
         reason = details.get("reason") or details.get("error")
         text = f"verl_hpc: run {run} {event}{where}" + (f": {reason}" if reason else "")
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

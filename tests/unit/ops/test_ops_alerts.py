@@ -1,10 +1,7 @@
 """tracking.alert_webhook: a small JSON body for rollbacks, failures and preemptions, received by a
 local HTTP server started here."""
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
 import pytest
+from ops_services import webhook_receiver
 
 from verl_hpc.tracking import Tracker
 
@@ -13,24 +10,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def receiver():
-    got = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            got.append((self.headers["Content-Type"], json.loads(body)))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-    server.server_close()
+    with webhook_receiver() as (url, got):
+        yield url, got
 
 
 def make(tmp_path, url, is_main=True):
@@ -53,7 +34,7 @@ def test_rollback_and_preemption_alerts(tmp_path, receiver, monkeypatch):
     assert rollback["step"] == 6 and rollback["details"] == {"metric": "reward/score/mean", "to_step": 4}
     assert (rollback["namespace"], rollback["experiment"], rollback["project"], rollback["job_id"]) == (
         "team-a", "exp1", "proj", "77")
-    assert events[1]["text"] == "verl_hpc: run team-a/exp1 preempted at step 7"
+    assert events[1]["text"] == "verl_hpc: run team-a/exp1 preempted after step 7"
 
 
 def test_failure_alert_says_why_and_completion_is_quiet(tmp_path, receiver):
@@ -63,7 +44,7 @@ def test_failure_alert_says_why_and_completion_is_quiet(tmp_path, receiver):
     make(tmp_path / "b", url).close("failed", 3, reason="NonFiniteError: step 3: non-finite loss")
     (_, body), = got
     assert body["event"] == "failed" and body["details"]["reason"].startswith("NonFiniteError")
-    assert body["text"].endswith("failed at step 3: NonFiniteError: step 3: non-finite loss")
+    assert body["text"].endswith("failed after step 3: NonFiniteError: step 3: non-finite loss")
     make(tmp_path / "c", url, is_main=False).close("failed", 3)  # other ranks never send
     assert len(got) == 1
 

@@ -5,64 +5,20 @@ What was pushed is read back over the gateway's HTTP API: the labelled group, ga
 values, the rollout-latency and stage histograms (with a P95 computed the way PromQL's
 histogram_quantile does), the counters, the outcome at exit, and delete-on-finish.
 """
-import json
-import shutil
 import socket
-import subprocess
-import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from ops_services import families, free_port, get, groups, pushgateway, samples
 
 from verl_hpc.tracking import Tracker
 
 pytestmark = pytest.mark.unit
-BINARY = "prometheus-pushgateway"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
 
 
 @pytest.fixture
 def gateway(tmp_path):
-    exe = shutil.which(BINARY) or shutil.which(BINARY, path="/usr/bin:/usr/sbin")
-    assert exe, (f"{BINARY} is not installed: `bash slurm/devcluster/start.sh` (make test runs it) or "
-                 f"`apt-get install -y {BINARY}`")
-    port = free_port()
-    log = open(tmp_path / "pushgateway.log", "w")
-    # Debian's build persists to /var/lib/prometheus by default: keep this one in memory (no leftovers)
-    proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
-                            stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            get(url + "/-/ready")
-            break
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "pushgateway.log").read_text()
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
-
-
-def families(url):
-    return {f.name: f for f in text_string_to_metric_families(get(url + "/metrics"))}
-
-
-def samples(fam, **labels):
-    return [s for s in fam.samples if all(s.labels.get(k) == v for k, v in labels.items())]
+    with pushgateway(tmp_path) as url:
+        yield url
 
 
 def histogram_quantile(q, buckets):
@@ -97,7 +53,7 @@ def test_labelled_series_histograms_and_counters_read_back(tmp_path, gateway):
     t.event("rollback", 12, metric="reward/score/mean")
     t.close("completed", 20)
 
-    groups = json.loads(get(gateway + "/api/v1/metrics"))["data"]
+    groups = groups(gateway)
     assert len(groups) == 1
     labels = groups[0]["labels"]
     assert labels["job"] == "team-a-verl_hpc" and labels["namespace"] == "team-a"
@@ -143,7 +99,7 @@ def test_failure_and_preemption_stay_visible_completion_can_be_deleted(tmp_path,
     done = tracker(tmp_path, gateway, pushgateway_delete_on_finish=True)
     done.log({"reward/score/mean": 0.75}, 3)
     done.close("completed", 3)
-    assert json.loads(get(gateway + "/api/v1/metrics"))["data"] == []  # deleted on success
+    assert groups(gateway) == []  # deleted on success
 
 
 def test_gateway_down_is_a_warning_not_a_crash(tmp_path, caplog):
