@@ -71,11 +71,13 @@ def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
     assert body["event"] == "failed" and body["namespace"] == "team-b" and body["step"] == 1
     assert "NonFiniteError" in body["details"]["reason"]
     (group,) = pushed
-    assert group["labels"]["namespace"] == "team-b" and group["labels"]["job"] == "team-b-verl_hpc"
+    assert group["labels"]["namespace"] == "team-b"
+    assert group["labels"]["job"] == "team-b-verl_hpc_demo_rl"  # demo_rl.yaml's slurm.job_name, prefixed
     me = dict(namespace="team-b", experiment="demo_rl")
     assert samples(fam["verl_hpc_run_outcome"], outcome="failed", **me)[0].value == 1
     assert samples(fam["verl_hpc_nonfinite_skipped_steps"], **me)[0].value == 1  # step 1 (logged)
-    assert [s.value for s in samples(fam["verl_hpc_rollout_latency_seconds"], **me) if s.name.endswith("_count")] == [1]
+    latency = samples(fam["verl_hpc_rollout_latency_seconds"], **me)
+    assert [s.value for s in latency if s.name.endswith("_count")] == [1]
 
     # a team-b job may not resume from team-a's checkpoint
     c = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local",
@@ -84,4 +86,5 @@ def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     text_c = c.stdout + c.stderr + "".join(p.read_text(errors="replace")
                                           for p in (tmp_path / "team-b" / "c").glob("**/*.log"))
-    assert c.returncode != 0 and "refusing to resume from" in text_c and "namespace 'team-a'" in text_c, text_c[-3000:]
+    assert c.returncode != 0, text_c[-3000:]
+    assert "refusing to resume from" in text_c and "namespace 'team-a'" in text_c, text_c[-3000:]
