@@ -53,9 +53,9 @@ def test_labelled_series_histograms_and_counters_read_back(tmp_path, gateway):
     t.event("rollback", 12, metric="reward/score/mean")
     t.close("completed", 20)
 
-    groups = groups(gateway)
-    assert len(groups) == 1
-    labels = groups[0]["labels"]
+    pushed = groups(gateway)
+    assert len(pushed) == 1
+    labels = pushed[0]["labels"]
     assert labels["job"] == "team-a-verl_hpc" and labels["namespace"] == "team-a"
     assert labels["experiment"] == "exp1" and labels["instance"].startswith(socket.gethostname() + ":")
 
