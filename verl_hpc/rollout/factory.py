@@ -21,7 +21,7 @@ def engine_kwargs(cfg, engine: str) -> dict:
     if engine == "vllm":
         kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
-                      sleep_between_phases=r.sleep_between_phases)
+                      sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
     return kwargs
 
 

@@ -29,7 +29,10 @@ under the old weights generates from stale keys and values (FINDINGS.md; the uni
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
 `sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
 level 2: weights dropped too, valid only when load_weights follows every wake), `wake()` ->
-`LLM.wake_up()`. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
+`LLM.wake_up()`. The trainer uses `rollout.sleep_level` (default 2: its sync loads new weights
+after every wake, so level 1's copy of every weight to host and back would be thrown away); this
+class defaults to 1 for standalone use, and refuses generate() after a level-2 wake until
+load_weights() ran. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
 no-ops said once in the log. Not yet run on a GPU by this project.
 
 dtype: float32 on CPU (bf16 CPU kernels diverge from HF, FINDINGS.md); model.dtype on GPU.
@@ -61,11 +64,14 @@ VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 
 def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
     """vLLM's external launcher reads RANK and LOCAL_RANK from the environment (torchrun sets
-    them; srun and mpirun do not)."""
+    them; srun and mpirun do not) and uses LOCAL_RANK as the index of its GPU among the visible
+    ones. That index comes from runtime.device.local_device_index, the rule the rank's own device
+    follows, and overrides a launcher's LOCAL_RANK: under per-task GPU binding a task sees one GPU
+    whatever its local rank, and vLLM would look for cuda:<local rank>."""
     local = ctx.env.local_rank if ctx is not None else int(os.environ.get("LOCAL_RANK", layout.rank))
     os.environ.setdefault("RANK", str(layout.rank))
     os.environ.setdefault("WORLD_SIZE", str(layout.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ["LOCAL_RANK"] = str(devices.local_device_index(local))
 
 
 class VLLMRollout(RolloutEngine):
@@ -223,6 +229,10 @@ class VLLMRollout(RolloutEngine):
         if self._sleep_requested:
             return "rollout.sleep_between_phases: vLLM sleep mode needs a GPU"
         return "rollout.sleep_between_phases is off"
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
 
     # ------------------------------------------------------------------ lifetime
     def _check_usable(self) -> None:  # every rank, before its shard: all ranks raise alike

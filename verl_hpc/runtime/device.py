@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -11,12 +12,25 @@ def has_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def visible_device_count() -> int:
+    return torch.cuda.device_count() if has_gpu() else 0
+
+
+def local_device_index(local_rank: int, device_count: Optional[int] = None) -> int:
+    """Index of this rank's GPU among the visible ones: THE rule for torch (device_for) and for
+    vLLM (the rollout exports it as LOCAL_RANK, which vLLM's external launcher turns into
+    `cuda:LOCAL_RANK`). One rank per GPU, whatever the launcher made visible: all GPUs of the node
+    (index = local rank) or, with per-task GPU binding, only this task's (index 0). Without GPUs it
+    is the launcher's local rank unchanged (vLLM's CPU worker reads it as such)."""
+    n = visible_device_count() if device_count is None else device_count
+    return local_rank % n if n > 0 else local_rank
+
+
 def device_for(local_rank: int) -> torch.device:
-    """One rank per GPU: the local rank picks the device (Slurm's CUDA_VISIBLE_DEVICES or all)."""
+    """One rank per GPU: cuda:local_device_index(local_rank), made current; cpu without GPUs."""
     if not has_gpu():
         return torch.device("cpu")
-    n = torch.cuda.device_count()
-    index = local_rank % n
+    index = local_device_index(local_rank)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -53,3 +67,30 @@ def set_accelerator_rng_state(state: torch.Tensor) -> bool:
         return False
     torch.cuda.set_rng_state(state)
     return True
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window on the current GPU (no-op without one)."""
+    if has_gpu():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_allocated() -> int | None:
+    """Peak bytes allocated by torch on the current GPU since reset_peak_memory(); None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
+
+
+def describe_accelerator() -> str:
+    """e.g. 'NVIDIA H100 80GB HBM3 (sm 9.0), CUDA 13.0' or 'no GPU'."""
+    if not has_gpu():
+        return "no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    return f"{torch.cuda.get_device_name()} (sm {major}.{minor}), CUDA {torch.version.cuda}"
+
+
+def compute_capability() -> tuple[int, int] | None:
+    return tuple(torch.cuda.get_device_capability()) if has_gpu() else None

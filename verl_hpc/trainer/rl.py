@@ -169,8 +169,8 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
-        if start:
-            self.weight_sync(self.roles.actor, self.roles.rollout)
+        if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
+            self.weight_sync(self.roles.actor, self.roles.rollout)  # wakes it first
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
         tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
                                       config=to_container(cfg))

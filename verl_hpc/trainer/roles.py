@@ -6,7 +6,14 @@
 Only what the algorithm needs is built: the reference policy iff a KL term is used
 (`ref.enable`, auto), the critic iff the estimator needs values (`critic.enable`, auto: gae), the
 reward model iff `reward.reward_model.enable`. Building is collective: every rank calls this.
-Megatron is set up first (the engines initialise model parallelism), vLLM after it.
+
+Order: the rollout engine first, then put to sleep, then the Megatron engines. On GPU vLLM refuses
+to start unless the free memory is at least `rollout.gpu_memory_utilization` x the GPU's total
+(its start-up check counts memory other libraries hold as used), so it must start before the
+training engines take theirs; with `rollout.sleep_between_phases` its sleep then hands its memory
+to them. The trainer wakes it and loads the actor's weights before the first generate. Megatron's
+and vLLM's process groups coexist in either order (both are created collectively, alike on every
+rank).
 """
 from __future__ import annotations
 
@@ -46,15 +53,16 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
     from verl_hpc.engines.megatron.roles import build_engine
 
     tokenizer = load_tokenizer(cfg)
-    actor = build_engine("actor", cfg, ctx)
-    ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None
-    critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
-    rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
     rollout = None
     if with_rollout:
         from verl_hpc.rollout import build_rollout
 
         rollout = build_rollout(cfg, ctx)
+        rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
+    actor = build_engine("actor", cfg, ctx)
+    ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None
+    critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
+    rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
     roles = Roles(tokenizer, actor, rollout, ref, critic, rm)
     if ctx.rank == 0:
         log.info("roles: %s; rollout: %s", ", ".join(roles.names()), cfg.rollout.engine)

@@ -46,7 +46,7 @@ CASES = {
     "nccl without GPUs": (["parallel.backend=nccl"], ["parallel.backend = nccl", "slurm.gpus_per_node = 0"]),
     "fp8 without GPUs": (["model.fp8=true"], ["model.fp8 needs GPUs"]),
     "vpp needs pp > 1": (["parallel.vpp=2"], ["parallel.vpp = 2 needs parallel.pp > 1"]),
-    "sequence parallel needs tp > 1": (["parallel.sequence_parallel=true"],
+    "sequence parallel needs tp > 1": (["parallel.sequence_parallel=true", "slurm.gpus_per_node=2"],
                                        ["parallel.sequence_parallel needs parallel.tp > 1"]),
     "batch * n divisible by dp": (
         ["slurm.tasks_per_node=4", "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", "rollout.n=2"],

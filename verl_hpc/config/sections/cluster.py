@@ -14,12 +14,26 @@ class ParallelConfig(Section):
     vpp: Optional[int] = opt(None, "virtual pipeline stages per rank (interleaved schedule), needs pp > 1")
     sequence_parallel: bool = opt(False, "splits activations across the TP group; needs tp > 1")
     use_distributed_optimizer: bool = opt(True, "shard optimizer states over data parallel")
+    overlap_grad_reduce: Optional[bool] = opt(None, "DP gradient reduce during backward; auto: on with GPUs")
+    overlap_param_gather: Optional[bool] = opt(
+        None, "distributed optimizer's param all-gather during forward; auto: on with GPUs")
     backend: str = opt("auto", "auto (nccl with GPUs, else gloo) | nccl | gloo", choices=("auto", "nccl", "gloo"))
 
     def check(self, job) -> List[str]:
         p = job.layout.problems() if self.tp > 0 and self.pp > 0 else []
         if job.slurm.gpus_per_node == 0 and self.backend == "nccl":
             p.append("parallel.backend = nccl needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): use gloo or auto")
+        if self.sequence_parallel and job.slurm.gpus_per_node == 0:
+            p.append("parallel.sequence_parallel needs the Transformer Engine layer spec (GPUs), but "
+                     "slurm.gpus_per_node = 0 (a CPU job): Megatron's torch norm of the local spec does "
+                     "not support it; set parallel.sequence_parallel=false")
+        if job.slurm.gpus_per_node == 0:
+            p += [f"parallel.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to "
+                  "null (auto) or false" for k in ("overlap_grad_reduce", "overlap_param_gather")
+                  if getattr(self, k) is True]
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            p.append("parallel.overlap_param_gather = true needs parallel.use_distributed_optimizer = true "
+                     "(only the distributed optimizer all-gathers parameters)")
         if self.sequence_parallel and self.tp <= 1:
             p.append(f"parallel.sequence_parallel needs parallel.tp > 1 (got {self.tp}): it splits activations "
                      "across the tensor-parallel group")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt
 
@@ -16,11 +16,23 @@ class ModelConfig(Section):
                      choices=("float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "let transformers run code shipped with the model")
     fp8: bool = opt(False, "Transformer Engine FP8 training; GPU only")
+    fp8_recipe: str = opt("delayed", "with fp8: Megatron's scaling recipe (mxfp8: Blackwell only)",
+                          choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    # Fused kernels; null = auto: on where the kernel exists, off on CPU (docs/gpu.md)
+    bias_activation_fusion: Optional[bool] = opt(None, "fused SwiGLU; auto: on with a GPU")
+    apply_rope_fusion: Optional[bool] = opt(None, "fused RoPE; auto: on with a GPU and Transformer Engine")
+    gradient_accumulation_fusion: Optional[bool] = opt(
+        None, "weight-gradient GEMM accumulates into the fp32 grad; auto: on with a GPU and apex's "
+              "fused_weight_gradient_mlp_cuda")
 
     def check(self, job) -> List[str]:
         p = []
         if job.slurm.gpus_per_node == 0 and self.fp8:
             p.append("model.fp8 needs GPUs (Transformer Engine), but slurm.gpus_per_node = 0 (a CPU job)")
+        if job.slurm.gpus_per_node == 0:
+            p += [f"model.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to null "
+                  "(auto) or false" for k in ("bias_activation_fusion", "apply_rope_fusion",
+                                              "gradient_accumulation_fusion") if getattr(self, k) is True]
         if job.trainer.job in ("rl", "sft") and not self.path:
             p.append(f"model.path: empty, but trainer.job = {job.trainer.job} needs a Hugging Face model folder")
         return p

@@ -26,12 +26,16 @@ class RolloutConfig(Section):
     kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto", check=">=0")
     enforce_eager: bool = opt(True, "false: CUDA graphs / compilation (slower start-up)")
     sleep_between_phases: bool = opt(False, "vLLM sleep mode frees GPU memory during training (GPU only)")
+    sleep_level: int = opt(2, "1 or 2; 2: weights dropped too (the trainer loads new ones after every "
+                              "wake); 1: weights kept in host memory")
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
                                choices=("truncate", "reject"))
     val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
 
     def check(self, job) -> List[str]:
         p = []
+        if self.sleep_level not in (1, 2):
+            p.append(f"rollout.sleep_level: must be 1 or 2, got {self.sleep_level}")
         if self.top_k != -1 and self.top_k <= 0:
             p.append(f"rollout.top_k: must be -1 (off) or > 0, got {self.top_k}")
         p += inference_tp_problems(job.world_size, self.tp, job.world_words)

@@ -8,16 +8,19 @@
 Build: `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights from the HF folder
 (each rank reads its own slices), a value head instead of the vocabulary projection for critics and
 reward models (value_head.py). Trainable engines wrap every chunk in Megatron's DDP (fp32 grad
-buffers, no overlap) and get Adam through get_megatron_optimizer (optim.py); frozen ones
-(reference, reward) keep no grads and no optimizer and run in eval mode. With the local layer
+buffers; gradient-reduce / parameter-gather overlap per kernels.py, on with GPUs) and get Adam
+through get_megatron_optimizer (optim.py); frozen ones (reference, reward) keep no grads and no
+optimizer and run in eval mode. With the local layer
 spec (CPU), core attention runs through torch's SDPA kernel (sdpa.py; `sdpa_attention=False`
 keeps Megatron's own).
 
 Precision: the parameters are in `dtype` (bf16 on GPU, fp32 on CPU, where Megatron's CPU paths are
-verified). No Float16Module wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py
-upcasts only the response rows it needs. FP8 (`fp8=True`) selects the Transformer Engine layer
-spec with Megatron's "hybrid" recipe; verl_hpc.models.gpt raises a clear error where there is no GPU
-or no TE. Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
+verified); fused kernels per kernels.py (on where they exist, off on CPU). No Float16Module
+wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py upcasts only the response rows
+it needs. FP8 (`fp8=True`, model.fp8) selects the Transformer Engine
+layer spec with Megatron's "hybrid" format and `fp8_recipe` (model.fp8_recipe); where there is no
+GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.check_fp8_supported).
+Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
 
 Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
 takes and how they form micro-batches; schedule.py runs them and reduces the results.
@@ -37,9 +40,11 @@ from verl_hpc.config.schema import default_of
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import optim as optim_lib
+from verl_hpc.engines.megatron.kernels import KernelSwitches, PerfOptions
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.partition import plan_microbatches
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
+from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -60,7 +65,9 @@ class EngineOptions:
     max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
     use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
     sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)
-    fp8: bool = False  # not in the config schema yet: a keyword for now
+    fp8: bool = False  # model.fp8
+    fp8_recipe: str = default_of("model.fp8_recipe")  # model.fp8_recipe
+    kernels: KernelSwitches = dataclasses.field(default_factory=KernelSwitches)  # None = auto
     temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int = 1234
@@ -77,9 +84,14 @@ def _check_options(o: EngineOptions) -> None:
     if o.micro_batch_size < 1 and o.max_tokens_per_microbatch < 1:
         raise ValueError("micro_batch_size must be >= 1 when max_tokens_per_microbatch is 0; got "
                          f"{o.micro_batch_size}")
-    if o.sequence_parallel and not has_gpu():
+    if o.sequence_parallel and not (has_gpu() and transformer_engine_available()):
         raise ValueError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
-                         "(GPU); Megatron's local spec rejects it. Set it false on CPU.")
+                         "(a CUDA GPU and transformer_engine); Megatron's local spec (torch norm) "
+                         "does not support it. Install the 'gpu' extra or set it false.")
+    if o.fp8:
+        from verl_hpc.models.gpt import check_fp8_supported
+
+        check_fp8_supported(o.fp8_recipe)
     if o.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")
 
@@ -100,6 +112,9 @@ class MegatronEngine(TrainingEngine):
         self.vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.sequence_parallel = o.sequence_parallel and self.tp > 1
+        self.perf: PerfOptions = o.kernels.resolve(
+            trainable=o.trainable, use_distributed_optimizer=o.use_distributed_optimizer)
+        self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
         self.pad_seq_to = (16 if o.fp8 else 1) * (self.tp if self.sequence_parallel else 1)
         self.gpt_chunks, self.heads = self._build_model()
         self.device = next(self.gpt_chunks[0].parameters()).device
@@ -141,7 +156,8 @@ class MegatronEngine(TrainingEngine):
         o = self.options
         arch = self._arch()
         pp = ps.get_pipeline_model_parallel_world_size()
-        overrides = dict(calculate_per_token_loss=True, sequence_parallel=self.sequence_parallel)
+        overrides = dict(calculate_per_token_loss=True, sequence_parallel=self.sequence_parallel,
+                         **self.perf.transformer_overrides())
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         if vpp and pp == 2:
             # At pp=2 the previous and next stage are the same rank: the interleaved schedule's
@@ -153,7 +169,8 @@ class MegatronEngine(TrainingEngine):
             # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         stages = list(range(vpp)) if vpp else [None]
-        chunks = [build_gpt_model(arch, dtype=self.dtype, fp8=o.fp8, vp_stage=v, **overrides)
+        chunks = [build_gpt_model(arch, dtype=self.dtype, fp8=o.fp8, fp8_recipe=o.fp8_recipe,
+                                  vp_stage=v, **overrides)
                   for v in stages]
         heads = [None] * len(chunks)
         with contextlib.ExitStack() as stack:
@@ -174,12 +191,28 @@ class MegatronEngine(TrainingEngine):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.perf.overlap_grad_reduce,
+            overlap_param_gather=self.perf.overlap_param_gather,
             use_distributed_optimizer=self.options.use_distributed_optimizer,
             check_for_nan_in_grad=False)  # guarded_step reports non-finite steps instead
-        return [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
-                                        disable_bucketing=i > 0)
-                for i, gpt in enumerate(self.gpt_chunks)]
+        chunks = [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
+                                          disable_bucketing=i > 0)
+                  for i, gpt in enumerate(self.gpt_chunks)]
+        if self.perf.overlap_grad_reduce:
+            # Megatron's schedules run every micro-batch but the last under no_sync, so that a
+            # bucket is reduced once per step, after its last gradient (as Megatron-LM sets it up).
+            no_sync = [c.no_sync for c in chunks]
+            self.gpt_chunks[0].config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        return chunks
+
+    def _sync_params(self) -> None:
+        """With overlap_param_gather the distributed optimizer's step leaves the all-gather of the
+        updated parameters to the next forward's pre-hooks. Anything that reads parameters
+        (forward-only scoring, weight export, checkpoints) gathers them here first."""
+        if self._params_stale:
+            for c in self.chunks:
+                c.start_param_sync(force_sync=True)
+            self._params_stale = False
 
     def _build_optimizer(self):
         from megatron.core.optimizer import get_megatron_optimizer
@@ -236,6 +269,7 @@ class MegatronEngine(TrainingEngine):
         mbs = self._my_microbatches(batch)
         for c in self.chunks:
             c.eval()
+        self._sync_params()
         with torch.no_grad():
             collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
                                         forward_only=True, with_labels=self._labels_path(want))
@@ -276,6 +310,7 @@ class MegatronEngine(TrainingEngine):
         metrics = self._reduce_metrics(records)
         applied, grad_norm = optim_lib.guarded_step(self.optimizer, math.isfinite(metrics["loss"]))
         self.steps_applied += int(applied)
+        self._params_stale |= applied and self.perf.overlap_param_gather
         metrics.update(grad_norm=grad_norm, lr=optim_lib.current_lr(self.optimizer),
                        nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches))
@@ -317,6 +352,7 @@ class MegatronEngine(TrainingEngine):
     # ------------------------------------------------------------------ weights and state
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        self._sync_params()
         if self.options.head == "value":
             from verl_hpc.engines.megatron.value_head import export_value_model
 
@@ -328,6 +364,7 @@ class MegatronEngine(TrainingEngine):
     def state(self) -> EngineState:
         from verl_hpc.engines.megatron.state import engine_state
 
+        self._sync_params()
         return engine_state(self)
 
     def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:

@@ -157,13 +157,18 @@ class RewardModel:
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
-def engine_options(role: str, cfg, *, fp8: bool = False, loss_norm_len: Optional[float] = None,
+def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
+                   loss_norm_len: Optional[float] = None,
                    total_steps: Optional[int] = None) -> EngineOptions:
-    """EngineOptions for a role from the job config (JobConfig)."""
+    """EngineOptions for a role from the job config (JobConfig); fp8: None = model.fp8."""
+    from verl_hpc.engines.megatron.kernels import KernelSwitches
+
     if role not in ROLES:
         raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
     common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                  sequence_parallel=cfg.parallel.sequence_parallel, fp8=fp8,
+                  sequence_parallel=cfg.parallel.sequence_parallel,
+                  fp8=cfg.model.fp8 if fp8 is None else fp8, fp8_recipe=cfg.model.fp8_recipe,
+                  kernels=KernelSwitches.from_config(cfg.model, cfg.parallel),
                   total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len)
     if role in ("actor", "ref"):
         a = cfg.actor
@@ -198,7 +203,8 @@ def build_engine(role: str, cfg, ctx=None, **kwargs):
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs the rank runtime: call verl_hpc.runtime.bootstrap()")
     if not ps.model_parallel_is_initialized():
-        init_from_config(cfg.parallel, seed=cfg.trainer.seed)
+        init_from_config(cfg.parallel, seed=cfg.trainer.seed,
+                         timeout_s=cfg.trainer.collective_timeout_s)
     engine = MegatronEngine(engine_options(role, cfg, **kwargs))
     if role == "actor":
         return Actor(engine, cfg.actor, n=cfg.rollout.n)

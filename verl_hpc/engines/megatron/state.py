@@ -123,10 +123,6 @@ def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:
 # ----------------------------------------------------------------------------- optimizer states
 
 
-def _torch_state_step(state: dict, group: dict):
-    return state.get("step", group.get("step"))
-
-
 def ensure_optimizer_state(optimizer) -> None:
     """Create Adam's moments (zeros, step 0) where the inner optimizer has not stepped yet."""
     for opt in optimizer.chained_optimizers:
@@ -173,26 +169,41 @@ def _optimizer_entries(engine) -> Iterator[Tuple[torch.nn.Parameter, int, int, D
             yield p, 0, p.numel(), t
 
 
-def _optimizer_step_count(engine) -> int:
-    for opt in engine.optimizer.chained_optimizers:
-        for g in opt.optimizer.param_groups:
+# Adam's step count lives in one of two places. torch.optim.Adam(W) (Megatron's choice on CPU) keeps
+# it per parameter in `state[p]["step"]`; the fused Adams Megatron picks on GPU (Transformer Engine's
+# FusedAdam, apex's) keep ONE count per group in `param_groups[i]["step"]`, created by their first
+# step(). A resume must restore whichever the optimizer uses, or bias correction restarts at 1.
+def _inner_optimizers(optimizer):
+    return [o.optimizer for o in optimizer.chained_optimizers if o.optimizer is not None]
+
+
+def optimizer_step_count(optimizer) -> int:
+    """Adam's step count of a (chained) Megatron optimizer, from either layout; 0 before any step."""
+    for inner in _inner_optimizers(optimizer):
+        for g in inner.param_groups:
+            if "step" in g:  # fused layout
+                return int(g["step"])
             for p in g["params"]:
-                step = _torch_state_step(opt.optimizer.state[p], g)
-                if step is not None:
-                    return int(step)
+                if "step" in inner.state.get(p, {}):
+                    return int(inner.state[p]["step"])
     return 0
 
 
-def _set_optimizer_step_count(engine, step: int) -> None:
-    for opt in engine.optimizer.chained_optimizers:
-        for g in opt.optimizer.param_groups:
-            if "step" in g:
-                g["step"] = step
-            for p in g["params"]:
-                st = opt.optimizer.state[p]
-                if "step" in st:
-                    st["step"] = torch.as_tensor(float(step), dtype=st["step"].dtype,
-                                                 device=st["step"].device)
+def set_optimizer_step_count(optimizer, step: int) -> None:
+    """Restore the count where this optimizer keeps it (run ensure_optimizer_state first: a fresh
+    per-parameter optimizer then has `state[p]["step"]`, a fused one has no step anywhere)."""
+    for inner in _inner_optimizers(optimizer):
+        for g in inner.param_groups:
+            per_param = [inner.state[p] for p in g["params"] if "step" in inner.state.get(p, {})]
+            for st in per_param:
+                st["step"] = torch.as_tensor(float(step), dtype=st["step"].dtype,
+                                             device=st["step"].device)
+            if per_param or (step == 0 and "step" not in g):
+                continue
+            if torch.is_tensor(g.get("step")):  # a capturable fused Adam keeps a device tensor
+                g["step"].fill_(step)
+            else:
+                g["step"] = int(step)
 
 
 # ----------------------------------------------------------------------------- the contract
@@ -223,7 +234,7 @@ def engine_state(engine):
                             "dtype": engine.options.dtype, "steps_applied": engine.steps_applied}
     tensors = _slabs(engine, for_load=False)
     if engine.optimizer is not None:
-        meta["optimizer_step"] = _optimizer_step_count(engine)
+        meta["optimizer_step"] = optimizer_step_count(engine.optimizer)
         meta["scheduler"] = engine.scheduler.state_dict()
         scaler = engine.optimizer.chained_optimizers[0].grad_scaler if hasattr(
             engine.optimizer.chained_optimizers[0], "grad_scaler") else None
@@ -244,7 +255,7 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     engine.steps_applied = int(meta.get("steps_applied", 0))
     if engine.optimizer is None:
         return
-    _set_optimizer_step_count(engine, int(meta.get("optimizer_step", 0)))
+    set_optimizer_step_count(engine.optimizer, int(meta.get("optimizer_step", 0)))
     if "scheduler" in meta:
         engine.scheduler.load_state_dict(dict(meta["scheduler"]))
     scaler = getattr(engine.optimizer.chained_optimizers[0], "grad_scaler", None)

