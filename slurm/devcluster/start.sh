@@ -127,8 +127,9 @@ stop_all_slurmd() {
 # libpmix2 is what Slurm's mpi/pmix plugin loads at `srun --mpi=pmix`; libpmix-dev is named
 # explicitly because Slurm's mpi_pmix_v4.so dlopen()s the unversioned libpmix.so, which only the
 # -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
-# us). hdf5-tools: h5ls/h5dump for checkpoint tests.
-PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools"
+# us). hdf5-tools: h5ls/h5dump for checkpoint tests. prometheus-pushgateway: the tests push
+# metrics to a real gateway they start themselves (the packaged service is not started).
+PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway"
 # multi-node: ip netns/tc (iproute2), unshare/nsenter (util-linux), the controller forwarders (socat)
 [ "$NODES" -gt 1 ] && PKGS="$PKGS iproute2 socat util-linux"
 [ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"

@@ -42,6 +42,7 @@ from typing import Any, Dict, Optional
 from verl_hpc.checkpoint.async_save import AsyncSaver
 from verl_hpc.checkpoint.index import find_latest, resolve
 from verl_hpc.checkpoint.load import open_checkpoint
+from verl_hpc.checkpoint.namespace import KEY as NAMESPACE_KEY, check_namespace
 from verl_hpc.checkpoint.publish import STEP_DIR, list_checkpoints
 from verl_hpc.checkpoint.rng import capture_rng_state, restore_rng_state
 from verl_hpc.checkpoint.save import save_checkpoint
@@ -99,7 +100,10 @@ class TrainerCheckpointer:
             st = engine.state()
             tensors += _prefixed(name, st.tensors)
             engine_meta[name] = st.meta
-        metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta)}
+        if self.last_saved is None:  # first save of this process: not into another namespace's folder
+            check_namespace(self.root, self.cfg.trainer.namespace, "save into")
+        metadata = {"config": self._config_yaml(), "trainer_state": self._trainer_state(step, engine_meta),
+                    NAMESPACE_KEY: self.cfg.trainer.namespace}
         rank_state = capture_rng_state(generators={"trainer": self.ctx.generator})
         if self.ctx.rank == 0:
             rank_state.update(self.history.snapshot(step))  # empty without the jsonl backend
@@ -149,6 +153,7 @@ class TrainerCheckpointer:
         """Load the checkpoint `trainer.resume` names into the engines and the trainer's state;
         returns its step (0 for a fresh start). Every rank calls this."""
         path = self.find()
+        check_namespace(path or self.root, self.cfg.trainer.namespace, "resume from" if path else "save into")
         if path is None:
             self._check_no_collisions(0)
             if self.ctx.rank == 0:

@@ -19,6 +19,7 @@ from verl_hpc.config.sections.model import ModelConfig
 from verl_hpc.config.sections.reward import RewardConfig, RewardModelConfig
 from verl_hpc.config.sections.roles import ActorConfig, CriticConfig, OptimConfig, RefConfig
 from verl_hpc.config.sections.rollout import ReshardingConfig, RolloutConfig
+from verl_hpc.config.sections.safety import SafetyConfig
 from verl_hpc.config.sections.tracking import TrackingConfig
 from verl_hpc.config.sections.trainer import CheckpointConfig, SmokeConfig, TrainerConfig
 
@@ -39,6 +40,7 @@ class JobConfig:
     parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = world size / (tp * pp)")
     slurm: SlurmConfig = section(SlurmConfig, "the allocation and how ranks start")
     tracking: TrackingConfig = section(TrackingConfig, "where metrics go")
+    safety: SafetyConfig = section(SafetyConfig, "risky features, all off by default (a banner says when one is on)")
 
     @property
     def world_size(self) -> int:
@@ -75,7 +77,7 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "ParallelConfig", "RefConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
-    "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "default_of",
+    "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "default_of",
 ]
 
 

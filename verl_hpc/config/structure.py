@@ -107,7 +107,7 @@ def _exact(value, tp):
 
 
 # Keys that moved to another section: an old config gets the new name, not a did-you-mean guess.
-MOVED = {"rollout.bucket_mb": "resharding.bucket_mb"}
+MOVED = {"rollout.bucket_mb": "resharding.bucket_mb", "reward.allow_custom_code": "safety.allow_custom_code"}
 
 
 def _unknown_key(path: tuple, value, cls, where) -> ConfigError:

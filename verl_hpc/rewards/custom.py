@@ -1,4 +1,4 @@
-"""User reward functions named 'package.module:function', behind reward.allow_custom_code.
+"""User reward functions named 'package.module:function', behind safety.allow_custom_code.
 
 Importing a user module runs its code inside every rank of a (possibly very large) job, so it is
 an explicit opt-in, checked here as well as in config validation: the check must hold for code
@@ -22,7 +22,7 @@ CustomFn = Callable[..., object]
 def load_custom_function(spec: str, allow_custom_code: bool) -> CustomFn:
     if not allow_custom_code:
         raise RewardError(f"reward.custom_function = {spec!r} runs your own code: set "
-                          "reward.allow_custom_code=true to allow it")
+                          "safety.allow_custom_code=true to allow it")
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise RewardError(f"reward.custom_function = {spec!r}: expected 'package.module:function'")

@@ -64,7 +64,7 @@ def unknown_source_message(data_source: str) -> str:
     tail = f" (did you mean {hint[0]!r}?)" if hint else ""
     return (f"no reward function for data_source {data_source!r}{tail}; known: {', '.join(known_names())} "
             "(also as a prefix, e.g. 'openai/gsm8k', 'MATH-500'); to score other sources set "
-            "reward.custom_function with reward.allow_custom_code=true, or enable reward.reward_model")
+            "reward.custom_function with safety.allow_custom_code=true, or enable reward.reward_model")
 
 
 def get_scorer(data_source: str) -> RuleScorer:

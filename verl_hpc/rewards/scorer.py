@@ -47,10 +47,11 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, reward_cfg, reward_model: Optional[RewardModel] = None,
-                    gsm8k_method: str = default_of("reward.gsm8k_method")) -> "RewardScorer":
+                    gsm8k_method: str = default_of("reward.gsm8k_method"), *,
+                    allow_custom_code: bool = default_of("safety.allow_custom_code")) -> "RewardScorer":
         fn = None
-        if reward_cfg.custom_function:
-            fn = load_custom_function(reward_cfg.custom_function, reward_cfg.allow_custom_code)
+        if reward_cfg.custom_function:  # allow_custom_code: the job's safety.allow_custom_code
+            fn = load_custom_function(reward_cfg.custom_function, allow_custom_code)
         if reward_cfg.reward_model.enable and reward_model is None:
             raise RewardError("reward.reward_model.enable is true, but no reward model was passed to the scorer "
                               "(the engine's reward role builds it from reward.reward_model.path)")

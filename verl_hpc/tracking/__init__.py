@@ -1,15 +1,13 @@
 """Run observability: console, JSONL, TensorBoard, W&B, MLflow, Prometheus; timers; plots.
 
-    tracker = Tracker(cfg.tracking.backends, cfg.trainer.output_dir, cfg.trainer.total_steps,
-                      cfg.trainer.project_name, cfg.trainer.experiment_name, config_dict,
-                      is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
-                      prometheus_port=cfg.tracking.prometheus_port, start_step=first_step)
+    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=first_step, config=config_dict)
     timer = StageTimer()
     for step in ...:
         with timer("generate"): ...
         metrics |= timer.pop()
         tracker.log(metrics, step)
-    tracker.close()   # plots -> <output_dir>/plots/training_curves.png
+    tracker.event("rollback", step, metric=...)   # counted in Prometheus, sent to tracking.alert_webhook
+    tracker.close("completed", step)   # or failed / preempted; plots -> <output_dir>/plots/training_curves.png
 """
 from verl_hpc.tracking.jsonl import read_history, truncate_from
 from verl_hpc.tracking.plots import write_plots

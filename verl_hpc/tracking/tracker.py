@@ -44,14 +44,24 @@ class Tracker:
                  project: str, experiment: str, config: Mapping[str, Any] | None, is_main: bool,
                  log_every: int = 1, prometheus_port: int = 0, *, start_step: int | None = None,
                  plots_enabled: bool = True, stream: TextIO | None = None,
-                 tty: bool | None = None, console_metrics: Sequence[str] = ()) -> None:
+                 tty: bool | None = None, console_metrics: Sequence[str] = (), namespace: str = "",
+                 pushgateway_url: str = "", pushgateway_delete_on_finish: bool = False,
+                 alert_webhook: str = "", job_name: str | None = None) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"tracking.backends: unknown {unknown}; valid: {', '.join(BACKENDS)}")
         self.is_main = bool(is_main)
         self.output_dir = Path(output_dir)
         self.total_steps = int(total_steps)
-        self.title = f"{project} / {experiment}"
+        self.title = f"{namespace} / {project} / {experiment}" if namespace else f"{project} / {experiment}"
+        self.namespace = namespace
+        if job_name is None:  # the Pushgateway's `job` label: the Slurm job name a config gives
+            from verl_hpc.config.schema import default_of
+
+            job_name = default_of("slurm.job_name")
+        self._prometheus = dict(pushgateway_url=pushgateway_url, job=job_name, namespace=namespace,
+                                experiment=experiment, delete_on_finish=pushgateway_delete_on_finish)
+        self.alerts = None
         self.plot_path: Path | None = None
         self._plots_enabled = plots_enabled
         self._clean = MetricCleaner()
@@ -63,6 +73,13 @@ class Tracker:
         self._console_metrics = tuple(console_metrics)
         if not self.is_main:
             return
+        if alert_webhook:
+            from verl_hpc.tracking.alerts import AlertWebhook
+
+            self.alerts = AlertWebhook(alert_webhook, project=project, experiment=experiment,
+                                       namespace=namespace)
+        # W&B / MLflow projects are shared by everyone on a server: a namespace gets its own
+        project = f"{namespace}-{project}" if namespace else project
         self.output_dir.mkdir(parents=True, exist_ok=True)
         # console last: its rate clock starts when built, and the other backends' imports
         # (tensorboard, wandb) would otherwise count as time spent on the first step
@@ -96,7 +113,29 @@ class Tracker:
             from verl_hpc.tracking.mlflow_backend import MlflowBackend
             return MlflowBackend(self.output_dir, project, experiment, config)
         from verl_hpc.tracking.prometheus_backend import PrometheusBackend
-        return PrometheusBackend(port)
+        return PrometheusBackend(port, **self._prometheus)
+
+    @classmethod
+    def from_config(cls, cfg, *, is_main: bool, start_step: int | None = None, total_steps: int | None = None,
+                    config: Mapping[str, Any] | None = None) -> "Tracker":
+        """The tracker a job's config asks for (trainer.*, tracking.*)."""
+        tr, t = cfg.trainer, cfg.tracking
+        return cls(t.backends, tr.output_dir, total_steps or tr.total_steps, tr.project_name, tr.experiment_name,
+                   config, is_main=is_main, log_every=t.log_every, prometheus_port=t.prometheus_port,
+                   start_step=start_step, plots_enabled=t.plots, console_metrics=t.console_metrics,
+                   namespace=tr.namespace, pushgateway_url=t.pushgateway_url,
+                   pushgateway_delete_on_finish=t.pushgateway_delete_on_finish,
+                   alert_webhook=t.alert_webhook, job_name=cfg.slurm.job_name)
+
+    def event(self, kind: str, step: int | None = None, **details: Any) -> None:
+        """An operator-facing event (rollback, preempted, failed, requeue): counted in Prometheus,
+        sent to tracking.alert_webhook. Rank 0 only, like log()."""
+        if not self.is_main:
+            return
+        if kind not in ("failed", "preempted") and "prometheus" in self._backends:  # those: finish()
+            self._call("prometheus", "event", kind, details)
+        if self.alerts is not None and kind in ("rollback", "failed", "preempted"):
+            self.alerts.send(kind, step, **details)
 
     @property
     def backends(self) -> list[str]:
@@ -153,12 +192,20 @@ class Tracker:
                 except Exception:
                     pass
 
-    def close(self) -> Path | None:
+    def close(self, outcome: str | None = None, step: int | None = None, reason: str = "") -> Path | None:
         """Write the plots, hand them to backends that store files, close everything. Idempotent;
-        returns the plot's path (None when nothing was plotted or on ranks other than 0)."""
+        returns the plot's path (None when nothing was plotted or on ranks other than 0).
+
+        outcome (completed | failed | preempted): how the run ended; pushed to a Pushgateway and,
+        for failed / preempted, sent to tracking.alert_webhook."""
         if not self.is_main or self._closed:
             return self.plot_path
         self._closed = True
+        if outcome is not None:
+            if outcome in ("failed", "preempted"):
+                self.event(outcome, step, **({"reason": reason} if reason else {}))
+            if "prometheus" in self._backends:
+                self._call("prometheus", "finish", outcome)
         if self._plots_enabled:
             self._write_plots()
         for name in list(self._backends):

@@ -40,6 +40,7 @@ from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import logprob_diff_metrics, response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
+from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
 from verl_hpc.trainer.validation import Validator
 
@@ -54,7 +55,8 @@ class RLTrainer:
         tok, d = self.roles.tokenizer, cfg.data
         self.loader = PromptLoader.from_config(d, tok, d.wrap_plain_text) if ctx.rank == 0 else None
         val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
-        self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model, cfg.reward.gsm8k_method)
+        self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model, cfg.reward.gsm8k_method,
+                                               allow_custom_code=cfg.safety.allow_custom_code)
         if ctx.rank == 0:  # refuse unscorable data before spending compute on it
             ds = self.loader.dataset
             self.scorer.check_samples(*_columns(ds))
@@ -72,6 +74,7 @@ class RLTrainer:
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
                                                 kl_ctrl=self.kl_ctrl, guard=self.guard)
         self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
+        self.safety = SafetySwitches(cfg, ctx)
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
@@ -122,13 +125,9 @@ class RLTrainer:
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
         if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
             self._sync_weights()
-        tracker = Tracker(cfg.tracking.backends, tr.output_dir, tr.total_steps, tr.project_name,
-                          tr.experiment_name, to_container(cfg), is_main=ctx.rank == 0,
-                          log_every=cfg.tracking.log_every, prometheus_port=cfg.tracking.prometheus_port,
-                          plots_enabled=cfg.tracking.plots,
-                          # resumed: keep the history up to `start`; fresh: none of an earlier run's
-                          start_step=start + 1 if start else 0,
-                          console_metrics=cfg.tracking.console_metrics)
+        # resumed: keep the history up to `start`; fresh: none of an earlier run's
+        tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
+                                      config=to_container(cfg))
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
         try:
             if self.validator and not start:
@@ -137,7 +136,9 @@ class RLTrainer:
             timer = StageTimer(comm=collectives.counts if self.cfg.tracking.comm_bytes else None)
             t0 = time.time()
             for step in range(start + 1, tr.total_steps + 1):
-                metrics = self.step(step, timer)
+                with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
+                    metrics = self.step(step, timer)
+                self.safety.check_ranks_agree(step, metrics)
                 metrics.update(timer.pop())
                 metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                           samples=metrics.get("train/samples"), world_size=ctx.world_size))
@@ -159,8 +160,11 @@ class RLTrainer:
                     break
             self.checkpointer.close()  # an async save in flight is committed before we report
             summary["seconds"] = round(time.time() - t0, 1)
+        except BaseException as e:  # Prometheus and the alert webhook hear why the run ended
+            tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
+            raise
         finally:
-            summary["plot"] = str(tracker.close() or "") or None
+            summary["plot"] = str(tracker.close(summary["stopped"], summary["steps"]) or "") or None
             summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
         return summary

@@ -91,9 +91,7 @@ def run(cfg, ctx) -> dict:
     steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
     actor = build_engine("actor", cfg, ctx, total_steps=steps)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tracker = Tracker(cfg.tracking.backends, tr.output_dir, steps, tr.project_name, tr.experiment_name,
-                      to_container(cfg), is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
-                      plots_enabled=cfg.tracking.plots, console_metrics=cfg.tracking.console_metrics)
+    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, total_steps=steps, config=to_container(cfg))
     rng, order, t0, losses = random.Random(cfg.data.seed), [], time.time(), []
     try:
         for step in range(1, steps + 1):

@@ -78,7 +78,7 @@ CASES = {
         ["rollout.n=1"], ["rollout.n = 1", "algorithm.adv_estimator = grpo", "rollout.n >= 2"]),
     "custom code needs opt-in": (
         ["reward.custom_function=my.mod:score"],
-        ["reward.custom_function = 'my.mod:score'", "reward.allow_custom_code=true"]),
+        ["reward.custom_function = 'my.mod:score'", "safety.allow_custom_code=true"]),
     "critic off with gae": (["algorithm.adv_estimator=gae", "critic.enable=false"],
                             ["critic.enable = false", "algorithm.adv_estimator = gae needs a critic"]),
     "ref off with a KL loss": (["actor.use_kl_loss=true", "ref.enable=false"],

@@ -28,7 +28,7 @@ def test_unknown_source_is_a_clear_error():
         RewardScorer().score(["f.jsonl:3"], ["gsm8kk"], ["#### 1"], ["1"])
     msg = str(e.value)
     assert "sample f.jsonl:3" in msg and "'gsm8kk'" in msg and "did you mean 'gsm8k'" in msg
-    assert all(n in msg for n in known_names()) and "reward.allow_custom_code=true" in msg
+    assert all(n in msg for n in known_names()) and "safety.allow_custom_code=true" in msg
 
 
 def test_scores_and_metrics_per_data_source():
@@ -86,8 +86,8 @@ def user_module(tmp_path, monkeypatch):
 
 
 def test_custom_function_allowed(user_module):
-    cfg = RewardConfig(allow_custom_code=True, custom_function=f"{user_module}:length_bonus")
-    scorer = RewardScorer.from_config(cfg)
+    cfg = RewardConfig(custom_function=f"{user_module}:length_bonus")
+    scorer = RewardScorer.from_config(cfg, allow_custom_code=True)
     scores, metrics = scorer.score(["p:0", "g:0"], ["poetry", "gsm8k"], ["roses are red", "#### 3"], ["", "3"],
                                    [{"style": "haiku"}, {}])
     assert scores.tolist() == pytest.approx([1.3, 1.0])
@@ -96,7 +96,7 @@ def test_custom_function_allowed(user_module):
 
 
 def test_custom_function_refused_or_misnamed(user_module):
-    with pytest.raises(RewardError, match="set reward.allow_custom_code=true"):
+    with pytest.raises(RewardError, match="set safety.allow_custom_code=true"):
         RewardScorer.from_config(RewardConfig(custom_function=f"{user_module}:length_bonus"))
     cases = [("no_colon", "expected 'package.module:function'"),
              ("nowhere_module:f", "cannot import module 'nowhere_module'"),
@@ -104,11 +104,11 @@ def test_custom_function_refused_or_misnamed(user_module):
              (f"{user_module}:two_args", "cannot be called as fn(data_source, solution_str, ground_truth, extra)")]
     for spec, message in cases:
         with pytest.raises(RewardError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            RewardScorer.from_config(RewardConfig(allow_custom_code=True, custom_function=spec))
+            RewardScorer.from_config(RewardConfig(custom_function=spec), allow_custom_code=True)
 
 
 def test_on_error_zero_counts_and_reports_the_first_traceback(user_module, caplog):
-    scorer = RewardScorer.from_config(RewardConfig(allow_custom_code=True, custom_function=f"{user_module}:flaky"))
+    scorer = RewardScorer.from_config(RewardConfig(custom_function=f"{user_module}:flaky"), allow_custom_code=True)
     with caplog.at_level(logging.ERROR, logger="verl_hpc.rewards.scorer"):
         scores, metrics = scorer.score(["s:0", "s:1", "s:2"], ["x"] * 3, ["ok", "boom", "boom"], ["1"] * 3)
         scores2, metrics2 = scorer.score(["s:3"], ["x"], ["boom"], ["1"])
@@ -120,8 +120,8 @@ def test_on_error_zero_counts_and_reports_the_first_traceback(user_module, caplo
 
 
 def test_on_error_raise_names_the_sample_and_chains(user_module):
-    cfg = RewardConfig(allow_custom_code=True, custom_function=f"{user_module}:flaky", on_error="raise")
-    scorer = RewardScorer.from_config(cfg)
+    cfg = RewardConfig(custom_function=f"{user_module}:flaky", on_error="raise")
+    scorer = RewardScorer.from_config(cfg, allow_custom_code=True)
     with pytest.raises(RewardError) as e:
         scorer.score(["s:0", "train.jsonl:17"], ["poetry", "poetry"], ["ok", "boom"], ["1", "1"])
     assert "sample train.jsonl:17 (data_source 'poetry')" in str(e.value) and "ZeroDivisionError" in str(e.value)
@@ -129,8 +129,8 @@ def test_on_error_raise_names_the_sample_and_chains(user_module):
 
 
 def test_non_numeric_returns_follow_on_error(user_module):
-    scorer = RewardScorer.from_config(RewardConfig(allow_custom_code=True,
-                                                   custom_function=f"{user_module}:not_a_number"))
+    scorer = RewardScorer.from_config(RewardConfig(custom_function=f"{user_module}:not_a_number"),
+                                      allow_custom_code=True)
     scores, metrics = scorer.score(["s:0", "s:1"], ["x", "x"], ["nan", "str"], ["1", "1"])
     assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2
     assert "expected a finite number" in scorer.first_error

@@ -20,18 +20,14 @@ class RewardModelConfig(Section):
 
 @dataclass
 class RewardConfig(Section):
-    allow_custom_code: bool = opt(False, "must be true for custom_function: it runs your code on every rank")
-    custom_function: str = opt("", "\"package.module:function\"")
+    custom_function: str = opt("", "\"package.module:function\"; needs safety.allow_custom_code")
     on_error: str = opt("zero", "a reward function that fails on one sample", choices=("zero", "raise"))
     gsm8k_method: str = opt("strict", "strict (\"#### 42\") | flexible (last number in the response)",
                             choices=("strict", "flexible"))
     reward_model: RewardModelConfig = section(RewardModelConfig)
 
     def check(self, job) -> List[str]:
-        p, fn = [], self.custom_function
-        if fn and not self.allow_custom_code:
-            p.append(f"reward.custom_function = '{fn}' runs your own code: set "
-                     "reward.allow_custom_code=true to allow it")
+        p, fn = [], self.custom_function  # the opt-in is checked by safety: (SafetyConfig)
         module, _, name = fn.partition(":")
         if fn and not (module and name):
             p.append(f"reward.custom_function = '{fn}': expected 'package.module:function'")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 from verl_hpc.config.fields import Section, opt, section
@@ -34,12 +36,27 @@ class SmokeConfig(Section):
         return p
 
 
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def namespaced(path: str, namespace: str) -> str:
+    """`<dir>/<name>` -> `<dir>/<namespace>/<name>`; unchanged when the path already has a folder
+    named `namespace` (so resolving twice is harmless) or no namespace is set."""
+    if not namespace or not path or namespace in Path(path).parts:
+        return path
+    p = Path(path)
+    return str(p.parent / namespace / p.name)
+
+
 @dataclass
 class TrainerConfig(Section):
     job: str = opt("rl", "which program the ranks run", choices=("rl", "sft", "smoke"))
     total_steps: int = opt(10, "steps of the run", check=">0")
     project_name: str = opt("verl_hpc", "groups runs in tracking backends")
     experiment_name: str = opt("run", "this run's name")
+    namespace: str = opt("", "team/tenant: a folder level in output, checkpoint and Slurm log paths, a prefix of "
+                             "the Slurm job name, a label of every Prometheus series; checkpoints of another "
+                             "namespace are refused")
     output_dir: str = opt("outputs/${trainer.project_name}/${trainer.experiment_name}",
                           "metrics, plots, logs and (by default) checkpoints")
     val_every: int = opt(0, "steps; 0 = no validation", check=">=0")
@@ -53,11 +70,27 @@ class TrainerConfig(Section):
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
 
     def check(self, job) -> List[str]:
+        p = []
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
-            return [f"trainer.resume: no such checkpoint '{self.resume}'; valid: auto, never, or an existing path"]
-        return []
+            p.append(f"trainer.resume: no such checkpoint '{self.resume}'; valid: auto, never, or an existing path")
+        if self.namespace and not NAMESPACE_RE.match(self.namespace):
+            p.append(f"trainer.namespace = '{self.namespace}': use 1-63 letters, digits, '_', '.', '-' "
+                     "(it becomes a folder name, a Slurm job name and a Prometheus label)")
+        return p
 
     def resolve(self, job) -> None:
+        ns = self.namespace
+        if ns and ns not in Path(self.output_dir).parts:
+            # paths interpolated from the output folder (slurm.log_dir) move with it; other explicit
+            # paths get the namespace folder of their own, so two namespaces never share a file
+            old, self.output_dir = self.output_dir, namespaced(self.output_dir, ns)
+            moved = lambda path: (self.output_dir + path[len(old):] if path == old or path.startswith(old + "/")
+                                  else namespaced(path, ns))
+            job.slurm.log_dir = moved(job.slurm.log_dir)
+            job.checkpoint.dir = moved(job.checkpoint.dir) if job.checkpoint.dir else ""
+            self.hf_output_dir = moved(self.hf_output_dir) if self.hf_output_dir else ""
+        if ns and not job.slurm.job_name.startswith(f"{ns}-"):
+            job.slurm.job_name = f"{ns}-{job.slurm.job_name}"
         self.hf_output_dir = self.hf_output_dir or f"{self.output_dir}/hf"
 
 
