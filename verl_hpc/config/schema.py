@@ -221,7 +221,7 @@ class ParallelConfig:
 
 @dataclass
 class ContainerConfig:
-    runtime: str = choice("none", "none", "apptainer", "pyxis")
+    runtime: str = choice("none", "none", "apptainer", "pyxis", "charliecloud")
     image: str = ""
     mounts: List[str] = default_list()
     extra_args: List[str] = default_list()
