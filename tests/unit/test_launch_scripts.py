@@ -23,6 +23,7 @@ SHELL_SCRIPTS = [
     ROOT / "slurm/devcluster/stop.sh",
     ROOT / "containers/install.sh",
     ROOT / "containers/enroot/build.sh",
+    ROOT / "containers/build.sh",
 ]
 
 
@@ -164,6 +165,24 @@ def test_runs_in_pyxis(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_runs_in_charliecloud(path, tmp_path):
+    _, config = job_command(path)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ch-run").write_text('#!/bin/bash\nprintf "%s\\n" "$*" >> "$STUB_DIR/ch-run"\n')
+    (bindir / "ch-run").chmod(0o755)
+    result, args, env = run_script(path, tmp_path, {"CONTAINER": "charliecloud", "IMAGE": "verl_hpc:cpu",
+                                                    "BINDS": "/data,/ckpt:/c"}, ["x=1"])
+    assert result.returncode == 0, result.stderr
+    # mount points first (a writable ch-run into the directory image), then every rank in ch-run
+    assert (tmp_path / "ch-run").read_text() == f"-w verl_hpc:cpu -- mkdir -p {ROOT} /data /c\n"
+    assert args == ["--mpi=pmix", "--kill-on-bad-exit=1", "ch-run", f"--bind={ROOT}", "--bind=/data",
+                    "--bind=/ckpt:/c", f"--cd={ROOT}", "verl_hpc:cpu", "--",
+                    "python", "-m", "verl_hpc.job", config, "x=1"]
+    assert env["PMIX_MCA_gds"] == "hash" and env["USER"]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_bad_container_or_missing_image_fail_clearly(path, tmp_path):
     result, args, _ = run_script(path, tmp_path, {"CONTAINER": "docker"}, [])
     assert result.returncode == 2 and args is None and "CONTAINER=docker" in result.stderr
@@ -189,7 +208,10 @@ def test_apptainer_definition_sections():
 
 def test_dockerfiles_copy_existing_paths():
     text = (ROOT / "containers/Dockerfile").read_text()
-    assert re.search(r"^FROM nvcr\.io/nvidia/pytorch:", text, flags=re.MULTILINE)
+    # GPU by default (NGC base, `gpu` extra); the CPU image only swaps these two build arguments
+    assert re.search(r"^ARG BASE=nvcr\.io/nvidia/pytorch:", text, flags=re.MULTILINE)
+    assert re.search(r"^FROM \$BASE$", text, flags=re.MULTILINE)
+    assert re.search(r"^ARG EXTRA=gpu$", text, flags=re.MULTILINE)
     for src in re.findall(r"^COPY\s+(\S+)\s", text, flags=re.MULTILINE):
         assert (ROOT / src).exists(), src
     assert "MELLANOX_VISIBLE_DEVICES" in (ROOT / "containers/enroot/Dockerfile").read_text()
