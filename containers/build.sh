@@ -24,6 +24,12 @@ BASE_TAG=verl_hpc-base:bookworm
 IMAGE_DIR="$CH_IMAGE_STORAGE/img/${TAG//:/+}"
 if [ "${1:-}" = "--print" ]; then echo "$IMAGE_DIR"; exit 0; fi
 
+# A fresh Debian/Ubuntu machine (CI): install the builders, as start.sh does for Slurm.
+if ! command -v ch-image >/dev/null || ! command -v mmdebstrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q charliecloud mmdebstrap git
+  fi
+fi
 for tool in ch-image ch-run mmdebstrap git; do
   command -v "$tool" >/dev/null || {
     echo "build.sh: '$tool' not found; install Debian's charliecloud, mmdebstrap and git packages" >&2; exit 1; }
