@@ -17,6 +17,9 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export USER=${USER:-$(id -un)}
 export CH_IMAGE_STORAGE=${CH_IMAGE_STORAGE:-/var/tmp/$USER.ch}
+# ch-image's build cache is a git repository of the image tree; files above this many MiB (torch,
+# vLLM libraries) are kept beside it instead of in git, which makes committing a layer faster.
+export CH_IMAGE_CACHE_LARGE=${CH_IMAGE_CACHE_LARGE:-16}
 CACHE=${VERL_HPC_CONTAINER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verl_hpc/containers}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TAG=${TAG:-verl_hpc:cpu}

@@ -8,6 +8,7 @@ too, naming what is missing, so a container regression is never silently skipped
 """
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -54,10 +55,16 @@ def ch_run(image):
     return ["ch-run", f"--bind={REPO}", f"--cd={REPO}", image, "--"]
 
 
-def srun(n):
-    # -N1: both ranks on one node (the dev cluster may have two); PMIx as every job of the project
-    return ["srun", "-N1", f"-n{n}", "--mpi=pmix", "--kill-on-bad-exit=1", "--time=15",
-            "--export=ALL,PMIX_MCA_gds=hash"]
+def batch(tmp_path, name, step_cmd, n=2, timeout=900):
+    """`sbatch --wait` a script whose one step is `srun --mpi=pmix STEP_CMD` (N ranks, one node);
+    returns (CompletedProcess, the job's output)."""
+    script = tmp_path / f"{name}.sbatch"
+    out = tmp_path / f"{name}.out"
+    script.write_text("#!/bin/bash\nset -e\nexport PMIX_MCA_gds=hash\n"
+                      f"srun --mpi=pmix --kill-on-bad-exit=1 {shlex.join(step_cmd)}\n")
+    r = run(["sbatch", "--wait", "-N1", f"-n{n}", "--time=15", f"--output={out}", f"--job-name={name}",
+             str(script)], timeout=timeout)
+    return r, out.read_text(errors="replace") if out.exists() else ""
 
 
 def test_image_holds_the_cpu_stack(image):
@@ -82,9 +89,9 @@ def check_ranks_agree(result, world):
 
 
 def test_srun_pmix_smoke_job_in_container(image, tmp_path):
-    r = run(srun(2) + ch_run(image) + ["python", "-m", "verl_hpc.job", "configs/smoke.yaml",
-                                       f"trainer.output_dir={tmp_path}"])
-    assert r.returncode == 0, tail(r)
+    r, log = batch(tmp_path, "smoke", ch_run(image) + ["python", "-m", "verl_hpc.job", "configs/smoke.yaml",
+                                                       f"trainer.output_dir={tmp_path}"])
+    assert r.returncode == 0, tail(r) + log[-5000:]
     check_ranks_agree(json.loads((tmp_path / "smoke_result.json").read_text()), 2)
 
 
@@ -103,13 +110,13 @@ def test_submit_with_charliecloud_runtime(image, tmp_path):
 def grpo(tmp_path, name, prefix, steps=2):
     root = make_assets(tmp_path / "assets")
     out = tmp_path / name
-    cmd = srun(2) + prefix + [
+    cmd = prefix + [
         "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"model.path={root}/model", *data_overrides(root),
         f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8",
         "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=2"]
-    r = run(cmd, timeout=900)
-    assert r.returncode == 0, f"{name}: " + tail(r)
+    r, log = batch(tmp_path, name, cmd)
+    assert r.returncode == 0, f"{name}: " + tail(r) + log[-6000:]
     return out / "checkpoints" / f"step_{steps:06d}"
 
 
