@@ -17,9 +17,6 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export USER=${USER:-$(id -un)}
 export CH_IMAGE_STORAGE=${CH_IMAGE_STORAGE:-/var/tmp/$USER.ch}
-# ch-image's build cache is a git repository of the image tree; files above this many MiB (torch,
-# vLLM libraries) are kept beside it instead of in git, which makes committing a layer faster.
-export CH_IMAGE_CACHE_LARGE=${CH_IMAGE_CACHE_LARGE:-16}
 CACHE=${VERL_HPC_CONTAINER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/verl_hpc/containers}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TAG=${TAG:-verl_hpc:cpu}
@@ -72,8 +69,10 @@ done
 
 # The CA bundle this machine's pip trusts (an inspecting proxy's CA is in it, not in Debian's).
 cert=$(python3 -m pip config get global.cert 2>/dev/null || echo "${PIP_CERT:-}")
-if [ -n "$cert" ] && [ -f "$cert" ]; then
-  cp "$cert" "$ROOT/containers/local/ca-certificates.crt"
+# (copied only when it changed, keeping its time: ch-image's cache key for a COPY includes the
+# files' modification times, and a new key here would reinstall every Python dependency)
+if [ -n "$cert" ] && [ -f "$cert" ] && ! cmp -s "$cert" "$ROOT/containers/local/ca-certificates.crt"; then
+  cp -p "$cert" "$ROOT/containers/local/ca-certificates.crt"
 fi
 
 # 3. The image. --force: ch-image's workarounds that let apt-get run as an unprivileged root.

@@ -22,6 +22,8 @@ from trn_helpers import data_overrides, make_assets  # noqa: E402
 # The build can take ~10 min on a fresh machine (base root filesystem, apt, pip).
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 IMAGE = "verl_hpc:cpu"
+# The dev cluster's Slurm TmpFS (slurm.conf): PMIx keeps each step's directory there.
+SLURM_TMPFS = "/var/spool/slurmd"
 ENV = {**os.environ, "USER": os.environ.get("USER") or "root", "OMP_NUM_THREADS": "1"}
 
 
@@ -38,8 +40,9 @@ def image():
     r = run(["bash", "containers/build.sh"], timeout=3300)
     assert r.returncode == 0, "containers/build.sh failed:\n" + tail(r)
     # ch-run binds only onto directories that exist in the image (the submitter does the same)
-    r = run(["ch-run", "-w", IMAGE, "--", "mkdir", "-p", str(REPO)])
-    assert r.returncode == 0, tail(r)
+    image_dir = Path(r.stdout.strip().splitlines()[-1])
+    for p in [REPO, Path(SLURM_TMPFS)]:
+        (image_dir / str(p).lstrip("/")).mkdir(parents=True, exist_ok=True)
     return IMAGE
 
 
@@ -52,7 +55,7 @@ def cluster_is_up():
 
 
 def ch_run(image):
-    return ["ch-run", f"--bind={REPO}", f"--cd={REPO}", image, "--"]
+    return ["ch-run", f"--bind={REPO}", f"--bind={SLURM_TMPFS}", f"--cd={REPO}", image, "--"]
 
 
 def batch(tmp_path, name, step_cmd, n=2, timeout=900):
@@ -60,7 +63,7 @@ def batch(tmp_path, name, step_cmd, n=2, timeout=900):
     returns (CompletedProcess, the job's output)."""
     script = tmp_path / f"{name}.sbatch"
     out = tmp_path / f"{name}.out"
-    script.write_text("#!/bin/bash\nset -e\nexport PMIX_MCA_gds=hash\n"
+    script.write_text("#!/bin/bash\nset -e\nexport PMIX_MCA_gds=hash OMPI_MCA_orte_tmpdir_base=/tmp\n"
                       f"srun --mpi=pmix --kill-on-bad-exit=1 {shlex.join(step_cmd)}\n")
     r = run(["sbatch", "--wait", "-N1", f"-n{n}", "--time=15", f"--output={out}", f"--job-name={name}",
              str(script)], timeout=timeout)
@@ -98,13 +101,13 @@ def test_srun_pmix_smoke_job_in_container(image, tmp_path):
 def test_submit_with_charliecloud_runtime(image, tmp_path):
     r = run([sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", f"trainer.output_dir={tmp_path}/out",
              f"slurm.log_dir={tmp_path}/logs/%j", "slurm.container.runtime=charliecloud",
-             f"slurm.container.image={image}"])
+             f"slurm.container.image={image}", f"slurm.container.mounts=[{SLURM_TMPFS}]"])
     assert r.returncode == 0, tail(r)
     assert "COMPLETED" in r.stdout and "SMOKE_RESULT" in r.stdout
     check_ranks_agree(json.loads((tmp_path / "out" / "smoke_result.json").read_text()), 2)
     # every rank's interpreter was the image's: submitit's batch script starts it through ch-run
     script = next((tmp_path / "logs").rglob("*_submission.sh")).read_text()
-    assert f"ch-run --bind={REPO} --cd={REPO} {image} -- python -u -m submitit" in script, script
+    assert f"ch-run --bind={REPO} --bind={SLURM_TMPFS} --cd={REPO} {image} -- python -u -m submitit" in script, script
 
 
 def grpo(tmp_path, name, prefix, steps=2):

@@ -169,17 +169,17 @@ def test_runs_in_charliecloud(path, tmp_path):
     _, config = job_command(path)
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "ch-run").write_text('#!/bin/bash\nprintf "%s\\n" "$*" >> "$STUB_DIR/ch-run"\n')
-    (bindir / "ch-run").chmod(0o755)
     result, args, env = run_script(path, tmp_path, {"CONTAINER": "charliecloud", "IMAGE": "verl_hpc:cpu",
-                                                    "BINDS": "/data,/ckpt:/c"}, ["x=1"])
+                                                    "BINDS": "/data,/ckpt:/c", "USER": "u",
+                                                    "CH_IMAGE_STORAGE": str(tmp_path / "st")}, ["x=1"])
     assert result.returncode == 0, result.stderr
-    # mount points first (a writable ch-run into the directory image), then every rank in ch-run
-    assert (tmp_path / "ch-run").read_text() == f"-w verl_hpc:cpu -- mkdir -p {ROOT} /data /c\n"
+    # mount points made in the image directory first, then every rank in ch-run
+    for p in [str(ROOT), "/data", "/c"]:
+        assert (tmp_path / "st" / "img" / "verl_hpc+cpu" / p.lstrip("/")).is_dir(), p
     assert args == ["--mpi=pmix", "--kill-on-bad-exit=1", "ch-run", f"--bind={ROOT}", "--bind=/data",
                     "--bind=/ckpt:/c", f"--cd={ROOT}", "verl_hpc:cpu", "--",
                     "python", "-m", "verl_hpc.job", config, "x=1"]
-    assert env["PMIX_MCA_gds"] == "hash" and env["USER"]
+    assert env["PMIX_MCA_gds"] == "hash" and env["USER"] == "u"
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)

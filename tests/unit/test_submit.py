@@ -60,9 +60,9 @@ def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     text = script.read_text()
     assert needle in text, text
     if runtime == "charliecloud":  # mount points made in the image before srun; PMIx without shm
-        assert f"ch-run -w verl_hpc:cpu -- mkdir -p {REPO} /scratch" in text, text
+        assert f'mkdir -p "${{CH_IMAGE_STORAGE:-/var/tmp/$USER.ch}}"/img/verl_hpc+cpu{REPO}' in text, text
         assert "export PMIX_MCA_gds=hash" in text and 'export USER="${USER:-$(id -un)}"' in text
-        assert text.index("ch-run -w") < text.index("srun --mpi=pmix")
+        assert text.index("mkdir -p") < text.index("srun --mpi=pmix")
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "logs").is_dir()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
@@ -89,4 +89,4 @@ def test_submitit_script_runs_ranks_in_charliecloud():
     text = slurm.sbatch_text(slurm.make_executor(make_plan(cfg, local=False), cfg))
     cwd = os.getcwd()
     assert f"ch-run --bind={cwd} --cd={cwd} verl_hpc:cpu -- python -u -m submitit.core._submit" in text
-    assert f"ch-run -w verl_hpc:cpu -- mkdir -p {cwd}" in text and "--mpi=pmix" in text
+    assert f"/img/verl_hpc+cpu{cwd}" in text and "--mpi=pmix" in text

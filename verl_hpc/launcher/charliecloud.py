@@ -6,10 +6,13 @@ What differs from Apptainer, and why each line below exists:
   creates one in a read-only image. For a directory image (a name in ch-image's storage or a
   path) the job first creates the missing mount points with a short writable `ch-run -w`; a
   SquashFS image (`.sqfs`/`.sqsh`) must have them built in (containers/README.md).
+- Slurm's PMIx plugin keeps each step's directory under Slurm's TmpFS; when that is not /tmp
+  (slurm.conf `TmpFS`), bind it through slurm.container.mounts (the dev cluster: /var/spool/slurmd).
 - ch-run refuses to start without $USER, which batch environments do not always set.
 - Open MPI's PMIx client inside the container would attach to the Slurm PMIx server's
   shared-memory data store in the server's directory on the host, which the container does not
-  see; PMIX_MCA_gds=hash makes it fetch the same data over the server connection instead.
+  see; PMIX_MCA_gds=hash makes it fetch the same data over the server connection instead, and
+  Open MPI's session directory goes to /tmp (bound) rather than a host-only path.
 The host environment (SLURM_*, PMIX_*, MASTER_*) passes into the container unchanged, and
 /tmp is the host's, so the ranks see the same job as they would outside.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import shlex
 
 SQUASHFS_SUFFIXES = (".sqfs", ".sqsh", ".squashfs")
-ENV = {"PMIX_MCA_gds": "hash"}
+ENV = {"PMIX_MCA_gds": "hash", "OMPI_MCA_orte_tmpdir_base": "/tmp"}
 
 
 def mount_points(c, workdir: str) -> list[str]:
@@ -41,6 +44,9 @@ def setup_lines(c, workdir: str) -> list[str]:
     lines = ['export USER="${USER:-$(id -un)}"']
     lines += [f"export {k}={shlex.quote(v)}" for k, v in ENV.items()]
     if not c.image.endswith(SQUASHFS_SUFFIXES):
-        points = " ".join(shlex.quote(p) for p in mount_points(c, workdir))
-        lines.append(f"ch-run -w {shlex.quote(c.image)} -- mkdir -p {points}")
+        # `ch-run -w` refuses images named from storage, so the directories are made from outside
+        root = shlex.quote(c.image) if "/" in c.image else (
+            '"${CH_IMAGE_STORAGE:-/var/tmp/$USER.ch}"/img/' + shlex.quote(c.image.replace(":", "+")))
+        for p in mount_points(c, workdir):
+            lines.append(f"mkdir -p {root}{shlex.quote(p)}")
     return lines
