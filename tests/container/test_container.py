@@ -116,7 +116,7 @@ def grpo(tmp_path, name, prefix, steps=2):
     cmd = prefix + [
         "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"model.path={root}/model", *data_overrides(root),
         f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.val_every=0",
-        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8",
+        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4",
         "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=2"]
     r, log = batch(tmp_path, name, cmd)
     assert r.returncode == 0, f"{name}: " + tail(r) + log[-6000:]
