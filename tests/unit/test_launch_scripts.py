@@ -25,6 +25,7 @@ SHELL_SCRIPTS = [
     ROOT / "slurm/devcluster/on_node.sh",
     ROOT / "containers/install.sh",
     ROOT / "containers/enroot/build.sh",
+    ROOT / "containers/build.sh",
 ]
 
 
@@ -166,6 +167,24 @@ def test_runs_in_pyxis(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_runs_in_charliecloud(path, tmp_path):
+    _, config = job_command(path)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    result, args, env = run_script(path, tmp_path, {"CONTAINER": "charliecloud", "IMAGE": "verl_hpc:cpu",
+                                                    "BINDS": "/data,/ckpt:/c", "USER": "u",
+                                                    "CH_IMAGE_STORAGE": str(tmp_path / "st")}, ["x=1"])
+    assert result.returncode == 0, result.stderr
+    # mount points made in the image directory first, then every rank in ch-run
+    for p in [str(ROOT), "/data", "/c"]:
+        assert (tmp_path / "st" / "img" / "verl_hpc+cpu" / p.lstrip("/")).is_dir(), p
+    assert args == ["--mpi=pmix", "--kill-on-bad-exit=1", "ch-run", f"--bind={ROOT}", "--bind=/data",
+                    "--bind=/ckpt:/c", f"--cd={ROOT}", "verl_hpc:cpu", "--",
+                    "python", "-m", "verl_hpc.job", config, "x=1"]
+    assert env["PMIX_MCA_gds"] == "hash" and env["USER"] == "u"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_bad_container_or_missing_image_fail_clearly(path, tmp_path):
     result, args, _ = run_script(path, tmp_path, {"CONTAINER": "docker"}, [])
     assert result.returncode == 2 and args is None and "CONTAINER=docker" in result.stderr
@@ -191,7 +210,10 @@ def test_apptainer_definition_sections():
 
 def test_dockerfiles_copy_existing_paths():
     text = (ROOT / "containers/Dockerfile").read_text()
-    assert re.search(r"^FROM nvcr\.io/nvidia/pytorch:", text, flags=re.MULTILINE)
+    # GPU by default (NGC base, `gpu` extra); the CPU image only swaps these two build arguments
+    assert re.search(r"^ARG BASE=nvcr\.io/nvidia/pytorch:", text, flags=re.MULTILINE)
+    assert re.search(r"^FROM \$BASE$", text, flags=re.MULTILINE)
+    assert re.search(r"^ARG EXTRA=gpu$", text, flags=re.MULTILINE)
     for src in re.findall(r"^COPY\s+(\S+)\s", text, flags=re.MULTILINE):
         assert (ROOT / src).exists(), src
     assert "MELLANOX_VISIBLE_DEVICES" in (ROOT / "containers/enroot/Dockerfile").read_text()

@@ -1,4 +1,5 @@
 """The submitter's planning paths that submit nothing: dry runs, rendered scripts, refusals."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,11 @@ def test_submitit_private_script_hook_still_exists():
 @pytest.mark.parametrize("runtime,needle", [
     ("apptainer", "apptainer exec --bind /scratch /img/verl.sif python -u -m verl_hpc.job"),
     ("pyxis", "--container-image=nvcr.io/me/verl:1 --container-mounts=/scratch"),
+    ("charliecloud", f"ch-run --bind={REPO} --bind=/scratch --cd={REPO} verl_hpc:cpu -- python -u -m verl_hpc.job"),
     ("none", f"{sys.executable} -u -m verl_hpc.job"),
 ])
 def test_sbatch_script_container_flags(tmp_path, runtime, needle):
-    image = "/img/verl.sif" if runtime == "apptainer" else "nvcr.io/me/verl:1"
+    image = {"apptainer": "/img/verl.sif", "charliecloud": "verl_hpc:cpu"}.get(runtime, "nvcr.io/me/verl:1")
     script = tmp_path / "job.sbatch"
     r = run_submit("configs/smoke.yaml", "--sbatch-script", str(script),
                    f"slurm.container.runtime={runtime}", f"slurm.container.image={image}",
@@ -57,6 +59,10 @@ def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     assert r.returncode == 0, r.stderr
     text = script.read_text()
     assert needle in text, text
+    if runtime == "charliecloud":  # mount points made in the image before srun; PMIx without shm
+        assert f'mkdir -p "${{CH_IMAGE_STORAGE:-/var/tmp/$USER.ch}}"/img/verl_hpc+cpu{REPO}' in text, text
+        assert "export PMIX_MCA_gds=hash" in text and 'export USER="${USER:-$(id -un)}"' in text
+        assert text.index("mkdir -p") < text.index("srun --mpi=pmix")
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "logs").is_dir()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
@@ -74,3 +80,13 @@ def test_impossible_jobs_are_refused_before_submission(args, words):
     assert err.startswith("error: ") and "Traceback" not in err
     for w in words:
         assert w in err, err
+
+
+def test_submitit_script_runs_ranks_in_charliecloud():
+    # The Python submitter's script: every rank's interpreter is the container's, behind ch-run.
+    cfg = load_config("configs/smoke.yaml", ["slurm.container.runtime=charliecloud",
+                                             "slurm.container.image=verl_hpc:cpu"])
+    text = slurm.sbatch_text(slurm.make_executor(make_plan(cfg, local=False), cfg))
+    cwd = os.getcwd()
+    assert f"ch-run --bind={cwd} --cd={cwd} verl_hpc:cpu -- python -u -m submitit.core._submit" in text
+    assert f"/img/verl_hpc+cpu{cwd}" in text and "--mpi=pmix" in text

@@ -7,6 +7,7 @@ environment, and a failure message that names the rank and its log.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import submitit
 
+from verl_hpc.launcher import charliecloud
 from verl_hpc.launcher.plan import Plan
 
 FINISHED_OK = "COMPLETED"
@@ -34,6 +36,8 @@ def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
         binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
         gpu = " --nv" if s.gpus_per_node else ""
         python = f"apptainer exec{gpu}{binds} {' '.join(c.extra_args)} {shlex.quote(c.image)} python"
+    elif c.runtime == "charliecloud":
+        python = shlex.join(charliecloud.run_prefix(c, os.getcwd()) + ["python"])
     elif c.runtime == "pyxis":
         srun_args += [f"--container-image={c.image}", *c.extra_args]
         if c.mounts:
@@ -45,7 +49,8 @@ def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
         job_name=s.job_name, nodes=plan.nodes, ntasks_per_node=plan.tasks_per_node,
         cpus_per_task=s.cpus_per_task, time=s.time_min, signal_delay_s=s.signal_delay_s,
         srun_args=srun_args,
-        setup=[f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] + list(s.setup),
+        setup=[f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] + list(s.setup)
+        + (charliecloud.setup_lines(c, os.getcwd()) if c.runtime == "charliecloud" else []),
         additional_parameters={**({"requeue": True} if s.requeue else {}), **dict(s.additional)})
     if plan.gpus_per_node:
         params["gpus_per_node"] = plan.gpus_per_node

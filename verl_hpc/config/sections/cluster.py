@@ -48,7 +48,7 @@ class ParallelConfig(Section):
 
 @dataclass
 class ContainerConfig(Section):
-    runtime: str = opt("none", "container runtime of the ranks", choices=("none", "apptainer", "pyxis"))
+    runtime: str = opt("none", "container runtime of the ranks", choices=("none", "apptainer", "pyxis", "charliecloud"))
     image: str = opt("", "image (a .sif file, a squashfs or a registry name)")
     mounts: List[str] = opt([], "\"src:dst\" bind mounts")
     extra_args: List[str] = opt([], "extra arguments to the container runtime")
