@@ -124,11 +124,14 @@ def gspo(
     s_i * grad logp_it, clipped like PPO. With advantages constant over a sequence and
     seq-mean-token-mean aggregation (the paper's setting) this is exactly GSPO's gradient.
     The clip ranges are tiny (paper: 3e-4 / 4e-4) because a sequence ratio moves much less than a
-    token ratio.
+    token ratio. The sequence log-ratio (not each token's) is capped at 10 before exp, as in verl.
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
-    valid, _, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    seq_log_ratio = masked_mean(log_ratio, valid, dim=-1).detach()
+    valid, old, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    # The per-token log-ratios are averaged unclamped (padding is already zero in both), and only
+    # the sequence-level value is capped below: clamping tokens first would change the mean, and
+    # the loss, whenever a single token's ratio is extreme.
+    seq_log_ratio = masked_mean(new.detach() - old, valid, dim=-1)
     token_log_ratio = (new - new.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_SEQ_LOG_RATIO_MAX)
     ratio = torch.exp(token_log_ratio)
     loss_mat = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high))
