@@ -31,6 +31,7 @@ from .kl import (
 )
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence_scores
 from .policy_losses import compute_policy_loss
+from . import cov_losses, gmpo  # noqa: F401,E402  (register clip_cov, kl_cov, geo_mean)
 from .registry import (
     ADV_ESTIMATOR_REGISTRY,
     KL_ESTIMATOR_REGISTRY,

@@ -110,6 +110,12 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = choice_from("k3", "KL_ESTIMATORS")
+    # policy_loss clip_cov / kl_cov (arXiv 2505.22617; verl's names and defaults)
+    clip_cov_ratio: float = 0.0002  # share of valid tokens whose loss clip_cov zeroes, (0, 1]
+    clip_cov_lb: float = 1.0  # clip_cov: candidates have covariance in (lb, ub)
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # share of valid tokens kl_cov penalises, (0, 1]
+    ppo_kl_coef: float = 1.0  # kl_cov: coefficient of |logp - old_logp| on those tokens
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 8  # prompts per optimizer step
     micro_batch_size: int = 4  # sequences per forward; used when max_tokens_per_microbatch is 0

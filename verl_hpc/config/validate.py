@@ -62,6 +62,7 @@ _NON_NEGATIVE = [
     "trainer.val_every", "checkpoint.save_every", "checkpoint.keep_last", "slurm.gpus_per_node",
     "slurm.mem_gb", "slurm.signal_delay_s", "algorithm.overlong_buffer.len",
     "algorithm.overlong_buffer.penalty_factor", "algorithm.kl_ctrl.kl_coef", "actor.kl_loss_coef",
+    "actor.ppo_kl_coef",
     "rollout.temperature", "rollout.val_temperature", "trainer.smoke.step_seconds",
     "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
     "critic.optim.clip_grad", "actor.optim.lr", "critic.optim.lr", "actor.optim.min_lr",
@@ -70,6 +71,8 @@ _NON_NEGATIVE = [
 # (key, interval): "[" / "]" include the bound, "(" / ")" exclude it
 _RANGES = [
     ("actor.clip_ratio_low", "[0, 1)"),
+    ("actor.clip_cov_ratio", "(0, 1]"),
+    ("actor.kl_cov_ratio", "(0, 1]"),
     ("rollout.top_p", "(0, 1]"),
     ("rollout.gpu_memory_utilization", "(0, 1]"),
     ("algorithm.gamma", "[0, 1]"),
@@ -103,6 +106,8 @@ def _ranges(cfg: JobConfig) -> List[str]:
         p.append(f"actor.clip_ratio_high: must be > 0, got {a.clip_ratio_high}")
     if a.clip_ratio_c <= 1:
         p.append(f"actor.clip_ratio_c: the dual-clip bound must be > 1, got {a.clip_ratio_c}")
+    if a.clip_cov_lb >= a.clip_cov_ub:
+        p.append(f"actor.clip_cov_lb = {a.clip_cov_lb} must be < actor.clip_cov_ub = {a.clip_cov_ub}")
     if cfg.critic.cliprange_value <= 0:
         p.append(f"critic.cliprange_value: must be > 0, got {cfg.critic.cliprange_value}")
     if cfg.rollout.top_k != -1 and cfg.rollout.top_k <= 0:

@@ -93,7 +93,9 @@ class Actor(_Trainable):
         loss, metrics = compute_policy_loss(
             c.policy_loss, mb["old_log_probs"], out["log_probs"], mb["advantages"], mask,
             clip_ratio_low=c.clip_ratio_low, clip_ratio_high=c.clip_ratio_high,
-            clip_ratio_c=c.clip_ratio_c, **agg)
+            clip_ratio_c=c.clip_ratio_c, clip_cov_ratio=c.clip_cov_ratio, clip_cov_lb=c.clip_cov_lb,
+            clip_cov_ub=c.clip_cov_ub, kl_cov_ratio=c.kl_cov_ratio, ppo_kl_coef=c.ppo_kl_coef,
+            rollout_is_weights=mb.get("rollout_is_weights"), **agg)  # set by algorithms/mismatch.py
         metrics = dict(metrics, pg_loss=loss.detach())
         if c.entropy_coeff:
             ent = agg_loss(out["entropy"], mask, c.loss_agg_mode, counts.tokens, counts.seqs,
