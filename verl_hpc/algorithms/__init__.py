@@ -29,6 +29,7 @@ from .kl import (
     kl_loss,
     make_kl_controller,
 )
+from .mismatch import rollout_correction
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence_scores
 from .policy_losses import compute_policy_loss
 from . import cov_losses, gmpo  # noqa: F401,E402  (register clip_cov, kl_cov, geo_mean)
@@ -77,6 +78,7 @@ __all__ = [
     "register_adv_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "sequence_scores",
     "value_loss",
 ]

@@ -73,6 +73,18 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Rollout/training mismatch correction (verl's names; docs/algorithms.md)."""
+
+    rollout_is: Optional[str] = choice(None, None, "token", "sequence")  # truncated IS; null = off
+    rollout_is_threshold: float = 2.0  # C of min(pi_old / pi_rollout, C); > 0
+    rollout_rs: Optional[str] = choice(None, None, "token", "sequence", "geometric")  # rejection; null = off
+    rollout_rs_threshold: Optional[float] = None  # upper bound of the kept ratios; null: rollout_is_threshold
+    rollout_rs_threshold_lower: Optional[float] = None  # lower bound; null: 1 / upper
+    bypass_mode: bool = False  # rollout log-probs are the old policy: no old-log-prob forward
+
+
+@dataclass
 class AlgorithmConfig:
     recipe: Optional[str] = choice_from(None, "RECIPE_NAMES")
     adv_estimator: str = choice_from("grpo", "ADV_ESTIMATORS")
@@ -85,6 +97,7 @@ class AlgorithmConfig:
     filter_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
     max_num_gen_batches: int = 4  # with filter_groups: generation rounds per step at most
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -203,6 +216,8 @@ class TrainerConfig:
     sft_epochs: int = 1  # trainer.job=sft: passes over data.sft_files (total_steps caps the steps)
     hf_output_dir: str = ""  # trainer.job=sft: auto: <output_dir>/hf (the HF folder RL starts from)
     inject_nan_at_steps: List[int] = default_list()  # tests: RL steps whose loss is made NaN
+    # tests: rollout log-probs := the actor's old log-probs - this shift (engines agreeing up to it)
+    inject_rollout_logprob_shift: Optional[float] = None
     collective_timeout_s: int = 600  # a dead rank fails the job instead of hanging it
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 

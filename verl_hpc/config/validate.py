@@ -214,10 +214,29 @@ def _algorithm(cfg: JobConfig) -> List[str]:
     if cfg.rollout.max_tokens > d.max_response_length:
         p.append(f"rollout.max_tokens = {cfg.rollout.max_tokens} exceeds data.max_response_length = "
                  f"{d.max_response_length}")
+    p += _rollout_correction(cfg)
     ob = alg.overlong_buffer
     if ob.enable and not 0 < ob.len < d.max_response_length:
         p.append(f"algorithm.overlong_buffer.len = {ob.len} must be in (0, data.max_response_length = "
                  f"{d.max_response_length}) when algorithm.overlong_buffer.enable is true")
+    return p
+
+
+def _rollout_correction(cfg: JobConfig) -> List[str]:
+    rc, key, p = cfg.algorithm.rollout_correction, "algorithm.rollout_correction", []
+    if rc.rollout_is_threshold <= 0:
+        p.append(f"{key}.rollout_is_threshold: must be > 0, got {rc.rollout_is_threshold}")
+    hi = rc.rollout_is_threshold if rc.rollout_rs_threshold is None else rc.rollout_rs_threshold
+    lo = 1.0 / hi if rc.rollout_rs_threshold_lower is None and hi > 0 else rc.rollout_rs_threshold_lower
+    if rc.rollout_rs is not None and not (lo is not None and 0 <= lo < hi):
+        p.append(f"{key}: rejection bounds need 0 <= rollout_rs_threshold_lower < rollout_rs_threshold, "
+                 f"got {lo} and {hi}")
+    if rc.bypass_mode and (rc.rollout_is or rc.rollout_rs):
+        p.append(f"{key}.bypass_mode uses the rollout log-probs as the old policy, so the IS ratio "
+                 f"pi_old / pi_rollout is 1: set rollout_is and rollout_rs to null with bypass_mode")
+    if rc.bypass_mode and cfg.trainer.inject_rollout_logprob_shift is not None:
+        p.append("trainer.inject_rollout_logprob_shift needs the old-log-prob forward: set "
+                 f"{key}.bypass_mode=false")
     return p
 
 

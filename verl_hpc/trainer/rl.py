@@ -22,13 +22,13 @@ from typing import Dict, Optional
 
 import torch
 
-from verl_hpc.algorithms import make_kl_controller, masked_mean
+from verl_hpc.algorithms import make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rollout.metrics import rollout_metrics
-from verl_hpc.trainer import shaping
+from verl_hpc.trainer import correction, shaping
 from verl_hpc.trainer.batching import (assemble, broadcast_prompts, concat_batches, first_groups,
-                                       logprob_diff_metrics, response_stats)
+                                       response_stats)
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
 
@@ -72,10 +72,8 @@ class RLTrainer:
             return dict(m, **{"filter/empty_step": 1.0})
         r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training; sync wakes it
         t = batch.tensors
-        with timer("old_logprob"):
-            t.update(r.actor.log_probs(t))
-        m.update(logprob_diff_metrics(batch.rollout_log_probs, t["old_log_probs"], t["response_mask"]))
-        m["actor/entropy"] = float(masked_mean(t.pop("entropy"), t["response_mask"]))
+        correction.old_log_probs(cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
+        m.update(correction.apply(cfg, batch))  # rollout/training mismatch: metrics, IS weights
         if r.ref is not None:
             with timer("ref"):
                 t.update(r.ref.log_probs(t))
