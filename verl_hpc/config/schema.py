@@ -52,7 +52,12 @@ class DataConfig:
     mixture: Dict[str, float] = field(default_factory=dict)  # data_source -> sampling weight
     wrap_plain_text: bool = True  # plain-text prompts go through the tokenizer's chat template
     sft_files: List[str] = default_list()  # trainer.job=sft: rows with prompt and response columns
-    response_key: str = "response"  # SFT: column holding the target response
+    response_key: str = "response"  # SFT: column holding the target response; KTO: the completion
+    preference_files: List[str] = default_list()  # trainer.job=dpo: training rows (data/preference.py)
+    preference_val_files: List[str] = default_list()  # trainer.job=dpo: held-out rows for the metrics
+    chosen_key: str = "chosen"  # paired preference losses: the preferred response column
+    rejected_key: str = "rejected"  # ... and the dispreferred one
+    label_key: str = "label"  # KTO: boolean column, true = desirable
 
 
 @dataclass
@@ -70,6 +75,18 @@ class OverlongBufferConfig:
     enable: bool = False
     len: int = 0
     penalty_factor: float = 1.0
+
+
+@dataclass
+class PreferenceConfig:
+    """trainer.job=dpo: the offline preference loss (verl_hpc/algorithms/preference.py)."""
+
+    loss: str = choice("dpo", "dpo", "ipo", "simpo", "orpo", "kto")
+    beta: float = 0.1  # > 0; SimPO's paper uses 2.0-2.5
+    label_smoothing: float = 0.0  # dpo / simpo: [0, 0.5); > 0 = conservative DPO
+    gamma: float = 0.5  # simpo: the target reward margin
+    desirable_weight: float = 1.0  # kto: lambda_D
+    undesirable_weight: float = 1.0  # kto: lambda_U
 
 
 @dataclass
@@ -98,6 +115,7 @@ class AlgorithmConfig:
     max_num_gen_batches: int = 4  # with filter_groups: generation rounds per step at most
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # trainer.job=dpo
 
 
 @dataclass
@@ -204,7 +222,7 @@ class SmokeConfig:
 
 @dataclass
 class TrainerConfig:
-    job: str = choice("rl", "rl", "sft", "smoke")  # which program the ranks run
+    job: str = choice("rl", "rl", "sft", "smoke", "dpo")  # which program the ranks run
     total_steps: int = 10
     project_name: str = "verl_hpc"
     experiment_name: str = "run"

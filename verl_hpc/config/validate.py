@@ -163,7 +163,9 @@ def _layout(cfg: JobConfig) -> List[str]:
 
 def _batches(cfg: JobConfig, dp: int, dp_words: str) -> List[str]:
     d, rl = cfg.data, cfg.trainer.job == "rl"
-    n = cfg.rollout.n if rl else 1  # sft trains on the dataset's responses
+    # sft trains on the dataset's responses; dpo on two sequences per example (chosen and rejected,
+    # or KTO's completion and its mismatched pair)
+    n = cfg.rollout.n if rl else (2 if cfg.trainer.job == "dpo" else 1)
     if min(d.train_batch_size, n) <= 0:
         return []  # reported as ranges
     p: List[str] = []
@@ -252,13 +254,23 @@ def _job(cfg: JobConfig) -> List[str]:
         p.append("reward.reward_model.path: empty, but reward.reward_model.enable is true")
     if t.resume not in ("auto", "never") and not os.path.exists(t.resume):
         p.append(f"trainer.resume: no such checkpoint '{t.resume}'; valid: auto, never, or an existing path")
-    if t.job in ("rl", "sft") and not cfg.model.path:
+    if t.job in ("rl", "sft", "dpo") and not cfg.model.path:
         p.append(f"model.path: empty, but trainer.job = {t.job} needs a Hugging Face model folder")
     if t.job == "rl" and not cfg.data.train_files:
         p.append(f"data.train_files: empty, but trainer.job = {t.job} needs at least one prompt file")
     if t.job == "sft" and not cfg.data.sft_files:
         p.append("data.sft_files: empty, but trainer.job = sft needs at least one file with prompt and "
                  f"{cfg.data.response_key} columns")
+    if t.job == "dpo":
+        pr = cfg.algorithm.preference
+        if not cfg.data.preference_files:
+            p.append("data.preference_files: empty, but trainer.job = dpo needs at least one file")
+        if pr.beta <= 0:
+            p.append(f"algorithm.preference.beta: must be > 0, got {pr.beta}")
+        if not 0 <= pr.label_smoothing < 0.5:
+            p.append(f"algorithm.preference.label_smoothing: must be in [0, 0.5), got {pr.label_smoothing}")
+        if min(pr.desirable_weight, pr.undesirable_weight) < 0:
+            p.append("algorithm.preference.desirable_weight / undesirable_weight: must be >= 0")
     if t.max_nonfinite_in_a_row < 1:
         p.append(f"trainer.max_nonfinite_in_a_row = {t.max_nonfinite_in_a_row}: must be >= 1")
     if t.smoke.fail_rank >= max(cfg.world_size, 1):
