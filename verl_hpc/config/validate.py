@@ -271,6 +271,9 @@ def _job(cfg: JobConfig) -> List[str]:
             p.append(f"algorithm.preference.label_smoothing: must be in [0, 0.5), got {pr.label_smoothing}")
         if min(pr.desirable_weight, pr.undesirable_weight) < 0:
             p.append("algorithm.preference.desirable_weight / undesirable_weight: must be >= 0")
+        if cfg.rollout.temperature != 1.0:  # the engines divide the logits by it
+            p.append(f"rollout.temperature = {cfg.rollout.temperature}: trainer.job = dpo needs 1.0 (the "
+                     "engines' log-probs are of logits / rollout.temperature)")
     if t.max_nonfinite_in_a_row < 1:
         p.append(f"trainer.max_nonfinite_in_a_row = {t.max_nonfinite_in_a_row}: must be >= 1")
     if t.smoke.fail_rank >= max(cfg.world_size, 1):
