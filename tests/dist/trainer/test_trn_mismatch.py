@@ -1,7 +1,7 @@
 """Rollout/training mismatch correction through the real RL trainer: with the rollout engine agreeing
 exactly with the trainer (test hook), correction on trains bitwise like correction off; with a
-known perturbation (rollout = old - 0.5) the logged weights and masks equal the hand computation;
-bypass mode skips the old-log-prob forward."""
+known perturbation (rollout = old - 0.5) the logged weights and masks equal the hand computation.
+(Bypass mode's wiring is tested without an engine in tests/unit/trainer/test_trn_correction.py.)"""
 import math
 from pathlib import Path
 
@@ -73,10 +73,3 @@ def test_trn_perturbed_rollout_weights_and_masks_by_hand(assets, tmp_path):
         assert row["rollout_corr/kl_k3"] == pytest.approx(math.exp(0.5) - 1.5, abs=1e-5)
         assert row["rollout/logprob_diff_max"] == pytest.approx(0.5, abs=1e-5)
         assert row["actor/pg_loss"] == 0.0
-
-
-def test_trn_bypass_mode_skips_the_old_logprob_forward(assets, tmp_path):
-    rows = run(assets, tmp_path / "bypass", "algorithm.rollout_correction.bypass_mode=true")
-    for row in rows:
-        assert "timing_s/old_logprob" not in row and "timing_s/update_actor" in row
-        assert math.isfinite(row["actor/pg_loss"]) and "rollout_corr/kl_k1" in row
