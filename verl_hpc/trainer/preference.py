@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from verl_hpc.engines.batch import pack_sequences
+from verl_hpc.engines.batch import length_mask, pack_sequences
 from verl_hpc.trainer.batching import broadcast_object
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,12 @@ def build_batch(examples, loss: str, pad: int) -> Dict[str, torch.Tensor]:
     """Engine batch for one step (row layout in the module docstring)."""
     prompts = [e.prompt for e in examples]
     if loss == "kto":
-        shifted = [examples[(i + 1) % len(examples)].chosen for i in range(len(examples))]
-        return pack_sequences(prompts + prompts, [e.chosen for e in examples] + shifted, pad)
-    return pack_sequences(prompts + prompts, [e.chosen for e in examples] + [e.rejected for e in examples], pad)
+        second = [examples[(i + 1) % len(examples)].chosen for i in range(len(examples))]
+    else:
+        second = [e.rejected for e in examples]
+    batch = pack_sequences(prompts + prompts, [e.chosen for e in examples] + second, pad)
+    batch["response_mask"] = length_mask(batch["response_lengths"], int(batch["response_lengths"].max())).float()
+    return batch
 
 
 def objective(pr, logps: torch.Tensor, ref_logps: Optional[torch.Tensor], lengths: torch.Tensor,
@@ -98,8 +101,6 @@ class PreferenceStep:
 
     def __call__(self, examples) -> Dict[str, float]:
         batch = build_batch(examples, self.pr.loss, self.pad)
-        batch["response_mask"] = (torch.arange(int(batch["response_lengths"].max())).unsqueeze(0)
-                                  < batch["response_lengths"].unsqueeze(1)).float()
         pol, ref, lengths = self.sequence_logps(batch)
         desirable = torch.tensor([e.desirable for e in examples])
         s = pol.detach().clone().requires_grad_(True)

@@ -77,8 +77,6 @@ def test_surrogate_gives_the_loss_gradient_for_any_micro_batch_split(loss):
     batch = build_batch(ex, loss, 0)
     n = batch["input_ids"].shape[0]
     assert n == 12
-    width = int(batch["response_lengths"].max())
-    batch["response_mask"] = (torch.arange(width).unsqueeze(0) < batch["response_lengths"].unsqueeze(1)).float()
     pr = PreferenceConfig(loss=loss, beta=0.5)
     w = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
     mask = batch["response_mask"].double()
