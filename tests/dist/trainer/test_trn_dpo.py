@@ -29,7 +29,7 @@ def dpo(assets, out, ranks, *extra):
                       "data.preference_val_files=[]", f"data.train_files=[{assets}/data/train.parquet]",
                       f"data.val_files=[{assets}/data/val.parquet]", "data.train_batch_size=4",
                       "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2", "trainer.total_steps=1",
-                      "trainer.val_every=0", "slurm.cpus_per_task=1", *extra, ranks=ranks, timeout=600)
+                      "trainer.val_every=0", "slurm.cpus_per_task=1", "actor.optim.lr=1e-3", *extra, ranks=ranks, timeout=600)
     assert proc.returncode == 0, logs(proc, out)
     import json
     summary = json.loads((out / "dpo_summary.json").read_text())
