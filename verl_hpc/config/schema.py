@@ -52,11 +52,12 @@ class DataConfig:
     mixture: Dict[str, float] = field(default_factory=dict)  # data_source -> sampling weight
     wrap_plain_text: bool = True  # plain-text prompts go through the tokenizer's chat template
     sft_files: List[str] = default_list()  # trainer.job=sft: rows with prompt and response columns
-    response_key: str = "response"  # SFT: column holding the target response; KTO: the completion
+    response_key: str = "response"  # SFT: column holding the target response
     preference_files: List[str] = default_list()  # trainer.job=dpo: training rows (data/preference.py)
     preference_val_files: List[str] = default_list()  # trainer.job=dpo: held-out rows for the metrics
     chosen_key: str = "chosen"  # paired preference losses: the preferred response column
     rejected_key: str = "rejected"  # ... and the dispreferred one
+    completion_key: str = "completion"  # KTO: the completion column
     label_key: str = "label"  # KTO: boolean column, true = desirable
 
 

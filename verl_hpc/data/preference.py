@@ -3,8 +3,8 @@
     paired  (preference.loss dpo | ipo | simpo | orpo):  prompt, chosen, rejected
     unpaired (preference.loss kto):                      prompt, completion, label (bool: desirable)
 
-Column names come from data.prompt_key / data.chosen_key / data.rejected_key (KTO: data.response_key
-for the completion, data.label_key for the label). Prompts are rendered with the chat template
+Column names come from data.prompt_key / data.chosen_key / data.rejected_key (KTO:
+data.completion_key, data.label_key). Prompts are rendered with the chat template
 exactly as for RL and SFT (verl_hpc.data.templates); responses get EOS appended, as in SFT. A bad
 row (missing or empty field, a label that is not a boolean, chosen == rejected) raises a DataError
 naming the file and the row; rows longer than max_prompt_length + max_response_length are dropped

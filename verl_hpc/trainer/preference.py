@@ -145,7 +145,7 @@ def run(cfg, ctx) -> dict:
     d, tr, pr = cfg.data, cfg.trainer, cfg.algorithm.preference
     tokenizer = load_tokenizer(cfg)
     keys = dict(prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
-                completion_key=d.response_key, label_key=d.label_key, wrap_plain_text=d.wrap_plain_text,
+                completion_key=d.completion_key, label_key=d.label_key, wrap_plain_text=d.wrap_plain_text,
                 max_length=d.max_prompt_length + d.max_response_length)
     load = lambda files, loss, what: load_preference_examples(files, tokenizer, loss, what=what, **keys)  # noqa: E731
     train = broadcast_object(load(d.preference_files, pr.loss, "data.preference_files") if ctx.rank == 0 else None)
