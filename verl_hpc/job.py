@@ -21,6 +21,7 @@ PROGRAMS = {
     "smoke": "verl_hpc.trainer.smoke:run",
     "rl": "verl_hpc.trainer.rl:run",
     "sft": "verl_hpc.trainer.sft:run",
+    "dpo": "verl_hpc.trainer.preference:run",
 }
 
 

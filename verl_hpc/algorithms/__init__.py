@@ -30,9 +30,11 @@ from .kl import (
     kl_loss,
     make_kl_controller,
 )
+from .mismatch import rollout_correction
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence_scores
 from .objectives import PolicyObjective, ValueObjective
 from .policy_losses import compute_policy_loss
+from . import cov_losses, gmpo  # noqa: F401,E402  (register clip_cov, kl_cov, geo_mean)
 from .registry import (
     ADV_ESTIMATOR_REGISTRY,
     KL_ESTIMATOR_REGISTRY,
@@ -80,6 +82,7 @@ __all__ = [
     "register_adv_estimator",
     "register_kl_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "sequence_scores",
     "value_loss",
 ]

@@ -78,16 +78,17 @@ def reinforce_plus_plus(
 def remax(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor
 ) -> Pair:
-    """ReMax (Li et al. 2023): A_t = (sum_{s>=t} r_s) - b, b the reward of the greedy response to
-    the same prompt (`reward_baselines [B]`). No whitening; returns = advantages, as in verl."""
+    """ReMax (Li et al. 2023): A_t = G_t - b with G_t = sum_{s>=t} r_s the reward-to-go and b the
+    reward of the greedy response to the same prompt (`reward_baselines [B]`). No whitening.
+    returns = G (the reward-to-go without the baseline), as verl defines them."""
     check_token_inputs(response_mask, token_level_rewards=token_level_rewards)
     check_per_sample(reward_baselines, response_mask, "reward_baselines")
     valid = as_float_mask(response_mask, token_level_rewards) > 0
     rewards = torch.where(valid, token_level_rewards, torch.zeros_like(token_level_rewards))
     to_go = rewards.flip(-1).cumsum(-1).flip(-1)
     adv = to_go - reward_baselines.to(rewards.dtype).unsqueeze(-1)
-    adv = torch.where(valid, adv, torch.zeros_like(adv))
-    return adv, adv.clone()
+    zero = torch.zeros_like(adv)
+    return torch.where(valid, adv, zero), torch.where(valid, to_go, zero)
 
 
 def compute_advantages(

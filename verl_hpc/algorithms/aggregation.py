@@ -4,6 +4,9 @@ The four modes differ in how tokens and sequences are weighted:
 
 - ``token-mean``:              sum_{i,t} m_it l_it / N_tokens
                                (every token weighs the same; DAPO)
+- ``token-sum``:              sum_{i,t} m_it l_it
+                               (no normalisation: the loss scales with the batch's token count;
+                               verl's name, for losses whose scale is set elsewhere)
 - ``seq-mean-token-sum``:      (1/N_seqs) sum_i sum_t m_it l_it
                                (the response is one action; long answers weigh more)
 - ``seq-mean-token-mean``:     (1/N_seqs) sum_i (sum_t m_it l_it / |y_i|)
@@ -26,7 +29,9 @@ import torch
 
 from .masked import as_float_mask, check_response_mask, check_same_shape, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+)
 
 Count = Union[int, float, torch.Tensor, None]
 
@@ -65,6 +70,8 @@ def agg_loss(
     m = as_float_mask(mask, loss_mat)
     if mode == "token-mean":
         return masked_sum(loss_mat, m) / _count(global_tokens, m.sum(), "global_tokens")
+    if mode == "token-sum":  # a plain sum: micro-batch contributions add up without any count
+        return masked_sum(loss_mat, m)
 
     local_seqs = torch.tensor(float(m.shape[0]), dtype=m.dtype, device=m.device)
     n_seqs = _count(global_seqs, local_seqs, "global_seqs")

@@ -1,4 +1,4 @@
-"""Group-relative outcome advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++-baseline,
+"""Group-relative outcome advantage estimators: GRPO (and Dr.GRPO, pass@k), RLOO, REINFORCE++-baseline,
 OPO and GPG.
 
 All take outcome rewards as token-level rewards `[B, T]` (the score sits on the last valid token;
@@ -116,3 +116,44 @@ def gpg(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_id
     n_invalid = int(invalid_group[codes].sum().item())
     alpha = batch / max(batch - n_invalid, 1)
     return _broadcast(alpha * (scores - mean), response_mask)
+
+
+@register_adv_estimator("grpo_passk")
+@torch.no_grad()
+def grpo_passk(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: GroupIds,
+    norm_adv_by_std: bool = True,
+    eps: float = GROUP_STD_EPS,
+) -> Pair:
+    """Pass@k advantage (arXiv 2503.19595, as verl's `grpo_passk`): a group of k answers is worth
+    its best answer, so only the best sample of each group gets a nonzero advantage, the margin by
+    which it improves the group's pass@k: A = s_max - s_second_max (divided by std_g + eps when
+    norm_adv_by_std); every other sample gets 0. Ties: the first sample (batch order) with the
+    maximum is "the best", and its margin is then 0, so the choice does not change the result.
+    Every group needs at least two samples (rollout.n >= 2)."""
+    scores, codes, n_groups = _prepare(token_level_rewards, response_mask, group_ids)
+    counts = group_counts(codes, n_groups, scores.dtype)
+    small = (counts < 2).nonzero().flatten()
+    if small.numel():
+        first_rows = [int((codes == g).nonzero()[0]) for g in small[:10].tolist()]
+        raise ValueError(f"grpo_passk needs >= 2 samples per group (rollout.n >= 2); the groups of "
+                         f"rows {first_rows} have one")
+    batch = scores.shape[0]
+    neg_inf = torch.full((n_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    g_max = neg_inf.scatter_reduce(0, codes, scores, reduce="amax")
+    rows = torch.arange(batch, device=scores.device)
+    at_max = torch.where(scores == g_max[codes], rows, torch.full_like(rows, batch))
+    best = torch.full((n_groups,), batch, dtype=rows.dtype, device=rows.device)
+    best = best.scatter_reduce(0, codes, at_max, reduce="amin")  # first row holding the maximum
+    is_best = rows == best[codes]
+    others = torch.where(is_best, torch.full_like(scores, float("-inf")), scores)
+    second = neg_inf.scatter_reduce(0, codes, others, reduce="amax")
+    margin = g_max - second
+    if norm_adv_by_std:
+        _, std = group_mean_std(scores, codes, n_groups)
+        margin = margin[codes] / (std + eps)
+    else:
+        margin = margin[codes]
+    return _broadcast(torch.where(is_best, margin, torch.zeros_like(scores)), response_mask)

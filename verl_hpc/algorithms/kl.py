@@ -9,6 +9,7 @@ note, http://joschu.net/blog/kl-approx.html). Both the short and verl names are 
     abs              |logp - ref_logp|
     k2 | mse         0.5 * (logp - ref_logp)^2                       biased, low variance
     k3 | low_var_kl  exp(ref_logp - logp) - (ref_logp - logp) - 1    unbiased, >= 0, clamped to [-10, 10]
+    k1+ / k3+        the value of k1 / k3 with k2's gradient (straight-through), as verl's "+" names
 
 Two ways to use them (config picks): `algorithm.use_kl_in_reward` subtracts beta * KL from the
 token-level rewards before advantages (PPO/InstructGPT, beta from a controller); `actor.use_kl_loss`
@@ -49,6 +50,24 @@ def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
 def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     log_r = (ref_log_prob - log_prob).clamp(-_K3_INNER_CLAMP, _K3_INNER_CLAMP)
     return (torch.exp(log_r) - log_r - 1).clamp(-K3_CLAMP, K3_CLAMP)
+
+
+def _straight_through_k2(value: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """`value` forward, k2's gradient backward: k1 and k3 are unbiased estimates of KL's value but
+    their gradients are not unbiased estimates of KL's gradient (k2's is, for the sampled-token
+    estimate of grad KL(policy || ref)), so the "+" variants keep the value and swap the gradient."""
+    k2 = kl_k2(log_prob, ref_log_prob)
+    return k2 - k2.detach() + value.detach()
+
+
+@register_kl_estimator("k1+")
+def kl_k1_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    return _straight_through_k2(kl_k1(log_prob, ref_log_prob), log_prob, ref_log_prob)
+
+
+@register_kl_estimator("k3+")
+def kl_k3_plus(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    return _straight_through_k2(kl_k3(log_prob, ref_log_prob), log_prob, ref_log_prob)
 
 
 def kl_estimate(

@@ -38,8 +38,8 @@ def _batch_totals(metrics: Dict[str, torch.Tensor], keys, counts, mask: torch.Te
 class PolicyObjective:
     """PPO-family policy objective: `policy_loss` (actor.policy_loss, clipped per its options)
     + `kl_loss_coef` * KL(actor || ref) when `use_kl_loss` - `entropy_coeff` * entropy, each term
-    aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask and (with the
-    KL loss) ref_log_probs from the micro-batch."""
+    aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask, (with the
+    KL loss) ref_log_probs and (with mismatch correction) rollout_is_weights from the micro-batch."""
 
     policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
@@ -50,6 +50,12 @@ class PolicyObjective:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
+    # clip_cov / kl_cov (arXiv 2505.22617): which tokens they clip or penalise
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
 
     @classmethod
     def from_config(cls, actor_cfg) -> "PolicyObjective":
@@ -66,7 +72,10 @@ class PolicyObjective:
         loss, metrics = compute_policy_loss(
             self.policy_loss, mb["old_log_probs"], out["log_probs"], mb["advantages"], mask,
             clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, **agg)
+            clip_ratio_c=self.clip_ratio_c, clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb,
+            clip_cov_ub=self.clip_cov_ub, kl_cov_ratio=self.kl_cov_ratio, ppo_kl_coef=self.ppo_kl_coef,
+            # mismatch correction (algorithms/mismatch.py): per-token weights, absent when off
+            rollout_is_weights=mb.get("rollout_is_weights"), **agg)
         metrics = dict(metrics, pg_loss=loss.detach())
         if self.entropy_coeff:
             ent = agg_loss(out["entropy"], mask, self.loss_agg_mode, counts.tokens, counts.seqs,

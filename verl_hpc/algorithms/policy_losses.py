@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .aggregation import Count, agg_loss
-from .masked import as_float_mask, check_token_inputs, masked_mean
+from .masked import as_float_mask, check_same_shape, check_token_inputs, masked_mean
 from .registry import POLICY_LOSS_REGISTRY, register_policy_loss
 
 Metrics = Dict[str, torch.Tensor]
@@ -40,6 +40,18 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Opt
         raise ValueError(f"actor.clip_ratio_high must be >= 0; got {clip_ratio_high}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c (dual-clip bound) must be > 1.0; got {clip_ratio_c}")
+
+
+def weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len):
+    """agg_loss of `loss_mat * w`, w the rollout-correction weights (algorithms/mismatch.py: truncated
+    importance weights, 0 on rejected tokens), or of `loss_mat` when there are none. The weights are
+    constants (no gradient); multiplying the per-token loss by them is what makes the correction
+    apply to every policy loss alike. Token counts (denominators) are unchanged by rejection."""
+    if rollout_is_weights is not None:
+        check_same_shape(rollout_is_weights, loss_mat, "rollout_is_weights", "response_mask")
+        zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+        loss_mat = loss_mat * torch.where(valid, rollout_is_weights.detach().to(loss_mat.dtype), zero)
+    return agg_loss(loss_mat, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
 
 
 def _prepare(old_log_prob, log_prob, advantages, response_mask):
@@ -88,6 +100,7 @@ def vanilla(
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """PPO clip: l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), r = exp(logp - old_logp).
 
@@ -101,7 +114,7 @@ def vanilla(
     loss_mat = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high))
     if clip_ratio_c is not None:
         loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, -adv * clip_ratio_c), loss_mat)
-    loss = agg_loss(loss_mat, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
+    loss = weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _metrics(valid, adv, ratio, log_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
 
@@ -117,6 +130,7 @@ def gspo(
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """GSPO (Zheng et al. 2025), token form: s_i = exp(mean_t (logp_it - old_logp_it)) is the
     length-normalised (geometric-mean) sequence ratio; each token uses
@@ -124,15 +138,18 @@ def gspo(
     s_i * grad logp_it, clipped like PPO. With advantages constant over a sequence and
     seq-mean-token-mean aggregation (the paper's setting) this is exactly GSPO's gradient.
     The clip ranges are tiny (paper: 3e-4 / 4e-4) because a sequence ratio moves much less than a
-    token ratio.
+    token ratio. The sequence log-ratio (not each token's) is capped at 10 before exp, as in verl.
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
-    valid, _, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    seq_log_ratio = masked_mean(log_ratio, valid, dim=-1).detach()
+    valid, old, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
+    # The per-token log-ratios are averaged unclamped (padding is already zero in both), and only
+    # the sequence-level value is capped below: clamping tokens first would change the mean, and
+    # the loss, whenever a single token's ratio is extreme.
+    seq_log_ratio = masked_mean(new.detach() - old, valid, dim=-1)
     token_log_ratio = (new - new.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_SEQ_LOG_RATIO_MAX)
     ratio = torch.exp(token_log_ratio)
     loss_mat = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high))
-    loss = agg_loss(loss_mat, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
+    loss = weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _metrics(valid, adv, ratio.detach(), log_ratio, clip_ratio_low, clip_ratio_high)
 
 
@@ -148,6 +165,7 @@ def cispo(
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1, 2025): l = -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * logp.
 
@@ -160,7 +178,7 @@ def cispo(
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach()
     loss_mat = -adv * weight * new
-    loss = agg_loss(loss_mat, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
+    loss = weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
     metrics = _metrics(valid, adv, ratio, log_ratio, clip_ratio_low, clip_ratio_high, clipping=False)
     with torch.no_grad():
         metrics["pg_clipfrac_high"] = masked_mean((ratio > 1 + clip_ratio_high).to(ratio.dtype), valid)
@@ -179,11 +197,12 @@ def gpg(
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """GPG (Chu et al. 2025): the original objective, no surrogate: l = -A * logp.
     `old_log_prob` is only used for the ppo_kl metric."""
     valid, _, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
-    loss = agg_loss(-adv * new, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
+    loss = weighted_agg(-adv * new, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _metrics(valid, adv, torch.exp(log_ratio), log_ratio, 0.0, 0.0, clipping=False)
 
 
@@ -197,6 +216,7 @@ def reinforce(
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """Plain REINFORCE, importance-weighted and unclipped: l = -A * r, r = exp(logp - old_logp).
 
@@ -206,7 +226,7 @@ def reinforce(
     """
     valid, _, _, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
     ratio = torch.exp(log_ratio)
-    loss = agg_loss(-adv * ratio, valid, loss_agg_mode, global_tokens, global_seqs, norm_len)
+    loss = weighted_agg(-adv * ratio, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
     return loss, _metrics(valid, adv, ratio, log_ratio, 0.0, 0.0, clipping=False)
 
 

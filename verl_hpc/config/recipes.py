@@ -19,11 +19,15 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "opo",
     "gpg",
+    "grpo_passk",
 )
-POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce")
-# Short names and verl's names for the same estimators: k1=kl, k2=mse, k3=low_var_kl.
-KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "geo_mean")
+# Short names and verl's names for the same estimators: k1=kl, k2=mse, k3=low_var_kl; "+": the
+# value of k1/k3 with k2's gradient (straight-through).
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")
+LOSS_AGG_MODES = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+)
 
 _NO_KL_CTRL = {"type": "fixed", "kl_coef": 0.0, "target_kl": 0.1, "horizon": 10000}
 _NO_OVERLONG = {"enable": False, "len": 0, "penalty_factor": 1.0}

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from verl_hpc.config.fields import section, sections
 from verl_hpc.config.layout import Layout
 from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfig, KLControlConfig,
-                                                OverlongBufferConfig)
+                                                OverlongBufferConfig, PreferenceConfig,
+                                                RolloutCorrectionConfig)
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
 from verl_hpc.config.sections.model import ModelConfig
@@ -56,6 +57,13 @@ class JobConfig:
         return Layout(self.world_size, p.tp, p.pp, vpp=p.vpp, world_words=self.world_words)
 
     @property
+    def sequences_per_example(self) -> int:
+        """Sequences a step trains on per example of data.train_batch_size: rollout.n responses
+        per prompt (rl); two for a preference pair (dpo: chosen and rejected, or KTO's completion
+        and its mismatched pair); one response for sft."""
+        return {"rl": self.rollout.n, "dpo": 2}.get(self.trainer.job, 1)
+
+    @property
     def dp(self) -> int:
         """Data-parallel size of the training layout (0 when tp * pp does not divide the world)."""
         return self.layout.dp
@@ -76,7 +84,7 @@ class JobConfig:
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
-    "ParallelConfig", "RefConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
+    "ParallelConfig", "PreferenceConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "default_of",
 ]
 

@@ -27,7 +27,7 @@ from typing import Dict
 
 import torch
 
-from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller, masked_mean
+from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.config import to_container
 from verl_hpc.data import PromptLoader, load_val_dataset
@@ -36,8 +36,9 @@ from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
+from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
-from verl_hpc.trainer.batching import logprob_diff_metrics, response_stats
+from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.safety import SafetySwitches
@@ -84,10 +85,8 @@ class RLTrainer:
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
         r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training
-        with timer("old_logprob"):
-            batch.fill(r.actor.log_probs(batch))  # old_log_probs, entropy
-        m.update(logprob_diff_metrics(batch.rollout_log_probs, batch.old_log_probs, batch.mask))
-        m["actor/entropy"] = float(masked_mean(batch.entropy, batch.mask))
+        correction.old_log_probs(self.cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
+        m.update(correction.apply(self.cfg, batch))  # rollout/training mismatch: metrics, IS weights
         if r.ref is not None:
             with timer("ref"):
                 batch.fill(r.ref.log_probs(batch))  # ref_log_probs

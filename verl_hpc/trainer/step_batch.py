@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 # the per-token tensors an engine role or objective reads, under the engines' key names
-ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
+ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
 
 
 @dataclasses.dataclass
@@ -30,6 +30,8 @@ class StepBatch:
         response's reward) -- before the DAPO filter, which selects rows of every field.
     Filled by the engine roles: old_log_probs and entropy (actor, before the update),
         ref_log_probs (reference policy), values (critic).
+    Filled by the mismatch correction (trainer/correction.py): rollout_is_weights [B, T] (per-token
+        weights of the policy loss; None when algorithm.rollout_correction is off).
     Filled by the advantage stage (trainer/advantage.py): rewards (token_scores minus the KL
         penalty when algorithm.use_kl_in_reward), advantages, returns.
     Read by the updates: the actor's objective reads old_log_probs, advantages, ref_log_probs;
@@ -56,6 +58,7 @@ class StepBatch:
     rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    rollout_is_weights: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -252,7 +252,8 @@ def test_remax_hand_values():
     baselines = torch.tensor([0.4, 3.0], dtype=torch.float64)
     adv, ret = compute_advantages("remax", r, m, reward_baselines=baselines)
     close(adv, [[1.1, 0.6, 0.6], [-1.0, -1.0, 0.0]])
-    assert torch.equal(adv, ret)
+    # returns are the reward-to-go without the baseline (verl's definition), 0 on padding
+    close(ret, [[1.5, 1.0, 1.0], [2.0, 2.0, 0.0]])
     with pytest.raises(ValueError, match=r"reward_baselines has shape \(3,\) but must be \(2,\)"):
         compute_advantages("remax", r, m, reward_baselines=torch.zeros(3))
 

@@ -106,6 +106,28 @@ def test_gspo_matches_direct_sequence_formula_in_value_and_gradient():
     assert m["pg_clipfrac_high"].item() == 0.0
 
 
+def test_gspo_averages_raw_token_log_ratios_then_caps_the_sequence_value():
+    # one token's log-ratio (30) is beyond the per-token clamp (20): the sequence mean must use 30
+    old = torch.zeros(2, 5, dtype=D)
+    logp = torch.tensor(
+        [[30.0, 0.0, 0.0, 0.0, float("nan")], [30.0, 30.0, 0.0, 0.0, 0.0]], dtype=D, requires_grad=True
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    adv = torch.full((2, 5), -1.0, dtype=D)  # A < 0: the unclipped side -A s is the loss
+    loss, _ = compute_policy_loss(
+        "gspo", old, logp, adv, mask, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+    )
+    # seq 0: mean log-ratio 30/4 = 7.5 (< 10, not capped); seq 1: 60/5 = 12 -> capped at 10
+    expected = (math.exp(7.5) + math.exp(10.0)) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    g = grad_of(loss, logp)
+    # d/dlogp_t of s_i / |y_i| / N: s_i / (4 * 2) on seq 0's valid tokens; the capped sequence has
+    # no gradient (as verl: the cap is a clamp)
+    torch.testing.assert_close(g[0, :4], torch.full((4,), math.exp(7.5) / 8, dtype=D))
+    assert g[0, 4].item() == 0.0 and torch.all(g[1] == 0)
+
+
 def test_cispo_keeps_gradient_on_clipped_tokens():
     logp = torch.tensor([[math.log(1.5), math.log(0.5), math.log(1.1)]], dtype=D, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=D)

@@ -35,6 +35,57 @@ class OverlongBufferConfig(Section):
 
 
 @dataclass
+class RolloutCorrectionConfig(Section):
+    """Rollout/training mismatch correction (verl's names; docs/algorithms.md)."""
+
+    rollout_is: Optional[str] = opt(None, "truncated importance sampling weights; null = off",
+                                    choices=("token", "sequence"))
+    rollout_is_threshold: float = opt(2.0, "C of min(pi_old / pi_rollout, C)", check=">0")
+    rollout_rs: Optional[str] = opt(None, "rejection of tokens/sequences whose ratio leaves the bounds; null = off",
+                                    choices=("token", "sequence", "geometric"))
+    rollout_rs_threshold: Optional[float] = opt(None, "upper bound of the kept ratios",
+                                                auto="rollout_is_threshold (at use)")
+    rollout_rs_threshold_lower: Optional[float] = opt(None, "lower bound of the kept ratios", auto="1 / upper (at use)")
+    bypass_mode: bool = opt(False, "rollout log-probs are the old policy: no old-log-prob forward")
+
+    def check(self, job) -> List[str]:
+        if job.trainer.job != "rl":
+            return []
+        key, p = "algorithm.rollout_correction", []
+        hi = self.rollout_is_threshold if self.rollout_rs_threshold is None else self.rollout_rs_threshold
+        lo = 1.0 / hi if self.rollout_rs_threshold_lower is None and hi > 0 else self.rollout_rs_threshold_lower
+        if self.rollout_rs is not None and not (lo is not None and 0 <= lo < hi):
+            p.append(f"{key}: rejection bounds need 0 <= rollout_rs_threshold_lower < rollout_rs_threshold, "
+                     f"got {lo} and {hi}")
+        if self.bypass_mode and (self.rollout_is or self.rollout_rs):
+            p.append(f"{key}.bypass_mode uses the rollout log-probs as the old policy, so the IS ratio "
+                     f"pi_old / pi_rollout is 1: set rollout_is and rollout_rs to null with bypass_mode")
+        if self.bypass_mode and job.trainer.inject_rollout_logprob_shift is not None:
+            p.append("trainer.inject_rollout_logprob_shift needs the old-log-prob forward: set "
+                     f"{key}.bypass_mode=false")
+        return p
+
+
+@dataclass
+class PreferenceConfig(Section):
+    """trainer.job=dpo: the offline preference loss (verl_hpc/algorithms/preference.py)."""
+
+    loss: str = opt("dpo", "preference loss", choices=("dpo", "ipo", "simpo", "orpo", "kto"))
+    beta: float = opt(0.1, "inverse temperature of the implicit reward (SimPO's paper uses 2.0-2.5)", check=">0")
+    label_smoothing: float = opt(0.0, "dpo / simpo: > 0 = conservative DPO", check="[0, 0.5)")
+    gamma: float = opt(0.5, "simpo: the target reward margin")
+    desirable_weight: float = opt(1.0, "kto: lambda_D", check=">=0")
+    undesirable_weight: float = opt(1.0, "kto: lambda_U", check=">=0")
+
+    def check(self, job) -> List[str]:
+        t = job.rollout.temperature
+        if job.trainer.job == "dpo" and t != 1.0:  # the engines divide the logits by it
+            return [f"rollout.temperature = {t}: trainer.job = dpo needs 1.0 (the engines' log-probs are "
+                    "of logits / rollout.temperature)"]
+        return []
+
+
+@dataclass
 class AlgorithmConfig(Section):
     recipe: Optional[str] = opt(None, "a named set of defaults (verl_hpc/config/recipes.py) under your values",
                                 choices_from="RECIPE_NAMES")
@@ -49,6 +100,9 @@ class AlgorithmConfig(Section):
     max_num_gen_batches: int = opt(4, "with filter_groups: generation rounds per step at most (then trains "
                                       "on what was kept, with filter/missing_groups > 0)", check=">0")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO soft length penalty")
+    rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig,
+                                                          "rollout/training log-prob mismatch correction")
+    preference: PreferenceConfig = section(PreferenceConfig, "trainer.job=dpo: the preference loss")
 
     @property
     def uses_group_baseline(self) -> bool:

@@ -23,6 +23,12 @@ class DataConfig(Section):
     wrap_plain_text: bool = opt(True, "plain-text prompts go through the tokenizer's chat template")
     sft_files: List[str] = opt([], "trainer.job=sft: parquet / jsonl rows with prompt and response columns")
     response_key: str = opt("response", "SFT: column holding the target response")
+    preference_files: List[str] = opt([], "trainer.job=dpo: training rows (prompt + chosen/rejected, or KTO rows)")
+    preference_val_files: List[str] = opt([], "trainer.job=dpo: held-out rows for the preference metrics")
+    chosen_key: str = opt("chosen", "paired preference losses: the preferred response column")
+    rejected_key: str = opt("rejected", "paired preference losses: the dispreferred response column")
+    completion_key: str = opt("completion", "KTO: the completion column")
+    label_key: str = opt("label", "KTO: boolean column, true = desirable")
 
     @property
     def max_sequence_length(self) -> int:
@@ -35,14 +41,15 @@ class DataConfig(Section):
             p.append(f"data.mixture: weights must be >= 0 with a positive sum, got {self.mixture}")
         if job.trainer.job == "rl" and not self.train_files:
             p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file")
+        if job.trainer.job == "dpo" and not self.preference_files:
+            p.append("data.preference_files: empty, but trainer.job = dpo needs at least one file")
         if job.trainer.job == "sft" and not self.sft_files:
             p.append("data.sft_files: empty, but trainer.job = sft needs at least one file with prompt and "
                      f"{self.response_key} columns")
         return p + self._step_split(job)
 
     def _step_split(self, job) -> List[str]:
-        layout, rl = job.layout, job.trainer.job == "rl"
-        n = job.rollout.n if rl else 1  # sft trains on the dataset's responses
+        layout, n = job.layout, job.sequences_per_example
         if job.trainer.job == "smoke" or not layout.tiles or min(self.train_batch_size, n) <= 0:
             return []  # smoke has no batches; a broken layout or size is reported on its own
         if (self.train_batch_size * n) % layout.dp:

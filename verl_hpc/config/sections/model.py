@@ -33,7 +33,7 @@ class ModelConfig(Section):
             p += [f"model.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to null "
                   "(auto) or false" for k in ("bias_activation_fusion", "apply_rope_fusion",
                                               "gradient_accumulation_fusion") if getattr(self, k) is True]
-        if job.trainer.job in ("rl", "sft") and not self.path:
+        if job.trainer.job in ("rl", "sft", "dpo") and not self.path:
             p.append(f"model.path: empty, but trainer.job = {job.trainer.job} needs a Hugging Face model folder")
         return p
 

@@ -48,8 +48,7 @@ class TrainedRole(Section):
     optimizer_offload: bool = opt(False, "keep the optimizer states in host memory while idle")
 
     def batch_problems(self, job) -> List[str]:
-        layout, d = job.layout, job.data
-        n = job.rollout.n if job.trainer.job == "rl" else 1  # sft trains on the dataset's responses
+        layout, d, n = job.layout, job.data, job.sequences_per_example
         mb, micro, budget = self.ppo_mini_batch_size, self.micro_batch_size, self.max_tokens_per_microbatch
         dp = layout.dp
         if job.trainer.job == "smoke" or not layout.tiles or min(mb, micro, d.train_batch_size, n) <= 0 or (d.train_batch_size * n) % dp:
@@ -84,6 +83,12 @@ class ActorConfig(TrainedRole):
     use_kl_loss: bool = opt(False, "KL to the reference policy as a loss term (GRPO style; needs ref)")
     kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", check=">=0")
     kl_loss_type: str = opt("k3", "same names as algorithm.kl_penalty", choices_from="KL_ESTIMATORS")
+    # policy_loss clip_cov / kl_cov (Cui et al. 2025, arXiv 2505.22617; verl's names and defaults)
+    clip_cov_ratio: float = opt(0.0002, "clip_cov: share of valid tokens whose loss is zeroed", check="(0, 1]")
+    clip_cov_lb: float = opt(1.0, "clip_cov: candidates have covariance in (lb, ub)")
+    clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance window")
+    kl_cov_ratio: float = opt(0.0002, "kl_cov: share of valid tokens penalised", check="(0, 1]")
+    ppo_kl_coef: float = opt(1.0, "kl_cov: coefficient of |logp - old_logp| on those tokens", check=">=0")
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:
@@ -92,6 +97,8 @@ class ActorConfig(TrainedRole):
             p.append(f"actor.clip_ratio_high: must be > 0, got {self.clip_ratio_high}")
         if self.clip_ratio_c <= 1:
             p.append(f"actor.clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            p.append(f"actor.clip_cov_lb = {self.clip_cov_lb} must be < actor.clip_cov_ub = {self.clip_cov_ub}")
         return p + self.batch_problems(job)
 
 

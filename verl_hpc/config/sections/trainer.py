@@ -5,7 +5,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
 
@@ -50,7 +50,7 @@ def namespaced(path: str, namespace: str) -> str:
 
 @dataclass
 class TrainerConfig(Section):
-    job: str = opt("rl", "which program the ranks run", choices=("rl", "sft", "smoke"))
+    job: str = opt("rl", "which program the ranks run", choices=("rl", "sft", "smoke", "dpo"))
     total_steps: int = opt(10, "steps of the run", check=">0")
     project_name: str = opt("verl_hpc", "groups runs in tracking backends")
     experiment_name: str = opt("run", "this run's name")
@@ -66,6 +66,8 @@ class TrainerConfig(Section):
     sft_epochs: int = opt(1, "trainer.job=sft: passes over data.sft_files (total_steps caps the steps)")
     hf_output_dir: str = opt("", "trainer.job=sft: the HF folder RL starts from", auto="<trainer.output_dir>/hf")
     inject_nan_at_steps: List[int] = opt([], "tests only: RL steps whose loss is made NaN")
+    inject_rollout_logprob_shift: Optional[float] = opt(
+        None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it", check=">0")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
 

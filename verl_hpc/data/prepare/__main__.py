@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sft-noise", type=float, default=0.0, help="fraction of SFT rows with a wrong label")
     s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
     s.add_argument("--n-sft", type=int, default=-1, help="SFT rows (default: --n-train)")
+    s.add_argument("--preference", action="store_true",
+                   help="also write preference_train/preference_val (prompt, chosen, rejected) and "
+                        "kto_train (prompt, completion, label) for trainer.job=dpo")
     return p
 
 
@@ -39,6 +42,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             rows = synthetic.generate(args.n_train, args.n_val, args.seed, args.difficulty, args.sft_noise,
                                       args.n_sft, args.noise_kind)
+            if args.preference:
+                rows.update(synthetic.preference(args.n_train, args.n_val, args.seed, args.difficulty))
             for name, path in synthetic.write(args.out_dir, rows).items():
                 print(f"wrote {len(rows[name])} rows to {path}")
             return 0

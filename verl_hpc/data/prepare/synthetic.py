@@ -94,3 +94,25 @@ def write(out_dir: str, rows: Dict[str, List[Dict]]) -> Dict[str, str]:
     for name, path in paths.items():
         write_parquet(rows[name], path)
     return paths
+
+
+def preference(n_train: int, n_val: int, seed: int = 0, difficulty: int = 2) -> Dict[str, List[Dict]]:
+    """The preference task for `trainer.job: dpo`: for "a+b=", chosen = the sum, rejected = the sum
+    plus one (the SFT warm start's systematic distractor, so a warm-started policy prefers the wrong
+    answer and preference training has something to fix). Files: preference_train / preference_val
+    (prompt, chosen, rejected) and kto_train (prompt, completion, label: each prompt once, with the
+    right answer or the distractor at random)."""
+    if n_train <= 0 or n_val <= 0:
+        raise DataError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
+    hi = operand_max(difficulty)
+    rngs = {name: random.Random(f"synthetic_pref:{seed}:{name}") for name in ("train", "val", "kto")}
+    pair = lambda a, b: dict(task_row(a, b, difficulty), chosen=str(a + b), rejected=str(a + b + 1))  # noqa: E731
+    out = {f"preference_{name}": [pair(*_draw(rngs[name], hi)) for _ in range(n)]
+           for name, n in (("train", n_train), ("val", n_val))}
+    kto = []
+    for _ in range(n_train):
+        a, b = _draw(rngs["kto"], hi)
+        good = rngs["kto"].random() < 0.5
+        kto.append(dict(task_row(a, b, difficulty), completion=str(a + b if good else a + b + 1), label=good))
+    out["kto_train"] = kto
+    return out

@@ -1,0 +1,73 @@
+"""The RL step's mismatch-correction wiring (trainer/correction.py) with a fake actor: bypass mode
+skips the old-log-prob forward, the test hook and the weights handed to the actor update."""
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+
+from verl_hpc.config.schema import JobConfig
+from verl_hpc.trainer import correction
+
+pytestmark = pytest.mark.unit
+
+
+class FakeActor:
+    def __init__(self):
+        self.calls = 0
+
+    def log_probs(self, batch):
+        self.calls += 1
+        return {"old_log_probs": torch.full_like(batch.mask, -1.0), "entropy": torch.ones_like(batch.mask)}
+
+
+class FakeBatch(types.SimpleNamespace):
+    """The StepBatch fields the correction reads and fills."""
+
+    def fill(self, outputs):
+        for key, value in outputs.items():
+            setattr(self, key, value)
+
+
+def step_batch():
+    return FakeBatch(mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+                     rollout_log_probs=torch.tensor([[-0.5, -2.0, 0.0], [-1.2, 0.0, 0.0]]),
+                     old_log_probs=None, entropy=None, rollout_is_weights=None)
+
+
+def timer(_name):
+    return contextlib.nullcontext()
+
+
+def test_bypass_uses_rollout_log_probs_without_a_forward():
+    cfg, actor, batch, m = JobConfig(), FakeActor(), step_batch(), {}
+    cfg.algorithm.rollout_correction.bypass_mode = True
+    correction.old_log_probs(cfg, actor, batch, timer, m)
+    assert actor.calls == 0 and torch.equal(batch.old_log_probs, batch.rollout_log_probs)
+    out = correction.apply(cfg, batch)
+    assert "rollout/logprob_diff_max" not in out and out["rollout_corr/kl_k1"] == 0.0
+    assert batch.rollout_is_weights is None
+
+
+def test_forward_then_token_tis_weights():
+    cfg, actor, batch, m = JobConfig(), FakeActor(), step_batch(), {}
+    cfg.algorithm.rollout_correction.rollout_is = "token"
+    correction.old_log_probs(cfg, actor, batch, timer, m)
+    assert actor.calls == 1 and m["actor/entropy"] == 1.0
+    out = correction.apply(cfg, batch)
+    w = batch.rollout_is_weights
+    # rho = exp(old - rollout) = exp(-1 + 0.5), exp(-1 + 2) -> truncated at 2, exp(-1 + 1.2)
+    expected = [[math.exp(-0.5), 2.0, 0.0], [math.exp(0.2), 0.0, 0.0]]
+    torch.testing.assert_close(w, torch.tensor(expected))
+    assert out["rollout/logprob_diff_max"] == pytest.approx(1.0)
+    assert out["rollout_corr/is_truncated_frac"] == pytest.approx(1 / 3)
+
+
+def test_hook_replaces_rollout_log_probs_by_old_minus_shift():
+    cfg, actor, batch, m = JobConfig(), FakeActor(), step_batch(), {}
+    cfg.trainer.inject_rollout_logprob_shift = 0.25
+    correction.old_log_probs(cfg, actor, batch, timer, m)
+    out = correction.apply(cfg, batch)
+    assert out["rollout_corr/kl_k1"] == pytest.approx(-0.25)
+    assert torch.equal(batch.rollout_log_probs, torch.tensor([[-1.25, -1.25, 0.0], [-1.25, 0.0, 0.0]]))

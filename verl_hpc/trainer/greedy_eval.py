@@ -1,0 +1,52 @@
+"""Greedy accuracy of a Hugging Face model folder on a prompt parquet, independently of the engines:
+transformers' own generate (greedy), the project's chat-template rendering and reward functions.
+
+    python -m verl_hpc.trainer.greedy_eval MODEL_DIR VAL_PARQUET [--max-new-tokens 4]
+
+Used to show that preference training changes what the policy answers (trainer.job=dpo reports
+preference accuracy; this measures the answers themselves).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from verl_hpc.config.schema import default_of
+
+
+def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int = 4, prompt_key: str = default_of("data.prompt_key"),
+                    wrap_plain_text: bool = True) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_hpc.data import encode_prompts, read_rows
+    from verl_hpc.rewards import default_score
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    rows = read_rows(val_file, what="val file")
+    _, prompts = encode_prompts(tok, [r[prompt_key] for r in rows], wrap_plain_text)
+    right = 0.0
+    with torch.no_grad():
+        for row, ids in zip(rows, prompts):
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+            text = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+            right += float(default_score(row["data_source"], text, str(row["ground_truth"])) > 0)
+    return right / max(len(rows), 1)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("val_file")
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    a = ap.parse_args(argv)
+    print(json.dumps({"greedy_accuracy": greedy_accuracy(a.model_dir, a.val_file, a.max_new_tokens)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

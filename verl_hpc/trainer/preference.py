@@ -1,0 +1,198 @@
+"""Offline preference training (`trainer.job: dpo`): DPO / cDPO, IPO, SimPO, ORPO or KTO
+(`algorithm.preference.loss`) on the actor's Megatron engine, with the frozen reference role.
+
+    python -m verl_hpc.submit configs/demo_dpo.yaml --local
+
+A step takes `data.train_batch_size` examples. Paired losses put the chosen responses in rows
+0..b-1 and the rejected ones in rows b..2b-1; KTO puts the completions first and, for its reference
+point, each prompt with the NEXT example's completion (mismatched pairs) after them.
+
+Why the loss is computed in two passes. A pair's loss couples its chosen and rejected sequence, but
+the engine splits rows into micro-batches by length (and over data-parallel ranks) without keeping
+pairs together. So the step (1) runs a no-grad forward of the policy on the whole batch (and of the
+reference: once per batch, no cache to keep consistent across epochs or resumes), (2) computes the
+loss on the `[2b]` sequence log-probs and its derivative c_i = dL / d logp_i by autograd, and (3)
+trains on the surrogate sum_i c_i logp_i, whose gradient is exactly dL/dtheta = sum_i c_i
+dlogp_i/dtheta whatever the split (the model has no dropout, so both forwards give the same
+values). Cost: one extra forward per step.
+
+Metrics: preference/loss and the loss's own metrics (rewards/chosen, rewards/rejected,
+rewards/margins, rewards/accuracies, logps/*), and on `data.preference_val_files` (pairs)
+val/preference_accuracy = share of held-out pairs whose implicit reward ranks chosen above rejected
+(ties count one half: the untrained policy equals the reference, so DPO starts at 0.5).
+At the end the weights are written as a Hugging Face folder (trainer.hf_output_dir).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from verl_hpc.engines.batch import length_mask, pack_sequences
+from verl_hpc.trainer.batching import broadcast_object
+
+log = logging.getLogger(__name__)
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def build_batch(examples, loss: str, pad: int) -> Dict[str, torch.Tensor]:
+    """Engine batch for one step (row layout in the module docstring)."""
+    prompts = [e.prompt for e in examples]
+    if loss == "kto":
+        second = [examples[(i + 1) % len(examples)].chosen for i in range(len(examples))]
+    else:
+        second = [e.rejected for e in examples]
+    batch = pack_sequences(prompts + prompts, [e.chosen for e in examples] + second, pad)
+    batch["response_mask"] = length_mask(batch["response_lengths"], int(batch["response_lengths"].max())).float()
+    return batch
+
+
+def objective(pr, logps: torch.Tensor, ref_logps: Optional[torch.Tensor], lengths: torch.Tensor,
+              desirable: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The configured loss on `[2b]` sequence log-probs laid out as build_batch does."""
+    from verl_hpc.algorithms import preference as P
+
+    b = logps.shape[0] // 2
+    c, r = logps[:b], logps[b:]
+    if pr.loss == "kto":
+        return P.kto_loss(c, ref_logps[:b], desirable, r.detach(), ref_logps[b:], pr.beta,
+                          pr.desirable_weight, pr.undesirable_weight)
+    if pr.loss == "dpo":
+        return P.dpo_loss(c, r, ref_logps[:b], ref_logps[b:], pr.beta, pr.label_smoothing)
+    if pr.loss == "ipo":
+        return P.ipo_loss(c, r, ref_logps[:b], ref_logps[b:], pr.beta)
+    if pr.loss == "simpo":
+        return P.simpo_loss(c, r, lengths[:b], lengths[b:], pr.beta, pr.gamma, pr.label_smoothing)
+    return P.orpo_loss(c, r, lengths[:b], lengths[b:], pr.beta)
+
+
+def surrogate_loss(out, mb, counts):
+    """sum_i c_i logp_i over this micro-batch's rows (c from the first pass; module docstring)."""
+    from verl_hpc.algorithms import masked_sum
+
+    lp = out["log_probs"]
+    if "pref_coef" not in mb:  # a dummy micro-batch (no rows on this rank)
+        return (lp * 0).sum(), {}
+    seq = masked_sum(lp, mb["response_mask"], dim=-1)
+    return (mb["pref_coef"].to(seq.dtype) * seq).sum(), {}
+
+
+class PreferenceStep:
+    def __init__(self, cfg, policy, ref, pad: int):
+        self.cfg, self.policy, self.ref, self.pad = cfg, policy, ref, pad
+        self.pr = cfg.algorithm.preference
+
+    def sequence_logps(self, batch) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        from verl_hpc.algorithms.preference import sequence_logps
+
+        mask = batch["response_mask"]
+        pol, lengths = sequence_logps(self.policy.engine.forward(batch, ("log_probs",))["log_probs"].double(),
+                                      mask)
+        ref = None
+        if self.ref is not None:
+            ref, _ = sequence_logps(self.ref.log_probs(batch)["ref_log_probs"].double(), mask)
+        return pol, ref, lengths
+
+    def __call__(self, examples) -> Dict[str, float]:
+        batch = build_batch(examples, self.pr.loss, self.pad)
+        pol, ref, lengths = self.sequence_logps(batch)
+        desirable = torch.tensor([e.desirable for e in examples])
+        s = pol.detach().clone().requires_grad_(True)
+        loss, metrics = objective(self.pr, s, ref, lengths, desirable)
+        (coef,) = torch.autograd.grad(loss, s)
+        batch["pref_coef"] = coef.float()
+        m = self.policy.engine.train_step(batch, surrogate_loss, ("log_probs",))
+        out = {"preference/loss": float(loss), "preference/grad_norm": m["grad_norm"],
+               "preference/nonfinite": m["nonfinite"]}
+        out.update({k: float(v) for k, v in metrics.items()})
+        return out
+
+    @torch.no_grad()
+    def accuracy(self, pairs, batch_size: int) -> float:
+        """Held-out preference accuracy (implicit rewards; ties count 1/2)."""
+        score = 0.0
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i:i + batch_size]
+            batch = build_batch(chunk, "dpo", self.pad)
+            pol, ref, lengths = self.sequence_logps(batch)
+            b = len(chunk)
+            if self.pr.loss in REFERENCE_FREE:
+                reward = pol / lengths  # the average log-prob (SimPO's and ORPO's reward up to beta)
+            else:
+                reward = pol - ref
+            margin = reward[:b] - reward[b:]
+            score += float((margin > 0).sum()) + 0.5 * float((margin == 0).sum())
+        return score / max(len(pairs), 1)
+
+
+def run(cfg, ctx) -> dict:
+    from verl_hpc.config import to_container
+    from verl_hpc.data.preference import load_preference_examples
+    from verl_hpc.engines.megatron.roles import build_engine
+    from verl_hpc.tracking import Tracker, missing_packages
+    from verl_hpc.trainer.roles import load_tokenizer
+    from verl_hpc.trainer.sft import save_hf
+
+    missing = missing_packages(cfg.tracking.backends)
+    if missing:
+        raise RuntimeError("; ".join(missing))
+    d, tr, pr = cfg.data, cfg.trainer, cfg.algorithm.preference
+    tokenizer = load_tokenizer(cfg)
+    keys = dict(prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+                completion_key=d.completion_key, label_key=d.label_key, wrap_plain_text=d.wrap_plain_text,
+                max_length=d.max_prompt_length + d.max_response_length)
+    load = lambda files, loss, what: load_preference_examples(files, tokenizer, loss, what=what, **keys)  # noqa: E731
+    train = broadcast_object(load(d.preference_files, pr.loss, "data.preference_files") if ctx.rank == 0 else None)
+    val = broadcast_object(load(d.preference_val_files, "dpo", "data.preference_val_files")
+                           if ctx.rank == 0 and d.preference_val_files else None) or []
+    bs = d.train_batch_size
+    if len(train) < max(bs, 2):
+        raise RuntimeError(f"trainer.job=dpo: {len(train)} usable rows in data.preference_files, fewer than "
+                           f"data.train_batch_size={bs} (or 2 for KTO's mismatched pairs)")
+    per_epoch = len(train) // bs
+    steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
+    policy = build_engine("actor", cfg, ctx, total_steps=steps)
+    ref = None if pr.loss in REFERENCE_FREE else build_engine("ref", cfg, ctx)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    step_fn = PreferenceStep(cfg, policy, ref, pad)
+    tracker = Tracker(cfg.tracking.backends, tr.output_dir, steps, tr.project_name, tr.experiment_name,
+                      to_container(cfg), is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
+                      plots_enabled=cfg.tracking.plots, console_metrics=cfg.tracking.console_metrics)
+    rng, order, t0 = random.Random(d.seed), [], time.time()
+    summary: Dict = dict(loss=pr.loss, rows=len(train), val_rows=len(val))
+    try:
+        if val:
+            summary["val_accuracy_before"] = step_fn.accuracy(val, d.val_batch_size)
+            tracker.log({"val/preference_accuracy": summary["val_accuracy_before"]}, 0)
+        for step in range(1, steps + 1):
+            if len(order) < bs:  # next epoch, the same shuffle on every rank (same seed)
+                perm = list(range(len(train)))
+                rng.shuffle(perm)
+                order += perm
+            take, order = order[:bs], order[bs:]
+            metrics = step_fn([train[i] for i in take])
+            metrics["preference/lr"] = policy.engine.scheduler_step()
+            if val and tr.val_every and (step % tr.val_every == 0 or step == steps):
+                metrics["val/preference_accuracy"] = step_fn.accuracy(val, d.val_batch_size)
+            summary.setdefault("history", []).append(metrics)
+            tracker.log(metrics, step)
+        if val:
+            summary["val_accuracy_after"] = step_fn.accuracy(val, d.val_batch_size)
+    finally:
+        tracker.close()
+    save_hf(policy.engine, cfg, ctx, tr.hf_output_dir)
+    hist = summary.get("history", [])
+    summary.update(steps=steps, seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir,
+                   first_loss=hist[0]["preference/loss"] if hist else math.nan,
+                   last_loss=hist[-1]["preference/loss"] if hist else math.nan)
+    if ctx.rank == 0:
+        Path(tr.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(tr.output_dir) / "dpo_summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"DPO_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'})}", flush=True)
+    return summary
