@@ -186,6 +186,12 @@ InactiveLimit=0
 MinJobAge=300
 NodeName=${H} NodeAddr=127.0.0.1 CPUs=${CPUS} Sockets=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${MEM} ${GRES_NODE} State=UNKNOWN
 PartitionName=${PART} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption, for tests of the stop/requeue rule: a job in 'scavenger' (PriorityTier 0) is
+# preempted by a job of any other partition that needs its CPUs: SIGTERM at once, requeued by Slurm
+# after GraceTime. Nothing outranks the default partition, so its jobs are never preempted.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=scavenger Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=0 GraceTime=60
 EOF
 CHANGED=$(install_if_changed "$NEW" /etc/slurm/slurm.conf)
 chmod 644 /etc/slurm/slurm.conf

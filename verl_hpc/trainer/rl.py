@@ -9,7 +9,8 @@ prompts and broadcasts them); the engines split rows over data-parallel ranks in
 
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
-warning signal) it saves, stops cleanly and (on Slurm) requeues the job, which resumes from `latest`.
+warning signal, or SIGTERM from scancel/preemption) it saves and stops cleanly; runtime/requeue.py then
+requeues the job where the rule says so (docs/signals.md), and the requeued job resumes from `latest`.
 """
 from __future__ import annotations
 
@@ -242,5 +243,9 @@ def run(cfg, ctx) -> dict:
         (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
               flush=True)
-    trainer.checkpointer.requeue_if_preempted()  # on Slurm: requeue, then SystemExit on every rank
+    if trainer.checkpointer.preempted_at is not None:  # requeue (SystemExit on every rank) or stop
+        from verl_hpc.runtime.requeue import requeue_after_signal
+
+        requeue_after_signal(cfg, ctx, step=trainer.checkpointer.preempted_at,
+                             checkpoint_dir=trainer.checkpointer.root)
     return summary
