@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Iterator, List, NamedTuple, Tuple
 
@@ -247,6 +248,44 @@ def _job(cfg: JobConfig) -> List[str]:
     return p
 
 
+# ---------------------------------------------------------------------------------- sbatch text
+_SBATCH_OPTION = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # newlines, NUL, escapes (tab is harmless)
+
+
+def _control(value: str) -> str:
+    m = _CONTROL.search(value)
+    return f"character {m.group()!r}" if m else ""
+
+
+def _sbatch_text(cfg: JobConfig) -> List[str]:
+    """Values that end up in the sbatch script: a newline would start a new `#SBATCH` option or
+    shell command of the user's choosing, so none may hold control characters."""
+    p: List[str] = []
+    s = cfg.slurm
+    for key, value, _ in _fields(s, "slurm."):
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, str) and _control(item):
+                where = f"{key}[{i}]" if isinstance(value, list) else key
+                p.append(f"{where}: contains {_control(item)}; a value written into the sbatch script must "
+                         "be one line without control characters")
+    for key, value in s.additional.items():
+        if not _SBATCH_OPTION.match(key):
+            p.append(f"slurm.additional: {key!r} is not an sbatch option name (letters, digits, '-' or '_', "
+                     "e.g. mail-type)")
+        elif _control(str(value)):
+            p.append(f"slurm.additional.{key}: contains {_control(str(value))}; valid: a one-line value")
+    for key, value in s.env.items():
+        if not _ENV_NAME.match(key):
+            p.append(f"slurm.env: {key!r} is not an environment variable name (letters, digits, '_'; "
+                     "not starting with a digit)")
+        elif _control(str(value)):
+            p.append(f"slurm.env.{key}: contains {_control(str(value))}; valid: a one-line value")
+    return p
+
+
 # ---------------------------------------------------------------------------------- the model folder
 class ModelShape(NamedTuple):
     heads: int
@@ -331,7 +370,7 @@ def validate(cfg: JobConfig, check_model: bool = True) -> None:
     check_value(to_container(cfg), JobConfig, (), lambda path: "the config object", mode="exact")
     problems = check_choices(cfg)
     if not problems:  # ranges and layout compare values whose names must be valid first
-        problems = _ranges(cfg) + _layout(cfg) + _job(cfg)
+        problems = _ranges(cfg) + _layout(cfg) + _job(cfg) + _sbatch_text(cfg)
         if cfg.trainer.job == "rl":
             problems += _algorithm(cfg)
         if check_model:

@@ -25,6 +25,19 @@ def rank_log(log_dir: Path, rank: int) -> Path | None:
     return found[-1] if found else None
 
 
+def by_time_of_death(failures: dict, log_dir: Path) -> list:
+    """Failed ranks, the one that died first first. torch's failure timestamps are all taken when
+    the launcher collects them (whole seconds, identical), so the time of death is the last write
+    to the rank's log (its traceback, or its last line before a crash); a rank without a log goes
+    last. Ties: a rank that exited on its own (exit code >= 0) before one the launcher killed."""
+    def key(rank):
+        log = rank_log(log_dir, rank)
+        mtime = log.stat().st_mtime_ns if log is not None and log.exists() else float("inf")
+        return (mtime, failures[rank].exitcode < 0, rank)
+
+    return sorted(failures, key=key)
+
+
 def run_local(plan: Plan, config_path: Path) -> int:
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(plan.env)  # inherited by the rank processes
@@ -43,8 +56,10 @@ def run_local(plan: Plan, config_path: Path) -> int:
         elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
     except ChildFailedError as err:
         print(f"[submit] local job FAILED; logs in {plan.log_dir}", file=sys.stderr)
-        for rank, failure in sorted(err.failures.items()):
-            print(f"[submit]   rank {rank} exited with code {failure.exitcode}; "
+        order = by_time_of_death(err.failures, plan.log_dir)
+        for i, rank in enumerate(order):
+            first = " (failed first)" if i == 0 and len(order) > 1 else ""
+            print(f"[submit]   rank {rank} exited with code {err.failures[rank].exitcode}{first}; "
                   f"log: {rank_log(plan.log_dir, rank)}", file=sys.stderr)
         return 1
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
