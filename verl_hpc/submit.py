@@ -12,6 +12,7 @@ from pathlib import Path
 
 from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate
 from verl_hpc.launcher.plan import make_plan, write_resolved_config
+from verl_hpc.launcher.preflight import preflight
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -27,6 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="write a standalone sbatch script (and its resolved config) and stop")
     p.add_argument("--skip-model-check", action="store_true",
                    help="do not read model.path (plan a job for a model this machine cannot see)")
+    p.add_argument("--skip-file-checks", action="store_true",
+                   help="do not check the data, model and output files here (they live elsewhere)")
     args = p.parse_intermixed_args(argv)  # options may come after the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, check_model=not args.skip_model_check)
+        if not args.skip_file_checks:  # the files it names: data, model weights, output folders
+            preflight(cfg, check_model=not args.skip_model_check)
         plan = make_plan(cfg, local=args.local)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -75,7 +75,7 @@ def test_scancel_ends_cancelled_and_stays_ended(tmp_path):
     assert "received SIGTERM: will checkpoint at the next step boundary if there is time" in text, text[-6000:]
     assert "requeue: job" not in text, text[-6000:]
     if "stopped by SIGTERM" in text:  # the step boundary came within Slurm's KillWait
-        assert "not requeued (SIGTERM without preemption (JobState=CANCELLED" in text, text[-6000:]
+        assert "not requeued (SIGTERM without preemption (JobState=" in text, text[-6000:]
     time.sleep(20)  # a requeued job would be PENDING/REQUEUED by now
     assert _sacct_states(job_id) == ["CANCELLED"] or _sacct_states(job_id)[0].startswith("CANCELLED"), \
         _sacct_states(job_id)

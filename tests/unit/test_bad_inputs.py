@@ -96,3 +96,177 @@ def test_local_failure_summary_puts_the_rank_that_died_first_first(tmp_path):
     failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file=str(tmp_path / "none"))
                 for r, code in ((0, 1), (1, 3), (2, -15))}
     assert by_time_of_death(failures, Path(tmp_path)) == [1, 2, 0]
+
+
+# ------------------------------------------------------------------ files checked before the queue
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from verl_hpc.launcher.preflight import preflight  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ROW = {"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(folder), "--layers", "2"], cwd=REPO,
+                   check=True, capture_output=True, timeout=300)
+    return folder
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model):
+    """A valid RL job's files (model copy, one parquet, one JSONL); returns (overrides, paths)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    train, val = tmp_path / "train.parquet", tmp_path / "val.jsonl"
+    pq.write_table(pa.Table.from_pylist([ROW] * 4), train)
+    val.write_text("".join(json.dumps(ROW) + "\n" for _ in range(4)))
+    paths = dict(model=model, train=train, val=val, out=tmp_path / "out")
+    overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                 f"trainer.output_dir={paths['out']}", f"slurm.log_dir={tmp_path}/logs/%j", "rollout.n=2"]
+    return overrides, paths
+
+
+def preflight_problem(overrides) -> str:
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert len(e.value.problems) == 1, e.value
+    return one_line(e.value)
+
+
+def test_preflight_passes_a_good_job(job):
+    preflight(load_config(None, job[0]))
+
+
+def _set_train(overrides, path):
+    return [o for o in overrides if not o.startswith("data.train_files=")] + [f"data.train_files=[{path}]"]
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda t: t / "nope.parquet", "data.train_files: '{f}': no such file"),
+    (lambda t: (t / "d.parquet").mkdir() or t / "d.parquet",
+     "data.train_files: '{f}' is a folder; expected a parquet or JSONL file"),
+    (lambda t: (t / "a.csv").write_text("x") and t / "a.csv",
+     "data.train_files: '{f}': unknown file type; valid: .parquet, .pq, .jsonl, .json, .ndjson"),
+    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files: '{f}': no rows"),
+    (lambda t: (t / "b.jsonl").write_text(json.dumps(ROW) + "\n{oops\n") and t / "b.jsonl",
+     "data.train_files: '{f}' line 2: invalid JSON"),
+    (lambda t: (t / "l.jsonl").write_text("[1, 2]\n") and t / "l.jsonl",
+     "data.train_files: '{f}' line 1: expected a JSON object, got list"),
+    (lambda t: (t / "m.jsonl").write_text('{"prompt": "x", "data_source": "gsm8k"}\n') and t / "m.jsonl",
+     "data.train_files: '{f}' line 1: no field 'ground_truth' (fields: prompt, data_source)"),
+    (lambda t: (t / "u.jsonl").write_bytes(b'{"prompt": "\xff"}\n') and t / "u.jsonl",
+     "data.train_files: '{f}' line 1: byte 0xff is not UTF-8"),
+])
+def test_preflight_data_files(job, tmp_path, make, message):
+    f = make(tmp_path)
+    assert preflight_problem(_set_train(job[0], f)).startswith(message.format(f=f))
+
+
+def test_preflight_truncated_parquet(job):
+    train = job[1]["train"]
+    train.write_bytes(train.read_bytes()[:-20])
+    assert preflight_problem(job[0]).startswith(f"data.train_files: '{train}': not a readable parquet file")
+
+
+def test_preflight_parquet_without_a_column(job):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x", "ground_truth": "1"}]), job[1]["train"])
+    assert preflight_problem(job[0]) == (f"data.train_files: '{job[1]['train']}': no column 'data_source' "
+                                         "(columns: prompt, ground_truth)")
+
+
+def test_preflight_unsupported_architecture(job):
+    cfg_file = job[1]["model"] / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps(dict(cfg, architectures=["MixtralForCausalLM"])))
+    assert preflight_problem(job[0]).startswith(
+        f"model.path: {cfg_file}: architectures=['MixtralForCausalLM'] is not supported; supported: LlamaForCausalLM")
+
+
+def _weights(job):
+    return sorted(job[1]["model"].glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda b: b[:-100], "truncated: its header covers {n} bytes, the file has {m}"),
+    (lambda b: b + b"\0" * 8, "has trailing bytes: its header covers {n} bytes, the file has {m}"),
+    (lambda b: b[:6], "6 bytes, too short for a safetensors header"),
+    (lambda b: (10**12).to_bytes(8, "little") + b[8:], "header length 1000000000000 exceeds the file"),
+])
+def test_preflight_damaged_safetensors(job, damage, words):
+    f = _weights(job)
+    whole = f.read_bytes()
+    f.write_bytes(damage(whole))
+    expected = words.format(n=len(whole), m=f.stat().st_size)
+    assert preflight_problem(job[0]) == f"model.path: '{f}': {expected}" or expected in preflight_problem(job[0])
+
+
+def test_preflight_index_names_a_missing_shard(job):
+    index = job[1]["model"] / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": _weights(job).name, "b": "model-00002-of-00002.safetensors"}}))
+    assert preflight_problem(job[0]) == f"model.path: '{index}' names missing file(s): model-00002-of-00002.safetensors"
+
+
+def test_preflight_model_without_weights(job):
+    for f in job[1]["model"].glob("*.safetensors"):
+        f.unlink()
+    assert preflight_problem(job[0]) == (f"model.path: '{job[1]['model']}' has no *.safetensors files; "
+                                         "expected a Hugging Face model folder")
+
+
+def test_preflight_output_dir_is_a_file(job):
+    job[1]["out"].write_text("not a folder")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={job[1]['out'].parent}/ck"])
+    assert text == (f"trainer.output_dir: '{job[1]['out']}' is a file, not a folder; valid: a writable folder "
+                    "or a path that can be created"), text
+
+
+def test_preflight_checkpoint_dir_under_a_file(job, tmp_path):
+    (tmp_path / "f").write_text("x")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={tmp_path}/f/ck"])
+    assert text.startswith(f"checkpoint.dir: '{tmp_path}/f' is a file, not a folder (needed to create "
+                           f"'{tmp_path}/f/ck')"), text
+
+
+@pytest.mark.parametrize("pointer,words", [
+    ("../../etc", "names '../../etc'; valid: a step_NNNNNN folder inside"),
+    ("/tmp/step_000001", "names '/tmp/step_000001'; valid: a step_NNNNNN folder inside"),
+    ("step_000007", "names 'step_000007', which is missing or incomplete (no index.json)"),
+])
+def test_preflight_latest_is_confined_to_its_folder(job, tmp_path, pointer, words):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest").write_text(pointer + "\n")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={ck}"])
+    assert text.startswith(f"checkpoint.dir: '{ck}/latest' {words}"), text
+    assert (ck / "latest").read_text() == pointer + "\n"  # nothing touched
+
+
+def test_latest_escaping_its_folder_is_refused_at_load_too(tmp_path):
+    from verl_hpc.checkpoint.errors import CheckpointNotFoundError
+    from verl_hpc.checkpoint.index import resolve
+
+    (tmp_path / "latest").write_text("../elsewhere")
+    with pytest.raises(CheckpointNotFoundError, match=r"names '../elsewhere'; it must name a checkpoint folder"):
+        resolve(tmp_path)
+
+
+def test_submit_dry_run_refuses_a_missing_data_file_in_one_line(job, tmp_path):
+    missing = tmp_path / "gone.parquet"
+    r = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--dry-run",
+                        *_set_train(job[0], missing)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"error: data.train_files: '{missing}': no such file", r.stderr
+    assert not (tmp_path / "logs").exists() and not job[1]["out"].exists()  # nothing created
