@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher.plan import Plan
+from verl_hpc.launcher.slurm import error_line
 
 
 def rank_log(log_dir: Path, rank: int) -> Path | None:
@@ -59,8 +60,10 @@ def run_local(plan: Plan, config_path: Path) -> int:
         order = by_time_of_death(err.failures, plan.log_dir)
         for i, rank in enumerate(order):
             first = " (failed first)" if i == 0 and len(order) > 1 else ""
+            log = rank_log(plan.log_dir, rank)
+            said = error_line(log) if log is not None else ""
             print(f"[submit]   rank {rank} exited with code {err.failures[rank].exitcode}{first}; "
-                  f"log: {rank_log(plan.log_dir, rank)}", file=sys.stderr)
+                  f"log: {log}" + (f"\n[submit]     {said}" if said else ""), file=sys.stderr)
         return 1
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
     return 0

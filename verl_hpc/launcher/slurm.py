@@ -141,7 +141,21 @@ def failed_ranks(job: submitit.Job) -> list[tuple[int, str, Path]]:
         for log in sorted(folder.glob(f"{job.job_id}_*_log.err")):
             if "Traceback" in log.read_text(errors="replace"):
                 found[int(log.name.split("_")[1])] = "raised an exception"
-    return [(r, why, folder / f"{job.job_id}_{r}_log.err") for r, why in sorted(found.items())]
+    out = []
+    for r, why in sorted(found.items()):
+        log = folder / f"{job.job_id}_{r}_log.err"
+        out.append((r, error_line(log) or why, log))
+    return out
+
+
+def error_line(log: Path) -> str:
+    """The rank's own one-line `error: ...` (verl_hpc/runtime/errors.py), if it printed one."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.startswith("error: ")]
+    return lines[-1] if lines else ""
 
 
 def _expand(spec: str) -> list[int]:

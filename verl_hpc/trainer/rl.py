@@ -226,6 +226,13 @@ def _columns(ds):
     return b.ids, b.data_sources, b.ground_truths
 
 
+def _close_quietly(rollout) -> None:
+    try:
+        rollout.close()
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the error in flight is the one to see
+        log.warning("rollout close after an error also failed: %s: %s", type(e).__name__, e)
+
+
 def run(cfg, ctx) -> dict:
     from verl_hpc.tracking import missing_packages
 
@@ -235,8 +242,10 @@ def run(cfg, ctx) -> dict:
     trainer = RLTrainer(cfg, ctx)
     try:
         summary = trainer.fit()
-    finally:  # all ranks together, before the runtime tears the process group down
-        trainer.roles.rollout.close()
+    except BaseException:  # the engine's shutdown must not bury the error that got us here
+        _close_quietly(trainer.roles.rollout)
+        raise
+    trainer.roles.rollout.close()  # all ranks together, before the runtime tears the process group down
     if ctx.rank == 0:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
