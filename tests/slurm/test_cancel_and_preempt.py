@@ -99,8 +99,9 @@ def _idle_cpus() -> int:
     return int(idle)
 
 
+@pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
 def test_slurm_preemption_requeues_and_resumes(tmp_path):
-    steps = 20
+    steps = 12
     proc, job_id, out, logs = _start_rl(tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
@@ -109,7 +110,7 @@ def test_slurm_preemption_requeues_and_resumes(tmp_path):
         urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-c", str(cpus), "-J", "urgent",
                                  "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 10"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        stdout, stderr = proc.communicate(timeout=600)  # Slurm's ~120 s requeue hold included
+        stdout, stderr = proc.communicate(timeout=1300)  # Slurm's ~120 s requeue hold included
     finally:
         if proc.poll() is None:
             proc.kill()
