@@ -93,10 +93,13 @@ def test_scancel_ends_cancelled_and_stays_ended(tmp_path):
             assert reader.metadata["trainer_state"]["step"] >= 2
 
 
-def _idle_cpus() -> int:
-    alloc, idle, _, total = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%C"], capture_output=True,
-                                           text=True, timeout=30).stdout.split()[0].split("/")
-    return int(idle)
+def _node_and_idle_cpus(job_id: str):
+    """The node our job runs on and how many of its CPUs are idle (the cluster may have several)."""
+    node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    cpus = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%C"], capture_output=True, text=True,
+                          timeout=30).stdout.split()[0]
+    return node, int(cpus.split("/")[1])
 
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
@@ -106,8 +109,8 @@ def test_slurm_preemption_requeues_and_resumes(tmp_path):
     urgent = None
     try:
         # a job of a higher-tier partition that needs the CPUs ours holds: Slurm preempts ours
-        cpus = _idle_cpus() + 1
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-c", str(cpus), "-J", "urgent",
+        node, idle = _node_and_idle_cpus(job_id)
+        urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-w", node, "-c", str(idle + 1), "-J", "urgent",
                                  "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 10"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
         stdout, stderr = proc.communicate(timeout=1300)  # Slurm's ~120 s requeue hold included

@@ -270,3 +270,111 @@ def test_submit_dry_run_refuses_a_missing_data_file_in_one_line(job, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == f"error: data.train_files: '{missing}': no such file", r.stderr
     assert not (tmp_path / "logs").exists() and not job[1]["out"].exists()  # nothing created
+
+
+# ------------------------------------------------------------------ reward functions that misbehave
+import math  # noqa: E402
+import threading  # noqa: E402
+
+from verl_hpc.rewards import RewardScorer  # noqa: E402
+from verl_hpc.rewards.errors import RewardError  # noqa: E402
+
+_release = threading.Event()
+
+
+def _hangs(ds, text, truth, extra):
+    _release.wait()  # "never" returns (released at the end of the test so no thread outlives it)
+    return 1.0
+
+
+def _exits(ds, text, truth, extra):
+    raise SystemExit(3)
+
+
+def _interrupts(ds, text, truth, extra):
+    raise KeyboardInterrupt("inside the function")
+
+
+def _bool(ds, text, truth, extra):
+    return True
+
+
+def _nan_extra(ds, text, truth, extra):
+    return {"score": 1.0, "ratio": math.nan, "len": 3}
+
+
+def _score(fn, on_error="raise", timeout_s=0.5):
+    scorer = RewardScorer(on_error, fn, timeout_s=timeout_s, custom_name=f"my.rewards:{fn.__name__}")
+    return scorer, scorer.score(["train.jsonl:7"], ["gsm8k"], ["42"], ["42"])
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_hangs, "reward function my.rewards:_hangs timed out on sample train.jsonl:7 (data_source 'gsm8k'): did not "
+             "return within reward.timeout_s=0.5s (set reward.on_error=zero to score such samples 0 and go on)"),
+    (_exits, "reward function my.rewards:_exits failed on sample train.jsonl:7 (data_source 'gsm8k'): raised "
+             "SystemExit(3) (a BaseException, which would have ended the rank)"),
+    (_interrupts, "reward function my.rewards:_interrupts failed on sample train.jsonl:7 (data_source 'gsm8k'): "
+                  "raised KeyboardInterrupt(inside the function)"),
+    (_bool, "reward function my.rewards:_bool failed on sample train.jsonl:7 (data_source 'gsm8k'): RewardError: "
+            "reward function returned True (a bool); return a number, e.g. 1.0"),
+    (_nan_extra, "reward function my.rewards:_nan_extra failed on sample train.jsonl:7 (data_source 'gsm8k'): "
+                 "RewardError: reward function returned a non-finite 'ratio' = nan in its dict; every number "
+                 "must be finite"),
+])
+def test_misbehaving_reward_function_is_one_clear_line(fn, message):
+    try:
+        with pytest.raises(RewardError) as e:
+            _score(fn)
+        assert one_line(e.value).startswith(message), e.value
+    finally:
+        _release.set()
+
+
+def test_timed_out_reward_follows_on_error_zero_and_the_next_call_works():
+    _release.clear()
+    calls = []
+
+    def first_hangs(ds, text, truth, extra):
+        calls.append(text)
+        if len(calls) == 1:
+            _release.wait()
+        return 0.5
+
+    try:
+        scorer = RewardScorer("zero", first_hangs, timeout_s=0.3, custom_name="m:first_hangs")
+        scores, metrics = scorer.score(["a:0", "a:1"], ["gsm8k"] * 2, ["x", "y"], ["1", "1"])
+        assert scores.tolist() == [0.0, 0.5] and metrics["reward/errors"] == 1.0
+        assert scorer.first_error.startswith("sample a:0 (data_source 'gsm8k'):") and "RewardTimeout" in scorer.first_error
+        assert scorer.call.abandoned == 1
+    finally:
+        _release.set()
+
+
+# ------------------------------------------------------------------ the stage watchdog
+def test_watchdog_names_rank_stage_and_line_of_a_stalled_rank():
+    from verl_hpc.runtime.watchdog import StageWatchdog
+
+    dog = StageWatchdog(0.5, rank=3, poll_s=0.1, exit_on_stall=False).start()
+    dog.stage("reward")
+    end = time.time() + 10
+    while dog.stalled is None and time.time() < end:
+        time.sleep(0.05)  # the main thread "stalls" here, outside any collective
+    dog.stop()
+    assert dog.stalled is not None
+    import re
+
+    assert re.match(r"rank 3: stalled for \d+s in stage 'reward' outside any collective "
+                    r"\(trainer.stage_timeout_s=0.5\); stuck at ", dog.stalled), dog.stalled
+    assert __file__ in dog.stalled and "test_watchdog_names_rank_stage_and_line" in dog.stalled
+
+
+def test_watchdog_does_not_count_time_inside_a_collective(monkeypatch):
+    from verl_hpc.runtime import watchdog
+
+    # every frame of this test counts as "inside torch.distributed": waiting for other ranks
+    monkeypatch.setattr(watchdog, "_COLLECTIVE_PATHS", (os.path.basename(__file__),))
+    dog = watchdog.StageWatchdog(0.3, rank=0, poll_s=0.05, exit_on_stall=False).start()
+    dog.stage("sync")
+    time.sleep(1.2)
+    dog.stop()
+    assert dog.stalled is None

@@ -167,6 +167,7 @@ class RewardConfig:
     custom_function: str = ""  # "package.module:function"
     on_error: str = choice("zero", "zero", "raise")
     gsm8k_method: str = choice("strict", "strict", "flexible")  # answer extraction for gsm8k rows
+    timeout_s: float = 60.0  # per reward call (worker thread); past it the sample follows on_error; 0 = none
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
@@ -198,6 +199,7 @@ class TrainerConfig:
     hf_output_dir: str = ""  # trainer.job=sft: auto: <output_dir>/hf (the HF folder RL starts from)
     inject_nan_at_steps: List[int] = default_list()  # tests: RL steps whose loss is made NaN
     collective_timeout_s: int = 600  # a dead rank fails the job instead of hanging it
+    stage_timeout_s: int = 1800  # a rank this long in one stage outside collectives fails the job; 0 = off
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 
 

@@ -66,7 +66,7 @@ _NON_NEGATIVE = [
     "rollout.temperature", "rollout.val_temperature", "trainer.smoke.step_seconds",
     "actor.optim.weight_decay", "critic.optim.weight_decay", "actor.optim.clip_grad",
     "critic.optim.clip_grad", "actor.optim.lr", "critic.optim.lr", "actor.optim.min_lr",
-    "critic.optim.min_lr",
+    "critic.optim.min_lr", "reward.timeout_s", "trainer.stage_timeout_s",
 ]
 # (key, interval): "[" / "]" include the bound, "(" / ")" exclude it
 _RANGES = [

@@ -26,6 +26,7 @@ import torch
 from verl_hpc.algorithms import make_kl_controller, masked_mean
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.resharding import WeightSync
+from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.rollout.metrics import rollout_metrics
 from verl_hpc.trainer import shaping
 from verl_hpc.trainer.batching import (assemble, broadcast_prompts, concat_batches, first_groups,
@@ -177,10 +178,13 @@ class RLTrainer:
                           start_step=start + 1 if start else 0,
                           console_metrics=cfg.tracking.console_metrics)
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
+        # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
+        dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
         try:
             if self.validator and not start:
+                dog.stage("validate")
                 summary["val_before"] = self._validate(tracker, 0)
-            timer, t0 = StageTimer(), time.time()
+            timer, t0 = WatchedTimer(StageTimer(), dog), time.time()
             for step in range(start + 1, tr.total_steps + 1):
                 metrics = self.step(step, timer)
                 metrics.update(timer.pop())
@@ -192,9 +196,12 @@ class RLTrainer:
                     {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 last = step == tr.total_steps
                 if self.validator and (last or step % tr.val_every == 0):
+                    dog.stage("validate")
                     metrics.update(val := self._validate(None, step))
                     summary["val_after"] = val
+                dog.stage("log")
                 tracker.log(metrics, step)
+                dog.stage("checkpoint")
                 self.checkpointer.maybe_save(step)
                 if ctx.preemption.agreed():
                     log.warning("rl: preemption flag set after step %d; saving and stopping", step)
@@ -205,6 +212,7 @@ class RLTrainer:
             self.checkpointer.close()  # an async save in flight is committed before we report
             summary["seconds"] = round(time.time() - t0, 1)
         finally:
+            dog.stop()
             summary["plot"] = str(tracker.close() or "") or None
             summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
