@@ -87,11 +87,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}")
         return 0
     try:
-        return slurm.wait(job)
+        return slurm.wait(job, progress=_progress(cfg))
     except KeyboardInterrupt:
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)
         return 130
+
+
+def _progress(cfg):
+    """The step line for the status while the job runs (programs that write metrics.jsonl)."""
+    from verl_hpc.launcher.slurm import MetricsProgress
+    from verl_hpc.tracking.jsonl import FILENAME
+
+    if cfg.trainer.job not in ("rl", "sft") or "jsonl" not in cfg.tracking.backends:
+        return None
+    return MetricsProgress(Path(cfg.trainer.output_dir) / FILENAME, cfg.trainer.total_steps)
 
 
 if __name__ == "__main__":

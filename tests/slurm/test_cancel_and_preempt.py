@@ -3,6 +3,7 @@ good (CANCELLED, never requeued, no process left, a checkpoint only if one fitte
 KillWait), while Slurm preempting the job (partition 'scavenger', slurm/devcluster/start.sh)
 requeues it and it resumes from its checkpoint. `scancel --signal=USR2` is test_ckpt_requeue.py."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -124,6 +125,9 @@ def test_slurm_preemption_requeues_and_resumes(tmp_path):
     assert proc.returncode == 0 and "COMPLETED" in stdout, text[-8000:]
     assert "received SIGTERM" in text and "with Slurm preempting the job" in text, text[-8000:]
     assert "requeued after the checkpoint of step" in text, text[-8000:]
+    # while it ran, the submitter's status line carried the step progress (from metrics.jsonl)
+    assert re.search(rf"\[submit\] job {job_id} RUNNING \d\d:\d\d elapsed; step \d+/{steps} \(\d+%\) "
+                     r"\S+ s/step ETA \S+", stdout), stdout[-4000:]
     summary = json.loads((out / "rl_summary.json").read_text())
     assert summary["steps"] == steps and summary["stopped"] == "completed", summary
     assert 0 < summary["resumed_from"] < steps, summary
