@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+
+from verl_hpc.config.layout import Layout
+
 log = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("actor", "critic")
@@ -47,11 +50,11 @@ class TrainerCheckpointer:
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.loader, self.kl_ctrl, self.guard = loader, kl_ctrl, guard
         c = cfg.checkpoint
-        self.root = Path(c.dir or f"{cfg.trainer.output_dir}/checkpoints")
+        self.root = Path(c.dir)
         self.save_every, self.keep_last = int(c.save_every), int(c.keep_last)
         self.total_steps = int(cfg.trainer.total_steps)
         self.layout = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
-                       "dp": max(1, ctx.world_size // (cfg.parallel.tp * cfg.parallel.pp))}
+                       "dp": Layout(ctx.world_size, cfg.parallel.tp, cfg.parallel.pp).dp}
         self.last_saved: Optional[int] = None
         self.preempted_at: Optional[int] = None
         self._async = None

@@ -1,9 +1,10 @@
-"""`python -m verl_hpc.config [CONFIG] [key=value ...] [--print-config] [--skip-model-check]`
+"""`python -m verl_hpc.config [CONFIG] [key=value ...] [--print-config] [--skip-model-check] [--print-base]`
 
 Loads and validates a config the way a job would. Prints a one-line summary (or, with
 --print-config, the resolved YAML, printed even when the semantic checks then fail) and exits 0;
 a bad config prints `error: <message>` on stderr and exits 2, without a traceback.
 --skip-model-check skips reading model.path (for big configs on machines without the model).
+--print-base prints the generated reference of every field (configs/base.yaml) and exits.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import List, Optional
 
 from verl_hpc.config import ConfigError, load_config, to_yaml, validate
 
-USAGE = "usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--skip-model-check]"
+USAGE = ("usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--skip-model-check]"
+         " [--print-base]")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -21,8 +23,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 1)[1].strip())
         return 0
     flags = {a for a in args if a.startswith("--")}
-    unknown = flags - {"--print-config", "--skip-model-check"}
+    unknown = flags - {"--print-config", "--skip-model-check", "--print-base"}
     positional = [a for a in args if not a.startswith("--")]
+    if "--print-base" in flags and not unknown:
+        from verl_hpc.config.reference import base_yaml
+
+        sys.stdout.write(base_yaml())
+        return 0
     try:
         if unknown:
             raise ConfigError(f"unknown option {sorted(unknown)[0]!r}; {USAGE}")

@@ -27,7 +27,8 @@ from omegaconf.errors import GrammarParseError, InterpolationKeyError, OmegaConf
 from omegaconf.errors import ValidationError
 
 from verl_hpc.config.errors import ConfigError, choice_message, did_you_mean, raise_if_any, show
-from verl_hpc.config.schema import JobConfig, resolve_auto
+from verl_hpc.config.fields import choice_problems
+from verl_hpc.config.schema import JobConfig
 from verl_hpc.config.structure import all_paths, check_value, dotted, type_at, type_name
 
 
@@ -260,10 +261,8 @@ def compose(layers: Sequence[Layer]) -> JobConfig:
         raise ConfigError(_translate(e, conf, [user, recipe, to_container(JobConfig())])) from None
     # Interpolations are resolved now: a '${' left in a value is literal text, not to be typed.
     resolved = check_value(plain, JobConfig, (), lambda path: "an interpolation", mode="resolved")
-    cfg = resolve_auto(build(JobConfig, resolved))
-    from verl_hpc.config.validate import check_choices
-
-    raise_if_any(check_choices(cfg))
+    cfg = build(JobConfig, resolved).resolve()
+    raise_if_any(choice_problems(cfg))
     return cfg
 
 

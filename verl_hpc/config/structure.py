@@ -106,7 +106,15 @@ def _exact(value, tp):
     return type(value) is tp, value
 
 
+# Keys that moved to another section: an old config gets the new name, not a did-you-mean guess.
+MOVED = {"rollout.bucket_mb": "resharding.bucket_mb"}
+
+
 def _unknown_key(path: tuple, value, cls, where) -> ConfigError:
+    moved = MOVED.get(dotted(path))
+    if moved:
+        return ConfigError(f"config key '{dotted(path)}' (from {where(path)}) moved to '{moved}': "
+                           f"rename it there")
     # Name the whole key when the unknown part leads to a single value (as a CLI override does).
     full = list(path)
     while isinstance(value, dict) and len(value) == 1:

@@ -26,7 +26,7 @@ class PromptLoader:
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int = 1, shuffle: bool = True,
                  mixture: Optional[Mapping[str, float]] = None):
         if batch_size <= 0:
-            raise DataError(f"data.train_batch_size: must be > 0, got {batch_size}")
+            raise DataError(f"a batch of {batch_size} prompts: the batch size (data.train_batch_size) must be > 0")
         self.dataset, self.batch_size = dataset, batch_size
         fp = dataset.fingerprint()
         self.sampler: Union[EpochSampler, MixtureSampler]
@@ -68,7 +68,7 @@ class PromptLoader:
 def val_batches(dataset: PromptDataset, batch_size: int) -> Iterator[PromptBatch]:
     """Every val prompt once, in file order, in chunks of batch_size (the last one may be smaller)."""
     if batch_size <= 0:
-        raise DataError(f"data.val_batch_size: must be > 0, got {batch_size}")
+        raise DataError(f"a batch of {batch_size} prompts: the batch size (data.val_batch_size) must be > 0")
     for start in range(0, len(dataset), batch_size):
         yield dataset.batch(range(start, min(start + batch_size, len(dataset))))
 

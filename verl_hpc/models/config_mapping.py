@@ -12,13 +12,14 @@ field, and both the transformers 4 spelling (`rope_theta`, `rope_scaling`) and t
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
-from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.errors import ConfigError, raise_if_any
+from verl_hpc.config.hf_model import ModelShape, read_hf_config
+from verl_hpc.config.layout import Layout
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -64,23 +65,9 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return -(-vocab_size // multiple) * multiple
 
 
-def load_hf_config(model_path) -> Dict[str, Any]:
-    """config.json of a model folder as a dict, with errors that say what is wrong where."""
-    path = Path(model_path) if model_path else None
-    if path is None or not path.is_dir():
-        raise ConfigError(f"model.path: {str(model_path)!r} is not a folder; it must be a Hugging "
-                          f"Face model folder (config.json + *.safetensors)")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"model.path: {path} has no config.json; expected a Hugging Face model "
-                          f"folder (config.json + *.safetensors)")
-    try:
-        data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{cfg_file}: expected a JSON object at the top level")
-    return data
+def load_hf_config(model_path, field: str = "model.path") -> Dict[str, Any]:
+    """config.json of a model folder as a dict (the project's one reader, in verl_hpc.config)."""
+    return read_hf_config(model_path, field)
 
 
 def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
@@ -185,16 +172,15 @@ def load_arch(model_path) -> ModelArch:
     return parse_hf_config(load_hf_config(model_path), source=str(Path(model_path) / "config.json"))
 
 
-def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
+def model_shape(arch: ModelArch) -> ModelShape:
+    """The numbers the layout rules need, from a parsed architecture."""
+    return ModelShape(arch.num_attention_heads, arch.num_query_groups, arch.num_layers, arch.vocab_size,
+                      arch.max_position_embeddings, arch.ffn_hidden_size, f"({arch.source})")
+
+
+def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None) -> None:
     """Errors naming both the parallel field and the model field when the layout cannot split."""
-    rules = (("num_attention_heads", arch.num_attention_heads, tp, "parallel.tp"),
-             ("num_key_value_heads", arch.num_query_groups, tp, "parallel.tp"),
-             ("intermediate_size", arch.ffn_hidden_size, tp, "parallel.tp"),
-             ("num_hidden_layers", arch.num_layers, pp, "parallel.pp"))
-    problems = [f"{par}={n} does not divide {field}={value} of {arch.source}"
-                for field, value, n, par in rules if value % n]
-    if problems:
-        raise ConfigError.from_problems(problems)
+    raise_if_any(Layout(tp * pp, tp, pp, vpp=vpp).model_problems(model_shape(arch)))
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,

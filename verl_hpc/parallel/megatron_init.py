@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.layout import Layout
 from verl_hpc.parallel import cpu_compat
 from verl_hpc.runtime.device import has_gpu
 
@@ -44,18 +44,10 @@ class ModelParallel:
         return self.pp_rank == self.pp - 1
 
 
-def check_layout(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    """The data-parallel size, or an error naming the fields when the layout cannot tile the world."""
-    for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}: must be a positive integer; got {value!r}")
-    model = tp * pp * cp
-    if world_size % model:
-        raise ConfigError(
-            f"parallel.tp={tp} x parallel.pp={pp}" + (f" x cp={cp}" if cp > 1 else "")
-            + f" = {model} ranks per model replica does not divide the world size {world_size}; "
-            f"choose tp*pp dividing {world_size}")
-    return world_size // model
+def check_layout(world_size: int, tp: int, pp: int, cp: int = 1, vpp: Optional[int] = None) -> int:
+    """The data-parallel size, or an error naming the fields when the layout cannot tile the world
+    (the same rules the config validation applied before submission)."""
+    return Layout(world_size, tp, pp, cp, vpp).require()
 
 
 def current() -> ModelParallel:
@@ -101,9 +93,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel needs torch.distributed: call "
                            "verl_hpc.runtime.bootstrap() first")
-    check_layout(dist.get_world_size(), tp, pp, cp)
-    if vpp is not None and (vpp < 1 or pp == 1):
-        raise ConfigError(f"parallel.vpp={vpp}: virtual stages need parallel.pp > 1 and vpp >= 1")
+    check_layout(dist.get_world_size(), tp, pp, cp, vpp)
     if ps.model_parallel_is_initialized():
         have = current()
         if (have.tp, have.pp, have.cp, have.vpp) != (tp, pp, cp, vpp):

@@ -2,8 +2,8 @@
 rollout engine, after every update, collectively, in buckets, without disk (DESIGN.md, "The step").
 
     from verl_hpc.resharding import WeightSync, sync
-    metrics = sync(actor, rollout, bucket_mb=cfg.rollout.bucket_mb)   # every rank, same point
-    # or: syncer = WeightSync.from_config(cfg); metrics = syncer(actor, rollout)
+    metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)   # every rank, same point
+    # or: syncer = WeightSync.from_config(cfg.resharding); metrics = syncer(actor, rollout)
 
     sync/seconds  sync/bytes  sync/gb_per_s  sync/buckets  sync/peak_bucket_bytes
     sync/tensors  sync/largest_tensor_bytes  sync/export_seconds  sync/load_seconds ...

@@ -37,13 +37,13 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def bucket_bytes_from(bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None) -> int:
-    """Bytes per bucket from `rollout.bucket_mb` (MiB, may be fractional here) or bytes."""
+    """Bytes per bucket from `resharding.bucket_mb` (MiB, may be fractional here) or bytes."""
     if (bucket_mb is None) == (bucket_bytes is None):
-        raise ValueError("give exactly one of bucket_mb (rollout.bucket_mb) or bucket_bytes")
+        raise ValueError("give exactly one of bucket_mb (resharding.bucket_mb) or bucket_bytes")
     value = int(bucket_bytes if bucket_bytes is not None else float(bucket_mb) * MB)
     if value < 1:
         got = f"{bucket_mb} MiB" if bucket_mb is not None else f"{bucket_bytes} bytes"
-        raise ValueError(f"rollout.bucket_mb must be > 0; got {got}")
+        raise ValueError(f"resharding.bucket_mb must be > 0; got {got}")
     return value
 
 

@@ -1,7 +1,7 @@
 """`sync(actor, rollout, bucket_mb=...)`: the actor's new weights into the rollout engine, after
 each update, collectively and without disk.
 
-    metrics = sync(actor, rollout, bucket_mb=cfg.rollout.bucket_mb)
+    metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)
     # {"sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets", "sync/peak_bucket_bytes", ...}
 
 Every rank of the job calls it at the same point of the step (SPMD), because the export is a
@@ -79,7 +79,7 @@ def _agree(failed: bool, seconds: float):
 class WeightSync:
     """The resharding step with its settings; call it after every actor update.
 
-        syncer = WeightSync.from_config(cfg)          # rollout.bucket_mb
+        syncer = WeightSync.from_config(cfg.resharding)
         metrics = syncer(actor, rollout)
     """
 
@@ -91,8 +91,9 @@ class WeightSync:
         self.count = 0
 
     @classmethod
-    def from_config(cls, cfg) -> "WeightSync":
-        return cls(bucket_mb=cfg.rollout.bucket_mb)
+    def from_config(cls, section) -> "WeightSync":
+        """From the job's `resharding:` section."""
+        return cls(bucket_mb=section.bucket_mb)
 
     def __call__(self, actor, rollout) -> Dict[str, float]:
         export = export_source(actor)

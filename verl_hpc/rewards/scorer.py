@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.rewards import registry
 from verl_hpc.rewards.custom import CustomFn, load_custom_function
 from verl_hpc.rewards.errors import RewardError
@@ -37,8 +38,8 @@ MAX_LISTED = 10
 
 
 class RewardScorer:
-    def __init__(self, on_error: str = "zero", custom_function: Optional[CustomFn] = None,
-                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = "strict",
+    def __init__(self, on_error: str = default_of("reward.on_error"), custom_function: Optional[CustomFn] = None,
+                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = default_of("reward.gsm8k_method"),
                  timeout_s: float = 0.0, custom_name: str = ""):
         if on_error not in ON_ERROR:
             raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
@@ -53,7 +54,7 @@ class RewardScorer:
 
     @classmethod
     def from_config(cls, reward_cfg, reward_model: Optional[RewardModel] = None,
-                    gsm8k_method: str = "strict") -> "RewardScorer":
+                    gsm8k_method: str = default_of("reward.gsm8k_method")) -> "RewardScorer":
         fn = None
         if reward_cfg.custom_function:
             fn = load_custom_function(reward_cfg.custom_function, reward_cfg.allow_custom_code)

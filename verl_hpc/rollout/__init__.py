@@ -1,7 +1,7 @@
 """Rollout: sample responses with logprobs from the current policy (DESIGN.md, "rollout/").
 
     rollout = build_rollout(cfg, ctx)                 # VLLMRollout or HFRollout (rollout.engine)
-    result  = rollout.generate(prompts, SamplingSpec.from_config(cfg).for_step(step))
+    result  = rollout.generate(prompts, SamplingSpec.from_config(cfg.rollout).for_step(step))
     metrics = rollout_metrics(result)
     rollout.load_weights(iter_of_hf_name_and_full_tensor)   # after each actor update
     rollout.sleep(); ...; rollout.wake()               # GPU memory between phases (else a no-op)

@@ -14,9 +14,9 @@ def engine_kwargs(cfg, engine: str) -> dict:
     """Constructor keywords from a JobConfig (rollout, model and data sections)."""
     r = cfg.rollout
     kwargs = dict(tp=r.tp, dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
-                  max_response_length=r.max_tokens or cfg.data.max_response_length,
+                  max_response_length=r.max_tokens,
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
-                  tokenizer_path=cfg.model.tokenizer_path or None,
+                  tokenizer_path=cfg.model.tokenizer_path,
                   trust_remote_code=cfg.model.trust_remote_code)
     if engine == "vllm":
         kwargs.update(gpu_memory_utilization=r.gpu_memory_utilization,

@@ -25,6 +25,7 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
@@ -57,9 +58,9 @@ class _SampledLogprobs:
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = "float32",
-                 max_prompt_length: int = 256, max_response_length: int = 128,
-                 prompt_overflow: str = "truncate", seed: int = 0, batch_size: int = 64,
+    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = default_of("model.dtype"),
+                 max_prompt_length: int = default_of("data.max_prompt_length"), max_response_length: int = default_of("data.max_response_length"),
+                 prompt_overflow: str = default_of("rollout.prompt_overflow"), seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
                  logprobs_mode: str = "processed", ctx=None, **_ignored):
         from transformers import AutoModelForCausalLM, GenerationConfig

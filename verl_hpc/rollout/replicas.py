@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
+from verl_hpc.config.errors import raise_if_any
+from verl_hpc.config.layout import inference_tp_problems
 from verl_hpc.rollout.result import ShardOutput
 
 
@@ -23,11 +25,9 @@ class ReplicaLayout:
     tp: int
 
     def __post_init__(self):
-        if self.tp < 1 or self.world_size % self.tp:
-            raise ValueError(
-                f"rollout.tp={self.tp} must divide the number of ranks ({self.world_size}): each "
-                f"group of rollout.tp consecutive ranks is one inference replica; valid: "
-                f"{', '.join(str(d) for d in range(1, self.world_size + 1) if self.world_size % d == 0)}")
+        if self.tp < 1:
+            raise ValueError(f"inference tensor-parallel size must be > 0, got {self.tp}")
+        raise_if_any(inference_tp_problems(self.world_size, self.tp))
 
     @classmethod
     def detect(cls, tp: int, ctx=None) -> "ReplicaLayout":

@@ -68,18 +68,17 @@ class SamplingSpec:
         return dataclasses.replace(self, seed=request_seed(self.seed, *parts) % 2**31)
 
     @classmethod
-    def from_config(cls, cfg) -> "SamplingSpec":
-        """Training sampling from a JobConfig (rollout section; max_tokens auto-resolved)."""
-        r = cfg.rollout
+    def from_config(cls, r) -> "SamplingSpec":
+        """Training sampling from the `rollout:` section of a loaded config (max_tokens resolved)."""
         return cls(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   max_tokens=r.max_tokens or cfg.data.max_response_length, stop=tuple(r.stop),
+                   max_tokens=r.max_tokens, stop=tuple(r.stop),
                    seed=r.seed)
 
     @classmethod
-    def validation_from_config(cls, cfg) -> "SamplingSpec":
+    def validation_from_config(cls, r) -> "SamplingSpec":
         """Validation sampling: one response per prompt at rollout.val_temperature (0 = greedy),
         otherwise as training (top_p/top_k apply only when val_temperature > 0)."""
-        return dataclasses.replace(cls.from_config(cfg), n=1, temperature=cfg.rollout.val_temperature)
+        return dataclasses.replace(cls.from_config(r), n=1, temperature=r.val_temperature)
 
 
 def request_seed(base: int, *parts) -> int:

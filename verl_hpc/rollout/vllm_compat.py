@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -72,6 +71,7 @@ from typing import Dict, List, Set, Tuple
 import numpy as np
 import torch
 
+from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -278,8 +278,7 @@ def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *
                        floor: int = 32 << 20, cap: int = 4 << 30) -> int:
     """K and V for max_num_seqs sequences of max_model_len tokens (rounded up to vLLM's CPU block
     of 128 tokens), within [32 MiB, 4 GiB]."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = language_model_config(read_hf_config(model_path))
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes

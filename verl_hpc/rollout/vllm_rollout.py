@@ -37,7 +37,6 @@ dtype: float32 on CPU (bf16 CPU kernels diverge from HF, FINDINGS.md); model.dty
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import time
@@ -46,6 +45,8 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
+from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.replicas import ReplicaLayout
@@ -70,17 +71,16 @@ def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
 class VLLMRollout(RolloutEngine):
     name = "vllm"
 
-    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = "float32",
-                 max_prompt_length: int = 256, max_response_length: int = 128,
-                 prompt_overflow: str = "truncate", seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: int = 0,
+    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = default_of("model.dtype"),
+                 max_prompt_length: int = default_of("data.max_prompt_length"), max_response_length: int = default_of("data.max_response_length"),
+                 prompt_overflow: str = default_of("rollout.prompt_overflow"), seed: int = 0,
+                 gpu_memory_utilization: float = default_of("rollout.gpu_memory_utilization"), kv_cache_memory_bytes: int = 0,
                  enforce_eager: bool = True, sleep_between_phases: bool = False,
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, ctx=None, **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        config = config.get("text_config", config)
+        config = language_model_config(read_hf_config(model_path))
         super().__init__(layout=layout, max_prompt_length=max_prompt_length,
                          max_response_length=max_response_length,
                          prompt_overflow=prompt_overflow, vocab_size=config.get("vocab_size"))

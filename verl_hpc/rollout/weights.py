@@ -20,6 +20,8 @@ from typing import Iterable, Iterator, Set, Tuple
 
 import torch
 
+from verl_hpc.config.hf_model import read_hf_config
+
 
 def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
     """Tensor names stored in a HF folder's safetensors files (read from headers, no data)."""
@@ -40,7 +42,7 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
 
 
 def tied_embeddings(model_path: str | Path) -> bool:
-    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = read_hf_config(model_path)
     return bool(config.get("tie_word_embeddings", False))
 
 

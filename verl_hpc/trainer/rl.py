@@ -56,11 +56,11 @@ class RLTrainer:
             if val_set is not None:
                 self.scorer.check_samples(*_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
-        self.sampling = SamplingSpec.from_config(cfg)
+        self.sampling = SamplingSpec.from_config(cfg.rollout)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        self.weight_sync = WeightSync.from_config(cfg)  # actor -> rollout after every update
+        self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
                                                 kl_ctrl=self.kl_ctrl, guard=self.guard)
         self.inject_nan = set(cfg.trainer.inject_nan_at_steps)

@@ -38,7 +38,7 @@ class Roles:
 def load_tokenizer(cfg):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+    return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path,
                                          trust_remote_code=cfg.model.trust_remote_code)
 
 

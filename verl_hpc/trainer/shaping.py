@@ -29,7 +29,7 @@ def to_token_level(scorer, scores: torch.Tensor, batch, cfg) -> Tuple[torch.Tens
     ob = cfg.algorithm.overlong_buffer
     if not ob.enable:
         return token_scores, {}
-    max_len = cfg.rollout.max_tokens or cfg.data.max_response_length
+    max_len = cfg.rollout.max_tokens
     token_scores, m = apply_overlong_penalty(token_scores, batch.mask, max_len, ob.len, ob.penalty_factor)
     return token_scores, {f"reward/{k}": float(v) for k, v in m.items()}
 

@@ -18,7 +18,7 @@ class Validator:
         from verl_hpc.data import val_batches
         from verl_hpc.rollout import SamplingSpec
 
-        self.spec = SamplingSpec.validation_from_config(cfg)
+        self.spec = SamplingSpec.validation_from_config(cfg.rollout)
         chunks = list(val_batches(dataset, cfg.data.val_batch_size)) if ctx.rank == 0 and dataset else None
         self.chunks = broadcast_object(chunks) or []
         self.tokenizer = tokenizer

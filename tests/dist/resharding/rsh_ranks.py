@@ -69,7 +69,7 @@ def _job_config(args, tp: int, pp: int):
     cfg.rollout.temperature = 1.0  # the actor scores log-softmax(logits / 1): vLLM's greedy logprobs
     cfg.rollout.max_tokens = args["max_new"]
     cfg.data.max_prompt_length = args["max_prompt"]
-    cfg.rollout.bucket_mb = 1
+    cfg.resharding.bucket_mb = 1
     return cfg
 
 

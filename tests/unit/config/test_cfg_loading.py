@@ -182,22 +182,43 @@ def test_property_strings_and_ints_survive_yaml_and_container(name, steps):
     assert dataclasses.asdict(from_container(yaml.safe_load(to_yaml(cfg)))) == dataclasses.asdict(cfg)
 
 
+def test_base_yaml_is_generated_from_the_schema():
+    """configs/base.yaml is the generated reference; rewrite it with --print-base after a change."""
+    from verl_hpc.config.reference import base_yaml
+
+    assert (CONFIGS / "base.yaml").read_text() == base_yaml(), \
+        "configs/base.yaml is stale: python -m verl_hpc.config --print-base > configs/base.yaml"
+
+
+def leaves(d, prefix=""):
+    """Dotted leaf keys of a plain nested dict (mapping-valued fields count as leaves)."""
+    for k, v in d.items():
+        if isinstance(v, dict) and v and f"{prefix}{k}" not in ("slurm.env", "slurm.additional", "data.mixture"):
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
 def test_base_yaml_is_the_schema_defaults_minus_recipe_fields():
     """base.yaml lists every field with its default, except those recipes set (commented out there)."""
     from verl_hpc.config.structure import all_paths
 
     raw = yaml.safe_load((CONFIGS / "base.yaml").read_text())
-
-    def leaves(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict) and v and f"{prefix}{k}" not in ("slurm.env", "slurm.additional", "data.mixture"):
-                yield from leaves(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}"
-
     recipe_keys = {k for r in RECIPES.values() for k in leaves(r)}
     assert set(leaves(raw)) == set(all_paths()) - recipe_keys
     assert load_config(CONFIGS / "base.yaml") == load_config(None)
+
+
+def test_print_config_shows_every_field():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "verl_hpc.config", "configs/smoke.yaml", "--print-config"],
+                         cwd=CONFIGS.parent, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    from verl_hpc.config.structure import all_paths
+
+    assert set(leaves(yaml.safe_load(run.stdout))) == set(all_paths())
 
 
 def test_config_error_is_a_value_error():

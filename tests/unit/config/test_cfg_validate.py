@@ -134,7 +134,7 @@ def model_problems(path, overrides=()):
 def test_model_checks_pass_on_a_matching_model(model_dir):
     cfg = load_config(None, ["model.path=" + model_dir(), "parallel.tp=2"] + OK[1:])
     validate(cfg, check_model=True)
-    assert read_model_shape(cfg.model.path) == (32, 8, 32, 128256, 0)
+    assert read_model_shape(cfg.model.path)[:5] == (32, 8, 32, 128256, 0)
 
 
 def test_missing_model_folder_only_when_checked(tmp_path):
@@ -193,7 +193,7 @@ def test_kv_heads_default_to_heads_and_text_config(model_dir, tmp_path):
     nested.mkdir()
     (nested / "config.json").write_text(json.dumps({"text_config": {
         "num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 10}}))
-    assert read_model_shape(str(nested)) == (8, 8, 4, 10, 0)
+    assert read_model_shape(str(nested))[:5] == (8, 8, 4, 10, 0)
 
 
 def test_config_json_missing_fields(model_dir, tmp_path):

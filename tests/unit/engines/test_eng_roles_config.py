@@ -35,6 +35,7 @@ def test_critic_and_reward_model_have_value_heads():
     assert critic.trainable and critic.optim is cfg.critic.optim and critic.optim.lr == 1e-5
     assert critic.fp8 and critic.loss_norm_len == 128.0
     cfg.critic.model_path = ""
+    cfg.resolve()  # auto values are filled once, when a config is loaded (here: built in Python)
     assert engine_options("critic", cfg).model_path == "/models/policy"  # auto: model.path
     with pytest.raises(ValueError, match="reward.reward_model.path"):
         engine_options("reward", cfg)

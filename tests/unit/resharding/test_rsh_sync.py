@@ -94,8 +94,8 @@ def test_weight_sync_from_config_and_counts():
     from verl_hpc.config.schema import JobConfig
 
     cfg = JobConfig()
-    cfg.rollout.bucket_mb = 3
-    syncer = WeightSync.from_config(cfg)
+    cfg.resharding.bucket_mb = 3
+    syncer = WeightSync.from_config(cfg.resharding)
     assert syncer.bucket_bytes == 3 << 20
     syncer(FakeEngine(), NullSink())
     syncer(FakeEngine(), NullSink())

@@ -23,11 +23,11 @@ def test_spec_from_config_and_validation_variant():
     cfg = load_config(None, ["rollout.n=4", "rollout.temperature=0.7", "rollout.top_k=20",
                              "rollout.stop=[\"</s>\"]", "rollout.val_temperature=0",
                              "data.max_response_length=64"])
-    spec = SamplingSpec.from_config(cfg)
+    spec = SamplingSpec.from_config(cfg.rollout)
     assert (spec.n, spec.temperature, spec.top_k, spec.max_tokens, spec.stop) == (
         4, 0.7, 20, 64, ("</s>",))
     assert not spec.greedy
-    val = SamplingSpec.validation_from_config(cfg)
+    val = SamplingSpec.validation_from_config(cfg.rollout)
     assert val.n == 1 and val.greedy and val.max_tokens == 64 and val.stop == ("</s>",)
 
 
@@ -83,7 +83,7 @@ def test_replica_layout_and_shards():
     three = ReplicaLayout(0, 3, 1)
     assert [list(three.shard(7, r)) for r in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
     assert [len(three.shard(2, r)) for r in range(3)] == [1, 1, 0]
-    with pytest.raises(ValueError, match=r"rollout.tp=3 must divide.*valid: 1, 2, 4"):
+    with pytest.raises(ValueError, match=r"rollout.tp = 3 does not divide the world size 4.*valid: 1, 2, 4"):
         ReplicaLayout(0, 4, 3)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import optim as optim_lib
@@ -51,11 +52,11 @@ HEADS = ("lm", "value")
 class EngineOptions:
     model_path: str
     head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
-    dtype: str = "float32"  # model.dtype
+    dtype: str = default_of("model.dtype")  # model.dtype
     trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
     optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
     total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
-    micro_batch_size: int = 4  # sequences per micro-batch when max_tokens_per_microbatch is 0
+    micro_batch_size: int = default_of("actor.micro_batch_size")  # sequences per micro-batch when max_tokens_per_microbatch is 0
     max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
     use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
     sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)

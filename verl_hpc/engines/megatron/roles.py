@@ -174,7 +174,7 @@ def engine_options(role: str, cfg, *, fp8: bool = False, loss_norm_len: Optional
                              temperature=cfg.rollout.temperature, **common)
     if role == "critic":
         c = cfg.critic
-        return EngineOptions(model_path=c.model_path or cfg.model.path, head="value", optim=c.optim,
+        return EngineOptions(model_path=c.model_path, head="value", optim=c.optim,
                              micro_batch_size=c.micro_batch_size,
                              max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
     rm = cfg.reward.reward_model

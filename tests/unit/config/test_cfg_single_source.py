@@ -1,0 +1,75 @@
+"""Every default and every range is written once: in the field's declaration (config/sections/).
+
+The scan looks for another module that repeats a field's distinctive default as a keyword default
+or an assignment (`bucket_mb: int = 512`, `gpu_memory_utilization=0.5`), or words a declared range
+check of its own; and for the layout rules outside config/layout.py. (test_cfg_loading checks that
+--print-config shows every field.)
+"""
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from verl_hpc.config.fields import walk
+from verl_hpc.config.schema import JobConfig
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[3]
+# The algorithm library's pure functions keep their conventional keyword defaults (verl's), which
+# the config's defaults follow; everything that is built from a config is scanned.
+SOURCES = {p: p.read_text() for p in (REPO / "verl_hpc").rglob("*.py")
+           if p.relative_to(REPO / "verl_hpc").parts[0] not in ("config", "algorithms")}
+TRIVIAL = (0, 1, -1, 0.0, 1.0, True, False, None, "", "auto", "none")
+
+
+def _distinctive_defaults():
+    for key, value, meta, _ in walk(JobConfig()):
+        if isinstance(value, (list, dict)) or any(value == t and type(value) is type(t) for t in TRIVIAL):
+            continue
+        yield key, value
+
+
+def _pattern(name: str, value) -> re.Pattern:
+    literal = re.escape(repr(value)) if not isinstance(value, str) else f"[\"']{re.escape(value)}[\"']"
+    if isinstance(value, float):  # 1e-6 and 1e-06 and 0.000001 are the same default
+        literal = "(?:" + "|".join(re.escape(t) for t in {repr(value), f"{value:g}", f"{value:.0e}"}) + ")"
+    return re.compile(rf"\b{re.escape(name)}\s*(?::\s*[\w\[\]., |]+)?\s*=\s*{literal}(?![\w.])")
+
+
+def test_no_module_repeats_a_config_default():
+    hits = []
+    for key, value in _distinctive_defaults():
+        pat = _pattern(key.rsplit(".", 1)[-1], value)
+        hits += [f"{p.relative_to(REPO)}: {m.group(0)!r} repeats {key} = {value!r}"
+                 for p, text in SOURCES.items() for m in pat.finditer(text)]
+    assert not hits, "defaults written twice (take them from the config section):\n" + "\n".join(hits)
+
+
+def test_no_module_words_a_declared_range_check():
+    declared = [key for key, _, meta, _ in walk(JobConfig()) if meta.get("check")]
+    hits = [f"{p.relative_to(REPO)} checks {key} itself" for key in declared
+            for p, text in SOURCES.items() if f"{key}: must be" in text]
+    assert not hits, "\n".join(hits)
+
+
+def test_layout_rules_live_in_one_module():
+    rules = ("does not divide the world size", "does not divide the model's", "ranks per model replica",
+             "inference replica; valid")
+    hits = [f"{p.relative_to(REPO)}: {r!r}" for p in (REPO / "verl_hpc").rglob("*.py")
+            for r in rules if r in p.read_text() and p.name != "layout.py"]
+    assert not hits, "layout rules outside verl_hpc/config/layout.py:\n" + "\n".join(hits)
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, meta, _ in walk(JobConfig()) if not meta.get("help") and not meta.get("auto")
+                    and key.rsplit(".", 1)[0] != "slurm"]  # partition, account, qos: Slurm's own words
+    assert not undocumented, f"fields without help text: {undocumented}"
+
+
+def test_sections_are_declared_with_opt():
+    """A field declared as a plain `x: int = 3` would have no help, no check and no place in base.yaml."""
+    bare = [key for key, _, meta, _ in walk(JobConfig()) if "help" not in meta]
+    assert not bare, f"fields not declared with verl_hpc.config.fields.opt: {bare}"
+    assert all(dataclasses.is_dataclass(v) for v in vars(JobConfig()).values())

@@ -1,0 +1,133 @@
+"""How a config section declares a field, and the checks that follow from the declaration.
+
+Each field is declared once, with everything about it in one place:
+
+    n: int = opt(1, "responses per prompt", check=">0")
+    engine: str = opt("vllm", "rollout engine", choices=("vllm", "hf"))
+    max_tokens: int = opt(0, "generated tokens per response at most", check=">=0",
+                          auto="data.max_response_length")
+
+The default, the help text shown in `configs/base.yaml` (generated from these declarations), the
+valid choices or range, and what an "auto" value becomes. `field_problems` turns the declaration
+into one-line errors; a section's `check()` adds the rules that involve several fields, and its
+`resolve()` fills its auto fields. Plain dataclasses (not pydantic) because OmegaConf's structured
+configs, which give interpolation and typed merging, are built from dataclasses, and the loader's
+own type walk already reports the file and line of every bad value with a did-you-mean.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
+
+from verl_hpc.config.errors import choice_message
+
+if TYPE_CHECKING:  # the job config imports every section; sections only need its type
+    from verl_hpc.config.schema import JobConfig
+
+
+def opt(default: Any, help: str = "", *, choices: Optional[Sequence[str]] = None,
+        choices_from: Optional[str] = None, check: Optional[str] = None, auto: Optional[str] = None):
+    """A dataclass field carrying its documentation and checks.
+
+    choices: valid values (list fields: per item). choices_from: the name of a tuple in
+    `verl_hpc.config.recipes` (algorithm vocabulary lives there, next to the registries it mirrors).
+    check: ">0", ">=0" or an interval such as "[0, 1)" / "(0, 1]". auto: what an empty/null/0
+    value is replaced with when the config is loaded (documentation; the section's resolve() does it).
+    Mutable defaults (lists, dicts) are copied per instance.
+    """
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "choices_from": choices_from,
+            "check": check, "auto": auto}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls, help: str = ""):
+    """A nested section field: `optim: OptimConfig = section(OptimConfig)`."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+class Section:
+    """Base of every config section: its own cross-field checks and auto values.
+
+    `check(job)` returns problems (one line each) for rules that involve more than one field;
+    it may read other sections of `job` but reports against its own fields. `resolve(job)` fills
+    this section's auto fields from the rest of the job (idempotent).
+    """
+
+    def check(self, job: "JobConfig") -> List[str]:
+        return []
+
+    def resolve(self, job: "JobConfig") -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------- declared checks
+def _interval(value: float, spec: str) -> bool:
+    if spec == ">0":
+        return value > 0
+    if spec == ">=0":
+        return value >= 0
+    low, high = (float(x) for x in spec[1:-1].split(","))
+    above = value > low if spec[0] == "(" else value >= low
+    below = value < high if spec[-1] == ")" else value <= high
+    return above and below
+
+
+def check_message(key: str, value, spec: str) -> str:
+    if spec in (">0", ">=0"):
+        return f"{key}: must be {spec[:-1]} 0, got {value}"
+    return f"{key}: must be in {spec}, got {value}"
+
+
+def walk(obj, prefix: str = "") -> Iterator[Tuple[str, Any, dict, Any]]:
+    """(dotted key, value, field metadata, owning section) for every leaf field."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from walk(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value, f.metadata, obj
+
+
+def sections(obj, prefix: str = "") -> Iterator[Tuple[str, Section]]:
+    """(dotted name, section) of every nested section, parents before children."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield prefix + f.name, value
+            yield from sections(value, f"{prefix}{f.name}.")
+
+
+def valid_choices(meta: dict) -> Optional[Tuple[str, ...]]:
+    if meta.get("choices_from"):
+        from verl_hpc.config.loader import recipes_module
+
+        return tuple(getattr(recipes_module(), meta["choices_from"]))
+    return meta.get("choices")
+
+
+def choice_problems(cfg) -> List[str]:
+    """One problem per field whose value is not among its valid names (list fields: per item)."""
+    problems: List[str] = []
+    for key, value, meta, _ in walk(cfg):
+        valid = valid_choices(meta)
+        if valid is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and item not in valid:
+                problems.append(choice_message(key, item, valid))
+    return problems
+
+
+def range_problems(cfg) -> List[str]:
+    """Non-finite floats (YAML accepts .nan / .inf, and NaN passes every comparison) and the
+    declared `check` of every numeric field."""
+    problems: List[str] = []
+    for key, value, meta, _ in walk(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}: must be a finite number, got {value}")
+        elif meta.get("check") and value is not None and not _interval(value, meta["check"]):
+            problems.append(check_message(key, value, meta["check"]))
+    return problems

@@ -1,0 +1,66 @@
+"""The one reader of a Hugging Face model folder's config.json (plain JSON, no torch, no transformers).
+
+Everything that needs a model's numbers reads them here: config validation on a login node, the
+Megatron config mapping, the rollout engines. Errors name the config field that pointed at the
+folder (`model.path`, `critic.model_path`, ...) and what a valid folder holds.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, NamedTuple
+
+from verl_hpc.config.errors import ConfigError
+
+FOLDER = "a Hugging Face model folder (config.json + *.safetensors)"
+
+
+def read_hf_config(path, field: str = "model.path") -> Dict[str, Any]:
+    """config.json of the folder `path` as a dict; a ConfigError naming `field` otherwise."""
+    folder = Path(path) if path else None
+    if folder is None or not folder.is_dir():
+        raise ConfigError(f"{field}: no such folder {str(path or '')!r}; expected {FOLDER}")
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{field}: '{folder}' has no config.json; expected {FOLDER}")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{field}: cannot read '{file}': not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{field}: '{file}': expected a JSON object at the top level")
+    return data
+
+
+def language_model_config(data: Dict[str, Any]) -> Dict[str, Any]:
+    """Multimodal configs nest the language model's numbers under text_config."""
+    if "num_attention_heads" not in data and isinstance(data.get("text_config"), dict):
+        return data["text_config"]
+    return data
+
+
+class ModelShape(NamedTuple):
+    """The numbers of a config.json that constrain the parallel layout."""
+
+    heads: int
+    kv_heads: int
+    layers: int
+    vocab_size: int
+    max_positions: int = 0  # max_position_embeddings; 0 when config.json does not say
+    ffn: int = 0  # intermediate_size; 0 when config.json does not say
+    source: str = "config.json"
+
+
+def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
+    data = language_model_config(read_hf_config(path, field))
+    file = Path(path) / "config.json"
+    missing = [k for k in ("num_attention_heads", "num_hidden_layers", "vocab_size") if k not in data]
+    if missing:
+        raise ConfigError(f"{field}: '{file}' has no {', '.join(missing)}")
+    try:
+        heads = int(data["num_attention_heads"])
+        return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
+                          int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0),
+                          int(data.get("intermediate_size") or 0), f"({field} config.json)")
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None

@@ -1,0 +1,82 @@
+"""`parallel:` the training layout; `slurm:` the allocation and how ranks are started."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.sbatch_text import sbatch_text_problems
+
+
+@dataclass
+class ParallelConfig(Section):
+    tp: int = opt(1, "tensor parallel", check=">0")
+    pp: int = opt(1, "pipeline parallel", check=">0")
+    vpp: Optional[int] = opt(None, "virtual pipeline stages per rank (interleaved schedule), needs pp > 1")
+    sequence_parallel: bool = opt(False, "splits activations across the TP group; needs tp > 1")
+    use_distributed_optimizer: bool = opt(True, "shard optimizer states over data parallel")
+    backend: str = opt("auto", "auto (nccl with GPUs, else gloo) | nccl | gloo", choices=("auto", "nccl", "gloo"))
+
+    def check(self, job) -> List[str]:
+        p = job.layout.problems() if self.tp > 0 and self.pp > 0 else []
+        if job.slurm.gpus_per_node == 0 and self.backend == "nccl":
+            p.append("parallel.backend = nccl needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): use gloo or auto")
+        if self.sequence_parallel and self.tp <= 1:
+            p.append(f"parallel.sequence_parallel needs parallel.tp > 1 (got {self.tp}): it splits activations "
+                     "across the tensor-parallel group")
+        return p
+
+
+@dataclass
+class ContainerConfig(Section):
+    runtime: str = opt("none", "container runtime of the ranks", choices=("none", "apptainer", "pyxis"))
+    image: str = opt("", "image (a .sif file, a squashfs or a registry name)")
+    mounts: List[str] = opt([], "\"src:dst\" bind mounts")
+    extra_args: List[str] = opt([], "extra arguments to the container runtime")
+
+    def check(self, job) -> List[str]:
+        if self.runtime != "none" and not self.image:
+            return [f"slurm.container.image: empty, but slurm.container.runtime = {self.runtime} needs one"]
+        return []
+
+
+@dataclass
+class SlurmConfig(Section):
+    nodes: int = opt(1, "world size = nodes * tasks_per_node", check=">0")
+    tasks_per_node: int = opt(2, "ranks per node; one per GPU on GPU clusters", check=">0")
+    gpus_per_node: int = opt(0, "0 = CPU job", check=">=0")
+    cpus_per_task: int = opt(1, "CPU cores per rank", check=">0")
+    mem_gb: int = opt(0, "0 = not requested", check=">=0")
+    time_min: int = opt(60, "time limit in minutes", check=">0")
+    partition: str = opt("", "")
+    account: str = opt("", "")
+    qos: str = opt("", "")
+    constraint: str = opt("", "")
+    exclusive: bool = opt(False, "whole nodes")
+    job_name: str = opt("verl_hpc", "")
+    log_dir: str = opt("${trainer.output_dir}/slurm/%j", "submitit logs, next to the run; %j = the Slurm job id")
+    signal_delay_s: int = opt(120, "Slurm's warning signal (checkpoint + requeue) this long before the limit",
+                              check=">=0")
+    requeue: bool = opt(True, "let the job requeue itself on the warning signal")
+    container: ContainerConfig = section(ContainerConfig)
+    env: Dict[str, str] = opt({}, "environment added to / overriding the job's, e.g. {NCCL_SOCKET_IFNAME: ib0}")
+    setup: List[str] = opt([], "shell lines run before srun, e.g. [\"module load cuda/12.4\"]")
+    additional: Dict[str, str] = opt({}, "extra #SBATCH options, e.g. {reservation: mine}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def world_words(self) -> str:
+        return f"the world size {self.world_size} (slurm.nodes {self.nodes} * slurm.tasks_per_node {self.tasks_per_node})"
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.gpus_per_node > 0 and self.tasks_per_node > self.gpus_per_node:
+            p.append(f"slurm.tasks_per_node = {self.tasks_per_node} is more than slurm.gpus_per_node = "
+                     f"{self.gpus_per_node}: more ranks than GPUs requested (one rank per GPU)")
+        if self.time_min > 0 and self.signal_delay_s >= self.time_min * 60:
+            p.append(f"slurm.signal_delay_s = {self.signal_delay_s} is not shorter than slurm.time_min = "
+                     f"{self.time_min} minutes")
+        return p + sbatch_text_problems(self)  # no newline may reach the sbatch script

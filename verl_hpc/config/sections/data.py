@@ -1,0 +1,51 @@
+"""`data:` prompt files, lengths and batch sizes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+from verl_hpc.config.fields import Section, opt
+
+
+@dataclass
+class DataConfig(Section):
+    train_files: List[str] = opt([], "parquet / jsonl prompt files")
+    val_files: List[str] = opt([], "parquet / jsonl validation prompt files")
+    prompt_key: str = opt("prompt", "column holding the prompt (text or chat messages)")
+    max_prompt_length: int = opt(256, "tokens", check=">0")
+    max_response_length: int = opt(128, "tokens generated per response at most", check=">0")
+    train_batch_size: int = opt(8, "prompts per step (each gets rollout.n responses)", check=">0")
+    val_batch_size: int = opt(64, "validation prompts per generate call", check=">0")
+    shuffle: bool = opt(True, "shuffle the prompts every epoch")
+    seed: int = opt(1, "seed of the data order")
+    overlong_prompts: str = opt("drop", "prompts longer than max_prompt_length", choices=("drop", "error"))
+    mixture: Dict[str, float] = opt({}, "data_source -> sampling weight, e.g. {gsm8k: 2.0, math: 1.0}")
+    wrap_plain_text: bool = opt(True, "plain-text prompts go through the tokenizer's chat template")
+    sft_files: List[str] = opt([], "trainer.job=sft: parquet / jsonl rows with prompt and response columns")
+    response_key: str = opt("response", "SFT: column holding the target response")
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.max_prompt_length + self.max_response_length
+
+    def check(self, job) -> List[str]:
+        p = []
+        weights = self.mixture.values()
+        if any(w < 0 for w in weights) or (weights and sum(weights) <= 0):
+            p.append(f"data.mixture: weights must be >= 0 with a positive sum, got {self.mixture}")
+        if job.trainer.job == "rl" and not self.train_files:
+            p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file")
+        if job.trainer.job == "sft" and not self.sft_files:
+            p.append("data.sft_files: empty, but trainer.job = sft needs at least one file with prompt and "
+                     f"{self.response_key} columns")
+        return p + self._step_split(job)
+
+    def _step_split(self, job) -> List[str]:
+        layout, rl = job.layout, job.trainer.job == "rl"
+        n = job.rollout.n if rl else 1  # sft trains on the dataset's responses
+        if job.trainer.job == "smoke" or not layout.tiles or min(self.train_batch_size, n) <= 0:
+            return []  # smoke has no batches; a broken layout or size is reported on its own
+        if (self.train_batch_size * n) % layout.dp:
+            return [f"data.train_batch_size * rollout.n = {self.train_batch_size} * {n} = "
+                    f"{self.train_batch_size * n} responses per step is not divisible by {layout.dp_words}"]
+        return []

@@ -1,0 +1,40 @@
+"""`reward:` how responses are scored."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from verl_hpc.config.fields import Section, opt, section
+
+
+@dataclass
+class RewardModelConfig(Section):
+    enable: bool = opt(False, "score with a reward model")
+    path: str = opt("", "reward model folder (a *ForSequenceClassification checkpoint)")
+
+    def check(self, job) -> List[str]:
+        if self.enable and not self.path:
+            return ["reward.reward_model.path: empty, but reward.reward_model.enable is true"]
+        return []
+
+
+@dataclass
+class RewardConfig(Section):
+    allow_custom_code: bool = opt(False, "must be true for custom_function: it runs your code on every rank")
+    custom_function: str = opt("", "\"package.module:function\"")
+    on_error: str = opt("zero", "a reward function that fails on one sample", choices=("zero", "raise"))
+    gsm8k_method: str = opt("strict", "strict (\"#### 42\") | flexible (last number in the response)",
+                            choices=("strict", "flexible"))
+    timeout_s: float = opt(60.0, "seconds per reward call (run on a worker thread, so it holds for code that "
+                           "ignores signals); a call past it follows on_error; 0 = no limit", check=">=0")
+    reward_model: RewardModelConfig = section(RewardModelConfig)
+
+    def check(self, job) -> List[str]:
+        p, fn = [], self.custom_function
+        if fn and not self.allow_custom_code:
+            p.append(f"reward.custom_function = '{fn}' runs your own code: set "
+                     "reward.allow_custom_code=true to allow it")
+        module, _, name = fn.partition(":")
+        if fn and not (module and name):
+            p.append(f"reward.custom_function = '{fn}': expected 'package.module:function'")
+        return p

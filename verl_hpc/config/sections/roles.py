@@ -1,0 +1,143 @@
+"""`actor:`, `critic:`, `ref:` the trained and frozen roles, and the optimizer each trained role owns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from verl_hpc.config.fields import Section, opt, section
+
+
+@dataclass
+class OptimConfig(Section):
+    lr: float = opt(1e-6, "peak learning rate", check=">=0")
+    weight_decay: float = opt(0.0, "AdamW weight decay", check=">=0")
+    betas: List[float] = opt([0.9, 0.999], "Adam betas")
+    eps: float = opt(1e-8, "Adam epsilon")
+    clip_grad: float = opt(1.0, "max gradient norm; 0 = no clipping", check=">=0")
+    warmup_steps: int = opt(0, "linear warm-up steps", check=">=0")
+    lr_decay_style: str = opt("constant", "after warm-up", choices=("constant", "linear", "cosine"))
+    min_lr: float = opt(0.0, "floor of the decay", check=">=0")
+
+    def check(self, job) -> List[str]:
+        role = next(name for name in ("actor", "critic") if getattr(job, name).optim is self)
+        p = []
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            p.append(f"{role}.optim.betas: must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            p.append(f"{role}.optim.eps: must be > 0, got {self.eps}")
+        if self.min_lr > self.lr:
+            p.append(f"{role}.optim.min_lr = {self.min_lr} is above {role}.optim.lr = {self.lr}")
+        return p
+
+
+@dataclass
+class TrainedRole(Section):
+    """What the actor and the critic share: how a step's sequences become optimizer steps and
+    micro batches, and the rules that keep every data-parallel rank's share equal."""
+
+    name = ""
+    ppo_epochs: int = opt(1, "passes over each step's batch", check=">0")
+    ppo_mini_batch_size: int = opt(8, "prompts per optimizer step (x rollout.n sequences)", check=">0")
+    micro_batch_size: int = opt(4, "sequences per forward/backward when max_tokens_per_microbatch is 0",
+                                check=">0")
+    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
+                                         check=">=0")
+
+    def batch_problems(self, job) -> List[str]:
+        layout, d = job.layout, job.data
+        n = job.rollout.n if job.trainer.job == "rl" else 1  # sft trains on the dataset's responses
+        mb, micro, budget = self.ppo_mini_batch_size, self.micro_batch_size, self.max_tokens_per_microbatch
+        dp = layout.dp
+        if job.trainer.job == "smoke" or not layout.tiles or min(mb, micro, d.train_batch_size, n) <= 0 or (d.train_batch_size * n) % dp:
+            return []  # reported by the layout, the ranges or data.train_batch_size
+        p, per_rank = [], mb * n // dp
+        if d.train_batch_size % mb:
+            p.append(f"{self.name}.ppo_mini_batch_size = {mb} does not divide data.train_batch_size = "
+                     f"{d.train_batch_size}")
+        elif (mb * n) % dp:
+            p.append(f"{self.name}.ppo_mini_batch_size * rollout.n = {mb} * {n} = {mb * n} sequences per "
+                     f"optimizer step is not divisible by {layout.dp_words}")
+        elif budget == 0 and per_rank % micro:
+            verb = "is more than" if micro > per_rank else "does not divide"
+            p.append(f"{self.name}.micro_batch_size = {micro} {verb} the {per_rank} sequence(s) each rank "
+                     f"gets per optimizer step ({self.name}.ppo_mini_batch_size * rollout.n / {dp} ranks)")
+        if 0 < budget < d.max_sequence_length:
+            p.append(f"{self.name}.max_tokens_per_microbatch = {budget} is smaller than one full sequence "
+                     f"(data.max_prompt_length + data.max_response_length = {d.max_sequence_length})")
+        return p
+
+
+@dataclass
+class ActorConfig(TrainedRole):
+    name = "actor"
+    policy_loss: str = opt("vanilla", "the policy-gradient loss (vanilla = PPO clip)",
+                           choices_from="POLICY_LOSSES")
+    clip_ratio_low: float = opt(0.2, "PPO clip below 1", check="[0, 1)")
+    clip_ratio_high: float = opt(0.2, "PPO clip above 1; > clip_ratio_low = DAPO clip-higher")
+    clip_ratio_c: float = opt(3.0, "dual-clip lower bound for negative advantages (> 1)")
+    loss_agg_mode: str = opt("token-mean", "how token losses become one loss", choices_from="LOSS_AGG_MODES")
+    entropy_coeff: float = opt(0.0, "entropy bonus")
+    use_kl_loss: bool = opt(False, "KL to the reference policy as a loss term (GRPO style; needs ref)")
+    kl_loss_coef: float = opt(0.001, "coefficient of the KL loss", check=">=0")
+    kl_loss_type: str = opt("k3", "same names as algorithm.kl_penalty", choices_from="KL_ESTIMATORS")
+    optim: OptimConfig = section(OptimConfig)
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.clip_ratio_high <= 0:
+            p.append(f"actor.clip_ratio_high: must be > 0, got {self.clip_ratio_high}")
+        if self.clip_ratio_c <= 1:
+            p.append(f"actor.clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c}")
+        return p + self.batch_problems(job)
+
+
+@dataclass
+class CriticConfig(TrainedRole):
+    name = "critic"
+    enable: Optional[bool] = opt(None, "value model", auto="on iff algorithm.adv_estimator is gae")
+    model_path: str = opt("", "model the value head is added to", auto="model.path")
+    cliprange_value: float = opt(0.5, "value clipping around the old values")
+    loss_agg_mode: str = opt("token-mean", "how token losses become one loss", choices_from="LOSS_AGG_MODES")
+    optim: OptimConfig = section(lambda: OptimConfig(lr=1e-5), "lr defaults to 1e-5")
+
+    @staticmethod
+    def wanted(job) -> bool:
+        """On iff asked for, or (auto) when the advantage estimator needs values."""
+        enable = job.critic.enable
+        return enable if enable is not None else job.algorithm.adv_estimator == "gae"
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.cliprange_value <= 0:
+            p.append(f"critic.cliprange_value: must be > 0, got {self.cliprange_value}")
+        if job.trainer.job == "rl" and self.enable is False and job.algorithm.adv_estimator == "gae":
+            p.append("critic.enable = false, but algorithm.adv_estimator = gae needs a critic: "
+                     "set critic.enable=true (or leave it null) or pick another estimator")
+        if job.trainer.job == "rl" and self.wanted(job):
+            p += self.batch_problems(job)
+        return p
+
+    def resolve(self, job) -> None:
+        self.model_path = self.model_path or job.model.path
+        self.enable = self.wanted(job)
+
+
+@dataclass
+class RefConfig(Section):
+    enable: Optional[bool] = opt(None, "frozen reference policy",
+                                 auto="on iff a KL term is used (algorithm.use_kl_in_reward or actor.use_kl_loss)")
+
+    @staticmethod
+    def kl_users(job) -> List[str]:
+        return [k for k, on in (("algorithm.use_kl_in_reward", job.algorithm.use_kl_in_reward),
+                                ("actor.use_kl_loss", job.actor.use_kl_loss)) if on]
+
+    def check(self, job) -> List[str]:
+        users = self.kl_users(job)
+        if job.trainer.job == "rl" and self.enable is False and users:
+            return [f"ref.enable = false, but {' and '.join(users)} needs the reference policy"]
+        return []
+
+    def resolve(self, job) -> None:
+        if self.enable is None:
+            self.enable = bool(self.kl_users(job))

@@ -1,0 +1,50 @@
+"""`rollout:` the inference engine that generates responses, and `resharding:` how the actor's new
+weights reach it after every update."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from verl_hpc.config.fields import Section, opt
+from verl_hpc.config.layout import inference_tp_problems
+
+
+@dataclass
+class RolloutConfig(Section):
+    engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate, a slow fallback)",
+                      choices=("vllm", "hf"))
+    n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=">0")
+    temperature: float = opt(1.0, "sampling temperature", check=">=0")
+    top_p: float = opt(1.0, "nucleus sampling", check="(0, 1]")
+    top_k: int = opt(-1, "-1 = off")
+    max_tokens: int = opt(0, "generated tokens per response at most", check=">=0",
+                          auto="data.max_response_length")
+    stop: List[str] = opt([], "stop strings")
+    seed: int = opt(0, "sampling seed")
+    tp: int = opt(1, "inference tensor parallel; independent of parallel.tp", check=">0")
+    gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take", check="(0, 1]")
+    kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto", check=">=0")
+    enforce_eager: bool = opt(True, "false: CUDA graphs / compilation (slower start-up)")
+    sleep_between_phases: bool = opt(False, "vLLM sleep mode frees GPU memory during training (GPU only)")
+    prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
+                               choices=("truncate", "reject"))
+    val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.top_k != -1 and self.top_k <= 0:
+            p.append(f"rollout.top_k: must be -1 (off) or > 0, got {self.top_k}")
+        p += inference_tp_problems(job.world_size, self.tp, job.world_words)
+        if job.trainer.job == "rl" and self.max_tokens > job.data.max_response_length:
+            p.append(f"rollout.max_tokens = {self.max_tokens} exceeds data.max_response_length = "
+                     f"{job.data.max_response_length}")
+        return p
+
+    def resolve(self, job) -> None:
+        self.max_tokens = self.max_tokens or job.data.max_response_length
+
+
+@dataclass
+class ReshardingConfig(Section):
+    bucket_mb: int = opt(512, "size of the weight buckets streamed from the trainer to the rollout engine",
+                         check=">0")
