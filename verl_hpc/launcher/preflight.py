@@ -110,10 +110,8 @@ def _jsonl_problem(p: Path, needed) -> str:
 
 # ------------------------------------------------------------------------------ models
 def _model_folders(cfg):
-    from verl_hpc.config.schema import critic_enabled
-
     out = [("model.path", cfg.model.path)] if cfg.model.path else []
-    if critic_enabled(cfg) and cfg.critic.model_path and cfg.critic.model_path != cfg.model.path:
+    if cfg.critic.wanted(cfg) and cfg.critic.model_path and cfg.critic.model_path != cfg.model.path:
         out.append(("critic.model_path", cfg.critic.model_path))
     if cfg.reward.reward_model.enable and cfg.reward.reward_model.path:
         out.append(("reward.reward_model.path", cfg.reward.reward_model.path))
