@@ -21,7 +21,9 @@ STEPS = 30
 @pytest.fixture(scope="module", autouse=True)
 def cluster_is_up():
     r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0 and r.stdout.strip() in ("idle", "mixed", "allocated"), (
+    states = r.stdout.split()  # one line per node
+    assert r.returncode == 0 and states and all(x in ("idle", "mixed", "allocated", "completing")
+                                                for x in states), (
         f"dev cluster not usable (sinfo: {r.stdout!r} {r.stderr!r}); run slurm/devcluster/start.sh")
 
 
