@@ -64,8 +64,8 @@ def test_wedged_rank_is_named_by_its_stage_watchdog(tmp_path, wait_for_text):
         proc.kill()
     elapsed = time.time() - hung
     assert proc.returncode != 0
-    # 10 s limit + 1 s polling; the launcher then stops rank 0 at once (it waits in a collective)
-    assert elapsed < 10 + 20, f"took {elapsed:.0f}s to fail a rank stalled for 10 s"
+    # 10 s limit + 1 s polling; the launcher then stops rank 0 (waiting in a collective); slack for load
+    assert elapsed < 10 + 40, f"took {elapsed:.0f}s to fail a rank stalled for 10 s"
     assert "rank 1 exited with code 16" in err, err  # runtime/watchdog.py's exit code
     assert re.search(r"error: rank 1: stalled for 1\ds in stage 'smoke step 2' outside any collective "
                      r"\(trainer.stage_timeout_s=10\); stuck at \S+smoke.py:\d+ in _fail_on_purpose", err), err
