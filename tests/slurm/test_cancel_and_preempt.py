@@ -105,7 +105,7 @@ def _node_and_idle_cpus(job_id: str):
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
 def test_slurm_preemption_requeues_and_resumes(tmp_path):
-    steps = 12
+    steps = 60  # long enough that the preemption lands mid-run, not after the last step
     proc, job_id, out, logs = _start_rl(tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
