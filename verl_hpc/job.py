@@ -1,5 +1,8 @@
 """What every rank runs: `python -m verl_hpc.job CONFIG [dotted.overrides ...]`.
 
+A known error (config, data, reward, checkpoint, weights, ...; verl_hpc/runtime/errors.py) ends the
+rank with one line, `error: ...`, and its class's exit code (docs/errors.md).
+
 The same entry serves every launcher (srun from an sbatch script, submitit, mpirun, torchrun, the
 local launcher, a plain `python`): the runtime works out the rank, the config says which program
 (`trainer.job`) to run on it.
@@ -66,8 +69,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as err:  # noqa: BLE001 - known classes become one line; others keep their traceback
+        from verl_hpc.runtime.errors import report
+
+        code = report(err, _rank())
+        if code is None:
+            raise
+        return code
     return 0
+
+
+def _rank() -> int:
+    from verl_hpc.runtime.launch_env import detect
+
+    try:
+        return detect().rank
+    except Exception:  # noqa: BLE001 - only used to label a message
+        return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate
 from verl_hpc.launcher.plan import make_plan, write_resolved_config
+from verl_hpc.launcher.preflight import preflight
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -29,6 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="do not read model.path (plan a job for a model this machine cannot see)")
     p.add_argument("--ignore-memory-plan", action="store_true",
                    help="submit even when the memory plan (python -m verl_hpc.plan) says it does not fit")
+    p.add_argument("--skip-file-checks", action="store_true",
+                   help="do not check the data, model and output files here (they live elsewhere)")
     args = p.parse_intermixed_args(argv)  # options may come after the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, check_model=not args.skip_model_check)
+        if not args.skip_file_checks:  # the files it names: data, model weights, output folders
+            preflight(cfg, check_model=not args.skip_model_check)
         plan = make_plan(cfg, local=args.local)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -108,11 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}")
         return 0
     try:
-        return slurm.wait(job)
+        return slurm.wait(job, progress=_progress(cfg))
     except KeyboardInterrupt:
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)
         return 130
+
+
+def _progress(cfg):
+    """The step line for the status while the job runs (programs that write metrics.jsonl)."""
+    from verl_hpc.launcher.slurm import MetricsProgress
+    from verl_hpc.tracking.jsonl import FILENAME
+
+    if cfg.trainer.job not in ("rl", "sft") or "jsonl" not in cfg.tracking.backends:
+        return None
+    return MetricsProgress(Path(cfg.trainer.output_dir) / FILENAME, cfg.trainer.total_steps)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path, wait_for_text):
     assert proc.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f}s to notice a dead rank"
     assert "rank 1 exited with code 3" in err, err
-    log = Path(err.split("rank 1 exited with code 3; log: ")[1].split()[0])
+    listed = [line.split()[2] for line in err.splitlines() if line.startswith("[submit]   rank ")]
+    assert listed[0] == "1", err  # the rank that died first is listed first, whatever its number
+    log = Path(err.split("rank 1 exited with code 3")[1].split("log: ")[1].split()[0])
     assert log.exists() and "dies on purpose" in log.read_text()
 
 
@@ -89,5 +91,5 @@ def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path, wait_for_text
     # 8 s collective timeout + the launcher's 30 s grace for the wedged rank (launcher/local.py)
     assert elapsed < 60, f"took {elapsed:.0f}s to give up on a wedged rank"
     assert "rank 0 exited with code 1" in err, err
-    log = Path(err.split("rank 0 exited with code 1; log: ")[1].split()[0]).read_text()
+    log = Path(err.split("rank 0 exited with code 1")[1].split("log: ")[1].split()[0]).read_text()
     assert "Timed out" in log, log[-2000:]

@@ -23,7 +23,7 @@ def run_submit(*args):
 def test_dry_run_prints_plan_and_submitit_script(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)  # pretend Slurm is here
-    rc = submit.main(["configs/grpo_8b.yaml", "--dry-run", "--skip-model-check",
+    rc = submit.main(["configs/grpo_8b.yaml", "--dry-run", "--skip-model-check", "--skip-file-checks",
                       f"slurm.log_dir={tmp_path}/%j", "slurm.partition=gpu", "slurm.account=proj1",
                       "slurm.env.NCCL_IB_TIMEOUT=23"])
     out = capsys.readouterr().out

@@ -76,6 +76,9 @@ def resolve(path) -> Path:
         return p
     if (p / LATEST).is_file():
         name = (p / LATEST).read_text().strip()
+        if Path(name).name != name or name in ("", ".", ".."):  # a path would point out of the root
+            raise CheckpointNotFoundError(f"{p / LATEST} names {name!r}; it must name a checkpoint folder "
+                                          f"inside {p} (no '/' or '..')")
         target = p / name
         if not name or not (target / INDEX).exists():
             raise CheckpointNotFoundError(f"{p / LATEST} points to {name!r}, which is missing or incomplete")

@@ -1,12 +1,13 @@
 """The RL trainer's checkpointer: what a training checkpoint holds, when it is written, how a run
-resumes from one, and the requeue after Slurm's warning signal (storage: docs/checkpoints.md).
+resumes from one (storage: docs/checkpoints.md). What happens after a signal's checkpoint (requeue or
+stop) is runtime/requeue.py's.
 
     ckpt = TrainerCheckpointer(cfg, ctx, roles, loader=..., kl_ctrl=..., guard=...)
     start = ckpt.resume()              # 0 (fresh) or the step of the checkpoint loaded
     for step in range(start + 1, total + 1):
         ...; ckpt.maybe_save(step)     # checkpoint.save_every, and always at the last step
     ckpt.maybe_save(step, force=True)  # on the preemption flag
-    ckpt.close(); ckpt.requeue_if_preempted()   # after the run's summary is written
+    ckpt.close()
 
 What a checkpoint holds:
 - tensors: the actor's and (PPO) the critic's engine state, names prefixed `actor/`, `critic/`
@@ -19,22 +20,10 @@ What a checkpoint holds:
   the trainer generator). Rollout sampling does not depend on them (seeded per step), but
   anything else random does. Rank 0's also holds the metric history up to the step
   (verl_hpc.tracking.history), put back on resume where the output directory lacks it.
-
-Requeue (one rank runs it): after the forced save is committed, rank 0 runs `scontrol requeue
-$SLURM_JOB_ID` and every rank leaves with SystemExit. Why our own call rather than submitit's
-checkpoint/requeue handler: the runtime owns USR2/SIGTERM (the trainer must finish the step in
-flight on every rank first; submitit's handler acts inside the signal, mid-collective, on rank 0
-only), the same code serves plain `sbatch launch/*.sbatch` jobs without submitit, and the
-requeued job needs nothing new from submitit: it runs the same pickled call with
-`trainer.resume=auto`. SystemExit (not an exception) keeps submitit from writing a result file,
-so the submitter keeps waiting through REQUEUED/PENDING (Slurm holds a requeued batch job ~120 s
-before it may start again) until the resumed attempt finishes.
 """
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -206,37 +195,3 @@ class TrainerCheckpointer:
                 f"{self.cfg.trainer.resume}) would save again: set another checkpoint.dir, remove "
                 "them, or resume from the latest (trainer.resume=auto)")
 
-    # ------------------------------------------------------------------------------ requeue
-    def requeue_if_preempted(self) -> None:
-        """After a preemption save: on Slurm (with slurm.requeue) requeue the job and leave with
-        SystemExit on every rank; elsewhere just say how to resume. Collective."""
-        if self.preempted_at is None:
-            return
-        job_id = os.environ.get("SLURM_JOB_ID")
-        if not (job_id and self.cfg.slurm.requeue):
-            if self.ctx.rank == 0:
-                why = "slurm.requeue=false" if job_id else "not a Slurm job"
-                log.warning("preempted after step %d; not requeued (%s): run the same job again to "
-                            "resume from %s (trainer.resume=auto)", self.preempted_at, why, self.root)
-            return
-        error = None
-        if self.ctx.rank == 0:
-            cmd = ["scontrol", "requeue", job_id]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-            if proc.returncode != 0:
-                error = f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}"
-                log.error("requeue: %s; the checkpoint of step %d is committed; resubmit to resume",
-                          error, self.preempted_at)
-            else:
-                log.warning("requeue: job %s requeued after the checkpoint of step %d; it resumes "
-                            "from %s when Slurm starts it again", job_id, self.preempted_at, self.root)
-        _barrier()  # no rank leaves before the requeue is in (srun --kill-on-bad-exit)
-        if error is None:
-            raise SystemExit(0)  # not an Exception: submitit writes no result, the submitter waits on
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

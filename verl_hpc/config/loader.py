@@ -59,6 +59,21 @@ def _key_lines(node, path: tuple, out: dict, file: str) -> None:
         _key_lines(value_node, path + (key,), out, file)
 
 
+_DECIMAL = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML 1.1 reads 0x10 as 16, 010 as 8 and 1:30 as 90; in a config those are typos more often
+    than intent. Non-decimal integers stay text, which an int field then rejects by name."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        return super().construct_yaml_int(node) if _DECIMAL.match(text) else text
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+
+
 def read_yaml(path: Path, extended_by: Optional[Path] = None) -> Tuple[dict, Dict[tuple, int]]:
     """(data, key -> line) of one YAML file, with every failure as one ConfigError line."""
     by = f" (extended by '{extended_by}')" if extended_by else ""
@@ -73,7 +88,7 @@ def read_yaml(path: Path, extended_by: Optional[Path] = None) -> Tuple[dict, Dic
     lines: Dict[tuple, int] = {}
     try:
         _key_lines(yaml.compose(text, Loader=yaml.SafeLoader), (), lines, str(path))
-        data = yaml.load(text, Loader=yaml.SafeLoader)
+        data = yaml.load(text, Loader=_ConfigLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
@@ -124,7 +139,7 @@ def parse_value(raw: str) -> Any:
     if raw.strip() == "":
         return ""
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=_ConfigLoader)
     except yaml.YAMLError:
         return raw  # e.g. "%j/logs": '%' starts a YAML directive, but the user meant a string
     if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):

@@ -61,15 +61,16 @@ def read_rows(path: str, what: str = "data file") -> List[Dict[str, Any]]:
     if lower.endswith(JSONL_SUFFIXES):
         try:
             return pa_json.read_json(path).to_pylist()
-        except pa.ArrowException:
+        except (pa.ArrowException, UnicodeDecodeError):  # pyarrow reads bad UTF-8, to_pylist fails on it
             return _read_jsonl_slowly(path, what)  # locates the bad line, or copes with mixed types
     raise DataError(f"{what} '{path}': unknown file type; valid: {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}")
 
 
 def _read_jsonl_slowly(path: str, what: str) -> List[Dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a non-UTF-8 byte is reported with its line, not as a traceback
+        for line_no, raw in enumerate(f, start=1):
+            line = _utf8_line(raw, path, line_no, what)
             if not line.strip():
                 continue
             try:
@@ -83,9 +84,17 @@ def _read_jsonl_slowly(path: str, what: str) -> List[Dict[str, Any]]:
     return rows
 
 
+def _utf8_line(raw: bytes, path: str, line_no: int, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} '{path}' line {line_no}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is "
+                        "not UTF-8; JSONL files must be UTF-8 text (re-save the file as UTF-8)") from None
+
+
 def jsonl_line_numbers(path: str) -> List[int]:
     """1-based line numbers of the non-blank lines: row i of a JSONL file is on line [i]."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         return [n for n, line in enumerate(f, start=1) if line.strip()]
 
 

@@ -17,12 +17,26 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher.plan import Plan
+from verl_hpc.launcher.slurm import error_line
 
 
 def rank_log(log_dir: Path, rank: int) -> Path | None:
     """The log file the launcher wrote for a rank (log_dir/<run id>/attempt_0/<rank>/stderr.log)."""
     found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
     return found[-1] if found else None
+
+
+def by_time_of_death(failures: dict, log_dir: Path) -> list:
+    """Failed ranks, the one that died first first. torch's failure timestamps are all taken when
+    the launcher collects them (whole seconds, identical), so the time of death is the last write
+    to the rank's log (its traceback, or its last line before a crash); a rank without a log goes
+    last. Ties: a rank that exited on its own (exit code >= 0) before one the launcher killed."""
+    def key(rank):
+        log = rank_log(log_dir, rank)
+        mtime = log.stat().st_mtime_ns if log is not None and log.exists() else float("inf")
+        return (mtime, failures[rank].exitcode < 0, rank)
+
+    return sorted(failures, key=key)
 
 
 def run_local(plan: Plan, config_path: Path) -> int:
@@ -43,9 +57,13 @@ def run_local(plan: Plan, config_path: Path) -> int:
         elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
     except ChildFailedError as err:
         print(f"[submit] local job FAILED; logs in {plan.log_dir}", file=sys.stderr)
-        for rank, failure in sorted(err.failures.items()):
-            print(f"[submit]   rank {rank} exited with code {failure.exitcode}; "
-                  f"log: {rank_log(plan.log_dir, rank)}", file=sys.stderr)
+        order = by_time_of_death(err.failures, plan.log_dir)
+        for i, rank in enumerate(order):
+            first = " (failed first)" if i == 0 and len(order) > 1 else ""
+            log = rank_log(plan.log_dir, rank)
+            said = error_line(log) if log is not None else ""
+            print(f"[submit]   rank {rank} exited with code {err.failures[rank].exitcode}{first}; "
+                  f"log: {log}" + (f"\n[submit]     {said}" if said else ""), file=sys.stderr)
         return 1
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
     return 0

@@ -75,8 +75,51 @@ def submit(ex: submitit.SlurmExecutor, fn, *args) -> submitit.Job:
     return ex.submit(fn, *args)
 
 
-def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0) -> int:
-    """Stream rank 0's stdout, print a status line now and then; 0 if COMPLETED, else 1."""
+class MetricsProgress:
+    """`step 12/200 (6%) 3.4 s/step ETA 10m38s` from the trainer's metrics.jsonl, which rank 0
+    appends to once per step on the shared file system: the submitter needs no channel of its own
+    to the job, and the line does not depend on which tracking backends print to the log. The
+    rate is over the last steps' own timestamps (tracking/progress.py's rule)."""
+
+    def __init__(self, metrics_file: Path, total_steps: int) -> None:
+        self.path, self.total = Path(metrics_file), int(total_steps)
+        self._offset, self._seen = 0, []  # (step, time) of the rows read so far
+
+    def __call__(self) -> str:
+        import json
+
+        from verl_hpc.tracking.progress import WINDOW, format_duration, format_rate
+
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self._offset:  # a resumed attempt rewrote the file
+                    self._offset, self._seen = 0, []
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return ""
+        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line being written is read next time
+        self._offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                step, t = int(row["step"]), float(row["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._seen = [(s, x) for s, x in self._seen if s < step] + [(step, t)]
+        if not self._seen:
+            return ""
+        window = self._seen[-(WINDOW + 1):]
+        (s0, t0), (s1, t1) = window[0], window[-1]
+        rate = (t1 - t0) / (s1 - s0) if s1 > s0 else float("nan")
+        pct = 100.0 * s1 / self.total if self.total > 0 else 0.0
+        return (f"step {s1}/{self.total} ({pct:.0f}%) {format_rate(rate)} "
+                f"ETA {format_duration(rate * max(self.total - s1, 0))}")
+
+
+def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0, progress=None) -> int:
+    """Stream rank 0's stdout, print a status line now and then (with `progress()`'s step line
+    when it has one); 0 if COMPLETED, else 1."""
     out_path = Path(job.paths.stdout)
     offset, t0, last_status = 0, time.time(), 0.0
     print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}", flush=True)
@@ -87,8 +130,9 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
         if done:
             break
         if now - last_status >= status_every_s:
+            steps = progress() if progress is not None else ""
             print(f"[submit] job {job.job_id} {job.state} {time.strftime('%M:%S', time.gmtime(now - t0))}"
-                  " elapsed", flush=True)
+                  " elapsed" + (f"; {steps}" if steps else ""), flush=True)
             last_status = now
         time.sleep(poll_s)
     _stream(out_path, offset)
@@ -149,13 +193,27 @@ def failed_ranks(job: submitit.Job) -> list[tuple[int, str, str, Path]]:
         for log in sorted(folder.glob(f"{job.job_id}_*_log.err")):
             if "Traceback" in log.read_text(errors="replace"):
                 found[int(log.name.split("_")[1])] = ("raised an exception", _host_of(log))
-    return [(r, why, node, folder / f"{job.job_id}_{r}_log.err") for r, (why, node) in sorted(found.items())]
+    out = []
+    for r, (why, node) in sorted(found.items()):
+        log = folder / f"{job.job_id}_{r}_log.err"
+        out.append((r, error_line(log) or why, node, log))
+    return out
 
 
 def _host_of(log: Path) -> str:
     """The host a rank ran on, from the runtime's `rank R/W up via ... on host H` line."""
     m = re.search(r" up via \S+ on host (\S+)", log.read_text(errors="replace"))
     return m.group(1) if m else ""
+
+
+def error_line(log: Path) -> str:
+    """The rank's own one-line `error: ...` (verl_hpc/runtime/errors.py), if it printed one."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [line for line in text.splitlines() if line.startswith("error: ")]
+    return lines[-1] if lines else ""
 
 
 def _expand(spec: str) -> list[int]:

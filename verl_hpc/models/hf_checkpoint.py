@@ -14,6 +14,22 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 
+class WeightFileError(ValueError):
+    """A safetensors file that cannot be opened (truncated, damaged, not safetensors); names it."""
+
+
+def open_safetensors(path):
+    """safe_open with the file named in the error (safetensors' own SafetensorError says only
+    e.g. 'MetadataIncompleteBuffer', not which of a model's files is bad)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise WeightFileError(f"'{path}': cannot open as safetensors ({e}); the file is truncated, damaged "
+                              "or not safetensors (re-copy or re-save it)") from None
+
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -41,9 +57,7 @@ def _weight_map(folder: Path) -> Dict[str, str]:
         raise ConfigError(f"model.path: {folder} has {found}; expected {SINGLE_FILE} or "
                           f"{INDEX_FILE} with its shards (.bin checkpoints are not supported: "
                           f"re-save with safe_serialization=True)")
-    from safetensors import safe_open
-
-    with safe_open(str(files[0]), framework="pt") as f:
+    with open_safetensors(files[0]) as f:
         return {name: files[0].name for name in f.keys()}
 
 
@@ -67,9 +81,7 @@ class HFCheckpointReader:
                            f"match the weights? e.g. tie_word_embeddings, num_hidden_layers)")
         fname = self.weight_map[name]
         if fname not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[fname] = safe_open(str(self.folder / fname), framework="pt")
+            self._handles[fname] = open_safetensors(self.folder / fname)
         return self._handles[fname].get_slice(name)
 
     def shape(self, name: str) -> Tuple[int, ...]:

@@ -5,8 +5,11 @@
     scores, metrics = scorer.score(ids, data_sources, response_texts, ground_truths, extras)
     token_rewards = scorer.to_token_level(scores, response_mask)       # [B, T], score on the last token
 
-A reward function that raises (or returns something that is not a finite number) follows
-reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
+A reward function that raises (any exception, and also a BaseException such as SystemExit or
+KeyboardInterrupt raised by the function itself), does not return within reward.timeout_s
+(per sample, enforced on a worker thread: rewards/timeout.py), or returns something that is not a
+finite number (a bool is refused: return 1.0/0.0; every number in a returned dict must be finite
+too) follows reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
 'reward/errors_total') and logs the first traceback once (kept in `first_error`); 'raise' stops with
 a RewardError naming the sample's id and data_source, the original exception chained. An unknown
 data_source is a configuration problem, not a failing function, and raises under both settings.
@@ -27,6 +30,7 @@ from verl_hpc.rewards import registry
 from verl_hpc.rewards.custom import CustomFn, load_custom_function
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rewards.reward_model import RewardModel, combine, rm_scores
+from verl_hpc.rewards.timeout import FunctionExited, RewardTimeout, TimedCaller
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("zero", "raise")
@@ -35,13 +39,16 @@ MAX_LISTED = 10
 
 class RewardScorer:
     def __init__(self, on_error: str = default_of("reward.on_error"), custom_function: Optional[CustomFn] = None,
-                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = default_of("reward.gsm8k_method")):
+                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = default_of("reward.gsm8k_method"),
+                 timeout_s: float = 0.0, custom_name: str = ""):
         if on_error not in ON_ERROR:
             raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
         if gsm8k_method not in ("strict", "flexible"):
             raise RewardError(f"gsm8k_method: invalid value {gsm8k_method!r}; valid: strict, flexible")
         self.on_error, self.custom, self.reward_model = on_error, custom_function, reward_model
         self.gsm8k_method = gsm8k_method
+        self.call = TimedCaller(timeout_s)
+        self.custom_name = custom_name or getattr(custom_function, "__qualname__", "custom")
         self.errors_total = 0
         self.first_error: Optional[str] = None  # "sample <id> (data_source <ds>):\n<traceback>"
 
@@ -55,7 +62,8 @@ class RewardScorer:
         if reward_cfg.reward_model.enable and reward_model is None:
             raise RewardError("reward.reward_model.enable is true, but no reward model was passed to the scorer "
                               "(the engine's reward role builds it from reward.reward_model.path)")
-        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None, gsm8k_method)
+        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None, gsm8k_method,
+                   timeout_s=reward_cfg.timeout_s, custom_name=reward_cfg.custom_function)
 
     # ------------------------------------------------------------------------------ routing
     def rule_for(self, data_source: str) -> Optional[registry.RuleScorer]:
@@ -104,7 +112,7 @@ class RewardScorer:
                 continue  # reward model only
             has_rule[i] = True
             try:
-                value, info = _as_score(fn(data_sources[i], response_texts[i], ground_truths[i], extras[i]))
+                value, info = _as_score(self.call(fn, data_sources[i], response_texts[i], ground_truths[i], extras[i]))
             except Exception as e:  # noqa: BLE001 - any failure of user/rule code follows on_error
                 errors += 1
                 self._handle_error(e, ids[i], data_sources[i])
@@ -135,10 +143,22 @@ class RewardScorer:
             raise RewardError(f"sample {sample_id}: {registry.unknown_source_message(data_source)}")
         return lambda ds, text, truth, extra: rule.fn(text, truth, extra)
 
+    def _name(self, data_source: str) -> str:
+        if self.custom is not None:
+            return self.custom_name
+        rule = self.rule_for(data_source)
+        return f"rule '{rule.name}'" if rule is not None else "reward"
+
     def _handle_error(self, exc: Exception, sample_id: str, data_source: str) -> None:
         where = f"sample {sample_id} (data_source {data_source!r})"
         if self.on_error == "raise":
-            raise RewardError(f"reward function failed on {where}: {type(exc).__name__}: {exc} "
+            if isinstance(exc, RewardTimeout):
+                raise RewardError(f"reward function {self._name(data_source)} timed out on {where}: {exc} "
+                                  "(set reward.on_error=zero to score such samples 0 and go on)") from None
+            what = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, FunctionExited):
+                what = f"raised {exc} (a BaseException, which would have ended the rank)"
+            raise RewardError(f"reward function {self._name(data_source)} failed on {where}: {what} "
                               "(set reward.on_error=zero to score such samples 0 and go on)") from exc
         if self.first_error is None:
             self.first_error = f"{where}:\n" + "".join(traceback.format_exception(exc))
@@ -167,9 +187,15 @@ def _as_score(out) -> Tuple[float, Dict[str, float]]:
             raise RewardError(f"reward function returned a dict without 'score' (keys: {sorted(out)})")
         info = {k: float(v) for k, v in out.items()
                 if k != "score" and isinstance(v, numbers.Real) and not isinstance(v, bool)}
+        bad = sorted(k for k, v in info.items() if not math.isfinite(v))
+        if bad:  # a NaN would turn the run's reward/extra/<key> metric into NaN for good
+            raise RewardError(f"reward function returned a non-finite {', '.join(repr(k) for k in bad)} = "
+                              f"{', '.join(str(info[k]) for k in bad)} in its dict; every number must be finite")
         out = out["score"]
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
+    if isinstance(out, bool):  # a bool is a number in Python, but True as a reward is more likely a slip
+        raise RewardError(f"reward function returned {out!r} (a bool); return a number, e.g. {float(out)}")
     if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
         raise RewardError(f"reward function returned {out!r}; expected a finite number or a dict with 'score'")
     return float(out), info

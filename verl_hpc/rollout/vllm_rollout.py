@@ -252,12 +252,18 @@ class VLLMRollout(RolloutEngine):
     def close(self) -> None:
         """Shut the engine down now. vLLM's own process groups go; the job's default group stays
         (vllm_compat). On several ranks, all ranks close together."""
-        if self._closed:
+        if self._closed:  # idempotent: a second call (an error path, then the normal one) does nothing
             return
         self._closed = True
         llm, self.llm = self.llm, None
-        with vllm_compat.engine_call(self.device):
-            llm.llm_engine.engine_core.shutdown()
+        if llm is None:  # the engine never came up
+            return
+        try:
+            with vllm_compat.engine_call(self.device):
+                llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - a failed shutdown at the end must not hide the job's result
+            log.warning("vllm rollout: engine shutdown failed (%s: %s); the process exits anyway",
+                        type(e).__name__, e)
         del llm
         gc.collect()
 

@@ -25,7 +25,7 @@ from verl_hpc.config.hf_model import read_hf_config
 
 def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
     """Tensor names stored in a HF folder's safetensors files (read from headers, no data)."""
-    from safetensors import safe_open
+    from verl_hpc.models.hf_checkpoint import open_safetensors
 
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
@@ -36,7 +36,7 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
         raise FileNotFoundError(f"model.path={str(folder)!r} holds no *.safetensors files")
     names: Set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with open_safetensors(f) as handle:
             names.update(handle.keys())
     return names
 

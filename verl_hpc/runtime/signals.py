@@ -1,43 +1,52 @@
-"""Preemption and time-limit signals become a flag the trainer polls between steps.
+"""Slurm's signals become a flag the trainer polls between steps.
 
-Slurm sends the warning signal (`--signal=USR2@120`, submitit's default too) before the time
-limit and SIGTERM on preemption or cancel. Acting inside a handler would interrupt a collective
-half-way on one rank, so the handlers only record; the trainer checks `PreemptionFlag.agreed()`
-at a step boundary, where every rank is, and then checkpoints and asks to be requeued.
+Two signals, two meanings (the rule Slurm users expect; docs/signals.md):
+- the warning signal (`--signal=USR2@<slurm.signal_delay_s>`, submitit's default too) comes before
+  the time limit: checkpoint and requeue;
+- SIGTERM comes on `scancel`, at the time limit, or when Slurm preempts the job: checkpoint if
+  there is time, then exit. It requeues only when Slurm itself is preempting the job, which
+  runtime/requeue.py asks Slurm about (`scontrol show job`) before requeueing anything.
+
+Acting inside a handler would interrupt a collective half-way on one rank, so the handlers only
+record; the trainer checks `PreemptionFlag.agreed()` at a step boundary, where every rank is.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import time
-from typing import Iterable
-
-import torch
-import torch.distributed as dist
-
-from verl_hpc.runtime.device import collective_device
+from typing import Iterable, Optional
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+WARNING_SIGNAL = signal.SIGUSR2  # what submitit's signal_delay_s (--signal=USR2@N) sends
+DEFAULT_SIGNALS = (WARNING_SIGNAL, signal.SIGTERM)
+# agreed() all-reduces one code per rank with MAX: the warning signal wins over SIGTERM (a job
+# told both is ending at its time limit and wants its requeue).
+_CODES = {None: 0, "SIGTERM": 1, WARNING_SIGNAL.name: 2}
 
 
 class PreemptionFlag:
     def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self.received_at: float | None = None
+        self.signal_name: Optional[str] = None
+        self.received_at: Optional[float] = None
+        self.agreed_signal: Optional[str] = None  # after agreed(): the signal every rank acts on
 
     def is_set(self) -> bool:
         return self.signal_name is not None
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
-        if self.signal_name is None:
-            self.signal_name = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.signal_name is None or _CODES.get(name, 1) > _CODES.get(self.signal_name, 1):
+            self.signal_name = name
             self.received_at = time.time()
         # logging is not async-signal-safe in general, but CPython runs handlers between
         # bytecodes on the main thread, so a short message here is safe enough and very useful.
-        log.warning("received %s: will checkpoint and requeue at the next step boundary",
-                    signal.Signals(signum).name)
+        if name == WARNING_SIGNAL.name:
+            log.warning("received %s: will checkpoint and requeue at the next step boundary", name)
+        else:
+            log.warning("received %s: will checkpoint at the next step boundary if there is time, then "
+                        "stop (requeued only if Slurm is preempting the job)", name)
 
     def install(self, signals: Iterable[signal.Signals] = DEFAULT_SIGNALS) -> "PreemptionFlag":
         for sig in signals:
@@ -45,10 +54,17 @@ class PreemptionFlag:
         return self
 
     def agreed(self, group=None) -> bool:
-        """True on every rank if any rank saw a signal (a MAX all-reduce: one collective)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.is_set()
+        """True on every rank if any rank saw a signal (a MAX all-reduce: one collective); sets
+        `agreed_signal` to the strongest signal any rank saw (the warning signal over SIGTERM)."""
+        import torch
+        import torch.distributed as dist
 
-        t = torch.tensor([1 if self.is_set() else 0], dtype=torch.int32, device=collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return bool(t.item())
+        code = _CODES.get(self.signal_name, 1)
+        if dist.is_available() and dist.is_initialized():
+            from verl_hpc.runtime.device import collective_device
+
+            t = torch.tensor([code], dtype=torch.int32, device=collective_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            code = int(t.item())
+        self.agreed_signal = {v: k for k, v in _CODES.items()}[code]
+        return code > 0

@@ -13,7 +13,8 @@ verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise
 
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
-warning signal) it saves, stops cleanly and (on Slurm) requeues the job, which resumes from `latest`.
+warning signal, or SIGTERM from scancel/preemption) it saves and stops cleanly; runtime/requeue.py then
+requeues the job where the rule says so (docs/signals.md), and the requeued job resumes from `latest`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from verl_hpc.resharding import WeightSync
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
+from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
 from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
@@ -128,11 +130,15 @@ class RLTrainer:
         tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
                                       config=to_container(cfg))
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
+        # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
+        dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
         try:
             if self.validator and not start:
+                dog.stage("validate")
                 summary["val_before"] = self._validate(tracker, 0)
             # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
-            timer = StageTimer(comm=collectives.counts if self.cfg.tracking.comm_bytes else None)
+            comm = collectives.counts if self.cfg.tracking.comm_bytes else None
+            timer = WatchedTimer(StageTimer(comm=comm), dog)
             t0 = time.time()
             for step in range(start + 1, tr.total_steps + 1):
                 with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
@@ -147,9 +153,12 @@ class RLTrainer:
                     {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 last = step == tr.total_steps
                 if self.validator and (last or step % tr.val_every == 0):
+                    dog.stage("validate")
                     metrics.update(val := self._validate(None, step))
                     summary["val_after"] = val
+                dog.stage("log")
                 tracker.log(metrics, step)
+                dog.stage("checkpoint")
                 self.checkpointer.maybe_save(step)
                 if ctx.preemption.agreed():
                     log.warning("rl: preemption flag set after step %d; saving and stopping", step)
@@ -163,6 +172,7 @@ class RLTrainer:
             tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
             raise
         finally:
+            dog.stop()
             summary["plot"] = str(tracker.close(summary["stopped"], summary["steps"]) or "") or None
             summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
@@ -184,6 +194,13 @@ def _columns(ds):
     return b.ids, b.data_sources, b.ground_truths
 
 
+def _close_quietly(rollout) -> None:
+    try:
+        rollout.close()
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the error in flight is the one to see
+        log.warning("rollout close after an error also failed: %s: %s", type(e).__name__, e)
+
+
 def run(cfg, ctx) -> dict:
     missing = missing_packages(cfg.tracking.backends)  # on every rank, before any collective work
     if missing:
@@ -191,13 +208,19 @@ def run(cfg, ctx) -> dict:
     trainer = RLTrainer(cfg, ctx)
     try:
         summary = trainer.fit()
-    finally:  # all ranks together, before the runtime tears the process group down
-        trainer.roles.rollout.close()
+    except BaseException:  # the engine's shutdown must not bury the error that got us here
+        _close_quietly(trainer.roles.rollout)
+        raise
+    trainer.roles.rollout.close()  # all ranks together, before the runtime tears the process group down
     if ctx.rank == 0:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
               flush=True)
-    trainer.checkpointer.requeue_if_preempted()  # on Slurm: requeue, then SystemExit on every rank
+    if trainer.checkpointer.preempted_at is not None:  # requeue (SystemExit on every rank) or stop
+        from verl_hpc.runtime.requeue import requeue_after_signal
+
+        requeue_after_signal(cfg, ctx, step=trainer.checkpointer.preempted_at,
+                             checkpoint_dir=trainer.checkpointer.root)
     return summary

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.runtime.device import collective_device
+from verl_hpc.runtime.watchdog import StageWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 def _fail_on_purpose(mode: str, rank: int, step: int) -> None:
     if mode == "hang":
         log.error("smoke: rank %d hangs on purpose at step %d (trainer.smoke.fail_mode=hang)", rank, step)
-        while True:  # alive but silent: the others must give up after trainer.collective_timeout_s
+        while True:  # alive but silent: its stage watchdog (or the others' collective timeout) ends the job
             time.sleep(3600)
     log.error("smoke: rank %d dies on purpose at step %d (trainer.smoke.fail_rank)", rank, step)
     logging.shutdown()
@@ -39,7 +40,9 @@ def run(cfg, ctx) -> dict:
                            f"launcher says {rank}/{world}")
     expected = world * (world + 1) // 2
     steps_done, t0 = 0, time.time()
+    dog = StageWatchdog(cfg.trainer.stage_timeout_s, rank).start()
     for step in range(s.steps):
+        dog.stage(f"smoke step {step}")
         if rank == s.fail_rank and step == s.fail_at_step:
             _fail_on_purpose(s.fail_mode, rank, step)
         t = torch.tensor([float(rank + 1)], device=collective_device())
@@ -58,6 +61,7 @@ def run(cfg, ctx) -> dict:
             log.warning("smoke: preemption flag set at step %d; stopping early", steps_done)
             break
 
+    dog.stop()
     mine = dict(rank=rank, world_size=world, launcher=ctx.env.launcher, host=socket.gethostname(),
                 local_rank=ctx.env.local_rank, local_world_size=ctx.env.local_world_size,
                 node_rank=ctx.env.node_rank, master_addr=ctx.env.master_addr,

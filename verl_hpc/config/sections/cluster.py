@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.sbatch_text import sbatch_text_problems
 
 
 @dataclass
@@ -105,4 +106,4 @@ class SlurmConfig(Section):
         if self.time_min > 0 and self.signal_delay_s >= self.time_min * 60:
             p.append(f"slurm.signal_delay_s = {self.signal_delay_s} is not shorter than slurm.time_min = "
                      f"{self.time_min} minutes")
-        return p
+        return p + sbatch_text_problems(self)  # no newline may reach the sbatch script

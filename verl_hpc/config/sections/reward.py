@@ -24,6 +24,8 @@ class RewardConfig(Section):
     on_error: str = opt("zero", "a reward function that fails on one sample", choices=("zero", "raise"))
     gsm8k_method: str = opt("strict", "strict (\"#### 42\") | flexible (last number in the response)",
                             choices=("strict", "flexible"))
+    timeout_s: float = opt(120.0, "seconds per reward call (run on a worker thread, so it holds for code that "
+                           "ignores signals); a call past it follows on_error; 0 = no limit", check=">=0")
     reward_model: RewardModelConfig = section(RewardModelConfig)
 
     def check(self, job) -> List[str]:

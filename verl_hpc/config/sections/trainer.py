@@ -69,6 +69,8 @@ class TrainerConfig(Section):
     inject_rollout_logprob_shift: Optional[float] = opt(
         None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it", check=">0")
+    stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "
+                               "naming the rank, the stage and its code line; 0 = no watchdog", check=">=0")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
 
     def check(self, job) -> List[str]:

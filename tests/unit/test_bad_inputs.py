@@ -1,0 +1,380 @@
+"""Bad inputs a new user sends (issue 11), each answered with one line naming the field, file or
+row and what is valid: config integers, values that would reach the sbatch script, data bytes."""
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_hpc.config import ConfigError, load_config, validate
+from verl_hpc.data.errors import DataError
+from verl_hpc.data.records import load_records, read_rows
+
+pytestmark = pytest.mark.unit
+OK = ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2"]
+
+
+def one_line(exc) -> str:
+    text = str(exc)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+# ------------------------------------------------------------------ integers that are not decimal
+@pytest.mark.parametrize("override,shown", [
+    ("trainer.total_steps=0x10", "'0x10'"),
+    ("data.train_batch_size=0o10", "'0o10'"),
+    ("slurm.time_min=1:30", "'1:30'"),  # YAML 1.1 sexagesimal: 90
+    ("rollout.n=0b11", "'0b11'"),
+])
+def test_non_decimal_int_on_the_command_line_is_an_error(override, shown):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, OK + [override])
+    key = override.split("=")[0]
+    assert one_line(e.value).startswith(f"{key}: expected int, got {shown}"), e.value
+
+
+def test_non_decimal_int_in_a_file_names_the_line(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("trainer:\n  total_steps: 0x10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, [])
+    assert one_line(e.value) == (f"trainer.total_steps: expected int, got '0x10' (from {f}, line 2)"), e.value
+
+
+def test_decimal_ints_and_hex_text_in_str_fields_still_load():
+    cfg = load_config(None, ["trainer.total_steps=1_000", "trainer.experiment_name=0x10"])
+    assert cfg.trainer.total_steps == 1000 and cfg.trainer.experiment_name == "0x10"
+
+
+# ------------------------------------------------------------------ values that reach the sbatch script
+# YAML double quotes turn \\n into a newline (single quotes would fold a raw newline into a space)
+@pytest.mark.parametrize("override,message", [
+    ('slurm.additional.comment="x\\n#SBATCH --uid=0"',
+     "slurm.additional.comment: contains character '\\n'; valid: a one-line value"),
+    ('slurm.additional={"mail-type\\n#SBATCH --uid": 0}',
+     "slurm.additional: 'mail-type\\n#SBATCH --uid' is not an sbatch option name"),
+    ('slurm.env.FOO="a\\nrm -rf ~"', "slurm.env.FOO: contains character '\\n'; valid: a one-line value"),
+    ("slurm.env={'A B': x}", "slurm.env: 'A B' is not an environment variable name"),
+    ("slurm.env={'1X': x}", "slurm.env: '1X' is not an environment variable name"),
+    ('slurm.setup=["module load x\\r#SBATCH --exclusive"]', "slurm.setup[0]: contains character '\\r'"),
+    ('slurm.partition="gpu\\n#SBATCH --qos=high"', "slurm.partition: contains character '\\n'"),
+    ('slurm.job_name="a\\x1b[2Jb"', "slurm.job_name: contains character '\\x1b'"),
+    ('slurm.container.mounts=["/a:/a\\n/b"]', "slurm.container.mounts[0]: contains character '\\n'"),
+])
+def test_sbatch_injection_is_refused(override, message):
+    cfg = load_config(None, OK + [override])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, check_model=False)
+    assert len(e.value.problems) == 1 and one_line(e.value).startswith(message), e.value
+
+
+# ------------------------------------------------------------------ data bytes
+def test_non_utf8_jsonl_names_file_and_line(tmp_path):
+    f = tmp_path / "train.jsonl"
+    f.write_bytes(b'{"prompt": "a", "data_source": "gsm8k", "ground_truth": "1"}\n\n'
+                  b'{"prompt": "caf\xe9", "data_source": "gsm8k", "ground_truth": "1"}\n')
+    for read in (lambda: read_rows(str(f)), lambda: load_records([str(f)])):
+        with pytest.raises(DataError) as e:
+            read()
+        assert one_line(e.value).endswith(f" file '{f}' line 3: byte 0xe9 at column 16 is not UTF-8; JSONL files "
+                                     "must be UTF-8 text (re-save the file as UTF-8)"), e.value
+
+
+# ------------------------------------------------------------------ the local failure summary
+def test_local_failure_summary_puts_the_rank_that_died_first_first(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from verl_hpc.launcher.local import by_time_of_death
+
+    now = time.time()
+    for rank, died, in ((0, now - 1), (1, now - 5), (2, now - 3)):  # rank 1 died first
+        log = tmp_path / "run1" / "attempt_0" / str(rank) / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text("...")
+        os.utime(log, (died, died))
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=code, error_file=str(tmp_path / "none"))
+                for r, code in ((0, 1), (1, 3), (2, -15))}
+    assert by_time_of_death(failures, Path(tmp_path)) == [1, 2, 0]
+
+
+# ------------------------------------------------------------------ files checked before the queue
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from verl_hpc.launcher.preflight import preflight  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ROW = {"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(folder), "--layers", "2"], cwd=REPO,
+                   check=True, capture_output=True, timeout=300)
+    return folder
+
+
+@pytest.fixture
+def job(tmp_path, tiny_model):
+    """A valid RL job's files (model copy, one parquet, one JSONL); returns (overrides, paths)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    train, val = tmp_path / "train.parquet", tmp_path / "val.jsonl"
+    pq.write_table(pa.Table.from_pylist([ROW] * 4), train)
+    val.write_text("".join(json.dumps(ROW) + "\n" for _ in range(4)))
+    paths = dict(model=model, train=train, val=val, out=tmp_path / "out")
+    overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                 f"trainer.output_dir={paths['out']}", f"slurm.log_dir={tmp_path}/logs/%j", "rollout.n=2"]
+    return overrides, paths
+
+
+def preflight_problem(overrides) -> str:
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert len(e.value.problems) == 1, e.value
+    return one_line(e.value)
+
+
+def test_preflight_passes_a_good_job(job):
+    preflight(load_config(None, job[0]))
+
+
+def _set_train(overrides, path):
+    return [o for o in overrides if not o.startswith("data.train_files=")] + [f"data.train_files=[{path}]"]
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda t: t / "nope.parquet", "data.train_files: '{f}': no such file"),
+    (lambda t: (t / "d.parquet").mkdir() or t / "d.parquet",
+     "data.train_files: '{f}' is a folder; expected a parquet or JSONL file"),
+    (lambda t: (t / "a.csv").write_text("x") and t / "a.csv",
+     "data.train_files: '{f}': unknown file type; valid: .parquet, .pq, .jsonl, .json, .ndjson"),
+    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files: '{f}': no rows"),
+    (lambda t: (t / "b.jsonl").write_text(json.dumps(ROW) + "\n{oops\n") and t / "b.jsonl",
+     "data.train_files: '{f}' line 2: invalid JSON"),
+    (lambda t: (t / "l.jsonl").write_text("[1, 2]\n") and t / "l.jsonl",
+     "data.train_files: '{f}' line 1: expected a JSON object, got list"),
+    (lambda t: (t / "m.jsonl").write_text('{"prompt": "x", "data_source": "gsm8k"}\n') and t / "m.jsonl",
+     "data.train_files: '{f}' line 1: no field 'ground_truth' (fields: prompt, data_source)"),
+    (lambda t: (t / "u.jsonl").write_bytes(b'{"prompt": "\xff"}\n') and t / "u.jsonl",
+     "data.train_files: '{f}' line 1: byte 0xff is not UTF-8"),
+])
+def test_preflight_data_files(job, tmp_path, make, message):
+    f = make(tmp_path)
+    assert preflight_problem(_set_train(job[0], f)).startswith(message.format(f=f))
+
+
+def test_preflight_truncated_parquet(job):
+    train = job[1]["train"]
+    train.write_bytes(train.read_bytes()[:-20])
+    assert preflight_problem(job[0]).startswith(f"data.train_files: '{train}': not a readable parquet file")
+
+
+def test_preflight_parquet_without_a_column(job):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x", "ground_truth": "1"}]), job[1]["train"])
+    assert preflight_problem(job[0]) == (f"data.train_files: '{job[1]['train']}': no column 'data_source' "
+                                         "(columns: prompt, ground_truth)")
+
+
+def test_preflight_unsupported_architecture(job):
+    cfg_file = job[1]["model"] / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps(dict(cfg, architectures=["MixtralForCausalLM"])))
+    assert preflight_problem(job[0]).startswith(
+        f"model.path: {cfg_file}: architectures=['MixtralForCausalLM'] is not supported; supported: LlamaForCausalLM")
+
+
+def _weights(job):
+    return sorted(job[1]["model"].glob("*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda b: b[:-100], "truncated: its header covers {n} bytes, the file has {m}"),
+    (lambda b: b + b"\0" * 8, "has trailing bytes: its header covers {n} bytes, the file has {m}"),
+    (lambda b: b[:6], "6 bytes, too short for a safetensors header"),
+    (lambda b: (10**12).to_bytes(8, "little") + b[8:], "header length 1000000000000 exceeds the file"),
+])
+def test_preflight_damaged_safetensors(job, damage, words):
+    f = _weights(job)
+    whole = f.read_bytes()
+    f.write_bytes(damage(whole))
+    expected = words.format(n=len(whole), m=f.stat().st_size)
+    assert preflight_problem(job[0]) == f"model.path: '{f}': {expected}" or expected in preflight_problem(job[0])
+
+
+def test_preflight_index_names_a_missing_shard(job):
+    index = job[1]["model"] / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": _weights(job).name, "b": "model-00002-of-00002.safetensors"}}))
+    assert preflight_problem(job[0]) == f"model.path: '{index}' names missing file(s): model-00002-of-00002.safetensors"
+
+
+def test_preflight_model_without_weights(job):
+    for f in job[1]["model"].glob("*.safetensors"):
+        f.unlink()
+    assert preflight_problem(job[0]) == (f"model.path: '{job[1]['model']}' has no *.safetensors files; "
+                                         "expected a Hugging Face model folder")
+
+
+def test_preflight_output_dir_is_a_file(job):
+    job[1]["out"].write_text("not a folder")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={job[1]['out'].parent}/ck"])
+    assert text == (f"trainer.output_dir: '{job[1]['out']}' is a file, not a folder; valid: a writable folder "
+                    "or a path that can be created"), text
+
+
+def test_preflight_checkpoint_dir_under_a_file(job, tmp_path):
+    (tmp_path / "f").write_text("x")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={tmp_path}/f/ck"])
+    assert text.startswith(f"checkpoint.dir: '{tmp_path}/f' is a file, not a folder (needed to create "
+                           f"'{tmp_path}/f/ck')"), text
+
+
+@pytest.mark.parametrize("pointer,words", [
+    ("../../etc", "names '../../etc'; valid: a step_NNNNNN folder inside"),
+    ("/tmp/step_000001", "names '/tmp/step_000001'; valid: a step_NNNNNN folder inside"),
+    ("step_000007", "names 'step_000007', which is missing or incomplete (no index.json)"),
+])
+def test_preflight_latest_is_confined_to_its_folder(job, tmp_path, pointer, words):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "latest").write_text(pointer + "\n")
+    text = preflight_problem(job[0] + [f"checkpoint.dir={ck}"])
+    assert text.startswith(f"checkpoint.dir: '{ck}/latest' {words}"), text
+    assert (ck / "latest").read_text() == pointer + "\n"  # nothing touched
+
+
+def test_latest_escaping_its_folder_is_refused_at_load_too(tmp_path):
+    from verl_hpc.checkpoint.errors import CheckpointNotFoundError
+    from verl_hpc.checkpoint.index import resolve
+
+    (tmp_path / "latest").write_text("../elsewhere")
+    with pytest.raises(CheckpointNotFoundError, match=r"names '../elsewhere'; it must name a checkpoint folder"):
+        resolve(tmp_path)
+
+
+def test_submit_dry_run_refuses_a_missing_data_file_in_one_line(job, tmp_path):
+    missing = tmp_path / "gone.parquet"
+    r = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--dry-run",
+                        *_set_train(job[0], missing)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"error: data.train_files: '{missing}': no such file", r.stderr
+    assert not (tmp_path / "logs").exists() and not job[1]["out"].exists()  # nothing created
+
+
+# ------------------------------------------------------------------ reward functions that misbehave
+import math  # noqa: E402
+import threading  # noqa: E402
+
+from verl_hpc.rewards import RewardScorer  # noqa: E402
+from verl_hpc.rewards.errors import RewardError  # noqa: E402
+
+_release = threading.Event()
+
+
+def _hangs(ds, text, truth, extra):
+    _release.wait()  # "never" returns (released at the end of the test so no thread outlives it)
+    return 1.0
+
+
+def _exits(ds, text, truth, extra):
+    raise SystemExit(3)
+
+
+def _interrupts(ds, text, truth, extra):
+    raise KeyboardInterrupt("inside the function")
+
+
+def _bool(ds, text, truth, extra):
+    return True
+
+
+def _nan_extra(ds, text, truth, extra):
+    return {"score": 1.0, "ratio": math.nan, "len": 3}
+
+
+def _score(fn, on_error="raise", timeout_s=0.5):
+    scorer = RewardScorer(on_error, fn, timeout_s=timeout_s, custom_name=f"my.rewards:{fn.__name__}")
+    return scorer, scorer.score(["train.jsonl:7"], ["gsm8k"], ["42"], ["42"])
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_hangs, "reward function my.rewards:_hangs timed out on sample train.jsonl:7 (data_source 'gsm8k'): did not "
+             "return within reward.timeout_s=0.5s (set reward.on_error=zero to score such samples 0 and go on)"),
+    (_exits, "reward function my.rewards:_exits failed on sample train.jsonl:7 (data_source 'gsm8k'): raised "
+             "SystemExit(3) (a BaseException, which would have ended the rank)"),
+    (_interrupts, "reward function my.rewards:_interrupts failed on sample train.jsonl:7 (data_source 'gsm8k'): "
+                  "raised KeyboardInterrupt(inside the function)"),
+    (_bool, "reward function my.rewards:_bool failed on sample train.jsonl:7 (data_source 'gsm8k'): RewardError: "
+            "reward function returned True (a bool); return a number, e.g. 1.0"),
+    (_nan_extra, "reward function my.rewards:_nan_extra failed on sample train.jsonl:7 (data_source 'gsm8k'): "
+                 "RewardError: reward function returned a non-finite 'ratio' = nan in its dict; every number "
+                 "must be finite"),
+])
+def test_misbehaving_reward_function_is_one_clear_line(fn, message):
+    try:
+        with pytest.raises(RewardError) as e:
+            _score(fn)
+        assert one_line(e.value).startswith(message), e.value
+    finally:
+        _release.set()
+
+
+def test_timed_out_reward_follows_on_error_zero_and_the_next_call_works():
+    _release.clear()
+    calls = []
+
+    def first_hangs(ds, text, truth, extra):
+        calls.append(text)
+        if len(calls) == 1:
+            _release.wait()
+        return 0.5
+
+    try:
+        scorer = RewardScorer("zero", first_hangs, timeout_s=0.3, custom_name="m:first_hangs")
+        scores, metrics = scorer.score(["a:0", "a:1"], ["gsm8k"] * 2, ["x", "y"], ["1", "1"])
+        assert scores.tolist() == [0.0, 0.5] and metrics["reward/errors"] == 1.0
+        assert scorer.first_error.startswith("sample a:0 (data_source 'gsm8k'):") and "RewardTimeout" in scorer.first_error
+        assert scorer.call.abandoned == 1
+    finally:
+        _release.set()
+
+
+# ------------------------------------------------------------------ the stage watchdog
+def test_watchdog_names_rank_stage_and_line_of_a_stalled_rank():
+    from verl_hpc.runtime.watchdog import StageWatchdog
+
+    dog = StageWatchdog(0.5, rank=3, poll_s=0.1, exit_on_stall=False).start()
+    dog.stage("reward")
+    end = time.time() + 10
+    while dog.stalled is None and time.time() < end:
+        time.sleep(0.05)  # the main thread "stalls" here, outside any collective
+    dog.stop()
+    assert dog.stalled is not None
+    import re
+
+    assert re.match(r"rank 3: stalled for \d+s in stage 'reward' outside any collective "
+                    r"\(trainer.stage_timeout_s=0.5\); stuck at ", dog.stalled), dog.stalled
+    assert __file__ in dog.stalled and "test_watchdog_names_rank_stage_and_line" in dog.stalled
+
+
+def test_watchdog_does_not_count_time_inside_a_collective(monkeypatch):
+    from verl_hpc.runtime import watchdog
+
+    # every frame of this test counts as "inside torch.distributed": waiting for other ranks
+    monkeypatch.setattr(watchdog, "_COLLECTIVE_PATHS", (os.path.basename(__file__),))
+    dog = watchdog.StageWatchdog(0.3, rank=0, poll_s=0.05, exit_on_stall=False).start()
+    dog.stage("sync")
+    time.sleep(1.2)
+    dog.stop()
+    assert dog.stalled is None
