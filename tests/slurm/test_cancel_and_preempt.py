@@ -94,15 +94,14 @@ def test_scancel_ends_cancelled_and_stays_ended(tmp_path):
             assert reader.metadata["trainer_state"]["step"] >= 2
 
 
-def _node_and_idle_cpus(job_id: str):
-    """The node our job runs on, its idle CPUs and the CPUs our job holds (the cluster may have several nodes)."""
+def _node_and_cpus(job_id: str):
+    """The node our job runs on and its CPU count (the cluster may have several nodes). A job that
+    asks for all of them fits the node's configuration, and only preempting ours makes room."""
     node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
                           timeout=30).stdout.strip()
     cpus = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%C"], capture_output=True, text=True,
-                          timeout=30).stdout.split()[0]
-    ours = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%C"], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
-    return node, int(cpus.split("/")[1]), int(ours)
+                          timeout=30).stdout.split()[0]  # allocated/idle/other/total
+    return node, int(cpus.split("/")[3])
 
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
@@ -112,8 +111,8 @@ def test_slurm_preemption_requeues_and_resumes(tmp_path):
     urgent = None
     try:
         # a job of a higher-tier partition that needs the CPUs ours holds: Slurm preempts ours
-        node, idle, ours = _node_and_idle_cpus(job_id)  # needs all of ours: only preempting it makes room
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-w", node, "-c", str(idle + ours), "-J", "urgent",
+        node, total = _node_and_cpus(job_id)  # needs all of the node's CPUs: only preempting ours makes room
+        urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-w", node, "-c", str(total), "-J", "urgent",
                                  "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 10"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
         stdout, stderr = proc.communicate(timeout=1300)  # Slurm's ~120 s requeue hold included
