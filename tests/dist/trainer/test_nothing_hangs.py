@@ -25,7 +25,7 @@ def test_hanging_reward_fails_two_rank_job_naming_function_and_sample(tmp_path):
            *data_overrides(root), f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j",
            "slurm.tasks_per_node=2", "rollout.engine=hf", "trainer.total_steps=2", "data.train_batch_size=4",
            "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=2", "trainer.val_every=0",
-           "tracking.backends=[jsonl]", "tracking.plots=false", "reward.allow_custom_code=true",
+           "tracking.backends=[jsonl]", "tracking.plots=false", "safety.allow_custom_code=true",
            "reward.custom_function=hanging_reward:hang_forever", "reward.on_error=raise", "reward.timeout_s=5",
            "trainer.collective_timeout_s=600", "trainer.stage_timeout_s=600"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
