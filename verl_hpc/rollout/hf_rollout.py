@@ -82,6 +82,9 @@ class HFRollout(RolloutEngine):
         self._tokenizer = None
         self.trust_remote_code = trust_remote_code
         torch_dtype = getattr(torch, dtype) if self.device.type != "cpu" else torch.float32
+        # the headers first: a truncated or damaged file is named (WeightFileError) here, not deep
+        # inside transformers' loader as a bare SafetensorError
+        self._required = checkpoint_weight_names(model_path)
         with preserved_rng(self.device):
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
@@ -98,7 +101,6 @@ class HFRollout(RolloutEngine):
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
             bos_token_id=config.bos_token_id)
-        self._required = checkpoint_weight_names(model_path)
         self._targets = {**self.model.state_dict(keep_vars=True),
                          **dict(self.model.named_parameters(remove_duplicate=False))}
         unknown = sorted(self._required - set(self._targets))
