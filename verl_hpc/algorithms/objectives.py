@@ -34,6 +34,22 @@ def _batch_totals(metrics: Dict[str, torch.Tensor], keys, counts, mask: torch.Te
             metrics[key] = metrics[key] * scale
 
 
+def _on_policy_metrics(old: torch.Tensor, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor],
+                       mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """What the separate old-log-prob forward used to report, from this forward: this micro-batch's
+    token means, which the engine averages over micro-batches by tokens (= the batch's token mean).
+    rollout_logprob_diff_mean: |rollout engine - actor| log-prob gap (needs rollout_log_probs in
+    the batch); entropy only where the loss computes it anyway (entropy_coeff > 0)."""
+    valid = mask > 0
+    n = valid.sum().clamp(min=1)
+    m = {}
+    if "rollout_log_probs" in mb:
+        m["rollout_logprob_diff_mean"] = ((mb["rollout_log_probs"] - old).abs() * valid).sum() / n
+    if "entropy" in out:
+        m["entropy"] = (out["entropy"].detach() * valid).sum() / n
+    return m
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyObjective:
     """PPO-family policy objective: `policy_loss` (actor.policy_loss, clipped per its options)
@@ -56,11 +72,15 @@ class PolicyObjective:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 1.0
+    # on-policy shortcut (set by the trainer, verl_hpc/trainer/correction.py): pi_old's log-probs
+    # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
+    old_from_update: bool = False
 
     @classmethod
     def from_config(cls, actor_cfg) -> "PolicyObjective":
         """From the `actor` section (ActorConfig)."""
-        return cls(**{f.name: getattr(actor_cfg, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(actor_cfg, f.name) for f in dataclasses.fields(cls)
+                      if f.name != "old_from_update"})
 
     @property
     def outputs(self) -> Tuple[str, ...]:
@@ -69,20 +89,24 @@ class PolicyObjective:
     def __call__(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], counts):
         mask = mb["response_mask"]
         agg = dict(loss_agg_mode=self.loss_agg_mode, **counts.agg_kwargs())
+        old = out["log_probs"].detach() if self.old_from_update else mb["old_log_probs"]
         loss, metrics = compute_policy_loss(
-            self.policy_loss, mb["old_log_probs"], out["log_probs"], mb["advantages"], mask,
+            self.policy_loss, old, out["log_probs"], mb["advantages"], mask,
             clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb,
             clip_cov_ub=self.clip_cov_ub, kl_cov_ratio=self.kl_cov_ratio, ppo_kl_coef=self.ppo_kl_coef,
             # mismatch correction (algorithms/mismatch.py): per-token weights, absent when off
             rollout_is_weights=mb.get("rollout_is_weights"), **agg)
         metrics = dict(metrics, pg_loss=loss.detach())
+        if self.old_from_update:
+            metrics.update(_on_policy_metrics(old, out, mb, mask))
         if self.entropy_coeff:
             ent = agg_loss(out["entropy"], mask, self.loss_agg_mode, counts.tokens, counts.seqs,
                            counts.norm_len)
             loss = loss - self.entropy_coeff * ent
             metrics["entropy_loss"] = ent.detach()
-        if self.use_kl_loss:
+        if self.use_kl_loss and (self.kl_loss_coef or "ref_log_probs" in mb):
+            # coefficient 0 and no reference (ref.enable auto): the term is 0, nothing to compute
             if "ref_log_probs" not in mb:
                 raise ValueError("actor.use_kl_loss=true but the batch has no 'ref_log_probs'")
             kl, kl_metrics = kl_loss(out["log_probs"], mb["ref_log_probs"], mask, self.kl_loss_coef,

@@ -22,6 +22,11 @@ def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
     a = algorithm_cfg
     if not a.use_kl_in_reward:
         return token_scores, {}
+    if batch.ref_log_probs is None:  # coefficient 0: ref.enable (auto) built no reference
+        if kl_ctrl.value:
+            raise RuntimeError("algorithm.use_kl_in_reward with a KL coefficient > 0 needs the reference "
+                               "policy (ref.enable)")
+        return token_scores, {}
     rewards, m = apply_kl_penalty(token_scores, batch.old_log_probs, batch.ref_log_probs,
                                   batch.response_mask, kl_ctrl.value, a.kl_penalty)
     kl = float(m["kl"])

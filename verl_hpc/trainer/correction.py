@@ -2,18 +2,54 @@
 batch to the pure functions of verl_hpc/algorithms/mismatch.py (kept apart from rl.py so that the
 step's wiring is a few calls).
 
+    path, why = old_log_prob_path(cfg, batch, has_ref)  -> "bypass" | "forward" | "update"
     old_log_probs(cfg, actor, batch, timer, m)   -> fills batch.old_log_probs (forward or bypass)
     apply(cfg, batch)                             -> batch.rollout_is_weights + rollout_corr/* metrics
+
+The "update" path (the on-policy shortcut) runs no forward here: with one mini-batch and one
+epoch the policy that sampled (after the last weight sync) is the one being updated, so pi_old's
+log-probs are the update's own forward, detached (PolicyObjective.old_from_update). The ratio is
+then exactly 1 and its gradient is grad log pi: the same step as with a separate forward, which
+costs a whole forward over the batch. Anything that reads pi_old before the update forces the
+separate forward (see old_log_prob_path).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
 from verl_hpc.algorithms import masked_mean
 from verl_hpc.algorithms.mismatch import rollout_correction
 from verl_hpc.trainer.batching import logprob_diff_metrics
+
+
+def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
+    """(path, why): where this step's pi_old log-probs come from. bypass: the rollout engine's
+    (rollout_correction.bypass_mode); update: the actor update's own forward (on-policy shortcut);
+    forward: a separate actor forward before the update, when anything needs them earlier or the
+    update takes several optimizer steps (the 2nd mini-batch / epoch is no longer on-policy)."""
+    rc, a = cfg.algorithm.rollout_correction, cfg.actor
+    if rc.bypass_mode:
+        return "bypass", "algorithm.rollout_correction.bypass_mode"
+    mini = a.ppo_mini_batch_size * max(cfg.rollout.n, 1)
+    needs = [why for why, on in (
+        ("actor.old_log_probs=forward", a.old_log_probs == "forward"),
+        (f"actor.ppo_epochs={a.ppo_epochs}", a.ppo_epochs > 1),
+        (f"{len(batch)} sequences > one mini-batch of {mini}", len(batch) > mini),
+        ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
+        ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
+        ("trainer.inject_rollout_logprob_shift", cfg.trainer.inject_rollout_logprob_shift is not None),
+    ) if on]
+    if needs:
+        return "forward", ", ".join(needs)
+    return "update", "one mini-batch, one epoch: on-policy"
+
+
+def on_policy_metrics(m: Dict[str, float]) -> None:
+    """Rename what the shortcut's objective reported under actor/ to the separate pass's names."""
+    if "actor/rollout_logprob_diff_mean" in m:
+        m["rollout/logprob_diff_mean"] = m.pop("actor/rollout_logprob_diff_mean")
 
 
 def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:

@@ -19,6 +19,7 @@ requeues the job where the rule says so (docs/signals.md), and the requeued job 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -71,6 +72,8 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl)
         self.policy_loss = PolicyObjective.from_config(cfg.actor)
+        self.on_policy_loss = dataclasses.replace(self.policy_loss, old_from_update=True)
+        self._logged_path = None
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
@@ -87,8 +90,10 @@ class RLTrainer:
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
         r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training
-        correction.old_log_probs(self.cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
-        m.update(correction.apply(self.cfg, batch))  # rollout/training mismatch: metrics, IS weights
+        path = self._old_log_prob_path(batch)
+        if path != "update":  # update: the actor update's own forward gives them (on-policy shortcut)
+            correction.old_log_probs(self.cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
+            m.update(correction.apply(self.cfg, batch))  # rollout/training mismatch: metrics, IS weights
         if r.ref is not None:
             with timer("ref"):
                 batch.fill(r.ref.log_probs(batch))  # ref_log_probs
@@ -104,12 +109,26 @@ class RLTrainer:
             with timer("update_critic"):
                 m.update(r.critic.update(batch, self.value_loss))
         with timer("update_actor"):
-            m.update(r.actor.update(batch, self.policy_loss))
+            if path == "update":
+                m.update(r.actor.update(batch.engine_batch(extra=("rollout_log_probs",)), self.on_policy_loss))
+                correction.on_policy_metrics(m)
+            else:
+                m.update(r.actor.update(batch, self.policy_loss))
         m.update(self._sync_weights(timer))
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))
         return m
+
+    def _old_log_prob_path(self, batch) -> str:
+        """correction.old_log_prob_path, logged (rank 0) the first time and whenever it changes."""
+        path, why = correction.old_log_prob_path(self.cfg, batch, self.roles.ref is not None)
+        if path != self._logged_path and self.ctx.rank == 0:
+            say = {"update": "taken from the actor update's own forward (no separate pass)",
+                   "forward": "a separate actor forward", "bypass": "the rollout engine's"}[path]
+            log.info("old log-probs: %s (%s)", say, why)
+        self._logged_path = path
+        return path
 
     def _sync_weights(self, timer=None) -> Dict[str, float]:
         """Wake the rollout (it must hold its weights to take new ones), then the resharding step."""

@@ -67,11 +67,12 @@ class StepBatch:
     def mask(self) -> torch.Tensor:
         return self.response_mask
 
-    def engine_batch(self) -> Dict[str, torch.Tensor]:
-        """The engines' dict (engines/batch.py): the sequence keys and the filled ENGINE_FIELDS."""
+    def engine_batch(self, extra: Sequence[str] = ()) -> Dict[str, torch.Tensor]:
+        """The engines' dict (engines/batch.py): the sequence keys and the filled ENGINE_FIELDS
+        (+ the fields named in `extra`, e.g. rollout_log_probs for the on-policy shortcut's metric)."""
         out = {"input_ids": self.input_ids, "prompt_lengths": self.prompt_lengths,
                "response_lengths": self.response_lengths, "response_mask": self.response_mask}
-        out.update({k: getattr(self, k) for k in ENGINE_FIELDS if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in (*ENGINE_FIELDS, *extra) if getattr(self, k) is not None})
         return out
 
     def fill(self, outputs: Mapping[str, torch.Tensor]) -> None:

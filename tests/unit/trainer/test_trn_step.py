@@ -1,6 +1,7 @@
 """`RLTrainer.step` with fake roles (no ranks, no vLLM, no Megatron): the order of the stages and
 the data each stage hands the next. The fakes record every call; the real pieces between them
 (prompt loader, reward rules, advantage estimators, objectives, weight sync) run as in a job."""
+import dataclasses
 import json
 import types
 
@@ -9,6 +10,7 @@ import torch
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, compute_advantages
 from verl_hpc.config import load_config
+from verl_hpc.engines.batch import as_engine_batch
 from verl_hpc.rollout import RolloutResult
 from verl_hpc.tracking import StageTimer
 from verl_hpc.trainer.rl import RLTrainer
@@ -69,8 +71,8 @@ class FakeRole:
 
     def _record(self, method, batch, loss=None):
         self.calls.append(f"{self.name}.{method}")
-        self.seen[f"{self.name}.{method}"] = (batch.engine_batch(), loss)
-        return batch.response_mask
+        self.seen[f"{self.name}.{method}"] = (as_engine_batch(batch), loss)
+        return as_engine_batch(batch)["response_mask"]
 
     def log_probs(self, batch):
         mask = self._record("log_probs", batch)
@@ -126,7 +128,7 @@ def test_trn_step_runs_the_stages_in_order(tmp_path):
 
 
 def test_trn_step_advantages_from_the_rewards_reach_the_actor_update(tmp_path):
-    trainer, calls, seen = _trainer(tmp_path, "algorithm.recipe=grpo", "rollout.n=2")
+    trainer, calls, seen = _trainer(tmp_path, "algorithm.recipe=grpo", "rollout.n=2", "actor.old_log_probs=forward")
     m = trainer.step(1, StageTimer())
     assert "critic.values" not in calls  # GRPO: no critic; its KL loss needs the reference
     batch, loss = seen["actor.update"]
@@ -141,3 +143,62 @@ def test_trn_step_advantages_from_the_rewards_reach_the_actor_update(tmp_path):
     assert loss == PolicyObjective.from_config(trainer.cfg.actor) and loss.policy_loss == "vanilla"
     assert m["reward/score/mean"] == pytest.approx(0.5)
     assert m["rollout/logprob_diff_max"] == pytest.approx(0.1)  # rollout -0.5 vs actor -0.4
+
+
+def _shortcut_trainer(tmp_path, *overrides):
+    return _trainer(tmp_path, "algorithm.recipe=grpo", "rollout.n=2", "actor.ppo_mini_batch_size=2", *overrides)
+
+
+def test_trn_on_policy_step_takes_old_log_probs_from_the_update(tmp_path, caplog):
+    """One mini-batch, one epoch: no separate actor forward; the update gets the shortcut's
+    objective and the rollout log-probs (for the mismatch metric), and the log says which path."""
+    trainer, calls, seen = _shortcut_trainer(tmp_path)
+    timer = StageTimer()
+    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"):
+        m = trainer.step(1, timer)
+        trainer.step(2, StageTimer())
+    assert "actor.log_probs" not in calls and "timing_s/old_logprob" not in timer.pop()
+    batch, loss = seen["actor.update"]
+    assert "old_log_probs" not in batch and loss.old_from_update
+    assert loss == dataclasses.replace(PolicyObjective.from_config(trainer.cfg.actor), old_from_update=True)
+    torch.testing.assert_close(batch["rollout_log_probs"], -0.5 * batch["response_mask"])
+    said = [r.getMessage() for r in caplog.records if "old log-probs" in r.getMessage()]
+    assert said == ["old log-probs: taken from the actor update's own forward (no separate pass) "
+                    "(one mini-batch, one epoch: on-policy)"]  # once, not every step
+    assert "rollout/logprob_diff_max" not in m
+
+
+@pytest.mark.parametrize("override, why", [
+    ("actor.old_log_probs=forward", "actor.old_log_probs=forward"),
+    ("actor.ppo_epochs=2", "actor.ppo_epochs=2"),
+    ("actor.ppo_mini_batch_size=1", "4 sequences > one mini-batch of 2"),
+    ("algorithm.rollout_correction.rollout_is=token", "rollout_is/rollout_rs"),
+    ("trainer.inject_rollout_logprob_shift=0.0", "trainer.inject_rollout_logprob_shift"),
+])
+def test_trn_separate_old_forward_runs_when_the_config_needs_it(tmp_path, override, why, caplog):
+    extra = [override] + (["data.train_batch_size=2"] if "mini_batch_size=1" in override else [])
+    trainer, calls, seen = _shortcut_trainer(tmp_path, *extra)
+    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"):
+        trainer.step(1, StageTimer())
+    assert "actor.log_probs" in calls
+    batch, loss = seen["actor.update"]
+    assert not loss.old_from_update
+    torch.testing.assert_close(batch["old_log_probs"], -0.4 * batch["response_mask"])
+    assert any("a separate actor forward" in r.getMessage() and why in r.getMessage() for r in caplog.records)
+
+
+def test_trn_kl_in_reward_with_a_reference_needs_the_separate_forward(tmp_path):
+    trainer, calls, _ = _shortcut_trainer(tmp_path, "algorithm.use_kl_in_reward=true",
+                                          "algorithm.kl_ctrl.kl_coef=0.1")
+    trainer.step(1, StageTimer())
+    assert calls.index("actor.log_probs") < calls.index("ref.log_probs") < calls.index("actor.update")
+
+
+def test_trn_kl_coefficient_zero_builds_no_reference(tmp_path):
+    """GRPO's KL loss at coefficient 0 changes nothing: no reference role, no reference forward."""
+    trainer, calls, seen = _shortcut_trainer(tmp_path, "actor.kl_loss_coef=0.0")
+    assert trainer.cfg.actor.use_kl_loss and not trainer.cfg.ref.enable
+    trainer.step(1, StageTimer())
+    assert not any(c.startswith("ref.") for c in calls)
+    batch, loss = seen["actor.update"]
+    assert "ref_log_probs" not in batch

@@ -89,6 +89,11 @@ class ActorConfig(TrainedRole):
     clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance window")
     kl_cov_ratio: float = opt(0.0002, "kl_cov: share of valid tokens penalised", check="(0, 1]")
     ppo_kl_coef: float = opt(1.0, "kl_cov: coefficient of |logp - old_logp| on those tokens", check=">=0")
+    # on-policy (one mini-batch, one epoch) pi_old IS the policy being updated: its log-probs can be
+    # taken, detached, from the update's own forward (trainer/correction.py says when that is valid)
+    old_log_probs: str = opt("auto", "where pi_old's log-probs come from: auto (the update's own forward when "
+                             "on-policy and nothing reads them earlier, else a separate forward) | forward "
+                             "(always the separate forward; also logs actor/entropy)", choices=("auto", "forward"))
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:
@@ -136,13 +141,19 @@ class CriticConfig(TrainedRole):
 @dataclass
 class RefConfig(Section):
     enable: Optional[bool] = opt(None, "frozen reference policy",
-                                 auto="on iff a KL term is used (algorithm.use_kl_in_reward or actor.use_kl_loss)")
+                                 auto="on iff a KL term with a coefficient > 0 is used (algorithm.use_kl_in_reward "
+                                      "or actor.use_kl_loss)")
     param_offload: bool = opt(False, "weights in host memory except while computing reference log-probs")
 
     @staticmethod
     def kl_users(job) -> List[str]:
-        return [k for k, on in (("algorithm.use_kl_in_reward", job.algorithm.use_kl_in_reward),
-                                ("actor.use_kl_loss", job.actor.use_kl_loss)) if on]
+        """The KL terms that need reference log-probs. A term whose coefficient is 0 changes nothing
+        (a fixed or adaptive controller started at 0 stays at 0), so it needs no reference forward
+        (set ref.enable=true to still log the KL)."""
+        a = job.algorithm
+        return [k for k, on in (("algorithm.use_kl_in_reward", a.use_kl_in_reward and a.kl_ctrl.kl_coef > 0),
+                                ("actor.use_kl_loss", job.actor.use_kl_loss and job.actor.kl_loss_coef > 0))
+                if on]
 
     def check(self, job) -> List[str]:
         users = self.kl_users(job)
