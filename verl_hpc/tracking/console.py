@@ -83,7 +83,7 @@ class ConsoleBackend:
                 or any(k.startswith("val/") for k in metrics))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.rate.update(step)
+        self.rate.update(step, metrics.get("timing_s/step"))  # validation left out (progress.py)
         if self._bar is not None:
             self._bar.update()
         if not self._due(step, metrics):

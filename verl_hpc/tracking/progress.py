@@ -6,7 +6,9 @@ console backend prints its table instead.
 
 The rate is taken over a window of recent steps, not since the start: the first step carries
 one-off costs (compilation, cache warm-up, the first weight sync) that would otherwise inflate
-the ETA for the whole run.
+the ETA for the whole run. Where the trainer reports its step time (`timing_s/step`, which leaves
+validation out), the rate is the mean of those, so a validation every k steps does not make the
+ETA of the training steps longer (the wall time between log() calls would include it).
 """
 from __future__ import annotations
 
@@ -50,17 +52,27 @@ class StepRate:
         self._clock = clock
         self._t0 = clock()
         self._seen: collections.deque[tuple[int, float]] = collections.deque(maxlen=WINDOW + 1)
+        self._reported: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._first_dropped = False
 
-    def update(self, step: int) -> None:
+    def update(self, step: int, seconds: float | None = None) -> None:
+        """`seconds`: the step's own duration as the trainer measured it (timing_s/step)."""
         if self._seen and step <= self._seen[-1][0]:
             return  # a second log() for the same step (e.g. validation) is not progress
         self._seen.append((int(step), self._clock()))
+        if seconds is not None and math.isfinite(seconds) and seconds >= 0:
+            if len(self._reported) == 1 and not self._first_dropped:
+                self._reported.popleft()  # the first step's warm-up, once a second step exists
+                self._first_dropped = True
+            self._reported.append(float(seconds))
 
     @property
     def step(self) -> int:
         return self._seen[-1][0] if self._seen else 0
 
     def seconds_per_step(self) -> float:
+        if self._reported:
+            return sum(self._reported) / len(self._reported)
         if not self._seen:
             return math.nan
         if len(self._seen) == 1:

@@ -64,6 +64,10 @@ class StageTimer:
 
     __call__ = stage
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` just spent (validation, between two steps) out of the next `step`."""
+        self._step_start += seconds
+
     def seconds(self, name: str) -> float:
         return self._totals.get(name, 0.0)
 

@@ -46,6 +46,7 @@ from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
+from verl_hpc.trainer.stopping import StopRule
 from verl_hpc.trainer.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class RLTrainer:
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
         # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
         dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
+        stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
         try:
             if self.validator and not start:
                 dog.stage("validate")
@@ -173,12 +175,24 @@ class RLTrainer:
                 last = step == tr.total_steps
                 if self.validator and (last or step % tr.val_every == 0):
                     dog.stage("validate")
+                    v0 = time.perf_counter()
                     metrics.update(val := self._validate(None, step))
                     summary["val_after"] = val
+                    # its own timing; left out of the next timing_s/step (and so of throughput, ETA)
+                    metrics["timing_s/validation"] = time.perf_counter() - v0
+                    timer.exclude(metrics["timing_s/validation"])
                 dog.stage("log")
                 tracker.log(metrics, step)
                 dog.stage("checkpoint")
                 self.checkpointer.maybe_save(step)
+                why = stop_rule.check(step, metrics, metrics["timing_s/step"]) if stop_rule and not last else None
+                if why:  # a planned end: checkpoint and finish normally (exit 0), no requeue
+                    if ctx.rank == 0:
+                        log.info("rl: stopping after step %d of %d: %s; saving a checkpoint",
+                                 step, tr.total_steps, why)
+                    self.checkpointer.maybe_save(step, force=True)
+                    summary.update(stopped="stop_at", stop_reason=why)
+                    break
                 if ctx.preemption.agreed():
                     log.warning("rl: preemption flag set after step %d; saving and stopping", step)
                     self.checkpointer.maybe_save(step, force=True)
@@ -192,7 +206,8 @@ class RLTrainer:
             raise
         finally:
             dog.stop()
-            summary["plot"] = str(tracker.close(summary["stopped"], summary["steps"]) or "") or None
+            outcome = "completed" if summary["stopped"] == "stop_at" else summary["stopped"]  # a planned end
+            summary["plot"] = str(tracker.close(outcome, summary["steps"]) or "") or None
             summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
         return summary

@@ -97,3 +97,26 @@ def test_rich_mode_on_a_terminal_renders_table_and_bar():
     con.close()
     out = buf.getvalue()
     assert "reward/score/mean" in out and "step 5/5" in out and "plots: /x.png" in out
+
+
+def test_eta_from_the_reported_step_times_leaves_validation_out():
+    """Steps of 2 s with a 40 s validation after step 5: the wall time between log() calls has it,
+    the trainer's timing_s/step does not, and the ETA follows the latter."""
+    t = [0.0]
+    rate = StepRate(total_steps=100, clock=lambda: t[0])
+    t[0] = 30.0
+    rate.update(1, seconds=30.0)  # warm-up
+    for step in range(2, 11):
+        t[0] += 2.0 + (40.0 if step == 6 else 0.0)
+        rate.update(step, seconds=2.0)
+    assert rate.seconds_per_step() == 2.0
+    assert rate.eta_seconds() == 180.0
+
+
+def test_console_passes_the_step_time_to_the_rate(capsys):
+    from verl_hpc.tracking.console import ConsoleBackend
+
+    con = ConsoleBackend(total_steps=10, tty=False)
+    con.log({"timing_s/step": 30.0}, 1)
+    con.log({"timing_s/step": 1.5, "timing_s/validation": 9.0}, 2)
+    assert con.rate.seconds_per_step() == 1.5

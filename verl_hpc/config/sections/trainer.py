@@ -36,6 +36,32 @@ class SmokeConfig(Section):
         return p
 
 
+@dataclass
+class StopAtConfig(Section):
+    """Ending a run early on purpose (trainer/stopping.py): checkpoint, exit 0, a plain log line."""
+
+    metric: str = opt("", "a validation metric (val/..., e.g. val/acc/all) that ends the run once it reaches "
+                          "trainer.stop_at.value; '' = off")
+    value: Optional[float] = opt(None, "the value trainer.stop_at.metric must reach")
+    mode: str = opt("max", "max: stop when metric >= value | min: stop when metric <= value",
+                    choices=("max", "min"))
+    wall_time_s: float = opt(0.0, "training budget in seconds from the first step: the run stops after the "
+                                  "last step that ends within it (0 = off)", check=">=0")
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.metric and not self.metric.startswith("val/"):
+            p.append(f"trainer.stop_at.metric = '{self.metric}': must be a validation metric (val/acc/<source>, "
+                     "val/reward/<source>, e.g. val/acc/all)")
+        if self.metric and self.value is None:
+            p.append(f"trainer.stop_at.metric = '{self.metric}' needs trainer.stop_at.value")
+        if self.value is not None and not self.metric:
+            p.append("trainer.stop_at.value is set but trainer.stop_at.metric is empty")
+        if self.metric and job.trainer.job == "rl" and not job.trainer.val_every:
+            p.append(f"trainer.stop_at.metric = '{self.metric}' needs validation: set trainer.val_every > 0")
+        return p
+
+
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -72,6 +98,8 @@ class TrainerConfig(Section):
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "
                                "naming the rank, the stage and its code line; 0 = no watchdog", check=">=0")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
+    stop_at: StopAtConfig = section(StopAtConfig, "end the RL run early: a validation metric reaches a value, or "
+                                                  "a wall-time budget is spent (checkpoint, exit 0)")
 
     def check(self, job) -> List[str]:
         p = []
