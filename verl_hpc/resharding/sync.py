@@ -64,8 +64,8 @@ def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
 
 def _agree(failed: bool, seconds: float):
     """(any rank failed, the slowest rank's seconds, lowest failing rank) over the default group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return failed, seconds, 0 if failed else -1
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failed, seconds, 0 if failed else -1  # alone: nobody to agree with, no round trip
     big = float(dist.get_world_size() + 1)
     me = float(dist.get_rank()) if failed else big
     vec = torch.tensor([float(failed), seconds, -me], dtype=torch.float64,
