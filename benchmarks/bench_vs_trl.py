@@ -1,9 +1,9 @@
 """GRPO step time and time to an accuracy gain: verl_hpc against Hugging Face TRL, same run.
 
     pip install -e '.[cpu,bench]'                      # TRL is only needed here
-    python benchmarks/bench_vs_trl.py                  # tiny model, 1 and 2 ranks, 40 steps
+    python benchmarks/bench_vs_trl.py                  # tiny model, 1 and 2 ranks, 16 steps, +40 points
     python benchmarks/bench_vs_trl.py --quick          # 1 rank, 10 steps, no accuracy target
-    python benchmarks/bench_vs_trl.py --ranks 1 --steps 60 --gain 20
+    python benchmarks/bench_vs_trl.py --ranks 1 --steps 30 --gain 45
 
 The task, model and warm start are the project's own and the same for both: the synthetic
 "a+b=" task (verl_hpc.data.prepare synthetic), the tiny Llama of verl_hpc.models.tiny (2 layers,
@@ -13,8 +13,8 @@ hidden 128, vocab 500; 0.4M parameters), warm-started by the project's SFT on no
 (one mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), AdamW lr 1e-3 constant,
 grad-norm clip 1.0, fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score).
 verl_hpc runs as a job (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, vLLM rollout);
-TRL's GRPOTrainer runs in its own process with HF `generate` and the same torch thread count as
-one verl_hpc rank (its default CPU path; TRL's vLLM modes need a GPU).
+TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's vLLM
+modes need a GPU) and 1 torch thread (--threads; see the option's comment).
 
 Printed per rank count: seconds per step by stage (medians over steps 2..N, step 1 carries
 warm-up) for both, the step-time ratio verl_hpc / TRL, and the training time (sum of step times,
@@ -70,8 +70,9 @@ def assets(out: Path, sft_steps: int) -> Path:
 
 
 # ------------------------------------------------------------------------------------ verl_hpc
-def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every: int) -> dict:
-    run = out / f"verl_{ranks}rank"
+def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
+             tag: str = "") -> dict:
+    run = out / f"verl_{ranks}rank{tag}"
     sh([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={ws}",
         f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",
         f"data.train_batch_size={PROMPTS}", f"actor.ppo_mini_batch_size={PROMPTS}",
@@ -79,7 +80,8 @@ def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every:
         f"actor.optim.lr={LR}", "actor.optim.lr_decay_style=constant", "actor.optim.min_lr=0",
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "tracking.backends=[jsonl]",
         f"slurm.tasks_per_node={ranks}", f"trainer.output_dir={run}", f"slurm.log_dir={run}/logs",
-        "trainer.resume=never", "checkpoint.keep_last=1"], f"verl_hpc GRPO, {ranks} rank(s)", out / f"verl_{ranks}rank.log")
+        "trainer.resume=never", "checkpoint.keep_last=1", *extra], f"verl_hpc GRPO, {ranks} rank(s){tag}",
+       out / f"verl_{ranks}rank{tag}.log")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps_rows = [r for r in rows if "timing_s/step" in r]
     stages = {k[len("timing_s/"):]: _median([r[k] for r in steps_rows[1:] if k in r])
@@ -210,12 +212,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="outputs/bench_vs_trl")
     ap.add_argument("--quick", action="store_true", help="1 rank, 10 steps, no accuracy target")
     ap.add_argument("--ranks", default=None, help="comma list of verl_hpc rank counts (default 1,2)")
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 40)")
-    ap.add_argument("--val-every", type=int, default=5)
-    ap.add_argument("--gain", type=float, default=20.0, help="validation accuracy points for time-to-gain")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 16)")
+    ap.add_argument("--val-every", type=int, default=1)
+    ap.add_argument("--gain", type=float, default=40.0, help="validation accuracy points for time-to-gain")
     ap.add_argument("--sft-steps", type=int, default=1000)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of TRL's process (= one rank's cpus)")
+    # 1: on a loaded machine TRL's process with 2 torch threads ran ~8x slower per step than with
+    # 1 (OpenMP threads waiting on each other when the cores are shared); TRL gets its faster setting
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of TRL's process")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--with-old-forward", action="store_true",
+                    help="also run verl_hpc at 1 rank with actor.old_log_probs=forward (the separate pass)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ws", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -231,7 +237,7 @@ def main(argv=None) -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ranks = [int(r) for r in (a.ranks or ("1" if a.quick else "1,2")).split(",")]
-    steps = a.steps or (10 if a.quick else 40)
+    steps = a.steps or (10 if a.quick else 16)
     val_every = 0 if a.quick else a.val_every
     try:
         load = os.getloadavg()[0]
@@ -243,6 +249,9 @@ def main(argv=None) -> int:
     results = {"trl": run_trl(out, ws, data, steps, val_every, a.threads)}
     for r in ranks:
         results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every)
+    if a.with_old_forward:
+        results["verl_1_oldfwd"] = run_verl(out, ws, data, 1, steps, 0, "actor.old_log_probs=forward",
+                                            tag="_oldfwd")
     t = results["trl"]
     print(f"\nGRPO, tiny Llama (0.4M), {PROMPTS} prompts x {N} samples, <= {NEW_TOKENS} new tokens, {steps} steps; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
@@ -253,6 +262,10 @@ def main(argv=None) -> int:
         print(f"  verl_hpc {r} rank(s) s/step {v['stages']['step']:.3f}  by stage: "
               + ", ".join(f"{k} {x:.3f}" for k, x in v["stages"].items() if k != "step"))
         print(f"    ratio verl_hpc/TRL s/step at {r} rank(s): {v['stages']['step'] / t['stages']['step']:.2f}")
+    if a.with_old_forward and 1 in ranks:
+        f, c = results["verl_1_oldfwd"]["stages"], results["verl_1"]["stages"]
+        print(f"  verl_hpc 1 rank, separate old-log-prob forward: s/step {f['step']:.3f} (old_logprob "
+              f"{f.get('old_logprob', float('nan')):.3f}); on-policy shortcut / separate: {c['step'] / f['step']:.2f}")
     if val_every:
         ts, tstep, t0 = time_to_gain(t, a.gain)
         print(f"  time to +{a.gain:g} validation points (training time, validation excluded):")

@@ -353,9 +353,10 @@ class MegatronEngine(TrainingEngine):
     def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
         """Loss = sum of contributions; loss_fn metrics = token-weighted means over the batch."""
         keys = sorted({k for r in records for k in r} - {"loss", "tokens"}) if self.reporting else []
-        box = [keys]
-        dist.broadcast_object_list(box, src=self._key_source)
-        keys = box[0]
+        if dist.get_world_size() > 1:  # alone, this rank's keys are the keys: no pickle round trip
+            box = [keys]
+            dist.broadcast_object_list(box, src=self._key_source)
+            keys = box[0]
         vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=self._coll_device())
         if self.reporting:
             for r in records:
