@@ -2,14 +2,8 @@
 (one gloo rank in this process, the tiny model): three actor updates with pi_old taken from the
 update's own forward end in bitwise the same weights as three updates with pi_old from a separate
 forward (trainer/correction.py; PolicyObjective.old_from_update)."""
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.unit
 
@@ -52,9 +46,9 @@ def test_trn_shortcut_gives_bitwise_the_weights_of_the_separate_forward(one_rank
     from verl_hpc.engines.megatron import Actor, EngineOptions, MegatronEngine
     from verl_hpc.parallel import init_model_parallel
 
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(model), "--layers", "2"],
-                   cwd=REPO, check=True, capture_output=True)
+    from verl_hpc.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", "llama", layers=2)
     init_model_parallel(1, 1)
     # temperature != 1: the old-log-prob forward and the update then compute log-probs the same way
     # (lm_outputs), so "the same" can be asked bitwise; a large LR makes a wrong pi_old show
