@@ -357,18 +357,21 @@ class MegatronEngine(TrainingEngine):
             box = [keys]
             dist.broadcast_object_list(box, src=self._key_source)
             keys = box[0]
-        vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=self._coll_device())
+        dev = self._coll_device()
+        vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=dev)
         if self.reporting:
+            # device-side adds in the same order as one host loop, but no float(tensor) per record
+            # and metric: each of those waits for the device (a host sync per micro-batch x key)
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
             for r in records:
-                vec[0] += float(r["loss"])
-                vec[1] += r["tokens"]
-                for j, k in enumerate(keys):
-                    if k in r:
-                        vec[2 + j] += float(r[k]) * r["tokens"]
+                w = float(r["tokens"])
+                vec = vec + torch.stack([r["loss"].to(dev, torch.float64), zero + w] + [
+                    r[k].to(dev, torch.float64) * w if k in r else zero for k in keys])
         dist.all_reduce(vec)
-        tokens = max(float(vec[1]), 1.0)
-        out = {"loss": float(vec[0]), "tokens": float(vec[1])}
-        out.update({k: float(vec[2 + j]) / tokens for j, k in enumerate(keys)})
+        vals = vec.tolist()  # one transfer
+        tokens = max(vals[1], 1.0)
+        out = {"loss": vals[0], "tokens": vals[1]}
+        out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})
         return out
 
     def scheduler_step(self) -> float:
