@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def assets(out: Path, sft_steps: int) -> Path:
 def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
              tag: str = "") -> dict:
     run = out / f"verl_{ranks}rank{tag}"
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run (an earlier one's checkpoints would be refused)
     sh([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={ws}",
         f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",
         f"data.train_batch_size={PROMPTS}", f"actor.ppo_mini_batch_size={PROMPTS}",
@@ -220,6 +222,8 @@ def main(argv=None) -> int:
     # 1 (OpenMP threads waiting on each other when the cores are shared); TRL gets its faster setting
     ap.add_argument("--threads", type=int, default=1, help="torch threads of TRL's process")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--verl-set", action="append", default=[],
+                    help="an extra override for every verl_hpc run, e.g. rollout.engine=hf (repeatable)")
     ap.add_argument("--with-old-forward", action="store_true",
                     help="also run verl_hpc at 1 rank with actor.old_log_probs=forward (the separate pass)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -248,9 +252,9 @@ def main(argv=None) -> int:
     data = out / "data"
     results = {"trl": run_trl(out, ws, data, steps, val_every, a.threads)}
     for r in ranks:
-        results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every)
+        results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every, *a.verl_set)
     if a.with_old_forward:
-        results["verl_1_oldfwd"] = run_verl(out, ws, data, 1, steps, 0, "actor.old_log_probs=forward",
+        results["verl_1_oldfwd"] = run_verl(out, ws, data, 1, steps, 0, *a.verl_set, "actor.old_log_probs=forward",
                                             tag="_oldfwd")
     t = results["trl"]
     print(f"\nGRPO, tiny Llama (0.4M), {PROMPTS} prompts x {N} samples, <= {NEW_TOKENS} new tokens, {steps} steps; "
