@@ -12,9 +12,11 @@ hidden 128, vocab 500; 0.4M parameters), warm-started by the project's SFT on no
 16 prompts x 8 samples a step, at most 8 new tokens, temperature 1, one optimizer step per batch
 (one mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), AdamW lr 1e-3 constant,
 grad-norm clip 1.0, fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score).
-verl_hpc runs as a job (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, vLLM rollout);
-TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's vLLM
-modes need a GPU) and 1 torch thread (--threads; see the option's comment).
+verl_hpc runs as a job (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine:
+auto`, which picks HF generate for this model size on CPU; `--verl-set rollout.engine=vllm` to
+compare); TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's
+vLLM modes need a GPU). Both get --threads torch threads per process (1: see the option's comment;
+verl_hpc through slurm.cpus_per_task).
 
 Printed per rank count: seconds per step by stage (medians over steps 2..N, step 1 carries
 warm-up) for both, the step-time ratio verl_hpc / TRL, and the training time (sum of step times,
@@ -72,7 +74,7 @@ def assets(out: Path, sft_steps: int) -> Path:
 
 # ------------------------------------------------------------------------------------ verl_hpc
 def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
-             tag: str = "") -> dict:
+             tag: str = "", threads: int = 1) -> dict:
     run = out / f"verl_{ranks}rank{tag}"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run (an earlier one's checkpoints would be refused)
     sh([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={ws}",
@@ -82,7 +84,8 @@ def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every:
         f"actor.optim.lr={LR}", "actor.optim.lr_decay_style=constant", "actor.optim.min_lr=0",
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "tracking.backends=[jsonl]",
         f"slurm.tasks_per_node={ranks}", f"trainer.output_dir={run}", f"slurm.log_dir={run}/logs",
-        "trainer.resume=never", "checkpoint.keep_last=1", *extra], f"verl_hpc GRPO, {ranks} rank(s){tag}",
+        "trainer.resume=never", "checkpoint.keep_last=1", "rollout.engine=auto", f"slurm.cpus_per_task={threads}",
+        *extra], f"verl_hpc GRPO, {ranks} rank(s){tag}",
        out / f"verl_{ranks}rank{tag}.log")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps_rows = [r for r in rows if "timing_s/step" in r]
@@ -252,10 +255,10 @@ def main(argv=None) -> int:
     data = out / "data"
     results = {"trl": run_trl(out, ws, data, steps, val_every, a.threads)}
     for r in ranks:
-        results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every, *a.verl_set)
+        results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads)
     if a.with_old_forward:
         results["verl_1_oldfwd"] = run_verl(out, ws, data, 1, steps, 0, *a.verl_set, "actor.old_log_probs=forward",
-                                            tag="_oldfwd")
+                                            tag="_oldfwd", threads=a.threads)
     t = results["trl"]
     print(f"\nGRPO, tiny Llama (0.4M), {PROMPTS} prompts x {N} samples, <= {NEW_TOKENS} new tokens, {steps} steps; "
           f"load average {os.getloadavg()[0]:.1f} at the end")
