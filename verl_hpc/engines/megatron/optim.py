@@ -37,6 +37,17 @@ def optimizer_config(optim, dtype, use_distributed_optimizer: bool):
         use_distributed_optimizer=use_distributed_optimizer)
 
 
+def build_optimizer(chunks, optim, dtype, use_distributed_optimizer: bool):
+    """Megatron's optimizer over the DDP-wrapped chunks; with fp16 the loss is scaled by its
+    grad scaler."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(optim, dtype, use_distributed_optimizer), chunks)
+    if dtype == torch.float16:
+        chunks[0].config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
 def build_scheduler(optimizer, optim, total_steps: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
