@@ -33,6 +33,9 @@ PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")
 
 _BETA = default_of("algorithm.preference.beta")  # keyword defaults: the config section's
 _SIMPO_GAMMA = default_of("algorithm.preference.gamma")
+_LABEL_SMOOTHING = default_of("algorithm.preference.label_smoothing")
+_KTO_D = default_of("algorithm.preference.desirable_weight")
+_KTO_U = default_of("algorithm.preference.undesirable_weight")
 
 
 def sequence_logps(token_logps: torch.Tensor, response_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +80,7 @@ def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torc
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float = _BETA,
-             label_smoothing: float = 0.0, global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
+             label_smoothing: float = _LABEL_SMOOTHING, global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
     """DPO (Rafailov et al. 2023, arXiv 2305.18290): z = beta ((pi_c - ref_c) - (pi_r - ref_r)),
     l = -log sigma(z); label_smoothing eps > 0 gives conservative DPO (cDPO, Mitchell 2023):
     l = -(1 - eps) log sigma(z) - eps log sigma(-z)."""
@@ -103,7 +106,7 @@ def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
 
 
 def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float = 2.0,
-               gamma: float = _SIMPO_GAMMA, label_smoothing: float = 0.0, global_pairs: Count = None
+               gamma: float = _SIMPO_GAMMA, label_smoothing: float = _LABEL_SMOOTHING, global_pairs: Count = None
                ) -> Tuple[torch.Tensor, Metrics]:
     """SimPO (Meng et al. 2024, arXiv 2405.14734), reference-free and length-normalised:
     z = beta pi_c / |y_c| - beta pi_r / |y_r| - gamma, l = -log sigma(z) (label smoothing as DPO).
@@ -154,7 +157,7 @@ def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> t
 
 
 def kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, beta: float = _BETA,
-             desirable_weight: float = 1.0, undesirable_weight: float = 1.0, global_pairs: Count = None
+             desirable_weight: float = _KTO_D, undesirable_weight: float = _KTO_U, global_pairs: Count = None
              ) -> Tuple[torch.Tensor, Metrics]:
     """KTO (Ethayarajh et al. 2024, arXiv 2402.01306), unpaired: r = logp - ref_logp, z0 the
     reference point above,
