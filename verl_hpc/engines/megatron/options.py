@@ -26,18 +26,19 @@ RECOMPUTE = ("none", "selective", "full")
 class EngineOptions:
     model_path: str
     head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
-    dtype: str = default_of("model.dtype")  # model.dtype
+    dtype: str = default_of("model.dtype")
     trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
     optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
     total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
     micro_batch_size: int = default_of("actor.micro_batch_size")  # sequences per micro-batch when max_tokens_per_microbatch is 0
-    max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
-    use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
-    sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)
-    fp8: bool = False  # model.fp8
-    fp8_recipe: str = default_of("model.fp8_recipe")  # model.fp8_recipe
+    # dynamic batching budget (padded tokens); 0 = off
+    max_tokens_per_microbatch: int = default_of("actor.max_tokens_per_microbatch")
+    use_distributed_optimizer: bool = default_of("parallel.use_distributed_optimizer")
+    sequence_parallel: bool = default_of("parallel.sequence_parallel")  # GPU / TE spec only
+    fp8: bool = default_of("model.fp8")
+    fp8_recipe: str = default_of("model.fp8_recipe")
     kernels: KernelSwitches = dataclasses.field(default_factory=KernelSwitches)  # None = auto
-    temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
+    temperature: float = default_of("rollout.temperature")  # log-probs of logits / temperature
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int = 1234
     sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
@@ -46,9 +47,9 @@ class EngineOptions:
     recompute_method: str = default_of("parallel.recompute_method")  # full: uniform | block
     recompute_num_layers: int = default_of("parallel.recompute_num_layers")
     # host offload while idle (<role>.*_offload; offload.py)
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
+    param_offload: bool = default_of("actor.param_offload")
+    grad_offload: bool = default_of("actor.grad_offload")
+    optimizer_offload: bool = default_of("actor.optimizer_offload")
 
 
 def check_options(o: EngineOptions) -> None:
