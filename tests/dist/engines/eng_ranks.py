@@ -23,10 +23,11 @@ MODELS = ("llama", "qwen2_tied")  # the actor models (test_eng_parity.MODELS bui
 ACTOR_LAYOUTS = ([(lay, m) for lay in ("tp1", "tp2", "pp2") for m in MODELS] + [("pp2vpp2", "llama")]
                  + [("tp2pp2", m) for m in MODELS])
 
+
 def launch(world_size: int, args: dict, workdir: Path, timeout: float = 400):
     from rank_launcher import launch_ranks  # tests/: on sys.path under pytest, not in the ranks
 
-    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="engine scenarios")
+    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="engine scenario")
 
 
 # ----------------------------------------------------------------------------- rank side
