@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
@@ -165,7 +165,7 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_CONTROLLER_TYPES = ("fixed", "adaptive")
+KL_CONTROLLER_TYPES = choices_of("algorithm.kl_ctrl.type")
 
 
 def make_kl_controller(

@@ -23,13 +23,13 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 
 from .masked import as_float_mask, check_same_shape, masked_sum
 
 Metrics = Dict[str, torch.Tensor]
 Count = Union[int, float, None]
-PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")
+PREFERENCE_LOSSES = choices_of("algorithm.preference.loss")
 
 _BETA = default_of("algorithm.preference.beta")  # keyword defaults: the config section's
 _SIMPO_GAMMA = default_of("algorithm.preference.gamma")

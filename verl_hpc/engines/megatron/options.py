@@ -12,14 +12,14 @@ from typing import Any, Optional
 
 import torch
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.engines.megatron.kernels import KernelSwitches
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in choices_of("model.dtype")}
 HEADS = ("lm", "value")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = choices_of("parallel.recompute_granularity")
 
 
 @dataclasses.dataclass
