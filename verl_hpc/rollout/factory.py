@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout.engine import RolloutEngine
 
-ENGINES = ("vllm", "hf")
+ENGINES = choices_of("rollout.engine")
 VLLM_MISSING = ("rollout.engine=vllm but vllm is not installed; install the cpu or gpu extra, "
                 "or set rollout.engine=hf")
 
