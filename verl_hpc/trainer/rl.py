@@ -160,10 +160,7 @@ class RLTrainer:
                 tracker.log(metrics, step)
                 dog.stage("checkpoint")
                 self.checkpointer.maybe_save(step)
-                if ctx.preemption.agreed():
-                    log.warning("rl: preemption flag set after step %d; saving and stopping", step)
-                    self.checkpointer.maybe_save(step, force=True)
-                    self.checkpointer.preempted_at = step
+                if self.checkpointer.stop_if_preempted(step):  # saved; requeue_if_preempted in run()
                     summary["stopped"] = "preempted"
                     break
             self.checkpointer.close()  # an async save in flight is committed before we report
@@ -218,9 +215,5 @@ def run(cfg, ctx) -> dict:
         (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
               flush=True)
-    if trainer.checkpointer.preempted_at is not None:  # requeue (SystemExit on every rank) or stop
-        from verl_hpc.runtime.requeue import requeue_after_signal
-
-        requeue_after_signal(cfg, ctx, step=trainer.checkpointer.preempted_at,
-                             checkpoint_dir=trainer.checkpointer.root)
+    trainer.checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
     return summary

@@ -3,7 +3,7 @@ local ranks (training tp=2, and dp=2) and PPO with a critic (GAE) on 1 rank. "Le
 training reward of the last steps beats that of the first steps by a clear margin."""
 import pytest
 
-from trn_helpers import data_overrides, logs, make_assets, metrics, run_job
+from trn_helpers import data_overrides, logs, make_assets, metrics, run_job, warm_start
 
 pytestmark = pytest.mark.dist
 MARGIN = 0.05  # reward is a 0/1 accuracy under sampling; runs measured here rise by 0.1-0.2
@@ -12,11 +12,7 @@ MARGIN = 0.05  # reward is a 0/1 accuracy under sampling; runs measured here ris
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
     root = make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
-    out = root / "sft"
-    if not (out / "hf" / "model.safetensors").exists():
-        proc, _ = run_job("configs/demo_sft.yaml", out, f"model.path={root}/model", *data_overrides(root),
-                          "trainer.total_steps=600", "trainer.sft_epochs=30", f"trainer.hf_output_dir={out}/hf")
-        assert proc.returncode == 0, logs(proc, out)
+    warm_start(root)  # root/sft/hf
     return root
 
 
