@@ -8,8 +8,10 @@ schedule=plateau: each task's watched metric (data.task_weights.metric: the trai
 reward/acc every step, or val_reward/val_acc at each validation) is observed; a task counts as
 stale after `patience` observations without an improvement of `min_delta` over its best, or
 `patience` observations in a row at or above `saturation`. A stale task's weight is multiplied by
-`decay` (never below `min_weight`) and what it gives up is split evenly over the tasks that are
-not stale (the laggards); its counters restart, so it is lowered again only after another
+`decay` (never below `min_weight`) and what it gives up is split evenly over the laggards: for a
+saturated task every task below `saturation` (a task stuck at zero has the most to learn), for a
+plateaued one the tasks below saturation that are still improving; a saturated task never takes
+share. Its counters restart, so it is lowered again only after another
 `patience` observations. When every task is stale there is nobody to give the share to and the
 weights stay. The sum of the weights never changes, so shares move only between tasks.
 
@@ -67,6 +69,7 @@ class TaskWeightScheduler:
         self.best: Dict[str, Optional[float]] = {t: None for t in self.tasks}
         self.waited = {t: 0 for t in self.tasks}  # observations since the last improvement
         self.saturated_for = {t: 0 for t in self.tasks}  # observations in a row at/above saturation
+        self.last: Dict[str, Optional[float]] = {t: None for t in self.tasks}
         self.changes = 0
 
     @classmethod
@@ -101,27 +104,35 @@ class TaskWeightScheduler:
                 self.best[t], self.waited[t] = float(v), 0
             else:
                 self.waited[t] += 1
+            self.last[t] = float(v)
             self.saturated_for[t] = self.saturated_for[t] + 1 if v >= self.saturation else 0
             if self.waited[t] >= self.patience or self.saturated_for[t] >= self.patience:
                 stale.append(t)
-        receivers = [t for t in self.tasks if t not in stale]
-        lowered = [t for t in stale if self.weights[t] > self.min_weight]
-        if not receivers or not lowered:
-            return []
-        freed = 0.0
-        for t in lowered:
+        lowered = []
+        for t in stale:  # in name order; a task lowered now takes no share in the same update
+            saturated = self.last[t] >= self.saturation
+            # a saturated task gives to every unsaturated one (stuck ones too: they have the most to
+            # learn); a plateaued one only to the tasks still improving
+            receivers = [r for r in self.tasks if r != t and r not in lowered and self.last_below(r)
+                         and (saturated or r not in stale)]
+            if not receivers or self.weights[t] <= self.min_weight:
+                continue
             new = max(self.min_weight, self.weights[t] * self.decay)
-            freed += self.weights[t] - new
-            self.weights[t] = new
+            freed, self.weights[t] = self.weights[t] - new, new
             self.waited[t] = self.saturated_for[t] = 0
-        for t in receivers:
-            self.weights[t] += freed / len(receivers)
-        self.changes += 1
+            for r in receivers:
+                self.weights[r] += freed / len(receivers)
+            lowered.append(t)
+        self.changes += bool(lowered)
         return lowered
+
+    def last_below(self, t: str) -> bool:
+        """The task's last observation is below saturation (or there was none yet)."""
+        return self.last[t] is None or self.last[t] < self.saturation
 
     def state_dict(self) -> Dict:
         return {"weights": dict(self.weights), "best": dict(self.best), "waited": dict(self.waited),
-                "saturated_for": dict(self.saturated_for), "changes": self.changes}
+                "saturated_for": dict(self.saturated_for), "last": dict(self.last), "changes": self.changes}
 
     def load_state_dict(self, state: Mapping) -> None:
         if sorted(state["weights"]) != self.tasks:
@@ -131,4 +142,5 @@ class TaskWeightScheduler:
         self.best = {t: None if state["best"][t] is None else float(state["best"][t]) for t in self.tasks}
         self.waited = {t: int(state["waited"][t]) for t in self.tasks}
         self.saturated_for = {t: int(state["saturated_for"][t]) for t in self.tasks}
+        self.last = {t: None if state["last"][t] is None else float(state["last"][t]) for t in self.tasks}
         self.changes = int(state["changes"])

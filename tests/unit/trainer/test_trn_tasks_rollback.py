@@ -78,6 +78,10 @@ def test_scheduler_plateau_fixed_all_stale_and_missing_metric():
         s.observe(step, {"task/easy/reward": 0.1 * step, "task/hard/reward": 0.3})
     assert s.weights["hard"] < 1.0 < s.weights["easy"]
     s = sched()
+    for step in range(1, 8):  # hard is stuck at 0 (stale) but easy is saturated: it takes no share
+        s.observe(step, {"task/easy/reward": 1.0, "task/hard/reward": 0.0})
+    assert s.weights == {"easy": 0.25, "hard": 1.75}
+    s = sched()
     for step in range(1, 6):  # both stale: nobody to give the share to, nothing changes
         s.observe(step, {"task/easy/reward": 0.3, "task/hard/reward": 0.3})
     assert s.weights == {"easy": 1.0, "hard": 1.0}
