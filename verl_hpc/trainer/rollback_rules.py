@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Tuple
 
+from verl_hpc.config.schema import default_of
+
 
 @dataclass(frozen=True)
 class Trip:
@@ -39,9 +41,15 @@ class Trip:
 
 
 class RollbackRules:
-    def __init__(self, metrics: List[str], drop: float = 0.5, baseline: str = "best", window: int = 5,
-                 drop_floor: float = 0.05, warmup_steps: int = 1, kl_metric: str = "", kl_max: float = 0.0,
-                 entropy_metric: str = "", entropy_min: float = 0.0):
+    def __init__(self, metrics: List[str], drop: float = default_of("trainer.rollback.drop"),
+                 baseline: str = default_of("trainer.rollback.baseline"),
+                 window: int = default_of("trainer.rollback.window"),
+                 drop_floor: float = default_of("trainer.rollback.drop_floor"),
+                 warmup_steps: int = default_of("trainer.rollback.warmup_steps"),
+                 kl_metric: str = default_of("trainer.rollback.kl_metric"),
+                 kl_max: float = default_of("trainer.rollback.kl_max"),
+                 entropy_metric: str = default_of("trainer.rollback.entropy_metric"),
+                 entropy_min: float = default_of("trainer.rollback.entropy_min")):
         if baseline not in ("best", "window"):
             raise ValueError(f"trainer.rollback.baseline: {baseline!r}; valid: best, window")
         self.metrics, self.drop, self.baseline = list(metrics), float(drop), baseline

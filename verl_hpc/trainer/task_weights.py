@@ -27,6 +27,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
+from verl_hpc.config.schema import default_of
 from verl_hpc.data.tasks import task_of
 
 METRIC_KEYS = {"reward": "task/{}/reward", "acc": "task/{}/acc",
@@ -54,9 +55,13 @@ def task_metrics(scores: torch.Tensor, lengths: torch.Tensor, extras: Sequence[M
 
 
 class TaskWeightScheduler:
-    def __init__(self, weights: Mapping[str, float], schedule: str = "fixed", metric: str = "reward",
-                 patience: int = 5, min_delta: float = 0.01, saturation: float = 0.95, decay: float = 0.5,
-                 min_weight: float = 0.1):
+    def __init__(self, weights: Mapping[str, float], schedule: str = default_of("data.task_weights.schedule"),
+                 metric: str = default_of("data.task_weights.metric"),
+                 patience: int = default_of("data.task_weights.patience"),
+                 min_delta: float = default_of("data.task_weights.min_delta"),
+                 saturation: float = default_of("data.task_weights.saturation"),
+                 decay: float = default_of("data.task_weights.decay"),
+                 min_weight: float = default_of("data.task_weights.min_weight")):
         if schedule not in ("fixed", "plateau"):
             raise ValueError(f"data.task_weights.schedule: {schedule!r}; valid: fixed, plateau")
         if metric not in METRIC_KEYS:

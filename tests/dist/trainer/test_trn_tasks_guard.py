@@ -102,7 +102,7 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     guard = ["trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2", "trainer.rollback.lr_scale=0.5",
              "trainer.rollback.skip_data=true", "trainer.val_every=0"]
     with webhook_receiver() as (hook, alerts):
-        proc, s = run_job("configs/demo_rl.yaml", out, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]",
+        proc, s = run_job("configs/demo_rl.yaml", out, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
                                                              *guard, "trainer.total_steps=5",
                                                              "trainer.inject_regression_at_steps=[4]",
                                                              "trainer.rollback.max_rollbacks=1",
@@ -127,7 +127,7 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     assert "rollback guard: rollback 1 of at most 1: step 4 ->" in text
 
     bad = tmp_path / "bad"
-    proc, _ = run_job("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]",
+    proc, _ = run_job("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
                                                          *guard, "trainer.total_steps=3",
                                                          "trainer.inject_regression_at_steps=[3]",
                                                          "trainer.rollback.max_rollbacks=0"))
