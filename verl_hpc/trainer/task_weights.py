@@ -5,15 +5,14 @@
     m.update(sched.observe(step, metrics))                      # task/<name>/weight, every step
 
 schedule=plateau: each task's watched metric (data.task_weights.metric: the training batch's
-reward/acc every step, or val_reward/val_acc at each validation) is observed; a task counts as
-stale after `patience` observations without an improvement of `min_delta` over its best, or
-`patience` observations in a row at or above `saturation`. A stale task's weight is multiplied by
-`decay` (never below `min_weight`) and what it gives up is split evenly over the laggards: for a
-saturated task every task below `saturation` (a task stuck at zero has the most to learn), for a
-plateaued one the tasks below saturation that are still improving; a saturated task never takes
-share. Its counters restart, so it is lowered again only after another
-`patience` observations. When every task is stale there is nobody to give the share to and the
-weights stay. The sum of the weights never changes, so shares move only between tasks.
+reward/acc every step, or val_reward/val_acc at each validation) is observed. A task is saturated
+after `patience` observations in a row at or above `saturation`, plateaued after `patience`
+observations without beating its best by `min_delta`. Either lowers its weight (x `decay`, never
+below `min_weight`), at most once per `patience` observations. What it gives up is split evenly
+over the laggards: for a saturated task every task below saturation (a task stuck at zero has the
+most to learn), for a plateaued one only the tasks below saturation that improved within their
+last `patience` observations (giving a stuck task's share to another stuck task would only move
+weight back and forth). With nobody to take it, the weights stay. Their sum never changes.
 
 Every rank computes the same weights from the same metrics (rewards are scored on every rank);
 rank 0's loader draws with them. The state is plain floats and ints, saved in the checkpoint's
@@ -74,6 +73,7 @@ class TaskWeightScheduler:
         self.best: Dict[str, Optional[float]] = {t: None for t in self.tasks}
         self.waited = {t: 0 for t in self.tasks}  # observations since the last improvement
         self.saturated_for = {t: 0 for t in self.tasks}  # observations in a row at/above saturation
+        self.since_lowered: Dict[str, Optional[int]] = {t: None for t in self.tasks}  # None: never lowered
         self.last: Dict[str, Optional[float]] = {t: None for t in self.tasks}
         self.changes = 0
 
@@ -99,11 +99,12 @@ class TaskWeightScheduler:
 
     def update(self, values: Mapping[str, float]) -> list:
         """One observation per task in `values`; returns the tasks whose weight was lowered."""
-        stale = []
+        seen = []
         for t in self.tasks:
             v = values.get(t)
             if v is None or not math.isfinite(v):
                 continue
+            seen.append(t)
             best = self.best[t]
             if best is None or v > best + self.min_delta:
                 self.best[t], self.waited[t] = float(v), 0
@@ -111,20 +112,22 @@ class TaskWeightScheduler:
                 self.waited[t] += 1
             self.last[t] = float(v)
             self.saturated_for[t] = self.saturated_for[t] + 1 if v >= self.saturation else 0
-            if self.waited[t] >= self.patience or self.saturated_for[t] >= self.patience:
-                stale.append(t)
+            if self.since_lowered[t] is not None:
+                self.since_lowered[t] += 1
         lowered = []
-        for t in stale:  # in name order; a task lowered now takes no share in the same update
-            saturated = self.last[t] >= self.saturation
-            # a saturated task gives to every unsaturated one (stuck ones too: they have the most to
-            # learn); a plateaued one only to the tasks still improving
+        for t in seen:  # in name order; a task lowered now takes no share in the same update
+            saturated = self.saturated_for[t] >= self.patience
+            if not (saturated or self.waited[t] >= self.patience) or self.weights[t] <= self.min_weight:
+                continue
+            if self.since_lowered[t] is not None and self.since_lowered[t] < self.patience:
+                continue  # lowered recently: give the new share time to show
             receivers = [r for r in self.tasks if r != t and r not in lowered and self.last_below(r)
-                         and (saturated or r not in stale)]
-            if not receivers or self.weights[t] <= self.min_weight:
+                         and (saturated or self.waited[r] < self.patience)]
+            if not receivers:
                 continue
             new = max(self.min_weight, self.weights[t] * self.decay)
             freed, self.weights[t] = self.weights[t] - new, new
-            self.waited[t] = self.saturated_for[t] = 0
+            self.since_lowered[t] = 0
             for r in receivers:
                 self.weights[r] += freed / len(receivers)
             lowered.append(t)
@@ -137,7 +140,8 @@ class TaskWeightScheduler:
 
     def state_dict(self) -> Dict:
         return {"weights": dict(self.weights), "best": dict(self.best), "waited": dict(self.waited),
-                "saturated_for": dict(self.saturated_for), "last": dict(self.last), "changes": self.changes}
+                "saturated_for": dict(self.saturated_for), "last": dict(self.last), "since_lowered": dict(self.since_lowered),
+                "changes": self.changes}
 
     def load_state_dict(self, state: Mapping) -> None:
         if sorted(state["weights"]) != self.tasks:
@@ -148,4 +152,6 @@ class TaskWeightScheduler:
         self.waited = {t: int(state["waited"][t]) for t in self.tasks}
         self.saturated_for = {t: int(state["saturated_for"][t]) for t in self.tasks}
         self.last = {t: None if state["last"][t] is None else float(state["last"][t]) for t in self.tasks}
+        self.since_lowered = {t: None if state["since_lowered"][t] is None else int(state["since_lowered"][t])
+                              for t in self.tasks}
         self.changes = int(state["changes"])

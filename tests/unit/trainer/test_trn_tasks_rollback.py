@@ -81,6 +81,12 @@ def test_scheduler_plateau_fixed_all_stale_and_missing_metric():
     for step in range(1, 8):  # hard is stuck at 0 (stale) but easy is saturated: it takes no share
         s.observe(step, {"task/easy/reward": 1.0, "task/hard/reward": 0.0})
     assert s.weights == {"easy": 0.25, "hard": 1.75}
+    s = sched(saturation=2.0)
+    for step in range(1, 30):  # easy improves, then plateaus; hard is stuck: no back and forth
+        s.observe(step, {"task/easy/reward": min(0.1 * step, 0.8), "task/hard/reward": 0.0})
+        if step == 4:
+            assert s.weights == {"easy": 1.5, "hard": 0.5}  # hard plateaued while easy improved
+    assert s.weights == {"easy": 1.75, "hard": 0.25} and s.changes == 2
     s = sched()
     for step in range(1, 6):  # both stale: nobody to give the share to, nothing changes
         s.observe(step, {"task/easy/reward": 0.3, "task/hard/reward": 0.3})
