@@ -57,14 +57,16 @@ def _prefixed(prefix: str, tensors) -> list:
 
 
 class TrainerCheckpointer:
-    def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None, fmt: str = FORMAT,
-                 total_steps: Optional[int] = None) -> None:
+    def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None, task_weights=None,
+                 rollback=None, fmt: str = FORMAT, total_steps: Optional[int] = None) -> None:
         """roles: anything with `actor` (and optionally `critic`) attributes holding `.engine`;
-        loader: anything with state_dict()/load_state_dict() (the data position); fmt: the
-        trainer_state format a resume insists on; total_steps: the run's last step (default
-        trainer.total_steps; preference training derives it from the epochs)."""
+        loader: anything with state_dict()/load_state_dict() (the data position); task_weights,
+        rollback: trainer/task_weights.py and trainer/rollback.py state; fmt: the trainer_state
+        format a resume insists on; total_steps: the run's last step (default trainer.total_steps;
+        preference training derives it from the epochs)."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.loader, self.kl_ctrl, self.guard = loader, kl_ctrl, guard
+        self.task_weights, self.rollback = task_weights, rollback
         self.format = fmt
         c = cfg.checkpoint
         self.root = Path(c.dir)
@@ -131,6 +133,8 @@ class TrainerCheckpointer:
                 "loader": self.loader.state_dict() if self.loader is not None else None,
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "guard": {"in_a_row": self.guard.in_a_row, "total": self.guard.total} if self.guard else None,
+                "task_weights": self.task_weights.state_dict() if self.task_weights is not None else None,
+                "rollback": self.rollback.state_dict() if self.rollback is not None else None,
                 "metrics": {"file": str(metrics_file), "step": int(step)}}
 
     def close(self) -> None:
@@ -182,6 +186,21 @@ class TrainerCheckpointer:
                          self.cfg.trainer.resume, self.root)
             return 0
         t0 = time.perf_counter()
+        ts = self.load(path)
+        if self.rollback is not None and ts.get("rollback"):  # rollbacks so far, best values, LR factor
+            self.rollback.load_state_dict(ts["rollback"])
+        step = int(ts["step"])
+        self._check_no_collisions(step)
+        self.last_saved = step
+        if self.ctx.rank == 0:
+            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
+                     time.perf_counter() - t0, step + 1)
+        return step
+
+    def load(self, path) -> dict:
+        """Load a checkpoint into the engines, the RNGs, the loader, the KL controller, the guard and the
+        task weights; returns its trainer_state. Every rank calls this (resume, and the rollback guard's
+        rollback, which keeps its own counters)."""
         with open_checkpoint(path) as reader:
             ts = reader.metadata.get("trainer_state") or {}
             if ts.get("format") != self.format:
@@ -207,13 +226,12 @@ class TrainerCheckpointer:
             self.kl_ctrl.load_state_dict(ts["kl_ctrl"])
         if self.guard is not None and ts.get("guard"):
             self.guard.in_a_row, self.guard.total = int(ts["guard"]["in_a_row"]), int(ts["guard"]["total"])
-        step = int(ts["step"])
-        self._check_no_collisions(step)
-        self.last_saved = step
-        if self.ctx.rank == 0:
-            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
-                     time.perf_counter() - t0, step + 1)
-        return step
+        if self.task_weights is not None:
+            if not ts.get("task_weights"):
+                raise ValueError(f"{path}: saved without data.tasks, but this run has tasks "
+                                 f"{self.task_weights.tasks}; resume with the data settings it was saved with")
+            self.task_weights.load_state_dict(ts["task_weights"])
+        return ts
 
     def _check_no_collisions(self, start: int) -> None:
         """Fail now, not at the first save hours later, when checkpoint.dir already holds steps

@@ -43,8 +43,10 @@ from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
+from verl_hpc.trainer.rollback import RollbackGuard, apply_lr_factor, roll_back
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
+from verl_hpc.trainer.task_weights import TaskWeightScheduler
 from verl_hpc.trainer.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,11 @@ class RLTrainer:
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
-        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
-                                                kl_ctrl=self.kl_ctrl, guard=self.guard)
+        self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
+        self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
+        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
+                                                guard=self.guard, task_weights=self.task_weights,
+                                                rollback=self.rollback)
         self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
         self.safety = SafetySwitches(cfg, ctx)
 
@@ -124,6 +129,8 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
+        if self.rollback.lr_factor != 1.0:  # LR lowered by earlier rollbacks of this run
+            apply_lr_factor(self, self.rollback.lr_factor)
         if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
             self._sync_weights()
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
@@ -140,22 +147,37 @@ class RLTrainer:
             comm = collectives.counts if self.cfg.tracking.comm_bytes else None
             timer = WatchedTimer(StageTimer(comm=comm), dog)
             t0 = time.time()
-            for step in range(start + 1, tr.total_steps + 1):
+            step = start + 1
+            while step <= tr.total_steps:
                 with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
                     metrics = self.step(step, timer)
                 self.safety.check_ranks_agree(step, metrics)
                 metrics.update(timer.pop())
                 metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                           samples=metrics.get("train/samples"), world_size=ctx.world_size))
-                summary["steps"] = step
-                summary["reward_mean"] = metrics.get("reward/score/mean")
-                summary.setdefault("history", []).append(
-                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 last = step == tr.total_steps
                 if self.validator and (last or step % tr.val_every == 0):
                     dog.stage("validate")
                     metrics.update(val := self._validate(None, step))
                     summary["val_after"] = val
+                if self.task_weights is not None:  # the weights the next step draws with
+                    metrics.update(self.task_weights.observe(step, metrics))
+                    if self.loader is not None:
+                        self.loader.set_task_weights(self.task_weights.weights)
+                if self.rollback:
+                    dog.stage("rollback")
+                    trip = self.rollback.decide(step, metrics)
+                    if trip is not None:  # back to an earlier checkpoint; this step is not logged or saved
+                        to_step = roll_back(self, tracker, step, trip)
+                        summary["rollbacks"] = self.rollback.history
+                        del summary.setdefault("history", [])[max(to_step - start, 0):]
+                        step = to_step + 1
+                        continue
+                    metrics.update(self.rollback.metrics())
+                summary["steps"] = step
+                summary["reward_mean"] = metrics.get("reward/score/mean")
+                summary.setdefault("history", []).append(
+                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 dog.stage("log")
                 tracker.log(metrics, step)
                 dog.stage("checkpoint")
@@ -163,6 +185,7 @@ class RLTrainer:
                 if self.checkpointer.stop_if_preempted(step):  # saved; requeue_if_preempted in run()
                     summary["stopped"] = "preempted"
                     break
+                step += 1
             self.checkpointer.close()  # an async save in flight is committed before we report
             summary["seconds"] = round(time.time() - t0, 1)
         except BaseException as e:  # Prometheus and the alert webhook hear why the run ended

@@ -35,11 +35,11 @@ def data_overrides(root: Path):
             f"data.sft_files=[{root}/data/sft.parquet]"]
 
 
-def run_job(config: str, out: Path, *overrides, ranks: int = 1, timeout: int = 400):
+def run_job(config: str, out: Path, *overrides, ranks: int = 1, timeout: int = 400, env=None):
     """One local job; returns (CompletedProcess, rank 0's summary dict or None)."""
     cmd = [sys.executable, "-m", "verl_hpc.submit", config, "--local", f"slurm.tasks_per_node={ranks}",
            f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     summary = None
     for name in ("rl_summary.json", "sft_summary.json", "dpo_summary.json"):
         if (out / name).exists():
