@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Tuple
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ class RollbackRules:
                  kl_max: float = default_of("trainer.rollback.kl_max"),
                  entropy_metric: str = default_of("trainer.rollback.entropy_metric"),
                  entropy_min: float = default_of("trainer.rollback.entropy_min")):
-        if baseline not in ("best", "window"):
-            raise ValueError(f"trainer.rollback.baseline: {baseline!r}; valid: best, window")
+        if baseline not in choices_of("trainer.rollback.baseline"):
+            raise ValueError(f"trainer.rollback.baseline: {baseline!r}; valid: {', '.join(choices_of('trainer.rollback.baseline'))}")
         self.metrics, self.drop, self.baseline = list(metrics), float(drop), baseline
         self.window, self.drop_floor, self.warmup_steps = int(window), float(drop_floor), int(warmup_steps)
         self.kl_metric, self.kl_max = kl_metric, float(kl_max)

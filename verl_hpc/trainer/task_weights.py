@@ -26,7 +26,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.data.tasks import task_of
 
 METRIC_KEYS = {"reward": "task/{}/reward", "acc": "task/{}/acc",
@@ -61,8 +61,8 @@ class TaskWeightScheduler:
                  saturation: float = default_of("data.task_weights.saturation"),
                  decay: float = default_of("data.task_weights.decay"),
                  min_weight: float = default_of("data.task_weights.min_weight")):
-        if schedule not in ("fixed", "plateau"):
-            raise ValueError(f"data.task_weights.schedule: {schedule!r}; valid: fixed, plateau")
+        if schedule not in choices_of("data.task_weights.schedule"):
+            raise ValueError(f"data.task_weights.schedule: {schedule!r}; valid: {', '.join(choices_of('data.task_weights.schedule'))}")
         if metric not in METRIC_KEYS:
             raise ValueError(f"data.task_weights.metric: {metric!r}; valid: {', '.join(METRIC_KEYS)}")
         self.tasks = sorted(weights)
