@@ -113,13 +113,20 @@ def test_submit_with_charliecloud_runtime(image, tmp_path):
 def grpo(tmp_path, name, prefix, steps=2):
     root = make_assets(tmp_path / "assets")
     out = tmp_path / name
+    # The tiny model is untrained: every reward is 0, so GRPO's advantages (and its policy gradient)
+    # are 0 and only weight decay would move the weights, the same inside and out whatever the
+    # rollouts were. The entropy bonus gives a gradient that depends on the sampled responses.
     cmd = prefix + [
         "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"model.path={root}/model", *data_overrides(root),
         f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4",
-        "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=2"]
+        "actor.entropy_coeff=0.01", "tracking.backends=[jsonl]", "tracking.plots=false",
+        "slurm.tasks_per_node=2"]
     r, log = batch(tmp_path, name, cmd)
     assert r.returncode == 0, f"{name}: " + tail(r) + log[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    norms = [row["actor/grad_norm"] for row in rows if "actor/grad_norm" in row]
+    assert len(norms) == steps and min(norms) > 0, f"{name}: the actor did not train (grad norms {norms})"
     return out / "checkpoints" / f"step_{steps:06d}"
 
 
