@@ -1,8 +1,8 @@
 """The CPU image, built and run for real: `containers/build.sh` (mmdebstrap + Charliecloud), then
 jobs under the dev Slurm cluster with every rank inside `ch-run` (issue 18).
 
-The first test builds the image (ch-image's cache makes an unchanged rebuild take seconds; a
-fresh machine takes about ten minutes). A failed build FAILS these tests: on a machine where the
+The first test builds the image (ch-image's cache makes an unchanged rebuild take about a minute;
+a fresh build took 30-50 min on the loaded 2-core development machine). A failed build FAILS these tests: on a machine where the
 build cannot even start (no charliecloud/mmdebstrap and no apt-get to install them) they fail
 too, naming what is missing, so a container regression is never silently skipped.
 """
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist" / "trainer"))
 from trn_helpers import data_overrides, make_assets  # noqa: E402
 
-# The build can take ~10 min on a fresh machine (base root filesystem, apt, pip).
+# A fresh build can take most of an hour on 2 busy cores (base root filesystem, apt, pip).
 pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
 IMAGE = "verl_hpc:cpu"
 # The dev cluster's Slurm TmpFS (slurm.conf): PMIx keeps each step's directory there.
