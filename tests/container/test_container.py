@@ -58,14 +58,14 @@ def ch_run(image):
     return ["ch-run", f"--bind={REPO}", f"--bind={SLURM_TMPFS}", f"--cd={REPO}", image, "--"]
 
 
-def batch(tmp_path, name, step_cmd, n=2, timeout=900):
-    """`sbatch --wait` a script whose one step is `srun --mpi=pmix STEP_CMD` (N ranks, one node);
-    returns (CompletedProcess, the job's output)."""
+def batch(tmp_path, name, step_cmd, n=2, nodes=1, timeout=900):
+    """`sbatch --wait` a script whose one step is `srun --mpi=pmix STEP_CMD` (N ranks on NODES
+    nodes); returns (CompletedProcess, the job's output)."""
     script = tmp_path / f"{name}.sbatch"
     out = tmp_path / f"{name}.out"
     script.write_text("#!/bin/bash\nset -e\nexport PMIX_MCA_gds=hash OMPI_MCA_orte_tmpdir_base=/tmp\n"
                       f"srun --mpi=pmix --kill-on-bad-exit=1 {shlex.join(step_cmd)}\n")
-    r = run(["sbatch", "--wait", "-N1", f"-n{n}", "--time=15", f"--output={out}", f"--job-name={name}",
+    r = run(["sbatch", "--wait", f"-N{nodes}", f"-n{n}", f"--ntasks-per-node={n // nodes}", "--time=15", f"--output={out}", f"--job-name={name}",
              str(script)], timeout=timeout)
     return r, out.read_text(errors="replace") if out.exists() else ""
 
@@ -96,6 +96,18 @@ def test_srun_pmix_smoke_job_in_container(image, tmp_path):
                                                        f"trainer.output_dir={tmp_path}"])
     assert r.returncode == 0, tail(r) + log[-5000:]
     check_ranks_agree(json.loads((tmp_path / "smoke_result.json").read_text()), 2)
+
+
+@pytest.mark.multinode
+def test_srun_pmix_smoke_job_in_container_across_two_nodes(image, tmp_path):
+    # the dev cluster's nodes are network namespaces with their own addresses: PMIx wire-up and
+    # gloo go over the bridge between them, each rank in its own ch-run
+    r, log = batch(tmp_path, "smoke2", ch_run(image) + ["python", "-m", "verl_hpc.job", "configs/smoke.yaml",
+                                                        f"trainer.output_dir={tmp_path}"], n=2, nodes=2)
+    assert r.returncode == 0, tail(r) + log[-5000:]
+    result = json.loads((tmp_path / "smoke_result.json").read_text())
+    check_ranks_agree(result, 2)
+    assert len({x["host"] for x in result["ranks"]}) == 2, result["ranks"]
 
 
 def test_submit_with_charliecloud_runtime(image, tmp_path):
