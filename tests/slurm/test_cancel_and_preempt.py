@@ -66,7 +66,7 @@ def _node_and_cpus(job_id: str):
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
 def test_slurm_preemption_requeues_and_resumes(tmp_path):
-    steps = 60  # long enough that the preemption lands mid-run, not after the last step
+    steps = 400  # long enough that the preemption lands mid-run on a quiet machine too (~0.2 s a step)
     proc, job_id, out, logs = start_rl(tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
