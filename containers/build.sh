@@ -49,7 +49,9 @@ if [ ! -s "$BASE_TAR" ]; then
   nice mmdebstrap --variant=minbase --include=ca-certificates bookworm "$CACHE/partial.tar.gz" "$MIRROR"
   mv "$CACHE/partial.tar.gz" "$BASE_TAR"
 fi
-if ! ch_image list "$BASE_TAG" >/dev/null 2>&1; then
+# (tested on the storage directory: `ch-image list NAME` also asks the image registry, which fails
+# without one, so it would re-import the base on every build)
+if [ ! -d "$CH_IMAGE_STORAGE/img/${BASE_TAG//:/+}" ]; then
   stamp "import $BASE_TAR as $BASE_TAG"
   ch_image import "$BASE_TAR" "$BASE_TAG"
 fi

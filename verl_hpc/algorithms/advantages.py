@@ -14,6 +14,8 @@ from typing import Any, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
+
 from . import group_advantages  # noqa: F401  (registers grpo, rloo, opo, gpg, reinforce++-baseline)
 from .masked import as_float_mask, check_per_sample, check_token_inputs, masked_whiten
 from .registry import ADV_ESTIMATOR_REGISTRY, register_adv_estimator
@@ -27,8 +29,8 @@ def gae(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     values: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+    gamma: float = default_of("algorithm.gamma"),
+    lam: float = default_of("algorithm.lam"),
 ) -> Pair:
     """Generalised advantage estimation (Schulman et al. 2016), per token.
 
@@ -58,7 +60,8 @@ def gae(
 @register_adv_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+    gamma: float = default_of("algorithm.gamma"),
 ) -> Pair:
     """REINFORCE++ (Hu 2025): discounted return-to-go G_t = sum_{s>=t} gamma^(s-t) r_s per token,
     advantages = G whitened over all valid tokens of the batch (the "global" normalisation that

@@ -21,6 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
+
 from .aggregation import Count
 from .masked import masked_mean
 from .policy_losses import Metrics, _check_clip, _metrics, _prepare, weighted_agg
@@ -45,12 +47,12 @@ def clip_cov(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_cov_ratio: float = 0.0002,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
+    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
+    clip_cov_ratio: float = default_of("actor.clip_cov_ratio"),
+    clip_cov_lb: float = default_of("actor.clip_cov_lb"),
+    clip_cov_ub: float = default_of("actor.clip_cov_ub"),
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -94,9 +96,9 @@ def kl_cov(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
-    loss_agg_mode: str = "token-mean",
+    kl_cov_ratio: float = default_of("actor.kl_cov_ratio"),
+    ppo_kl_coef: float = default_of("actor.ppo_kl_coef"),
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,

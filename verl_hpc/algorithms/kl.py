@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from verl_hpc.config.schema import choices_of, default_of
+
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
 from .registry import KL_ESTIMATOR_REGISTRY, register_kl_estimator
@@ -90,7 +92,7 @@ def apply_kl_penalty(
     ref_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     kl_coef: float,
-    kl_penalty: str = "kl",
+    kl_penalty: str = default_of("algorithm.kl_penalty"),
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """KL as a reward penalty: rewards_t = scores_t - kl_coef * KL_t on every valid token.
 
@@ -111,8 +113,8 @@ def kl_loss(
     ref_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     kl_loss_coef: float,
-    kl_loss_type: str = "low_var_kl",
-    loss_agg_mode: str = "token-mean",
+    kl_loss_type: str = default_of("actor.kl_loss_type"),
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -163,11 +165,14 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_CONTROLLER_TYPES = ("fixed", "adaptive")
+KL_CONTROLLER_TYPES = choices_of("algorithm.kl_ctrl.type")
 
 
 def make_kl_controller(
-    type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: int = 10000
+    type: str = default_of("algorithm.kl_ctrl.type"),
+    kl_coef: float = default_of("algorithm.kl_ctrl.kl_coef"),
+    target_kl: float = default_of("algorithm.kl_ctrl.target_kl"),
+    horizon: int = default_of("algorithm.kl_ctrl.horizon"),
 ) -> Union[FixedKLController, AdaptiveKLController]:
     """Build the controller named by algorithm.kl_ctrl.type (argument names = config fields)."""
     if type == "fixed":

@@ -26,10 +26,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.schema import choices_of, default_of
+
 from .masked import as_float_mask, check_same_shape, masked_mean, masked_sum
 
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
+ROLLOUT_IS_LEVELS = choices_of("algorithm.rollout_correction.rollout_is")
+ROLLOUT_RS_LEVELS = choices_of("algorithm.rollout_correction.rollout_rs")
 # log rho is clamped before exp (as the policy losses clamp their log-ratios); a sequence's summed
 # log-ratio is truncated in log space, so an extreme sum can never overflow.
 _LOG_CLAMP = 20.0
@@ -63,7 +65,7 @@ def rollout_correction(
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is: Optional[str] = None,
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: float = default_of("algorithm.rollout_correction.rollout_is_threshold"),
     rollout_rs: Optional[str] = None,
     rollout_rs_threshold: Optional[float] = None,
     rollout_rs_threshold_lower: Optional[float] = None,

@@ -57,21 +57,23 @@ class PolicyObjective:
     aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask, (with the
     KL loss) ref_log_probs and (with mismatch correction) rollout_is_weights from the micro-batch."""
 
-    policy_loss: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"
+    # every field is the actor section's of the same name (config/sections/roles.py declares the
+    # defaults): required here, so that a default is never written twice
+    policy_loss: str
+    loss_agg_mode: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
     # clip_cov / kl_cov (arXiv 2505.22617): which tokens they clip or penalise
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
+    kl_cov_ratio: float
+    ppo_kl_coef: float
     # on-policy shortcut (set by the trainer, verl_hpc/trainer/correction.py): pi_old's log-probs
     # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
     old_from_update: bool = False
@@ -122,8 +124,8 @@ class ValueObjective:
     """Value regression with PPO value clipping (critic.cliprange_value), aggregated with
     critic.loss_agg_mode. Reads values (the critic's at rollout time), returns, response_mask."""
 
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    cliprange_value: float  # the critic section's fields (config/sections/roles.py)
+    loss_agg_mode: str
     outputs: Tuple[str, ...] = ("values",)
 
     @classmethod

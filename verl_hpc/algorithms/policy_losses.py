@@ -22,6 +22,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.schema import default_of
+
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_same_shape, check_token_inputs, masked_mean
 from .registry import POLICY_LOSS_REGISTRY, register_policy_loss
@@ -93,10 +95,10 @@ def vanilla(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: Optional[float] = 3.0,
-    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
+    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
+    clip_ratio_c: Optional[float] = default_of("actor.clip_ratio_c"),
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -159,9 +161,9 @@ def cispo(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
+    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -193,7 +195,7 @@ def gpg(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -212,7 +214,7 @@ def reinforce(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,

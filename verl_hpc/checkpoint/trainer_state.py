@@ -6,8 +6,12 @@ stop) is runtime/requeue.py's.
     start = ckpt.resume()              # 0 (fresh) or the step of the checkpoint loaded
     for step in range(start + 1, total + 1):
         ...; ckpt.maybe_save(step)     # checkpoint.save_every, and always at the last step
-    ckpt.maybe_save(step, force=True)  # on the preemption flag
+        if ckpt.stop_if_preempted(step): break   # the preemption flag: save now and stop
     ckpt.close()
+    ckpt.requeue_if_preempted()        # after the summary: requeue (SystemExit) or log how to resume
+
+The RL trainer (trainer/rl.py) and preference training (trainer/preference.py, its own FORMAT so
+neither resumes from the other's checkpoints) share this class and hence the signal handling.
 
 What a checkpoint holds:
 - tensors: the actor's and (PPO) the critic's engine state, names prefixed `actor/`, `critic/`
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("actor", "critic")
 FORMAT = "verl_hpc.rl_trainer/1"
+PREFERENCE_FORMAT = "verl_hpc.preference_trainer/1"
 
 
 def _prefixed(prefix: str, tensors) -> list:
@@ -52,13 +57,21 @@ def _prefixed(prefix: str, tensors) -> list:
 
 
 class TrainerCheckpointer:
-    def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None) -> None:
+    def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None, task_weights=None,
+                 rollback=None, fmt: str = FORMAT, total_steps: Optional[int] = None) -> None:
+        """roles: anything with `actor` (and optionally `critic`) attributes holding `.engine`;
+        loader: anything with state_dict()/load_state_dict() (the data position); task_weights,
+        rollback: trainer/task_weights.py and trainer/rollback.py state; fmt: the trainer_state
+        format a resume insists on; total_steps: the run's last step (default trainer.total_steps;
+        preference training derives it from the epochs)."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.loader, self.kl_ctrl, self.guard = loader, kl_ctrl, guard
+        self.task_weights, self.rollback = task_weights, rollback
+        self.format = fmt
         c = cfg.checkpoint
         self.root = Path(c.dir)
         self.save_every, self.keep_last = int(c.save_every), int(c.keep_last)
-        self.total_steps = int(cfg.trainer.total_steps)
+        self.total_steps = int(cfg.trainer.total_steps if total_steps is None else total_steps)
         self.layout = {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
                        "dp": Layout(ctx.world_size, cfg.parallel.tp, cfg.parallel.pp).dp}
         self.history = MetricHistory(cfg.trainer.output_dir)  # carried by rank 0's rank_state
@@ -116,16 +129,39 @@ class TrainerCheckpointer:
 
     def _trainer_state(self, step: int, engine_meta: dict) -> dict:
         metrics_file = self.history.path
-        return {"format": FORMAT, "step": int(step), "engines": engine_meta,
+        return {"format": self.format, "step": int(step), "engines": engine_meta,
                 "loader": self.loader.state_dict() if self.loader is not None else None,
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "guard": {"in_a_row": self.guard.in_a_row, "total": self.guard.total} if self.guard else None,
+                "task_weights": self.task_weights.state_dict() if self.task_weights is not None else None,
+                "rollback": self.rollback.state_dict() if self.rollback is not None else None,
                 "metrics": {"file": str(metrics_file), "step": int(step)}}
 
     def close(self) -> None:
         """Wait for an async save in flight (before the process group goes away)."""
         if self._async is not None:
             self._async.wait()
+
+    # ------------------------------------------------------------------------------ preemption
+    def stop_if_preempted(self, step: int) -> bool:
+        """At a step boundary, after maybe_save(step): if any rank saw Slurm's warning signal or
+        SIGTERM (runtime/signals.py; one all-reduce), save `step` now and return True (the loop
+        stops). Collective: every rank calls it after every step."""
+        if not self.ctx.preemption.agreed():
+            return False
+        log.warning("%s: preemption flag set after step %d; saving and stopping", self.cfg.trainer.job, step)
+        self.maybe_save(step, force=True)
+        self.preempted_at = step
+        return True
+
+    def requeue_if_preempted(self) -> None:
+        """After a stop_if_preempted stop: requeue the Slurm job (SystemExit on every rank) or log how
+        to resume, per runtime/requeue.py's rule. Nothing when the run was not preempted. Collective."""
+        if self.preempted_at is None:
+            return
+        from verl_hpc.runtime.requeue import requeue_after_signal
+
+        requeue_after_signal(self.cfg, self.ctx, step=self.preempted_at, checkpoint_dir=self.root)
 
     # ------------------------------------------------------------------------------ resuming
     def find(self) -> Optional[Path]:
@@ -150,11 +186,27 @@ class TrainerCheckpointer:
                          self.cfg.trainer.resume, self.root)
             return 0
         t0 = time.perf_counter()
+        ts = self.load(path)
+        if self.rollback is not None and ts.get("rollback"):  # rollbacks so far, best values, LR factor
+            self.rollback.load_state_dict(ts["rollback"])
+        step = int(ts["step"])
+        self._check_no_collisions(step)
+        self.last_saved = step
+        if self.ctx.rank == 0:
+            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
+                     time.perf_counter() - t0, step + 1)
+        return step
+
+    def load(self, path) -> dict:
+        """Load a checkpoint into the engines, the RNGs, the loader, the KL controller, the guard and the
+        task weights; returns its trainer_state. Every rank calls this (resume, and the rollback guard's
+        rollback, which keeps its own counters)."""
         with open_checkpoint(path) as reader:
             ts = reader.metadata.get("trainer_state") or {}
-            if ts.get("format") != FORMAT:
-                raise ValueError(f"{path}: not an RL trainer checkpoint (trainer_state.format="
-                                 f"{ts.get('format')!r}, expected {FORMAT!r}); trainer.resume=never starts fresh")
+            if ts.get("format") != self.format:
+                raise ValueError(f"{path}: not a checkpoint of this trainer (trainer_state.format="
+                                 f"{ts.get('format')!r}, expected {self.format!r}: trainer.job must match "
+                                 "the run that saved it); trainer.resume=never starts fresh")
             for name, engine in self._engines().items():
                 if name not in ts["engines"]:
                     raise ValueError(f"{path} has no {name} state (saved roles: {sorted(ts['engines'])}); "
@@ -174,13 +226,12 @@ class TrainerCheckpointer:
             self.kl_ctrl.load_state_dict(ts["kl_ctrl"])
         if self.guard is not None and ts.get("guard"):
             self.guard.in_a_row, self.guard.total = int(ts["guard"]["in_a_row"]), int(ts["guard"]["total"])
-        step = int(ts["step"])
-        self._check_no_collisions(step)
-        self.last_saved = step
-        if self.ctx.rank == 0:
-            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
-                     time.perf_counter() - t0, step + 1)
-        return step
+        if self.task_weights is not None:
+            if not ts.get("task_weights"):
+                raise ValueError(f"{path}: saved without data.tasks, but this run has tasks "
+                                 f"{self.task_weights.tasks}; resume with the data settings it was saved with")
+            self.task_weights.load_state_dict(ts["task_weights"])
+        return ts
 
     def _check_no_collisions(self, start: int) -> None:
         """Fail now, not at the first save hours later, when checkpoint.dir already holds steps

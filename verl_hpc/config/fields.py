@@ -108,10 +108,11 @@ def valid_choices(meta: dict) -> Optional[Tuple[str, ...]]:
     return meta.get("choices")
 
 
-def choice_problems(cfg) -> List[str]:
-    """One problem per field whose value is not among its valid names (list fields: per item)."""
+def choice_problems(cfg, prefix: str = "") -> List[str]:
+    """One problem per field whose value is not among its valid names (list fields: per item).
+    `prefix` names a lone section in the messages ("optim.")."""
     problems: List[str] = []
-    for key, value, meta, _ in walk(cfg):
+    for key, value, meta, _ in walk(cfg, prefix):
         valid = valid_choices(meta)
         if valid is None:
             continue
@@ -121,11 +122,11 @@ def choice_problems(cfg) -> List[str]:
     return problems
 
 
-def range_problems(cfg) -> List[str]:
+def range_problems(cfg, prefix: str = "") -> List[str]:
     """Non-finite floats (YAML accepts .nan / .inf, and NaN passes every comparison) and the
-    declared `check` of every numeric field."""
+    declared `check` of every numeric field. `prefix` as in choice_problems."""
     problems: List[str] = []
-    for key, value, meta, _ in walk(cfg):
+    for key, value, meta, _ in walk(cfg, prefix):
         if isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{key}: must be a finite number, got {value}")
         elif meta.get("check") and value is not None and not _interval(value, meta["check"]):

@@ -7,9 +7,11 @@ declarations (`python -m verl_hpc.config --write-base configs/base.yaml`) and a 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Tuple
 
-from verl_hpc.config.fields import section, sections
+from verl_hpc.config.fields import section, sections, valid_choices
 from verl_hpc.config.layout import Layout
 from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfig, KLControlConfig,
                                                 OverlongBufferConfig, PreferenceConfig,
@@ -85,7 +87,7 @@ __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "ParallelConfig", "PreferenceConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
-    "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "default_of",
+    "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",
 ]
 
 
@@ -99,6 +101,20 @@ def default_of(key: str):
     if isinstance(value, (list, dict)) or hasattr(value, "__dataclass_fields__"):
         raise TypeError(f"default_of({key!r}): only scalar defaults can be shared")
     return value
+
+
+def choices_of(key: str) -> Tuple[str, ...]:
+    """The declared valid names of a dotted field ('rollout.engine'), for components that check a
+    value they may be handed without a config: the list stays written once, in its section."""
+    *path, name = key.split(".")
+    owner = _DEFAULTS
+    for part in path:
+        owner = getattr(owner, part)
+    meta = next(f.metadata for f in dataclasses.fields(owner) if f.name == name)
+    valid = valid_choices(meta)
+    if not valid:
+        raise TypeError(f"choices_of({key!r}): the field declares no choices")
+    return valid
 
 
 _DEFAULTS = JobConfig()

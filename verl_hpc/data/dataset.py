@@ -49,6 +49,19 @@ class PromptDataset:
                            data_sources=[r.data_source for r in recs],
                            ground_truths=[r.ground_truth for r in recs], extras=[dict(r.extra) for r in recs])
 
+    @classmethod
+    def concat(cls, parts: Sequence["PromptDataset"]) -> "PromptDataset":
+        """One dataset holding the rows of `parts` in order (data.tasks: one part per task)."""
+        return cls([r for p in parts for r in p.records], [t for p in parts for t in p.texts],
+                   [x for p in parts for x in p.token_ids], sum(p.n_dropped for p in parts))
+
+    def indices_by_task(self) -> Dict[str, List[int]]:
+        """{task: row indices} (rows tagged by verl_hpc.data.tasks; untagged rows under '')."""
+        groups: Dict[str, List[int]] = {}
+        for i, r in enumerate(self.records):
+            groups.setdefault(str(r.extra.get("task", "")), []).append(i)
+        return groups
+
     def indices_by_source(self) -> Dict[str, List[int]]:
         groups: Dict[str, List[int]] = {}
         for i, r in enumerate(self.records):

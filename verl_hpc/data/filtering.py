@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from typing import List, Sequence, Tuple
 
+from verl_hpc.config.schema import choices_of
 from verl_hpc.data.errors import DataError
 
 log = logging.getLogger(__name__)
-OVERLONG_MODES = ("drop", "error")
+OVERLONG_MODES = choices_of("data.overlong_prompts")
 
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,

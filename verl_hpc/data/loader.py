@@ -18,19 +18,23 @@ from verl_hpc.data.batch import PromptBatch
 from verl_hpc.data.dataset import PromptDataset
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.sampler import EpochSampler, MixtureSampler
+from verl_hpc.data.tasks import TaskSampler, load_task_dataset
 
 log = logging.getLogger(__name__)
 
 
 class PromptLoader:
     def __init__(self, dataset: PromptDataset, batch_size: int, seed: int = 1, shuffle: bool = True,
-                 mixture: Optional[Mapping[str, float]] = None):
+                 mixture: Optional[Mapping[str, float]] = None, task_weights: Optional[Mapping[str, float]] = None):
+        """task_weights: {task: weight} for a dataset tagged by verl_hpc.data.tasks (data.tasks)."""
         if batch_size <= 0:
             raise DataError(f"a batch of {batch_size} prompts: the batch size (data.train_batch_size) must be > 0")
         self.dataset, self.batch_size = dataset, batch_size
         fp = dataset.fingerprint()
-        self.sampler: Union[EpochSampler, MixtureSampler]
-        if mixture:
+        self.sampler: Union[EpochSampler, MixtureSampler, TaskSampler]
+        if task_weights:
+            self.sampler = TaskSampler(dataset.indices_by_task(), dict(task_weights), seed, shuffle, fp)
+        elif mixture:
             self.sampler = MixtureSampler(dataset.indices_by_source(), dict(mixture), seed, shuffle, fp)
         else:
             self.sampler = EpochSampler(len(dataset), seed, shuffle, fp)
@@ -38,6 +42,13 @@ class PromptLoader:
 
     @classmethod
     def from_config(cls, data_cfg, tokenizer, wrap_plain_text: bool = True) -> "PromptLoader":
+        if data_cfg.tasks:
+            from verl_hpc.config.sections.tasks import task_specs
+
+            specs = task_specs(data_cfg)
+            dataset = load_task_dataset(specs, tokenizer, data_cfg, wrap_plain_text, "train")
+            return cls(dataset, data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle,
+                       task_weights={n: t.weight for n, t in specs.items()})
         dataset = PromptDataset.load(data_cfg.train_files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,
                                      data_cfg.overlong_prompts, wrap_plain_text, what="data.train_files")
         log.info("train set: %d prompts from %d file(s) (%d dropped as overlong)", len(dataset),
@@ -48,6 +59,12 @@ class PromptLoader:
     def steps_per_epoch(self) -> int:
         """Batches per pass over the train set (rounded up; batches run on across epochs)."""
         return -(-len(self.dataset) // self.batch_size)
+
+    def set_task_weights(self, weights: Mapping[str, float]) -> None:
+        """data.tasks: the weights the next batches are drawn with (the task-weight scheduler's)."""
+        if not isinstance(self.sampler, TaskSampler):
+            raise DataError("task weights need data.tasks (this loader samples without tasks)")
+        self.sampler.set_weights(weights)
 
     def next_batch(self) -> PromptBatch:
         self.step += 1
@@ -75,6 +92,10 @@ def val_batches(dataset: PromptDataset, batch_size: int) -> Iterator[PromptBatch
 
 def load_val_dataset(data_cfg, tokenizer, wrap_plain_text: bool = True) -> Optional[PromptDataset]:
     """The val set of data.val_files, or None when there is none; same length filter as training."""
+    if data_cfg.tasks:
+        from verl_hpc.config.sections.tasks import task_specs
+
+        return load_task_dataset(task_specs(data_cfg), tokenizer, data_cfg, wrap_plain_text, "val")
     if not data_cfg.val_files:
         return None
     return PromptDataset.load(data_cfg.val_files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.models.config_mapping import (
     DEFAULT_VOCAB_DIVISOR,
     ModelArch,
@@ -38,7 +38,7 @@ def transformer_engine_available() -> bool:
     return True
 
 
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")  # Megatron's Fp8Recipe, less custom
+FP8_RECIPES = choices_of("model.fp8_recipe")  # Megatron's Fp8Recipe, less custom
 FP8_DEFAULT_RECIPE = default_of("model.fp8_recipe")
 
 

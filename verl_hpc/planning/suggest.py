@@ -20,6 +20,7 @@ import time
 from typing import List, Optional
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.schema import choices_of
 from verl_hpc.planning import hardware
 from verl_hpc.planning.model_shape import model_arch, total_params
 from verl_hpc.planning.phases import microbatch_shape, plan_job
@@ -118,7 +119,7 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
         if world % (tp * pp):
             continue
         vpps = [None] + [v for v in (2, 4, 5) if pp > 1 and arch.num_layers % (pp * v) == 0][:1]
-        for vpp, rc, off, scale in itertools.product(vpps, ("none", "selective", "full"),
+        for vpp, rc, off, scale in itertools.product(vpps, choices_of("parallel.recompute_granularity"),
                                                      (False, True), (0.5, 1, 2)):
             if time.monotonic() - start > time_limit_s:
                 break

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
+from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.rewards import registry
 from verl_hpc.rewards.custom import CustomFn, load_custom_function
 from verl_hpc.rewards.errors import RewardError
@@ -33,7 +33,8 @@ from verl_hpc.rewards.reward_model import RewardModel, combine, rm_scores
 from verl_hpc.rewards.timeout import FunctionExited, RewardTimeout, TimedCaller
 
 log = logging.getLogger(__name__)
-ON_ERROR = ("zero", "raise")
+ON_ERROR = choices_of("reward.on_error")
+GSM8K_METHODS = choices_of("reward.gsm8k_method")
 MAX_LISTED = 10
 
 
@@ -43,8 +44,8 @@ class RewardScorer:
                  timeout_s: float = 0.0, custom_name: str = ""):
         if on_error not in ON_ERROR:
             raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
-        if gsm8k_method not in ("strict", "flexible"):
-            raise RewardError(f"gsm8k_method: invalid value {gsm8k_method!r}; valid: strict, flexible")
+        if gsm8k_method not in GSM8K_METHODS:
+            raise RewardError(f"gsm8k_method: invalid value {gsm8k_method!r}; valid: {', '.join(GSM8K_METHODS)}")
         self.on_error, self.custom, self.reward_model = on_error, custom_function, reward_model
         self.gsm8k_method = gsm8k_method
         self.call = TimedCaller(timeout_s)

@@ -5,11 +5,12 @@ import importlib.util
 import logging
 from typing import Tuple
 
+from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("vllm", "hf")
+ENGINES = tuple(e for e in choices_of("rollout.engine") if e != "auto")  # auto: choose_engine
 # rollout.engine=auto on CPU: below this many parameters HF generate is the faster rollout. Measured
 # in one run each (benchmarks/bench_vs_trl.py, bench_rollout.py): a 0.4M Llama spent 0.08 s a step
 # generating with HF against 0.13 s with vLLM, plus 0.03 s of vLLM weight reload against 0.002 s;

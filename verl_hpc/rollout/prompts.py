@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-OVERFLOW_POLICIES = ("truncate", "reject")
+from verl_hpc.config.schema import choices_of
+
+OVERFLOW_POLICIES = choices_of("rollout.prompt_overflow")
 
 
 class PromptTooLongError(ValueError):

@@ -1,4 +1,5 @@
-"""PNG training curves from the metrics history: reward, validation accuracy, KL, entropy, length.
+"""PNG training curves from the metrics history: reward, validation accuracy, KL, entropy, length,
+and with data.tasks the reward and weight of each task.
 
 One figure, one panel per group, step on x. A group with no matching metric is left out rather
 than drawn empty, so an SFT run or a run without validation still gets a clean figure.
@@ -33,6 +34,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
     Panel("Response length", "tokens", ("response_length/mean", "response_length/max")),
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
+    Panel("Reward per task", "reward", ("task/*/reward", "val/task/*/reward")),  # data.tasks
+    Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for p in panel.patterns)

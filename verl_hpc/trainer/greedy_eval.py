@@ -25,7 +25,7 @@ def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int = 4, prom
     from verl_hpc.rewards import default_score
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = read_rows(val_file, what="val file")
     _, prompts = encode_prompts(tok, [r[prompt_key] for r in rows], wrap_plain_text)
     right = 0.0

@@ -21,13 +21,18 @@ rewards/margins, rewards/accuracies, logps/*), and on `data.preference_val_files
 val/preference_accuracy = share of held-out pairs whose implicit reward ranks chosen above rejected
 (ties count one half: the untrained policy equals the reference, so DPO starts at 0.5).
 At the end the weights are written as a Hugging Face folder (trainer.hf_output_dir).
+
+Checkpoints and resume as for RL, with the same class (verl_hpc/checkpoint/trainer_state.py): the
+policy's engine state (weights, Adam moments, LR schedule) and the data position (an EpochSampler's
+epoch and offset) per `checkpoint.save_every` and at the last step; `trainer.resume` picks the
+checkpoint to start from; Slurm's warning signal or SIGTERM saves at the next step boundary, stops,
+and requeues per runtime/requeue.py. The reference is frozen and rebuilt from `model.path`.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -131,9 +136,19 @@ class PreferenceStep:
         return score / max(len(pairs), 1)
 
 
+class _Roles:
+    """What TrainerCheckpointer saves: the policy as `actor` (the reference is frozen and is
+    rebuilt from model.path, as in RL)."""
+
+    def __init__(self, policy):
+        self.actor, self.critic = policy, None
+
+
 def run(cfg, ctx) -> dict:
+    from verl_hpc.checkpoint.trainer_state import PREFERENCE_FORMAT, TrainerCheckpointer
     from verl_hpc.config import to_container
     from verl_hpc.data.preference import load_preference_examples
+    from verl_hpc.data.sampler import EpochSampler
     from verl_hpc.engines.megatron.roles import build_engine
     from verl_hpc.tracking import Tracker, missing_packages
     from verl_hpc.trainer.roles import load_tokenizer
@@ -161,38 +176,50 @@ def run(cfg, ctx) -> dict:
     ref = None if pr.loss in REFERENCE_FREE else build_engine("ref", cfg, ctx)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     step_fn = PreferenceStep(cfg, policy, ref, pad)
-    tracker = Tracker(cfg.tracking.backends, tr.output_dir, steps, tr.project_name, tr.experiment_name,
-                      to_container(cfg), is_main=ctx.rank == 0, log_every=cfg.tracking.log_every,
-                      plots_enabled=cfg.tracking.plots, console_metrics=cfg.tracking.console_metrics)
-    rng, order, t0 = random.Random(d.seed), [], time.time()
-    summary: Dict = dict(loss=pr.loss, rows=len(train), val_rows=len(val))
+    # the data position is (epoch, offset) of a seeded permutation: the same on every rank, and a
+    # resumed run draws exactly the examples the uninterrupted one would have
+    sampler = EpochSampler(len(train), seed=d.seed, fingerprint=f"{pr.loss}:{len(train)}")
+    checkpointer = TrainerCheckpointer(cfg, ctx, _Roles(policy), loader=sampler, fmt=PREFERENCE_FORMAT,
+                                       total_steps=steps)
+    start = checkpointer.resume()  # 0, or the step of the checkpoint loaded
+    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
+                                  total_steps=steps, config=to_container(cfg))
+    t0 = time.time()
+    summary: Dict = dict(loss=pr.loss, rows=len(train), val_rows=len(val), resumed_from=start,
+                         stopped="completed", steps=start)
     try:
-        if val:
+        if val and not start:
             summary["val_accuracy_before"] = step_fn.accuracy(val, d.val_batch_size)
             tracker.log({"val/preference_accuracy": summary["val_accuracy_before"]}, 0)
-        for step in range(1, steps + 1):
-            if len(order) < bs:  # next epoch, the same shuffle on every rank (same seed)
-                perm = list(range(len(train)))
-                rng.shuffle(perm)
-                order += perm
-            take, order = order[:bs], order[bs:]
-            metrics = step_fn([train[i] for i in take])
+        for step in range(start + 1, steps + 1):
+            metrics = step_fn([train[i] for i in sampler.next_indices(bs)])
             metrics["preference/lr"] = policy.engine.scheduler_step()
             if val and tr.val_every and (step % tr.val_every == 0 or step == steps):
                 metrics["val/preference_accuracy"] = step_fn.accuracy(val, d.val_batch_size)
             summary.setdefault("history", []).append(metrics)
+            summary["steps"] = step
             tracker.log(metrics, step)
-        if val:
+            checkpointer.maybe_save(step)
+            if checkpointer.stop_if_preempted(step):  # saved; requeued (or told how to resume) below
+                summary["stopped"] = "preempted"
+                break
+        checkpointer.close()  # an async save in flight is committed before we report
+        if val and summary["stopped"] == "completed":
             summary["val_accuracy_after"] = step_fn.accuracy(val, d.val_batch_size)
+    except BaseException as e:
+        tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
+        raise
     finally:
-        tracker.close()
-    save_hf(policy.engine, cfg, ctx, tr.hf_output_dir)
+        tracker.close(summary["stopped"], summary["steps"])
+    if summary["stopped"] == "completed":  # a preempted run exports when its resumed job finishes
+        save_hf(policy.engine, cfg, ctx, tr.hf_output_dir)
     hist = summary.get("history", [])
-    summary.update(steps=steps, seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir,
+    summary.update(total_steps=steps, seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir,
                    first_loss=hist[0]["preference/loss"] if hist else math.nan,
                    last_loss=hist[-1]["preference/loss"] if hist else math.nan)
     if ctx.rank == 0:
         Path(tr.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(tr.output_dir) / "dpo_summary.json").write_text(json.dumps(summary, indent=1))
         print(f"DPO_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'})}", flush=True)
+    checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
     return summary

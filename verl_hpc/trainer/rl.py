@@ -44,9 +44,11 @@ from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.roles import build_roles
+from verl_hpc.trainer.rollback import RollbackGuard, apply_lr_factor, roll_back
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
 from verl_hpc.trainer.stopping import StopRule
+from verl_hpc.trainer.task_weights import TaskWeightScheduler
 from verl_hpc.trainer.validation import Validator
 
 log = logging.getLogger(__name__)
@@ -78,8 +80,11 @@ class RLTrainer:
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
-        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader,
-                                                kl_ctrl=self.kl_ctrl, guard=self.guard)
+        self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
+        self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
+        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
+                                                guard=self.guard, task_weights=self.task_weights,
+                                                rollback=self.rollback)
         self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
         self.safety = SafetySwitches(cfg, ctx)
 
@@ -144,6 +149,8 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
+        if self.rollback.lr_factor != 1.0:  # LR lowered by earlier rollbacks of this run
+            apply_lr_factor(self, self.rollback.lr_factor)
         if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
             self._sync_weights()
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
@@ -161,17 +168,14 @@ class RLTrainer:
             comm = collectives.counts if self.cfg.tracking.comm_bytes else None
             timer = WatchedTimer(StageTimer(comm=comm), dog)
             t0 = time.time()
-            for step in range(start + 1, tr.total_steps + 1):
+            step = start + 1
+            while step <= tr.total_steps:
                 with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
                     metrics = self.step(step, timer)
                 self.safety.check_ranks_agree(step, metrics)
                 metrics.update(timer.pop())
                 metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                           samples=metrics.get("train/samples"), world_size=ctx.world_size))
-                summary["steps"] = step
-                summary["reward_mean"] = metrics.get("reward/score/mean")
-                summary.setdefault("history", []).append(
-                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 last = step == tr.total_steps
                 if self.validator and (last or step % tr.val_every == 0):
                     dog.stage("validate")
@@ -181,6 +185,24 @@ class RLTrainer:
                     # its own timing; left out of the next timing_s/step (and so of throughput, ETA)
                     metrics["timing_s/validation"] = time.perf_counter() - v0
                     timer.exclude(metrics["timing_s/validation"])
+                if self.task_weights is not None:  # the weights the next step draws with
+                    metrics.update(self.task_weights.observe(step, metrics))
+                    if self.loader is not None:
+                        self.loader.set_task_weights(self.task_weights.weights)
+                if self.rollback:
+                    dog.stage("rollback")
+                    trip = self.rollback.decide(step, metrics)
+                    if trip is not None:  # back to an earlier checkpoint; this step is not logged or saved
+                        to_step = roll_back(self, tracker, step, trip)
+                        summary["rollbacks"] = self.rollback.history
+                        del summary.setdefault("history", [])[max(to_step - start, 0):]
+                        step = to_step + 1
+                        continue
+                    metrics.update(self.rollback.metrics())
+                summary["steps"] = step
+                summary["reward_mean"] = metrics.get("reward/score/mean")
+                summary.setdefault("history", []).append(
+                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
                 dog.stage("log")
                 tracker.log(metrics, step)
                 dog.stage("checkpoint")
@@ -193,12 +215,10 @@ class RLTrainer:
                     self.checkpointer.maybe_save(step, force=True)
                     summary.update(stopped="stop_at", stop_reason=why)
                     break
-                if ctx.preemption.agreed():
-                    log.warning("rl: preemption flag set after step %d; saving and stopping", step)
-                    self.checkpointer.maybe_save(step, force=True)
-                    self.checkpointer.preempted_at = step
+                if self.checkpointer.stop_if_preempted(step):  # saved; requeue_if_preempted in run()
                     summary["stopped"] = "preempted"
                     break
+                step += 1
             self.checkpointer.close()  # an async save in flight is committed before we report
             summary["seconds"] = round(time.time() - t0, 1)
         except BaseException as e:  # Prometheus and the alert webhook hear why the run ended
@@ -252,9 +272,5 @@ def run(cfg, ctx) -> dict:
         (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
         print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
               flush=True)
-    if trainer.checkpointer.preempted_at is not None:  # requeue (SystemExit on every rank) or stop
-        from verl_hpc.runtime.requeue import requeue_after_signal
-
-        requeue_after_signal(cfg, ctx, step=trainer.checkpointer.preempted_at,
-                             checkpoint_dir=trainer.checkpointer.root)
+    trainer.checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
     return summary

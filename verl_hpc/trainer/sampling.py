@@ -21,6 +21,7 @@ from verl_hpc.rollout.metrics import rollout_metrics
 from verl_hpc.trainer.batching import assemble, broadcast_prompts
 from verl_hpc.trainer.scoring import score_batch, to_token_level
 from verl_hpc.trainer.step_batch import StepBatch, concat_batches, first_groups
+from verl_hpc.trainer.task_weights import task_metrics
 
 
 def dynamic_sampling_filter(batch, algorithm_cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
@@ -36,6 +37,17 @@ class StepSampler:
     def __init__(self, cfg, ctx, roles, loader, scorer, sampling):
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.loader, self.scorer, self.sampling = loader, scorer, sampling
+        self.inject_regression = set(cfg.trainer.inject_regression_at_steps)  # test hook, once per step
+
+    def _inject_regression(self, step: int, scores: torch.Tensor, m_reward: Dict[str, float]):
+        """trainer.inject_regression_at_steps: every score of the step := -1 (the rollback guard's
+        test: a reward collapse the guard must catch). Fires once per listed step, so the steps run
+        again after a rollback are healthy."""
+        if step not in self.inject_regression:
+            return scores, m_reward
+        self.inject_regression.discard(step)
+        m_reward = {k: (-1.0 if k.startswith("reward/score/") else v) for k, v in m_reward.items()}
+        return torch.full_like(scores, -1.0), m_reward
 
     def sample(self, step: int, timer) -> Tuple[StepBatch, Dict[str, float]]:
         cfg, r, m = self.cfg, self.roles, {}
@@ -49,11 +61,14 @@ class StepSampler:
                 batch = assemble(prompts, result, r.tokenizer, r.pad_id)
             with timer("reward"):
                 scores, m_reward = score_batch(self.scorer, batch, r.reward_model)
+                if round_ == 0:
+                    scores, m_reward = self._inject_regression(step, scores, m_reward)
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
                 keep, m_filter = dynamic_sampling_filter(batch, cfg.algorithm)
                 batch.baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
             if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
                 m.update(rollout_metrics(result), **m_reward, **m_shape)
+                m.update(task_metrics(scores, batch.mask.sum(-1), batch.extras))  # data.tasks: per task
             for k in ("filter/dropped_groups", "filter/dropped_samples"):
                 dropped[k] = dropped.get(k, 0.0) + m_filter.get(k, 0.0)
             if not bool(keep.all()):

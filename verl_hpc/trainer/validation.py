@@ -2,7 +2,8 @@
 rules as training; accuracy (score >= 1) and mean reward per data_source.
 
 Rank 0 holds the val set and broadcasts each chunk; generate is collective, so every rank runs it.
-Metrics: val/acc/<data_source>, val/reward/<data_source>, and val/acc/all, val/reward/all.
+Metrics: val/acc/<data_source>, val/reward/<data_source>, and val/acc/all, val/reward/all; with
+data.tasks also val/task/<name>/acc and val/task/<name>/reward per task.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections import defaultdict
 from typing import Dict
 
 from verl_hpc.data import val_batches
+from verl_hpc.data.tasks import task_of
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.trainer.batching import assemble, broadcast_object
 from verl_hpc.trainer.scoring import score_batch
@@ -27,17 +29,25 @@ class Validator:
 
     def run(self, rollout, scorer, pad_id: int, reward_model=None) -> Dict[str, float]:
         sums, hits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+        task_keys = set()
         for prompts in self.chunks:
             result = rollout.generate(prompts.prompt_ids, self.spec)
             batch = assemble(prompts, result, self.tokenizer, pad_id)
             scores, _ = score_batch(scorer, batch, reward_model)
-            for ds, s in zip(batch.data_sources, scores.tolist()):
-                for key in (ds, "all"):
+            for ds, extra, s in zip(batch.data_sources, batch.extras, scores.tolist()):
+                task = task_of(extra)
+                keys = (ds, "all") + ((f"task:{task}",) if task else ())
+                task_keys.update(keys[2:])
+                for key in keys:
                     sums[key] += s
                     hits[key] += float(s >= 1.0)
                     counts[key] += 1
         out = {}
         for key, n in counts.items():
+            if key in task_keys:
+                name = key[len("task:"):]
+                out[f"val/task/{name}/acc"], out[f"val/task/{name}/reward"] = hits[key] / n, sums[key] / n
+                continue
             out[f"val/acc/{key}"] = hits[key] / n
             out[f"val/reward/{key}"] = sums[key] / n
         return out

@@ -1,14 +1,16 @@
-"""Spawn gloo ranks that run engine scenarios under the project's runtime, and the scenarios.
+"""Spawn gloo ranks that run the engine scenario under the project's runtime, and the scenario.
 
 `launch(n, args, workdir)` starts n copies of this file with torchrun-style variables, so
-`verl_hpc.runtime.bootstrap()` brings each rank up as in a real job. One process set runs every
-layout of `args["layouts"]` in turn (init model parallel, run the layout's checks, tear down):
-spawning ranks and importing Megatron costs far more than the checks. Each rank writes
-`rank{r}.json`; tensors the test compares (exports, forward outputs) are saved by global rank 0
-as `<layout>.<check>.<model>.pt`.
+`verl_hpc.runtime.bootstrap()` brings each rank up as in a real job. The scenario is `scenario()`
+below, plain code read top to bottom: one process set runs every layout in turn (init model
+parallel, run the layout's checks, tear down), since spawning ranks and importing Megatron costs
+far more than the checks. Each rank writes `rank{r}.json`; tensors the test compares (exports,
+forward outputs) are saved by global rank 0 as `<layout>.<check>.<model>.pt`. `args` (args.json)
+carries only the test's inputs: model folders, optimizer and actor settings, sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -16,13 +18,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-
+MODELS = ("llama", "qwen2_tied")  # the actor models (test_eng_parity.MODELS builds them)
+# (layout, model) of every actor check, in the scenario's order: the test parametrizes over them
+ACTOR_LAYOUTS = ([(lay, m) for lay in ("tp1", "tp2", "pp2") for m in MODELS] + [("pp2vpp2", "llama")]
+                 + [("tp2pp2", m) for m in MODELS])
 
 
 def launch(world_size: int, args: dict, workdir: Path, timeout: float = 400):
     from rank_launcher import launch_ranks  # tests/: on sys.path under pytest, not in the ranks
 
-    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="engine scenarios")
+    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="engine scenario")
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -100,8 +105,9 @@ def _full_logits(engine, ids):
     return out
 
 
-def check_actor(args, layout, workdir, model, batch) -> dict:
-    """Forward outputs; one actor update with fixed micro-batches, one with dynamic batching."""
+def check_actor(args, layout, workdir, model, batch, *, logits: bool = False) -> dict:
+    """Forward outputs; one actor update with fixed micro-batches, one with dynamic batching;
+    with `logits`, the full-vocabulary logits after the update too."""
     res = {}
     acfg = _actor_cfg(args["actor"][model])
     eng = _engine(args, model)
@@ -110,7 +116,7 @@ def check_actor(args, layout, workdir, model, batch) -> dict:
     metrics = _update(eng, acfg, batch)
     res["fixed"] = metrics
     _save(workdir, f"{layout}.fixed.{model}", _export(eng))
-    if args.get("export_logits") == layout and model == args["export_logits_model"]:
+    if logits:
         _save(workdir, f"{layout}.logits.{model}", _full_logits(eng, batch["input_ids"]))
     del eng
     gc.collect()
@@ -207,10 +213,10 @@ def check_state_save(args, layout, workdir, batch, batch2) -> dict:
     return {"names": names, "meta": st.meta, "step1": m1, "step2": m2}
 
 
-def check_state_load(args, layout, workdir, batch2) -> dict:
+def check_state_load(args, layout, workdir, batch2, *, saved_at: str) -> dict:
     import math
 
-    tensors, meta = _read_state(workdir, args["state_from"])
+    tensors, meta = _read_state(workdir, saved_at)
     # saved with the distributed optimizer, loaded into the plain one: the slabs do not care
     eng = _engine(args, "llama", optim=_optim(args["state_optim"]), use_distributed_optimizer=False)
     nan_targets = []
@@ -231,39 +237,65 @@ def check_state_load(args, layout, workdir, batch2) -> dict:
             "all_finite": all(math.isfinite(v) for v in m2.values())}
 
 
-def _run_layout(args, layout: dict, workdir) -> dict:
-    import torch
+@contextlib.contextmanager
+def megatron_layout(out: dict, name: str, tp: int, pp: int, vpp=None):
+    """Megatron model parallelism at tp x pp (x vpp) over every rank (data parallel fills the rest)
+    for the block; yields the layout's record (`checks`, `seconds`) and tears down after it."""
+    import torch.distributed as dist
 
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
 
     t0 = time.time()
-    mp = init_model_parallel(layout["tp"], layout["pp"], vpp=layout.get("vpp"), seed=1)
-    data = torch.load(Path(workdir) / "batch.pt")
-    out = {"dp": mp.dp, "tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank, "checks": {}, "seconds": {}}
-    name = layout["name"]
-    for check in layout["checks"]:
-        print(f"layout {name}: {check}", flush=True)  # where a hang was, in the rank's log
-        t = time.time()
-        if check == "actor":
-            for model in args["actor_models"][name]:
-                out["checks"][f"actor.{model}"] = check_actor(args, name, workdir, model,
-                                                              data[f"batch.{model}"])
-        elif check == "roles":
-            out["checks"]["roles"] = check_roles(args, name, workdir, data["batch.llama"])
-        elif check == "nonfinite":
-            out["checks"]["nonfinite"] = check_nonfinite(args, name, workdir, data["batch.llama"])
-        elif check == "state_save":
-            out["checks"]["state_save"] = check_state_save(args, name, workdir, data["batch.llama"],
-                                                           data["batch2.llama"])
-        elif check == "state_load":
-            out["checks"]["state_load"] = check_state_load(args, name, workdir, data["batch2.llama"])
-        else:
-            raise SystemExit(f"unknown check {check!r}")
-        out["seconds"][check] = time.time() - t
-        gc.collect()
+    mp = init_model_parallel(tp, pp, vpp=vpp, seed=1)
+    rec = out["layouts"][name] = {"name": name, "dp": mp.dp, "tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank,
+                                  "checks": {}, "seconds": {}}
+    yield rec
     destroy_model_parallel()
-    out["seconds"]["layout"] = time.time() - t0
-    return out
+    rec["seconds"]["layout"] = time.time() - t0
+    dist.barrier()
+
+
+def run_check(rec: dict, key: str, fn, *args, **kw) -> None:
+    """rec["checks"][key] = fn(*args, **kw), timed; the name goes to the rank's log first (where a
+    hang was)."""
+    print(f"layout {rec['name']}: {key}", flush=True)
+    t = time.time()
+    rec["checks"][key] = fn(*args, **kw)
+    rec["seconds"][key] = time.time() - t
+    gc.collect()
+
+
+def actor_checks(args, rec: dict, workdir, data, *, logits_of: str = "") -> None:
+    """check_actor for every model ACTOR_LAYOUTS pairs with this layout."""
+    lay = rec["name"]
+    for model in [m for name, m in ACTOR_LAYOUTS if name == lay]:
+        run_check(rec, f"actor.{model}", check_actor, args, lay, workdir, model, data[f"batch.{model}"],
+                  logits=model == logits_of)
+
+
+def scenario(args, workdir, out: dict) -> None:
+    """The table of tests/dist/engines/test_eng_parity.py's docstring, in its order."""
+    import torch
+
+    data = torch.load(Path(workdir) / "batch.pt")
+    llama, llama2 = data["batch.llama"], data["batch2.llama"]
+    with megatron_layout(out, "tp1", tp=1, pp=1) as rec:
+        actor_checks(args, rec, workdir, data)
+        run_check(rec, "roles", check_roles, args, "tp1", workdir, llama)
+        run_check(rec, "nonfinite", check_nonfinite, args, "tp1", workdir, llama)
+    with megatron_layout(out, "tp2", tp=2, pp=1) as rec:
+        actor_checks(args, rec, workdir, data)
+    with megatron_layout(out, "pp2", tp=1, pp=2) as rec:
+        actor_checks(args, rec, workdir, data)
+    with megatron_layout(out, "pp2vpp2", tp=1, pp=2, vpp=2) as rec:
+        actor_checks(args, rec, workdir, data)  # llama only (ACTOR_LAYOUTS)
+    with megatron_layout(out, "tp2pp2", tp=2, pp=2) as rec:
+        actor_checks(args, rec, workdir, data, logits_of="llama")
+        run_check(rec, "roles", check_roles, args, "tp2pp2", workdir, llama)
+        run_check(rec, "state_save", check_state_save, args, "tp2pp2", workdir, llama, llama2)
+    with megatron_layout(out, "tp1_resume", tp=1, pp=1) as rec:
+        # written at tp2pp2 with the distributed optimizer, loaded into the plain one
+        run_check(rec, "state_load", check_state_load, args, "tp1_resume", workdir, llama2, saved_at="tp2pp2")
 
 
 def main(workdir: str) -> None:
@@ -275,9 +307,7 @@ def main(workdir: str) -> None:
     args = json.loads((Path(workdir) / "args.json").read_text())
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
     out = {"rank": ctx.rank, "layouts": {}, "seconds": {"bootstrap": time.time() - t0}}
-    for layout in args["layouts"]:
-        out["layouts"][layout["name"]] = _run_layout(args, layout, workdir)
-        dist.barrier()
+    scenario(args, workdir, out)
     out["seconds"]["total"] = time.time() - t0
     (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
     dist.barrier()

@@ -19,7 +19,7 @@ then measures gradients, where eps=1e-8 would make it sign(g) and amplify roundi
 import pytest
 import torch
 
-from eng_ranks import launch
+from eng_ranks import ACTOR_LAYOUTS, launch
 
 pytestmark = pytest.mark.dist
 
@@ -33,16 +33,6 @@ ACTOR = {"llama": dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                        loss_agg_mode="token-mean", ppo_mini_batch_size=8),
          "qwen2_tied": dict(entropy_coeff=0.0, use_kl_loss=True, kl_loss_coef=0.1,
                             loss_agg_mode="seq-mean-token-mean", ppo_mini_batch_size=8)}
-LAYOUTS = [
-    dict(name="tp1", tp=1, pp=1, checks=["actor", "roles", "nonfinite"]),
-    dict(name="tp2", tp=2, pp=1, checks=["actor"]),
-    dict(name="pp2", tp=1, pp=2, checks=["actor"]),
-    dict(name="pp2vpp2", tp=1, pp=2, vpp=2, checks=["actor"], models=["llama"]),
-    dict(name="tp2pp2", tp=2, pp=2, checks=["actor", "roles", "state_save"]),
-    dict(name="tp1_resume", tp=1, pp=1, checks=["state_load"]),
-]
-ACTOR_LAYOUTS = [(lay["name"], m) for lay in LAYOUTS if "actor" in lay["checks"]
-                 for m in lay.get("models", MODELS)]
 
 
 def _batch(seed, n=8):
@@ -125,6 +115,7 @@ def _reward_model(src, out):
 def run(tmp_path_factory):
     from verl_hpc.models.tiny import make_tiny_model
 
+    assert {m for _, m in ACTOR_LAYOUTS} == set(MODELS), "eng_ranks.ACTOR_LAYOUTS names the models built here"
     root = tmp_path_factory.mktemp("eng_parity")
     folders = {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
     folders["reward"] = _reward_model(folders["llama"], root / "reward")
@@ -144,13 +135,9 @@ def run(tmp_path_factory):
     work = root / "work"
     work.mkdir()
     torch.save(data, work / "batch.pt")
-    layouts = [dict(lay) for lay in LAYOUTS]
     args = dict(models={k: str(v) for k, v in folders.items()}, optim=OPTIM, actor=ACTOR,
-                micro_batch_size=2, max_tokens=30, total_steps=10, layouts=layouts,
-                export_logits="tp2pp2", export_logits_model="llama", state_from="tp2pp2",
+                micro_batch_size=2, max_tokens=30, total_steps=10,
                 state_optim=dict(OPTIM, lr=0.05, eps=1e-3, lr_decay_style="linear", min_lr=0.01))
-    # pp2vpp2 runs the llama checks only: the per-layout model list is read rank-side from args
-    args["actor_models"] = {lay["name"]: lay.get("models", list(MODELS)) for lay in LAYOUTS}
     ranks = launch(WORLD, args, work)
     return {"ranks": ranks, "refs": refs, "work": work, "folders": folders, "data": data}
 

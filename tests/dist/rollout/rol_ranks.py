@@ -47,7 +47,7 @@ def _collective_ok():
 def _scenario(workdir: Path) -> None:
     from hf_reference import perturbed_state
     from verl_hpc.rollout import SamplingSpec
-    from verl_hpc.rollout.vllm_compat import job_token
+    from verl_hpc.rollout.vllm_compat import job_token, mapped_shm_paths
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
     from verl_hpc.runtime import bootstrap, shutdown
 
@@ -61,8 +61,14 @@ def _scenario(workdir: Path) -> None:
         engine = VLLMRollout(args["model"], tp=tp, ctx=ctx, max_prompt_length=args["max_prompt"],
                              max_response_length=args["max_new"])
         if tp == 2:
-            out["shm"] = sorted(n for n in os.listdir("/dev/shm") if "cpushm" in n)
+            # the segments as mapped (vLLM may unlink a segment once every rank has mapped it:
+            # /proc/*/maps still names it, with " (deleted)")
+            out["shm"] = sorted({Path(p).name for p in mapped_shm_paths() if "cpushm" in p})
             out["token"] = job_token()
+            # vLLM uses its shared-memory communicator only where its CPU kernels carry the op
+            # (not in every build / CPU variant); otherwise TP runs over torch.distributed
+            import torch
+            out["shm_op"] = hasattr(torch.ops._C, "init_shm_manager")
         out[f"tp{tp}"] = _as_dict(engine.generate(args["prompts"], greedy))
         out[f"tp{tp}_sampled"] = _as_dict(engine.generate(args["prompts"], sampled))
         out[f"tp{tp}_load"] = engine.load_weights(iter(new_state.items()))

@@ -72,5 +72,10 @@ def test_tp2_and_two_tp1_replicas_match_transformers(tmp_path_factory):
     token = ranks[0]["token"]
     ours = [n for n in ranks[0]["shm"] if n.startswith(token + "_")]
     print(f"CPU shared-memory segments while TP=2 ran: {ours}")
-    assert token == f"verlhpc-127.0.0.1-{port}" and len(ours) == 2, ranks[0]["shm"]
+    assert token == f"verlhpc-127.0.0.1-{port}"
+    if ranks[0]["shm_op"]:  # vLLM's shared-memory communicator ran: its segments carry our job token
+        assert len(ours) == 2 and ours == ranks[0]["shm"], ranks[0]["shm"]
+    else:  # this vLLM build has no shared-memory op: TP ran over torch.distributed, no segment at all
+        print("this vLLM build has no CPU shared-memory op (torch.ops._C.init_shm_manager): TP=2 used torch.distributed")
+        assert ranks[0]["shm"] == [], ranks[0]["shm"]
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(token + "_")], "segments left"

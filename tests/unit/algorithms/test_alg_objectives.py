@@ -47,7 +47,7 @@ def test_policy_objective_is_the_composition_of_the_library_pieces(mode):
 
 
 def test_micro_batch_contributions_add_up_to_the_whole_batch():
-    loss_fn = PolicyObjective(entropy_coeff=0.02, use_kl_loss=True)
+    loss_fn = PolicyObjective.from_config(ActorConfig(entropy_coeff=0.02, use_kl_loss=True))
     out, mb = _batch(b=6)
     counts = _counts(mb["response_mask"])
     whole, whole_m = loss_fn(out, mb, counts)
@@ -64,7 +64,7 @@ def test_kl_loss_without_a_reference_is_a_clear_error():
     out, mb = _batch()
     del mb["ref_log_probs"]
     with pytest.raises(ValueError, match="use_kl_loss=true but the batch has no 'ref_log_probs'"):
-        PolicyObjective(use_kl_loss=True)(out, mb, _counts(mb["response_mask"]))
+        PolicyObjective.from_config(ActorConfig(use_kl_loss=True))(out, mb, _counts(mb["response_mask"]))
 
 
 def test_value_objective_is_the_clipped_value_loss():

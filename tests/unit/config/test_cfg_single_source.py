@@ -1,8 +1,8 @@
 """Every default and every range is written once: in the field's declaration (config/sections/).
 
 The scan looks for another module that repeats a field's distinctive default as a keyword default
-or an assignment (`bucket_mb: int = 512`, `gpu_memory_utilization=0.5`), or words a declared range
-check of its own; and for the layout rules outside config/layout.py. (test_cfg_loading checks that
+or an assignment (`bucket_mb: int = 512`, `gpu_memory_utilization=0.5`), words a declared range
+check of its own or lists a field's valid values; and for the layout rules outside config/layout.py. (test_cfg_loading checks that
 --print-config shows every field.)
 """
 import dataclasses
@@ -17,10 +17,11 @@ from verl_hpc.config.schema import JobConfig
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
-# The algorithm library's pure functions keep their conventional keyword defaults (verl's), which
-# the config's defaults follow; everything that is built from a config is scanned.
+# Everything outside config/ is scanned, the algorithm library included: its pure functions take
+# their keyword defaults from default_of() where a parameter is a config field (a method's own
+# convention, e.g. SimPO's beta or GMPO's log-space clip, is another value and not matched).
 SOURCES = {p: p.read_text() for p in (REPO / "verl_hpc").rglob("*.py")
-           if p.relative_to(REPO / "verl_hpc").parts[0] not in ("config", "algorithms")}
+           if p.relative_to(REPO / "verl_hpc").parts[0] != "config"}
 TRIVIAL = (0, 1, -1, 0.0, 1.0, True, False, None, "", "auto", "none")
 
 
@@ -52,6 +53,30 @@ def test_no_module_words_a_declared_range_check():
     hits = [f"{p.relative_to(REPO)} checks {key} itself" for key in declared
             for p, text in SOURCES.items() if f"{key}: must be" in text]
     assert not hits, "\n".join(hits)
+
+
+# Modules that keep their own copy of a choice list, and why (a light import: no config, no torch).
+OWN_CHOICE_LISTS = {
+    "verl_hpc/tracking/tracker.py": "tracking.backends: verl_hpc.tracking imports neither config nor torch",
+    "verl_hpc/rewards/gsm8k.py": "reward.gsm8k_method: the GSM8K extractor is a plain-Python module",
+    "verl_hpc/checkpoint/dtypes.py": "model.dtype: the HDF5 dtype table names more dtypes than the model's",
+}
+
+
+def test_no_module_repeats_a_declared_choice_list():
+    """A line naming every valid value of a field as a string literal is a second copy of the list:
+    take it from the section with verl_hpc.config.schema.choices_of."""
+    hits = []
+    for key, _, meta, _ in walk(JobConfig()):
+        choices = [c for c in meta.get("choices") or () if c]
+        if len(choices) < 2:
+            continue
+        for p, text in SOURCES.items():
+            rel = str(p.relative_to(REPO))
+            hits += [f"{rel}: {line.strip()!r} lists {key}'s choices" for line in text.splitlines()
+                     if all(re.search(rf"[\"']{re.escape(c)}[\"']", line) for c in choices)
+                     and rel not in OWN_CHOICE_LISTS]
+    assert not hits, "choice lists written twice:\n" + "\n".join(hits)
 
 
 def test_layout_rules_live_in_one_module():

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from verl_hpc.config import ConfigError, load_config, validate
-from verl_hpc.engines.megatron import engine as engine_mod
+from verl_hpc.engines.megatron import build as build_mod
+from verl_hpc.engines.megatron import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
-from verl_hpc.engines.megatron.engine import EngineOptions, _check_options
+from verl_hpc.engines.megatron.options import EngineOptions, check_options
 from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches, PerfOptions
 from verl_hpc.engines.megatron.roles import engine_options
 from verl_hpc.models import gpt as gpt_mod
@@ -45,7 +46,7 @@ def test_fp8_sets_megatron_transformer_config_fields():
 
 
 def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
-    """_build_model hands options.fp8/fp8_recipe to build_gpt_model; what that builder makes of
+    """build_chunks hands options.fp8/fp8_recipe to build_gpt_model; what that builder makes of
     them is the TransformerConfig of the test above (the model itself needs TE + a GPU)."""
     import megatron.core.parallel_state as ps
 
@@ -58,15 +59,13 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(engine_mod, "build_gpt_model", fake_build)
+    monkeypatch.setattr(build_mod, "build_gpt_model", fake_build)
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
-    eng = engine_mod.MegatronEngine.__new__(engine_mod.MegatronEngine)
-    eng.options = engine_options("actor", _cfg("model.fp8=true", "model.fp8_recipe=mxfp8"))
-    eng.dtype, eng.sequence_parallel, eng.perf = torch.float32, False, PerfOptions()
-    monkeypatch.setattr(eng, "_arch", lambda: ARCH)
+    monkeypatch.setattr(build_mod, "engine_arch", lambda o: ARCH)
+    options = engine_options("actor", _cfg("model.fp8=true", "model.fp8_recipe=mxfp8"))
     with pytest.raises(Stop):
-        eng._build_model()
+        build_mod.build_chunks(options, torch.float32, False, PerfOptions())
     assert seen["fp8"] is True and seen["fp8_recipe"] == "mxfp8"
     config = gpt_mod.gpt_transformer_config(ARCH, 1, 1, **{k: v for k, v in seen.items() if k != "vp_stage"})
     assert (config.fp8, config.fp8_recipe) == ("hybrid", "mxfp8")
@@ -75,11 +74,11 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
 def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
     opts = EngineOptions(model_path="/m", trainable=False, fp8=True)
     with pytest.raises(RuntimeError, match="model.fp8=true needs a CUDA GPU"):
-        _check_options(opts)
+        check_options(opts)
     monkeypatch.setattr(gpt_mod, "has_gpu", lambda: True)
     monkeypatch.setattr(gpt_mod, "transformer_engine_available", lambda: False)
     with pytest.raises(RuntimeError, match="model.fp8=true needs transformer_engine"):
-        _check_options(opts)
+        check_options(opts)
     with pytest.raises(ValueError, match="model.fp8_recipe: 'custom'"):
         gpt_mod.check_fp8_supported("custom")
 
@@ -88,13 +87,13 @@ def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
 def test_sequence_parallel_without_te_is_refused(monkeypatch):
     opts = EngineOptions(model_path="/m", trainable=False, sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=true needs the Transformer Engine"):
-        _check_options(opts)  # CPU
-    monkeypatch.setattr(engine_mod, "has_gpu", lambda: True)
-    monkeypatch.setattr(engine_mod, "transformer_engine_available", lambda: False)
+        check_options(opts)  # CPU
+    monkeypatch.setattr(options_mod, "has_gpu", lambda: True)
+    monkeypatch.setattr(options_mod, "transformer_engine_available", lambda: False)
     with pytest.raises(ValueError, match="torch norm"):
-        _check_options(opts)  # GPU, local spec
-    monkeypatch.setattr(engine_mod, "transformer_engine_available", lambda: True)
-    _check_options(opts)  # GPU + TE: fine
+        check_options(opts)  # GPU, local spec
+    monkeypatch.setattr(options_mod, "transformer_engine_available", lambda: True)
+    check_options(opts)  # GPU + TE: fine
 
 
 def test_sequence_parallel_in_a_cpu_job_is_refused_by_validation():

@@ -55,6 +55,11 @@ def test_bad_schedules_name_the_field():
         build_scheduler(_Opt(), OptimConfig(warmup_steps=10, lr_decay_style="linear"), 10)
     with pytest.raises(ValueError, match="optim.min_lr"):
         build_scheduler(_Opt(), OptimConfig(lr=0.1, min_lr=0.2), 10)
+    # the section's declared checks, for a section the loader never saw
+    with pytest.raises(ValueError, match=r"optim.warmup_steps: must be >= 0, got -1"):
+        build_scheduler(_Opt(), OptimConfig(warmup_steps=-1), 10)
+    with pytest.raises(ValueError, match="optim.lr_decay_style.*'step'.*constant, linear, cosine"):
+        build_scheduler(_Opt(), OptimConfig(lr_decay_style="step"), 10)
 
 
 def test_megatron_does_not_rescale_a_per_token_loss_3_tuple():

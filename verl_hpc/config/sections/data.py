@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
-from verl_hpc.config.fields import Section, opt
+from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.sections.tasks import TaskConfig, TaskWeightsConfig, task_problems
 
 
 @dataclass
@@ -20,6 +21,9 @@ class DataConfig(Section):
     seed: int = opt(1, "seed of the data order")
     overlong_prompts: str = opt("drop", "prompts longer than max_prompt_length", choices=("drop", "error"))
     mixture: Dict[str, float] = opt({}, "data_source -> sampling weight, e.g. {gsm8k: 2.0, math: 1.0}")
+    tasks: Dict[str, TaskConfig] = opt({}, "named tasks trained at once, each with train_files, val_files, weight "
+                                            "and data_source (replaces train_files/val_files/mixture)")
+    task_weights: TaskWeightsConfig = section(TaskWeightsConfig, "how data.tasks weights change during the run")
     wrap_plain_text: bool = opt(True, "plain-text prompts go through the tokenizer's chat template")
     sft_files: List[str] = opt([], "trainer.job=sft: parquet / jsonl rows with prompt and response columns")
     response_key: str = opt("response", "SFT: column holding the target response")
@@ -39,14 +43,15 @@ class DataConfig(Section):
         weights = self.mixture.values()
         if any(w < 0 for w in weights) or (weights and sum(weights) <= 0):
             p.append(f"data.mixture: weights must be >= 0 with a positive sum, got {self.mixture}")
-        if job.trainer.job == "rl" and not self.train_files:
-            p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file")
+        if job.trainer.job == "rl" and not self.train_files and not self.tasks:
+            p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file "
+                     "(or data.tasks)")
         if job.trainer.job == "dpo" and not self.preference_files:
             p.append("data.preference_files: empty, but trainer.job = dpo needs at least one file")
         if job.trainer.job == "sft" and not self.sft_files:
             p.append("data.sft_files: empty, but trainer.job = sft needs at least one file with prompt and "
                      f"{self.response_key} columns")
-        return p + self._step_split(job)
+        return p + task_problems(job) + self._step_split(job)
 
     def _step_split(self, job) -> List[str]:
         layout, n = job.layout, job.sequences_per_example

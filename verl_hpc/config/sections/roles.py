@@ -20,13 +20,18 @@ class OptimConfig(Section):
 
     def check(self, job) -> List[str]:
         role = next(name for name in ("actor", "critic") if getattr(job, name).optim is self)
+        return self.own_problems(f"{role}.optim")
+
+    def own_problems(self, key: str) -> List[str]:
+        """The rules among this section's own fields, named under `key` (also checked by the
+        engine's optimizer builder for a section made without the loader: tests, benchmarks)."""
         p = []
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            p.append(f"{role}.optim.betas: must be two numbers in [0, 1), got {self.betas}")
+            p.append(f"{key}.betas: must be two numbers in [0, 1), got {self.betas}")
         if self.eps <= 0:
-            p.append(f"{role}.optim.eps: must be > 0, got {self.eps}")
+            p.append(f"{key}.eps: must be > 0, got {self.eps}")
         if self.min_lr > self.lr:
-            p.append(f"{role}.optim.min_lr = {self.min_lr} is above {role}.optim.lr = {self.lr}")
+            p.append(f"{key}.min_lr = {self.min_lr} is above {key}.lr = {self.lr}")
         return p
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.sections.rollback import RollbackConfig
 
 
 @dataclass
@@ -94,12 +95,16 @@ class TrainerConfig(Section):
     inject_nan_at_steps: List[int] = opt([], "tests only: RL steps whose loss is made NaN")
     inject_rollout_logprob_shift: Optional[float] = opt(
         None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
+    inject_regression_at_steps: List[int] = opt(
+        [], "tests only: RL steps whose rewards are set to -1 (once each; the rollback guard's test)")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it", check=">0")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "
                                "naming the rank, the stage and its code line; 0 = no watchdog", check=">=0")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
     stop_at: StopAtConfig = section(StopAtConfig, "end the RL run early: a validation metric reaches a value, or "
                                                   "a wall-time budget is spent (checkpoint, exit 0)")
+    rollback: RollbackConfig = section(RollbackConfig, "roll back to an earlier checkpoint when a watched metric "
+                                                       "collapses")
 
     def check(self, job) -> List[str]:
         p = []

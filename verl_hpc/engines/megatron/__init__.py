@@ -1,6 +1,8 @@
 """Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its four roles.
 
-    engine.py     MegatronEngine, EngineOptions: build, forward, train_step, export, state
+    engine.py     MegatronEngine: forward, train_step, export, state
+    options.py    EngineOptions: what an engine is built with, and their checks
+    build.py      the GPT chunks of this rank's stages (weights, value head) and their DDP wrappers
     roles.py      Actor, Critic, Reference, RewardModel, build_engine(role, cfg, ctx)
     partition.py  data-parallel row split and (token-budget) micro-batches
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
@@ -16,7 +18,8 @@ function-level imports there. Importing verl_hpc must not need them: each costs 
 submit CLI, the checkpoint tools and the unit tests of the pure parts never touch them. The
 project's own modules and torch are imported at the top.
 """
-from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
+from verl_hpc.engines.megatron.engine import MegatronEngine
+from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.engines.megatron.roles import (Actor, Critic, Reference, RewardModel, build_engine,
                                              engine_options)
 

@@ -5,14 +5,14 @@
     out = eng.forward(batch)                                  # {"log_probs", "entropy"}: [B, T]
     metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
 
-Build: `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights from the HF folder
-(each rank reads its own slices), a value head instead of the vocabulary projection for critics and
-reward models (value_head.py). Trainable engines wrap every chunk in Megatron's DDP (fp32 grad
-buffers; gradient-reduce / parameter-gather overlap per kernels.py, on with GPUs) and get Adam
-through get_megatron_optimizer (optim.py); frozen ones (reference, reward) keep no grads and no
-optimizer and run in eval mode. With the local layer
-spec (CPU), core attention runs through torch's SDPA kernel (sdpa.py; `sdpa_attention=False`
-keeps Megatron's own).
+Build (build.py, from the EngineOptions of options.py): `verl_hpc.models.build_gpt_model` per
+(virtual) pipeline stage, weights from the HF folder (each rank reads its own slices), a value head
+instead of the vocabulary projection for critics and reward models (value_head.py). Trainable
+engines wrap every chunk in Megatron's DDP (fp32 grad buffers; gradient-reduce / parameter-gather
+overlap per kernels.py, on with GPUs) and get Adam through get_megatron_optimizer (optim.py);
+frozen ones (reference, reward) keep no grads and no optimizer and run in eval mode. With the
+local layer spec (CPU), core attention runs through torch's SDPA kernel (sdpa.py;
+`sdpa_attention=False` keeps Megatron's own).
 
 Precision: the parameters are in `dtype` (bf16 on GPU, fp32 on CPU, where Megatron's CPU paths are
 verified); fused kernels per kernels.py (on where they exist, off on CPU). No Float16Module
@@ -27,99 +27,28 @@ takes and how they form micro-batches; schedule.py runs them and reduces the res
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import optim as optim_lib
-from verl_hpc.engines.megatron.kernels import KernelSwitches, PerfOptions
 from verl_hpc.engines.megatron import outputs as outputs_lib
+from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
+from verl_hpc.engines.megatron.kernels import PerfOptions
+from verl_hpc.engines.megatron.options import DTYPES, EngineOptions, check_options
 from verl_hpc.engines.megatron.partition import plan_microbatches
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
-from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
-from verl_hpc.models.gpt import transformer_engine_available
-from verl_hpc.models import (build_gpt_model, export_hf_weights, load_arch, load_hf_config, load_hf_weights,
-                             parse_hf_config)
-from verl_hpc.runtime.device import collective_device, has_gpu
+from verl_hpc.models import export_hf_weights
+from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HEADS = ("lm", "value")
-RECOMPUTE = ("none", "selective", "full")
-
-
-def recompute_overrides(o: "EngineOptions") -> Dict[str, Any]:
-    """Megatron TransformerConfig fields for the recompute options (none: Megatron's default)."""
-    if o.recompute_granularity == "selective":  # Megatron's default module list: ["core_attn"]
-        return dict(recompute_granularity="selective")
-    if o.recompute_granularity == "full":
-        return dict(recompute_granularity="full", recompute_method=o.recompute_method,
-                    recompute_num_layers=o.recompute_num_layers)
-    return {}
-
-
-@dataclasses.dataclass
-class EngineOptions:
-    model_path: str
-    head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
-    dtype: str = default_of("model.dtype")  # model.dtype
-    trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
-    optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
-    total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
-    micro_batch_size: int = default_of("actor.micro_batch_size")  # sequences per micro-batch when max_tokens_per_microbatch is 0
-    max_tokens_per_microbatch: int = 0  # dynamic batching budget (padded tokens); 0 = off
-    use_distributed_optimizer: bool = True  # parallel.use_distributed_optimizer
-    sequence_parallel: bool = False  # parallel.sequence_parallel (GPU / TE spec only)
-    fp8: bool = False  # model.fp8
-    fp8_recipe: str = default_of("model.fp8_recipe")  # model.fp8_recipe
-    kernels: KernelSwitches = dataclasses.field(default_factory=KernelSwitches)  # None = auto
-    temperature: float = 1.0  # log-probs of logits / temperature (rollout.temperature)
-    loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
-    value_head_seed: int = 1234
-    sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
-    # activation recompute (parallel.recompute_*): none | selective (core attention) | full
-    recompute_granularity: str = default_of("parallel.recompute_granularity")
-    recompute_method: str = default_of("parallel.recompute_method")  # full: uniform | block
-    recompute_num_layers: int = default_of("parallel.recompute_num_layers")
-    # host offload while idle (<role>.*_offload; offload.py)
-    param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-
-
-def _check_options(o: EngineOptions) -> None:
-    if o.head not in HEADS:
-        raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
-    if o.dtype not in DTYPES:
-        raise ValueError(f"model.dtype: {o.dtype!r}; valid: {', '.join(DTYPES)}")
-    if o.trainable and o.optim is None:
-        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim)")
-    if o.micro_batch_size < 1 and o.max_tokens_per_microbatch < 1:
-        raise ValueError("micro_batch_size must be >= 1 when max_tokens_per_microbatch is 0; got "
-                         f"{o.micro_batch_size}")
-    if o.sequence_parallel and not (has_gpu() and transformer_engine_available()):
-        raise ValueError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
-                         "(a CUDA GPU and transformer_engine); Megatron's local spec (torch norm) "
-                         "does not support it. Install the 'gpu' extra or set it false.")
-    if o.fp8:
-        from verl_hpc.models.gpt import check_fp8_supported
-
-        check_fp8_supported(o.fp8_recipe)
-    if o.recompute_granularity not in RECOMPUTE:
-        raise ValueError(f"parallel.recompute_granularity: {o.recompute_granularity!r}; valid: "
-                         f"{', '.join(RECOMPUTE)}")
-    if o.temperature <= 0:
-        raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")
 
 
 class MegatronEngine(TrainingEngine):
@@ -129,7 +58,7 @@ class MegatronEngine(TrainingEngine):
         if not ps.model_parallel_is_initialized():
             raise RuntimeError("MegatronEngine needs Megatron model parallelism: call "
                                "verl_hpc.parallel.init_model_parallel first")
-        _check_options(options)
+        check_options(options)
         self.options = o = options
         self.dtype = DTYPES[o.dtype]
         self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
@@ -142,18 +71,17 @@ class MegatronEngine(TrainingEngine):
             trainable=o.trainable, use_distributed_optimizer=o.use_distributed_optimizer)
         self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
         self.pad_seq_to = (16 if o.fp8 else 1) * (self.tp if self.sequence_parallel else 1)
-        self.gpt_chunks, self.heads = self._build_model()
+        self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
         self._key_source = self._find_key_source()
         self.optimizer = self.scheduler = None
         if o.trainable:
-            self.chunks = self._wrap_ddp()
-            self.optimizer = self._build_optimizer()
+            self.chunks = wrap_ddp(self.gpt_chunks, self.perf, o.use_distributed_optimizer)
+            self.optimizer = optim_lib.build_optimizer(self.chunks, o.optim, self.dtype,
+                                                       o.use_distributed_optimizer)
             self.scheduler = optim_lib.build_scheduler(self.optimizer, o.optim, o.total_steps)
-            if self.dtype == torch.float16:
-                self.chunks[0].config.grad_scale_func = self.optimizer.scale_loss
         else:
             self.chunks = self.gpt_chunks
             for p in self._parameters():
@@ -171,69 +99,6 @@ class MegatronEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ build
 
-    def _arch(self):
-        path = self.options.model_path
-        if self.options.head == "lm":
-            return load_arch(path)
-
-        arch = parse_hf_config(causal_lm_config(load_hf_config(path)), source=f"{path}/config.json")
-        return dataclasses.replace(arch, tie_word_embeddings=False)  # the head replaces lm_head
-
-    def _build_model(self):
-        from megatron.core import parallel_state as ps
-
-        o = self.options
-        arch = self._arch()
-        pp = ps.get_pipeline_model_parallel_world_size()
-        overrides = dict(calculate_per_token_loss=True, sequence_parallel=self.sequence_parallel,
-                         **self.perf.transformer_overrides(), **recompute_overrides(o))
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        if vpp and pp == 2:
-            # At pp=2 the previous and next stage are the same rank: the interleaved schedule's
-            # batched isend/irecv of activations and gradients then match in the wrong order
-            # (seen with gloo: silently swapped, wrong loss and gradients). Unbatched p2p orders
-            # sends and receives by rank parity and is correct.
-            overrides.update(batch_p2p_comm=False)
-        if pp > 1 and not vpp:  # micro-batches differ in shape: stages exchange shapes first
-            # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
-            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-        stages = list(range(vpp)) if vpp else [None]
-        chunks = [build_gpt_model(arch, dtype=self.dtype, fp8=o.fp8, fp8_recipe=o.fp8_recipe,
-                                  vp_stage=v, **overrides)
-                  for v in stages]
-        heads = [None] * len(chunks)
-        with contextlib.ExitStack() as stack:
-            if o.head == "value":
-                for i, gpt in enumerate(chunks):
-                    if gpt.post_process:
-                        heads[i] = attach_value_head(gpt, o.model_path, seed=o.value_head_seed,
-                                                     sequence_parallel=self.sequence_parallel)
-                        stack.enter_context(head_detached(gpt))
-            load_hf_weights(chunks, o.model_path)
-        if o.sdpa_attention:
-            from verl_hpc.engines.megatron.sdpa import use_sdpa_core_attention
-
-            use_sdpa_core_attention(chunks)  # a no-op for Transformer Engine layers
-        return chunks, heads
-
-    def _wrap_ddp(self):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=self.perf.overlap_grad_reduce,
-            overlap_param_gather=self.perf.overlap_param_gather,
-            use_distributed_optimizer=self.options.use_distributed_optimizer,
-            check_for_nan_in_grad=False)  # guarded_step reports non-finite steps instead
-        chunks = [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
-                                          disable_bucketing=i > 0)
-                  for i, gpt in enumerate(self.gpt_chunks)]
-        if self.perf.overlap_grad_reduce:
-            # Megatron's schedules run every micro-batch but the last under no_sync, so that a
-            # bucket is reduced once per step, after its last gradient (as Megatron-LM sets it up).
-            no_sync = [c.no_sync for c in chunks]
-            self.gpt_chunks[0].config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        return chunks
-
     def _sync_params(self) -> None:
         """With overlap_param_gather the distributed optimizer's step leaves the all-gather of the
         updated parameters to the next forward's pre-hooks. Anything that reads parameters
@@ -242,13 +107,6 @@ class MegatronEngine(TrainingEngine):
             for c in self.chunks:
                 c.start_param_sync(force_sync=True)
             self._params_stale = False
-
-    def _build_optimizer(self):
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        cfg = optim_lib.optimizer_config(self.options.optim, self.dtype,
-                                         self.options.use_distributed_optimizer)
-        return get_megatron_optimizer(cfg, self.chunks)
 
     def _find_key_source(self) -> int:
         """Global rank of the reporting rank of DP replica 0 (it names the metrics)."""

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from verl_hpc.engines.base import LossFn
 from verl_hpc.engines.batch import Batch, as_engine_batch, split_rows
-from verl_hpc.engines.megatron.engine import EngineOptions, MegatronEngine
+from verl_hpc.engines.megatron.engine import MegatronEngine
+from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.parallel import init_from_config
 
 ROLES = ("actor", "critic", "ref", "reward")

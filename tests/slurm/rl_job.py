@@ -1,0 +1,60 @@
+"""The tiny GRPO job the Slurm stop/requeue tests submit, and what they read back from it.
+
+    proc, job_id, out, logs = start_rl(tmp_path, steps, *overrides)  # returns once 2 steps are logged
+    text = job_text(stdout, stderr, logs)                            # submitter output + rank logs
+    steps_logged(out), sacct_states(job_id)
+
+One rank, HF rollout, checkpoints on, `slurm.requeue=true`: small enough to start in a few minutes on
+a loaded machine, long enough (`steps`) for a signal to land mid-run.
+"""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "dist" / "trainer"))
+from trn_helpers import data_overrides, make_assets  # noqa: E402
+
+
+def steps_logged(out: Path) -> list:
+    """The steps metrics.jsonl holds so far (a line still being written is skipped)."""
+    f = out / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def start_rl(tmp_path: Path, steps: int, *extra):
+    """Submit the job with `python -m verl_hpc.submit` and wait until it has logged 2 steps.
+    Returns (submitter process, job id, output dir, log dir); the caller waits for or kills it."""
+    root = make_assets(tmp_path / "assets")
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/model",
+           *data_overrides(root), f"trainer.output_dir={out}", f"slurm.log_dir={logs}/%j",
+           f"trainer.total_steps={steps}", "rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4",
+           "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8", "trainer.val_every=0",
+           "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=1", "slurm.time_min=15",
+           "slurm.requeue=true", *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.time() + 300
+    while time.time() < end and proc.poll() is None and len(steps_logged(out)) < 2:
+        time.sleep(0.5)
+    if len(steps_logged(out)) < 2:
+        proc.kill()
+        o, e = proc.communicate()
+        raise AssertionError(f"the job never logged 2 steps:\n{o[-4000:]}\n{e[-4000:]}")
+    job_id = next(p.name for p in logs.iterdir() if p.name.isdigit())
+    return proc, job_id, out, logs
+
+
+def job_text(stdout: str, stderr: str, logs: Path) -> str:
+    """The submitter's output and every rank log of every attempt, for assertions and their messages."""
+    return stdout + stderr + "".join(f.read_text(errors="replace") for f in sorted(logs.rglob("*_log.*")))
+
+
+def sacct_states(job_id: str) -> list:
+    """One State per attempt of the job (-D: requeued attempts too), oldest first."""
+    return subprocess.run(["sacct", "-j", job_id, "-D", "-X", "-n", "-o", "State"], capture_output=True,
+                          text=True, timeout=30).stdout.split()

@@ -1,0 +1,100 @@
+"""Building a Megatron engine's model: the GPT chunks of this rank's (virtual) pipeline stages
+with their HF weights and, for critics and reward models, a value head; and the DDP wrappers of a
+trainable engine.
+
+    chunks, heads = build_chunks(options, dtype, sequence_parallel, perf)
+    ddp_chunks = wrap_ddp(chunks, perf, options.use_distributed_optimizer)
+
+Megatron's model-parallel state must be initialised (verl_hpc.parallel.init_model_parallel).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from verl_hpc.engines.megatron.kernels import PerfOptions
+from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
+from verl_hpc.models import build_gpt_model, load_arch, load_hf_config, load_hf_weights, parse_hf_config
+
+
+def recompute_overrides(o: EngineOptions) -> Dict[str, Any]:
+    """Megatron TransformerConfig fields for the recompute options (none: Megatron's default)."""
+    if o.recompute_granularity == "selective":  # Megatron's default module list: ["core_attn"]
+        return dict(recompute_granularity="selective")
+    if o.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=o.recompute_method,
+                    recompute_num_layers=o.recompute_num_layers)
+    return {}
+
+
+def engine_arch(o: EngineOptions):
+    """The model's architecture; a value head's model has no tied output layer to share."""
+    path = o.model_path
+    if o.head == "lm":
+        return load_arch(path)
+
+    arch = parse_hf_config(causal_lm_config(load_hf_config(path)), source=f"{path}/config.json")
+    return dataclasses.replace(arch, tie_word_embeddings=False)  # the head replaces lm_head
+
+
+def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
+                 perf: PerfOptions) -> Tuple[List[Any], List[Optional[Any]]]:
+    """(one GPT model per virtual stage of this rank, its value head or None), weights loaded."""
+    from megatron.core import parallel_state as ps
+
+    arch = engine_arch(o)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    overrides = dict(calculate_per_token_loss=True, sequence_parallel=sequence_parallel,
+                     **perf.transformer_overrides(), **recompute_overrides(o))
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp and pp == 2:
+        # At pp=2 the previous and next stage are the same rank: the interleaved schedule's
+        # batched isend/irecv of activations and gradients then match in the wrong order
+        # (seen with gloo: silently swapped, wrong loss and gradients). Unbatched p2p orders
+        # sends and receives by rank parity and is correct.
+        overrides.update(batch_p2p_comm=False)
+    if pp > 1 and not vpp:  # micro-batches differ in shape: stages exchange shapes first
+        # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
+        overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    stages = list(range(vpp)) if vpp else [None]
+    chunks = [build_gpt_model(arch, dtype=dtype, fp8=o.fp8, fp8_recipe=o.fp8_recipe,
+                              vp_stage=v, **overrides)
+              for v in stages]
+    heads = [None] * len(chunks)
+    with contextlib.ExitStack() as stack:
+        if o.head == "value":
+            for i, gpt in enumerate(chunks):
+                if gpt.post_process:
+                    heads[i] = attach_value_head(gpt, o.model_path, seed=o.value_head_seed,
+                                                 sequence_parallel=sequence_parallel)
+                    stack.enter_context(head_detached(gpt))
+        load_hf_weights(chunks, o.model_path)
+    if o.sdpa_attention:
+        from verl_hpc.engines.megatron.sdpa import use_sdpa_core_attention
+
+        use_sdpa_core_attention(chunks)  # a no-op for Transformer Engine layers
+    return chunks, heads
+
+
+def wrap_ddp(gpt_chunks: List[Any], perf: PerfOptions, use_distributed_optimizer: bool) -> List[Any]:
+    """Megatron's DistributedDataParallel around each chunk (fp32 grad buffers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=perf.overlap_grad_reduce,
+        overlap_param_gather=perf.overlap_param_gather,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False)  # guarded_step reports non-finite steps instead
+    chunks = [DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt,
+                                      disable_bucketing=i > 0)
+              for i, gpt in enumerate(gpt_chunks)]
+    if perf.overlap_grad_reduce:
+        # Megatron's schedules run every micro-batch but the last under no_sync, so that a
+        # bucket is reduced once per step, after its last gradient (as Megatron-LM sets it up).
+        no_sync = [c.no_sync for c in chunks]
+        gpt_chunks[0].config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return chunks
