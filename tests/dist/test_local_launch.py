@@ -88,8 +88,8 @@ def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path, wait_for_text
         proc.kill()
     elapsed = time.time() - hung
     assert proc.returncode != 0
-    # 8 s collective timeout + the launcher's 30 s grace for the wedged rank (launcher/local.py)
-    assert elapsed < 60, f"took {elapsed:.0f}s to give up on a wedged rank"
+    # 30 s collective timeout + the launcher's 30 s grace for the wedged rank (launcher/local.py)
+    assert elapsed < 90, f"took {elapsed:.0f}s to give up on a wedged rank"
     assert "rank 0 exited with code 1" in err, err
     log = Path(err.split("rank 0 exited with code 1")[1].split("log: ")[1].split()[0]).read_text()
     assert "Timed out" in log, log[-2000:]
