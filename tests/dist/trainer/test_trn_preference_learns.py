@@ -29,9 +29,7 @@ def greedy_before(warm):
     return greedy_accuracy(str(warm / "sft" / "hf"), str(warm / "data" / "val.parquet"))
 
 
-# KTO's run is `slow` (make test-all): same trainer path as DPO, its loss unit-tested against a loop
-@pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"),
-                                             pytest.param("kto", "kto_train", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"), ("kto", "kto_train")])
 def test_trn_preference_training_learns(warm, greedy_before, tmp_path, loss, train_file):
     from verl_hpc.trainer.greedy_eval import greedy_accuracy
 

@@ -12,10 +12,7 @@ from verl_hpc.tracking.console import KEY_PREFIXES
 pytestmark = pytest.mark.dist
 SHOWN = ("reward/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
          "response_length/mean", "perf/tokens_per_s", "timing_s/step")
-# dr_grpo, rloo, remax and reinforce_pp differ from grpo only in the advantage estimator and
-# aggregation (unit-tested against hand formulas); their end-to-end runs are `slow` (make test-all)
-RECIPES = ["ppo", "grpo", "dapo", "gspo"] + [pytest.param(r, marks=pytest.mark.slow)
-                                             for r in ("dr_grpo", "rloo", "remax", "reinforce_pp")]
+RECIPES = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo"]
 
 
 @pytest.fixture(scope="module")
