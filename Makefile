@@ -41,7 +41,7 @@ container:
 	bash containers/build.sh
 
 # The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
-# own target, not in `make test`, which CI runs within its 90 minutes on 2 cores (~46 min here).
+# own target, not in `make test`, which CI runs within its 90 minutes on 2 cores (~41 min here).
 TEST_MARKERS ?= not container
 test: venv cluster
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
