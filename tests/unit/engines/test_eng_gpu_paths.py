@@ -245,21 +245,6 @@ def test_fresh_fused_optimizer_gets_no_step_entry():
 
 
 # ------------------------------------------------------------- collective timeout (9)
-@pytest.fixture
-def one_rank_world(tmp_path):
-    import torch.distributed as dist
-
-    from verl_hpc.parallel import cpu_compat, destroy_model_parallel
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        destroy_model_parallel()
-        dist.destroy_process_group()
-        cpu_compat.revert()
-
-
 def test_collective_timeout_reaches_megatrons_groups(one_rank_world, monkeypatch):
     import torch.distributed as dist
 

@@ -8,21 +8,6 @@ import torch
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def one_rank_world(tmp_path):
-    import torch.distributed as dist
-
-    from verl_hpc.parallel import cpu_compat, destroy_model_parallel
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        destroy_model_parallel()
-        dist.destroy_process_group()
-        cpu_compat.revert()
-
-
 def _batches(steps: int, vocab: int):
     from verl_hpc.engines.batch import length_mask, pack_sequences
 
