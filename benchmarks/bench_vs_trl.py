@@ -1,19 +1,25 @@
 """GRPO step time and time to an accuracy gain: verl_hpc against Hugging Face TRL, same run.
 
     pip install -e '.[cpu,bench]'                      # TRL is only needed here
-    python benchmarks/bench_vs_trl.py                  # tiny model, 1 and 2 ranks, 16 steps, +40 points
-    python benchmarks/bench_vs_trl.py --quick          # 1 rank, 10 steps, no accuracy target
-    python benchmarks/bench_vs_trl.py --ranks 1 --steps 30 --gain 45
+    python benchmarks/bench_vs_trl.py                  # both sizes: tiny at 1 and 2 ranks, 100m at 1 rank
+    python benchmarks/bench_vs_trl.py --sizes tiny     # tiny only: 1 and 2 ranks, 16 steps, +40 points
+    python benchmarks/bench_vs_trl.py --quick          # tiny, 1 rank, 10 steps, no accuracy target
+    python benchmarks/bench_vs_trl.py --sizes 100m --ranks 1,2 --steps 5
 
-The task, model and warm start are the project's own and the same for both: the synthetic
-"a+b=" task (verl_hpc.data.prepare synthetic), the tiny Llama of verl_hpc.models.tiny (2 layers,
-hidden 128, vocab 500; 0.4M parameters), warm-started by the project's SFT on noisy labels (as in
-`make demo`; built once under --out and reused). GRPO at matched settings on both sides:
-16 prompts x 8 samples a step, at most 8 new tokens, temperature 1, one optimizer step per batch
-(one mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), AdamW lr 1e-3 constant,
-grad-norm clip 1.0, fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score).
-verl_hpc runs as a job (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine:
-auto`, which picks HF generate for this model size on CPU; `--verl-set rollout.engine=vllm` to
+The task and models are the project's own and the same for both: the synthetic "a+b=" task
+(verl_hpc.data.prepare synthetic) and Llamas made by verl_hpc.models.tiny, built once under --out
+and reused:
+- tiny: 2 layers, hidden 128, vocab 500 (0.4M parameters), warm-started by the project's SFT on
+  noisy labels (as in `make demo`); 16 prompts x 8 samples a step, at most 8 new tokens, AdamW lr
+  1e-3; greedy validation on 100 held-out prompts after every step, for the time-to-gain figure.
+- 100m: 12 layers, hidden 768, 12 heads (4 KV heads), ffn 2560, vocab 8000 (102M parameters),
+  random init (a speed figure only: nothing to learn, no validation); 8 prompts x 8 samples, at
+  most 24 new tokens (the setting of the earlier 135M measurement), AdamW lr 1e-5.
+GRPO at matched settings on both sides: temperature 1, one optimizer step per batch (one
+mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), constant LR, grad-norm clip 1.0,
+fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_hpc runs as a job
+(`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: auto`, which picks HF
+generate for the tiny model on CPU and vLLM for the 100m one; `--verl-set rollout.engine=vllm` to
 compare); TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's
 vLLM modes need a GPU). Both get --threads torch threads per process (1: see the option's comment;
 verl_hpc through slurm.cpus_per_task).
@@ -38,12 +44,38 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PROMPTS, N, NEW_TOKENS, LR = 16, 8, 8, 1e-3
+
+@dataclass(frozen=True)
+class Size:
+    """One benchmark setting: the model's shape and the GRPO batch both sides run."""
+    name: str
+    title: str
+    layers: int
+    shape: dict            # make_tiny_model's shape overrides
+    vocab: int
+    prompts: int           # prompts per step
+    n: int                 # samples per prompt
+    new_tokens: int
+    lr: float
+    warm_start: bool       # SFT warm start + validation (time to gain); else random init, speed only
+    verl_set: tuple = ()   # overrides verl_hpc needs for this size (not settings TRL lacks)
+
+
+SIZES = {
+    "tiny": Size("tiny", "tiny Llama (0.4M)", 2, {}, 500, prompts=16, n=8, new_tokens=8, lr=1e-3,
+                 warm_start=True),
+    "100m": Size("100m", "Llama 102M, random init", 12,
+                 dict(hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2560, max_positions=512), 8000,
+                 prompts=8, n=8, new_tokens=24, lr=1e-5, warm_start=False,
+                 # vLLM's KV cache for all 64 sequences at once (24.6 KB a token at this shape)
+                 verl_set=("rollout.kv_cache_memory_bytes=268435456",)),
+}
 
 
 def sh(cmd, what: str, log: Path = None) -> None:
@@ -54,39 +86,45 @@ def sh(cmd, what: str, log: Path = None) -> None:
         sys.exit(f"bench: {what} failed (exit {rc}){'; log: ' + str(log) if log else ''}")
 
 
-def assets(out: Path, sft_steps: int) -> Path:
-    """Tiny model, synthetic data and the SFT warm start (each built once, then reused)."""
+def assets(out: Path, size: Size, sft_steps: int) -> Path:
+    """The size's model, synthetic data and (tiny) the SFT warm start; each built once, then reused.
+    Returns the model folder both sides start from."""
     py = sys.executable
-    if not (out / "model" / "config.json").exists():
-        sh([py, "-m", "verl_hpc.models.tiny", out / "model", "--family", "llama", "--layers", "2", "--seed", "0"],
-           "tiny model")
+    model = out / f"model_{size.name}"
+    if not (model / "config.json").exists():
+        print(f"[bench] building the {size.title} model in {model}", flush=True)
+        from verl_hpc.models.tiny import make_tiny_model
+        make_tiny_model(model, "llama", layers=size.layers, vocab_size=size.vocab, seed=0, **size.shape)
     if not (out / "data" / "val.parquet").exists():
         sh([py, "-m", "verl_hpc.data.prepare", "synthetic", out / "data", "--n-train", "2000", "--n-val", "100",
             "--seed", "0", "--sft-noise", "0.62"], "synthetic data")
-    ws = out / "sft" / "hf"
+    if not size.warm_start:
+        return model
+    ws = out / f"sft_{size.name}" / "hf"
     if not (ws / "config.json").exists():
-        sh([py, "-m", "verl_hpc.submit", "configs/demo_sft.yaml", "--local", f"model.path={out}/model",
+        sh([py, "-m", "verl_hpc.submit", "configs/demo_sft.yaml", "--local", f"model.path={model}",
             f"data.train_files=[{out}/data/train.parquet]", f"data.sft_files=[{out}/data/sft.parquet]",
-            f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={ws}", f"trainer.total_steps={sft_steps}",
-            f"slurm.log_dir={out}/sft/logs"], "SFT warm start", out / "sft.log")
+            f"trainer.output_dir={ws.parent}", f"trainer.hf_output_dir={ws}", f"trainer.total_steps={sft_steps}",
+            f"slurm.log_dir={ws.parent}/logs"], "SFT warm start", out / f"sft_{size.name}.log")
     return ws
 
 
 # ------------------------------------------------------------------------------------ verl_hpc
-def run_verl(out: Path, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
+def run_verl(out: Path, size: Size, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
              tag: str = "", threads: int = 1) -> dict:
-    run = out / f"verl_{ranks}rank{tag}"
+    run = out / f"verl_{size.name}_{ranks}rank{tag}"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run (an earlier one's checkpoints would be refused)
     sh([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={ws}",
         f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",
-        f"data.train_batch_size={PROMPTS}", f"actor.ppo_mini_batch_size={PROMPTS}",
-        f"actor.micro_batch_size={PROMPTS * N // ranks}", f"rollout.n={N}", f"data.max_response_length={NEW_TOKENS}",
-        f"actor.optim.lr={LR}", "actor.optim.lr_decay_style=constant", "actor.optim.min_lr=0",
+        f"data.train_batch_size={size.prompts}", f"actor.ppo_mini_batch_size={size.prompts}",
+        f"actor.micro_batch_size={size.prompts * size.n // ranks}", f"rollout.n={size.n}",
+        f"data.max_response_length={size.new_tokens}",
+        f"actor.optim.lr={size.lr}", "actor.optim.lr_decay_style=constant", "actor.optim.min_lr=0",
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "tracking.backends=[jsonl]",
         f"slurm.tasks_per_node={ranks}", f"trainer.output_dir={run}", f"slurm.log_dir={run}/logs",
         "trainer.resume=never", "checkpoint.keep_last=1", "rollout.engine=auto", f"slurm.cpus_per_task={threads}",
-        *extra], f"verl_hpc GRPO, {ranks} rank(s){tag}",
-       out / f"verl_{ranks}rank{tag}.log")
+        *size.verl_set, *extra], f"verl_hpc GRPO, {size.name}, {ranks} rank(s){tag}",
+       out / f"verl_{size.name}_{ranks}rank{tag}.log")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps_rows = [r for r in rows if "timing_s/step" in r]
     stages = {k[len("timing_s/"):]: _median([r[k] for r in steps_rows[1:] if k in r])
@@ -110,6 +148,7 @@ def trl_worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    size = SIZES[args.size]
     data, ws, steps = Path(args.data), Path(args.ws), args.steps
     tok = AutoTokenizer.from_pretrained(ws)
     tok.padding_side = "left"
@@ -131,16 +170,17 @@ def trl_worker(args) -> None:
         was = m.training
         m.eval()
         enc = tok(val_text, return_tensors="pt", padding=True, add_special_tokens=False)
-        gen = m.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+        gen = m.generate(**enc, max_new_tokens=size.new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         m.train(was)
         return sum(synthetic_arith_score(t, r["ground_truth"]) for t, r in zip(texts, val)) / len(val)
 
     cfg = GRPOConfig(
-        output_dir=str(Path(args.out) / "trl_run"), max_steps=steps, per_device_train_batch_size=PROMPTS * N,
-        gradient_accumulation_steps=1, num_generations=N, max_completion_length=NEW_TOKENS, temperature=1.0,
+        output_dir=str(Path(args.out) / f"trl_run_{size.name}"), max_steps=steps,
+        per_device_train_batch_size=size.prompts * size.n, gradient_accumulation_steps=1, num_generations=size.n,
+        max_completion_length=size.new_tokens, temperature=1.0,
         top_p=1.0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        learning_rate=size.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, logging_steps=10 ** 6, save_strategy="no", report_to="none",
         seed=args.seed, use_vllm=False, log_completions=False, disable_tqdm=True)
@@ -161,7 +201,7 @@ def trl_worker(args) -> None:
     trainer._generate_and_score_completions = timed("gen_score", trainer._generate_and_score_completions)
     trainer.compute_loss = timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
-    record = dict(stages=[], step_times={}, val={0: accuracy(model)})
+    record = dict(stages=[], step_times={}, val={0: accuracy(model)} if args.val_every else {})
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -185,11 +225,11 @@ def trl_worker(args) -> None:
     Path(args.result).write_text(json.dumps(record))
 
 
-def run_trl(out: Path, ws: Path, data: Path, steps: int, val_every: int, threads: int) -> dict:
-    result = out / "trl.json"
-    sh([sys.executable, __file__, "--trl-worker", "--out", out, "--ws", ws, "--data", data, "--steps", steps,
-        "--val-every", val_every, "--threads", threads, "--result", result], "TRL GRPOTrainer, 1 process",
-       out / "trl.log")
+def run_trl(out: Path, size: Size, ws: Path, data: Path, steps: int, val_every: int, threads: int) -> dict:
+    result = out / f"trl_{size.name}.json"
+    sh([sys.executable, __file__, "--trl-worker", "--size", size.name, "--out", out, "--ws", ws, "--data", data,
+        "--steps", steps, "--val-every", val_every, "--threads", threads, "--result", result],
+       f"TRL GRPOTrainer, {size.name}, 1 process", out / f"trl_{size.name}.log")
     rec = json.loads(result.read_text())
     stages = {k: _median([s[k] for s in rec["stages"][1:] if k in s]) for k in rec["stages"][0]}
     return dict(stages=stages, step_times={int(k): v for k, v in rec["step_times"].items()},
@@ -212,12 +252,60 @@ def time_to_gain(res: dict, gain: float):
     return None, None, start
 
 
+def report(size: Size, results: dict, ranks, steps: int, val_every: int, gain: float, old_forward: bool) -> None:
+    t = results["trl"]
+    print(f"\nGRPO, {size.title}, {size.prompts} prompts x {size.n} samples, <= {size.new_tokens} new tokens, "
+          f"{steps} steps; load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"  TRL       s/step {t['stages']['step']:.3f}  by stage: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in t["stages"].items() if k != "step"))
+    for r in ranks:
+        v = results[f"verl_{r}"]
+        print(f"  verl_hpc {r} rank(s) s/step {v['stages']['step']:.3f}  by stage: "
+              + ", ".join(f"{k} {x:.3f}" for k, x in v["stages"].items() if k != "step"))
+        print(f"    ratio verl_hpc/TRL s/step, {size.name}, {r} rank(s): {v['stages']['step'] / t['stages']['step']:.2f}")
+    if old_forward and 1 in ranks:
+        f, c = results["verl_1_oldfwd"]["stages"], results["verl_1"]["stages"]
+        print(f"  verl_hpc 1 rank, separate old-log-prob forward: s/step {f['step']:.3f} (old_logprob "
+              f"{f.get('old_logprob', float('nan')):.3f}); on-policy shortcut / separate: {c['step'] / f['step']:.2f}")
+    if not val_every:
+        return
+    ts, tstep, t0 = time_to_gain(t, gain)
+    print(f"  time to +{gain:g} validation points (training time, validation excluded):")
+    print(f"    TRL: " + (f"{ts:.1f} s (step {tstep}; start {100 * t0:.0f}%)" if ts else
+                          f"not reached in {steps} steps (start {100 * (t0 or 0):.0f}%, "
+                          f"best {100 * max(t['val'].values()):.0f}%)"))
+    for r in ranks:
+        v = results[f"verl_{r}"]
+        vs, vstep, v0 = time_to_gain(v, gain)
+        line = (f"{vs:.1f} s (step {vstep}; start {100 * v0:.0f}%)" if vs else
+                f"not reached in {steps} steps (start {100 * (v0 or 0):.0f}%, best {100 * max(v['val'].values()):.0f}%)")
+        ratio = f"; ratio verl_hpc/TRL {vs / ts:.2f}" if vs and ts else ""
+        print(f"    verl_hpc {r} rank(s): {line}{ratio}")
+
+
+def run_size(out: Path, size: Size, a, ranks, steps: int) -> dict:
+    """TRL, then verl_hpc at each rank count, on one size; prints the comparison."""
+    val_every = a.val_every if (size.warm_start and not a.quick) else 0
+    ws = assets(out, size, a.sft_steps)
+    data = out / "data"
+    results = {"trl": run_trl(out, size, ws, data, steps, val_every, a.threads)}
+    for r in ranks:
+        results[f"verl_{r}"] = run_verl(out, size, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads)
+    if a.with_old_forward:
+        results["verl_1_oldfwd"] = run_verl(out, size, ws, data, 1, steps, 0, *a.verl_set,
+                                            "actor.old_log_probs=forward", tag="_oldfwd", threads=a.threads)
+    report(size, results, ranks, steps, val_every, a.gain, a.with_old_forward)
+    return dict(size=asdict(size), **results)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="outputs/bench_vs_trl")
-    ap.add_argument("--quick", action="store_true", help="1 rank, 10 steps, no accuracy target")
-    ap.add_argument("--ranks", default=None, help="comma list of verl_hpc rank counts (default 1,2)")
-    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 16)")
+    ap.add_argument("--sizes", default="tiny,100m", help=f"comma list of {', '.join(SIZES)}")
+    ap.add_argument("--quick", action="store_true", help="tiny, 1 rank, 10 steps, no accuracy target")
+    ap.add_argument("--ranks", default=None,
+                    help="comma list of verl_hpc rank counts (default: 1,2 for tiny, 1 for 100m)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: 16 tiny, 5 100m)")
     ap.add_argument("--val-every", type=int, default=1)
     ap.add_argument("--gain", type=float, default=40.0, help="validation accuracy points for time-to-gain")
     ap.add_argument("--sft-steps", type=int, default=1000)
@@ -230,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--with-old-forward", action="store_true",
                     help="also run verl_hpc at 1 rank with actor.old_log_probs=forward (the separate pass)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--ws", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -241,52 +330,23 @@ def main(argv=None) -> int:
         import trl  # noqa: F401
     except ImportError:
         sys.exit("bench_vs_trl needs TRL: pip install -e '.[bench]'")
+    sizes = ["tiny"] if a.quick else [x.strip() for x in a.sizes.split(",") if x.strip()]
+    bad = [x for x in sizes if x not in SIZES]
+    if bad:
+        sys.exit(f"bench_vs_trl: --sizes {','.join(bad)}: not one of {', '.join(SIZES)}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    ranks = [int(r) for r in (a.ranks or ("1" if a.quick else "1,2")).split(",")]
-    steps = a.steps or (10 if a.quick else 16)
-    val_every = 0 if a.quick else a.val_every
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = float("nan")
     print(f"[bench] {os.cpu_count()} CPUs, load average {load:.1f} at start", flush=True)
-    ws = assets(out, a.sft_steps)
-    data = out / "data"
-    results = {"trl": run_trl(out, ws, data, steps, val_every, a.threads)}
-    for r in ranks:
-        results[f"verl_{r}"] = run_verl(out, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads)
-    if a.with_old_forward:
-        results["verl_1_oldfwd"] = run_verl(out, ws, data, 1, steps, 0, *a.verl_set, "actor.old_log_probs=forward",
-                                            tag="_oldfwd", threads=a.threads)
-    t = results["trl"]
-    print(f"\nGRPO, tiny Llama (0.4M), {PROMPTS} prompts x {N} samples, <= {NEW_TOKENS} new tokens, {steps} steps; "
-          f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(f"  TRL       s/step {t['stages']['step']:.3f}  by stage: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in t["stages"].items() if k != "step"))
-    for r in ranks:
-        v = results[f"verl_{r}"]
-        print(f"  verl_hpc {r} rank(s) s/step {v['stages']['step']:.3f}  by stage: "
-              + ", ".join(f"{k} {x:.3f}" for k, x in v["stages"].items() if k != "step"))
-        print(f"    ratio verl_hpc/TRL s/step at {r} rank(s): {v['stages']['step'] / t['stages']['step']:.2f}")
-    if a.with_old_forward and 1 in ranks:
-        f, c = results["verl_1_oldfwd"]["stages"], results["verl_1"]["stages"]
-        print(f"  verl_hpc 1 rank, separate old-log-prob forward: s/step {f['step']:.3f} (old_logprob "
-              f"{f.get('old_logprob', float('nan')):.3f}); on-policy shortcut / separate: {c['step'] / f['step']:.2f}")
-    if val_every:
-        ts, tstep, t0 = time_to_gain(t, a.gain)
-        print(f"  time to +{a.gain:g} validation points (training time, validation excluded):")
-        print(f"    TRL: " + (f"{ts:.1f} s (step {tstep}; start {100 * t0:.0f}%)" if ts else
-                              f"not reached in {steps} steps (start {100 * (t0 or 0):.0f}%, "
-                              f"best {100 * max(t['val'].values()):.0f}%)"))
-        for r in ranks:
-            v = results[f"verl_{r}"]
-            vs, vstep, v0 = time_to_gain(v, a.gain)
-            line = (f"{vs:.1f} s (step {vstep}; start {100 * v0:.0f}%)" if vs else
-                    f"not reached in {steps} steps (start {100 * (v0 or 0):.0f}%, best {100 * max(v['val'].values()):.0f}%)")
-            ratio = f"; ratio verl_hpc/TRL {vs / ts:.2f}" if vs and ts else ""
-            print(f"    verl_hpc {r} rank(s): {line}{ratio}")
-    (out / "summary.json").write_text(json.dumps(results, indent=1))
+    summary = {}
+    for name in sizes:
+        ranks = [int(r) for r in (a.ranks or ("1" if a.quick or name == "100m" else "1,2")).split(",")]
+        steps = a.steps or (10 if a.quick else 16 if name == "tiny" else 5)
+        summary[name] = run_size(out, SIZES[name], a, ranks, steps)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"[bench] details: {out}/summary.json, logs in {out}/*.log")
     return 0
 
