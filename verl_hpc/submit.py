@@ -22,7 +22,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local", action="store_true", help="run the ranks on this machine")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and the sbatch script, submit nothing")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the plan and the resolved config, then exit without submitting")
     p.add_argument("--no-wait", action="store_true", help="submit and return the job id")
     p.add_argument("--sbatch-script", metavar="PATH",
                    help="write a standalone sbatch script (and its resolved config) and stop")
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.describe(), flush=True)
     if memory_check(cfg, args) != 0:
         return 2
-    if args.print_config:
+    if args.print_config:  # a look before the queue: nothing is submitted or started
         print(to_yaml(cfg), flush=True)
+        return 0
 
     # Each path imports only its launcher: submitit (Slurm), torch's elastic launcher (--local) and
     # jinja2 (--sbatch-script) are heavy or optional, and the login node needs one of them.

@@ -36,6 +36,23 @@ def test_dry_run_prints_plan_and_submitit_script(tmp_path, monkeypatch, capsys):
         assert line in out, line
 
 
+def test_print_config_prints_and_submits_nothing(tmp_path, monkeypatch, capsys):
+    """A look before the queue: the plan and resolved YAML, exit 0, no submission or local ranks."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)  # pretend Slurm is here
+    started = []
+    monkeypatch.setattr(slurm, "submit", lambda *a, **k: started.append("slurm"), raising=False)
+    monkeypatch.setattr("verl_hpc.launcher.local.run_local", lambda *a, **k: started.append("local"))
+    for extra in ([], ["--local"]):
+        rc = submit.main(["configs/grpo_8b.yaml", "--print-config", "--skip-model-check", "--skip-file-checks",
+                          f"slurm.log_dir={tmp_path}/%j", *extra])
+        out = capsys.readouterr().out
+        assert rc == 0 and "trainer:" in out and "parallel:" in out, out[-500:]
+        assert "submitted" not in out
+    assert started == []
+    assert not any(tmp_path.iterdir())  # no job folder, no resolved config written
+
+
 def test_submitit_private_script_hook_still_exists():
     # slurm.sbatch_text relies on submitit internals; a new submitit release must fail here first
     cfg = load_config("configs/smoke.yaml", [])
