@@ -57,6 +57,31 @@ def test_sampling_is_seeded_ordered_and_logprobs_are_processed(engine, hf):
         assert max_diff([first.logprobs[row]], [ref]) <= TOL, row
 
 
+def test_shared_prefill_draws_what_hf_expansion_draws(engine, tiny_model, hf):
+    """The n samples share one prefill of their prompt: same tokens and logprobs as HF's own
+    num_return_sequences expansion (which runs the prompt n times), left padding and a 1-token
+    prompt (nothing to prefill) included; the shared path is the one that ran."""
+    plain = _build(tiny_model, share_prefill=False)
+    prompts = PROMPTS[:3] + prompts_of_lengths(1, 5, seed=3)
+    spec = SamplingSpec(n=4, temperature=0.9, top_k=30, max_tokens=MAX_NEW, seed=11)
+    calls = []
+    original = engine._shared_prefill
+    engine._shared_prefill = lambda *a: calls.append(a[0].shape) or original(*a)
+    try:
+        shared = engine.generate(prompts, spec)
+    finally:
+        del engine._shared_prefill
+    expanded = plain.generate(prompts, spec)
+    assert len(calls) == 2  # both batches of 3 prompts (batch_size 3)
+    assert shared.response_ids == expanded.response_ids
+    assert max_diff(shared.logprobs, expanded.logprobs) <= TOL
+    for row in (0, 13, 19):  # the 1-token prompt's samples are rows 12..15
+        ref = teacher_forced_logprobs(hf, prompts[shared.prompt_index[row]], shared.response_ids[row],
+                                      temperature=0.9, top_k=30)
+        assert max_diff([shared.logprobs[row]], [ref]) <= TOL, row
+    plain.close()
+
+
 def test_raw_logprobs_ignore_temperature(tiny_model, hf):
     raw = _build(tiny_model, logprobs_mode="raw")
     result = raw.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0.7, top_k=20,
