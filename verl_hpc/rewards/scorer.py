@@ -107,13 +107,16 @@ class RewardScorer:
         has_rule = torch.zeros(n, dtype=torch.bool)
         errors = 0
         returned: Dict[str, List[float]] = defaultdict(list)  # extra numbers of dict-returning functions
-        for i in range(n):
-            fn = self._function_for(ids[i], data_sources[i])
-            if fn is None:
-                continue  # reward model only
+        fns = [self._function_for(ids[i], data_sources[i]) for i in range(n)]
+        rows = [i for i in range(n) if fns[i] is not None]  # the others: reward model only
+        results = self.call.call_each(  # one hand-off to the timed worker for the whole batch
+            [(fns[i], (data_sources[i], response_texts[i], ground_truths[i], extras[i])) for i in rows])
+        for i, (ok, out) in zip(rows, results):
             has_rule[i] = True
             try:
-                value, info = _as_score(self.call(fn, data_sources[i], response_texts[i], ground_truths[i], extras[i]))
+                if not ok:
+                    raise out
+                value, info = _as_score(out)
             except Exception as e:  # noqa: BLE001 - any failure of user/rule code follows on_error
                 errors += 1
                 self._handle_error(e, ids[i], data_sources[i])

@@ -8,6 +8,10 @@ from exiting. Why not a process pool: a reward function receives and returns sma
 objects but may close over unpicklable state (a tokenizer, a loaded verifier), and forking a
 rank that holds a vLLM engine and process groups is not safe.
 
+A batch of calls (`call_each`) is queued on the worker at once and waited for in order, each call
+still with its own limit: a hand-off per call (the caller sleeping on an event, the worker waking)
+cost ~0.1 ms, most of the time scoring 128 samples with a cheap rule took.
+
 Limit: a function that holds the GIL in C code forever stops the caller too; the stage watchdog
 (runtime/watchdog.py) cannot run either, and the other ranks' collective timeout ends the job.
 """
@@ -15,7 +19,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 MAX_ABANDONED = 32  # threads left running by timed-out calls before we refuse to start more
 
@@ -45,7 +50,10 @@ class TimedCaller:
 
         def loop():
             while True:
-                fn, args, box, done = jobs.get()
+                fn, args, box, done, started, cancelled = jobs.get()
+                if cancelled.is_set():  # queued behind a call that timed out: a new worker runs it
+                    continue
+                started.append(time.monotonic())
                 try:
                     box.append((True, fn(*args)))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller, which decides
@@ -58,24 +66,55 @@ class TimedCaller:
     def __call__(self, fn: Callable[..., Any], *args) -> Any:
         """fn(*args), or RewardTimeout after timeout_s; an exception raised by fn is re-raised here, on
         the caller's thread (a BaseException such as SystemExit as FunctionExited)."""
-        if self.timeout_s <= 0:
-            try:
-                return fn(*args)
-            except (SystemExit, GeneratorExit) as e:  # a KeyboardInterrupt here may be the user's Ctrl-C
-                raise FunctionExited(e) from None
-        if self.abandoned >= MAX_ABANDONED:
-            raise RewardTimeout(f"{self.abandoned} earlier calls never returned; not starting another")
-        if self._jobs is None:
-            self._jobs = self._start_worker()
-        box: list[Tuple[bool, Any]] = []
-        done = threading.Event()
-        self._jobs.put((fn, args, box, done))
-        if not done.wait(self.timeout_s):
-            self._jobs, self.abandoned = None, self.abandoned + 1  # the next call gets a fresh worker
-            raise RewardTimeout(f"did not return within reward.timeout_s={self.timeout_s:g}s")
-        ok, value = box[0]
+        ok, value = self.call_each([(fn, args)])[0]
         if ok:
             return value
-        if not isinstance(value, Exception):
-            raise FunctionExited(value)
         raise value
+
+    def call_each(self, calls: Sequence[Tuple[Callable[..., Any], tuple]]) -> List[Tuple[bool, Any]]:
+        """Each fn(*args) in order; per call (True, value) or (False, the exception __call__ raises:
+        RewardTimeout, FunctionExited or the function's own). A call that times out abandons the
+        worker; the calls after it run on a fresh one."""
+        out: List[Tuple[bool, Any]] = []
+        if self.timeout_s <= 0:
+            for fn, args in calls:
+                try:
+                    out.append((True, fn(*args)))
+                except (SystemExit, GeneratorExit) as e:  # a KeyboardInterrupt here may be the user's Ctrl-C
+                    out.append((False, FunctionExited(e)))
+                except Exception as e:  # noqa: BLE001 - handed to the caller, which decides
+                    out.append((False, e))
+            return out
+        while len(out) < len(calls):
+            if self.abandoned >= MAX_ABANDONED:
+                out.append((False, RewardTimeout(f"{self.abandoned} earlier calls never returned; "
+                                                 "not starting another")))
+                continue
+            out.extend(self._run_on_worker(calls[len(out):]))
+        return out
+
+    def _run_on_worker(self, calls) -> List[Tuple[bool, Any]]:
+        """Queue every call, then collect in order until the end or the first timeout."""
+        if self._jobs is None:
+            self._jobs = self._start_worker()
+        cancelled = threading.Event()
+        queued = []
+        for fn, args in calls:
+            box: list[Tuple[bool, Any]] = []
+            started: list[float] = []
+            done = threading.Event()
+            self._jobs.put((fn, args, box, done, started, cancelled))
+            queued.append((box, done, started))
+        out: List[Tuple[bool, Any]] = []
+        for box, done, started in queued:
+            # the limit counts from the call's own start (the worker notes it), not from this wait
+            while not done.wait(self.timeout_s if not started else
+                                max(0.0, started[0] + self.timeout_s - time.monotonic())):
+                if started and time.monotonic() - started[0] >= self.timeout_s:
+                    cancelled.set()  # the calls queued behind it are not run by this worker
+                    self._jobs, self.abandoned = None, self.abandoned + 1  # the next call gets a fresh worker
+                    out.append((False, RewardTimeout(f"did not return within reward.timeout_s={self.timeout_s:g}s")))
+                    return out
+            ok, value = box[0]
+            out.append((ok, value if ok or isinstance(value, Exception) else FunctionExited(value)))
+        return out
