@@ -109,6 +109,27 @@ def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
     model.output_layer.register_forward_hook(hook)
 
 
+def select_output_positions(output_layer) -> None:
+    """Let the caller run the output layer on chosen positions only: while
+    `output_layer.selected_positions` holds a `[b, T]` index tensor, the layer's input `[s, b, h]`
+    is cut to `[T, b, h]` (row b's hidden states at positions[b, :]) before the projection, so its
+    result (and Megatron's loss, given `[b, T]` labels) is `[T, b, ...]`. Unset (None): untouched.
+    The RL engines score response tokens only: the vocabulary projection of prompt positions is
+    work whose result is never read. Not for sequence-parallel input (`[s/tp, b, h]`: each rank
+    holds other positions)."""
+    output_layer.selected_positions = None
+
+    def pick(module, args, kwargs):
+        positions = module.selected_positions
+        if positions is None:
+            return None
+        hidden = args[0]
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        return (hidden[positions.t(), rows], *args[1:]), kwargs
+
+    output_layer.register_forward_pre_hook(pick, with_kwargs=True)
+
+
 def _mark_tensor_parallel(model) -> None:
     """Give every TP-split weight Megatron's `tensor_model_parallel` / `partition_dim` attributes.
 

@@ -1,10 +1,10 @@
 """verl_hpc.models.gpt pieces that need no process group: RoPE scaling, the padded-vocabulary
-mask, and the clear errors of the layer-spec choice."""
+mask, the output layer's position selection, and the clear errors of the layer-spec choice."""
 import pytest
 import torch
 
 from verl_hpc.models.config_mapping import parse_hf_config
-from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec
+from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec, select_output_positions
 
 pytestmark = pytest.mark.unit
 
@@ -62,6 +62,36 @@ def test_padded_vocab_logits_are_minus_inf(tp_rank, width, masked_from):
     assert torch.isneginf(logits[..., masked_from:]).all()
     assert torch.isfinite(logits[..., :masked_from]).all()
     logits[..., :masked_from].sum().backward()  # the mask is differentiable where it matters
+
+
+class _Projection(torch.nn.Module):
+    """Megatron's output-layer calling convention: (input [s, b, h], weight=...) -> (logits, bias)."""
+
+    def __init__(self, h, v):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(v, h))
+
+    def forward(self, x, weight=None, runtime_gather_output=None):
+        return x @ (self.weight if weight is None else weight).t(), None
+
+
+def test_selected_positions_give_those_rows_and_their_gradients():
+    torch.manual_seed(0)
+    s, b, h, v = 7, 3, 5, 11
+    layer = _Projection(h, v)
+    select_output_positions(layer)
+    hidden = torch.randn(s, b, h, requires_grad=True)
+    positions = torch.tensor([[1, 2, 3], [4, 5, 6], [0, 0, 6]])  # [b, T], clamped padding included
+    full, _ = layer(hidden, runtime_gather_output=False)  # unset: untouched, [s, b, v]
+    assert full.shape == (s, b, v)
+    expected = torch.stack([full[positions[r], r] for r in range(b)], dim=1)  # [T, b, v]
+    (g_ref,) = torch.autograd.grad((expected ** 2).sum(), hidden)
+    layer.selected_positions = positions
+    picked, _ = layer(hidden, weight=layer.weight)
+    torch.testing.assert_close(picked, expected, rtol=1e-6, atol=1e-6)
+    (g,) = torch.autograd.grad((picked ** 2).sum(), hidden)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)  # repeated positions add up
+    assert g[:, 1][[0, 1, 2, 3]].abs().sum() == 0  # row 1 read 4..6 only: no gradient elsewhere
 
 
 def test_fp8_without_gpu_is_a_clear_error():

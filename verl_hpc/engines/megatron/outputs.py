@@ -15,6 +15,10 @@ at every position), so Megatron runs the same vocab-parallel cross-entropy on it
 output-layer result directly, without materialising the transposed `[b, s, V/tp]` logits or the
 response rows; the per-position losses `[b, s]` are then indexed at the response positions.
 
+When the engine selects the output layer's positions (verl_hpc.models.gpt.select_output_positions:
+an lm head without sequence parallelism or FP8), the model's output is already at the response
+positions: logits `[b, T, V/tp]`, or with labels = the response tokens, losses `[b, T]`.
+
 Value head: `[b, s, 1]` -> values `[b, T]` from positions p + t - 1, and the reward model's
 sequence score from the last token p + r - 1.
 """
@@ -37,14 +41,14 @@ def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
-               temperature: float = 1.0) -> Dict[str, torch.Tensor]:
+               temperature: float = 1.0, selected: bool = False) -> Dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     unknown = set(want) - set(LM_OUTPUTS)
     if unknown:
         raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
-    resp = _rows(logits, mb["_positions"])
+    resp = logits if selected else _rows(logits, mb["_positions"])
     if temperature != 1.0:  # rollout sampled from logits / temperature: score the same distribution
         resp = resp / temperature
     out: Dict[str, torch.Tensor] = {}
@@ -64,11 +68,12 @@ def next_token_labels(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def lm_outputs_from_token_losses(token_nll: torch.Tensor, mb: Dict[str, torch.Tensor],
-                                 want: Sequence[str]) -> Dict[str, torch.Tensor]:
-    """Megatron's per-position loss `[b, s]` (labels = next tokens) -> log_probs `[b, T]`."""
+                                 want: Sequence[str], selected: bool = False) -> Dict[str, torch.Tensor]:
+    """Megatron's per-position loss `[b, s]` (labels = next tokens) -> log_probs `[b, T]`; with
+    `selected` the loss is already `[b, T]` (labels = the response tokens)."""
     if tuple(want) != ("log_probs",):
         raise ValueError(f"the labels path gives log_probs only; asked for {tuple(want)}")
-    return {"log_probs": -token_nll.gather(1, mb["_positions"])}
+    return {"log_probs": -(token_nll if selected else token_nll.gather(1, mb["_positions"]))}
 
 
 def value_outputs(values: torch.Tensor, mb: Dict[str, torch.Tensor],

@@ -26,7 +26,7 @@ over all ranks gives every rank the whole batch's outputs (rows are disjoint; x 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,11 +101,14 @@ def _dummy_loss(output: torch.Tensor) -> torch.Tensor:
 
 def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, want: Sequence[str],
                  *, loss_fn=None, counts: Optional[GlobalCounts] = None, forward_only: bool,
-                 with_labels: bool = False) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
+                 with_labels: bool = False, output_layers: Optional[Dict[int, Any]] = None,
+                 ) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
     """Run all micro-batches. Forward-only: returns [(mb, detached outputs)] on the last stage.
     Training: returns per-micro-batch records {"loss", "tokens", metrics...} on the last stage.
     with_labels: call the model with next-token labels (its output is then the per-position
-    cross-entropy, see outputs.py)."""
+    cross-entropy, see outputs.py). output_layers: {id(chunk): its output layer} for chunks whose
+    output layer runs on the response positions only (models.gpt.select_output_positions); their
+    labels are then the response tokens."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     collected: List[Tuple[MicroBatch, Dict[str, torch.Tensor]]] = []
@@ -115,8 +118,15 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
 
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        labels = mb.data["_labels"] if with_labels else None
-        output = model(mb.data["input_ids"], mb.position_ids, None, labels=labels)
+        layer = (output_layers or {}).get(id(model))
+        labels = (mb.data["_targets"] if layer is not None else mb.data["_labels"]) if with_labels else None
+        if layer is not None:
+            layer.selected_positions = mb.data["_positions"]
+        try:
+            output = model(mb.data["input_ids"], mb.position_ids, None, labels=labels)
+        finally:
+            if layer is not None:
+                layer.selected_positions = None
 
         def loss_callback(out):
             if forward_only:
