@@ -271,7 +271,7 @@ def report(size: Size, results: dict, ranks, steps: int, val_every: int, gain: f
         return
     ts, tstep, t0 = time_to_gain(t, gain)
     print(f"  time to +{gain:g} validation points (training time, validation excluded):")
-    print(f"    TRL: " + (f"{ts:.1f} s (step {tstep}; start {100 * t0:.0f}%)" if ts else
+    print("    TRL: " + (f"{ts:.1f} s (step {tstep}; start {100 * t0:.0f}%)" if ts else
                           f"not reached in {steps} steps (start {100 * (t0 or 0):.0f}%, "
                           f"best {100 * max(t['val'].values()):.0f}%)"))
     for r in ranks:

@@ -42,3 +42,40 @@ def _wait_for_text(folder, pattern, needle, proc=None, timeout=180) -> float:
 @pytest.fixture
 def wait_for_text():
     return _wait_for_text
+
+
+def _smoke_job(tmp_path, *overrides, local: bool = True):
+    """`python -m verl_hpc.submit configs/smoke.yaml` started in the background (stdout, stderr
+    piped), its output and logs under tmp_path (out/, logs/<job>)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", *(["--local"] if local else []),
+           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *overrides]
+    return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _failure_after(proc, folder, pattern, needle, timeout=120):
+    """Wait for `needle` in the job's logs (the moment a rank dies or hangs on purpose), then for
+    the job to end; returns (stdout, stderr, seconds from the needle to the end). The process is
+    killed whatever happens, so a job that does not fail cannot outlive the test."""
+    import time
+
+    try:  # the clock starts at the failure, not at launch (start-up time varies with load)
+        seen = _wait_for_text(folder, pattern, needle, proc)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return out, err, time.time() - seen
+
+
+@pytest.fixture
+def smoke_job():
+    return _smoke_job
+
+
+@pytest.fixture
+def failure_after():
+    return _failure_after

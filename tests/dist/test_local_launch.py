@@ -1,10 +1,7 @@
 """The local backend of the submitter: real ranks on this machine talking over gloo."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,12 +16,6 @@ def submit(tmp_path, *overrides, timeout=180):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def popen_submit(tmp_path, *overrides):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
-           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *overrides]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def test_two_local_ranks_agree(tmp_path):
     r = submit(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=3")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -35,15 +26,10 @@ def test_two_local_ranks_agree(tmp_path):
     assert "SMOKE_RESULT" in r.stdout  # rank 0's output reaches the console
 
 
-def test_dead_rank_fails_fast_and_is_named(tmp_path, wait_for_text):
-    proc = popen_submit(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
-                        "trainer.smoke.fail_at_step=2")
-    try:  # the clock starts when rank 1 dies, not at launch (start-up time varies with load)
-        died = wait_for_text(tmp_path / "logs", "**/1/stderr.log", "dies on purpose", proc)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    elapsed = time.time() - died
+def test_dead_rank_fails_fast_and_is_named(tmp_path, smoke_job, failure_after):
+    proc = smoke_job(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+                     "trainer.smoke.fail_at_step=2")
+    _, err, elapsed = failure_after(proc, tmp_path / "logs", "**/1/stderr.log", "dies on purpose")
     assert proc.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f}s to notice a dead rank"
     assert "rank 1 exited with code 3" in err, err
@@ -76,17 +62,12 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
     assert all(x["preempted"] and x["signal"] == f"SIG{sig}" for x in result["ranks"]), result
 
 
-def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path, wait_for_text):
+def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path, smoke_job, failure_after):
     # rank 1 stays alive but stops answering: only the collective timeout can end this job
-    proc = popen_submit(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
-                        "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
-                        "trainer.collective_timeout_s=30")  # > the start-up skew of two ranks on a loaded machine (rendezvous shares this timeout)
-    try:
-        hung = wait_for_text(tmp_path / "logs", "**/1/stderr.log", "hangs on purpose", proc)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    elapsed = time.time() - hung
+    proc = smoke_job(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+                     "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
+                     "trainer.collective_timeout_s=30")  # > the start-up skew of two ranks on a loaded machine (rendezvous shares this timeout)
+    _, err, elapsed = failure_after(proc, tmp_path / "logs", "**/1/stderr.log", "hangs on purpose")
     assert proc.returncode != 0
     # 30 s collective timeout + the launcher's 30 s grace for the wedged rank (launcher/local.py)
     assert elapsed < 90, f"took {elapsed:.0f}s to give up on a wedged rank"

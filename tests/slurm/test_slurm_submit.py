@@ -60,18 +60,10 @@ def test_same_job_through_plain_sbatch(tmp_path):
     check_four_ranks_agree(json.loads((tmp_path / "out" / "smoke_result.json").read_text()))
 
 
-def test_dead_rank_fails_job_fast_and_names_log(tmp_path, wait_for_text):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml",
-           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", *FOUR_RANKS,
-           "trainer.smoke.steps=500", "trainer.smoke.fail_rank=1", "trainer.smoke.fail_at_step=2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # the clock starts when rank 1 dies, not at submission (start-up time varies with load)
-        died = wait_for_text(tmp_path / "logs", "*/*_1_log.err", "dies on purpose", proc)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    elapsed = time.time() - died
+def test_dead_rank_fails_job_fast_and_names_log(tmp_path, smoke_job, failure_after):
+    proc = smoke_job(tmp_path, *FOUR_RANKS, "trainer.smoke.steps=500", "trainer.smoke.fail_rank=1",
+                     "trainer.smoke.fail_at_step=2", local=False)
+    out, err, elapsed = failure_after(proc, tmp_path / "logs", "*/*_1_log.err", "dies on purpose")
     assert proc.returncode != 0, out
     assert elapsed < 60, f"the job took {elapsed:.0f}s to fail after rank 1 died"
     assert "ended FAILED" in err, err

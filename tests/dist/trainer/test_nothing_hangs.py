@@ -51,18 +51,11 @@ def test_hanging_reward_fails_two_rank_job_naming_function_and_sample(tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_wedged_rank_is_named_by_its_stage_watchdog(tmp_path, wait_for_text):
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
-           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", "slurm.tasks_per_node=2",
-           "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1", "trainer.smoke.fail_at_step=2",
-           "trainer.smoke.fail_mode=hang", "trainer.collective_timeout_s=600", "trainer.stage_timeout_s=10"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        hung = wait_for_text(tmp_path / "logs", "**/1/stderr.log", "hangs on purpose", proc)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    elapsed = time.time() - hung
+def test_wedged_rank_is_named_by_its_stage_watchdog(tmp_path, smoke_job, failure_after):
+    proc = smoke_job(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+                     "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
+                     "trainer.collective_timeout_s=600", "trainer.stage_timeout_s=10")
+    out, err, elapsed = failure_after(proc, tmp_path / "logs", "**/1/stderr.log", "hangs on purpose")
     assert proc.returncode != 0
     # 10 s limit + 1 s polling; the launcher then stops rank 0 (waiting in a collective); slack for load
     assert elapsed < 10 + 40, f"took {elapsed:.0f}s to fail a rank stalled for 10 s"
