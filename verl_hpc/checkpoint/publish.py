@@ -77,7 +77,9 @@ def list_checkpoints(root) -> list[Path]:
     return [p for *_, p in sorted(found)]
 
 
-def _remove(path: Path, token: str) -> None:
+def remove_checkpoint(path: Path, token: str) -> None:
+    """Delete a committed checkpoint folder: renamed first (one atomic step, so a reader never
+    sees a half-deleted checkpoint under its committed name), then removed."""
     doomed = path.with_name(f"{path.name}{TMP_MARK}deleting-{token}")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
@@ -92,7 +94,7 @@ def apply_retention(root, keep_last: int, token: str) -> list[Path]:
     doomed = [p for p in ckpts[:-keep_last] if p.name != latest]
     for p in doomed:
         log.info("checkpoint retention (keep_last=%d): removing %s", keep_last, p)
-        _remove(p, token)
+        remove_checkpoint(p, token)
     return doomed
 
 

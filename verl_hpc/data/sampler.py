@@ -38,11 +38,17 @@ def permutation(size: int, seed: Seed, epoch: int) -> List[int]:
     return order
 
 
+TRAIN_SET = "train set (data.train_files, data.prompt_key, data.max_prompt_length)"
+
+
 class EpochSampler:
-    def __init__(self, size: int, seed: Seed = 1, shuffle: bool = True, fingerprint: str = ""):
+    def __init__(self, size: int, seed: Seed = 1, shuffle: bool = True, fingerprint: str = "",
+                 data_name: str = TRAIN_SET):
+        """`data_name`: what the fingerprint stands for, named when a resumed run's data differs."""
         if size <= 0:
             raise DataError(f"cannot sample from an empty dataset (size {size})")
         self.size, self.seed, self.shuffle, self.fingerprint = size, seed, shuffle, fingerprint or str(size)
+        self.data_name = data_name
         self.epoch, self.offset = 0, 0
         self._order = self._make_order()
 
@@ -69,8 +75,7 @@ class EpochSampler:
         if strict:
             _check_same(state, "seed", str(self.seed), "data.seed")
             _check_same(state, "shuffle", int(self.shuffle), "data.shuffle")
-            _check_same(state, "fingerprint", self.fingerprint,
-                        "train set (data.train_files, data.prompt_key, data.max_prompt_length)")
+            _check_same(state, "fingerprint", self.fingerprint, self.data_name)
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if not (epoch >= 0 and 0 <= offset < self.size):
             raise DataError(f"sampler state: position epoch {epoch}, offset {offset} is outside a dataset of "

@@ -178,7 +178,8 @@ def run(cfg, ctx) -> dict:
     step_fn = PreferenceStep(cfg, policy, ref, pad)
     # the data position is (epoch, offset) of a seeded permutation: the same on every rank, and a
     # resumed run draws exactly the examples the uninterrupted one would have
-    sampler = EpochSampler(len(train), seed=d.seed, fingerprint=f"{pr.loss}:{len(train)}")
+    sampler = EpochSampler(len(train), seed=d.seed, fingerprint=f"{pr.loss}:{len(train)}",
+                           data_name="preference set (data.preference_files, algorithm.preference.loss)")
     checkpointer = TrainerCheckpointer(cfg, ctx, _Roles(policy), loader=sampler, fmt=PREFERENCE_FORMAT,
                                        total_steps=steps)
     start = checkpointer.resume()  # 0, or the step of the checkpoint loaded

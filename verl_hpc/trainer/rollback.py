@@ -25,7 +25,8 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
-from verl_hpc.checkpoint.publish import LATEST, STEP_DIR, _remove, atomic_write_text, list_checkpoints, new_token
+from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, list_checkpoints, new_token,
+                                         remove_checkpoint)
 from verl_hpc.trainer.batching import broadcast_object
 from verl_hpc.trainer.rollback_rules import RollbackRules, Trip
 
@@ -102,7 +103,7 @@ def _drop_later_checkpoints(root: Path, step: int, keep: Path) -> List[str]:
     gone = []
     for p in list_checkpoints(root):
         if int(STEP_DIR.match(p.name).group(1)) > step:
-            _remove(p, token)
+            remove_checkpoint(p, token)
             gone.append(p.name)
     atomic_write_text(root / LATEST, keep.name + "\n", token)
     return gone

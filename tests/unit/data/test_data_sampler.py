@@ -62,6 +62,9 @@ def test_state_from_another_run_is_refused():
     with pytest.raises(DataError, match=r"resume with the same train set"):
         EpochSampler(10, seed=1, fingerprint="11:def").load_state_dict(state)
     EpochSampler(12, seed=1, fingerprint="12:x").load_state_dict(state, strict=False)  # explicit override
+    with pytest.raises(DataError, match=r"resume with the same preference set \(data.preference_files"):
+        EpochSampler(10, seed=1, fingerprint="dpo:11", data_name="preference set (data.preference_files)"
+                     ).load_state_dict(state)
     with pytest.raises(DataError, match="'mixture' one"):
         MixtureSampler({"a": [0]}, {"a": 1.0}).load_state_dict(state)
 
