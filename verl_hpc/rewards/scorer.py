@@ -110,7 +110,8 @@ class RewardScorer:
         fns = [self._function_for(ids[i], data_sources[i]) for i in range(n)]
         rows = [i for i in range(n) if fns[i] is not None]  # the others: reward model only
         results = self.call.call_each(  # one hand-off to the timed worker for the whole batch
-            [(fns[i], (data_sources[i], response_texts[i], ground_truths[i], extras[i])) for i in rows])
+            [(fns[i], (data_sources[i], response_texts[i], ground_truths[i], extras[i])) for i in rows],
+            stop_at_failure=self.on_error == "raise")  # the first failure ends the step: no more calls
         for i, (ok, out) in zip(rows, results):
             has_rule[i] = True
             try:

@@ -50,14 +50,16 @@ class TimedCaller:
 
         def loop():
             while True:
-                fn, args, box, done, started, cancelled = jobs.get()
-                if cancelled.is_set():  # queued behind a call that timed out: a new worker runs it
+                fn, args, box, done, started, cancelled, stop_at_failure = jobs.get()
+                if cancelled.is_set():  # behind a call that timed out (a new worker runs it) or failed
                     continue
                 started.append(time.monotonic())
                 try:
                     box.append((True, fn(*args)))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller, which decides
                     box.append((False, e))
+                    if stop_at_failure:  # set here, not by the caller: the next call must not start
+                        cancelled.set()
                 done.set()
 
         threading.Thread(target=loop, name="verl_hpc-reward", daemon=True).start()
@@ -71,10 +73,12 @@ class TimedCaller:
             return value
         raise value
 
-    def call_each(self, calls: Sequence[Tuple[Callable[..., Any], tuple]]) -> List[Tuple[bool, Any]]:
+    def call_each(self, calls: Sequence[Tuple[Callable[..., Any], tuple]],
+                  stop_at_failure: bool = False) -> List[Tuple[bool, Any]]:
         """Each fn(*args) in order; per call (True, value) or (False, the exception __call__ raises:
         RewardTimeout, FunctionExited or the function's own). A call that times out abandons the
-        worker; the calls after it run on a fresh one."""
+        worker; the calls after it run on a fresh one. stop_at_failure: return at the first
+        failure (the calls queued after it are not started; reward.on_error=raise needs no more)."""
         out: List[Tuple[bool, Any]] = []
         if self.timeout_s <= 0:
             for fn, args in calls:
@@ -84,17 +88,20 @@ class TimedCaller:
                     out.append((False, FunctionExited(e)))
                 except Exception as e:  # noqa: BLE001 - handed to the caller, which decides
                     out.append((False, e))
+                if stop_at_failure and not out[-1][0]:
+                    break
             return out
-        while len(out) < len(calls):
+        while len(out) < len(calls) and not (stop_at_failure and out and not out[-1][0]):
             if self.abandoned >= MAX_ABANDONED:
                 out.append((False, RewardTimeout(f"{self.abandoned} earlier calls never returned; "
                                                  "not starting another")))
                 continue
-            out.extend(self._run_on_worker(calls[len(out):]))
+            out.extend(self._run_on_worker(calls[len(out):], stop_at_failure))
         return out
 
-    def _run_on_worker(self, calls) -> List[Tuple[bool, Any]]:
-        """Queue every call, then collect in order until the end or the first timeout."""
+    def _run_on_worker(self, calls, stop_at_failure: bool) -> List[Tuple[bool, Any]]:
+        """Queue every call, then collect in order until the end, the first timeout or (with
+        stop_at_failure) the first failure."""
         if self._jobs is None:
             self._jobs = self._start_worker()
         cancelled = threading.Event()
@@ -103,7 +110,7 @@ class TimedCaller:
             box: list[Tuple[bool, Any]] = []
             started: list[float] = []
             done = threading.Event()
-            self._jobs.put((fn, args, box, done, started, cancelled))
+            self._jobs.put((fn, args, box, done, started, cancelled, stop_at_failure))
             queued.append((box, done, started))
         out: List[Tuple[bool, Any]] = []
         for box, done, started in queued:
@@ -117,4 +124,7 @@ class TimedCaller:
                     return out
             ok, value = box[0]
             out.append((ok, value if ok or isinstance(value, Exception) else FunctionExited(value)))
+            if stop_at_failure and not ok:
+                cancelled.set()  # the rest of the batch is not wanted
+                return out
         return out

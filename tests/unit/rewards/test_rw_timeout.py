@@ -52,3 +52,31 @@ def test_exceptions_come_back_per_call_as_call_would_raise_them():
         assert out[2] == (True, 1.5)
         with pytest.raises(ValueError, match="bad row"):
             TimedCaller(timeout)(boom)
+
+
+def test_stop_at_failure_starts_nothing_after_the_first_failure():
+    """reward.on_error=raise: a hung (or raising) call ends the batch; the calls queued behind it
+    never run, so a reward function that hangs on every sample costs one timeout, not one each."""
+    release, ran = threading.Event(), []
+
+    def call(k):
+        ran.append(k)
+        if k == 1:
+            release.wait()
+        if k == 2:
+            raise ValueError("row 2")
+        return k
+
+    try:
+        out = TimedCaller(timeout_s=0.3).call_each([(call, (k,)) for k in range(4)], stop_at_failure=True)
+        assert [ok for ok, _ in out] == [True, False] and isinstance(out[1][1], RewardTimeout)
+    finally:
+        release.set()
+    time.sleep(0.2)
+    assert ran == [0, 1]
+    for timeout in (0.0, 5.0):
+        ran.clear()
+        out = TimedCaller(timeout).call_each([(call, (k,)) for k in (0, 2, 3)], stop_at_failure=True)
+        assert [ok for ok, _ in out] == [True, False] and isinstance(out[1][1], ValueError)
+        time.sleep(0.1)
+        assert ran == [0, 2]
