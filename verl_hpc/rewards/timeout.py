@@ -124,7 +124,6 @@ class TimedCaller:
                     return out
             ok, value = box[0]
             out.append((ok, value if ok or isinstance(value, Exception) else FunctionExited(value)))
-            if stop_at_failure and not ok:
-                cancelled.set()  # the rest of the batch is not wanted
+            if stop_at_failure and not ok:  # the worker has cancelled the rest of the batch
                 return out
         return out

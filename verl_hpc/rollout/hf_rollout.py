@@ -13,8 +13,8 @@ sampled token's value when the next step shows which token it was.
 The n samples of a prompt share its prefill: the prompt (but its last token) runs through the
 model once, its KV cache is repeated n times, and `generate` continues from it for the n rows.
 HF's own `num_return_sequences` repeats the prompt before the prefill, which computes the same
-keys and values n times (at 16 prompts x 8 samples, ~17-token prompts and 8 new tokens that was
-half of the generation time; 20% at 24 new tokens for a 102M model). The tokens drawn are the same
+keys and values n times (at 16 prompts x 8 samples, ~17-token prompts and 8 new tokens, about a
+third of the generation time: docs/speed.md). The tokens drawn are the same
 either way: the prefill draws no random numbers. `share_prefill=False` keeps HF's own expansion.
 
 Greedy responses and logprobs equal vLLM's (fp32, <= 1e-4). Sampled responses do not: HF draws a
