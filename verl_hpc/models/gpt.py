@@ -111,23 +111,47 @@ def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
 
 def select_output_positions(output_layer) -> None:
     """Let the caller run the output layer on chosen positions only: while
-    `output_layer.selected_positions` holds a `[b, T]` index tensor, the layer's input `[s, b, h]`
-    is cut to `[T, b, h]` (row b's hidden states at positions[b, :]) before the projection, so its
-    result (and Megatron's loss, given `[b, T]` labels) is `[T, b, ...]`. Unset (None): untouched.
-    The RL engines score response tokens only: the vocabulary projection of prompt positions is
-    work whose result is never read. Not for sequence-parallel input (`[s/tp, b, h]`: each rank
-    holds other positions)."""
+    `output_layer.selected_positions` holds a `[n, T]` index tensor, the layer's input `[s, b, h]`
+    is cut to `[T, n, h]` (row i's hidden states at positions[i, :]) before the projection, so its
+    result (and Megatron's loss, given `[n, T]` labels) is `[T, n, ...]`. With
+    `output_layer.selected_rows` also set (`[n]`), output row i is taken from input row
+    selected_rows[i] (packed prompts, engines/megatron/prefix.py); else rows map one to one.
+    Unset (None): untouched. The RL engines score response tokens only: the vocabulary projection
+    of prompt positions is work whose result is never read. Not for sequence-parallel input
+    (`[s/tp, b, h]`: each rank holds other positions)."""
     output_layer.selected_positions = None
+    output_layer.selected_rows = None
 
     def pick(module, args, kwargs):
         positions = module.selected_positions
         if positions is None:
             return None
         hidden = args[0]
-        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        rows = module.selected_rows
+        if rows is None:
+            rows = torch.arange(hidden.shape[1], device=hidden.device)
         return (hidden[positions.t(), rows], *args[1:]), kwargs
 
     output_layer.register_forward_pre_hook(pick, with_kwargs=True)
+
+
+def per_row_positions(model) -> None:
+    """Let the caller give every row its own rotary positions: while
+    `model.rotary_pos_emb.row_positions` holds a `[b, s]` index tensor, the rotary embedding
+    Megatron computes for positions 0..s-1 (`[s, 1, 1, d]`) is re-indexed to `[s, b, 1, d]`
+    (row b's token i at angle row_positions[b, i]); the unfused RoPE broadcasts it over heads.
+    GPTModel's forward ignores position_ids for RoPE, so packed rows (engines/megatron/prefix.py)
+    need this. Unset (None): untouched. Not with fused RoPE kernels, which take `[s, 1, 1, d]`."""
+    rope = model.rotary_pos_emb
+    rope.row_positions = None
+
+    def reindex(module, args, output):
+        positions = module.row_positions
+        if positions is None:
+            return None
+        return output[:, 0][positions.t()]
+
+    rope.register_forward_hook(reindex)
 
 
 def _mark_tensor_parallel(model) -> None:

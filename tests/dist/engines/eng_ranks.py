@@ -107,10 +107,13 @@ def _full_logits(engine, ids):
 
 def check_actor(args, layout, workdir, model, batch, *, logits: bool = False) -> dict:
     """Forward outputs; one actor update with fixed micro-batches, one with dynamic batching;
-    with `logits`, the full-vocabulary logits after the update too."""
+    with `logits`, the full-vocabulary logits after the update too. llama's batch shares prompts:
+    its engines pack them wherever the layout allows (share_prompts=on: the tiny model's cost
+    model alone would not pack 8-token prompts)."""
     res = {}
     acfg = _actor_cfg(args["actor"][model])
-    eng = _engine(args, model)
+    share = {"share_prompts": "on"} if model == "llama" and layout != "pp2vpp2" else {}
+    eng = _engine(args, model, **share)
     fwd = eng.forward(batch)
     _save(workdir, f"{layout}.forward.{model}", fwd)
     metrics = _update(eng, acfg, batch)
@@ -120,7 +123,7 @@ def check_actor(args, layout, workdir, model, batch, *, logits: bool = False) ->
         _save(workdir, f"{layout}.logits.{model}", _full_logits(eng, batch["input_ids"]))
     del eng
     gc.collect()
-    eng = _engine(args, model, max_tokens_per_microbatch=args["max_tokens"])
+    eng = _engine(args, model, max_tokens_per_microbatch=args["max_tokens"], **share)
     res["dynamic"] = _update(eng, acfg, batch)
     _save(workdir, f"{layout}.dynamic.{model}", _export(eng))
     return res

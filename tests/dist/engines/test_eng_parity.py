@@ -26,6 +26,10 @@ pytestmark = pytest.mark.dist
 WORLD = 4
 LOGP_TOL = 2e-5  # fp32 Megatron vs float64 transformers
 WEIGHT_TOL = 1e-5
+# llama's batch: 3 prompts with 3, 3 and 2 responses; its actor engines pack them where the
+# layout allows (eng_ranks.check_actor), so micro-batches of 2 (fixed) and of a token budget
+# (dynamic) mix packed and plain rows. qwen2's batch has 8 different prompts.
+PROMPT_GROUPS = {"llama": (3, 3, 2)}
 MODELS = {"llama": dict(family="llama", layers=4, seed=0),
           "qwen2_tied": dict(family="qwen2", tied=True, layers=2, seed=2)}
 OPTIM = dict(lr=0.5, eps=1.0, clip_grad=1.0, weight_decay=0.0)
@@ -35,13 +39,20 @@ ACTOR = {"llama": dict(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                             loss_agg_mode="seq-mean-token-mean", ppo_mini_batch_size=8)}
 
 
-def _batch(seed, n=8):
+def _batch(seed, n=8, groups=None):
+    """n random sequences; with `groups` (sizes summing to n) consecutive samples share a prompt,
+    as GRPO's n responses to one prompt do (the engine may then pack them: prefix.py)."""
     from verl_hpc.engines.batch import pack_sequences
 
     g = torch.Generator().manual_seed(seed)
     plen = torch.randint(2, 9, (n,), generator=g)
     rlen = torch.randint(1, 11, (n,), generator=g)
     prompts = [torch.randint(5, 480, (int(p),), generator=g).tolist() for p in plen]
+    if groups:
+        assert sum(groups) == n
+        first = [i for i, size in enumerate(groups) for _ in range(size)]
+        starts = [sum(groups[:i]) for i in range(len(groups))]
+        prompts = [prompts[starts[k]] for k in first]
     resps = [torch.randint(5, 480, (int(r),), generator=g).tolist() for r in rlen]
     return pack_sequences(prompts, resps)
 
@@ -123,7 +134,7 @@ def run(tmp_path_factory):
     for i, (name, folder) in enumerate(sorted(folders.items())):
         if name == "reward":
             continue
-        batch = _batch(100 + i)
+        batch = _batch(100 + i, groups=PROMPT_GROUPS.get(name))
         refs[name] = _references(folder, batch, ACTOR[name])
         data[f"batch.{name}"] = batch
     b2 = _batch(200)
@@ -180,6 +191,19 @@ def test_dynamic_batching_equals_fixed_micro_batches(run, layout, model):
     assert _max_diff(fixed, dynamic) <= WEIGHT_TOL
     checks = run["ranks"][0]["layouts"][layout]["checks"][f"actor.{model}"]
     assert abs(checks["fixed"]["actor/loss"] - checks["dynamic"]["actor/loss"]) <= 1e-5
+
+
+def test_shared_prompts_were_packed_where_the_layout_allows(run):
+    """The llama checks above ran packed micro-batches (not vacuous), except with virtual
+    pipeline stages, which need fixed shapes."""
+    for lay, m in ACTOR_LAYOUTS:
+        for kind in ("fixed", "dynamic"):
+            packed = sum(r["layouts"][lay]["checks"][f"actor.{m}"][kind]["actor/packed_microbatches"]
+                         for r in run["ranks"])
+            if m == "llama" and lay != "pp2vpp2":
+                assert packed > 0, (lay, kind)
+            else:
+                assert packed == 0, (lay, m, kind)
 
 
 def test_dynamic_batching_changes_the_split(run):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from verl_hpc.models.config_mapping import parse_hf_config
-from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec, select_output_positions
+from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec, per_row_positions, select_output_positions
 
 pytestmark = pytest.mark.unit
 
@@ -92,6 +92,44 @@ def test_selected_positions_give_those_rows_and_their_gradients():
     (g,) = torch.autograd.grad((picked ** 2).sum(), hidden)
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)  # repeated positions add up
     assert g[:, 1][[0, 1, 2, 3]].abs().sum() == 0  # row 1 read 4..6 only: no gradient elsewhere
+
+
+def test_selected_rows_take_each_output_row_from_its_input_row():
+    """Packed prompts: output row i comes from input row selected_rows[i]."""
+    torch.manual_seed(0)
+    s, b, h, v = 9, 2, 5, 11
+    layer = _Projection(h, v)
+    select_output_positions(layer)
+    hidden = torch.randn(s, b, h)
+    full, _ = layer(hidden)
+    positions = torch.tensor([[2, 3], [2, 5], [1, 8]])  # three samples, two share input row 0
+    rows = torch.tensor([0, 0, 1])
+    layer.selected_positions, layer.selected_rows = positions, rows
+    picked, _ = layer(hidden)
+    expected = torch.stack([full[positions[i], rows[i]] for i in range(3)], dim=1)  # [T, n, v]
+    torch.testing.assert_close(picked, expected, rtol=1e-6, atol=1e-6)
+
+
+class _Rope(torch.nn.Module):
+    """Megatron's RotaryEmbedding calling convention: (seq_len) -> [s, 1, 1, d] angles."""
+
+    def forward(self, seq_len):
+        return (torch.arange(seq_len, dtype=torch.float32)[:, None] * torch.tensor([1.0, 0.5]))[:, None, None, :]
+
+
+def test_per_row_positions_reindex_the_rotary_angles():
+    model = torch.nn.Module()
+    model.rotary_pos_emb = _Rope()
+    per_row_positions(model)
+    plain = model.rotary_pos_emb(5)
+    assert plain.shape == (5, 1, 1, 2)  # unset: untouched
+    positions = torch.tensor([[0, 1, 2, 2, 3], [0, 1, 1, 2, 2]])
+    model.rotary_pos_emb.row_positions = positions
+    got = model.rotary_pos_emb(5)
+    assert got.shape == (5, 2, 1, 2)
+    for r in range(2):
+        for i in range(5):
+            assert torch.equal(got[i, r, 0], plain[positions[r, i], 0, 0])
 
 
 def test_fp8_without_gpu_is_a_clear_error():

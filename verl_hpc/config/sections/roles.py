@@ -99,6 +99,13 @@ class ActorConfig(TrainedRole):
     old_log_probs: str = opt("auto", "where pi_old's log-probs come from: auto (the update's own forward when "
                              "on-policy and nothing reads them earlier, else a separate forward) | forward "
                              "(always the separate forward; also logs actor/entropy)", choices=("auto", "forward"))
+    # GRPO-style groups: the n responses to a prompt can share one pass over the prompt in the
+    # actor's and reference's forward/backward (engines/megatron/prefix.py); results are the same
+    # up to floating-point summation order
+    share_prompts: str = opt("auto", "run each prompt once for its responses in training forwards: auto (where "
+                             "the cost model predicts >= 10% less work) | on (wherever a micro batch holds "
+                             "two responses to a prompt) | off (one sequence per row)",
+                             choices=("auto", "on", "off"))
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:

@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.megatron.options import DTYPES, EngineOptions, check_options
 from verl_hpc.engines.megatron.partition import plan_microbatches
+from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
@@ -88,6 +89,7 @@ class MegatronEngine(TrainingEngine):
             for p in self._parameters():
                 p.requires_grad_(False)
         self._output_layers = self._select_output_positions(o)
+        self._share_prompts, self._rotary = self._prompt_sharing(o)
         self.steps_applied = 0
         from verl_hpc.engines.megatron.offload import Offloader
 
@@ -143,6 +145,43 @@ class MegatronEngine(TrainingEngine):
                 chosen[id(chunk)] = gpt.output_layer
         return chosen
 
+    def _prompt_sharing(self, o) -> Tuple[Optional[PromptSharing], Dict[int, Any]]:
+        """(the per-micro-batch packing decision, {id(chunk): rotary embedding}) when micro-batches
+        may pack the responses to one prompt into one row (prefix.py), else (None, {}).
+        The conditions depend on the options and the layer spec only, so every pipeline stage
+        decides alike: an lm head with output-position selection, no virtual pipeline (fixed
+        shapes), unfused RoPE, and core attention through SDPA (which takes the mask)."""
+        from verl_hpc.engines.megatron.sdpa import SdpaCoreAttention
+        from verl_hpc.models.gpt import per_row_positions
+
+        if o.share_prompts == "off":
+            return None, {}
+        layers = self.gpt_chunks[0].decoder.layers
+        why_not = ("the head is not a language-model head" if o.head != "lm"
+                   else "sequence parallelism or FP8 is on" if self.sequence_parallel or o.fp8
+                   else "virtual pipeline stages need fixed shapes" if self.vpp
+                   else "RoPE fusion takes one position per column" if self.perf.apply_rope_fusion
+                   else "core attention is not torch SDPA (Transformer Engine spec or "
+                        "sdpa_attention=False)" if not layers or not isinstance(
+                            layers[0].self_attention.core_attention, SdpaCoreAttention)
+                   else "")
+        if why_not:
+            if o.share_prompts == "on":
+                raise ValueError(f"actor.share_prompts=on: cannot pack prompts here: {why_not}; "
+                                 "valid: auto (packs where possible) or off")
+            if o.head == "lm":
+                log.info("shared prompts off: %s (one sequence per row)", why_not)
+            return None, {}
+        log.info("shared prompts %s: micro-batches pack the responses to one prompt into one row%s",
+                 o.share_prompts, "" if o.share_prompts == "on" else " where the cost model predicts "
+                 ">= 10% less work (actor/packed_microbatches counts them)")
+        rotary = {}
+        for chunk, gpt in zip(self.chunks, self.gpt_chunks):
+            per_row_positions(gpt)
+            rotary[id(chunk)] = gpt.rotary_pos_emb
+        return PromptSharing(CostModel.for_config(self.gpt_chunks[0].config),
+                             force=o.share_prompts == "on"), rotary
+
     def _labels_path(self, want) -> bool:
         """Log-probs only: let Megatron's own cross-entropy run on the unpermuted logits."""
         return self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
@@ -166,7 +205,8 @@ class MegatronEngine(TrainingEngine):
         if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)
             seq = max(max((lengths[i] for i in rows), default=1) for rows in mine)
             shape = (max(max(len(r) for r in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
-        return [MicroBatch(batch, rows, self.device, self.pad_seq_to, shape) for rows in mine]
+        return [MicroBatch(batch, rows, self.device, self.pad_seq_to, shape, self._share_prompts)
+                for rows in mine]
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
@@ -178,7 +218,7 @@ class MegatronEngine(TrainingEngine):
             self._sync_params()
             collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
                                         forward_only=True, with_labels=self._labels_path(want),
-                                        output_layers=self._output_layers)
+                                        output_layers=self._output_layers, rotary=self._rotary)
         return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
                               self.device, self.reporting)
 
@@ -202,8 +242,10 @@ class MegatronEngine(TrainingEngine):
         want = tuple(outputs) or self.default_outputs[:1]
         _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
                                   counts=counts, forward_only=False,
-                                  with_labels=self._labels_path(want), output_layers=self._output_layers)
+                                  with_labels=self._labels_path(want), output_layers=self._output_layers,
+                                  rotary=self._rotary)
         self._num_microbatches = len(mbs)
+        self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
 
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
@@ -223,7 +265,8 @@ class MegatronEngine(TrainingEngine):
         self._params_stale |= applied and self.perf.overlap_param_gather
         metrics.update(grad_norm=grad_norm, lr=optim_lib.current_lr(self.optimizer),
                        nonfinite=0.0 if applied else 1.0,
-                       num_microbatches=float(self._num_microbatches))
+                       num_microbatches=float(self._num_microbatches),
+                       packed_microbatches=float(self._packed_microbatches))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
                         metrics["loss"], grad_norm)

@@ -20,6 +20,7 @@ from verl_hpc.runtime.device import has_gpu
 DTYPES = {name: getattr(torch, name) for name in choices_of("model.dtype")}
 HEADS = ("lm", "value")
 RECOMPUTE = choices_of("parallel.recompute_granularity")
+SHARE_PROMPTS = choices_of("actor.share_prompts")
 
 
 @dataclasses.dataclass
@@ -42,6 +43,9 @@ class EngineOptions:
     loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int = 1234
     sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
+    # auto: pack the responses to one prompt into one model row where the cost model says it pays
+    # (prefix.py) | on: wherever a micro-batch has two responses to a prompt | off
+    share_prompts: str = default_of("actor.share_prompts")
     # activation recompute (parallel.recompute_*): none | selective (core attention) | full
     recompute_granularity: str = default_of("parallel.recompute_granularity")
     recompute_method: str = default_of("parallel.recompute_method")  # full: uniform | block
@@ -73,5 +77,7 @@ def check_options(o: EngineOptions) -> None:
     if o.recompute_granularity not in RECOMPUTE:
         raise ValueError(f"parallel.recompute_granularity: {o.recompute_granularity!r}; valid: "
                          f"{', '.join(RECOMPUTE)}")
+    if o.share_prompts not in SHARE_PROMPTS:
+        raise ValueError(f"actor.share_prompts: {o.share_prompts!r}; valid: {', '.join(SHARE_PROMPTS)}")
     if o.temperature <= 0:
         raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")

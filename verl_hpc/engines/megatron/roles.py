@@ -149,7 +149,8 @@ def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
                              optim=a.optim if role == "actor" else None,
                              micro_batch_size=a.micro_batch_size,
                              max_tokens_per_microbatch=a.max_tokens_per_microbatch,
-                             temperature=cfg.rollout.temperature, **common)
+                             temperature=cfg.rollout.temperature, share_prompts=a.share_prompts,
+                             **common)
     if role == "critic":
         c = cfg.critic
         return EngineOptions(model_path=c.model_path, head="value", optim=c.optim, **_offload(c),

@@ -39,13 +39,19 @@ OutputFn = Callable[[torch.Tensor, Dict[str, torch.Tensor], Sequence[str]], Dict
 
 
 class MicroBatch:
-    """A micro-batch on the model's device: the rows' sub-batch plus precomputed index tensors.
+    """A micro-batch on the model's device: the rows' sub-batch (`data`, one row per sample, what
+    the loss reads) plus the model's inputs and precomputed index tensors.
+
+    The model's rows are the samples (right-padded, causal, positions 0..S-1), or, when
+    `share_prompts` (prefix.PromptSharing) packs this micro-batch, one row per prompt with its
+    responses after it: then `attention_mask`, `sample_rows` (sample -> model row) and per-row
+    `position_ids` are set, and data["_positions"] index the packed rows.
 
     `shape=(rows, seq)` pads it to a fixed shape (Megatron's interleaved schedule exchanges
     activations of one fixed shape): extra rows are dummies cut off again before the loss."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, pad_seq_to: int,
-                 shape: Optional[Tuple[int, int]] = None):
+                 shape: Optional[Tuple[int, int]] = None, share_prompts=None):
         self.rows = rows
         self.dummy = not rows
         if self.dummy:  # one sequence of one prompt token and no response token
@@ -59,24 +65,36 @@ class MicroBatch:
             sub = _pad_to(sub, *shape)
         ids = sub["input_ids"]
         width = sub["response_mask"].shape[1]
-        sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
-        sub["_labels"] = next_token_labels(ids)
+        packed = share_prompts(sub, width, pad_seq_to) if share_prompts and not self.dummy else None
+        self.packed = packed is not None
+        self.attention_mask = self.sample_rows = self.row_positions = None
+        if packed is None:
+            sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
+            sub["_labels"] = next_token_labels(ids)
+            self.input_ids = ids.to(device, non_blocking=True)
+            self.position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(self.input_ids)
+        else:
+            sub["_positions"] = packed.positions
+            self.input_ids = packed.input_ids.to(device, non_blocking=True)
+            self.position_ids = self.row_positions = packed.position_ids.to(device, non_blocking=True)
+            self.attention_mask = packed.attention_mask.to(device, non_blocking=True)
+            self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
-        self.position_ids = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(self.data["input_ids"])
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
 
     def loss_view(self, output: torch.Tensor):
         """(output, data) without the padding rows."""
         n = self.real_rows
-        if n == self.data["input_ids"].shape[0]:
+        if n == self.data["prompt_lengths"].shape[0]:
             return output, self.data
         return output[:n], {k: v[:n] for k, v in self.data.items()}
 
     @property
     def shape(self) -> Tuple[int, int]:
-        return tuple(self.data["input_ids"].shape)
+        """The model's input shape (rows, sequence)."""
+        return tuple(self.input_ids.shape)
 
 
 def _pad_to(sub: Dict[str, torch.Tensor], rows: int, seq: int) -> Dict[str, torch.Tensor]:
@@ -102,13 +120,14 @@ def _dummy_loss(output: torch.Tensor) -> torch.Tensor:
 def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, want: Sequence[str],
                  *, loss_fn=None, counts: Optional[GlobalCounts] = None, forward_only: bool,
                  with_labels: bool = False, output_layers: Optional[Dict[int, Any]] = None,
-                 ) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
+                 rotary: Optional[Dict[int, Any]] = None) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
     """Run all micro-batches. Forward-only: returns [(mb, detached outputs)] on the last stage.
     Training: returns per-micro-batch records {"loss", "tokens", metrics...} on the last stage.
     with_labels: call the model with next-token labels (its output is then the per-position
     cross-entropy, see outputs.py). output_layers: {id(chunk): its output layer} for chunks whose
     output layer runs on the response positions only (models.gpt.select_output_positions); their
-    labels are then the response tokens."""
+    labels are then the response tokens. rotary: {id(chunk): its rotary embedding} for chunks that
+    take per-row positions (models.gpt.per_row_positions), which packed micro-batches need."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     collected: List[Tuple[MicroBatch, Dict[str, torch.Tensor]]] = []
@@ -119,14 +138,21 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
     def step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         layer = (output_layers or {}).get(id(model))
+        rope = (rotary or {}).get(id(model))
+        if mb.packed and rope is None:
+            raise RuntimeError("a packed micro-batch needs per-row rotary positions on every chunk")
         labels = (mb.data["_targets"] if layer is not None else mb.data["_labels"]) if with_labels else None
         if layer is not None:
-            layer.selected_positions = mb.data["_positions"]
+            layer.selected_positions, layer.selected_rows = mb.data["_positions"], mb.sample_rows
+        if rope is not None:
+            rope.row_positions = mb.row_positions
         try:
-            output = model(mb.data["input_ids"], mb.position_ids, None, labels=labels)
+            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, labels=labels)
         finally:
             if layer is not None:
-                layer.selected_positions = None
+                layer.selected_positions = layer.selected_rows = None
+            if rope is not None:
+                rope.row_positions = None
 
         def loss_callback(out):
             if forward_only:

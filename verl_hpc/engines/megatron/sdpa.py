@@ -7,9 +7,11 @@ attention with less memory traffic (0.96x -> 0.99x of transformers' fwd+bwd:
 docs/platform-notes.md, "megatron-core 0.16.1 on CPU").
 
 `use_sdpa_core_attention(chunks)` swaps each layer's `self_attention.core_attention` for
-`SdpaCoreAttention`, which keeps the replaced module's sizes and scale and accepts exactly the case
-the engine uses: causal self-attention, `attention_mask=None`, no dropout, no packed sequences,
-no attention bias; anything else raises instead of computing something different. The engine
+`SdpaCoreAttention`, which keeps the replaced module's sizes and scale and accepts exactly the cases
+the engine uses: causal self-attention with `attention_mask=None` (right-padded rows), or a boolean
+`[b, 1, s, s]` mask in Megatron's convention, True = masked out (rows of packed prompts,
+prefix.py); no dropout, no THD packed sequences, no attention bias. Anything else raises instead
+of computing something different. The engine
 applies it only to the local spec (the TE spec has its own fused attention).
 """
 from __future__ import annotations
@@ -35,13 +37,17 @@ class SdpaCoreAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPA core attention: only causal attention without masks, bias or "
-                             "packed sequences (the engine's right-padded batches)")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPA core attention: no attention bias or THD packed sequences")
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise ValueError(f"SDPA core attention: a boolean mask (True = masked); got "
+                             f"{attention_mask.dtype}")
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.groups != self.heads)
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.scale,
+            enable_gqa=self.groups != self.heads)
         # [b, n, s, d] -> [s, b, n * d]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden)
 

@@ -1,0 +1,158 @@
+"""Shared prompt prefixes: one model row per prompt, its n responses side by side after it.
+
+GRPO-style batches hold n responses to each prompt. Laid out one sequence per row (batch.py),
+every row runs the same prompt through the model again: at 8 samples of a 17-token prompt and 24
+response tokens, 41% of the tokens a training step computes are copies. Packed, a micro-batch row
+is
+
+    [prompt (p tokens) | response 1 (r1 - 1) | response 2 (r2 - 1) | ... | response k (rk - 1)]
+
+with position ids 0..p-1 for the prompt and p..p+r_j-1 for every response (each response sees
+the positions it had in its own sequence), and an attention mask that lets a response token see
+the prompt and the earlier tokens of its own response only. Every response token then attends to
+exactly the keys and values it had in its own row, at the same rotary angles: the log-probs are
+those of the unpacked layout up to floating-point summation order, and the prompt's gradient is
+the sum of what its k copies received. The log-prob of response token 0 comes from the prompt's
+last position, shared by all k. A response's last token is left out: its output would score the
+token after the response, and no scored position attends to it (in the plain layout it is
+computed and never read, like the padding).
+
+The price is attention over a longer row with an explicit mask (no causal kernel shortcut):
+`choose_layout` weighs the linear-layer work saved against that, per micro-batch, with a cost
+model in units of one token's linear work (`CostModel`), and keeps the plain layout where packing
+would not pay (long responses, single samples). torch's SDPA takes the mask; rotary angles per
+row come from `verl_hpc.models.gpt.per_row_positions`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Sequence
+
+import torch
+
+# Packed rows longer than this stay unpacked whatever the cost model says: the explicit mask and
+# the attention scores grow with the square of the row (heads x S^2 floats per row).
+MAX_PACKED_LEN = 4096
+
+
+def prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> List[List[int]]:
+    """Row indices grouped by identical prompt tokens, groups in order of first appearance, rows
+    in their order within a group."""
+    groups: Dict[tuple, List[int]] = {}
+    lengths = prompt_lengths.tolist()
+    for i, p in enumerate(lengths):
+        groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
+    return list(groups.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Relative cost of a forward/backward: linear-layer work per token, attention work per
+    (query, key) pair, both per layer. `pair_weight` is one pair's cost in tokens: 4h FLOPs (QK^T
+    and PV) against the linear layers' 2 x (their parameters) FLOPs, times `mask_penalty` for
+    the dense masked kernel's lower efficiency (measured on CPU at h=768, S~200: a masked
+    pair costs ~5x its FLOPs' share next to the GEMMs)."""
+
+    pair_weight: float
+
+    @classmethod
+    def for_config(cls, config, mask_penalty: float = 5.0) -> "CostModel":
+        h = config.hidden_size
+        kv = config.kv_channels * (config.num_query_groups or config.num_attention_heads)
+        q = config.kv_channels * config.num_attention_heads
+        ffn_mats = 3 if config.gated_linear_unit else 2
+        linear = 2 * (h * (q + 2 * kv) + q * h + ffn_mats * h * config.ffn_hidden_size)
+        return cls(pair_weight=mask_penalty * 4 * h / linear)
+
+    def plain(self, lengths: Sequence[int]) -> float:
+        """Rows padded to the longest; causal attention computes about half the pairs."""
+        s = max(lengths)
+        return len(lengths) * (s + self.pair_weight * s * s / 2)
+
+    def packed(self, lengths: Sequence[int]) -> float:
+        s = max(lengths)
+        return len(lengths) * (s + self.pair_weight * s * s)
+
+
+def packed_lengths(groups: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                   response_lengths: Sequence[int]) -> List[int]:
+    """Tokens of each packed row: the prompt, then every response but its last token."""
+    return [prompt_lengths[g[0]] + sum(max(response_lengths[i] - 1, 0) for i in g) for g in groups]
+
+
+def choose_layout(groups: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                  response_lengths: Sequence[int], cost: CostModel, force: bool = False) -> bool:
+    """Pack this micro-batch? Only when some prompt has two or more responses in it, the rows
+    stay within MAX_PACKED_LEN, and (unless `force`) the cost model predicts at least 10% less
+    work than one sequence per row."""
+    if max(len(g) for g in groups) < 2:
+        return False
+    packed = packed_lengths(groups, prompt_lengths, response_lengths)
+    if max(packed) > MAX_PACKED_LEN:
+        return False
+    if force:
+        return True
+    plain = [prompt_lengths[i] + response_lengths[i] for g in groups for i in g]
+    return cost.packed(packed) < 0.9 * cost.plain(plain)
+
+
+@dataclasses.dataclass
+class PackedRows:
+    input_ids: torch.Tensor       # [g, S] long
+    position_ids: torch.Tensor    # [g, S] long: each token's position in its own sequence
+    attention_mask: torch.Tensor  # [g, 1, S, S] bool, True = masked out (Megatron's convention)
+    sample_rows: torch.Tensor     # [n] long: the packed row of each sample
+    positions: torch.Tensor       # [n, T] long: the position whose logits score response token t
+
+
+def pack_rows(sub: Mapping[str, torch.Tensor], groups: Sequence[Sequence[int]], width: int,
+              pad_to: int = 1) -> PackedRows:
+    """Pack the samples of `sub` (batch format, rows = samples) by `groups` (indices into its
+    rows, all rows covered once). Positions t >= a sample's response length point at its
+    prompt's last token (never read: masked like padding)."""
+    ids, plens, rlens = sub["input_ids"], sub["prompt_lengths"].tolist(), sub["response_lengths"].tolist()
+    n = ids.shape[0]
+    seq = max(packed_lengths(groups, plens, rlens))
+    seq = -(-seq // pad_to) * pad_to
+    g = len(groups)
+    input_ids = torch.zeros(g, seq, dtype=ids.dtype)
+    position_ids = torch.zeros(g, seq, dtype=torch.long)
+    segment = torch.full((g, seq), -1, dtype=torch.long)  # 0 prompt, j + 1 response j, -1 padding
+    sample_rows = torch.empty(n, dtype=torch.long)
+    positions = torch.empty(n, width, dtype=torch.long)
+    t = torch.arange(width)
+    for row, members in enumerate(groups):
+        p = plens[members[0]]
+        input_ids[row, :p] = ids[members[0], :p]
+        position_ids[row, :p] = torch.arange(p)
+        segment[row, :p] = 0
+        offset = p
+        for j, i in enumerate(members):
+            r = rlens[i]
+            k = max(r - 1, 0)  # the last token is never an input that anything reads
+            input_ids[row, offset:offset + k] = ids[i, p:p + k]
+            position_ids[row, offset:offset + k] = torch.arange(p, p + k)
+            segment[row, offset:offset + k] = j + 1
+            sample_rows[i] = row
+            # token 0 is scored at the prompt's last position, token t > 0 at its predecessor
+            positions[i] = torch.where((t == 0) | (t >= r), p - 1, offset + t - 1)
+            offset += k
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    seg_q, seg_k = segment.unsqueeze(2), segment.unsqueeze(1)
+    allowed = causal & ((seg_k == 0) | (seg_k == seg_q))
+    return PackedRows(input_ids, position_ids, (~allowed).unsqueeze(1), sample_rows, positions)
+
+
+class PromptSharing:
+    """The engine's per-micro-batch decision: `sharing(sub, width, pad_to)` -> PackedRows when
+    this micro-batch is packed, None when it keeps one sequence per row."""
+
+    def __init__(self, cost: CostModel, force: bool = False):
+        self.cost, self.force = cost, force
+
+    def __call__(self, sub: Mapping[str, torch.Tensor], width: int, pad_to: int = 1):
+        groups = prompt_groups(sub["input_ids"], sub["prompt_lengths"])
+        if not choose_layout(groups, sub["prompt_lengths"].tolist(), sub["response_lengths"].tolist(),
+                             self.cost, self.force):
+            return None
+        return pack_rows(sub, groups, width, pad_to)
