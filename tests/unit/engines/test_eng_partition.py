@@ -63,3 +63,25 @@ def test_plan_count_rounded_to_a_multiple_for_the_interleaved_schedule():
 def test_plan_needs_a_positive_size():
     with pytest.raises(ValueError, match="micro_batch_size or max_tokens_per_microbatch"):
         plan_microbatches([1, 2], 1)
+
+
+def test_grouped_dynamic_plan_keeps_a_prompts_rows_on_one_rank_and_together():
+    import random
+
+    rng = random.Random(3)
+    groups = [list(range(g * 8, g * 8 + 8)) for g in range(6)]
+    lengths = [rng.randint(10, 40) for _ in range(48)]
+    plan = plan_microbatches(lengths, 2, max_tokens=160, groups=groups)
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(48))
+    group_of = {i: g for g, rows in enumerate(groups) for i in rows}
+    for rank in plan:
+        for mb in rank:
+            assert len(mb) * max(lengths[i] for i in mb) <= 160 or len(mb) == 1
+    ranks_of = {g: {r for r, rank in enumerate(plan) for mb in rank for i in mb if group_of[i] == g}
+                for g in range(6)}
+    assert all(len(r) == 1 for r in ranks_of.values()), ranks_of
+    # rows of a group fill micro-batches one after another: at most 1 + (its rows split) batches
+    # hold it, where the length-sorted plan scatters them
+    spread = lambda p: sum(len({tuple(mb) for rank in p for mb in rank if any(group_of[i] == g for i in mb)})  # noqa: E731
+                           for g in range(6))
+    assert spread(plan) < spread(plan_microbatches(lengths, 2, max_tokens=160))

@@ -44,7 +44,7 @@ from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.megatron.options import DTYPES, EngineOptions, check_options
 from verl_hpc.engines.megatron.partition import plan_microbatches
-from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing
+from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing, prompt_groups
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
@@ -197,9 +197,12 @@ class MegatronEngine(TrainingEngine):
 
     def _my_microbatches(self, batch) -> List[MicroBatch]:
         lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+        groups = None
+        if self._share_prompts is not None and self.options.max_tokens_per_microbatch > 0:
+            groups = prompt_groups(batch["input_ids"], batch["prompt_lengths"])
         plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch,
-                                 multiple_of=self.pp if self.vpp else 1)
+                                 multiple_of=self.pp if self.vpp else 1, groups=groups)
         mine = plan[self.dp_rank]
         shape = None
         if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)

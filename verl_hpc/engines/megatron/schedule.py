@@ -141,7 +141,9 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         rope = (rotary or {}).get(id(model))
         if mb.packed and rope is None:
             raise RuntimeError("a packed micro-batch needs per-row rotary positions on every chunk")
-        labels = (mb.data["_targets"] if layer is not None else mb.data["_labels"]) if with_labels else None
+        # chunks without the output layer ignore labels; a packed micro-batch has no _labels
+        per_position = layer is None and not mb.packed
+        labels = (mb.data["_labels"] if per_position else mb.data["_targets"]) if with_labels else None
         if layer is not None:
             layer.selected_positions, layer.selected_rows = mb.data["_positions"], mb.sample_rows
         if rope is not None:
