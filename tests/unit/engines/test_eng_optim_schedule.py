@@ -91,3 +91,33 @@ def test_megatron_ddp_sums_gradients_for_per_token_losses():
     assert branch.index("gradient_scaling_factor = 1.0") < branch.index("else:")
     src = inspect.getsource(fmg.finalize_model_grads)
     assert "if num_tokens is not None:" in src and "scale_gradients" in src
+
+
+def test_torch_adam_under_megatron_wrappers_runs_fused_with_the_loops_results():
+    import types
+
+    import torch
+
+    from verl_hpc.engines.megatron.optim import use_fused_torch_adam
+
+    def run(fused: bool):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(5))]
+        start = torch.cat([p.detach().flatten() for p in params])
+        inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        chained = types.SimpleNamespace(chained_optimizers=[types.SimpleNamespace(optimizer=inner)])
+        if fused:
+            assert use_fused_torch_adam(chained) == 1
+            assert all(g["fused"] for g in inner.param_groups)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            inner.step()
+        return start, torch.cat([p.detach().flatten() for p in params]), inner.state[params[0]]
+
+    (start, loop, loop_state), (_, fused, fused_state) = run(False), run(True)
+    assert float((loop - start).abs().max()) > 1e-2  # the steps moved the weights
+    torch.testing.assert_close(fused, loop, rtol=1e-6, atol=1e-6)
+    assert sorted(fused_state) == sorted(loop_state)  # same state: checkpoints do not care
+    assert use_fused_torch_adam(types.SimpleNamespace(optimizer=object())) == 0

@@ -23,7 +23,8 @@ GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.ch
 Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
 
 Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
-takes and how they form micro-batches; schedule.py runs them and reduces the results.
+takes and how they form micro-batches; schedule.py runs them and reduces the results. Responses to
+one prompt in a micro-batch may share one model row (prefix.py, `share_prompts`).
 """
 from __future__ import annotations
 
