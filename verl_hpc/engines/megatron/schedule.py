@@ -120,7 +120,8 @@ def _dummy_loss(output: torch.Tensor) -> torch.Tensor:
 def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, want: Sequence[str],
                  *, loss_fn=None, counts: Optional[GlobalCounts] = None, forward_only: bool,
                  with_labels: bool = False, output_layers: Optional[Dict[int, Any]] = None,
-                 rotary: Optional[Dict[int, Any]] = None) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
+                 rotary: Optional[Dict[int, Any]] = None,
+                 ) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
     """Run all micro-batches. Forward-only: returns [(mb, detached outputs)] on the last stage.
     Training: returns per-micro-batch records {"loss", "tokens", metrics...} on the last stage.
     with_labels: call the model with next-token labels (its output is then the per-position
