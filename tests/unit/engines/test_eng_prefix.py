@@ -82,6 +82,15 @@ def test_cost_model_packs_short_grpo_groups_not_long_responses_or_singletons():
     assert not choose_layout(groups, plens, too_long, COST, force=True)
 
 
+def test_packed_rows_never_hold_more_padded_tokens_than_plain_rows():
+    """A group of 7 beside a single response: packed, the single row is padded to the group's
+    length (2 x 7 x ~r tokens against 8 x (p + r)): over a budget made for the plain layout."""
+    groups = [list(range(7)), [7]]
+    plens, rlens = [4] * 8, [30] * 8
+    assert not choose_layout(groups, plens, rlens, COST, force=True)
+    assert choose_layout([list(range(4)), list(range(4, 8))], plens, rlens, COST, force=True)
+
+
 def test_cost_model_weighs_attention_by_the_model_shape():
     cfg = types.SimpleNamespace(hidden_size=768, kv_channels=64, num_query_groups=4,
                                 num_attention_heads=12, gated_linear_unit=True, ffn_hidden_size=2560)

@@ -83,17 +83,17 @@ def packed_lengths(groups: Sequence[Sequence[int]], prompt_lengths: Sequence[int
 def choose_layout(groups: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                   response_lengths: Sequence[int], cost: CostModel, force: bool = False) -> bool:
     """Pack this micro-batch? Only when some prompt has two or more responses in it, the rows
-    stay within MAX_PACKED_LEN, and (unless `force`) the cost model predicts at least 10% less
-    work than one sequence per row."""
+    stay within MAX_PACKED_LEN, the padded packed rows hold no more tokens than the padded plain
+    ones (a token budget made for the plain layout holds: a large group beside a single response
+    would pad that row to the group's length), and (unless `force`) the cost model predicts at
+    least 10% less work than one sequence per row."""
     if max(len(g) for g in groups) < 2:
         return False
     packed = packed_lengths(groups, prompt_lengths, response_lengths)
-    if max(packed) > MAX_PACKED_LEN:
-        return False
-    if force:
-        return True
     plain = [prompt_lengths[i] + response_lengths[i] for g in groups for i in g]
-    return cost.packed(packed) < 0.9 * cost.plain(plain)
+    if max(packed) > MAX_PACKED_LEN or len(packed) * max(packed) > len(plain) * max(plain):
+        return False
+    return force or cost.packed(packed) < 0.9 * cost.plain(plain)
 
 
 @dataclasses.dataclass
