@@ -50,8 +50,8 @@ class CostModel:
     """Relative cost of a forward/backward: linear-layer work per token, attention work per
     (query, key) pair, both per layer. `pair_weight` is one pair's cost in tokens: 4h FLOPs (QK^T
     and PV) against the linear layers' 2 x (their parameters) FLOPs, times `mask_penalty` for
-    the dense masked kernel's lower efficiency (measured on CPU at h=768, S~200: a masked
-    pair costs ~5x its FLOPs' share next to the GEMMs)."""
+    the dense masked kernel's lower efficiency next to the GEMMs (5: set from a one-off profile
+    on CPU at h=768 and ~200-token rows; a conservative weight keeps long rows unpacked)."""
 
     pair_weight: float
 

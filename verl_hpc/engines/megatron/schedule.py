@@ -68,7 +68,7 @@ class MicroBatch:
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
         packed = share_prompts(sub, width, pad_seq_to) if share_prompts and not self.dummy else None
         self.packed = packed is not None
-        self.attention_mask = self.sample_rows = self.row_positions = None
+        self.attention_mask = self.sample_rows = None
         if packed is None:
             sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
             sub["_labels"] = next_token_labels(ids)
@@ -77,7 +77,7 @@ class MicroBatch:
         else:
             sub["_positions"] = packed.positions
             self.input_ids = packed.input_ids.to(device, non_blocking=True)
-            self.position_ids = self.row_positions = packed.position_ids.to(device, non_blocking=True)
+            self.position_ids = packed.position_ids.to(device, non_blocking=True)
             self.attention_mask = packed.attention_mask.to(device, non_blocking=True)
             self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
@@ -148,7 +148,7 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         if layer is not None:
             layer.selected_positions, layer.selected_rows = mb.data["_positions"], mb.sample_rows
         if rope is not None:
-            rope.row_positions = mb.row_positions
+            rope.row_positions = mb.position_ids if mb.packed else None
         try:
             output = model(mb.input_ids, mb.position_ids, mb.attention_mask, labels=labels)
         finally:
