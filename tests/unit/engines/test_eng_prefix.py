@@ -15,6 +15,7 @@ from verl_hpc.engines.megatron.prefix import (
     pack_rows,
     prompt_groups,
 )
+from verl_hpc.engines.megatron.sdpa import segmented_attention
 
 PROMPTS = [[7, 8, 9], [7, 8, 9], [5], [7, 8, 9], [5], [6, 6]]
 RESPONSES = [[1, 2], [3], [4, 4, 4], [10, 11, 12, 13], [2], [9]]
@@ -45,7 +46,7 @@ def test_every_response_token_sees_exactly_its_own_sequence():
     for i, (prompt, resp) in enumerate(zip(PROMPTS, RESPONSES)):
         seq = prompt + resp
         row = int(packed.sample_rows[i])
-        visible = ~packed.attention_mask[row, 0]
+        visible = ~packed.dense_mask()[row, 0]
         for t in range(len(resp)):
             q = int(packed.positions[i, t])
             q_own = int(own_pos[i, t])
@@ -62,7 +63,32 @@ def test_padding_positions_attend_to_something():
     """No all-masked query row: SDPA would return NaN there."""
     b = _batch()
     packed = pack_rows(b, prompt_groups(b["input_ids"], b["prompt_lengths"]), 4, pad_to=16)
-    assert bool((~packed.attention_mask).any(-1).all())
+    assert bool((~packed.dense_mask()).any(-1).all())
+    assert bool(packed.attention.allowed.any(-1).all())
+
+
+@pytest.mark.parametrize("pad_to", [1, 4])
+def test_segmented_attention_equals_the_dense_mask(pad_to):
+    """The two-call attention of packed rows against one SDPA call with the dense mask (GQA,
+    float64): outputs at every real position and the gradients of q, k and v; padding gets zeros."""
+    b = _batch()
+    packed = pack_rows(b, prompt_groups(b["input_ids"], b["prompt_lengths"]), 4, pad_to=pad_to)
+    g, s = packed.input_ids.shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, g, heads, 8, dtype=torch.float64, generator=gen).requires_grad_()
+               for heads in (4, 2, 2))
+    out = segmented_attention(q, k, v, packed.attention, 0.3, gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=~packed.dense_mask(), scale=0.3,
+        enable_gqa=True).permute(2, 0, 1, 3)
+    real = (packed.segment >= 0).t()
+    torch.testing.assert_close(out[real], ref[real], rtol=0, atol=1e-12)
+    assert float(out.detach()[~real].abs().sum()) == 0.0
+    weight = torch.randn(out.shape, dtype=torch.float64, generator=gen) * real[..., None, None]
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for a, b_ in zip(got, want):
+        torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
 
 
 COST = CostModel(pair_weight=0.001)  # about the 102M benchmark model's

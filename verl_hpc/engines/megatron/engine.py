@@ -70,8 +70,11 @@ class MegatronEngine(TrainingEngine):
         self.vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.sequence_parallel = o.sequence_parallel and self.tp > 1
+        self.shard_optimizer = self._shard_optimizer(o)
         self.perf: PerfOptions = o.kernels.resolve(
             trainable=o.trainable, use_distributed_optimizer=o.use_distributed_optimizer)
+        if not self.shard_optimizer:  # no parameter shards to all-gather
+            self.perf = dataclasses.replace(self.perf, overlap_param_gather=False)
         self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
         self.pad_seq_to = (16 if o.fp8 else 1) * (self.tp if self.sequence_parallel else 1)
         self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
@@ -81,9 +84,8 @@ class MegatronEngine(TrainingEngine):
         self._key_source = self._find_key_source()
         self.optimizer = self.scheduler = None
         if o.trainable:
-            self.chunks = wrap_ddp(self.gpt_chunks, self.perf, o.use_distributed_optimizer)
-            self.optimizer = optim_lib.build_optimizer(self.chunks, o.optim, self.dtype,
-                                                       o.use_distributed_optimizer)
+            self.chunks = wrap_ddp(self.gpt_chunks, self.perf, self.shard_optimizer)
+            self.optimizer = optim_lib.build_optimizer(self.chunks, o.optim, self.dtype, self.shard_optimizer)
             self.scheduler = optim_lib.build_scheduler(self.optimizer, o.optim, o.total_steps)
         else:
             self.chunks = self.gpt_chunks
@@ -103,6 +105,22 @@ class MegatronEngine(TrainingEngine):
         return self.offloader.resident(what)
 
     # ------------------------------------------------------------------ build
+
+    def _shard_optimizer(self, o) -> bool:
+        """Megatron's DistributedOptimizer when `use_distributed_optimizer` and there is more than
+        one data-parallel rank to shard over. With one, its shard is everything: each step would
+        only add a reduce-scatter and an all-gather of every parameter onto itself: two copies of
+        the whole model a step, which gloo makes even at one rank, where the plain optimizer's
+        all-reduce returns at once. The optimizer state and the checkpoints are the same
+        either way (state.py stores layout-independent slabs)."""
+        from megatron.core import parallel_state as ps
+
+        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        shard = o.use_distributed_optimizer and dp_cp > 1
+        if o.trainable and o.use_distributed_optimizer and not shard and dist.get_rank() == 0:
+            log.info("parallel.use_distributed_optimizer: not used at data-parallel size 1 "
+                     "(nothing to shard; Megatron's plain optimizer saves two copies of the model a step)")
+        return shard
 
     def _sync_params(self) -> None:
         """With overlap_param_gather the distributed optimizer's step leaves the all-gather of the

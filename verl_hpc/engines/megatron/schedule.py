@@ -44,8 +44,9 @@ class MicroBatch:
 
     The model's rows are the samples (right-padded, causal, positions 0..S-1), or, when
     `share_prompts` (prefix.PromptSharing) packs this micro-batch, one row per prompt with its
-    responses after it: then `attention_mask`, `sample_rows` (sample -> model row) and per-row
-    `position_ids` are set, and data["_positions"] index the packed rows.
+    responses after it: then `attention_mask` (a prefix.SegmentedAttention), `sample_rows`
+    (sample -> model row) and per-row `position_ids` are set, and data["_positions"] index the
+    packed rows.
 
     `shape=(rows, seq)` pads it to a fixed shape (Megatron's interleaved schedule exchanges
     activations of one fixed shape): extra rows are dummies cut off again before the loss."""
@@ -78,7 +79,7 @@ class MicroBatch:
             sub["_positions"] = packed.positions
             self.input_ids = packed.input_ids.to(device, non_blocking=True)
             self.position_ids = packed.position_ids.to(device, non_blocking=True)
-            self.attention_mask = packed.attention_mask.to(device, non_blocking=True)
+            self.attention_mask = packed.attention.to(device, non_blocking=True)  # sdpa.py reads it
             self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
