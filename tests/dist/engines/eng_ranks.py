@@ -113,7 +113,8 @@ def check_actor(args, layout, workdir, model, batch, *, logits: bool = False) ->
     res = {}
     acfg = _actor_cfg(args["actor"][model])
     share = {"share_prompts": "on"} if model == "llama" and layout != "pp2vpp2" else {}
-    eng = _engine(args, model, **share)
+    eng = _engine(args, model, **share)  # use_distributed_optimizer=True
+    res["optimizers"] = [type(o).__name__ for o in getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])]
     fwd = eng.forward(batch)
     _save(workdir, f"{layout}.forward.{model}", fwd)
     metrics = _update(eng, acfg, batch)

@@ -206,6 +206,16 @@ def test_shared_prompts_were_packed_where_the_layout_allows(run):
                 assert packed == 0, (lay, m, kind)
 
 
+def test_distributed_optimizer_only_where_there_is_data_parallelism(run):
+    """use_distributed_optimizer=True builds Megatron's DistributedOptimizer where data parallelism
+    has ranks to shard over, and the plain optimizer at dp 1 (the parity checks above hold for both)."""
+    for lay, m in ACTOR_LAYOUTS:
+        rec = run["ranks"][0]["layouts"][lay]
+        kinds = set(rec["checks"][f"actor.{m}"]["optimizers"])
+        assert kinds == ({"DistributedOptimizer"} if rec["dp"] > 1 else {"FP32Optimizer"}), (lay, m, kinds)
+    assert {run["ranks"][0]["layouts"][lay]["dp"] for lay, _ in ACTOR_LAYOUTS} >= {1, 2}
+
+
 def test_dynamic_batching_changes_the_split(run):
     """The comparison above is not vacuous: the token budget gave other micro-batch counts."""
     counts = {(lay, m, kind): run["ranks"][0]["layouts"][lay]["checks"][f"actor.{m}"][kind]["actor/num_microbatches"]
