@@ -108,11 +108,11 @@ class MegatronEngine(TrainingEngine):
 
     def _shard_optimizer(self, o) -> bool:
         """Megatron's DistributedOptimizer when `use_distributed_optimizer` and there is more than
-        one data-parallel rank to shard over. With one, its shard is everything: each step would
-        only add a reduce-scatter and an all-gather of every parameter onto itself: two copies of
-        the whole model a step, which gloo makes even at one rank, where the plain optimizer's
-        all-reduce returns at once. The optimizer state and the checkpoints are the same
-        either way (state.py stores layout-independent slabs)."""
+        one data-parallel rank to shard over. With one, its shard is everything, and each step
+        would only add a reduce-scatter and an all-gather of every parameter onto the same rank,
+        two copies of the whole model that gloo makes even at world size 1 (the plain optimizer's
+        all-reduce over one rank returns at once). The optimizer state is the same either way,
+        and checkpoints hold layout-independent slabs (state.py)."""
         from megatron.core import parallel_state as ps
 
         dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)

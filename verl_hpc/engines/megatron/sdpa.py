@@ -12,8 +12,7 @@ the engine uses: causal self-attention with `attention_mask=None` (right-padded 
 `prefix.SegmentedAttention` in the mask's place (rows of packed prompts: `segmented_attention`),
 or a boolean `[b, 1, s, s]` mask in Megatron's convention, True = masked out; no dropout, no THD
 packed sequences, no attention bias. Anything else raises instead of computing something
-different. The engine
-applies it only to the local spec (the TE spec has its own fused attention).
+different. The engine applies it only to the local spec (the TE spec has its own fused attention).
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ class SdpaCoreAttention(torch.nn.Module):
 
 def segmented_attention(query, key, value, seg: SegmentedAttention, scale: float, gqa: bool):
     """Attention of packed rows ([s, g, heads, d] query, [s, g, groups, d] key and value) as two
-    SDPA calls (prefix.py, "Attention"); returns [s, g, heads, d]. Gathers and the final scatter
+    SDPA calls (prefix.py's docstring); returns [s, g, heads, d]. Gathers and the final scatter
     are index_select, so gradients flow back to every position a response read."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     s, g = query.shape[:2]
