@@ -18,9 +18,10 @@ and reused:
 GRPO at matched settings on both sides: temperature 1, one optimizer step per batch (one
 mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), constant LR, grad-norm clip 1.0,
 fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_hpc runs as a job
-(`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: auto`, which picks HF
-generate for the tiny model on CPU and vLLM for the 100m one; `--verl-set rollout.engine=vllm` to
-compare); TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's
+(`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: auto`, which on CPU
+picks HF generate for both sizes: the tiny model is under 2M parameters, and at 100m with 8 samples
+of short prompts the HF rollout's one prefill per prompt outweighs its slower decode (the job log
+says why); `--verl-set rollout.engine=vllm` to compare); TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's
 vLLM modes need a GPU). Both get --threads torch threads per process (1: see the option's comment;
 verl_hpc through slurm.cpus_per_task).
 

@@ -11,12 +11,19 @@ from verl_hpc.rollout.engine import RolloutEngine
 log = logging.getLogger(__name__)
 
 ENGINES = tuple(e for e in choices_of("rollout.engine") if e != "auto")  # auto: choose_engine
-# rollout.engine=auto on CPU: below this many parameters HF generate is the faster rollout. Measured
-# in one run each (benchmarks/bench_vs_trl.py, bench_rollout.py): a 0.4M Llama spent 0.08 s a step
-# generating with HF against 0.13 s with vLLM, plus 0.03 s of vLLM weight reload against 0.002 s;
-# at 25.9M vLLM generates 3.15x as fast as HF. The crossover lies between; 2M stays near the
-# measured small side.
+# rollout.engine=auto on CPU. Below this many parameters HF generate is the faster rollout: a 0.4M
+# Llama spent 0.08 s a step generating with HF against 0.13 s with vLLM, plus 0.03 s of vLLM weight
+# reload against 0.002 s (benchmarks/bench_vs_trl.py, one run each).
 AUTO_HF_MAX_PARAMS = 2_000_000
+# Above it, the engine that computes less. vLLM prefills every prompt once per sample (its prefix
+# cache shares whole KV blocks only, 128 tokens on CPU, longer than typical RL prompts): n x (P + R)
+# token passes per prompt. HFRollout prefills once and decodes n rows: P + n x R, but each of its
+# decoded tokens costs more than vLLM's (plain matrix products against oneDNN's prepacked ones, a
+# KV cache grown by concatenation). That cost ratio, fitted per shape from
+# `benchmarks/bench_rollout.py --threads 1 --no-hf-generate` at 25.9M and 102M parameters, n 2-8,
+# prompts 12-64 and 24-128 new tokens, was 1.21-1.52 (median 1.37); at 1.35 the choice was right or
+# within 8% of the faster engine in all 7 shapes (docs/speed.md has the table).
+HF_TOKEN_COST = 1.35
 VLLM_MISSING = ("rollout.engine=vllm but vllm is not installed; install the cpu or gpu extra, "
                 "or set rollout.engine=hf")
 
@@ -41,8 +48,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def rollout_token_passes(cfg) -> Tuple[int, int]:
+    """Token passes per prompt of (vLLM, HFRollout) at the configured upper bounds: prompt length
+    P = data.max_prompt_length, R = rollout.max_tokens, n = rollout.n."""
+    prompt, n = cfg.data.max_prompt_length, cfg.rollout.n
+    response = cfg.rollout.max_tokens or cfg.data.max_response_length
+    return n * (prompt + response), prompt + n * response
+
+
 def choose_engine(cfg) -> Tuple[str, str]:
-    """(engine, why) for rollout.engine=auto: HF generate for tiny models on CPU, else vLLM."""
+    """(engine, why) for rollout.engine=auto: vLLM on GPU; on CPU HF generate for tiny models, and
+    above that whichever computes less (HF_TOKEN_COST)."""
     from verl_hpc.runtime.device import has_gpu
 
     if not vllm_available():
@@ -59,7 +75,13 @@ def choose_engine(cfg) -> Tuple[str, str]:
     if params < AUTO_HF_MAX_PARAMS:
         return "hf", (f"{params / 1e6:.2f}M parameters on CPU: HF generate is faster than vLLM below "
                       f"{AUTO_HF_MAX_PARAMS / 1e6:g}M (and its weight load is a copy)")
-    return "vllm", f"{params / 1e6:.1f}M parameters: vLLM generates faster from {AUTO_HF_MAX_PARAMS / 1e6:g}M on"
+    vllm_passes, hf_passes = rollout_token_passes(cfg)
+    r = cfg.rollout
+    why = (f"{params / 1e6:.1f}M parameters on CPU, n={r.n}, prompts <= {cfg.data.max_prompt_length} "
+           f"and responses <= {r.max_tokens or cfg.data.max_response_length} tokens: vLLM runs {vllm_passes} "
+           f"token passes a prompt (the prompt once per sample), HF {hf_passes} at ~{HF_TOKEN_COST:g}x "
+           f"vLLM's cost per decoded token")
+    return ("hf" if HF_TOKEN_COST * hf_passes < vllm_passes else "vllm"), why
 
 
 def build_rollout(cfg, ctx=None, **overrides) -> RolloutEngine:

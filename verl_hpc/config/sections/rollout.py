@@ -14,8 +14,10 @@ VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
 
 @dataclass
 class RolloutConfig(Section):
-    engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate) | auto (hf for models under 2M "
-                              "parameters on CPU, where it is faster; else vllm; the log says why)",
+    engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate) | auto (vllm on GPU; on CPU hf "
+                              "for models under 2M parameters, else the engine that computes less: "
+                              "vllm prefills the prompt once per sample, hf once per prompt; the log "
+                              "says why)",
                       choices=("vllm", "hf", "auto"))
     n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=">0")
     temperature: float = opt(1.0, "sampling temperature", check=">=0")
