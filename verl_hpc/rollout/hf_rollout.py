@@ -63,6 +63,19 @@ class _SampledLogprobs:
         return torch.stack(self.steps, dim=1).cpu()
 
 
+def column_major_linear_weights(model: torch.nn.Module) -> None:
+    """Store each nn.Linear weight ([out, in]) column-major: the same values, its transpose
+    contiguous in memory. `F.linear` multiplies by the transpose, so MKL then reads a contiguous
+    right operand, which its single-thread GEMM does faster when the left one has few rows, as in
+    decoding (one row per sequence): 34 against 29 GFLOP/s at 64 x 768 x 2560 on the 2-core CI
+    machine, and 10.1-10.2 s against 10.7-10.8 s for 8 prompts x 8 samples x 24 tokens at 102M
+    (same tokens drawn). Products with many rows (prefill) run alike either way. Loading weights
+    copies into these tensors, keeping the layout; a tied embedding reads rows with a stride."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
+
+
 class HFRollout(RolloutEngine):
     name = "hf"
 
@@ -97,6 +110,8 @@ class HFRollout(RolloutEngine):
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            column_major_linear_weights(self.model)
         config = self.model.config
         self.vocab_size = config.get_text_config().vocab_size
         eos = self.model.generation_config.eos_token_id

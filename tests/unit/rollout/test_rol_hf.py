@@ -37,7 +37,15 @@ def reference(hf):
     return hf_greedy(hf, PROMPTS)
 
 
+def _column_major(engine) -> bool:
+    import torch
+
+    linears = [m.weight for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    return bool(linears) and all(w.t().is_contiguous() and not w.is_contiguous() for w in linears)
+
+
 def test_greedy_matches_transformers_reference(engine, reference):
+    assert _column_major(engine)  # the CPU decode layout (column_major_linear_weights), same results
     diff = assert_matches(engine.generate(PROMPTS, GREEDY), reference)
     print(f"HFRollout greedy vs reference: max |logprob diff| = {diff:.2e}")
     two = engine.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0, max_tokens=MAX_NEW))
@@ -140,6 +148,7 @@ def test_load_weights_is_strict_and_a_full_update_repairs(engine, tiny_model, or
             engine.generate(PROMPTS[:1], GREEDY)
     engine.load_weights(iter(original.items()))
     assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+    assert _column_major(engine)  # loading copies into the weights: their layout stays
 
 
 def test_tied_model_accepts_lm_head_or_not(tmp_path):
