@@ -70,7 +70,8 @@ def column_major_linear_weights(model: torch.nn.Module) -> None:
     decoding (one row per sequence): 34 against 29 GFLOP/s at 64 x 768 x 2560 on the 2-core CI
     machine, and 10.1-10.2 s against 10.7-10.8 s for 8 prompts x 8 samples x 24 tokens at 102M
     (same tokens drawn). Products with many rows (prefill) run alike either way. Loading weights
-    copies into these tensors, keeping the layout; a tied embedding reads rows with a stride."""
+    copies into these tensors in their own memory order, keeping the layout; a tied embedding
+    reads rows with a stride."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
@@ -263,7 +264,13 @@ class HFRollout(RolloutEngine):
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, the "
                                      f"model's is {tuple(param.shape)}")
-                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+                source = tensor.to(device=param.device, dtype=param.dtype)
+                if param.dim() == 2 and not param.is_contiguous() and param.t().is_contiguous():
+                    # a column-major weight: copying in its memory order is ~4x faster on CPU
+                    # than torch's copy_ into the strided view (14 vs 3.4 ms at 2560 x 768)
+                    param.t().copy_(source.t())
+                else:
+                    param.copy_(source)
             checked.finish()
         except Exception as exc:
             self._mark_broken(f"{type(exc).__name__}: {str(exc)[:200]}")
