@@ -8,8 +8,9 @@
 Models (--shape): Llama-style, random weights (matrices N(0, 0.02)) from verl_hpc.models.tiny,
 float32, vocab 8000. 26m (default): 25.9M parameters, hidden 512, 8 heads, 4 KV heads, head_dim 64,
 6 layers, ffn 1408. 102m: bench_vs_trl.py's 100m model, hidden 768, 12 heads, 4 KV heads, 12
-layers, ffn 2560. Prompts: random token ids, --prompt-len each (default 32). Sampling: temperature 1, min_tokens = max_tokens, so that every
-sequence has exactly --new-tokens tokens on both sides (HF's min_new_tokens masks EOS the same way).
+layers, ffn 2560. Prompts: random token ids, --prompt-len each (default 32). Sampling:
+temperature 1, min_tokens = max_tokens, so that every sequence has exactly --new-tokens tokens on
+both sides (HF's min_new_tokens masks EOS the same way).
 
 Measured, after one warm-up call each, in alternating order per repeat (medians printed):
   vllm       VLLMRollout.generate: the project's rollout (per-token logprobs included)

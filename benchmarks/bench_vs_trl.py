@@ -21,9 +21,9 @@ fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_
 (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: auto`, which on CPU
 picks HF generate for both sizes: the tiny model is under 2M parameters, and at 100m with 8 samples
 of short prompts the HF rollout's one prefill per prompt outweighs its slower decode (the job log
-says why); `--verl-set rollout.engine=vllm` to compare); TRL's GRPOTrainer runs in its own process with HF `generate` (its default CPU path; TRL's
-vLLM modes need a GPU). Both get --threads torch threads per process (1: see the option's comment;
-verl_hpc through slurm.cpus_per_task).
+says why); `--verl-set rollout.engine=vllm` to compare); TRL's GRPOTrainer runs in its own process
+with HF `generate` (its default CPU path; TRL's vLLM modes need a GPU). Both get --threads torch
+threads per process (1: see the option's comment; verl_hpc through slurm.cpus_per_task).
 
 Printed per rank count: seconds per step by stage (medians over steps 2..N, step 1 carries
 warm-up) for both, the step-time ratio verl_hpc / TRL, and the training time (sum of step times,

@@ -67,9 +67,10 @@ def column_major_linear_weights(model: torch.nn.Module) -> None:
     """Store each nn.Linear weight ([out, in]) column-major: the same values, its transpose
     contiguous in memory. `F.linear` multiplies by the transpose, so MKL then reads a contiguous
     right operand, which its single-thread GEMM does faster when the left one has few rows, as in
-    decoding (one row per sequence): 34 against 29 GFLOP/s at 64 x 768 x 2560 on the 2-core CI
-    machine, and 10.1-10.2 s against 10.7-10.8 s for 8 prompts x 8 samples x 24 tokens at 102M
-    (same tokens drawn). Products with many rows (prefill) run alike either way. Loading weights
+    decoding (one row per sequence): 34 against 29 GFLOP/s at 64 x 768 x 2560 in a one-off
+    measurement on the 2-core CI machine; the generate stage of `benchmarks/bench_vs_trl.py --sizes
+    100m` (8 prompts x 8 samples x 24 tokens, 1 thread) went from 10.4-10.5 s to 9.9-10.1 s.
+    Products with many rows (prefill) run alike either way. Loading weights
     copies into these tensors in their own memory order, keeping the layout; a tied embedding
     reads rows with a stride."""
     for module in model.modules():
