@@ -50,9 +50,8 @@ def vllm_available() -> bool:
 
 def rollout_token_passes(cfg) -> Tuple[int, int]:
     """Token passes per prompt of (vLLM, HFRollout) at the configured upper bounds: prompt length
-    P = data.max_prompt_length, R = rollout.max_tokens, n = rollout.n."""
-    prompt, n = cfg.data.max_prompt_length, cfg.rollout.n
-    response = cfg.rollout.max_tokens or cfg.data.max_response_length
+    P = data.max_prompt_length, R = rollout.max_tokens (resolved by the config), n = rollout.n."""
+    prompt, response, n = cfg.data.max_prompt_length, cfg.rollout.max_tokens, cfg.rollout.n
     return n * (prompt + response), prompt + n * response
 
 
@@ -78,7 +77,7 @@ def choose_engine(cfg) -> Tuple[str, str]:
     vllm_passes, hf_passes = rollout_token_passes(cfg)
     r = cfg.rollout
     why = (f"{params / 1e6:.1f}M parameters on CPU, n={r.n}, prompts <= {cfg.data.max_prompt_length} "
-           f"and responses <= {r.max_tokens or cfg.data.max_response_length} tokens: vLLM runs {vllm_passes} "
+           f"and responses <= {r.max_tokens} tokens: vLLM runs {vllm_passes} "
            f"token passes a prompt (the prompt once per sample), HF {hf_passes} at ~{HF_TOKEN_COST:g}x "
            f"vLLM's cost per decoded token")
     return ("hf" if HF_TOKEN_COST * hf_passes < vllm_passes else "vllm"), why
