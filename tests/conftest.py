@@ -1,5 +1,27 @@
-"""Shared pytest setup: GPU tests skip only where no CUDA device exists; nothing else skips."""
+"""Shared pytest setup.
+
+- Each test gets its tier's marker from its folder (tests/unit -> unit, tests/jobs -> job,
+  tests/dist -> dist, tests/slurm -> slurm, tests/container -> container): `make check` and
+  `make test` select by marker, and a new test file needs no `pytestmark` line for it.
+- GPU tests skip only where no CUDA device exists; nothing else skips.
+- The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
+  start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
+"""
+from pathlib import Path
+
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = {"unit": "unit", "jobs": "job", "dist": "dist", "slurm": "slurm", "container": "container"}
+
+
+def pytest_itemcollected(item):
+    """The folder's marker, before `-m` selects (pytest deselects after collection)."""
+    folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+    if folder not in FOLDER_MARKERS:
+        raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
+                                f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
+    item.add_marker(FOLDER_MARKERS[folder])
 
 
 def _has_cuda() -> bool:
@@ -79,3 +101,20 @@ def smoke_job():
 @pytest.fixture
 def failure_after():
     return _failure_after
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    """The 2-layer tiny model and the synthetic task (tests/jobs.py), built once per session."""
+    from jobs import make_assets
+
+    return make_assets(tmp_path_factory.getbasetemp() / "assets")
+
+
+@pytest.fixture(scope="session")
+def warm_assets(tiny_assets):
+    """`tiny_assets` plus the SFT warm start under `sft/hf` (about 40% greedy accuracy)."""
+    from jobs import warm_start
+
+    warm_start(tiny_assets)
+    return tiny_assets

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "dist" / "trainer"))
-from trn_helpers import data_overrides, make_assets  # noqa: E402
+from jobs import data_overrides, make_assets  # noqa: E402 - after REPO, as before
 
 # A fresh build can take most of an hour on 2 busy cores (base root filesystem, apt, pip).
-pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
+pytestmark = pytest.mark.timeout(3600)
 IMAGE = "verl_hpc:cpu"
 # The dev cluster's Slurm TmpFS (slurm.conf): PMIx keeps each step's directory there.
 SLURM_TMPFS = "/var/spool/slurmd"

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -16,6 +15,7 @@ def submit(tmp_path, *overrides, timeout=180):
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.check
 def test_two_local_ranks_agree(tmp_path):
     r = submit(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=3")
     assert r.returncode == 0, r.stdout + r.stderr

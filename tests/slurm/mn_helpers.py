@@ -9,14 +9,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "dist" / "checkpoint"))
-sys.path.insert(0, str(REPO / "tests" / "dist" / "trainer"))
-from ckpt_trainer_helpers import TINY_GRPO, read_all  # noqa: E402,F401
-from trn_helpers import data_overrides, make_assets  # noqa: E402,F401
+from jobs import MOVING, TINY_GRPO, data_overrides
 
 USABLE = ("idle", "mixed", "allocated", "completing")
-# the weights must move every step (constant LR, entropy bonus) for "bitwise equal" to mean much
-MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant"]
 # 4 ranks: each gets 2 x 4 / 2 DP ranks = 4 sequences per optimizer step
 LAYOUT = ["parallel.tp=2", "actor.micro_batch_size=4"]
 RANK_UP = re.compile(r"rank (\d+)/(\d+) up via srun on host (\S+) \(local (\d+), node (\d+)\).*"

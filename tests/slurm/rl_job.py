@@ -1,8 +1,8 @@
 """The tiny GRPO job the Slurm stop/requeue tests submit, and what they read back from it.
 
-    proc, job_id, out, logs = start_rl(tmp_path, steps, *overrides)  # returns once 2 steps are logged
-    text = job_text(stdout, stderr, logs)                            # submitter output + rank logs
-    steps_logged(out), sacct_states(job_id)
+    proc, job_id, out, logs = start_rl(root, tmp_path, steps, *overrides)  # once 2 steps are logged
+    text = job_text(stdout, stderr, logs)                                  # submitter output + rank logs
+    steps_logged(out), sacct_states(job_id), release_requeue_hold(job_id, proc)
 
 One rank, HF rollout, checkpoints on, `slurm.requeue=true`: small enough to start in a few minutes on
 a loaded machine, long enough (`steps`) for a signal to land mid-run.
@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "dist" / "trainer"))
-from trn_helpers import data_overrides, make_assets  # noqa: E402
+from jobs import data_overrides
 
 
 def steps_logged(out: Path) -> list:
@@ -26,10 +25,10 @@ def steps_logged(out: Path) -> list:
     return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip().endswith("}")]
 
 
-def start_rl(tmp_path: Path, steps: int, *extra):
-    """Submit the job with `python -m verl_hpc.submit` and wait until it has logged 2 steps.
-    Returns (submitter process, job id, output dir, log dir); the caller waits for or kills it."""
-    root = make_assets(tmp_path / "assets")
+def start_rl(root: Path, tmp_path: Path, steps: int, *extra):
+    """Submit the job (model and data under `root`, tests/jobs.py) with `python -m verl_hpc.submit`
+    and wait until it has logged 2 steps. Returns (submitter process, job id, output dir, log dir);
+    the caller waits for or kills it."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/model",
            *data_overrides(root), f"trainer.output_dir={out}", f"slurm.log_dir={logs}/%j",
@@ -58,3 +57,19 @@ def sacct_states(job_id: str) -> list:
     """One State per attempt of the job (-D: requeued attempts too), oldest first."""
     return subprocess.run(["sacct", "-j", job_id, "-D", "-X", "-n", "-o", "State"], capture_output=True,
                           text=True, timeout=30).stdout.split()
+
+
+def release_requeue_hold(job_id: str, proc, timeout: float = 900) -> bool:
+    """Slurm holds a requeued job before it may start again (PENDING, reason BeginTime) for
+    AuthInfo's cred_expire, 120 s by default. The wait tests nothing of ours, so release the job
+    as an admin would (`scontrol update StartTime=now`) once it is held. Returns True once
+    released; False if the submitter `proc` ended first or `timeout` passed."""
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True,
+                               timeout=30).stdout.split()
+        if state[:2] == ["PENDING", "BeginTime"]:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, timeout=30)
+            return True
+        time.sleep(0.5)
+    return False

@@ -1,7 +1,8 @@
 """The stop-or-requeue rule on the real dev cluster (docs/signals.md): `scancel` stops a job for
 good (CANCELLED, never requeued, no process left, a checkpoint only if one fitted in Slurm's
 KillWait), while Slurm preempting the job (partition 'scavenger', slurm/devcluster/start.sh)
-requeues it and it resumes from its checkpoint. `scancel --signal=USR2` is test_ckpt_requeue.py."""
+requeues it and it resumes from its checkpoint. `scancel --signal=USR2` (checkpoint, requeue, resume)
+is job A of test_multinode.py."""
 import json
 import re
 import subprocess
@@ -9,9 +10,7 @@ import time
 
 import pytest
 
-from rl_job import job_text, sacct_states, start_rl, steps_logged
-
-pytestmark = pytest.mark.slurm
+from rl_job import job_text, release_requeue_hold, sacct_states, start_rl, steps_logged
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,8 +21,8 @@ def cluster_is_up():
                                      "slurm/devcluster/start.sh (it configures preemption)")
 
 
-def test_scancel_ends_cancelled_and_stays_ended(tmp_path):
-    proc, job_id, out, logs = start_rl(tmp_path, 200)
+def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
+    proc, job_id, out, logs = start_rl(tiny_assets, tmp_path, 200)
     try:
         subprocess.run(["scancel", job_id], check=True, timeout=30)
         stdout, stderr = proc.communicate(timeout=180)
@@ -64,10 +63,10 @@ def _node_and_cpus(job_id: str):
     return node, int(cpus.split("/")[3])
 
 
-@pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine + Slurm's hold
-def test_slurm_preemption_requeues_and_resumes(tmp_path):
+@pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine
+def test_slurm_preemption_requeues_and_resumes(tiny_assets, tmp_path):
     steps = 400  # long enough that the preemption lands mid-run on a quiet machine too (~0.2 s a step)
-    proc, job_id, out, logs = start_rl(tmp_path, steps, "slurm.partition=scavenger")
+    proc, job_id, out, logs = start_rl(tiny_assets, tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
         # a job of a higher-tier partition that needs the CPUs ours holds: Slurm preempts ours
@@ -75,7 +74,8 @@ def test_slurm_preemption_requeues_and_resumes(tmp_path):
         urgent = subprocess.run(["sbatch", "--parsable", "-p", "debug", "-w", node, "-c", str(total), "-J", "urgent",
                                  "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 10"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        stdout, stderr = proc.communicate(timeout=1300)  # Slurm's ~120 s requeue hold included
+        assert release_requeue_hold(job_id, proc), "the preempted job was never requeued"
+        stdout, stderr = proc.communicate(timeout=1300)
     finally:
         if proc.poll() is None:
             proc.kill()

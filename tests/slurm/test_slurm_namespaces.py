@@ -5,9 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 FOUR_RANKS = ["slurm.tasks_per_node=4", "slurm.gpus_per_node=4", "slurm.time_min=5"]
 

@@ -10,7 +10,6 @@ from verl_hpc.config import ConfigError, load_config, validate
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.records import load_records, read_rows
 
-pytestmark = pytest.mark.unit
 OK = ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2"]
 
 

@@ -11,7 +11,6 @@ from verl_hpc.parallel.placement import Placement
 from verl_hpc.runtime import collectives
 from verl_hpc.tracking.timers import StageTimer
 
-pytestmark = pytest.mark.unit
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 

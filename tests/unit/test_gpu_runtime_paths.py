@@ -14,7 +14,6 @@ import torch
 from verl_hpc.config import load_config
 from verl_hpc.runtime import device as devices
 
-pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -2,9 +2,6 @@
 import ast
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[2] / "verl_hpc"
 # runtime/ decides CPU or CUDA; cpu_compat stands in for torch.cuda inside megatron on CPU

@@ -7,8 +7,6 @@ import pytest
 from verl_hpc.runtime.launch_env import detect, expand_first_host, port_for_job
 from verl_hpc.runtime.signals import PreemptionFlag
 
-pytestmark = pytest.mark.unit
-
 
 def test_torchrun_wins_over_slurm():
     env = dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="n1",

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"

@@ -8,7 +8,6 @@ import pytest
 from verl_hpc.runtime.requeue import decide, parse_show_job
 from verl_hpc.runtime.signals import PreemptionFlag
 
-pytestmark = pytest.mark.unit
 
 # `scontrol show job -o` lines as Slurm 22.05 prints them (trimmed to the fields around ours)
 RUNNING = ("JobId=41 JobName=verl_hpc UserId=root(0) Priority=1 JobState=RUNNING Reason=None "

@@ -2,11 +2,7 @@
 trainer's metrics.jsonl, with the rate over the last steps' own timestamps."""
 import json
 
-import pytest
-
 from verl_hpc.launcher.slurm import MetricsProgress
-
-pytestmark = pytest.mark.unit
 
 
 def _rows(path, steps, t0=1000.0, dt=2.5):

@@ -11,7 +11,6 @@ from verl_hpc.config import load_config
 from verl_hpc.launcher import slurm
 from verl_hpc.launcher.plan import make_plan
 
-pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_trainer_helpers import REPO, grpo, logs, make_assets, read_all
+from jobs import REPO, grpo, logs, read_all
 
-pytestmark = pytest.mark.dist
 HERE = Path(__file__).resolve().parent
 LOGIT_TOL = 1e-4
 IDS = torch.randint(5, 480, (3, 12), generator=torch.Generator().manual_seed(0)).tolist()
@@ -34,9 +33,10 @@ def _launch(world: int, args: dict, workdir: Path, timeout: float = 400) -> None
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A: 2 GRPO steps at TP2xPP2 (4 ranks); C: 1 step at TP1 (1 rank, so A and C differ)."""
-    root = make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+def trained(tiny_assets, tmp_path_factory):
+    """A: 2 GRPO steps at TP2xPP2 (4 ranks); C: 1 step at TP1 (1 rank in this process, so A and C
+    differ)."""
+    root = tiny_assets
     out_a, out_c = tmp_path_factory.mktemp("tp2pp2run"), tmp_path_factory.mktemp("tp1run")
     proc, _ = grpo(root, out_a, "trainer.total_steps=2", "parallel.tp=2", "parallel.pp=2",
                    "slurm.cpus_per_task=1", "actor.entropy_coeff=0.01", ranks=4)

@@ -19,7 +19,6 @@ from verl_hpc.planning.phases import RoleState
 from verl_hpc.planning.training import (ActivationSetup, Precision, model_state_bytes,
                                         stage_activation_bytes)
 
-pytestmark = pytest.mark.dist
 
 WORLD = 4
 LAYOUTS = [

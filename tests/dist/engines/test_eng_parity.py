@@ -21,7 +21,6 @@ import torch
 
 from eng_ranks import ACTOR_LAYOUTS, launch
 
-pytestmark = pytest.mark.dist
 
 WORLD = 4
 LOGP_TOL = 2e-5  # fp32 Megatron vs float64 transformers

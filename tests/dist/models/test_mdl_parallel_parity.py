@@ -21,7 +21,6 @@ import torch
 
 from mdl_ranks import launch
 
-pytestmark = pytest.mark.dist
 
 TOL = 1e-4
 WORLD = 4

@@ -25,7 +25,6 @@ import torch
 from hf_reference import hf_greedy_from
 from rsh_ranks import launch
 
-pytestmark = pytest.mark.dist
 
 TOL = 1e-4
 MAX_PROMPT, MAX_NEW = 64, 12

@@ -10,7 +10,6 @@ import pytest
 from hf_reference import hf_greedy_from, perturbed_state
 from rol_ranks import launch
 
-pytestmark = pytest.mark.dist
 
 TOL = 1e-4
 MAX_PROMPT, MAX_NEW = 192, 12

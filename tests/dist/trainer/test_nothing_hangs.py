@@ -8,17 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from jobs import data_overrides
 
-from trn_helpers import data_overrides, make_assets
-
-pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
 
-def test_hanging_reward_fails_two_rank_job_naming_function_and_sample(tmp_path):
-    root = make_assets(tmp_path / "assets")
+def test_hanging_reward_fails_two_rank_job_naming_function_and_sample(tmp_path, tiny_assets):
+    root = tiny_assets
     marker = tmp_path / "hang_started"
     env = dict(os.environ, HANG_MARKER=str(marker), PYTHONPATH=f"{REPO}:{HERE}")
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={root}/model",

@@ -22,15 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trn_helpers import REPO, logs, make_assets, run_job
+from jobs import REPO, logs, run_job
 
-pytestmark = pytest.mark.dist
 BUDGET = 36  # actor.max_tokens_per_microbatch: the smallest the config allows (max prompt + response)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+@pytest.fixture
+def assets(tiny_assets):
+    return tiny_assets
 
 
 def dpo_args(assets, *extra):

@@ -13,16 +13,12 @@ from pathlib import Path
 
 import pytest
 from ops_services import families, groups, pushgateway, samples, webhook_receiver
-from trn_helpers import REPO, logs, make_assets
-
-from test_trn_recipes import small
-
-pytestmark = pytest.mark.dist
+from jobs import REPO, logs, small
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+@pytest.fixture
+def assets(tiny_assets):
+    return tiny_assets
 
 
 def start(tmp_path, namespace, ranks, *overrides):

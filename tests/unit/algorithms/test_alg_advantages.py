@@ -7,7 +7,6 @@ import torch
 
 from verl_hpc.algorithms import compute_advantages
 
-pytestmark = pytest.mark.unit
 
 S3 = math.sqrt(1.0 / 3.0)  # unbiased std of {1, 0, 0}
 INV_SQRT2 = 1.0 / math.sqrt(2.0)

@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 
 from verl_hpc.algorithms import LOSS_AGG_MODES, agg_loss, compute_policy_loss
 
-pytestmark = pytest.mark.unit
 
 NAN = float("nan")
 LOSS = torch.tensor([[1.0, 2.0, NAN], [4.0, 5.0, 6.0]], dtype=torch.float64)  # NaN in padding

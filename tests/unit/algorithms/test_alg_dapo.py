@@ -5,7 +5,6 @@ import torch
 
 from verl_hpc.algorithms import apply_overlong_penalty, filter_groups, overlong_penalty
 
-pytestmark = pytest.mark.unit
 
 SCORES = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0])
 IDS = ["a", "a", "b", "b", "c", "d", "d", "d"]  # a all equal, b mixed, c singleton, d all equal

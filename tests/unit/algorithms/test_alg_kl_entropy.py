@@ -19,7 +19,6 @@ from verl_hpc.algorithms import (
     process_group_all_reduce,
 )
 
-pytestmark = pytest.mark.unit
 
 D = torch.float64
 LOGP = torch.tensor([[-1.0, -2.0]], dtype=D)

@@ -7,7 +7,6 @@ import torch
 
 from verl_hpc.algorithms import compute_policy_loss, rollout_correction
 
-pytestmark = pytest.mark.unit
 D = torch.float64
 
 # old log-probs (any values) and a perturbation delta: rollout = old - delta, so rho_t = exp(delta_t)

@@ -9,8 +9,6 @@ import torch
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, agg_loss, compute_policy_loss, kl_loss, value_loss
 from verl_hpc.config.schema import ActorConfig, CriticConfig
 
-pytestmark = pytest.mark.unit
-
 
 def _counts(mask):
     return types.SimpleNamespace(tokens=float(mask.sum()), seqs=float(mask.shape[0]), norm_len=float(mask.shape[1]),

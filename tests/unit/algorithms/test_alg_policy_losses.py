@@ -6,7 +6,6 @@ import torch
 
 from verl_hpc.algorithms import compute_policy_loss, value_loss
 
-pytestmark = pytest.mark.unit
 
 D = torch.float64
 METRIC_KEYS = {"pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "pg_clipfrac_dual", "ppo_kl"}

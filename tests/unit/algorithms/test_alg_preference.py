@@ -8,7 +8,6 @@ import torch
 from verl_hpc.algorithms.preference import (dpo_loss, ipo_loss, kto_loss, kto_reference_point, orpo_loss,
                                             sequence_logps, simpo_loss)
 
-pytestmark = pytest.mark.unit
 D = torch.float64
 
 

@@ -7,8 +7,6 @@ from verl_hpc.algorithms.aggregation import LOSS_AGG_MODES
 from verl_hpc.algorithms.registry import Registry
 from verl_hpc.config import recipes
 
-pytestmark = pytest.mark.unit
-
 
 def _same_names(declared, registered):
     assert len(declared) == len(set(declared)), f"duplicate names in {declared}"

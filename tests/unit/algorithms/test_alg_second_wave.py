@@ -7,7 +7,6 @@ import torch
 
 from verl_hpc.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_estimate, kl_loss
 
-pytestmark = pytest.mark.unit
 
 D = torch.float64
 LENGTHS = [5, 3, 4]

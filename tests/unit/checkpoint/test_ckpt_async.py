@@ -8,8 +8,6 @@ import torch
 from verl_hpc.checkpoint import AsyncSaver, CheckpointError, ShardedTensor, open_checkpoint, save_checkpoint
 from verl_hpc.checkpoint import save as save_module
 
-pytestmark = pytest.mark.unit
-
 
 def tensors(full):
     return [ShardedTensor("a", full("a", (256, 300))), ShardedTensor("b", full("b", (77,), torch.bfloat16)),

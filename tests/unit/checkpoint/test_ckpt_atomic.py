@@ -11,8 +11,6 @@ from verl_hpc.checkpoint import (CheckpointError, CheckpointNotFoundError, Shard
                                  checkpoint_step, find_latest, list_checkpoints, load_tensor, save_checkpoint)
 from verl_hpc.checkpoint import publish, rankfile
 
-pytestmark = pytest.mark.unit
-
 
 def save(root, step, **kw):
     return save_checkpoint(root, step, [ShardedTensor("w", torch.full((4,), float(step)))], **kw)

@@ -12,8 +12,6 @@ from verl_hpc.checkpoint import (CheckpointCorruptError, CheckpointError, Checkp
                                  load_tensor, open_checkpoint, save_checkpoint)
 from verl_hpc.checkpoint.index import INDEX, build_index, read_index
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def ckpt(tmp_path, full, ranks):

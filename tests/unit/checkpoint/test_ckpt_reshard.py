@@ -7,7 +7,6 @@ does the same for random shapes, random uneven grid splits, replicas and random 
 import itertools
 import tempfile
 
-import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -15,7 +14,6 @@ from hypothesis import strategies as st
 from verl_hpc.checkpoint import ShardedTensor, flat_range_slabs, list_tensors, open_checkpoint, save_checkpoint
 from verl_hpc.checkpoint.plan import rank_file
 
-pytestmark = pytest.mark.unit
 
 H, FFN, V, LAYERS = 16, 24, 40, 4
 PARAMS = {  # name pattern -> (global shape, TP split dim or None for replicated, dtype)

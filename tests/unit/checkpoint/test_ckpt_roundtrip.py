@@ -11,7 +11,6 @@ from verl_hpc.checkpoint import (CheckpointLayoutError, CheckpointNotFoundError,
                                  read_rank_state, restore_rng_state, save_checkpoint)
 from verl_hpc.checkpoint import checksum, rankfile
 
-pytestmark = pytest.mark.unit
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.float64, torch.int32,
           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn]

@@ -14,7 +14,6 @@ import torch
 
 from verl_hpc.checkpoint import ShardedTensor, save_checkpoint
 
-pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[3]
 ENV = dict(os.environ, HDF5_USE_FILE_LOCKING="FALSE", PYTHONPATH=str(REPO))
 CONFIG = "trainer:\n  total_steps: 10\n  seed: 1\nparallel:\n  tp: 2\n  pp: 2\nmodel:\n  path: /models/x\n"

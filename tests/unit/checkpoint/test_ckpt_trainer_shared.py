@@ -9,8 +9,6 @@ import torch
 from verl_hpc.checkpoint.trainer_state import FORMAT, PREFERENCE_FORMAT, TrainerCheckpointer
 from verl_hpc.config import load_config
 
-pytestmark = pytest.mark.unit
-
 
 class Flag:
     def __init__(self, signal_name=None):

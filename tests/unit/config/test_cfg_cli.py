@@ -3,13 +3,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from verl_hpc.config import load_config
 from verl_hpc.config.__main__ import main
 
-pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -3,8 +3,6 @@ import pytest
 
 from verl_hpc.config import ConfigError, load_config
 
-pytestmark = pytest.mark.unit
-
 
 def error_of(path=None, overrides=()) -> str:
     with pytest.raises(ConfigError) as info:

@@ -14,8 +14,6 @@ from verl_hpc.config.recipes import RECIPES
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
-pytestmark = pytest.mark.unit
-
 
 def test_defaults_are_a_tiny_cpu_run():
     cfg = load_config(None)

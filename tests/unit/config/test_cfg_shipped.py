@@ -6,7 +6,6 @@ import pytest
 
 from verl_hpc.config import load_config, validate
 
-pytestmark = pytest.mark.unit
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

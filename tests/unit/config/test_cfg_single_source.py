@@ -9,12 +9,9 @@ import dataclasses
 import re
 from pathlib import Path
 
-import pytest
-
 from verl_hpc.config.fields import walk
 from verl_hpc.config.schema import JobConfig
 
-pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[3]
 # Everything outside config/ is scanned, the algorithm library included: its pure functions take

@@ -5,7 +5,6 @@ import pytest
 
 from verl_hpc.config import ConfigError, load_config, read_model_shape, validate
 
-pytestmark = pytest.mark.unit
 
 # A valid rl job on defaults (world size 2); each case below breaks one thing.
 OK = ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2"]

@@ -6,8 +6,6 @@ import pytest
 from verl_hpc.config.schema import DataConfig
 from verl_hpc.data import DataError, PromptBatch, PromptLoader, load_val_dataset, val_batches
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def cfg(files):

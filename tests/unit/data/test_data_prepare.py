@@ -9,7 +9,6 @@ from verl_hpc.data import PromptDataset
 from verl_hpc.data.prepare import synthetic
 from verl_hpc.rewards.registry import default_score
 
-pytestmark = pytest.mark.unit
 
 # GSM8K's public format, rows written here: calculator annotations, '$', thousands separators
 GSM8K = [

@@ -3,8 +3,6 @@ import pytest
 
 from verl_hpc.data import DataError, load_records, read_rows
 
-pytestmark = pytest.mark.unit
-
 
 TEXT_ROWS = [{"prompt": "What is 1 plus 1?", "data_source": "gsm8k", "ground_truth": 2, "extra": {"level": 1}},
              {"prompt": "Half of 7?", "data_source": "math", "ground_truth": 3.5, "extra": {"tag": "x"}}]

@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 from verl_hpc.data import DataError, EpochSampler, MixtureSampler
 from verl_hpc.data.sampler import permutation
 
-pytestmark = pytest.mark.unit
-
 
 def draw(sampler, batches, size):
     return [sampler.next_indices(size) for _ in range(batches)]

@@ -8,8 +8,6 @@ from verl_hpc.config.validate import validate
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.data.tasks import TaskSampler
 
-pytestmark = pytest.mark.unit
-
 
 def job(*overrides):
     return load_config(None, ["data.train_files=[]", "data.val_files=[]", *overrides])

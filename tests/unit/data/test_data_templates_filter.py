@@ -6,8 +6,6 @@ import pytest
 from verl_hpc.data import DataError, PromptDataset, encode_prompts, render_prompt
 from verl_hpc.data.filtering import filter_overlong
 
-pytestmark = pytest.mark.unit
-
 
 def test_plain_text_is_wrapped_as_a_user_message(tokenizer):
     text, templated = render_prompt(tokenizer, "3+4=")

@@ -5,8 +5,6 @@ import torch
 from verl_hpc.engines.batch import (check_batch, get_response_mask, pack_sequences, response_positions,
                                     response_tokens, select_rows)
 
-pytestmark = pytest.mark.unit
-
 
 def _batch():
     b = pack_sequences([[11, 12, 13], [21], [31, 32]], [[14, 15], [22, 23, 24], [33]], pad_id=0)

@@ -17,7 +17,6 @@ from verl_hpc.engines.megatron.roles import engine_options
 from verl_hpc.models import gpt as gpt_mod
 from verl_hpc.models.config_mapping import parse_hf_config
 
-pytestmark = pytest.mark.unit
 
 ARCH = parse_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
                         "intermediate_size": 128, "num_hidden_layers": 2,

@@ -9,8 +9,6 @@ import torch
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.engines.megatron.optim import build_scheduler, schedule_lr
 
-pytestmark = pytest.mark.unit
-
 
 class _Opt:
     """What OptimizerParamScheduler touches: param_groups."""

@@ -6,8 +6,6 @@ import pytest
 from verl_hpc.engines.megatron.partition import (balanced_split, contiguous_split, equalize,
                                                  plan_microbatches, token_budget_microbatches)
 
-pytestmark = pytest.mark.unit
-
 
 def test_contiguous_split_sizes_differ_by_at_most_one():
     assert contiguous_split(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]

@@ -4,8 +4,6 @@ import pytest
 from verl_hpc.config.schema import JobConfig
 from verl_hpc.engines.megatron.roles import engine_options
 
-pytestmark = pytest.mark.unit
-
 
 def _cfg():
     cfg = JobConfig()

@@ -8,7 +8,6 @@ import torch
 
 from verl_hpc.engines.megatron.state import _box_slabs, _flat_slabs, param_pieces
 
-pytestmark = pytest.mark.unit
 H, F, V_REAL = 4, 6, 5
 
 

@@ -15,7 +15,6 @@ from verl_hpc.models.config_mapping import (
 )
 from verl_hpc.parallel.megatron_init import check_layout
 
-pytestmark = pytest.mark.unit
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 500,
          "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

@@ -26,7 +26,6 @@ import torch
 
 from verl_hpc.parallel import cpu_compat
 
-pytestmark = pytest.mark.unit
 PINS = Path(__file__).with_name("mdl_cpu_compat_pins.json")
 RECHECK = ("megatron-core changed a target of verl_hpc/parallel/cpu_compat.py (verified against "
            "0.16.1). Re-check the difference below against cpu_compat's CPU stand-ins, then "

@@ -6,8 +6,6 @@ import torch
 from verl_hpc.models.config_mapping import parse_hf_config
 from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec, per_row_positions, select_output_positions
 
-pytestmark = pytest.mark.unit
-
 
 def test_llama3_rope_inv_freq_matches_transformers():
     """build_gpt_model recomputes inv_freq with all four llama3 parameters (Megatron's GPTModel

@@ -8,8 +8,6 @@ import torch
 from verl_hpc.models.config_mapping import load_arch
 from verl_hpc.models.tiny import make_tiny_model
 
-pytestmark = pytest.mark.unit
-
 
 def _digest(folder):
     h = hashlib.sha256()

@@ -11,7 +11,6 @@ from verl_hpc.models.config_mapping import padded_vocab_size, parse_hf_config
 from verl_hpc.models.hf_checkpoint import HFCheckpointReader
 from verl_hpc.models.weight_rules import LAYER_RULES, Layout, model_rules, rule_for
 
-pytestmark = pytest.mark.unit
 
 # 8 heads in 4 query groups of head_dim 8: TP 1, 2 and 4 all split it; vocab 50 pads.
 ARCH = parse_hf_config({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 50, "hidden_size": 64,

@@ -5,8 +5,6 @@ from ops_services import webhook_receiver
 
 from verl_hpc.tracking import Tracker
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def receiver():

@@ -9,8 +9,6 @@ from verl_hpc.checkpoint.namespace import CheckpointNamespaceError, check_namesp
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.config import ConfigError, load_config, validate
 
-pytestmark = pytest.mark.unit
-
 
 def test_namespace_prefixes_every_folder_and_the_job_name(tmp_path):
     cfg = load_config(None, ["trainer.namespace=team-a", f"trainer.output_dir={tmp_path}/out"])

@@ -12,8 +12,6 @@ from ops_services import families, free_port, get, groups, pushgateway, samples
 
 from verl_hpc.tracking import Tracker
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def gateway(tmp_path):

@@ -11,7 +11,6 @@ import torch
 from verl_hpc.config import ConfigError, load_config, validate
 from verl_hpc.trainer.safety import SafetySwitches, banner, first_difference, log_banner
 
-pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[3]
 
 

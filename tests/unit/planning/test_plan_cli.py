@@ -10,7 +10,6 @@ import pytest
 from verl_hpc.config import load_config
 from verl_hpc.planning import MARGIN, plan_job
 
-pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[3]
 OFF = ["parallel.recompute_granularity=none", "ref.param_offload=false"] + [
     f"{r}.{f}=false" for r in ("actor", "critic") for f in ("param_offload", "grad_offload", "optimizer_offload")]

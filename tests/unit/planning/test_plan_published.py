@@ -21,8 +21,6 @@ from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_fa
                                         layer_activation_bytes, model_state_bytes,
                                         stage_activation_bytes)
 
-pytestmark = pytest.mark.unit
-
 
 def gpt(h, a, layers, vocab=51200) -> ModelArch:
     """A GPT-3-style model of the paper: MHA, ffn = 4h, GeLU MLP."""

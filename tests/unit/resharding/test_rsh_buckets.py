@@ -5,8 +5,6 @@ import torch
 
 from verl_hpc.resharding.buckets import MB, BucketStream, bucket_bytes_from, tensor_bytes
 
-pytestmark = pytest.mark.unit
-
 
 def _stream(sizes, dtype=torch.float32):
     """(name, tensor) with `sizes` elements each, values = index (to check order and content)."""

@@ -10,7 +10,6 @@ from verl_hpc.resharding import DigestSink, NullSink, SyncError, WeightSync, exp
 from verl_hpc.resharding.memory import HeapPeak, available, heap_in_use
 from verl_hpc.resharding.sinks import tensor_digest
 
-pytestmark = pytest.mark.unit
 
 SHAPES = {"model.embed_tokens.weight": (64, 16), "model.layers.0.self_attn.q_proj.weight": (16, 16),
           "model.layers.0.input_layernorm.weight": (16,), "lm_head.weight": (64, 16)}

@@ -3,7 +3,6 @@ import pytest
 
 from verl_hpc.rewards import basic, gsm8k, math_answer
 
-pytestmark = pytest.mark.unit
 
 # GSM8K-format rows written here (question, reference answer, ground truth as prepare derives it)
 GSM8K_ROWS = [

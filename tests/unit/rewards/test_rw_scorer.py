@@ -9,8 +9,6 @@ from verl_hpc.config.schema import RewardConfig, RewardModelConfig
 from verl_hpc.rewards import RewardError, RewardScorer, known_names, resolve
 from verl_hpc.rewards.custom import load_custom_function
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("source,name", [
     ("gsm8k", "gsm8k"), ("openai/gsm8k", "gsm8k"), ("GSM8K-test", "gsm8k"), ("gsm8k_flexible", "gsm8k_flexible"),

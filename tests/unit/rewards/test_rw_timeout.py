@@ -6,8 +6,6 @@ import pytest
 
 from verl_hpc.rewards.timeout import FunctionExited, RewardTimeout, TimedCaller
 
-pytestmark = pytest.mark.unit
-
 
 def test_the_limit_is_per_call_not_per_batch():
     caller = TimedCaller(timeout_s=2.0)

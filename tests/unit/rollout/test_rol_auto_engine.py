@@ -1,11 +1,8 @@
 """rollout.engine=auto: HF generate for tiny models on CPU (measured faster there); above that on CPU
 the engine with fewer cost-weighted token passes; vLLM on GPU; with the reason given."""
-import pytest
 
 from verl_hpc.config import load_config
 from verl_hpc.rollout import factory
-
-pytestmark = pytest.mark.unit
 
 
 def _cfg(path, *overrides):

@@ -15,8 +15,6 @@ from verl_hpc.rollout.result import RolloutResult, ShardOutput
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.rollout.weights import CheckedWeights
 
-pytestmark = pytest.mark.unit
-
 
 # ------------------------------------------------------------------ SamplingSpec
 def test_spec_from_config_and_validation_variant():

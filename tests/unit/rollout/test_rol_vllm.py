@@ -14,7 +14,6 @@ from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first, hf
 from verl_hpc.rollout import PromptTooLongError, SamplingSpec
 from verl_hpc.rollout import engine as engine_mod
 
-pytestmark = pytest.mark.unit
 
 GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
 EOS = 2  # tiny tokenizer's <|eos|>

@@ -7,12 +7,9 @@ import random
 import time
 
 import numpy as np
-import pytest
 import torch
 
 from verl_hpc.rollout import vllm_compat as compat
-
-pytestmark = pytest.mark.unit
 
 
 def test_pinned_vllm_version():

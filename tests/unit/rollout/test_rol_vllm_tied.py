@@ -6,7 +6,6 @@ from rol_helpers import (MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf
 
 from verl_hpc.rollout import SamplingSpec
 
-pytestmark = pytest.mark.unit
 
 GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
 PROMPTS = prompts_of_lengths(3, 17, 40)

@@ -7,7 +7,6 @@ import pytest
 from verl_hpc.tracking.console import ConsoleBackend, format_value, text_table
 from verl_hpc.tracking.progress import StepRate, format_duration, format_rate
 
-pytestmark = pytest.mark.unit
 
 METRICS = {"reward/score/mean": 0.532, "actor/pg_loss": -0.012, "actor/kl": math.nan,
            "actor/entropy": 1.23, "response_length/mean": 45.25, "perf/tokens_per_s": 12345.6,

@@ -2,12 +2,8 @@
 import json
 import math
 
-import pytest
-
 from verl_hpc.tracking import read_history, truncate_from
 from verl_hpc.tracking.jsonl import JsonlBackend
-
-pytestmark = pytest.mark.unit
 
 
 def lines(path):

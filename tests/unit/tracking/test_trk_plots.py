@@ -1,11 +1,8 @@
 """Plots: one PNG with a panel per metric group that has data; missing groups left out."""
 import math
 
-import pytest
-
 from verl_hpc.tracking import write_plots
 
-pytestmark = pytest.mark.unit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

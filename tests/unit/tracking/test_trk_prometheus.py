@@ -7,8 +7,6 @@ import pytest
 from verl_hpc.tracking import Tracker
 from verl_hpc.tracking.prometheus_backend import PrometheusBackend, sanitize
 
-pytestmark = pytest.mark.unit
-
 
 def free_port():
     with socket.socket() as s:

@@ -5,8 +5,6 @@ import pytest
 
 from verl_hpc.tracking import Tracker
 
-pytestmark = pytest.mark.unit
-
 
 def test_event_file_readable_by_event_accumulator(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -3,8 +3,6 @@ import pytest
 
 from verl_hpc.tracking import STAGES, StageTimer, throughput
 
-pytestmark = pytest.mark.unit
-
 
 class FakeClock:
     def __init__(self):

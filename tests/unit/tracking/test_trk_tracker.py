@@ -7,8 +7,6 @@ import torch
 
 from verl_hpc.tracking import BACKENDS, Tracker, missing_packages, read_history
 
-pytestmark = pytest.mark.unit
-
 
 def metrics(step):
     return {"reward/mean": 0.1 * step, "actor/kl": 0.01, "actor/entropy": 1.0,

@@ -14,8 +14,6 @@ import pytest
 
 from verl_hpc.tracking import Tracker, missing_packages
 
-pytestmark = pytest.mark.unit
-
 
 # ---------------------------------------------------------------- wandb
 class FakeRun:

@@ -10,8 +10,6 @@ import torch
 from verl_hpc.config.schema import JobConfig
 from verl_hpc.trainer import correction
 
-pytestmark = pytest.mark.unit
-
 
 class FakeActor:
     def __init__(self):

@@ -2,10 +2,7 @@
 (one gloo rank in this process, the tiny model): three actor updates with pi_old taken from the
 update's own forward end in bitwise the same weights as three updates with pi_old from a separate
 forward (trainer/correction.py; PolicyObjective.old_from_update)."""
-import pytest
 import torch
-
-pytestmark = pytest.mark.unit
 
 
 def _batches(steps: int, vocab: int):

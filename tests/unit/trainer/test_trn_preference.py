@@ -13,8 +13,6 @@ from verl_hpc.data.preference import load_preference_examples
 from verl_hpc.data.prepare import synthetic
 from verl_hpc.trainer.preference import build_batch, objective, surrogate_loss
 
-pytestmark = pytest.mark.unit
-
 
 class CharTokenizer:
     """One id per character, EOS 1; no chat template (plain prompts are used as they are)."""

@@ -16,7 +16,6 @@ from verl_hpc.tracking import StageTimer
 from verl_hpc.trainer.rl import RLTrainer
 from verl_hpc.trainer.roles import Roles
 
-pytestmark = pytest.mark.unit
 
 PROMPTS = {"1+2=": "3", "2+2=": "4"}
 

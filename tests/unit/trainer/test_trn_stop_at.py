@@ -8,8 +8,6 @@ import pytest
 from test_trn_step import PROMPTS, _trainer
 from verl_hpc.trainer.stopping import StopRule
 
-pytestmark = pytest.mark.unit
-
 
 def _fit(tmp_path, *overrides):
     val = tmp_path / "val.jsonl"

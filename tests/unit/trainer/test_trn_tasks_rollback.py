@@ -10,7 +10,6 @@ from verl_hpc.data.tasks import TaskSampler
 from verl_hpc.trainer.rollback_rules import RollbackRules
 from verl_hpc.trainer.task_weights import TaskWeightScheduler, task_metrics
 
-pytestmark = pytest.mark.unit
 GROUPS = {"easy": list(range(0, 10)), "hard": list(range(10, 40))}
 
 

@@ -12,8 +12,6 @@ from verl_hpc.trainer.guard import NonFiniteError, NonFiniteGuard
 from verl_hpc.trainer.sampling import dynamic_sampling_filter
 from verl_hpc.trainer.step_batch import concat_batches, first_groups
 
-pytestmark = pytest.mark.unit
-
 
 class Tok:
     def batch_decode(self, ids, skip_special_tokens=True):

@@ -9,20 +9,17 @@ import h5py
 import numpy as np
 import pytest
 
-from test_trn_recipes import small
-from trn_helpers import logs, make_assets, metrics, run_job
-
-pytestmark = pytest.mark.dist
+from jobs import logs, metrics, run_here, small
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+@pytest.fixture
+def assets(tiny_assets):
+    return tiny_assets
 
 
 def run(assets, out: Path, *extra):
-    proc, summary = run_job("configs/demo_rl.yaml", out, *small(assets, "rollout.n=2", "trainer.total_steps=1",
-                                                                *extra))
+    proc, summary = run_here("configs/demo_rl.yaml", out, *small(assets, "rollout.n=2", "trainer.total_steps=1",
+                                                                 *extra))
     assert proc.returncode == 0, logs(proc, out)
     assert summary["steps"] == 1
     return [r for r in metrics(out) if r.get("step", 0) >= 1]
@@ -56,8 +53,8 @@ def test_trn_correction_is_identity_when_engines_agree(assets, tmp_path):
     assert not differ, differ[:5]
 
 
-def test_trn_perturbed_rollout_weights_and_masks_by_hand(assets, tmp_path):
-    rows = run(assets, tmp_path / "shift", "trainer.inject_rollout_logprob_shift=0.5",
+def test_trn_perturbed_rollout_weights_and_masks_by_hand(tiny_assets, tmp_path):
+    rows = run(tiny_assets, tmp_path / "shift", "trainer.inject_rollout_logprob_shift=0.5",
                "algorithm.rollout_correction.rollout_is=token",
                "algorithm.rollout_correction.rollout_is_threshold=1.5",
                "algorithm.rollout_correction.rollout_rs=token",

@@ -1,25 +1,20 @@
 """Job-time errors (issue 11): a bad input found inside a rank ends it with one `error: ...` line
-and its class's exit code (verl_hpc/runtime/errors.py), never a traceback."""
+and its class's exit code (verl_hpc/runtime/errors.py), never a traceback. The rank's own entry
+(`verl_hpc.job.main`) runs in the test process (tests/jobs.py)."""
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from trn_helpers import data_overrides, make_assets
-
-pytestmark = pytest.mark.dist
-REPO = Path(__file__).resolve().parents[3]
+from jobs import data_overrides, run_here
 
 
-def run_rank(tmp_path, root, *overrides, timeout=400):
-    cmd = [sys.executable, "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"model.path={root}/model",
-           *data_overrides(root), f"trainer.output_dir={tmp_path}/out", "rollout.engine=hf", "trainer.total_steps=1",
-           "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4",
-           "trainer.val_every=0",
-           "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=1", *overrides]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def run_rank(tmp_path, root, *overrides):
+    proc, _ = run_here("configs/demo_rl.yaml", tmp_path / "out", f"model.path={root}/model", *data_overrides(root),
+                       "rollout.engine=hf", "trainer.total_steps=1", "data.train_batch_size=4", "rollout.n=2",
+                       "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4", "trainer.val_every=0",
+                       "tracking.backends=[jsonl]", "tracking.plots=false", *overrides)
+    return proc
 
 
 def check_one_line(proc, code, *words):
@@ -31,8 +26,9 @@ def check_one_line(proc, code, *words):
     return errors[0]
 
 
-def test_bad_data_row_at_job_time_is_one_line(tmp_path):
-    root = make_assets(tmp_path.parent / "assets_job_errors")
+@pytest.mark.check
+def test_bad_data_row_at_job_time_is_one_line(tmp_path, tiny_assets):
+    root = tiny_assets
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1?", "data_source": "synthetic", "ground_truth": "2"}) + "\n"
                    + json.dumps({"prompt": "2+2?", "data_source": "synthetic"}) + "\n")
@@ -40,8 +36,8 @@ def test_bad_data_row_at_job_time_is_one_line(tmp_path):
     check_one_line(proc, 10, str(bad), "line 2", "ground_truth")
 
 
-def test_truncated_weights_at_job_time_name_the_file(tmp_path):
-    root = make_assets(tmp_path.parent / "assets_job_errors")
+def test_truncated_weights_at_job_time_name_the_file(tmp_path, tiny_assets):
+    root = tiny_assets
     model = tmp_path / "model"
     subprocess.run(["cp", "-r", str(root / "model"), str(model)], check=True)
     weights = sorted(model.glob("*.safetensors"))[0]
@@ -50,8 +46,8 @@ def test_truncated_weights_at_job_time_name_the_file(tmp_path):
     check_one_line(proc, 13, f"'{weights}'", "truncated")
 
 
-def test_corrupt_checkpoint_at_resume_is_one_line(tmp_path):
-    root = make_assets(tmp_path.parent / "assets_job_errors")
+def test_corrupt_checkpoint_at_resume_is_one_line(tmp_path, tiny_assets):
+    root = tiny_assets
     ck = tmp_path / "ck"
     (ck / "step_000001").mkdir(parents=True)
     (ck / "step_000001" / "index.json").write_text("{not json")

@@ -3,30 +3,27 @@ plus one, the SFT warm start's systematic mistake), 12 steps of 32 examples from
 start (the one the RL learning tests use) take the held-out preference accuracy from 0.5 (policy =
 reference: every margin is 0, ties count 1/2) to >= 0.9, and the policy's greedy accuracy on the
 100 validation prompts (transformers' generate on the exported HF folder, independent of the
-engines) rises by more than 10 points. One spawn per loss gives both figures (1 rank; about 20 s of
+engines) rises by more than 10 points. One job per loss, in the test process, gives both figures (1 rank; about 20 s of
 training). Measured here: DPO 0.50 -> 0.96 and 36% -> 64%, KTO 0.50 -> 0.96 and 36% -> 65%
 (18 s and 25 s of training; each test 3 min wall on the 2-core machine under a load of ~14)."""
 import pytest
 
-from trn_helpers import data_overrides, logs, make_assets, run_job, warm_start
+from jobs import data_overrides, logs, run_here
 
-pytestmark = pytest.mark.dist
 STEPS = 12
 GREEDY_GAIN = 0.10
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    root = make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
-    warm_start(root)  # root/sft/hf
-    return root
+@pytest.fixture
+def warm(warm_assets):
+    return warm_assets  # the shared SFT warm start under sft/hf
 
 
 @pytest.fixture(scope="module")
-def greedy_before(warm):
+def greedy_before(warm_assets):
     from verl_hpc.trainer.greedy_eval import greedy_accuracy
 
-    return greedy_accuracy(str(warm / "sft" / "hf"), str(warm / "data" / "val.parquet"))
+    return greedy_accuracy(str(warm_assets / "sft" / "hf"), str(warm_assets / "data" / "val.parquet"))
 
 
 @pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"), ("kto", "kto_train")])
@@ -34,12 +31,12 @@ def test_trn_preference_training_learns(warm, greedy_before, tmp_path, loss, tra
     from verl_hpc.trainer.greedy_eval import greedy_accuracy
 
     out = tmp_path / loss
-    proc, s = run_job("configs/demo_dpo.yaml", out, f"model.path={warm}/sft/hf", *data_overrides(warm),
-                      f"algorithm.preference.loss={loss}",
-                      f"data.preference_files=[{warm}/data/{train_file}.parquet]",
-                      f"data.preference_val_files=[{warm}/data/preference_val.parquet]",
-                      f"trainer.total_steps={STEPS}", "trainer.val_every=0", "tracking.backends=[jsonl]",
-                      "tracking.plots=false", timeout=600)
+    proc, s = run_here("configs/demo_dpo.yaml", out, f"model.path={warm}/sft/hf", *data_overrides(warm),
+                       f"algorithm.preference.loss={loss}",
+                       f"data.preference_files=[{warm}/data/{train_file}.parquet]",
+                       f"data.preference_val_files=[{warm}/data/preference_val.parquet]",
+                       f"trainer.total_steps={STEPS}", "trainer.val_every=0", "tracking.backends=[jsonl]",
+                       "tracking.plots=false")
     assert proc.returncode == 0, logs(proc, out)
     greedy_after = greedy_accuracy(str(out / "hf"), str(warm / "data" / "val.parquet"))
     print(f"{loss}: held-out preference accuracy {s['val_accuracy_before']:.2f} -> {s['val_accuracy_after']:.2f}, "

@@ -7,8 +7,6 @@
   alerts a local webhook, halves the LR, skips the undone data and finishes; with max_rollbacks 0
   the job fails naming the metric.
 """
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from ops_services import webhook_receiver
-from trn_helpers import REPO, logs, make_assets, metrics, run_job
 
-from verl_hpc.checkpoint import open_checkpoint, read_metadata
-
-pytestmark = pytest.mark.dist
-HERE = Path(__file__).resolve().parent
-VOLATILE = ("timing_s/", "perf/", "throughput/", "time", "sync/seconds", "sync/gb_per_s", "sync/export_seconds",
-            "sync/load_seconds", "rollout/seconds", "rollout/tokens_per_s")
+from jobs import REPO, logs, metrics, read_all, run_here, stable_metrics
+from verl_hpc.checkpoint import read_metadata
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+def assets(tiny_assets):
+    root = tiny_assets
     if not (root / "data1" / "train.parquet").exists():  # the easy task: difficulty 1
         subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(root / "data1"),
                         "--n-train", "200", "--n-val", "20", "--difficulty", "1"], cwd=REPO, check=True,
@@ -53,23 +46,10 @@ def two_tasks(root):
             "trainer.val_every=2", "data.val_batch_size=50"]
 
 
-def env():
-    return dict(os.environ, PYTHONPATH=f"{REPO}:{HERE}")
-
-
-def stable(out):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in metrics(out)]
-
-
-def tensors(ckpt):
-    with open_checkpoint(ckpt) as r:
-        return {n: r.load_tensor(n) for n in r.tensors()}
-
-
 def test_two_tasks_weights_move_and_resume_is_bitwise(assets, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     args = tiny(assets, *two_tasks(assets), "trainer.total_steps=5")
-    proc, s = run_job("configs/demo_rl.yaml", straight, *args, env=env())
+    proc, s = run_here("configs/demo_rl.yaml", straight, *args)
     assert proc.returncode == 0, logs(proc, straight)
     rows = {r["step"]: r for r in metrics(straight)}
     assert rows[1]["task/easy/share"] == rows[1]["task/hard/share"] == 0.5
@@ -83,18 +63,18 @@ def test_two_tasks_weights_move_and_resume_is_bitwise(assets, tmp_path):
     assert rows[5]["task/easy/weight"] == 0.25 and rows[5]["task/hard/weight"] == 1.75
     assert Path(s["plot"]).is_file()
 
-    proc, s2 = run_job("configs/demo_rl.yaml", split, *args, f"trainer.resume={straight}/checkpoints/step_000002",
-                       f"checkpoint.dir={split}/checkpoints", env=env())
+    proc, s2 = run_here("configs/demo_rl.yaml", split, *args, f"trainer.resume={straight}/checkpoints/step_000002",
+                        f"checkpoint.dir={split}/checkpoints")
     assert proc.returncode == 0, logs(proc, split)
     assert s2["resumed_from"] == 2 and s2["steps"] == 5
-    a, b = tensors(straight / "checkpoints"), tensors(split / "checkpoints")
+    a, b = read_all(straight / "checkpoints"), read_all(split / "checkpoints")
     assert sorted(a) == sorted(b) and any(n.startswith("actor/optim/exp_avg/") for n in a)
     assert not [n for n in a if not torch.equal(a[n], b[n])], "not bitwise equal after resume"
     ta = read_metadata(straight / "checkpoints")["trainer_state"]
     tb = read_metadata(split / "checkpoints")["trainer_state"]
     assert ta["task_weights"] == tb["task_weights"] and ta["loader"] == tb["loader"]
     assert ta["task_weights"]["weights"] == {"easy": 0.25, "hard": 1.75}
-    assert stable(straight) == stable(split)
+    assert stable_metrics(straight) == stable_metrics(split)
 
 
 def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
@@ -102,7 +82,7 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     guard = ["trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2", "trainer.rollback.lr_scale=0.5",
              "trainer.rollback.skip_data=true", "trainer.val_every=0"]
     with webhook_receiver() as (hook, alerts):
-        proc, s = run_job("configs/demo_rl.yaml", out, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
+        proc, s = run_here("configs/demo_rl.yaml", out, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
                                                              *guard, "trainer.total_steps=5",
                                                              "trainer.inject_regression_at_steps=[4]",
                                                              "trainer.rollback.max_rollbacks=1",
@@ -127,7 +107,7 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     assert "rollback guard: rollback 1 of at most 1: step 4 ->" in text
 
     bad = tmp_path / "bad"
-    proc, _ = run_job("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
+    proc, _ = run_here("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
                                                          *guard, "trainer.total_steps=3",
                                                          "trainer.inject_regression_at_steps=[3]",
                                                          "trainer.rollback.max_rollbacks=0"))

@@ -9,15 +9,12 @@ import re
 import pytest
 import torch
 
-from ckpt_trainer_helpers import grpo, logs, make_assets, metrics, read_all, stable_metrics
-
-pytestmark = pytest.mark.dist
-MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant"]
+from jobs import MOVING, grpo, logs, metrics, read_all, stable_metrics
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return make_assets(tmp_path_factory.getbasetemp() / "trn_assets")
+@pytest.fixture
+def assets(tiny_assets):
+    return tiny_assets
 
 
 def test_ckpt_trainer_resume_is_exact(assets, tmp_path):
