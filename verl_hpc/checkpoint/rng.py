@@ -52,7 +52,7 @@ def capture_rng_state(generators: Optional[dict] = None) -> dict[str, np.ndarray
         "numpy_gauss": np.asarray([cached], dtype=np.float64),
         "torch_cpu": _bytes(torch.get_rng_state()),
     }
-    cuda = accelerator_rng_state()  # the current device's generator, through runtime/ (DESIGN.md)
+    cuda = accelerator_rng_state()  # the current device's generator, through runtime/
     if cuda is not None:
         out["torch_cuda"] = _bytes(cuda)
     tracker = _tracker()

@@ -1,4 +1,4 @@
-"""The `TrainingEngine` interface (DESIGN.md) that the trainer's roles are written against.
+"""The `TrainingEngine` interface (docs/architecture.md) that the trainer's roles are written against.
 
 Every method is a collective over all ranks of the engine (one SPMD program): every rank calls it
 with the same whole batch (verl_hpc/engines/batch.py) and gets the same result back. How the

@@ -1,5 +1,6 @@
 """Resharding: the actor's new weights from the Megatron training layout into the in-process
-rollout engine, after every update, collectively, in buckets, without disk (DESIGN.md, "The step").
+rollout engine, after every update, collectively, in buckets, without disk
+(docs/architecture.md, "The RL step").
 
     from verl_hpc.resharding import WeightSync, sync
     metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)   # every rank, same point

@@ -1,4 +1,4 @@
-"""Rollout: sample responses with logprobs from the current policy (DESIGN.md, "rollout/").
+"""Rollout: sample responses with logprobs from the current policy (docs/architecture.md).
 
     rollout = build_rollout(cfg, ctx)                 # VLLMRollout or HFRollout (rollout.engine)
     result  = rollout.generate(prompts, SamplingSpec.from_config(cfg.rollout).for_step(step))

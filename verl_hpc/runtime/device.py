@@ -1,4 +1,4 @@
-"""The one place that decides CPU or CUDA (DESIGN.md: no module reaches torch.cuda directly)."""
+"""The one place that decides CPU or CUDA (no other module reaches torch.cuda; docs/architecture.md)."""
 from __future__ import annotations
 
 import functools

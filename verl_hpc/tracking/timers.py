@@ -9,7 +9,7 @@
 
 GPU work is asynchronous: without a device synchronize at the stage edges the time of one stage's
 kernels is billed to whichever later stage first waits on them. The timer takes that synchronize
-as a callable because only runtime/ may touch torch.cuda (DESIGN.md); on CPU it is not needed.
+as a callable because only runtime/ may touch torch.cuda (docs/architecture.md); on CPU it is not needed.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
-# The stages of DESIGN.md's step, in order; other names are accepted too (a recipe may add one).
+# The stages of the RL step (trainer/rl.py), in order; other names are accepted too (a recipe may add one).
 STAGES = ("generate", "reward", "old_logprob", "ref", "values", "adv", "update_critic",
           "update_actor", "wake", "sync")
 

@@ -1,4 +1,4 @@
-"""The RL program (`trainer.job: rl`): DESIGN.md's step, for every recipe of the algorithm library.
+"""The RL program (`trainer.job: rl`): the RL step (docs/architecture.md) for every recipe.
 
     python -m verl_hpc.submit configs/grpo_tiny_cpu.yaml --local      # or on Slurm without --local
 
