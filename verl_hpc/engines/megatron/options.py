@@ -79,5 +79,3 @@ def check_options(o: EngineOptions) -> None:
                          f"{', '.join(RECOMPUTE)}")
     if o.share_prompts not in SHARE_PROMPTS:
         raise ValueError(f"actor.share_prompts: {o.share_prompts!r}; valid: {', '.join(SHARE_PROMPTS)}")
-    if o.temperature <= 0:
-        raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")
