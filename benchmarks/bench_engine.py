@@ -72,11 +72,11 @@ def hf_step(model, batch):
 
 def build_engine(folder, micro_batch_size):
     from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
 
-    return MegatronEngine(EngineOptions(model_path=str(folder), optim=OptimConfig(lr=1e-5),
-                                        micro_batch_size=micro_batch_size,
-                                        use_distributed_optimizer=False))
+    return MegatronEngine(default_options(model_path=str(folder), optim=OptimConfig(lr=1e-5),
+                                          micro_batch_size=micro_batch_size,
+                                          use_distributed_optimizer=False))
 
 
 def timed(fn):

@@ -65,7 +65,8 @@ def main(argv=None) -> None:
 
     import torch
 
-    from verl_hpc.rollout import HFRollout, SamplingSpec, VLLMRollout
+    from verl_hpc.rollout import HFRollout, VLLMRollout
+    from verl_hpc.rollout.spec import default_spec
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)  # before vLLM: its CPU worker would otherwise keep it
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     path = build_model(Path(tmp.name) / f"llama{a.shape}", a.shape)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(5, 8000, (a.prompts, a.prompt_len), generator=gen).tolist()
-    spec = SamplingSpec(n=a.n, temperature=1.0, max_tokens=a.new_tokens, min_tokens=a.new_tokens,
+    spec = default_spec(n=a.n, temperature=1.0, max_tokens=a.new_tokens, min_tokens=a.new_tokens,
                         seed=0)
     tokens = a.prompts * a.n * a.new_tokens
 
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
         runs["hf"] = run_hf
     if not a.no_hf_rollout:
         runs["hf-rollout"] = run_hf_rollout
-    warm = SamplingSpec(n=1, temperature=1.0, max_tokens=4, min_tokens=4)
+    warm = default_spec(n=1, temperature=1.0, max_tokens=4, min_tokens=4)
     vllm.generate(prompts[:4], warm)
     hf_rollout.generate(prompts[:4], warm)
     with torch.no_grad():

@@ -189,12 +189,12 @@ def engine_logprob_parity(kit: Kit) -> str:
     """The frozen engine (reference role) in model dtype vs transformers on the same device."""
     import torch
 
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
 
     path = _tiny_model(kit)
     batch = _batch()
     facts = dict(model_path=path, dtype=kit.dtype, role="ref", tokens=int(batch["input_ids"].numel()))
-    eng = kit.measure("engine build (frozen)", lambda: MegatronEngine(EngineOptions(
+    eng = kit.measure("engine build (frozen)", lambda: MegatronEngine(default_options(
         model_path=path, trainable=False, dtype=kit.dtype, micro_batch_size=2)), facts)
     got = kit.measure("engine forward (log-probs)", lambda: eng.forward(batch, ("log_probs",)), facts)
     device = "cpu" if kit.rehearsal else "cuda"
@@ -215,9 +215,9 @@ def _loss_fn(out, mb, counts):
 
 def _train_engine(kit: Kit):
     from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
 
-    return MegatronEngine(EngineOptions(
+    return MegatronEngine(default_options(
         model_path=_tiny_model(kit), dtype=kit.dtype, micro_batch_size=2, total_steps=4,
         use_distributed_optimizer=True, optim=OptimConfig(lr=1e-3, weight_decay=0.01)))
 
@@ -307,7 +307,7 @@ def memory_plan(kit: Kit) -> str:
 
 # ----------------------------------------------------------------------------- what one GPU cannot show
 def te_fp8(kit: Kit) -> str:
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
     from verl_hpc.models.gpt import transformer_engine_available
 
     if kit.rehearsal or not transformer_engine_available():
@@ -318,8 +318,8 @@ def te_fp8(kit: Kit) -> str:
 
     if compute_capability() < (8, 9):
         raise NotTestable(f"FP8 needs compute capability >= 8.9; this GPU has {compute_capability()}")
-    eng = MegatronEngine(EngineOptions(model_path=_tiny_model(kit), trainable=False,
-                                       dtype="bfloat16", fp8=True, micro_batch_size=2))
+    eng = MegatronEngine(default_options(model_path=_tiny_model(kit), trainable=False,
+                                         dtype="bfloat16", fp8=True, micro_batch_size=2))
     out = eng.forward(_batch(), ("log_probs",))
     assert torch.isfinite(out["log_probs"]).all()
     return "TE layer spec, fp8 hybrid/delayed forward finite"

@@ -58,7 +58,6 @@ class RolloutEngine(abc.ABC):
         """Sample `sampling.n` responses for each prompt; see the module doc for multi-rank use."""
         start = time.perf_counter()
         self._check_usable()
-        sampling.validate()
         if sampling.max_tokens > self.max_response_length:
             raise ValueError(
                 f"sampling.max_tokens={sampling.max_tokens} exceeds what this engine was built "

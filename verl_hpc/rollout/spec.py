@@ -14,6 +14,7 @@ generator, so its samples depend on the batch it was in).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Tuple
 
@@ -22,44 +23,24 @@ LOGPROBS_MODES = ("processed", "raw")
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSpec:
-    n: int = 1  # responses per prompt
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    max_tokens: int = 128
-    stop: Tuple[str, ...] = ()  # stop strings (the token that completes one is kept)
-    seed: int = 0
-    min_tokens: int = 0  # EOS is masked until this many tokens (benchmarks: exact lengths)
+    """Every field is required: values and their checks live in the `rollout:` section, and
+    `from_config` is the one place that reads them. Code without a config (tests, benchmarks)
+    starts from `default_spec()` and replaces what it varies."""
+    n: int  # responses per prompt
+    temperature: float  # 0 = greedy (validation; training sampling is > 0, see the rollout section)
+    top_p: float
+    top_k: int  # -1 = off
+    max_tokens: int
+    stop: Tuple[str, ...]  # stop strings (the token that completes one is kept)
+    seed: int
+    min_tokens: int  # EOS is masked until this many tokens (benchmarks: exact lengths); not a config field
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
-        self.validate()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def validate(self) -> "SamplingSpec":
-        """Raise ValueError naming the `rollout.*` field at fault and what would be valid."""
-        checks = [
-            (isinstance(self.n, int) and self.n >= 1, "rollout.n", self.n, "an integer >= 1"),
-            (self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0 (0 = greedy)"),
-            (0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-             "rollout.top_k", self.top_k, "-1 (off) or an integer >= 1"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "rollout.max_tokens",
-             self.max_tokens, "an integer >= 1"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             "min_tokens", self.min_tokens, f"between 0 and max_tokens={self.max_tokens}"),
-            (all(isinstance(s, str) and s for s in self.stop), "rollout.stop", list(self.stop),
-             "a list of non-empty strings"),
-            (isinstance(self.seed, int) and self.seed >= 0, "rollout.seed", self.seed,
-             "an integer >= 0"),
-        ]
-        for ok, field, value, valid in checks:
-            if not ok:
-                raise ValueError(f"{field}={value!r} is not valid: expected {valid}")
-        return self
 
     def for_step(self, step: int, round_: int = 0) -> "SamplingSpec":
         """The same spec with a seed of its own for training step `step` (see module doc), and for
@@ -69,16 +50,29 @@ class SamplingSpec:
 
     @classmethod
     def from_config(cls, r) -> "SamplingSpec":
-        """Training sampling from the `rollout:` section of a loaded config (max_tokens resolved)."""
+        """Training sampling from the `rollout:` section of a loaded config (max_tokens resolved).
+        min_tokens is 0: no config field asks for forced lengths."""
         return cls(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   max_tokens=r.max_tokens, stop=tuple(r.stop),
-                   seed=r.seed)
+                   max_tokens=r.max_tokens, stop=tuple(r.stop), seed=r.seed, min_tokens=0)
 
     @classmethod
     def validation_from_config(cls, r) -> "SamplingSpec":
         """Validation sampling: one response per prompt at rollout.val_temperature (0 = greedy),
         otherwise as training (top_p/top_k apply only when val_temperature > 0)."""
         return dataclasses.replace(cls.from_config(r), n=1, temperature=r.val_temperature)
+
+
+@functools.lru_cache(maxsize=1)
+def _default_section_spec() -> SamplingSpec:
+    from verl_hpc.config import load_config  # lazily: the config package is not needed to sample
+
+    return SamplingSpec.from_config(load_config(None).rollout)
+
+
+def default_spec(**changes) -> SamplingSpec:
+    """The spec of the default `rollout:` section (resolved), with `changes` replaced: for code that
+    samples without a job config (tests, benchmarks)."""
+    return dataclasses.replace(_default_section_spec(), **changes)
 
 
 def request_seed(base: int, *parts) -> int:

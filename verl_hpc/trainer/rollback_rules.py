@@ -21,7 +21,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Mapping, Optional, Tuple
 
-from verl_hpc.config.schema import choices_of, default_of
 
 
 @dataclass(frozen=True)
@@ -41,17 +40,10 @@ class Trip:
 
 
 class RollbackRules:
-    def __init__(self, metrics: List[str], drop: float = default_of("trainer.rollback.drop"),
-                 baseline: str = default_of("trainer.rollback.baseline"),
-                 window: int = default_of("trainer.rollback.window"),
-                 drop_floor: float = default_of("trainer.rollback.drop_floor"),
-                 warmup_steps: int = default_of("trainer.rollback.warmup_steps"),
-                 kl_metric: str = default_of("trainer.rollback.kl_metric"),
-                 kl_max: float = default_of("trainer.rollback.kl_max"),
-                 entropy_metric: str = default_of("trainer.rollback.entropy_metric"),
-                 entropy_min: float = default_of("trainer.rollback.entropy_min")):
-        if baseline not in choices_of("trainer.rollback.baseline"):
-            raise ValueError(f"trainer.rollback.baseline: {baseline!r}; valid: {', '.join(choices_of('trainer.rollback.baseline'))}")
+    # every argument is required: from_config passes the trainer.rollback section, which owns the
+    # defaults and checks the names (baseline's choices)
+    def __init__(self, metrics: List[str], drop: float, baseline: str, window: int, drop_floor: float,
+                 warmup_steps: int, kl_metric: str, kl_max: float, entropy_metric: str, entropy_min: float):
         self.metrics, self.drop, self.baseline = list(metrics), float(drop), baseline
         self.window, self.drop_floor, self.warmup_steps = int(window), float(drop_floor), int(warmup_steps)
         self.kl_metric, self.kl_max = kl_metric, float(kl_max)

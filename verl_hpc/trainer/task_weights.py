@@ -26,7 +26,6 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.data.tasks import task_of
 
 METRIC_KEYS = {"reward": "task/{}/reward", "acc": "task/{}/acc",
@@ -54,17 +53,10 @@ def task_metrics(scores: torch.Tensor, lengths: torch.Tensor, extras: Sequence[M
 
 
 class TaskWeightScheduler:
-    def __init__(self, weights: Mapping[str, float], schedule: str = default_of("data.task_weights.schedule"),
-                 metric: str = default_of("data.task_weights.metric"),
-                 patience: int = default_of("data.task_weights.patience"),
-                 min_delta: float = default_of("data.task_weights.min_delta"),
-                 saturation: float = default_of("data.task_weights.saturation"),
-                 decay: float = default_of("data.task_weights.decay"),
-                 min_weight: float = default_of("data.task_weights.min_weight")):
-        if schedule not in choices_of("data.task_weights.schedule"):
-            raise ValueError(f"data.task_weights.schedule: {schedule!r}; valid: {', '.join(choices_of('data.task_weights.schedule'))}")
-        if metric not in METRIC_KEYS:
-            raise ValueError(f"data.task_weights.metric: {metric!r}; valid: {', '.join(METRIC_KEYS)}")
+    # every argument is required: from_config passes the data.task_weights section, which owns the
+    # defaults and checks the names (schedule's and metric's choices)
+    def __init__(self, weights: Mapping[str, float], schedule: str, metric: str, patience: int,
+                 min_delta: float, saturation: float, decay: float, min_weight: float):
         self.tasks = sorted(weights)
         self.weights = {t: float(weights[t]) for t in self.tasks}
         self.schedule, self.metric = schedule, metric

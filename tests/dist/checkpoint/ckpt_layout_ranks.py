@@ -22,7 +22,7 @@ def main(workdir: str) -> None:
     from verl_hpc.checkpoint import open_checkpoint, save_checkpoint
     from verl_hpc.checkpoint.trainer_state import _prefixed
     from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
     from verl_hpc.runtime import bootstrap
 
@@ -31,8 +31,8 @@ def main(workdir: str) -> None:
     ids = torch.tensor(args["ids"])
     for lay in args["layouts"]:
         init_model_parallel(lay["tp"], lay["pp"], seed=1)
-        eng = MegatronEngine(EngineOptions(model_path=args["model"], optim=OptimConfig(lr=1e-3),
-                                           micro_batch_size=4, total_steps=10, use_distributed_optimizer=True))
+        eng = MegatronEngine(default_options(model_path=args["model"], optim=OptimConfig(lr=1e-3),
+                                             micro_batch_size=4, total_steps=10, use_distributed_optimizer=True))
         for i, src in enumerate(lay["load"]):
             with open_checkpoint(src) as r:
                 eng.load_state(lambda slabs: r.load_into(_prefixed("actor", slabs)),

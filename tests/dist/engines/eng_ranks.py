@@ -54,13 +54,13 @@ def _update(eng, acfg, batch):
 
 
 def _engine(args, model: str, **kw):
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
 
     opts = dict(model_path=args["models"][model], optim=_optim(args["optim"]),
                 micro_batch_size=args["micro_batch_size"], total_steps=args["total_steps"],
                 use_distributed_optimizer=True)
     opts.update(kw)
-    return MegatronEngine(EngineOptions(**opts))
+    return MegatronEngine(default_options(**opts))
 
 
 def _save(workdir, name, obj):
@@ -136,7 +136,7 @@ def check_roles(args, layout, workdir, batch) -> dict:
 
     from verl_hpc.algorithms import ValueObjective
     from verl_hpc.config.schema import CriticConfig
-    from verl_hpc.engines.megatron import Critic, EngineOptions, MegatronEngine, Reference, RewardModel
+    from verl_hpc.engines.megatron import Critic, default_options, MegatronEngine, Reference, RewardModel
 
     res = {}
     critic = Critic(_engine(args, "llama", head="value"), CriticConfig(ppo_mini_batch_size=8))
@@ -147,8 +147,8 @@ def check_roles(args, layout, workdir, batch) -> dict:
     _save(workdir, f"{layout}.critic.llama", {"before": values, "after": values_after})
     res["critic_export_names"] = [n for n, _ in critic.engine.export_hf_weights()][-2:]
     del critic
-    ref = Reference(MegatronEngine(EngineOptions(model_path=args["models"]["llama"], trainable=False,
-                                                 micro_batch_size=3)))
+    ref = Reference(MegatronEngine(default_options(model_path=args["models"]["llama"], trainable=False,
+                                                   micro_batch_size=3)))
     res["ref_requires_grad"] = any(p.requires_grad for p in ref.engine._parameters())
     res["ref_optimizer"] = ref.engine.optimizer is not None
     res["ref_grads"] = any(p.grad is not None for p in ref.engine._parameters())
@@ -159,12 +159,12 @@ def check_roles(args, layout, workdir, batch) -> dict:
         res["ref_train_error"] = str(e)
     _save(workdir, f"{layout}.ref.llama", ref.log_probs(batch))
     del ref
-    rm = RewardModel(MegatronEngine(EngineOptions(model_path=args["models"]["reward"], head="value",
-                                                  trainable=False, max_tokens_per_microbatch=30)))
+    rm = RewardModel(MegatronEngine(default_options(model_path=args["models"]["reward"], head="value",
+                                                    trainable=False, max_tokens_per_microbatch=30)))
     _save(workdir, f"{layout}.reward.reward", rm.score(batch))
     del rm
-    local = MegatronEngine(EngineOptions(model_path=args["models"]["llama"], trainable=False,
-                                         sdpa_attention=False))
+    local = MegatronEngine(default_options(model_path=args["models"]["llama"], trainable=False,
+                                           sdpa_attention=False))
     _save(workdir, f"{layout}.local_attention.llama", local.forward(batch))
     return res
 

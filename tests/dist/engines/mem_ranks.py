@@ -27,7 +27,7 @@ def launch(world_size: int, args: dict, workdir: Path, timeout: float = 500):
 
 def _options(args, layout, **kw):
     from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import EngineOptions
+    from verl_hpc.engines.megatron import default_options
 
     o = dict(model_path=args["model"], optim=OptimConfig(**args["optim"]), micro_batch_size=2,
              total_steps=10, use_distributed_optimizer=True,
@@ -35,7 +35,7 @@ def _options(args, layout, **kw):
              recompute_method=layout.get("method", "uniform"),
              recompute_num_layers=layout.get("num_layers", 1))
     o.update(kw)
-    return EngineOptions(**o)
+    return default_options(**o)
 
 
 def _loss(out, mb, counts):

@@ -103,11 +103,11 @@ def check_sync(actor, rollout, args, *, layout: str, rollout_tp: int, bucket_mb:
 
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.resharding import sync
-    from verl_hpc.rollout import SamplingSpec
+    from verl_hpc.rollout.spec import default_spec
 
     rollout.wake()  # the trainer's order: wake, then sync (a no-op on CPU)
     metrics = sync(actor, rollout, bucket_mb=bucket_mb)
-    greedy = SamplingSpec(temperature=0, max_tokens=args["max_new"])
+    greedy = default_spec(temperature=0, max_tokens=args["max_new"])
     res = rollout.generate(args["prompts"], greedy)
     batch = pack_sequences([res.prompts[i] for i in res.prompt_index], res.response_ids)
     actor_lp = actor.log_probs(batch)["old_log_probs"]
@@ -153,13 +153,14 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
     import torch.distributed as dist
 
     from verl_hpc.resharding import sync
-    from verl_hpc.rollout import SamplingSpec, VLLMRollout
+    from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.spec import default_spec
 
     rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,
                           max_prompt_length=args["max_prompt"], max_response_length=args["max_new"])
     try:
         sync(model, rollout, bucket_mb=bucket_mb)
-        res = rollout.generate(args["prompts"], SamplingSpec(temperature=0, max_tokens=args["max_new"]))
+        res = rollout.generate(args["prompts"], default_spec(temperature=0, max_tokens=args["max_new"]))
         return dict(response_ids=res.response_ids, logprobs=res.logprobs)
     finally:
         rollout.close()

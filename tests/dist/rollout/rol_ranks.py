@@ -46,15 +46,15 @@ def _collective_ok():
 
 def _scenario(workdir: Path) -> None:
     from hf_reference import perturbed_state
-    from verl_hpc.rollout import SamplingSpec
+    from verl_hpc.rollout.spec import default_spec
     from verl_hpc.rollout.vllm_compat import job_token, mapped_shm_paths
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
     from verl_hpc.runtime import bootstrap, shutdown
 
     args = json.loads((workdir / "args.json").read_text())
     ctx = bootstrap(seed=3)
-    greedy = SamplingSpec(temperature=0, max_tokens=args["max_new"])
-    sampled = SamplingSpec(n=2, temperature=0.8, top_k=20, max_tokens=args["max_new"], seed=9)
+    greedy = default_spec(temperature=0, max_tokens=args["max_new"])
+    sampled = default_spec(n=2, temperature=0.8, top_k=20, max_tokens=args["max_new"], seed=9)
     new_state = perturbed_state(args["model"])
     out = {"rank": ctx.rank}
     for tp in (2, 1):

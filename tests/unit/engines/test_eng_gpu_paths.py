@@ -11,7 +11,7 @@ from verl_hpc.config import ConfigError, load_config, validate
 from verl_hpc.engines.megatron import build as build_mod
 from verl_hpc.engines.megatron import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
-from verl_hpc.engines.megatron.options import EngineOptions, check_options
+from verl_hpc.engines.megatron.options import check_options, default_options
 from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches, PerfOptions
 from verl_hpc.engines.megatron.roles import engine_options
 from verl_hpc.models import gpt as gpt_mod
@@ -71,7 +71,7 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
 
 
 def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
-    opts = EngineOptions(model_path="/m", trainable=False, fp8=True)
+    opts = default_options(model_path="/m", trainable=False, fp8=True)
     with pytest.raises(RuntimeError, match="model.fp8=true needs a CUDA GPU"):
         check_options(opts)
     monkeypatch.setattr(gpt_mod, "has_gpu", lambda: True)
@@ -84,7 +84,7 @@ def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
 
 # ------------------------------------------------------------------- sequence parallel (5)
 def test_sequence_parallel_without_te_is_refused(monkeypatch):
-    opts = EngineOptions(model_path="/m", trainable=False, sequence_parallel=True)
+    opts = default_options(model_path="/m", trainable=False, sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=true needs the Transformer Engine"):
         check_options(opts)  # CPU
     monkeypatch.setattr(options_mod, "has_gpu", lambda: True)

@@ -45,3 +45,17 @@ def test_critic_and_reward_model_have_value_heads():
 def test_unknown_role():
     with pytest.raises(ValueError, match="valid: actor, critic, ref, reward"):
         engine_options("judge", _cfg())
+
+
+def test_options_declare_no_defaults_and_default_options_is_the_default_config():
+    import dataclasses
+
+    from verl_hpc.config import load_config
+    from verl_hpc.engines.megatron.options import EngineOptions, default_options
+
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               for f in dataclasses.fields(EngineOptions))
+    cfg = load_config(None)
+    o = default_options("/m", micro_batch_size=2)
+    want = dataclasses.replace(EngineOptions.from_config(cfg, "actor"), model_path="/m", micro_batch_size=2)
+    assert o == want and o.dtype == cfg.model.dtype and o.share_prompts == cfg.actor.share_prompts

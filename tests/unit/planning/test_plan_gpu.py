@@ -14,7 +14,7 @@ def test_allocated_bytes_per_phase_match_the_plan(tmp_path, monkeypatch):
     import torch
 
     from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import default_options, MegatronEngine
     from verl_hpc.engines.batch import get_response_mask, pack_sequences
     from verl_hpc.models import load_arch
     from verl_hpc.models.tiny import make_tiny_model
@@ -34,8 +34,8 @@ def test_allocated_bytes_per_phase_match_the_plan(tmp_path, monkeypatch):
     arch = load_arch(folder)
     s, b = 1024, 2
     base = torch.cuda.memory_allocated()
-    eng = MegatronEngine(EngineOptions(model_path=str(folder), dtype="bfloat16", micro_batch_size=b,
-                                       optim=OptimConfig(lr=1e-5)))
+    eng = MegatronEngine(default_options(model_path=str(folder), dtype="bfloat16", micro_batch_size=b,
+                                         optim=OptimConfig(lr=1e-5)))
     g = torch.Generator().manual_seed(0)
     batch = pack_sequences([torch.randint(5, 400, (s // 2,), generator=g).tolist()] * b,
                            [torch.randint(5, 400, (s // 2,), generator=g).tolist()] * b)

@@ -3,11 +3,11 @@ CUDA device (tests/conftest.py); not yet run by this project (no GPU in its CI s
 import pytest
 from rol_helpers import MAX_NEW, MAX_PROMPT, hf_greedy, load_hf, perturbed_state, prompts_of_lengths
 
-from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout.spec import default_spec
 
 pytestmark = pytest.mark.gpu
 
-GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
+GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 PROMPTS = prompts_of_lengths(3, 17, 64)
 
 

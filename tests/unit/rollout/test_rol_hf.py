@@ -6,11 +6,11 @@ from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first, hf
                          load_hf, max_diff, perturbed_state, pick_stop_string, prompts_of_lengths,
                          teacher_forced_logprobs)
 
-from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout.spec import default_spec
 from verl_hpc.rollout import engine as engine_mod
 
 
-GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
+GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 EOS = 2
 PROMPTS = prompts_of_lengths(3, 17, 64, 160)
 
@@ -47,12 +47,12 @@ def test_greedy_matches_transformers_reference(engine, reference):
     assert _column_major(engine)  # the CPU decode layout (column_major_linear_weights), same results
     diff = assert_matches(engine.generate(PROMPTS, GREEDY), reference)
     print(f"HFRollout greedy vs reference: max |logprob diff| = {diff:.2e}")
-    two = engine.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0, max_tokens=MAX_NEW))
+    two = engine.generate(PROMPTS[:2], default_spec(n=2, temperature=0, max_tokens=MAX_NEW))
     assert two.response_ids[0] == two.response_ids[1] and two.sample_index == [0, 1, 0, 1]
 
 
 def test_sampling_is_seeded_ordered_and_logprobs_are_processed(engine, hf):
-    spec = SamplingSpec(n=3, temperature=0.7, top_k=20, max_tokens=MAX_NEW, seed=5)
+    spec = default_spec(n=3, temperature=0.7, top_k=20, max_tokens=MAX_NEW, seed=5)
     first, again = engine.generate(PROMPTS[:3], spec), engine.generate(PROMPTS[:3], spec)
     assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
     assert first.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2] and first.sample_index == [0, 1, 2] * 3
@@ -70,7 +70,7 @@ def test_shared_prefill_draws_what_hf_expansion_draws(engine, tiny_model, hf):
     prompt (nothing to prefill) included; the shared path is the one that ran."""
     plain = _build(tiny_model, share_prefill=False)
     prompts = PROMPTS[:3] + prompts_of_lengths(1, 5, seed=3)
-    spec = SamplingSpec(n=4, temperature=0.9, top_k=30, max_tokens=MAX_NEW, seed=11)
+    spec = default_spec(n=4, temperature=0.9, top_k=30, max_tokens=MAX_NEW, seed=11)
     calls = []
     original = engine._shared_prefill
     engine._shared_prefill = lambda *a: calls.append(a[0].shape) or original(*a)
@@ -91,7 +91,7 @@ def test_shared_prefill_draws_what_hf_expansion_draws(engine, tiny_model, hf):
 
 def test_raw_logprobs_ignore_temperature(tiny_model, hf):
     raw = _build(tiny_model, logprobs_mode="raw")
-    result = raw.generate(PROMPTS[:2], SamplingSpec(n=2, temperature=0.7, top_k=20,
+    result = raw.generate(PROMPTS[:2], default_spec(n=2, temperature=0.7, top_k=20,
                                                     max_tokens=MAX_NEW))
     for row in range(len(result)):
         ref = teacher_forced_logprobs(hf, PROMPTS[result.prompt_index[row]], result.response_ids[row])
@@ -106,7 +106,7 @@ def test_stop_strings(engine, tiny_model):
     picks = [pick_stop_string(tok, r) for r in greedy.response_ids]
     row = next(i for i, p in enumerate(picks) if p)
     stop, count = picks[row]
-    result = engine.generate([PROMPTS[row], PROMPTS[row]], SamplingSpec(
+    result = engine.generate([PROMPTS[row], PROMPTS[row]], default_spec(
         temperature=0, max_tokens=MAX_NEW, stop=(stop, "never-seen")))
     assert result.finish_reason == ["stop", "stop"]
     assert result.response_ids[0] == greedy.response_ids[row][:count]
@@ -119,7 +119,7 @@ def test_eos_and_min_tokens(engine, hf, tiny_model, original):
         result = engine.generate(PROMPTS[:2], GREEDY)
         assert result.response_ids[0] == [EOS] and result.finish_reason[0] == "stop"
         assert_matches(result, hf_greedy(model, PROMPTS[:2], eos=EOS))
-        held = engine.generate(PROMPTS[:1], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
+        held = engine.generate(PROMPTS[:1], default_spec(temperature=0, max_tokens=MAX_NEW,
                                                          min_tokens=3))
         assert_matches(held, hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3))
     finally:

@@ -11,11 +11,12 @@ from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first, hf
                          load_hf, max_diff, perturbed_state, pick_stop_string, prompts_of_lengths,
                          teacher_forced_logprobs)
 
-from verl_hpc.rollout import PromptTooLongError, SamplingSpec
+from verl_hpc.rollout import PromptTooLongError
+from verl_hpc.rollout.spec import default_spec
 from verl_hpc.rollout import engine as engine_mod
 
 
-GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
+GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 EOS = 2  # tiny tokenizer's <|eos|>
 PROMPTS = prompts_of_lengths(3, 17, 64, 160)  # 160 > one 128-token KV block: it gets cached
 
@@ -71,7 +72,7 @@ def test_greedy_matches_transformers(engine, reference):
 
 
 def test_sampling_is_seeded_ordered_and_logprobs_are_the_sampled_distribution(engine, hf):
-    spec = SamplingSpec(n=3, temperature=0.7, top_k=20, max_tokens=MAX_NEW, seed=5)
+    spec = default_spec(n=3, temperature=0.7, top_k=20, max_tokens=MAX_NEW, seed=5)
     first, again = engine.generate(PROMPTS[:3], spec), engine.generate(PROMPTS[:3], spec)
     assert first.response_ids == again.response_ids and first.logprobs == again.logprobs
     assert first.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2] and first.sample_index == [0, 1, 2] * 3
@@ -92,7 +93,7 @@ def test_stop_strings_end_a_response_at_the_completing_token(engine, hf, tiny_mo
     picks = [pick_stop_string(tok, r) for r in greedy.response_ids]
     row = next(i for i, p in enumerate(picks) if p)
     stop, count = picks[row]
-    result = engine.generate([PROMPTS[row]], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
+    result = engine.generate([PROMPTS[row]], default_spec(temperature=0, max_tokens=MAX_NEW,
                                                           stop=(stop,)))
     assert result.finish_reason == ["stop"]
     assert result.response_ids[0] == greedy.response_ids[row][:count]
@@ -158,7 +159,7 @@ def test_eos_ends_with_stop_and_min_tokens_holds_it_back(engine, hf, tiny_model,
         result = engine.generate(PROMPTS[:1], GREEDY)
         assert result.response_ids == [[EOS]] and result.finish_reason == ["stop"]
         assert_matches(result, hf_greedy(model, PROMPTS[:1], eos=EOS))
-        held = engine.generate(PROMPTS[:1], SamplingSpec(temperature=0, max_tokens=MAX_NEW,
+        held = engine.generate(PROMPTS[:1], default_spec(temperature=0, max_tokens=MAX_NEW,
                                                          min_tokens=3))
         ref = hf_greedy(model, PROMPTS[:1], eos=EOS, min_tokens=3)
         assert len(held.response_ids[0]) >= 4 and EOS not in held.response_ids[0][:3]

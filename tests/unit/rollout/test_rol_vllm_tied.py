@@ -4,10 +4,10 @@ import pytest
 from rol_helpers import (MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, max_diff,
                          perturbed_state, prompts_of_lengths)
 
-from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout.spec import default_spec
 
 
-GREEDY = SamplingSpec(temperature=0, max_tokens=MAX_NEW)
+GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 PROMPTS = prompts_of_lengths(3, 17, 40)
 
 

@@ -25,7 +25,7 @@ def test_trn_shortcut_gives_bitwise_the_weights_of_the_separate_forward(one_rank
 
     from verl_hpc.algorithms import PolicyObjective
     from verl_hpc.config.schema import ActorConfig, OptimConfig
-    from verl_hpc.engines.megatron import Actor, EngineOptions, MegatronEngine
+    from verl_hpc.engines.megatron import Actor, default_options, MegatronEngine
     from verl_hpc.parallel import init_model_parallel
 
     from verl_hpc.models.tiny import make_tiny_model
@@ -39,8 +39,8 @@ def test_trn_shortcut_gives_bitwise_the_weights_of_the_separate_forward(one_rank
 
     def run(shortcut: bool):
         torch.manual_seed(0)
-        eng = MegatronEngine(EngineOptions(model_path=str(model), optim=OptimConfig(lr=5e-2, clip_grad=0.0),
-                                           micro_batch_size=2, total_steps=3, temperature=0.9))
+        eng = MegatronEngine(default_options(model_path=str(model), optim=OptimConfig(lr=5e-2, clip_grad=0.0),
+                                             micro_batch_size=2, total_steps=3, temperature=0.9))
         actor = Actor(eng, acfg)
         metrics = []
         for b in _batches(3, 250):

@@ -20,7 +20,14 @@ class OptimConfig(Section):
 
     def check(self, job) -> List[str]:
         role = next(name for name in ("actor", "critic") if getattr(job, name).optim is self)
-        return self.own_problems(f"{role}.optim")
+        p = self.own_problems(f"{role}.optim")
+        # The run's step count is at most trainer.total_steps (sft/dpo: fewer when the data runs
+        # out first, which the scheduler builder still checks on the node)
+        used = role == "actor" or (job.trainer.job == "rl" and job.critic.wanted(job))
+        if used and self.lr_decay_style != "constant" and self.warmup_steps >= job.trainer.total_steps:
+            p.append(f"{role}.optim.warmup_steps = {self.warmup_steps} must be below trainer.total_steps = "
+                     f"{job.trainer.total_steps} for lr_decay_style = {self.lr_decay_style}")
+        return p
 
     def own_problems(self, key: str) -> List[str]:
         """The rules among this section's own fields, named under `key` (also checked by the

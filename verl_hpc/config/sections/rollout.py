@@ -20,13 +20,18 @@ class RolloutConfig(Section):
                               "says why)",
                       choices=("vllm", "hf", "auto"))
     n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=">0")
-    temperature: float = opt(1.0, "sampling temperature", check=">=0")
+    # > 0, refused at load rather than read as greedy: the trainer scores the sampled tokens with
+    # log-softmax(logits / temperature) (old, reference and new log-probs of the PPO ratio), which
+    # has no value at 0, and the greedy "distribution" (probability 1 on the argmax) is not one the
+    # policy's log-probs can be compared with. Greedy decoding is for validation: val_temperature.
+    temperature: float = opt(1.0, "training sampling temperature (log-probs are of logits / temperature; "
+                                  "greedy decoding: val_temperature = 0)", check=">0")
     top_p: float = opt(1.0, "nucleus sampling", check="(0, 1]")
     top_k: int = opt(-1, "-1 = off")
     max_tokens: int = opt(0, "generated tokens per response at most", check=">=0",
                           auto="data.max_response_length")
     stop: List[str] = opt([], "stop strings")
-    seed: int = opt(0, "sampling seed")
+    seed: int = opt(0, "sampling seed", check=">=0")
     tp: int = opt(1, "inference tensor parallel; independent of parallel.tp", check=">0")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take", check="(0, 1]")
     kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto", check=">=0")
@@ -44,6 +49,12 @@ class RolloutConfig(Section):
             p.append(f"rollout.sleep_level: must be 1 or 2, got {self.sleep_level}")
         if self.top_k != -1 and self.top_k <= 0:
             p.append(f"rollout.top_k: must be -1 (off) or > 0, got {self.top_k}")
+        p += [f"rollout.stop[{i}]: must be a non-empty string" for i, s in enumerate(self.stop) if not s]
+        # engine=auto may still pick hf on the node (a tiny model on CPU): the HF engine's own
+        # tp check stays for that case, which is not knowable here
+        if self.engine == "hf" and self.tp != 1:
+            p.append(f"rollout.tp = {self.tp} needs rollout.engine = vllm (or auto): the HF engine runs "
+                     "one replica per rank, rollout.tp = 1")
         p += inference_tp_problems(job.world_size, self.tp, job.world_words)
         if job.trainer.job == "rl" and self.max_tokens > job.data.max_response_length:
             p.append(f"rollout.max_tokens = {self.max_tokens} exceeds data.max_response_length = "

@@ -1,7 +1,7 @@
 """Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its four roles.
 
     engine.py     MegatronEngine: forward, train_step, export, state
-    options.py    EngineOptions: what an engine is built with, and their checks
+    options.py    EngineOptions: what an engine is built with (from_config; default_options without a config)
     build.py      the GPT chunks of this rank's stages (weights, value head) and their DDP wrappers
     roles.py      Actor, Critic, Reference, RewardModel, build_engine(role, cfg, ctx)
     partition.py  data-parallel row split and (token-budget) micro-batches
@@ -19,9 +19,9 @@ submit CLI, the checkpoint tools and the unit tests of the pure parts never touc
 project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import MegatronEngine
-from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.engines.megatron.options import EngineOptions, default_options
 from verl_hpc.engines.megatron.roles import (Actor, Critic, Reference, RewardModel, build_engine,
                                              engine_options)
 
 __all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "Reference", "RewardModel",
-           "build_engine", "engine_options"]
+           "build_engine", "default_options", "engine_options"]

@@ -1,7 +1,7 @@
 """`MegatronEngine`: one Hugging Face model as Megatron-Core TP/PP/DP shards behind `TrainingEngine`.
 
     mp = verl_hpc.parallel.init_model_parallel(tp, pp)        # once per job, before any engine
-    eng = MegatronEngine(EngineOptions(model_path=..., optim=cfg.actor.optim, ...))
+    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
     out = eng.forward(batch)                                  # {"log_probs", "entropy"}: [B, T]
     metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
 
@@ -43,7 +43,7 @@ from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
-from verl_hpc.engines.megatron.options import DTYPES, EngineOptions, check_options
+from verl_hpc.engines.megatron.options import EngineOptions, check_options, torch_dtype
 from verl_hpc.engines.megatron.partition import plan_microbatches
 from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing, prompt_groups
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
@@ -63,7 +63,7 @@ class MegatronEngine(TrainingEngine):
                                "verl_hpc.parallel.init_model_parallel first")
         check_options(options)
         self.options = o = options
-        self.dtype = DTYPES[o.dtype]
+        self.dtype = torch_dtype(o.dtype)
         self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()

@@ -78,6 +78,8 @@ def build_scheduler(optimizer, optim, total_steps: int):
 
     check_optim(optim)
     decay_steps = max(int(total_steps), optim.warmup_steps + 1, 1)
+    # the config check compares with trainer.total_steps; sft/dpo may run fewer steps (the data
+    # ran out first), known only here
     if optim.lr_decay_style != "constant" and optim.warmup_steps >= total_steps:
         raise ValueError(f"optim.warmup_steps={optim.warmup_steps} must be below trainer.total_steps="
                          f"{total_steps} for lr_decay_style={optim.lr_decay_style!r}")

@@ -1,71 +1,133 @@
 """What a Megatron engine is built with: `EngineOptions` (one role's model, precision, batching,
-optimizer section, parallel and memory switches) and their checks.
+optimizer section, parallel and memory switches), read from the job config by `from_config`.
 
-`verl_hpc.engines.megatron.roles.engine_options(role, cfg)` fills them from the job config; tests
-and benchmarks build them directly, so `check_options` names a bad value too, and adds what only
-the engine can know (this machine's GPU and Transformer Engine).
+Every field is required: the values, their defaults and their checks are declared once, in the
+config sections, and `from_config` is the one place that reads them. Code without a job config
+(tests, benchmarks, the GPU check) starts from `default_options(model_path)` - the options of the
+default config - and replaces what it varies. `check_options` keeps only what the config cannot
+know: the role wiring, and this machine's GPU and Transformer Engine.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import functools
+from typing import Any, Dict, Optional
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.engines.megatron.kernels import KernelSwitches
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
 
-DTYPES = {name: getattr(torch, name) for name in choices_of("model.dtype")}
 HEADS = ("lm", "value")
-RECOMPUTE = choices_of("parallel.recompute_granularity")
-SHARE_PROMPTS = choices_of("actor.share_prompts")
+ROLES = ("actor", "critic", "ref", "reward")
+VALUE_HEAD_SEED = 1234  # a value head made fresh (no score weights in the folder) starts from this seed
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """model.dtype as a torch dtype (its valid names are the section's choices)."""
+    return getattr(torch, name)
 
 
 @dataclasses.dataclass
 class EngineOptions:
     model_path: str
-    head: str = "lm"  # lm: log-probs/entropy | value: per-token values / sequence scores
-    dtype: str = default_of("model.dtype")
-    trainable: bool = True  # False: reference / reward model (no grads, no optimizer)
-    optim: Any = None  # verl_hpc.config.schema.OptimConfig; required when trainable
-    total_steps: int = 1  # trainer steps, for the LR decay (trainer.total_steps)
-    micro_batch_size: int = default_of("actor.micro_batch_size")  # sequences per micro-batch when max_tokens_per_microbatch is 0
-    # dynamic batching budget (padded tokens); 0 = off
-    max_tokens_per_microbatch: int = default_of("actor.max_tokens_per_microbatch")
-    use_distributed_optimizer: bool = default_of("parallel.use_distributed_optimizer")
-    sequence_parallel: bool = default_of("parallel.sequence_parallel")  # GPU / TE spec only
-    fp8: bool = default_of("model.fp8")
-    fp8_recipe: str = default_of("model.fp8_recipe")
-    kernels: KernelSwitches = dataclasses.field(default_factory=KernelSwitches)  # None = auto
-    temperature: float = default_of("rollout.temperature")  # log-probs of logits / temperature
-    loss_norm_len: Optional[float] = None  # seq-mean-token-sum-norm constant; None = batch's T
-    value_head_seed: int = 1234
-    sdpa_attention: bool = True  # local spec only: core attention through torch SDPA (sdpa.py)
+    head: str  # lm: log-probs/entropy | value: per-token values / sequence scores
+    dtype: str
+    trainable: bool  # False: reference / reward model (no grads, no optimizer)
+    optim: Any  # verl_hpc.config.schema.OptimConfig; required when trainable
+    total_steps: int  # trainer steps, for the LR decay
+    micro_batch_size: int  # sequences per micro-batch when max_tokens_per_microbatch is 0
+    max_tokens_per_microbatch: int  # dynamic batching budget (padded tokens); 0 = off
+    use_distributed_optimizer: bool
+    sequence_parallel: bool  # GPU / TE spec only
+    fp8: bool
+    fp8_recipe: str
+    kernels: KernelSwitches  # None fields = auto
+    temperature: float  # log-probs of logits / temperature (rollout.temperature)
+    loss_norm_len: Optional[float]  # seq-mean-token-sum-norm constant; None = batch's T
+    value_head_seed: int
+    sdpa_attention: bool  # local spec only: core attention through torch SDPA (sdpa.py)
     # auto: pack the responses to one prompt into one model row where the cost model says it pays
     # (prefix.py) | on: wherever a micro-batch has two responses to a prompt | off
-    share_prompts: str = default_of("actor.share_prompts")
+    share_prompts: str
     # activation recompute (parallel.recompute_*): none | selective (core attention) | full
-    recompute_granularity: str = default_of("parallel.recompute_granularity")
-    recompute_method: str = default_of("parallel.recompute_method")  # full: uniform | block
-    recompute_num_layers: int = default_of("parallel.recompute_num_layers")
+    recompute_granularity: str
+    recompute_method: str  # full: uniform | block
+    recompute_num_layers: int
     # host offload while idle (<role>.*_offload; offload.py)
-    param_offload: bool = default_of("actor.param_offload")
-    grad_offload: bool = default_of("actor.grad_offload")
-    optimizer_offload: bool = default_of("actor.optimizer_offload")
+    param_offload: bool
+    grad_offload: bool
+    optimizer_offload: bool
+
+    @classmethod
+    def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
+                    total_steps: Optional[int] = None) -> "EngineOptions":
+        """The options of `role` (actor, critic, ref, reward) of a loaded job config. fp8: None =
+        model.fp8; total_steps: None = trainer.total_steps (sft/dpo pass the steps the data gives)."""
+        if role not in ROLES:
+            raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
+        par = cfg.parallel
+        common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
+                      sequence_parallel=par.sequence_parallel,
+                      fp8=cfg.model.fp8 if fp8 is None else fp8, fp8_recipe=cfg.model.fp8_recipe,
+                      kernels=KernelSwitches.from_config(cfg.model, par),
+                      total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len,
+                      recompute_granularity=par.recompute_granularity,
+                      recompute_method=par.recompute_method,
+                      recompute_num_layers=par.recompute_num_layers,
+                      value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True,
+                      temperature=cfg.rollout.temperature)  # read by lm heads only
+        if role in ("actor", "ref"):
+            a = cfg.actor
+            return cls(model_path=cfg.model.path, head="lm", trainable=role == "actor",
+                       share_prompts=a.share_prompts,
+                       **_offload(a if role == "actor" else cfg.ref),
+                       optim=a.optim if role == "actor" else None, micro_batch_size=a.micro_batch_size,
+                       max_tokens_per_microbatch=a.max_tokens_per_microbatch, **common)
+        # a value head never packs prompts (engine.py); "off" says so without asking the cost model
+        common["share_prompts"] = "off"
+        if role == "critic":
+            c = cfg.critic
+            return cls(model_path=c.model_path, head="value", trainable=True, optim=c.optim, **_offload(c),
+                       micro_batch_size=c.micro_batch_size,
+                       max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
+        rm = cfg.reward.reward_model
+        if not rm.path:
+            raise ValueError("reward.reward_model.path: empty; a reward-model role needs a model folder")
+        return cls(model_path=rm.path, head="value", trainable=False, optim=None, **_offload(None),
+                   micro_batch_size=cfg.actor.micro_batch_size,
+                   max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, **common)
+
+
+def _offload(role_cfg) -> Dict[str, bool]:
+    """<role>.param_offload / grad_offload / optimizer_offload (the reference has weights only)."""
+    return {k: bool(getattr(role_cfg, k, False))
+            for k in ("param_offload", "grad_offload", "optimizer_offload")}
+
+
+@functools.lru_cache(maxsize=1)
+def _default_job():
+    from verl_hpc.config import load_config  # lazily: building an engine needs no config package
+
+    return load_config(None)
+
+
+def default_options(model_path: str, **changes) -> EngineOptions:
+    """The actor's options under the default config, for `model_path`, with `changes` replaced:
+    for code that builds an engine without a job config (tests, benchmarks, the GPU check)."""
+    return dataclasses.replace(EngineOptions.from_config(_default_job(), "actor"), model_path=model_path,
+                               **changes)
 
 
 def check_options(o: EngineOptions) -> None:
+    """What the config's checks cannot know: how the options were wired, and this machine."""
     if o.head not in HEADS:
         raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
-    if o.dtype not in DTYPES:
-        raise ValueError(f"model.dtype: {o.dtype!r}; valid: {', '.join(DTYPES)}")
     if o.trainable and o.optim is None:
         raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim)")
-    if o.micro_batch_size < 1 and o.max_tokens_per_microbatch < 1:
-        raise ValueError("micro_batch_size must be >= 1 when max_tokens_per_microbatch is 0; got "
-                         f"{o.micro_batch_size}")
+    # the config refuses these for a CPU job (slurm.gpus_per_node = 0); whether this node has the
+    # GPU and Transformer Engine is known only here
     if o.sequence_parallel and not (has_gpu() and transformer_engine_available()):
         raise ValueError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
                          "(a CUDA GPU and transformer_engine); Megatron's local spec (torch norm) "
@@ -74,10 +136,3 @@ def check_options(o: EngineOptions) -> None:
         from verl_hpc.models.gpt import check_fp8_supported
 
         check_fp8_supported(o.fp8_recipe)
-    if o.recompute_granularity not in RECOMPUTE:
-        raise ValueError(f"parallel.recompute_granularity: {o.recompute_granularity!r}; valid: "
-                         f"{', '.join(RECOMPUTE)}")
-    if o.share_prompts not in SHARE_PROMPTS:
-        raise ValueError(f"actor.share_prompts: {o.share_prompts!r}; valid: {', '.join(SHARE_PROMPTS)}")
-    if o.temperature <= 0:
-        raise ValueError(f"rollout.temperature must be > 0 to score log-probs; got {o.temperature}")

@@ -30,7 +30,6 @@ from verl_hpc.engines.megatron.engine import MegatronEngine
 from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.parallel import init_from_config
 
-ROLES = ("actor", "critic", "ref", "reward")
 
 
 def take_rows(batch: Mapping[str, torch.Tensor], rows: List[int]) -> Batch:
@@ -119,49 +118,11 @@ class RewardModel:
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
-def _offload(role_cfg) -> Dict[str, bool]:
-    """<role>.param_offload / grad_offload / optimizer_offload (the reference has weights only)."""
-    return {k: bool(getattr(role_cfg, k, False))
-            for k in ("param_offload", "grad_offload", "optimizer_offload")}
-
-
 def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
                    loss_norm_len: Optional[float] = None,
                    total_steps: Optional[int] = None) -> EngineOptions:
-    """EngineOptions for a role from the job config (JobConfig); fp8: None = model.fp8."""
-    from verl_hpc.engines.megatron.kernels import KernelSwitches
-
-    if role not in ROLES:
-        raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
-    par = cfg.parallel
-    common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
-                  sequence_parallel=par.sequence_parallel,
-                  fp8=cfg.model.fp8 if fp8 is None else fp8, fp8_recipe=cfg.model.fp8_recipe,
-                  kernels=KernelSwitches.from_config(cfg.model, par),
-                  total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len,
-                  recompute_granularity=par.recompute_granularity,
-                  recompute_method=par.recompute_method,
-                  recompute_num_layers=par.recompute_num_layers)
-    if role in ("actor", "ref"):
-        a = cfg.actor
-        offload = _offload(a if role == "actor" else cfg.ref)
-        return EngineOptions(model_path=cfg.model.path, head="lm", trainable=role == "actor", **offload,
-                             optim=a.optim if role == "actor" else None,
-                             micro_batch_size=a.micro_batch_size,
-                             max_tokens_per_microbatch=a.max_tokens_per_microbatch,
-                             temperature=cfg.rollout.temperature, share_prompts=a.share_prompts,
-                             **common)
-    if role == "critic":
-        c = cfg.critic
-        return EngineOptions(model_path=c.model_path, head="value", optim=c.optim, **_offload(c),
-                             micro_batch_size=c.micro_batch_size,
-                             max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
-    rm = cfg.reward.reward_model
-    if not rm.path:
-        raise ValueError("reward.reward_model.path: empty; a reward-model role needs a model folder")
-    return EngineOptions(model_path=rm.path, head="value", trainable=False,
-                         micro_batch_size=cfg.actor.micro_batch_size,
-                         max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, **common)
+    """EngineOptions for a role from the job config (see EngineOptions.from_config)."""
+    return EngineOptions.from_config(cfg, role, fp8=fp8, loss_norm_len=loss_norm_len, total_steps=total_steps)
 
 
 def build_engine(role: str, cfg, ctx=None, **kwargs):
