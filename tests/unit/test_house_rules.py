@@ -1,5 +1,6 @@
-"""DESIGN.md's rules of the house that a machine can check."""
+"""The rules of the house that a machine can check (docs/architecture.md)."""
 import ast
+from collections import deque
 from pathlib import Path
 
 
@@ -26,3 +27,166 @@ def test_the_check_sees_a_use(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("import torch\n# torch.cuda in a comment\nx = torch.cuda.is_available()\n")
     assert list(_cuda_uses(f)) == [3]
+
+
+# The layers of verl_hpc, bottom first (docs/layers.md says why each sits where it does). A module
+# may import from its own layer and the ones below, never from one above. Every top-level package
+# or module of verl_hpc must be named here: a new one is placed on purpose.
+LAYERS = (
+    ("errors",),  # the error base: stdlib only
+    ("config",),
+    ("runtime",),
+    ("tracking",),
+    ("models", "parallel"),
+    ("planning",),
+    ("rewards",),  # scoring functions; data's preprocessors write ground truth in their format
+    ("data",),
+    ("rollout",),
+    ("algorithms",),
+    ("checkpoint",),  # the storage format; engines describe their state in its ShardedTensor
+    ("engines",),
+    ("resharding",),
+    ("trainer",),
+    ("job", "launcher", "gpu_check", "plan"),
+    ("submit",),
+)
+
+
+def _type_checking(test) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_imports(root: Path):
+    """{module: [(imported module of the same package, line)]} for every module under `root`,
+    module-level and function-level imports alike; those under `if TYPE_CHECKING:` never run."""
+    files = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str:  # `from pkg.mod import func` imports pkg.mod
+        while name not in files and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        found = []
+        stack = [ast.parse(path.read_text(), str(path))]
+        while stack:
+            node = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _type_checking(child.test):
+                    stack.extend(child.orelse)
+                elif isinstance(child, ast.Import):
+                    found += [(a.name, child.lineno) for a in child.names]
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        up = package.split(".")[:len(package.split(".")) - child.level + 1]
+                        base = ".".join(up + ([child.module] if child.module else []))
+                    found += [(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base, child.lineno)
+                              for a in child.names]
+                else:
+                    stack.append(child)
+        graph[mod] = sorted({(resolve(name), line) for name, line in found
+                             if name == root.name or name.startswith(root.name + ".")}, key=lambda x: x[1])
+    return graph
+
+
+def upward_imports(graph, layers):
+    """'a.b:12 imports c.d (layer config below layer trainer)'-style lines, one per upward import."""
+    rank = {name: i for i, names in enumerate(layers) for name in names}
+
+    def layer(mod: str):
+        parts = mod.split(".")
+        return rank[parts[1]] if len(parts) > 1 else -1  # the root package: nothing above it
+
+    unknown = sorted({m.split(".")[1] for m in graph if "." in m} - set(rank))
+    assert not unknown, f"place these in LAYERS: {unknown}"
+    return [f"{mod}:{line} imports {target} ({layers[layer(target)][0]} layer is above "
+            f"{layers[layer(mod)][0]} layer)"
+            for mod, edges in sorted(graph.items()) for target, line in edges if layer(target) > layer(mod)]
+
+
+def import_cycles(graph):
+    """One chain 'a -> b -> a' for each group of modules that import each other (Tarjan's SCC)."""
+    edges = {m: sorted({t for t, _ in e if t != m}) for m, e in graph.items()}
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    chains = []
+    for group in groups:  # the shortest way back to the group's first module, as the chain to read
+        start = min(group)
+        came = {start: None}
+        todo = deque([start])
+        while todo:
+            v = todo.popleft()
+            for w in edges[v]:
+                if w == start:
+                    path = [v]
+                    while came[path[-1]] is not None:
+                        path.append(came[path[-1]])
+                    chains.append(" -> ".join([*reversed(path), start]) + f" ({len(group)} modules in the circle)")
+                    todo.clear()
+                    break
+                if w in group and w not in came:
+                    came[w] = v
+                    todo.append(w)
+    return sorted(chains)
+
+
+def test_imports_point_down_the_layers():
+    found = upward_imports(module_imports(PACKAGE), LAYERS)
+    assert not found, "imports from a higher layer (move the code down or pass the value in):\n" + "\n".join(found)
+
+
+def test_no_import_circles():
+    found = import_cycles(module_imports(PACKAGE))
+    assert not found, "modules that import each other:\n" + "\n".join(found)
+
+
+def test_the_error_base_imports_nothing_from_the_project():
+    assert module_imports(PACKAGE)["verl_hpc.errors"] == []
+
+
+def test_the_import_checks_see_an_upward_import_and_a_circle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    for name, text in {
+        "__init__.py": "",
+        "low/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import b\n",
+        "low/a.py": "def f():\n    from ..high.b import g\n    return g\n",
+        "high/__init__.py": "",
+        "high/b.py": "import os\nfrom pkg.high import c\n",
+        "high/c.py": "def h():\n    from . import b\n",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    graph = module_imports(pkg)
+    assert upward_imports(graph, (("low",), ("high",))) == [
+        "pkg.low.a:2 imports pkg.high.b (high layer is above low layer)"]  # not the TYPE_CHECKING one
+    assert import_cycles(graph) == ["pkg.high.b -> pkg.high.c -> pkg.high.b (2 modules in the circle)"]
+    assert ("pkg.high.b", 2) in graph["pkg.high.c"]  # a function's import counts

@@ -1,9 +1,13 @@
 """Errors of the checkpoint layer. Each message names the checkpoint, file, dataset or tensor at fault."""
 from __future__ import annotations
 
+from verl_hpc.errors import VerlHpcError
 
-class CheckpointError(RuntimeError):
-    """Base class: a checkpoint could not be written or read."""
+
+class CheckpointError(VerlHpcError, RuntimeError):
+    """Base class: a checkpoint could not be written or read. Its subclasses keep its exit code."""
+
+    exit_code, kind = 12, "checkpoint"
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

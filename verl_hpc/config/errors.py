@@ -9,9 +9,13 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, List, Optional, Sequence
 
+from verl_hpc.errors import VerlHpcError
 
-class ConfigError(ValueError):
+
+class ConfigError(VerlHpcError, ValueError):
     """A bad config. `str(e)` is one line, or a summary line followed by one line per problem."""
+
+    exit_code, kind = 2, "config"
 
     def __init__(self, message: str, problems: Optional[Sequence[str]] = None):
         self.problems: List[str] = list(problems) if problems else [message]

@@ -17,10 +17,11 @@ own type walk already reports the file and line of every bad value with a did-yo
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
-from verl_hpc.config.errors import choice_message
+from verl_hpc.config.errors import ConfigError, choice_message
 
 if TYPE_CHECKING:  # the job config imports every section; sections only need its type
     from verl_hpc.config.schema import JobConfig
@@ -100,10 +101,17 @@ def sections(obj, prefix: str = "") -> Iterator[Tuple[str, Section]]:
             yield from sections(value, f"{prefix}{f.name}.")
 
 
+def recipes_module():
+    """verl_hpc.config.recipes, imported by name: here (not in the loader, which imports this
+    module) so that the config modules import each other one way."""
+    try:
+        return importlib.import_module("verl_hpc.config.recipes")
+    except Exception as e:  # noqa: BLE001 - any failure here blocks every config: say what it was
+        raise ConfigError(f"cannot import the recipe table verl_hpc.config.recipes: {e}") from None
+
+
 def valid_choices(meta: dict) -> Optional[Tuple[str, ...]]:
     if meta.get("choices_from"):
-        from verl_hpc.config.loader import recipes_module
-
         return tuple(getattr(recipes_module(), meta["choices_from"]))
     return meta.get("choices")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import os
 import re
 from pathlib import Path
@@ -27,7 +26,7 @@ from omegaconf.errors import GrammarParseError, InterpolationKeyError, OmegaConf
 from omegaconf.errors import ValidationError
 
 from verl_hpc.config.errors import ConfigError, choice_message, did_you_mean, raise_if_any, show
-from verl_hpc.config.fields import choice_problems
+from verl_hpc.config.fields import choice_problems, recipes_module
 from verl_hpc.config.schema import JobConfig
 from verl_hpc.config.structure import all_paths, check_value, dotted, type_at, type_name
 
@@ -181,13 +180,6 @@ def _copy(value):
     if isinstance(value, (list, tuple)):
         return [_copy(v) for v in value]
     return value
-
-
-def recipes_module():
-    try:
-        return importlib.import_module("verl_hpc.config.recipes")
-    except Exception as e:  # noqa: BLE001 - any failure here blocks every config: say what it was
-        raise ConfigError(f"cannot import the recipe table verl_hpc.config.recipes: {e}") from None
 
 
 def _recipe_layer(user: dict) -> dict:

@@ -76,12 +76,6 @@ class JobConfig:
             sec.resolve(self)
         return self
 
-    @classmethod
-    def from_container(cls, data: dict) -> "JobConfig":
-        from verl_hpc.config.loader import from_container
-
-        return from_container(data)
-
 
 __all__ = [
     "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from verl_hpc.errors import VerlHpcError
+
 MAX_LISTED = 10  # beyond this, a summary count: a broken file would otherwise flood the terminal
 
 
-class DataError(ValueError):
+class DataError(VerlHpcError, ValueError):
     """A bad data file, row or sampler state. `str(e)` names the file/row/field at fault."""
+
+    exit_code, kind = 10, "data"
 
     def __init__(self, message: str, problems: Optional[Sequence[str]] = None):
         self.problems: List[str] = list(problems) if problems else [message]

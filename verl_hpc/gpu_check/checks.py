@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
-class NotTestable(Exception):
+class NotTestable(Exception):  # a check outcome (NOT TESTABLE in the table), not a VerlHpcError
     """This check cannot run here; the message says what it would need."""
 
 

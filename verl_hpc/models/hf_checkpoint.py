@@ -13,9 +13,13 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.errors import VerlHpcError
 
-class WeightFileError(ValueError):
+
+class WeightFileError(VerlHpcError, ValueError):
     """A safetensors file that cannot be opened (truncated, damaged, not safetensors); names it."""
+
+    exit_code, kind = 13, "weights"
 
 
 def open_safetensors(path):

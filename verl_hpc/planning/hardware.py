@@ -6,32 +6,12 @@ user can see what to correct with --gpu-memory-gb / --mfu instead of trusting a 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
-GiB = 1024 ** 3
+# The GPU table lives with the config, which checks slurm.gpu_type against it; named here too.
+from verl_hpc.config.gpus import GPU_ALIASES, GPUS, GiB, GPUType, gpu_type  # noqa: F401
+
 GB = 10 ** 9
-
-
-@dataclass(frozen=True)
-class GPUType:
-    name: str
-    memory_bytes: int  # what torch.cuda.mem_get_info reports as total (usable), not the box label
-    bf16_tflops: float  # dense peak
-    nvlink_gbps: float  # GB/s per GPU within a node (bus bandwidth of an all-reduce)
-
-
-# Usable memory is a little below the label (ECC, driver reserve): what `nvidia-smi` shows as total.
-GPUS: Dict[str, GPUType] = {g.name: g for g in (
-    GPUType("h100-80gb", int(79.6 * GiB), 989.0, 450.0),
-    GPUType("h200", int(139.8 * GiB), 989.0, 450.0),
-    GPUType("a100-80gb", int(79.2 * GiB), 312.0, 240.0),
-    GPUType("a100-40gb", int(39.4 * GiB), 312.0, 240.0),
-    GPUType("l40s", int(44.4 * GiB), 362.0, 32.0),
-    GPUType("b200", int(178.0 * GiB), 2250.0, 900.0),
-    GPUType("gh200", int(94.5 * GiB), 989.0, 450.0),
-)}
-GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-sxm": "h100-80gb"}
 
 # Per-GPU memory no tensor accounts for: the CUDA context and cuBLAS/NCCL workspaces (NCCL's
 # channel buffers grow with the number of communicators; 3 GiB covers TP+PP+DP+rollout groups of a
@@ -54,11 +34,6 @@ ASSUMED_TRAIN_MFU = 0.40
 ASSUMED_DECODE_MFU = 0.10  # decoding is memory-bound: a low effective MFU
 INTER_NODE_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU
 PCIE_GBPS = 25.0  # host <-> GPU copies (offload), pinned memory, PCIe Gen4/5 x16 effective
-
-
-def gpu_type(name: str) -> Optional[GPUType]:
-    key = (name or "").strip().lower()
-    return GPUS.get(GPU_ALIASES.get(key, key))
 
 
 def local_ram_bytes() -> int:

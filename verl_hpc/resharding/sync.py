@@ -35,14 +35,17 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
 
 
-class SyncError(RuntimeError):
+class SyncError(VerlHpcError, RuntimeError):
     """The weight sync failed on at least one rank; the rollout's weights are undefined."""
+
+    exit_code, kind = 15, "weight sync"
 
 
 def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:

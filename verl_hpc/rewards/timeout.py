@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 MAX_ABANDONED = 32  # threads left running by timed-out calls before we refuse to start more
 
 
+# Not VerlHpcErrors: outcomes the scorer turns into a score or a RewardError; no user sees them raw.
 class RewardTimeout(Exception):
     """A reward call did not return within reward.timeout_s (its thread was abandoned)."""
 

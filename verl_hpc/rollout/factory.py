@@ -7,6 +7,7 @@ from typing import Tuple
 
 from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.engine_config import engine_kwargs  # noqa: F401 - its old home, kept importable
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +27,6 @@ AUTO_HF_MAX_PARAMS = 2_000_000
 HF_TOKEN_COST = 1.35
 VLLM_MISSING = ("rollout.engine=vllm but vllm is not installed; install the cpu or gpu extra, "
                 "or set rollout.engine=hf")
-
-
-def engine_kwargs(cfg, engine: str) -> dict:
-    """Constructor keywords from a JobConfig (rollout, model and data sections)."""
-    r = cfg.rollout
-    kwargs = dict(tp=r.tp, dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
-                  max_response_length=r.max_tokens,
-                  prompt_overflow=r.prompt_overflow, seed=r.seed,
-                  tokenizer_path=cfg.model.tokenizer_path,
-                  trust_remote_code=cfg.model.trust_remote_code)
-    if engine == "vllm":
-        kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
-                      gpu_memory_utilization=r.gpu_memory_utilization,
-                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
-                      sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
-    return kwargs
 
 
 def vllm_available() -> bool:

@@ -34,7 +34,7 @@ import torch
 
 from verl_hpc.config.schema import default_of
 from verl_hpc.rollout.engine import RolloutEngine
-from verl_hpc.rollout.factory import engine_kwargs
+from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed

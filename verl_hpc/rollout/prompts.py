@@ -11,12 +11,15 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 from verl_hpc.config.schema import choices_of
+from verl_hpc.errors import VerlHpcError
 
 OVERFLOW_POLICIES = choices_of("rollout.prompt_overflow")
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(VerlHpcError, ValueError):
     """prompt_overflow=reject and at least one prompt is longer than data.max_prompt_length."""
+
+    exit_code, kind = 17, "prompt too long"
 
     def __init__(self, too_long: List[Tuple[int, int]], limit: int):
         self.too_long = too_long  # (prompt index, length) of every offending prompt

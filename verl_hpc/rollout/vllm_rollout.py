@@ -55,7 +55,7 @@ from verl_hpc.config.schema import default_of
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import RolloutEngine
-from verl_hpc.rollout.factory import engine_kwargs
+from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed

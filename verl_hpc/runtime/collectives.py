@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from verl_hpc.errors import VerlHpcError
+
 _TENSOR_ARG = {  # collective -> how to find its payload tensor(s)
     "all_reduce": lambda a, k: _arg(a, k, 0, "tensor"),
     "broadcast": lambda a, k: _arg(a, k, 0, "tensor"),
@@ -56,8 +58,10 @@ _timeout_s: float | None = None
 _installed = False
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(VerlHpcError, RuntimeError):
     """A collective failed or timed out; the message names it, its group and this rank."""
+
+    exit_code, kind = 19, "collective"
 
 
 def _arg(args, kwargs, pos, name):

@@ -4,41 +4,24 @@ A data, reward, checkpoint or config problem raised inside a rank is the user's 
 traceback around it only hides the line that says how. `report` prints `error: <message>` (rank
 0) or `error: rank N: <message>` (another rank) once per failing rank and returns the class's
 exit code; an unknown exception is not ours to summarise and keeps its traceback (exit code 1).
-The table is docs/errors.md's.
+Each class carries its own code (`VerlHpcError.exit_code`), so this layer imports no higher one;
+docs/errors.md lists them.
 """
 from __future__ import annotations
 
 import logging
 import sys
 import traceback
-from typing import List, Optional, Tuple, Type
+from typing import Optional
+
+from verl_hpc.errors import VerlHpcError
 
 log = logging.getLogger(__name__)
 
 
-def _classes() -> List[Tuple[Type[BaseException], int, str]]:
-    """(class, exit code, what it is); imported lazily: each layer's error module is tiny."""
-    from verl_hpc.checkpoint.errors import CheckpointError
-    from verl_hpc.config.errors import ConfigError
-    from verl_hpc.data.errors import DataError
-    from verl_hpc.models.hf_checkpoint import WeightFileError
-    from verl_hpc.resharding.sync import SyncError
-    from verl_hpc.rewards.errors import RewardError
-    from verl_hpc.rollout.prompts import PromptTooLongError
-    from verl_hpc.runtime.watchdog import StageStalledError
-    from verl_hpc.trainer.guard import NonFiniteError
-
-    return [(ConfigError, 2, "config"), (DataError, 10, "data"), (PromptTooLongError, 10, "data"),
-            (RewardError, 11, "reward"), (CheckpointError, 12, "checkpoint"), (WeightFileError, 13, "weights"),
-            (NonFiniteError, 14, "non-finite loss"), (SyncError, 15, "weight sync"),
-            (StageStalledError, 16, "stalled rank")]
-
-
 def exit_code_for(exc: BaseException) -> Optional[int]:
-    for cls, code, _ in _classes():
-        if isinstance(exc, cls):
-            return code
-    return None
+    """The exit code the exception's class declares (verl_hpc.errors); None for any other error."""
+    return exc.exit_code if isinstance(exc, VerlHpcError) else None
 
 
 def one_line(exc: BaseException) -> str:

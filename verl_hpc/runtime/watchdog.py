@@ -29,13 +29,17 @@ import threading
 import time
 from typing import Optional
 
+from verl_hpc.errors import VerlHpcError
+
 log = logging.getLogger(__name__)
 EXIT_CODE = 16
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 
-class StageStalledError(RuntimeError):
+class StageStalledError(VerlHpcError, RuntimeError):
     """A rank spent longer than the watchdog limit in one stage outside any collective."""
+
+    exit_code, kind = EXIT_CODE, "stalled rank"
 
 
 class StageWatchdog:

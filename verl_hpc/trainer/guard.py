@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from typing import Dict
 
+from verl_hpc.errors import VerlHpcError
 
-class NonFiniteError(RuntimeError):
-    pass
+
+class NonFiniteError(VerlHpcError, RuntimeError):
+    """trainer.max_nonfinite_in_a_row steps in a row had a NaN/inf loss or gradient norm."""
+
+    exit_code, kind = 14, "non-finite loss"
 
 
 class NonFiniteGuard:

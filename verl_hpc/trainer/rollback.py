@@ -27,14 +27,17 @@ from typing import Dict, List, Mapping, Optional
 
 from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, list_checkpoints, new_token,
                                          remove_checkpoint)
+from verl_hpc.errors import VerlHpcError
 from verl_hpc.trainer.batching import broadcast_object
 from verl_hpc.trainer.rollback_rules import RollbackRules, Trip
 
 log = logging.getLogger(__name__)
 
 
-class RollbackError(RuntimeError):
-    pass
+class RollbackError(VerlHpcError, RuntimeError):
+    """trainer.rollback could not recover: no checkpoint to go back to, or too many rollbacks."""
+
+    exit_code, kind = 18, "rollback"
 
 
 class RollbackGuard:

@@ -24,6 +24,8 @@ from typing import Dict, Iterator
 
 import torch
 
+from verl_hpc.errors import VerlHpcError
+
 log = logging.getLogger(__name__)
 
 # batch-level figures every rank computes from the same global batch
@@ -31,8 +33,10 @@ AGREED_PREFIXES = ("train/samples", "train/tokens", "reward/", "rollout/sequence
 PROFILE_DIR = "profiles"
 
 
-class RankDisagreement(RuntimeError):
-    pass
+class RankDisagreement(VerlHpcError, RuntimeError):
+    """safety.debug: ranks that must hold the same values after a step do not."""
+
+    exit_code, kind = 20, "rank disagreement"
 
 
 def banner(cfg) -> str:

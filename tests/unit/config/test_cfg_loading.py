@@ -155,7 +155,6 @@ def test_container_round_trip_and_pickle():
     assert isinstance(data, dict) and isinstance(data["trainer"], dict)
     back = from_container(pickle.loads(pickle.dumps(data)))
     assert back == cfg
-    assert JobConfig.from_container(data) == cfg
     assert back.slurm.setup == ["echo ${HOME}"]  # a resolved value is literal, not re-interpolated
 
 

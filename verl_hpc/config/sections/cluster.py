@@ -98,7 +98,7 @@ class SlurmConfig(Section):
             p.append(f"slurm.tasks_per_node = {self.tasks_per_node} is more than slurm.gpus_per_node = "
                      f"{self.gpus_per_node}: more ranks than GPUs requested (one rank per GPU)")
         if self.gpu_type:
-            from verl_hpc.planning.hardware import GPU_ALIASES, GPUS, gpu_type
+            from verl_hpc.config.gpus import GPU_ALIASES, GPUS, gpu_type
 
             if gpu_type(self.gpu_type) is None:
                 p.append(f"slurm.gpu_type = {self.gpu_type!r} is not a known GPU; valid: "

@@ -1,0 +1,37 @@
+"""The GPUs `slurm.gpu_type` may name, and what the memory planner assumes about each.
+
+Here, in the config layer, because validation refuses an unknown name; verl_hpc.planning.hardware
+(the planner's assumptions) names the same table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class GPUType:
+    name: str
+    memory_bytes: int  # what torch.cuda.mem_get_info reports as total (usable), not the box label
+    bf16_tflops: float  # dense peak
+    nvlink_gbps: float  # GB/s per GPU within a node (bus bandwidth of an all-reduce)
+
+
+# Usable memory is a little below the label (ECC, driver reserve): what `nvidia-smi` shows as total.
+GPUS: Dict[str, GPUType] = {g.name: g for g in (
+    GPUType("h100-80gb", int(79.6 * GiB), 989.0, 450.0),
+    GPUType("h200", int(139.8 * GiB), 989.0, 450.0),
+    GPUType("a100-80gb", int(79.2 * GiB), 312.0, 240.0),
+    GPUType("a100-40gb", int(39.4 * GiB), 312.0, 240.0),
+    GPUType("l40s", int(44.4 * GiB), 362.0, 32.0),
+    GPUType("b200", int(178.0 * GiB), 2250.0, 900.0),
+    GPUType("gh200", int(94.5 * GiB), 989.0, 450.0),
+)}
+GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-sxm": "h100-80gb"}
+
+
+def gpu_type(name: str) -> Optional[GPUType]:
+    key = (name or "").strip().lower()
+    return GPUS.get(GPU_ALIASES.get(key, key))

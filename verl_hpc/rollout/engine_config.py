@@ -1,0 +1,19 @@
+"""An engine's constructor keywords from the job config. Its own module so that the engines, which
+read it in `from_config`, never import the factory that builds them (the factory imports them)."""
+from __future__ import annotations
+
+
+def engine_kwargs(cfg, engine: str) -> dict:
+    """Constructor keywords from a JobConfig (rollout, model and data sections)."""
+    r = cfg.rollout
+    kwargs = dict(tp=r.tp, dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
+                  max_response_length=r.max_tokens,
+                  prompt_overflow=r.prompt_overflow, seed=r.seed,
+                  tokenizer_path=cfg.model.tokenizer_path,
+                  trust_remote_code=cfg.model.trust_remote_code)
+    if engine == "vllm":
+        kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
+                      gpu_memory_utilization=r.gpu_memory_utilization,
+                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
+                      sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
+    return kwargs
