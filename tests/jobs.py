@@ -9,8 +9,9 @@ changes in the process (the process group, Megatron's parallel state and its CPU
 signal handlers, thread count, logging handlers, MASTER_* variables) is put back afterwards, so a
 later test sees the process as it was.
 
-One real command-line run per entry point stays a subprocess (the learning runs, the local
-launcher tests, the Slurm tests): this file is for the many short jobs that test the trainer.
+Each entry point keeps real command-line runs (the SFT warm start, GRPO learning on 2 ranks, DPO
+across layouts, the local launcher tests, the Slurm tests); `run_here` is for the many short
+one-rank jobs that test the trainer.
 """
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def data_overrides(root: Path):
 
 def warm_start(root: Path) -> Path:
     """The SFT warm start on the noisy labels (about 40% greedy accuracy) under `root/sft/hf`:
-    600 steps, built once and shared by the RL and preference learning tests."""
+    600 steps, built once and shared by the RL and preference learning tests. It is also the SFT
+    program's one run through the user's command line (`python -m verl_hpc.submit --local`)."""
     out = root / "sft"
     if not (out / "hf" / "model.safetensors").exists():
-        proc, _ = run_here("configs/demo_sft.yaml", out, f"model.path={root}/model", *data_overrides(root),
-                           "trainer.total_steps=600", "trainer.sft_epochs=30", f"trainer.hf_output_dir={out}/hf",
-                           "tracking.plots=false")
+        proc, _ = run_job("configs/demo_sft.yaml", out, f"model.path={root}/model", *data_overrides(root),
+                          "trainer.total_steps=600", "trainer.sft_epochs=30", f"trainer.hf_output_dir={out}/hf",
+                          "tracking.plots=false")
         assert proc.returncode == 0, logs(proc, out)
     return out / "hf"
 
