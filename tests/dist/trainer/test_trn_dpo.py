@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs import REPO, logs, run_job
+from jobs import REPO, logs, read_all, run_here, run_job
 
 BUDGET = 36  # actor.max_tokens_per_microbatch: the smallest the config allows (max prompt + response)
 
@@ -44,7 +44,10 @@ def dpo_args(assets, *extra):
 
 def dpo(assets, out, ranks, *extra):
     config, *overrides = dpo_args(assets, *extra)
-    proc, summary = run_job(config, out, *overrides, ranks=ranks, timeout=600)
+    if ranks == 1:  # the reference runs: in this process (tests/jobs.py); the layouts: command line
+        proc, summary = run_here(config, out, *overrides)
+    else:
+        proc, summary = run_job(config, out, *overrides, ranks=ranks, timeout=600)
     assert proc.returncode == 0, logs(proc, out)
     return load_file(str(out / "hf" / "model.safetensors")), summary
 
@@ -87,13 +90,6 @@ def test_trn_dpo_step_tp2_pp2_dynamic_batching_equal_tp1(assets, tmp_path):
         assert worst <= 1e-5, (name, worst)
 
 
-def read_all(ckpt) -> dict:
-    from verl_hpc.checkpoint import open_checkpoint
-
-    with open_checkpoint(ckpt) as r:
-        return {name: r.load_tensor(name) for name in r.tensors()}
-
-
 def stable_rows(out):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [{k: v for k, v in r.items() if k.startswith(("preference/", "rewards/", "logps/", "step"))}
@@ -128,7 +124,7 @@ def test_trn_dpo_sigterm_then_resume_is_bitwise_the_straight_run(assets, tmp_pat
     assert (split / "checkpoints" / "latest").read_text().strip() == f"step_{s1['steps']:06d}"
     assert not (split / "hf").exists()  # the export waits for the end of the run
     t0 = time.time()
-    proc2, s2 = run_job(config, split, *overrides, timeout=600)  # the same job again
+    proc2, s2 = run_here(config, split, *overrides)  # the same job again (in this process)
     assert proc2.returncode == 0, logs(proc2, split)
     assert s2["resumed_from"] == s1["steps"] and s2["steps"] == steps, s2
     print(f"stopped after step {s1['steps']}, resumed in {time.time() - t0:.0f}s")
