@@ -20,30 +20,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Dict
 
 import torch
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
-from verl_hpc.config import to_container
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
-from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
+from verl_hpc.tracking import StageTimer, throughput
 from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
 from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
+from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
 from verl_hpc.trainer.safety import SafetySwitches
@@ -150,32 +148,27 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self._resume()
-        # resumed: keep the history up to `start`; fresh: none of an earlier run's
-        tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
-                                      config=to_container(cfg))
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
-        # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
-        dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
-        stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
-        try:
-            if self.validator and not start:
-                dog.stage("validate")
-                summary["val_before"] = self._validate(tracker, 0)
-            # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
-            timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
-            run = RunState(tracker, timer, dog, summary, tr.total_steps, start=start)
-            t0 = time.time()
-            run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run, start)
-            self.checkpointer.close()  # an async save in flight is committed before we report
-            summary["seconds"] = round(time.time() - t0, 1)
-        except BaseException as e:  # Prometheus and the alert webhook hear why the run ended
-            tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
-            raise
-        finally:
-            dog.stop()
-            outcome = "completed" if summary["stopped"] == "stop_at" else summary["stopped"]  # a planned end
-            summary["plot"] = str(tracker.close(outcome, summary["steps"]) or "") or None
-            summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
+        # resumed: keep the history up to `start`; fresh: none of an earlier run's
+        with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0) as tracker:
+            # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
+            dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
+            stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
+            try:
+                if self.validator and not start:
+                    dog.stage("validate")
+                    summary["val_before"] = self._validate(tracker, 0)
+                # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
+                timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
+                run = RunState(tracker, timer, dog, summary, tr.total_steps, start=start)
+                t0 = time.time()
+                run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run, start)
+                self.checkpointer.close()  # an async save in flight is committed before we report
+                summary["seconds"] = round(time.time() - t0, 1)
+            finally:
+                dog.stop()
+        summary["plot"] = str(tracker.plot_path or "") or None
+        summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
         return summary
 
@@ -234,9 +227,7 @@ def _close_quietly(rollout) -> None:
 
 
 def run(cfg, ctx) -> dict:
-    missing = missing_packages(cfg.tracking.backends)  # on every rank, before any collective work
-    if missing:
-        raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
+    check_tracking(cfg)
     trainer = RLTrainer(cfg, ctx)
     try:
         summary = trainer.fit()
@@ -244,11 +235,4 @@ def run(cfg, ctx) -> dict:
         _close_quietly(trainer.roles.rollout)
         raise
     trainer.roles.rollout.close()  # all ranks together, before the runtime tears the process group down
-    if ctx.rank == 0:
-        out = Path(cfg.trainer.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
-              flush=True)
-    trainer.checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
-    return summary
+    return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)
