@@ -25,8 +25,6 @@ import os
 import time
 from typing import Dict
 
-import torch
-
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.data import PromptLoader, load_val_dataset
@@ -84,7 +82,6 @@ class RLTrainer:
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
                                                 guard=self.guard, task_weights=self.task_weights,
                                                 rollback=self.rollback)
-        self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
         self.safety = SafetySwitches(cfg, ctx)
 
     # ------------------------------------------------------------------------------ the step
@@ -106,10 +103,7 @@ class RLTrainer:
             with timer("values"):
                 batch.fill(r.critic.values(batch))  # values
         with timer("adv"):
-            m_adv = self.advantage(batch)  # rewards (- KL penalty), advantages, returns
-            if step in self.inject_nan:  # test hook: a NaN loss must be skipped, counted, and stop the run
-                batch.advantages = torch.full_like(batch.advantages, float("nan"))
-        m.update(m_adv)
+            m.update(self.advantage(batch))  # rewards (- KL penalty), advantages, returns
         if r.critic is not None:
             with timer("update_critic"):
                 m.update(r.critic.update(batch, self.value_loss))
@@ -181,7 +175,8 @@ class RLTrainer:
             TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
             RollbackHook(self.rollback, ckpt, self.cfg, self.ctx, self.roles, loader=self.loader,
                          task_weights=self.task_weights, sync_weights=self.sync_weights) if self.rollback else None,
-            LogHook(), CheckpointHook(ckpt), StopHook(stop_rule, ckpt, self.ctx.rank), PreemptionHook(ckpt),
+            LogHook(), CheckpointHook(ckpt), StopHook(stop_rule, ckpt, self.ctx.rank, self.cfg.trainer.job),
+            PreemptionHook(ckpt),
         ) if h is not None]
 
     def _resume(self) -> int:

@@ -80,7 +80,7 @@ class StopHook:
     finishes normally (exit 0, no requeue). Not asked at the last step: the run ends there anyway."""
     stage = None
 
-    def __init__(self, rule: StopRule, checkpointer, rank: int, job: str = "rl"):
+    def __init__(self, rule: StopRule, checkpointer, rank: int, job: str):  # job: the log line's prefix
         self.rule, self.checkpointer, self.rank, self.job = rule, checkpointer, rank, job
 
     def __call__(self, step, metrics, run):
