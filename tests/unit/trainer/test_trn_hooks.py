@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from test_trn_nonfinite import _rows, _trainer, model  # noqa: F401 - model: the module's fixture
+from test_trn_nonfinite import _rows, _trainer
 from verl_hpc.trainer.hooks import CONTINUE, Rewind, RunState, Stop, run_steps
 
 pytestmark = pytest.mark.unit
@@ -54,15 +54,15 @@ def test_stop_ends_the_loop_with_its_outcome_and_reason():
     assert summary == {"stopped": "preempted"}  # no stop_reason without a reason
 
 
-def test_rl_hook_order(one_rank_world, tmp_path, model):  # noqa: F811
-    trainer = _trainer(tmp_path, model, set(), "trainer.rollback.enable=true", "trainer.val_every=2",
+def test_rl_hook_order(one_rank_world, tmp_path, tiny_model):
+    trainer = _trainer(tmp_path, tiny_model, set(), "trainer.rollback.enable=true", "trainer.val_every=2",
                        f"data.val_files=[{tmp_path}/train.jsonl]")
     names = [type(h).__name__ for h in trainer.hooks(stop_rule=None)]
     assert names == ["ValidationHook", "RollbackHook", "LogHook", "CheckpointHook", "StopHook", "PreemptionHook"]
 
 
-def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path, model):  # noqa: F811
-    trainer = _trainer(tmp_path, model, set(), "trainer.total_steps=5", "checkpoint.save_every=1",
+def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path, tiny_model):
+    trainer = _trainer(tmp_path, tiny_model, set(), "trainer.total_steps=5", "checkpoint.save_every=1",
                        "checkpoint.keep_last=0", "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",
                        "trainer.rollback.lr_scale=0.5", "trainer.rollback.max_rollbacks=1",
                        "trainer.inject_regression_at_steps=[4]", "actor.optim.lr_decay_style=constant")

@@ -14,13 +14,6 @@ pytestmark = pytest.mark.unit
 PROMPTS = {"1+2=": "3", "2+2=": "4", "3+4=": "7", "5+1=": "6"}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from verl_hpc.models.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", "llama", layers=2)
-
-
 def _trainer(tmp_path, model, nan_steps, *overrides):
     from verl_hpc.config import load_config
     from verl_hpc.trainer.rl import RLTrainer
@@ -55,8 +48,8 @@ def _rows(tmp_path):
     return {r["step"]: r for r in map(json.loads, lines) if r.get("step", 0) >= 1}
 
 
-def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, tmp_path, model):
-    trainer = _trainer(tmp_path, model, {2}, "trainer.total_steps=3")
+def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, tmp_path, tiny_model):
+    trainer = _trainer(tmp_path, tiny_model, {2}, "trainer.total_steps=3")
     summary = trainer.fit()
     rows = _rows(tmp_path)
     assert summary["steps"] == 3 and summary["stopped"] == "completed"
@@ -66,10 +59,10 @@ def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, t
     assert summary["nonfinite_total"] == 1
 
 
-def test_trn_nan_steps_in_a_row_stop_the_run(one_rank_world, tmp_path, model):
+def test_trn_nan_steps_in_a_row_stop_the_run(one_rank_world, tmp_path, tiny_model):
     from verl_hpc.trainer.guard import NonFiniteError
 
-    trainer = _trainer(tmp_path, model, {2, 3, 4}, "trainer.total_steps=5", "trainer.max_nonfinite_in_a_row=2")
+    trainer = _trainer(tmp_path, tiny_model, {2, 3, 4}, "trainer.total_steps=5", "trainer.max_nonfinite_in_a_row=2")
     with pytest.raises(NonFiniteError) as err:
         trainer.fit()
     assert "non-finite loss or grad norm in 2 steps in a row" in str(err.value)
