@@ -57,6 +57,9 @@ def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, t
     assert rows[2]["actor/nonfinite_steps"] > 0 and rows[2]["train/nonfinite_in_a_row"] == 1
     assert rows[3]["train/nonfinite_in_a_row"] == 0
     assert summary["nonfinite_total"] == 1
+    # the summary's keys, in order (rl_summary.json, RL_RESULT; rollbacks / stop_reason only when they happen)
+    assert list(summary) == ["steps", "stopped", "val_before", "val_after", "resumed_from", "reward_mean", "history",
+                             "seconds", "plot", "metrics_file", "nonfinite_total"]
 
 
 def test_trn_nan_steps_in_a_row_stop_the_run(one_rank_world, tmp_path, tiny_model):
