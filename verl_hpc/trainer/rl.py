@@ -9,7 +9,10 @@ prompts and broadcasts them); the engines split rows over data-parallel ranks in
 
 The step's pieces: trainer/sampling.py (generate, score, DAPO filter), trainer/step_batch.py
 (the typed batch the stages fill), trainer/advantage.py (KL in reward, advantages),
-verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise).
+verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise). After each
+step the hooks run in this order (trainer/hooks.py; RLTrainer.hooks): validation, task weights,
+rollback, log, checkpoint, stop rule, preemption. trainer/program.py owns the tracker's lifecycle,
+rl_summary.json, the RL_RESULT line and the requeue.
 
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
