@@ -1,8 +1,14 @@
-"""PNG training curves from the metrics history: reward, validation accuracy, KL, entropy, length,
-and with data.tasks the reward and weight of each task.
+"""PNG training curves from the metrics history: reward, validation accuracy, KL to the reference
+(or, without one, the rollout/training mismatch), entropy, length, and with data.tasks the reward
+and weight of each task.
 
 One figure, one panel per group, step on x. A group with no matching metric is left out rather
-than drawn empty, so an SFT run or a run without validation still gets a clean figure.
+than drawn empty, so an SFT run or a run without validation still gets a clean figure. The KL
+panel shows only what was measured: actor/ppo_kl (KL to the policy before the update) is 0 by
+construction on the on-policy path and a run at KL coefficient 0 has no reference, so it plots
+the KL to the reference where the run has one (the KL loss, or the KL in the reward) and else
+the rollout engine's log-prob gap to the trainer's; a series that is 0 at every step says
+nothing and is dropped, and a panel left with none is not drawn.
 
 Drawn with matplotlib's object API on an Agg canvas, not pyplot: pyplot keeps global figures and
 picks a GUI backend from the environment, neither of which a batch job or a caller wants touched.
@@ -25,12 +31,16 @@ class Panel:
     ylabel: str
     patterns: tuple[str, ...]  # fnmatch patterns, in legend order
     ylim: tuple[float, float] | None = None  # fixed axis where the quantity has a natural range
+    drop_zeros: bool = False  # leave out series that are 0 at every step (zero by construction)
+    instead: Panel | None = None  # drawn in this one's place when this one has no series
 
 
 PANELS: tuple[Panel, ...] = (
     Panel("Reward", "reward", ("reward/score/mean", "val/reward/*")),
     Panel("Validation accuracy", "accuracy", ("val/acc", "val/acc/*"), ylim=(-0.02, 1.02)),
-    Panel("KL divergence", "KL", ("actor/kl", "actor/ppo_kl", "*/kl")),
+    Panel("KL to reference", "KL(policy || ref) (nats/token)", ("actor/kl_loss", "reward/kl"), drop_zeros=True,
+          instead=Panel("Rollout/training mismatch", "|rollout - trainer| log-prob (nats)",
+                        ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"), drop_zeros=True)),
     Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
     Panel("Response length", "tokens", ("response_length/mean", "response_length/max")),
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
@@ -38,21 +48,29 @@ PANELS: tuple[Panel, ...] = (
     Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
-PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for p in panel.patterns)
+def _alternatives(panel: Panel | None):
+    while panel is not None:
+        yield panel
+        panel = panel.instead
+
+
+PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for alt in _alternatives(panel) for p in alt.patterns)
 
 
 @dataclass
 class PlotResult:
     path: Path
     panels: list[str] = field(default_factory=list)
+    series: dict[str, list[str]] = field(default_factory=dict)  # panel title -> the metrics it draws
 
 
 def wanted(name: str, patterns: Iterable[str] = PLOT_PATTERNS) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _series(history: Sequence[dict[str, Any]], patterns: Sequence[str]):
-    """{name: (steps, values)} for names matching the patterns, in pattern order, steps sorted."""
+def _series(history: Sequence[dict[str, Any]], patterns: Sequence[str], drop_zeros: bool = False):
+    """{name: (steps, values)} for names matching the patterns, in pattern order, steps sorted;
+    a series with no finite value (or, with drop_zeros, no nonzero one) is left out."""
     keys = dict.fromkeys(k for row in history for k in row)  # ordered union over all rows
     names: list[str] = []
     for pattern in patterns:
@@ -61,9 +79,17 @@ def _series(history: Sequence[dict[str, Any]], patterns: Sequence[str]):
     for name in names[:MAX_LINES]:
         points = sorted((row["step"], row[name]) for row in history
                         if name in row and isinstance(row[name], (int, float)))
-        if any(math.isfinite(v) for _, v in points):
+        if any(math.isfinite(v) and (v != 0 or not drop_zeros) for _, v in points):
             out[name] = ([s for s, _ in points], [float(v) for _, v in points])
     return out
+
+
+def _first_with_data(history, panel: Panel):
+    """(the panel, its series), or its `instead`'s where it has none; None when no alternative has any."""
+    for alt in _alternatives(panel):
+        if series := _series(history, alt.patterns, alt.drop_zeros):
+            return alt, series
+    return None
 
 
 def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
@@ -73,7 +99,7 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    drawn = [(p, s) for p in panels if (s := _series(history, p.patterns))]
+    drawn = [d for p in panels if (d := _first_with_data(history, p))]
     if not drawn:
         return None
     cols = 1 if len(drawn) == 1 else 2
@@ -101,4 +127,4 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    return PlotResult(path=path, panels=[p.title for p, _ in drawn])
+    return PlotResult(path=path, panels=[p.title for p, _ in drawn], series={p.title: list(s) for p, s in drawn})

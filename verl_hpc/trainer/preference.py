@@ -30,11 +30,9 @@ and requeues per runtime/requeue.py. The reference is frozen and rebuilt from `m
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -146,17 +144,14 @@ class _Roles:
 
 def run(cfg, ctx) -> dict:
     from verl_hpc.checkpoint.trainer_state import PREFERENCE_FORMAT, TrainerCheckpointer
-    from verl_hpc.config import to_container
     from verl_hpc.data.preference import load_preference_examples
     from verl_hpc.data.sampler import EpochSampler
     from verl_hpc.engines.megatron.roles import build_engine
-    from verl_hpc.tracking import Tracker, missing_packages
+    from verl_hpc.trainer.program import check_tracking, finish, tracked
     from verl_hpc.trainer.roles import load_tokenizer
     from verl_hpc.trainer.sft import save_hf
 
-    missing = missing_packages(cfg.tracking.backends)
-    if missing:
-        raise RuntimeError("; ".join(missing))
+    check_tracking(cfg)
     d, tr, pr = cfg.data, cfg.trainer, cfg.algorithm.preference
     tokenizer = load_tokenizer(cfg)
     keys = dict(prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
@@ -183,12 +178,10 @@ def run(cfg, ctx) -> dict:
     checkpointer = TrainerCheckpointer(cfg, ctx, _Roles(policy), loader=sampler, fmt=PREFERENCE_FORMAT,
                                        total_steps=steps)
     start = checkpointer.resume()  # 0, or the step of the checkpoint loaded
-    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
-                                  total_steps=steps, config=to_container(cfg))
     t0 = time.time()
     summary: Dict = dict(loss=pr.loss, rows=len(train), val_rows=len(val), resumed_from=start,
                          stopped="completed", steps=start)
-    try:
+    with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0, total_steps=steps) as tracker:
         if val and not start:
             summary["val_accuracy_before"] = step_fn.accuracy(val, d.val_batch_size)
             tracker.log({"val/preference_accuracy": summary["val_accuracy_before"]}, 0)
@@ -207,20 +200,10 @@ def run(cfg, ctx) -> dict:
         checkpointer.close()  # an async save in flight is committed before we report
         if val and summary["stopped"] == "completed":
             summary["val_accuracy_after"] = step_fn.accuracy(val, d.val_batch_size)
-    except BaseException as e:
-        tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
-        raise
-    finally:
-        tracker.close(summary["stopped"], summary["steps"])
     if summary["stopped"] == "completed":  # a preempted run exports when its resumed job finishes
         save_hf(policy.engine, cfg, ctx, tr.hf_output_dir)
     hist = summary.get("history", [])
     summary.update(total_steps=steps, seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir,
                    first_loss=hist[0]["preference/loss"] if hist else math.nan,
                    last_loss=hist[-1]["preference/loss"] if hist else math.nan)
-    if ctx.rank == 0:
-        Path(tr.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(tr.output_dir) / "dpo_summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"DPO_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'})}", flush=True)
-    checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
-    return summary
+    return finish(cfg, ctx, "dpo", summary, requeue=checkpointer.requeue_if_preempted)

@@ -9,7 +9,10 @@ prompts and broadcasts them); the engines split rows over data-parallel ranks in
 
 The step's pieces: trainer/sampling.py (generate, score, DAPO filter), trainer/step_batch.py
 (the typed batch the stages fill), trainer/advantage.py (KL in reward, advantages),
-verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise).
+verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise). After each
+step the hooks run in this order (trainer/hooks.py; RLTrainer.hooks): validation, task weights,
+rollback, log, checkpoint, stop rule, preemption. trainer/program.py owns the tracker's lifecycle,
+rl_summary.json, the RL_RESULT line and the requeue.
 
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
@@ -20,36 +23,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Dict
-
-import torch
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
-from verl_hpc.config import to_container
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import WeightSync
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
-from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
+from verl_hpc.tracking import StageTimer, throughput
 from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
+from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
+from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import build_roles
-from verl_hpc.trainer.rollback import RollbackGuard, apply_lr_factor, roll_back
+from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
-from verl_hpc.trainer.stopping import StopRule
-from verl_hpc.trainer.task_weights import TaskWeightScheduler
-from verl_hpc.trainer.validation import Validator
+from verl_hpc.trainer.stopping import StopHook, StopRule
+from verl_hpc.trainer.task_weights import TaskWeightHook, TaskWeightScheduler
+from verl_hpc.trainer.validation import ValidationHook, Validator
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,6 @@ class RLTrainer:
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
                                                 guard=self.guard, task_weights=self.task_weights,
                                                 rollback=self.rollback)
-        self.inject_nan = set(cfg.trainer.inject_nan_at_steps)
         self.safety = SafetySwitches(cfg, ctx)
 
     # ------------------------------------------------------------------------------ the step
@@ -107,10 +106,7 @@ class RLTrainer:
             with timer("values"):
                 batch.fill(r.critic.values(batch))  # values
         with timer("adv"):
-            m_adv = self.advantage(batch)  # rewards (- KL penalty), advantages, returns
-            if step in self.inject_nan:  # test hook: a NaN loss must be skipped, counted, and stop the run
-                batch.advantages = torch.full_like(batch.advantages, float("nan"))
-        m.update(m_adv)
+            m.update(self.advantage(batch))  # rewards (- KL penalty), advantages, returns
         if r.critic is not None:
             with timer("update_critic"):
                 m.update(r.critic.update(batch, self.value_loss))
@@ -120,7 +116,7 @@ class RLTrainer:
                 correction.on_policy_metrics(m)
             else:
                 m.update(r.actor.update(batch, self.policy_loss))
-        m.update(self._sync_weights(timer))
+        m.update(self.sync_weights(timer))
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))
@@ -136,7 +132,7 @@ class RLTrainer:
         self._logged_path = path
         return path
 
-    def _sync_weights(self, timer=None) -> Dict[str, float]:
+    def sync_weights(self, timer=None) -> Dict[str, float]:
         """Wake the rollout (it must hold its weights to take new ones), then the resharding step."""
         timer = timer or (lambda _stage: contextlib.nullcontext())
         with timer("wake"):
@@ -148,89 +144,62 @@ class RLTrainer:
     def fit(self) -> dict:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
-        start = self.checkpointer.resume()  # 0, or the step of the checkpoint loaded
-        if self.rollback.lr_factor != 1.0:  # LR lowered by earlier rollbacks of this run
-            apply_lr_factor(self, self.rollback.lr_factor)
-        if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
-            self._sync_weights()
-        # resumed: keep the history up to `start`; fresh: none of an earlier run's
-        tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start + 1 if start else 0,
-                                      config=to_container(cfg))
+        start = self._resume()
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
-        # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
-        dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
-        stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
-        try:
-            if self.validator and not start:
-                dog.stage("validate")
-                summary["val_before"] = self._validate(tracker, 0)
-            # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
-            comm = collectives.counts if self.cfg.tracking.comm_bytes else None
-            timer = WatchedTimer(StageTimer(comm=comm), dog)
-            t0 = time.time()
-            step = start + 1
-            while step <= tr.total_steps:
-                with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
-                    metrics = self.step(step, timer)
-                self.safety.check_ranks_agree(step, metrics)
-                metrics.update(timer.pop())
-                metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
-                                          samples=metrics.get("train/samples"), world_size=ctx.world_size))
-                last = step == tr.total_steps
-                if self.validator and (last or step % tr.val_every == 0):
+        # resumed: keep the history up to `start`; fresh: none of an earlier run's
+        with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0) as tracker:
+            # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
+            dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
+            stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
+            try:
+                if self.validator and not start:
                     dog.stage("validate")
-                    v0 = time.perf_counter()
-                    metrics.update(val := self._validate(None, step))
-                    summary["val_after"] = val
-                    # its own timing; left out of the next timing_s/step (and so of throughput, ETA)
-                    metrics["timing_s/validation"] = time.perf_counter() - v0
-                    timer.exclude(metrics["timing_s/validation"])
-                if self.task_weights is not None:  # the weights the next step draws with
-                    metrics.update(self.task_weights.observe(step, metrics))
-                    if self.loader is not None:
-                        self.loader.set_task_weights(self.task_weights.weights)
-                if self.rollback:
-                    dog.stage("rollback")
-                    trip = self.rollback.decide(step, metrics)
-                    if trip is not None:  # back to an earlier checkpoint; this step is not logged or saved
-                        to_step = roll_back(self, tracker, step, trip)
-                        summary["rollbacks"] = self.rollback.history
-                        del summary.setdefault("history", [])[max(to_step - start, 0):]
-                        step = to_step + 1
-                        continue
-                    metrics.update(self.rollback.metrics())
-                summary["steps"] = step
-                summary["reward_mean"] = metrics.get("reward/score/mean")
-                summary.setdefault("history", []).append(
-                    {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
-                dog.stage("log")
-                tracker.log(metrics, step)
-                dog.stage("checkpoint")
-                self.checkpointer.maybe_save(step)
-                why = stop_rule.check(step, metrics, metrics["timing_s/step"]) if stop_rule and not last else None
-                if why:  # a planned end: checkpoint and finish normally (exit 0), no requeue
-                    if ctx.rank == 0:
-                        log.info("rl: stopping after step %d of %d: %s; saving a checkpoint",
-                                 step, tr.total_steps, why)
-                    self.checkpointer.maybe_save(step, force=True)
-                    summary.update(stopped="stop_at", stop_reason=why)
-                    break
-                if self.checkpointer.stop_if_preempted(step):  # saved; requeue_if_preempted in run()
-                    summary["stopped"] = "preempted"
-                    break
-                step += 1
-            self.checkpointer.close()  # an async save in flight is committed before we report
-            summary["seconds"] = round(time.time() - t0, 1)
-        except BaseException as e:  # Prometheus and the alert webhook hear why the run ended
-            tracker.close("failed", summary["steps"], reason=f"{type(e).__name__}: {e}"[:500])
-            raise
-        finally:
-            dog.stop()
-            outcome = "completed" if summary["stopped"] == "stop_at" else summary["stopped"]  # a planned end
-            summary["plot"] = str(tracker.close(outcome, summary["steps"]) or "") or None
-            summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
+                    summary["val_before"] = self._validate(tracker, 0)
+                # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
+                timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
+                run = RunState(tracker, timer, dog, summary, tr.total_steps, start=start)
+                t0 = time.time()
+                run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run, start)
+                self.checkpointer.close()  # an async save in flight is committed before we report
+                summary["seconds"] = round(time.time() - t0, 1)
+            finally:
+                dog.stop()
+        summary["plot"] = str(tracker.plot_path or "") or None
+        summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
         return summary
+
+    def hooks(self, stop_rule: StopRule) -> list:
+        """What runs after each step, in this order (trainer/hooks.py)."""
+        ckpt = self.checkpointer
+        return [h for h in (
+            ValidationHook(lambda step: self._validate(None, step), self.cfg.trainer.val_every)
+            if self.validator else None,
+            TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
+            RollbackHook(self.rollback, ckpt, self.cfg, self.ctx, self.roles, loader=self.loader,
+                         task_weights=self.task_weights, sync_weights=self.sync_weights) if self.rollback else None,
+            LogHook(), CheckpointHook(ckpt), StopHook(stop_rule, ckpt, self.ctx.rank, self.cfg.trainer.job),
+            PreemptionHook(ckpt),
+        ) if h is not None]
+
+    def _resume(self) -> int:
+        """Load the checkpoint trainer.resume picks (0: none), with the LR earlier rollbacks left."""
+        start = self.checkpointer.resume()
+        if self.rollback.lr_factor != 1.0:  # LR lowered by earlier rollbacks of this run
+            apply_lr_factor(self.roles, self.cfg, self.rollback.lr_factor)
+        if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
+            self.sync_weights()
+        return start
+
+    def _measured_step(self, step: int, timer) -> Dict[str, float]:
+        """The step, checked across ranks, with its stage timings and throughput."""
+        with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
+            metrics = self.step(step, timer)
+        self.safety.check_ranks_agree(step, metrics)
+        metrics.update(timer.pop())
+        metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
+                                  samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
+        return metrics
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
         val = self.validator.run(self.roles.rollout, self.scorer, self.roles.pad_id, self.roles.reward_model)
@@ -256,9 +225,7 @@ def _close_quietly(rollout) -> None:
 
 
 def run(cfg, ctx) -> dict:
-    missing = missing_packages(cfg.tracking.backends)  # on every rank, before any collective work
-    if missing:
-        raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
+    check_tracking(cfg)
     trainer = RLTrainer(cfg, ctx)
     try:
         summary = trainer.fit()
@@ -266,11 +233,4 @@ def run(cfg, ctx) -> dict:
         _close_quietly(trainer.roles.rollout)
         raise
     trainer.roles.rollout.close()  # all ranks together, before the runtime tears the process group down
-    if ctx.rank == 0:
-        out = Path(cfg.trainer.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "rl_summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        print(f"RL_RESULT {json.dumps({k: v for k, v in summary.items() if k != 'history'}, default=str)}",
-              flush=True)
-    trainer.checkpointer.requeue_if_preempted()  # requeue (SystemExit on every rank) or stop
-    return summary
+    return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)

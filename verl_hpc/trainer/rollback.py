@@ -2,8 +2,8 @@
 checkpoint instead of training on from a broken policy.
 
     guard = RollbackGuard(cfg, ctx)
-    trip = guard.decide(step, metrics)             # rank 0's rules, broadcast: every rank agrees
-    if trip: start = roll_back(trainer, tracker, step, trip)   # the step the loop continues after
+    hook = RollbackHook(guard, checkpointer, cfg, ctx, roles, loader=..., sync_weights=...)
+    verdict = hook(step, metrics, run)   # rank 0's rules, broadcast: Rewind(to_step) on a trip
 
 On a trip (rules: trainer/rollback_rules.py): log it and send `tracker.event("rollback")` (the
 Prometheus rollback counter and tracking.alert_webhook); give up with a RollbackError (a non-zero
@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, list_checkpoints, new_token,
                                          remove_checkpoint)
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.trainer.hooks import CONTINUE, Rewind
 from verl_hpc.trainer.rollback_rules import RollbackRules, Trip
 
 log = logging.getLogger(__name__)
@@ -93,11 +94,12 @@ def set_lr_factor(engine, optim_cfg, factor: float) -> None:
     sched.step(increment=0)
 
 
-def apply_lr_factor(trainer, factor: float) -> None:
+def apply_lr_factor(roles, cfg, factor: float) -> None:
+    """The actor's and critic's LR schedules at `factor` x their configured ones."""
     for name in ("actor", "critic"):
-        role = getattr(trainer.roles, name, None)
+        role = getattr(roles, name, None)
         if role is not None and getattr(role, "engine", None) is not None:
-            set_lr_factor(role.engine, getattr(trainer.cfg, name).optim, factor)
+            set_lr_factor(role.engine, getattr(cfg, name).optim, factor)
 
 
 def _drop_later_checkpoints(root: Path, step: int, keep: Path) -> List[str]:
@@ -112,38 +114,61 @@ def _drop_later_checkpoints(root: Path, step: int, keep: Path) -> List[str]:
     return gone
 
 
-def roll_back(trainer, tracker, step: int, trip: Trip) -> int:
-    """Undo the steps after the target checkpoint (see the module's docstring); returns its step.
-    Collective: every rank calls it with the same trip."""
-    guard, ckpt, ctx, rb = trainer.rollback, trainer.checkpointer, trainer.ctx, trainer.cfg.trainer.rollback
-    log.warning("rollback guard: %s", trip.message)
-    if guard.count >= rb.max_rollbacks:
-        raise RollbackError(f"rollback guard: {trip.message}; giving up after {guard.count} rollback(s) "
-                            f"(trainer.rollback.max_rollbacks={rb.max_rollbacks})")
-    ckpt.close()  # an async save in flight is committed before we look for checkpoints
-    path = guard.target(step, ckpt.root)
-    to_step = int(STEP_DIR.match(path.name).group(1))
-    guard.count += 1
-    guard.history.append({"at": step, "to": to_step, "metric": trip.metric, "rule": trip.rule, "value": trip.value})
-    tracker.event("rollback", step, metric=trip.metric, rule=trip.rule, value=trip.value,
-                  reference=trip.reference, to_step=to_step, rollbacks=guard.count, reason=trip.message)
-    position = trainer.loader.state_dict() if rb.skip_data and trainer.loader is not None else None
-    ckpt.load(path)
-    if position is not None:  # the data of steps to_step+1..step is not trained on again
-        trainer.loader.load_state_dict(position)
-    if trainer.task_weights is not None and trainer.loader is not None:
-        trainer.loader.set_task_weights(trainer.task_weights.weights)
-    if rb.lr_scale != 1.0:
-        guard.lr_factor *= rb.lr_scale
-    apply_lr_factor(trainer, guard.lr_factor)
-    guard.rules.forget_after(to_step)
-    tracker.truncate_from(to_step + 1)
-    if ctx.rank == 0:
-        gone = _drop_later_checkpoints(ckpt.root, to_step, path)
-        log.warning("rollback guard: rollback %d of at most %d: step %d -> %s (removed %s), lr x%g%s",
-                    guard.count, rb.max_rollbacks, step, path, ", ".join(gone) or "nothing", guard.lr_factor,
-                    ", skipping the data of the undone steps" if position is not None else "")
-    broadcast_object(None)  # a barrier: no rank saves before rank 0 has cleared the undone steps
-    ckpt.last_saved = to_step
-    trainer._sync_weights()  # the rollout serves the loaded weights
-    return to_step
+class RollbackHook:
+    """After the step's validation and task weights, before it is logged: a trip rewinds the run
+    to an earlier checkpoint (the tripping step is neither logged nor saved); else the guard's
+    counters join the step's metrics. Given what a rollback touches, not the trainer:
+    sync_weights pushes the actor's (loaded) weights to the rollout engine."""
+    stage = "rollback"
+
+    def __init__(self, guard: RollbackGuard, checkpointer, cfg, ctx, roles, *, loader=None, task_weights=None,
+                 sync_weights: Callable[[], object]):
+        self.guard, self.ckpt, self.cfg, self.ctx, self.roles = guard, checkpointer, cfg, ctx, roles
+        self.loader, self.task_weights, self.sync_weights = loader, task_weights, sync_weights
+
+    def __call__(self, step, metrics, run):
+        trip = self.guard.decide(step, metrics)
+        if trip is None:
+            metrics.update(self.guard.metrics())
+            return CONTINUE
+        to_step = self.roll_back(run.tracker, step, trip)
+        run.summary["rollbacks"] = self.guard.history
+        del run.summary.setdefault("history", [])[max(to_step - run.start, 0):]
+        return Rewind(to_step)
+
+    def roll_back(self, tracker, step: int, trip: Trip) -> int:
+        """Undo the steps after the target checkpoint (see the module's docstring); returns its step.
+        Collective: every rank calls it with the same trip."""
+        guard, ckpt, ctx, rb, loader = self.guard, self.ckpt, self.ctx, self.cfg.trainer.rollback, self.loader
+        log.warning("rollback guard: %s", trip.message)
+        if guard.count >= rb.max_rollbacks:
+            raise RollbackError(f"rollback guard: {trip.message}; giving up after {guard.count} rollback(s) "
+                                f"(trainer.rollback.max_rollbacks={rb.max_rollbacks})")
+        ckpt.close()  # an async save in flight is committed before we look for checkpoints
+        path = guard.target(step, ckpt.root)
+        to_step = int(STEP_DIR.match(path.name).group(1))
+        guard.count += 1
+        guard.history.append({"at": step, "to": to_step, "metric": trip.metric, "rule": trip.rule,
+                              "value": trip.value})
+        tracker.event("rollback", step, metric=trip.metric, rule=trip.rule, value=trip.value,
+                      reference=trip.reference, to_step=to_step, rollbacks=guard.count, reason=trip.message)
+        position = loader.state_dict() if rb.skip_data and loader is not None else None
+        ckpt.load(path)
+        if position is not None:  # the data of steps to_step+1..step is not trained on again
+            loader.load_state_dict(position)
+        if self.task_weights is not None and loader is not None:
+            loader.set_task_weights(self.task_weights.weights)
+        if rb.lr_scale != 1.0:
+            guard.lr_factor *= rb.lr_scale
+        apply_lr_factor(self.roles, self.cfg, guard.lr_factor)
+        guard.rules.forget_after(to_step)
+        tracker.truncate_from(to_step + 1)
+        if ctx.rank == 0:
+            gone = _drop_later_checkpoints(ckpt.root, to_step, path)
+            log.warning("rollback guard: rollback %d of at most %d: step %d -> %s (removed %s), lr x%g%s",
+                        guard.count, rb.max_rollbacks, step, path, ", ".join(gone) or "nothing", guard.lr_factor,
+                        ", skipping the data of the undone steps" if position is not None else "")
+        broadcast_object(None)  # a barrier: no rank saves before rank 0 has cleared the undone steps
+        ckpt.last_saved = to_step
+        self.sync_weights()  # the rollout serves the loaded weights
+        return to_step

@@ -12,7 +12,6 @@ the tokenizer and config, ready to be an RL run's `model.path`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -22,12 +21,11 @@ from pathlib import Path
 from typing import List, Tuple
 
 from verl_hpc.algorithms import agg_loss
-from verl_hpc.config import to_container
 from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.engines.megatron.roles import build_engine
-from verl_hpc.tracking import Tracker, missing_packages
 from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -79,9 +77,7 @@ def save_hf(engine, cfg, ctx, out_dir: str) -> None:
 
 
 def run(cfg, ctx) -> dict:
-    missing = missing_packages(cfg.tracking.backends)
-    if missing:
-        raise RuntimeError("; ".join(missing))
+    check_tracking(cfg)
     tokenizer = load_tokenizer(cfg)
     rows = broadcast_object(load_sft_rows(cfg, tokenizer) if ctx.rank == 0 else None)
     if not rows:
@@ -91,9 +87,9 @@ def run(cfg, ctx) -> dict:
     steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
     actor = build_engine("actor", cfg, ctx, total_steps=steps)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, total_steps=steps, config=to_container(cfg))
     rng, order, t0, losses = random.Random(cfg.data.seed), [], time.time(), []
-    try:
+    summary = dict(steps=0)
+    with tracked(cfg, ctx, summary, total_steps=steps) as tracker:
         for step in range(1, steps + 1):
             if len(order) < bs:  # next epoch, same shuffle on every rank (same seed)
                 perm = list(range(len(rows)))
@@ -107,15 +103,11 @@ def run(cfg, ctx) -> dict:
                        "sft/lr": lr, "sft/nonfinite": m["nonfinite"], "sft/epoch": step / per_epoch}
             losses.append(metrics["sft/loss"])
             tracker.log(metrics, step)
-    finally:
-        tracker.close()
+            summary["steps"] = step
     save_hf(actor.engine, cfg, ctx, tr.hf_output_dir)
-    summary = dict(steps=steps, rows=len(rows), first_loss=losses[0], last_loss=losses[-1],
+    summary.update(steps=steps, rows=len(rows), first_loss=losses[0], last_loss=losses[-1],
                    seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir)
     if ctx.rank == 0:
-        Path(tr.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(tr.output_dir) / "sft_summary.json").write_text(json.dumps(summary, indent=1))
         log.info("sft: %d steps over %d rows, loss %.3f -> %.3f; HF folder %s", steps, len(rows),
                  losses[0], losses[-1], tr.hf_output_dir)
-        print(f"SFT_RESULT {json.dumps(summary)}", flush=True)
-    return summary
+    return finish(cfg, ctx, "sft", summary)

@@ -15,11 +15,15 @@ The trainer then checkpoints and returns normally (exit 0); this is not preempti
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Mapping, Optional
 
 from verl_hpc.config.schema import default_of
+from verl_hpc.trainer.hooks import CONTINUE, Stop
+
+log = logging.getLogger(__name__)
 
 
 class StopRule:
@@ -69,3 +73,24 @@ def _rank0_decides(flag: bool) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
     dist.broadcast(t, src=0)
     return bool(t.item())
+
+
+class StopHook:
+    """trainer.stop_at after the step is logged and saved: a planned end checkpoints the step and
+    finishes normally (exit 0, no requeue). Not asked at the last step: the run ends there anyway."""
+    stage = None
+
+    def __init__(self, rule: StopRule, checkpointer, rank: int, job: str):  # job: the log line's prefix
+        self.rule, self.checkpointer, self.rank, self.job = rule, checkpointer, rank, job
+
+    def __call__(self, step, metrics, run):
+        if not self.rule or run.last(step):
+            return CONTINUE
+        why = self.rule.check(step, metrics, metrics["timing_s/step"])
+        if not why:
+            return CONTINUE
+        if self.rank == 0:
+            log.info("%s: stopping after step %d of %d: %s; saving a checkpoint",
+                     self.job, step, run.total_steps, why)
+        self.checkpointer.maybe_save(step, force=True)
+        return Stop("stop_at", why)

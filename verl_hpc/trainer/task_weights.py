@@ -27,6 +27,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 
 from verl_hpc.data.tasks import task_of
+from verl_hpc.trainer.hooks import CONTINUE
 
 METRIC_KEYS = {"reward": "task/{}/reward", "acc": "task/{}/acc",
                "val_reward": "val/task/{}/reward", "val_acc": "val/task/{}/acc"}
@@ -147,3 +148,17 @@ class TaskWeightScheduler:
         self.since_lowered = {t: None if state["since_lowered"][t] is None else int(state["since_lowered"][t])
                               for t in self.tasks}
         self.changes = int(state["changes"])
+
+
+class TaskWeightHook:
+    """After each step (and its validation): the weights the next step draws with."""
+    stage = None
+
+    def __init__(self, scheduler: TaskWeightScheduler, loader):
+        self.scheduler, self.loader = scheduler, loader  # loader: rank 0's, None elsewhere
+
+    def __call__(self, step, metrics, run):
+        metrics.update(self.scheduler.observe(step, metrics))
+        if self.loader is not None:
+            self.loader.set_task_weights(self.scheduler.weights)
+        return CONTINUE

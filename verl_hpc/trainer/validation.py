@@ -7,13 +7,15 @@ data.tasks also val/task/<name>/acc and val/task/<name>/reward per task.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from typing import Dict
+from typing import Callable, Dict
 
 from verl_hpc.data import val_batches
 from verl_hpc.data.tasks import task_of
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.trainer.batching import assemble, broadcast_object
+from verl_hpc.trainer.hooks import CONTINUE
 from verl_hpc.trainer.scoring import score_batch
 
 
@@ -51,3 +53,24 @@ class Validator:
             out[f"val/acc/{key}"] = hits[key] / n
             out[f"val/reward/{key}"] = sums[key] / n
         return out
+
+
+class ValidationHook:
+    """Validation every trainer.val_every steps and at the last one: its metrics join the step's
+    (so the stop rule and task weights see them), summary["val_after"] keeps the latest, and its
+    time is its own metric (timing_s/validation), left out of the next timing_s/step (and so of
+    throughput and the ETA)."""
+    stage = None  # names "validate" itself, on the steps it validates
+
+    def __init__(self, validate: Callable[[int], Dict[str, float]], val_every: int):
+        self.validate, self.val_every = validate, val_every
+
+    def __call__(self, step, metrics, run):
+        if run.last(step) or step % self.val_every == 0:
+            run.watchdog.stage("validate")
+            v0 = time.perf_counter()
+            metrics.update(val := self.validate(step))
+            run.summary["val_after"] = val
+            metrics["timing_s/validation"] = time.perf_counter() - v0
+            run.timer.exclude(metrics["timing_s/validation"])
+        return CONTINUE

@@ -3,8 +3,9 @@ namespaces side by side with the SAME output folder setting, then a resume acros
 
 Job A (team-a, 2 ranks): safety.debug (anomaly detection + cross-rank checks every step) and
 safety.profiling (a torch.profiler trace per rank for step 2). Job B (team-b, 1 rank, at the same
-time): pushes to a real Pushgateway and alerts a local webhook; NaN losses injected at steps 1-2
-make it fail at step 2 (trainer.max_nonfinite_in_a_row=2), so the failure path is the one shown.
+time): pushes to a real Pushgateway and alerts a local webhook; a reward collapse injected at step 3
+with the rollback guard allowed no rollback (trainer.rollback.max_rollbacks=0) makes it fail there,
+so the failure path is the one shown.
 The test lists every file each job touched and asserts that none is shared.
 """
 import subprocess
@@ -39,13 +40,14 @@ def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
                   "safety.profile_steps=[2]")
         b = start(tmp_path, "team-b", 1, *common, "tracking.backends=[jsonl,prometheus]",
                   f"tracking.pushgateway_url={gw}", f"tracking.alert_webhook={hook}",
-                  "trainer.inject_nan_at_steps=[1,2]", "trainer.max_nonfinite_in_a_row=2")
+                  "trainer.total_steps=3", "trainer.rollback.enable=true",
+                  "trainer.inject_regression_at_steps=[3]", "trainer.rollback.max_rollbacks=0")
         out_a, err_a = a.communicate(timeout=900)
         out_b, err_b = b.communicate(timeout=900)
         pushed, fam = groups(gw), families(gw)
     a_out, b_out = tmp_path / "team-a" / "out", tmp_path / "team-b" / "out"
     assert a.returncode == 0, logs(subprocess.CompletedProcess([], a.returncode, out_a, err_a), a_out)
-    assert b.returncode != 0 and "non-finite loss or grad norm in 2 steps in a row" in err_b + out_b + \
+    assert b.returncode != 0 and "reward/score/mean dropped at step 3" in err_b + out_b + \
         "".join(p.read_text(errors="replace") for p in b_out.glob("**/*.log"))
 
     # every file of each job is under its own namespace folder; no path is shared
@@ -64,16 +66,15 @@ def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
 
     # job B: its failure reached the webhook and the Pushgateway, labelled with its namespace
     (ctype, body), = alerts
-    assert body["event"] == "failed" and body["namespace"] == "team-b" and body["step"] == 1
-    assert "NonFiniteError" in body["details"]["reason"]
+    assert body["event"] == "failed" and body["namespace"] == "team-b" and body["step"] == 2
+    assert "RollbackError" in body["details"]["reason"]
     (group,) = pushed
     assert group["labels"]["namespace"] == "team-b"
     assert group["labels"]["job"] == "team-b-verl_hpc_demo_rl"  # demo_rl.yaml's slurm.job_name, prefixed
     me = dict(namespace="team-b", experiment="demo_rl")
     assert samples(fam["verl_hpc_run_outcome"], outcome="failed", **me)[0].value == 1
-    assert samples(fam["verl_hpc_nonfinite_skipped_steps"], **me)[0].value == 1  # step 1 (logged)
     latency = samples(fam["verl_hpc_rollout_latency_seconds"], **me)
-    assert [s.value for s in latency if s.name.endswith("_count")] == [1]
+    assert [s.value for s in latency if s.name.endswith("_count")] == [2]  # steps 1 and 2 (logged)
 
     # a team-b job may not resume from team-a's checkpoint
     c = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local",

@@ -13,7 +13,7 @@ def history(steps=12, with_val=True, with_kl=True):
         row = {"step": s, "time": 0.0, "reward/score/mean": s / steps, "actor/entropy": 2 - s / steps,
                "response_length/mean": 30.0 + s, "actor/pg_loss": 0.1}
         if with_kl:
-            row["actor/kl"] = math.nan if s == 5 else 0.01 * s
+            row["actor/kl_loss"] = math.nan if s == 5 else 0.01 * s
         if with_val and s % 4 == 0:
             row["val/acc/synthetic_arith"] = s / steps
         rows.append(row)
@@ -30,7 +30,7 @@ def read_png(path):
 def test_all_panels(tmp_path):
     res = write_plots(history(), tmp_path / "plots" / "curves.png", title="p / e")
     assert res.path == tmp_path / "plots" / "curves.png"
-    assert res.panels == ["Reward", "Validation accuracy", "KL divergence", "Entropy",
+    assert res.panels == ["Reward", "Validation accuracy", "KL to reference", "Entropy",
                           "Response length"]
     img = read_png(res.path)
     assert img.shape[0] > 600 and img.shape[1] > 900  # 3 rows x 2 columns of readable panels
@@ -49,7 +49,44 @@ def test_sft_loss_panel(tmp_path):
 
 
 def test_all_nan_series_and_nothing_to_plot(tmp_path):
-    rows = [{"step": 1, "actor/kl": math.nan, "actor/pg_loss": 1.0}]
+    rows = [{"step": 1, "actor/kl_loss": math.nan, "actor/pg_loss": 1.0}]
     assert write_plots(rows, tmp_path / "none.png") is None
     assert not (tmp_path / "none.png").exists()
     assert write_plots([], tmp_path / "none.png") is None
+
+
+def _kl_rows(**series):
+    """Three steps of the named series (values per step), with the metrics every RL step has."""
+    return [{"step": s, "reward/score/mean": 0.5, **{k.replace("__", "/"): v[s - 1] for k, v in series.items()}}
+            for s in (1, 2, 3)]
+
+
+MISMATCH = dict(rollout__logprob_diff_mean=[0.01, 0.02, 0.01], rollout__logprob_diff_max=[0.1, 0.2, 0.1])
+
+
+def test_kl_panel_shows_the_kl_to_the_reference_where_there_is_one(tmp_path):
+    # ppo_kl is 0 by construction on-policy: it is never what the panel shows
+    rows = _kl_rows(actor__kl_loss=[0.0, 0.01, 0.02], reward__kl=[0.0, 0.0, 0.0], actor__ppo_kl=[0.0] * 3,
+                    **MISMATCH)
+    res = write_plots(rows, tmp_path / "c.png")
+    assert res.panels == ["Reward", "KL to reference"]
+    assert res.series["KL to reference"] == ["actor/kl_loss"]  # reward/kl all 0: left out
+    rows = _kl_rows(reward__kl=[0.1, 0.2, 0.3], **MISMATCH)  # KL in the reward (PPO's controller)
+    assert write_plots(rows, tmp_path / "c.png").series["KL to reference"] == ["reward/kl"]
+
+
+def test_kl_panel_shows_the_mismatch_without_a_reference(tmp_path):
+    rows = _kl_rows(actor__ppo_kl=[0.0] * 3, **MISMATCH)
+    res = write_plots(rows, tmp_path / "c.png")
+    assert res.panels == ["Reward", "Rollout/training mismatch"]
+    assert res.series["Rollout/training mismatch"] == ["rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
+
+
+@pytest.mark.parametrize("series", [
+    {},  # neither measured
+    dict(actor__ppo_kl=[0.0] * 3, actor__kl_loss=[0.0] * 3, reward__kl=[0.0] * 3,
+         rollout__logprob_diff_mean=[0.0] * 3, rollout__logprob_diff_max=[0.0] * 3),  # all zero
+])
+def test_no_kl_panel_when_nothing_was_measured(tmp_path, series):
+    res = write_plots(_kl_rows(**series), tmp_path / "c.png")
+    assert res.panels == ["Reward"]

@@ -23,7 +23,7 @@ def _fit(tmp_path, *overrides):
 
 def test_trn_stop_when_a_validation_metric_reaches_its_value(tmp_path, caplog):
     # the fake rollout answers sample 0 right: greedy validation accuracy is 1.0 from the start
-    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"):
+    with caplog.at_level("INFO", logger="verl_hpc.trainer"):  # the stop hook's line (trainer/stopping.py)
         summary, saved, _ = _fit(tmp_path, "trainer.val_every=2", "trainer.stop_at.metric=val/acc/all",
                                  "trainer.stop_at.value=0.9")
     assert summary["steps"] == 2 and summary["stopped"] == "stop_at"  # first validation after a step

@@ -92,7 +92,6 @@ class TrainerConfig(Section):
     max_nonfinite_in_a_row: int = opt(3, "non-finite losses tolerated in a row before the job fails", check=">0")
     sft_epochs: int = opt(1, "trainer.job=sft: passes over data.sft_files (total_steps caps the steps)")
     hf_output_dir: str = opt("", "trainer.job=sft: the HF folder RL starts from", auto="<trainer.output_dir>/hf")
-    inject_nan_at_steps: List[int] = opt([], "tests only: RL steps whose loss is made NaN")
     inject_rollout_logprob_shift: Optional[float] = opt(
         None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
     inject_regression_at_steps: List[int] = opt(

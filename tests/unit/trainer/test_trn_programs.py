@@ -1,0 +1,51 @@
+"""The SFT and DPO programs' run() in this process (one gloo rank, the tiny model) end the way the
+launchers and tests read them (trainer/program.py): <name>_summary.json, one <NAME>_RESULT line
+without the history, the metrics file, the HF folder."""
+import json
+import types
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+ROWS = [("1+2=", "3", "4"), ("2+2=", "4", "5"), ("3+4=", "7", "8"), ("5+1=", "6", "7")]
+
+
+def _run(program, tmp_path, tiny_model, capsys, *overrides):
+    from verl_hpc.config import load_config
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p, "response": r, "chosen": r, "rejected": w}) + "\n"
+                            for p, r, w in ROWS))
+    cfg = load_config(None, [f"model.path={tiny_model}", "model.dtype=float32", f"data.sft_files=[{rows}]",
+                             f"data.preference_files=[{rows}]", "data.train_batch_size=2", "trainer.total_steps=2",
+                             "actor.micro_batch_size=2", "tracking.backends=[jsonl]",
+                             f"trainer.output_dir={tmp_path}/out", *overrides])
+    ctx = types.SimpleNamespace(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                                generator=torch.Generator().manual_seed(0),
+                                preemption=types.SimpleNamespace(agreed=lambda: False))
+    summary = program(cfg, ctx)
+    name = cfg.trainer.job
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{name.upper()}_RESULT ")]
+    assert len(lines) == 1
+    shown = json.loads(lines[0].split(" ", 1)[1])
+    written = json.loads((tmp_path / "out" / f"{name}_summary.json").read_text())
+    assert (tmp_path / "out" / "metrics.jsonl").exists() and (tmp_path / "out" / "hf" / "model.safetensors").exists()
+    return summary, shown, written
+
+
+def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
+    from verl_hpc.trainer import sft
+
+    summary, shown, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft")
+    assert list(written) == ["steps", "rows", "first_loss", "last_loss", "seconds", "hf_dir"]
+    assert written["steps"] == 2 and written["rows"] == 4 and shown == written
+
+
+def test_dpo_program(one_rank_world, tmp_path, tiny_model, capsys):
+    from verl_hpc.trainer import preference
+
+    summary, shown, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo")
+    assert written["steps"] == 2 and written["stopped"] == "completed" and len(written["history"]) == 2
+    assert "history" not in shown and shown == {k: v for k, v in written.items() if k != "history"}

@@ -1,0 +1,59 @@
+"""What every training program (rl, sft, dpo) does around its loop, in one place.
+
+    check_tracking(cfg)                                   # before any collective work
+    with tracked(cfg, ctx, summary, start_step=...) as tracker:
+        ...the loop, tracker.log(metrics, step)...        # summary["steps"], summary["stopped"]
+    finish(cfg, ctx, "rl", summary, requeue=checkpointer.requeue_if_preempted)
+
+tracked: the run's Tracker (tracking.*), closed as the run ended: "failed" with the error's type
+and message when it raised (Prometheus and tracking.alert_webhook hear why), else with
+summary["stopped"] (a planned stop_at end counts as completed).
+finish: rank 0 writes <output_dir>/<name>_summary.json and prints one `<NAME>_RESULT {json}` line
+(the summary without its per-step history; launchers and tests parse it), then every rank calls
+`requeue` (a preempted run is requeued per runtime/requeue.py: SystemExit on every rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional
+
+from verl_hpc.config import to_container
+from verl_hpc.tracking import Tracker, missing_packages
+
+
+def check_tracking(cfg) -> None:
+    """Refuse tracking.backends whose packages are missing (on every rank, before any collective)."""
+    missing = missing_packages(cfg.tracking.backends)
+    if missing:
+        raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
+
+
+@contextlib.contextmanager
+def tracked(cfg, ctx, summary: Dict, *, start_step: Optional[int] = None,
+            total_steps: Optional[int] = None) -> Iterator[Tracker]:
+    """start_step: the first step this run logs (earlier rows of a resumed run's metrics file are
+    kept, later ones dropped; None: the file is not checked); total_steps: default trainer.total_steps."""
+    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start_step, total_steps=total_steps,
+                                  config=to_container(cfg))
+    try:
+        yield tracker
+    except BaseException as e:
+        tracker.close("failed", summary.get("steps"), reason=f"{type(e).__name__}: {e}"[:500])
+        raise
+    finally:  # idempotent: after a failure this closes nothing again
+        stopped = summary.get("stopped", "completed")
+        tracker.close("completed" if stopped == "stop_at" else stopped, summary.get("steps"))
+
+
+def finish(cfg, ctx, name: str, summary: Dict, requeue: Optional[Callable[[], None]] = None) -> Dict:
+    if ctx.rank == 0:
+        out = Path(cfg.trainer.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        shown = {k: v for k, v in summary.items() if k != "history"}
+        print(f"{name.upper()}_RESULT {json.dumps(shown, default=str)}", flush=True)
+    if requeue is not None:
+        requeue()  # requeue (SystemExit on every rank) or stop
+    return summary
