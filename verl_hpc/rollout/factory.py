@@ -5,12 +5,13 @@ import importlib.util
 import logging
 from typing import Tuple
 
-from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-ENGINES = tuple(e for e in choices_of("rollout.engine") if e != "auto")  # auto: choose_engine
+# the engines build_rollout builds (auto: choose_engine picks one); a JobConfig built in code is not
+# checked by the loader, so build_rollout names these rather than a copy of the config's list
+ENGINES = ("vllm", "hf")
 # rollout.engine=auto on CPU. Below this many parameters HF generate is the faster rollout: a 0.4M
 # Llama spent 0.08 s a step generating with HF against 0.13 s with vLLM, plus 0.03 s of vLLM weight
 # reload against 0.002 s (benchmarks/bench_vs_trl.py, one run each).
@@ -42,6 +43,20 @@ def engine_kwargs(cfg, engine: str) -> dict:
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
                       sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
     return kwargs
+
+
+def default_engine_args(engine: str, **changes) -> dict:
+    """The constructor keywords VLLMRollout / HFRollout require (engine "vllm" / "hf"), from the
+    default config's sections, with `changes` on top: for code that builds an engine without a job
+    config (tests, benchmarks). Jobs go through from_config (engine_kwargs)."""
+    from verl_hpc.config import JobConfig  # lazily, as rollout/spec.py's default_spec
+
+    cfg = JobConfig()
+    args = dict(dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.data.max_response_length, prompt_overflow=cfg.rollout.prompt_overflow)
+    if engine == "vllm":
+        args["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    return dict(args, **changes)
 
 
 def vllm_available() -> bool:
