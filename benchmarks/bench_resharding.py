@@ -120,6 +120,7 @@ def _rank_main(workdir: Path) -> None:
     from verl_hpc.resharding import NullSink, sync
     from verl_hpc.resharding.memory import HeapPeak
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
     from verl_hpc.runtime import bootstrap
 
     a = json.loads((workdir / "args.json").read_text())
@@ -152,8 +153,8 @@ def _rank_main(workdir: Path) -> None:
            "peer-into": _peer_chunks(total, bucket, True),
            "sync-null": lambda: sync(model, NullSink(), bucket_mb=a["bucket_mb"])}
     for inf_tp in a["inference_tp"]:
-        engine = VLLMRollout(a["model"], tp=inf_tp, ctx=ctx, max_prompt_length=32,
-                             max_response_length=32, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+        engine = VLLMRollout(a["model"], tp=inf_tp, ctx=ctx, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+                             **default_engine_args("vllm", max_prompt_length=32, max_response_length=32))
         runs = dict(ops)
         runs["sync-vllm"] = lambda: sync(model, engine, bucket_mb=a["bucket_mb"])
         runs["vllm-reload"] = lambda: engine.load_weights(iter(weights))

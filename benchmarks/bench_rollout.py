@@ -66,6 +66,7 @@ def main(argv=None) -> None:
     import torch
 
     from verl_hpc.rollout import HFRollout, VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
     from verl_hpc.rollout.spec import default_spec
 
     if a.threads > 0:
@@ -81,12 +82,12 @@ def main(argv=None) -> None:
     tokens = a.prompts * a.n * a.new_tokens
 
     start = time.perf_counter()
-    vllm = VLLMRollout(str(path), max_prompt_length=a.prompt_len, max_response_length=a.new_tokens,
-                       max_num_seqs=max(256, a.prompts * a.n))
+    vllm = VLLMRollout(str(path), max_num_seqs=max(256, a.prompts * a.n),
+                       **default_engine_args("vllm", max_prompt_length=a.prompt_len, max_response_length=a.new_tokens))
     vllm_startup = time.perf_counter() - start
     start = time.perf_counter()
-    hf_rollout = HFRollout(str(path), max_prompt_length=a.prompt_len,
-                           max_response_length=a.new_tokens, batch_size=a.prompts)
+    hf_rollout = HFRollout(str(path), batch_size=a.prompts, **default_engine_args(
+        "hf", max_prompt_length=a.prompt_len, max_response_length=a.new_tokens))
     hf_startup = time.perf_counter() - start
     model = hf_rollout.model
     params = sum(p.numel() for p in model.parameters())

@@ -37,11 +37,13 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "model")
-        engine = VLLMRollout(str(path), max_prompt_length=64, max_response_length=16, max_num_seqs=8)
+        engine = VLLMRollout(str(path), max_num_seqs=8,
+                             **default_engine_args("vllm", max_prompt_length=64, max_response_length=16))
         state = load_file(f"{path}/model.safetensors")
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         dst = {k: torch.empty_like(v) for k, v in state.items()}

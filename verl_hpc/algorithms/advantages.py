@@ -4,6 +4,8 @@ Every estimator takes `token_level_rewards [B, T]` and `response_mask [B, T]` (r
 returns `(advantages, returns)`, both `[B, T]` and exactly zero on padding. Group-relative
 estimators live in group_advantages.py; both register into one registry so the trainer calls
 `compute_advantages(cfg.algorithm.adv_estimator, ...)` with whatever inputs it has.
+Options that are `algorithm` fields (gamma, lam, norm_adv_by_std) have no default: the section owns
+them and the trainer passes them (trainer/advantage.py), so a default is never written twice.
 
 Advantages are targets, not part of the graph: everything runs under no_grad so a critic's value
 tensor that still carries grad cannot leak gradients into the policy loss.
@@ -13,8 +15,6 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 import torch
-
-from verl_hpc.config.schema import default_of
 
 from . import group_advantages  # noqa: F401  (registers grpo, rloo, opo, gpg, reinforce++-baseline)
 from .masked import as_float_mask, check_per_sample, check_token_inputs, masked_whiten
@@ -29,8 +29,8 @@ def gae(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     values: torch.Tensor,
-    gamma: float = default_of("algorithm.gamma"),
-    lam: float = default_of("algorithm.lam"),
+    gamma: float,
+    lam: float,
 ) -> Pair:
     """Generalised advantage estimation (Schulman et al. 2016), per token.
 
@@ -61,7 +61,7 @@ def gae(
 @torch.no_grad()
 def reinforce_plus_plus(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-    gamma: float = default_of("algorithm.gamma"),
+    gamma: float,
 ) -> Pair:
     """REINFORCE++ (Hu 2025): discounted return-to-go G_t = sum_{s>=t} gamma^(s-t) r_s per token,
     advantages = G whitened over all valid tokens of the batch (the "global" normalisation that

@@ -21,8 +21,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
-
 from .aggregation import Count
 from .masked import masked_mean
 from .policy_losses import Metrics, _check_clip, _metrics, _prepare, weighted_agg
@@ -47,12 +45,12 @@ def clip_cov(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
-    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
-    clip_cov_ratio: float = default_of("actor.clip_cov_ratio"),
-    clip_cov_lb: float = default_of("actor.clip_cov_lb"),
-    clip_cov_ub: float = default_of("actor.clip_cov_ub"),
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -96,9 +94,9 @@ def kl_cov(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    kl_cov_ratio: float = default_of("actor.kl_cov_ratio"),
-    ppo_kl_coef: float = default_of("actor.ppo_kl_coef"),
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    kl_cov_ratio: float,
+    ppo_kl_coef: float,
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,

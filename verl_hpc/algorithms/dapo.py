@@ -8,8 +8,6 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
-
 from .groups import GroupIds, group_counts, group_index
 from .masked import as_float_mask, check_token_inputs
 
@@ -63,7 +61,7 @@ def _check_overlong(max_len: int, buffer_len: int, penalty_factor: float) -> Non
 
 def overlong_penalty(
     response_lengths: torch.Tensor, max_len: int, buffer_len: int,
-    penalty_factor: float = default_of("algorithm.overlong_buffer.penalty_factor"),
+    penalty_factor: float,  # algorithm.overlong_buffer.penalty_factor, bound by the caller
 ) -> torch.Tensor:
     """Soft overlong punishment per sample `[B]`:
 
@@ -85,7 +83,7 @@ def apply_overlong_penalty(
     response_mask: torch.Tensor,
     max_len: int,
     buffer_len: int,
-    penalty_factor: float = default_of("algorithm.overlong_buffer.penalty_factor"),
+    penalty_factor: float,  # algorithm.overlong_buffer.penalty_factor, bound by the caller
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Add `overlong_penalty` (length = valid tokens per row) to each row's last valid token, where
     the outcome score sits. Returns (scores, {"overlong_penalty_mean", "overlong_frac"})."""

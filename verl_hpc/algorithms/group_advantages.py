@@ -14,8 +14,6 @@ from typing import Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
-
 from .groups import GROUP_STD_EPS, GroupIds, group_counts, group_index, group_mean_std, group_sum
 from .masked import as_float_mask, check_token_inputs, masked_whiten, sequence_scores
 from .registry import register_adv_estimator
@@ -43,7 +41,7 @@ def grpo(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds,
-    norm_adv_by_std: bool = default_of("algorithm.norm_adv_by_std"),
+    norm_adv_by_std: bool,
     eps: float = GROUP_STD_EPS,
 ) -> Pair:
     """GRPO (DeepSeekMath): A_i = (s_i - mean_g) / (std_g + eps), std the unbiased sample std.
@@ -126,7 +124,7 @@ def grpo_passk(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     group_ids: GroupIds,
-    norm_adv_by_std: bool = default_of("algorithm.norm_adv_by_std"),
+    norm_adv_by_std: bool,
     eps: float = GROUP_STD_EPS,
 ) -> Pair:
     """Pass@k advantage (arXiv 2503.19595, as verl's `grpo_passk`): a group of k answers is worth

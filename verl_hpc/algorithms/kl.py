@@ -21,8 +21,6 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
-
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
 from .registry import KL_ESTIMATOR_REGISTRY, register_kl_estimator
@@ -92,7 +90,7 @@ def apply_kl_penalty(
     ref_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     kl_coef: float,
-    kl_penalty: str = default_of("algorithm.kl_penalty"),
+    kl_penalty: str,  # algorithm.kl_penalty; the caller binds the section
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """KL as a reward penalty: rewards_t = scores_t - kl_coef * KL_t on every valid token.
 
@@ -113,8 +111,8 @@ def kl_loss(
     ref_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     kl_loss_coef: float,
-    kl_loss_type: str = default_of("actor.kl_loss_type"),
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    kl_loss_type: str,  # actor.kl_loss_type / loss_agg_mode: PolicyObjective binds the section
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -165,21 +163,22 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_CONTROLLER_TYPES = choices_of("algorithm.kl_ctrl.type")
+# name -> builder(kl_coef, target_kl, horizon): the controllers this module implements, so that an
+# unknown name is answered with what exists here rather than with a copy of the config's list
+_CONTROLLERS = {
+    "fixed": lambda kl_coef, target_kl, horizon: FixedKLController(kl_coef),
+    "adaptive": AdaptiveKLController,
+}
+KL_CONTROLLER_TYPES = tuple(_CONTROLLERS)
 
 
-def make_kl_controller(
-    type: str = default_of("algorithm.kl_ctrl.type"),
-    kl_coef: float = default_of("algorithm.kl_ctrl.kl_coef"),
-    target_kl: float = default_of("algorithm.kl_ctrl.target_kl"),
-    horizon: int = default_of("algorithm.kl_ctrl.horizon"),
-) -> Union[FixedKLController, AdaptiveKLController]:
-    """Build the controller named by algorithm.kl_ctrl.type (argument names = config fields)."""
-    if type == "fixed":
-        return FixedKLController(kl_coef)
-    if type == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(
-        f"unknown KL controller {type!r} in algorithm.kl_ctrl.type; valid names: "
-        + ", ".join(KL_CONTROLLER_TYPES)
-    )
+def make_kl_controller(type: str, kl_coef: float, target_kl: float, horizon: int
+                       ) -> Union[FixedKLController, AdaptiveKLController]:
+    """Build the controller named by algorithm.kl_ctrl.type (argument names = config fields, all
+    required: the trainer passes the algorithm.kl_ctrl section, which owns the defaults)."""
+    if type not in _CONTROLLERS:
+        raise ValueError(
+            f"unknown KL controller {type!r} in algorithm.kl_ctrl.type; valid names: "
+            + ", ".join(KL_CONTROLLER_TYPES)
+        )
+    return _CONTROLLERS[type](kl_coef, target_kl, horizon)

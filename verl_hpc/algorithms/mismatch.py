@@ -26,12 +26,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
-
 from .masked import as_float_mask, check_same_shape, masked_mean, masked_sum
 
-ROLLOUT_IS_LEVELS = choices_of("algorithm.rollout_correction.rollout_is")
-ROLLOUT_RS_LEVELS = choices_of("algorithm.rollout_correction.rollout_rs")
 # log rho is clamped before exp (as the policy losses clamp their log-ratios); a sequence's summed
 # log-ratio is truncated in log space, so an extreme sum can never overflow.
 _LOG_CLAMP = 20.0
@@ -43,12 +39,9 @@ def check_rollout_correction(rollout_is: Optional[str], rollout_is_threshold: fl
                              rollout_rs_threshold: Optional[float], rollout_rs_threshold_lower: Optional[float]
                              ) -> Tuple[float, float]:
     """Validate the settings; returns the rejection bounds (lo, hi) in use (defaults:
-    hi = rollout_is_threshold, lo = 1 / hi)."""
+    hi = rollout_is_threshold, lo = 1 / hi). The level names (rollout_is, rollout_rs) are the
+    section's choices, checked when the config is loaded; the trainer passes the section."""
     prefix = "algorithm.rollout_correction"
-    if rollout_is is not None and rollout_is not in ROLLOUT_IS_LEVELS:
-        raise ValueError(f"{prefix}.rollout_is = {rollout_is!r}; valid: null, {', '.join(ROLLOUT_IS_LEVELS)}")
-    if rollout_rs is not None and rollout_rs not in ROLLOUT_RS_LEVELS:
-        raise ValueError(f"{prefix}.rollout_rs = {rollout_rs!r}; valid: null, {', '.join(ROLLOUT_RS_LEVELS)}")
     if not rollout_is_threshold > 0:
         raise ValueError(f"{prefix}.rollout_is_threshold must be > 0; got {rollout_is_threshold}")
     hi = rollout_is_threshold if rollout_rs_threshold is None else rollout_rs_threshold
@@ -64,11 +57,13 @@ def rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    rollout_is: Optional[str] = None,
-    rollout_is_threshold: float = default_of("algorithm.rollout_correction.rollout_is_threshold"),
-    rollout_rs: Optional[str] = None,
-    rollout_rs_threshold: Optional[float] = None,
-    rollout_rs_threshold_lower: Optional[float] = None,
+    # the algorithm.rollout_correction section's fields, all required: the trainer passes the section
+    # (trainer/correction.py), which owns the defaults and the level names
+    rollout_is: Optional[str],
+    rollout_is_threshold: float,
+    rollout_rs: Optional[str],
+    rollout_rs_threshold: Optional[float],
+    rollout_rs_threshold_lower: Optional[float],
 ) -> Tuple[Optional[torch.Tensor], Metrics]:
     """(weights `[B, T]` for the policy loss's `rollout_is_weights`, or None when both parts are off;
     metrics). Metrics are always computed (they describe the mismatch even with correction off):

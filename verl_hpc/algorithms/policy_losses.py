@@ -15,14 +15,17 @@ every loss, so that trackers see one schema:
     pg_clipfrac_low   A < 0 and ratio < 1 - clip_ratio_low
     pg_clipfrac_dual  A < 0 and ratio > clip_ratio_c (dual-clip engaged)
     ppo_kl            mean of (old_log_prob - log_prob), the k1 estimate of KL(old || current)
+
+Options that are fields of the `actor` section (clip ranges, loss_agg_mode) have no default here:
+the section owns them and PolicyObjective.from_config binds them, so a default is never written
+twice; code without a config (tests) passes values. gspo and geo_mean keep their papers' ranges as
+defaults, which no config field mirrors.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-
-from verl_hpc.config.schema import default_of
 
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_same_shape, check_token_inputs, masked_mean
@@ -95,10 +98,10 @@ def vanilla(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
-    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
-    clip_ratio_c: Optional[float] = default_of("actor.clip_ratio_c"),
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: Optional[float],
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -161,9 +164,9 @@ def cispo(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = default_of("actor.clip_ratio_low"),
-    clip_ratio_high: float = default_of("actor.clip_ratio_high"),
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -195,7 +198,7 @@ def gpg(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,
@@ -214,7 +217,7 @@ def reinforce(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = default_of("actor.loss_agg_mode"),
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,

@@ -14,7 +14,9 @@ the names users of these methods expect (TRL's), detached means over this batch:
     rewards/accuracies                 share of pairs with chosen reward > rejected reward
     logps/chosen, logps/rejected       policy sequence log-probs
 
-Conventions: beta > 0; label_smoothing in [0, 0.5); lengths >= 1.
+Conventions: beta > 0; label_smoothing in [0, 0.5); lengths >= 1. The options (beta, gamma, ...) are
+fields of `algorithm.preference` and have no default here: the section owns them and the trainer
+passes it (trainer/preference.py), so a default is never written twice.
 """
 from __future__ import annotations
 
@@ -23,19 +25,10 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from verl_hpc.config.schema import choices_of, default_of
-
 from .masked import as_float_mask, check_same_shape, masked_sum
 
 Metrics = Dict[str, torch.Tensor]
 Count = Union[int, float, None]
-PREFERENCE_LOSSES = choices_of("algorithm.preference.loss")
-
-_BETA = default_of("algorithm.preference.beta")  # keyword defaults: the config section's
-_SIMPO_GAMMA = default_of("algorithm.preference.gamma")
-_LABEL_SMOOTHING = default_of("algorithm.preference.label_smoothing")
-_KTO_D = default_of("algorithm.preference.desirable_weight")
-_KTO_U = default_of("algorithm.preference.undesirable_weight")
 
 
 def sequence_logps(token_logps: torch.Tensor, response_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +72,8 @@ def _smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torc
     return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float = _BETA,
-             label_smoothing: float = _LABEL_SMOOTHING, global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
+             label_smoothing: float, global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
     """DPO (Rafailov et al. 2023, arXiv 2305.18290): z = beta ((pi_c - ref_c) - (pi_r - ref_r)),
     l = -log sigma(z); label_smoothing eps > 0 gives conservative DPO (cDPO, Mitchell 2023):
     l = -(1 - eps) log sigma(z) - eps log sigma(-z)."""
@@ -91,7 +84,7 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return _mean(losses, global_pairs), _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)
 
 
-def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float = _BETA,
+def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
              global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
     """IPO (Azar et al. 2023, arXiv 2310.12036): h = (pi_c - ref_c) - (pi_r - ref_r),
     l = (h - 1 / (2 beta))^2: regresses the log-likelihood-ratio gap to a finite target instead of
@@ -105,8 +98,8 @@ def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                                                       chosen_logps, rejected_logps)
 
 
-def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float = 2.0,
-               gamma: float = _SIMPO_GAMMA, label_smoothing: float = _LABEL_SMOOTHING, global_pairs: Count = None
+def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float,
+               gamma: float, label_smoothing: float, global_pairs: Count = None
                ) -> Tuple[torch.Tensor, Metrics]:
     """SimPO (Meng et al. 2024, arXiv 2405.14734), reference-free and length-normalised:
     z = beta pi_c / |y_c| - beta pi_r / |y_r| - gamma, l = -log sigma(z) (label smoothing as DPO).
@@ -120,7 +113,7 @@ def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, b
     return _mean(losses, global_pairs), _pair_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_logps)
 
 
-def orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float = _BETA,
+def orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float,
               global_pairs: Count = None) -> Tuple[torch.Tensor, Metrics]:
     """ORPO (Hong et al. 2024, arXiv 2403.07691), reference-free: with the average log-probs
     a = logp / |y| and log odds(y) = a - log(1 - exp(a)),
@@ -156,8 +149,8 @@ def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> t
         return (kl_logps - ref_kl_logps).mean().clamp(min=0)
 
 
-def kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, beta: float = _BETA,
-             desirable_weight: float = _KTO_D, undesirable_weight: float = _KTO_U, global_pairs: Count = None
+def kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, beta: float,
+             desirable_weight: float, undesirable_weight: float, global_pairs: Count = None
              ) -> Tuple[torch.Tensor, Metrics]:
     """KTO (Ethayarajh et al. 2024, arXiv 2402.01306), unpaired: r = logp - ref_logp, z0 the
     reference point above,

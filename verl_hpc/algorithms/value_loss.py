@@ -5,8 +5,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
-
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
 
@@ -16,8 +14,8 @@ def value_loss(
     values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange_value: Optional[float] = default_of("critic.cliprange_value"),
-    loss_agg_mode: str = default_of("critic.loss_agg_mode"),
+    cliprange_value: Optional[float],
+    loss_agg_mode: str,
     global_tokens: Count = None,
     global_seqs: Count = None,
     norm_len: Optional[float] = None,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import List, Sequence, Tuple
 
-from verl_hpc.config.schema import choices_of
 from verl_hpc.data.errors import DataError
 
 log = logging.getLogger(__name__)
-OVERLONG_MODES = choices_of("data.overlong_prompts")
+# the modes filter_overlong implements; PromptDataset.load is also called without a config (tests,
+# tools), so it names these rather than a copy of the config's list
+OVERLONG_MODES = ("drop", "error")
 
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,

@@ -17,3 +17,17 @@ def engine_kwargs(cfg, engine: str) -> dict:
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
                       sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
     return kwargs
+
+
+def default_engine_args(engine: str, **changes) -> dict:
+    """The constructor keywords VLLMRollout / HFRollout require (engine "vllm" / "hf"), from the
+    default config's sections, with `changes` on top: for code that builds an engine without a job
+    config (tests, benchmarks). Jobs go through from_config (engine_kwargs)."""
+    from verl_hpc.config import JobConfig  # lazily, as rollout/spec.py's default_spec
+
+    cfg = JobConfig()
+    args = dict(dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
+                max_response_length=cfg.data.max_response_length, prompt_overflow=cfg.rollout.prompt_overflow)
+    if engine == "vllm":
+        args["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    return dict(args, **changes)

@@ -32,7 +32,6 @@ from typing import Iterable, List, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
@@ -81,9 +80,10 @@ def column_major_linear_weights(model: torch.nn.Module) -> None:
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = default_of("model.dtype"),
-                 max_prompt_length: int = default_of("data.max_prompt_length"), max_response_length: int = default_of("data.max_response_length"),
-                 prompt_overflow: str = default_of("rollout.prompt_overflow"), seed: int = 0, batch_size: int = 64,
+    # dtype, the lengths and prompt_overflow are config fields: required, so that from_config binds
+    # the sections; code without a config uses factory.default_engine_args
+    def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
+                 prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
                  logprobs_mode: str = "processed", share_prefill: bool = True, ctx=None, **_ignored):
         from transformers import AutoModelForCausalLM, GenerationConfig

@@ -46,12 +46,10 @@ import gc
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Iterable, List, Tuple
 
 import torch
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import RolloutEngine
@@ -81,10 +79,11 @@ def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
 class VLLMRollout(RolloutEngine):
     name = "vllm"
 
-    def __init__(self, model_path: str, *, tp: int = 1, dtype: str = default_of("model.dtype"),
-                 max_prompt_length: int = default_of("data.max_prompt_length"), max_response_length: int = default_of("data.max_response_length"),
-                 prompt_overflow: str = default_of("rollout.prompt_overflow"), seed: int = 0,
-                 gpu_memory_utilization: float = default_of("rollout.gpu_memory_utilization"), kv_cache_memory_bytes: int = 0,
+    # dtype, the lengths, prompt_overflow and gpu_memory_utilization are config fields: required, so
+    # that from_config binds the sections; code without a config uses factory.default_engine_args
+    def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
+                 prompt_overflow: str, gpu_memory_utilization: float, tp: int = 1, seed: int = 0,
+                 kv_cache_memory_bytes: int = 0,
                  enforce_eager: bool = True, sleep_between_phases: bool = False,
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",

@@ -73,9 +73,12 @@ def _hf_response_logprobs(logits, batch):
 def _actor_loss(logp, ent, mask, batch, cfg):
     """The loss of verl_hpc.algorithms.PolicyObjective (what Actor.update runs), on the whole batch at once."""
     from verl_hpc.algorithms import agg_loss, compute_policy_loss, kl_loss
+    from verl_hpc.config.schema import ActorConfig
 
+    a = ActorConfig(**cfg)  # the clip ranges the engines' actor gets (eng_ranks._actor_cfg)
     loss, _ = compute_policy_loss("vanilla", batch["old_log_probs"], logp, batch["advantages"], mask,
-                                  loss_agg_mode=cfg["loss_agg_mode"])
+                                  clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                                  clip_ratio_c=a.clip_ratio_c, loss_agg_mode=cfg["loss_agg_mode"])
     loss = loss - cfg["entropy_coeff"] * agg_loss(ent, mask, cfg["loss_agg_mode"])
     kl, _ = kl_loss(logp, batch["ref_log_probs"], mask, cfg["kl_loss_coef"], "low_var_kl",
                     loss_agg_mode=cfg["loss_agg_mode"])

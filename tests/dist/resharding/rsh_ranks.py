@@ -154,10 +154,12 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
 
     from verl_hpc.resharding import sync
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
     from verl_hpc.rollout.spec import default_spec
 
     rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,
-                          max_prompt_length=args["max_prompt"], max_response_length=args["max_new"])
+                          **default_engine_args("vllm", max_prompt_length=args["max_prompt"],
+                                                max_response_length=args["max_new"]))
     try:
         sync(model, rollout, bucket_mb=bucket_mb)
         res = rollout.generate(args["prompts"], default_spec(temperature=0, max_tokens=args["max_new"]))

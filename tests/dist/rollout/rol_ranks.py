@@ -49,6 +49,7 @@ def _scenario(workdir: Path) -> None:
     from verl_hpc.rollout.spec import default_spec
     from verl_hpc.rollout.vllm_compat import job_token, mapped_shm_paths
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
     from verl_hpc.runtime import bootstrap, shutdown
 
     args = json.loads((workdir / "args.json").read_text())
@@ -58,8 +59,9 @@ def _scenario(workdir: Path) -> None:
     new_state = perturbed_state(args["model"])
     out = {"rank": ctx.rank}
     for tp in (2, 1):
-        engine = VLLMRollout(args["model"], tp=tp, ctx=ctx, max_prompt_length=args["max_prompt"],
-                             max_response_length=args["max_new"])
+        engine = VLLMRollout(args["model"], tp=tp, ctx=ctx,
+                             **default_engine_args("vllm", max_prompt_length=args["max_prompt"],
+                                                   max_response_length=args["max_new"]))
         if tp == 2:
             # the segments as mapped (vLLM may unlink a segment once every rank has mapped it:
             # /proc/*/maps still names it, with " (deleted)")

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_hpc.algorithms import LOSS_AGG_MODES, agg_loss, compute_policy_loss
+from alg_options import pg_options
 
 
 NAN = float("nan")
@@ -103,11 +104,12 @@ def test_policy_loss_split_with_global_counts_matches_full_batch():
     new = (old + 0.3 * torch.randn(batch, length, generator=g, dtype=torch.float64)).requires_grad_(True)
     adv = torch.randn(batch, length, generator=g, dtype=torch.float64)
     for mode in LOSS_AGG_MODES:
-        full, _ = compute_policy_loss("vanilla", old, new, adv, mask, loss_agg_mode=mode, norm_len=length)
+        full, _ = compute_policy_loss("vanilla", old, new, adv, mask, **pg_options("vanilla", loss_agg_mode=mode),
+                                      norm_len=length)
         (g_full,) = torch.autograd.grad(full, new)
         parts = [
             compute_policy_loss(
-                "vanilla", old[s], new[s], adv[s], mask[s], loss_agg_mode=mode,
+                "vanilla", old[s], new[s], adv[s], mask[s], **pg_options("vanilla", loss_agg_mode=mode),
                 global_tokens=mask.sum(), global_seqs=batch, norm_len=length,
             )[0]
             for s in (slice(0, 1), slice(1, 4), slice(4, 6))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from verl_hpc.algorithms import apply_overlong_penalty, filter_groups, overlong_penalty
+from alg_options import OVERLONG
 
 
 SCORES = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0])
@@ -71,9 +72,9 @@ def test_apply_overlong_penalty_lands_on_the_last_valid_token():
 )
 def test_overlong_bad_settings_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        overlong_penalty(torch.tensor([3]), **kwargs)
+        overlong_penalty(torch.tensor([3]), **{"penalty_factor": OVERLONG.penalty_factor, **kwargs})
 
 
 def test_apply_overlong_penalty_rejects_zero_length():
     with pytest.raises(ValueError, match=r"row index\(es\) \[1\]"):
-        apply_overlong_penalty(torch.zeros(2, 3), torch.tensor([[1, 0, 0], [0, 0, 0]]), 3, 1)
+        apply_overlong_penalty(torch.zeros(2, 3), torch.tensor([[1, 0, 0], [0, 0, 0]]), 3, 1, OVERLONG.penalty_factor)

@@ -18,6 +18,7 @@ from verl_hpc.algorithms import (
     make_kl_controller,
     process_group_all_reduce,
 )
+from alg_options import ACTOR, KL_CTRL
 
 
 D = torch.float64
@@ -75,7 +76,8 @@ def test_apply_kl_penalty_hand_values():
 
 def test_kl_loss_value_coefficient_and_gradient():
     logp = LOGP.clone().requires_grad_(True)
-    loss, m = kl_loss(logp, REF, ONES, kl_loss_coef=0.04, kl_loss_type="low_var_kl")
+    loss, m = kl_loss(logp, REF, ONES, kl_loss_coef=0.04, kl_loss_type="low_var_kl",
+                      loss_agg_mode=ACTOR.loss_agg_mode)
     assert m["kl_loss"].item() == pytest.approx(sum(K3) / 2)
     assert loss.item() == pytest.approx(0.04 * sum(K3) / 2)
     # d/dlogp of exp(ref - logp) - (ref - logp) - 1 = 1 - exp(ref - logp)
@@ -85,7 +87,7 @@ def test_kl_loss_value_coefficient_and_gradient():
 
 
 def test_kl_controllers():
-    fixed = make_kl_controller("fixed", kl_coef=0.02)
+    fixed = make_kl_controller("fixed", kl_coef=0.02, target_kl=KL_CTRL.target_kl, horizon=KL_CTRL.horizon)
     fixed.update(current_kl=5.0, n_steps=100)
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.02
     ada = make_kl_controller("adaptive", kl_coef=0.1, target_kl=1.0, horizon=100)
@@ -100,9 +102,9 @@ def test_kl_controllers():
     resumed.load_state_dict(ada.state_dict())
     assert resumed.value == ada.value
     with pytest.raises(ValueError, match="algorithm.kl_ctrl.type.*fixed, adaptive"):
-        make_kl_controller("pid")
+        make_kl_controller("pid", KL_CTRL.kl_coef, KL_CTRL.target_kl, KL_CTRL.horizon)
     with pytest.raises(ValueError, match="algorithm.kl_ctrl.target_kl"):
-        make_kl_controller("adaptive", target_kl=0.0)
+        make_kl_controller("adaptive", kl_coef=KL_CTRL.kl_coef, target_kl=0.0, horizon=KL_CTRL.horizon)
 
 
 # ---------------------------------------------------------------------- entropy

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from verl_hpc.algorithms import compute_policy_loss, rollout_correction
+from verl_hpc.config import ConfigError, load_config
+from alg_options import ROLLOUT_CORRECTION, pg_options
 
 D = torch.float64
 
@@ -22,13 +24,22 @@ def case():
     return old, rollout, mask
 
 
+def correction(old, rollout, mask, **settings):
+    """rollout_correction with the default algorithm.rollout_correction section's settings (all off),
+    `settings` on top."""
+    rc = ROLLOUT_CORRECTION
+    s = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+             rollout_rs_threshold=rc.rollout_rs_threshold, rollout_rs_threshold_lower=rc.rollout_rs_threshold_lower)
+    return rollout_correction(old, rollout, mask, **dict(s, **settings))
+
+
 def valid(i):
     return range(LENGTHS[i])
 
 
 def test_token_tis_weights_and_metrics_by_hand():
     old, rollout, mask = case()
-    w, m = rollout_correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
+    w, m = correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
     for i in range(3):
         for t in range(4):
             expected = min(math.exp(DELTA[i][t]), 2.0) if t < LENGTHS[i] else 0.0
@@ -45,7 +56,7 @@ def test_token_tis_weights_and_metrics_by_hand():
 
 def test_sequence_tis_by_hand():
     old, rollout, mask = case()
-    w, m = rollout_correction(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=1.5)
+    w, m = correction(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=1.5)
     seq = [sum(DELTA[i][t] for t in valid(i)) for i in range(3)]  # 0.4, 0.3, -1.7
     for i in range(3):
         expected = min(math.exp(seq[i]), 1.5)
@@ -61,7 +72,7 @@ def test_sequence_tis_by_hand():
 ])
 def test_rejection_masks_by_hand(level, lo, hi, kept):
     old, rollout, mask = case()
-    w, m = rollout_correction(old, rollout, mask, rollout_rs=level, rollout_rs_threshold=hi,
+    w, m = correction(old, rollout, mask, rollout_rs=level, rollout_rs_threshold=hi,
                               rollout_rs_threshold_lower=lo)
     got = {(i, t) for i in range(3) for t in valid(i) if w[i, t] == 1.0}
     assert got == kept
@@ -73,7 +84,7 @@ def test_rejection_masks_by_hand(level, lo, hi, kept):
 
 def test_tis_and_rejection_combine_and_default_lower_bound():
     old, rollout, mask = case()
-    w, _ = rollout_correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
+    w, _ = correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
                               rollout_rs="token", rollout_rs_threshold=2.0)  # lower: 1/2
     for i in range(3):
         for t in valid(i):
@@ -84,22 +95,23 @@ def test_tis_and_rejection_combine_and_default_lower_bound():
 
 def test_engines_that_agree_give_unit_weights_and_an_unchanged_loss():
     old, _, mask = case()
-    w, m = rollout_correction(old, old.clone(), mask, rollout_is="sequence", rollout_rs="token")
+    w, m = correction(old, old.clone(), mask, rollout_is="sequence", rollout_rs="token")
     assert torch.equal(w, mask)  # exactly 1 on valid tokens
     assert m["rollout_corr/kl_k1"].item() == 0.0 and m["rollout_corr/rs_masked_frac"].item() == 0.0
     logp = (old + 0.1).requires_grad_(True)
     adv = torch.ones_like(old)
-    a, _ = compute_policy_loss("vanilla", old, logp, adv, mask)
-    b, _ = compute_policy_loss("vanilla", old, logp, adv, mask, rollout_is_weights=w)
+    a, _ = compute_policy_loss("vanilla", old, logp, adv, mask, **pg_options("vanilla"))
+    b, _ = compute_policy_loss("vanilla", old, logp, adv, mask, **pg_options("vanilla"), rollout_is_weights=w)
     assert torch.equal(a, b)
 
 
 def test_off_gives_no_weights_and_bad_settings_are_named():
     old, rollout, mask = case()
-    w, m = rollout_correction(old, rollout, mask)
+    w, m = correction(old, rollout, mask)
     assert w is None and "rollout_corr/kl_k1" in m
-    with pytest.raises(ValueError, match="rollout_correction.rollout_is = 'seq'; valid: null, token, sequence"):
-        rollout_correction(old, rollout, mask, rollout_is="seq")
+    # level names are the section's choices: the config refuses an unknown one when it is loaded
+    with pytest.raises(ConfigError, match="rollout_correction.rollout_is: invalid value 'seq'; valid: token, sequence"):
+        load_config(None, ["algorithm.rollout_correction.rollout_is=seq"])
     with pytest.raises(ValueError, match="rollout_rs_threshold_lower < rollout_rs_threshold"):
-        rollout_correction(old, rollout, mask, rollout_rs="token", rollout_rs_threshold=2.0,
+        correction(old, rollout, mask, rollout_rs="token", rollout_rs_threshold=2.0,
                            rollout_rs_threshold_lower=3.0)

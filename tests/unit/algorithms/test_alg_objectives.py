@@ -69,7 +69,8 @@ def test_value_objective_is_the_clipped_value_loss():
     loss_fn = ValueObjective.from_config(CriticConfig(cliprange_value=0.3))
     out, mb = _batch()
     loss, metrics = loss_fn(out, mb, _counts(mb["response_mask"]))
-    want, _ = value_loss(out["values"], mb["values"], mb["returns"], mb["response_mask"], cliprange_value=0.3)
+    want, _ = value_loss(out["values"], mb["values"], mb["returns"], mb["response_mask"], cliprange_value=0.3,
+                         loss_agg_mode=CriticConfig().loss_agg_mode)
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(metrics["vf_loss"], want)
     assert loss_fn.outputs == ("values",)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from verl_hpc.algorithms import compute_policy_loss, value_loss
+from alg_options import CRITIC, pg_options
 
 
 D = torch.float64
@@ -32,7 +33,8 @@ def grad_of(loss, x):
 def test_vanilla_ppo_hand_values_metrics_and_gradients():
     old, logp, adv, mask = ppo_case()
     loss, m = compute_policy_loss(
-        "vanilla", old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0
+        "vanilla", old, logp, adv, mask,
+        **pg_options("vanilla", clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     )
     # per token: A>0,r=1.5 -> -1.28 (clipped high); A<0,r=0.5 -> 0.8 (clipped low);
     # A>0,r=1.1 -> -1.1; A<0,r=4 -> min(4, 3) = 3 (dual clip); A>0,r=0.7 -> -0.7 (unclipped side)
@@ -52,7 +54,8 @@ def test_vanilla_ppo_hand_values_metrics_and_gradients():
 def test_vanilla_without_dual_clip():
     old, logp, adv, mask = ppo_case()
     loss, m = compute_policy_loss(
-        "vanilla", old, logp, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None
+        "vanilla", old, logp, adv, mask,
+        **pg_options("vanilla", clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=None)
     )
     assert loss.item() == pytest.approx((-1.28 + 0.8 - 1.1 + 4.0 - 0.7) / 5, abs=1e-12)
     assert m["pg_clipfrac_dual"].item() == 0.0
@@ -67,7 +70,7 @@ def test_ppo_clip_zero_gradient_exactly_where_the_advantage_sign_says(sign):
     adv = torch.full_like(logp, sign)
     loss, _ = compute_policy_loss(
         "vanilla", torch.zeros_like(logp), logp, adv, torch.ones_like(logp),
-        clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=None,
+        **pg_options("vanilla", clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=None),
     )
     g = grad_of(loss, logp)[0]
     clipped = (ratios > 1.3) if sign > 0 else (ratios < 0.8)
@@ -131,7 +134,8 @@ def test_cispo_keeps_gradient_on_clipped_tokens():
     logp = torch.tensor([[math.log(1.5), math.log(0.5), math.log(1.1)]], dtype=D, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=D)
     loss, m = compute_policy_loss(
-        "cispo", torch.zeros_like(logp), logp, adv, torch.ones(1, 3), clip_ratio_low=0.2, clip_ratio_high=0.28
+        "cispo", torch.zeros_like(logp), logp, adv, torch.ones(1, 3),
+        **pg_options("cispo", clip_ratio_low=0.2, clip_ratio_high=0.28)
     )
     w = [1.28, 0.8, 1.1]  # clipped importance weights, no gradient through them
     lp = [math.log(1.5), math.log(0.5), math.log(1.1)]
@@ -148,13 +152,13 @@ def test_gpg_and_reinforce():
     old = torch.tensor([[-0.5, -0.8], [-1.0, 0.0]], dtype=D)
     adv = torch.tensor([[1.0, 1.0], [-2.0, 0.0]], dtype=D)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, m = compute_policy_loss("gpg", old, logp, adv, mask, clip_ratio_high=0.3)  # clip ignored
+    loss, m = compute_policy_loss("gpg", old, logp, adv, mask, **pg_options("gpg", clip_ratio_high=0.3))  # clip ignored
     assert loss.item() == pytest.approx((0.5 + 1.0 - 4.0) / 3)
     torch.testing.assert_close(grad_of(loss, logp), torch.tensor([[-1 / 3, -1 / 3], [2 / 3, 0]], dtype=D))
     assert m["pg_clipfrac"].item() == 0.0
     assert m["ppo_kl"].item() == pytest.approx((0.0 + 0.2 + 1.0) / 3)
 
-    loss, _ = compute_policy_loss("reinforce", old, logp, adv, mask)
+    loss, _ = compute_policy_loss("reinforce", old, logp, adv, mask, **pg_options("reinforce"))
     r = [1.0, math.exp(-0.2), math.exp(-1.0)]
     assert loss.item() == pytest.approx((-r[0] - r[1] + 2 * r[2]) / 3)
     torch.testing.assert_close(
@@ -167,8 +171,8 @@ def test_reinforce_equals_gpg_gradient_on_policy():
     logp = torch.randn(3, 4, generator=g, dtype=D).requires_grad_(True)
     adv = torch.randn(3, 4, generator=g, dtype=D)
     mask = torch.ones(3, 4)
-    a, _ = compute_policy_loss("reinforce", logp.detach(), logp, adv, mask)
-    b, _ = compute_policy_loss("gpg", logp.detach(), logp, adv, mask)
+    a, _ = compute_policy_loss("reinforce", logp.detach(), logp, adv, mask, **pg_options("reinforce"))
+    b, _ = compute_policy_loss("gpg", logp.detach(), logp, adv, mask, **pg_options("gpg"))
     torch.testing.assert_close(grad_of(a, logp), grad_of(b, logp))
 
 
@@ -176,23 +180,24 @@ def test_reinforce_equals_gpg_gradient_on_policy():
 def test_every_loss_rejects_zero_length_and_shape_mismatch(name):
     x = torch.zeros(3, 2)
     with pytest.raises(ValueError, match=r"row index\(es\) \[2\]"):
-        compute_policy_loss(name, x, x, x, torch.tensor([[1, 0], [1, 1], [0, 0]]))
+        compute_policy_loss(name, x, x, x, torch.tensor([[1, 0], [1, 1], [0, 0]]), **pg_options(name))
     with pytest.raises(ValueError, match=r"advantages has shape \(3, 1\).*\(3, 2\)"):
-        compute_policy_loss(name, x, x, torch.zeros(3, 1), torch.ones(3, 2))
+        compute_policy_loss(name, x, x, torch.zeros(3, 1), torch.ones(3, 2), **pg_options(name))
 
 
 def test_bad_clip_ranges_name_the_field():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="actor.clip_ratio_c"):
-        compute_policy_loss("vanilla", x, x, x, torch.ones(1, 2), clip_ratio_c=0.9)
+        compute_policy_loss("vanilla", x, x, x, torch.ones(1, 2), **pg_options("vanilla", clip_ratio_c=0.9))
     with pytest.raises(ValueError, match="actor.clip_ratio_low"):
-        compute_policy_loss("vanilla", x, x, x, torch.ones(1, 2), clip_ratio_low=1.0)
+        compute_policy_loss("vanilla", x, x, x, torch.ones(1, 2), **pg_options("vanilla", clip_ratio_low=1.0))
 
 
 def test_extreme_log_ratio_stays_finite():
     logp = torch.tensor([[200.0, -200.0]], dtype=torch.float32, requires_grad=True)
     adv = torch.tensor([[-1.0, 1.0]])
-    loss, m = compute_policy_loss("vanilla", torch.zeros(1, 2), logp, adv, torch.ones(1, 2))
+    loss, m = compute_policy_loss("vanilla", torch.zeros(1, 2), logp, adv, torch.ones(1, 2),
+                                  **pg_options("vanilla"))
     assert torch.isfinite(loss) and torch.isfinite(grad_of(loss, logp)).all()
     assert m["pg_clipfrac_dual"].item() == pytest.approx(0.5)
 
@@ -203,7 +208,7 @@ def test_value_loss_clipping_hand_values():
     values = torch.tensor([[0.5, 0.2, 0.0]], dtype=D)
     returns = torch.tensor([[2.0, 0.1, float("nan")]], dtype=D)
     mask = torch.tensor([[1, 1, 0]])
-    loss, m = value_loss(vpreds, values, returns, mask, cliprange_value=0.2)
+    loss, m = value_loss(vpreds, values, returns, mask, cliprange_value=0.2, loss_agg_mode=CRITIC.loss_agg_mode)
     # t0: unclipped (1-2)^2 = 1, clipped V = 0.7 -> 1.69 (larger: clipped, no gradient)
     # t1: unclipped 0.01, clipped V = 0.0 -> 0.01 (equal: not counted as clipped)
     assert loss.item() == pytest.approx(0.5 * (1.69 + 0.01) / 2)
@@ -215,8 +220,9 @@ def test_value_loss_clipping_hand_values():
 def test_value_loss_without_clipping_is_half_mse():
     vpreds = torch.tensor([[1.0, 0.0]], dtype=D)
     returns = torch.tensor([[2.0, 0.5]], dtype=D)
-    loss, m = value_loss(vpreds, torch.zeros(1, 2, dtype=D), returns, torch.ones(1, 2), cliprange_value=None)
+    loss, m = value_loss(vpreds, torch.zeros(1, 2, dtype=D), returns, torch.ones(1, 2), cliprange_value=None,
+                         loss_agg_mode=CRITIC.loss_agg_mode)
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.25) / 2)
     assert m["vf_clipfrac"].item() == 0.0
     with pytest.raises(ValueError, match=r"zero-length responses .*\[0\]"):
-        value_loss(vpreds, vpreds, vpreds, torch.zeros(1, 2))
+        value_loss(vpreds, vpreds, vpreds, torch.zeros(1, 2), CRITIC.cliprange_value, CRITIC.loss_agg_mode)

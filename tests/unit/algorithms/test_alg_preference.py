@@ -7,6 +7,7 @@ import torch
 
 from verl_hpc.algorithms.preference import (dpo_loss, ipo_loss, kto_loss, kto_reference_point, orpo_loss,
                                             sequence_logps, simpo_loss)
+from alg_options import PREFERENCE as PREF
 
 D = torch.float64
 
@@ -60,8 +61,9 @@ def test_dpo_and_cdpo_match_loop(eps):
 
 def test_dpo_micro_batches_sum_to_full_batch():
     pc, pr, rc, rr, _, _ = pairs(2, n=6)
-    full, _ = dpo_loss(pc, pr, rc, rr)
-    parts = [dpo_loss(pc[s], pr[s], rc[s], rr[s], global_pairs=6)[0] for s in (slice(0, 2), slice(2, 6))]
+    full, _ = dpo_loss(pc, pr, rc, rr, PREF.beta, PREF.label_smoothing)
+    parts = [dpo_loss(pc[s], pr[s], rc[s], rr[s], PREF.beta, PREF.label_smoothing, global_pairs=6)[0]
+             for s in (slice(0, 2), slice(2, 6))]
     torch.testing.assert_close(sum(parts), full)
 
 
@@ -78,14 +80,15 @@ def test_ipo_matches_loop():
 def test_simpo_length_normalised_matches_loop():
     pc, pr, _, _, lc, lr = pairs(4)
     beta, gamma = 2.0, 0.7
-    loss, m = simpo_loss(pc, pr, lc, lr, beta=beta, gamma=gamma)
+    loss, m = simpo_loss(pc, pr, lc, lr, beta=beta, gamma=gamma, label_smoothing=PREF.label_smoothing)
     ref = sum(-logsig(beta * pc[i].item() / lc[i].item() - beta * pr[i].item() / lr[i].item() - gamma)
               for i in range(5)) / 5
     assert loss.item() == pytest.approx(ref, rel=1e-12)
     assert m["rewards/chosen"].item() == pytest.approx(sum(beta * pc[i].item() / lc[i].item() for i in range(5)) / 5)
     check_grads(loss, lambda a, b: -torch.log(torch.sigmoid(beta * a / lc - beta * b / lr - gamma)).mean(), pc, pr)
     with pytest.raises(ValueError, match=r"rows \[1\] have no token"):
-        simpo_loss(pc, pr, lc, torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0], dtype=D))
+        simpo_loss(pc, pr, lc, torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0], dtype=D), PREF.beta, PREF.gamma,
+                   PREF.label_smoothing)
 
 
 def test_orpo_matches_loop():
@@ -141,8 +144,8 @@ def test_sequence_logps_ignore_padding_and_bad_inputs_are_named():
     assert s.tolist() == [-3.0, -0.5] and n.tolist() == [2.0, 1.0]
     pc, pr, rc, rr, _, _ = pairs(7)
     with pytest.raises(ValueError, match="beta must be > 0"):
-        dpo_loss(pc, pr, rc, rr, beta=0.0)
+        dpo_loss(pc, pr, rc, rr, beta=0.0, label_smoothing=PREF.label_smoothing)
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 0.5\)"):
-        dpo_loss(pc, pr, rc, rr, label_smoothing=0.5)
+        dpo_loss(pc, pr, rc, rr, beta=PREF.beta, label_smoothing=0.5)
     with pytest.raises(ValueError, match="1-D of one length"):
-        dpo_loss(pc, pr[:3], rc, rr)
+        dpo_loss(pc, pr[:3], rc, rr, PREF.beta, PREF.label_smoothing)

@@ -6,6 +6,7 @@ from verl_hpc import algorithms as alg
 from verl_hpc.algorithms.aggregation import LOSS_AGG_MODES
 from verl_hpc.algorithms.registry import Registry
 from verl_hpc.config import recipes
+from alg_options import adv_options
 
 
 def _same_names(declared, registered):
@@ -110,11 +111,11 @@ def test_dispatch_passes_only_declared_inputs_and_rejects_unknown_or_missing():
     r = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
     m = torch.ones(2, 2)
     # grpo ignores `values`/`gamma`, which the trainer may pass to every estimator
-    adv, _ = alg.compute_advantages("grpo", r, m, group_ids=[0, 0], values=torch.zeros(2, 2), gamma=0.9)
+    adv, _ = alg.compute_advantages("grpo", r, m, group_ids=[0, 0], values=torch.zeros(2, 2), **adv_options(gamma=0.9))
     assert torch.allclose(adv[:, 0], torch.tensor([0.5, -0.5]) / (0.5**0.5 + 1e-6))
     with pytest.raises(ValueError, match=r"needs input\(s\) \['values'\]"):
-        alg.compute_advantages("gae", r, m)
+        alg.compute_advantages("gae", r, m, **adv_options())
     with pytest.raises(ValueError, match="unknown keyword.*'gama'"):
-        alg.compute_advantages("gae", r, m, values=torch.zeros(2, 2), gama=0.9)
+        alg.compute_advantages("gae", r, m, values=torch.zeros(2, 2), gama=0.9, **adv_options())
     with pytest.raises(ValueError, match="unknown keyword.*'clip_ratio'"):
         alg.compute_policy_loss("vanilla", r, r, r, m, clip_ratio=0.2)

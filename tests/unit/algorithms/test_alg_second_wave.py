@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from verl_hpc.algorithms import agg_loss, compute_advantages, compute_policy_loss, kl_estimate, kl_loss
+from alg_options import adv_options, pg_options
 
 
 D = torch.float64
@@ -67,8 +68,8 @@ def test_clip_cov_all_candidates_selected_matches_loop_in_value_and_gradient():
         if lb < c < ub and not ppo_clipped:
             chosen.add((i, t))
     assert 0 < len(chosen) < len(cov)
-    loss, m = compute_policy_loss("clip_cov", old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
-                                  clip_cov_ratio=1.0, clip_cov_lb=lb, clip_cov_ub=ub)
+    loss, m = compute_policy_loss("clip_cov", old, new, adv, mask, **pg_options(
+        "clip_cov", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_cov_ratio=1.0, clip_cov_lb=lb, clip_cov_ub=ub))
     new2 = new.detach().clone().requires_grad_(True)
     ref = clip_cov_loop(old, new2, adv, chosen, 0.2, 0.2)
     torch.testing.assert_close(loss, ref)
@@ -79,15 +80,15 @@ def test_clip_cov_all_candidates_selected_matches_loop_in_value_and_gradient():
 def test_clip_cov_draws_exactly_ratio_of_tokens_among_candidates():
     old, new, adv, mask = batch(2)
     torch.manual_seed(0)
-    loss, m = compute_policy_loss("clip_cov", old, new, adv, mask, clip_cov_ratio=0.2,
-                                  clip_cov_lb=-100.0, clip_cov_ub=100.0)
+    loss, m = compute_policy_loss("clip_cov", old, new, adv, mask,
+                                  **pg_options("clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-100.0, clip_cov_ub=100.0))
     n = len(valid_positions())
     assert m["clip_cov_frac"].item() == pytest.approx(int(0.2 * n) / n)
     g = grad(loss, new)
     zero_grad = {(i, t) for i, t in valid_positions() if g[i, t] == 0}
     assert len(zero_grad) >= int(0.2 * n)  # the drawn ones, plus any PPO-clipped tokens
     with pytest.raises(ValueError, match="clip_cov_ratio must be in"):
-        compute_policy_loss("clip_cov", old, new, adv, mask, clip_cov_ratio=0.0)
+        compute_policy_loss("clip_cov", old, new, adv, mask, **pg_options("clip_cov", clip_cov_ratio=0.0))
 
 
 # ------------------------------------------------------------------------------------- kl_cov
@@ -208,7 +209,7 @@ def test_grpo_passk_matches_loop(norm):
     for i, (s, n) in enumerate(zip(scores, lengths)):
         mask[i, :n] = 1
         r[i, n - 1] = s
-    adv, ret = compute_advantages("grpo_passk", r, mask, group_ids=groups, norm_adv_by_std=norm)
+    adv, ret = compute_advantages("grpo_passk", r, mask, group_ids=groups, **adv_options(norm_adv_by_std=norm))
     expected = passk_loop(scores, groups, norm)
     for i, n in enumerate(lengths):
         assert adv[i, :n].tolist() == pytest.approx([expected[i]] * n, abs=1e-12)
@@ -216,7 +217,7 @@ def test_grpo_passk_matches_loop(norm):
     assert torch.equal(adv, ret)
     assert expected[1] == 0.0 and expected[3] == 0.0  # tie: margin 0 whichever is "best"
     with pytest.raises(ValueError, match=r"grpo_passk needs >= 2 samples per group.*rows \[2\]"):
-        compute_advantages("grpo_passk", r[:3], mask[:3], group_ids=["a", "a", "b"])
+        compute_advantages("grpo_passk", r[:3], mask[:3], group_ids=["a", "a", "b"], **adv_options())
 
 
 # ------------------------------------------------------- rollout-correction weights, every loss
@@ -225,21 +226,23 @@ def test_grpo_passk_matches_loop(norm):
 def test_rollout_is_weights_of_one_change_nothing_and_zero_drops_tokens(name):
     old, new, adv, mask = batch(8, adv_per_seq=True)
     torch.manual_seed(0)
-    base, _ = compute_policy_loss(name, old, new, adv, mask)
+    base, _ = compute_policy_loss(name, old, new, adv, mask, **pg_options(name))
     torch.manual_seed(0)
-    same, _ = compute_policy_loss(name, old, new, adv, mask, rollout_is_weights=torch.ones(3, T, dtype=D))
+    same, _ = compute_policy_loss(name, old, new, adv, mask, **pg_options(name),
+                                  rollout_is_weights=torch.ones(3, T, dtype=D))
     assert torch.equal(base, same)
     w = torch.ones(3, T, dtype=D)
     w[1] = 0.0  # a rejected sequence: no gradient reaches it
     torch.manual_seed(0)
-    loss, _ = compute_policy_loss(name, old, new, adv, mask, rollout_is_weights=w)
+    loss, _ = compute_policy_loss(name, old, new, adv, mask, **pg_options(name), rollout_is_weights=w)
     assert torch.all(grad(loss, new)[1] == 0)
 
 
 def test_vanilla_with_truncated_weights_matches_loop():
     old, new, adv, mask = batch(9)
     w = torch.rand(3, T, dtype=D, generator=torch.Generator().manual_seed(1)) * 2
-    loss, _ = compute_policy_loss("vanilla", old, new, adv, mask, clip_ratio_c=None, rollout_is_weights=w)
+    loss, _ = compute_policy_loss("vanilla", old, new, adv, mask, **pg_options("vanilla", clip_ratio_c=None),
+                                  rollout_is_weights=w)
     total = 0.0
     for i, t in valid_positions():
         r = math.exp(float(new.detach()[i, t] - old[i, t]))

@@ -3,8 +3,9 @@ import logging
 
 import pytest
 
+from verl_hpc.config.schema import choices_of
 from verl_hpc.data import DataError, PromptDataset, encode_prompts, render_prompt
-from verl_hpc.data.filtering import filter_overlong
+from verl_hpc.data.filtering import OVERLONG_MODES, filter_overlong
 
 
 def test_plain_text_is_wrapped_as_a_user_message(tokenizer):
@@ -57,6 +58,10 @@ def test_filter_error_mode_names_the_row():
     assert "data.overlong_prompts=drop" in str(e.value)
     with pytest.raises(DataError, match="data.overlong_prompts: invalid value 'skip'; valid: drop, error"):
         filter_overlong(["a:0"], [1], 10, "skip")
+
+
+def test_overlong_modes_are_the_config_choices():
+    assert set(choices_of("data.overlong_prompts")) == set(OVERLONG_MODES)
 
 
 def test_dataset_applies_template_and_filter(files, tokenizer):

@@ -8,10 +8,11 @@ import torch
 
 from verl_hpc.config import ConfigError, validate
 from verl_hpc.config.loader import load_config
+from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout import PromptTooLongError, RolloutEngine, SamplingSpec, build_rollout
 from verl_hpc.rollout import engine as engine_mod
 from verl_hpc.rollout import factory, rollout_metrics
-from verl_hpc.rollout.prompts import check_prompts, fit_prompts
+from verl_hpc.rollout.prompts import OVERFLOW_POLICIES, check_prompts, fit_prompts
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
 from verl_hpc.rollout.spec import default_spec, request_seed
@@ -80,6 +81,12 @@ def test_prompt_checks():
         check_prompts(["hello"], 10)
     with pytest.raises(ValueError, match="prompt_overflow='drop'"):
         fit_prompts([[1]], 3, "drop")
+
+
+def test_engine_and_overflow_names_are_the_config_choices():
+    # the rollout package names what it implements; the config's choices must be the same names
+    assert set(choices_of("rollout.prompt_overflow")) == set(OVERFLOW_POLICIES)
+    assert set(choices_of("rollout.engine")) == set(factory.ENGINES) | {"auto"}
 
 
 # ------------------------------------------------------------------ replicas

@@ -13,9 +13,11 @@ PROMPTS = prompts_of_lengths(3, 17, 64)
 
 def test_sleep_wake_and_update_on_gpu(tiny_model):
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
-    engine = VLLMRollout(tiny_model, max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW,
-                         sleep_between_phases=True, gpu_memory_utilization=0.2)
+    engine = VLLMRollout(tiny_model, sleep_between_phases=True,
+                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW,
+                                               gpu_memory_utilization=0.2))
     try:
         assert engine._sleep_enabled
         first = engine.generate(PROMPTS, GREEDY)
@@ -39,9 +41,10 @@ def test_sleep_wake_and_update_on_gpu(tiny_model):
 
 def test_bf16_on_gpu_builds_and_generates(tiny_model):
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
-    engine = VLLMRollout(tiny_model, dtype="bfloat16", max_prompt_length=MAX_PROMPT,
-                         max_response_length=MAX_NEW, gpu_memory_utilization=0.2)
+    engine = VLLMRollout(tiny_model, **default_engine_args("vllm", dtype="bfloat16", max_prompt_length=MAX_PROMPT,
+                                                           max_response_length=MAX_NEW, gpu_memory_utilization=0.2))
     try:
         result = engine.generate(PROMPTS, GREEDY)
         assert len(result) == len(PROMPTS) and all(1 <= len(r) <= MAX_NEW for r in result.response_ids)

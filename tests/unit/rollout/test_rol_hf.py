@@ -17,10 +17,11 @@ PROMPTS = prompts_of_lengths(3, 17, 64, 160)
 
 def _build(path, **kw):
     from verl_hpc.rollout import HFRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
     # batch_size 3: 4 prompts make two batches, each left-padded to its longest prompt
-    return HFRollout(path, max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW, batch_size=3,
-                     **kw)
+    return HFRollout(path, batch_size=3,
+                     **default_engine_args("hf", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ def built(tiny_model):
     import random
 
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
     import torch.distributed as dist
 
@@ -34,7 +35,8 @@ def built(tiny_model):
     torch.manual_seed(1234), random.seed(1234)
     expected = torch.rand(3).tolist(), random.random()
     torch.manual_seed(1234), random.seed(1234)
-    engine = VLLMRollout(tiny_model, max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW)
+    engine = VLLMRollout(tiny_model,
+                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
     after = torch.rand(3).tolist(), random.random()
     yield dict(engine=engine, rng_kept=after == expected, setter_kept=torch.set_num_threads is setter,
                dist_before=dist_before)

@@ -21,8 +21,10 @@ def tied_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tied_model):
     from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.factory import default_engine_args
 
-    engine = VLLMRollout(tied_model, max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW)
+    engine = VLLMRollout(tied_model,
+                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
     yield engine
     engine.close()
 

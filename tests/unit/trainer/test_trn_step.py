@@ -135,7 +135,8 @@ def test_trn_step_advantages_from_the_rewards_reach_the_actor_update(tmp_path):
     mask = batch["response_mask"]
     assert mask.tolist() == [[1.0], [1.0], [1.0], [1.0]]  # one-token answers: 3, 4 right; 4, 5 wrong
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0]).unsqueeze(1)  # the rule's reward on the last token
-    want, _ = compute_advantages("grpo", scores, mask, group_ids=torch.tensor([0, 0, 1, 1]))
+    want, _ = compute_advantages("grpo", scores, mask, group_ids=torch.tensor([0, 0, 1, 1]),
+                                 norm_adv_by_std=trainer.cfg.algorithm.norm_adv_by_std)
     torch.testing.assert_close(batch["advantages"], want)
     assert batch["advantages"][0, 0] > 0 > batch["advantages"][1, 0]
     torch.testing.assert_close(batch["old_log_probs"], -0.4 * mask)  # the actor's forward, passed on
