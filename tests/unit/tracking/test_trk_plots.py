@@ -1,8 +1,9 @@
 """Plots: one PNG with a panel per metric group that has data; missing groups left out."""
 import math
 
-from verl_hpc.tracking import write_plots
+import pytest
 
+from verl_hpc.tracking import write_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
