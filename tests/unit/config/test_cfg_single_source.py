@@ -57,9 +57,10 @@ OWN_CHOICE_LISTS = {
     "verl_hpc/tracking/tracker.py": "tracking.backends: verl_hpc.tracking imports neither config nor torch",
     "verl_hpc/rewards/gsm8k.py": "reward.gsm8k_method: the GSM8K extractor is a plain-Python module",
     "verl_hpc/checkpoint/dtypes.py": "model.dtype: the HDF5 dtype table names more dtypes than the model's",
-    # the modes filter_overlong implements, for callers without a config; a test keeps the two
-    # equal (tests/unit/data/test_data_templates_filter.py)
+    # what the code implements, for callers without a config; a test keeps each equal to the choices
+    # (tests/unit/data/test_data_templates_filter.py, tests/unit/rollout/test_rol_core.py)
     "verl_hpc/data/filtering.py": "data.overlong_prompts: what filter_overlong implements",
+    "verl_hpc/rollout/prompts.py": "rollout.prompt_overflow: what fit_prompts implements",
 }
 
 
