@@ -24,10 +24,18 @@ def usable_nodes() -> list[str]:
     return sorted({ln.split()[0] for ln in out if ln.strip() and ln.split()[1] in USABLE})
 
 
-def assert_two_nodes():
+def assert_two_nodes(timeout: float = 120):
+    """Two usable nodes, waiting up to `timeout` for a node that a test before this one just left
+    (its last job still completing, or being cleaned up after a scancel)."""
+    end = time.time() + timeout
+    while len(usable_nodes()) < 2 and time.time() < end:
+        time.sleep(1)
     nodes = usable_nodes()
-    assert len(nodes) >= 2, (f"the multi-node tests need a dev cluster of 2 nodes, sinfo shows {nodes}: "
-                             "run `slurm/devcluster/start.sh --nodes 2` (`make cluster` does)")
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True,
+                            timeout=30).stdout.strip().replace("\n", "; ")
+    assert len(nodes) >= 2, (f"the multi-node tests need a dev cluster of 2 nodes, {nodes} usable after "
+                             f"{timeout:.0f}s (sinfo: {states}): run `slurm/devcluster/start.sh --nodes 2` "
+                             "(`make cluster` does)")
 
 
 def job_args(root: Path, out: Path, *extra) -> list[str]:
