@@ -46,8 +46,10 @@ def test_trn_validation_has_its_own_timing_out_of_the_step(tmp_path, monkeypatch
 
     real = rl.RLTrainer._validate
 
+    # the fake step takes milliseconds; 1.5 s leaves room for a loaded machine: a step timed with
+    # its validation in it would take >= 1.5 s
     def slow_validate(self, tracker, step):
-        time.sleep(0.5)
+        time.sleep(1.5)
         return real(self, tracker, step)
 
     monkeypatch.setattr(rl.RLTrainer, "_validate", slow_validate)
@@ -55,8 +57,8 @@ def test_trn_validation_has_its_own_timing_out_of_the_step(tmp_path, monkeypatch
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) >= 1 and "timing_s/step" in r]
     assert len(steps) == 5 and summary["stopped"] == "completed"
-    assert all(r["timing_s/validation"] >= 0.5 for r in steps)
-    assert all(r["timing_s/step"] < 0.5 for r in steps[1:]), [r["timing_s/step"] for r in steps]
+    assert all(r["timing_s/validation"] >= 1.5 for r in steps)
+    assert all(r["timing_s/step"] < 1.5 for r in steps[1:]), [r["timing_s/step"] for r in steps]
 
 
 def test_stop_rule_modes():
