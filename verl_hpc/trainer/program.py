@@ -19,15 +19,16 @@ import json
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional
 
-from verl_hpc.config import to_container
+from verl_hpc.config import ConfigError, to_container
 from verl_hpc.tracking import Tracker, missing_packages
 
 
 def check_tracking(cfg) -> None:
-    """Refuse tracking.backends whose packages are missing (on every rank, before any collective)."""
+    """Refuse tracking.backends whose packages are missing (on every rank, before any collective):
+    a ConfigError, so the job ends with one line naming the field and exit code 2."""
     missing = missing_packages(cfg.tracking.backends)
     if missing:
-        raise RuntimeError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
+        raise ConfigError(f"tracking.backends needs packages that are not installed: {', '.join(missing)}")
 
 
 @contextlib.contextmanager

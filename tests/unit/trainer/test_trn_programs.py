@@ -49,3 +49,18 @@ def test_dpo_program(one_rank_world, tmp_path, tiny_model, capsys):
     summary, shown, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo")
     assert written["steps"] == 2 and written["stopped"] == "completed" and len(written["history"]) == 2
     assert "history" not in shown and shown == {k: v for k, v in written.items() if k != "history"}
+
+
+def test_missing_tracking_package_is_a_config_error(monkeypatch):
+    """A backend whose package is missing ends the rank with one line naming the field (exit 2)."""
+    import types
+
+    from verl_hpc.config import ConfigError
+    from verl_hpc.runtime.errors import exit_code_for
+    from verl_hpc.trainer import program
+
+    monkeypatch.setattr(program, "missing_packages", lambda backends: ["wandb"])
+    cfg = types.SimpleNamespace(tracking=types.SimpleNamespace(backends=["console", "wandb"]))
+    with pytest.raises(ConfigError, match="tracking.backends needs packages that are not installed: wandb") as e:
+        program.check_tracking(cfg)
+    assert exit_code_for(e.value) == 2
