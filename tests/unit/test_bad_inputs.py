@@ -73,7 +73,7 @@ def test_non_utf8_jsonl_names_file_and_line(tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_bytes(b'{"prompt": "a", "data_source": "gsm8k", "ground_truth": "1"}\n\n'
                   b'{"prompt": "caf\xe9", "data_source": "gsm8k", "ground_truth": "1"}\n')
-    for read in (lambda: read_rows(str(f)), lambda: load_records([str(f)])):
+    for read in (lambda: read_rows(str(f)), lambda: load_records([str(f)], "prompt")):
         with pytest.raises(DataError) as e:
             read()
         assert one_line(e.value).endswith(f" file '{f}' line 3: byte 0xe9 at column 16 is not UTF-8; JSONL files "
