@@ -61,6 +61,7 @@ OWN_CHOICE_LISTS = {
     # (tests/unit/data/test_data_templates_filter.py, tests/unit/rollout/test_rol_core.py)
     "verl_hpc/data/filtering.py": "data.overlong_prompts: what filter_overlong implements",
     "verl_hpc/rollout/prompts.py": "rollout.prompt_overflow: what fit_prompts implements",
+    "verl_hpc/rewards/scorer.py": "reward.on_error: what RewardScorer.score implements",
 }
 
 
