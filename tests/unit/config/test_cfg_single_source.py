@@ -15,8 +15,8 @@ from verl_hpc.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[3]
 # Everything outside config/ is scanned, the algorithm library included: its pure functions take
-# their keyword defaults from default_of() where a parameter is a config field (a method's own
-# convention, e.g. SimPO's beta or GMPO's log-space clip, is another value and not matched).
+# config fields as required arguments, bound by a section's from_config (a method's own convention,
+# e.g. SimPO's beta or GMPO's log-space clip, is another value and not matched).
 SOURCES = {p: p.read_text() for p in (REPO / "verl_hpc").rglob("*.py")
            if p.relative_to(REPO / "verl_hpc").parts[0] != "config"}
 TRIVIAL = (0, 1, -1, 0.0, 1.0, True, False, None, "", "auto", "none")
@@ -71,7 +71,7 @@ OWN_CHOICE_LISTS = {
 
 def test_no_module_repeats_a_declared_choice_list():
     """A line naming every valid value of a field as a string literal is a second copy of the list:
-    take it from the section with verl_hpc.config.schema.choices_of."""
+    name what the code implements and list the module in OWN_CHOICE_LISTS, with a test."""
     hits = []
     for key, _, meta, _ in walk(JobConfig()):
         choices = [c for c in meta.get("choices") or () if c]
@@ -83,6 +83,14 @@ def test_no_module_repeats_a_declared_choice_list():
                      if all(re.search(rf"[\"']{re.escape(c)}[\"']", line) for c in choices)
                      and rel not in OWN_CHOICE_LISTS]
     assert not hits, "choice lists written twice:\n" + "\n".join(hits)
+
+
+def test_only_config_reads_the_declarations():
+    """Outside config/, a field's default or choices come in as arguments (bound by from_config), not
+    from default_of/choices_of (the tests compare the implemented names with choices_of)."""
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, text in SOURCES.items()
+            for i, line in enumerate(text.splitlines(), 1) if re.search(r"\b(default_of|choices_of)\b", line)]
+    assert not hits, "config declarations read outside config/:\n" + "\n".join(hits)
 
 
 def test_layout_rules_live_in_one_module():
