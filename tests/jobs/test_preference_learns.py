@@ -9,9 +9,13 @@ training). Measured here: DPO 0.50 -> 0.96 and 36% -> 64%, KTO 0.50 -> 0.96 and 
 import pytest
 
 from jobs import data_overrides, logs, run_here
+from verl_hpc.config import JobConfig
 
 STEPS = 12
 GREEDY_GAIN = 0.10
+# greedy_eval's CLI settings: 4 new tokens, the default data section's prompt column and wrapping
+GREEDY = dict(max_new_tokens=4, prompt_key=JobConfig().data.prompt_key,
+              wrap_plain_text=JobConfig().data.wrap_plain_text)
 
 
 @pytest.fixture
@@ -23,7 +27,7 @@ def warm(warm_assets):
 def greedy_before(warm_assets):
     from verl_hpc.trainer.greedy_eval import greedy_accuracy
 
-    return greedy_accuracy(str(warm_assets / "sft" / "hf"), str(warm_assets / "data" / "val.parquet"))
+    return greedy_accuracy(str(warm_assets / "sft" / "hf"), str(warm_assets / "data" / "val.parquet"), **GREEDY)
 
 
 @pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"), ("kto", "kto_train")])
@@ -38,7 +42,7 @@ def test_trn_preference_training_learns(warm, greedy_before, tmp_path, loss, tra
                        f"trainer.total_steps={STEPS}", "trainer.val_every=0", "tracking.backends=[jsonl]",
                        "tracking.plots=false")
     assert proc.returncode == 0, logs(proc, out)
-    greedy_after = greedy_accuracy(str(out / "hf"), str(warm / "data" / "val.parquet"))
+    greedy_after = greedy_accuracy(str(out / "hf"), str(warm / "data" / "val.parquet"), **GREEDY)
     print(f"{loss}: held-out preference accuracy {s['val_accuracy_before']:.2f} -> {s['val_accuracy_after']:.2f}, "
           f"greedy accuracy {greedy_before:.2f} -> {greedy_after:.2f}, {s['seconds']} s of training")
     assert s["steps"] == STEPS and s["val_rows"] == 100

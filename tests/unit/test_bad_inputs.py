@@ -73,7 +73,7 @@ def test_non_utf8_jsonl_names_file_and_line(tmp_path):
     f = tmp_path / "train.jsonl"
     f.write_bytes(b'{"prompt": "a", "data_source": "gsm8k", "ground_truth": "1"}\n\n'
                   b'{"prompt": "caf\xe9", "data_source": "gsm8k", "ground_truth": "1"}\n')
-    for read in (lambda: read_rows(str(f)), lambda: load_records([str(f)])):
+    for read in (lambda: read_rows(str(f)), lambda: load_records([str(f)], "prompt")):
         with pytest.raises(DataError) as e:
             read()
         assert one_line(e.value).endswith(f" file '{f}' line 3: byte 0xe9 at column 16 is not UTF-8; JSONL files "
@@ -303,7 +303,8 @@ def _nan_extra(ds, text, truth, extra):
 
 
 def _score(fn, on_error="raise", timeout_s=0.5):
-    scorer = RewardScorer(on_error, fn, timeout_s=timeout_s, custom_name=f"my.rewards:{fn.__name__}")
+    scorer = RewardScorer(on_error, fn, gsm8k_method="strict", timeout_s=timeout_s,
+                          custom_name=f"my.rewards:{fn.__name__}")
     return scorer, scorer.score(["train.jsonl:7"], ["gsm8k"], ["42"], ["42"])
 
 
@@ -340,7 +341,7 @@ def test_timed_out_reward_follows_on_error_zero_and_the_next_call_works():
         return 0.5
 
     try:
-        scorer = RewardScorer("zero", first_hangs, timeout_s=0.3, custom_name="m:first_hangs")
+        scorer = RewardScorer("zero", first_hangs, gsm8k_method="strict", timeout_s=0.3, custom_name="m:first_hangs")
         scores, metrics = scorer.score(["a:0", "a:1"], ["gsm8k"] * 2, ["x", "y"], ["1", "1"])
         assert scores.tolist() == [0.0, 0.5] and metrics["reward/errors"] == 1.0
         assert scorer.first_error.startswith("sample a:0 (data_source 'gsm8k'):") and "RewardTimeout" in scorer.first_error

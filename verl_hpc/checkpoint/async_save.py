@@ -8,7 +8,7 @@ users, so that cannot happen, and the checkpoint is published as soon as the slo
 written, without waiting for the trainer to call anything. The cost: constructing an AsyncSaver
 is itself a collective (torch's new_group must be called by every rank of the default group).
 
-    saver = AsyncSaver(root, keep_last=default_of("checkpoint.keep_last"))          # every rank, same point of the program
+    saver = AsyncSaver(root, keep_last=cfg.checkpoint.keep_last)   # every rank, same point of the program
     saver.save(step, tensors, metadata=..., rank_state=...)   # returns after the snapshot
     ...train...
     saver.save(step2, ...)                         # first waits for the previous save
@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.checkpoint.comm import SingleComm, TorchComm
 from verl_hpc.checkpoint.errors import CheckpointError
 from verl_hpc.checkpoint.save import save_checkpoint

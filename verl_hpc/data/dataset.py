@@ -9,7 +9,6 @@ import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.filtering import filter_overlong
@@ -25,8 +24,8 @@ class PromptDataset:
     n_dropped: int = 0  # prompts removed by the length filter
 
     @classmethod
-    def load(cls, paths: Sequence[str], tokenizer, prompt_key: str = default_of("data.prompt_key"), max_prompt_length: int = default_of("data.max_prompt_length"),
-             overlong_prompts: str = default_of("data.overlong_prompts"), wrap_plain_text: bool = True,
+    def load(cls, paths: Sequence[str], tokenizer, prompt_key: str, max_prompt_length: int,
+             overlong_prompts: str, wrap_plain_text: bool,
              what: str = "data.train_files") -> "PromptDataset":
         if not paths:
             raise DataError(f"{what}: empty; expected at least one .parquet or .jsonl file")

@@ -16,7 +16,6 @@ import dataclasses
 from pathlib import Path
 from typing import List, Sequence
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.data.errors import DataError
 
 PAIRED_LOSSES = ("dpo", "ipo", "simpo", "orpo")
@@ -43,10 +42,9 @@ def _label(value, where: str) -> bool:
     raise DataError(f"{where}: label must be a boolean (true = desirable); got {value!r}")
 
 
-def load_preference_examples(paths: Sequence[str], tokenizer, loss: str, *, prompt_key: str = default_of("data.prompt_key"),
-                             chosen_key: str = default_of("data.chosen_key"), rejected_key: str = default_of("data.rejected_key"),
-                             completion_key: str = default_of("data.completion_key"), label_key: str = default_of("data.label_key"),
-                             wrap_plain_text: bool = True, max_length: int = 0, what: str = "data.preference_files"
+def load_preference_examples(paths: Sequence[str], tokenizer, loss: str, *, prompt_key: str,
+                             chosen_key: str, rejected_key: str, completion_key: str, label_key: str,
+                             wrap_plain_text: bool, max_length: int = 0, what: str = "data.preference_files"
                              ) -> List[PreferenceExample]:
     from verl_hpc.data import encode_prompts, read_rows
 

@@ -25,7 +25,6 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.data.errors import DataError
 
 VALID_ROLES = ("system", "user", "assistant", "tool")
@@ -185,7 +184,7 @@ def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRec
                         extra=_drop_none(row.get("extra") or {}))
 
 
-def load_records(paths: Sequence[str], prompt_key: str = default_of("data.prompt_key"),
+def load_records(paths: Sequence[str], prompt_key: str,
                  what: str = "data.train_files") -> List[PromptRecord]:
     """Every row of every file as PromptRecords, or one DataError listing the bad rows."""
     paths = [str(p) for p in paths]  # also takes an OmegaConf ListConfig

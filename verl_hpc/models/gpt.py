@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.models.config_mapping import (
     DEFAULT_VOCAB_DIVISOR,
     ModelArch,
@@ -38,14 +37,19 @@ def transformer_engine_available() -> bool:
     return True
 
 
-FP8_RECIPES = choices_of("model.fp8_recipe")  # Megatron's Fp8Recipe, less custom
-FP8_DEFAULT_RECIPE = default_of("model.fp8_recipe")
+# the recipes build_gpt_model hands to Megatron (its Fp8Recipe, less custom); model.fp8_recipe's
+# choices are the same names (checked at load; a test keeps them equal)
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
 
-def check_fp8_supported(recipe: str = FP8_DEFAULT_RECIPE) -> None:
+def check_fp8_supported(recipe: str) -> None:
     """The documented errors for model.fp8=true where it cannot run (before any model is built)."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"model.fp8_recipe: {recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+    _check_fp8_runs_here()
+
+
+def _check_fp8_runs_here() -> None:
     if not has_gpu():
         raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
                            "has none. Set model.fp8=false for CPU runs.")
@@ -60,7 +64,7 @@ def layer_spec(use_te: Optional[bool] = None, fp8: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if fp8:
-        check_fp8_supported()
+        _check_fp8_runs_here()
     if use_te is None:
         use_te = has_gpu() and transformer_engine_available()
     if use_te:
@@ -183,7 +187,7 @@ def _mark_tensor_parallel(model) -> None:
 def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                     parallel_output: bool = True, use_te: Optional[bool] = None, fp8: bool = False,
-                    fp8_recipe: str = FP8_DEFAULT_RECIPE,
+                    fp8_recipe: Optional[str] = None,
                     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR, vp_stage: Optional[int] = None,
                     **config_overrides):
     """This rank's `GPTModel` for `arch` under the initialised Megatron model parallelism.
@@ -224,11 +228,14 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
 
 
 def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dtype = torch.float32,
-                           fp8: bool = False, fp8_recipe: str = FP8_DEFAULT_RECIPE,
+                           fp8: bool = False, fp8_recipe: Optional[str] = None,
                            vp_stage: Optional[int] = None, **config_overrides):
-    """The TransformerConfig build_gpt_model gives GPTModel (no model built: testable anywhere)."""
+    """The TransformerConfig build_gpt_model gives GPTModel (no model built: testable anywhere).
+    With fp8, `fp8_recipe` (model.fp8_recipe) is required."""
     from megatron.core import parallel_state as ps
 
+    if fp8 and fp8_recipe is None:
+        raise ValueError("fp8=True needs fp8_recipe (the job's model.fp8_recipe)")
     if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
         config_overrides.setdefault("fp8", "hybrid")
         config_overrides.setdefault("fp8_recipe", fp8_recipe)

@@ -20,11 +20,11 @@ import time
 from typing import List, Optional
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.schema import choices_of
 from verl_hpc.planning import hardware
 from verl_hpc.planning.model_shape import model_arch, total_params
 from verl_hpc.planning.phases import microbatch_shape, plan_job
 from verl_hpc.planning.report import MARGIN, gib
+from verl_hpc.planning.training import RECOMPUTE_GRANULARITIES
 
 ROLES_WITH_OFFLOAD = (("actor", ("param_offload", "grad_offload", "optimizer_offload")),
                       ("critic", ("param_offload", "grad_offload", "optimizer_offload")),
@@ -119,7 +119,7 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
         if world % (tp * pp):
             continue
         vpps = [None] + [v for v in (2, 4, 5) if pp > 1 and arch.num_layers % (pp * v) == 0][:1]
-        for vpp, rc, off, scale in itertools.product(vpps, choices_of("parallel.recompute_granularity"),
+        for vpp, rc, off, scale in itertools.product(vpps, RECOMPUTE_GRANULARITIES,
                                                      (False, True), (0.5, 1, 2)):
             if time.monotonic() - start > time_limit_s:
                 break

@@ -57,6 +57,11 @@ def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, 
     return out
 
 
+# the recompute granularities activation_bytes models (parallel.recompute_granularity's choices,
+# checked at load; a test keeps them the same names)
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationSetup:
     tp: int

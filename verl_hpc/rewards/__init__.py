@@ -1,6 +1,6 @@
 """Rewards: rule-based scorers routed by data_source, custom functions, a reward-model hook.
 
-    scorer = RewardScorer.from_config(cfg.reward)
+    scorer = RewardScorer.from_config(cfg.reward, allow_custom_code=cfg.safety.allow_custom_code)
     scores, metrics = scorer.score(ids, data_sources, response_texts, ground_truths, extras)
     token_level = scorer.to_token_level(scores, response_mask)
 

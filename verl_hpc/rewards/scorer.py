@@ -1,6 +1,6 @@
 """RewardScorer: one score per response, from rules, a custom function and/or a reward model.
 
-    scorer = RewardScorer.from_config(cfg.reward, reward_model=None)
+    scorer = RewardScorer.from_config(cfg.reward, reward_model=None, allow_custom_code=cfg.safety.allow_custom_code)
     scorer.check_samples(ds.ids, ds.data_sources, ds.ground_truths)   # at load: unknown sources, bad answers
     scores, metrics = scorer.score(ids, data_sources, response_texts, ground_truths, extras)
     token_rewards = scorer.to_token_level(scores, response_mask)       # [B, T], score on the last token
@@ -25,22 +25,22 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_hpc.config.schema import choices_of, default_of
 from verl_hpc.rewards import registry
 from verl_hpc.rewards.custom import CustomFn, load_custom_function
 from verl_hpc.rewards.errors import RewardError
+from verl_hpc.rewards.gsm8k import METHODS as GSM8K_METHODS
 from verl_hpc.rewards.reward_model import RewardModel, combine, rm_scores
 from verl_hpc.rewards.timeout import FunctionExited, RewardTimeout, TimedCaller
 
 log = logging.getLogger(__name__)
-ON_ERROR = choices_of("reward.on_error")
-GSM8K_METHODS = choices_of("reward.gsm8k_method")
+# what score() implements (reward.on_error, checked at load; a test keeps the choices the same names)
+ON_ERROR = ("zero", "raise")
 MAX_LISTED = 10
 
 
 class RewardScorer:
-    def __init__(self, on_error: str = default_of("reward.on_error"), custom_function: Optional[CustomFn] = None,
-                 reward_model: Optional[RewardModel] = None, gsm8k_method: str = default_of("reward.gsm8k_method"),
+    def __init__(self, on_error: str, custom_function: Optional[CustomFn] = None,
+                 reward_model: Optional[RewardModel] = None, *, gsm8k_method: str,
                  timeout_s: float = 0.0, custom_name: str = ""):
         if on_error not in ON_ERROR:
             raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
@@ -54,17 +54,17 @@ class RewardScorer:
         self.first_error: Optional[str] = None  # "sample <id> (data_source <ds>):\n<traceback>"
 
     @classmethod
-    def from_config(cls, reward_cfg, reward_model: Optional[RewardModel] = None,
-                    gsm8k_method: str = default_of("reward.gsm8k_method"), *,
-                    allow_custom_code: bool = default_of("safety.allow_custom_code")) -> "RewardScorer":
+    def from_config(cls, reward_cfg, reward_model: Optional[RewardModel] = None, *,
+                    allow_custom_code: bool) -> "RewardScorer":
         fn = None
         if reward_cfg.custom_function:  # allow_custom_code: the job's safety.allow_custom_code
             fn = load_custom_function(reward_cfg.custom_function, allow_custom_code)
         if reward_cfg.reward_model.enable and reward_model is None:
             raise RewardError("reward.reward_model.enable is true, but no reward model was passed to the scorer "
                               "(the engine's reward role builds it from reward.reward_model.path)")
-        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None, gsm8k_method,
-                   timeout_s=reward_cfg.timeout_s, custom_name=reward_cfg.custom_function)
+        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None,
+                   gsm8k_method=reward_cfg.gsm8k_method, timeout_s=reward_cfg.timeout_s,
+                   custom_name=reward_cfg.custom_function)
 
     # ------------------------------------------------------------------------------ routing
     def rule_for(self, data_source: str) -> Optional[registry.RuleScorer]:

@@ -55,7 +55,7 @@ class _WithLabels:
 
 class PrometheusBackend:
     def __init__(self, port: int = 0, addr: str = "0.0.0.0", *, pushgateway_url: str = "",
-                 job: Optional[str] = None, namespace: str = "", experiment: str = "",
+                 job: str, namespace: str = "", experiment: str = "",
                  delete_on_finish: bool = False, instance: Optional[str] = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -80,10 +80,6 @@ class PrometheusBackend:
         if restarts > 0:  # Slurm counts the requeues of a job; this attempt reports them
             self.events["requeue"].inc(restarts)
 
-        if job is None:  # the Slurm job name a config gives
-            from verl_hpc.config.schema import default_of
-
-            job = default_of("slurm.job_name")
         self.job, self.delete_on_finish = job, bool(delete_on_finish)
         self.pushgateway_url = pushgateway_url.rstrip("/")
         self.grouping = {"instance": instance or _instance()}

@@ -46,7 +46,7 @@ class Tracker:
                  plots_enabled: bool = True, stream: TextIO | None = None,
                  tty: bool | None = None, console_metrics: Sequence[str] = (), namespace: str = "",
                  pushgateway_url: str = "", pushgateway_delete_on_finish: bool = False,
-                 alert_webhook: str = "", job_name: str | None = None) -> None:
+                 alert_webhook: str = "", job_name: str) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"tracking.backends: unknown {unknown}; valid: {', '.join(BACKENDS)}")
@@ -55,10 +55,7 @@ class Tracker:
         self.total_steps = int(total_steps)
         self.title = f"{namespace} / {project} / {experiment}" if namespace else f"{project} / {experiment}"
         self.namespace = namespace
-        if job_name is None:  # the Pushgateway's `job` label: the Slurm job name a config gives
-            from verl_hpc.config.schema import default_of
-
-            job_name = default_of("slurm.job_name")
+        # job_name: the Pushgateway's `job` label, the job's slurm.job_name
         self._prometheus = dict(pushgateway_url=pushgateway_url, job=job_name, namespace=namespace,
                                 experiment=experiment, delete_on_finish=pushgateway_delete_on_finish)
         self.alerts = None

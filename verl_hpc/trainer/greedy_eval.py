@@ -13,11 +13,9 @@ import json
 import sys
 from typing import List, Optional
 
-from verl_hpc.config.schema import default_of
 
-
-def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int = 4, prompt_key: str = default_of("data.prompt_key"),
-                    wrap_plain_text: bool = True) -> float:
+def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int, prompt_key: str,
+                    wrap_plain_text: bool) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,7 +42,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("val_file")
     ap.add_argument("--max-new-tokens", type=int, default=4)
     a = ap.parse_args(argv)
-    print(json.dumps({"greedy_accuracy": greedy_accuracy(a.model_dir, a.val_file, a.max_new_tokens)}))
+    from verl_hpc.config import JobConfig
+
+    d = JobConfig().data  # the default data section's prompt column and chat-template wrapping
+    print(json.dumps({"greedy_accuracy": greedy_accuracy(a.model_dir, a.val_file, a.max_new_tokens, d.prompt_key,
+                                                         d.wrap_plain_text)}))
     return 0
 
 

@@ -62,7 +62,7 @@ class RLTrainer:
         tok, d = self.roles.tokenizer, cfg.data
         self.loader = PromptLoader.from_config(d, tok, d.wrap_plain_text) if ctx.rank == 0 else None
         val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
-        self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model, cfg.reward.gsm8k_method,
+        self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
         if ctx.rank == 0:  # refuse unscorable data before spending compute on it
             ds = self.loader.dataset

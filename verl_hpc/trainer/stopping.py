@@ -20,16 +20,14 @@ import math
 import time
 from typing import Mapping, Optional
 
-from verl_hpc.config.schema import default_of
 from verl_hpc.trainer.hooks import CONTINUE, Stop
 
 log = logging.getLogger(__name__)
 
 
 class StopRule:
-    def __init__(self, metric: str = "", value: Optional[float] = None,
-                 mode: str = default_of("trainer.stop_at.mode"),
-                 wall_time_s: float = 0.0, rank: int = 0, clock=time.monotonic):
+    def __init__(self, metric: str, value: Optional[float], mode: str, wall_time_s: float,
+                 rank: int = 0, clock=time.monotonic):
         self.metric, self.value, self.mode = metric, value, mode
         self.wall_time_s, self.rank, self._clock = float(wall_time_s), rank, clock
         self._t0 = clock()

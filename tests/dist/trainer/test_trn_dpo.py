@@ -64,7 +64,10 @@ def first_batch_plan(assets, dp):
 
     cfg = load_config(REPO / "configs/demo_dpo.yaml")
     tok = AutoTokenizer.from_pretrained(str(assets / "model"))
+    d = cfg.data
     ex = load_preference_examples([str(assets / "data/preference_train.parquet")], tok, "dpo",
+                                  prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
+                                  completion_key=d.completion_key, label_key=d.label_key,
                                   wrap_plain_text=cfg.data.wrap_plain_text,
                                   max_length=cfg.data.max_prompt_length + cfg.data.max_response_length)
     take = EpochSampler(len(ex), seed=cfg.data.seed, fingerprint="").next_indices(4)

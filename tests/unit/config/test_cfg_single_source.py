@@ -15,8 +15,8 @@ from verl_hpc.config.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[3]
 # Everything outside config/ is scanned, the algorithm library included: its pure functions take
-# their keyword defaults from default_of() where a parameter is a config field (a method's own
-# convention, e.g. SimPO's beta or GMPO's log-space clip, is another value and not matched).
+# config fields as required arguments, bound by a section's from_config (a method's own convention,
+# e.g. SimPO's beta or GMPO's log-space clip, is another value and not matched).
 SOURCES = {p: p.read_text() for p in (REPO / "verl_hpc").rglob("*.py")
            if p.relative_to(REPO / "verl_hpc").parts[0] != "config"}
 TRIVIAL = (0, 1, -1, 0.0, 1.0, True, False, None, "", "auto", "none")
@@ -58,15 +58,20 @@ OWN_CHOICE_LISTS = {
     "verl_hpc/rewards/gsm8k.py": "reward.gsm8k_method: the GSM8K extractor is a plain-Python module",
     "verl_hpc/checkpoint/dtypes.py": "model.dtype: the HDF5 dtype table names more dtypes than the model's",
     # what the code implements, for callers without a config; a test keeps each equal to the choices
-    # (tests/unit/data/test_data_templates_filter.py, tests/unit/rollout/test_rol_core.py)
+    # (tests/unit/data/test_data_templates_filter.py, tests/unit/rollout/test_rol_core.py,
+    # tests/unit/engines/test_eng_gpu_paths.py, tests/unit/rewards/test_rw_scorer.py,
+    # tests/unit/planning/test_plan_published.py)
     "verl_hpc/data/filtering.py": "data.overlong_prompts: what filter_overlong implements",
     "verl_hpc/rollout/prompts.py": "rollout.prompt_overflow: what fit_prompts implements",
+    "verl_hpc/models/gpt.py": "model.fp8_recipe: the recipes build_gpt_model hands to Megatron",
+    "verl_hpc/rewards/scorer.py": "reward.on_error: what RewardScorer.score implements",
+    "verl_hpc/planning/training.py": "parallel.recompute_granularity: what the activation model implements",
 }
 
 
 def test_no_module_repeats_a_declared_choice_list():
     """A line naming every valid value of a field as a string literal is a second copy of the list:
-    take it from the section with verl_hpc.config.schema.choices_of."""
+    name what the code implements and list the module in OWN_CHOICE_LISTS, with a test."""
     hits = []
     for key, _, meta, _ in walk(JobConfig()):
         choices = [c for c in meta.get("choices") or () if c]
@@ -78,6 +83,14 @@ def test_no_module_repeats_a_declared_choice_list():
                      if all(re.search(rf"[\"']{re.escape(c)}[\"']", line) for c in choices)
                      and rel not in OWN_CHOICE_LISTS]
     assert not hits, "choice lists written twice:\n" + "\n".join(hits)
+
+
+def test_only_config_reads_the_declarations():
+    """Outside config/, a field's default or choices come in as arguments (bound by from_config), not
+    from default_of/choices_of (the tests compare the implemented names with choices_of)."""
+    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p, text in SOURCES.items()
+            for i, line in enumerate(text.splitlines(), 1) if re.search(r"\b(default_of|choices_of)\b", line)]
+    assert not hits, "config declarations read outside config/:\n" + "\n".join(hits)
 
 
 def test_layout_rules_live_in_one_module():

@@ -8,6 +8,7 @@ import pytest
 from verl_hpc.data import PromptDataset
 from verl_hpc.data.prepare import synthetic
 from verl_hpc.rewards.registry import default_score
+from data_options import dataset_args
 
 
 # GSM8K's public format, rows written here: calculator annotations, '$', thousands separators
@@ -73,7 +74,8 @@ def test_synthetic_cli_is_loadable_and_seeded(tmp_path, tokenizer):
     assert prepare("synthetic", tmp_path / "b", *args).returncode == 0
     for name in ("train", "val", "sft"):
         assert pq.read_table(tmp_path / "a" / f"{name}.parquet") == pq.read_table(tmp_path / "b" / f"{name}.parquet")
-    train = PromptDataset.load([str(tmp_path / "a" / "train.parquet")], tokenizer, max_prompt_length=16)
+    train = PromptDataset.load([str(tmp_path / "a" / "train.parquet")], tokenizer,
+                              **dataset_args(max_prompt_length=16))
     assert len(train) == 400 and train.n_dropped == 0 and train.records[0].data_source == "synthetic_arith"
     sft = pq.read_table(tmp_path / "a" / "sft.parquet").to_pylist()
     assert len(sft) == 400 and {"prompt", "response", "ground_truth"} <= set(sft[0])

@@ -2,6 +2,7 @@
 import pytest
 
 from verl_hpc.data import DataError, load_records, read_rows
+from data_options import DATA
 
 
 TEXT_ROWS = [{"prompt": "What is 1 plus 1?", "data_source": "gsm8k", "ground_truth": 2, "extra": {"level": 1}},
@@ -12,8 +13,8 @@ CHAT_ROWS = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "u
 
 @pytest.mark.parametrize("rows", [TEXT_ROWS, CHAT_ROWS], ids=["text", "chat"])
 def test_jsonl_and_parquet_read_the_same_records(files, rows):
-    a = load_records([files.jsonl("a.jsonl", rows)])
-    b = load_records([files.parquet("a.parquet", rows)])
+    a = load_records([files.jsonl("a.jsonl", rows)], DATA.prompt_key)
+    b = load_records([files.parquet("a.parquet", rows)], DATA.prompt_key)
     assert [r.id for r in a] == [f"a.jsonl:{i}" for i in range(len(rows))]
     assert [r.id for r in b] == [f"a.parquet:{i}" for i in range(len(rows))]
     for r, s in zip(a, b):
@@ -21,25 +22,25 @@ def test_jsonl_and_parquet_read_the_same_records(files, rows):
 
 
 def test_fields_are_normalised(files):
-    text = load_records([files.parquet("t.parquet", TEXT_ROWS)])
+    text = load_records([files.parquet("t.parquet", TEXT_ROWS)], DATA.prompt_key)
     assert text[0].extra == {"level": 1} and text[1].extra == {"tag": "x"}  # Arrow's null-filled keys dropped
     assert [r.ground_truth for r in text] == ["2", "3.5"]  # numbers kept as their text
     assert not text[0].is_chat
-    chat = load_records([files.parquet("c.parquet", CHAT_ROWS)])[0]
+    chat = load_records([files.parquet("c.parquet", CHAT_ROWS)], DATA.prompt_key)[0]
     assert chat.is_chat and chat.prompt[1] == {"role": "user", "content": "2+2?"}
 
 
 def test_prompt_key_selects_the_column(files):
     path = files.jsonl("m.jsonl", [{"messages": [{"role": "user", "content": "hi"}], "data_source": "math",
                                     "ground_truth": "1"}])
-    assert load_records([path], prompt_key="messages")[0].prompt == [{"role": "user", "content": "hi"}]
+    assert load_records([path], "messages")[0].prompt == [{"role": "user", "content": "hi"}]
     with pytest.raises(DataError, match=r"'prompt' \(data.prompt_key\) is missing"):
-        load_records([path])
+        load_records([path], DATA.prompt_key)
 
 
 def test_mixed_types_across_rows_fall_back_to_line_reading(files):
     path = files.jsonl("mixed.jsonl", [files.row(0, truth=5), files.row(1, truth="five")])
-    assert [r.ground_truth for r in load_records([path])] == ["5", "five"]
+    assert [r.ground_truth for r in load_records([path], DATA.prompt_key)] == ["5", "five"]
 
 
 def test_same_file_name_in_two_folders_keeps_ids_unique(files, tmp_path):
@@ -47,7 +48,7 @@ def test_same_file_name_in_two_folders_keeps_ids_unique(files, tmp_path):
     (tmp_path / "y").mkdir()
     a = files.jsonl("x/d.jsonl", [files.row(0)])
     b = files.jsonl("y/d.jsonl", [files.row(0)])
-    ids = [r.id for r in load_records([a, b])]
+    ids = [r.id for r in load_records([a, b], DATA.prompt_key)]
     assert len(set(ids)) == 2 and ids[0].endswith("x/d.jsonl:0")
 
 
@@ -73,7 +74,7 @@ def test_bad_row_names_file_row_line_and_field(files, bad, message):
     # the bad row is row 2, on line 4 because of a blank line after row 0
     path = files.jsonl("bad.jsonl", [files.row(0), files.row(1), bad], blank_after=(0,))
     with pytest.raises(DataError) as e:
-        load_records([path])
+        load_records([path], DATA.prompt_key)
     assert f"'{path}' row 2 (line 4): " in str(e.value)
     assert message in str(e.value)
 
@@ -81,13 +82,13 @@ def test_bad_row_names_file_row_line_and_field(files, bad, message):
 def test_bad_parquet_row_names_row(files):
     path = files.parquet("bad.parquet", [files.row(0), {**files.row(1), "ground_truth": None}])
     with pytest.raises(DataError, match=r"bad.parquet' row 1: field 'ground_truth' is missing"):
-        load_records([path])
+        load_records([path], DATA.prompt_key)
 
 
 def test_all_problems_in_one_error(files):
     rows = [{"prompt": "q", "data_source": "m"} for _ in range(15)]
     with pytest.raises(DataError) as e:
-        load_records([files.jsonl("many.jsonl", rows)])
+        load_records([files.jsonl("many.jsonl", rows)], DATA.prompt_key)
     assert str(e.value).startswith("15 problems in the data:") and "... and 5 more" in str(e.value)
     assert len(e.value.problems) == 15
 
@@ -104,10 +105,10 @@ def test_broken_jsonl_names_the_line(files, content, message):
 
 def test_missing_unknown_and_empty_files(files, tmp_path):
     with pytest.raises(DataError, match="nope.jsonl': no such file"):
-        load_records([str(tmp_path / "nope.jsonl")])
+        load_records([str(tmp_path / "nope.jsonl")], DATA.prompt_key)
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"unknown file type; valid: .parquet"):
-        load_records([str(tmp_path / "x.csv")])
+        load_records([str(tmp_path / "x.csv")], DATA.prompt_key)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="empty.jsonl': no rows"):
-        load_records([str(tmp_path / "empty.jsonl")])
+        load_records([str(tmp_path / "empty.jsonl")], DATA.prompt_key)

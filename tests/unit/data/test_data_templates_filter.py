@@ -6,6 +6,7 @@ import pytest
 from verl_hpc.config.schema import choices_of
 from verl_hpc.data import DataError, PromptDataset, encode_prompts, render_prompt
 from verl_hpc.data.filtering import OVERLONG_MODES, filter_overlong
+from data_options import dataset_args
 
 
 def test_plain_text_is_wrapped_as_a_user_message(tokenizer):
@@ -26,13 +27,13 @@ def test_template_failures_name_the_sample(files, tokenizer, plain_tokenizer, ma
     chat = {"prompt": [{"role": "user", "content": "hi"}], "data_source": "m", "ground_truth": "1"}
     path = files.jsonl("chat.jsonl", [files.row(0), chat])
     with pytest.raises(DataError, match="sample chat.jsonl:1: a prompt is a list of chat messages but the tokenizer"):
-        PromptDataset.load([path], plain_tokenizer)
+        PromptDataset.load([path], plain_tokenizer, **dataset_args())
     strict = make_tokenizer()  # a template with its own rule, as many instruct models have
     strict.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
                             + tokenizer.chat_template)
     sys_row = {**chat, "prompt": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]}
     with pytest.raises(DataError, match=r"sample sys.jsonl:0: the tokenizer's chat_template cannot render.*no system"):
-        PromptDataset.load([files.jsonl("sys.jsonl", [sys_row])], strict)
+        PromptDataset.load([files.jsonl("sys.jsonl", [sys_row])], strict, **dataset_args())
 
 
 def test_token_ids_have_exactly_one_bos(tokenizer):
@@ -68,13 +69,13 @@ def test_dataset_applies_template_and_filter(files, tokenizer):
     long_q = "How many clips did Natalia sell altogether in April and May? " * 5
     path = files.jsonl("d.jsonl", [files.row(0), {**files.row(1), "prompt": long_q}, files.row(2)])
     limit = len(encode_prompts(tokenizer, [files.row(0)["prompt"]])[1][0]) + 2
-    ds = PromptDataset.load([path], tokenizer, max_prompt_length=limit)
+    ds = PromptDataset.load([path], tokenizer, **dataset_args(max_prompt_length=limit))
     assert len(ds) == 2 and ds.n_dropped == 1
     assert [r.id for r in ds.records] == ["d.jsonl:0", "d.jsonl:2"]
     assert ds.texts[0].startswith("<s><|user|>What is 0") and all(len(x) <= limit for x in ds.token_ids)
     with pytest.raises(DataError, match=r"sample d.jsonl:1: prompt is \d+ tokens"):
-        PromptDataset.load([path], tokenizer, max_prompt_length=limit, overlong_prompts="error")
+        PromptDataset.load([path], tokenizer, **dataset_args(max_prompt_length=limit, overlong_prompts="error"))
     with pytest.raises(DataError, match="all 3 prompts are longer than data.max_prompt_length = 2"):
-        PromptDataset.load([path], tokenizer, max_prompt_length=2)
+        PromptDataset.load([path], tokenizer, **dataset_args(max_prompt_length=2))
     with pytest.raises(DataError, match="data.val_files: empty"):
-        PromptDataset.load([], tokenizer, what="data.val_files")
+        PromptDataset.load([], tokenizer, what="data.val_files", **dataset_args())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verl_hpc.config import ConfigError, load_config, validate
+from verl_hpc.config.schema import choices_of
 from verl_hpc.engines.megatron import build as build_mod
 from verl_hpc.engines.megatron import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
@@ -41,7 +42,8 @@ def test_fp8_sets_megatron_transformer_config_fields():
     assert plain.fp8 is None
     cfg = gpt_mod.gpt_transformer_config(ARCH, 1, 1, fp8=True, fp8_recipe="tensorwise")
     assert cfg.fp8 == "hybrid" and cfg.fp8_recipe == "tensorwise"
-    assert gpt_mod.gpt_transformer_config(ARCH, 1, 1, fp8=True).fp8_recipe == "delayed"
+    with pytest.raises(ValueError, match="fp8=True needs fp8_recipe"):
+        gpt_mod.gpt_transformer_config(ARCH, 1, 1, fp8=True)
 
 
 def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
@@ -80,6 +82,10 @@ def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
         check_options(opts)
     with pytest.raises(ValueError, match="model.fp8_recipe: 'custom'"):
         gpt_mod.check_fp8_supported("custom")
+
+
+def test_fp8_recipes_are_the_config_choices():
+    assert set(choices_of("model.fp8_recipe")) == set(gpt_mod.FP8_RECIPES)
 
 
 # ------------------------------------------------------------------- sequence parallel (5)

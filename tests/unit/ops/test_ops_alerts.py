@@ -3,7 +3,10 @@ local HTTP server started here."""
 import pytest
 from ops_services import webhook_receiver
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import Tracker
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 @pytest.fixture
@@ -13,7 +16,7 @@ def receiver():
 
 
 def make(tmp_path, url, is_main=True):
-    return Tracker(["jsonl"], tmp_path, 10, "proj", "exp1", None, is_main=is_main, plots_enabled=False,
+    return Tracker(["jsonl"], tmp_path, 10, "proj", "exp1", None, job_name=JOB, is_main=is_main, plots_enabled=False,
                    namespace="team-a", alert_webhook=url)
 
 

@@ -10,7 +10,10 @@ import socket
 import pytest
 from ops_services import families, free_port, get, groups, pushgateway, samples
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import Tracker
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 @pytest.fixture
@@ -109,7 +112,7 @@ def test_gateway_down_is_a_warning_not_a_crash(tmp_path, caplog):
 
 def test_http_endpoint_still_serves_with_the_namespace_label(tmp_path):
     port = free_port()
-    t = Tracker(["prometheus"], tmp_path, 10, "p", "e", None, is_main=True, plots_enabled=False,
+    t = Tracker(["prometheus"], tmp_path, 10, "p", "e", None, job_name=JOB, is_main=True, plots_enabled=False,
                 prometheus_port=port, namespace="team-b")
     t.log({"reward/mean": 0.75, "rollout/seconds": 0.2}, 2)
     body = get(f"http://127.0.0.1:{port}/metrics")

@@ -15,9 +15,10 @@ import dataclasses
 
 import pytest
 
+from verl_hpc.config.schema import choices_of
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import KNOWN, StageParams, stage_params
-from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor,
+from verl_hpc.planning.training import (RECOMPUTE_GRANULARITIES, ActivationSetup, Precision, in_flight_factor,
                                         layer_activation_bytes, model_state_bytes,
                                         stage_activation_bytes)
 
@@ -57,6 +58,10 @@ def test_activation_bytes_per_layer_match_korthikanti_table2(model):
                                 impl="paper")
         got = layer_activation_bytes(arch, s, b, 2, setup)
         assert got == pytest.approx(expected, rel=0.02), (recompute, sp, tp, got, expected)
+
+
+def test_recompute_granularities_are_the_config_choices():
+    assert set(choices_of("parallel.recompute_granularity")) == set(RECOMPUTE_GRANULARITIES)
 
 
 def test_full_recompute_keeps_the_layer_input_only():

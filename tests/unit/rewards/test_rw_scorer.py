@@ -5,9 +5,19 @@ import textwrap
 import pytest
 import torch
 
-from verl_hpc.config.schema import RewardConfig, RewardModelConfig
+from verl_hpc.config import JobConfig
+from verl_hpc.config.schema import RewardConfig, RewardModelConfig, choices_of
 from verl_hpc.rewards import RewardError, RewardScorer, known_names, resolve
 from verl_hpc.rewards.custom import load_custom_function
+from verl_hpc.rewards.gsm8k import METHODS
+from verl_hpc.rewards.scorer import ON_ERROR
+
+REWARD, SAFETY = JobConfig().reward, JobConfig().safety
+
+
+def scorer_with(**kw):
+    """A RewardScorer with the default reward section's on_error and gsm8k_method, `kw` on top."""
+    return RewardScorer(**dict(dict(on_error=REWARD.on_error, gsm8k_method=REWARD.gsm8k_method), **kw))
 
 
 @pytest.mark.parametrize("source,name", [
@@ -23,26 +33,26 @@ def test_routing_by_name_alias_and_prefix(source, name):
 def test_unknown_source_is_a_clear_error():
     assert resolve("mathematics") is None  # a prefix needs a separator after it
     with pytest.raises(RewardError) as e:
-        RewardScorer().score(["f.jsonl:3"], ["gsm8kk"], ["#### 1"], ["1"])
+        scorer_with().score(["f.jsonl:3"], ["gsm8kk"], ["#### 1"], ["1"])
     msg = str(e.value)
     assert "sample f.jsonl:3" in msg and "'gsm8kk'" in msg and "did you mean 'gsm8k'" in msg
     assert all(n in msg for n in known_names()) and "safety.allow_custom_code=true" in msg
 
 
 def test_scores_and_metrics_per_data_source():
-    scorer = RewardScorer()
+    scorer = scorer_with()
     scores, metrics = scorer.score(
         ids=["a:0", "a:1", "b:0", "c:0"], data_sources=["openai/gsm8k", "openai/gsm8k", "math", "synthetic_arith"],
         response_texts=["so #### 72", "#### 71", "$\\boxed{\\frac12}$", "7"], ground_truths=["72", "72", "0.5", "7"])
     assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.0, 1.0, 1.0]
     assert metrics["reward/score/openai/gsm8k"] == 0.5 and metrics["reward/score/math"] == 1.0
     assert metrics["reward/score/mean"] == 0.75 and metrics["reward/errors"] == 0.0
-    flexible = RewardScorer(gsm8k_method="flexible")
+    flexible = scorer_with(gsm8k_method="flexible")
     assert flexible.score(["a:0"], ["gsm8k"], ["it is 72"], ["72"])[0].tolist() == [1.0]
 
 
 def test_check_samples_refuses_bad_data_before_training():
-    scorer = RewardScorer()
+    scorer = scorer_with()
     scorer.check_samples(["a:0", "b:0"], ["gsm8k", "synthetic_arith"], ["1,200", "7"])
     with pytest.raises(RewardError) as e:
         scorer.check_samples(["a:0", "a:1", "b:0", "c:5"], ["gsm8k", "gsm8k", "synthetic_arith", "mbpp"],
@@ -95,7 +105,7 @@ def test_custom_function_allowed(user_module):
 
 def test_custom_function_refused_or_misnamed(user_module):
     with pytest.raises(RewardError, match="set safety.allow_custom_code=true"):
-        RewardScorer.from_config(RewardConfig(custom_function=f"{user_module}:length_bonus"))
+        RewardScorer.from_config(RewardConfig(custom_function=f"{user_module}:length_bonus"), allow_custom_code=False)
     cases = [("no_colon", "expected 'package.module:function'"),
              ("nowhere_module:f", "cannot import module 'nowhere_module'"),
              (f"{user_module}:missing", "has no function 'missing'; callables there: default_score, flaky, "),
@@ -132,12 +142,18 @@ def test_non_numeric_returns_follow_on_error(user_module):
     scores, metrics = scorer.score(["s:0", "s:1"], ["x", "x"], ["nan", "str"], ["1", "1"])
     assert scores.tolist() == [0.0, 0.0] and metrics["reward/errors"] == 2
     assert "expected a finite number" in scorer.first_error
-    np_scorer = RewardScorer(custom_function=load_custom_function(f"{user_module}:numpy_score",
+    np_scorer = scorer_with(custom_function=load_custom_function(f"{user_module}:numpy_score",
                                                                   allow_custom_code=True))
     scores, metrics = np_scorer.score(["s:0"], ["x"], ["a"], ["1"])
     assert scores.tolist() == [0.5] and metrics["reward/extra/n"] == 3.0 and metrics["reward/errors"] == 0
     with pytest.raises(RewardError, match="on_error: invalid value 'ignore'; valid: zero, raise"):
-        RewardScorer(on_error="ignore")
+        scorer_with(on_error="ignore")
+
+
+
+def test_on_error_and_gsm8k_methods_are_the_config_choices():
+    assert set(choices_of("reward.on_error")) == set(ON_ERROR)
+    assert set(choices_of("reward.gsm8k_method")) == set(METHODS)
 
 
 def test_to_token_level_puts_the_score_on_the_last_valid_token():
@@ -162,7 +178,7 @@ class FakeRewardModel:
 def test_reward_model_adds_to_rules_and_scores_sources_without_one():
     rm = FakeRewardModel([0.25, 0.5, 0.75])
     cfg = RewardConfig(reward_model=RewardModelConfig(enable=True, path="rm"))
-    scorer = RewardScorer.from_config(cfg, reward_model=rm)
+    scorer = RewardScorer.from_config(cfg, reward_model=rm, allow_custom_code=SAFETY.allow_custom_code)
     scores, metrics = scorer.score(["a:0", "a:1", "c:0"], ["gsm8k", "gsm8k", "chitchat"],
                                    ["#### 1", "#### 2", "hello"], ["1", "1", ""], rm_batch="the rollout batch")
     assert rm.seen == "the rollout batch"
@@ -170,7 +186,8 @@ def test_reward_model_adds_to_rules_and_scores_sources_without_one():
     assert metrics["reward/rm/mean"] == pytest.approx(0.5) and metrics["reward/rule/mean"] == 0.5
     scorer.check_samples(["c:0"], ["chitchat"], [""])  # no rule needed when a reward model scores it
     with pytest.raises(RewardError, match="returned 2 scores for a batch of 3"):
-        RewardScorer(reward_model=FakeRewardModel([1.0, 2.0])).score(["a", "b", "c"], ["x"] * 3, [""] * 3,
+        scorer_with(reward_model=FakeRewardModel([1.0, 2.0])).score(["a", "b", "c"], ["x"] * 3, [""] * 3,
                                                                      [""] * 3)
     with pytest.raises(RewardError, match="no reward model was passed"):
-        RewardScorer.from_config(RewardConfig(reward_model=RewardModelConfig(enable=True, path="rm")))
+        RewardScorer.from_config(RewardConfig(reward_model=RewardModelConfig(enable=True, path="rm")),
+                                 allow_custom_code=SAFETY.allow_custom_code)

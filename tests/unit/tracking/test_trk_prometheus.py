@@ -4,8 +4,11 @@ import urllib.request
 
 import pytest
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import Tracker
 from verl_hpc.tracking.prometheus_backend import PrometheusBackend, sanitize
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 def free_port():
@@ -26,7 +29,7 @@ def test_sanitize():
 
 def test_scrape_latest_values(tmp_path):
     port = free_port()
-    tracker = Tracker(["prometheus"], tmp_path, 10, "p", "e", None, is_main=True,
+    tracker = Tracker(["prometheus"], tmp_path, 10, "p", "e", None, job_name=JOB, is_main=True,
                       prometheus_port=port, plots_enabled=False)
     tracker.log({"reward/mean": 0.25, "val/acc/synthetic_arith": 0.5}, 1)
     tracker.log({"reward/mean": 0.75, "actor/kl": float("nan"), "actor_kl": 2.0}, 2)
@@ -44,7 +47,7 @@ def test_port_in_use_is_a_warning_not_a_crash(caplog):
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         s.listen()
-        backend = PrometheusBackend(port=s.getsockname()[1])
+        backend = PrometheusBackend(port=s.getsockname()[1], job=JOB)
         backend.log({"reward/mean": 1.0}, 1)
         backend.close()
     assert "cannot serve prometheus metrics" in caplog.text

@@ -3,14 +3,17 @@ import math
 
 import pytest
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import Tracker
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 def test_event_file_readable_by_event_accumulator(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tracker = Tracker(["tensorboard"], tmp_path, 3, "p", "e", {"algorithm": {"adv": "grpo"}},
-                      is_main=True, plots_enabled=False)
+                      job_name=JOB, is_main=True, plots_enabled=False)
     for step in (1, 2, 3):
         tracker.log({"reward/mean": 0.25 * step, "actor/kl": math.nan if step == 2 else 0.01},
                     step)

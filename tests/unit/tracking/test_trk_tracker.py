@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import BACKENDS, Tracker, missing_packages, read_history
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 def metrics(step):
@@ -15,7 +18,7 @@ def metrics(step):
 
 def test_other_ranks_write_nothing(tmp_path, capsys):
     out = tmp_path / "run"
-    tracker = Tracker(list(BACKENDS[:3]), out, 5, "p", "e", {"a": 1}, is_main=False)
+    tracker = Tracker(list(BACKENDS[:3]), out, 5, "p", "e", {"a": 1}, job_name=JOB, is_main=False)
     for step in range(1, 6):
         tracker.log(metrics(step), step)
     assert tracker.truncate_from(1) == 0
@@ -25,7 +28,7 @@ def test_other_ranks_write_nothing(tmp_path, capsys):
 
 
 def test_main_rank_end_to_end(tmp_path, capsys):
-    tracker = Tracker(["console", "jsonl"], tmp_path, 4, "proj", "exp", None, is_main=True)
+    tracker = Tracker(["console", "jsonl"], tmp_path, 4, "proj", "exp", None, job_name=JOB, is_main=True)
     for step in range(1, 5):
         m = metrics(step)
         m["actor/pg_loss"] = torch.tensor(0.5)   # 0-d tensors are fine
@@ -48,7 +51,7 @@ def test_main_rank_end_to_end(tmp_path, capsys):
 
 
 def test_reserved_name_dropped_not_clobbering_step(tmp_path):
-    tracker = Tracker(["jsonl"], tmp_path, 1, "p", "e", None, is_main=True, plots_enabled=False)
+    tracker = Tracker(["jsonl"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True, plots_enabled=False)
     tracker.log({"step": 99.0, "time": 1.0, "reward/mean": 1.0}, 1)
     tracker.close()
     (row,) = read_history(tmp_path / "metrics.jsonl")
@@ -56,7 +59,7 @@ def test_reserved_name_dropped_not_clobbering_step(tmp_path):
 
 
 def test_plots_without_jsonl_use_memory(tmp_path):
-    tracker = Tracker(["console"], tmp_path, 3, "p", "e", None, is_main=True, tty=False)
+    tracker = Tracker(["console"], tmp_path, 3, "p", "e", None, job_name=JOB, is_main=True, tty=False)
     for step in range(1, 4):
         tracker.log(metrics(step), step)
     assert tracker.close().is_file()
@@ -64,11 +67,11 @@ def test_plots_without_jsonl_use_memory(tmp_path):
 
 
 def test_resume_start_step_and_facade_truncate(tmp_path):
-    first = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, is_main=True, plots_enabled=False)
+    first = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, job_name=JOB, is_main=True, plots_enabled=False)
     for step in range(1, 7):
         first.log(metrics(step), step)
     first.close()
-    second = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, is_main=True, start_step=4,
+    second = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, job_name=JOB, is_main=True, start_step=4,
                      plots_enabled=False)
     assert [r["step"] for r in read_history(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     second.log(metrics(4), 4)
@@ -90,7 +93,7 @@ class Exploding:
 
 
 def test_failing_backend_is_dropped_and_others_go_on(tmp_path, caplog):
-    tracker = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, is_main=True, plots_enabled=False)
+    tracker = Tracker(["jsonl"], tmp_path, 10, "p", "e", None, job_name=JOB, is_main=True, plots_enabled=False)
     bad = Exploding()
     tracker._backends["broken"] = bad
     for step in range(1, 6):
@@ -103,6 +106,6 @@ def test_failing_backend_is_dropped_and_others_go_on(tmp_path, caplog):
 
 def test_unknown_backend_and_missing_packages(tmp_path):
     with pytest.raises(ValueError, match="tracking.backends.*valid: console, jsonl"):
-        Tracker(["console", "neptune"], tmp_path, 1, "p", "e", None, is_main=True)
+        Tracker(["console", "neptune"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True)
     problems = missing_packages(["console", "wandb", "mlflow"])
     assert len(problems) == 2 and all("tracking.backends" in p for p in problems)

@@ -12,7 +12,10 @@ from urllib.request import url2pathname
 
 import pytest
 
+from verl_hpc.config import JobConfig
 from verl_hpc.tracking import Tracker, missing_packages
+
+JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config gives
 
 
 # ---------------------------------------------------------------- wandb
@@ -53,7 +56,7 @@ def fake_wandb(monkeypatch):
 def test_wandb_offline_run_in_output_dir(tmp_path, fake_wandb):
     assert missing_packages(["wandb"]) == []
     tracker = Tracker(["wandb"], tmp_path, 3, "proj", "exp1", {"actor": {"lr": 1e-6}},
-                      is_main=True)
+                      job_name=JOB, is_main=True)
     tracker.log({"reward/mean": 0.5, "actor/kl": float("nan")}, 1)
     tracker.log({"reward/mean": 0.75, "actor/entropy": 1.0}, 2)
     plot = tracker.close()
@@ -68,7 +71,7 @@ def test_wandb_offline_run_in_output_dir(tmp_path, fake_wandb):
 
 def test_wandb_mode_from_environment(tmp_path, fake_wandb, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "online")
-    Tracker(["wandb"], tmp_path, 1, "p", "e", None, is_main=True).close()
+    Tracker(["wandb"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True).close()
     assert fake_wandb[0][1]["mode"] == "online"
 
 
@@ -140,7 +143,7 @@ def fake_mlflow(monkeypatch):
 def test_mlflow_file_store_params_metrics_artifact(tmp_path, fake_mlflow):
     config = {"trainer": {"total_steps": 2}, "big": {f"k{i}": i for i in range(150)},
               "long": "x" * 2000}
-    tracker = Tracker(["mlflow"], tmp_path, 2, "proj", "exp1", config, is_main=True)
+    tracker = Tracker(["mlflow"], tmp_path, 2, "proj", "exp1", config, job_name=JOB, is_main=True)
     tracker.log({"reward/mean": 0.5, "val/acc/arith": 0.25}, 1)
     tracker.log({"reward/mean": 0.75}, 2)
     plot = tracker.close()
@@ -159,14 +162,14 @@ def test_mlflow_file_store_params_metrics_artifact(tmp_path, fake_mlflow):
 
 def test_mlflow_reuses_experiment_across_restarts(tmp_path, fake_mlflow):
     for _ in range(2):
-        Tracker(["mlflow"], tmp_path, 1, "proj", "exp", None, is_main=True).close()
+        Tracker(["mlflow"], tmp_path, 1, "proj", "exp", None, job_name=JOB, is_main=True).close()
     assert list(fake_mlflow.experiments) == ["proj"] and len(fake_mlflow.runs) == 2
 
 
 def test_absent_packages_named_with_the_field(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     with pytest.raises(ImportError, match="tracking.backends"):
-        Tracker(["jsonl", "wandb"], tmp_path, 1, "p", "e", None, is_main=True)
+        Tracker(["jsonl", "wandb"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True)
     # the jsonl backend built before wandb failed was closed again: no file handle left open
     fds = []
     for fd in os.listdir("/proc/self/fd"):

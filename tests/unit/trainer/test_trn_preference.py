@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from verl_hpc.algorithms import masked_sum
+from verl_hpc.config import JobConfig
 from verl_hpc.config.schema import PreferenceConfig
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.preference import load_preference_examples
 from verl_hpc.data.prepare import synthetic
 from verl_hpc.trainer.preference import build_batch, objective, surrogate_loss
+
+D = JobConfig().data  # the data section's column names; raw prompts (no chat template)
+KEYS = dict(prompt_key=D.prompt_key, chosen_key=D.chosen_key, rejected_key=D.rejected_key,
+            completion_key=D.completion_key, label_key=D.label_key, wrap_plain_text=False)
 
 
 class CharTokenizer:
@@ -30,19 +35,19 @@ def write_jsonl(path, rows):
 def test_paired_and_kto_rows_load_and_bad_rows_are_named(tmp_path):
     tok = CharTokenizer()
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}])
-    (ex,) = load_preference_examples([f], tok, "dpo", wrap_plain_text=False)
+    (ex,) = load_preference_examples([f], tok, "dpo", **KEYS)
     assert ex.chosen[-1] == 1 and ex.rejected[-1] == 1 and ex.chosen != ex.rejected
     bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "1+2=", "chosen": "3", "rejected": "4"},
                                              {"prompt": "2+2=", "chosen": "4"}])
     with pytest.raises(DataError, match=r"b.jsonl' row 1: field 'rejected' is missing or empty"):
-        load_preference_examples([bad], tok, "dpo", wrap_plain_text=False)
+        load_preference_examples([bad], tok, "dpo", **KEYS)
     same = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "1+2=", "chosen": "3", "rejected": "3"}])
     with pytest.raises(DataError, match="row 0: 'chosen' and 'rejected' are the same text"):
-        load_preference_examples([same], tok, "ipo", wrap_plain_text=False)
+        load_preference_examples([same], tok, "ipo", **KEYS)
     kto = write_jsonl(tmp_path / "k.jsonl", [{"prompt": "1+2=", "completion": "3", "label": True},
                                              {"prompt": "1+3=", "completion": "5", "label": "maybe"}])
     with pytest.raises(DataError, match=r"k.jsonl' row 1: label must be a boolean"):
-        load_preference_examples([kto], tok, "kto", wrap_plain_text=False)
+        load_preference_examples([kto], tok, "kto", **KEYS)
 
 
 def test_synthetic_preference_task():

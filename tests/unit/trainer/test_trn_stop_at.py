@@ -1,11 +1,13 @@
 """trainer.stop_at and timing honesty through RLTrainer.fit with fake roles (test_trn_step.py's):
 a validation metric reaching its value or a spent wall-time budget ends the run after a
 checkpoint, as a normal completion; validation time is its own metric, not part of the step's."""
+import dataclasses
 import json
 
 import pytest
 
 from test_trn_step import PROMPTS, _trainer
+from verl_hpc.config import JobConfig
 from verl_hpc.trainer.stopping import StopRule
 
 
@@ -61,18 +63,23 @@ def test_trn_validation_has_its_own_timing_out_of_the_step(tmp_path, monkeypatch
     assert all(r["timing_s/step"] < 1.5 for r in steps[1:]), [r["timing_s/step"] for r in steps]
 
 
+def _rule(**changes):
+    """A StopRule from the default trainer.stop_at section (both rules off), `changes` on top."""
+    return StopRule(**dict(dataclasses.asdict(JobConfig().trainer.stop_at), **changes))
+
+
 def test_stop_rule_modes():
-    rule = StopRule("val/reward/all", 0.2, mode="min")
+    rule = _rule(metric="val/reward/all", value=0.2, mode="min")
     assert rule.check(3, {"val/reward/all": 0.3}, 1.0) is None
     assert "<= 0.2" in rule.check(4, {"val/reward/all": 0.1}, 1.0)
     assert rule.check(5, {}, 1.0) is None  # no validation this step
     t = [0.0]
-    budget = StopRule(wall_time_s=10.0, clock=lambda: t[0])
+    budget = _rule(wall_time_s=10.0, clock=lambda: t[0])
     t[0] = 6.0
     assert budget.check(1, {}, 3.0) is None       # 6 + 3 <= 10: one more step fits
     t[0] = 8.0
     assert budget.check(2, {}, 3.0) is not None   # 8 + 3 > 10
-    assert not StopRule() and StopRule(wall_time_s=1.0)
+    assert not _rule() and _rule(wall_time_s=1.0)
 
 
 @pytest.mark.parametrize("overrides, needle", [
