@@ -5,7 +5,8 @@ from verl_hpc.errors import VerlHpcError
 
 
 class CheckpointError(VerlHpcError, RuntimeError):
-    """Base class: a checkpoint could not be written or read. Its subclasses keep its exit code."""
+    """Base class: a checkpoint could not be written or read. Each refinement below has its own exit
+    code, so a script can tell a missing checkpoint from a damaged one."""
 
     exit_code, kind = 12, "checkpoint"
 
@@ -13,10 +14,16 @@ class CheckpointError(VerlHpcError, RuntimeError):
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No (complete) checkpoint where one was asked for, or a file/dataset/piece it needs is missing."""
 
+    exit_code, kind = 21, "checkpoint not found"
+
 
 class CheckpointCorruptError(CheckpointError):
     """Bytes on disk disagree with their checksum, or the index and a file disagree."""
 
+    exit_code, kind = 22, "checkpoint corrupt"
+
 
 class CheckpointLayoutError(CheckpointError, ValueError):
     """The tensors handed to save/load do not describe a consistent layout (shapes, dtypes, slabs)."""
+
+    exit_code, kind = 23, "checkpoint layout"

@@ -19,7 +19,9 @@ KEY = "namespace"
 
 
 class CheckpointNamespaceError(CheckpointError):
-    pass
+    """A checkpoint written under another trainer.namespace."""
+
+    exit_code, kind = 24, "checkpoint namespace"
 
 
 def recorded_namespace(path) -> Optional[str]:
