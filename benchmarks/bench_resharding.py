@@ -120,7 +120,7 @@ def _rank_main(workdir: Path) -> None:
     from verl_hpc.resharding import NullSink, sync
     from verl_hpc.resharding.memory import HeapPeak
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.runtime import bootstrap
 
     a = json.loads((workdir / "args.json").read_text())

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     import torch
 
     from verl_hpc.rollout import HFRollout, VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.rollout.spec import default_spec
 
     if a.threads > 0:

@@ -37,7 +37,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

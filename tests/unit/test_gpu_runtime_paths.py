@@ -73,7 +73,7 @@ def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local
 
 # -------------------------------------------------------------------- sleep level (7)
 def test_sleep_level_comes_from_the_config():
-    from verl_hpc.rollout.factory import engine_kwargs
+    from verl_hpc.rollout.engine_config import engine_kwargs
 
     assert engine_kwargs(load_config(None, []), "vllm")["sleep_level"] == 2  # the trainer's default
     assert engine_kwargs(load_config(None, ["rollout.sleep_level=1"]), "vllm")["sleep_level"] == 1

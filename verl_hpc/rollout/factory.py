@@ -6,8 +6,6 @@ import logging
 from typing import Tuple
 
 from verl_hpc.rollout.engine import RolloutEngine
-# their old home, kept importable (tests and benchmarks import them from here)
-from verl_hpc.rollout.engine_config import default_engine_args, engine_kwargs  # noqa: F401
 
 log = logging.getLogger(__name__)
 

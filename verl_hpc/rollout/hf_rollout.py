@@ -81,7 +81,7 @@ class HFRollout(RolloutEngine):
     name = "hf"
 
     # dtype, the lengths and prompt_overflow are config fields: required, so that from_config binds
-    # the sections; code without a config uses factory.default_engine_args
+    # the sections; code without a config uses engine_config.default_engine_args
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
                  prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,

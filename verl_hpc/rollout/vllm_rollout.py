@@ -80,7 +80,7 @@ class VLLMRollout(RolloutEngine):
     name = "vllm"
 
     # dtype, the lengths, prompt_overflow and gpu_memory_utilization are config fields: required, so
-    # that from_config binds the sections; code without a config uses factory.default_engine_args
+    # that from_config binds the sections; code without a config uses engine_config.default_engine_args
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
                  prompt_overflow: str, gpu_memory_utilization: float, tp: int = 1, seed: int = 0,
                  kv_cache_memory_bytes: int = 0,

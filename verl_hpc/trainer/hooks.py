@@ -1,7 +1,7 @@
 """The per-step bookkeeping of a training loop as ordered hooks, and the loop that runs them.
 
     run = RunState(tracker, timer, watchdog, summary, total_steps=...)
-    run_steps(step_fn, [validate, task_weights, rollback, log, checkpoint, stop_rule, preemption], run, start)
+    run_steps(step_fn, [validate, task_weights, rollback, log, checkpoint, stop_rule, preemption], run)
 
 After each step the hooks run in list order, each with the step, its metrics (a hook may add to
 them: the ones after it, and the tracker, see what it added) and the RunState; each answers
@@ -58,9 +58,9 @@ class Hook(Protocol):
     def __call__(self, step: int, metrics: Dict[str, float], run: RunState) -> Verdict: ...
 
 
-def run_steps(step_fn: Callable[[int], Dict[str, float]], hooks: Sequence[Hook], run: RunState, start: int) -> None:
-    """Steps start + 1 .. run.total_steps, each followed by the hooks in order (module docstring)."""
-    step = start + 1
+def run_steps(step_fn: Callable[[int], Dict[str, float]], hooks: Sequence[Hook], run: RunState) -> None:
+    """Steps run.start + 1 .. run.total_steps, each followed by the hooks in order (module docstring)."""
+    step = run.start + 1
     while step <= run.total_steps:
         metrics = step_fn(step)
         for hook in hooks:

@@ -159,7 +159,7 @@ class RLTrainer:
                 timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
                 run = RunState(tracker, timer, dog, summary, tr.total_steps, start=start)
                 t0 = time.time()
-                run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run, start)
+                run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run)
                 self.checkpointer.close()  # an async save in flight is committed before we report
                 summary["seconds"] = round(time.time() - t0, 1)
             finally:

@@ -154,7 +154,7 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
 
     from verl_hpc.resharding import sync
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.rollout.spec import default_spec
 
     rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,

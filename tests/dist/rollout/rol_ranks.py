@@ -49,7 +49,7 @@ def _scenario(workdir: Path) -> None:
     from verl_hpc.rollout.spec import default_spec
     from verl_hpc.rollout.vllm_compat import job_token, mapped_shm_paths
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.runtime import bootstrap, shutdown
 
     args = json.loads((workdir / "args.json").read_text())

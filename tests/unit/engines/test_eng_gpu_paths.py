@@ -14,7 +14,7 @@ from verl_hpc.engines.megatron import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
 from verl_hpc.engines.megatron.options import check_options, default_options
 from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches, PerfOptions
-from verl_hpc.engines.megatron.roles import engine_options
+from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.models import gpt as gpt_mod
 from verl_hpc.models.config_mapping import parse_hf_config
 
@@ -30,11 +30,11 @@ def _cfg(*overrides):
 
 # ------------------------------------------------------------------------------------- fp8 (2)
 def test_model_fp8_reaches_the_engine_options():
-    assert not engine_options("actor", _cfg()).fp8
+    assert not EngineOptions.from_config(_cfg(), "actor").fp8
     for role in ("actor", "ref", "critic"):
-        o = engine_options(role, _cfg("model.fp8=true", "model.fp8_recipe=tensorwise"))
+        o = EngineOptions.from_config(_cfg("model.fp8=true", "model.fp8_recipe=tensorwise"), role)
         assert o.fp8 and o.fp8_recipe == "tensorwise", role
-    assert not engine_options("actor", _cfg("model.fp8=true"), fp8=False).fp8  # explicit keyword wins
+    assert not EngineOptions.from_config(_cfg("model.fp8=true"), "actor", fp8=False).fp8  # explicit keyword wins
 
 
 def test_fp8_sets_megatron_transformer_config_fields():
@@ -64,7 +64,7 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
     monkeypatch.setattr(build_mod, "engine_arch", lambda o: ARCH)
-    options = engine_options("actor", _cfg("model.fp8=true", "model.fp8_recipe=mxfp8"))
+    options = EngineOptions.from_config(_cfg("model.fp8=true", "model.fp8_recipe=mxfp8"), "actor")
     with pytest.raises(Stop):
         build_mod.build_chunks(options, torch.float32, False, PerfOptions())
     assert seen["fp8"] is True and seen["fp8_recipe"] == "mxfp8"
@@ -141,7 +141,7 @@ def test_explicit_switches():
 
 def test_switches_come_from_the_config_and_reach_megatron():
     cfg = _cfg("model.apply_rope_fusion=false", "parallel.overlap_grad_reduce=true")
-    sw = engine_options("actor", cfg).kernels
+    sw = EngineOptions.from_config(cfg, "actor").kernels
     assert sw == KernelSwitches(apply_rope_fusion=False, overlap_grad_reduce=True)
     perf = PerfOptions(bias_activation_fusion=True)
     tc = gpt_mod.gpt_transformer_config(ARCH, 1, 1, **perf.transformer_overrides())

@@ -12,6 +12,7 @@ from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout import PromptTooLongError, RolloutEngine, SamplingSpec, build_rollout
 from verl_hpc.rollout import engine as engine_mod
 from verl_hpc.rollout import factory, rollout_metrics
+from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.prompts import OVERFLOW_POLICIES, check_prompts, fit_prompts
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
@@ -222,7 +223,7 @@ def test_engine_kwargs_from_config():
     cfg = load_config(None, ["rollout.tp=2", "data.max_prompt_length=100",
                              "rollout.prompt_overflow=reject", "rollout.max_tokens=0",
                              "data.max_response_length=50", "rollout.sleep_between_phases=true"])
-    kw = factory.engine_kwargs(cfg, "vllm")
+    kw = engine_kwargs(cfg, "vllm")
     assert (kw["tp"], kw["max_prompt_length"], kw["max_response_length"], kw["prompt_overflow"],
             kw["sleep_between_phases"]) == (2, 100, 50, "reject", True)
-    assert "sleep_between_phases" not in factory.engine_kwargs(cfg, "hf")
+    assert "sleep_between_phases" not in engine_kwargs(cfg, "hf")

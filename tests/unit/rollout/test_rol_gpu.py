@@ -13,7 +13,7 @@ PROMPTS = prompts_of_lengths(3, 17, 64)
 
 def test_sleep_wake_and_update_on_gpu(tiny_model):
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     engine = VLLMRollout(tiny_model, sleep_between_phases=True,
                          **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW,
@@ -41,7 +41,7 @@ def test_sleep_wake_and_update_on_gpu(tiny_model):
 
 def test_bf16_on_gpu_builds_and_generates(tiny_model):
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     engine = VLLMRollout(tiny_model, **default_engine_args("vllm", dtype="bfloat16", max_prompt_length=MAX_PROMPT,
                                                            max_response_length=MAX_NEW, gpu_memory_utilization=0.2))

@@ -17,7 +17,7 @@ PROMPTS = prompts_of_lengths(3, 17, 64, 160)
 
 def _build(path, **kw):
     from verl_hpc.rollout import HFRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     # batch_size 3: 4 prompts make two batches, each left-padded to its longest prompt
     return HFRollout(path, batch_size=3,

@@ -27,7 +27,7 @@ def built(tiny_model):
     import random
 
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     import torch.distributed as dist
 

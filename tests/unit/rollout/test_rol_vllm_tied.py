@@ -21,7 +21,7 @@ def tied_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tied_model):
     from verl_hpc.rollout import VLLMRollout
-    from verl_hpc.rollout.factory import default_engine_args
+    from verl_hpc.rollout.engine_config import default_engine_args
 
     engine = VLLMRollout(tied_model,
                          **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))

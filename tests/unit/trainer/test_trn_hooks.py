@@ -26,7 +26,7 @@ def _run(hooks, total=4, start=0):
     stages = []
     run = RunState(tracker=None, timer=None, watchdog=types.SimpleNamespace(stage=stages.append),
                    summary={"stopped": "completed"}, total_steps=total, start=start)
-    run_steps(lambda step: {"step": step}, hooks, run, start)
+    run_steps(lambda step: {"step": step}, hooks, run)
     return run.summary, stages
 
 

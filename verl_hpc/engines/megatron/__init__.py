@@ -20,8 +20,7 @@ project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import MegatronEngine
 from verl_hpc.engines.megatron.options import EngineOptions, default_options
-from verl_hpc.engines.megatron.roles import (Actor, Critic, Reference, RewardModel, build_engine,
-                                             engine_options)
+from verl_hpc.engines.megatron.roles import Actor, Critic, Reference, RewardModel, build_engine
 
 __all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "Reference", "RewardModel",
-           "build_engine", "default_options", "engine_options"]
+           "build_engine", "default_options"]

@@ -19,7 +19,7 @@ step. Metrics are means over the optimizer steps, prefixed with the role ("actor
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping
 
 import torch
 import torch.distributed as dist
@@ -118,18 +118,11 @@ class RewardModel:
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
-def engine_options(role: str, cfg, *, fp8: Optional[bool] = None,
-                   loss_norm_len: Optional[float] = None,
-                   total_steps: Optional[int] = None) -> EngineOptions:
-    """EngineOptions for a role from the job config (see EngineOptions.from_config)."""
-    return EngineOptions.from_config(cfg, role, fp8=fp8, loss_norm_len=loss_norm_len, total_steps=total_steps)
-
-
 def build_engine(role: str, cfg, ctx=None, **kwargs):
     """The role object for `role` in {actor, critic, ref, reward}; initialises Megatron model
     parallelism from cfg.parallel if nobody has yet (collective: call on every rank).
     ctx: the rank's RankContext (verl_hpc.runtime.bootstrap), which must exist: the engine lives
-    on its default process group. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
+    on its default process group. kwargs: fp8, loss_norm_len, total_steps (see EngineOptions.from_config)."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -137,7 +130,7 @@ def build_engine(role: str, cfg, ctx=None, **kwargs):
     if not ps.model_parallel_is_initialized():
         init_from_config(cfg.parallel, seed=cfg.trainer.seed,
                          timeout_s=cfg.trainer.collective_timeout_s)
-    engine = MegatronEngine(engine_options(role, cfg, **kwargs))
+    engine = MegatronEngine(EngineOptions.from_config(cfg, role, **kwargs))
     if role == "actor":
         return Actor(engine, cfg.actor, n=cfg.rollout.n)
     if role == "critic":
