@@ -105,8 +105,8 @@ def run_here(config: str, out: Path, *overrides):
     with _process_restored(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
             code = job.main(argv)
-        except SystemExit as e:  # a requeue or a program that exits on purpose
-            code = e.code if isinstance(e.code, int) else 1
+        except SystemExit as e:  # a requeue or a program that exits on purpose; None means 0
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         except Exception:  # noqa: BLE001 - what an uncaught exception does to a rank
             traceback.print_exc()
             code = 1
