@@ -28,6 +28,8 @@ GPUS: Dict[str, GPUType] = {g.name: g for g in (
     GPUType("l40s", int(44.4 * GiB), 362.0, 32.0),
     GPUType("b200", int(178.0 * GiB), 2250.0, 900.0),
     GPUType("gh200", int(94.5 * GiB), 989.0, 450.0),
+    # PCIe Gen5 x16 between GPUs (NVLink bridges join pairs only)
+    GPUType("h100-pcie", int(79.6 * GiB), 756.0, 64.0),
 )}
 GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-sxm": "h100-80gb"}
 
@@ -35,3 +37,32 @@ GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-sxm": "h100-80gb"
 def gpu_type(name: str) -> Optional[GPUType]:
     key = (name or "").strip().lower()
     return GPUS.get(GPU_ALIASES.get(key, key))
+
+
+# torch.cuda.get_device_name() spellings -> table entries, most specific first: every substring of a
+# row must occur in the lower-cased name. None: a variant whose peak differs from its family's
+# (NVL boards, GB200, MIG slices), so that no peak is guessed for it.
+_DEVICE_NAMES = (
+    (("mig",), None),
+    (("gh200",), "gh200"),
+    (("h200", "nvl"), None),
+    (("h200",), "h200"),
+    (("h100", "nvl"), None),
+    (("h100", "pcie"), "h100-pcie"),
+    (("h100",), "h100-80gb"),  # "NVIDIA H100 80GB HBM3": the SXM board
+    (("a100", "40gb"), "a100-40gb"),
+    (("a100",), "a100-80gb"),
+    (("l40s",), "l40s"),
+    (("gb200",), None),
+    (("b200",), "b200"),
+)
+
+
+def gpu_type_for_device(device_name: str) -> Optional[GPUType]:
+    """The table entry of a GPU as torch names it (e.g. 'NVIDIA H100 80GB HBM3'), or None where
+    the table does not know that board (benchmarks then report no MFU)."""
+    name = (device_name or "").lower()
+    for parts, key in _DEVICE_NAMES:
+        if all(p in name for p in parts):
+            return GPUS[key] if key else None
+    return None

@@ -99,3 +99,11 @@ def describe_accelerator() -> str:
 
 def compute_capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability()) if has_gpu() else None
+
+
+def release_cached_memory() -> None:
+    """Give torch's cached, unused GPU blocks back to the driver (no-op on CPU): between two models
+    that take turns on one GPU (benchmarks), so the second is not limited by the first's cache."""
+    if has_gpu():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

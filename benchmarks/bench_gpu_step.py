@@ -1,0 +1,413 @@
+"""Megatron engine bf16 train step vs a plain transformers step on one GPU (~1B Llama, 2,048-token
+sequences): tokens/s, model TFLOP/s, MFU, peak memory, and the forward-only log-prob pass.
+
+    python benchmarks/bench_gpu_step.py [--cpu-rehearsal] [--out DIR] [--time-limit SECONDS]
+
+Writes DIR/bench_gpu_step.json (default DIR: outputs/bench_gpu_step) and prints a table. Exit 0 when
+both sides ran, 1 on an error; a missed goal is reported, not an error.
+
+The two sides run on the same device, batch and weights (one HF folder of random weights, written
+first), with the optimizer hyper-parameters of the default config's `actor.optim`:
+- engine: `MegatronEngine` (verl_hpc.engines.megatron) as the actor builds it, in bf16: Megatron
+  DDP (fp32 gradient buffer), Megatron's mixed-precision Adam (fp32 master weights), clipping;
+  `train_step` with response log-probs and a token-mean NLL; `forward` for the log-prob pass.
+  Kernels are what auto picks on this machine (engines/megatron/kernels.py).
+- transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention, logits of
+  the response positions only (`logits_to_keep`, as TRL's GRPO), log_softmax + gather, the same
+  loss, backward, clip_grad_norm_, torch.optim.AdamW(fused=True): what TRL / accelerate run. The
+  log-prob pass is the same forward under torch.no_grad.
+
+Model FLOPs per step of T = seqs x S tokens (PaLM's MFU convention, appendix B: the half of the
+attention that the causal mask skips is counted, whatever a kernel does):
+    train   = 6 * N * T + 12 * L * H * S * T
+    forward = 2 * N * T +  4 * L * H * S * T
+N: parameters that multiply (all but the input embedding table; the output layer counts), L layers,
+H = heads x head_dim, S sequence length. TFLOP/s = FLOPs / median seconds. MFU = TFLOP/s / the
+board's dense bf16 peak (verl_hpc/config/gpus.py, looked up by the name torch reports; a board the
+table does not know gets no MFU).
+
+Goals, on an H100: engine train step >= 1.3x transformers' tokens/s, and >= 40% MFU.
+
+Timing: the sides take turns in rounds, one model on the device at a time (the other deleted and
+its cached blocks released, so each side's peak is its own: max_memory_allocated over its timed
+iterations minus what was allocated before it was built). Warm-up iterations (compilation, the
+allocator, the optimizer's first state) are excluded; every timed iteration is synchronized before
+and after; medians. One extra, untimed iteration per side runs under torch's profiler to name the
+kernels used. --time-limit bounds the run: fewer timed iterations and one round when short, and a
+hard stop (an error) at the limit + 60 s.
+
+--cpu-rehearsal: tiny shape, gloo on CPU, fp32 without autocast, 1-2 iterations: the same code end to
+end, so that the first GPU run does not find a bug in this script. Its figures are no performance
+claim.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_step_sides import EngineSide, HFSide, profiled_ops  # noqa: E402
+
+GOAL_RATIO = 1.3  # engine train tokens/s over transformers', on an H100
+GOAL_MFU = 0.40  # engine train MFU, on an H100
+H100_TYPES = ("h100-80gb", "h100-pcie")
+HARD_STOP_GRACE_S = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int  # tokens per sequence
+    seqs: int  # sequences per step (one micro-batch)
+    prompt: int  # prompt tokens of each sequence; the rest is the response the loss reads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.seqs
+
+
+GPU_SHAPE = Shape(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=2048,
+                  seqs=8, prompt=64)
+REHEARSAL_SHAPE = Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64, seqs=2,
+                        prompt=8)
+
+
+def param_counts(s: Shape) -> dict:
+    """Parameters of the untied Llama of shape s: all, and those that multiply (not the input
+    embedding table, a lookup)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.ffn + 2 * s.hidden
+    embed = s.vocab * s.hidden
+    total = s.layers * layer + 2 * embed + s.hidden  # + lm_head, + final norm
+    return {"total": total, "matmul": total - embed}
+
+
+def model_flops(s: Shape, matmul_params: int) -> dict:
+    """Model FLOPs of one step (module docstring)."""
+    attn = s.layers * s.heads * s.head_dim * s.seq * s.tokens
+    return {"train": 6 * matmul_params * s.tokens + 12 * attn,
+            "forward": 2 * matmul_params * s.tokens + 4 * attn}
+
+
+def peak_of(device: str):
+    """(dense bf16 TFLOP/s, table key) of the board torch names, or (None, None)."""
+    from verl_hpc.config.gpus import GPUS, gpu_type_for_device
+
+    g = gpu_type_for_device(device)
+    if g is None:
+        return None, None
+    return g.bf16_tflops, next(k for k, v in GPUS.items() if v is g)
+
+
+def make_model_folder(out: Path, s: Shape, dtype, device):
+    """An HF Llama folder of shape s with seeded random weights in `dtype`, drawn on `device`
+    (a ~1B model's weights take seconds on a GPU, minutes on the host). Matrices N(0, 0.02), norm
+    weights 1 + N(0, 0.1) as in verl_hpc.models.tiny; no tokenizer (neither side needs one).
+    Returns (folder, parameter count)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.models.tiny import hf_config, save_safetensors
+
+    config = hf_config("llama", layers=s.layers, vocab_size=s.vocab, hidden=s.hidden, heads=s.heads,
+                       kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn, max_positions=s.seq)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(0)
+    state = {}
+    for name in sorted(shapes):
+        noise = torch.randn(shapes[name], generator=gen, device=device)
+        state[name] = ((1.0 + 0.1 * noise) if "norm" in name else 0.02 * noise).to(dtype).cpu()
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_safetensors(state, out)
+    return out, sum(t.numel() for t in state.values())
+
+
+def make_batch(s: Shape):
+    import torch
+
+    from verl_hpc.engines.batch import pack_sequences
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, s.vocab, (s.seqs, s.seq), generator=g)
+    return pack_sequences([r[:s.prompt].tolist() for r in ids], [r[s.prompt:].tolist() for r in ids])
+
+
+def timed_loop(fn, max_iters: int, budget_s: float, min_iters: int = 1) -> list:
+    """Seconds of each call of fn, synchronized around it; stops after max_iters, or once
+    min_iters ran and budget_s is spent."""
+    from verl_hpc.runtime.device import synchronize
+
+    times, start = [], time.perf_counter()
+    for i in range(max_iters):
+        synchronize()
+        t = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - t)
+        if i + 1 >= min_iters and time.perf_counter() - start > budget_s:
+            break
+    return times
+
+
+def run_side(cls, folder, shape, batch, plan, loop_budget_s) -> dict:
+    """Build one side, warm up, profile one step, time train and forward, free it."""
+    from verl_hpc.runtime.device import peak_memory_allocated, release_cached_memory, reset_peak_memory
+
+    release_cached_memory()
+    reset_peak_memory()
+    before = peak_memory_allocated()  # right after a reset: what is allocated now
+    t = time.perf_counter()
+    side = cls(folder, shape, plan["dtype"], plan["device"])
+    build_s = time.perf_counter() - t
+    first_loss = side.train(batch)  # a warm-up iteration; its loss is before any update
+    for _ in range(plan["warmup"] - 1):
+        side.train(batch)
+    ops = profiled_ops(lambda: side.train(batch))
+    reset_peak_memory()
+    train = timed_loop(lambda: side.train(batch), plan["iters"], loop_budget_s, plan["min_iters"])
+    peak_train = peak_memory_allocated()
+    side.forward(batch)
+    ops_fwd = profiled_ops(lambda: side.forward(batch))
+    reset_peak_memory()
+    forward = timed_loop(lambda: side.forward(batch), plan["iters"], loop_budget_s, plan["min_iters"])
+    peak_forward = peak_memory_allocated()
+    kernels = side.kernels()
+    kernels["profiled_ops"] = {k: sorted(set(v) | set(ops_fwd.get(k, ()))) for k, v in ops.items()}
+    side.close()
+    del side
+    release_cached_memory()
+    reset_peak_memory()
+    after = peak_memory_allocated()
+    less = (lambda b: None if b is None else b - before)
+    return {"build_s": build_s, "first_loss": first_loss, "train_s": train, "forward_s": forward,
+            "peak_train_bytes": less(peak_train), "peak_forward_bytes": less(peak_forward),
+            "allocated_before_bytes": before, "left_allocated_bytes": less(after), "kernels": kernels}
+
+
+def summarize(rounds: list, flops: dict, peak_tflops, tokens: int) -> dict:
+    """Medians over every timed iteration of every round, and the figures derived from them."""
+    out = {}
+    for part, key in (("train", "train_s"), ("forward", "forward_s")):
+        times = [t for r in rounds for t in r[key]]
+        med = statistics.median(times)
+        tflops = flops[part] / med / 1e12
+        out[part] = {"median_s": med, "iters": len(times), "tok_s": tokens / med, "tflops": tflops,
+                     "mfu": tflops / peak_tflops if peak_tflops else None,
+                     "peak_bytes": _max_or_none(r[f"peak_{part}_bytes"] for r in rounds)}
+    out["first_loss"] = rounds[0]["first_loss"]
+    out["build_s"] = [r["build_s"] for r in rounds]
+    out["left_allocated_bytes"] = _max_or_none(r["left_allocated_bytes"] for r in rounds)
+    out["kernels"] = rounds[0]["kernels"]
+    return out
+
+
+def _max_or_none(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def goals(result: dict, rehearsal: bool, gpu_key) -> dict:
+    """Whether the goals are met (None: not evaluated here, with why)."""
+    ratio = result["ratios"]["train"]
+    mfu = result["engine"]["train"]["mfu"]
+    if rehearsal:
+        why = "CPU rehearsal: no performance claim"
+        return {"ratio": {"goal": GOAL_RATIO, "value": ratio, "met": None, "note": why},
+                "mfu": {"goal": GOAL_MFU, "value": mfu, "met": None, "note": why}}
+    on_h100 = gpu_key in H100_TYPES
+    note = "" if on_h100 else "the goals are set for an H100; this board is not one"
+    return {"ratio": {"goal": GOAL_RATIO, "value": ratio, "met": ratio >= GOAL_RATIO, "note": note},
+            "mfu": {"goal": GOAL_MFU, "value": mfu, "met": None if mfu is None else mfu >= GOAL_MFU,
+                    "note": note if mfu is not None else "no dense bf16 peak known for this board"}}
+
+
+def run(args) -> dict:
+    import torch
+
+    from verl_hpc.parallel import init_model_parallel
+    from verl_hpc.runtime.bootstrap import bootstrap, shutdown
+    from verl_hpc.runtime.device import describe_accelerator, has_gpu
+    from verl_hpc.runtime.launch_env import LaunchEnv
+
+    rehearsal = args.cpu_rehearsal
+    if not rehearsal and not has_gpu():
+        raise RuntimeError("no CUDA device here: run with --cpu-rehearsal to test the script on CPU")
+    start = time.perf_counter()
+    shape = REHEARSAL_SHAPE if rehearsal else GPU_SHAPE
+    if args.seqs:
+        shape = dataclasses.replace(shape, seqs=args.seqs)
+    plan = {"dtype": "float32" if rehearsal else "bfloat16", "warmup": 1 if rehearsal else 2,
+            "iters": args.iters or (2 if rehearsal else 10), "min_iters": 1 if rehearsal else 3,
+            "rounds": 1 if rehearsal else 2}
+    env = LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
+                    node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+    ctx = bootstrap(backend="gloo" if rehearsal else "nccl", timeout_s=600, env=env,
+                    num_threads=1 if rehearsal else 0)
+    init_model_parallel(1, 1)
+    plan["device"] = ctx.device
+    device = "cpu" if rehearsal else describe_accelerator()
+    peak_tflops, gpu_key = (None, None) if rehearsal else peak_of(device)
+    counts = param_counts(shape)
+    flops = model_flops(shape, counts["matmul"])
+    batch = make_batch(shape)
+    rounds = {"engine": [], "transformers": []}
+    with tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
+        folder, written = make_model_folder(Path(tmp), shape, getattr(torch, plan["dtype"]), ctx.device)
+        if written != counts["total"]:  # the FLOP formula's N must be the model's
+            raise RuntimeError(f"parameter count: formula {counts['total']}, HF model {written}")
+        # half of what is left for the timed loops, the rest for builds and warm-ups
+        loop_budget = 0.5 * (args.time_limit - (time.perf_counter() - start)) / (4 * plan["rounds"])
+        order = [("engine", EngineSide), ("transformers", HFSide)]
+        for r in range(plan["rounds"]):
+            t_round = time.perf_counter()
+            for name, cls in (order if r % 2 == 0 else order[::-1]):
+                rounds[name].append(run_side(cls, folder, shape, batch, plan, loop_budget))
+            left = args.time_limit - (time.perf_counter() - start)
+            if r + 1 < plan["rounds"] and left < 1.2 * (time.perf_counter() - t_round):
+                break  # another round would not end within --time-limit
+    eng = summarize(rounds["engine"], flops, peak_tflops, shape.tokens)
+    hf = summarize(rounds["transformers"], flops, peak_tflops, shape.tokens)
+    for side in (eng, hf):
+        nums = [side["first_loss"], side["train"]["tok_s"], side["forward"]["tok_s"]]
+        if not all(math.isfinite(x) and x > 0 for x in nums):
+            raise RuntimeError(f"non-finite or non-positive result: {nums}")
+    result = {
+        "ok": True, "mode": "cpu-rehearsal" if rehearsal else "gpu", "device": device,
+        "peak_bf16_tflops": peak_tflops, "gpu_type": gpu_key, "versions": _versions(),
+        "model": {**dataclasses.asdict(shape), "head_dim": shape.head_dim, "params": counts["total"],
+                  "params_matmul": counts["matmul"]},
+        "dtype": plan["dtype"], "autocast": None if rehearsal else "bfloat16", "tokens_per_step": shape.tokens,
+        "flops_per_step": flops, "rounds": len(rounds["engine"]), "warmup_iters": plan["warmup"],
+        "engine": eng, "transformers": hf,
+        "ratios": {"train": eng["train"]["tok_s"] / hf["train"]["tok_s"],
+                   "forward": eng["forward"]["tok_s"] / hf["forward"]["tok_s"]},
+        "time_limit_s": args.time_limit,
+    }
+    result["goals"] = goals(result, rehearsal, gpu_key)
+    result["elapsed_s"] = time.perf_counter() - start
+    shutdown()
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "transformers": transformers.__version__, "megatron-core": version("megatron-core")}
+
+
+def table(r: dict) -> str:
+    """The printed summary of a result."""
+    gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
+    pct = (lambda x: "-" if x is None else f"{100 * x:.1f}%")
+    e, h, m = r["engine"], r["transformers"], r["model"]
+    lines = [
+        f"bench_gpu_step ({r['mode']}): {r['device']}; dense bf16 peak "
+        + (f"{r['peak_bf16_tflops']:.0f} TFLOP/s ({r['gpu_type']})" if r["peak_bf16_tflops"]
+           else "unknown for this device: no MFU"),
+        f"model: Llama {m['params'] / 1e6:.1f}M parameters ({m['params_matmul'] / 1e6:.1f}M in matmuls), hidden "
+        f"{m['hidden']}, {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV, ffn {m['ffn']}, vocab {m['vocab']}",
+        f"batch: {m['seqs']} x {m['seq']} tokens ({m['prompt']} prompt + {m['seq'] - m['prompt']} response), "
+        f"{r['dtype']}{', bf16 autocast (transformers)' if r['autocast'] else ''}; {r['rounds']} round(s), "
+        f"{r['warmup_iters']} warm-up, medians of {e['train']['iters']} (engine) / {h['train']['iters']} (transformers)",
+        f"{'':24}{'engine':>14}{'transformers':>14}{'engine/tf':>11}",
+    ]
+    for part, title in (("train", "train step"), ("forward", "log-prob pass")):
+        a, b = e[part], h[part]
+        ratio = r["ratios"][part]
+        lines += [f"{title + ' tokens/s':24}{a['tok_s']:>14.0f}{b['tok_s']:>14.0f}{ratio:>10.2f}x",
+                  f"{'  model TFLOP/s':24}{a['tflops']:>14.2f}{b['tflops']:>14.2f}",
+                  f"{'  MFU':24}{pct(a['mfu']):>14}{pct(b['mfu']):>14}",
+                  f"{'  peak memory GiB':24}{gib(a['peak_bytes']):>14}{gib(b['peak_bytes']):>14}",
+                  f"{'  median s':24}{a['median_s']:>14.4f}{b['median_s']:>14.4f}"]
+    lines.append(f"{'first loss':24}{e['first_loss']:>14.5f}{h['first_loss']:>14.5f}")
+    for name, side in (("engine", e), ("transformers", h)):
+        k = dict(side["kernels"])
+        ops = k.pop("profiled_ops")
+        lines.append(f"kernels, {name}: " + "; ".join(f"{a}: {b}" for a, b in k.items()))
+        lines.append(f"  profiled ops, {name}: " + "; ".join(
+            f"{a}: {', '.join(b) or 'none'}" for a, b in ops.items()))
+    for key, label, fmt in (("ratio", f"engine train >= {GOAL_RATIO}x transformers", "{:.2f}x"),
+                            ("mfu", f"engine train MFU >= {GOAL_MFU:.0%}", "{:.1%}")):
+        g = r["goals"][key]
+        value = "-" if g["value"] is None else fmt.format(g["value"])
+        met = {True: "MET", False: "NOT MET", None: "not evaluated"}[g["met"]]
+        lines.append(f"goal: {label}: {value} {met}" + (f" ({g['note']})" if g["note"] else ""))
+    lines.append(f"elapsed {r['elapsed_s']:.0f} s (limit {r['time_limit_s']:.0f} s)")
+    return "\n".join(lines)
+
+
+def _hard_stop(limit_s: float) -> None:
+    def stop(signum, frame):
+        raise TimeoutError(f"--time-limit {limit_s:.0f} s + {HARD_STOP_GRACE_S} s passed")
+
+    signal.signal(signal.SIGALRM, stop)
+    signal.alarm(int(limit_s) + HARD_STOP_GRACE_S)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-rehearsal", action="store_true",
+                    help="tiny shape, gloo, fp32 on CPU: tests this script, measures nothing")
+    ap.add_argument("--out", default=str(REPO / "outputs" / "bench_gpu_step"),
+                    help="folder for bench_gpu_step.json (and the temporary model)")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per side and round (at most)")
+    ap.add_argument("--seqs", type=int, default=0, help="sequences per step (default: the shape's)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "bench_gpu_step.json"
+    _hard_stop(args.time_limit)
+    try:
+        result = run(args)
+    except Exception as e:  # the JSON says what failed; the exit code says that it failed
+        path.write_text(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()}, indent=2))
+        print(f"bench_gpu_step: FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.alarm(0)
+    path.write_text(json.dumps(result, indent=2))
+    print(table(result))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The two sides of benchmarks/bench_gpu_step.py, one interface: build from an HF folder, `train(batch)`
+(one optimizer step, returns the loss before it), `forward(batch)` (response log-probs),
+`kernels()` (what runs, from the built modules) and `close()`; plus `profiled_ops`, the operator
+names torch's profiler saw in one call (which attention backend, norm, optimizer kernel ran).
+
+Loss on both sides: the token-mean negative log-likelihood of the response tokens (every sequence
+has the same prompt and response lengths here, so the two means agree).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+# profiler operator names by what they tell: the aten op of an SDPA call names its backend
+# (_scaled_dot_product_flash_attention, _efficient_attention, _cudnn_attention, ..._for_cpu)
+OP_KINDS = {
+    "attention": ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
+                  "fused_attn"),
+    "norm": ("rms_norm", "layer_norm"),
+    "optimizer": ("adam",),
+    "compiled": ("compiled", "triton"),
+}
+
+
+def profiled_ops(fn) -> dict:
+    """{kind: sorted operator names} of OP_KINDS seen while fn ran (host-side op records only:
+    the op names say which kernels were dispatched, at little cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.key for e in prof.key_averages()}
+    return {kind: sorted(n for n in names if any(p in n.lower() for p in pats))
+            for kind, pats in OP_KINDS.items()}
+
+
+def _qual(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def nll_loss(out, mb, counts):
+    """The engine's loss callback: this micro-batch's share of the batch's token-mean NLL."""
+    return -(out["log_probs"] * mb["response_mask"]).sum() / counts.tokens, {}
+
+
+class EngineSide:
+    """MegatronEngine as the actor builds it (default config), one micro-batch of every sequence."""
+
+    def __init__(self, folder, shape, dtype: str, device):
+        from verl_hpc.engines.megatron import default_options, MegatronEngine
+
+        self.engine = MegatronEngine(default_options(
+            model_path=str(folder), dtype=dtype, micro_batch_size=shape.seqs,
+            max_tokens_per_microbatch=0))  # fixed micro-batches: both sides see one batch
+
+    def train(self, batch) -> float:
+        return float(self.engine.train_step(batch, nll_loss)["loss"])
+
+    def forward(self, batch):
+        return self.engine.forward(batch, ("log_probs",))["log_probs"]
+
+    def kernels(self) -> dict:
+        from megatron.core import jit
+
+        from verl_hpc.engines.megatron.sdpa import SdpaCoreAttention
+
+        eng = self.engine
+        layer = eng.gpt_chunks[0].decoder.layers[0]
+        core = layer.self_attention.core_attention
+        norm = layer.input_layernorm
+        if type(norm).__name__ == "IdentityOp":  # TE spec: the norm is fused into the QKV GEMM
+            norm = layer.self_attention.linear_qkv
+        wrapper = getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])[0]
+        inner = wrapper.optimizer
+        fused_adam = bool(inner.param_groups[0].get("fused")) or "fused" in type(inner).__name__.lower()
+        fuser = getattr(jit.jit_fuser, "__name__", str(jit.jit_fuser))
+        perf = eng.perf
+        return {
+            "attention": (f"torch SDPA ({_qual(type(core))})" if isinstance(core, SdpaCoreAttention)
+                          else _qual(type(core))),
+            "norm": _qual(type(norm)),
+            "swiglu": (f"fused (Megatron's bias_swiglu through megatron.core.jit.jit_fuser = {fuser})"
+                       if perf.bias_activation_fusion else "unfused (torch ops)"),
+            "rope": "fused (Transformer Engine)" if perf.apply_rope_fusion else "unfused (torch ops)",
+            "grad_accum_fusion": perf.gradient_accumulation_fusion,
+            "optimizer": f"{_qual(type(wrapper))} over {_qual(type(inner))}"
+                         + (" (fused kernel)" if fused_adam else " (per-tensor loop)"),
+        }
+
+    def close(self) -> None:
+        self.engine = None
+        gc.collect()
+
+
+class HFSide:
+    """LlamaForCausalLM as TRL / accelerate train it: fp32 weights, bf16 autocast on a GPU (none in
+    the fp32 rehearsal), SDPA attention, fused AdamW with the actor's optimizer settings."""
+
+    def __init__(self, folder, shape, dtype: str, device):
+        from transformers import AutoModelForCausalLM
+
+        from verl_hpc.engines.megatron import default_options
+
+        optim = default_options(str(folder)).optim  # the engine's actor.optim, so both step alike
+        self.device = device
+        self.autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # as transformers' Trainer: no weight decay on biases and norm weights (1-D tensors)
+        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                     fused=True)
+        self.clip = optim.clip_grad
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _log_probs(self, batch):
+        prompt = int(batch["prompt_lengths"][0])
+        if not bool((batch["prompt_lengths"] == prompt).all()):
+            raise ValueError("the transformers side takes prompts of one length")
+        ids = batch["input_ids"].to(self.device, non_blocking=True)
+        keep = ids.shape[1] - prompt + 1  # the positions that predict a response token
+        with self._autocast():
+            logits = self.model(ids, logits_to_keep=keep).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(-1, ids[:, prompt:, None]).squeeze(-1)
+
+    def train(self, batch) -> float:
+        loss = -self._log_probs(batch).mean()
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def forward(self, batch):
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self._log_probs(batch)
+        finally:
+            self.model.train()
+
+    def kernels(self) -> dict:
+        layer = self.model.model.layers[0]
+        return {
+            "attention": f"{self.model.config._attn_implementation} (transformers' attention interface)",
+            "norm": _qual(type(layer.input_layernorm)),
+            "swiglu": f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)",
+            "precision": "fp32 weights" + (f", {self.autocast_dtype} autocast" if self.autocast_dtype else ""),
+            "optimizer": f"{_qual(type(self.opt))} (fused={self.opt.param_groups[0].get('fused')})",
+        }
+
+    def close(self) -> None:
+        self.model = self.opt = self.params = None
+        gc.collect()
