@@ -307,6 +307,8 @@ def run(args) -> dict:
                    "forward": eng["forward"]["tok_s"] / hf["forward"]["tok_s"]},
         "time_limit_s": args.time_limit,
     }
+    # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
+    result["first_loss_abs_diff"] = abs(eng["first_loss"] - hf["first_loss"])
     result["goals"] = goals(result, rehearsal, gpu_key)
     result["elapsed_s"] = time.perf_counter() - start
     shutdown()
@@ -355,7 +357,8 @@ def table(r: dict) -> str:
                   f"{'  MFU':24}{pct(a['mfu']):>14}{pct(b['mfu']):>14}",
                   f"{'  peak memory GiB':24}{gib(a['peak_bytes']):>14}{gib(b['peak_bytes']):>14}",
                   f"{'  median s':24}{a['median_s']:>14.4f}{b['median_s']:>14.4f}"]
-    lines.append(f"{'first loss':24}{e['first_loss']:>14.5f}{h['first_loss']:>14.5f}")
+    lines.append(f"{'first loss':24}{e['first_loss']:>14.5f}{h['first_loss']:>14.5f}"
+                 f"  (|diff| {r['first_loss_abs_diff']:.2g}: same weights and batch)")
     for name, side in (("engine", e), ("transformers", h)):
         k = dict(side["kernels"])
         ops = k.pop("profiled_ops")

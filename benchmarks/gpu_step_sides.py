@@ -45,15 +45,37 @@ def nll_loss(out, mb, counts):
     return -(out["log_probs"] * mb["response_mask"]).sum() / counts.tokens, {}
 
 
+def compile_problem(device) -> str:
+    """'' where torch.compile builds and runs a small SwiGLU-like kernel on `device`, else why not
+    (no C compiler, no Python headers, no Triton: common on offline GPU nodes)."""
+    try:
+        fn = torch.compile(lambda x: torch.nn.functional.silu(x) * x)
+        fn(torch.ones(64, device=device))
+        return ""
+    except Exception as e:  # whatever inductor raises, the answer is "not here"
+        from torch import _dynamo
+
+        _dynamo.reset()  # a failed compile leaves its caches behind
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
 class EngineSide:
-    """MegatronEngine as the actor builds it (default config), one micro-batch of every sequence."""
+    """MegatronEngine as the actor builds it (default config), one micro-batch of every sequence.
+    Where auto would fuse SwiGLU (a GPU) but torch.compile cannot build here, the fusion is turned
+    off and `kernels()` says why, rather than the first step failing inside Megatron."""
 
     def __init__(self, folder, shape, dtype: str, device):
-        from verl_hpc.engines.megatron import default_options, MegatronEngine
+        import dataclasses
 
-        self.engine = MegatronEngine(default_options(
-            model_path=str(folder), dtype=dtype, micro_batch_size=shape.seqs,
-            max_tokens_per_microbatch=0))  # fixed micro-batches: both sides see one batch
+        from verl_hpc.engines.megatron import default_options, MegatronEngine
+        from verl_hpc.runtime.device import has_gpu
+
+        options = default_options(model_path=str(folder), dtype=dtype, micro_batch_size=shape.seqs,
+                                  max_tokens_per_microbatch=0)  # fixed: both sides see one batch
+        self.no_compile = compile_problem(device) if has_gpu() else ""
+        if self.no_compile and options.kernels.bias_activation_fusion is None:
+            options.kernels = dataclasses.replace(options.kernels, bias_activation_fusion=False)
+        self.engine = MegatronEngine(options)
 
     def train(self, batch) -> float:
         return float(self.engine.train_step(batch, nll_loss)["loss"])
@@ -82,7 +104,8 @@ class EngineSide:
                           else _qual(type(core))),
             "norm": _qual(type(norm)),
             "swiglu": (f"fused (Megatron's bias_swiglu through megatron.core.jit.jit_fuser = {fuser})"
-                       if perf.bias_activation_fusion else "unfused (torch ops)"),
+                       if perf.bias_activation_fusion else "unfused (torch ops)"
+                       + (f": torch.compile fails here ({self.no_compile})" if self.no_compile else "")),
             "rope": "fused (Transformer Engine)" if perf.apply_rope_fusion else "unfused (torch ops)",
             "grad_accum_fusion": perf.gradient_accumulation_fusion,
             "optimizer": f"{_qual(type(wrapper))} over {_qual(type(inner))}"
@@ -140,7 +163,7 @@ class HFSide:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     def forward(self, batch):
         self.model.eval()
