@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_gpu_step as bench  # noqa: E402
+import gpu_step_report  # noqa: E402
 import gpu_step_sides  # noqa: E402
 
 
@@ -141,14 +142,14 @@ def _result(ratio, mfu):
 
 
 def test_goal_verdicts():
-    g = bench.goals(_result(1.4, 0.45), rehearsal=False, gpu_key="h100-80gb")
+    g = gpu_step_report.goals(_result(1.4, 0.45), rehearsal=False, gpu_key="h100-80gb")
     assert g["ratio"]["met"] is True and g["mfu"]["met"] is True and not g["ratio"]["note"]
-    g = bench.goals(_result(1.2, 0.35), rehearsal=False, gpu_key="h100-pcie")
+    g = gpu_step_report.goals(_result(1.2, 0.35), rehearsal=False, gpu_key="h100-pcie")
     assert g["ratio"]["met"] is False and g["mfu"]["met"] is False
-    g = bench.goals(_result(1.5, None), rehearsal=False, gpu_key=None)
+    g = gpu_step_report.goals(_result(1.5, None), rehearsal=False, gpu_key=None)
     assert g["mfu"]["met"] is None and "no dense bf16 peak" in g["mfu"]["note"]
     assert "not one" in g["ratio"]["note"]
-    g = bench.goals(_result(0.5, None), rehearsal=True, gpu_key=None)
+    g = gpu_step_report.goals(_result(0.5, None), rehearsal=True, gpu_key=None)
     assert g["ratio"]["met"] is None and "rehearsal" in g["ratio"]["note"]
 
 
