@@ -342,6 +342,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, default=0, help="sequences per step (default: the shape's)")
     args = ap.parse_args(argv)
     os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
+    if args.cpu_rehearsal:  # on CPU also where a GPU is visible: gloo and fp32 are CPU paths
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA first initialises, which is later
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "bench_gpu_step.json"
     _hard_stop(args.time_limit)
