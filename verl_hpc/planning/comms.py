@@ -15,7 +15,10 @@ with a recording `new_group` and checks the sizes. Gloo twins hold host memory o
 A communicator is "in use" when the RL step runs collectives on it (then NCCL connects its channel
 buffers: hardware.NCCL_COMM_BYTES); the others stay as created (hardware.NCCL_IDLE_COMM_BYTES).
 Point-to-point sends of the pipeline schedule reuse the PP group's communicator under eager init
-(no extra pair communicators).
+(no extra pair communicators). vLLM's own communicators are made during its start-up, and its
+memory profile may count them inside `gpu_memory_utilization`: the startup and rollout rows may
+then count them twice (an upper bound); in every other row they are outside vLLM's (released)
+budget.
 """
 from __future__ import annotations
 
