@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import ModelArch, load_arch, padded_vocab_size
@@ -113,3 +113,21 @@ def total_params(arch: ModelArch) -> int:
     h = arch.hidden_size
     emb = arch.vocab_size * h
     return arch.num_layers * layer_params(arch, 1) + emb * (1 if arch.tie_word_embeddings else 2) + h
+
+
+def stage_tensor_sizes(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm") -> List[int]:
+    """Elements of each parameter tensor a rank of `stage` holds (the same layout as stage_params):
+    what a per-tensor allocation (pinned host copies, vLLM's weights) is made of."""
+    d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
+        arch.hidden_size, arch.ffn_hidden_size
+    qkv_out = (nq + 2 * nkv) * d
+    layer = [qkv_out * h // tp, nq * d * h // tp, 2 * f * h // tp, f * h // tp, h, h]
+    if arch.qkv_bias:
+        layer.append(qkv_out // tp)
+    sp = stage_params(arch, tp, pp, stage, head)
+    out = layer * sp.layers
+    if sp.embedding:
+        out.append(sp.embedding)
+    if sp.output:
+        out += [sp.output - h, h] if sp.output > h else [h]  # output layer / value head, final norm
+    return [n for n in out if n > 0]

@@ -4,13 +4,26 @@
     plan.peak, plan.peak_phase, plan.limit, plan.fits(margin=0.0)
     plan.table  -> {phase: {component: bytes}};  plan.host -> {phase: bytes per node}
 
-Phases, in the order the trainer runs them (verl_hpc/trainer/rl.py): start-up (the Megatron roles
-built, then vLLM, which needs gpu_memory_utilization x total free), rollout, old log-probs,
-reference log-probs, critic values, critic update, actor update, weight sync (vLLM woken, the
-actor's weights exported through resharding buckets), checkpoint save. A role that is not running
-in a phase keeps only what it does not offload (actor/critic/ref.*_offload). The peak is the
-maximum over phases; it is computed for the first and the last pipeline stage (embedding vs.
-output layer and logits) and the heavier one is reported.
+Phases, in the order the trainer runs them (verl_hpc/trainer/rl.py), with the lazy weight sync
+the trainer follows (as verl does: the rollout's weights are marked stale after every actor update
+and brought up to date right before they are next needed):
+- build (the Megatron roles built whole, then offloaded), startup (vLLM starts last and needs
+  gpu_memory_utilization x total free);
+- rollout: vLLM awake (weights, KV cache, CUDA graphs) generates; the Megatron roles idle;
+- then vLLM sleeps (rollout.sleep_between_phases: ~0 device bytes, see rollout.py) for old
+  log-probs, reference log-probs, critic values, the critic update and the actor update;
+- checkpoint, after the step's hooks: vLLM asleep (a save puts it back to sleep if validation woke
+  it); each saved role made resident one at a time with what its state needs: weights and
+  optimizer states, no gradients;
+- rollback (only with trainer.rollback.enable): the reload, with the same residency;
+- weight_sync, at the start of the next rollout phase: `wake(tags=("weights",))` maps vLLM's
+  weights but not its KV cache; the actor stays resident until vLLM has loaded the last bucket and
+  is offloaded after it; only then is the KV cache mapped (the rollout row).
+A role that is not running in a phase keeps only what it does not offload
+(actor/critic/ref.*_offload). Per-GPU constants: the CUDA context and NCCL's communicators
+(comms.py); host figures: host.py. The peak is the maximum over phases; it is computed for the
+first and the last pipeline stage (embedding vs. output layer and logits) and the heavier one is
+reported.
 """
 from __future__ import annotations
 
@@ -19,14 +32,16 @@ from typing import Dict, List, Optional
 
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
-from verl_hpc.planning.model_shape import model_arch, stage_params, total_params
-from verl_hpc.planning.rollout import rollout_bytes, sleep_level
+from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
+from verl_hpc.planning.host import RoleTensors, checkpoint_host, reload_host
+from verl_hpc.planning.model_shape import model_arch, stage_params, stage_tensor_sizes, total_params
+from verl_hpc.planning.rollout import rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
 PHASES = ("build", "startup", "rollout", "old_logprob", "ref_logprob", "values", "update_critic",
-          "update_actor", "weight_sync", "checkpoint")
-COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding",
+          "update_actor", "checkpoint", "rollback", "weight_sync")
+COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding", "nccl",
               "overhead")
 
 
@@ -39,10 +54,12 @@ class RoleState:
     offload: Dict[str, bool]
 
     def resident(self, active: str) -> float:
-        """active: 'idle' | 'forward' (weights needed) | 'train' (everything)."""
+        """active: 'idle' | 'forward' (weights needed) | 'state' (weights + optimizer: a checkpoint's
+        save or reload) | 'train' (everything)."""
         total = 0.0
         for part, size in self.parts.items():
-            needed = active == "train" or (active == "forward" and part == "weights")
+            needed = (active == "train" or (active == "forward" and part == "weights")
+                      or (active == "state" and part != "grads"))
             total += size if needed or not self.offload.get(part, False) else 0.0
         return total
 
@@ -155,8 +172,12 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         off = {"weights": getattr(role_cfg, "param_offload", False),
                "grads": getattr(role_cfg, "grad_offload", False),
                "optimizer": getattr(role_cfg, "optimizer_offload", False)}
+        shard = dp if par.use_distributed_optimizer else 1
+        tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head), prec.param_bytes,
+                                    trainable, vpp or 1, shard, 2 + int(prec.master_copy), off)
         return RoleState(name, parts, off), a, params
 
+    tensors: Dict[str, RoleTensors] = {}
     actor, _, actor_params = role("actor", cfg.actor, "lm", True, "model.path", cfg.model.path)
     roles = {"actor": actor}
     if cfg.critic.enable:
@@ -184,15 +205,17 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         return {"activations": one, "logits": logits}
 
     vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
-    sleeping = gpu and cfg.rollout.sleep_between_phases
-    vllm_idle = vl.asleep_device if sleeping else vl.budget
+    asleep = sleeping(cfg)
+    vllm_idle = vl.asleep_device if asleep else vl.budget
     # a bucket never holds more than the whole model
     bucket = min(cfg.resharding.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
     resharding = 2 * bucket + largest
-    overhead = float(hardware.GPU_OVERHEAD_BYTES) if gpu else 0.0
+    comms = job_communicators(cfg, arch.tie_word_embeddings)
+    nccl = nccl_bytes(comms)
+    overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
 
     def row(active: Dict[str, str], extra: Dict[str, float], vllm: float) -> Dict[str, float]:
         r = {c: 0.0 for c in COMPONENTS}
@@ -200,47 +223,65 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
             r[name] = st.resident(active.get(name, "idle"))
         r.update(extra)
         r["vllm"] = vllm
-        tensors = sum(v for k, v in r.items() if k != "overhead")
+        r["nccl"] = nccl
+        tensors = sum(v for k, v in r.items() if k not in ("overhead", "nccl"))
         r["overhead"] = overhead + hardware.FRAGMENTATION * tensors if gpu else 0.0
         return r
+
+    saved = [n for n in ("actor", "critic") if n in roles]  # what a checkpoint holds (trained roles)
+
+    def one_role_at_a_time(extra: Dict[str, float]) -> Dict[str, float]:
+        # a role that offloads is made resident (weights + optimizer, no gradients) on its own;
+        # the heavier of the saved roles is the row
+        return max((row({n: "state"}, extra, vllm_idle) for n in saved), key=lambda r: sum(r.values()))
 
     table = {
         # each role is built whole, then offloads what it offloads; the actor is the largest
         "build": row({"actor": "train"}, {}, 0.0),
         # vLLM starts last and needs gpu_memory_utilization x total free
         "startup": row({}, {}, vl.budget),
+        # generation: vLLM awake (weights, KV cache, CUDA graphs); the Megatron roles idle
         "rollout": row({}, {}, vl.budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
         "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
         "values": row({"critic": "forward"}, forward_working(cfg.critic, "value"), vllm_idle),
         "update_critic": row({"critic": "train"}, activations(cfg.critic, "value"), vllm_idle),
         "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm"), vllm_idle),
-        # sync: vLLM is woken whole (weights and KV cache) before the weights stream in
-        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.budget),
-        # each saved role's state is read while it is resident, one role at a time
-        "checkpoint": row({"actor": "train"}, {}, vllm_idle),
+        # after the step, vLLM asleep: the save copies slab by slab from the resident tensors to
+        # host buffers (host.py), nothing is staged on the device
+        "checkpoint": one_role_at_a_time({}),
+        # the reload (trainer.rollback): the same residency; the reader fills the device tensors
+        # from host buffers (host.py)
+        "rollback": one_role_at_a_time({}),
+        # the next step's lazy sync, first wake stage: vLLM's weights mapped, not its KV cache;
+        # the actor's weights resident for the whole sync; the resharding buckets
+        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.weights_only),
     }
     if "ref" not in roles:
         del table["ref_logprob"]
     if "critic" not in roles:
         del table["values"], table["update_critic"]
+    if not cfg.trainer.rollback.enable:
+        del table["rollback"]
     if gpu and vl.kv_cache <= 0:
         notes.append(f"vLLM's budget ({cfg.rollout.gpu_memory_utilization} x GPU) leaves no room for a "
                      f"KV cache after its {vl.weights / hardware.GiB:.1f} GiB of weights")
+    if comms:
+        notes.append(describe(comms))
 
     # ----- host memory per node
     per_node = cfg.slurm.tasks_per_node
     process = hardware.HOST_PROCESS_BYTES_GPU if gpu else hardware.HOST_PROCESS_BYTES_CPU
-    offloaded = sum(st.offloaded() for st in roles.values()) if gpu else 0.0
-    vllm_host = vl.asleep_host
-    ckpt_stage = 0.0
-    if cfg.checkpoint.async_save:  # pinned snapshot buffers of everything a rank saves, kept
-        ckpt_stage = sum(st.parts["weights"] + st.parts["optimizer"] for n, st in roles.items() if n != "ref")
+    offloaded = sum(t.offloaded_pinned() for t in tensors.values()) if gpu else 0.0
+    ckpt = checkpoint_host([tensors[n] for n in saved], cfg.checkpoint.async_save, gpu)
+    phase_host = {"checkpoint": ckpt["transient"],
+                  "rollback": reload_host([tensors[n] for n in saved])}
     host = {}
     for phase, r in table.items():
         device_on_host = 0.0 if gpu else sum(r.values())
-        # async-save snapshot buffers are allocated at the first save and kept (reused) after it
-        host[phase] = per_node * (process + offloaded + vllm_host + device_on_host + ckpt_stage)
+        # pinned buffers (offload, vLLM's sleep copies) and async-save snapshots are kept once made
+        host[phase] = per_node * (process + offloaded + vl.asleep_host + ckpt["kept"] + device_on_host
+                                  + phase_host.get(phase, 0.0))
     host_limit = (node_memory_gb or cfg.slurm.mem_gb) * hardware.GB if (node_memory_gb or cfg.slurm.mem_gb) \
         else float(hardware.local_ram_bytes() if not gpu else 0)
     limit = gpu_total if gpu else host_limit
@@ -248,8 +289,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         notes.append("GPU memory unknown: set slurm.gpu_type or pass --gpu-memory-gb")
     if not gpu and not (node_memory_gb or cfg.slurm.mem_gb):
         notes.append("CPU job: node RAM taken as this machine's (slurm.mem_gb is 0)")
-    if gpu and sleeping is False:
+    if gpu and not asleep:
         notes.append("rollout.sleep_between_phases is off: vLLM keeps its whole budget during training")
-    if gpu and sleeping:
-        notes.append(f"vLLM sleep level {sleep_level(cfg)}")
+    if gpu and asleep:
+        notes.append(f"vLLM sleep level {sleep_level(cfg)}; two-stage wake (weights, then KV cache)")
     return MemoryPlan(table, host, limit, host_limit, "gpu" if gpu else "cpu", stage, per_node, notes)

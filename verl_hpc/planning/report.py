@@ -17,11 +17,12 @@ def device_table(plan: MemoryPlan) -> str:
     cols = [c for c in COMPONENTS if any(r[c] for r in plan.table.values())]
     where = "GPU" if plan.device == "gpu" else "host (CPU job)"
     head = f"memory per rank, {where}, GiB (pipeline stage {plan.stage})"
-    lines = [head, f"{'phase':<14}" + "".join(f"{c:>12}" for c in cols) + f"{'total':>10}"]
+    width = {c: max(8, len(c) + 2) for c in cols}  # narrow columns: the table stays within ~110 chars
+    lines = [head, f"{'phase':<14}" + "".join(f"{c:>{width[c]}}" for c in cols) + f"{'total':>8}"]
     for phase, r in plan.table.items():
         mark = "  <- peak" if phase == plan.peak_phase else ""
-        lines.append(f"{phase:<14}" + "".join(f"{gib(r[c]):>12}" for c in cols)
-                     + f"{gib(plan.phase_total(phase)):>10}{mark}")
+        lines.append(f"{phase:<14}" + "".join(f"{gib(r[c]):>{width[c]}}" for c in cols)
+                     + f"{gib(plan.phase_total(phase)):>8}{mark}")
     return "\n".join(lines)
 
 

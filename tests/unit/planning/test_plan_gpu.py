@@ -60,3 +60,21 @@ def test_allocated_bytes_per_phase_match_the_plan(tmp_path, monkeypatch):
     print(f"states {states:,} vs plan {planned_states:,.0f}; update peak {peak:,} vs plan {planned_peak:,.0f}")
     assert states == pytest.approx(planned_states, rel=0.10)
     assert peak == pytest.approx(planned_peak, rel=0.10)
+
+
+def test_pinned_host_allocations_round_to_a_power_of_two_as_planned():
+    """The planner's hardware.pinned against torch's CachingHostAllocator: the pinned bytes it owns
+    after one allocation of an odd size (kept cached after the tensor is freed)."""
+    import torch
+
+    from verl_hpc.planning import hardware
+
+    def owned():
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+    nbytes = (3 << 20) + 12345  # an odd size, not a cached one
+    before = owned()
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    assert owned() - before == hardware.pinned(nbytes) == 4 << 20
+    del buf
+    assert owned() - before == hardware.pinned(nbytes)  # freed into the cache, still held

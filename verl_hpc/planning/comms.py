@@ -1,0 +1,101 @@
+"""NCCL communicators one rank holds on a GPU job, and their device bytes.
+
+Why count them: the bootstrap passes `device_id` to `init_process_group`, so torch creates every
+NCCL group's communicator when the group is made (eager init, by `ncclCommSplit` of the world's),
+not at its first collective. Megatron makes a fixed set of groups whatever the model needs, and
+vLLM (in-process, `external_launcher`) makes its own over the same default group; each one this
+rank belongs to holds device memory until the process ends (vLLM's sleep does not release NCCL
+buffers either: they live outside its allocator pool).
+
+The list below mirrors megatron-core 0.16.1's `parallel_state.initialize_model_parallel` for a
+dense model with this project's call (cp = 1, ep = 1, expert TP = TP, one distributed-optimizer
+instance, no all-gather group); tests/unit/planning/test_plan_comms.py runs Megatron's own function
+with a recording `new_group` and checks the sizes. Gloo twins hold host memory only (not counted).
+
+A communicator is "in use" when the RL step runs collectives on it (then NCCL connects its channel
+buffers: hardware.NCCL_COMM_BYTES); the others stay as created (hardware.NCCL_IDLE_COMM_BYTES).
+Point-to-point sends of the pipeline schedule reuse the PP group's communicator under eager init
+(no extra pair communicators). vLLM's own communicators are made during its start-up, and its
+memory profile may count them inside `gpu_memory_utilization`: the startup and rollout rows may
+then count them twice (an upper bound); in every other row they are outside vLLM's (released)
+budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+from verl_hpc.planning import hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicator:
+    name: str
+    size: int  # ranks in the group
+    in_use: bool  # the step runs collectives on it
+
+    @property
+    def device_bytes(self) -> float:
+        if self.size < 2:  # a 1-rank group moves nothing: no channels, no peers
+            return 0.0
+        return float(hardware.NCCL_COMM_BYTES if self.in_use else hardware.NCCL_IDLE_COMM_BYTES)
+
+
+def megatron_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool,
+                    tied_embeddings: bool) -> List[Communicator]:
+    """Megatron's NCCL groups of a first- or last-stage rank (dense model, cp = ep = 1)."""
+    dp = world // (tp * pp)
+    c = Communicator
+    return [
+        c("dp_cp", dp, True),  # DDP's gradient reduce-scatter, the distributed optimizer's gathers
+        c("dp", dp, False),
+        c("cp", 1, False),
+        c("mp", tp * pp, not distributed_optimizer),  # grad-norm reduction without the dist. optimizer
+        c("tp", tp, True),  # tensor-parallel layers, the weight sync's gather
+        c("pp", pp, True),  # the pipeline schedule's sends, the weight sync's broadcast
+        c("embedding", 2 if pp > 1 else 1, tied_embeddings),  # first + last stage: tied grads
+        c("position_embedding", 1, False),
+        c("tp_dp_cp", tp * dp, False),
+        c("tp_dp", tp * dp, False),
+        c("tp_cp", tp, False),
+        c("ep", 1, False),
+        c("expert_tp", tp, False),
+        c("tp_ep", tp, False),
+        c("tp_ep_pp", tp * pp, False),
+        c("expert_dp", dp, False),
+        c("intra_dist_opt", world, distributed_optimizer),  # grad-norm reduction with it
+    ]
+
+
+def vllm_groups(world: int, rollout_tp: int) -> List[Communicator]:
+    """vLLM 0.32's NCCL groups of one rank (dense model, external_launcher, no vLLM DP/PP): its
+    world group (a device group, no device communicator), the TP group's torch device group, and
+    the TP group's PyNccl communicator that runs its all-reduces and gathers."""
+    return [Communicator("vllm_world", world, False),
+            Communicator("vllm_tp", rollout_tp, False),
+            Communicator("vllm_tp_pynccl", rollout_tp, True)]
+
+
+def job_communicators(cfg, tied_embeddings: bool) -> List[Communicator]:
+    """Every NCCL communicator a rank of this job holds (empty for a CPU job: gloo only)."""
+    if cfg.slurm.gpus_per_node <= 0:
+        return []
+    par, world = cfg.parallel, cfg.world_size
+    tied = tied_embeddings and par.pp > 1
+    out = [Communicator("world", world, True)]  # the trainer's broadcasts and reductions
+    out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
+                           tied_embeddings=tied)
+    if cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto is vLLM on a GPU
+        out += vllm_groups(world, cfg.rollout.tp)
+    return out
+
+
+def nccl_bytes(comms: List[Communicator]) -> float:
+    return sum(c.device_bytes for c in comms)
+
+
+def describe(comms: List[Communicator]) -> str:
+    used = [c for c in comms if c.size > 1 and c.in_use]
+    idle = [c for c in comms if c.size > 1 and not c.in_use]
+    return (f"NCCL communicators per rank: {len(used)} in use ({', '.join(c.name for c in used)}), "
+            f"{len(idle)} created and idle")
