@@ -8,7 +8,7 @@ that phase, the ones the kit's job holds (the actor's weights, gradients and opt
 activations, the logits); the plan's `overhead` row (CUDA context, NCCL/cuBLAS workspaces,
 fragmentation) and vLLM's budget are left out, since max_memory_allocated counts neither.
 
-The model is a small Llama (~13M parameters, vocabulary 8192) with full-length rows of 1024
+The model is a small Llama (~20M parameters, vocabulary 8192) with full-length rows of 1024
 tokens, so that model state, activations and logits dominate the few fixed allocations (cuBLAS
 workspace, the batch) that no plan row names.
 """

