@@ -348,8 +348,8 @@ def te_fp8(kit: Kit) -> str:
 
 
 def vllm_gpu(kit: Kit) -> str:
-    """vLLM in this process beside the trained engine, as a job runs it: bf16, sleep mode (level 2,
-    the trainer's default: the weights are dropped), wake, the actor's weights loaded from
+    """vLLM in this process beside the trained engine, as a job runs it: bf16, sleep mode (the
+    config's default level: 2 drops the weights), wake, the actor's weights loaded from
     `export_hf_weights`, greedy generation; vLLM's log-probs of what it generated against the
     engine's log-probs of the same tokens."""
     import importlib.util
@@ -359,6 +359,7 @@ def vllm_gpu(kit: Kit) -> str:
     if importlib.util.find_spec("vllm") is None:
         raise NotTestable("vLLM is not installed (the carried wheels leave it out: hundreds of MB); "
                           "where it is, this check runs (scripts/install_gpu.sh installs it)")
+    from verl_hpc.config import load_config
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.rollout.spec import default_spec
@@ -366,7 +367,7 @@ def vllm_gpu(kit: Kit) -> str:
     prompts = [list(range(10, 10 + n)) for n in (3, 11, 24)]
     new = 16
     rollout = kit.measure("vllm build", lambda: VLLMRollout(
-        _tiny_model(kit), sleep_between_phases=True, sleep_level=2,
+        _tiny_model(kit), sleep_between_phases=True, sleep_level=load_config(None).rollout.sleep_level,
         **default_engine_args("vllm", dtype=kit.dtype, max_prompt_length=32, max_response_length=new,
                               gpu_memory_utilization=0.2)))
     try:
@@ -389,7 +390,7 @@ def vllm_gpu(kit: Kit) -> str:
     diffs = [abs(float(ours[i, j]) - lp) for i, lps in enumerate(got.logprobs) for j, lp in enumerate(lps)]
     bound = 1e-3 if kit.rehearsal else 0.25  # bf16: two implementations' kernels
     assert max(diffs) < bound, f"vLLM vs engine log-probs: max |diff| {max(diffs):.3g} >= {bound}"
-    return (f"{kit.dtype}, sleep level 2 -> wake -> load_weights -> generate; vLLM vs engine "
+    return (f"{kit.dtype}, sleep level {rollout.sleep_level} -> wake -> load_weights -> generate; vLLM vs engine "
             f"log-probs max |diff| {max(diffs):.3g}, mean {sum(diffs) / len(diffs):.3g} over "
             f"{len(diffs)} tokens (bound {bound})")
 
@@ -405,7 +406,7 @@ def tp_gt_1(kit: Kit) -> str:
     if not kit.rehearsal and visible_device_count() < WORLD:
         raise NotTestable(f"needs >= {WORLD} GPUs on this node; {visible_device_count()} visible")
     path = _tiny_model(kit)
-    res = run_two_ranks(kit.out, path, kit.rehearsal)
+    res = run_two_ranks(kit.out, path, kit.rehearsal, kit.dtype)
     batch = _batch()
     ref = _hf_log_probs(path, batch, getattr(torch, kit.dtype), "cpu" if kit.rehearsal else "cuda")
     got = torch.tensor(res["tp2_log_probs"])

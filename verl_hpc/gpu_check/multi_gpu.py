@@ -33,12 +33,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(out: Path, model_path: str, rehearsal: bool, timeout_s: float = TIMEOUT_S) -> dict:
+def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeout_s: float = TIMEOUT_S) -> dict:
     """Start the ranks, wait (one deadline for both; a late or failed rank gets both killed, our
     own children by handle) and return rank 0's result; raise with the logs' tails on failure."""
     work = Path(out) / "two_ranks"
     work.mkdir(parents=True, exist_ok=True)
-    (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal}))
+    (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal, "dtype": dtype}))
     port, procs = _free_port(), []
     root = Path(__file__).resolve().parents[2]
     for rank in range(WORLD):
@@ -78,8 +78,7 @@ def _rank_main(work: Path) -> None:
     from verl_hpc.runtime.bootstrap import bootstrap, shutdown
 
     args = json.loads((work / "args.json").read_text())
-    rehearsal, path = args["rehearsal"], args["model_path"]
-    dtype = "float32" if rehearsal else "bfloat16"
+    rehearsal, path, dtype = args["rehearsal"], args["model_path"], args["dtype"]
     ctx = bootstrap(backend="gloo" if rehearsal else "nccl", timeout_s=300)
     rank = dist.get_rank()
     result = {"device": str(ctx.device), "backend": ctx.backend}
