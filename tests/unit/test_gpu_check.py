@@ -1,15 +1,17 @@
 """The first-GPU kit (python -m verl_hpc.gpu_check) on a machine without a GPU: the dry run lists
-every check and exits 0, a real run refuses (it must never pass without testing), the wheel
-folder's selection rules, the pluggable memory plan. (The CPU rehearsal of the checks themselves:
-tests/dist/test_gpu_check_rehearsal.py.)"""
+every check and what it needs, a real run refuses (it must never pass without testing), the wheel
+folder's selection rules and its source-only packages, the memory-plan comparison, the version and
+toolchain preflight, the GPU installer's commands, and `make gpu-all`'s steps and summary. (The CPU
+rehearsal of the checks themselves: tests/dist/test_gpu_check_rehearsal.py.)"""
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from verl_hpc.gpu_check import wheels
-from verl_hpc.gpu_check.__main__ import load_memory_plan, main
+from verl_hpc.gpu_check import memplan, preflight, wheels
+from verl_hpc.gpu_check import all as gpu_all
+from verl_hpc.gpu_check.__main__ import main
 from verl_hpc.gpu_check.checks import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,11 @@ def test_dry_run_lists_every_check_and_exits_0():
     assert r.returncode == 0, r.stderr
     for c in CHECKS:
         assert c.name in r.stdout and c.what in r.stdout
+        line = next(x for x in r.stdout.splitlines() if x.split() and x.split()[0] == c.name)
+        assert c.machine in line  # what the machine needs, on the check's own line
+    machine = {c.name: c.machine for c in CHECKS}
+    assert "2 GPUs" in machine["tp_gt_1"] and "vLLM" in machine["vllm_gpu"]
+    assert "Transformer Engine" in machine["te_fp8"] and machine["compile_toolchain"] == "any"
     assert NOT_ONE_GPU <= {c.name for c in CHECKS}
     assert {"nccl_bootstrap", "cuda_rng_checkpoint", "engine_bf16_logprobs", "train_step",
             "save_resume", "fused_adam_resume", "memory_plan"} <= {c.name for c in CHECKS}
@@ -53,17 +60,240 @@ def test_wheel_selection():
 
 
 @pytest.mark.unit
-def test_memory_plan_is_pluggable(monkeypatch):
-    import types
+def test_train_step_says_it_runs_at_dp_1():
+    """The kit has one rank: the engine does not shard the optimizer at dp 1, so the check must not
+    claim a distributed-optimizer step (the sharded one is the two-GPU check's DP 2 part)."""
+    what = {c.name: c.what for c in CHECKS}
+    assert "dp 1" in what["train_step"] and "distributed optimizer" not in what["train_step"]
+    assert "distributed optimizer" in what["tp_gt_1"]
 
-    mod = types.ModuleType("fake_plan")
-    mod.budget = lambda component, facts: 123
-    monkeypatch.setitem(sys.modules, "fake_plan", mod)
-    assert load_memory_plan("fake_plan:budget")("train step", {}) == 123
-    with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
-        load_memory_plan("fake_plan")
-    planning = types.ModuleType("verl_hpc.planning")  # a planning package without the hook
-    monkeypatch.setitem(sys.modules, "verl_hpc.planning", planning)
-    assert load_memory_plan(None) is None
-    planning.gpu_check_budget = mod.budget
-    assert load_memory_plan(None) is mod.budget
+
+@pytest.mark.unit
+def test_memory_plan_check_plans_the_kits_own_job(tmp_path):
+    """The comparison is against the real planner (plan_job) for the job the check trains: one
+    rank, the actor alone, full-length rows, bf16 on a GPU; the tensor components only."""
+    import json
+
+    from verl_hpc.planning import plan_job
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": memplan.SHAPE["vocab_size"],
+        "hidden_size": memplan.SHAPE["hidden"], "intermediate_size": memplan.SHAPE["ffn"],
+        "num_hidden_layers": memplan.SHAPE["layers"], "num_attention_heads": memplan.SHAPE["heads"],
+        "num_key_value_heads": memplan.SHAPE["kv_heads"], "head_dim": memplan.SHAPE["head_dim"],
+        "max_position_embeddings": memplan.SHAPE["max_positions"], "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False}))
+    cfg = memplan.kit_job_config(str(model), gpu=True)
+    assert cfg.dp == 1 and not cfg.parallel.use_distributed_optimizer and not cfg.ref.enable
+    assert cfg.data.max_prompt_length + cfg.data.max_response_length == memplan.PROMPT + memplan.RESPONSE
+    plan = plan_job(cfg)
+    got = memplan.compare(plan, None)
+    row = plan.table[memplan.PHASE]
+    assert got.predicted == pytest.approx(row["actor"] + row["activations"] + row["logits"])
+    assert got.predicted < plan.phase_total(memplan.PHASE)  # overhead and vLLM are left out
+    # ~20M parameters, bf16 with fp32 grads, master copy and Adam: 18 bytes each
+    assert row["actor"] == pytest.approx(18 * 20.2e6, rel=0.05)
+    assert not got.within and "measured" not in got.describe()  # nothing measured: never a pass
+    assert memplan.compare(plan, 0.9 * got.predicted).within
+    assert memplan.compare(plan, 1.05 * got.predicted).within
+    assert not memplan.compare(plan, 1.2 * got.predicted).within  # the plan under-estimates
+    assert not memplan.compare(plan, 0.3 * got.predicted).within  # the plan over-estimates 3x
+    assert "1.20 x the plan" in memplan.compare(plan, 1.2 * got.predicted).describe()
+
+
+# ---------------------------------------------------------------------------- preflight
+@pytest.mark.unit
+def test_verified_versions_are_the_pins_and_the_venv():
+    import ast
+    import re
+    from importlib.metadata import version
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = next(ast.literal_eval(n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "EXTRAS")
+    assert f"torch=={preflight.VERIFIED_TORCH}" in extras["gpu"]
+    assert preflight.VERIFIED_TRANSFORMERS == version("transformers")
+    assert preflight.VERIFIED_PYTHON == "%d.%d" % sys.version_info[:2]
+    te = re.search(r"^TE_VERSION=([\w.]+)", (ROOT / "scripts/install_gpu.sh").read_text(), re.M).group(1)
+    assert preflight.VERIFIED_TRANSFORMER_ENGINE == te
+
+
+@pytest.mark.unit
+def test_versions_that_differ_are_named(monkeypatch):
+    rows = [("python", "3.12", "3.11"), ("torch", "2.11.0+cu126", "2.13.0"), ("torch2", "2.13.0+cu130", "2.13.0"),
+            ("vllm", None, "0.32.0")]
+    assert preflight.version_warnings(rows) == ["python 3.12 differs from the verified 3.11",
+                                                "torch 2.11.0+cu126 differs from the verified 2.13.0"]
+    assert preflight.version_warnings() == []  # this venv is the verified set
+    from verl_hpc.gpu_check import checks
+
+    monkeypatch.setattr(preflight, "versions", lambda: rows)
+    assert "WARNING: not the verified versions: python 3.12 differs" in checks.environment_line()
+
+
+@pytest.mark.unit
+def test_toolchain_problems_name_the_missing_compiler_and_headers(tmp_path, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    assert preflight.toolchain_problems() == []  # this machine has gcc and Python.h
+    nothing = preflight.toolchain_problems(include_dir=str(tmp_path), which=lambda name: None)
+    assert len(nothing) == 2
+    assert "no C compiler" in nothing[0] and "gcc" in nothing[0]
+    assert "Python.h missing" in nothing[1] and "-dev" in nothing[1]
+    (tmp_path / "Python.h").write_text("")
+    assert preflight.toolchain_problems(include_dir=str(tmp_path), which=lambda n: "/bin/" + n) == []
+
+
+# ---------------------------------------------------------------------------- wheel folder
+@pytest.mark.unit
+def test_a_source_only_dependency_is_built_into_a_wheel(tmp_path, monkeypatch):
+    """omegaconf 2.3 needs antlr4-python3-runtime, which has no wheel: with --only-binary pip cannot
+    resolve the folder at all. The builder makes a pure-Python wheel of it and resolves again."""
+    calls = []
+    antlr = ("ERROR: Could not find a version that satisfies the requirement antlr4-python3-runtime==4.9.* "
+             "(from omegaconf) (from versions: none)")
+
+    def fake_pip(*args, capture=False):
+        calls.append(args)
+        if args[0] == "wheel":
+            (Path(args[args.index("--wheel-dir") + 1]) / "antlr4_python3_runtime-4.9.3-py3-none-any.whl").write_text("")
+            return subprocess.CompletedProcess(args, 0, "", "")
+        built = any(p.name.startswith("antlr4") for p in tmp_path.glob("*.whl"))
+        if not built:
+            return subprocess.CompletedProcess(args, 1, "", antlr)
+        report = Path(args[args.index("--report") + 1])
+        report.write_text('{"install": [{"metadata": {"name": "omegaconf", "version": "2.3.1"}}, '
+                          '{"metadata": {"name": "antlr4-python3-runtime", "version": "4.9.3"}}]}')
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(wheels, "_pip", fake_pip)
+    assert wheels.missing_wheel(antlr) == "antlr4-python3-runtime==4.9.*"
+    got = wheels.resolve(["omegaconf==2.3.1"], "3.12", "2.28", tmp_path)
+    assert got == {"omegaconf": "2.3.1", "antlr4-python3-runtime": "4.9.3"}
+    assert [c[0] for c in calls] == ["install", "wheel", "install"]
+    assert calls[1][-1] == "antlr4-python3-runtime==4.9.*" and "--find-links" in calls[2]
+
+
+@pytest.mark.unit
+def test_a_source_only_dependency_that_is_not_pure_python_is_refused(tmp_path, monkeypatch):
+    def fake_pip(*args, capture=False):
+        (tmp_path / "thing-1.0-cp312-cp312-linux_x86_64.whl").write_text("")
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(wheels, "_pip", fake_pip)
+    with pytest.raises(SystemExit, match="not pure Python"):
+        wheels.build_pure_wheel("thing==1.0", tmp_path)
+
+
+@pytest.mark.unit
+def test_target_python_is_asked_for_its_version():
+    got, glibc = wheels.probe_target(sys.executable)
+    assert got == "%d.%d" % sys.version_info[:2]
+    assert glibc is None or glibc.count(".") == 1
+    with pytest.raises(SystemExit, match="could not run it"):
+        wheels.probe_target("/nonexistent/python")
+    assert "pytest" in " ".join(wheels.requirements())  # gpu-all runs the gpu-marked tests
+    assert any(r.startswith("pyarrow") for r in wheels.project_requirements())
+    assert wheels.merged(["numpy==2.0", "h5py"], ["numpy", "pyarrow>=1"]) == ["numpy==2.0", "h5py", "pyarrow>=1"]
+
+
+# ---------------------------------------------------------------------------- GPU installer
+def _fake_python(tmp_path, answer):
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\n{answer}\n")
+    py.chmod(0o755)
+    return str(py)
+
+
+def _install(*args):
+    return subprocess.run(["bash", str(ROOT / "scripts/install_gpu.sh"), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.unit
+def test_installer_picks_the_te_core_from_torchs_cuda_and_keeps_torch(tmp_path):
+    r = _install("--python", _fake_python(tmp_path, 'echo "2.11.0+cu126 12.6 3.12"'))
+    assert r.returncode == 0, r.stderr
+    cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    assert any("--no-build-isolation" in c and "transformer-engine[pytorch,core_cu12]==2.11.0" in c for c in cmds)
+    assert not any("vllm" in c for c in cmds)  # vllm 0.32.0 would replace torch 2.11
+    assert "vLLM skipped" in r.stdout and "not the verified 2.13.0" in r.stdout
+    assert not any("[gpu]" in c or "torch==" in c for c in cmds)  # the machine's torch stays
+    r = _install("--python", _fake_python(tmp_path, 'echo "2.13.0+cu130 13.0 3.11"'))
+    cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    assert r.returncode == 0 and any("pip install vllm==0.32.0" in c for c in cmds)
+    assert any("core_cu13" in c for c in cmds) and "WARNING: torch" not in r.stdout
+    assert any(c.endswith(f"pip install -e {ROOT}") for c in cmds)
+
+
+@pytest.mark.unit
+def test_installer_refuses_a_cpu_torch_or_none(tmp_path):
+    r = _install("--python", _fake_python(tmp_path, 'echo "2.13.0+cpu none 3.11"'))
+    assert r.returncode == 2 and "a CUDA 12 or 13 build of torch is needed" in r.stderr
+    r = _install("--python", _fake_python(tmp_path, "exit 1"))
+    assert r.returncode == 2 and "has no torch" in r.stderr
+    r = _install("--vllm", "maybe")
+    assert r.returncode == 2 and "valid are auto, yes, no" in r.stderr
+
+
+# ---------------------------------------------------------------------------- make gpu-all
+@pytest.mark.unit
+def test_gpu_all_plans_every_step_within_ten_minutes(tmp_path):
+    steps = gpu_all.plan(tmp_path, py="PY", wheels=tmp_path / "w", rehearsal=False, missing=lambda: [])
+    assert [s.name for s in steps] == ["install", "gpu_check", "gpu_tests", "demo", "bench"]
+    assert sum(s.limit_s for s in steps) <= gpu_all.BUDGET_S == 600
+    cmd = {s.name: s.command for s in steps}
+    assert cmd["install"][-4:] == ["--find-links", str(tmp_path / "w"), "-r", str(tmp_path / "w/requirements.txt")]
+    assert "--no-index" in cmd["install"]
+    assert cmd["gpu_check"][:3] == ["PY", "-m", "verl_hpc.gpu_check"] and "--cpu-rehearsal" not in cmd["gpu_check"]
+    assert cmd["gpu_tests"][:5] == ["PY", "-m", "pytest", "-m", "gpu"]
+    assert cmd["demo"][:3] == ["PY", "-m", "verl_hpc.trainer.demo"]
+    assert cmd["bench"][1].endswith("benchmarks/bench_gpu_step.py") and "--time-limit" in cmd["bench"]
+    assert int(cmd["bench"][-1]) < steps[-1].limit_s  # it stops itself before being killed
+    demo = next(s for s in steps if s.name == "demo")
+    assert demo.precondition() == ""
+    lacking = gpu_all.plan(tmp_path, py="PY", wheels=None, rehearsal=False, missing=lambda: ["pyarrow"])
+    assert lacking[0].command is None and "--wheels" in lacking[0].why
+    assert "pyarrow" in next(s for s in lacking if s.name == "demo").precondition()
+    rehearsal = {s.name: s for s in gpu_all.plan(tmp_path, py="PY", wheels=None, rehearsal=True)}
+    assert "--cpu-rehearsal" in rehearsal["gpu_check"].command and "--cpu-rehearsal" in rehearsal["bench"].command
+    assert rehearsal["demo"].command is None and rehearsal["gpu_tests"].command is None
+
+
+@pytest.mark.unit
+def test_gpu_all_runs_steps_with_limits_and_writes_the_summary(tmp_path):
+    import json
+
+    py = sys.executable
+    steps = [gpu_all.Step("install", None, 5, "no wheel folder"),
+             gpu_all.Step("ok", [py, "-c", "print('hello')"], 30),
+             gpu_all.Step("bad", [py, "-c", "import sys; sys.exit(3)"], 30),
+             gpu_all.Step("slow", [py, "-c", "import time; time.sleep(60)"], 1.5),
+             gpu_all.Step("gated", [py, "-c", "pass"], 30, precondition=lambda: "needs pyarrow"),
+             gpu_all.Step("late", [py, "-c", "pass"], 30)]
+    said = []
+    out = gpu_all.run_all(steps, tmp_path, budget_s=4.0, log=lambda *a, **k: said.append(a))
+    status = {o.step.name: o.status for o in out}
+    assert status == {"install": "SKIPPED", "ok": "PASS", "bad": "FAIL", "slow": "TIMEOUT",
+                      "gated": "SKIPPED", "late": status["late"]}
+    assert next(o for o in out if o.step.name == "slow").seconds < 10  # killed at its limit
+    assert "hello" in (tmp_path / "ok.log").read_text()
+    text = gpu_all.write_summary(out, tmp_path, ["a header line"])
+    assert text.splitlines()[0] == "a header line"
+    for o in out:
+        assert o.step.name in text and str(tmp_path / f"{o.step.name}.log") in text
+    assert "exit code 3" in text and "needs pyarrow" in text
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in data["steps"]][:5] == ["SKIPPED", "PASS", "FAIL", "TIMEOUT", "SKIPPED"]
+    assert (tmp_path / "summary.txt").read_text() == text + "\n"
+    gated = gpu_all.run_all(steps[1:3], tmp_path, gate=lambda: "no CUDA device here")
+    assert [o.status for o in gated] == ["PASS", "SKIPPED"] and gated[1].detail == "no CUDA device here"
+
+
+@pytest.mark.unit
+def test_gpu_all_without_a_gpu_says_it_needs_one(tmp_path, capsys):
+    assert gpu_all.main(["--out", str(tmp_path)]) == 2
+    assert "it needs a GPU" in capsys.readouterr().err
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "no CUDA device here" in summary and "0 pass" in summary

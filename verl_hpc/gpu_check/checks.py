@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from verl_hpc.gpu_check import workload
+
 
 class NotTestable(Exception):  # a check outcome (NOT TESTABLE in the table), not a VerlHpcError
     """This check cannot run here; the message says what it would need."""
@@ -23,26 +25,24 @@ class NotTestable(Exception):  # a check outcome (NOT TESTABLE in the table), no
 class Kit:
     out: Path
     rehearsal: bool = False
-    plan: Optional[Callable[[str, dict], Optional[float]]] = None
     ctx: Any = None
     model_path: Optional[str] = None
     engine: Any = None  # the trainable engine of the train/resume checks
-    peaks: Dict[str, Tuple[int, Optional[float]]] = dataclasses.field(default_factory=dict)
+    peaks: Dict[str, int] = dataclasses.field(default_factory=dict)  # component -> bytes
 
     @property
     def dtype(self) -> str:
         return "float32" if self.rehearsal else "bfloat16"
 
-    def measure(self, component: str, fn: Callable[[], Any], facts: Optional[dict] = None):
-        """Run fn; record the GPU's max_memory_allocated over it (and the plan's budget)."""
+    def measure(self, component: str, fn: Callable[[], Any]):
+        """Run fn; record the GPU's max_memory_allocated over it (reported beside the table)."""
         from verl_hpc.runtime.device import peak_memory_allocated, reset_peak_memory
 
         reset_peak_memory()
         value = fn()
         peak = peak_memory_allocated()
         if peak is not None and not self.rehearsal:
-            budget = self.plan(component, dict(facts or {})) if self.plan else None
-            self.peaks[component] = (peak, budget)
+            self.peaks[component] = peak
         return value
 
 
@@ -51,7 +51,21 @@ class Check:
     name: str
     what: str
     run: Callable[[Kit], str]
-    needs: Tuple[str, ...] = ()
+    needs: Tuple[str, ...] = ()  # checks that must pass first
+    machine: str = "1 GPU"  # what the machine must have (the dry run lists it)
+
+
+# ----------------------------------------------------------------------------- toolchain
+def compile_toolchain(kit: Kit) -> str:
+    """Before any engine: Megatron's fused SwiGLU (auto-on with a GPU) is a torch.compile kernel,
+    and Triton builds a C launcher for it with the system compiler against Python.h."""
+    from verl_hpc.gpu_check.preflight import toolchain_problems
+
+    problems = toolchain_problems()
+    assert not problems, "torch.compile cannot build kernels here: " + "; ".join(problems)
+    import sysconfig
+
+    return f"C compiler found; Python.h in {sysconfig.get_paths()['include']}"
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -156,14 +170,7 @@ def _tiny_model(kit: Kit) -> str:
     return kit.model_path
 
 
-def _batch(seed: int = 0, rows: int = 4, prompt: int = 24, response: int = 40):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, 500, (rows, prompt + response), generator=g)
-    plen = torch.full((rows,), prompt)
-    rlen = torch.tensor([response - 3 * i for i in range(rows)])
-    return {"input_ids": ids, "prompt_lengths": plen, "response_lengths": rlen}
+_batch, _loss_fn = workload.batch, workload.loss_fn
 
 
 def _hf_log_probs(path: str, batch, dtype, device):
@@ -193,50 +200,46 @@ def engine_logprob_parity(kit: Kit) -> str:
 
     path = _tiny_model(kit)
     batch = _batch()
-    facts = dict(model_path=path, dtype=kit.dtype, role="ref", tokens=int(batch["input_ids"].numel()))
     eng = kit.measure("engine build (frozen)", lambda: MegatronEngine(default_options(
-        model_path=path, trainable=False, dtype=kit.dtype, micro_batch_size=2)), facts)
-    got = kit.measure("engine forward (log-probs)", lambda: eng.forward(batch, ("log_probs",)), facts)
+        model_path=path, trainable=False, dtype=kit.dtype, micro_batch_size=2)))
+    got = kit.measure("engine forward (log-probs)", lambda: eng.forward(batch, ("log_probs",)))
     device = "cpu" if kit.rehearsal else "cuda"
     ref = _hf_log_probs(path, batch, getattr(torch, kit.dtype), device)
     mask = torch.arange(ref.shape[1])[None] < batch["response_lengths"][:, None]
     diff = (got["log_probs"].float().cpu() - ref).abs()[mask]
     bound = 1e-4 if kit.rehearsal else 0.1  # bf16: two implementations, different kernels
     assert float(diff.max()) < bound, f"max |engine - transformers| = {float(diff.max()):.3g} >= {bound}"
-    del eng
+    eng = None  # free it before the next check (a name the lambdas above close over)
     return (f"{kit.dtype}: max |diff| {float(diff.max()):.3g}, mean {float(diff.mean()):.3g} over "
             f"{int(mask.sum())} tokens (bound {bound})")
 
 
-def _loss_fn(out, mb, counts):
-    loss = -(out["log_probs"] * mb["response_mask"]).sum() / counts.tokens
-    return loss, {"nll": loss.detach()}
-
-
 def _train_engine(kit: Kit):
-    from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import default_options, MegatronEngine
+    """The kit runs one rank: data-parallel size 1, where the engine does not shard the optimizer
+    (engine.py `_shard_optimizer`: nothing to shard over), whatever use_distributed_optimizer says.
+    The sharded optimizer runs in the two-GPU check (tp_gt_1, its DP 2 part)."""
+    from verl_hpc.engines.megatron import MegatronEngine
 
-    return MegatronEngine(default_options(
-        model_path=_tiny_model(kit), dtype=kit.dtype, micro_batch_size=2, total_steps=4,
-        use_distributed_optimizer=True, optim=OptimConfig(lr=1e-3, weight_decay=0.01)))
+    return MegatronEngine(workload.train_options(_tiny_model(kit), kit.dtype, use_distributed_optimizer=True))
 
 
 def train_step(kit: Kit) -> str:
-    """One optimizer step with Megatron DDP + DistributedOptimizer (and, on GPU, the fused
-    kernels / overlap that auto turns on)."""
+    """One optimizer step at dp 1: Megatron DDP + its plain mixed-precision (bf16) optimizer (and,
+    on GPU, the fused kernels / overlap that auto turns on)."""
     import torch
 
-    facts = dict(model_path=_tiny_model(kit), dtype=kit.dtype, role="actor", optimizer="distributed")
-    kit.engine = eng = kit.measure("engine build (trainable)", lambda: _train_engine(kit), facts)
+    kit.engine = eng = kit.measure("engine build (trainable)", lambda: _train_engine(kit))
+    assert not eng.shard_optimizer, "dp 1: the engine was expected not to shard the optimizer"
     before = [p.detach().clone() for p in eng._parameters()]
-    m = kit.measure("train step", lambda: eng.train_step(_batch(1), _loss_fn), facts)
+    m = kit.measure("train step", lambda: eng.train_step(_batch(1), _loss_fn))
     assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
     moved = sum(not torch.equal(a, b) for a, b in zip(before, eng._parameters()))
     assert moved > 0, "no parameter changed"
-    inner = type(eng.optimizer.chained_optimizers[0].optimizer)
-    return (f"loss {m['loss']:.4f}, grad norm {m['grad_norm']:.3g}, {moved} tensors updated; "
-            f"optimizer {inner.__module__}.{inner.__name__}; {eng.perf}")
+    chained = eng.optimizer.chained_optimizers[0]
+    inner = type(chained.optimizer)
+    return (f"dp 1 (distributed optimizer not used: nothing to shard); loss {m['loss']:.4f}, grad norm "
+            f"{m['grad_norm']:.3g}, {moved} tensors updated; {type(chained).__name__} over "
+            f"{inner.__module__}.{inner.__name__}; {eng.perf}")
 
 
 def _params(eng):
@@ -246,11 +249,6 @@ def _params(eng):
 def save_resume(kit: Kit) -> str:
     """state() -> HDF5 checkpoint -> a new engine loads it; two more steps on both are bitwise equal
     (covers the fused Adam's per-group step when Megatron picked one)."""
-    import torch
-
-    from verl_hpc.checkpoint import load_into, read_metadata, save_checkpoint
-    from verl_hpc.engines.megatron.state import optimizer_step_count
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([SDPBackend.MATH]):  # flash / mem-efficient backward are not deterministic
@@ -278,7 +276,7 @@ def _save_resume(kit: Kit) -> str:
         resumed.train_step(_batch(k), _loss_fn)
     same = [torch.equal(a, b) for a, b in zip(want, _params(resumed))]
     assert all(same), f"{same.count(False)} of {len(same)} tensors differ after resume"
-    del resumed
+    resumed = None  # free it before the next check
     return f"{len(st.tensors)} slabs, step {meta['optimizer_step']} -> +2 steps bitwise equal"
 
 
@@ -293,16 +291,40 @@ def fused_adam_resume(kit: Kit) -> str:
 
 
 def memory_plan(kit: Kit) -> str:
-    if kit.rehearsal:
-        raise NotTestable("CPU rehearsal: no GPU memory to measure")
-    rows = [f"{c} {peak / 2**20:.0f} MiB" + (f" (plan {b / 2**20:.0f})" if b else "")
-            for c, (peak, b) in kit.peaks.items()]
-    over = [c for c, (peak, b) in kit.peaks.items() if b and peak > b]
-    if kit.plan is None:
-        raise NotTestable("no memory plan to compare with (--memory-plan MODULE:FUNCTION, or "
-                          "verl_hpc.planning.gpu_check_budget); measured: " + "; ".join(rows))
-    assert not over, f"above the plan: {over}; " + "; ".join(rows)
-    return "; ".join(rows)
+    """The planner's prediction for the kit's own job (memplan.py) against max_memory_allocated
+    while that job's actor is built and takes two steps (the second has Adam's state, as every
+    step of a run does)."""
+    import gc
+
+    from verl_hpc.engines.megatron import MegatronEngine
+    from verl_hpc.engines.megatron.options import EngineOptions
+    from verl_hpc.gpu_check import memplan
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.planning import plan_job
+    from verl_hpc.runtime.device import memory_allocated, peak_memory_allocated, reset_peak_memory
+
+    path = str(make_tiny_model(kit.out / "plan_llama", "llama", **memplan.SHAPE))
+    lengths = (dict(prompt=memplan.REHEARSAL_PROMPT, response=memplan.REHEARSAL_RESPONSE)
+               if kit.rehearsal else dict(prompt=memplan.PROMPT, response=memplan.RESPONSE))
+    cfg = memplan.kit_job_config(path, gpu=not kit.rehearsal, **lengths)
+    plan = plan_job(cfg)
+    gc.collect()
+    base = memory_allocated() or 0  # what the earlier checks still hold
+    reset_peak_memory()
+    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
+    for k in range(2):
+        m = eng.train_step(workload.batch(k, rows=memplan.ROWS, full=True, **lengths), _loss_fn)
+        assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
+    peak = peak_memory_allocated()
+    del eng
+    gc.collect()
+    result = memplan.compare(plan, None if peak is None or kit.rehearsal else peak - base)
+    peaks = "; ".join(f"{c} {b / 2**20:.0f} MiB" for c, b in kit.peaks.items())
+    if result.measured is None:
+        raise NotTestable("CPU rehearsal: no GPU memory to measure (the job was planned and trained: "
+                          f"{result.describe()})")
+    assert result.within, f"{result.describe()}; the earlier checks' peaks: {peaks}"
+    return f"{result.describe()}; earlier checks' peaks: {peaks}"
 
 
 # ----------------------------------------------------------------------------- what one GPU cannot show
@@ -326,19 +348,84 @@ def te_fp8(kit: Kit) -> str:
 
 
 def vllm_gpu(kit: Kit) -> str:
-    raise NotTestable("vLLM's GPU build is not carried (hundreds of MB); where it is installed run "
-                      "pytest -m gpu tests/unit/rollout/test_rol_gpu.py")
+    """vLLM in this process beside the trained engine, as a job runs it: bf16, sleep mode (the
+    config's default level: 2 drops the weights), wake, the actor's weights loaded from
+    `export_hf_weights`, greedy generation; vLLM's log-probs of what it generated against the
+    engine's log-probs of the same tokens."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        raise NotTestable("vLLM is not installed (the carried wheels leave it out: hundreds of MB); "
+                          "where it is, this check runs (scripts/install_gpu.sh installs it)")
+    from verl_hpc.config import load_config
+    from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+    from verl_hpc.rollout.spec import default_spec
+
+    prompts = [list(range(10, 10 + n)) for n in (3, 11, 24)]
+    new = 16
+    rollout = kit.measure("vllm build", lambda: VLLMRollout(
+        _tiny_model(kit), sleep_between_phases=True, sleep_level=load_config(None).rollout.sleep_level,
+        **default_engine_args("vllm", dtype=kit.dtype, max_prompt_length=32, max_response_length=new,
+                              gpu_memory_utilization=0.2)))
+    try:
+        greedy = default_spec(temperature=0, max_tokens=new)
+        first = rollout.generate(prompts, greedy)
+        rollout.sleep()
+        rollout.wake()
+        kit.measure("vllm load_weights", lambda: rollout.load_weights(kit.engine.export_hf_weights()))
+        got = rollout.generate(prompts, greedy)
+    finally:
+        rollout.close()
+    assert all(1 <= len(r) <= new for r in first.response_ids + got.response_ids)
+    # the engine's log-probs of the same rows (the trained engine's weights are what vLLM loaded)
+    rows = [p + r for p, r in zip(prompts, got.response_ids)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    batch = {"input_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts]),
+             "response_lengths": torch.tensor([len(r) for r in got.response_ids])}
+    ours = kit.engine.forward(batch, ("log_probs",))["log_probs"].float().cpu()
+    diffs = [abs(float(ours[i, j]) - lp) for i, lps in enumerate(got.logprobs) for j, lp in enumerate(lps)]
+    bound = 1e-3 if kit.rehearsal else 0.25  # bf16: two implementations' kernels
+    assert max(diffs) < bound, f"vLLM vs engine log-probs: max |diff| {max(diffs):.3g} >= {bound}"
+    return (f"{kit.dtype}, sleep level {rollout.sleep_level} -> wake -> load_weights -> generate; vLLM vs engine "
+            f"log-probs max |diff| {max(diffs):.3g}, mean {sum(diffs) / len(diffs):.3g} over "
+            f"{len(diffs)} tokens (bound {bound})")
 
 
 def tp_gt_1(kit: Kit) -> str:
-    raise NotTestable("needs >= 2 GPUs and several ranks (pytest -m dist on a GPU node)")
+    """Two ranks on two GPUs (multi_gpu.py): TP 2 log-probs vs transformers and a TP 2 step, then a
+    DP 2 step with the distributed optimizer, parameters equal on both ranks."""
+    import torch
+
+    from verl_hpc.gpu_check.multi_gpu import WORLD, run_two_ranks
+    from verl_hpc.runtime.device import visible_device_count
+
+    if not kit.rehearsal and visible_device_count() < WORLD:
+        raise NotTestable(f"needs >= {WORLD} GPUs on this node; {visible_device_count()} visible")
+    path = _tiny_model(kit)
+    res = run_two_ranks(kit.out, path, kit.rehearsal, kit.dtype)
+    batch = _batch()
+    ref = _hf_log_probs(path, batch, getattr(torch, kit.dtype), "cpu" if kit.rehearsal else "cuda")
+    got = torch.tensor(res["tp2_log_probs"])
+    mask = torch.arange(ref.shape[1])[None] < batch["response_lengths"][:, None]
+    diff = (got - ref).abs()[mask]
+    bound = 1e-4 if kit.rehearsal else 0.1
+    assert float(diff.max()) < bound, f"TP 2 vs transformers: max |diff| {float(diff.max()):.3g} >= {bound}"
+    return (f"{res['backend']}: TP 2 log-probs max |diff| {float(diff.max()):.3g} (bound {bound}), TP 2 step "
+            f"loss {res['tp2_step']['loss']:.4f}; DP 2 {res['dp2_step']['optimizer']} step, ranks equal")
 
 
 def multinode_nccl(kit: Kit) -> str:
     raise NotTestable("needs several nodes (python -m verl_hpc.submit configs/smoke.yaml on Slurm)")
 
 
+ENGINE = ("megatron_parallel", "compile_toolchain")
 CHECKS: List[Check] = [
+    Check("compile_toolchain", "a C compiler and Python.h for torch.compile (fused SwiGLU)",
+          compile_toolchain, machine="any"),
     Check("nccl_bootstrap", "runtime bootstrap at world size 1 on NCCL + every collective the "
           "project uses", nccl_bootstrap),
     Check("megatron_parallel", "Megatron model parallel on NCCL, its own CUDA RNG tracker",
@@ -346,19 +433,22 @@ CHECKS: List[Check] = [
     Check("cuda_rng_checkpoint", "CUDA + Megatron tracker RNG states through an HDF5 checkpoint",
           cuda_rng_checkpoint, ("megatron_parallel",)),
     Check("engine_bf16_logprobs", "Megatron engine in bf16 vs transformers on the GPU (log-probs)",
-          engine_logprob_parity, ("megatron_parallel",)),
-    Check("train_step", "a train step with DDP + the distributed optimizer", train_step,
-          ("megatron_parallel",)),
+          engine_logprob_parity, ENGINE),
+    Check("train_step", "a train step at dp 1: DDP + Megatron's bf16 optimizer (dp 1 does not shard)",
+          train_step, ENGINE),
     Check("save_resume", "engine state -> HDF5 -> new engine: next steps bitwise equal", save_resume,
           ("train_step",)),
     Check("fused_adam_resume", "Megatron's fused Adam keeps its step per group; resumed exactly",
-          fused_adam_resume, ("save_resume",)),
-    Check("memory_plan", "max_memory_allocated per component vs the memory plan", memory_plan,
-          ("train_step",)),
-    Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ("megatron_parallel",)),
-    Check("vllm_gpu", "vLLM GPU build: sleep mode, bf16 rollout", vllm_gpu),
-    Check("tp_gt_1", "tensor parallel > 1 on NCCL", tp_gt_1),
-    Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl),
+          fused_adam_resume, ("save_resume",), "1 GPU + TE or apex (a fused Adam)"),
+    Check("memory_plan", "the memory plan's update_actor peak vs max_memory_allocated of the kit's job",
+          memory_plan, ("train_step",)),
+    Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ENGINE,
+          "1 GPU (sm >= 8.9) + Transformer Engine"),
+    Check("vllm_gpu", "vLLM beside the engine: bf16, sleep level 2, wake, load_weights, log-probs",
+          vllm_gpu, ("train_step",), "1 GPU + vLLM (not in the carried wheels)"),
+    Check("tp_gt_1", "TP 2 (log-probs, a step) and DP 2 with the distributed optimizer, 2 ranks",
+          tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
+    Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]
 
 
@@ -390,8 +480,12 @@ def run_checks(kit: Kit, only: Optional[List[str]] = None, log=print) -> List[Tu
 
 
 def environment_line() -> str:
+    """torch, the GPU, the host, and every version that differs from the verified ones."""
     import torch
 
+    from verl_hpc.gpu_check.preflight import version_warnings
     from verl_hpc.runtime.device import describe_accelerator
 
-    return f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"
+    line = f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"
+    warnings = version_warnings()
+    return line + ("\nWARNING: not the verified versions: " + "; ".join(warnings) if warnings else "")

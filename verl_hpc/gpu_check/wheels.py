@@ -1,27 +1,37 @@
 """Prepare the wheel folder `python -m verl_hpc.gpu_check` needs on a GPU machine without network.
 
-    python -m verl_hpc.gpu_check.wheels OUT [--python-version 3.11] [--glibc 2.28]
+    python -m verl_hpc.gpu_check.wheels OUT [--python-version 3.12 | --target-python PATH] [--glibc 2.28]
 
 The GPU machine brings CUDA torch (and what torch itself depends on); this folder carries the rest:
 megatron-core and the packages the checks import (transformers and its tokenizer/hub stack,
 omegaconf, h5py, ...), as wheels for the target's Python and platform, resolved here by pip
 (`pip install --dry-run --report`, then `pip download --no-deps` of exactly the resolved versions;
-pip does the resolving and the downloading, this module only picks and measures). The folder must
-stay under 64 MiB (what travels with the work tree to the GPU machine); the script fails otherwise.
+pip does the resolving and the downloading, this module only picks and measures).
+
+The target's Python: `--python-version`, or `--target-python PATH` (that interpreter is asked for
+its version and glibc), default the running interpreter. A package that exists only as a source
+distribution (omegaconf 2.3 needs antlr4-python3-runtime, which has no wheel) is built into a wheel
+here with `pip wheel` when it is pure Python; the GPU machine then installs wheels only and builds
+nothing. The folder must stay under 64 MiB (what travels with the work tree to the GPU machine);
+the script fails otherwise.
 On the GPU machine:  pip install --no-index --find-links OUT -r OUT/requirements.txt
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 LIMIT_BYTES = 64 * 2**20
+MAX_SOURCE_BUILDS = 5  # sdist-only packages built into wheels before giving up
+
+
 # Exact versions this project's tests run with (the CPU venv): the GPU check compares against the
 # same transformers the CPU parity tests use.
 def requirements() -> List[str]:
@@ -30,7 +40,26 @@ def requirements() -> List[str]:
     return [f"megatron-core=={VERIFIED_MEGATRON_VERSION}", f"transformers=={version('transformers')}",
             f"tokenizers=={version('tokenizers')}", f"safetensors=={version('safetensors')}",
             f"omegaconf=={version('omegaconf')}", f"h5py=={version('h5py')}", "isal", "tqdm", "rich",
-            "packaging"]
+            "packaging", "pytest", "pytest-timeout"]  # pytest: `make gpu-all` runs the gpu-marked tests
+
+
+def project_requirements() -> List[str]:
+    """setup.py's install_requires (CORE): what a job and the demo import besides the checks'
+    packages (pyarrow, submitit, matplotlib, ...). Read from setup.py, the one place they are
+    written; the folder made with them is larger than the 64 MiB carry."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CORE":
+            return list(ast.literal_eval(node.value))
+    raise SystemExit("setup.py has no CORE list")
+
+
+def merged(reqs: List[str], extra: List[str]) -> List[str]:
+    """reqs plus the extra requirements whose package reqs does not name already."""
+    named = {_canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in reqs}
+    return reqs + [r for r in extra if _canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) not in named]
 
 
 # Present wherever CUDA torch is installed (torch's own dependencies), so not carried. numpy is
@@ -49,8 +78,23 @@ def carried(name: str) -> bool:
     return n not in WITH_TORCH and not n.startswith("nvidia-")
 
 
-def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+def _pip(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], check=not capture,
+                          capture_output=capture, text=True)
+
+
+PROBE = ("import platform, sys; print('%d.%d' % sys.version_info[:2]); "
+         "lib, ver = platform.libc_ver(); print(ver if lib == 'glibc' else '')")
+
+
+def probe_target(python: str) -> Tuple[str, Optional[str]]:
+    """(Python version 'X.Y', glibc 'X.Y' or None) of the interpreter at `python`."""
+    try:
+        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SystemExit(f"--target-python {python}: could not run it ({e})")
+    lines = out.split("\n")
+    return lines[0].strip(), (lines[1].strip() or None) if len(lines) > 1 else None
 
 
 def target_args(python_version: str, glibc: str) -> List[str]:
@@ -63,39 +107,98 @@ def target_args(python_version: str, glibc: str) -> List[str]:
             *[a for t in tags for a in ("--platform", t)]]
 
 
-def resolve(reqs: List[str], python_version: str, glibc: str) -> Dict[str, str]:
-    """{name: version} of everything pip would install for `reqs` on the target."""
+# pip's words when a requirement has no wheel for the target (with --only-binary=:all:)
+_NO_WHEEL = re.compile(r"Could not find a version that satisfies the requirement (\S+)")
+
+
+def missing_wheel(stderr: str) -> Optional[str]:
+    """The requirement pip found no wheel for (e.g. 'antlr4-python3-runtime==4.9.*'), or None."""
+    m = _NO_WHEEL.search(stderr)
+    return m.group(1) if m else None
+
+
+def build_pure_wheel(req: str, dest: Path) -> Path:
+    """`pip wheel` a source-only requirement into `dest`; only a pure-Python result (py3-none-any)
+    is acceptable, since it is built here for another machine."""
+    before = set(dest.glob("*.whl"))
+    _pip("wheel", "--no-deps", "--quiet", "--wheel-dir", str(dest), req)
+    new = sorted(set(dest.glob("*.whl")) - before)
+    if not new:
+        raise SystemExit(f"pip wheel {req}: no wheel produced")
+    for w in new:
+        if not w.name.endswith("-none-any.whl"):
+            w.unlink()
+            raise SystemExit(f"{req} has no wheel for the target and is not pure Python ({w.name}); "
+                             "it cannot be carried: install it on the GPU machine from its index")
+    return new[0]
+
+
+def resolve(reqs: List[str], python_version: str, glibc: str, local: Path) -> Dict[str, str]:
+    """{name: version} of everything pip would install for `reqs` on the target. A requirement
+    with only a source distribution is built into `local` (pure Python only) and pip asked again."""
     target = target_args(python_version, glibc)
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-             "--target", str(Path(tmp) / "t"), *target, *reqs)
-        data = json.loads(report.read_text())
-    return {i["metadata"]["name"]: i["metadata"]["version"] for i in data["install"]}
+    for _ in range(MAX_SOURCE_BUILDS + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            r = _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+                     "--find-links", str(local), "--target", str(Path(tmp) / "t"), *target, *reqs,
+                     capture=True)
+            if r.returncode == 0:
+                data = json.loads(report.read_text())
+                return {i["metadata"]["name"]: i["metadata"]["version"] for i in data["install"]}
+        req = missing_wheel(r.stderr)
+        if req is None:
+            raise SystemExit(f"pip could not resolve {reqs} for Python {python_version}:\n{r.stderr[-3000:]}")
+        print(f"{req}: no wheel for the target; building a pure-Python wheel of it here")
+        build_pure_wheel(req, local)
+    raise SystemExit(f"more than {MAX_SOURCE_BUILDS} source-only packages; giving up")
 
 
-def prepare(out: Path, python_version: str, glibc: str) -> Dict[str, int]:
+def prepare(out: Path, python_version: str, glibc: str, reqs: Optional[List[str]] = None) -> Dict[str, int]:
     out.mkdir(parents=True, exist_ok=True)
-    pins = {n: v for n, v in resolve(requirements(), python_version, glibc).items() if carried(n)}
+    pins = {n: v for n, v in resolve(reqs or requirements(), python_version, glibc, out).items() if carried(n)}
     target = target_args(python_version, glibc)
-    _pip("download", "--no-deps", "--quiet", "--dest", str(out), *target,
+    _pip("download", "--no-deps", "--quiet", "--find-links", str(out), "--dest", str(out), *target,
          *[f"{n}=={v}" for n, v in sorted(pins.items())])
     (out / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+    (out / "TARGET").write_text(f"python {python_version}, glibc >= {glibc}, x86_64\n")
     return {w.name: w.stat().st_size for w in sorted(out.glob("*.whl"))}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}")
-    ap.add_argument("--glibc", default="2.28", help="the GPU machine's glibc (x86_64 Linux)")
+    who = ap.add_mutually_exclusive_group()
+    who.add_argument("--python-version", help="the GPU machine's Python, X.Y (default: this interpreter's)")
+    who.add_argument("--target-python", help="an interpreter of the target: its version and glibc are used")
+    ap.add_argument("--glibc", help="the GPU machine's glibc (x86_64 Linux); default 2.28, or the "
+                    "target interpreter's")
+    ap.add_argument("--with-project", action="store_true",
+                    help="also the project's own dependencies (setup.py CORE: pyarrow, submitit, ...), "
+                         "which the demo needs; larger than 64 MiB, so the limit is not enforced")
+    ap.add_argument("--requirement", action="append", help=argparse.SUPPRESS)  # tests: other pins
     args = ap.parse_args(argv)
-    sizes = prepare(args.out, args.python_version, args.glibc)
+    reqs = args.requirement or requirements()
+    if args.with_project:
+        reqs = merged(reqs, project_requirements())
+    python_version, glibc = args.python_version, args.glibc
+    if args.target_python:
+        python_version, found = probe_target(args.target_python)
+        glibc = glibc or found
+    python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    glibc = glibc or "2.28"
+    print(f"target: Python {python_version}, glibc >= {glibc}")
+    sizes = prepare(args.out, python_version, glibc, reqs)
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     for name, size in sizes.items():
         print(f"{size / 2**20:8.2f} MiB  {name}")
     print(f"{total / 2**20:8.2f} MiB  total in {args.out} ({len(sizes)} wheels; limit 64 MiB)")
-    if total >= LIMIT_BYTES:
+    sdists = sorted(p.name for p in args.out.iterdir() if p.suffix in (".gz", ".zip", ".bz2"))
+    if sdists:
+        print(f"source distributions in the folder (the GPU machine would have to build them): {sdists}",
+              file=sys.stderr)
+        return 1
+    if total >= LIMIT_BYTES and not args.with_project:
         print(f"too large: {total / 2**20:.2f} MiB >= 64 MiB", file=sys.stderr)
         return 1
     return 0

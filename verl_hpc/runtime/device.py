@@ -89,6 +89,14 @@ def peak_memory_allocated() -> int | None:
     return int(torch.cuda.max_memory_allocated())
 
 
+def memory_allocated() -> int | None:
+    """Bytes torch holds in tensors on the current GPU now (a baseline for a peak); None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated())
+
+
 def describe_accelerator() -> str:
     """e.g. 'NVIDIA H100 80GB HBM3 (sm 9.0), CUDA 13.0' or 'no GPU'."""
     if not has_gpu():

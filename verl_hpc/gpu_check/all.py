@@ -1,0 +1,219 @@
+"""`make gpu-all`: everything a first GPU node should run, in one command, within 10 minutes.
+
+    python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--cpu-rehearsal] [--dry-run]
+
+Steps, each a command with its own time limit and log file (OUT/<step>.log):
+  install     the kit's offline install from the wheel folder (--wheels; skipped without it)
+  gpu_check   python -m verl_hpc.gpu_check (the first-GPU check, its table in OUT/gpu_check/)
+  gpu_tests   pytest -m gpu (the gpu-marked tests)
+  demo        python -m verl_hpc.trainer.demo (SFT warm start + GRPO on the tiny model)
+  bench       python benchmarks/bench_gpu_step.py (engine vs transformers train step)
+then OUT/summary.txt (and .json): step, status, seconds, limit, log; the versions that differ
+from the verified ones. The limits add up to BUDGET_S; a step never runs past what is left of it.
+Without a GPU it stops with exit 2 unless --cpu-rehearsal: then the same steps run their CPU
+rehearsals (the kit's checks on gloo, the benchmark's tiny shape); the demo and the gpu tests,
+which have no short CPU form, are skipped with the reason. Exit 1 when a step failed or timed out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+BUDGET_S = 600  # one GPU, the whole run
+STATUSES = ("PASS", "FAIL", "TIMEOUT", "SKIPPED")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    command: Optional[List[str]]  # None: skipped, `why` says why
+    limit_s: float
+    why: str = ""
+    # asked when the step is due (after the install step): a reason to skip it, or ""
+    precondition: Optional[Callable[[], str]] = None
+
+
+@dataclasses.dataclass
+class Outcome:
+    step: Step
+    status: str
+    seconds: float
+    log: Path
+    detail: str = ""
+
+
+def demo_missing() -> List[str]:
+    """Modules the demo imports that the 64 MiB kit folder does not carry (the project's own
+    dependencies: `wheels --with-project` carries them, or a networked `pip install -e .`)."""
+    import importlib
+
+    importlib.invalidate_caches()  # the install step may have just added them
+    return [m for m in ("pyarrow", "submitit", "matplotlib") if importlib.util.find_spec(m) is None]
+
+
+def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
+         missing: Callable[[], List[str]] = demo_missing) -> List[Step]:
+    """The steps, their commands and limits (seconds; they add up to BUDGET_S)."""
+    install = None
+    if wheels is not None:
+        install = [py, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
+                   "-r", str(wheels / "requirements.txt")]
+    check = [py, "-m", "verl_hpc.gpu_check", "--out", str(out / "gpu_check")]
+    bench = [py, str(ROOT / "benchmarks/bench_gpu_step.py"), "--out", str(out / "bench")]
+    if rehearsal:
+        check.append("--cpu-rehearsal")
+        bench.append("--cpu-rehearsal")
+    def demo_ready() -> str:
+        gaps = missing()
+        return (f"not installed: {', '.join(gaps)} (the project's own dependencies: build the wheel "
+                "folder with --with-project, or pip install -e .)") if gaps else ""
+
+    steps = [
+        Step("install", install, 45, "" if install else "no wheel folder given (--wheels DIR / WHEELS=DIR)"),
+        Step("gpu_check", check, 210),
+        Step("gpu_tests", None if rehearsal else [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                                   "tests/unit"],
+             90, "CPU rehearsal: the gpu-marked tests skip without a GPU"),
+        Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.demo", "--out", str(out / "demo")],
+             135, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
+        Step("bench", bench, 120),
+    ]
+    # the benchmark has a limit of its own: leave it a little time to write what it measured
+    steps[-1] = dataclasses.replace(steps[-1], command=[*bench, "--time-limit", str(steps[-1].limit_s - 15)])
+    assert sum(s.limit_s for s in steps) <= BUDGET_S
+    return steps
+
+
+def run_step(step: Step, log: Path, limit_s: float) -> Outcome:
+    """Run one step's command with its log; on the limit, end its process group (our own child's)."""
+    if step.command is None:
+        log.write_text(f"skipped: {step.why}\n")
+        return Outcome(step, "SKIPPED", 0.0, log, step.why)
+    why = step.precondition() if step.precondition else ""
+    if why:
+        log.write_text(f"skipped: {why}\n")
+        return Outcome(step, "SKIPPED", 0.0, log, why)
+    if limit_s <= 0:
+        log.write_text("skipped: the run's time budget is spent\n")
+        return Outcome(step, "SKIPPED", 0.0, log, "out of time")
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(step.command)}\n")
+        f.flush()
+        proc = subprocess.Popen(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Outcome(step, "TIMEOUT", time.perf_counter() - start, log, f"killed after {limit_s:.0f} s")
+    status = "PASS" if rc == 0 else "FAIL"
+    return Outcome(step, status, time.perf_counter() - start, log, "" if rc == 0 else f"exit code {rc}")
+
+
+def run_all(steps: Sequence[Step], out: Path, budget_s: float = BUDGET_S, log=print,
+            gate: Optional[Callable[[], str]] = None) -> List[Outcome]:
+    """Run the steps in order within one budget. `gate` is asked after the first step (the
+    install): a reason to skip the rest (no GPU), or ""."""
+    deadline = time.monotonic() + budget_s
+    outcomes: List[Outcome] = []
+    stop = ""
+    for i, step in enumerate(steps):
+        if i == 1 and gate is not None:
+            stop = gate()
+        if stop:
+            outcomes.append(run_step(dataclasses.replace(step, command=None, why=stop),
+                                     out / f"{step.name}.log", 0))
+            continue
+        limit = min(step.limit_s, deadline - time.monotonic())
+        log(f"[gpu-all] {step.name} (limit {max(limit, 0):.0f} s) ...", flush=True)
+        outcomes.append(run_step(step, out / f"{step.name}.log", limit))
+        log(f"[gpu-all] {step.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s", flush=True)
+    return outcomes
+
+
+def summary(outcomes: Sequence[Outcome], header: Sequence[str] = ()) -> str:
+    lines = list(header)
+    lines.append(f"{'step':<10}  {'status':<8}  {'s':>5}  {'limit':>5}  log / detail")
+    lines += [f"{o.step.name:<10}  {o.status:<8}  {o.seconds:5.0f}  {o.step.limit_s:5.0f}  {o.log}"
+              + (f"  ({o.detail})" if o.detail else "") for o in outcomes]
+    counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
+    lines.append(", ".join(f"{n} {s.lower()}" for s, n in counts.items())
+                 + f"; {sum(o.seconds for o in outcomes):.0f} s in all")
+    return "\n".join(lines)
+
+
+def write_summary(outcomes: Sequence[Outcome], out: Path, header: Sequence[str] = ()) -> str:
+    text = summary(outcomes, header)
+    (out / "summary.txt").write_text(text + "\n")
+    (out / "summary.json").write_text(json.dumps({
+        "header": list(header),
+        "steps": [{"step": o.step.name, "status": o.status, "seconds": round(o.seconds, 1),
+                   "limit_s": o.step.limit_s, "log": str(o.log), "detail": o.detail} for o in outcomes]},
+        indent=1) + "\n")
+    return text
+
+
+def header(rehearsal: bool) -> List[str]:
+    """The machine and the versions (after the install step: before it, the project's packages
+    may not import yet)."""
+    try:
+        from verl_hpc.gpu_check.preflight import version_warnings, versions
+        from verl_hpc.runtime.device import describe_accelerator
+
+        rows = versions()
+        machine = describe_accelerator()
+    except ImportError as e:
+        return [f"versions unknown: {e} (the install step did not complete)"]
+    lines = [f"{machine}, host {os.uname().nodename}" + ("; CPU REHEARSAL: not GPU results" if rehearsal else ""),
+             "versions: " + ", ".join(f"{n} {got or '-'}" for n, got, _ in rows)]
+    lines += [f"WARNING: {w}" for w in version_warnings(rows)]
+    return lines
+
+
+def no_gpu() -> str:
+    """Why the GPU steps cannot run here ("" where a CUDA device is visible)."""
+    try:
+        from verl_hpc.runtime.device import has_gpu
+    except ImportError as e:
+        return f"the project does not import ({e}): install the kit's wheels first"
+    return "" if has_gpu() else "no CUDA device here (make gpu-all runs --cpu-rehearsal then)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m verl_hpc.gpu_check.all", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("outputs/gpu_all"))
+    ap.add_argument("--wheels", type=Path, help="the kit's wheel folder to install first (offline)")
+    ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
+    ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
+    args = ap.parse_args(argv)
+    out = args.out.resolve()
+    steps = plan(out, py=sys.executable, wheels=args.wheels.resolve() if args.wheels else None,
+                 rehearsal=args.cpu_rehearsal)
+    if args.dry_run:
+        for s in steps:
+            print(f"{s.name:<10} {s.limit_s:4.0f} s  " + (" ".join(s.command) if s.command else f"skipped: {s.why}"))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = run_all(steps, out, gate=None if args.cpu_rehearsal else no_gpu)
+    head = header(args.cpu_rehearsal)
+    print(write_summary(outcomes, out, head))
+    print(f"(summary and logs in {out})")
+    if not args.cpu_rehearsal and no_gpu():
+        print(f"gpu-all: {no_gpu()}; it needs a GPU (--cpu-rehearsal runs the CPU rehearsals)", file=sys.stderr)
+        return 2
+    return 1 if any(o.status in ("FAIL", "TIMEOUT") for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

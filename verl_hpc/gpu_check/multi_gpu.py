@@ -1,0 +1,125 @@
+"""The kit's two-rank check: tensor parallel 2, then data parallel 2 with the distributed optimizer,
+on NCCL across two GPUs of this node (gloo on CPU under --cpu-rehearsal).
+
+    run_two_ranks(out, model_path, rehearsal)   # parent: start 2 ranks, wait, return rank 0's result
+    python -m verl_hpc.gpu_check.multi_gpu WORKDIR   # one rank (torchrun's variables in its env)
+
+The kit's own process holds a world of one rank, so the two ranks are fresh processes, started with
+torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) the way the project's
+runtime reads them; each binds the GPU of its local rank. What they run:
+- TP 2: the frozen engine's log-probs of the kit's batch (the parent compares them with
+  transformers), and one train step at TP 2 (finite loss, parameters moved);
+- DP 2: a train step with `use_distributed_optimizer` (the engine shards only at dp > 1, which a
+  one-GPU kit cannot show); the updated parameters must be equal on both ranks.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORLD = 2
+TIMEOUT_S = 420
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeout_s: float = TIMEOUT_S) -> dict:
+    """Start the ranks, wait (one deadline for both; a late or failed rank gets both killed, our
+    own children by handle) and return rank 0's result; raise with the logs' tails on failure."""
+    work = Path(out) / "two_ranks"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal, "dtype": dtype}))
+    port, procs = _free_port(), []
+    root = Path(__file__).resolve().parents[2]
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        if rehearsal:
+            env["OMP_NUM_THREADS"] = "1"  # two CPU ranks share the machine's cores
+        env.pop("SLURM_JOB_ID", None)  # local ranks even inside an allocation
+        with open(work / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "verl_hpc.gpu_check.multi_gpu", str(work)],
+                                          cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline, failed = time.time() + timeout_s, False
+    for p in procs:
+        try:
+            failed |= p.wait(timeout=max(1.0, deadline - time.time())) != 0
+        except subprocess.TimeoutExpired:
+            failed = True
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    if failed:
+        tails = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n" + (work / f"rank{r}.log").read_text()[-1500:]
+                          for r, p in enumerate(procs))
+        raise RuntimeError(f"two-rank check failed (logs in {work}):\n{tails}")
+    return json.loads((work / "rank0.json").read_text())
+
+
+def _rank_main(work: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from verl_hpc.engines.megatron import MegatronEngine, default_options
+    from verl_hpc.gpu_check.workload import batch as _batch, loss_fn as _loss_fn, train_options
+    from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
+    from verl_hpc.runtime.bootstrap import bootstrap, shutdown
+
+    args = json.loads((work / "args.json").read_text())
+    rehearsal, path, dtype = args["rehearsal"], args["model_path"], args["dtype"]
+    ctx = bootstrap(backend="gloo" if rehearsal else "nccl", timeout_s=300)
+    rank = dist.get_rank()
+    result = {"device": str(ctx.device), "backend": ctx.backend}
+
+    # --- tensor parallel 2
+    mp = init_model_parallel(2, 1, seed=1234, timeout_minutes=5)
+    assert (mp.tp, mp.dp) == (2, 1), (mp.tp, mp.dp)
+    frozen = MegatronEngine(default_options(model_path=path, trainable=False, dtype=dtype, micro_batch_size=2))
+    result["tp2_log_probs"] = frozen.forward(_batch(), ("log_probs",))["log_probs"].float().cpu().tolist()
+    del frozen
+    eng = MegatronEngine(train_options(path, dtype, use_distributed_optimizer=False))
+    before = [p.detach().clone() for p in eng._parameters()]
+    m = eng.train_step(_batch(1), _loss_fn)
+    assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
+    moved = sum(not torch.equal(a, b) for a, b in zip(before, eng._parameters()))
+    assert moved > 0, "TP 2: no parameter changed"
+    result["tp2_step"] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved}
+    del eng, before
+    destroy_model_parallel()
+
+    # --- data parallel 2 with the distributed optimizer
+    mp = init_model_parallel(1, 1, seed=1234, timeout_minutes=5)
+    assert (mp.tp, mp.dp) == (1, 2), (mp.tp, mp.dp)
+    eng = MegatronEngine(train_options(path, dtype, use_distributed_optimizer=True))
+    assert eng.shard_optimizer, "the engine did not shard the optimizer at dp 2"
+    inner = type(eng.optimizer.chained_optimizers[0])
+    m = eng.train_step(_batch(1), _loss_fn)
+    assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
+    flat = torch.cat([p.detach().float().reshape(-1) for p in eng._parameters()])
+    spread = flat.clone()
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    lowest = flat.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    differ = float((spread - lowest).abs().max())
+    assert differ == 0.0, f"DP 2: parameters differ between the ranks after the step (max {differ:.3g})"
+    result["dp2_step"] = {"loss": m["loss"], "optimizer": f"{inner.__module__}.{inner.__name__}"}
+    del eng
+    destroy_model_parallel()
+    (work / f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))
