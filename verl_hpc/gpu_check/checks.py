@@ -300,6 +300,7 @@ def memory_plan(kit: Kit) -> str:
     from verl_hpc.engines.megatron.options import EngineOptions
     from verl_hpc.gpu_check import memplan
     from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.models.gpt import transformer_engine_available
     from verl_hpc.planning import plan_job
     from verl_hpc.runtime.device import memory_allocated, peak_memory_allocated, reset_peak_memory
 
@@ -307,7 +308,8 @@ def memory_plan(kit: Kit) -> str:
     lengths = (dict(prompt=memplan.REHEARSAL_PROMPT, response=memplan.REHEARSAL_RESPONSE)
                if kit.rehearsal else dict(prompt=memplan.PROMPT, response=memplan.RESPONSE))
     cfg = memplan.kit_job_config(path, gpu=not kit.rehearsal, **lengths)
-    plan = plan_job(cfg)
+    # the layer spec this machine builds: a GPU node without Transformer Engine runs the local spec
+    plan = plan_job(cfg, layer_impl="te" if transformer_engine_available() else "local")
     gc.collect()
     base = memory_allocated() or 0  # what the earlier checks still hold
     reset_peak_memory()

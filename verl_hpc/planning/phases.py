@@ -141,15 +141,20 @@ def gpu_total_bytes(cfg, gpu_memory_gb: Optional[float]) -> float:
 
 
 def plan_job(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optional[float] = None,
-             allow_known: bool = True, stage: Optional[int] = None) -> MemoryPlan:
-    """The plan of the heavier of the first and last pipeline stage (or of `stage`)."""
+             allow_known: bool = True, stage: Optional[int] = None,
+             layer_impl: Optional[str] = None) -> MemoryPlan:
+    """The plan of the heavier of the first and last pipeline stage (or of `stage`).
+
+    layer_impl: the layer spec the engine will build ("te" | "local"); default: TE layers on a GPU
+    job, the local spec on a CPU job. The planner runs where the job is submitted, which need not
+    have Transformer Engine; a caller on the machine itself (the GPU kit) passes what it has."""
     pp = cfg.parallel.pp
     stages = [stage] if stage is not None else sorted({0, pp - 1})
-    plans = [_plan_stage(cfg, s, gpu_memory_gb, node_memory_gb, allow_known) for s in stages]
+    plans = [_plan_stage(cfg, s, gpu_memory_gb, node_memory_gb, allow_known, layer_impl) for s in stages]
     return max(plans, key=lambda p: p.checked_peak())
 
 
-def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> MemoryPlan:
+def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_impl=None) -> MemoryPlan:
     par, gpu = cfg.parallel, cfg.slurm.gpus_per_node > 0
     tp, pp, dp = par.tp, par.pp, max(1, cfg.dp)
     prec = Precision.of(cfg.model.dtype)
@@ -160,7 +165,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
     setup = ActivationSetup(tp=tp, sequence_parallel=sp, recompute=par.recompute_granularity,
                             recompute_method=par.recompute_method,
                             recompute_num_layers=par.recompute_num_layers,
-                            impl="te" if gpu else "local")  # GPU: TE layers; CPU: the local spec
+                            impl=layer_impl or ("te" if gpu else "local"))  # GPU: TE layers; CPU: local
     vpp = par.vpp or 0
     last = stage == pp - 1
 
