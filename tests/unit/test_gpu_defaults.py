@@ -51,6 +51,12 @@ def test_the_vllm_engine_gets_the_switches_of_the_rank_s_machine(monkeypatch, gp
     assert (kw["enforce_eager"], kw["sleep_between_phases"]) == (True, False)
 
 
+def test_vllm_gets_the_jobs_collective_timeout():
+    """(issue 27, 7) vLLM's own process groups: see test_rol_vllm for the engine's config."""
+    kw = engine_kwargs(load_config(None, ["trainer.collective_timeout_s=123"]), "vllm")
+    assert kw["collective_timeout_s"] == 123
+
+
 def test_the_memory_plan_reads_the_switches_through_the_section():
     """The plan counts CUDA graphs where vLLM captures them: with the GPU default, not with
     `enforce_eager: true` (a string "false" would be truthy if read as it is stored)."""

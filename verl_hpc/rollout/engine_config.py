@@ -17,6 +17,7 @@ def engine_kwargs(cfg, engine: str) -> dict:
         gpu = devices.has_gpu()  # the rank's machine: what the rollout section's auto switches follow
         kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
                       gpu_memory_utilization=r.gpu_memory_utilization,
+                      collective_timeout_s=cfg.trainer.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
                       sleep_between_phases=r.sleeps(gpu), sleep_level=r.sleep_level)
     return kwargs
@@ -32,5 +33,6 @@ def default_engine_args(engine: str, **changes) -> dict:
     args = dict(dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
                 max_response_length=cfg.data.max_response_length, prompt_overflow=cfg.rollout.prompt_overflow)
     if engine == "vllm":
-        args["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+        args.update(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                    collective_timeout_s=cfg.trainer.collective_timeout_s)
     return dict(args, **changes)
