@@ -77,7 +77,7 @@ def test_the_memory_plan_reads_the_switches_through_the_section():
 
 
 # -------------------------------------------------------------- the demo follows the machine (10)
-DEMO = ["demo_rl.yaml", "demo_sft.yaml"]
+DEMO = ["demo_rl.yaml", "demo_sft.yaml", "demo_dpo.yaml"]
 
 
 @pytest.mark.parametrize("name", DEMO)
