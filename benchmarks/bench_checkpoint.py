@@ -155,7 +155,7 @@ def worker(rank, world, port, args, workdir):
     t_cols = timed(load_cols)
 
     # async: how long save() holds the caller (1st call allocates snapshot buffers, later ones reuse)
-    saver = AsyncSaver(Path(workdir) / "ckpt_async", keep_last=1)
+    saver = AsyncSaver(Path(workdir) / "ckpt_async", keep_last=1, timeout_s=600)
     blocked, commit = [], []
     for k in range(2):
         os.sync()

@@ -18,7 +18,7 @@ and reused:
 GRPO at matched settings on both sides: temperature 1, one optimizer step per batch (one
 mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), constant LR, grad-norm clip 1.0,
 fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_hpc runs as a job
-(`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: auto`, which on CPU
+(`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: fastest`, which on CPU
 picks HF generate for both sizes: the tiny model is under 2M parameters, and at 100m with 8 samples
 of short prompts the HF rollout's one prefill per prompt outweighs its slower decode (the job log
 says why); `--verl-set rollout.engine=vllm` to compare); TRL's GRPOTrainer runs in its own process
@@ -123,7 +123,7 @@ def run_verl(out: Path, size: Size, ws: Path, data: Path, ranks: int, steps: int
         f"actor.optim.lr={size.lr}", "actor.optim.lr_decay_style=constant", "actor.optim.min_lr=0",
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "tracking.backends=[jsonl]",
         f"slurm.tasks_per_node={ranks}", f"trainer.output_dir={run}", f"slurm.log_dir={run}/logs",
-        "trainer.resume=never", "checkpoint.keep_last=1", "rollout.engine=auto", f"slurm.cpus_per_task={threads}",
+        "trainer.resume=never", "checkpoint.keep_last=1", "rollout.engine=fastest", f"slurm.cpus_per_task={threads}",
         *size.verl_set, *extra], f"verl_hpc GRPO, {size.name}, {ranks} rank(s){tag}",
        out / f"verl_{size.name}_{ranks}rank{tag}.log")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]

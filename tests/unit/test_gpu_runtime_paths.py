@@ -151,3 +151,49 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
     assert mine == dict(shell, TORCH_VERSION=_pin(gpu, "torch")[0])
     assert '"transformer-engine[pytorch,core_cu${cuda_major}]==$TE_VERSION"' in installer
     assert "--no-build-isolation" in installer
+
+
+# ------------------------------------------------ CUDA_VISIBLE_DEVICES with UUIDs (issue 27, 7)
+GPU_A = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
+GPU_B = "GPU-1b2c3d4e-aaaa-bbbb-cccc-0123456789ab"
+MIG_A = "MIG-c7384736-a75d-5afc-978f-d2f1294409fd"
+
+
+@pytest.mark.parametrize("value, count", [("0,1,2,3", 4), (f"{GPU_A},{GPU_B}", 2), (f" {GPU_A} ", 1),
+                                          (MIG_A, 1), (f"MIG-{GPU_A}/1/0", 1), ("", 0), (None, 8),
+                                          ("-1", 0)])
+def test_visible_devices_by_index_or_full_uuid_are_accepted(value, count):
+    assert devices.visible_devices_problem(value, count) is None
+
+
+@pytest.mark.parametrize("value, count, says", [
+    ("0,gpu1", 1, "entry 1 ('gpu1') is not a GPU index or a full GPU/MIG UUID"),
+    ("GPU-8932f937", 1, "entry 0 ('GPU-8932f937') is not a GPU index or a full GPU/MIG UUID"),
+    ("0,,1", 1, "entry 1 ('') is not"),
+    (f"{MIG_A},MIG-{GPU_B}/2/0", 1, "CUDA shows a process only the first MIG device"),
+    (f"{GPU_A},{MIG_A}", 1, "1 of them MIG"),
+    ("0,1,7", 2, "lists 3 devices but CUDA sees 2"),
+])
+def test_visible_devices_that_would_misplace_ranks_are_refused(value, count, says):
+    problem = devices.visible_devices_problem(value, count)
+    assert problem.startswith(f"CUDA_VISIBLE_DEVICES={value!r}: ") and says in problem
+    assert "valid: comma-separated GPU indices" in problem
+
+
+def test_gpu_uuids_place_ranks_by_position_and_bad_lists_stop_the_rank(monkeypatch):
+    """A UUID list gives local rank k the k-th listed GPU, as an index list does (CUDA renumbers
+    the visible GPUs 0..n-1 in list order); a list that would misplace ranks is a ConfigError
+    before any device is touched."""
+    from verl_hpc.config import ConfigError
+
+    picked = []
+    monkeypatch.setattr(devices, "has_gpu", lambda: True)
+    monkeypatch.setattr(devices, "visible_device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{GPU_A},{GPU_B}")
+    assert [devices.device_for(k) for k in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert picked == [0, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{MIG_A},MIG-{GPU_B}/2/0")
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=.*every rank of the node would share it"):
+        devices.device_for(1)
+    assert picked == [0, 1]

@@ -22,7 +22,7 @@ Lustre/GPFS at 1000 ranks:
 Public API:
     ShardedTensor(name, local, global_shape=None, offsets=None); ShardedTensor.chunk(...)
     save_checkpoint(root, step, tensors, *, metadata, rank_state, layout, keep_last, group) -> Path
-    AsyncSaver(root, keep_last=..., group=...).save(step, tensors, ...) / .wait()
+    AsyncSaver(root, timeout_s=..., keep_last=..., group=...).save(step, tensors, ...) / .wait()
     open_checkpoint(path) -> CheckpointReader (.load_tensor, .load_into, .metadata, .rank_state, .verify)
     load_tensor, load_into, read_metadata, read_rank_state, list_tensors, find_latest, resolve
     flat_range_slabs (distributed-optimizer shards -> slabs), capture/restore_rng_state

@@ -8,7 +8,8 @@ users, so that cannot happen, and the checkpoint is published as soon as the slo
 written, without waiting for the trainer to call anything. The cost: constructing an AsyncSaver
 is itself a collective (torch's new_group must be called by every rank of the default group).
 
-    saver = AsyncSaver(root, keep_last=cfg.checkpoint.keep_last)   # every rank, same point of the program
+    saver = AsyncSaver(root, keep_last=cfg.checkpoint.keep_last,  # every rank, same point of the program
+                       timeout_s=cfg.trainer.collective_timeout_s)
     saver.save(step, tensors, metadata=..., rank_state=...)   # returns after the snapshot
     ...train...
     saver.save(step2, ...)                         # first waits for the previous save
@@ -21,6 +22,7 @@ the saver holds one CPU copy of this rank's checkpointed tensors for its lifetim
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import threading
 import time
@@ -39,22 +41,27 @@ from verl_hpc.checkpoint.sharded import ShardedTensor
 log = logging.getLogger("verl_hpc.checkpoint")
 
 
-def _private_comm(group):
+def _private_comm(group, timeout_s: float):
     if group is not None and hasattr(group, "gather") and hasattr(group, "bcast"):
         return group  # a comm.Comm (tests: ThreadComm)
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return SingleComm()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
+    # a new group does not inherit the default group's timeout (torch gives gloo 30 minutes): a rank
+    # that died mid-save would hold the others that long past the job's collective timeout
+    return TorchComm(dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
 
 class AsyncSaver:
-    def __init__(self, root, *, keep_last: int = 0, group=None, layout: Optional[dict] = None,
+    """`timeout_s`: the job's collective timeout (trainer.collective_timeout_s), for the saver's own
+    gloo group."""
+
+    def __init__(self, root, *, timeout_s: float, keep_last: int = 0, group=None, layout: Optional[dict] = None,
                  replicas: str = "lowest", **save_kw) -> None:
         self.root = Path(root)
         self._kw = dict(keep_last=keep_last, layout=layout, replicas=replicas, **save_kw)
-        self._comm = _private_comm(group)
+        self._comm = _private_comm(group, timeout_s)
         self._buffers: dict = {}
         self._thread: Optional[threading.Thread] = None
         self._step: Optional[int] = None

@@ -79,7 +79,8 @@ class TrainerCheckpointer:
         self.preempted_at: Optional[int] = None
         self._async = None
         if c.async_save:  # collective (own gloo group): every rank builds its checkpointer
-            self._async = AsyncSaver(self.root, keep_last=self.keep_last, layout=self.layout)
+            self._async = AsyncSaver(self.root, keep_last=self.keep_last, layout=self.layout,
+                                     timeout_s=cfg.trainer.collective_timeout_s)
 
     # ------------------------------------------------------------------------------ saving
     def _engines(self) -> Dict[str, Any]:

@@ -109,13 +109,15 @@ def response_tokens(input_ids: torch.Tensor, prompt_lengths: torch.Tensor, width
 
 def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int], *, pad_seq_to: int = 1) -> Batch:
     """The sub-batch of `rows`, cut to its own longest sequence (rounded up to `pad_seq_to`) and
-    longest response, so a micro-batch of short sequences costs short-sequence compute."""
+    longest response, so a micro-batch of short sequences costs short-sequence compute. The
+    rounding may go past the batch's own width (padded with zeros): FP8 GEMMs and sequence
+    parallelism refuse any other length."""
     b, s = batch["input_ids"].shape
     t_full = response_width(batch)
     idx = torch.as_tensor(list(rows), dtype=torch.long)
     plen, rlen = batch["prompt_lengths"][idx], batch["response_lengths"][idx]
     s_sub = max(int((plen + rlen).max()), 1) if len(idx) else 1
-    s_sub = min(-(-s_sub // pad_seq_to) * pad_seq_to, max(s, s_sub))
+    s_sub = -(-s_sub // pad_seq_to) * pad_seq_to
     t_sub = max(int(rlen.max()), 1) if len(idx) else 1
     out: Batch = {}
     for key, value in batch.items():

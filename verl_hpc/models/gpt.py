@@ -49,6 +49,20 @@ def check_fp8_supported(recipe: str) -> None:
     _check_fp8_runs_here()
 
 
+def token_alignment(fp8: bool, fp8_recipe: str) -> int:
+    """Tokens a micro-batch's sequence length must be a multiple of for the recipe's GEMMs: TE's
+    quantizers refuse other token counts (MXFP8 scales blocks of 32 elements, the per-tensor recipes
+    need 16). Megatron's own rule (fp8_utils.get_fp8_align_size), so the two cannot drift; 1
+    without FP8. The engine pads every micro-batch, the dummy one included, to this times the TP
+    size under sequence parallelism (each rank holds 1/tp of the sequence)."""
+    if not fp8:
+        return 1
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    return get_fp8_align_size(Fp8Recipe(fp8_recipe))
+
+
 def _check_fp8_runs_here() -> None:
     if not has_gpu():
         raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "

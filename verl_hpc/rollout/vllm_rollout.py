@@ -79,10 +79,12 @@ def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
 class VLLMRollout(RolloutEngine):
     name = "vllm"
 
-    # dtype, the lengths, prompt_overflow and gpu_memory_utilization are config fields: required, so
-    # that from_config binds the sections; code without a config uses engine_config.default_engine_args
+    # dtype, the lengths, prompt_overflow, gpu_memory_utilization and collective_timeout_s are config
+    # fields: required, so that from_config binds the sections; code without a config uses
+    # engine_config.default_engine_args
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
-                 prompt_overflow: str, gpu_memory_utilization: float, tp: int = 1, seed: int = 0,
+                 prompt_overflow: str, gpu_memory_utilization: float, collective_timeout_s: int,
+                 tp: int = 1, seed: int = 0,
                  kv_cache_memory_bytes: int = 0,
                  enforce_eager: bool = True, sleep_between_phases: bool = False,
                  sleep_level: int = 1, tokenizer_path: str | None = None,
@@ -119,7 +121,11 @@ class VLLMRollout(RolloutEngine):
                       dtype=dtype if self.gpu else "float32", seed=seed, tensor_parallel_size=tp,
                       max_model_len=max_model_len, enforce_eager=enforce_eager,
                       max_num_seqs=max_num_seqs, trust_remote_code=trust_remote_code,
-                      logprobs_mode=VLLM_LOGPROBS_MODES[self.logprobs_mode])
+                      logprobs_mode=VLLM_LOGPROBS_MODES[self.logprobs_mode],
+                      # vLLM's own TP/PP groups (device and gloo): the job's collective timeout, not
+                      # torch's defaults (10 min NCCL, 30 min gloo), so a dead peer fails them alike
+                      distributed_timeout_seconds=collective_timeout_s,
+                      cpu_distributed_timeout_seconds=collective_timeout_s)
         if layout.world_size > 1:
             import torch.distributed as dist
 

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from verl_hpc.config.errors import ConfigError
 
 
 @functools.cache
@@ -27,10 +31,57 @@ def local_device_index(local_rank: int, device_count: Optional[int] = None) -> i
     return local_rank % n if n > 0 else local_rank
 
 
+# CUDA_VISIBLE_DEVICES entries, as `nvidia-smi -L` prints them. CUDA also takes a UUID's unique
+# prefix, but vLLM looks UUIDs up through NVML (device_control_id_to_physical_device_id), which
+# needs the whole one.
+_HEX = "[0-9a-fA-F]"
+_UUID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+_GPU_UUID = re.compile(f"GPU-{_UUID}")
+_MIG_UUID = re.compile(f"MIG-(?:{_UUID}|GPU-{_UUID}/\\d+/\\d+)")  # current and pre-R470 forms
+VISIBLE_DEVICES_VALID = ("comma-separated GPU indices (0,1,...) or full UUIDs as `nvidia-smi -L` prints "
+                         "them (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx; one MIG-... per rank)")
+
+
+def visible_devices_problem(value: Optional[str], cuda_count: int) -> Optional[str]:
+    """Why CUDA_VISIBLE_DEVICES=`value` cannot give each rank its own GPU by position, or None.
+
+    local_device_index places ranks by position in the list, so GPU UUIDs work as indices do (torch,
+    NCCL and vLLM take them; vLLM maps LOCAL_RANK -> list entry -> NVML). What silently goes wrong
+    is refused: an entry CUDA cannot read (it stops there and hides every later GPU), a UUID
+    prefix (NVML needs the whole UUID), several MIG devices (CUDA exposes only the first to a
+    process: every rank would share it), and a list longer than what CUDA sees (an index or UUID
+    of a GPU this node does not have, or one listed twice)."""
+    if not value or cuda_count <= 0:
+        return None
+    entries = [e.strip() for e in value.split(",")]
+    where = f"CUDA_VISIBLE_DEVICES={value!r}"
+    for i, e in enumerate(entries):
+        if not (e.isdigit() or _GPU_UUID.fullmatch(e) or _MIG_UUID.fullmatch(e)):
+            return (f"{where}: entry {i} ({e!r}) is not a GPU index or a full GPU/MIG UUID (CUDA stops "
+                    f"reading the list there and hides the GPUs after it); valid: {VISIBLE_DEVICES_VALID}")
+    mig = [e for e in entries if e.startswith("MIG-")]
+    if mig and len(entries) > 1:
+        return (f"{where}: lists {len(entries)} devices, {len(mig)} of them MIG; CUDA shows a process only "
+                f"the first MIG device, so every rank of the node would share it; give each rank its own "
+                f"(Slurm: --gpus-per-task=1, or one MIG UUID per task); valid: {VISIBLE_DEVICES_VALID}")
+    if len(entries) > cuda_count:
+        return (f"{where}: lists {len(entries)} devices but CUDA sees {cuda_count}: an entry names a GPU "
+                f"this node does not have, or is repeated; valid: {VISIBLE_DEVICES_VALID}")
+    return None
+
+
+def check_visible_devices() -> None:
+    """Refuse a CUDA_VISIBLE_DEVICES that would put ranks on the wrong GPUs (visible_devices_problem)."""
+    problem = visible_devices_problem(os.environ.get("CUDA_VISIBLE_DEVICES"), visible_device_count())
+    if problem:
+        raise ConfigError(problem)
+
+
 def device_for(local_rank: int) -> torch.device:
     """One rank per GPU: cuda:local_device_index(local_rank), made current; cpu without GPUs."""
     if not has_gpu():
         return torch.device("cpu")
+    check_visible_devices()
     index = local_device_index(local_rank)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

@@ -87,7 +87,7 @@ def scenario_save(args, ctx):
     t0 = time.perf_counter()
     path = save_checkpoint(args["root"], 1, tensors, metadata=meta, rank_state=state, layout=layout)
     sync_s = time.perf_counter() - t0
-    saver = AsyncSaver(args["root_async"], layout=layout)  # collective: creates its gloo group
+    saver = AsyncSaver(args["root_async"], layout=layout, timeout_s=120)  # collective: creates its gloo group
     saver.save(1, tensors, metadata=meta, rank_state=state)
     blocked = saver.last_blocked_s
     for t in tensors:  # training goes on and changes the weights: the snapshot must not see it

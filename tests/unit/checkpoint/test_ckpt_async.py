@@ -39,7 +39,7 @@ def test_async_equals_sync_and_blocks_only_for_the_snapshot(tmp_path, full, bitw
         return real_write(*a, **k)
 
     monkeypatch.setattr(save_module, "write_rank_file", held_write)
-    saver = AsyncSaver(tmp_path / "async")
+    saver = AsyncSaver(tmp_path / "async", timeout_s=60)
     originals = [t.local.clone() for t in ts]
     saver.save(5, ts, metadata=meta, rank_state=state)
     # save() has returned although the file cannot have been written yet
@@ -59,7 +59,7 @@ def test_async_equals_sync_and_blocks_only_for_the_snapshot(tmp_path, full, bitw
 
 def test_the_next_save_waits_and_reuses_snapshot_buffers(tmp_path, full):
     ts = tensors(full)
-    with AsyncSaver(tmp_path, keep_last=2) as saver:
+    with AsyncSaver(tmp_path, keep_last=2, timeout_s=60) as saver:
         for step in range(3):
             saver.save(step, ts)
             assert saver.last_blocked_s < 30
@@ -71,7 +71,7 @@ def test_the_next_save_waits_and_reuses_snapshot_buffers(tmp_path, full):
 
 
 def test_errors_surface_on_the_next_call(tmp_path, full, caplog):
-    saver = AsyncSaver(tmp_path)
+    saver = AsyncSaver(tmp_path, timeout_s=60)
     saver.save(1, tensors(full), metadata={"bad": object()})  # not JSON-able: fails in the background
     with pytest.raises(CheckpointError, match="async checkpoint save of step 1 failed.*not JSON serializable"):
         saver.wait()
@@ -84,10 +84,36 @@ def test_errors_surface_on_the_next_call(tmp_path, full, caplog):
 def test_async_across_simulated_ranks(tmp_path, ranks, full, bitwise):
     def rank(r, comm):
         t = ShardedTensor.chunk("w", full("w", (8, 6)).chunk(2, 1)[r].contiguous(), 1, r, 2)
-        saver = AsyncSaver(tmp_path, group=comm)
+        saver = AsyncSaver(tmp_path, group=comm, timeout_s=60)
         saver.save(1, [t])
         return saver.wait()
 
     assert ranks(2, rank)[0] == tmp_path / "step_000001"
     with open_checkpoint(tmp_path) as c:
         bitwise(c.load_tensor("w"), full("w", (8, 6)))
+
+
+def test_the_savers_own_gloo_group_takes_the_jobs_collective_timeout(tmp_path, one_rank_world, monkeypatch):
+    """A new group does not inherit the default group's timeout (torch gives gloo 30 minutes): the
+    saver's group is built with the one it is given (issue 27, 7), the trainer's
+    trainer.collective_timeout_s."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
+    from verl_hpc.config import load_config
+
+    made, real = [], dist.new_group
+
+    def new_group(*a, **k):
+        made.append(k.get("timeout"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    AsyncSaver(tmp_path / "a", timeout_s=42).close()
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}/b", "checkpoint.async_save=true",
+                             "trainer.collective_timeout_s=77"])
+    ctx = type("Ctx", (), {"world_size": 1})()
+    TrainerCheckpointer(cfg, ctx, roles=None)._async.close()
+    assert made == [datetime.timedelta(seconds=42), datetime.timedelta(seconds=77)]

@@ -56,6 +56,14 @@ def test_select_rows_cuts_to_the_rows_own_lengths():
     assert select_rows(_batch(), [2], pad_seq_to=4)["input_ids"].shape == (1, 4)
 
 
+def test_select_rows_pads_past_the_batch_width_to_the_multiple():
+    """Rounding up to pad_seq_to (FP8's token alignment, the TP size under sequence parallelism)
+    was capped at the batch's own width: a batch 5 tokens wide stayed 5 instead of 8."""
+    sub = select_rows(_batch(), [0, 1], pad_seq_to=4)
+    assert sub["input_ids"].tolist() == [[11, 12, 13, 14, 15, 0, 0, 0], [21, 22, 23, 24, 0, 0, 0, 0]]
+    assert sub["response_mask"].shape == (2, 3)  # responses keep their own width
+
+
 def test_micro_batch_padding_rows_are_cut_before_the_loss():
     from verl_hpc.engines.megatron.schedule import MicroBatch
 

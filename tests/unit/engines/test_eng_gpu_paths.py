@@ -293,3 +293,58 @@ def test_build_engine_passes_the_trainer_timeout(monkeypatch):
     with pytest.raises(Stop):
         roles.build_engine("actor", _cfg("trainer.collective_timeout_s=77"))
     assert seen == {"timeout_s": 77}
+
+
+# --------------------------------------------------------- fp8 token alignment (issue 27, 3)
+def _engine_until_build(monkeypatch, options, tp):
+    """A MegatronEngine's __init__ up to its model build (which needs TE + a GPU for fp8): the
+    padding it chose, on a faked Megatron layout of `tp` ranks."""
+    import megatron.core.parallel_state as ps
+
+    from verl_hpc.engines.megatron import engine as engine_mod
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    for name, value in [("model_parallel_is_initialized", True), ("get_tensor_model_parallel_world_size", tp),
+                        ("get_pipeline_model_parallel_world_size", 1),
+                        ("get_virtual_pipeline_model_parallel_world_size", None),
+                        ("get_data_parallel_world_size", 1), ("get_data_parallel_rank", 0)]:
+        monkeypatch.setattr(ps, name, lambda *a, v=value, **k: v)
+    monkeypatch.setattr(engine_mod, "check_options", lambda o: None)  # fp8 refuses CPU (tested above)
+    monkeypatch.setattr(engine_mod, "build_chunks", stop)
+    monkeypatch.setattr(engine_mod.MegatronEngine, "_shard_optimizer", lambda self, o: False)  # no world
+    eng = engine_mod.MegatronEngine.__new__(engine_mod.MegatronEngine)
+    with pytest.raises(Stop):
+        eng.__init__(options)
+    return eng
+
+
+@pytest.mark.parametrize("recipe, align", [("mxfp8", 32), ("delayed", 16), ("tensorwise", 16),
+                                           ("blockwise", 16)])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_micro_batches_are_padded_to_the_recipes_alignment(monkeypatch, recipe, align, tp):
+    """TE's MXFP8 quantizer needs token counts divisible by 32 (Megatron: get_fp8_align_size); the
+    engine padded every recipe to 16. Real and dummy micro-batches follow the recipe."""
+    from verl_hpc.engines.megatron.schedule import MicroBatch
+
+    sp = tp > 1
+    options = EngineOptions.from_config(_cfg("model.fp8=true", f"model.fp8_recipe={recipe}",
+                                             f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}"), "actor")
+    eng = _engine_until_build(monkeypatch, options, tp)
+    assert eng.pad_seq_to == align * tp
+    batch = {"input_ids": torch.ones(3, 37, dtype=torch.long), "prompt_lengths": torch.full((3,), 7),
+             "response_lengths": torch.full((3,), 30), "response_mask": torch.ones(3, 30)}
+    real = MicroBatch(batch, [0, 1, 2], "cpu", eng.pad_seq_to)
+    dummy = MicroBatch(batch, [], "cpu", eng.pad_seq_to)
+    assert real.shape[1] % (align * tp) == 0 and real.shape[1] >= 37
+    assert dummy.shape == (1, align * tp)
+
+
+def test_without_fp8_nothing_is_padded_beyond_sequence_parallel(monkeypatch):
+    assert gpt_mod.token_alignment(False, "mxfp8") == 1
+    options = EngineOptions.from_config(_cfg("parallel.tp=2", "parallel.sequence_parallel=true"), "actor")
+    assert _engine_until_build(monkeypatch, options, 2).pad_seq_to == 2

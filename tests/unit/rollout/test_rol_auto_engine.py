@@ -1,15 +1,19 @@
-"""rollout.engine=auto: HF generate for tiny models on CPU (measured faster there); above that on CPU
-the engine with fewer cost-weighted token passes; vLLM on GPU; with the reason given."""
+"""rollout.engine=fastest: HF generate for tiny models on CPU (measured faster there); above that on CPU
+the engine with fewer cost-weighted token passes; vLLM on GPU; with the reason given. rollout.engine=
+auto: vLLM wherever it is installed, HF generate where it is not (issue 27, 10)."""
+import pytest
+
+from verl_hpc.config import ConfigError, validate
 
 from verl_hpc.config import load_config
 from verl_hpc.rollout import factory
 
 
-def _cfg(path, *overrides):
-    return load_config(None, [f"model.path={path}", "rollout.engine=auto", *overrides])
+def _cfg(path, *overrides, engine="fastest"):
+    return load_config(None, [f"model.path={path}", f"rollout.engine={engine}", *overrides])
 
 
-def test_auto_picks_hf_for_a_tiny_model_on_cpu(tmp_path, monkeypatch):
+def test_fastest_picks_hf_for_a_tiny_model_on_cpu(tmp_path, monkeypatch):
     from verl_hpc.models.tiny import make_tiny_model
 
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: False)
@@ -18,7 +22,7 @@ def test_auto_picks_hf_for_a_tiny_model_on_cpu(tmp_path, monkeypatch):
     assert engine == "hf" and "parameters on CPU" in why
 
 
-def test_auto_picks_vllm_for_a_larger_model_a_gpu_or_an_unknown_size(tmp_path, monkeypatch):
+def test_fastest_picks_vllm_for_a_larger_model_a_gpu_or_an_unknown_size(tmp_path, monkeypatch):
     from verl_hpc.models.tiny import make_tiny_model
 
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
@@ -34,7 +38,7 @@ def test_auto_picks_vllm_for_a_larger_model_a_gpu_or_an_unknown_size(tmp_path, m
     assert factory.choose_engine(_cfg(tiny)) == ("hf", "vllm is not installed")
 
 
-def test_auto_on_cpu_weighs_vllms_repeated_prefill_against_hfs_decode_cost(tmp_path, monkeypatch):
+def test_fastest_on_cpu_weighs_vllms_repeated_prefill_against_hfs_decode_cost(tmp_path, monkeypatch):
     from verl_hpc.models.tiny import make_tiny_model
 
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
@@ -54,3 +58,24 @@ def test_auto_on_cpu_weighs_vllms_repeated_prefill_against_hfs_decode_cost(tmp_p
     # the boundary sits at HF_TOKEN_COST
     monkeypatch.setattr(factory, "HF_TOKEN_COST", 448 / 224 + 0.01)
     assert factory.choose_engine(short)[0] == "vllm"
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_auto_follows_the_machine_vllm_where_installed(tmp_path, monkeypatch, gpu):
+    """auto is the engine that is installed, whatever the model size (a tiny model on CPU too: the
+    measured choice is `fastest`); explicit engines resolve to themselves."""
+    from verl_hpc.models.tiny import make_tiny_model
+
+    monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: gpu)
+    tiny = make_tiny_model(tmp_path / "tiny", "llama", layers=2)
+    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    assert factory.resolve_engine(_cfg(tiny, engine="auto")) == ("vllm", "vllm is installed")
+    monkeypatch.setattr(factory, "vllm_available", lambda: False)
+    assert factory.resolve_engine(_cfg(tiny, engine="auto")) == ("hf", "vllm is not installed")
+    assert factory.resolve_engine(_cfg(tiny, engine="vllm"))[0] == "vllm"  # refused at build: VLLM_MISSING
+    assert factory.resolve_engine(_cfg(tiny, engine="hf"))[0] == "hf"
+
+
+def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.engine.*auto.*fastest"):
+        validate(_cfg(tmp_path, engine="quickest", **{}), check_model=False)

