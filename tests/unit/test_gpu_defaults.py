@@ -57,6 +57,9 @@ def test_vllm_gets_the_jobs_collective_timeout():
     assert kw["collective_timeout_s"] == 123
 
 
+GPU_JOB = "slurm.gpus_per_node=1"  # the planner reads the target machine from the job, not from here
+
+
 def test_the_memory_plan_reads_the_switches_through_the_section():
     """The plan counts CUDA graphs where vLLM captures them: with the GPU default, not with
     `enforce_eager: true` (a string "false" would be truthy if read as it is stored)."""
@@ -68,10 +71,10 @@ def test_the_memory_plan_reads_the_switches_through_the_section():
                             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})
     for overrides, graphs in [([], hardware.VLLM_GRAPH_BYTES), (["rollout.enforce_eager=false"], hardware.VLLM_GRAPH_BYTES),
                               (["rollout.enforce_eager=true"], 0)]:
-        vl = rollout_bytes(arch, load_config(None, overrides), gpu_total=80 * 2 ** 30, param_bytes=2)
+        vl = rollout_bytes(arch, load_config(None, [GPU_JOB, *overrides]), gpu_total=80 * 2 ** 30, param_bytes=2)
         assert vl.graphs == graphs, overrides
-    asleep = rollout_bytes(arch, load_config(None, []), gpu_total=80 * 2 ** 30, param_bytes=2)
-    awake = rollout_bytes(arch, load_config(None, ["rollout.sleep_between_phases=false"]),
+    asleep = rollout_bytes(arch, load_config(None, [GPU_JOB]), gpu_total=80 * 2 ** 30, param_bytes=2)
+    awake = rollout_bytes(arch, load_config(None, [GPU_JOB, "rollout.sleep_between_phases=false"]),
                           gpu_total=80 * 2 ** 30, param_bytes=2)
     assert asleep.asleep_device < awake.asleep_device == awake.budget
 
