@@ -9,6 +9,9 @@ the trainer follows (as verl does: the rollout's weights are marked stale after 
 and brought up to date right before they are next needed):
 - build (the Megatron roles built whole, then offloaded), startup (vLLM starts last and needs
   gpu_memory_utilization x total free);
+- weight_sync, at the start of every step's rollout phase: `wake(tags=("weights",))` maps vLLM's
+  weights but not its KV cache; the actor stays resident until vLLM has loaded the last bucket and
+  is offloaded after it; only then is the KV cache mapped (the rollout row);
 - rollout: vLLM awake (weights, KV cache, CUDA graphs) generates; the Megatron roles idle;
 - then vLLM sleeps (rollout.sleep_between_phases: ~0 device bytes, see rollout.py) for old
   log-probs, reference log-probs, critic values, the critic update and the actor update;
@@ -16,9 +19,6 @@ and brought up to date right before they are next needed):
   it); each saved role made resident one at a time with what its state needs: weights and
   optimizer states, no gradients;
 - rollback (only with trainer.rollback.enable): the reload, with the same residency;
-- weight_sync, at the start of the next rollout phase: `wake(tags=("weights",))` maps vLLM's
-  weights but not its KV cache; the actor stays resident until vLLM has loaded the last bucket and
-  is offloaded after it; only then is the KV cache mapped (the rollout row).
 A role that is not running in a phase keeps only what it does not offload
 (actor/critic/ref.*_offload). Per-GPU constants: the CUDA context and NCCL's communicators
 (comms.py); host figures: host.py. The peak is the maximum over phases; it is computed for the
@@ -39,8 +39,8 @@ from verl_hpc.planning.rollout import rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
-PHASES = ("build", "startup", "rollout", "old_logprob", "ref_logprob", "values", "update_critic",
-          "update_actor", "checkpoint", "rollback", "weight_sync")
+PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "values",
+          "update_critic", "update_actor", "checkpoint", "rollback")
 COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding", "nccl",
               "overhead")
 
@@ -245,6 +245,9 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         "build": row({"actor": "train"}, {}, 0.0),
         # vLLM starts last and needs gpu_memory_utilization x total free
         "startup": row({}, {}, vl.budget),
+        # every step's lazy sync, first wake stage: vLLM's weights mapped, not its KV cache; the
+        # actor's weights resident for the whole sync; the resharding buckets
+        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.weights_only),
         # generation: vLLM awake (weights, KV cache, CUDA graphs); the Megatron roles idle
         "rollout": row({}, {}, vl.budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
@@ -258,9 +261,6 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         # the reload (trainer.rollback): the same residency; the reader fills the device tensors
         # from host buffers (host.py)
         "rollback": one_role_at_a_time({}),
-        # the next step's lazy sync, first wake stage: vLLM's weights mapped, not its KV cache;
-        # the actor's weights resident for the whole sync; the resharding buckets
-        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.weights_only),
     }
     if "ref" not in roles:
         del table["ref_logprob"]
