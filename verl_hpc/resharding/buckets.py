@@ -120,6 +120,12 @@ class BucketStream:
             yield name, tensor
             del tensor  # do not keep the consumer's tensor alive while it works on the next one
 
+    def close(self) -> None:
+        """Close the source (a generator: its `finally` blocks run now, not at garbage collection)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
     def drain(self) -> int:
         """Run the rest of the source to its end, discarding; returns the tensors discarded."""
         dropped = 0

@@ -28,9 +28,10 @@ the code path; verl_hpc.resharding.memory measures the whole process-level peak.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,18 @@ def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
         return lambda: export_hf_weights(engine)
     raise TypeError(f"{type(actor).__name__} has no export_hf_weights(): pass the actor role, its "
                     "TrainingEngine, or a model built by verl_hpc.models.build_gpt_model")
+
+
+def held_resident(actor) -> ContextManager:
+    """The actor's engine kept resident (its `resident("forward")`: parameters on the device) for
+    the whole sync. The export's own resident block ends when its generator is exhausted, but the
+    rollout takes the last bucket only after that, and the bucket's tensors may be views of live
+    parameters (norm weights always, every weight at TP 1): an offload in between (param_offload:
+    `storage.resize_(0)`) would leave the rollout copying from freed storage. An engine without
+    offload (or an object without `resident`) needs nothing held."""
+    engine = getattr(actor, "engine", actor)
+    resident = getattr(engine, "resident", None)
+    return resident("forward") if callable(resident) else contextlib.nullcontext()
 
 
 def _agree(failed: bool, seconds: float):
@@ -98,20 +111,24 @@ class WeightSync:
     def __call__(self, actor, rollout) -> Dict[str, float]:
         export = export_source(actor)
         start = time.perf_counter()
-        stream = BucketStream(export(), self.bucket_bytes)
         error: Optional[BaseException] = None
-        try:
-            rollout.load_weights(iter(stream))
-            if not stream.source_exhausted:
-                raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
-                                f"every tensor ({stream.tensors} taken)")
-        except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks know)
-            error = exc
-            if not stream.source_failed:
-                dropped = stream.drain()  # keep the peers' collectives going to the end
-                log.error("weight sync: the rollout failed after %d tensors (%s); ran the export "
-                          "to its end (%d more tensors discarded) so the other ranks do not hang",
-                          stream.tensors, exc, dropped)
+        # resident until load_weights has returned: only then may the actor offload (held_resident)
+        with held_resident(actor):
+            stream = BucketStream(export(), self.bucket_bytes)
+            try:
+                rollout.load_weights(iter(stream))
+                if not stream.source_exhausted:
+                    raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
+                                    f"every tensor ({stream.tensors} taken)")
+            except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks know)
+                error = exc
+                if not stream.source_failed:
+                    dropped = stream.drain()  # keep the peers' collectives going to the end
+                    log.error("weight sync: the rollout failed after %d tensors (%s); ran the export "
+                              "to its end (%d more tensors discarded) so the other ranks do not hang",
+                              stream.tensors, exc, dropped)
+            finally:
+                stream.close()  # the export's own resident block ends here at the latest
         seconds = time.perf_counter() - start
         if error is not None and stream.source_failed:
             raise error  # the collective itself broke: no agreement round is possible
