@@ -1,5 +1,6 @@
 """`sync(actor, rollout, bucket_mb=...)`: the actor's new weights into the rollout engine, after
-each update, collectively and without disk.
+each update (the trainer runs it lazily, right before the next generation), collectively and
+without disk.
 
     metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)
     # {"sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets", "sync/peak_bucket_bytes", ...}
@@ -11,9 +12,11 @@ rank's rollout engine takes the full tensors and cuts its own slices, whatever i
 (vLLM's loaders do this), so no inference-side collective is needed. The stream goes through
 `BucketStream` (buckets of `bucket_mb`) into ONE `rollout.load_weights` call.
 
-Steps: export -> buckets -> load_weights -> agreement. The rollout must hold its weights to take
-new ones: sleeping and waking it (vLLM sleep mode, rollout.sleep_between_phases) is the trainer's
-business, which wakes it right before calling this (verl_hpc/trainer/rl.py).
+Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
+(held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
+the last bucket, whose tensors may be views of live parameters. The rollout must have its weights
+mapped to take new ones: waking it is the trainer's business (trainer/rollout_weights.py wakes
+vLLM's weights only, calls this, then wakes the KV cache once the actor has offloaded).
 
 Failure handling: if this rank's consumer raises (a bad name, a shape the engine rejects), the
 rest of the export is still run (discarded) so that the other ranks' collectives complete, and
