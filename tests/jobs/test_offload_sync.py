@@ -58,4 +58,5 @@ def test_job_param_offload_sync_gives_the_rollout_the_actors_weights(tiny_assets
     assert summary["steps"] == 3 and len(checks) == 3, checks  # one (lazy) sync before each step's generation
     for c in checks:
         assert c == {"offloaded": True, "tied": True, "differ": [], "lm_head": True}, checks
-    assert [row["sync/tensors"] for row in metrics(out) if row.get("step", 0) >= 1] == [20.0] * 3  # 2 layers x 9 + embedding + norm
+    # every step's row reports its sync: 2 layers x 9 tensors + embedding + final norm (no lm_head: tied)
+    assert [row["sync/tensors"] for row in metrics(out) if row.get("step", 0) >= 1] == [20.0] * 3
