@@ -89,14 +89,14 @@ def test_vllm_sleep_passes_the_level_and_level_2_needs_a_load(level):
 
     calls = []
     eng = VLLMRollout.__new__(VLLMRollout)  # the engine itself needs a GPU for sleep mode
-    eng._closed, eng._broken, eng._asleep, eng._weights_dropped = False, None, False, False
+    eng._closed, eng._broken, eng._sleeping, eng._weights_dropped = False, None, set(), False
     eng._sleep_enabled, eng.sleep_level = True, level
     eng.llm = types.SimpleNamespace(sleep=lambda level: calls.append(("sleep", level)),
-                                    wake_up=lambda: calls.append(("wake",)))
+                                    wake_up=lambda tags=None: calls.append(("wake", tags)))
     eng.sleep()
     assert eng.asleep and calls == [("sleep", level)]
     eng.wake()
-    assert not eng.asleep and calls[-1] == ("wake",)
+    assert not eng.asleep and calls[-1] == ("wake", ["weights", "kv_cache"])
     if level == 2:
         with pytest.raises(RuntimeError, match="sleep level 2 dropped the weights"):
             eng._check_usable()

@@ -13,6 +13,12 @@ stop) is runtime/requeue.py's.
 The RL trainer (trainer/rl.py) and preference training (trainer/preference.py, its own FORMAT so
 neither resumes from the other's checkpoints) share this class and hence the signal handling.
 
+Memory: a save reads and a load writes the engines' parameters and optimizer states, which the
+engines make resident for it (offload: `resident("state")`, no gradient buffers). The RL trainer
+passes `before_state`, which puts the rollout engine to sleep first (a validation may have woken
+it), so vLLM's weights and KV cache are never mapped beside them, and `after_load`, which marks
+the rollout's weights stale (trainer/rollout_weights.py).
+
 What a checkpoint holds:
 - tensors: the actor's and (PPO) the critic's engine state, names prefixed `actor/`, `critic/`
   (`actor/model/...`, `actor/optim/exp_avg/...`; layout independent, see engines/base.py). The
@@ -30,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from verl_hpc.checkpoint.async_save import AsyncSaver
 from verl_hpc.checkpoint.index import find_latest, resolve
@@ -58,13 +64,18 @@ def _prefixed(prefix: str, tensors) -> list:
 
 class TrainerCheckpointer:
     def __init__(self, cfg, ctx, roles, *, loader=None, kl_ctrl=None, guard=None, task_weights=None,
-                 rollback=None, fmt: str = FORMAT, total_steps: Optional[int] = None) -> None:
+                 rollback=None, fmt: str = FORMAT, total_steps: Optional[int] = None,
+                 before_state: Optional[Callable[[], None]] = None,
+                 after_load: Optional[Callable[[], None]] = None) -> None:
         """roles: anything with `actor` (and optionally `critic`) attributes holding `.engine`;
         loader: anything with state_dict()/load_state_dict() (the data position); task_weights,
         rollback: trainer/task_weights.py and trainer/rollback.py state; fmt: the trainer_state
         format a resume insists on; total_steps: the run's last step (default trainer.total_steps;
-        preference training derives it from the epochs)."""
+        preference training derives it from the epochs); before_state / after_load: called before
+        the engines' state is read or written, and after a load (see the module docstring)."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.before_state = before_state or (lambda: None)
+        self.after_load = after_load or (lambda: None)
         self.loader, self.kl_ctrl, self.guard = loader, kl_ctrl, guard
         self.task_weights, self.rollback = task_weights, rollback
         self.format = fmt
@@ -99,6 +110,7 @@ class TrainerCheckpointer:
 
         t0 = time.perf_counter()
         tensors, engine_meta = [], {}
+        self.before_state()  # e.g. the rollout asleep: the engines make their state resident next
         for name, engine in self._engines().items():
             st = engine.state()
             tensors += _prefixed(name, st.tensors)
@@ -202,6 +214,7 @@ class TrainerCheckpointer:
         """Load a checkpoint into the engines, the RNGs, the loader, the KL controller, the guard and the
         task weights; returns its trainer_state. Every rank calls this (resume, and the rollback guard's
         rollback, which keeps its own counters)."""
+        self.before_state()
         with open_checkpoint(path) as reader:
             ts = reader.metadata.get("trainer_state") or {}
             if ts.get("format") != self.format:
@@ -232,6 +245,7 @@ class TrainerCheckpointer:
                 raise ValueError(f"{path}: saved without data.tasks, but this run has tasks "
                                  f"{self.task_weights.tasks}; resume with the data settings it was saved with")
             self.task_weights.load_state_dict(ts["task_weights"])
+        self.after_load()
         return ts
 
     def _check_no_collisions(self, start: int) -> None:

@@ -14,6 +14,8 @@ handed over tensor by tensor. Why buckets rather than strict one-in-one-out:
 
 No copy is made: a bucket holds the tensors the export produced (fresh gathered tensors, or views
 of live parameters where nothing had to be gathered) and drops each reference as it is handed on.
+The last bucket is handed on after the producer is exhausted, so the producer's parameters must
+stay on the device until the consumer has returned (resharding.sync.held_resident).
 The consumer may keep a tensor a while (vLLM buffers a fused layer's pieces until all arrived), so
 the bucket's storage must not be reused: the references are simply released.
 
@@ -119,6 +121,12 @@ class BucketStream:
             self.bytes += size
             yield name, tensor
             del tensor  # do not keep the consumer's tensor alive while it works on the next one
+
+    def close(self) -> None:
+        """Close the source (a generator: its `finally` blocks run now, not at garbage collection)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
 
     def drain(self) -> int:
         """Run the rest of the source to its end, discarding; returns the tensors discarded."""

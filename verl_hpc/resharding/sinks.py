@@ -22,7 +22,7 @@ class NullSink:
     def __init__(self):
         self.loads = 0
 
-    def wake(self) -> None:
+    def wake(self, tags=None) -> None:
         pass
 
     def sleep(self) -> None:

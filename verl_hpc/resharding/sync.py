@@ -1,5 +1,6 @@
 """`sync(actor, rollout, bucket_mb=...)`: the actor's new weights into the rollout engine, after
-each update, collectively and without disk.
+each update (the trainer runs it lazily, right before the next generation), collectively and
+without disk.
 
     metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)
     # {"sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets", "sync/peak_bucket_bytes", ...}
@@ -11,9 +12,11 @@ rank's rollout engine takes the full tensors and cuts its own slices, whatever i
 (vLLM's loaders do this), so no inference-side collective is needed. The stream goes through
 `BucketStream` (buckets of `bucket_mb`) into ONE `rollout.load_weights` call.
 
-Steps: export -> buckets -> load_weights -> agreement. The rollout must hold its weights to take
-new ones: sleeping and waking it (vLLM sleep mode, rollout.sleep_between_phases) is the trainer's
-business, which wakes it right before calling this (verl_hpc/trainer/rl.py).
+Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
+(held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
+the last bucket, whose tensors may be views of live parameters. The rollout must have its weights
+mapped to take new ones: waking it is the trainer's business (trainer/rollout_weights.py wakes
+vLLM's weights only, calls this, then wakes the KV cache once the actor has offloaded).
 
 Failure handling: if this rank's consumer raises (a bad name, a shape the engine rejects), the
 rest of the export is still run (discarded) so that the other ranks' collectives complete, and
@@ -28,9 +31,10 @@ the code path; verl_hpc.resharding.memory measures the whole process-level peak.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +67,18 @@ def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
         return lambda: export_hf_weights(engine)
     raise TypeError(f"{type(actor).__name__} has no export_hf_weights(): pass the actor role, its "
                     "TrainingEngine, or a model built by verl_hpc.models.build_gpt_model")
+
+
+def held_resident(actor) -> ContextManager:
+    """The actor's engine kept resident (its `resident("forward")`: parameters on the device) for
+    the whole sync. The export's own resident block ends when its generator is exhausted, but the
+    rollout takes the last bucket only after that, and the bucket's tensors may be views of live
+    parameters (norm weights always, every weight at TP 1): an offload in between (param_offload:
+    `storage.resize_(0)`) would leave the rollout copying from freed storage. An engine without
+    offload (or an object without `resident`) needs nothing held."""
+    engine = getattr(actor, "engine", actor)
+    resident = getattr(engine, "resident", None)
+    return resident("forward") if callable(resident) else contextlib.nullcontext()
 
 
 def _agree(failed: bool, seconds: float):
@@ -98,20 +114,24 @@ class WeightSync:
     def __call__(self, actor, rollout) -> Dict[str, float]:
         export = export_source(actor)
         start = time.perf_counter()
-        stream = BucketStream(export(), self.bucket_bytes)
         error: Optional[BaseException] = None
-        try:
-            rollout.load_weights(iter(stream))
-            if not stream.source_exhausted:
-                raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
-                                f"every tensor ({stream.tensors} taken)")
-        except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks know)
-            error = exc
-            if not stream.source_failed:
-                dropped = stream.drain()  # keep the peers' collectives going to the end
-                log.error("weight sync: the rollout failed after %d tensors (%s); ran the export "
-                          "to its end (%d more tensors discarded) so the other ranks do not hang",
-                          stream.tensors, exc, dropped)
+        # resident until load_weights has returned: only then may the actor offload (held_resident)
+        with held_resident(actor):
+            stream = BucketStream(export(), self.bucket_bytes)
+            try:
+                rollout.load_weights(iter(stream))
+                if not stream.source_exhausted:
+                    raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
+                                    f"every tensor ({stream.tensors} taken)")
+            except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks know)
+                error = exc
+                if not stream.source_failed:
+                    dropped = stream.drain()  # keep the peers' collectives going to the end
+                    log.error("weight sync: the rollout failed after %d tensors (%s); ran the export "
+                              "to its end (%d more tensors discarded) so the other ranks do not hang",
+                              stream.tensors, exc, dropped)
+            finally:
+                stream.close()  # the export's own resident block ends here at the latest
         seconds = time.perf_counter() - start
         if error is not None and stream.source_failed:
             raise error  # the collective itself broke: no agreement round is possible

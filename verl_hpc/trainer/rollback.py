@@ -2,7 +2,7 @@
 checkpoint instead of training on from a broken policy.
 
     guard = RollbackGuard(cfg, ctx)
-    hook = RollbackHook(guard, checkpointer, cfg, ctx, roles, loader=..., sync_weights=...)
+    hook = RollbackHook(guard, checkpointer, cfg, ctx, roles, loader=...)
     verdict = hook(step, metrics, run)   # rank 0's rules, broadcast: Rewind(to_step) on a trip
 
 On a trip (rules: trainer/rollback_rules.py): log it and send `tracker.event("rollback")` (the
@@ -15,15 +15,17 @@ controller, task weights: the run is where it was then), optionally
   - skip the data: the sampler moves on to where it was at the tripping step, so the prompts of the
     undone steps are not trained on again;
 then drop the undone steps' rows from the metrics file and remove their checkpoints (a step is
-saved once: the steps are run again), point `latest` at the checkpoint loaded, and push the loaded
-weights to the rollout engine. The guard's own state (rollbacks made, best values, LR factor) is
-not rolled back.
+saved once: the steps are run again) and point `latest` at the checkpoint loaded. The load runs as
+a save does, with the rollout engine asleep and the engines' parameters and optimizer states
+resident (no gradient buffers); it leaves the rollout's weights stale, so the next generation
+syncs the loaded weights (trainer/rollout_weights.py). The guard's own state (rollbacks made, best
+values, LR factor) is not rolled back.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, list_checkpoints, new_token,
                                          remove_checkpoint)
@@ -117,14 +119,13 @@ def _drop_later_checkpoints(root: Path, step: int, keep: Path) -> List[str]:
 class RollbackHook:
     """After the step's validation and task weights, before it is logged: a trip rewinds the run
     to an earlier checkpoint (the tripping step is neither logged nor saved); else the guard's
-    counters join the step's metrics. Given what a rollback touches, not the trainer:
-    sync_weights pushes the actor's (loaded) weights to the rollout engine."""
+    counters join the step's metrics. Given what a rollback touches, not the trainer (the
+    checkpointer puts the rollout to sleep for the load and marks its weights stale after it)."""
     stage = "rollback"
 
-    def __init__(self, guard: RollbackGuard, checkpointer, cfg, ctx, roles, *, loader=None, task_weights=None,
-                 sync_weights: Callable[[], object]):
+    def __init__(self, guard: RollbackGuard, checkpointer, cfg, ctx, roles, *, loader=None, task_weights=None):
         self.guard, self.ckpt, self.cfg, self.ctx, self.roles = guard, checkpointer, cfg, ctx, roles
-        self.loader, self.task_weights, self.sync_weights = loader, task_weights, sync_weights
+        self.loader, self.task_weights = loader, task_weights
 
     def __call__(self, step, metrics, run):
         trip = self.guard.decide(step, metrics)
@@ -153,7 +154,7 @@ class RollbackHook:
         tracker.event("rollback", step, metric=trip.metric, rule=trip.rule, value=trip.value,
                       reference=trip.reference, to_step=to_step, rollbacks=guard.count, reason=trip.message)
         position = loader.state_dict() if rb.skip_data and loader is not None else None
-        ckpt.load(path)
+        ckpt.load(path)  # rollout asleep, params + optimizer resident; its weights stale afterwards
         if position is not None:  # the data of steps to_step+1..step is not trained on again
             loader.load_state_dict(position)
         if self.task_weights is not None and loader is not None:
@@ -170,5 +171,4 @@ class RollbackHook:
                         ", skipping the data of the undone steps" if position is not None else "")
         broadcast_object(None)  # a barrier: no rank saves before rank 0 has cleared the undone steps
         ckpt.last_saved = to_step
-        self.sync_weights()  # the rollout serves the loaded weights
         return to_step

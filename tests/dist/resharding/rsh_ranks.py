@@ -105,8 +105,9 @@ def check_sync(actor, rollout, args, *, layout: str, rollout_tp: int, bucket_mb:
     from verl_hpc.resharding import sync
     from verl_hpc.rollout.spec import default_spec
 
-    rollout.wake()  # the trainer's order: wake, then sync (a no-op on CPU)
+    rollout.wake(tags=("weights",))  # the trainer's order: weights, sync, KV cache (no-ops on CPU)
     metrics = sync(actor, rollout, bucket_mb=bucket_mb)
+    rollout.wake(tags=("kv_cache",))
     greedy = default_spec(temperature=0, max_tokens=args["max_new"])
     res = rollout.generate(args["prompts"], greedy)
     batch = pack_sequences([res.prompts[i] for i in res.prompt_index], res.response_ids)

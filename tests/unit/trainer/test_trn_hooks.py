@@ -5,6 +5,7 @@ import json
 import types
 
 import pytest
+import torch
 
 from test_trn_nonfinite import _rows, _trainer
 from verl_hpc.trainer.hooks import CONTINUE, Rewind, RunState, Stop, run_steps
@@ -65,15 +66,24 @@ def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path
     trainer = _trainer(tmp_path, tiny_model, set(), "trainer.total_steps=5", "checkpoint.save_every=1",
                        "checkpoint.keep_last=0", "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",
                        "trainer.rollback.lr_scale=0.5", "trainer.rollback.max_rollbacks=1",
-                       "trainer.inject_regression_at_steps=[4]", "actor.optim.lr_decay_style=constant")
-    synced = []
-    sync = trainer.sync_weights
-    trainer.sync_weights = lambda timer=None: synced.append(timer is None) or sync(timer)  # None: outside a step
+                       "trainer.inject_regression_at_steps=[4]", "actor.optim.lr_decay_style=constant",
+                       "actor.entropy_coeff=0.01")  # the rewards are all 0: the entropy bonus moves the weights
+    synced, sync = [], trainer.rollout_weights.weight_sync
+
+    def recording_sync(actor, rollout):  # what each (lazy) sync hands the rollout
+        synced.append({n: t.clone() for n, t in actor.engine.export_hf_weights()})
+        return sync(actor, rollout)
+
+    trainer.rollout_weights.weight_sync = recording_sync
     summary = trainer.fit()
     assert summary["steps"] == 5 and summary["rollbacks"] == [
         {"at": 4, "to": 2, "metric": "reward/score/mean", "rule": "drop", "value": -1.0}]
     assert len(summary["history"]) == 5  # the undone steps' entries were dropped, then run again
-    assert synced.count(True) == 1 and len(synced) == 5 + 2 + 1  # the loaded weights went to the rollout
+    # one sync at the start of each step run: 1 2 3 4, then 3 4 again, 5; the rerun step 3 starts
+    # from the loaded step-2 checkpoint, bitwise the weights the first step 3 started from
+    assert len(synced) == 7
+    assert all(torch.equal(synced[4][n], synced[2][n]) for n in synced[2])
+    assert any(not torch.equal(synced[3][n], synced[2][n]) for n in synced[2])  # the weights moved
     rows = _rows(tmp_path)
     assert sorted(rows) == [1, 2, 3, 4, 5] and all(r["reward/score/mean"] > -1 for r in rows.values())
     assert [rows[i]["train/rollbacks"] for i in range(1, 6)] == [0, 0, 1, 1, 1]

@@ -47,10 +47,12 @@ class FakeRollout:
                              logprobs=[[-0.5] * len(a) for a in answers], finish_reason=["stop"] * len(rows),
                              seconds=0.1)
 
+    weights_dropped = False  # a rollout without sleep mode keeps its weights
+
     def __getattr__(self, method):  # sleep, wake, close: recorded, nothing else to do
         if method not in ("sleep", "wake", "close"):
             raise AttributeError(method)
-        return lambda: self.calls.append(f"rollout.{method}")
+        return lambda tags=None: self.calls.append(f"rollout.{method}")
 
     def load_weights(self, weights):
         self.calls.append("rollout.load_weights")
@@ -107,12 +109,13 @@ def test_trn_step_runs_the_stages_in_order(tmp_path):
     trainer, calls, seen = _trainer(tmp_path, "algorithm.recipe=ppo", "rollout.n=2")
     timer = StageTimer()
     m = trainer.step(1, timer)
-    assert calls == ["rollout.generate", "rollout.sleep", "actor.log_probs", "ref.log_probs",
-                     "critic.values", "critic.update", "actor.update", "rollout.wake",
-                     "rollout.load_weights"]
+    # the weights are stale at the start of a run: wake them, sync, wake the KV cache, generate;
+    # after the update they are stale again, synced before the next generation (not now)
+    assert calls == ["rollout.wake", "rollout.load_weights", "rollout.wake", "rollout.generate", "rollout.sleep",
+                     "actor.log_probs", "ref.log_probs", "critic.values", "critic.update", "actor.update"]
     assert list(timer.pop())[:-1] == [f"timing_s/{s}" for s in (
-        "generate", "reward", "old_logprob", "ref", "values", "adv", "update_critic",
-        "update_actor", "wake", "sync")]
+        "wake", "sync", "wake_kv", "generate", "reward", "old_logprob", "ref", "values", "adv", "update_critic",
+        "update_actor")]
     # what each stage was handed: the forward roles see the sequences only, the updates the
     # fields the earlier stages filled
     assert set(seen["actor.log_probs"][0]) == {"input_ids", "prompt_lengths", "response_lengths",

@@ -103,7 +103,8 @@ class MegatronEngine(TrainingEngine):
         self.offloader.offload()  # idle from birth: the role's phases bring back what they need
 
     def resident(self, what: str = "train"):
-        """Context: the engine's offloaded states back on the device for `what` (forward | train)."""
+        """Context: the engine's offloaded states back on the device for `what` (forward | state |
+        train, offload.RESIDENT); the outermost block offloads on exit."""
         return self.offloader.resident(what)
 
     # ------------------------------------------------------------------ build
@@ -333,6 +334,10 @@ class MegatronEngine(TrainingEngine):
     # ------------------------------------------------------------------ weights and state
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The weights as full HF tensors, some of them views of live parameters. With
+        param_offload a consumer that holds tensors past the generator's end (the weight sync's
+        last bucket) must hold `resident("forward")` itself until it is done with them: this
+        block's offload runs when the generator is exhausted (resharding.sync.held_resident)."""
         with self.resident("forward"):  # offloaded weights come back for the export, then leave
             self._sync_params()
             if self.options.head == "value":
@@ -344,11 +349,12 @@ class MegatronEngine(TrainingEngine):
 
     def state(self) -> EngineState:
         """With offload on, the state is copied to host tensors while the engine is briefly
-        resident, so that the roles of a checkpoint are on the device one at a time."""
+        resident, so that the roles of a checkpoint are on the device one at a time; resident
+        means parameters and optimizer states, not the gradient buffers (a checkpoint has none)."""
         if not self.offloader.any:
             self._sync_params()
             return engine_state(self)
-        with self.resident("train"):
+        with self.resident("state"):
             self._sync_params()
             st = engine_state(self)
             tensors = [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True))
@@ -356,5 +362,5 @@ class MegatronEngine(TrainingEngine):
         return dataclasses.replace(st, tensors=tensors)
 
     def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
-        with self.resident("train"):
+        with self.resident("state"):  # parameters and optimizer states; no gradient buffers
             load_engine_state(self, load_into, meta)

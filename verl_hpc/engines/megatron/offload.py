@@ -3,6 +3,7 @@
     off = Offloader(engine, params=True, grads=True, optimizer=True)
     off.offload()                      # after the role's phase
     with off.resident("forward"): ...  # weights back for log-probs / values / export
+    with off.resident("state"): ...    # weights and optimizer states: a checkpoint's save or load
     with off.resident("train"): ...    # everything back for an update
 
 How: every tensor an engine holds lives in a few storages (Megatron's DDP keeps all parameters in
@@ -31,6 +32,10 @@ import torch
 from verl_hpc.runtime.device import has_gpu
 
 KINDS = ("params", "grads", "optimizer")
+# what each use of the engine needs on the device; a checkpoint holds no gradients, so a save or a
+# load leaves the gradient buffers dropped (on a GPU that is the fp32 size of the model not mapped
+# while the state is copied)
+RESIDENT = {"forward": ("params",), "state": ("params", "optimizer"), "train": KINDS}
 
 
 @dataclasses.dataclass
@@ -91,18 +96,22 @@ class Offloader:
         return any(self.enabled.values())
 
     def _collect(self) -> None:
-        # Adam states appear at the first optimizer step: collect afresh every time
+        """The storages of every kind that is on the device now. Collected afresh before every
+        offload: Adam's states appear at the first optimizer step, or when a checkpoint save or load
+        creates them (state.ensure_optimizer_state) while the gradients stay offloaded. An offloaded
+        kind keeps its slots (its storages are empty, so the others' dedupe skips them)."""
         seen: set = set()
         tensors = engine_tensors(self.engine)
         for kind in KINDS:
-            self.slots[kind] = _storages(tensors[kind], seen)
+            slots = _storages(tensors[kind], seen)
+            if not self.offloaded[kind]:
+                self.slots[kind] = slots
 
     def offload(self) -> None:
         """Move every enabled kind to the host (no-op for kinds already there)."""
         if not self.any:
             return
-        if not any(self.offloaded.values()):
-            self._collect()
+        self._collect()
         for kind in KINDS:
             if not self.enabled[kind] or self.offloaded[kind]:
                 continue
@@ -139,8 +148,11 @@ class Offloader:
 
     @contextlib.contextmanager
     def resident(self, what: str = "train") -> Iterator[None]:
-        """Bring back what `what` needs (forward: params; train: everything), offload on exit."""
-        self.onload(("params",) if what == "forward" else KINDS)
+        """Bring back what `what` needs (RESIDENT: forward, state or train), offload on exit
+        (the outermost block only: a nested one keeps what the outer one brought back)."""
+        if what not in RESIDENT:
+            raise ValueError(f"resident({what!r}); valid: {', '.join(RESIDENT)}")
+        self.onload(RESIDENT[what])
         self.depth += 1
         try:
             yield

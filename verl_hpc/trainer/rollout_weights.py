@@ -1,0 +1,72 @@
+"""The rollout engine's weights and memory phases in the RL loop: a lazy weight sync with a staged
+wake, and sleep before anything makes the training engines' state resident.
+
+    weights = RolloutWeights(roles.actor, roles.rollout, WeightSync.from_config(cfg.resharding))
+    weights.ready(timer)            # before generating: wake weights, sync if stale, wake KV cache
+    metrics = weights.pop_metrics() # the step's: sync/* of the sync that served its generation
+    weights.mark_stale()            # the actor's weights changed (an update, a checkpoint load)
+    weights.park()                  # the rollout asleep (sleep mode): training, checkpoint save/load
+
+Lazy, as verl does: the rollout's weights are stale from the start of a run and after every actor
+update, and are brought up to date right before they are next needed (the step's generation, a
+validation), not at the end of a step, so a checkpoint saved after a step never finds vLLM's
+weights and KV cache mapped beside the actor's parameters and optimizer states.
+
+The staged wake (vLLM sleep mode; a no-op elsewhere): `wake(tags=("weights",))` maps only vLLM's
+weights; the sync streams the actor's weights into them, holding the actor resident until the
+rollout has loaded the last bucket (resharding.sync.held_resident), and the actor offloads when it
+ends; only then `wake(tags=("kv_cache",))` maps the KV cache. The sync's peak is the actor's
+parameters + vLLM's weights + one bucket, without the KV cache.
+
+A sleep at level 2 drops the weights: after the checkpoint's sleep that follows a validation, the
+next generation syncs again even though the actor did not change (`rollout.weights_dropped`).
+
+Metrics: `pop_metrics` returns the sync/* metrics of the last sync not reported yet: called by the
+step after `ready`, the step's row carries the sync that served its generation, also when that
+sync ran earlier (a validation's, before the first step or after the previous one).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict
+
+from verl_hpc.rollout.engine import KV_CACHE, WEIGHTS
+
+
+def _untimed(_stage):
+    return contextlib.nullcontext()
+
+
+class RolloutWeights:
+    def __init__(self, actor, rollout, weight_sync):
+        self.actor, self.rollout, self.weight_sync = actor, rollout, weight_sync
+        self.stale = True  # a run starts stale: the first generation syncs, and its step says so
+        self._unreported: Dict[str, float] = {}
+
+    def mark_stale(self) -> None:
+        """The actor's weights changed: the next ready() syncs."""
+        self.stale = True
+
+    def ready(self, timer=None) -> None:
+        """The rollout awake with the actor's current weights (module docstring). Collective
+        (the sync is): every rank calls it at the same point."""
+        timer = timer or _untimed
+        r = self.rollout
+        if self.stale or r.weights_dropped:
+            with timer("wake"):
+                r.wake(tags=(WEIGHTS,))  # vLLM maps its weights only
+            with timer("sync"):  # the actor is resident for the whole sync, offloaded after it
+                self._unreported = self.weight_sync(self.actor, r)
+            self.stale = False
+        with timer("wake_kv"):
+            r.wake(tags=(KV_CACHE,))  # after the actor's offload: the KV cache gets its memory
+
+    def pop_metrics(self) -> Dict[str, float]:
+        """sync/* of the last sync, once (module docstring); {} when it was reported already."""
+        out, self._unreported = self._unreported, {}
+        return out
+
+    def park(self) -> None:
+        """The rollout asleep (a no-op without sleep mode): before training, and before a
+        checkpoint's save or load makes the engines' parameters and optimizer states resident."""
+        self.rollout.sleep()
