@@ -127,10 +127,8 @@ def test_versions_that_differ_are_named(monkeypatch):
     assert preflight.version_warnings(rows) == ["python 3.12 differs from the verified 3.11",
                                                 "torch 2.11.0+cu126 differs from the verified 2.13.0"]
     assert preflight.version_warnings() == []  # this venv is the verified set
-    from verl_hpc.gpu_check import checks
-
     monkeypatch.setattr(preflight, "versions", lambda: rows)
-    assert "WARNING: not the verified versions: python 3.12 differs" in checks.environment_line()
+    assert "WARNING: not the verified versions: python 3.12 differs" in preflight.environment_line()
 
 
 @pytest.mark.unit

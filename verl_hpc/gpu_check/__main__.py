@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     import torch
 
-    from verl_hpc.gpu_check.checks import Kit, environment_line, run_checks
+    from verl_hpc.gpu_check.checks import Kit, run_checks
+    from verl_hpc.gpu_check.preflight import environment_line
     from verl_hpc.gpu_check.preflight import version_warnings
     from verl_hpc.runtime.device import has_gpu
 

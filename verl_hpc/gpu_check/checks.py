@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -291,36 +290,11 @@ def fused_adam_resume(kit: Kit) -> str:
 
 
 def memory_plan(kit: Kit) -> str:
-    """The planner's prediction for the kit's own job (memplan.py) against max_memory_allocated
-    while that job's actor is built and takes two steps (the second has Adam's state, as every
-    step of a run does)."""
-    import gc
-
-    from verl_hpc.engines.megatron import MegatronEngine
-    from verl_hpc.engines.megatron.options import EngineOptions
+    """The planner's prediction for the kit's own job against max_memory_allocated while that job's
+    actor is built and takes two steps (memplan.run)."""
     from verl_hpc.gpu_check import memplan
-    from verl_hpc.models.tiny import make_tiny_model
-    from verl_hpc.models.gpt import transformer_engine_available
-    from verl_hpc.planning import plan_job
-    from verl_hpc.runtime.device import memory_allocated, peak_memory_allocated, reset_peak_memory
 
-    path = str(make_tiny_model(kit.out / "plan_llama", "llama", **memplan.SHAPE))
-    lengths = (dict(prompt=memplan.REHEARSAL_PROMPT, response=memplan.REHEARSAL_RESPONSE)
-               if kit.rehearsal else dict(prompt=memplan.PROMPT, response=memplan.RESPONSE))
-    cfg = memplan.kit_job_config(path, gpu=not kit.rehearsal, **lengths)
-    # the layer spec this machine builds: a GPU node without Transformer Engine runs the local spec
-    plan = plan_job(cfg, layer_impl="te" if transformer_engine_available() else "local")
-    gc.collect()
-    base = memory_allocated() or 0  # what the earlier checks still hold
-    reset_peak_memory()
-    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
-    for k in range(2):
-        m = eng.train_step(workload.batch(k, rows=memplan.ROWS, full=True, **lengths), _loss_fn)
-        assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
-    peak = peak_memory_allocated()
-    del eng
-    gc.collect()
-    result = memplan.compare(plan, None if peak is None or kit.rehearsal else peak - base)
+    result = memplan.run(kit.out / "plan_llama", rehearsal=kit.rehearsal)
     peaks = "; ".join(f"{c} {b / 2**20:.0f} MiB" for c, b in kit.peaks.items())
     if result.measured is None:
         raise NotTestable("CPU rehearsal: no GPU memory to measure (the job was planned and trained: "
@@ -480,14 +454,3 @@ def run_checks(kit: Kit, only: Optional[List[str]] = None, log=print) -> List[Tu
         rows.append((check, st, detail, time.perf_counter() - start))
     return rows
 
-
-def environment_line() -> str:
-    """torch, the GPU, the host, and every version that differs from the verified ones."""
-    import torch
-
-    from verl_hpc.gpu_check.preflight import version_warnings
-    from verl_hpc.runtime.device import describe_accelerator
-
-    line = f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"
-    warnings = version_warnings()
-    return line + ("\nWARNING: not the verified versions: " + "; ".join(warnings) if warnings else "")

@@ -82,3 +82,36 @@ def predicted(plan) -> Dict[str, float]:
 def compare(plan, measured: Optional[float]) -> Comparison:
     parts = predicted(plan)
     return Comparison(predicted=sum(parts.values()), measured=measured, parts=parts)
+
+
+def run(folder, *, rehearsal: bool) -> Comparison:
+    """Plan the kit's job and train its actor for two steps (the second has Adam's state, as every
+    step of a run does) on this machine; the comparison (measured None in a CPU rehearsal)."""
+    import gc
+    import math
+
+    from verl_hpc.engines.megatron import MegatronEngine
+    from verl_hpc.engines.megatron.options import EngineOptions
+    from verl_hpc.gpu_check import workload
+    from verl_hpc.models.gpt import transformer_engine_available
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.planning import plan_job
+    from verl_hpc.runtime.device import memory_allocated, peak_memory_allocated, reset_peak_memory
+
+    path = str(make_tiny_model(folder, "llama", **SHAPE))
+    lengths = (dict(prompt=REHEARSAL_PROMPT, response=REHEARSAL_RESPONSE) if rehearsal
+               else dict(prompt=PROMPT, response=RESPONSE))
+    cfg = kit_job_config(path, gpu=not rehearsal, **lengths)
+    # the layer spec this machine builds: a GPU node without Transformer Engine runs the local spec
+    plan = plan_job(cfg, layer_impl="te" if transformer_engine_available() else "local")
+    gc.collect()
+    base = memory_allocated() or 0  # what the earlier checks still hold
+    reset_peak_memory()
+    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
+    for k in range(2):
+        m = eng.train_step(workload.batch(k, rows=ROWS, full=True, **lengths), workload.loss_fn)
+        assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
+    peak = peak_memory_allocated()
+    del eng
+    gc.collect()
+    return compare(plan, None if peak is None or rehearsal else peak - base)

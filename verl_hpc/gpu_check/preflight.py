@@ -80,3 +80,14 @@ def toolchain_problems(include_dir: Optional[str] = None, which=shutil.which) ->
         problems.append(f"no Python headers ({include}/Python.h missing): install python{ver}-dev "
                         f"(or use a Python built with its headers)")
     return problems
+
+
+def environment_line() -> str:
+    """torch, the GPU, the host, and every version that differs from the verified ones."""
+    import torch
+
+    from verl_hpc.runtime.device import describe_accelerator
+
+    line = f"torch {torch.__version__}, {describe_accelerator()}, host {os.uname().nodename}"
+    warnings = version_warnings()
+    return line + ("\nWARNING: not the verified versions: " + "; ".join(warnings) if warnings else "")
