@@ -18,21 +18,14 @@ from it); verl_hpc.launcher.local uses elastic_launch where the job is the produ
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
+from verl_hpc.runtime.local_ranks import free_port, torchrun_env, wait_all
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[str] = (),
@@ -42,12 +35,9 @@ def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[
     (workdir / "args.json").write_text(json.dumps(args))
     port, procs = free_port(), []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
-                   PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-        env.pop("SLURM_JOB_ID", None)  # local ranks, even when pytest runs inside a Slurm job
+        env = torchrun_env(rank, world_size, port, OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
+                           PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
+                           VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
         with open(workdir / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, str(script), *argv, str(workdir)],
                                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -55,17 +45,7 @@ def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[
 
 
 def wait_ranks(procs: List[subprocess.Popen], workdir, *, timeout: float, what: str) -> None:
-    deadline, failed = time.time() + timeout, False
-    for proc in procs:
-        try:
-            failed |= proc.wait(timeout=max(1.0, deadline - time.time())) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if failed:
+    if wait_all(procs, timeout):
         tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (Path(workdir) / f"rank{r}.log").read_text()[-5000:]
                  for r, p in enumerate(procs)]
         raise AssertionError(f"{what} on {len(procs)} ranks failed:\n" + "\n".join(tails))

@@ -18,7 +18,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 # scorer turns a timeout or an exiting function into a score or a RewardError; gpu_check prints a
 # check it cannot run as NOT TESTABLE.
 INTERNAL = {"verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
-            "verl_hpc.gpu_check.checks.NotTestable"}
+            "verl_hpc.gpu_check.kit.NotTestable"}
 
 
 def _subclasses(cls):

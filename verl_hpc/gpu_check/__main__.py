@@ -52,9 +52,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     import torch
 
-    from verl_hpc.gpu_check.checks import Kit, run_checks
-    from verl_hpc.gpu_check.preflight import environment_line
-    from verl_hpc.gpu_check.preflight import version_warnings
+    from verl_hpc.gpu_check.kit import Kit, run_checks
+    from verl_hpc.gpu_check.preflight import environment_line, version_warnings
     from verl_hpc.runtime.device import has_gpu
 
     if not args.cpu_rehearsal and not has_gpu():
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     kit = Kit(out=out, rehearsal=args.cpu_rehearsal)
     env = environment_line()
     print(env)  # before the checks too: a version that differs is the first suspect of a failure
-    rows = run_checks(kit, args.only)
+    rows = run_checks(kit, CHECKS, args.only)
     warnings = version_warnings()
     text = "\n".join(filter(None, [
         env, "CPU REHEARSAL: not GPU results" if kit.rehearsal else "", table(rows),

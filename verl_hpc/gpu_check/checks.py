@@ -7,51 +7,11 @@ kit itself on a machine without a GPU; nothing it reports is a GPU result.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import time
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import List
 
 from verl_hpc.gpu_check import workload
-
-
-class NotTestable(Exception):  # a check outcome (NOT TESTABLE in the table), not a VerlHpcError
-    """This check cannot run here; the message says what it would need."""
-
-
-@dataclasses.dataclass
-class Kit:
-    out: Path
-    rehearsal: bool = False
-    ctx: Any = None
-    model_path: Optional[str] = None
-    engine: Any = None  # the trainable engine of the train/resume checks
-    peaks: Dict[str, int] = dataclasses.field(default_factory=dict)  # component -> bytes
-
-    @property
-    def dtype(self) -> str:
-        return "float32" if self.rehearsal else "bfloat16"
-
-    def measure(self, component: str, fn: Callable[[], Any]):
-        """Run fn; record the GPU's max_memory_allocated over it (reported beside the table)."""
-        from verl_hpc.runtime.device import peak_memory_allocated, reset_peak_memory
-
-        reset_peak_memory()
-        value = fn()
-        peak = peak_memory_allocated()
-        if peak is not None and not self.rehearsal:
-            self.peaks[component] = peak
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    name: str
-    what: str
-    run: Callable[[Kit], str]
-    needs: Tuple[str, ...] = ()  # checks that must pass first
-    machine: str = "1 GPU"  # what the machine must have (the dry run lists it)
+from verl_hpc.gpu_check.kit import Check, Kit, NotTestable
 
 
 # ----------------------------------------------------------------------------- toolchain
@@ -77,9 +37,10 @@ def nccl_bootstrap(kit: Kit) -> str:
     from verl_hpc.runtime.bootstrap import bootstrap
     from verl_hpc.runtime.device import collective_device
     from verl_hpc.runtime.launch_env import LaunchEnv
+    from verl_hpc.runtime.local_ranks import free_port
 
     env = LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
-                    node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+                    node_rank=0, master_addr="127.0.0.1", master_port=free_port())
     kit.ctx = bootstrap(backend="gloo" if kit.rehearsal else "nccl", timeout_s=300, env=env)
     want = "gloo" if kit.rehearsal else "nccl"
     assert dist.get_backend() == want, f"backend {dist.get_backend()}, expected {want}"
@@ -106,14 +67,6 @@ def nccl_bootstrap(kit: Kit) -> str:
     agreed = kit.ctx.preemption.agreed()  # the trainer's one all-reduce per step
     assert agreed is False
     return f"backend {want} on {kit.ctx.device}; 10 collective kinds + preemption agreement"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def megatron_parallel(kit: Kit) -> str:
@@ -426,31 +379,3 @@ CHECKS: List[Check] = [
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
     Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]
-
-
-def run_checks(kit: Kit, only: Optional[List[str]] = None, log=print) -> List[Tuple[Check, str, str, float]]:
-    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED."""
-    import traceback
-
-    status: Dict[str, str] = {}
-    rows = []
-    for check in CHECKS:
-        if only and check.name not in only:
-            continue
-        missing = [n for n in check.needs if status.get(n) != "PASS"]
-        start = time.perf_counter()
-        if missing:
-            st, detail = "SKIPPED", f"needs {', '.join(missing)} to pass"
-        else:
-            log(f"[gpu_check] {check.name}: {check.what} ...")
-            try:
-                st, detail = "PASS", check.run(kit)
-            except NotTestable as e:
-                st, detail = "NOT TESTABLE", str(e)
-            except Exception as e:  # a check failing must not hide the others
-                st, detail = "FAIL", f"{type(e).__name__}: {e}"
-                (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
-        status[check.name] = st
-        rows.append((check, st, detail, time.perf_counter() - start))
-    return rows
-

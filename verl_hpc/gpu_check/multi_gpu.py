@@ -17,20 +17,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from verl_hpc.runtime.local_ranks import free_port, torchrun_env, wait_all
 
 WORLD = 2
 TIMEOUT_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeout_s: float = TIMEOUT_S) -> dict:
@@ -39,28 +33,17 @@ def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeo
     work = Path(out) / "two_ranks"
     work.mkdir(parents=True, exist_ok=True)
     (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal, "dtype": dtype}))
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     root = Path(__file__).resolve().parents[2]
     for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        env = torchrun_env(rank, WORLD, port,
+                           PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         if rehearsal:
             env["OMP_NUM_THREADS"] = "1"  # two CPU ranks share the machine's cores
-        env.pop("SLURM_JOB_ID", None)  # local ranks even inside an allocation
         with open(work / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "verl_hpc.gpu_check.multi_gpu", str(work)],
                                           cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline, failed = time.time() + timeout_s, False
-    for p in procs:
-        try:
-            failed |= p.wait(timeout=max(1.0, deadline - time.time())) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    failed = wait_all(procs, timeout_s)
     if failed:
         tails = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n" + (work / f"rank{r}.log").read_text()[-1500:]
                           for r, p in enumerate(procs))

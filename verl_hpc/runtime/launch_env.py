@@ -11,9 +11,10 @@ import dataclasses
 import os
 import re
 import shutil
-import socket
 import subprocess
 from typing import Mapping
+
+from verl_hpc.runtime.local_ranks import free_port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +88,6 @@ def tasks_on_node(spec: str, node_id: int) -> int:
     return counts[node_id]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -126,4 +121,4 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
             master_port=_int(env, "MASTER_PORT", port_for_job(job_id)), job_id=job_id,
             mpi_capable="PMIX_RANK" in env or "PMI_RANK" in env)
     return LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
-                     node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
+                     node_rank=0, master_addr="127.0.0.1", master_port=free_port())

@@ -1,0 +1,77 @@
+"""The harness of `python -m verl_hpc.gpu_check`: the state the checks share (`Kit`), a check's
+description (`Check`), the NOT TESTABLE outcome, and the runner that orders the outcomes. The checks
+themselves are in checks.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+
+class NotTestable(Exception):  # a check outcome (NOT TESTABLE in the table), not a VerlHpcError
+    """This check cannot run here; the message says what it would need."""
+
+
+@dataclasses.dataclass
+class Kit:
+    out: Path
+    rehearsal: bool = False
+    ctx: Any = None
+    model_path: Optional[str] = None
+    engine: Any = None  # the trainable engine of the train/resume checks
+    peaks: Dict[str, int] = dataclasses.field(default_factory=dict)  # component -> bytes
+
+    @property
+    def dtype(self) -> str:
+        return "float32" if self.rehearsal else "bfloat16"
+
+    def measure(self, component: str, fn: Callable[[], Any]):
+        """Run fn; record the GPU's max_memory_allocated over it (reported beside the table)."""
+        from verl_hpc.runtime.device import peak_memory_allocated, reset_peak_memory
+
+        reset_peak_memory()
+        value = fn()
+        peak = peak_memory_allocated()
+        if peak is not None and not self.rehearsal:
+            self.peaks[component] = peak
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    what: str
+    run: Callable[[Kit], str]
+    needs: Tuple[str, ...] = ()  # checks that must pass first
+    machine: str = "1 GPU"  # what the machine must have (the dry run lists it)
+
+
+def run_checks(kit: Kit, checks: List[Check], only: Optional[List[str]] = None,
+               log=print) -> List[Tuple[Check, str, str, float]]:
+    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED."""
+    import traceback
+
+    status: Dict[str, str] = {}
+    rows = []
+    for check in checks:
+        if only and check.name not in only:
+            continue
+        missing = [n for n in check.needs if status.get(n) != "PASS"]
+        start = time.perf_counter()
+        if missing:
+            st, detail = "SKIPPED", f"needs {', '.join(missing)} to pass"
+        else:
+            log(f"[gpu_check] {check.name}: {check.what} ...")
+            try:
+                st, detail = "PASS", check.run(kit)
+            except NotTestable as e:
+                st, detail = "NOT TESTABLE", str(e)
+            except Exception as e:  # a check failing must not hide the others
+                st, detail = "FAIL", f"{type(e).__name__}: {e}"
+                (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
+        status[check.name] = st
+        rows.append((check, st, detail, time.perf_counter() - start))
+    return rows
+
