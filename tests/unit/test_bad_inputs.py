@@ -46,8 +46,32 @@ def test_decimal_ints_and_hex_text_in_str_fields_still_load():
     assert cfg.trainer.total_steps == 1000 and cfg.trainer.experiment_name == "0x10"
 
 
+# ------------------------------------------------------------------ '#' and line breaks in a CLI value
+def test_a_cli_value_keeps_its_hash_and_line_breaks():
+    """The shell has split the words already: a '#' is text, never a YAML comment."""
+    cfg = load_config(None, OK + ["trainer.experiment_name=run #3", "trainer.project_name=a#b",
+                                  "slurm.setup=[x, '#y']", "slurm.env={A: '#1'}", "checkpoint.dir=#ck"])
+    assert cfg.trainer.experiment_name == "run #3" and cfg.trainer.project_name == "a#b"
+    assert cfg.slurm.setup == ["x", "#y"] and cfg.slurm.env["A"] == "#1" and cfg.checkpoint.dir == "#ck"
+    cfg = load_config(None, OK + ["trainer.experiment_name=line 1\nline 2"])
+    assert cfg.trainer.experiment_name == "line 1\nline 2"  # whole, not folded into 'line 1 line 2'
+
+
+def test_a_comment_typed_inside_one_shell_word_is_part_of_the_value():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, OK + ["trainer.total_steps=10 # ten"])
+    assert one_line(e.value).startswith("trainer.total_steps: expected int, got '10 # ten'"), e.value
+
+
+def test_a_raw_newline_cannot_hide_an_sbatch_line():
+    cfg = load_config(None, OK + ["slurm.partition=gpu\n#SBATCH --qos=high"])  # was read as 'gpu'
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, check_model=False)
+    assert one_line(e.value).startswith("slurm.partition: contains character '\\n'"), e.value
+
+
 # ------------------------------------------------------------------ values that reach the sbatch script
-# YAML double quotes turn \\n into a newline (single quotes would fold a raw newline into a space)
+# YAML double quotes turn \\n into a newline (a raw newline is kept as typed: see above)
 @pytest.mark.parametrize("override,message", [
     ('slurm.additional.comment="x\\n#SBATCH --uid=0"',
      "slurm.additional.comment: contains character '\\n'; valid: a one-line value"),

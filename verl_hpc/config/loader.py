@@ -133,11 +133,23 @@ def file_layers(path: Path, chain: Tuple[Path, ...] = ()) -> List[Layer]:
 _KEY = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*$")
 
 
+# what YAML treats as a line break (it folds or cuts a value there)
+_LINE_BREAKS = ("\n", "\r", "\x85", "\u2028", "\u2029")
+
+
 def parse_value(raw: str) -> Any:
-    """A CLI value as a YAML scalar or flow list/mapping; anything YAML rejects stays a string."""
+    """A CLI value as a YAML scalar or flow list/mapping; anything YAML rejects stays a string.
+
+    The shell has already split the words, so one word is one value: text YAML would drop or fold
+    (a comment after '#', a line break) means the value is text, kept exactly as typed.
+    """
     if raw.strip() == "":
         return ""
+    if any(b in raw for b in _LINE_BREAKS):
+        return raw  # YAML would fold 'a<newline>b' into 'a b', and drop a '#...' line after it
     try:
+        if _has_comment(raw):
+            return raw  # 'run #3' is a name, not 'run' and a comment
         value = yaml.load(raw, Loader=_ConfigLoader)
     except yaml.YAMLError:
         return raw  # e.g. "%j/logs": '%' starts a YAML directive, but the user meant a string
@@ -146,6 +158,15 @@ def parse_value(raw: str) -> Any:
     if not isinstance(value, (str, int, float, bool, list, dict, type(None))):
         return raw  # dates, timestamps: keep what the user typed
     return value
+
+
+def _has_comment(raw: str) -> bool:
+    """Whether YAML would read a '#' of `raw` as a comment: one that lies outside every token
+    (a '#' inside a scalar, 'a#b' or "'#y'", belongs to that scalar's token)."""
+    if "#" not in raw:
+        return False
+    spans = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(raw, Loader=yaml.SafeLoader)]
+    return any(not any(a <= i < b for a, b in spans) for i, c in enumerate(raw) if c == "#")
 
 
 def parse_override(text: str) -> dict:
