@@ -326,6 +326,10 @@ def _nan_extra(ds, text, truth, extra):
     return {"score": 1.0, "ratio": math.nan, "len": 3}
 
 
+def _huge(ds, text, truth, extra):
+    return 1e39  # finite as a Python float, past float32's range
+
+
 def _score(fn, on_error="raise", timeout_s=0.5):
     scorer = RewardScorer(on_error, fn, gsm8k_method="strict", timeout_s=timeout_s,
                           custom_name=f"my.rewards:{fn.__name__}")
@@ -344,6 +348,8 @@ def _score(fn, on_error="raise", timeout_s=0.5):
     (_nan_extra, "reward function my.rewards:_nan_extra failed on sample train.jsonl:7 (data_source 'gsm8k'): "
                  "RewardError: reward function returned a non-finite 'ratio' = nan in its dict; every number "
                  "must be finite"),
+    (_huge, "reward function my.rewards:_huge failed on sample train.jsonl:7 (data_source 'gsm8k'): RewardError: "
+            "reward function returned 1e+39; expected a finite number within float32's range (|score| <= 3.403e+38)"),
 ])
 def test_misbehaving_reward_function_is_one_clear_line(fn, message):
     try:
@@ -352,6 +358,40 @@ def test_misbehaving_reward_function_is_one_clear_line(fn, message):
         assert one_line(e.value).startswith(message), e.value
     finally:
         _release.set()
+
+
+def test_rewards_out_of_range_are_errors_of_the_function_under_on_error_zero():
+    returns = [1e39, -1e39, 10 ** 400, math.nan, math.inf, "1.0", None, 0.5, -3.4e38]
+
+    def returns_what_it_is_given(ds, text, truth, extra):
+        return returns[int(text)]
+
+    scorer = RewardScorer("zero", returns_what_it_is_given, gsm8k_method="strict", custom_name="m:f")
+    n = len(returns)
+    scores, metrics = scorer.score([f"a:{i}" for i in range(n)], ["gsm8k"] * n, [str(i) for i in range(n)], ["1"] * n)
+    assert scores.tolist() == [0.0] * 7 + [0.5, pytest.approx(-3.4e38)] and metrics["reward/errors"] == 7
+    assert scorer.first_error.startswith("sample a:0 (data_source 'gsm8k'):") and "1e+39" in scorer.first_error
+
+
+@pytest.mark.parametrize("source,line,what", [
+    ("x = 1\ndef f(ds, text, truth, extra:\n    return 1.0\n", 2, "SyntaxError: "),
+    ("import json\nLIMITS = json.loads('{bad')\n", 2, "JSONDecodeError: Expecting property name"),
+    ("def f(ds, text, truth, extra):\n    return 1.0\nraise RuntimeError('no GPU\\nhere')\n", 3,
+     "RuntimeError: no GPU here"),
+    ("import sys\nsys.exit(3)\n", 2, "SystemExit: 3"),
+    ("import not_installed_dep_28\n", 1, "ModuleNotFoundError: No module named 'not_installed_dep_28'"),
+], ids=["syntax", "raises", "two-line message", "sys.exit", "missing dependency"])
+def test_reward_module_that_fails_at_import_is_one_line_naming_file_and_line(tmp_path, monkeypatch, source, line,
+                                                                              what):
+    from verl_hpc.config.sections.reward import RewardConfig
+
+    (tmp_path / "broken_rewards_28.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as e:
+        RewardScorer.from_config(RewardConfig(custom_function="broken_rewards_28:f"), allow_custom_code=True)
+    assert one_line(e.value).startswith(
+        f"reward.custom_function = 'broken_rewards_28:f': importing module 'broken_rewards_28' failed at "
+        f"{tmp_path / 'broken_rewards_28.py'}, line {line}: {what}"), e.value
 
 
 def test_timed_out_reward_follows_on_error_zero_and_the_next_call_works():

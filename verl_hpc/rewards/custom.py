@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+import os
+import sysconfig
+import traceback
+from typing import Callable, Optional
 
 from verl_hpc.rewards.errors import RewardError
 
@@ -26,11 +29,7 @@ def load_custom_function(spec: str, allow_custom_code: bool) -> CustomFn:
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise RewardError(f"reward.custom_function = {spec!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"reward.custom_function = {spec!r}: cannot import module {module_name!r} ({e}); "
-                          "is it on PYTHONPATH on every node?") from e
+    module = _import(spec, module_name)
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -38,6 +37,40 @@ def load_custom_function(spec: str, allow_custom_code: bool) -> CustomFn:
                           f"{fn_name!r}; callables there: {', '.join(public) or 'none'}")
     _check_signature(spec, fn)
     return fn
+
+
+def _import(spec: str, module_name: str):
+    """The user's module; a module that is not there, or whose own code fails while it is imported
+    (a SyntaxError, any exception, a sys.exit), is one RewardError naming the file and line."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise RewardError(f"reward.custom_function = {spec!r}: cannot import module {module_name!r} ({e}); "
+                              "is it on PYTHONPATH on every node?") from e
+        failure = e  # the module is there, but something it imports is not
+    except SyntaxError as e:  # the traceback ends in the compiler; the error itself knows where
+        raise RewardError(_import_failed(spec, module_name, f"{e.filename}, line {e.lineno}", e.msg, e)) from e
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: any failure is reported the same way
+        failure = e
+    raise RewardError(_import_failed(spec, module_name, _user_line(failure), str(failure), failure)) from failure
+
+
+def _import_failed(spec: str, module_name: str, where: Optional[str], text: str, exc: BaseException) -> str:
+    text = " ".join(text.split())  # one line, whatever the exception's message holds
+    return (f"reward.custom_function = {spec!r}: importing module {module_name!r} failed"
+            f"{' at ' + where if where else ''}: {type(exc).__name__}{': ' + text if text else ''}")
+
+
+_LIBRARY_DIRS = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib")})
+
+
+def _user_line(exc: BaseException) -> Optional[str]:
+    """'file, line N' of the deepest frame in the user's own code: not importlib's machinery, not
+    the standard library (the module may have called json.loads on a bad file)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)] or frames
+    return f"{own[-1].filename}, line {own[-1].lineno}" if own else None
 
 
 def _check_signature(spec: str, fn: CustomFn) -> None:

@@ -8,8 +8,8 @@
 A reward function that raises (any exception, and also a BaseException such as SystemExit or
 KeyboardInterrupt raised by the function itself), does not return within reward.timeout_s
 (per sample, enforced on a worker thread: rewards/timeout.py), or returns something that is not a
-finite number (a bool is refused: return 1.0/0.0; every number in a returned dict must be finite
-too) follows reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
+finite number within float32's range (a bool is refused: return 1.0/0.0; every number in a returned
+dict must be finite too) follows reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
 'reward/errors_total') and logs the first traceback once (kept in `first_error`); 'raise' stops with
 a RewardError naming the sample's id and data_source, the original exception chained. An unknown
 data_source is a configuration problem, not a failing function, and raises under both settings.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import reprlib
 import traceback
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 # what score() implements (reward.on_error, checked at load; a test keeps the choices the same names)
 ON_ERROR = ("zero", "raise")
 MAX_LISTED = 10
+SCORE_MAX = float(torch.finfo(torch.float32).max)  # scores are float32 tensors
 
 
 class RewardScorer:
@@ -201,9 +203,22 @@ def _as_score(out) -> Tuple[float, Dict[str, float]]:
         out = out.item()
     if isinstance(out, bool):  # a bool is a number in Python, but True as a reward is more likely a slip
         raise RewardError(f"reward function returned {out!r} (a bool); return a number, e.g. {float(out)}")
-    if not isinstance(out, numbers.Real) or not math.isfinite(float(out)):
-        raise RewardError(f"reward function returned {out!r}; expected a finite number or a dict with 'score'")
-    return float(out), info
+    if not isinstance(out, numbers.Real):
+        raise RewardError(f"reward function returned {reprlib.repr(out)}; expected a finite number or a dict "
+                          "with 'score'")
+    return _score_value(out), info
+
+
+def _score_value(out: numbers.Real) -> float:
+    """Scores are kept as float32: a finite value past its range (1e39) would overflow there."""
+    try:
+        value = float(out)
+    except OverflowError:  # an int too large for any float
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > SCORE_MAX:
+        raise RewardError(f"reward function returned {reprlib.repr(out)}; expected a finite number within "
+                          f"float32's range (|score| <= {SCORE_MAX:.4g})")
+    return value
 
 
 def _summaries(scores: torch.Tensor, data_sources: Sequence[str], returned: Dict[str, List[float]]) -> Dict[str, float]:
