@@ -5,7 +5,9 @@
     verify CKPT             read every dataset of every file and check its checksums (exit 1 if bad)
 
 CKPT is a checkpoint directory (step_000120) or a checkpoint root (its `latest` is used).
-Exit codes: 0 ok, 1 verify found damage (a bad index included), 2 no such checkpoint or other error.
+Exit codes are those of the error classes (docs/errors.md): 0 ok, 21 no such checkpoint (or a file
+it lists is missing), 22 damaged (verify's listed problems, a bad index or `latest`, a rank file
+whose size disagrees with the index or that is not HDF5), otherwise the error's own code.
 
     export CKPT --hf OUT    the actor as a Hugging Face folder (safetensors, config.json, tokenizer;
                             verl_hpc/checkpoint/hf_export.py); single process, any saving layout
@@ -24,8 +26,9 @@ from typing import Callable, Optional
 import yaml
 
 from verl_hpc.checkpoint import hf_export
-from verl_hpc.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from verl_hpc.checkpoint.errors import CheckpointCorruptError
 from verl_hpc.checkpoint.load import CheckpointReader
+from verl_hpc.errors import VerlHpcError
 
 
 @dataclasses.dataclass
@@ -76,6 +79,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 @subcommand("inspect", "list tensors, shapes, dtypes, pieces, step and config", _inspect_args)
 def inspect(args: argparse.Namespace) -> int:
     with CheckpointReader(args.ckpt) as r:
+        r.check_files()  # the index alone would describe a checkpoint whose rank files are cut short
         tensors = r.tensors()
         if args.json:
             print(json.dumps(dict(path=str(r.path), step=r.step, world_size=r.world_size, layout=r.layout,
@@ -106,19 +110,14 @@ def inspect(args: argparse.Namespace) -> int:
 @subcommand("verify", "read every dataset and check its checksums")
 def verify(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    try:
-        r = CheckpointReader(args.ckpt)
-    except CheckpointCorruptError as e:  # a damaged index is damage, not a wrong path
-        print(f"DAMAGED: {e}")
-        return 1
-    with r:
+    with CheckpointReader(args.ckpt) as r:  # a damaged index or `latest`: an error line, code 22
         nbytes, errors = r.verify()
         dt = time.perf_counter() - t0
         if errors:
             print(f"DAMAGED: {r.path}: {len(errors)} problem(s)")
             for e in errors:
                 print(f"  {e}")
-            return 1
+            return CheckpointCorruptError.exit_code
         pieces = sum(len(t.pieces) for t in r.tensors().values())
         print(f"OK: {r.path}: step {r.step}, {len(r.index['tensors'])} tensors in {pieces} pieces, "
               f"{r.world_size} rank state(s); {_mb(nbytes)} checked in {dt:.2f} s "
@@ -145,9 +144,9 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return SUBCOMMANDS[args.command].run(args)
-    except CheckpointError as e:
+    except VerlHpcError as e:  # export may also meet a config or weights error
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
 
 
 if __name__ == "__main__":

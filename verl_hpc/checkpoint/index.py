@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import reprlib
 import time
 import zlib
 from pathlib import Path
@@ -75,7 +76,7 @@ def resolve(path) -> Path:
     if (p / INDEX).exists():
         return p
     if (p / LATEST).is_file():
-        name = (p / LATEST).read_text().strip()
+        name = read_latest(p)
         if Path(name).name != name or name in ("", ".", ".."):  # a path would point out of the root
             raise CheckpointNotFoundError(f"{p / LATEST} names {name!r}; it must name a checkpoint folder "
                                           f"inside {p} (no '/' or '..')")
@@ -88,6 +89,22 @@ def resolve(path) -> Path:
     raise CheckpointNotFoundError(
         f"no checkpoint at {p}: expected a checkpoint directory (with {INDEX}) or a checkpoint root "
         f"(with a {LATEST} file)")
+
+
+def read_latest(root: Path) -> str:
+    """The folder name `root/latest` holds. Anything else (binary bytes, a control character) is
+    damage to the checkpoint root, named, not a decoding traceback."""
+    path = root / LATEST
+    raw = path.read_bytes()
+    expected = "expected one line naming a checkpoint folder, e.g. 'step_000120'"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointCorruptError(f"{path} is not text: byte {e.start} is {raw[e.start:e.start + 1]!r}, "
+                                     f"not UTF-8; {expected}") from None
+    if not name.isprintable():
+        raise CheckpointCorruptError(f"{path} holds {reprlib.repr(name)}, with a control character; {expected}")
+    return name
 
 
 def find_latest(root) -> Path | None:

@@ -78,6 +78,12 @@ class CheckpointReader:
     def _file(self, name: str, why: str):
         if name in self._files:
             return self._files[name]
+        path = self._checked_path(name, why)
+        self._files[name] = (self._open_h5(path, why), os.open(path, os.O_RDONLY))
+        return self._files[name]
+
+    def _checked_path(self, name: str, why: str):
+        """The file's path, once it is listed in the index, present and of the size the index recorded."""
         path = self.path / name
         if name not in self._sizes:
             raise CheckpointCorruptError(f"{why}: file {name} is not listed in {self.path / index.INDEX}")
@@ -87,12 +93,22 @@ class CheckpointReader:
         if size != self._sizes[name]:
             raise CheckpointCorruptError(f"{why}: file {path} has {size} bytes but the index recorded "
                                          f"{self._sizes[name]} (truncated or replaced)")
+        return path
+
+    @staticmethod
+    def _open_h5(path, why: str):
         try:
-            f = open_h5(path, "r")
+            return open_h5(path, "r")
         except OSError as e:
             raise CheckpointCorruptError(f"{why}: file {path} cannot be opened as HDF5: {e}") from None
-        self._files[name] = (f, os.open(path, os.O_RDONLY))
-        return self._files[name]
+
+    def check_files(self) -> None:
+        """Every file the index lists is there, of the recorded size, and opens as HDF5: a stat and
+        a header read per file, no data (`verify` reads and checksums the data). Opened files are
+        closed at once, so a checkpoint of thousands of ranks does not hold thousands open."""
+        for entry in self.index["files"]:
+            why = f"rank {entry['rank']}"
+            self._open_h5(self._checked_path(entry["name"], why), why).close()
 
     def _piece(self, tensor: str, entry: dict) -> PieceHandle:
         key = (entry["file"], entry["dataset"])

@@ -103,13 +103,41 @@ def test_verify_ok_damaged_and_missing(ckpt, tmp_path, capsys):
         fh.seek(offset + 3)
         fh.write(b"\xff")
     code, out, _ = cli(capsys, "verify", ckpt)
-    assert code == 1 and "DAMAGED" in out
+    assert code == 22 and "DAMAGED" in out  # CheckpointCorruptError's code
     assert "'decoder.layers.0.mlp.linear_fc1.weight'" in out and "rank_00001.h5" in out, out
     code, _, err = cli(capsys, "verify", tmp_path / "nope")
-    assert code == 2 and "error: no checkpoint at" in err
+    assert code == 21 and "error: no checkpoint at" in err  # CheckpointNotFoundError's code
     (ckpt / "index.json").write_text("{")
-    code, out, _ = cli(capsys, "verify", ckpt)
-    assert code == 1 and "not valid JSON" in out
+    code, out, err = cli(capsys, "verify", ckpt)
+    assert code == 22 and not out and err.startswith(f"error: {ckpt / 'index.json'} is not valid JSON"), err
+
+
+def test_verify_a_latest_of_binary_bytes_is_one_error_line(ckpt, capsys):
+    (ckpt.parent / "latest").write_bytes(b"\xff\xfe\x00step")
+    code, out, err = cli(capsys, "verify", ckpt.parent)
+    assert code == 22 and not out, out
+    assert err == (f"error: {ckpt.parent / 'latest'} is not text: byte 0 is b'\\xff', not UTF-8; expected one "
+                   "line naming a checkpoint folder, e.g. 'step_000120'\n"), err
+    (ckpt.parent / "latest").write_bytes(b"step\x00000012\n")  # UTF-8, but no folder name
+    code, out, err = cli(capsys, "verify", ckpt.parent)
+    assert code == 22 and err.count("\n") == 1 and "with a control character" in err, err
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("truncate", "has 100 bytes but the index recorded"),
+    ("overwrite the header", "cannot be opened as HDF5"),
+])
+def test_inspect_refuses_a_damaged_rank_file_without_reading_the_data(ckpt, capsys, damage, words):
+    path = ckpt / "rank_00001.h5"
+    if damage == "truncate":
+        os.truncate(path, 100)
+    else:
+        with open(path, "r+b") as fh:
+            fh.write(b"\0" * 512)  # the superblock: the size still agrees with the index
+    for args in ((), ("--json",)):
+        code, out, err = cli(capsys, "inspect", ckpt, *args)
+        assert code == 22 and not out, out
+        assert err.startswith(f"error: rank 1: file {path} {words}") and err.count("\n") == 1, err
 
 
 def test_the_module_runs_as_a_command(ckpt):
