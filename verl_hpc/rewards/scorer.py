@@ -9,10 +9,11 @@ A reward function that raises (any exception, and also a BaseException such as S
 KeyboardInterrupt raised by the function itself), does not return within reward.timeout_s
 (per sample, enforced on a worker thread: rewards/timeout.py), or returns something that is not a
 finite number within float32's range (a bool is refused: return 1.0/0.0; every number in a returned
-dict must be finite too) follows reward.on_error: 'zero' scores the sample 0, counts it (metrics 'reward/errors', and the run total
-'reward/errors_total') and logs the first traceback once (kept in `first_error`); 'raise' stops with
-a RewardError naming the sample's id and data_source, the original exception chained. An unknown
-data_source is a configuration problem, not a failing function, and raises under both settings.
+dict must be finite too) follows reward.on_error: 'zero' scores the sample 0, counts it (metrics
+'reward/errors', and the run total 'reward/errors_total') and logs the first traceback once (kept
+in `first_error`); 'raise' stops with a RewardError naming the sample's id and data_source, the
+original exception chained. An unknown data_source is a configuration problem, not a failing
+function, and raises under both settings.
 """
 from __future__ import annotations
 
