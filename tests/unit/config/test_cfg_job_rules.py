@@ -70,6 +70,9 @@ def test_neighbouring_values_still_load(overrides):
     (["resharding.bucket_mb=1000000000"], "resharding.bucket_mb", "[1, 1048576]"),
     # vLLM: "No available memory for the cache blocks"
     (["rollout.kv_cache_memory_bytes=1"], "rollout.kv_cache_memory_bytes", "at least 1048576 bytes"),
+    # the mixture sampler dropped a NaN weight's source without a word, and an inf made every share NaN
+    (["data.mixture={gsm8k: .nan, math: 1.0}"], "data.mixture", "finite"),
+    (["data.mixture={gsm8k: .inf, math: 1.0}"], "data.mixture", "finite"),
     # AdaptiveKLController divides by it when the trainer is built
     (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl", "> 0"),
 ])

@@ -1,6 +1,7 @@
 """`data:` prompt files, lengths and batch sizes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -41,8 +42,9 @@ class DataConfig(Section):
     def check(self, job) -> List[str]:
         p = []
         weights = self.mixture.values()
-        if any(w < 0 for w in weights) or (weights and sum(weights) <= 0):
-            p.append(f"data.mixture: weights must be >= 0 with a positive sum, got {self.mixture}")
+        # NaN passes both comparisons, and the sampler's draw would fail on it (inf too)
+        if not all(w >= 0 and math.isfinite(w) for w in weights) or (weights and sum(weights) <= 0):
+            p.append(f"data.mixture: weights must be finite, >= 0, with a positive sum, got {self.mixture}")
         if job.trainer.job == "rl" and not self.train_files and not self.tasks:
             p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file "
                      "(or data.tasks)")
