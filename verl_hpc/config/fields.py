@@ -21,10 +21,18 @@ import importlib
 import math
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
-from verl_hpc.config.errors import ConfigError, choice_message
+from verl_hpc.config.errors import ConfigError, choice_message, show
 
 if TYPE_CHECKING:  # the job config imports every section; sections only need its type
     from verl_hpc.config.schema import JobConfig
+
+# Upper bounds of values a running job hands to code that cannot take more; each is far beyond
+# any real job, so a value past it is a typo (a unit mix-up, an extra zero), refused before the queue.
+WEEK_S = 7 * 24 * 3600  # timeouts: threading/time.sleep overflow past threading.TIMEOUT_MAX (~292 years)
+SEED_MAX = 2**32 - 1  # vLLM seeds numpy's global RNG with rollout.seed, which takes [0, 2**32)
+MAX_BATCH = 2**20  # prompts or sequences per batch: the planner's per-rank arithmetic stops meaning anything
+MAX_TOKENS = 2**24  # tokens per prompt or response (the model's max_position_embeddings is checked too)
+INT64 = (-(2**63), 2**63 - 1)  # torch tensors, HDF5 attributes and numpy hold step counts and seeds as int64
 
 
 def opt(default: Any, help: str = "", *, choices: Optional[Sequence[str]] = None,
@@ -130,13 +138,21 @@ def choice_problems(cfg, prefix: str = "") -> List[str]:
     return problems
 
 
+def _outside_int64(value) -> bool:
+    items = value if isinstance(value, list) else [value]
+    return any(type(v) is int and not INT64[0] <= v <= INT64[1] for v in items)
+
+
 def range_problems(cfg, prefix: str = "") -> List[str]:
-    """Non-finite floats (YAML accepts .nan / .inf, and NaN passes every comparison) and the
-    declared `check` of every numeric field. `prefix` as in choice_problems."""
+    """Non-finite floats (YAML accepts .nan / .inf, and NaN passes every comparison), integers
+    past int64 (Python's have no limit, torch's and HDF5's do) and the declared `check` of every
+    numeric field. `prefix` as in choice_problems."""
     problems: List[str] = []
     for key, value, meta, _ in walk(cfg, prefix):
         if isinstance(value, float) and not math.isfinite(value):
             problems.append(f"{key}: must be a finite number, got {value}")
+        elif _outside_int64(value):
+            problems.append(f"{key}: must be a 64-bit integer in [-2**63, 2**63 - 1], got {show(value)}")
         elif meta.get("check") and value is not None and not _interval(value, meta["check"]):
             problems.append(check_message(key, value, meta["check"]))
     return problems

@@ -49,6 +49,7 @@ class ModelShape(NamedTuple):
     max_positions: int = 0  # max_position_embeddings; 0 when config.json does not say
     ffn: int = 0  # intermediate_size; 0 when config.json does not say
     source: str = "config.json"
+    head_dim: int = 0  # head_dim, else hidden_size / heads; 0 when config.json says neither
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -59,8 +60,9 @@ def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
         raise ConfigError(f"{field}: '{file}' has no {', '.join(missing)}")
     try:
         heads = int(data["num_attention_heads"])
+        head_dim = int(data.get("head_dim") or int(data.get("hidden_size") or 0) // max(heads, 1))
         return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
                           int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0),
-                          int(data.get("intermediate_size") or 0), f"({field} config.json)")
+                          int(data.get("intermediate_size") or 0), f"({field} config.json)", head_dim)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None

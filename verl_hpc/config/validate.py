@@ -27,6 +27,8 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     except ConfigError as e:
         return e.problems
     p = cfg.layout.model_problems(m) + rollout_tp_problems(cfg.rollout.tp, m)
+    if field == "model.path" and cfg.trainer.job == "rl":  # the rollout engine serves the policy
+        p += cfg.rollout.kv_cache_problems(cfg, m)
     seq = cfg.data.max_sequence_length
     if m.max_positions and seq > m.max_positions:
         p.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's "

@@ -175,7 +175,7 @@ def load_arch(model_path) -> ModelArch:
 def model_shape(arch: ModelArch) -> ModelShape:
     """The numbers the layout rules need, from a parsed architecture."""
     return ModelShape(arch.num_attention_heads, arch.num_query_groups, arch.num_layers, arch.vocab_size,
-                      arch.max_position_embeddings, arch.ffn_hidden_size, f"({arch.source})")
+                      arch.max_position_embeddings, arch.ffn_hidden_size, f"({arch.source})", arch.head_dim)
 
 
 def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None) -> None:

@@ -72,7 +72,7 @@ CASES = {
     "dual clip bound": (["actor.clip_ratio_c=0.5"], ["actor.clip_ratio_c", "must be > 1"]),
     "positive ints": (["trainer.total_steps=0"], ["trainer.total_steps: must be > 0, got 0"]),
     "lengths positive": (["data.max_response_length=0"],
-                         ["data.max_response_length: must be > 0"]),
+                         ["data.max_response_length: must be in [1, 16777216], got 0"]),
     "group estimator needs n >= 2": (
         ["rollout.n=1"], ["rollout.n = 1", "algorithm.adv_estimator = grpo", "rollout.n >= 2"]),
     "custom code needs opt-in": (

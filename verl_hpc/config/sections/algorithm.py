@@ -14,8 +14,15 @@ GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_ba
 class KLControlConfig(Section):
     type: str = opt("fixed", "KL coefficient controller", choices=("fixed", "adaptive"))
     kl_coef: float = opt(0.001, "coefficient of the KL penalty in the reward", check=">=0")
-    target_kl: float = opt(0.1, "adaptive only")
+    target_kl: float = opt(0.1, "adaptive only; > 0")
     horizon: int = opt(10000, "adaptive only", check=">0")
+
+    def check(self, job) -> List[str]:
+        # the RL trainer builds the controller whatever the KL is used for; adaptive divides by it
+        if job.trainer.job == "rl" and self.type == "adaptive" and self.target_kl <= 0:
+            return [f"algorithm.kl_ctrl.target_kl: must be > 0 with algorithm.kl_ctrl.type = adaptive, "
+                    f"got {self.target_kl}"]
+        return []
 
 
 @dataclass

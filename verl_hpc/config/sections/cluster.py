@@ -76,8 +76,9 @@ class SlurmConfig(Section):
     exclusive: bool = opt(False, "whole nodes")
     job_name: str = opt("verl_hpc", "")
     log_dir: str = opt("${trainer.output_dir}/slurm/%j", "submitit logs, next to the run; %j = the Slurm job id")
+    # sbatch takes --signal=...@N for N in [0, 65535] only
     signal_delay_s: int = opt(120, "Slurm's warning signal (checkpoint + requeue) this long before the limit",
-                              check=">=0")
+                              check="[0, 65535]")
     requeue: bool = opt(True, "let the job requeue itself on the warning signal")
     container: ContainerConfig = section(ContainerConfig)
     env: Dict[str, str] = opt({}, "environment added to / overriding the job's, e.g. {NCCL_SOCKET_IFNAME: ib0}")

@@ -1,10 +1,11 @@
 """`data:` prompt files, lengths and batch sizes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List
 
-from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.fields import MAX_BATCH, MAX_TOKENS, Section, opt, section
 from verl_hpc.config.sections.tasks import TaskConfig, TaskWeightsConfig, task_problems
 
 
@@ -13,10 +14,10 @@ class DataConfig(Section):
     train_files: List[str] = opt([], "parquet / jsonl prompt files")
     val_files: List[str] = opt([], "parquet / jsonl validation prompt files")
     prompt_key: str = opt("prompt", "column holding the prompt (text or chat messages)")
-    max_prompt_length: int = opt(256, "tokens", check=">0")
-    max_response_length: int = opt(128, "tokens generated per response at most", check=">0")
-    train_batch_size: int = opt(8, "prompts per step (each gets rollout.n responses)", check=">0")
-    val_batch_size: int = opt(64, "validation prompts per generate call", check=">0")
+    max_prompt_length: int = opt(256, "tokens", check=f"[1, {MAX_TOKENS}]")
+    max_response_length: int = opt(128, "tokens generated per response at most", check=f"[1, {MAX_TOKENS}]")
+    train_batch_size: int = opt(8, "prompts per step (each gets rollout.n responses)", check=f"[1, {MAX_BATCH}]")
+    val_batch_size: int = opt(64, "validation prompts per generate call", check=f"[1, {MAX_BATCH}]")
     shuffle: bool = opt(True, "shuffle the prompts every epoch")
     seed: int = opt(1, "seed of the data order")
     overlong_prompts: str = opt("drop", "prompts longer than max_prompt_length", choices=("drop", "error"))
@@ -41,8 +42,9 @@ class DataConfig(Section):
     def check(self, job) -> List[str]:
         p = []
         weights = self.mixture.values()
-        if any(w < 0 for w in weights) or (weights and sum(weights) <= 0):
-            p.append(f"data.mixture: weights must be >= 0 with a positive sum, got {self.mixture}")
+        # NaN passes both comparisons, and the sampler's draw would fail on it (inf too)
+        if not all(w >= 0 and math.isfinite(w) for w in weights) or (weights and sum(weights) <= 0):
+            p.append(f"data.mixture: weights must be finite, >= 0, with a positive sum, got {self.mixture}")
         if job.trainer.job == "rl" and not self.train_files and not self.tasks:
             p.append(f"data.train_files: empty, but trainer.job = {job.trainer.job} needs at least one prompt file "
                      "(or data.tasks)")
@@ -55,8 +57,12 @@ class DataConfig(Section):
 
     def _step_split(self, job) -> List[str]:
         layout, n = job.layout, job.sequences_per_example
-        if job.trainer.job == "smoke" or not layout.tiles or min(self.train_batch_size, n) <= 0:
+        if (job.trainer.job == "smoke" or not layout.tiles or min(self.train_batch_size, n) <= 0
+                or max(self.train_batch_size, n) > MAX_BATCH):
             return []  # smoke has no batches; a broken layout or size is reported on its own
+        if self.train_batch_size * n > MAX_BATCH:
+            return [f"data.train_batch_size * rollout.n = {self.train_batch_size} * {n} = "
+                    f"{self.train_batch_size * n} responses per step: must be at most {MAX_BATCH}"]
         if (self.train_batch_size * n) % layout.dp:
             return [f"data.train_batch_size * rollout.n = {self.train_batch_size} * {n} = "
                     f"{self.train_batch_size * n} responses per step is not divisible by {layout.dp_words}"]

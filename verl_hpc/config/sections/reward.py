@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.fields import WEEK_S, Section, opt, section
 
 
 @dataclass
@@ -25,7 +25,7 @@ class RewardConfig(Section):
     gsm8k_method: str = opt("strict", "strict (\"#### 42\") | flexible (last number in the response)",
                             choices=("strict", "flexible"))
     timeout_s: float = opt(120.0, "seconds per reward call (run on a worker thread, so it holds for code that "
-                           "ignores signals); a call past it follows on_error; 0 = no limit", check=">=0")
+                           "ignores signals); a call past it follows on_error; 0 = no limit", check=f"[0, {WEEK_S}]")
     reward_model: RewardModelConfig = section(RewardModelConfig)
 
     def check(self, job) -> List[str]:

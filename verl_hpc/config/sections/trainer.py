@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.fields import WEEK_S, Section, opt, section
 from verl_hpc.config.sections.rollback import RollbackConfig
 
 
@@ -16,7 +16,7 @@ class SmokeConfig(Section):
     """The distributed smoke job; fail_rank/fail_at_step make one rank fail on purpose (tests)."""
 
     steps: int = opt(3, "steps of the smoke job", check=">0")
-    step_seconds: float = opt(0.2, "seconds each step sleeps", check=">=0")
+    step_seconds: float = opt(0.2, "seconds each step sleeps", check=f"[0, {WEEK_S}]")
     fail_rank: int = opt(-1, ">= 0: this rank fails on purpose at fail_at_step (tests)")
     fail_at_step: int = opt(-1, "the step at which fail_rank fails")
     # exit: the rank dies at once (like a crash); hang: it stops answering collectives (like a
@@ -96,9 +96,10 @@ class TrainerConfig(Section):
         None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
     inject_regression_at_steps: List[int] = opt(
         [], "tests only: RL steps whose rewards are set to -1 (once each; the rollback guard's test)")
-    collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it", check=">0")
+    collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it",
+                                     check=f"(0, {WEEK_S}]")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "
-                               "naming the rank, the stage and its code line; 0 = no watchdog", check=">=0")
+                               "naming the rank, the stage and its code line; 0 = no watchdog", check=f"[0, {WEEK_S}]")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
     stop_at: StopAtConfig = section(StopAtConfig, "end the RL run early: a validation metric reaches a value, or "
                                                   "a wall-time budget is spent (checkpoint, exit 0)")
