@@ -126,7 +126,7 @@ def job(tmp_path, tiny_model):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     train, val = tmp_path / "train.parquet", tmp_path / "val.jsonl"
-    pq.write_table(pa.Table.from_pylist([ROW] * 4), train)
+    pq.write_table(pa.Table.from_pylist([ROW] * 8), train)  # the default batch: 8 prompts
     val.write_text("".join(json.dumps(ROW) + "\n" for _ in range(4)))
     paths = dict(model=model, train=train, val=val, out=tmp_path / "out")
     overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
@@ -156,15 +156,15 @@ def _set_train(overrides, path):
      "data.train_files: '{f}' is a folder; expected a parquet or JSONL file"),
     (lambda t: (t / "a.csv").write_text("x") and t / "a.csv",
      "data.train_files: '{f}': unknown file type; valid: .parquet, .pq, .jsonl, .json, .ndjson"),
-    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files: '{f}': no rows"),
+    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files file '{f}': no rows"),
     (lambda t: (t / "b.jsonl").write_text(json.dumps(ROW) + "\n{oops\n") and t / "b.jsonl",
-     "data.train_files: '{f}' line 2: invalid JSON"),
+     "data.train_files file '{f}' line 2: invalid JSON"),
     (lambda t: (t / "l.jsonl").write_text("[1, 2]\n") and t / "l.jsonl",
-     "data.train_files: '{f}' line 1: expected a JSON object, got list"),
+     "data.train_files file '{f}' line 1: expected a JSON object, got list"),
     (lambda t: (t / "m.jsonl").write_text('{"prompt": "x", "data_source": "gsm8k"}\n') and t / "m.jsonl",
-     "data.train_files: '{f}' line 1: no field 'ground_truth' (fields: prompt, data_source)"),
+     "data.train_files: '{f}' row 0 (line 1): field 'ground_truth' is missing; expected the reference answer"),
     (lambda t: (t / "u.jsonl").write_bytes(b'{"prompt": "\xff"}\n') and t / "u.jsonl",
-     "data.train_files: '{f}' line 1: byte 0xff is not UTF-8"),
+     "data.train_files file '{f}' line 1: byte 0xff at column 13 is not UTF-8"),
 ])
 def test_preflight_data_files(job, tmp_path, make, message):
     f = make(tmp_path)

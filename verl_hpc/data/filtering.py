@@ -20,11 +20,15 @@ OVERLONG_MODES = ("drop", "error")
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,
                     mode: str = "drop", what: str = "data.train_files") -> Tuple[List[int], int]:
-    """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead."""
+    """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead;
+    either mode raises when every prompt is too long."""
     if mode not in OVERLONG_MODES:
         raise DataError(f"data.overlong_prompts: invalid value {mode!r}; valid: {', '.join(OVERLONG_MODES)}")
     kept = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     dropped = len(lengths) - len(kept)
+    if lengths and not kept:  # whichever mode: nothing would be left to train on
+        raise DataError(f"{what}: all {len(lengths)} prompts are longer than data.max_prompt_length = "
+                        f"{max_prompt_length} tokens; nothing is left to train on")
     if dropped and mode == "error":
         over = [i for i, n in enumerate(lengths) if n > max_prompt_length]
         problems = [f"{what} sample {ids[i]}: prompt is {lengths[i]} tokens, over data.max_prompt_length = "
