@@ -19,9 +19,9 @@ OVERLONG_MODES = ("drop", "error")
 
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,
-                    mode: str = "drop", what: str = "data.train_files") -> Tuple[List[int], int]:
+                    mode: str = "drop", what: str = "data.train_files", log_drops: bool = True) -> Tuple[List[int], int]:
     """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead;
-    either mode raises when every prompt is too long."""
+    either mode raises when every prompt is too long. log_drops=False: the caller reports the count."""
     if mode not in OVERLONG_MODES:
         raise DataError(f"data.overlong_prompts: invalid value {mode!r}; valid: {', '.join(OVERLONG_MODES)}")
     kept = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
@@ -35,7 +35,7 @@ def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_lengt
                     f"{max_prompt_length}; raise data.max_prompt_length, shorten the prompt, or set "
                     "data.overlong_prompts=drop" for i in over]
         raise DataError.from_problems(problems)
-    if dropped:
+    if dropped and log_drops:
         longest = max(lengths)
         log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length = %d tokens (longest: %d)",
                     what, dropped, len(lengths), max_prompt_length, longest)

@@ -238,12 +238,17 @@ class SetCheck:
 
         d = self.cfg.data
         try:
-            kept, _ = filter_overlong(self.ids, self.lengths, d.max_prompt_length, d.overlong_prompts, self.s.field)
+            kept, dropped = filter_overlong(self.ids, self.lengths, d.max_prompt_length, d.overlong_prompts,
+                                            self.s.field, log_drops=False)
         except DataError as e:
             self.kept = 0
             more = f" (and {len(e.problems) - 1} more prompts over it)" if len(e.problems) > 1 else ""
             return [e.problems[0] + more]
         self.kept = len(kept)
+        if dropped:  # not an error: said once here, so that the job's own warning is no surprise
+            print(f"[submit] {self.s.field}: the job will drop {dropped} of {len(self.lengths)} prompts longer "
+                  f"than data.max_prompt_length = {d.max_prompt_length} tokens (longest: {max(self.lengths)})",
+                  flush=True)
         return []
 
 
