@@ -293,14 +293,15 @@ def _jsonl(path, bad_line: bytes, rows: int = 50, at: int = 40):
 @pytest.mark.parametrize("bad,words", [
     (b'{"prompt": "caf\xe9", "data_source": "gsm8k", "ground_truth": "4"}',
      "data.train_files file '{f}' line 40: byte 0xe9 at column 16 is not UTF-8"),
-    (b'{"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"', "data.train_files file '{f}' line 40: invalid JSON"),
+    (b'{"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"',
+     "data.train_files file '{f}' line 40: invalid JSON"),
     (b'{"prompt": "2+2?", "data_source": "gsm8k"}',
      "data.train_files: '{f}' row 39 (line 40): field 'ground_truth' is missing; expected the reference answer"),
     (b'{"prompt": 5, "data_source": "gsm8k", "ground_truth": "4"}',
      "data.train_files: '{f}' row 39 (line 40): field 'prompt' is int 5; expected text or a list of"),
     (b'{"prompt": "2+2?", "data_source": "gsm9k", "ground_truth": "4"}',
-     "data.train_files: '{f}' row 39 (line 40) (and every other row with this source): no reward function for "
-     "data_source 'gsm9k' (did you mean 'gsm8k'?)"),
+     "data.train_files: '{f}' row 39 (line 40): no reward function for data_source 'gsm9k' (did you mean "
+     "'gsm8k'?)"),
 ])
 def test_submit_finds_a_bad_jsonl_line_40(job, tmp_path, capsys, bad, words):
     f = _jsonl(tmp_path / "late.jsonl", bad)

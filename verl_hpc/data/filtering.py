@@ -19,7 +19,8 @@ OVERLONG_MODES = ("drop", "error")
 
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,
-                    mode: str = "drop", what: str = "data.train_files", log_drops: bool = True) -> Tuple[List[int], int]:
+                    mode: str = "drop", what: str = "data.train_files",
+                    log_drops: bool = True) -> Tuple[List[int], int]:
     """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead;
     either mode raises when every prompt is too long. log_drops=False: the caller reports the count."""
     if mode not in OVERLONG_MODES:

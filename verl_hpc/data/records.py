@@ -136,7 +136,7 @@ def _drop_none(d: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _ground_truth(value) -> Union[str, None]:
+def ground_truth_text(value) -> Union[str, None]:
     """The ground truth as text, or None when it is not a string or a number."""
     if isinstance(value, bool):  # a bool is an int in Python, but never a meaningful answer
         return None
@@ -192,9 +192,9 @@ def row_problems(row: Dict[str, Any], prompt_key: str) -> List[str]:
     truth = row.get("ground_truth")
     if truth is None:
         p.append("field 'ground_truth' is missing; expected the reference answer as text or a number")
-    elif _ground_truth(truth) is None:
+    elif ground_truth_text(truth) is None:
         p.append(f"field 'ground_truth' is {type(truth).__name__} {_short(truth)}; expected text or a number")
-    elif not _ground_truth(truth).strip():
+    elif not ground_truth_text(truth).strip():
         p.append("field 'ground_truth' is empty; expected the reference answer")
     extra = row.get("extra")
     if extra is not None and not isinstance(extra, dict):
@@ -216,7 +216,7 @@ def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRec
     if not isinstance(prompt, str):
         prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
     return PromptRecord(id=record_id, prompt=prompt, data_source=row["data_source"],
-                        ground_truth=_ground_truth(row["ground_truth"]),
+                        ground_truth=ground_truth_text(row["ground_truth"]),
                         extra=_drop_none(row.get("extra") or {}))
 
 

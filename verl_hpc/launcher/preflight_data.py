@@ -182,7 +182,7 @@ class SetCheck:
                     yield i, line, row
 
     def _row(self, found: _Found, path: str, label: str, i: int, line: Optional[int], row: dict) -> None:
-        from verl_hpc.data.records import row_problems, sft_row_problem, where
+        from verl_hpc.data.records import row_problems, sft_row_problem, to_record, where
 
         problems = row_problems(row, self.cfg.data.prompt_key) if self.rl else \
             [p for p in [sft_row_problem(row, self.needed)] if p]
@@ -193,13 +193,14 @@ class SetCheck:
         if self.rl:
             self._reward(found, where(path, i, line), row)
             if self.tokenizer is not None:
-                self.pending.append((f"{label}:{i}", row[self.cfg.data.prompt_key]))
+                sample = f"{label}:{i}"  # the job's sample id
+                self.pending.append((sample, to_record(row, sample, self.cfg.data.prompt_key).prompt))
                 if len(self.pending) >= TOKENIZE_CHUNK:
                     self._tokenize()
 
     def _reward(self, found: _Found, at: str, row: dict) -> None:
         """The job's RewardScorer.check_samples for one row, with its words."""
-        from verl_hpc.data.records import _ground_truth
+        from verl_hpc.data.records import ground_truth_text
         from verl_hpc.rewards import registry
 
         r = self.cfg.reward
@@ -209,10 +210,9 @@ class SetCheck:
         rule = registry.resolve(source)
         if rule is None:
             if not r.reward_model.enable:
-                found.add(f"{self.s.field}: {at} (and every other row with this source): "
-                          f"{registry.unknown_source_message(source)}", f"source {source}")
+                found.add(f"{self.s.field}: {at}: {registry.unknown_source_message(source)}", f"source {source}")
             return
-        problem = rule.check(_ground_truth(row["ground_truth"])) if rule.check is not None else None
+        problem = rule.check(ground_truth_text(row["ground_truth"])) if rule.check is not None else None
         if problem:
             found.add(f"{self.s.field}: {at} (data_source {source!r}): field {problem}", "ground_truth")
 
