@@ -150,7 +150,7 @@ def job(tmp_path, tiny_model):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
     train, val = tmp_path / "train.parquet", tmp_path / "val.jsonl"
-    pq.write_table(pa.Table.from_pylist([ROW] * 4), train)
+    pq.write_table(pa.Table.from_pylist([ROW] * 8), train)  # the default batch: 8 prompts
     val.write_text("".join(json.dumps(ROW) + "\n" for _ in range(4)))
     paths = dict(model=model, train=train, val=val, out=tmp_path / "out")
     overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
@@ -180,15 +180,15 @@ def _set_train(overrides, path):
      "data.train_files: '{f}' is a folder; expected a parquet or JSONL file"),
     (lambda t: (t / "a.csv").write_text("x") and t / "a.csv",
      "data.train_files: '{f}': unknown file type; valid: .parquet, .pq, .jsonl, .json, .ndjson"),
-    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files: '{f}': no rows"),
+    (lambda t: (t / "e.jsonl").write_text("\n\n") and t / "e.jsonl", "data.train_files file '{f}': no rows"),
     (lambda t: (t / "b.jsonl").write_text(json.dumps(ROW) + "\n{oops\n") and t / "b.jsonl",
-     "data.train_files: '{f}' line 2: invalid JSON"),
+     "data.train_files file '{f}' line 2: invalid JSON"),
     (lambda t: (t / "l.jsonl").write_text("[1, 2]\n") and t / "l.jsonl",
-     "data.train_files: '{f}' line 1: expected a JSON object, got list"),
+     "data.train_files file '{f}' line 1: expected a JSON object, got list"),
     (lambda t: (t / "m.jsonl").write_text('{"prompt": "x", "data_source": "gsm8k"}\n') and t / "m.jsonl",
-     "data.train_files: '{f}' line 1: no field 'ground_truth' (fields: prompt, data_source)"),
+     "data.train_files: '{f}' row 0 (line 1): field 'ground_truth' is missing; expected the reference answer"),
     (lambda t: (t / "u.jsonl").write_bytes(b'{"prompt": "\xff"}\n') and t / "u.jsonl",
-     "data.train_files: '{f}' line 1: byte 0xff is not UTF-8"),
+     "data.train_files file '{f}' line 1: byte 0xff at column 13 is not UTF-8"),
 ])
 def test_preflight_data_files(job, tmp_path, make, message):
     f = make(tmp_path)
@@ -293,6 +293,114 @@ def test_submit_dry_run_refuses_a_missing_data_file_in_one_line(job, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == f"error: data.train_files: '{missing}': no such file", r.stderr
     assert not (tmp_path / "logs").exists() and not job[1]["out"].exists()  # nothing created
+
+
+# ------------------------------------------------------------------ every row, the weights, the tokenizer (issue 28)
+def submit_error(capsys, overrides) -> str:
+    """`submit --dry-run` in this process: exit 2 and exactly one line on stderr, `error: ...`."""
+    from verl_hpc import submit
+
+    code = submit.main(["data.max_prompt_length=64", "data.max_response_length=16", *overrides, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: "), err
+    return err.strip()[len("error: "):]
+
+
+def _jsonl(path, bad_line: bytes, rows: int = 50, at: int = 40):
+    good = (json.dumps(ROW) + "\n").encode()
+    path.write_bytes(good * (at - 1) + bad_line + b"\n" + good * (rows - at))
+    return path
+
+
+@pytest.mark.parametrize("bad,words", [
+    (b'{"prompt": "caf\xe9", "data_source": "gsm8k", "ground_truth": "4"}',
+     "data.train_files file '{f}' line 40: byte 0xe9 at column 16 is not UTF-8"),
+    (b'{"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"',
+     "data.train_files file '{f}' line 40: invalid JSON"),
+    (b'{"prompt": "2+2?", "data_source": "gsm8k"}',
+     "data.train_files: '{f}' row 39 (line 40): field 'ground_truth' is missing; expected the reference answer"),
+    (b'{"prompt": 5, "data_source": "gsm8k", "ground_truth": "4"}',
+     "data.train_files: '{f}' row 39 (line 40): field 'prompt' is int 5; expected text or a list of"),
+    (b'{"prompt": "2+2?", "data_source": "gsm9k", "ground_truth": "4"}',
+     "data.train_files: '{f}' row 39 (line 40): no reward function for data_source 'gsm9k' (did you mean "
+     "'gsm8k'?)"),
+])
+def test_submit_finds_a_bad_jsonl_line_40(job, tmp_path, capsys, bad, words):
+    f = _jsonl(tmp_path / "late.jsonl", bad)
+    assert submit_error(capsys, _set_train(job[0], f)).startswith(words.format(f=f))
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["data.max_prompt_length=4"], "data.train_files: all 8 prompts are longer than data.max_prompt_length = 4 "
+                                   "tokens; nothing is left to train on"),
+    (["data.overlong_prompts=error"], "data.train_files sample long.jsonl:5: prompt is "),
+])
+def test_submit_finds_overlong_prompts_with_the_jobs_tokenizer(job, tmp_path, capsys, extra, words):
+    rows = [ROW] * 5 + [dict(ROW, prompt="2 + 2 " * 40)] + [ROW] * 2
+    f = tmp_path / "long.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [o for o in _set_train(job[0], f) if not o.startswith("data.val_files=")]
+    assert submit_error(capsys, overrides + extra).startswith(words)
+
+
+def test_submit_finds_a_null_ground_truth_in_a_late_row_group(job, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [dict(ROW) for _ in range(50)]
+    rows[45]["ground_truth"] = None
+    f = job[1]["train"]
+    pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=10)
+    assert pq.ParquetFile(f).num_row_groups == 5
+    assert submit_error(capsys, job[0]) == (f"data.train_files: '{f}' row 45: field 'ground_truth' is missing; "
+                                            "expected the reference answer as text or a number")
+
+
+def _edit_config(job, **changes):
+    cfg_file = job[1]["model"] / "config.json"
+    cfg_file.write_text(json.dumps(dict(json.loads(cfg_file.read_text()), **changes)))
+    return cfg_file
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(vocab_size=600), "model.path: tensor 'model.embed_tokens.weight' in '{w}' has shape [500, 128]; "
+                           "'{c}' (vocab_size=600, hidden_size=128) implies [600, 128] (and 1 more tensors disagree)"),
+    (dict(hidden_size=256), "model.path: tensor 'model.embed_tokens.weight' in '{w}' has shape [500, 128]; "
+                            "'{c}' (vocab_size=500, hidden_size=256) implies [500, 256] (and "),
+    (dict(num_hidden_layers=3), "model.path: '{c}' has num_hidden_layers = 3, the weights hold layers 0..1 "
+                                "(2 layers)"),
+    (dict(num_hidden_layers=1), "model.path: '{c}' has num_hidden_layers = 1, the weights hold layers 0..1 "
+                                "(2 layers) (e.g. 'model.layers.1."),
+])
+def test_submit_finds_a_config_json_that_disagrees_with_the_weights(job, capsys, changes, words):
+    c = _edit_config(job, **changes)
+    assert submit_error(capsys, job[0]).startswith(words.format(w=_weights(job), c=c))
+
+
+def test_submit_finds_a_model_folder_without_a_tokenizer(job, capsys):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (job[1]["model"] / name).unlink()
+    assert submit_error(capsys, job[0]).startswith(
+        f"model.path: '{job[1]['model']}' has no tokenizer files; the job loads its tokenizer from there")
+
+
+def test_submit_finds_tokenizer_ids_beyond_the_vocabulary(job, capsys):
+    f = job[1]["model"] / "tokenizer.json"
+    tok = json.loads(f.read_text())
+    tok["added_tokens"] += [dict(tok["added_tokens"][-1], id=480 + i, content=f"<|x{i}|>") for i in range(30)]
+    f.write_text(json.dumps(tok))
+    assert submit_error(capsys, job[0]) == (
+        f"model.tokenizer_path: the tokenizer in '{job[1]['model']}' has ids up to 509 (510 tokens with the added "
+        f"ones), but '{job[1]['model']}/config.json' has vocab_size = 500; valid: a tokenizer whose ids are all "
+        "< vocab_size (the model's own)")
+
+
+def test_submit_refuses_a_batch_larger_than_the_train_set(job, capsys):
+    assert submit_error(capsys, job[0] + ["data.train_batch_size=1000000000000"]).startswith(
+        "data.train_batch_size: 1000000000000 prompts per step, but the train set has 8 prompt(s) after "
+        "data.overlong_prompts' filter;")
 
 
 # ------------------------------------------------------------------ reward functions that misbehave

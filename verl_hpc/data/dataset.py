@@ -33,9 +33,6 @@ class PromptDataset:
         texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text, [r.id for r in records])
         kept, dropped = filter_overlong([r.id for r in records], [len(x) for x in ids], max_prompt_length,
                                         overlong_prompts, what=what)
-        if not kept:
-            raise DataError(f"{what}: all {len(records)} prompts are longer than data.max_prompt_length = "
-                            f"{max_prompt_length} tokens; nothing is left to train on")
         return cls([records[i] for i in kept], [texts[i] for i in kept], [ids[i] for i in kept], dropped)
 
     def __len__(self) -> int:

@@ -19,19 +19,24 @@ OVERLONG_MODES = ("drop", "error")
 
 
 def filter_overlong(ids: Sequence[str], lengths: Sequence[int], max_prompt_length: int,
-                    mode: str = "drop", what: str = "data.train_files") -> Tuple[List[int], int]:
-    """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead."""
+                    mode: str = "drop", what: str = "data.train_files",
+                    log_drops: bool = True) -> Tuple[List[int], int]:
+    """(indices of the prompts kept, number dropped). mode 'error' raises naming the rows instead;
+    either mode raises when every prompt is too long. log_drops=False: the caller reports the count."""
     if mode not in OVERLONG_MODES:
         raise DataError(f"data.overlong_prompts: invalid value {mode!r}; valid: {', '.join(OVERLONG_MODES)}")
     kept = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     dropped = len(lengths) - len(kept)
+    if lengths and not kept:  # whichever mode: nothing would be left to train on
+        raise DataError(f"{what}: all {len(lengths)} prompts are longer than data.max_prompt_length = "
+                        f"{max_prompt_length} tokens; nothing is left to train on")
     if dropped and mode == "error":
         over = [i for i, n in enumerate(lengths) if n > max_prompt_length]
         problems = [f"{what} sample {ids[i]}: prompt is {lengths[i]} tokens, over data.max_prompt_length = "
                     f"{max_prompt_length}; raise data.max_prompt_length, shorten the prompt, or set "
                     "data.overlong_prompts=drop" for i in over]
         raise DataError.from_problems(problems)
-    if dropped:
+    if dropped and log_drops:
         longest = max(lengths)
         log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_length = %d tokens (longest: %d)",
                     what, dropped, len(lengths), max_prompt_length, longest)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -66,9 +66,17 @@ def read_rows(path: str, what: str = "data file") -> List[Dict[str, Any]]:
 
 
 def _read_jsonl_slowly(path: str, what: str) -> List[Dict[str, Any]]:
-    rows = []
+    return [row for _, row in iter_jsonl(path, what)]
+
+
+def iter_jsonl(path: str, what: str = "data file", on_line=None) -> Iterator[Tuple[int, Dict[str, Any]]]:
+    """(1-based line number, row) of each non-blank line, one line in memory at a time; a DataError
+    names the first line that is not UTF-8, not JSON or not an object. `on_line(n_bytes)` is called
+    per line read (a progress bar over the file's bytes)."""
     with open(path, "rb") as f:  # bytes: a non-UTF-8 byte is reported with its line, not as a traceback
         for line_no, raw in enumerate(f, start=1):
+            if on_line is not None:
+                on_line(len(raw))
             line = _utf8_line(raw, path, line_no, what)
             if not line.strip():
                 continue
@@ -79,8 +87,19 @@ def _read_jsonl_slowly(path: str, what: str) -> List[Dict[str, Any]]:
                                 "expected one JSON object per line") from e
             if not isinstance(row, dict):
                 raise DataError(f"{what} '{path}' line {line_no}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
+            yield line_no, row
+
+
+def iter_parquet(path: str, columns: Sequence[str], what: str = "data file",
+                 batch_rows: int = 8192) -> Iterator[List[Dict[str, Any]]]:
+    """The rows of `columns` (those the file has) in record batches: a large file is never whole in memory."""
+    try:
+        f = pq.ParquetFile(path)
+        present = [c for c in columns if c in f.schema_arrow.names]
+        for batch in f.iter_batches(batch_size=batch_rows, columns=present):
+            yield batch.to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{what} '{path}': not a readable parquet file ({e})") from e
 
 
 def _utf8_line(raw: bytes, path: str, line_no: int, what: str) -> str:
@@ -99,8 +118,17 @@ def jsonl_line_numbers(path: str) -> List[int]:
 
 def locate(path: str, row: int, lines: Optional[Sequence[int]] = None) -> str:
     """'file' row N (line L): how every message names a row."""
-    line = f" (line {lines[row]})" if lines is not None and row < len(lines) else ""
-    return f"'{path}' row {row}{line}"
+    return where(path, row, lines[row] if lines is not None and row < len(lines) else None)
+
+
+def where(path: str, row: int, line: Optional[int] = None) -> str:
+    return f"'{path}' row {row}" + (f" (line {line})" if line is not None else "")
+
+
+def file_labels(paths: Sequence[str]) -> List[str]:
+    """The file part of each sample id: the base name, or the path as given when two files share it."""
+    names = [os.path.basename(p) for p in paths]
+    return [p if names.count(n) > 1 else n for p, n in zip(paths, names)]
 
 
 # ----------------------------------------------------------------------------------- fields
@@ -108,7 +136,7 @@ def _drop_none(d: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _ground_truth(value) -> Union[str, None]:
+def ground_truth_text(value) -> Union[str, None]:
     """The ground truth as text, or None when it is not a string or a number."""
     if isinstance(value, bool):  # a bool is an int in Python, but never a meaningful answer
         return None
@@ -164,14 +192,22 @@ def row_problems(row: Dict[str, Any], prompt_key: str) -> List[str]:
     truth = row.get("ground_truth")
     if truth is None:
         p.append("field 'ground_truth' is missing; expected the reference answer as text or a number")
-    elif _ground_truth(truth) is None:
+    elif ground_truth_text(truth) is None:
         p.append(f"field 'ground_truth' is {type(truth).__name__} {_short(truth)}; expected text or a number")
-    elif not _ground_truth(truth).strip():
+    elif not ground_truth_text(truth).strip():
         p.append("field 'ground_truth' is empty; expected the reference answer")
     extra = row.get("extra")
     if extra is not None and not isinstance(extra, dict):
         p.append(f"field 'extra' is {type(extra).__name__} {_short(extra)}; expected a dict (or no field)")
     return p
+
+
+def sft_row_problem(row: Dict[str, Any], keys: Sequence[str]) -> Optional[str]:
+    """What is wrong with one SFT row (prompt and response keys), or None."""
+    for key in keys:
+        if row.get(key) in (None, "", []):
+            return f"field '{key}' is missing or empty"
+    return None
 
 
 def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRecord:
@@ -180,7 +216,7 @@ def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRec
     if not isinstance(prompt, str):
         prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
     return PromptRecord(id=record_id, prompt=prompt, data_source=row["data_source"],
-                        ground_truth=_ground_truth(row["ground_truth"]),
+                        ground_truth=ground_truth_text(row["ground_truth"]),
                         extra=_drop_none(row.get("extra") or {}))
 
 
@@ -191,10 +227,7 @@ def load_records(paths: Sequence[str], prompt_key: str,
     records: List[PromptRecord] = []
     problems: List[str] = []
     total = 0
-    names = [os.path.basename(p) for p in paths]
-    for path, name in zip(paths, names):
-        # ids must stay unique: two files with one base name keep their path as given
-        label = path if names.count(name) > 1 else name
+    for path, label in zip(paths, file_labels(paths)):  # ids stay unique across files
         rows = read_rows(path, what=f"{what} file")
         if not rows:
             problems.append(f"{what} file '{path}': no rows")

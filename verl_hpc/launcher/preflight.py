@@ -1,16 +1,18 @@
 """What can be checked on a login node before a job waits in the queue (`submit`, `--dry-run`).
 
 The config checks (verl_hpc/config/validate.py) look at values; these look at the files the
-values name, cheaply (footers, headers, first lines: never a whole data set or a weight), so that
-a missing data file, a truncated safetensors file or an unsupported architecture fails in a second
-here instead of after hours in the queue. One line per problem, naming the file and what is valid:
+values name, so that a bad data row, a truncated safetensors file or a config.json that disagrees
+with its weights fails here in seconds instead of after hours in the queue. One line per problem,
+naming the field, the file and the row or tensor, and what is valid:
 
-- data files (data.train_files/val_files for RL, data.sft_files for SFT): exist, are parquet
-  (footer and schema readable, the needed columns present) or JSONL (the first lines are UTF-8
-  JSON objects with the needed fields);
+- data files (data.train_files/val_files or data.tasks for RL, data.sft_files for SFT): every row,
+  streamed, through the job's own row, reward-routing and prompt-length rules (preflight_data.py),
+  and data.train_batch_size against the rows the train set keeps;
 - model folders (model.path, critic.model_path, reward.reward_model.path): config.json names a
   supported architecture, each *.safetensors header is readable and its tensors end exactly at
-  the end of the file, an index's weight_map names files that exist;
+  the end of the file, an index's weight_map names files that exist, and the tensors' names and
+  shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
+  (preflight_model.py);
 - output folders (trainer.output_dir, checkpoint.dir, slurm.log_dir up to its first %): a
   directory (not a file) this user can write, or creatable under one;
 - `latest` in checkpoint.dir (and in trainer.resume when it is a folder) names a checkpoint inside
@@ -21,91 +23,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from pathlib import Path
 from typing import List
 
 from verl_hpc.config import ConfigError
 from verl_hpc.config.errors import raise_if_any
+from verl_hpc.launcher.preflight_data import data_problems
+from verl_hpc.launcher.preflight_model import load_tokenizer, read_header, tensors_of, vocab_problem, weights_problems
 
-JSONL_LINES_CHECKED = 5
 _STEP_NAME = re.compile(r"^step_\d+$")
 
 
 def preflight(cfg, check_model: bool = True) -> None:
     """Raise one ConfigError listing every problem found in the files the config names."""
-    problems = _data(cfg) + _outputs(cfg) + _resume(cfg)
+    problems, tokenizer = [], None
     if check_model:
         for field, path in _model_folders(cfg):
             problems += model_folder_problems(path, field)
-    raise_if_any(problems)
-
-
-# ------------------------------------------------------------------------------ data
-def _data(cfg) -> List[str]:
-    d, job = cfg.data, cfg.trainer.job
-    sets = []
-    if job == "rl":
-        needed = (d.prompt_key, "data_source", "ground_truth")
-        sets = [("data.train_files", f, needed) for f in d.train_files]
-        sets += [("data.val_files", f, needed) for f in d.val_files]
-    elif job == "sft":
-        sets = [("data.sft_files", f, (d.prompt_key, d.response_key)) for f in d.sft_files]
-    problems = []
-    for field, path, needed in sets:
-        problem = data_file_problem(path, needed)
-        if problem:
-            problems.append(f"{field}: {problem}")
-    return problems
-
-
-def data_file_problem(path: str, needed) -> str:
-    """'' or what is wrong with one data file, judged from its footer or first lines."""
-    from verl_hpc.data.records import JSONL_SUFFIXES, PARQUET_SUFFIXES
-
-    p = Path(path)
-    if not p.exists():
-        return f"'{path}': no such file"
-    if not p.is_file():
-        return f"'{path}' is a {'folder' if p.is_dir() else 'special file'}; expected a parquet or JSONL file"
-    lower = path.lower()
-    if lower.endswith(PARQUET_SUFFIXES):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            schema = pq.ParquetFile(path).schema_arrow
-        except (pa.ArrowException, OSError) as e:
-            return f"'{path}': not a readable parquet file (footer: {e}); expected a complete parquet file"
-        missing = [c for c in needed if c not in schema.names]
-        return (f"'{path}': no column {', '.join(repr(c) for c in missing)} (columns: {', '.join(schema.names)})"
-                if missing else "")
-    if lower.endswith(JSONL_SUFFIXES):
-        return _jsonl_problem(p, needed)
-    return f"'{path}': unknown file type; valid: {', '.join(PARQUET_SUFFIXES + JSONL_SUFFIXES)}"
-
-
-def _jsonl_problem(p: Path, needed) -> str:
-    seen = 0
-    with open(p, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                return f"'{p}' line {line_no}: byte 0x{raw[e.start]:02x} is not UTF-8; JSONL files must be UTF-8"
-            except json.JSONDecodeError as e:
-                return f"'{p}' line {line_no}: invalid JSON ({e.msg} at column {e.colno}); expected one object per line"
-            if not isinstance(row, dict):
-                return f"'{p}' line {line_no}: expected a JSON object, got {type(row).__name__}"
-            missing = [c for c in needed if c not in row]
-            if missing:
-                return f"'{p}' line {line_no}: no field {', '.join(repr(c) for c in missing)} (fields: {', '.join(row)})"
-            seen += 1
-            if seen >= JSONL_LINES_CHECKED:
-                break
-    return "" if seen else f"'{p}': no rows (the file is empty)"
+        if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
+            tokenizer, found = load_tokenizer(cfg)
+            problems += found + (vocab_problem(tokenizer, cfg) if tokenizer is not None else [])
+    raise_if_any(data_problems(cfg, tokenizer) + problems + _outputs(cfg) + _resume(cfg))
 
 
 # ------------------------------------------------------------------------------ models
@@ -133,10 +71,12 @@ def model_folder_problems(path: str, field: str) -> List[str]:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         problems.append(f"{field}: '{folder}' has no *.safetensors files; expected a Hugging Face model folder")
+    headers = {}
     for f in weights:
-        problem = safetensors_problem(f)
+        header, problem = read_header(f)
         if problem:
             problems.append(f"{field}: {problem}")
+        headers[f] = header
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -147,33 +87,9 @@ def model_folder_problems(path: str, field: str) -> List[str]:
             gone = sorted(n for n in names if not (folder / n).is_file())
             if gone:
                 problems.append(f"{field}: '{index}' names missing file(s): {', '.join(gone)}")
+    if field != "reward.reward_model.path" and weights and not problems:
+        problems += weights_problems(folder, field, tensors_of(headers), value_head=field == "critic.model_path")
     return problems
-
-
-def safetensors_problem(path: Path) -> str:
-    """'' or why a safetensors file is not whole: an 8-byte little-endian header length, a JSON
-    header, then the tensors, whose last data_offsets end must be exactly the end of the file (a
-    copy cut short ends earlier). Read by hand: the safetensors library would map the whole file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"'{path}': {size} bytes, too short for a safetensors header (truncated or not safetensors)"
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100_000_000:
-            return f"'{path}': header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
-            return f"'{path}': the safetensors header is not valid JSON ({e}): damaged or not safetensors"
-    if not isinstance(header, dict):
-        return f"'{path}': the safetensors header is not a JSON object"
-    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
-    expected = 8 + n + max(ends, default=0)
-    if expected != size:
-        what = "truncated" if expected > size else "has trailing bytes"
-        return f"'{path}': {what}: its header covers {expected} bytes, the file has {size}"
-    return ""
 
 
 # ------------------------------------------------------------------------------ outputs

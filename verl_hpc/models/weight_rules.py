@@ -202,3 +202,21 @@ def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int]):
         return model_rules(arch)[name], None
     raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({arch.family}); "
                    f"verl_hpc.models.weight_rules covers the Llama/Qwen2/Mistral layer layout")
+
+
+def expected_hf_tensors(arch: ModelArch, output_layer: bool = True) -> Dict[str, Tuple[int, ...]]:
+    """{HF name: shape} of every tensor a checkpoint of `arch` holds, from the rules above (no model
+    is built: a login node checks a checkpoint against its config.json with this).
+    output_layer=False: a value model's backbone, whose head replaces lm_head."""
+    rules = dict(model_rules(arch))
+    if not output_layer:
+        del rules["output_layer.weight"]
+    out: Dict[str, Tuple[int, ...]] = {}
+    for rule in rules.values():
+        out.update(rule.hf_entries(arch, None))
+    for i in range(arch.num_layers):
+        for name, rule in LAYER_RULES.items():
+            if name.endswith(".bias") and not arch.qkv_bias:
+                continue  # Qwen2 alone has the QKV bias
+            out.update(rule.hf_entries(arch, i))
+    return out

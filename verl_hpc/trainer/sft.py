@@ -22,6 +22,7 @@ from typing import List, Tuple
 
 from verl_hpc.algorithms import agg_loss
 from verl_hpc.data import DataError, encode_prompts, read_rows
+from verl_hpc.data.records import sft_row_problem
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.engines.megatron.roles import build_engine
 from verl_hpc.trainer.batching import broadcast_object
@@ -38,9 +39,9 @@ def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
     for path in d.sft_files:
         rows = read_rows(path, what="data.sft_files")
         for i, row in enumerate(rows):
-            for key in (d.prompt_key, d.response_key):
-                if row.get(key) in (None, "", []):
-                    raise DataError(f"data.sft_files '{path}' row {i}: field '{key}' is missing or empty")
+            problem = sft_row_problem(row, (d.prompt_key, d.response_key))
+            if problem:
+                raise DataError(f"data.sft_files '{path}' row {i}: {problem}")
         _, prompts = encode_prompts(tokenizer, [r[d.prompt_key] for r in rows], d.wrap_plain_text,
                                     [f"{Path(path).name}:{i}" for i in range(len(rows))])
         responses = tokenizer([str(r[d.response_key]) for r in rows], add_special_tokens=False)["input_ids"]

@@ -1,0 +1,167 @@
+"""Before the queue: a model folder's weights against its config.json, and its tokenizer.
+
+The job builds the model from config.json and then copies each safetensors tensor into it; a
+config.json that disagrees with the weights (another hidden size, vocabulary or layer count)
+fails there, after the queue, with a raw shape error. Here the safetensors headers (read without
+the weights) are compared with the names and shapes the project's weight rules
+(verl_hpc/models/weight_rules.py) derive from config.json, and the tokenizer the job will load
+(model.tokenizer_path, model.path by default) is loaded and its ids compared with vocab_size.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from verl_hpc.config import ConfigError
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the loader casts between these; an integer tensor is wrong
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# files a Hugging Face tokenizer is read from (any one of the first three, usually with the config)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+HeaderEntry = Tuple[Tuple[int, ...], str, str]  # shape, dtype, file name
+
+
+# ------------------------------------------------------------------------------ headers
+def read_header(path: Path) -> Tuple[Optional[dict], str]:
+    """(header, '') or (None, why the file is not a whole safetensors file): an 8-byte little-endian
+    header length, a JSON header, then the tensors, whose last data_offsets end must be exactly
+    the end of the file (a copy cut short ends earlier). Read by hand: the safetensors library
+    would map the whole file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None, f"'{path}': {size} bytes, too short for a safetensors header (truncated or not safetensors)"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100_000_000:
+            return None, f"'{path}': header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, f"'{path}': the safetensors header is not valid JSON ({e}): damaged or not safetensors"
+    if not isinstance(header, dict):
+        return None, f"'{path}': the safetensors header is not a JSON object"
+    ends = [t.get("data_offsets", [0, 0])[1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    expected = 8 + n + max(ends, default=0)
+    if expected != size:
+        what = "truncated" if expected > size else "has trailing bytes"
+        return None, f"'{path}': {what}: its header covers {expected} bytes, the file has {size}"
+    return header, ""
+
+
+def tensors_of(headers: Dict[Path, dict]) -> Dict[str, HeaderEntry]:
+    """{tensor name: (shape, dtype, file name)} over every file's header."""
+    out = {}
+    for path, header in headers.items():
+        for name, t in header.items():
+            if name != "__metadata__" and isinstance(t, dict):
+                out[name] = (tuple(t.get("shape", ())), str(t.get("dtype")), path.name)
+    return out
+
+
+# ------------------------------------------------------------------------------ weights vs config.json
+def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], value_head: bool) -> List[str]:
+    """One line per kind of disagreement between config.json and the weights (layer count, then
+    shapes, then missing tensors, then dtypes), each naming a tensor, its file and both shapes."""
+    from verl_hpc.models.config_mapping import load_arch
+    from verl_hpc.models.weight_rules import expected_hf_tensors
+
+    try:
+        arch = load_arch(folder)
+    except ConfigError:
+        return []  # model_folder_problems already reports the config.json itself
+    expected = expected_hf_tensors(arch, output_layer=not value_head)
+    source = f"'{folder / 'config.json'}'"
+    problems = _layer_count(field, source, arch.num_layers, found)
+    if problems:
+        return problems  # every tensor of the missing or extra layers would repeat it
+    wrong = [(n, s) for n, s in expected.items() if n in found and found[n][0] != s]
+    if wrong:
+        name, shape = wrong[0]
+        problems.append(f"{field}: tensor '{name}' in '{folder / found[name][2]}' has shape {list(found[name][0])}; "
+                        f"{source} ({_facts(arch, name)}) implies {list(shape)}{_more(wrong, 'tensors disagree')}; "
+                        "valid: the config.json these weights were saved with")
+    missing = [n for n in expected if n not in found]
+    if missing:
+        problems.append(f"{field}: '{folder}' has no tensor '{missing[0]}', which {source} implies"
+                        f"{_more(missing, 'missing')}; valid: weights saved with this config.json "
+                        "(e.g. tie_word_embeddings decides whether lm_head.weight is stored)")
+    ints = [n for n in expected if n in found and found[n][1] not in FLOAT_DTYPES]
+    if ints:
+        n = ints[0]
+        problems.append(f"{field}: tensor '{n}' in '{folder / found[n][2]}' has dtype {found[n][1]}; "
+                        f"valid: {', '.join(FLOAT_DTYPES)}{_more(ints, 'with a wrong dtype')}")
+    return problems
+
+
+def _layer_count(field: str, source: str, layers: int, found: Dict[str, HeaderEntry]) -> List[str]:
+    held = sorted({int(m.group(1)) for n in found if (m := _LAYER.match(n))})
+    if held == list(range(layers)):
+        return []
+    have = f"layers {held[0]}..{held[-1]} ({len(held)} layers)" if held else "no layers"
+    first = next((n for n in sorted(found) if _LAYER.match(n) and int(_LAYER.match(n).group(1)) >= layers), None)
+    where = f" (e.g. '{first}' in '{found[first][2]}')" if first else ""
+    return [f"{field}: {source} has num_hidden_layers = {layers}, the weights hold {have}{where}; "
+            "valid: the config.json these weights were saved with"]
+
+
+def _facts(arch, name: str) -> str:
+    """The config.json fields a tensor's shape comes from."""
+    if "embed_tokens" in name or "lm_head" in name:
+        keys = ("vocab_size", "hidden_size")
+    elif ".mlp." in name:
+        keys = ("intermediate_size", "hidden_size")
+    elif ".self_attn." in name:
+        keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    else:
+        keys = ("hidden_size",)
+    values = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
+                  num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
+                  head_dim=arch.head_dim)
+    return ", ".join(f"{k}={values[k]}" for k in keys)
+
+
+def _more(items: list, what: str) -> str:
+    return f" (and {len(items) - 1} more {what})" if len(items) > 1 else ""
+
+
+# ------------------------------------------------------------------------------ tokenizer
+def load_tokenizer(cfg) -> Tuple[object, List[str]]:
+    """(the tokenizer the job will load, []) or (None, [one line saying why it cannot])."""
+    folder = Path(cfg.model.tokenizer_path)
+    field = "model.tokenizer_path" if cfg.model.tokenizer_path != cfg.model.path else "model.path"
+    if not folder.is_dir():
+        return None, []  # validate() already names a missing folder
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None, [f"{field}: '{folder}' has no tokenizer files; the job loads its tokenizer from there "
+                      f"(model.tokenizer_path, default model.path); valid: a folder with {', '.join(TOKENIZER_FILES)}"]
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer folder
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, [f"{field}: '{folder}': the tokenizer does not load ({type(e).__name__}: {reason}); "
+                      f"valid: a Hugging Face tokenizer folder ({', '.join(TOKENIZER_FILES)})"]
+    return tok, []
+
+
+def vocab_problem(tokenizer, cfg) -> List[str]:
+    """A tokenizer whose ids reach past config.json's vocab_size would index outside the embedding."""
+    from verl_hpc.models.config_mapping import load_hf_config
+
+    try:
+        vocab_size = load_hf_config(cfg.model.path).get("vocab_size")
+    except ConfigError:
+        return []  # reported with the model folder
+    if not isinstance(vocab_size, int):
+        return []
+    ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    if ids <= vocab_size:
+        return []
+    return [f"model.tokenizer_path: the tokenizer in '{cfg.model.tokenizer_path}' has ids up to {ids - 1} "
+            f"({len(tokenizer)} tokens with the added ones), but '{Path(cfg.model.path) / 'config.json'}' has "
+            f"vocab_size = {vocab_size}; valid: a tokenizer whose ids are all < vocab_size (the model's own)"]
