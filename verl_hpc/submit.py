@@ -7,11 +7,12 @@ Where there is no Slurm, or with --local, it starts the ranks on this machine in
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate
-from verl_hpc.launcher.plan import make_plan, write_resolved_config
+from verl_hpc.launcher.plan import RESOLVED_CONFIG, make_plan, write_resolved_config
 from verl_hpc.launcher.preflight import preflight
 
 
@@ -81,16 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # Each path imports only its launcher: submitit (Slurm), torch's elastic launcher (--local) and
     # jinja2 (--sbatch-script) are heavy or optional, and the login node needs one of them.
     if args.sbatch_script:
-        from verl_hpc.launcher.sbatch import render
-
-        script = Path(args.sbatch_script).absolute()
-        config_path = write_resolved_config(cfg, script.parent)
-        logs = script.parent / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        script.write_text(render(plan, cfg, config_path, logs, config_source=args.config or "defaults",
-                                 script_name=script.name))
-        print(f"[submit] wrote {script} and {config_path}; submit with: sbatch {script}")
-        return 0
+        return write_sbatch_script(cfg, plan, args)
 
     if plan.backend == "local":
         from verl_hpc.launcher.local import run_local
@@ -120,6 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)
         return 130
+
+
+def write_sbatch_script(cfg, plan, args) -> int:
+    from verl_hpc.launcher.sbatch import render
+
+    script = Path(args.sbatch_script).absolute()
+    config_path, logs = script.parent / RESOLVED_CONFIG, script.parent / "logs"
+    try:  # rendered first: a path the script cannot carry leaves nothing behind
+        text = render(plan, cfg, config_path, logs, config_source=args.config or "defaults",
+                      script_name=script.name)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    write_resolved_config(cfg, script.parent)
+    logs.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    print(f"[submit] wrote {script} and {config_path}; submit with: sbatch {shlex.quote(str(script))}")
+    return 0
 
 
 def _progress(cfg):

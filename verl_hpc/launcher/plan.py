@@ -64,9 +64,12 @@ def raise_layout(message: str):
     raise ConfigError(message)
 
 
+RESOLVED_CONFIG = "config.yaml"
+
+
 def write_resolved_config(cfg, folder: Path) -> Path:
     """The ranks read exactly what was validated, whatever happens to the user's YAML later."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
+    path = folder / RESOLVED_CONFIG
     path.write_text(to_yaml(cfg))
     return path

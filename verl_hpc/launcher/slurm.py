@@ -16,52 +16,21 @@ from pathlib import Path
 
 import submitit
 
-from verl_hpc.launcher import charliecloud
+from verl_hpc.launcher import job_script
 from verl_hpc.launcher.plan import Plan
 
 FINISHED_OK = "COMPLETED"
 ACTIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
                  "SUSPENDED", "UNKNOWN"}
-# --kill-on-bad-exit: one rank exiting non-zero ends the step at once instead of leaving the
-# others blocked in a collective until the time limit.
-SRUN_ARGS = ["--mpi=pmix", "--kill-on-bad-exit=1"]
-
-
 def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
-    s = cfg.slurm
-    python = "python"
-    srun_args = list(SRUN_ARGS)
-    c = s.container
-    if c.runtime == "apptainer":
-        binds = "".join(f" --bind {shlex.quote(m)}" for m in c.mounts)
-        gpu = " --nv" if s.gpus_per_node else ""
-        python = f"apptainer exec{gpu}{binds} {' '.join(c.extra_args)} {shlex.quote(c.image)} python"
-    elif c.runtime == "charliecloud":
-        python = shlex.join(charliecloud.run_prefix(c, os.getcwd()) + ["python"])
-    elif c.runtime == "pyxis":
-        srun_args += [f"--container-image={c.image}", *c.extra_args]
-        if c.mounts:
-            srun_args.append("--container-mounts=" + ",".join(c.mounts))
-    else:
-        python = sys.executable  # the submitter's venv is on the shared filesystem
-    ex = submitit.SlurmExecutor(folder=str(plan.log_dir), python=python, max_num_timeout=3)
-    params = dict(
-        job_name=s.job_name, nodes=plan.nodes, ntasks_per_node=plan.tasks_per_node,
-        cpus_per_task=s.cpus_per_task, time=s.time_min, signal_delay_s=s.signal_delay_s,
-        srun_args=srun_args,
-        setup=[f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] + list(s.setup)
-        + (charliecloud.setup_lines(c, os.getcwd()) if c.runtime == "charliecloud" else []),
-        additional_parameters={**({"requeue": True} if s.requeue else {}), **dict(s.additional)})
-    if plan.gpus_per_node:
-        params["gpus_per_node"] = plan.gpus_per_node
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(s, key):
-            params[key] = getattr(s, key)
-    if s.mem_gb:
-        params["mem"] = f"{s.mem_gb}GB"
-    if s.exclusive:
-        params["exclusive"] = True
-    ex.update_parameters(**params)
+    """The allocation, srun arguments, set-up lines and rank command come from job_script, which
+    the standalone script shares; submitit quotes each #SBATCH value and srun argument itself."""
+    workdir = os.getcwd()
+    ex = submitit.SlurmExecutor(folder=str(plan.log_dir),
+                                python=shlex.join(job_script.python_argv(plan, cfg, workdir)),
+                                max_num_timeout=3)
+    ex.update_parameters(**job_script.sbatch_parameters(plan, cfg), srun_args=job_script.srun_args(cfg),
+                         setup=job_script.setup_lines(plan, cfg, workdir))
     return ex
 
 

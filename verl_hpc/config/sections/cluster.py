@@ -52,7 +52,7 @@ class ContainerConfig(Section):
     runtime: str = opt("none", "container runtime of the ranks", choices=("none", "apptainer", "pyxis", "charliecloud"))
     image: str = opt("", "image (a .sif file, a squashfs or a registry name)")
     mounts: List[str] = opt([], "\"src:dst\" bind mounts")
-    extra_args: List[str] = opt([], "extra arguments to the container runtime")
+    extra_args: List[str] = opt([], "extra arguments to the container runtime, one per item (each passed quoted)")
 
     def check(self, job) -> List[str]:
         if self.runtime != "none" and not self.image:
@@ -82,8 +82,8 @@ class SlurmConfig(Section):
     requeue: bool = opt(True, "let the job requeue itself on the warning signal")
     container: ContainerConfig = section(ContainerConfig)
     env: Dict[str, str] = opt({}, "environment added to / overriding the job's, e.g. {NCCL_SOCKET_IFNAME: ib0}")
-    setup: List[str] = opt([], "shell lines run before srun, e.g. [\"module load cuda/12.4\"]")
-    additional: Dict[str, str] = opt({}, "extra #SBATCH options, e.g. {reservation: mine}")
+    setup: List[str] = opt([], "shell lines run before srun, as written (your own shell code), e.g. [\"module load cuda/12.4\"]")
+    additional: Dict[str, str] = opt({}, "extra #SBATCH options the plan does not set, e.g. {reservation: mine}")
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,87 @@
+"""What a Slurm job of ours asks for and runs, whichever program writes its batch script.
+
+Two writers make the script: submitit (the Python submitter, launcher/slurm.py) and the template
+of `--sbatch-script` (launcher/sbatch.py). Both take the #SBATCH options, the set-up lines, the
+srun arguments and the rank command from here, so the two scripts describe the same job
+(tests/unit/test_bad_inputs_slurm.py compares them).
+
+Every value that reaches a shell is quoted: submitit quotes #SBATCH values and srun arguments
+itself (shlex.quote), the template does the same through `directive` and `shlex.join`, and the
+rank command is a list of arguments, one per item of `slurm.container.extra_args` and `mounts`.
+`slurm.setup` is the exception by design: it is the user's own shell code, written as it is.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+from verl_hpc.launcher import charliecloud
+
+# --kill-on-bad-exit: one rank exiting non-zero ends the step at once instead of leaving the
+# others blocked in a collective until the time limit.
+SRUN_ARGS = ["--mpi=pmix", "--kill-on-bad-exit=1"]
+WARNING_SIGNAL = "USR2"  # submitit's SlurmJobEnvironment.USR_SIG: its handler and ours agree
+
+
+def sbatch_parameters(plan, cfg) -> dict:
+    """The allocation as submitit.SlurmExecutor parameters (its names: `time` in minutes,
+    `signal_delay_s`, `additional_parameters` for what it has no name for)."""
+    s = cfg.slurm
+    params = dict(job_name=s.job_name, nodes=plan.nodes, ntasks_per_node=plan.tasks_per_node,
+                  cpus_per_task=s.cpus_per_task, time=s.time_min, signal_delay_s=s.signal_delay_s,
+                  additional_parameters={**({"requeue": True} if s.requeue else {}), **dict(s.additional)})
+    if plan.gpus_per_node:
+        params["gpus_per_node"] = plan.gpus_per_node
+    params.update({key: getattr(s, key) for key in ("partition", "account", "qos", "constraint")
+                   if getattr(s, key)})
+    if s.mem_gb:
+        params["mem"] = f"{s.mem_gb}GB"
+    if s.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+def directives(params: dict) -> list[str]:
+    """The #SBATCH lines submitit writes for `params` (sorted as it sorts them), without the ones
+    it adds for its own bookkeeping (--output, --error, --open-mode, --wckey)."""
+    flags = {k: v for k, v in params.items() if k not in ("signal_delay_s", "additional_parameters")}
+    flags["signal"] = f"{WARNING_SIGNAL}@{params['signal_delay_s']}"
+    flags.update(params["additional_parameters"])
+    return [directive(k, flags[k]) for k in sorted(flags)]
+
+
+def directive(key: str, value) -> str:
+    """submitit's rule: `_` -> `-`, True -> a bare flag, else a shell-quoted value, which sbatch's
+    directive parser reads back unchanged (backslashes are refused in config/sbatch_text.py)."""
+    key = key.replace("_", "-")
+    return f"#SBATCH --{key}" if value is True else f"#SBATCH --{key}={shlex.quote(str(value))}"
+
+
+def srun_args(cfg) -> list[str]:
+    """srun's own arguments after the launch flags: pyxis runs the container through srun."""
+    c = cfg.slurm.container
+    if c.runtime != "pyxis":
+        return list(SRUN_ARGS)
+    mounts = ["--container-mounts=" + ",".join(c.mounts)] if c.mounts else []
+    return [*SRUN_ARGS, f"--container-image={c.image}", *c.extra_args, *mounts]
+
+
+def python_argv(plan, cfg, workdir: str) -> list[str]:
+    """The interpreter each rank runs, behind its container runtime's command."""
+    c = cfg.slurm.container
+    if c.runtime == "apptainer":
+        binds = [arg for m in c.mounts for arg in ("--bind", m)]
+        return ["apptainer", "exec", *(["--nv"] if plan.gpus_per_node else []), *binds, *c.extra_args,
+                c.image, "python"]
+    if c.runtime == "charliecloud":
+        return charliecloud.run_prefix(c, workdir) + ["python"]
+    if c.runtime == "pyxis":
+        return ["python"]
+    return [sys.executable]  # the submitter's venv is on the shared filesystem
+
+
+def setup_lines(plan, cfg, workdir: str) -> list[str]:
+    """Shell lines run once before srun: the job's environment, then slurm.setup as written."""
+    c = cfg.slurm.container
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.env.items())] + list(cfg.slurm.setup)
+    return lines + (charliecloud.setup_lines(c, workdir) if c.runtime == "charliecloud" else [])
