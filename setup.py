@@ -20,6 +20,8 @@ CORE = [
     # CRC-32 at ~26 GB/s (zlib: ~3.5 GB/s): checksumming checkpoints no longer halves save speed
     # on small nodes; the checkpoint code falls back to zlib without it.
     "isal",
+    # the local launcher finds its rank processes to pass a SIGTERM/Ctrl-C on (launcher/local_stop.py)
+    "psutil",
 ]
 # The GPU stack is pinned to what verl_hpc's compatibility code was read against: the vLLM release
 # of the CPU build (rollout/vllm_compat.py) and megatron-core 0.16.1 (parallel/cpu_compat.py, the

@@ -62,7 +62,8 @@ def memory_check(cfg, args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, check_model=not args.skip_model_check)
@@ -85,13 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         return write_sbatch_script(cfg, plan, args)
 
     if plan.backend == "local":
-        from verl_hpc.launcher.local import run_local
+        from verl_hpc.launcher.local import rerun_command, run_local
 
         if args.dry_run:
             print(f"[submit] dry run: would start {plan.world_size} local rank(s) of "
                   "`python -m verl_hpc.job <resolved config>`")
             return 0
-        return run_local(plan, write_resolved_config(cfg, plan.log_dir))
+        return run_local(plan, write_resolved_config(cfg, plan.log_dir), checkpoint_dir=cfg.checkpoint.dir,
+                         rerun=rerun_command(argv, cfg.trainer.resume))
 
     from verl_hpc import job as job_entry
     from verl_hpc.launcher import slurm

@@ -8,6 +8,7 @@ which rank, its exit code and its log file, for the message the user reads.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import uuid
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from verl_hpc.launcher.local_stop import LocalStop, stop_line
 from verl_hpc.launcher.plan import Plan
 from verl_hpc.launcher.slurm import error_line
 
@@ -39,7 +41,15 @@ def by_time_of_death(failures: dict, log_dir: Path) -> list:
     return sorted(failures, key=key)
 
 
-def run_local(plan: Plan, config_path: Path) -> int:
+def rerun_command(argv: list[str], resume: str) -> str:
+    """The submit command to run again after a stop: the same arguments, resuming from `latest`."""
+    again = list(argv) + ([] if resume == "auto" else ["trainer.resume=auto"])
+    return shlex.join(["python", "-m", "verl_hpc.submit", *again])
+
+
+def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str = "") -> int:
+    """Start the ranks and wait for them; 0, 1 (a rank failed) or 128 + the number of a signal that
+    stopped the job (launcher/local_stop.py; checkpoint_dir and rerun go into its last line)."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(plan.env)  # inherited by the rank processes
     launch = LaunchConfig(
@@ -51,19 +61,37 @@ def run_local(plan: Plan, config_path: Path) -> int:
         # When one rank fails the launcher sends the others SIGTERM, which our ranks take as
         # "checkpoint at the next step boundary" (runtime/signals.py); a rank that never reaches
         # one is killed 30 s later (torch's fixed grace period on this path).
-        start_method="spawn")
+        start_method="spawn",
+        # SIGTERM and SIGINT are LocalStop's (the ranks get time to checkpoint), not torch's
+        signals_to_handle="SIGHUP,SIGQUIT")
     print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
-    try:
-        elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
-    except ChildFailedError as err:
-        print(f"[submit] local job FAILED; logs in {plan.log_dir}", file=sys.stderr)
-        order = by_time_of_death(err.failures, plan.log_dir)
-        for i, rank in enumerate(order):
-            first = " (failed first)" if i == 0 and len(order) > 1 else ""
-            log = rank_log(plan.log_dir, rank)
-            said = error_line(log) if log is not None else ""
-            print(f"[submit]   rank {rank} exited with code {err.failures[rank].exitcode}{first}; "
-                  f"log: {log}" + (f"\n[submit]     {said}" if said else ""), file=sys.stderr)
+    failures = None
+    with LocalStop() as stop:
+        try:
+            elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
+        except ChildFailedError as err:
+            failures = err.failures
+    if stop.signum and (failures is None or stop.abandoned or all(_by_signal(f) for f in failures.values())):
+        print(stop_line(stop, checkpoint_dir, rerun), flush=True)
+        return stop.exit_code
+    if failures is not None:
+        report_failures(failures, plan.log_dir)
         return 1
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
     return 0
+
+
+def _by_signal(failure) -> bool:
+    """A rank that died of a signal (one that came before it could record it), not of an error."""
+    return failure.exitcode < 0 or failure.exitcode > 128
+
+
+def report_failures(failures: dict, log_dir: Path) -> None:
+    print(f"[submit] local job FAILED; logs in {log_dir}", file=sys.stderr)
+    order = by_time_of_death(failures, log_dir)
+    for i, rank in enumerate(order):
+        first = " (failed first)" if i == 0 and len(order) > 1 else ""
+        log = rank_log(log_dir, rank)
+        said = error_line(log) if log is not None else ""
+        print(f"[submit]   rank {rank} exited with code {failures[rank].exitcode}{first}; "
+              f"log: {log}" + (f"\n[submit]     {said}" if said else ""), file=sys.stderr)

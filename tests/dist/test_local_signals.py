@@ -1,0 +1,56 @@
+"""Signals to a local job (`python -m verl_hpc.submit ... --local`), as a user at a terminal sends
+them: SIGTERM (`kill PID`) to the submitter, Ctrl-C (SIGINT to the terminal's process group). Both
+must end like a Slurm cancel: the step in flight finishes, its checkpoint is complete and `latest`
+names it, one line says how to resume, and the exit code is the shell's 128 + signal number."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from jobs import REPO, TINY_GRPO, data_overrides, metrics
+
+# checkpoint every step: a signal right after a step's metrics lands on that step's save
+STEPS = ["trainer.total_steps=200", "checkpoint.save_every=1", "checkpoint.keep_last=2"]
+
+
+def start_job(assets, out):
+    """The job in its own session (as a shell starts a command in its own process group)."""
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local",
+           f"model.path={assets}/model", *data_overrides(assets), *TINY_GRPO, *STEPS,
+           f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
+    console = open(out.parent / f"{out.name}_console.txt", "w")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=console, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True), console
+
+
+@pytest.mark.parametrize("sig, send, code", [
+    ("SIGTERM", lambda pid: os.kill(pid, signal.SIGTERM), 143),   # kill PID: the submitter only
+    ("SIGINT", lambda pid: os.killpg(pid, signal.SIGINT), 130),   # Ctrl-C: the whole process group
+])
+def test_signal_stops_at_a_step_with_a_complete_checkpoint(tiny_assets, tmp_path, wait_for_text, sig, send, code):
+    out = tmp_path / "run"
+    out.mkdir()
+    proc, console = start_job(tiny_assets, out)
+    try:
+        wait_for_text(out, "metrics.jsonl", '"step": 1', proc, timeout=240)
+        send(proc.pid)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        console.close()
+    said = (tmp_path / "run_console.txt").read_text(errors="replace")
+    assert proc.returncode == code, said[-4000:]
+    assert "Traceback" not in said, said[-4000:]
+    stops = [line for line in said.splitlines() if line.startswith(f"[submit] stopped by {sig}")]
+    assert len(stops) == 1, said[-4000:]
+    assert "resume with: " in stops[0] and "verl_hpc.submit configs/demo_rl.yaml --local" in stops[0], stops
+
+    # at a step boundary: the checkpoint `latest` names is the last step the run logged, complete
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    last = metrics(out)[-1]["step"]
+    assert latest == f"step_{last:06d}" and f"at step {last};" in stops[0], (latest, last, stops)
+    verify = subprocess.run([sys.executable, "-m", "verl_hpc.checkpoint", "verify", str(out / "checkpoints")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
