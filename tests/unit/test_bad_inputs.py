@@ -400,8 +400,8 @@ def test_submit_finds_tokenizer_ids_beyond_the_vocabulary(job, capsys):
 def test_submit_refuses_a_batch_larger_than_the_train_set(job, capsys):
     # 10**12 is refused by the config's range already; a batch within it but past the data set is
     # what only the file check can see
-    assert submit_error(capsys, job[0] + ["data.train_batch_size=9"]).startswith(
-        "data.train_batch_size: 9 prompts per step, but the train set has 8 prompt(s) after "
+    assert submit_error(capsys, job[0] + ["data.train_batch_size=16"]).startswith(
+        "data.train_batch_size: 16 prompts per step, but the train set has 8 prompt(s) after "
         "data.overlong_prompts' filter;")
 
 
