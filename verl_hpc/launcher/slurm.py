@@ -22,6 +22,8 @@ from verl_hpc.launcher.plan import Plan
 FINISHED_OK = "COMPLETED"
 ACTIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
                  "SUSPENDED", "UNKNOWN"}
+
+
 def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
     """The allocation, srun arguments, set-up lines and rank command come from job_script, which
     the standalone script shares; submitit quotes each #SBATCH value and srun argument itself."""
