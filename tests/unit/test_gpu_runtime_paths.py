@@ -89,6 +89,10 @@ def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local
     # vLLM's external launcher reads LOCAL_RANK as the index of its GPU: the same number, whatever
     # the launcher exported (srun: SLURM_LOCALID; torchrun: its own LOCAL_RANK)
     monkeypatch.setenv("LOCAL_RANK", str(local))
+    # _export_rank_env sets RANK and WORLD_SIZE where unset: set here, monkeypatch removes them
+    # again, or a later in-process job in this pytest process waits for 8 ranks at its rendezvous
+    monkeypatch.setenv("RANK", str(local))
+    monkeypatch.setenv("WORLD_SIZE", "8")
     ctx = types.SimpleNamespace(env=types.SimpleNamespace(local_rank=local))
     layout = ReplicaLayout(rank=local, world_size=8, tp=1)
     vllm_rollout._export_rank_env(layout, ctx)
