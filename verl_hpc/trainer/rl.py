@@ -226,9 +226,10 @@ def _columns(ds):
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
     roles = build_roles(cfg, ctx)
-    # The rollout engine is closed on every way out, an error in the trainer's construction or in
-    # fit included: all ranks together, before job.run's runtime.shutdown() drops the process group
-    # (vLLM's exit-time finalizer would otherwise print a traceback after the `error:` line).
+    # The rollout engine is closed on every way out (after a clean run all ranks together), an
+    # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
+    # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
+    # the `error:` line.
     with roles.rollout:
         trainer = RLTrainer(cfg, ctx, roles)
         summary = trainer.fit()
