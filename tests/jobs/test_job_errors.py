@@ -1,12 +1,15 @@
 """Job-time errors (issue 11): a bad input found inside a rank ends it with one `error: ...` line
 and its class's exit code (verl_hpc/runtime/errors.py), never a traceback. The rank's own entry
-(`verl_hpc.job.main`) runs in the test process (tests/jobs.py)."""
+(`verl_hpc.job.main`) runs in the test process (tests/jobs.py), except where the error is what the
+interpreter prints at exit."""
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
-from jobs import data_overrides, run_here
+from jobs import REPO, data_overrides, run_here
 
 
 def run_rank(tmp_path, root, *overrides):
@@ -56,3 +59,32 @@ def test_corrupt_checkpoint_at_resume_is_one_line(tmp_path, tiny_assets):
     proc = run_rank(tmp_path, root, f"checkpoint.dir={ck}")
     check_one_line(proc, 22, "index.json is not valid JSON")  # CheckpointCorruptError
     assert sorted((p.name, p.read_bytes()) for p in ck.rglob("*") if p.is_file()) == before  # untouched
+
+
+@pytest.mark.parametrize("stage", ["building the roles", "building the trainer"])
+def test_error_after_vllm_is_built_is_the_last_line(tmp_path, tiny_assets, stage):
+    """An error raised after the vLLM engine came up (a critic's damaged weights while the roles are
+    built; a reward module that cannot be imported while the trainer is built) ends the rank with
+    its one line and nothing after it: an engine left open was shut down by vLLM's exit-time
+    finalizer after the process group was gone ("Invalid process group specified"). A real
+    process, since that finalizer runs only when the interpreter exits."""
+    root = tiny_assets
+    if stage == "building the roles":
+        critic = tmp_path / "critic"
+        subprocess.run(["cp", "-r", str(root / "model"), str(critic)], check=True)
+        weights = sorted(critic.glob("*.safetensors"))[0]
+        weights.write_bytes(weights.read_bytes()[:-64])
+        extra, code = ["algorithm.adv_estimator=gae", "critic.enable=true", f"critic.model_path={critic}",
+                       "critic.ppo_mini_batch_size=2", "critic.micro_batch_size=4"], 13
+    else:
+        extra, code = ["reward.custom_function=no_such_reward_module:score", "safety.allow_custom_code=true"], 11
+    cmd = [sys.executable, "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"trainer.output_dir={tmp_path}/out",
+           "slurm.tasks_per_node=1", f"model.path={root}/model", *data_overrides(root), "rollout.engine=vllm",
+           "trainer.total_steps=1", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+           "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]",
+           "tracking.plots=false", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "vLLM engine up" in proc.stderr, proc.stderr[-5000:]  # the error came after the engine
+    check_one_line(proc, code)
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: "), proc.stderr[-5000:]

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------ construction order (1)
-def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypatch):
+def _fake_roles(monkeypatch, fail_at=None):
+    """trainer.roles with a fake rollout and engines that record what happens to them, in order;
+    building the role `fail_at` raises."""
     import verl_hpc.rollout as rollout_pkg
     from verl_hpc.trainer import roles
 
@@ -28,11 +30,19 @@ def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypat
         def sleep(self):
             events.append("rollout.sleep")
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append("rollout.close")
+
     def build_rollout(cfg, ctx):
         events.append("rollout")
         return Rollout()
 
     def build_engine(role, cfg, ctx):
+        if role == fail_at:
+            raise OSError(f"{role}: weights unreadable")
         events.append(role)
         return role
 
@@ -41,12 +51,26 @@ def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypat
     monkeypatch.setattr(roles, "load_tokenizer", lambda cfg: None)
     cfg = load_config(None, ["model.path=/m", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
                              "reward.reward_model.enable=true", "reward.reward_model.path=/rm"])
+    return roles, cfg, events
+
+
+def test_rollout_is_built_and_put_to_sleep_before_the_training_engines(monkeypatch):
+    roles, cfg, events = _fake_roles(monkeypatch)
     built = roles.build_roles(cfg, types.SimpleNamespace(rank=1))
     assert events == ["rollout", "rollout.sleep", "actor", "ref", "critic", "reward"]
     assert (built.actor, built.ref, built.critic, built.reward_model) == ("actor", "ref", "critic", "reward")
     events.clear()
     roles.build_roles(cfg, types.SimpleNamespace(rank=1), with_rollout=False)
     assert events == ["actor", "ref", "critic", "reward"]
+
+
+def test_a_role_that_fails_to_build_closes_the_rollout_first(monkeypatch):
+    """Left open, vLLM's engine would be shut down at interpreter exit, after the process group is
+    gone, printing a traceback after the job's `error:` line."""
+    roles, cfg, events = _fake_roles(monkeypatch, fail_at="critic")
+    with pytest.raises(OSError, match="critic: weights unreadable"):
+        roles.build_roles(cfg, types.SimpleNamespace(rank=1))
+    assert events == ["rollout", "rollout.sleep", "actor", "ref", "rollout.close"]
 
 
 # ------------------------------------------------------------------- LOCAL_RANK (4)
@@ -65,6 +89,10 @@ def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local
     # vLLM's external launcher reads LOCAL_RANK as the index of its GPU: the same number, whatever
     # the launcher exported (srun: SLURM_LOCALID; torchrun: its own LOCAL_RANK)
     monkeypatch.setenv("LOCAL_RANK", str(local))
+    # _export_rank_env sets RANK and WORLD_SIZE where unset: set here, monkeypatch removes them
+    # again, or a later in-process job in this pytest process waits for 8 ranks at its rendezvous
+    monkeypatch.setenv("RANK", str(local))
+    monkeypatch.setenv("WORLD_SIZE", "8")
     ctx = types.SimpleNamespace(env=types.SimpleNamespace(local_rank=local))
     layout = ReplicaLayout(rank=local, world_size=8, tp=1)
     vllm_rollout._export_rank_env(layout, ctx)

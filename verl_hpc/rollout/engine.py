@@ -126,8 +126,17 @@ class RolloutEngine(abc.ABC):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """`with engine:` closes it on every way out of the block. The owner of an engine scopes
+        it so: vLLM's engine left open at an error is shut down by its exit-time finalizer after
+        the runtime destroyed the process group, a second traceback after the `error:` line."""
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the error in flight is the one to see
+            log.warning("%s: close after an error also failed: %s: %s", self.name, type(e).__name__, e)
 
     def _mark_broken(self, why: str) -> None:
         self._broken = why

@@ -12,7 +12,9 @@ On every platform (the code paths are not CPU-specific):
    weakref finalizer when the LLM is collected or the interpreter exits. The guard wraps
    `vllm.v1.engine.core.cleanup_dist_env_and_memory` so that, while it runs, destroying the
    DEFAULT group is skipped when that group existed before the engine was built (the trainer's);
-   vLLM's own groups, and a default group vLLM created itself, are destroyed as before.
+   vLLM's own groups, and a default group vLLM created itself, are destroyed as before. A
+   construction that fails leaves no engine to shut down: `engine_construction` then runs the same
+   guarded cleanup (`release_parallel_state`), so vLLM's groups never outlive the process group.
 2. vLLM reseeds the global RNGs (python, numpy, torch, CUDA) when its worker starts, and its CPU
    sampler draws from torch's global generator on every step. `preserved_rng` saves and restores
    them around engine construction, generate and weight loads: the trainer owns its streams.
@@ -294,7 +296,26 @@ def engine_construction(device: torch.device, *, tp: int):
         install_shm_names(token)
         remove_stale_shm(token)
     with preserved_rng(device), (torch_threads_kept() if cpu else contextlib.nullcontext()):
-        yield
+        try:
+            yield
+        except BaseException:
+            release_parallel_state()
+            raise
+
+
+def release_parallel_state() -> None:
+    """After a failed `vllm.LLM(...)`: no engine exists to shut down, but the groups vLLM set up
+    before the failure stay registered; they go now, before the runtime destroys the process group
+    (a later engine in this process would find them stale). Through the guarded cleanup
+    (handler 1): the trainer's default group stays. A failure here is logged: the construction
+    error in flight is the one to report."""
+    from vllm.v1.engine import core
+
+    try:
+        core.cleanup_dist_env_and_memory()
+    except Exception as e:  # noqa: BLE001
+        log.warning("vLLM: releasing its process groups after a failed start also failed: %s: %s",
+                    type(e).__name__, e)
 
 
 def _refresh_lm_head(model) -> bool:

@@ -223,20 +223,14 @@ def _columns(ds):
     return b.ids, b.data_sources, b.ground_truths
 
 
-def _close_quietly(rollout) -> None:
-    try:
-        rollout.close()
-    except Exception as e:  # noqa: BLE001 - reported, not raised: the error in flight is the one to see
-        log.warning("rollout close after an error also failed: %s: %s", type(e).__name__, e)
-
-
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
-    trainer = RLTrainer(cfg, ctx)
-    try:
+    roles = build_roles(cfg, ctx)
+    # The rollout engine is closed on every way out (after a clean run all ranks together), an
+    # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
+    # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
+    # the `error:` line.
+    with roles.rollout:
+        trainer = RLTrainer(cfg, ctx, roles)
         summary = trainer.fit()
-    except BaseException:  # the engine's shutdown must not bury the error that got us here
-        _close_quietly(trainer.roles.rollout)
-        raise
-    trainer.roles.rollout.close()  # all ranks together, before the runtime tears the process group down
     return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)

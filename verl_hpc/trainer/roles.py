@@ -17,6 +17,7 @@ rank).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Optional
@@ -52,17 +53,21 @@ def load_tokenizer(cfg):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
+    """The caller owns the returned rollout engine and closes it (`with roles.rollout:`); if a
+    role built after it fails, the engine is closed here before the error goes on."""
     tokenizer = load_tokenizer(cfg)
     rollout = None
-    if with_rollout:
-        from verl_hpc.rollout import build_rollout
+    with contextlib.ExitStack() as on_error:
+        if with_rollout:
+            from verl_hpc.rollout import build_rollout
 
-        rollout = build_rollout(cfg, ctx)
-        rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
-    actor = build_engine("actor", cfg, ctx)
-    ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None
-    critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
-    rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
+            rollout = on_error.enter_context(build_rollout(cfg, ctx))
+            rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
+        actor = build_engine("actor", cfg, ctx)
+        ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None
+        critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
+        rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
+        on_error.pop_all()  # all built: the engine stays open for the caller
     roles = Roles(tokenizer, actor, rollout, ref, critic, rm)
     if ctx.rank == 0:
         log.info("roles: %s; rollout: %s", ", ".join(roles.names()), cfg.rollout.engine)

@@ -194,6 +194,25 @@ def test_broken_engine_refuses_to_generate():
         eng.generate([[1]], default_spec(max_tokens=8))
 
 
+def test_with_engine_closes_it_and_keeps_the_error_in_flight(caplog):
+    """`with engine:` closes on every way out; a close that fails while an error is already on
+    its way is logged, and the error that got there is the one raised (a clean exit raises it)."""
+    class FailingClose(EchoEngine):
+        def close(self):
+            self._closed = True
+            raise RuntimeError("shutdown failed")
+
+    with EchoEngine() as eng:
+        pass
+    assert eng._closed
+    with caplog.at_level(logging.WARNING, logger="verl_hpc.rollout.engine"):
+        with pytest.raises(KeyError, match="the job's error"), FailingClose() as eng:
+            raise KeyError("the job's error")
+    assert eng._closed and "close after an error also failed: RuntimeError: shutdown failed" in caplog.text
+    with pytest.raises(RuntimeError, match="shutdown failed"), FailingClose():
+        pass
+
+
 def test_sleep_noop_is_logged_once(caplog, monkeypatch):
     monkeypatch.setattr(engine_mod, "_said", set())
     eng = EchoEngine()

@@ -7,6 +7,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from verl_hpc.rollout import vllm_compat as compat
@@ -195,3 +196,24 @@ def test_reload_noise_messages_are_vllms():
     assert '"Successfully reset prefix cache"' in inspect.getsource(block_pool)
     for mod in (inplace, layerwise, block_pool):
         assert mod.logger.name in compat.RELOAD_LOGGERS
+
+
+def test_a_failed_construction_releases_vllms_groups(monkeypatch):
+    """vllm.LLM(...) raising half-way leaves vLLM's groups registered: they are released through the
+    guarded cleanup (the trainer's default group stays) and the construction error goes on."""
+    from vllm.v1.engine import core
+
+    calls = []
+
+    def cleanup(*args, **kwargs):
+        calls.append("cleanup")
+
+    cleanup._verl_hpc_guard = True  # stands for the installed guard
+    monkeypatch.setattr(core, "cleanup_dist_env_and_memory", cleanup)
+    with compat.engine_construction(torch.device("cpu"), tp=1):
+        pass
+    assert calls == []  # a built engine is shut down by close(), not here
+    with pytest.raises(ValueError, match="weights do not fit"):
+        with compat.engine_construction(torch.device("cpu"), tp=1):
+            raise ValueError("weights do not fit")
+    assert calls == ["cleanup"]
