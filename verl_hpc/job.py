@@ -45,6 +45,7 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     if isinstance(cfg, dict):
         cfg = from_container(cfg)
     program = resolve_program(cfg.trainer.job)
+    check_weight_files(cfg)
     ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
                             seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task)
     from verl_hpc.trainer.safety import log_banner
@@ -54,6 +55,21 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
         return program(cfg, ctx)
     finally:
         runtime.shutdown()
+
+
+def check_weight_files(cfg) -> None:
+    """The model folders' safetensors headers against their config.json, as submit checks them
+    before the queue (headers only: a second even for a 70B model). A rank started without those
+    checks (a hand-written sbatch script, --skip-file-checks) stops here with one line instead of
+    a shape error inside vLLM's or Megatron's weight loader."""
+    if cfg.trainer.job == "smoke":  # no model
+        return
+    from verl_hpc.launcher.preflight import model_problems
+    from verl_hpc.models.hf_checkpoint import WeightFileError
+
+    problems = model_problems(cfg)
+    if problems:
+        raise WeightFileError("; ".join(problems))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,3 +88,14 @@ def test_error_after_vllm_is_built_is_the_last_line(tmp_path, tiny_assets, stage
     assert "vLLM engine up" in proc.stderr, proc.stderr[-5000:]  # the error came after the engine
     check_one_line(proc, code)
     assert proc.stderr.rstrip().splitlines()[-1].startswith("error: "), proc.stderr[-5000:]
+
+
+def test_weights_that_disagree_with_config_json_stop_the_rank_before_any_engine(tmp_path, tiny_assets):
+    """A rank started without submit's file checks (an sbatch script by hand) checks the
+    safetensors headers against config.json itself, instead of failing in a weight loader."""
+    model = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(tiny_assets / "model"), str(model)], check=True)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 64)))
+    proc = run_rank(tmp_path, tiny_assets, f"model.path={model}")
+    check_one_line(proc, 13, "model.path", "embed_tokens", "vocab_size", "implies")

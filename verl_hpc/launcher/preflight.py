@@ -38,8 +38,7 @@ def preflight(cfg, check_model: bool = True) -> None:
     """Raise one ConfigError listing every problem found in the files the config names."""
     problems, tokenizer = [], None
     if check_model:
-        for field, path in _model_folders(cfg):
-            problems += model_folder_problems(path, field)
+        problems += model_problems(cfg)
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
             tokenizer, found = load_tokenizer(cfg)
             problems += found + (vocab_problem(tokenizer, cfg) if tokenizer is not None else [])
@@ -47,6 +46,11 @@ def preflight(cfg, check_model: bool = True) -> None:
 
 
 # ------------------------------------------------------------------------------ models
+def model_problems(cfg) -> List[str]:
+    """The model folders' files (headers only): what a rank checks again before it builds anything."""
+    return [p for field, path in _model_folders(cfg) for p in model_folder_problems(path, field)]
+
+
 def _model_folders(cfg):
     out = [("model.path", cfg.model.path)] if cfg.model.path else []
     if cfg.critic.wanted(cfg) and cfg.critic.model_path and cfg.critic.model_path != cfg.model.path:
