@@ -4,6 +4,7 @@ and its class's exit code (verl_hpc/runtime/errors.py), never a traceback. The r
 interpreter prints at exit."""
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -61,6 +62,22 @@ def test_corrupt_checkpoint_at_resume_is_one_line(tmp_path, tiny_assets):
     assert sorted((p.name, p.read_bytes()) for p in ck.rglob("*") if p.is_file()) == before  # untouched
 
 
+def damage_tensor_bytes(path):
+    """Move the boundary between the file's first two tensors by 4 bytes: the header stays valid
+    JSON, its shapes stay those config.json implies and the data still ends at the end of the file
+    (so the header check every rank makes first passes), but the two tensors' byte counts no
+    longer match their shapes, which safetensors refuses when the critic's weights are opened."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    first, second = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])[:2]
+    header[first]["data_offsets"][1] -= 4
+    header[second]["data_offsets"][0] -= 4
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "the edited header must fit the old one's length"
+    path.write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])
+
+
 @pytest.mark.parametrize("stage", ["building the roles", "building the trainer"])
 def test_error_after_vllm_is_built_is_the_last_line(tmp_path, tiny_assets, stage):
     """An error raised after the vLLM engine came up (a critic's damaged weights while the roles are
@@ -72,8 +89,7 @@ def test_error_after_vllm_is_built_is_the_last_line(tmp_path, tiny_assets, stage
     if stage == "building the roles":
         critic = tmp_path / "critic"
         subprocess.run(["cp", "-r", str(root / "model"), str(critic)], check=True)
-        weights = sorted(critic.glob("*.safetensors"))[0]
-        weights.write_bytes(weights.read_bytes()[:-64])
+        damage_tensor_bytes(sorted(critic.glob("*.safetensors"))[0])
         extra, code = ["algorithm.adv_estimator=gae", "critic.enable=true", f"critic.model_path={critic}",
                        "critic.ppo_mini_batch_size=2", "critic.micro_batch_size=4"], 13
     else:
