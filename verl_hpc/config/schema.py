@@ -19,6 +19,7 @@ from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfi
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
 from verl_hpc.config.sections.model import ModelConfig
+from verl_hpc.config.sections.placement import AsyncTrainingConfig, PlacementConfig
 from verl_hpc.config.sections.reward import RewardConfig, RewardModelConfig
 from verl_hpc.config.sections.roles import ActorConfig, CriticConfig, OptimConfig, RefConfig
 from verl_hpc.config.sections.rollout import ReshardingConfig, RolloutConfig
@@ -40,7 +41,11 @@ class JobConfig:
     reward: RewardConfig = section(RewardConfig, "how responses are scored")
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "HDF5 checkpoints")
-    parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = world size / (tp * pp)")
+    parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = training ranks / (tp * pp)")
+    placement: PlacementConfig = section(PlacementConfig, "colocated (every rank does everything) or split "
+                                                          "(rollout ranks apart from training ranks)")
+    async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "split placement: how far rollout may "
+                                                                       "run ahead of training")
     slurm: SlurmConfig = section(SlurmConfig, "the allocation and how ranks start")
     tracking: TrackingConfig = section(TrackingConfig, "where metrics go")
     safety: SafetyConfig = section(SafetyConfig, "risky features, all off by default (a banner says when one is on)")
@@ -54,9 +59,23 @@ class JobConfig:
         return self.slurm.world_words
 
     @property
+    def train_world_size(self) -> int:
+        """Ranks that hold the Megatron roles (all of them unless placement.mode = split)."""
+        return self.placement.train_ranks(self.world_size)
+
+    @property
+    def rollout_world_size(self) -> int:
+        """Ranks that hold a vLLM engine (all of them unless placement.mode = split)."""
+        return self.placement.rollout_world(self.world_size)
+
+    @property
     def layout(self) -> Layout:
         p = self.parallel
-        return Layout(self.world_size, p.tp, p.pp, vpp=p.vpp, world_words=self.world_words)
+        words = self.world_words
+        if self.placement.split:
+            words = (f"the {self.train_world_size} training ranks ({self.world_words} - "
+                     f"placement.rollout_ranks {self.placement.rollout_ranks})")
+        return Layout(self.train_world_size, p.tp, p.pp, vpp=p.vpp, world_words=words)
 
     @property
     def sequences_per_example(self) -> int:
@@ -78,9 +97,9 @@ class JobConfig:
 
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
+    "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
-    "ParallelConfig", "PreferenceConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
+    "ParallelConfig", "PlacementConfig", "PreferenceConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",
 ]
 

@@ -39,7 +39,8 @@ def test_print_config_is_the_resolved_yaml():
     assert printed["trainer"]["job"] == "smoke"
     assert printed["trainer"]["output_dir"] == "outputs/verl_hpc/smoke"  # resolved, not ${...}
     assert set(printed) == {"model", "data", "algorithm", "actor", "critic", "ref", "rollout", "resharding", "reward",
-                            "trainer", "checkpoint", "parallel", "slurm", "tracking", "safety"}
+                            "trainer", "checkpoint", "parallel", "placement", "async_training", "slurm", "tracking",
+                            "safety"}
 
 
 def test_semantic_problems_go_to_stderr_and_exit_2(capsys):

@@ -78,7 +78,8 @@ class RolloutConfig(Section):
         if self.engine == "hf" and self.tp != 1:
             p.append(f"rollout.tp = {self.tp} needs rollout.engine = vllm (or auto): the HF engine runs "
                      "one replica per rank, rollout.tp = 1")
-        p += inference_tp_problems(job.world_size, self.tp, job.world_words)
+        words = (f"placement.rollout_ranks = {job.rollout_world_size}" if job.placement.split else job.world_words)
+        p += inference_tp_problems(job.rollout_world_size, self.tp, words)
         if job.trainer.job == "rl" and self.max_tokens > job.data.max_response_length:
             p.append(f"rollout.max_tokens = {self.max_tokens} exceeds data.max_response_length = "
                      f"{job.data.max_response_length}")
