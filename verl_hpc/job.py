@@ -47,14 +47,15 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     program = resolve_program(cfg.trainer.job)
     check_weight_files(cfg)
     ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
-                            seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task)
+                            seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
+                            rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0)
     from verl_hpc.trainer.safety import log_banner
 
     log_banner(cfg, ctx)  # safety.* switches that are on, in every job's log
     try:
         return program(cfg, ctx)
     finally:
-        runtime.shutdown()
+        runtime.shutdown(ctx)
 
 
 def check_weight_files(cfg) -> None:

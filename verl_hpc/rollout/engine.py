@@ -60,8 +60,10 @@ class RolloutEngine(abc.ABC):
         self._closed = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: List[List[int]], sampling: SamplingSpec) -> RolloutResult:
-        """Sample `sampling.n` responses for each prompt; see the module doc for multi-rank use."""
+    def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *, room: int = 0) -> RolloutResult:
+        """Sample `sampling.n` responses for each prompt; see the module doc for multi-rank use.
+        `room`: prompts may be that much longer than max_prompt_length (a continuation: the prompt
+        plus a response's first tokens, whose total stays within the engine's window)."""
         start = time.perf_counter()
         self._check_usable()
         if sampling.max_tokens > self.max_response_length:
@@ -69,7 +71,7 @@ class RolloutEngine(abc.ABC):
                 f"sampling.max_tokens={sampling.max_tokens} exceeds what this engine was built "
                 f"for (rollout.max_tokens / data.max_response_length = {self.max_response_length})")
         fitted, truncated = fit_prompts(check_prompts(prompts, self.vocab_size),
-                                        self.max_prompt_length, self.prompt_overflow)
+                                        self.max_prompt_length + room, self.prompt_overflow)
         shard = self.layout.shard(len(fitted))
         local = (self._generate_shard([fitted[i] for i in shard], shard.start, sampling)
                  if len(shard) else ShardOutput.empty())

@@ -28,6 +28,14 @@ class RankContext:
     preemption: PreemptionFlag
     generator: torch.Generator
     mpi_comm: Any = None  # mpi4py COMM_WORLD when launched by an MPI-capable launcher
+    # placement.mode=split: this rank's side (runtime/split.py); env is then the rank's place in its
+    # own group (rollout or training), and rank/world_size are that group's
+    split: Any = None
+
+    @property
+    def role(self) -> str:
+        """both (colocated) | rollout | train"""
+        return self.split.role if self.split is not None else "both"
 
     @property
     def rank(self) -> int:
@@ -73,11 +81,13 @@ def _setup_logging(rank: int) -> None:
 
 
 def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
-              num_threads: int = 0, env: LaunchEnv | None = None) -> RankContext:
+              num_threads: int = 0, env: LaunchEnv | None = None, rollout_ranks: int = 0) -> RankContext:
     """Initialise this rank inside any launcher and return what the job needs to know.
 
     `timeout_s` bounds every collective: a rank that dies or wedges fails the others with an
     error after at most that long instead of leaving the job hanging until its time limit.
+    `rollout_ranks` > 0 (placement.mode=split): the first that many ranks form the rollout group,
+    the others the training group, each with a default group of its own (runtime/split.py).
     """
     env = env or detect()
     _setup_logging(env.rank)
@@ -90,6 +100,14 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
         env = _rendezvous_over_mpi(env, comm)
     dev = devices.device_for(env.local_rank)
     backend = devices.backend_for(backend)
+    split = None
+    if rollout_ranks and not dist.is_initialized():
+        from verl_hpc.runtime.split import SplitWorld
+
+        split = SplitWorld.start(env, rollout_ranks=rollout_ranks, backend=backend, timeout_s=timeout_s,
+                                 device=dev)
+        env = split.local_env
+        _setup_logging_split(split)
     if not dist.is_initialized():
         # env:// everywhere: under torchrun it joins the agent's store (a tcp:// URL would try to
         # open a second store on the same port); elsewhere it reads what we export here.
@@ -108,9 +126,19 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
              env.master_addr, env.master_port, ", MPI initialised" if comm is not None else "")
     return RankContext(env=env, device=dev, backend=backend,
                        preemption=PreemptionFlag().install(),
-                       generator=seed_everything(seed, env.rank), mpi_comm=comm)
+                       generator=seed_everything(seed, env.rank), mpi_comm=comm, split=split)
 
 
-def shutdown() -> None:
+def _setup_logging_split(split) -> None:
+    """Log lines say the global rank and the rank's side: `[rank3 train1]`."""
+    tag = f"rank{split.global_rank} {'rollout' if split.role == 'rollout' else 'train'}{split.local_env.rank}"
+    logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
+                        format=f"[{tag}] %(asctime)s %(name)s %(levelname)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+
+
+def shutdown(ctx: RankContext | None = None) -> None:
+    if ctx is not None and ctx.split is not None:
+        ctx.split.finish()  # the rollout leader serves the store until the trainer is done with it
     if dist.is_initialized():
         dist.destroy_process_group()

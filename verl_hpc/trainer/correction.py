@@ -29,9 +29,11 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
     (rollout_correction.bypass_mode); update: the actor update's own forward (on-policy shortcut);
     forward: a separate actor forward before the update, when anything needs them earlier or the
     update takes several optimizer steps (the 2nd mini-batch / epoch is no longer on-policy)."""
-    rc, a = cfg.algorithm.rollout_correction, cfg.actor
+    rc, a, asy = cfg.algorithm.rollout_correction, cfg.actor, cfg.async_training
     if rc.bypass_mode:
         return "bypass", "algorithm.rollout_correction.bypass_mode"
+    if asy.off_policy and asy.objective == "behaviour":
+        return "bypass", "async_training.objective=behaviour: the ratio against the rollout's log-probs"
     mini = a.ppo_mini_batch_size * max(cfg.rollout.n, 1)
     needs = [why for why, on in (
         ("actor.old_log_probs=forward", a.old_log_probs == "forward"),
@@ -40,6 +42,8 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
         ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
         ("trainer.inject_rollout_logprob_shift", cfg.trainer.inject_rollout_logprob_shift is not None),
+        # the policy that sampled is up to k updates older: pi_old is the proximal policy, recomputed
+        ("async_training: off-policy samples (decoupled objective)", asy.off_policy),
     ) if on]
     if needs:
         return "forward", ", ".join(needs)
@@ -55,7 +59,7 @@ def on_policy_metrics(m: Dict[str, float]) -> None:
 def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
     """pi_old's log-probs of the sampled tokens: the actor's forward, or in bypass mode the rollout
     engine's own (valid when the two engines agree closely: docs/algorithms.md)."""
-    if cfg.algorithm.rollout_correction.bypass_mode:
+    if old_log_prob_path(cfg, batch, False)[0] == "bypass":
         batch.old_log_probs = batch.rollout_log_probs.to(batch.mask.dtype).clone()
         return
     with timer("old_logprob"):
@@ -72,8 +76,13 @@ def apply(cfg, batch) -> Dict[str, float]:
     shift = cfg.trainer.inject_rollout_logprob_shift
     if shift is not None:
         batch.rollout_log_probs = torch.where(mask > 0, old - float(shift), torch.zeros_like(old))
-    m = {} if rc.bypass_mode else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
-    weights, metrics = rollout_correction(old, batch.rollout_log_probs, mask, rc.rollout_is,
+    bypass = old_log_prob_path(cfg, batch, False)[0] == "bypass"
+    m = {} if bypass else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
+    # the decoupled objective (AReaL): each token weighted by pi_proximal / pi_behaviour, token-level
+    # unless the rollout_correction section says otherwise
+    decoupled = cfg.async_training.off_policy and cfg.async_training.objective == "decoupled"
+    mode = rc.rollout_is or ("token" if decoupled else None)
+    weights, metrics = rollout_correction(old, batch.rollout_log_probs, mask, mode,
                                           rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
                                           rc.rollout_rs_threshold_lower)
     if weights is not None:

@@ -30,9 +30,11 @@ requeues the job where the rule says so (docs/signals.md), and the requeued job 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
 from typing import Dict
 
@@ -43,12 +45,15 @@ from verl_hpc.resharding import WeightSync
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
+from verl_hpc.runtime.signals import WARNING_SIGNAL
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, throughput
 from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
+from verl_hpc.trainer.loops.async_link import AsyncLink
+from verl_hpc.trainer.loops.remote import PublishedWeights, RemoteRollout
 from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
 from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import build_roles
@@ -69,17 +74,24 @@ class RLTrainer:
         self.cfg, self.ctx = cfg, ctx
         self.roles = roles if roles is not None else build_roles(cfg, ctx)
         tok, d = self.roles.tokenizer, cfg.data
-        self.loader = PromptLoader.from_config(d, tok, d.wrap_plain_text) if ctx.rank == 0 else None
+        self.steps_done = 0  # the policy version: training steps completed
+        # placement.mode=split: batches come from the rollout group, weights go to it (trainer/loops/)
+        self.link = AsyncLink(cfg, ctx) if ctx.role == "train" else None
+        if self.link is not None:
+            self.roles.rollout = RemoteRollout(self.link, lambda: self.steps_done)
+        self.loader = (PromptLoader.from_config(d, tok, d.wrap_plain_text)
+                       if ctx.rank == 0 and self.link is None else None)  # split: on the rollout leader
         val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
         self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
-        if ctx.rank == 0:  # refuse unscorable data before spending compute on it
+        if ctx.rank == 0 and self.loader is not None:  # refuse unscorable data before spending compute on it
             ds = self.loader.dataset
             self.scorer.check_samples(*_columns(ds))
             if val_set is not None:
                 self.scorer.check_samples(*_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
-        self.sampler = StepSampler(cfg, ctx, self.roles, self.loader, self.scorer, SamplingSpec.from_config(cfg.rollout))
+        self.sampler = StepSampler(cfg, ctx, self.roles, self.loader, self.scorer, SamplingSpec.from_config(cfg.rollout),
+                                   source=self.link.next_batch if self.link is not None else None)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl)
@@ -88,12 +100,16 @@ class RLTrainer:
         self._logged_path = None
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        # actor -> rollout, lazily: before the next generation after every update
-        self.rollout_weights = RolloutWeights(self.roles.actor, self.roles.rollout,
-                                              WeightSync.from_config(cfg.resharding))
+        # actor -> rollout, lazily: before the next generation after every update (split: published
+        # to the rollout group, which takes the newest between its generation chunks)
+        self.rollout_weights = (PublishedWeights(self.link, self.roles.actor, lambda: self.steps_done)
+                                if self.link is not None else
+                                RolloutWeights(self.roles.actor, self.roles.rollout,
+                                               WeightSync.from_config(cfg.resharding)))
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
         self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
-        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.loader, kl_ctrl=self.kl_ctrl,
+        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.link or self.loader,
+                                                kl_ctrl=self.kl_ctrl,
                                                 guard=self.guard, task_weights=self.task_weights,
                                                 rollback=self.rollback, before_state=self.rollout_weights.park,
                                                 after_load=self.rollout_weights.mark_stale)
@@ -107,6 +123,7 @@ class RLTrainer:
         batch, sampled = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> DAPO filter)
         m.update(sampled, **response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
+            self.steps_done = step
             return dict(m, **{"filter/empty_step": 1.0})
         self.rollout_weights.park()  # rollout.sleep_between_phases: free its GPU memory for training
         path = self._old_log_prob_path(batch)
@@ -131,6 +148,7 @@ class RLTrainer:
             else:
                 m.update(r.actor.update(batch, self.policy_loss))
         self.rollout_weights.mark_stale()  # synced before the weights are next needed, not now
+        self.steps_done = step
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))
@@ -151,6 +169,9 @@ class RLTrainer:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self._resume()
+        self.steps_done = start
+        if self.link is not None:
+            self.link.start(start)  # the rollout group begins (or continues what the checkpoint held)
         summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
         with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0) as tracker:
@@ -173,6 +194,8 @@ class RLTrainer:
         summary["plot"] = str(tracker.plot_path or "") or None
         summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
         summary["nonfinite_total"] = self.guard.total
+        if self.link is not None:  # split: what this process trained on, in order (resume checks)
+            summary["trained_prompt_ids"] = list(self.link.trained_ids)
         return summary
 
     def hooks(self, stop_rule: StopRule) -> list:
@@ -201,6 +224,8 @@ class RLTrainer:
         with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
             metrics = self.step(step, timer)
         self.safety.check_ranks_agree(step, metrics)
+        if step == self.cfg.trainer.inject_warning_signal_at_step:  # tests: a preemption at a chosen moment
+            signal.raise_signal(WARNING_SIGNAL)
         metrics.update(timer.pop())
         metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                   samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
@@ -217,6 +242,15 @@ class RLTrainer:
         return val
 
 
+def _release_rollout(ctx) -> None:
+    """A split job's trainer that fails before its link exists still lets the rollout group go."""
+    if ctx.split.is_leader:
+        try:
+            ctx.split.mailbox.put("ctl/stop", True)
+        except Exception:  # noqa: BLE001 - the error in flight is the one to report
+            pass
+
+
 def _columns(ds):
     """(ids, data_sources, ground_truths) of a PromptDataset, for RewardScorer.check_samples."""
     b = ds.batch(range(len(ds)))
@@ -225,12 +259,22 @@ def _columns(ds):
 
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
-    roles = build_roles(cfg, ctx)
+    if ctx.role == "rollout":  # placement.mode=split: this rank only generates
+        from verl_hpc.trainer.loops import rollout_worker
+
+        return rollout_worker.run(cfg, ctx)
+    roles = build_roles(cfg, ctx, with_rollout=ctx.role == "both")
     # The rollout engine is closed on every way out (after a clean run all ranks together), an
     # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
     # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
-    # the `error:` line.
-    with roles.rollout:
-        trainer = RLTrainer(cfg, ctx, roles)
-        summary = trainer.fit()
+    # the `error:` line. Split: the rollout group is released (told to stop) the same way.
+    trainer = None
+    try:
+        with roles.rollout or contextlib.nullcontext():
+            trainer = RLTrainer(cfg, ctx, roles)
+            with trainer.roles.rollout if trainer.link else contextlib.nullcontext():
+                summary = trainer.fit()
+    finally:
+        if trainer is None and ctx.role == "train":  # failed before the link existed
+            _release_rollout(ctx)
     return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)

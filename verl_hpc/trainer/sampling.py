@@ -34,8 +34,11 @@ def dynamic_sampling_filter(batch, algorithm_cfg) -> Tuple[torch.Tensor, Dict[st
 
 
 class StepSampler:
-    def __init__(self, cfg, ctx, roles, loader, scorer, sampling):
+    def __init__(self, cfg, ctx, roles, loader, scorer, sampling, source=None):
+        """source(step, timer) -> (PromptBatch, RolloutResult, metrics): where a round's samples come
+        from (split placement: the rollout group's stream); default: generate here, now."""
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.source = source or self._generate_here
         self.loader, self.scorer, self.sampling = loader, scorer, sampling
         self.inject_regression = set(cfg.trainer.inject_regression_at_steps)  # test hook, once per step
 
@@ -55,10 +58,10 @@ class StepSampler:
         rounds = cfg.algorithm.max_num_gen_batches if cfg.algorithm.filter_groups else 1
         parts, kept, dropped = [], 0, {}
         for round_ in range(rounds):
-            prompts = broadcast_prompts(self.loader, self.ctx)
-            with timer("generate"):
-                result = r.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_))
-                batch = assemble(prompts, result, r.tokenizer, r.pad_id)
+            prompts, result, m_source = self.source(step, round_, timer)
+            if round_ == 0:
+                m.update(m_source)
+            batch = assemble(prompts, result, r.tokenizer, r.pad_id)
             with timer("reward"):
                 scores, m_reward = score_batch(self.scorer, batch, r.reward_model)
                 if round_ == 0:
@@ -86,6 +89,11 @@ class StepSampler:
                                  "filter/kept_samples": float(len(batch)),
                                  "filter/missing_groups": float(max(want - kept, 0))})
         return batch, m
+
+    def _generate_here(self, step: int, round_: int, timer):
+        prompts = broadcast_prompts(self.loader, self.ctx)
+        with timer("generate"):
+            return prompts, self.roles.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_)), {}
 
     def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
         """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""

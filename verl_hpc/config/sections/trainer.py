@@ -96,6 +96,9 @@ class TrainerConfig(Section):
         None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
     inject_regression_at_steps: List[int] = opt(
         [], "tests only: RL steps whose rewards are set to -1 (once each; the rollback guard's test)")
+    inject_warning_signal_at_step: int = opt(
+        0, "tests only: after this RL step the training rank sends itself Slurm's warning signal (0 = off)",
+        check=">=0")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it",
                                      check=f"(0, {WEEK_S}]")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "

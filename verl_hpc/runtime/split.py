@@ -1,0 +1,194 @@
+"""Split placement: one srun step, two worlds. The job's first R ranks roll out, the rest train.
+
+    world = SplitWorld.start(env, rollout_ranks=R, backend=..., timeout_s=...)  # before any group
+    world.role            # "rollout" | "train"
+    world.local_env       # this rank's LaunchEnv inside its own group (rank, world_size rebased)
+    world.mailbox         # job-wide key-value messages between the groups (the TCP store)
+    world.weights_group   # the first training rank + every rollout rank: the weight broadcast
+
+Why two default groups rather than one world with subgroups: Megatron-Core carves its TP/PP/DP
+groups out of the default group and requires tp * pp * dp to equal its size, and vLLM's external
+launcher makes the default group its world; giving each side a default group of its own ranks
+lets both libraries run unchanged. Both groups, and the bridge between them, rendezvous through
+one TCP store that global rank 0 serves at MASTER_ADDR:MASTER_PORT + 1 (+1: under torchrun the
+agent's own store holds MASTER_PORT); the store is also the mailbox (small messages: batches of
+token ids, control flags), polled with `check` so that a wait can also watch for the other group
+failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
+
+Faults: the store lives on global rank 0 (a rollout rank). If it dies, every store call of the
+training ranks fails at once, and `Mailbox` turns that into one line naming the rollout group; if
+a training rank dies, the launcher (srun --kill-on-bad-exit, the local launcher) ends the job, and
+a rollout rank waiting on the trainer gives up after `timeout_s` naming the training group. The
+rollout leader keeps the store up until the trainer says goodbye (`finish`), so the trainer's last
+messages always have a store to go to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import pickle
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from verl_hpc.errors import VerlHpcError
+from verl_hpc.runtime.launch_env import LaunchEnv
+
+log = logging.getLogger(__name__)
+ROLES = ("rollout", "train")
+POLL_S = 0.02  # mailbox polling period: far below a generation chunk, far above a store round trip
+
+
+class GroupLostError(VerlHpcError, RuntimeError):
+    """The other group of a split job stopped answering (a rank died, or it is stuck)."""
+
+    exit_code, kind = 25, "split placement"
+
+
+@dataclasses.dataclass
+class Mailbox:
+    """Pickled messages under string keys in the job's TCP store, with waits that name who is late."""
+
+    store: Any
+    me: str  # "rollout rank 0", "training rank 0": for messages
+    timeout_s: float
+
+    def put(self, key: str, value: Any) -> None:
+        self._call(lambda: self.store.set(key, pickle.dumps(value)), key)
+
+    def has(self, key: str) -> bool:
+        return bool(self._call(lambda: self.store.check([key]), key))
+
+    def take(self, key: str) -> Any:
+        """The value under `key` (which must exist), removed from the store."""
+        value = pickle.loads(self._call(lambda: self.store.get(key), key))
+        self._call(lambda: self.store.delete_key(key), key)
+        return value
+
+    def peek(self, key: str) -> Any:
+        return pickle.loads(self._call(lambda: self.store.get(key), key))
+
+    def wait(self, key: str, who: str, *, timeout_s: Optional[float] = None,
+             while_waiting: Optional[Callable[[], None]] = None) -> None:
+        """Until `key` exists; after the timeout a GroupLostError naming `who` (the party that
+        should have written it). `while_waiting` runs every poll (e.g. watch for a stop flag)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while not self.has(key):
+            if while_waiting is not None:
+                while_waiting()
+            if time.monotonic() > deadline:
+                raise GroupLostError(f"{self.me}: {who} did not answer within {limit:.0f} s (waiting for "
+                                     f"'{key}'); it died or is stuck: see its log")
+            time.sleep(POLL_S)
+
+    def _call(self, fn, key):
+        try:
+            return fn()
+        except (dist.DistStoreError, RuntimeError, ConnectionError) as e:
+            other = "the rollout group (rank 0 serves the job's store)" if self.me.startswith("training") \
+                else "the job's store"
+            raise GroupLostError(f"{self.me}: lost {other} at '{key}': {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+@dataclasses.dataclass
+class SplitWorld:
+    role: str
+    global_rank: int
+    global_world: int
+    rollout_ranks: int
+    local_env: LaunchEnv
+    store: Any
+    mailbox: Mailbox
+    timeout_s: float
+    backend: str
+    store_addr: tuple = ("", 0)
+    _weights_group: Any = None
+
+    @property
+    def train_ranks(self) -> int:
+        return self.global_world - self.rollout_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 of its own group: the one that talks to the other group."""
+        return self.local_env.rank == 0
+
+    @property
+    def name(self) -> str:
+        return f"{'rollout' if self.role == 'rollout' else 'training'} rank {self.local_env.rank} " \
+               f"(global {self.global_rank})"
+
+    @classmethod
+    def start(cls, env: LaunchEnv, *, rollout_ranks: int, backend: str, timeout_s: float,
+              device=None) -> "SplitWorld":
+        """Connect to the job's store and initialise this rank's own default group. Collective
+        over the whole job (every rank calls it once, before anything else is distributed)."""
+        if not 0 < rollout_ranks < env.world_size:
+            raise ValueError(f"placement.rollout_ranks = {rollout_ranks}: must be in 1..{env.world_size - 1} "
+                             f"(world size {env.world_size})")
+        role = "rollout" if env.rank < rollout_ranks else "train"
+        offset, size = (0, rollout_ranks) if role == "rollout" else (rollout_ranks, env.world_size - rollout_ranks)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(env.master_addr, env.master_port + 1, env.world_size, env.rank == 0,
+                              timeout=timeout)
+        local = dataclasses.replace(env, rank=env.rank - offset, world_size=size)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{role}/", store),
+                                rank=local.rank, world_size=size, timeout=timeout,
+                                **({"device_id": device} if backend == "nccl" and device is not None else {}))
+        me = f"{'rollout' if role == 'rollout' else 'training'} rank {local.rank}"
+        world = cls(role=role, global_rank=env.rank, global_world=env.world_size, rollout_ranks=rollout_ranks,
+                    local_env=local, store=store, mailbox=Mailbox(store, me, timeout_s), timeout_s=timeout_s,
+                    backend=backend, store_addr=(env.master_addr, env.master_port + 1))
+        log.info("split placement: global rank %d is %s (%d rollout + %d training ranks)", env.rank,
+                 world.name, rollout_ranks, world.train_ranks)
+        return world
+
+    def thread_mailbox(self) -> Mailbox:
+        """A mailbox on a store connection of its own, for a background thread."""
+        store = dist.TCPStore(self.store_addr[0], self.store_addr[1], self.global_world, False,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        return Mailbox(store, self.mailbox.me, self.timeout_s)
+
+    # -------------------------------------------------------------------------------- the bridge
+    def in_weights_group(self) -> bool:
+        return self.role == "rollout" or self.local_env.rank == 0
+
+    @property
+    def weights_group(self):
+        """The weight broadcast's group: group rank 0 = the first training rank, 1.. = the rollout
+        ranks. Built on first use, by its members only (it is not a torch.distributed subgroup of a
+        default group: the two sides have different default groups)."""
+        if self._weights_group is None:
+            if not self.in_weights_group():
+                raise RuntimeError(f"{self.name} is not in the weight broadcast group")
+            me = 0 if self.role == "train" else 1 + self.local_env.rank
+            size = 1 + self.rollout_ranks
+            prefix = dist.PrefixStore("bridge/weights/", self.store)
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            if self.backend == "nccl":
+                self._weights_group = dist.ProcessGroupNCCL(prefix, me, size)
+            else:
+                self._weights_group = dist.ProcessGroupGloo(prefix, me, size, timeout)
+        return self._weights_group
+
+    def broadcast(self, tensor) -> None:
+        """Broadcast `tensor` from the first training rank to every rollout rank (in place)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.weights_group.broadcast([tensor], opts).wait()
+
+    # -------------------------------------------------------------------------------- the end
+    def finish(self) -> None:
+        """Training leader: tell the rollout leader it may take the store down. Rollout leader:
+        wait (bounded) for that, so the trainer's last messages have a store to go to."""
+        try:
+            if self.role == "train" and self.is_leader:
+                self.mailbox.put("ctl/bye", True)
+            elif self.role == "rollout" and self.is_leader:
+                self.mailbox.wait("ctl/bye", "the training group", timeout_s=min(self.timeout_s, 600))
+        except GroupLostError as e:
+            log.warning("split placement: %s", e)

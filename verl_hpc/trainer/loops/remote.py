@@ -1,0 +1,65 @@
+"""The rollout as the training ranks see it in split placement: weights go out, generations come back.
+
+    weights = PublishedWeights(link, actor, steps_done)   # RolloutWeights' interface
+    rollout = RemoteRollout(link, steps_done)             # RolloutEngine's generate, for validation
+
+`steps_done()` is the trainer's policy version (steps completed). `ready()` publishes the actor's
+weights whenever the rollout group's newest version is older than that, so that even a step that
+trained on nothing (every group filtered out) moves the version on and the rollout's gate
+(batch s needs version >= s - 1 - k) never waits for an update that will not come.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict
+
+
+class PublishedWeights:
+    def __init__(self, link, actor, steps_done: Callable[[], int]):
+        self.link, self.actor, self.steps_done = link, actor, steps_done
+        self._unreported: Dict[str, float] = {}
+
+    def ready(self, timer=None) -> None:
+        version = self.steps_done()
+        if version > self.link.publisher.version:
+            with (timer("sync") if timer else contextlib.nullcontext()):
+                self._unreported = self.link.publish(self.actor, version)
+
+    def pop_metrics(self) -> Dict[str, float]:
+        out, self._unreported = self._unreported, {}
+        return out
+
+    def mark_stale(self) -> None:
+        """Nothing to do: ready() compares versions."""
+
+    def park(self) -> None:
+        """No rollout engine on a training rank."""
+
+
+class RemoteRollout:
+    """generate() by the rollout group, with the trainer's current weights; the rest a no-op."""
+
+    name = "remote rollout"
+    weights_dropped = False
+    asleep = False
+
+    def __init__(self, link, steps_done: Callable[[], int]):
+        self.link, self.steps_done = link, steps_done
+
+    def generate(self, prompts, sampling):
+        return self.link.generate(prompts, sampling, self.steps_done())
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self, tags=None) -> None:
+        pass
+
+    def close(self) -> None:
+        self.link.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,210 @@
+"""The rollout ranks' program in split placement: generate continuously, hand batches to the trainer.
+
+    RolloutWorker(cfg, ctx, rollout, tokenizer).run()
+
+Loop (the rollout leader decides from the mailbox; every rollout rank follows, since generation
+and weight loads are collectives over the rollout group):
+  1. stop?  -> leave (the trainer is done, or preempted and saved);
+  2. a checkpoint asks for our state? -> hand it over (data cursor, the batch in flight);
+  3. newer weights published? -> load them (the only pause of generation); with
+     partial_rollout=abort the unfinished samples of the batch in flight start again;
+  4. a generation request from the trainer (validation)? -> answer it with the newest weights;
+  5. batch s may start only with weights of version >= s - 1 - k (k = async_training.staleness):
+     the trainer takes batch s at step s, whose policy is version s - 1; otherwise wait;
+  6. generate one chunk (async_training.chunk_tokens per sample; 0 = whole responses) of the
+     batch in flight; a finished batch goes to the trainer as `batch/<s>`.
+Seeds: a whole-response batch s samples with `rollout.seed` for step s exactly as the colocated
+trainer does (so k = 0 reproduces colocated training bitwise); chunk c of batch s with its own
+seed per (step, chunk), request i of the chunk with request_seed(seed, i).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Dict, Optional
+
+from verl_hpc.data import PromptLoader
+from verl_hpc.resharding.bridge import WeightReceiver
+from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout.prompts import check_prompts, fit_prompts
+from verl_hpc.rollout.spec import request_seed
+from verl_hpc.runtime.split import POLL_S, GroupLostError
+from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.trainer.loops.inflight import BatchRecord, InFlight
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Decision:
+    stop: bool = False
+    pause: Optional[int] = None  # a checkpoint's state request number
+    newest: int = -1  # the newest published weights
+    request: Optional[tuple] = None  # (n, prompts, spec, min_version): generate for the trainer
+
+
+class RolloutWorker:
+    def __init__(self, cfg, ctx, rollout, tokenizer):
+        self.cfg, self.ctx, self.rollout = cfg, ctx, rollout
+        self.world = ctx.split
+        self.mb = self.world.mailbox
+        a = cfg.async_training
+        self.k, self.chunk, self.abort = a.staleness, a.chunk_tokens, a.partial_rollout == "abort"
+        self.spec = SamplingSpec.from_config(cfg.rollout)
+        self.leader = self.world.is_leader
+        d = cfg.data
+        self.loader = PromptLoader.from_config(d, tokenizer, d.wrap_plain_text) if self.leader else None
+        self.weights = WeightReceiver(self.world, broadcast_object)
+        self.next_index = 1
+        self.inflight: Optional[InFlight] = None
+        self.pauses = self.requests = 0
+        self._waiting_since = None
+        self.stats = dict(gen_s=0.0, idle_s=0.0, load_s=0.0, tokens=0.0)
+
+    # ---------------------------------------------------------------------------- the loop
+    def run(self) -> dict:
+        self._start()
+        while True:
+            d = broadcast_object(self._decide() if self.leader else None)
+            if d.stop:
+                break
+            if d.pause is not None:
+                self._hand_over_state(d.pause)
+                continue
+            if d.newest > self.weights.version:
+                self._load()
+            if d.request is not None:
+                self._answer(d.request)
+                continue
+            need = max(0, self.next_index - 1 - self.k)
+            if self.weights.version < need:
+                self._idle(need)
+                continue
+            self._waiting_since = None
+            self._generate_chunk()
+        log.info("rollout: stopped by the trainer after batch %d (weights version %d)", self.next_index - 1,
+                 self.weights.version)
+        return {"batches": self.next_index - 1, "version": self.weights.version}
+
+    def _idle(self, need: int) -> None:
+        """Waiting for the trainer's next update; past the timeout the training group is lost."""
+        now = time.monotonic()
+        self._waiting_since = self._waiting_since or now
+        if now - self._waiting_since > self.world.timeout_s:
+            raise GroupLostError(f"{self.world.name}: the training group published no weights of version "
+                                 f">= {need} within {self.world.timeout_s:.0f} s (it holds {self.weights.version}); "
+                                 "a training rank died or is stuck: see its log")
+        time.sleep(POLL_S)
+        self.stats["idle_s"] += time.monotonic() - now
+
+    def _decide(self) -> Decision:
+        mb = self.mb
+        if mb.has("ctl/stop"):
+            return Decision(stop=True)
+        if mb.has(f"ctl/pause/{self.pauses}"):
+            return Decision(pause=self.pauses)
+        req = f"gen/request/{self.requests}"
+        return Decision(newest=self.weights.newest(), request=mb.take(req) if mb.has(req) else None)
+
+    def _start(self) -> None:
+        """Wait for the trainer's go, with the state to continue from (a resumed run) or none."""
+        state = None
+        if self.leader:
+            self.mb.wait("ctl/start", "the training group", while_waiting=None)
+            state = self.mb.take("ctl/start")
+        state = broadcast_object(state)
+        if state:
+            self.next_index = state["next_index"]
+            self.inflight = state["inflight"]
+            if self.leader:
+                self.loader.load_state_dict(state["loader"])
+            log.info("rollout: resumed at batch %d%s", self.next_index,
+                     f" with {len(self.inflight.unfinished())} samples in flight" if self.inflight else "")
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        self.weights.load(self.rollout)
+        self.stats["load_s"] += time.perf_counter() - t0
+        if self.inflight is not None and self.abort and self.inflight.prefix_length():
+            n = self.inflight.abort_unfinished()
+            log.debug("rollout: new weights (version %d): %d tokens in flight aborted", self.weights.version, n)
+
+    # ---------------------------------------------------------------------------- generation
+    def _new_batch(self) -> InFlight:
+        prompts = broadcast_object(self.loader.next_batch() if self.leader else None)
+        fitted, truncated = fit_prompts(check_prompts(prompts.prompt_ids, self.rollout.vocab_size),
+                                        self.rollout.max_prompt_length, self.rollout.prompt_overflow)
+        return InFlight.start(self.next_index, prompts, fitted, truncated, self.spec.n)
+
+    def _generate_chunk(self) -> None:
+        if self.inflight is None:
+            self.inflight = self._new_batch()
+        b, v, t0 = self.inflight, self.weights.version, time.perf_counter()
+        step_spec = self.spec.for_step(b.index)
+        if not self.chunk:  # whole responses: the colocated trainer's very call
+            result = self.rollout.generate(b.fitted, step_spec)
+            b.fill(result, v)
+        else:
+            rows = b.unfinished()
+            have = b.prefix_length()
+            spec = dataclasses.replace(step_spec, n=1, max_tokens=min(self.chunk, self.spec.max_tokens - have),
+                                       seed=request_seed(step_spec.seed, "chunk", b.chunks) % 2**31)
+            prompts = [b.fitted[i] + b.samples[i][j].tokens for i, j in rows]
+            result = self.rollout.generate(prompts, spec, room=have)
+            b.extend(rows, result, v, self.spec.max_tokens)
+        self.stats["gen_s"] += time.perf_counter() - t0
+        self.stats["tokens"] += float(sum(len(r) for r in result.response_ids))
+        if b.done:
+            if self.leader:
+                record = BatchRecord(b.index, b.prompts, b.result(), b.versions(), dict(self.stats))
+                self.mb.put(f"batch/{b.index}", record)
+            self.stats = dict.fromkeys(self.stats, 0.0)
+            self.next_index += 1
+            self.inflight = None
+
+    def _answer(self, request) -> None:
+        """A generation for the trainer (validation) with weights at least `min_version`."""
+        n, prompts, spec, min_version = request
+        while self.weights.version < min_version:
+            newest = broadcast_object(self.weights.newest() if self.leader else None)
+            if newest > self.weights.version:
+                self._load()
+            else:
+                time.sleep(POLL_S)
+        result = self.rollout.generate(prompts, spec)
+        if self.leader:
+            self.mb.put(f"gen/result/{n}", result)
+        self.requests += 1
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def state(self) -> Dict:
+        return {"next_index": self.next_index, "inflight": self.inflight,
+                "loader": self.loader.state_dict() if self.leader else None, "version": self.weights.version}
+
+    def _hand_over_state(self, n: int) -> None:
+        """A checkpoint's pause: our state to the trainer, then wait until it has it (or stops us)."""
+        t0 = time.perf_counter()
+        if self.leader:
+            self.mb.take(f"ctl/pause/{n}")
+            self.mb.put(f"rollout/state/{n}", self.state())
+        go = None
+        while go is None:
+            go = broadcast_object(("stop" if self.mb.has("ctl/stop") else "resume" if self.mb.has(f"ctl/resume/{n}")
+                                   else None) if self.leader else None)
+            if go is None:
+                time.sleep(POLL_S)
+        if self.leader and go == "resume":
+            self.mb.take(f"ctl/resume/{n}")
+        self.pauses += 1
+        self.stats["idle_s"] += time.perf_counter() - t0
+
+
+def run(cfg, ctx) -> dict:
+    """The rollout ranks' side of `trainer.job: rl` under placement.mode = split."""
+    from verl_hpc.rollout import build_rollout
+    from verl_hpc.trainer.roles import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    with build_rollout(cfg, ctx) as rollout:
+        return RolloutWorker(cfg, ctx, rollout, tokenizer).run()
