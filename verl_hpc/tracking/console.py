@@ -2,7 +2,8 @@
 
 Only a handful of metrics fit a terminal line, so they are chosen by name or prefix (a pattern
 ending in '/') in a fixed order: reward first, losses next, cost last; everything else goes to
-the files. The table is a rich
+the files. A chosen histogram (`<prefix>/hist/<int>` keys, histograms.py) is one summary line
+under the table, not a cell per bucket. The table is a rich
 Table on a terminal and fixed-width text in a Slurm log, so successive steps line up under
 each other and `grep`/`awk` still work.
 """
@@ -12,6 +13,7 @@ import math
 import sys
 from typing import Mapping, Sequence, TextIO
 
+from verl_hpc.tracking.histograms import Histogram, is_hist_key, split_histograms
 from verl_hpc.tracking.progress import RichBar, StepRate
 from verl_hpc.tracking.values import select
 
@@ -19,9 +21,10 @@ from verl_hpc.tracking.values import select
 KEY_PREFIXES: tuple[str, ...] = (
     "reward/score/mean", "val/", "actor/pg_loss", "actor/kl", "reward/kl", "actor/entropy",
     "actor/grad_norm", "critic/vf_loss", "response_length/mean", "sft/", "perf/tokens_per_s",
-    "timing_s/step",
+    "timing_s/step", "async/staleness/hist/",
 )
 MAX_CELLS = 12
+MAX_HIST_BUCKETS = 8  # buckets a histogram's line lists; n, mean and max already summarise the rest
 CELLS_PER_ROW = 3
 NAME_WIDTH = 26
 VALUE_WIDTH = 10
@@ -41,8 +44,24 @@ def format_value(v: float) -> str:
 
 
 def _cells(metrics: Mapping[str, float], prefixes: Sequence[str]) -> list[tuple[str, str]]:
-    names = select(metrics, prefixes)[:MAX_CELLS]
+    names = [n for n in select(metrics, prefixes) if not is_hist_key(n)][:MAX_CELLS]
     return [(n, format_value(metrics[n])) for n in names]
+
+
+def hist_line(h: Histogram) -> str:
+    """`async/staleness/hist  n=855  mean=0.0538  max=2  | 0:812 1:40 2:3`: the filled buckets."""
+    filled = h.filled()
+    shown = " ".join(f"{b}:{format_value(h.counts[b - h.low])}" for b in filled[:MAX_HIST_BUCKETS])
+    more = f" +{len(filled) - MAX_HIST_BUCKETS} more" if len(filled) > MAX_HIST_BUCKETS else ""
+    top = filled[-1] if filled else "-"
+    return (f"{h.name}  n={format_value(h.total)}  mean={format_value(h.mean)}  max={top}  "
+            f"| {shown or 'empty'}{more}")
+
+
+def _hist_lines(metrics: Mapping[str, float], prefixes: Sequence[str]) -> list[str]:
+    """A line per histogram, from the bucket keys the console's patterns choose."""
+    _, hists = split_histograms({n: metrics[n] for n in select(metrics, prefixes)})
+    return [hist_line(h) for h in hists]
 
 
 def text_table(cells: list[tuple[str, str]]) -> list[str]:
@@ -90,12 +109,15 @@ class ConsoleBackend:
             return
         self._last_printed = step
         cells = _cells(metrics, self.prefixes)
+        hists = _hist_lines(metrics, self.prefixes)
         if self._bar is not None:
             self._bar.console.print(self._rich_table(step, cells) if cells
                                     else f"step {step}/{self.total}")
+            for line in hists:
+                self._bar.console.print("  " + line, markup=False, highlight=False)
         else:
             print(self.rate.line(), file=self.stream)
-            for row in text_table(cells):
+            for row in text_table(cells) + ["  " + line for line in hists]:
                 print(row, file=self.stream)
             self.stream.flush()
 

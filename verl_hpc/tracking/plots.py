@@ -1,6 +1,7 @@
 """PNG training curves from the metrics history: reward, validation accuracy, KL to the reference
 (or, without one, the rollout/training mismatch), entropy, length, and with data.tasks the reward
-and weight of each task.
+and weight of each task, and for an asynchronous run (split placement) the staleness of the
+trained tokens and how much of its time each group spent waiting on the other.
 
 One figure, one panel per group, step on x. A group with no matching metric is left out rather
 than drawn empty, so an SFT run or a run without validation still gets a clean figure. The KL
@@ -33,6 +34,10 @@ class Panel:
     ylim: tuple[float, float] | None = None  # fixed axis where the quantity has a natural range
     drop_zeros: bool = False  # leave out series that are 0 at every step (zero by construction)
     instead: Panel | None = None  # drawn in this one's place when this one has no series
+    # series on a second y axis at the right, for a quantity in other units drawn beside the first
+    right: tuple[str, ...] = ()
+    right_ylabel: str = ""
+    right_ylim: tuple[float, float] | None = None
 
 
 PANELS: tuple[Panel, ...] = (
@@ -46,6 +51,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
     Panel("Reward per task", "reward", ("task/*/reward", "val/task/*/reward")),  # data.tasks
     Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with
+    # async_training: staleness in policy versions (0..k) against idle shares (0..1), on one panel
+    # so that a rise in one can be read against the other at the same step
+    Panel("Asynchronous training", "staleness (policy versions)", ("async/staleness_mean", "async/staleness_max"),
+          right=("async/idle_frac/rollout", "async/idle_frac/train"),
+          right_ylabel="idle fraction (waiting on the other group)", right_ylim=(-0.02, 1.02)),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):
@@ -54,7 +64,8 @@ def _alternatives(panel: Panel | None):
         panel = panel.instead
 
 
-PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for alt in _alternatives(panel) for p in alt.patterns)
+PLOT_PATTERNS: tuple[str, ...] = tuple(p for panel in PANELS for alt in _alternatives(panel)
+                                       for p in alt.patterns + alt.right)
 
 
 @dataclass
@@ -85,11 +96,33 @@ def _series(history: Sequence[dict[str, Any]], patterns: Sequence[str], drop_zer
 
 
 def _first_with_data(history, panel: Panel):
-    """(the panel, its series), or its `instead`'s where it has none; None when no alternative has any."""
+    """(the panel, its series, its right-axis series), or its `instead`'s where it has none; None
+    when no alternative has any."""
     for alt in _alternatives(panel):
-        if series := _series(history, alt.patterns, alt.drop_zeros):
-            return alt, series
+        series = _series(history, alt.patterns, alt.drop_zeros)
+        right = _series(history, alt.right, alt.drop_zeros) if alt.right else {}
+        if series or right:
+            return alt, series, right
     return None
+
+
+def _draw(ax, series, first_colour: int = 0, **style) -> None:
+    for i, (name, (steps, values)) in enumerate(series.items()):
+        sparse = name.startswith("val/") or len(steps) <= 30  # a few points: show each one
+        # "CN": the Nth colour of the style's cycle, named so a twin axis can go on from the first's
+        ax.plot(steps, values, label=name, marker="o" if sparse else None, markersize=3,
+                linewidth=1.4, color=f"C{first_colour + i}", **style)
+
+
+def _draw_right(ax, panel: Panel, series) -> None:
+    """The right-axis series, dashed and in colours after the left ones; one legend for both."""
+    twin = ax.twinx()
+    _draw(twin, series, first_colour=len(ax.get_lines()), linestyle="--")
+    twin.set_ylabel(panel.right_ylabel)
+    if panel.right_ylim is not None:
+        twin.set_ylim(*panel.right_ylim)
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", loc="best")
 
 
 def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
@@ -107,11 +140,8 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     fig = Figure(figsize=(6.0 * cols, 3.4 * rows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
-    for ax, (panel, series) in zip(axes, drawn):
-        for name, (steps, values) in series.items():
-            sparse = name.startswith("val/") or len(steps) <= 30  # a few points: show each one
-            ax.plot(steps, values, label=name, marker="o" if sparse else None, markersize=3,
-                    linewidth=1.4)
+    for ax, (panel, series, right) in zip(axes, drawn):
+        _draw(ax, series)
         ax.set_title(panel.title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
@@ -119,7 +149,10 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
             ax.set_ylim(*panel.ylim)
         ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
+        if right:
+            _draw_right(ax, panel, right)
+        else:
+            ax.legend(fontsize="small", loc="best")
     for ax in axes[len(drawn):]:
         ax.set_visible(False)
     if title:
@@ -127,4 +160,5 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    return PlotResult(path=path, panels=[p.title for p, _ in drawn], series={p.title: list(s) for p, s in drawn})
+    return PlotResult(path=path, panels=[p.title for p, _, _ in drawn],
+                      series={p.title: list(s) + list(r) for p, s, r in drawn})

@@ -9,6 +9,12 @@ preempted) are pushed under the grouping key job/instance/namespace/experiment, 
 scrapes them (with `honor_labels: true`). `pushadd` (POST) replaces only the metric families we
 push, so the outcome gauge written at exit does not erase the run's last values.
 
+A histogram logged as `<prefix>/hist/<int>` bucket counts (histograms.py) is one gauge family
+with a `bucket` label, `verl_hpc_async_staleness_hist{bucket="2"}`: the last step's counts. Not a
+Prometheus Histogram: that one counts observations since the start, while these counts describe
+one step (the trained batch), and a gauge keeps that meaning. A bucket logged at an earlier step
+and absent now reads 0, not its old count.
+
 Metrics live in a private registry, not prometheus_client's global one, so two trackers in one
 process (tests, an SFT warm start followed by RL) do not collide on metric names.
 """
@@ -19,6 +25,8 @@ import os
 import re
 import socket
 from typing import Mapping, Optional
+
+from verl_hpc.tracking.histograms import Histogram, split_histograms
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,8 @@ class PrometheusBackend:
 
         self._Gauge = Gauge
         self.registry = CollectorRegistry()
-        self._gauges: dict[str, object] = {}
+        self._gauges: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._buckets: dict[str, set[int]] = {}  # histogram name -> every bucket it has had
         r = self.registry
         self._step = Gauge(PREFIX + "step", "last logged training step", registry=r)
         self._outcome = Gauge(PREFIX + "run_outcome", "1 for the run's current state", ["outcome"], registry=r)
@@ -108,17 +117,24 @@ class PrometheusBackend:
             log.warning("tracking: cannot serve prometheus metrics on port %d (%s); continuing "
                         "without it", self.port, e)
 
-    def _gauge(self, name: str):
-        gauge = self._gauges.get(name)
+    def _gauge(self, name: str, labels: tuple[str, ...] = ()):
+        gauge = self._gauges.get((name, labels))
         if gauge is None:
             metric = sanitize(name)
             base, n = metric, 2
             while metric in self._taken:  # `a/b` and `a_b` sanitise alike: keep both apart
                 metric, n = f"{base}_{n}", n + 1
             self._taken.add(metric)
-            gauge = self._Gauge(metric, f"verl_hpc metric {name}", registry=self.registry)
-            self._gauges[name] = gauge
+            gauge = self._Gauge(metric, f"verl_hpc metric {name}", labels, registry=self.registry)
+            self._gauges[(name, labels)] = gauge
         return gauge
+
+    def _histogram(self, h: Histogram) -> None:
+        gauge = self._gauge(h.name, ("bucket",))
+        seen = self._buckets.setdefault(h.name, set())
+        seen.update(h.buckets)
+        for b in sorted(seen):
+            gauge.labels(bucket=str(b)).set(h.counts[b - h.low] if b in h.buckets else 0.0)
 
     def _set_outcome(self, outcome: str) -> None:
         for o in OUTCOMES:
@@ -126,7 +142,10 @@ class PrometheusBackend:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._step.set(step)
-        for name, value in metrics.items():
+        scalars, hists = split_histograms(metrics)
+        for h in hists:
+            self._histogram(h)
+        for name, value in scalars.items():
             self._gauge(name).set(value)
             if name == ROLLOUT_SECONDS and value == value:
                 self.rollout_latency.observe(value)

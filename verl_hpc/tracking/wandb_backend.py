@@ -2,12 +2,18 @@
 
 The run lands in `<output_dir>/wandb/offline-run-*`; `wandb sync <that folder>` from a login node
 uploads it. WANDB_MODE=online in the job's environment opts back into live logging.
+`<prefix>/hist/<int>` bucket counts (histograms.py) go in as one `wandb.Histogram` named
+`<prefix>/hist`, built from the counts (np_histogram) since there are no samples to re-bin.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any, Mapping
+
+from verl_hpc.tracking.histograms import hist_key, split_histograms
+
+MAX_BINS = 512  # wandb.Histogram refuses more
 
 
 class WandbBackend:
@@ -26,7 +32,14 @@ class WandbBackend:
                                config=dict(config or {}), mode=self.mode)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self._run.log(dict(metrics), step=step)
+        data: dict[str, Any] = dict(metrics)
+        for h in split_histograms(metrics)[1]:
+            if len(h.counts) > MAX_BINS:  # too wide for W&B: its bucket scalars stay as they are
+                continue
+            for b in h.buckets:
+                data.pop(hist_key(h.prefix, b), None)
+            data[h.name] = self._wandb.Histogram(np_histogram=(list(h.counts), h.edges()))
+        self._run.log(data, step=step)
 
     def log_artifact(self, path: str | os.PathLike) -> None:
         # base_path keeps the file's name relative to the run dir instead of its absolute path

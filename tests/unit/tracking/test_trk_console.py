@@ -119,3 +119,30 @@ def test_console_passes_the_step_time_to_the_rate(capsys):
     con.log({"timing_s/step": 30.0}, 1)
     con.log({"timing_s/step": 1.5, "timing_s/validation": 9.0}, 2)
     assert con.rate.seconds_per_step() == 1.5
+
+
+STALE = {"reward/score/mean": 0.5, "async/staleness/hist/0": 812.0, "async/staleness/hist/1": 40.0,
+         "async/staleness/hist/2": 3.0}
+
+
+def test_histogram_is_one_summary_line_not_a_cell_per_bucket(capsys):
+    con = ConsoleBackend(total_steps=5)
+    con.log(STALE, 1)
+    con.log({**STALE, **{f"async/staleness/hist/{d}": 1.0 for d in range(3, 12)}}, 2)
+    con.close()
+    lines = capsys.readouterr().out.splitlines()
+    hist = [ln.strip() for ln in lines if "async/staleness" in ln]
+    assert hist[0] == "async/staleness/hist  n=855  mean=0.0538  max=2  | 0:812 1:40 2:3"
+    # the line stays one line when many buckets are filled: the first 8 and a count of the rest
+    assert hist[1].endswith("| 0:812 1:40 2:3 3:1 4:1 5:1 6:1 7:1 +4 more") and " max=11 " in hist[1]
+    assert len(hist) == 2 and "reward/score/mean" in lines[1]
+
+
+def test_histogram_line_on_a_terminal_and_only_for_chosen_prefixes():
+    buf = io.StringIO()
+    con = ConsoleBackend(total_steps=5, stream=buf, tty=True)
+    con.log({**STALE, "other/hist/0": 7.0}, 1)
+    con.close()
+    out = buf.getvalue()
+    assert "async/staleness/hist  n=855" in out and "hist/0" not in out
+    assert "other/hist" not in out  # not among the console's metrics (tracking.console_metrics adds it)

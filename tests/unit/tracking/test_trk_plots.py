@@ -91,3 +91,27 @@ def test_kl_panel_shows_the_mismatch_without_a_reference(tmp_path):
 def test_no_kl_panel_when_nothing_was_measured(tmp_path, series):
     res = write_plots(_kl_rows(**series), tmp_path / "c.png")
     assert res.panels == ["Reward"]
+
+
+def async_rows(steps=8):
+    return [{"step": s, "reward/score/mean": s / steps, "async/staleness_mean": 0.5 + 0.1 * s,
+             "async/staleness_max": 2.0, "async/idle_frac/rollout": 0.3, "async/idle_frac/train": 0.05,
+             "async/tokens_per_s/train": 900.0, "async/staleness/hist/0": 10.0} for s in range(1, steps + 1)]
+
+
+def test_async_panel_with_async_metrics_and_none_without(tmp_path):
+    from verl_hpc.tracking import plots
+
+    res = write_plots(async_rows(), tmp_path / "a.png")
+    assert res.panels == ["Reward", "Asynchronous training"]
+    assert res.series["Asynchronous training"] == ["async/staleness_mean", "async/staleness_max",
+                                                   "async/idle_frac/rollout", "async/idle_frac/train"]
+    read_png(res.path)
+    idle_only = [{k: v for k, v in r.items() if "staleness" not in k} for r in async_rows()]
+    assert write_plots(idle_only, tmp_path / "b.png").series["Asynchronous training"] == [
+        "async/idle_frac/rollout", "async/idle_frac/train"]
+    # a run without async metrics: the same figure as before
+    assert write_plots(history(), tmp_path / "c.png").panels == [
+        "Reward", "Validation accuracy", "KL to reference", "Entropy", "Response length"]
+    # kept in memory for the plot when there is no metrics.jsonl
+    assert plots.wanted("async/idle_frac/train") and plots.wanted("async/staleness_max")

@@ -51,3 +51,20 @@ def test_port_in_use_is_a_warning_not_a_crash(caplog):
         backend.log({"reward/mean": 1.0}, 1)
         backend.close()
     assert "cannot serve prometheus metrics" in caplog.text
+
+
+def test_histogram_keys_become_one_gauge_with_a_bucket_label():
+    from prometheus_client import generate_latest
+
+    backend = PrometheusBackend(job=JOB)
+    backend.log({"async/staleness/hist/0": 5.0, "async/staleness/hist/2": 1.0}, 1)
+    first = generate_latest(backend.registry).decode()
+    assert 'verl_hpc_async_staleness_hist{bucket="1"} 0.0' in first  # between two logged buckets
+    backend.log({"async/staleness/hist/0": 7.0, "async/staleness_max": 0.0}, 2)
+    body = generate_latest(backend.registry).decode()
+    backend.close()
+    assert "# TYPE verl_hpc_async_staleness_hist gauge" in body
+    assert 'verl_hpc_async_staleness_hist{bucket="0"} 7.0' in body
+    assert 'verl_hpc_async_staleness_hist{bucket="2"} 0.0' in body  # absent this step: 0, not 1
+    assert "verl_hpc_async_staleness_max 0.0" in body
+    assert "verl_hpc_async_staleness_hist_0" not in body  # no gauge per bucket

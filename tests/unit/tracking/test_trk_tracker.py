@@ -109,3 +109,18 @@ def test_unknown_backend_and_missing_packages(tmp_path):
         Tracker(["console", "neptune"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True)
     problems = missing_packages(["console", "wandb", "mlflow"])
     assert len(problems) == 2 and all("tracking.backends" in p for p in problems)
+
+
+def test_async_run_jsonl_keeps_bucket_scalars_console_summarises_them(tmp_path, capsys, caplog):
+    caplog.set_level("INFO", logger="verl_hpc.tracking.tracker")
+    tracker = Tracker(["console", "jsonl"], tmp_path, 2, "p", "e", None, job_name=JOB, is_main=True)
+    for step in (1, 2):
+        tracker.log({**metrics(step), "async/staleness/hist/0": 30.0, "async/staleness/hist/1": 10.0,
+                     "async/staleness_mean": 0.25, "async/staleness_max": 1.0,
+                     "async/idle_frac/rollout": 0.4, "async/idle_frac/train": 0.1}, step)
+    tracker.close()
+    rows = read_history(tmp_path / "metrics.jsonl")
+    assert [(r["async/staleness/hist/0"], r["async/staleness/hist/1"]) for r in rows] == [(30.0, 10.0)] * 2
+    out = capsys.readouterr().out
+    assert out.count("async/staleness/hist  n=40  mean=0.25  max=1  | 0:30 1:10") == 2
+    assert "Asynchronous training" in caplog.text  # the plot's panels, logged at close

@@ -19,12 +19,21 @@ JOB = JobConfig().slurm.job_name  # the Pushgateway's job label a default config
 
 
 # ---------------------------------------------------------------- wandb
+class FakeHistogram:
+    """wandb.Histogram's arguments and its checks on a precomputed histogram."""
+
+    def __init__(self, sequence=None, np_histogram=None, num_bins=64):
+        assert sequence is None and np_histogram is not None
+        self.histogram, self.bins = (list(x) for x in np_histogram)
+        assert len(self.bins) == len(self.histogram) + 1 and len(self.histogram) <= 512
+
+
 class FakeRun:
     def __init__(self, calls):
         self.calls = calls
 
     def log(self, data, step=None, commit=None):
-        assert isinstance(data, dict) and all(isinstance(v, float) for v in data.values())
+        assert isinstance(data, dict) and all(isinstance(v, (float, FakeHistogram)) for v in data.values())
         self.calls.append(("log", dict(data), step))
 
     def save(self, glob_str=None, base_path=None, policy="live"):
@@ -48,6 +57,7 @@ def fake_wandb(monkeypatch):
         return FakeRun(calls)
 
     mod.init = init
+    mod.Histogram = FakeHistogram
     monkeypatch.setitem(sys.modules, "wandb", mod)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     return calls
@@ -178,3 +188,20 @@ def test_absent_packages_named_with_the_field(tmp_path, monkeypatch):
         except OSError:
             pass
     assert str(tmp_path / "metrics.jsonl") not in fds
+
+
+def test_histogram_keys_go_to_wandb_as_one_histogram_and_to_mlflow_as_they_are(tmp_path, fake_wandb,
+                                                                              fake_mlflow):
+    tracker = Tracker(["wandb", "mlflow"], tmp_path, 1, "p", "e", None, job_name=JOB, is_main=True,
+                      plots_enabled=False)
+    wide = {"wide/hist/0": 1.0, "wide/hist/600": 2.0}  # 601 buckets: past W&B's 512, kept as scalars
+    tracker.log({"async/staleness_mean": 0.5, "async/staleness/hist/0": 4.0,
+                 "async/staleness/hist/2": 1.0, **wide}, 1)
+    tracker.close()
+    (data,) = [c[1] for c in fake_wandb if c[0] == "log"]
+    assert sorted(data) == ["async/staleness/hist", "async/staleness_mean", *sorted(wide)]
+    h = data["async/staleness/hist"]
+    assert h.histogram == [4.0, 0.0, 1.0] and h.bins == [-0.5, 0.5, 1.5, 2.5]
+    (run,) = fake_mlflow.runs.values()
+    assert sorted(k for k, _, _ in run["metrics"]) == [
+        "async/staleness/hist/0", "async/staleness/hist/2", "async/staleness_mean", *sorted(wide)]
