@@ -30,10 +30,9 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
     forward: a separate actor forward before the update, when anything needs them earlier or the
     update takes several optimizer steps (the 2nd mini-batch / epoch is no longer on-policy)."""
     rc, a, asy = cfg.algorithm.rollout_correction, cfg.actor, cfg.async_training
-    if rc.bypass_mode:
-        return "bypass", "algorithm.rollout_correction.bypass_mode"
-    if asy.off_policy and asy.objective == "behaviour":
-        return "bypass", "async_training.objective=behaviour: the ratio against the rollout's log-probs"
+    if _bypass(cfg):
+        return "bypass", ("algorithm.rollout_correction.bypass_mode" if rc.bypass_mode else
+                          "async_training.objective=behaviour: the ratio against the rollout's log-probs")
     mini = a.ppo_mini_batch_size * max(cfg.rollout.n, 1)
     needs = [why for why, on in (
         ("actor.old_log_probs=forward", a.old_log_probs == "forward"),
@@ -50,6 +49,12 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
     return "update", "one mini-batch, one epoch: on-policy"
 
 
+def _bypass(cfg) -> bool:
+    """pi_old := the rollout's log-probs: bypass_mode, or the async behaviour objective."""
+    asy = cfg.async_training
+    return bool(cfg.algorithm.rollout_correction.bypass_mode or (asy.off_policy and asy.objective == "behaviour"))
+
+
 def on_policy_metrics(m: Dict[str, float]) -> None:
     """Rename what the shortcut's objective reported under actor/ to the separate pass's names."""
     if "actor/rollout_logprob_diff_mean" in m:
@@ -59,7 +64,7 @@ def on_policy_metrics(m: Dict[str, float]) -> None:
 def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
     """pi_old's log-probs of the sampled tokens: the actor's forward, or in bypass mode the rollout
     engine's own (valid when the two engines agree closely: docs/algorithms.md)."""
-    if old_log_prob_path(cfg, batch, False)[0] == "bypass":
+    if _bypass(cfg):
         batch.old_log_probs = batch.rollout_log_probs.to(batch.mask.dtype).clone()
         return
     with timer("old_logprob"):
@@ -76,8 +81,7 @@ def apply(cfg, batch) -> Dict[str, float]:
     shift = cfg.trainer.inject_rollout_logprob_shift
     if shift is not None:
         batch.rollout_log_probs = torch.where(mask > 0, old - float(shift), torch.zeros_like(old))
-    bypass = old_log_prob_path(cfg, batch, False)[0] == "bypass"
-    m = {} if bypass else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
+    m = {} if _bypass(cfg) else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
     # the decoupled objective (AReaL): each token weighted by pi_proximal / pi_behaviour, token-level
     # unless the rollout_correction section says otherwise
     decoupled = cfg.async_training.off_policy and cfg.async_training.objective == "decoupled"

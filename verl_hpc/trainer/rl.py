@@ -76,7 +76,7 @@ class RLTrainer:
         tok, d = self.roles.tokenizer, cfg.data
         self.steps_done = 0  # the policy version: training steps completed
         # placement.mode=split: batches come from the rollout group, weights go to it (trainer/loops/)
-        self.link = AsyncLink(cfg, ctx) if ctx.role == "train" else None
+        self.link = AsyncLink(cfg, ctx) if cfg.placement.split and ctx.role == "train" else None
         if self.link is not None:
             self.roles.rollout = RemoteRollout(self.link, lambda: self.steps_done)
         self.loader = (PromptLoader.from_config(d, tok, d.wrap_plain_text)
@@ -259,11 +259,11 @@ def _columns(ds):
 
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
-    if ctx.role == "rollout":  # placement.mode=split: this rank only generates
+    if cfg.placement.split and ctx.role == "rollout":  # this rank only generates
         from verl_hpc.trainer.loops import rollout_worker
 
         return rollout_worker.run(cfg, ctx)
-    roles = build_roles(cfg, ctx, with_rollout=ctx.role == "both")
+    roles = build_roles(cfg, ctx, with_rollout=not cfg.placement.split)
     # The rollout engine is closed on every way out (after a clean run all ranks together), an
     # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
     # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
@@ -275,6 +275,6 @@ def run(cfg, ctx) -> dict:
             with trainer.roles.rollout if trainer.link else contextlib.nullcontext():
                 summary = trainer.fit()
     finally:
-        if trainer is None and ctx.role == "train":  # failed before the link existed
+        if trainer is None and cfg.placement.split:  # failed before the link existed
             _release_rollout(ctx)
     return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)
