@@ -17,19 +17,20 @@ class GPUType:
     memory_bytes: int  # what torch.cuda.mem_get_info reports as total (usable), not the box label
     bf16_tflops: float  # dense peak
     nvlink_gbps: float  # GB/s per GPU within a node (bus bandwidth of an all-reduce)
+    hbm_tbps: float = 0.0  # device memory bandwidth, TB/s (datasheet): a decode step's floor; 0 = unknown
 
 
 # Usable memory is a little below the label (ECC, driver reserve): what `nvidia-smi` shows as total.
 GPUS: Dict[str, GPUType] = {g.name: g for g in (
-    GPUType("h100-80gb", int(79.6 * GiB), 989.0, 450.0),
-    GPUType("h200", int(139.8 * GiB), 989.0, 450.0),
-    GPUType("a100-80gb", int(79.2 * GiB), 312.0, 240.0),
-    GPUType("a100-40gb", int(39.4 * GiB), 312.0, 240.0),
-    GPUType("l40s", int(44.4 * GiB), 362.0, 32.0),
-    GPUType("b200", int(178.0 * GiB), 2250.0, 900.0),
-    GPUType("gh200", int(94.5 * GiB), 989.0, 450.0),
+    GPUType("h100-80gb", int(79.6 * GiB), 989.0, 450.0, 3.35),
+    GPUType("h200", int(139.8 * GiB), 989.0, 450.0, 4.8),
+    GPUType("a100-80gb", int(79.2 * GiB), 312.0, 240.0, 2.04),
+    GPUType("a100-40gb", int(39.4 * GiB), 312.0, 240.0, 1.56),
+    GPUType("l40s", int(44.4 * GiB), 362.0, 32.0, 0.86),
+    GPUType("b200", int(178.0 * GiB), 2250.0, 900.0, 8.0),
+    GPUType("gh200", int(94.5 * GiB), 989.0, 450.0, 4.0),
     # PCIe Gen5 x16 between GPUs (NVLink bridges join pairs only)
-    GPUType("h100-pcie", int(79.6 * GiB), 756.0, 64.0),
+    GPUType("h100-pcie", int(79.6 * GiB), 756.0, 64.0, 2.0),
 )}
 GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "h100-sxm": "h100-80gb"}
 

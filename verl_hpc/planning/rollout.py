@@ -36,9 +36,14 @@ class RolloutBytes:
     weights_only: float  # the first wake stage: weights mapped, KV cache (and graphs) not yet
 
 
+def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int) -> int:
+    """KV-cache bytes of one token over all layers and KV heads (keys and values), all TP ranks."""
+    return 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
+
+
 def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
     """The same rule as vllm_compat.cpu_kv_cache_bytes, from the parsed architecture."""
-    per_token = 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
+    per_token = kv_bytes_per_token(arch, dtype_bytes)
     tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
     return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
 

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import itertools
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.planning import hardware
@@ -67,22 +67,24 @@ def _apply(cfg, tp, pp, vpp, recompute, offload, budget):
     return c
 
 
-def step_seconds(cfg, gpu: hardware.GPUType) -> float:
+def step_time_parts(cfg, gpu: hardware.GPUType) -> Dict[str, float]:
+    """Seconds of one step by part (the module's model): rollout on the rollout ranks; forwards,
+    updates, tp_comms (all proportional to the step's tokens), dp_comms and offload on the training
+    ranks; weight_sync between them. The two groups are the whole world unless placement is split,
+    so that benchmarks/bench_async.py can time each group of a split job on its own GPUs."""
     arch = model_arch(cfg.model.path)
     p_total = total_params(arch)
-    world, tp, pp, dp = cfg.world_size, cfg.parallel.tp, cfg.parallel.pp, max(1, cfg.dp)
+    tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, max(1, cfg.dp)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     rows = cfg.data.train_batch_size * cfg.rollout.n
     tokens, generated = rows * seq, rows * cfg.data.max_response_length
-    flops = gpu.bf16_tflops * 1e12 * world
+    train_flops = gpu.bf16_tflops * 1e12 * cfg.train_world_size
+    rollout_flops = gpu.bf16_tflops * 1e12 * cfg.rollout_world_size
     roles = 1 + int(bool(cfg.critic.enable))
     forwards = 1 + int(bool(cfg.ref.enable)) + int(bool(cfg.critic.enable))
     train_factor = 8 if cfg.parallel.recompute_granularity == "full" else 6
     _, _, m = microbatch_shape(cfg.actor, cfg)
     bubble = 1 + (pp - 1) / (m * (cfg.parallel.vpp or 1)) if pp > 1 else 1.0
-    compute = (2 * p_total * generated / (flops * hardware.ASSUMED_DECODE_MFU)
-               + forwards * 2 * p_total * tokens / (flops * hardware.ASSUMED_TRAIN_MFU)
-               + roles * train_factor * p_total * tokens * bubble / (flops * hardware.ASSUMED_TRAIN_MFU))
     e = 2 if cfg.model.dtype != "float32" else 4
     tp_link = gpu.nvlink_gbps if tp <= max(1, cfg.slurm.gpus_per_node) else hardware.INTER_NODE_GBPS
     passes = forwards + roles * 3
@@ -94,9 +96,20 @@ def step_seconds(cfg, gpu: hardware.GPUType) -> float:
     offload_bytes = 0.0
     if cfg.actor.param_offload:
         offload_bytes = 2 * roles * per_rank * (e + 4 + 12 / dp) + 2 * per_rank * e
-    comms = (tp_bytes / (tp_link * 1e9) + (dp_bytes + sync_bytes) / (hardware.INTER_NODE_GBPS * 1e9)
-             + offload_bytes / (hardware.PCIE_GBPS * 1e9))
-    return compute + comms
+    return {
+        "rollout": 2 * p_total * generated / (rollout_flops * hardware.ASSUMED_DECODE_MFU),
+        "forwards": forwards * 2 * p_total * tokens / (train_flops * hardware.ASSUMED_TRAIN_MFU),
+        "updates": roles * train_factor * p_total * tokens * bubble / (train_flops * hardware.ASSUMED_TRAIN_MFU),
+        "tp_comms": tp_bytes / (tp_link * 1e9),
+        "dp_comms": dp_bytes / (hardware.INTER_NODE_GBPS * 1e9),
+        "weight_sync": sync_bytes / (hardware.INTER_NODE_GBPS * 1e9),
+        "offload": offload_bytes / (hardware.PCIE_GBPS * 1e9),
+    }
+
+
+def step_seconds(cfg, gpu: hardware.GPUType) -> float:
+    """The parts run one after the other: a colocated step."""
+    return sum(step_time_parts(cfg, gpu).values())
 
 
 def _divisors(n: int, cap: int) -> List[int]:
