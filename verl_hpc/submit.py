@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     from verl_hpc import job as job_entry
     from verl_hpc.launcher import slurm
 
-    executor = slurm.make_executor(plan, cfg)
+    try:
+        executor = slurm.make_executor(plan, cfg)
+    except ConfigError as err:  # a job submitit cannot submit (a heterogeneous one)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.dry_run:
         print("[submit] dry run: the sbatch script submitit would submit:\n")
         print(slurm.sbatch_text(executor))

@@ -64,11 +64,21 @@ def owned_option(key: str) -> str:
     return next((o for o in _OWNED if o == long), "") or next((o for o in _OWNED if o.startswith(long)), "")
 
 
+def _backslash(key: str) -> str:
+    return (f"{key}: contains a backslash, which sbatch reads as an escape in an #SBATCH line (Slurm "
+            "would get another value); valid: a value without '\\'")
+
+
 def _directive_problems(slurm) -> List[str]:
     values = [(f"slurm.{f}", getattr(slurm, f)) for f in _DIRECTIVE_FIELDS]
     values += [(f"slurm.additional.{k}", str(v)) for k, v in slurm.additional.items()]
-    return [f"{key}: contains a backslash, which sbatch reads as an escape in an #SBATCH line (Slurm "
-            "would get another value); valid: a value without '\\'" for key, v in values if "\\" in v]
+    return [_backslash(key) for key, v in values if "\\" in v]
+
+
+def directive_value_problems(key: str, value: str) -> List[str]:
+    """The rules of an #SBATCH value kept outside `slurm:` (placement.rollout_partition)."""
+    p = [f"{key}: contains {_control(value)}; valid: a one-line value"] if _control(value) else []
+    return p + ([_backslash(key)] if "\\" in value else [])
 
 
 def _owned_problems(slurm) -> List[str]:

@@ -52,11 +52,16 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        return self.slurm.world_size
+        """Every rank of the one srun step; a heterogeneous split job adds its rollout nodes."""
+        return self.slurm.world_size + self.placement.added_nodes * self.slurm.tasks_per_node
 
     @property
     def world_words(self) -> str:
-        return self.slurm.world_words
+        s = self.slurm
+        if not self.placement.added_nodes:
+            return s.world_words
+        return (f"the world size {self.world_size} ((placement.rollout_nodes {self.placement.added_nodes} + "
+                f"slurm.nodes {s.nodes}) * slurm.tasks_per_node {s.tasks_per_node})")
 
     @property
     def train_world_size(self) -> int:

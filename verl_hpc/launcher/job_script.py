@@ -9,6 +9,11 @@ Every value that reaches a shell is quoted: submitit quotes #SBATCH values and s
 itself (shlex.quote), the template does the same through `directive` and `shlex.join`, and the
 rank command is a list of arguments, one per item of `slurm.container.extra_args` and `mounts`.
 `slurm.setup` is the exception by design: it is the user's own shell code, written as it is.
+
+Split placement needs nothing here beyond the allocation: every rank runs the same command in one
+srun step and reads the placement from the config. A heterogeneous job (placement.rollout_partition)
+is two #SBATCH blocks, the rollout nodes first (their ranks come first), and an srun that spans both;
+only the template writes it (submitit has one block per job: launcher/slurm.py refuses it).
 """
 from __future__ import annotations
 
@@ -21,6 +26,13 @@ from verl_hpc.launcher import charliecloud
 # others blocked in a collective until the time limit.
 SRUN_ARGS = ["--mpi=pmix", "--kill-on-bad-exit=1"]
 WARNING_SIGNAL = "USR2"  # submitit's SlurmJobEnvironment.USR_SIG: its handler and ours agree
+HETJOB = "#SBATCH hetjob"  # sbatch's separator between the components of a heterogeneous job
+# What one component's nodes are: sbatch resets partition, constraint and exclusive for every
+# component and the task and GPU counts are per component; each block writes its own. The rest
+# (job name, time, signal, requeue, account, qos, logs, slurm.additional) is written once, in the
+# first block, and sbatch carries it over to the job as a whole.
+COMPONENT_OPTIONS = ("partition", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem",
+                     "constraint", "exclusive")
 
 
 def sbatch_parameters(plan, cfg) -> dict:
@@ -50,6 +62,20 @@ def directives(params: dict) -> list[str]:
     return [directive(k, flags[k]) for k in sorted(flags)]
 
 
+def allocation_directives(plan, cfg) -> list[str]:
+    """The allocation's #SBATCH lines: one block, or a heterogeneous job's two (component 0: the
+    rollout nodes from placement.rollout_partition; component 1: slurm.nodes training nodes)."""
+    params = sbatch_parameters(plan, cfg)
+    if not plan.hetjob:
+        return directives(params)
+    training = {k: params[k] for k in COMPONENT_OPTIONS if k in params}
+    # slurm.constraint names features of the training nodes; the rollout partition has its own
+    rollout = {**{k: v for k, v in training.items() if k != "constraint"},
+               "partition": plan.rollout_partition, "nodes": plan.rollout_nodes}
+    job_wide = {k: v for k, v in params.items() if k not in COMPONENT_OPTIONS}
+    return directives({**job_wide, **rollout}) + [HETJOB] + [directive(k, training[k]) for k in sorted(training)]
+
+
 def directive(key: str, value) -> str:
     """submitit's rule: `_` -> `-`, True -> a bare flag, else a shell-quoted value, which sbatch's
     directive parser reads back unchanged (backslashes are refused in config/sbatch_text.py)."""
@@ -60,10 +86,13 @@ def directive(key: str, value) -> str:
 def srun_args(cfg) -> list[str]:
     """srun's own arguments after the launch flags: pyxis runs the container through srun."""
     c = cfg.slurm.container
+    # a heterogeneous job's srun starts on component 0 only unless told to span both (one step:
+    # one world of ranks, the rollout nodes' first)
+    launch = (["--het-group=0,1"] if cfg.placement.hetjob else []) + SRUN_ARGS
     if c.runtime != "pyxis":
-        return list(SRUN_ARGS)
+        return launch
     mounts = ["--container-mounts=" + ",".join(c.mounts)] if c.mounts else []
-    return [*SRUN_ARGS, f"--container-image={c.image}", *c.extra_args, *mounts]
+    return [*launch, f"--container-image={c.image}", *c.extra_args, *mounts]
 
 
 def python_argv(plan, cfg, workdir: str) -> list[str]:

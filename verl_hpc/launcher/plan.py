@@ -24,21 +24,56 @@ class Plan:
     job: str
     log_dir: Path  # may contain %j (the Slurm job id) until submitted
     env: dict[str, str]
+    # placement.mode = split: the job's first rollout_ranks ranks hold only the rollout engine
+    rollout_ranks: int = 0  # 0: colocated, every rank rolls out and trains
+    rollout_engine: str = "vllm"
+    # a heterogeneous job: rollout_nodes more nodes from rollout_partition, before the `nodes`
+    # training nodes (placement.rollout_partition; "" = one allocation)
+    rollout_nodes: int = 0
+    rollout_partition: str = ""
+
+    @property
+    def hetjob(self) -> bool:
+        return bool(self.rollout_partition)
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return (self.nodes + (self.rollout_nodes if self.hetjob else 0)) * self.tasks_per_node
+
+    @property
+    def rollout_world_size(self) -> int:
+        return self.rollout_ranks or self.world_size
 
     def describe(self) -> str:
-        gpus = f"{self.gpus_per_node} GPU(s)/node" if self.gpus_per_node else "CPU only (gloo)"
+        replicas = self.rollout_world_size // self.rollout_tp
         return "\n".join([
             f"plan: trainer.job={self.job} on {self.backend} ({self.reason})",
-            f"  ranks: {self.nodes} node(s) x {self.tasks_per_node} = {self.world_size}; {gpus}",
+            self._ranks_line(),
+            *([self.split_line()] if self.rollout_ranks else []),
             f"  training layout: tp={self.tp} pp={self.pp} dp={self.dp}; rollout tp={self.rollout_tp}"
-            f" ({self.world_size // self.rollout_tp} inference replica(s))",
+            f" ({replicas} inference replica(s))",
             f"  logs: {self.log_dir}",
             "  env: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
         ])
+
+    def _ranks_line(self) -> str:
+        gpus = f"{self.gpus_per_node} GPU(s)/node" if self.gpus_per_node else "CPU only (gloo)"
+        if not self.hetjob:
+            return f"  ranks: {self.nodes} node(s) x {self.tasks_per_node} = {self.world_size}; {gpus}"
+        return (f"  ranks: ({self.rollout_nodes} rollout node(s) of partition {self.rollout_partition!r} + "
+                f"{self.nodes} training node(s)) x {self.tasks_per_node} = {self.world_size}; {gpus}; "
+                "a heterogeneous job, one srun step")
+
+    def split_line(self) -> str:
+        """`split: 1 rollout rank (vLLM, tp 1) + 1 training rank (tp 1 pp 1 dp 1)`."""
+        engine = {"vllm": "vLLM", "hf": "HF generate"}.get(self.rollout_engine, f"rollout.engine {self.rollout_engine}")
+        train = self.world_size - self.rollout_ranks
+        return (f"  split: {_count(self.rollout_ranks, 'rollout rank')} ({engine}, tp {self.rollout_tp}) + "
+                f"{_count(train, 'training rank')} (tp {self.tp} pp {self.pp} dp {self.dp})")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def make_plan(cfg, *, local: bool = False) -> Plan:
@@ -53,11 +88,18 @@ def make_plan(cfg, *, local: bool = False) -> Plan:
         if cfg.slurm.nodes != 1:
             raise_layout(f"slurm.nodes={cfg.slurm.nodes}: a local run has one node; set slurm.nodes=1"
                          " or submit to Slurm")
+        if cfg.placement.hetjob:
+            raise_layout(f"placement.rollout_partition = {cfg.placement.rollout_partition!r} asks for a Slurm "
+                         "heterogeneous job; a local run has one node: set placement.rollout_partition='' "
+                         "(the rollout ranks are then this node's first) or submit to Slurm")
         log_dir = log_dir.replace("%j", time.strftime("local-%Y%m%d-%H%M%S"))
+    pl = cfg.placement
     return Plan(backend=backend, reason=reason, nodes=cfg.slurm.nodes,
                 tasks_per_node=cfg.slurm.tasks_per_node, gpus_per_node=cfg.slurm.gpus_per_node,
                 tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.dp, rollout_tp=cfg.rollout.tp,
-                job=cfg.trainer.job, log_dir=Path(log_dir).absolute(), env=job_environment(cfg))
+                job=cfg.trainer.job, log_dir=Path(log_dir).absolute(), env=job_environment(cfg),
+                rollout_ranks=cfg.rollout_world_size if pl.split else 0, rollout_engine=cfg.rollout.engine,
+                rollout_nodes=pl.added_nodes, rollout_partition=pl.rollout_partition if pl.hetjob else "")
 
 
 def raise_layout(message: str):

@@ -40,10 +40,16 @@ def render(plan: Plan, cfg, config_path: Path, log_dir: Path, *, config_source: 
             f"--error={log_dir}/%j_%t.err", *job_script.python_argv(plan, cfg, workdir),
             "-u", "-m", "verl_hpc.job", str(config_path)]
     return env.get_template("job.sbatch.j2").render(
-        directives=job_script.directives(job_script.sbatch_parameters(plan, cfg))
-        + [job_script.directive(k, v) for k, v in logs.items()],
+        directives=_with_logs(job_script.allocation_directives(plan, cfg),
+                              [job_script.directive(k, v) for k, v in logs.items()]),
         setup=job_script.setup_lines(plan, cfg, workdir), srun=shlex.join(srun),
         config_source=shlex.quote(config_source), script_name=shlex.quote(script_name))
+
+
+def _with_logs(directives: list[str], logs: list[str]) -> list[str]:
+    """The log options belong to the job as a whole: the first block (before a `hetjob` line)."""
+    cut = directives.index(job_script.HETJOB) if job_script.HETJOB in directives else len(directives)
+    return directives[:cut] + logs + directives[cut:]
 
 
 def _check_path(what: str, path: str, unwritable: re.Pattern) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import submitit
 
+from verl_hpc.config import ConfigError
 from verl_hpc.launcher import job_script
 from verl_hpc.launcher.plan import Plan
 
@@ -27,6 +28,12 @@ ACTIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", 
 def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
     """The allocation, srun arguments, set-up lines and rank command come from job_script, which
     the standalone script shares; submitit quotes each #SBATCH value and srun argument itself."""
+    if plan.hetjob:
+        raise ConfigError(
+            f"placement.rollout_partition = {plan.rollout_partition!r} asks for a Slurm heterogeneous job, which "
+            "submitit cannot submit (it writes one #SBATCH block per job): write the job with --sbatch-script PATH "
+            "and submit that with sbatch, or set placement.rollout_partition='' to take the rollout nodes from "
+            "slurm.nodes")
     workdir = os.getcwd()
     ex = submitit.SlurmExecutor(folder=str(plan.log_dir),
                                 python=shlex.join(job_script.python_argv(plan, cfg, workdir)),

@@ -76,17 +76,26 @@ def vllm_groups(world: int, rollout_tp: int) -> List[Communicator]:
             Communicator("vllm_tp_pynccl", rollout_tp, True)]
 
 
-def job_communicators(cfg, tied_embeddings: bool) -> List[Communicator]:
-    """Every NCCL communicator a rank of this job holds (empty for a CPU job: gloo only)."""
+def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated") -> List[Communicator]:
+    """Every NCCL communicator a rank of this job holds (empty for a CPU job: gloo only).
+
+    group (placement.mode = split): "training" or "rollout". Each group's ranks have a default
+    group of their own (Megatron's groups are carved out of the training ranks', vLLM's world is
+    the rollout ranks'), and the weights reach the rollout ranks over a group of every rollout rank
+    and the first training rank; the training rank counted is that one, the heaviest."""
     if cfg.slurm.gpus_per_node <= 0:
         return []
-    par, world = cfg.parallel, cfg.world_size
+    par = cfg.parallel
+    world = {"training": cfg.train_world_size, "rollout": cfg.rollout_world_size}.get(group, cfg.world_size)
     tied = tied_embeddings and par.pp > 1
     out = [Communicator("world", world, True)]  # the trainer's broadcasts and reductions
-    out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
-                           tied_embeddings=tied)
-    if cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto is vLLM on a GPU
+    if group != "rollout":
+        out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
+                               tied_embeddings=tied)
+    if group != "training" and cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto: vLLM on a GPU
         out += vllm_groups(world, cfg.rollout.tp)
+    if group != "colocated":
+        out.append(Communicator("weights", cfg.rollout_world_size + 1, True))
     return out
 
 

@@ -24,11 +24,16 @@ A role that is not running in a phase keeps only what it does not offload
 (comms.py); host figures: host.py. The peak is the maximum over phases; it is computed for the
 first and the last pipeline stage (embedding vs. output layer and logits) and the heavier one is
 reported.
+
+Split placement (placement.mode = split) plans each group of ranks on its own (planning/split.py):
+the training ranks get the rows above without vLLM and without the startup and rollout phases; the
+rollout ranks get vLLM's whole budget, awake, in startup, weight_sync (generation goes on while
+the buckets load) and rollout, and no Megatron role.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
@@ -36,6 +41,7 @@ from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
 from verl_hpc.planning.host import RoleTensors, checkpoint_host, reload_host
 from verl_hpc.planning.model_shape import model_arch, stage_params, stage_tensor_sizes, total_params
 from verl_hpc.planning.rollout import rollout_bytes, sleep_level, sleeping
+from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
@@ -43,6 +49,9 @@ PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logp
           "update_critic", "update_actor", "checkpoint", "rollback")
 COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding", "nccl",
               "overhead")
+ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
+# a split job's training ranks: no vLLM to start or to generate with
+TRAINING_PHASES = tuple(p for p in PHASES if p not in ("startup", "rollout"))
 
 
 @dataclasses.dataclass
@@ -79,6 +88,8 @@ class MemoryPlan:
     stage: int  # the pipeline stage the table describes
     ranks_per_node: int
     notes: List[str]
+    group: str = "colocated"  # colocated | rollout | training (placement.mode = split)
+    ranks: int = 0  # ranks of this group in the job
 
     def phase_total(self, phase: str) -> float:
         return sum(self.table[phase].values())
@@ -142,19 +153,34 @@ def gpu_total_bytes(cfg, gpu_memory_gb: Optional[float]) -> float:
 
 def plan_job(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optional[float] = None,
              allow_known: bool = True, stage: Optional[int] = None,
-             layer_impl: Optional[str] = None) -> MemoryPlan:
-    """The plan of the heavier of the first and last pipeline stage (or of `stage`).
+             layer_impl: Optional[str] = None) -> Union[MemoryPlan, SplitPlan]:
+    """The plan of the heavier of the first and last pipeline stage (or of `stage`); with
+    placement.mode = split, a SplitPlan of the rollout group and the training group.
 
     layer_impl: the layer spec the engine will build ("te" | "local"); default: TE layers on a GPU
     job, the local spec on a CPU job. The planner runs where the job is submitted, which need not
     have Transformer Engine; a caller on the machine itself (the GPU kit) passes what it has."""
+    args = (gpu_memory_gb, node_memory_gb, allow_known, layer_impl)
+    if not cfg.placement.split:
+        return _plan_group(cfg, "colocated", stage, *args)
+    nodes = ranks_on_nodes(cfg.rollout_world_size, cfg.world_size, cfg.slurm.tasks_per_node, cfg.placement.hetjob)
+    return SplitPlan(rollout=_plan_group(cfg, "rollout", 0, *args),  # vLLM has no pipeline stages
+                     training=_plan_group(cfg, "training", stage, *args), nodes=nodes)
+
+
+def _plan_group(cfg, group, stage, *args) -> MemoryPlan:
     pp = cfg.parallel.pp
     stages = [stage] if stage is not None else sorted({0, pp - 1})
-    plans = [_plan_stage(cfg, s, gpu_memory_gb, node_memory_gb, allow_known, layer_impl) for s in stages]
+    plans = [_plan_stage(cfg, s, *args, group=group) for s in stages]
     return max(plans, key=lambda p: p.checked_peak())
 
 
-def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_impl=None) -> MemoryPlan:
+def _group_ranks(cfg, group: str) -> int:
+    return {"rollout": cfg.rollout_world_size, "training": cfg.train_world_size}.get(group, cfg.world_size)
+
+
+def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_impl=None,
+                group: str = "colocated") -> MemoryPlan:
     par, gpu = cfg.parallel, cfg.slurm.gpus_per_node > 0
     tp, pp, dp = par.tp, par.pp, max(1, cfg.dp)
     prec = Precision.of(cfg.model.dtype)
@@ -190,6 +216,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                                cfg.critic.model_path)[0]
     if cfg.ref.enable:
         roles["ref"] = role("ref", cfg.ref, "lm", False, "model.path", cfg.model.path)[0]
+    if group == "rollout":  # the rollout ranks of a split job build no Megatron role
+        roles, tensors = {}, {}
 
     def activations(role_cfg, head) -> Dict[str, float]:
         s, b, m = microbatch_shape(role_cfg, cfg)
@@ -210,15 +238,17 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         return {"activations": one, "logits": logits}
 
     vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
-    asleep = sleeping(cfg)
-    vllm_idle = vl.asleep_device if asleep else vl.budget
+    # split: vLLM has its ranks to itself and never sleeps; the training ranks hold none
+    asleep = sleeping(cfg) and group == "colocated"
+    vllm_idle = {"colocated": vl.asleep_device if asleep else vl.budget, "training": 0.0}.get(group, vl.budget)
+    vllm_sync = {"colocated": vl.weights_only, "training": 0.0}.get(group, vl.budget)
     # a bucket never holds more than the whole model
     bucket = min(cfg.resharding.bucket_mb * 2 ** 20, total_params(arch) * prec.param_bytes)
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
     resharding = 2 * bucket + largest
-    comms = job_communicators(cfg, arch.tie_word_embeddings)
+    comms = job_communicators(cfg, arch.tie_word_embeddings, group)
     nccl = nccl_bytes(comms)
     overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
 
@@ -240,16 +270,77 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         # the heavier of the saved roles is the row
         return max((row({n: "state"}, extra, vllm_idle) for n in saved), key=lambda r: sum(r.values()))
 
+    if group == "rollout":
+        table = _rollout_rows(row, vl.budget, resharding)
+    else:
+        table = _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activations,
+                               vl.budget, vllm_sync, vllm_idle, resharding)
+        if group == "training":
+            table = {phase: r for phase, r in table.items() if phase in TRAINING_PHASES}
+    if gpu and vl.kv_cache <= 0 and group != "training":
+        notes.append(f"vLLM's budget ({cfg.rollout.gpu_memory_utilization} x GPU) leaves no room for a "
+                     f"KV cache after its {vl.weights / hardware.GiB:.1f} GiB of weights")
+    if comms:
+        notes.append(describe(comms))
+
+    # ----- host memory per node: the most ranks of this group one node holds
+    per_node = min(_group_ranks(cfg, group), cfg.slurm.tasks_per_node)
+    process = hardware.HOST_PROCESS_BYTES_GPU if gpu else hardware.HOST_PROCESS_BYTES_CPU
+    offloaded = sum(t.offloaded_pinned() for t in tensors.values()) if gpu else 0.0
+    ckpt = checkpoint_host([tensors[n] for n in saved], cfg.checkpoint.async_save, gpu)
+    phase_host = {"checkpoint": ckpt["transient"],
+                  "rollback": reload_host([tensors[n] for n in saved])}
+    asleep_host = vl.asleep_host if asleep else 0.0
+    host = {}
+    for phase, r in table.items():
+        device_on_host = 0.0 if gpu else sum(r.values())
+        # pinned buffers (offload, vLLM's sleep copies) and async-save snapshots are kept once made
+        host[phase] = per_node * (process + offloaded + asleep_host + ckpt["kept"] + device_on_host
+                                  + phase_host.get(phase, 0.0))
+    host_limit = (node_memory_gb or cfg.slurm.mem_gb) * hardware.GB if (node_memory_gb or cfg.slurm.mem_gb) \
+        else float(hardware.local_ram_bytes() if not gpu else 0)
+    limit = gpu_total if gpu else host_limit
+    if gpu and gpu_total <= 0:
+        notes.append("GPU memory unknown: set slurm.gpu_type or pass --gpu-memory-gb")
+    if not gpu and not (node_memory_gb or cfg.slurm.mem_gb):
+        notes.append("CPU job: node RAM taken as this machine's (slurm.mem_gb is 0)")
+    notes += _vllm_notes(cfg, group, gpu, asleep)
+    return MemoryPlan(table, host, limit, host_limit, "gpu" if gpu else "cpu", stage, per_node, notes,
+                      group=group, ranks=_group_ranks(cfg, group))
+
+
+def _vllm_notes(cfg, group: str, gpu: bool, asleep: bool) -> List[str]:
+    if group == "rollout":
+        return ["split placement: the rollout ranks hold only vLLM, awake throughout (no sleep mode)"]
+    if group == "training":
+        return ["split placement: the training ranks hold only the Megatron roles (no vLLM)"]
+    if gpu and not asleep:
+        return ["rollout.sleep_between_phases is off: vLLM keeps its whole budget during training"]
+    if gpu and asleep:
+        return [f"vLLM sleep level {sleep_level(cfg)}; two-stage wake (weights, then KV cache)"]
+    return []
+
+
+def _rollout_rows(row, budget: float, resharding: float) -> Dict[str, Dict[str, float]]:
+    """A split job's rollout rank: vLLM's whole budget in every phase; during a weight update it
+    also holds the received buckets (the same bound as the trainer's side)."""
+    return {"startup": row({}, {}, budget), "weight_sync": row({}, {"resharding": resharding}, budget),
+            "rollout": row({}, {}, budget)}
+
+
+def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activations, budget: float,
+                   vllm_sync: float, vllm_idle: float, resharding: float) -> Dict[str, Dict[str, float]]:
+    """The rows of a rank that trains (colocated: and rolls out, vLLM's bytes as given)."""
     table = {
         # each role is built whole, then offloads what it offloads; the actor is the largest
         "build": row({"actor": "train"}, {}, 0.0),
         # vLLM starts last and needs gpu_memory_utilization x total free
-        "startup": row({}, {}, vl.budget),
+        "startup": row({}, {}, budget),
         # every step's lazy sync, first wake stage: vLLM's weights mapped, not its KV cache; the
         # actor's weights resident for the whole sync; the resharding buckets
-        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vl.weights_only),
+        "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vllm_sync),
         # generation: vLLM awake (weights, KV cache, CUDA graphs); the Megatron roles idle
-        "rollout": row({}, {}, vl.budget),
+        "rollout": row({}, {}, budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
         "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
         "values": row({"critic": "forward"}, forward_working(cfg.critic, "value"), vllm_idle),
@@ -268,34 +359,4 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         del table["values"], table["update_critic"]
     if not cfg.trainer.rollback.enable:
         del table["rollback"]
-    if gpu and vl.kv_cache <= 0:
-        notes.append(f"vLLM's budget ({cfg.rollout.gpu_memory_utilization} x GPU) leaves no room for a "
-                     f"KV cache after its {vl.weights / hardware.GiB:.1f} GiB of weights")
-    if comms:
-        notes.append(describe(comms))
-
-    # ----- host memory per node
-    per_node = cfg.slurm.tasks_per_node
-    process = hardware.HOST_PROCESS_BYTES_GPU if gpu else hardware.HOST_PROCESS_BYTES_CPU
-    offloaded = sum(t.offloaded_pinned() for t in tensors.values()) if gpu else 0.0
-    ckpt = checkpoint_host([tensors[n] for n in saved], cfg.checkpoint.async_save, gpu)
-    phase_host = {"checkpoint": ckpt["transient"],
-                  "rollback": reload_host([tensors[n] for n in saved])}
-    host = {}
-    for phase, r in table.items():
-        device_on_host = 0.0 if gpu else sum(r.values())
-        # pinned buffers (offload, vLLM's sleep copies) and async-save snapshots are kept once made
-        host[phase] = per_node * (process + offloaded + vl.asleep_host + ckpt["kept"] + device_on_host
-                                  + phase_host.get(phase, 0.0))
-    host_limit = (node_memory_gb or cfg.slurm.mem_gb) * hardware.GB if (node_memory_gb or cfg.slurm.mem_gb) \
-        else float(hardware.local_ram_bytes() if not gpu else 0)
-    limit = gpu_total if gpu else host_limit
-    if gpu and gpu_total <= 0:
-        notes.append("GPU memory unknown: set slurm.gpu_type or pass --gpu-memory-gb")
-    if not gpu and not (node_memory_gb or cfg.slurm.mem_gb):
-        notes.append("CPU job: node RAM taken as this machine's (slurm.mem_gb is 0)")
-    if gpu and not asleep:
-        notes.append("rollout.sleep_between_phases is off: vLLM keeps its whole budget during training")
-    if gpu and asleep:
-        notes.append(f"vLLM sleep level {sleep_level(cfg)}; two-stage wake (weights, then KV cache)")
-    return MemoryPlan(table, host, limit, host_limit, "gpu" if gpu else "cpu", stage, per_node, notes)
+    return table

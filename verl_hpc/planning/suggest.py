@@ -120,7 +120,8 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
             time_limit_s: float = 8.0) -> List[Candidate]:
     gpu = hardware.gpu_type(cfg.slurm.gpu_type) or hardware.GPUS["h100-80gb"]
     arch = model_arch(cfg.model.path)
-    world, per_node = cfg.world_size, max(1, cfg.slurm.gpus_per_node or cfg.slurm.tasks_per_node)
+    # the layouts tile the training ranks (all of them unless placement.mode = split)
+    world, per_node = cfg.train_world_size, max(1, cfg.slurm.gpus_per_node or cfg.slurm.tasks_per_node)
     base = cfg.actor.max_tokens_per_microbatch or (cfg.actor.micro_batch_size * (
         cfg.data.max_prompt_length + cfg.data.max_response_length))
     tps = [t for t in _divisors(per_node, per_node) if arch.num_attention_heads % t == 0

@@ -62,7 +62,8 @@ class ContainerConfig(Section):
 
 @dataclass
 class SlurmConfig(Section):
-    nodes: int = opt(1, "world size = nodes * tasks_per_node", check=">0")
+    nodes: int = opt(1, "world size = nodes * tasks_per_node; with placement.rollout_partition (a heterogeneous "
+                        "job) the training nodes only, the rollout nodes come in addition", check=">0")
     tasks_per_node: int = opt(2, "ranks per node; one per GPU on GPU clusters", check=">0")
     gpus_per_node: int = opt(0, "0 = CPU job", check=">=0")
     gpu_type: str = opt("", "h100-80gb | h200 | a100-80gb | ...: the memory plan's limit (\"\" = --gpu-memory-gb)")
