@@ -229,6 +229,10 @@ class RLTrainer:
         metrics.update(timer.pop())
         metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                   samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
+        if "timing_s/wait_rollout" in metrics:  # split: the training group's wait on the rollout group
+            busy = max(metrics["timing_s/step"] - metrics["timing_s/wait_rollout"], 1e-9)
+            metrics["async/idle_frac/train"] = metrics["timing_s/wait_rollout"] / max(metrics["timing_s/step"], 1e-9)
+            metrics["async/tokens_per_s/train"] = metrics.get("train/tokens", 0.0) / busy
         return metrics
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
