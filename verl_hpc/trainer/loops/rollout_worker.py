@@ -117,7 +117,7 @@ class RolloutWorker:
         if state:
             self.next_index = state["next_index"]
             self.inflight = state["inflight"]
-            if self.leader:
+            if self.leader and state.get("loader") is not None:  # None: a checkpoint of a colocated run
                 self.loader.load_state_dict(state["loader"])
             log.info("rollout: resumed at batch %d%s", self.next_index,
                      f" with {len(self.inflight.unfinished())} samples in flight" if self.inflight else "")
