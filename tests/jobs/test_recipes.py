@@ -36,6 +36,8 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
             assert row["sync/bytes"] > 0 and row["sync/buckets"] >= 1  # resharding.sync ran
             for key in SHOWN:  # the console table and the plots show names the trainer emits
                 assert key in row and key in KEY_PREFIXES, key
+            # the share of rows with all-zero advantages left out of the actor update, every step
+            assert 0.0 <= row["actor/zero_adv_skipped_share"] <= 1.0, row
     panels = write_plots(rows, tmp_path / "curves.png").panels
     trained = any("actor/entropy" in r for r in rows)  # DAPO may filter every step of a tiny run
     assert {"Reward", "Response length"} | ({"Entropy"} if trained else set()) <= set(panels), panels

@@ -96,6 +96,16 @@ def check_per_sample(x: torch.Tensor, response_mask: torch.Tensor, name: str) ->
         )
 
 
+def zero_advantage_rows(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows with at least one valid token whose advantages are exactly 0 on every valid
+    token. A row without a valid token is not one (the losses reject it: skipping would hide
+    that), nor is a row with a NaN advantage (NaN != 0: the update must see it)."""
+    check_same_shape(advantages, response_mask, "advantages", "response_mask")
+    valid = as_float_mask(response_mask, advantages) > 0
+    nonzero = (advantages != 0) & valid
+    return valid.any(dim=-1) & ~nonzero.any(dim=-1)
+
+
 def sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome score per sequence: rewards sit on the last valid token, so the masked row sum."""
     return masked_sum(token_level_rewards, response_mask, dim=-1)

@@ -10,25 +10,34 @@ that micro-batch's *contribution* to the full-batch loss, so the sum the engine 
 micro-batches and data-parallel ranks does not depend on the split. `outputs` names what the
 engine must compute for it. `counts` is duck-typed (`tokens`, `seqs`, `norm_len`,
 `agg_kwargs()`, i.e. engines.base.GlobalCounts): the algorithm library does not import engines.
+
+An objective may also say which rows of a batch add exactly nothing to its loss and gradient
+(`rows_without_gradient`); the engine then leaves them out of the forward and backward while the
+counts still include them, so the update is the same (PolicyObjective: rows whose advantages are
+all 0, when no term reads them; config/sections/roles.py zero_advantage_skip_blockers).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.sections.roles import zero_advantage_skip_blockers
+
 from .aggregation import agg_loss
 from .kl import kl_loss
+from .masked import zero_advantage_rows
 from .policy_losses import compute_policy_loss
 from .value_loss import value_loss
 
 
 def _batch_totals(metrics: Dict[str, torch.Tensor], keys, counts, mask: torch.Tensor) -> None:
     """Turn this micro-batch's contributions in `keys` into whole-batch values: the engine reports
-    a token-weighted mean of each metric over micro-batches, and x tokens/mb_tokens makes that
-    mean their sum, i.e. the whole batch's value."""
-    scale = counts.tokens / max(float(mask.sum()), 1.0)
+    a token-weighted mean of each metric over the micro-batches it runs, and x run_tokens/mb_tokens
+    makes that mean their sum, i.e. the whole batch's value (rows the engine left out add 0)."""
+    run = getattr(counts, "run_tokens", None)
+    scale = (counts.tokens if run is None else run) / max(float(mask.sum()), 1.0)
     for key in keys:
         if key in metrics:
             metrics[key] = metrics[key] * scale
@@ -74,6 +83,7 @@ class PolicyObjective:
     clip_cov_ub: float
     kl_cov_ratio: float
     ppo_kl_coef: float
+    skip_zero_advantage_rows: bool
     # on-policy shortcut (set by the trainer, verl_hpc/trainer/correction.py): pi_old's log-probs
     # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
     old_from_update: bool = False
@@ -87,6 +97,14 @@ class PolicyObjective:
     @property
     def outputs(self) -> Tuple[str, ...]:
         return ("log_probs", "entropy") if self.entropy_coeff else ("log_probs",)
+
+    def rows_without_gradient(self, batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """[B] bool: the rows whose advantages are all 0, which then add exactly 0 to the loss and
+        its gradient (every term is -A x a finite value of the row's own tokens); None when a term
+        reads them anyway (KL loss, entropy bonus, a loss coupling rows) or the skip is off."""
+        if zero_advantage_skip_blockers(self):
+            return None
+        return zero_advantage_rows(batch["advantages"], batch["response_mask"])
 
     def __call__(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], counts):
         mask = mb["response_mask"]

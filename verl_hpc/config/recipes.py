@@ -22,6 +22,12 @@ ADV_ESTIMATORS = (
     "grpo_passk",
 )
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "geo_mean")
+# The policy losses whose rows are independent: a row's loss reads only its own tokens and is
+# -A x (something finite), so a row whose advantages are all 0 adds exactly 0 to the loss and its
+# gradient (actor.skip_zero_advantage_rows). clip_cov / kl_cov are not here: their token
+# selection reads statistics of the whole micro-batch, so removing a row changes other rows' loss.
+# A new loss is left out until it is shown to belong (tests/unit/engines/test_eng_zero_adv_skip.py).
+ROW_LOCAL_POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "geo_mean")
 # Short names and verl's names for the same estimators: k1=kl, k2=mse, k3=low_var_kl; "+": the
 # value of k1/k3 with k2's gradient (straight-through).
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")

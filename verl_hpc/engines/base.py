@@ -46,6 +46,10 @@ class GlobalCounts:
     tokens: float  # valid response tokens (response_mask sum)
     seqs: float  # sequences
     norm_len: float  # the constant of seq-mean-token-sum-norm (default: the batch's T)
+    # valid tokens of the rows the engine runs: `tokens` less those of rows left out because the
+    # loss says they add nothing (LossFn.rows_without_gradient); the engine's metric means are over
+    # these. None: every row runs.
+    run_tokens: Optional[float] = None
 
     def agg_kwargs(self) -> Dict[str, float]:
         """Keyword arguments for verl_hpc.algorithms losses / agg_loss."""
@@ -55,7 +59,13 @@ class GlobalCounts:
 class LossFn(Protocol):
     """(outputs of the micro-batch with grad, the micro-batch, global counts) -> (loss
     contribution, metrics). Metrics are 0-d tensors, means over the micro-batch's valid tokens;
-    the engine reports their token-weighted mean over the batch."""
+    the engine reports their token-weighted mean over the batch.
+
+    Optional: `rows_without_gradient(batch) -> [B] bool tensor or None`, the rows of the whole
+    (mini-)batch (given with its response_mask) whose contribution to the loss and to its gradient
+    is exactly 0. A training engine may leave them out of the forward and backward; the counts
+    still include them, so the update is the same. Without the method, or when it returns None,
+    every row runs."""
 
     def __call__(self, outputs: Mapping[str, torch.Tensor], micro_batch: Mapping[str, torch.Tensor],
                  counts: GlobalCounts) -> Tuple[torch.Tensor, Mapping[str, torch.Tensor]]: ...

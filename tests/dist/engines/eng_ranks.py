@@ -183,6 +183,36 @@ def check_nonfinite(args, layout, workdir, batch) -> dict:
     return {"metrics": metrics, "unchanged": same, "then": good}
 
 
+def check_zero_adv(args, layout, workdir, batch) -> dict:
+    """actor.skip_zero_advantage_rows across data-parallel ranks: an update where 3 of 8 rows have
+    advantages (so a rank gets none), then one where no row has (one row runs, the other ranks
+    run empty micro-batches); the weights against the same updates without the skip."""
+    import dataclasses
+
+    import torch
+
+    from verl_hpc.algorithms import PolicyObjective
+    from verl_hpc.engines.megatron import Actor
+
+    first = dict(batch, advantages=batch["advantages"].clone())
+    first["advantages"][[0, 1, 2, 6, 7]] = 0.0
+    second = dict(batch, advantages=torch.zeros_like(batch["advantages"]))
+    # no KL or entropy term: they would forbid the skip; no clipping, which hides a scale error
+    acfg = _actor_cfg(dict(args["actor"]["llama"], entropy_coeff=0.0, use_kl_loss=False))
+    out = {}
+    for skip in (False, True):
+        eng = _engine(args, "llama", optim=_optim(dict(args["optim"], clip_grad=0.0)))
+        cfg = dataclasses.replace(acfg, skip_zero_advantage_rows=skip)
+        actor, loss = Actor(eng, cfg), PolicyObjective.from_config(cfg)
+        m1, w1 = actor.update(first, loss), _export(eng)
+        m2, w2 = actor.update(second, loss), _export(eng)
+        out[skip] = {"metrics": [m1, m2], "weights": w2,
+                     "moved_by_second": max(float((w2[n] - w1[n]).abs().max()) for n in w1)}
+    diff = max(float((out[True]["weights"][n] - out[False]["weights"][n]).abs().max()) for n in out[True]["weights"])
+    return {"max_diff": diff, "moved_by_second": out[False]["moved_by_second"],
+            "skip": out[True]["metrics"], "full": out[False]["metrics"]}
+
+
 def _write_state(workdir, tag, state):
     import torch
     import torch.distributed as dist
@@ -287,10 +317,12 @@ def scenario(args, workdir, out: dict) -> None:
         actor_checks(args, rec, workdir, data)
         run_check(rec, "roles", check_roles, args, "tp1", workdir, llama)
         run_check(rec, "nonfinite", check_nonfinite, args, "tp1", workdir, llama)
+        run_check(rec, "zero_adv", check_zero_adv, args, "tp1", workdir, llama)
     with megatron_layout(out, "tp2", tp=2, pp=1) as rec:
         actor_checks(args, rec, workdir, data)
     with megatron_layout(out, "pp2", tp=1, pp=2) as rec:
         actor_checks(args, rec, workdir, data)
+        run_check(rec, "zero_adv", check_zero_adv, args, "pp2", workdir, llama)
     with megatron_layout(out, "pp2vpp2", tp=1, pp=2, vpp=2) as rec:
         actor_checks(args, rec, workdir, data)  # llama only (ACTOR_LAYOUTS)
     with megatron_layout(out, "tp2pp2", tp=2, pp=2) as rec:

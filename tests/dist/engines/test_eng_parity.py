@@ -3,9 +3,10 @@
 One launch of 4 ranks runs every layout in turn (data parallelism fills what a layout leaves):
 
     layout       ranks           checks
-    tp1          DP4             actor (forward, fixed + dynamic update), roles, non-finite step
+    tp1          DP4             actor (forward, fixed + dynamic update), roles, non-finite step,
+                                 zero-advantage rows skipped
     tp2          TP2 x DP2       actor
-    pp2          PP2 x DP2       actor
+    pp2          PP2 x DP2       actor, zero-advantage rows skipped
     pp2vpp2      PP2 x DP2, 2 virtual stages per rank (interleaved schedule)   actor (llama)
     tp2pp2       TP2 x PP2       actor, roles, export -> transformers logits, state save
     tp1_resume   DP4             state load (written at tp2pp2 with the distributed optimizer)
@@ -288,6 +289,20 @@ def test_nonfinite_loss_is_reported_and_skipped(run):
     assert res["unchanged"], "a non-finite step must leave the weights as they were"
     assert res["then"]["actor/nonfinite_steps"] == 0.0
     assert all(v == v for v in res["then"].values())  # no nan afterwards
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_skipped_zero_advantage_rows_leave_the_update_as_it_was(run, layout):
+    """Rows with all-zero advantages left out (actor.skip_zero_advantage_rows) while data-parallel
+    ranks get no row, and in an update where every row has zero advantages: every rank still
+    steps (no hang), and the weights equal the full updates'."""
+    for r in run["ranks"]:
+        res = r["layouts"][layout]["checks"]["zero_adv"]
+        assert res["max_diff"] <= WEIGHT_TOL, (r["rank"], res["max_diff"])
+        assert res["moved_by_second"] > 100 * WEIGHT_TOL, "the all-zero update must move the weights (Adam)"
+        assert [m["actor/zero_adv_skipped_share"] for m in res["skip"]] == [5 / 8, 7 / 8]
+        assert [m["actor/zero_adv_skipped_share"] for m in res["full"]] == [0.0, 0.0]
+        assert all(m["actor/nonfinite_steps"] == 0.0 for m in res["skip"] + res["full"])
 
 
 def test_state_saved_at_tp2pp2_resumes_at_tp1(run):

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.recipes import ROW_LOCAL_POLICY_LOSSES
 
 
 @dataclass
@@ -113,6 +114,15 @@ class ActorConfig(TrainedRole):
                              "the cost model predicts >= 10% less work) | on (wherever a micro batch holds "
                              "two responses to a prompt) | off (one sequence per row)",
                              choices=("auto", "on", "off"))
+    # a row whose advantages are all 0 carries no policy gradient, but would still cost a forward
+    # and a backward; the rule that says when leaving it out changes nothing is
+    # zero_advantage_skip_blockers below
+    skip_zero_advantage_rows: bool = opt(True, "leave rows whose advantages are all 0 (e.g. a GRPO group whose "
+                                         "samples got the same reward) out of the actor update's forward and "
+                                         "backward; the loss still counts their tokens and sequences, so the "
+                                         "update is unchanged. Only where no term reads them: not with "
+                                         "actor.use_kl_loss, a nonzero actor.entropy_coeff or policy_loss "
+                                         "clip_cov / kl_cov (then every row runs)")
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:
@@ -124,6 +134,21 @@ class ActorConfig(TrainedRole):
         if self.clip_cov_lb >= self.clip_cov_ub:
             p.append(f"actor.clip_cov_lb = {self.clip_cov_lb} must be < actor.clip_cov_ub = {self.clip_cov_ub}")
         return p + self.batch_problems(job)
+
+
+def zero_advantage_skip_blockers(actor) -> List[str]:
+    """Why the actor update must still run the rows whose advantages are all 0 (empty: it may
+    leave them out). `actor`: the actor section, or anything with its fields (the policy
+    objective, verl_hpc.algorithms.objectives). Conservative: any term that is nonzero, or has a
+    gradient, on such a row, or that couples rows, blocks the skip. The critic never skips: a row
+    with zero advantages still has value targets."""
+    return [why for why, blocks in (
+        ("actor.skip_zero_advantage_rows is false", not actor.skip_zero_advantage_rows),
+        ("actor.use_kl_loss: the KL term has a gradient on every row", actor.use_kl_loss),
+        ("actor.entropy_coeff is not 0: the entropy bonus has a gradient on every row", actor.entropy_coeff != 0),
+        (f"actor.policy_loss = {actor.policy_loss} reads statistics of the whole micro-batch",
+         actor.policy_loss not in ROW_LOCAL_POLICY_LOSSES),
+    ) if blocks]
 
 
 @dataclass

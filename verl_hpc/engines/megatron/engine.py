@@ -25,7 +25,9 @@ Sequences are padded to a multiple of the recipe's token alignment then (models.
 
 Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
 takes and how they form micro-batches; schedule.py runs them and reduces the results. Responses to
-one prompt in a micro-batch may share one model row (prefix.py, `share_prompts`).
+one prompt in a micro-batch may share one model row (prefix.py, `share_prompts`). An update plans
+only the rows its loss does not name as adding nothing (LossFn.rows_without_gradient, e.g. the
+policy loss's rows with all-zero advantages; `_rows_to_run`), with the counts of the whole batch.
 """
 from __future__ import annotations
 
@@ -217,21 +219,27 @@ class MegatronEngine(TrainingEngine):
                                      selected=selected)
         return outputs_lib.value_outputs
 
-    def _my_microbatches(self, batch) -> List[MicroBatch]:
-        lengths = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+    def _my_microbatches(self, batch, rows: Optional[List[int]] = None) -> List[MicroBatch]:
+        """This DP rank's micro-batches of `rows` of the batch (default: all), planned over those
+        rows only, so the ranks share the work that is left. No rows at all still gives every rank
+        a micro-batch (an empty one, which adds exactly 0: partition.py), so every rank enters the
+        same collectives."""
+        rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
+        lengths = (batch["prompt_lengths"] + batch["response_lengths"])[rows].tolist()
         groups = None
         if self._share_prompts is not None and self.options.max_tokens_per_microbatch > 0:
-            groups = prompt_groups(batch["input_ids"], batch["prompt_lengths"])
+            groups = prompt_groups(batch["input_ids"][rows], batch["prompt_lengths"][rows])
         plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch,
                                  multiple_of=self.pp if self.vpp else 1, groups=groups)
-        mine = plan[self.dp_rank]
+        mine = [[rows[i] for i in mb] for mb in plan[self.dp_rank]]  # plan indices -> batch rows
         shape = None
         if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)
-            seq = max(max((lengths[i] for i in rows), default=1) for rows in mine)
-            shape = (max(max(len(r) for r in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
-        return [MicroBatch(batch, rows, self.device, self.pad_seq_to, shape, self._share_prompts)
-                for rows in mine]
+            length_of = dict(zip(rows, lengths))
+            seq = max(max((length_of[i] for i in mb), default=1) for mb in mine)
+            shape = (max(max(len(mb) for mb in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
+        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, self._share_prompts)
+                for mb in mine]
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
@@ -258,8 +266,12 @@ class MegatronEngine(TrainingEngine):
         if self.optimizer is None:
             raise RuntimeError("this engine is frozen (reference / reward model): no training")
         check_batch(batch)
-        counts = self.global_counts(batch)
-        mbs = self._my_microbatches(batch)
+        rows, skipped = self._rows_to_run(batch, loss_fn)
+        # the loss's normalisers count every row, the skipped ones too: that keeps the update equal
+        counts = dataclasses.replace(self.global_counts(batch),
+                                     run_tokens=float(get_response_mask(batch)[rows].sum()))
+        mbs = self._my_microbatches(batch, rows)
+        self._skipped = skipped
         for c in self.chunks:
             c.train()
             c.zero_grad_buffer()
@@ -272,6 +284,30 @@ class MegatronEngine(TrainingEngine):
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
+
+    @staticmethod
+    def _rows_to_run(batch, loss_fn: LossFn) -> Tuple[List[int], Optional[Dict[str, float]]]:
+        """(the rows whose forward/backward can change the update, {"skipped_rows",
+        "skipped_tokens"} or None when the loss offers no skip). Every rank computes the same from
+        the same whole batch, so the ranks plan alike.
+
+        Where every row could be skipped, the shortest one still runs (its gradient is exactly 0
+        too) and the optimizer step runs as always: the full update's step on a zero gradient
+        still moves Adam's moments and the weights, so dropping the step would not be the same
+        update; the one row keeps the loss's own metrics in the step (with none, the update's
+        mean over its steps would silently leave the step out); and the data-parallel ranks left
+        without a row run an empty micro-batch (partition.py), as any rank with no rows does, so
+        every rank enters the same collectives."""
+        n, mask = batch["input_ids"].shape[0], get_response_mask(batch)
+        find = getattr(loss_fn, "rows_without_gradient", None)
+        skip = find(dict(batch, response_mask=mask)) if find is not None else None
+        if skip is None:
+            return list(range(n)), None if find is None else {"skipped_rows": 0.0, "skipped_tokens": 0.0}
+        skip = skip.clone()
+        if bool(skip.all()) and n:
+            skip[int((batch["prompt_lengths"] + batch["response_lengths"]).argmin())] = False
+        return ((~skip).nonzero().flatten().tolist(),
+                {"skipped_rows": float(skip.sum()), "skipped_tokens": float(mask[skip].sum())})
 
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         with self.resident("train"):
@@ -291,7 +327,7 @@ class MegatronEngine(TrainingEngine):
         metrics.update(grad_norm=grad_norm, lr=optim_lib.current_lr(self.optimizer),
                        nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches),
-                       packed_microbatches=float(self._packed_microbatches))
+                       packed_microbatches=float(self._packed_microbatches), **(self._skipped or {}))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
                         metrics["loss"], grad_norm)
@@ -300,6 +336,8 @@ class MegatronEngine(TrainingEngine):
     def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
         """Loss = sum of contributions; loss_fn metrics = token-weighted means over the batch."""
         keys = sorted({k for r in records for k in r} - {"loss", "tokens"}) if self.reporting else []
+        # replica 0 names the metrics: the planners (partition.py) give DP rank 0 rows first, so it
+        # has some whenever any rank has, also when the loss left rows out (_rows_to_run)
         if dist.get_world_size() > 1:  # alone, this rank's keys are the keys: no pickle round trip
             box = [keys]
             dist.broadcast_object_list(box, src=self._key_source)

@@ -16,6 +16,9 @@ An update runs `ppo_epochs` passes over consecutive mini-batches of `ppo_mini_ba
 step. Metrics are means over the optimizer steps, prefixed with the role ("actor/pg_loss",
 "actor/lr" = the LR these steps used);
 `<role>/nonfinite_steps` counts skipped steps (the trainer decides what to do about them).
+`actor/zero_adv_skipped_share` and `actor/zero_adv_skipped_tokens_share`: the share of the
+update's rows (tokens) that the engine left out because their advantages are all 0 (the
+objective's rows_without_gradient; 0 when a KL or entropy term forbids it).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.engines.base import LossFn
-from verl_hpc.engines.batch import Batch, as_engine_batch, split_rows
+from verl_hpc.engines.batch import Batch, as_engine_batch, get_response_mask, split_rows
 from verl_hpc.engines.megatron.engine import MegatronEngine
 from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.parallel import init_from_config
@@ -38,6 +41,17 @@ def take_rows(batch: Mapping[str, torch.Tensor], rows: List[int]) -> Batch:
     idx = torch.as_tensor(rows, dtype=torch.long)
     return {k: v[idx] for k, v in batch.items()
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b}
+
+
+def _skipped_shares(steps: List[Dict[str, float]], prefix: str, rows: float, tokens: float) -> Dict[str, float]:
+    """The share of the update's rows (and of their response tokens) the engine left out for
+    adding nothing to the gradient (the engine's skipped_* counts, taken out of `steps`); none when
+    the loss offers no skip (the critic's)."""
+    if not any("skipped_rows" in m for m in steps):
+        return {}
+    skipped = [sum(m.pop(k, 0.0) for m in steps) for k in ("skipped_rows", "skipped_tokens")]
+    return {f"{prefix}/zero_adv_skipped_share": skipped[0] / max(rows, 1.0),
+            f"{prefix}/zero_adv_skipped_tokens_share": skipped[1] / max(tokens, 1.0)}
 
 
 def _mean_metrics(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float]:
@@ -72,7 +86,10 @@ class _Trainable:
             for _ in range(self.cfg.ppo_epochs):
                 for rows in split_rows(batch["input_ids"].shape[0], size):
                     steps.append(self.engine.train_step(take_rows(batch, rows), loss, outputs))
+        epochs, mask = self.cfg.ppo_epochs, get_response_mask(batch)
+        shares = _skipped_shares(steps, self.prefix, float(mask.shape[0] * epochs), float(mask.sum()) * epochs)
         metrics = _mean_metrics(steps, self.prefix)  # <role>/lr: the LR this update used
+        metrics.update(shares)
         self.engine.scheduler_step()
         return metrics
 
