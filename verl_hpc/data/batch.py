@@ -1,8 +1,8 @@
 """PromptBatch: the prompts of one step, as the trainer hands them to rollout and rewards."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Sequence
 
 
 @dataclass
@@ -25,3 +25,11 @@ class PromptBatch:
                                   self.ground_truths, self.extras)}
         if len(sizes) > 1:
             raise ValueError(f"PromptBatch: fields of unequal lengths {sorted(sizes)}")
+
+    def select(self, indices: Sequence[int]) -> "PromptBatch":
+        """The prompts at `indices`, in that order."""
+        return PromptBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
+
+    @classmethod
+    def concat(cls, batches: Sequence["PromptBatch"]) -> "PromptBatch":
+        return cls(**{f.name: [x for b in batches for x in getattr(b, f.name)] for f in fields(cls)})

@@ -51,6 +51,34 @@ class RolloutResult:
         """Prompt plus response of row i: the token sequence a trainer scores."""
         return self.prompts[self.prompt_index[i]] + self.response_ids[i]
 
+    def rows_of(self, prompts: Sequence[int]) -> List[int]:
+        """The rows (sequences) of the groups of `prompts`, in row order."""
+        wanted = set(prompts)
+        return [r for r, i in enumerate(self.prompt_index) if i in wanted]
+
+    def select_prompts(self, prompts: Sequence[int]) -> "RolloutResult":
+        """The groups of `prompts` only, prompt indices renumbered 0.. in the order given."""
+        where = {i: new for new, i in enumerate(prompts)}
+        rows = self.rows_of(prompts)
+        pick = lambda xs: [xs[r] for r in rows]  # noqa: E731
+        return RolloutResult(prompts=[self.prompts[i] for i in prompts],
+                             prompt_index=[where[self.prompt_index[r]] for r in rows],
+                             sample_index=pick(self.sample_index), response_ids=pick(self.response_ids),
+                             logprobs=pick(self.logprobs), finish_reason=pick(self.finish_reason),
+                             num_truncated=self.num_truncated)
+
+    @classmethod
+    def concat(cls, results: Sequence["RolloutResult"]) -> "RolloutResult":
+        """One result of the groups of `results` in turn, prompt indices offset accordingly."""
+        out = cls([], [], [], [], [], [], num_truncated=sum(r.num_truncated for r in results))
+        for r in results:
+            base = len(out.prompts)
+            out.prompts += r.prompts
+            out.prompt_index += [base + i for i in r.prompt_index]
+            for f in ("sample_index", "response_ids", "logprobs", "finish_reason"):
+                getattr(out, f).extend(getattr(r, f))
+        return out
+
 
 @dataclasses.dataclass
 class ShardOutput:

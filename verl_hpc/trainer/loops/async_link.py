@@ -30,43 +30,15 @@ import torch
 
 from verl_hpc.resharding.bridge import WeightPublisher
 from verl_hpc.trainer.batching import broadcast_object
-from verl_hpc.trainer.loops.inflight import BatchRecord
+from verl_hpc.trainer.loops.inflight import Groups
 
 log = logging.getLogger(__name__)
 
 
-def group_rows(result) -> Dict[int, List[int]]:
-    rows: Dict[int, List[int]] = {}
-    for r, i in enumerate(result.prompt_index):
-        rows.setdefault(i, []).append(r)
-    return rows
-
-
-def select_fresh(record: BatchRecord, trainer_version: int, k: int) -> Tuple[List[int], int]:
+def select_fresh(groups: Groups, trainer_version: int, k: int) -> Tuple[List[int], int]:
     """(prompt indices of the groups within the bound, number of groups dropped)."""
-    keep, dropped = [], 0
-    for i, rows in sorted(group_rows(record.result).items()):
-        if trainer_version - record.oldest_version(rows) <= k:
-            keep.append(i)
-        else:
-            dropped += 1
-    return keep, dropped
-
-
-def subset(record: BatchRecord, prompts_kept: List[int]):
-    """(PromptBatch, RolloutResult, versions) of the kept groups only, re-indexed."""
-    from verl_hpc.rollout.result import RolloutResult
-
-    where = {i: new for new, i in enumerate(prompts_kept)}
-    rows = [r for r, i in enumerate(record.result.prompt_index) if i in where]
-    res, p = record.result, record.prompts
-    pick = lambda xs: [xs[i] for i in prompts_kept]  # noqa: E731
-    prompts = type(p)(**{f: pick(getattr(p, f)) for f in p.__dataclass_fields__})
-    result = RolloutResult(prompts=pick(res.prompts), prompt_index=[where[res.prompt_index[r]] for r in rows],
-                           sample_index=[res.sample_index[r] for r in rows],
-                           response_ids=[res.response_ids[r] for r in rows], logprobs=[res.logprobs[r] for r in rows],
-                           finish_reason=[res.finish_reason[r] for r in rows], num_truncated=res.num_truncated)
-    return prompts, result, [record.versions[r] for r in rows]
+    keep = [i for i, v in sorted(groups.oldest_versions().items()) if v is None or trainer_version - v <= k]
+    return keep, len(groups) - len(keep)
 
 
 def staleness_metrics(versions: List[List[int]], trainer_version: int, k: int) -> Dict[str, float]:
@@ -88,6 +60,7 @@ class AsyncLink:
         self.timeout_s = a.poll_timeout_s or cfg.trainer.collective_timeout_s
         self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb)
         self.next_index = 1  # the next batch to take from the rollout group
+        self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None
         self.pauses = self.requests = 0
         self.started = self.stopped = False
@@ -103,11 +76,12 @@ class AsyncLink:
                     self.mb.put(f"batch/{rec.index}", rec)
                 self.next_index = s["ready"][0].index if s["ready"] else s["rollout"]["next_index"]
                 self.mb.put("ctl/start", s["rollout"])
+                self.leftover = s.get("leftover")
             else:
                 self.next_index = step + 1
                 self.mb.put("ctl/start", {"next_index": step + 1, "inflight": None, "loader": None,
                                           "version": -1} if step else None)
-        self.next_index = broadcast_object(self.next_index)
+        self.next_index, self.leftover = broadcast_object((self.next_index, self.leftover))
         self.started = True
 
     def stop(self) -> None:
@@ -137,30 +111,35 @@ class AsyncLink:
 
     def next_batch(self, step: int, round_: int, timer):
         """StepSampler's source: the prompts and rollout result for `step`, stale groups dropped (or,
-        stale_groups=wait, replaced by later batches' groups), and this step's async/* metrics.
-        Each DAPO round (round_ > 0) is simply the next batch of the stream."""
+        stale_groups=wait, replaced by groups of the next batches; groups past the batch size wait
+        for the next step). Each DAPO round (round_ > 0) is simply the next part of the stream."""
         t0 = time.perf_counter()
         version, want = step - 1, self.cfg.data.train_batch_size
         parts, dropped, stats = [], 0, {}
-        while sum(len(p[0]) for p in parts) < want:
-            record = self._take(timer)
-            keep, d = select_fresh(record, version, self.k)
+        pending = [self.leftover] if self.leftover is not None else []
+        self.leftover = None
+        while sum(len(p) for p in parts) < want:
+            if not pending:
+                record = self._take(timer)
+                pending.append(record.groups)
+                for key, value in record.stats.items():
+                    stats[key] = stats.get(key, 0.0) + value
+            groups = pending.pop(0)
+            keep, d = select_fresh(groups, version, self.k)
             dropped += d
-            for key, value in record.stats.items():
-                stats[key] = stats.get(key, 0.0) + value
             if keep:
-                parts.append(subset(record, keep))
-            if not self.wait_policy:
+                parts.append(groups.select(keep))
+            if not self.wait_policy and parts:
                 break
-        prompts, result, versions = _concat(parts, want)
-        self.trained_ids += list(prompts.ids)
-        m = staleness_metrics(versions, version, self.k)
+        batch, self.leftover = Groups.concat(parts).split(want)
+        self.trained_ids += list(batch.prompts.ids)
+        m = staleness_metrics(batch.versions, version, self.k)
         busy = stats.get("gen_s", 0.0) + stats.get("load_s", 0.0)
         m.update({"async/dropped_groups": float(dropped), "async/policy_version": float(version),
                   "async/idle_frac/rollout": stats.get("idle_s", 0.0) / max(busy + stats.get("idle_s", 0.0), 1e-9),
                   "async/tokens_per_s/rollout": stats.get("tokens", 0.0) / max(stats.get("gen_s", 0.0), 1e-9),
                   "async/wait_s": time.perf_counter() - t0})
-        return prompts, result, m
+        return batch.prompts, batch.result, m
 
     def generate(self, prompts, spec, min_version: int):
         """A generation by the rollout group with weights at least `min_version` (validation)."""
@@ -185,35 +164,11 @@ class AsyncLink:
         rollout = self.mb.take(f"rollout/state/{n}")
         self.mb.put(f"ctl/resume/{n}", True)
         ready = [self.mb.peek(f"batch/{i}") for i in range(self.next_index, rollout["next_index"])]
-        blob = pickle.dumps({"rollout": rollout, "ready": ready, "trained": len(self.trained_ids)})
+        blob = pickle.dumps({"rollout": rollout, "ready": ready, "leftover": self.leftover,
+                             "trained": len(self.trained_ids)})
         return {"split_async": base64.b64encode(blob).decode("ascii")}
 
     def load_state_dict(self, state) -> None:
         if state and state.get("split_async"):
             self.resume_state = pickle.loads(base64.b64decode(state["split_async"]))
 
-
-def _concat(parts, want: int):
-    """One (prompts, result, versions) from the parts, at most `want` groups."""
-    from verl_hpc.rollout.result import RolloutResult
-
-    prompts = type(parts[0][0])(**{f: [] for f in parts[0][0].__dataclass_fields__})
-    fields = ("prompt_index", "sample_index", "response_ids", "logprobs", "finish_reason")
-    out = {f: [] for f in fields}
-    versions, base, plist, truncated = [], 0, [], 0
-    for p, res, vs in parts:
-        take = min(len(p), want - base)
-        if take <= 0:
-            break
-        for f in p.__dataclass_fields__:
-            getattr(prompts, f).extend(getattr(p, f)[:take])
-        plist += res.prompts[:take]
-        truncated += res.num_truncated
-        for r, i in enumerate(res.prompt_index):
-            if i < take:
-                out["prompt_index"].append(base + i)
-                for f in fields[1:]:
-                    out[f].append(getattr(res, f)[r])
-                versions.append(vs[r])
-        base += take
-    return prompts, RolloutResult(prompts=plist, num_truncated=truncated, **out), versions

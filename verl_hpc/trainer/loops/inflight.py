@@ -4,7 +4,7 @@
     batch.unfinished()                                  # [(prompt i, sample j), ...]
     batch.extend(rows, result, version, max_tokens)    # a chunk's tokens, tagged `version`
     batch.abort_unfinished()                            # partial_rollout=abort: regenerate them
-    record = batch.record(...)                          # what the trainer receives
+    batch.groups()                                      # the finished batch, for the trainer
 
 Every generated token carries the policy version (updates applied) of the weights that produced
 it, and its log-prob under them (the behaviour policy of the decoupled objective). A batch is
@@ -92,20 +92,51 @@ class InFlight:
                              logprobs=[s.logprobs for *_, s in rows], finish_reason=[s.finish or "length" for *_, s in rows],
                              num_truncated=self.num_truncated)
 
-    def versions(self) -> List[List[int]]:
-        return [s.versions for row in self.samples for s in row]
+    def groups(self) -> "Groups":
+        return Groups(self.prompts, self.result(), [s.versions for row in self.samples for s in row])
+
+
+@dataclasses.dataclass
+class Groups:
+    """Whole groups (a prompt and its n samples) ready to train, each token's policy version kept."""
+    prompts: Any  # PromptBatch
+    result: RolloutResult
+    versions: List[List[int]]  # per sequence (rows of `result`), per token
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def oldest_versions(self) -> Dict[int, Optional[int]]:
+        """Per group (prompt index): the oldest version among its tokens; None for a group without
+        tokens (nothing of it can be stale)."""
+        out: Dict[int, Optional[int]] = {i: None for i in range(len(self))}
+        for r, i in enumerate(self.result.prompt_index):
+            if self.versions[r]:
+                v = min(self.versions[r])
+                out[i] = v if out[i] is None else min(out[i], v)
+        return out
+
+    def select(self, prompts: List[int]) -> "Groups":
+        """The groups of `prompts`, renumbered in that order."""
+        rows = self.result.rows_of(prompts)
+        return Groups(self.prompts.select(prompts), self.result.select_prompts(prompts),
+                      [self.versions[r] for r in rows])
+
+    def split(self, n: int) -> Tuple["Groups", Optional["Groups"]]:
+        """(the first n groups, the rest or None)."""
+        if len(self) <= n:
+            return self, None
+        return self.select(list(range(n))), self.select(list(range(n, len(self))))
+
+    @classmethod
+    def concat(cls, parts: List["Groups"]) -> "Groups":
+        return cls(type(parts[0].prompts).concat([p.prompts for p in parts]),
+                   RolloutResult.concat([p.result for p in parts]), [v for p in parts for v in p.versions])
 
 
 @dataclasses.dataclass
 class BatchRecord:
     """What the rollout group hands the trainer for one batch."""
     index: int
-    prompts: Any
-    result: RolloutResult
-    versions: List[List[int]]  # per sequence (rows of `result`), per token
+    groups: Groups
     stats: Dict[str, float]  # rollout-side seconds and tokens since the previous record
-
-    def oldest_version(self, rows) -> int:
-        """The oldest policy version among the tokens of `rows` (a group's sequences)."""
-        vs = [min(self.versions[r]) for r in rows if self.versions[r]]
-        return min(vs) if vs else max((max(v) for v in self.versions if v), default=0)

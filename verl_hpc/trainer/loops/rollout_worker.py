@@ -157,7 +157,7 @@ class RolloutWorker:
         self.stats["tokens"] += float(sum(len(r) for r in result.response_ids))
         if b.done:
             if self.leader:
-                record = BatchRecord(b.index, b.prompts, b.result(), b.versions(), dict(self.stats))
+                record = BatchRecord(b.index, b.groups(), dict(self.stats))
                 self.mb.put(f"batch/{b.index}", record)
             self.stats = dict.fromkeys(self.stats, 0.0)
             self.next_index += 1
