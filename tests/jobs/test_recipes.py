@@ -1,5 +1,7 @@
 """Every recipe of the algorithm library runs 3 RL steps through the real trainer and logs finite
 metrics. One rank in the test process (tests/jobs.py). (A NaN loss: tests/unit/trainer/test_trn_nonfinite.py.)"""
+import collections
+import json
 import math
 
 import pytest
@@ -21,6 +23,7 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
     extra = [f"algorithm.recipe={recipe}", f"rollout.n={n}"]
     if recipe == "dapo":
         extra.append("algorithm.overlong_buffer.len=2")  # the recipe's 4096 > max_response_length
+    extra.append(f"trainer.rollout_data_dir={tmp_path}/samples")
     proc, summary = run_here("configs/demo_rl.yaml", tmp_path / "out", *small(tiny_assets, *extra))
     assert proc.returncode == 0, logs(proc, tmp_path / "out")
     rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
@@ -38,6 +41,7 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
                 assert key in row and key in KEY_PREFIXES, key
             # the share of rows with all-zero advantages left out of the actor update, every step
             assert 0.0 <= row["actor/zero_adv_skipped_share"] <= 1.0, row
+        _check_dump(tmp_path / "samples" / f"step_{row['step']:06d}.jsonl", row, n)
     panels = write_plots(rows, tmp_path / "curves.png").panels
     trained = any("actor/entropy" in r for r in rows)  # DAPO may filter every step of a tiny run
     assert {"Reward", "Response length"} | ({"Entropy"} if trained else set()) <= set(panels), panels
@@ -48,3 +52,14 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
     if recipe in ("ppo", "rloo", "remax", "reinforce_pp"):
         assert any("reward/kl" in r for r in rows)  # KL in the reward through the controller
 
+
+
+
+def _check_dump(path, row, n):
+    """trainer.rollout_data_dir: the step's samples, as scored (round 0 is what reward/* describes)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    first = [x for x in lines if x["round"] == 0]
+    assert len(first) == row["rollout/sequences"] and {x["step"] for x in lines} == {row["step"]}
+    assert sorted(collections.Counter(x["id"] for x in first).values()) == [n] * (len(first) // n)
+    assert all(x["response_ids"] and x["finish"] in ("stop", "length") for x in first)
+    assert sum(x["score"] for x in first) / len(first) == pytest.approx(row["reward/score/mean"], abs=1e-6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 FINISH_REASONS = ("stop", "length")  # stop: EOS or a stop string; length: max_tokens reached
 
@@ -25,11 +25,13 @@ class RolloutResult:
     # a returned result always has 0 here; the field keeps the metric's place in the interface.
     num_rejected: int = 0
     seconds: float = 0.0  # wall time of the generate call on this rank, gather included
+    # split placement: per sequence, per token, the policy version (updates applied) that sampled it
+    versions: Optional[List[List[int]]] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
         if not (len(self.prompt_index) == len(self.sample_index) == len(self.logprobs)
-                == len(self.finish_reason) == n):
+                == len(self.finish_reason) == n) or (self.versions is not None and len(self.versions) != n):
             raise ValueError("RolloutResult: per-sequence lists differ in length")
 
     def __len__(self) -> int:
@@ -65,17 +67,20 @@ class RolloutResult:
                              prompt_index=[where[self.prompt_index[r]] for r in rows],
                              sample_index=pick(self.sample_index), response_ids=pick(self.response_ids),
                              logprobs=pick(self.logprobs), finish_reason=pick(self.finish_reason),
-                             num_truncated=self.num_truncated)
+                             num_truncated=self.num_truncated,
+                             versions=None if self.versions is None else pick(self.versions))
 
     @classmethod
     def concat(cls, results: Sequence["RolloutResult"]) -> "RolloutResult":
         """One result of the groups of `results` in turn, prompt indices offset accordingly."""
-        out = cls([], [], [], [], [], [], num_truncated=sum(r.num_truncated for r in results))
+        tagged = all(r.versions is not None for r in results)
+        out = cls([], [], [], [], [], [], num_truncated=sum(r.num_truncated for r in results),
+                  versions=[] if tagged else None)
         for r in results:
             base = len(out.prompts)
             out.prompts += r.prompts
             out.prompt_index += [base + i for i in r.prompt_index]
-            for f in ("sample_index", "response_ids", "logprobs", "finish_reason"):
+            for f in ("sample_index", "response_ids", "logprobs", "finish_reason") + (("versions",) if tagged else ()):
                 getattr(out, f).extend(getattr(r, f))
         return out
 

@@ -19,6 +19,7 @@ import torch
 from verl_hpc.algorithms import filter_groups, sequence_scores
 from verl_hpc.rollout.metrics import rollout_metrics
 from verl_hpc.trainer.batching import assemble, broadcast_prompts
+from verl_hpc.trainer.rollout_dump import RolloutDump
 from verl_hpc.trainer.scoring import score_batch, to_token_level
 from verl_hpc.trainer.step_batch import StepBatch, concat_batches, first_groups
 from verl_hpc.trainer.task_weights import task_metrics
@@ -41,6 +42,7 @@ class StepSampler:
         self.source = source or self._generate_here
         self.loader, self.scorer, self.sampling = loader, scorer, sampling
         self.inject_regression = set(cfg.trainer.inject_regression_at_steps)  # test hook, once per step
+        self.dump = RolloutDump(cfg.trainer.rollout_data_dir, ctx.rank)
 
     def _inject_regression(self, step: int, scores: torch.Tensor, m_reward: Dict[str, float]):
         """trainer.inject_regression_at_steps: every score of the step := -1 (the rollback guard's
@@ -69,6 +71,7 @@ class StepSampler:
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
                 keep, m_filter = dynamic_sampling_filter(batch, cfg.algorithm)
                 batch.baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
+            self.dump.write(step, round_, prompts, result, batch, scores)  # trainer.rollout_data_dir
             if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
                 m.update(rollout_metrics(result), **m_reward, **m_shape)
                 m.update(task_metrics(scores, batch.mask.sum(-1), batch.extras))  # data.tasks: per task

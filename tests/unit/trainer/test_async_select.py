@@ -18,8 +18,8 @@ def groups(versions_per_group, n=2, name="p"):
     result = RolloutResult(prompts=[[1, 2]] * count, prompt_index=idx,
                            sample_index=[j for _ in range(count) for j in range(n)],
                            response_ids=[[5] * len(v) for v in vs], logprobs=[[-1.0] * len(v) for v in vs],
-                           finish_reason=["stop"] * len(vs))
-    return Groups(prompts, result, [list(v) for v in vs])
+                           finish_reason=["stop"] * len(vs), versions=[list(v) for v in vs])
+    return Groups(prompts, result)
 
 
 def test_a_group_older_than_k_is_dropped():

@@ -87,6 +87,8 @@ class TrainerConfig(Section):
     output_dir: str = opt("outputs/${trainer.project_name}/${trainer.experiment_name}",
                           "metrics, plots, logs and (by default) checkpoints")
     val_every: int = opt(0, "steps; 0 = no validation", check=">=0")
+    rollout_data_dir: str = opt("", "RL: every step's samples (prompt, response, score; split placement: "
+                                "token versions) as <dir>/step_<N>.jsonl; '' = off")
     seed: int = opt(1, "seed of the trainer's own random streams")
     resume: str = opt("auto", "auto (latest checkpoint in checkpoint.dir, if any) | never | a path")
     max_nonfinite_in_a_row: int = opt(3, "non-finite losses tolerated in a row before the job fails", check=">0")
@@ -129,6 +131,7 @@ class TrainerConfig(Section):
             job.slurm.log_dir = moved(job.slurm.log_dir)
             job.checkpoint.dir = moved(job.checkpoint.dir) if job.checkpoint.dir else ""
             self.hf_output_dir = moved(self.hf_output_dir) if self.hf_output_dir else ""
+            self.rollout_data_dir = moved(self.rollout_data_dir) if self.rollout_data_dir else ""
         if ns and not job.slurm.job_name.startswith(f"{ns}-"):
             job.slurm.job_name = f"{ns}-{job.slurm.job_name}"
         self.hf_output_dir = self.hf_output_dir or f"{self.output_dir}/hf"

@@ -90,21 +90,25 @@ class InFlight:
         return RolloutResult(prompts=self.fitted, prompt_index=[i for i, _, _ in rows],
                              sample_index=[j for _, j, _ in rows], response_ids=[s.tokens for *_, s in rows],
                              logprobs=[s.logprobs for *_, s in rows], finish_reason=[s.finish or "length" for *_, s in rows],
-                             num_truncated=self.num_truncated)
+                             num_truncated=self.num_truncated, versions=[s.versions for *_, s in rows])
 
     def groups(self) -> "Groups":
-        return Groups(self.prompts, self.result(), [s.versions for row in self.samples for s in row])
+        return Groups(self.prompts, self.result())
 
 
 @dataclasses.dataclass
 class Groups:
-    """Whole groups (a prompt and its n samples) ready to train, each token's policy version kept."""
+    """Whole groups (a prompt and its n samples) ready to train; `result.versions` holds each
+    token's policy version."""
     prompts: Any  # PromptBatch
     result: RolloutResult
-    versions: List[List[int]]  # per sequence (rows of `result`), per token
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    @property
+    def versions(self) -> List[List[int]]:
+        return self.result.versions
 
     def oldest_versions(self) -> Dict[int, Optional[int]]:
         """Per group (prompt index): the oldest version among its tokens; None for a group without
@@ -118,9 +122,7 @@ class Groups:
 
     def select(self, prompts: List[int]) -> "Groups":
         """The groups of `prompts`, renumbered in that order."""
-        rows = self.result.rows_of(prompts)
-        return Groups(self.prompts.select(prompts), self.result.select_prompts(prompts),
-                      [self.versions[r] for r in rows])
+        return Groups(self.prompts.select(prompts), self.result.select_prompts(prompts))
 
     def split(self, n: int) -> Tuple["Groups", Optional["Groups"]]:
         """(the first n groups, the rest or None)."""
@@ -131,7 +133,7 @@ class Groups:
     @classmethod
     def concat(cls, parts: List["Groups"]) -> "Groups":
         return cls(type(parts[0].prompts).concat([p.prompts for p in parts]),
-                   RolloutResult.concat([p.result for p in parts]), [v for p in parts for v in p.versions])
+                   RolloutResult.concat([p.result for p in parts]))
 
 
 @dataclasses.dataclass
