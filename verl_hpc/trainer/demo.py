@@ -1,12 +1,13 @@
 """`make demo`: a tiny model learns "3+4=" -> "7" with SFT on noisy labels, then GRPO fixes it.
 
-    python -m verl_hpc.trainer.demo [--out outputs/demo] [--ranks 1] [overrides for the RL phase ...]
+    python -m verl_hpc.trainer.demo [--out outputs/demo] [--ranks N] [--rl-config C] [overrides ...]
 
 Steps, each a separate command you can also run by hand:
   1. python -m verl_hpc.models.tiny OUT/model                     a random-init tiny Llama + tokenizer
   2. python -m verl_hpc.data.prepare synthetic OUT/data ...        train/val/sft parquet, noisy SFT labels
   3. python -m verl_hpc.submit configs/demo_sft.yaml --local       SFT warm start -> OUT/sft/hf
   4. python -m verl_hpc.submit configs/demo_rl.yaml --local        GRPO from OUT/sft/hf, validated
+     (--rl-config configs/demo_rl_split.yaml: the same in split placement, asynchronous)
 Prints validation accuracy before and after the RL phase and where the plot is; exits 1 when the
 rise is under --min-rise points.
 
@@ -37,16 +38,19 @@ def sh(cmd, what: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="outputs/demo")
-    ap.add_argument("--ranks", type=int, default=1, help="local ranks for SFT and RL")
+    ap.add_argument("--ranks", type=int, default=None, help="local ranks for SFT and RL (default: each config's)")
+    ap.add_argument("--rl-config", default="configs/demo_rl.yaml",
+                    help="the RL phase's config (configs/demo_rl_split.yaml: split placement, async)")
     ap.add_argument("--sft-noise", type=float, default=0.62)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
     a = ap.parse_args(argv)
     out, py, t0 = Path(a.out), sys.executable, time.time()
-    for phase in ("sft", "rl"):  # a rerun starts over (no resume from the last run's checkpoints)
-        shutil.rmtree(out / phase, ignore_errors=True)
-    common = [f"slurm.tasks_per_node={a.ranks}", f"data.train_files=[{out}/data/train.parquet]",
+    rl_out = out / Path(a.rl_config).stem.replace("demo_", "")  # outputs/demo/rl, outputs/demo/rl_split
+    for phase in (out / "sft", rl_out):  # a rerun starts over (no resume from the last run's checkpoints)
+        shutil.rmtree(phase, ignore_errors=True)
+    common = [*([f"slurm.tasks_per_node={a.ranks}"] if a.ranks else []), f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
     sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
         "--seed", str(a.seed)], "tiny model")
@@ -55,9 +59,9 @@ def main(argv=None) -> int:
     sh([py, "-m", "verl_hpc.submit", "configs/demo_sft.yaml", "--local", *common,
         f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
         f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")
-    sh([py, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", *common,
-        f"model.path={out}/sft/hf", f"trainer.output_dir={out}/rl", *a.overrides], "GRPO")
-    summary = json.loads((out / "rl" / "rl_summary.json").read_text())
+    sh([py, "-m", "verl_hpc.submit", a.rl_config, "--local", *common,
+        f"model.path={out}/sft/hf", f"trainer.output_dir={rl_out}", *a.overrides], "GRPO")
+    summary = json.loads((rl_out / "rl_summary.json").read_text())
     before = 100 * summary["val_before"]["val/acc/all"]
     after = 100 * summary["val_after"]["val/acc/all"]
     print("\n" + "=" * 72)

@@ -134,4 +134,12 @@ class AsyncTrainingConfig(Section):
         if job.placement.split and job.algorithm.adv_estimator == "remax":
             p.append("placement.mode = split does not run algorithm.adv_estimator = remax (its greedy baseline "
                      "needs a second generation per step from the trainer's weights)")
+        if job.placement.split and job.trainer.rollback.enable:
+            p.append("placement.mode = split does not run trainer.rollback.enable = true (a rollback would also have "
+                     "to rewind the rollout group's data stream and batches in flight): turn it off, or use "
+                     "placement.mode = colocated")
+        if job.placement.split and job.data.task_weights.schedule != "fixed":
+            p.append(f"placement.mode = split does not run data.task_weights.schedule = "
+                     f"{job.data.task_weights.schedule} (the rollout ranks draw the prompts while the trainer "
+                     "scores them): use schedule = fixed (data.tasks' weights still set each task's share)")
         return p
