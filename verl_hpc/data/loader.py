@@ -74,6 +74,10 @@ class PromptLoader:
         return {"step": self.step, "batch_size": self.batch_size, "sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: Mapping, strict: bool = True) -> None:
+        if "split_async" in state:  # the rollout group's stream, batches ahead of the trainer included
+            raise DataError("loader state: the checkpoint was written by a split placement run (its data stream "
+                            "ran ahead on the rollout ranks, with batches in flight); resume it with "
+                            "placement.mode = split")
         if strict and int(state["batch_size"]) != self.batch_size:
             # the sampler would resume at the right prompt, but step counts would stop matching epochs
             raise DataError(f"loader state: saved with data.train_batch_size = {state['batch_size']}, this run "

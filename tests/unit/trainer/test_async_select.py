@@ -110,3 +110,36 @@ def test_drop_policy_takes_the_next_batch_when_all_groups_are_stale(monkeypatch)
     link = _link(recs, k=1, policy="drop", batch=2)
     prompts, _, m = link.next_batch(5, 0, _timer)  # version 4: x (version 0) is 4 behind
     assert prompts.ids == ["y0", "y1"] and m["async/dropped_groups"] == 2
+
+
+class _Recorder:
+    def __init__(self):
+        self.items = {}
+
+    def put(self, key, value):
+        self.items[key] = value
+
+
+def test_split_resume_of_a_colocated_checkpoint_goes_on_with_its_data_cursor(monkeypatch):
+    monkeypatch.setattr("verl_hpc.trainer.loops.async_link.broadcast_object", lambda x: x)
+    link = _link([], k=1, policy="drop", batch=2)
+    link.mb, link.resume_state, link.data_cursor = _Recorder(), None, None
+    cursor = {"batch_size": 2, "sampler": {"epoch": 0, "position": 14}, "step": 7}
+    link.load_state_dict(cursor)  # what a colocated run's TrainerCheckpointer saved for its PromptLoader
+    link.start(7)
+    assert link.next_index == 8 and link.mb.items["ctl/start"]["loader"] == cursor
+    assert link.mb.items["ctl/start"]["next_index"] == 8 and link.mb.items["ctl/start"]["inflight"] is None
+
+
+def test_a_colocated_run_refuses_a_split_checkpoints_stream():
+    import pytest
+
+    from verl_hpc.data import PromptLoader
+    from verl_hpc.data.dataset import PromptDataset
+    from verl_hpc.data.records import PromptRecord
+    from verl_hpc.errors import VerlHpcError
+
+    records = [PromptRecord(f"t:{i}", f"{i}+1=", "s", str(i + 1)) for i in range(4)]
+    loader = PromptLoader(PromptDataset(records, [r.prompt for r in records], [[i] for i in range(4)]), 2)
+    with pytest.raises(VerlHpcError, match="written by a split placement run .* resume it with placement.mode = split"):
+        loader.load_state_dict({"split_async": "..."})  # a split run's loader entry, not a PromptLoader's

@@ -62,6 +62,7 @@ class AsyncLink:
         self.next_index = 1  # the next batch to take from the rollout group
         self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None
+        self.data_cursor = None  # resumed from a colocated run's checkpoint: its PromptLoader state
         self.pauses = self.requests = 0
         self.started = self.stopped = False
         self.trained_ids: List[str] = []  # prompt ids trained on by this process, in order (tests, logs)
@@ -79,7 +80,8 @@ class AsyncLink:
                 self.leftover = s.get("leftover")
             else:
                 self.next_index = step + 1
-                self.mb.put("ctl/start", {"next_index": step + 1, "inflight": None, "loader": None,
+                # a colocated run's checkpoint: its data cursor is where the rollout's stream goes on
+                self.mb.put("ctl/start", {"next_index": step + 1, "inflight": None, "loader": self.data_cursor,
                                           "version": -1} if step else None)
         self.next_index, self.leftover = broadcast_object((self.next_index, self.leftover))
         self.started = True
@@ -171,4 +173,6 @@ class AsyncLink:
     def load_state_dict(self, state) -> None:
         if state and state.get("split_async"):
             self.resume_state = pickle.loads(base64.b64decode(state["split_async"]))
+        elif state:  # a colocated run's checkpoint: the PromptLoader's state
+            self.data_cursor = state
 
