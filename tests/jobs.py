@@ -58,7 +58,7 @@ def warm_start(root: Path) -> Path:
     if not (out / "hf" / "model.safetensors").exists():
         proc, _ = run_job("configs/demo_sft.yaml", out, f"model.path={root}/model", *data_overrides(root),
                           "trainer.total_steps=600", "trainer.sft_epochs=30", f"trainer.hf_output_dir={out}/hf",
-                          "tracking.plots=false")
+                          "tracking.plots=false", timeout=1200)  # about 2 min alone; much more on a loaded machine
         assert proc.returncode == 0, logs(proc, out)
     return out / "hf"
 
