@@ -166,12 +166,13 @@ class RolloutWorker:
     def _answer(self, request) -> None:
         """A generation for the trainer (validation) with weights at least `min_version`."""
         n, prompts, spec, min_version = request
-        while self.weights.version < min_version:
+        while self.weights.version < min_version:  # the update it asks for may still be on its way
             newest = broadcast_object(self.weights.newest() if self.leader else None)
             if newest > self.weights.version:
                 self._load()
             else:
-                time.sleep(POLL_S)
+                self._idle(min_version)  # bounded: a trainer that died after asking fails the job
+        self._waiting_since = None
         result = self.rollout.generate(prompts, spec)
         if self.leader:
             self.mb.put(f"gen/result/{n}", result)
@@ -189,10 +190,14 @@ class RolloutWorker:
             self.mb.take(f"ctl/pause/{n}")
             self.mb.put(f"rollout/state/{n}", self.state())
         go = None
-        while go is None:
+        while go is None:  # the trainer answers as soon as it holds the state (before it writes it)
             go = broadcast_object(("stop" if self.mb.has("ctl/stop") else "resume" if self.mb.has(f"ctl/resume/{n}")
                                    else None) if self.leader else None)
             if go is None:
+                if time.perf_counter() - t0 > self.world.timeout_s:
+                    raise GroupLostError(f"{self.world.name}: the training group took our state for checkpoint "
+                                         f"{n} and said neither resume nor stop within {self.world.timeout_s:.0f} s; "
+                                         "a training rank died or is stuck: see its log")
                 time.sleep(POLL_S)
         if self.leader and go == "resume":
             self.mb.take(f"ctl/resume/{n}")
