@@ -88,7 +88,17 @@ def run_job(config: str, out: Path, *overrides, ranks: int = 1, timeout: int = 4
     (CompletedProcess, rank 0's summary dict or None)."""
     cmd = [sys.executable, "-m", "verl_hpc.submit", config, "--local", f"slurm.tasks_per_node={ranks}",
            f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    # its own session, so that a timeout kills the ranks too (killing only the submitter would leave
+    # them running, loading the machine under every later test)
+    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as p:
+        try:
+            out_text, err_text = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out_text, err_text)
     return proc, summary_of(out)
 
 

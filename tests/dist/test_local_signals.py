@@ -54,3 +54,26 @@ def test_signal_stops_at_a_step_with_a_complete_checkpoint(tiny_assets, tmp_path
     verify = subprocess.run([sys.executable, "-m", "verl_hpc.checkpoint", "verify", str(out / "checkpoints")],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_ranks_end_with_a_launcher_killed_outright(tmp_path, smoke_job, wait_for_text):
+    """SIGKILL of the submitter (the OOM killer, `kill -9`): torch's agent starts every rank in a
+    session of its own, so only the ranks' own watch (runtime/orphans.py) can end them."""
+    import time
+
+    import psutil
+
+    proc = smoke_job(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=100000")
+    try:
+        wait_for_text(tmp_path / "logs", "**/0/stderr.log", "smoke step 2/", proc, timeout=240)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "verl_hpc.job" in " ".join(c.cmdline())]
+        assert len(ranks) == 2, ranks
+        proc.kill()
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
+    assert not alive, f"ranks still running 30 s after their launcher was killed: {alive}"
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").rglob("stderr.log"))
+    assert "the local launcher (pid" in logs and "is gone (killed?): this rank stops too" in logs, logs[-2000:]

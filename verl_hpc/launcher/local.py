@@ -20,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from verl_hpc.launcher.local_stop import LocalStop, stop_line
 from verl_hpc.launcher.plan import Plan
 from verl_hpc.launcher.slurm import error_line
+from verl_hpc.runtime.orphans import LAUNCHER_PID
 
 
 def rank_log(log_dir: Path, rank: int) -> Path | None:
@@ -52,6 +53,7 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
     stopped the job (launcher/local_stop.py; checkpoint_dir and rerun go into its last line)."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(plan.env)  # inherited by the rank processes
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # ranks stop if this process is killed (runtime/orphans.py)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.tasks_per_node, run_id=uuid.uuid4().hex[:8],
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,

