@@ -18,7 +18,9 @@ failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
 Faults: the store lives on global rank 0 (a rollout rank). If it dies, every store call of the
 training ranks fails at once, and `Mailbox` turns that into one line naming the rollout group; if
 a training rank dies, the launcher (srun --kill-on-bad-exit, the local launcher) ends the job, and
-a rollout rank waiting on the trainer gives up after `timeout_s` naming the training group. The
+a rollout rank waiting on the trainer gives up after `timeout_s` naming the training group. A
+weight broadcast whose peer died fails at once (gloo sees the closed connection), or after
+`timeout_s` (NCCL's group gets the same limit), as a GroupLostError naming the other side. The
 rollout leader keeps the store up until the trainer says goodbye (`finish`), so the trainer's last
 messages always have a store to go to.
 """
