@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}")
         return 0
     try:
-        return slurm.wait(job, progress=_progress(cfg))
+        return slurm.wait(job, progress=_progress(cfg), rollout_ranks=plan.rollout_ranks)
     except KeyboardInterrupt:
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)

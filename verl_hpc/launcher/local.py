@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher.local_stop import LocalStop, stop_line
-from verl_hpc.launcher.plan import Plan
+from verl_hpc.launcher.plan import Plan, exit_words, rank_label
 from verl_hpc.launcher.slurm import error_line
 from verl_hpc.runtime.orphans import LAUNCHER_PID
 
@@ -77,7 +77,7 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
         print(stop_line(stop, checkpoint_dir, rerun), flush=True)
         return stop.exit_code
     if failures is not None:
-        report_failures(failures, plan.log_dir)
+        report_failures(failures, plan.log_dir, rollout_ranks=plan.rollout_ranks)
         return 1
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
     return 0
@@ -88,12 +88,15 @@ def _by_signal(failure) -> bool:
     return failure.exitcode < 0 or failure.exitcode > 128
 
 
-def report_failures(failures: dict, log_dir: Path) -> None:
+def report_failures(failures: dict, log_dir: Path, *, rollout_ranks: int = 0) -> None:
+    """One line per failed rank, the first to die first, with its group in a split job
+    (rollout_ranks > 0), its exit code (a signal named) and its log's `error:` line."""
     print(f"[submit] local job FAILED; logs in {log_dir}", file=sys.stderr)
     order = by_time_of_death(failures, log_dir)
     for i, rank in enumerate(order):
         first = " (failed first)" if i == 0 and len(order) > 1 else ""
         log = rank_log(log_dir, rank)
         said = error_line(log) if log is not None else ""
-        print(f"[submit]   rank {rank} exited with code {failures[rank].exitcode}{first}; "
+        print(f"[submit]   {rank_label(rank, rollout_ranks)} exited with code "
+              f"{exit_words(failures[rank].exitcode)}{first}; "
               f"log: {log}" + (f"\n[submit]     {said}" if said else ""), file=sys.stderr)

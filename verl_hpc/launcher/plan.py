@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import time
 from pathlib import Path
 
 from verl_hpc.config import ConfigError, to_yaml
+from verl_hpc.config.sections.placement import rank_role
 from verl_hpc.launcher.environment import job_environment
 
 
@@ -70,6 +72,25 @@ class Plan:
         train = self.world_size - self.rollout_ranks
         return (f"  split: {_count(self.rollout_ranks, 'rollout rank')} ({engine}, tp {self.rollout_tp}) + "
                 f"{_count(train, 'training rank')} (tp {self.tp} pp {self.pp} dp {self.dp})")
+
+
+def rank_label(rank: int, rollout_ranks: int = 0) -> str:
+    """`rank 3` in a failure report; in a split job (rollout_ranks > 0) with its group, `rank 0
+    (rollout)` or `rank 3 (train)`: which side died tells what the other side's error means."""
+    return f"rank {rank}" + (f" ({rank_role(rank, rollout_ranks)})" if rollout_ranks else "")
+
+
+def exit_words(code: int) -> str:
+    """An exit code as a reader wants it: `-9 (SIGKILL)` for a death by signal (what Python's
+    subprocess reports), `137 (128 + SIGKILL)` for a shell's way of saying the same; else the code."""
+    number = -code if code < 0 else code - 128 if 128 < code < 128 + signal.NSIG else 0
+    if not number:
+        return str(code)
+    try:
+        name = signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return str(code)
+    return f"{code} ({name})" if code < 0 else f"{code} (128 + {name})"
 
 
 def _count(n: int, what: str) -> str:

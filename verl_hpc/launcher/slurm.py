@@ -18,7 +18,7 @@ import submitit
 
 from verl_hpc.config import ConfigError
 from verl_hpc.launcher import job_script
-from verl_hpc.launcher.plan import Plan
+from verl_hpc.launcher.plan import Plan, rank_label
 
 FINISHED_OK = "COMPLETED"
 ACTIVE_STATES = {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
@@ -95,9 +95,11 @@ class MetricsProgress:
                 f"ETA {format_duration(rate * max(self.total - s1, 0))}")
 
 
-def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0, progress=None) -> int:
+def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0, progress=None,
+         rollout_ranks: int = 0) -> int:
     """Stream rank 0's stdout, print a status line now and then (with `progress()`'s step line
-    when it has one); 0 if COMPLETED, else 1."""
+    when it has one); 0 if COMPLETED, else 1, after naming each failed rank (with its group in a
+    split job: its first `rollout_ranks` ranks roll out)."""
     out_path = Path(job.paths.stdout)
     offset, t0, last_status = 0, time.time(), 0.0
     print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}", flush=True)
@@ -121,7 +123,7 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
     print(f"[submit] job {job.job_id} ended {state}", file=sys.stderr)
     for rank, reason, node, log in failed_ranks(job):
         where = f" (node {node})" if node else ""
-        print(f"[submit]   rank {rank}: {reason}{where}; log: {log}", file=sys.stderr)
+        print(f"[submit]   {rank_label(rank, rollout_ranks)}: {reason}{where}; log: {log}", file=sys.stderr)
     print(f"[submit] all logs: {job.paths.folder}", file=sys.stderr)
     return 1
 

@@ -18,7 +18,9 @@ failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
 Faults: the store lives on global rank 0 (a rollout rank). If it dies, every store call of the
 training ranks fails at once, and `Mailbox` turns that into one line naming the rollout group; if
 a training rank dies, the launcher (srun --kill-on-bad-exit, the local launcher) ends the job, and
-a rollout rank waiting on the trainer gives up after `timeout_s` naming the training group. The
+a rollout rank waiting on the trainer gives up after `timeout_s` naming the training group. A
+weight broadcast whose peer died fails at once (gloo sees the closed connection), or after
+`timeout_s` (NCCL's group gets the same limit), as a GroupLostError naming the other side. The
 rollout leader keeps the store up until the trainer says goodbye (`finish`), so the trainer's last
 messages always have a store to go to.
 """
@@ -33,11 +35,11 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from verl_hpc.config.sections.placement import rank_role
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.runtime.launch_env import LaunchEnv
 
 log = logging.getLogger(__name__)
-ROLES = ("rollout", "train")
 POLL_S = 0.02  # mailbox polling period: far below a generation chunk, far above a store round trip
 
 
@@ -88,10 +90,22 @@ class Mailbox:
         try:
             return fn()
         except (dist.DistStoreError, RuntimeError, ConnectionError) as e:
-            other = "the rollout group (rank 0 serves the job's store)" if self.me.startswith("training") \
-                else "the job's store"
-            raise GroupLostError(f"{self.me}: lost {other} at '{key}': {type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            # the store lives in global rank 0, the rollout leader: losing it means losing that rank
+            other = f"the rollout group ({STORE_HOLDER})" if self.me.startswith("training") else STORE_HOLDER
+            raise GroupLostError(f"{self.me}: lost {other} at '{key}' ({_first_line(e)}); it died or cannot "
+                                 "be reached: see its log") from None
+
+
+STORE_HOLDER = "global rank 0 (rollout rank 0), which serves the job's store"
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+
+
+def _span(lo: int, hi: int) -> str:
+    """`global rank 0`, `global ranks 0-3`: the ranks lo..hi-1."""
+    return f"global rank {lo}" if hi - lo == 1 else f"global ranks {lo}-{hi - 1}"
 
 
 @dataclasses.dataclass
@@ -130,7 +144,7 @@ class SplitWorld:
         if not 0 < rollout_ranks < env.world_size:
             raise ValueError(f"placement.rollout_ranks = {rollout_ranks}: must be in 1..{env.world_size - 1} "
                              f"(world size {env.world_size})")
-        role = "rollout" if env.rank < rollout_ranks else "train"
+        role = rank_role(env.rank, rollout_ranks)
         offset, size = (0, rollout_ranks) if role == "rollout" else (rollout_ranks, env.world_size - rollout_ranks)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(env.master_addr, env.master_port + 1, env.world_size, env.rank == 0,
@@ -170,7 +184,11 @@ class SplitWorld:
             prefix = dist.PrefixStore("bridge/weights/", self.store)
             timeout = datetime.timedelta(seconds=self.timeout_s)
             if self.backend == "nccl":
-                self._weights_group = dist.ProcessGroupNCCL(prefix, me, size)
+                # NCCL's own default (10 min or more) would hold a dead peer's broadcast past the
+                # job's collective timeout
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._weights_group = dist.ProcessGroupNCCL(prefix, me, size, options)
             else:
                 self._weights_group = dist.ProcessGroupGloo(prefix, me, size, timeout)
         return self._weights_group
@@ -179,7 +197,18 @@ class SplitWorld:
         """Broadcast `tensor` from the first training rank to every rollout rank (in place)."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        self.weights_group.broadcast([tensor], opts).wait()
+        try:
+            self.weights_group.broadcast([tensor], opts).wait()
+        except RuntimeError as e:  # a member closed its connection (died) or passed the timeout
+            raise GroupLostError(f"{self.name}: the weight broadcast failed ({_first_line(e)}): "
+                                 f"{self._broadcast_peers()} died or is stuck: see its log") from None
+
+    def _broadcast_peers(self) -> str:
+        """Who else is in the weight broadcast, as this rank sees it."""
+        if self.role == "train":
+            return f"the rollout group ({_span(0, self.rollout_ranks)})"
+        first = f"the first training rank (global rank {self.rollout_ranks})"
+        return first + (" or another rollout rank" if self.rollout_ranks > 1 else "")
 
     # -------------------------------------------------------------------------------- the end
     def finish(self) -> None:

@@ -24,6 +24,13 @@ from verl_hpc.config.fields import WEEK_S, Section, opt
 from verl_hpc.config.sbatch_text import directive_value_problems
 
 PLACEMENTS = ("colocated", "split")
+ROLES = ("rollout", "train")  # a split job's two groups, in global rank order
+
+
+def rank_role(rank: int, rollout_ranks: int) -> str:
+    """The group of global rank `rank` in a split job: the first `rollout_ranks` ranks roll out.
+    One rule for the ranks (runtime/split.py) and the submitter's failure report."""
+    return ROLES[0] if rank < rollout_ranks else ROLES[1]
 MAX_STALENESS = 64  # a policy version more than this behind is not an RL sample any more
 
 

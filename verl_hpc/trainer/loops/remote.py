@@ -11,7 +11,12 @@ trained on nothing (every group filtered out) moves the version on and the rollo
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Dict
+
+from verl_hpc.runtime.split import GroupLostError
+
+log = logging.getLogger(__name__)
 
 
 class PublishedWeights:
@@ -61,5 +66,14 @@ class RemoteRollout:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Leaving on an error: the rollout group may be the one that died (its leader serves the
+        # job's store, so telling it to stop fails too); that error is the one to report, not
+        # a second one about the stop message.
+        try:
+            self.close()
+        except GroupLostError as e:
+            log.warning("split placement: could not tell the rollout group to stop: %s", e)
