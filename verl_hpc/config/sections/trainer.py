@@ -101,6 +101,10 @@ class TrainerConfig(Section):
     inject_warning_signal_at_step: int = opt(
         0, "tests only: after this RL step the training rank sends itself Slurm's warning signal (0 = off)",
         check=">=0")
+    inject_rollout_chunk_delay_s: float = opt(
+        0.0, "tests only: split placement's rollout ranks pause this long after each generation chunk (a "
+             "rollout slower than training, as on GPUs, so a preemption finds sequences half-generated)",
+        check="[0, 60]")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it",
                                      check=f"(0, {WEEK_S}]")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "

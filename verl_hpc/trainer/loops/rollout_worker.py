@@ -153,6 +153,7 @@ class RolloutWorker:
             prompts = [b.fitted[i] + b.samples[i][j].tokens for i, j in rows]
             result = self.rollout.generate(prompts, spec, room=have)
             b.extend(rows, result, v, self.spec.max_tokens)
+        time.sleep(self.cfg.trainer.inject_rollout_chunk_delay_s)  # tests: a slow rollout (0 = off)
         self.stats["gen_s"] += time.perf_counter() - t0
         self.stats["tokens"] += float(sum(len(r) for r in result.response_ids))
         if b.done:
