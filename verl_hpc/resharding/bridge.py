@@ -172,7 +172,7 @@ class WeightReceiver:
 
         def stream():
             for i, size in enumerate(sizes):
-                buf = torch.empty(size, dtype=torch.uint8)
+                buf = torch.empty(size, dtype=torch.uint8, device=self.world.wire_device())  # GPU under NCCL
                 self.world.broadcast(buf)
                 yield from unpack(buf, by_bucket.get(i, []))
 

@@ -33,6 +33,7 @@ import pickle
 import time
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from verl_hpc.config.sections.placement import rank_role
@@ -120,6 +121,7 @@ class SplitWorld:
     timeout_s: float
     backend: str
     store_addr: tuple = ("", 0)
+    device: Any = None  # this rank's torch device (NCCL moves device memory only)
     _weights_group: Any = None
 
     @property
@@ -156,7 +158,7 @@ class SplitWorld:
         me = f"{'rollout' if role == 'rollout' else 'training'} rank {local.rank}"
         world = cls(role=role, global_rank=env.rank, global_world=env.world_size, rollout_ranks=rollout_ranks,
                     local_env=local, store=store, mailbox=Mailbox(store, me, timeout_s), timeout_s=timeout_s,
-                    backend=backend, store_addr=(env.master_addr, env.master_port + 1))
+                    backend=backend, store_addr=(env.master_addr, env.master_port + 1), device=device)
         log.info("split placement: global rank %d is %s (%d rollout + %d training ranks)", env.rank,
                  world.name, rollout_ranks, world.train_ranks)
         return world
@@ -193,12 +195,23 @@ class SplitWorld:
                 self._weights_group = dist.ProcessGroupGloo(prefix, me, size, timeout)
         return self._weights_group
 
+    def wire_device(self):
+        """Where a bucket must be to cross the weights group: the GPU for NCCL, else the host."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     def broadcast(self, tensor) -> None:
-        """Broadcast `tensor` from the first training rank to every rollout rank (in place)."""
+        """Broadcast `tensor` from the first training rank to every rollout rank (in place). With
+        NCCL a host tensor goes through a device copy (the snapshot stays in host memory, so one
+        bucket at a time is on the GPU)."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
+        wire = tensor if tensor.device == self.wire_device() else tensor.to(self.wire_device())
         try:
-            self.weights_group.broadcast([tensor], opts).wait()
+            if wire.is_cuda:  # the weight server is a thread of its own: CUDA's current device is per thread
+                torch.cuda.set_device(wire.device)
+            self.weights_group.broadcast([wire], opts).wait()
+            if wire is not tensor and self.role == "rollout":  # received: back where the caller wants it
+                tensor.copy_(wire)
         except RuntimeError as e:  # a member closed its connection (died) or passed the timeout
             raise GroupLostError(f"{self.name}: the weight broadcast failed ({_first_line(e)}): "
                                  f"{self._broadcast_peers()} died or is stuck: see its log") from None
