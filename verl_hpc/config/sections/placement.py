@@ -31,6 +31,8 @@ def rank_role(rank: int, rollout_ranks: int) -> str:
     """The group of global rank `rank` in a split job: the first `rollout_ranks` ranks roll out.
     One rule for the ranks (runtime/split.py) and the submitter's failure report."""
     return ROLES[0] if rank < rollout_ranks else ROLES[1]
+
+
 MAX_STALENESS = 64  # a policy version more than this behind is not an RL sample any more
 
 
