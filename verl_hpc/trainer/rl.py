@@ -147,8 +147,8 @@ class RLTrainer:
                 correction.on_policy_metrics(m)
             else:
                 m.update(r.actor.update(batch, self.policy_loss))
-        self.rollout_weights.mark_stale()  # synced before the weights are next needed, not now
-        self.steps_done = step
+        self.steps_done = step  # the policy version: before mark_stale, which publishes it in split placement
+        self.rollout_weights.mark_stale()  # colocated: synced before the weights are next needed, not now
         m.update(self.guard.check(m, step))
         m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
         m["train/samples"] = float(len(batch))

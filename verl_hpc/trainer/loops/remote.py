@@ -3,8 +3,9 @@
     weights = PublishedWeights(link, actor, steps_done)   # RolloutWeights' interface
     rollout = RemoteRollout(link, steps_done)             # RolloutEngine's generate, for validation
 
-`steps_done()` is the trainer's policy version (steps completed). `ready()` publishes the actor's
-weights whenever the rollout group's newest version is older than that, so that even a step that
+`steps_done()` is the trainer's policy version (steps completed). The weights are published right
+after each update (`mark_stale`), and `ready()` publishes them whenever the rollout group's newest
+version is still older than that, so that even a step that
 trained on nothing (every group filtered out) moves the version on and the rollout's gate
 (batch s needs version >= s - 1 - k) never waits for an update that will not come.
 """
@@ -35,7 +36,9 @@ class PublishedWeights:
         return out
 
     def mark_stale(self) -> None:
-        """Nothing to do: ready() compares versions."""
+        """The update is done: publish now, not at the next step's ready(), so the rollout's gate
+        opens while this step logs, validates and checkpoints (its sync/* go with the next step)."""
+        self.ready()
 
     def park(self) -> None:
         """No rollout engine on a training rank."""
