@@ -1,7 +1,7 @@
 """`bench_async.py measure`: colocated-synchronous against split-asynchronous RL, measured on this
 machine's cores.
 
-    python benchmarks/bench_async.py measure                  # both workloads, 2 rounds of the 3 layouts
+    python benchmarks/bench_async.py measure                  # both workloads: tiny 2 rounds of the 3 layouts, 100m 1
     python benchmarks/bench_async.py measure --quick          # a smoke run: fewer steps, a smaller 100m batch
     python benchmarks/bench_async.py measure --workloads 100m --steps 6 --repeats 1
 
@@ -20,8 +20,8 @@ Workloads (the models and data of bench_vs_trl.py, built once under --out and re
   the steps after --warmup (start-up and the first step left out). Zero-advantage rows are not
   skipped here: with random weights every reward is 0 and the update would do nearly nothing.
 Ratios: split / best colocated training time to the gain (goal <= 0.7) and split / best colocated
-samples/s (goal >= 1.4). With --repeats R each layout runs R times, the order rotated each round
-so that the machine's load falls on all of them; medians.
+samples/s (goal >= 1.4). With R repeats (--repeats; tiny 2, 100m 1) each layout runs R times, the
+order rotated each round so that the machine's load falls on all of them; medians.
 """
 from __future__ import annotations
 
@@ -62,18 +62,19 @@ class Workload:
     steps: int
     lr: float
     val_every: int  # 0: no validation (a speed figure)
+    repeats: int  # rounds of the layouts: the tiny jobs are cheap, a 100m job costs minutes
     extra: tuple = ()
 
 
 WORKLOADS = {
     # lr 1e-4 (not the 1e-3 of bench_vs_trl): at 1e-3 the gain comes in 2 steps, too few to time
     "tiny": Workload("tiny", "Llama 0.4M, SFT warm start", "tiny", prompts=16, n=8, max_tokens=8, steps=20,
-                     lr=1e-4, val_every=2),
-    "100m": Workload("100m", "Llama 102M, random init", "100m", prompts=8, n=8, max_tokens=24, steps=5, lr=1e-5,
-                     val_every=0, extra=("rollout.kv_cache_memory_bytes=268435456",
+                     lr=1e-4, val_every=2, repeats=2),
+    "100m": Workload("100m", "Llama 102M, random init", "100m", prompts=8, n=8, max_tokens=24, steps=4, lr=1e-5,
+                     val_every=0, repeats=1, extra=("rollout.kv_cache_memory_bytes=268435456",
                                          "actor.skip_zero_advantage_rows=false")),
 }
-QUICK = {"tiny": dict(steps=10), "100m": dict(steps=3, prompts=4)}
+QUICK = {"tiny": dict(steps=10, repeats=1), "100m": dict(steps=3, prompts=4)}
 QUICK_GAIN = 10.0
 
 
@@ -105,7 +106,7 @@ def workloads(args) -> List[Workload]:
         w = WORKLOADS[name]
         w = dataclasses.replace(w, **QUICK[name]) if args.quick else w
         flags = dict(steps=args.steps, prompts=args.batch, n=args.n, max_tokens=args.max_tokens,
-                     val_every=args.val_every if w.val_every else None)
+                     val_every=args.val_every if w.val_every else None, repeats=args.repeats)
         out.append(dataclasses.replace(w, **{k: v for k, v in flags.items() if v is not None}))
     return out
 
@@ -293,7 +294,7 @@ def measure_workload(w: Workload, args, out: Path, jobs_total: List[int]) -> dic
     model = bench_vs_trl.assets(out, bench_vs_trl.SIZES[w.size], args.sft_steps)
     names = args.layouts.split(",")
     runs: Dict[str, List[dict]] = {name: [] for name in names}
-    for r in range(args.repeats):
+    for r in range(w.repeats):
         for name in order(names, r):
             layout = LAYOUTS[name]
             run = out / f"{w.name}_{name}_r{r + 1}"
@@ -316,7 +317,7 @@ def measure_workload(w: Workload, args, out: Path, jobs_total: List[int]) -> dic
 def print_workload(res: dict, args) -> None:
     w, layouts = res["workload"], res["layouts"]
     print(f"\n{w['name']}: {w['title']}, {w['prompts']} prompts x {w['n']}, <= {w['max_tokens']} new tokens, "
-          f"{w['steps']} steps, vLLM; medians of {args.repeats} run(s), steps after {args.warmup}")
+          f"{w['steps']} steps, vLLM; medians of {w['repeats']} run(s), steps after {args.warmup}")
     print(f"{'layout':<38} {'s/step':>7} {'samples/s':>10} {'time to +' + format(args.gain, 'g') + ' pts':>16} "
           f"{'wall incl. val':>15} {'idle train/rollout':>19}")
     for name, v in layouts.items():
@@ -345,12 +346,10 @@ def run_measure(args) -> int:
     names = args.layouts.split(",")
     check_jobs([(w, LAYOUTS[n], overrides(w, LAYOUTS[n], args, out / "model", out / "data", out / "run"))
                 for w in ws for n in names])
-    print(f"[measure] {os.cpu_count()} CPUs, load average {load():.1f}; {len(ws) * len(names) * args.repeats} "
-          f"jobs under {out}", flush=True)
-    jobs = [0, len(ws) * len(names) * args.repeats]
+    jobs = [0, sum(w.repeats for w in ws) * len(names)]
+    print(f"[measure] {os.cpu_count()} CPUs, load average {load():.1f}; {jobs[1]} jobs under {out}", flush=True)
     results = dict(command=" ".join(["python", "benchmarks/bench_async.py", *args.argv]), cpus=os.cpu_count(),
-                   gain_points=args.gain, warmup=args.warmup, staleness=args.staleness, repeats=args.repeats,
-                   load_start=load(), workloads={})
+                   gain_points=args.gain, warmup=args.warmup, staleness=args.staleness, load_start=load(), workloads={})
     try:
         for w in ws:
             results["workloads"][w.name] = res = measure_workload(w, args, out, jobs)
@@ -379,7 +378,7 @@ def check_args(args) -> None:
         (not bad_w, "--workloads", args.workloads, f"a comma list of {', '.join(WORKLOADS)}"),
         (not bad_l and len(set(names)) == len(names) and "split" in names and any(not LAYOUTS[x].split for x in names),
          "--layouts", args.layouts, f"split and at least one colocated layout of {', '.join(LAYOUTS)}, each once"),
-        (args.repeats >= 1, "--repeats", args.repeats, ">= 1"),
+        (args.repeats is None or args.repeats >= 1, "--repeats", args.repeats, ">= 1"),
         (args.warmup >= 0 and all(args.warmup < s for s in steps), "--warmup", args.warmup,
          f"0 .. the steps - 1 ({min(steps, default=1) - 1})"),
         (0 <= args.staleness <= MAX_STALENESS, "--staleness", args.staleness, f"[0, {MAX_STALENESS}]"),
@@ -397,7 +396,7 @@ def add_measure(sub) -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of layouts (split and >= 1 colocated)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: tiny 10 steps (gain {QUICK_GAIN:g} points), 100m 3 steps of 4 prompts")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per job (default: tiny 20, 100m 5)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per job (default: tiny 20, 100m 4)")
     p.add_argument("--batch", type=int, default=None, help="data.train_batch_size (default: tiny 16, 100m 8)")
     p.add_argument("--n", type=int, default=None, help="rollout.n (default 8)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -408,7 +407,7 @@ def add_measure(sub) -> None:
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of s/step and samples/s")
     p.add_argument("--staleness", type=int, default=1, help="the split's async_training.staleness k")
     p.add_argument("--repeats", type=int, default=None,
-                   help="rounds of all layouts, the order rotated each round (default 2; --quick 1)")
+                   help="rounds of all layouts, the order rotated each round (default: tiny 2, 100m 1; --quick 1)")
     p.add_argument("--seed", type=int, default=None, help="trainer, data and rollout seed (default: the config's)")
     p.add_argument("--sft-steps", type=int, default=600, help="the tiny model's SFT warm start (built once)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -422,6 +421,4 @@ def add_measure(sub) -> None:
 def _run(args) -> int:
     if args.gain is None:
         args.gain = QUICK_GAIN if args.quick else 30.0
-    if args.repeats is None:
-        args.repeats = 1 if args.quick else 2
     return run_measure(args)

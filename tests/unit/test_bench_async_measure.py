@@ -101,7 +101,8 @@ def test_every_layout_runs_the_same_job():
     assert jobs["split"][-1] == "trainer.val_every=1"  # --set comes last: it wins
     m.check_jobs([(w[0], m.LAYOUTS[n], o) for n, o in jobs.items()])  # all valid configs
     quick = m.workloads(bench.build_parser().parse_args(["measure", "--quick"]))
-    assert [(x.steps, x.prompts) for x in quick] == [(10, 16), (3, 4)]
+    assert [(x.steps, x.prompts, x.repeats) for x in quick] == [(10, 16, 1), (3, 4, 1)]
+    assert [x.repeats for x in m.workloads(bench.build_parser().parse_args(["measure"]))] == [2, 1]
 
 
 @pytest.mark.parametrize("flags, says", [
