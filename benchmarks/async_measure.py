@@ -301,14 +301,14 @@ def measure_workload(w: Workload, args, out: Path, jobs_total: List[int]) -> dic
             cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local",
                    *overrides(w, layout, args, model, out / "data", run)]
             jobs_total[0] += 1
-            label = f"{w.name} / {name} (round {r + 1})"
+            label, load_start = f"{w.name} / {name} (round {r + 1})", load()
             print(f"[measure] job {jobs_total[0]}/{jobs_total[1]}: {label}: {layout.title}, load average "
-                  f"{load():.1f}; log {run}.log", flush=True)
+                  f"{load_start:.1f}; log {run}.log", flush=True)
             shutil.rmtree(run, ignore_errors=True)  # a fresh run: no earlier run's checkpoint resumed
             t0 = time.monotonic()
             run_job(cmd, run, Path(f"{run}.log"), label, w.steps, args.job_timeout)
             fig = summarize(read_rows(run / "metrics.jsonl"), args.warmup, args.gain)
-            fig.update(job_s=time.monotonic() - t0, load=load(), command=" ".join(cmd))
+            fig.update(job_s=time.monotonic() - t0, load_start=load_start, load_end=load(), command=" ".join(cmd))
             runs[name].append(fig)
     layouts = {name: median_of(v) for name, v in runs.items()}
     return dict(workload=dataclasses.asdict(w), layouts=layouts, runs=runs, compare=compare(layouts))
