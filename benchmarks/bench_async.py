@@ -3,6 +3,11 @@
     python benchmarks/bench_async.py simulate                       # 64 H100s, 7B, k = 0, 1, 2, 4
     python benchmarks/bench_async.py simulate --gpus 128 --rollout-gpus 64 --ks 1 --out sim.json
     python benchmarks/bench_async.py simulate --len-sigma 0          # every response the same length
+    python benchmarks/bench_async.py measure                         # real jobs on this machine's cores
+    python benchmarks/bench_async.py measure --quick                 # the same, short
+
+`measure` runs the same job colocated (1 rank x 2 threads; 2 ranks x 1 thread) and split (1 rollout
++ 1 training rank, k = 1) on the same cores: benchmarks/async_measure.py says what it reports.
 
 `simulate` runs no model: a discrete-event simulation of RL steps on a simulated clock.
 - Responses: lengths drawn per step from a lognormal (--len-median, --len-sigma, seeded) clipped
@@ -47,6 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from async_measure import add_measure  # noqa: E402
 from verl_hpc.config import ConfigError, load_config, validate  # noqa: E402
 from verl_hpc.errors import VerlHpcError  # noqa: E402
 
@@ -489,13 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     add_simulate(sub)
-    # ---- a second subcommand, `measure` (the same task, model and settings run colocated-sync
-    # ---- and split-async on this machine's cores), registers here: add_measure(sub)
+    add_measure(sub)  # the same task, model and settings run colocated-sync and split-async on this machine
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # measure writes the command line into its results
     try:
         return args.func(args)
     except VerlHpcError as err:
