@@ -60,10 +60,11 @@ PREEMPT_AT = (3, 11, 12, 26, 38)
 @pytest.mark.timeout(1500)  # 6 launches of a 2-rank job, plus the warm start if this test builds it
 def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
-    args = [*common(warm_assets, 50), *SPLIT[1:], "async_training.staleness=2", "async_training.chunk_tokens=2",
+    # one token per chunk: every answer (a digit or two, then EOS) spans chunks, so prefixes exist
+    args = [*common(warm_assets, 50), *SPLIT[1:], "async_training.staleness=2", "async_training.chunk_tokens=1",
             "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}",
             # generation slower than training, as on GPUs: the preemptions find sequences half-generated
-            "trainer.inject_rollout_chunk_delay_s=0.4"]
+            "trainer.inject_rollout_chunk_delay_s=0.3"]
     trained, saved = [], []
     for launch, at in enumerate((*PREEMPT_AT, 0)):
         p, s = run_job("configs/demo_rl.yaml", out, *args, f"trainer.inject_warning_signal_at_step={at}", ranks=2,
