@@ -14,7 +14,7 @@ import pytest
 import numpy as np
 from jobs import REPO, data_overrides, run_job
 
-SPLIT = ["slurm.tasks_per_node=2", "placement.mode=split", "placement.rollout_ranks=1"]
+SPLIT_DEMO = "configs/demo_rl_split.yaml"  # demo_rl.yaml + placement split, 1 rollout rank of 2, k = 1
 
 
 def common(root, steps):
@@ -39,7 +39,7 @@ def test_k0_split_gives_colocated_weights_bitwise(warm_assets, tmp_path):
     colo, split = tmp_path / "colocated", tmp_path / "split"
     p1, s1 = run_job("configs/demo_rl.yaml", colo, *common(warm_assets, 3), ranks=1)
     assert p1.returncode == 0, p1.stdout[-3000:] + p1.stderr[-3000:]
-    p2, s2 = run_job("configs/demo_rl.yaml", split, *common(warm_assets, 3), *SPLIT[1:],
+    p2, s2 = run_job(SPLIT_DEMO, split, *common(warm_assets, 3),
                      "async_training.staleness=0", ranks=2)
     assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
     a, b = actor_tensors(colo / "checkpoints" / "step_000003"), actor_tensors(split / "checkpoints" / "step_000003")
@@ -61,13 +61,13 @@ PREEMPT_AT = (3, 11, 12, 26, 38)
 def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     # one token per chunk: every answer (a digit or two, then EOS) spans chunks, so prefixes exist
-    args = [*common(warm_assets, 50), *SPLIT[1:], "async_training.staleness=2", "async_training.chunk_tokens=1",
+    args = [*common(warm_assets, 50), "async_training.staleness=2", "async_training.chunk_tokens=1",
             "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}",
             # generation slower than training, as on GPUs: the preemptions find sequences half-generated
             "trainer.inject_rollout_chunk_delay_s=0.3"]
     trained, saved = [], []
     for launch, at in enumerate((*PREEMPT_AT, 0)):
-        p, s = run_job("configs/demo_rl.yaml", out, *args, f"trainer.inject_warning_signal_at_step={at}", ranks=2,
+        p, s = run_job(SPLIT_DEMO, out, *args, f"trainer.inject_warning_signal_at_step={at}", ranks=2,
                        timeout=600)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert s["resumed_from"] == (PREEMPT_AT[launch - 1] if launch else 0), s
@@ -123,7 +123,7 @@ def _data_stream(root, overrides, steps):
     from verl_hpc.data import PromptLoader
     from verl_hpc.trainer.roles import load_tokenizer
 
-    cfg = load_config(REPO / "configs/demo_rl.yaml", overrides)
+    cfg = load_config(REPO / SPLIT_DEMO, overrides)
     loader = PromptLoader.from_config(cfg.data, load_tokenizer(cfg), cfg.data.wrap_plain_text)
     return [i for _ in range(steps) for i in loader.next_batch().ids]
 
