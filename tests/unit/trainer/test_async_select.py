@@ -1,6 +1,9 @@
 """The trainer's staleness rule in split placement: a group older than k is never trained on, and
 no fresh group is lost on the way (stale_groups=wait carries the groups past a batch to the next)."""
+import contextlib
 import types
+
+import pytest
 
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.rollout.result import RolloutResult
@@ -65,9 +68,7 @@ def _link(records, k, policy, batch):
     return link
 
 
-def _timer(name):
-    import contextlib
-
+def _timer(name):  # StageTimer's call shape, timing nothing
     return contextlib.nullcontext()
 
 
@@ -132,8 +133,6 @@ def test_split_resume_of_a_colocated_checkpoint_goes_on_with_its_data_cursor(mon
 
 
 def test_a_colocated_run_refuses_a_split_checkpoints_stream():
-    import pytest
-
     from verl_hpc.data import PromptLoader
     from verl_hpc.data.dataset import PromptDataset
     from verl_hpc.data.records import PromptRecord

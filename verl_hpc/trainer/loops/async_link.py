@@ -166,8 +166,7 @@ class AsyncLink:
         rollout = self.mb.take(f"rollout/state/{n}")
         self.mb.put(f"ctl/resume/{n}", True)
         ready = [self.mb.peek(f"batch/{i}") for i in range(self.next_index, rollout["next_index"])]
-        blob = pickle.dumps({"rollout": rollout, "ready": ready, "leftover": self.leftover,
-                             "trained": len(self.trained_ids)})
+        blob = pickle.dumps({"rollout": rollout, "ready": ready, "leftover": self.leftover})
         return {"split_async": base64.b64encode(blob).decode("ascii")}
 
     def load_state_dict(self, state) -> None:
