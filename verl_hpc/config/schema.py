@@ -19,6 +19,7 @@ from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfi
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
 from verl_hpc.config.sections.model import ModelConfig
+from verl_hpc.config.sections.multi_turn import MultiTurnConfig, SandboxConfig
 from verl_hpc.config.sections.placement import AsyncTrainingConfig, PlacementConfig
 from verl_hpc.config.sections.reward import RewardConfig, RewardModelConfig
 from verl_hpc.config.sections.roles import ActorConfig, CriticConfig, OptimConfig, RefConfig
@@ -38,6 +39,8 @@ class JobConfig:
     ref: RefConfig = section(RefConfig, "the frozen reference policy (KL terms)")
     rollout: RolloutConfig = section(RolloutConfig, "the inference engine that generates responses")
     resharding: ReshardingConfig = section(ReshardingConfig, "the weight step from the trainer to the rollout engine")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "episodes of model and tool turns (agentic rollout)")
+    sandbox: SandboxConfig = section(SandboxConfig, "the process that runs model-written code (the python tool)")
     reward: RewardConfig = section(RewardConfig, "how responses are scored")
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "HDF5 checkpoints")

@@ -1,0 +1,96 @@
+"""`multi_turn:` episodes of model and tool turns; `sandbox:` where model-written code runs.
+
+With multi_turn.enable a rollout sample is an episode: the model writes a turn, a tool call in it
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the Hermes/Qwen format most chat
+templates use) is run and its output appended as a tool turn, and the model goes on, until it
+answers without a call, or max_turns, the token budget (data.max_response_length for the whole
+episode after the prompt) or episode_timeout_s ends it. The model's tokens are kept exactly as
+generated; tool output and the chat template's turn delimiters are tokenized once and appended
+with loss mask 0 (verl_hpc/rollout/episodes.py).
+
+The sandbox runs the `python` tool's code in a process of its own with CPU time, memory, process
+and output limits and a private scratch folder; `mode` picks how much of the node it can see
+(docs/sandbox.md says what each mode isolates and what it does not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from verl_hpc.config.fields import WEEK_S, Section, opt
+
+BUILTIN_TOOLS = ("calculator", "python")
+TOOL_FORMATS = ("hermes",)  # <tool_call>{json}</tool_call>
+SANDBOX_MODES = ("auto", "bwrap", "namespaces", "rlimits")
+
+
+@dataclass
+class MultiTurnConfig(Section):
+    enable: bool = opt(False, "each sample is an episode of model and tool turns (trainer.job = rl)")
+    max_turns: int = opt(4, "model turns per episode at most", check=">0")
+    tools: List[str] = opt(list(BUILTIN_TOOLS), "tools offered to every row that names none itself "
+                                                "(a row's `tools` field picks among these and user_tools)",
+                           choices=BUILTIN_TOOLS)
+    user_tools: List[str] = opt([], "your own tools, 'package.module:function' (called with the call's "
+                                    "arguments, returns text); needs safety.allow_custom_code")
+    environment: str = opt("", "'package.module:Class' with reset(row) and step(turn_text) -> (observation, "
+                               "reward, done), instead of tool calls; needs safety.allow_custom_code")
+    format: str = opt("hermes", "how the model writes a tool call", choices=TOOL_FORMATS)
+    max_calls_per_turn: int = opt(4, "tool calls run per model turn; more are answered with an error", check=">0")
+    max_tool_output_chars: int = opt(2000, "a tool's output is cut to this many characters", check=">0")
+    tool_timeout_s: float = opt(10.0, "wall time of one tool call", check=">0")
+    episode_timeout_s: float = opt(0.0, "wall time of one batch's episodes from their first turn; 0 = no limit",
+                                   check=">=0")
+    tool_workers: int = opt(0, "tool calls run at once (threads driving sandbox processes); 0 = the cores "
+                               "the rank leaves free: slurm.cpus_per_task - 1, at least 1", check=">=0")
+    tool_error_penalty: float = opt(0.0, "per-turn reward term added for each failed tool call (malformed, "
+                                         "unknown tool, error, timeout); e.g. -0.1")
+
+    def check(self, job) -> List[str]:
+        p = []
+        if not self.enable:
+            return p
+        if job.trainer.job != "rl":
+            p.append(f"multi_turn.enable is for trainer.job = rl (got {job.trainer.job})")
+        if job.placement.split:
+            p.append("multi_turn.enable does not run with placement.mode = split yet: use colocated placement")
+        if (self.user_tools or self.environment) and not job.safety.allow_custom_code:
+            what = "multi_turn.environment" if self.environment else "multi_turn.user_tools"
+            p.append(f"{what} runs your own code: set safety.allow_custom_code=true to allow it")
+        for spec in [*self.user_tools, *([self.environment] if self.environment else [])]:
+            module, _, name = spec.partition(":")
+            if not module or not name:
+                p.append(f"multi_turn: {spec!r} is not 'package.module:name'")
+        if self.tool_timeout_s > WEEK_S or self.episode_timeout_s > WEEK_S:
+            p.append(f"multi_turn timeouts are capped at one week ({WEEK_S} s)")
+        if job.algorithm.adv_estimator == "remax":
+            p.append("multi_turn.enable does not run algorithm.adv_estimator = remax (its greedy baseline is "
+                     "one turn); use grpo, rloo or gae")
+        return p
+
+    def workers(self, cpus_per_task: int) -> int:
+        """Tool calls in flight at once: the configured count, or the rank's spare cores."""
+        return self.tool_workers or max(cpus_per_task - 1, 1)
+
+
+@dataclass
+class SandboxConfig(Section):
+    mode: str = opt("auto", "auto: the strongest the node allows (bwrap, then namespaces, then rlimits) | "
+                            "bwrap | namespaces (unshare: no network, own file view) | rlimits (limits only)",
+                    choices=SANDBOX_MODES)
+    cpu_time_s: float = opt(5.0, "CPU seconds of one run of model-written code", check=">0")
+    wall_time_s: float = opt(10.0, "wall seconds of one run (a sleeping program uses no CPU)", check=">0")
+    memory_mb: int = opt(512, "address space of the code's process, MiB", check=">0")
+    max_processes: int = opt(16, "processes the code may run at once", check=">0")
+    max_output_bytes: int = opt(16384, "stdout + stderr kept; a program printing more is stopped", check=">0")
+    max_file_bytes: int = opt(1048576, "largest file the code may write in its scratch folder", check=">0")
+    scratch_root: str = opt("", "where each run's private scratch folder is made; '' = $TMPDIR or /tmp "
+                                "(node-local on most clusters)")
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.cpu_time_s > WEEK_S or self.wall_time_s > WEEK_S:
+            p.append(f"sandbox time limits are capped at one week ({WEEK_S} s)")
+        if self.memory_mb > 2**24:
+            p.append(f"sandbox.memory_mb = {self.memory_mb} is past 16 TiB: a unit mix-up?")
+        return p
