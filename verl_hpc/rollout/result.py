@@ -7,9 +7,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 FINISH_REASONS = ("stop", "length")  # stop: EOS or a stop string; length: max_tokens reached
+# why an episode (multi_turn) ended: the model answered without a tool call (or the environment
+# said done), or a limit: model turns, the token budget, the wall-time limit
+EPISODE_ENDS = ("answered", "max_turns", "length", "timeout")
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """One episode's record beside its tokens (verl_hpc/rollout/episodes.py)."""
+    turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls, unknown tools, tools that raised or timed out
+    tool_seconds: List[float] = dataclasses.field(default_factory=list)  # per call
+    end: str = "answered"  # one of EPISODE_ENDS
+    answer: str = ""  # the last model turn's text: what the reward function scores
+    # per-turn reward terms: (response position of the turn's last model token, value)
+    turn_rewards: List[Tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -27,11 +43,16 @@ class RolloutResult:
     seconds: float = 0.0  # wall time of the generate call on this rank, gather included
     # split placement: per sequence, per token, the policy version (updates applied) that sampled it
     versions: Optional[List[List[int]]] = None
+    # multi_turn episodes: per sequence, per token, 1 where the model sampled it and 0 on tool output
+    # and template tokens (whose logprobs are 0); None = every response token is the model's
+    response_mask: Optional[List[List[int]]] = None
+    episodes: Optional[List[EpisodeStats]] = None  # multi_turn: per sequence
 
     def __post_init__(self):
         n = len(self.response_ids)
+        optional = [x for x in (self.versions, self.response_mask, self.episodes) if x is not None]
         if not (len(self.prompt_index) == len(self.sample_index) == len(self.logprobs)
-                == len(self.finish_reason) == n) or (self.versions is not None and len(self.versions) != n):
+                == len(self.finish_reason) == n) or any(len(x) != n for x in optional):
             raise ValueError("RolloutResult: per-sequence lists differ in length")
 
     def __len__(self) -> int:
@@ -68,21 +89,25 @@ class RolloutResult:
                              sample_index=pick(self.sample_index), response_ids=pick(self.response_ids),
                              logprobs=pick(self.logprobs), finish_reason=pick(self.finish_reason),
                              num_truncated=self.num_truncated,
-                             versions=None if self.versions is None else pick(self.versions))
+                             **{f: None if getattr(self, f) is None else pick(getattr(self, f))
+                                for f in OPTIONAL_ROWS})
 
     @classmethod
     def concat(cls, results: Sequence["RolloutResult"]) -> "RolloutResult":
         """One result of the groups of `results` in turn, prompt indices offset accordingly."""
-        tagged = all(r.versions is not None for r in results)
+        present = tuple(f for f in OPTIONAL_ROWS if all(getattr(r, f) is not None for r in results))
         out = cls([], [], [], [], [], [], num_truncated=sum(r.num_truncated for r in results),
-                  versions=[] if tagged else None)
+                  **{f: [] for f in present})
         for r in results:
             base = len(out.prompts)
             out.prompts += r.prompts
             out.prompt_index += [base + i for i in r.prompt_index]
-            for f in ("sample_index", "response_ids", "logprobs", "finish_reason") + (("versions",) if tagged else ()):
+            for f in ("sample_index", "response_ids", "logprobs", "finish_reason") + present:
                 getattr(out, f).extend(getattr(r, f))
         return out
+
+
+OPTIONAL_ROWS = ("versions", "response_mask", "episodes")  # per-sequence fields that may be None
 
 
 @dataclasses.dataclass

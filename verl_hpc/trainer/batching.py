@@ -6,22 +6,13 @@ rank, so `assemble` builds identical tensors everywhere; the engines then split 
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Dict
 
 import torch
-import torch.distributed as dist
 
 from verl_hpc.engines.batch import length_mask, pack_sequences
+from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.step_batch import StepBatch
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """`obj` from rank `src` on every rank (a no-op without torch.distributed or with one rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def broadcast_prompts(loader, ctx):

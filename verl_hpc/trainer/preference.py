@@ -38,7 +38,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from verl_hpc.engines.batch import length_mask, pack_sequences
-from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.runtime.objects import broadcast_object
 
 log = logging.getLogger(__name__)
 REFERENCE_FREE = ("simpo", "orpo")

@@ -30,7 +30,7 @@ from typing import Dict, List, Mapping, Optional
 from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, list_checkpoints, new_token,
                                          remove_checkpoint)
 from verl_hpc.errors import VerlHpcError
-from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.hooks import CONTINUE, Rewind
 from verl_hpc.trainer.rollback_rules import RollbackRules, Trip
 

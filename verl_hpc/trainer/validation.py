@@ -14,7 +14,8 @@ from typing import Callable, Dict
 from verl_hpc.data import val_batches
 from verl_hpc.data.tasks import task_of
 from verl_hpc.rollout import SamplingSpec
-from verl_hpc.trainer.batching import assemble, broadcast_object
+from verl_hpc.runtime.objects import broadcast_object
+from verl_hpc.trainer.batching import assemble
 from verl_hpc.trainer.hooks import CONTINUE
 from verl_hpc.trainer.scoring import score_batch
 

@@ -29,7 +29,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from verl_hpc.resharding.bridge import WeightPublisher
-from verl_hpc.trainer.batching import broadcast_object
+from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.loops.inflight import Groups
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,77 @@
+"""`build_episode_runner(cfg, ctx, engine, tokenizer)`: the multi_turn section made into a runner.
+
+Only rank 0 runs tools (their output is broadcast, verl_hpc/rollout/episodes.py), so only rank 0
+builds the registry, the sandbox and the pool of tool workers; the other ranks get a runner that
+applies rank 0's replies.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from verl_hpc.rollout.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes import EpisodeRunner
+
+log = logging.getLogger(__name__)
+
+
+class _Remote:
+    """The responder of a rank that is not rank 0: it never runs (rank 0's replies arrive)."""
+
+    def __init__(self, role: str, stop: tuple):
+        self.role, self.stop = role, stop
+
+    def start(self, rows) -> None:
+        pass
+
+    def respond(self, turns):
+        raise RuntimeError("only rank 0 runs tools")
+
+    def close(self) -> None:
+        pass
+
+
+def _responder(cfg):
+    from verl_hpc.rollout.tools.pool import ToolPool
+    from verl_hpc.rollout.tools.registry import ToolRegistry, load_environment
+    from verl_hpc.rollout.tools.turns import EnvironmentTurns, ToolTurns
+
+    mt = cfg.multi_turn
+    if mt.environment:
+        return EnvironmentTurns(load_environment(mt.environment, cfg.safety.allow_custom_code))
+    registry = ToolRegistry.from_config(cfg)
+    if "python" in registry.names():
+        log.info("multi_turn: the python tool runs in the sandbox: %s", registry.sandbox.describe())
+    return ToolTurns(ToolPool.from_config(cfg, registry), max_calls_per_turn=mt.max_calls_per_turn,
+                     error_penalty=mt.tool_error_penalty)
+
+
+def build_episode_runner(cfg, ctx, engine, tokenizer) -> Optional[EpisodeRunner]:
+    """The runner for multi_turn.enable, else None (every sample is one response)."""
+    mt = cfg.multi_turn
+    if not mt.enable:
+        return None
+    codec = TurnCodec(tokenizer)
+    is_root = ctx.rank == 0
+    responder = _responder(cfg) if is_root else _Remote(*_shape(mt))
+    runner = EpisodeRunner(engine, codec, responder, max_turns=mt.max_turns,
+                           budget=cfg.data.max_response_length, timeout_s=mt.episode_timeout_s,
+                           is_root=is_root)
+    if is_root:
+        log.info("multi_turn: episodes of up to %d model turns and %d tokens; %s", mt.max_turns,
+                 cfg.data.max_response_length,
+                 f"environment {mt.environment}" if mt.environment else f"tools {', '.join(offered_tools(cfg))}")
+    return runner
+
+
+def _shape(mt) -> tuple:
+    """(role, stop strings) of the responder rank 0 builds, without building it."""
+    from verl_hpc.rollout.tools.turns import EnvironmentTurns, ToolTurns
+
+    kind = EnvironmentTurns if mt.environment else ToolTurns
+    return kind.role, kind.stop
+
+
+def offered_tools(cfg) -> list:
+    """The tools a row that names none is offered: the built-ins listed and every user tool."""
+    return [*cfg.multi_turn.tools, *(spec.partition(":")[2] for spec in cfg.multi_turn.user_tools)]
