@@ -2,7 +2,8 @@
 
 A row has the prompt under `prompt_key` (plain text, or chat messages: a list of {role, content}),
 `data_source` (routes the row to its reward function), `ground_truth` (the reference answer, a
-string or a number) and an optional `extra` dict handed to the reward function untouched.
+string or a number), an optional `extra` dict handed to the reward function untouched, and for
+multi-turn rollout an optional `tools` list: the names of the tools its episodes may call.
 
 Each record gets a stable id `<file name>:<row>` (row = 0-based index of the record in its file,
 blank JSONL lines not counted), so a failing reward or an overlong prompt can be traced back to
@@ -199,6 +200,9 @@ def row_problems(row: Dict[str, Any], prompt_key: str) -> List[str]:
     extra = row.get("extra")
     if extra is not None and not isinstance(extra, dict):
         p.append(f"field 'extra' is {type(extra).__name__} {_short(extra)}; expected a dict (or no field)")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
+        p.append(f"field 'tools' is {_short(tools)}; expected a list of tool names (multi_turn), or no field")
     return p
 
 
@@ -217,7 +221,14 @@ def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRec
         prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
     return PromptRecord(id=record_id, prompt=prompt, data_source=row["data_source"],
                         ground_truth=ground_truth_text(row["ground_truth"]),
-                        extra=_drop_none(row.get("extra") or {}))
+                        extra=_with_tools(_drop_none(row.get("extra") or {}), row.get("tools")))
+
+
+def _with_tools(extra: Dict[str, Any], tools: Optional[List[str]]) -> Dict[str, Any]:
+    """A row's `tools` (the tools its episodes are offered, multi_turn) travel in its extra, as
+    extra["tools"], so they reach the rollout with the prompt; a row without the field is offered
+    multi_turn.tools."""
+    return {**extra, "tools": list(tools)} if tools is not None else extra
 
 
 def load_records(paths: Sequence[str], prompt_key: str,

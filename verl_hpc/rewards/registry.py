@@ -85,4 +85,6 @@ register("gsm8k_flexible", partial(gsm8k.gsm8k_score, method="flexible"), check=
 register("math", math_answer.math_score, aliases=("competition_math", "hendrycks_math", "math500"),
          check=math_answer.check_ground_truth)
 register("synthetic_arith", basic.synthetic_arith_score, check=basic.check_integer_ground_truth)
+# the tool demo (verl_hpc/data/prepare/tool_arith.py): the episode's answer, scored as synthetic_arith
+register("tool_arith", basic.synthetic_arith_score, check=basic.check_integer_ground_truth)
 register("exact_match", basic.exact_match_score, check=basic.check_nonempty_ground_truth)

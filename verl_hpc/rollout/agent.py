@@ -56,7 +56,7 @@ def build_episode_runner(cfg, ctx, engine, tokenizer) -> Optional[EpisodeRunner]
     responder = _responder(cfg) if is_root else _Remote(*_shape(mt))
     runner = EpisodeRunner(engine, codec, responder, max_turns=mt.max_turns,
                            budget=cfg.data.max_response_length, timeout_s=mt.episode_timeout_s,
-                           is_root=is_root)
+                           default_tools=offered_tools(cfg), is_root=is_root)
     if is_root:
         log.info("multi_turn: episodes of up to %d model turns and %d tokens; %s", mt.max_turns,
                  cfg.data.max_response_length,

@@ -100,25 +100,29 @@ class _Episode:
 
 class EpisodeRunner:
     def __init__(self, engine, codec: TurnCodec, responder: Responder, *, max_turns: int, budget: int,
-                 timeout_s: float = 0.0, share: Callable[[Any], Any] = broadcast_object, is_root: bool = True):
+                 timeout_s: float = 0.0, default_tools: Sequence[str] = (),
+                 share: Callable[[Any], Any] = broadcast_object, is_root: bool = True):
         """budget: tokens of an episode after its prompt (model, tool and template tokens together).
-        share(obj) -> rank 0's obj on every rank; is_root: this rank runs the responder."""
+        default_tools: offered to a row that names none. share(obj) -> rank 0's obj on every rank;
+        is_root: this rank runs the responder."""
         self.engine, self.codec, self.responder = engine, codec, responder
+        self.default_tools = tuple(default_tools)
         self.max_turns, self.budget, self.timeout_s = int(max_turns), int(budget), float(timeout_s)
         self.share, self.is_root = share, is_root
 
     def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *,
-                 rows: Optional[Sequence[Dict[str, Any]]] = None, offered: Optional[Sequence[Sequence[str]]] = None
-                 ) -> RolloutResult:
+                 rows: Optional[Sequence[Dict[str, Any]]] = None,
+                 offered: Optional[Sequence[Optional[Sequence[str]]]] = None) -> RolloutResult:
         """P prompts -> P x n episodes, rows in (prompt, sample) order like engine.generate.
-        rows[i]: prompt i's data row for an environment's reset; offered[i]: its tools."""
+        rows[i]: prompt i's data row for an environment's reset; offered[i]: its tools (None: the
+        default tools)."""
         start = time.perf_counter()
         extra_stop = tuple(x for x in getattr(self.responder, "stop", ()) if x not in sampling.stop)
         sampling = dataclasses.replace(sampling, stop=tuple(sampling.stop) + extra_stop)
         first = self.engine.generate(prompts, dataclasses.replace(
             sampling, max_tokens=min(sampling.max_tokens, self.budget)))
         episodes = [_Episode(prompt=first.prompts[i], prompt_index=i, sample_index=j,
-                             offered=tuple(offered[i]) if offered else ())
+                             offered=tuple((offered[i] if offered else None) or self.default_tools))
                     for i, j in zip(first.prompt_index, first.sample_index)]
         if self.is_root:
             self.responder.start([dict(rows[e.prompt_index]) if rows else {} for e in episodes])

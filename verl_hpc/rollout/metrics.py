@@ -1,9 +1,12 @@
-"""Rollout metrics for the tracker: throughput, response lengths, prompt overflow, finish reasons."""
+"""Rollout metrics for the tracker: throughput, response lengths, prompt overflow, finish reasons;
+and for episodes (multi_turn) turns, tool calls, errors and latency."""
 from __future__ import annotations
 
 from typing import Dict
 
-from verl_hpc.rollout.result import RolloutResult
+import numpy as np
+
+from verl_hpc.rollout.result import EPISODE_ENDS, RolloutResult
 
 
 def rollout_metrics(result: RolloutResult, prefix: str = "rollout") -> Dict[str, float]:
@@ -27,4 +30,33 @@ def rollout_metrics(result: RolloutResult, prefix: str = "rollout") -> Dict[str,
         out[f"{prefix}/tokens_per_s"] = tokens / result.seconds
     for reason, count in result.finish_counts().items():
         out[f"{prefix}/finish_{reason}"] = float(count)
+    return out
+
+
+def episode_metrics(result: RolloutResult, prefix: str = "episode") -> Dict[str, float]:
+    """multi_turn: turns per episode, tool calls, tool errors and tool latency (P50/P95); {} for a
+    single-turn rollout. Job-wide like rollout_metrics (rank 0's replies reach every rank)."""
+    eps = result.episodes
+    if not eps:
+        return {}
+    n = len(eps)
+    calls = sum(e.tool_calls for e in eps)
+    errors = sum(e.tool_errors for e in eps)
+    latencies = np.array([s for e in eps for s in e.tool_seconds], dtype=np.float64)
+    model_tokens = sum(sum(m) for m in result.response_mask or ())
+    out = {
+        f"{prefix}/turns_mean": sum(e.turns for e in eps) / n,
+        f"{prefix}/turns_max": float(max(e.turns for e in eps)),
+        f"{prefix}/tool_calls": float(calls),
+        f"{prefix}/tool_calls_per_episode": calls / n,
+        f"{prefix}/tool_call_rate": sum(e.tool_calls > 0 for e in eps) / n,  # share of episodes calling a tool
+        f"{prefix}/tool_errors": float(errors),
+        f"{prefix}/tool_error_rate": errors / calls if calls else 0.0,
+        f"{prefix}/model_token_share": model_tokens / max(result.num_response_tokens, 1),
+    }
+    if latencies.size:
+        out[f"{prefix}/tool_latency_p50_s"] = float(np.percentile(latencies, 50))
+        out[f"{prefix}/tool_latency_p95_s"] = float(np.percentile(latencies, 95))
+    for end in EPISODE_ENDS:
+        out[f"{prefix}/end_{end}"] = float(sum(e.end == end for e in eps))
     return out

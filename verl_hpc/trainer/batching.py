@@ -30,12 +30,16 @@ def assemble(prompts, result, tokenizer, pad_id: int) -> StepBatch:
     width = max(int(tensors["response_lengths"].max()), 1)
     mask = length_mask(tensors["response_lengths"], width).float()
     mask[empty] = 0.0
+    for row, model in enumerate(result.response_mask or ()):  # episodes: tool and template tokens out
+        mask[row, :len(model)] *= torch.tensor(model, dtype=mask.dtype)
     tensors["response_mask"] = mask
     logp = torch.zeros(len(idx), width)
     for row, lp in enumerate(result.logprobs):
         if lp:
             logp[row, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    texts = tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
+    # what the reward function scores: the response, or an episode's final answer (its last model turn)
+    texts = ([e.answer for e in result.episodes] if result.episodes is not None
+             else tokenizer.batch_decode(result.response_ids, skip_special_tokens=True))
     return StepBatch(input_ids=tensors["input_ids"], prompt_lengths=tensors["prompt_lengths"],
                      response_lengths=tensors["response_lengths"], response_mask=mask,
                      ids=[prompts.ids[i] for i in idx], data_sources=[prompts.data_sources[i] for i in idx],

@@ -11,6 +11,12 @@ Steps, each a separate command you can also run by hand:
 Prints validation accuracy before and after the RL phase and where the plot is; exits 1 when the
 rise is under --min-rise points.
 
+--task tool: the tool demo instead (make demo-tool; outputs/demo_tool): 5-digit products that the
+tiny model gets right only by calling `calculator` in a multi-turn episode. Data from
+`python -m verl_hpc.data.prepare tool_arith` (multi-turn SFT demonstrations, most replaced by direct
+answers), SFT with configs/demo_tool_sft.yaml, GRPO over episodes with configs/demo_tool.yaml; it
+also prints the tool-call rate before and after (verl_hpc/data/prepare/tool_arith.py says why).
+
 Why the noise: a fraction (--sft-noise, > 0.5) of SFT labels is the sum plus one, so the warm start
 answers "3+4=" with "8" greedily while still giving "7" some probability. GRPO samples both, rewards
 the right one, and greedy accuracy climbs (verl_hpc/data/prepare/synthetic.py explains the choice).
@@ -26,6 +32,15 @@ import time
 from pathlib import Path
 
 
+# the demo's tasks: data generator, the SFT and RL configs, SFT noise, output folder
+TASKS = {
+    "arith": dict(data="synthetic", sft_config="configs/demo_sft.yaml", rl_config="configs/demo_rl.yaml",
+                  sft_noise=0.62, out="outputs/demo"),
+    "tool": dict(data="tool_arith", sft_config="configs/demo_tool_sft.yaml", rl_config="configs/demo_tool.yaml",
+                 sft_noise=0.6, out="outputs/demo_tool"),
+}
+
+
 def sh(cmd, what: str) -> None:
     print(f"\n=== {what}: {' '.join(cmd)}", flush=True)
     t = time.time()
@@ -37,26 +52,30 @@ def sh(cmd, what: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="outputs/demo")
+    ap.add_argument("--task", default="arith", choices=tuple(TASKS))
+    ap.add_argument("--out", default=None, help="default: outputs/demo (arith), outputs/demo_tool (tool)")
     ap.add_argument("--ranks", type=int, default=None, help="local ranks for SFT and RL (default: each config's)")
-    ap.add_argument("--rl-config", default="configs/demo_rl.yaml",
-                    help="the RL phase's config (configs/demo_rl_split.yaml: split placement, async)")
-    ap.add_argument("--sft-noise", type=float, default=0.62)
+    ap.add_argument("--rl-config", default=None,
+                    help="the RL phase's config (default: the task's; configs/demo_rl_split.yaml: split placement, async)")
+    ap.add_argument("--sft-noise", type=float, default=None, help="default: the task's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
     a = ap.parse_args(argv)
+    task = TASKS[a.task]
+    a.out, a.rl_config = a.out or task["out"], a.rl_config or task["rl_config"]
+    a.sft_noise = task["sft_noise"] if a.sft_noise is None else a.sft_noise
     out, py, t0 = Path(a.out), sys.executable, time.time()
-    rl_out = out / Path(a.rl_config).stem.replace("demo_", "")  # outputs/demo/rl, outputs/demo/rl_split
+    rl_out = out / ("rl" if a.task == "tool" else Path(a.rl_config).stem.replace("demo_", ""))  # outputs/demo/rl, .../rl_split
     for phase in (out / "sft", rl_out):  # a rerun starts over (no resume from the last run's checkpoints)
         shutil.rmtree(phase, ignore_errors=True)
     common = [*([f"slurm.tasks_per_node={a.ranks}"] if a.ranks else []), f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
     sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
         "--seed", str(a.seed)], "tiny model")
-    sh([py, "-m", "verl_hpc.data.prepare", "synthetic", str(out / "data"), "--n-train", "2000",
-        "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise)], "synthetic data")
-    sh([py, "-m", "verl_hpc.submit", "configs/demo_sft.yaml", "--local", *common,
+    sh([py, "-m", "verl_hpc.data.prepare", task["data"], str(out / "data"), "--n-train", "2000",
+        "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise)], f"{task['data']} data")
+    sh([py, "-m", "verl_hpc.submit", task["sft_config"], "--local", *common,
         f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
         f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")
     sh([py, "-m", "verl_hpc.submit", a.rl_config, "--local", *common,
@@ -68,6 +87,9 @@ def main(argv=None) -> int:
     print(f"validation accuracy (greedy, {out}/data/val.parquet):")
     print(f"  after SFT warm start (before RL): {before:5.1f}%")
     print(f"  after {summary['steps']} GRPO steps:          {after:5.1f}%   ({after - before:+.1f} points)")
+    if a.task == "tool":
+        rate = lambda v: 100 * v.get("val/episode/tool_call_rate", 0.0)  # noqa: E731
+        print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")
     print(f"plot:    {summary.get('plot')}")
     print(f"metrics: {summary.get('metrics_file')}")
     print(f"wall time: {time.time() - t0:.0f}s")

@@ -237,7 +237,7 @@ class RLTrainer:
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
         self.rollout_weights.ready()  # its sync/* go to the next step's row (rollout_weights.py)
-        val = self.validator.run(self.roles.rollout, self.scorer, self.roles.pad_id, self.roles.reward_model)
+        val = self.validator.run(self.roles.generate, self.scorer, self.roles.pad_id, self.roles.reward_model)
         if tracker is not None:
             tracker.log(val, step)
         if self.ctx.rank == 0:
@@ -274,7 +274,7 @@ def run(cfg, ctx) -> dict:
     # the `error:` line. Split: the rollout group is released (told to stop) the same way.
     trainer = None
     try:
-        with roles.rollout or contextlib.nullcontext():
+        with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext():
             trainer = RLTrainer(cfg, ctx, roles)
             with trainer.roles.rollout if trainer.link else contextlib.nullcontext():
                 summary = trainer.fit()

@@ -35,6 +35,14 @@ class Roles:
     ref: Optional[Any] = None
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None
+    episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
+
+    def generate(self, prompts, spec):
+        """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
+        if self.episodes is None:
+            return self.rollout.generate(prompts.prompt_ids, spec)
+        return self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
+                                      offered=[x.get("tools") for x in prompts.extras])
 
     @property
     def pad_id(self) -> int:
@@ -69,6 +77,10 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         on_error.pop_all()  # all built: the engine stays open for the caller
     roles = Roles(tokenizer, actor, rollout, ref, critic, rm)
+    if with_rollout and cfg.multi_turn.enable:
+        from verl_hpc.rollout.agent import build_episode_runner
+
+        roles.episodes = build_episode_runner(cfg, ctx, rollout, tokenizer)
     if ctx.rank == 0:
         log.info("roles: %s; rollout: %s", ", ".join(roles.names()), cfg.rollout.engine)
     return roles

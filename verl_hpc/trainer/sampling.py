@@ -17,10 +17,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from verl_hpc.algorithms import filter_groups, sequence_scores
-from verl_hpc.rollout.metrics import rollout_metrics
+from verl_hpc.rollout.metrics import episode_metrics, rollout_metrics
 from verl_hpc.trainer.batching import assemble, broadcast_prompts
 from verl_hpc.trainer.rollout_dump import RolloutDump
-from verl_hpc.trainer.scoring import score_batch, to_token_level
+from verl_hpc.trainer.scoring import add_turn_rewards, score_batch, to_token_level
 from verl_hpc.trainer.step_batch import StepBatch, concat_batches, first_groups
 from verl_hpc.trainer.task_weights import task_metrics
 
@@ -69,11 +69,12 @@ class StepSampler:
                 if round_ == 0:
                     scores, m_reward = self._inject_regression(step, scores, m_reward)
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
+                add_turn_rewards(batch.token_scores, result)  # multi_turn: per-turn terms
                 keep, m_filter = dynamic_sampling_filter(batch, cfg.algorithm)
                 batch.baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
             self.dump.write(step, round_, prompts, result, batch, scores)  # trainer.rollout_data_dir
             if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards
-                m.update(rollout_metrics(result), **m_reward, **m_shape)
+                m.update(rollout_metrics(result), **episode_metrics(result), **m_reward, **m_shape)
                 m.update(task_metrics(scores, batch.mask.sum(-1), batch.extras))  # data.tasks: per task
             for k in ("filter/dropped_groups", "filter/dropped_samples"):
                 dropped[k] = dropped.get(k, 0.0) + m_filter.get(k, 0.0)
@@ -96,7 +97,7 @@ class StepSampler:
     def _generate_here(self, step: int, round_: int, timer):
         prompts = broadcast_prompts(self.loader, self.ctx)
         with timer("generate"):
-            return prompts, self.roles.rollout.generate(prompts.prompt_ids, self.sampling.for_step(step, round_)), {}
+            return prompts, self.roles.generate(prompts, self.sampling.for_step(step, round_)), {}
 
     def _greedy_baselines(self, prompts, batch, step) -> Optional[torch.Tensor]:
         """ReMax: the reward of the greedy response to each prompt, per sequence of its group."""

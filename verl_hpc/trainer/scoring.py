@@ -20,6 +20,14 @@ def score_batch(scorer, batch, rm=None) -> Tuple[torch.Tensor, Dict[str, float]]
                         batch.extras, rm_batch=rm_batch)
 
 
+def add_turn_rewards(token_scores: torch.Tensor, result) -> None:
+    """multi_turn: each episode's per-turn reward terms (an environment's step rewards, the tool
+    error penalty) added in place on the last model token of their turn."""
+    for row, stats in enumerate(result.episodes or ()):
+        for pos, value in stats.turn_rewards:
+            token_scores[row, pos] += value
+
+
 def to_token_level(scorer, scores: torch.Tensor, batch, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
     """[B, T] scores on each response's last token; with algorithm.overlong_buffer DAPO's length
     penalty on the responses that ran into the buffer before the length limit."""

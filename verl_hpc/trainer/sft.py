@@ -9,6 +9,10 @@ tokens are in the loss (token mean over the global batch). `data.train_batch_siz
 optimizer step, `trainer.sft_epochs` passes, at most `trainer.total_steps` steps. At the end the
 weights are written as a Hugging Face folder (`trainer.hf_output_dir`, auto: <output_dir>/hf) with
 the tokenizer and config, ready to be an RL run's `model.path`.
+
+A response may also be a multi-turn demonstration for a multi_turn RL run: a list of messages,
+assistant turns with tool turns between them. It is laid out token by token as that run's episodes
+are (`episode_response`), and the tools' output is not trained on.
 """
 from __future__ import annotations
 
@@ -18,13 +22,16 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
+
+import torch
 
 from verl_hpc.algorithms import agg_loss
 from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.data.records import sft_row_problem
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.engines.megatron.roles import build_engine
+from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.program import check_tracking, finish, tracked
 from verl_hpc.trainer.roles import load_tokenizer
@@ -32,10 +39,46 @@ from verl_hpc.trainer.roles import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
-    """(prompt ids, response ids + EOS) per row of data.sft_files; DataError names file and row."""
+def episode_response(codec, messages, eos) -> Tuple[List[int], List[int]]:
+    """A multi-turn demonstration (assistant turns with tool turns between them) as the token ids
+    an episode of the multi_turn rollout would hold, and its loss mask: 1 on the assistant's text
+    (and the EOS after its last turn), 0 on the template's delimiters and the tools' output, which
+    the rollout appends from the same TurnCodec."""
+    ids, mask, tok = [], [], codec.tokenizer
+    k = 0
+    while k < len(messages):
+        text = tok(str(messages[k]["content"]), add_special_tokens=False)["input_ids"]
+        observations = []
+        while k + 1 < len(messages) and messages[k + 1]["role"] != "assistant":
+            observations.append(str(messages[k + 1]["content"]))
+            k += 1
+        ids += text
+        mask += [1] * len(text)
+        if observations:
+            tail = codec.close_ids(text[-1]) + codec.observation_ids(observations, messages[k]["role"])
+            ids, mask = ids + tail, mask + [0] * len(tail)
+        k += 1
+    if eos is not None:
+        ids, mask = ids + [eos], mask + [1]
+    return ids, mask
+
+
+def _multi_turn_problem(value) -> str:
+    if not all(isinstance(m, dict) and m.get("role") in ("assistant", "tool", "user") and "content" in m
+               for m in value):
+        return "a multi-turn response is a list of {role, content} messages with roles assistant, tool, user"
+    if value[0]["role"] != "assistant" or value[-1]["role"] != "assistant":
+        return "a multi-turn response starts and ends with an assistant message"
+    return ""
+
+
+def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int], Optional[List[int]]]]:
+    """(prompt ids, response ids + EOS, loss mask or None) per row of data.sft_files; DataError
+    names file and row. A response that is a list of messages is a multi-turn demonstration
+    (`episode_response`): only the assistant's tokens are trained."""
     d, out = cfg.data, []
     eos = tokenizer.eos_token_id
+    codec = None
     for path in d.sft_files:
         rows = read_rows(path, what="data.sft_files")
         for i, row in enumerate(rows):
@@ -44,13 +87,29 @@ def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int]]]:
                 raise DataError(f"data.sft_files '{path}' row {i}: {problem}")
         _, prompts = encode_prompts(tokenizer, [r[d.prompt_key] for r in rows], d.wrap_plain_text,
                                     [f"{Path(path).name}:{i}" for i in range(len(rows))])
-        responses = tokenizer([str(r[d.response_key]) for r in rows], add_special_tokens=False)["input_ids"]
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            r = list(r) + ([eos] if eos is not None else [])
+        for i, (p, row) in enumerate(zip(prompts, rows)):
+            value, mask = row[d.response_key], None
+            if isinstance(value, list):
+                problem = _multi_turn_problem(value)
+                if problem:
+                    raise DataError(f"data.sft_files '{path}' row {i}: field '{d.response_key}': {problem}")
+                codec = codec or TurnCodec(tokenizer)
+                r, mask = episode_response(codec, value, eos)
+            else:
+                r = tokenizer(str(value), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
             if len(p) + len(r) > d.max_prompt_length + d.max_response_length:
                 continue  # too long for the configured budget: dropped (counted below)
-            out.append((list(p), r))
+            out.append((list(p), list(r), mask))
     return out
+
+
+def loss_mask(rows) -> torch.Tensor:
+    """[B, T] 1 on the trained response tokens: all of them, or a multi-turn row's own mask."""
+    width = max(len(r) for r, _ in rows)
+    mask = torch.zeros(len(rows), width)
+    for b, (r, m) in enumerate(rows):
+        mask[b, :len(r)] = torch.tensor(m, dtype=mask.dtype) if m is not None else 1.0
+    return mask
 
 
 def nll_loss(out, mb, counts):
@@ -98,6 +157,7 @@ def run(cfg, ctx) -> dict:
                 order += perm
             take, order = order[:bs], order[bs:]
             batch = pack_sequences([rows[i][0] for i in take], [rows[i][1] for i in take], pad)
+            batch["response_mask"] = loss_mask([rows[i][1:] for i in take])
             m = actor.engine.train_step(batch, nll_loss, ("log_probs",))
             lr = actor.engine.scheduler_step()
             metrics = {"sft/loss": m["nll"] if "nll" in m else m["loss"], "sft/grad_norm": m["grad_norm"],

@@ -13,7 +13,8 @@ from typing import Callable, Dict
 
 from verl_hpc.data import val_batches
 from verl_hpc.data.tasks import task_of
-from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout import RolloutResult, SamplingSpec
+from verl_hpc.rollout.metrics import episode_metrics
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.batching import assemble
 from verl_hpc.trainer.hooks import CONTINUE
@@ -30,11 +31,13 @@ class Validator:
     def __bool__(self) -> bool:
         return bool(self.chunks)
 
-    def run(self, rollout, scorer, pad_id: int, reward_model=None) -> Dict[str, float]:
+    def run(self, generate, scorer, pad_id: int, reward_model=None) -> Dict[str, float]:
+        """generate(PromptBatch, spec) -> RolloutResult: the run's rollout (Roles.generate)."""
         sums, hits, counts = defaultdict(float), defaultdict(float), defaultdict(int)
-        task_keys = set()
+        task_keys, results = set(), []
         for prompts in self.chunks:
-            result = rollout.generate(prompts.prompt_ids, self.spec)
+            result = generate(prompts, self.spec)
+            results.append(result)
             batch = assemble(prompts, result, self.tokenizer, pad_id)
             scores, _ = score_batch(scorer, batch, reward_model)
             for ds, extra, s in zip(batch.data_sources, batch.extras, scores.tolist()):
@@ -53,6 +56,8 @@ class Validator:
                 continue
             out[f"val/acc/{key}"] = hits[key] / n
             out[f"val/reward/{key}"] = sums[key] / n
+        if results and results[0].episodes is not None:  # multi_turn: tool use on the val set
+            out.update(episode_metrics(RolloutResult.concat(results), prefix="val/episode"))
         return out
 
 

@@ -1,4 +1,4 @@
-"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic} ...`: see verl_hpc/data/prepare/__init__.py."""
+"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic,tool_arith} ...`: see verl_hpc/data/prepare/__init__.py."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--preference", action="store_true",
                    help="also write preference_train/preference_val (prompt, chosen, rejected) and "
                         "kto_train (prompt, completion, label) for trainer.job=dpo")
+    s = sub.add_parser("tool_arith", help="the tool demo: 5-digit products, multi-turn SFT demonstrations")
+    s.add_argument("out_dir")
+    s.add_argument("--n-train", type=int, default=2000)
+    s.add_argument("--n-val", type=int, default=100)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--sft-noise", type=float, default=0.0, help="fraction of SFT rows answering without the tool")
+    s.add_argument("--n-sft", type=int, default=-1, help="SFT rows (default: --n-train)")
     return p
 
 
@@ -44,6 +51,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                                       args.n_sft, args.noise_kind)
             if args.preference:
                 rows.update(synthetic.preference(args.n_train, args.n_val, args.seed, args.difficulty))
+            for name, path in synthetic.write(args.out_dir, rows).items():
+                print(f"wrote {len(rows[name])} rows to {path}")
+            return 0
+        if args.task == "tool_arith":
+            from verl_hpc.data.prepare import synthetic, tool_arith
+
+            rows = tool_arith.generate(args.n_train, args.n_val, args.seed, args.sft_noise, args.n_sft)
             for name, path in synthetic.write(args.out_dir, rows).items():
                 print(f"wrote {len(rows[name])} rows to {path}")
             return 0
