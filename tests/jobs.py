@@ -175,7 +175,8 @@ TINY_GRPO = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "act
 MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_decay_style=constant"]
 # metrics that measure the machine, not the run
 VOLATILE = ("timing_s/", "perf/", "throughput/", "time", "sync/seconds", "sync/gb_per_s",
-            "sync/export_seconds", "sync/load_seconds", "rollout/seconds", "rollout/tokens_per_s")
+            "sync/export_seconds", "sync/load_seconds", "rollout/seconds", "rollout/tokens_per_s",
+            "episode/tool_latency")
 
 
 def grpo(root: Path, out: Path, *extra, ranks: int = 1, timeout: int = 400):

@@ -74,3 +74,25 @@ def test_ckpt_trainer_resume_never_and_path(assets, tmp_path):
                    "checkpoint.dir=" + str(tmp_path / "other"))
     assert proc.returncode == 0, logs(proc, out)
     assert s["resumed_from"] == 1 and s["steps"] == 3
+
+
+# multi_turn: episodes of two model turns with environment tokens between (tests/agent_env.py)
+EPISODES = ["multi_turn.enable=true", "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
+            "data.max_response_length=24", "rollout.max_tokens=8"]
+
+
+def test_ckpt_trainer_resume_with_episodes_is_exact(assets, tmp_path):
+    """4 GRPO steps over episodes straight vs 2, stop, resume, 2 more: bitwise the same checkpoint
+    and the same per-step metrics, episode metrics included (the sync trainer's episodes live within
+    a step, so the checkpoint needs nothing more than for single-turn samples)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc, _ = grpo(assets, straight, "trainer.total_steps=4", *MOVING, *EPISODES)
+    assert proc.returncode == 0, logs(proc, straight)
+    proc, _ = grpo(assets, split, "trainer.total_steps=2", "checkpoint.save_every=1", *MOVING, *EPISODES)
+    assert proc.returncode == 0, logs(proc, split)
+    proc, s = grpo(assets, split, "trainer.total_steps=4", *MOVING, *EPISODES)
+    assert proc.returncode == 0 and s["resumed_from"] == 2, logs(proc, split)
+    a, b = read_all(straight / "checkpoints"), read_all(split / "checkpoints")
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+    ma, mb = stable_metrics(straight), stable_metrics(split)
+    assert ma == mb and all(m["episode/turns_mean"] == 2.0 for m in ma)

@@ -1,6 +1,6 @@
 """Episodes: model turn, tool (or environment) turn, model turn, ... as one token sequence.
 
-    runner = EpisodeRunner(engine, codec, responder, max_turns=4, budget=256)
+    runner = EpisodeRunner(engine, codec, responder, max_turns=mt.max_turns, budget=d.max_response_length)
     result = runner.generate(prompt_ids, spec, rows=prompt_extras)   # a RolloutResult of episodes
 
 Token in, token out. A model turn's tokens are appended exactly as the engine sampled them, with

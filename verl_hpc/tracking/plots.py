@@ -56,6 +56,11 @@ PANELS: tuple[Panel, ...] = (
     Panel("Asynchronous training", "staleness (policy versions)", ("async/staleness_mean", "async/staleness_max"),
           right=("async/idle_frac/rollout", "async/idle_frac/train"),
           right_ylabel="idle fraction (waiting on the other group)", right_ylim=(-0.02, 1.02)),
+    # multi_turn: how often episodes call a tool (training samples and greedy validation) against
+    # the share of calls that failed, so a rising call rate can be read against its errors
+    Panel("Tool use", "share of episodes calling a tool", ("episode/tool_call_rate", "val/episode/tool_call_rate"),
+          ylim=(-0.02, 1.02), right=("episode/tool_error_rate",), right_ylabel="failed share of calls",
+          right_ylim=(-0.02, 1.02)),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):

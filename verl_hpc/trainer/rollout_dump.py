@@ -4,19 +4,25 @@ writes and how it was scored (the file verl users know by the same option).
     <rollout_data_dir>/step_000005.jsonl   one line per sample:
     {"step", "round", "id", "sample", "prompt", "response", "response_ids", "finish", "score"}
     + "versions" (split placement: the policy version of each response token)
+    + for episodes (multi_turn): "episode" (the whole episode as text, tool turns included; "response"
+      is its answer, the text scored), "response_mask" (1 on the model's tokens) and "turns",
+      "tool_calls", "tool_errors", "end"
 
 Rank 0 writes; a step run again (after a resume or a rollback) overwrites its file. JSON lines
 rather than parquet so that `tail`, `jq` and `grep` read a step while the job runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 
 class RolloutDump:
-    def __init__(self, folder: str, rank: int):
+    def __init__(self, folder: str, rank: int, decode=None):
+        """decode(ids) -> text: the tokenizer's, for episodes (special tokens kept: they delimit turns)."""
         self.folder = Path(folder) if folder and rank == 0 else None
+        self.decode = decode
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
 
@@ -34,4 +40,8 @@ class RolloutDump:
                        "score": float(scores[r])}
                 if result.versions is not None:
                     row["versions"] = list(result.versions[r])
+                if result.episodes is not None:
+                    stats = dataclasses.asdict(result.episodes[r])
+                    row.update(episode=self.decode(result.response_ids[r]), response_mask=list(result.response_mask[r]),
+                               **{k: stats[k] for k in ("turns", "tool_calls", "tool_errors", "end")})
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -42,7 +42,8 @@ class StepSampler:
         self.source = source or self._generate_here
         self.loader, self.scorer, self.sampling = loader, scorer, sampling
         self.inject_regression = set(cfg.trainer.inject_regression_at_steps)  # test hook, once per step
-        self.dump = RolloutDump(cfg.trainer.rollout_data_dir, ctx.rank)
+        self.dump = RolloutDump(cfg.trainer.rollout_data_dir, ctx.rank,
+                                lambda ids: roles.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _inject_regression(self, step: int, scores: torch.Tensor, m_reward: Dict[str, float]):
         """trainer.inject_regression_at_steps: every score of the step := -1 (the rollback guard's

@@ -1,0 +1,14 @@
+"""A user environment for the multi_turn tests (multi_turn.environment=agent_env:OneMoreTurn): after
+the model's first turn it always answers with an observation and a per-turn reward, so every episode
+has two model turns with environment tokens between them, whatever a random model writes."""
+
+
+class OneMoreTurn:
+    def reset(self, row):
+        self.left = 1
+
+    def step(self, turn_text):
+        if self.left:
+            self.left -= 1
+            return f"you wrote {len(turn_text)} characters; once more", 0.25, False
+        return None, 0.0, True
