@@ -89,7 +89,7 @@ class Sandbox:
         self.cpu_time_s, self.wall_time_s, self.memory_mb = cpu_time_s, wall_time_s, memory_mb
         self.max_processes, self.max_output_bytes = max_processes, max_output_bytes
         self.max_file_bytes = max_file_bytes
-        self.scratch_root = scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir()
+        self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
         self.python = _base_python()
         self._cgroup_base = _PidsCgroup.base()
         self.mode = self._resolve(mode)
@@ -296,6 +296,14 @@ def _base_python() -> str:
     """The job's base interpreter: a venv's python would need the venv, inside the user's project."""
     exe = getattr(sys, "_base_executable", "") or sys.executable
     return os.path.realpath(exe)
+
+
+def _writable_folder(path: str) -> str:
+    """The scratch root, checked once here: a run must not fail on it, one run after another."""
+    if not (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        raise ConfigError(f"sandbox.scratch_root = {path!r}: not a writable folder (each run makes its "
+                          "scratch folder there; '' = $TMPDIR or /tmp)")
+    return path
 
 
 def _system_symlinks() -> List[Tuple[str, str]]:
