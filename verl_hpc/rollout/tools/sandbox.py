@@ -110,7 +110,7 @@ class Sandbox:
                                   "strongest mode this node allows")
             return mode
         reasons = []
-        for candidate in SANDBOX_MODES[1:]:  # strongest first
+        for candidate in (m for m in SANDBOX_MODES if m != "auto"):  # the config lists them strongest first
             why = self._unavailable(candidate)
             if not why:
                 log.info("sandbox: mode auto -> %s%s", candidate, f" ({'; '.join(reasons)})" if reasons else "")
