@@ -129,7 +129,8 @@ stop_all_slurmd() {
 # -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
 # us). hdf5-tools: h5ls/h5dump for checkpoint tests. prometheus-pushgateway: the tests push
 # metrics to a real gateway they start themselves (the packaged service is not started).
-PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway"
+# bubblewrap: the sandbox's bwrap mode, which the sandbox tests run (docs/sandbox.md).
+PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway bubblewrap"
 # multi-node: ip netns/tc (iproute2), unshare/nsenter (util-linux), the controller forwarders (socat)
 [ "$NODES" -gt 1 ] && PKGS="$PKGS iproute2 socat util-linux"
 [ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"

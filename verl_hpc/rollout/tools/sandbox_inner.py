@@ -1,0 +1,153 @@
+"""The part of the sandbox that runs inside it, just before the model's code (stdlib only).
+
+`Sandbox` passes this file's text to the job's base Python as `python -I -S -c <text> <plan>`,
+where <plan> is JSON. It runs as the first process of the sandbox (inside `unshare` or `bwrap`, or
+directly in rlimits mode) and, in this order (steps 2-3 in the child of step 4):
+  1. namespaces mode only: builds a fresh root in a tmpfs from read-only binds of the system
+     folders and the interpreter, the scratch folder read-write, a private /tmp, a few /dev nodes,
+     then pivot_root()s into it and detaches the old root, so nothing else of the node is mounted;
+  2. sets the resource limits (lowering only: a limit the node already set lower stays);
+  3. drops every capability it holds in its user namespace (bounding, ambient, inheritable,
+     permitted) and sets no_new_privs, so the code cannot remount, mount, or gain privileges by
+     exec'ing a set-uid program;
+  4. forks; the child exec()s `python -I main.py` in the scratch folder, the parent waits and
+     writes how it ended (exit code or signal, CPU seconds) as JSON to the status pipe.
+It is not imported by the job: it never runs in a rank's process.
+"""
+import ctypes
+import ctypes.util
+import json
+import os
+import platform
+import resource
+import sys
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+# statvfs flags that the kernel "locks" on a mount seen from a user namespace: a read-only
+# remount of a bind must repeat them or it fails with EPERM (same bit values as the MS_ flags)
+LOCKED_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | 4096  # noatime, nodiratime, relatime
+# glibc has no pivot_root() wrapper; the system call's number per architecture
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217, "riscv64": 41}
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+CAP_VERSION_3 = 0x20080522
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"sandbox setup: {what}: {os.strerror(err)}")
+
+
+def mount(src, dst, fstype, flags, data=None):
+    enc = (lambda s: s.encode() if s is not None else None)
+    check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
+
+
+def bind(src, dst, writable):
+    mount(src, dst, None, MS_BIND | MS_REC)
+    if not writable:
+        locked = os.statvfs(src).f_flag & LOCKED_FLAGS
+        mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
+
+
+def mount_point(path, is_dir):
+    os.makedirs(path if is_dir else os.path.dirname(path), exist_ok=True)
+    if not is_dir and not os.path.exists(path):
+        open(path, "w").close()
+
+
+def build_root(root):
+    """Step 1: the new root holds only what the plan names."""
+    new = root["dir"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back to the node
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for target, link in root["symlinks"]:
+        os.symlink(target, new + link)
+    for src, dst, writable in root["binds"]:
+        mount_point(new + dst, os.path.isdir(src))
+        bind(src, new + dst, writable)
+    os.makedirs(new + "/tmp")
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={root['tmp_bytes']},mode=1777")
+    os.makedirs(new + "/proc")
+    try:  # a container may hide parts of /proc, and then the kernel refuses a fresh one: not needed
+        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass
+    enter(new)
+    # the tmpfs root itself read-only: the scratch folder and /tmp are the only writable places
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def enter(new):
+    """pivot_root into `new` and detach the old root (chroot where the call number is unknown)."""
+    os.chdir(new)
+    number = PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        os.chroot(".")
+    else:
+        check(libc.syscall(ctypes.c_long(number), b".", b"."), "pivot_root")
+        check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+
+
+def set_limits(limits):
+    """Step 2: each limit as (name, soft, hard); never above a hard limit already in force."""
+    for name, soft, hard in limits:
+        which = getattr(resource, name)
+        _, current = resource.getrlimit(which)
+        if current != resource.RLIM_INFINITY:
+            soft, hard = min(soft, current), min(hard, current)
+        resource.setrlimit(which, (soft, hard))
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges():
+    """Step 3. With an empty bounding set and no inheritable or ambient capabilities, exec() grants
+    none, even to uid 0 of the user namespace."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # EINVAL past the last capability this kernel knows; EPERM: none held (rlimits)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    none = (CapData * 2)()  # lowering one's own capabilities needs no privilege
+    check(libc.capset(ctypes.byref(CapHeader(CAP_VERSION_3, 0)), none), "capset")
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def main(plan):
+    if plan["root"]:
+        build_root(plan["root"])
+    os.chdir(plan["cwd"])
+    status_fd = plan["status_fd"]
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)  # the code must not write the status line
+        set_limits(plan["limits"])
+        drop_privileges()
+        os.execve(plan["argv"][0], plan["argv"], plan["env"])
+    # This process waits (pid 1 of the pid namespace in the bwrap and namespaces modes: when it
+    # exits, every process the code left behind is killed) and tells the sandbox how the code
+    # ended, which wrappers blur (bwrap exits 128 + a signal, unshare fails to re-raise SIGXCPU).
+    _, status, usage = os.wait4(pid, 0)
+    report = {"cpu_s": usage.ru_utime + usage.ru_stime}
+    if os.WIFSIGNALED(status):
+        report["signal"] = os.WTERMSIG(status)
+    else:
+        report["exit"] = os.WEXITSTATUS(status)
+    os.write(status_fd, json.dumps(report).encode())
+    os._exit(report.get("exit", 1))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
