@@ -1,16 +1,22 @@
 """Tool calls, the built-in tools, the registry and the pool (verl_hpc/rollout/tools)."""
+import os
 import random
+import subprocess
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import pytest
 
 from verl_hpc.config import load_config
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.schema import choices_of
 from verl_hpc.rollout.tools import (ToolCall, ToolFailed, ToolPool, ToolRegistry, calculator, has_tool_call,
                                     load_environment, parse_tool_calls, run_python)
+from verl_hpc.rollout.tools.builtin import BUILTINS
 from verl_hpc.rollout.tools.registry import Tool
 
 EXAMPLE = "user_tools_example"  # tests/unit/rollout/user_tools_example.py, on the tests' path
@@ -152,6 +158,10 @@ def config(*overrides):
     return load_config(None, list(overrides))
 
 
+def test_the_built_in_tools_are_the_configs_choices():
+    assert set(BUILTINS) == set(choices_of("multi_turn.tools"))
+
+
 def test_registry_names_schemas_and_offered_lists():
     registry = ToolRegistry.from_config(config("multi_turn.tools=[calculator]"))
     assert registry.names() == ["calculator"]
@@ -291,3 +301,17 @@ def test_pool_from_config_uses_the_cores_the_rank_leaves_free():
         assert (pool.workers, pool.timeout_s, pool.max_output_chars) == (3, 3.0, 2000)
         out, = pool.run([(["calculator"], ToolCall("calculator", {"expression": "12345 * 67890"}))])
     assert out.text == "838102050"
+
+
+def test_an_abandoned_call_does_not_keep_the_rank_from_exiting():
+    script = textwrap.dedent("""
+        import time
+        from verl_hpc.rollout.tools import ToolCall, ToolPool, ToolRegistry
+        from verl_hpc.rollout.tools.registry import Tool
+
+        pool = ToolPool(ToolRegistry([Tool("hang", lambda: time.sleep(3600), {})]), 1, 0.1, 100)
+        print(pool.run([(["hang"], ToolCall("hang", {}))])[0].error, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+    assert (done.returncode, done.stdout) == (0, "timeout\n"), done.stderr

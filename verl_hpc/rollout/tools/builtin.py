@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import Callable, Union
+from typing import Callable, Dict, Union
 
 from verl_hpc.rollout.tools.calls import ToolFailed
 
@@ -143,3 +143,10 @@ def python_tool(get_sandbox: Callable[[], object]) -> Callable[[str], str]:
         return run_python(code, get_sandbox())
 
     return python
+
+
+# What this module implements, for callers without a config (a test keeps it equal to
+# multi_turn.tools's choices): each builds the tool's function from a getter of the python tool's
+# sandbox, which only `python` calls.
+BUILTINS: Dict[str, Callable[[Callable[[], object]], Callable[..., str]]] = {
+    "calculator": lambda get_sandbox: calculator, "python": python_tool}
