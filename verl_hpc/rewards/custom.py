@@ -15,7 +15,7 @@ import inspect
 import os
 import sysconfig
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, Type
 
 from verl_hpc.rewards.errors import RewardError
 
@@ -26,39 +26,48 @@ def load_custom_function(spec: str, allow_custom_code: bool) -> CustomFn:
     if not allow_custom_code:
         raise RewardError(f"reward.custom_function = {spec!r} runs your own code: set "
                           "safety.allow_custom_code=true to allow it")
-    module_name, _, fn_name = spec.partition(":")
-    if not module_name or not fn_name:
-        raise RewardError(f"reward.custom_function = {spec!r}: expected 'package.module:function'")
-    module = _import(spec, module_name)
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise RewardError(f"reward.custom_function = {spec!r}: module {module_name!r} has no function "
-                          f"{fn_name!r}; callables there: {', '.join(public) or 'none'}")
+    fn = load_user_object("reward.custom_function", spec)
     _check_signature(spec, fn)
     return fn
 
 
-def _import(spec: str, module_name: str):
+def load_user_object(field: str, spec: str, error: Type[Exception] = RewardError, kind: str = "function"):
+    """The callable a 'package.module:name' spec names (a function, or a class), or one `error`
+    naming `field` and the spec: a malformed spec, a module that is missing or fails at import, a
+    name the module lacks. Shared by every place a config names user code."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise error(f"{field} = {spec!r}: expected 'package.module:{kind}'")
+    module = _import(field, spec, module_name, error)
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise error(f"{field} = {spec!r}: module {module_name!r} has no {kind} "
+                    f"{name!r}; callables there: {', '.join(public) or 'none'}")
+    return obj
+
+
+def _import(field: str, spec: str, module_name: str, error: Type[Exception]):
     """The user's module; a module that is not there, or whose own code fails while it is imported
-    (a SyntaxError, any exception, a sys.exit), is one RewardError naming the file and line."""
+    (a SyntaxError, any exception, a sys.exit), is one `error` naming the file and line."""
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise RewardError(f"reward.custom_function = {spec!r}: cannot import module {module_name!r} ({e}); "
-                              "is it on PYTHONPATH on every node?") from e
+            raise error(f"{field} = {spec!r}: cannot import module {module_name!r} ({e}); "
+                        "is it on PYTHONPATH on every node?") from e
         failure = e  # the module is there, but something it imports is not
     except SyntaxError as e:  # the traceback ends in the compiler; the error itself knows where
-        raise RewardError(_import_failed(spec, module_name, f"{e.filename}, line {e.lineno}", e.msg, e)) from e
+        raise error(_import_failed(field, spec, module_name, f"{e.filename}, line {e.lineno}", e.msg, e)) from e
     except (Exception, SystemExit) as e:  # noqa: BLE001 - user code: any failure is reported the same way
         failure = e
-    raise RewardError(_import_failed(spec, module_name, _user_line(failure), str(failure), failure)) from failure
+    raise error(_import_failed(field, spec, module_name, _user_line(failure), str(failure), failure)) from failure
 
 
-def _import_failed(spec: str, module_name: str, where: Optional[str], text: str, exc: BaseException) -> str:
+def _import_failed(field: str, spec: str, module_name: str, where: Optional[str], text: str,
+                   exc: BaseException) -> str:
     text = " ".join(text.split())  # one line, whatever the exception's message holds
-    return (f"reward.custom_function = {spec!r}: importing module {module_name!r} failed"
+    return (f"{field} = {spec!r}: importing module {module_name!r} failed"
             f"{' at ' + where if where else ''}: {type(exc).__name__}{': ' + text if text else ''}")
 
 

@@ -60,11 +60,12 @@ OWN_CHOICE_LISTS = {
     # what the code implements, for callers without a config; a test keeps each equal to the choices
     # (tests/unit/data/test_data_templates_filter.py, tests/unit/rollout/test_rol_core.py,
     # tests/unit/engines/test_eng_gpu_paths.py, tests/unit/rewards/test_rw_scorer.py,
-    # tests/unit/planning/test_plan_published.py)
+    # tests/unit/planning/test_plan_published.py, tests/unit/rollout/test_tools.py)
     "verl_hpc/data/filtering.py": "data.overlong_prompts: what filter_overlong implements",
     "verl_hpc/rollout/prompts.py": "rollout.prompt_overflow: what fit_prompts implements",
     "verl_hpc/models/gpt.py": "model.fp8_recipe: the recipes build_gpt_model hands to Megatron",
     "verl_hpc/rewards/scorer.py": "reward.on_error: what RewardScorer.score implements",
+    "verl_hpc/rollout/tools/builtin.py": "multi_turn.tools: the built-in tools BUILTINS implements",
     "verl_hpc/planning/training.py": "parallel.recompute_granularity: what the activation model implements",
 }
 

@@ -24,6 +24,12 @@ TOOL_FORMATS = ("hermes",)  # <tool_call>{json}</tool_call>
 SANDBOX_MODES = ("auto", "bwrap", "namespaces", "rlimits")
 
 
+def needs_custom_code(field: str) -> str:
+    """The refusal of user tools and environments without safety.allow_custom_code: one wording
+    for the config check and for the tool registry, which refuses again where it loads the code."""
+    return f"{field} runs your own code: set safety.allow_custom_code=true to allow it"
+
+
 @dataclass
 class MultiTurnConfig(Section):
     enable: bool = opt(False, "each sample is an episode of model and tool turns (trainer.job = rl)")
@@ -55,8 +61,7 @@ class MultiTurnConfig(Section):
         if job.placement.split:
             p.append("multi_turn.enable does not run with placement.mode = split yet: use colocated placement")
         if (self.user_tools or self.environment) and not job.safety.allow_custom_code:
-            what = "multi_turn.environment" if self.environment else "multi_turn.user_tools"
-            p.append(f"{what} runs your own code: set safety.allow_custom_code=true to allow it")
+            p.append(needs_custom_code("multi_turn.environment" if self.environment else "multi_turn.user_tools"))
         for spec in [*self.user_tools, *([self.environment] if self.environment else [])]:
             module, _, name = spec.partition(":")
             if not module or not name:
