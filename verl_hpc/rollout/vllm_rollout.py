@@ -147,6 +147,11 @@ class VLLMRollout(RolloutEngine):
         else:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or vllm_compat.cpu_kv_cache_bytes(
                 model_path, max_model_len, max_num_seqs)
+            # A prefill split over two scheduler steps rewinds its request's seeded generator, which
+            # the CPU generator cannot (vLLM 0.32 on CPU: "RuntimeError: CPU Generator does not use
+            # offset"); long prompts (multi-turn episodes) hit it once a step's prefills pass 4,096
+            # tokens. Unchunked, a prompt that does not fit a step waits for the next one.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(engine_kwargs)
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
