@@ -78,7 +78,7 @@ def test_ckpt_trainer_resume_never_and_path(assets, tmp_path):
 
 # multi_turn: episodes of two model turns with environment tokens between (tests/agent_env.py)
 EPISODES = ["multi_turn.enable=true", "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
-            "data.max_response_length=24", "rollout.max_tokens=8"]
+            "data.max_response_length=64", "rollout.max_tokens=8"]
 
 
 def test_ckpt_trainer_resume_with_episodes_is_exact(assets, tmp_path):

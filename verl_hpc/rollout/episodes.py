@@ -19,7 +19,8 @@ How a batch of episodes runs (every rank in lockstep: `engine.generate` is a col
      the prompt), so vLLM batches the next turns of all of them; back to 2 until none is left.
 An episode ends when the model answers (a turn without a tool call; the environment's done), at
 max_turns model turns, when its tokens reach `budget` (data.max_response_length: the whole episode
-after the prompt), or when the batch's episodes have run `timeout_s`. One generate call serves
+after the prompt), or when the batch's episodes have run `timeout_s`. A turn cut at
+rollout.max_tokens is a turn like any other (its calls run; without one it is the answer). One generate call serves
 episodes with different room left: it asks for the most any of them has, and each episode keeps
 only the first tokens up to its own limit (a prefix of what was sampled is still exactly what the
 policy sampled; vLLM itself stops a sequence at its window).
@@ -156,7 +157,8 @@ class EpisodeRunner:
 
     def _absorb(self, episodes, which: Sequence[int], result: RolloutResult, sampling: SamplingSpec) -> None:
         """Append each row of `result` (row k -> episode which[k]) as a model turn, cut to the
-        episode's room; a turn cut by a limit ends its episode."""
+        episode's room. A turn that fills the episode's budget ends it; one cut at rollout.max_tokens
+        with budget left is still a turn: the responder reads it (verl's agent loop does the same)."""
         for k, e in enumerate(which):
             ep = episodes[e]
             ids, lps, reason = result.response_ids[k], result.logprobs[k], result.finish_reason[k]
@@ -166,7 +168,7 @@ class EpisodeRunner:
             ep.turn_start = len(ep.tokens)
             ep.append(ids, model=True, logprobs=lps)
             ep.stats.turns += 1
-            if reason == "length" or not ids:
+            if len(ep.tokens) >= self.budget or not ids:
                 ep.finish("length")
 
     def _next_turn(self, episodes, live: Sequence[int], sampling: SamplingSpec, turn: int) -> None:

@@ -21,7 +21,7 @@ TOLERANCE = 1e-5  # the engine's layout parity bound after one Adam step at lr 1
 def args(assets):
     return [f"model.path={assets}/model", *data_overrides(assets), "multi_turn.enable=true",
             "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
-            "multi_turn.max_turns=3", "data.max_response_length=48", "rollout.max_tokens=8",
+            "multi_turn.max_turns=3", "data.max_response_length=64", "rollout.max_tokens=8",
             "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
             "trainer.total_steps=1", "trainer.val_every=0", "slurm.cpus_per_task=1", "actor.optim.lr=1e-4",
             "checkpoint.save_every=1", "tracking.backends=[jsonl]", "tracking.plots=false"]

@@ -139,7 +139,7 @@ def expected(tok, emitted, observations, end, budget, turn_tokens):
 
 
 def test_thousand_stub_episodes_are_token_exact(tok):
-    budget, turn_tokens, max_turns = 330, 100, 3
+    budget, turn_tokens, max_turns = 250, 100, 3
     result, engine, tools = run(tok, 125, 8, max_turns=max_turns, budget=budget, turn_tokens=turn_tokens)
     assert len(result) == 1000 and result.response_mask is not None
     ends = {}
@@ -158,8 +158,8 @@ def test_thousand_stub_episodes_are_token_exact(tok):
         ends[stats.end] = ends.get(stats.end, 0) + 1
         if stats.end == "max_turns":
             assert stats.turns == max_turns
-        if stats.end == "answered":
-            assert want_ids[-1] == tok.eos_token_id or stats.turns < max_turns
+        if stats.end == "answered":  # its last turn called no tool (an answer, or a turn cut at the cap)
+            assert "<tool_call>" not in stats.answer
     # every way to end occurred (the plans are random; 1,000 of them cover all)
     assert set(ends) == {"answered", "max_turns", "length"}, ends
     # the tokens really are not BPE's: re-encoding a decoded turn gives other ids

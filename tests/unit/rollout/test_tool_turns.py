@@ -47,3 +47,19 @@ def test_each_kind_of_turn_gets_its_reply(turns):
     assert "search" in unknown.observations[0]
     assert many.calls == 2 and many.errors == 1 and many.observations[:2] == ["4", "4"]
     assert "limit of 2" in many.observations[2]
+
+
+def test_python_calls_run_in_the_real_sandbox_and_the_next_episode_runs():
+    cfg = load_config(None, ["multi_turn.tools=[python]", "sandbox.wall_time_s=2", "sandbox.cpu_time_s=1"])
+    responder = ToolTurns(ToolPool(ToolRegistry.from_config(cfg), workers=2, timeout_s=20, max_output_chars=500),
+                          max_calls_per_turn=1)
+    try:
+        py = ("python",)
+        forever, secret = responder.respond([Turn(0, call("python", code="while True: pass"), py),
+                                             Turn(1, call("python", code="print(open('/etc/shadow').read())"), py)])
+        assert forever.errors == 1 and "error" in forever.observations[0]
+        assert secret.errors == 1 and "root:" not in secret.observations[0]
+        (after,) = responder.respond([Turn(2, call("python", code="print(6*7)"), py)])
+        assert after.observations == ["42\n"] and after.errors == 0
+    finally:
+        responder.close()
