@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.filtering import filter_overlong
 from verl_hpc.data.records import PromptRecord, load_records
 from verl_hpc.data.templates import encode_prompts
+
+
+def offered_schemas(record: PromptRecord, tools: Mapping[str, dict]) -> List[dict]:
+    """The schemas of the tools `record` is offered: its `tools` field, else every tool."""
+    names = record.extra.get("tools") or list(tools)
+    unknown = [n for n in names if n not in tools]
+    if unknown:
+        raise DataError(f"sample {record.id}: field 'tools' names {', '.join(map(repr, unknown))}, not a tool "
+                        f"of this job; valid: {', '.join(tools) or 'none (multi_turn offers no tools)'}")
+    return [tools[n] for n in names]
 
 
 @dataclass
@@ -26,11 +36,15 @@ class PromptDataset:
     @classmethod
     def load(cls, paths: Sequence[str], tokenizer, prompt_key: str, max_prompt_length: int,
              overlong_prompts: str, wrap_plain_text: bool,
-             what: str = "data.train_files") -> "PromptDataset":
+             what: str = "data.train_files", tools: Optional[Mapping[str, dict]] = None) -> "PromptDataset":
+        """tools: {name: schema} of a multi_turn job's tools; each row's prompt lists the ones it is
+        offered (its `tools` field, else all), and a row naming another is a DataError."""
         if not paths:
             raise DataError(f"{what}: empty; expected at least one .parquet or .jsonl file")
         records = load_records(paths, prompt_key, what=what)
-        texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text, [r.id for r in records])
+        offered = [offered_schemas(r, tools) for r in records] if tools is not None else None
+        texts, ids = encode_prompts(tokenizer, [r.prompt for r in records], wrap_plain_text,
+                                    [r.id for r in records], offered)
         kept, dropped = filter_overlong([r.id for r in records], [len(x) for x in ids], max_prompt_length,
                                         overlong_prompts, what=what)
         return cls([records[i] for i in kept], [texts[i] for i in kept], [ids[i] for i in kept], dropped)

@@ -23,26 +23,32 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer, prompt: Prompt, wrap_plain_text: bool = True) -> Tuple[str, bool]:
-    """(text, templated): the prompt as the model will see it, ending where the response starts."""
+def render_prompt(tokenizer, prompt: Prompt, wrap_plain_text: bool = True,
+                  tools: Optional[List[dict]] = None) -> Tuple[str, bool]:
+    """(text, templated): the prompt as the model will see it, ending where the response starts.
+    tools: function schemas the template lists for the model (multi_turn; a template that does not
+    use its `tools` variable ignores them)."""
     if isinstance(prompt, str) and not (wrap_plain_text and has_chat_template(tokenizer)):
         return prompt, False
     if not has_chat_template(tokenizer):
         raise DataError("a prompt is a list of chat messages but the tokenizer has no chat_template; "
                         "use a tokenizer with one, or plain-text prompts")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     return text, True
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Prompt], wrap_plain_text: bool = True,
-                   sample_ids: Optional[Sequence[str]] = None) -> Tuple[List[str], List[List[int]]]:
+                   sample_ids: Optional[Sequence[str]] = None,
+                   tools: Optional[Sequence[Optional[List[dict]]]] = None) -> Tuple[List[str], List[List[int]]]:
     """Rendered texts and their token ids, in one batched tokenizer call per kind. `sample_ids`
-    only serve the error message when a template cannot render a prompt."""
+    only serve the error message when a template cannot render a prompt; tools[i]: prompt i's
+    tool schemas (render_prompt)."""
     rendered = []
     for i, p in enumerate(prompts):
         try:
-            rendered.append(render_prompt(tokenizer, p, wrap_plain_text))
+            rendered.append(render_prompt(tokenizer, p, wrap_plain_text, tools[i] if tools else None))
         except DataError as e:
             raise DataError(f"sample {sample_ids[i] if sample_ids else i}: {e}") from e
         except Exception as e:  # noqa: BLE001 - a Jinja template's own checks (roles must alternate, ...)

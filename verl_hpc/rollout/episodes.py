@@ -142,6 +142,11 @@ class EpisodeRunner:
             turn += 1
         return self._result(episodes, first, time.perf_counter() - start)
 
+    def tool_schemas(self) -> Optional[Dict[str, dict]]:
+        """{name: function schema} of the tools the prompts list (rank 0; None: an environment)."""
+        schemas = getattr(self.responder, "schemas", None)
+        return schemas() if schemas is not None else None
+
     def close(self) -> None:
         self.responder.close()
 

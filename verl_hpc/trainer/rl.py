@@ -79,9 +79,10 @@ class RLTrainer:
         self.link = AsyncLink(cfg, ctx) if cfg.placement.split and ctx.role == "train" else None
         if self.link is not None:
             self.roles.rollout = RemoteRollout(self.link, lambda: self.steps_done)
-        self.loader = (PromptLoader.from_config(d, tok, d.wrap_plain_text)
+        tools = self.roles.episodes.tool_schemas() if self.roles.episodes is not None and ctx.rank == 0 else None
+        self.loader = (PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools)
                        if ctx.rank == 0 and self.link is None else None)  # split: on the rollout leader
-        val_set = load_val_dataset(d, tok, d.wrap_plain_text) if ctx.rank == 0 and cfg.trainer.val_every else None
+        val_set = load_val_dataset(d, tok, d.wrap_plain_text, tools=tools) if ctx.rank == 0 and cfg.trainer.val_every else None
         self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
         if ctx.rank == 0 and self.loader is not None:  # refuse unscorable data before spending compute on it

@@ -27,6 +27,11 @@ class ToolTurns:
     def start(self, rows: Sequence[Dict[str, Any]]) -> None:
         pass
 
+    def schemas(self) -> Dict[str, dict]:
+        """{name: OpenAI-style schema} of every tool the job offers, for the prompts' chat template."""
+        registry = self.pool.registry
+        return dict(zip(registry.names(), registry.schemas()))
+
     def respond(self, turns: Sequence[Turn]) -> List[Reply]:
         parsed = [parse_tool_calls(t.text) for t in turns]
         jobs = [(k, call) for k, p in enumerate(parsed) for call in p.calls[:self.max_calls]]
