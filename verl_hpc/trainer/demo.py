@@ -32,12 +32,14 @@ import time
 from pathlib import Path
 
 
-# the demo's tasks: data generator, the SFT and RL configs, SFT noise, output folder
+# the demo's tasks: data generator (and its further arguments), the SFT and RL configs, SFT noise, output folder
 TASKS = {
-    "arith": dict(data="synthetic", sft_config="configs/demo_sft.yaml", rl_config="configs/demo_rl.yaml",
-                  sft_noise=0.62, out="outputs/demo"),
-    "tool": dict(data="tool_arith", sft_config="configs/demo_tool_sft.yaml", rl_config="configs/demo_tool.yaml",
-                 sft_noise=0.6, out="outputs/demo_tool"),
+    "arith": dict(data="synthetic", data_args=(), sft_config="configs/demo_sft.yaml",
+                  rl_config="configs/demo_rl.yaml", sft_noise=0.62, out="outputs/demo"),
+    # 4,000 SFT rows, 3 in 4 of them direct answers: greedy answers directly (0% val accuracy) while
+    # about 1 sample in 5 calls the tool (tool_arith.py)
+    "tool": dict(data="tool_arith", data_args=("--n-sft", "4000"), sft_config="configs/demo_tool_sft.yaml",
+                 rl_config="configs/demo_tool.yaml", sft_noise=0.75, out="outputs/demo_tool"),
 }
 
 
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
         "--seed", str(a.seed)], "tiny model")
     sh([py, "-m", "verl_hpc.data.prepare", task["data"], str(out / "data"), "--n-train", "2000",
-        "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise)], f"{task['data']} data")
+        "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise), *task["data_args"]],
+       f"{task['data']} data")
     sh([py, "-m", "verl_hpc.submit", task["sft_config"], "--local", *common,
         f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
         f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")

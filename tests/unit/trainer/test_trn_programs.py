@@ -43,6 +43,26 @@ def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
     assert written["steps"] == 2 and written["rows"] == 4 and shown == written
 
 
+def test_sft_program_trains_multi_turn_demonstrations(one_rank_world, tmp_path, tiny_model, capsys):
+    """Rows whose response is a list of messages (tool-use demonstrations) train through the same
+    program; a malformed one is a DataError naming the file and row."""
+    from verl_hpc.config import load_config
+    from verl_hpc.data import DataError
+    from verl_hpc.data.prepare.tool_arith import demonstration
+    from verl_hpc.trainer import sft
+
+    rows = tmp_path / "demos.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}*{b}=", "response": demonstration(a, b)}) + "\n"
+                            for a, b in ((12345, 67890), (11111, 22222), (31415, 92653), (27182, 81828))))
+    summary, _, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft", f"data.sft_files=[{rows}]",
+                               "data.max_response_length=128")
+    assert written["rows"] == 4 and written["steps"] == 2 and written["last_loss"] < written["first_loss"]
+    rows.write_text(json.dumps({"prompt": "1*2=", "response": [{"role": "tool", "content": "2"}]}) + "\n")
+    cfg = load_config(None, [f"model.path={tiny_model}", f"data.sft_files=[{rows}]", "trainer.job=sft"])
+    with pytest.raises(DataError, match=r"demos.jsonl' row 0: field 'response': a multi-turn response starts"):
+        sft.load_sft_rows(cfg, sft.load_tokenizer(cfg))
+
+
 def test_dpo_program(one_rank_world, tmp_path, tiny_model, capsys):
     from verl_hpc.trainer import preference
 

@@ -10,7 +10,7 @@ and the docstring an `Args:` section. To fail, raise: the model reads `error: <T
 Environments. 'package.module:Class' names a class built with no arguments, one instance per
 episode, instead of tool calls:
 
-    reset(row: dict) -> Optional[str]          # the row of the data set; an opening observation or None
+    reset(row: dict) -> None                   # the row's `extra`; its prompt opens the episode
     step(turn_text: str) -> (observation: Optional[str], reward: float, done: bool)
                                                # the model's turn as text; what it reads next, this
                                                # turn's reward term, whether the episode ends
