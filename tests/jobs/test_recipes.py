@@ -53,6 +53,29 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
         assert any("reward/kl" in r for r in rows)  # KL in the reward through the controller
 
 
+# multi_turn: episodes of two model turns with environment tokens between (tests/agent_env.py)
+EPISODES = ["multi_turn.enable=true", "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
+            "data.max_response_length=64", "rollout.max_tokens=8"]
+
+
+@pytest.mark.parametrize("recipe", ["ppo", "grpo"])
+def test_trn_recipe_over_episodes(recipe, tiny_assets, tmp_path):
+    """PPO (the critic on the model's tokens) and GRPO over groups of episodes, with dynamic batching
+    and the rollout-correction weights: 3 finite steps, every episode two model turns, environment
+    tokens in the sequences but out of the loss (the mask's model share < 1), the dump's episodes."""
+    extra = [f"algorithm.recipe={recipe}", f"rollout.n={1 if recipe == 'ppo' else 2}", *EPISODES,
+             "actor.max_tokens_per_microbatch=200", "critic.max_tokens_per_microbatch=200",
+             "algorithm.rollout_correction.rollout_is=token", f"trainer.rollout_data_dir={tmp_path}/samples"]
+    proc, summary = run_here("configs/demo_rl.yaml", tmp_path / "out", *small(tiny_assets, *extra))
+    assert proc.returncode == 0, logs(proc, tmp_path / "out")
+    rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
+    assert summary["steps"] == 3 and len(rows) == 3
+    for row in rows:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["episode/turns_mean"] == 2.0 and 0 < row["episode/model_token_share"] < 1
+        assert "actor/pg_loss" in row and (recipe != "ppo" or "critic/vf_loss" in row)
+        dumped = [json.loads(x) for x in (tmp_path / "samples" / f"step_{row['step']:06d}.jsonl").read_text().splitlines()]
+        assert all(d["turns"] == 2 and 0 in d["response_mask"] and "<|im_start|>user" in d["episode"] for d in dumped)
 
 
 def _check_dump(path, row, n):
