@@ -166,10 +166,8 @@ class EpisodeRunner:
         with budget left is still a turn: the responder reads it (verl's agent loop does the same)."""
         for k, e in enumerate(which):
             ep = episodes[e]
-            ids, lps, reason = result.response_ids[k], result.logprobs[k], result.finish_reason[k]
-            room = self._limit(ep, sampling.max_tokens)
-            if len(ids) > room:
-                ids, lps, reason = ids[:room], lps[:room], "length"
+            room = self._limit(ep, sampling.max_tokens)  # a prefix of what was sampled is still the policy's
+            ids, lps = result.response_ids[k][:room], result.logprobs[k][:room]
             ep.turn_start = len(ep.tokens)
             ep.append(ids, model=True, logprobs=lps)
             ep.stats.turns += 1
