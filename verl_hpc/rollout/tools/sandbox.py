@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import pathlib
-import selectors
 import shutil
 import signal
 import subprocess
@@ -37,12 +36,12 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.multi_turn import SANDBOX_MODES, SandboxConfig
+from verl_hpc.rollout.tools.sandbox_process import PidsCgroup, kill_tree, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ _INNER = pathlib.Path(__file__).with_name("sandbox_inner.py").read_text()
 _SCRATCH, _MAIN = "/scratch", "/sandbox/main.py"
 # processes of the sandbox's own beside the code's (sh joining the cgroup, bwrap's two / unshare)
 _OWN_PROCESSES = 4
-_DRAIN_S = 0.5  # after the program ends: how long a descendant holding its pipes may keep them
 # text a failed program leaves on stderr when a limit, not its own bug, stopped it
 _PROCESS_SIGNS = ("Resource temporarily unavailable", "can't start new thread")
 _MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc")
@@ -91,7 +89,7 @@ class Sandbox:
         self.max_file_bytes = max_file_bytes
         self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
         self.python = _base_python()
-        self._cgroup_base = _PidsCgroup.base()
+        self._cgroup_base = PidsCgroup.base()
         self.mode = self._resolve(mode)
 
     @classmethod
@@ -176,7 +174,7 @@ class Sandbox:
             status_r, status_w = os.pipe()
             argv = self._command(mode, run_dir, scratch, main, status_w)
             if self._cgroup_base:
-                cgroup = _PidsCgroup(self._cgroup_base, self.max_processes + _OWN_PROCESSES)
+                cgroup = PidsCgroup(self._cgroup_base, self.max_processes + _OWN_PROCESSES)
                 argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs, *argv]
             return self._supervise(argv, mode, wall_time_s, cgroup, (status_r, status_w))
         finally:
@@ -248,10 +246,10 @@ class Sandbox:
         finally:
             os.close(pipe[1])  # the child holds it now; EOF on the read end once the run is over
         try:
-            out, err, stopped = _read_capped(proc, start + wall_time_s, self.max_output_bytes,
-                                             lambda: _kill(proc, cgroup))
+            out, err, stopped = read_capped(proc, start + wall_time_s, self.max_output_bytes,
+                                             lambda: kill_tree(proc, cgroup))
         finally:
-            _kill(proc, cgroup)  # whatever the program left behind
+            kill_tree(proc, cgroup)  # whatever the program left behind
             proc.wait()
             report = _read_report(pipe[0])
         seconds = time.monotonic() - start
@@ -338,53 +336,6 @@ def _user_tasks(uid: int) -> int:
     return total
 
 
-def _read_capped(proc, deadline: float, max_bytes: int, kill) -> Tuple[bytes, bytes, str]:
-    """Read stdout and stderr as they fill, keeping `max_bytes` in all. Returns the kept bytes and
-    why the program was stopped ('output_limit', 'timeout' or '')."""
-    sel = selectors.DefaultSelector()
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    for stream in bufs:
-        os.set_blocking(stream.fileno(), False)
-        sel.register(stream, selectors.EVENT_READ)
-    total, ended_at = 0, None
-    try:
-        while sel.get_map():
-            now = time.monotonic()
-            if ended_at is None and proc.poll() is not None:
-                ended_at = now
-            if ended_at is not None and now - ended_at > _DRAIN_S:
-                break  # a descendant that escaped keeps the pipes open: do not wait for it
-            if now >= deadline:
-                kill()
-                return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "timeout"
-            for key, _ in sel.select(min(deadline - now, 0.1)):
-                data = os.read(key.fd, 65536)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                bufs[key.fileobj] += data[:max(max_bytes - total, 0)]
-                total += len(data)
-                if total > max_bytes:
-                    kill()
-                    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), "output_limit"
-        return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), ""
-    finally:
-        sel.close()
-        proc.stdout.close()
-        proc.stderr.close()
-
-
-def _kill(proc, cgroup) -> None:
-    """SIGKILL the run's session; the pid namespace (bwrap, namespaces) takes every process in it
-    along when its first process dies, and the cgroup catches a process that left the session."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if cgroup:
-        cgroup.kill_all()
-
-
 def _read_report(fd: int) -> dict:
     """sandbox_inner.py's status line: {"exit": n} or {"signal": n}, and "cpu_s"; {} if none."""
     try:
@@ -396,92 +347,3 @@ def _read_report(fd: int) -> dict:
 
 def _process_limit_hit(stderr: str, cgroup) -> bool:
     return (cgroup is not None and cgroup.hit()) or any(s in stderr for s in _PROCESS_SIGNS)
-
-
-class _PidsCgroup:
-    """A pids cgroup of one run, below the rank's own (v1 pids hierarchy, or v2 where pids is
-    enabled for its children). RLIMIT_NPROC is no limit for root; this is."""
-
-    _lock = threading.Lock()
-    _base: Optional[str] = None
-    _probed = False
-
-    @classmethod
-    def base(cls) -> Optional[str]:
-        """The folder runs' cgroups are made in, or None where this process cannot make one."""
-        with cls._lock:
-            if not cls._probed:
-                cls._probed = True
-                cls._base = next((b for b in cls._candidates() if cls._works(b)), None)
-            return cls._base
-
-    @staticmethod
-    def _candidates() -> List[str]:
-        found = []
-        try:
-            lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
-        except OSError:
-            return found
-        for line in lines:
-            hierarchy, controllers, path = line.split(":", 2)
-            if "pids" in controllers.split(","):
-                found.append(f"/sys/fs/cgroup/pids{path}".rstrip("/"))
-            elif hierarchy == "0":
-                found.append(f"/sys/fs/cgroup{path}".rstrip("/"))
-        return found
-
-    @staticmethod
-    def _works(base: str) -> bool:
-        probe = os.path.join(base, f"verl_hpc_sandbox_probe_{os.getpid()}_{uuid.uuid4().hex[:8]}")
-        try:
-            os.mkdir(probe)
-        except OSError:
-            return False
-        try:
-            pathlib.Path(probe, "pids.max").write_text("8")
-            return True
-        except OSError:
-            return False
-        finally:
-            os.rmdir(probe)
-
-    def __init__(self, base: str, limit: int):
-        self.path = os.path.join(base, f"verl_hpc_sandbox_{os.getpid()}_{uuid.uuid4().hex[:12]}")
-        os.mkdir(self.path)
-        pathlib.Path(self.path, "pids.max").write_text(str(limit))
-        self.procs = os.path.join(self.path, "cgroup.procs")
-
-    def hit(self) -> bool:
-        """Whether a fork was refused for the limit (pids.events counts them)."""
-        try:
-            events = pathlib.Path(self.path, "pids.events").read_text().split()
-        except OSError:
-            return False
-        return "max" in events and int(events[events.index("max") + 1]) > 0
-
-    def kill_all(self) -> None:
-        for _ in range(100):  # a fork bomb refills the list while we kill: until it is empty
-            try:
-                pids = [int(p) for p in pathlib.Path(self.procs).read_text().split()]
-            except OSError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
-
-    def remove(self) -> None:
-        self.kill_all()
-        for _ in range(100):  # the killed processes leave the cgroup once reaped
-            try:
-                os.rmdir(self.path)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.02)
-        log.warning("sandbox: could not remove %s", self.path)
