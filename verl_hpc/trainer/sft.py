@@ -69,6 +69,8 @@ def _multi_turn_problem(value) -> str:
         return "a multi-turn response is a list of {role, content} messages with roles assistant, tool, user"
     if value[0]["role"] != "assistant" or value[-1]["role"] != "assistant":
         return "a multi-turn response starts and ends with an assistant message"
+    if any(m["role"] == "assistant" and not str(m["content"]) for m in value):
+        return "an assistant message is empty"
     return ""
 
 

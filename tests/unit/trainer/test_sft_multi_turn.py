@@ -36,6 +36,8 @@ def test_demonstration_layout_and_mask(tok):
     ([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "1"}], "starts and ends with an assistant"),
     ([{"role": "assistant"}], "list of {role, content} messages"),
     ([{"role": "system", "content": "x"}, {"role": "assistant", "content": "a"}], "list of {role, content}"),
+    ([{"role": "assistant", "content": ""}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "1"}],
+     "an assistant message is empty"),
 ])
 def test_malformed_demonstrations_are_named(bad, why):
     assert why in _multi_turn_problem(bad)
