@@ -195,6 +195,19 @@ def test_preflight_data_files(job, tmp_path, make, message):
     assert preflight_problem(_set_train(job[0], f)).startswith(message.format(f=f))
 
 
+def test_preflight_refuses_a_row_offering_an_unknown_tool(job):
+    """multi_turn: a row's `tools` naming a tool the job does not have is refused before the queue,
+    naming the row and the valid tools (parquet: the `tools` column is read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = job[1]["train"]
+    pq.write_table(pa.Table.from_pylist([dict(ROW, tools=["calculator"])] * 7 + [dict(ROW, tools=["search"])]), train)
+    message = preflight_problem([*job[0], "multi_turn.enable=true", "multi_turn.tools=[calculator]"])
+    assert message.startswith(f"data.train_files: '{train}' row 7: field 'tools' names 'search', not a tool of "
+                              "this job; valid: calculator"), message
+
+
 def test_preflight_truncated_parquet(job):
     train = job[1]["train"]
     train.write_bytes(train.read_bytes()[:-20])

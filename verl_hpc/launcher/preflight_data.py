@@ -172,7 +172,7 @@ class SetCheck:
         with _progress(path, self.tokenizer is not None) as bar:
             if path.lower().endswith(PARQUET_SUFFIXES):
                 i = 0
-                for batch in iter_parquet(path, self.needed + ("extra",), what):
+                for batch in iter_parquet(path, self.needed + ("extra", "tools"), what):
                     for row in batch:
                         yield i, None, row
                         i += 1
@@ -189,6 +189,10 @@ class SetCheck:
         if problems:
             found.add(f"{self.s.field}: {where(path, i, line)}: {problems[0]}", "row")
             return
+        unknown = self._unknown_tools(row)
+        if unknown:
+            found.add(f"{self.s.field}: {where(path, i, line)}: {unknown}", "tools")
+            return
         self.rows_ok += 1
         if self.rl:
             self._reward(found, where(path, i, line), row)
@@ -197,6 +201,18 @@ class SetCheck:
                 self.pending.append((sample, to_record(row, sample, self.cfg.data.prompt_key).prompt))
                 if len(self.pending) >= TOKENIZE_CHUNK:
                     self._tokenize()
+
+    def _unknown_tools(self, row: dict) -> str:
+        """multi_turn: a row's `tools` naming a tool the job does not offer (the job refuses it at
+        load, verl_hpc/data/dataset.py); the names come from the config, no user code imported."""
+        if not (self.rl and self.cfg.multi_turn.enable and row.get("tools")) or self.cfg.multi_turn.environment:
+            return ""
+        from verl_hpc.rollout.agent import offered_tools
+
+        valid = offered_tools(self.cfg)
+        unknown = [n for n in row["tools"] if n not in valid]
+        return (f"field 'tools' names {', '.join(map(repr, unknown))}, not a tool of this job; valid: "
+                f"{', '.join(valid)}") if unknown else ""
 
     def _reward(self, found: _Found, at: str, row: dict) -> None:
         """The job's RewardScorer.check_samples for one row, with its words."""
