@@ -8,11 +8,8 @@ from verl_hpc.runtime import device as devices
 def engine_kwargs(cfg, engine: str) -> dict:
     """Constructor keywords from a JobConfig (rollout, model and data sections)."""
     r = cfg.rollout
-    # multi_turn: a later turn is prompted with the episode so far, so the engine's window is the
-    # prompt plus the whole episode (data.max_response_length), not one turn (rollout.max_tokens)
-    window = cfg.data.max_response_length if cfg.multi_turn.enable else r.max_tokens
     kwargs = dict(tp=r.tp, dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
-                  max_response_length=window,
+                  max_response_length=r.window(cfg),  # multi_turn: the whole episode
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
                   tokenizer_path=cfg.model.tokenizer_path,
                   trust_remote_code=cfg.model.trust_remote_code)

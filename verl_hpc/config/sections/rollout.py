@@ -97,6 +97,12 @@ class RolloutConfig(Section):
         self.gpu_memory_utilization = self.gpu_memory_utilization or (
             SPLIT_GPU_SHARE if job.placement.split else COLOCATED_GPU_SHARE)
 
+    def window(self, job) -> int:
+        """Tokens the engine generates after a prompt: one response (rollout.max_tokens), or under
+        multi_turn the whole episode (data.max_response_length), whose later turns are prompted
+        with the episode so far."""
+        return job.data.max_response_length if job.multi_turn.enable else (self.max_tokens or job.data.max_response_length)
+
     def kv_cache_problems(self, job, m) -> List[str]:
         """vLLM refuses to start when its KV cache cannot hold one request of max_model_len
         tokens: ceil(len / block) blocks plus the null block it reserves, each block holding K and V
@@ -107,13 +113,14 @@ class RolloutConfig(Section):
         gpu = job.slurm.gpus_per_node > 0
         block = KV_BLOCK["gpu" if gpu else "cpu"]
         dtype = DTYPE_BYTES[job.model.dtype] if gpu else 4  # vLLM-cpu runs in float32
-        length = job.data.max_prompt_length + (self.max_tokens or job.data.max_response_length)
+        length = job.data.max_prompt_length + self.window(job)
         per_token = 2 * m.layers * max(1, m.kv_heads // self.tp) * m.head_dim * dtype
         need = (-(-length // block) + 1) * block * per_token
         if self.kv_cache_memory_bytes >= need:
             return []
+        window = "data.max_response_length (multi_turn)" if job.multi_turn.enable else "rollout.max_tokens"
         return [f"rollout.kv_cache_memory_bytes = {self.kv_cache_memory_bytes} is below the {need} bytes one sequence "
-                f"of {length} tokens needs (data.max_prompt_length + rollout.max_tokens, {m.layers} layers, "
+                f"of {length} tokens needs (data.max_prompt_length + {window}, {m.layers} layers, "
                 f"{max(1, m.kv_heads // self.tp)} KV heads of {m.head_dim} per rank {m.source}): raise it or set 0 (auto)"]
 
     def eager(self, gpu: bool) -> bool:
