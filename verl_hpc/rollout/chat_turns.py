@@ -29,9 +29,8 @@ class TurnCodec:
             raise DataError("multi_turn.enable needs a tokenizer with a chat_template: the turns of an "
                             "episode are delimited by it")
         self.tokenizer = tokenizer
-        history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
-        self._history = history
-        self._base = tokenizer.apply_chat_template(history, tokenize=False)
+        self._history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _MARK}]
+        self._base = tokenizer.apply_chat_template(self._history, tokenize=False)
         self._closer = self._base[self._base.rindex(_MARK) + len(_MARK):]
         self._close_cache: dict = {}
 

@@ -53,3 +53,20 @@ def test_a_tools_field_of_the_wrong_type_is_a_row_error(tok, tmp_path):
     path = write(tmp_path, [{"prompt": "1*2=", "data_source": "tool_arith", "ground_truth": "2", "tools": "calculator"}])
     with pytest.raises(DataError, match="field 'tools'.*expected a list of tool names"):
         load(tok, path, SCHEMAS)
+
+
+def test_tool_arith_rows():
+    """The tool demo's data: rows the job accepts, products as ground truth, the SFT noise share."""
+    from verl_hpc.data.prepare.tool_arith import generate
+    from verl_hpc.data.records import row_problems
+
+    rows = generate(50, 10, seed=1, sft_noise=0.75, n_sft=400)
+    assert [len(rows[k]) for k in ("train", "val", "sft")] == [50, 10, 400]
+    for r in rows["train"] + rows["val"]:
+        assert row_problems(r, "prompt") == [] and r["tools"] == ["calculator"]
+        assert int(r["ground_truth"]) == r["extra"]["a"] * r["extra"]["b"] and 10_000 <= r["extra"]["a"] <= 99_999
+    direct = [r for r in rows["sft"] if r["extra"]["direct"]]
+    assert 0.65 < len(direct) / 400 < 0.85
+    assert all(r["response"][0]["content"].startswith("about ") for r in direct)
+    demos = [r for r in rows["sft"] if not r["extra"]["direct"]]
+    assert all(r["response"][1]["content"] == r["ground_truth"] == r["response"][2]["content"] for r in demos)

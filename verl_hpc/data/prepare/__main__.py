@@ -17,26 +17,28 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("input", help="JSONL (or parquet) file in the public format")
         s.add_argument("output", help="parquet file to write")
         s.add_argument("--instruction", default=None, help="text appended to every prompt")
-    s = sub.add_parser("synthetic", help="synthetic arithmetic task for CPU runs: train/val/sft parquet")
-    s.add_argument("out_dir")
-    s.add_argument("--n-train", type=int, default=2000)
-    s.add_argument("--n-val", type=int, default=200)
-    s.add_argument("--seed", type=int, default=0)
+    s = _generated(sub, "synthetic", "synthetic arithmetic task for CPU runs: train/val/sft parquet", 200,
+                   "fraction of SFT rows with a wrong label")
     s.add_argument("--difficulty", type=int, default=2, help="1: operands 0..4, 2: 0..9, k: 0..10^(k-1)-1")
-    s.add_argument("--sft-noise", type=float, default=0.0, help="fraction of SFT rows with a wrong label")
     s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
-    s.add_argument("--n-sft", type=int, default=-1, help="SFT rows (default: --n-train)")
     s.add_argument("--preference", action="store_true",
                    help="also write preference_train/preference_val (prompt, chosen, rejected) and "
                         "kto_train (prompt, completion, label) for trainer.job=dpo")
-    s = sub.add_parser("tool_arith", help="the tool demo: 5-digit products, multi-turn SFT demonstrations")
+    _generated(sub, "tool_arith", "the tool demo: 5-digit products, multi-turn SFT demonstrations", 100,
+               "fraction of SFT rows answering without the tool")
+    return p
+
+
+def _generated(sub, task: str, help: str, n_val: int, noise_help: str) -> argparse.ArgumentParser:
+    """A generated task's subcommand: the options every generator takes (sizes, seed, SFT noise)."""
+    s = sub.add_parser(task, help=help)
     s.add_argument("out_dir")
     s.add_argument("--n-train", type=int, default=2000)
-    s.add_argument("--n-val", type=int, default=100)
+    s.add_argument("--n-val", type=int, default=n_val)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--sft-noise", type=float, default=0.0, help="fraction of SFT rows answering without the tool")
+    s.add_argument("--sft-noise", type=float, default=0.0, help=noise_help)
     s.add_argument("--n-sft", type=int, default=-1, help="SFT rows (default: --n-train)")
-    return p
+    return s
 
 
 def main(argv: Optional[List[str]] = None) -> int:
