@@ -160,8 +160,9 @@ class GateUp:
                           for n in self._names(layer)], dim=0)
 
     def to_hf(self, full, arch, layer, lay):
-        per_rank = full.reshape(lay.tp, 2, arch.ffn_hidden_size // lay.tp, arch.hidden_size)
-        return [(n, per_rank[:, j].reshape(arch.ffn_hidden_size, arch.hidden_size).contiguous())
+        tail = full.shape[1:]  # (hidden,) for the weight, (r,) for a LoRA B factor (models/lora.py)
+        per_rank = full.reshape(lay.tp, 2, arch.ffn_hidden_size // lay.tp, *tail)
+        return [(n, per_rank[:, j].reshape(arch.ffn_hidden_size, *tail).contiguous())
                 for j, n in enumerate(self._names(layer))]
 
 

@@ -75,10 +75,24 @@ def _layout(model) -> Layout:
 
 def _exported_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
     """Parameters in a stable order, minus the tied output layer of the last stage (the HF
-    checkpoint stores a tied lm_head once, as the embedding)."""
+    checkpoint stores a tied lm_head once, as the embedding) and minus LoRA factors (exported
+    merged into their weight, or by export_adapter)."""
+    from verl_hpc.models.lora import is_adapter_param
+
     arch = chunk.verl_arch
     return [(n, p) for n, p in chunk.named_parameters()
-            if not (arch.tie_word_embeddings and n == "output_layer.weight")]
+            if not (arch.tie_word_embeddings and n == "output_layer.weight") and not is_adapter_param(n)]
+
+
+def _export_value(chunk, name: str, param: torch.Tensor) -> torch.Tensor:
+    """What the export sends for a parameter: a LoRA-adapted weight merged with its adapter
+    (while the adapters are on), anything else as it is."""
+    owner = chunk.get_submodule(name.rpartition(".")[0]) if name.endswith(".weight") else None
+    if owner is not None and getattr(owner, "lora_enabled", False):
+        from verl_hpc.models.lora import merged_weight
+
+        return merged_weight(owner)
+    return param
 
 
 def _load_param(reader, chunk, name, param, layers, lay) -> None:
@@ -99,6 +113,12 @@ def _load_param(reader, chunk, name, param, layers, lay) -> None:
         param.copy_(shard)
 
 
+def _loaded_params(chunk):
+    from verl_hpc.models.lora import is_adapter_param  # adapters are not in an HF folder
+
+    return [(n, p) for n, p in chunk.named_parameters() if not is_adapter_param(n)]
+
+
 def load_hf_weights(model, checkpoint: Union[str, Path, HFCheckpointReader]) -> LoadReport:
     """Fill every parameter of this rank's `model` (from `gpt.build_gpt_model`, or the list of
     its virtual-pipeline chunks) from the HF checkpoint, reading only this rank's slices."""
@@ -106,7 +126,7 @@ def load_hf_weights(model, checkpoint: Union[str, Path, HFCheckpointReader]) -> 
     start_bytes, count, elements = reader.bytes_read, 0, 0
     for chunk in _chunks(model):
         lay, layers = _layout(chunk), _layer_numbers(chunk)
-        for name, param in chunk.named_parameters():
+        for name, param in _loaded_params(chunk):
             _load_param(reader, chunk, name, param, layers, lay)
             count, elements = count + 1, elements + param.numel()
     report = LoadReport(count, elements, reader.bytes_read - start_bytes)
@@ -123,28 +143,37 @@ def _tp_gather(tensor: torch.Tensor, dim: Optional[int], group, tp: int) -> torc
     return torch.cat(parts, dim=dim)
 
 
-def _stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:
+# An export source: for a chunk, its items (name, tensor, rule, global layer) in a stable order,
+# and the (HF name, shape) entries they produce without any tensor (for the pipeline plan).
+def _weight_items(chunk):
+    layers = _layer_numbers(chunk)
+    for name, param in _exported_params(chunk):
+        rule, layer = rule_for(name, chunk.verl_arch, layers)
+        yield _export_value(chunk, name, param), rule, layer, rule.to_hf
+
+
+def _weight_entries(chunk):
+    layers = _layer_numbers(chunk)
+    for name, _ in _exported_params(chunk):
+        rule, layer = rule_for(name, chunk.verl_arch, layers)
+        yield from rule.hf_entries(chunk.verl_arch, layer)
+
+
+def _stage_entries(model, entries=_weight_entries) -> List[Tuple[str, Tuple[int, ...]]]:
     """(HF name, shape) of everything this stage exports, in export order."""
-    out = []
-    for chunk in _chunks(model):
-        arch, layers = chunk.verl_arch, _layer_numbers(chunk)
-        for name, _ in _exported_params(chunk):
-            rule, layer = rule_for(name, arch, layers)
-            out.extend(rule.hf_entries(arch, layer))
-    return out
+    return [e for chunk in _chunks(model) for e in entries(chunk)]
 
 
-def _stage_tensors(model, dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, TP-gathered (collective over the TP group)."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
     for chunk in _chunks(model):
-        arch, lay, layers = chunk.verl_arch, _layout(chunk), _layer_numbers(chunk)
-        for name, param in _exported_params(chunk):
-            rule, layer = rule_for(name, arch, layers)
-            full = _tp_gather(param, rule.tp_dim, group, lay.tp)
-            for hf_name, t in rule.to_hf(full, arch, layer, lay):
+        arch, lay = chunk.verl_arch, _layout(chunk)
+        for tensor, rule, layer, to_hf in items(chunk):
+            full = _tp_gather(tensor, rule.tp_dim, group, lay.tp)
+            for hf_name, t in to_hf(full, arch, layer, lay):
                 yield hf_name, (t if dtype is None else t.to(dtype))
 
 
@@ -155,22 +184,30 @@ def export_hf_weights(model, *, all_stages: bool = True,
     model: this rank's model, or its list of virtual-pipeline chunks (then the order is stage
     by stage, chunk by chunk: still the same on every rank, no longer strictly HF order).
     dtype: cast each tensor (default: the parameters' dtype). A collective iterator.
+    LoRA-adapted weights are exported merged with their adapter (models/lora.py).
     """
+    yield from export_stages(model, _weight_items, _weight_entries, all_stages=all_stages, dtype=dtype)
+
+
+def export_stages(model, items, entries, *, all_stages: bool = True,
+                  dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The export machinery for any source of items (the weights here, LoRA factors in
+    models/lora.py): TP-gather per item, then every stage's tensors broadcast over the pipeline."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
     if not all_stages or pp == 1:
-        yield from _stage_tensors(model, dtype)
+        yield from _stage_tensors(model, dtype, items)
         return
     group, my_stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
     first_param = next(p for chunk in _chunks(model) for _, p in chunk.named_parameters())
     param_dtype, device = dtype or first_param.dtype, first_param.device
     # Every stage learns every stage's (name, shape) list: one small exchange per export.
     plans: List[List[Tuple[str, Tuple[int, ...]]]] = [None] * pp  # type: ignore[list-item]
-    dist.all_gather_object(plans, _stage_entries(model), group=group)
+    dist.all_gather_object(plans, _stage_entries(model, entries), group=group)
     for stage, plan in enumerate(plans):
         src = dist.get_global_rank(group, stage)
-        mine = _stage_tensors(model, dtype) if stage == my_stage else None
+        mine = _stage_tensors(model, dtype, items) if stage == my_stage else None
         for hf_name, shape in plan:
             if mine is not None:
                 got_name, tensor = next(mine)

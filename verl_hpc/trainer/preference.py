@@ -146,7 +146,7 @@ def run(cfg, ctx) -> dict:
     from verl_hpc.checkpoint.trainer_state import PREFERENCE_FORMAT, TrainerCheckpointer
     from verl_hpc.data.preference import load_preference_examples
     from verl_hpc.data.sampler import EpochSampler
-    from verl_hpc.engines.megatron.roles import build_engine
+    from verl_hpc.engines.megatron.roles import build_engine, build_reference
     from verl_hpc.trainer.program import check_tracking, finish, tracked
     from verl_hpc.trainer.roles import load_tokenizer
     from verl_hpc.trainer.sft import save_hf
@@ -168,7 +168,7 @@ def run(cfg, ctx) -> dict:
     per_epoch = len(train) // bs
     steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
     policy = build_engine("actor", cfg, ctx, total_steps=steps)
-    ref = None if pr.loss in REFERENCE_FREE else build_engine("ref", cfg, ctx)
+    ref = None if pr.loss in REFERENCE_FREE else build_reference(cfg, ctx, policy)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     step_fn = PreferenceStep(cfg, policy, ref, pad)
     # the data position is (epoch, offset) of a seeded permutation: the same on every rank, and a

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from typing import Any, Optional
 
-from verl_hpc.engines.megatron.roles import build_engine
+from verl_hpc.engines.megatron.roles import build_engine, build_reference
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
             rollout = on_error.enter_context(build_rollout(cfg, ctx))
             rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
         actor = build_engine("actor", cfg, ctx)
-        ref = build_engine("ref", cfg, ctx) if cfg.ref.enable else None
+        ref = build_reference(cfg, ctx, actor) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         on_error.pop_all()  # all built: the engine stays open for the caller

@@ -20,7 +20,7 @@ project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import MegatronEngine
 from verl_hpc.engines.megatron.options import EngineOptions, default_options
-from verl_hpc.engines.megatron.roles import Actor, Critic, Reference, RewardModel, build_engine
+from verl_hpc.engines.megatron.roles import Actor, Critic, Reference, RewardModel, build_engine, build_reference
 
 __all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "Reference", "RewardModel",
-           "build_engine", "default_options"]
+           "build_engine", "build_reference", "default_options"]

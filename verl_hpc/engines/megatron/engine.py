@@ -31,6 +31,7 @@ policy loss's rows with all-zero advantages; `_rows_to_run`), with the counts of
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -42,6 +43,7 @@ import torch.distributed as dist
 
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
+from verl_hpc.engines.megatron import lora as lora_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
@@ -82,6 +84,10 @@ class MegatronEngine(TrainingEngine):
         self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
         self.pad_seq_to = token_alignment(o.fp8, o.fp8_recipe) * (self.tp if self.sequence_parallel else 1)
         self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
+        self.lora = lora_lib.adapter_spec(o.lora)
+        if self.lora is not None:  # before DDP: it and the optimizer then see the adapters only
+            lora_lib.attach(self.gpt_chunks, self.lora, seed=o.lora_seed,
+                            sequence_parallel=self.sequence_parallel)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
@@ -384,6 +390,41 @@ class MegatronEngine(TrainingEngine):
                 yield from export_value_model(self.gpt_chunks, self.heads)
             else:
                 yield from export_hf_weights(self.gpt_chunks)
+
+    # ------------------------------------------------------------------ LoRA
+
+    def adapters_off(self):
+        """Context: the base model (the reference policy under LoRA); nothing to switch without."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        from verl_hpc.models.lora import adapters_off
+
+        return adapters_off(self.gpt_chunks)
+
+    @property
+    def adapter_version(self) -> int:
+        """Which adapter the actor holds: the optimizer steps applied to it (0: the fresh one).
+        The rollout engine must generate with this version (resharding's adapter sync checks)."""
+        return self.steps_applied
+
+    def adapter_config(self) -> dict:
+        """PEFT's adapter_config.json of this engine's adapter."""
+        from verl_hpc.models.lora import peft_config
+
+        if self.lora is None:
+            raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
+        return peft_config(self.lora, self.options.model_path)
+
+    def export_adapter(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The adapter factors as PEFT-named full tensors, on every rank (a collective, like
+        export_hf_weights; export_hf_weights itself exports the merged weights)."""
+        from verl_hpc.models.lora import export_adapter
+
+        if self.lora is None:
+            raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
+        with self.resident("forward"):
+            self._sync_params()
+            yield from export_adapter(self.gpt_chunks)
 
     def state(self) -> EngineState:
         """With offload on, the state is copied to host tensors while the engine is briefly

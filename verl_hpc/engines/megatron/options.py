@@ -59,6 +59,10 @@ class EngineOptions:
     param_offload: bool
     grad_offload: bool
     optimizer_offload: bool
+    # LoRA (the actor's only): the job's lora section, or None for full-parameter training;
+    # lora_seed starts the adapters' A factors (trainer.seed)
+    lora: Any
+    lora_seed: int
 
     @classmethod
     def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
@@ -76,11 +80,13 @@ class EngineOptions:
                       recompute_granularity=par.recompute_granularity,
                       recompute_method=par.recompute_method,
                       recompute_num_layers=par.recompute_num_layers,
-                      value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True,
+                      value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True, lora_seed=cfg.trainer.seed,
                       temperature=cfg.rollout.temperature)  # read by lm heads only
         if role in ("actor", "ref"):
             a = cfg.actor
+            lora = cfg.lora if role == "actor" and cfg.lora.enabled else None
             return cls(model_path=cfg.model.path, head="lm", trainable=role == "actor",
+                       lora=lora,
                        share_prompts=a.share_prompts,
                        **_offload(a if role == "actor" else cfg.ref),
                        optim=a.optim if role == "actor" else None, micro_batch_size=a.micro_batch_size,
@@ -89,13 +95,15 @@ class EngineOptions:
         common["share_prompts"] = "off"
         if role == "critic":
             c = cfg.critic
-            return cls(model_path=c.model_path, head="value", trainable=True, optim=c.optim, **_offload(c),
+            return cls(model_path=c.model_path, head="value", trainable=True, optim=c.optim, lora=None,
+                       **_offload(c),
                        micro_batch_size=c.micro_batch_size,
                        max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
         rm = cfg.reward.reward_model
         if not rm.path:
             raise ValueError("reward.reward_model.path: empty; a reward-model role needs a model folder")
-        return cls(model_path=rm.path, head="value", trainable=False, optim=None, **_offload(None),
+        return cls(model_path=rm.path, head="value", trainable=False, optim=None, lora=None,
+                   **_offload(None),
                    micro_batch_size=cfg.actor.micro_batch_size,
                    max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, **common)
 
@@ -124,6 +132,9 @@ def check_options(o: EngineOptions) -> None:
     """What the config's checks cannot know: how the options were wired, and this machine."""
     if o.head not in HEADS:
         raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
+    if o.lora is not None and not (o.trainable and o.head == "lm"):
+        raise ValueError("LoRA adapters are for the trained policy (a trainable lm head); the "
+                         "reference is the actor with its adapters off")
     if o.trainable and o.optim is None:
         raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim)")
     # the config refuses these for a CPU job (slurm.gpus_per_node = 0); whether this node has the

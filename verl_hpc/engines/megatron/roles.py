@@ -1,7 +1,7 @@
 """The four roles of the RL step on top of `MegatronEngine`, and `build_engine(role, cfg, ctx)`.
 
     actor  = build_engine("actor", cfg, ctx)     # Actor:       log_probs(batch), update(batch, loss)
-    ref    = build_engine("ref", cfg, ctx)       # Reference:   log_probs(batch)
+    ref    = build_reference(cfg, ctx, actor)   # Reference:   log_probs(batch) (LoRA: actor, adapters off)
     critic = build_engine("critic", cfg, ctx)    # Critic:      values(batch), update(batch, loss)
     rm     = build_engine("reward", cfg, ctx)    # RewardModel: score(batch)
 
@@ -115,13 +115,24 @@ class Critic(_Trainable):
 
 
 class Reference:
-    """Frozen copy of the initial policy: no optimizer, no gradients, forward only."""
+    """Frozen copy of the initial policy: no optimizer, no gradients, forward only. Under LoRA it
+    is the actor's own engine with the adapters off (`build_reference`): no second model."""
 
     def __init__(self, engine: MegatronEngine):
         self.engine = engine
 
     def log_probs(self, batch) -> Dict[str, torch.Tensor]:
-        return {"ref_log_probs": self.engine.forward(as_engine_batch(batch), ("log_probs",))["log_probs"]}
+        with self.engine.adapters_off():  # a no-op on an engine of its own
+            out = self.engine.forward(as_engine_batch(batch), ("log_probs",))
+        return {"ref_log_probs": out["log_probs"]}
+
+
+def build_reference(cfg, ctx, actor: "Actor") -> Reference:
+    """The reference policy: under LoRA the actor's base (adapters off, no memory of its own),
+    else a frozen engine of its own (build_engine("ref"))."""
+    if cfg.lora.enabled:
+        return Reference(actor.engine)
+    return build_engine("ref", cfg, ctx)
 
 
 class RewardModel:

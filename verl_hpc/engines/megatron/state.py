@@ -10,7 +10,10 @@ global shapes do not depend on TP/PP/DP/VPP:
 - `linear_fc1` holds [gate_r; up_r] per TP rank, so its gathered layout changes with TP; it is
   stored as two tensors `.../gate` and `.../up` of shape [ffn, hidden] instead;
 - with tied embeddings and pp > 1 the last stage's copy of the embedding is not saved; on load it
-  is filled from the embedding's slabs like any other target.
+  is filled from the embedding's slabs like any other target;
+- under LoRA only the adapter factors (`.../linear_qkv.lora_A`, ...; linear_fc1's lora_B split
+  into gate and up like its weight) and their optimizer states are saved; the meta names the
+  base model by path and fingerprint, and a load into another base is refused.
 Optimizer states follow their parameter's pieces. With the distributed optimizer a rank holds a
 flat element range of each parameter's local shard: it is cut into boxes (rows, or parts of a
 row) with verl_hpc.checkpoint's `flat_range_slabs` and each box into the pieces it crosses.
@@ -25,6 +28,8 @@ import torch
 
 from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
 from verl_hpc.engines.base import EngineState
+from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
+from verl_hpc.engines.megatron.lora import state_meta as lora_state_meta
 
 FORMAT = "verl_hpc.megatron_engine/1"
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -69,7 +74,7 @@ def param_pieces(gpt, local: str, param: torch.Tensor, tp_rank: int, tp: int,
         start = tp_rank * per
         hi = max(0, min(per, real - start))
         return [Piece(name, (real,) + shape[1:], (start,) + (0,) * (len(shape) - 1), 0, hi)], saved
-    if name.endswith("mlp.linear_fc1.weight") and gpt.config.gated_linear_unit:
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora_B")) and gpt.config.gated_linear_unit:
         f = shape[0] // 2
         glob = (f * tp,) + shape[1:]
         off = (tp_rank * f,) + (0,) * (len(shape) - 1)
@@ -104,9 +109,13 @@ def _flat_slabs(prefix: str, pieces, flat: torch.Tensor, shape, start: int, stop
 
 
 def _named_params(engine) -> Iterator[Tuple[Any, str, torch.nn.Parameter, Optional[Any]]]:
+    """The parameters the state holds: all of them, or under LoRA the adapters only (the frozen
+    base is named in the meta by path and fingerprint and comes from the model folder)."""
+    lora = getattr(engine, "lora", None) is not None
     for gpt, head in zip(engine.gpt_chunks, engine.heads):
         for local, p in gpt.named_parameters():
-            yield gpt, local, p, head
+            if not lora or p.requires_grad:
+                yield gpt, local, p, head
 
 
 def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:
@@ -230,6 +239,8 @@ def engine_state(engine):
     meta: Dict[str, Any] = {"format": FORMAT, "head": engine.options.head,
                             "dtype": engine.options.dtype, "steps_applied": engine.steps_applied}
     tensors = _slabs(engine, for_load=False)
+    if getattr(engine, "lora", None) is not None:
+        meta["lora"] = lora_state_meta(engine.lora, engine.options.model_path)
     if engine.optimizer is not None:
         meta["optimizer_step"] = optimizer_step_count(engine.optimizer)
         meta["scheduler"] = engine.scheduler.state_dict()
@@ -247,6 +258,7 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     if meta.get("head") != engine.options.head:
         raise ValueError(f"engine state is of a {meta.get('head')!r} head; this engine has "
                          f"{engine.options.head!r}")
+    check_lora_meta(meta.get("lora"), getattr(engine, "lora", None), engine.options.model_path)
     with torch.no_grad():
         load_into(_slabs(engine, for_load=True))
     engine.steps_applied = int(meta.get("steps_applied", 0))

@@ -1,0 +1,103 @@
+"""LoRA in the Megatron engine: adapters on the actor's layers, the base frozen, and the base
+model's identity in checkpoints.
+
+    spec = adapter_spec(options.lora)                      # None: full-parameter training
+    attach(gpt_chunks, spec, seed, sequence_parallel)     # before DDP: only adapters train
+
+The adapter layers themselves are verl_hpc.models.lora (they sit next to the weight mapping that
+exports them). Freezing happens before Megatron's DDP wraps the model: DDP and the (distributed)
+optimizer collect only parameters that require gradients, so the base weights get no gradient
+buffer, no fp32 main copy and no Adam moments, and checkpoints hold the adapters only.
+
+The reference policy is the actor with its adapters off (engine.adapters_off()), not a second
+model: with LoRA, `ref` costs no memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Optional
+
+from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters
+
+log = logging.getLogger(__name__)
+
+# bytes hashed at each end of every weight file (base_fingerprint)
+_EDGE = 1 << 20
+
+
+def adapter_spec(lora) -> Optional[AdapterSpec]:
+    """The engine's adapter from the job's lora section (None or rank 0: no adapters)."""
+    if lora is None or not lora.enabled:
+        return None
+    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                       targets=tuple(lora.target_modules), init=lora.init)
+
+
+def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool) -> int:
+    """Adapters on every targeted layer, every other parameter frozen; returns this rank's
+    trainable parameter count."""
+    count = attach_adapters(gpt_chunks, spec, seed=seed, sequence_parallel=sequence_parallel)
+    trainable = {id(p) for p in adapter_parameters(gpt_chunks)}
+    frozen = 0
+    for gpt in gpt_chunks:
+        for p in gpt.parameters():
+            if id(p) not in trainable:
+                p.requires_grad_(False)
+                frozen += p.numel()
+    log.info("LoRA rank %d on %s: %.3f M trainable parameters on this rank, %.1f M frozen",
+             spec.rank, ", ".join(spec.targets), count / 1e6, frozen / 1e6)
+    return count
+
+
+def base_fingerprint(model_path: str) -> str:
+    """A hash naming the base model an adapter was trained on: config.json, and of every
+    safetensors file its header (names, dtypes, shapes, offsets), size and first and last MiB.
+    Not the whole content: reading a 70B model's 140 GB at every start and save would take
+    minutes; a different model, a re-export or a truncated copy changes what is hashed."""
+    folder = Path(model_path)
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(n))
+            h.update(fh.read(_EDGE))
+            fh.seek(max(size - _EDGE, 8 + n))
+            h.update(fh.read(_EDGE))
+    return h.hexdigest()
+
+
+def state_meta(spec: AdapterSpec, model_path: str) -> dict:
+    """What a checkpoint records about its adapters and their base."""
+    return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets),
+            "base_path": str(model_path), "base_fingerprint": base_fingerprint(model_path)}
+
+
+def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str) -> None:
+    """Refuse a checkpoint whose adapters do not fit this engine: full weights into a LoRA
+    engine or the reverse, another rank or targets, or another base model."""
+    if (saved is None) != (spec is None):
+        have = "adapters only (lora.rank > 0)" if saved else "full weights (lora.rank = 0)"
+        raise ValueError(f"the checkpoint holds {have}; this job has lora.rank = "
+                         f"{spec.rank if spec else 0}: resume with the lora settings it was saved with")
+    if spec is None:
+        return
+    mine = state_meta(spec, model_path)
+    for key in ("rank", "targets"):
+        if saved[key] != mine[key]:
+            raise ValueError(f"the checkpoint's adapters have lora {key} {saved[key]}, this job "
+                             f"{mine[key]}: resume with the lora settings it was saved with")
+    if saved["base_fingerprint"] != mine["base_fingerprint"]:
+        raise ValueError(f"the checkpoint's adapters were trained on the base model at "
+                         f"{saved['base_path']}, whose files differ from model.path = {model_path} "
+                         f"(fingerprints {saved['base_fingerprint'][:12]} vs "
+                         f"{mine['base_fingerprint'][:12]}): point model.path at that base")
+
+
+def describe(meta: dict) -> str:
+    return json.dumps({k: meta[k] for k in ("rank", "alpha", "targets", "base_path")})

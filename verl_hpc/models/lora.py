@@ -1,0 +1,373 @@
+"""Low-rank adapters on Megatron's tensor-parallel linear layers, and their PEFT names.
+
+    attach_adapters(chunks, rank=16, alpha=32.0, targets=("linear_qkv", ...), seed=1)
+    with adapters_off(chunks): ...                 # the base model, bitwise (the reference policy)
+    for peft_name, tensor in export_adapter(chunks): ...   # PEFT-named full tensors, every rank
+    load_adapter(chunks, peft_tensors)             # this rank's shards from PEFT-named tensors
+
+A targeted linear layer computes `W x + (alpha / r) * B A x` with A: [r, in] and B: [out, r].
+Each factor is split over the TP ranks so that the adapter needs no gather of a full-width
+tensor, only of its r-wide middle `z = A x`:
+
+- column-parallel layers (linear_qkv, linear_fc1: W split by output rows): A is whole on every
+  TP rank, B is split by rows like W. `z` passes Megatron's copy-to-TP region (backward:
+  all-reduce of dz, to which each rank's B slice adds a part); under sequence parallelism `z` is
+  all-gathered over the sequence instead (backward: reduce-scatter), and A's gradient, partial
+  over the sequence shards, is all-reduced with the other sequence-parallel parameters.
+- row-parallel layers (linear_proj, linear_fc2: W split by input columns): A is split by
+  columns like W, B is whole. `z` is summed over TP (all-reduce; under sequence parallelism a
+  reduce-scatter, and B's gradient is all-reduced as above).
+
+The factors are parameters of the linear module itself (`linear_qkv.lora_A`, `.lora_B`), so
+Megatron's DDP, optimizer and gradient-norm code see them with the usual TP attributes, and the
+base weight keeps its name. A forward hook adds the adapter's output; `adapters_off` makes the
+hook add nothing, so the output is the base model's exactly.
+
+PEFT layout: the fused linear_qkv is q_proj, k_proj and v_proj in HF, each with its own
+lora_A/lora_B in a PEFT file. One A shared by q, k and v is exactly PEFT's three adapters with
+equal A (B's rows split into q, k and v as the weight's are); linear_fc1 is gate_proj and up_proj
+alike. So an adapter exports to PEFT without approximation; a PEFT adapter loads only where the
+A of q, k and v (of gate and up) are equal, which `load_adapter` checks.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from verl_hpc.config.sections.lora import LORA_TARGETS as TARGETS
+from verl_hpc.models.weight_rules import LAYER, QKV, Copy, GateUp, Layout, Split
+
+PEFT_PREFIX = "base_model.model."
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+ROW_TARGETS = ("linear_proj", "linear_fc2")
+# Megatron target -> the HF modules it is (PEFT's target_modules)
+HF_MODULES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "linear_proj": ("self_attn.o_proj",),
+              "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+              "linear_fc2": ("mlp.down_proj",)}
+_PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
+           "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+@dataclasses.dataclass
+class AdapterSpec:
+    rank: int
+    alpha: float
+    dropout: float
+    targets: Tuple[str, ...]
+    init: str = "kaiming"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def hf_target_modules(targets: Sequence[str]) -> List[str]:
+    """PEFT's target_modules for Megatron targets: ["q_proj", "k_proj", ...]."""
+    return [m.rpartition(".")[2] for t in targets for m in HF_MODULES[t]]
+
+
+def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
+    """The adapter_config.json that PEFT (and vLLM) read for this adapter."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout, "target_modules": hf_target_modules(spec.targets),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+# ----------------------------------------------------------------------------- the layers
+
+
+def _init_a(spec: AdapterSpec, full_in: int, seed: int, layer: int, target: str) -> torch.Tensor:
+    """A [r, in] of one layer and target, the same whatever the parallel layout (a generator seeded
+    by the job seed, the layer and the target), so runs at any TP/PP start alike."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 8 + TARGETS.index(target))
+    a = torch.empty(spec.rank, full_in)
+    if spec.init == "gaussian":
+        a.normal_(0.0, 1.0 / spec.rank, generator=gen)
+    else:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))
+        bound = 1.0 / math.sqrt(full_in)
+        a.uniform_(-bound, bound, generator=gen)
+    return a
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def _adapter_input(module, x: torch.Tensor) -> torch.Tensor:
+    """The input the base weight multiplies. Transformer Engine's LayerNorm-linear layers take the
+    un-normalised input and normalise inside; the adapter must see the normalised one."""
+    norm_w = getattr(module, "layer_norm_weight", None)
+    if norm_w is None:
+        return x
+    cfg = module.config
+    w = norm_w + 1 if getattr(cfg, "layernorm_zero_centered_gamma", False) else norm_w
+    if cfg.normalization == "RMSNorm":
+        return F.rms_norm(x, (x.shape[-1],), w, cfg.layernorm_epsilon)
+    return F.layer_norm(x, (x.shape[-1],), w, getattr(module, "layer_norm_bias", None), cfg.layernorm_epsilon)
+
+
+def _delta(module, x: torch.Tensor) -> torch.Tensor:
+    from megatron.core import tensor_parallel as tpl
+
+    x = _adapter_input(module, x)
+    if module.training and module.lora_dropout > 0:
+        x = F.dropout(x, module.lora_dropout)  # the default stream: equal on a stage's TP ranks
+    z = F.linear(x.to(module.lora_A.dtype), module.lora_A)
+    sp = module.lora_sequence_parallel
+    if module.lora_kind == "column":
+        z = (tpl.gather_from_sequence_parallel_region(z) if sp
+             else tpl.copy_to_tensor_model_parallel_region(z))
+    else:
+        z = (tpl.reduce_scatter_to_sequence_parallel_region(z) if sp
+             else tpl.reduce_from_tensor_model_parallel_region(z))
+    return F.linear(z, module.lora_B) * module.lora_scale
+
+
+def _hook(module, args, output):
+    if not module.lora_enabled:
+        return None
+    out, bias = output
+    return out + _delta(module, args[0]).to(out.dtype), bias
+
+
+def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequence_parallel: bool):
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    tp_rank, tp = _tp()
+    weight = module.weight
+    out_local, in_local = weight.shape
+    dev = weight.device
+    if kind == "column":
+        a = a_full
+        b = torch.zeros(out_local, spec.rank)
+    else:
+        a = a_full[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+        b = torch.zeros(out_local, spec.rank)
+    # fp32 factors whatever the base's dtype: they are small, and Megatron's optimizer keeps an
+    # fp32 main copy of a bf16 parameter anyway
+    module.lora_A = torch.nn.Parameter(a.to(dev).contiguous())
+    module.lora_B = torch.nn.Parameter(b.to(dev))
+    split, replicated = (module.lora_B, module.lora_A) if kind == "column" else (module.lora_A, module.lora_B)
+    if tp > 1:
+        set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
+    if sequence_parallel:  # its gradient is partial over the sequence shards: all-reduced over TP
+        replicated.sequence_parallel = True
+    module.lora_kind, module.lora_scale, module.lora_dropout = kind, spec.scale, spec.dropout
+    module.lora_sequence_parallel, module.lora_enabled = sequence_parallel, True
+    module.register_forward_hook(_hook)
+
+
+def adapted_modules(chunk) -> Iterator[Tuple[int, str, torch.nn.Module]]:
+    """(stage-local layer index, target, linear module) of the adapted layers of one GPT chunk."""
+    for j, layer in enumerate(chunk.decoder.layers):
+        for target, parent in _PARENT.items():
+            module = getattr(getattr(layer, parent, None), target, None)
+            if module is not None and hasattr(module, "lora_A"):
+                yield j, target, module
+
+
+def _chunks(model) -> list:
+    from verl_hpc.models.weights import _chunks as unwrap
+
+    return unwrap(model)
+
+
+def attach_adapters(model, spec: AdapterSpec, *, seed: int, sequence_parallel: bool = False) -> int:
+    """Give every targeted linear layer of this rank's chunks a fresh adapter (B = 0, so the model
+    computes what it did); returns this rank's adapter parameter count."""
+    count = 0
+    for chunk in _chunks(model):
+        for layer in chunk.decoder.layers:
+            for target in spec.targets:
+                module = getattr(getattr(layer, _PARENT[target]), target)
+                kind = "column" if target in COLUMN_TARGETS else "row"
+                if kind == "column" and getattr(module, "gather_output", False):
+                    raise ValueError(f"{target}: a column-parallel layer that gathers its output "
+                                     "is not a decoder layer's; LoRA expects Megatron's GPT layers")
+                in_full = module.weight.shape[1] * (_tp()[1] if kind == "row" else 1)
+                a_full = _init_a(spec, in_full, seed, layer.layer_number - 1, target)
+                _attach_one(module, spec, kind, a_full, sequence_parallel)
+                count += module.lora_A.numel() + module.lora_B.numel()
+    return count
+
+
+def adapter_parameters(model) -> List[torch.nn.Parameter]:
+    return [p for chunk in _chunks(model) for _, _, m in adapted_modules(chunk) for p in (m.lora_A, m.lora_B)]
+
+
+def is_adapter_param(name: str) -> bool:
+    return name.endswith(".lora_A") or name.endswith(".lora_B")
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model: every adapter's hook adds nothing while the block runs."""
+    modules = [m for chunk in _chunks(model) for _, _, m in adapted_modules(chunk)]
+    before = [m.lora_enabled for m in modules]
+    for m in modules:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, before):
+            m.lora_enabled = was
+
+
+def merged_weight(module) -> torch.Tensor:
+    """This rank's shard of W + scale * B A, in W's layout and dtype (no parameter is changed)."""
+    with torch.no_grad():
+        delta = (module.lora_B.float() @ module.lora_A.float()) * module.lora_scale
+        return (module.weight.float() + delta).to(module.weight.dtype)
+
+
+# ----------------------------------------------------------------------------- PEFT names
+
+
+def _peft(hf_weight_name: str, factor: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
+    stem = hf_weight_name[: -len(".weight")]
+    return f"{PEFT_PREFIX}{stem}.lora_{factor}.weight"
+
+
+class _PeftReader:
+    """A weight_rules reader over PEFT tensors: the rules ask for HF weight names, it answers with
+    the factor's tensor of the same module."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], factor: str):
+        self.tensors, self.factor = tensors, factor
+
+    def _get(self, name):
+        key = _peft(name, self.factor)
+        if key not in self.tensors:
+            raise KeyError(f"the adapter has no {key}")
+        return self.tensors[key]
+
+    def shape(self, name):
+        return tuple(self._get(name).shape)
+
+    def dtype(self, name):
+        return self._get(name).dtype
+
+    def read(self, name, index=None):
+        t = self._get(name)
+        return (t if index is None else t[index]).clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """A factor whole on every TP rank that PEFT stores once per HF module (A of q/k/v, of gate/up):
+    exported to each, loaded from the first after checking the others are equal."""
+
+    hf: Tuple[str, ...]
+    tp_dim: Optional[int] = None
+
+    def to_hf(self, full, arch, layer, lay):
+        return [(h.format(i=layer), full) for h in self.hf]
+
+    def load(self, reader, arch, layer, lay):
+        names = [h.format(i=layer) for h in self.hf]
+        first = reader.read(names[0])
+        for other in names[1:]:
+            if not torch.equal(reader.read(other), first):
+                raise ValueError(f"{_peft(other, reader.factor)} differs from {_peft(names[0], reader.factor)}: "
+                                 "Megatron's fused layer holds one lora_A for them; this adapter cannot be "
+                                 "loaded exactly")
+        return first
+
+
+def _hf_weight(module_name: str) -> str:
+    return f"{LAYER}{module_name}.weight"
+
+
+def factor_rule(target: str, factor: str):
+    """The weight_rules rule of one adapter factor (`factor` "A" or "B"), over HF weight names
+    that _PeftReader / _peft translate to the factor's PEFT names."""
+    hf = [_hf_weight(m) for m in HF_MODULES[target]]
+    if target == "linear_qkv":
+        return _Shared(tuple(hf)) if factor == "A" else QKV("weight")
+    if target == "linear_fc1":
+        return _Shared(tuple(hf)) if factor == "A" else GateUp()
+    return Split(hf[0], "proj" if target == "linear_proj" else "fc2") if factor == "A" else Copy(hf[0])
+
+
+def adapter_items(chunk):
+    """(stage-local layer index, target, factor, parameter, rule) of one chunk, in export order."""
+    for j, target, module in adapted_modules(chunk):
+        for factor in ("A", "B"):
+            yield j, target, factor, getattr(module, f"lora_{factor}"), factor_rule(target, factor)
+
+
+def factor_hf_entries(arch, target: str, factor: str, layer: int, rank: int):
+    """(PEFT name, shape) of what one factor exports to, without any tensor (export plans)."""
+    q_rows = arch.num_attention_heads * arch.head_dim
+    kv_rows = arch.num_query_groups * arch.head_dim
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    outs = {"linear_qkv": (q_rows, kv_rows, kv_rows), "linear_proj": (h,), "linear_fc1": (f, f),
+            "linear_fc2": (h,)}[target]
+    width = {"linear_qkv": h, "linear_proj": q_rows, "linear_fc1": h, "linear_fc2": f}[target]
+    names = [_hf_weight(m).format(i=layer) for m in HF_MODULES[target]]
+    if factor == "A":
+        return [(_peft(n, "A"), (rank, width)) for n in names]
+    return [(_peft(n, "B"), (rows, rank)) for n, rows in zip(names, outs)]
+
+
+def to_peft(rule, full: torch.Tensor, arch, layer: int, lay: Layout, factor: str):
+    """PEFT (name, tensor) pairs of one TP-gathered factor."""
+    return [(_peft(name, factor), t) for name, t in rule.to_hf(full, arch, layer, lay)]
+
+
+def load_adapter(model, tensors: Dict[str, torch.Tensor]) -> int:
+    """Fill this rank's adapter shards from PEFT-named full tensors (a PEFT adapter_model file);
+    returns the number of factors filled. Every adapted layer must find its tensors."""
+    from verl_hpc.models.weights import _layer_numbers, _layout
+
+    filled = 0
+    for chunk in _chunks(model):
+        arch, lay, layers = chunk.verl_arch, _layout(chunk), _layer_numbers(chunk)
+        for j, target, factor, param, rule in adapter_items(chunk):
+            shard = rule.load(_PeftReader(tensors, factor), arch, layers[j], lay)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(f"layer {layers[j]} {target} lora_{factor}: the adapter gives shape "
+                                 f"{tuple(shard.shape)} for TP rank {lay.tp_rank}/{lay.tp}, the model "
+                                 f"expects {tuple(param.shape)} (is its rank {param.shape[0 if factor == 'A' else 1]}?)")
+            with torch.no_grad():
+                param.copy_(shard)
+            filled += 1
+    return filled
+
+
+def _adapter_items(chunk):
+    from verl_hpc.models.weights import _layer_numbers
+
+    layers = _layer_numbers(chunk)
+    for j, target, factor, param, rule in adapter_items(chunk):
+        yield param, rule, layers[j], (lambda full, arch, layer, lay, r=rule, f=factor:
+                                       to_peft(r, full, arch, layer, lay, f))
+
+
+def _adapter_entries(chunk):
+    from verl_hpc.models.weights import _layer_numbers
+
+    layers = _layer_numbers(chunk)
+    for j, target, factor, param, _ in adapter_items(chunk):
+        rank = param.shape[0] if factor == "A" else param.shape[1]
+        yield from factor_hf_entries(chunk.verl_arch, target, factor, layers[j], rank)
+
+
+def export_adapter(model, *, all_stages: bool = True,
+                   dtype: torch.dtype = torch.float32) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield `(peft_name, full_tensor)` of every adapter factor, on every rank, in the same order
+    (the contract of verl_hpc.models.weights.export_hf_weights, PEFT names instead of HF's).
+    A collective iterator over the model-parallel ranks. fp32 by default: the factors' own dtype."""
+    from verl_hpc.models.weights import export_stages
+
+    yield from export_stages(model, _adapter_items, _adapter_entries, all_stages=all_stages, dtype=dtype)
