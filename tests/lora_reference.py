@@ -22,8 +22,18 @@ def peft_model(model_path, rank: int, alpha: float, targets: Sequence[str], dtyp
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     modules = [m for t in targets for m in HF_TARGETS[t]]
-    return get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules,
-                                           lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules,
+                                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    # Megatron's fused layers hold ONE A for q/k/v (gate/up): tie them here too, so that a training
+    # step sums their gradients into one parameter as Megatron does
+    for layer in model.base_model.model.model.layers:
+        for group in SHARED:
+            parents = [layer.self_attn if hasattr(layer.self_attn, name) else layer.mlp for name in group]
+            mods = [getattr(p, name) for p, name in zip(parents, group)]
+            if all(hasattr(m, "lora_A") for m in mods):
+                for m in mods[1:]:
+                    m.lora_A["default"] = mods[0].lora_A["default"]
+    return model
 
 
 def random_adapter(model_path, rank: int = 4, alpha: float = 8.0,

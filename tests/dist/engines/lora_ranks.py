@@ -1,0 +1,64 @@
+"""Ranks of tests/dist/engines/test_eng_lora_parity.py: the LoRA actor at every layout in turn
+(the layouts and helpers of eng_ranks.py). Per layout and model, global rank 0 saves the forward
+outputs with a given adapter (`<layout>.forward.<model>.pt`) and the adapter after one actor update
+(`<layout>.update.<model>.pt`, PEFT names)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from eng_ranks import _actor_cfg, _engine, _save, _update, megatron_layout, run_check
+
+LAYOUTS = (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2), ("tp2pp2", 2, 2))
+MODELS = ("llama", "qwen2_tied")
+
+
+def launch(world_size: int, args: dict, workdir: Path, timeout: float = 400):
+    from rank_launcher import launch_ranks
+
+    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="LoRA scenario")
+
+
+def check_lora(args, layout, workdir, model, data) -> dict:
+    from verl_hpc.config.schema import LoraConfig
+    from verl_hpc.models.lora import load_adapter
+
+    batch, adapter = data[f"batch.{model}"], data[f"adapter.{model}"]
+    eng = _engine(args, model, lora=LoraConfig(**args["lora"]), use_distributed_optimizer=True)
+    load_adapter(eng.gpt_chunks, adapter)
+    _save(workdir, f"{layout}.forward.{model}", eng.forward(batch, ("log_probs", "entropy")))
+    metrics = _update(eng, _actor_cfg(args["actor"][model]), batch)
+    _save(workdir, f"{layout}.update.{model}", {n: t.clone() for n, t in eng.export_adapter()})
+    return {"loss": metrics["actor/loss"], "version": eng.adapter_version}
+
+
+def scenario(args, workdir, out: dict) -> None:
+    import torch
+
+    data = torch.load(Path(workdir) / "batch.pt")
+    for name, tp, pp in LAYOUTS:
+        with megatron_layout(out, name, tp=tp, pp=pp) as rec:
+            for model in MODELS:
+                run_check(rec, f"lora.{model}", check_lora, args, name, workdir, model, data)
+
+
+def main(workdir: str) -> None:
+    import torch.distributed as dist
+
+    from verl_hpc.runtime import bootstrap
+
+    args = json.loads((Path(workdir) / "args.json").read_text())
+    ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
+    out = {"rank": ctx.rank, "layouts": {}, "seconds": {}}
+    t0 = time.time()
+    scenario(args, workdir, out)
+    out["seconds"]["total"] = time.time() - t0
+    (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
