@@ -10,7 +10,9 @@ it lists is missing), 22 damaged (verify's listed problems, a bad index or `late
 whose size disagrees with the index or that is not HDF5), otherwise the error's own code.
 
     export CKPT --hf OUT    the actor as a Hugging Face folder (safetensors, config.json, tokenizer;
-                            verl_hpc/checkpoint/hf_export.py); single process, any saving layout
+                            verl_hpc/checkpoint/hf_export.py); single process, any saving layout;
+                            a LoRA run's adapter merged into its base
+    export CKPT --peft OUT  a LoRA run's adapter as a PEFT folder that `peft` loads onto the base
 
 Subcommands are registered with @subcommand.
 """
@@ -126,7 +128,8 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def _register_export() -> None:
-    subcommand("export", "write the actor as a Hugging Face folder (--hf OUT)",
+    subcommand("export", "write the actor as a Hugging Face folder (--hf OUT) or a LoRA run's adapter as "
+                         "a PEFT folder (--peft OUT)",
                hf_export.add_arguments)(hf_export.run_cli)
 
 

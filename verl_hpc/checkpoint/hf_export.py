@@ -1,5 +1,7 @@
 """`python -m verl_hpc.checkpoint export CKPT --hf OUT`: a trainer checkpoint's actor as a Hugging
 Face folder (safetensors, config.json, tokenizer files) that `transformers` loads.
+`--peft OUT`: a LoRA run's adapter as a PEFT folder; `--hf` of a LoRA run merges its adapter into
+the base weights read from the model folder (the checkpoint holds the adapter only).
 
 One process, no Megatron, no torch.distributed: the checkpoint's names are layout independent
 (verl_hpc/engines/megatron/state.py), so each HF tensor is read whole from the index, whatever
@@ -57,7 +59,7 @@ def model_folders(reader: CheckpointReader, model: Optional[str] = None) -> Tupl
 
 def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every model tensor of the role under `prefix`, read whole."""
-    names = sorted(n for n in reader.tensors() if n.startswith(prefix))
+    names = sorted(n for n in reader.tensors() if n.startswith(prefix) and ".lora_" not in n)
     if not names:
         roots = sorted({n.split("/")[0] for n in reader.tensors()})
         raise CheckpointError(f"{reader.path}: no tensors under {prefix!r} (top-level names: {roots})")
@@ -105,7 +107,10 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
             save_file(shards[-1], str(out / name), metadata={"format": "pt"})
             tmp_names.append(name)
 
-        for hf_name, t in hf_tensors(reader, arch, prefix=f"{role}/model/"):
+        lora = lora_meta(reader, role)
+        source = (merged_tensors(reader, arch, src, lora, role) if lora
+                  else hf_tensors(reader, arch, prefix=f"{role}/model/"))
+        for hf_name, t in source:
             if hf_name in seen:
                 raise CheckpointError(f"{reader.path}: two tensors map to {hf_name}")
             seen.add(hf_name)
@@ -132,6 +137,88 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
     return out
 
 
+# ----------------------------------------------------------------------------- LoRA checkpoints
+
+_LORA = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w+)\.lora_([AB])(?:/(gate|up))?$")
+
+
+def lora_meta(reader: CheckpointReader, role: str = "actor") -> Optional[dict]:
+    """The role's adapter record (rank, alpha, targets, base) when its checkpoint holds LoRA
+    adapters only (lora.rank > 0), else None."""
+    engines = (reader.metadata.get("trainer_state") or {}).get("engines") or {}
+    return (engines.get(role) or {}).get("lora")
+
+
+def adapter_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
+    """(PEFT name, tensor) of every adapter factor under `prefix`, read whole."""
+    from verl_hpc.models.lora import factor_peft_name, factor_rule, to_peft
+
+    lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
+    names = sorted(n for n in reader.tensors() if n.startswith(prefix) and ".lora_" in n)
+    if not names:
+        raise CheckpointError(f"{reader.path}: no LoRA adapters under {prefix!r}: it was saved with "
+                              "lora.rank = 0; export it with --hf")
+    for full_name in names:
+        m = _LORA.match(full_name[len(prefix):])
+        if m is None:
+            raise CheckpointError(f"{reader.path}: {full_name!r} is no adapter factor this version knows")
+        layer, target, factor, part = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        tensor = reader.load_tensor(full_name)
+        if part:  # linear_fc1's B, saved as its gate and up rows (layout independent)
+            yield factor_peft_name(f"model.layers.{layer}.mlp.{part}_proj.weight", factor), tensor
+        else:
+            yield from to_peft(factor_rule(target, factor), tensor, arch, layer, lay, factor)
+
+
+def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
+                   role: str = "actor") -> Iterator[Tuple[str, torch.Tensor]]:
+    """The base model's HF tensors from its folder, each adapted one merged with its adapter
+    (W + alpha / r * B A, computed in fp32, written in W's dtype)."""
+    from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+    from verl_hpc.models.lora import PEFT_PREFIX
+
+    adapter = dict(adapter_tensors(reader, arch, prefix=f"{role}/model/"))
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    hf = HFCheckpointReader(base)
+    try:
+        for name in hf.weight_map:
+            w = hf.read(name)
+            stem = PEFT_PREFIX + name[: -len(".weight")] if name.endswith(".weight") else None
+            a, b = (adapter.get(f"{stem}.lora_{f}.weight") for f in "AB") if stem else (None, None)
+            if a is not None:
+                w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            yield name, w
+    finally:
+        hf.close()
+
+
+def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") -> Path:
+    """Write the PEFT adapter folder `out` (adapter_config.json + adapter_model.safetensors) of a
+    LoRA checkpoint: `peft.PeftModel.from_pretrained(base, out)` loads it onto the HF base."""
+    from safetensors.torch import save_file
+
+    from verl_hpc.models.lora import AdapterSpec, peft_config
+
+    out = Path(out)
+    with CheckpointReader(ckpt) as reader:
+        lora = lora_meta(reader, role)
+        if lora is None:
+            raise CheckpointError(f"{reader.path}: the {role} was trained without LoRA (lora.rank = 0): "
+                                  "there is no adapter to export; use --hf")
+        src, _ = model_folders(reader, model) if model or reader.metadata.get("config") else (None, None)
+        arch = load_arch(src if src is not None else lora["base_path"])
+        # clone: the A shared by q/k/v (gate/up) is one tensor, which safetensors refuses to write thrice
+        tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, prefix=f"{role}/model/")}
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        spec = AdapterSpec(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=0.0,
+                           targets=tuple(lora["targets"]))
+        (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, str(lora["base_path"])), indent=1))
+        log.info("export: the %s adapter of step %d (rank %d, %d tensors) -> %s", role, reader.step,
+                 spec.rank, len(tensors), out)
+    return out
+
+
 def _copy_side_files(src: Path, tok: Path, out: Path) -> None:
     """config.json, generation config and tokenizer files; never the source's weights."""
     for folder in dict.fromkeys([src, tok]):
@@ -143,13 +230,22 @@ def _copy_side_files(src: Path, tok: Path, out: Path) -> None:
 # registered as `export` in verl_hpc/checkpoint/__main__.py (imported from there, not the reverse:
 # under `python -m` that module runs as __main__, and a second import would be another registry)
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hf", required=True, metavar="OUT", help="Hugging Face folder to write")
+    p.add_argument("--hf", metavar="OUT", help="Hugging Face folder to write (a LoRA run's: base + adapter merged)")
+    p.add_argument("--peft", metavar="OUT", help="a LoRA run's adapter as a PEFT folder (adapter_config.json + "
+                                                 "adapter_model.safetensors)")
     p.add_argument("--model", help="HF folder with config.json and tokenizer (default: the checkpoint's model.path)")
     p.add_argument("--role", default="actor", help="which trained model to export (default: actor)")
     p.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors file size (default 5)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    out = export_hf(args.ckpt, args.hf, model=args.model, role=args.role, shard_gb=args.shard_gb)
-    print(f"exported {args.ckpt} -> {out}")
+    if not (args.hf or args.peft):
+        raise CheckpointError("export: say what to write: --hf OUT (a Hugging Face model folder) and/or "
+                              "--peft OUT (a LoRA run's adapter)")
+    if args.peft:
+        out = export_peft(args.ckpt, args.peft, model=args.model, role=args.role)
+        print(f"exported the adapter of {args.ckpt} -> {out}")
+    if args.hf:
+        out = export_hf(args.ckpt, args.hf, model=args.model, role=args.role, shard_gb=args.shard_gb)
+        print(f"exported {args.ckpt} -> {out}")
     return 0

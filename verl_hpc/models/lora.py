@@ -232,7 +232,7 @@ def merged_weight(module) -> torch.Tensor:
 # ----------------------------------------------------------------------------- PEFT names
 
 
-def _peft(hf_weight_name: str, factor: str) -> str:
+def factor_peft_name(hf_weight_name: str, factor: str) -> str:
     """model.layers.3.self_attn.q_proj.weight -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
     stem = hf_weight_name[: -len(".weight")]
     return f"{PEFT_PREFIX}{stem}.lora_{factor}.weight"
@@ -246,7 +246,7 @@ class _PeftReader:
         self.tensors, self.factor = tensors, factor
 
     def _get(self, name):
-        key = _peft(name, self.factor)
+        key = factor_peft_name(name, self.factor)
         if key not in self.tensors:
             raise KeyError(f"the adapter has no {key}")
         return self.tensors[key]
@@ -278,9 +278,9 @@ class _Shared:
         first = reader.read(names[0])
         for other in names[1:]:
             if not torch.equal(reader.read(other), first):
-                raise ValueError(f"{_peft(other, reader.factor)} differs from {_peft(names[0], reader.factor)}: "
-                                 "Megatron's fused layer holds one lora_A for them; this adapter cannot be "
-                                 "loaded exactly")
+                a, b = (factor_peft_name(n, reader.factor) for n in (other, names[0]))
+                raise ValueError(f"{a} differs from {b}: Megatron's fused layer holds one lora_A for "
+                                 "them; this adapter cannot be loaded exactly")
         return first
 
 
@@ -290,7 +290,7 @@ def _hf_weight(module_name: str) -> str:
 
 def factor_rule(target: str, factor: str):
     """The weight_rules rule of one adapter factor (`factor` "A" or "B"), over HF weight names
-    that _PeftReader / _peft translate to the factor's PEFT names."""
+    that _PeftReader / factor_peft_name translate to the factor's PEFT names."""
     hf = [_hf_weight(m) for m in HF_MODULES[target]]
     if target == "linear_qkv":
         return _Shared(tuple(hf)) if factor == "A" else QKV("weight")
@@ -316,13 +316,13 @@ def factor_hf_entries(arch, target: str, factor: str, layer: int, rank: int):
     width = {"linear_qkv": h, "linear_proj": q_rows, "linear_fc1": h, "linear_fc2": f}[target]
     names = [_hf_weight(m).format(i=layer) for m in HF_MODULES[target]]
     if factor == "A":
-        return [(_peft(n, "A"), (rank, width)) for n in names]
-    return [(_peft(n, "B"), (rows, rank)) for n, rows in zip(names, outs)]
+        return [(factor_peft_name(n, "A"), (rank, width)) for n in names]
+    return [(factor_peft_name(n, "B"), (rows, rank)) for n, rows in zip(names, outs)]
 
 
 def to_peft(rule, full: torch.Tensor, arch, layer: int, lay: Layout, factor: str):
     """PEFT (name, tensor) pairs of one TP-gathered factor."""
-    return [(_peft(name, factor), t) for name, t in rule.to_hf(full, arch, layer, lay)]
+    return [(factor_peft_name(name, factor), t) for name, t in rule.to_hf(full, arch, layer, lay)]
 
 
 def load_adapter(model, tensors: Dict[str, torch.Tensor]) -> int:

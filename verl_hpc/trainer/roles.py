@@ -82,5 +82,8 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
 
         roles.episodes = build_episode_runner(cfg, ctx, rollout, tokenizer)
     if ctx.rank == 0:
-        log.info("roles: %s; rollout: %s", ", ".join(roles.names()), cfg.rollout.engine)
+        lora = cfg.lora
+        log.info("roles: %s; rollout: %s%s", ", ".join(roles.names()), cfg.rollout.engine,
+                 f"; LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (the base frozen"
+                 f"{'; ref = the base, adapters off' if roles.ref is not None else ''})" if lora.enabled else "")
     return roles

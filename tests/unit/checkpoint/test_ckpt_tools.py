@@ -151,3 +151,14 @@ def test_help_lists_the_subcommands(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "inspect" in out and "verify" in out
+
+
+def test_export_names_what_is_missing(ckpt, capsys):
+    """No output named, or --peft of a checkpoint trained without LoRA: one error line each."""
+    from verl_hpc.checkpoint.__main__ import main
+
+    assert main(["export", str(ckpt)]) != 0
+    assert "--hf OUT" in capsys.readouterr().err
+    assert main(["export", str(ckpt), "--peft", str(ckpt.parent / "adapter")]) != 0
+    err = capsys.readouterr().err
+    assert "trained without LoRA" in err and "use --hf" in err
