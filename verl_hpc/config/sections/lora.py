@@ -34,7 +34,8 @@ class LoraConfig(Section):
     init: str = opt("kaiming", "how A starts (B starts at zero)", choices=LORA_INITS)
     sync: str = opt("auto", "what the rollout engine receives: adapter (the adapter tensors only, into vLLM's "
                             "LoRA slot) | merged (base + adapter as full weights; any rollout engine) | auto "
-                            "(adapter with rollout.engine = vllm, merged with hf)", choices=LORA_SYNC)
+                            "(adapter with rollout.engine = vllm in colocated placement, else merged)",
+                    choices=LORA_SYNC)
 
     @property
     def enabled(self) -> bool:
@@ -44,11 +45,12 @@ class LoraConfig(Section):
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def sync_mode(self, rollout_engine: str) -> str:
-        """adapter | merged for the job's rollout engine (auto resolved)."""
+    def sync_mode(self, rollout_engine: str, split: bool = False) -> str:
+        """adapter | merged for the job's (resolved) rollout engine and placement: auto is the
+        adapter with vLLM in colocated placement; split placement publishes merged weights."""
         if self.sync != "auto":
             return self.sync
-        return "adapter" if rollout_engine == "vllm" else "merged"
+        return "adapter" if rollout_engine == "vllm" and not split else "merged"
 
     def check(self, job) -> List[str]:
         p = []
@@ -61,6 +63,9 @@ class LoraConfig(Section):
         if self.sync == "adapter" and job.rollout.engine == "hf":
             p.append(f"lora.sync = adapter needs rollout.engine = vllm (its LoRA slots); with "
                      "rollout.engine = hf use merged or auto")
+        if self.sync == "adapter" and job.placement.split:
+            p.append("lora.sync = adapter does not run with placement.mode = split yet (the rollout group "
+                     "receives published full weights): use merged or auto")
         if job.model.fp8:
             p.append("lora.rank > 0 does not run with model.fp8 = true yet (the adapters would run "
                      "outside Transformer Engine's FP8 recipe); set one of them off")
