@@ -197,7 +197,7 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") 
     LoRA checkpoint: `peft.PeftModel.from_pretrained(base, out)` loads it onto the HF base."""
     from safetensors.torch import save_file
 
-    from verl_hpc.models.lora import AdapterSpec, peft_config
+    from verl_hpc.models.lora import peft_config
 
     out = Path(out)
     with CheckpointReader(ckpt) as reader:
@@ -211,11 +211,10 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") 
         tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, prefix=f"{role}/model/")}
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        spec = AdapterSpec(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=0.0,
-                           targets=tuple(lora["targets"]))
-        (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, str(lora["base_path"])), indent=1))
+        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"], base_model=str(lora["base_path"]))
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
         log.info("export: the %s adapter of step %d (rank %d, %d tensors) -> %s", role, reader.step,
-                 spec.rank, len(tensors), out)
+                 config["r"], len(tensors), out)
     return out
 
 

@@ -1,6 +1,6 @@
 """Low-rank adapters on Megatron's tensor-parallel linear layers, and their PEFT names.
 
-    attach_adapters(chunks, rank=16, alpha=32.0, targets=("linear_qkv", ...), seed=1)
+    attach_adapters(chunks, AdapterSpec(rank, alpha, dropout, targets, init), seed=1)
     with adapters_off(chunks): ...                 # the base model, bitwise (the reference policy)
     for peft_name, tensor in export_adapter(chunks): ...   # PEFT-named full tensors, every rank
     load_adapter(chunks, peft_tensors)             # this rank's shards from PEFT-named tensors
@@ -60,7 +60,7 @@ class AdapterSpec:
     alpha: float
     dropout: float
     targets: Tuple[str, ...]
-    init: str = "kaiming"
+    init: str  # lora.init
 
     @property
     def scale(self) -> float:
@@ -72,10 +72,11 @@ def hf_target_modules(targets: Sequence[str]) -> List[str]:
     return [m.rpartition(".")[2] for t in targets for m in HF_MODULES[t]]
 
 
-def peft_config(spec: AdapterSpec, base_model: str = "") -> dict:
-    """The adapter_config.json that PEFT (and vLLM) read for this adapter."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout, "target_modules": hf_target_modules(spec.targets),
+def peft_config(rank: int, alpha: float, targets: Sequence[str], *, dropout: float = 0.0,
+                base_model: str = "") -> dict:
+    """The adapter_config.json that PEFT (and vLLM) read for an adapter of Megatron `targets`."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+            "lora_dropout": dropout, "target_modules": hf_target_modules(targets),
             "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
 
@@ -161,6 +162,10 @@ def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequ
         set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
     if sequence_parallel:  # its gradient is partial over the sequence shards: all-reduced over TP
         replicated.sequence_parallel = True
+    for p in (module.lora_A, module.lora_B):
+        p.hf_adapter = True  # not in an HF folder: load_hf_weights and export_hf_weights skip it
+    # export_hf_weights sends what this returns for the weight: merged while the adapter is on
+    module.exported_weight = lambda m=module: merged_weight(m) if m.lora_enabled else m.weight
     module.lora_kind, module.lora_scale, module.lora_dropout = kind, spec.scale, spec.dropout
     module.lora_sequence_parallel, module.lora_enabled = sequence_parallel, True
     module.register_forward_hook(_hook)
@@ -202,10 +207,6 @@ def attach_adapters(model, spec: AdapterSpec, *, seed: int, sequence_parallel: b
 
 def adapter_parameters(model) -> List[torch.nn.Parameter]:
     return [p for chunk in _chunks(model) for _, _, m in adapted_modules(chunk) for p in (m.lora_A, m.lora_B)]
-
-
-def is_adapter_param(name: str) -> bool:
-    return name.endswith(".lora_A") or name.endswith(".lora_B")
 
 
 @contextlib.contextmanager
@@ -311,9 +312,11 @@ def factor_hf_entries(arch, target: str, factor: str, layer: int, rank: int):
     q_rows = arch.num_attention_heads * arch.head_dim
     kv_rows = arch.num_query_groups * arch.head_dim
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    outs = {"linear_qkv": (q_rows, kv_rows, kv_rows), "linear_proj": (h,), "linear_fc1": (f, f),
-            "linear_fc2": (h,)}[target]
-    width = {"linear_qkv": h, "linear_proj": q_rows, "linear_fc1": h, "linear_fc2": f}[target]
+    # (rows of each HF module's B, columns of A) per target
+    outs, width = {"linear_qkv": ((q_rows, kv_rows, kv_rows), h),
+                   "linear_proj": ((h,), q_rows),
+                   "linear_fc1": ((f, f), h),
+                   "linear_fc2": ((h,), f)}[target]
     names = [_hf_weight(m).format(i=layer) for m in HF_MODULES[target]]
     if factor == "A":
         return [(factor_peft_name(n, "A"), (rank, width)) for n in names]

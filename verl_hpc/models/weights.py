@@ -75,23 +75,25 @@ def _layout(model) -> Layout:
 
 def _exported_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
     """Parameters in a stable order, minus the tied output layer of the last stage (the HF
-    checkpoint stores a tied lm_head once, as the embedding) and minus LoRA factors (exported
-    merged into their weight, or by export_adapter)."""
-    from verl_hpc.models.lora import is_adapter_param
-
+    checkpoint stores a tied lm_head once, as the embedding) and minus adapter parameters (LoRA
+    factors, marked `hf_adapter`: models/lora.py exports them, or merged into their weight)."""
     arch = chunk.verl_arch
-    return [(n, p) for n, p in chunk.named_parameters()
-            if not (arch.tie_word_embeddings and n == "output_layer.weight") and not is_adapter_param(n)]
+    return [(n, p) for n, p in _loaded_params(chunk)
+            if not (arch.tie_word_embeddings and n == "output_layer.weight")]
+
+
+def _loaded_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
+    """The parameters an HF folder holds: all but adapter parameters."""
+    return [(n, p) for n, p in chunk.named_parameters() if not getattr(p, "hf_adapter", False)]
 
 
 def _export_value(chunk, name: str, param: torch.Tensor) -> torch.Tensor:
-    """What the export sends for a parameter: a LoRA-adapted weight merged with its adapter
-    (while the adapters are on), anything else as it is."""
-    owner = chunk.get_submodule(name.rpartition(".")[0]) if name.endswith(".weight") else None
-    if owner is not None and getattr(owner, "lora_enabled", False):
-        from verl_hpc.models.lora import merged_weight
-
-        return merged_weight(owner)
+    """What the export sends for a parameter: the owning module's `exported_weight()` where it
+    has one (a LoRA-adapted layer: W merged with its adapter, models/lora.py), else the parameter."""
+    if name.endswith(".weight"):
+        merged = getattr(chunk.get_submodule(name.rpartition(".")[0]), "exported_weight", None)
+        if merged is not None:
+            return merged()
     return param
 
 
@@ -111,12 +113,6 @@ def _load_param(reader, chunk, name, param, layers, lay) -> None:
                            f"mapping splits dim {rule.tp_dim}; build it with build_gpt_model")
     with torch.no_grad():
         param.copy_(shard)
-
-
-def _loaded_params(chunk):
-    from verl_hpc.models.lora import is_adapter_param  # adapters are not in an HF folder
-
-    return [(n, p) for n, p in chunk.named_parameters() if not is_adapter_param(n)]
 
 
 def load_hf_weights(model, checkpoint: Union[str, Path, HFCheckpointReader]) -> LoadReport:

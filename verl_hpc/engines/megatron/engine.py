@@ -413,7 +413,9 @@ class MegatronEngine(TrainingEngine):
 
         if self.lora is None:
             raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
-        return peft_config(self.lora, self.options.model_path)
+        spec = self.lora
+        return peft_config(spec.rank, spec.alpha, spec.targets, dropout=spec.dropout,
+                           base_model=self.options.model_path)
 
     def export_adapter(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """The adapter factors as PEFT-named full tensors, on every rank (a collective, like
