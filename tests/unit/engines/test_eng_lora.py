@@ -155,3 +155,23 @@ def test_state_holds_the_adapters_only_and_names_its_base(setup, tmp_path):
         check_state_meta(st.meta["lora"], eng.lora, str(other))
     with pytest.raises(ValueError, match="lora.rank = 0"):
         check_state_meta(st.meta["lora"], None, str(model))
+
+
+def test_a_layernorm_fused_linear_feeds_its_adapter_the_normalised_input():
+    """Transformer Engine's LayerNorm-linear layers (GPU) take the raw input and normalise inside:
+    the adapter must multiply what the weight multiplies. The rule itself is plain torch."""
+    from types import SimpleNamespace
+
+    from verl_hpc.models.lora import _adapter_input
+
+    x = torch.randn(3, 2, 8)
+    w = torch.rand(8) + 0.5
+    plain = SimpleNamespace()
+    assert _adapter_input(plain, x) is x  # the local spec: its norm is a module of its own
+    fused = SimpleNamespace(layer_norm_weight=w, config=SimpleNamespace(
+        normalization="RMSNorm", layernorm_epsilon=1e-5, layernorm_zero_centered_gamma=False))
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(_adapter_input(fused, x), want)
+    fused.config.layernorm_zero_centered_gamma = True  # the stored weight is gamma - 1
+    fused.layer_norm_weight = w - 1
+    torch.testing.assert_close(_adapter_input(fused, x), want)
