@@ -11,6 +11,8 @@ rollout engine, after every update, collectively, in buckets, without disk
 
 Modules:
     sync.py      the step: export -> buckets -> load_weights, failure agreement, metrics
+    adapter_sync.py  LoRA: the adapter only into the rollout's LoRA slot, and the check that
+                 each generation used the synced adapter version
     buckets.py   BucketStream: byte-bounded buckets over a (name, tensor) stream, its counts
     sinks.py     NullSink / DigestSink: load_weights receivers for benchmarks and tests
     memory.py    HeapPeak: the peak extra host memory of a block (glibc heap in use, sampled)
@@ -20,9 +22,10 @@ PP stages broadcast theirs (verl_hpc.models.weights.export_hf_weights), so every
 full HF tensor in turn; the rollout engine cuts its own inference-TP slices from them (vLLM's
 weight loaders), so training TP and inference TP are independent in both directions.
 """
+from verl_hpc.resharding.adapter_sync import AdapterSync, StaleAdapterError, check_generated, weight_sync_from_config
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
 from verl_hpc.resharding.sinks import DigestSink, NullSink
 from verl_hpc.resharding.sync import SyncError, WeightSync, export_source, sync
 
-__all__ = ["BucketStream", "DigestSink", "NullSink", "SyncError", "WeightSync", "bucket_bytes_from",
+__all__ = ["AdapterSync", "StaleAdapterError", "check_generated", "weight_sync_from_config", "BucketStream", "DigestSink", "NullSink", "SyncError", "WeightSync", "bucket_bytes_from",
            "export_source", "sync"]

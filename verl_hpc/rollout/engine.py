@@ -79,7 +79,8 @@ class RolloutEngine(abc.ABC):
         return RolloutResult(prompts=fitted, prompt_index=rows.prompt_index,
                              sample_index=rows.sample_index, response_ids=rows.response_ids,
                              logprobs=rows.logprobs, finish_reason=rows.finish_reason,
-                             num_truncated=truncated, seconds=time.perf_counter() - start)
+                             num_truncated=truncated, seconds=time.perf_counter() - start,
+                             adapter_version=rows.one_adapter_version())
 
     @abc.abstractmethod
     def _generate_shard(self, prompts: List[List[int]], first_index: int,
@@ -92,6 +93,14 @@ class RolloutEngine(abc.ABC):
         """Replace all weights from (hf_name, full tensor) pairs, consumed lazily, in ONE call
         (see rollout.weights for why it must be the complete set). Returns {tensors, bytes,
         seconds}. A failure leaves the weights undefined: generate then refuses to run."""
+
+    def load_adapter(self, tensors: Iterable[Tuple[str, torch.Tensor]], peft_config: dict,
+                     version: int) -> dict:
+        """Take a LoRA adapter (PEFT-named full tensors, its adapter_config.json as a dict) as
+        version `version`; every later generate runs with it and reports the version. Only
+        engines with LoRA slots can (vLLM); the others take the merged weights (lora.sync=merged)."""
+        raise NotImplementedError(f"{self.name} rollout has no LoRA slots: it takes the merged weights "
+                                  "(lora.sync = merged, or auto)")
 
     # ------------------------------------------------------------------ memory phases
     def sleep(self) -> None:

@@ -19,8 +19,18 @@ def engine_kwargs(cfg, engine: str) -> dict:
                       gpu_memory_utilization=r.gpu_memory_utilization,
                       collective_timeout_s=cfg.trainer.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
-                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split), sleep_level=r.sleep_level)
+                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split), sleep_level=r.sleep_level,
+                      lora_rank=lora_slot_rank(cfg))
     return kwargs
+
+
+def lora_slot_rank(cfg) -> int:
+    """The adapter rank vLLM's LoRA slot must take (0: none): lora.rank when the job syncs the
+    adapter only (lora.sync), else 0 (merged weights need no slot)."""
+    lora = cfg.lora
+    if not lora.enabled or lora.sync_mode("vllm", cfg.placement.split) != "adapter":
+        return 0
+    return lora.rank
 
 
 def default_engine_args(engine: str, **changes) -> dict:

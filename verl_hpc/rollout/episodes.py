@@ -227,7 +227,7 @@ class EpisodeRunner:
             sample_index=[ep.sample_index for ep in episodes],
             response_ids=[ep.tokens for ep in episodes], logprobs=[ep.logprobs for ep in episodes],
             finish_reason=["stop" if ep.stats.end == "answered" else "length" for ep in episodes],
-            num_truncated=first.num_truncated, seconds=seconds,
+            num_truncated=first.num_truncated, seconds=seconds, adapter_version=first.adapter_version,
             response_mask=[ep.mask for ep in episodes], episodes=[ep.stats for ep in episodes])
 
 

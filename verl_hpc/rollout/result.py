@@ -47,6 +47,8 @@ class RolloutResult:
     # and template tokens (whose logprobs are 0); None = every response token is the model's
     response_mask: Optional[List[List[int]]] = None
     episodes: Optional[List[EpisodeStats]] = None  # multi_turn: per sequence
+    # LoRA with adapter sync: the adapter version the engine reports it generated with (None: no adapter)
+    adapter_version: Optional[int] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
@@ -88,7 +90,7 @@ class RolloutResult:
                              prompt_index=[where[self.prompt_index[r]] for r in rows],
                              sample_index=pick(self.sample_index), response_ids=pick(self.response_ids),
                              logprobs=pick(self.logprobs), finish_reason=pick(self.finish_reason),
-                             num_truncated=self.num_truncated,
+                             num_truncated=self.num_truncated, adapter_version=self.adapter_version,
                              **{f: None if getattr(self, f) is None else pick(getattr(self, f))
                                 for f in OPTIONAL_ROWS})
 
@@ -96,8 +98,11 @@ class RolloutResult:
     def concat(cls, results: Sequence["RolloutResult"]) -> "RolloutResult":
         """One result of the groups of `results` in turn, prompt indices offset accordingly."""
         present = tuple(f for f in OPTIONAL_ROWS if all(getattr(r, f) is not None for r in results))
+        versions = {r.adapter_version for r in results}
+        if len(versions) > 1:  # dynamic sampling's rounds of one step share one policy
+            raise RuntimeError(f"rollout: results of adapter versions {sorted(versions, key=str)} joined")
         out = cls([], [], [], [], [], [], num_truncated=sum(r.num_truncated for r in results),
-                  **{f: [] for f in present})
+                  adapter_version=versions.pop() if versions else None, **{f: [] for f in present})
         for r in results:
             base = len(out.prompts)
             out.prompts += r.prompts
@@ -118,10 +123,22 @@ class ShardOutput:
     response_ids: List[List[int]]
     logprobs: List[List[float]]
     finish_reason: List[str]
+    # per row: the LoRA adapter version the engine generated it with, read from the engine's own
+    # output (vLLM's lora_request), -1 without an adapter
+    adapter_version: List[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "ShardOutput":
-        return cls([], [], [], [], [])
+        return cls([], [], [], [], [], [])
+
+    def one_adapter_version(self) -> Optional[int]:
+        """The adapter version every row was generated with (None: no adapter, or no rows). Rows
+        that disagree are an error: one batch must come from one policy."""
+        seen = set(self.adapter_version)
+        if len(seen) > 1:
+            raise RuntimeError(f"rollout: one batch generated with adapter versions {sorted(seen)}")
+        version = seen.pop() if seen else -1
+        return None if version < 0 else version
 
     def extend(self, other: "ShardOutput") -> None:
         for f in dataclasses.fields(self):

@@ -93,7 +93,7 @@ class VLLMRollout(RolloutEngine):
                  enforce_eager: bool = True, sleep_between_phases: bool = False,
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
-                 max_num_seqs: int = 256, ctx=None, **engine_kwargs):
+                 max_num_seqs: int = 256, lora_rank: int = 0, ctx=None, **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         config = language_model_config(read_hf_config(model_path))
         super().__init__(layout=layout, max_prompt_length=max_prompt_length,
@@ -152,6 +152,10 @@ class VLLMRollout(RolloutEngine):
             # offset"); long prompts (multi-turn episodes) hit it once a step's prefills pass 4,096
             # tokens. Unchunked, a prompt that does not fit a step waits for the next one.
             kwargs["enable_chunked_prefill"] = False
+        self._lora = None  # (LoRARequest, version) of the adapter every generate uses
+        if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                          max_lora_rank=vllm_compat.lora_slot_rank(lora_rank))
         kwargs.update(engine_kwargs)
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -185,9 +189,12 @@ class VLLMRollout(RolloutEngine):
         params = [self._sampling_params(sampling, first_index + k) for k in range(len(prompts))]
         with vllm_compat.engine_call(self.device):
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                        params, use_tqdm=False)
+                                        params, use_tqdm=False,
+                                        lora_request=self._lora[0] if self._lora else None)
         rows = ShardOutput.empty()
         for k, out in enumerate(outputs):
+            # the adapter vLLM itself says it used (its request's id is version + 1: ids must be > 0)
+            used = out.lora_request.lora_int_id - 1 if out.lora_request is not None else -1
             for seq in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(seq.token_ids)
                 if seq.finish_reason not in FINISH_REASONS:
@@ -198,6 +205,7 @@ class VLLMRollout(RolloutEngine):
                 rows.response_ids.append(ids)
                 rows.logprobs.append(_sampled_logprobs(seq.logprobs, ids))
                 rows.finish_reason.append(seq.finish_reason)
+                rows.adapter_version.append(used)
         return rows
 
     # ------------------------------------------------------------------ weights
@@ -224,6 +232,37 @@ class VLLMRollout(RolloutEngine):
         self._weights_dropped = False
         return dict(tensors=checked.tensors, bytes=checked.bytes,
                     seconds=time.perf_counter() - start)
+
+    def load_adapter(self, tensors: Iterable[Tuple[str, torch.Tensor]], peft_config: dict,
+                     version: int) -> dict:
+        """The policy's LoRA adapter from tensors in memory, no files: vLLM's LoRAModel is built
+        from them in the worker and registered under id version + 1, the previous version removed
+        first so that nothing can serve it. Needs the engine built with lora_rank > 0."""
+        self._check_open()
+        if not self._lora_enabled:
+            raise RuntimeError("vllm rollout: load_adapter() on an engine built without LoRA slots "
+                               "(lora_rank=0); the job syncs merged weights (lora.sync)")
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        old = self._lora[0].lora_int_id if self._lora else None
+        with vllm_compat.engine_call(self.device):
+            self.llm.collective_rpc(vllm_compat.install_lora_adapter,
+                                    args=(tensors, dict(peft_config), version + 1, old))
+        # the path is never read: the adapter is registered before any request names it
+        request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1,
+                              lora_path=f"in-memory://policy/v{version}")
+        self._lora = (request, version)
+        if not self.llm.reset_prefix_cache():  # cached blocks were computed with the old adapter
+            self._mark_broken("reset_prefix_cache() refused")
+            raise RuntimeError("vllm rollout: reset_prefix_cache() failed after an adapter update")
+        return dict(tensors=len(tensors), bytes=nbytes, seconds=time.perf_counter() - start)
+
+    @property
+    def _lora_enabled(self) -> bool:
+        return bool(self.llm.llm_engine.vllm_config.lora_config)
 
     # ------------------------------------------------------------------ memory phases
     def sleep(self) -> None:

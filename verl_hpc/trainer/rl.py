@@ -41,7 +41,7 @@ from typing import Dict
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.data import PromptLoader, load_val_dataset
-from verl_hpc.resharding import WeightSync
+from verl_hpc.resharding import weight_sync_from_config
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
@@ -106,7 +106,9 @@ class RLTrainer:
         self.rollout_weights = (PublishedWeights(self.link, self.roles.actor, lambda: self.steps_done)
                                 if self.link is not None else
                                 RolloutWeights(self.roles.actor, self.roles.rollout,
-                                               WeightSync.from_config(cfg.resharding)))
+                                               weight_sync_from_config(cfg, self.roles.rollout.name)))
+        if self.link is None:
+            self.roles.verify = self.rollout_weights.check_generated
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
         self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
         self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.link or self.loader,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from verl_hpc.engines.megatron.roles import build_engine, build_reference
 
@@ -36,13 +36,19 @@ class Roles:
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None
     episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
+    # every generation's result is handed to this before anyone uses it: the trainer sets the
+    # weight step's check (LoRA: the adapter version it used, resharding/adapter_sync.py)
+    verify: Callable[[Any], None] = lambda result: None
 
     def generate(self, prompts, spec):
         """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
         if self.episodes is None:
-            return self.rollout.generate(prompts.prompt_ids, spec)
-        return self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
-                                      offered=[x.get("tools") for x in prompts.extras])
+            result = self.rollout.generate(prompts.prompt_ids, spec)
+        else:
+            result = self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
+                                            offered=[x.get("tools") for x in prompts.extras])
+        self.verify(result)
+        return result
 
     @property
     def pad_id(self) -> int:

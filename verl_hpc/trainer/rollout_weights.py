@@ -6,6 +6,7 @@ wake, and sleep before anything makes the training engines' state resident.
     metrics = weights.pop_metrics() # the step's: sync/* of the sync that served its generation
     weights.mark_stale()            # the actor's weights changed (an update, a checkpoint load)
     weights.park()                  # the rollout asleep (sleep mode): training, checkpoint save/load
+    weights.check_generated(result) # LoRA adapter sync: the generation used the synced adapter
 
 Lazy, as verl does: the rollout's weights are stale from the start of a run and after every actor
 update, and are brought up to date right before they are next needed (the step's generation, a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict
 
+from verl_hpc.resharding.adapter_sync import check_generated
 from verl_hpc.rollout.engine import KV_CACHE, WEIGHTS
 
 
@@ -65,6 +67,11 @@ class RolloutWeights:
         """sync/* of the last sync, once (module docstring); {} when it was reported already."""
         out, self._unreported = self._unreported, {}
         return out
+
+    def check_generated(self, result) -> None:
+        """The weight step's check of a generation (LoRA adapter sync: the adapter version the
+        rollout reports it used must be the one synced; StaleAdapterError otherwise)."""
+        check_generated(result, self.weight_sync)
 
     def park(self) -> None:
         """The rollout asleep (a no-op without sleep mode): before training, and before a

@@ -105,7 +105,8 @@ class StepSampler:
         if self.cfg.algorithm.adv_estimator != "remax":
             return None
         spec = dataclasses.replace(self.sampling.for_step(step), n=1, temperature=0.0)
-        greedy = assemble(prompts, self.roles.rollout.generate(prompts.prompt_ids, spec),
-                          self.roles.tokenizer, self.roles.pad_id)
+        result = self.roles.rollout.generate(prompts.prompt_ids, spec)
+        self.roles.verify(result)
+        greedy = assemble(prompts, result, self.roles.tokenizer, self.roles.pad_id)
         scores, _ = score_batch(self.scorer, greedy, self.roles.reward_model)
         return scores[batch.group_ids]
