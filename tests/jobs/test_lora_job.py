@@ -91,3 +91,42 @@ def _engine_logits(model, ckpt, ids):
         destroy_model_parallel()
         dist.destroy_process_group()
         cpu_compat.revert()
+
+
+VLLM = ["rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432"]
+
+
+def test_lora_with_vllm_syncs_the_adapter_only(tiny_assets, tmp_path):
+    from jobs import metrics
+
+    out = tmp_path / "adapter"
+    proc, s = grpo(tiny_assets, out, "trainer.total_steps=3", *MOVING, *LORA, *VLLM)
+    assert proc.returncode == 0, logs(proc, out)
+    rows = metrics(out)
+    # the version counts optimizer steps: two mini-batches (two steps) per trainer step here
+    assert [r["sync/adapter_version"] for r in rows] == [0.0, 2.0, 4.0]
+    full = sum(t.numel() * 4 for t in read_all_model(tiny_assets / "model").values())
+    assert all(r["sync/bytes"] < 0.2 * full for r in rows), (rows[0]["sync/bytes"], full)
+
+
+def test_a_rollout_that_misses_an_adapter_update_stops_the_step(tiny_assets, tmp_path, monkeypatch):
+    """The rollout engine takes the first adapter and then silently none (a peer's bug): the step
+    that would train on the stale policy fails with StaleAdapterError, exit code 26."""
+    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+
+    real = VLLMRollout.load_adapter
+
+    def first_only(self, tensors, config, version):
+        return real(self, tensors, config, version) if version == 0 else {"seconds": 0.0}
+
+    monkeypatch.setattr(VLLMRollout, "load_adapter", first_only)
+    out = tmp_path / "stale"
+    proc, _ = grpo(tiny_assets, out, "trainer.total_steps=3", *MOVING, *LORA, *VLLM)
+    assert proc.returncode == 26, logs(proc, out)
+    assert "generated with adapter version 0, but the actor's adapter version 2 was synced" in proc.stderr
+
+
+def read_all_model(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(next(folder.glob("*.safetensors"))))
