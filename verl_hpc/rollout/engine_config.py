@@ -19,7 +19,9 @@ def engine_kwargs(cfg, engine: str) -> dict:
                       gpu_memory_utilization=r.gpu_memory_utilization,
                       collective_timeout_s=cfg.trainer.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
-                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split), sleep_level=r.sleep_level,
+                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split),
+                      # level 2 drops the base weights, which the adapter sync never sends again
+                      sleep_level=1 if lora_slot_rank(cfg) else r.sleep_level,
                       lora_rank=lora_slot_rank(cfg))
     return kwargs
 

@@ -65,7 +65,8 @@ class RolloutConfig(Section):
                                             "no training to make room for); auto: on with a GPU, off on CPU",
                                     choices=SWITCH)
     sleep_level: int = opt(2, "1 or 2; 2: weights dropped too (the trainer loads new ones after every "
-                              "wake); 1: weights kept in host memory")
+                              "wake); 1: weights kept in host memory (always 1 under LoRA's adapter "
+                              "sync, which never sends the base weights again)")
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
                                choices=("truncate", "reject"))
     val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
