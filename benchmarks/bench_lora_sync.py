@@ -86,6 +86,9 @@ def measure(model: Path, rank: int, repeats: int) -> dict:
                 rank=rank, alpha=2.0 * rank, target_modules=list(targets))))
             runs = {"full": [], "adapter": []}
             syncs = {"full": WeightSync(bucket_mb=64), "adapter": AdapterSync()}
+            for kind in ("full", "adapter"):  # untimed: vLLM's first reload and LoRA load warm up
+                eng.steps_applied += 1
+                syncs[kind](eng, rollout)
             for _ in range(repeats):
                 for kind in ("full", "adapter"):  # alternated: drift hits both alike
                     eng.steps_applied += 1  # a new adapter version each time, as after a step
