@@ -90,6 +90,19 @@ def layer_params(arch: ModelArch, tp: int) -> int:
     return per_rank + 2 * h  # the two norms, replicated over TP
 
 
+def lora_layer_params(arch: ModelArch, rank: int, targets, tp: int) -> int:
+    """Adapter elements of one decoder layer on one TP rank (models/lora.py's split): a
+    column-parallel target (linear_qkv, linear_fc1) holds A [r, in] whole and B [r, out / tp]; a
+    row-parallel one (linear_proj, linear_fc2) A [r, in / tp] and B [out, r] whole."""
+    d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
+        arch.hidden_size, arch.ffn_hidden_size
+    per_target = {"linear_qkv": rank * h + rank * (nq + 2 * nkv) * d // tp,
+                  "linear_proj": rank * nq * d // tp + rank * h,
+                  "linear_fc1": rank * h + rank * 2 * f // tp,
+                  "linear_fc2": rank * f // tp + rank * h}
+    return sum(per_target[t] for t in targets)
+
+
 def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm") -> StageParams:
     """What a rank of pipeline stage `stage` (0 = first) holds. head: lm | value (critic, RM)."""
     h = arch.hidden_size

@@ -39,8 +39,8 @@ from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
 from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
 from verl_hpc.planning.host import RoleTensors, checkpoint_host, reload_host
-from verl_hpc.planning.model_shape import model_arch, stage_params, stage_tensor_sizes, total_params
-from verl_hpc.planning.rollout import rollout_bytes, sleep_level, sleeping
+from verl_hpc.planning.model_shape import lora_layer_params, model_arch, stage_params, stage_tensor_sizes, total_params
+from verl_hpc.planning.rollout import adapter_slot_rank, rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
@@ -195,11 +195,17 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     vpp = par.vpp or 0
     last = stage == pp - 1
 
+    lora = cfg.lora
+
     def role(name, role_cfg, head, trainable, path_field, path):
         a = arch if path in ("", cfg.model.path) else _arch_for(path, path_field, allow_known)
         params = stage_params(a, tp, pp, stage, head)
+        adapter = (params.layers * lora_layer_params(a, lora.rank, lora.target_modules, tp)
+                   if lora.enabled and name == "actor" else 0)
         parts = model_state_bytes(params, prec, trainable=trainable, dp=dp,
-                                  distributed_optimizer=par.use_distributed_optimizer)
+                                  distributed_optimizer=par.use_distributed_optimizer, adapter=adapter)
+        if adapter:  # the frozen base is a frozen role's tensors (one storage each)
+            trainable = False
         off = {"weights": getattr(role_cfg, "param_offload", False),
                "grads": getattr(role_cfg, "grad_offload", False),
                "optimizer": getattr(role_cfg, "optimizer_offload", False)}
@@ -214,8 +220,13 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     if cfg.critic.enable:
         roles["critic"] = role("critic", cfg.critic, "value", True, "critic.model_path",
                                cfg.critic.model_path)[0]
-    if cfg.ref.enable:
+    if cfg.ref.enable and not lora.enabled:  # under LoRA the reference is the actor's base: no memory
         roles["ref"] = role("ref", cfg.ref, "lm", False, "model.path", cfg.model.path)[0]
+    if lora.enabled:
+        adapter = actor_params.layers * lora_layer_params(arch, lora.rank, lora.target_modules, tp)
+        notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapter / 1e6:.2f} M "
+                     f"trainable parameters per rank ({adapter * 4 / 2**20:.1f} MiB fp32) on a frozen base"
+                     + ("; the reference is the actor's base (no memory)" if cfg.ref.enable else ""))
     if group == "rollout":  # the rollout ranks of a split job build no Megatron role
         roles, tensors = {}, {}
 
@@ -248,6 +259,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
     resharding = 2 * bucket + largest
+    if adapter_slot_rank(cfg):  # LoRA's adapter sync: the whole adapter, fp32, held twice (export + vLLM's)
+        resharding = 2.0 * arch.num_layers * lora_layer_params(arch, lora.rank, lora.target_modules, 1) * 4
     comms = job_communicators(cfg, arch.tie_word_embeddings, group)
     nccl = nccl_bytes(comms)
     overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
@@ -353,8 +366,10 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         # from host buffers (host.py)
         "rollback": one_role_at_a_time({}),
     }
-    if "ref" not in roles:
+    if not cfg.ref.enable:
         del table["ref_logprob"]
+    elif "ref" not in roles:  # LoRA: the reference is the actor's own base, adapters off
+        table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle)
     if "critic" not in roles:
         del table["values"], table["update_critic"]
     if not cfg.trainer.rollback.enable:

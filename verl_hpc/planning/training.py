@@ -42,11 +42,19 @@ class Precision:
 
 
 def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, dp: int,
-                      distributed_optimizer: bool) -> Dict[str, float]:
-    """weights / grads / optimizer bytes of a role on one rank."""
+                      distributed_optimizer: bool, adapter: int = 0) -> Dict[str, float]:
+    """weights / grads / optimizer bytes of a role on one rank. `adapter`: LoRA's trainable
+    elements on this rank (lora.rank > 0): then the base is frozen (its weights only, outside
+    DDP's buffers) and the fp32 adapter alone has a gradient and Adam's two moments (an fp32
+    parameter needs no master copy), sharded by the distributed optimizer."""
     n = params.total
     out = {"weights": float(n * prec.param_bytes), "grads": 0.0, "optimizer": 0.0}
     if not trainable:
+        return out
+    if adapter:
+        out["weights"] += float(adapter * 4)
+        out["grads"] = float(adapter * 4)
+        out["optimizer"] = float(adapter * 8 / (dp if distributed_optimizer else 1))
         return out
     # Megatron aligns every parameter's start in its buffers to 64 elements (distributed optimizer)
     padded = n + (32 * params.num_tensors if distributed_optimizer else 0)

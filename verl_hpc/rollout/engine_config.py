@@ -29,10 +29,7 @@ def engine_kwargs(cfg, engine: str) -> dict:
 def lora_slot_rank(cfg) -> int:
     """The adapter rank vLLM's LoRA slot must take (0: none): lora.rank when the job syncs the
     adapter only (lora.sync), else 0 (merged weights need no slot)."""
-    lora = cfg.lora
-    if not lora.enabled or lora.sync_mode("vllm", cfg.placement.split) != "adapter":
-        return 0
-    return lora.rank
+    return cfg.lora.rank if cfg.lora.syncs_adapter(cfg, "vllm") else 0
 
 
 def default_engine_args(engine: str, **changes) -> dict:

@@ -371,18 +371,6 @@ def engine_call(device: torch.device):
 
 # ----------------------------------------------------------------------------- LoRA from memory
 
-# vLLM 0.32's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_slot_rank(rank: int) -> int:
-    """The smallest max_lora_rank vLLM accepts that holds an adapter of `rank`."""
-    for allowed in VLLM_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(f"lora.rank = {rank}: vLLM's LoRA slots hold rank {VLLM_LORA_RANKS[-1]} at most")
-
-
 def install_lora_adapter(worker, tensors, peft_config: dict, lora_id: int, old_id) -> list:
     """Run in vLLM's worker (LLM.collective_rpc): register the adapter built from `tensors` under
     `lora_id`, after removing `old_id`. vLLM 0.32 loads adapters only from a folder, inside its

@@ -55,6 +55,7 @@ from typing import Iterable, List, Tuple
 import torch
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
+from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import engine_kwargs
@@ -155,7 +156,7 @@ class VLLMRollout(RolloutEngine):
         self._lora = None  # (LoRARequest, version) of the adapter every generate uses
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
-                          max_lora_rank=vllm_compat.lora_slot_rank(lora_rank))
+                          max_lora_rank=vllm_slot_rank(lora_rank))
         kwargs.update(engine_kwargs)
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

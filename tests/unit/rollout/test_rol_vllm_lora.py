@@ -104,11 +104,11 @@ def test_a_new_version_replaces_the_old_and_the_sync_is_checked(engine, tiny_mod
 
 
 def test_engines_without_lora_slots_say_so(tiny_model):
-    from verl_hpc.rollout.vllm_compat import lora_slot_rank
+    from verl_hpc.config.sections.lora import vllm_slot_rank
 
-    assert [lora_slot_rank(r) for r in (1, 2, 8, 9, 64)] == [1, 8, 8, 16, 64]
+    assert [vllm_slot_rank(r) for r in (1, 2, 8, 9, 64)] == [1, 8, 8, 16, 64]
     with pytest.raises(ValueError, match="rank 512 at most"):
-        lora_slot_rank(1000)
+        vllm_slot_rank(1000)
     from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.rollout.hf_rollout import HFRollout
 

@@ -22,6 +22,17 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # (kaiming-uniform, a = sqrt(5)); gaussian = normal with std 1/rank
 LORA_INITS = ("kaiming", "gaussian")
 LORA_SYNC = ("auto", "adapter", "merged")
+# the max_lora_rank values vLLM 0.32 allows (vllm.config.lora.MaxLoRARanks): its LoRA slot holds the
+# smallest one >= lora.rank (the rollout engine builds it, the memory plan counts it)
+VLLM_SLOT_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_slot_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds an adapter of `rank`."""
+    for allowed in VLLM_SLOT_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"lora.rank = {rank}: vLLM's LoRA slots hold rank {VLLM_SLOT_RANKS[-1]} at most")
 
 
 @dataclass
@@ -52,6 +63,10 @@ class LoraConfig(Section):
             return self.sync
         return "adapter" if rollout_engine == "vllm" and not split else "merged"
 
+    def syncs_adapter(self, job, rollout_engine: str) -> bool:
+        """True when the rollout engine gets a LoRA slot and the adapter alone after each update."""
+        return self.enabled and self.sync_mode(rollout_engine, job.placement.split) == "adapter"
+
     def check(self, job) -> List[str]:
         p = []
         if not self.enabled:
@@ -66,6 +81,9 @@ class LoraConfig(Section):
         if self.sync == "adapter" and job.placement.split:
             p.append("lora.sync = adapter does not run with placement.mode = split yet (the rollout group "
                      "receives published full weights): use merged or auto")
+        if self.syncs_adapter(job, "hf" if job.rollout.engine == "hf" else "vllm") and self.rank > VLLM_SLOT_RANKS[-1]:
+            p.append(f"lora.rank = {self.rank}: vLLM's LoRA slots hold rank {VLLM_SLOT_RANKS[-1]} at most; "
+                     "use lora.sync = merged for a larger rank")
         if job.model.fp8:
             p.append("lora.rank > 0 does not run with model.fp8 = true yet (the adapters would run "
                      "outside Transformer Engine's FP8 recipe); set one of them off")
