@@ -147,12 +147,10 @@ def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequ
     weight = module.weight
     out_local, in_local = weight.shape
     dev = weight.device
-    if kind == "column":
-        a = a_full
-        b = torch.zeros(out_local, spec.rank)
-    else:
-        a = a_full[:, tp_rank * in_local:(tp_rank + 1) * in_local]
-        b = torch.zeros(out_local, spec.rank)
+    # A whole (column) or this rank's columns (row); B's rows are the weight's (zero: a fresh
+    # adapter adds nothing)
+    a = a_full if kind == "column" else a_full[:, tp_rank * in_local:(tp_rank + 1) * in_local]
+    b = torch.zeros(out_local, spec.rank)
     # fp32 factors whatever the base's dtype: they are small, and Megatron's optimizer keeps an
     # fp32 main copy of a bf16 parameter anyway
     module.lora_A = torch.nn.Parameter(a.to(dev).contiguous())

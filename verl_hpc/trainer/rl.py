@@ -106,7 +106,8 @@ class RLTrainer:
         self.rollout_weights = (PublishedWeights(self.link, self.roles.actor, lambda: self.steps_done)
                                 if self.link is not None else
                                 RolloutWeights(self.roles.actor, self.roles.rollout,
-                                               weight_sync_from_config(cfg, self.roles.rollout.name)))
+                                               weight_sync_from_config(cfg, getattr(self.roles.rollout, "name",
+                                                                                cfg.rollout.engine))))
         if self.link is None:
             self.roles.verify = self.rollout_weights.check_generated
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks

@@ -78,7 +78,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
             rollout = on_error.enter_context(build_rollout(cfg, ctx))
             rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
         actor = build_engine("actor", cfg, ctx)
-        ref = build_reference(cfg, ctx, actor) if cfg.ref.enable else None
+        ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         on_error.pop_all()  # all built: the engine stays open for the caller

@@ -1,19 +1,19 @@
-"""LoRA on 4 real gloo ranks: forward and one update at TP1 (DP4), TP2, PP2 and TP2 x PP2 equal
-Hugging Face peft's (float64 forward, fp32 update) and each other. One launch runs every layout
-(lora_ranks.py). The update's reference is peft with the A of q/k/v (gate/up) tied into one
-parameter as in Megatron's fused layers, the same PPO loss (test_eng_parity's), gradient clipping
-over the adapters and AdamW with eps = 1 (so a weight difference measures the gradient)."""
+"""LoRA on 4 real gloo ranks: forward and one update at TP1 (DP4), TP2, PP2, PP2 with 2 virtual
+stages (llama) and TP2 x PP2 equal Hugging Face peft's (float64 forward, fp32 update) and each
+other. One launch runs every layout (lora_ranks.py). The update's reference is peft with the A of
+q/k/v (gate/up) tied into one parameter as in Megatron's fused layers, the same PPO loss
+(test_eng_parity's), gradient clipping over the adapters and AdamW with eps = 1 (so a weight
+difference measures the gradient)."""
 import pytest
 import torch
 
-from lora_ranks import LAYOUTS, MODELS, launch
+from lora_ranks import CASES, MODELS, launch
 from lora_reference import HF_TARGETS, peft_model, random_adapter
 from test_eng_parity import ACTOR, MODELS as MODEL_SHAPES, OPTIM, _actor_loss, _batch, _hf_response_logprobs
 
 WORLD = 4
 LORA = dict(rank=4, alpha=8.0)
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
-CASES = [(lay, m) for lay, _, _ in LAYOUTS for m in MODELS]
 
 
 def _reference(folder, adapter, batch, cfg):

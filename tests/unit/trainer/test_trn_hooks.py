@@ -106,5 +106,8 @@ def test_program_finish_writes_the_summary_and_one_result_line(tmp_path, capsys)
     assert finish(cfg, ctx, "dpo", summary, requeue=lambda: requeued.append(1)) is summary
     assert json.loads((tmp_path / "dpo_summary.json").read_text()) == summary
     line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("DPO_RESULT ")]
-    assert json.loads(line[len("DPO_RESULT "):]) == {"steps": 2, "stopped": "completed"}  # no history
+    shown = json.loads(line[len("DPO_RESULT "):])
+    peaks = shown.pop("host_peak_gib_per_rank")  # each rank's peak resident memory, GiB
+    assert len(peaks) == 1 and 0.01 < peaks[0] < 1000
+    assert shown == {"steps": 2, "stopped": "completed"}  # no history
     assert requeued == [1] and (tmp_path / "metrics.jsonl").exists()

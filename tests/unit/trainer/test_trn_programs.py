@@ -39,7 +39,7 @@ def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
     from verl_hpc.trainer import sft
 
     summary, shown, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft")
-    assert list(written) == ["steps", "rows", "first_loss", "last_loss", "seconds", "hf_dir"]
+    assert list(written) == ["steps", "rows", "first_loss", "last_loss", "seconds", "hf_dir", "host_peak_gib_per_rank"]
     assert written["steps"] == 2 and written["rows"] == 4 and shown == written
 
 

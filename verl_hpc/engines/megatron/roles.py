@@ -127,12 +127,12 @@ class Reference:
         return {"ref_log_probs": out["log_probs"]}
 
 
-def build_reference(cfg, ctx, actor: "Actor") -> Reference:
+def build_reference(cfg, ctx, actor: "Actor", build=None) -> Reference:
     """The reference policy: under LoRA the actor's base (adapters off, no memory of its own),
-    else a frozen engine of its own (build_engine("ref"))."""
+    else a frozen engine of its own (`build`, default build_engine, called as build("ref", cfg, ctx))."""
     if cfg.lora.enabled:
         return Reference(actor.engine)
-    return build_engine("ref", cfg, ctx)
+    return (build or build_engine)("ref", cfg, ctx)
 
 
 class RewardModel:
