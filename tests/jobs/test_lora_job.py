@@ -130,3 +130,16 @@ def read_all_model(folder):
     from safetensors.torch import load_file
 
     return load_file(str(next(folder.glob("*.safetensors"))))
+
+
+def test_resuming_with_other_lora_settings_is_refused(resumed, tmp_path):
+    """A checkpoint's adapters into another rank, or into a full-weight job: one line, exit 23."""
+    assets, _, split, _ = resumed
+    for change, words in ((["lora.rank=8"], "have lora rank 4, this job 8"),
+                          (["lora.rank=0"], "holds adapters only (lora.rank > 0); this job has lora.rank = 0")):
+        out = tmp_path / change[0].replace("=", "_")
+        proc, _ = grpo(assets, out, "trainer.total_steps=5", f"trainer.resume={split}/checkpoints",
+                       f"checkpoint.dir={out}/ckpt", *MOVING, *[x for x in LORA if not x.startswith("lora.rank")],
+                       *change)
+        assert proc.returncode == 23, logs(proc, out)
+        assert words in proc.stderr

@@ -14,13 +14,14 @@ model: with LoRA, `ref` costs no memory.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import logging
 import struct
 from pathlib import Path
 from typing import Optional
 
+from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool)
     return count
 
 
+@functools.lru_cache(maxsize=4)  # once per run: every checkpoint save records it
 def base_fingerprint(model_path: str) -> str:
     """A hash naming the base model an adapter was trained on: config.json, and of every
     safetensors file its header (names, dtypes, shapes, offsets), size and first and last MiB.
@@ -80,24 +82,21 @@ def state_meta(spec: AdapterSpec, model_path: str) -> dict:
 
 def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str) -> None:
     """Refuse a checkpoint whose adapters do not fit this engine: full weights into a LoRA
-    engine or the reverse, another rank or targets, or another base model."""
+    engine or the reverse, another rank or targets, or another base model
+    (CheckpointLayoutError, exit code 23, each naming what to change)."""
     if (saved is None) != (spec is None):
         have = "adapters only (lora.rank > 0)" if saved else "full weights (lora.rank = 0)"
-        raise ValueError(f"the checkpoint holds {have}; this job has lora.rank = "
+        raise CheckpointLayoutError(f"the checkpoint holds {have}; this job has lora.rank = "
                          f"{spec.rank if spec else 0}: resume with the lora settings it was saved with")
     if spec is None:
         return
     mine = state_meta(spec, model_path)
     for key in ("rank", "targets"):
         if saved[key] != mine[key]:
-            raise ValueError(f"the checkpoint's adapters have lora {key} {saved[key]}, this job "
+            raise CheckpointLayoutError(f"the checkpoint's adapters have lora {key} {saved[key]}, this job "
                              f"{mine[key]}: resume with the lora settings it was saved with")
     if saved["base_fingerprint"] != mine["base_fingerprint"]:
-        raise ValueError(f"the checkpoint's adapters were trained on the base model at "
+        raise CheckpointLayoutError(f"the checkpoint's adapters were trained on the base model at "
                          f"{saved['base_path']}, whose files differ from model.path = {model_path} "
                          f"(fingerprints {saved['base_fingerprint'][:12]} vs "
                          f"{mine['base_fingerprint'][:12]}): point model.path at that base")
-
-
-def describe(meta: dict) -> str:
-    return json.dumps({k: meta[k] for k in ("rank", "alpha", "targets", "base_path")})
