@@ -334,7 +334,8 @@ def scenario(args, workdir, out: dict) -> None:
         run_check(rec, "state_load", check_state_load, args, "tp1_resume", workdir, llama2, saved_at="tp2pp2")
 
 
-def main(workdir: str) -> None:
+def main(workdir: str, run=None) -> None:
+    """One rank: bootstrap, `run(args, workdir, out)` (default: this file's scenario), rank{r}.json."""
     import torch.distributed as dist
 
     from verl_hpc.runtime import bootstrap
@@ -343,7 +344,7 @@ def main(workdir: str) -> None:
     args = json.loads((Path(workdir) / "args.json").read_text())
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
     out = {"rank": ctx.rank, "layouts": {}, "seconds": {"bootstrap": time.time() - t0}}
-    scenario(args, workdir, out)
+    (run or scenario)(args, workdir, out)
     out["seconds"]["total"] = time.time() - t0
     (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
     dist.barrier()

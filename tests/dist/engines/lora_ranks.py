@@ -4,12 +4,10 @@ outputs with a given adapter (`<layout>.forward.<model>.pt`) and the adapter aft
 (`<layout>.update.<model>.pt`, PEFT names)."""
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
-from eng_ranks import _actor_cfg, _engine, _save, _update, megatron_layout, run_check
+from eng_ranks import _actor_cfg, _engine, _save, _update, main, megatron_layout, run_check
 
 LAYOUTS = (("tp1", 1, 1, None), ("tp2", 2, 1, None), ("pp2", 1, 2, None), ("pp2vpp2", 1, 2, 2),
            ("tp2pp2", 2, 2, None))
@@ -47,21 +45,5 @@ def scenario(args, workdir, out: dict) -> None:
                 run_check(rec, f"lora.{model}", check_lora, args, name, workdir, model, data)
 
 
-def main(workdir: str) -> None:
-    import torch.distributed as dist
-
-    from verl_hpc.runtime import bootstrap
-
-    args = json.loads((Path(workdir) / "args.json").read_text())
-    ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
-    out = {"rank": ctx.rank, "layouts": {}, "seconds": {}}
-    t0 = time.time()
-    scenario(args, workdir, out)
-    out["seconds"]["total"] = time.time() - t0
-    (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], scenario)
