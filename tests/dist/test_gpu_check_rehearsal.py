@@ -25,7 +25,7 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     status = {line.split()[0]: line.split()[1] for line in table.splitlines()
               if line.split() and line.split()[0] in {c.name for c in CHECKS}}
     for name in ("compile_toolchain", "nccl_bootstrap", "megatron_parallel", "cuda_rng_checkpoint",
-                 "engine_bf16_logprobs", "train_step", "save_resume", "vllm_gpu", "tp_gt_1"):
+                 "engine_bf16_logprobs", "train_step", "save_resume", "lora_step", "vllm_gpu", "tp_gt_1"):
         assert status.get(name) == "PASS", table
     assert all(status[n] == "NOT" for n in NEVER_ON_CPU), table
     assert "the job was planned and trained: plan update_actor" in table

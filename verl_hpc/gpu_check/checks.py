@@ -7,6 +7,7 @@ kit itself on a machine without a GPU; nothing it reports is a GPU result.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List
 
@@ -194,6 +195,42 @@ def train_step(kit: Kit) -> str:
             f"{inner.__module__}.{inner.__name__}; {eng.perf}")
 
 
+def lora_step(kit: Kit) -> str:
+    """LoRA in the model dtype (on GPU: the Transformer Engine spec when TE is installed, whose
+    fused LayerNorm-linear layers feed the adapter the normalised input): a fresh adapter and the
+    adapters off give the base's log-probs bitwise; one step moves the adapters only; afterwards the
+    adapters change the log-probs and switching them off gives the base again, bitwise."""
+    import torch
+
+    from verl_hpc.config.schema import LoraConfig
+    from verl_hpc.engines.megatron import MegatronEngine
+
+    opts = workload.train_options(_tiny_model(kit), kit.dtype, use_distributed_optimizer=True)
+    eng = kit.measure("engine build (LoRA)", lambda: MegatronEngine(
+        dataclasses.replace(opts, lora=LoraConfig(rank=8, alpha=16.0))))
+    batch = _batch()
+    fresh = eng.forward(batch, ("log_probs",))["log_probs"]
+    with eng.adapters_off():
+        base = eng.forward(batch, ("log_probs",))["log_probs"]
+    assert torch.equal(fresh, base), "a fresh adapter (B = 0) changed the output"
+    frozen = [p.detach().clone() for p in eng._parameters() if not p.requires_grad]
+    m = kit.measure("LoRA train step", lambda: eng.train_step(_batch(1), _loss_fn))
+    assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
+    assert all(torch.equal(a, b) for a, b in zip(frozen, (p for p in eng._parameters() if not p.requires_grad))), \
+        "a frozen base weight moved"
+    after = eng.forward(batch, ("log_probs",))["log_probs"]
+    with eng.adapters_off():
+        off = eng.forward(batch, ("log_probs",))["log_probs"]
+    assert torch.equal(off, base), "adapters off is not the base model after a step"
+    moved = float((after.float() - base.float()).abs().max())
+    assert moved > 0, "the step did not change the adapters' output"
+    n = sum(t.numel() for _, t in eng.export_adapter())
+    spec = type(eng.gpt_chunks[0].decoder.layers[0].self_attention.linear_qkv).__name__
+    eng = None
+    return (f"{kit.dtype}, {spec}: fresh and off = base bitwise; one step moved the output by {moved:.3g}; "
+            f"{len(frozen)} base tensors unchanged; adapter export {n} elements")
+
+
 def _params(eng):
     return [p.detach().clone() for p in eng._parameters()]
 
@@ -369,6 +406,8 @@ CHECKS: List[Check] = [
           ("train_step",)),
     Check("fused_adam_resume", "Megatron's fused Adam keeps its step per group; resumed exactly",
           fused_adam_resume, ("save_resume",), "1 GPU + TE or apex (a fused Adam)"),
+    Check("lora_step", "LoRA: fresh/off = base bitwise, a step moves the adapters only (TE spec on GPU)",
+          lora_step, ENGINE),
     Check("memory_plan", "the memory plan's update_actor peak vs max_memory_allocated of the kit's job",
           memory_plan, ("train_step",)),
     Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ENGINE,
