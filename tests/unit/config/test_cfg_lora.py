@@ -20,6 +20,7 @@ def problems(*overrides):
     (["lora.sync=adapter", "placement.mode=split", "placement.rollout_ranks=1", "slurm.tasks_per_node=2"],
      "lora.sync = adapter does not run with placement.mode = split"),
     (["model.fp8=true"], "lora.rank > 0 does not run with model.fp8 = true"),
+    (["lora.rank=0", "lora.init_from=/some/adapter"], "lora.init_from names an adapter but lora.rank = 0"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)

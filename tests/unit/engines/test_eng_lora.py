@@ -175,3 +175,33 @@ def test_a_layernorm_fused_linear_feeds_its_adapter_the_normalised_input():
     fused.config.layernorm_zero_centered_gamma = True  # the stored weight is gamma - 1
     fused.layer_norm_weight = w - 1
     torch.testing.assert_close(_adapter_input(fused, x), want)
+
+
+def test_init_from_a_peft_folder(setup, tmp_path):
+    """lora.init_from: the engine starts from a PEFT adapter folder (e.g. an SFT run's export) and
+    computes what that adapter loaded by hand computes; a folder of another rank is one error line."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from verl_hpc.config import ConfigError
+    from verl_hpc.config.schema import LoraConfig
+    from verl_hpc.engines.megatron import MegatronEngine, default_options
+    from verl_hpc.models.lora import load_adapter, peft_config
+
+    model, eng = setup
+    adapter = random_adapter(model, RANK, ALPHA, seed=9)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file({k: v.clone() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(peft_config(RANK, ALPHA, tuple(HF_TARGETS))))
+    load_adapter(eng.gpt_chunks, adapter)
+    batch = _batch(4)
+    want = eng.forward(batch, ("log_probs",))["log_probs"]
+    started = MegatronEngine(default_options(model_path=str(model), lora=LoraConfig(
+        rank=RANK, alpha=ALPHA, init_from=str(folder)), micro_batch_size=2))
+    assert torch.equal(started.forward(batch, ("log_probs",))["log_probs"], want)
+    with pytest.raises(ConfigError, match=r"lora.init_from: .* has r = 4 .* this job has lora.rank = 8"):
+        MegatronEngine(default_options(model_path=str(model), lora=LoraConfig(rank=8, init_from=str(folder))))
+    with pytest.raises(ConfigError, match="not a readable PEFT adapter folder"):
+        MegatronEngine(default_options(model_path=str(model), lora=LoraConfig(rank=RANK, init_from=str(tmp_path))))

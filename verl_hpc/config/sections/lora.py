@@ -43,6 +43,9 @@ class LoraConfig(Section):
     target_modules: List[str] = opt(list(LORA_TARGETS), "linear layers that get adapters (every decoder layer)",
                                     choices=LORA_TARGETS)
     init: str = opt("kaiming", "how A starts (B starts at zero)", choices=LORA_INITS)
+    init_from: str = opt("", "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start "
+                             "from instead of a fresh adapter, e.g. an SFT run's `checkpoint export --peft`; "
+                             "its r and target modules must be this section's")
     sync: str = opt("auto", "what the rollout engine receives: adapter (the adapter tensors only, into vLLM's "
                             "LoRA slot) | merged (base + adapter as full weights; any rollout engine) | auto "
                             "(adapter with rollout.engine = vllm in colocated placement, else merged)",
@@ -70,6 +73,8 @@ class LoraConfig(Section):
     def check(self, job) -> List[str]:
         p = []
         if not self.enabled:
+            if self.init_from:
+                p.append("lora.init_from names an adapter but lora.rank = 0 (LoRA off): set lora.rank to its r")
             return p
         if not self.target_modules:
             p.append(f"lora.target_modules is empty; choose among {', '.join(LORA_TARGETS)}")

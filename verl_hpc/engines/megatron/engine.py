@@ -88,6 +88,8 @@ class MegatronEngine(TrainingEngine):
         if self.lora is not None:  # before DDP: it and the optimizer then see the adapters only
             lora_lib.attach(self.gpt_chunks, self.lora, seed=o.lora_seed,
                             sequence_parallel=self.sequence_parallel)
+            if o.lora.init_from:
+                lora_lib.load_peft_folder(self.gpt_chunks, self.lora, o.lora.init_from)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import struct
 from pathlib import Path
@@ -52,6 +53,35 @@ def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool)
     log.info("LoRA rank %d on %s: %.3f M trainable parameters on this rank, %.1f M frozen",
              spec.rank, ", ".join(spec.targets), count / 1e6, frozen / 1e6)
     return count
+
+
+def load_peft_folder(gpt_chunks, spec: AdapterSpec, folder: str) -> None:
+    """Start from the PEFT adapter in `folder` (lora.init_from): this rank's shards of its factors.
+    Its rank and target modules must be the job's (ConfigError naming lora.init_from otherwise)."""
+    from safetensors.torch import load_file
+
+    from verl_hpc.config import ConfigError
+    from verl_hpc.models.lora import hf_target_modules, load_adapter
+
+    path = Path(folder)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"lora.init_from: {folder!r} is not a readable PEFT adapter folder "
+                          f"(adapter_config.json + adapter_model.safetensors): {e}") from e
+    want = sorted(hf_target_modules(spec.targets))
+    if config.get("r") != spec.rank or sorted(config.get("target_modules") or []) != want:
+        raise ConfigError(f"lora.init_from: {folder} has r = {config.get('r')} on "
+                          f"{sorted(config.get('target_modules') or [])}; this job has lora.rank = {spec.rank} "
+                          f"on {want} (lora.target_modules): set them to the adapter's")
+    if float(config.get("lora_alpha", spec.alpha)) != spec.alpha:
+        log.warning("lora.init_from: the adapter was trained with lora_alpha %s, this job scales by "
+                    "lora.alpha = %s", config.get("lora_alpha"), spec.alpha)
+    try:
+        load_adapter(gpt_chunks, tensors)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"lora.init_from: {folder}: {e}") from e
 
 
 @functools.lru_cache(maxsize=4)  # once per run: every checkpoint save records it
