@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
-EXPECTED = {"ppo_70b.sbatch": {"nodes": 8}, "grpo_8b.sbatch": {"nodes": 1}}
+EXPECTED = {"ppo_70b.sbatch": {"nodes": 8}, "grpo_8b.sbatch": {"nodes": 1}, "grpo_70b_lora.sbatch": {"nodes": 1}}
 SCRIPTS = sorted(LAUNCH.glob("*.sbatch"))
 SHELL_SCRIPTS = [
     ROOT / "slurm/devcluster/start.sh",
