@@ -43,6 +43,22 @@ def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
     assert written["steps"] == 2 and written["rows"] == 4 and shown == written
 
 
+def test_sft_with_lora_writes_the_merged_model(one_rank_world, tmp_path, tiny_model, capsys):
+    """SFT of adapters (lora.rank > 0): the HF folder it writes is the base with the adapter merged
+    in, so the adapted weights moved and nothing else did (the base is frozen)."""
+    from safetensors.torch import load_file
+
+    from verl_hpc.trainer import sft
+
+    _, _, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft", "lora.rank=4",
+                         "lora.target_modules=[linear_qkv]", "actor.optim.lr=1e-2")
+    base = load_file(f"{tiny_model}/model.safetensors")
+    out = load_file(str(tmp_path / "out" / "hf" / "model.safetensors"))
+    moved = {n for n in base if not torch.equal(base[n], out[n])}
+    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in moved), moved
+    assert written["last_loss"] < written["first_loss"]
+
+
 def test_sft_program_trains_multi_turn_demonstrations(one_rank_world, tmp_path, tiny_model, capsys):
     """Rows whose response is a list of messages (tool-use demonstrations) train through the same
     program; a malformed one is a DataError naming the file and row."""
@@ -69,6 +85,21 @@ def test_dpo_program(one_rank_world, tmp_path, tiny_model, capsys):
     summary, shown, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo")
     assert written["steps"] == 2 and written["stopped"] == "completed" and len(written["history"]) == 2
     assert "history" not in shown and shown == {k: v for k, v in written.items() if k != "history"}
+
+
+def test_dpo_with_lora_has_the_base_as_its_reference(one_rank_world, tmp_path, tiny_model, capsys):
+    """DPO of adapters: the reference is the actor with its adapters off. The first step's policy
+    equals it (a fresh adapter), so the loss is ln 2; after that the policy moved and the reference
+    did not (a reference that kept the adapters on would stay at ln 2 forever)."""
+    import math
+
+    from verl_hpc.trainer import preference
+
+    _, _, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo", "lora.rank=4",
+                         "actor.optim.lr=5e-2", "trainer.total_steps=3")
+    losses = [row["preference/loss"] for row in written["history"]]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(losses[-1] - math.log(2)) > 1e-4, losses
 
 
 def test_missing_tracking_package_is_a_config_error(monkeypatch):
