@@ -16,6 +16,7 @@ are (`episode_response`), and the tools' output is not trained on.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -122,10 +123,13 @@ def nll_loss(out, mb, counts):
 
 
 def save_hf(engine, cfg, ctx, out_dir: str) -> None:
-    """Collective: every rank joins the weight gather; rank 0 writes the folder."""
+    """Collective: every rank joins the weight gather; rank 0 writes the folder. Under LoRA the
+    weights are the base with the adapter merged in, and `adapter/` holds the adapter (PEFT)."""
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in engine.export_hf_weights()}
+    adapter = ({name: t.detach().to("cpu").clone() for name, t in engine.export_adapter()}
+               if getattr(engine, "lora", None) is not None else None)
     if ctx.rank != 0:
         return
     src, dst = Path(cfg.model.path), Path(out_dir)
@@ -136,6 +140,10 @@ def save_hf(engine, cfg, ctx, out_dir: str) -> None:
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
             shutil.copy2(f, dst / f.name)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if adapter is not None:  # LoRA: the adapter itself too, as a PEFT folder (an RL run's lora.init_from)
+        (dst / "adapter").mkdir()
+        save_file(adapter, str(dst / "adapter" / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (dst / "adapter" / "adapter_config.json").write_text(json.dumps(engine.adapter_config(), indent=1))
 
 
 def run(cfg, ctx) -> dict:

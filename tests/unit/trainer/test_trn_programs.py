@@ -57,6 +57,16 @@ def test_sft_with_lora_writes_the_merged_model(one_rank_world, tmp_path, tiny_mo
     moved = {n for n in base if not torch.equal(base[n], out[n])}
     assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for n in moved), moved
     assert written["last_loss"] < written["first_loss"]
+    # the adapter itself, as a PEFT folder: peft puts it on the base and gives the merged model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[3, 17, 42, 99, 7]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf")(input_ids=ids).logits
+        base_model = AutoModelForCausalLM.from_pretrained(tiny_model)
+        adapted = PeftModel.from_pretrained(base_model, tmp_path / "out" / "hf" / "adapter")(input_ids=ids).logits
+    torch.testing.assert_close(adapted, merged, atol=1e-5, rtol=1e-5)
 
 
 def test_sft_program_trains_multi_turn_demonstrations(one_rank_world, tmp_path, tiny_model, capsys):

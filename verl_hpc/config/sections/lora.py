@@ -44,7 +44,7 @@ class LoraConfig(Section):
                                     choices=LORA_TARGETS)
     init: str = opt("kaiming", "how A starts (B starts at zero)", choices=LORA_INITS)
     init_from: str = opt("", "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start "
-                             "from instead of a fresh adapter, e.g. an SFT run's `checkpoint export --peft`; "
+                             "from instead of a fresh adapter, e.g. a LoRA SFT run's <hf_output_dir>/adapter; "
                              "its r and target modules must be this section's")
     sync: str = opt("auto", "what the rollout engine receives: adapter (the adapter tensors only, into vLLM's "
                             "LoRA slot) | merged (base + adapter as full weights; any rollout engine) | auto "
