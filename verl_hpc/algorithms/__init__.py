@@ -32,7 +32,7 @@ from .kl import (
 )
 from .mismatch import rollout_correction
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence_scores
-from .objectives import PolicyObjective, ValueObjective
+from .objectives import PolicyObjective, PrmObjective, ValueObjective
 from .policy_losses import compute_policy_loss
 from . import cov_losses, gmpo  # noqa: F401,E402  (register clip_cov, kl_cov, geo_mean)
 from .registry import (
@@ -54,6 +54,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
     "PolicyObjective",
+    "PrmObjective",
     "ValueObjective",
     "AdaptiveKLController",
     "FixedKLController",

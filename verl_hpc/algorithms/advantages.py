@@ -16,8 +16,8 @@ from typing import Any, Tuple
 
 import torch
 
-from . import group_advantages  # noqa: F401  (registers grpo, rloo, opo, gpg, reinforce++-baseline)
-from .masked import as_float_mask, check_per_sample, check_token_inputs, masked_whiten
+from . import group_advantages, prime  # noqa: F401  (register grpo, rloo, opo, gpg, reinforce++-baseline, prime)
+from .masked import as_float_mask, check_per_sample, check_token_inputs, masked_whiten, reward_to_go
 from .registry import ADV_ESTIMATOR_REGISTRY, register_adv_estimator
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
@@ -68,11 +68,7 @@ def reinforce_plus_plus(
     replaces a critic); returns = G unwhitened."""
     check_token_inputs(response_mask, token_level_rewards=token_level_rewards)
     valid = as_float_mask(response_mask, token_level_rewards) > 0
-    returns = torch.zeros_like(token_level_rewards)
-    running = torch.zeros(token_level_rewards.shape[0], dtype=returns.dtype, device=returns.device)
-    for t in reversed(range(token_level_rewards.shape[1])):
-        running = torch.where(valid[:, t], token_level_rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    returns = reward_to_go(token_level_rewards, valid, gamma)
     return masked_whiten(returns, valid), returns
 
 

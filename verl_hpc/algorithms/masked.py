@@ -109,3 +109,15 @@ def zero_advantage_rows(advantages: torch.Tensor, response_mask: torch.Tensor) -
 def sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome score per sequence: rewards sit on the last valid token, so the masked row sum."""
     return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
+def reward_to_go(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over each row's valid tokens (padding is stepped over,
+    not through, and gets 0)."""
+    valid = as_float_mask(response_mask, rewards) > 0
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = torch.where(valid[:, t], rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    return returns

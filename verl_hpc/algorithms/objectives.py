@@ -3,6 +3,7 @@
     loss    = PolicyObjective.from_config(cfg.actor)   # policy loss + KL loss - entropy bonus
     metrics = actor.update(batch, loss)                # the engine only runs it
     metrics = critic.update(batch, ValueObjective.from_config(cfg.critic))
+    metrics = prm.update(batch, PrmObjective.from_config(cfg.prm))   # PRIME's implicit PRM
 
 An objective is a `LossFn` (verl_hpc/engines/base.py): called once per micro-batch with the
 model's outputs (with grad), the micro-batch and the global counts of the whole batch, it returns
@@ -29,6 +30,7 @@ from .aggregation import agg_loss
 from .kl import kl_loss
 from .masked import zero_advantage_rows
 from .policy_losses import compute_policy_loss
+from .prime import ce_loss, implicit_scores, implicit_token_rewards, pairwise_loss
 from .value_loss import value_loss
 
 
@@ -157,4 +159,38 @@ class ValueObjective:
                                    loss_agg_mode=self.loss_agg_mode, **counts.agg_kwargs())
         metrics = dict(metrics, vf_loss=loss.detach())
         _batch_totals(metrics, ("vf_loss",), counts, mb["response_mask"])
+        return loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PrmObjective:
+    """PRIME's implicit PRM loss (algorithms/prime.py): the response's score is beta x its summed
+    log-ratio to the reference; `ce` is the cross-entropy of sigmoid(score) against the 0/1 outcome
+    label, `pairwise` the logistic loss of the score against the mean score of the prompt's
+    responses with the other label. A mean over the batch's sequences. Reads ref_log_probs,
+    outcome_labels [B] and, pairwise, prm_partners [B] (those mean scores, before the update)."""
+
+    beta: float  # the prm section's fields (config/sections/prm.py)
+    loss: str
+    outputs: Tuple[str, ...] = ("log_probs",)
+
+    @classmethod
+    def from_config(cls, prm_cfg) -> "PrmObjective":
+        """From the `prm` section (PrmConfig)."""
+        return cls(beta=prm_cfg.beta, loss=prm_cfg.loss)
+
+    def __call__(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], counts):
+        mask = mb["response_mask"]
+        rewards = implicit_token_rewards(out["log_probs"], mb["ref_log_probs"], mask, self.beta)
+        scores = implicit_scores(rewards, mask)
+        labels = mb["outcome_labels"]
+        if self.loss == "ce":
+            per_seq = ce_loss(scores, labels)
+        elif self.loss == "pairwise":
+            per_seq = pairwise_loss(scores, labels, mb["prm_partners"])
+        else:
+            raise ValueError(f"prm.loss: {self.loss!r}; valid: ce, pairwise")
+        loss = per_seq.sum() / counts.seqs  # this micro-batch's share of the batch's mean
+        metrics = {f"{self.loss}_loss": loss.detach()}
+        _batch_totals(metrics, (f"{self.loss}_loss",), counts, mask)
         return loss, metrics

@@ -20,9 +20,10 @@ it), so vLLM's weights and KV cache are never mapped beside them, and `after_loa
 the rollout's weights stale (trainer/rollout_weights.py).
 
 What a checkpoint holds:
-- tensors: the actor's and (PPO) the critic's engine state, names prefixed `actor/`, `critic/`
-  (`actor/model/...`, `actor/optim/exp_avg/...`; layout independent, see engines/base.py). The
-  reference policy and a reward model are not trained and are rebuilt from their folders.
+- tensors: the engine state of the actor, (PPO) the critic and (PRIME) the implicit PRM, names
+  prefixed `actor/`, `critic/`, `prm/` (`actor/model/...`, `actor/optim/exp_avg/...`; layout
+  independent, see engines/base.py). The reference policy, a reward model and a frozen PRM
+  (prm.update = none) are not trained and are rebuilt from their folders.
 - metadata (rank 0's): `config` (resolved YAML), `trainer_state` = {step, engines: {role: engine
   meta (LR scheduler, optimizer step, ...)}, loader (sampler position), kl_ctrl, guard counters,
   metrics: {file, step} (the JSONL history up to `step`; the tracker drops later rows on resume)}.
@@ -52,7 +53,7 @@ from verl_hpc.tracking.history import MetricHistory
 
 log = logging.getLogger(__name__)
 
-TRAINED_ROLES = ("actor", "critic")
+TRAINED_ROLES = ("actor", "critic", "prm")
 FORMAT = "verl_hpc.rl_trainer/1"
 PREFERENCE_FORMAT = "verl_hpc.preference_trainer/1"
 
@@ -67,7 +68,7 @@ class TrainerCheckpointer:
                  rollback=None, fmt: str = FORMAT, total_steps: Optional[int] = None,
                  before_state: Optional[Callable[[], None]] = None,
                  after_load: Optional[Callable[[], None]] = None) -> None:
-        """roles: anything with `actor` (and optionally `critic`) attributes holding `.engine`;
+        """roles: anything with `actor` (and optionally `critic`, `prm`) attributes holding `.engine`;
         loader: anything with state_dict()/load_state_dict() (the data position); task_weights,
         rollback: trainer/task_weights.py and trainer/rollback.py state; fmt: the trainer_state
         format a resume insists on; total_steps: the run's last step (default trainer.total_steps;
@@ -95,7 +96,8 @@ class TrainerCheckpointer:
 
     # ------------------------------------------------------------------------------ saving
     def _engines(self) -> Dict[str, Any]:
-        return {n: getattr(self.roles, n).engine for n in TRAINED_ROLES if getattr(self.roles, n, None)}
+        roles = {n: getattr(self.roles, n, None) for n in TRAINED_ROLES}
+        return {n: r.engine for n, r in roles.items() if r is not None and r.engine.optimizer is not None}
 
     def due(self, step: int) -> bool:
         return step == self.total_steps or (self.save_every > 0 and step % self.save_every == 0)

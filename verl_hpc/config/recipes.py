@@ -20,6 +20,7 @@ ADV_ESTIMATORS = (
     "opo",
     "gpg",
     "grpo_passk",
+    "prime",
 )
 POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "geo_mean")
 # The policy losses whose rows are independent: a row's loss reads only its own tokens and is
@@ -37,6 +38,7 @@ LOSS_AGG_MODES = (
 
 _NO_KL_CTRL = {"type": "fixed", "kl_coef": 0.0, "target_kl": 0.1, "horizon": 10000}
 _NO_OVERLONG = {"enable": False, "len": 0, "penalty_factor": 1.0}
+_NO_ACC_FILTER = {"enable": False, "low": 0.2, "high": 0.8}
 
 RECIPES = {
     # InstructGPT (Ouyang et al. 2022, arXiv 2203.02155): PPO with a critic and GAE (gamma=1,
@@ -47,6 +49,7 @@ RECIPES = {
             "use_kl_in_reward": True, "kl_penalty": "kl",
             "kl_ctrl": {"type": "fixed", "kl_coef": 0.02, "target_kl": 0.1, "horizon": 10000},
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -64,6 +67,7 @@ RECIPES = {
             "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": True,
             "use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": dict(_NO_KL_CTRL),
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -81,6 +85,7 @@ RECIPES = {
             "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": False,
             "use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": dict(_NO_KL_CTRL),
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -98,6 +103,7 @@ RECIPES = {
             "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": True,
             "use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": dict(_NO_KL_CTRL),
             "filter_groups": True, "overlong_buffer": {"enable": True, "len": 4096, "penalty_factor": 1.0},
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 10.0,
@@ -116,6 +122,7 @@ RECIPES = {
             "use_kl_in_reward": True, "kl_penalty": "kl",
             "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000},
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "reinforce", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -134,6 +141,7 @@ RECIPES = {
             "use_kl_in_reward": True, "kl_penalty": "kl",
             "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000},
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "reinforce", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -152,6 +160,7 @@ RECIPES = {
             "use_kl_in_reward": True, "kl_penalty": "kl",
             "kl_ctrl": {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000},
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
@@ -169,6 +178,7 @@ RECIPES = {
             "adv_estimator": "grpo", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": True,
             "use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": dict(_NO_KL_CTRL),
             "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": dict(_NO_ACC_FILTER),
         },
         "actor": {
             "policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4, "clip_ratio_c": 3.0,
@@ -176,6 +186,25 @@ RECIPES = {
             "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "low_var_kl",
         },
         "rollout": {"n": 16},
+        "critic": {"enable": False},
+    },
+    # PRIME (Cui et al. 2025, arXiv 2502.01456): implicit process rewards from a PRM trained online
+    # (the prm section: beta 0.05, CE loss, updated before the rewards, coefficients 5 and 5),
+    # process and outcome rewards each with a leave-one-out baseline, groups kept only when their
+    # accuracy is in [0.2, 0.8], PPO clip 0.2, no KL, 4 samples per prompt (verl's PRIME recipe).
+    "prime": {
+        "algorithm": {
+            "adv_estimator": "prime", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std": True,
+            "use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": dict(_NO_KL_CTRL),
+            "filter_groups": False, "overlong_buffer": dict(_NO_OVERLONG),
+            "accuracy_filter": {"enable": True, "low": 0.2, "high": 0.8},
+        },
+        "actor": {
+            "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+            "loss_agg_mode": "token-mean", "entropy_coeff": 0.0,
+            "use_kl_loss": False, "kl_loss_coef": 0.0, "kl_loss_type": "low_var_kl",
+        },
+        "rollout": {"n": 4},
         "critic": {"enable": False},
     },
 }

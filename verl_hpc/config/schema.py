@@ -13,8 +13,8 @@ from typing import Tuple
 
 from verl_hpc.config.fields import section, sections, valid_choices
 from verl_hpc.config.layout import Layout
-from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AlgorithmConfig, KLControlConfig,
-                                                OverlongBufferConfig, PreferenceConfig,
+from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AccuracyFilterConfig, AlgorithmConfig,
+                                                KLControlConfig, OverlongBufferConfig, PreferenceConfig,
                                                 RolloutCorrectionConfig)
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
@@ -22,6 +22,7 @@ from verl_hpc.config.sections.lora import LoraConfig
 from verl_hpc.config.sections.model import ModelConfig
 from verl_hpc.config.sections.multi_turn import MultiTurnConfig, SandboxConfig
 from verl_hpc.config.sections.placement import AsyncTrainingConfig, PlacementConfig
+from verl_hpc.config.sections.prm import PrmConfig
 from verl_hpc.config.sections.reward import RewardConfig, RewardModelConfig
 from verl_hpc.config.sections.roles import ActorConfig, CriticConfig, OptimConfig, RefConfig
 from verl_hpc.config.sections.rollout import ReshardingConfig, RolloutConfig
@@ -37,7 +38,8 @@ class JobConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantage estimator, reward KL, DAPO filters")
     actor: ActorConfig = section(ActorConfig, "the policy: loss, batching, optimizer")
     critic: CriticConfig = section(CriticConfig, "the value model (PPO with GAE)")
-    ref: RefConfig = section(RefConfig, "the frozen reference policy (KL terms)")
+    ref: RefConfig = section(RefConfig, "the frozen reference policy (KL terms, the PRM's log-ratio)")
+    prm: PrmConfig = section(PrmConfig, "PRIME's implicit process reward model, trained online on the rollouts")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on the actor instead of full-parameter training")
     rollout: RolloutConfig = section(RolloutConfig, "the inference engine that generates responses")
     resharding: ReshardingConfig = section(ReshardingConfig, "the weight step from the trainer to the rollout engine")
@@ -107,9 +109,9 @@ class JobConfig:
 
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
+    "AccuracyFilterConfig", "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
-    "ParallelConfig", "PlacementConfig", "PreferenceConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
+    "ParallelConfig", "PlacementConfig", "PreferenceConfig", "PrmConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",
 ]
 

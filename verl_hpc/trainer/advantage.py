@@ -6,6 +6,11 @@
 rewards = token_scores - beta * KL(actor_old || ref) per token when algorithm.use_kl_in_reward
 (beta from the KL controller, which this stage also updates), else the token scores; then the
 estimator algorithm.adv_estimator (gae, grpo, rloo, remax, reinforce++, ...) on the rewards.
+
+With the implicit PRM (prm.enable) the step also has dense process rewards: the prime estimator
+baselines them apart from the outcome (algorithms/prime.py); any other estimator takes
+prm.outcome_coef x token_scores + prm.process_coef x process_rewards as its token rewards (the
+process reward under GRPO, say: the group then compares outcome plus implicit score).
 """
 from __future__ import annotations
 
@@ -35,27 +40,35 @@ def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
 
 
 def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor,
-               values: Optional[torch.Tensor] = None, baselines: Optional[torch.Tensor] = None
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) `[B, T]` of algorithm.adv_estimator; values for GAE, baselines for ReMax."""
+               values: Optional[torch.Tensor] = None, baselines: Optional[torch.Tensor] = None,
+               process_rewards: Optional[torch.Tensor] = None, prm_cfg=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) `[B, T]` of algorithm.adv_estimator; values for GAE, baselines for
+    ReMax, process rewards and the prm section's coefficients for PRIME."""
     a = algorithm_cfg
     inputs = dict(group_ids=group_ids, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std)
     if values is not None:
         inputs["values"] = values
     if baselines is not None:
         inputs["reward_baselines"] = baselines
+    if process_rewards is not None:
+        inputs.update(process_rewards=process_rewards, process_coef=prm_cfg.process_coef,
+                      outcome_coef=prm_cfg.outcome_coef)
     return compute_advantages(a.adv_estimator, rewards, response_mask, **inputs)
 
 
 class AdvantageStage:
-    """The step's advantage computation with its settings (the `algorithm` section) and the KL
-    controller (owned by the trainer: it is checkpointed with it)."""
+    """The step's advantage computation with its settings (the `algorithm` section; the `prm`
+    section's coefficients) and the KL controller (owned by the trainer: it is checkpointed with it)."""
 
-    def __init__(self, algorithm_cfg, kl_ctrl):
-        self.cfg, self.kl_ctrl = algorithm_cfg, kl_ctrl
+    def __init__(self, algorithm_cfg, kl_ctrl, prm_cfg=None):
+        self.cfg, self.kl_ctrl, self.prm = algorithm_cfg, kl_ctrl, prm_cfg
 
     def __call__(self, batch) -> Dict[str, float]:
-        batch.rewards, metrics = kl_in_reward(batch.token_scores, batch, self.kl_ctrl, self.cfg)
+        scores, process = batch.token_scores, batch.process_rewards
+        if process is not None and self.cfg.adv_estimator != "prime":  # dense rewards on top of the outcome
+            scores, process = self.prm.outcome_coef * scores + self.prm.process_coef * process, None
+        batch.rewards, metrics = kl_in_reward(scores, batch, self.kl_ctrl, self.cfg)
         batch.advantages, batch.returns = advantages(self.cfg, batch.rewards, batch.response_mask,
-                                                     batch.group_ids, batch.values, batch.baselines)
+                                                     batch.group_ids, batch.values, batch.baselines,
+                                                     process, self.prm)
         return metrics

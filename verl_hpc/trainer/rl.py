@@ -10,14 +10,16 @@ prompts and broadcasts them); the engines split rows over data-parallel ranks in
 One step: (1) the rollout phase: if the rollout's weights are stale, wake its weights, sync
 the actor's into them (the actor resident until the rollout has loaded the last bucket), then wake
 its KV cache; generate, score, filter; (2) the rollout to sleep; (3) old log-probs, reference
-log-probs, values, advantages, critic update, actor update: the rollout's weights are now stale.
+log-probs, (PRIME) the implicit PRM's rewards and update, values, advantages, critic update, actor
+update: the rollout's weights are now stale. In PRIME's warm-up steps (prm.warmup_steps) only the
+PRM trains.
 The sync is lazy (trainer/rollout_weights.py): it runs right before the weights are next needed (the
 next step's generation or a validation), never at the end of a step, so a checkpoint saved after
 the step finds the rollout asleep.
 
 The step's pieces: trainer/rollout_weights.py (lazy sync, staged wake), trainer/sampling.py
-(generate, score, DAPO filter), trainer/step_batch.py (the typed batch the stages fill),
-trainer/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
+(generate, score, group filters), trainer/step_batch.py (the typed batch the stages fill),
+trainer/prm_stage.py (PRIME's implicit PRM), trainer/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
 actor and critic updates minimise). After each step the hooks run in this order (trainer/hooks.py;
 RLTrainer.hooks): validation, task weights, rollback, log, checkpoint, stop rule, preemption.
 trainer/program.py owns the tracker's lifecycle, rl_summary.json, the RL_RESULT line and the requeue.
@@ -56,6 +58,7 @@ from verl_hpc.trainer.loops.async_link import AsyncLink
 from verl_hpc.trainer.loops.remote import PublishedWeights, RemoteRollout
 from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
 from verl_hpc.trainer.program import check_tracking, finish, tracked
+from verl_hpc.trainer.prm_stage import PrmStage
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
 from verl_hpc.trainer.rollout_weights import RolloutWeights
@@ -95,7 +98,8 @@ class RLTrainer:
                                    source=self.link.next_batch if self.link is not None else None)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl)
+        self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl, cfg.prm)
+        self.prm_stage = PrmStage(cfg, self.roles.prm) if self.roles.prm is not None else None
         self.policy_loss = PolicyObjective.from_config(cfg.actor)
         self.on_policy_loss = dataclasses.replace(self.policy_loss, old_from_update=True)
         self._logged_path = None
@@ -124,19 +128,27 @@ class RLTrainer:
         r = self.roles
         self.rollout_weights.ready(timer)  # if stale: wake weights, sync, then wake the KV cache
         m = self.rollout_weights.pop_metrics()  # sync/* of the sync that gave it these weights
-        batch, sampled = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> DAPO filter)
+        batch, sampled = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> group filters)
         m.update(sampled, **response_stats(batch))
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             self.steps_done = step
             return dict(m, **{"filter/empty_step": 1.0})
         self.rollout_weights.park()  # rollout.sleep_between_phases: free its GPU memory for training
+        warmup = self.prm_stage is not None and step <= self.cfg.prm.warmup_steps  # only the PRM trains
         path = self._old_log_prob_path(batch)
-        if path != "update":  # update: the actor update's own forward gives them (on-policy shortcut)
+        if path != "update" and not warmup:  # update: the actor update's own forward gives them (on-policy shortcut)
             correction.old_log_probs(self.cfg, r.actor, batch, timer, m)  # forward, or bypass: the rollout's
             m.update(correction.apply(self.cfg, batch))  # rollout/training mismatch: metrics, IS weights
         if r.ref is not None:
             with timer("ref"):
                 batch.fill(r.ref.log_probs(batch))  # ref_log_probs
+        if self.prm_stage is not None:
+            m.update(self.prm_stage(batch, timer))  # process_rewards; the PRM's update (prm.update)
+        if warmup:
+            self.steps_done = step
+            if self.link is not None:  # split: publish the version (same weights), else the rollout group waits on it
+                self.rollout_weights.mark_stale()
+            return dict(m, **self._batch_size(batch), **{"prm/warmup": 1.0}, **self.guard.check(m, step))
         if r.critic is not None:
             with timer("values"):
                 batch.fill(r.critic.values(batch))  # values
@@ -153,10 +165,12 @@ class RLTrainer:
                 m.update(r.actor.update(batch, self.policy_loss))
         self.steps_done = step  # the policy version: before mark_stale, which publishes it in split placement
         self.rollout_weights.mark_stale()  # colocated: synced before the weights are next needed, not now
-        m.update(self.guard.check(m, step))
-        m["train/tokens"] = float(batch.mask.sum() + batch.prompt_lengths.sum())
-        m["train/samples"] = float(len(batch))
+        m.update(self.guard.check(m, step), **self._batch_size(batch))
         return m
+
+    @staticmethod
+    def _batch_size(batch) -> Dict[str, float]:
+        return {"train/tokens": float(batch.mask.sum() + batch.prompt_lengths.sum()), "train/samples": float(len(batch))}
 
     def _old_log_prob_path(self, batch) -> str:
         """correction.old_log_prob_path, logged (rank 0) the first time and whenever it changes."""

@@ -1,11 +1,12 @@
 """Who takes part in a run: the tokenizer, the rollout engine and the engine roles, from config.
 
     roles = build_roles(cfg, ctx)
-    roles.actor, roles.ref, roles.critic, roles.reward_model, roles.rollout, roles.tokenizer
+    roles.actor, roles.ref, roles.critic, roles.reward_model, roles.prm, roles.rollout, roles.tokenizer
 
-Only what the algorithm needs is built: the reference policy iff a KL term is used
-(`ref.enable`, auto), the critic iff the estimator needs values (`critic.enable`, auto: gae), the
-reward model iff `reward.reward_model.enable`. Building is collective: every rank calls this.
+Only what the algorithm needs is built: the reference policy iff a KL term or the implicit PRM
+uses it (`ref.enable`, auto), the critic iff the estimator needs values (`critic.enable`, auto:
+gae), the reward model iff `reward.reward_model.enable`, PRIME's implicit PRM iff `prm.enable`
+(auto: the prime estimator). Building is collective: every rank calls this.
 
 Order: the rollout engine first, then put to sleep, then the Megatron engines. On GPU vLLM refuses
 to start unless the free memory is at least `rollout.gpu_memory_utilization` x the GPU's total
@@ -35,6 +36,7 @@ class Roles:
     ref: Optional[Any] = None
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None
+    prm: Optional[Any] = None  # PRIME's implicit process reward model (trained online)
     episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
     # every generation's result is handed to this before anyone uses it: the trainer sets the
     # weight step's check (LoRA: the adapter version it used, resharding/adapter_sync.py)
@@ -56,7 +58,7 @@ class Roles:
         return int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
 
     def names(self) -> list:
-        return [n for n in ("actor", "ref", "critic", "reward_model") if getattr(self, n) is not None]
+        return [n for n in ("actor", "ref", "critic", "reward_model", "prm") if getattr(self, n) is not None]
 
 
 def load_tokenizer(cfg):
@@ -81,8 +83,9 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
+        prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
         on_error.pop_all()  # all built: the engine stays open for the caller
-    roles = Roles(tokenizer, actor, rollout, ref, critic, rm)
+    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm)
     if with_rollout and cfg.multi_turn.enable:
         from verl_hpc.rollout.agent import build_episode_runner
 

@@ -26,14 +26,19 @@ class StepBatch:
         group_ids [B] (prompt index: the GRPO/RLOO group), rollout_log_probs [B, T] (the rollout
         engine's log-probs of the sampled tokens).
     Filled by scoring (trainer/scoring.py): token_scores [B, T] (outcome score on the last
-        response token, DAPO overlong shaping applied); baselines [B] (ReMax: the greedy
-        response's reward) -- before the DAPO filter, which selects rows of every field.
+        response token, DAPO overlong shaping applied); outcome_labels [B] (1.0 where the outcome
+        score is >= reward.correct_at, else 0.0); baselines [B] (ReMax: the greedy response's
+        reward) -- before the group filters (DAPO's, PRIME's accuracy band), which select rows of
+        every field.
     Filled by the engine roles: old_log_probs and entropy (actor, before the update),
         ref_log_probs (reference policy), values (critic).
+    Filled by the implicit PRM (trainer/prm_stage.py, PRIME): process_rewards [B, T] (its dense
+        token rewards, as the step trains on them: prm.granularity, prm.reward_norm).
     Filled by the mismatch correction (trainer/correction.py): rollout_is_weights [B, T] (per-token
         weights of the policy loss; None when algorithm.rollout_correction is off).
-    Filled by the advantage stage (trainer/advantage.py): rewards (token_scores minus the KL
-        penalty when algorithm.use_kl_in_reward), advantages, returns.
+    Filled by the advantage stage (trainer/advantage.py): rewards (token_scores, with the PRM's
+        process rewards added for estimators other than prime, minus the KL penalty when
+        algorithm.use_kl_in_reward), advantages, returns.
     Read by the updates: the actor's objective reads old_log_probs, advantages, ref_log_probs;
         the critic's values, returns (see verl_hpc.algorithms.objectives).
     """
@@ -50,11 +55,13 @@ class StepBatch:
     group_ids: torch.Tensor
     rollout_log_probs: torch.Tensor
     token_scores: Optional[torch.Tensor] = None
+    outcome_labels: Optional[torch.Tensor] = None
     baselines: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
+    process_rewards: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None

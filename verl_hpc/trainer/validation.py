@@ -1,5 +1,5 @@
 """Validation on held-out prompts: greedy (rollout.val_temperature) responses, scored by the same
-rules as training; accuracy (score >= 1) and mean reward per data_source.
+rules as training; accuracy (score >= reward.correct_at) and mean reward per data_source.
 
 Rank 0 holds the val set and broadcasts each chunk; generate is collective, so every rank runs it.
 Metrics: val/acc/<data_source>, val/reward/<data_source>, and val/acc/all, val/reward/all; with
@@ -27,6 +27,7 @@ class Validator:
         chunks = list(val_batches(dataset, cfg.data.val_batch_size)) if ctx.rank == 0 and dataset else None
         self.chunks = broadcast_object(chunks) or []
         self.tokenizer = tokenizer
+        self.correct_at = cfg.reward.correct_at
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -46,7 +47,7 @@ class Validator:
                 task_keys.update(keys[2:])
                 for key in keys:
                     sums[key] += s
-                    hits[key] += float(s >= 1.0)
+                    hits[key] += float(s >= self.correct_at)
                     counts[key] += 1
         out = {}
         for key, n in counts.items():

@@ -20,7 +20,7 @@ def test_name_tuples_equal_registries():
     _same_names(recipes.KL_ESTIMATORS, alg.KL_ESTIMATOR_REGISTRY.names())
     _same_names(recipes.LOSS_AGG_MODES, LOSS_AGG_MODES)
     assert recipes.RECIPE_NAMES == tuple(recipes.RECIPES)
-    expected = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo"}
+    expected = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo", "prime"}
     assert set(recipes.RECIPE_NAMES) == expected
 
 
@@ -28,7 +28,7 @@ _FIELDS = {
     "algorithm": {
         "adv_estimator": str, "gamma": float, "lam": float, "norm_adv_by_std": bool,
         "use_kl_in_reward": bool, "kl_penalty": str, "kl_ctrl": dict, "filter_groups": bool,
-        "overlong_buffer": dict,
+        "overlong_buffer": dict, "accuracy_filter": dict,
     },
     "actor": {
         "policy_loss": str, "clip_ratio_low": float, "clip_ratio_high": float, "clip_ratio_c": float,
@@ -52,6 +52,7 @@ def test_recipe_uses_exact_config_names_and_valid_values(name):
     assert set(a["kl_ctrl"]) == {"type", "kl_coef", "target_kl", "horizon"}
     assert a["kl_ctrl"]["type"] in ("fixed", "adaptive")
     assert set(a["overlong_buffer"]) == {"enable", "len", "penalty_factor"}
+    assert set(a["accuracy_filter"]) == {"enable", "low", "high"}
     assert a["adv_estimator"] in recipes.ADV_ESTIMATORS
     assert a["kl_penalty"] in recipes.KL_ESTIMATORS and actor["kl_loss_type"] in recipes.KL_ESTIMATORS
     assert actor["policy_loss"] in recipes.POLICY_LOSSES
@@ -60,7 +61,7 @@ def test_recipe_uses_exact_config_names_and_valid_values(name):
     # a critic exactly when the estimator needs values
     assert recipe["critic"]["enable"] == (a["adv_estimator"] == "gae")
     # group estimators need a group
-    if a["adv_estimator"] in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"):
+    if a["adv_estimator"] in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline", "prime"):
         assert recipe["rollout"]["n"] > 1
 
 
@@ -73,6 +74,8 @@ def test_recipes_carry_their_papers_defining_choices():
     assert r["grpo"]["actor"]["use_kl_loss"] and r["grpo"]["actor"]["kl_loss_coef"] == 0.04
     assert r["ppo"]["algorithm"]["use_kl_in_reward"] and r["ppo"]["algorithm"]["lam"] == 0.95
     assert r["gspo"]["actor"]["policy_loss"] == "gspo" and r["gspo"]["actor"]["clip_ratio_high"] == 4e-4
+    assert r["prime"]["algorithm"]["adv_estimator"] == "prime" and r["prime"]["algorithm"]["accuracy_filter"]["enable"]
+    assert not any(rec["algorithm"]["accuracy_filter"]["enable"] for name, rec in r.items() if name != "prime")
 
 
 def test_recipes_module_imports_nothing_from_the_project():

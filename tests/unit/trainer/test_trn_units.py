@@ -9,7 +9,7 @@ from verl_hpc.rollout import RolloutResult
 from verl_hpc.trainer.advantage import advantages
 from verl_hpc.trainer.batching import assemble, logprob_diff_metrics
 from verl_hpc.trainer.guard import NonFiniteError, NonFiniteGuard
-from verl_hpc.trainer.sampling import dynamic_sampling_filter
+from verl_hpc.trainer.sampling import group_filters
 from verl_hpc.trainer.step_batch import concat_batches, first_groups
 
 
@@ -85,7 +85,7 @@ def test_trn_grpo_advantages_and_filter():
         def __len__(self):
             return 4
     B.mask, B.token_scores = mask, token_scores
-    keep, m = dynamic_sampling_filter(B(), cfg.algorithm)
+    keep, m = group_filters(B(), cfg.algorithm)
     assert keep.tolist() == [True, True, False, False] and m["filter/dropped_groups"] == 1
     adv, _ = advantages(cfg.algorithm, token_scores, mask, B.group_ids)
     assert adv[0, 0] > 0 > adv[1, 0] and adv[2].abs().max() < 1e-4

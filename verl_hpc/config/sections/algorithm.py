@@ -6,7 +6,7 @@ from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
 
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg")
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg", "prime")
 """Estimators whose baseline is the other responses to the same prompt: they need rollout.n >= 2."""
 
 
@@ -39,6 +39,28 @@ class OverlongBufferConfig(Section):
             return [f"algorithm.overlong_buffer.len = {self.len} must be in (0, data.max_response_length = "
                     f"{limit}) when algorithm.overlong_buffer.enable is true"]
         return []
+
+
+@dataclass
+class AccuracyFilterConfig(Section):
+    """PRIME's filter: keep the groups whose share of correct responses (reward.correct_at) lies in
+    [low, high]; all-right and all-wrong prompts teach little. Refills like filter_groups (up to
+    max_num_gen_batches generation rounds)."""
+
+    enable: bool = opt(False, "keep only groups whose mean outcome label is in [low, high]")
+    low: float = opt(0.2, "lowest share of correct responses kept", check="[0, 1]")
+    high: float = opt(0.8, "highest share of correct responses kept", check="[0, 1]")
+
+    def check(self, job) -> List[str]:
+        if job.trainer.job != "rl" or not self.enable:
+            return []
+        p = []
+        if self.low > self.high:
+            p.append(f"algorithm.accuracy_filter.low = {self.low} is above algorithm.accuracy_filter.high = "
+                     f"{self.high}: no group would be kept")
+        if job.rollout.n < 2:
+            p.append(f"algorithm.accuracy_filter needs rollout.n >= 2 (got {job.rollout.n})")
+        return p
 
 
 @dataclass
@@ -104,8 +126,11 @@ class AlgorithmConfig(Section):
     kl_penalty: str = opt("k1", "estimator of the reward KL", choices_from="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = section(KLControlConfig)
     filter_groups: bool = opt(False, "DAPO dynamic sampling: drop groups whose rewards are all equal")
-    max_num_gen_batches: int = opt(4, "with filter_groups: generation rounds per step at most (then trains "
-                                      "on what was kept, with filter/missing_groups > 0)", check=">0")
+    max_num_gen_batches: int = opt(4, "with filter_groups or accuracy_filter: generation rounds per step at "
+                                      "most (then trains on what was kept, with filter/missing_groups > 0)",
+                                   check=">0")
+    accuracy_filter: AccuracyFilterConfig = section(AccuracyFilterConfig, "PRIME: groups by their share of "
+                                                                          "correct responses")
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO soft length penalty")
     rollout_correction: RolloutCorrectionConfig = section(RolloutCorrectionConfig,
                                                           "rollout/training log-prob mismatch correction")
@@ -114,6 +139,11 @@ class AlgorithmConfig(Section):
     @property
     def uses_group_baseline(self) -> bool:
         return self.adv_estimator in GROUP_ESTIMATORS
+
+    @property
+    def filters(self) -> bool:
+        """A group filter is on: a step may generate several rounds to fill its batch."""
+        return self.filter_groups or self.accuracy_filter.enable
 
     def check(self, job) -> List[str]:
         if job.trainer.job != "rl":

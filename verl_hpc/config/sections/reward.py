@@ -26,6 +26,8 @@ class RewardConfig(Section):
                             choices=("strict", "flexible"))
     timeout_s: float = opt(120.0, "seconds per reward call (run on a worker thread, so it holds for code that "
                            "ignores signals); a call past it follows on_error; 0 = no limit", check=f"[0, {WEEK_S}]")
+    correct_at: float = opt(1.0, "an outcome score at or above this is a correct answer: validation's accuracy, "
+                                 "the PRM's 0/1 label and algorithm.accuracy_filter read it")
     reward_model: RewardModelConfig = section(RewardModelConfig)
 
     def check(self, job) -> List[str]:

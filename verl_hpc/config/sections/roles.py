@@ -20,11 +20,11 @@ class OptimConfig(Section):
     min_lr: float = opt(0.0, "floor of the decay", check=">=0")
 
     def check(self, job) -> List[str]:
-        role = next(name for name in ("actor", "critic") if getattr(job, name).optim is self)
+        role = next(name for name in ("actor", "critic", "prm") if getattr(job, name).optim is self)
         p = self.own_problems(f"{role}.optim")
         # The run's step count is at most trainer.total_steps (sft/dpo: fewer when the data runs
         # out first, which the scheduler builder still checks on the node)
-        used = role == "actor" or (job.trainer.job == "rl" and job.critic.wanted(job))
+        used = role == "actor" or (job.trainer.job == "rl" and getattr(job, role).wanted(job))
         if used and self.lr_decay_style != "constant" and self.warmup_steps >= job.trainer.total_steps:
             p.append(f"{role}.optim.warmup_steps = {self.warmup_steps} must be below trainer.total_steps = "
                      f"{job.trainer.total_steps} for lr_decay_style = {self.lr_decay_style}")
@@ -186,25 +186,27 @@ class CriticConfig(TrainedRole):
 class RefConfig(Section):
     enable: Optional[bool] = opt(None, "frozen reference policy",
                                  auto="on iff a KL term with a coefficient > 0 is used (algorithm.use_kl_in_reward "
-                                      "or actor.use_kl_loss)")
+                                      "or actor.use_kl_loss) or the PRM is (prm.enable: its rewards are log-ratios "
+                                      "against the reference)")
     param_offload: bool = opt(False, "weights in host memory except while computing reference log-probs")
 
     @staticmethod
-    def kl_users(job) -> List[str]:
-        """The KL terms that need reference log-probs. A term whose coefficient is 0 changes nothing
-        (a fixed or adaptive controller started at 0 stays at 0), so it needs no reference forward
-        (set ref.enable=true to still log the KL)."""
+    def users(job) -> List[str]:
+        """What needs reference log-probs: the KL terms and the implicit PRM. A KL term whose
+        coefficient is 0 changes nothing (a fixed or adaptive controller started at 0 stays at 0), so
+        it needs no reference forward (set ref.enable=true to still log the KL)."""
         a = job.algorithm
         return [k for k, on in (("algorithm.use_kl_in_reward", a.use_kl_in_reward and a.kl_ctrl.kl_coef > 0),
-                                ("actor.use_kl_loss", job.actor.use_kl_loss and job.actor.kl_loss_coef > 0))
+                                ("actor.use_kl_loss", job.actor.use_kl_loss and job.actor.kl_loss_coef > 0),
+                                ("prm.enable", job.trainer.job == "rl" and job.prm.wanted(job)))
                 if on]
 
     def check(self, job) -> List[str]:
-        users = self.kl_users(job)
+        users = self.users(job)
         if job.trainer.job == "rl" and self.enable is False and users:
             return [f"ref.enable = false, but {' and '.join(users)} needs the reference policy"]
         return []
 
     def resolve(self, job) -> None:
         if self.enable is None:
-            self.enable = bool(self.kl_users(job))
+            self.enable = bool(self.users(job))

@@ -20,7 +20,7 @@ from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
 
 HEADS = ("lm", "value")
-ROLES = ("actor", "critic", "ref", "reward")
+ROLES = ("actor", "critic", "ref", "reward", "prm")
 VALUE_HEAD_SEED = 1234  # a value head made fresh (no score weights in the folder) starts from this seed
 
 
@@ -67,7 +67,7 @@ class EngineOptions:
     @classmethod
     def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
                     total_steps: Optional[int] = None) -> "EngineOptions":
-        """The options of `role` (actor, critic, ref, reward) of a loaded job config. fp8: None =
+        """The options of `role` (actor, critic, ref, reward, prm) of a loaded job config. fp8: None =
         model.fp8; total_steps: None = trainer.total_steps (sft/dpo pass the steps the data gives)."""
         if role not in ROLES:
             raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
@@ -91,6 +91,13 @@ class EngineOptions:
                        **_offload(a if role == "actor" else cfg.ref),
                        optim=a.optim if role == "actor" else None, micro_batch_size=a.micro_batch_size,
                        max_tokens_per_microbatch=a.max_tokens_per_microbatch, **common)
+        if role == "prm":  # PRIME's implicit PRM: a causal LM like the policy; frozen with prm.update = none
+            p = cfg.prm
+            trainable = p.update != "none"
+            return cls(model_path=p.model_path, head="lm", trainable=trainable, lora=None,
+                       share_prompts=cfg.actor.share_prompts, **_offload(p),
+                       optim=p.optim if trainable else None, micro_batch_size=p.micro_batch_size,
+                       max_tokens_per_microbatch=p.max_tokens_per_microbatch, **common)
         # a value head never packs prompts (engine.py); "off" says so without asking the cost model
         common["share_prompts"] = "off"
         if role == "critic":
@@ -136,7 +143,7 @@ def check_options(o: EngineOptions) -> None:
         raise ValueError("LoRA adapters are for the trained policy (a trainable lm head); the "
                          "reference is the actor with its adapters off")
     if o.trainable and o.optim is None:
-        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim)")
+        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim / prm.optim)")
     # the config refuses these for a CPU job (slurm.gpus_per_node = 0); whether this node has the
     # GPU and Transformer Engine is known only here
     if o.sequence_parallel and not (has_gpu() and transformer_engine_available()):

@@ -4,6 +4,7 @@
     ref    = build_reference(cfg, ctx, actor)   # Reference:   log_probs(batch) (LoRA: actor, adapters off)
     critic = build_engine("critic", cfg, ctx)    # Critic:      values(batch), update(batch, loss)
     rm     = build_engine("reward", cfg, ctx)    # RewardModel: score(batch)
+    prm    = build_engine("prm", cfg, ctx)       # ProcessRewardModel: log_probs(batch), update(batch, loss)
 
 The loss is the caller's (verl_hpc.algorithms.objectives: PolicyObjective, ValueObjective); a
 role only runs it. Batches are the engines' dict format (engines/batch.py) or the trainer's typed
@@ -114,6 +115,17 @@ class Critic(_Trainable):
         return {"values": self.engine.forward(as_engine_batch(batch), ("values",))["values"]}
 
 
+class ProcessRewardModel(_Trainable):
+    """PRIME's implicit PRM: log-probs of the sampled tokens, whose log-ratio to the reference's is
+    the process reward (verl_hpc.algorithms.prime); updates with the objective the trainer passes
+    (verl_hpc.algorithms.PrmObjective)."""
+
+    prefix = "prm"
+
+    def log_probs(self, batch) -> Dict[str, torch.Tensor]:
+        return {"prm_log_probs": self.engine.forward(as_engine_batch(batch), ("log_probs",))["log_probs"]}
+
+
 class Reference:
     """Frozen copy of the initial policy: no optimizer, no gradients, forward only. Under LoRA it
     is the actor's own engine with the adapters off (`build_reference`): no second model."""
@@ -147,7 +159,7 @@ class RewardModel:
 
 
 def build_engine(role: str, cfg, ctx=None, **kwargs):
-    """The role object for `role` in {actor, critic, ref, reward}; initialises Megatron model
+    """The role object for `role` in {actor, critic, ref, reward, prm}; initialises Megatron model
     parallelism from cfg.parallel if nobody has yet (collective: call on every rank).
     ctx: the rank's RankContext (verl_hpc.runtime.bootstrap), which must exist: the engine lives
     on its default process group. kwargs: fp8, loss_norm_len, total_steps (see EngineOptions.from_config)."""
@@ -163,4 +175,6 @@ def build_engine(role: str, cfg, ctx=None, **kwargs):
         return Actor(engine, cfg.actor, n=cfg.rollout.n)
     if role == "critic":
         return Critic(engine, cfg.critic, n=cfg.rollout.n)
+    if role == "prm":
+        return ProcessRewardModel(engine, cfg.prm, n=cfg.rollout.n)
     return Reference(engine) if role == "ref" else RewardModel(engine)
