@@ -68,7 +68,8 @@ def process_rewards(token_rewards: torch.Tensor, response_mask: torch.Tensor, gr
     batch_norm: divided by the largest |sum_{s >= t} r_s| over the batch (+1e-6), so the process
     returns lie in [-1, 1] | none."""
     check_token_inputs(response_mask, token_rewards=token_rewards)
-    r = token_rewards.detach()
+    valid = as_float_mask(response_mask, token_rewards) > 0
+    r = torch.where(valid, token_rewards.detach(), torch.zeros((), dtype=token_rewards.dtype))
     if granularity == "whole":
         whole = torch.zeros_like(r)
         rows = torch.arange(r.shape[0], device=r.device)

@@ -14,13 +14,14 @@ and brought up to date right before they are next needed):
   is offloaded after it; only then is the KV cache mapped (the rollout row);
 - rollout: vLLM awake (weights, KV cache, CUDA graphs) generates; the Megatron roles idle;
 - then vLLM sleeps (rollout.sleep_between_phases: ~0 device bytes, see rollout.py) for old
-  log-probs, reference log-probs, critic values, the critic update and the actor update;
+  log-probs, reference log-probs, (PRIME) the implicit PRM's forward and update, critic values,
+  the critic update and the actor update;
 - checkpoint, after the step's hooks: vLLM asleep (a save puts it back to sleep if validation woke
   it); each saved role made resident one at a time with what its state needs: weights and
   optimizer states, no gradients;
 - rollback (only with trainer.rollback.enable): the reload, with the same residency;
 A role that is not running in a phase keeps only what it does not offload
-(actor/critic/ref.*_offload). Per-GPU constants: the CUDA context and NCCL's communicators
+(actor/critic/ref/prm.*_offload). Per-GPU constants: the CUDA context and NCCL's communicators
 (comms.py); host figures: host.py. The peak is the maximum over phases; it is computed for the
 first and the last pipeline stage (embedding vs. output layer and logits) and the heavier one is
 reported.
@@ -45,9 +46,9 @@ from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
-PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "values",
-          "update_critic", "update_actor", "checkpoint", "rollback")
-COMPONENTS = ("actor", "critic", "ref", "activations", "logits", "vllm", "resharding", "nccl",
+PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob", "update_prm",
+          "values", "update_critic", "update_actor", "checkpoint", "rollback")
+COMPONENTS = ("actor", "critic", "ref", "prm", "activations", "logits", "vllm", "resharding", "nccl",
               "overhead")
 ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
 # a split job's training ranks: no vLLM to start or to generate with
@@ -222,6 +223,9 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                                cfg.critic.model_path)[0]
     if cfg.ref.enable and not lora.enabled:  # under LoRA the reference is the actor's base: no memory
         roles["ref"] = role("ref", cfg.ref, "lm", False, "model.path", cfg.model.path)[0]
+    if cfg.trainer.job == "rl" and cfg.prm.enable:  # PRIME's implicit PRM: an LM, trained unless frozen
+        roles["prm"] = role("prm", cfg.prm, "lm", cfg.prm.update != "none", "prm.model_path",
+                            cfg.prm.model_path)[0]
     if lora.enabled:
         adapter = actor_params.layers * lora_layer_params(arch, lora.rank, lora.target_modules, tp)
         notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapter / 1e6:.2f} M "
@@ -276,7 +280,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         r["overhead"] = overhead + hardware.FRAGMENTATION * tensors if gpu else 0.0
         return r
 
-    saved = [n for n in ("actor", "critic") if n in roles]  # what a checkpoint holds (trained roles)
+    # what a checkpoint holds: the trained roles (a frozen PRM is rebuilt from its folder)
+    saved = [n for n in ("actor", "critic", "prm") if n in roles and (n != "prm" or cfg.prm.update != "none")]
 
     def one_role_at_a_time(extra: Dict[str, float]) -> Dict[str, float]:
         # a role that offloads is made resident (weights + optimizer, no gradients) on its own;
@@ -356,6 +361,9 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         "rollout": row({}, {}, budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
         "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
+        # PRIME: the PRM's forward (its rewards, before and after its update) and its update
+        "prm_logprob": row({"prm": "forward"}, forward_working(cfg.prm, "lm"), vllm_idle),
+        "update_prm": row({"prm": "train"}, activations(cfg.prm, "lm"), vllm_idle),
         "values": row({"critic": "forward"}, forward_working(cfg.critic, "value"), vllm_idle),
         "update_critic": row({"critic": "train"}, activations(cfg.critic, "value"), vllm_idle),
         "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm"), vllm_idle),
@@ -372,6 +380,10 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle)
     if "critic" not in roles:
         del table["values"], table["update_critic"]
+    if "prm" not in roles:
+        del table["prm_logprob"], table["update_prm"]
+    elif cfg.prm.update == "none":
+        del table["update_prm"]
     if not cfg.trainer.rollback.enable:
         del table["rollback"]
     return table

@@ -28,7 +28,8 @@ from verl_hpc.planning.training import RECOMPUTE_GRANULARITIES
 
 ROLES_WITH_OFFLOAD = (("actor", ("param_offload", "grad_offload", "optimizer_offload")),
                       ("critic", ("param_offload", "grad_offload", "optimizer_offload")),
-                      ("ref", ("param_offload",)))
+                      ("ref", ("param_offload",)),
+                      ("prm", ("param_offload", "grad_offload", "optimizer_offload")))
 
 
 @dataclasses.dataclass
@@ -48,7 +49,8 @@ class Candidate:
              f"parallel.vpp={self.vpp if self.vpp else 'null'}",
              f"parallel.recompute_granularity={self.recompute}",
              f"actor.max_tokens_per_microbatch={self.token_budget}",
-             f"critic.max_tokens_per_microbatch={self.token_budget}"]
+             f"critic.max_tokens_per_microbatch={self.token_budget}",
+             f"prm.max_tokens_per_microbatch={self.token_budget}"]
         if self.offload:
             o += [f"{r}.{f}=true" for r, fs in ROLES_WITH_OFFLOAD for f in fs]
         return " ".join(o)
@@ -60,7 +62,7 @@ def _apply(cfg, tp, pp, vpp, recompute, offload, budget):
     c.parallel.sequence_parallel = tp > 1 and cfg.parallel.sequence_parallel
     c.parallel.recompute_granularity = recompute
     c.parallel.recompute_method, c.parallel.recompute_num_layers = "uniform", 1
-    c.actor.max_tokens_per_microbatch = c.critic.max_tokens_per_microbatch = budget
+    c.actor.max_tokens_per_microbatch = c.critic.max_tokens_per_microbatch = c.prm.max_tokens_per_microbatch = budget
     for role, fields in ROLES_WITH_OFFLOAD:
         for f in fields:
             setattr(getattr(c, role), f, offload)
@@ -80,8 +82,13 @@ def step_time_parts(cfg, gpu: hardware.GPUType) -> Dict[str, float]:
     tokens, generated = rows * seq, rows * cfg.data.max_response_length
     train_flops = gpu.bf16_tflops * 1e12 * cfg.train_world_size
     rollout_flops = gpu.bf16_tflops * 1e12 * cfg.rollout_world_size
-    roles = 1 + int(bool(cfg.critic.enable))
-    forwards = 1 + int(bool(cfg.ref.enable)) + int(bool(cfg.critic.enable))
+    prm = cfg.trainer.job == "rl" and bool(cfg.prm.enable)
+    prm_trains = prm and cfg.prm.update != "none"
+    roles = 1 + int(bool(cfg.critic.enable)) + int(prm_trains)  # trained roles
+    # forwards: old log-probs, reference, values; the PRM's before its update and, with
+    # prm.update = before, again after it
+    forwards = (1 + int(bool(cfg.ref.enable)) + int(bool(cfg.critic.enable))
+                + int(prm) + int(prm_trains and cfg.prm.update == "before"))
     train_factor = 8 if cfg.parallel.recompute_granularity == "full" else 6
     _, _, m = microbatch_shape(cfg.actor, cfg)
     bubble = 1 + (pp - 1) / (m * (cfg.parallel.vpp or 1)) if pp > 1 else 1.0

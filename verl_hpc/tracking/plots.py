@@ -48,6 +48,13 @@ PANELS: tuple[Panel, ...] = (
                         ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"), drop_zeros=True)),
     Panel("Entropy", "entropy (nats/token)", ("actor/entropy", "*/entropy")),
     Panel("Response length", "tokens", ("response_length/mean", "response_length/max")),
+    # PRIME: how well the implicit PRM predicts the step's outcome labels before it learns from them
+    # (0.5 AUC = chance) against its loss, and the spread of its token rewards
+    Panel("Implicit PRM", "accuracy / AUC on the outcome labels", ("prm/acc", "prm/auc"), ylim=(-0.02, 1.02),
+          right=("prm/ce_loss", "prm/pairwise_loss"), right_ylabel="PRM loss"),
+    Panel("Process rewards", "reward per token", ("prm/token_reward_mean", "prm/token_reward_std"),
+          right=("filter/acc_filtered_share",), right_ylabel="share of groups outside the accuracy band",
+          right_ylim=(-0.02, 1.02)),
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
     Panel("Reward per task", "reward", ("task/*/reward", "val/task/*/reward")),  # data.tasks
     Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with
@@ -167,3 +174,32 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
     fig.savefig(path, dpi=100)
     return PlotResult(path=path, panels=[p.title for p, _, _ in drawn],
                       series={p.title: list(s) + list(r) for p, s, r in drawn})
+
+
+def write_comparison(runs: dict[str, Sequence[dict[str, Any]]], metric: str, path: str | os.PathLike,
+                     title: str = "", ylabel: str = "", ylim: tuple[float, float] | None = (-0.02, 1.02)) -> Path:
+    """One panel: `metric` of several runs against step (label -> that run's history), e.g. the
+    validation accuracy of two algorithms trained with the same seeds and steps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(6.5, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for i, (label, history) in enumerate(runs.items()):
+        points = _series(history, (metric,)).get(metric)
+        if points:
+            ax.plot(*points, label=label, marker="o", markersize=3, linewidth=1.4, color=f"C{i}")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel or metric)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    ax.set_title(title or metric)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path

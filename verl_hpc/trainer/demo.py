@@ -11,6 +11,11 @@ Steps, each a separate command you can also run by hand:
 Prints validation accuracy before and after the RL phase and where the plot is; exits 1 when the
 rise is under --min-rise points.
 
+--compare C: a second RL phase from the same warm start with config C (same seeds and steps), e.g.
+configs/demo_prime.yaml against its outcome-only baseline configs/demo_prime_rloo.yaml (make
+demo-prime); prints each run's best validation accuracy and the first step that reached it, and
+draws both validation curves in one plot, OUT/compare_<a>_vs_<b>.png.
+
 --task tool: the tool demo instead (make demo-tool; outputs/demo_tool): 5-digit products that the
 tiny model gets right only by calling `calculator` in a multi-turn episode. Data from
 `python -m verl_hpc.data.prepare tool_arith` (multi-turn SFT demonstrations, most replaced by direct
@@ -64,6 +69,31 @@ def planned_host_gib(config: str, overrides) -> float:
     return max(p.host_peak / max(p.ranks_per_node, 1) for p in plans) / 2**30
 
 
+def steps_to_best(history, metric: str = "val/acc/all"):
+    """(the best value of `metric` over the run, the first step that reached it); None without it."""
+    points = [(r["step"], r[metric]) for r in history if isinstance(r.get(metric), (int, float))]
+    if not points:
+        return None
+    best = max(v for _, v in points)
+    return best, min(s for s, v in points if v == best)
+
+
+def compare(out: Path, runs) -> None:
+    """Both runs' validation curves in one plot, and each one's best accuracy and when it got there."""
+    from verl_hpc.tracking import read_history
+    from verl_hpc.tracking.plots import write_comparison
+
+    histories = {label: read_history(folder / "metrics.jsonl") for label, folder in runs.items()}
+    labels = list(histories)
+    path = write_comparison(histories, "val/acc/all", out / f"compare_{labels[0]}_vs_{labels[1]}.png",
+                            title="greedy validation accuracy, same seeds and steps", ylabel="accuracy")
+    for label, history in histories.items():
+        best = steps_to_best(history)
+        if best:
+            print(f"  {label}: best {100 * best[0]:5.1f}% first at step {best[1]}")
+    print(f"comparison plot: {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="arith", choices=tuple(TASKS))
@@ -74,15 +104,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-noise", type=float, default=None, help="default: the task's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
+    ap.add_argument("--compare", default=None, metavar="C",
+                    help="a second RL config run from the same warm start; both validation curves in one plot")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
     a = ap.parse_args(argv)
     task = TASKS[a.task]
     a.out, a.rl_config = a.out or task["out"], a.rl_config or task["rl_config"]
     a.sft_noise = task["sft_noise"] if a.sft_noise is None else a.sft_noise
     out, py, t0 = Path(a.out), sys.executable, time.time()
-    rl_out = out / ("rl" if a.task == "tool" else Path(a.rl_config).stem.replace("demo_", ""))  # outputs/demo/rl, .../rl_split
-    for phase in (out / "sft", rl_out):  # a rerun starts over (no resume from the last run's checkpoints)
-        shutil.rmtree(phase, ignore_errors=True)
+    phase_dir = lambda config: out / ("rl" if a.task == "tool" else Path(config).stem.replace("demo_", ""))  # noqa: E731
+    rl_out = phase_dir(a.rl_config)  # outputs/demo/rl, .../rl_split
+    for phase in (out / "sft", rl_out, *([phase_dir(a.compare)] if a.compare else [])):
+        shutil.rmtree(phase, ignore_errors=True)  # a rerun starts over (no resume from the last run's checkpoints)
     common = [*([f"slurm.tasks_per_node={a.ranks}"] if a.ranks else []), f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
     sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
@@ -93,18 +126,23 @@ def main(argv=None) -> int:
     sh([py, "-m", "verl_hpc.submit", task["sft_config"], "--local", *common,
         f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
         f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")
-    sh([py, "-m", "verl_hpc.submit", a.rl_config, "--local", *common,
-        f"model.path={out}/sft/hf", f"trainer.output_dir={rl_out}", *a.overrides], "GRPO")
+    rl = lambda config: [py, "-m", "verl_hpc.submit", config, "--local", *common,  # noqa: E731
+                         f"model.path={out}/sft/hf", f"trainer.output_dir={phase_dir(config)}", *a.overrides]
+    sh(rl(a.rl_config), f"RL ({Path(a.rl_config).stem})")
+    if a.compare:
+        sh(rl(a.compare), f"RL ({Path(a.compare).stem})")
     summary = json.loads((rl_out / "rl_summary.json").read_text())
     before = 100 * summary["val_before"]["val/acc/all"]
     after = 100 * summary["val_after"]["val/acc/all"]
     print("\n" + "=" * 72)
     print(f"validation accuracy (greedy, {out}/data/val.parquet):")
     print(f"  after SFT warm start (before RL): {before:5.1f}%")
-    print(f"  after {summary['steps']} GRPO steps:          {after:5.1f}%   ({after - before:+.1f} points)")
+    print(f"  after {summary['steps']} RL steps ({Path(a.rl_config).stem}): {after:5.1f}%   ({after - before:+.1f} points)")
     if a.task == "tool":
         rate = lambda v: 100 * v.get("val/episode/tool_call_rate", 0.0)  # noqa: E731
         print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")
+    if a.compare:
+        compare(out, {Path(c).stem: phase_dir(c) for c in (a.rl_config, a.compare)})
     measured = summary.get("host_peak_gib_per_rank") or []
     if measured:
         planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *a.overrides])
