@@ -119,16 +119,27 @@ def pairwise_loss(scores: torch.Tensor, labels: torch.Tensor, partners: torch.Te
 # ----------------------------------------------------------------------------- metrics
 
 
-def prm_metrics(scores: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
+def _pair_wins(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Over all pairs (x in a, y in b): 1 where x > y, 0.5 where tied, 0 else."""
+    diff = a.unsqueeze(1) - b.unsqueeze(0)
+    return (diff > 0).to(torch.float64) + 0.5 * (diff == 0).to(torch.float64)
+
+
+def prm_metrics(scores: torch.Tensor, labels: torch.Tensor, group_ids: GroupIds) -> Dict[str, float]:
     """How well the implicit scores predict the outcome labels: acc (sigmoid(score) > 0.5 means
-    "correct"), auc (the chance that a correct response outscores a wrong one, ties half; only when
-    the batch has both labels), and the share of correct responses."""
+    "correct"); auc, the chance that a correct response outscores a wrong one (ties half) over the
+    whole batch; group_auc, the same over pairs of responses to one prompt only -- the comparison
+    the leave-one-out baseline makes (each only where such pairs exist); label_mean, the share of
+    correct responses."""
     s, pos = scores.detach().to(torch.float64), labels > 0.5
     out = {"acc": float(((s > 0) == pos).to(torch.float64).mean()), "label_mean": float(pos.to(torch.float64).mean())}
-    a, b = s[pos], s[~pos]
-    if a.numel() and b.numel():
-        diff = a.unsqueeze(1) - b.unsqueeze(0)
-        out["auc"] = float(((diff > 0).to(torch.float64) + 0.5 * (diff == 0).to(torch.float64)).mean())
+    if pos.any() and (~pos).any():
+        out["auc"] = float(_pair_wins(s[pos], s[~pos]).mean())
+    codes, n = group_index(group_ids, s.shape[0], s.device)
+    wins = [_pair_wins(s[(codes == g) & pos], s[(codes == g) & ~pos]).flatten() for g in range(n)]
+    wins = torch.cat(wins) if wins else torch.zeros(0, dtype=torch.float64)
+    if wins.numel():
+        out["group_auc"] = float(wins.mean())
     return out
 
 

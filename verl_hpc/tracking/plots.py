@@ -50,7 +50,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("Response length", "tokens", ("response_length/mean", "response_length/max")),
     # PRIME: how well the implicit PRM predicts the step's outcome labels before it learns from them
     # (0.5 AUC = chance) against its loss, and the spread of its token rewards
-    Panel("Implicit PRM", "accuracy / AUC on the outcome labels", ("prm/acc", "prm/auc"), ylim=(-0.02, 1.02),
+    Panel("Implicit PRM", "accuracy / AUC on the outcome labels", ("prm/acc", "prm/auc", "prm/group_auc"), ylim=(-0.02, 1.02),
           right=("prm/ce_loss", "prm/pairwise_loss"), right_ylabel="PRM loss"),
     Panel("Process rewards", "reward per token", ("prm/token_reward_mean", "prm/token_reward_std"),
           right=("filter/acc_filtered_share",), right_ylabel="share of groups outside the accuracy band",

@@ -39,7 +39,7 @@ class PrmStage:
             raise RuntimeError("the implicit PRM needs the reference's log-probs (ref.enable)")
         rewards = self._token_rewards(batch, timer)
         scores = implicit_scores(rewards, batch.mask)
-        m = {f"prm/{k}": v for k, v in prm_metrics(scores, labels).items()}
+        m = {f"prm/{k}": v for k, v in prm_metrics(scores, labels, batch.group_ids).items()}
         m["prm/score_mean"] = float(scores.mean())
         if p.update != "none":
             data = dict(batch.engine_batch(), outcome_labels=labels)

@@ -120,11 +120,13 @@ def test_outcome_labels_and_accuracy_filter():
 def test_prm_metrics_by_hand():
     s = torch.tensor([2.0, -1.0, 0.5, 0.5], dtype=F64)
     y = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64)
-    m = prm_metrics(s, y)
+    m = prm_metrics(s, y, [0, 0, 1, 1])
     # predicted right where score > 0: T F T T against T F F T -> 3 of 4; AUC: pairs (pos, neg)
-    # (2,-1) (2,.5) (.5,-1) win, (.5,.5) ties -> 3.5 / 4
-    assert m == pytest.approx({"acc": 0.75, "auc": 0.875, "label_mean": 0.5})
-    assert "auc" not in prm_metrics(s, torch.ones(4, dtype=F64))  # one label only: no AUC
+    # (2,-1) (2,.5) (.5,-1) win, (.5,.5) ties -> 3.5 / 4; within groups only (2,-1) and (.5,.5): 1.5 / 2
+    assert m == pytest.approx({"acc": 0.75, "auc": 0.875, "group_auc": 0.75, "label_mean": 0.5})
+    m = prm_metrics(s, y, [0, 1, 1, 0])  # groups {2, 0.5 right} and {-1, 0.5 wrong}: no pair within a group
+    assert "group_auc" not in m and m["auc"] == 0.875
+    assert "auc" not in prm_metrics(s, torch.ones(4, dtype=F64), [0, 0, 1, 1])  # one label only: no AUC
 
 
 def test_token_reward_stats_over_valid_tokens():
