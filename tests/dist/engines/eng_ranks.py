@@ -169,6 +169,27 @@ def check_roles(args, layout, workdir, batch) -> dict:
     return res
 
 
+PRM_LAYOUTS = ("tp1", "tp2", "pp2")  # PRIME's implicit PRM: forward and one CE update (check_prm)
+PRM_BETA = 0.5
+
+
+def check_prm(args, layout, workdir, batch) -> dict:
+    """The implicit PRM role (an lm engine, packed prompts): its log-probs, then one update of the
+    CE objective against fixed labels and the batch's ref_log_probs; the weights after it."""
+    import torch
+
+    from verl_hpc.algorithms import PrmObjective
+    from verl_hpc.engines.megatron import ProcessRewardModel
+
+    role_cfg = type("PrmSection", (), {"ppo_mini_batch_size": 8, "ppo_epochs": 1})
+    prm = ProcessRewardModel(_engine(args, "llama", share_prompts="on"), role_cfg)
+    _save(workdir, f"{layout}.prm_forward.llama", prm.log_probs(batch))
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    res = prm.update(dict(batch, outcome_labels=labels), PrmObjective(beta=PRM_BETA, loss="ce"))
+    _save(workdir, f"{layout}.prm_update.llama", _export(prm.engine))
+    return res
+
+
 def check_nonfinite(args, layout, workdir, batch) -> dict:
     import torch
 
@@ -315,13 +336,16 @@ def scenario(args, workdir, out: dict) -> None:
     llama, llama2 = data["batch.llama"], data["batch2.llama"]
     with megatron_layout(out, "tp1", tp=1, pp=1) as rec:
         actor_checks(args, rec, workdir, data)
+        run_check(rec, "prm", check_prm, args, "tp1", workdir, llama)
         run_check(rec, "roles", check_roles, args, "tp1", workdir, llama)
         run_check(rec, "nonfinite", check_nonfinite, args, "tp1", workdir, llama)
         run_check(rec, "zero_adv", check_zero_adv, args, "tp1", workdir, llama)
     with megatron_layout(out, "tp2", tp=2, pp=1) as rec:
         actor_checks(args, rec, workdir, data)
+        run_check(rec, "prm", check_prm, args, "tp2", workdir, llama)
     with megatron_layout(out, "pp2", tp=1, pp=2) as rec:
         actor_checks(args, rec, workdir, data)
+        run_check(rec, "prm", check_prm, args, "pp2", workdir, llama)
         run_check(rec, "zero_adv", check_zero_adv, args, "pp2", workdir, llama)
     with megatron_layout(out, "pp2vpp2", tp=1, pp=2, vpp=2) as rec:
         actor_checks(args, rec, workdir, data)  # llama only (ACTOR_LAYOUTS)

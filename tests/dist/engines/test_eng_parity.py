@@ -3,10 +3,10 @@
 One launch of 4 ranks runs every layout in turn (data parallelism fills what a layout leaves):
 
     layout       ranks           checks
-    tp1          DP4             actor (forward, fixed + dynamic update), roles, non-finite step,
-                                 zero-advantage rows skipped
-    tp2          TP2 x DP2       actor
-    pp2          PP2 x DP2       actor, zero-advantage rows skipped
+    tp1          DP4             actor (forward, fixed + dynamic update), PRIME's PRM, roles,
+                                 non-finite step, zero-advantage rows skipped
+    tp2          TP2 x DP2       actor, PRM
+    pp2          PP2 x DP2       actor, PRM, zero-advantage rows skipped
     pp2vpp2      PP2 x DP2, 2 virtual stages per rank (interleaved schedule)   actor (llama)
     tp2pp2       TP2 x PP2       actor, roles, export -> transformers logits, state save
     tp1_resume   DP4             state load (written at tp2pp2 with the distributed optimizer)
@@ -20,7 +20,7 @@ then measures gradients, where eps=1e-8 would make it sign(g) and amplify roundi
 import pytest
 import torch
 
-from eng_ranks import ACTOR_LAYOUTS, launch
+from eng_ranks import ACTOR_LAYOUTS, PRM_BETA, PRM_LAYOUTS, launch
 
 
 WORLD = 4
@@ -108,6 +108,23 @@ def _references(folder, batch, cfg, batch2=None):
     return {"logp": logp64, "entropy": ent64, "mask": mask, "updated": updated}
 
 
+def _prm_reference(folder, batch):
+    """The implicit PRM's update in transformers: the CE of sigmoid(beta * summed log-ratio to
+    batch["ref_log_probs"]) against eng_ranks.check_prm's labels, written out by hand, then the
+    same AdamW step as the actor's reference."""
+    from transformers import AutoModelForCausalLM
+
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    logp, _, mask = _hf_response_logprobs(hf(batch["input_ids"]).logits, batch)
+    score = PRM_BETA * ((logp - batch["ref_log_probs"]) * mask).sum(-1)
+    loss = (labels * torch.nn.functional.softplus(-score) + (1 - labels) * torch.nn.functional.softplus(score)).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), OPTIM["clip_grad"])
+    torch.optim.AdamW(hf.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"], weight_decay=0.0).step()
+    return {n: p.detach().clone() for n, p in hf.state_dict().items()}
+
+
 def _reward_model(src, out):
     """A LlamaForSequenceClassification folder (backbone of `src` + a random score head)."""
     from safetensors.torch import load_file
@@ -140,6 +157,7 @@ def run(tmp_path_factory):
         batch = _batch(100 + i, groups=PROMPT_GROUPS.get(name))
         refs[name] = _references(folder, batch, ACTOR[name])
         data[f"batch.{name}"] = batch
+    refs["prm"] = _prm_reference(folders["llama"], data["batch.llama"])
     b2 = _batch(200)
     b2["advantages"] = torch.randn(b2["input_ids"].shape[0], int(b2["response_lengths"].max()),
                                    generator=torch.Generator().manual_seed(3))
@@ -239,6 +257,23 @@ def test_export_after_step_reproduces_engine_logits_in_transformers(run):
         hf_logits = hf(run["data"]["batch.llama"]["input_ids"]).logits
     assert engine_logits.shape == hf_logits.shape
     assert float((engine_logits - hf_logits).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("layout", PRM_LAYOUTS)
+def test_prm_forward_and_update_equal_transformers_and_tp1(run, layout):
+    """PRIME's implicit PRM at DP4, TP2 and PP2: its log-probs are the float64 reference's, and
+    its CE update lands where the hand-written loss in transformers does, and where DP4's does."""
+    fwd = _load(run, f"{layout}.prm_forward.llama")["prm_log_probs"].double()
+    assert float((fwd - run["refs"]["llama"]["logp"]).abs().max()) <= LOGP_TOL
+    got, ref = _load(run, f"{layout}.prm_update.llama"), run["refs"]["prm"]
+    from safetensors.torch import load_file
+
+    start = load_file(str(run["folders"]["llama"] / "model.safetensors"))
+    assert max(float((ref[k] - start[k]).abs().max()) for k in ref) > 100 * WEIGHT_TOL, "the update must move"
+    assert _max_diff(got, ref) <= WEIGHT_TOL
+    assert _max_diff(got, _load(run, "tp1.prm_update.llama")) <= WEIGHT_TOL
+    m = run["ranks"][0]["layouts"][layout]["checks"]["prm"]
+    assert m["prm/nonfinite_steps"] == 0 and m["prm/ce_loss"] > 0 and m["prm/packed_microbatches"] > 0
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
