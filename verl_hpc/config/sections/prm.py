@@ -65,9 +65,6 @@ class PrmConfig(TrainedRole):
             return p
         if self.process_coef == 0 and self.outcome_coef == 0:
             p.append("prm.process_coef and prm.outcome_coef are both 0: the step's rewards would be 0")
-        if self.warmup_steps >= job.trainer.total_steps:
-            p.append(f"prm.warmup_steps = {self.warmup_steps} must be below trainer.total_steps = "
-                     f"{job.trainer.total_steps} (the actor would never train)")
         if self.warmup_steps and self.update == "none":
             p.append("prm.warmup_steps trains the PRM alone, but prm.update = none freezes it")
         if self.loss == "pairwise" and job.rollout.n < 2:
