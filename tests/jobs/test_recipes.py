@@ -13,7 +13,7 @@ from verl_hpc.tracking.console import KEY_PREFIXES
 
 SHOWN = ("reward/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
          "response_length/mean", "perf/tokens_per_s", "timing_s/step")
-RECIPES = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo"]
+RECIPES = ["ppo", "grpo", "dr_grpo", "dapo", "rloo", "remax", "reinforce_pp", "gspo", "prime"]
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.check) if r == "grpo" else r
@@ -23,6 +23,8 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
     extra = [f"algorithm.recipe={recipe}", f"rollout.n={n}"]
     if recipe == "dapo":
         extra.append("algorithm.overlong_buffer.len=2")  # the recipe's 4096 > max_response_length
+    if recipe == "prime":  # the random model answers nothing right: keep its all-wrong groups so the PRM trains
+        extra += ["algorithm.accuracy_filter.low=0.0", "prm.ppo_mini_batch_size=2", "prm.micro_batch_size=2"]
     extra.append(f"trainer.rollout_data_dir={tmp_path}/samples")
     proc, summary = run_here("configs/demo_rl.yaml", tmp_path / "out", *small(tiny_assets, *extra))
     assert proc.returncode == 0, logs(proc, tmp_path / "out")
@@ -51,6 +53,10 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
         assert any("critic/vf_loss" in r for r in rows) and any("timing_s/values" in r for r in rows)
     if recipe in ("ppo", "rloo", "remax", "reinforce_pp"):
         assert any("reward/kl" in r for r in rows)  # KL in the reward through the controller
+    if recipe == "prime":  # the implicit PRM scored, trained and rewarded every step; the filter reported
+        assert all("prm/ce_loss" in r and "prm/token_reward_mean" in r and "timing_s/update_prm" in r
+                   and "filter/acc_filtered_share" in r for r in rows), rows[0]
+        assert "Implicit PRM" in panels
 
 
 # multi_turn: episodes of two model turns with environment tokens between (tests/agent_env.py)
