@@ -154,4 +154,11 @@ class AlgorithmConfig(Section):
                      "responses to one prompt and needs rollout.n >= 2")
         if self.filter_groups and n < 2:
             p.append(f"algorithm.filter_groups needs rollout.n >= 2 (got {n})")
+        if self.filters and job.placement.split and self.max_num_gen_batches > 1:
+            # a refill takes the next batch of the rollout group's stream within the same step, but
+            # the rollout group starts batch b only with weights of version >= b - 1 - staleness
+            p.append("algorithm.filter_groups / algorithm.accuracy_filter with placement.mode = split: a step that "
+                     "refills takes more than one batch of the rollout group's stream, which waits for weights "
+                     "one step newer per batch; set algorithm.max_num_gen_batches=1 (filtered groups are then "
+                     "dropped, not refilled)")
         return p
