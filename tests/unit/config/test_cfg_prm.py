@@ -47,6 +47,8 @@ def test_engine_options_of_the_prm_role():
     (["rollout.n=1"], "algorithm.accuracy_filter needs rollout.n >= 2"),
     (["prm.ppo_mini_batch_size=3"], "prm.ppo_mini_batch_size = 3 does not divide data.train_batch_size"),
     (["prm.optim.min_lr=1", "prm.optim.lr=0.1"], "prm.optim.min_lr = 1.0 is above prm.optim.lr = 0.1"),
+    (["placement.mode=split", "placement.rollout_ranks=1", "slurm.tasks_per_node=2"],
+     "algorithm.filter_groups / algorithm.accuracy_filter with placement.mode = split: a step that refills"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)
