@@ -97,7 +97,9 @@ class TrainerCheckpointer:
     # ------------------------------------------------------------------------------ saving
     def _engines(self) -> Dict[str, Any]:
         roles = {n: getattr(self.roles, n, None) for n in TRAINED_ROLES}
-        return {n: r.engine for n, r in roles.items() if r is not None and r.engine.optimizer is not None}
+        # a frozen PRM (prm.update = none) has no optimizer and is rebuilt from its folder
+        return {n: r.engine for n, r in roles.items()
+                if r is not None and (n != "prm" or r.engine.optimizer is not None)}
 
     def due(self, step: int) -> bool:
         return step == self.total_steps or (self.save_every > 0 and step % self.save_every == 0)

@@ -27,9 +27,9 @@ def actor_parts(plan_cfg):
 
 
 def test_phases_follow_the_agreed_step_order():
-    assert PHASES == ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "values",
-                      "update_critic", "update_actor", "checkpoint", "rollback")
-    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), ROLLBACK))
+    assert PHASES == ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob",
+                      "update_prm", "values", "update_critic", "update_actor", "checkpoint", "rollback")
+    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), [*ROLLBACK, "prm.enable=true"]))
     assert list(plan.table) == list(PHASES)  # printed in run order
 
 

@@ -47,8 +47,8 @@ def test_stage_time_recorded_when_block_raises_and_sync_called_at_edges():
 
 
 def test_all_design_stages_named_and_real_clock_works():
-    assert STAGES == ("wake", "sync", "wake_kv", "generate", "reward", "old_logprob", "ref", "values", "adv",
-                      "update_critic", "update_actor")
+    assert STAGES == ("wake", "sync", "wake_kv", "generate", "reward", "old_logprob", "ref", "prm", "update_prm",
+                      "values", "adv", "update_critic", "update_actor")
     timer = StageTimer(prefix="t")
     for name in STAGES:
         with timer(name):

@@ -79,6 +79,8 @@ class FakeRole:
         mask = self._record("log_probs", batch)
         if self.name == "actor":
             return {"old_log_probs": -0.4 * mask, "entropy": 2.0 * mask}
+        if self.name == "prm":  # PRIME's implicit PRM: 0.1 above the reference on every token
+            return {"prm_log_probs": -0.5 * mask}
         return {"ref_log_probs": -0.6 * mask}
 
     def values(self, batch):
@@ -99,7 +101,8 @@ def _trainer(tmp_path, *overrides):
     calls, seen = [], {}
     roles = Roles(CharTokenizer(), FakeRole("actor", calls, seen), FakeRollout(calls),
                   ref=FakeRole("ref", calls, seen) if cfg.ref.enable else None,
-                  critic=FakeRole("critic", calls, seen) if cfg.critic.enable else None)
+                  critic=FakeRole("critic", calls, seen) if cfg.critic.enable else None,
+                  prm=FakeRole("prm", calls, seen) if cfg.prm.enable else None)
     ctx = types.SimpleNamespace(rank=0, world_size=1, generator=torch.Generator().manual_seed(0),
                                 preemption=types.SimpleNamespace(agreed=lambda: False))
     return RLTrainer(cfg, ctx, roles=roles), calls, seen
