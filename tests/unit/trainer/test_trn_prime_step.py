@@ -57,3 +57,14 @@ def test_trn_prm_warmup_trains_the_prm_alone(tmp_path):
     m = trainer.step(2, StageTimer())
     assert "actor.update" in calls and "prm/warmup" not in m
     assert "rollout.load_weights" not in calls, "the warm-up left the actor as it was: nothing to sync"
+
+
+@pytest.mark.parametrize("correct_at, acc, labels", [(1.0, 1.0, 0.5), (1.5, 0.0, 0.0)])
+def test_trn_correct_at_is_validations_accuracy_and_the_prms_labels(tmp_path, correct_at, acc, labels):
+    """reward.correct_at: a score of 1 (a right answer) is correct at the default threshold and not
+    at 1.5, for greedy validation and for the PRM's labels alike."""
+    trainer, _, _ = _trainer(tmp_path, *PRIME, "algorithm.accuracy_filter.enable=false", f"reward.correct_at={correct_at}",
+                             "trainer.val_every=1", f"data.val_files=[{tmp_path}/train.jsonl]")
+    val = trainer._validate(None, 0)  # greedy: the fake rollout's sample 0, the right answer
+    assert val["val/acc/all"] == acc and val["val/reward/all"] == 1.0
+    assert trainer.step(1, StageTimer())["prm/label_mean"] == labels
