@@ -5,8 +5,9 @@
 
 After the reference's log-probs (the rewards are log-ratios against them), before the advantages:
 1. the PRM's forward on the step's rollouts, as it is before it learns from them: its scores give
-   prm/acc and prm/auc against the outcome labels (a fair test: it has not seen these responses)
-   and, with prm.loss = pairwise, the other-label partners' scores the loss compares with;
+   prm/acc, prm/auc and prm/group_auc against the outcome labels (a fair test: it has not seen
+   these responses) and, with prm.loss = pairwise, the other-label partners' scores the loss
+   compares with;
 2. prm.update = before: the update on this batch, then a second forward whose rewards the step
    trains on; after: the rewards of the first forward, then the update; none: a frozen PRM.
 """
