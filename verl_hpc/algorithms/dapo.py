@@ -9,7 +9,7 @@ from typing import Dict, Tuple
 import torch
 
 from .groups import GroupIds, group_counts, group_index
-from .masked import as_float_mask, check_token_inputs
+from .masked import as_float_mask, check_token_inputs, last_token_index
 
 
 def filter_groups(
@@ -91,8 +91,7 @@ def apply_overlong_penalty(
     valid = as_float_mask(response_mask, token_level_scores) > 0
     lengths = valid.sum(dim=-1)
     penalty = overlong_penalty(lengths, max_len, buffer_len, penalty_factor).to(token_level_scores.dtype)
-    length = valid.shape[-1]
-    last = length - 1 - valid.flip(-1).to(torch.int8).argmax(dim=-1)  # last valid index per row
+    last = last_token_index(valid)
     out = token_level_scores.clone()
     rows = torch.arange(valid.shape[0], device=valid.device)
     out[rows, last] = out[rows, last] + penalty

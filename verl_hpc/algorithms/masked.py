@@ -111,6 +111,12 @@ def sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tens
     return masked_sum(token_level_rewards, response_mask, dim=-1)
 
 
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] index of each row's last valid token (right-padded rows), where an outcome score sits."""
+    valid = response_mask > 0
+    return valid.shape[-1] - 1 - valid.flip(-1).to(torch.int8).argmax(dim=-1)
+
+
 def reward_to_go(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{s >= t} gamma^(s - t) r_s over each row's valid tokens (padding is stepped over,
     not through, and gets 0)."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .groups import GroupIds, group_counts, group_index, group_sum
-from .masked import (as_float_mask, check_token_inputs, masked_mean, masked_sum, masked_var,
+from .masked import (as_float_mask, check_token_inputs, last_token_index, masked_mean, masked_sum, masked_var,
                      masked_whiten, reward_to_go)
 from .registry import register_adv_estimator
 
@@ -53,12 +53,6 @@ def implicit_token_rewards(prm_log_probs: torch.Tensor, ref_log_probs: torch.Ten
 def implicit_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """The implicit outcome score `[B]`: the sum of a response's process rewards."""
     return masked_sum(token_rewards, response_mask, dim=-1)
-
-
-def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] index of each row's last valid token (right-padded rows)."""
-    valid = response_mask > 0
-    return valid.shape[-1] - 1 - valid.flip(-1).to(torch.int8).argmax(dim=-1)
 
 
 def process_rewards(token_rewards: torch.Tensor, response_mask: torch.Tensor, granularity: str,
