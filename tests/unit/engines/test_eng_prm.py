@@ -89,3 +89,45 @@ def test_prm_and_actor_train_apart(engines):
     actor_now = actor.forward(batch, ("log_probs",))["log_probs"]
     prm.update(data, PrmObjective(beta=0.5, loss="ce"))
     assert torch.equal(actor.forward(batch, ("log_probs",))["log_probs"], actor_now)
+
+
+def test_single_rank_prm_update_equals_transformers(one_rank_world, tmp_path):
+    """The one-rank PRM's CE update lands where the hand-written loss in transformers does (the
+    TP2 / PP2 engines are held to the same reference in tests/dist/engines/test_eng_parity.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.engines.batch import response_positions, response_tokens
+    from verl_hpc.engines.megatron import MegatronEngine, ProcessRewardModel, default_options
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.parallel import init_model_parallel
+
+    model = make_tiny_model(tmp_path / "model", "llama", layers=2)
+    init_model_parallel(1, 1)
+    optim = dict(lr=0.5, eps=1.0, clip_grad=1.0, weight_decay=0.0)  # SGD-like first step: compares gradients
+    batch = _batch(seed=3)
+    mask = batch["response_mask"]
+    ref_lp = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(4)) * mask
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    role_cfg = type("PrmSection", (), {"ppo_mini_batch_size": 8, "ppo_epochs": 1})
+    prm = ProcessRewardModel(MegatronEngine(default_options(model_path=str(model), optim=OptimConfig(**optim),
+                                                            micro_batch_size=3)), role_cfg)
+    prm.update(dict(batch, ref_log_probs=ref_lp, outcome_labels=labels), PrmObjective(beta=0.5, loss="ce"))
+    got = {n: t.clone() for n, t in prm.engine.export_hf_weights()}
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    start = {n: p.detach().clone() for n, p in hf.state_dict().items()}
+    logits = hf(batch["input_ids"]).logits
+    pos = response_positions(batch["prompt_lengths"], mask.shape[1], batch["input_ids"].shape[1])
+    rows = torch.log_softmax(logits[torch.arange(len(pos)).unsqueeze(1), pos], dim=-1)
+    tok = response_tokens(batch["input_ids"], batch["prompt_lengths"], mask.shape[1])
+    logp = rows.gather(-1, tok.unsqueeze(-1)).squeeze(-1) * mask
+    score = 0.5 * ((logp - ref_lp) * mask).sum(-1)
+    loss = (labels * torch.nn.functional.softplus(-score) + (1 - labels) * torch.nn.functional.softplus(score)).mean()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf.parameters(), optim["clip_grad"])
+    torch.optim.AdamW(hf.parameters(), lr=optim["lr"], eps=optim["eps"], weight_decay=0.0).step()
+    want = {n: p.detach() for n, p in hf.state_dict().items() if n in got}
+    assert sorted(want) == sorted(got)
+    assert max(float((want[n] - start[n]).abs().max()) for n in got) > 1e-3  # the update moved the weights
+    assert max(float((got[n] - want[n]).abs().max()) for n in got) <= 1e-5
