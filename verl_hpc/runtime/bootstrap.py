@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -132,8 +134,20 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
                        generator=seed_everything(seed, env.rank), mpi_comm=comm, split=split)
 
 
+# How long the main thread leaves the GIL to the collective backend's threads before the groups go
+GIL_HANDOVER_S = 0.1
+
+
 def shutdown(ctx: RankContext | None = None) -> None:
     if ctx is not None and ctx.split is not None:
         ctx.split.finish()  # the rollout leader serves the store until the trainer is done with it
     if dist.is_initialized():
+        # A gloo worker thread releases the tensors of the last collectives after the caller's wait()
+        # has returned, and needs the GIL for it. One that gets the GIL only once the interpreter is
+        # finalising aborts the process ("terminate called without an active exception" after a
+        # clean run, seen on the 2-core CI). So: hand over the GIL (sleep releases it), drop the
+        # groups, and collect what still holds them (Megatron's parallel state), all while the
+        # interpreter is whole.
+        time.sleep(GIL_HANDOVER_S)
         dist.destroy_process_group()
+        gc.collect()
