@@ -5,7 +5,12 @@ Each rule knows, for one Megatron parameter of one layer:
   HF tensors;
 - `to_hf(full, arch, layer, lay)`: the HF tensors from the TP-gathered Megatron tensor (shards
   concatenated along `tp_dim` in rank order);
-- `hf_entries(arch, layer)`: the HF names and shapes it produces (export plans without any tensor).
+- `hf_entries(arch, layer)`: the HF names and shapes it produces (export plans without any tensor);
+- `pieces(local, arch, layer, lay)`: what this TP rank's own shard is in HF coordinates, without
+  any gather: `Piece`s (HF name, split dim, first index, tensor view). Every shard of these layouts
+  is, per HF tensor, one contiguous range along one dim (whole groups of QKV per rank, the rank's
+  gate rows and up rows, a range of columns, a range of vocabulary rows), which is what lets the
+  sliced weight sync (verl_hpc.resharding.plan) send a rollout rank only its part.
 
 Megatron layouts (docs/platform-notes.md, "megatron-core 0.16.1 on CPU"; verified for parity with
 transformers):
@@ -42,6 +47,21 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+    """Part of an HF tensor held locally: `tensor` is `hf[start:start + len]` along `dim` (the
+    whole tensor when `dim` is None, replicated on every TP rank)."""
+
+    hf: str
+    dim: Optional[int]
+    start: int
+    tensor: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + (self.tensor.shape[self.dim] if self.dim is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class Copy:
     """Replicated on every TP rank (norm weights)."""
 
@@ -56,6 +76,9 @@ class Copy:
 
     def to_hf(self, full, arch, layer, lay) -> HFTensors:
         return [(self.hf.format(i=layer), full)]
+
+    def pieces(self, local, arch, layer, lay) -> List[Piece]:
+        return [Piece(self.hf.format(i=layer), None, 0, local)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +103,9 @@ class Split:
     def to_hf(self, full, arch, layer, lay):
         return [(self.hf.format(i=layer), full)]
 
+    def pieces(self, local, arch, layer, lay):
+        return [Piece(self.hf.format(i=layer), self.tp_dim, lay.tp_rank * local.shape[self.tp_dim], local)]
+
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:
@@ -102,6 +128,11 @@ class Vocab:
 
     def to_hf(self, full, arch, layer, lay):
         return [(self.hf, full[: arch.vocab_size])]
+
+    def pieces(self, local, arch, layer, lay):
+        start = lay.tp_rank * local.shape[0]
+        real = min(start + local.shape[0], arch.vocab_size) - start  # padding rows are not HF's
+        return [Piece(self.hf, 0, start, local[:real])] if real > 0 else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +171,14 @@ class QKV:
         return [(n, t.reshape(-1, *tail).contiguous())
                 for n, t in zip(self._names(layer), (q, k, v))]
 
+    def pieces(self, local, arch, layer, lay):
+        hd, hpg = arch.head_dim, arch.heads_per_group
+        groups, tail = arch.num_query_groups // lay.tp, local.shape[1:]
+        g0 = lay.tp_rank * groups
+        q, k, v = local.reshape(groups, (hpg + 2) * hd, *tail).split([hpg * hd, hd, hd], dim=1)
+        return [Piece(n, 0, g0 * rows, t.reshape(-1, *tail))
+                for n, t, rows in zip(self._names(layer), (q, k, v), (hpg * hd, hd, hd))]
+
 
 @dataclasses.dataclass(frozen=True)
 class GateUp:
@@ -163,6 +202,11 @@ class GateUp:
         tail = full.shape[1:]  # (hidden,) for the weight, (r,) for a LoRA B factor (models/lora.py)
         per_rank = full.reshape(lay.tp, 2, arch.ffn_hidden_size // lay.tp, *tail)
         return [(n, per_rank[:, j].reshape(arch.ffn_hidden_size, *tail).contiguous())
+                for j, n in enumerate(self._names(layer))]
+
+    def pieces(self, local, arch, layer, lay):
+        rows = local.shape[0] // 2
+        return [Piece(n, 0, lay.tp_rank * rows, local[j * rows:(j + 1) * rows])
                 for j, n in enumerate(self._names(layer))]
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.models.hf_checkpoint import HFCheckpointReader
-from verl_hpc.models.weight_rules import Layout, rule_for
+from verl_hpc.models.weight_rules import Layout, Piece, rule_for
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,31 @@ def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, tor
             full = _tp_gather(tensor, rule.tp_dim, group, lay.tp)
             for hf_name, t in to_hf(full, arch, layer, lay):
                 yield hf_name, (t if dtype is None else t.to(dtype))
+
+
+def local_hf_pieces(model) -> Iterator[Piece]:
+    """This rank's own parts of the HF tensors, in HF coordinates, with no collective: views of
+    its parameters (LoRA-adapted weights merged), for the sliced weight sync
+    (verl_hpc.resharding.plan). Replicated tensors (norms) come from every TP rank."""
+    for chunk in _chunks(model):
+        arch, lay = chunk.verl_arch, _layout(chunk)
+        for tensor, rule, layer, _ in _weight_items(chunk):
+            yield from rule.pieces(tensor.detach(), arch, layer, lay)
+
+
+def stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(HF name, full shape) of every tensor this rank's stage exports, in export order."""
+    return _stage_entries(model)
+
+
+def model_arch(model):
+    """The ModelArch the model was built from."""
+    return _chunks(model)[0].verl_arch
+
+
+def model_dtype(model) -> torch.dtype:
+    """The dtype of the model's parameters (what the full export sends)."""
+    return next(p for chunk in _chunks(model) for _, p in chunk.named_parameters()).dtype
 
 
 def export_hf_weights(model, *, all_stages: bool = True,

@@ -14,7 +14,10 @@ Modules:
     adapter_sync.py  LoRA: the adapter only into the rollout's LoRA slot, and the check that
                  each generation used the synced adapter version
     buckets.py   BucketStream: byte-bounded buckets over a (name, tensor) stream, its counts
-    sinks.py     NullSink / DigestSink: load_weights receivers for benchmarks and tests
+    plan.py      SyncPlan: which training rank sends which slice to which rollout rank
+    sliced.py    SlicedSync: the plan run bucket by bucket (one all_to_all each), delta option
+    delta.py     the delta codec (dense | index | bitmap) and the per-slice checksum
+    sinks.py     NullSink / DigestSink / SliceSink: receivers for benchmarks and tests
     memory.py    HeapPeak: the peak extra host memory of a block (glibc heap in use, sampled)
 
 Where the layouts change: Megatron's TP shards are gathered and un-fused into HF tensors and the
@@ -24,8 +27,10 @@ weight loaders), so training TP and inference TP are independent in both directi
 """
 from verl_hpc.resharding.adapter_sync import AdapterSync, StaleAdapterError, check_generated, weight_sync_from_config
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
-from verl_hpc.resharding.sinks import DigestSink, NullSink
+from verl_hpc.resharding.plan import PlanError
+from verl_hpc.resharding.sinks import DigestSink, NullSink, SliceSink
 from verl_hpc.resharding.sync import SyncError, WeightSync, export_source, sync
 
-__all__ = ["AdapterSync", "StaleAdapterError", "check_generated", "weight_sync_from_config", "BucketStream", "DigestSink", "NullSink", "SyncError", "WeightSync", "bucket_bytes_from",
+__all__ = ["AdapterSync", "StaleAdapterError", "check_generated", "weight_sync_from_config", "BucketStream",
+           "DigestSink", "NullSink", "PlanError", "SliceSink", "SyncError", "WeightSync", "bucket_bytes_from",
            "export_source", "sync"]

@@ -6,6 +6,8 @@ the model. For measuring the resharding step without an inference engine's own l
     NullSink     consumes and drops every tensor (the transport alone)
     DigestSink   records name, shape, dtype and a SHA-1 of every tensor's bytes, in order: two
                  syncs delivered the same weights iff their digests are equal (bitwise)
+    SliceSink    keeps the slices an inference-TP rank would keep (the sliced sync's
+                 `load_weight_slices`), to compare with the same slices of the full tensors
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ class NullSink:
 
     def __init__(self):
         self.loads = 0
+
+    def weight_slices(self):
+        return 0, 1  # takes whole tensors
 
     def wake(self, tags=None) -> None:
         pass
@@ -60,3 +65,34 @@ class DigestSink(NullSink):
 
     def digests(self) -> Dict[str, str]:
         return {name: digest for name, _, _, digest in self.records}
+
+
+class SliceSink(NullSink):
+    """Keeps (a copy of) every slice it is given, as inference-TP rank `tp_rank` of `tp`."""
+
+    name = "slices"
+
+    def __init__(self, tp_rank: int = 0, tp: int = 1):
+        super().__init__()
+        self.keeps = (tp_rank, tp)
+        self.slices: Dict[str, Tuple[int, int, int, torch.Tensor]] = {}  # name -> (dim, start, stop, part)
+
+    def weight_slices(self):
+        return self.keeps
+
+    def load_weight_slices(self, items) -> Dict[str, float]:
+        start = time.perf_counter()
+        self.slices = {name: (need.dim, need.start, need.stop, part.clone()) for name, part, need in items}
+        self.loads += 1
+        return dict(tensors=len(self.slices), seconds=time.perf_counter() - start)
+
+    def mismatches(self, full: Dict[str, torch.Tensor]) -> List[str]:
+        """Names whose slice is not bitwise the same part of `full[name]` (cast to the slice's
+        dtype), plus names missing on either side."""
+        bad = sorted(set(full) ^ set(self.slices))
+        for name, (dim, lo, hi, part) in self.slices.items():
+            if name in full:
+                want = full[name].narrow(dim, lo, hi - lo).to(part.dtype)
+                if tensor_digest(want) != tensor_digest(part) or want.shape != part.shape:
+                    bad.append(name)
+        return bad

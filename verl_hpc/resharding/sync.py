@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
+from verl_hpc.resharding.plan import PlanError
+from verl_hpc.resharding.sliced import SlicedSync
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -94,36 +96,193 @@ def _agree(failed: bool, seconds: float):
     return bool(vec[0].item() > 0), float(vec[1].item()), (first if first < big else -1)
 
 
+MODES = ("auto", "full", "sliced")
+
+
+def sliced_source(actor):
+    """A context manager giving the actor's local model chunks (resident, parameters gathered), for
+    the sliced sync; None when the actor has no local Megatron shards to read (then only the full
+    path applies)."""
+    engine = getattr(actor, "engine", actor)
+    exported = getattr(engine, "exported_model", None)
+    if callable(exported):
+        return exported
+    chunks = engine if isinstance(engine, (list, tuple)) else [engine]
+    if chunks and all(hasattr(c, "verl_arch") or hasattr(getattr(c, "module", None), "verl_arch")
+                      or hasattr(c, "module") for c in chunks):
+        return lambda: contextlib.nullcontext(engine)
+    return None
+
+
+def _carriers(items, shapes) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, full-shape tensor) with only the rollout rank's own slice written, for a loader that
+    cuts its slice from a full tensor (vLLM's: it narrows to exactly that range; the rest of the
+    tensor is never read). The unwritten rest is `torch.empty`: on CPU large allocations are
+    mapped lazily, so only the pages of the slice are touched."""
+    for name, part, need in items:
+        shape = shapes[name]
+        if tuple(part.shape) == tuple(shape):
+            yield name, part
+            continue
+        full = torch.empty(shape, dtype=part.dtype, device=part.device)
+        full.narrow(need.dim, need.start, need.stop - need.start).copy_(part)
+        yield name, full
+        full = None
+
+
+class _Items:
+    """The sliced stream, counted, with the full path's drain semantics (see BucketStream.drain)."""
+
+    def __init__(self, source):
+        self._source = iter(source)
+        self.tensors = 0
+        self.export_seconds = 0.0
+        self.source_exhausted = self.source_failed = False
+
+    def _pull(self):
+        start = time.perf_counter()
+        try:
+            return next(self._source)
+        except StopIteration:
+            self.source_exhausted = True
+            return None
+        except BaseException:
+            self.source_failed = True
+            raise
+        finally:
+            self.export_seconds += time.perf_counter() - start
+
+    def __iter__(self):
+        while True:
+            item = self._pull()
+            if item is None:
+                return
+            self.tensors += 1
+            yield item
+
+    def drain(self) -> int:
+        dropped = 0
+        while not (self.source_exhausted or self.source_failed):
+            dropped += self._pull() is not None
+        return dropped
+
+    def close(self) -> None:
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+
 class WeightSync:
     """The resharding step with its settings; call it after every actor update.
 
         syncer = WeightSync.from_config(cfg.resharding)
         metrics = syncer(actor, rollout)
+
+    mode: "full" (every rank takes every full HF tensor: TP all-gather, PP broadcast), "sliced"
+    (each rank receives only the slices its rollout engine keeps, verl_hpc.resharding.sliced),
+    "auto" (sliced where the actor has local Megatron shards and the plan matches both layouts,
+    else full, said once in the log). delta: sliced only, send just the changed elements.
     """
 
-    def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None):
+    def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
+                 mode: str = "auto", delta: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"resharding.mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if delta and mode == "full":
+            raise ValueError("resharding.delta needs resharding.mode sliced or auto (the full path "
+                             "sends whole tensors)")
         self.bucket_bytes = bucket_bytes_from(bucket_mb, bucket_bytes)
+        self.mode, self.delta = mode, delta
+        self.sliced = SlicedSync(self.bucket_bytes, delta=delta)
         self.last: Dict[str, float] = {}
         self.count = 0
+        self._fallback: Optional[str] = None  # why auto chose the full path
 
     @classmethod
     def from_config(cls, section) -> "WeightSync":
         """From the job's `resharding:` section."""
-        return cls(bucket_mb=section.bucket_mb)
+        return cls(bucket_mb=section.bucket_mb, mode=section.mode, delta=section.delta)
+
+    def _choose(self, actor, rollout):
+        """(the sliced source, or None for the full path)."""
+        if self.mode == "full":
+            return None
+        source = sliced_source(actor)
+        why = None
+        if source is None:
+            why = f"{type(getattr(actor, 'engine', actor)).__name__} has no local Megatron shards"
+        elif not (hasattr(rollout, "load_weight_slices") or callable(getattr(rollout, "weight_slices", None))):
+            why = f"{type(rollout).__name__} does not say which slices it keeps (weight_slices)"
+        if why is None:
+            return source
+        if self.mode == "sliced":
+            raise SyncError(f"resharding.mode=sliced: {why}; use resharding.mode=auto or full")
+        if self._fallback != why:
+            log.info("weight sync: the full-tensor path (%s)", why)
+            self._fallback = why
+        return None
 
     def __call__(self, actor, rollout) -> Dict[str, float]:
-        export = export_source(actor)
+        source = self._choose(actor, rollout)
         start = time.perf_counter()
+        if source is not None:
+            try:
+                error, stream, metrics = self._run_sliced(source, rollout)
+            except PlanError as exc:
+                if self.mode == "sliced":
+                    raise SyncError(f"resharding.mode=sliced: {exc}") from exc
+                log.warning("weight sync: no sliced plan for these layouts (%s); using the "
+                            "full-tensor path", exc)
+                self.mode = "full"
+                return self(actor, rollout)
+        else:
+            error, stream, metrics = self._run_full(actor, rollout)
+        seconds = time.perf_counter() - start
+        if error is not None and stream.source_failed:
+            self.sliced.reset()
+            raise error  # the collective itself broke: no agreement round is possible
+        failed, slowest, first = _agree(error is not None, seconds)
+        if failed:
+            self.sliced.reset()  # the delta copies may disagree now: the next sync is dense
+            where = f"rank {first}" if first >= 0 else "some rank"
+            if error is not None:
+                raise SyncError(f"weight sync failed on {where} (this rank: "
+                                f"{type(error).__name__}: {error})") from error
+            raise SyncError(f"weight sync failed on {where}; this rank loaded its weights, but the "
+                            "job's rollout engines no longer agree (see that rank's log)")
+        self.count += 1
+        nbytes = metrics["sync/bytes"]
+        self.last = {
+            "sync/seconds": slowest,
+            "sync/gb_per_s": nbytes / max(slowest, 1e-9) / 1e9,
+            "sync/tensors": float(stream.tensors),
+            "sync/bucket_bytes": float(self.bucket_bytes),
+            # this rank's split of its own wall time: in the export (collectives, re-fusion),
+            # in the rollout engine (load_weights minus the export it pulled)
+            "sync/export_seconds": stream.export_seconds,
+            "sync/load_seconds": max(seconds - stream.export_seconds, 0.0),
+            **metrics,
+        }
+        # the first in full; later ones are in the step's metrics (sync/*), not one more log line
+        log.log(logging.INFO if self.count == 1 else logging.DEBUG,
+                "weight sync %d (%s): %.1f MB in %d buckets (%d tensors) in %.3f s (%.2f GB/s; "
+                "export %.3f s, load %.3f s)", self.count,
+                "sliced" + (", delta" if self.delta else "") if metrics["sync/sliced"] else "full",
+                nbytes / 1e6, metrics["sync/buckets"], stream.tensors, slowest,
+                self.last["sync/gb_per_s"], stream.export_seconds, self.last["sync/load_seconds"])
+        return dict(self.last)
+
+    def _run_full(self, actor, rollout):
         error: Optional[BaseException] = None
         # resident until load_weights has returned: only then may the actor offload (held_resident)
         with held_resident(actor):
-            stream = BucketStream(export(), self.bucket_bytes)
+            stream = BucketStream(export_source(actor)(), self.bucket_bytes)
             try:
                 rollout.load_weights(iter(stream))
                 if not stream.source_exhausted:
                     raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
                                     f"every tensor ({stream.tensors} taken)")
-            except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks know)
+            except Exception as exc:  # noqa: BLE001 (re-raised by the caller, after the other ranks know)
                 error = exc
                 if not stream.source_failed:
                     dropped = stream.drain()  # keep the peers' collectives going to the end
@@ -132,42 +291,53 @@ class WeightSync:
                               stream.tensors, exc, dropped)
             finally:
                 stream.close()  # the export's own resident block ends here at the latest
-        seconds = time.perf_counter() - start
-        if error is not None and stream.source_failed:
-            raise error  # the collective itself broke: no agreement round is possible
-        failed, slowest, first = _agree(error is not None, seconds)
-        if failed:
-            where = f"rank {first}" if first >= 0 else "some rank"
-            if error is not None:
-                raise SyncError(f"weight sync failed on {where} (this rank: "
-                                f"{type(error).__name__}: {error})") from error
-            raise SyncError(f"weight sync failed on {where}; this rank loaded its weights, but the "
-                            "job's rollout engines no longer agree (see that rank's log)")
-        self.count += 1
-        self.last = {
-            "sync/seconds": slowest,
+        return error, stream, {
+            "sync/sliced": 0.0,
             "sync/bytes": float(stream.bytes),
-            "sync/gb_per_s": stream.bytes / max(slowest, 1e-9) / 1e9,
             "sync/buckets": float(stream.buckets),
             "sync/peak_bucket_bytes": float(stream.peak_bucket_bytes),
-            "sync/tensors": float(stream.tensors),
             "sync/largest_tensor_bytes": float(stream.largest_tensor_bytes),
-            "sync/bucket_bytes": float(self.bucket_bytes),
-            # this rank's split of its own wall time: in the export (collectives, re-fusion),
-            # in the rollout engine (load_weights minus the export it pulled)
-            "sync/export_seconds": stream.export_seconds,
-            "sync/load_seconds": max(seconds - stream.export_seconds, 0.0),
         }
-        # the first in full; later ones are in the step's metrics (sync/*), not one more log line
-        log.log(logging.INFO if self.count == 1 else logging.DEBUG,
-                "weight sync %d: %.1f MB in %d buckets (%d tensors) in %.3f s (%.2f GB/s; export "
-                "%.3f s, load %.3f s)", self.count, stream.bytes / 1e6, stream.buckets,
-                stream.tensors, slowest, self.last["sync/gb_per_s"], stream.export_seconds,
-                self.last["sync/load_seconds"])
-        return dict(self.last)
+
+    def _run_sliced(self, source, rollout):
+        error: Optional[BaseException] = None
+        keeps = rollout.weight_slices() if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
+        with source() as model:
+            from verl_hpc.models.weights import model_dtype
+
+            dtype = getattr(rollout, "weight_dtype", None) or model_dtype(model)
+            self.sliced.prepare(model, keeps, dtype)  # PlanError escapes before any exchange
+            stream = _Items(self.sliced.stream(model, keeps, dtype))
+            try:
+                if hasattr(rollout, "load_weight_slices"):
+                    rollout.load_weight_slices(iter(stream))
+                else:
+                    rollout.load_weights(_carriers(stream, self.sliced.plan.shapes))
+                if not stream.source_exhausted:
+                    raise SyncError(f"{type(rollout).__name__} returned before taking every tensor "
+                                    f"({stream.tensors} taken)")
+            except Exception as exc:  # noqa: BLE001 (re-raised by the caller, after the other ranks know)
+                error = exc
+                if not stream.source_failed:
+                    dropped = stream.drain()
+                    log.error("weight sync: the rollout failed after %d tensors (%s); ran the "
+                              "exchange to its end (%d more tensors discarded) so the other ranks "
+                              "do not hang", stream.tensors, exc, dropped)
+            finally:
+                stream.close()
+        c = self.sliced.counts
+        return error, stream, {
+            "sync/sliced": 1.0,
+            "sync/bytes": float(c["received"]),  # this rank's slices (or their deltas), itself included
+            "sync/wire_bytes": float(c["wire"]),  # of those, from other ranks
+            "sync/dense_bytes": float(c["dense"]),  # its slices in full
+            "sync/sent_bytes": float(c["sent"]),
+            "sync/changed_fraction": c["changed"] / max(c["elements"], 1),
+            "sync/buckets": float(len(self.sliced.plan.buckets)),
+        }
 
 
-def sync(actor, rollout, *, bucket_mb: Optional[float] = None,
-         bucket_bytes: Optional[int] = None) -> Dict[str, float]:
+def sync(actor, rollout, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
+         mode: str = "auto", delta: bool = False) -> Dict[str, float]:
     """One weight sync (see the module docstring); a collective over all ranks of the job."""
-    return WeightSync(bucket_mb=bucket_mb, bucket_bytes=bucket_bytes)(actor, rollout)
+    return WeightSync(bucket_mb=bucket_mb, bucket_bytes=bucket_bytes, mode=mode, delta=delta)(actor, rollout)

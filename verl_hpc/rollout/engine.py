@@ -94,6 +94,18 @@ class RolloutEngine(abc.ABC):
         (see rollout.weights for why it must be the complete set). Returns {tensors, bytes,
         seconds}. A failure leaves the weights undefined: generate then refuses to run."""
 
+    # the dtype this engine keeps its weights in (None: whatever it is sent); the weight sync
+    # sends that dtype, so the cast happens once, on the sending side
+    weight_dtype = None
+
+    def weight_slices(self) -> Tuple[int, int]:
+        """(tp_rank, tp): which part of each HF tensor load_weights keeps, as the sliced weight
+        sync computes it (verl_hpc.resharding.plan.RolloutSlicer). (0, 1): all of it; an engine
+        sharded by tensor parallelism that cuts its own slice from the full tensor it is given
+        returns its rank and size, and may then be given full-shape tensors in which only that
+        slice is written."""
+        return 0, 1
+
     def load_adapter(self, tensors: Iterable[Tuple[str, torch.Tensor]], peft_config: dict,
                      version: int) -> dict:
         """Take a LoRA adapter (PEFT-named full tensors, its adapter_config.json as a dict) as

@@ -153,6 +153,7 @@ class VLLMRollout(RolloutEngine):
             # offset"); long prompts (multi-turn episodes) hit it once a step's prefills pass 4,096
             # tokens. Unchunked, a prompt that does not fit a step waits for the next one.
             kwargs["enable_chunked_prefill"] = False
+        self.weight_dtype = getattr(torch, kwargs["dtype"], None)  # "auto" or unknown: as sent
         self._lora = None  # (LoRARequest, version) of the adapter every generate uses
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
@@ -210,6 +211,15 @@ class VLLMRollout(RolloutEngine):
         return rows
 
     # ------------------------------------------------------------------ weights
+    def weight_slices(self):
+        """vLLM's loaders narrow every checkpoint tensor to this rank's part (column-parallel rows,
+        row-parallel columns, replicated KV heads, its range of the 64-padded vocabulary): the
+        sliced sync sends only that part and writes it into a full-shape tensor, which the loader
+        reads nowhere else. Why not write vLLM's parameters directly: on CPU its linear layers
+        repack their weights after loading and ignore in-place edits, and its reload re-runs that
+        post-processing (tied lm_head included) for every backend; feeding the loader keeps that."""
+        return self.layout.tp_rank, self.layout.tp
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
         self._check_open()
         if WEIGHTS in self._sleeping:

@@ -149,3 +149,20 @@ class ReshardingConfig(Section):
     # at most 1 TiB: one bucket is one buffer on the device
     bucket_mb: int = opt(512, "size of the weight buckets streamed from the trainer to the rollout engine",
                          check="[1, 1048576]")
+    mode: str = opt("auto", "weight sync path: sliced (each rollout rank receives only its own slices, from "
+                    "the training ranks that hold them), full (every rank takes every full tensor), auto "
+                    "(sliced where the plan matches both layouts, else full)",
+                    choices=("auto", "sliced", "full"))
+    delta: bool = opt(False, "send only the weights whose value in the rollout dtype changed since the "
+                      "last sync (sliced path; checked by a checksum per slice)")
+
+    def check(self, job) -> List[str]:
+        p = []
+        if self.delta and self.mode == "full":
+            p.append("resharding.delta = true needs resharding.mode = sliced or auto (the full path sends "
+                     "whole tensors)")
+        if job.placement.split and (self.mode == "sliced" or self.delta):
+            p.append("resharding.mode = sliced and resharding.delta do not run with placement.mode = split "
+                     "yet (the rollout group takes whole buckets from the first training rank); use "
+                     "resharding.mode = auto")
+        return p

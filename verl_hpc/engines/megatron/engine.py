@@ -393,6 +393,17 @@ class MegatronEngine(TrainingEngine):
             else:
                 yield from export_hf_weights(self.gpt_chunks)
 
+    @contextlib.contextmanager
+    def exported_model(self):
+        """The model chunks, resident and with their parameters gathered, for a reader of this
+        rank's own shards (the sliced weight sync): what export_hf_weights reads, without its
+        collectives. A value model has no rollout copy, so nothing to give."""
+        if self.options.head == "value":
+            raise TypeError("a value model's weights are not synced to a rollout engine")
+        with self.resident("forward"):
+            self._sync_params()
+            yield self.gpt_chunks
+
     # ------------------------------------------------------------------ LoRA
 
     def adapters_off(self):
