@@ -39,6 +39,7 @@ from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
 from verl_hpc.resharding.plan import PlanError
@@ -96,7 +97,7 @@ def _agree(failed: bool, seconds: float):
     return bool(vec[0].item() > 0), float(vec[1].item()), (first if first < big else -1)
 
 
-MODES = ("auto", "full", "sliced")
+MODES = SYNC_MODES
 
 
 def sliced_source(actor):

@@ -144,6 +144,9 @@ class RolloutConfig(Section):
         return max(1, min(VLLM_MAX_NUM_SEQS, max(job.data.train_batch_size * job.rollout.n, val)))
 
 
+SYNC_MODES = ("auto", "sliced", "full")
+
+
 @dataclass
 class ReshardingConfig(Section):
     # at most 1 TiB: one bucket is one buffer on the device
@@ -152,7 +155,7 @@ class ReshardingConfig(Section):
     mode: str = opt("auto", "weight sync path: sliced (each rollout rank receives only its own slices, from "
                     "the training ranks that hold them), full (every rank takes every full tensor), auto "
                     "(sliced where the plan matches both layouts, else full)",
-                    choices=("auto", "sliced", "full"))
+                    choices=SYNC_MODES)
     delta: bool = opt(False, "send only the weights whose value in the rollout dtype changed since the "
                       "last sync (sliced path; checked by a checksum per slice)")
 
