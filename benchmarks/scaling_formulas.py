@@ -28,6 +28,7 @@ class Model:
     head_dim: int
     vocab: int
     tied: bool = False
+    qkv_bias: bool = False
 
     @classmethod
     def from_hf(cls, folder_or_dict) -> "Model":
@@ -36,7 +37,8 @@ class Model:
         h, n = c["hidden_size"], c["num_attention_heads"]
         return cls(hidden=h, layers=c["num_hidden_layers"], ffn=c["intermediate_size"], heads=n,
                    kv_heads=c.get("num_key_value_heads", n), head_dim=c.get("head_dim") or h // n,
-                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)))
+                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
 
     def layer_params(self) -> dict[str, tuple[int, bool]]:
         """{name: (elements, split by TP)} of one transformer layer (Llama: SwiGLU, GQA, RMSNorm)."""
@@ -46,7 +48,8 @@ class Model:
 
     def hf_params(self) -> int:
         per_layer = sum(n for n, _ in self.layer_params().values())
-        return self.layers * per_layer + self.hidden + self.vocab * self.hidden * (1 if self.tied else 2)
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return self.layers * (per_layer + bias) + self.hidden + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +109,42 @@ def resharding_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0) ->
     if lay.pp > 1:
         out[("broadcast", "pp")] = m.hf_params() * dtype_bytes
     return out
+
+
+def rollout_shard_elements(m: Model, infer_tp: int, tp_rank: int = 0) -> int:
+    """Elements of the model that inference-TP rank `tp_rank` of `infer_tp` keeps (vLLM's cut):
+    column- and row-parallel weights 1/tp each, whole KV heads replicated when there are fewer
+    than tp, norms whole, and the rank's range of the vocabulary padded to 64 rows and split
+    evenly (the padding is not sent). What the sliced weight sync delivers to that rank."""
+    h, hd, f, tp = m.hidden, m.head_dim, m.ffn, infer_tp
+    kv_rows = (m.kv_heads * hd // tp) if m.kv_heads >= tp else hd
+    q_rows = m.heads * hd // tp
+    layer = (q_rows + 2 * kv_rows) * h + m.heads * hd * h // tp + 3 * f * h // tp + 2 * h
+    if m.qkv_bias:
+        layer += q_rows + 2 * kv_rows
+    per = math.ceil(m.vocab / 64) * 64 // tp
+    vocab_rows = max(0, min((tp_rank + 1) * per, m.vocab) - min(tp_rank * per, m.vocab))
+    return m.layers * layer + h + vocab_rows * h * (1 if m.tied else 2)
+
+
+def sliced_sync_bytes(m: Model, lay: Layout, infer_tp: int, dtype_bytes: int) -> dict:
+    """One sliced weight sync, colocated, on a rank whose rollout TP equals its training TP (the
+    flagship): it receives its shard; the tensors of its own pipeline stage are cut exactly as it
+    holds them (same column/row splits), so they come from itself, and the rest come from the
+    same TP rank of the other stages in its data-parallel replica (one all_to_all per bucket).
+    Returns {"received": shard, "wire": from other stages}, per rank, worst stage."""
+    shard = rollout_shard_elements(m, infer_tp) * dtype_bytes
+    if lay.pp == 1 or infer_tp != lay.tp:
+        return {"received": shard, "wire": 0 if infer_tp == lay.tp else None}
+    per_layer = (rollout_shard_elements(m, infer_tp) - m.hidden
+                 - rollout_shard_elements(dataclasses.replace(m, layers=0), infer_tp)) // m.layers
+    vocab = (rollout_shard_elements(dataclasses.replace(m, layers=0), infer_tp) - m.hidden)
+    embed = vocab if m.tied else vocab // 2
+    # the first stage holds the embedding, the last the final norm and lm_head: the larger of the
+    # two remote parts
+    first_remote = m.layers * (lay.pp - 1) // lay.pp * per_layer + m.hidden + (0 if m.tied else vocab - embed)
+    last_remote = m.layers * (lay.pp - 1) // lay.pp * per_layer + embed
+    return {"received": shard, "wire": max(first_remote, last_remote) * dtype_bytes}
 
 
 def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,

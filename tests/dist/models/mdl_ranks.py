@@ -110,7 +110,7 @@ def _check_model(spec: dict, mp, out: dict) -> None:  # noqa: C901 (one check li
     if spec.get("spy"):
         _spy_safe_open(reads)
     model = [build_gpt_model(arch, vp_stage=i) for i in range(mp.vpp)] if mp.vpp else [
-        build_gpt_model(arch)]
+        build_gpt_model(arch)]  # a list either way (the sliced checks iterate its chunks)
     try:
         report = load_hf_weights(model, folder)
     finally:
@@ -140,7 +140,55 @@ def _check_model(spec: dict, mp, out: dict) -> None:  # noqa: C901 (one check li
         res["export_names"] = names
         res["export_exact"] = bool(exact and sorted(names) == sorted(original))
         res["stage_export_names"] = [n for n, _ in export_hf_weights(model, all_stages=False)]
+    if spec.get("sliced"):
+        res["sliced"] = _sliced_syncs(model, folder)
     out[spec["name"]] = res
+
+
+SYNC_KEYS = ("sync/bytes", "sync/wire_bytes", "sync/dense_bytes", "sync/changed_fraction")
+
+
+def _sliced_syncs(model, folder) -> dict:
+    """The sliced sync (dense, then delta) from this layout into inference TP 1, 2 and 4: each
+    rank's slices must equal the same slices of the checkpoint (dense), then of the exported
+    weights after every 101st element of every parameter moved (delta); bytes are recorded for
+    the test's formula. Moves the model's weights."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from verl_hpc.models import export_hf_weights
+    from verl_hpc.resharding import SliceSink, WeightSync
+
+    current = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        current.update(load_file(str(f)))
+    if model_tied(model):
+        current.pop("lm_head.weight", None)
+    out = {}
+    for itp in (1, 2, 4):
+        for delta in (False, True):
+            sink = SliceSink(dist.get_rank() % itp, itp)
+            syncer = WeightSync(bucket_mb=0.05, mode="sliced", delta=delta)
+            first = syncer(model, sink)
+            bad = sink.mismatches(current)
+            row = dict(first={k: first[k] for k in SYNC_KEYS}, bad=bad)
+            if delta:
+                with torch.no_grad():
+                    for p in (q for chunk in model for q in chunk.parameters()):
+                        p.view(-1)[::101] += 0.01
+                current = {n: t.clone() for n, t in export_hf_weights(model)}
+                second = syncer(model, sink)
+                row["second"] = {k: second[k] for k in SYNC_KEYS}
+                row["bad"] = bad + sink.mismatches(current)
+            out[f"itp{itp}" + ("_delta" if delta else "")] = row
+    return out
+
+
+def model_tied(model) -> bool:
+    from verl_hpc.models.weights import model_arch
+
+    return bool(model_arch(model).tie_word_embeddings)
 
 
 def _train_smoke(spec: dict, out: dict) -> None:

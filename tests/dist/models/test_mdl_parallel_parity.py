@@ -1,6 +1,7 @@
 """HF -> Megatron on 4 real gloo ranks: logits equal transformers' at TP1, TP2, PP2 and TP2xPP2,
-export gives the checkpoint back bit for bit, TP ranks read only their slices, and one
-DDP + DistributedOptimizer step runs on CPU with the right gradient norm.
+export gives the checkpoint back bit for bit, TP ranks read only their slices, one
+DDP + DistributedOptimizer step runs on CPU with the right gradient norm, and the sliced weight
+sync (dense and delta) gives every inference-TP rank (TP 1, 2, 4) exactly its slices.
 
 One launch of 4 ranks serves every layout in turn (data parallelism fills the ranks a layout
 leaves: TP1 runs as DP4, TP2 and PP2 as DP2), because spawning and importing Megatron is the
@@ -8,14 +9,17 @@ expensive part. Several tiny models per layout, so every family and tying appear
 layouts without running every combination:
 
     layout   models checked (forward parity)                             also
-    tp1      llama (4 layers, 2-file checkpoint), qwen2-tied,             DDP+DistOpt step (DP4)
-             llama-tied, qwen2, mistral, llama3 and linear RoPE scaling
+    tp1      llama (4 layers, 2-file checkpoint), qwen2-tied,             DDP+DistOpt step (DP4),
+             llama-tied, qwen2, mistral, llama3 and linear RoPE scaling   sliced sync of qwen2
     tp2      llama (reads spied), qwen2-tied, qwen2                       slice-only reads,
-                                                                          DDP+DistOpt step (DP2)
-    pp2      llama, llama-tied (embedding and lm_head on two stages)      export of llama-tied
-    tp2xpp2  llama, qwen2-tied                                            export of both
-    pp2vpp2  llama (2 virtual stages per rank, interleaved schedule)      export
+                                                                          DDP+DistOpt step (DP2),
+                                                                          sliced sync of both qwen2
+    pp2      llama, llama-tied (embedding and lm_head on two stages)      export, sliced: llama-tied
+    tp2xpp2  llama, qwen2-tied                                            export, sliced: both
+    pp2vpp2  llama (2 virtual stages per rank, interleaved schedule)      export, sliced
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -36,14 +40,14 @@ MODELS = {  # name -> make_tiny_model kwargs
         original_max_position_embeddings=64)),
     "qwen2_linear": dict(family="qwen2", seed=5, rope_scaling=dict(rope_type="linear", factor=4.0)),
 }
-LAYOUTS = {  # name -> (tp, pp, models, models to export, spied model, train smoke)
+LAYOUTS = {  # name -> (tp, pp, models, models to export, spied model, train smoke, sliced sync)
     "tp1": (1, 1, ["llama", "qwen2_tied", "llama_tied", "qwen2", "mistral", "llama_rope3",
-                   "qwen2_linear"], [], None, True),
-    "tp2": (2, 1, ["llama", "qwen2_tied", "qwen2"], [], "llama", True),
-    "pp2": (1, 2, ["llama", "llama_tied"], ["llama_tied"], None, False),
-    "tp2xpp2": (2, 2, ["llama", "qwen2_tied"], ["llama", "qwen2_tied"], None, False),
+                   "qwen2_linear"], [], None, True, ["qwen2"]),
+    "tp2": (2, 1, ["llama", "qwen2_tied", "qwen2"], [], "llama", True, ["qwen2", "qwen2_tied"]),
+    "pp2": (1, 2, ["llama", "llama_tied"], ["llama_tied"], None, False, ["llama_tied"]),
+    "tp2xpp2": (2, 2, ["llama", "qwen2_tied"], ["llama", "qwen2_tied"], None, False, ["llama", "qwen2_tied"]),
     # 2 virtual stages per rank: llama's 4 layers as chunks 0,2 | 1,3; interleaved schedule
-    "pp2vpp2": (1, 2, ["llama"], ["llama"], None, False),
+    "pp2vpp2": (1, 2, ["llama"], ["llama"], None, False, ["llama"]),
 }
 VPP = {"pp2vpp2": 2}
 
@@ -75,8 +79,9 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("mdl_parity")
     dirs = _make_models(root / "models")
     layouts = []
-    for name, (tp, pp, names, exports, spied, smoke) in LAYOUTS.items():
-        specs = [dict(name=n, dir=dirs[n], export=n in exports, spy=n == spied) for n in names]
+    for name, (tp, pp, names, exports, spied, smoke, sliced) in LAYOUTS.items():
+        specs = [dict(name=n, dir=dirs[n], export=n in exports, spy=n == spied, sliced=n in sliced)
+                 for n in names]
         layouts.append(dict(name=name, tp=tp, pp=pp, vpp=VPP.get(name), models=specs,
                             train_smoke=dict(dir=dirs["llama"], save_to=str(root / f"{name}.pt"))
                             if smoke else None))
@@ -160,6 +165,37 @@ def test_ddp_distributed_optimizer_step_on_cpu(layout, results):
         diff = (hf(saved["ids"]).logits - saved["logits"]).abs().max()
     print(f"{layout} after one step: max |transformers(exported) - megatron| = {diff:.2e}")
     assert diff <= TOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sliced_sync_gives_every_rollout_rank_its_slices_bitwise(layout, results):
+    """Training TP1/TP2/PP2/TP2xPP2/PP2xVPP2 -> inference TP1/TP2/TP4 on 4 ranks: each rank's
+    slices equal the checkpoint's (dense sync) and, after every 101st element moved, the new
+    export's (delta sync); a rank receives exactly its shard (benchmarks/scaling_formulas.py), a
+    delta about 1 % of the elements in index mode (8 bytes each), and at equal TP nothing crosses ranks."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from scaling_formulas import Model, rollout_shard_elements
+
+    tp, pp, *_, sliced = LAYOUTS[layout]
+    for name in sliced:
+        m = Model.from_hf(results["_paths"][name])
+        for r in results[layout]:
+            runs = r["models"][name]["sliced"]
+            for key, run in runs.items():
+                itp = int(key[3])
+                assert run["bad"] == [], (layout, name, r["rank"], key, run["bad"][:5])
+                shard = 4 * rollout_shard_elements(m, itp, r["rank"] % itp)  # float32
+                assert run["first"]["sync/bytes"] == shard, (layout, key)  # exact, not just within 2 %
+                assert run["first"]["sync/dense_bytes"] == run["first"]["sync/bytes"]
+                if itp == tp and pp == 1:
+                    assert run["first"]["sync/wire_bytes"] == 0, (layout, key)
+                if "second" in run:
+                    frac = run["second"]["sync/changed_fraction"]
+                    assert 0.008 < frac < 0.012, (layout, name, key, frac)
+                    changed = frac * run["second"]["sync/dense_bytes"] / 4
+                    assert run["second"]["sync/bytes"] == pytest.approx(8 * changed, rel=0.02)
 
 
 def test_cpu_help_was_applied_on_every_rank(results):
