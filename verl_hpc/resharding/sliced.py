@@ -132,7 +132,9 @@ class SlicedSync:
         for p in local_hf_pieces(model):
             pieces.setdefault(p.hf, []).append(p)
         rank, world = _world()
-        self.counts = dict(received=0, wire=0, dense=0, changed=0, elements=0, sent=0)
+        self.counts = dict(received=0, wire=0, dense=0, changed=0, elements=0, sent=0, peak_bucket=0,
+                           largest=max((_numel(plan.shapes[hf]) for hf in plan.order), default=0)
+                           * torch.empty((), dtype=dtype).element_size())
 
         def start(b: int):
             rows = plan.transfers[b]
@@ -193,6 +195,8 @@ class SlicedSync:
                 j += 1
             recv_sizes.append(size)
         flat = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
+        # what this bucket holds here: its send buffer and its receive buffer
+        self.counts["peak_bucket"] = max(self.counts["peak_bucket"], sum(send_sizes) + sum(recv_sizes))
         incoming, work = _all_to_all(flat, send_sizes, recv_sizes, device, wait=False)
         return recvs, head, incoming, work, flat
 

@@ -335,6 +335,10 @@ class WeightSync:
             "sync/sent_bytes": float(c["sent"]),
             "sync/changed_fraction": c["changed"] / max(c["elements"], 1),
             "sync/buckets": float(len(self.sliced.plan.buckets)),
+            # one bucket's send + receive buffers (two buckets are in flight: the next one's
+            # exchange overlaps this one's loading); the largest full tensor (a loader's carrier)
+            "sync/peak_bucket_bytes": float(c["peak_bucket"]),
+            "sync/largest_tensor_bytes": float(c["largest"]),
         }
 
 

@@ -121,15 +121,38 @@ def check_sync(actor, rollout, args, *, layout: str, rollout_tp: int, bucket_mb:
 
 
 def sync_digests(actor, bucket_sizes) -> list:
-    """Sync into a DigestSink at each bucket size (for a bitwise comparison)."""
+    """Sync into a DigestSink at each bucket size over the full-tensor path, then once over the
+    sliced path (a DigestSink keeps whole tensors), for a bitwise comparison."""
     from verl_hpc.resharding import DigestSink, sync
 
     runs = []
     for mb in bucket_sizes:
         sink = DigestSink()
-        metrics = sync(actor, sink, bucket_mb=mb)
+        metrics = sync(actor, sink, bucket_mb=mb, mode="full")
         runs.append(dict(bucket_mb=mb, records=sink.records, metrics=metrics))
+    sink = DigestSink()
+    metrics = sync(actor, sink, bucket_mb=bucket_sizes[0], mode="sliced")
+    runs.append(dict(bucket_mb=bucket_sizes[0], records=sink.records, metrics=metrics))
     return runs
+
+
+def sync_modes(actor, rollout, args) -> dict:
+    """The same weights into vLLM over the full path, the sliced path and the sliced delta path
+    (twice: dense, then a delta of nothing): the greedy tokens and log-probs after each must be
+    identical, bit for bit, since the engine must hold the same weights."""
+    from verl_hpc.resharding import WeightSync
+    from verl_hpc.rollout.spec import default_spec
+
+    greedy = default_spec(temperature=0, max_tokens=args["max_new"])
+    out = {}
+    delta = WeightSync(bucket_mb=SMALL_MB, mode="sliced", delta=True)
+    for label, syncer in (("full", WeightSync(bucket_mb=SMALL_MB, mode="full")),
+                          ("sliced", WeightSync(bucket_mb=SMALL_MB, mode="sliced")),
+                          ("delta_dense", delta), ("delta_nothing", delta)):
+        metrics = syncer(actor, rollout)
+        res = rollout.generate(args["prompts"], greedy)
+        out[label] = dict(metrics=metrics, response_ids=res.response_ids, logprobs=res.logprobs)
+    return out
 
 
 def tied_model_sync(args, ctx, bucket_mb: float) -> dict:
@@ -181,13 +204,16 @@ def sync_memory(actor, rollout, args, bucket_sizes) -> dict:
     load_hf_weights(model, args["memory_model"])
     res = {}
     for mb in bucket_sizes:
-        sync(model, NullSink(), bucket_mb=mb)  # warm: first-call allocations apart
+        sync(model, NullSink(), bucket_mb=mb, mode="full")  # warm: first-call allocations apart
         with HeapPeak() as mem:
-            metrics = sync(model, NullSink(), bucket_mb=mb)
+            metrics = sync(model, NullSink(), bucket_mb=mb, mode="full")
         res[f"null@{mb}"] = dict(peak_bytes=mem.peak_bytes, end_bytes=mem.end_bytes, metrics=metrics)
     with HeapPeak() as mem:
-        metrics = sync(actor, rollout, bucket_mb=bucket_sizes[0])
+        metrics = sync(actor, rollout, bucket_mb=bucket_sizes[0], mode="full")
     res["vllm"] = dict(peak_bytes=mem.peak_bytes, end_bytes=mem.end_bytes, metrics=metrics)
+    with HeapPeak() as mem:
+        metrics = sync(actor, rollout, bucket_mb=bucket_sizes[0], mode="sliced")
+    res["vllm_sliced"] = dict(peak_bytes=mem.peak_bytes, end_bytes=mem.end_bytes, metrics=metrics)
     return res
 
 
@@ -245,6 +271,7 @@ def scenario(args, ctx, workdir: Path, out: dict, timed) -> None:
                                                    bucket_mb=1)
         out["digests"]["tp2"] = sync_digests(actor, [SMALL_MB, 512])
         out["memory"]["tp2"] = sync_memory(actor, rollout, args, [1, 8])
+        out["modes"]["tp2->inf_tp2"] = sync_modes(actor, rollout, args)
         sync_failing_on(actor, 1, out)
 
     with timed("TP2 -> inference TP1 (2 replicas)"):
@@ -252,6 +279,7 @@ def scenario(args, ctx, workdir: Path, out: dict, timed) -> None:
         rollout = _build_rollout(args, ctx, tp=1)
         out["checks"]["tp2->inf_tp1"] = check_sync(actor, rollout, args, layout="tp2", rollout_tp=1,
                                                    bucket_mb=SMALL_MB)
+        out["modes"]["tp2->inf_tp1"] = sync_modes(actor, rollout, args)
     rollout.close()
 
 
@@ -265,7 +293,7 @@ def main(workdir: Path) -> None:
     args = json.loads((workdir / "args.json").read_text())
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=240, seed=3)
     out = {"rank": ctx.rank, "updates": {}, "checks": {}, "digests": {}, "memory": {}, "tied": {},
-           "seconds": {}}
+           "modes": {}, "seconds": {}}
 
     @contextlib.contextmanager
     def timed(label):
