@@ -262,7 +262,14 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
-    resharding = 2 * bucket + largest
+    # the sliced sync (colocated) holds a bucket's send and receive buffers while the previous
+    # bucket's slices load: one bucket more; split placement publishes over the full path
+    sliced = cfg.resharding.mode != "full" and group == "colocated"
+    resharding = (3 if sliced else 2) * bucket + largest
+    # resharding.delta keeps, on the device, what this rank last sent and its own rollout slices
+    # (each about its share of the model in the rollout dtype): in every phase, not just the sync
+    delta_copies = (2.0 * total_params(arch) * prec.param_bytes / cfg.rollout.tp
+                    if cfg.resharding.delta and sliced else 0.0)
     if adapter_slot_rank(cfg):  # LoRA's adapter sync: the whole adapter, fp32, held twice (export + vLLM's)
         resharding = 2.0 * arch.num_layers * lora_layer_params(arch, lora.rank, lora.target_modules, 1) * 4
     comms = job_communicators(cfg, arch.tie_word_embeddings, group)
@@ -274,6 +281,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         for name, st in roles.items():
             r[name] = st.resident(active.get(name, "idle"))
         r.update(extra)
+        r["resharding"] += delta_copies
         r["vllm"] = vllm
         r["nccl"] = nccl
         tensors = sum(v for k, v in r.items() if k not in ("overhead", "nccl"))

@@ -179,3 +179,17 @@ def test_pinned_host_buffers_round_up_to_a_power_of_two():
                                      + 3 * sum(hardware.pinned(n * 4 / dp) for n in sizes))
     exact = sum(sizes) * (2 + 12 / dp)
     assert per_rank > exact * 1.05  # the rounding is not negligible: 8.0 GB of weights pin 8.6 GB
+
+
+def test_sliced_sync_holds_one_bucket_more_and_delta_keeps_two_shards_everywhere():
+    from verl_hpc.planning.model_shape import KNOWN, total_params
+
+    full = plan_job(load_config(GRPO, ["resharding.mode=full"]), stage=0)
+    sliced = plan_job(load_config(GRPO, []), stage=0)
+    delta = plan_job(load_config(GRPO, ["resharding.delta=true"]), stage=0)
+    bucket = load_config(GRPO, []).resharding.bucket_mb * 2 ** 20
+    assert sliced.table["weight_sync"]["resharding"] - full.table["weight_sync"]["resharding"] == bucket
+    cfg = load_config(GRPO, [])
+    copies = 2 * total_params(KNOWN["llama-3-8b"]) * 2 / cfg.rollout.tp  # bf16 rollout, TP shards
+    for phase in sliced.table:
+        assert delta.table[phase]["resharding"] - sliced.table[phase]["resharding"] == pytest.approx(copies), phase

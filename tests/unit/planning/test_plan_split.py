@@ -45,7 +45,11 @@ def test_training_group_plans_what_a_colocated_rank_of_the_same_layout_plans_for
     # the weight sync: the actor's weights and the buckets, no vLLM weights beside them
     sync = training.table["weight_sync"]
     assert sync["vllm"] == 0.0 and sync["actor"] == colocated.table["weight_sync"]["actor"]
-    assert sync["resharding"] == colocated.table["weight_sync"]["resharding"] > 0
+    # the full path's buckets: split placement publishes whole tensors (the colocated default,
+    # the sliced sync, holds one bucket more)
+    assert sync["resharding"] < colocated.table["weight_sync"]["resharding"]
+    full = plan_job(load_config(GRPO, COLOCATED_4 + ["resharding.mode=full"])).table["weight_sync"]["resharding"]
+    assert sync["resharding"] == full > 0
 
 
 def test_rollout_group_holds_vllm_awake_and_no_megatron_state():
