@@ -15,13 +15,19 @@ Measured per repeat, in alternating order, each from a barrier and timed by the 
   peer-bucket   dist.all_gather + torch.cat of the same total bytes in bucket-sized flat fp32
                 chunks: what coalescing the per-tensor collectives would give (peer 2)
   peer-into     as peer-bucket with dist.all_gather_into_tensor (no parts, no cat): information
-  sync-null     verl_hpc.resharding.sync into a NullSink: the whole resharding transport (export:
-                TP all-gather per parameter, QKV / gate-up un-fusion; buckets), no inference engine
+  sync-null     verl_hpc.resharding.sync over the full-tensor path (resharding.mode=full) into a
+                NullSink: the whole transport (export: TP all-gather per parameter, QKV / gate-up
+                un-fusion; buckets), no inference engine
   sync-vllm     the same into the in-process VLLMRollout (its reload_weights + prefix-cache reset)
+  sliced-vllm   the sliced path (resharding.mode=sliced): each rank receives only the slices its
+                vLLM shard keeps, from the ranks that hold them (one all_to_all per bucket)
+  delta-vllm    the sliced delta path (resharding.delta=true) after --changed of the elements
+                moved (untimed, between repeats; 2% by default, verl's measured 1-3%)
   vllm-reload   VLLMRollout.load_weights of the same tensors already gathered: vLLM's own cost
 for inference TP 2 (one vLLM engine over both ranks) and TP 1 (one engine per rank, 2 replicas).
 Printed: GB/s (HF bytes / seconds) and ratios peer / sync time, the peer being the faster of
-peer-tensors and peer-bucket (goal >= 0.7). Then the peak extra
+peer-tensors and peer-bucket (goal >= 0.7); the full / sliced / delta times and the bytes each
+rank received. Then the peak extra
 memory of one sync, per rank (verl_hpc.resharding.memory.HeapPeak: the process's C heap in use,
 sampled every 0.2 ms, above its level before the call; separate untimed runs) against the
 bucket plus the largest tensor, and the most the bucket itself held (counted in the code path).
@@ -117,7 +123,7 @@ def _rank_main(workdir: Path) -> None:
 
     from verl_hpc.models import build_gpt_model, export_hf_weights, load_arch, load_hf_weights
     from verl_hpc.parallel import init_model_parallel
-    from verl_hpc.resharding import NullSink, sync
+    from verl_hpc.resharding import NullSink, WeightSync, sync
     from verl_hpc.resharding.memory import HeapPeak
     from verl_hpc.rollout.vllm_rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
@@ -151,20 +157,41 @@ def _rank_main(workdir: Path) -> None:
 
     ops = {"peer-tensors": _peer_tensors(model), "peer-bucket": _peer_chunks(total, bucket, False),
            "peer-into": _peer_chunks(total, bucket, True),
-           "sync-null": lambda: sync(model, NullSink(), bucket_mb=a["bucket_mb"])}
+           "sync-null": lambda: sync(model, NullSink(), bucket_mb=a["bucket_mb"], mode="full")}
+    gen = torch.Generator().manual_seed(ctx.rank)
+
+    def nudge():  # what an update does to the rollout-dtype values of a few per cent of the weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.view(-1)[torch.rand(p.numel(), generator=gen) < a["changed"]] += 1e-3
     for inf_tp in a["inference_tp"]:
         engine = VLLMRollout(a["model"], tp=inf_tp, ctx=ctx, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
                              **default_engine_args("vllm", max_prompt_length=32, max_response_length=32))
         runs = dict(ops)
-        runs["sync-vllm"] = lambda: sync(model, engine, bucket_mb=a["bucket_mb"])
+        syncers = {"sync-vllm": WeightSync(bucket_mb=a["bucket_mb"], mode="full"),
+                   "sliced-vllm": WeightSync(bucket_mb=a["bucket_mb"], mode="sliced"),
+                   "delta-vllm": WeightSync(bucket_mb=a["bucket_mb"], mode="sliced", delta=True)}
+        last = {}
+
+        def syncing(key):
+            def run():
+                last[key] = syncers[key](model, engine)
+            return run
+
+        for key in syncers:
+            runs[key] = syncing(key)
         runs["vllm-reload"] = lambda: engine.load_weights(iter(weights))
         for fn in runs.values():  # warm-up: first-call allocations and lazy inits apart
             _timed(fn)
         seconds = {k: [] for k in runs}
+        received = {k: [] for k in syncers}
         for rep in range(a["repeats"]):
             order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            nudge()  # the weights move between repeats (untimed); the delta sync sends what moved
             for k in order:
                 seconds[k].append(_timed(runs[k]))
+                if k in received:
+                    received[k].append(last[k]["sync/bytes"])
         med = {k: statistics.median(v) for k, v in seconds.items()}
         replicas = RANKS // inf_tp
         say(f"\ninference TP={inf_tp} ({replicas} vLLM replica{'s' if replicas > 1 else ''}), "
@@ -183,6 +210,13 @@ def _rank_main(workdir: Path) -> None:
         best_peer = min(best["peer-tensors"], best["peer-bucket"])
         say(f"  best-of-{a['repeats']} ratios: sync-null / peer = {best_peer / best['sync-null']:.2f}"
             f", sync-vllm / peer = {best_peer / best['sync-vllm']:.2f}")
+        full = med["sync-vllm"]
+        for k in ("sync-vllm", "sliced-vllm", "delta-vllm"):
+            got = statistics.median(received[k])
+            say(f"  {k:<12} {med[k] * 1e3:8.1f} ms = {med[k] / full:.2f} x full; rank 0 received "
+                f"{got / 1e6:7.1f} MB = {got / total:.3f} x the model"
+                + (f"; changed {last[k]['sync/changed_fraction'] * 100:.1f}% of its elements"
+                   if k == "delta-vllm" else ""))
         say(f"  per-tensor collectives vs coalesced: peer-tensors / peer-bucket time = "
             f"{med['peer-tensors'] / med['peer-bucket']:.2f}")
         say(f"  vLLM's reload alone is {med['vllm-reload'] / med['sync-vllm'] * 100:.0f}% of "
@@ -192,7 +226,7 @@ def _rank_main(workdir: Path) -> None:
         mem = {}
         for name, sink in (("null", NullSink()), ("vllm", engine)):
             with HeapPeak() as m:
-                met = sync(model, sink, bucket_mb=a["bucket_mb"])
+                met = sync(model, sink, bucket_mb=a["bucket_mb"], mode="full")
             peaks = torch.tensor([m.peak_bytes], dtype=torch.float64)
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
             mem[name] = float(peaks.item())
@@ -214,6 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--inference-tp", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    ap.add_argument("--changed", type=float, default=0.02,
+                    help="fraction of the elements moved between repeats (the delta sync's work)")
     ap.add_argument("--rank-side", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.rank_side:
@@ -228,7 +264,7 @@ def main(argv=None) -> None:
         model = make_tiny_model(work / "llama26m", "llama", layers=6, vocab_size=8000, seed=0,
                                 **SHAPE)
         args = dict(model=str(model), bucket_mb=a.bucket_mb, repeats=a.repeats,
-                    inference_tp=a.inference_tp)
+                    inference_tp=a.inference_tp, changed=a.changed)
         (work / "args.json").write_text(json.dumps(args))
         port, procs = _free_port(), []
         for rank in range(RANKS):

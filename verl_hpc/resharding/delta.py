@@ -12,13 +12,17 @@ a few per cent of the elements per step. Three encodings, the smallest chosen pe
     BITMAP  one bit per element, then the values of the set bits (n / 8 + k * s)
 so a delta never costs more than the dense slice.
 
-The checksum is a weighted sum of the elements' bit patterns with odd 64-bit weights (wrapping
-int64 arithmetic): any single changed element changes it (an odd weight is invertible modulo
-2^64), it runs on the tensor's device and costs one pass. It is written here because no library
-offers a device-side hash of a tensor's bits; it guards the transfer, it is not cryptographic.
+The checksum guards the transfer (it is not cryptographic): on the host, zlib's CRC32 of the
+bytes (C, ~1 GB/s per core, no copy); on a GPU, where copying every slice to the host would cost
+more than the transfer saved, a weighted sum of the elements' bit patterns with odd 64-bit
+weights in wrapping int64 arithmetic, in chunks: any single changed element changes it (an odd
+weight is invertible modulo 2^64). That one is written here because no library offers a
+device-side hash of a tensor's bits. Both sides of a transfer hold the slice on the same kind of
+device, so they compute the same kind of checksum.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional, Tuple
 
 import torch
@@ -39,10 +43,24 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+CHUNK = 1 << 24  # elements per step of the device checksum (bounds its int64 temporaries)
+
+
 def checksum(t: torch.Tensor) -> int:
-    b = bits(t.contiguous()).to(torch.int64)
-    weights = torch.arange(b.numel(), dtype=torch.int64, device=b.device) * _GOLDEN * 2 + 1
-    return int((b * weights).sum())
+    t = t.contiguous()
+    if t.device.type == "cpu":
+        return zlib.crc32(as_bytes(t).numpy())
+    return weighted_sum(t)
+
+
+def weighted_sum(t: torch.Tensor) -> int:
+    """The device checksum (module docstring); runs on any device, used off the host."""
+    b, total = bits(t.contiguous()), torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, b.numel(), CHUNK):
+        part = b[start:start + CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device) * _GOLDEN * 2 + 1
+        total += (part * weights).sum()
+    return int(total)
 
 
 def encode(new: torch.Tensor, prev: Optional[torch.Tensor]) -> Tuple[int, int, torch.Tensor]:
@@ -52,7 +70,7 @@ def encode(new: torch.Tensor, prev: Optional[torch.Tensor]) -> Tuple[int, int, t
     if prev is None:
         return DENSE, n, as_bytes(new)
     changed = bits(new) != bits(prev)
-    k = int(changed.sum())
+    k = int(torch.count_nonzero(changed))  # (bool.sum() is ~20x slower on CPU)
     costs = {DENSE: n * size, INDEX: k * (4 + size), BITMAP: -(-n // 8) + k * size}
     mode = min(costs, key=lambda m: (costs[m], m))
     if mode == DENSE:

@@ -161,23 +161,38 @@ class SlicedSync:
     def _start(self, plan, pieces, sends, recvs, dtype):
         """Pack this rank's sends of one bucket, agree on the sizes, launch the exchange."""
         device = collective_device()
-        headers, payloads, send_sizes = [], [], []
-        for rows in sends:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        headers, slots, send_sizes, local = [], [], [], {}
+        for d, rows in enumerate(sends):
             size = 0
             for t in rows:
                 part, source = _part(pieces[t.hf], plan.shapes[t.hf], t)
-                part = part.to(dtype).contiguous()
+                if not self.delta and d == plan.rank:  # to itself: no wire, no packing
+                    local[(t.hf, t.start)] = part
+                    continue
                 if self.delta:
+                    part = part.to(dtype).contiguous()
                     key = (t.hf, t.dst, t.start)
                     mode, count, payload = codec.encode(part, self.sent.get(key))
                     headers.append([mode, count, codec.checksum(part)])
                     # the copy kept must not be the live parameter the optimizer will move
                     self.sent[key] = part.clone() if _shares_storage(part, source) else part
-                else:
-                    payload = codec.as_bytes(part)
-                payloads.append(payload.to(device))
-                size += payload.numel()
+                    slots.append(payload)
+                    size += payload.numel()
+                else:  # the view itself: cast and packed by the one copy into the send buffer
+                    slots.append(part)
+                    size += part.numel() * element_size
             send_sizes.append(size)
+        flat = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+        offset = 0
+        for x in slots:
+            n = x.numel() if self.delta else x.numel() * element_size
+            if self.delta:
+                flat[offset:offset + n].copy_(x)
+            else:  # dense payloads are whole elements: every offset is aligned for a typed view
+                flat[offset:offset + n].view(dtype).view(x.shape).copy_(x)
+            offset += n
+        slots = None
         self.counts["sent"] += sum(send_sizes)
         if self.delta:  # (mode, count, checksum) per transfer: the receiver's sizes and its check
             head = _all_to_all(torch.tensor(headers, dtype=torch.int64, device=device).reshape(-1),
@@ -185,37 +200,35 @@ class SlicedSync:
             head = head.reshape(-1, 3).tolist()
         else:
             head = [[codec.DENSE, 0, 0] for rows in recvs for _ in rows]
-        element_size = torch.empty((), dtype=dtype).element_size()
         recv_sizes, j = [], 0
-        for rows in recvs:
+        for s, rows in enumerate(recvs):
             size = 0
             for t in rows:
+                if local and s == plan.rank:  # (dense: the part itself, not through the exchange)
+                    j += 1
+                    continue
                 size += codec.payload_bytes(head[j][0], head[j][1], _numel(self._slice_shape(plan, t)),
                                             element_size)
                 j += 1
             recv_sizes.append(size)
-        flat = torch.cat(payloads) if payloads else torch.empty(0, dtype=torch.uint8, device=device)
         # what this bucket holds here: its send buffer and its receive buffer
         self.counts["peak_bucket"] = max(self.counts["peak_bucket"], sum(send_sizes) + sum(recv_sizes))
         incoming, work = _all_to_all(flat, send_sizes, recv_sizes, device, wait=False)
-        return recvs, head, incoming, work, flat
+        return recvs, head, incoming, work, flat, local
 
     def _finish(self, plan, started, dtype) -> Dict[str, torch.Tensor]:
-        recvs, head, incoming, work, flat = started
+        recvs, head, incoming, work, flat, local = started
         if work is not None:
             work.wait()
         flat = None  # noqa: F841 (the send buffer lives until the exchange is done)
-        return self._unpack(plan, recvs, head, incoming, dtype, incoming.device)
+        return self._unpack(plan, recvs, head, incoming, dtype, incoming.device, local)
 
     def _slice_buffer(self, plan: SyncPlan, hf: str, dtype, device) -> torch.Tensor:
         """Where this rank's slice of `hf` is assembled: a fresh tensor, or under delta the copy
         kept from the last sync (patched in place)."""
         kept = self.kept.get(hf) if self.delta else None
         if kept is None:
-            need = plan.needs[hf]
-            shape = list(plan.shapes[hf])
-            shape[need.dim] = need.stop - need.start
-            kept = torch.empty(shape, dtype=dtype, device=device)
+            kept = torch.empty(_need_shape(plan, hf), dtype=dtype, device=device)
             if self.delta:
                 self.kept[hf] = kept
         return kept
@@ -226,12 +239,33 @@ class SlicedSync:
         shape[t.dim] = t.stop - t.start
         return tuple(shape)
 
-    def _unpack(self, plan, recvs, head, incoming, dtype, device) -> Dict[str, torch.Tensor]:
+    def _unpack(self, plan, recvs, head, incoming, dtype, device, local) -> Dict[str, torch.Tensor]:
         out: Dict[str, torch.Tensor] = {}
+        element_size = torch.empty((), dtype=dtype).element_size()
         offset, j = 0, 0
         for rows in recvs:
             for t in rows:
                 need = plan.needs[t.hf]
+                n = _numel(self._slice_shape(plan, t))
+                part = local.get((t.hf, t.start)) if t.src == plan.rank else None
+                if part is not None:  # from this rank's own shard: its view, cast if need be
+                    if t.hf not in out and n == _numel(_need_shape(plan, t.hf)):
+                        out[t.hf] = part.to(dtype)  # a view of the parameter when nothing to cast
+                    else:
+                        if t.hf not in out:
+                            out[t.hf] = self._slice_buffer(plan, t.hf, dtype, device)
+                        base = need.start if need.dim == t.dim else 0
+                        out[t.hf].narrow(t.dim, t.start - base, t.stop - t.start).copy_(part)
+                    self._count(t, plan, n * element_size, n, element_size, n)
+                    j += 1
+                    continue
+                if not self.delta and t.hf not in out and n == _numel(_need_shape(plan, t.hf)):
+                    # one transfer carries the whole slice: use it where it landed, no copy
+                    size = n * element_size
+                    out[t.hf] = incoming[offset:offset + size].view(dtype).view(_need_shape(plan, t.hf))
+                    self._count(t, plan, size, n, element_size, n)
+                    offset, j = offset + size, j + 1
+                    continue
                 if t.hf not in out:
                     out[t.hf] = self._slice_buffer(plan, t.hf, dtype, device)
                 base = need.start if need.dim == t.dim else 0
@@ -249,14 +283,23 @@ class SlicedSync:
                 if self.delta and codec.checksum(region) != check:
                     raise RuntimeError(f"delta sync: {t.hf}[{t.start}:{t.stop}] (dim {t.dim}) from "
                                        f"rank {t.src} does not match the sender's checksum")
-                self.counts["received"] += size
-                self.counts["wire"] += size if t.src != plan.rank else 0
-                self.counts["dense"] += n * region.element_size()
-                self.counts["changed"] += count if self.delta else n
-                self.counts["elements"] += n
+                self._count(t, plan, size, n, element_size, count if self.delta else n)
                 offset += size
                 j += 1
         return out
+
+    def _count(self, t: Transfer, plan: SyncPlan, size: int, n: int, element_size: int, changed: int) -> None:
+        self.counts["received"] += size
+        self.counts["wire"] += size if t.src != plan.rank else 0
+        self.counts["dense"] += n * element_size
+        self.counts["changed"] += changed
+        self.counts["elements"] += n
+
+
+def _need_shape(plan: SyncPlan, hf: str) -> Tuple[int, ...]:
+    need, shape = plan.needs[hf], list(plan.shapes[hf])
+    shape[need.dim] = need.stop - need.start
+    return tuple(shape)
 
 
 def _numel(shape) -> int:

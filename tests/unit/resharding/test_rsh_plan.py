@@ -166,11 +166,14 @@ def test_codec_sees_sign_of_zero_and_nan_payloads():
     assert count == 2
 
 
-def test_checksum_changes_with_any_single_element():
+@pytest.mark.parametrize("fn", [codec.checksum, codec.weighted_sum], ids=["host-crc32", "device-sum"])
+def test_checksum_changes_with_any_single_element(fn, monkeypatch):
+    monkeypatch.setattr(codec, "CHUNK", 300)  # several chunks of the device sum
     t = torch.randn(1000, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    base = codec.checksum(t)
+    base = fn(t)
     for i in (0, 1, 500, 999):
-        u = t.clone()
-        codec.bits(u)[i] ^= 1  # one bit of one element
-        assert codec.checksum(u) != base
-    assert codec.checksum(t.clone()) == base
+        for bit in (1, 1 << 15):  # the lowest and the sign bit of one element
+            u = t.clone()
+            codec.bits(u)[i] ^= bit
+            assert fn(u) != base, (i, bit)
+    assert fn(t.clone()) == base
