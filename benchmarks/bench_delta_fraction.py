@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import socket
 import statistics
 import sys
@@ -88,6 +89,7 @@ def run_job(work: Path, model: Path, data: Path, lr: float, steps: int) -> list:
         "actor.optim.min_lr=0", f"trainer.total_steps={steps}", "trainer.val_every=0",
         "tracking.backends=[jsonl]", "tracking.plots=false", f"trainer.output_dir={work}",
         "trainer.resume=never", "checkpoint.save_every=0", "rollout.engine=hf", "slurm.cpus_per_task=2"])
+    shutil.rmtree(work, ignore_errors=True)  # a fresh run (an earlier one's checkpoints would be refused)
     hooks, made = rl.RLTrainer.hooks, []
 
     def with_measurement(trainer, stop_rule):

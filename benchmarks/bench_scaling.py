@@ -24,8 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, resharding_bytes,  # noqa: E402
-                              tp_activation_bytes)
+from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, rollout_shard_elements,  # noqa: E402
+                              sliced_sent_bytes, tp_activation_bytes)
 
 # name: (nodes, tasks per node, tp, pp)
 LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1)}
@@ -84,12 +84,22 @@ def measured(row: dict, name: str) -> dict[str, float]:
         if not key.startswith("comm_bytes/"):
             continue
         _, stage, opgroup = key.split("/", 2)
+        if stage == "sync" and op_of(opgroup) == "all_gather_object":
+            cls = "control (scalars, objects; no formula)"  # the plan's one exchange, first sync only
+            out[cls] = out.get(cls, 0.0) + v
+            continue
         op, group = opgroup.split("@", 1)
         cls = classify(stage, op, group)
         if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1):
             cls = SIZE1
         out[cls] = out.get(cls, 0.0) + v
+    if "sync/bytes" in row:  # what rank 0's rollout engine received (its own slices included)
+        out["resharding received (sync/bytes)"] = row["sync/bytes"]
     return out
+
+
+def op_of(opgroup: str) -> str:
+    return opgroup.split("@", 1)[0]
 
 
 def classify(stage: str, op: str, group: str) -> str:
@@ -97,8 +107,7 @@ def classify(stage: str, op: str, group: str) -> str:
         return f"PP p2p ({stage})"
     table = {("update_actor", "reduce_scatter_tensor", "dp"): "DP reduce-scatter (grads)",
              ("update_actor", "all_gather_into_tensor", "dp"): "DP all-gather (params)",
-             ("sync", "all_gather", "tp"): "resharding TP all-gather",
-             ("sync", "broadcast", "pp"): "resharding PP broadcast"}
+             ("sync", "all_to_all_single", "world"): "resharding sliced all_to_all (sent)"}
     if (stage, op, group) in table:
         return table[(stage, op, group)]
     if op == "all_reduce" and group == "tp" and stage in ("old_logprob", "update_actor"):
@@ -115,8 +124,10 @@ def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
     names = {"reduce_scatter_tensor": "DP reduce-scatter (grads)", "all_gather_into_tensor": "DP all-gather (params)"}
     for (op, _), b in optimizer_bytes(m, lay, grad_bytes=4, param_bytes=4).items():
         f[names[op]] = b * OPT_STEPS
-    for (op, grp), b in resharding_bytes(m, lay, dtype_bytes=4).items():
-        f["resharding TP all-gather" if grp == "tp" else "resharding PP broadcast"] = b
+    # the sliced weight sync (resharding.mode auto); the HF rollout keeps whole tensors (inference TP 1)
+    if nodes * tpn > 1:
+        f["resharding sliced all_to_all (sent)"] = sliced_sent_bytes(m, lay, 4)
+    f["resharding received (sync/bytes)"] = rollout_shard_elements(m, 1) * 4
     # rank 0 sits on the first pipeline stage (and the last one only when pp == 1)
     f["TP all-reduce (old_logprob)"] = tp_activation_bytes(m, lay, tokens, 4, False, resp_tokens=resp)
     f["TP all-reduce (update_actor)"] = tp_activation_bytes(m, lay, tokens, 4, True, resp_tokens=resp)

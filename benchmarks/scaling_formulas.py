@@ -147,6 +147,28 @@ def sliced_sync_bytes(m: Model, lay: Layout, infer_tp: int, dtype_bytes: int) ->
     return {"received": shard, "wire": max(first_remote, last_remote) * dtype_bytes}
 
 
+def sliced_sent_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0, tp_rank: int = 0) -> int:
+    """What one rank hands to the sliced sync's all_to_all (its own slices excluded: they never
+    leave it) when every rank keeps whole tensors (inference TP 1, e.g. the HF rollout): every
+    other rank of its data-parallel replica (tp x pp - 1 of them) takes this rank's real part of
+    each TP-split tensor of its stage (Megatron's padding rows excluded), and the ranks of the
+    other stages (tp x (pp - 1)) take the stage's norms from its TP rank 0."""
+    vocab_per = padded_vocab(m.vocab, lay.tp) // lay.tp
+    vocab_rows = max(0, min((tp_rank + 1) * vocab_per, m.vocab) - tp_rank * vocab_per)
+    split = sum(n // lay.tp for n, s in m.layer_params().values() if s) * (m.layers // lay.pp)
+    if m.qkv_bias:
+        split += (m.heads + 2 * m.kv_heads) * m.head_dim // lay.tp * (m.layers // lay.pp)
+    norms = 2 * m.hidden * (m.layers // lay.pp)
+    if stage == 0:
+        split += vocab_rows * m.hidden
+    if stage == lay.pp - 1:
+        norms += m.hidden
+        if not m.tied:
+            split += vocab_rows * m.hidden
+    others = lay.tp * lay.pp - 1
+    return (split * others + (norms * lay.tp * (lay.pp - 1) if tp_rank == 0 else 0)) * dtype_bytes
+
+
 def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,
                         stage: int = 0, resp_tokens: int = 0, logprob_scalars: int = 6) -> int:
     """TP all-reduces of one pass over `tokens` tokens on one rank of pipeline stage `stage`:
@@ -219,19 +241,31 @@ def estimate(cfg: dict, m: Model = LLAMA3_70B, nvlink_gbs: float = 360.0, ib_gbs
         opt = optimizer_bytes(m, lay, grad_bytes=4, param_bytes=bf16)
         for (op, _), b in opt.items():
             add(stage, f"DP {op} x{opt_steps} optimizer steps", b * opt_steps, (lay.dp - 1) / lay.dp, ib_gbs, "IB")
-    for (op, grp), b in resharding_bytes(m, lay, bf16).items():
-        factor, gbs, link = ((lay.tp - 1) / lay.tp, nvlink_gbs, "NVLink") if grp == "tp" else (1, ib_gbs, "IB")
-        add("sync", f"resharding {op} ({grp})", b, factor, gbs, link)
+    sliced = cfg.get("resharding", {}).get("mode", "auto") != "full"
+    infer_tp = r.get("tp", 1)
+    sync = sliced_sync_bytes(m, lay, infer_tp, bf16) if sliced else None
+    if sync and sync["wire"] is not None:
+        # its own stage's slices come from itself; the other stages' over IB (one all_to_all a bucket)
+        add("sync", "sliced all_to_all: own slices, from this rank", sync["received"] - sync["wire"], 0, ib_gbs, "local")
+        add("sync", "sliced all_to_all: other stages' slices", sync["wire"], 1, ib_gbs, "IB")
+    else:  # the full-tensor path (resharding.mode: full, or a layout the sliced formula does not cover)
+        for (op, grp), b in resharding_bytes(m, lay, bf16).items():
+            factor, gbs, link = ((lay.tp - 1) / lay.tp, nvlink_gbs, "NVLink") if grp == "tp" else (1, ib_gbs, "IB")
+            add("sync", f"resharding {op} ({grp})", b, factor, gbs, link)
     return rows
 
 
 def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
+    full = "--full-sync" in argv  # today's default is the sliced sync; this shows the full path
+    argv = [a for a in argv if a != "--full-sync"]
     path = argv[0] if argv else "configs/ppo_70b.yaml"
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     base = OmegaConf.to_container(OmegaConf.load(Path(path).parent / raw.get("extends", "base.yaml")))
     cfg = OmegaConf.to_container(OmegaConf.merge(base, {k: v for k, v in raw.items() if k != "extends"}))
+    if full:
+        cfg.setdefault("resharding", {})["mode"] = "full"
     rows = estimate(cfg)
     print(f"| stage | collective | payload per rank (GB) | link | est. seconds |\n|---|---|---:|---|---:|")
     for r in rows:
