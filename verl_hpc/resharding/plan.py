@@ -40,9 +40,10 @@ VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before
 
 
 class PlanError(VerlHpcError, ValueError):
-    """The two layouts cannot be matched slice by slice; the sync falls back to full tensors."""
+    """The two layouts cannot be matched slice by slice: resharding.mode=auto falls back to the
+    full-tensor path, resharding.mode=sliced stops with this."""
 
-    exit_code, kind = 15, "weight sync"
+    exit_code, kind = 27, "sync plan"
 
 
 @dataclasses.dataclass(frozen=True)

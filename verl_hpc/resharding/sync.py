@@ -231,7 +231,8 @@ class WeightSync:
                 error, stream, metrics = self._run_sliced(source, rollout)
             except PlanError as exc:
                 if self.mode == "sliced":
-                    raise SyncError(f"resharding.mode=sliced: {exc}") from exc
+                    raise PlanError(f"resharding.mode=sliced: {exc}; resharding.mode=auto falls back "
+                                    "to the full-tensor path") from exc
                 log.warning("weight sync: no sliced plan for these layouts (%s); using the "
                             "full-tensor path", exc)
                 self.mode = "full"

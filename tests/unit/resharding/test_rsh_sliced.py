@@ -5,7 +5,7 @@ The layouts across ranks (TP/PP/VPP -> inference TP 1/2/4) are in tests/dist/mod
 import pytest
 import torch
 
-from verl_hpc.resharding import DigestSink, NullSink, SliceSink, SyncError, WeightSync
+from verl_hpc.resharding import DigestSink, NullSink, PlanError, SliceSink, SyncError, WeightSync
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_auto_falls_back_to_full_for_a_consumer_that_cannot_say_its_slices(model
 
 def test_an_impossible_inference_tp_falls_back_or_names_the_tensor(model):
     three = SliceSink(0, 3)  # 4 heads do not split over 3 ranks
-    with pytest.raises(SyncError, match="inference TP 3"):
+    with pytest.raises(PlanError, match="resharding.mode=sliced: .*inference TP 3"):
         WeightSync(bucket_mb=1, mode="sliced")(model, three)
     auto = WeightSync(bucket_mb=1)
     assert auto(model, DigestSink())["sync/sliced"] == 1.0
