@@ -24,6 +24,7 @@ import shlex
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,8 +111,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--work", default="outputs/bench_delta_fraction")
     ap.add_argument("--out", default="benchmarks/results/delta_fraction.json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one LR, write its rows here
     a = ap.parse_args(argv)
-    print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
+    if not a.one:
+        print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -125,14 +128,18 @@ def main(argv=None) -> int:
 
         make_tiny_model(model, "llama", layers=12, vocab_size=8000, seed=0, **SHAPE)
     if not (data / "train.parquet").exists():
-        import subprocess
-
         subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(data), "--n-train", "2000",
                         "--n-val", "100", "--seed", "0"], cwd=REPO, check=True, capture_output=True)
+    if a.one:  # one job per process: Megatron's parallel state does not survive a second job
+        Path(a.one).write_text(json.dumps(run_job(work / f"run_lr{a.lrs[0]:g}", model, data, a.lrs[0], a.steps)))
+        return 0
     results = {}
     for lr in a.lrs:
         t0 = time.time()
-        rows = run_job(work / f"run_lr{lr:g}", model, data, lr, a.steps)
+        rows_file = work / f"rows_lr{lr:g}.json"
+        subprocess.run([sys.executable, __file__, "--lrs", str(lr), "--steps", str(a.steps), "--work", str(work),
+                        "--one", str(rows_file)], cwd=REPO, check=True)
+        rows = json.loads(rows_file.read_text())
         fr = [r["bf16_changed_fraction"] for r in rows]
         ratio = [r["delta_bytes"] / r["dense_bf16_bytes"] for r in rows]
         results[f"{lr:g}"] = dict(rows=rows, seconds=round(time.time() - t0, 1))

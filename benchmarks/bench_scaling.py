@@ -10,8 +10,9 @@ each step, the payload bytes of every (collective, group). The script prints and
   * per collective: bytes measured on rank 0 in the last step / bytes of the analytical formula
     (benchmarks/scaling_formulas.py; goal 1.00 +- 0.02),
   * a PNG plot (stage times, and measured vs formula bytes).
-Token counts come from the step's own metrics (train/tokens, rollout/response_tokens): the
-synthetic prompts all have one length, so they equal the padded shapes the engine runs.
+Token counts come from the step's own metrics (rollout/prompt_tokens + rollout/response_tokens:
+the engines run no padding), with the actor's skip of zero-advantage rows switched off so that
+the update runs every row.
 """
 from __future__ import annotations
 
@@ -28,10 +29,15 @@ from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, roll
                               sliced_sent_bytes, tp_activation_bytes)
 
 # name: (nodes, tasks per node, tp, pp)
-LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1)}
+LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1),
+           "2x2v": (2, 2, 2, 1)}
+# inference TP of a layout's rollout (the HF rollout keeps whole tensors: 1); "v" layouts roll out
+# with vLLM at rollout.tp = 2, so each rank's sliced sync receives half the model
+VLLM = {"2x2v": 2}
 TINY = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
         "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
-        "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20"]
+        "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20",
+        "actor.skip_zero_advantage_rows=false"]
 OPT_STEPS = 2  # data.train_batch_size / actor.ppo_mini_batch_size
 P2P = ("send", "recv", "batch_isend_irecv")
 
@@ -53,6 +59,8 @@ def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
            *TINY, f"trainer.total_steps={steps}", f"parallel.tp={tp}", f"parallel.pp={pp}",
            f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tpn}", f"trainer.output_dir={out}",
            f"slurm.log_dir={out}/logs/%j"]
+    if name in VLLM:
+        cmd += ["rollout.engine=vllm", f"rollout.tp={VLLM[name]}"]
     t0 = time.time()
     print(f"[bench] {name}: {nodes} node(s) x {tpn} rank(s), tp={tp} pp={pp} ...", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -118,22 +126,25 @@ def classify(stage: str, op: str, group: str) -> str:
 def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
     nodes, tpn, tp, pp = LAYOUTS[name]
     lay = Layout(tp=tp, pp=pp, dp=nodes * tpn // (tp * pp))
-    tokens = row["train/tokens"] / lay.dp  # per DP replica (= per rank of a TP/PP group)
+    # per DP replica (= per rank of a TP/PP group); the engines run the real tokens, no padding
+    tokens = (row["rollout/prompt_tokens"] + row["rollout/response_tokens"]) / lay.dp
     resp = row["rollout/response_tokens"] / lay.dp
     f: dict[str, float] = {}
     names = {"reduce_scatter_tensor": "DP reduce-scatter (grads)", "all_gather_into_tensor": "DP all-gather (params)"}
     for (op, _), b in optimizer_bytes(m, lay, grad_bytes=4, param_bytes=4).items():
         f[names[op]] = b * OPT_STEPS
-    # the sliced weight sync (resharding.mode auto); the HF rollout keeps whole tensors (inference TP 1)
+    # the sliced weight sync (resharding.mode auto); the HF rollout keeps whole tensors (inference
+    # TP 1); vLLM at the training TP takes all its slices from its own shard (nothing sent)
+    infer_tp = VLLM.get(name, 1)
     if nodes * tpn > 1:
-        f["resharding sliced all_to_all (sent)"] = sliced_sent_bytes(m, lay, 4)
-    f["resharding received (sync/bytes)"] = rollout_shard_elements(m, 1) * 4
+        f["resharding sliced all_to_all (sent)"] = sliced_sent_bytes(m, lay, 4) if infer_tp == 1 else 0
+    f["resharding received (sync/bytes)"] = rollout_shard_elements(m, infer_tp) * 4
     # rank 0 sits on the first pipeline stage (and the last one only when pp == 1)
     f["TP all-reduce (old_logprob)"] = tp_activation_bytes(m, lay, tokens, 4, False, resp_tokens=resp)
     f["TP all-reduce (update_actor)"] = tp_activation_bytes(m, lay, tokens, 4, True, resp_tokens=resp)
     f["PP p2p (old_logprob)"] = pp_p2p_bytes(m, lay, tokens, 4, False)
     f["PP p2p (update_actor)"] = pp_p2p_bytes(m, lay, tokens, 4, True)
-    f = {k: v for k, v in f.items() if v}
+    f = {k: v for k, v in f.items() if v or k.startswith("resharding")}  # a sync that sends nothing: 0
     return f
 
 
@@ -207,15 +218,16 @@ def main(argv=None) -> int:
     lines += ["", "| layout | collective | measured bytes | formula bytes | ratio |", "|---|---|---:|---:|---:|"]
     for n, r in results.items():
         for cls, (meas, form) in r["bytes"].items():
-            ratio = f"{meas / form:.3f}" if form else "-"
-            lines.append(f"| {n} | {cls} | {meas:,.0f} | {form:,.0f} | {ratio} |" if form else
+            ratio = f"{meas / form:.3f}" if form else ("exact" if form == 0 and meas == 0 else "-")
+            lines.append(f"| {n} | {cls} | {meas:,.0f} | {form:,.0f} | {ratio} |" if form is not None else
                          f"| {n} | {cls} | {meas:,.0f} | - | - |")
     table = "\n".join(lines)
     print(table)
     (out / "scaling.md").write_text(table + "\n")
     (out / "scaling.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "scaling.png")
-    ratios = [meas / form for r in results.values() for meas, form in r["bytes"].values() if form]
+    ratios = [meas / form if form else (1.0 if meas == 0 else float("inf"))
+              for r in results.values() for meas, form in r["bytes"].values() if form is not None]
     bad = [x for x in ratios if abs(x - 1) > 0.02]
     print(f"\n[bench] {len(ratios)} collectives with a formula; {len(bad)} outside 1.00 +- 0.02; "
           f"wrote {out}/scaling.md, scaling.json, scaling.png")
