@@ -20,10 +20,15 @@ Modules:
     sinks.py     NullSink / DigestSink / SliceSink: receivers for benchmarks and tests
     memory.py    HeapPeak: the peak extra host memory of a block (glibc heap in use, sampled)
 
-Where the layouts change: Megatron's TP shards are gathered and un-fused into HF tensors and the
-PP stages broadcast theirs (verl_hpc.models.weights.export_hf_weights), so every rank holds each
-full HF tensor in turn; the rollout engine cuts its own inference-TP slices from them (vLLM's
-weight loaders), so training TP and inference TP are independent in both directions.
+Where the layouts change (docs/resharding.md):
+- sliced (resharding.mode sliced, or auto where it applies): a plan computed once from both
+  layouts says which training rank sends which part of each HF tensor to which rollout rank; each
+  rank receives only the slice its engine keeps (vLLM's cut), one all_to_all per bucket, and with
+  resharding.delta only the elements that changed;
+- full: Megatron's TP shards are gathered and un-fused into HF tensors and the PP stages
+  broadcast theirs (verl_hpc.models.weights.export_hf_weights), so every rank holds each full HF
+  tensor in turn and the rollout engine cuts its own slices from them.
+Either way training TP and inference TP are independent in both directions.
 """
 from verl_hpc.resharding.adapter_sync import AdapterSync, StaleAdapterError, check_generated, weight_sync_from_config
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from

@@ -5,12 +5,18 @@ without disk.
     metrics = sync(actor, rollout, bucket_mb=cfg.resharding.bucket_mb)
     # {"sync/seconds", "sync/bytes", "sync/gb_per_s", "sync/buckets", "sync/peak_bucket_bytes", ...}
 
-Every rank of the job calls it at the same point of the step (SPMD), because the export is a
-collective: Megatron's model-parallel ranks all-gather each parameter over TP and broadcast it
-over PP, so that every rank ends up with every full HF tensor (verl_hpc.models.weights). Each
-rank's rollout engine takes the full tensors and cuts its own slices, whatever its inference TP
-(vLLM's loaders do this), so no inference-side collective is needed. The stream goes through
-`BucketStream` (buckets of `bucket_mb`) into ONE `rollout.load_weights` call.
+Every rank of the job calls it at the same point of the step (SPMD), because the transfer is
+collective. Two paths (`mode`, resharding.mode; docs/resharding.md):
+- sliced (verl_hpc.resharding.sliced): each rank receives only the slices its rollout engine keeps
+  (`rollout.weight_slices()`), from the training ranks that hold them, one all_to_all per bucket;
+  `delta` sends only what changed. "auto" takes it where the actor has local Megatron shards and
+  the plan matches both layouts.
+- full: Megatron's model-parallel ranks all-gather each parameter over TP and broadcast it over
+  PP, so that every rank ends up with every full HF tensor (verl_hpc.models.weights). Each rank's
+  rollout engine takes the full tensors and cuts its own slices, whatever its inference TP (vLLM's
+  loaders do this). The stream goes through `BucketStream` (buckets of `bucket_mb`).
+Either way the rollout gets ONE `load_weights` call (or `load_weight_slices`, for a sink that
+takes slices) carrying every weight.
 
 Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
 (held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
@@ -24,10 +30,15 @@ then one all-reduce tells every rank whether any rank failed: all ranks raise to
 of some hanging in a collective. A failure inside the export itself (a collective error or
 timeout) is not drained: the collective is already broken, the runtime's timeout ends the job.
 
-Memory: the extra memory of a sync on a rank is the bucket (<= bucket bytes, or the one tensor
-larger than a bucket), the tensor the export is producing (its TP parts and their concatenation)
-and what the consumer holds while it loads. `sync/peak_bucket_bytes` is the first, counted in
-the code path; verl_hpc.resharding.memory measures the whole process-level peak.
+Memory: the extra memory of a full sync on a rank is the bucket (<= bucket bytes, or the one
+tensor larger than a bucket), the tensor the export is producing (its TP parts and their
+concatenation) and what the consumer holds while it loads. A sliced sync holds one bucket's send
+and receive buffers while the previous bucket loads, and for vLLM one full-shape tensor at a
+time. `sync/peak_bucket_bytes` is the buffers, counted in the code path;
+verl_hpc.resharding.memory measures the whole process-level peak. Delta keeps copies (sliced.py).
+
+A plan that does not match the layouts (PlanError) stops a `mode="sliced"` sync; under "auto"
+this WeightSync switches to the full path for the rest of the run, said once in the log.
 """
 from __future__ import annotations
 
