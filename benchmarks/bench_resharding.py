@@ -200,7 +200,7 @@ def _rank_main(workdir: Path) -> None:
             say(f"  {k:<12} {s * 1e3:8.1f} ms  {total / s / 1e9:6.2f} GB/s   "
                 f"(runs: {', '.join(f'{x * 1e3:.0f}' for x in seconds[k])} ms)")
         peer = min(med["peer-tensors"], med["peer-bucket"])  # the faster plain all-gather + copy
-        for k in ("sync-null", "sync-vllm"):
+        for k in ("sync-null", "sync-vllm", "sliced-vllm"):
             ratio = peer / med[k]
             each = ", ".join(f"{p.split('-')[1]} {med[p] / med[k]:.2f}"
                              for p in ("peer-tensors", "peer-bucket", "peer-into"))

@@ -11,8 +11,8 @@ each step, the payload bytes of every (collective, group). The script prints and
     (benchmarks/scaling_formulas.py; goal 1.00 +- 0.02),
   * a PNG plot (stage times, and measured vs formula bytes).
 Token counts come from the step's own metrics (rollout/prompt_tokens + rollout/response_tokens:
-the engines run no padding), with the actor's skip of zero-advantage rows switched off so that
-the update runs every row.
+the engines run no padding), with the actor's skip of zero-advantage rows and its shared-prompt
+packing switched off, so that every row runs as one sequence.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ VLLM = {"2x2v": 2}
 TINY = ["rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
         "actor.micro_batch_size=4", "trainer.val_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
         "tracking.comm_bytes=true", "slurm.cpus_per_task=1", "slurm.time_min=20",
-        "actor.skip_zero_advantage_rows=false"]
+        "actor.skip_zero_advantage_rows=false", "actor.share_prompts=off"]
 OPT_STEPS = 2  # data.train_batch_size / actor.ppo_mini_batch_size
 P2P = ("send", "recv", "batch_isend_irecv")
 
@@ -118,6 +118,8 @@ def classify(stage: str, op: str, group: str) -> str:
              ("sync", "all_to_all_single", "world"): "resharding sliced all_to_all (sent)"}
     if (stage, op, group) in table:
         return table[(stage, op, group)]
+    if op == "all_reduce" and group == "dp":
+        return "DP all-reduce (grads; groups of one rank here)"
     if op == "all_reduce" and group == "tp" and stage in ("old_logprob", "update_actor"):
         return f"TP all-reduce ({stage})"
     return "control (scalars, objects; no formula)"

@@ -170,22 +170,26 @@ def sliced_sent_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0, t
 
 
 def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,
-                        stage: int = 0, resp_tokens: int = 0, logprob_scalars: int = 6) -> int:
+                        stage: int = 0, resp_tokens: int = 0, logprob_scalars: int = 6,
+                        update_scalars: int = 3) -> int:
     """TP all-reduces of one pass over `tokens` tokens on one rank of pipeline stage `stage`:
     forward 2 per layer (attention and MLP row-parallel outputs) + the vocab-parallel embedding
     (first stage); backward another 2 per layer (column-parallel input grads) + the output
-    layer's input grad (last stage). The last stage's vocab-parallel log-softmax and entropy add
-    `logprob_scalars` one-value all-reduces per response token, forward and again backward.
+    layer's input grad (last stage), which the engine runs over the response tokens only
+    (`resp_tokens`; all `tokens` when not given). The last stage's vocab-parallel statistics are
+    one-value all-reduces per response token: `logprob_scalars` in a forward-only pass (log-softmax
+    max, sum and target, and the entropy's), `update_scalars` in an update (the log-softmax's,
+    forward only: no entropy without an entropy bonus, and no all-reduce in their backward).
     With sequence parallelism each all-reduce becomes a reduce-scatter + all-gather of the same
     payload."""
     if lay.tp == 1:
         return 0
     first, last = stage == 0, stage == lay.pp - 1
     layers = m.layers // lay.pp
-    scalars = logprob_scalars * resp_tokens * 4 if last else 0  # fp32 statistics
+    scalars = (update_scalars if backward else logprob_scalars) * resp_tokens * 4 if last else 0  # fp32
     out = (2 * layers + first) * tokens * m.hidden * act_bytes + scalars
     if backward:
-        out += (2 * layers + last) * tokens * m.hidden * act_bytes + scalars
+        out += (2 * layers * tokens + last * (resp_tokens or tokens)) * m.hidden * act_bytes
     return out
 
 
