@@ -266,6 +266,10 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     # bucket's slices load: one bucket more; split placement publishes over the full path
     sliced = cfg.resharding.mode != "full" and group == "colocated"
     resharding = (3 if sliced else 2) * bucket + largest
+    if group == "training" and cfg.resharding.mode != "full":
+        # split, sliced: the first training rank cuts each bucket for every rollout rank, on the
+        # wire device (counted on every training rank: the plan is per layout, not per rank)
+        resharding += bucket * max(cfg.placement.rollout_ranks, 1) / cfg.rollout.tp
     # resharding.delta keeps, on the device, what this rank last sent and its own rollout slices
     # (each about its share of the model in the rollout dtype): in every phase, not just the sync
     delta_copies = (2.0 * total_params(arch) * prec.param_bytes / cfg.rollout.tp

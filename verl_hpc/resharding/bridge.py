@@ -17,24 +17,34 @@ rollout to take its weights, and the rollout pauses generation only for the load
 the newest version, skipping any it was too busy to take.
 
 Load: the rollout leader asks for the weights, learns the snapshot's manifest (names, dtypes,
-shapes, offsets) through the mailbox and shares it with the rollout group; each rollout rank then
-receives every bucket and feeds the tensors, views into the bucket, to ONE `rollout.load_weights`
-call, which cuts its inference-TP slices as in the colocated sync.
+shapes, offsets) through the mailbox and shares it with the rollout group. Sliced (resharding.mode
+sliced or auto: `slicer` given): per bucket one exchange over the weights group in which the first
+training rank sends each rollout rank only the slices its engine keeps (verl_hpc.resharding.plan's
+RolloutSlicer, cut from the snapshot), so a rollout rank receives its shard, not the model. Full
+(resharding.mode full): every bucket is broadcast whole and each engine cuts its own slices. Either
+way the tensors (views into the bucket; full-shape carriers for the sliced path, as in the colocated
+sync) go to ONE `rollout.load_weights` call.
+
+Not yet: the slices come from the first training rank's snapshot, not straight from the training
+ranks that hold them (the snapshot is what lets training run on while the rollout takes its
+weights); resharding.delta is not offered here.
 
 Memory: the snapshot holds one full copy of the policy in the first training rank's host (CPU) or
-device memory, plus one bucket in flight on every member.
+device memory, plus one bucket in flight on every member (sliced: the first training rank's bucket
+cut for every rollout rank, up to the bucket x rollout ranks / rollout.tp).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from verl_hpc.resharding.buckets import bucket_bytes_from
-from verl_hpc.resharding.sync import export_source, held_resident
+from verl_hpc.resharding.plan import Need, PlanError, RolloutSlicer
+from verl_hpc.resharding.sync import carriers, export_source, held_resident
 from verl_hpc.runtime.split import POLL_S
 
 log = logging.getLogger(__name__)
@@ -74,9 +84,65 @@ def unpack(bucket: torch.Tensor, rows) -> List[Tuple[str, torch.Tensor]]:
     return [(name, bucket[off:off + n].view(_dtype(dt)).view(shape)) for name, dt, shape, _, off, n in rows]
 
 
+def slice_manifest(manifest, slicer: RolloutSlicer, ranks: int):
+    """Per rollout rank: (bytes per bucket, rows (name, dtype, full shape, bucket, (dim, start,
+    stop), offset in its bucket buffer, nbytes)): the part of each snapshot tensor it keeps."""
+    buckets = 1 + max((row[3] for row in manifest), default=-1)
+    sizes, rows = [[0] * buckets for _ in range(ranks)], [[] for _ in range(ranks)]
+    for name, dt, shape, b, _, nbytes in manifest:
+        element = nbytes // max(1, torch.Size(shape).numel())
+        for r in range(ranks):
+            dim, start, stop = slicer.need(name, shape, r % slicer.tp)
+            n = torch.Size(shape).numel() // max(shape[dim], 1) * (stop - start) * element
+            rows[r].append((name, dt, tuple(shape), b, (dim, start, stop), sizes[r][b], n))
+            sizes[r][b] += -(-n // ALIGN) * ALIGN
+    return sizes, rows
+
+
+def rollout_slicer(cfg) -> Optional[RolloutSlicer]:
+    """What each rollout rank of a split job keeps, for the publisher (resharding.mode sliced or
+    auto); None: every rollout rank takes every full tensor (resharding.mode full)."""
+    if cfg.resharding.mode == "full":
+        return None
+    from verl_hpc.models import load_arch
+
+    arch = load_arch(cfg.model.path)
+    return RolloutSlicer(cfg.rollout.tp, head_dim=arch.head_dim, vocab_size=arch.vocab_size)
+
+
+def slice_buffer(bucket: torch.Tensor, b: int, manifest, sliced) -> torch.Tensor:
+    """Snapshot bucket `b` cut for the rollout ranks: every rank's part, in rank order, each tensor's
+    slice at its offset (slice_manifest)."""
+    sizes, rows = sliced
+    full = {row[0]: row for row in manifest if row[3] == b}
+    send = torch.zeros(sum(sz[b] for sz in sizes), dtype=torch.uint8)
+    base = 0
+    for r, mine in enumerate(rows):
+        for name, dt, shape, rb, (dim, start, stop), off, n in mine:
+            if rb == b:
+                _, _, _, _, full_off, full_n = full[name]
+                whole = bucket[full_off:full_off + full_n].view(_dtype(dt)).view(shape)
+                part = whole.narrow(dim, start, stop - start)
+                send[base + off:base + off + n].view(part.dtype).view(part.shape).copy_(part)
+        base += sizes[r][b]
+    return send
+
+
+def slices_in(buf: torch.Tensor, rows, rank: int) -> Iterator[Tuple[str, torch.Tensor, Need]]:
+    """A rollout rank's received bucket as (name, its slice, what it is), views into `buf`."""
+    for name, dt, shape, _, (dim, start, stop), off, n in rows:
+        part_shape = list(shape)
+        part_shape[dim] = stop - start
+        yield name, buf[off:off + n].view(_dtype(dt)).view(part_shape), Need(rank, name, dim, start, stop)
+
+
 class WeightPublisher:
-    def __init__(self, world, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None):
+    def __init__(self, world, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
+                 slicer: Optional[RolloutSlicer] = None):
+        """slicer: what each rollout rank keeps (resharding.mode sliced/auto): each gets only its
+        slices; None: every rollout rank gets every full tensor (resharding.mode full)."""
         self.world = world
+        self.slicer = slicer
         self.bucket_bytes = bucket_bytes_from(bucket_mb, bucket_bytes)
         self.version = -1
         self._snapshot = None  # (version, buckets, manifest), the leader's
@@ -94,6 +160,7 @@ class WeightPublisher:
             stream = export_source(actor)()
             if self.world.is_leader:
                 buckets, manifest = pack(stream, self.bucket_bytes)
+                sliced = self._slice(manifest)
             else:
                 for _ in stream:  # the export is collective: every training rank runs it
                     pass
@@ -102,13 +169,24 @@ class WeightPublisher:
         m = {"sync/export_seconds": seconds}
         if self.world.is_leader:
             with self._lock:
-                self._snapshot = (version, buckets, manifest)
+                self._snapshot = (version, buckets, manifest, sliced)
             self.world.mailbox.put("weights/latest", version)
             self._ensure_server()
             m.update({"sync/bytes": float(sum(b.numel() for b in buckets)), "sync/buckets": float(len(buckets))})
         if self.error is not None:
             raise self.error
         return m
+
+    def _slice(self, manifest):
+        if self.slicer is None:
+            return None
+        try:
+            return slice_manifest(manifest, self.slicer, self.world.rollout_ranks)
+        except PlanError as e:  # resharding.mode=auto: the full buckets, said once
+            log.warning("weight publisher: no sliced plan for rollout.tp=%d (%s); every rollout rank "
+                        "takes the full tensors", self.slicer.tp, e)
+            self.slicer = None
+            return None
 
     def _ensure_server(self) -> None:
         if self._thread is None:
@@ -126,14 +204,27 @@ class WeightPublisher:
                     continue
                 mailbox.take(key)
                 with self._lock:
-                    version, buckets, manifest = self._snapshot
-                mailbox.put(f"weights/manifest/{self.served}", (version, [len(b) for b in buckets], manifest))
-                for b in buckets:
-                    self.world.broadcast(b)
+                    version, buckets, manifest, sliced = self._snapshot
+                if sliced is None:
+                    mailbox.put(f"weights/manifest/{self.served}",
+                                dict(version=version, sizes=[len(b) for b in buckets], rows=manifest))
+                    for b in buckets:
+                        self.world.broadcast(b)
+                else:
+                    self._serve_slices(mailbox, version, buckets, manifest, sliced)
                 self.served += 1
         except BaseException as e:  # noqa: BLE001 - surfaced by the next publish() on the main thread
             self.error = e
             log.error("weight server: %s: %s", type(e).__name__, e)
+
+    def _serve_slices(self, mailbox, version, buckets, manifest, sliced) -> None:
+        """Each rollout rank gets only its slices: per bucket one exchange in which this rank sends
+        every rollout rank its part (cut from the snapshot) and receives nothing."""
+        sizes, rows = sliced
+        mailbox.put(f"weights/manifest/{self.served}",
+                    dict(version=version, sizes=sizes, rows=rows, tp=self.slicer.tp))
+        for b, bucket in enumerate(buckets):
+            self.world.scatter(slice_buffer(bucket, b, manifest, sliced), [sz[b] for sz in sizes])
 
     def close(self) -> None:
         self._stop.set()
@@ -164,8 +255,11 @@ class WeightReceiver:
             key = f"weights/manifest/{self.requests}"
             mb.wait(key, "the first training rank's weight server")
             head = mb.take(key)
-        version, sizes, manifest = self.share(head)
+        head = self.share(head)
         self.requests += 1
+        if "tp" in head:  # sliced: this rank's slices only
+            return self._load_slices(rollout, head, t0)
+        version, sizes, manifest = head["version"], head["sizes"], head["rows"]
         by_bucket: Dict[int, list] = {}
         for row in manifest:
             by_bucket.setdefault(row[3], []).append(row)
@@ -180,5 +274,30 @@ class WeightReceiver:
         self.version = int(version)
         seconds = time.perf_counter() - t0
         nbytes = float(sum(sizes))
-        return self.version, {"sync/seconds": seconds, "sync/bytes": nbytes,
+        return self.version, {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/sliced": 0.0,
+                              "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9, "sync/buckets": float(len(sizes))}
+
+    def _load_slices(self, rollout, head, t0) -> Tuple[int, Dict[str, float]]:
+        me = self.world.local_env.rank
+        sizes, rows, tp = head["sizes"][me], head["rows"][me], head["tp"]
+        keeps = tuple(rollout.weight_slices())
+        if keeps != (me % tp, tp):
+            raise RuntimeError(f"rollout rank {me} keeps the slices of inference TP rank {keeps[0]} of "
+                               f"{keeps[1]}, the trainer cut them for {me % tp} of {tp} (rollout.tp)")
+        by_bucket: Dict[int, list] = {}
+        for row in rows:
+            by_bucket.setdefault(row[3], []).append(row)
+        shapes = {row[0]: row[2] for row in rows}
+
+        def stream():
+            for i, size in enumerate(sizes):
+                buf = torch.empty(size, dtype=torch.uint8, device=self.world.wire_device())
+                self.world.scatter(buf, None)
+                yield from slices_in(buf, by_bucket.get(i, []), me)
+
+        rollout.load_weights(carriers(stream(), shapes))
+        self.version = int(head["version"])
+        seconds = time.perf_counter() - t0
+        nbytes = float(sum(sizes))
+        return self.version, {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/sliced": 1.0,
                               "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9, "sync/buckets": float(len(sizes))}

@@ -126,7 +126,7 @@ def sliced_source(actor):
     return None
 
 
-def _carriers(items, shapes) -> Iterator[Tuple[str, torch.Tensor]]:
+def carriers(items, shapes) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, full-shape tensor) with only the rollout rank's own slice written, for a loader that
     cuts its slice from a full tensor (vLLM's: it narrows to exactly that range; the rest of the
     tensor is never read). The unwritten rest is `torch.empty`: on CPU large allocations are
@@ -325,7 +325,7 @@ class WeightSync:
                 if hasattr(rollout, "load_weight_slices"):
                     rollout.load_weight_slices(iter(stream))
                 else:
-                    rollout.load_weights(_carriers(stream, self.sliced.plan.shapes))
+                    rollout.load_weights(carriers(stream, self.sliced.plan.shapes))
                 if not stream.source_exhausted:
                     raise SyncError(f"{type(rollout).__name__} returned before taking every tensor "
                                     f"({stream.tensors} taken)")

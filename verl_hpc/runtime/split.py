@@ -216,6 +216,32 @@ class SplitWorld:
             raise GroupLostError(f"{self.name}: the weight broadcast failed ({_first_line(e)}): "
                                  f"{self._broadcast_peers()} died or is stuck: see its log") from None
 
+    def scatter(self, tensor, sizes=None) -> None:
+        """The first training rank sends every rollout rank its own part (the sliced weight
+        sync): on the first training rank `tensor` holds the parts in rollout-rank order and
+        `sizes` their bytes; on a rollout rank `tensor` receives its part. One all_to_all over the
+        weights group in which only the first training rank sends."""
+        members = 1 + self.rollout_ranks
+        device = self.wire_device()
+        try:
+            if device.type == "cuda":  # the weight server is a thread of its own: CUDA's current device is per thread
+                torch.cuda.set_device(device)
+            if self.role == "train":
+                wire = tensor if tensor.device == device else tensor.to(device)
+                out = torch.empty(0, dtype=tensor.dtype, device=device)
+                self.weights_group.alltoall_base(out, wire, [0] * members, [0] + list(sizes),
+                                                 dist.AllToAllOptions()).wait()
+            else:
+                wire = tensor if tensor.device == device else torch.empty_like(tensor, device=device)
+                nothing = torch.empty(0, dtype=tensor.dtype, device=device)
+                self.weights_group.alltoall_base(wire, nothing, [tensor.numel()] + [0] * (members - 1),
+                                                 [0] * members, dist.AllToAllOptions()).wait()
+                if wire is not tensor:
+                    tensor.copy_(wire)
+        except RuntimeError as e:  # a member closed its connection (died) or passed the timeout
+            raise GroupLostError(f"{self.name}: the weight exchange failed ({_first_line(e)}): "
+                                 f"{self._broadcast_peers()} died or is stuck: see its log") from None
+
     def _broadcast_peers(self) -> str:
         """Who else is in the weight broadcast, as this rank sees it."""
         if self.role == "train":

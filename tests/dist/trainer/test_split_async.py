@@ -47,6 +47,8 @@ def test_k0_split_gives_colocated_weights_bitwise(warm_assets, tmp_path):
     for name in a:
         assert np.array_equal(a[name], b[name]), name
     assert any(r.get("actor/grad_norm", 0) > 0 for r in rows(split))  # it learned: the comparison is not vacuous
+    # the rollout rank took its weights over the sliced publish (one rank of inference TP 1: all of them)
+    assert sum(r.get("async/weights_bytes/rollout", 0.0) for r in rows(split)) > 0
     assert [r["actor/loss"] for r in rows(colo) if "actor/loss" in r] == \
            [r["actor/loss"] for r in rows(split) if "actor/loss" in r]
 

@@ -150,3 +150,16 @@ def test_rollout_only_ranks_give_vllm_the_gpu_and_never_sleep():
     assert colocated.rollout.sleeps(gpu=True) and not split.rollout.sleeps(gpu=True, split=True)
     forced = loaded(SPLIT + ["placement.rollout_ranks=1", "slurm.tasks_per_node=2", "rollout.sleep_between_phases=true"])
     assert not forced.rollout.sleeps(gpu=True, split=True)
+
+
+def test_resharding_rules():
+    """The sliced sync runs in both placements; its delta option only colocated (split placement
+    serves each rollout rank its slices from the first training rank's snapshot)."""
+    split = SPLIT + FOUR + ["placement.rollout_ranks=2"]
+    assert loaded(split + ["resharding.mode=sliced"]).resharding.mode == "sliced"
+    assert "resharding.delta does not run with placement.mode = split" in refusal(
+        split + ["resharding.delta=true"])
+    assert "resharding.delta = true needs resharding.mode = sliced or auto" in refusal(
+        ["resharding.mode=full", "resharding.delta=true"])
+    assert loaded(["resharding.delta=true"]).resharding.delta
+    assert "resharding.mode: invalid value 'slices'" in refusal(["resharding.mode=slices"])

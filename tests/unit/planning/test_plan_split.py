@@ -45,11 +45,13 @@ def test_training_group_plans_what_a_colocated_rank_of_the_same_layout_plans_for
     # the weight sync: the actor's weights and the buckets, no vLLM weights beside them
     sync = training.table["weight_sync"]
     assert sync["vllm"] == 0.0 and sync["actor"] == colocated.table["weight_sync"]["actor"]
-    # the full path's buckets: split placement publishes whole tensors (the colocated default,
-    # the sliced sync, holds one bucket more)
-    assert sync["resharding"] < colocated.table["weight_sync"]["resharding"]
+    # the full path's buckets, plus (sliced, the default) the first training rank's bucket cut for
+    # each of the 4 rollout ranks at rollout.tp 2
+    cfg = load_config(GRPO, SPLIT_4_4)
     full = plan_job(load_config(GRPO, COLOCATED_4 + ["resharding.mode=full"])).table["weight_sync"]["resharding"]
-    assert sync["resharding"] == full > 0
+    assert sync["resharding"] == pytest.approx(full + cfg.resharding.bucket_mb * 2 ** 20 * 4 / cfg.rollout.tp)
+    whole = plan_job(load_config(GRPO, SPLIT_4_4 + ["resharding.mode=full"])).training.table["weight_sync"]
+    assert whole["resharding"] == full > 0
 
 
 def test_rollout_group_holds_vllm_awake_and_no_megatron_state():

@@ -164,8 +164,7 @@ class ReshardingConfig(Section):
         if self.delta and self.mode == "full":
             p.append("resharding.delta = true needs resharding.mode = sliced or auto (the full path sends "
                      "whole tensors)")
-        if job.placement.split and (self.mode == "sliced" or self.delta):
-            p.append("resharding.mode = sliced and resharding.delta do not run with placement.mode = split "
-                     "yet (the rollout group takes whole buckets from the first training rank); use "
-                     "resharding.mode = auto")
+        if job.placement.split and self.delta:
+            p.append("resharding.delta does not run with placement.mode = split yet (the first training rank "
+                     "serves each rollout rank its slices from a snapshot, whole); set resharding.delta = false")
         return p

@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from verl_hpc.resharding.bridge import WeightPublisher
+from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.loops.inflight import Groups
 
@@ -58,7 +58,7 @@ class AsyncLink:
         a = cfg.async_training
         self.k, self.wait_policy = a.staleness, a.stale_groups == "wait"
         self.timeout_s = a.poll_timeout_s or cfg.trainer.collective_timeout_s
-        self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb)
+        self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb, slicer=rollout_slicer(cfg))
         self.next_index = 1  # the next batch to take from the rollout group
         self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None
@@ -140,6 +140,8 @@ class AsyncLink:
         m.update({"async/dropped_groups": float(dropped), "async/policy_version": float(version),
                   "async/idle_frac/rollout": stats.get("idle_s", 0.0) / max(busy + stats.get("idle_s", 0.0), 1e-9),
                   "async/tokens_per_s/rollout": stats.get("tokens", 0.0) / max(stats.get("gen_s", 0.0), 1e-9),
+                  # what the first rollout rank received in the weight loads behind this batch
+                  "async/weights_bytes/rollout": stats.get("load_bytes", 0.0),
                   "async/wait_s": time.perf_counter() - t0})
         return batch.prompts, batch.result, m
 

@@ -60,7 +60,7 @@ class RolloutWorker:
         self.inflight: Optional[InFlight] = None
         self.pauses = self.requests = 0
         self._waiting_since = None
-        self.stats = dict(gen_s=0.0, idle_s=0.0, load_s=0.0, tokens=0.0)
+        self.stats = dict(gen_s=0.0, idle_s=0.0, load_s=0.0, tokens=0.0, load_bytes=0.0)
 
     # ---------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -124,8 +124,9 @@ class RolloutWorker:
 
     def _load(self) -> None:
         t0 = time.perf_counter()
-        self.weights.load(self.rollout)
+        _, m = self.weights.load(self.rollout)
         self.stats["load_s"] += time.perf_counter() - t0
+        self.stats["load_bytes"] += m["sync/bytes"]  # this rank's slices (sliced) or the whole model
         if self.inflight is not None and self.abort and self.inflight.prefix_length():
             n = self.inflight.abort_unfinished()
             log.debug("rollout: new weights (version %d): %d tokens in flight aborted", self.weights.version, n)
