@@ -223,6 +223,9 @@ class _FailingSink:
     def __init__(self, fail: bool):
         self.fail = fail
 
+    def weight_slices(self):
+        return 0, 1  # keeps whole tensors: the sliced path applies too
+
     def load_weights(self, weights):
         for k, _ in enumerate(weights):
             if self.fail and k == 3:
@@ -231,17 +234,21 @@ class _FailingSink:
 
 
 def sync_failing_on(actor, rank: int, out) -> None:
-    """A sink that raises on `rank`: every rank must raise SyncError, and a sync still works after."""
+    """A sink that raises on `rank`, over the full and the sliced path (a bucket of 0.05 MB: the
+    failure comes with exchanges still to run): every rank must raise SyncError, and a sync still
+    works after."""
     import torch.distributed as dist
 
     from verl_hpc.resharding import NullSink, SyncError, sync
 
-    try:
-        sync(actor, _FailingSink(dist.get_rank() == rank), bucket_mb=1)
-        out["failure"] = "no error"
-    except SyncError as exc:
-        out["failure"] = str(exc)
-    out["after_failure_ok"] = sync(actor, NullSink(), bucket_mb=1)["sync/tensors"] > 0
+    for mode in ("full", "sliced"):
+        key = "failure" if mode == "full" else "failure_sliced"
+        try:
+            sync(actor, _FailingSink(dist.get_rank() == rank), bucket_mb=SMALL_MB, mode=mode)
+            out[key] = "no error"
+        except SyncError as exc:
+            out[key] = str(exc)
+        out[f"after_{key}_ok"] = sync(actor, NullSink(), bucket_mb=1, mode=mode)["sync/tensors"] > 0
 
 
 SMALL_MB = 0.05  # 51 KiB: smaller than the embedding (256 KB) and the fused fc1 / qkv weights

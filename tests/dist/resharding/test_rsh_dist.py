@@ -181,8 +181,9 @@ def test_full_sliced_and_delta_syncs_leave_vllm_with_the_same_weights(run):
             assert modes["delta_nothing"]["metrics"]["sync/changed_fraction"] == 0.0
 
 
-def test_a_failing_rank_fails_every_rank_without_hanging(run):
+@pytest.mark.parametrize("key", ["failure", "failure_sliced"])
+def test_a_failing_rank_fails_every_rank_without_hanging(run, key):
     for r in run["ranks"]:
-        assert "weight sync failed on rank 1" in r["failure"], r["failure"]
-        assert r["after_failure_ok"]
-    assert "injected failure" in run["ranks"][1]["failure"]
+        assert "weight sync failed on rank 1" in r[key], r[key]
+        assert r[f"after_{key}_ok"]
+    assert "injected failure" in run["ranks"][1][key]

@@ -177,3 +177,21 @@ def test_checksum_changes_with_any_single_element(fn, monkeypatch):
             codec.bits(u)[i] ^= bit
             assert fn(u) != base, (i, bit)
     assert fn(t.clone()) == base
+
+
+@pytest.mark.gpu
+def test_codec_and_device_checksum_on_a_gpu():
+    """On a GPU the delta codec runs where the weights are, and both sides of a transfer use the
+    device checksum: it must see what the host's sees, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    prev = torch.randn(100_003, generator=g).to(torch.bfloat16)
+    new = prev.clone()
+    new[torch.rand(100_003, generator=g) < 0.03] += 0.25
+    on = torch.device("cuda")
+    mode, count, payload = codec.encode(new.to(on), prev.to(on))
+    assert payload.is_cuda and count == int((codec.bits(new) != codec.bits(prev)).sum())
+    out = prev.to(on)
+    codec.decode(mode, count, payload, out)
+    assert torch.equal(out.cpu(), new)
+    assert codec.checksum(out) == codec.weighted_sum(new)  # device path == the same sum on the host
+    assert codec.checksum(out) != codec.weighted_sum(prev)
