@@ -49,32 +49,21 @@ def bucket_bytes_from(bucket_mb: Optional[float] = None, bucket_bytes: Optional[
     return value
 
 
-class BucketStream:
-    """Iterate `source` through buckets of at most `bucket_bytes` (a larger tensor goes alone).
+class SourceStream:
+    """A collective (name, tensor) source, passed through as is, with what the sync's failure
+    handling needs: the seconds spent inside the source, whether it ran to its end or failed, and
+    `drain()`: a collective producer must be run to its end on every rank even when this rank's
+    consumer failed, or the other ranks would wait in the next collective forever."""
 
-    `drain()` exhausts what is left of the source without handing it on: a collective producer
-    must be run to its end on every rank even when this rank's consumer failed, or the other
-    ranks would wait in the next collective forever.
-    """
-
-    def __init__(self, source: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int):
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1; got {bucket_bytes}")
+    def __init__(self, source: Iterable):
         self._source = iter(source)
-        self.bucket_bytes = int(bucket_bytes)
         self.tensors = 0  # handed on
-        self.bytes = 0  # handed on
-        self.buckets = 0
-        self.held_bytes = 0  # in the bucket now
-        self.peak_bucket_bytes = 0
-        self.largest_tensor_bytes = 0
-        self.max_bucket_tensors = 0
         self.export_seconds = 0.0
         self.source_exhausted = False
         self.source_failed = False
         self._started = False
 
-    def _pull(self) -> Optional[Tuple[str, torch.Tensor]]:
+    def _pull(self):
         start = time.perf_counter()
         try:
             item = next(self._source)
@@ -87,6 +76,47 @@ class BucketStream:
         finally:
             self.export_seconds += time.perf_counter() - start
         return item
+
+    def __iter__(self) -> Iterator:
+        if self._started:
+            raise RuntimeError("a weight stream can be iterated once")
+        self._started = True
+        while True:
+            item = self._pull()
+            if item is None:
+                return
+            self.tensors += 1
+            yield item
+
+    def close(self) -> None:
+        """Close the source (a generator: its `finally` blocks run now, not at garbage collection)."""
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+    def drain(self) -> int:
+        """Run the rest of the source to its end, discarding; returns the tensors discarded."""
+        dropped = 0
+        while not (self.source_exhausted or self.source_failed):
+            if self._pull() is not None:
+                dropped += 1
+        return dropped
+
+
+class BucketStream(SourceStream):
+    """Iterate `source` through buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
+
+    def __init__(self, source: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1; got {bucket_bytes}")
+        super().__init__(source)
+        self.bucket_bytes = int(bucket_bytes)
+        self.bytes = 0  # handed on
+        self.buckets = 0
+        self.held_bytes = 0  # in the bucket now
+        self.peak_bucket_bytes = 0
+        self.largest_tensor_bytes = 0
+        self.max_bucket_tensors = 0
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         if self._started:
@@ -121,17 +151,3 @@ class BucketStream:
             self.bytes += size
             yield name, tensor
             del tensor  # do not keep the consumer's tensor alive while it works on the next one
-
-    def close(self) -> None:
-        """Close the source (a generator: its `finally` blocks run now, not at garbage collection)."""
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
-
-    def drain(self) -> int:
-        """Run the rest of the source to its end, discarding; returns the tensors discarded."""
-        dropped = 0
-        while not (self.source_exhausted or self.source_failed):
-            if self._pull() is not None:
-                dropped += 1
-        return dropped

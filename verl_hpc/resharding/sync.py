@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
-from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
+from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from
 from verl_hpc.resharding.plan import PlanError
 from verl_hpc.resharding.sliced import SlicedSync
 from verl_hpc.runtime.device import collective_device
@@ -142,46 +142,24 @@ def carriers(items, shapes) -> Iterator[Tuple[str, torch.Tensor]]:
         full = None
 
 
-class _Items:
-    """The sliced stream, counted, with the full path's drain semantics (see BucketStream.drain)."""
-
-    def __init__(self, source):
-        self._source = iter(source)
-        self.tensors = 0
-        self.export_seconds = 0.0
-        self.source_exhausted = self.source_failed = False
-
-    def _pull(self):
-        start = time.perf_counter()
-        try:
-            return next(self._source)
-        except StopIteration:
-            self.source_exhausted = True
-            return None
-        except BaseException:
-            self.source_failed = True
-            raise
-        finally:
-            self.export_seconds += time.perf_counter() - start
-
-    def __iter__(self):
-        while True:
-            item = self._pull()
-            if item is None:
-                return
-            self.tensors += 1
-            yield item
-
-    def drain(self) -> int:
-        dropped = 0
-        while not (self.source_exhausted or self.source_failed):
-            dropped += self._pull() is not None
-        return dropped
-
-    def close(self) -> None:
-        close = getattr(self._source, "close", None)
-        if close is not None:
-            close()
+def _feed(stream, load, what: str) -> Optional[BaseException]:
+    """Run `load()` (the rollout taking `stream`); on this rank's failure run the collective
+    stream to its end (discarded) so the other ranks' collectives complete, and return the error
+    for the caller to raise after the agreement round. The stream is closed either way."""
+    try:
+        load()
+        if not stream.source_exhausted:
+            raise SyncError(f"{what} returned before taking every tensor ({stream.tensors} taken)")
+    except Exception as exc:  # noqa: BLE001 (re-raised by the caller, after the other ranks know)
+        if not stream.source_failed:
+            dropped = stream.drain()  # keep the peers' collectives going to the end
+            log.error("weight sync: the rollout failed after %d tensors (%s); ran the transfer to "
+                      "its end (%d more tensors discarded) so the other ranks do not hang",
+                      stream.tensors, exc, dropped)
+        return exc
+    finally:
+        stream.close()  # the export's own resident block ends here at the latest
+    return None
 
 
 class WeightSync:
@@ -286,24 +264,11 @@ class WeightSync:
         return dict(self.last)
 
     def _run_full(self, actor, rollout):
-        error: Optional[BaseException] = None
         # resident until load_weights has returned: only then may the actor offload (held_resident)
         with held_resident(actor):
             stream = BucketStream(export_source(actor)(), self.bucket_bytes)
-            try:
-                rollout.load_weights(iter(stream))
-                if not stream.source_exhausted:
-                    raise SyncError(f"{type(rollout).__name__}.load_weights returned before taking "
-                                    f"every tensor ({stream.tensors} taken)")
-            except Exception as exc:  # noqa: BLE001 (re-raised by the caller, after the other ranks know)
-                error = exc
-                if not stream.source_failed:
-                    dropped = stream.drain()  # keep the peers' collectives going to the end
-                    log.error("weight sync: the rollout failed after %d tensors (%s); ran the export "
-                              "to its end (%d more tensors discarded) so the other ranks do not hang",
-                              stream.tensors, exc, dropped)
-            finally:
-                stream.close()  # the export's own resident block ends here at the latest
+            error = _feed(stream, lambda: rollout.load_weights(iter(stream)),
+                          f"{type(rollout).__name__}.load_weights")
         return error, stream, {
             "sync/sliced": 0.0,
             "sync/bytes": float(stream.bytes),
@@ -313,31 +278,19 @@ class WeightSync:
         }
 
     def _run_sliced(self, source, rollout):
-        error: Optional[BaseException] = None
         keeps = rollout.weight_slices() if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
         with source() as model:
             from verl_hpc.models.weights import model_dtype
 
             dtype = getattr(rollout, "weight_dtype", None) or model_dtype(model)
             self.sliced.prepare(model, keeps, dtype)  # PlanError escapes before any exchange
-            stream = _Items(self.sliced.stream(model, keeps, dtype))
-            try:
-                if hasattr(rollout, "load_weight_slices"):
-                    rollout.load_weight_slices(iter(stream))
-                else:
-                    rollout.load_weights(carriers(stream, self.sliced.plan.shapes))
-                if not stream.source_exhausted:
-                    raise SyncError(f"{type(rollout).__name__} returned before taking every tensor "
-                                    f"({stream.tensors} taken)")
-            except Exception as exc:  # noqa: BLE001 (re-raised by the caller, after the other ranks know)
-                error = exc
-                if not stream.source_failed:
-                    dropped = stream.drain()
-                    log.error("weight sync: the rollout failed after %d tensors (%s); ran the "
-                              "exchange to its end (%d more tensors discarded) so the other ranks "
-                              "do not hang", stream.tensors, exc, dropped)
-            finally:
-                stream.close()
+            stream = SourceStream(self.sliced.stream(model, keeps, dtype))
+            if hasattr(rollout, "load_weight_slices"):
+                error = _feed(stream, lambda: rollout.load_weight_slices(iter(stream)),
+                              f"{type(rollout).__name__}.load_weight_slices")
+            else:
+                error = _feed(stream, lambda: rollout.load_weights(carriers(stream, self.sliced.plan.shapes)),
+                              f"{type(rollout).__name__}.load_weights")
         c = self.sliced.counts
         return error, stream, {
             "sync/sliced": 1.0,

@@ -8,13 +8,7 @@ import torch
 from verl_hpc.resharding.bridge import pack, slice_buffer, slice_manifest, slices_in
 from verl_hpc.resharding.plan import RolloutSlicer
 
-L0 = "model.layers.0."
-SHAPES = {"model.embed_tokens.weight": (500, 128), L0 + "input_layernorm.weight": (128,),
-          L0 + "self_attn.q_proj.weight": (128, 128), L0 + "self_attn.k_proj.weight": (64, 128),
-          L0 + "self_attn.v_proj.weight": (64, 128), L0 + "self_attn.q_proj.bias": (128,),
-          L0 + "self_attn.o_proj.weight": (128, 128), L0 + "mlp.gate_proj.weight": (256, 128),
-          L0 + "mlp.up_proj.weight": (256, 128), L0 + "mlp.down_proj.weight": (128, 256),
-          "model.norm.weight": (128,), "lm_head.weight": (500, 128)}
+from test_rsh_plan import SHAPES  # the tiny model's HF tensors
 
 
 @pytest.mark.parametrize("tp,ranks", [(1, 1), (2, 2), (4, 4), (2, 4)])
