@@ -1,8 +1,10 @@
 """The sliced sync's plan: which training rank sends which slice of which HF tensor to which
 rollout rank, computed once from both layouts.
 
-    plan = SyncPlan.build(holdings, needs, rank=me)   # every rank, same inputs, same plan
-    plan.sends_to(...) / plan.receives(...)           # this rank's part, bucket by bucket
+    plan = SyncPlan.build(me, order, shapes, holdings, needs, element_size=2, bucket_bytes=b)
+    plan.buckets[k]        # indices into plan.order: the same on every rank
+    plan.transfers[k]      # this rank's Transfers (sent or received) in bucket k
+    plan.needs[hf]         # the part of `hf` this rank's rollout engine keeps
 
 Training side (`Holding`): what each training rank holds of each HF tensor, in HF coordinates,
 without any gather: Megatron's shards are contiguous ranges along one dim of each HF tensor
@@ -170,10 +172,6 @@ class SyncPlan:
     def received_elements(self) -> int:
         """Elements of the HF tensors this rank keeps (what it receives per dense sync)."""
         return sum(_elements(self.shapes[hf], n.dim, n.stop - n.start) for hf, n in self.needs.items())
-
-    def sent_elements(self) -> int:
-        return sum(_elements(self.shapes[t.hf], t.dim, t.stop - t.start)
-                   for rows in self.transfers.values() for t in rows if t.src == self.rank)
 
 
 def _elements(shape: Sequence[int], dim: int, length: int) -> int:

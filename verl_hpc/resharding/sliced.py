@@ -9,11 +9,13 @@ Every rank of the default group calls `stream` at the same point (it is collecti
 to its end. The plan is computed on the first call from every rank's holdings and needs (one
 all_gather_object) and kept while the model and the rollout's layout stay the same.
 
-Per bucket: the sends to each destination are packed into one byte buffer and exchanged with
-ONE `all_to_all_single` over the default group (gloo on CPU, NCCL on GPUs), so a rank's wire
-traffic is its slices in and the slices it serves out, and the exchange of bucket k+1 overlaps
-nothing but starts only when the consumer has taken bucket k (the stream is lazy, like the full
-path's: the consumer's load time and the exchange alternate once per bucket).
+Per bucket: the sends to each destination are packed into one byte buffer (one copy, casting to
+the wire dtype) and exchanged with ONE `all_to_all_single` over the default group (gloo on CPU,
+NCCL on GPUs), so a rank's wire traffic is its slices in and the slices it serves out. The
+exchange of bucket k+1 is launched before bucket k is handed to the consumer, so it runs while
+the consumer loads. A rank's own slices never enter the exchange (dense mode): they are views of
+its parameters, cast where the rollout's dtype differs; a slice that arrives in one piece is used
+where it landed.
 
 Delta (`delta=True`): each sender keeps what it last sent per transfer, each receiver the slice
 it last received (in the wire dtype: the rollout's). Elements whose bits did not change are not
@@ -21,9 +23,10 @@ sent (verl_hpc.resharding.delta picks dense, index or bitmap per transfer, never
 the receiver patches its copy and hands the whole slice on, since the rollout engine's loader
 takes whole tensors. One extra small exchange per bucket carries each transfer's (mode, count,
 checksum); the receiver checks its patched copy against the sender's checksum, so a copy that
-drifted is an error, never a silent divergence. After a failed sync both sides drop their
-copies: the next sync is dense. Memory: the sender's copies are the size of what it serves, the
-receiver's the size of its slices, on the parameters' device.
+drifted is an error, never a silent divergence. Under delta a rank's own slices go through the
+codec too (counted and checked like the others, no wire). After a failed sync both sides drop
+their copies: the next sync is dense. Memory: the sender's copies are the size of what it
+serves, the receiver's the size of its slices, on the parameters' device.
 """
 from __future__ import annotations
 
@@ -271,8 +274,7 @@ class SlicedSync:
                 base = need.start if need.dim == t.dim else 0
                 region = out[t.hf].narrow(t.dim, t.start - base, t.stop - t.start)
                 mode, count, check = head[j]
-                n = _numel(region.shape)
-                size = codec.payload_bytes(mode, count, n, region.element_size())
+                size = codec.payload_bytes(mode, count, n, element_size)
                 payload = incoming[offset:offset + size]
                 if region.is_contiguous():
                     codec.decode(mode, count, payload, region)
