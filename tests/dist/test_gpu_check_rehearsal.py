@@ -30,3 +30,4 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     assert all(status[n] == "NOT" for n in NEVER_ON_CPU), table
     assert "the job was planned and trained: plan update_actor" in table
     assert "DistributedOptimizer step, ranks equal" in table
+    assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table

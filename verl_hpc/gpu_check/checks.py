@@ -362,8 +362,9 @@ def vllm_gpu(kit: Kit) -> str:
 
 
 def tp_gt_1(kit: Kit) -> str:
-    """Two ranks on two GPUs (multi_gpu.py): TP 2 log-probs vs transformers and a TP 2 step, then a
-    DP 2 step with the distributed optimizer, parameters equal on both ranks."""
+    """Two ranks on two GPUs (multi_gpu.py): TP 2 log-probs vs transformers and a TP 2 step, the
+    sliced weight sync of that engine (NCCL all_to_all, delta checksums on the device), then a DP 2
+    step with the distributed optimizer, parameters equal on both ranks."""
     import torch
 
     from verl_hpc.gpu_check.multi_gpu import WORLD, run_two_ranks
@@ -380,8 +381,15 @@ def tp_gt_1(kit: Kit) -> str:
     diff = (got - ref).abs()[mask]
     bound = 1e-4 if kit.rehearsal else 0.1
     assert float(diff.max()) < bound, f"TP 2 vs transformers: max |diff| {float(diff.max()):.3g} >= {bound}"
+    sync = res["sliced_sync"]
+    for layout, s in sync.items():
+        assert not s["mismatches"], f"sliced weight sync into {layout}: slices differ from the export: {s['mismatches']}"
+        assert s["delta_bytes"] == 0, f"sliced weight sync into {layout}: a delta of nothing sent {s['delta_bytes']} bytes"
+    assert sync["inference_tp2"]["bytes"] < 0.6 * sync["inference_tp1"]["bytes"], sync
     return (f"{res['backend']}: TP 2 log-probs max |diff| {float(diff.max()):.3g} (bound {bound}), TP 2 step "
-            f"loss {res['tp2_step']['loss']:.4f}; DP 2 {res['dp2_step']['optimizer']} step, ranks equal")
+            f"loss {res['tp2_step']['loss']:.4f}; sliced weight sync bitwise into inference TP 2 / TP 1 "
+            f"({sync['inference_tp2']['bytes'] / 1e6:.2f} / {sync['inference_tp1']['bytes'] / 1e6:.2f} MB a rank), "
+            f"a delta of nothing 0 bytes; DP 2 {res['dp2_step']['optimizer']} step, ranks equal")
 
 
 def multinode_nccl(kit: Kit) -> str:
@@ -414,7 +422,7 @@ CHECKS: List[Check] = [
           "1 GPU (sm >= 8.9) + Transformer Engine"),
     Check("vllm_gpu", "vLLM beside the engine: bf16, sleep level 2, wake, load_weights, log-probs",
           vllm_gpu, ("train_step",), "1 GPU + vLLM (not in the carried wheels)"),
-    Check("tp_gt_1", "TP 2 (log-probs, a step) and DP 2 with the distributed optimizer, 2 ranks",
+    Check("tp_gt_1", "TP 2 (log-probs, a step, the sliced weight sync) and DP 2 with the distributed optimizer, 2 ranks",
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
     Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]

@@ -51,6 +51,23 @@ def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeo
     return json.loads((work / "rank0.json").read_text())
 
 
+def _sliced_sync(eng, rank: int) -> dict:
+    """The sliced weight sync of the trained TP 2 engine (one all_to_all per bucket: NCCL on GPUs)
+    into inference TP 2 and TP 1, with delta: the first sync dense and bitwise the export's
+    slices, the second (nothing moved) sends nothing and checks every slice's checksum."""
+    from verl_hpc.resharding import SliceSink, WeightSync
+
+    want = {n: t.detach().clone() for n, t in eng.export_hf_weights()}
+    out = {}
+    for itp in (2, 1):
+        sink, syncer = SliceSink(rank % itp, itp), WeightSync(bucket_mb=1, mode="sliced", delta=True)
+        first = syncer(eng, sink)
+        second = syncer(eng, sink)
+        out[f"inference_tp{itp}"] = {"mismatches": sink.mismatches(want)[:5], "bytes": first["sync/bytes"],
+                                     "delta_bytes": second["sync/bytes"]}
+    return out
+
+
 def _rank_main(work: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -79,6 +96,7 @@ def _rank_main(work: Path) -> None:
     moved = sum(not torch.equal(a, b) for a, b in zip(before, eng._parameters()))
     assert moved > 0, "TP 2: no parameter changed"
     result["tp2_step"] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved}
+    result["sliced_sync"] = _sliced_sync(eng, rank)
     del eng, before
     destroy_model_parallel()
 
