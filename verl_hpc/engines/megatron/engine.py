@@ -379,30 +379,26 @@ class MegatronEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ weights and state
 
+    @contextlib.contextmanager
+    def exported_model(self):
+        """The model chunks, resident and with their parameters gathered: what export_hf_weights
+        reads, for a reader of this rank's own shards alone (the sliced weight sync)."""
+        with self.resident("forward"):  # offloaded weights come back for the export, then leave
+            self._sync_params()
+            yield self.gpt_chunks
+
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """The weights as full HF tensors, some of them views of live parameters. With
         param_offload a consumer that holds tensors past the generator's end (the weight sync's
         last bucket) must hold `resident("forward")` itself until it is done with them: this
         block's offload runs when the generator is exhausted (resharding.sync.held_resident)."""
-        with self.resident("forward"):  # offloaded weights come back for the export, then leave
-            self._sync_params()
+        with self.exported_model() as chunks:
             if self.options.head == "value":
                 from verl_hpc.engines.megatron.value_head import export_value_model
 
-                yield from export_value_model(self.gpt_chunks, self.heads)
+                yield from export_value_model(chunks, self.heads)
             else:
-                yield from export_hf_weights(self.gpt_chunks)
-
-    @contextlib.contextmanager
-    def exported_model(self):
-        """The model chunks, resident and with their parameters gathered, for a reader of this
-        rank's own shards (the sliced weight sync): what export_hf_weights reads, without its
-        collectives. A value model has no rollout copy, so nothing to give."""
-        if self.options.head == "value":
-            raise TypeError("a value model's weights are not synced to a rollout engine")
-        with self.resident("forward"):
-            self._sync_params()
-            yield self.gpt_chunks
+                yield from export_hf_weights(chunks)
 
     # ------------------------------------------------------------------ LoRA
 
