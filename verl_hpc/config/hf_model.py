@@ -50,6 +50,9 @@ class ModelShape(NamedTuple):
     ffn: int = 0  # intermediate_size; 0 when config.json does not say
     source: str = "config.json"
     head_dim: int = 0  # head_dim, else hidden_size / heads; 0 when config.json says neither
+    experts: int = 0  # routed experts of a mixture-of-experts model; 0 for a dense one
+    expert_ffn: int = 0  # each routed expert's intermediate size (then `ffn` is 0: no dense MLP)
+    shared_ffn: int = 0  # the shared expert's intermediate size (split over tp like a dense MLP)
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -61,8 +64,14 @@ def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
     try:
         heads = int(data["num_attention_heads"])
         head_dim = int(data.get("head_dim") or int(data.get("hidden_size") or 0) // max(heads, 1))
+        ffn = int(data.get("intermediate_size") or 0)
+        experts = int(data.get("num_local_experts") or data.get("num_experts") or 0)
+        # Mixtral's experts are intermediate_size wide; Qwen-MoE's moe_intermediate_size
+        expert_ffn = int(data.get("moe_intermediate_size") or ffn) if experts else 0
         return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
                           int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0),
-                          int(data.get("intermediate_size") or 0), f"({field} config.json)", head_dim)
+                          0 if experts else ffn, f"({field} config.json)", head_dim, experts=experts,
+                          expert_ffn=expert_ffn,
+                          shared_ffn=int(data.get("shared_expert_intermediate_size") or 0) if experts else 0)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None

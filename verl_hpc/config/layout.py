@@ -1,6 +1,11 @@
 """The parallel layout rules, written once: how tp x pp (x cp) tiles the world, the data-parallel
 size that follows, and how a model's heads, FFN and layers must split across tp and pp.
 
+Experts (a mixture-of-experts model) follow Megatron-Core's second tiling of the same ranks: within
+each pipeline stage the tp * cp * dp ranks are regrouped as etp * ep * edp (expert tensor parallel,
+expert parallel, expert data parallel), so ep * etp must divide tp * cp * dp; the experts split
+over ep (whole experts per rank), each expert's FFN over etp (default: etp = tp).
+
 Config validation (before submission), Megatron's process-group set-up and the model mapping all
 call these, so a rule and its message cannot drift between the login node and the ranks.
 """
@@ -21,6 +26,18 @@ class Layout:
     cp: int = 1
     vpp: Optional[int] = None
     world_words: str = ""  # how the world size was formed, for messages
+    ep: int = 1  # expert parallel
+    etp: Optional[int] = None  # expert tensor parallel; None = tp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size (replicas of each expert); 0 when the experts do not tile."""
+        per_stage, experts = self.tp * self.cp * self.dp, self.ep * self.expert_tp
+        return per_stage // experts if experts > 0 and per_stage and per_stage % experts == 0 else 0
 
     @property
     def model_size(self) -> int:
@@ -58,6 +75,13 @@ class Layout:
         if self.vpp is not None and self.pp <= 1:
             p.append(f"parallel.vpp = {self.vpp} needs parallel.pp > 1 (got {self.pp}): it interleaves "
                      "pipeline stages")
+        p += [f"parallel.{name}: must be > 0, got {value}" for name, value in
+              (("ep", self.ep), ("etp", self.expert_tp)) if not isinstance(value, int) or value < 1]
+        if self.tiles and self.ep > 0 and self.expert_tp > 0 and self.edp == 0:
+            p.append(f"parallel.ep * parallel.etp = {self.ep} * {self.expert_tp} does not divide the "
+                     f"{self.tp * self.cp * self.dp} ranks of a pipeline stage (parallel.tp {self.tp} * "
+                     f"{'parallel.cp ' + str(self.cp) + ' * ' if self.cp > 1 else ''}data parallel "
+                     f"{self.dp}): expert parallelism regroups those ranks")
         return p
 
     def model_problems(self, m: ModelShape) -> List[str]:
@@ -66,6 +90,19 @@ class Layout:
              for name, count in (("num_attention_heads", m.heads), ("num_key_value_heads", m.kv_heads),
                                  ("intermediate_size", m.ffn))
              if self.tp > 0 and count and count % self.tp]
+        if self.ep > 1 and not m.experts:
+            p.append(f"parallel.ep = {self.ep} needs a mixture-of-experts model; the model has no experts "
+                     f"{m.source}")
+        if m.experts and self.ep > 0 and m.experts % self.ep:
+            valid = ", ".join(str(d) for d in range(1, m.experts + 1) if m.experts % d == 0)
+            p.append(f"parallel.ep = {self.ep} does not divide the model's number of experts = {m.experts} "
+                     f"{m.source}: each expert-parallel rank holds whole experts; valid: {valid}")
+        if m.expert_ffn and self.expert_tp > 0 and m.expert_ffn % self.expert_tp:
+            p.append(f"parallel.etp = {self.expert_tp} does not divide the model's expert intermediate size "
+                     f"= {m.expert_ffn} {m.source}")
+        if m.shared_ffn and self.tp > 0 and m.shared_ffn % self.tp:
+            p.append(f"parallel.tp = {self.tp} does not divide the model's shared_expert_intermediate_size "
+                     f"= {m.shared_ffn} {m.source}")
         stages = self.pp * (self.vpp or 1)
         if stages > 0 and m.layers % stages:
             what = "parallel.pp" if self.vpp is None else f"parallel.pp * parallel.vpp = {self.pp} * {self.vpp}"

@@ -87,7 +87,7 @@ class JobConfig:
         if self.placement.split:
             words = (f"the {self.train_world_size} training ranks ({self.world_words} - "
                      f"placement.rollout_ranks {self.placement.rollout_ranks})")
-        return Layout(self.train_world_size, p.tp, p.pp, vpp=p.vpp, world_words=words)
+        return Layout(self.train_world_size, p.tp, p.pp, vpp=p.vpp, world_words=words, ep=p.ep, etp=p.etp)
 
     @property
     def sequences_per_example(self) -> int:

@@ -2,7 +2,8 @@
 
 Supported: decoder-only Llama, Qwen2 and Mistral checkpoints, i.e. RMSNorm, SwiGLU MLP, RoPE
 (default, linear or llama3 scaling), grouped-query attention, tied or untied embeddings, and
-Qwen2's QKV bias. Anything else is refused with an error that names the config.json field and
+Qwen2's QKV bias; and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (models/moe.py:
+routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms). Anything else is refused with an error that names the config.json field and
 what would be accepted: a model that loads but computes something else is worse than no model.
 
 config.json is read as plain JSON (not through transformers) so that errors can name the exact
@@ -20,15 +21,24 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
+from verl_hpc.models.moe import (
+    MOE_ARCHITECTURES,
+    MOE_DEFAULTS,
+    MoEArch,
+    check_family_fields,
+    parse_moe,
+    transformer_overrides,
+)
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "MistralForCausalLM": "mistral"}
+                 "MistralForCausalLM": "mistral", **MOE_ARCHITECTURES}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 # transformers' own defaults for fields a config.json may leave out
 _DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048),
              "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
-             "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072)}
+             "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072),
+             **MOE_DEFAULTS}
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
 
@@ -37,7 +47,7 @@ DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by defaul
 class ModelArch:
     """A validated decoder-only architecture, in Megatron's terms."""
 
-    family: str  # llama | qwen2 | mistral
+    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe
     architecture: str  # the HF class name, e.g. LlamaForCausalLM
     vocab_size: int  # real vocabulary (config.json); Megatron pads it, see padded_vocab_size
     hidden_size: int
@@ -53,6 +63,8 @@ class ModelArch:
     qkv_bias: bool
     max_position_embeddings: int
     source: str = "config.json"  # where it came from, for messages
+    moe: Optional[MoEArch] = None  # the routed experts; None for a dense model
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
 
     @property
     def heads_per_group(self) -> int:
@@ -138,6 +150,7 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{src}: hidden_act={act!r} is not supported; only 'silu' (SwiGLU)")
+    check_family_fields(cfg, family, src)
     if family in ("llama", "mistral"):
         for key in ("attention_bias", "mlp_bias"):
             if cfg.get(key):
@@ -152,16 +165,18 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
                           f"supported, use the unquantized model")
     theta, scaling = _rope(cfg, family, src)
     defaults = _DEFAULTS[family]
+    moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
     return ModelArch(
         family=family, architecture=arch_name,
         vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,
-        ffn_hidden_size=_int_field(cfg, "intermediate_size", src),
+        ffn_hidden_size=moe.expert_ffn if moe else _int_field(cfg, "intermediate_size", src),
         num_layers=_int_field(cfg, "num_hidden_layers", src),
         num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
+        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe",
         max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
                                            defaults["max_position_embeddings"]),
         source=src)
@@ -174,23 +189,32 @@ def load_arch(model_path) -> ModelArch:
 
 def model_shape(arch: ModelArch) -> ModelShape:
     """The numbers the layout rules need, from a parsed architecture."""
+    moe = arch.moe
     return ModelShape(arch.num_attention_heads, arch.num_query_groups, arch.num_layers, arch.vocab_size,
-                      arch.max_position_embeddings, arch.ffn_hidden_size, f"({arch.source})", arch.head_dim)
+                      arch.max_position_embeddings, 0 if moe else arch.ffn_hidden_size, f"({arch.source})",
+                      arch.head_dim, experts=moe.num_experts if moe else 0,
+                      expert_ffn=moe.expert_ffn if moe else 0, shared_ffn=moe.shared_ffn if moe else 0)
 
 
-def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None) -> None:
+def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None, ep: int = 1,
+                   etp: Optional[int] = None) -> None:
     """Errors naming both the parallel field and the model field when the layout cannot split."""
-    raise_if_any(Layout(tp * pp, tp, pp, vpp=vpp).model_problems(model_shape(arch)))
+    lay = Layout(tp * pp * ep, tp, pp, vpp=vpp, ep=ep, etp=etp)
+    raise_if_any(lay.model_problems(model_shape(arch)))
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
                        dtype=None, init_weights: bool = False,
-                       use_cpu_initialization: Optional[bool] = None, **overrides):
+                       use_cpu_initialization: Optional[bool] = None, ep: int = 1,
+                       etp: Optional[int] = None, moe_options: Optional[Dict[str, Any]] = None,
+                       **overrides):
     """Megatron `TransformerConfig` for `arch` at this layout.
 
     init_weights=False skips Megatron's random initialisation: weights come from the checkpoint,
     and Megatron's CPU initialisation would build each full matrix on every rank first.
-    `overrides` are passed through (e.g. recompute settings from the engine).
+    `overrides` are passed through (e.g. recompute settings from the engine). For an MoE model,
+    `ep`/`etp` are the expert (tensor) parallel sizes (etp None: tp, Megatron's default) and
+    `moe_options` the job's aux_loss_coef / z_loss_coef / capacity_factor.
     """
     import torch  # local: the planner imports this module on login nodes without torch
 
@@ -198,7 +222,8 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
 
     from verl_hpc.runtime.device import has_gpu  # runtime imports torch
 
-    check_parallel(arch, tp, pp)
+    etp = tp if etp is None else etp
+    check_parallel(arch, tp, pp, ep=ep, etp=etp)
     dtype = torch.float32 if dtype is None else dtype
     kwargs = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
@@ -216,6 +241,9 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
         else use_cpu_initialization,
         # the fused kernels need CUDA/apex; the unfused paths are exact and run everywhere
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False)
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        qk_layernorm=arch.qk_norm)
+    if arch.moe is not None:
+        kwargs.update(transformer_overrides(arch.moe, ep, etp, **(moe_options or {})))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

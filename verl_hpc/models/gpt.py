@@ -24,6 +24,7 @@ from verl_hpc.models.config_mapping import (
     padded_vocab_size,
     transformer_config,
 )
+from verl_hpc.models.moe import use_torch_router_gemm
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -73,17 +74,25 @@ def _check_fp8_runs_here() -> None:
                            "model.fp8=false")
 
 
-def layer_spec(use_te: Optional[bool] = None, fp8: bool = False):
-    """The decoder layer spec: TE on GPU when available (required for fp8), local otherwise."""
+def layer_spec(use_te: Optional[bool] = None, fp8: bool = False, arch: Optional[ModelArch] = None):
+    """The decoder layer spec: TE on GPU when available (required for fp8), local otherwise. For
+    an MoE `arch`: its experts as SequentialMLP (models/moe.py says why not grouped GEMMs), and
+    Qwen3's q/k norms."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if fp8:
         _check_fp8_runs_here()
     if use_te is None:
         use_te = has_gpu() and transformer_engine_available()
+    experts = arch.moe.num_experts if arch is not None and arch.moe is not None else None
+    qk = bool(arch is not None and arch.qk_norm)
+    if experts:
+        use_torch_router_gemm()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                                qk_layernorm=qk)
+    return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
+                                          normalization="RMSNorm")
 
 
 def _rope_kwargs(arch: ModelArch) -> dict:
@@ -225,7 +234,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
     config = gpt_transformer_config(arch, tp, pp, dtype=dtype, fp8=fp8, fp8_recipe=fp8_recipe,
                                     vp_stage=vp_stage, **config_overrides)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(use_te, fp8),
+        config=config, transformer_layer_spec=layer_spec(use_te, fp8, arch),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
@@ -262,7 +271,8 @@ def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dt
             raise ValueError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
                              f"num_hidden_layers={arch.num_layers} of {arch.source}")
         config_overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
-    return transformer_config(arch, tp, pp, dtype=dtype, **config_overrides)
+    return transformer_config(arch, tp, pp, dtype=dtype, ep=ps.get_expert_model_parallel_world_size(),
+                              etp=ps.get_expert_tensor_parallel_world_size(), **config_overrides)
 
 
 def full_vocab_logits(logits: torch.Tensor, arch: ModelArch) -> torch.Tensor:

@@ -295,7 +295,7 @@ def factor_rule(target: str, factor: str):
         return _Shared(tuple(hf)) if factor == "A" else QKV("weight")
     if target == "linear_fc1":
         return _Shared(tuple(hf)) if factor == "A" else GateUp()
-    return Split(hf[0], "proj" if target == "linear_proj" else "fc2") if factor == "A" else Copy(hf[0])
+    return Split(hf[0], "proj" if target == "linear_proj" else "ffn") if factor == "A" else Copy(hf[0])
 
 
 def adapter_items(chunk):

@@ -1,12 +1,15 @@
 """Tiny Hugging Face models for tests and the demo: a real HF folder, made from nothing, offline.
 
-    python -m verl_hpc.models.tiny OUT --family llama|qwen2|mistral [--tied] [--layers 2] [--shards 2]
+    python -m verl_hpc.models.tiny OUT --family llama|qwen2|mistral|mixtral|qwen2_moe|qwen3_moe
+                                   [--tied] [--layers 2] [--shards 2]
 
 writes OUT/config.json, model.safetensors (or model-0000k-of-0000n.safetensors + index.json),
 tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.from_pretrained`,
 `AutoTokenizer` and vLLM load it. Shapes default to hidden 128, 4 heads, 2 KV heads (GQA), head_dim
 32 (vLLM's CPU attention needs >= 32), vocab 500: deliberately not a multiple of 128, so Megatron's
-vocabulary padding is exercised at every TP size. Output is a pure function of the arguments.
+vocabulary padding is exercised at every TP size. The mixture-of-experts families have 4 experts of
+FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Output is a pure function of
+the arguments.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Dict, List
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 # ChatML-like: role headers between <|im_start|> / <|im_end|>, as most instruct models do.
 CHAT_TEMPLATE = (
@@ -71,10 +75,11 @@ def train_tokenizer(vocab_size: int = 480, seed: int = 0):
 def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: int = 500,
               hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
               ffn: int = 256, max_positions: int = 256, special_ids: Dict[str, int] | None = None,
-              rope_scaling: Dict | None = None):
+              rope_scaling: Dict | None = None, experts: int = 4, top_k: int = 2, expert_ffn: int = 64,
+              shared_ffn: int = 96, norm_topk_prob: bool | None = None):
     """A transformers config object of the family with tiny shapes. `rope_scaling` (e.g.
     {"rope_type": "llama3", "factor": 8.0, ...}) is merged into rope_parameters."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family not in FAMILIES:
         raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
@@ -84,8 +89,24 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
                   max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   tie_word_embeddings=tied, bos_token_id=ids.get("bos"),
                   eos_token_id=ids.get("eos"), pad_token_id=ids.get("pad"))
-    theta = {"llama": 10000.0, "mistral": 100000.0, "qwen2": 1000000.0}[family]
+    theta = {"llama": 10000.0, "mistral": 100000.0, "qwen2": 1000000.0, "mixtral": 1000000.0,
+             "qwen2_moe": 1000000.0, "qwen3_moe": 1000000.0}[family]
     rope = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
+    if family == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": expert_ffn}, head_dim=head_dim,
+                             sliding_window=None, num_local_experts=experts, num_experts_per_tok=top_k,
+                             architectures=["MixtralForCausalLM"], rope_parameters=rope)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
+                   decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=(family == "qwen3_moe") if norm_topk_prob is None else norm_topk_prob)
+        if family == "qwen3_moe":  # released Qwen3-MoE checkpoints renormalise the top-k
+            return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"],
+                                  rope_parameters=rope)
+        if hidden != heads * head_dim:
+            raise ValueError("qwen2_moe: head_dim is hidden_size / num_attention_heads in this family")
+        return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared_ffn,
+                              architectures=["Qwen2MoeForCausalLM"], rope_parameters=rope)
     if family == "llama":
         return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"],
                            rope_parameters=rope)
@@ -99,12 +120,44 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
 
 def random_state_dict(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
     """Seeded weights: matrices and biases N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
-    swapped or misplaced norm in a weight mapping changes the logits visibly."""
+    swapped or misplaced norm in a weight mapping changes the logits visibly; routers N(0, 1), so
+    that the experts a token picks are clear-cut (not near-ties that rounding could flip)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in sorted(model.state_dict().items()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        out[name] = (1.0 + 0.1 * noise) if "norm" in name else 0.02 * noise
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        out[name] = (1.0 + 0.1 * noise) if "norm" in name else noise if router else 0.02 * noise
+    return out
+
+
+def checkpoint_format(state: Dict[str, torch.Tensor], family: str) -> Dict[str, torch.Tensor]:
+    """transformers 5 keeps a mixture-of-experts layer's experts fused in memory (`gate_up_proj`
+    [E, 2F, H], `down_proj` [E, H, F]) and converts on load; released checkpoints (and vLLM, and
+    this project's loader) have one tensor per expert and matrix. This is that on-disk form:
+    experts.{e}.gate_proj/up_proj/down_proj (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2 and
+    block_sparse_moe.gate)."""
+    if family not in MOE_FAMILIES:
+        return state
+    names = ({"gate": "w1", "up": "w3", "down": "w2"} if family == "mixtral"
+             else {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+    out = {}
+    for key, t in state.items():
+        prefix, _, leaf = key.rpartition("mlp.experts.")
+        if leaf in ("gate_up_proj", "down_proj") and prefix:
+            block = prefix + ("block_sparse_moe.experts." if family == "mixtral" else "mlp.experts.")
+            block = block.replace("mlp.block_sparse_moe", "block_sparse_moe")
+            for e in range(t.shape[0]):
+                if leaf == "down_proj":
+                    out[f"{block}{e}.{names['down']}.weight"] = t[e].clone()
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{block}{e}.{names['gate']}.weight"] = gate.clone()
+                    out[f"{block}{e}.{names['up']}.weight"] = up.clone()
+        elif family == "mixtral" and key.endswith("mlp.gate.weight"):
+            out[key.replace("mlp.gate.weight", "block_sparse_moe.gate.weight")] = t
+        else:
+            out[key] = t
     return out
 
 
@@ -150,7 +203,7 @@ def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: i
                        special_ids=ids, **shape)
     torch.manual_seed(seed)  # from_config initialises weights; they are all replaced below
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = random_state_dict(model, seed)
+    state = checkpoint_format(random_state_dict(model, seed), family)
     if tied:
         state.pop("lm_head.weight", None)  # HF checkpoints of tied models store it once
     config.save_pretrained(out)

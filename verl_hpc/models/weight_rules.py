@@ -1,4 +1,5 @@
-"""HF <-> Megatron tensor rules for Llama-style decoders (Llama, Qwen2, Mistral), one per parameter.
+"""HF <-> Megatron tensor rules for Llama-style decoders (Llama, Qwen2, Mistral, and the mixture-of-
+experts Mixtral, Qwen2-MoE, Qwen3-MoE), one per parameter.
 
 Each rule knows, for one Megatron parameter of one layer:
 - `load(reader, arch, layer, lay)`: this TP rank's shard (`lay: Layout`), read as slices of the
@@ -19,6 +20,10 @@ transformers):
 - linear_fc1: TP rank r holds [gate rows of r; up rows of r]; gathered, the shards interleave.
 - linear_proj / linear_fc2 split dim 1 (row-parallel); embedding / output layer split dim 0 of
   the padded vocabulary, whose padded rows are zero on load and dropped on export.
+- MoE layers (models/moe.py): the router is replicated; routed expert e's linear_fc1 / linear_fc2
+  follow the dense rules over the *expert* tensor-parallel group (`group = "etp"`), and only the
+  ranks of e's expert-parallel rank hold it (`rule_for` binds the global expert index); the shared
+  expert follows the dense rules over the TP group.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from verl_hpc.models.config_mapping import ModelArch
+from verl_hpc.models.moe import hf_expert_names, hf_router_name, split_local_expert
 
 HFTensors = List[Tuple[str, torch.Tensor]]
 LAYER = "model.layers.{i}."
@@ -39,11 +45,44 @@ def _rows(start: int, stop: int) -> Tuple[slice, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a shard sits: this TP rank of `tp`, and the padded vocabulary of the model."""
+    """Where a shard sits: this TP rank of `tp`, and the padded vocabulary of the model; for MoE
+    models this rank's expert-parallel and expert-tensor-parallel places."""
 
     tp_rank: int
     tp: int
     padded_vocab: int
+    ep_rank: int = 0
+    ep: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+
+    def for_group(self, group: str) -> "Layout":
+        """The layout a rule of `group` ("tp" or "etp") sees as its tensor-parallel place."""
+        if group == "etp":
+            return dataclasses.replace(self, tp_rank=self.etp_rank, tp=self.etp)
+        return self
+
+    def expert_offset(self, arch: ModelArch) -> int:
+        """The global index of this rank's first routed expert."""
+        return self.ep_rank * (arch.moe.num_experts // self.ep) if arch.moe else 0
+
+
+def _dims(arch: ModelArch, what: str) -> int:
+    """Sizes a rule's HF shapes are made of."""
+    return {"hidden": arch.hidden_size, "head": arch.head_dim, "ffn": arch.ffn_hidden_size,
+            "proj": arch.num_attention_heads * arch.head_dim,
+            "experts": arch.moe.num_experts if arch.moe else 0,
+            "expert_ffn": arch.moe.expert_ffn if arch.moe else 0,
+            "shared_ffn": arch.moe.shared_ffn if arch.moe else 0, "one": 1}[what]
+
+
+def _hf_name(template: str, arch: ModelArch, layer: Optional[int], expert: Optional[int]) -> str:
+    """A rule's HF name: "{router}" / "{expert:gate|up|down}" resolve by family first."""
+    if template == "{router}":
+        template = hf_router_name(arch.family)
+    elif template.startswith("{expert:"):
+        template = hf_expert_names(arch.family)[template[len("{expert:"):-1]]
+    return template.format(i=layer, e=expert)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,48 +102,60 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
-    """Replicated on every TP rank (norm weights)."""
+    """Replicated on every TP rank (norm weights; an MoE router, Qwen2-MoE's shared-expert gate).
+    `shape`: the HF tensor's dims, by name (see _dims)."""
 
     hf: str
     tp_dim: Optional[int] = None
+    shape: Tuple[str, ...] = ("hidden",)
+    group: str = "tp"
+    expert: Optional[int] = None
+
+    def _name(self, arch, layer):
+        return _hf_name(self.hf, arch, layer, self.expert)
 
     def hf_entries(self, arch: ModelArch, layer: Optional[int]):
-        return [(self.hf.format(i=layer), (arch.hidden_size,))]
+        return [(self._name(arch, layer), tuple(_dims(arch, d) for d in self.shape))]
 
     def load(self, reader, arch, layer, lay) -> torch.Tensor:
-        return reader.read(self.hf.format(i=layer))
+        return reader.read(self._name(arch, layer))
 
     def to_hf(self, full, arch, layer, lay) -> HFTensors:
-        return [(self.hf.format(i=layer), full)]
+        return [(self._name(arch, layer), full)]
 
     def pieces(self, local, arch, layer, lay) -> List[Piece]:
-        return [Piece(self.hf.format(i=layer), None, 0, local)]
+        return [Piece(self._name(arch, layer), None, 0, local)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Row-parallel linear: the HF weight split along `tp_dim` (1 = input features)."""
+    """Row-parallel linear: the HF weight split along `tp_dim` (1 = input features).
+    `shape`: its input features, by name ("proj": heads * head_dim; "ffn", "expert_ffn", "shared_ffn")."""
 
     hf: str
-    shape: str  # "proj" (hidden, heads*head_dim) or "fc2" (hidden, ffn)
+    shape: str
     tp_dim: int = 1
+    group: str = "tp"
+    expert: Optional[int] = None
+
+    def _name(self, arch, layer):
+        return _hf_name(self.hf, arch, layer, self.expert)
 
     def hf_entries(self, arch, layer):
-        cols = arch.num_attention_heads * arch.head_dim if self.shape == "proj" else arch.ffn_hidden_size
-        return [(self.hf.format(i=layer), (arch.hidden_size, cols))]
+        return [(self._name(arch, layer), (arch.hidden_size, _dims(arch, self.shape)))]
 
     def load(self, reader, arch, layer, lay):
-        name = self.hf.format(i=layer)
+        name = self._name(arch, layer)
         size = reader.shape(name)[self.tp_dim] // lay.tp
         index = [slice(None)] * (self.tp_dim + 1)
         index[self.tp_dim] = slice(lay.tp_rank * size, (lay.tp_rank + 1) * size)
         return reader.read(name, tuple(index))
 
     def to_hf(self, full, arch, layer, lay):
-        return [(self.hf.format(i=layer), full)]
+        return [(self._name(arch, layer), full)]
 
     def pieces(self, local, arch, layer, lay):
-        return [Piece(self.hf.format(i=layer), self.tp_dim, lay.tp_rank * local.shape[self.tp_dim], local)]
+        return [Piece(self._name(arch, layer), self.tp_dim, lay.tp_rank * local.shape[self.tp_dim], local)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +164,7 @@ class Vocab:
 
     hf: str
     tp_dim: int = 0
+    group: str = "tp"
 
     def hf_entries(self, arch, layer):
         return [(self.hf, (arch.vocab_size, arch.hidden_size))]
@@ -141,6 +193,7 @@ class QKV:
 
     part: str  # "weight" | "bias"
     tp_dim: int = 0
+    group: str = "tp"
 
     def _names(self, layer):
         return [f"{LAYER}self_attn.{p}_proj.{self.part}".format(i=layer) for p in "qkv"]
@@ -182,32 +235,37 @@ class QKV:
 
 @dataclasses.dataclass(frozen=True)
 class GateUp:
-    """gate_proj/up_proj <-> Megatron's linear_fc1 ([gate; up] per TP rank)."""
+    """gate_proj/up_proj <-> Megatron's linear_fc1 ([gate; up] per TP rank); an MoE layer's
+    routed experts (over the expert-TP group) and shared expert have the same layout."""
 
     tp_dim: int = 0
+    hf: Tuple[str, str] = (LAYER + "mlp.gate_proj.weight", LAYER + "mlp.up_proj.weight")
+    ffn: str = "ffn"  # the intermediate size, by name (see _dims)
+    group: str = "tp"
+    expert: Optional[int] = None
 
-    @staticmethod
-    def _names(layer):
-        return [f"{LAYER}mlp.{p}_proj.weight".format(i=layer) for p in ("gate", "up")]
+    def _names(self, layer, arch=None):
+        return [_hf_name(t, arch, layer, self.expert) for t in self.hf]
 
     def hf_entries(self, arch, layer):
-        return [(n, (arch.ffn_hidden_size, arch.hidden_size)) for n in self._names(layer)]
+        return [(n, (_dims(arch, self.ffn), arch.hidden_size)) for n in self._names(layer, arch)]
 
     def load(self, reader, arch, layer, lay):
-        rows = arch.ffn_hidden_size // lay.tp
+        rows = _dims(arch, self.ffn) // lay.tp
         return torch.cat([reader.read(n, _rows(lay.tp_rank * rows, (lay.tp_rank + 1) * rows))
-                          for n in self._names(layer)], dim=0)
+                          for n in self._names(layer, arch)], dim=0)
 
     def to_hf(self, full, arch, layer, lay):
         tail = full.shape[1:]  # (hidden,) for the weight, (r,) for a LoRA B factor (models/lora.py)
-        per_rank = full.reshape(lay.tp, 2, arch.ffn_hidden_size // lay.tp, *tail)
-        return [(n, per_rank[:, j].reshape(arch.ffn_hidden_size, *tail).contiguous())
-                for j, n in enumerate(self._names(layer))]
+        ffn = _dims(arch, self.ffn)
+        per_rank = full.reshape(lay.tp, 2, ffn // lay.tp, *tail)
+        return [(n, per_rank[:, j].reshape(ffn, *tail).contiguous())
+                for j, n in enumerate(self._names(layer, arch))]
 
     def pieces(self, local, arch, layer, lay):
         rows = local.shape[0] // 2
         return [Piece(n, 0, lay.tp_rank * rows, local[j * rows:(j + 1) * rows])
-                for j, n in enumerate(self._names(layer))]
+                for j, n in enumerate(self._names(layer, arch))]
 
 
 # Megatron parameter name within a decoder layer -> rule. Local spec names, plus the Transformer
@@ -221,8 +279,38 @@ LAYER_RULES: Dict[str, object] = {
     "pre_mlp_layernorm.weight": Copy(LAYER + "post_attention_layernorm.weight"),
     "mlp.linear_fc1.layer_norm_weight": Copy(LAYER + "post_attention_layernorm.weight"),
     "mlp.linear_fc1.weight": GateUp(),
-    "mlp.linear_fc2.weight": Split(LAYER + "mlp.down_proj.weight", "fc2"),
+    "mlp.linear_fc2.weight": Split(LAYER + "mlp.down_proj.weight", "ffn"),
+    # mixture-of-experts layers (models/moe.py)
+    "self_attention.q_layernorm.weight": Copy(LAYER + "self_attn.q_norm.weight", shape=("head",)),
+    "self_attention.k_layernorm.weight": Copy(LAYER + "self_attn.k_norm.weight", shape=("head",)),
+    "mlp.router.weight": Copy("{router}", shape=("experts", "hidden")),
+    "mlp.shared_experts.linear_fc1.weight": GateUp(hf=(LAYER + "mlp.shared_expert.gate_proj.weight",
+                                                       LAYER + "mlp.shared_expert.up_proj.weight"),
+                                                   ffn="shared_ffn"),
+    "mlp.shared_experts.linear_fc2.weight": Split(LAYER + "mlp.shared_expert.down_proj.weight", "shared_ffn"),
+    "mlp.shared_experts.gate_weight": Copy(LAYER + "mlp.shared_expert_gate.weight", shape=("one", "hidden")),
 }
+# a routed expert's parameters (after `mlp.experts.local_experts.{j}.`); rule_for binds the expert
+EXPERT_RULES: Dict[str, object] = {
+    "linear_fc1.weight": GateUp(hf=("{expert:gate}", "{expert:up}"), ffn="expert_ffn", group="etp"),
+    "linear_fc2.weight": Split("{expert:down}", "expert_ffn", group="etp"),
+}
+
+
+def _layer_rule_applies(name: str, arch: ModelArch) -> bool:
+    """Which LAYER_RULES a checkpoint of `arch` holds (the TE spec's fused-norm names aside)."""
+    if name.endswith(".bias"):
+        return arch.qkv_bias  # the QKV bias: Qwen2 and Qwen2-MoE
+    if "layernorm.weight" in name and name.startswith("self_attention.") and "linear_qkv" not in name:
+        return arch.qk_norm
+    if name.startswith("mlp.linear_fc"):
+        return arch.moe is None
+    if name.startswith("mlp.router"):
+        return arch.moe is not None
+    if name.startswith("mlp.shared_experts."):
+        return bool(arch.moe and arch.moe.shared_ffn) and (name != "mlp.shared_experts.gate_weight"
+                                                             or arch.moe.shared_gate)
+    return True
 
 
 def model_rules(arch: ModelArch) -> Dict[str, object]:
@@ -233,20 +321,27 @@ def model_rules(arch: ModelArch) -> Dict[str, object]:
             "output_layer.weight": Vocab(lm_head)}
 
 
-def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int]):
+def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int], expert_offset: int = 0):
     """(rule, global layer or None) for a Megatron parameter name of this stage.
 
     `layer_numbers` maps the stage-local index j of `decoder.layers.{j}` to the global layer
     index (Megatron's 1-based `layer_number` minus one), which carries the pipeline offset.
+    `expert_offset`: the global index of this rank's first routed expert (Layout.expert_offset);
+    a routed expert's rule comes bound to its global index.
     """
     if name.startswith("decoder.layers."):
         local, _, suffix = name[len("decoder.layers."):].partition(".")
         if suffix in LAYER_RULES:
             return LAYER_RULES[suffix], layer_numbers[int(local)]
+        expert = split_local_expert(suffix)
+        if expert is not None and expert[1] in EXPERT_RULES:
+            rule = dataclasses.replace(EXPERT_RULES[expert[1]], expert=expert_offset + expert[0])
+            return rule, layer_numbers[int(local)]
     elif name in model_rules(arch):
         return model_rules(arch)[name], None
     raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({arch.family}); "
-                   f"verl_hpc.models.weight_rules covers the Llama/Qwen2/Mistral layer layout")
+                   f"verl_hpc.models.weight_rules covers the Llama/Qwen2/Mistral layer layout "
+                   f"and the Mixtral/Qwen2-MoE/Qwen3-MoE experts")
 
 
 def expected_hf_tensors(arch: ModelArch, output_layer: bool = True) -> Dict[str, Tuple[int, ...]]:
@@ -261,7 +356,9 @@ def expected_hf_tensors(arch: ModelArch, output_layer: bool = True) -> Dict[str,
         out.update(rule.hf_entries(arch, None))
     for i in range(arch.num_layers):
         for name, rule in LAYER_RULES.items():
-            if name.endswith(".bias") and not arch.qkv_bias:
-                continue  # Qwen2 alone has the QKV bias
-            out.update(rule.hf_entries(arch, i))
+            if _layer_rule_applies(name, arch):
+                out.update(rule.hf_entries(arch, i))
+        for e in range(arch.moe.num_experts if arch.moe else 0):
+            for rule in EXPERT_RULES.values():
+                out.update(dataclasses.replace(rule, expert=e).hf_entries(arch, i))
     return out

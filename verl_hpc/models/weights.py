@@ -13,6 +13,12 @@ How: the owning pipeline stage all-gathers each parameter over its TP group (so 
 hold the full tensor), converts it to HF tensors, and broadcasts them over the pipeline group to
 the ranks of the other stages. Data-parallel replicas each do this among themselves.
 
+Mixture-of-experts models: a routed expert's weights are gathered over the expert-TP group, then
+all-gathered over the expert-parallel group, whose ranks hold the other experts (local expert j of
+EP rank r is global expert r * E/ep + j): a stage yields, for each local expert j, the experts
+j, E/ep + j, ... of every EP rank in that order. The expert-parallel group spans data-parallel
+replicas, so every rank of a stage takes part in an export together (the trainer's ranks all do).
+
 Why this contract: the consumer is the resharding step into vLLM, which runs an engine on every
 rank of the job and whose tensor parallelism need not match training's. vLLM's loader takes full
 checkpoint-format tensors and cuts its own shards, so every rank needs every full tensor; and
@@ -29,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -70,7 +76,10 @@ def _layout(model) -> Layout:
     from megatron.core import parallel_state as ps
 
     return Layout(tp_rank=ps.get_tensor_model_parallel_rank(),
-                  tp=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.vocab_size)
+                  tp=ps.get_tensor_model_parallel_world_size(), padded_vocab=model.vocab_size,
+                  ep_rank=ps.get_expert_model_parallel_rank(), ep=ps.get_expert_model_parallel_world_size(),
+                  etp_rank=ps.get_expert_tensor_parallel_rank(),
+                  etp=ps.get_expert_tensor_parallel_world_size())
 
 
 def _exported_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -99,7 +108,8 @@ def _export_value(chunk, name: str, param: torch.Tensor) -> torch.Tensor:
 
 def _load_param(reader, chunk, name, param, layers, lay) -> None:
     arch = chunk.verl_arch
-    rule, layer = rule_for(name, arch, layers)
+    rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
+    lay = lay.for_group(rule.group)
     shard = rule.load(reader, arch, layer, lay)
     if tuple(shard.shape) != tuple(param.shape):
         raise RuntimeError(f"{name}: the HF checkpoint gives shape {tuple(shard.shape)} for "
@@ -139,20 +149,31 @@ def _tp_gather(tensor: torch.Tensor, dim: Optional[int], group, tp: int) -> torc
     return torch.cat(parts, dim=dim)
 
 
+def _expert_peers(rule, arch, lay: Layout) -> List[Any]:
+    """A routed expert's rule bound to the same local expert of every EP rank, in EP-rank order:
+    what the EP all-gather of this rank's expert yields (one rule, unbound, for anything else)."""
+    if getattr(rule, "expert", None) is None or lay.ep == 1:
+        return [rule]
+    per_rank = arch.moe.num_experts // lay.ep
+    local = rule.expert - lay.expert_offset(arch)
+    return [dataclasses.replace(rule, expert=r * per_rank + local) for r in range(lay.ep)]
+
+
 # An export source: for a chunk, its items (name, tensor, rule, global layer) in a stable order,
 # and the (HF name, shape) entries they produce without any tensor (for the pipeline plan).
 def _weight_items(chunk):
-    layers = _layer_numbers(chunk)
+    layers, arch, lay = _layer_numbers(chunk), chunk.verl_arch, _layout(chunk)
     for name, param in _exported_params(chunk):
-        rule, layer = rule_for(name, chunk.verl_arch, layers)
+        rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
         yield _export_value(chunk, name, param), rule, layer, rule.to_hf
 
 
 def _weight_entries(chunk):
-    layers = _layer_numbers(chunk)
+    layers, arch, lay = _layer_numbers(chunk), chunk.verl_arch, _layout(chunk)
     for name, _ in _exported_params(chunk):
-        rule, layer = rule_for(name, chunk.verl_arch, layers)
-        yield from rule.hf_entries(chunk.verl_arch, layer)
+        rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
+        for peer in _expert_peers(rule, arch, lay):
+            yield from peer.hf_entries(arch, layer)
 
 
 def _stage_entries(model, entries=_weight_entries) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -164,13 +185,24 @@ def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, tor
     """This stage's HF tensors, TP-gathered (collective over the TP group)."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_model_parallel_group()
+    groups = {"tp": ps.get_tensor_model_parallel_group}
+    if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        groups["etp"] = ps.get_expert_tensor_parallel_group
     for chunk in _chunks(model):
         arch, lay = chunk.verl_arch, _layout(chunk)
         for tensor, rule, layer, to_hf in items(chunk):
-            full = _tp_gather(tensor, rule.tp_dim, group, lay.tp)
-            for hf_name, t in to_hf(full, arch, layer, lay):
-                yield hf_name, (t if dtype is None else t.to(dtype))
+            rlay = lay.for_group(rule.group)
+            group = groups.get(rule.group, groups["tp"])() if rlay.tp > 1 else None
+            full = _tp_gather(tensor, rule.tp_dim, group, rlay.tp)
+            peers = _expert_peers(rule, arch, lay)
+            fulls = [full]
+            if len(peers) > 1:  # the same local expert of every EP rank
+                fulls = [torch.empty_like(full) for _ in peers]
+                dist.all_gather(fulls, full.contiguous(), group=ps.get_expert_model_parallel_group())
+            for peer, one in zip(peers, fulls):
+                for hf_name, t in (peer.to_hf(one, arch, layer, rlay) if len(peers) > 1
+                                   else to_hf(one, arch, layer, rlay)):
+                    yield hf_name, (t if dtype is None else t.to(dtype))
 
 
 def local_hf_pieces(model) -> Iterator[Piece]:
@@ -180,7 +212,7 @@ def local_hf_pieces(model) -> Iterator[Piece]:
     for chunk in _chunks(model):
         arch, lay = chunk.verl_arch, _layout(chunk)
         for tensor, rule, layer, _ in _weight_items(chunk):
-            yield from rule.pieces(tensor.detach(), arch, layer, lay)
+            yield from rule.pieces(tensor.detach(), arch, layer, lay.for_group(rule.group))
 
 
 def stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:

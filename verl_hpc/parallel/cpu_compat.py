@@ -18,6 +18,8 @@ Three kinds of replacement, narrowest that works for each target:
   = cpu, synchronize/streams = no-ops). The real `torch` module is untouched.
 - Tensor.cuda() calls (tied embeddings across pipeline stages): the methods in
   `SCOPED_TENSOR_CUDA` run with `Tensor.cuda` answering the tensor itself, for their duration only.
+- Functions (`CPU_FUNCTIONS`): a module global replaced where the CPU needs different behaviour
+  (MoE's host copy of split sizes, which is a no-op on CPU but must still give a sequence).
 - Type-name checks (item 7): `param.type() == 'torch.cuda.FloatTensor'` in the functions of
   `TYPE_NAME_FUNCTIONS`; their code objects get the CPU type names as constants. Nothing else in
   those functions changes.
@@ -58,6 +60,13 @@ TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.transformer.utils": "get_default_causal_mask (attention_mask=None) on CUDA",
     "megatron.core.tensor_parallel.mappings": "gather/scatter outputs (full-vocab logits) on CUDA",
     "megatron.core.tensor_parallel.utils": "1-D split/gather buffers (recompute) on CUDA",
+    # Mixture-of-experts layers (models/moe.py): the alltoall dispatcher's device-to-host stream and
+    # event, the router's weight moved to the current device, expert and aux-loss tensors on CUDA
+    "megatron.core.transformer.moe.token_dispatcher": "MoE: dtoh stream, its event, streams compared",
+    "megatron.core.transformer.moe.router": "MoE: router weight to the current device, aux-loss buffers",
+    "megatron.core.transformer.moe.moe_utils": "MoE: aux-loss tracker values on CUDA, record_stream",
+    "megatron.core.transformer.moe.experts": "MoE: expert weights on the current device",
+    "megatron.core.transformer.moe.shared_experts": "MoE: the shared expert's overlap stream",
 }
 # Not proxied, on purpose: tensor_parallel.layers (its CUDA uses sit behind GPU-only options:
 # use_cpu_initialization=False, sequence_parallel, gradient_accumulation_fusion) and
@@ -76,6 +85,12 @@ TYPE_NAME_FUNCTIONS: Dict[str, int] = {
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": 1,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups": 2,
 }
+# "module:function" -> (its CPU replacement's name in this module, why): module globals replaced where
+# a function's CPU behaviour differs in kind, not in placement
+CPU_FUNCTIONS: Dict[str, Tuple[str, str]] = {
+    "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu": (
+        "_host_copy", "MoE: split sizes stay tensors on CPU; all_to_all_single wants a sequence"),
+}
 CPU_TYPE_NAMES = {f"torch.cuda.{t}Tensor": f"torch.{t}Tensor" for t in ("Float", "Half", "BFloat16")}
 
 RNG_MODULE = "megatron.core.tensor_parallel.random"
@@ -90,7 +105,7 @@ _CUDA_FORWARDED = ("is_available", "device_count", "nvtx", "is_current_stream_ca
 @dataclasses.dataclass(frozen=True)
 class PatchRecord:
     target: str  # what was replaced: "module:attribute"
-    kind: str  # rng-tracker | rng-state-helper | module-torch | scoped-tensor-cuda | type-names
+    kind: str  # rng-tracker | rng-state-helper | module-torch | scoped-tensor-cuda | type-names | function
     why: str
 
 
@@ -114,7 +129,9 @@ def _cpu(device):
 
 
 class _NoStream:
-    """A CUDA stream stand-in: work on the CPU is already ordered."""
+    """A CUDA stream (and event) stand-in: work on the CPU is already ordered, so every stream is
+    the one stream (equal to each other: code that asks "am I on a side stream?" hears no), and an
+    event recorded on it is itself, already complete."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -122,7 +139,16 @@ class _NoStream:
     def wait_stream(self, *args, **kwargs):
         pass
 
-    synchronize = record_event = wait_stream
+    synchronize = wait_event = wait_stream
+
+    def record_event(self, *args, **kwargs):
+        return self
+
+    def __eq__(self, other):
+        return isinstance(other, _NoStream)
+
+    def __hash__(self):
+        return 0
 
 
 class _CpuCuda:
@@ -324,6 +350,22 @@ def _with_cpu_tensor_cuda(fn):
     return wrapper
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's `maybe_move_tensor_to_cpu` on a machine without a GPU: the tensor is already on
+    the host; only the numpy form the alltoall dispatcher asks for (its split sizes, which
+    all_to_all_single takes as a sequence) is made."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_functions() -> None:
+    for target, (replacement, why) in CPU_FUNCTIONS.items():
+        owner, attr = _owner(target)
+        _remember(target, getattr(owner, attr), "function", why)
+        setattr(owner, attr, globals()[replacement])
+
+
 def _patch_scoped_tensor_cuda() -> None:
     for target, why in SCOPED_TENSOR_CUDA.items():
         cls, meth = _owner(target)
@@ -348,6 +390,7 @@ def apply(force: bool = False) -> Tuple[PatchRecord, ...]:
     _patch_torch_globals()
     _patch_scoped_tensor_cuda()
     _patch_type_names()
+    _patch_functions()
     log.debug("cpu_compat applied %d replacements to megatron-core", len(_applied))
     return applied()
 

@@ -33,6 +33,10 @@ class ModelParallel:
     pp_rank: int
     dp_rank: int
     vpp: Optional[int]
+    ep: int
+    etp: int
+    ep_rank: int
+    etp_rank: int
     cpu_patches: Tuple[cpu_compat.PatchRecord, ...]  # what cpu_compat replaced (empty on GPU)
 
     @property
@@ -44,10 +48,11 @@ class ModelParallel:
         return self.pp_rank == self.pp - 1
 
 
-def check_layout(world_size: int, tp: int, pp: int, cp: int = 1, vpp: Optional[int] = None) -> int:
+def check_layout(world_size: int, tp: int, pp: int, cp: int = 1, vpp: Optional[int] = None,
+                 ep: int = 1, etp: Optional[int] = None) -> int:
     """The data-parallel size, or an error naming the fields when the layout cannot tile the world
     (the same rules the config validation applied before submission)."""
-    return Layout(world_size, tp, pp, cp, vpp).require()
+    return Layout(world_size, tp, pp, cp, vpp, ep=ep, etp=etp).require()
 
 
 def current() -> ModelParallel:
@@ -59,6 +64,8 @@ def current() -> ModelParallel:
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
         cpu_patches=cpu_compat.applied())
 
 
@@ -82,6 +89,7 @@ def seed_model_parallel(seed: int) -> None:
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, cp: int = 1,
+                        ep: int = 1, etp: Optional[int] = None,
                         seed: int = 1, timeout_minutes: float = 30) -> ModelParallel:
     """Create Megatron's groups over the existing default group, seed, apply CPU help.
 
@@ -89,6 +97,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     twins); megatron-core 0.16.1 turns it into `timedelta(minutes=...)` for each `new_group`, so a
     fraction of a minute is kept exactly. (0.16.1 leaves it off one group, the expert-data-parallel
     gloo twin, which dense models never use.)
+
+    `ep` / `etp`: expert (tensor) parallel sizes for mixture-of-experts models (etp None = tp);
+    Megatron regroups each stage's tp x cp x dp ranks as etp x ep x edp (config/layout.py).
 
     Re-initialising with the same sizes is a no-op; with other sizes, call
     `destroy_model_parallel()` first.
@@ -98,16 +109,19 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
     if not dist.is_initialized():
         raise RuntimeError("init_model_parallel needs torch.distributed: call "
                            "verl_hpc.runtime.bootstrap() first")
-    check_layout(dist.get_world_size(), tp, pp, cp, vpp)
+    etp = tp if etp is None else etp
+    check_layout(dist.get_world_size(), tp, pp, cp, vpp, ep, etp)
     if ps.model_parallel_is_initialized():
         have = current()
-        if (have.tp, have.pp, have.cp, have.vpp) != (tp, pp, cp, vpp):
+        if (have.tp, have.pp, have.cp, have.vpp, have.ep, have.etp) != (tp, pp, cp, vpp, ep, etp):
             raise RuntimeError(f"Megatron model parallel already initialised with tp={have.tp} "
-                               f"pp={have.pp} cp={have.cp} vpp={have.vpp}; destroy it first")
+                               f"pp={have.pp} cp={have.cp} vpp={have.vpp} ep={have.ep} etp={have.etp}; "
+                               "destroy it first")
         return have
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         # Megatron's extra gloo groups stay on (its default): get_megatron_optimizer expects them
         # unless told use_gloo_process_groups=False.
         distributed_timeout_minutes=timeout_minutes)
@@ -115,8 +129,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, vpp: Optional[int] = None, 
         cpu_compat.apply()  # before seeding: seeding fills the (CPU) RNG tracker it installs
     seed_model_parallel(seed)
     mp = current()
-    log.info("megatron model parallel: tp=%d pp=%d dp=%d cp=%d (this rank tp %d, pp %d, dp %d)%s",
-             mp.tp, mp.pp, mp.dp, mp.cp, mp.tp_rank, mp.pp_rank, mp.dp_rank,
+    log.info("megatron model parallel: tp=%d pp=%d dp=%d cp=%d ep=%d etp=%d (this rank tp %d, pp %d, "
+             "dp %d, ep %d)%s", mp.tp, mp.pp, mp.dp, mp.cp, mp.ep, mp.etp, mp.tp_rank, mp.pp_rank,
+             mp.dp_rank, mp.ep_rank,
              f", {len(mp.cpu_patches)} CPU replacements" if mp.cpu_patches else "")
     from verl_hpc.parallel.placement import log_placement
 
@@ -138,6 +153,9 @@ def _name_groups() -> None:
                ("dp" if cp1 else "dp_cp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
                ("dp_gloo", ps.get_data_parallel_group_gloo), ("pp", ps.get_pipeline_model_parallel_group),
                ("dp", ps.get_data_parallel_group), ("tp", ps.get_tensor_model_parallel_group)]
+    if ps.get_expert_model_parallel_world_size() > 1:  # the groups only exist as such for MoE
+        getters += [("ep", ps.get_expert_model_parallel_group),
+                    ("edp", ps.get_expert_data_parallel_group)]
     for name, get in getters:
         try:
             name_group(get(), name)
@@ -150,8 +168,9 @@ def init_from_config(parallel_cfg, seed: int = 1, timeout_s: Optional[float] = N
     (trainer.collective_timeout_s) bounds Megatron's groups like the default group (None: 30 min,
     Megatron's default)."""
     minutes = 30 if timeout_s is None else timeout_s / 60.0
-    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp, seed=seed,
-                               timeout_minutes=minutes)
+    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp,
+                               ep=parallel_cfg.ep, etp=parallel_cfg.etp,
+                               seed=seed, timeout_minutes=minutes)
 
 
 def destroy_model_parallel() -> None:

@@ -42,6 +42,8 @@ def _forward(chunks, ids):
     def step(data_iterator, m):
         return m(next(data_iterator), pos, None), loss_func
 
+    for chunk in chunks:  # inference: Megatron's MoE layer refuses TP without SP only in training
+        chunk.eval()
     batches = [ids[i:i + 1] for i in range(ids.shape[0])]
     iters = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     with torch.no_grad():
@@ -248,8 +250,9 @@ def _run_layout(layout: dict) -> dict:
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
 
     t = time.time()
-    mp = init_model_parallel(layout["tp"], layout["pp"], vpp=layout.get("vpp"), seed=1)
+    mp = init_model_parallel(layout["tp"], layout["pp"], vpp=layout.get("vpp"), ep=layout.get("ep", 1), seed=1)
     out = {"tp_rank": mp.tp_rank, "pp_rank": mp.pp_rank, "dp_rank": mp.dp_rank, "dp": mp.dp,
+           "ep_rank": mp.ep_rank, "ep": mp.ep,
            "patches": [p.target for p in mp.cpu_patches], "models": {},
            "seconds": {"model_parallel_init": time.time() - t}}
     for spec in layout["models"]:

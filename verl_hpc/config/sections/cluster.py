@@ -13,6 +13,10 @@ class ParallelConfig(Section):
     tp: int = opt(1, "tensor parallel", check=">0")
     pp: int = opt(1, "pipeline parallel", check=">0")
     vpp: Optional[int] = opt(None, "virtual pipeline stages per rank (interleaved schedule), needs pp > 1")
+    ep: int = opt(1, "expert parallel (mixture-of-experts models): experts split over ep ranks of a stage's "
+                     "tp * dp ranks", check=">0")
+    etp: Optional[int] = opt(None, "expert tensor parallel: each expert's FFN split over etp ranks; null = tp",
+                             check=">0")
     sequence_parallel: bool = opt(False, "splits activations across the TP group; needs tp > 1")
     use_distributed_optimizer: bool = opt(True, "shard optimizer states over data parallel")
     overlap_grad_reduce: Optional[bool] = opt(None, "DP gradient reduce during backward; auto: on with GPUs")

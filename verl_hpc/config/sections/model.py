@@ -18,6 +18,14 @@ class ModelConfig(Section):
     fp8: bool = opt(False, "Transformer Engine FP8 training; GPU only")
     fp8_recipe: str = opt("delayed", "with fp8: Megatron's scaling recipe (mxfp8: Blackwell only)",
                           choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    # Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE; the layout is parallel.ep / etp)
+    moe_aux_loss_coef: Optional[float] = opt(
+        None, "router load-balancing loss weight in the objective; null = config.json's router_aux_loss_coef",
+        check=">=0")
+    moe_z_loss_coef: float = opt(0.0, "router z-loss weight (penalises large router logits); 0 = off", check=">=0")
+    moe_capacity_factor: Optional[float] = opt(
+        None, "tokens an expert takes, x its even share; beyond it tokens are dropped. null = dropless "
+              "(as transformers and vLLM route)", check=">0")
     # Fused kernels; null = auto: on where the kernel exists, off on CPU (docs/gpu.md)
     bias_activation_fusion: Optional[bool] = opt(None, "fused SwiGLU; auto: on with a GPU")
     apply_rope_fusion: Optional[bool] = opt(None, "fused RoPE; auto: on with a GPU and Transformer Engine")

@@ -49,6 +49,7 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
     arch = engine_arch(o)
     pp = ps.get_pipeline_model_parallel_world_size()
     overrides = dict(calculate_per_token_loss=True, sequence_parallel=sequence_parallel,
+                     moe_options=o.moe_options,
                      **perf.transformer_overrides(), **recompute_overrides(o))
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vpp and pp == 2:

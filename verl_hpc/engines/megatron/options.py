@@ -63,6 +63,9 @@ class EngineOptions:
     # lora_seed starts the adapters' A factors (trainer.seed)
     lora: Any
     lora_seed: int
+    # mixture-of-experts models (model.moe_*): aux_loss_coef (None: config.json's), z_loss_coef,
+    # capacity_factor (None: dropless); ignored by dense models
+    moe_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
@@ -81,7 +84,10 @@ class EngineOptions:
                       recompute_method=par.recompute_method,
                       recompute_num_layers=par.recompute_num_layers,
                       value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True, lora_seed=cfg.trainer.seed,
-                      temperature=cfg.rollout.temperature)  # read by lm heads only
+                      temperature=cfg.rollout.temperature,  # read by lm heads only
+                      moe_options=dict(aux_loss_coef=cfg.model.moe_aux_loss_coef,
+                                       z_loss_coef=cfg.model.moe_z_loss_coef,
+                                       capacity_factor=cfg.model.moe_capacity_factor))
         if role in ("actor", "ref"):
             a = cfg.actor
             lora = cfg.lora if role == "actor" and cfg.lora.enabled else None

@@ -9,6 +9,9 @@ global shapes do not depend on TP/PP/DP/VPP:
   rows are cut off (they are zero and never trained);
 - `linear_fc1` holds [gate_r; up_r] per TP rank, so its gathered layout changes with TP; it is
   stored as two tensors `.../gate` and `.../up` of shape [ffn, hidden] instead;
+- a routed expert of an MoE layer is `decoder.layers.{L}.mlp.experts.{e}.*` with its global index
+  e (not the expert-parallel rank's local one), split over the expert-TP group, so a state saved at
+  one expert-parallel size loads at another;
 - with tied embeddings and pp > 1 the last stage's copy of the embedding is not saved; on load it
   is filled from the embedding's slabs like any other target;
 - under LoRA only the adapter factors (`.../linear_qkv.lora_A`, ...; linear_fc1's lora_B split
@@ -30,6 +33,7 @@ from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
 from verl_hpc.engines.base import EngineState
 from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
 from verl_hpc.engines.megatron.lora import state_meta as lora_state_meta
+from verl_hpc.models.moe import split_local_expert
 
 FORMAT = "verl_hpc.megatron_engine/1"
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -48,18 +52,23 @@ class Piece:
     hi: int
 
 
-def _logical_name(gpt, local: str) -> str:
+def _logical_name(gpt, local: str, expert_offset: int = 0) -> str:
     m = _LAYER.match(local)
     if m:
         j, rest = int(m.group(1)), m.group(2)
         rest = TE_NAMES.get(rest, rest)
+        expert = split_local_expert(rest)
+        if expert is not None:
+            rest = f"mlp.experts.{expert_offset + expert[0]}.{expert[1]}"
         return f"decoder.layers.{gpt.decoder.layers[j].layer_number - 1}.{rest}"
     return local
 
 
 def param_pieces(gpt, local: str, param: torch.Tensor, tp_rank: int, tp: int,
-                 value_head: bool) -> Tuple[List[Piece], bool]:
-    """(pieces, saved): saved is False for a load-only target (the tied output-layer copy)."""
+                 value_head: bool, expert_offset: int = 0) -> Tuple[List[Piece], bool]:
+    """(pieces, saved): saved is False for a load-only target (the tied output-layer copy).
+    For a routed expert's parameter, tp_rank / tp are the expert-TP place and `expert_offset` the
+    global index of this rank's first expert."""
     shape = tuple(param.shape)
     arch = gpt.verl_arch
     if local == "output_layer.weight" and value_head:
@@ -68,13 +77,13 @@ def param_pieces(gpt, local: str, param: torch.Tensor, tp_rank: int, tp: int,
         local, saved = "embedding.word_embeddings.weight", False
     else:
         saved = True
-    name = _logical_name(gpt, local)
+    name = _logical_name(gpt, local, expert_offset)
     if local in ("embedding.word_embeddings.weight", "output_layer.weight"):
         per, real = shape[0], arch.vocab_size
         start = tp_rank * per
         hi = max(0, min(per, real - start))
         return [Piece(name, (real,) + shape[1:], (start,) + (0,) * (len(shape) - 1), 0, hi)], saved
-    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora_B")) and gpt.config.gated_linear_unit:
+    if name.endswith(("linear_fc1.weight", "mlp.linear_fc1.lora_B")) and gpt.config.gated_linear_unit:
         f = shape[0] // 2
         glob = (f * tp,) + shape[1:]
         off = (tp_rank * f,) + (0,) * (len(shape) - 1)
@@ -122,9 +131,17 @@ def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:
     from megatron.core import parallel_state as ps
 
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    etp_rank, etp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     out = {}
     for gpt, local, p, head in _named_params(engine):
-        out[id(p)] = param_pieces(gpt, local, p, tp_rank, tp, value_head=head is not None)
+        m = _LAYER.match(local)
+        if m and split_local_expert(m.group(2)) is not None:
+            moe = gpt.verl_arch.moe
+            offset = ps.get_expert_model_parallel_rank() * (moe.num_experts // ps.get_expert_model_parallel_world_size())
+            out[id(p)] = param_pieces(gpt, local, p, etp_rank, etp, value_head=head is not None,
+                                      expert_offset=offset)
+        else:
+            out[id(p)] = param_pieces(gpt, local, p, tp_rank, tp, value_head=head is not None)
     return out
 
 

@@ -1,0 +1,166 @@
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE): their config.json -> `MoEArch`,
+the Megatron-Core MoE settings that compute the same thing, and the per-expert weight rules.
+
+What each family computes (transformers 5.19), and the Megatron setting that matches it:
+
+    family     router                                           experts      shared expert       attention
+    mixtral    softmax over all, top-k, renormalised            w1/w3/w2     none                Mistral's
+    qwen2_moe  softmax over all, top-k (renormalised only if     gate/up/down sigmoid-gated MLP    Qwen2's (QKV bias)
+               norm_topk_prob)
+    qwen3_moe  as qwen2_moe (norm_topk_prob true in released     gate/up/down none                per-head RMSNorm of
+               checkpoints)                                                                       q and k before RoPE
+
+Megatron's default router (top-k of the logits, softmax over those k) equals "softmax, top-k,
+renormalise"; `moe_router_pre_softmax=True` (softmax over all experts, then top-k) equals the
+unrenormalised variant. Megatron's `moe_shared_expert_gate` is Qwen2-MoE's sigmoid gate
+(`shared_expert_gate`, a [1, hidden] linear). Qwen3's q/k norms are Megatron's `qk_layernorm`.
+
+Routing is dropless by default (`model.moe_capacity_factor: null`), as in transformers and vLLM:
+then training and inference see the same experts for the same router output. The experts run as
+Megatron's `SequentialMLP` (one MLP per local expert; grouped GEMMs need Transformer Engine or the
+grouped_gemm package, which the CPU build has neither of) behind the `alltoall` token dispatcher,
+whose all-to-all runs on gloo as on NCCL.
+
+Expert parallelism: expert e of a layer lives on EP rank e // (E / ep) as its local expert
+e % (E / ep); `expert_offset` gives a rank's first global expert. The weight rules below read only
+this rank's experts (and, under expert tensor parallelism, only its slice of each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Dict, Optional
+
+from verl_hpc.config.errors import ConfigError
+
+# HF architecture -> family
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                     "Qwen3MoeForCausalLM": "qwen3_moe"}
+# transformers' defaults for fields a config.json may leave out
+MOE_DEFAULTS = {"mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096 * 32),
+                "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
+                "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768)}
+# the expert-parallel local name of an expert's parameter in a Megatron MoE layer
+LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEArch:
+    """The mixture-of-experts part of a decoder, in Megatron's terms."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int  # each routed expert's intermediate size
+    renormalize: bool  # top-k probabilities divided by their sum (Mixtral; norm_topk_prob)
+    shared_ffn: int = 0  # the shared expert's intermediate size; 0 = none
+    shared_gate: bool = False  # sigmoid gate on the shared expert's output (Qwen2-MoE)
+    router_aux_loss_coef: float = 0.0  # config.json's router_aux_loss_coef (the job may override)
+
+    @property
+    def active_experts_per_token(self) -> int:
+        return self.top_k
+
+
+def _positive(cfg, key, src, default=None) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{src}: {key}={value!r}: expected a positive integer")
+    return value
+
+
+def parse_moe(cfg: Dict[str, Any], family: str, src: str) -> MoEArch:
+    """The MoE fields of a config.json of `family`; variants this mapping does not compute are
+    refused by field name."""
+    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    experts = _positive(cfg, experts_key, src)
+    top_k = _positive(cfg, "num_experts_per_tok", src)
+    if top_k > experts:
+        raise ConfigError(f"{src}: num_experts_per_tok={top_k} is more than {experts_key}={experts}")
+    if float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ConfigError(f"{src}: router_jitter_noise={cfg['router_jitter_noise']} is not implemented; "
+                          "only 0 (no noise on the router logits)")
+    if family == "mixtral":
+        return MoEArch(experts, top_k, _positive(cfg, "intermediate_size", src), renormalize=True,
+                       router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0))
+    step = cfg.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ConfigError(f"{src}: decoder_sparse_step={step} is not supported; only 1 (every layer "
+                          "is a mixture of experts)")
+    if cfg.get("mlp_only_layers"):
+        raise ConfigError(f"{src}: mlp_only_layers={cfg['mlp_only_layers']} is not supported; only [] "
+                          "(no dense layers between the MoE layers)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return MoEArch(experts, top_k, _positive(cfg, "moe_intermediate_size", src),
+                   renormalize=bool(cfg.get("norm_topk_prob", False)), shared_ffn=shared,
+                   shared_gate=shared > 0,
+                   router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0))
+
+
+def check_family_fields(cfg: Dict[str, Any], family: str, src: str) -> None:
+    """Attention variants of the MoE families that the dense mapping would not catch."""
+    if family == "mixtral" and cfg.get("sliding_window") is not None:
+        raise ConfigError(f"{src}: sliding_window={cfg['sliding_window']} is not implemented; only "
+                          "null (full attention)")
+    if family in ("qwen2_moe", "qwen3_moe") and cfg.get("use_sliding_window"):
+        raise ConfigError(f"{src}: use_sliding_window=true is not implemented; only false")
+    if family == "qwen3_moe" and cfg.get("attention_bias"):
+        raise ConfigError(f"{src}: attention_bias=true is not supported; only false")
+    if family == "mixtral" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ConfigError(f"{src}: attention_bias/mlp_bias=true is not supported; only false")
+
+
+def transformer_overrides(moe: MoEArch, ep: int, etp: int, *, aux_loss_coef: Optional[float] = None,
+                          z_loss_coef: float = 0.0, capacity_factor: Optional[float] = None) -> Dict[str, Any]:
+    """Megatron `TransformerConfig` fields of the MoE layers at expert parallel `ep` and expert
+    tensor parallel `etp`. aux_loss_coef None: config.json's router_aux_loss_coef."""
+    aux = moe.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
+    kw: Dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn,
+        moe_router_pre_softmax=not moe.renormalize, moe_router_score_function="softmax",
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=z_loss_coef or None,
+        # the router in fp32 whatever the model's dtype: HF's routers take their softmax in fp32 too
+        moe_router_dtype="fp32", moe_permute_fusion=False)
+    if capacity_factor is not None:
+        kw.update(moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=False,
+                  moe_token_drop_policy="probs")
+    if moe.shared_ffn:
+        kw.update(moe_shared_expert_intermediate_size=moe.shared_ffn,
+                  moe_shared_expert_gate=moe.shared_gate, moe_shared_expert_overlap=False)
+    return kw
+
+
+def use_torch_router_gemm() -> None:
+    """megatron-core 0.16.1's router GEMM tests `te_general_gemm is not None`, a name its module
+    binds only when Transformer Engine imports: without TE the router fails with a NameError
+    (on CPU, and on a GPU node without TE). Binding it to None selects Megatron's own torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def experts_per_rank(moe: MoEArch, ep: int) -> int:
+    return moe.num_experts // ep
+
+
+def split_local_expert(suffix: str):
+    """'mlp.experts.local_experts.{j}.rest' -> (j, rest), else None."""
+    m = LOCAL_EXPERT.match(suffix)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def hf_expert_names(family: str) -> Dict[str, str]:
+    """The HF names of routed expert e's three matrices ({i} = layer, {e} = expert)."""
+    if family == "mixtral":
+        base = "model.layers.{i}.block_sparse_moe.experts.{e}."
+        return {"gate": base + "w1.weight", "up": base + "w3.weight", "down": base + "w2.weight"}
+    base = "model.layers.{i}.mlp.experts.{e}."
+    return {"gate": base + "gate_proj.weight", "up": base + "up_proj.weight", "down": base + "down_proj.weight"}
+
+
+def hf_router_name(family: str) -> str:
+    return ("model.layers.{i}.block_sparse_moe.gate.weight" if family == "mixtral"
+            else "model.layers.{i}.mlp.gate.weight")
