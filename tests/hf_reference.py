@@ -23,8 +23,20 @@ def perturbed_state(path, seed=11, scale=0.02):
 def load_hf(path, state=None):
     """The transformers model of a folder (fp32, eval), with `state` loaded over it if given: every
     tensor must be the model's, and only a tied lm_head may be missing."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    if state is not None and any(".experts." in k for k in state):
+        # a mixture-of-experts checkpoint has one tensor per expert, which transformers fuses on
+        # load (not in load_state_dict): load it from a folder as a checkpoint
+        with tempfile.TemporaryDirectory() as tmp:
+            shutil.copy(f"{path}/config.json", tmp)
+            save_file({k: v.contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors",
+                      metadata={"format": "pt"})
+            return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)

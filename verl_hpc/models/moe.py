@@ -164,3 +164,33 @@ def hf_expert_names(family: str) -> Dict[str, str]:
 def hf_router_name(family: str) -> str:
     return ("model.layers.{i}.block_sparse_moe.gate.weight" if family == "mixtral"
             else "model.layers.{i}.mlp.gate.weight")
+
+
+def checkpoint_views(model) -> Dict[str, Any]:
+    """{checkpoint name: writable view} for the experts and routers of a transformers MoE model,
+    whose in-memory layout differs from its checkpoint's: transformers 5 fuses a layer's experts
+    (`mlp.experts.gate_up_proj` [E, 2F, H] = [gate; up] per expert, `mlp.experts.down_proj`
+    [E, H, F]) and converts on load, and names Mixtral's `block_sparse_moe` `mlp`. Copying a
+    checkpoint-named tensor into its view updates the model as loading that checkpoint would
+    (HFRollout's weight updates). Empty for a dense model."""
+    family = MOE_ARCHITECTURES.get(type(model).__name__)
+    if family is None:
+        return {}
+    names = hf_expert_names(family)
+    out: Dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        m = re.match(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$", name)
+        if m is None:
+            continue
+        layer, what = int(m.group(1)), m.group(2)
+        if what == "gate.weight":
+            out[hf_router_name(family).format(i=layer)] = param
+        elif what == "experts.down_proj":
+            for e in range(param.shape[0]):
+                out[names["down"].format(i=layer, e=e)] = param[e]
+        else:
+            ffn = param.shape[1] // 2
+            for e in range(param.shape[0]):
+                out[names["gate"].format(i=layer, e=e)] = param[e, :ffn]
+                out[names["up"].format(i=layer, e=e)] = param[e, ffn:]
+    return out

@@ -93,8 +93,12 @@ def _div(n: int, k: int, what: str) -> int:
 class RolloutSlicer:
     """The part of each HF tensor that inference-TP rank `tp_rank` of `tp` keeps (vLLM's cut)."""
 
-    COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-    ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+    # dense MLPs, Qwen2-MoE's shared expert and every routed expert (vLLM's FusedMoE cuts each
+    # expert like a dense MLP: gate/up rows, down columns; Mixtral names them w1/w3 and w2)
+    COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|(gate|up)_proj|experts\.\d+\.w[13])\.(weight|bias)$")
+    ROW = re.compile(r"\.(self_attn\.o_proj|down_proj|experts\.\d+\.w2)\.weight$")
+    # MoE routers and Qwen2-MoE's shared-expert gate: small, replicated on every inference rank
+    REPLICATED = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate)\.weight$")
     VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
     def __init__(self, tp: int, *, head_dim: int, vocab_size: int):
@@ -120,7 +124,7 @@ class RolloutSlicer:
                     return 0, shard * self.head_dim, (shard + 1) * self.head_dim
             per = _div(shape[0], tp, f"{hf}: rows")
             return 0, tp_rank * per, (tp_rank + 1) * per
-        if len(shape) == 1:  # norms: replicated on every inference rank
+        if len(shape) == 1 or self.REPLICATED.search(hf):  # norms, routers: on every inference rank
             return 0, 0, shape[0]
         raise PlanError(f"{hf}: no rule for how the rollout engine splits it at TP {tp}")
 

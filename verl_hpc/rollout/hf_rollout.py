@@ -32,6 +32,7 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
@@ -126,13 +127,16 @@ class HFRollout(RolloutEngine):
         self.model.generation_config = GenerationConfig(
             eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
             bos_token_id=config.bos_token_id)
+        # an MoE model's experts live fused in memory; their checkpoint names get views (models/moe.py)
         self._targets = {**self.model.state_dict(keep_vars=True),
-                         **dict(self.model.named_parameters(remove_duplicate=False))}
+                         **dict(self.model.named_parameters(remove_duplicate=False)),
+                         **checkpoint_views(self.model)}
         unknown = sorted(self._required - set(self._targets))
         if unknown:
             raise ValueError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "
                              f"model's parameters ({model_path})")
-        self._optional = set(self._targets) - self._required  # e.g. a tied lm_head.weight
+        # e.g. a tied lm_head.weight; an MoE model's fused expert tensors (their views are required)
+        self._optional = set(self._targets) - self._required
 
     @classmethod
     def from_config(cls, cfg, ctx=None, **overrides) -> "HFRollout":
