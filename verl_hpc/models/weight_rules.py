@@ -297,6 +297,12 @@ EXPERT_RULES: Dict[str, object] = {
 }
 
 
+def layer_rules(arch: ModelArch) -> Dict[str, object]:
+    """The LAYER_RULES a model of `arch` has parameters for (the TE spec's fused-norm names kept)."""
+    return {n: r for n, r in LAYER_RULES.items()
+            if _layer_rule_applies(n, arch) or n.endswith("layer_norm_weight")}
+
+
 def _layer_rule_applies(name: str, arch: ModelArch) -> bool:
     """Which LAYER_RULES a checkpoint of `arch` holds (the TE spec's fused-norm names aside)."""
     if name.endswith(".bias"):
@@ -331,10 +337,10 @@ def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int], expert_o
     """
     if name.startswith("decoder.layers."):
         local, _, suffix = name[len("decoder.layers."):].partition(".")
-        if suffix in LAYER_RULES:
+        if suffix in layer_rules(arch):
             return LAYER_RULES[suffix], layer_numbers[int(local)]
         expert = split_local_expert(suffix)
-        if expert is not None and expert[1] in EXPERT_RULES:
+        if expert is not None and expert[1] in EXPERT_RULES and arch.moe is not None:
             rule = dataclasses.replace(EXPERT_RULES[expert[1]], expert=expert_offset + expert[0])
             return rule, layer_numbers[int(local)]
     elif name in model_rules(arch):

@@ -52,7 +52,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("mdl_moe")
     dirs = _make_models(root / "models")
     layouts = [dict(name=name, tp=tp, pp=pp, ep=ep,
-                    models=[dict(name=n, dir=dirs[n], export=True, spy=True, sliced=False) for n in names])
+                    models=[dict(name=n, dir=dirs[n], export=True, spy=True, sliced=True) for n in names])
                for name, (tp, pp, ep, names) in LAYOUTS.items()]
     ranks = launch(WORLD, "layouts", dict(layouts=layouts), root / "run", timeout=600)
     out = {name: [dict(r["layouts"][name], rank=r["rank"]) for r in ranks] for name in LAYOUTS}
@@ -106,5 +106,8 @@ def test_moe_ep_ranks_read_only_their_experts(layout, results):
 def test_moe_sliced_sync_gives_every_inference_rank_its_slices(layout, results):
     for name in LAYOUTS[layout][3]:
         for r in results[layout]:
-            for itp, check in r["models"][name]["sliced"].items():
-                assert check["exact"], (layout, name, r["rank"], itp, check)
+            rows = r["models"][name]["sliced"]
+            assert set(rows) == {"itp1", "itp1_delta", "itp2", "itp2_delta", "itp4", "itp4_delta"}
+            for key, row in rows.items():
+                assert row["bad"] == [], (layout, name, r["rank"], key, row["bad"][:3])
+                assert row["first"]["sync/bytes"] > 0

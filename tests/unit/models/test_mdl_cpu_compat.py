@@ -78,7 +78,7 @@ def _source_hash(target: str) -> str:
 
 def current_pins():
     hashed = (RELIED_ON + list(cpu_compat.TYPE_NAME_FUNCTIONS)
-              + list(cpu_compat.SCOPED_TENSOR_CUDA))
+              + list(cpu_compat.SCOPED_TENSOR_CUDA) + list(cpu_compat.CPU_FUNCTIONS))
     return {"touch_points": {m: _touch_points(m) for m in cpu_compat.TORCH_PROXY_MODULES},
             "source_sha256": {t: _source_hash(t) for t in hashed}}
 
@@ -112,7 +112,7 @@ def test_apply_is_idempotent_and_reverts(patched):
 
     assert cpu_compat.apply(force=True) == patched  # a second call changes nothing
     assert {r.kind for r in patched} == {"rng-tracker", "rng-state-helper", "module-torch",
-                                         "scoped-tensor-cuda", "type-names"}
+                                         "scoped-tensor-cuda", "type-names", "function"}
     assert mutils.torch is not torch
     cpu_compat.revert()
     assert mutils.torch is torch and cpu_compat.applied() == ()
@@ -165,6 +165,22 @@ def test_unknown_cuda_use_fails_loudly(patched):
     assert mutils.torch.zeros(2, device="cuda").device.type == "cpu"
     with pytest.raises(AttributeError, match="no CPU stand-in"):
         mutils.torch.cuda.mem_get_info()
+
+
+def test_moe_dispatcher_stand_ins(patched):
+    """The alltoall token dispatcher's CUDA habits on CPU: its device-to-host stream is the one
+    stream (no side-stream bookkeeping), the event it records is complete, and its split sizes
+    come back as the sequence all_to_all_single takes."""
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    stream = td.torch.cuda.Stream()
+    assert td.torch.cuda.current_stream() == stream  # "on a side stream?" -> no
+    stream.record_event().synchronize()
+    splits = td.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 5]
+    same = torch.tensor([1])
+    assert td.maybe_move_tensor_to_cpu(same) is same
 
 
 if __name__ == "__main__" and "--write-pins" in sys.argv:

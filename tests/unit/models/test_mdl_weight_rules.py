@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import padded_vocab_size, parse_hf_config
 from verl_hpc.models.hf_checkpoint import HFCheckpointReader
-from verl_hpc.models.weight_rules import LAYER_RULES, Layout, model_rules, rule_for
+from verl_hpc.models.weight_rules import LAYER_RULES, Layout, layer_rules, model_rules, rule_for
 
 
 # 8 heads in 4 query groups of head_dim 8: TP 1, 2 and 4 all split it; vocab 50 pads.
@@ -38,13 +38,13 @@ class DictReader:
 def hf_state(arch, layer=0):
     gen = torch.Generator().manual_seed(0)
     names = {}
-    for rule in list(LAYER_RULES.values()) + list(model_rules(arch).values()):
+    for rule in list(layer_rules(arch).values()) + list(model_rules(arch).values()):
         names.update(dict(rule.hf_entries(arch, layer)))
     return {n: torch.randn(shape, generator=gen) for n, shape in names.items()}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("megatron_name", sorted(LAYER_RULES) + sorted(model_rules(ARCH)))
+@pytest.mark.parametrize("megatron_name", sorted(layer_rules(ARCH)) + sorted(model_rules(ARCH)))
 def test_shards_reassemble_to_the_hf_tensors(megatron_name, tp):
     reader = DictReader(hf_state(ARCH))
     full_name = f"decoder.layers.0.{megatron_name}" if megatron_name in LAYER_RULES else megatron_name
