@@ -8,6 +8,11 @@ per layer, QKV [(q + 2 kv heads) * head_dim, h] and the output projection split 
 fc1 [2 ffn, h] and fc2 [h, ffn] split over TP, two RMSNorm weights [h] replicated; the vocabulary
 padded to a multiple of 128 * TP; embedding on the first stage, final norm and output layer on the
 last (a tied output layer with PP > 1 keeps its own copy on the last stage, as Megatron does).
+
+Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE): attention as above (plus Qwen3's two
+[head_dim] q/k norms), the router [E, h] replicated, E / ep routed experts per rank with fc1
+[2 F, h] and fc2 [h, F] split over the expert TP (etp), and Qwen2-MoE's shared expert (split over
+TP like a dense MLP) with its [1, h] gate.
 """
 from __future__ import annotations
 
@@ -74,20 +79,43 @@ class StageParams:
     embedding: int
     output: int  # output layer (vocab projection or value head) + final norm
     num_tensors: int  # parameter tensors (Megatron pads each one's start in its buffers)
+    expert_params: int = 0  # of layer_params: routed experts (sharded over expert data parallel)
 
     @property
     def total(self) -> int:
         return self.layer_params + self.embedding + self.output
 
 
-def layer_params(arch: ModelArch, tp: int) -> int:
+def layer_params(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    return sum(layer_tensor_sizes(arch, tp, ep, etp))
+
+
+def expert_layer_params(arch: ModelArch, ep: int = 1, etp: int = 1) -> int:
+    """The routed experts' elements of one layer on one rank (what the expert data-parallel group,
+    not the data-parallel group, shards in the distributed optimizer); 0 for a dense model."""
+    moe = arch.moe
+    return 0 if moe is None else (moe.num_experts // ep) * 3 * moe.expert_ffn * arch.hidden_size // etp
+
+
+def layer_tensor_sizes(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None) -> List[int]:
+    """Elements of each parameter tensor of one decoder layer on one rank (the layout above)."""
     d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
         arch.hidden_size, arch.ffn_hidden_size
     qkv_out = (nq + 2 * nkv) * d
-    per_rank = (qkv_out * h + nq * d * h + 3 * f * h) // tp
+    out = [qkv_out * h // tp, nq * d * h // tp, h, h]  # QKV, proj, the two norms (replicated)
     if arch.qkv_bias:
-        per_rank += qkv_out // tp
-    return per_rank + 2 * h  # the two norms, replicated over TP
+        out.append(qkv_out // tp)
+    moe = arch.moe
+    if moe is None:
+        return out + [2 * f * h // tp, f * h // tp]
+    etp = tp if etp is None else etp
+    if arch.qk_norm:
+        out += [d, d]
+    out.append(moe.num_experts * h)  # the router, replicated
+    out += [2 * moe.expert_ffn * h // etp, moe.expert_ffn * h // etp] * (moe.num_experts // ep)
+    if moe.shared_ffn:
+        out += [2 * moe.shared_ffn * h // tp, moe.shared_ffn * h // tp] + ([h] if moe.shared_gate else [])
+    return out
 
 
 def lora_layer_params(arch: ModelArch, rank: int, targets, tp: int) -> int:
@@ -103,8 +131,10 @@ def lora_layer_params(arch: ModelArch, rank: int, targets, tp: int) -> int:
     return sum(per_target[t] for t in targets)
 
 
-def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm") -> StageParams:
-    """What a rank of pipeline stage `stage` (0 = first) holds. head: lm | value (critic, RM)."""
+def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm", ep: int = 1,
+                 etp: Optional[int] = None) -> StageParams:
+    """What a rank of pipeline stage `stage` (0 = first) holds. head: lm | value (critic, RM).
+    ep / etp: expert (tensor) parallel sizes of an MoE model (etp None = tp)."""
     h = arch.hidden_size
     layers = arch.num_layers // pp
     vocab = padded_vocab_size(arch.vocab_size, tp)
@@ -117,8 +147,10 @@ def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm"
         elif not arch.tie_word_embeddings or pp > 1:
             output = vocab * h // tp
         output += h  # final norm
-    tensors = layers * (6 + (1 if arch.qkv_bias else 0)) + int(first) + 2 * int(last)
-    return StageParams(layers, layers * layer_params(arch, tp), embedding, output, tensors)
+    per_layer = layer_tensor_sizes(arch, tp, ep, etp)
+    tensors = layers * len(per_layer) + int(first) + 2 * int(last)
+    experts = layers * expert_layer_params(arch, ep, tp if etp is None else etp)
+    return StageParams(layers, layers * sum(per_layer), embedding, output, tensors, experts)
 
 
 def total_params(arch: ModelArch) -> int:
@@ -128,16 +160,13 @@ def total_params(arch: ModelArch) -> int:
     return arch.num_layers * layer_params(arch, 1) + emb * (1 if arch.tie_word_embeddings else 2) + h
 
 
-def stage_tensor_sizes(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm") -> List[int]:
+def stage_tensor_sizes(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm", ep: int = 1,
+                       etp: Optional[int] = None) -> List[int]:
     """Elements of each parameter tensor a rank of `stage` holds (the same layout as stage_params):
     what a per-tensor allocation (pinned host copies, vLLM's weights) is made of."""
-    d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
-        arch.hidden_size, arch.ffn_hidden_size
-    qkv_out = (nq + 2 * nkv) * d
-    layer = [qkv_out * h // tp, nq * d * h // tp, 2 * f * h // tp, f * h // tp, h, h]
-    if arch.qkv_bias:
-        layer.append(qkv_out // tp)
-    sp = stage_params(arch, tp, pp, stage, head)
+    h = arch.hidden_size
+    layer = layer_tensor_sizes(arch, tp, ep, etp)
+    sp = stage_params(arch, tp, pp, stage, head, ep, etp)
     out = layer * sp.layers
     if sp.embedding:
         out.append(sp.embedding)

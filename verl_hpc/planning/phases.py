@@ -200,18 +200,20 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
 
     def role(name, role_cfg, head, trainable, path_field, path):
         a = arch if path in ("", cfg.model.path) else _arch_for(path, path_field, allow_known)
-        params = stage_params(a, tp, pp, stage, head)
+        params = stage_params(a, tp, pp, stage, head, par.ep, par.etp)
         adapter = (params.layers * lora_layer_params(a, lora.rank, lora.target_modules, tp)
                    if lora.enabled and name == "actor" else 0)
         parts = model_state_bytes(params, prec, trainable=trainable, dp=dp,
-                                  distributed_optimizer=par.use_distributed_optimizer, adapter=adapter)
+                                  distributed_optimizer=par.use_distributed_optimizer, adapter=adapter,
+                                  edp=cfg.layout.edp or dp)
         if adapter:  # the frozen base is a frozen role's tensors (one storage each)
             trainable = False
         off = {"weights": getattr(role_cfg, "param_offload", False),
                "grads": getattr(role_cfg, "grad_offload", False),
                "optimizer": getattr(role_cfg, "optimizer_offload", False)}
         shard = dp if par.use_distributed_optimizer else 1
-        tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head), prec.param_bytes,
+        tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head, par.ep, par.etp),
+                                    prec.param_bytes,
                                     trainable, vpp or 1, shard, 2 + int(prec.master_copy), off)
         return RoleState(name, parts, off), a, params
 

@@ -23,7 +23,7 @@ log-sum-exp row per head, fp32) or "unfused" (softmax probabilities [b, a, s, s]
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import StageParams
@@ -42,11 +42,13 @@ class Precision:
 
 
 def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, dp: int,
-                      distributed_optimizer: bool, adapter: int = 0) -> Dict[str, float]:
+                      distributed_optimizer: bool, adapter: int = 0, edp: Optional[int] = None) -> Dict[str, float]:
     """weights / grads / optimizer bytes of a role on one rank. `adapter`: LoRA's trainable
     elements on this rank (lora.rank > 0): then the base is frozen (its weights only, outside
     DDP's buffers) and the fp32 adapter alone has a gradient and Adam's two moments (an fp32
-    parameter needs no master copy), sharded by the distributed optimizer."""
+    parameter needs no master copy), sharded by the distributed optimizer. An MoE model's routed
+    experts (`params.expert_params`) are sharded over the expert data-parallel size `edp`
+    (dp * tp / (ep * etp); None = dp), the rest over dp."""
     n = params.total
     out = {"weights": float(n * prec.param_bytes), "grads": 0.0, "optimizer": 0.0}
     if not trainable:
@@ -61,7 +63,10 @@ def model_state_bytes(params: StageParams, prec: Precision, *, trainable: bool, 
     out["weights"] = float(padded * prec.param_bytes)
     out["grads"] = float(padded * 4)
     opt_per_param = 8 + (4 if prec.master_copy else 0)
-    out["optimizer"] = float(padded * opt_per_param / (dp if distributed_optimizer else 1))
+    experts = params.expert_params
+    edp = dp if edp is None else max(1, edp)
+    out["optimizer"] = float(((padded - experts) / (dp if distributed_optimizer else 1)
+                              + experts / (edp if distributed_optimizer else 1)) * opt_per_param)
     return out
 
 
@@ -88,11 +93,28 @@ class ActivationSetup:
     impl: str = "te"
 
 
+def mlp_width(arch: ModelArch) -> int:
+    """The MLP intermediate width a token's activations occupy: ffn for a dense layer; for an MoE
+    layer top_k routed experts of F each, plus the shared expert."""
+    moe = arch.moe
+    return arch.ffn_hidden_size if moe is None else moe.top_k * moe.expert_ffn + moe.shared_ffn
+
+
+def moe_dispatch_bytes(arch: ModelArch, s: int, b: int, e: int) -> float:
+    """What an MoE layer's alltoall dispatcher and router keep per micro-batch, beyond the expert
+    MLPs: the router's fp32 logits and probabilities [s*b, E], and each token's top_k copies before
+    and after the expert all-to-all, on the way there and back (4 x s*b*k*h). 0 for a dense layer."""
+    moe = arch.moe
+    if moe is None:
+        return 0.0
+    return 2 * s * b * moe.num_experts * 4 + 4 * s * b * moe.top_k * arch.hidden_size * e
+
+
 def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
     """Saved activation bytes of one transformer layer for one micro-batch (no recompute)."""
     if st.impl != "paper":
-        return _implemented_layer_bytes(arch, s, b, act_bytes, st)
-    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+        return _implemented_layer_bytes(arch, s, b, act_bytes, st) + moe_dispatch_bytes(arch, s, b, act_bytes)
+    h, f, a, t = arch.hidden_size, mlp_width(arch), arch.num_attention_heads, st.tp
     hq, hkv = a * arch.head_dim, arch.num_query_groups * arch.head_dim
     sb = s * b
     e = act_bytes
@@ -119,8 +141,9 @@ def _implemented_layer_bytes(arch: ModelArch, s: int, b: int, e: int, st: Activa
     - Q and K after RoPE are new tensors; V is a view of the fused QKV output, which therefore
       stays alive whole; the attention output (proj input); flash attention's fp32 log-sum-exp;
     - SwiGLU: fc1's output (2 ffn) and the product (fc2 input); the local spec also keeps silu(gate)
-      and the gate's sum (5 ffn in all)."""
-    h, f, a, t = arch.hidden_size, arch.ffn_hidden_size, arch.num_attention_heads, st.tp
+      and the gate's sum (5 ffn in all). An MoE layer's experts: the same per token and routed expert
+      (mlp_width), its dispatcher apart (moe_dispatch_bytes)."""
+    h, f, a, t = arch.hidden_size, mlp_width(arch), arch.num_attention_heads, st.tp
     hq, hkv, d = a * arch.head_dim, arch.num_query_groups * arch.head_dim, arch.head_dim
     sb = s * b
     local = st.impl == "local"

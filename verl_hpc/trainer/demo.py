@@ -9,7 +9,8 @@ Steps, each a separate command you can also run by hand:
   4. python -m verl_hpc.submit configs/demo_rl.yaml --local        GRPO from OUT/sft/hf, validated
      (--rl-config configs/demo_rl_split.yaml: the same in split placement, asynchronous)
 Prints validation accuracy before and after the RL phase and where the plot is; exits 1 when the
-rise is under --min-rise points.
+rise is under --min-rise points. --family qwen3_moe (make demo-moe): the same with a tiny
+mixture-of-experts model, trained at expert parallel 2 (configs/demo_moe.yaml).
 
 --compare C: a second RL phase from the same warm start with config C (same seeds and steps), e.g.
 configs/demo_prime.yaml against its outcome-only baseline configs/demo_prime_rloo.yaml (make
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
                     help="the RL phase's config (default: the task's; configs/demo_rl_split.yaml: split placement, async)")
     ap.add_argument("--sft-noise", type=float, default=None, help="default: the task's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", default="llama", help="the tiny model's family (python -m verl_hpc.models.tiny "
+                    "--help), e.g. qwen3_moe for the mixture-of-experts demo (make demo-moe)")
     ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
     ap.add_argument("--compare", default=None, metavar="C",
                     help="a second RL config run from the same warm start; both validation curves in one plot")
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
         shutil.rmtree(phase, ignore_errors=True)  # a rerun starts over (no resume from the last run's checkpoints)
     common = [*([f"slurm.tasks_per_node={a.ranks}"] if a.ranks else []), f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
-    sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", "llama", "--layers", "2",
+    sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", a.family, "--layers", "2",
         "--seed", str(a.seed)], "tiny model")
     sh([py, "-m", "verl_hpc.data.prepare", task["data"], str(out / "data"), "--n-train", "2000",
         "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise), *task["data_args"]],

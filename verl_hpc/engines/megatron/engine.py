@@ -50,6 +50,7 @@ from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.megatron.options import EngineOptions, check_options, torch_dtype
 from verl_hpc.engines.megatron.partition import plan_microbatches
+from verl_hpc.engines.megatron.moe_stats import RouterStats
 from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing, prompt_groups
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
@@ -103,6 +104,9 @@ class MegatronEngine(TrainingEngine):
             self.chunks = self.gpt_chunks
             for p in self._parameters():
                 p.requires_grad_(False)
+        arch = self.gpt_chunks[0].verl_arch
+        # a trainable MoE model reports its routers' load per step (moe_stats.py)
+        self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
         self._output_layers = self._select_output_positions(o)
         self._share_prompts, self._rotary = self._prompt_sharing(o)
         self.steps_applied = 0
@@ -324,6 +328,8 @@ class MegatronEngine(TrainingEngine):
     def _train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
+        if self.router_stats is not None:
+            self.router_stats.reset()
         records = self.forward_backward(batch, loss_fn, outputs)
         # DP gradient SUM (reduce-scatter with the distributed optimizer), tied-embedding and
         # sequence-parallel norm grads; num_tokens=None: no rescaling (schedule.py docstring).
@@ -336,6 +342,8 @@ class MegatronEngine(TrainingEngine):
                        nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches), **(self._skipped or {}))
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.metrics())
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
                         metrics["loss"], grad_norm)
