@@ -29,10 +29,27 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     p = cfg.layout.model_problems(m) + rollout_tp_problems(cfg.rollout.tp, m)
     if field == "model.path" and cfg.trainer.job == "rl":  # the rollout engine serves the policy
         p += cfg.rollout.kv_cache_problems(cfg, m)
+    p += _moe_problems(cfg, m, field)
     seq = cfg.data.max_sequence_length
     if m.max_positions and seq > m.max_positions:
         p.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's "
                  f"max_position_embeddings = {m.max_positions} {m.source}")
+    return p
+
+
+def _moe_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
+    """What a mixture-of-experts model needs of the rest of the job."""
+    if not m.experts:
+        return []
+    p = []
+    par = cfg.parallel
+    if par.tp > 1 and not par.sequence_parallel:
+        p.append(f"{field} is a mixture-of-experts model {m.source} and parallel.tp = {par.tp}: Megatron's MoE "
+                 "layer trains with tensor parallelism only under parallel.sequence_parallel=true (GPUs, "
+                 "Transformer Engine); use parallel.ep (expert parallel) with parallel.tp=1 otherwise")
+    if field == "model.path" and cfg.lora.enabled:
+        p.append(f"lora.enabled with a mixture-of-experts model {m.source} is not supported: the adapters "
+                 "cover dense layers only; train the full model (parallel.ep splits its experts)")
     return p
 
 

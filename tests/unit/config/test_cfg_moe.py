@@ -1,0 +1,68 @@
+"""Mixture-of-experts models in the job config: the expert layout rules (config/layout.py) and what
+an MoE model needs of the rest of the job, each refused by name before anything is queued."""
+import json
+
+import pytest
+
+from verl_hpc.config import load_config, validate
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.layout import Layout
+
+
+@pytest.fixture
+def moe_folder(tmp_path):
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 500,
+           "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 6,
+           "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def _problems(folder, *overrides):
+    cfg = load_config(None, [f"model.path={folder}", "trainer.job=rl", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, check_model=True)
+    return "\n".join(e.value.problems)
+
+
+def test_expert_layout_rules():
+    assert Layout(8, tp=2, ep=2).edp == 2 and Layout(8, tp=2, ep=2).problems() == []
+    assert Layout(8, tp=1, pp=2, ep=4).edp == 1
+    words = " ".join(Layout(4, tp=1, ep=3).problems())
+    assert "parallel.ep * parallel.etp = 3 * 1 does not divide the 4 ranks of a pipeline stage" in words
+    assert "parallel.ep: must be > 0" in " ".join(Layout(4, ep=0).problems())
+
+
+def test_experts_must_divide_over_ep(moe_folder):
+    text = _problems(moe_folder, "parallel.ep=4", "slurm.tasks_per_node=4")
+    assert "parallel.ep = 4 does not divide the model's number of experts = 6" in text
+    assert "valid: 1, 2, 3, 6" in text
+
+
+def test_moe_with_tp_needs_sequence_parallel_and_lora_is_refused(moe_folder):
+    text = _problems(moe_folder, "parallel.tp=2", "lora.rank=8")
+    assert "Megatron's MoE layer trains with tensor parallelism only under parallel.sequence_parallel=true" in text
+    assert "lora.enabled with a mixture-of-experts model" in text
+
+
+def test_ep_needs_a_moe_model(tmp_path):
+    from verl_hpc.models.tiny import hf_config
+
+    hf_config("llama").save_pretrained(tmp_path)
+    assert "parallel.ep = 2 needs a mixture-of-experts model" in _problems(tmp_path, "parallel.ep=2")
+
+
+def test_unsupported_moe_variants_are_refused_by_field(moe_folder):
+    from verl_hpc.models.config_mapping import parse_hf_config
+
+    base = json.loads((moe_folder / "config.json").read_text())
+    for change, words in ((dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+                          (dict(mlp_only_layers=[0]), "mlp_only_layers=[0] is not supported"),
+                          (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not implemented"),
+                          (dict(num_experts_per_tok=8), "num_experts_per_tok=8 is more than num_experts=6"),
+                          (dict(architectures=["DeepseekV3ForCausalLM"]), "is not supported; supported:")):
+        with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_hf_config({**base, **change})
+    arch = parse_hf_config(base)
+    assert arch.moe.num_experts == 6 and arch.moe.renormalize is False and arch.qk_norm
