@@ -193,6 +193,21 @@ def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, back
     return out
 
 
+def moe_alltoall_bytes(layers: int, hidden: int, top_k: int, tokens: int, act_bytes: int,
+                       backward: bool, etp: int = 1) -> int:
+    """The alltoall token dispatcher of an MoE model, summed over the ranks of an expert-parallel
+    group (Megatron's MoEAlltoAllTokenDispatcher, dropless). Per MoE layer and forward, each rank
+    hands the dispatch all_to_all its tokens' top_k copies [T_r * k, h] and the combine all_to_all
+    the expert outputs of the copies routed to its experts; over the group both sum to T * k rows,
+    T = the group's tokens. The backward runs both again on the gradients. Per rank the split is
+    the router's (data dependent); the group's sum is not. With expert TP each row also goes
+    through the etp group's gather (not counted here: etp = 1)."""
+    if etp != 1:
+        raise ValueError("moe_alltoall_bytes counts etp = 1 only")
+    per_forward = 2 * layers * tokens * top_k * hidden * act_bytes
+    return per_forward * (2 if backward else 1)
+
+
 def pp_p2p_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool, sp: bool = False) -> int:
     """Activations one rank sends or receives across pipeline boundaries in one pass: pp*vpp - 1
     chunk boundaries per micro-batch, each with a sender and a receiver, spread over pp ranks

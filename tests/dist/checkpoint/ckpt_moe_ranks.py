@@ -28,7 +28,7 @@ def main(workdir: str) -> None:
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.engines.megatron import MegatronEngine, default_options
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
-    from verl_hpc.runtime import bootstrap
+    from verl_hpc.runtime import bootstrap, collectives
     from verl_hpc.trainer.sft import nll_loss
 
     args = json.loads((Path(workdir) / "args.json").read_text())
@@ -47,9 +47,14 @@ def main(workdir: str) -> None:
                 eng.load_state(lambda slabs: r.load_into(_prefixed("actor", slabs)),
                                r.metadata["trainer_state"]["engines"]["actor"])
         if step.get("train"):
+            collectives.reset()
             metrics = eng.train_step(batch, nll_loss, ("log_probs",))
             out[f"{step['name']}.metrics"] = {k: v for k, v in metrics.items() if "moe" in k or k == "loss"}
+            out[f"{step['name']}.alltoall_train"] = _alltoall_bytes(collectives.counts())
+            out["train_tokens_here"] = int(batch["input_ids"].numel()) // dist.get_world_size()
+        collectives.reset()
         logits = _full_logits(eng, ids)
+        out[f"{step['name']}.alltoall_forward"] = _alltoall_bytes(collectives.counts())
         if ctx.rank == 0:
             torch.save(logits, Path(workdir) / f"{step['name']}.logits.pt")
         out[f"{step['name']}.ep_rank"] = mp.ep_rank
@@ -63,6 +68,11 @@ def main(workdir: str) -> None:
     (Path(workdir) / f"rank{ctx.rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _alltoall_bytes(counts) -> int:
+    """Payload bytes this rank handed to all_to_all_single on the expert-parallel group."""
+    return sum(b for (op, group), (_, b) in counts.items() if op == "all_to_all_single" and group == "ep")
 
 
 if __name__ == "__main__":

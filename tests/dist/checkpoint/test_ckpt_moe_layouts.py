@@ -51,6 +51,28 @@ def test_ckpt_moe_ep2_to_ep1_to_ep2_bitwise(run):
     assert diff <= 1e-5
 
 
+def test_moe_dispatcher_bytes_equal_the_formula(run):
+    """The alltoall dispatcher's payload over the EP group (both ranks) against
+    benchmarks/scaling_formulas.moe_alltoall_bytes: a forward of the logits' ids on each rank, and
+    a train step (forward and backward) of the batch split over the 2 ranks."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
+    from scaling_formulas import moe_alltoall_bytes
+
+    layers, hidden, top_k = 2, 128, 2  # the tiny qwen2_moe
+    ranks = run["ranks"]
+    forward = sum(r["ep2_trained.alltoall_forward"] for r in ranks)
+    tokens = 2 * len(IDS) * len(IDS[0])  # every rank scores the same ids
+    want = moe_alltoall_bytes(layers, hidden, top_k, tokens, 4, backward=False)
+    train = sum(r["ep2_trained.alltoall_train"] for r in ranks)
+    want_train = moe_alltoall_bytes(layers, hidden, top_k, sum(r["train_tokens_here"] for r in ranks), 4,
+                                    backward=True)
+    print(f"dispatcher all_to_all bytes: forward {forward} / formula {want}; train {train} / {want_train}")
+    assert abs(forward / want - 1) <= 0.02 and abs(train / want_train - 1) <= 0.02
+    assert [r["ep1.alltoall_forward"] for r in ranks] == [0, 0]  # EP1: no expert-parallel traffic
+
+
 def test_ckpt_moe_step_reports_router_statistics(run):
     m = run["ranks"][0]["ep2_trained.metrics"]
     assert m["moe/dropped_fraction"] == 0.0  # dropless by default
