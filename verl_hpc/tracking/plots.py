@@ -68,6 +68,10 @@ PANELS: tuple[Panel, ...] = (
     Panel("Tool use", "share of episodes calling a tool", ("episode/tool_call_rate", "val/episode/tool_call_rate"),
           ylim=(-0.02, 1.02), right=("episode/tool_error_rate",), right_ylabel="failed share of calls",
           right_ylim=(-0.02, 1.02)),
+    # mixture-of-experts actors: how unevenly the routers load the experts (1 = even) against the
+    # router's load-balancing loss and the share of token-expert assignments dropped by capacity
+    Panel("Expert load (MoE)", "max / mean expert load", ("actor/moe/load_imbalance", "actor/moe/layer_*/load_imbalance"),
+          right=("actor/moe/aux_loss", "actor/moe/dropped_fraction"), right_ylabel="aux loss / dropped share"),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):
