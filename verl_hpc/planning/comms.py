@@ -7,9 +7,9 @@ vLLM (in-process, `external_launcher`) makes its own over the same default group
 rank belongs to holds device memory until the process ends (vLLM's sleep does not release NCCL
 buffers either: they live outside its allocator pool).
 
-The list below mirrors megatron-core 0.16.1's `parallel_state.initialize_model_parallel` for a
-dense model with this project's call (cp = 1, ep = 1, expert TP = TP, one distributed-optimizer
-instance, no all-gather group); tests/unit/planning/test_plan_comms.py runs Megatron's own function
+The list below mirrors megatron-core 0.16.1's `parallel_state.initialize_model_parallel` with this
+project's call (cp = 1, one distributed-optimizer instance, no all-gather group; a dense model
+has ep = 1 and expert TP = TP); tests/unit/planning/test_plan_comms.py runs Megatron's own function
 with a recording `new_group` and checks the sizes. Gloo twins hold host memory only (not counted).
 
 A communicator is "in use" when the RL step runs collectives on it (then NCCL connects its channel
@@ -42,9 +42,14 @@ class Communicator:
 
 
 def megatron_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool,
-                    tied_embeddings: bool) -> List[Communicator]:
-    """Megatron's NCCL groups of a first- or last-stage rank (dense model, cp = ep = 1)."""
+                    tied_embeddings: bool, ep: int = 1, etp: int = 0, moe: bool = False) -> List[Communicator]:
+    """Megatron's NCCL groups of a first- or last-stage rank (cp = 1). A mixture-of-experts model
+    (`moe`) also uses its expert groups: the dispatcher's all-to-all over ep and its token-count
+    gather over tp_ep (expert TP x EP), the experts' TP layers over expert_tp, and their gradients
+    and optimizer gathers over expert_dp. etp 0: tp."""
     dp = world // (tp * pp)
+    etp = etp or tp
+    edp = max(1, tp * dp // (ep * etp))
     c = Communicator
     return [
         c("dp_cp", dp, True),  # DDP's gradient reduce-scatter, the distributed optimizer's gathers
@@ -58,11 +63,11 @@ def megatron_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool
         c("tp_dp_cp", tp * dp, False),
         c("tp_dp", tp * dp, False),
         c("tp_cp", tp, False),
-        c("ep", 1, False),
-        c("expert_tp", tp, False),
-        c("tp_ep", tp, False),
-        c("tp_ep_pp", tp * pp, False),
-        c("expert_dp", dp, False),
+        c("ep", ep, moe),
+        c("expert_tp", etp, moe),
+        c("tp_ep", etp * ep, moe),
+        c("tp_ep_pp", etp * ep * pp, False),
+        c("expert_dp", edp, moe),
         c("intra_dist_opt", world, distributed_optimizer),  # grad-norm reduction with it
     ]
 
@@ -76,7 +81,7 @@ def vllm_groups(world: int, rollout_tp: int) -> List[Communicator]:
             Communicator("vllm_tp_pynccl", rollout_tp, True)]
 
 
-def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated") -> List[Communicator]:
+def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated", moe: bool = False) -> List[Communicator]:
     """Every NCCL communicator a rank of this job holds (empty for a CPU job: gloo only).
 
     group (placement.mode = split): "training" or "rollout". Each group's ranks have a default
@@ -91,7 +96,7 @@ def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated") -> L
     out = [Communicator("world", world, True)]  # the trainer's broadcasts and reductions
     if group != "rollout":
         out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
-                               tied_embeddings=tied)
+                               tied_embeddings=tied, ep=par.ep, etp=par.etp or 0, moe=moe)
     if group != "training" and cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto: vLLM on a GPU
         out += vllm_groups(world, cfg.rollout.tp)
     if group != "colocated":

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import ModelArch, load_arch, padded_vocab_size
+from verl_hpc.models.moe import MoEArch
 
 
 def _llama(name, vocab, hidden, ffn, layers, heads, kv, tied=False, max_pos=8192) -> ModelArch:
@@ -42,6 +43,12 @@ KNOWN: Dict[str, ModelArch] = {
     "qwen2.5-7b": dataclasses.replace(_llama("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4),
                                       family="qwen2", architecture="Qwen2ForCausalLM",
                                       qkv_bias=True, head_dim=128),
+    # 128 experts of FFN 768, 8 per token (3.3B of 30.5B parameters active), q/k norms
+    "qwen3-30b-a3b": dataclasses.replace(_llama("qwen3-30b-a3b", 151936, 2048, 768, 48, 32, 4, max_pos=40960),
+                                         family="qwen3_moe", architecture="Qwen3MoeForCausalLM", head_dim=128,
+                                         rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                                         moe=MoEArch(num_experts=128, top_k=8, expert_ffn=768, renormalize=True,
+                                                     router_aux_loss_coef=0.001)),
 }
 
 

@@ -278,7 +278,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                     if cfg.resharding.delta and sliced else 0.0)
     if adapter_slot_rank(cfg):  # LoRA's adapter sync: the whole adapter, fp32, held twice (export + vLLM's)
         resharding = 2.0 * arch.num_layers * lora_layer_params(arch, lora.rank, lora.target_modules, 1) * 4
-    comms = job_communicators(cfg, arch.tie_word_embeddings, group)
+    comms = job_communicators(cfg, arch.tie_word_embeddings, group, moe=arch.moe is not None)
     nccl = nccl_bytes(comms)
     overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
 
