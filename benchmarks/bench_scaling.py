@@ -13,6 +13,12 @@ each step, the payload bytes of every (collective, group). The script prints and
 Token counts come from the step's own metrics (rollout/prompt_tokens + rollout/response_tokens:
 the engines run no padding), with the actor's skip of zero-advantage rows and its shared-prompt
 packing switched off, so that every row runs as one sequence.
+
+Layout "2x1e" is a mixture-of-experts job (a tiny Qwen3-MoE, 4 experts, 2 per token) at expert
+parallel 2 over two nodes: its token dispatcher's all_to_all crosses the nodes. What rank 0 hands
+to it depends on the routing (its tokens' copies out, the copies routed to its experts back), so
+its formula takes the step's measured routing share of EP rank 0 (actor/moe/ep_rank_share/0) and
+one optimizer step per RL step (old_logprob and update_actor then route with the same weights).
 """
 from __future__ import annotations
 
@@ -30,7 +36,10 @@ from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, roll
 
 # name: (nodes, tasks per node, tp, pp)
 LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1),
-           "2x2v": (2, 2, 2, 1)}
+           "2x2v": (2, 2, 2, 1), "2x1e": (2, 1, 1, 1)}
+# expert-parallel layouts: ep, and their model (a tiny mixture of experts)
+EP = {"2x1e": 2}
+MOE_FAMILY = "qwen3_moe"
 # inference TP of a layout's rollout (the HF rollout keeps whole tensors: 1); "v" layouts roll out
 # with vLLM at rollout.tp = 2, so each rank's sliced sync receives half the model
 VLLM = {"2x2v": 2}
@@ -43,9 +52,10 @@ P2P = ("send", "recv", "batch_isend_irecv")
 
 
 def assets(root: Path) -> Path:
-    if not (root / "model" / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(root / "model"), "--layers", "2"],
-                       cwd=REPO, check=True, capture_output=True)
+    for folder, family in (("model", "llama"), ("moe_model", MOE_FAMILY)):
+        if not (root / folder / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(root / folder), "--layers", "2",
+                            "--family", family], cwd=REPO, check=True, capture_output=True)
     if not (root / "data" / "train.parquet").exists():
         subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(root / "data"),
                         "--n-train", "500", "--n-val", "20"], cwd=REPO, check=True, capture_output=True)
@@ -54,13 +64,16 @@ def assets(root: Path) -> Path:
 
 def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
     nodes, tpn, tp, pp = LAYOUTS[name]
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/model",
+    model = "moe_model" if name in EP else "model"
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/{model}",
            f"data.train_files=[{root}/data/train.parquet]", f"data.val_files=[{root}/data/val.parquet]",
            *TINY, f"trainer.total_steps={steps}", f"parallel.tp={tp}", f"parallel.pp={pp}",
            f"slurm.nodes={nodes}", f"slurm.tasks_per_node={tpn}", f"trainer.output_dir={out}",
            f"slurm.log_dir={out}/logs/%j"]
     if name in VLLM:
         cmd += ["rollout.engine=vllm", f"rollout.tp={VLLM[name]}"]
+    if name in EP:  # one optimizer step per RL step (module docstring)
+        cmd += [f"parallel.ep={EP[name]}", "actor.ppo_mini_batch_size=4"]
     t0 = time.time()
     print(f"[bench] {name}: {nodes} node(s) x {tpn} rank(s), tp={tp} pp={pp} ...", flush=True)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -98,8 +111,8 @@ def measured(row: dict, name: str) -> dict[str, float]:
             continue
         op, group = opgroup.split("@", 1)
         cls = classify(stage, op, group)
-        if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1):
-            cls = SIZE1
+        if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1) or cls.startswith("EDP"):
+            cls = SIZE1  # EDP: the expert layouts here hold each expert once (edp = 1)
         out[cls] = out.get(cls, 0.0) + v
     if "sync/bytes" in row:  # what rank 0's rollout engine received (its own slices included)
         out["resharding received (sync/bytes)"] = row["sync/bytes"]
@@ -118,6 +131,10 @@ def classify(stage: str, op: str, group: str) -> str:
              ("sync", "all_to_all_single", "world"): "resharding sliced all_to_all (sent)"}
     if (stage, op, group) in table:
         return table[(stage, op, group)]
+    if op == "all_to_all_single" and group == "ep":
+        return f"MoE dispatcher all_to_all ({stage})"
+    if group == "edp":
+        return "EDP (expert grads; groups of one rank here)"
     if op == "all_reduce" and group == "dp":
         return "DP all-reduce (grads; groups of one rank here)"
     if op == "all_reduce" and group == "tp" and stage in ("old_logprob", "update_actor"):
@@ -127,14 +144,22 @@ def classify(stage: str, op: str, group: str) -> str:
 
 def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
     nodes, tpn, tp, pp = LAYOUTS[name]
-    lay = Layout(tp=tp, pp=pp, dp=nodes * tpn // (tp * pp))
+    lay = Layout(tp=tp, pp=pp, dp=nodes * tpn // (tp * pp), ep=EP.get(name, 1))
     # per DP replica (= per rank of a TP/PP group); the engines run the real tokens, no padding
     tokens = (row["rollout/prompt_tokens"] + row["rollout/response_tokens"]) / lay.dp
     resp = row["rollout/response_tokens"] / lay.dp
     f: dict[str, float] = {}
     names = {"reduce_scatter_tensor": "DP reduce-scatter (grads)", "all_gather_into_tensor": "DP all-gather (params)"}
+    opt_steps = 1 if name in EP else OPT_STEPS
     for (op, _), b in optimizer_bytes(m, lay, grad_bytes=4, param_bytes=4).items():
-        f[names[op]] = b * OPT_STEPS
+        f[names[op]] = b * opt_steps
+    if name in EP:
+        # rank 0 hands the dispatch its tokens' top_k copies and the combine the copies routed to
+        # its experts (share_0 of all copies), per MoE layer; update_actor again in the backward
+        copies = m.top_k * m.layers
+        rank0 = tokens * copies + row["actor/moe/ep_rank_share/0"] * tokens * lay.dp * copies
+        f["MoE dispatcher all_to_all (old_logprob)"] = rank0 * m.hidden * 4
+        f["MoE dispatcher all_to_all (update_actor)"] = 2 * rank0 * m.hidden * 4
     # the sliced weight sync (resharding.mode auto); the HF rollout keeps whole tensors (inference
     # TP 1); vLLM at the training TP takes all its slices from its own shard (nothing sent)
     infer_tp = VLLM.get(name, 1)
@@ -198,7 +223,6 @@ def main(argv=None) -> int:
     out, work = Path(a.out), Path(a.work).absolute()
     out.mkdir(parents=True, exist_ok=True)
     root = assets(work / "assets")
-    m = Model.from_hf(root / "model")
     results = {}
     for name in a.only:
         done = [d for d in sorted(work.glob(f"run_{name}_*")) if _finished(d, a.steps)]
@@ -211,6 +235,7 @@ def main(argv=None) -> int:
         stage_s = {}
         for k in sorted({k for r in later for k in r if k.startswith("timing_s/")}):
             stage_s[k.split("/", 1)[1]] = sum(r.get(k, 0.0) for r in later) / len(later)
+        m = Model.from_hf(root / ("moe_model" if name in EP else "model"))
         meas, form = measured(rows[-1], name), formulas(name, m, rows[-1])
         results[name] = dict(stage_s=stage_s, bytes={c: (meas.get(c, 0.0), form.get(c)) for c in sorted(set(meas) | set(form))})
     lines = ["| layout | stage times, s (mean of steps 2..) | step s |", "|---|---|---:|"]

@@ -29,25 +29,48 @@ class Model:
     vocab: int
     tied: bool = False
     qkv_bias: bool = False
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): routed experts of FFN expert_ffn, top_k
+    # per token; the dense MLP of layer_params() is then the shared expert (shared_ffn, 0 = none)
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, folder_or_dict) -> "Model":
         c = folder_or_dict if isinstance(folder_or_dict, dict) else \
             json.loads((Path(folder_or_dict) / "config.json").read_text())
         h, n = c["hidden_size"], c["num_attention_heads"]
-        return cls(hidden=h, layers=c["num_hidden_layers"], ffn=c["intermediate_size"], heads=n,
+        experts = int(c.get("num_local_experts") or c.get("num_experts") or 0)
+        moe = dict(experts=experts, top_k=int(c.get("num_experts_per_tok", 0)),
+                   expert_ffn=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+                   qk_norm=c.get("model_type") == "qwen3_moe") if experts else {}
+        ffn = int(c.get("shared_expert_intermediate_size") or 0) if experts else c["intermediate_size"]
+        return cls(hidden=h, layers=c["num_hidden_layers"], ffn=ffn, heads=n,
                    kv_heads=c.get("num_key_value_heads", n), head_dim=c.get("head_dim") or h // n,
                    vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe"))), **moe)
 
     def layer_params(self) -> dict[str, tuple[int, bool]]:
-        """{name: (elements, split by TP)} of one transformer layer (Llama: SwiGLU, GQA, RMSNorm)."""
+        """{name: (elements, split by TP)} of one transformer layer (Llama: SwiGLU, GQA, RMSNorm),
+        routed experts apart (expert_params): in the data-parallel gradient buffer."""
         h, hd = self.hidden, self.head_dim
-        return {"qkv": (h * (self.heads + 2 * self.kv_heads) * hd, True), "proj": (self.heads * hd * h, True),
-                "fc1": (2 * self.ffn * h, True), "fc2": (self.ffn * h, True), "norms": (2 * h, False)}
+        out = {"qkv": (h * (self.heads + 2 * self.kv_heads) * hd, True), "proj": (self.heads * hd * h, True),
+               "fc1": (2 * self.ffn * h, True), "fc2": (self.ffn * h, True), "norms": (2 * h, False)}
+        if self.experts:
+            out["router"] = (self.experts * h, False)
+            if self.qk_norm:  # two tensors: each starts at a multiple of 64 in Megatron's buffer
+                out["q_norm"], out["k_norm"] = (hd, False), (hd, False)
+            if not self.ffn:
+                del out["fc1"], out["fc2"]
+        return out
+
+    def expert_params(self, ep: int = 1) -> int:
+        """Routed-expert elements of one layer on one expert-parallel rank (no expert TP)."""
+        return self.experts // max(ep, 1) * 3 * self.expert_ffn * self.hidden if self.experts else 0
 
     def hf_params(self) -> int:
-        per_layer = sum(n for n, _ in self.layer_params().values())
+        per_layer = sum(n for n, _ in self.layer_params().values()) + self.expert_params()
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
         return self.layers * (per_layer + bias) + self.hidden + self.vocab * self.hidden * (1 if self.tied else 2)
 
@@ -58,6 +81,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     vpp: int = 1
+    ep: int = 1  # expert parallel (expert TP = 1 in these formulas)
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -83,7 +107,8 @@ def rank_params(m: Model, lay: Layout, stage: int) -> list[tuple[int, bool]]:
 def dist_opt_buffer(m: Model, lay: Layout, stage: int = 0) -> int:
     """Elements of the distributed optimizer's grad/param buffer on one rank: every parameter
     starts at a multiple of 64 elements and the buffer ends at a multiple of lcm(DP, 128)
-    (megatron-core param_and_grad_buffer; one bucket: the tiny models fit one)."""
+    (megatron-core param_and_grad_buffer; one bucket: the tiny models fit one). An MoE model's
+    routed experts are in a buffer of their own over the expert data-parallel group."""
     index = 0
     for n, _ in rank_params(m, lay, stage):
         index = math.ceil(index / 64) * 64 + n
@@ -120,6 +145,8 @@ def rollout_shard_elements(m: Model, infer_tp: int, tp_rank: int = 0) -> int:
     kv_rows = (m.kv_heads * hd // tp) if m.kv_heads >= tp else hd
     q_rows = m.heads * hd // tp
     layer = (q_rows + 2 * kv_rows) * h + m.heads * hd * h // tp + 3 * f * h // tp + 2 * h
+    if m.experts:  # every expert cut like a dense MLP; the router and q/k norms whole
+        layer += m.expert_params() // tp + m.experts * h + (2 * hd if m.qk_norm else 0)
     if m.qkv_bias:
         layer += q_rows + 2 * kv_rows
     per = math.ceil(m.vocab / 64) * 64 // tp
@@ -166,7 +193,12 @@ def sliced_sent_bytes(m: Model, lay: Layout, dtype_bytes: int, stage: int = 0, t
         if not m.tied:
             split += vocab_rows * m.hidden
     others = lay.tp * lay.pp - 1
-    return (split * others + (norms * lay.tp * (lay.pp - 1) if tp_rank == 0 else 0)) * dtype_bytes
+    # an MoE model at tp = pp = 1 whose experts are held once (ep = dp): every other rank takes
+    # this rank's experts of every layer (the rest it holds itself)
+    experts = m.expert_params(lay.ep) * m.layers * (lay.dp - 1) if m.experts and lay.ep > 1 else 0
+    if experts and not (lay.tp == lay.pp == 1 and lay.ep == lay.dp):
+        raise ValueError("sliced_sent_bytes counts experts for tp = pp = 1 and ep = dp only")
+    return (split * others + (norms * lay.tp * (lay.pp - 1) if tp_rank == 0 else 0) + experts) * dtype_bytes
 
 
 def tp_activation_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool,

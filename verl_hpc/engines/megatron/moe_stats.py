@@ -14,6 +14,8 @@ tokens); every pipeline stage contributes its own layers. Metrics, per step:
                                 tokens to one expert)
     moe/layer_{L}/load_imbalance, moe/layer_{L}/load_max_share   the same per layer, and the
                                 busiest expert's share of the layer's routed tokens
+    moe/ep_rank_share/{r}       share of the routed token copies that land on expert-parallel rank
+                                r's experts (its all-to-all receives; 1 / ep = balanced); ep > 1
     moe/dropped_fraction        token-expert assignments dropped by the capacity factor (0 when
                                 dropless, model.moe_capacity_factor null)
     moe/aux_loss, moe/z_loss    Megatron's tracked load-balancing / z-loss, unscaled (before the
@@ -36,6 +38,7 @@ class RouterStats:
         self.layers = arch.num_layers
         self.counting = ps.get_tensor_model_parallel_rank() == 0
         self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.ep = ps.get_expert_model_parallel_world_size()
         self.counts = torch.zeros(self.layers, self.moe.num_experts, dtype=torch.float64)
         self.assigned = torch.zeros((), dtype=torch.float64)  # tokens x top_k offered to the routers
         self.microbatches = 0
@@ -102,6 +105,10 @@ class RouterStats:
             out[f"moe/layer_{layer}/load_max_share"] = float(row.max()) / total
         if imbalances:
             out["moe/load_imbalance"] = sum(imbalances) / len(imbalances)
+        total = float(counts.sum())
+        if self.ep > 1 and total > 0:
+            per_rank = counts.sum(dim=0).view(self.ep, -1).sum(dim=1)
+            out.update({f"moe/ep_rank_share/{r}": float(v) / total for r, v in enumerate(per_rank)})
         # every stage offers its layers the same tokens: assignments per layer = assigned / stages'
         # layers counted, i.e. dropped = 1 - routed / offered over all layers
         offered = assigned
