@@ -152,13 +152,17 @@ def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
     names = {"reduce_scatter_tensor": "DP reduce-scatter (grads)", "all_gather_into_tensor": "DP all-gather (params)"}
     opt_steps = 1 if name in EP else OPT_STEPS
     for (op, _), b in optimizer_bytes(m, lay, grad_bytes=4, param_bytes=4).items():
-        f[names[op]] = b * opt_steps
+        # an MoE model's optimizer is Megatron's chain of two distributed optimizers (dense, expert);
+        # without overlap_param_gather (CPU) 0.16.1 has each of them all-gather every buffer of the
+        # model after its step (DistributedOptimizer.step_with_ready_grads -> start_param_sync, which
+        # walks the dense and the expert buckets): the dense parameters are gathered twice
+        f[names[op]] = b * opt_steps * (2 if name in EP and op == "all_gather_into_tensor" else 1)
     if name in EP:
         # rank 0 hands the dispatch its tokens' top_k copies and the combine the copies routed to
-        # its experts (share_0 of all copies), per MoE layer; update_actor again in the backward
+        # its experts (share_0 of all copies), per MoE layer, forward and backward. One optimizer
+        # step per RL step: the actor's old log-probs are the update's own (no old_logprob pass).
         copies = m.top_k * m.layers
         rank0 = tokens * copies + row["actor/moe/ep_rank_share/0"] * tokens * lay.dp * copies
-        f["MoE dispatcher all_to_all (old_logprob)"] = rank0 * m.hidden * 4
         f["MoE dispatcher all_to_all (update_actor)"] = 2 * rank0 * m.hidden * 4
     # the sliced weight sync (resharding.mode auto); the HF rollout keeps whole tensors (inference
     # TP 1); vLLM at the training TP takes all its slices from its own shard (nothing sent)
