@@ -13,6 +13,8 @@ written one tensor at a time (memory: one shard of `--shard-gb`, not the model).
                                                         -> model.layers.{i}.self_attn.{q,k,v}_proj.weight
     actor/model/decoder.layers.{i}.mlp.linear_fc1.weight/gate, .../up
                                                         -> model.layers.{i}.mlp.{gate,up}_proj.weight
+    actor/model/decoder.layers.{i}.mlp.experts.{e}.linear_fc1.weight/gate, ... (an MoE model's
+    expert e; the router, the shared expert and its gate likewise, by the rules of models/moe.py)
     ... (norms, o_proj, down_proj, final norm, lm_head unless tied)
 
 config.json and the tokenizer come from the model folder the run trained (`model.path`,
@@ -22,6 +24,7 @@ is elsewhere on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -35,12 +38,13 @@ import yaml
 from verl_hpc.checkpoint.errors import CheckpointError
 from verl_hpc.checkpoint.load import CheckpointReader
 from verl_hpc.models.config_mapping import load_arch
-from verl_hpc.models.weight_rules import LAYER_RULES, Layout, model_rules
+from verl_hpc.models.weight_rules import EXPERT_RULES, Layout, layer_rules, model_rules
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.h5|\.msgpack|\.gguf)$|\.index\.json$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
 
 def model_folders(reader: CheckpointReader, model: Optional[str] = None) -> Tuple[Path, Path]:
@@ -71,18 +75,29 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
         if name == "value_head.weight":
             raise CheckpointError(f"{reader.path}: {prefix!r} is a value model (critic); export the actor")
         m = _LAYER.match(name)
-        if m and m.group(2) in ("mlp.linear_fc1.weight/gate", "mlp.linear_fc1.weight/up"):
-            part = m.group(2).rsplit("/", 1)[1]
-            yield f"model.layers.{m.group(1)}.mlp.{part}_proj.weight", tensor
-            continue
-        if m and m.group(2) in LAYER_RULES:
-            rule, layer = LAYER_RULES[m.group(2)], int(m.group(1))
-        elif name in top:
-            rule, layer = top[name], None
-        else:
+        rule, layer, part = _layer_rule(m.group(2), arch) if m else (top.get(name), None, None)
+        if m:
+            layer = int(m.group(1))
+        if rule is None:
             raise CheckpointError(f"{reader.path}: no HF name for {full_name!r} ({arch.family}); "
-                                  "verl_hpc.models.weight_rules covers Llama/Qwen2/Mistral layers")
+                                  "verl_hpc.models.weight_rules covers Llama/Qwen2/Mistral layers and "
+                                  "the Mixtral/Qwen2-MoE/Qwen3-MoE experts")
+        if part is not None:  # linear_fc1 saved as its gate and up rows (layout independent)
+            yield rule._names(layer, arch)[("gate", "up").index(part)], tensor
+            continue
         yield from rule.to_hf(tensor, arch, layer, lay)
+
+
+def _layer_rule(suffix: str, arch):
+    """(rule, None, part) of a layer-local logical name: part "gate" / "up" for linear_fc1's halves
+    (dense MLP, shared expert or routed expert); a routed expert's rule bound to its index."""
+    base, _, part = suffix.partition("/")
+    expert = _EXPERT.match(base)
+    if expert and arch.moe is not None and expert.group(2) in EXPERT_RULES:
+        rule = dataclasses.replace(EXPERT_RULES[expert.group(2)], expert=int(expert.group(1)))
+    else:
+        rule = layer_rules(arch).get(base)
+    return rule, None, (part or None)
 
 
 def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", shard_gb: float = 5.0) -> Path:

@@ -29,7 +29,7 @@ def run(tmp_path_factory):
     ranks = launch_ranks(HERE / "ckpt_moe_ranks.py", 2, {"model": str(model), "ids": IDS, "steps": steps},
                          root / "ranks", timeout=400, what="MoE checkpoint layouts")
     logits = {s["name"]: torch.load(root / "ranks" / f"{s['name']}.logits.pt", weights_only=True) for s in steps}
-    return dict(a=a, b=b, c=c, logits=logits, ranks=ranks)
+    return dict(a=a, b=b, c=c, logits=logits, ranks=ranks, model=model)
 
 
 def test_ckpt_moe_ep2_to_ep1_to_ep2_bitwise(run):
@@ -49,6 +49,22 @@ def test_ckpt_moe_ep2_to_ep1_to_ep2_bitwise(run):
     diff = (lg["ep1"] - lg["ep2_trained"]).abs().max().item()
     print(f"max |logit EP1 - logit EP2| = {diff:.2e}")
     assert diff <= 1e-5
+
+
+def test_ckpt_moe_hf_export_matches_the_engine(run, tmp_path):
+    """`export --hf` of the EP2 checkpoint (one process, no Megatron) loads in transformers with the
+    engine's logits: every expert, the router and the shared expert land under their HF names."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.checkpoint.hf_export import export_hf
+
+    folder = export_hf(run["a"], tmp_path / "hf", model=str(run["model"]))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor(IDS)).logits
+    diff = (logits - run["logits"]["ep2_trained"]).abs().max().item()
+    print(f"max |transformers(export) - engine| = {diff:.2e}")
+    assert diff <= 1e-4
 
 
 def test_moe_dispatcher_bytes_equal_the_formula(run):
