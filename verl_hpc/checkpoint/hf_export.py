@@ -83,7 +83,8 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
                                   "verl_hpc.models.weight_rules covers Llama/Qwen2/Mistral layers and "
                                   "the Mixtral/Qwen2-MoE/Qwen3-MoE experts")
         if part is not None:  # linear_fc1 saved as its gate and up rows (layout independent)
-            yield rule._names(layer, arch)[("gate", "up").index(part)], tensor
+            gate, up = (n for n, _ in rule.hf_entries(arch, layer))
+            yield (gate if part == "gate" else up), tensor
             continue
         yield from rule.to_hf(tensor, arch, layer, lay)
 

@@ -268,6 +268,7 @@ class _Shared:
 
     hf: Tuple[str, ...]
     tp_dim: Optional[int] = None
+    group: str = "tp"
 
     def to_hf(self, full, arch, layer, lay):
         return [(h.format(i=layer), full) for h in self.hf]

@@ -343,7 +343,7 @@ class MegatronEngine(TrainingEngine):
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches), **(self._skipped or {}))
         if self.router_stats is not None:
-            metrics.update(self.router_stats.metrics())
+            metrics.update(self.router_stats.metrics(self._coll_device()))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
                         metrics["loss"], grad_norm)

@@ -3,7 +3,10 @@ and the router's load-balancing and z-losses (which Megatron adds to the objecti
 
     stats = RouterStats(gpt_chunks, arch)     # hooks on every router of this rank's stages
     stats.reset()                             # before the step's forward-backward
-    metrics.update(stats.metrics())           # after it: collective over the whole world
+    metrics.update(stats.metrics(device))     # after it: collective over the whole world
+
+The counts stay on the routers' device until `metrics` (no host sync per micro-batch); `device` is
+where the one reduction of the step runs (the engine's collective device: NCCL needs the GPU).
 
 Each router's forward output `(probs, routing_map)` (routing_map [tokens, E], True where a token
 goes to an expert, after any capacity drop) is counted per layer. Counts are summed over the data-
@@ -39,8 +42,8 @@ class RouterStats:
         self.counting = ps.get_tensor_model_parallel_rank() == 0
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.ep = ps.get_expert_model_parallel_world_size()
-        self.counts = torch.zeros(self.layers, self.moe.num_experts, dtype=torch.float64)
-        self.assigned = torch.zeros((), dtype=torch.float64)  # tokens x top_k offered to the routers
+        self.counts = torch.zeros(self.layers, self.moe.num_experts, dtype=torch.float64)  # moved to the routers' device
+        self.assigned = 0  # token copies offered to the routers (tokens x top_k, summed over layers)
         self.microbatches = 0
         routed = [(layer.layer_number - 1, layer.mlp.router) for chunk in gpt_chunks
                   for layer in chunk.decoder.layers if isinstance(getattr(layer.mlp, "router", None), TopKRouter)]
@@ -54,9 +57,10 @@ class RouterStats:
             if not self.counting:
                 return
             _, routing_map = output
-            tokens = routing_map.shape[0]
-            self.counts[layer] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
-            self.assigned += tokens * self.moe.top_k
+            if self.counts.device != routing_map.device:
+                self.counts = self.counts.to(routing_map.device)
+            self.counts[layer] += routing_map.detach().sum(dim=0, dtype=torch.float64)
+            self.assigned += routing_map.shape[0] * self.moe.top_k
             if layer == self._first_layer:
                 self.microbatches += 1
 
@@ -66,7 +70,7 @@ class RouterStats:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         self.counts.zero_()
-        self.assigned.zero_()
+        self.assigned = 0
         self.microbatches = 0
         clear_aux_losses_tracker()
 
@@ -81,15 +85,17 @@ class RouterStats:
             out.append(float(values.sum()) if values is not None and self.counting else 0.0)
         return out
 
-    def metrics(self) -> Dict[str, float]:
+    def metrics(self, device=None) -> Dict[str, float]:
         """The step's statistics (module docstring); collective over the whole world."""
         aux, z = self._tracked()
+        device = self.counts.device if device is None else device
         tail = torch.tensor([float(self.assigned), aux, z, float(self.microbatches)], dtype=torch.float64)
-        vec = torch.cat([self.counts.flatten(), tail])
+        vec = torch.cat([self.counts.flatten().to(device), tail.to(device)])
         if not self.counting:
             vec.zero_()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(vec)
+        vec = vec.cpu()  # one transfer
         counts = vec[: self.counts.numel()].view(self.layers, -1)
         assigned, aux, z, microbatches = vec[self.counts.numel():].tolist()
         out: Dict[str, float] = {}

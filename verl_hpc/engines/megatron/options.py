@@ -65,7 +65,7 @@ class EngineOptions:
     lora_seed: int
     # mixture-of-experts models (model.moe_*): aux_loss_coef (None: config.json's), z_loss_coef,
     # capacity_factor (None: dropless); ignored by dense models
-    moe_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    moe_options: Dict[str, Any]
 
     @classmethod
     def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
