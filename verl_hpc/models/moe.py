@@ -142,8 +142,9 @@ def use_torch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
-def experts_per_rank(moe: MoEArch, ep: int) -> int:
-    return moe.num_experts // ep
+def expert_offset(moe: Optional[MoEArch], ep_rank: int, ep: int) -> int:
+    """The global index of expert-parallel rank `ep_rank`'s first routed expert (0 for a dense model)."""
+    return ep_rank * (moe.num_experts // ep) if moe is not None else 0
 
 
 def split_local_expert(suffix: str):

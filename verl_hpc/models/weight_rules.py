@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from verl_hpc.models.config_mapping import ModelArch
-from verl_hpc.models.moe import hf_expert_names, hf_router_name, split_local_expert
+from verl_hpc.models.moe import expert_offset, hf_expert_names, hf_router_name, split_local_expert
 
 HFTensors = List[Tuple[str, torch.Tensor]]
 LAYER = "model.layers.{i}."
@@ -64,7 +64,7 @@ class Layout:
 
     def expert_offset(self, arch: ModelArch) -> int:
         """The global index of this rank's first routed expert."""
-        return self.ep_rank * (arch.moe.num_experts // self.ep) if arch.moe else 0
+        return expert_offset(arch.moe, self.ep_rank, self.ep)
 
 
 def _dims(arch: ModelArch, what: str) -> int:

@@ -185,14 +185,12 @@ def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, tor
     """This stage's HF tensors, TP-gathered (collective over the TP group)."""
     from megatron.core import parallel_state as ps
 
-    groups = {"tp": ps.get_tensor_model_parallel_group}
-    if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
-        groups["etp"] = ps.get_expert_tensor_parallel_group
+    groups = {"tp": ps.get_tensor_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group}
     for chunk in _chunks(model):
         arch, lay = chunk.verl_arch, _layout(chunk)
         for tensor, rule, layer, to_hf in items(chunk):
             rlay = lay.for_group(rule.group)
-            group = groups.get(rule.group, groups["tp"])() if rlay.tp > 1 else None
+            group = groups[rule.group]() if rlay.tp > 1 else None
             full = _tp_gather(tensor, rule.tp_dim, group, rlay.tp)
             peers = _expert_peers(rule, arch, lay)
             fulls = [full]

@@ -33,7 +33,7 @@ from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
 from verl_hpc.engines.base import EngineState
 from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
 from verl_hpc.engines.megatron.lora import state_meta as lora_state_meta
-from verl_hpc.models.moe import split_local_expert
+from verl_hpc.models.moe import expert_offset, split_local_expert
 
 FORMAT = "verl_hpc.megatron_engine/1"
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -136,8 +136,8 @@ def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:
     for gpt, local, p, head in _named_params(engine):
         m = _LAYER.match(local)
         if m and split_local_expert(m.group(2)) is not None:
-            moe = gpt.verl_arch.moe
-            offset = ps.get_expert_model_parallel_rank() * (moe.num_experts // ps.get_expert_model_parallel_world_size())
+            offset = expert_offset(gpt.verl_arch.moe, ps.get_expert_model_parallel_rank(),
+                                   ps.get_expert_model_parallel_world_size())
             out[id(p)] = param_pieces(gpt, local, p, etp_rank, etp, value_head=head is not None,
                                       expert_offset=offset)
         else:
