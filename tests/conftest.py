@@ -7,9 +7,18 @@
 - The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
   start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
 """
+import os
 from pathlib import Path
 
 import pytest
+
+from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
+
+# Jobs run in this process (tests/jobs.py, run_here) compute with this process's MKL: the same
+# reproducible mode a rank gets, set before anything imports torch, so that the shared SFT warm start
+# (and every figure a learning test asserts) is the same in every session.
+for _name, _value in REPRODUCIBLE_CPU.items():
+    os.environ.setdefault(_name, _value)
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"unit": "unit", "jobs": "job", "dist": "dist", "slurm": "slurm", "container": "container"}

@@ -53,12 +53,15 @@ def data_overrides(root: Path):
 def warm_start(root: Path) -> Path:
     """The SFT warm start on the noisy labels (about 40% greedy accuracy) under `root/sft/hf`:
     600 steps, built once and shared by the RL and preference learning tests. It is also the SFT
-    program's one run through the user's command line (`python -m verl_hpc.submit --local`)."""
+    program's one run through the user's command line (`python -m verl_hpc.submit --local`).
+    One thread: with two, some CPU backward kernel varies in its last bits from run to run, and 600
+    steps grow that into warm starts of 31% or 50% greedy accuracy (docs/platform-notes.md,
+    "Reproducible runs"); the learning tests' figures would then depend on the session."""
     out = root / "sft"
     if not (out / "hf" / "model.safetensors").exists():
         proc, _ = run_job("configs/demo_sft.yaml", out, f"model.path={root}/model", *data_overrides(root),
                           "trainer.total_steps=600", "trainer.sft_epochs=30", f"trainer.hf_output_dir={out}/hf",
-                          "tracking.plots=false", timeout=1200)  # about 2 min alone; much more on a loaded machine
+                          "tracking.plots=false", "slurm.cpus_per_task=1", timeout=1200)  # about 2 min alone; much more on a loaded machine
         assert proc.returncode == 0, logs(proc, out)
     return out / "hf"
 

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
-from verl_hpc.config import ConfigError, JobConfig, from_container, load_config, validate
+from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
+
+# before anything imports torch (a rank started by srun from an sbatch script, or by torchrun,
+# gets no environment from the launcher); the user's own value wins
+for _name, _value in REPRODUCIBLE_CPU.items():
+    os.environ.setdefault(_name, _value)
+
+from verl_hpc.config import ConfigError, JobConfig, from_container, load_config, validate  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -77,3 +77,27 @@ def test_preemption_flag_records_first_signal():
         assert flag.is_set() and flag.signal_name == "SIGUSR2" and flag.agreed()
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_every_rank_gets_reproducible_mkl_and_the_user_value_wins():
+    from verl_hpc.config import JobConfig
+    from verl_hpc.launcher.environment import job_environment
+
+    cfg = JobConfig()
+    assert job_environment(cfg)["MKL_CBWR"] == "AUTO,STRICT"
+    cfg.slurm.env = {"MKL_CBWR": "COMPATIBLE,STRICT"}
+    assert job_environment(cfg)["MKL_CBWR"] == "COMPATIBLE,STRICT"
+
+
+@pytest.mark.parametrize("given,expected", [(None, "AUTO,STRICT"), ("COMPATIBLE", "COMPATIBLE")])
+def test_the_rank_entry_sets_mkl_before_torch_loads(given, expected):
+    # a rank started by srun from an sbatch script gets no environment from the launcher
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if given:
+        env["MKL_CBWR"] = given
+    code = "import os, sys, verl_hpc.job; print(os.environ['MKL_CBWR'], 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [expected, "False"]
