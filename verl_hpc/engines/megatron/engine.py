@@ -7,7 +7,8 @@
 
 Build (build.py, from the EngineOptions of options.py): `verl_hpc.models.build_gpt_model` per
 (virtual) pipeline stage, weights from the HF folder (each rank reads its own slices), a value head
-instead of the vocabulary projection for critics and reward models (value_head.py). Trainable
+instead of the vocabulary projection for critics and reward models (value_head.py), and the
+choices made once on the built model (response-only output layers, prompt packing). Trainable
 engines wrap every chunk in Megatron's DDP (fp32 grad buffers; gradient-reduce / parameter-gather
 overlap per kernels.py, on with GPUs) and get Adam through get_megatron_optimizer (optim.py);
 frozen ones (reference, reward) keep no grads and no optimizer and run in eval mode. With the
@@ -46,12 +47,12 @@ from verl_hpc.engines.batch import check_batch, get_response_mask, response_widt
 from verl_hpc.engines.megatron import lora as lora_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
-from verl_hpc.engines.megatron.build import build_chunks, wrap_ddp
+from verl_hpc.engines.megatron.build import build_chunks, output_position_layers, prompt_sharing, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.megatron.options import EngineOptions, check_options, torch_dtype
 from verl_hpc.engines.megatron.partition import plan_microbatches
 from verl_hpc.engines.megatron.moe_stats import RouterStats
-from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing, prompt_groups
+from verl_hpc.engines.megatron.prefix import prompt_groups
 from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
@@ -107,8 +108,10 @@ class MegatronEngine(TrainingEngine):
         arch = self.gpt_chunks[0].verl_arch
         # a trainable MoE model reports its routers' load per step (moe_stats.py)
         self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
-        self._output_layers = self._select_output_positions(o)
-        self._share_prompts, self._rotary = self._prompt_sharing(o)
+        self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel)
+        self._share_prompts, self._rotary = prompt_sharing(
+            o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
+            rope_fusion=self.perf.apply_rope_fusion)
         self.steps_applied = 0
         from verl_hpc.engines.megatron.offload import Offloader
 
@@ -163,60 +166,6 @@ class MegatronEngine(TrainingEngine):
             yield from gpt.parameters()
 
     # ------------------------------------------------------------------ running
-
-    def _select_output_positions(self, o) -> Dict[int, Any]:
-        """{id(chunk): output layer} of the chunks whose vocabulary projection runs on response
-        positions only (lm head; not with sequence parallelism, whose output-layer input is split
-        over positions, nor FP8, whose GEMMs want row counts in multiples of 16). Prompt
-        positions' logits are never read (benchmarks/bench_vs_trl.py --sizes tiny, 1 rank: update
-        stage 0.218 -> 0.186 s)."""
-        from verl_hpc.models.gpt import select_output_positions
-
-        if o.head != "lm" or self.sequence_parallel or o.fp8:
-            return {}
-        chosen = {}
-        for chunk, gpt in zip(self.chunks, self.gpt_chunks):
-            if gpt.post_process:
-                select_output_positions(gpt.output_layer)
-                chosen[id(chunk)] = gpt.output_layer
-        return chosen
-
-    def _prompt_sharing(self, o) -> Tuple[Optional[PromptSharing], Dict[int, Any]]:
-        """(the per-micro-batch packing decision, {id(chunk): rotary embedding}) when micro-batches
-        may pack the responses to one prompt into one row (prefix.py), else (None, {}).
-        The conditions depend on the options and the layer spec only, so every pipeline stage
-        decides alike: an lm head with output-position selection, no virtual pipeline (fixed
-        shapes), unfused RoPE, and core attention through SDPA (which takes the mask)."""
-        from verl_hpc.engines.megatron.sdpa import SdpaCoreAttention
-        from verl_hpc.models.gpt import per_row_positions
-
-        if o.share_prompts == "off":
-            return None, {}
-        layers = self.gpt_chunks[0].decoder.layers
-        why_not = ("the head is not a language-model head" if o.head != "lm"
-                   else "sequence parallelism or FP8 is on" if self.sequence_parallel or o.fp8
-                   else "virtual pipeline stages need fixed shapes" if self.vpp
-                   else "RoPE fusion takes one position per column" if self.perf.apply_rope_fusion
-                   else "core attention is not torch SDPA (Transformer Engine spec or "
-                        "sdpa_attention=False)" if not layers or not isinstance(
-                            layers[0].self_attention.core_attention, SdpaCoreAttention)
-                   else "")
-        if why_not:
-            if o.share_prompts == "on":
-                raise ValueError(f"actor.share_prompts=on: cannot pack prompts here: {why_not}; "
-                                 "valid: auto (packs where possible) or off")
-            if o.head == "lm":
-                log.info("shared prompts off: %s (one sequence per row)", why_not)
-            return None, {}
-        log.info("shared prompts %s: micro-batches pack the responses to one prompt into one row%s",
-                 o.share_prompts, "" if o.share_prompts == "on" else " where the cost model predicts "
-                 ">= 10% less work (actor/packed_microbatches counts them)")
-        rotary = {}
-        for chunk, gpt in zip(self.chunks, self.gpt_chunks):
-            per_row_positions(gpt)
-            rotary[id(chunk)] = gpt.rotary_pos_emb
-        return PromptSharing(CostModel.for_config(self.gpt_chunks[0].config),
-                             force=o.share_prompts == "on"), rotary
 
     def _labels_path(self, want) -> bool:
         """Log-probs only: let Megatron's own cross-entropy run on the unpermuted logits."""
