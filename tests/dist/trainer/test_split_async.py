@@ -64,7 +64,7 @@ def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixe
     out, samples = tmp_path / "run", tmp_path / "samples"
     # one token per chunk: every answer (a digit or two, then EOS) spans chunks, so prefixes exist
     # 8 prompts a step, not common()'s 4: at 4 the gain by step 50 was +0.14 here (+0.20 colocated),
-    # too close to the bound below to hold across warm starts; at 8 it is +0.29 for the same run time
+    # too close to the bound below to hold across warm starts; at 8 it is +0.28 for the same run time
     args = [*common(warm_assets, 50), "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
             "async_training.staleness=2", "async_training.chunk_tokens=1",
             "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}",
@@ -88,7 +88,7 @@ def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixe
     assert any(r["async/staleness_max"] > 0 for r in steps)  # it did run ahead: the bound is not vacuous
     assert all(r["async/dropped_groups"] == 0 for r in steps)
     val = {r["step"]: r["val/acc/all"] for r in rows(out) if "val/acc/all" in r}
-    assert val[50] >= val[0] + 0.15, val  # and it learned (0.34 -> 0.63 measured, colocated 0.34 -> 0.59)
+    assert val[50] >= val[0] + 0.15, val  # and it learned (0.34 -> 0.62 measured, colocated 0.34 -> 0.59)
 
     # the prompts of an uninterrupted run (nothing dropped: batch s of the data stream at step s), none
     # skipped or repeated across the 5 requeues
