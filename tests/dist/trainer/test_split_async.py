@@ -17,9 +17,10 @@ from jobs import REPO, data_overrides, run_job
 SPLIT_DEMO = "configs/demo_rl_split.yaml"  # demo_rl.yaml + placement split, 1 rollout rank of 2, k = 1
 
 
-def common(root, steps):
+def common(root, steps, prompts=4):
     return [f"model.path={root}/sft/hf", *data_overrides(root), f"trainer.total_steps={steps}", "trainer.val_every=0",
-            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=16",
+            f"data.train_batch_size={prompts}", "rollout.n=4", f"actor.ppo_mini_batch_size={prompts}",
+            "actor.micro_batch_size=16",
             "rollout.engine=vllm", "slurm.cpus_per_task=1", "checkpoint.save_every=0"]
 
 
@@ -63,10 +64,9 @@ PREEMPT_AT = (3, 11, 12, 26, 38)
 def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     # one token per chunk: every answer (a digit or two, then EOS) spans chunks, so prefixes exist
-    # 8 prompts a step, not common()'s 4: at 4 the gain by step 50 was +0.14 here (+0.20 colocated),
-    # too close to the bound below to hold across warm starts; at 8 it is +0.28 for the same run time
-    args = [*common(warm_assets, 50), "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-            "async_training.staleness=2", "async_training.chunk_tokens=1",
+    # 8 prompts a step, not 4: at 4 the gain by step 50 was +0.14 here (+0.20 colocated), too close
+    # to the bound below to hold across warm starts; at 8 it is +0.28 for the same run time
+    args = [*common(warm_assets, 50, prompts=8), "async_training.staleness=2", "async_training.chunk_tokens=1",
             "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}",
             # generation slower than training, as on GPUs: the preemptions find sequences half-generated
             "trainer.inject_rollout_chunk_delay_s=0.3"]
