@@ -22,6 +22,9 @@ from verl_hpc.config.fields import WEEK_S, Section, opt
 BUILTIN_TOOLS = ("calculator", "python")
 TOOL_FORMATS = ("hermes",)  # <tool_call>{json}</tool_call>
 SANDBOX_MODES = ("auto", "bwrap", "namespaces", "rlimits")
+UID_SPAN = 1 << 24  # the uids a root rank's sandbox runs take from sandbox.uid_base on
+# above the id ranges accounts and SSSD/winbind id mapping use by default (SSSD: 200000-2000200000)
+DEFAULT_UID_BASE = 2_100_000_000
 
 
 def needs_custom_code(field: str) -> str:
@@ -83,14 +86,25 @@ class SandboxConfig(Section):
     mode: str = opt("auto", "auto: the strongest the node allows (bwrap, then namespaces, then rlimits) | "
                             "bwrap | namespaces (unshare: no network, own file view) | rlimits (limits only)",
                     choices=SANDBOX_MODES)
-    cpu_time_s: float = opt(5.0, "CPU seconds of one run of model-written code", check=">0")
+    cpu_time_s: float = opt(5.0, "CPU seconds of one run of model-written code, all its processes together",
+                            check=">0")
     wall_time_s: float = opt(10.0, "wall seconds of one run (a sleeping program uses no CPU)", check=">0")
-    memory_mb: int = opt(512, "address space of the code's process, MiB", check=">0")
+    memory_mb: int = opt(512, "memory of one run, MiB: each process's address space and, where a memory cgroup "
+                              "can be made, the run's memory as a whole, shared memory included", check=">0")
     max_processes: int = opt(16, "processes the code may run at once", check=">0")
+    max_open_files: int = opt(64, "files the code's process may hold open (each memfd or tmpfs file holds up to "
+                                  "max_file_bytes of memory)", check=">0")
     max_output_bytes: int = opt(16384, "stdout + stderr kept; a program printing more is stopped", check=">0")
     max_file_bytes: int = opt(1048576, "largest file the code may write in its scratch folder", check=">0")
     scratch_root: str = opt("", "where each run's private scratch folder is made; '' = $TMPDIR or /tmp "
                                 "(node-local on most clusters)")
+    python: str = opt("", "interpreter model code runs under; '' = the job's base Python (its standard library "
+                          "is what is promised); on a root rank in rlimits mode it must be readable by any user")
+    uid_base: int = opt(DEFAULT_UID_BASE, "on a root rank each run's code gets its own unprivileged uid and gid "
+                                          f"from [uid_base, uid_base + {UID_SPAN}): a range no account or id "
+                                          "mapping (LDAP, SSSD) of the node uses")
+    allow_limits_only: bool = opt(False, "let mode auto fall back to rlimits (limits only: the code reads what "
+                                         "its uid may and reaches the network) on a rank that runs as root")
 
     def check(self, job) -> List[str]:
         p = []
@@ -98,4 +112,9 @@ class SandboxConfig(Section):
             p.append(f"sandbox time limits are capped at one week ({WEEK_S} s)")
         if self.memory_mb > 2**24:
             p.append(f"sandbox.memory_mb = {self.memory_mb} is past 16 TiB: a unit mix-up?")
+        if self.max_open_files > 1 << 20:
+            p.append(f"sandbox.max_open_files = {self.max_open_files}: at most {1 << 20} (the kernel's nr_open)")
+        if not 65536 <= self.uid_base <= 2**32 - 2 - UID_SPAN:
+            p.append(f"sandbox.uid_base = {self.uid_base}: expected 65536 to {2**32 - 2 - UID_SPAN} (uids below "
+                     f"65536 belong to the system and its accounts; {UID_SPAN} of them are taken from it)")
         return p

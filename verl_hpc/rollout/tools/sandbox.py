@@ -6,25 +6,28 @@
 
 Every run gets a process of its own, started from the job's base Python (not the venv, which lives in
 the user's project folder) with `-I`, stdin closed, a minimal environment (no tokens, no
-PYTHONPATH) and a private scratch folder as its working directory, removed afterwards. Limits:
-CPU seconds, address space, processes, file size, output bytes (the pipes are read as they fill
-and the program is stopped once it prints more) and wall time (the whole process tree is killed).
+PYTHONPATH) and a private scratch folder as its working directory, removed afterwards. Model code
+never runs as root: on a root rank each run gets an unprivileged uid of its own (`uid_base` + a
+number unique to the rank process and the run). Limits: CPU seconds and memory of the whole run,
+address space, processes, open files, file size, output bytes (the pipes are read as they fill and
+the program is stopped once it prints more) and wall time (the whole process tree is killed).
 
 Modes, strongest first (`auto` takes the first this node can run):
-- `bwrap`: bubblewrap with every namespace unshared (user, mount, pid, net, ipc, uts), read-only
-  binds of the system folders and the interpreter, a private /tmp, the scratch folder the only
-  writable place;
-- `namespaces`: util-linux `unshare` (user, mount, pid, net, ipc, uts namespaces) and
-  `sandbox_inner.py`, which builds a fresh root of the same binds and pivot_root()s into it;
-- `rlimits`: limits only. It does NOT stop network access or reading (or writing) the user's files.
+- `bwrap`: bubblewrap with every namespace unshared (mount, pid, net, ipc, uts; a user namespace
+  too on a user's rank), read-only binds of the system folders and the interpreter, a private
+  /tmp, the scratch folder the only writable place;
+- `namespaces`: util-linux `unshare` (the same namespaces) and `sandbox_inner.py`, which builds a
+  fresh root of the same binds and pivot_root()s into it;
+- `rlimits`: limits only. It does NOT stop network access or reading the files the code's uid may
+  read. On a root rank `auto` takes it only with `allow_limits_only`.
 
-The process limit: RLIMIT_NPROC is not enforced for root, and outside a user namespace it counts
-every process of the user. So where a pids cgroup is writable (root on most nodes) each run gets
-its own with `pids.max`; otherwise bwrap and namespaces rely on RLIMIT_NPROC, which inside a fresh
-user namespace counts only that run's processes. docs/sandbox.md has the table.
+The run's cgroups (sandbox_cgroups.py) hold its processes, memory and CPU time where this process
+may make them (root on most nodes); elsewhere RLIMIT_NPROC, RLIMIT_AS with a low open-files limit,
+and the sum over the process tree stand in, as describe() says. docs/sandbox.md has the table.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -32,7 +35,6 @@ import pathlib
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -40,23 +42,28 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.sections.multi_turn import SANDBOX_MODES, SandboxConfig
-from verl_hpc.rollout.tools.sandbox_process import PidsCgroup, kill_tree, read_capped
+from verl_hpc.config.sections.multi_turn import SANDBOX_MODES, UID_SPAN, SandboxConfig
+from verl_hpc.rollout.tools.sandbox_cgroups import RunCgroups
+from verl_hpc.rollout.tools.sandbox_command import RunSpec, base_python, sandbox_command
+from verl_hpc.rollout.tools.sandbox_process import kill_tree, read_capped, tree_cpu_seconds
 
 log = logging.getLogger(__name__)
 
 _DEFAULTS = SandboxConfig()  # the constructor's defaults are the config's
-_INNER = pathlib.Path(__file__).with_name("sandbox_inner.py").read_text()
-# where the code sees its files in the bwrap and namespaces modes
-_SCRATCH, _MAIN = "/scratch", "/sandbox/main.py"
-# processes of the sandbox's own beside the code's (sh joining the cgroup, bwrap's two / unshare)
+# processes of the sandbox's own beside the code's (sh joining the cgroups, bwrap's two / unshare)
 _OWN_PROCESSES = 4
+_OWN_MEMORY = 64 << 20  # the same processes' memory (a Python waiting, bwrap), on top of memory_mb
 # text a failed program leaves on stderr when a limit, not its own bug, stopped it
 _PROCESS_SIGNS = ("Resource temporarily unavailable", "can't start new thread")
-_MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc")
+_MEMORY_SIGNS = ("MemoryError", "Cannot allocate memory", "std::bad_alloc",
+                 "failed to map segment from shared object")  # the dynamic loader, under RLIMIT_AS
 # the last line of a traceback when the sandbox refused an action: EPERM, EACCES, EROFS,
 # EADDRNOTAVAIL, ENETUNREACH, ECONNREFUSED (nothing listens in an empty network namespace)
 _DENIED_ERRNOS = ("[Errno 1]", "[Errno 13]", "[Errno 30]", "[Errno 99]", "[Errno 101]", "[Errno 111]")
+# a status that means the user's limit, not the mode, stopped the trial run: the field to raise
+_LIMIT_FIELDS = {"timeout": "wall_time_s", "cpu_limit": "cpu_time_s", "memory_limit": "memory_mb",
+                 "output_limit": "max_output_bytes", "process_limit": "max_processes"}
+_TRIAL = "print(6*7)"
 
 
 @dataclass
@@ -75,21 +82,26 @@ class SandboxResult:
 
 class Sandbox:
     _probe_lock = threading.Lock()
-    _probed: Dict[str, bool] = {}  # mode -> runs on this node; per process, shared by instances
+    _probed: Dict[tuple, str] = {}  # (mode, python, limits) -> why it cannot run ('' = it can); per process
+    _runs = itertools.count()  # numbers each run of this process: its uid on a root rank
 
     def __init__(self, *, mode: str = _DEFAULTS.mode, cpu_time_s: float = _DEFAULTS.cpu_time_s,
                  wall_time_s: float = _DEFAULTS.wall_time_s, memory_mb: int = _DEFAULTS.memory_mb,
                  max_processes: int = _DEFAULTS.max_processes,
                  max_output_bytes: int = _DEFAULTS.max_output_bytes,
-                 max_file_bytes: int = _DEFAULTS.max_file_bytes, scratch_root: str = _DEFAULTS.scratch_root):
+                 max_file_bytes: int = _DEFAULTS.max_file_bytes, max_open_files: int = _DEFAULTS.max_open_files,
+                 scratch_root: str = _DEFAULTS.scratch_root, python: str = _DEFAULTS.python,
+                 uid_base: int = _DEFAULTS.uid_base, allow_limits_only: bool = _DEFAULTS.allow_limits_only):
         if mode not in SANDBOX_MODES:
             raise ConfigError(f"sandbox.mode = {mode!r}: expected one of {', '.join(SANDBOX_MODES)}")
         self.cpu_time_s, self.wall_time_s, self.memory_mb = cpu_time_s, wall_time_s, memory_mb
         self.max_processes, self.max_output_bytes = max_processes, max_output_bytes
-        self.max_file_bytes = max_file_bytes
+        self.max_file_bytes, self.max_open_files = max_file_bytes, max_open_files
+        self.uid_base, self.allow_limits_only = uid_base, allow_limits_only
+        self.as_root = os.geteuid() == 0
         self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
-        self.python = _base_python()
-        self._cgroup_base = PidsCgroup.base()
+        self.python = _interpreter(python)
+        self._cgroups = RunCgroups.bases()
         self.mode = self._resolve(mode)
 
     @classmethod
@@ -97,7 +109,8 @@ class Sandbox:
         c = sandbox_cfg
         return cls(mode=c.mode, cpu_time_s=c.cpu_time_s, wall_time_s=c.wall_time_s, memory_mb=c.memory_mb,
                    max_processes=c.max_processes, max_output_bytes=c.max_output_bytes,
-                   max_file_bytes=c.max_file_bytes, scratch_root=c.scratch_root)
+                   max_file_bytes=c.max_file_bytes, max_open_files=c.max_open_files, scratch_root=c.scratch_root,
+                   python=c.python, uid_base=c.uid_base, allow_limits_only=c.allow_limits_only)
 
     # ------------------------------------------------------------------ mode
     def _resolve(self, mode: str) -> str:
@@ -109,51 +122,81 @@ class Sandbox:
             return mode
         reasons = []
         for candidate in (m for m in SANDBOX_MODES if m != "auto"):  # the config lists them strongest first
+            if candidate == "rlimits" and self.as_root and not self.allow_limits_only:
+                raise ConfigError(
+                    f"sandbox.mode = auto: no mode that contains model code runs on this node ({'; '.join(reasons)}), "
+                    "and the rank runs as root: install bubblewrap, or set sandbox.allow_limits_only=true to "
+                    "run it in rlimits mode (limits only; docs/sandbox.md)")
             why = self._unavailable(candidate)
             if not why:
-                log.info("sandbox: mode auto -> %s%s", candidate, f" ({'; '.join(reasons)})" if reasons else "")
+                if reasons:  # one line, at warning level: the job runs with less than it could
+                    log.warning("sandbox: mode auto -> %s, not the stronger %s", candidate, "; ".join(reasons))
+                else:
+                    log.info("sandbox: mode auto -> %s", candidate)
                 return candidate
             reasons.append(f"{candidate}: {why}")
-        raise AssertionError("rlimits mode always runs")  # pragma: no cover
+        raise ConfigError(f"sandbox.mode = auto: no mode runs on this node ({'; '.join(reasons)})")
 
     def _unavailable(self, mode: str) -> str:
-        """Why `mode` cannot run here, '' when it can: the tool is installed and a trial run works."""
-        if mode == "rlimits":
-            return ""
-        tool = "bwrap" if mode == "bwrap" else "unshare"
-        if not shutil.which(tool):
+        """Why `mode` cannot run here, '' when it can: the tool is installed and a trial run works.
+        A trial stopped by one of the user's own limits raises: that is the limit, not the mode."""
+        tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode)
+        if tool and not shutil.which(tool):
             return f"{tool} is not installed on this node"
+        key = (mode, self.python, self.as_root, *self._trial_limits())
         with Sandbox._probe_lock:
-            if mode not in Sandbox._probed:
-                Sandbox._probed[mode] = self._trial(mode)
-        return "" if Sandbox._probed[mode] else f"a trial run under {tool} failed (user namespaces not allowed?)"
+            if key not in Sandbox._probed:
+                Sandbox._probed[key] = self._trial(mode)
+        return Sandbox._probed[key]
 
-    def _trial(self, mode: str) -> bool:
-        result = self._run("print(6*7)", self.wall_time_s, mode)
-        if not result.ok:
-            log.info("sandbox: %s trial failed: %s", mode, result.stderr.strip()[-500:])
-        return result.ok and result.stdout == "42\n"
+    def _trial_limits(self) -> tuple:
+        return (self.wall_time_s, self.cpu_time_s, self.memory_mb, self.max_output_bytes, self.max_processes,
+                self.max_open_files)
+
+    def _trial(self, mode: str) -> str:
+        result = self._run(_TRIAL, self.wall_time_s, mode)
+        if result.ok and result.stdout == "42\n":
+            return ""
+        if result.status in _LIMIT_FIELDS or "Too many open files" in result.stderr:
+            field = _LIMIT_FIELDS.get(result.status, "max_open_files")
+            raise ConfigError(f"sandbox.{field} = {getattr(self, field)}: the sandbox's trial run ({_TRIAL}, "
+                              f"mode {mode}) was stopped by this limit ({result.status}); raise it")
+        log.info("sandbox: %s trial failed: %s", mode, result.stderr.strip()[-500:])
+        last = result.stderr.strip().rsplit("\n", 1)[-1][:200]
+        tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode, self.python)
+        hint = ""
+        if mode == "rlimits" and self.as_root and "Permission denied" in last:
+            hint = ("; on a root rank rlimits mode runs the code as an unprivileged uid, which must reach "
+                    "sandbox.python and sandbox.scratch_root (a Python under /root cannot be: name another, "
+                    "e.g. sandbox.python=/usr/bin/python3)")
+        return f"a trial run under {tool} failed ({last or result.status}){hint}"
 
     def describe(self) -> str:
         """One line for the job log: the mode, what it isolates, the limits and what enforces them."""
         what = {
-            "bwrap": "bubblewrap: own user, mount, pid, net, ipc and uts namespaces; no network; sees only "
+            "bwrap": "bubblewrap: own mount, pid, net, ipc and uts namespaces; no network; sees only "
                      "read-only system folders and the interpreter, a private /tmp and its scratch folder",
-            "namespaces": "unshare: own user, mount, pid, net, ipc and uts namespaces; no network; a fresh root "
+            "namespaces": "unshare: own mount, pid, net, ipc and uts namespaces; no network; a fresh root "
                           "of read-only system folders and the interpreter, a private /tmp and its scratch folder",
             "rlimits": "limits only: does NOT stop network access or reading the user's files "
-                       "(for nodes that allow no user namespaces)",
+                       "(for nodes that allow no namespaces)",
         }[self.mode]
-        return (f"sandbox: mode {self.mode} ({what}); limits: {self.cpu_time_s:g} s CPU, {self.wall_time_s:g} s "
-                f"wall, {self.memory_mb} MiB address space, {self.max_processes} processes "
+        who = (f"as its own unprivileged uid (from {self.uid_base}; the rank is root)" if self.as_root
+               else "as the job's user" + ("" if self.mode == "rlimits" else " (root of its own user namespace)"))
+        cg = self._cgroups
+        return (f"sandbox: mode {self.mode} ({what}); code runs {who}; limits: {self.cpu_time_s:g} s CPU per run "
+                f"({'cpu accounting cgroup' if 'cpu' in cg else 'summed over the process tree'}), "
+                f"{self.wall_time_s:g} s wall, {self.memory_mb} MiB "
+                f"({'memory cgroup per run, shared memory included, and ' if 'memory' in cg else ''}"
+                f"address space per process, {self.max_open_files} open files), {self.max_processes} processes "
                 f"({self._process_limit_mechanism()}), {self.max_output_bytes} bytes of output, "
                 f"{self.max_file_bytes} bytes per file; python {self.python}")
 
     def _process_limit_mechanism(self) -> str:
-        if self._cgroup_base:
+        if "pids" in self._cgroups:
             return "pids cgroup"
-        if os.geteuid() == 0:
-            return "NOT enforced: root without a writable pids cgroup"
+        if self.as_root:
+            return "RLIMIT_NPROC of the run's own uid"
         if self.mode == "rlimits":
             return "RLIMIT_NPROC over all the user's processes"
         return "RLIMIT_NPROC in its own user namespace"
@@ -165,77 +208,55 @@ class Sandbox:
 
     def _run(self, code: str, wall_time_s: float, mode: str) -> SandboxResult:
         run_dir = tempfile.mkdtemp(prefix="verl_hpc_sandbox_", dir=self.scratch_root)
+        uid = self._run_uid()
         cgroup = None
         try:
+            os.chmod(run_dir, 0o711)  # the code's uid reaches its scratch folder and main.py, lists nothing
             scratch = os.path.join(run_dir, "scratch")
             os.mkdir(scratch, 0o700)
             main = os.path.join(run_dir, "main.py")
-            pathlib.Path(main).write_text(code, encoding="utf-8", errors="surrogateescape")
+            # a model's text may hold lone surrogates (JSON's "\ud800"), which UTF-8 cannot hold:
+            # written as backslash escapes, which mean the same character inside a string literal
+            pathlib.Path(main).write_text(code, encoding="utf-8", errors="backslashreplace")
+            os.chmod(main, 0o644)
+            if uid is not None:
+                os.chown(scratch, uid, uid)
             status_r, status_w = os.pipe()
-            argv = self._command(mode, run_dir, scratch, main, status_w)
-            if self._cgroup_base:
-                cgroup = PidsCgroup(self._cgroup_base, self.max_processes + _OWN_PROCESSES)
-                argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs, *argv]
+            spec = RunSpec(mode, self.python, run_dir, self._limits(mode, uid), uid, status_w,
+                           tmp_bytes=16 * self.max_file_bytes, shm_bytes=4 * self.max_file_bytes)
+            argv = sandbox_command(spec)
+            if self._cgroups:
+                cgroup = RunCgroups(self._cgroups, max_pids=self.max_processes + _OWN_PROCESSES,
+                                    memory_bytes=(self.memory_mb << 20) + _OWN_MEMORY)
+                # the first process joins every cgroup of the run before it execs the wrapper
+                join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+                argv = ["/bin/sh", "-c", join, "sandbox", *cgroup.procs, "--", *argv]
             return self._supervise(argv, mode, wall_time_s, cgroup, (status_r, status_w))
         finally:
             if cgroup:
                 cgroup.remove()
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def _limits(self, mode: str) -> List[Tuple[str, int, int]]:
+    def _run_uid(self) -> Optional[int]:
+        """On a root rank: a uid (and gid) no other run on the node has now: the rank's pid and
+        this run's number, within [uid_base, uid_base + UID_SPAN)."""
+        if not self.as_root:
+            return None
+        return self.uid_base + (((os.getpid() << 6) | (next(Sandbox._runs) & 63)) % UID_SPAN)
+
+    def _limits(self, mode: str, uid: Optional[int]) -> List[Tuple[str, int, int]]:
         cpu = max(int(-(-self.cpu_time_s // 1)), 1)  # whole seconds, rounded up
         memory = self.memory_mb << 20
         limits = [("RLIMIT_CPU", cpu, cpu + 1),  # SIGXCPU at the limit, SIGKILL a second later
                   ("RLIMIT_AS", memory, memory),
                   ("RLIMIT_FSIZE", self.max_file_bytes, self.max_file_bytes),
+                  # each open memfd or tmpfs file holds up to max_file_bytes of RAM outside RLIMIT_AS
+                  ("RLIMIT_NOFILE", self.max_open_files, self.max_open_files),
                   ("RLIMIT_CORE", 0, 0)]  # SIGXCPU would dump a core into the scratch folder
-        nproc = self.max_processes
-        if mode == "rlimits" and os.geteuid() != 0:
-            nproc += _user_tasks(os.getuid())  # outside a user namespace it counts all of them
-        if os.geteuid() != 0 or mode != "rlimits":
-            limits.append(("RLIMIT_NPROC", nproc, nproc))
-        return limits
-
-    def _command(self, mode: str, run_dir: str, scratch: str, main: str, status_fd: int) -> List[str]:
-        """The argv that starts the sandbox: a wrapper (bwrap, unshare or none) around
-        `python -I -S -c <sandbox_inner.py> <plan>`, which sets the limits and execs the code."""
-        inside = mode != "rlimits"
-        cwd, script = (_SCRATCH, _MAIN) if inside else (scratch, main)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp" if inside else cwd,
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-        plan = {"root": None, "cwd": cwd, "limits": self._limits(mode), "env": env,
-                "argv": [self.python, "-I", script], "status_fd": status_fd}
-        if mode == "namespaces":
-            plan["root"] = {"dir": os.path.join(run_dir, "root"), "binds": self._binds(scratch, main),
-                            "symlinks": _system_symlinks(), "tmp_bytes": self._tmp_bytes()}
-            os.mkdir(plan["root"]["dir"])
-        inner = [self.python, "-I", "-S", "-c", _INNER, json.dumps(plan)]
-        if mode == "namespaces":
-            return ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--net", "--ipc", "--uts",
-                    "--fork", "--kill-child", *inner]
-        if mode == "bwrap":
-            return ["bwrap", *self._bwrap_args(scratch, main), *inner]
-        return inner
-
-    def _binds(self, scratch: str, main: str) -> List[Tuple[str, str, bool]]:
-        """(source, place in the sandbox, writable): the interpreter and the system folders it
-        needs, read-only; the scratch folder read-write; a few harmless device nodes."""
-        ro = [(p, p, False) for p in _read_only_paths(self.python)]
-        dev = [(d, d, True) for d in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom") if os.path.exists(d)]
-        return ro + dev + [(main, _MAIN, False), (scratch, _SCRATCH, True)]
-
-    def _bwrap_args(self, scratch: str, main: str) -> List[str]:
-        args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--hostname", "sandbox", "--dev", "/dev", "--proc", "/proc",
-                "--size", str(self._tmp_bytes()), "--tmpfs", "/tmp"]
-        for target, link in _system_symlinks():
-            args += ["--symlink", target, link]
-        for path in _read_only_paths(self.python):
-            args += ["--ro-bind", path, path]
-        return args + ["--ro-bind", main, _MAIN, "--bind", scratch, _SCRATCH]
-
-    def _tmp_bytes(self) -> int:
-        return 16 * self.max_file_bytes  # /tmp is RAM: a few files of the largest allowed size
+        # RLIMIT_NPROC counts the processes of the code's uid in its user namespace: only this run's
+        # for a run's own uid or own namespace; all the user's for rlimits mode on a user's rank
+        nproc = self.max_processes + (_user_tasks(os.getuid()) if mode == "rlimits" and uid is None else 0)
+        return limits + [("RLIMIT_NPROC", nproc, nproc)]
 
     def _supervise(self, argv: List[str], mode: str, wall_time_s: float, cgroup, pipe) -> SandboxResult:
         start = time.monotonic()
@@ -245,9 +266,15 @@ class Sandbox:
                                     start_new_session=True, close_fds=True, pass_fds=(pipe[1],))
         finally:
             os.close(pipe[1])  # the child holds it now; EOF on the read end once the run is over
+
+        def cpu_watch() -> str:  # the run's CPU time as a whole (RLIMIT_CPU holds each process)
+            used = cgroup.cpu_seconds() if cgroup else None
+            used = tree_cpu_seconds(proc.pid) if used is None else used
+            return "cpu_limit" if used >= self.cpu_time_s else ""
+
         try:
             out, err, stopped = read_capped(proc, start + wall_time_s, self.max_output_bytes,
-                                             lambda: kill_tree(proc, cgroup))
+                                             lambda: kill_tree(proc, cgroup), watch=cpu_watch)
         finally:
             kill_tree(proc, cgroup)  # whatever the program left behind
             proc.wait()
@@ -263,12 +290,14 @@ class Sandbox:
                              exit_code=None if sig else rc, status=status, seconds=seconds, mode=mode)
 
     def _status(self, rc: int, sig: int, cpu_s: float, stopped: str, stderr: str, cgroup) -> str:
-        if stopped:  # output_limit or timeout, unless a fork bomb was behind it
+        if stopped:  # output_limit, timeout or cpu_limit, unless a fork bomb was behind it
             return "process_limit" if _process_limit_hit(stderr, cgroup) else stopped
         if rc == 0 and not sig:
             return "ok"
         if _process_limit_hit(stderr, cgroup):
             return "process_limit"
+        if cgroup and cgroup.oom_killed():  # the kernel's kill at the run's memory limit (SIGKILL)
+            return "memory_limit"
         # RLIMIT_CPU sends SIGXCPU, then SIGKILL a second later to a program that ignores it
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= int(self.cpu_time_s)):
             return "cpu_limit"
@@ -290,10 +319,14 @@ class Sandbox:
 
 
 # ---------------------------------------------------------------------- helpers
-def _base_python() -> str:
-    """The job's base interpreter: a venv's python would need the venv, inside the user's project."""
-    exe = getattr(sys, "_base_executable", "") or sys.executable
-    return os.path.realpath(exe)
+def _interpreter(python: str) -> str:
+    """sandbox.python, or the job's base interpreter; checked once here, not at every run."""
+    if not python:
+        return base_python()
+    path = os.path.realpath(python)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ConfigError(f"sandbox.python = {python!r}: not an executable file ('' = the job's base Python)")
+    return path
 
 
 def _writable_folder(path: str) -> str:
@@ -302,24 +335,6 @@ def _writable_folder(path: str) -> str:
         raise ConfigError(f"sandbox.scratch_root = {path!r}: not a writable folder (each run makes its "
                           "scratch folder there; '' = $TMPDIR or /tmp)")
     return path
-
-
-def _system_symlinks() -> List[Tuple[str, str]]:
-    """Merged-/usr systems link /bin, /lib, ... into /usr: the sandbox gets the same links."""
-    return [(os.readlink(p), p) for p in ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
-            if os.path.islink(p)]
-
-
-def _read_only_paths(python: str) -> List[str]:
-    """System folders (not links), the dynamic linker's cache, and the interpreter's prefix."""
-    paths = [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
-             if os.path.isdir(p) and not os.path.islink(p)]
-    paths += [p for p in ("/etc/ld.so.cache", "/etc/localtime") if os.path.exists(p)]
-    prefix = os.path.realpath(sys.base_prefix)
-    for extra in (prefix, os.path.dirname(python)):
-        if not any(extra == p or extra.startswith(p + "/") for p in paths):
-            paths.append(extra)
-    return paths
 
 
 def _user_tasks(uid: int) -> int:
@@ -346,4 +361,4 @@ def _read_report(fd: int) -> dict:
 
 
 def _process_limit_hit(stderr: str, cgroup) -> bool:
-    return (cgroup is not None and cgroup.hit()) or any(s in stderr for s in _PROCESS_SIGNS)
+    return (cgroup is not None and cgroup.process_limit_hit()) or any(s in stderr for s in _PROCESS_SIGNS)

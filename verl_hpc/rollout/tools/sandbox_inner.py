@@ -2,16 +2,23 @@
 
 `Sandbox` passes this file's text to the job's base Python as `python -I -S -c <text> <plan>`,
 where <plan> is JSON. It runs as the first process of the sandbox (inside `unshare` or `bwrap`, or
-directly in rlimits mode) and, in this order (steps 2-3 in the child of step 4):
-  1. namespaces mode only: builds a fresh root in a tmpfs from read-only binds of the system
-     folders and the interpreter, the scratch folder read-write, a private /tmp, a few /dev nodes,
-     then pivot_root()s into it and detaches the old root, so nothing else of the node is mounted;
-  2. sets the resource limits (lowering only: a limit the node already set lower stays);
-  3. drops every capability it holds in its user namespace (bounding, ambient, inheritable,
-     permitted) and sets no_new_privs, so the code cannot remount, mount, or gain privileges by
-     exec'ing a set-uid program;
-  4. forks; the child exec()s `python -I main.py` in the scratch folder, the parent waits and
-     writes how it ended (exit code or signal, CPU seconds) as JSON to the status pipe.
+directly in rlimits mode) and, in this order (steps 3-4 in the child of step 2):
+  1. namespaces mode: builds a fresh root in a tmpfs from read-only binds of the system folders
+     and the interpreter, the scratch folder read-write, a private /tmp, a few /dev nodes, a /proc
+     whose sys, sysrq-trigger, irq and bus are read-only, then pivot_root()s into it and detaches
+     the old root, so nothing else of the node is mounted; scratch and /tmp are nosuid, nodev,
+     noexec. bwrap mode on a root rank: the same read-only /proc parts and noexec mounts on what
+     bubblewrap built (bubblewrap has no option for either);
+  2. becomes the run's sub-reaper and forks; it turns itself non-dumpable first, so that the
+     code, whatever its uid, can neither ptrace it nor open its status pipe through /proc;
+  3. the child sets the resource limits (lowering only: a limit the node already set lower stays);
+  4. the child drops every capability (bounding, ambient, inheritable, permitted), becomes the
+     plan's unprivileged uid and gid when the rank is root (model code never runs as root: the
+     kernel lets uid 0 write /proc/sys whatever its capabilities), and sets no_new_privs, so the
+     code cannot remount, mount, or gain privileges by exec'ing a set-uid program; then it
+     exec()s `python -I main.py` in the scratch folder;
+  5. the parent waits, kills whatever the code left behind (re-parented to it), and writes how
+     the code ended (exit code or signal, CPU seconds) as JSON to the status pipe.
 It is not imported by the job: it never runs in a rank's process.
 """
 import ctypes
@@ -30,7 +37,11 @@ MNT_DETACH = 2
 LOCKED_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | 4096  # noatime, nodiratime, relatime
 # glibc has no pivot_root() wrapper; the system call's number per architecture
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217, "riscv64": 41}
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 4, 24, 36, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+# parts of a fresh /proc that write to the kernel (sysctls, magic SysRq, IRQ affinity, buses)
+PROC_KERNEL = ("sys", "sysrq-trigger", "irq", "bus")
+NOEXEC = MS_NOSUID | MS_NODEV | MS_NOEXEC
 CAP_VERSION_3 = 0x20080522
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -47,11 +58,34 @@ def mount(src, dst, fstype, flags, data=None):
     check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
 
 
-def bind(src, dst, writable):
+# how a bind is remounted: "ro" read-only; "rw" writable, running nothing; "dev" a device node
+BIND_FLAGS = {"ro": MS_RDONLY | MS_NOSUID | MS_NODEV, "rw": NOEXEC, "dev": MS_NOSUID | MS_NOEXEC}
+
+
+def bind(src, dst, kind):
     mount(src, dst, None, MS_BIND | MS_REC)
-    if not writable:
-        locked = os.statvfs(src).f_flag & LOCKED_FLAGS
-        mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
+    locked = os.statvfs(src).f_flag & LOCKED_FLAGS
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | BIND_FLAGS[kind] | locked)
+
+
+def protect_proc(proc):
+    """The kernel-writing parts of a /proc, read-only: the code's uid is never the host's 0, but a
+    file-system that refuses the write is the second wall (bubblewrap leaves them writable when its
+    own probe of them fails)."""
+    for part in PROC_KERNEL:
+        path = f"{proc}/{part}"
+        if os.path.exists(path):
+            mount(path, path, None, MS_BIND | MS_REC)
+            mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | NOEXEC)
+
+
+def harden_bwrap(writable):
+    """bwrap on a root rank (run without a user namespace, with CAP_SYS_ADMIN kept for this step
+    only): /proc's kernel parts read-only, the writable places noexec."""
+    protect_proc("/proc")
+    for path in writable:
+        if os.path.isdir(path):
+            mount(None, path, None, MS_REMOUNT | MS_BIND | NOEXEC)
 
 
 def mount_point(path, is_dir):
@@ -67,16 +101,18 @@ def build_root(root):
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for target, link in root["symlinks"]:
         os.symlink(target, new + link)
-    for src, dst, writable in root["binds"]:
+    for src, dst, kind in root["binds"]:
         mount_point(new + dst, os.path.isdir(src))
-        bind(src, new + dst, writable)
+        bind(src, new + dst, kind)
     os.makedirs(new + "/tmp")
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={root['tmp_bytes']},mode=1777")
+    mount("tmpfs", new + "/tmp", "tmpfs", NOEXEC, f"size={root['tmp_bytes']},mode=1777")
     os.makedirs(new + "/proc")
     try:  # a container may hide parts of /proc, and then the kernel refuses a fresh one: not needed
-        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mount("proc", new + "/proc", "proc", NOEXEC)
     except OSError:
         pass
+    else:
+        protect_proc(new + "/proc")
     enter(new)
     # the tmpfs root itself read-only: the scratch folder and /tmp are the only writable places
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -113,33 +149,81 @@ class CapData(ctypes.Structure):
                 ("inheritable", ctypes.c_uint32)]
 
 
-def drop_privileges():
-    """Step 3. With an empty bounding set and no inheritable or ambient capabilities, exec() grants
-    none, even to uid 0 of the user namespace."""
+def drop_privileges(uid):
+    """Step 4. With an empty bounding set and no inheritable or ambient capabilities, exec() grants
+    none, even to uid 0 of a user namespace; `uid` (also the gid, no supplementary groups) is the
+    run's own unprivileged id on a root rank, None where the rank already is a user."""
     for cap in range(64):
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # EINVAL past the last capability this kernel knows; EPERM: none held (rlimits)
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     none = (CapData * 2)()  # lowering one's own capabilities needs no privilege
     check(libc.capset(ctypes.byref(CapHeader(CAP_VERSION_3, 0)), none), "capset")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+def children():
+    """This process's live children, from /proc (those of a sub-reaper include the run's orphans)."""
+    me, found = os.getpid(), []
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return found  # no /proc in a namespaces root: the pid namespace ends them instead
+    for name in names:
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != b"Z":
+            found.append(int(name))
+    return found
+
+
+def end_leftovers():
+    """Step 5: kill what the code left running (a daemon that double-forked, a setsid'd child):
+    as the run's sub-reaper every orphan is this process's child, until this process exits."""
+    for _ in range(200):  # a fork bomb refills the list while we kill: until it is empty
+        while True:  # reap what has ended
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        kids = children()
+        if not kids:
+            return
+        for pid in kids:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
 def main(plan):
     if plan["root"]:
         build_root(plan["root"])
-    os.chdir(plan["cwd"])
+    if plan["harden"]:
+        harden_bwrap(plan["harden"])
     status_fd = plan["status_fd"]
+    check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
+    check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "sub-reaper")
     pid = os.fork()
     if pid == 0:
         os.close(status_fd)  # the code must not write the status line
         set_limits(plan["limits"])
-        drop_privileges()
+        drop_privileges(plan["uid"])
+        os.chdir(plan["cwd"])  # as the code's uid: the scratch folder is its, mode 0700
         os.execve(plan["argv"][0], plan["argv"], plan["env"])
     # This process waits (pid 1 of the pid namespace in the bwrap and namespaces modes: when it
     # exits, every process the code left behind is killed) and tells the sandbox how the code
     # ended, which wrappers blur (bwrap exits 128 + a signal, unshare fails to re-raise SIGXCPU).
     _, status, usage = os.wait4(pid, 0)
+    end_leftovers()
     report = {"cpu_s": usage.ru_utime + usage.ru_stime}
     if os.WIFSIGNALED(status):
         report["signal"] = os.WTERMSIG(status)
