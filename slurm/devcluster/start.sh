@@ -129,8 +129,9 @@ stop_all_slurmd() {
 # -dev package ships (libopenmpi-dev depends on it today; naming it keeps that from changing under
 # us). hdf5-tools: h5ls/h5dump for checkpoint tests. prometheus-pushgateway: the tests push
 # metrics to a real gateway they start themselves (the packaged service is not started).
-# bubblewrap: the sandbox's bwrap mode, which the sandbox tests run (docs/sandbox.md).
-PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway bubblewrap"
+# bubblewrap: the sandbox's bwrap mode, which the sandbox tests run (docs/sandbox.md); python3-minimal:
+# the system Python the sandbox tests run as an unprivileged uid (the venv's may live under /root).
+PKGS="slurmctld slurmd slurm-client munge openmpi-bin libopenmpi-dev libpmix-dev hdf5-tools prometheus-pushgateway bubblewrap python3-minimal"
 # multi-node: ip netns/tc (iproute2), unshare/nsenter (util-linux), the controller forwarders (socat)
 [ "$NODES" -gt 1 ] && PKGS="$PKGS iproute2 socat util-linux"
 [ "$DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"

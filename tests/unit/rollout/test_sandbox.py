@@ -166,3 +166,11 @@ def test_from_config(scratch_root):
 def test_uid_base_outside_the_unprivileged_range_is_refused(uid_base):
     problems = SandboxConfig(uid_base=uid_base).check(None)
     assert any(p.startswith(f"sandbox.uid_base = {uid_base}: expected 65536 to ") for p in problems), problems
+
+
+def test_root_of_a_user_namespace_is_sandboxed_as_a_user():
+    """A rootless container's uid 0 is another uid of the node: no uid of its own to drop to."""
+    assert os.geteuid() == 0
+    assert sandbox_module._host_root("         0          0 4294967295\n")
+    assert not sandbox_module._host_root("         0       1000          1\n")
+    assert not sandbox_module._host_root("         0     100000      65536\n")

@@ -98,7 +98,7 @@ class Sandbox:
         self.max_processes, self.max_output_bytes = max_processes, max_output_bytes
         self.max_file_bytes, self.max_open_files = max_file_bytes, max_open_files
         self.uid_base, self.allow_limits_only = uid_base, allow_limits_only
-        self.as_root = os.geteuid() == 0
+        self.as_root = _host_root()
         self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
         self.python = _interpreter(python)
         self._cgroups = RunCgroups.bases()
@@ -319,6 +319,23 @@ class Sandbox:
 
 
 # ---------------------------------------------------------------------- helpers
+def _host_root(uid_map: Optional[str] = None) -> bool:
+    """Whether this process is the node's uid 0. Root of a user namespace (a rootless container)
+    is some other uid of the node, which /proc/sys already refuses, and it could not take the
+    runs' uids (they are not mapped there): it is sandboxed as a user's rank is."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        uid_map = uid_map if uid_map is not None else pathlib.Path("/proc/self/uid_map").read_text()
+    except OSError:
+        return True
+    for line in uid_map.splitlines():
+        inside, outside, count = (int(x) for x in line.split())
+        if inside <= 0 < inside + count:
+            return outside == inside
+    return False
+
+
 def _interpreter(python: str) -> str:
     """sandbox.python, or the job's base interpreter; checked once here, not at every run."""
     if not python:
