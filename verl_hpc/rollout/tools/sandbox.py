@@ -64,6 +64,7 @@ _DENIED_ERRNOS = ("[Errno 1]", "[Errno 13]", "[Errno 30]", "[Errno 99]", "[Errno
 _LIMIT_FIELDS = {"timeout": "wall_time_s", "cpu_limit": "cpu_time_s", "memory_limit": "memory_mb",
                  "output_limit": "max_output_bytes", "process_limit": "max_processes"}
 _TRIAL = "print(6*7)"
+_TOOLS = {"bwrap": "bwrap", "namespaces": "unshare"}  # the program each mode needs on the node
 
 
 @dataclass
@@ -140,10 +141,10 @@ class Sandbox:
     def _unavailable(self, mode: str) -> str:
         """Why `mode` cannot run here, '' when it can: the tool is installed and a trial run works.
         A trial stopped by one of the user's own limits raises: that is the limit, not the mode."""
-        tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode)
+        tool = _TOOLS.get(mode)
         if tool and not shutil.which(tool):
             return f"{tool} is not installed on this node"
-        key = (mode, self.python, self.as_root, *self._trial_limits())
+        key = (mode, self.python, self.as_root, self.scratch_root, *self._trial_limits())
         with Sandbox._probe_lock:
             if key not in Sandbox._probed:
                 Sandbox._probed[key] = self._trial(mode)
@@ -163,7 +164,7 @@ class Sandbox:
                               f"mode {mode}) was stopped by this limit ({result.status}); raise it")
         log.info("sandbox: %s trial failed: %s", mode, result.stderr.strip()[-500:])
         last = result.stderr.strip().rsplit("\n", 1)[-1][:200]
-        tool = {"bwrap": "bwrap", "namespaces": "unshare"}.get(mode, self.python)
+        tool = _TOOLS.get(mode, self.python)
         hint = ""
         if mode == "rlimits" and self.as_root and "Permission denied" in last:
             hint = ("; on a root rank rlimits mode runs the code as an unprivileged uid, which must reach "
