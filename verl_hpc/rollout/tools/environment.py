@@ -51,10 +51,9 @@ class EnvironmentTurns:
     role = "user"
     stop = ()
 
-    def __init__(self, env_class, spec: str = "", *, on_error: str = "zero"):
+    def __init__(self, env_class, spec: str, *, on_error: str):
         """spec: the 'module:Class' the job named (for messages); on_error: reward.on_error."""
-        self.env_class, self.on_error = env_class, on_error
-        self.spec = spec or f"{env_class.__module__}:{env_class.__qualname__}"
+        self.env_class, self.spec, self.on_error = env_class, spec, on_error
         self.envs: List[Any] = []
         self._calls = TimedCaller(WEEK_S)
         self._warned = False
