@@ -167,7 +167,7 @@ def _call_problem(cls: type, method: Optional[str], args: tuple) -> str:
         fn, bound = cls, args
     else:  # looked up on the class: a plain function still takes self; a static or class method does not
         fn = getattr(cls, method)
-        wrapped = isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod))
+        wrapped = isinstance(inspect.getattr_static(cls, method, None), (staticmethod, classmethod))
         bound = args if wrapped else (None, *args)
     try:
         inspect.signature(fn).bind(*bound)
