@@ -115,3 +115,63 @@ def test_weights_that_disagree_with_config_json_stop_the_rank_before_any_engine(
     (model / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 64)))
     proc = run_rank(tmp_path, tiny_assets, f"model.path={model}")
     check_one_line(proc, 13, "model.path", "embed_tokens", "vocab_size", "implies")
+
+
+def multi_turn_start_up_failures(tmp_path, root):
+    """{case: (overrides, exit code, words of the error line)}: a multi-turn job whose tools,
+    environment or chat template cannot be used, with user code in tmp_path/code."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "clash_tools.py").write_text('def calculator(expression: str) -> str:\n    """Also a calculator.\n\n'
+                                         '    Args:\n        expression: The sum.\n    """\n    return expression\n')
+    (code / "clash_env.py").write_text("def Game():\n    return None\n\n\nclass Sized:\n"
+                                       "    def __init__(self, size):\n        pass\n\n    def reset(self, row):\n"
+                                       "        pass\n\n    def step(self, turn_text):\n        return None, 0.0, True\n")
+    bare = tmp_path / "no_template"  # the tiny tokenizer without its chat template
+    bare.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((root / "model" / name).read_bytes())
+    (tmp_path / "a_file").write_text("")
+    user = ["safety.allow_custom_code=true"]
+    return {
+        "user tool not on the path": (["multi_turn.user_tools=[no_such_tool_module:fn]", *user], 2,
+                                      ["no_such_tool_module", "PYTHONPATH"]),
+        "two tools of one name": (["multi_turn.user_tools=[clash_tools:calculator]", *user], 2,
+                                  ["two tools are named 'calculator'"]),
+        "environment not a class": (["multi_turn.environment=clash_env:Game", *user], 2, ["it is not a class"]),
+        "environment needs an argument": (["multi_turn.environment=clash_env:Sized", *user], 2,
+                                          ["cannot be called as Sized()", "'size'"]),
+        "no chat template": ([f"model.tokenizer_path={bare}"], 10, ["needs a tokenizer with a chat_template"]),
+        "scratch root not a folder": (["multi_turn.tools=[python]", f"sandbox.scratch_root={tmp_path}/a_file"], 2,
+                                      ["sandbox.scratch_root", "not a writable folder"]),
+    }
+
+
+MULTI_TURN = ["multi_turn.enable=true", "data.max_response_length=64", "rollout.max_tokens=16", "rollout.engine=vllm"]
+
+
+@pytest.mark.parametrize("case", ["two tools of one name", "environment not a class", "environment needs an argument",
+                                  "no chat template", "scratch root not a folder"])
+def test_a_multi_turn_job_that_cannot_start_stops_before_any_engine(tmp_path, tiny_assets, monkeypatch, case):
+    """What multi_turn needs (the chat template, the tools, the environment, the sandbox) is built
+    first: the job stops in seconds with its one line, and no vLLM engine was started, whose
+    exit-time finalizer printed a traceback after that line."""
+    overrides, code, words = multi_turn_start_up_failures(tmp_path, tiny_assets)[case]
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    proc = run_rank(tmp_path, tiny_assets, *MULTI_TURN, *overrides)
+    check_one_line(proc, code, *words)
+    assert "vLLM engine up" not in proc.stderr, proc.stderr[-5000:]
+
+
+def test_a_multi_turn_start_up_error_is_the_last_line_of_a_real_rank(tmp_path, tiny_assets):
+    """The same in a real process, where vLLM's exit path runs (tests/jobs.py cannot show it)."""
+    overrides, code, words = multi_turn_start_up_failures(tmp_path, tiny_assets)["user tool not on the path"]
+    cmd = [sys.executable, "-m", "verl_hpc.job", "configs/demo_rl.yaml", f"trainer.output_dir={tmp_path}/out",
+           "slurm.tasks_per_node=1", f"model.path={tiny_assets}/model", *data_overrides(tiny_assets),
+           "trainer.total_steps=1", "data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+           "actor.micro_batch_size=4", *MULTI_TURN, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    check_one_line(proc, code, *words)
+    assert proc.stderr.rstrip().splitlines()[-1].startswith("error: "), proc.stderr[-5000:]
+    assert "vLLM engine up" not in proc.stderr, proc.stderr[-5000:]

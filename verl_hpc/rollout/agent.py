@@ -1,13 +1,21 @@
-"""`build_episode_runner(cfg, ctx, engine, tokenizer)`: the multi_turn section made into a runner.
+"""multi_turn's section made into an episode runner, in two steps:
+
+    parts = episode_parts(cfg, ctx, tokenizer)            # before any engine (None without multi_turn)
+    runner = build_episode_runner(cfg, ctx, engine, parts)
+
+`episode_parts` holds all that can fail: the chat template's delimiters (TurnCodec), the tool
+registry (user tools that do not import, two tools of one name), the environment class, the
+sandbox. The roles build it before the rollout engine and the training engines, so such a job
+fails in seconds and with no engine up (docs/errors.md); the runner itself only puts them together.
 
 Only rank 0 runs tools (their output is broadcast, verl_hpc/rollout/episodes.py), so only rank 0
-builds the registry, the sandbox and the pool of tool workers; the other ranks get a runner that
-applies rank 0's replies.
+builds the registry, the sandbox and the pool of tool workers; the other ranks get a responder
+that applies rank 0's replies.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.rollout.episodes import EpisodeRunner
@@ -31,14 +39,17 @@ class _Remote:
         pass
 
 
-def _responder(cfg):
+def build_responder(cfg):
+    """What answers the model's turns on rank 0: the environment, or the tools in their pool."""
+    from verl_hpc.rollout.tools.environment import EnvironmentTurns
     from verl_hpc.rollout.tools.pool import ToolPool
     from verl_hpc.rollout.tools.registry import ToolRegistry, load_environment
-    from verl_hpc.rollout.tools.turns import EnvironmentTurns, ToolTurns
+    from verl_hpc.rollout.tools.turns import ToolTurns
 
     mt = cfg.multi_turn
     if mt.environment:
-        return EnvironmentTurns(load_environment(mt.environment, cfg.safety.allow_custom_code))
+        return EnvironmentTurns(load_environment(mt.environment, cfg.safety.allow_custom_code), mt.environment,
+                                on_error=cfg.reward.on_error)
     registry = ToolRegistry.from_config(cfg)
     if "python" in registry.names():
         log.info("multi_turn: the python tool runs in the sandbox: %s", registry.sandbox.describe())
@@ -46,14 +57,23 @@ def _responder(cfg):
                      error_penalty=mt.tool_error_penalty)
 
 
-def build_episode_runner(cfg, ctx, engine, tokenizer) -> Optional[EpisodeRunner]:
-    """The runner for multi_turn.enable, else None (every sample is one response)."""
+def episode_parts(cfg, ctx, tokenizer) -> Optional[Tuple[TurnCodec, Any]]:
+    """(codec, this rank's responder) for multi_turn.enable, else None. The caller closes the
+    responder if it does not hand the parts to a runner."""
     mt = cfg.multi_turn
     if not mt.enable:
         return None
     codec = TurnCodec(tokenizer)
+    return codec, (build_responder(cfg) if ctx.rank == 0 else _Remote(*_shape(mt)))
+
+
+def build_episode_runner(cfg, ctx, engine, parts) -> Optional[EpisodeRunner]:
+    """The runner over `engine` (None without parts: every sample is one response)."""
+    if parts is None:
+        return None
+    mt = cfg.multi_turn
+    codec, responder = parts
     is_root = ctx.rank == 0
-    responder = _responder(cfg) if is_root else _Remote(*_shape(mt))
     runner = EpisodeRunner(engine, codec, responder, max_turns=mt.max_turns,
                            budget=cfg.data.max_response_length, timeout_s=mt.episode_timeout_s,
                            default_tools=offered_tools(cfg), is_root=is_root)
@@ -66,7 +86,8 @@ def build_episode_runner(cfg, ctx, engine, tokenizer) -> Optional[EpisodeRunner]
 
 def _shape(mt) -> tuple:
     """(role, stop strings) of the responder rank 0 builds, without building it."""
-    from verl_hpc.rollout.tools.turns import EnvironmentTurns, ToolTurns
+    from verl_hpc.rollout.tools.environment import EnvironmentTurns
+    from verl_hpc.rollout.tools.turns import ToolTurns
 
     kind = EnvironmentTurns if mt.environment else ToolTurns
     return kind.role, kind.stop

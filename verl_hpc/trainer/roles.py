@@ -8,7 +8,10 @@ uses it (`ref.enable`, auto), the critic iff the estimator needs values (`critic
 gae), the reward model iff `reward.reward_model.enable`, PRIME's implicit PRM iff `prm.enable`
 (auto: the prime estimator). Building is collective: every rank calls this.
 
-Order: the rollout engine first, then put to sleep, then the Megatron engines. On GPU vLLM refuses
+Order: multi_turn's chat template, tools and environment first (verl_hpc/rollout/agent.py): a job
+whose tools cannot load fails in seconds, before any engine, and with no vLLM engine whose exit
+path could print after the `error:` line. Then the rollout engine, then put to sleep, then the
+Megatron engines. On GPU vLLM refuses
 to start unless the free memory is at least `rollout.gpu_memory_utilization` x the GPU's total
 (its start-up check counts memory other libraries hold as used), so it must start before the
 training engines take theirs; with `rollout.sleep_between_phases` its sleep then hands its memory
@@ -69,11 +72,17 @@ def load_tokenizer(cfg):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
-    """The caller owns the returned rollout engine and closes it (`with roles.rollout:`); if a
-    role built after it fails, the engine is closed here before the error goes on."""
+    """The caller owns the returned rollout engine and episode runner and closes them (`with
+    roles.rollout:`, `with roles.episodes:`); if a role built after them fails, they are closed
+    here before the error goes on."""
     tokenizer = load_tokenizer(cfg)
-    rollout = None
+    rollout, parts, episodes = None, None, None
     with contextlib.ExitStack() as on_error:
+        if with_rollout and cfg.multi_turn.enable:  # first: what fails here fails before any engine loads
+            from verl_hpc.rollout.agent import episode_parts
+
+            parts = episode_parts(cfg, ctx, tokenizer)
+            on_error.callback(parts[1].close)  # its tool workers and sandbox
         if with_rollout:
             from verl_hpc.rollout import build_rollout
 
@@ -84,12 +93,12 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
-        on_error.pop_all()  # all built: the engine stays open for the caller
-    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm)
-    if with_rollout and cfg.multi_turn.enable:
-        from verl_hpc.rollout.agent import build_episode_runner
+        if parts is not None:
+            from verl_hpc.rollout.agent import build_episode_runner
 
-        roles.episodes = build_episode_runner(cfg, ctx, rollout, tokenizer)
+            episodes = build_episode_runner(cfg, ctx, rollout, parts)
+        on_error.pop_all()  # all built: the engine (and the episode runner) stay open for the caller
+    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, episodes=episodes)
     if ctx.rank == 0:
         lora = cfg.lora
         log.info("roles: %s; rollout: %s%s", ", ".join(roles.names()), cfg.rollout.engine,

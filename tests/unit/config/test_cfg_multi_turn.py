@@ -23,6 +23,8 @@ def problems(*overrides):
     (["algorithm.adv_estimator=remax", "rollout.n=1"], "does not run algorithm.adv_estimator = remax"),
     (["trainer.job=sft", "data.sft_files=[x.parquet]"], "multi_turn.enable is for trainer.job = rl"),
     (["sandbox.wall_time_s=1e9"], "sandbox time limits are capped at one week"),
+    # a thread per worker: 1000000 died at start-up on "can't start new thread"
+    (["multi_turn.tool_workers=1000000"], "multi_turn.tool_workers: must be in [0, 256], got 1000000"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)
@@ -39,3 +41,8 @@ def test_the_engine_window_spans_the_episode():
     many = load_config(None, ["data.max_response_length=96", "rollout.max_tokens=32", "multi_turn.enable=true"])
     assert engine_kwargs(one, "hf")["max_response_length"] == 32  # one response
     assert engine_kwargs(many, "hf")["max_response_length"] == 96  # later turns: prompt + episode so far
+
+
+def test_the_default_tool_workers_stay_within_the_cap():
+    mt = load_config(None, []).multi_turn
+    assert (mt.workers(1), mt.workers(9), mt.workers(4096)) == (1, 8, 256)

@@ -43,6 +43,11 @@ def test_parses_calls_and_ignores_the_text_around_them():
     ('{"name": "calculator", "arguments": [1, 2]}', '"arguments" must be a JSON object, got an array'),
     ('{"name": "calculator", "arguments": "1 + 2"}',
      '"arguments" must be a JSON object, got a string that is not a JSON object'),
+    # what Python's JSON reader refuses with a RecursionError or a ValueError, not a JSONDecodeError
+    ('{"name": "f", "arguments": {"x": ' + "[" * 100000 + "]" * 100000 + "}}", "invalid JSON (nested too deeply)"),
+    ('{"name": "f", "arguments": {"x": -' + "9" * 4301 + "}}", "invalid JSON (an integer of 4301 digits; at most 4300)"),
+    ('{"name": "f", "arguments": "{\\"x\\": ' + "9" * 5000 + '}"}',
+     '"arguments" must be a JSON object, got a string that is not a JSON object'),
 ])
 def test_a_malformed_call_is_an_error_the_model_reads(body, error):
     good = '<tool_call>{"name": "calculator", "arguments": {"expression": "2"}}</tool_call>'

@@ -25,6 +25,10 @@ SANDBOX_MODES = ("auto", "bwrap", "namespaces", "rlimits")
 UID_SPAN = 1 << 24  # the uids a root rank's sandbox runs take from sandbox.uid_base on
 # above the id ranges accounts and SSSD/winbind id mapping use by default (SSSD: 200000-2000200000)
 DEFAULT_UID_BASE = 2_100_000_000
+# Each tool worker is a thread that may drive a sandbox process (sandbox.memory_mb each); past a few
+# hundred per rank the node runs out of memory or processes first, and a value such as 1000000 failed
+# at start-up with "can't start new thread" instead of a range error.
+MAX_TOOL_WORKERS = 256
 
 
 def needs_custom_code(field: str) -> str:
@@ -51,7 +55,8 @@ class MultiTurnConfig(Section):
     episode_timeout_s: float = opt(0.0, "wall time of one batch's episodes from their first turn; 0 = no limit",
                                    check=">=0")
     tool_workers: int = opt(0, "tool calls run at once (threads driving sandbox processes); 0 = the cores "
-                               "the rank leaves free: slurm.cpus_per_task - 1, at least 1", check=">=0")
+                               "the rank leaves free: slurm.cpus_per_task - 1, at least 1",
+                            check=f"[0, {MAX_TOOL_WORKERS}]")
     tool_error_penalty: float = opt(0.0, "per-turn reward term added for each failed tool call (malformed, "
                                          "unknown tool, error, timeout); e.g. -0.1")
 
@@ -78,7 +83,7 @@ class MultiTurnConfig(Section):
 
     def workers(self, cpus_per_task: int) -> int:
         """Tool calls in flight at once: the configured count, or the rank's spare cores."""
-        return self.tool_workers or max(cpus_per_task - 1, 1)
+        return self.tool_workers or min(max(cpus_per_task - 1, 1), MAX_TOOL_WORKERS)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Tools for multi-turn episodes: the calls a model writes, the built-in and user tools, the
 registry that offers them, the pool that runs them (docs/tools.md), the responders an episode
-runner asks (turns.py) and the sandbox model-written code runs in (docs/sandbox.md).
+runner asks (turns.py; environment.py for multi_turn.environment) and the sandbox model-written code runs in (docs/sandbox.md).
 
     parsed = parse_tool_calls(turn_text)                  # ParsedCalls(calls, errors)
     registry = ToolRegistry.from_config(cfg)

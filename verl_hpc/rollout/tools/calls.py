@@ -6,16 +6,18 @@ A turn may hold several calls; text outside the tags is the model's own and is i
 call the model got wrong (bad JSON, no name, arguments that are not an object, a tag left open at
 the end of the turn) is not an exception: it becomes an error text the model reads in its next
 observation, numbered by the call's place in the turn, so the episode goes on and the error is
-counted.
+counted. So is JSON that Python's reader refuses with something else than a JSONDecodeError:
+nesting past the recursion limit, an integer of more than MAX_INT_DIGITS digits.
 """
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_INT_DIGITS = 4300  # Python's default limit on int <-> str conversion (sys.int_info.default_max_str_digits)
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
@@ -61,11 +63,32 @@ def _add(parsed: ParsedCalls, number: int, body: str) -> None:
         parsed.errors.append(f"error: tool call {number}: {call}")
 
 
-def _call_or_problem(body: str) -> Union[ToolCall, str]:
+def _int(digits: str) -> int:
+    """json's parse_int: Python refuses to convert more than 4,300 digits (sys.int_info), with a
+    ValueError that is not a JSONDecodeError; the limit is fixed here, with its own message, so
+    that a process-wide sys.set_int_max_str_digits does not change which calls are valid."""
+    count = len(digits.lstrip("-"))
+    if count > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {count} digits; at most {MAX_INT_DIGITS}")
+    return int(digits)
+
+
+def _loads(text: str) -> Tuple[Any, str]:
+    """(value, '') or (None, what is wrong): JSON the model wrote, never an exception."""
     try:
-        data = json.loads(body)
+        return json.loads(text, parse_int=_int), ""
     except json.JSONDecodeError as e:
-        return f"invalid JSON ({e.msg} at char {e.pos})"
+        return None, f"{e.msg} at char {e.pos}"
+    except ValueError as e:  # _int's refusal
+        return None, str(e)
+    except RecursionError:  # json's C reader recurses once per nesting level
+        return None, "nested too deeply"
+
+
+def _call_or_problem(body: str) -> Union[ToolCall, str]:
+    data, problem = _loads(body)
+    if problem:
+        return f"invalid JSON ({problem})"
     if not isinstance(data, dict):
         return f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_kind(data)}'
     name = data.get("name")
@@ -82,9 +105,8 @@ def _call_or_problem(body: str) -> Union[ToolCall, str]:
 def _arguments(value: Any) -> Optional[Dict[str, Any]]:
     """The arguments object; some models write it as a JSON string holding the object."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+        value, problem = _loads(value)
+        if problem:
             return None
     return value if isinstance(value, dict) else None
 

@@ -8,7 +8,8 @@ tool's name is the function's. The model is told about it by the schema transfor
 and the docstring an `Args:` section. To fail, raise: the model reads `error: <Type>: <message>`.
 
 Environments. 'package.module:Class' names a class built with no arguments, one instance per
-episode, instead of tool calls:
+episode, instead of tool calls (the signatures are checked against these calls at load; what a
+failure of its code does at run time is in environment.py):
 
     reset(row: dict) -> None                   # the row's `extra`; its prompt opens the episode
     step(turn_text: str) -> (observation: Optional[str], reward: float, done: bool)
@@ -149,7 +150,32 @@ def load_environment(spec: str, allow_custom_code: bool) -> type:
         raise ConfigError(f"{field} = {spec!r}: expected a class with reset(row) and step(turn_text)"
                           f"{'; it is not a class' if not isinstance(cls, type) else ''}"
                           f"{'; missing: ' + ', '.join(missing) if missing else ''}")
+    # the calls the episodes make, tried on the signatures now rather than on the first batch
+    for call, method, args, why in ((f"{cls.__name__}()", None, (), "it is built with no arguments, one instance "
+                                     "per episode"),
+                                    ("reset(row)", "reset", ({},), "each episode starts so"),
+                                    ("step(turn_text)", "step", ("",), "each model turn is handed over so")):
+        problem = _call_problem(cls, method, args)
+        if problem:
+            raise ConfigError(f"{field} = {spec!r}: cannot be called as {call} ({problem}); {why}")
     return cls
+
+
+def _call_problem(cls: type, method: Optional[str], args: tuple) -> str:
+    """'' when cls (method None) or its `method` accepts `args` (an instance's bound call), else why not."""
+    if method is None:
+        fn, bound = cls, args
+    else:  # looked up on the class: a plain function still takes self; a static or class method does not
+        fn = getattr(cls, method)
+        wrapped = isinstance(inspect.getattr_static(cls, method, None), (staticmethod, classmethod))
+        bound = args if wrapped else (None, *args)
+    try:
+        inspect.signature(fn).bind(*bound)
+    except TypeError as e:
+        return str(e)
+    except ValueError:  # no signature to read (a builtin): the first call decides
+        pass
+    return ""
 
 
 def _sandbox_from_config(sandbox_cfg):

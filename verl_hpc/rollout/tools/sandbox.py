@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.sections.multi_turn import SANDBOX_MODES, UID_SPAN, SandboxConfig
+from verl_hpc.config.sections.multi_turn import MAX_TOOL_WORKERS, SANDBOX_MODES, UID_SPAN, SandboxConfig
 from verl_hpc.rollout.tools.sandbox_cgroups import RunCgroups
 from verl_hpc.rollout.tools.sandbox_command import RunSpec, base_python, sandbox_command
 from verl_hpc.rollout.tools.sandbox_process import kill_tree, read_capped, tree_cpu_seconds
@@ -240,10 +240,12 @@ class Sandbox:
 
     def _run_uid(self) -> Optional[int]:
         """On a root rank: a uid (and gid) no other run on the node has now: the rank's pid and
-        this run's number, within [uid_base, uid_base + UID_SPAN)."""
+        this run's number modulo the most tool workers a rank runs at once, within
+        [uid_base, uid_base + UID_SPAN)."""
         if not self.as_root:
             return None
-        return self.uid_base + (((os.getpid() << 6) | (next(Sandbox._runs) & 63)) % UID_SPAN)
+        slot = next(Sandbox._runs) % MAX_TOOL_WORKERS
+        return self.uid_base + (os.getpid() * MAX_TOOL_WORKERS + slot) % UID_SPAN
 
     def _limits(self, mode: str, uid: Optional[int]) -> List[Tuple[str, int, int]]:
         cpu = max(int(-(-self.cpu_time_s // 1)), 1)  # whole seconds, rounded up

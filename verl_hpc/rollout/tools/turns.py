@@ -1,13 +1,10 @@
-"""The responders of an episode runner (verl_hpc/rollout/episodes.py): what answers a model turn.
+"""The tool responder of an episode runner (verl_hpc/rollout/episodes.py): what answers a model turn
+when the job offers tools (an environment's is environment.py).
 
 ToolTurns: the turn's tool calls (`<tool_call>{...}</tool_call>`) run in the pool, all turns' calls
 of a round at once; each call's output (or its error, as text) becomes one tool turn. A turn without
 a call is the model's answer. A malformed call, an unknown tool, a tool that raises or runs past its
 time is an observation the model reads and a counted error; it never ends the job.
-
-EnvironmentTurns: a user environment instead of tools (multi_turn.environment): one instance per
-episode, `reset(row)` at the start, `step(turn_text) -> (observation, reward, done)` after every
-model turn; its reward is a per-turn term, its observation a user turn.
 """
 from __future__ import annotations
 
@@ -58,31 +55,3 @@ class ToolTurns:
     def close(self) -> None:
         self.pool.close()
 
-
-class EnvironmentTurns:
-    role = "user"
-    stop = ()
-
-    def __init__(self, env_class):
-        self.env_class = env_class
-        self.envs: List[Any] = []
-
-    def start(self, rows: Sequence[Dict[str, Any]]) -> None:
-        self.envs = [self.env_class() for _ in rows]
-        for env, row in zip(self.envs, rows):
-            env.reset(row)
-
-    def respond(self, turns: Sequence[Turn]) -> List[Reply]:
-        replies = []
-        for t in turns:
-            try:
-                observation, reward, done = self.envs[t.episode].step(t.text)
-            except Exception as e:  # noqa: BLE001 - the environment's fault is the episode's observation
-                replies.append(Reply(observations=[f"error: {type(e).__name__}: {e}"], errors=1))
-                continue
-            obs = [] if done or observation is None else [str(observation)]
-            replies.append(Reply(observations=obs, done=bool(done) or not obs, reward=float(reward or 0.0)))
-        return replies
-
-    def close(self) -> None:
-        self.envs = []
