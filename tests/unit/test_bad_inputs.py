@@ -565,3 +565,24 @@ def test_watchdog_does_not_count_time_inside_a_collective(monkeypatch):
     time.sleep(1.2)
     dog.stop()
     assert dog.stalled is None
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from verl_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen2_moe", "qwen2_moe", layers=2)
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(router_jitter_noise="abc"), "{c}: router_jitter_noise='abc' is not implemented; valid: 0 or null"),
+    (dict(shared_expert_intermediate_size=0), "{c}: shared_expert_intermediate_size=0: expected a positive integer"),
+    (dict(num_experts=2), "tensor 'model.layers.0.mlp.gate.weight' in '{w}' has shape [4, 128]; '{c}' (num_experts=2, "
+                          "hidden_size=128) implies [2, 128]"),
+])
+def test_submit_finds_a_bad_moe_config_json_before_the_queue(job, tiny_moe, capsys, changes, words):
+    shutil.rmtree(job[1]["model"])
+    shutil.copytree(tiny_moe, job[1]["model"])
+    c = _edit_config(job, **changes)
+    err = submit_error(capsys, [*job[0], "rollout.engine=hf"])  # one line, before anything is queued
+    assert err.startswith("model.path: " + words.format(c=c, w=_weights(job))), err

@@ -66,13 +66,15 @@ def tensors_of(headers: Dict[Path, dict]) -> Dict[str, HeaderEntry]:
 def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], value_head: bool) -> List[str]:
     """One line per kind of disagreement between config.json and the weights (layer count, then
     shapes, then missing tensors, then dtypes), each naming a tensor, its file and both shapes."""
-    from verl_hpc.models.config_mapping import load_arch
+    from verl_hpc.models.config_mapping import load_arch, load_hf_config
     from verl_hpc.models.weight_rules import expected_hf_tensors
 
     try:
         arch = load_arch(folder)
     except ConfigError:
         return []  # model_folder_problems already reports the config.json itself
+    # the field this file counts its experts in (Mixtral's name, or Qwen's; transformers 5 writes both spellings)
+    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in load_hf_config(folder)), "num_experts")
     expected = expected_hf_tensors(arch, output_layer=not value_head)
     source = f"'{folder / 'config.json'}'"
     problems = _layer_count(field, source, arch.num_layers, found)
@@ -82,7 +84,7 @@ def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], va
     if wrong:
         name, shape = wrong[0]
         problems.append(f"{field}: tensor '{name}' in '{folder / found[name][2]}' has shape {list(found[name][0])}; "
-                        f"{source} ({_facts(arch, name)}) implies {list(shape)}{_more(wrong, 'tensors disagree')}; "
+                        f"{source} ({_facts(arch, name, experts_key)}) implies {list(shape)}{_more(wrong, 'tensors disagree')}; "
                         "valid: the config.json these weights were saved with")
     missing = [n for n in expected if n not in found]
     if missing:
@@ -108,12 +110,23 @@ def _layer_count(field: str, source: str, layers: int, found: Dict[str, HeaderEn
             "valid: the config.json these weights were saved with"]
 
 
-def _facts(arch, name: str) -> str:
-    """The config.json fields a tensor's shape comes from."""
+def _facts(arch, name: str, experts_key: str = "num_experts") -> str:
+    """The config.json fields a tensor's shape comes from (an MoE layer's by their MoE names: the
+    router's rows are the expert count, an expert's the expert FFN)."""
+    moe = arch.moe
+    expert_ffn_key = "intermediate_size" if arch.family == "mixtral" else "moe_intermediate_size"
     if "embed_tokens" in name or "lm_head" in name:
         keys = ("vocab_size", "hidden_size")
-    elif ".mlp." in name:
+    elif moe and name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+        keys = (experts_key, "hidden_size")
+    elif moe and ".experts." in name:
+        keys = (expert_ffn_key, "hidden_size")
+    elif moe and ".shared_expert." in name:
+        keys = ("shared_expert_intermediate_size", "hidden_size")
+    elif ".mlp." in name and not moe:
         keys = ("intermediate_size", "hidden_size")
+    elif name.endswith(("q_norm.weight", "k_norm.weight")):
+        keys = ("head_dim",)
     elif ".self_attn." in name:
         keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     else:
@@ -121,6 +134,9 @@ def _facts(arch, name: str) -> str:
     values = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
                   num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
                   head_dim=arch.head_dim)
+    if moe:
+        values.update({experts_key: moe.num_experts, expert_ffn_key: moe.expert_ffn,
+                       "shared_expert_intermediate_size": moe.shared_ffn})
     return ", ".join(f"{k}={values[k]}" for k in keys)
 
 
