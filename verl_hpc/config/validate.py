@@ -72,6 +72,9 @@ def _models(cfg: JobConfig) -> List[str]:
     critic = cfg.critic.model_path
     if cfg.critic.wanted(cfg) and critic and critic != cfg.model.path:
         p += _model(cfg, critic, "critic.model_path")
+    prm = cfg.prm.model_path
+    if cfg.trainer.job == "rl" and cfg.prm.wanted(cfg) and prm and prm != cfg.model.path:
+        p += _model(cfg, prm, "prm.model_path")  # the PRM is built in the training layout too
     return p
 
 
