@@ -565,3 +565,64 @@ def test_watchdog_does_not_count_time_inside_a_collective(monkeypatch):
     time.sleep(1.2)
     dog.stop()
     assert dog.stalled is None
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from verl_hpc.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "qwen2_moe", "qwen2_moe", layers=2)
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(router_jitter_noise="abc"), "{c}: router_jitter_noise='abc' is not implemented; valid: 0 or null"),
+    (dict(shared_expert_intermediate_size=0), "{c}: shared_expert_intermediate_size=0: expected a positive integer"),
+    (dict(num_experts=2), "tensor 'model.layers.0.mlp.gate.weight' in '{w}' has shape [4, 128]; '{c}' (num_experts=2, "
+                          "hidden_size=128) implies [2, 128]"),
+])
+def test_submit_finds_a_bad_moe_config_json_before_the_queue(job, tiny_moe, capsys, changes, words):
+    shutil.rmtree(job[1]["model"])
+    shutil.copytree(tiny_moe, job[1]["model"])
+    c = _edit_config(job, **changes)
+    err = submit_error(capsys, [*job[0], "rollout.engine=hf"])  # one line, before anything is queued
+    assert err.startswith("model.path: " + words.format(c=c, w=_weights(job))), err
+
+
+def test_submit_refuses_a_prm_with_another_tokenizer_or_a_smaller_vocabulary(job, tmp_path, capsys):
+    """PRIME's PRM scores the actor's token ids: a PRM folder with another tokenizer (two ids
+    swapped), or with no tokenizer and a vocabulary below the actor's ids, is refused naming both
+    folders; the actor's own tokenizer beside other weights is accepted."""
+    overrides, paths = job
+    prm = tmp_path / "prm"
+    shutil.copytree(paths["model"], prm)
+    prime = [*overrides, "prm.enable=true", f"prm.model_path={prm}", "rollout.engine=hf"]
+    assert dry_run_code(capsys, prime) == 0  # the same tokenizer: accepted
+    f = prm / "tokenizer.json"
+    tok = json.loads(f.read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    f.write_text(json.dumps(tok))
+    assert submit_error(capsys, prime) == (
+        f"prm.model_path: the tokenizer in '{prm}' differs from the actor's in '{paths['model']}' (480 vs 480 tokens; "
+        f"token {a!r} is id 100 for the actor and 101 for the PRM); the PRM scores the actor's token ids; valid: a PRM "
+        "that shares the actor's tokenizer (prm.model_path, default model.path)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (prm / name).unlink()
+    small = _edit_config((None, {"model": prm}), vocab_size=300)
+    with pytest.raises(ConfigError) as e:
+        preflight(load_config(None, prime))
+    weights, vocab = e.value.problems  # the PRM's folder is checked like the actor's: its weights too
+    assert weights.startswith(f"prm.model_path: tensor 'model.embed_tokens.weight' in '{prm / 'model.safetensors'}' "
+                              "has shape [500, 128]; "), weights
+    assert vocab.startswith(f"prm.model_path: the tokenizer in '{paths['model']}' has ids up to 479 (480 tokens with "
+                            f"the added ones), but '{small}' has vocab_size = 300; valid: "), vocab
+
+
+def dry_run_code(capsys, overrides) -> int:
+    """`submit --dry-run` in this process; its exit code (stdout and stderr swallowed)."""
+    from verl_hpc import submit
+
+    code = submit.main(["data.max_prompt_length=64", "data.max_response_length=16", *overrides, "--dry-run"])
+    capsys.readouterr()
+    return code

@@ -13,6 +13,9 @@ whose size disagrees with the index or that is not HDF5), otherwise the error's 
                             verl_hpc/checkpoint/hf_export.py); single process, any saving layout;
                             a LoRA run's adapter merged into its base
     export CKPT --peft OUT  a LoRA run's adapter as a PEFT folder that `peft` loads onto the base
+                            OUT is a new or empty folder, or one holding a model with --overwrite
+                            (then it holds exactly the new export); never a folder the export
+                            reads from (the run's base model above all), even with --overwrite
 
 Subcommands are registered with @subcommand.
 """

@@ -19,7 +19,11 @@ written one tensor at a time (memory: one shard of `--shard-gb`, not the model).
 
 config.json and the tokenizer come from the model folder the run trained (`model.path`,
 `model.tokenizer_path` in the checkpoint's resolved config), or from `--model` when that folder
-is elsewhere on this machine.
+is elsewhere on this machine. A LoRA merge reads the base weights from there too, and first checks
+that folder against the base fingerprint the checkpoint recorded (checkpoint/base_model.py, the
+check a resume makes). Where the export may write (never into a folder it reads from; into a
+folder that is not empty only with --overwrite, which then holds exactly the new model):
+checkpoint/export_target.py.
 """
 from __future__ import annotations
 
@@ -35,14 +39,17 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import yaml
 
+from verl_hpc.checkpoint.base_model import check_base_model
 from verl_hpc.checkpoint.errors import CheckpointError
+from verl_hpc.checkpoint.export_target import (WEIGHT_FILES, check_target, make_folder, remove_stale,
+                                               same_folder, shard_limit)
 from verl_hpc.checkpoint.load import CheckpointReader
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import load_arch
 from verl_hpc.models.weight_rules import EXPERT_RULES, Layout, layer_rules, model_rules
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.h5|\.msgpack|\.gguf)$|\.index\.json$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
@@ -101,54 +108,101 @@ def _layer_rule(suffix: str, arch):
     return rule, None, (part or None)
 
 
-def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", shard_gb: float = 5.0) -> Path:
-    """Write the HF folder `out` from checkpoint `ckpt` (a directory, or a root: its `latest`)."""
+def read_folders(reader: CheckpointReader, src: Path, tok: Path, lora: Optional[dict]) -> Dict[Path, str]:
+    """{folder: what it is} for every folder an export of `reader` reads, or that the run depends on:
+    none of them may be written (export_target.check_target)."""
+    out: Dict[Path, str] = {}  # a folder named twice keeps its first (weightiest) reason
+    if lora:
+        out[Path(lora["base_path"])] = "the base model the checkpoint's adapters were trained on (a resume needs it)"
+    text = reader.metadata.get("config")
+    cfg = yaml.safe_load(text) if isinstance(text, str) else None
+    run_model = ((cfg or {}).get("model") or {}).get("path") if isinstance(cfg, dict) else None
+    if run_model:
+        out.setdefault(Path(run_model), "the run's model.path (its reference model and a resume read it)")
+    out.setdefault(src, "the model folder this export reads config.json" + (" and the base weights" if lora else "")
+                   + " from")
+    out.setdefault(tok, "the tokenizer folder this export reads")
+    return out
+
+
+def _check(reader: CheckpointReader, out, option: str, model: Optional[str], role: str,
+           overwrite: bool) -> Tuple[Path, Path, Optional[dict]]:
+    """(model folder, tokenizer folder, LoRA record) once `out` is known to be a valid target."""
+    src, tok = model_folders(reader, model)
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src}/config.json not found (the model folder of the run, from the "
+                              "checkpoint's model.path); pass --model FOLDER")
+    lora = lora_meta(reader, role)
+    check_target(Path(out), option, overwrite=overwrite, reads=read_folders(reader, src, tok, lora),
+                 checkpoint=reader.path)
+    return src, tok, lora
+
+
+def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", shard_gb: float = 5.0,
+              overwrite: bool = False) -> Path:
+    """Write the HF folder `out` from checkpoint `ckpt` (a directory, or a root: its `latest`).
+    `out` must be new or empty unless `overwrite` (export_target.py has the rules)."""
     from safetensors.torch import save_file
 
     out = Path(out)
+    limit = shard_limit(shard_gb)
     with CheckpointReader(ckpt) as reader:
-        src, tok = model_folders(reader, model)
-        if not (src / "config.json").is_file():
-            raise CheckpointError(f"{src}/config.json not found (the model folder of the run, from the "
-                                  "checkpoint's model.path); pass --model FOLDER")
+        src, tok, lora = _check(reader, out, "--hf", model, role, overwrite)
+        if lora:  # the merge reads the base weights: they must be those the adapters were trained on
+            check_base_model(lora, str(src), "--model" if model else "model.path")
         arch = load_arch(src)
-        out.mkdir(parents=True, exist_ok=True)
-        limit = int(shard_gb * 1e9)
-        shards: List[Dict[str, torch.Tensor]] = [{}]
+        make_folder(out, "--hf")
+        shard: Dict[str, torch.Tensor] = {}
+        sizes: List[Dict[str, int]] = []  # per written shard: tensor name -> bytes (the index)
         size, seen = 0, set()
         tmp_names: List[str] = []
 
         def flush():
             name = f"model-{len(tmp_names) + 1:05d}.tmp.safetensors"
-            save_file(shards[-1], str(out / name), metadata={"format": "pt"})
             tmp_names.append(name)
+            try:
+                save_file(shard, str(out / name), metadata={"format": "pt"})
+            except OSError as e:
+                raise CheckpointError(f"--hf: cannot write '{out / name}': {e.strerror or e}") from None
+            sizes.append({k: t.numel() * t.element_size() for k, t in shard.items()})
+            shard.clear()  # memory: one shard at a time, not the model
 
-        lora = lora_meta(reader, role)
         source = (merged_tensors(reader, arch, src, lora, role) if lora
                   else hf_tensors(reader, arch, prefix=f"{role}/model/"))
-        for hf_name, t in source:
-            if hf_name in seen:
-                raise CheckpointError(f"{reader.path}: two tensors map to {hf_name}")
-            seen.add(hf_name)
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > limit:
-                flush()
-                shards.append({})
-                size = 0
-            shards[-1][hf_name] = t.contiguous()
-            size += nbytes
-        flush()
+        try:
+            for hf_name, t in source:
+                if hf_name in seen:
+                    raise CheckpointError(f"{reader.path}: two tensors map to {hf_name}")
+                seen.add(hf_name)
+                nbytes = t.numel() * t.element_size()
+                if shard and size + nbytes > limit:
+                    flush()
+                    size = 0
+                shard[hf_name] = t.contiguous()
+                size += nbytes
+            flush()
+        except BaseException:  # leave no half-written shard behind
+            for name in tmp_names:
+                (out / name).unlink(missing_ok=True)
+            raise
         step = reader.step
     n = len(tmp_names)
     final = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for tmp, name in zip(tmp_names, final):
-        (out / tmp).replace(out / name)
-    if n > 1:
-        weight_map = {k: final[i] for i, shard in enumerate(shards) for k in shard}
-        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    _copy_side_files(src, tok, out)
+    try:
+        # the earlier model's files go only now that the new shards are on disk
+        stale = remove_stale(out, keep=tmp_names)
+        for tmp, name in zip(tmp_names, final):
+            (out / tmp).replace(out / name)
+        if n > 1:
+            weight_map = {k: final[i] for i, names in enumerate(sizes) for k in names}
+            total = sum(b for names in sizes for b in names.values())
+            (out / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        _copy_side_files(src, tok, out)
+    except OSError as e:
+        raise CheckpointError(f"--hf: cannot finish the export in '{out}': {e}") from None
+    if stale:
+        log.info("export: removed the earlier model's %s from %s", ", ".join(stale), out)
     log.info("export: step %d of %s -> %s (%d tensors, %d file(s))", step, ckpt, out, len(seen), n)
     return out
 
@@ -208,9 +262,10 @@ def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
         hf.close()
 
 
-def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") -> Path:
+def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor", overwrite: bool = False) -> Path:
     """Write the PEFT adapter folder `out` (adapter_config.json + adapter_model.safetensors) of a
-    LoRA checkpoint: `peft.PeftModel.from_pretrained(base, out)` loads it onto the HF base."""
+    LoRA checkpoint: `peft.PeftModel.from_pretrained(base, out)` loads it onto the HF base.
+    `out` must be new or empty unless `overwrite` (export_target.py has the rules)."""
     from safetensors.torch import save_file
 
     from verl_hpc.models.lora import peft_config
@@ -221,14 +276,25 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") 
         if lora is None:
             raise CheckpointError(f"{reader.path}: the {role} was trained without LoRA (lora.rank = 0): "
                                   "there is no adapter to export; use --hf")
-        src, _ = model_folders(reader, model) if model or reader.metadata.get("config") else (None, None)
-        arch = load_arch(src if src is not None else lora["base_path"])
+        if model or reader.metadata.get("config"):
+            src, _, _ = _check(reader, out, "--peft", model, role, overwrite)
+        else:  # an adapter-only record: its base's config.json gives the shapes
+            src = Path(lora["base_path"])
+            check_target(out, "--peft", overwrite=overwrite, checkpoint=reader.path,
+                         reads={src: "the base model the checkpoint's adapters were trained on"})
+        arch = load_arch(src)
         # clone: the A shared by q/k/v (gate/up) is one tensor, which safetensors refuses to write thrice
         tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, prefix=f"{role}/model/")}
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"], base_model=str(lora["base_path"]))
-        (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        make_folder(out, "--peft")
+        try:
+            save_file(tensors, str(out / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})
+            remove_stale(out, keep=[])  # an earlier model's or adapter's files (with --overwrite)
+            (out / "adapter_model.safetensors.tmp").replace(out / "adapter_model.safetensors")
+            (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        except OSError as e:
+            (out / "adapter_model.safetensors.tmp").unlink(missing_ok=True)
+            raise CheckpointError(f"--peft: cannot write the adapter into '{out}': {e.strerror or e}") from None
         log.info("export: the %s adapter of step %d (rank %d, %d tensors) -> %s", role, reader.step,
                  config["r"], len(tensors), out)
     return out
@@ -248,19 +314,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", metavar="OUT", help="Hugging Face folder to write (a LoRA run's: base + adapter merged)")
     p.add_argument("--peft", metavar="OUT", help="a LoRA run's adapter as a PEFT folder (adapter_config.json + "
                                                  "adapter_model.safetensors)")
-    p.add_argument("--model", help="HF folder with config.json and tokenizer (default: the checkpoint's model.path)")
+    p.add_argument("--model", help="HF folder with config.json and tokenizer (default: the checkpoint's model.path); "
+                                   "a LoRA merge checks it is the base the adapters were trained on")
     p.add_argument("--role", default="actor", help="which trained model to export (default: actor)")
     p.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors file size (default 5)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a folder that is not empty: its model files (weights, index, config, tokenizer) "
+                        "are replaced; never the folders the export reads from")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     if not (args.hf or args.peft):
         raise CheckpointError("export: say what to write: --hf OUT (a Hugging Face model folder) and/or "
                               "--peft OUT (a LoRA run's adapter)")
+    shard_limit(args.shard_gb)
+    if args.hf and args.peft and same_folder(Path(args.hf), Path(args.peft)):
+        raise ConfigError(f"--hf and --peft both name '{args.hf}'; valid: two different folders (a merged "
+                          "model and an adapter are read differently)")
+    if args.hf and args.peft:  # both targets checked before either is written
+        with CheckpointReader(args.ckpt) as reader:
+            for option, out in (("--hf", args.hf), ("--peft", args.peft)):
+                _check(reader, out, option, args.model, args.role, args.overwrite)
     if args.peft:
-        out = export_peft(args.ckpt, args.peft, model=args.model, role=args.role)
+        out = export_peft(args.ckpt, args.peft, model=args.model, role=args.role, overwrite=args.overwrite)
         print(f"exported the adapter of {args.ckpt} -> {out}")
     if args.hf:
-        out = export_hf(args.ckpt, args.hf, model=args.model, role=args.role, shard_gb=args.shard_gb)
+        out = export_hf(args.ckpt, args.hf, model=args.model, role=args.role, shard_gb=args.shard_gb,
+                        overwrite=args.overwrite)
         print(f"exported {args.ckpt} -> {out}")
     return 0

@@ -26,6 +26,13 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
         m = read_model_shape(path, field)
     except ConfigError as e:
         return e.problems
+    return model_rule_problems(cfg, m, field)
+
+
+def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
+    """The job's rules that depend on the model's shape (the layout's splits, the rollout's TP, the
+    KV cache, what an MoE model needs, the sequence length): what `submit` checks, and what the
+    memory planner checks on the shape it plans (config.json, or a known architecture's)."""
     p = cfg.layout.model_problems(m) + rollout_tp_problems(cfg.rollout.tp, m)
     if field == "model.path" and cfg.trainer.job == "rl":  # the rollout engine serves the policy
         p += cfg.rollout.kv_cache_problems(cfg, m)
@@ -65,6 +72,9 @@ def _models(cfg: JobConfig) -> List[str]:
     critic = cfg.critic.model_path
     if cfg.critic.wanted(cfg) and critic and critic != cfg.model.path:
         p += _model(cfg, critic, "critic.model_path")
+    prm = cfg.prm.model_path
+    if cfg.trainer.job == "rl" and cfg.prm.wanted(cfg) and prm and prm != cfg.model.path:
+        p += _model(cfg, prm, "prm.model_path")  # the PRM is built in the training layout too
     return p
 
 
@@ -87,4 +97,4 @@ def validate(cfg: JobConfig, check_model: bool = True) -> None:
     raise_if_any(problems)
 
 
-__all__ = ["ModelShape", "check_choices", "read_model_shape", "validate"]
+__all__ = ["ModelShape", "check_choices", "model_rule_problems", "read_model_shape", "validate"]

@@ -8,11 +8,12 @@ naming the field, the file and the row or tensor, and what is valid:
 - data files (data.train_files/val_files or data.tasks for RL, data.sft_files for SFT): every row,
   streamed, through the job's own row, reward-routing and prompt-length rules (preflight_data.py),
   and data.train_batch_size against the rows the train set keeps;
-- model folders (model.path, critic.model_path, reward.reward_model.path): config.json names a
+- model folders (model.path, critic.model_path, prm.model_path, reward.reward_model.path): config.json names a
   supported architecture, each *.safetensors header is readable and its tensors end exactly at
   the end of the file, an index's weight_map names files that exist, and the tensors' names and
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
-  (preflight_model.py);
+  (preflight_model.py); a PRIME PRM folder's tokenizer is the actor's (it scores the actor's token
+  ids) and its vocabulary covers them;
 - output folders (trainer.output_dir, checkpoint.dir, slurm.log_dir up to its first %): a
   directory (not a file) this user can write, or creatable under one;
 - `latest` in checkpoint.dir (and in trainer.resume when it is a folder) names a checkpoint inside
@@ -29,7 +30,8 @@ from typing import List
 from verl_hpc.config import ConfigError
 from verl_hpc.config.errors import raise_if_any
 from verl_hpc.launcher.preflight_data import data_problems
-from verl_hpc.launcher.preflight_model import load_tokenizer, read_header, tensors_of, vocab_problem, weights_problems
+from verl_hpc.launcher.preflight_model import (load_tokenizer, prm_problems, read_header, tensors_of, vocab_problem,
+                                               weights_problems)
 
 _STEP_NAME = re.compile(r"^step_\d+$")
 
@@ -41,7 +43,8 @@ def preflight(cfg, check_model: bool = True) -> None:
         problems += model_problems(cfg)
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
             tokenizer, found = load_tokenizer(cfg)
-            problems += found + (vocab_problem(tokenizer, cfg) if tokenizer is not None else [])
+            problems += found + (vocab_problem(tokenizer, cfg) + prm_problems(cfg, tokenizer)
+                                 if tokenizer is not None else [])
     raise_if_any(data_problems(cfg, tokenizer) + problems + _outputs(cfg) + _resume(cfg))
 
 
@@ -55,6 +58,9 @@ def _model_folders(cfg):
     out = [("model.path", cfg.model.path)] if cfg.model.path else []
     if cfg.critic.wanted(cfg) and cfg.critic.model_path and cfg.critic.model_path != cfg.model.path:
         out.append(("critic.model_path", cfg.critic.model_path))
+    prm = cfg.prm.model_path
+    if cfg.trainer.job == "rl" and cfg.prm.wanted(cfg) and prm and prm != cfg.model.path:
+        out.append(("prm.model_path", prm))
     if cfg.reward.reward_model.enable and cfg.reward.reward_model.path:
         out.append(("reward.reward_model.path", cfg.reward.reward_model.path))
     return out

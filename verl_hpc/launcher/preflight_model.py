@@ -66,13 +66,15 @@ def tensors_of(headers: Dict[Path, dict]) -> Dict[str, HeaderEntry]:
 def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], value_head: bool) -> List[str]:
     """One line per kind of disagreement between config.json and the weights (layer count, then
     shapes, then missing tensors, then dtypes), each naming a tensor, its file and both shapes."""
-    from verl_hpc.models.config_mapping import load_arch
+    from verl_hpc.models.config_mapping import load_arch, load_hf_config
     from verl_hpc.models.weight_rules import expected_hf_tensors
 
     try:
         arch = load_arch(folder)
     except ConfigError:
         return []  # model_folder_problems already reports the config.json itself
+    # the field this file counts its experts in (Mixtral's name, or Qwen's; transformers 5 writes both spellings)
+    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in load_hf_config(folder)), "num_experts")
     expected = expected_hf_tensors(arch, output_layer=not value_head)
     source = f"'{folder / 'config.json'}'"
     problems = _layer_count(field, source, arch.num_layers, found)
@@ -82,7 +84,7 @@ def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], va
     if wrong:
         name, shape = wrong[0]
         problems.append(f"{field}: tensor '{name}' in '{folder / found[name][2]}' has shape {list(found[name][0])}; "
-                        f"{source} ({_facts(arch, name)}) implies {list(shape)}{_more(wrong, 'tensors disagree')}; "
+                        f"{source} ({_facts(arch, name, experts_key)}) implies {list(shape)}{_more(wrong, 'tensors disagree')}; "
                         "valid: the config.json these weights were saved with")
     missing = [n for n in expected if n not in found]
     if missing:
@@ -108,12 +110,23 @@ def _layer_count(field: str, source: str, layers: int, found: Dict[str, HeaderEn
             "valid: the config.json these weights were saved with"]
 
 
-def _facts(arch, name: str) -> str:
-    """The config.json fields a tensor's shape comes from."""
+def _facts(arch, name: str, experts_key: str = "num_experts") -> str:
+    """The config.json fields a tensor's shape comes from (an MoE layer's by their MoE names: the
+    router's rows are the expert count, an expert's the expert FFN)."""
+    moe = arch.moe
+    expert_ffn_key = "intermediate_size" if arch.family == "mixtral" else "moe_intermediate_size"
     if "embed_tokens" in name or "lm_head" in name:
         keys = ("vocab_size", "hidden_size")
-    elif ".mlp." in name:
+    elif moe and name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+        keys = (experts_key, "hidden_size")
+    elif moe and ".experts." in name:
+        keys = (expert_ffn_key, "hidden_size")
+    elif moe and ".shared_expert." in name:
+        keys = ("shared_expert_intermediate_size", "hidden_size")
+    elif ".mlp." in name and not moe:
         keys = ("intermediate_size", "hidden_size")
+    elif name.endswith(("q_norm.weight", "k_norm.weight")):
+        keys = ("head_dim",)
     elif ".self_attn." in name:
         keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     else:
@@ -121,6 +134,9 @@ def _facts(arch, name: str) -> str:
     values = dict(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
                   num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
                   head_dim=arch.head_dim)
+    if moe:
+        values.update({experts_key: moe.num_experts, expert_ffn_key: moe.expert_ffn,
+                       "shared_expert_intermediate_size": moe.shared_ffn})
     return ", ".join(f"{k}={values[k]}" for k in keys)
 
 
@@ -149,12 +165,54 @@ def load_tokenizer(cfg) -> Tuple[object, List[str]]:
     return tok, []
 
 
-def vocab_problem(tokenizer, cfg) -> List[str]:
-    """A tokenizer whose ids reach past config.json's vocab_size would index outside the embedding."""
+def prm_problems(cfg, tokenizer) -> List[str]:
+    """PRIME's PRM (prm.model_path) scores the actor's token ids: the rollout's responses are
+    tokenized once, with the actor's tokenizer, and the PRM's log-probs of those ids are compared
+    with the reference's. A PRM trained with another tokenizer reads each id as another token, and
+    one whose vocab_size is below the ids indexes past its embedding. One tokenizer per job is the
+    design, so a PRM folder that holds a tokenizer must hold the actor's (its vocab_size may still
+    differ, e.g. another padding, as long as it covers every id)."""
+    prm = cfg.prm.model_path
+    if cfg.trainer.job != "rl" or not cfg.prm.wanted(cfg) or tokenizer is None or not prm or not Path(prm).is_dir():
+        return []
+    folder, actor = Path(prm), Path(cfg.model.tokenizer_path)
+    if folder.resolve() == Path(cfg.model.path).resolve():
+        return []  # the actor's own model: the same ids as the actor, whatever it tokenizes with
+    problems = vocab_problem(tokenizer, cfg, model_path=prm, field="prm.model_path")
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return problems  # nothing to compare with: the vocabulary check above is all there is
+    try:
+        from transformers import AutoTokenizer
+
+        theirs = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=cfg.model.trust_remote_code).get_vocab()
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer folder
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return problems + [f"prm.model_path: '{folder}': its tokenizer does not load ({type(e).__name__}: {reason}); "
+                           "valid: the actor's tokenizer, or none (the PRM reads the actor's token ids)"]
+    ours = tokenizer.get_vocab()
+    if ours == theirs:
+        return problems
+    first = next((t for t in sorted(ours, key=ours.get) if theirs.get(t) != ours[t]), None)
+    if first is None:  # theirs has tokens ours lacks
+        first = min((t for t in theirs if t not in ours), key=theirs.get)
+        what = f"token {first!r} is id {theirs[first]} for the PRM and not in the actor's"
+    elif first in theirs:
+        what = f"token {first!r} is id {ours[first]} for the actor and {theirs[first]} for the PRM"
+    else:
+        what = f"token {first!r} (id {ours[first]} for the actor) is not in the PRM's"
+    return problems + [f"prm.model_path: the tokenizer in '{folder}' differs from the actor's in '{actor}' "
+                       f"({len(ours)} vs {len(theirs)} tokens; {what}); the PRM scores the actor's token ids; valid: "
+                       "a PRM that shares the actor's tokenizer (prm.model_path, default model.path)"]
+
+
+def vocab_problem(tokenizer, cfg, model_path: Optional[str] = None, field: str = "model.tokenizer_path") -> List[str]:
+    """A tokenizer whose ids reach past config.json's vocab_size would index outside the embedding
+    (of model.path, or of `model_path`: another model that reads the actor's token ids)."""
     from verl_hpc.models.config_mapping import load_hf_config
 
+    model_path = model_path or cfg.model.path
     try:
-        vocab_size = load_hf_config(cfg.model.path).get("vocab_size")
+        vocab_size = load_hf_config(model_path).get("vocab_size")
     except ConfigError:
         return []  # reported with the model folder
     if not isinstance(vocab_size, int):
@@ -162,6 +220,6 @@ def vocab_problem(tokenizer, cfg) -> List[str]:
     ids = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
     if ids <= vocab_size:
         return []
-    return [f"model.tokenizer_path: the tokenizer in '{cfg.model.tokenizer_path}' has ids up to {ids - 1} "
-            f"({len(tokenizer)} tokens with the added ones), but '{Path(cfg.model.path) / 'config.json'}' has "
+    return [f"{field}: the tokenizer in '{cfg.model.tokenizer_path}' has ids up to {ids - 1} "
+            f"({len(tokenizer)} tokens with the added ones), but '{Path(model_path) / 'config.json'}' has "
             f"vocab_size = {vocab_size}; valid: a tokenizer whose ids are all < vocab_size (the model's own)"]

@@ -26,6 +26,7 @@ from verl_hpc.models.moe import (
     MOE_DEFAULTS,
     MoEArch,
     check_family_fields,
+    flag,
     parse_moe,
     transformer_overrides,
 )
@@ -166,7 +167,7 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     theta, scaling = _rope(cfg, family, src)
     defaults = _DEFAULTS[family]
     moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
-    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
     return ModelArch(
         family=family, architecture=arch_name,
         vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,

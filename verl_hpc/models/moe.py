@@ -28,8 +28,9 @@ this rank's experts (and, under expert tensor parallelism, only its slice of eac
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
 
@@ -40,6 +41,8 @@ MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qw
 MOE_DEFAULTS = {"mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096 * 32),
                 "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
                 "qwen3_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768)}
+# transformers' Qwen2MoeConfig default of shared_expert_intermediate_size
+QWEN2_MOE_SHARED_DEFAULT = 5632
 # the expert-parallel local name of an expert's parameter in a Megatron MoE layer
 LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
@@ -61,39 +64,75 @@ class MoEArch:
         return self.top_k
 
 
-def _positive(cfg, key, src, default=None) -> int:
+def _positive(cfg, key, src, default=None, why: str = "") -> int:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{src}: {key}={value!r}: expected a positive integer")
+        raise ConfigError(f"{src}: {key}={value!r}: expected a positive integer{why}")
     return value
+
+
+def _number(cfg, key, src, default: float = 0.0) -> float:
+    """A finite JSON number >= 0 (null: `default`); a string or bool is refused by name, before the
+    ranks: float() of it would fail there, or pass a string to transformers."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{src}: {key}={value!r}: expected a number >= 0 (or null)")
+    return float(value)
+
+
+def flag(cfg, key, src, default: bool) -> bool:
+    """A JSON true/false (null or absent: `default`): bool() of the string "false" would be True."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{src}: {key}={value!r}: expected true or false")
+    return value
+
+
+def _expert_count(cfg, src) -> Tuple[str, int]:
+    """(field, routed experts): Mixtral's num_local_experts or Qwen's num_experts. transformers 5
+    writes num_local_experts for Qwen3-MoE too (its alias of num_experts); a config.json with both
+    that disagree is refused, not read one way here and another way by a loader."""
+    keys = [k for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None] or ["num_experts"]
+    counts = [_positive(cfg, k, src) for k in keys]
+    if len(set(counts)) > 1:
+        raise ConfigError(f"{src}: num_local_experts={counts[0]} and num_experts={counts[1]} disagree; valid: one "
+                          "of them, or both equal (the number of routed experts the weights hold)")
+    return keys[0], counts[0]
 
 
 def parse_moe(cfg: Dict[str, Any], family: str, src: str) -> MoEArch:
     """The MoE fields of a config.json of `family`; variants this mapping does not compute are
-    refused by field name."""
-    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-    experts = _positive(cfg, experts_key, src)
+    refused by field name, and a value of the wrong type names its field."""
+    experts_key, experts = _expert_count(cfg, src)
     top_k = _positive(cfg, "num_experts_per_tok", src)
     if top_k > experts:
         raise ConfigError(f"{src}: num_experts_per_tok={top_k} is more than {experts_key}={experts}")
-    if float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
-        raise ConfigError(f"{src}: router_jitter_noise={cfg['router_jitter_noise']} is not implemented; "
-                          "only 0 (no noise on the router logits)")
+    jitter = cfg.get("router_jitter_noise")
+    if jitter is not None and (isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter != 0):
+        raise ConfigError(f"{src}: router_jitter_noise={jitter!r} is not implemented; valid: 0 or null (no noise "
+                          "on the router logits)")
+    aux = _number(cfg, "router_aux_loss_coef", src)
     if family == "mixtral":
         return MoEArch(experts, top_k, _positive(cfg, "intermediate_size", src), renormalize=True,
-                       router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0))
+                       router_aux_loss_coef=aux)
     step = cfg.get("decoder_sparse_step", 1)
-    if step != 1:
-        raise ConfigError(f"{src}: decoder_sparse_step={step} is not supported; only 1 (every layer "
+    if step != 1 or isinstance(step, bool):
+        raise ConfigError(f"{src}: decoder_sparse_step={step!r} is not supported; only 1 (every layer "
                           "is a mixture of experts)")
     if cfg.get("mlp_only_layers"):
-        raise ConfigError(f"{src}: mlp_only_layers={cfg['mlp_only_layers']} is not supported; only [] "
+        raise ConfigError(f"{src}: mlp_only_layers={cfg['mlp_only_layers']!r} is not supported; only [] "
                           "(no dense layers between the MoE layers)")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    # Qwen2-MoE always has the gated shared expert (transformers builds it whatever the size, 5632
+    # when absent): a size of 0 is no model transformers or vLLM can load
+    shared = (_positive(cfg, "shared_expert_intermediate_size", src, QWEN2_MOE_SHARED_DEFAULT,
+                        " (a Qwen2-MoE layer always has its shared expert)") if family == "qwen2_moe" else 0)
     return MoEArch(experts, top_k, _positive(cfg, "moe_intermediate_size", src),
-                   renormalize=bool(cfg.get("norm_topk_prob", False)), shared_ffn=shared,
-                   shared_gate=shared > 0,
-                   router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0))
+                   renormalize=flag(cfg, "norm_topk_prob", src, False), shared_ffn=shared,
+                   shared_gate=shared > 0, router_aux_loss_coef=aux)
 
 
 def check_family_fields(cfg: Dict[str, Any], family: str, src: str) -> None:

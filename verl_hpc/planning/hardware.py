@@ -62,6 +62,16 @@ INTER_NODE_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU
 PCIE_GBPS = 25.0  # host <-> GPU copies (offload), pinned memory, PCIe Gen4/5 x16 effective
 
 
+def memory_figure_problems(gpu_memory_gb, node_memory_gb) -> list:
+    """A memory size the user gave (--gpu-memory-gb, --node-memory-gb; None = not given) must be a
+    finite number > 0: a negative or NaN size would print a plan with a negative headroom, or be
+    taken as "unknown" and pass every job."""
+    return [f"{option}: got {value}; valid: a number of GB > 0 (1 GB = 1e9 bytes)"
+            for option, value in (("--gpu-memory-gb", gpu_memory_gb), ("--node-memory-gb", node_memory_gb))
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0)]
+
+
 def local_ram_bytes() -> int:
     """This machine's RAM (the node RAM assumed for local CPU runs with no slurm.mem_gb)."""
     try:

@@ -21,8 +21,9 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from verl_hpc.config.errors import ConfigError
-from verl_hpc.models.config_mapping import ModelArch, load_arch, padded_vocab_size
+from verl_hpc.config.errors import ConfigError, raise_if_any
+from verl_hpc.config.validate import model_rule_problems
+from verl_hpc.models.config_mapping import ModelArch, load_arch, model_shape, padded_vocab_size
 from verl_hpc.models.moe import MoEArch
 
 
@@ -74,6 +75,15 @@ def model_arch(path: str, *, allow_known: bool = True, field: str = "model.path"
     if arch is None:
         raise ConfigError(f"{field}: {path!r} has no config.json here and its name matches no known "
                           f"architecture ({', '.join(KNOWN)}); plan where the model folder is")
+    return arch
+
+
+def job_arch(cfg, allow_known: bool = True) -> ModelArch:
+    """The actor's architecture (`model_arch`), refused with the job's rules that depend on it (the
+    same rules `submit` applies to config.json, config/validate.py: a layout the model cannot split
+    gets no plan), whether it came from config.json or from KNOWN."""
+    arch = model_arch(cfg.model.path, allow_known=allow_known)
+    raise_if_any(model_rule_problems(cfg, model_shape(arch), "model.path"))
     return arch
 
 

@@ -36,11 +36,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Union
 
+from verl_hpc.config.errors import raise_if_any
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
 from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
 from verl_hpc.planning.host import RoleTensors, checkpoint_host, reload_host
-from verl_hpc.planning.model_shape import lora_layer_params, model_arch, stage_params, stage_tensor_sizes, total_params
+from verl_hpc.planning.model_shape import (job_arch, lora_layer_params, model_arch, stage_params, stage_tensor_sizes,
+                                           total_params)
 from verl_hpc.planning.rollout import adapter_slot_rank, rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
@@ -161,6 +163,8 @@ def plan_job(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Opti
     layer_impl: the layer spec the engine will build ("te" | "local"); default: TE layers on a GPU
     job, the local spec on a CPU job. The planner runs where the job is submitted, which need not
     have Transformer Engine; a caller on the machine itself (the GPU kit) passes what it has."""
+    raise_if_any(hardware.memory_figure_problems(gpu_memory_gb, node_memory_gb))
+    job_arch(cfg, allow_known)  # a layout `submit` refuses gets no plan either
     args = (gpu_memory_gb, node_memory_gb, allow_known, layer_impl)
     if not cfg.placement.split:
         return _plan_group(cfg, "colocated", stage, *args)

@@ -71,3 +71,28 @@ def test_unsupported_moe_variants_are_refused_by_field(moe_folder):
             parse_hf_config({**base, **change})
     arch = parse_hf_config(base)
     assert arch.moe.num_experts == 6 and arch.moe.renormalize is False and arch.qk_norm
+
+
+@pytest.mark.parametrize("family,change,words", [
+    ("qwen3_moe", dict(router_jitter_noise="0.1"), "router_jitter_noise='0.1' is not implemented; valid: 0 or null "
+                                                   "(no noise on the router logits)"),
+    ("qwen3_moe", dict(router_aux_loss_coef="1e-3"), "router_aux_loss_coef='1e-3': expected a number >= 0 (or null)"),
+    ("qwen3_moe", dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef=-0.1: expected a number >= 0 (or null)"),
+    ("qwen3_moe", dict(norm_topk_prob="false"), "norm_topk_prob='false': expected true or false"),
+    ("qwen3_moe", dict(num_local_experts=8), "num_local_experts=8 and num_experts=6 disagree; valid: one of them, or "
+                                             "both equal (the number of routed experts the weights hold)"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size=0: expected a positive "
+                                                           "integer (a Qwen2-MoE layer always has its shared expert)"),
+    ("qwen2_moe", dict(qkv_bias="false"), "qkv_bias='false': expected true or false"),
+])
+def test_a_moe_field_of_the_wrong_type_is_one_line_naming_file_and_field(moe_folder, family, change, words):
+    """Not a ValueError from float() on a rank: the parser the submitter's model check runs too."""
+    from verl_hpc.models.config_mapping import load_arch
+
+    cfg = json.loads((moe_folder / "config.json").read_text())
+    if family == "qwen2_moe":
+        cfg.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", shared_expert_intermediate_size=96)
+    (moe_folder / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ConfigError) as e:
+        load_arch(moe_folder)
+    assert str(e.value) == f"{moe_folder / 'config.json'}: {words}"

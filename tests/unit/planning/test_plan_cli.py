@@ -1,5 +1,6 @@
 """`python -m verl_hpc.plan`: the shipped flagship configs fit, switched-off memory features do not,
 --suggest is quick, and the planner runs where torch is not installed."""
+import json
 import subprocess
 import sys
 import time
@@ -89,3 +90,61 @@ def test_cpu_kv_cache_is_sized_for_the_rollout_batch():
     per_token = 2 * 16 * 8 * 64 * 4
     assert cpu_kv_bytes(arch, 96, 32) == per_token * 32 * 128
     assert cpu_kv_bytes(arch, 96, 256) == min(per_token * 256 * 128, 4 << 30)
+
+
+def _config_json(folder, **fields):
+    """A model folder with only config.json: all the planner reads."""
+    folder.mkdir()
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 500, "hidden_size": 288, "intermediate_size": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(dict(base, **fields)))
+    return folder
+
+
+@pytest.fixture
+def tiny_job(tmp_path):
+    """Overrides of a CPU GRPO job on a 2-layer model with 9 heads (3 KV heads), and a 4-expert MoE."""
+    (tmp_path / "train.jsonl").touch()
+    dense = _config_json(tmp_path / "dense")
+    moe = _config_json(tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                       num_experts_per_tok=2)
+    job = ["rollout.engine=hf", "data.max_prompt_length=64", "data.max_response_length=64", "rollout.n=4",
+           f"data.train_files=[{tmp_path / 'train.jsonl'}]", "data.train_batch_size=12",
+           "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=1"]
+    return job, dense, moe
+
+
+@pytest.mark.parametrize("model,layout,words", [
+    ("dense", ["slurm.tasks_per_node=4", "parallel.pp=4"], "parallel.pp = 4 does not divide the model's "
+                                                           "num_hidden_layers = 2"),
+    ("dense", ["slurm.tasks_per_node=2", "parallel.tp=2"], "parallel.tp = 2 does not divide the model's "
+                                                           "num_attention_heads = 9"),
+    ("moe", ["slurm.tasks_per_node=3", "parallel.ep=3"], "parallel.ep = 3 does not divide the model's number of "
+                                                         "experts = 4"),
+    ("dense", ["slurm.tasks_per_node=2", "parallel.ep=2"], "parallel.ep = 2 needs a mixture-of-experts model"),
+])
+def test_plan_refuses_the_layouts_submit_refuses(tiny_job, capsys, model, layout, words):
+    from verl_hpc.plan import main
+
+    job, dense, moe = tiny_job
+    folder = {"dense": dense, "moe": moe}[model]
+    assert main([f"model.path={folder}", *job]) == 0  # the model itself plans
+    capsys.readouterr()
+    assert main([f"model.path={folder}", *job, *layout]) == 2
+    out = capsys.readouterr()
+    assert words in out.err and f"({folder / 'config.json'})" in out.err and "fits" not in out.out, out
+
+
+@pytest.mark.parametrize("option", ["--gpu-memory-gb", "--node-memory-gb"])
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "0"])
+def test_plan_refuses_a_memory_size_that_is_no_positive_number(tiny_job, capsys, option, value):
+    from verl_hpc.plan import main
+
+    job, dense, _ = tiny_job
+    gpu = ["slurm.gpus_per_node=2", "slurm.tasks_per_node=2", "slurm.gpu_type=h100-80gb", "parallel.backend=nccl"]
+    for where in ([], gpu):  # a CPU job (node RAM) and a GPU job
+        assert main([f"model.path={dense}", *job, *where, f"{option}={value}"]) == 2
+        out = capsys.readouterr()
+        assert out.err == f"error: {option}: got {float(value)}; valid: a number of GB > 0 (1 GB = 1e9 bytes)\n", out
+        assert not out.out

@@ -14,21 +14,16 @@ model: with LoRA, `ref` costs no memory.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
-import struct
 from pathlib import Path
 from typing import Optional
 
+from verl_hpc.checkpoint.base_model import base_fingerprint, check_base_model
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters
 
 log = logging.getLogger(__name__)
-
-# bytes hashed at each end of every weight file (base_fingerprint)
-_EDGE = 1 << 20
 
 
 def adapter_spec(lora) -> Optional[AdapterSpec]:
@@ -84,26 +79,6 @@ def load_peft_folder(gpt_chunks, spec: AdapterSpec, folder: str) -> None:
         raise ConfigError(f"lora.init_from: {folder}: {e}") from e
 
 
-@functools.lru_cache(maxsize=4)  # once per run: every checkpoint save records it
-def base_fingerprint(model_path: str) -> str:
-    """A hash naming the base model an adapter was trained on: config.json, and of every
-    safetensors file its header (names, dtypes, shapes, offsets), size and first and last MiB.
-    Not the whole content: reading a 70B model's 140 GB at every start and save would take
-    minutes; a different model, a re-export or a truncated copy changes what is hashed."""
-    folder = Path(model_path)
-    h = hashlib.sha256()
-    h.update((folder / "config.json").read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            h.update(f.name.encode() + size.to_bytes(8, "little") + fh.read(n))
-            h.update(fh.read(_EDGE))
-            fh.seek(max(size - _EDGE, 8 + n))
-            h.update(fh.read(_EDGE))
-    return h.hexdigest()
-
-
 def state_meta(spec: AdapterSpec, model_path: str) -> dict:
     """What a checkpoint records about its adapters and their base."""
     return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets),
@@ -120,13 +95,9 @@ def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_p
                          f"{spec.rank if spec else 0}: resume with the lora settings it was saved with")
     if spec is None:
         return
-    mine = state_meta(spec, model_path)
+    mine = {"rank": spec.rank, "targets": list(spec.targets)}
     for key in ("rank", "targets"):
         if saved[key] != mine[key]:
             raise CheckpointLayoutError(f"the checkpoint's adapters have lora {key} {saved[key]}, this job "
                              f"{mine[key]}: resume with the lora settings it was saved with")
-    if saved["base_fingerprint"] != mine["base_fingerprint"]:
-        raise CheckpointLayoutError(f"the checkpoint's adapters were trained on the base model at "
-                         f"{saved['base_path']}, whose files differ from model.path = {model_path} "
-                         f"(fingerprints {saved['base_fingerprint'][:12]} vs "
-                         f"{mine['base_fingerprint'][:12]}): point model.path at that base")
+    check_base_model(saved, model_path)
