@@ -76,7 +76,9 @@ def test_a_rank_keeps_a_signal_of_its_start_up_and_stops_at_its_first_step(tmp_p
         send(proc, signal.SIGINT)  # while it reads its config: no flag of its own yet
         time.sleep(0.5)  # handled while it still waits for its config
         os.write(pipe, SMOKE.format(out=out).encode())
-        os.close(pipe)
+    finally:
+        os.close(pipe)  # the config ends here
+    try:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

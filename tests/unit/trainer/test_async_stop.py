@@ -174,8 +174,11 @@ def test_a_trainer_that_stops_after_asking_for_a_generation_lets_the_rollout_go(
     j.link.start(0)
     # a validation asking for weights of version 3, which this trainer will never publish
     j.train.mailbox.put("gen/request/0", (0, [[1, 2, 3]], None, 3))
-    time.sleep(0.5)  # the rollout rank took the request and waits for version 3
-    assert not j.train.mailbox.has("gen/request/0")
+    deadline = time.monotonic() + PROMPT_S
+    while j.train.mailbox.has("gen/request/0") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not j.train.mailbox.has("gen/request/0"), "the rollout rank never took the request"
+    time.sleep(0.2)  # it waits for version 3 now
     j.link.stop()
     j.rollout_ends(thread, time.monotonic())
     assert not j.train.mailbox.has("gen/result/0")
