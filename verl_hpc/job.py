@@ -15,7 +15,12 @@ import os
 import sys
 from typing import Any
 
-from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
+if __name__ == "__main__":  # a rank: signals are kept from its first line, before torch is imported
+    from verl_hpc.launcher import early_signals  # (launcher/early_signals.py)
+
+    early_signals.keep()
+
+from verl_hpc.launcher.environment import REPRODUCIBLE_CPU  # noqa: E402
 
 # before anything imports torch (a rank started by srun from an sbatch script, or by torchrun,
 # gets no environment from the launcher); the user's own value wins
@@ -57,6 +62,9 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
                             seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
                             rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0)
+    from verl_hpc.launcher import early_signals
+
+    early_signals.hand_over(ctx.preemption.record)  # a signal in this rank's start-up: a stop, as later
     from verl_hpc.trainer.safety import log_banner
 
     log_banner(cfg, ctx)  # safety.* switches that are on, in every job's log

@@ -12,7 +12,12 @@ import argparse
 import sys
 from typing import List, Optional
 
-from verl_hpc.config import ConfigError, load_config, validate
+if __name__ == "__main__":  # SIGTERM or Ctrl-C: one line and 143 / 130, no traceback, from the first line
+    from verl_hpc.launcher import early_signals
+
+    early_signals.install("plan", "before the plan was complete")
+
+from verl_hpc.config import ConfigError, load_config, validate  # noqa: E402
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:

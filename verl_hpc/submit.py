@@ -3,6 +3,11 @@
 On a login node with Slurm it submits through submitit (one task per GPU, srun --mpi=pmix), waits
 while streaming rank 0's log, and exits non-zero naming the failed rank's log when the job fails.
 Where there is no Slurm, or with --local, it starts the ranks on this machine instead.
+
+SIGTERM or Ctrl-C at any moment ends it with one line and 143 or 130 (docs/signals.md): from its
+first line until the ranks start (imports, file checks) `[submit] stopped by SIGTERM before any
+rank started; nothing was submitted` (launcher/early_signals.py); while local ranks run, the ranks
+checkpoint and stop first (launcher/local_stop.py); a Slurm submission in flight completes first.
 """
 from __future__ import annotations
 
@@ -11,9 +16,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate
-from verl_hpc.launcher.plan import RESOLVED_CONFIG, make_plan, write_resolved_config
-from verl_hpc.launcher.preflight import preflight
+from verl_hpc.launcher import early_signals
+
+if __name__ == "__main__":  # before the imports below, which take seconds on a loaded login node
+    early_signals.install("submit", "before any rank started; nothing was submitted")
+
+from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate  # noqa: E402
+from verl_hpc.launcher.plan import RESOLVED_CONFIG, make_plan, write_resolved_config  # noqa: E402
+from verl_hpc.launcher.preflight import preflight  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -107,14 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         print("[submit] dry run: the sbatch script submitit would submit:\n")
         print(slurm.sbatch_text(executor))
         return 0
-    job = slurm.submit(executor, job_entry.run, to_container(cfg))
+    with early_signals.held():  # sbatch cut half-way would leave it unknown whether a job exists
+        job = slurm.submit(executor, job_entry.run, to_container(cfg))
+        early_signals.where_now(f"after submitting job {job.job_id}, which goes on (scancel {job.job_id} stops it)")
     write_resolved_config(cfg, Path(str(plan.log_dir).replace("%j", str(job.job_id))))
     if args.no_wait:
         print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}")
         return 0
     try:
         return slurm.wait(job, progress=_progress(cfg), rollout_ranks=plan.rollout_ranks)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # in-process use; run as a program, early_signals' line says this
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)
         return 130

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from verl_hpc.launcher import early_signals
 from verl_hpc.launcher.local_stop import LocalStop, stop_line
 from verl_hpc.launcher.plan import Plan, exit_words, rank_label
 from verl_hpc.launcher.slurm import error_line
@@ -73,6 +74,7 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
             elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
         except ChildFailedError as err:
             failures = err.failures
+    early_signals.where_now("after the local ranks ended (their result above)")  # LocalStop gave them back
     if stop.signum and (failures is None or stop.abandoned or all(_by_signal(f) for f in failures.values())):
         print(stop_line(stop, checkpoint_dir, rerun), flush=True)
         return stop.exit_code

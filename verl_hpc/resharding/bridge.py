@@ -17,7 +17,10 @@ rollout to take its weights, and the rollout pauses generation only for the load
 the newest version, skipping any it was too busy to take.
 
 Load: the rollout leader asks for the weights, learns the snapshot's manifest (names, dtypes,
-shapes, offsets) through the mailbox and shares it with the rollout group. Sliced (resharding.mode
+shapes, offsets) through the mailbox and shares it with the rollout group. A stop of the trainer
+never leaves a request waiting: the server takes a request atomically (`Mailbox.claim`), so either
+it answers (the weights; or, once closing, a manifest of None: none come) or the rollout leader,
+seeing the trainer's STOP, withdraws its request and stops without them. Sliced (resharding.mode
 sliced or auto: `slicer` given): per bucket one exchange over the weights group in which the first
 training rank sends each rollout rank only the slices its engine keeps (verl_hpc.resharding.plan's
 RolloutSlicer, cut from the snapshot), so a rollout rank receives its shard, not the model. Full
@@ -45,7 +48,7 @@ import torch
 from verl_hpc.resharding.buckets import bucket_bytes_from
 from verl_hpc.resharding.plan import Need, PlanError, RolloutSlicer
 from verl_hpc.resharding.sync import carriers, export_source, held_resident
-from verl_hpc.runtime.split import POLL_S
+from verl_hpc.runtime.split import POLL_S, STOP
 
 log = logging.getLogger(__name__)
 ALIGN = 64  # byte offset of every tensor in a bucket: any dtype's view of it is aligned
@@ -194,15 +197,21 @@ class WeightPublisher:
             self._thread.start()
 
     def _serve(self) -> None:
-        """Answer the rollout's requests `weights/request/<n>` in order with the newest snapshot."""
+        """Answer the rollout's requests `weights/request/<n>` in order with the newest snapshot;
+        once closing, a request still taken is answered with None (no weights come) and the
+        server ends; one it did not take, the rollout leader withdraws (WeightReceiver)."""
         mailbox = self.world.thread_mailbox()  # a store connection of its own
         try:
-            while not self._stop.is_set():
-                key = f"weights/request/{self.served}"
-                if not mailbox.has(key):
+            while True:
+                closing = self._stop.is_set()  # read before the claim: what it then takes it answers so
+                if not mailbox.claim(f"weights/request/{self.served}"):
+                    if closing:
+                        return
                     time.sleep(POLL_S)
                     continue
-                mailbox.take(key)
+                if closing:
+                    mailbox.put(f"weights/manifest/{self.served}", None)
+                    return
                 with self._lock:
                     version, buckets, manifest, sliced = self._snapshot
                 if sliced is None:
@@ -227,6 +236,8 @@ class WeightPublisher:
             self.world.scatter(slice_buffer(bucket, b, manifest, sliced), [sz[b] for sz in sizes])
 
     def close(self) -> None:
+        """Stop serving (after the trainer's STOP is out, so that no request is left unanswered);
+        a snapshot being sent is sent to the end (the rollout is taking it)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.world.timeout_s)
@@ -245,18 +256,14 @@ class WeightReceiver:
         mb = self.world.mailbox
         return int(mb.peek("weights/latest")) if mb.has("weights/latest") else -1
 
-    def load(self, rollout) -> Tuple[int, Dict[str, float]]:
-        """Take the newest snapshot into `rollout` (collective over the rollout group)."""
+    def load(self, rollout) -> Optional[Tuple[int, Dict[str, float]]]:
+        """Take the newest snapshot into `rollout` (collective over the rollout group); None, with
+        nothing loaded, when the trainer stopped instead of sending it."""
         t0 = time.perf_counter()
-        head = None
-        if self.world.is_leader:
-            mb = self.world.mailbox
-            mb.put(f"weights/request/{self.requests}", True)
-            key = f"weights/manifest/{self.requests}"
-            mb.wait(key, "the first training rank's weight server")
-            head = mb.take(key)
-        head = self.share(head)
+        head = self.share(self._ask() if self.world.is_leader else None)
         self.requests += 1
+        if head is None:
+            return None
         if "tp" in head:  # sliced: this rank's slices only
             return self._load_slices(rollout, head, t0)
         version, sizes, manifest = head["version"], head["sizes"], head["rows"]
@@ -276,6 +283,18 @@ class WeightReceiver:
         nbytes = float(sum(sizes))
         return self.version, {"sync/seconds": seconds, "sync/bytes": nbytes, "sync/sliced": 0.0,
                               "sync/gb_per_s": nbytes / max(seconds, 1e-9) / 1e9, "sync/buckets": float(len(sizes))}
+
+    def _ask(self) -> Optional[dict]:
+        """Leader: request the weights; the manifest of what the server will send, or None when the
+        trainer stopped first (its STOP seen and the request withdrawn before the server took it,
+        or the server, closing, answered None)."""
+        mb, n = self.world.mailbox, self.requests
+        request, key, who = f"weights/request/{n}", f"weights/manifest/{n}", "the first training rank's weight server"
+        mb.put(request, True)
+        if not mb.wait(key, who, unless=STOP) and mb.claim(request):
+            return None  # withdrawn: the server never took it, nothing will be sent
+        mb.wait(key, who)  # (at once when it is there) the server took it: its answer comes whatever the trainer does
+        return mb.take(key)
 
     def _load_slices(self, rollout, head, t0) -> Tuple[int, Dict[str, float]]:
         me = self.world.local_env.rank

@@ -40,9 +40,14 @@ class PreemptionFlag:
         return self.signal_name is not None
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
-        name = signal.Signals(signum).name
-        if name == "SIGINT" and self.signal_name == "SIGINT":  # Ctrl-C twice: the user will not wait
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":  # Ctrl-C twice: the user will not wait
             raise KeyboardInterrupt
+        self.record(signum)
+
+    def record(self, signum: int) -> None:
+        """Note a signal: the handler's work, and that of a signal a rank kept from before this flag
+        existed (verl_hpc/launcher/early_signals.py; job.run hands it over)."""
+        name = signal.Signals(signum).name
         if self.signal_name is None or _CODES.get(name, 1) > _CODES.get(self.signal_name, 1):
             self.signal_name = name
             self.received_at = time.time()

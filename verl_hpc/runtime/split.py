@@ -23,6 +23,11 @@ weight broadcast whose peer died fails at once (gloo sees the closed connection)
 `timeout_s` (NCCL's group gets the same limit), as a GroupLostError naming the other side. The
 rollout leader keeps the store up until the trainer says goodbye (`finish`), so the trainer's last
 messages always have a store to go to.
+
+Leaving: every wait of one group on the other also watches the other group's leaving key, so that
+a stop reaches a waiting rank at once instead of after `timeout_s`: the rollout group's waits watch
+STOP (the trainer is done: finished, stopped by a signal, or failed), the training group's watch
+ROLLOUT_FAILED (the rollout group is leaving on an error, with its line).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import datetime
 import logging
 import pickle
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +47,8 @@ from verl_hpc.runtime.launch_env import LaunchEnv
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02  # mailbox polling period: far below a generation chunk, far above a store round trip
+STOP = "ctl/stop"  # the trainer is done (finished, stopped or failed): the rollout group leaves
+ROLLOUT_FAILED = "ctl/rollout_failed"  # the rollout group is leaving on an error: its line
 
 
 class GroupLostError(VerlHpcError, RuntimeError):
@@ -73,19 +80,25 @@ class Mailbox:
     def peek(self, key: str) -> Any:
         return pickle.loads(self._call(lambda: self.store.get(key), key))
 
-    def wait(self, key: str, who: str, *, timeout_s: Optional[float] = None,
-             while_waiting: Optional[Callable[[], None]] = None) -> None:
-        """Until `key` exists; after the timeout a GroupLostError naming `who` (the party that
-        should have written it). `while_waiting` runs every poll (e.g. watch for a stop flag)."""
+    def claim(self, key: str) -> bool:
+        """Remove `key`; True only for the one caller that removed it (the store's delete is
+        atomic), so a request is either taken by its server or withdrawn by its sender, never both."""
+        return bool(self._call(lambda: self.store.delete_key(key), key))
+
+    def wait(self, key: str, who: str, *, timeout_s: Optional[float] = None, unless: Optional[str] = None) -> bool:
+        """True once `key` exists; False if `unless` (the other group's leaving key: STOP,
+        ROLLOUT_FAILED) exists first, since then no answer will come; after the timeout a
+        GroupLostError naming `who` (the party that should have written `key`)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while not self.has(key):
-            if while_waiting is not None:
-                while_waiting()
+            if unless is not None and self.has(unless):
+                return False
             if time.monotonic() > deadline:
                 raise GroupLostError(f"{self.me}: {who} did not answer within {limit:.0f} s (waiting for "
                                      f"'{key}'); it died or is stuck: see its log")
             time.sleep(POLL_S)
+        return True
 
     def _call(self, fn, key):
         try:
@@ -250,6 +263,18 @@ class SplitWorld:
         return first + (" or another rollout rank" if self.rollout_ranks > 1 else "")
 
     # -------------------------------------------------------------------------------- the end
+    def leave_on_error(self, exc: BaseException) -> None:
+        """Rollout leader, leaving on an error: say so (ROLLOUT_FAILED, with its line), so that a
+        training rank waiting on the rollout group fails at once naming it, not after timeout_s
+        (the store stays up until `finish`, so a wait would otherwise see nothing wrong)."""
+        if self.role != "rollout" or not self.is_leader:
+            return  # a rollout rank that is not the leader ends the job by dying (the launcher)
+        why = str(exc).splitlines()[0] if isinstance(exc, VerlHpcError) and str(exc) else _first_line(exc)
+        try:
+            self.mailbox.put(ROLLOUT_FAILED, f"{self.name}: {why}")
+        except GroupLostError as e:
+            log.warning("split placement: %s", e)
+
     def finish(self) -> None:
         """Training leader: tell the rollout leader it may take the store down. Rollout leader:
         wait (bounded) for that, so the trainer's last messages have a store to go to."""

@@ -48,6 +48,7 @@ from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.runtime import collectives
 from verl_hpc.runtime.signals import WARNING_SIGNAL
+from verl_hpc.runtime.split import STOP
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, throughput
 from verl_hpc.trainer import correction
@@ -268,7 +269,7 @@ def _release_rollout(ctx) -> None:
     """A split job's trainer that fails before its link exists still lets the rollout group go."""
     if ctx.split.is_leader:
         try:
-            ctx.split.mailbox.put("ctl/stop", True)
+            ctx.split.mailbox.put(STOP, True)
         except Exception:  # noqa: BLE001 - the error in flight is the one to report
             pass
 

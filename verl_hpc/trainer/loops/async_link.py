@@ -30,6 +30,7 @@ import torch
 
 from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
 from verl_hpc.runtime.objects import broadcast_object
+from verl_hpc.runtime.split import ROLLOUT_FAILED, STOP, GroupLostError
 from verl_hpc.trainer.loops.inflight import Groups
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,24 @@ class AsyncLink:
         self.started = True
 
     def stop(self) -> None:
-        """The rollout group ends its loop and frees its nodes; the weight server stops."""
+        """The rollout group ends its loop and frees its nodes; the weight server stops. STOP goes
+        out first: every wait of the rollout group watches it (a weight request the closing server
+        did not take is withdrawn, not waited out for timeout_s), then the server closes."""
         if self.stopped:
             return
         self.stopped = True
-        self.publisher.close()
-        if self.leader:
-            self.mb.put("ctl/stop", True)
+        try:
+            if self.leader:
+                self.mb.put(STOP, True)
+        finally:
+            self.publisher.close()
+
+    def _wait(self, key: str) -> None:
+        """Until the rollout group writes `key`; at once a GroupLostError naming its error if it
+        is leaving on one (its leader keeps the store up meanwhile, so nothing else would tell)."""
+        if not self.mb.wait(key, "the rollout group", timeout_s=self.timeout_s, unless=ROLLOUT_FAILED):
+            raise GroupLostError(f"{self.mb.me}: the rollout group failed while we waited for '{key}' "
+                                 f"({self.mb.peek(ROLLOUT_FAILED)}): see its log")
 
     # ---------------------------------------------------------------------------- weights
     def publish(self, actor, version: int) -> Dict[str, float]:
@@ -105,7 +117,7 @@ class AsyncLink:
         with timer("wait_rollout"):
             record = None
             if self.leader:
-                self.mb.wait(key, "the rollout group", timeout_s=self.timeout_s)
+                self._wait(key)
                 record = self.mb.take(key)
             record = broadcast_object(record)
         self.next_index += 1
@@ -151,7 +163,7 @@ class AsyncLink:
         result = None
         if self.leader:
             self.mb.put(f"gen/request/{n}", (n, prompts, spec, min_version))
-            self.mb.wait(f"gen/result/{n}", "the rollout group", timeout_s=self.timeout_s)
+            self._wait(f"gen/result/{n}")
             result = self.mb.take(f"gen/result/{n}")
         return broadcast_object(result)
 
@@ -164,7 +176,7 @@ class AsyncLink:
             return {}
         n, self.pauses = self.pauses, self.pauses + 1
         self.mb.put(f"ctl/pause/{n}", True)
-        self.mb.wait(f"rollout/state/{n}", "the rollout group", timeout_s=self.timeout_s)
+        self._wait(f"rollout/state/{n}")
         rollout = self.mb.take(f"rollout/state/{n}")
         self.mb.put(f"ctl/resume/{n}", True)
         ready = [self.mb.peek(f"batch/{i}") for i in range(self.next_index, rollout["next_index"])]

@@ -4,7 +4,8 @@
 
 Loop (the rollout leader decides from the mailbox; every rollout rank follows, since generation
 and weight loads are collectives over the rollout group):
-  1. stop?  -> leave (the trainer is done, or preempted and saved);
+  1. stop?  -> leave (the trainer is done, or preempted and saved; every wait on the trainer, for
+     its go, its weights, a version a generation request needs, watches the stop too);
   2. a checkpoint asks for our state? -> hand it over (data cursor, the batch in flight);
   3. newer weights published? -> load them (the only pause of generation); with
      partial_rollout=abort the unfinished samples of the batch in flight start again;
@@ -29,7 +30,7 @@ from verl_hpc.resharding.bridge import WeightReceiver
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.spec import request_seed
-from verl_hpc.runtime.split import POLL_S, GroupLostError
+from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.loops.inflight import BatchRecord, InFlight
 
@@ -59,13 +60,14 @@ class RolloutWorker:
         self.next_index = 1
         self.inflight: Optional[InFlight] = None
         self.pauses = self.requests = 0
+        self.stopped = False  # the trainer's STOP came while we waited on it (not at a decision)
         self._waiting_since = None
         self.stats = dict(gen_s=0.0, idle_s=0.0, load_s=0.0, tokens=0.0, load_bytes=0.0)
 
     # ---------------------------------------------------------------------------- the loop
     def run(self) -> dict:
         self._start()
-        while True:
+        while not self.stopped:
             d = broadcast_object(self._decide() if self.leader else None)
             if d.stop:
                 break
@@ -74,6 +76,8 @@ class RolloutWorker:
                 continue
             if d.newest > self.weights.version:
                 self._load()
+                if self.stopped:
+                    break
             if d.request is not None:
                 self._answer(d.request)
                 continue
@@ -100,7 +104,7 @@ class RolloutWorker:
 
     def _decide(self) -> Decision:
         mb = self.mb
-        if mb.has("ctl/stop"):
+        if mb.has(STOP):
             return Decision(stop=True)
         if mb.has(f"ctl/pause/{self.pauses}"):
             return Decision(pause=self.pauses)
@@ -108,12 +112,14 @@ class RolloutWorker:
         return Decision(newest=self.weights.newest(), request=mb.take(req) if mb.has(req) else None)
 
     def _start(self) -> None:
-        """Wait for the trainer's go, with the state to continue from (a resumed run) or none."""
-        state = None
+        """Wait for the trainer's go, with the state to continue from (a resumed run) or none; a
+        trainer that stops (fails) before its go lets us go at once."""
+        go = None
         if self.leader:
-            self.mb.wait("ctl/start", "the training group", while_waiting=None)
-            state = self.mb.take("ctl/start")
-        state = broadcast_object(state)
+            go = ("go", self.mb.take("ctl/start")) if self.mb.wait("ctl/start", "the training group", unless=STOP) \
+                else ("stop", None)
+        how, state = broadcast_object(go)
+        self.stopped = how == "stop"
         if state:
             self.next_index = state["next_index"]
             self.inflight = state["inflight"]
@@ -123,8 +129,13 @@ class RolloutWorker:
                      f" with {len(self.inflight.unfinished())} samples in flight" if self.inflight else "")
 
     def _load(self) -> None:
+        """The newest weights; `stopped` if the trainer stopped instead of sending them."""
         t0 = time.perf_counter()
-        _, m = self.weights.load(self.rollout)
+        loaded = self.weights.load(self.rollout)
+        if loaded is None:
+            self.stopped = True
+            return
+        _, m = loaded
         self.stats["load_s"] += time.perf_counter() - t0
         self.stats["load_bytes"] += m["sync/bytes"]  # this rank's slices (sliced) or the whole model
         if self.inflight is not None and self.abort and self.inflight.prefix_length():
@@ -169,11 +180,14 @@ class RolloutWorker:
         """A generation for the trainer (validation) with weights at least `min_version`."""
         n, prompts, spec, min_version = request
         while self.weights.version < min_version:  # the update it asks for may still be on its way
-            newest = broadcast_object(self.weights.newest() if self.leader else None)
-            if newest > self.weights.version:
+            newest, stop = broadcast_object((self.weights.newest(), self.mb.has(STOP)) if self.leader else None)
+            if not stop and newest > self.weights.version:
                 self._load()
-            else:
+            elif not stop:
                 self._idle(min_version)  # bounded: a trainer that died after asking fails the job
+            if stop or self.stopped:  # the trainer failed after asking: nobody takes the answer
+                self.stopped = True
+                return
         self._waiting_since = None
         result = self.rollout.generate(prompts, spec)
         if self.leader:
@@ -193,7 +207,7 @@ class RolloutWorker:
             self.mb.put(f"rollout/state/{n}", self.state())
         go = None
         while go is None:  # the trainer answers as soon as it holds the state (before it writes it)
-            go = broadcast_object(("stop" if self.mb.has("ctl/stop") else "resume" if self.mb.has(f"ctl/resume/{n}")
+            go = broadcast_object(("stop" if self.mb.has(STOP) else "resume" if self.mb.has(f"ctl/resume/{n}")
                                    else None) if self.leader else None)
             if go is None:
                 if time.perf_counter() - t0 > self.world.timeout_s:
@@ -212,6 +226,10 @@ def run(cfg, ctx) -> dict:
     from verl_hpc.rollout import build_rollout
     from verl_hpc.trainer.roles import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg)
-    with build_rollout(cfg, ctx) as rollout:
-        return RolloutWorker(cfg, ctx, rollout, tokenizer).run()
+    try:
+        tokenizer = load_tokenizer(cfg)
+        with build_rollout(cfg, ctx) as rollout:
+            return RolloutWorker(cfg, ctx, rollout, tokenizer).run()
+    except BaseException as e:  # the trainer may be waiting on us: tell it, then fail as usual
+        ctx.split.leave_on_error(e)
+        raise

@@ -1,0 +1,95 @@
+"""SIGTERM and Ctrl-C in a program's start-up, before it has started anything: the submitter and
+the planner end with one line on stderr and 143 / 130, no traceback; a rank keeps the signal for
+its preemption flag and stops at its first step boundary (launcher/early_signals.py).
+
+Each is a real process reading its config from a named pipe: opening the pipe's other end returns
+exactly when the program opens its config, a known moment of its start-up (its imports done, its
+files not yet checked), and the signal lands while it waits there."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verl_hpc.runtime.signals import DEFAULT_SIGNALS
+
+REPO = Path(__file__).resolve().parents[2]
+SMOKE = """trainer:
+  job: smoke
+  output_dir: {out}
+  smoke: {{steps: 50, step_seconds: 0.2}}
+parallel: {{backend: gloo}}
+slurm: {{tasks_per_node: 1, gpus_per_node: 0}}
+"""
+
+
+def start_reading(tmp_path, *program):
+    """`python -m <program> PIPE` in a session of its own, once it has opened PIPE (its config);
+    returns (process, the pipe's write end)."""
+    pipe = tmp_path / "job.yaml"
+    os.mkfifo(pipe)
+    proc = subprocess.Popen([sys.executable, "-m", *program[:1], str(pipe), *program[1:]], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120  # its imports, on a loaded machine
+    while True:
+        try:  # non-blocking: fails (ENXIO) until the program has opened the pipe to read
+            return proc, os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"{program[0]} never opened its config: {proc.communicate()}") from None
+            time.sleep(0.05)
+
+
+def send(proc, sig):
+    if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole foreground process group
+        os.killpg(proc.pid, sig)
+    else:  # kill PID
+        proc.send_signal(sig)
+
+
+@pytest.mark.parametrize("program, line", [
+    (("verl_hpc.submit", "--local"), "[submit] stopped by {} before any rank started; nothing was submitted\n"),
+    (("verl_hpc.plan",), "[plan] stopped by {} before the plan was complete\n"),
+], ids=["submit", "plan"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_in_the_start_up_ends_it_with_one_line(tmp_path, program, line, sig):
+    proc, pipe = start_reading(tmp_path, *program)
+    try:
+        send(proc, sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        os.close(pipe)
+        proc.kill()
+    assert proc.returncode == 128 + sig, (proc.returncode, err)  # 143, 130: a stop, as the shell reports one
+    assert err == line.format(sig.name), err
+
+
+def test_a_rank_keeps_a_signal_of_its_start_up_and_stops_at_its_first_step(tmp_path):
+    out = tmp_path / "out"
+    proc, pipe = start_reading(tmp_path, "verl_hpc.job")
+    try:
+        send(proc, signal.SIGINT)  # while it reads its config: no flag of its own yet
+        time.sleep(0.5)  # handled while it still waits for its config
+        os.write(pipe, SMOKE.format(out=out).encode())
+    finally:
+        os.close(pipe)  # the config ends here
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    result = json.loads((out / "smoke_result.json").read_text())
+    assert result["ranks"][0]["signal"] == "SIGINT" and result["steps"] == 1, result
+    assert "received SIGINT: will checkpoint at the next step boundary" in err, err[-3000:]
+
+
+def test_a_rank_keeps_the_signals_its_flag_takes():
+    from verl_hpc.launcher import early_signals
+
+    assert set(early_signals.RANK_SIGNALS) == set(DEFAULT_SIGNALS)
