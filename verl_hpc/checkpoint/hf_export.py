@@ -165,8 +165,10 @@ def lora_meta(reader: CheckpointReader, role: str = "actor") -> Optional[dict]:
     return (engines.get(role) or {}).get("lora")
 
 
-def adapter_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
-    """(PEFT name, tensor) of every adapter factor under `prefix`, read whole."""
+def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
+                    prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
+    """(PEFT name, tensor) of every adapter factor under `prefix`, read whole (`lora`: the role's
+    adapter record, lora_meta; with per_module_a a fused layer's A holds one A per HF module)."""
     from verl_hpc.models.lora import factor_peft_name, factor_rule, to_peft
 
     lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
@@ -183,18 +185,21 @@ def adapter_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/"
         if part:  # linear_fc1's B, saved as its gate and up rows (layout independent)
             yield factor_peft_name(f"model.layers.{layer}.mlp.{part}_proj.weight", factor), tensor
         else:
-            yield from to_peft(factor_rule(target, factor), tensor, arch, layer, lay, factor)
+            rule = factor_rule(target, factor, bool(lora.get("per_module_a", False)))
+            yield from to_peft(rule, tensor, arch, layer, lay, factor)
 
 
 def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
                    role: str = "actor") -> Iterator[Tuple[str, torch.Tensor]]:
     """The base model's HF tensors from its folder, each adapted one merged with its adapter
-    (W + alpha / r * B A, computed in fp32, written in W's dtype)."""
+    (W + scale * B A, computed in fp32, written in W's dtype; scale alpha / r, or alpha / sqrt(r)
+    with use_rslora)."""
     from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+    from verl_hpc.config.sections.lora import lora_scale
     from verl_hpc.models.lora import PEFT_PREFIX
 
-    adapter = dict(adapter_tensors(reader, arch, prefix=f"{role}/model/"))
-    scale = float(lora["alpha"]) / int(lora["rank"])
+    adapter = dict(adapter_tensors(reader, arch, lora, prefix=f"{role}/model/"))
+    scale = lora_scale(float(lora["alpha"]), int(lora["rank"]), bool(lora.get("use_rslora", False)))
     hf = HFCheckpointReader(base)
     try:
         for name in hf.weight_map:
@@ -224,10 +229,11 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") 
         src, _ = model_folders(reader, model) if model or reader.metadata.get("config") else (None, None)
         arch = load_arch(src if src is not None else lora["base_path"])
         # clone: the A shared by q/k/v (gate/up) is one tensor, which safetensors refuses to write thrice
-        tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, prefix=f"{role}/model/")}
+        tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, lora, prefix=f"{role}/model/")}
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"], base_model=str(lora["base_path"]))
+        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"],
+                             use_rslora=bool(lora.get("use_rslora", False)), base_model=str(lora["base_path"]))
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
         log.info("export: the %s adapter of step %d (rank %d, %d tensors) -> %s", role, reader.step,
                  config["r"], len(tensors), out)

@@ -13,6 +13,10 @@ naming the field, the file and the row or tensor, and what is valid:
   the end of the file, an index's weight_map names files that exist, and the tensors' names and
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
   (preflight_model.py);
+- the LoRA adapter folder lora.init_from: its config against the lora section (r, alpha,
+  use_rslora, targets; DoRA, rank/alpha patterns and other options the engine does not compute are
+  refused), its tensors' names, shapes and dtypes against the base, and their values (NaN / inf)
+  (preflight_model.py, models/peft_adapter.py);
 - output folders (trainer.output_dir, checkpoint.dir, slurm.log_dir up to its first %): a
   directory (not a file) this user can write, or creatable under one;
 - `latest` in checkpoint.dir (and in trainer.resume when it is a folder) names a checkpoint inside
@@ -29,7 +33,8 @@ from typing import List
 from verl_hpc.config import ConfigError
 from verl_hpc.config.errors import raise_if_any
 from verl_hpc.launcher.preflight_data import data_problems
-from verl_hpc.launcher.preflight_model import load_tokenizer, read_header, tensors_of, vocab_problem, weights_problems
+from verl_hpc.launcher.preflight_model import (init_from_check, load_tokenizer, read_header, tensors_of, vocab_problem,
+                                               weights_problems)
 
 _STEP_NAME = re.compile(r"^step_\d+$")
 
@@ -39,6 +44,8 @@ def preflight(cfg, check_model: bool = True) -> None:
     problems, tokenizer = [], None
     if check_model:
         problems += model_problems(cfg)
+        adapter = init_from_check(cfg, values=True)
+        problems += (adapter.damaged + adapter.problems) if adapter is not None else []
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
             tokenizer, found = load_tokenizer(cfg)
             problems += found + (vocab_problem(tokenizer, cfg) if tokenizer is not None else [])
