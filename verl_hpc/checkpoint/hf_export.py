@@ -169,7 +169,7 @@ def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
                     prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
     """(PEFT name, tensor) of every adapter factor under `prefix`, read whole (`lora`: the role's
     adapter record, lora_meta; with per_module_a a fused layer's A holds one A per HF module)."""
-    from verl_hpc.models.lora import factor_peft_name, factor_rule, to_peft
+    from verl_hpc.models.lora_names import factor_peft_name, factor_rule, to_peft
 
     lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
     names = sorted(n for n in reader.tensors() if n.startswith(prefix) and ".lora_" in n)
@@ -194,9 +194,9 @@ def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
     """The base model's HF tensors from its folder, each adapted one merged with its adapter
     (W + scale * B A, computed in fp32, written in W's dtype; scale alpha / r, or alpha / sqrt(r)
     with use_rslora)."""
-    from verl_hpc.models.hf_checkpoint import HFCheckpointReader
     from verl_hpc.config.sections.lora import lora_scale
-    from verl_hpc.models.lora import PEFT_PREFIX
+    from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+    from verl_hpc.models.lora_names import PEFT_PREFIX
 
     adapter = dict(adapter_tensors(reader, arch, lora, prefix=f"{role}/model/"))
     scale = lora_scale(float(lora["alpha"]), int(lora["rank"]), bool(lora.get("use_rslora", False)))
@@ -218,7 +218,7 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor") 
     LoRA checkpoint: `peft.PeftModel.from_pretrained(base, out)` loads it onto the HF base."""
     from safetensors.torch import save_file
 
-    from verl_hpc.models.lora import peft_config
+    from verl_hpc.models.lora_names import peft_config
 
     out = Path(out)
     with CheckpointReader(ckpt) as reader:

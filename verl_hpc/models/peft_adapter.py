@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from verl_hpc.models.lora import HF_MODULES, AdapterSpec, factor_hf_entries
+from verl_hpc.models.lora import AdapterSpec
+from verl_hpc.models.lora_names import HF_MODULES, factor_hf_entries
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

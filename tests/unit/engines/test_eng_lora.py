@@ -187,7 +187,8 @@ def test_init_from_a_peft_folder(setup, tmp_path):
     from verl_hpc.config import ConfigError
     from verl_hpc.config.schema import LoraConfig
     from verl_hpc.engines.megatron import MegatronEngine, default_options
-    from verl_hpc.models.lora import load_adapter, peft_config
+    from verl_hpc.models.lora import load_adapter
+    from verl_hpc.models.lora_names import peft_config
 
     model, eng = setup
     adapter = random_adapter(model, RANK, ALPHA, seed=9)

@@ -377,7 +377,7 @@ class MegatronEngine(TrainingEngine):
 
     def adapter_config(self) -> dict:
         """PEFT's adapter_config.json of this engine's adapter."""
-        from verl_hpc.models.lora import peft_config
+        from verl_hpc.models.lora_names import peft_config
 
         if self.lora is None:
             raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
