@@ -149,3 +149,23 @@ def test_the_submitter_refuses_before_the_queue(base, tmp_path):
     assert e.value.problems == [f"lora.init_from: '{rs / 'adapter_config.json'}': use_rslora = true (scale alpha / "
                                 "sqrt(r)), this job has lora.use_rslora = false: set lora.use_rslora = true"]
     preflight(load_config(None, [*job, "lora.use_rslora=true"]))
+
+
+def test_a_rank_checks_the_adapter_before_building_anything(base, stock, tmp_path):
+    """job.check_weight_files, before vLLM and the engines are built (a job started without the
+    submitter's checks): an adapter of another alpha is one ConfigError line, a cut file one
+    WeightFileError line; the values wait for the engine's load (it reads them once)."""
+    from verl_hpc.config import ConfigError, load_config
+    from verl_hpc.job import check_weight_files
+    from verl_hpc.models.hf_checkpoint import WeightFileError
+
+    job = [f"model.path={base}", "lora.rank=4", f"lora.init_from={stock}"]
+    check_weight_files(load_config(None, [*job, "lora.alpha=8"]))
+    with pytest.raises(ConfigError, match=r"^lora.init_from: .*: lora_alpha = 8.0, this job has lora.alpha = 32.0 "):
+        check_weight_files(load_config(None, job))
+    cut = tmp_path / "cut"
+    shutil.copytree(stock, cut)
+    (cut / "adapter_model.safetensors").write_bytes((cut / "adapter_model.safetensors").read_bytes()[:-8])
+    with pytest.raises(WeightFileError, match="is not a readable safetensors file"):
+        check_weight_files(load_config(None, [f"model.path={base}", "lora.rank=4", "lora.alpha=8",
+                                              f"lora.init_from={cut}"]))
