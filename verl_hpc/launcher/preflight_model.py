@@ -182,11 +182,8 @@ def init_from_check(cfg, values: bool):
     from verl_hpc.models.lora import AdapterSpec
     from verl_hpc.models.peft_adapter import check_adapter
 
-    lora = cfg.lora
-    spec = AdapterSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
-                       init=lora.init, use_rslora=lora.use_rslora)
     try:
         arch = load_arch(cfg.model.path)
     except ConfigError:
         arch = None  # the model folder's own check reports it; the adapter's shapes are not checked
-    return check_adapter(lora.init_from, spec, arch, values=values)
+    return check_adapter(cfg.lora.init_from, AdapterSpec.from_config(cfg.lora), arch, values=values)

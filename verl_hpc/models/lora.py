@@ -65,6 +65,13 @@ class AdapterSpec:
     use_rslora: bool = False  # scale alpha / sqrt(rank) (lora.use_rslora)
     per_module_a: bool = False  # the fused layers hold one A per HF module (module docstring)
 
+    @classmethod
+    def from_config(cls, lora) -> "AdapterSpec":
+        """The adapter the job's lora section asks for (per_module_a comes from lora.init_from's
+        files: engines/megatron/lora.py read_peft_folder)."""
+        return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
+                   init=lora.init, use_rslora=lora.use_rslora)
+
     @property
     def scale(self) -> float:
         return lora_scale(self.alpha, self.rank, self.use_rslora)

@@ -38,8 +38,7 @@ def adapter_spec(lora) -> Optional[AdapterSpec]:
     """The engine's adapter from the job's lora section (None or rank 0: no adapters)."""
     if lora is None or not lora.enabled:
         return None
-    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                       targets=tuple(lora.target_modules), init=lora.init, use_rslora=lora.use_rslora)
+    return AdapterSpec.from_config(lora)
 
 
 def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool,
