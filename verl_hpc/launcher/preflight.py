@@ -14,6 +14,10 @@ naming the field, the file and the row or tensor, and what is valid:
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
   (preflight_model.py); a PRIME PRM folder's tokenizer is the actor's (it scores the actor's token
   ids) and its vocabulary covers them;
+- the LoRA adapter folder lora.init_from: its config against the lora section (r, alpha,
+  use_rslora, targets; DoRA, rank/alpha patterns and other options the engine does not compute are
+  refused), its tensors' names, shapes and dtypes against the base, and their values (NaN / inf)
+  (preflight_model.py, models/peft_adapter.py);
 - output folders (trainer.output_dir, checkpoint.dir, slurm.log_dir up to its first %): a
   directory (not a file) this user can write, or creatable under one;
 - `latest` in checkpoint.dir (and in trainer.resume when it is a folder) names a checkpoint inside
@@ -30,8 +34,8 @@ from typing import List
 from verl_hpc.config import ConfigError
 from verl_hpc.config.errors import raise_if_any
 from verl_hpc.launcher.preflight_data import data_problems
-from verl_hpc.launcher.preflight_model import (load_tokenizer, prm_problems, read_header, tensors_of, vocab_problem,
-                                               weights_problems)
+from verl_hpc.launcher.preflight_model import (init_from_check, load_tokenizer, prm_problems, read_header,
+                                               tensors_of, vocab_problem, weights_problems)
 
 _STEP_NAME = re.compile(r"^step_\d+$")
 
@@ -41,6 +45,8 @@ def preflight(cfg, check_model: bool = True) -> None:
     problems, tokenizer = [], None
     if check_model:
         problems += model_problems(cfg)
+        adapter = init_from_check(cfg, values=True)
+        problems += (adapter.damaged + adapter.problems) if adapter is not None else []
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
             tokenizer, found = load_tokenizer(cfg)
             problems += found + (vocab_problem(tokenizer, cfg) + prm_problems(cfg, tokenizer)

@@ -1,4 +1,5 @@
-"""Before the queue: a model folder's weights against its config.json, and its tokenizer.
+"""Before the queue: a model folder's weights against its config.json, its tokenizer, and the
+LoRA adapter lora.init_from names.
 
 The job builds the model from config.json and then copies each safetensors tensor into it; a
 config.json that disagrees with the weights (another hidden size, vocabulary or layer count)
@@ -6,6 +7,9 @@ fails there, after the queue, with a raw shape error. Here the safetensors heade
 the weights) are compared with the names and shapes the project's weight rules
 (verl_hpc/models/weight_rules.py) derive from config.json, and the tokenizer the job will load
 (model.tokenizer_path, model.path by default) is loaded and its ids compared with vocab_size.
+An adapter folder (lora.init_from) is checked whole against the job's lora section and the base:
+its config, tensor names, shapes and dtypes, and its values (models/peft_adapter.py), so that an
+adapter the engine would compute otherwise than PEFT fails here, not after vLLM is built.
 """
 from __future__ import annotations
 
@@ -223,3 +227,21 @@ def vocab_problem(tokenizer, cfg, model_path: Optional[str] = None, field: str =
     return [f"{field}: the tokenizer in '{cfg.model.tokenizer_path}' has ids up to {ids - 1} "
             f"({len(tokenizer)} tokens with the added ones), but '{Path(model_path) / 'config.json'}' has "
             f"vocab_size = {vocab_size}; valid: a tokenizer whose ids are all < vocab_size (the model's own)"]
+
+
+# ------------------------------------------------------------------------------ lora.init_from
+def init_from_check(cfg, values: bool):
+    """The AdapterCheck of the job's lora.init_from (models/peft_adapter.py), None without one.
+    values: read the tensors too (NaN / inf, and q/k/v's A); the submitter does, a rank's early
+    check does not (it reads them once, to load them)."""
+    if not (cfg.lora.enabled and cfg.lora.init_from):
+        return None
+    from verl_hpc.models.config_mapping import load_arch
+    from verl_hpc.models.lora import AdapterSpec
+    from verl_hpc.models.peft_adapter import check_adapter
+
+    try:
+        arch = load_arch(cfg.model.path)
+    except ConfigError:
+        arch = None  # the model folder's own check reports it; the adapter's shapes are not checked
+    return check_adapter(cfg.lora.init_from, AdapterSpec.from_config(cfg.lora), arch, values=values)

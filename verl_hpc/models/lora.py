@@ -1,11 +1,13 @@
-"""Low-rank adapters on Megatron's tensor-parallel linear layers, and their PEFT names.
+"""Low-rank adapters on Megatron's tensor-parallel linear layers, and their PEFT tensors (the
+names and layout rules are models/lora_names.py).
 
     attach_adapters(chunks, AdapterSpec(rank, alpha, dropout, targets, init), seed=1)
     with adapters_off(chunks): ...                 # the base model, bitwise (the reference policy)
     for peft_name, tensor in export_adapter(chunks): ...   # PEFT-named full tensors, every rank
     load_adapter(chunks, peft_tensors)             # this rank's shards from PEFT-named tensors
 
-A targeted linear layer computes `W x + (alpha / r) * B A x` with A: [r, in] and B: [out, r].
+A targeted linear layer computes `W x + scale * B A x` with A: [r, in] and B: [out, r], scale =
+alpha / r (alpha / sqrt(r) with rank-stabilised LoRA, `use_rslora`, as PEFT computes it).
 Each factor is split over the TP ranks so that the adapter needs no gather of a full-width
 tensor, only of its r-wide middle `z = A x`:
 
@@ -26,30 +28,29 @@ hook add nothing, so the output is the base model's exactly.
 PEFT layout: the fused linear_qkv is q_proj, k_proj and v_proj in HF, each with its own
 lora_A/lora_B in a PEFT file. One A shared by q, k and v is exactly PEFT's three adapters with
 equal A (B's rows split into q, k and v as the weight's are); linear_fc1 is gate_proj and up_proj
-alike. So an adapter exports to PEFT without approximation; a PEFT adapter loads only where the
-A of q, k and v (of gate and up) are equal, which `load_adapter` checks.
+alike. So an adapter exports to PEFT without approximation. That is what this project trains
+(`per_module_a` false: the fused layer's adapter costs one A). An adapter trained by stock PEFT
+has an independent A per module; with `per_module_a` the fused layer holds them all, A as
+[parts * r, in] (module k's A in rows k*r..), and each output row of B multiplies only its own
+module's part of z = A x: a block-structured B kept block-structured by construction, stored as
+the plain [out, r] (each row's module is fixed by the layout), so training, checkpoints and the
+export see PEFT's factors exactly.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from verl_hpc.config.sections.lora import LORA_TARGETS as TARGETS
-from verl_hpc.models.weight_rules import LAYER, QKV, Copy, GateUp, Layout, Split
+from verl_hpc.config.sections.lora import lora_scale
+from verl_hpc.models.lora_names import COLUMN_TARGETS, HF_MODULES, PeftReader, factor_hf_entries, factor_rule, to_peft
+from verl_hpc.models.weight_rules import Layout
 
-PEFT_PREFIX = "base_model.model."
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
-ROW_TARGETS = ("linear_proj", "linear_fc2")
-# Megatron target -> the HF modules it is (PEFT's target_modules)
-HF_MODULES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "linear_proj": ("self_attn.o_proj",),
-              "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-              "linear_fc2": ("mlp.down_proj",)}
 _PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
            "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
@@ -61,34 +62,34 @@ class AdapterSpec:
     dropout: float
     targets: Tuple[str, ...]
     init: str  # lora.init
+    use_rslora: bool = False  # scale alpha / sqrt(rank) (lora.use_rslora)
+    per_module_a: bool = False  # the fused layers hold one A per HF module (module docstring)
+
+    @classmethod
+    def from_config(cls, lora) -> "AdapterSpec":
+        """The adapter the job's lora section asks for (per_module_a comes from lora.init_from's
+        files: engines/megatron/lora.py read_peft_folder)."""
+        return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
+                   init=lora.init, use_rslora=lora.use_rslora)
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return lora_scale(self.alpha, self.rank, self.use_rslora)
 
-
-def hf_target_modules(targets: Sequence[str]) -> List[str]:
-    """PEFT's target_modules for Megatron targets: ["q_proj", "k_proj", ...]."""
-    return [m.rpartition(".")[2] for t in targets for m in HF_MODULES[t]]
-
-
-def peft_config(rank: int, alpha: float, targets: Sequence[str], *, dropout: float = 0.0,
-                base_model: str = "") -> dict:
-    """The adapter_config.json that PEFT (and vLLM) read for an adapter of Megatron `targets`."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "lora_dropout": dropout, "target_modules": hf_target_modules(targets),
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+    def parts(self, target: str) -> int:
+        """How many A a target's layer holds: its HF modules' count for a fused column layer under
+        per_module_a, else 1."""
+        return len(HF_MODULES[target]) if self.per_module_a and target in COLUMN_TARGETS else 1
 
 
 # ----------------------------------------------------------------------------- the layers
 
 
 def _init_a(spec: AdapterSpec, full_in: int, seed: int, layer: int, target: str) -> torch.Tensor:
-    """A [r, in] of one layer and target, the same whatever the parallel layout (a generator seeded
-    by the job seed, the layer and the target), so runs at any TP/PP start alike."""
+    """A [parts * r, in] of one layer and target, the same whatever the parallel layout (a
+    generator seeded by the job seed, the layer and the target), so runs at any TP/PP start alike."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 8 + TARGETS.index(target))
-    a = torch.empty(spec.rank, full_in)
+    a = torch.empty(spec.rank * spec.parts(target), full_in)
     if spec.init == "gaussian":
         a.normal_(0.0, 1.0 / spec.rank, generator=gen)
     else:  # PEFT's default: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))
@@ -130,7 +131,12 @@ def _delta(module, x: torch.Tensor) -> torch.Tensor:
     else:
         z = (tpl.reduce_scatter_to_sequence_parallel_region(z) if sp
              else tpl.reduce_from_tensor_model_parallel_region(z))
-    return F.linear(z, module.lora_B) * module.lora_scale
+    if module.lora_rows is None:
+        return F.linear(z, module.lora_B) * module.lora_scale
+    # one A per HF module: each module's rows of B take that module's r-wide part of z
+    r = module.lora_B.shape[1]
+    out = [F.linear(zp, module.lora_B.index_select(0, rows)) for zp, rows in zip(z.split(r, -1), module.lora_rows)]
+    return torch.cat(out, -1).index_select(-1, module.lora_inverse) * module.lora_scale
 
 
 def _hook(module, args, output):
@@ -140,7 +146,16 @@ def _hook(module, args, output):
     return out + _delta(module, args[0]).to(out.dtype), bias
 
 
-def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequence_parallel: bool):
+def _row_parts(arch, target: str, layer: int, lay: Layout) -> torch.Tensor:
+    """Which HF module (0, 1, 2 for q, k, v; 0, 1 for gate, up) each of this TP rank's output rows
+    of a fused layer belongs to: B's own layout rule applied to rows labelled by module."""
+    labels = {name: torch.full(shape, float(k))
+              for k, (name, shape) in enumerate(factor_hf_entries(arch, target, "B", layer, 1))}
+    return factor_rule(target, "B").load(PeftReader(labels, "B"), arch, layer, lay)[:, 0].long()
+
+
+def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequence_parallel: bool,
+                row_parts: Optional[torch.Tensor] = None):
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
     tp_rank, tp = _tp()
@@ -166,6 +181,10 @@ def _attach_one(module, spec: AdapterSpec, kind: str, a_full: torch.Tensor, sequ
     module.exported_weight = lambda m=module: merged_weight(m) if m.lora_enabled else m.weight
     module.lora_kind, module.lora_scale, module.lora_dropout = kind, spec.scale, spec.dropout
     module.lora_sequence_parallel, module.lora_enabled = sequence_parallel, True
+    module.lora_rows = module.lora_inverse = None
+    if row_parts is not None:  # per-module A: the rows of each module, and where they go back
+        module.lora_rows = [torch.nonzero(row_parts == k).flatten().to(dev) for k in range(int(row_parts.max()) + 1)]
+        module.lora_inverse = torch.argsort(torch.cat(module.lora_rows))
     module.register_forward_hook(_hook)
 
 
@@ -187,8 +206,11 @@ def _chunks(model) -> list:
 def attach_adapters(model, spec: AdapterSpec, *, seed: int, sequence_parallel: bool = False) -> int:
     """Give every targeted linear layer of this rank's chunks a fresh adapter (B = 0, so the model
     computes what it did); returns this rank's adapter parameter count."""
+    from verl_hpc.models.weights import _layout
+
     count = 0
     for chunk in _chunks(model):
+        lay = _layout(chunk)
         for layer in chunk.decoder.layers:
             for target in spec.targets:
                 module = getattr(getattr(layer, _PARENT[target]), target)
@@ -198,7 +220,9 @@ def attach_adapters(model, spec: AdapterSpec, *, seed: int, sequence_parallel: b
                                      "is not a decoder layer's; LoRA expects Megatron's GPT layers")
                 in_full = module.weight.shape[1] * (_tp()[1] if kind == "row" else 1)
                 a_full = _init_a(spec, in_full, seed, layer.layer_number - 1, target)
-                _attach_one(module, spec, kind, a_full, sequence_parallel)
+                parts = (_row_parts(chunk.verl_arch, target, layer.layer_number - 1, lay)
+                         if spec.parts(target) > 1 else None)
+                _attach_one(module, spec, kind, a_full, sequence_parallel, parts)
                 count += module.lora_A.numel() + module.lora_B.numel()
     return count
 
@@ -224,107 +248,24 @@ def adapters_off(model):
 def merged_weight(module) -> torch.Tensor:
     """This rank's shard of W + scale * B A, in W's layout and dtype (no parameter is changed)."""
     with torch.no_grad():
-        delta = (module.lora_B.float() @ module.lora_A.float()) * module.lora_scale
-        return (module.weight.float() + delta).to(module.weight.dtype)
+        a, b = module.lora_A.float(), module.lora_B.float()
+        if module.lora_rows is None:
+            delta = b @ a
+        else:  # each module's rows times its own A
+            blocks = [b.index_select(0, rows) @ ap for rows, ap in zip(module.lora_rows, a.split(b.shape[1]))]
+            delta = torch.cat(blocks).index_select(0, module.lora_inverse)
+        return (module.weight.float() + delta * module.lora_scale).to(module.weight.dtype)
 
 
-# ----------------------------------------------------------------------------- PEFT names
-
-
-def factor_peft_name(hf_weight_name: str, factor: str) -> str:
-    """model.layers.3.self_attn.q_proj.weight -> base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"""
-    stem = hf_weight_name[: -len(".weight")]
-    return f"{PEFT_PREFIX}{stem}.lora_{factor}.weight"
-
-
-class _PeftReader:
-    """A weight_rules reader over PEFT tensors: the rules ask for HF weight names, it answers with
-    the factor's tensor of the same module."""
-
-    def __init__(self, tensors: Dict[str, torch.Tensor], factor: str):
-        self.tensors, self.factor = tensors, factor
-
-    def _get(self, name):
-        key = factor_peft_name(name, self.factor)
-        if key not in self.tensors:
-            raise KeyError(f"the adapter has no {key}")
-        return self.tensors[key]
-
-    def shape(self, name):
-        return tuple(self._get(name).shape)
-
-    def dtype(self, name):
-        return self._get(name).dtype
-
-    def read(self, name, index=None):
-        t = self._get(name)
-        return (t if index is None else t[index]).clone()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shared:
-    """A factor whole on every TP rank that PEFT stores once per HF module (A of q/k/v, of gate/up):
-    exported to each, loaded from the first after checking the others are equal."""
-
-    hf: Tuple[str, ...]
-    tp_dim: Optional[int] = None
-    group: str = "tp"
-
-    def to_hf(self, full, arch, layer, lay):
-        return [(h.format(i=layer), full) for h in self.hf]
-
-    def load(self, reader, arch, layer, lay):
-        names = [h.format(i=layer) for h in self.hf]
-        first = reader.read(names[0])
-        for other in names[1:]:
-            if not torch.equal(reader.read(other), first):
-                a, b = (factor_peft_name(n, reader.factor) for n in (other, names[0]))
-                raise ValueError(f"{a} differs from {b}: Megatron's fused layer holds one lora_A for "
-                                 "them; this adapter cannot be loaded exactly")
-        return first
-
-
-def _hf_weight(module_name: str) -> str:
-    return f"{LAYER}{module_name}.weight"
-
-
-def factor_rule(target: str, factor: str):
-    """The weight_rules rule of one adapter factor (`factor` "A" or "B"), over HF weight names
-    that _PeftReader / factor_peft_name translate to the factor's PEFT names."""
-    hf = [_hf_weight(m) for m in HF_MODULES[target]]
-    if target == "linear_qkv":
-        return _Shared(tuple(hf)) if factor == "A" else QKV("weight")
-    if target == "linear_fc1":
-        return _Shared(tuple(hf)) if factor == "A" else GateUp()
-    return Split(hf[0], "proj" if target == "linear_proj" else "ffn") if factor == "A" else Copy(hf[0])
+# ----------------------------------------------------------------------------- PEFT tensors
 
 
 def adapter_items(chunk):
-    """(stage-local layer index, target, factor, parameter, rule) of one chunk, in export order."""
+    """(stage-local layer index, target, factor, parameter, rule, rank) of one chunk, in export order."""
     for j, target, module in adapted_modules(chunk):
         for factor in ("A", "B"):
-            yield j, target, factor, getattr(module, f"lora_{factor}"), factor_rule(target, factor)
-
-
-def factor_hf_entries(arch, target: str, factor: str, layer: int, rank: int):
-    """(PEFT name, shape) of what one factor exports to, without any tensor (export plans)."""
-    q_rows = arch.num_attention_heads * arch.head_dim
-    kv_rows = arch.num_query_groups * arch.head_dim
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    # (rows of each HF module's B, columns of A) per target
-    outs, width = {"linear_qkv": ((q_rows, kv_rows, kv_rows), h),
-                   "linear_proj": ((h,), q_rows),
-                   "linear_fc1": ((f, f), h),
-                   "linear_fc2": ((h,), f)}[target]
-    names = [_hf_weight(m).format(i=layer) for m in HF_MODULES[target]]
-    if factor == "A":
-        return [(factor_peft_name(n, "A"), (rank, width)) for n in names]
-    return [(factor_peft_name(n, "B"), (rows, rank)) for n, rows in zip(names, outs)]
-
-
-def to_peft(rule, full: torch.Tensor, arch, layer: int, lay: Layout, factor: str):
-    """PEFT (name, tensor) pairs of one TP-gathered factor."""
-    return [(factor_peft_name(name, factor), t) for name, t in rule.to_hf(full, arch, layer, lay)]
+            yield (j, target, factor, getattr(module, f"lora_{factor}"),
+                   factor_rule(target, factor, module.lora_rows is not None), module.lora_B.shape[1])
 
 
 def load_adapter(model, tensors: Dict[str, torch.Tensor]) -> int:
@@ -335,12 +276,12 @@ def load_adapter(model, tensors: Dict[str, torch.Tensor]) -> int:
     filled = 0
     for chunk in _chunks(model):
         arch, lay, layers = chunk.verl_arch, _layout(chunk), _layer_numbers(chunk)
-        for j, target, factor, param, rule in adapter_items(chunk):
-            shard = rule.load(_PeftReader(tensors, factor), arch, layers[j], lay)
+        for j, target, factor, param, rule, rank in adapter_items(chunk):
+            shard = rule.load(PeftReader(tensors, factor), arch, layers[j], lay)
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(f"layer {layers[j]} {target} lora_{factor}: the adapter gives shape "
                                  f"{tuple(shard.shape)} for TP rank {lay.tp_rank}/{lay.tp}, the model "
-                                 f"expects {tuple(param.shape)} (is its rank {param.shape[0 if factor == 'A' else 1]}?)")
+                                 f"expects {tuple(param.shape)} (is its rank {rank}?)")
             with torch.no_grad():
                 param.copy_(shard)
             filled += 1
@@ -351,7 +292,7 @@ def _adapter_items(chunk):
     from verl_hpc.models.weights import _layer_numbers
 
     layers = _layer_numbers(chunk)
-    for j, target, factor, param, rule in adapter_items(chunk):
+    for j, target, factor, param, rule, _ in adapter_items(chunk):
         yield param, rule, layers[j], (lambda full, arch, layer, lay, r=rule, f=factor:
                                        to_peft(r, full, arch, layer, lay, f))
 
@@ -360,8 +301,7 @@ def _adapter_entries(chunk):
     from verl_hpc.models.weights import _layer_numbers
 
     layers = _layer_numbers(chunk)
-    for j, target, factor, param, _ in adapter_items(chunk):
-        rank = param.shape[0] if factor == "A" else param.shape[1]
+    for j, target, factor, _, _, rank in adapter_items(chunk):
         yield from factor_hf_entries(chunk.verl_arch, target, factor, layers[j], rank)
 
 

@@ -94,7 +94,7 @@ def adapter_slot_rank(cfg) -> int:
     engine is vLLM unless the config names hf)."""
     lora = getattr(cfg, "lora", None)
     engine = "hf" if cfg.rollout.engine == "hf" else "vllm"
-    return lora.rank if lora is not None and lora.syncs_adapter(cfg, engine) else 0
+    return lora.rank if lora is not None and lora.syncs_adapter(cfg, engine, gpu=cfg.slurm.gpus_per_node > 0) else 0
 
 
 def lora_slot_bytes(arch: ModelArch, cfg, param_bytes: int) -> float:

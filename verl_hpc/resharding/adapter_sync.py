@@ -90,8 +90,10 @@ def check_generated(result, weight_sync) -> None:
 
 def weight_sync_from_config(cfg, rollout_engine: str):
     """The job's weight step: AdapterSync when lora.sync resolves to `adapter` for the job's
-    (resolved) rollout engine, else the full-weight WeightSync (merged weights under LoRA)."""
-    lora = cfg.lora
-    if lora.enabled and lora.sync_mode(rollout_engine, cfg.placement.split) == "adapter":
+    (resolved) rollout engine and this rank's machine, else the full-weight WeightSync (merged
+    weights under LoRA)."""
+    from verl_hpc.runtime.device import has_gpu
+
+    if cfg.lora.syncs_adapter(cfg, rollout_engine, gpu=has_gpu()):
         return AdapterSync()
     return WeightSync.from_config(cfg.resharding)

@@ -28,8 +28,8 @@ def engine_kwargs(cfg, engine: str) -> dict:
 
 def lora_slot_rank(cfg) -> int:
     """The adapter rank vLLM's LoRA slot must take (0: none): lora.rank when the job syncs the
-    adapter only (lora.sync), else 0 (merged weights need no slot)."""
-    return cfg.lora.rank if cfg.lora.syncs_adapter(cfg, "vllm") else 0
+    adapter only (lora.sync, resolved for this rank's machine), else 0 (merged weights need no slot)."""
+    return cfg.lora.rank if cfg.lora.syncs_adapter(cfg, "vllm", gpu=devices.has_gpu()) else 0
 
 
 def default_engine_args(engine: str, **changes) -> dict:

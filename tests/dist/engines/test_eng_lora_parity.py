@@ -3,12 +3,13 @@ stages (llama) and TP2 x PP2 equal Hugging Face peft's (float64 forward, fp32 up
 other. One launch runs every layout (lora_ranks.py). The update's reference is peft with the A of
 q/k/v (gate/up) tied into one parameter as in Megatron's fused layers, the same PPO loss
 (test_eng_parity's), gradient clipping over the adapters and AdamW with eps = 1 (so a weight
-difference measures the gradient)."""
+difference measures the gradient). A stock PEFT adapter (its own A per q/k/v, gate/up module:
+`llama_stock`, at TP 1 and TP 2) against peft as it is, untied."""
 import pytest
 import torch
 
-from lora_ranks import CASES, MODELS, launch
-from lora_reference import HF_TARGETS, peft_model, random_adapter
+from lora_ranks import CASES, MODELS, STOCK, launch
+from lora_reference import HF_TARGETS, peft_model, random_adapter, save_peft
 from test_eng_parity import ACTOR, MODELS as MODEL_SHAPES, OPTIM, _actor_loss, _batch, _hf_response_logprobs
 
 WORLD = 4
@@ -16,11 +17,11 @@ LORA = dict(rank=4, alpha=8.0)
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
 
 
-def _reference(folder, adapter, batch, cfg):
+def _reference(folder, adapter, batch, cfg, tie_a=True):
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     targets = tuple(HF_TARGETS)
-    m64 = peft_model(folder, LORA["rank"], LORA["alpha"], targets)
+    m64 = peft_model(folder, LORA["rank"], LORA["alpha"], targets, tie_a=tie_a)
     set_peft_model_state_dict(m64, {k: v.double() for k, v in adapter.items()})
     with torch.no_grad():
         logp64, ent64, mask = _hf_response_logprobs(m64(input_ids=batch["input_ids"]).logits, batch)
@@ -28,7 +29,7 @@ def _reference(folder, adapter, batch, cfg):
     batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
     batch["old_log_probs"] = (logp64.float() + 0.1 * torch.randn(mask.shape, generator=g)) * mask
     batch["ref_log_probs"] = (logp64.float() + 0.05 * torch.randn(mask.shape, generator=g)) * mask
-    m = peft_model(folder, LORA["rank"], LORA["alpha"], targets, dtype=torch.float32)
+    m = peft_model(folder, LORA["rank"], LORA["alpha"], targets, dtype=torch.float32, tie_a=tie_a)
     set_peft_model_state_dict(m, adapter)
     params = [p for p in m.parameters() if p.requires_grad]
     logp, ent, mask = _hf_response_logprobs(m(input_ids=batch["input_ids"]).logits, batch)
@@ -53,11 +54,19 @@ def run(tmp_path_factory):
         data[f"batch.{name}"], data[f"adapter.{name}"] = batch, adapter
     work = root / "work"
     work.mkdir()
+    from safetensors.torch import load_file
+
+    stock = save_peft(folders["llama"], work / STOCK, LORA["rank"], LORA["alpha"], seed=21)
+    adapter = load_file(str(stock / "adapter_model.safetensors"))
+    batch = _batch(310, groups=(3, 3, 2))
+    refs[STOCK] = _reference(folders["llama"], adapter, batch, ACTOR["llama"], tie_a=False)
+    data[f"batch.{STOCK}"], data[f"adapter.{STOCK}"] = batch, adapter
     torch.save(data, work / "batch.pt")
-    args = dict(models={k: str(v) for k, v in folders.items()}, optim=OPTIM, actor=ACTOR, lora=LORA,
-                micro_batch_size=2, total_steps=10)
+    args = dict(models={k: str(v) for k, v in folders.items()}, optim=OPTIM, actor={**ACTOR, STOCK: ACTOR["llama"]},
+                lora=LORA, micro_batch_size=2, total_steps=10)
     ranks = launch(WORLD, args, work)
-    return {"ranks": ranks, "refs": refs, "work": work, "adapters": {m: data[f"adapter.{m}"] for m in MODELS}}
+    return {"ranks": ranks, "refs": refs, "work": work,
+            "adapters": {m: data[f"adapter.{m}"] for m in (*MODELS, STOCK)}}
 
 
 def _load(run, name):

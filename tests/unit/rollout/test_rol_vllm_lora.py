@@ -31,9 +31,9 @@ def _peft(tiny_model, adapter):
 
 
 def _config():
-    from verl_hpc.models.lora import peft_config
+    from verl_hpc.models.lora_names import peft_config
 
-    return peft_config(RANK, ALPHA, tuple(HF_TARGETS))
+    return peft_config(RANK, ALPHA, tuple(HF_TARGETS), use_rslora=False)
 
 
 def _spec():

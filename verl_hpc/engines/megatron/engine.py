@@ -88,10 +88,12 @@ class MegatronEngine(TrainingEngine):
         self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
         self.lora = lora_lib.adapter_spec(o.lora)
         if self.lora is not None:  # before DDP: it and the optimizer then see the adapters only
+            start = None
+            if o.lora.init_from:  # read first: its A decide the fused layers' shapes (per_module_a)
+                self.lora, start = lora_lib.read_peft_folder(self.lora, o.lora.init_from,
+                                                             self.gpt_chunks[0].verl_arch)
             lora_lib.attach(self.gpt_chunks, self.lora, seed=o.lora_seed,
-                            sequence_parallel=self.sequence_parallel)
-            if o.lora.init_from:
-                lora_lib.load_peft_folder(self.gpt_chunks, self.lora, o.lora.init_from)
+                            sequence_parallel=self.sequence_parallel, start=start)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
@@ -375,12 +377,12 @@ class MegatronEngine(TrainingEngine):
 
     def adapter_config(self) -> dict:
         """PEFT's adapter_config.json of this engine's adapter."""
-        from verl_hpc.models.lora import peft_config
+        from verl_hpc.models.lora_names import peft_config
 
         if self.lora is None:
             raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
         spec = self.lora
-        return peft_config(spec.rank, spec.alpha, spec.targets, dropout=spec.dropout,
+        return peft_config(spec.rank, spec.alpha, spec.targets, use_rslora=spec.use_rslora, dropout=spec.dropout,
                            base_model=self.options.model_path)
 
     def export_adapter(self) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -2,7 +2,8 @@
 model's identity in checkpoints.
 
     spec = adapter_spec(options.lora)                      # None: full-parameter training
-    attach(gpt_chunks, spec, seed, sequence_parallel)     # before DDP: only adapters train
+    spec, start = read_peft_folder(spec, folder, arch)     # lora.init_from: checked tensors
+    attach(gpt_chunks, spec, seed, sequence_parallel, start)   # before DDP: only adapters train
 
 The adapter layers themselves are verl_hpc.models.lora (they sit next to the weight mapping that
 exports them). Freezing happens before Megatron's DDP wraps the model: DDP and the (distributed)
@@ -14,14 +15,16 @@ model: with LoRA, `ref` costs no memory.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Tuple
+
+import torch
 
 from verl_hpc.checkpoint.base_model import base_fingerprint, check_base_model
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
-from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters
+from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters, load_adapter
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +33,16 @@ def adapter_spec(lora) -> Optional[AdapterSpec]:
     """The engine's adapter from the job's lora section (None or rank 0: no adapters)."""
     if lora is None or not lora.enabled:
         return None
-    return AdapterSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                       targets=tuple(lora.target_modules), init=lora.init)
+    return AdapterSpec.from_config(lora)
 
 
-def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool) -> int:
-    """Adapters on every targeted layer, every other parameter frozen; returns this rank's
-    trainable parameter count."""
+def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool,
+           start: Optional[Dict[str, torch.Tensor]] = None) -> int:
+    """Adapters on every targeted layer (fresh, or this rank's shards of the PEFT tensors `start`),
+    every other parameter frozen; returns this rank's trainable parameter count."""
     count = attach_adapters(gpt_chunks, spec, seed=seed, sequence_parallel=sequence_parallel)
+    if start is not None:
+        load_adapter(gpt_chunks, start)
     trainable = {id(p) for p in adapter_parameters(gpt_chunks)}
     frozen = 0
     for gpt in gpt_chunks:
@@ -50,54 +55,73 @@ def attach(gpt_chunks, spec: AdapterSpec, *, seed: int, sequence_parallel: bool)
     return count
 
 
-def load_peft_folder(gpt_chunks, spec: AdapterSpec, folder: str) -> None:
-    """Start from the PEFT adapter in `folder` (lora.init_from): this rank's shards of its factors.
-    Its rank and target modules must be the job's (ConfigError naming lora.init_from otherwise)."""
-    from safetensors.torch import load_file
-
+def read_peft_folder(spec: AdapterSpec, folder: str, arch) -> Tuple[AdapterSpec, Dict[str, torch.Tensor]]:
+    """The PEFT adapter in `folder` (lora.init_from), checked as the submitter checks it before the
+    queue (models/peft_adapter.py; this is the backstop for a job started without those checks),
+    and the spec that holds it: one A per q/k/v (gate/up) module where its A differ (a stock PEFT
+    adapter). ConfigError naming lora.init_from for an adapter the engine would compute otherwise
+    than PEFT, WeightFileError (exit code 13) for an unreadable file or non-finite values."""
     from verl_hpc.config import ConfigError
-    from verl_hpc.models.lora import hf_target_modules, load_adapter
+    from verl_hpc.models.hf_checkpoint import WeightFileError
+    from verl_hpc.models.peft_adapter import check_adapter
 
-    path = Path(folder)
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-        tensors = load_file(str(path / "adapter_model.safetensors"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"lora.init_from: {folder!r} is not a readable PEFT adapter folder "
-                          f"(adapter_config.json + adapter_model.safetensors): {e}") from e
-    want = sorted(hf_target_modules(spec.targets))
-    if config.get("r") != spec.rank or sorted(config.get("target_modules") or []) != want:
-        raise ConfigError(f"lora.init_from: {folder} has r = {config.get('r')} on "
-                          f"{sorted(config.get('target_modules') or [])}; this job has lora.rank = {spec.rank} "
-                          f"on {want} (lora.target_modules): set them to the adapter's")
-    if float(config.get("lora_alpha", spec.alpha)) != spec.alpha:
-        log.warning("lora.init_from: the adapter was trained with lora_alpha %s, this job scales by "
-                    "lora.alpha = %s", config.get("lora_alpha"), spec.alpha)
-    try:
-        load_adapter(gpt_chunks, tensors)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"lora.init_from: {folder}: {e}") from e
+    found = check_adapter(folder, spec, arch, values=True, keep=True)
+    if found.damaged:
+        raise WeightFileError(found.damaged[0])
+    if found.problems:  # one line: the submitter's check lists them all
+        more = (f" (and {len(found.problems) - 1} more: `submit --dry-run` lists them)"
+                if len(found.problems) > 1 else "")
+        raise ConfigError(found.problems[0] + more)
+    if found.per_module_a:
+        log.info("lora.init_from: %s has its own lora_A per q/k/v (gate/up) module: the fused layers "
+                 "hold one A per module", folder)
+    return dataclasses.replace(spec, per_module_a=bool(found.per_module_a)), found.tensors
 
 
 def state_meta(spec: AdapterSpec, model_path: str) -> dict:
     """What a checkpoint records about its adapters and their base."""
-    return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets),
+    return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "use_rslora": spec.use_rslora,
+            "per_module_a": spec.per_module_a,
             "base_path": str(model_path), "base_fingerprint": base_fingerprint(model_path)}
+
+
+# what a resume must keep: the meta's key, the field that sets it, and its value in a checkpoint
+# written before the key was recorded
+_KEPT = (("rank", "lora.rank", None), ("alpha", "lora.alpha", None), ("targets", "lora.target_modules", None),
+         ("use_rslora", "lora.use_rslora", False))
 
 
 def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str) -> None:
     """Refuse a checkpoint whose adapters do not fit this engine: full weights into a LoRA
     engine or the reverse, another rank or targets, or another base model
-    (CheckpointLayoutError, exit code 23, each naming what to change)."""
+    (CheckpointLayoutError, exit code 23, each naming what to change). Another alpha or
+    use_rslora would load the factors under another scale: a different model, with no error."""
     if (saved is None) != (spec is None):
         have = "adapters only (lora.rank > 0)" if saved else "full weights (lora.rank = 0)"
         raise CheckpointLayoutError(f"the checkpoint holds {have}; this job has lora.rank = "
                          f"{spec.rank if spec else 0}: resume with the lora settings it was saved with")
     if spec is None:
         return
-    mine = {"rank": spec.rank, "targets": list(spec.targets)}
-    for key in ("rank", "targets"):
-        if saved[key] != mine[key]:
-            raise CheckpointLayoutError(f"the checkpoint's adapters have lora {key} {saved[key]}, this job "
-                             f"{mine[key]}: resume with the lora settings it was saved with")
+    mine = state_meta(spec, model_path)
+    for key, field, old in _KEPT:
+        theirs = saved.get(key, old)
+        if theirs != mine[key]:
+            raise CheckpointLayoutError(f"the checkpoint's adapters have {field} = {_show(theirs)}, this job "
+                                        f"{field} = {_show(mine[key])}: resume with the lora settings it was saved "
+                                        f"with (set {field} = {_show(theirs)})")
+    if saved.get("per_module_a", False) != mine["per_module_a"]:
+        how = {True: "one lora_A per q/k/v (gate/up) module (started from a stock PEFT adapter)",
+               False: "one lora_A shared by q/k/v (gate/up)"}
+        raise CheckpointLayoutError(f"the checkpoint's adapters hold {how[saved.get('per_module_a', False)]}, this "
+                                    f"job's {how[mine['per_module_a']]}: resume with the lora.init_from it was "
+                                    "started from")
     check_base_model(saved, model_path)
+
+
+def _show(value) -> str:
+    """A config value as YAML writes it (true, [a, b], 8.0)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
