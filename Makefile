@@ -4,7 +4,7 @@
 #               single-node tests run on either node), then run the whole test suite
 #               (except the `container` tests: see `make test-container`); <= 20 min on 2 cores
 #   make check  the quick tier while developing: the unit tests and a few smoke tests marked
-#               `check` (no cluster needed; installs bubblewrap if missing); <= 5 min
+#               `check` (no cluster needed; installs bubblewrap and python3-minimal if missing); <= 5 min
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
 #   make test-container   build it and run the `container` tests (a fresh build takes too long
 #                         for CI's time budget together with the suite)
@@ -64,7 +64,8 @@ TEST_MARKERS ?= not container
 test: venv cluster
 	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
 
-# bwrap: the sandbox tests (unit tier) run its bwrap mode; `make test` gets it from the cluster's packages
+# bwrap, /usr/bin/python3: the sandbox tests (unit tier) run its bwrap mode and an unprivileged uid's
+# payloads; `make test` gets both from the cluster's packages
 check: venv
 	bash scripts/ensure_bwrap.sh
 	$(BIN)/python -m pytest -m "unit or check" --durations=10 $(PYTEST_ARGS)
