@@ -11,29 +11,37 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
-def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int, prompt_key: str,
-                    wrap_plain_text: bool) -> float:
+def greedy_answers(model_dir: str, val_file: str, max_new_tokens: int, prompt_key: str,
+                   wrap_plain_text: bool) -> List[Tuple[dict, str]]:
+    """(row, the model's greedy answer text) for every row of `val_file`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.data import encode_prompts, read_rows
-    from verl_hpc.rewards import default_score
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = read_rows(val_file, what="val file")
     _, prompts = encode_prompts(tok, [r[prompt_key] for r in rows], wrap_plain_text)
-    right = 0.0
+    answers = []
     with torch.no_grad():
         for row, ids in zip(rows, prompts):
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-            text = tok.decode(out[0, len(ids):], skip_special_tokens=True)
-            right += float(default_score(row["data_source"], text, str(row["ground_truth"])) > 0)
-    return right / max(len(rows), 1)
+            answers.append((row, tok.decode(out[0, len(ids):], skip_special_tokens=True)))
+    return answers
+
+
+def greedy_accuracy(model_dir: str, val_file: str, max_new_tokens: int, prompt_key: str,
+                    wrap_plain_text: bool) -> float:
+    from verl_hpc.rewards import default_score
+
+    answers = greedy_answers(model_dir, val_file, max_new_tokens, prompt_key, wrap_plain_text)
+    right = sum(float(default_score(row["data_source"], text, str(row["ground_truth"])) > 0) for row, text in answers)
+    return right / max(len(answers), 1)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
