@@ -22,8 +22,9 @@ INNER = pathlib.Path(__file__).with_name("sandbox_inner.py").read_text()
 SCRATCH, MAIN = "/scratch", "/sandbox/main.py"
 # the writable places of a bwrap sandbox that sandbox_inner.py makes noexec on a root rank
 _BWRAP_WRITABLE = (SCRATCH, "/tmp", "/dev/shm")
-# a bwrap run on a root rank keeps these for sandbox_inner.py's set-up only (its child drops them)
-_BWRAP_ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+# a bwrap run on a root rank keeps these for sandbox_inner.py (its child, the code, drops them all):
+# set-up (mounts, the uid, the bounding set) and the end (killing what the code's uid left running)
+_BWRAP_ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_KILL")
 
 
 @dataclass

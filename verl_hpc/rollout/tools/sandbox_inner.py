@@ -194,14 +194,15 @@ def end_leftovers():
                     break
             except ChildProcessError:
                 break
-        kids = children()
-        if not kids:
-            return
+        kids, killed = children(), 0
         for pid in kids:
             try:
                 os.kill(pid, 9)
+                killed += 1
             except OSError:
                 pass
+        if not killed:  # none left, or none this process may signal: the pid namespace ends them
+            return
 
 
 def main(plan):
