@@ -91,11 +91,8 @@ def check_weight_files(cfg) -> None:
     # lora.init_from, headers only (the engine reads its values once, to load them): an adapter
     # the engine would compute otherwise than PEFT stops here, before vLLM is built
     adapter = init_from_check(cfg, values=False)
-    if adapter is not None and adapter.damaged:
-        raise WeightFileError(adapter.damaged[0])
-    if adapter is not None and adapter.problems:
-        more = f" (and {len(adapter.problems) - 1} more)" if len(adapter.problems) > 1 else ""
-        raise ConfigError(adapter.problems[0] + more)
+    if adapter is not None:
+        adapter.raise_first()
 
 
 def main(argv: list[str] | None = None) -> int:

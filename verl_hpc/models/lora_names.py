@@ -19,8 +19,7 @@ import torch
 from verl_hpc.models.weight_rules import LAYER, QKV, Copy, GateUp, Layout, Split
 
 PEFT_PREFIX = "base_model.model."
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
-ROW_TARGETS = ("linear_proj", "linear_fc2")
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")  # fused: one HF module per part
 # Megatron target -> the HF modules it is (PEFT's target_modules)
 HF_MODULES = {"linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
               "linear_proj": ("self_attn.o_proj",),

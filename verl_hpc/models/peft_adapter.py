@@ -70,6 +70,19 @@ class AdapterCheck:
     def ok(self) -> bool:
         return not (self.problems or self.damaged)
 
+    def raise_first(self) -> None:
+        """A rank's refusal, one line: WeightFileError (exit code 13) for a damaged file or
+        non-finite values, else a ConfigError with the first problem (the submitter lists all)."""
+        from verl_hpc.config.errors import ConfigError
+        from verl_hpc.models.hf_checkpoint import WeightFileError
+
+        if self.damaged:
+            raise WeightFileError(self.damaged[0])
+        if self.problems:
+            more = (f" (and {len(self.problems) - 1} more: `submit --dry-run` lists them)"
+                    if len(self.problems) > 1 else "")
+            raise ConfigError(self.problems[0] + more)
+
 
 def check_adapter(folder, spec: AdapterSpec, arch, *, values: bool, keep: bool = False) -> AdapterCheck:
     """Everything the module docstring lists, for the adapter folder `folder` and the job's

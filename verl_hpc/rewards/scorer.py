@@ -202,24 +202,31 @@ def _as_score(out) -> Tuple[float, Dict[str, float]]:
         out = out["score"]
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         out = out.item()
-    if isinstance(out, bool):  # a bool is a number in Python, but True as a reward is more likely a slip
-        raise RewardError(f"reward function returned {out!r} (a bool); return a number, e.g. {float(out)}")
     if not isinstance(out, numbers.Real):
         raise RewardError(f"reward function returned {reprlib.repr(out)}; expected a finite number or a dict "
                           "with 'score'")
-    return _score_value(out), info
+    problem = score_problem(out)
+    if problem:
+        raise RewardError(f"reward function returned {problem}")
+    return float(out), info
 
 
-def _score_value(out: numbers.Real) -> float:
-    """Scores are kept as float32: a finite value past its range (1e39) would overflow there."""
+def score_problem(value) -> str:
+    """'' for a value a reward can be: a number (not a bool: True as a reward is more likely a slip)
+    that is finite within float32's range (scores are float32 tensors: 1e39 would overflow there);
+    else what is wrong, written to follow "<who> returned ". Reward functions' scores and
+    environments' step rewards both go through it."""
+    if isinstance(value, bool):
+        return f"{value!r} (a bool); return a number, e.g. {float(value)}"
+    if not isinstance(value, numbers.Real):
+        return f"{reprlib.repr(value)} (a {type(value).__name__}); expected a finite number"
     try:
-        value = float(out)
+        number = float(value)
     except OverflowError:  # an int too large for any float
-        value = math.inf
-    if not math.isfinite(value) or abs(value) > SCORE_MAX:
-        raise RewardError(f"reward function returned {reprlib.repr(out)}; expected a finite number within "
-                          f"float32's range (|score| <= {SCORE_MAX:.4g})")
-    return value
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > SCORE_MAX:
+        return f"{reprlib.repr(value)}; expected a finite number within float32's range (|score| <= {SCORE_MAX:.4g})"
+    return ""
 
 
 def _summaries(scores: torch.Tensor, data_sources: Sequence[str], returned: Dict[str, List[float]]) -> Dict[str, float]:

@@ -61,17 +61,10 @@ def read_peft_folder(spec: AdapterSpec, folder: str, arch) -> Tuple[AdapterSpec,
     and the spec that holds it: one A per q/k/v (gate/up) module where its A differ (a stock PEFT
     adapter). ConfigError naming lora.init_from for an adapter the engine would compute otherwise
     than PEFT, WeightFileError (exit code 13) for an unreadable file or non-finite values."""
-    from verl_hpc.config import ConfigError
-    from verl_hpc.models.hf_checkpoint import WeightFileError
     from verl_hpc.models.peft_adapter import check_adapter
 
     found = check_adapter(folder, spec, arch, values=True, keep=True)
-    if found.damaged:
-        raise WeightFileError(found.damaged[0])
-    if found.problems:  # one line: the submitter's check lists them all
-        more = (f" (and {len(found.problems) - 1} more: `submit --dry-run` lists them)"
-                if len(found.problems) > 1 else "")
-        raise ConfigError(found.problems[0] + more)
+    found.raise_first()
     if found.per_module_a:
         log.info("lora.init_from: %s has its own lora_A per q/k/v (gate/up) module: the fused layers "
                  "hold one A per module", folder)

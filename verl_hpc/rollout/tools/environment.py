@@ -26,7 +26,6 @@ allowed a week): a step that hangs is the stage watchdog's (trainer.stage_timeou
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import reprlib
 from typing import Any, Dict, List, Sequence
@@ -34,7 +33,7 @@ from typing import Any, Dict, List, Sequence
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.fields import WEEK_S
 from verl_hpc.rewards.errors import RewardError
-from verl_hpc.rewards.scorer import SCORE_MAX
+from verl_hpc.rewards.scorer import score_problem
 from verl_hpc.rewards.timeout import FunctionExited, TimedCaller
 from verl_hpc.rollout.episodes import Reply, Turn
 
@@ -121,19 +120,10 @@ def _step(step, text: str):
 
 
 def _reward_problem(value) -> str:
-    """'' for a valid reward term (a finite number within float32's range, or None for 0), else what
+    """'' for a valid reward term (what a reward function's score may be, or None for 0), else what
     it was."""
-    if value is None:
-        return ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return f"reward {reprlib.repr(value)} (a {type(value).__name__}); valid: a finite number, e.g. 1.0"
-    try:
-        number = float(value)
-    except OverflowError:  # an int too large for any float
-        number = math.inf
-    if not math.isfinite(number) or abs(number) > SCORE_MAX:
-        return f"reward {reprlib.repr(value)}; valid: a finite number within float32's range (|r| <= {SCORE_MAX:.4g})"
-    return ""
+    problem = "" if value is None else score_problem(value)
+    return f"reward {problem}" if problem else ""
 
 
 def _what(exc: BaseException) -> str:
