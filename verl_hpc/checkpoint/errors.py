@@ -27,3 +27,10 @@ class CheckpointLayoutError(CheckpointError, ValueError):
     """The tensors handed to save/load do not describe a consistent layout (shapes, dtypes, slabs)."""
 
     exit_code, kind = 23, "checkpoint layout"
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint is sound but not one this run can continue: another program (trainer.job),
+    roles or settings than the run that saved it, or steps this run would save again."""
+
+    exit_code, kind = 28, "checkpoint mismatch"

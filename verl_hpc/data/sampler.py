@@ -16,6 +16,10 @@ any number of draws every source is within one sample of its exact share, a batc
 as its size allows, and the position is again plain ints (draws per source + each source's own
 EpochSampler position).
 
+`ShuffleStream` is the SFT program's order: one `random.Random(seed)` shuffles a fresh permutation
+onto the stream whenever fewer indices than a batch are left, so a batch may span two epochs. Its
+position is the number of indices taken; a resume replays the draws (cheap: index lists only).
+
 There is no sharding: rank 0 samples the global batch and the trainer scatters it, so the data
 order does not depend on the number of ranks and a job can resume at another world size.
 """
@@ -82,6 +86,44 @@ class EpochSampler:
                             f"{self.size} prompts")
         self.epoch, self.offset = epoch, offset
         self._order = self._make_order()
+
+
+class ShuffleStream:
+    def __init__(self, size: int, seed: Seed = 1, fingerprint: str = "", data_name: str = "SFT set (data.sft_files)"):
+        if size <= 0:
+            raise DataError(f"cannot sample from an empty dataset (size {size})")
+        self.size, self.seed, self.fingerprint, self.data_name = size, seed, fingerprint or str(size), data_name
+        self._restart()
+
+    def _restart(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._order: List[int] = []
+        self.taken, self.batch_size = 0, 0
+
+    def next_indices(self, count: int) -> List[int]:
+        while len(self._order) < count:  # the next epoch(s), appended to what is left of this one
+            perm = list(range(self.size))
+            self._rng.shuffle(perm)
+            self._order += perm
+        out, self._order = self._order[:count], self._order[count:]
+        self.taken, self.batch_size = self.taken + count, count
+        return out
+
+    def state_dict(self) -> Dict[str, Union[int, str]]:
+        return {"kind": "stream", "taken": self.taken, "batch_size": self.batch_size, "seed": str(self.seed),
+                "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: Mapping, strict: bool = True) -> None:
+        _check_kind(state, "stream")
+        if strict:
+            _check_same(state, "seed", str(self.seed), "data.seed")
+            _check_same(state, "fingerprint", self.fingerprint, self.data_name)
+        taken, bs = int(state["taken"]), int(state["batch_size"])
+        if taken < 0 or (taken and (bs <= 0 or taken % bs)):
+            raise DataError(f"sampler state: {taken} indices taken in batches of {bs} is not a position of this stream")
+        self._restart()
+        for _ in range(taken // bs if bs else 0):  # the same draws, in the same batch sizes
+            self.next_indices(bs)
 
 
 class MixtureSampler:

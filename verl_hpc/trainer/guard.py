@@ -20,6 +20,12 @@ class NonFiniteGuard:
         self.in_a_row = 0
         self.total = 0
 
+    def state_dict(self) -> Dict[str, int]:
+        return {"in_a_row": self.in_a_row, "total": self.total}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.in_a_row, self.total = int(state["in_a_row"]), int(state["total"])
+
     def check(self, metrics: Dict[str, float], step: int) -> Dict[str, float]:
         """Update the counters from a step's metrics; raise NonFiniteError at the limit."""
         skipped = {k: v for k, v in metrics.items() if k.endswith("/nonfinite_steps") and v > 0}

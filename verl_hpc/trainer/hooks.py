@@ -81,15 +81,25 @@ def run_steps(step_fn: Callable[[int], Dict[str, float]], hooks: Sequence[Hook],
 
 # ------------------------------------------------------------------------------ generic hooks
 class LogHook:
-    """The step into the summary (steps, reward_mean, a short history) and the tracker."""
+    """The step into the summary (steps, a short history, the headline metric) and the tracker.
+    history_prefixes: the metrics kept in summary["history"] (None: all); headline: a metric
+    copied to summary[headline's summary name] after every step (RL: reward/score/mean as
+    reward_mean)."""
     stage = "log"
+
+    def __init__(self, history_prefixes=None, headline=None):
+        self.history_prefixes = tuple(history_prefixes) if history_prefixes is not None else None
+        self.headline = headline  # (summary key, metric name) or None
 
     def __call__(self, step, metrics, run):
         s = run.summary
         s["steps"] = step
-        s["reward_mean"] = metrics.get("reward/score/mean")
-        s.setdefault("history", []).append(
-            {k: v for k, v in metrics.items() if k.startswith(("reward/", "actor/pg_loss"))})
+        if self.headline is not None:
+            key, metric = self.headline
+            s[key] = metrics.get(metric)
+        kept = (metrics if self.history_prefixes is None else
+                {k: v for k, v in metrics.items() if k.startswith(self.history_prefixes)})
+        s.setdefault("history", []).append(dict(kept))
         run.tracker.log(metrics, step)
         return CONTINUE
 

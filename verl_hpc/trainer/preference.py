@@ -22,7 +22,7 @@ val/preference_accuracy = share of held-out pairs whose implicit reward ranks ch
 (ties count one half: the untrained policy equals the reference, so DPO starts at 0.5).
 At the end the weights are written as a Hugging Face folder (trainer.hf_output_dir).
 
-Checkpoints and resume as for RL, with the same class (verl_hpc/checkpoint/trainer_state.py): the
+It runs on every program's loop (trainer/program.py). Checkpoints and resume as for RL: the
 policy's engine state (weights, Adam moments, LR schedule) and the data position (an EpochSampler's
 epoch and offset) per `checkpoint.save_every` and at the last step; `trainer.resume` picks the
 checkpoint to start from; Slurm's warning signal or SIGTERM saves at the next step boundary, stops,
@@ -32,16 +32,21 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.data import DataError
 from verl_hpc.engines.batch import length_mask, pack_sequences
 from verl_hpc.runtime.objects import broadcast_object
+from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
+from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
+from verl_hpc.trainer.sft import save_hf
+from verl_hpc.trainer.validation import ValidationHook
 
 log = logging.getLogger(__name__)
 REFERENCE_FREE = ("simpo", "orpo")
+FORMAT = "verl_hpc.preference_trainer/1"  # trainer_state.format: preference runs resume only from their own
 
 
 def build_batch(examples, loss: str, pad: int) -> Dict[str, torch.Tensor]:
@@ -134,25 +139,64 @@ class PreferenceStep:
         return score / max(len(pairs), 1)
 
 
-class _Roles:
-    """What TrainerCheckpointer saves: the policy as `actor` (the reference is frozen and is
-    rebuilt from model.path, as in RL)."""
+class PreferenceProgram(StepProgram):
+    """Preference training on every program's loop (trainer/program.py)."""
 
-    def __init__(self, policy):
-        self.actor, self.critic = policy, None
+    name = "dpo"
+
+    def __init__(self, cfg, ctx, train, val, tokenizer):
+        from verl_hpc.data.sampler import EpochSampler
+        from verl_hpc.engines.megatron.roles import build_engine, build_reference
+
+        super().__init__(cfg, ctx)
+        d, pr = cfg.data, cfg.algorithm.preference
+        self.train, self.val, self.bs = train, val, d.train_batch_size
+        self.total_steps = steps_from_epochs(len(train), self.bs, cfg.trainer.sft_epochs, cfg.trainer.total_steps)
+        self.policy = build_engine("actor", cfg, ctx, total_steps=self.total_steps)
+        ref = None if pr.loss in REFERENCE_FREE else build_reference(cfg, ctx, self.policy)
+        self.step_fn = PreferenceStep(cfg, self.policy, ref, pad_token_id(tokenizer))
+        # the data position is (epoch, offset) of a seeded permutation: the same on every rank, and a
+        # resumed run draws exactly the examples the uninterrupted one would have
+        self.sampler = EpochSampler(len(train), seed=d.seed, fingerprint=f"{pr.loss}:{len(train)}",
+                                    data_name="preference set (data.preference_files, algorithm.preference.loss)")
+        # the reference is frozen and rebuilt from model.path, as in RL
+        self.checkpointer = make_checkpointer(cfg, ctx, engines={"actor": self.policy.engine},
+                                              states={"loader": self.sampler}, fmt=FORMAT,
+                                              total_steps=self.total_steps)
+
+    def accuracy(self) -> Dict[str, float]:
+        return {"val/preference_accuracy": self.step_fn.accuracy(self.val, self.cfg.data.val_batch_size)}
+
+    def step(self, step: int, timer) -> Dict[str, float]:
+        with timer("update_actor"):
+            metrics = self.step_fn([self.train[i] for i in self.sampler.next_indices(self.bs)])
+        metrics["preference/lr"] = self.policy.engine.scheduler_step()
+        return metrics
+
+    def begin(self, start: int, summary: Dict, tracker, watchdog) -> None:
+        if self.val and not start:
+            watchdog.stage("validate")
+            before = self.accuracy()
+            summary["val_accuracy_before"] = before["val/preference_accuracy"]
+            tracker.log(before, 0)
+
+    def extra_hooks(self) -> list:
+        return [ValidationHook(lambda step: self.accuracy(), self.cfg.trainer.val_every)] if self.val and \
+            self.cfg.trainer.val_every else []
+
+    def end(self, summary: Dict) -> None:
+        if summary["stopped"] == "preempted":  # a preempted run exports when its resumed job finishes
+            return
+        if self.val:
+            summary["val_accuracy_after"] = self.accuracy()["val/preference_accuracy"]
+        save_hf(self.policy.engine, self.cfg, self.ctx, self.cfg.trainer.hf_output_dir)
 
 
 def run(cfg, ctx) -> dict:
-    from verl_hpc.checkpoint.trainer_state import PREFERENCE_FORMAT, TrainerCheckpointer
     from verl_hpc.data.preference import load_preference_examples
-    from verl_hpc.data.sampler import EpochSampler
-    from verl_hpc.engines.megatron.roles import build_engine, build_reference
-    from verl_hpc.trainer.program import check_tracking, finish, tracked
-    from verl_hpc.trainer.roles import load_tokenizer
-    from verl_hpc.trainer.sft import save_hf
 
     check_tracking(cfg)
-    d, tr, pr = cfg.data, cfg.trainer, cfg.algorithm.preference
+    d, pr = cfg.data, cfg.algorithm.preference
     tokenizer = load_tokenizer(cfg)
     keys = dict(prompt_key=d.prompt_key, chosen_key=d.chosen_key, rejected_key=d.rejected_key,
                 completion_key=d.completion_key, label_key=d.label_key, wrap_plain_text=d.wrap_plain_text,
@@ -163,47 +207,12 @@ def run(cfg, ctx) -> dict:
                            if ctx.rank == 0 and d.preference_val_files else None) or []
     bs = d.train_batch_size
     if len(train) < max(bs, 2):
-        raise RuntimeError(f"trainer.job=dpo: {len(train)} usable rows in data.preference_files, fewer than "
-                           f"data.train_batch_size={bs} (or 2 for KTO's mismatched pairs)")
-    per_epoch = len(train) // bs
-    steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
-    policy = build_engine("actor", cfg, ctx, total_steps=steps)
-    ref = None if pr.loss in REFERENCE_FREE else build_reference(cfg, ctx, policy)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    step_fn = PreferenceStep(cfg, policy, ref, pad)
-    # the data position is (epoch, offset) of a seeded permutation: the same on every rank, and a
-    # resumed run draws exactly the examples the uninterrupted one would have
-    sampler = EpochSampler(len(train), seed=d.seed, fingerprint=f"{pr.loss}:{len(train)}",
-                           data_name="preference set (data.preference_files, algorithm.preference.loss)")
-    checkpointer = TrainerCheckpointer(cfg, ctx, _Roles(policy), loader=sampler, fmt=PREFERENCE_FORMAT,
-                                       total_steps=steps)
-    start = checkpointer.resume()  # 0, or the step of the checkpoint loaded
-    t0 = time.time()
-    summary: Dict = dict(loss=pr.loss, rows=len(train), val_rows=len(val), resumed_from=start,
-                         stopped="completed", steps=start)
-    with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0, total_steps=steps) as tracker:
-        if val and not start:
-            summary["val_accuracy_before"] = step_fn.accuracy(val, d.val_batch_size)
-            tracker.log({"val/preference_accuracy": summary["val_accuracy_before"]}, 0)
-        for step in range(start + 1, steps + 1):
-            metrics = step_fn([train[i] for i in sampler.next_indices(bs)])
-            metrics["preference/lr"] = policy.engine.scheduler_step()
-            if val and tr.val_every and (step % tr.val_every == 0 or step == steps):
-                metrics["val/preference_accuracy"] = step_fn.accuracy(val, d.val_batch_size)
-            summary.setdefault("history", []).append(metrics)
-            summary["steps"] = step
-            tracker.log(metrics, step)
-            checkpointer.maybe_save(step)
-            if checkpointer.stop_if_preempted(step):  # saved; requeued (or told how to resume) below
-                summary["stopped"] = "preempted"
-                break
-        checkpointer.close()  # an async save in flight is committed before we report
-        if val and summary["stopped"] == "completed":
-            summary["val_accuracy_after"] = step_fn.accuracy(val, d.val_batch_size)
-    if summary["stopped"] == "completed":  # a preempted run exports when its resumed job finishes
-        save_hf(policy.engine, cfg, ctx, tr.hf_output_dir)
+        raise DataError(f"trainer.job=dpo: {len(train)} usable rows in data.preference_files, fewer than "
+                        f"data.train_batch_size={bs} (or 2 for KTO's mismatched pairs)")
+    program = PreferenceProgram(cfg, ctx, train, val, tokenizer)
+    summary = program.fit(dict(loss=pr.loss, rows=len(train), val_rows=len(val)))
     hist = summary.get("history", [])
-    summary.update(total_steps=steps, seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir,
+    summary.update(total_steps=program.total_steps, hf_dir=cfg.trainer.hf_output_dir,
                    first_loss=hist[0]["preference/loss"] if hist else math.nan,
                    last_loss=hist[-1]["preference/loss"] if hist else math.nan)
-    return finish(cfg, ctx, "dpo", summary, requeue=checkpointer.requeue_if_preempted)
+    return finish(cfg, ctx, "dpo", summary, requeue=program.requeue)

@@ -20,11 +20,12 @@ the step finds the rollout asleep.
 The step's pieces: trainer/rollout_weights.py (lazy sync, staged wake), trainer/sampling.py
 (generate, score, group filters), trainer/step_batch.py (the typed batch the stages fill),
 trainer/prm_stage.py (PRIME's implicit PRM), trainer/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
-actor and critic updates minimise). After each step the hooks run in this order (trainer/hooks.py;
-RLTrainer.hooks): validation, task weights, rollback, log, checkpoint, stop rule, preemption.
-trainer/program.py owns the tracker's lifecycle, rl_summary.json, the RL_RESULT line and the requeue.
+actor and critic updates minimise). The loop is every program's (trainer/program.py: StepProgram.fit): after each step the hooks run
+in this order (trainer/hooks.py): validation, task weights, rollback (RLTrainer.extra_hooks), then
+log, checkpoint, stop rule, preemption. Where generation runs (placement.mode) is an object chosen
+once (trainer/placement.py): where batches come from, where weights go, what a checkpoint holds.
 
-Checkpoints (verl_hpc/checkpoint/trainer_state.py): resumes per `trainer.resume` before the first
+Checkpoints (verl_hpc/checkpoint/checkpointer.py, with the objects RLTrainer registers): resumes per `trainer.resume` before the first
 step, saves per `checkpoint.save_every` and at the last step (with the rollout asleep: a save or
 load puts it to sleep first, and a load marks its weights stale); on the preemption flag (Slurm's
 warning signal, or SIGTERM from scancel/preemption) it saves and stops cleanly; runtime/requeue.py then
@@ -35,68 +36,58 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import signal
-import time
 from typing import Dict
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
-from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import weight_sync_from_config
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
-from verl_hpc.runtime import collectives
-from verl_hpc.runtime.signals import WARNING_SIGNAL
-from verl_hpc.runtime.split import STOP
-from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
-from verl_hpc.tracking import StageTimer, throughput
 from verl_hpc.trainer import correction
 from verl_hpc.trainer.advantage import AdvantageStage
 from verl_hpc.trainer.batching import response_stats
 from verl_hpc.trainer.guard import NonFiniteGuard
-from verl_hpc.trainer.loops.async_link import AsyncLink
-from verl_hpc.trainer.loops.remote import PublishedWeights, RemoteRollout
-from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
-from verl_hpc.trainer.program import check_tracking, finish, tracked
+from verl_hpc.trainer.placement import choose
+from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer
 from verl_hpc.trainer.prm_stage import PrmStage
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
-from verl_hpc.trainer.rollout_weights import RolloutWeights
 from verl_hpc.trainer.safety import SafetySwitches
 from verl_hpc.trainer.sampling import StepSampler
-from verl_hpc.trainer.stopping import StopHook, StopRule
 from verl_hpc.trainer.task_weights import TaskWeightHook, TaskWeightScheduler
 from verl_hpc.trainer.validation import ValidationHook, Validator
 
 log = logging.getLogger(__name__)
+FORMAT = "verl_hpc.rl_trainer/1"  # trainer_state.format of RL checkpoints: RL resumes only from its own
 
 
-class RLTrainer:
-    def __init__(self, cfg, ctx, roles=None):
-        """roles: the Roles to run (default: built from cfg, a collective); tests pass fakes."""
-        self.cfg, self.ctx = cfg, ctx
+class RLTrainer(StepProgram):
+    name = "rl"
+    history_prefixes = ("reward/", "actor/pg_loss")
+    headline = ("reward_mean", "reward/score/mean")
+
+    def __init__(self, cfg, ctx, roles=None, placement=None):
+        """roles: the Roles to run (default: built from cfg, a collective); placement: where
+        generation runs (default: per placement.mode); tests pass fakes."""
+        super().__init__(cfg, ctx)
+        self.placement = placement or choose(cfg, ctx)
         self.roles = roles if roles is not None else build_roles(cfg, ctx)
         tok, d = self.roles.tokenizer, cfg.data
+        self.total_steps = cfg.trainer.total_steps
         self.steps_done = 0  # the policy version: training steps completed
-        # placement.mode=split: batches come from the rollout group, weights go to it (trainer/loops/)
-        self.link = AsyncLink(cfg, ctx) if cfg.placement.split and ctx.role == "train" else None
-        if self.link is not None:
-            self.roles.rollout = RemoteRollout(self.link, lambda: self.steps_done)
+        self.placement.attach(self.roles, lambda: self.steps_done)
         tools = self.roles.episodes.tool_schemas() if self.roles.episodes is not None and ctx.rank == 0 else None
-        self.loader = (PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools)
-                       if ctx.rank == 0 and self.link is None else None)  # split: on the rollout leader
+        self.loader = self.placement.loader(lambda: PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools))
         val_set = load_val_dataset(d, tok, d.wrap_plain_text, tools=tools) if ctx.rank == 0 and cfg.trainer.val_every else None
         self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
-        if ctx.rank == 0 and self.loader is not None:  # refuse unscorable data before spending compute on it
-            ds = self.loader.dataset
-            self.scorer.check_samples(*_columns(ds))
+        if self.loader is not None:  # refuse unscorable data before spending compute on it
+            self.scorer.check_samples(*_columns(self.loader.dataset))
             if val_set is not None:
                 self.scorer.check_samples(*_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
         self.sampler = StepSampler(cfg, ctx, self.roles, self.loader, self.scorer, SamplingSpec.from_config(cfg.rollout),
-                                   source=self.link.next_batch if self.link is not None else None)
+                                   source=self.placement.source)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl, cfg.prm)
@@ -106,22 +97,17 @@ class RLTrainer:
         self._logged_path = None
         self.value_loss = ValueObjective.from_config(cfg.critic)
         self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        # actor -> rollout, lazily: before the next generation after every update (split: published
-        # to the rollout group, which takes the newest between its generation chunks)
-        self.rollout_weights = (PublishedWeights(self.link, self.roles.actor, lambda: self.steps_done)
-                                if self.link is not None else
-                                RolloutWeights(self.roles.actor, self.roles.rollout,
-                                               weight_sync_from_config(cfg, getattr(self.roles.rollout, "name",
-                                                                                cfg.rollout.engine))))
-        if self.link is None:
-            self.roles.verify = self.rollout_weights.check_generated
+        # actor -> rollout, lazily: before the next generation after every update
+        self.rollout_weights = self.placement.weights(self.roles.actor, self.roles, lambda: weight_sync_from_config(
+            cfg, getattr(self.roles.rollout, "name", cfg.rollout.engine)))
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
         self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
-        self.checkpointer = TrainerCheckpointer(cfg, ctx, self.roles, loader=self.link or self.loader,
-                                                kl_ctrl=self.kl_ctrl,
-                                                guard=self.guard, task_weights=self.task_weights,
-                                                rollback=self.rollback, before_state=self.rollout_weights.park,
-                                                after_load=self.rollout_weights.mark_stale)
+        states = {"loader": self.placement.checkpoint_state(self.loader), "kl_ctrl": self.kl_ctrl,
+                  "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback}
+        self.checkpointer = make_checkpointer(
+            cfg, ctx, engines=self.roles.trained_engines(), states={k: v for k, v in states.items() if v is not None},
+            fmt=FORMAT, total_steps=self.total_steps,
+            before_state=self.rollout_weights.park, after_load=self.rollout_weights.mark_stale)
         self.safety = SafetySwitches(cfg, ctx)
 
     # ------------------------------------------------------------------------------ the step
@@ -147,8 +133,7 @@ class RLTrainer:
             m.update(self.prm_stage(batch, timer))  # process_rewards; the PRM's update (prm.update)
         if warmup:
             self.steps_done = step
-            if self.link is not None:  # split: publish the version (same weights), else the rollout group waits on it
-                self.rollout_weights.mark_stale()
+            self.rollout_weights.unchanged()  # a new policy version with the same weights
             return dict(m, **self._batch_size(batch), **{"prm/warmup": 1.0}, **self.guard.check(m, step))
         if r.critic is not None:
             with timer("values"):
@@ -183,54 +168,14 @@ class RLTrainer:
         self._logged_path = path
         return path
 
-    # ------------------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------------------ around the step
     def fit(self) -> dict:
-        cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
-        os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
-        start = self._resume()
-        self.steps_done = start
-        if self.link is not None:
-            self.link.start(start)  # the rollout group begins (or continues what the checkpoint held)
-        summary = dict(steps=start, stopped="completed", val_before=None, val_after=None, resumed_from=start)
-        # resumed: keep the history up to `start`; fresh: none of an earlier run's
-        with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0) as tracker:
-            # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage
-            dog = StageWatchdog(tr.stage_timeout_s, ctx.rank).start()
-            stop_rule = StopRule.from_config(tr.stop_at, ctx)  # the wall-time budget counts from here
-            try:
-                if self.validator and not start:
-                    dog.stage("validate")
-                    summary["val_before"] = self._validate(tracker, 0)
-                # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
-                timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
-                run = RunState(tracker, timer, dog, summary, tr.total_steps, start=start)
-                t0 = time.time()
-                run_steps(lambda step: self._measured_step(step, timer), self.hooks(stop_rule), run)
-                self.checkpointer.close()  # an async save in flight is committed before we report
-                summary["seconds"] = round(time.time() - t0, 1)
-            finally:
-                dog.stop()
-        summary["plot"] = str(tracker.plot_path or "") or None
-        summary["metrics_file"] = str(tracker.metrics_path) if tracker.metrics_path else None
+        summary = super().fit(dict(val_before=None, val_after=None))
         summary["nonfinite_total"] = self.guard.total
-        if self.link is not None:  # split: what this process trained on, in order (resume checks)
-            summary["trained_prompt_ids"] = list(self.link.trained_ids)
+        summary.update(self.placement.summary())
         return summary
 
-    def hooks(self, stop_rule: StopRule) -> list:
-        """What runs after each step, in this order (trainer/hooks.py)."""
-        ckpt = self.checkpointer
-        return [h for h in (
-            ValidationHook(lambda step: self._validate(None, step), self.cfg.trainer.val_every)
-            if self.validator else None,
-            TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
-            RollbackHook(self.rollback, ckpt, self.cfg, self.ctx, self.roles, loader=self.loader,
-                         task_weights=self.task_weights) if self.rollback else None,
-            LogHook(), CheckpointHook(ckpt), StopHook(stop_rule, ckpt, self.ctx.rank, self.cfg.trainer.job),
-            PreemptionHook(ckpt),
-        ) if h is not None]
-
-    def _resume(self) -> int:
+    def resume(self) -> int:
         """Load the checkpoint trainer.resume picks (0: none), with the LR earlier rollbacks left.
         The rollout's weights are stale either way: the first generation (or validation) syncs."""
         start = self.checkpointer.resume()
@@ -238,21 +183,32 @@ class RLTrainer:
             apply_lr_factor(self.roles, self.cfg, self.rollback.lr_factor)
         return start
 
-    def _measured_step(self, step: int, timer) -> Dict[str, float]:
-        """The step, checked across ranks, with its stage timings and throughput."""
+    def begin(self, start: int, summary: Dict, tracker, watchdog) -> None:
+        self.steps_done = start
+        self.placement.start(start)
+        if self.validator and not start:
+            watchdog.stage("validate")
+            summary["val_before"] = self._validate(tracker, 0)
+
+    def extra_hooks(self) -> list:
+        """Validation, task weights, rollback: before log, checkpoint, stop rule, preemption."""
+        return [h for h in (
+            ValidationHook(lambda step: self._validate(None, step), self.cfg.trainer.val_every)
+            if self.validator else None,
+            TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
+            RollbackHook(self.rollback, self.checkpointer, self.cfg, self.ctx, self.roles, loader=self.loader,
+                         task_weights=self.task_weights) if self.rollback else None,
+        ) if h is not None]
+
+    def checked_step(self, step: int, timer) -> Dict[str, float]:
+        """The step, checked across ranks (safety.debug) and profiled where asked."""
         with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
             metrics = self.step(step, timer)
         self.safety.check_ranks_agree(step, metrics)
-        if step == self.cfg.trainer.inject_warning_signal_at_step:  # tests: a preemption at a chosen moment
-            signal.raise_signal(WARNING_SIGNAL)
-        metrics.update(timer.pop())
-        metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
-                                  samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
-        if "timing_s/wait_rollout" in metrics:  # split: the training group's wait on the rollout group
-            busy = max(metrics["timing_s/step"] - metrics["timing_s/wait_rollout"], 1e-9)
-            metrics["async/idle_frac/train"] = metrics["timing_s/wait_rollout"] / max(metrics["timing_s/step"], 1e-9)
-            metrics["async/tokens_per_s/train"] = metrics.get("train/tokens", 0.0) / busy
         return metrics
+
+    def timed_metrics(self, metrics: Dict[str, float]) -> None:
+        self.placement.timed_metrics(metrics)
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
         self.rollout_weights.ready()  # its sync/* go to the next step's row (rollout_weights.py)
@@ -265,15 +221,6 @@ class RLTrainer:
         return val
 
 
-def _release_rollout(ctx) -> None:
-    """A split job's trainer that fails before its link exists still lets the rollout group go."""
-    if ctx.split.is_leader:
-        try:
-            ctx.split.mailbox.put(STOP, True)
-        except Exception:  # noqa: BLE001 - the error in flight is the one to report
-            pass
-
-
 def _columns(ds):
     """(ids, data_sources, ground_truths) of a PromptDataset, for RewardScorer.check_samples."""
     b = ds.batch(range(len(ds)))
@@ -282,22 +229,18 @@ def _columns(ds):
 
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
-    if cfg.placement.split and ctx.role == "rollout":  # this rank only generates
-        from verl_hpc.trainer.loops import rollout_worker
+    placement = choose(cfg, ctx)  # a split job's rollout ranks serve the training group instead
+    return placement.run_rank(lambda: _train(cfg, ctx, placement))
 
-        return rollout_worker.run(cfg, ctx)
-    roles = build_roles(cfg, ctx, with_rollout=not cfg.placement.split)
+
+def _train(cfg, ctx, placement) -> dict:
+    roles = build_roles(cfg, ctx, with_rollout=placement.builds_rollout)
     # The rollout engine is closed on every way out (after a clean run all ranks together), an
     # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
     # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
     # the `error:` line. Split: the rollout group is released (told to stop) the same way.
-    trainer = None
-    try:
-        with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext():
-            trainer = RLTrainer(cfg, ctx, roles)
-            with trainer.roles.rollout if trainer.link else contextlib.nullcontext():
-                summary = trainer.fit()
-    finally:
-        if trainer is None and cfg.placement.split:  # failed before the link existed
-            _release_rollout(ctx)
-    return finish(cfg, ctx, "rl", summary, requeue=trainer.checkpointer.requeue_if_preempted)
+    with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext():
+        trainer = RLTrainer(cfg, ctx, roles, placement)
+        with placement.session(trainer.roles):
+            summary = trainer.fit()
+    return finish(cfg, ctx, "rl", summary, requeue=trainer.requeue)

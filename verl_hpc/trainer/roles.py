@@ -57,11 +57,30 @@ class Roles:
 
     @property
     def pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        return pad_token_id(self.tokenizer)
+
+    def trained_engines(self) -> dict:
+        """The engines a checkpoint holds, by role name: the actor, (PPO) the critic and (PRIME) the
+        implicit PRM when it trains. The reference, a reward model and a frozen PRM (prm.update =
+        none, no optimizer) are not trained and are rebuilt from their folders."""
+        out = {"actor": self.actor.engine}
+        if self.critic is not None:
+            out["critic"] = self.critic.engine
+        if self.prm is not None and getattr(self.prm.engine, "optimizer", None) is not None:
+            out["prm"] = self.prm.engine
+        return out
 
     def names(self) -> list:
         return [n for n in ("actor", "ref", "critic", "reward_model", "prm") if getattr(self, n) is not None]
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id padded rows hold, for every program: the tokenizer's pad token, else its EOS, else 0
+    (never trained on: the masks leave padding out)."""
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id
+    return int(pad if pad is not None else 0)
 
 
 def load_tokenizer(cfg):

@@ -154,7 +154,9 @@ class RollbackHook:
         tracker.event("rollback", step, metric=trip.metric, rule=trip.rule, value=trip.value,
                       reference=trip.reference, to_step=to_step, rollbacks=guard.count, reason=trip.message)
         position = loader.state_dict() if rb.skip_data and loader is not None else None
+        own = guard.state_dict()  # the guard's own state is not rolled back (the checkpoint holds an older one)
         ckpt.load(path)  # rollout asleep, params + optimizer resident; its weights stale afterwards
+        guard.load_state_dict(own)
         if position is not None:  # the data of steps to_step+1..step is not trained on again
             loader.load_state_dict(position)
         if self.task_weights is not None and loader is not None:

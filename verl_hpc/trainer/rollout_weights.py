@@ -49,6 +49,9 @@ class RolloutWeights:
         """The actor's weights changed: the next ready() syncs."""
         self.stale = True
 
+    def unchanged(self) -> None:
+        """A step that trained nothing (PRIME's warm-up): the rollout already holds these weights."""
+
     def ready(self, timer=None) -> None:
         """The rollout awake with the actor's current weights (module docstring). Collective
         (the sync is): every rank calls it at the same point."""

@@ -10,6 +10,12 @@ optimizer step, `trainer.sft_epochs` passes, at most `trainer.total_steps` steps
 weights are written as a Hugging Face folder (`trainer.hf_output_dir`, auto: <output_dir>/hf) with
 the tokenizer and config, ready to be an RL run's `model.path`.
 
+It runs on every program's loop (trainer/program.py): checkpoints per `checkpoint.save_every` and at
+the last step (the actor's engine state and the data position), resume per `trainer.resume`
+(bitwise: the same batches, the same optimizer state), `trainer.stop_at`, and Slurm's warning
+signal or SIGTERM: save at the next step boundary, stop, requeue (runtime/requeue.py). A preempted
+run writes the HF folder when its resumed job finishes.
+
 A response may also be a multi-turn demonstration for a multi_turn RL run: a list of messages,
 assistant turns with tool turns between them. It is laid out token by token as that run's episodes
 are (`episode_response`), and the tools' output is not trained on.
@@ -19,25 +25,25 @@ from __future__ import annotations
 import json
 import logging
 import math
-import random
 import shutil
-import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from verl_hpc.algorithms import agg_loss
 from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.data.records import sft_row_problem
+from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.engines.megatron.roles import build_engine
 from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.program import check_tracking, finish, tracked
-from verl_hpc.trainer.roles import load_tokenizer
+from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
+from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
 
 log = logging.getLogger(__name__)
+FORMAT = "verl_hpc.sft_trainer/1"  # trainer_state.format of SFT checkpoints: SFT resumes only from its own
 
 
 def episode_response(codec, messages, eos) -> Tuple[List[int], List[int]]:
@@ -122,6 +128,40 @@ def nll_loss(out, mb, counts):
     return loss, {"nll": loss.detach() * scale}
 
 
+class SFT(StepProgram):
+    """Cross-entropy on the response tokens of data.sft_files (module docstring)."""
+
+    name = "sft"
+    history_prefixes = ("sft/loss",)
+
+    def __init__(self, cfg, ctx, rows, pad: int):
+        super().__init__(cfg, ctx)
+        self.rows, self.pad, self.bs = rows, pad, cfg.data.train_batch_size
+        self.total_steps = steps_from_epochs(len(rows), self.bs, cfg.trainer.sft_epochs, cfg.trainer.total_steps)
+        self.per_epoch = math.ceil(len(rows) / self.bs)
+        self.actor = build_engine("actor", cfg, ctx, total_steps=self.total_steps)
+        # the same order on every rank (same seed); a resume replays the draws
+        self.sampler = ShuffleStream(len(rows), seed=cfg.data.seed, fingerprint=f"sft:{len(rows)}")
+        self.checkpointer = make_checkpointer(cfg, ctx, engines={"actor": self.actor.engine},
+                                              states={"loader": self.sampler}, fmt=FORMAT,
+                                              total_steps=self.total_steps)
+
+    def step(self, step: int, timer) -> Dict[str, float]:
+        take = [self.rows[i] for i in self.sampler.next_indices(self.bs)]
+        batch = pack_sequences([r[0] for r in take], [r[1] for r in take], self.pad)
+        batch["response_mask"] = loss_mask([r[1:] for r in take])
+        with timer("update_actor"):
+            m = self.actor.engine.train_step(batch, nll_loss, ("log_probs",))
+        lr = self.actor.engine.scheduler_step()
+        return {"sft/loss": m["nll"] if "nll" in m else m["loss"], "sft/grad_norm": m["grad_norm"],
+                "sft/lr": lr, "sft/nonfinite": m["nonfinite"], "sft/epoch": step / self.per_epoch,
+                "train/tokens": float(batch["response_mask"].sum()), "train/samples": float(len(take))}
+
+    def end(self, summary: Dict) -> None:
+        if summary["stopped"] != "preempted":  # a preempted run exports when its resumed job finishes
+            save_hf(self.actor.engine, self.cfg, self.ctx, self.cfg.trainer.hf_output_dir)
+
+
 def save_hf(engine, cfg, ctx, out_dir: str) -> None:
     """Collective: every rank joins the weight gather; rank 0 writes the folder. Under LoRA the
     weights are the base with the adapter merged in, and `adapter/` holds the adapter (PEFT)."""
@@ -151,34 +191,14 @@ def run(cfg, ctx) -> dict:
     tokenizer = load_tokenizer(cfg)
     rows = broadcast_object(load_sft_rows(cfg, tokenizer) if ctx.rank == 0 else None)
     if not rows:
-        raise RuntimeError("SFT: no usable rows in data.sft_files (all empty or over the length budget)")
-    tr, bs = cfg.trainer, cfg.data.train_batch_size
-    per_epoch = math.ceil(len(rows) / bs)
-    steps = min(tr.total_steps, per_epoch * tr.sft_epochs) if tr.total_steps > 0 else per_epoch * tr.sft_epochs
-    actor = build_engine("actor", cfg, ctx, total_steps=steps)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rng, order, t0, losses = random.Random(cfg.data.seed), [], time.time(), []
-    summary = dict(steps=0)
-    with tracked(cfg, ctx, summary, total_steps=steps) as tracker:
-        for step in range(1, steps + 1):
-            if len(order) < bs:  # next epoch, same shuffle on every rank (same seed)
-                perm = list(range(len(rows)))
-                rng.shuffle(perm)
-                order += perm
-            take, order = order[:bs], order[bs:]
-            batch = pack_sequences([rows[i][0] for i in take], [rows[i][1] for i in take], pad)
-            batch["response_mask"] = loss_mask([rows[i][1:] for i in take])
-            m = actor.engine.train_step(batch, nll_loss, ("log_probs",))
-            lr = actor.engine.scheduler_step()
-            metrics = {"sft/loss": m["nll"] if "nll" in m else m["loss"], "sft/grad_norm": m["grad_norm"],
-                       "sft/lr": lr, "sft/nonfinite": m["nonfinite"], "sft/epoch": step / per_epoch}
-            losses.append(metrics["sft/loss"])
-            tracker.log(metrics, step)
-            summary["steps"] = step
-    save_hf(actor.engine, cfg, ctx, tr.hf_output_dir)
-    summary.update(steps=steps, rows=len(rows), first_loss=losses[0], last_loss=losses[-1],
-                   seconds=round(time.time() - t0, 1), hf_dir=tr.hf_output_dir)
-    if ctx.rank == 0:
-        log.info("sft: %d steps over %d rows, loss %.3f -> %.3f; HF folder %s", steps, len(rows),
-                 losses[0], losses[-1], tr.hf_output_dir)
-    return finish(cfg, ctx, "sft", summary)
+        raise DataError("trainer.job=sft: no usable rows in data.sft_files (all empty or longer than "
+                        "data.max_prompt_length + data.max_response_length)")
+    program = SFT(cfg, ctx, rows, pad_token_id(tokenizer))
+    summary = program.fit(dict(rows=len(rows), total_steps=program.total_steps, hf_dir=cfg.trainer.hf_output_dir))
+    losses = [h["sft/loss"] for h in summary.get("history", [])]
+    summary.update(first_loss=losses[0] if losses else math.nan, last_loss=losses[-1] if losses else math.nan)
+    if ctx.rank == 0 and losses:
+        log.info("sft: steps %d..%d of %d over %d rows, loss %.3f -> %.3f; %s", summary["resumed_from"] + 1,
+                 summary["steps"], program.total_steps, len(rows), losses[0], losses[-1],
+                 f"HF folder {cfg.trainer.hf_output_dir}" if summary["stopped"] != "preempted" else "preempted")
+    return finish(cfg, ctx, "sft", summary, requeue=program.requeue)

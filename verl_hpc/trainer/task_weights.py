@@ -131,6 +131,11 @@ class TaskWeightScheduler:
         """The task's last observation is below saturation (or there was none yet)."""
         return self.last[t] is None or self.last[t] < self.saturation
 
+    @property
+    def required_state(self) -> str:
+        """The checkpointer's hint when a checkpoint has no task weights (saved without data.tasks)."""
+        return f"this run has data.tasks {self.tasks}: resume with the data settings it was saved with"
+
     def state_dict(self) -> Dict:
         return {"weights": dict(self.weights), "best": dict(self.best), "waited": dict(self.waited),
                 "saturated_for": dict(self.saturated_for), "last": dict(self.last), "since_lowered": dict(self.since_lowered),

@@ -20,7 +20,7 @@ def main(workdir: str) -> None:
 
     from eng_ranks import _full_logits
     from verl_hpc.checkpoint import open_checkpoint, save_checkpoint
-    from verl_hpc.checkpoint.trainer_state import _prefixed
+    from verl_hpc.checkpoint.checkpointer import _prefixed
     from verl_hpc.config.schema import OptimConfig
     from verl_hpc.engines.megatron import default_options, MegatronEngine
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel

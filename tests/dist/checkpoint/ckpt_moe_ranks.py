@@ -23,7 +23,7 @@ def main(workdir: str) -> None:
 
     from eng_ranks import _full_logits
     from verl_hpc.checkpoint import open_checkpoint, save_checkpoint
-    from verl_hpc.checkpoint.trainer_state import _prefixed
+    from verl_hpc.checkpoint.checkpointer import _prefixed
     from verl_hpc.config.schema import OptimConfig
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.engines.megatron import MegatronEngine, default_options

@@ -101,8 +101,8 @@ def test_the_savers_own_gloo_group_takes_the_jobs_collective_timeout(tmp_path, o
 
     import torch.distributed as dist
 
-    from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
     from verl_hpc.config import load_config
+    from verl_hpc.trainer.program import make_checkpointer
 
     made, real = [], dist.new_group
 
@@ -115,5 +115,5 @@ def test_the_savers_own_gloo_group_takes_the_jobs_collective_timeout(tmp_path, o
     cfg = load_config(None, [f"checkpoint.dir={tmp_path}/b", "checkpoint.async_save=true",
                              "trainer.collective_timeout_s=77"])
     ctx = type("Ctx", (), {"world_size": 1})()
-    TrainerCheckpointer(cfg, ctx, roles=None)._async.close()
+    make_checkpointer(cfg, ctx, engines={}, states={}, fmt="test", total_steps=1)._async.close()
     assert made == [datetime.timedelta(seconds=42), datetime.timedelta(seconds=77)]

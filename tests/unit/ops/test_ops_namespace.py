@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from verl_hpc.checkpoint.namespace import CheckpointNamespaceError, check_namespace, recorded_namespace
-from verl_hpc.checkpoint.trainer_state import TrainerCheckpointer
 from verl_hpc.config import ConfigError, load_config, validate
+from verl_hpc.trainer.program import make_checkpointer
 
 
 def test_namespace_prefixes_every_folder_and_the_job_name(tmp_path):
@@ -38,7 +38,7 @@ def _checkpointer(tmp_path, namespace, resume="auto"):
                              f"trainer.resume={resume}"])
     cfg.trainer.namespace = namespace  # the folder is shared on purpose: the guard must refuse
     ctx = SimpleNamespace(rank=0, world_size=1, generator=torch.Generator().manual_seed(0))
-    return TrainerCheckpointer(cfg, ctx, SimpleNamespace(actor=None, critic=None))
+    return make_checkpointer(cfg, ctx, engines={}, states={}, fmt="test", total_steps=cfg.trainer.total_steps)
 
 
 def test_checkpoints_of_another_namespace_are_refused(tmp_path):

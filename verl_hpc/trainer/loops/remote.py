@@ -40,6 +40,11 @@ class PublishedWeights:
         opens while this step logs, validates and checkpoints (its sync/* go with the next step)."""
         self.ready()
 
+    def unchanged(self) -> None:
+        """A step that trained nothing (PRIME's warm-up): the version moves on with the same
+        weights, published, else the rollout group's gate would wait for it."""
+        self.ready()
+
     def park(self) -> None:
         """No rollout engine on a training rank."""
 
