@@ -1,6 +1,7 @@
-"""The tiny GRPO job the Slurm stop/requeue tests submit, and what they read back from it.
+"""The tiny jobs the Slurm stop/requeue tests submit, and what they read back from them.
 
     proc, job_id, out, logs = start_rl(root, tmp_path, steps, *overrides)  # once 2 steps are logged
+    proc, job_id, out, logs = start_job(config, tmp_path, overrides)       # any program
     text = job_text(stdout, stderr, logs)                                  # submitter output + rank logs
     steps_logged(out), sacct_states(job_id), release_requeue_hold(job_id, proc)
 
@@ -29,17 +30,23 @@ def start_rl(root: Path, tmp_path: Path, steps: int, *extra):
     """Submit the job (model and data under `root`, tests/jobs.py) with `python -m verl_hpc.submit`
     and wait until it has logged 2 steps. Returns (submitter process, job id, output dir, log dir);
     the caller waits for or kills it."""
+    return start_job("configs/demo_rl.yaml", tmp_path, [
+        f"model.path={root}/model", *data_overrides(root), f"trainer.total_steps={steps}", "rollout.engine=hf",
+        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8",
+        "trainer.val_every=0", *extra])
+
+
+def start_job(config: str, tmp_path: Path, args):
+    """`python -m verl_hpc.submit config args` on the cluster, one rank, metrics to out/metrics.jsonl,
+    requeue on; once 2 steps are logged: (submitter process, job id, output dir, log dir)."""
     out, logs = tmp_path / "out", tmp_path / "logs"
-    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/model",
-           *data_overrides(root), f"trainer.output_dir={out}", f"slurm.log_dir={logs}/%j",
-           f"trainer.total_steps={steps}", "rollout.engine=hf", "data.train_batch_size=4", "rollout.n=4",
-           "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=8", "trainer.val_every=0",
+    cmd = [sys.executable, "-m", "verl_hpc.submit", config, f"trainer.output_dir={out}", f"slurm.log_dir={logs}/%j",
            "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=1", "slurm.time_min=15",
-           "slurm.requeue=true", *extra]
+           "slurm.requeue=true", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.time() + 300
     while time.time() < end and proc.poll() is None and len(steps_logged(out)) < 2:
-        time.sleep(0.5)
+        time.sleep(0.2)
     if len(steps_logged(out)) < 2:
         proc.kill()
         o, e = proc.communicate()

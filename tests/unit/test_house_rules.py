@@ -190,3 +190,36 @@ def test_the_import_checks_see_an_upward_import_and_a_circle(tmp_path):
         "pkg.low.a:2 imports pkg.high.b (high layer is above low layer)"]  # not the TYPE_CHECKING one
     assert import_cycles(graph) == ["pkg.high.b -> pkg.high.c -> pkg.high.b (2 modules in the circle)"]
     assert ("pkg.high.b", 2) in graph["pkg.high.c"]  # a function's import counts
+
+
+# what the programs own (trainer/): the checkpoint layer takes them as named objects, never by name
+# (the whole job config is the whole-config rule's)
+PROGRAM_OBJECTS = ("kl_ctrl", "task_weights", "rollback", "guard", "loader", "roles", "critic", "link",
+                   "placement", "validator", "sampler")
+
+
+def named_program_objects(root: Path):
+    """'file:line name' for each identifier (variable, attribute, argument) in `root` that is one
+    of PROGRAM_OBJECTS; strings and comments do not count."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, ast.arg) else None)
+            if name in PROGRAM_OBJECTS:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
+    return sorted(found)
+
+
+def test_the_checkpoint_layer_names_no_program_object():
+    """The checkpointer takes named engines and states (checkpoint/checkpointer.py); a new stateful
+    feature registers its object in its program, without an edit here."""
+    found = named_program_objects(PACKAGE / "checkpoint")
+    assert not found, "the checkpoint layer names objects of the programs (take them as named states):\n" + \
+        "\n".join(found)
+
+
+def test_the_program_object_check_sees_a_name(tmp_path):
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "x.py").write_text("def save(self):\n    return self.kl_ctrl.state_dict()\n")
+    assert named_program_objects(tmp_path / "checkpoint") == ["checkpoint/x.py:2 kl_ctrl"]

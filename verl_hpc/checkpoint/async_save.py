@@ -9,7 +9,7 @@ written, without waiting for the trainer to call anything. The cost: constructin
 is itself a collective (torch's new_group must be called by every rank of the default group).
 
     saver = AsyncSaver(root, keep_last=cfg.checkpoint.keep_last,  # every rank, same point of the program
-                       timeout_s=cfg.trainer.collective_timeout_s)
+                       timeout_s=collective_timeout_s)
     saver.save(step, tensors, metadata=..., rank_state=...)   # returns after the snapshot
     ...train...
     saver.save(step2, ...)                         # first waits for the previous save

@@ -2,8 +2,8 @@
 run resumes from one (storage: docs/checkpoints.md). It names no object of the programs: they
 hand it what they have, by name, when they build it (torchtitan's way).
 
-    ckpt = Checkpointer(options, ctx, engines={"actor": actor_engine},
-                        states={"loader": sampler, "kl_ctrl": kl}, fmt="verl_hpc.rl_trainer/1")
+    ckpt = Checkpointer(options, ctx, engines={"policy": engine}, states={"data": sampler},
+                        fmt="my_program/1")
     start = ckpt.resume()              # 0 (fresh) or the step of the checkpoint loaded
     for step in range(start + 1, total + 1):
         ...; ckpt.maybe_save(step)     # checkpoint.save_every, and always at the last step
