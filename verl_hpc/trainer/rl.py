@@ -243,8 +243,6 @@ class RLTrainer:
         with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
             metrics = self.step(step, timer)
         self.safety.check_ranks_agree(step, metrics)
-        if step == self.cfg.trainer.inject_warning_signal_at_step:  # tests: a preemption at a chosen moment
-            signal.raise_signal(WARNING_SIGNAL)
         metrics.update(timer.pop())
         metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                   samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
