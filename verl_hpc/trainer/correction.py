@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-
 from verl_hpc.algorithms import masked_mean
 from verl_hpc.algorithms.mismatch import rollout_correction
 from verl_hpc.trainer.batching import logprob_diff_metrics
