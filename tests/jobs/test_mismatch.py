@@ -1,6 +1,7 @@
 """Rollout/training mismatch correction through the real RL trainer: with the rollout engine agreeing
-exactly with the trainer (test hook), correction on trains bitwise like correction off; with a
-known perturbation (rollout = old - 0.5) the logged weights and masks equal the hand computation.
+exactly with the trainer (the test fault rollout_logprob_shift=0, tests/faults.py), correction on
+trains bitwise like correction off; with a known perturbation (rollout = old - 0.5) the logged weights
+and masks equal the hand computation.
 (Bypass mode's wiring is tested without an engine in tests/unit/trainer/test_trn_correction.py.)"""
 import math
 from pathlib import Path
@@ -9,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from faults import injected
 from jobs import logs, metrics, run_here, small
 
 
@@ -17,9 +19,11 @@ def assets(tiny_assets):
     return tiny_assets
 
 
-def run(assets, out: Path, *extra):
-    proc, summary = run_here("configs/demo_rl.yaml", out, *small(assets, "rollout.n=2", "trainer.total_steps=1",
-                                                                 *extra))
+def run(assets, out: Path, shift: float, *extra):
+    """One step with the rollout's log-probs := the actor's old log-probs - shift."""
+    with injected(rollout_logprob_shift=shift):
+        proc, summary = run_here("configs/demo_rl.yaml", out, *small(assets, "rollout.n=2", "trainer.total_steps=1",
+                                                                     *extra))
     assert proc.returncode == 0, logs(proc, out)
     assert summary["steps"] == 1
     return [r for r in metrics(out) if r.get("step", 0) >= 1]
@@ -39,9 +43,8 @@ def checkpoint_arrays(out: Path):
 
 
 def test_trn_correction_is_identity_when_engines_agree(assets, tmp_path):
-    hook = "trainer.inject_rollout_logprob_shift=0.0"
-    off = run(assets, tmp_path / "off", hook)
-    on = run(assets, tmp_path / "on", hook, "algorithm.rollout_correction.rollout_is=token",
+    off = run(assets, tmp_path / "off", 0.0)
+    on = run(assets, tmp_path / "on", 0.0, "algorithm.rollout_correction.rollout_is=token",
              "algorithm.rollout_correction.rollout_rs=sequence")
     for row in on:
         assert row["rollout_corr/is_weight_mean"] == 1.0 and row["rollout_corr/rs_masked_frac"] == 0.0
@@ -54,7 +57,7 @@ def test_trn_correction_is_identity_when_engines_agree(assets, tmp_path):
 
 
 def test_trn_perturbed_rollout_weights_and_masks_by_hand(tiny_assets, tmp_path):
-    rows = run(tiny_assets, tmp_path / "shift", "trainer.inject_rollout_logprob_shift=0.5",
+    rows = run(tiny_assets, tmp_path / "shift", 0.5,
                "algorithm.rollout_correction.rollout_is=token",
                "algorithm.rollout_correction.rollout_is_threshold=1.5",
                "algorithm.rollout_correction.rollout_rs=token",

@@ -3,7 +3,7 @@
 - two tasks (synthetic difficulty 1 and 2) with plateau task weights: per-task metrics and weights
   in the metrics file, the weights move, and a run resumed from the step-2 checkpoint reproduces
   the uninterrupted one bitwise (weights, Adam moments, task weights, metrics);
-- the rollback guard: a reward collapse injected at step 4 rolls back to step 2 (rollback_steps 2),
+- the rollback guard: a reward collapse injected at step 4 (tests/faults.py) rolls back to step 2 (rollback_steps 2),
   alerts a local webhook, halves the LR, skips the undone data and finishes; with max_rollbacks 0
   the job fails naming the metric.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import injected
 from ops_services import webhook_receiver
 
 from jobs import REPO, logs, metrics, read_all, run_here, stable_metrics
@@ -81,10 +82,9 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     out = tmp_path / "out"
     guard = ["trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2", "trainer.rollback.lr_scale=0.5",
              "trainer.rollback.skip_data=true", "trainer.val_every=0"]
-    with webhook_receiver() as (hook, alerts):
+    with webhook_receiver() as (hook, alerts), injected(regression_at_steps=[4]):
         proc, s = run_here("configs/demo_rl.yaml", out, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
                                                              *guard, "trainer.total_steps=5",
-                                                             "trainer.inject_regression_at_steps=[4]",
                                                              "trainer.rollback.max_rollbacks=1",
                                                              f"tracking.alert_webhook={hook}"))
     assert proc.returncode == 0, logs(proc, out)
@@ -107,10 +107,10 @@ def test_rollback_on_injected_regression_then_give_up(assets, tmp_path):
     assert "rollback guard: rollback 1 of at most 1: step 4 ->" in text
 
     bad = tmp_path / "bad"
-    proc, _ = run_here("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]", "data.val_files=[]",
-                                                         *guard, "trainer.total_steps=3",
-                                                         "trainer.inject_regression_at_steps=[3]",
-                                                         "trainer.rollback.max_rollbacks=0"))
+    with injected(regression_at_steps=[3]):
+        proc, _ = run_here("configs/demo_rl.yaml", bad, *tiny(assets, f"data.train_files=[{assets}/data/train.parquet]",
+                                                             "data.val_files=[]", *guard, "trainer.total_steps=3",
+                                                             "trainer.rollback.max_rollbacks=0"))
     assert proc.returncode != 0
     text = logs(proc, bad)
     assert "reward/score/mean dropped at step 3" in text and "max_rollbacks=0" in text, text[-3000:]

@@ -1,5 +1,6 @@
 """The rules of the house that a machine can check (docs/architecture.md)."""
 import ast
+import dataclasses
 from collections import deque
 from pathlib import Path
 
@@ -223,3 +224,26 @@ def test_the_program_object_check_sees_a_name(tmp_path):
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "x.py").write_text("def save(self):\n    return self.kl_ctrl.state_dict()\n")
     assert named_program_objects(tmp_path / "checkpoint") == ["checkpoint/x.py:2 kl_ctrl"]
+
+
+# Faults for tests are injected from tests/faults.py (docs/testing.md, "Faults in tests"): the
+# product carries no test knob, in its config or its code.
+def _config_keys(section, prefix=""):
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        yield prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield from _config_keys(value, f"{prefix}{f.name}.")
+
+
+def test_no_test_fault_knob_in_the_product():
+    from verl_hpc.config.schema import JobConfig
+
+    keys = list(_config_keys(JobConfig()))
+    assert "trainer.rollback.max_rollbacks" in keys  # the walk reaches nested sections
+    assert not [k for k in keys if "inject_" in k], "test faults belong in tests/faults.py"
+    files = [p for p in sorted(PACKAGE.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    files.append(PACKAGE.parent / "configs" / "base.yaml")
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in files
+             for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if "inject_" in line]
+    assert not found, f"test faults belong in tests/faults.py, not the product: {found}"

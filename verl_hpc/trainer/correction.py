@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-import torch
-
 from verl_hpc.algorithms import masked_mean
 from verl_hpc.algorithms.mismatch import rollout_correction
 from verl_hpc.trainer.batching import logprob_diff_metrics
@@ -40,7 +38,6 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
         (f"{len(batch)} sequences > one mini-batch of {mini}", len(batch) > mini),
         ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
-        ("trainer.inject_rollout_logprob_shift", cfg.trainer.inject_rollout_logprob_shift is not None),
         # the policy that sampled is up to k updates older: pi_old is the proximal policy, recomputed
         ("async_training: off-policy samples (decoupled objective)", asy.off_policy),
     ) if on]
@@ -74,13 +71,9 @@ def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
 
 def apply(cfg, batch) -> Dict[str, float]:
     """Weights for the policy loss (batch.rollout_is_weights, None when correction is off) and
-    the mismatch metrics; the test hook trainer.inject_rollout_logprob_shift first replaces the
-    rollout log-probs by old - shift (an engine that agrees with the trainer up to `shift`)."""
+    the mismatch metrics."""
     rc = cfg.algorithm.rollout_correction
     mask, old = batch.mask, batch.old_log_probs
-    shift = cfg.trainer.inject_rollout_logprob_shift
-    if shift is not None:
-        batch.rollout_log_probs = torch.where(mask > 0, old - float(shift), torch.zeros_like(old))
     m = {} if _bypass(cfg) else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
     # the decoupled objective (AReaL): each token weighted by pi_proximal / pi_behaviour, token-level
     # unless the rollout_correction section says otherwise

@@ -54,19 +54,12 @@ class StepSampler:
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.source = source or self._generate_here
         self.loader, self.scorer, self.sampling = loader, scorer, sampling
-        self.inject_regression = set(cfg.trainer.inject_regression_at_steps)  # test hook, once per step
         self.dump = RolloutDump(cfg.trainer.rollout_data_dir, ctx.rank,
                                 lambda ids: roles.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _inject_regression(self, step: int, scores: torch.Tensor, m_reward: Dict[str, float]):
-        """trainer.inject_regression_at_steps: every score of the step := -1 (the rollback guard's
-        test: a reward collapse the guard must catch). Fires once per listed step, so the steps run
-        again after a rollback are healthy."""
-        if step not in self.inject_regression:
-            return scores, m_reward
-        self.inject_regression.discard(step)
-        m_reward = {k: (-1.0 if k.startswith("reward/score/") else v) for k, v in m_reward.items()}
-        return torch.full_like(scores, -1.0), m_reward
+    def _score(self, step: int, round_: int, batch) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """The round's sequence scores and its reward/* metrics."""
+        return score_batch(self.scorer, batch, self.roles.reward_model)
 
     def sample(self, step: int, timer) -> Tuple[StepBatch, Dict[str, float]]:
         cfg, r, m = self.cfg, self.roles, {}
@@ -79,9 +72,7 @@ class StepSampler:
                 m.update(m_source)
             batch = assemble(prompts, result, r.tokenizer, r.pad_id)
             with timer("reward"):
-                scores, m_reward = score_batch(self.scorer, batch, r.reward_model)
-                if round_ == 0:
-                    scores, m_reward = self._inject_regression(step, scores, m_reward)
+                scores, m_reward = self._score(step, round_, batch)
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
                 batch.outcome_labels = outcome_labels(scores, cfg.reward.correct_at)
                 add_turn_rewards(batch.token_scores, result)  # multi_turn: per-turn terms

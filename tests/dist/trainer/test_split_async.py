@@ -12,6 +12,7 @@ import pickle
 import h5py
 import pytest
 import numpy as np
+from faults import env
 from jobs import REPO, data_overrides, run_job
 
 SPLIT_DEMO = "configs/demo_rl_split.yaml"  # demo_rl.yaml + placement split, 1 rollout rank of 2, k = 1
@@ -67,13 +68,13 @@ def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixe
     # 8 prompts a step, not 4: at 4 the gain by step 50 was +0.14 here (+0.20 colocated), too close
     # to the bound below to hold across warm starts; at 8 it is +0.28 for the same run time
     args = [*common(warm_assets, 50, prompts=8), "async_training.staleness=2", "async_training.chunk_tokens=1",
-            "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}",
-            # generation slower than training, as on GPUs: the preemptions find sequences half-generated
-            "trainer.inject_rollout_chunk_delay_s=0.3"]
+            "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}"]
     trained, saved = [], []
     for launch, at in enumerate((*PREEMPT_AT, 0)):
-        p, s = run_job(SPLIT_DEMO, out, *args, f"trainer.inject_warning_signal_at_step={at}", ranks=2,
-                       timeout=600)
+        # the test faults (tests/faults.py): Slurm's warning signal after step `at` (0: never), and
+        # generation slower than training, as on GPUs: the preemptions find sequences half-generated
+        p, s = run_job(SPLIT_DEMO, out, *args, ranks=2, timeout=600,
+                       env=env(warning_signal_at_step=at, rollout_chunk_delay_s=0.3))
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert s["resumed_from"] == (PREEMPT_AT[launch - 1] if launch else 0), s
         assert (s["stopped"] == "completed") == (not at) and s["steps"] == (at or 50), s

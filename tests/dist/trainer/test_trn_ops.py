@@ -4,7 +4,7 @@ namespaces side by side with the SAME output folder setting, then a resume acros
 Job A (team-a, 2 ranks): safety.debug (anomaly detection + cross-rank checks every step) and
 safety.profiling (a torch.profiler trace per rank for step 2). Job B (team-b, 1 rank, at the same
 time): pushes to a real Pushgateway and alerts a local webhook; a reward collapse injected at step 3
-with the rollback guard allowed no rollback (trainer.rollback.max_rollbacks=0) makes it fail there,
+(tests/faults.py) with the rollback guard allowed no rollback (trainer.rollback.max_rollbacks=0) makes it fail there,
 so the failure path is the one shown.
 The test lists every file each job touched and asserts that none is shared.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from ops_services import families, groups, pushgateway, samples, webhook_receiver
+from faults import env
 from jobs import REPO, logs, small
 
 
@@ -22,11 +23,12 @@ def assets(tiny_assets):
     return tiny_assets
 
 
-def start(tmp_path, namespace, ranks, *overrides):
+def start(tmp_path, namespace, ranks, *overrides, environment=None):
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local",
            f"slurm.tasks_per_node={ranks}", f"trainer.namespace={namespace}",
            f"trainer.output_dir={tmp_path}/out", *overrides]  # the same folder setting for both
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=environment)
 
 
 def files_under(root: Path) -> set:
@@ -40,8 +42,8 @@ def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
                   "safety.profile_steps=[2]")
         b = start(tmp_path, "team-b", 1, *common, "tracking.backends=[jsonl,prometheus]",
                   f"tracking.pushgateway_url={gw}", f"tracking.alert_webhook={hook}",
-                  "trainer.total_steps=3", "trainer.rollback.enable=true",
-                  "trainer.inject_regression_at_steps=[3]", "trainer.rollback.max_rollbacks=0")
+                  "trainer.total_steps=3", "trainer.rollback.enable=true", "trainer.rollback.max_rollbacks=0",
+                  environment=env(regression_at_steps=[3]))
         out_a, err_a = a.communicate(timeout=900)
         out_b, err_b = b.communicate(timeout=900)
         pushed, fam = groups(gw), families(gw)

@@ -1,5 +1,6 @@
 """The RL step's mismatch-correction wiring (trainer/correction.py) with a fake actor: bypass mode
-skips the old-log-prob forward, the test hook and the weights handed to the actor update."""
+skips the old-log-prob forward, the test fault rollout_logprob_shift (tests/faults.py) and the weights
+handed to the actor update."""
 import contextlib
 import math
 import types
@@ -7,6 +8,7 @@ import types
 import pytest
 import torch
 
+from faults import injected
 from verl_hpc.config.schema import JobConfig
 from verl_hpc.trainer import correction
 
@@ -26,6 +28,9 @@ class FakeBatch(types.SimpleNamespace):
     def fill(self, outputs):
         for key, value in outputs.items():
             setattr(self, key, value)
+
+    def __len__(self):
+        return len(self.mask)
 
 
 def step_batch():
@@ -62,10 +67,23 @@ def test_forward_then_token_tis_weights():
     assert out["rollout_corr/is_truncated_frac"] == pytest.approx(1 / 3)
 
 
-def test_hook_replaces_rollout_log_probs_by_old_minus_shift():
+def test_fault_replaces_rollout_log_probs_by_old_minus_shift():
     cfg, actor, batch, m = JobConfig(), FakeActor(), step_batch(), {}
-    cfg.trainer.inject_rollout_logprob_shift = 0.25
-    correction.old_log_probs(cfg, actor, batch, timer, m)
-    out = correction.apply(cfg, batch)
+    with injected(rollout_logprob_shift=0.25):
+        correction.old_log_probs(cfg, actor, batch, timer, m)
+        out = correction.apply(cfg, batch)
     assert out["rollout_corr/kl_k1"] == pytest.approx(-0.25)
     assert torch.equal(batch.rollout_log_probs, torch.tensor([[-1.25, -1.25, 0.0], [-1.25, 0.0, 0.0]]))
+
+
+def test_fault_forces_the_forward_and_refuses_bypass():
+    """The shift replaces what the forward computed: the path is the forward's even where the
+    on-policy shortcut would do, and a run that takes pi_old from the rollout is refused."""
+    cfg, batch = JobConfig(), step_batch()
+    assert correction.old_log_prob_path(cfg, batch, False)[0] == "update"
+    with injected(rollout_logprob_shift=0.25):
+        path, why = correction.old_log_prob_path(cfg, batch, False)
+        assert path == "forward" and "rollout_logprob_shift" in why
+        cfg.algorithm.rollout_correction.bypass_mode = True
+        with pytest.raises(RuntimeError, match="needs the old-log-prob forward"):
+            correction.old_log_prob_path(cfg, batch, False)

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from faults import injected
 from test_trn_nonfinite import _rows, _trainer
 from verl_hpc.trainer.hooks import CONTINUE, Rewind, RunState, Stop, run_steps
 
@@ -66,7 +67,7 @@ def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path
     trainer = _trainer(tmp_path, tiny_model, set(), "trainer.total_steps=5", "checkpoint.save_every=1",
                        "checkpoint.keep_last=0", "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",
                        "trainer.rollback.lr_scale=0.5", "trainer.rollback.max_rollbacks=1",
-                       "trainer.inject_regression_at_steps=[4]", "actor.optim.lr_decay_style=constant",
+                       "actor.optim.lr_decay_style=constant",
                        "actor.entropy_coeff=0.01")  # the rewards are all 0: the entropy bonus moves the weights
     synced, sync = [], trainer.rollout_weights.weight_sync
 
@@ -75,7 +76,8 @@ def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path
         return sync(actor, rollout)
 
     trainer.rollout_weights.weight_sync = recording_sync
-    summary = trainer.fit()
+    with injected(regression_at_steps=[4]):  # a reward collapse at step 4 (tests/faults.py)
+        summary = trainer.fit()
     assert summary["steps"] == 5 and summary["rollbacks"] == [
         {"at": 4, "to": 2, "metric": "reward/score/mean", "rule": "drop", "value": -1.0}]
     assert len(summary["history"]) == 5  # the undone steps' entries were dropped, then run again

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from faults import SHIFT_WHY, injected
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, compute_advantages
 from verl_hpc.config import load_config
 from verl_hpc.engines.batch import as_engine_batch
@@ -174,17 +175,18 @@ def test_trn_on_policy_step_takes_old_log_probs_from_the_update(tmp_path, caplog
     assert "rollout/logprob_diff_max" not in m
 
 
-@pytest.mark.parametrize("override, why", [
-    ("actor.old_log_probs=forward", "actor.old_log_probs=forward"),
-    ("actor.ppo_epochs=2", "actor.ppo_epochs=2"),
-    ("actor.ppo_mini_batch_size=1", "4 sequences > one mini-batch of 2"),
-    ("algorithm.rollout_correction.rollout_is=token", "rollout_is/rollout_rs"),
-    ("trainer.inject_rollout_logprob_shift=0.0", "trainer.inject_rollout_logprob_shift"),
+@pytest.mark.parametrize("override, faults, why", [
+    ("actor.old_log_probs=forward", {}, "actor.old_log_probs=forward"),
+    ("actor.ppo_epochs=2", {}, "actor.ppo_epochs=2"),
+    ("actor.ppo_mini_batch_size=1", {}, "4 sequences > one mini-batch of 2"),
+    ("algorithm.rollout_correction.rollout_is=token", {}, "rollout_is/rollout_rs"),
+    (None, {"rollout_logprob_shift": 0.0}, SHIFT_WHY),  # the test fault (tests/faults.py) reads pi_old too
 ])
-def test_trn_separate_old_forward_runs_when_the_config_needs_it(tmp_path, override, why, caplog):
-    extra = [override] + (["data.train_batch_size=2"] if "mini_batch_size=1" in override else [])
+def test_trn_separate_old_forward_runs_when_the_config_needs_it(tmp_path, override, faults, why, caplog):
+    extra = [override] if override else []
+    extra += ["data.train_batch_size=2"] if "mini_batch_size=1" in str(override) else []
     trainer, calls, seen = _shortcut_trainer(tmp_path, *extra)
-    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"):
+    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"), injected(**faults):
         trainer.step(1, StageTimer())
     assert "actor.log_probs" in calls
     batch, loss = seen["actor.update"]

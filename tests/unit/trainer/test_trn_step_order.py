@@ -12,6 +12,7 @@ import json
 import types
 
 import torch
+from faults import injected
 from test_trn_step import FakeRollout, FakeRole, _trainer
 
 from verl_hpc.checkpoint.sharded import ShardedTensor
@@ -123,9 +124,10 @@ def test_trn_every_step_reports_the_sync_that_served_its_generation(tmp_path):
 
 
 def test_trn_rollback_reloads_with_the_rollout_asleep_and_syncs_before_generating(tmp_path):
-    calls, summary = _run(tmp_path, "trainer.total_steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=0",
-                          "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",
-                          "trainer.rollback.max_rollbacks=1", "trainer.inject_regression_at_steps=[4]")
+    with injected(regression_at_steps=[4]):  # a reward collapse at step 4 (tests/faults.py)
+        calls, summary = _run(tmp_path, "trainer.total_steps=5", "checkpoint.save_every=1", "checkpoint.keep_last=0",
+                              "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",
+                              "trainer.rollback.max_rollbacks=1")
     assert summary["steps"] == 5 and [r["to"] for r in summary["rollbacks"]] == [2]
     assert not any("AWAKE" in c for c in calls)
     load = calls.index("actor.load")

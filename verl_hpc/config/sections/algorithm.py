@@ -89,9 +89,6 @@ class RolloutCorrectionConfig(Section):
         if self.bypass_mode and (self.rollout_is or self.rollout_rs):
             p.append(f"{key}.bypass_mode uses the rollout log-probs as the old policy, so the IS ratio "
                      f"pi_old / pi_rollout is 1: set rollout_is and rollout_rs to null with bypass_mode")
-        if self.bypass_mode and job.trainer.inject_rollout_logprob_shift is not None:
-            p.append("trainer.inject_rollout_logprob_shift needs the old-log-prob forward: set "
-                     f"{key}.bypass_mode=false")
         return p
 
 

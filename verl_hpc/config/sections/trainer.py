@@ -94,17 +94,6 @@ class TrainerConfig(Section):
     max_nonfinite_in_a_row: int = opt(3, "non-finite losses tolerated in a row before the job fails", check=">0")
     sft_epochs: int = opt(1, "trainer.job=sft: passes over data.sft_files (total_steps caps the steps)")
     hf_output_dir: str = opt("", "trainer.job=sft: the HF folder RL starts from", auto="<trainer.output_dir>/hf")
-    inject_rollout_logprob_shift: Optional[float] = opt(
-        None, "tests only: rollout log-probs := the actor's old log-probs - this shift")
-    inject_regression_at_steps: List[int] = opt(
-        [], "tests only: RL steps whose rewards are set to -1 (once each; the rollback guard's test)")
-    inject_warning_signal_at_step: int = opt(
-        0, "tests only: after this RL step the training rank sends itself Slurm's warning signal (0 = off)",
-        check=">=0")
-    inject_rollout_chunk_delay_s: float = opt(
-        0.0, "tests only: split placement's rollout ranks pause this long after each generation chunk (a "
-             "rollout slower than training, as on GPUs, so a preemption finds sequences half-generated)",
-        check="[0, 60]")
     collective_timeout_s: int = opt(600, "a dead rank fails the job after this instead of hanging it",
                                      check=f"(0, {WEEK_S}]")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "

@@ -152,20 +152,8 @@ class RolloutWorker:
     def _generate_chunk(self) -> None:
         if self.inflight is None:
             self.inflight = self._new_batch()
-        b, v, t0 = self.inflight, self.weights.version, time.perf_counter()
-        step_spec = self.spec.for_step(b.index)
-        if not self.chunk:  # whole responses: the colocated trainer's very call
-            result = self.rollout.generate(b.fitted, step_spec)
-            b.fill(result, v)
-        else:
-            rows = b.unfinished()
-            have = b.prefix_length()
-            spec = dataclasses.replace(step_spec, n=1, max_tokens=min(self.chunk, self.spec.max_tokens - have),
-                                       seed=request_seed(step_spec.seed, "chunk", b.chunks) % 2**31)
-            prompts = [b.fitted[i] + b.samples[i][j].tokens for i, j in rows]
-            result = self.rollout.generate(prompts, spec, room=have)
-            b.extend(rows, result, v, self.spec.max_tokens)
-        time.sleep(self.cfg.trainer.inject_rollout_chunk_delay_s)  # tests: a slow rollout (0 = off)
+        b, t0 = self.inflight, time.perf_counter()
+        result = self._extend(b)
         self.stats["gen_s"] += time.perf_counter() - t0
         self.stats["tokens"] += float(sum(len(r) for r in result.response_ids))
         if b.done:
@@ -175,6 +163,24 @@ class RolloutWorker:
             self.stats = dict.fromkeys(self.stats, 0.0)
             self.next_index += 1
             self.inflight = None
+
+    def _extend(self, b: InFlight):
+        """One chunk of batch `b` with the current weights (its whole responses when chunk_tokens
+        is 0), added to it; returns the chunk's RolloutResult."""
+        v = self.weights.version
+        step_spec = self.spec.for_step(b.index)
+        if not self.chunk:  # whole responses: the colocated trainer's very call
+            result = self.rollout.generate(b.fitted, step_spec)
+            b.fill(result, v)
+            return result
+        rows = b.unfinished()
+        have = b.prefix_length()
+        spec = dataclasses.replace(step_spec, n=1, max_tokens=min(self.chunk, self.spec.max_tokens - have),
+                                   seed=request_seed(step_spec.seed, "chunk", b.chunks) % 2**31)
+        prompts = [b.fitted[i] + b.samples[i][j].tokens for i, j in rows]
+        result = self.rollout.generate(prompts, spec, room=have)
+        b.extend(rows, result, v, self.spec.max_tokens)
+        return result
 
     def _answer(self, request) -> None:
         """A generation for the trainer (validation) with weights at least `min_version`."""
