@@ -51,11 +51,11 @@ def test_injected_puts_the_functions_back():
     from verl_hpc.trainer import rl
 
     before = (correction.apply, correction.old_log_prob_path, sampling.StepSampler._score,
-              rollout_worker.RolloutWorker._extend, rl.RLTrainer._measured_step)
+              rollout_worker.RolloutWorker._extend, rl.RLTrainer.checked_step)
     with faults.injected(regression_at_steps=[1], rollout_logprob_shift=0.0, warning_signal_at_step=0,
                          rollout_chunk_delay_s=0.0):
         during = (correction.apply, correction.old_log_prob_path, sampling.StepSampler._score,
-                  rollout_worker.RolloutWorker._extend, rl.RLTrainer._measured_step)
+                  rollout_worker.RolloutWorker._extend, rl.RLTrainer.checked_step)
         assert all(d is not b and d.__wrapped__ is b for d, b in zip(during, before))
     assert (correction.apply, correction.old_log_prob_path, sampling.StepSampler._score,
-            rollout_worker.RolloutWorker._extend, rl.RLTrainer._measured_step) == before
+            rollout_worker.RolloutWorker._extend, rl.RLTrainer.checked_step) == before
