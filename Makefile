@@ -28,22 +28,22 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 demo: venv  # tiny model + synthetic data + SFT warm start + GRPO; prints val accuracy before/after
-	$(BIN)/python -m verl_hpc.trainer.demo
+	$(BIN)/python -m verl_hpc.trainer.programs.demo
 
 demo-split: venv  # the same, its RL phase in split placement: 1 rollout rank + 1 training rank, k = 1
-	$(BIN)/python -m verl_hpc.trainer.demo --rl-config configs/demo_rl_split.yaml
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_rl_split.yaml
 
 demo-lora: venv  # the same RL phase with LoRA (rank-16 adapters, the base frozen, adapter-only sync into vLLM)
-	$(BIN)/python -m verl_hpc.trainer.demo --rl-config configs/demo_lora.yaml
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_lora.yaml
 
 demo-moe: venv  # the demo with a tiny Qwen3-MoE (4 experts, 2 per token) at expert parallel 2 on 2 ranks
-	$(BIN)/python -m verl_hpc.trainer.demo --family qwen3_moe --out outputs/demo_moe --rl-config configs/demo_moe.yaml --ranks 2 parallel.ep=2 actor.micro_batch_size=32
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --family qwen3_moe --out outputs/demo_moe --rl-config configs/demo_moe.yaml --ranks 2 parallel.ep=2 actor.micro_batch_size=32
 
 demo-prime: venv  # the RL phase with PRIME (implicit PRM trained online) against outcome-only RLOO, same seeds and steps
-	$(BIN)/python -m verl_hpc.trainer.demo --rl-config configs/demo_prime.yaml --compare configs/demo_prime_rloo.yaml
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_prime.yaml --compare configs/demo_prime_rloo.yaml
 
 demo-tool: venv  # the tool demo: 5-digit products learnt only by calling calculator in multi-turn episodes
-	$(BIN)/python -m verl_hpc.trainer.demo --task tool
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --task tool
 
 DEV_NODES ?= 2
 cluster:

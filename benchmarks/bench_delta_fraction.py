@@ -35,7 +35,7 @@ SHAPE = dict(hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2560, max_positi
 
 
 class ChangedFraction:
-    """A trainer hook (verl_hpc/trainer/hooks.py): bf16 / fp32 changed fractions of the actor's
+    """A trainer hook (verl_hpc/trainer/hooks/base.py): bf16 / fp32 changed fractions of the actor's
     exported weights since the previous step, added to the step's metrics as bench/*."""
 
     stage = "bench_changed_fraction"
@@ -55,7 +55,7 @@ class ChangedFraction:
         import torch
 
         from verl_hpc.resharding import delta
-        from verl_hpc.trainer.hooks import CONTINUE
+        from verl_hpc.trainer.hooks.base import CONTINUE
 
         cur = self._weights()
         total = changed16 = changed32 = delta_bytes = 0
@@ -81,7 +81,7 @@ class ChangedFraction:
 def run_job(work: Path, model: Path, data: Path, lr: float, steps: int) -> list:
     from verl_hpc.config import load_config
     from verl_hpc.job import run
-    from verl_hpc.trainer import rl
+    from verl_hpc.trainer.programs import rl
 
     cfg = load_config(str(REPO / "configs/demo_rl.yaml"), [
         f"model.path={model}", f"data.train_files=[{data}/train.parquet]", f"data.val_files=[{data}/val.parquet]",

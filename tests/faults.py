@@ -130,10 +130,10 @@ def rollout_chunk_delay_s(rollout_worker, seconds: float):
 
 # name -> (the module it patches, the patch: (module, value) -> undo)
 FAULTS = {
-    "regression_at_steps": ("verl_hpc.trainer.sampling", regression_at_steps),
-    "rollout_logprob_shift": ("verl_hpc.trainer.correction", rollout_logprob_shift),
-    "warning_signal_at_step": ("verl_hpc.trainer.rl", warning_signal_at_step),
-    "rollout_chunk_delay_s": ("verl_hpc.trainer.loops.rollout_worker", rollout_chunk_delay_s),
+    "regression_at_steps": ("verl_hpc.trainer.stages.sampling", regression_at_steps),
+    "rollout_logprob_shift": ("verl_hpc.trainer.stages.correction", rollout_logprob_shift),
+    "warning_signal_at_step": ("verl_hpc.trainer.programs.rl", warning_signal_at_step),
+    "rollout_chunk_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_chunk_delay_s),
 }
 
 

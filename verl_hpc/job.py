@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 # trainer.job -> "module:function" taking (cfg, ctx); imported lazily so a smoke job does not pay
 # for importing vLLM and Megatron.
 PROGRAMS = {
-    "smoke": "verl_hpc.trainer.smoke:run",
-    "rl": "verl_hpc.trainer.rl:run",
-    "sft": "verl_hpc.trainer.sft:run",
-    "dpo": "verl_hpc.trainer.preference:run",
+    "smoke": "verl_hpc.trainer.programs.smoke:run",
+    "rl": "verl_hpc.trainer.programs.rl:run",
+    "sft": "verl_hpc.trainer.programs.sft:run",
+    "dpo": "verl_hpc.trainer.programs.preference:run",
 }
 
 
@@ -65,7 +65,7 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     from verl_hpc.launcher import early_signals
 
     early_signals.hand_over(ctx.preemption.record)  # a signal in this rank's start-up: a stop, as later
-    from verl_hpc.trainer.safety import log_banner
+    from verl_hpc.trainer.hooks.safety import log_banner
 
     log_banner(cfg, ctx)  # safety.* switches that are on, in every job's log
     try:

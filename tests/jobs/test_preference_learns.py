@@ -33,7 +33,7 @@ def warm(warm_assets):
 def greedy(model_dir, warm):
     """(greedy accuracy, answers that are the sum plus one) on the validation prompts."""
     from verl_hpc.rewards import default_score
-    from verl_hpc.trainer.greedy_eval import greedy_answers
+    from verl_hpc.trainer.programs.greedy_eval import greedy_answers
 
     answers = greedy_answers(str(model_dir), str(warm / "data" / "val.parquet"), **GREEDY)
     right = sum(default_score(row["data_source"], text, str(row["ground_truth"])) > 0 for row, text in answers)

@@ -18,7 +18,7 @@ def sft(root, out, *extra):
 
 def test_sft_preempted_by_the_warning_signal_resumes_bitwise(tiny_assets, tmp_path, monkeypatch):
     from verl_hpc.runtime.signals import WARNING_SIGNAL
-    from verl_hpc.trainer import sft as sft_program
+    from verl_hpc.trainer.programs import sft as sft_program
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     proc, s = sft(tiny_assets, straight)

@@ -70,7 +70,7 @@ def test_every_project_exception_is_a_known_error_or_an_internal_signal():
 
 
 def test_report_prints_one_line_and_returns_the_class_code(capsys):
-    from verl_hpc.trainer.rollback import RollbackError
+    from verl_hpc.trainer.hooks.rollback import RollbackError
 
     assert report(RollbackError("rollback guard: nothing to roll back to\n  - step 3"), rank=2) == 18
     assert capsys.readouterr().err == "error: rank 2: rollback guard: nothing to roll back to; step 3\n"

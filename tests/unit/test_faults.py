@@ -14,9 +14,9 @@ CHILD = """
 import sys
 assert sys.meta_path[0].__class__.__name__ == "_PatchAfterImport", sys.meta_path
 assert "torch" not in sys.modules and not [m for m in sys.modules if m.startswith("verl_hpc")]
-import verl_hpc.trainer.sampling as sampling, verl_hpc.trainer.correction as correction
-assert sampling.StepSampler._score.__wrapped__.__module__ == "verl_hpc.trainer.sampling"
-assert correction.apply.__wrapped__.__module__ == "verl_hpc.trainer.correction"
+import verl_hpc.trainer.stages.sampling as sampling, verl_hpc.trainer.stages.correction as correction
+assert sampling.StepSampler._score.__wrapped__.__module__ == "verl_hpc.trainer.stages.sampling"
+assert correction.apply.__wrapped__.__module__ == "verl_hpc.trainer.stages.correction"
 print("patched")
 """
 
@@ -46,9 +46,9 @@ def test_an_unknown_fault_is_refused_here_and_in_the_subprocess():
 
 
 def test_injected_puts_the_functions_back():
-    from verl_hpc.trainer import correction, sampling
-    from verl_hpc.trainer.loops import rollout_worker
-    from verl_hpc.trainer import rl
+    from verl_hpc.trainer.stages import correction, sampling
+    from verl_hpc.trainer.placement import rollout_worker
+    from verl_hpc.trainer.programs import rl
 
     before = (correction.apply, correction.old_log_prob_path, sampling.StepSampler._score,
               rollout_worker.RolloutWorker._extend, rl.RLTrainer.checked_step)

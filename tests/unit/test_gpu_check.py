@@ -246,7 +246,7 @@ def test_gpu_all_plans_every_step_within_ten_minutes(tmp_path):
     assert "--no-index" in cmd["install"]
     assert cmd["gpu_check"][:3] == ["PY", "-m", "verl_hpc.gpu_check"] and "--cpu-rehearsal" not in cmd["gpu_check"]
     assert cmd["gpu_tests"][:5] == ["PY", "-m", "pytest", "-m", "gpu"]
-    assert cmd["demo"][:3] == ["PY", "-m", "verl_hpc.trainer.demo"]
+    assert cmd["demo"][:3] == ["PY", "-m", "verl_hpc.trainer.programs.demo"]
     assert cmd["bench"][1].endswith("benchmarks/bench_gpu_step.py") and "--time-limit" in cmd["bench"]
     assert int(cmd["bench"][-1]) < steps[-1].limit_s  # it stops itself before being killed
     demo = next(s for s in steps if s.name == "demo")

@@ -5,7 +5,7 @@ returns `(advantages, returns)`, both `[B, T]` and exactly zero on padding. Grou
 estimators live in group_advantages.py; both register into one registry so the trainer calls
 `compute_advantages(cfg.algorithm.adv_estimator, ...)` with whatever inputs it has.
 Options that are `algorithm` fields (gamma, lam, norm_adv_by_std) have no default: the section owns
-them and the trainer passes them (trainer/advantage.py), so a default is never written twice.
+them and the trainer passes them (trainer/stages/advantage.py), so a default is never written twice.
 
 Advantages are targets, not part of the graph: everything runs under no_grad so a critic's value
 tensor that still carries grad cannot leak gradients into the policy loss.

@@ -58,7 +58,7 @@ def rollout_correction(
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
     # the algorithm.rollout_correction section's fields, all required: the trainer passes the section
-    # (trainer/correction.py), which owns the defaults and the level names
+    # (trainer/stages/correction.py), which owns the defaults and the level names
     rollout_is: Optional[str],
     rollout_is_threshold: float,
     rollout_rs: Optional[str],

@@ -86,7 +86,7 @@ class PolicyObjective:
     kl_cov_ratio: float
     ppo_kl_coef: float
     skip_zero_advantage_rows: bool
-    # on-policy shortcut (set by the trainer, verl_hpc/trainer/correction.py): pi_old's log-probs
+    # on-policy shortcut (set by the trainer, verl_hpc/trainer/stages/correction.py): pi_old's log-probs
     # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
     old_from_update: bool = False
 

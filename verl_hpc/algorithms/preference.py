@@ -16,7 +16,7 @@ the names users of these methods expect (TRL's), detached means over this batch:
 
 Conventions: beta > 0; label_smoothing in [0, 0.5); lengths >= 1. The options (beta, gamma, ...) are
 fields of `algorithm.preference` and have no default here: the section owns them and the trainer
-passes it (trainer/preference.py), so a default is never written twice.
+passes it (trainer/programs/preference.py), so a default is never written twice.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ SEQUENCE_KEYS = ("input_ids", "prompt_lengths", "response_lengths")
 
 def as_engine_batch(batch) -> Mapping[str, torch.Tensor]:
     """This format of `batch`: a mapping as it is, or the trainer's typed batch (anything with
-    `engine_batch()`, verl_hpc.trainer.step_batch.StepBatch), which engines do not import."""
+    `engine_batch()`, verl_hpc.trainer.stages.step_batch.StepBatch), which engines do not import."""
     return batch.engine_batch() if hasattr(batch, "engine_batch") else batch
 
 

@@ -6,7 +6,7 @@ Steps, each a command with its own time limit and log file (OUT/<step>.log):
   install     the kit's offline install from the wheel folder (--wheels; skipped without it)
   gpu_check   python -m verl_hpc.gpu_check (the first-GPU check, its table in OUT/gpu_check/)
   gpu_tests   pytest -m gpu (the gpu-marked tests)
-  demo        python -m verl_hpc.trainer.demo (SFT warm start + GRPO on the tiny model)
+  demo        python -m verl_hpc.trainer.programs.demo (SFT warm start + GRPO on the tiny model)
   bench       python benchmarks/bench_gpu_step.py (engine vs transformers train step)
 then OUT/summary.txt (and .json): step, status, seconds, limit, log; the versions that differ
 from the verified ones. The limits add up to BUDGET_S; a step never runs past what is left of it.
@@ -83,7 +83,7 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
         Step("gpu_tests", None if rehearsal else [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                                    "tests/unit"],
              90, "CPU rehearsal: the gpu-marked tests skip without a GPU"),
-        Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.demo", "--out", str(out / "demo")],
+        Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.programs.demo", "--out", str(out / "demo")],
              135, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
         Step("bench", bench, 120),
     ]

@@ -4,7 +4,7 @@
     plan.peak, plan.peak_phase, plan.limit, plan.fits(margin=0.0)
     plan.table  -> {phase: {component: bytes}};  plan.host -> {phase: bytes per node}
 
-Phases, in the order the trainer runs them (verl_hpc/trainer/rl.py), with the lazy weight sync
+Phases, in the order the trainer runs them (verl_hpc/trainer/programs/rl.py), with the lazy weight sync
 the trainer follows (as verl does: the rollout's weights are marked stale after every actor update
 and brought up to date right before they are next needed):
 - build (the Megatron roles built whole, then offloaded), startup (vLLM starts last and needs

@@ -21,7 +21,7 @@ takes slices) carrying every weight.
 Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
 (held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
 the last bucket, whose tensors may be views of live parameters. The rollout must have its weights
-mapped to take new ones: waking it is the trainer's business (trainer/rollout_weights.py wakes
+mapped to take new ones: waking it is the trainer's business (trainer/stages/rollout_weights.py wakes
 vLLM's weights only, calls this, then wakes the KV cache once the actor has offloaded).
 
 Failure handling: if this rank's consumer raises (a bad name, a shape the engine rejects), the

@@ -17,9 +17,9 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
-# The stages of the RL step (trainer/rl.py), in order; other names are accepted too (a recipe may add one).
+# The stages of the RL step (trainer/programs/rl.py), in order; other names are accepted too (a recipe may add one).
 # wake (the rollout's weights), sync and wake_kv (its KV cache) open a step whose rollout weights are
-# stale (trainer/rollout_weights.py); wake_kv runs every step (a no-op where nothing sleeps).
+# stale (trainer/stages/rollout_weights.py); wake_kv runs every step (a no-op where nothing sleeps).
 STAGES = ("wake", "sync", "wake_kv", "generate", "reward", "old_logprob", "ref", "prm", "update_prm", "values", "adv",
           "update_critic", "update_actor")
 

@@ -29,7 +29,7 @@ def main(workdir: str) -> None:
     from verl_hpc.engines.megatron import MegatronEngine, default_options
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
     from verl_hpc.runtime import bootstrap, collectives
-    from verl_hpc.trainer.sft import nll_loss
+    from verl_hpc.trainer.programs.sft import nll_loss
 
     args = json.loads((Path(workdir) / "args.json").read_text())
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)

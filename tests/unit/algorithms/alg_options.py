@@ -26,6 +26,6 @@ def pg_options(name: str, **changes):
 
 
 def adv_options(**changes):
-    """The algorithm section's estimator options, as trainer/advantage.py passes them to every
+    """The algorithm section's estimator options, as trainer/stages/advantage.py passes them to every
     estimator (each takes the ones it declares), with `changes` on top."""
     return dict(dict(gamma=ALGORITHM.gamma, lam=ALGORITHM.lam, norm_adv_by_std=ALGORITHM.norm_adv_by_std), **changes)

@@ -14,7 +14,7 @@ from verl_hpc.algorithms.masked import reward_to_go
 from verl_hpc.algorithms.prime import (accuracy_filter, ce_loss, implicit_scores, implicit_token_rewards,
                                        outcome_labels, pairwise_loss, pairwise_partners, prm_metrics,
                                        process_rewards, token_reward_stats)
-from verl_hpc.trainer.advantage import AdvantageStage
+from verl_hpc.trainer.stages.advantage import AdvantageStage
 
 F64 = torch.float64
 # two responses to one prompt: A has 2 tokens, B has 3

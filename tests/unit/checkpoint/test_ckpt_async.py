@@ -102,7 +102,7 @@ def test_the_savers_own_gloo_group_takes_the_jobs_collective_timeout(tmp_path, o
     import torch.distributed as dist
 
     from verl_hpc.config import load_config
-    from verl_hpc.trainer.program import make_checkpointer
+    from verl_hpc.trainer.programs.base import make_checkpointer
 
     made, real = [], dist.new_group
 

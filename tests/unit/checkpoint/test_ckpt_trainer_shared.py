@@ -1,5 +1,5 @@
 """The checkpointer every program shares (checkpoint/checkpointer.py, built by
-trainer/program.py's make_checkpointer): each program resumes only from its own format, named
+trainer/programs/base.py's make_checkpointer): each program resumes only from its own format, named
 objects save and load their own state, and the preemption stop (save, remember the step, then
 requeue or stop) is one code path."""
 import logging
@@ -10,10 +10,10 @@ import torch
 
 from verl_hpc.checkpoint.errors import CheckpointMismatchError
 from verl_hpc.config import load_config
-from verl_hpc.trainer.preference import FORMAT as PREFERENCE_FORMAT
-from verl_hpc.trainer.program import make_checkpointer, requeue_if_preempted
-from verl_hpc.trainer.rl import FORMAT
-from verl_hpc.trainer.sft import FORMAT as SFT_FORMAT
+from verl_hpc.trainer.programs.preference import FORMAT as PREFERENCE_FORMAT
+from verl_hpc.trainer.programs.base import make_checkpointer, requeue_if_preempted
+from verl_hpc.trainer.programs.rl import FORMAT
+from verl_hpc.trainer.programs.sft import FORMAT as SFT_FORMAT
 
 
 class Flag:

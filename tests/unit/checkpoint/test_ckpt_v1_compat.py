@@ -11,12 +11,12 @@ import torch
 from verl_hpc.algorithms import make_kl_controller
 from verl_hpc.config import load_config
 from verl_hpc.data.sampler import EpochSampler
-from verl_hpc.trainer.guard import NonFiniteGuard
-from verl_hpc.trainer.preference import FORMAT as PREFERENCE_FORMAT
-from verl_hpc.trainer.program import make_checkpointer
-from verl_hpc.trainer.rl import FORMAT
-from verl_hpc.trainer.rollback import RollbackGuard
-from verl_hpc.trainer.task_weights import TaskWeightScheduler
+from verl_hpc.trainer.hooks.guard import NonFiniteGuard
+from verl_hpc.trainer.programs.preference import FORMAT as PREFERENCE_FORMAT
+from verl_hpc.trainer.programs.base import make_checkpointer
+from verl_hpc.trainer.programs.rl import FORMAT
+from verl_hpc.trainer.hooks.rollback import RollbackGuard
+from verl_hpc.trainer.hooks.task_weights import TaskWeightScheduler
 
 V1 = Path(__file__).parent / "v1"
 

@@ -7,7 +7,7 @@ import torch
 
 from verl_hpc.checkpoint.namespace import CheckpointNamespaceError, check_namespace, recorded_namespace
 from verl_hpc.config import ConfigError, load_config, validate
-from verl_hpc.trainer.program import make_checkpointer
+from verl_hpc.trainer.programs.base import make_checkpointer
 
 
 def test_namespace_prefixes_every_folder_and_the_job_name(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verl_hpc.config import ConfigError, load_config, validate
-from verl_hpc.trainer.safety import SafetySwitches, banner, first_difference, log_banner
+from verl_hpc.trainer.hooks.safety import SafetySwitches, banner, first_difference, log_banner
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -49,7 +49,7 @@ def test_custom_code_needs_the_switch():
 
 def test_banner_on_rank_0_only(caplog):
     cfg = load_config(None, ["safety.debug=true", "safety.profiling=true", "safety.profile_steps=[2,3]"])
-    with caplog.at_level(logging.WARNING, logger="verl_hpc.trainer.safety"):
+    with caplog.at_level(logging.WARNING, logger="verl_hpc.trainer.hooks.safety"):
         log_banner(cfg, SimpleNamespace(rank=1))
         assert caplog.text == ""
         log_banner(cfg, SimpleNamespace(rank=0))

@@ -7,8 +7,8 @@ import pytest
 
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.rollout.result import RolloutResult
-from verl_hpc.trainer.loops.async_link import AsyncLink, select_fresh, staleness_metrics
-from verl_hpc.trainer.loops.inflight import BatchRecord, Groups
+from verl_hpc.trainer.placement.async_link import AsyncLink, select_fresh, staleness_metrics
+from verl_hpc.trainer.placement.inflight import BatchRecord, Groups
 
 
 def groups(versions_per_group, n=2, name="p"):
@@ -74,7 +74,7 @@ def _timer(name):  # StageTimer's call shape, timing nothing
 
 
 def test_wait_policy_trains_every_fresh_group_exactly_once(monkeypatch):
-    monkeypatch.setattr("verl_hpc.trainer.loops.async_link.broadcast_object", lambda x: x)
+    monkeypatch.setattr("verl_hpc.trainer.placement.async_link.broadcast_object", lambda x: x)
     # batch 1 all fresh; batch 2 has one stale group (version 0 at step 3 with k = 1) and three fresh
     recs = [BatchRecord(1, groups([[0], [0], [0], [0]], name="x"), {}),
             BatchRecord(2, groups([[0], [1], [1], [1]], name="y"), {}),
@@ -91,7 +91,7 @@ def test_wait_policy_trains_every_fresh_group_exactly_once(monkeypatch):
 
 
 def test_wait_policy_carries_the_groups_past_the_batch(monkeypatch):
-    monkeypatch.setattr("verl_hpc.trainer.loops.async_link.broadcast_object", lambda x: x)
+    monkeypatch.setattr("verl_hpc.trainer.placement.async_link.broadcast_object", lambda x: x)
     recs = [BatchRecord(1, groups([[0], [0], [0], [0]], name="x"), {}),
             BatchRecord(2, groups([[0], [1], [1], [1]], name="y"), {}),
             BatchRecord(3, groups([[1], [2], [2], [2]], name="z"), {}),
@@ -107,7 +107,7 @@ def test_wait_policy_carries_the_groups_past_the_batch(monkeypatch):
 
 
 def test_drop_policy_takes_the_next_batch_when_all_groups_are_stale(monkeypatch):
-    monkeypatch.setattr("verl_hpc.trainer.loops.async_link.broadcast_object", lambda x: x)
+    monkeypatch.setattr("verl_hpc.trainer.placement.async_link.broadcast_object", lambda x: x)
     recs = [BatchRecord(1, groups([[0], [0]], name="x"), {}), BatchRecord(2, groups([[4], [3]], name="y"), {})]
     link = _link(recs, k=1, policy="drop", batch=2)
     prompts, _, m = link.next_batch(5, 0, _timer)  # version 4: x (version 0) is 4 behind
@@ -123,7 +123,7 @@ class _Recorder:
 
 
 def test_split_resume_of_a_colocated_checkpoint_goes_on_with_its_data_cursor(monkeypatch):
-    monkeypatch.setattr("verl_hpc.trainer.loops.async_link.broadcast_object", lambda x: x)
+    monkeypatch.setattr("verl_hpc.trainer.placement.async_link.broadcast_object", lambda x: x)
     link = _link([], k=1, policy="drop", batch=2)
     link.mb, link.resume_state, link.data_cursor = _Recorder(), None, None
     cursor = {"batch_size": 2, "sampler": {"epoch": 0, "position": 14}, "step": 7}

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from verl_hpc.config import load_config
 from verl_hpc.runtime.launch_env import LaunchEnv
 from verl_hpc.runtime.split import Mailbox, SplitWorld
-from verl_hpc.trainer.loops import rollout_worker
-from verl_hpc.trainer.loops.async_link import AsyncLink
+from verl_hpc.trainer.placement import rollout_worker
+from verl_hpc.trainer.placement.async_link import AsyncLink
 
 TIMEOUT_S = 60  # every wait's limit: what a wait that misses the other group's leaving sits out
 PROMPT_S = 15  # "at once", on a loaded machine: far below TIMEOUT_S

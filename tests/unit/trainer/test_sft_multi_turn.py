@@ -4,7 +4,7 @@ import pytest
 
 from verl_hpc.data.prepare.tool_arith import demonstration
 from verl_hpc.rollout.chat_turns import TurnCodec
-from verl_hpc.trainer.sft import _multi_turn_problem, episode_response, loss_mask
+from verl_hpc.trainer.programs.sft import _multi_turn_problem, episode_response, loss_mask
 
 
 @pytest.fixture(scope="module")

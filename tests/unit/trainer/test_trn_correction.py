@@ -1,4 +1,4 @@
-"""The RL step's mismatch-correction wiring (trainer/correction.py) with a fake actor: bypass mode
+"""The RL step's mismatch-correction wiring (trainer/stages/correction.py) with a fake actor: bypass mode
 skips the old-log-prob forward, the test fault rollout_logprob_shift (tests/faults.py) and the weights
 handed to the actor update."""
 import contextlib
@@ -10,7 +10,7 @@ import torch
 
 from faults import injected
 from verl_hpc.config.schema import JobConfig
-from verl_hpc.trainer import correction
+from verl_hpc.trainer.stages import correction
 
 
 class FakeActor:

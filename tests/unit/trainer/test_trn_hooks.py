@@ -1,4 +1,4 @@
-"""The per-step hooks (trainer/hooks.py): the runner's order and verdicts with fake hooks; the RL
+"""The per-step hooks (trainer/hooks/base.py): the runner's order and verdicts with fake hooks; the RL
 trainer's hook order; the rollback hook through the real trainer in this process (one gloo rank,
 the tiny model: test_trn_nonfinite.py's set-up); the program runner's summary file and result line."""
 import json
@@ -9,7 +9,7 @@ import torch
 
 from faults import injected
 from test_trn_nonfinite import _rows, _trainer
-from verl_hpc.trainer.hooks import CONTINUE, Rewind, RunState, Stop, run_steps
+from verl_hpc.trainer.hooks.base import CONTINUE, Rewind, RunState, Stop, run_steps
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +94,7 @@ def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path
 
 def test_program_finish_writes_the_summary_and_one_result_line(tmp_path, capsys):
     from verl_hpc.config import load_config
-    from verl_hpc.trainer.program import finish, tracked
+    from verl_hpc.trainer.programs.base import finish, tracked
 
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "tracking.backends=[jsonl]"])
     ctx = types.SimpleNamespace(rank=0)

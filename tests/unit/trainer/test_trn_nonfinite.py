@@ -16,7 +16,7 @@ PROMPTS = {"1+2=": "3", "2+2=": "4", "3+4=": "7", "5+1=": "6"}
 
 def _trainer(tmp_path, model, nan_steps, *overrides):
     from verl_hpc.config import load_config
-    from verl_hpc.trainer.rl import RLTrainer
+    from verl_hpc.trainer.programs.rl import RLTrainer
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "data_source": "synthetic_arith", "ground_truth": a})
@@ -63,7 +63,7 @@ def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, t
 
 
 def test_trn_nan_steps_in_a_row_stop_the_run(one_rank_world, tmp_path, tiny_model):
-    from verl_hpc.trainer.guard import NonFiniteError
+    from verl_hpc.trainer.hooks.guard import NonFiniteError
 
     trainer = _trainer(tmp_path, tiny_model, {2, 3, 4}, "trainer.total_steps=5", "trainer.max_nonfinite_in_a_row=2")
     with pytest.raises(NonFiniteError) as err:

@@ -1,7 +1,7 @@
 """The on-policy shortcut against the separate old-log-prob forward, through the real Megatron engine
 (one gloo rank in this process, the tiny model): three actor updates with pi_old taken from the
 update's own forward end in bitwise the same weights as three updates with pi_old from a separate
-forward (trainer/correction.py; PolicyObjective.old_from_update)."""
+forward (trainer/stages/correction.py; PolicyObjective.old_from_update)."""
 import torch
 
 

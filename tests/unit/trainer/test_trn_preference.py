@@ -12,7 +12,7 @@ from verl_hpc.config.schema import PreferenceConfig
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.preference import load_preference_examples
 from verl_hpc.data.prepare import synthetic
-from verl_hpc.trainer.preference import build_batch, objective, surrogate_loss
+from verl_hpc.trainer.programs.preference import build_batch, objective, surrogate_loss
 
 D = JobConfig().data  # the data section's column names; raw prompts (no chat template)
 KEYS = dict(prompt_key=D.prompt_key, chosen_key=D.chosen_key, rejected_key=D.rejected_key,

@@ -1,5 +1,5 @@
 """The SFT and DPO programs' run() in this process (one gloo rank, the tiny model) end the way the
-launchers and tests read them (trainer/program.py): <name>_summary.json, one <NAME>_RESULT line
+launchers and tests read them (trainer/programs/base.py): <name>_summary.json, one <NAME>_RESULT line
 without the history, the metrics file, the HF folder."""
 import json
 import types
@@ -36,10 +36,10 @@ def _run(program, tmp_path, tiny_model, capsys, *overrides):
 
 
 def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
-    from verl_hpc.trainer import sft
+    from verl_hpc.trainer.programs import sft
 
     summary, shown, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft")
-    # every program's loop (trainer/program.py): the same keys as RL's and DPO's around its own
+    # every program's loop (trainer/programs/base.py): the same keys as RL's and DPO's around its own
     assert list(written) == ["steps", "stopped", "rows", "total_steps", "hf_dir", "resumed_from", "history", "seconds",
                              "plot", "metrics_file", "first_loss", "last_loss", "host_peak_gib_per_rank"]
     assert written["steps"] == 2 and written["rows"] == 4 and written["stopped"] == "completed"
@@ -52,7 +52,7 @@ def test_sft_with_lora_writes_the_merged_model(one_rank_world, tmp_path, tiny_mo
     in, so the adapted weights moved and nothing else did (the base is frozen)."""
     from safetensors.torch import load_file
 
-    from verl_hpc.trainer import sft
+    from verl_hpc.trainer.programs import sft
 
     _, _, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft", "lora.rank=4",
                          "lora.target_modules=[linear_qkv]", "actor.optim.lr=1e-2")
@@ -79,7 +79,7 @@ def test_sft_program_trains_multi_turn_demonstrations(one_rank_world, tmp_path, 
     from verl_hpc.config import load_config
     from verl_hpc.data import DataError
     from verl_hpc.data.prepare.tool_arith import demonstration
-    from verl_hpc.trainer import sft
+    from verl_hpc.trainer.programs import sft
 
     rows = tmp_path / "demos.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"{a}*{b}=", "response": demonstration(a, b)}) + "\n"
@@ -94,7 +94,7 @@ def test_sft_program_trains_multi_turn_demonstrations(one_rank_world, tmp_path, 
 
 
 def test_dpo_program(one_rank_world, tmp_path, tiny_model, capsys):
-    from verl_hpc.trainer import preference
+    from verl_hpc.trainer.programs import preference
 
     summary, shown, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo")
     assert written["steps"] == 2 and written["stopped"] == "completed" and len(written["history"]) == 2
@@ -107,7 +107,7 @@ def test_dpo_with_lora_has_the_base_as_its_reference(one_rank_world, tmp_path, t
     did not (a reference that kept the adapters on would stay at ln 2 forever)."""
     import math
 
-    from verl_hpc.trainer import preference
+    from verl_hpc.trainer.programs import preference
 
     _, _, written = _run(preference.run, tmp_path, tiny_model, capsys, "trainer.job=dpo", "lora.rank=4",
                          "actor.optim.lr=5e-2", "trainer.total_steps=3")
@@ -122,7 +122,7 @@ def test_missing_tracking_package_is_a_config_error(monkeypatch):
 
     from verl_hpc.config import ConfigError
     from verl_hpc.runtime.errors import exit_code_for
-    from verl_hpc.trainer import program
+    from verl_hpc.trainer.programs import base as program
 
     monkeypatch.setattr(program, "missing_packages", lambda backends: ["wandb"])
     cfg = types.SimpleNamespace(tracking=types.SimpleNamespace(backends=["console", "wandb"]))

@@ -14,7 +14,7 @@ from verl_hpc.config import load_config
 from verl_hpc.engines.batch import as_engine_batch
 from verl_hpc.rollout import RolloutResult
 from verl_hpc.tracking import StageTimer
-from verl_hpc.trainer.rl import RLTrainer
+from verl_hpc.trainer.programs.rl import RLTrainer
 from verl_hpc.trainer.roles import Roles
 
 
@@ -161,7 +161,7 @@ def test_trn_on_policy_step_takes_old_log_probs_from_the_update(tmp_path, caplog
     objective and the rollout log-probs (for the mismatch metric), and the log says which path."""
     trainer, calls, seen = _shortcut_trainer(tmp_path)
     timer = StageTimer()
-    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"):
+    with caplog.at_level("INFO", logger="verl_hpc.trainer.programs.rl"):
         m = trainer.step(1, timer)
         trainer.step(2, StageTimer())
     assert "actor.log_probs" not in calls and "timing_s/old_logprob" not in timer.pop()
@@ -186,7 +186,7 @@ def test_trn_separate_old_forward_runs_when_the_config_needs_it(tmp_path, overri
     extra = [override] if override else []
     extra += ["data.train_batch_size=2"] if "mini_batch_size=1" in str(override) else []
     trainer, calls, seen = _shortcut_trainer(tmp_path, *extra)
-    with caplog.at_level("INFO", logger="verl_hpc.trainer.rl"), injected(**faults):
+    with caplog.at_level("INFO", logger="verl_hpc.trainer.programs.rl"), injected(**faults):
         trainer.step(1, StageTimer())
     assert "actor.log_probs" in calls
     batch, loss = seen["actor.update"]

@@ -8,7 +8,7 @@ import pytest
 
 from test_trn_step import PROMPTS, _trainer
 from verl_hpc.config import JobConfig
-from verl_hpc.trainer.stopping import StopRule
+from verl_hpc.trainer.hooks.stopping import StopRule
 
 
 def _fit(tmp_path, *overrides):
@@ -25,7 +25,7 @@ def _fit(tmp_path, *overrides):
 
 def test_trn_stop_when_a_validation_metric_reaches_its_value(tmp_path, caplog):
     # the fake rollout answers sample 0 right: greedy validation accuracy is 1.0 from the start
-    with caplog.at_level("INFO", logger="verl_hpc.trainer"):  # the stop hook's line (trainer/stopping.py)
+    with caplog.at_level("INFO", logger="verl_hpc.trainer"):  # the stop hook's line (trainer/hooks/stopping.py)
         summary, saved, _ = _fit(tmp_path, "trainer.val_every=2", "trainer.stop_at.metric=val/acc/all",
                                  "trainer.stop_at.value=0.9")
     assert summary["steps"] == 2 and summary["stopped"] == "stop_at"  # first validation after a step
@@ -44,7 +44,7 @@ def test_trn_stop_when_the_wall_time_budget_is_spent(tmp_path):
 def test_trn_validation_has_its_own_timing_out_of_the_step(tmp_path, monkeypatch):
     import time
 
-    from verl_hpc.trainer import rl
+    from verl_hpc.trainer.programs import rl
 
     real = rl.RLTrainer._validate
 

@@ -7,8 +7,8 @@ import torch
 
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.tasks import TaskSampler
-from verl_hpc.trainer.rollback_rules import RollbackRules
-from verl_hpc.trainer.task_weights import TaskWeightScheduler, task_metrics
+from verl_hpc.trainer.hooks.rollback_rules import RollbackRules
+from verl_hpc.trainer.hooks.task_weights import TaskWeightScheduler, task_metrics
 
 GROUPS = {"easy": list(range(0, 10)), "hard": list(range(10, 40))}
 

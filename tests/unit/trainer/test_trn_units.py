@@ -6,11 +6,11 @@ import torch
 from verl_hpc.config import load_config
 from verl_hpc.data import PromptBatch
 from verl_hpc.rollout import RolloutResult
-from verl_hpc.trainer.advantage import advantages
-from verl_hpc.trainer.batching import assemble, logprob_diff_metrics
-from verl_hpc.trainer.guard import NonFiniteError, NonFiniteGuard
-from verl_hpc.trainer.sampling import group_filters
-from verl_hpc.trainer.step_batch import concat_batches, first_groups
+from verl_hpc.trainer.stages.advantage import advantages
+from verl_hpc.trainer.stages.batching import assemble, logprob_diff_metrics
+from verl_hpc.trainer.hooks.guard import NonFiniteError, NonFiniteGuard
+from verl_hpc.trainer.stages.sampling import group_filters
+from verl_hpc.trainer.stages.step_batch import concat_batches, first_groups
 
 
 class Tok:

@@ -5,7 +5,7 @@ generate, score, train and sync in turn. split: ONE srun step whose first `rollo
 hold only vLLM (with rollout.tp) and whose other ranks hold only the Megatron roles (with
 parallel.tp/pp; data parallel = training ranks / (tp * pp)). The two groups overlap: rollout
 generates the next batches while the trainer trains on the last (verl_hpc/runtime/split.py,
-verl_hpc/trainer/loops/). On Slurm the rollout ranks may come from another partition as a
+verl_hpc/trainer/placement/). On Slurm the rollout ranks may come from another partition as a
 heterogeneous job (`rollout_partition`): component 0 is `rollout_nodes` nodes of that partition,
 component 1 the training nodes. `slurm.nodes` then counts the training nodes only, and the world
 is (rollout_nodes + slurm.nodes) * slurm.tasks_per_node ranks, the rollout nodes' first.

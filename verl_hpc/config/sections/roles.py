@@ -103,7 +103,7 @@ class ActorConfig(TrainedRole):
     kl_cov_ratio: float = opt(0.0002, "kl_cov: share of valid tokens penalised", check="(0, 1]")
     ppo_kl_coef: float = opt(1.0, "kl_cov: coefficient of |logp - old_logp| on those tokens", check=">=0")
     # on-policy (one mini-batch, one epoch) pi_old IS the policy being updated: its log-probs can be
-    # taken, detached, from the update's own forward (trainer/correction.py says when that is valid)
+    # taken, detached, from the update's own forward (trainer/stages/correction.py says when that is valid)
     old_log_probs: str = opt("auto", "where pi_old's log-probs come from: auto (the update's own forward when "
                              "on-policy and nothing reads them earlier, else a separate forward) | forward "
                              "(always the separate forward; also logs actor/entropy)", choices=("auto", "forward"))

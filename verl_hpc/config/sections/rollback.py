@@ -1,4 +1,4 @@
-"""`trainer.rollback:` the rollback guard (verl_hpc/trainer/rollback.py; docs/operations.md).
+"""`trainer.rollback:` the rollback guard (verl_hpc/trainer/hooks/rollback.py; docs/operations.md).
 
 Rules over monitored metrics: a drop of more than `drop` relative to the best value so far or to
 the mean of the last `window` steps, a non-finite value, KL above `kl_max`, entropy below

@@ -2,7 +2,7 @@
 
 All three are off by default and production recipes keep them off (tests/unit/ops says so); when
 any is on, rank 0 prints a banner at startup so a log reader sees it at once
-(verl_hpc/trainer/safety.py).
+(verl_hpc/trainer/hooks/safety.py).
 """
 from __future__ import annotations
 

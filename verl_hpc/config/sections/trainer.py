@@ -39,7 +39,7 @@ class SmokeConfig(Section):
 
 @dataclass
 class StopAtConfig(Section):
-    """Ending a run early on purpose (trainer/stopping.py): checkpoint, exit 0, a plain log line."""
+    """Ending a run early on purpose (trainer/hooks/stopping.py): checkpoint, exit 0, a plain log line."""
 
     metric: str = opt("", "a validation metric (val/..., e.g. val/acc/all) that ends the run once it reaches "
                           "trainer.stop_at.value; '' = off")

@@ -5,7 +5,7 @@ model holds no multiplication table), so answering directly is right about never
 `calculator` tool it needs only to copy: the operands into the call, the tool's output into the
 answer. Accuracy then measures whether the model uses the tool, and uses it well.
 
-The warm start. SFT rows are multi-turn demonstrations (verl_hpc/trainer/sft.py): the assistant
+The warm start. SFT rows are multi-turn demonstrations (verl_hpc/trainer/programs/sft.py): the assistant
 calls `calculator`, the tool turn holds the product, the assistant repeats it. A fraction
 (--sft-noise, > 0.5) of rows answer directly instead, "about <a made-up 9-digit number>", so the
 warm start answers directly when greedy (validation accuracy near 0) while still calling the tool in

@@ -8,7 +8,7 @@
 
 The loss is the caller's (verl_hpc.algorithms.objectives: PolicyObjective, ValueObjective); a
 role only runs it. Batches are the engines' dict format (engines/batch.py) or the trainer's typed
-batch (verl_hpc.trainer.step_batch.StepBatch). Keys the objectives read besides the sequence keys,
+batch (verl_hpc.trainer.stages.step_batch.StepBatch). Keys the objectives read besides the sequence keys,
 all `[B, T]`: the policy's: old_log_probs, advantages, and ref_log_probs with the KL loss; the
 critic's: values (the critic's at rollout time), returns.
 

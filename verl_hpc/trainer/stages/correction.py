@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 
 from verl_hpc.algorithms import masked_mean
 from verl_hpc.algorithms.mismatch import rollout_correction
-from verl_hpc.trainer.batching import logprob_diff_metrics
+from verl_hpc.trainer.stages.batching import logprob_diff_metrics
 
 
 def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Mapping, Optional
 
-from verl_hpc.trainer.hooks import CONTINUE, Stop
+from verl_hpc.trainer.hooks.base import CONTINUE, Stop
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.loops.inflight import BatchRecord, InFlight
+from verl_hpc.trainer.placement.inflight import BatchRecord, InFlight
 
 log = logging.getLogger(__name__)
 

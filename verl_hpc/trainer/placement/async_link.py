@@ -31,7 +31,7 @@ import torch
 from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.runtime.split import ROLLOUT_FAILED, STOP, GroupLostError
-from verl_hpc.trainer.loops.inflight import Groups
+from verl_hpc.trainer.placement.inflight import Groups
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from verl_hpc.data.tasks import task_of
 from verl_hpc.rollout import RolloutResult, SamplingSpec
 from verl_hpc.rollout.metrics import episode_metrics
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.batching import assemble
-from verl_hpc.trainer.hooks import CONTINUE
-from verl_hpc.trainer.scoring import score_batch
+from verl_hpc.trainer.stages.batching import assemble
+from verl_hpc.trainer.hooks.base import CONTINUE
+from verl_hpc.trainer.stages.scoring import score_batch
 
 
 class Validator:

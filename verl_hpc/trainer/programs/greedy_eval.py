@@ -1,7 +1,7 @@
 """Greedy accuracy of a Hugging Face model folder on a prompt parquet, independently of the engines:
 transformers' own generate (greedy), the project's chat-template rendering and reward functions.
 
-    python -m verl_hpc.trainer.greedy_eval MODEL_DIR VAL_PARQUET [--max-new-tokens 4]
+    python -m verl_hpc.trainer.programs.greedy_eval MODEL_DIR VAL_PARQUET [--max-new-tokens 4]
 
 Used to show that preference training changes what the policy answers (trainer.job=dpo reports
 preference accuracy; this measures the answers themselves).

@@ -22,7 +22,7 @@ val/preference_accuracy = share of held-out pairs whose implicit reward ranks ch
 (ties count one half: the untrained policy equals the reference, so DPO starts at 0.5).
 At the end the weights are written as a Hugging Face folder (trainer.hf_output_dir).
 
-It runs on every program's loop (trainer/program.py). Checkpoints and resume as for RL: the
+It runs on every program's loop (trainer/programs/base.py). Checkpoints and resume as for RL: the
 policy's engine state (weights, Adam moments, LR schedule) and the data position (an EpochSampler's
 epoch and offset) per `checkpoint.save_every` and at the last step; `trainer.resume` picks the
 checkpoint to start from; Slurm's warning signal or SIGTERM saves at the next step boundary, stops,
@@ -39,10 +39,10 @@ import torch
 from verl_hpc.data import DataError
 from verl_hpc.engines.batch import length_mask, pack_sequences
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
+from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
 from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
-from verl_hpc.trainer.sft import save_hf
-from verl_hpc.trainer.validation import ValidationHook
+from verl_hpc.trainer.programs.sft import save_hf
+from verl_hpc.trainer.hooks.validation import ValidationHook
 
 log = logging.getLogger(__name__)
 REFERENCE_FREE = ("simpo", "orpo")
@@ -140,7 +140,7 @@ class PreferenceStep:
 
 
 class PreferenceProgram(StepProgram):
-    """Preference training on every program's loop (trainer/program.py)."""
+    """Preference training on every program's loop (trainer/programs/base.py)."""
 
     name = "dpo"
 

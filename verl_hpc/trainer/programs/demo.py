@@ -1,6 +1,6 @@
 """`make demo`: a tiny model learns "3+4=" -> "7" with SFT on noisy labels, then GRPO fixes it.
 
-    python -m verl_hpc.trainer.demo [--out outputs/demo] [--ranks N] [--rl-config C] [overrides ...]
+    python -m verl_hpc.trainer.programs.demo [--out outputs/demo] [--ranks N] [--rl-config C] [overrides ...]
 
 Steps, each a separate command you can also run by hand:
   1. python -m verl_hpc.models.tiny OUT/model                     a random-init tiny Llama + tokenizer

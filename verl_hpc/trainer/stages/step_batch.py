@@ -20,23 +20,23 @@ class StepBatch:
     """B sequences (prompt + response) of one step; `[B, T]` tensors are right-padded and aligned
     with `response_mask`, `[B]` ones are per sequence.
 
-    Filled by the rollout (trainer/batching.py `assemble`):
+    Filled by the rollout (trainer/stages/batching.py `assemble`):
         input_ids [B, S], prompt_lengths [B], response_lengths [B], response_mask [B, T],
         ids, data_sources, ground_truths, extras, response_texts (per sequence, from the prompts),
         group_ids [B] (prompt index: the GRPO/RLOO group), rollout_log_probs [B, T] (the rollout
         engine's log-probs of the sampled tokens).
-    Filled by scoring (trainer/scoring.py): token_scores [B, T] (outcome score on the last
+    Filled by scoring (trainer/stages/scoring.py): token_scores [B, T] (outcome score on the last
         response token, DAPO overlong shaping applied); outcome_labels [B] (1.0 where the outcome
         score is >= reward.correct_at, else 0.0); baselines [B] (ReMax: the greedy response's
         reward) -- before the group filters (DAPO's, PRIME's accuracy band), which select rows of
         every field.
     Filled by the engine roles: old_log_probs and entropy (actor, before the update),
         ref_log_probs (reference policy), values (critic).
-    Filled by the implicit PRM (trainer/prm_stage.py, PRIME): process_rewards [B, T] (its dense
+    Filled by the implicit PRM (trainer/stages/prm_stage.py, PRIME): process_rewards [B, T] (its dense
         token rewards, as the step trains on them: prm.granularity, prm.reward_norm).
-    Filled by the mismatch correction (trainer/correction.py): rollout_is_weights [B, T] (per-token
+    Filled by the mismatch correction (trainer/stages/correction.py): rollout_is_weights [B, T] (per-token
         weights of the policy loss; None when algorithm.rollout_correction is off).
-    Filled by the advantage stage (trainer/advantage.py): rewards (token_scores, with the PRM's
+    Filled by the advantage stage (trainer/stages/advantage.py): rewards (token_scores, with the PRM's
         process rewards added for estimators other than prime, minus the KL penalty when
         algorithm.use_kl_in_reward), advantages, returns.
     Read by the updates: the actor's objective reads old_log_probs, advantages, ref_log_probs;

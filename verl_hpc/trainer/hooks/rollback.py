@@ -5,7 +5,7 @@ checkpoint instead of training on from a broken policy.
     hook = RollbackHook(guard, checkpointer, cfg, ctx, roles, loader=...)
     verdict = hook(step, metrics, run)   # rank 0's rules, broadcast: Rewind(to_step) on a trip
 
-On a trip (rules: trainer/rollback_rules.py): log it and send `tracker.event("rollback")` (the
+On a trip (rules: trainer/hooks/rollback_rules.py): log it and send `tracker.event("rollback")` (the
 Prometheus rollback counter and tracking.alert_webhook); give up with a RollbackError (a non-zero
 exit naming the metric) when trainer.rollback.max_rollbacks rollbacks were already made; else load
 the newest checkpoint at or before `step - rollback_steps` (engines, RNGs, data position, KL
@@ -18,7 +18,7 @@ then drop the undone steps' rows from the metrics file and remove their checkpoi
 saved once: the steps are run again) and point `latest` at the checkpoint loaded. The load runs as
 a save does, with the rollout engine asleep and the engines' parameters and optimizer states
 resident (no gradient buffers); it leaves the rollout's weights stale, so the next generation
-syncs the loaded weights (trainer/rollout_weights.py). The guard's own state (rollbacks made, best
+syncs the loaded weights (trainer/stages/rollout_weights.py). The guard's own state (rollbacks made, best
 values, LR factor) is not rolled back.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ from verl_hpc.checkpoint.publish import (LATEST, STEP_DIR, atomic_write_text, li
                                          remove_checkpoint)
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.hooks import CONTINUE, Rewind
-from verl_hpc.trainer.rollback_rules import RollbackRules, Trip
+from verl_hpc.trainer.hooks.base import CONTINUE, Rewind
+from verl_hpc.trainer.hooks.rollback_rules import RollbackRules, Trip
 
 log = logging.getLogger(__name__)
 

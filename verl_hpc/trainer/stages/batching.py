@@ -1,4 +1,4 @@
-"""Prompts and rollouts -> the step's batch (verl_hpc/trainer/step_batch.py).
+"""Prompts and rollouts -> the step's batch (verl_hpc/trainer/stages/step_batch.py).
 
 Every rank must hand the rollout the SAME global prompt list: rank 0 samples it from the loader and
 `broadcast_prompts` sends it to the others. The rollout returns the same global result on every
@@ -12,7 +12,7 @@ import torch
 
 from verl_hpc.engines.batch import length_mask, pack_sequences
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.step_batch import StepBatch
+from verl_hpc.trainer.stages.step_batch import StepBatch
 
 
 def broadcast_prompts(loader, ctx):

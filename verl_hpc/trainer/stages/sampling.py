@@ -20,11 +20,11 @@ import torch
 from verl_hpc.algorithms import filter_groups, sequence_scores
 from verl_hpc.algorithms.prime import accuracy_filter, outcome_labels
 from verl_hpc.rollout.metrics import episode_metrics, rollout_metrics
-from verl_hpc.trainer.batching import assemble, broadcast_prompts
-from verl_hpc.trainer.rollout_dump import RolloutDump
-from verl_hpc.trainer.scoring import add_turn_rewards, score_batch, to_token_level
-from verl_hpc.trainer.step_batch import StepBatch, concat_batches, first_groups
-from verl_hpc.trainer.task_weights import task_metrics
+from verl_hpc.trainer.stages.batching import assemble, broadcast_prompts
+from verl_hpc.trainer.stages.rollout_dump import RolloutDump
+from verl_hpc.trainer.stages.scoring import add_turn_rewards, score_batch, to_token_level
+from verl_hpc.trainer.stages.step_batch import StepBatch, concat_batches, first_groups
+from verl_hpc.trainer.hooks.task_weights import task_metrics
 
 
 def group_filters(batch, algorithm_cfg) -> Tuple[torch.Tensor, Dict[str, float]]:

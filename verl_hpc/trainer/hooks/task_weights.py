@@ -27,7 +27,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 
 from verl_hpc.data.tasks import task_of
-from verl_hpc.trainer.hooks import CONTINUE
+from verl_hpc.trainer.hooks.base import CONTINUE
 
 METRIC_KEYS = {"reward": "task/{}/reward", "acc": "task/{}/acc",
                "val_reward": "val/task/{}/reward", "val_acc": "val/task/{}/acc"}

@@ -38,8 +38,8 @@ from verl_hpc.runtime import collectives
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
 from verl_hpc.tracking.history import MetricHistory
-from verl_hpc.trainer.hooks import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
-from verl_hpc.trainer.stopping import StopHook, StopRule
+from verl_hpc.trainer.hooks.base import CheckpointHook, LogHook, PreemptionHook, RunState, run_steps
+from verl_hpc.trainer.hooks.stopping import StopHook, StopRule
 
 
 # ------------------------------------------------------------------------------ shared pieces

@@ -13,15 +13,15 @@ its KV cache; generate, score, filter; (2) the rollout to sleep; (3) old log-pro
 log-probs, (PRIME) the implicit PRM's rewards and update, values, advantages, critic update, actor
 update: the rollout's weights are now stale. In PRIME's warm-up steps (prm.warmup_steps) only the
 PRM trains.
-The sync is lazy (trainer/rollout_weights.py): it runs right before the weights are next needed (the
+The sync is lazy (trainer/stages/rollout_weights.py): it runs right before the weights are next needed (the
 next step's generation or a validation), never at the end of a step, so a checkpoint saved after
 the step finds the rollout asleep.
 
-The step's pieces: trainer/rollout_weights.py (lazy sync, staged wake), trainer/sampling.py
-(generate, score, group filters), trainer/step_batch.py (the typed batch the stages fill),
-trainer/prm_stage.py (PRIME's implicit PRM), trainer/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
-actor and critic updates minimise). The loop is every program's (trainer/program.py: StepProgram.fit): after each step the hooks run
-in this order (trainer/hooks.py): validation, task weights, rollback (RLTrainer.extra_hooks), then
+The step's pieces: trainer/stages/rollout_weights.py (lazy sync, staged wake), trainer/stages/sampling.py
+(generate, score, group filters), trainer/stages/step_batch.py (the typed batch the stages fill),
+trainer/stages/prm_stage.py (PRIME's implicit PRM), trainer/stages/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
+actor and critic updates minimise). The loop is every program's (trainer/programs/base.py: StepProgram.fit): after each step the hooks run
+in this order (trainer/hooks/base.py): validation, task weights, rollback (RLTrainer.extra_hooks), then
 log, checkpoint, stop rule, preemption. Where generation runs (placement.mode) is an object chosen
 once (trainer/placement.py): where batches come from, where weights go, what a checkpoint holds.
 
@@ -43,19 +43,19 @@ from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.resharding import weight_sync_from_config
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
-from verl_hpc.trainer import correction
-from verl_hpc.trainer.advantage import AdvantageStage
-from verl_hpc.trainer.batching import response_stats
-from verl_hpc.trainer.guard import NonFiniteGuard
+from verl_hpc.trainer.stages import correction
+from verl_hpc.trainer.stages.advantage import AdvantageStage
+from verl_hpc.trainer.stages.batching import response_stats
+from verl_hpc.trainer.hooks.guard import NonFiniteGuard
 from verl_hpc.trainer.placement import choose
-from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer
-from verl_hpc.trainer.prm_stage import PrmStage
+from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer
+from verl_hpc.trainer.stages.prm_stage import PrmStage
 from verl_hpc.trainer.roles import build_roles
-from verl_hpc.trainer.rollback import RollbackGuard, RollbackHook, apply_lr_factor
-from verl_hpc.trainer.safety import SafetySwitches
-from verl_hpc.trainer.sampling import StepSampler
-from verl_hpc.trainer.task_weights import TaskWeightHook, TaskWeightScheduler
-from verl_hpc.trainer.validation import ValidationHook, Validator
+from verl_hpc.trainer.hooks.rollback import RollbackGuard, RollbackHook, apply_lr_factor
+from verl_hpc.trainer.hooks.safety import SafetySwitches
+from verl_hpc.trainer.stages.sampling import StepSampler
+from verl_hpc.trainer.hooks.task_weights import TaskWeightHook, TaskWeightScheduler
+from verl_hpc.trainer.hooks.validation import ValidationHook, Validator
 
 log = logging.getLogger(__name__)
 FORMAT = "verl_hpc.rl_trainer/1"  # trainer_state.format of RL checkpoints: RL resumes only from its own

@@ -10,7 +10,7 @@ optimizer step, `trainer.sft_epochs` passes, at most `trainer.total_steps` steps
 weights are written as a Hugging Face folder (`trainer.hf_output_dir`, auto: <output_dir>/hf) with
 the tokenizer and config, ready to be an RL run's `model.path`.
 
-It runs on every program's loop (trainer/program.py): checkpoints per `checkpoint.save_every` and at
+It runs on every program's loop (trainer/programs/base.py): checkpoints per `checkpoint.save_every` and at
 the last step (the actor's engine state and the data position), resume per `trainer.resume`
 (bitwise: the same batches, the same optimizer state), `trainer.stop_at`, and Slurm's warning
 signal or SIGTERM: save at the next step boundary, stop, requeue (runtime/requeue.py). A preempted
@@ -39,7 +39,7 @@ from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.engines.megatron.roles import build_engine
 from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.program import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
+from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
 from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
 
 log = logging.getLogger(__name__)
