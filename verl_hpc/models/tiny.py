@@ -22,6 +22,8 @@ from typing import Dict, List
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
@@ -82,7 +84,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
     from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family not in FAMILIES:
-        raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
     ids = special_ids or {}
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -104,7 +106,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
             return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"],
                                   rope_parameters=rope)
         if hidden != heads * head_dim:
-            raise ValueError("qwen2_moe: head_dim is hidden_size / num_attention_heads in this family")
+            raise ConfigError("qwen2_moe: head_dim is hidden_size / num_attention_heads in this family")
         return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared_ffn,
                               architectures=["Qwen2MoeForCausalLM"], rope_parameters=rope)
     if family == "llama":
@@ -114,7 +116,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
         return MistralConfig(**common, head_dim=head_dim, sliding_window=None,
                              architectures=["MistralForCausalLM"], rope_parameters=rope)
     if hidden != heads * head_dim:
-        raise ValueError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
+        raise ConfigError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], rope_parameters=rope)
 
 
@@ -197,7 +199,7 @@ def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: i
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size=min(480, vocab_size))
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+        raise ConfigError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
     ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}|>") for k in ("bos", "eos", "pad")}
     config = hf_config(family, tied=tied, layers=layers, vocab_size=vocab_size,
                        special_ids=ids, **shape)
