@@ -18,6 +18,7 @@ if __name__ == "__main__":  # SIGTERM or Ctrl-C: one line and 143 / 130, no trac
     early_signals.install("plan", "before the plan was complete")
 
 from verl_hpc.config import ConfigError, load_config, validate  # noqa: E402
+from verl_hpc.errors import VerlHpcError  # noqa: E402
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
@@ -27,7 +28,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory (GB = 1e9 bytes)")
     p.add_argument("--node-memory-gb", type=float, default=None, help="host RAM per node (GB)")
     p.add_argument("--suggest", action="store_true", help="search layouts that fit and rank them")
-    p.add_argument("--top", type=int, default=8, help="--suggest: how many layouts to show")
+    p.add_argument("--top", type=int, default=8, help="--suggest: how many layouts to show (>= 1)")
     args = p.parse_intermixed_args(argv)
     if args.config and "=" in args.config:
         args.overrides.insert(0, args.config)
@@ -44,12 +45,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.top < 1:  # a negative count sliced the list from its end: all but the last layouts
+            raise ConfigError(f"--top: got {args.top}; valid: how many layouts --suggest shows, >= 1")
         cfg = load_config(args.config, args.overrides)
         validate(cfg, check_model=False)  # the plan reads the model's shape itself
         plan = plan_job(cfg, gpu_memory_gb=args.gpu_memory_gb, node_memory_gb=args.node_memory_gb)
-    except ConfigError as err:
+    except VerlHpcError as err:  # a ConfigError (2): the config, the model's config.json, an option
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     print(full_report(plan))
     if args.suggest:
         from verl_hpc.planning.suggest import print_suggestions, suggest

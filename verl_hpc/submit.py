@@ -22,6 +22,7 @@ if __name__ == "__main__":  # before the imports below, which take seconds on a 
     early_signals.install("submit", "before any rank started; nothing was submitted")
 
 from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate  # noqa: E402
+from verl_hpc.errors import VerlHpcError  # noqa: E402
 from verl_hpc.launcher.plan import RESOLVED_CONFIG, make_plan, write_resolved_config  # noqa: E402
 from verl_hpc.launcher.preflight import preflight  # noqa: E402
 
@@ -80,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_file_checks:  # the files it names: data, model weights, output folders
             preflight(cfg, check_model=not args.skip_model_check)
         plan = make_plan(cfg, local=args.local)
-    except ConfigError as err:
+    except VerlHpcError as err:  # a ConfigError (2) for the config and the files it names
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
     print(plan.describe(), flush=True)
     if memory_check(cfg, args) != 0:
         return 2

@@ -4,6 +4,7 @@ import signal
 
 import pytest
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.runtime.launch_env import detect, expand_first_host, port_for_job
 from verl_hpc.runtime.signals import PreemptionFlag
 
@@ -53,7 +54,7 @@ def test_batch_script_without_step_is_a_single_process():
 
 
 def test_bad_variable_is_named():
-    with pytest.raises(RuntimeError, match="WORLD_SIZE='four'"):
+    with pytest.raises(ConfigError, match="WORLD_SIZE='four'"):
         detect(dict(RANK="0", WORLD_SIZE="four"))
 
 

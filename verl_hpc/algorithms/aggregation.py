@@ -27,6 +27,8 @@ from typing import Optional, Union
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .masked import as_float_mask, check_response_mask, check_same_shape, masked_sum
 
 LOSS_AGG_MODES = (
@@ -61,7 +63,7 @@ def agg_loss(
                    (only layout-independent if every micro-batch is padded to the same length).
     """
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(
+        raise ConfigError(
             f"unknown loss aggregation mode {mode!r} in actor.loss_agg_mode; valid names: "
             + ", ".join(LOSS_AGG_MODES)
         )

@@ -21,6 +21,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .aggregation import Count
 from .masked import masked_mean
 from .policy_losses import Metrics, _check_clip, _metrics, _prepare, weighted_agg
@@ -29,7 +31,7 @@ from .registry import register_policy_loss
 
 def _check_ratio(value: float, name: str) -> None:
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"actor.{name} must be in (0, 1] (a share of the valid tokens); got {value}")
+        raise ConfigError(f"actor.{name} must be in (0, 1] (a share of the valid tokens); got {value}")
 
 
 def token_covariance(adv: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -66,7 +68,7 @@ def clip_cov(
     _check_clip(clip_ratio_low, clip_ratio_high)
     _check_ratio(clip_cov_ratio, "clip_cov_ratio")
     if not clip_cov_lb < clip_cov_ub:
-        raise ValueError(f"actor.clip_cov_lb ({clip_cov_lb}) must be < actor.clip_cov_ub ({clip_cov_ub})")
+        raise ConfigError(f"actor.clip_cov_lb ({clip_cov_lb}) must be < actor.clip_cov_ub ({clip_cov_ub})")
     valid, _, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
@@ -107,7 +109,7 @@ def kl_cov(
     Metric `kl_cov_frac`: share of valid tokens penalised."""
     _check_ratio(kl_cov_ratio, "kl_cov_ratio")
     if ppo_kl_coef < 0:
-        raise ValueError(f"actor.ppo_kl_coef must be >= 0; got {ppo_kl_coef}")
+        raise ConfigError(f"actor.ppo_kl_coef must be >= 0; got {ppo_kl_coef}")
     valid, _, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
     ratio = torch.exp(log_ratio)
     with torch.no_grad():

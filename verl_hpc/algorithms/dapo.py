@@ -8,6 +8,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .groups import GroupIds, group_counts, group_index
 from .masked import as_float_mask, check_token_inputs, last_token_index
 
@@ -52,11 +54,11 @@ def _check_overlong(max_len: int, buffer_len: int, penalty_factor: float) -> Non
     if max_len <= 0:
         raise ValueError(f"max response length must be > 0; got {max_len}")
     if not 0 < buffer_len <= max_len:
-        raise ValueError(
+        raise ConfigError(
             f"algorithm.overlong_buffer.len must be in (0, max response length={max_len}]; got {buffer_len}"
         )
     if penalty_factor < 0:
-        raise ValueError(f"algorithm.overlong_buffer.penalty_factor must be >= 0; got {penalty_factor}")
+        raise ConfigError(f"algorithm.overlong_buffer.penalty_factor must be >= 0; got {penalty_factor}")
 
 
 def overlong_penalty(

@@ -17,6 +17,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .aggregation import Count
 from .masked import masked_mean
 from .policy_losses import Metrics, _metrics, _prepare, weighted_agg
@@ -48,8 +50,8 @@ def geo_mean(
     """
     del loss_agg_mode
     if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(f"actor.clip_ratio_low/high must be >= 0 for geo_mean (log-space range); "
-                         f"got {clip_ratio_low}, {clip_ratio_high}")
+        raise ConfigError(f"actor.clip_ratio_low/high must be >= 0 for geo_mean (log-space range); "
+                          f"got {clip_ratio_low}, {clip_ratio_high}")
     valid, old, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
     sign = torch.sign(adv)
     d = new - old

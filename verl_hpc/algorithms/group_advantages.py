@@ -14,6 +14,8 @@ from typing import Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .groups import GROUP_STD_EPS, GroupIds, group_counts, group_index, group_mean_std, group_sum
 from .masked import as_float_mask, check_token_inputs, masked_whiten, sequence_scores
 from .registry import register_adv_estimator
@@ -138,8 +140,8 @@ def grpo_passk(
     small = (counts < 2).nonzero().flatten()
     if small.numel():
         first_rows = [int((codes == g).nonzero()[0]) for g in small[:10].tolist()]
-        raise ValueError(f"grpo_passk needs >= 2 samples per group (rollout.n >= 2); the groups of "
-                         f"rows {first_rows} have one")
+        raise ConfigError(f"grpo_passk needs >= 2 samples per group (rollout.n >= 2); the groups of "
+                          f"rows {first_rows} have one")
     batch = scores.shape[0]
     neg_inf = torch.full((n_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
     g_max = neg_inf.scatter_reduce(0, codes, scores, reduce="amax")

@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
 from .registry import KL_ESTIMATOR_REGISTRY, register_kl_estimator
@@ -151,9 +153,9 @@ class AdaptiveKLController(FixedKLController):
 
     def __init__(self, kl_coef: float, target_kl: float, horizon: int):
         if target_kl <= 0:
-            raise ValueError(f"algorithm.kl_ctrl.target_kl must be > 0; got {target_kl}")
+            raise ConfigError(f"algorithm.kl_ctrl.target_kl must be > 0; got {target_kl}")
         if horizon <= 0:
-            raise ValueError(f"algorithm.kl_ctrl.horizon must be > 0; got {horizon}")
+            raise ConfigError(f"algorithm.kl_ctrl.horizon must be > 0; got {horizon}")
         super().__init__(kl_coef)
         self.target = float(target_kl)
         self.horizon = float(horizon)
@@ -177,7 +179,7 @@ def make_kl_controller(type: str, kl_coef: float, target_kl: float, horizon: int
     """Build the controller named by algorithm.kl_ctrl.type (argument names = config fields, all
     required: the trainer passes the algorithm.kl_ctrl section, which owns the defaults)."""
     if type not in _CONTROLLERS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown KL controller {type!r} in algorithm.kl_ctrl.type; valid names: "
             + ", ".join(KL_CONTROLLER_TYPES)
         )

@@ -26,6 +26,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .masked import as_float_mask, check_same_shape, masked_mean, masked_sum
 
 # log rho is clamped before exp (as the policy losses clamp their log-ratios); a sequence's summed
@@ -43,12 +45,12 @@ def check_rollout_correction(rollout_is: Optional[str], rollout_is_threshold: fl
     section's choices, checked when the config is loaded; the trainer passes the section."""
     prefix = "algorithm.rollout_correction"
     if not rollout_is_threshold > 0:
-        raise ValueError(f"{prefix}.rollout_is_threshold must be > 0; got {rollout_is_threshold}")
+        raise ConfigError(f"{prefix}.rollout_is_threshold must be > 0; got {rollout_is_threshold}")
     hi = rollout_is_threshold if rollout_rs_threshold is None else rollout_rs_threshold
     lo = 1.0 / hi if rollout_rs_threshold_lower is None else rollout_rs_threshold_lower
     if not 0 <= lo < hi:
-        raise ValueError(f"{prefix}: rejection bounds need 0 <= rollout_rs_threshold_lower < "
-                         f"rollout_rs_threshold; got {lo} and {hi}")
+        raise ConfigError(f"{prefix}: rejection bounds need 0 <= rollout_rs_threshold_lower < "
+                          f"rollout_rs_threshold; got {lo} and {hi}")
     return float(lo), float(hi)
 
 

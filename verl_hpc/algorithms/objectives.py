@@ -24,6 +24,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.roles import zero_advantage_skip_blockers
 
 from .aggregation import agg_loss
@@ -130,7 +131,7 @@ class PolicyObjective:
         if self.use_kl_loss and (self.kl_loss_coef or "ref_log_probs" in mb):
             # coefficient 0 and no reference (ref.enable auto): the term is 0, nothing to compute
             if "ref_log_probs" not in mb:
-                raise ValueError("actor.use_kl_loss=true but the batch has no 'ref_log_probs'")
+                raise ConfigError("actor.use_kl_loss=true but the batch has no 'ref_log_probs'")
             kl, kl_metrics = kl_loss(out["log_probs"], mb["ref_log_probs"], mask, self.kl_loss_coef,
                                      self.kl_loss_type, **agg)
             loss = loss + kl
@@ -189,7 +190,7 @@ class PrmObjective:
         elif self.loss == "pairwise":
             per_seq = pairwise_loss(scores, labels, mb["prm_partners"])
         else:
-            raise ValueError(f"prm.loss: {self.loss!r}; valid: ce, pairwise")
+            raise ConfigError(f"prm.loss: {self.loss!r}; valid: ce, pairwise")
         loss = per_seq.sum() / counts.seqs  # this micro-batch's share of the batch's mean
         metrics = {f"{self.loss}_loss": loss.detach()}
         _batch_totals(metrics, (f"{self.loss}_loss",), counts, mask)

@@ -27,6 +27,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_same_shape, check_token_inputs, masked_mean
 from .registry import POLICY_LOSS_REGISTRY, register_policy_loss
@@ -40,11 +42,11 @@ _SEQ_LOG_RATIO_MAX = 10.0
 
 def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: Optional[float] = None) -> None:
     if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"actor.clip_ratio_low must be in [0, 1); got {clip_ratio_low}")
+        raise ConfigError(f"actor.clip_ratio_low must be in [0, 1); got {clip_ratio_low}")
     if clip_ratio_high < 0.0:
-        raise ValueError(f"actor.clip_ratio_high must be >= 0; got {clip_ratio_high}")
+        raise ConfigError(f"actor.clip_ratio_high must be >= 0; got {clip_ratio_high}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c (dual-clip bound) must be > 1.0; got {clip_ratio_c}")
+        raise ConfigError(f"actor.clip_ratio_c (dual-clip bound) must be > 1.0; got {clip_ratio_c}")
 
 
 def weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len):

@@ -25,6 +25,8 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from verl_hpc.config.errors import ConfigError
+
 from .masked import as_float_mask, check_same_shape, masked_sum
 
 Metrics = Dict[str, torch.Tensor]
@@ -40,9 +42,9 @@ def sequence_logps(token_logps: torch.Tensor, response_mask: torch.Tensor) -> Tu
 
 def _check(beta: float, label_smoothing: float = 0.0, **tensors: Optional[torch.Tensor]) -> None:
     if not beta > 0:
-        raise ValueError(f"preference.beta must be > 0; got {beta}")
+        raise ConfigError(f"preference.beta must be > 0; got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"preference.label_smoothing must be in [0, 0.5); got {label_smoothing}")
+        raise ConfigError(f"preference.label_smoothing must be in [0, 0.5); got {label_smoothing}")
     shapes = {k: tuple(v.shape) for k, v in tensors.items() if v is not None}
     if len(set(shapes.values())) > 1 or any(len(s) != 1 for s in shapes.values()):
         raise ValueError(f"preference inputs must all be 1-D of one length (one value per example); got {shapes}")
@@ -160,7 +162,7 @@ def kto_loss(logps, ref_logps, desirable, kl_logps, ref_kl_logps, beta: float,
     desirable | undesirable examples (0 when there are none), kl = z0, logps/chosen|rejected."""
     _check(beta, l=logps, r=ref_logps, d=desirable)
     if desirable_weight < 0 or undesirable_weight < 0:
-        raise ValueError("preference.desirable_weight / undesirable_weight must be >= 0")
+        raise ConfigError("preference.desirable_weight / undesirable_weight must be >= 0")
     z0 = kto_reference_point(kl_logps, ref_kl_logps)
     r = logps - ref_logps.detach()
     good = desirable.to(torch.bool)

@@ -29,6 +29,8 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
+from verl_hpc.config.errors import ConfigError
+
 from .groups import GroupIds, group_counts, group_index, group_sum
 from .masked import (as_float_mask, check_token_inputs, last_token_index, masked_mean, masked_sum, masked_var,
                      masked_whiten, reward_to_go)
@@ -70,12 +72,12 @@ def process_rewards(token_rewards: torch.Tensor, response_mask: torch.Tensor, gr
         whole[rows, last_token_index(response_mask)] = implicit_scores(r, response_mask)
         r = whole
     elif granularity != "token":
-        raise ValueError(f"prm.granularity: {granularity!r}; valid: token, whole")
+        raise ConfigError(f"prm.granularity: {granularity!r}; valid: token, whole")
     if norm == "batch_norm":
         to_go = reward_to_go(r, response_mask, 1.0)
         r = r / (to_go.abs().max() + 1e-6)
     elif norm != "none":
-        raise ValueError(f"prm.reward_norm: {norm!r}; valid: batch_norm, none")
+        raise ConfigError(f"prm.reward_norm: {norm!r}; valid: batch_norm, none")
     return r
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Dict, Tuple
 
+from verl_hpc.config.errors import ConfigError
+
 
 class Registry:
     """A small name -> callable table filled by a decorator.
@@ -41,7 +43,7 @@ class Registry:
     def get(self, name: str) -> Callable:
         if name not in self._fns:
             valid = ", ".join(self._fns)
-            raise ValueError(f"unknown {self.kind} {name!r} in {self.field}; valid names: {valid}")
+            raise ConfigError(f"unknown {self.kind} {name!r} in {self.field}; valid names: {valid}")
         return self._fns[name]
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -5,6 +5,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 from .aggregation import Count, agg_loss
 from .masked import as_float_mask, check_token_inputs, masked_mean
 
@@ -40,7 +42,7 @@ def value_loss(
         loss_mat, clipped = loss_unclipped, torch.zeros_like(valid)
     else:
         if cliprange_value < 0:
-            raise ValueError(f"critic.cliprange_value must be >= 0; got {cliprange_value}")
+            raise ConfigError(f"critic.cliprange_value must be >= 0; got {cliprange_value}")
         v_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
         loss_clipped = (v_clipped - returns) ** 2
         loss_mat = torch.maximum(loss_unclipped, loss_clipped)

@@ -7,7 +7,9 @@
 CKPT is a checkpoint directory (step_000120) or a checkpoint root (its `latest` is used).
 Exit codes are those of the error classes (docs/errors.md): 0 ok, 21 no such checkpoint (or a file
 it lists is missing), 22 damaged (verify's listed problems, a bad index or `latest`, a rank file
-whose size disagrees with the index or that is not HDF5), otherwise the error's own code.
+whose size disagrees with the index or that is not HDF5), otherwise the error's own code. Ctrl-C
+ends it with one line (`[checkpoint] stopped by SIGINT during verify`) and 130; an export removes
+its unfinished shards first.
 
     export CKPT --hf OUT    the actor as a Hugging Face folder (safetensors, config.json, tokenizer;
                             verl_hpc/checkpoint/hf_export.py); single process, any saving layout;
@@ -153,6 +155,11 @@ def main(argv: Optional[list] = None) -> int:
     except VerlHpcError as e:  # export may also meet a config or weights error
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C: one line and 128 + SIGINT, as submit and plan end (docs/signals.md)
+        sys.stdout.flush()  # export's own handlers have removed its unfinished shards on the way here
+        tail = "; the export is not complete: run it again" if args.command == "export" else ""
+        print(f"[checkpoint] stopped by SIGINT during {args.command}{tail}", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

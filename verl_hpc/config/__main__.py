@@ -2,7 +2,8 @@
 
 Loads and validates a config the way a job would. Prints a one-line summary (or, with
 --print-config, the resolved YAML, printed even when the semantic checks then fail) and exits 0;
-a bad config prints `error: <message>` on stderr and exits 2, without a traceback.
+a bad config prints `error: <message>` on stderr and exits 2, without a traceback. Ctrl-C prints
+`[config] stopped by SIGINT before the config was checked` and exits 130.
 --skip-model-check skips reading model.path (for big configs on machines without the model).
 --print-base prints the generated reference of every field (configs/base.yaml) and exits.
 """
@@ -12,13 +13,22 @@ import sys
 from typing import List, Optional
 
 from verl_hpc.config import ConfigError, load_config, to_yaml, validate
+from verl_hpc.errors import VerlHpcError
 
 USAGE = ("usage: python -m verl_hpc.config [CONFIG.yaml] [key=value ...] [--print-config] [--skip-model-check]"
          " [--print-base]")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C: one line and 128 + SIGINT, as submit and plan end (docs/signals.md)
+        sys.stdout.flush()
+        print("[config] stopped by SIGINT before the config was checked", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(args: List[str]) -> int:
     if "-h" in args or "--help" in args:
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 1)[1].strip())
         return 0
@@ -40,10 +50,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "--print-config" in flags:  # before the semantic checks: seeing it helps fix them
             sys.stdout.write(to_yaml(cfg))
         validate(cfg, check_model="--skip-model-check" not in flags)
-    except ConfigError as e:
+    except VerlHpcError as e:  # a ConfigError (2); reading model.path may meet another known error
         sys.stdout.flush()
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     if "--print-config" not in flags:
         p = cfg.parallel
         print(f"ok: {path or 'defaults'}: trainer.job={cfg.trainer.job}, world size {cfg.world_size} "

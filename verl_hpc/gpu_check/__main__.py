@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-rehearsal", action="store_true",
                     help="run the same checks on CPU with gloo and float32 (tests the kit; no GPU result)")
     args = ap.parse_args(argv)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out '{args.out}' is a file; valid: a work folder (created when missing)")
     if args.dry_run:
         print(dry_run(CHECKS))
         return 0

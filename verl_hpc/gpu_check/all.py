@@ -197,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
     args = ap.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out '{args.out}' is a file; valid: a folder for the summary and the logs")
     out = args.out.resolve()
     steps = plan(out, py=sys.executable, wheels=args.wheels.resolve() if args.wheels else None,
                  rehearsal=args.cpu_rehearsal)

@@ -178,6 +178,11 @@ def main(argv=None) -> int:
                          "which the demo needs; larger than 64 MiB, so the limit is not enforced")
     ap.add_argument("--requirement", action="append", help=argparse.SUPPRESS)  # tests: other pins
     args = ap.parse_args(argv)
+    for option, value in (("--python-version", args.python_version), ("--glibc", args.glibc)):
+        if value is not None and not re.fullmatch(r"\d+\.\d+", value):  # before pip spends minutes on it
+            ap.error(f"{option}: got {value!r}; valid: X.Y, e.g. 3.12 (Python) or 2.28 (glibc)")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"OUT '{args.out}' is a file; valid: a folder (new, or one this command wrote)")
     reqs = args.requirement or requirements()
     if args.with_project:
         reqs = merged(reqs, project_requirements())

@@ -13,6 +13,7 @@ field, and both the transformers 4 spelling (`rope_theta`, `rope_scaling`) and t
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -102,13 +103,18 @@ def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
 def _rope(cfg: Dict[str, Any], family: str, src: str) -> tuple[float, Optional[Dict[str, Any]]]:
     """(theta, scaling) from rope_parameters (transformers 5) or rope_theta/rope_scaling (4)."""
     field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{src}: {field}={params!r}: expected an object (rope_type, factor, ...) or null")
+    params = dict(params)
+    theta = _positive_number(params.pop("rope_theta", cfg.get("rope_theta")), "rope_theta", src,
+                             _DEFAULTS[family]["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{src}: {field}.rope_type={rope_type!r} is not implemented; "
                           f"supported: {', '.join(ROPE_TYPES)}")
-    partial = float(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    partial = _positive_number(params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")),
+                               "partial_rotary_factor", src, 1.0)
     if partial != 1.0:
         raise ConfigError(f"{src}: partial_rotary_factor={partial} is not supported; only 1.0 "
                           f"(rotary over the whole head)")
@@ -119,7 +125,19 @@ def _rope(cfg: Dict[str, Any], family: str, src: str) -> tuple[float, Optional[D
     missing = [k for k in need if k not in params]
     if missing:
         raise ConfigError(f"{src}: {field} of type {rope_type!r} needs {', '.join(missing)}")
-    return theta, {"rope_type": rope_type, **{k: float(params[k]) for k in need}}
+    return theta, {"rope_type": rope_type,
+                   **{k: _positive_number(params[k], f"{field}.{k}", src) for k in need}}
+
+
+def _positive_number(value, key: str, src: str, default: Optional[float] = None) -> float:
+    """A finite JSON number > 0 (null or absent: `default`, where there is one). A string or a bool
+    is refused by name here, on the login node: float() of it on a rank raised a bare ValueError,
+    or turned true into 1.0."""
+    if value is None and default is not None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{src}: {key}={value!r}: expected a number > 0")
+    return float(value)
 
 
 def _int_field(cfg, key, src, default=None) -> int:
@@ -174,9 +192,9 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
         ffn_hidden_size=moe.expert_ffn if moe else _int_field(cfg, "intermediate_size", src),
         num_layers=_int_field(cfg, "num_hidden_layers", src),
         num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        rms_norm_eps=_positive_number(cfg.get("rms_norm_eps"), "rms_norm_eps", src, defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", src, False),
         qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe",
         max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
                                            defaults["max_position_embeddings"]),

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import (
     DEFAULT_VOCAB_DIVISOR,
     ModelArch,
@@ -46,7 +47,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 def check_fp8_supported(recipe: str) -> None:
     """The documented errors for model.fp8=true where it cannot run (before any model is built)."""
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"model.fp8_recipe: {recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+        raise ConfigError(f"model.fp8_recipe: {recipe!r}; valid: {', '.join(FP8_RECIPES)}")
     _check_fp8_runs_here()
 
 
@@ -66,12 +67,12 @@ def token_alignment(fp8: bool, fp8_recipe: str) -> int:
 
 def _check_fp8_runs_here() -> None:
     if not has_gpu():
-        raise RuntimeError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
-                           "has none. Set model.fp8=false for CPU runs.")
+        raise ConfigError("model.fp8=true needs a CUDA GPU (Transformer Engine FP8); this rank "
+                          "has none. Set model.fp8=false for CPU runs.")
     if not transformer_engine_available():
-        raise RuntimeError("model.fp8=true needs transformer_engine, which is not importable here; "
-                           "install the 'gpu' extra (transformer-engine[pytorch]) or set "
-                           "model.fp8=false")
+        raise ConfigError("model.fp8=true needs transformer_engine, which is not importable here; "
+                          "install the 'gpu' extra (transformer-engine[pytorch]) or set "
+                          "model.fp8=false")
 
 
 def layer_spec(use_te: Optional[bool] = None, fp8: bool = False, arch: Optional[ModelArch] = None):
@@ -268,8 +269,8 @@ def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dt
             raise ValueError(f"virtual pipeline size {vpp}: build one chunk per vp_stage in "
                              f"range({vpp}) (build_gpt_model(arch, vp_stage=i))")
         if arch.num_layers % (pp * vpp):
-            raise ValueError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
-                             f"num_hidden_layers={arch.num_layers} of {arch.source}")
+            raise ConfigError(f"parallel.pp={pp} x parallel.vpp={vpp} does not divide "
+                              f"num_hidden_layers={arch.num_layers} of {arch.source}")
         config_overrides.setdefault("virtual_pipeline_model_parallel_size", vpp)
     return transformer_config(arch, tp, pp, dtype=dtype, ep=ps.get_expert_model_parallel_world_size(),
                               etp=ps.get_expert_tensor_parallel_world_size(), **config_overrides)

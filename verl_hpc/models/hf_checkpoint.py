@@ -81,8 +81,8 @@ class HFCheckpointReader:
 
     def _slice(self, name: str):
         if name not in self.weight_map:
-            raise KeyError(f"{self.folder}: the checkpoint has no tensor {name!r} (does config.json "
-                           f"match the weights? e.g. tie_word_embeddings, num_hidden_layers)")
+            raise WeightFileError(f"{self.folder}: the checkpoint has no tensor {name!r} (does config.json "
+                                  f"match the weights? e.g. tie_word_embeddings, num_hidden_layers)")
         fname = self.weight_map[name]
         if fname not in self._handles:
             self._handles[fname] = open_safetensors(self.folder / fname)

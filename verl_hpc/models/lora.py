@@ -46,6 +46,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.lora import LORA_TARGETS as TARGETS
 from verl_hpc.config.sections.lora import lora_scale
 from verl_hpc.models.lora_names import COLUMN_TARGETS, HF_MODULES, PeftReader, factor_hf_entries, factor_rule, to_peft
@@ -279,9 +280,9 @@ def load_adapter(model, tensors: Dict[str, torch.Tensor]) -> int:
         for j, target, factor, param, rule, rank in adapter_items(chunk):
             shard = rule.load(PeftReader(tensors, factor), arch, layers[j], lay)
             if tuple(shard.shape) != tuple(param.shape):
-                raise ValueError(f"layer {layers[j]} {target} lora_{factor}: the adapter gives shape "
-                                 f"{tuple(shard.shape)} for TP rank {lay.tp_rank}/{lay.tp}, the model "
-                                 f"expects {tuple(param.shape)} (is its rank {rank}?)")
+                raise ConfigError(f"layer {layers[j]} {target} lora_{factor}: the adapter gives shape "
+                                  f"{tuple(shard.shape)} for TP rank {lay.tp_rank}/{lay.tp}, the model "
+                                  f"expects {tuple(param.shape)} (is its rank {rank}?)")
             with torch.no_grad():
                 param.copy_(shard)
             filled += 1

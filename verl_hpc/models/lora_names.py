@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.weight_rules import LAYER, QKV, Copy, GateUp, Layout, Split
 
 PEFT_PREFIX = "base_model.model."
@@ -94,8 +95,8 @@ class _FusedA:
         for other in names[1:]:
             if not torch.equal(reader.read(other), first):
                 a, b = (factor_peft_name(n, reader.factor) for n in (other, names[0]))
-                raise ValueError(f"{a} differs from {b}: Megatron's fused layer holds one lora_A for "
-                                 "them; this adapter cannot be loaded exactly")
+                raise ConfigError(f"{a} differs from {b}: Megatron's fused layer holds one lora_A for "
+                                  "them; this adapter cannot be loaded exactly")
         return first
 
 

@@ -9,7 +9,8 @@ tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.fro
 32 (vLLM's CPU attention needs >= 32), vocab 500: deliberately not a multiple of 128, so Megatron's
 vocabulary padding is exercised at every TP size. The mixture-of-experts families have 4 experts of
 FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Output is a pure function of
-the arguments.
+the arguments. A bad argument (a count below 1, a vocabulary smaller than the tokenizer, an OUT
+that cannot be created) is one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ import argparse
 import functools
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Dict, List
 
 import torch
+
+from verl_hpc.config.errors import ConfigError
 
 FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -82,7 +86,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
     from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     if family not in FAMILIES:
-        raise ValueError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
     ids = special_ids or {}
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -104,7 +108,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
             return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"],
                                   rope_parameters=rope)
         if hidden != heads * head_dim:
-            raise ValueError("qwen2_moe: head_dim is hidden_size / num_attention_heads in this family")
+            raise ConfigError("qwen2_moe: head_dim is hidden_size / num_attention_heads in this family")
         return Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=shared_ffn,
                               architectures=["Qwen2MoeForCausalLM"], rope_parameters=rope)
     if family == "llama":
@@ -114,7 +118,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
         return MistralConfig(**common, head_dim=head_dim, sliding_window=None,
                              architectures=["MistralForCausalLM"], rope_parameters=rope)
     if hidden != heads * head_dim:
-        raise ValueError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
+        raise ConfigError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], rope_parameters=rope)
 
 
@@ -197,7 +201,8 @@ def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: i
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size=min(480, vocab_size))
     if len(tokenizer) > vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)})")
+        raise ConfigError(f"vocab_size={vocab_size} (--vocab-size) is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; valid: >= {len(tokenizer)}")
     ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}|>") for k in ("bos", "eos", "pad")}
     config = hf_config(family, tied=tied, layers=layers, vocab_size=vocab_size,
                        special_ids=ids, **shape)
@@ -212,7 +217,7 @@ def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: i
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verl_hpc.models.tiny", description=__doc__.split("\n")[0])
     ap.add_argument("out", help="output folder (created)")
     ap.add_argument("--family", choices=FAMILIES, default="llama")
@@ -222,10 +227,21 @@ def main(argv=None) -> None:
     ap.add_argument("--shards", type=int, default=1, help="safetensors files (>1 writes an index)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    path = make_tiny_model(a.out, a.family, tied=a.tied, layers=a.layers,
-                           vocab_size=a.vocab_size, seed=a.seed, shards=a.shards)
+    try:
+        small = [f"--{k}: got {v}" for k, v in (("layers", a.layers), ("shards", a.shards)) if v < 1]
+        if small:
+            raise ConfigError(f"{'; '.join(small)}; valid: a count >= 1")
+        try:
+            path = make_tiny_model(a.out, a.family, tied=a.tied, layers=a.layers,
+                                   vocab_size=a.vocab_size, seed=a.seed, shards=a.shards)
+        except OSError as e:  # OUT under a file, no permission, a full disk
+            raise ConfigError(f"OUT '{a.out}': cannot write the model there: {e.strerror or e}") from None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -40,7 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+from verl_hpc.models.hf_checkpoint import HFCheckpointReader, WeightFileError
 from verl_hpc.models.weight_rules import Layout, Piece, rule_for
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ def _load_param(reader, chunk, name, param, layers, lay) -> None:
     lay = lay.for_group(rule.group)
     shard = rule.load(reader, arch, layer, lay)
     if tuple(shard.shape) != tuple(param.shape):
-        raise RuntimeError(f"{name}: the HF checkpoint gives shape {tuple(shard.shape)} for "
-                           f"TP rank {lay.tp_rank}/{lay.tp}, the model expects "
-                           f"{tuple(param.shape)}; does config.json match the weights?")
+        raise WeightFileError(f"{name}: the HF checkpoint gives shape {tuple(shard.shape)} for "
+                              f"TP rank {lay.tp_rank}/{lay.tp}, the model expects "
+                              f"{tuple(param.shape)}; does config.json match the weights?")
     split = bool(getattr(param, "tensor_model_parallel", False))
     if lay.tp > 1 and (split != (rule.tp_dim is not None)
                        or (split and param.partition_dim != rule.tp_dim)):

@@ -30,6 +30,8 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+
 MB = 1 << 20
 Item = Tuple[str, torch.Tensor]
 
@@ -45,7 +47,7 @@ def bucket_bytes_from(bucket_mb: Optional[float] = None, bucket_bytes: Optional[
     value = int(bucket_bytes if bucket_bytes is not None else float(bucket_mb) * MB)
     if value < 1:
         got = f"{bucket_mb} MiB" if bucket_mb is not None else f"{bucket_bytes} bytes"
-        raise ValueError(f"resharding.bucket_mb must be > 0; got {got}")
+        raise ConfigError(f"resharding.bucket_mb must be > 0; got {got}")
     return value
 
 

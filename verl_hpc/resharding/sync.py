@@ -50,6 +50,7 @@ from typing import Callable, ContextManager, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from
@@ -177,10 +178,10 @@ class WeightSync:
     def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
                  mode: str = "auto", delta: bool = False):
         if mode not in MODES:
-            raise ValueError(f"resharding.mode must be one of {', '.join(MODES)}; got {mode!r}")
+            raise ConfigError(f"resharding.mode must be one of {', '.join(MODES)}; got {mode!r}")
         if delta and mode == "full":
-            raise ValueError("resharding.delta needs resharding.mode sliced or auto (the full path "
-                             "sends whole tensors)")
+            raise ConfigError("resharding.delta needs resharding.mode sliced or auto (the full path "
+                              "sends whole tensors)")
         self.bucket_bytes = bucket_bytes_from(bucket_mb, bucket_bytes)
         self.mode, self.delta = mode, delta
         self.sliced = SlicedSync(self.bucket_bytes, delta=delta)

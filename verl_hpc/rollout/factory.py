@@ -5,6 +5,7 @@ import importlib.util
 import logging
 from typing import Tuple
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ def resolve_engine(cfg) -> Tuple[str, str]:
     if engine in CHOOSERS:
         return choose_engine(cfg)
     if engine not in ENGINES:
-        raise ValueError(f"rollout.engine={engine!r} is not one of {', '.join(ENGINES + CHOOSERS)}")
+        raise ConfigError(f"rollout.engine={engine!r} is not one of {', '.join(ENGINES + CHOOSERS)}")
     return engine, "set in the config"
 
 
@@ -121,13 +122,13 @@ def build_rollout(cfg, ctx=None, **overrides) -> RolloutEngine:
     if cfg.rollout.engine in CHOOSERS and (ctx is None or getattr(ctx, "rank", 0) == 0):
         log.info("rollout.engine=%s: %s (%s)", cfg.rollout.engine, engine, why)
     if not cfg.model.path:
-        raise ValueError("model.path is empty: the rollout engine needs a Hugging Face model folder")
+        raise ConfigError("model.path is empty: the rollout engine needs a Hugging Face model folder")
     if engine == "vllm":
         if not vllm_available():
-            raise RuntimeError(VLLM_MISSING)
+            raise ConfigError(VLLM_MISSING)
         if moe_on_cpu(cfg):
-            raise ValueError(f"rollout.engine=vllm with a mixture-of-experts model on CPU: {VLLM_CPU_MOE}; "
-                             "set rollout.engine=hf or auto (HF generate)")
+            raise ConfigError(f"rollout.engine=vllm with a mixture-of-experts model on CPU: {VLLM_CPU_MOE}; "
+                              "set rollout.engine=hf or auto (HF generate)")
         from verl_hpc.rollout.vllm_rollout import VLLMRollout
 
         return VLLMRollout.from_config(cfg, ctx, **overrides)

@@ -32,6 +32,8 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import engine_kwargs
@@ -90,8 +92,8 @@ class HFRollout(RolloutEngine):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
-            raise ValueError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
-                             "replica per rank (rollout.tp=1)")
+            raise ConfigError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
+                              "replica per rank (rollout.tp=1)")
         layout = ReplicaLayout.detect(1, ctx)
         super().__init__(layout=layout, max_prompt_length=max_prompt_length,
                          max_response_length=max_response_length,
@@ -133,8 +135,8 @@ class HFRollout(RolloutEngine):
                          **checkpoint_views(self.model)}
         unknown = sorted(self._required - set(self._targets))
         if unknown:
-            raise ValueError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "
-                             f"model's parameters ({model_path})")
+            raise WeightFileError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "
+                                  f"model's parameters ({model_path})")
         # e.g. a tied lm_head.weight; an MoE model's fused expert tensors (their views are required)
         self._optional = set(self._targets) - self._required
 

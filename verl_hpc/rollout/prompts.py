@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.errors import VerlHpcError
 
 # the policies fit_prompts implements; engines built without a config (tests, benchmarks) reach it
@@ -57,8 +58,8 @@ def fit_prompts(prompts: List[List[int]], max_prompt_length: int,
                 policy: str) -> Tuple[List[List[int]], int]:
     """Apply the overflow policy; returns (prompts to generate from, number truncated)."""
     if policy not in OVERFLOW_POLICIES:
-        raise ValueError(f"rollout.prompt_overflow={policy!r} is not one of "
-                         f"{', '.join(OVERFLOW_POLICIES)}")
+        raise ConfigError(f"rollout.prompt_overflow={policy!r} is not one of "
+                          f"{', '.join(OVERFLOW_POLICIES)}")
     too_long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > max_prompt_length]
     if not too_long:
         return prompts, 0

@@ -15,7 +15,7 @@ from typing import List
 
 import torch.distributed as dist
 
-from verl_hpc.config.errors import raise_if_any
+from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.layout import inference_tp_problems
 from verl_hpc.rollout.result import ShardOutput
 
@@ -28,7 +28,7 @@ class ReplicaLayout:
 
     def __post_init__(self):
         if self.tp < 1:
-            raise ValueError(f"inference tensor-parallel size must be > 0, got {self.tp}")
+            raise ConfigError(f"inference tensor-parallel size must be > 0, got {self.tp}")
         raise_if_any(inference_tp_problems(self.world_size, self.tp))
 
     @classmethod

@@ -54,6 +54,7 @@ from typing import Iterable, List, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout import vllm_compat
@@ -116,7 +117,7 @@ class VLLMRollout(RolloutEngine):
         max_model_len = self.max_prompt_length + self.max_response_length
         positions = config.get("max_position_embeddings")
         if positions and max_model_len > positions:
-            raise ValueError(
+            raise ConfigError(
                 f"data.max_prompt_length + rollout.max_tokens = {self.max_prompt_length} + "
                 f"{self.max_response_length} = {max_model_len} exceeds the model's "
                 f"max_position_embeddings={positions} ({model_path})")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.runtime import collectives
 from verl_hpc.runtime import device as devices
 from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
@@ -62,7 +63,7 @@ def _init_mpi(env: LaunchEnv):
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() != env.world_size or comm.Get_rank() != env.rank:
-        raise RuntimeError(
+        raise ConfigError(
             f"MPI world (rank {comm.Get_rank()} of {comm.Get_size()}) disagrees with the launcher "
             f"({env.launcher}: rank {env.rank} of {env.world_size}); with Slurm use srun --mpi=pmix")
     return comm

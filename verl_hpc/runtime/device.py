@@ -99,7 +99,7 @@ def backend_for(requested: str) -> str:
     if requested == "auto":
         return "nccl" if has_gpu() else "gloo"
     if requested == "nccl" and not has_gpu():
-        raise RuntimeError("parallel.backend=nccl but this rank sees no CUDA device; use auto or gloo")
+        raise ConfigError("parallel.backend=nccl but this rank sees no CUDA device; use auto or gloo")
     return requested
 
 

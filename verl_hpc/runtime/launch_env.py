@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from typing import Mapping
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.runtime.local_ranks import free_port
 
 
@@ -36,12 +37,12 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
     value = env.get(key)
     if value is None:
         if default is None:
-            raise RuntimeError(f"launcher variable {key} is not set")
+            raise ConfigError(f"launcher variable {key} is not set")
         return default
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"launcher variable {key}={value!r} is not an integer") from None
+        raise ConfigError(f"launcher variable {key}={value!r} is not an integer") from None
 
 
 def port_for_job(job_id: str) -> int:
@@ -66,7 +67,7 @@ def expand_first_host(nodelist: str) -> str:
             pass
     first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
     if not first:
-        raise RuntimeError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+        raise ConfigError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
     prefix, _, ranges = first.groups()
     if not ranges:
         return prefix
@@ -81,10 +82,10 @@ def tasks_on_node(spec: str, node_id: int) -> int:
     for part in spec.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not m:
-            raise RuntimeError(f"cannot parse SLURM_STEP_TASKS_PER_NODE={spec!r}")
+            raise ConfigError(f"cannot parse SLURM_STEP_TASKS_PER_NODE={spec!r}")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
     if not 0 <= node_id < len(counts):
-        raise RuntimeError(f"SLURM_NODEID={node_id} is outside SLURM_STEP_TASKS_PER_NODE={spec!r}")
+        raise ConfigError(f"SLURM_NODEID={node_id} is outside SLURM_STEP_TASKS_PER_NODE={spec!r}")
     return counts[node_id]
 
 

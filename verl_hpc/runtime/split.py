@@ -41,6 +41,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.placement import rank_role
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.runtime.launch_env import LaunchEnv
@@ -157,8 +158,8 @@ class SplitWorld:
         """Connect to the job's store and initialise this rank's own default group. Collective
         over the whole job (every rank calls it once, before anything else is distributed)."""
         if not 0 < rollout_ranks < env.world_size:
-            raise ValueError(f"placement.rollout_ranks = {rollout_ranks}: must be in 1..{env.world_size - 1} "
-                             f"(world size {env.world_size})")
+            raise ConfigError(f"placement.rollout_ranks = {rollout_ranks}: must be in 1..{env.world_size - 1} "
+                              f"(world size {env.world_size})")
         role = rank_role(env.rank, rollout_ranks)
         offset, size = (0, rollout_ranks) if role == "rollout" else (rollout_ranks, env.world_size - rollout_ranks)
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, TextIO
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.tracking import jsonl, plots
 from verl_hpc.tracking.values import MetricCleaner
 
@@ -49,7 +50,7 @@ class Tracker:
                  alert_webhook: str = "", job_name: str) -> None:
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
-            raise ValueError(f"tracking.backends: unknown {unknown}; valid: {', '.join(BACKENDS)}")
+            raise ConfigError(f"tracking.backends: unknown {unknown}; valid: {', '.join(BACKENDS)}")
         self.is_main = bool(is_main)
         self.output_dir = Path(output_dir)
         self.total_steps = int(total_steps)

@@ -62,9 +62,9 @@ def test_math_cli(files, tmp_path):
     ("math", [MATH[0], {"problem": "p", "solution": "x = \\boxed{3"}],
      "row 1 (line 2): field 'solution' has no complete"),
 ])
-def test_bad_input_rows_exit_2_naming_the_line(files, tmp_path, task, rows, message):
+def test_bad_input_rows_exit_10_naming_the_line(files, tmp_path, task, rows, message):
     proc = prepare(task, files.jsonl("in.jsonl", rows), tmp_path / "out.parquet")
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 10 and message in proc.stderr and "Traceback" not in proc.stderr  # DataError's code
     assert not (tmp_path / "out.parquet").exists()
 
 

@@ -74,13 +74,13 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
 
 def test_fp8_without_gpu_or_te_fails_with_the_documented_error(monkeypatch):
     opts = default_options(model_path="/m", trainable=False, fp8=True)
-    with pytest.raises(RuntimeError, match="model.fp8=true needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match="model.fp8=true needs a CUDA GPU"):
         check_options(opts)
     monkeypatch.setattr(gpt_mod, "has_gpu", lambda: True)
     monkeypatch.setattr(gpt_mod, "transformer_engine_available", lambda: False)
-    with pytest.raises(RuntimeError, match="model.fp8=true needs transformer_engine"):
+    with pytest.raises(ConfigError, match="model.fp8=true needs transformer_engine"):
         check_options(opts)
-    with pytest.raises(ValueError, match="model.fp8_recipe: 'custom'"):
+    with pytest.raises(ConfigError, match="model.fp8_recipe: 'custom'"):
         gpt_mod.check_fp8_supported("custom")
 
 

@@ -3,6 +3,7 @@ mask, the output layer's position selection, and the clear errors of the layer-s
 import pytest
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import parse_hf_config
 from verl_hpc.models.gpt import _mask_padded_vocab, layer_spec, per_row_positions, select_output_positions
 
@@ -131,7 +132,7 @@ def test_per_row_positions_reindex_the_rotary_angles():
 
 
 def test_fp8_without_gpu_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="model.fp8=true needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match="model.fp8=true needs a CUDA GPU"):
         layer_spec(fp8=True)
     spec = layer_spec()  # the local spec on CPU
     assert "TENorm" not in repr(spec) and "TELayerNorm" not in repr(spec)

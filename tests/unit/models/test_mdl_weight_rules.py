@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.config_mapping import padded_vocab_size, parse_hf_config
-from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+from verl_hpc.models.hf_checkpoint import HFCheckpointReader, WeightFileError
 from verl_hpc.models.weight_rules import LAYER_RULES, Layout, layer_rules, model_rules, rule_for
 
 
@@ -129,7 +129,7 @@ def test_reader_reads_slices_lazily(tmp_path, shards):
     assert torch.equal(reader.read("a", (slice(2, 4),)), tensors["a"][2:4])
     assert torch.equal(reader.read("a", (slice(None), slice(1, 3))), tensors["a"][:, 1:3])
     assert reader.bytes_read == (8 + 12) * 4, "only the selected elements are copied out"
-    with pytest.raises(KeyError, match="has no tensor 'c'"):
+    with pytest.raises(WeightFileError, match="has no tensor 'c'"):
         reader.read("c")
 
 

@@ -227,14 +227,14 @@ def test_sleep_noop_is_logged_once(caplog, monkeypatch):
 def test_factory_errors(monkeypatch, tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path}"])
     monkeypatch.setattr(factory, "vllm_available", lambda: False)
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(ConfigError) as e:  # one error line and exit code 2 on a rank
         build_rollout(cfg)
     assert str(e.value) == ("rollout.engine=vllm but vllm is not installed; install the cpu or "
                             "gpu extra, or set rollout.engine=hf")
-    with pytest.raises(ValueError, match="model.path is empty"):
+    with pytest.raises(ConfigError, match="model.path is empty"):
         build_rollout(load_config(None, []))
     hf_tp2 = load_config(None, [f"model.path={tmp_path}", "rollout.engine=hf", "rollout.tp=2"])
-    with pytest.raises(ValueError, match="rollout.tp=2 needs rollout.engine=vllm"):
+    with pytest.raises(ConfigError, match="rollout.tp=2 needs rollout.engine=vllm"):
         build_rollout(hf_tp2)
 
 

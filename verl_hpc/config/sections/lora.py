@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import List
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.fields import Section, opt
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -41,7 +42,7 @@ def vllm_slot_rank(rank: int) -> int:
     for allowed in VLLM_SLOT_RANKS:
         if allowed >= rank:
             return allowed
-    raise ValueError(f"lora.rank = {rank}: vLLM's LoRA slots hold rank {VLLM_SLOT_RANKS[-1]} at most")
+    raise ConfigError(f"lora.rank = {rank}: vLLM's LoRA slots hold rank {VLLM_SLOT_RANKS[-1]} at most")
 
 
 @dataclass

@@ -1,11 +1,16 @@
-"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic,tool_arith} ...`: see verl_hpc/data/prepare/__init__.py."""
+"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic,tool_arith} ...`: see verl_hpc/data/prepare/__init__.py.
+
+A problem is one `error: ...` line and its class's exit code (docs/errors.md): 10 for input rows
+or files (DataError, the file and line named), 2 for an option value or an output path that
+cannot be written (ConfigError).
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import List, Optional
 
-from verl_hpc.data.errors import DataError
+from verl_hpc.errors import VerlHpcError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,9 +76,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_parquet(rows, args.output)
         print(f"wrote {len(rows)} {args.task} rows to {args.output}")
         return 0
-    except DataError as e:
+    except VerlHpcError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
 
 
 if __name__ == "__main__":

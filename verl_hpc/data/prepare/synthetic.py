@@ -32,6 +32,7 @@ import os
 import random
 from typing import Dict, List, Tuple
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.data.errors import DataError
 
 DATA_SOURCE = "synthetic_arith"
@@ -40,7 +41,7 @@ NOISE_KINDS = ("systematic", "random")
 
 def operand_max(difficulty: int) -> int:
     if difficulty < 1:
-        raise DataError(f"--difficulty: must be >= 1, got {difficulty}")
+        raise ConfigError(f"--difficulty: must be >= 1, got {difficulty}")
     return 4 if difficulty == 1 else 10 ** (difficulty - 1) - 1
 
 
@@ -64,11 +65,11 @@ def generate(n_train: int, n_val: int, seed: int = 0, difficulty: int = 2, sft_n
              n_sft: int = -1, noise_kind: str = "systematic") -> Dict[str, List[Dict]]:
     """{'train', 'val', 'sft'}: rows for each file. n_sft < 0 means as many as n_train."""
     if n_train <= 0 or n_val <= 0:
-        raise DataError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
+        raise ConfigError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
     if not 0.0 <= sft_noise <= 1.0:
-        raise DataError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
+        raise ConfigError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
     if noise_kind not in NOISE_KINDS:
-        raise DataError(f"--noise-kind: invalid value {noise_kind!r}; valid: {', '.join(NOISE_KINDS)}")
+        raise ConfigError(f"--noise-kind: invalid value {noise_kind!r}; valid: {', '.join(NOISE_KINDS)}")
     hi = operand_max(difficulty)
     # one stream per file: adding val rows does not change the train rows
     rngs = {name: random.Random(f"synthetic_arith:{seed}:{name}") for name in ("train", "val", "sft")}
@@ -103,7 +104,7 @@ def preference(n_train: int, n_val: int, seed: int = 0, difficulty: int = 2) -> 
     (prompt, chosen, rejected) and kto_train (prompt, completion, label: each prompt once, with the
     right answer or the distractor at random)."""
     if n_train <= 0 or n_val <= 0:
-        raise DataError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
+        raise ConfigError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
     hi = operand_max(difficulty)
     rngs = {name: random.Random(f"synthetic_pref:{seed}:{name}") for name in ("train", "val", "kto")}
     pair = lambda a, b: dict(task_row(a, b, difficulty), chosen=str(a + b), rejected=str(a + b + 1))  # noqa: E731

@@ -23,6 +23,7 @@ import json
 import random
 from typing import Dict, List
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.data.errors import DataError
 
 DATA_SOURCE = "tool_arith"
@@ -48,9 +49,9 @@ def demonstration(a: int, b: int) -> List[Dict[str, str]]:
 def generate(n_train: int, n_val: int, seed: int = 0, sft_noise: float = 0.0, n_sft: int = -1) -> Dict[str, List[Dict]]:
     """{'train', 'val', 'sft'} rows; n_sft < 0: as many as n_train."""
     if n_train <= 0 or n_val <= 0:
-        raise DataError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
+        raise ConfigError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
     if not 0.0 <= sft_noise <= 1.0:
-        raise DataError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
+        raise ConfigError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
     rngs = {name: random.Random(f"{DATA_SOURCE}:{seed}:{name}") for name in ("train", "val", "sft")}
     draw = lambda rng: (rng.randint(LOW, HIGH), rng.randint(LOW, HIGH))  # noqa: E731
     out = {name: [task_row(*draw(rngs[name])) for _ in range(n)] for name, n in (("train", n_train), ("val", n_val))}

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.megatron.options import EngineOptions
 from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing
@@ -151,8 +152,8 @@ def prompt_sharing(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any], *
                else "")
     if why_not:
         if o.share_prompts == "on":
-            raise ValueError(f"actor.share_prompts=on: cannot pack prompts here: {why_not}; "
-                             "valid: auto (packs where possible) or off")
+            raise ConfigError(f"actor.share_prompts=on: cannot pack prompts here: {why_not}; "
+                              "valid: auto (packs where possible) or off")
         if o.head == "lm":
             log.info("shared prompts off: %s (one sequence per row)", why_not)
         return None, {}

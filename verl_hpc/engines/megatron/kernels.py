@@ -27,6 +27,7 @@ import dataclasses
 import importlib.util
 from typing import Dict, Optional
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
 
@@ -101,8 +102,8 @@ class KernelSwitches:
         for name, (section, present, needs) in rules.items():
             asked = getattr(self, name)
             if asked and not present:
-                raise ValueError(f"{section}.{name}=true needs {needs}, which this rank lacks; set "
-                                 f"it to null (auto: on where the kernel exists) or false")
+                raise ConfigError(f"{section}.{name}=true needs {needs}, which this rank lacks; set "
+                                  f"it to null (auto: on where the kernel exists) or false")
             on = present if asked is None else bool(asked)
             out[name] = on and (trainable or name not in grads_only)
         return PerfOptions(**out)

@@ -19,6 +19,7 @@ from typing import Tuple
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.fields import choice_problems, range_problems
 
 
@@ -27,7 +28,7 @@ def check_optim(optim) -> None:
     for a section the loader did not check: built directly by a test or a benchmark."""
     problems = range_problems(optim, "optim.") + choice_problems(optim, "optim.") + optim.own_problems("optim")
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ConfigError("; ".join(problems))
 
 
 def optimizer_config(optim, dtype, use_distributed_optimizer: bool):
@@ -81,8 +82,8 @@ def build_scheduler(optimizer, optim, total_steps: int):
     # the config check compares with trainer.total_steps; sft/dpo may run fewer steps (the data
     # ran out first), known only here
     if optim.lr_decay_style != "constant" and optim.warmup_steps >= total_steps:
-        raise ValueError(f"optim.warmup_steps={optim.warmup_steps} must be below trainer.total_steps="
-                         f"{total_steps} for lr_decay_style={optim.lr_decay_style!r}")
+        raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be below trainer.total_steps="
+                          f"{total_steps} for lr_decay_style={optim.lr_decay_style!r}")
     wd = optim.weight_decay
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,

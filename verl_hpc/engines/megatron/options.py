@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.megatron.kernels import KernelSwitches
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
@@ -114,7 +115,7 @@ class EngineOptions:
                        max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
         rm = cfg.reward.reward_model
         if not rm.path:
-            raise ValueError("reward.reward_model.path: empty; a reward-model role needs a model folder")
+            raise ConfigError("reward.reward_model.path: empty; a reward-model role needs a model folder")
         return cls(model_path=rm.path, head="value", trainable=False, optim=None, lora=None,
                    **_offload(None),
                    micro_batch_size=cfg.actor.micro_batch_size,
@@ -153,9 +154,9 @@ def check_options(o: EngineOptions) -> None:
     # the config refuses these for a CPU job (slurm.gpus_per_node = 0); whether this node has the
     # GPU and Transformer Engine is known only here
     if o.sequence_parallel and not (has_gpu() and transformer_engine_available()):
-        raise ValueError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
-                         "(a CUDA GPU and transformer_engine); Megatron's local spec (torch norm) "
-                         "does not support it. Install the 'gpu' extra or set it false.")
+        raise ConfigError("parallel.sequence_parallel=true needs the Transformer Engine layer spec "
+                          "(a CUDA GPU and transformer_engine); Megatron's local spec (torch norm) "
+                          "does not support it. Install the 'gpu' extra or set it false.")
     if o.fp8:
         from verl_hpc.models.gpt import check_fp8_supported
 

@@ -28,6 +28,7 @@ from typing import Dict, List, Mapping
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import LossFn
 from verl_hpc.engines.batch import Batch, as_engine_batch, get_response_mask, split_rows
 from verl_hpc.engines.megatron.engine import MegatronEngine
@@ -80,7 +81,7 @@ class _Trainable:
         batch = as_engine_batch(batch)
         size = self.cfg.ppo_mini_batch_size * self.n
         if size < 1:
-            raise ValueError(f"{self.prefix}.ppo_mini_batch_size must be >= 1")
+            raise ConfigError(f"{self.prefix}.ppo_mini_batch_size must be >= 1")
         outputs = tuple(getattr(loss, "outputs", ("log_probs",)))
         steps = []
         with self.engine.resident("train"):  # offloaded states come back once for the whole update

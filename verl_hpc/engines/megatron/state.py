@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
+from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
 from verl_hpc.engines.base import EngineState
 from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
@@ -271,10 +272,10 @@ def engine_state(engine):
 
 def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
     if meta.get("format") != FORMAT:
-        raise ValueError(f"engine state format {meta.get('format')!r}; this engine reads {FORMAT}")
+        raise CheckpointLayoutError(f"engine state format {meta.get('format')!r}; this engine reads {FORMAT}")
     if meta.get("head") != engine.options.head:
-        raise ValueError(f"engine state is of a {meta.get('head')!r} head; this engine has "
-                         f"{engine.options.head!r}")
+        raise CheckpointLayoutError(f"engine state is of a {meta.get('head')!r} head; this engine has "
+                                    f"{engine.options.head!r}")
     check_lora_meta(meta.get("lora"), getattr(engine, "lora", None), engine.options.model_path)
     with torch.no_grad():
         load_into(_slabs(engine, for_load=True))

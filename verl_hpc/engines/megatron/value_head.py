@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.models import export_hf_weights
-from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+from verl_hpc.models.hf_checkpoint import HFCheckpointReader, WeightFileError
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,8 @@ def attach_value_head(gpt, folder, *, sequence_parallel: bool, seed: int = 1234)
         if SCORE_NAME in reader:
             score = reader.read(SCORE_NAME)
             if tuple(score.shape) != (1, gpt.config.hidden_size):
-                raise ValueError(f"{folder}: {SCORE_NAME} has shape {tuple(score.shape)}; a value "
-                                 f"head needs (1, {gpt.config.hidden_size})")
+                raise WeightFileError(f"{folder}: {SCORE_NAME} has shape {tuple(score.shape)}; a value "
+                                      f"head needs (1, {gpt.config.hidden_size})")
             head.weight.copy_(score)
         else:
             gen = torch.Generator().manual_seed(seed)

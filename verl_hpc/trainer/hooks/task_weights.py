@@ -26,6 +26,7 @@ from typing import Dict, Mapping, Optional, Sequence
 
 import torch
 
+from verl_hpc.data.errors import DataError
 from verl_hpc.data.tasks import task_of
 from verl_hpc.trainer.hooks.base import CONTINUE
 
@@ -143,8 +144,8 @@ class TaskWeightScheduler:
 
     def load_state_dict(self, state: Mapping) -> None:
         if sorted(state["weights"]) != self.tasks:
-            raise ValueError(f"task weights in the checkpoint are for tasks {sorted(state['weights'])}, this run "
-                             f"has {self.tasks}; resume with the same data.tasks")
+            raise DataError(f"task weights in the checkpoint are for tasks {sorted(state['weights'])}, this run "
+                            f"has {self.tasks}; resume with the same data.tasks")
         self.weights = {t: float(state["weights"][t]) for t in self.tasks}
         self.best = {t: None if state["best"][t] is None else float(state["best"][t]) for t in self.tasks}
         self.waited = {t: int(state["waited"][t]) for t in self.tasks}

@@ -114,6 +114,14 @@ def main(argv=None) -> int:
     task = TASKS[a.task]
     a.out, a.rl_config = a.out or task["out"], a.rl_config or task["rl_config"]
     a.sft_noise = task["sft_noise"] if a.sft_noise is None else a.sft_noise
+    # the arguments the later phases would refuse only after the model and the data are made
+    if a.ranks is not None and a.ranks < 1:
+        ap.error(f"--ranks: got {a.ranks}; valid: a number of local ranks >= 1")
+    if not 0.0 <= a.sft_noise <= 1.0:
+        ap.error(f"--sft-noise: got {a.sft_noise}; valid: a fraction in [0, 1]")
+    for option, config in (("--rl-config", a.rl_config), ("--compare", a.compare)):
+        if config is not None and not Path(config).is_file():
+            ap.error(f"{option}: no such config file '{config}'")
     out, py, t0 = Path(a.out), sys.executable, time.time()
     phase_dir = lambda config: out / ("rl" if a.task == "tool" else Path(config).stem.replace("demo_", ""))  # noqa: E731
     rl_out = phase_dir(a.rl_config)  # outputs/demo/rl, .../rl_split

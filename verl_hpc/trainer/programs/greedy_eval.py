@@ -4,7 +4,8 @@ transformers' own generate (greedy), the project's chat-template rendering and r
     python -m verl_hpc.trainer.programs.greedy_eval MODEL_DIR VAL_PARQUET [--max-new-tokens 4]
 
 Used to show that preference training changes what the policy answers (trainer.job=dpo reports
-preference accuracy; this measures the answers themselves).
+preference accuracy; this measures the answers themselves). A MODEL_DIR without config.json is one
+`error: ...` line and exit code 2, a VAL_PARQUET that cannot be read one line and 10 (docs/errors.md).
 """
 from __future__ import annotations
 
@@ -51,10 +52,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     a = ap.parse_args(argv)
     from verl_hpc.config import JobConfig
+    from verl_hpc.config.hf_model import read_hf_config
+    from verl_hpc.data import read_rows
+    from verl_hpc.errors import VerlHpcError
 
     d = JobConfig().data  # the default data section's prompt column and chat-template wrapping
-    print(json.dumps({"greedy_accuracy": greedy_accuracy(a.model_dir, a.val_file, a.max_new_tokens, d.prompt_key,
-                                                         d.wrap_plain_text)}))
+    try:  # the arguments first, before transformers turns a missing folder into a hub lookup
+        read_hf_config(a.model_dir, "MODEL_DIR")
+        read_rows(a.val_file, what="val file")
+        accuracy = greedy_accuracy(a.model_dir, a.val_file, a.max_new_tokens, d.prompt_key, d.wrap_plain_text)
+    except VerlHpcError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(json.dumps({"greedy_accuracy": accuracy}))
     return 0
 
 

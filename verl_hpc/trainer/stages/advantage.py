@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from verl_hpc.algorithms import apply_kl_penalty, compute_advantages
+from verl_hpc.config.errors import ConfigError
 
 
 def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
@@ -29,8 +30,8 @@ def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
         return token_scores, {}
     if batch.ref_log_probs is None:  # coefficient 0: ref.enable (auto) built no reference
         if kl_ctrl.value:
-            raise RuntimeError("algorithm.use_kl_in_reward with a KL coefficient > 0 needs the reference "
-                               "policy (ref.enable)")
+            raise ConfigError("algorithm.use_kl_in_reward with a KL coefficient > 0 needs the reference "
+                              "policy (ref.enable)")
         return token_scores, {}
     rewards, m = apply_kl_penalty(token_scores, batch.old_log_probs, batch.ref_log_probs,
                                   batch.response_mask, kl_ctrl.value, a.kl_penalty)

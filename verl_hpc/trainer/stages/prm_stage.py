@@ -20,6 +20,7 @@ import torch
 from verl_hpc.algorithms import PrmObjective
 from verl_hpc.algorithms.prime import (implicit_scores, implicit_token_rewards, pairwise_partners, prm_metrics,
                                        process_rewards, token_reward_stats)
+from verl_hpc.config.errors import ConfigError
 
 
 class PrmStage:
@@ -37,7 +38,7 @@ class PrmStage:
     def __call__(self, batch, timer) -> Dict[str, float]:
         p, labels = self.cfg, batch.outcome_labels
         if batch.ref_log_probs is None:
-            raise RuntimeError("the implicit PRM needs the reference's log-probs (ref.enable)")
+            raise ConfigError("the implicit PRM needs the reference's log-probs (ref.enable)")
         rewards = self._token_rewards(batch, timer)
         scores = implicit_scores(rewards, batch.mask)
         m = {f"prm/{k}": v for k, v in prm_metrics(scores, labels, batch.group_ids).items()}
