@@ -55,11 +55,11 @@ WALK = [
     ("verl_hpc.gpu_check.all", ["--out", "{file}", "--dry-run"], 2, "error: --out '{file}' is a file"),
     ("verl_hpc.gpu_check.wheels", ["{tmp}/wheels", "--glibc", "2"], 2, "error: --glibc: got '2'; valid: X.Y"),
     ("verl_hpc.gpu_check.wheels", ["{file}"], 2, "error: OUT '{file}' is a file"),
-    ("verl_hpc.trainer.demo", ["--ranks", "0"], 2, "error: --ranks: got 0"),
-    ("verl_hpc.trainer.demo", ["--rl-config", "{tmp}/nope.yaml"], 2, "error: --rl-config: no such config file"),
-    ("verl_hpc.trainer.greedy_eval", ["{tmp}/nope", "{tmp}/val.parquet"], 2,
+    ("verl_hpc.trainer.programs.demo", ["--ranks", "0"], 2, "error: --ranks: got 0"),
+    ("verl_hpc.trainer.programs.demo", ["--rl-config", "{tmp}/nope.yaml"], 2, "error: --rl-config: no such config file"),
+    ("verl_hpc.trainer.programs.greedy_eval", ["{tmp}/nope", "{tmp}/val.parquet"], 2,
      "error: MODEL_DIR: no such folder '{tmp}/nope'"),
-    ("verl_hpc.trainer.greedy_eval", ["{json_model}", "{tmp}/val.parquet"], 10,
+    ("verl_hpc.trainer.programs.greedy_eval", ["{json_model}", "{tmp}/val.parquet"], 10,
      "error: val file '{tmp}/val.parquet': no such file"),
 ]
 # modules with a `__main__` that a user does not run: started by the project itself
