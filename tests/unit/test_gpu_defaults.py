@@ -23,7 +23,7 @@ def test_auto_switches_follow_the_machine():
 
 @pytest.mark.parametrize("value", ["true", "false", True, False])
 def test_explicit_switches_keep_working_on_both_machines(tmp_path, value):
-    """Overrides and YAML booleans (grpo_8b.yaml writes `enforce_eager: false`) mean what they say."""
+    """Overrides and YAML booleans (base_gpu_cluster.yaml writes `enforce_eager: false`) mean what they say."""
     want = value in ("true", True)
     path = tmp_path / "job.yaml"
     path.write_text(f"rollout:\n  enforce_eager: {str(value).lower()}\n  sleep_between_phases: {str(value).lower()}\n")
