@@ -146,7 +146,7 @@ def run(cfg, ctx) -> dict:
     from verl_hpc.checkpoint.trainer_state import PREFERENCE_FORMAT, TrainerCheckpointer
     from verl_hpc.data.preference import load_preference_examples
     from verl_hpc.data.sampler import EpochSampler
-    from verl_hpc.engines.megatron.roles import build_engine, build_reference
+    from verl_hpc.trainer.roles import build_engine, build_reference
     from verl_hpc.trainer.program import check_tracking, finish, tracked
     from verl_hpc.trainer.roles import load_tokenizer
     from verl_hpc.trainer.sft import save_hf
