@@ -306,9 +306,10 @@ def whole_config_takers(root: Path, sections) -> dict:
 
 
 def _below_trainer(name: str) -> bool:
-    path = name.split(":")[0].replace(".", "/")
-    rel = path.split("/", 1)[1] if "/" in path else path
-    return not (rel + ".py").startswith(TOP_LAYER) and not rel.endswith("__main__")
+    """'verl_hpc.rollout.agent:f' -> True; the top layer's modules, packages and __main__ CLIs -> False."""
+    rel = name.split(":")[0].partition(".")[2].replace(".", "/")  # a package's __init__ reads as its folder
+    return not ((rel + ".py").startswith(TOP_LAYER) or (rel + "/").startswith(TOP_LAYER)
+                or rel.endswith("__main__"))
 
 
 def test_components_below_the_trainer_take_their_sections():
@@ -334,11 +335,14 @@ def test_the_config_check_sees_a_reader_a_handler_and_a_holder(tmp_path):
         "def hands(config, x):\n    return reads(config)\n"
         "def via_alias(job_cfg):\n    return h(job_cfg)\n"
         "def sections(rollout, model):\n    return rollout.n + model.path\n"
-        "def hf(config):\n    return len(config)\n"
+        "def hf(config):\n    return len(config) + sections(config, 1)\n"
+        "def typed(job: 'JobConfig'):\n    return job.data\n"
         "class C:\n    def m(self):\n        return self.cfg.trainer.seed\n"
-        "    @classmethod\n    def from_config(cls, cfg):\n        return cls(cfg.model)\n")
+        "    @classmethod\n    def from_config(cls, cfg):\n        return cls(cfg.model)\n"
+        "def via_class(cfg):\n    return C.from_config(cfg)\n")
     (pkg / "low" / "n.py").write_text("def g(cfg):\n    return cfg.data\n")
     found = whole_config_takers(pkg, {"rollout", "model", "data", "trainer"})
     assert sorted(found) == ["pkg.low.m:C.from_config", "pkg.low.m:C.m", "pkg.low.m:hands", "pkg.low.m:reads",
-                             "pkg.low.m:via_alias", "pkg.low.n:g"]
+                             "pkg.low.m:typed", "pkg.low.m:via_alias", "pkg.low.m:via_class", "pkg.low.n:g"]
     assert found["pkg.low.m:hands"] == "hands config whole to pkg.low.m:reads"
+    assert found["pkg.low.m:reads"] == "reads cfg.rollout"
