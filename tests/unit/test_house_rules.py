@@ -247,3 +247,149 @@ def test_no_test_fault_knob_in_the_product():
     found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in files
              for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if "inject_" in line]
     assert not found, f"test faults belong in tests/faults.py, not the product: {found}"
+
+
+# A component is built from its own section (docs/architecture.md): below the trainer, a function
+# takes the sections it needs (or a small options object its caller built), never the whole job
+# config. The top layer plans and wires the whole job and may take it.
+TOP_LAYER = ("config/", "trainer/", "launcher/", "planning/", "gpu_check/", "job.py", "submit.py", "plan.py")
+CONFIG_NAMES = ("cfg", "config", "job_cfg")  # a parameter of these names (or annotated JobConfig)
+HOLDERS = ("cfg", "_cfg", "config", "_config", "job_cfg")  # self.<these>: a class that holds the config
+# Functions below the trainer that still take the whole job config, as module:qualname. The list only
+# shrinks: a function fixed comes off it, and no new one goes on.
+WHOLE_CONFIG_ALLOWED = frozenset()  # none below the trainer: keep it so
+
+
+def _job_sections():
+    import dataclasses
+
+    from verl_hpc.config import JobConfig
+
+    return frozenset(f.name for f in dataclasses.fields(JobConfig))
+
+
+def _functions(tree):
+    """(qualname, node) of every function and method, nested ones included."""
+    found = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, child))
+                visit(child, f"{prefix}{child.name}.<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+    visit(tree, "")
+    return found
+
+
+def _calls_with(fn, name: str, aliases):
+    """The callee keys ('f', 'Cls.m', '.m' for self.m / obj.m) of the calls that pass `name` whole."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and any(isinstance(a, ast.Name) and a.id == name for a in
+                                              [*node.args, *(k.value for k in node.keywords)]):
+            f = node.func
+            if isinstance(f, ast.Name):
+                yield aliases.get(f.id, f.id)
+            elif isinstance(f, ast.Attribute):
+                outer = f.value.id if isinstance(f.value, ast.Name) else ""
+                yield f"{outer}.{f.attr}" if outer[:1].isupper() else f".{f.attr}"
+
+
+def whole_config_takers(root: Path, sections) -> dict:
+    """{'module:qualname': why} for every function under `root` that takes the whole job config: a
+    parameter named cfg/config/job_cfg (or annotated JobConfig) whose body reads `<param>.<section>`
+    or hands it whole to another such function, or a method that reads `self.cfg.<section>`."""
+    entries, why = [], {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        mod = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = {a.asname: a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   for a in n.names if a.asname}
+        for qual, fn in _functions(tree):
+            a = fn.args
+            params = [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                      if p.arg in CONFIG_NAMES or (p.annotation is not None and "JobConfig" in ast.unparse(p.annotation))]
+            reads = {(n.value.id, n.attr) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+                     and isinstance(n.value, ast.Name) and n.attr in sections}
+            held = sorted({n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr in sections
+                           and isinstance(n.value, ast.Attribute) and n.value.attr in HOLDERS
+                           and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"})
+            name = f"{mod}:{qual}"
+            for p in params:
+                read = sorted(s for q, s in reads if q == p)
+                if read:
+                    why[name] = "reads " + ", ".join(f"{p}.{s}" for s in read)
+                    break
+            else:
+                if held:
+                    why[name] = "reads " + ", ".join(f"self.<config>.{s}" for s in held)
+            calls = {p: set(_calls_with(fn, p, aliases)) for p in params}
+            entries.append((name, qual, calls))
+
+    def key_matches(key: str, qual: str) -> bool:
+        tail = qual.split(".")
+        if key.startswith("."):
+            return tail[-1] == key[1:]
+        return ".".join(tail[-2:]) == key if "." in key else tail[-1] == key
+
+    changed = True
+    while changed:  # whoever hands the config whole to a taker is one too
+        changed = False
+        takers = [(n, q) for n, q, _ in entries if n in why]
+        for name, _, calls in entries:
+            if name in why:
+                continue
+            for p, keys in calls.items():
+                hit = next((t for t, tq in takers for k in keys if key_matches(k, tq)), None)
+                if hit:
+                    why[name] = f"hands {p} whole to {hit}"
+                    changed = True
+                    break
+    return why
+
+
+def _below_trainer(name: str) -> bool:
+    """'verl_hpc.rollout.agent:f' -> True; the top layer's modules, packages and __main__ CLIs -> False."""
+    rel = name.split(":")[0].partition(".")[2].replace(".", "/")  # a package's __init__ reads as its folder
+    return not ((rel + ".py").startswith(TOP_LAYER) or (rel + "/").startswith(TOP_LAYER)
+                or rel.endswith("__main__"))
+
+
+def test_components_below_the_trainer_take_their_sections():
+    found = {n: w for n, w in whole_config_takers(PACKAGE, _job_sections()).items() if _below_trainer(n)}
+    new = sorted(set(found) - WHOLE_CONFIG_ALLOWED)
+    assert not new, (
+        f"{len(found)} functions below the trainer take the whole job config ({len(WHOLE_CONFIG_ALLOWED)} "
+        "allowed, in WHOLE_CONFIG_ALLOWED). New ones:\n" + "\n".join(f"  {n}: {found[n]}" for n in new)
+        + "\nTake the sections it needs (cfg.rollout, cfg.model, ...) or the values it reads from other "
+        "sections as arguments, or a small options object built from the config in the trainer layer; "
+        "never add to WHOLE_CONFIG_ALLOWED.")
+    gone = sorted(WHOLE_CONFIG_ALLOWED - set(found))
+    assert not gone, ("these no longer take the whole job config (or were renamed): take them off "
+                      "WHOLE_CONFIG_ALLOWED:\n" + "\n".join(f"  {n}" for n in gone))
+
+
+def test_the_config_check_sees_a_reader_a_handler_and_a_holder(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "low" / "m.py").write_text(
+        "from pkg.low.n import g as h\n"
+        "def reads(cfg):\n    return cfg.rollout.n\n"
+        "def hands(config, x):\n    return reads(config)\n"
+        "def via_alias(job_cfg):\n    return h(job_cfg)\n"
+        "def sections(rollout, model):\n    return rollout.n + model.path\n"
+        "def hf(config):\n    return len(config) + sections(config, 1)\n"
+        "def typed(job: 'JobConfig'):\n    return job.data\n"
+        "class C:\n    def m(self):\n        return self.cfg.trainer.seed\n"
+        "    @classmethod\n    def from_config(cls, cfg):\n        return cls(cfg.model)\n"
+        "def via_class(cfg):\n    return C.from_config(cfg)\n")
+    (pkg / "low" / "n.py").write_text("def g(cfg):\n    return cfg.data\n")
+    found = whole_config_takers(pkg, {"rollout", "model", "data", "trainer"})
+    assert sorted(found) == ["pkg.low.m:C.from_config", "pkg.low.m:C.m", "pkg.low.m:hands", "pkg.low.m:reads",
+                             "pkg.low.m:typed", "pkg.low.m:via_alias", "pkg.low.m:via_class", "pkg.low.n:g"]
+    assert found["pkg.low.m:hands"] == "hands config whole to pkg.low.m:reads"
+    assert found["pkg.low.m:reads"] == "reads cfg.rollout"

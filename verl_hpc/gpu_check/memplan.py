@@ -3,7 +3,7 @@ allocates on the GPU while that job's actor trains.
 
 One job config (`kit_job_config`) drives both sides: `plan_job(cfg)` predicts the bytes per rank
 of the `update_actor` phase, and the engine the check trains is built from the same config
-(`EngineOptions.from_config(cfg, "actor")`). The comparison takes the plan's tensor components of
+(`engine_options(cfg, "actor")`, verl_hpc/trainer/roles.py). The comparison takes the plan's tensor components of
 that phase, the ones the kit's job holds (the actor's weights, gradients and optimizer state, the
 activations, the logits); the plan's `overhead` row (CUDA context, NCCL/cuBLAS workspaces,
 fragmentation) and vLLM's budget are left out, since max_memory_allocated counts neither.
@@ -91,12 +91,12 @@ def run(folder, *, rehearsal: bool) -> Comparison:
     import math
 
     from verl_hpc.engines.megatron import MegatronEngine
-    from verl_hpc.engines.megatron.options import EngineOptions
     from verl_hpc.gpu_check import workload
     from verl_hpc.models.gpt import transformer_engine_available
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.planning import plan_job
     from verl_hpc.runtime.device import memory_allocated, peak_memory_allocated, reset_peak_memory
+    from verl_hpc.trainer.roles import engine_options
 
     path = str(make_tiny_model(folder, "llama", **SHAPE))
     lengths = (dict(prompt=REHEARSAL_PROMPT, response=REHEARSAL_RESPONSE) if rehearsal
@@ -107,7 +107,7 @@ def run(folder, *, rehearsal: bool) -> Comparison:
     gc.collect()
     base = memory_allocated() or 0  # what the earlier checks still hold
     reset_peak_memory()
-    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
+    eng = MegatronEngine(engine_options(cfg, "actor"))
     for k in range(2):
         m = eng.train_step(workload.batch(k, rows=ROWS, full=True, **lengths), workload.loss_fn)
         assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m

@@ -209,7 +209,7 @@ class SetCheck:
             return ""
         from verl_hpc.rollout.agent import offered_tools
 
-        valid = offered_tools(self.cfg)
+        valid = offered_tools(self.cfg.multi_turn)
         unknown = [n for n in row["tools"] if n not in valid]
         return (f"field 'tools' names {', '.join(map(repr, unknown))}, not a tool of this job; valid: "
                 f"{', '.join(valid)}") if unknown else ""

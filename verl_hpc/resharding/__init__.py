@@ -30,12 +30,12 @@ Where the layouts change (docs/resharding.md):
   tensor in turn and the rollout engine cuts its own slices from them.
 Either way training TP and inference TP are independent in both directions.
 """
-from verl_hpc.resharding.adapter_sync import AdapterSync, StaleAdapterError, check_generated, weight_sync_from_config
+from verl_hpc.resharding.adapter_sync import AdapterSync, StaleAdapterError, check_generated
 from verl_hpc.resharding.buckets import BucketStream, bucket_bytes_from
 from verl_hpc.resharding.plan import PlanError
 from verl_hpc.resharding.sinks import DigestSink, NullSink, SliceSink
 from verl_hpc.resharding.sync import SyncError, WeightSync, export_source, sync
 
-__all__ = ["AdapterSync", "StaleAdapterError", "check_generated", "weight_sync_from_config", "BucketStream",
+__all__ = ["AdapterSync", "StaleAdapterError", "check_generated", "BucketStream",
            "DigestSink", "NullSink", "PlanError", "SliceSink", "SyncError", "WeightSync", "bucket_bytes_from",
            "export_source", "sync"]

@@ -1,6 +1,6 @@
 """LoRA's weight step: the actor's adapter only, into the rollout engine's LoRA slot, verified.
 
-    syncer = weight_sync_from_config(cfg)      # AdapterSync (lora.sync = adapter) or WeightSync
+    syncer = AdapterSync()                     # lora.sync = adapter (the trainer decides: trainer/stages/rollout_weights.py)
     metrics = syncer(actor, rollout)           # every rank, at the same point
     check_generated(result, syncer)            # after every generate: the adapter it used
 
@@ -24,7 +24,7 @@ import time
 from typing import Dict, Optional
 
 from verl_hpc.errors import VerlHpcError
-from verl_hpc.resharding.sync import SyncError, WeightSync, _agree, held_resident
+from verl_hpc.resharding.sync import SyncError, _agree, held_resident
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,3 @@ def check_generated(result, weight_sync) -> None:
             "was synced to it: it did not take the update, and training on these samples would "
             "train a stale policy. Stopping the step (lora.sync = merged avoids the LoRA slot).")
 
-
-def weight_sync_from_config(cfg, rollout_engine: str):
-    """The job's weight step: AdapterSync when lora.sync resolves to `adapter` for the job's
-    (resolved) rollout engine and this rank's machine, else the full-weight WeightSync (merged
-    weights under LoRA)."""
-    from verl_hpc.runtime.device import has_gpu
-
-    if cfg.lora.syncs_adapter(cfg, rollout_engine, gpu=has_gpu()):
-        return AdapterSync()
-    return WeightSync.from_config(cfg.resharding)

@@ -102,15 +102,16 @@ def slice_manifest(manifest, slicer: RolloutSlicer, ranks: int):
     return sizes, rows
 
 
-def rollout_slicer(cfg) -> Optional[RolloutSlicer]:
-    """What each rollout rank of a split job keeps, for the publisher (resharding.mode sliced or
-    auto); None: every rollout rank takes every full tensor (resharding.mode full)."""
-    if cfg.resharding.mode == "full":
+def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[RolloutSlicer]:
+    """What each rollout rank of a split job keeps, for the publisher (mode: resharding.mode, sliced
+    or auto); None: every rollout rank takes every full tensor (resharding.mode full). model_path:
+    model.path; rollout_tp: rollout.tp."""
+    if mode == "full":
         return None
     from verl_hpc.models import load_arch
 
-    arch = load_arch(cfg.model.path)
-    return RolloutSlicer(cfg.rollout.tp, head_dim=arch.head_dim, vocab_size=arch.vocab_size)
+    arch = load_arch(model_path)
+    return RolloutSlicer(rollout_tp, head_dim=arch.head_dim, vocab_size=arch.vocab_size)
 
 
 def slice_buffer(bucket: torch.Tensor, b: int, manifest, sliced) -> torch.Tensor:

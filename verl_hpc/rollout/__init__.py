@@ -1,6 +1,7 @@
 """Rollout: sample responses with logprobs from the current policy (docs/architecture.md).
 
-    rollout = build_rollout(cfg, ctx)                 # VLLMRollout or HFRollout (rollout.engine)
+    rollout = build_rollout(options, ctx)             # VLLMRollout or HFRollout (rollout.engine);
+                                                      # options: engine_config.RolloutOptions
     result  = rollout.generate(prompts, SamplingSpec.from_config(cfg.rollout).for_step(step))
     metrics = rollout_metrics(result)
     rollout.load_weights(iter_of_hf_name_and_full_tensor)   # after each actor update

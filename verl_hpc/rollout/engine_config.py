@@ -1,41 +1,55 @@
-"""An engine's constructor keywords from the job config. Its own module so that the engines, which
-read it in `from_config`, never import the factory that builds them (the factory imports them)."""
+"""What a rollout engine is built from: `RolloutOptions` (the rollout and model sections and the
+values of other sections the engines read), and the engine's constructor keywords from them. Its own
+module so that the engines, which read it in `from_options`, never import the factory that builds
+them (the factory imports them). The trainer builds the options from the job config
+(verl_hpc/trainer/roles.py: rollout_options)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from verl_hpc.runtime import device as devices
 
 
-def engine_kwargs(cfg, engine: str) -> dict:
-    """Constructor keywords from a JobConfig (rollout, model and data sections)."""
-    r = cfg.rollout
-    kwargs = dict(tp=r.tp, dtype=cfg.model.dtype, max_prompt_length=cfg.data.max_prompt_length,
-                  max_response_length=r.window(cfg),  # multi_turn: the whole episode
+@dataclass(frozen=True)
+class RolloutOptions:
+    """The rollout engine's sections, and each value it reads from another section, named by the
+    field it comes from."""
+    rollout: Any  # the rollout section
+    model: Any  # the model section
+    max_prompt_length: int  # data.max_prompt_length
+    window: int  # rollout.window: tokens generated after a prompt (multi_turn: the whole episode)
+    max_num_seqs: int  # rollout.max_num_seqs: sequences one rollout call has in flight
+    collective_timeout_s: int  # trainer.collective_timeout_s
+    split: bool  # placement.split
+    lora_rank: int  # the rank of vLLM's LoRA slot: lora.rank when the job syncs the adapter only, else 0
+
+
+def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
+    """Constructor keywords of `engine` ("vllm" or "hf") from the options."""
+    r, m = o.rollout, o.model
+    kwargs = dict(tp=r.tp, dtype=m.dtype, max_prompt_length=o.max_prompt_length,
+                  max_response_length=o.window,  # multi_turn: the whole episode
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
-                  tokenizer_path=cfg.model.tokenizer_path,
-                  trust_remote_code=cfg.model.trust_remote_code)
+                  tokenizer_path=m.tokenizer_path,
+                  trust_remote_code=m.trust_remote_code)
     if engine == "vllm":
         gpu = devices.has_gpu()  # the rank's machine: what the rollout section's auto switches follow
-        kwargs.update(max_num_seqs=r.max_num_seqs(cfg),
+        kwargs.update(max_num_seqs=o.max_num_seqs,
                       gpu_memory_utilization=r.gpu_memory_utilization,
-                      collective_timeout_s=cfg.trainer.collective_timeout_s,
+                      collective_timeout_s=o.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
-                      sleep_between_phases=r.sleeps(gpu, cfg.placement.split),
+                      sleep_between_phases=r.sleeps(gpu, o.split),
                       # level 2 drops the base weights, which the adapter sync never sends again
-                      sleep_level=1 if lora_slot_rank(cfg) else r.sleep_level,
-                      lora_rank=lora_slot_rank(cfg))
+                      sleep_level=1 if o.lora_rank else r.sleep_level,
+                      lora_rank=o.lora_rank)
     return kwargs
-
-
-def lora_slot_rank(cfg) -> int:
-    """The adapter rank vLLM's LoRA slot must take (0: none): lora.rank when the job syncs the
-    adapter only (lora.sync, resolved for this rank's machine), else 0 (merged weights need no slot)."""
-    return cfg.lora.rank if cfg.lora.syncs_adapter(cfg, "vllm", gpu=devices.has_gpu()) else 0
 
 
 def default_engine_args(engine: str, **changes) -> dict:
     """The constructor keywords VLLMRollout / HFRollout require (engine "vllm" / "hf"), from the
     default config's sections, with `changes` on top: for code that builds an engine without a job
-    config (tests, benchmarks). Jobs go through from_config (engine_kwargs)."""
+    config (tests, benchmarks). Jobs go through from_options (engine_kwargs)."""
     from verl_hpc.config import JobConfig  # lazily, as rollout/spec.py's default_spec
 
     cfg = JobConfig()

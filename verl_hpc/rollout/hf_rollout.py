@@ -36,7 +36,7 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
-from verl_hpc.rollout.engine_config import engine_kwargs
+from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -83,7 +83,7 @@ def column_major_linear_weights(model: torch.nn.Module) -> None:
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    # dtype, the lengths and prompt_overflow are config fields: required, so that from_config binds
+    # dtype, the lengths and prompt_overflow are config fields: required, so that from_options binds
     # the sections; code without a config uses engine_config.default_engine_args
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
                  prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
@@ -141,8 +141,8 @@ class HFRollout(RolloutEngine):
         self._optional = set(self._targets) - self._required
 
     @classmethod
-    def from_config(cls, cfg, ctx=None, **overrides) -> "HFRollout":
-        return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "hf"), **overrides})
+    def from_options(cls, options: RolloutOptions, ctx=None, **overrides) -> "HFRollout":
+        return cls(options.model.path, ctx=ctx, **{**engine_kwargs(options, "hf"), **overrides})
 
     @property
     def tokenizer(self):

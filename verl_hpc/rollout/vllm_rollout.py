@@ -59,7 +59,7 @@ from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
-from verl_hpc.rollout.engine_config import engine_kwargs
+from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -86,7 +86,7 @@ class VLLMRollout(RolloutEngine):
     name = "vllm"
 
     # dtype, the lengths, prompt_overflow, gpu_memory_utilization and collective_timeout_s are config
-    # fields: required, so that from_config binds the sections; code without a config uses
+    # fields: required, so that from_options binds the sections; code without a config uses
     # engine_config.default_engine_args
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
                  prompt_overflow: str, gpu_memory_utilization: float, collective_timeout_s: int,
@@ -172,8 +172,8 @@ class VLLMRollout(RolloutEngine):
                  max_model_len, kwargs["dtype"])
 
     @classmethod
-    def from_config(cls, cfg, ctx=None, **overrides) -> "VLLMRollout":
-        return cls(cfg.model.path, ctx=ctx, **{**engine_kwargs(cfg, "vllm"), **overrides})
+    def from_options(cls, options: RolloutOptions, ctx=None, **overrides) -> "VLLMRollout":
+        return cls(options.model.path, ctx=ctx, **{**engine_kwargs(options, "vllm"), **overrides})
 
     # ------------------------------------------------------------------ generate
     def _sampling_params(self, s: SamplingSpec, prompt_index: int):

@@ -1,6 +1,6 @@
 """After a signal-driven checkpoint: requeue the Slurm job, or just stop (rule: docs/signals.md).
 
-    requeue_after_signal(cfg, ctx, step=12, checkpoint_dir=root)   # collective; SystemExit if requeued
+    requeue_after_signal(ctx, step=12, checkpoint_dir=root, allowed=cfg.slurm.requeue)  # collective; SystemExit if requeued
 
 - the warning signal (SIGUSR2, `--signal=USR2@N`): requeue (the time limit is near);
 - SIGTERM: requeue only if Slurm is preempting the job. SIGTERM also comes from `scancel` and from
@@ -76,16 +76,17 @@ def decide(signal_name: Optional[str], job_info: Dict[str, str], requeue_enabled
                            "the time limit); a cancelled job stays ended")
 
 
-def requeue_after_signal(cfg, ctx, *, step: int, checkpoint_dir) -> None:
+def requeue_after_signal(ctx, *, step: int, checkpoint_dir, allowed: bool) -> None:
     """After the checkpoint of `step` (saved because of a signal): requeue per `decide` and leave
-    with SystemExit on every rank, or log how to resume and return. Collective."""
+    with SystemExit on every rank, or log how to resume and return. allowed: slurm.requeue.
+    Collective."""
     job_id = os.environ.get("SLURM_JOB_ID")
     signal_name = ctx.preemption.agreed_signal or ctx.preemption.signal_name
     error, decision = None, Decision(False, "not a Slurm job")
     if ctx.rank == 0:
         if job_id:
             info = {} if signal_name == WARNING_SIGNAL.name else scontrol_show_job(job_id)
-            decision = decide(signal_name, info, bool(cfg.slurm.requeue))
+            decision = decide(signal_name, info, bool(allowed))
         if not decision.requeue:
             log.warning("stopped by %s after step %d; not requeued (%s): run the same job again to resume "
                         "from %s (trainer.resume=auto)", signal_name, step, decision.why, checkpoint_dir)

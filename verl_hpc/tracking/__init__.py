@@ -1,6 +1,7 @@
 """Run observability: console, JSONL, TensorBoard, W&B, MLflow, Prometheus; timers; plots.
 
-    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=first_step, config=config_dict)
+    tracker = Tracker.from_config(cfg.tracking, cfg.trainer, job_name=cfg.slurm.job_name, is_main=ctx.rank == 0,
+                                  start_step=first_step, config=config_dict)
     timer = StageTimer()
     for step in ...:
         with timer("generate"): ...

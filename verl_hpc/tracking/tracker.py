@@ -114,16 +114,17 @@ class Tracker:
         return PrometheusBackend(port, **self._prometheus)
 
     @classmethod
-    def from_config(cls, cfg, *, is_main: bool, start_step: int | None = None, total_steps: int | None = None,
-                    config: Mapping[str, Any] | None = None) -> "Tracker":
-        """The tracker a job's config asks for (trainer.*, tracking.*)."""
-        tr, t = cfg.trainer, cfg.tracking
+    def from_config(cls, tracking, trainer, *, job_name: str, is_main: bool, start_step: int | None = None,
+                    total_steps: int | None = None, config: Mapping[str, Any] | None = None) -> "Tracker":
+        """The tracker the tracking and trainer sections ask for; job_name: slurm.job_name; config:
+        the whole job config as a plain mapping, logged as the run's parameters."""
+        tr, t = trainer, tracking
         return cls(t.backends, tr.output_dir, total_steps or tr.total_steps, tr.project_name, tr.experiment_name,
                    config, is_main=is_main, log_every=t.log_every, prometheus_port=t.prometheus_port,
                    start_step=start_step, plots_enabled=t.plots, console_metrics=t.console_metrics,
                    namespace=tr.namespace, pushgateway_url=t.pushgateway_url,
                    pushgateway_delete_on_finish=t.pushgateway_delete_on_finish,
-                   alert_webhook=t.alert_webhook, job_name=cfg.slurm.job_name)
+                   alert_webhook=t.alert_webhook, job_name=job_name)
 
     def event(self, kind: str, step: int | None = None, **details: Any) -> None:
         """An operator-facing event (rollback, preempted, failed, requeue): counted in Prometheus,

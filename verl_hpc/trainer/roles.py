@@ -3,6 +3,11 @@
     roles = build_roles(cfg, ctx)
     roles.actor, roles.ref, roles.critic, roles.reward_model, roles.prm, roles.rollout, roles.tokenizer
 
+Each component below the trainer is built from its own sections (docs/architecture.md): the
+functions here read the job config and hand each builder the sections and values it needs
+(`rollout_options`, `episode_options`, `engine_options`; `build_engine` and `build_reference`
+give the engine roles).
+
 Only what the algorithm needs is built: the reference policy iff a KL term or the implicit PRM
 uses it (`ref.enable`, auto), the critic iff the estimator needs values (`critic.enable`, auto:
 gae), the reward model iff `reward.reward_model.enable`, PRIME's implicit PRM iff `prm.enable`
@@ -24,9 +29,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from verl_hpc.engines.megatron.roles import build_engine, build_reference
+from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.engines.megatron.roles import Reference, build_role
+from verl_hpc.runtime import device as devices
+
+if TYPE_CHECKING:
+    from verl_hpc.rollout.agent import EpisodeOptions
+    from verl_hpc.rollout.engine_config import RolloutOptions
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +101,34 @@ def load_tokenizer(cfg):
                                          trust_remote_code=cfg.model.trust_remote_code)
 
 
+def engine_options(cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
+                   total_steps: Optional[int] = None) -> EngineOptions:
+    """The engine options of `role` (actor, critic, ref, reward, prm) of a loaded job config. fp8:
+    None = model.fp8; total_steps: None = trainer.total_steps (sft/dpo pass the steps the data gives)."""
+    return EngineOptions.for_role(
+        role, model=cfg.model, parallel=cfg.parallel, actor=cfg.actor, ref=cfg.ref, critic=cfg.critic,
+        prm=cfg.prm, reward=cfg.reward, lora=cfg.lora, temperature=cfg.rollout.temperature,
+        lora_seed=cfg.trainer.seed, total_steps=total_steps or cfg.trainer.total_steps, fp8=fp8,
+        loss_norm_len=loss_norm_len)
+
+
+def build_engine(role: str, cfg, ctx=None, **kwargs):
+    """The role object for `role` in {actor, critic, ref, reward, prm} (engines/megatron/roles.py:
+    build_role); collective: call on every rank. kwargs: fp8, loss_norm_len, total_steps (see
+    engine_options)."""
+    return build_role(role, engine_options(cfg, role, **kwargs), parallel=cfg.parallel, seed=cfg.trainer.seed,
+                      timeout_s=cfg.trainer.collective_timeout_s,
+                      role_cfg={"actor": cfg.actor, "critic": cfg.critic, "prm": cfg.prm}.get(role), n=cfg.rollout.n)
+
+
+def build_reference(cfg, ctx, actor, build=None) -> Reference:
+    """The reference policy: under LoRA the actor's base (adapters off, no memory of its own),
+    else a frozen engine of its own (`build`, default build_engine, called as build("ref", cfg, ctx))."""
+    if cfg.lora.enabled:
+        return Reference(actor.engine)
+    return (build or build_engine)("ref", cfg, ctx)
+
+
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
     """The caller owns the returned rollout engine and episode runner and closes them (`with
     roles.rollout:`, `with roles.episodes:`); if a role built after them fails, they are closed
@@ -100,12 +139,12 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         if with_rollout and cfg.multi_turn.enable:  # first: what fails here fails before any engine loads
             from verl_hpc.rollout.agent import episode_parts
 
-            parts = episode_parts(cfg, ctx, tokenizer)
+            parts = episode_parts(episode_options(cfg), ctx, tokenizer)
             on_error.callback(parts[1].close)  # its tool workers and sandbox
         if with_rollout:
             from verl_hpc.rollout import build_rollout
 
-            rollout = on_error.enter_context(build_rollout(cfg, ctx))
+            rollout = on_error.enter_context(build_rollout(rollout_options(cfg), ctx))
             rollout.sleep()  # rollout.sleep_between_phases: its memory goes to the engines built next
         actor = build_engine("actor", cfg, ctx)
         ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
@@ -115,7 +154,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         if parts is not None:
             from verl_hpc.rollout.agent import build_episode_runner
 
-            episodes = build_episode_runner(cfg, ctx, rollout, parts)
+            episodes = build_episode_runner(episode_options(cfg), ctx, rollout, parts)
         on_error.pop_all()  # all built: the engine (and the episode runner) stay open for the caller
     roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, episodes=episodes)
     if ctx.rank == 0:
@@ -124,3 +163,29 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
                  f"; LoRA rank {lora.rank} on {', '.join(lora.target_modules)} (the base frozen"
                  f"{'; ref = the base, adapters off' if roles.ref is not None else ''})" if lora.enabled else "")
     return roles
+
+
+def lora_slot_rank(cfg) -> int:
+    """The adapter rank vLLM's LoRA slot must take (0: none): lora.rank when the job syncs the
+    adapter only (lora.sync, resolved for this rank's machine), else 0 (merged weights need no slot)."""
+    return cfg.lora.rank if cfg.lora.syncs_adapter(cfg, "vllm", gpu=devices.has_gpu()) else 0
+
+
+def rollout_options(cfg) -> RolloutOptions:
+    """What the rollout engine is built from (verl_hpc/rollout/engine_config.py)."""
+    from verl_hpc.rollout.engine_config import RolloutOptions
+
+    r = cfg.rollout
+    return RolloutOptions(rollout=r, model=cfg.model, max_prompt_length=cfg.data.max_prompt_length,
+                          window=r.window(cfg), max_num_seqs=r.max_num_seqs(cfg),
+                          collective_timeout_s=cfg.trainer.collective_timeout_s, split=cfg.placement.split,
+                          lora_rank=lora_slot_rank(cfg))
+
+
+def episode_options(cfg) -> EpisodeOptions:
+    """What multi_turn's episodes are built from (verl_hpc/rollout/agent.py)."""
+    from verl_hpc.rollout.agent import EpisodeOptions
+
+    return EpisodeOptions(multi_turn=cfg.multi_turn, sandbox=cfg.sandbox,
+                          allow_custom_code=cfg.safety.allow_custom_code, on_error=cfg.reward.on_error,
+                          cpus_per_task=cfg.slurm.cpus_per_task, budget=cfg.data.max_response_length)

@@ -66,10 +66,11 @@ def _job_config(args, tp: int, pp: int):
 def _build_rollout(args, ctx, tp: int):
     """A vLLM engine at inference TP `tp` (one replica per `tp` ranks)."""
     from verl_hpc.rollout import build_rollout
+    from verl_hpc.trainer.roles import rollout_options
 
     cfg = _job_config(args, 1, 1)
     cfg.rollout.tp = tp
-    return build_rollout(cfg, ctx, max_num_seqs=16)
+    return build_rollout(rollout_options(cfg), ctx, max_num_seqs=16)
 
 
 def _train_at(args, ctx, layout: str, tp: int, pp: int, workdir, out):
@@ -79,7 +80,7 @@ def _train_at(args, ctx, layout: str, tp: int, pp: int, workdir, out):
     import torch.distributed as dist
 
     from verl_hpc.algorithms import PolicyObjective
-    from verl_hpc.engines import build_engine
+    from verl_hpc.trainer.roles import build_engine
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
 
     destroy_model_parallel()

@@ -59,14 +59,14 @@ def test_the_rank_and_the_planner_resolve_auto_for_their_machine(monkeypatch):
     follows slurm.gpus_per_node (a CPU job plans no slot)."""
     from verl_hpc.planning.rollout import adapter_slot_rank
     from verl_hpc.resharding import AdapterSync
-    from verl_hpc.resharding.adapter_sync import weight_sync_from_config
-    from verl_hpc.rollout import engine_config
     from verl_hpc.runtime import device
+    from verl_hpc.trainer.roles import lora_slot_rank
+    from verl_hpc.trainer.stages.rollout_weights import weight_sync_from_config
 
     cfg = load_config(None, ["lora.rank=8"])
     monkeypatch.setattr(device, "has_gpu", lambda: False)
-    assert engine_config.lora_slot_rank(cfg) == 0 and not isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
+    assert lora_slot_rank(cfg) == 0 and not isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
     monkeypatch.setattr(device, "has_gpu", lambda: True)
-    assert engine_config.lora_slot_rank(cfg) == 8 and isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
+    assert lora_slot_rank(cfg) == 8 and isinstance(weight_sync_from_config(cfg, "vllm"), AdapterSync)
     assert adapter_slot_rank(cfg) == 0
     assert adapter_slot_rank(load_config(None, ["lora.rank=8", "slurm.gpus_per_node=1"])) == 8

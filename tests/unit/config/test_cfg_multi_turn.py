@@ -4,6 +4,7 @@ import pytest
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 from verl_hpc.rollout.engine_config import engine_kwargs
+from verl_hpc.trainer.roles import rollout_options
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
         "multi_turn.enable=true"]
@@ -39,8 +40,8 @@ def test_a_tool_outside_the_builtins_is_a_choice_error():
 def test_the_engine_window_spans_the_episode():
     one = load_config(None, ["data.max_response_length=96", "rollout.max_tokens=32"])
     many = load_config(None, ["data.max_response_length=96", "rollout.max_tokens=32", "multi_turn.enable=true"])
-    assert engine_kwargs(one, "hf")["max_response_length"] == 32  # one response
-    assert engine_kwargs(many, "hf")["max_response_length"] == 96  # later turns: prompt + episode so far
+    assert engine_kwargs(rollout_options(one), "hf")["max_response_length"] == 32  # one response
+    assert engine_kwargs(rollout_options(many), "hf")["max_response_length"] == 96  # later turns: prompt + episode so far
 
 
 def test_the_default_tool_workers_stay_within_the_cap():

@@ -4,7 +4,7 @@ import pytest
 
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
-from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.trainer.roles import engine_options
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=prime"]
 
@@ -29,10 +29,10 @@ def test_prime_recipe_turns_on_the_prm_the_reference_and_the_accuracy_filter():
 
 def test_engine_options_of_the_prm_role():
     cfg = load_config(None, [*BASE, "prm.model_path=/prm", "prm.micro_batch_size=2", "prm.param_offload=true"])
-    o = EngineOptions.from_config(cfg, "prm")
+    o = engine_options(cfg, "prm")
     assert (o.model_path, o.head, o.trainable, o.micro_batch_size, o.param_offload) == ("/prm", "lm", True, 2, True)
     assert o.optim is cfg.prm.optim and o.lora is None
-    frozen = EngineOptions.from_config(load_config(None, [*BASE, "prm.update=none"]), "prm")
+    frozen = engine_options(load_config(None, [*BASE, "prm.update=none"]), "prm")
     assert not frozen.trainable and frozen.optim is None
 
 

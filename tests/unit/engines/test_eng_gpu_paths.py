@@ -14,7 +14,7 @@ from verl_hpc.engines.megatron import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
 from verl_hpc.engines.megatron.options import check_options, default_options
 from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches, PerfOptions
-from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.trainer.roles import engine_options
 from verl_hpc.models import gpt as gpt_mod
 from verl_hpc.models.config_mapping import parse_hf_config
 
@@ -30,11 +30,11 @@ def _cfg(*overrides):
 
 # ------------------------------------------------------------------------------------- fp8 (2)
 def test_model_fp8_reaches_the_engine_options():
-    assert not EngineOptions.from_config(_cfg(), "actor").fp8
+    assert not engine_options(_cfg(), "actor").fp8
     for role in ("actor", "ref", "critic"):
-        o = EngineOptions.from_config(_cfg("model.fp8=true", "model.fp8_recipe=tensorwise"), role)
+        o = engine_options(_cfg("model.fp8=true", "model.fp8_recipe=tensorwise"), role)
         assert o.fp8 and o.fp8_recipe == "tensorwise", role
-    assert not EngineOptions.from_config(_cfg("model.fp8=true"), "actor", fp8=False).fp8  # explicit keyword wins
+    assert not engine_options(_cfg("model.fp8=true"), "actor", fp8=False).fp8  # explicit keyword wins
 
 
 def test_fp8_sets_megatron_transformer_config_fields():
@@ -64,7 +64,7 @@ def test_engine_passes_fp8_and_recipe_to_the_model_builder(monkeypatch):
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)
     monkeypatch.setattr(build_mod, "engine_arch", lambda o: ARCH)
-    options = EngineOptions.from_config(_cfg("model.fp8=true", "model.fp8_recipe=mxfp8"), "actor")
+    options = engine_options(_cfg("model.fp8=true", "model.fp8_recipe=mxfp8"), "actor")
     with pytest.raises(Stop):
         build_mod.build_chunks(options, torch.float32, False, PerfOptions())
     assert seen["fp8"] is True and seen["fp8_recipe"] == "mxfp8"
@@ -141,7 +141,7 @@ def test_explicit_switches():
 
 def test_switches_come_from_the_config_and_reach_megatron():
     cfg = _cfg("model.apply_rope_fusion=false", "parallel.overlap_grad_reduce=true")
-    sw = EngineOptions.from_config(cfg, "actor").kernels
+    sw = engine_options(cfg, "actor").kernels
     assert sw == KernelSwitches(apply_rope_fusion=False, overlap_grad_reduce=True)
     perf = PerfOptions(bias_activation_fusion=True)
     tc = gpt_mod.gpt_transformer_config(ARCH, 1, 1, **perf.transformer_overrides())
@@ -277,6 +277,7 @@ def test_build_engine_passes_the_trainer_timeout(monkeypatch):
     import torch.distributed as dist
 
     from verl_hpc.engines.megatron import roles
+    from verl_hpc.trainer.roles import build_engine
 
     seen = {}
 
@@ -291,7 +292,7 @@ def test_build_engine_passes_the_trainer_timeout(monkeypatch):
     monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
     monkeypatch.setattr(roles, "init_from_config", fake_init)
     with pytest.raises(Stop):
-        roles.build_engine("actor", _cfg("trainer.collective_timeout_s=77"))
+        build_engine("actor", _cfg("trainer.collective_timeout_s=77"))
     assert seen == {"timeout_s": 77}
 
 
@@ -332,7 +333,7 @@ def test_fp8_micro_batches_are_padded_to_the_recipes_alignment(monkeypatch, reci
     from verl_hpc.engines.megatron.schedule import MicroBatch
 
     sp = tp > 1
-    options = EngineOptions.from_config(_cfg("model.fp8=true", f"model.fp8_recipe={recipe}",
+    options = engine_options(_cfg("model.fp8=true", f"model.fp8_recipe={recipe}",
                                              f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}"), "actor")
     eng = _engine_until_build(monkeypatch, options, tp)
     assert eng.pad_seq_to == align * tp
@@ -346,5 +347,5 @@ def test_fp8_micro_batches_are_padded_to_the_recipes_alignment(monkeypatch, reci
 
 def test_without_fp8_nothing_is_padded_beyond_sequence_parallel(monkeypatch):
     assert gpt_mod.token_alignment(False, "mxfp8") == 1
-    options = EngineOptions.from_config(_cfg("parallel.tp=2", "parallel.sequence_parallel=true"), "actor")
+    options = engine_options(_cfg("parallel.tp=2", "parallel.sequence_parallel=true"), "actor")
     assert _engine_until_build(monkeypatch, options, 2).pad_seq_to == 2

@@ -1,8 +1,8 @@
-"""Role -> engine options from the job config (EngineOptions.from_config)."""
+"""Role -> engine options from the job config (EngineOptions.for_role, fed by the trainer's engine_options)."""
 import pytest
 
 from verl_hpc.config.schema import JobConfig
-from verl_hpc.engines.megatron.options import EngineOptions
+from verl_hpc.trainer.roles import engine_options
 
 
 def _cfg():
@@ -17,7 +17,7 @@ def _cfg():
 
 def test_actor_and_reference_share_the_policy_model():
     cfg = _cfg()
-    actor, ref = EngineOptions.from_config(cfg, "actor"), EngineOptions.from_config(cfg, "ref")
+    actor, ref = engine_options(cfg, "actor"), engine_options(cfg, "ref")
     for o in (actor, ref):
         assert (o.model_path, o.head, o.dtype, o.temperature) == ("/models/policy", "lm", "bfloat16", 0.7)
         assert (o.micro_batch_size, o.max_tokens_per_microbatch) == (3, 4096)
@@ -28,23 +28,23 @@ def test_actor_and_reference_share_the_policy_model():
 
 def test_critic_and_reward_model_have_value_heads():
     cfg = _cfg()
-    critic = EngineOptions.from_config(cfg, "critic", fp8=True, loss_norm_len=128.0)
+    critic = engine_options(cfg, "critic", fp8=True, loss_norm_len=128.0)
     assert (critic.model_path, critic.head, critic.micro_batch_size) == ("/models/critic", "value", 5)
     assert critic.trainable and critic.optim is cfg.critic.optim and critic.optim.lr == 1e-5
     assert critic.fp8 and critic.loss_norm_len == 128.0
     cfg.critic.model_path = ""
     cfg.resolve()  # auto values are filled once, when a config is loaded (here: built in Python)
-    assert EngineOptions.from_config(cfg, "critic").model_path == "/models/policy"  # auto: model.path
+    assert engine_options(cfg, "critic").model_path == "/models/policy"  # auto: model.path
     with pytest.raises(ValueError, match="reward.reward_model.path"):
-        EngineOptions.from_config(cfg, "reward")
+        engine_options(cfg, "reward")
     cfg.reward.reward_model.path = "/models/rm"
-    rm = EngineOptions.from_config(cfg, "reward")
+    rm = engine_options(cfg, "reward")
     assert (rm.model_path, rm.head, rm.trainable) == ("/models/rm", "value", False)
 
 
 def test_unknown_role():
     with pytest.raises(ValueError, match="valid: actor, critic, ref, reward"):
-        EngineOptions.from_config(_cfg(), "judge")
+        engine_options(_cfg(), "judge")
 
 
 def test_options_declare_no_defaults_and_default_options_is_the_default_config():
@@ -57,5 +57,5 @@ def test_options_declare_no_defaults_and_default_options_is_the_default_config()
                for f in dataclasses.fields(EngineOptions))
     cfg = load_config(None)
     o = default_options("/m", micro_batch_size=2)
-    want = dataclasses.replace(EngineOptions.from_config(cfg, "actor"), model_path="/m", micro_batch_size=2)
+    want = dataclasses.replace(engine_options(cfg, "actor"), model_path="/m", micro_batch_size=2)
     assert o == want and o.dtype == cfg.model.dtype and o.share_prompts == cfg.actor.share_prompts

@@ -11,13 +11,15 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.agent import build_responder
 from verl_hpc.rollout.episodes import Turn
+from verl_hpc.trainer.roles import episode_options
 
 SPEC = "user_tools_example:{}"  # tests/unit/rollout/user_tools_example.py
 
 
 def responder(name, on_error="zero"):
-    return build_responder(load_config(None, ["multi_turn.enable=true", f"multi_turn.environment={SPEC.format(name)}",
-                                              "safety.allow_custom_code=true", f"reward.on_error={on_error}"]))
+    return build_responder(episode_options(load_config(None, [
+        "multi_turn.enable=true", f"multi_turn.environment={SPEC.format(name)}", "safety.allow_custom_code=true",
+        f"reward.on_error={on_error}"])))
 
 
 @pytest.mark.parametrize("name, wanted", [

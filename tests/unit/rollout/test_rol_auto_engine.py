@@ -7,10 +7,15 @@ from verl_hpc.config import ConfigError, validate
 
 from verl_hpc.config import load_config
 from verl_hpc.rollout import factory
+from verl_hpc.trainer.roles import rollout_options
 
 
 def _cfg(path, *overrides, engine="fastest"):
     return load_config(None, [f"model.path={path}", f"rollout.engine={engine}", *overrides])
+
+
+def _opts(path, *overrides, engine="fastest"):
+    return rollout_options(_cfg(path, *overrides, engine=engine))
 
 
 def test_fastest_picks_hf_for_a_tiny_model_on_cpu(tmp_path, monkeypatch):
@@ -18,7 +23,7 @@ def test_fastest_picks_hf_for_a_tiny_model_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: False)
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
-    engine, why = factory.choose_engine(_cfg(make_tiny_model(tmp_path / "tiny", "llama", layers=2)))
+    engine, why = factory.choose_engine(_opts(make_tiny_model(tmp_path / "tiny", "llama", layers=2)))
     assert engine == "hf" and "parameters on CPU" in why
 
 
@@ -29,13 +34,13 @@ def test_fastest_picks_vllm_for_a_larger_model_a_gpu_or_an_unknown_size(tmp_path
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: False)
     big = make_tiny_model(tmp_path / "big", "llama", layers=4, vocab_size=500, hidden=512, heads=8, kv_heads=4,
                           head_dim=64, ffn=1408)
-    assert factory.choose_engine(_cfg(big))[0] == "vllm"
-    assert factory.choose_engine(_cfg(tmp_path / "missing"))[0] == "vllm"
+    assert factory.choose_engine(_opts(big))[0] == "vllm"
+    assert factory.choose_engine(_opts(tmp_path / "missing"))[0] == "vllm"
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)
     tiny = make_tiny_model(tmp_path / "tiny", "llama", layers=2)
-    assert factory.choose_engine(_cfg(tiny)) == ("vllm", "a GPU is present")
+    assert factory.choose_engine(_opts(tiny)) == ("vllm", "a GPU is present")
     monkeypatch.setattr(factory, "vllm_available", lambda: False)
-    assert factory.choose_engine(_cfg(tiny)) == ("hf", "vllm is not installed")
+    assert factory.choose_engine(_opts(tiny)) == ("hf", "vllm is not installed")
 
 
 def test_fastest_on_cpu_weighs_vllms_repeated_prefill_against_hfs_decode_cost(tmp_path, monkeypatch):
@@ -46,15 +51,15 @@ def test_fastest_on_cpu_weighs_vllms_repeated_prefill_against_hfs_decode_cost(tm
     model = make_tiny_model(tmp_path / "m", "llama", layers=4, vocab_size=500, hidden=512, heads=8, kv_heads=4,
                             head_dim=64, ffn=1408)  # ~10M: above the tiny-model rule
     # 8 samples of 32-token prompts, 24 new tokens: vLLM 8 x 56 = 448 passes, HF 32 + 8 x 24 = 224
-    short = _cfg(model, "rollout.n=8", "data.max_prompt_length=32", "data.max_response_length=24")
+    short = _opts(model, "rollout.n=8", "data.max_prompt_length=32", "data.max_response_length=24")
     assert factory.rollout_token_passes(short) == (448, 224)
     engine, why = factory.choose_engine(short)
     assert engine == "hf" and "vLLM runs 448 token passes" in why and "HF 224" in why
     # 128 new tokens: 8 x 160 = 1280 against 1.35 x (32 + 1024) = 1426 -> vLLM
-    long = _cfg(model, "rollout.n=8", "data.max_prompt_length=32", "data.max_response_length=128")
+    long = _opts(model, "rollout.n=8", "data.max_prompt_length=32", "data.max_response_length=128")
     assert factory.choose_engine(long)[0] == "vllm"
     # one sample per prompt: nothing repeated, vLLM
-    assert factory.choose_engine(_cfg(model, "rollout.n=1", "data.max_response_length=24"))[0] == "vllm"
+    assert factory.choose_engine(_opts(model, "rollout.n=1", "data.max_response_length=24"))[0] == "vllm"
     # the boundary sits at HF_TOKEN_COST
     monkeypatch.setattr(factory, "HF_TOKEN_COST", 448 / 224 + 0.01)
     assert factory.choose_engine(short)[0] == "vllm"
@@ -69,11 +74,11 @@ def test_auto_follows_the_machine_vllm_where_installed(tmp_path, monkeypatch, gp
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: gpu)
     tiny = make_tiny_model(tmp_path / "tiny", "llama", layers=2)
     monkeypatch.setattr(factory, "vllm_available", lambda: True)
-    assert factory.resolve_engine(_cfg(tiny, engine="auto")) == ("vllm", "vllm is installed")
+    assert factory.resolve_engine(_opts(tiny, engine="auto")) == ("vllm", "vllm is installed")
     monkeypatch.setattr(factory, "vllm_available", lambda: False)
-    assert factory.resolve_engine(_cfg(tiny, engine="auto")) == ("hf", "vllm is not installed")
-    assert factory.resolve_engine(_cfg(tiny, engine="vllm"))[0] == "vllm"  # refused at build: VLLM_MISSING
-    assert factory.resolve_engine(_cfg(tiny, engine="hf"))[0] == "hf"
+    assert factory.resolve_engine(_opts(tiny, engine="auto")) == ("hf", "vllm is not installed")
+    assert factory.resolve_engine(_opts(tiny, engine="vllm"))[0] == "vllm"  # refused at build: VLLM_MISSING
+    assert factory.resolve_engine(_opts(tiny, engine="hf"))[0] == "hf"
 
 
 def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):

@@ -18,6 +18,7 @@ from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
 from verl_hpc.rollout.spec import default_spec, request_seed
 from verl_hpc.rollout.weights import CheckedWeights
+from verl_hpc.trainer.roles import rollout_options
 
 
 # ------------------------------------------------------------------ SamplingSpec
@@ -228,21 +229,21 @@ def test_factory_errors(monkeypatch, tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path}"])
     monkeypatch.setattr(factory, "vllm_available", lambda: False)
     with pytest.raises(ConfigError) as e:  # one error line and exit code 2 on a rank
-        build_rollout(cfg)
+        build_rollout(rollout_options(cfg))
     assert str(e.value) == ("rollout.engine=vllm but vllm is not installed; install the cpu or "
                             "gpu extra, or set rollout.engine=hf")
     with pytest.raises(ConfigError, match="model.path is empty"):
-        build_rollout(load_config(None, []))
+        build_rollout(rollout_options(load_config(None, [])))
     hf_tp2 = load_config(None, [f"model.path={tmp_path}", "rollout.engine=hf", "rollout.tp=2"])
     with pytest.raises(ConfigError, match="rollout.tp=2 needs rollout.engine=vllm"):
-        build_rollout(hf_tp2)
+        build_rollout(rollout_options(hf_tp2))
 
 
 def test_engine_kwargs_from_config():
     cfg = load_config(None, ["rollout.tp=2", "data.max_prompt_length=100",
                              "rollout.prompt_overflow=reject", "rollout.max_tokens=0",
                              "data.max_response_length=50", "rollout.sleep_between_phases=true"])
-    kw = engine_kwargs(cfg, "vllm")
+    kw = engine_kwargs(rollout_options(cfg), "vllm")
     assert (kw["tp"], kw["max_prompt_length"], kw["max_response_length"], kw["prompt_overflow"],
             kw["sleep_between_phases"]) == (2, 100, 50, "reject", True)
-    assert "sleep_between_phases" not in engine_kwargs(cfg, "hf")
+    assert "sleep_between_phases" not in engine_kwargs(rollout_options(cfg), "hf")

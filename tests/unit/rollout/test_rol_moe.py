@@ -61,10 +61,11 @@ def test_vllm_cpu_serves_the_loaded_moe_model_but_not_a_reload(moe_model):
 def test_factory_picks_hf_for_moe_on_cpu_and_refuses_vllm(moe_model):
     from verl_hpc.config import load_config
     from verl_hpc.rollout.factory import build_rollout, choose_engine
+    from verl_hpc.trainer.roles import rollout_options
 
     cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=auto"])
-    engine, why = choose_engine(cfg)
+    engine, why = choose_engine(rollout_options(cfg))
     assert engine == "hf" and "mixture-of-experts" in why
     cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=vllm"])
     with pytest.raises(ValueError, match="rollout.engine=vllm with a mixture-of-experts model on CPU"):
-        build_rollout(cfg)
+        build_rollout(rollout_options(cfg))

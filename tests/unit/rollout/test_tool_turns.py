@@ -19,7 +19,7 @@ def call(name, **arguments):
 @pytest.fixture
 def turns():
     cfg = load_config(None, ["multi_turn.tools=[calculator]"])
-    registry = ToolRegistry.from_config(cfg)
+    registry = ToolRegistry.from_config(cfg.multi_turn, cfg.sandbox, allow_custom_code=cfg.safety.allow_custom_code)
     responder = ToolTurns(ToolPool(registry, workers=2, timeout_s=5, max_output_chars=200),
                           max_calls_per_turn=2, error_penalty=-0.1)
     yield responder
@@ -51,7 +51,8 @@ def test_each_kind_of_turn_gets_its_reply(turns):
 
 def test_python_calls_run_in_the_real_sandbox_and_the_next_episode_runs():
     cfg = load_config(None, ["multi_turn.tools=[python]", "sandbox.wall_time_s=2", "sandbox.cpu_time_s=1"])
-    responder = ToolTurns(ToolPool(ToolRegistry.from_config(cfg), workers=2, timeout_s=20, max_output_chars=500),
+    registry = ToolRegistry.from_config(cfg.multi_turn, cfg.sandbox, allow_custom_code=cfg.safety.allow_custom_code)
+    responder = ToolTurns(ToolPool(registry, workers=2, timeout_s=20, max_output_chars=500),
                           max_calls_per_turn=1)
     try:
         py = ("python",)

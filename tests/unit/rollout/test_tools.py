@@ -146,13 +146,13 @@ def test_the_registry_builds_the_sandbox_on_first_use_only(tmp_path):
         built.append(1)
         return FakeSandbox(FakeResult("3\n"))
 
-    registry = ToolRegistry.from_config(load_config(None, []), sandbox_factory=factory)
+    registry = registry_of(load_config(None, []), sandbox_factory=factory)
     assert registry.names() == ["calculator", "python"] and built == []
     with ToolPool(registry, workers=2, timeout_s=5, max_output_chars=100) as pool:
         outcomes = pool.run([(["python"], ToolCall("python", {"code": "print(1 + 2)"}))] * 3)
     assert [o.text for o in outcomes] == ["3\n"] * 3 and built == [1]
-    failing = ToolRegistry.from_config(load_config(None, []),
-                                       sandbox_factory=lambda: FakeSandbox(FakeResult("", "Boom\n", 1, "error")))
+    failing = registry_of(load_config(None, []),
+                          sandbox_factory=lambda: FakeSandbox(FakeResult("", "Boom\n", 1, "error")))
     with ToolPool(failing, workers=1, timeout_s=5, max_output_chars=100) as pool:
         out, = pool.run([(["python"], ToolCall("python", {"code": "raise Boom"}))])
     assert (out.ok, out.error, out.text) == (False, "tool_error", "error: error (exit code 1)\nBoom")
@@ -163,12 +163,18 @@ def config(*overrides):
     return load_config(None, list(overrides))
 
 
+def registry_of(cfg, **kwargs):
+    """The registry of a job config's multi_turn, sandbox and safety sections."""
+    return ToolRegistry.from_config(cfg.multi_turn, cfg.sandbox, allow_custom_code=cfg.safety.allow_custom_code,
+                                    **kwargs)
+
+
 def test_the_built_in_tools_are_the_configs_choices():
     assert set(BUILTINS) == set(choices_of("multi_turn.tools"))
 
 
 def test_registry_names_schemas_and_offered_lists():
-    registry = ToolRegistry.from_config(config("multi_turn.tools=[calculator]"))
+    registry = registry_of(config("multi_turn.tools=[calculator]"))
     assert registry.names() == ["calculator"]
     schema, = registry.schemas(["calculator"])
     assert schema["type"] == "function" and schema["function"]["name"] == "calculator"
@@ -183,7 +189,7 @@ def test_registry_names_schemas_and_offered_lists():
 
 def test_user_tools_need_the_custom_code_switch():
     with pytest.raises(ConfigError) as e:
-        ToolRegistry.from_config(config(f"multi_turn.user_tools=[{EXAMPLE}:word_count]"))
+        registry_of(config(f"multi_turn.user_tools=[{EXAMPLE}:word_count]"))
     assert str(e.value) == ("multi_turn.user_tools runs your own code: set safety.allow_custom_code=true "
                             "to allow it")
     with pytest.raises(ConfigError, match="^multi_turn.environment runs your own code"):
@@ -191,8 +197,8 @@ def test_user_tools_need_the_custom_code_switch():
 
 
 def test_a_user_tool_is_offered_described_and_called():
-    registry = ToolRegistry.from_config(config("multi_turn.tools=[calculator]", "safety.allow_custom_code=true",
-                                               f"multi_turn.user_tools=[{EXAMPLE}:word_count]"))
+    registry = registry_of(config("multi_turn.tools=[calculator]", "safety.allow_custom_code=true",
+                                  f"multi_turn.user_tools=[{EXAMPLE}:word_count]"))
     assert registry.names() == ["calculator", "word_count"]
     schema = registry.schemas(["word_count"])[0]["function"]
     assert schema["name"] == "word_count" and schema["description"] == "Count the words of a text."
@@ -217,14 +223,14 @@ def test_a_user_tool_that_cannot_be_loaded_or_described_is_one_error_naming_it(t
                                          "to the model (Cannot generate JSON schema for undocumented because it has no docstring!)")]
     for spec, message in cases:
         with pytest.raises(ConfigError) as e:
-            ToolRegistry.from_config(config("safety.allow_custom_code=true", f"multi_turn.user_tools=[{spec}]"))
+            registry_of(config("safety.allow_custom_code=true", f"multi_turn.user_tools=[{spec}]"))
         assert str(e.value).startswith(message), str(e.value)
         assert "\n" not in str(e.value)
 
 
 def test_environments_load_and_follow_the_protocol():
-    registry = ToolRegistry.from_config(config("safety.allow_custom_code=true",
-                                               f"multi_turn.environment={EXAMPLE}:Guess"))
+    registry = registry_of(config("safety.allow_custom_code=true",
+                                  f"multi_turn.environment={EXAMPLE}:Guess"))
     env = registry.environment()
     assert env.reset({"prompt": "guess"}) == "Guess a number from 1 to 10."
     assert env.step("3") == ("higher", 0.0, False) and env.step("7") == ("right", 1.0, True)
@@ -301,8 +307,9 @@ def test_failures_become_observations():
 
 
 def test_pool_from_config_uses_the_cores_the_rank_leaves_free():
-    registry = ToolRegistry.from_config(config("multi_turn.tools=[calculator]"))
-    with ToolPool.from_config(config("slurm.cpus_per_task=4", "multi_turn.tool_timeout_s=3"), registry) as pool:
+    registry = registry_of(config("multi_turn.tools=[calculator]"))
+    job = config("slurm.cpus_per_task=4", "multi_turn.tool_timeout_s=3")
+    with ToolPool.from_config(job.multi_turn, registry, cpus_per_task=job.slurm.cpus_per_task) as pool:
         assert (pool.workers, pool.timeout_s, pool.max_output_chars) == (3, 3.0, 2000)
         out, = pool.run([(["calculator"], ToolCall("calculator", {"expression": "12345 * 67890"}))])
     assert out.text == "838102050"

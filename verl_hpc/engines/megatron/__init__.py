@@ -1,9 +1,9 @@
 """Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its five roles.
 
     engine.py     MegatronEngine: forward, train_step, export, state
-    options.py    EngineOptions: what an engine is built with (from_config; default_options without a config)
+    options.py    EngineOptions: what an engine is built with (for_role; default_options without a config)
     build.py      the GPT chunks of this rank's stages (weights, value head) and their DDP wrappers
-    roles.py      Actor, Critic, Reference, RewardModel, ProcessRewardModel, build_engine(role, cfg, ctx)
+    roles.py      Actor, Critic, Reference, RewardModel, ProcessRewardModel, build_role(role, options, ...)
     partition.py  data-parallel row split and (token-budget) micro-batches
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
     outputs.py    log-probs / entropy from vocab-parallel logits; values / scores from a value head
@@ -20,8 +20,7 @@ project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import MegatronEngine
 from verl_hpc.engines.megatron.options import EngineOptions, default_options
-from verl_hpc.engines.megatron.roles import (Actor, Critic, ProcessRewardModel, Reference, RewardModel, build_engine,
-                                             build_reference)
+from verl_hpc.engines.megatron.roles import Actor, Critic, ProcessRewardModel, Reference, RewardModel, build_role
 
 __all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "ProcessRewardModel", "Reference", "RewardModel",
-           "build_engine", "build_reference", "default_options"]
+           "build_role", "default_options"]

@@ -1,7 +1,7 @@
 """`MegatronEngine`: one Hugging Face model as Megatron-Core TP/PP/DP shards behind `TrainingEngine`.
 
     mp = verl_hpc.parallel.init_model_parallel(tp, pp)        # once per job, before any engine
-    eng = MegatronEngine(EngineOptions.from_config(cfg, "actor"))
+    eng = MegatronEngine(options)                             # EngineOptions (options.py)
     out = eng.forward(batch)                                  # {"log_probs", "entropy"}: [B, T]
     metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
 

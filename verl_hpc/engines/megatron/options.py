@@ -1,8 +1,9 @@
 """What a Megatron engine is built with: `EngineOptions` (one role's model, precision, batching,
-optimizer section, parallel and memory switches), read from the job config by `from_config`.
+optimizer section, parallel and memory switches), read from the sections by `for_role`.
 
 Every field is required: the values, their defaults and their checks are declared once, in the
-config sections, and `from_config` is the one place that reads them. Code without a job config
+config sections, and `for_role` is the one place that reads them; the trainer hands it the job's
+sections (verl_hpc/trainer/roles.py: engine_options). Code without a job config
 (tests, benchmarks, the GPU check) starts from `default_options(model_path)` - the options of the
 default config - and replaces what it varies. `check_options` keeps only what the config cannot
 know: the role wiring, and this machine's GPU and Transformer Engine.
@@ -69,57 +70,59 @@ class EngineOptions:
     moe_options: Dict[str, Any]
 
     @classmethod
-    def from_config(cls, cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
-                    total_steps: Optional[int] = None) -> "EngineOptions":
-        """The options of `role` (actor, critic, ref, reward, prm) of a loaded job config. fp8: None =
-        model.fp8; total_steps: None = trainer.total_steps (sft/dpo pass the steps the data gives)."""
+    def for_role(cls, role: str, *, model, parallel, actor, ref, critic, prm, reward, lora,
+                 temperature: float, lora_seed: int, total_steps: int, fp8: Optional[bool] = None,
+                 loss_norm_len: Optional[float] = None) -> "EngineOptions":
+        """The options of `role` (actor, critic, ref, reward, prm) from the job's sections: model,
+        parallel, the roles' own (actor, ref, critic, prm, reward: its reward_model) and lora; and
+        temperature: rollout.temperature (the lm heads' log-probs), lora_seed: trainer.seed (the
+        adapters' A factors), total_steps: the trainer's steps (the LR decay). fp8: None = model.fp8."""
         if role not in ROLES:
             raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
-        par = cfg.parallel
-        common = dict(dtype=cfg.model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
+        par = parallel
+        common = dict(dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
                       sequence_parallel=par.sequence_parallel,
-                      fp8=cfg.model.fp8 if fp8 is None else fp8, fp8_recipe=cfg.model.fp8_recipe,
-                      kernels=KernelSwitches.from_config(cfg.model, par),
-                      total_steps=total_steps or cfg.trainer.total_steps, loss_norm_len=loss_norm_len,
+                      fp8=model.fp8 if fp8 is None else fp8, fp8_recipe=model.fp8_recipe,
+                      kernels=KernelSwitches.from_config(model, par),
+                      total_steps=total_steps, loss_norm_len=loss_norm_len,
                       recompute_granularity=par.recompute_granularity,
                       recompute_method=par.recompute_method,
                       recompute_num_layers=par.recompute_num_layers,
-                      value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True, lora_seed=cfg.trainer.seed,
-                      temperature=cfg.rollout.temperature,  # read by lm heads only
-                      moe_options=dict(aux_loss_coef=cfg.model.moe_aux_loss_coef,
-                                       z_loss_coef=cfg.model.moe_z_loss_coef,
-                                       capacity_factor=cfg.model.moe_capacity_factor))
+                      value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True, lora_seed=lora_seed,
+                      temperature=temperature,  # read by lm heads only
+                      moe_options=dict(aux_loss_coef=model.moe_aux_loss_coef,
+                                       z_loss_coef=model.moe_z_loss_coef,
+                                       capacity_factor=model.moe_capacity_factor))
         if role in ("actor", "ref"):
-            a = cfg.actor
-            lora = cfg.lora if role == "actor" and cfg.lora.enabled else None
-            return cls(model_path=cfg.model.path, head="lm", trainable=role == "actor",
-                       lora=lora,
+            a = actor
+            return cls(model_path=model.path, head="lm", trainable=role == "actor",
+                       lora=lora if role == "actor" and lora.enabled else None,
                        share_prompts=a.share_prompts,
-                       **_offload(a if role == "actor" else cfg.ref),
+                       **_offload(a if role == "actor" else ref),
                        optim=a.optim if role == "actor" else None, micro_batch_size=a.micro_batch_size,
                        max_tokens_per_microbatch=a.max_tokens_per_microbatch, **common)
         if role == "prm":  # PRIME's implicit PRM: a causal LM like the policy; frozen with prm.update = none
-            p = cfg.prm
+            p = prm
             trainable = p.update != "none"
             return cls(model_path=p.model_path, head="lm", trainable=trainable, lora=None,
-                       share_prompts=cfg.actor.share_prompts, **_offload(p),
+                       share_prompts=actor.share_prompts, **_offload(p),
                        optim=p.optim if trainable else None, micro_batch_size=p.micro_batch_size,
                        max_tokens_per_microbatch=p.max_tokens_per_microbatch, **common)
         # a value head never packs prompts (engine.py); "off" says so without asking the cost model
         common["share_prompts"] = "off"
         if role == "critic":
-            c = cfg.critic
+            c = critic
             return cls(model_path=c.model_path, head="value", trainable=True, optim=c.optim, lora=None,
                        **_offload(c),
                        micro_batch_size=c.micro_batch_size,
                        max_tokens_per_microbatch=c.max_tokens_per_microbatch, **common)
-        rm = cfg.reward.reward_model
+        rm = reward.reward_model
         if not rm.path:
             raise ConfigError("reward.reward_model.path: empty; a reward-model role needs a model folder")
         return cls(model_path=rm.path, head="value", trainable=False, optim=None, lora=None,
                    **_offload(None),
-                   micro_batch_size=cfg.actor.micro_batch_size,
-                   max_tokens_per_microbatch=cfg.actor.max_tokens_per_microbatch, **common)
+                   micro_batch_size=actor.micro_batch_size,
+                   max_tokens_per_microbatch=actor.max_tokens_per_microbatch, **common)
 
 
 def _offload(role_cfg) -> Dict[str, bool]:
@@ -138,8 +141,12 @@ def _default_job():
 def default_options(model_path: str, **changes) -> EngineOptions:
     """The actor's options under the default config, for `model_path`, with `changes` replaced:
     for code that builds an engine without a job config (tests, benchmarks, the GPU check)."""
-    return dataclasses.replace(EngineOptions.from_config(_default_job(), "actor"), model_path=model_path,
-                               **changes)
+    job = _default_job()
+    actor = EngineOptions.for_role(
+        "actor", model=job.model, parallel=job.parallel, actor=job.actor, ref=job.ref, critic=job.critic,
+        prm=job.prm, reward=job.reward, lora=job.lora, temperature=job.rollout.temperature,
+        lora_seed=job.trainer.seed, total_steps=job.trainer.total_steps)
+    return dataclasses.replace(actor, model_path=model_path, **changes)
 
 
 def check_options(o: EngineOptions) -> None:

@@ -1,10 +1,12 @@
-"""The four roles of the RL step on top of `MegatronEngine`, and `build_engine(role, cfg, ctx)`.
+"""The four roles of the RL step on top of `MegatronEngine`, and `build_role(role, options, ...)`,
+which the trainer calls with the role's EngineOptions and sections (verl_hpc/trainer/roles.py:
+build_engine(role, cfg, ctx), build_reference(cfg, ctx, actor)):
 
-    actor  = build_engine("actor", cfg, ctx)     # Actor:       log_probs(batch), update(batch, loss)
-    ref    = build_reference(cfg, ctx, actor)   # Reference:   log_probs(batch) (LoRA: actor, adapters off)
-    critic = build_engine("critic", cfg, ctx)    # Critic:      values(batch), update(batch, loss)
-    rm     = build_engine("reward", cfg, ctx)    # RewardModel: score(batch)
-    prm    = build_engine("prm", cfg, ctx)       # ProcessRewardModel: log_probs(batch), update(batch, loss)
+    Actor:       log_probs(batch), update(batch, loss)
+    Reference:   log_probs(batch) (LoRA: the actor's engine, adapters off)
+    Critic:      values(batch), update(batch, loss)
+    RewardModel: score(batch)
+    ProcessRewardModel: log_probs(batch), update(batch, loss)
 
 The loss is the caller's (verl_hpc.algorithms.objectives: PolicyObjective, ValueObjective); a
 role only runs it. Batches are the engines' dict format (engines/batch.py) or the trainer's typed
@@ -129,7 +131,7 @@ class ProcessRewardModel(_Trainable):
 
 class Reference:
     """Frozen copy of the initial policy: no optimizer, no gradients, forward only. Under LoRA it
-    is the actor's own engine with the adapters off (`build_reference`): no second model."""
+    is the actor's own engine with the adapters off (the trainer's build_reference): no second model."""
 
     def __init__(self, engine: MegatronEngine):
         self.engine = engine
@@ -138,14 +140,6 @@ class Reference:
         with self.engine.adapters_off():  # a no-op on an engine of its own
             out = self.engine.forward(as_engine_batch(batch), ("log_probs",))
         return {"ref_log_probs": out["log_probs"]}
-
-
-def build_reference(cfg, ctx, actor: "Actor", build=None) -> Reference:
-    """The reference policy: under LoRA the actor's base (adapters off, no memory of its own),
-    else a frozen engine of its own (`build`, default build_engine, called as build("ref", cfg, ctx))."""
-    if cfg.lora.enabled:
-        return Reference(actor.engine)
-    return (build or build_engine)("ref", cfg, ctx)
 
 
 class RewardModel:
@@ -159,23 +153,25 @@ class RewardModel:
         return {"rm_scores": out["scores"], "rm_token_scores": out["token_scores"]}
 
 
-def build_engine(role: str, cfg, ctx=None, **kwargs):
-    """The role object for `role` in {actor, critic, ref, reward, prm}; initialises Megatron model
-    parallelism from cfg.parallel if nobody has yet (collective: call on every rank).
-    ctx: the rank's RankContext (verl_hpc.runtime.bootstrap), which must exist: the engine lives
-    on its default process group. kwargs: fp8, loss_norm_len, total_steps (see EngineOptions.from_config)."""
+def build_role(role: str, options: EngineOptions, *, parallel, seed: int, timeout_s: float,
+               role_cfg=None, n: int = 1):
+    """The role object for `role` in {actor, critic, ref, reward, prm} on an engine built with
+    `options`; initialises Megatron model parallelism from the parallel section if nobody has yet
+    (collective: call on every rank), seeded with `seed` (trainer.seed) and its groups bounded by
+    `timeout_s` (trainer.collective_timeout_s). The rank runtime (verl_hpc.runtime.bootstrap) must
+    exist: the engine lives on its default process group. role_cfg: a trained role's section
+    (actor, critic, prm: its mini-batches and epochs); n: rollout.n."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
         raise RuntimeError("build_engine needs the rank runtime: call verl_hpc.runtime.bootstrap()")
     if not ps.model_parallel_is_initialized():
-        init_from_config(cfg.parallel, seed=cfg.trainer.seed,
-                         timeout_s=cfg.trainer.collective_timeout_s)
-    engine = MegatronEngine(EngineOptions.from_config(cfg, role, **kwargs))
+        init_from_config(parallel, seed=seed, timeout_s=timeout_s)
+    engine = MegatronEngine(options)
     if role == "actor":
-        return Actor(engine, cfg.actor, n=cfg.rollout.n)
+        return Actor(engine, role_cfg, n=n)
     if role == "critic":
-        return Critic(engine, cfg.critic, n=cfg.rollout.n)
+        return Critic(engine, role_cfg, n=n)
     if role == "prm":
-        return ProcessRewardModel(engine, cfg.prm, n=cfg.rollout.n)
+        return ProcessRewardModel(engine, role_cfg, n=n)
     return Reference(engine) if role == "ref" else RewardModel(engine)

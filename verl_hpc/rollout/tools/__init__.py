@@ -3,8 +3,8 @@ registry that offers them, the pool that runs them (docs/tools.md), the responde
 runner asks (turns.py; environment.py for multi_turn.environment) and the sandbox model-written code runs in (docs/sandbox.md).
 
     parsed = parse_tool_calls(turn_text)                  # ParsedCalls(calls, errors)
-    registry = ToolRegistry.from_config(cfg)
-    with ToolPool.from_config(cfg, registry) as pool:
+    registry = ToolRegistry.from_config(cfg.multi_turn, cfg.sandbox, allow_custom_code=cfg.safety.allow_custom_code)
+    with ToolPool.from_config(cfg.multi_turn, registry, cpus_per_task=cfg.slurm.cpus_per_task) as pool:
         outcomes = pool.run([(offered_tools, call) for call in parsed.calls])
 """
 from verl_hpc.rollout.tools.builtin import calculator, python_tool, run_python

@@ -1,6 +1,6 @@
 """Tool calls of many episodes at once, on worker threads, each with a time limit.
 
-    pool = ToolPool.from_config(cfg, registry)
+    pool = ToolPool.from_config(cfg.multi_turn, registry, cpus_per_task=cfg.slurm.cpus_per_task)
     outcomes = pool.run([(offered_tools, call), ...])   # one ToolOutcome per call, in order
     pool.close()
 
@@ -65,9 +65,10 @@ class ToolPool:
             self._start_worker()
 
     @classmethod
-    def from_config(cls, cfg, registry) -> "ToolPool":
-        mt = cfg.multi_turn
-        return cls(registry, mt.workers(cfg.slurm.cpus_per_task), mt.tool_timeout_s, mt.max_tool_output_chars)
+    def from_config(cls, multi_turn, registry, *, cpus_per_task: int) -> "ToolPool":
+        """The pool of the multi_turn section's tool workers; cpus_per_task: slurm.cpus_per_task."""
+        mt = multi_turn
+        return cls(registry, mt.workers(cpus_per_task), mt.tool_timeout_s, mt.max_tool_output_chars)
 
     def run(self, calls: Sequence[Tuple[Sequence[str], ToolCall]]) -> List[ToolOutcome]:
         if self._closed:

@@ -58,11 +58,14 @@ class ToolRegistry:
             self.add(tool)
 
     @classmethod
-    def from_config(cls, cfg, sandbox_factory: Optional[Callable[[], Any]] = None) -> "ToolRegistry":
-        """The job's tools; `sandbox_factory` stands in for Sandbox.from_config(cfg.sandbox)."""
-        mt, allow = cfg.multi_turn, cfg.safety.allow_custom_code
+    def from_config(cls, multi_turn, sandbox, *, allow_custom_code: bool,
+                    sandbox_factory: Optional[Callable[[], Any]] = None) -> "ToolRegistry":
+        """The tools of the multi_turn section; the python tool's sandbox from the sandbox section
+        (`sandbox_factory` stands in for Sandbox.from_config(sandbox)); allow_custom_code:
+        safety.allow_custom_code."""
+        mt, allow = multi_turn, allow_custom_code
         registry = cls(environment=load_environment(mt.environment, allow) if mt.environment else None,
-                       sandbox_factory=sandbox_factory or (lambda: _sandbox_from_config(cfg.sandbox)))
+                       sandbox_factory=sandbox_factory or (lambda: _sandbox_from_config(sandbox)))
         for name in mt.tools:
             registry.add(registry._builtin(name))
         for spec in mt.user_tools:

@@ -59,7 +59,8 @@ class AsyncLink:
         a = cfg.async_training
         self.k, self.wait_policy = a.staleness, a.stale_groups == "wait"
         self.timeout_s = a.poll_timeout_s or cfg.trainer.collective_timeout_s
-        self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb, slicer=rollout_slicer(cfg))
+        self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb,
+                                         slicer=rollout_slicer(cfg.resharding.mode, cfg.model.path, cfg.rollout.tp))
         self.next_index = 1  # the next batch to take from the rollout group
         self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None

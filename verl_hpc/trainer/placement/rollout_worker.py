@@ -230,11 +230,11 @@ class RolloutWorker:
 def run(cfg, ctx) -> dict:
     """The rollout ranks' side of `trainer.job: rl` under placement.mode = split."""
     from verl_hpc.rollout import build_rollout
-    from verl_hpc.trainer.roles import load_tokenizer
+    from verl_hpc.trainer.roles import load_tokenizer, rollout_options
 
     try:
         tokenizer = load_tokenizer(cfg)
-        with build_rollout(cfg, ctx) as rollout:
+        with build_rollout(rollout_options(cfg), ctx) as rollout:
             return RolloutWorker(cfg, ctx, rollout, tokenizer).run()
     except BaseException as e:  # the trainer may be waiting on us: tell it, then fail as usual
         ctx.split.leave_on_error(e)

@@ -80,7 +80,8 @@ def requeue_if_preempted(cfg, ctx, checkpointer: Checkpointer) -> None:
         return
     from verl_hpc.runtime.requeue import requeue_after_signal
 
-    requeue_after_signal(cfg, ctx, step=checkpointer.preempted_at, checkpoint_dir=checkpointer.root)
+    requeue_after_signal(ctx, step=checkpointer.preempted_at, checkpoint_dir=checkpointer.root,
+                         allowed=cfg.slurm.requeue)
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -172,8 +173,8 @@ def tracked(cfg, ctx, summary: Dict, *, start_step: Optional[int] = None,
             total_steps: Optional[int] = None) -> Iterator[Tracker]:
     """start_step: the first step this run logs (earlier rows of a resumed run's metrics file are
     kept, later ones dropped; None: the file is not checked); total_steps: default trainer.total_steps."""
-    tracker = Tracker.from_config(cfg, is_main=ctx.rank == 0, start_step=start_step, total_steps=total_steps,
-                                  config=to_container(cfg))
+    tracker = Tracker.from_config(cfg.tracking, cfg.trainer, job_name=cfg.slurm.job_name, is_main=ctx.rank == 0,
+                                  start_step=start_step, total_steps=total_steps, config=to_container(cfg))
     try:
         yield tracker
     except BaseException as e:

@@ -146,7 +146,7 @@ class PreferenceProgram(StepProgram):
 
     def __init__(self, cfg, ctx, train, val, tokenizer):
         from verl_hpc.data.sampler import EpochSampler
-        from verl_hpc.engines.megatron.roles import build_engine, build_reference
+        from verl_hpc.trainer.roles import build_engine, build_reference
 
         super().__init__(cfg, ctx)
         d, pr = cfg.data, cfg.algorithm.preference

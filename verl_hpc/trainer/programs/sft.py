@@ -36,7 +36,7 @@ from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.data.records import sft_row_problem
 from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
-from verl_hpc.engines.megatron.roles import build_engine
+from verl_hpc.trainer.roles import build_engine
 from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs

@@ -1,7 +1,7 @@
 """The rollout engine's weights and memory phases in the RL loop: a lazy weight sync with a staged
 wake, and sleep before anything makes the training engines' state resident.
 
-    weights = RolloutWeights(roles.actor, roles.rollout, WeightSync.from_config(cfg.resharding))
+    weights = RolloutWeights(roles.actor, roles.rollout, weight_sync_from_config(cfg, roles.rollout.name))
     weights.ready(timer)            # before generating: wake weights, sync if stale, wake KV cache
     metrics = weights.pop_metrics() # the step's: sync/* of the sync that served its generation
     weights.mark_stale()            # the actor's weights changed (an update, a checkpoint load)
@@ -31,8 +31,19 @@ from __future__ import annotations
 import contextlib
 from typing import Dict
 
-from verl_hpc.resharding.adapter_sync import check_generated
+from verl_hpc.resharding.adapter_sync import AdapterSync, check_generated
+from verl_hpc.resharding.sync import WeightSync
 from verl_hpc.rollout.engine import KV_CACHE, WEIGHTS
+from verl_hpc.runtime import device as devices
+
+
+def weight_sync_from_config(cfg, rollout_engine: str):
+    """The job's weight step: AdapterSync when lora.sync resolves to `adapter` for the job's
+    (resolved) rollout engine and this rank's machine, else the full-weight WeightSync (merged
+    weights under LoRA) of the resharding section."""
+    if cfg.lora.syncs_adapter(cfg, rollout_engine, gpu=devices.has_gpu()):
+        return AdapterSync()
+    return WeightSync.from_config(cfg.resharding)
 
 
 def _untimed(_stage):
