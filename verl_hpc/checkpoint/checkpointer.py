@@ -42,7 +42,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from verl_hpc.checkpoint.async_save import AsyncSaver
 from verl_hpc.checkpoint.errors import CheckpointMismatchError

@@ -33,7 +33,6 @@ import random
 from typing import Dict, List, Tuple
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.data.errors import DataError
 
 DATA_SOURCE = "synthetic_arith"
 NOISE_KINDS = ("systematic", "random")

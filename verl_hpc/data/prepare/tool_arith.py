@@ -24,7 +24,6 @@ import random
 from typing import Dict, List
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.data.errors import DataError
 
 DATA_SOURCE = "tool_arith"
 LOW, HIGH = 10_000, 99_999  # 5-digit operands

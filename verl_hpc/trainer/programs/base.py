@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Mapping, Optional
@@ -82,6 +83,32 @@ def requeue_if_preempted(cfg, ctx, checkpointer: Checkpointer) -> None:
 
     requeue_after_signal(ctx, step=checkpointer.preempted_at, checkpoint_dir=checkpointer.root,
                          allowed=cfg.slurm.requeue)
+
+
+def save_hf(engine, ctx, model_path: str, out_dir: str) -> None:
+    """The engine's weights as a Hugging Face folder at `out_dir` (trainer.hf_output_dir), with
+    `model_path`'s config, tokenizer and chat template. Collective: every rank joins the weight
+    gather; rank 0 writes the folder. Under LoRA the
+    weights are the base with the adapter merged in, and `adapter/` holds the adapter (PEFT)."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in engine.export_hf_weights()}
+    adapter = ({name: t.detach().to("cpu").clone() for name, t in engine.export_adapter()}
+               if getattr(engine, "lora", None) is not None else None)
+    if ctx.rank != 0:
+        return
+    src, dst = Path(model_path), Path(out_dir)
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():  # config, tokenizer, chat template: everything but the weights
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
+            shutil.copy2(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if adapter is not None:  # LoRA: the adapter itself too, as a PEFT folder (an RL run's lora.init_from)
+        (dst / "adapter").mkdir()
+        save_file(adapter, str(dst / "adapter" / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (dst / "adapter" / "adapter_config.json").write_text(json.dumps(engine.adapter_config(), indent=1))
 
 
 # ------------------------------------------------------------------------------ the loop

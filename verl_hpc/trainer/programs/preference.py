@@ -39,9 +39,9 @@ import torch
 from verl_hpc.data import DataError
 from verl_hpc.engines.batch import length_mask, pack_sequences
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
+from verl_hpc.trainer.programs.base import (StepProgram, check_tracking, finish, make_checkpointer, save_hf,
+                                             steps_from_epochs)
 from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
-from verl_hpc.trainer.programs.sft import save_hf
 from verl_hpc.trainer.hooks.validation import ValidationHook
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class PreferenceProgram(StepProgram):
             return
         if self.val:
             summary["val_accuracy_after"] = self.accuracy()["val/preference_accuracy"]
-        save_hf(self.policy.engine, self.cfg, self.ctx, self.cfg.trainer.hf_output_dir)
+        save_hf(self.policy.engine, self.ctx, self.cfg.model.path, self.cfg.trainer.hf_output_dir)
 
 
 def run(cfg, ctx) -> dict:

@@ -22,10 +22,8 @@ are (`episode_response`), and the tools' output is not trained on.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -36,11 +34,11 @@ from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.data.records import sft_row_problem
 from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
-from verl_hpc.trainer.roles import build_engine
 from verl_hpc.rollout.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer, steps_from_epochs
-from verl_hpc.trainer.roles import load_tokenizer, pad_token_id
+from verl_hpc.trainer.programs.base import (StepProgram, check_tracking, finish, make_checkpointer, save_hf,
+                                             steps_from_epochs)
+from verl_hpc.trainer.roles import build_engine, load_tokenizer, pad_token_id
 
 log = logging.getLogger(__name__)
 FORMAT = "verl_hpc.sft_trainer/1"  # trainer_state.format of SFT checkpoints: SFT resumes only from its own
@@ -159,31 +157,7 @@ class SFT(StepProgram):
 
     def end(self, summary: Dict) -> None:
         if summary["stopped"] != "preempted":  # a preempted run exports when its resumed job finishes
-            save_hf(self.actor.engine, self.cfg, self.ctx, self.cfg.trainer.hf_output_dir)
-
-
-def save_hf(engine, cfg, ctx, out_dir: str) -> None:
-    """Collective: every rank joins the weight gather; rank 0 writes the folder. Under LoRA the
-    weights are the base with the adapter merged in, and `adapter/` holds the adapter (PEFT)."""
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in engine.export_hf_weights()}
-    adapter = ({name: t.detach().to("cpu").clone() for name, t in engine.export_adapter()}
-               if getattr(engine, "lora", None) is not None else None)
-    if ctx.rank != 0:
-        return
-    src, dst = Path(cfg.model.path), Path(out_dir)
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    for f in src.iterdir():  # config, tokenizer, chat template: everything but the weights
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
-            shutil.copy2(f, dst / f.name)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    if adapter is not None:  # LoRA: the adapter itself too, as a PEFT folder (an RL run's lora.init_from)
-        (dst / "adapter").mkdir()
-        save_file(adapter, str(dst / "adapter" / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (dst / "adapter" / "adapter_config.json").write_text(json.dumps(engine.adapter_config(), indent=1))
+            save_hf(self.actor.engine, self.ctx, self.cfg.model.path, self.cfg.trainer.hf_output_dir)
 
 
 def run(cfg, ctx) -> dict:
