@@ -88,8 +88,8 @@ def requeue_if_preempted(cfg, ctx, checkpointer: Checkpointer) -> None:
 def save_hf(engine, ctx, model_path: str, out_dir: str) -> None:
     """The engine's weights as a Hugging Face folder at `out_dir` (trainer.hf_output_dir), with
     `model_path`'s config, tokenizer and chat template. Collective: every rank joins the weight
-    gather; rank 0 writes the folder. Under LoRA the
-    weights are the base with the adapter merged in, and `adapter/` holds the adapter (PEFT)."""
+    gather; rank 0 writes the folder. Under LoRA the weights are the base with the adapter merged
+    in, and `adapter/` holds the adapter (PEFT)."""
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in engine.export_hf_weights()}
