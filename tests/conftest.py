@@ -6,12 +6,14 @@
 - GPU tests skip only where no CUDA device exists; nothing else skips.
 - The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
   start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
+- Every test has a time budget (tests/time_budget.py, whose hooks are imported here): over it, it fails.
 """
 import os
 from pathlib import Path
 
 import pytest
 
+from time_budget import pytest_fixture_setup, pytest_runtest_makereport, pytest_runtest_protocol  # noqa: F401
 from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
 
 # Jobs run in this process (tests/jobs.py, run_here) compute with this process's MKL: the same

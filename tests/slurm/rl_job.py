@@ -2,6 +2,7 @@
 
     proc, job_id, out, logs = start_rl(root, tmp_path, steps, *overrides)  # once 2 steps are logged
     proc, job_id, out, logs = start_job(config, tmp_path, overrides)       # any program
+    proc, job_id, out, logs = start_job(config, tmp_path, overrides, ready=placed)  # once rank 0 is placed
     text = job_text(stdout, stderr, logs)                                  # submitter output + rank logs
     steps_logged(out), sacct_states(job_id), release_requeue_hold(job_id, proc)
 
@@ -36,21 +37,33 @@ def start_rl(root: Path, tmp_path: Path, steps: int, *extra):
         "trainer.val_every=0", *extra])
 
 
-def start_job(config: str, tmp_path: Path, args):
+def logged_two_steps(out: Path, logs: Path) -> bool:
+    """start_job's default moment: the job has logged 2 steps."""
+    return len(steps_logged(out)) >= 2
+
+
+def placed(out: Path, logs: Path) -> bool:
+    """Rank 0 has logged its placement (Megatron is up, the rank's PreemptionFlag long installed),
+    before its first step: a signal sent now stops it at step 1 whatever a step costs."""
+    return any("placement:" in f.read_text(errors="replace") for f in logs.glob("*/*_0_log.err"))
+
+
+def start_job(config: str, tmp_path: Path, args, ready=logged_two_steps):
     """`python -m verl_hpc.submit config args` on the cluster, one rank, metrics to out/metrics.jsonl,
-    requeue on; once 2 steps are logged: (submitter process, job id, output dir, log dir)."""
+    requeue on; once `ready(out, logs)` (default: 2 steps logged): (submitter process, job id,
+    output dir, log dir)."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     cmd = [sys.executable, "-m", "verl_hpc.submit", config, f"trainer.output_dir={out}", f"slurm.log_dir={logs}/%j",
            "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.tasks_per_node=1", "slurm.time_min=15",
            "slurm.requeue=true", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     end = time.time() + 300
-    while time.time() < end and proc.poll() is None and len(steps_logged(out)) < 2:
-        time.sleep(0.2)
-    if len(steps_logged(out)) < 2:
+    while time.time() < end and proc.poll() is None and not ready(out, logs):
+        time.sleep(0.1)
+    if not ready(out, logs):
         proc.kill()
         o, e = proc.communicate()
-        raise AssertionError(f"the job never logged 2 steps:\n{o[-4000:]}\n{e[-4000:]}")
+        raise AssertionError(f"the job never reached {ready.__name__}:\n{o[-4000:]}\n{e[-4000:]}")
     job_id = next(p.name for p in logs.iterdir() if p.name.isdigit())
     return proc, job_id, out, logs
 

@@ -1,8 +1,9 @@
 """SFT preempted on the dev cluster: Slurm's warning signal (USR2, as `--signal=USR2@N` sends it
-before the time limit) reaches the rank mid-run; it saves the step, requeues the job, and the
-requeued attempt resumes from `latest` and ends bitwise where an uninterrupted run ends (the HF
-folder, the final checkpoint, every per-step loss). The uninterrupted run is the same job in this
-process (tests/jobs.py's run_here: one thread, as the Slurm rank)."""
+before the time limit) reaches the rank once it is placed, before its first step ends; it saves
+step 1, requeues the job, and the requeued attempt resumes from `latest` and ends bitwise where an
+uninterrupted run ends (the HF folder, the final checkpoint, every per-step loss). The
+uninterrupted run is the same job in this process (tests/jobs.py's run_here: one thread, as the
+Slurm rank). A signal at a later step is tests/jobs/test_sft_resume.py's (in this process)."""
 import json
 import subprocess
 
@@ -10,9 +11,12 @@ import pytest
 import torch
 
 from jobs import data_overrides, read_all, run_here, stable_metrics
-from rl_job import job_text, release_requeue_hold, sacct_states, start_job, steps_logged
+from rl_job import job_text, placed, release_requeue_hold, sacct_states, start_job, steps_logged
 
-STEPS = 400  # long enough for the signal to land mid-run on a quiet machine (tens of ms a step)
+# The signal is sent once rank 0 is placed, before its first step ends (the rest of its start-up
+# takes longer than Slurm takes to deliver a signal): the stop is at step 1 whatever a step costs,
+# and the resumed attempt has steps enough to follow (it was 400 steps and a signal after step 2)
+STEPS = 12
 
 
 def args(root, out):
@@ -23,7 +27,8 @@ def args(root, out):
 
 @pytest.mark.timeout(1500)
 def test_sft_requeued_by_the_warning_signal_resumes_bitwise(tiny_assets, tmp_path):
-    proc, job_id, out, logs = start_job("configs/demo_sft.yaml", tmp_path, args(tiny_assets, tmp_path / "out"))
+    proc, job_id, out, logs = start_job("configs/demo_sft.yaml", tmp_path, args(tiny_assets, tmp_path / "out"),
+                                        ready=placed)
     try:
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         assert release_requeue_hold(job_id, proc), "the signalled job was never requeued"
@@ -36,7 +41,8 @@ def test_sft_requeued_by_the_warning_signal_resumes_bitwise(tiny_assets, tmp_pat
     assert proc.returncode == 0 and "COMPLETED" in stdout, text[-8000:]
     assert "received SIGUSR2" in text and "requeued after the checkpoint of step" in text, text[-8000:]
     summary = json.loads((out / "sft_summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["stopped"] == "completed" and 0 < summary["resumed_from"] < STEPS
+    assert summary["steps"] == STEPS and summary["stopped"] == "completed" and 0 < summary["resumed_from"] < STEPS, \
+        summary
     assert steps_logged(out) == list(range(1, STEPS + 1))
     assert sacct_states(job_id)[-1] == "COMPLETED" and len(sacct_states(job_id)) >= 2, sacct_states(job_id)
 

@@ -1,7 +1,7 @@
 """Split placement, for real: 1 rollout rank (vLLM) + 1 training rank (Megatron) on this machine.
 
 k = 0 reproduces colocated training bitwise; k = 2 never trains on a token more than 2 versions old;
-a 50-step run preempted 5 times (Slurm's warning signal) and resumed trains on exactly the prompts of
+a 50-step run preempted 3 times (Slurm's warning signal) and resumed trains on exactly the prompts of
 an uninterrupted run, with the batches ready and the prefixes in flight carried over in the checkpoints.
 """
 import base64
@@ -13,7 +13,7 @@ import h5py
 import pytest
 import numpy as np
 from faults import env
-from jobs import REPO, data_overrides, run_job
+from jobs import REPO, data_overrides, run_here, run_job
 
 SPLIT_DEMO = "configs/demo_rl_split.yaml"  # demo_rl.yaml + placement split, 1 rollout rank of 2, k = 1
 
@@ -39,7 +39,8 @@ def rows(out):
 
 def test_k0_split_gives_colocated_weights_bitwise(warm_assets, tmp_path):
     colo, split = tmp_path / "colocated", tmp_path / "split"
-    p1, s1 = run_job("configs/demo_rl.yaml", colo, *common(warm_assets, 3), ranks=1)
+    # the colocated run is one rank: in this process (tests/jobs.py's run_here), no command line to start
+    p1, s1 = run_here("configs/demo_rl.yaml", colo, *common(warm_assets, 3))
     assert p1.returncode == 0, p1.stdout[-3000:] + p1.stderr[-3000:]
     p2, s2 = run_job(SPLIT_DEMO, split, *common(warm_assets, 3),
                      "async_training.staleness=0", ranks=2)
@@ -56,19 +57,24 @@ def test_k0_split_gives_colocated_weights_bitwise(warm_assets, tmp_path):
 
 
 # Slurm's warning signal after these steps, one per launch: early (the rollout's first batches in
-# flight), mid-run, the very step after a resume (the restored state saved again), a step that is also
-# a periodic save (save_every=13), and a step that also validates (val_every=19): 6 launches in all
-PREEMPT_AT = (3, 11, 12, 26, 38)
+# flight), the very step after a resume (the restored state saved again), and mid-run a step that is
+# at once a periodic save (save_every=12) and a validating step (val_every=24): 4 launches in all
+# (each case once; they were 5 preemptions at 3, 11, 12, 26 (save), 38 (validates) in 6 launches)
+PREEMPT_AT = (3, 4, 24)
+SAVE_EVERY, VAL_EVERY = 12, 24
 
 
-@pytest.mark.timeout(1500)  # 6 launches of a 2-rank job, plus the warm start if this test builds it
-def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
+@pytest.mark.timeout(1500)  # 4 launches of a 2-rank job, plus the warm start if this test builds it
+def test_k2_50_steps_with_3_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     # one token per chunk: every answer (a digit or two, then EOS) spans chunks, so prefixes exist
     # 8 prompts a step, not 4: at 4 the gain by step 50 was +0.14 here (+0.20 colocated), too close
     # to the bound below to hold across warm starts; at 8 it is +0.28 for the same run time
     args = [*common(warm_assets, 50, prompts=8), "async_training.staleness=2", "async_training.chunk_tokens=1",
-            "checkpoint.save_every=13", "trainer.val_every=19", f"trainer.rollout_data_dir={samples}"]
+            f"checkpoint.save_every={SAVE_EVERY}", f"trainer.val_every={VAL_EVERY}",
+            f"trainer.rollout_data_dir={samples}"]
+    # each case of the comment above holds by construction, not by chance
+    assert PREEMPT_AT[1] == PREEMPT_AT[0] + 1 and PREEMPT_AT[2] % SAVE_EVERY == 0 == PREEMPT_AT[2] % VAL_EVERY
     trained, saved = [], []
     for launch, at in enumerate((*PREEMPT_AT, 0)):
         # the test faults (tests/faults.py): Slurm's warning signal after step `at` (0: never), and
@@ -89,10 +95,11 @@ def test_k2_50_steps_with_5_preemptions_train_every_prompt_once_and_keep_prefixe
     assert any(r["async/staleness_max"] > 0 for r in steps)  # it did run ahead: the bound is not vacuous
     assert all(r["async/dropped_groups"] == 0 for r in steps)
     val = {r["step"]: r["val/acc/all"] for r in rows(out) if "val/acc/all" in r}
+    assert sorted(val) == [0, 24, 48, 50], val  # the preempted step 24 validated before it stopped
     assert val[50] >= val[0] + 0.15, val  # and it learned (0.34 -> 0.62 measured, colocated 0.34 -> 0.59)
 
     # the prompts of an uninterrupted run (nothing dropped: batch s of the data stream at step s), none
-    # skipped or repeated across the 5 requeues
+    # skipped or repeated across the 3 requeues
     stream = _data_stream(warm_assets, args, 50)
     assert collections.Counter(trained) == collections.Counter(stream)
     assert trained == stream

@@ -6,8 +6,6 @@ each episode holds environment tokens under loss mask 0 whatever the random mode
 lr 1e-4 for the reason tests/dist/trainer/test_trn_dpo.py gives (Adam's first step amplifies
 float-rounding differences of near-zero gradients at larger rates)."""
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -28,8 +26,11 @@ def args(assets):
 
 
 def exported(out: Path, dest: Path):
-    subprocess.run([sys.executable, "-m", "verl_hpc.checkpoint", "export", str(out / "checkpoints"), "--hf", str(dest)],
-                   cwd=REPO, check=True, capture_output=True)
+    """`python -m verl_hpc.checkpoint export CKPT --hf DEST`'s main, in this process (its command line
+    is tests/dist/checkpoint/test_ckpt_trainer_layouts.py's)."""
+    from verl_hpc.checkpoint.__main__ import main
+
+    assert main(["export", str(out / "checkpoints"), "--hf", str(dest)]) == 0
     return load_file(str(dest / "model.safetensors"))
 
 

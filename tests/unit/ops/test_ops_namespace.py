@@ -51,6 +51,8 @@ def test_checkpoints_of_another_namespace_are_refused(tmp_path):
     with pytest.raises(CheckpointNamespaceError, match=r"refusing to resume from .*namespace 'team-a'.*"
                                                         r"trainer.namespace='team-b'"):
         _checkpointer(tmp_path, "team-b").resume()
+    with pytest.raises(CheckpointNamespaceError, match=r"refusing to resume from .*namespace 'team-a'"):
+        _checkpointer(tmp_path, "team-b", resume=f"{tmp_path}/shared_ckpt").resume()  # named, not found
     with pytest.raises(CheckpointNamespaceError, match="refusing to save into"):
         _checkpointer(tmp_path, "team-b", resume="never").resume()
     b = _checkpointer(tmp_path, "team-b", resume="never")

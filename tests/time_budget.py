@@ -1,0 +1,140 @@
+"""Each test's time budget (docs/testing.md, "Time budget"): a test whose setup and call take longer
+than its budget fails, named, with its time and its budget, so a test that grows is caught the run it
+grows, not when the suite is over its 20 minutes.
+
+- A test's budget is its tier's (TIER_BUDGET_S, by folder), or its own where SLOWEST names it:
+  the slowest tests, each with its budget and the reason it cannot be cheaper.
+- Its time is its call plus its own setup. A shared fixture (module or session scope) is timed
+  apart, against its own budget (its entry in SLOWEST as `fixture:<name>`, else the tier's of the
+  test that builds it), so the test that happens to build it first is not charged for it.
+- Budgets are seconds on a quiet 2-core machine, generous (a tier's budget is several times its
+  usual test; an entry of SLOWEST about twice its test's quiet time), and stretch with the machine's
+  load beyond the suite's own (load_factor): a run beside another run is not failed for it, a
+  test that doubles is caught.
+- `VERL_HPC_TIME_BUDGET_SCALE` multiplies every budget (0 turns the check off, e.g. under a debugger).
+
+conftest.py imports the hooks below into its namespace (pytest finds them there).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+# seconds of setup + call, by the test's tier (its folder under tests/); 0: none (the container
+# tests build a 4 GB image, tens of minutes fresh and a minute cached: its time follows the network)
+TIER_BUDGET_S = {"unit": 20, "jobs": 90, "dist": 150, "slurm": 200, "container": 0}
+
+# The slowest tests and shared fixtures: node id without parameters (or `fixture:<name>`) ->
+# (budget in seconds, why it cannot be cheaper). A parametrized test's entry holds for each case.
+SLOWEST = {
+    "tests/dist/trainer/test_split_async.py::test_k2_50_steps_with_3_preemptions_train_every_prompt_once_and_keep_prefixes": (
+        250, "4 launches of a 2-rank split job (vLLM + Megatron) over 50 steps: the fewest that cover an early "
+             "preemption, the step right after a resume and a step that both saves and validates, and the "
+             "steps it takes to learn by a margin the check can hold"),
+}
+
+_SETUP_S = pytest.StashKey[float]()  # a test's setup seconds, shared fixtures included
+_LOAD_AT_START = pytest.StashKey[float]()  # the 1-minute load average when its setup began
+_current: str | None = None  # the node id of the test being run
+_shared: dict[str, list] = {}  # node id -> [(fixture name, seconds)] of the shared fixtures it built
+
+
+def scale() -> float:
+    return float(os.environ.get("VERL_HPC_TIME_BUDGET_SCALE", "1"))
+
+
+def load_factor(loads) -> float:
+    """How much slower than on a quiet machine a test may run for the load around it: the mean of
+    the 1-minute load averages sampled at its start and end, over 2 per CPU core (what the suite's
+    own multi-rank jobs reach on a quiet machine), never below 1. Another run beside this one (load
+    20 on 2 cores: x 5) stretches every budget; the suite alone does not."""
+    return max(1.0, sum(loads) / max(len(loads), 1) / (2 * (os.cpu_count() or 1)))
+
+
+def tier(nodeid: str) -> str:
+    return nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
+
+
+def budget(key: str, tier_name: str) -> tuple[float, str]:
+    """(seconds on a quiet machine, where the budget comes from) for a node id or `fixture:<name>`."""
+    entry = SLOWEST.get(re.sub(r"\[.*\]$", "", key))
+    if entry is not None:
+        return entry[0] * scale(), "its own (tests/time_budget.py, SLOWEST)"
+    return TIER_BUDGET_S.get(tier_name, TIER_BUDGET_S["unit"]) * scale(), f"the {tier_name or 'unit'} tier's"
+
+
+def over(key: str, tier_name: str, seconds: float, load: float = 1.0) -> str | None:
+    """The failure's line if `seconds` is over the budget of `key` stretched by `load` (load_factor),
+    else None."""
+    limit, source = budget(key, tier_name)
+    if limit <= 0 or seconds <= limit * load:
+        return None
+    stretched = f" x {load:.1f} for the machine's load" if load > 1 else ""
+    return (f"time budget: {key} took {seconds:.0f} s of setup and call, over {source} budget of "
+            f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or name it "
+            f"in tests/time_budget.py's SLOWEST with why it cannot be")
+
+
+def stale_entries() -> list[str]:
+    """SLOWEST's entries that name no test or fixture any longer (renamed or removed)."""
+    sources = {f: f.read_text() for f in TESTS.rglob("*.py")}
+    stale = []
+    for key in SLOWEST:
+        if key.startswith("fixture:"):
+            found = any(re.search(rf"^def {re.escape(key[8:])}\(", text, re.M) for text in sources.values())
+        else:
+            path, _, func = key.partition("::")
+            text = sources.get(TESTS.parent / path, "")
+            found = bool(re.search(rf"^def {re.escape(func)}\(", text, re.M))
+        if not found:
+            stale.append(key)
+    return stale
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _current
+    _current = item.nodeid
+    item.stash[_LOAD_AT_START] = os.getloadavg()[0]
+    try:
+        yield
+    finally:
+        _current = None
+        _shared.pop(item.nodeid, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    t0 = time.perf_counter()
+    yield
+    if fixturedef.scope != "function" and _current is not None:
+        _shared.setdefault(_current, []).append((fixturedef.argname, time.perf_counter() - t0))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On the call's report: its setup and call, less the shared fixtures they built, against the
+    test's budget, and each shared fixture against its own; over one of them fails the test."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        item.stash[_SETUP_S] = call.duration
+        return
+    if call.when != "call" or scale() <= 0 or not report.passed:
+        return
+    t = tier(item.nodeid)
+    load = load_factor([item.stash.get(_LOAD_AT_START, 0.0), os.getloadavg()[0]])
+    shared = _shared.get(item.nodeid, [])
+    lines = [over(f"fixture:{name}", t, s, load) for name, s in shared]
+    own = item.stash.get(_SETUP_S, 0.0) + call.duration - sum(s for _, s in shared)
+    lines.append(over(item.nodeid, t, own, load))
+    lines = [x for x in lines if x]
+    if lines:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(lines)
