@@ -25,6 +25,7 @@ def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
     proc, job_id, out, logs = start_rl(tiny_assets, tmp_path, 200)
     try:
         subprocess.run(["scancel", job_id], check=True, timeout=30)
+        cancelled = time.monotonic()
         stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -36,7 +37,11 @@ def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
     assert "requeue: job" not in text, text[-6000:]
     if "stopped by SIGTERM" in text:  # the step boundary came within Slurm's KillWait
         assert "not requeued (SIGTERM without preemption (JobState=" in text, text[-6000:]
-    time.sleep(20)  # a requeued job would be PENDING/REQUEUED by now
+    # A requeue comes from the job's own processes (runtime/requeue.py's `scontrol requeue` in the rank),
+    # which live at most KillWait after the cancel's SIGTERM (then SIGKILL; none is left, checked
+    # below): 10 s after that, a requeued job would be PENDING/REQUEUED (this used to wait 20 s after
+    # the submitter's exit, itself seconds after the cancel)
+    time.sleep(max(0.0, cancelled + _kill_wait_s() + 10 - time.monotonic()))
     assert sacct_states(job_id) == ["CANCELLED"] or sacct_states(job_id)[0].startswith("CANCELLED"), \
         sacct_states(job_id)
     assert len(sacct_states(job_id)) == 1, sacct_states(job_id)  # one attempt: never requeued
@@ -53,6 +58,12 @@ def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
             assert reader.metadata["trainer_state"]["step"] >= 2
 
 
+def _kill_wait_s() -> int:
+    """Slurm's KillWait: the seconds between a job's SIGTERM and its SIGKILL."""
+    config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=30).stdout
+    return int(re.search(r"^KillWait\s*=\s*(\d+)", config, re.M).group(1))
+
+
 def _node_and_cpus(job_id: str):
     """The node our job runs on and its CPU count (the cluster may have several nodes). A job that
     asks for all of them fits the node's configuration, and only preempting ours makes room."""
@@ -65,7 +76,9 @@ def _node_and_cpus(job_id: str):
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine
 def test_slurm_preemption_requeues_and_resumes(tiny_assets, tmp_path):
-    steps = 400  # long enough that the preemption lands mid-run on a quiet machine too (~0.2 s a step)
+    # long enough that the preemption lands mid-run on a quiet machine too (under 0.1 s a step: it
+    # lands within 20 steps of the second), and the job outlives a 15 s status line with steps logged
+    steps = 100
     proc, job_id, out, logs = start_rl(tiny_assets, tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
