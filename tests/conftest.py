@@ -104,12 +104,12 @@ def _failure_after(proc, folder, pattern, needle, timeout=120):
     return out, err, time.time() - seen
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # plain functions: any fixture may use them, a module's too
 def smoke_job():
     return _smoke_job
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def failure_after():
     return _failure_after
 

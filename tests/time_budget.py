@@ -76,7 +76,8 @@ def over(key: str, tier_name: str, seconds: float, load: float = 1.0) -> str | N
     if limit <= 0 or seconds <= limit * load:
         return None
     stretched = f" x {load:.1f} for the machine's load" if load > 1 else ""
-    return (f"time budget: {key} took {seconds:.0f} s of setup and call, over {source} budget of "
+    what = "setup" if key.startswith("fixture:") else "setup and call"
+    return (f"time budget: {key} took {seconds:.0f} s of {what}, over {source} budget of "
             f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or name it "
             f"in tests/time_budget.py's SLOWEST with why it cannot be")
 

@@ -1,7 +1,12 @@
-"""The local backend of the submitter: real ranks on this machine talking over gloo."""
+"""The local backend of the submitter: real ranks on this machine talking over gloo.
+
+The wedged-rank job spends its time waiting (its collective timeout, then torch's grace before it
+kills the wedged rank), not computing: it starts before this module's first test and its test,
+the module's last, collects it, so that the other tests run in that wait."""
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,14 +70,44 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
 # > the start-up skew of the two smoke ranks (rendezvous shares this timeout): the same light program
 # started at once, they were up within the same second at load 10 on 2 cores (it was 30 s)
 WEDGED_TIMEOUT_S = 15
+WEDGED = "test_wedged_rank_is_caught_by_the_collective_timeout"
 
 
-def test_wedged_rank_is_caught_by_the_collective_timeout(tmp_path, smoke_job, failure_after):
+@pytest.fixture(scope="module", autouse=True)
+def wedged_job(request, tmp_path_factory, smoke_job, failure_after):
+    """The wedged-rank job, started at the module's first test where its test is selected:
+    `failure_after` (the moment rank 1 hangs, the job's end, its output) runs in a thread while
+    the module's other tests run, and the test collects what it found."""
+    if not any(item.name == WEDGED and item.module is request.module for item in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("wedged")
     # rank 1 stays alive but stops answering: only the collective timeout can end this job
-    proc = smoke_job(tmp_path, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
+    proc = smoke_job(tmp, "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
                      "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
                      f"trainer.collective_timeout_s={WEDGED_TIMEOUT_S}")
-    _, err, elapsed = failure_after(proc, tmp_path / "logs", "**/1/stderr.log", "hangs on purpose")
+    outcome = {}
+
+    def watch():
+        try:
+            outcome["result"] = failure_after(proc, tmp / "logs", "**/1/stderr.log", "hangs on purpose")
+        except BaseException as e:  # noqa: BLE001 - raised again in the test
+            outcome["error"] = e
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    yield proc, watcher, outcome
+    proc.kill()  # failure_after kills it too; this covers a test that never collected it
+    watcher.join(timeout=30)
+
+
+def test_wedged_rank_is_caught_by_the_collective_timeout(wedged_job):
+    proc, watcher, outcome = wedged_job
+    watcher.join(timeout=300)
+    assert not watcher.is_alive(), "the wedged-rank job neither hung nor ended within 300 s"
+    if "error" in outcome:
+        raise outcome["error"]
+    _, err, elapsed = outcome["result"]
     assert proc.returncode != 0
     # the collective timeout + the launcher's 30 s grace for the wedged rank (launcher/local.py), + slack
     assert elapsed < WEDGED_TIMEOUT_S + 30 + 30, f"took {elapsed:.0f}s to give up on a wedged rank"

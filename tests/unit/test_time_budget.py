@@ -52,8 +52,9 @@ def test_the_load_beyond_the_suites_own_stretches_the_budgets(monkeypatch):
 
 
 def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(tmp_path):
-    # budgets scaled to 2 s (the unit tier's 20 s x 0.1): the shared fixture (1.2 s) and the test
-    # that builds it (1 s) are each within theirs, together over; the slow test (3 s) is over
+    # budgets scaled to 1 s (the unit tier's 20 s x 0.05): the shared fixture (0.6 s) and the test
+    # that builds it (0.5 s) are each within theirs, together over; the slow test (1.5 s) and the slow
+    # shared fixture (1.3 s) are over
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import os
         import sys
@@ -67,22 +68,32 @@ def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(
 
         @pytest.fixture(scope="module")
         def shared():
-            time.sleep(1.2)
+            time.sleep(0.6)
 
         def test_builds_the_shared_fixture(shared):
-            time.sleep(1.0)
+            time.sleep(0.5)
 
         def test_slow():
-            time.sleep(3.0)
+            time.sleep(1.5)
 
         def test_quick(shared):
             pass
+
+        @pytest.fixture(scope="session")
+        def slow_shared():
+            time.sleep(1.3)
+
+        def test_builds_a_slow_shared_fixture(slow_shared):
+            pass
         """))
-    env = {"VERL_HPC_TIME_BUDGET_SCALE": str(2 / TIER_BUDGET_S["unit"]), "PATH": "/usr/bin:/bin"}
+    env = {"VERL_HPC_TIME_BUDGET_SCALE": str(1 / TIER_BUDGET_S["unit"]), "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "test_it.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(r"1 failed, 2 passed", r.stdout), r.stdout
+    assert re.search(r"2 failed, 2 passed", r.stdout), r.stdout
     assert "FAILED test_it.py::test_slow - time budget" in r.stdout, r.stdout  # the test is the one named
-    assert "time budget: test_it.py::test_slow took 3 s of setup and call, over the unit tier's budget of 2 s" \
-        in r.stdout, r.stdout
+    assert re.search(r"time budget: test_it.py::test_slow took \d+ s of setup and call, over the unit tier's "
+                     r"budget of 1 s", r.stdout), r.stdout
+    # a shared fixture over its own budget fails the test that built it, naming the fixture
+    assert re.search(r"time budget: fixture:slow_shared took \d+ s of setup, over the unit tier's budget of 1 s",
+                     r.stdout), r.stdout
