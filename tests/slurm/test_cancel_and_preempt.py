@@ -76,9 +76,10 @@ def _node_and_cpus(job_id: str):
 
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine
 def test_slurm_preemption_requeues_and_resumes(tiny_assets, tmp_path):
-    # long enough that the preemption lands mid-run on a quiet machine too (under 0.1 s a step: it
-    # lands within 20 steps of the second), and the job outlives a 15 s status line with steps logged
-    steps = 100
+    # long enough that the preemption lands mid-run on a quiet machine too (a few hundredths of a
+    # second a step there), and that the job outlives one of the submitter's 15 s status lines with
+    # steps logged (at 100 steps a quiet run ended between two of them: the status check below failed)
+    steps = 400
     proc, job_id, out, logs = start_rl(tiny_assets, tmp_path, steps, "slurm.partition=scavenger")
     urgent = None
     try:
