@@ -90,7 +90,7 @@ class Checkpointer:
         stored in the metadata; history: a MetricHistory (tracking/history.py) or None;
         before_state / after_load: see the module docstring."""
         states = dict(states or {})
-        clash = sorted(set(states) & (set(RESERVED) | {"engines"}))
+        clash = sorted(set(states) & set(RESERVED))
         if clash:
             raise ValueError(f"checkpointer: state names {clash} are the checkpointer's own")
         self.options, self.ctx, self.format = options, ctx, fmt
