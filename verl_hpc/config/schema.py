@@ -18,6 +18,7 @@ from verl_hpc.config.sections.algorithm import (GROUP_ESTIMATORS, AccuracyFilter
                                                 RolloutCorrectionConfig)
 from verl_hpc.config.sections.cluster import ContainerConfig, ParallelConfig, SlurmConfig
 from verl_hpc.config.sections.data import DataConfig
+from verl_hpc.config.sections.fsdp import FsdpConfig
 from verl_hpc.config.sections.lora import LoraConfig
 from verl_hpc.config.sections.model import ModelConfig
 from verl_hpc.config.sections.multi_turn import MultiTurnConfig, SandboxConfig
@@ -49,6 +50,8 @@ class JobConfig:
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "HDF5 checkpoints")
     parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = training ranks / (tp * pp)")
+    fsdp: FsdpConfig = section(FsdpConfig, "the FSDP2 engine (parallel.engine = fsdp | auto): sharding, "
+                                           "precision, recompute, offload, compile")
     placement: PlacementConfig = section(PlacementConfig, "colocated (every rank does everything) or split "
                                                           "(rollout ranks apart from training ranks)")
     async_training: AsyncTrainingConfig = section(AsyncTrainingConfig, "split placement: how far rollout may "
@@ -109,7 +112,7 @@ class JobConfig:
 
 
 __all__ = [
-    "AccuracyFilterConfig", "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "ContainerConfig", "CriticConfig", "DataConfig",
+    "AccuracyFilterConfig", "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "FsdpConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "ParallelConfig", "PlacementConfig", "PreferenceConfig", "PrmConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",

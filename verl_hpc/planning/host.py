@@ -4,7 +4,7 @@ Pinned buffers (torch's CachingHostAllocator) are rounded up to a power of two e
 (hardware.pinned) and, once freed, stay cached for the next allocation of that size: what was
 pinned once is held for the process's life. So the offload copies, vLLM's sleep copies and the
 async saver's snapshots are counted in every phase, each buffer rounded:
-- offload (engines/megatron/offload.py): one pinned buffer per storage: a trainable role's
+- offload (engines/offload.py): one pinned buffer per storage: a trainable role's
   weights live in DDP's contiguous param buffer (one per model chunk: vpp chunks), a frozen role's
   in one storage per tensor; Adam's fp32 master shard and two moments are tensors of their own,
   per parameter (sharded over DP by the distributed optimizer); gradients are dropped, not copied;

@@ -69,7 +69,7 @@ class SyncError(VerlHpcError, RuntimeError):
 
 def export_source(actor) -> Callable[[], Iterator[Tuple[str, torch.Tensor]]]:
     """What to call for the weight stream: `export_hf_weights` of the TrainingEngine behind an
-    actor role (verl_hpc.engines.megatron.roles.Actor has `.engine`) or of the engine itself; for
+    actor role (verl_hpc.engines.roles.Actor has `.engine`) or of the engine itself; for
     a bare Megatron model from verl_hpc.models.build_gpt_model (or its list of virtual-pipeline
     chunks, DDP-wrapped or not), verl_hpc.models.export_hf_weights on it."""
     engine = getattr(actor, "engine", actor)

@@ -31,8 +31,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from verl_hpc.engines.megatron.options import EngineOptions
-from verl_hpc.engines.megatron.roles import Reference, build_role
+from verl_hpc.engines.options import EngineOptions
+from verl_hpc.config.sections.fsdp import choose_engine
+from verl_hpc.engines.megatron.roles import build_role
+from verl_hpc.engines.roles import Reference, wrap_role
 from verl_hpc.runtime import device as devices
 
 if TYPE_CHECKING:
@@ -109,16 +111,30 @@ def engine_options(cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len:
         role, model=cfg.model, parallel=cfg.parallel, actor=cfg.actor, ref=cfg.ref, critic=cfg.critic,
         prm=cfg.prm, reward=cfg.reward, lora=cfg.lora, temperature=cfg.rollout.temperature,
         lora_seed=cfg.trainer.seed, total_steps=total_steps or cfg.trainer.total_steps, fp8=fp8,
-        loss_norm_len=loss_norm_len)
+        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp)
+
+
+# the field that names each role's model folder (the engine choice and its errors name it)
+MODEL_FIELDS = {"actor": "model.path", "ref": "model.path", "critic": "critic.model_path",
+                "reward": "reward.reward_model.path", "prm": "prm.model_path"}
 
 
 def build_engine(role: str, cfg, ctx=None, **kwargs):
-    """The role object for `role` in {actor, critic, ref, reward, prm} (engines/megatron/roles.py:
-    build_role); collective: call on every rank. kwargs: fp8, loss_norm_len, total_steps (see
-    engine_options)."""
-    return build_role(role, engine_options(cfg, role, **kwargs), parallel=cfg.parallel, seed=cfg.trainer.seed,
-                      timeout_s=cfg.trainer.collective_timeout_s,
-                      role_cfg={"actor": cfg.actor, "critic": cfg.critic, "prm": cfg.prm}.get(role), n=cfg.rollout.n)
+    """The role object for `role` in {actor, critic, ref, reward, prm} on the engine that
+    parallel.engine picks for the role's model folder (verl_hpc.config.sections.fsdp.choose_engine:
+    Megatron's engines/megatron/roles.py build_role, or the FSDP engine); collective: call on every
+    rank. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
+    options = engine_options(cfg, role, **kwargs)
+    field = MODEL_FIELDS[role]
+    options = dataclasses.replace(options, engine=choose_engine(cfg.parallel.engine, options.model_path,
+                                                                cfg.parallel, field))
+    role_cfg = {"actor": cfg.actor, "critic": cfg.critic, "prm": cfg.prm}.get(role)
+    if options.engine == "fsdp":
+        from verl_hpc.engines.fsdp import FsdpEngine
+
+        return wrap_role(role, FsdpEngine(options, field), role_cfg, n=cfg.rollout.n)
+    return build_role(role, options, parallel=cfg.parallel, seed=cfg.trainer.seed,
+                      timeout_s=cfg.trainer.collective_timeout_s, role_cfg=role_cfg, n=cfg.rollout.n)
 
 
 def build_reference(cfg, ctx, actor, build=None) -> Reference:

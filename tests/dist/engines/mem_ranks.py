@@ -59,7 +59,7 @@ def storage_bytes(tensors, exclude=()) -> int:
 
 
 def walk(engine) -> dict:
-    from verl_hpc.engines.megatron.offload import engine_tensors
+    from verl_hpc.engines.offload import engine_tensors
 
     t = engine_tensors(engine)
     params = {p.untyped_storage().data_ptr() for p in t["params"]}

@@ -59,7 +59,7 @@ def first_batch_plan(assets, dp):
     from verl_hpc.config import load_config
     from verl_hpc.data.preference import load_preference_examples
     from verl_hpc.data.sampler import EpochSampler
-    from verl_hpc.engines.megatron.partition import plan_microbatches
+    from verl_hpc.engines.partition import plan_microbatches
     from verl_hpc.trainer.programs.preference import build_batch
 
     cfg = load_config(REPO / "configs/demo_dpo.yaml")

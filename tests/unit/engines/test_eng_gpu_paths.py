@@ -10,9 +10,9 @@ import torch
 from verl_hpc.config import ConfigError, load_config, validate
 from verl_hpc.config.schema import choices_of
 from verl_hpc.engines.megatron import build as build_mod
-from verl_hpc.engines.megatron import options as options_mod
+from verl_hpc.engines import options as options_mod
 from verl_hpc.engines.megatron import state as state_mod
-from verl_hpc.engines.megatron.options import check_options, default_options
+from verl_hpc.engines.options import check_options, default_options
 from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches, PerfOptions
 from verl_hpc.trainer.roles import engine_options
 from verl_hpc.models import gpt as gpt_mod

@@ -1,9 +1,9 @@
-"""Data-parallel row split and micro-batch plans (verl_hpc.engines.megatron.partition)."""
+"""Data-parallel row split and micro-batch plans (verl_hpc.engines.partition)."""
 import random
 
 import pytest
 
-from verl_hpc.engines.megatron.partition import (balanced_split, contiguous_split, equalize,
+from verl_hpc.engines.partition import (balanced_split, contiguous_split, equalize,
                                                  plan_microbatches, token_budget_microbatches)
 
 

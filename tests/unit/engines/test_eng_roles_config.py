@@ -51,7 +51,7 @@ def test_options_declare_no_defaults_and_default_options_is_the_default_config()
     import dataclasses
 
     from verl_hpc.config import load_config
-    from verl_hpc.engines.megatron.options import EngineOptions, default_options
+    from verl_hpc.engines.options import EngineOptions, default_options
 
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                for f in dataclasses.fields(EngineOptions))

@@ -28,6 +28,10 @@ class ParallelConfig(Section):
                                 choices=("uniform", "block"))
     recompute_num_layers: int = opt(1, "full only: layers per unit (uniform) or recomputed layers per stage (block)",
                                     check=">0")
+    engine: str = opt("megatron", "training engine of every role: megatron (Megatron-Core TP/PP/EP; the "
+                                  "mapped Llama/Qwen2/Mistral/MoE families) | fsdp (PyTorch FSDP2: any "
+                                  "transformers model) | auto (per role's model folder: megatron where it is "
+                                  "mapped and tp/pp/ep > 1, else fsdp)", choices=("auto", "megatron", "fsdp"))
     backend: str = opt("auto", "auto (nccl with GPUs, else gloo) | nccl | gloo", choices=("auto", "nccl", "gloo"))
 
     def check(self, job) -> List[str]:

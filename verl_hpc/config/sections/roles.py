@@ -55,7 +55,7 @@ class TrainedRole(Section):
                                 check=">0")
     max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
                                          check=">=0")
-    # host offload while the role is idle; results are unchanged (engines/megatron/offload.py)
+    # host offload while the role is idle; results are unchanged (engines/offload.py)
     param_offload: bool = opt(False, "keep the weights in host memory while the role is idle")
     grad_offload: bool = opt(False, "drop the fp32 gradient buffers while idle (each update zeroes them)")
     optimizer_offload: bool = opt(False, "keep the optimizer states in host memory while idle")

@@ -1,10 +1,8 @@
 """Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its five roles.
 
     engine.py     MegatronEngine: forward, train_step, export, state
-    options.py    EngineOptions: what an engine is built with (for_role; default_options without a config)
     build.py      the GPT chunks of this rank's stages (weights, value head) and their DDP wrappers
-    roles.py      Actor, Critic, Reference, RewardModel, ProcessRewardModel, build_role(role, options, ...)
-    partition.py  data-parallel row split and (token-budget) micro-batches
+    roles.py      build_role(role, options, ...): a role (verl_hpc/engines/roles.py) on this engine
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
     outputs.py    log-probs / entropy from vocab-parallel logits; values / scores from a value head
     value_head.py the hidden -> 1 head of critics and reward models
@@ -19,8 +17,9 @@ submit CLI, the checkpoint tools and the unit tests of the pure parts never touc
 project's own modules and torch are imported at the top.
 """
 from verl_hpc.engines.megatron.engine import MegatronEngine
-from verl_hpc.engines.megatron.options import EngineOptions, default_options
-from verl_hpc.engines.megatron.roles import Actor, Critic, ProcessRewardModel, Reference, RewardModel, build_role
+from verl_hpc.engines.options import EngineOptions, default_options
+from verl_hpc.engines.megatron.roles import build_role
+from verl_hpc.engines.roles import Actor, Critic, ProcessRewardModel, Reference, RewardModel
 
 __all__ = ["Actor", "Critic", "EngineOptions", "MegatronEngine", "ProcessRewardModel", "Reference", "RewardModel",
            "build_role", "default_options"]

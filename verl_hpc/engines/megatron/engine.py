@@ -28,7 +28,7 @@ Data flow per call: every rank gets the whole batch; partition.py plans which ro
 takes and how they form micro-batches; schedule.py runs them and reduces the results. Responses to
 one prompt in a micro-batch may share one model row (prefix.py, `share_prompts`). An update plans
 only the rows its loss does not name as adding nothing (LossFn.rows_without_gradient, e.g. the
-policy loss's rows with all-zero advantages; `_rows_to_run`), with the counts of the whole batch.
+policy loss's rows with all-zero advantages; engines/roles.py `rows_to_run`), with the counts of the whole batch.
 """
 from __future__ import annotations
 
@@ -49,11 +49,13 @@ from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.build import build_chunks, output_position_layers, prompt_sharing, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
-from verl_hpc.engines.megatron.options import EngineOptions, check_options, torch_dtype
-from verl_hpc.engines.megatron.partition import plan_microbatches
+from verl_hpc.engines.options import EngineOptions, check_options, torch_dtype
+from verl_hpc.engines.outputs import gather_outputs
+from verl_hpc.engines.partition import plan_microbatches
+from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.megatron.moe_stats import RouterStats
 from verl_hpc.engines.megatron.prefix import prompt_groups
-from verl_hpc.engines.megatron.schedule import MicroBatch, gather_outputs, run_schedule
+from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
 from verl_hpc.models.gpt import token_alignment
@@ -115,7 +117,7 @@ class MegatronEngine(TrainingEngine):
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
             rope_fusion=self.perf.apply_rope_fusion)
         self.steps_applied = 0
-        from verl_hpc.engines.megatron.offload import Offloader
+        from verl_hpc.engines.offload import Offloader
 
         self.offloader = Offloader(self, params=o.param_offload, grads=o.grad_offload and o.trainable,
                                    optimizer=o.optimizer_offload and o.trainable)
@@ -229,7 +231,7 @@ class MegatronEngine(TrainingEngine):
         if self.optimizer is None:
             raise RuntimeError("this engine is frozen (reference / reward model): no training")
         check_batch(batch)
-        rows, skipped = self._rows_to_run(batch, loss_fn)
+        rows, skipped = rows_to_run(batch, loss_fn)
         # the loss's normalisers count every row, the skipped ones too: that keeps the update equal
         counts = dataclasses.replace(self.global_counts(batch),
                                      run_tokens=float(get_response_mask(batch)[rows].sum()))
@@ -247,30 +249,6 @@ class MegatronEngine(TrainingEngine):
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
-
-    @staticmethod
-    def _rows_to_run(batch, loss_fn: LossFn) -> Tuple[List[int], Optional[Dict[str, float]]]:
-        """(the rows whose forward/backward can change the update, {"skipped_rows",
-        "skipped_tokens"} or None when the loss offers no skip). Every rank computes the same from
-        the same whole batch, so the ranks plan alike.
-
-        Where every row could be skipped, the shortest one still runs (its gradient is exactly 0
-        too) and the optimizer step runs as always: the full update's step on a zero gradient
-        still moves Adam's moments and the weights, so dropping the step would not be the same
-        update; the one row keeps the loss's own metrics in the step (with none, the update's
-        mean over its steps would silently leave the step out); and the data-parallel ranks left
-        without a row run an empty micro-batch (partition.py), as any rank with no rows does, so
-        every rank enters the same collectives."""
-        n, mask = batch["input_ids"].shape[0], get_response_mask(batch)
-        find = getattr(loss_fn, "rows_without_gradient", None)
-        skip = find(dict(batch, response_mask=mask)) if find is not None else None
-        if skip is None:
-            return list(range(n)), None if find is None else {"skipped_rows": 0.0, "skipped_tokens": 0.0}
-        skip = skip.clone()
-        if bool(skip.all()) and n:
-            skip[int((batch["prompt_lengths"] + batch["response_lengths"]).argmin())] = False
-        return ((~skip).nonzero().flatten().tolist(),
-                {"skipped_rows": float(skip.sum()), "skipped_tokens": float(mask[skip].sum())})
 
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         with self.resident("train"):

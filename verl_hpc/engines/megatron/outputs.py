@@ -29,9 +29,9 @@ from typing import Dict, Sequence
 import torch
 
 from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce
+from verl_hpc.engines.outputs import VALUE_OUTPUTS, value_outputs  # noqa: F401 (the engine picks it here)
 
 LM_OUTPUTS = ("log_probs", "entropy")
-VALUE_OUTPUTS = ("values", "scores", "token_scores")
 
 
 def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -74,24 +74,3 @@ def lm_outputs_from_token_losses(token_nll: torch.Tensor, mb: Dict[str, torch.Te
     if tuple(want) != ("log_probs",):
         raise ValueError(f"the labels path gives log_probs only; asked for {tuple(want)}")
     return {"log_probs": -(token_nll if selected else token_nll.gather(1, mb["_positions"]))}
-
-
-def value_outputs(values: torch.Tensor, mb: Dict[str, torch.Tensor],
-                  want: Sequence[str]) -> Dict[str, torch.Tensor]:
-    unknown = set(want) - set(VALUE_OUTPUTS)
-    if unknown:
-        raise ValueError(f"a value-head engine gives {VALUE_OUTPUTS}; asked for {sorted(unknown)}")
-    v = values.squeeze(-1).float()  # [b, s]
-    out: Dict[str, torch.Tensor] = {}
-    if "values" in want:
-        out["values"] = v.gather(1, mb["_positions"])
-    if "scores" in want or "token_scores" in want:
-        last = (mb["prompt_lengths"] + mb["response_lengths"] - 1).clamp(min=0).unsqueeze(1)
-        scores = v.gather(1, last).squeeze(1)
-        out["scores"] = scores
-        if "token_scores" in want:  # the score on the last response token, as verl's rewards
-            t = mb["_positions"].shape[1]
-            col = (mb["response_lengths"] - 1).clamp(min=0).unsqueeze(1)
-            out["token_scores"] = torch.zeros(v.shape[0], t, device=v.device).scatter(
-                1, col, scores.unsqueeze(1))
-    return out

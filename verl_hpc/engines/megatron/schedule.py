@@ -185,31 +185,3 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
         forward_only=forward_only)
     return collected, records
-
-
-def gather_outputs(collected, batch_size: int, width: int, keys: Sequence[str], device,
-                   reporting: bool) -> Dict[str, torch.Tensor]:
-    """Every rank gets `{key: [B, T] or [B]}` for the whole batch (see the module docstring)."""
-    out = {}
-    for key in keys:
-        per_seq = key == "scores"
-        buf = torch.zeros((batch_size,) if per_seq else (batch_size, width), dtype=torch.float32,
-                          device=device)
-        if reporting:
-            for mb, values in collected:
-                rows = torch.as_tensor(mb.rows, device=device)
-                v = values[key].float()
-                if per_seq:
-                    buf[rows] = v
-                else:
-                    valid = mb.data["response_mask"][: len(mb.rows)] > 0
-                    buf[rows, : v.shape[1]] = torch.where(valid, v, torch.zeros_like(v))
-        out[key] = buf
-    if dist.is_initialized() and dist.get_world_size() > 1 and out:
-        flat = torch.cat([t.flatten() for t in out.values()])
-        dist.all_reduce(flat)
-        offset = 0
-        for key, t in out.items():
-            out[key] = flat[offset: offset + t.numel()].view_as(t)
-            offset += t.numel()
-    return {k: v.cpu() for k, v in out.items()}

@@ -1,5 +1,8 @@
-"""What a Megatron engine is built with: `EngineOptions` (one role's model, precision, batching,
-optimizer section, parallel and memory switches), read from the sections by `for_role`.
+"""What a training engine is built with: `EngineOptions` (one role's engine, model, precision,
+batching, optimizer section, parallel and memory switches), read from the sections by `for_role`.
+Both engines take the same options: `engine` says which one (megatron | fsdp, chosen per role by
+verl_hpc.config.sections.fsdp.choose_engine); `fsdp` is the fsdp section, read by the FSDP engine
+only, `kernels` and the recompute fields by the Megatron engine only.
 
 Every field is required: the values, their defaults and their checks are declared once, in the
 config sections, and `for_role` is the one place that reads them; the trainer hands it the job's
@@ -12,14 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.engines.megatron.kernels import KernelSwitches
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
+
+if TYPE_CHECKING:  # the Megatron engine's switches; imported where read (no cycle through its package)
+    from verl_hpc.engines.megatron.kernels import KernelSwitches
 
 HEADS = ("lm", "value")
 ROLES = ("actor", "critic", "ref", "reward", "prm")
@@ -34,6 +39,7 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclasses.dataclass
 class EngineOptions:
     model_path: str
+    engine: str  # megatron | fsdp (auto is resolved per role before an engine is built)
     head: str  # lm: log-probs/entropy | value: per-token values / sequence scores
     dtype: str
     trainable: bool  # False: reference / reward model (no grads, no optimizer)
@@ -68,19 +74,32 @@ class EngineOptions:
     # mixture-of-experts models (model.moe_*): aux_loss_coef (None: config.json's), z_loss_coef,
     # capacity_factor (None: dropless); ignored by dense models
     moe_options: Dict[str, Any]
+    # the FSDP engine's section (verl_hpc.config.sections.fsdp.FsdpConfig), and whether
+    # transformers may run code shipped with the model (model.trust_remote_code)
+    fsdp: Any
+    trust_remote_code: bool
 
     @classmethod
     def for_role(cls, role: str, *, model, parallel, actor, ref, critic, prm, reward, lora,
                  temperature: float, lora_seed: int, total_steps: int, fp8: Optional[bool] = None,
-                 loss_norm_len: Optional[float] = None) -> "EngineOptions":
+                 loss_norm_len: Optional[float] = None, fsdp=None) -> "EngineOptions":
         """The options of `role` (actor, critic, ref, reward, prm) from the job's sections: model,
         parallel, the roles' own (actor, ref, critic, prm, reward: its reward_model) and lora; and
         temperature: rollout.temperature (the lm heads' log-probs), lora_seed: trainer.seed (the
-        adapters' A factors), total_steps: the trainer's steps (the LR decay). fp8: None = model.fp8."""
+        adapters' A factors), total_steps: the trainer's steps (the LR decay). fp8: None = model.fp8.
+        fsdp: the fsdp section (None: its defaults). `engine` is parallel.engine as written; the
+        builder resolves auto for the role's folder (verl_hpc/trainer/roles.py)."""
         if role not in ROLES:
             raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
         par = parallel
-        common = dict(dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
+        from verl_hpc.engines.megatron.kernels import KernelSwitches
+
+        if fsdp is None:
+            from verl_hpc.config.sections.fsdp import FsdpConfig
+
+            fsdp = FsdpConfig()
+        common = dict(engine=parallel.engine, fsdp=fsdp, trust_remote_code=model.trust_remote_code,
+                      dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
                       sequence_parallel=par.sequence_parallel,
                       fp8=model.fp8 if fp8 is None else fp8, fp8_recipe=model.fp8_recipe,
                       kernels=KernelSwitches.from_config(model, par),
@@ -145,7 +164,7 @@ def default_options(model_path: str, **changes) -> EngineOptions:
     actor = EngineOptions.for_role(
         "actor", model=job.model, parallel=job.parallel, actor=job.actor, ref=job.ref, critic=job.critic,
         prm=job.prm, reward=job.reward, lora=job.lora, temperature=job.rollout.temperature,
-        lora_seed=job.trainer.seed, total_steps=job.trainer.total_steps)
+        lora_seed=job.trainer.seed, total_steps=job.trainer.total_steps, fsdp=job.fsdp)
     return dataclasses.replace(actor, model_path=model_path, **changes)
 
 

@@ -15,7 +15,11 @@ the optimizer's param groups and the distributed optimizer's shard views stay va
 grows the storage back and copies the bytes in: the values are bit-for-bit those offloaded, so
 offload cannot change results. This is what verl's Megatron workers do with the same buffers; it
 is written here because megatron-core 0.16 has no offload of idle model states (its
-`cpu_offloading` moves activations during a step, a different thing).
+`cpu_offloading` moves activations during a step, a different thing), and FSDP2's CPU offload
+policy keeps parameters on the host even while the role computes (a per-layer copy each forward
+and an optimizer step on the CPU: `fsdp.cpu_offload`), which is for a model that does not fit
+while it trains, not for a role that waits. The FSDP engine's parameters are DTensors whose local
+shards view one storage per layer group: the same storage trick keeps FSDP's views valid.
 
 Gradient buffers are zeroed at the start of every update (MegatronEngine.forward_backward), so
 their bytes are dropped, not copied: they need no host memory. On a CPU-only machine the host
@@ -66,7 +70,11 @@ def _storages(tensors, seen: set) -> List[_Slot]:
 
 def engine_tensors(engine) -> Dict[str, list]:
     """The engine's parameters, main grads and optimizer tensors (which may overlap: the caller
-    dedupes by storage in the order params, grads, optimizer)."""
+    dedupes by storage in the order params, grads, optimizer). An engine that holds its tensors
+    otherwise says which they are (`offload_tensors()`: the FSDP engine's local shards)."""
+    own = getattr(engine, "offload_tensors", None)
+    if own is not None:
+        return own()
     params = list(engine._parameters())
     grads = [getattr(p, "main_grad", None) for p in params]
     opt: list = []

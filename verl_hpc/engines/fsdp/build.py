@@ -1,0 +1,246 @@
+"""The model of an FSDP engine: the one transformers builds from the folder, sharded with FSDP2.
+
+    model = load_model(options, device)        # AutoModelForCausalLM, or a backbone + value head
+    mesh = make_mesh(options.fsdp, device)     # (shard,) or (replicate, shard) for HSDP
+    shard_model(model, mesh, options, compute_dtype)
+
+Loading (`load_model`): every rank builds the architecture on the meta device (no memory), rank 0
+alone reads the weights with `from_pretrained`, and after sharding torch's
+`set_model_state_dict(..., broadcast_from_rank0=True)` sends each rank only its shard (what verl
+and torchtitan do): a node's host memory holds one full copy of the model, not one per rank.
+Buffers that are not in a state dict (RoPE's inverse frequencies) are computed by rank 0's model
+and broadcast. The weights are fp32 (the master copy); `fsdp.mixed_precision` sets the compute
+dtype (`MixedPrecisionPolicy`: bf16 parameters in forward and backward, fp32 gradient reduction).
+
+A critic or reward model (`head = "value"`) is the folder's backbone (`AutoModel`, i.e. the causal
+LM without its vocabulary projection) and a `score` projection hidden -> 1 without bias: HF's
+`score.weight` of a *ForSequenceClassification folder when there is one, else N(0, 0.02) from the
+same seed as the Megatron engine's value head, so both engines start the same critic.
+
+Sharding (`shard_model`): `fully_shard` on each module class transformers itself names as not to
+be split (`_no_split_modules`: the decoder layers, a vision tower's blocks), then on the root
+(embeddings, final norm, output layer). Gradients are SUMMED over the ranks (divide factor 1):
+the engine's loss contributions are already normalised by the whole batch's counts
+(verl_hpc/engines/base.py), as the Megatron engine's DDP sums them.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.engines.options import VALUE_HEAD_SEED
+from verl_hpc.runtime.device import has_gpu
+
+log = logging.getLogger(__name__)
+SCORE_NAME = "score.weight"
+
+
+class ValueModel(torch.nn.Module):
+    """A decoder backbone (`model`) and `score`: hidden -> 1, per position. Parameter names are
+    the HF ones of a *ForSequenceClassification model (model.*, score.weight)."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden: int):
+        super().__init__()
+        self.model = backbone
+        self.score = torch.nn.Linear(hidden, 1, bias=False)
+        self.config = backbone.config
+        self._no_split_modules = getattr(backbone, "_no_split_modules", None)
+
+    def forward(self, input_ids, position_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.score(hidden)
+
+
+def compute_dtype(fsdp, model_dtype: str) -> torch.dtype:
+    """fsdp.mixed_precision -> the dtype forward and backward run in (the weights stay fp32)."""
+    mp = fsdp.mixed_precision
+    if mp == "auto":
+        return getattr(torch, model_dtype) if has_gpu() else torch.float32
+    return torch.bfloat16 if mp == "bf16" else torch.float32
+
+
+def check_compile(fsdp) -> None:
+    """fsdp.compile needs inductor's compiler: a C++ compiler on CPU, Triton on GPUs."""
+    if not fsdp.compile:
+        return
+    if has_gpu():
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError("fsdp.compile = true needs Triton on GPUs (torch.compile's GPU backend); "
+                              "install the triton that matches torch or set fsdp.compile=false")
+        return
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("fsdp.compile = true needs a C++ compiler on a CPU machine (torch.compile's "
+                          "inductor builds C++ kernels) and none of g++, c++, clang++ is on PATH; install "
+                          "one (apt-get install g++) or set fsdp.compile=false")
+
+
+def _hf_config(path: str, trust_remote_code: bool, field: str):
+    """The folder's transformers config, or one line naming the folder and what went wrong."""
+    from transformers import AutoConfig
+
+    from verl_hpc.config.hf_model import read_hf_config
+
+    data = read_hf_config(path, field)  # the folder and its config.json, named
+    arch = (data.get("architectures") or [data.get("model_type", "?")])[0]
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise ConfigError(f"{field}: '{path}' ({arch}) ships its own modelling code, which runs only "
+                              "with model.trust_remote_code=true (it executes code from the folder)") from None
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+    except (OSError, KeyError) as e:
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+
+
+def _auto_class(head: str, config):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if head == "value":
+        return AutoModel
+    if type(config) not in AutoModelForCausalLM._model_mapping and not hasattr(config, "auto_map"):
+        raise ConfigError(f"model.path: {type(config).__name__} has no causal-LM class in transformers "
+                          "(AutoModelForCausalLM); the FSDP engine trains causal language models")
+    return AutoModelForCausalLM
+
+
+def _value_head_init(path: str, hidden: int) -> torch.Tensor:
+    """score.weight from the folder, else the Megatron engine's seeded N(0, 0.02)."""
+    from verl_hpc.models.hf_checkpoint import HFCheckpointReader, WeightFileError
+
+    reader = HFCheckpointReader(path)
+    if SCORE_NAME in reader:
+        score = reader.read(SCORE_NAME).float()
+        if tuple(score.shape) != (1, hidden):
+            raise WeightFileError(f"{path}: {SCORE_NAME} has shape {tuple(score.shape)}; a value head needs "
+                                  f"(1, {hidden})")
+        return score
+    gen = torch.Generator().manual_seed(VALUE_HEAD_SEED)
+    return 0.02 * torch.randn(1, hidden, generator=gen)
+
+
+def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str]):
+    """The module: from the folder's weights when `path` is given (rank 0), else on meta."""
+    kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+    if path is not None:
+        model = cls.from_pretrained(path, config=config, **kwargs)
+    else:
+        with torch.device("meta"):
+            model = cls.from_config(config, **kwargs)
+    if head != "value":
+        return model
+    hidden = config.hidden_size
+    value = ValueModel(model, hidden)
+    if path is not None:
+        with torch.no_grad():
+            value.score.weight.copy_(_value_head_init(path, hidden))
+    else:
+        value.score.to("meta")
+    return value
+
+
+def load_model(options, field: str = "model.path"):
+    """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
+    `materialize` finishes the job after sharding."""
+    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    cls = _auto_class(options.head, config)
+    skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
+    full = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            full = _build(cls, config, options.head, options.trust_remote_code, options.model_path)
+        except (OSError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{field}: transformers cannot load the weights of '{options.model_path}' "
+                              f"({type(config).__name__}): {str(e).splitlines()[0]}") from None
+    return skeleton, full
+
+
+def make_mesh(fsdp, device: torch.device):
+    """The DeviceMesh FSDP shards over: (world,) or, with fsdp.shard_size < world, (replicate,
+    shard) for HSDP (each shard group holds one copy; gradients are all-reduced across copies)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    shard = fsdp.shard_size or world
+    if world % shard:
+        raise ConfigError(f"fsdp.shard_size = {shard} must divide the {world} training ranks")
+    if shard == world:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_units(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules FSDP shards one by one: instances of the classes transformers marks as not to
+    be split (`_no_split_modules`), outermost first."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise ConfigError(f"{type(model).__name__}: transformers names no decoder-layer class "
+                          "(_no_split_modules) to shard by; the FSDP engine cannot split this model")
+    return units
+
+
+def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activation_checkpointing: bool) -> None:
+    """fully_shard per unit, then the root; summed gradients; optional recompute and compile."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", True):
+            raise ConfigError(f"fsdp.activation_checkpointing: {type(model).__name__} does not support it "
+                              "in transformers; set it false")
+        target = model.model if isinstance(model, ValueModel) else model
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+    kwargs: dict = dict(mesh=mesh, reshard_after_forward=fsdp.reshard_after_forward)
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    if fsdp.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    units = shard_units(model)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+    if fsdp.compile:
+        for unit in units:
+            unit.compile()
+
+
+def materialize(model: torch.nn.Module, full: Optional[torch.nn.Module], device: torch.device) -> None:
+    """Give the sharded meta model its storage and rank 0's weights (each rank receives its shard)
+    and rank 0's buffers (RoPE tables: not in the state dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    state = full.state_dict() if rank0 else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized())
+    if not dist.is_initialized():  # alone: load it as a full state dict into the local shards
+        opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state, options=opts)
+    source = dict(full.named_buffers()) if rank0 else {}
+    for name, buf in model.named_buffers():
+        if rank0:
+            buf.copy_(source[name].to(buf.device, buf.dtype))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(model: Any) -> str:
+    cfg = getattr(model, "config", None)
+    return type(cfg).__name__.replace("Config", "") if cfg is not None else type(model).__name__

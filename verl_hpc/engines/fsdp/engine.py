@@ -1,0 +1,356 @@
+"""`FsdpEngine`: any Hugging Face model, as transformers builds it, sharded with FSDP2 behind
+`TrainingEngine` (verl_hpc/engines/base.py): the same contract as the Megatron engine.
+
+    eng = FsdpEngine(options)                       # EngineOptions with engine = "fsdp"
+    out = eng.forward(batch)                        # {"log_probs", "entropy"}: [B, T]
+    metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
+
+Every rank is a data-parallel rank (the mesh's shard and replicate dims together): it takes its
+rows of the whole batch by the same plan as the Megatron engine (verl_hpc/engines/partition.py:
+fixed micro-batches or a token budget, equal micro-batch counts on every rank, empty micro-batches
+run as a zero-contribution dummy so that every rank enters every all-gather). Each micro-batch's
+loss is its contribution to the full-batch loss (the loss-contribution rule, GlobalCounts), its
+gradients are summed over micro-batches and ranks (FSDP's divide factor is 1: build.py), so the
+update does not depend on the split. Rows the loss names as adding nothing
+(`rows_without_gradient`) are left out, with the counts of the whole batch.
+
+Outputs: the causal LM is called with `logits_to_keep` = the positions from the micro-batch's
+shortest prompt on (the model's own head then runs only there, with its own soft-capping or
+scaling); log-probs are log_softmax(logits / temperature) at the sampled tokens in fp32, entropy
+the same distribution's. Value heads give per-position values (engines/outputs.py).
+
+Prompt sharing (one model row per prompt with its responses after it) needs an attention mask
+per segment that each model's own attention code would have to honour; this engine runs each
+response as its own row (`share_prompts` = auto and off act alike; on is refused at build).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.algorithms import entropy_from_logits
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
+from verl_hpc.engines.batch import (check_batch, get_response_mask, response_positions, response_tokens,
+                                    response_width, select_rows)
+from verl_hpc.engines.fsdp import build as build_lib
+from verl_hpc.engines.fsdp import optim as optim_lib
+from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
+from verl_hpc.engines.offload import Offloader
+from verl_hpc.engines.options import HEADS, EngineOptions
+from verl_hpc.engines.outputs import gather_outputs, value_outputs
+from verl_hpc.engines.partition import plan_microbatches
+from verl_hpc.engines.roles import rows_to_run
+from verl_hpc.runtime.device import collective_device
+
+log = logging.getLogger(__name__)
+LM_OUTPUTS = ("log_probs", "entropy")
+
+
+def check_fsdp_options(o: EngineOptions) -> None:
+    """What the config cannot know: the wiring of the options, and this machine's compiler."""
+    if o.head not in HEADS:
+        raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
+    if o.trainable and o.optim is None:
+        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim / prm.optim)")
+    if o.fp8:
+        raise ConfigError("model.fp8 = true: FP8 training is the Megatron engine's (Transformer Engine); "
+                          "set model.fp8=false or parallel.engine=megatron")
+    if o.share_prompts == "on":
+        raise ConfigError("actor.share_prompts = on: the FSDP engine runs each response as its own row "
+                          "(no per-segment attention masks in transformers' models); use auto or off")
+    build_lib.check_compile(o.fsdp)
+
+
+class MicroBatch:
+    """A micro-batch's sub-batch on the device, with the indices the outputs need."""
+
+    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device):
+        self.rows, self.dummy = rows, not rows
+        if self.dummy:  # one prompt token, no response: runs the collectives, adds exactly 0
+            sub = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "prompt_lengths": torch.ones(1, dtype=torch.long),
+                   "response_lengths": torch.zeros(1, dtype=torch.long), "response_mask": torch.zeros(1, 1)}
+        else:
+            sub = select_rows(batch, rows)
+        ids, width = sub["input_ids"], sub["response_mask"].shape[1]
+        seq = ids.shape[1]
+        # logits only from the shortest prompt's last token on: positions p + t - 1 >= min(p) - 1
+        self.first = max(int(sub["prompt_lengths"].min()) - 1, 0)
+        self.keep = seq - self.first
+        sub["_positions"] = response_positions(sub["prompt_lengths"], width, seq)
+        sub["_kept"] = (sub["_positions"] - self.first).clamp(min=0)
+        sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
+        self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
+        self.input_ids = self.data["input_ids"]
+        self.position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(self.input_ids)
+        self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
+
+
+class FsdpEngine(TrainingEngine):
+    def __init__(self, options: EngineOptions, field: str = "model.path"):
+        if not dist.is_initialized():
+            raise RuntimeError("FsdpEngine needs the rank runtime: call verl_hpc.runtime.bootstrap() first")
+        check_fsdp_options(options)
+        self.options = o = options
+        self.default_outputs = LM_OUTPUTS if o.head == "lm" else ("values",)
+        self.device = collective_device()
+        self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
+        self.dp, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        model, full = build_lib.load_model(o, field)
+        self.hf_config = model.config
+        self.architecture = build_lib.describe(model)
+        self.coords = Coords.for_model(self.hf_config.to_dict())
+        self.lora = None
+        if o.lora is not None:
+            from verl_hpc.engines.fsdp.lora import attach_adapters
+
+            model, full, self.lora = attach_adapters(model, full, o)
+        self.mesh = build_lib.make_mesh(o.fsdp, self.device)
+        build_lib.shard_model(model, self.mesh, o.fsdp, self.compute_dtype,
+                              activation_checkpointing=o.fsdp.activation_checkpointing and o.trainable)
+        build_lib.materialize(model, full, self.device)
+        del full
+        self.model = model
+        self.optimizer = self.scheduler = None
+        if o.trainable:
+            if self.lora is None:
+                for p in model.parameters():
+                    p.requires_grad_(True)
+            self.optimizer = optim_lib.build_optimizer(model, o.optim)
+            self.scheduler = optim_lib.LRSchedule(self.optimizer, o.optim, o.total_steps)
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        self.steps_applied = 0
+        self._skipped: Optional[Dict[str, float]] = None
+        self.offloader = Offloader(self, params=o.param_offload,
+                                   optimizer=o.optimizer_offload and o.trainable)
+        self.offloader.offload()
+        if dist.get_rank() == 0:
+            log.info("FSDP engine (%s head): %s, %.1f M parameters over %s, compute %s%s", o.head,
+                     self.architecture, build_lib.parameter_count(model) / 1e6, self.mesh,
+                     str(self.compute_dtype).replace("torch.", ""),
+                     ", activation checkpointing" if o.fsdp.activation_checkpointing else "")
+
+    def offload_tensors(self) -> Dict[str, list]:
+        """What the offloader moves (engines/offload.py): the local shards of the parameters and
+        of Adam's moments; gradients are dropped at every update (zero_grad(set_to_none))."""
+        params = [_local(p) for p in self.model.parameters()]
+        opt = []
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                opt += [_local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "grads": [], "optimizer": opt}
+
+    def resident(self, what: str = "train"):
+        """Context: offloaded states back on the device (forward | state | train)."""
+        return self.offloader.resident(what)
+
+    # ------------------------------------------------------------------ names
+
+    def hf_named_parameters(self) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+        """(HF name, parameter): the names the model's own folder uses (a value model's backbone
+        under `model.`, its head `score.weight`); tied weights once."""
+        if self.lora is not None:
+            from verl_hpc.engines.fsdp.lora import base_names
+
+            yield from base_names(self.model)
+            return
+        yield from self.model.named_parameters()
+
+    # ------------------------------------------------------------------ running
+
+    def _microbatches(self, batch, rows: Optional[List[int]] = None) -> List[MicroBatch]:
+        rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
+        lengths = (batch["prompt_lengths"] + batch["response_lengths"])[rows].tolist()
+        plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
+                                 max_tokens=self.options.max_tokens_per_microbatch)
+        return [MicroBatch(batch, [rows[i] for i in mb], self.device) for mb in plan[self.dp_rank]]
+
+    def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""
+        if self.options.head == "value":
+            values = self.model(mb.input_ids, position_ids=mb.position_ids)
+            return value_outputs(values, mb.data, want)
+        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                         logits_to_keep=mb.keep)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        b = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
+        resp = logits[b, mb.data["_kept"]].float()  # [b, T, V]
+        if self.options.temperature != 1.0:
+            resp = resp / self.options.temperature
+        unknown = set(want) - set(LM_OUTPUTS)
+        if unknown:
+            raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
+        result = {}
+        if "log_probs" in want:
+            logp = torch.log_softmax(resp, dim=-1)
+            result["log_probs"] = logp.gather(-1, mb.data["_targets"].unsqueeze(-1)).squeeze(-1)
+        if "entropy" in want:
+            result["entropy"] = entropy_from_logits(resp).float()
+        return result
+
+    def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
+        check_batch(batch, need_response=False)
+        want = tuple(outputs or self.default_outputs)
+        self.model.eval()
+        collected = []
+        with torch.no_grad(), self.resident("forward"):
+            for mb in self._microbatches(batch):
+                out = self._run(mb, want)
+                if not mb.dummy:
+                    collected.append((mb, {k: v.detach() for k, v in out.items()}))
+        return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
+                              self.device, reporting=True)
+
+    def global_counts(self, batch) -> GlobalCounts:
+        mask = get_response_mask(batch)
+        norm = self.options.loss_norm_len or float(mask.shape[1])
+        return GlobalCounts(tokens=float(mask.sum()), seqs=float(mask.shape[0]), norm_len=norm)
+
+    def forward_backward(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> List[dict]:
+        """Gradients of the whole batch's loss into the sharded grads (no optimizer step);
+        returns this rank's per-micro-batch records."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine is frozen (reference / reward model): no training")
+        check_batch(batch)
+        rows, self._skipped = rows_to_run(batch, loss_fn)
+        counts = dataclasses.replace(self.global_counts(batch),
+                                     run_tokens=float(get_response_mask(batch)[rows].sum()))
+        mbs = self._microbatches(batch, rows)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        want = tuple(outputs) or self.default_outputs[:1]
+        records = []
+        for mb in mbs:
+            out = self._run(mb, want)
+            if mb.dummy:
+                loss, metrics = sum(v.sum() for v in out.values()) * 0.0, {}
+            else:
+                loss, metrics = loss_fn(out, mb.data, counts)
+            loss.backward()
+            records.append({"loss": loss.detach().float(), "tokens": mb.tokens,
+                            **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
+        self._num_microbatches = len(mbs)
+        return records
+
+    def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
+        with self.resident("train"):
+            records = self.forward_backward(batch, loss_fn, outputs)
+            metrics = self._reduce_metrics(records)
+            applied, norm = optim_lib.guarded_step(self.model, self.optimizer, self.options.optim.clip_grad,
+                                                   math.isfinite(metrics["loss"]))
+        self.steps_applied += int(applied)
+        metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
+                       num_microbatches=float(self._num_microbatches), packed_microbatches=0.0,
+                       **(self._skipped or {}))
+        if not applied:
+            log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped", metrics["loss"], norm)
+        return metrics
+
+    def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
+        """Loss = the sum of contributions; the loss's metrics = token-weighted means. Every rank
+        names the keys it has (a rank whose micro-batches are all empty has none)."""
+        keys = sorted({k for r in records for k in r} - {"loss", "tokens"})
+        box: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(box, keys)
+        keys = sorted({k for ks in box for k in ks})
+        vec = torch.zeros(2 + len(keys), dtype=torch.float64)
+        for r in records:
+            w = float(r["tokens"])
+            vec[0] += float(r["loss"])
+            vec[1] += w
+            for j, k in enumerate(keys):
+                if k in r:
+                    vec[2 + j] += float(r[k]) * w
+        vec = vec.to(collective_device())
+        dist.all_reduce(vec)
+        vals = vec.tolist()
+        tokens = max(vals[1], 1.0)
+        out = {"loss": vals[0], "tokens": vals[1]}
+        out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})
+        return out
+
+    def scheduler_step(self) -> float:
+        if self.scheduler is None:
+            return 0.0
+        self.scheduler.step(1)
+        return optim_lib.current_lr(self.optimizer)
+
+    @property
+    def lr(self) -> float:
+        return optim_lib.current_lr(self.optimizer) if self.optimizer is not None else 0.0
+
+    # ------------------------------------------------------------------ weights and state
+
+    def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) on every rank, one parameter at a time (each an all-gather over
+        the mesh), in the model's parameter order; under LoRA the merged weights."""
+        with self.resident("forward"):
+            if self.lora is not None:
+                from verl_hpc.engines.fsdp.lora import merged_weights
+
+                yield from merged_weights(self)
+                return
+            for name, p in self.model.named_parameters():
+                yield name, _full(p)
+
+    def state(self) -> EngineState:
+        if not self.offloader.any:
+            return engine_state(self)
+        with self.resident("state"):
+            st = engine_state(self)
+            tensors = [dataclasses.replace(t, local=t.local.detach().to("cpu", copy=True)) for t in st.tensors]
+        return dataclasses.replace(st, tensors=tensors)
+
+    def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+        with self.resident("state"):
+            load_engine_state(self, load_into, meta)
+
+    # ------------------------------------------------------------------ LoRA (engines/fsdp/lora.py)
+
+    def adapters_off(self):
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.model.disable_adapter()
+
+    @property
+    def adapter_version(self) -> int:
+        return self.steps_applied
+
+    def adapter_config(self) -> dict:
+        from verl_hpc.engines.fsdp.lora import adapter_config
+
+        return adapter_config(self)
+
+    def export_adapter(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        from verl_hpc.engines.fsdp.lora import export_adapter
+
+        with self.resident("forward"):
+            yield from export_adapter(self)
+
+    def lora_meta(self) -> dict:
+        from verl_hpc.engines.fsdp.lora import state_meta
+
+        return state_meta(self)
+
+    def check_lora_meta(self, meta) -> None:
+        from verl_hpc.engines.fsdp.lora import check_state_meta
+
+        check_state_meta(self, meta)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor (an all-gather for a sharded one), detached."""
+    data = p.detach()
+    return data.full_tensor() if hasattr(data, "full_tensor") else data
