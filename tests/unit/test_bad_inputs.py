@@ -228,7 +228,7 @@ def test_preflight_unsupported_architecture(job):
     cfg = json.loads(cfg_file.read_text())
     cfg_file.write_text(json.dumps(dict(cfg, architectures=["DeepseekV3ForCausalLM"])))
     assert preflight_problem(job[0]).startswith(
-        f"model.path: {cfg_file}: architectures=['DeepseekV3ForCausalLM'] is not supported; supported: LlamaForCausalLM")
+        f"model.path: {cfg_file}: architectures=['DeepseekV3ForCausalLM'] is not mapped into Megatron; mapped: LlamaForCausalLM")
 
 
 def _weights(job):

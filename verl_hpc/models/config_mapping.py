@@ -90,8 +90,9 @@ def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
         if not isinstance(archs, list) or len(archs) != 1:
             raise ConfigError(f"{src}: architectures={archs!r}: expected one architecture")
         if archs[0] not in ARCHITECTURES:
-            raise ConfigError(f"{src}: architectures={archs!r} is not supported; supported: "
-                              f"{', '.join(ARCHITECTURES)}")
+            raise ConfigError(f"{src}: architectures={archs!r} is not mapped into Megatron; mapped: "
+                              f"{', '.join(ARCHITECTURES)}. The FSDP engine trains any transformers model: "
+                              "set parallel.engine=fsdp (or auto)")
         return ARCHITECTURES[archs[0]], archs[0]
     by_type = {v: k for k, v in ARCHITECTURES.items()}
     if cfg.get("model_type") in by_type:

@@ -96,17 +96,13 @@ def megatron_maps(model_path: str, field: str = "model.path") -> Optional[str]:
 def choose_engine(engine: str, model_path: str, parallel, field: str = "model.path") -> str:
     """megatron | fsdp for a role whose model is `model_path`, under parallel.engine = `engine`.
     auto: Megatron where the architecture is mapped and the layout asks for TP/PP/EP, else FSDP.
-    An explicit megatron for an unmapped architecture is refused here, naming both fields."""
+    An explicit choice is taken as it is (Megatron's own mapping refuses an unmapped
+    architecture, naming parallel.engine=fsdp as the way out)."""
     if engine not in ENGINES:
         raise ConfigError(f"parallel.engine = {engine!r}; valid: {', '.join(ENGINES)}")
-    if engine == "fsdp":
-        return "fsdp"
+    if engine != "auto":
+        return engine
     unmapped = megatron_maps(model_path, field)
-    if engine == "megatron":
-        if unmapped:
-            raise ConfigError(f"{field}: {unmapped}, so parallel.engine = megatron cannot train it; set "
-                              "parallel.engine=fsdp (any transformers model) or auto")
-        return "megatron"
     model_parallel = parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1
     if unmapped and model_parallel:
         raise ConfigError(f"parallel.engine = auto: {field}: {unmapped}, and FSDP has no tensor, pipeline "

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, Tuple
 
@@ -44,23 +45,27 @@ class LRSchedule:
             raise ConfigError(f"optim.warmup_steps={optim.warmup_steps} must be below trainer.total_steps="
                               f"{total_steps} for lr_decay_style={optim.lr_decay_style!r}")
         self.optimizer, self.optim, self.total_steps = optimizer, optim, int(total_steps)
+        # the peak and floor the schedule runs between: the rollback guard scales them
+        # (verl_hpc/trainer/hooks/rollback.py set_lr_factor), as it does Megatron's scheduler's
+        self.max_lr, self.min_lr = optim.lr, optim.min_lr
         self.num_steps = 0
         self._apply()
 
     def _apply(self) -> None:
-        lr = schedule_lr(self.optim, self.total_steps, self.num_steps)
+        shape = dataclasses.replace(self.optim, lr=self.max_lr, min_lr=self.min_lr)
+        lr = schedule_lr(shape, self.total_steps, self.num_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
-    def step(self, increment: int = 1) -> None:
+    def step(self, increment: int = 1) -> None:  # Megatron's scheduler's signature
         self.num_steps += increment
         self._apply()
 
     def state_dict(self) -> Dict[str, object]:
         o = self.optim
         decay = max(self.total_steps, o.warmup_steps + 1, 1)
-        return {"max_lr": o.lr, "lr_warmup_steps": o.warmup_steps, "num_steps": self.num_steps,
-                "lr_decay_style": o.lr_decay_style, "lr_decay_steps": decay, "min_lr": o.min_lr,
+        return {"max_lr": self.max_lr, "lr_warmup_steps": o.warmup_steps, "num_steps": self.num_steps,
+                "lr_decay_style": o.lr_decay_style, "lr_decay_steps": decay, "min_lr": self.min_lr,
                 "start_wd": o.weight_decay, "end_wd": o.weight_decay, "wd_incr_style": "constant",
                 "wd_incr_steps": decay}
 
