@@ -212,6 +212,8 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+            # a custom factor asks for NCCL's PREMUL_SUM, which gloo lacks: plain SUM collectives
+            m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
             unit.compile()

@@ -28,6 +28,7 @@ import torch
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.checkpoint.sharded import ShardedTensor
 from verl_hpc.engines.base import EngineState
+from verl_hpc.engines.state_check import check_same_model, model_shapes
 
 FORMAT = "verl_hpc.fsdp_engine/1"
 MEGATRON_FORMAT = "verl_hpc.megatron_engine/1"
@@ -216,10 +217,16 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
 
 
 def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+    """Refuses (one line, nothing changed) a checkpoint of other coordinates, architecture, head,
+    adapters or tensors (state_check.py); then fills the parameters and Adam's moments, the step
+    count and the schedule."""
     main = check_meta(engine, meta)
-    engine.check_lora_meta(meta.get("lora"))
+    if engine.lora is not None or meta.get("lora") is not None:
+        engine.check_lora_meta(meta.get("lora"))
+    slabs = _all_slabs(engine, main_from_optim=main)
+    check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.architecture})")
     with torch.no_grad():
-        load_into(_all_slabs(engine, main_from_optim=main))
+        load_into(slabs)
     engine.steps_applied = int(meta.get("steps_applied", 0))
     if engine.optimizer is None:
         return
