@@ -8,11 +8,10 @@ layouts on the same 2 gloo ranks, one phase after the other:
     megatron_pp2  Megatron PP2: load F1 -> save M2 at once; update 3 -> weights
 
 Rank 0 writes the HF-named weights after each update as `<phase>.step<k>.pt`; every rank writes
-rank{r}.json with the engines' meta and the LR each update used.
+rank{r}.json with the engines' meta and the LR each update used. Engines are built, updated,
+saved and resumed by tests/engine_states.py, as on the test's one-rank side.
 
     python ckpt_engines_ranks.py WORKDIR     (started by tests/rank_launcher.py)
-
-The helpers above `main` are this scenario's and the test's (which runs the one-rank side).
 """
 from __future__ import annotations
 
@@ -21,94 +20,15 @@ import json
 import sys
 from pathlib import Path
 
-ROLE = "actor"
-
-
-def make_batch(seed: int, n: int = 8):
-    """n random prompt/response pairs with seeded advantages and behaviour log-probs (old_log_probs
-    near the tiny model's: log(1 / 500) ~ -6.2), the keys PolicyObjective reads."""
-    import torch
-
-    from verl_hpc.engines.batch import get_response_mask, pack_sequences
-
-    g = torch.Generator().manual_seed(seed)
-    plen, rlen = torch.randint(2, 9, (n,), generator=g), torch.randint(1, 11, (n,), generator=g)
-    prompts = [torch.randint(5, 480, (int(p),), generator=g).tolist() for p in plen]
-    resps = [torch.randint(5, 480, (int(r),), generator=g).tolist() for r in rlen]
-    batch = pack_sequences(prompts, resps)
-    mask = get_response_mask(batch)
-    batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
-    batch["old_log_probs"] = (-6.2 + 0.1 * torch.randn(mask.shape, generator=g)) * mask
-    return batch
-
-
-def actor_cfg():
-    from verl_hpc.config.schema import ActorConfig
-
-    return ActorConfig(ppo_mini_batch_size=8, micro_batch_size=4)
-
-
-def optim_cfg():
-    """Adam with eps 1 (the first steps SGD-like: weights then compare gradients, not the sign of
-    rounding noise) and a linear LR decay, so a resumed schedule or step count that is off shows."""
-    from verl_hpc.config.schema import OptimConfig
-
-    return OptimConfig(lr=0.5, eps=1.0, clip_grad=1.0, weight_decay=0.0, lr_decay_style="linear", min_lr=0.1)
-
-
-def engine(kind: str, model: str):
-    from verl_hpc.engines.options import default_options
-
-    opts = default_options(model_path=model, engine=kind, optim=optim_cfg(), micro_batch_size=4,
-                           total_steps=10, use_distributed_optimizer=True)
-    if kind == "fsdp":
-        from verl_hpc.engines.fsdp import FsdpEngine
-
-        return FsdpEngine(opts)
-    from verl_hpc.engines.megatron import MegatronEngine
-
-    return MegatronEngine(opts)
-
-
-def update(eng, batch) -> dict:
-    from verl_hpc.algorithms import PolicyObjective
-    from verl_hpc.engines.roles import Actor
-
-    acfg = actor_cfg()
-    return Actor(eng, acfg).update(batch, PolicyObjective.from_config(acfg))
-
-
-def weights(eng) -> dict:
-    """{HF name: full tensor} (collective: every rank calls it)."""
-    return {n: t.detach().clone() for n, t in eng.export_hf_weights()}
-
-
-def save(eng, root, step: int, layout: dict) -> dict:
-    """The engine's state as the trainer's checkpointer writes it (under `actor/`); its meta."""
-    from verl_hpc.checkpoint import save_checkpoint
-    from verl_hpc.checkpoint.checkpointer import _prefixed
-
-    st = eng.state()
-    save_checkpoint(root, step, _prefixed(ROLE, st.tensors),
-                    metadata={"trainer_state": {"engines": {ROLE: st.meta}}}, layout=layout)
-    return st.meta
-
-
-def load(eng, path) -> dict:
-    """Resume `eng` from the checkpoint at `path` as the checkpointer does; the meta it read."""
-    from verl_hpc.checkpoint import open_checkpoint
-    from verl_hpc.checkpoint.checkpointer import RoleLoader
-
-    with open_checkpoint(path) as r:
-        meta = r.metadata["trainer_state"]["engines"][ROLE]
-        eng.load_state(RoleLoader(r, ROLE), meta)
-    return meta
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # tests/: engine_states
 
 
 def main(workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine_states import engine, load, make_batch, save, update, weights
     from verl_hpc.parallel import destroy_model_parallel, init_model_parallel
     from verl_hpc.runtime import bootstrap
 

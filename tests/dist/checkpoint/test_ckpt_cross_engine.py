@@ -18,31 +18,18 @@ update 2, and Megatron PP2's update 3 after loading F1 equals FSDP's own, within
 parity bound (1e-5; different summation order, not different states). Every part maps exactly:
 both engines keep fp32 weights and fp32 moments on CPU, under the same logical names.
 """
-import contextlib
 import gc
 from pathlib import Path
 
 import pytest
 import torch
 
-from ckpt_engines_ranks import engine, load, make_batch, save, update
+from engine_states import engine, load, make_batch, one_rank_world, save, update
 from jobs import read_all
 
 HERE = Path(__file__).resolve().parent
 WEIGHT_TOL = 1e-5  # the engines' update parity (tests/dist/engines/test_eng_parity.py)
 BATCH_SEEDS = [101, 102, 103]
-
-
-@contextlib.contextmanager
-def one_rank_world(tmp: Path):
-    import torch.distributed as dist
-
-    tmp.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -201,12 +201,12 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
                 f"a Megatron engine's checkpoint cannot resume {engine.architecture} in the FSDP engine: "
                 "only the architectures mapped into Megatron share its coordinates")
     elif fmt == FORMAT:
+        if meta.get("architecture") not in (None, engine.architecture):
+            raise CheckpointLayoutError(f"the checkpoint's model is {meta.get('architecture')}, model.path's "
+                                        f"is {engine.architecture}: resume with the model it was trained on")
         if meta.get("coords") != engine.coords.kind:
             raise CheckpointLayoutError(f"checkpoint in {meta.get('coords')!r} coordinates; this model "
                                         f"({engine.architecture}) is held in {engine.coords.kind!r} ones")
-        if meta.get("architecture") not in (None, engine.architecture):
-            raise CheckpointLayoutError(f"the checkpoint is of a {meta.get('architecture')} model; model.path "
-                                        f"is a {engine.architecture}: resume with the model it was trained on")
     else:
         raise CheckpointLayoutError(f"engine state format {fmt!r}; the FSDP engine reads {FORMAT} and "
                                     f"{MEGATRON_FORMAT}")

@@ -283,9 +283,9 @@ def _check_meta(engine, meta: Mapping[str, Any]) -> bool:
                 f"the FSDP engine's checkpoint of {arch} names its tensors in {meta.get('coords')!r} "
                 "coordinates: this architecture is not in Megatron's coordinates (only the Llama, Qwen2 "
                 "and Mistral families map); resume it with parallel.engine=fsdp")
-        family = engine.gpt_chunks[0].verl_arch.family
-        if str(meta.get("architecture", family)).lower() != family:
-            raise CheckpointLayoutError(f"the checkpoint is of a {arch} model; model.path is a {family}: "
+        mine = engine.gpt_chunks[0].verl_arch  # family llama, architecture LlamaForCausalLM
+        if str(meta.get("architecture", mine.family)).lower() != mine.family:
+            raise CheckpointLayoutError(f"the checkpoint's model is {arch}, model.path's is {mine.architecture}: "
                                         "resume with the model it was trained on")
         if meta.get("lora") is not None:
             raise CheckpointLayoutError(
@@ -324,8 +324,7 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     from_fsdp = _check_meta(engine, meta)
     check_lora_meta(meta.get("lora"), getattr(engine, "lora", None), engine.options.model_path)
     slabs = _slabs(engine, for_load=True)
-    family = engine.gpt_chunks[0].verl_arch.family
-    check_same_model(load_into, model_shapes(slabs), f"model.path ({family})")
+    check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.gpt_chunks[0].verl_arch.architecture})")
     casts: List[Tuple[torch.Tensor, torch.Tensor]] = []
     if from_fsdp and engine.dtype != torch.float32:
         slabs, casts = _masters_from_fp32_model(slabs)
