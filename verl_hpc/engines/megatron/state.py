@@ -17,6 +17,10 @@ global shapes do not depend on TP/PP/DP/VPP:
 - under LoRA only the adapter factors (`.../linear_qkv.lora_A`, ...; linear_fc1's lora_B split
   into gate and up like its weight) and their optimizer states are saved; the meta names the
   base model by path and fingerprint, and a load into another base is refused.
+The FSDP engine writes these same names for the families both engines hold (its format
+`verl_hpc.fsdp_engine/1` with `coords: megatron`; verl_hpc/engines/fsdp/state.py), and this engine
+loads them: its fp32 `model/` tensors are the master weights, so a bf16 engine takes its
+`optim/main` from them. An FSDP state in HF names (an architecture Megatron does not map) is refused.
 Optimizer states follow their parameter's pieces. With the distributed optimizer a rank holds a
 flat element range of each parameter's local shard: it is cut into boxes (rows, or parts of a
 row) with verl_hpc.checkpoint's `flat_range_slabs` and each box into the pieces it crosses.
