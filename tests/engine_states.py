@@ -65,12 +65,13 @@ def optim_cfg():
     return OptimConfig(lr=0.5, eps=1.0, clip_grad=1.0, weight_decay=0.0, lr_decay_style="linear", min_lr=0.1)
 
 
-def engine(kind: str, model):
-    """A trainable actor engine of `kind` (fsdp | megatron) on the model folder."""
+def engine(kind: str, model, **changes):
+    """A trainable engine of `kind` (fsdp | megatron) on the model folder: the actor's, or with
+    `changes` (EngineOptions fields: head="value" for a critic)."""
     from verl_hpc.engines.options import default_options
 
     opts = default_options(model_path=str(model), engine=kind, optim=optim_cfg(), micro_batch_size=4,
-                           total_steps=10, use_distributed_optimizer=True)
+                           total_steps=10, use_distributed_optimizer=True, **changes)
     if kind == "fsdp":
         from verl_hpc.engines.fsdp import FsdpEngine
 

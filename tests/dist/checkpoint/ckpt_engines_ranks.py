@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -37,7 +38,12 @@ def main(workdir: str) -> None:
     ctx = bootstrap(backend="gloo", num_threads=1, timeout_s=180)
     model, ck = args["model"], {k: Path(v) for k, v in args["ckpt"].items()}
     batches = [make_batch(s) for s in args["batch_seeds"]]
-    rec: dict = {"rank": ctx.rank, "meta": {}, "lr": {}}
+    rec: dict = {"rank": ctx.rank, "meta": {}, "lr": {}, "seconds": {}}
+    t0 = time.time()
+
+    def lap(phase):
+        nonlocal t0
+        rec["seconds"][phase], t0 = round(time.time() - t0, 2), time.time()
 
     def keep(name, w):
         if ctx.rank == 0:
@@ -54,6 +60,7 @@ def main(workdir: str) -> None:
     destroy_model_parallel()
     gc.collect()
     dist.barrier()
+    lap("megatron_tp2")
 
     # --- FSDP on the same 2 ranks (no Megatron parallel state)
     eng = engine("fsdp", model)
@@ -72,6 +79,7 @@ def main(workdir: str) -> None:
     del eng
     gc.collect()
     dist.barrier()
+    lap("fsdp")
 
     # --- Megatron PP2
     init_model_parallel(1, 2, seed=1)
@@ -83,6 +91,7 @@ def main(workdir: str) -> None:
     keep("megatron_pp2.step3", weights(eng))
     del eng
     destroy_model_parallel()
+    lap("megatron_pp2")
     (work / f"rank{ctx.rank}.json").write_text(json.dumps(rec))
     dist.barrier()
     dist.destroy_process_group()

@@ -55,6 +55,7 @@ def chain(tmp_path_factory):
         s2_meta = save(eng, ck["S2"], 2, {"fsdp": 1})
         del eng
         gc.collect()
+    print(f"rank 0's phases (s): {ranks[0]['seconds']}")
     meta = dict(ranks[0]["meta"], S1=s1_meta, S2=s2_meta)
     weights = {p.stem: torch.load(p, weights_only=True) for p in (root / "ranks").glob("*.step*.pt")}
     return dict(ck=ck, meta=meta, lr=ranks[0]["lr"], weights=weights)
