@@ -48,7 +48,7 @@ def chain(tmp_path_factory):
         gc.collect()
     ranks = launch_ranks(HERE / "ckpt_engines_ranks.py", 2,
                          {"model": model, "batch_seeds": BATCH_SEEDS, "ckpt": {k: str(v) for k, v in ck.items()}},
-                         root / "ranks", timeout=140, what="cross-engine checkpoint chain")
+                         root / "ranks", timeout=300, what="cross-engine checkpoint chain")
     with one_rank_world(root / "w2"):
         eng = engine("fsdp", model)
         load(eng, ck["F1"] / "step_000002")
