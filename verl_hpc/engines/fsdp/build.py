@@ -212,6 +212,9 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+            # and as a plain SUM collective: gloo has no PREMUL_SUM (FSDP's op for a custom
+            # factor), and NCCL's zero-copy path takes SUM only
+            m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
             unit.compile()

@@ -128,6 +128,7 @@ class FsdpEngine(TrainingEngine):
             for p in model.parameters():
                 p.requires_grad_(False)
         self.steps_applied = 0
+        self._view = None  # the sliced sync's holdings view (exported_model)
         self._skipped: Optional[Dict[str, float]] = None
         self.offloader = Offloader(self, params=o.param_offload,
                                    optimizer=o.optimizer_offload and o.trainable)
@@ -288,6 +289,22 @@ class FsdpEngine(TrainingEngine):
         return optim_lib.current_lr(self.optimizer) if self.optimizer is not None else 0.0
 
     # ------------------------------------------------------------------ weights and state
+
+    @property
+    def exported_model(self):
+        """For the sliced weight sync (verl_hpc.resharding.sync): a context giving this rank's
+        shards as a holdings view (holdings.py); None under LoRA, whose merged weights exist
+        only gathered (the sync then takes the full path or the adapter-only one)."""
+        return None if self.lora is not None else self._holdings
+
+    @contextlib.contextmanager
+    def _holdings(self):
+        from verl_hpc.engines.fsdp.holdings import FsdpHoldings
+
+        if self._view is None:  # one view for the engine's life: the sync keeps its plan per view
+            self._view = FsdpHoldings(self)
+        with self.resident("forward"):
+            yield self._view
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(HF name, full tensor) on every rank, one parameter at a time (each an all-gather over
