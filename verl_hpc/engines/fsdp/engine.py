@@ -41,8 +41,8 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import (check_batch, get_response_mask, response_positions, response_tokens,
                                     response_width, select_rows)
-from verl_hpc.engines.fsdp import build as build_lib
-from verl_hpc.engines.fsdp import optim as optim_lib
+import verl_hpc.engines.fsdp.build as build_lib
+import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
 from verl_hpc.engines.options import HEADS, EngineOptions

@@ -67,7 +67,7 @@ class Coords:
 
     @classmethod
     def for_model(cls, hf_config: Mapping[str, Any]) -> "Coords":
-        from verl_hpc.models.config_mapping import ARCHITECTURES
+        from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES as ARCHITECTURES
 
         archs = hf_config.get("architectures") or []
         family = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else hf_config.get("model_type")
