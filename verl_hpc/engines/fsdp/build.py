@@ -81,7 +81,7 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def _hf_config(path: str, trust_remote_code: bool, field: str):
+def hf_config(path: str, trust_remote_code: bool, field: str):
     """The folder's transformers config, or one line naming the folder and what went wrong."""
     from transformers import AutoConfig
 
@@ -149,7 +149,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    config = hf_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None
