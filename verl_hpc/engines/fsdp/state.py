@@ -68,7 +68,7 @@ class Coords:
 
     @classmethod
     def for_model(cls, hf_config: Mapping[str, Any]) -> "Coords":
-        from verl_hpc.models.config_mapping import ARCHITECTURES
+        from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES as ARCHITECTURES
 
         archs = hf_config.get("architectures") or []
         family = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else hf_config.get("model_type")
@@ -81,7 +81,7 @@ class Coords:
 
     def slabs(self, hf: str, shape: Tuple[int, ...], lo: int, hi: int) -> List[Slab]:
         """The logical slabs of rows [lo, hi) of HF tensor `hf` (local rows counted from lo)."""
-        if self.kind == "hf":
+        if self.kind == "hf" or ".lora_" in hf:  # LoRA adapters: PEFT's names (engines/fsdp/lora.py)
             return [Slab(hf, shape, lo, 0, hi - lo)]
         if hf in _TOP:
             return [Slab(_TOP[hf], shape, lo, 0, hi - lo)]
@@ -221,8 +221,7 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     adapters or tensors (state_check.py); then fills the parameters and Adam's moments, the step
     count and the schedule."""
     main = check_meta(engine, meta)
-    if engine.lora is not None or meta.get("lora") is not None:
-        engine.check_lora_meta(meta.get("lora"))
+    engine.check_lora_meta(meta.get("lora"))
     slabs = _all_slabs(engine, main_from_optim=main)
     check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.architecture})")
     with torch.no_grad():
