@@ -81,8 +81,9 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def _hf_config(path: str, trust_remote_code: bool, field: str):
-    """The folder's transformers config, or one line naming the folder and what went wrong."""
+def auto_config(path: str, trust_remote_code: bool, field: str):
+    """The folder's transformers config, or one line naming the folder, its architecture and what
+    went wrong (also the submitter's check of a folder only the FSDP engine trains)."""
     from transformers import AutoConfig
 
     from verl_hpc.config.hf_model import read_hf_config
@@ -95,9 +96,17 @@ def _hf_config(path: str, trust_remote_code: bool, field: str):
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ConfigError(f"{field}: '{path}' ({arch}) ships its own modelling code, which runs only "
                               "with model.trust_remote_code=true (it executes code from the folder)") from None
-        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {_first_sentence(e)}; valid: "
+                          "a model_type this transformers knows, or a folder with its own code and "
+                          "model.trust_remote_code=true") from None
     except (OSError, KeyError) as e:
-        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {_first_sentence(e)}") from None
+
+
+def _first_sentence(e: BaseException) -> str:
+    """transformers' messages run to several sentences and lines of advice; the first says what."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split(". ")[0].rstrip(".")
 
 
 def _auto_class(head: str, config):
@@ -149,7 +158,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    config = auto_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None
