@@ -41,6 +41,10 @@ def vllm_model_module(arch: str) -> Optional[str]:
 def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     """None where vLLM serves the folder's architecture with a class of its own (or, in a split job,
     at all), else why not, as a clause naming the architecture."""
+    from verl_hpc.config.sections.fsdp import megatron_maps
+
+    if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
+        return None  # no need to import vLLM to say so
     arch = architecture(model_path)
     module = vllm_model_module(arch)
     if module is not None and not module.startswith(BACKEND_MODULE):

@@ -139,7 +139,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
     """The module: from the folder's weights when `path` is given (rank 0), else on meta."""
     kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
     if path is not None:
-        model = cls.from_pretrained(path, config=config, **kwargs)
+        model = _from_pretrained(cls, path, config, kwargs)
     else:
         with torch.device("meta"):
             model = cls.from_config(config, **kwargs)
@@ -153,6 +153,28 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
     else:
         value.score.to("meta")
     return value
+
+
+def _from_pretrained(cls, path: str, config, kwargs):
+    """from_pretrained, strict: transformers initialises a tensor the folder lacks at random (a log
+    line, no error) and raises on a shape without naming it; here either is a ValueError naming
+    the first tensor. A value model's backbone leaves the causal LM's lm_head.weight unused."""
+    model, info = cls.from_pretrained(path, config=config, output_loading_info=True,
+                                      ignore_mismatched_sizes=True, **kwargs)
+    wrong = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    if wrong:
+        name, found, want = wrong[0]
+        raise ValueError(f"tensor '{name}' has shape {list(found)}, the model built from config.json has "
+                         f"{list(want)}{_more(wrong)}; valid: the config.json these weights were saved with")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"no tensor '{missing[0]}'{_more(missing)}, which config.json implies (transformers "
+                         "would start it at random); valid: weights saved with this config.json")
+    return model
+
+
+def _more(items) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
 
 
 def load_model(options, field: str = "model.path"):
