@@ -72,7 +72,7 @@ def test_remote_code_needs_model_trust_remote_code(job):
     """A config.json whose auto_map points at modelling files in the folder: refused in one line
     naming model.trust_remote_code while it is off, taken when it is on (before the queue, and by
     the FSDP engine's own check in the rank)."""
-    from verl_hpc.engines.fsdp.build import auto_config
+    from verl_hpc.engines.fsdp.build import hf_config
 
     overrides, model = job
     _edit_config(model, model_type="tinyremote", architectures=["TinyRemoteForCausalLM"],
@@ -84,11 +84,11 @@ def test_remote_code_needs_model_trust_remote_code(job):
             "model.trust_remote_code=true (it executes code from the folder)")
     assert problem([*overrides, "parallel.engine=fsdp"]) == want
     with pytest.raises(ConfigError) as e:
-        auto_config(str(model), False, "model.path")
+        hf_config(str(model), False, "model.path")
     assert str(e.value) == want
     preflight(load_config(None, [*overrides, "parallel.engine=fsdp", "model.trust_remote_code=true",
                                  "safety.allow_custom_code=true"]))
-    assert type(auto_config(str(model), True, "model.path")).__name__ == "TinyConfig"
+    assert type(hf_config(str(model), True, "model.path")).__name__ == "TinyConfig"
 
 
 @pytest.mark.parametrize("change,words", [

@@ -9,9 +9,7 @@ naming the field, the file and the row or tensor, and what is valid:
   streamed, through the job's own row, reward-routing and prompt-length rules (preflight_data.py),
   and data.train_batch_size against the rows the train set keeps;
 - model folders (model.path, critic.model_path, prm.model_path, reward.reward_model.path): config.json names a
-  supported architecture (one the Megatron mapping covers, or, for a role the FSDP engine trains
-  (parallel.engine, config/sections/fsdp.py choose_engine), any that transformers loads, with
-  model.trust_remote_code where the folder ships its own code), each *.safetensors header is readable and its tensors end exactly at
+  supported architecture, each *.safetensors header is readable and its tensors end exactly at
   the end of the file, an index's weight_map names files that exist, and the tensors' names and
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
   (preflight_model.py); a PRIME PRM folder's tokenizer is the actor's (it scores the actor's token
@@ -58,25 +56,21 @@ def preflight(cfg, check_model: bool = True) -> None:
 
 # ------------------------------------------------------------------------------ models
 def model_problems(cfg) -> List[str]:
-    """The model folders' files (headers only): what a rank checks again before it builds anything."""
-    problems = []
-    for field, path in _model_folders(cfg):
-        engine, why = _engine(cfg, field, path)
-        problems += why or model_folder_problems(path, field, engine, cfg.model.trust_remote_code)
-    return problems
-
-
-def _engine(cfg, field: str, path: str):
-    """(the engine that trains the folder's role, []) or (None, [why no engine can]); a reward
-    model's folder is not trained (None, [])."""
-    if field == "reward.reward_model.path" or not Path(path).is_dir():
-        return None, []
+    """The model folders' files (headers only): what a rank checks again before it builds anything.
+    A folder whose role the FSDP engine trains (parallel.engine) is checked as transformers loads
+    it, not against Megatron's weight rules."""
     from verl_hpc.config.sections.fsdp import choose_engine
 
-    try:
-        return choose_engine(cfg.parallel.engine, path, cfg.parallel, field), []
-    except ConfigError as e:
-        return None, e.problems
+    problems = []
+    for field, path in _model_folders(cfg):
+        try:
+            engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field) if Path(path).is_dir() else "megatron"
+        except ConfigError as e:
+            problems += e.problems
+            continue
+        problems += model_folder_problems(path, field, engine=engine,
+                                          trust_remote_code=cfg.model.trust_remote_code)
+    return problems
 
 
 def _model_folders(cfg):
@@ -91,18 +85,14 @@ def _model_folders(cfg):
     return out
 
 
-def model_folder_problems(path: str, field: str, engine: str | None = "megatron",
+def model_folder_problems(path: str, field: str, engine: str = "megatron",
                           trust_remote_code: bool = False) -> List[str]:
-    """engine: the one that trains the folder's role (None: not trained, a reward model)."""
     folder = Path(path)
     if not folder.is_dir():
         return []  # validate() already says so
     problems = []
-    # the FSDP engine trains what transformers builds: an architecture the Megatron mapping does
-    # not cover is transformers' to judge, and its weights are checked when transformers loads them
-    hf_only = engine == "fsdp" and _unmapped(folder, field)
-    if hf_only:
-        problems += _transformers_problems(folder, field, trust_remote_code)
+    if engine == "fsdp":
+        problems += transformers_config_problems(folder, field, trust_remote_code)
     elif field != "reward.reward_model.path":  # a reward model may be any sequence classifier
         from verl_hpc.models.config_mapping import load_hf_config, parse_hf_config
 
@@ -129,25 +119,18 @@ def model_folder_problems(path: str, field: str, engine: str | None = "megatron"
             gone = sorted(n for n in names if not (folder / n).is_file())
             if gone:
                 problems.append(f"{field}: '{index}' names missing file(s): {', '.join(gone)}")
-    if field != "reward.reward_model.path" and not hf_only and weights and not problems:
+    if engine != "fsdp" and field != "reward.reward_model.path" and weights and not problems:
         problems += weights_problems(folder, field, tensors_of(headers), value_head=field == "critic.model_path")
     return problems
 
 
-def _unmapped(folder: Path, field: str) -> bool:
-    from verl_hpc.config.sections.fsdp import megatron_maps
-
+def transformers_config_problems(folder: Path, field: str, trust_remote_code: bool) -> List[str]:
+    """Whether transformers can build the folder's model (what the FSDP engine loads): its
+    config.json through AutoConfig, one line naming the folder and the architecture otherwise."""
     try:
-        return megatron_maps(str(folder), field) is not None
-    except ConfigError:
-        return False  # an unreadable config.json: the mapping's own check names it
+        from verl_hpc.engines.fsdp.build import hf_config
 
-
-def _transformers_problems(folder: Path, field: str, trust_remote_code: bool) -> List[str]:
-    from verl_hpc.engines.fsdp.build import auto_config
-
-    try:
-        auto_config(str(folder), trust_remote_code, field)
+        hf_config(str(folder), trust_remote_code, field)
     except ConfigError as e:
         return e.problems
     return []

@@ -81,9 +81,9 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def auto_config(path: str, trust_remote_code: bool, field: str):
+def hf_config(path: str, trust_remote_code: bool, field: str):
     """The folder's transformers config, or one line naming the folder, its architecture and what
-    went wrong (also the submitter's check of a folder only the FSDP engine trains)."""
+    went wrong (also the submitter's check of a folder the FSDP engine trains)."""
     from transformers import AutoConfig
 
     from verl_hpc.config.hf_model import read_hf_config
@@ -180,7 +180,7 @@ def _more(items) -> str:
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = auto_config(options.model_path, options.trust_remote_code, field)
+    config = hf_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None
@@ -243,6 +243,9 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+            # and as a plain SUM collective: gloo has no PREMUL_SUM (FSDP's op for a custom
+            # factor), and NCCL's zero-copy path takes SUM only
+            m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
             unit.compile()
