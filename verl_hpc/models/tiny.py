@@ -11,10 +11,11 @@ tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.fro
 vocabulary padding is exercised at every TP size. The mixture-of-experts families have 4 experts of
 FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Gemma 3 (text), Phi-3 and
 OLMo 2 are families the Megatron mapping does not cover (the FSDP engine trains them as transformers
-builds them): Gemma 3 alternates a sliding-window layer (window 16, so the test sequences slide) and a
-full-attention one, Phi-3 fuses qkv_proj and gate_up_proj, OLMo 2 normalises q and k over all heads
-and after each block. Output is a pure function of the arguments. A bad argument (a count below 1, a vocabulary smaller than the tokenizer, an OUT
-that cannot be created) is one `error: ...` line and exit code 2.
+builds them), from transformers' own config classes: Gemma 3 alternates a sliding-window layer
+(window 16, so the test sequences slide) and a full-attention one, Phi-3 fuses qkv_proj and
+gate_up_proj, OLMo 2 normalises q and k over all heads and after each block. Output is a pure
+function of the arguments. A bad argument (a count below 1, a vocabulary smaller than the
+tokenizer, an OUT that cannot be created) is one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 
