@@ -212,6 +212,9 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+            # as plain SUM collectives: a factor other than the group's size otherwise becomes
+            # ReduceOp.PREMUL_SUM(1 / factor), which gloo (CPU) does not have
+            m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
             unit.compile()
