@@ -81,7 +81,7 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def _hf_config(path: str, trust_remote_code: bool, field: str):
+def hf_config(path: str, trust_remote_code: bool, field: str):
     """The folder's transformers config, or one line naming the folder and what went wrong."""
     from transformers import AutoConfig
 
@@ -149,7 +149,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    config = hf_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None
@@ -212,8 +212,8 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
-            # as plain SUM collectives: a factor other than the group's size otherwise becomes
-            # ReduceOp.PREMUL_SUM(1 / factor), which gloo (CPU) does not have
+            # and as a plain SUM collective: gloo has no PREMUL_SUM (FSDP's op for a custom
+            # factor), and NCCL's zero-copy path takes SUM only
             m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
