@@ -226,8 +226,21 @@ class FsdpEngine(TrainingEngine):
                 out = self._run(mb, want)
                 if not mb.dummy:
                     collected.append((mb, {k: v.detach() for k, v in out.items()}))
+            self._reshard()
         return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
                               self.device, reporting=True)
+
+    def _reshard(self) -> None:
+        """Shard the weights a no-grad forward left gathered. With fsdp.reshard_after_forward =
+        false FSDP2 keeps each unit's full weights after its forward for the backward, and only
+        the backward reshards them: after a forward without one the modules would hold those
+        plain full tensors, not the sharded parameters that the optimizer, the state slabs and
+        the offloader hold (and they would stay gathered until the next update)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def global_counts(self, batch) -> GlobalCounts:
         mask = get_response_mask(batch)
