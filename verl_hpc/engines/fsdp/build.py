@@ -19,7 +19,8 @@ same seed as the Megatron engine's value head, so both engines start the same cr
 
 Sharding (`shard_model`): `fully_shard` on each module class transformers itself names as not to
 be split (`_no_split_modules`: the decoder layers, a vision tower's blocks), then on the root
-(embeddings, final norm, output layer). Gradients are SUMMED over the ranks (divide factor 1):
+(embeddings, final norm, output layer). Gradients are SUMMED over the ranks (divide factor 1, a
+plain SUM reduction, which gloo has too):
 the engine's loss contributions are already normalised by the whole batch's counts
 (verl_hpc/engines/base.py), as the Megatron engine's DDP sums them.
 """
@@ -212,6 +213,9 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
+            # ... as a plain SUM: a factor makes FSDP reduce with NCCL's PREMUL_SUM, which gloo
+            # does not have (two CPU ranks failed their first backward); x1 needs no pre-multiply
+            m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:
             unit.compile()
