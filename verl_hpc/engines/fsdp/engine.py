@@ -140,7 +140,7 @@ class FsdpEngine(TrainingEngine):
 
     def offload_tensors(self) -> Dict[str, list]:
         """What the offloader moves (engines/offload.py): the local shards of the parameters and
-        of Adam's moments; gradients are dropped at every update (zero_grad(set_to_none))."""
+        of Adam's moments; gradients are freed after every update (zero_grad(set_to_none))."""
         params = [_local(p) for p in self.model.parameters()]
         opt = []
         if self.optimizer is not None:
@@ -246,6 +246,9 @@ class FsdpEngine(TrainingEngine):
             metrics = self._reduce_metrics(records)
             applied, norm = optim_lib.guarded_step(self.model, self.optimizer, self.options.optim.clip_grad,
                                                    math.isfinite(metrics["loss"]))
+            # the sharded fp32 gradients are not needed until the next update zeroes them: freed
+            # now, an idle role does not hold them (4 bytes per parameter / shard) through rollout
+            self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += int(applied)
         metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches), packed_microbatches=0.0,
