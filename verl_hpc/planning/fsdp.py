@@ -14,13 +14,19 @@ size, not by the world. FSDP2 pads each tensor's first dimension to a multiple o
 Megatron engine's offload drops its grad buffers), so an idle role holds none.
 
 Gathered units (compute dtype c: `fsdp.mixed_precision`, auto = the model dtype on GPUs, fp32 on
-CPU): in a forward, the root's weights (held through a training micro-batch's forward and backward:
-FSDP2 does not reshard the root after its forward) and two decoder layers: the one computing and
-the next one's all-gather (FSDP2 prefetches one unit; in the forward the previous all-gather's
-buffer is freed only after the next copy-out). `reshard_after_forward: false` keeps every layer
-gathered from its forward to its backward: all layers. In an update also the root's unsharded
-gradients (lm_head's from the first backward op, the embedding's at the end; reduce-scattered once
-the backward is done), one layer's unsharded gradients and its fp32 reduce-scatter input.
+CPU), as FSDP2 (torch 2.13) holds them, measured on this machine (docs/memory.md):
+- forward: the root's weights (FSDP2 keeps the root gathered from its forward through the
+  backward) and two layers' worth: the computing layer's unsharded weights and its all-gather
+  buffer, freed only after the next layer's copy-out. `reshard_after_forward: false` keeps every
+  layer gathered until its backward: all layers and one buffer. A shard group of one rank gathers
+  nothing ahead (its units are copied in place): one layer, or all;
+- update, the larger of two moments of the backward: (a) inside it, the root's weights, the output
+  layer's and final norm's unsharded grads (the first the backward makes; the root reduce-scatters
+  last), and per layer either the computing layer's weights + the next one's prefetched all-gather
+  + the computing layer's unsharded grads (3 c per element), or, once FSDP2 has resharded its
+  weights to reduce its grads, the prefetched layer + the grads + their fp32 reduce-scatter input
+  (2 c + 4); without reshard every layer not yet through its backward stays gathered; (b) at its
+  end, the root's unsharded grads and their fp32 reduce-scatter input, c + max(c, 4) per element.
 
 Activations per decoder layer and micro-batch of s tokens x b rows: what transformers' layer code
 saves for backward (Llama-style layer, SDPA attention; measured tensor by tensor on this machine,
@@ -44,7 +50,6 @@ from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import layer_tensor_sizes
 from verl_hpc.planning.training import logits_bytes, mlp_width, moe_dispatch_bytes
 
-PREFETCHED_LAYERS = 2  # the layer computing + the next one's all-gather
 
 
 def shard_size(cfg) -> int:
@@ -74,6 +79,7 @@ class FsdpParams:
     layers: int
     root: int  # embeddings, final norm, output layer (or value head): the root unit
     tensors: List[int]  # every parameter tensor (for the host figures)
+    out: int = 0  # of the root: the output layer (or value head) and final norm, first in a backward
 
     @property
     def total(self) -> int:
@@ -91,7 +97,8 @@ def fsdp_params(arch: ModelArch, head: str = "lm") -> FsdpParams:
         root.append(h)
     elif not arch.tie_word_embeddings:
         root.append(v * h)
-    return FsdpParams(sum(layer), arch.num_layers, sum(root), layer * arch.num_layers + root)
+    out = h + (h if head == "value" else v * h)  # a tied output layer's grad is the embedding's
+    return FsdpParams(sum(layer), arch.num_layers, sum(root), layer * arch.num_layers + root, out)
 
 
 def peft_layer_params(arch: ModelArch, rank: int, targets) -> int:
@@ -117,15 +124,25 @@ def state_bytes(p: FsdpParams, shard: int, *, trainable: bool, adapter: int = 0)
     return {"weights": w, "grads": 4.0 * trained / shard, "optimizer": 8.0 * trained / shard}
 
 
-def gathered_bytes(p: FsdpParams, c: int, *, reshard_after_forward: bool, train: bool,
+def gathered_bytes(p: FsdpParams, c: int, *, reshard_after_forward: bool, train: bool, shard: int = 2,
                    adapter_layer: int = 0) -> float:
-    """Unsharded weights (and, in an update, gradients) in flight on one rank."""
+    """The peak of what FSDP2 holds unsharded on one rank in a forward (train False) or over an
+    update's forward and backward (module docstring). `adapter_layer`: LoRA's elements per layer
+    (then only they have gradients)."""
     layer = p.layer + adapter_layer
-    held = min(PREFETCHED_LAYERS, p.layers) if reshard_after_forward else p.layers
-    total = (p.root + held * layer) * c
-    if train:  # the root's unsharded grads + one layer's, and that layer's fp32 reduce-scatter input
-        total += p.root * c + layer * c + layer * 4
-    return float(total)
+    ahead = 1 if shard > 1 else 0  # an all-gather buffer beyond the unsharded layers (none alone)
+    if not train:
+        return float((p.root + ((1 if reshard_after_forward else p.layers) + ahead) * layer) * c)
+    lora = adapter_layer > 0
+    grads = adapter_layer if lora else layer  # one layer's unsharded gradients
+    # in the backward the next layer is prefetched only where the forward resharded it
+    ahead = ahead if reshard_after_forward else 0
+    resident = 1 if reshard_after_forward else p.layers
+    computing = (resident + ahead) * layer * c + grads * c
+    reducing = (resident - 1 + ahead) * layer * c + grads * (c + 4)  # weights resharded first
+    middle = p.root * c + (0 if lora else p.out) * c + max(computing, reducing)
+    end = 0 if lora else p.root * (c + max(c, 4))  # the root's grads, then its reduce-scatter input
+    return float(max(middle, end))
 
 
 def layer_activation_bytes(arch: ModelArch, s: int, b: int, e: int) -> float:
@@ -166,6 +183,7 @@ class FsdpRole:
     checkpointing: bool
     head: str
     adapter_layer: int = 0
+    shard: int = 2
 
     def working(self, s: int, b: int, train: bool) -> Dict[str, float]:
         """The activations, logits and gathered columns of a micro-batch (train: an update with
@@ -177,7 +195,7 @@ class FsdpRole:
             act = layer_activation_bytes(self.arch, s, b, self.c)
         logits = logits_bytes(self.arch, s * b, 1, self.c, self.head, self.arch.vocab_size)
         gathered = gathered_bytes(self.params, self.c, reshard_after_forward=self.reshard, train=train,
-                                  adapter_layer=self.adapter_layer)
+                                  shard=self.shard, adapter_layer=self.adapter_layer)
         return {"activations": act, "logits": logits, "gathered": gathered}
 
 
@@ -188,7 +206,7 @@ def fsdp_role(cfg, arch: ModelArch, head: str, trainable: bool, lora_rank: int =
     shard = shard_size(cfg)
     parts = state_bytes(p, shard, trainable=trainable, adapter=adapter_layer * p.layers)
     return FsdpRole(arch, p, parts, compute_bytes(cfg), cfg.fsdp.reshard_after_forward,
-                    cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer)
+                    cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer, shard)
 
 
 def host_sizes(p: FsdpParams, shard: int) -> List[float]:

@@ -52,17 +52,29 @@ OFFLOAD_OFF = ["actor.param_offload=false", "actor.optimizer_offload=false", "ac
 def test_gathered_units_two_layers_in_flight_or_all_without_reshard():
     arch = KNOWN["llama-3-8b"]
     p = fsdp_plan.fsdp_params(arch)
+    assert p.out == 128256 * 4096 + 4096  # lm_head and the final norm: their grads come first
     bf16 = plan(*FSDP)
-    # forward: the root and two layers in bf16; an update adds the root's and a layer's unsharded
-    # grads (bf16) and that layer's fp32 reduce-scatter input
+    # forward: the root and two layers' worth in bf16 (the computing layer and its all-gather buffer)
     assert bf16.table["old_logprob"]["gathered"] == pytest.approx((p.root + 2 * p.layer) * 2)
-    assert bf16.table["update_actor"]["gathered"] == pytest.approx(
-        (p.root + 2 * p.layer) * 2 + p.root * 2 + p.layer * 2 + p.layer * 4)
+    # update: inside the backward, the root, lm_head's grads and per layer 2 c + 4 (the prefetched
+    # layer, the grads and their fp32 reduce-scatter input); at its end the root's grads and their
+    # fp32 reduce-scatter input, which for Llama-3-8B's 128k vocabulary is the larger
+    inside = p.root * 2 + p.out * 2 + p.layer * (2 * 2 + 4)
+    end = p.root * (2 + 4)
+    assert end > inside
+    assert bf16.table["update_actor"]["gathered"] == pytest.approx(end)
+    assert fsdp_plan.gathered_bytes(p, 2, reshard_after_forward=True, train=True, shard=8) == max(inside, end)
     kept = plan(*FSDP, "fsdp.reshard_after_forward=false")
-    assert kept.table["old_logprob"]["gathered"] == pytest.approx((p.root + 32 * p.layer) * 2)
-    # fp32 compute (fsdp.mixed_precision=fp32, or any CPU job): twice the bytes
+    assert kept.table["old_logprob"]["gathered"] == pytest.approx((p.root + 33 * p.layer) * 2)
+    # without reshard every layer not yet through its backward stays gathered: the first one to
+    # reduce holds the 31 others, its bf16 grads and their fp32 reduce-scatter input
+    assert kept.table["update_actor"]["gathered"] == pytest.approx(
+        p.root * 2 + p.out * 2 + p.layer * (31 * 2 + 2 + 4))
+    # fp32 compute (fsdp.mixed_precision=fp32, or any CPU job): twice the bytes in a forward
     fp32 = plan(*FSDP, "fsdp.mixed_precision=fp32")
     assert fp32.table["old_logprob"]["gathered"] == pytest.approx(2 * bf16.table["old_logprob"]["gathered"])
+    # a shard group of one rank gathers nothing ahead
+    assert fsdp_plan.gathered_bytes(p, 2, reshard_after_forward=True, train=False, shard=1) == (p.root + p.layer) * 2
     # no gathered column on the Megatron engine
     assert all(r["gathered"] == 0 for r in plan().table.values())
 
