@@ -12,7 +12,9 @@ Per layout and rank it records:
   forward + backward: FSDP2's unsharded weights (every unit's all-gather outputs), the all-gather
   buffers pending or kept for the next copy-out, the unsharded gradients (on the parameters, then
   in the list FSDP2 hands its reduce-scatter), and each reduce-scatter input when it is allocated
-  (hooks on FSDP2's param-group methods and collectives; read-only).
+  (hooks on FSDP2's param-group methods and collectives; read-only);
+- with the layout's `offload` flag, an actor offloading its weights and Adam states: the bytes it
+  keeps on the device while idle after an update, and while resident for one.
 """
 from __future__ import annotations
 
@@ -221,6 +223,14 @@ def run_layout(args, layout, workdir) -> dict:
     out["ref"] = states(ref)
     del ref
     gc.collect()
+    if layout.get("offload"):  # <role>.param_offload / optimizer_offload: what an idle actor keeps
+        actor = FsdpEngine(_options(args, layout, param_offload=True, optimizer_offload=True))
+        actor.train_step(batch, _loss)
+        out["offloaded_idle"] = actor.offloader.device_bytes()
+        with actor.resident("train"):
+            out["offloaded_resident"] = actor.offloader.device_bytes()
+        del actor
+        gc.collect()
     assert world == args["world"]
     out["seconds"] = time.time() - t0
     return out

@@ -9,7 +9,8 @@ bytes the decoder layers keep for backward during a training forward within 15% 
 formula (with and without activation checkpointing, fp32 and bf16 compute); the gathered bytes in
 flight (FSDP2's unsharded weights, pending all-gather buffers, unsharded gradients, reduce-scatter
 inputs) at their peak in the forward and over forward + backward within 15% of the plan's gathered
-figure (two layers in flight, or all of them without reshard_after_forward).
+figure (two layers in flight, or all of them without reshard_after_forward); an actor offloading
+its weights and Adam states keeps nothing on the device while idle.
 """
 import pytest
 import torch
@@ -20,7 +21,7 @@ from verl_hpc.planning.model_shape import fsdp_arch
 
 WORLD = 2
 LAYOUTS = [
-    dict(name="fsdp2", fsdp={}),
+    dict(name="fsdp2", fsdp={}, offload=True),
     dict(name="fsdp2_checkpointing", fsdp=dict(activation_checkpointing=True)),
     dict(name="fsdp2_keep_gathered", fsdp=dict(reshard_after_forward=False)),
     dict(name="hsdp_2x1", fsdp=dict(shard_size=1)),
@@ -109,6 +110,12 @@ def test_fsdp_bytes_match_the_plan(run):
             # an update leaves no gradient behind: an idle FSDP role holds none (the plan's idle row)
             if out["grads_after_update"]:
                 bad.append(f"{layout['name']} rank {r['rank']}: {out['grads_after_update']} gradient bytes after an update")
+            if layout.get("offload"):  # idle: nothing on the device; resident: weights and Adam's states
+                idle, resident = out["offloaded_idle"], out["offloaded_resident"]
+                expected = {"params": planned["actor.weights"], "grads": 0, "optimizer": planned["actor.optimizer"]}
+                if any(idle.values()) or any(abs(resident[k] - v) > STATE_TOL * max(v, 1) for k, v in expected.items()):
+                    bad.append(f"{layout['name']} rank {r['rank']}: offloaded actor idle {idle}, resident {resident}, "
+                               f"planned resident {expected}")
             # beyond the layers: RoPE's cos/sin and the final norm (the plan's tail) and the log-probs
             # the loss keeps (the logits column's, fp32 [b, T, V]): reported, bounded by the plan
             c = 2 if layout["fsdp"].get("mixed_precision") == "bf16" else 4
