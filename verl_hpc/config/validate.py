@@ -15,6 +15,7 @@ from verl_hpc.config.fields import choice_problems, range_problems, sections
 from verl_hpc.config.hf_model import ModelShape, read_model_shape
 from verl_hpc.config.layout import rollout_tp_problems
 from verl_hpc.config.schema import JobConfig
+from verl_hpc.config.sections.fsdp import choose_engine, engine_layout_problems
 
 
 def check_choices(cfg: JobConfig) -> List[str]:
@@ -24,9 +25,13 @@ def check_choices(cfg: JobConfig) -> List[str]:
 def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     try:
         m = read_model_shape(path, field)
+        engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field)
     except ConfigError as e:
         return e.problems
-    return model_rule_problems(cfg, m, field)
+    p = model_rule_problems(cfg, m, field)
+    if cfg.parallel.engine == "auto":  # an explicit fsdp was checked with the fsdp section
+        p += engine_layout_problems(engine, cfg)
+    return p
 
 
 def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:

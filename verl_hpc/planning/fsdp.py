@@ -10,8 +10,9 @@ there is no second copy), its fp32 gradient and Adam's two fp32 moments: 4 + 4 +
 shard; a frozen role (reference, frozen PRM) 4 / shard. HSDP (shard size < world): world / shard
 replicas each hold the whole model sharded over their own group, so the bytes divide by the shard
 size, not by the world. FSDP2 pads each tensor's first dimension to a multiple of the shard size
-(not counted: under a row per tensor). The engine drops the gradients after every update (as the
-Megatron engine's offload drops its grad buffers), so an idle role holds none.
+(not counted: under a row per tensor). The gradient shards an update leaves stay until the next
+update: an idle role holds them unless `<role>.grad_offload` drops them (as the Megatron engine's
+grad buffers).
 
 Gathered units (compute dtype c: `fsdp.mixed_precision`, auto = the model dtype on GPUs, fp32 on
 CPU), as FSDP2 (torch 2.13) holds them, measured on this machine (docs/memory.md):

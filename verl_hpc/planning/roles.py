@@ -107,8 +107,6 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
             on_lora = lora.enabled and name == "actor"
             fr = fsdp_plan.fsdp_role(cfg, a, head, trainable, lora.rank if on_lora else 0, lora.target_modules)
             shard = fsdp_plan.shard_size(cfg)
-            # the engine drops its gradients after every update: an idle FSDP role holds none
-            off["grads"] = True
             parts = dict(fr.parts)
             sizes = fsdp_plan.host_sizes(fr.params, shard)
             if cfg.fsdp.cpu_offload and gpu:  # FSDP2 pins each weight and grad shard; Adam's are plain

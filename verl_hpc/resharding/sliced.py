@@ -44,6 +44,50 @@ log = logging.getLogger(__name__)
 Item = Tuple[str, torch.Tensor, Need]
 
 
+class MegatronHoldings:
+    """What this rank's Megatron model chunks hold of each HF tensor (verl_hpc.models.weights),
+    for the plan. Any other source of local shards (the FSDP engine's `exported_model()`) yields an
+    object with the same five methods."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def entries(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """(HF name, full shape) of every tensor this rank's stage exports, in export order."""
+        from verl_hpc.models.weights import stage_entries
+
+        return stage_entries(self.model)
+
+    def pieces(self):
+        """Pieces (hf, dim, start, stop, tensor) of this rank's own parts, without a collective."""
+        from verl_hpc.models.weights import local_hf_pieces
+
+        return local_hf_pieces(self.model)
+
+    def dp_rank(self) -> int:
+        """The training replica this rank belongs to (where it prefers its sources)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    def geometry(self) -> Tuple[int, int]:
+        """(head_dim, vocabulary size): how the rollout's loaders cut heads and vocabulary rows."""
+        from verl_hpc.models.weights import model_arch
+
+        arch = model_arch(self.model)
+        return arch.head_dim, arch.vocab_size
+
+    def dtype(self) -> torch.dtype:
+        from verl_hpc.models.weights import model_dtype
+
+        return model_dtype(self.model)
+
+
+def holdings(model):
+    """The holdings view of what a sliced source yields: itself when it is one, else Megatron's."""
+    return model if hasattr(model, "pieces") and hasattr(model, "geometry") else MegatronHoldings(model)
+
+
 def _world() -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -83,17 +127,14 @@ class SlicedSync:
     # ------------------------------------------------------------------ the plan
     def prepare(self, model, keeps: Tuple[int, int], dtype: torch.dtype) -> SyncPlan:
         """The plan for this model and rollout layout (collective on the first call)."""
-        from verl_hpc.models.weights import local_hf_pieces, model_arch, stage_entries
-
         key = (id(model), tuple(keeps), dtype)
         if self.plan is not None and key == self._key:
             return self.plan
-        from megatron.core import parallel_state as ps
-
+        view = holdings(model)
         rank, world = _world()
-        mine = dict(entries=stage_entries(model),
-                    pieces=[(p.hf, p.dim, p.start, p.stop) for p in local_hf_pieces(model)],
-                    dp=ps.get_data_parallel_rank(), keeps=tuple(keeps))
+        mine = dict(entries=view.entries(),
+                    pieces=[(p.hf, p.dim, p.start, p.stop) for p in view.pieces()],
+                    dp=view.dp_rank(), keeps=tuple(keeps))
         everyone: List[dict] = [None] * world  # type: ignore[list-item]
         if world > 1:
             dist.all_gather_object(everyone, mine)
@@ -105,18 +146,18 @@ class SlicedSync:
                 if hf not in shapes:
                     order.append(hf)
                     shapes[hf] = tuple(shape)
-        holdings = [Holding(r, hf, dim, start, stop, everyone[r]["dp"])
+        held = [Holding(r, hf, dim, start, stop, everyone[r]["dp"])
                     for r in range(world) for hf, dim, start, stop in everyone[r]["pieces"]]
-        arch = model_arch(model)
+        head_dim, vocab_size = view.geometry()
         needs = []
         for r in range(world):
             tp_rank, tp = everyone[r]["keeps"]
-            slicer = RolloutSlicer(tp, head_dim=arch.head_dim, vocab_size=arch.vocab_size)
+            slicer = RolloutSlicer(tp, head_dim=head_dim, vocab_size=vocab_size)
             for hf in order:
                 dim, start, stop = slicer.need(hf, shapes[hf], tp_rank)
                 needs.append(Need(r, hf, dim, start, stop, everyone[r]["dp"]))
         element_size = torch.empty((), dtype=dtype).element_size()
-        self.plan = SyncPlan.build(rank, order, shapes, holdings, needs, element_size=element_size,
+        self.plan = SyncPlan.build(rank, order, shapes, held, needs, element_size=element_size,
                                    bucket_bytes=self.bucket_bytes)
         self._key = key
         self.reset()
@@ -128,11 +169,9 @@ class SlicedSync:
 
     # ------------------------------------------------------------------ one sync
     def stream(self, model, keeps: Tuple[int, int], dtype: torch.dtype) -> Iterator[Item]:
-        from verl_hpc.models.weights import local_hf_pieces
-
         plan = self.prepare(model, keeps, dtype)
         pieces: Dict[str, list] = {}
-        for p in local_hf_pieces(model):
+        for p in holdings(model).pieces():
             pieces.setdefault(p.hf, []).append(p)
         rank, world = _world()
         self.counts = dict(received=0, wire=0, dense=0, changed=0, elements=0, sent=0, peak_bucket=0,

@@ -55,7 +55,7 @@ from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from
 from verl_hpc.resharding.plan import PlanError
-from verl_hpc.resharding.sliced import SlicedSync
+from verl_hpc.resharding.sliced import SlicedSync, holdings
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,9 @@ MODES = SYNC_MODES
 
 
 def sliced_source(actor):
-    """A context manager giving the actor's local model chunks (resident, parameters gathered), for
-    the sliced sync; None when the actor has no local Megatron shards to read (then only the full
-    path applies)."""
+    """A context manager giving the actor's local shards (resident, parameters gathered): Megatron
+    model chunks, or a holdings view (the FSDP engine's), for the sliced sync; None when the actor
+    has no local shards to read (then only the full path applies)."""
     engine = getattr(actor, "engine", actor)
     exported = getattr(engine, "exported_model", None)
     if callable(exported):
@@ -201,7 +201,7 @@ class WeightSync:
         source = sliced_source(actor)
         why = None
         if source is None:
-            why = f"{type(getattr(actor, 'engine', actor)).__name__} has no local Megatron shards"
+            why = f"{type(getattr(actor, 'engine', actor)).__name__} has no local shards to slice"
         elif not (hasattr(rollout, "load_weight_slices") or callable(getattr(rollout, "weight_slices", None))):
             why = f"{type(rollout).__name__} does not say which slices it keeps (weight_slices)"
         if why is None:
@@ -281,9 +281,7 @@ class WeightSync:
     def _run_sliced(self, source, rollout):
         keeps = rollout.weight_slices() if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
         with source() as model:
-            from verl_hpc.models.weights import model_dtype
-
-            dtype = getattr(rollout, "weight_dtype", None) or model_dtype(model)
+            dtype = getattr(rollout, "weight_dtype", None) or holdings(model).dtype()
             self.sliced.prepare(model, keeps, dtype)  # PlanError escapes before any exchange
             stream = SourceStream(self.sliced.stream(model, keeps, dtype))
             if hasattr(rollout, "load_weight_slices"):

@@ -3,7 +3,7 @@
 One process set runs every layout of args["layouts"] (the `fsdp:` section's fields it varies).
 Per layout and rank it records:
 - the bytes of every distinct storage behind the actor's local weight shards, its gradients
-  (after the backward below) and Adam's moments, and whether an update leaves gradients behind;
+  (after the backward below) and Adam's moments, and the gradient shards an update leaves;
   the reference's (frozen) weight shards;
 - the bytes alive at the end of one training-mode forward of a micro-batch, made by the decoder
   layers (what they keep for backward; a TorchDispatchMode notes every storage an op makes inside
@@ -13,8 +13,8 @@ Per layout and rank it records:
   buffers pending or kept for the next copy-out, the unsharded gradients (on the parameters, then
   in the list FSDP2 hands its reduce-scatter), and each reduce-scatter input when it is allocated
   (hooks on FSDP2's param-group methods and collectives; read-only);
-- with the layout's `offload` flag, an actor offloading its weights and Adam states: the bytes it
-  keeps on the device while idle after an update, and while resident for one.
+- with the layout's `offload` flag, an actor offloading its weights, gradients and Adam states: the
+  bytes it keeps on the device while idle after an update, and while resident for one.
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def run_layout(args, layout, workdir) -> dict:
     del ref
     gc.collect()
     if layout.get("offload"):  # <role>.param_offload / optimizer_offload: what an idle actor keeps
-        actor = FsdpEngine(_options(args, layout, param_offload=True, optimizer_offload=True))
+        actor = FsdpEngine(_options(args, layout, param_offload=True, grad_offload=True, optimizer_offload=True))
         actor.train_step(batch, _loss)
         out["offloaded_idle"] = actor.offloader.device_bytes()
         with actor.resident("train"):

@@ -85,6 +85,7 @@ KEY_VALUES = {
                       "algorithm.preference.beta": 0.1, "actor.ppo_mini_batch_size": 32,
                       "actor.optim.warmup_steps": 0, "actor.optim.lr_decay_style": "constant"},
     "demo_lora.yaml": {**DEMO, "lora.rank": 16, "lora.alpha": 32.0},
+    "demo_fsdp.yaml": {**DEMO, "parallel.engine": "fsdp", "actor.use_kl_loss": False},
     "demo_moe.yaml": {**CPU, "rollout.engine": "auto", "parallel.ep": 2, "world_size": 2},
     "demo_rl_split.yaml": {**CPU, "placement.mode": "split", "async_training.objective": "decoupled"},
     "demo_prime.yaml": {**DEMO, "algorithm.adv_estimator": "prime", "prm.enable": True},

@@ -95,12 +95,14 @@ def test_activation_checkpointing_keeps_one_input_per_layer():
 
 
 def test_offload_while_idle_and_fsdp_cpu_offload():
-    on = plan(*FSDP, "actor.param_offload=true", "actor.optimizer_offload=true")
+    on = plan(*FSDP, "actor.param_offload=true", "actor.optimizer_offload=true", "actor.grad_offload=true")
+    no_grads = plan(*FSDP, "actor.param_offload=true", "actor.optimizer_offload=true", "actor.grad_offload=false")
     off = plan(*FSDP, *OFFLOAD_OFF)
-    # idle (rollout): offloaded weights and Adam states leave the device; the gradients are freed
-    # after every update whatever grad_offload says
+    # idle (rollout): offloaded weights and Adam states leave the device, grad_offload frees the
+    # gradient shards an update leaves; without it they stay
     assert on.table["rollout"]["actor"] == 0
-    assert off.table["rollout"]["actor"] == pytest.approx(12 * LLAMA3_8B_PARAMS / 8)
+    assert no_grads.table["rollout"]["actor"] == pytest.approx(4 * LLAMA3_8B_PARAMS / 8)
+    assert off.table["rollout"]["actor"] == pytest.approx(16 * LLAMA3_8B_PARAMS / 8)
     # fsdp.cpu_offload: the states never reach the device, the host holds them (pinned weight and
     # grad shards, plain Adam states) on every rank of the node
     cpu = plan(*FSDP, *OFFLOAD_OFF, "fsdp.cpu_offload=true")

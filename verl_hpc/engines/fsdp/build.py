@@ -19,8 +19,7 @@ same seed as the Megatron engine's value head, so both engines start the same cr
 
 Sharding (`shard_model`): `fully_shard` on each module class transformers itself names as not to
 be split (`_no_split_modules`: the decoder layers, a vision tower's blocks), then on the root
-(embeddings, final norm, output layer). Gradients are SUMMED over the ranks (divide factor 1, a
-plain SUM reduction, which gloo has too):
+(embeddings, final norm, output layer). Gradients are SUMMED over the ranks (divide factor 1):
 the engine's loss contributions are already normalised by the whole batch's counts
 (verl_hpc/engines/base.py), as the Megatron engine's DDP sums them.
 """
@@ -82,7 +81,7 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def _hf_config(path: str, trust_remote_code: bool, field: str):
+def hf_config(path: str, trust_remote_code: bool, field: str):
     """The folder's transformers config, or one line naming the folder and what went wrong."""
     from transformers import AutoConfig
 
@@ -150,7 +149,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    config = hf_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None
@@ -213,8 +212,8 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # a SUM: the loss is normalised by the whole batch
-            # ... as a plain SUM: a factor makes FSDP reduce with NCCL's PREMUL_SUM, which gloo
-            # does not have (two CPU ranks failed their first backward); x1 needs no pre-multiply
+            # and as a plain SUM collective: gloo has no PREMUL_SUM (FSDP's op for a custom
+            # factor), and NCCL's zero-copy path takes SUM only
             m.set_force_sum_reduction_for_comms(True)
     if fsdp.compile:
         for unit in units:

@@ -67,7 +67,7 @@ class Coords:
 
     @classmethod
     def for_model(cls, hf_config: Mapping[str, Any]) -> "Coords":
-        from verl_hpc.models.config_mapping import ARCHITECTURES
+        from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES as ARCHITECTURES
 
         archs = hf_config.get("architectures") or []
         family = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else hf_config.get("model_type")
@@ -80,7 +80,7 @@ class Coords:
 
     def slabs(self, hf: str, shape: Tuple[int, ...], lo: int, hi: int) -> List[Slab]:
         """The logical slabs of rows [lo, hi) of HF tensor `hf` (local rows counted from lo)."""
-        if self.kind == "hf":
+        if self.kind == "hf" or ".lora_" in hf:  # LoRA adapters: PEFT's names (engines/fsdp/lora.py)
             return [Slab(hf, shape, lo, 0, hi - lo)]
         if hf in _TOP:
             return [Slab(_TOP[hf], shape, lo, 0, hi - lo)]
