@@ -184,3 +184,23 @@ def test_suggest_ranks_fsdp_layouts_beside_megatron_and_each_fits(tmp_path):
     only = suggest(load_config(GRPO, [f"model.path={gemma}", "parallel.engine=auto", *FSDP[1:], *SMALL]),
                    time_limit_s=2.0)
     assert only and {c.engine for c in only} == {"fsdp"}
+
+
+def test_the_cli_plans_an_fsdp_job_without_torch():
+    """A login node: torch unimportable; the FSDP job fits with activation checkpointing, and
+    without it the refusal names the activations."""
+    import subprocess
+    import sys
+
+    no_torch = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['verl_hpc.plan'] + sys.argv[1:]; "
+                "runpy.run_module('verl_hpc.plan', run_name='__main__')")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", no_torch, GRPO, *FSDP, *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    ok = run("fsdp.activation_checkpointing=true")
+    assert ok.returncode == 0, ok.stderr
+    assert "gathered" in ok.stdout and "FSDP engine (actor, ref)" in ok.stdout
+    bad = run("fsdp.activation_checkpointing=false")
+    assert bad.returncode == 1 and "largest component activations" in bad.stderr, bad.stderr
