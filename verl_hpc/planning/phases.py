@@ -176,8 +176,9 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     planned = plan_roles(cfg, arch, stage, prec, setup, allow_known, gpu, microbatch_shape)
     roles, tensors = dict(planned.states), dict(planned.tensors)
     if lora.enabled:
+        fsdp_actor = planned.fsdp.get("actor")
         adapter = (planned.actor_layers * lora_layer_params(arch, lora.rank, lora.target_modules, tp)
-                   if "actor" not in planned.fsdp else planned.fsdp["actor"].adapter_layer * arch.num_layers)
+                   if fsdp_actor is None else fsdp_actor.adapter_layer * arch.num_layers / fsdp_actor.shard)
         notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapter / 1e6:.2f} M "
                      f"trainable parameters per rank ({adapter * 4 / 2**20:.1f} MiB fp32) on a frozen base"
                      + ("; the reference is the actor's base (no memory)" if cfg.ref.enable else ""))

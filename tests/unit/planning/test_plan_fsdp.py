@@ -204,3 +204,23 @@ def test_the_cli_plans_an_fsdp_job_without_torch():
     assert "gathered" in ok.stdout and "FSDP engine (actor, ref)" in ok.stdout
     bad = run("fsdp.activation_checkpointing=false")
     assert bad.returncode == 1 and "largest component activations" in bad.stderr, bad.stderr
+
+
+def test_the_planned_fsdp_adapter_is_what_peft_attaches(tmp_path):
+    """LoRA on the FSDP engine: PEFT's adapters on transformers' projections (q, k, v apart; gate and
+    up apart), counted by PEFT itself on the model transformers builds."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.models.tiny import hf_config
+
+    config = hf_config("llama", layers=2)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    folder = tmp_path / "tiny"
+    config.save_pretrained(folder)
+    arch = fsdp_plan_arch(str(folder))
+    targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert fsdp_plan.peft_layer_params(arch, 4, targets) * arch.num_layers == trainable
