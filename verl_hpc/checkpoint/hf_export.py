@@ -6,7 +6,9 @@ the base weights read from the model folder (the checkpoint holds the adapter on
 One process, no Megatron, no torch.distributed: the checkpoint's names are layout independent
 (verl_hpc/engines/megatron/state.py), so each HF tensor is read whole from the index, whatever
 TP/PP/DP wrote it, converted with the HF <-> Megatron rules of verl_hpc.models.weight_rules, and
-written one tensor at a time (memory: one shard of `--shard-gb`, not the model).
+written one tensor at a time (memory: one shard of `--shard-gb`, not the model). The FSDP engine
+writes the same names for the families Megatron maps, so its checkpoints export alike; for any
+other architecture its names are the HF ones (engine meta `coords: hf`), written as they are.
 
     actor/model/embedding.word_embeddings.weight        -> model.embed_tokens.weight (real vocab rows)
     actor/model/decoder.layers.{i}.self_attention.linear_qkv.weight (query-group order)
@@ -96,6 +98,27 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
         yield from rule.to_hf(tensor, arch, layer, lay)
 
 
+def engine_meta(reader: CheckpointReader, role: str = "actor") -> dict:
+    """The role's engine meta (format, coords, architecture, ...), {} when the checkpoint has none."""
+    engines = (reader.metadata.get("trainer_state") or {}).get("engines") or {}
+    return engines.get(role) or {}
+
+
+def named_tensors(reader: CheckpointReader, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a checkpoint in HF coordinates (the FSDP engine's state of an
+    architecture outside Megatron's mapping: verl_hpc/engines/fsdp/state.py): the names as they
+    are, each read whole. A tied output layer is not among them, as in HF's own folders."""
+    names = sorted(n for n in reader.tensors() if n.startswith(prefix))
+    if not names:
+        roots = sorted({n.split("/")[0] for n in reader.tensors()})
+        raise CheckpointError(f"{reader.path}: no tensors under {prefix!r} (top-level names: {roots})")
+    for full_name in names:
+        name = full_name[len(prefix):]
+        if name == "score.weight":
+            raise CheckpointError(f"{reader.path}: {prefix!r} is a value model (critic); export the actor")
+        yield name, reader.load_tensor(full_name)
+
+
 def _layer_rule(suffix: str, arch):
     """(rule, None, part) of a layer-local logical name: part "gate" / "up" for linear_fc1's halves
     (dense MLP, shared expert or routed expert); a routed expert's rule bound to its index."""
@@ -150,8 +173,10 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
         src, tok, lora = _check(reader, out, "--hf", model, role, overwrite)
         if lora:  # the merge reads the base weights: they must be those the adapters were trained on
             check_base_model(lora, str(src), "--model" if model else "model.path")
-        # the FSDP engine's adapters need no Megatron mapping: PEFT's names on any architecture
-        arch = None if lora and lora.get("peft_config") else load_arch(src)
+        # an FSDP checkpoint in HF names (an architecture outside Megatron's mapping) is written as it
+        # is; the FSDP engine's adapters need no Megatron mapping either: PEFT's names on any architecture
+        hf_coords = engine_meta(reader, role).get("coords") == "hf" and not lora
+        arch = None if hf_coords or (lora and lora.get("peft_config")) else load_arch(src)
         make_folder(out, "--hf")
         shard: Dict[str, torch.Tensor] = {}
         sizes: List[Dict[str, int]] = []  # per written shard: tensor name -> bytes (the index)
@@ -168,8 +193,12 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
             sizes.append({k: t.numel() * t.element_size() for k, t in shard.items()})
             shard.clear()  # memory: one shard at a time, not the model
 
-        source = (merged_tensors(reader, arch, src, lora, role) if lora
-                  else hf_tensors(reader, arch, prefix=f"{role}/model/"))
+        if hf_coords:
+            source = named_tensors(reader, prefix=f"{role}/model/")
+        elif lora:
+            source = merged_tensors(reader, arch, src, lora, role)
+        else:
+            source = hf_tensors(reader, arch, prefix=f"{role}/model/")
         try:
             for hf_name, t in source:
                 if hf_name in seen:
@@ -216,8 +245,7 @@ _LORA = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w
 def lora_meta(reader: CheckpointReader, role: str = "actor") -> Optional[dict]:
     """The role's adapter record (rank, alpha, targets, base) when its checkpoint holds LoRA
     adapters only (lora.rank > 0), else None."""
-    engines = (reader.metadata.get("trainer_state") or {}).get("engines") or {}
-    return (engines.get(role) or {}).get("lora")
+    return engine_meta(reader, role).get("lora")
 
 
 def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
