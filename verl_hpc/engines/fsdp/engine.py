@@ -154,7 +154,9 @@ class FsdpEngine(TrainingEngine):
 
     def offload_tensors(self) -> Dict[str, list]:
         """What the offloader moves (engines/offload.py): the local shards of the parameters and
-        of Adam's moments; gradients are dropped at every update (zero_grad(set_to_none))."""
+        of Adam's moments. Gradients are not moved: each update sets them to None before its
+        backward, and with grad_offload train_step frees them after its step (an idle role would
+        otherwise hold 4 bytes per parameter / shard)."""
         params = [_local(p) for p in self.model.parameters()]
         opt = []
         if self.optimizer is not None:
@@ -280,6 +282,8 @@ class FsdpEngine(TrainingEngine):
             metrics = self._reduce_metrics(records)
             applied, norm = optim_lib.guarded_step(self.model, self.optimizer, self.options.optim.clip_grad,
                                                    math.isfinite(metrics["loss"]))
+            if self.options.grad_offload:  # dropped while idle, as the Megatron engine's grad buffers
+                self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += int(applied)
         metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches),
