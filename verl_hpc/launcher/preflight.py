@@ -33,6 +33,7 @@ from typing import List
 
 from verl_hpc.config import ConfigError
 from verl_hpc.config.errors import raise_if_any
+from verl_hpc.config.sections.fsdp import MEGATRON
 from verl_hpc.launcher.preflight_data import data_problems
 from verl_hpc.launcher.preflight_model import (init_from_check, load_tokenizer, prm_problems, read_header,
                                                tensors_of, vocab_problem, weights_problems)
@@ -85,7 +86,7 @@ def _model_folders(cfg):
     return out
 
 
-def model_folder_problems(path: str, field: str, engine: str = "megatron",
+def model_folder_problems(path: str, field: str, engine: str = MEGATRON,
                           trust_remote_code: bool = False) -> List[str]:
     folder = Path(path)
     if not folder.is_dir():

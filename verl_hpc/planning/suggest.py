@@ -31,6 +31,7 @@ from typing import Dict, List, Optional
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.planning import hardware
 from verl_hpc.planning.fsdp import compute_bytes, replicas, shard_size
+from verl_hpc.config.sections.fsdp import MEGATRON
 from verl_hpc.planning.model_shape import fsdp_arch, model_arch, role_engine, total_params
 from verl_hpc.planning.phases import microbatch_shape, plan_job
 from verl_hpc.planning.report import MARGIN, gib
@@ -53,9 +54,9 @@ class Candidate:
     peak: float
     headroom: float
     step_seconds: float
-    engine: str = "megatron"
+    engine: str = MEGATRON
     shard: int = 0  # FSDP: fsdp.shard_size (0 = every training rank)
-    job_engine: str = "megatron"  # the config's parallel.engine (the overrides name another one)
+    job_engine: str = MEGATRON  # the config's parallel.engine (the overrides name another one)
     job_offloads: bool = False  # the config offloads some idle role (the overrides switch it off)
 
     def overrides(self) -> str:
@@ -76,7 +77,7 @@ class Candidate:
         return " ".join(o)
 
 
-def _apply(cfg, tp, pp, vpp, recompute, offload, budget, engine="megatron", shard=0):
+def _apply(cfg, tp, pp, vpp, recompute, offload, budget, engine=MEGATRON, shard=0):
     c = copy.deepcopy(cfg)
     c.parallel.engine = engine
     c.parallel.tp, c.parallel.pp, c.parallel.vpp = tp, pp, vpp

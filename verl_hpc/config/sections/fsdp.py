@@ -21,7 +21,8 @@ from typing import List, Optional
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.fields import Section, opt
 
-ENGINES = ("auto", "megatron", "fsdp")
+MEGATRON, FSDP = "megatron", "fsdp"  # the engines by name, for code that defaults to one
+ENGINES = ("auto", MEGATRON, FSDP)
 MIXED_PRECISION = ("auto", "fp32", "bf16")
 
 

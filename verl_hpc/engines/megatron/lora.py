@@ -24,6 +24,7 @@ import torch
 
 from verl_hpc.checkpoint.base_model import base_fingerprint, check_base_model
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
+from verl_hpc.config.sections.fsdp import MEGATRON
 from verl_hpc.models.lora import AdapterSpec, adapter_parameters, attach_adapters, load_adapter
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ _HELD = {"megatron": "the Megatron engine's fused adapters (one lora_A per fused
 
 
 def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str,
-                     engine: str = "megatron") -> None:
+                     engine: str = MEGATRON) -> None:
     """Refuse a checkpoint whose adapters do not fit this engine: full weights into a LoRA
     engine or the reverse, the other engine's adapters (`engine`: the one resuming), another rank
     or targets, or another base model (CheckpointLayoutError, exit code 23, each naming what to
