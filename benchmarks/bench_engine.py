@@ -10,8 +10,9 @@
    and batch. Iterations alternate between the sides; medians are compared.
    Goals: Megatron >= 0.9, FSDP >= 0.95 of transformers.
    --compile adds a fourth side, the FSDP engine with `fsdp.compile` (torch.compile per decoder
-   layer after sharding): its first iteration's extra seconds (the compilation) apart from its
-   steady-state iterations, which alternate with the others.
+   layer after sharding): its first iteration's extra seconds (the compilation, from a fresh
+   inductor cache unless --compile-cache names one) apart from its steady-state iterations, which
+   alternate with the others.
 2. Layout cost (CPU, same total cores): Megatron fwd+bwd tokens/s at TP2 and PP2 on 2 ranks
    (1 thread each) relative to TP1 on 1 rank (2 threads); 4 micro-batches of 2 sequences at every
    layout (PP needs several micro-batches to overlap its stages).
@@ -317,6 +318,8 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--layouts", default="tp1,tp2,pp2,dp2", help=f"comma list of {', '.join(LAYOUT_GROUPS)}")
     ap.add_argument("--compile", action="store_true", help="also time the FSDP engine with fsdp.compile")
+    ap.add_argument("--compile-cache", default="",
+                    help="inductor's cache folder for --compile (default: a fresh one, i.e. a cold compilation)")
     ap.add_argument("--json", default="", help="write the results to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine", default="megatron", help=argparse.SUPPRESS)
@@ -338,6 +341,8 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(Path(args.model) if args.model else Path(tmp) / "model", args.quick)
+        if args.compile:  # inductor's cache in a folder of this run: the compilation timed is a cold one
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache or str(Path(tmp) / "inductor")
         peer = peer_ratio(folder, args)
         lay = None if args.skip_layouts else layout_runs(folder, [n for g in groups for n in LAYOUT_GROUPS[g]], args)
     if args.json:
