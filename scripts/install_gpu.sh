@@ -13,8 +13,8 @@
 #      torch 2.13.0): --vllm auto installs it when torch is 2.13.0, else says why it is skipped;
 #   3. transformer-engine[pytorch,core_cuNN] with --no-build-isolation, NN from torch.version.cuda
 #      (needs nvcc and the CUDA headers; MAX_JOBS bounds the compile's parallelism);
-#   4. megatron-core, then verl_hpc itself (editable) with its core dependencies; the `gpu` extra
-#      is not used, so that the machine's torch stays.
+#   4. megatron-core and peft (the FSDP engine's LoRA), then verl_hpc itself (editable) with its core
+#      dependencies; the `gpu` extra is not used, so that the machine's torch stays.
 # --dry-run prints the commands and runs none (the probe of PY's torch still runs).
 # The same versions as setup.py and containers/install.sh (tests/unit/test_gpu_runtime_paths.py).
 set -euo pipefail
@@ -22,6 +22,7 @@ VLLM_VERSION=0.32.0
 MEGATRON_CORE_VERSION=0.16.1
 TE_VERSION=2.11.0   # megatron-core 0.16.1 declares transformer-engine >=2.9,<2.12
 TORCH_VERSION=2.13.0  # what vllm 0.32.0 pins
+PEFT_VERSION=0.21.2  # the FSDP engine's LoRA (setup.py's gpu extra)
 
 DRY=0 PY=${PYTHON:-python3} VLLM=auto TE=1
 while [ $# -gt 0 ]; do
@@ -74,6 +75,6 @@ if [ "$TE" = 1 ]; then
   run env MAX_JOBS="${MAX_JOBS:-8}" NVTE_FRAMEWORK=pytorch "${PIP[@]}" --no-build-isolation \
     "transformer-engine[pytorch,core_cu${cuda_major}]==$TE_VERSION"
 fi
-# 4. Megatron-Core and the project (core dependencies only: the machine's torch stays)
-run "${PIP[@]}" "megatron-core==$MEGATRON_CORE_VERSION"
+# 4. Megatron-Core, PEFT and the project (core dependencies only: the machine's torch stays)
+run "${PIP[@]}" "megatron-core==$MEGATRON_CORE_VERSION" "peft==$PEFT_VERSION"
 run "${PIP[@]}" -e "$SRC"

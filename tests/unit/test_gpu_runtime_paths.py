@@ -177,7 +177,9 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
     assert 'pip install "vllm==${VLLM_VERSION}"' in install
     assert '"transformer-engine[pytorch,${TE_CORE}]==${TE_VERSION}"' in install
     mine = dict(re.findall(r"^(\w+_VERSION)=([\w.]+)", installer, re.M))
-    assert mine == dict(shell, TORCH_VERSION=_pin(gpu, "torch")[0])
+    # peft: the gpu extra's pin, which containers/install.sh gets through `pip install SRC[gpu]`
+    assert _pin(cpu, "peft")[0] == _pin(gpu, "peft")[0]
+    assert mine == dict(shell, TORCH_VERSION=_pin(gpu, "torch")[0], PEFT_VERSION=_pin(gpu, "peft")[0])
     assert '"transformer-engine[pytorch,core_cu${cuda_major}]==$TE_VERSION"' in installer
     assert "--no-build-isolation" in installer
 

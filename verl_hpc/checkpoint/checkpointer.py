@@ -80,6 +80,28 @@ def _prefixed(prefix: str, tensors) -> list:
     return [ShardedTensor(f"{prefix}/{t.name}", t.local, t.global_shape, t.offsets) for t in tensors]
 
 
+class RoleLoader:
+    """What an engine's `load_state` is handed for the engine saved under `role/`: called with the
+    engine's slabs, it fills them from `role/<name>`; `stored()` lists what the checkpoint holds
+    for the role ({name without the prefix: global shape}), so that the engine can refuse a
+    checkpoint of another model, naming the tensor, before it changes anything (a checkpoint
+    with MORE tensors than the model asks for would otherwise load without a word)."""
+
+    def __init__(self, reader, role: str) -> None:
+        self.reader, self.role = reader, role
+
+    def __call__(self, slabs) -> None:
+        self.reader.load_into(_prefixed(self.role, slabs))
+
+    def stored(self) -> dict:
+        prefix = f"{self.role}/"
+        return {n[len(prefix):]: t.global_shape for n, t in self.reader.tensors().items() if n.startswith(prefix)}
+
+    @property
+    def where(self) -> str:
+        return f"{self.reader.path} ({self.role})"
+
+
 class Checkpointer:
     def __init__(self, options: CheckpointOptions, ctx, *, engines: Mapping[str, Any], fmt: str,
                  states: Optional[Mapping[str, Any]] = None, config_yaml: Callable[[], str] = lambda: "",
@@ -222,7 +244,7 @@ class Checkpointer:
                     raise CheckpointMismatchError(
                         f"{path} has no {name} state (saved roles: {sorted(ts['engines'])}); "
                         "the algorithm must match the run that saved it")
-                engine.load_state(lambda slabs, n=name: reader.load_into(_prefixed(n, slabs)), ts["engines"][name])
+                engine.load_state(RoleLoader(reader, name), ts["engines"][name])
             if self.ctx.rank == 0 and self.history is not None:
                 self.history.restore(reader.rank_state(0), int(ts["step"]))
             if reader.world_size == self.ctx.world_size:

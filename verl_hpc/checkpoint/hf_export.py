@@ -6,7 +6,9 @@ the base weights read from the model folder (the checkpoint holds the adapter on
 One process, no Megatron, no torch.distributed: the checkpoint's names are layout independent
 (verl_hpc/engines/megatron/state.py), so each HF tensor is read whole from the index, whatever
 TP/PP/DP wrote it, converted with the HF <-> Megatron rules of verl_hpc.models.weight_rules, and
-written one tensor at a time (memory: one shard of `--shard-gb`, not the model).
+written one tensor at a time (memory: one shard of `--shard-gb`, not the model). The FSDP engine
+writes the same names for the families Megatron maps, so its checkpoints export alike; for any
+other architecture its names are the HF ones (engine meta `coords: hf`), written as they are.
 
     actor/model/embedding.word_embeddings.weight        -> model.embed_tokens.weight (real vocab rows)
     actor/model/decoder.layers.{i}.self_attention.linear_qkv.weight (query-group order)
@@ -96,6 +98,27 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
         yield from rule.to_hf(tensor, arch, layer, lay)
 
 
+def engine_meta(reader: CheckpointReader, role: str = "actor") -> dict:
+    """The role's engine meta (format, coords, architecture, ...), {} when the checkpoint has none."""
+    engines = (reader.metadata.get("trainer_state") or {}).get("engines") or {}
+    return engines.get(role) or {}
+
+
+def named_tensors(reader: CheckpointReader, prefix: str = "actor/model/") -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of a checkpoint in HF coordinates (the FSDP engine's state of an
+    architecture outside Megatron's mapping: verl_hpc/engines/fsdp/state.py): the names as they
+    are, each read whole. A tied output layer is not among them, as in HF's own folders."""
+    names = sorted(n for n in reader.tensors() if n.startswith(prefix))
+    if not names:
+        roots = sorted({n.split("/")[0] for n in reader.tensors()})
+        raise CheckpointError(f"{reader.path}: no tensors under {prefix!r} (top-level names: {roots})")
+    for full_name in names:
+        name = full_name[len(prefix):]
+        if name == "score.weight":
+            raise CheckpointError(f"{reader.path}: {prefix!r} is a value model (critic); export the actor")
+        yield name, reader.load_tensor(full_name)
+
+
 def _layer_rule(suffix: str, arch):
     """(rule, None, part) of a layer-local logical name: part "gate" / "up" for linear_fc1's halves
     (dense MLP, shared expert or routed expert); a routed expert's rule bound to its index."""
@@ -150,7 +173,10 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
         src, tok, lora = _check(reader, out, "--hf", model, role, overwrite)
         if lora:  # the merge reads the base weights: they must be those the adapters were trained on
             check_base_model(lora, str(src), "--model" if model else "model.path")
-        arch = load_arch(src)
+        # an FSDP checkpoint in HF names (an architecture outside Megatron's mapping) is written as it
+        # is; the FSDP engine's adapters need no Megatron mapping either: PEFT's names on any architecture
+        hf_coords = engine_meta(reader, role).get("coords") == "hf" and not lora
+        arch = None if hf_coords or (lora and lora.get("peft_config")) else load_arch(src)
         make_folder(out, "--hf")
         shard: Dict[str, torch.Tensor] = {}
         sizes: List[Dict[str, int]] = []  # per written shard: tensor name -> bytes (the index)
@@ -167,8 +193,12 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
             sizes.append({k: t.numel() * t.element_size() for k, t in shard.items()})
             shard.clear()  # memory: one shard at a time, not the model
 
-        source = (merged_tensors(reader, arch, src, lora, role) if lora
-                  else hf_tensors(reader, arch, prefix=f"{role}/model/"))
+        if hf_coords:
+            source = named_tensors(reader, prefix=f"{role}/model/")
+        elif lora:
+            source = merged_tensors(reader, arch, src, lora, role)
+        else:
+            source = hf_tensors(reader, arch, prefix=f"{role}/model/")
         try:
             for hf_name, t in source:
                 if hf_name in seen:
@@ -215,8 +245,7 @@ _LORA = re.compile(r"^decoder\.layers\.(\d+)\.(?:self_attention|mlp)\.(linear_\w
 def lora_meta(reader: CheckpointReader, role: str = "actor") -> Optional[dict]:
     """The role's adapter record (rank, alpha, targets, base) when its checkpoint holds LoRA
     adapters only (lora.rank > 0), else None."""
-    engines = (reader.metadata.get("trainer_state") or {}).get("engines") or {}
-    return (engines.get(role) or {}).get("lora")
+    return engine_meta(reader, role).get("lora")
 
 
 def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
@@ -225,11 +254,15 @@ def adapter_tensors(reader: CheckpointReader, arch, lora: dict,
     adapter record, lora_meta; with per_module_a a fused layer's A holds one A per HF module)."""
     from verl_hpc.models.lora_names import factor_peft_name, factor_rule, to_peft
 
-    lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
     names = sorted(n for n in reader.tensors() if n.startswith(prefix) and ".lora_" in n)
     if not names:
         raise CheckpointError(f"{reader.path}: no LoRA adapters under {prefix!r}: it was saved with "
                               "lora.rank = 0; export it with --hf")
+    if lora.get("engine") == "fsdp":  # the FSDP engine's adapters: PEFT's own names and tensors
+        for full_name in names:
+            yield full_name[len(prefix):], reader.load_tensor(full_name)
+        return
+    lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
     for full_name in names:
         m = _LORA.match(full_name[len(prefix):])
         if m is None:
@@ -247,13 +280,15 @@ def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
                    role: str = "actor") -> Iterator[Tuple[str, torch.Tensor]]:
     """The base model's HF tensors from its folder, each adapted one merged with its adapter
     (W + scale * B A, computed in fp32, written in W's dtype; scale alpha / r, or alpha / sqrt(r)
-    with use_rslora)."""
+    with use_rslora). A DoRA adapter (the FSDP engine's, from a PEFT lora.init_from) scales each
+    output row by its magnitude over that row's norm, as PEFT's merge does."""
     from verl_hpc.config.sections.lora import lora_scale
     from verl_hpc.models.hf_checkpoint import HFCheckpointReader
     from verl_hpc.models.lora_names import PEFT_PREFIX
 
     adapter = dict(adapter_tensors(reader, arch, lora, prefix=f"{role}/model/"))
     scale = lora_scale(float(lora["alpha"]), int(lora["rank"]), bool(lora.get("use_rslora", False)))
+    fan_in_fan_out = bool((lora.get("peft_config") or {}).get("fan_in_fan_out", False))  # GPT-2's Conv1D: W is [in, out]
     hf = HFCheckpointReader(base)
     try:
         for name in hf.weight_map:
@@ -261,7 +296,14 @@ def merged_tensors(reader: CheckpointReader, arch, base: Path, lora: dict,
             stem = PEFT_PREFIX + name[: -len(".weight")] if name.endswith(".weight") else None
             a, b = (adapter.get(f"{stem}.lora_{f}.weight") for f in "AB") if stem else (None, None)
             if a is not None:
-                w = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+                delta = scale * (b.float() @ a.float())
+                merged = w.float() + (delta.T if fan_in_fan_out else delta)
+                magnitude = adapter.get(f"{stem}.lora_magnitude_vector")
+                if magnitude is not None:  # DoRA: m / ||W + scale B A|| per output
+                    rows = merged.T if fan_in_fan_out else merged
+                    factor = (magnitude.float() / torch.linalg.norm(rows, dim=1)).view(-1, 1)
+                    merged = (factor * rows).T if fan_in_fan_out else factor * rows
+                w = merged.to(w.dtype)
             yield name, w
     finally:
         hf.close()
@@ -287,11 +329,13 @@ def export_peft(ckpt, out, *, model: Optional[str] = None, role: str = "actor", 
             src = Path(lora["base_path"])
             check_target(out, "--peft", overwrite=overwrite, checkpoint=reader.path,
                          reads={src: "the base model the checkpoint's adapters were trained on"})
-        arch = load_arch(src)
+        # the FSDP engine's adapters are PEFT's as they are, its record holds PEFT's own config
+        arch = None if lora.get("peft_config") else load_arch(src)
         # clone: the A shared by q/k/v (gate/up) is one tensor, which safetensors refuses to write thrice
         tensors = {n: t.clone() for n, t in adapter_tensors(reader, arch, lora, prefix=f"{role}/model/")}
-        config = peft_config(int(lora["rank"]), float(lora["alpha"]), lora["targets"],
-                             use_rslora=bool(lora.get("use_rslora", False)), base_model=str(lora["base_path"]))
+        config = lora.get("peft_config") or peft_config(
+            int(lora["rank"]), float(lora["alpha"]), lora["targets"], use_rslora=bool(lora.get("use_rslora", False)),
+            base_model=str(lora["base_path"]))
         make_folder(out, "--peft")
         try:
             save_file(tensors, str(out / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})

@@ -15,6 +15,15 @@ from verl_hpc.config.errors import ConfigError
 FOLDER = "a Hugging Face model folder (config.json + *.safetensors)"
 
 
+# The architectures verl_hpc maps by hand into Megatron-Core (HF class -> family), here in the config
+# layer so that the engine choice (config/sections/fsdp.py) can ask on a login node; the mapping
+# itself is verl_hpc.models.config_mapping (dense) and verl_hpc.models.moe (mixture of experts).
+DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                     "Qwen3MoeForCausalLM": "qwen3_moe"}
+MEGATRON_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
+
+
 def read_hf_config(path, field: str = "model.path") -> Dict[str, Any]:
     """config.json of the folder `path` as a dict; a ConfigError naming `field` otherwise."""
     folder = Path(path) if path else None

@@ -28,7 +28,11 @@ State contract (`EngineState`), for the HDF5 checkpoint layer (verl_hpc.checkpoi
 - `load_state(load_into, meta)`: the engine builds the slabs it needs at its own layout (views
   into its parameters and optimizer states, creating empty optimizer states first) and calls
   `load_into(slabs)` once, which must fill each slab's `local` in place (exactly what
-  `CheckpointReader.load_into` does); then it restores the rest from `meta`.
+  `CheckpointReader.load_into` does); then it restores the rest from `meta`. When `load_into`
+  also lists what the checkpoint holds (`stored()`: the checkpointer's RoleLoader), the engine
+  first refuses a checkpoint of another model (engines/state_check.py), before changing anything.
+  Either engine reads the other's state where both name it alike (docs/checkpoints.md, "Across
+  engines").
 """
 from __future__ import annotations
 

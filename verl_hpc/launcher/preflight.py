@@ -56,8 +56,21 @@ def preflight(cfg, check_model: bool = True) -> None:
 
 # ------------------------------------------------------------------------------ models
 def model_problems(cfg) -> List[str]:
-    """The model folders' files (headers only): what a rank checks again before it builds anything."""
-    return [p for field, path in _model_folders(cfg) for p in model_folder_problems(path, field)]
+    """The model folders' files (headers only): what a rank checks again before it builds anything.
+    A folder whose role the FSDP engine trains (parallel.engine) is checked as transformers loads
+    it, not against Megatron's weight rules."""
+    from verl_hpc.config.sections.fsdp import choose_engine
+
+    problems = []
+    for field, path in _model_folders(cfg):
+        try:
+            engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field) if Path(path).is_dir() else "megatron"
+        except ConfigError as e:
+            problems += e.problems
+            continue
+        problems += model_folder_problems(path, field, engine=engine,
+                                          trust_remote_code=cfg.model.trust_remote_code)
+    return problems
 
 
 def _model_folders(cfg):
@@ -72,12 +85,15 @@ def _model_folders(cfg):
     return out
 
 
-def model_folder_problems(path: str, field: str) -> List[str]:
+def model_folder_problems(path: str, field: str, engine: str = "megatron",
+                          trust_remote_code: bool = False) -> List[str]:
     folder = Path(path)
     if not folder.is_dir():
         return []  # validate() already says so
     problems = []
-    if field != "reward.reward_model.path":  # a reward model may be any sequence classifier
+    if engine == "fsdp":
+        problems += transformers_config_problems(folder, field, trust_remote_code)
+    elif field != "reward.reward_model.path":  # a reward model may be any sequence classifier
         from verl_hpc.models.config_mapping import load_hf_config, parse_hf_config
 
         try:
@@ -103,9 +119,21 @@ def model_folder_problems(path: str, field: str) -> List[str]:
             gone = sorted(n for n in names if not (folder / n).is_file())
             if gone:
                 problems.append(f"{field}: '{index}' names missing file(s): {', '.join(gone)}")
-    if field != "reward.reward_model.path" and weights and not problems:
+    if engine != "fsdp" and field != "reward.reward_model.path" and weights and not problems:
         problems += weights_problems(folder, field, tensors_of(headers), value_head=field == "critic.model_path")
     return problems
+
+
+def transformers_config_problems(folder: Path, field: str, trust_remote_code: bool) -> List[str]:
+    """Whether transformers can build the folder's model (what the FSDP engine loads): its
+    config.json through AutoConfig, one line naming the folder and the architecture otherwise."""
+    try:
+        from verl_hpc.engines.fsdp.build import hf_config
+
+        hf_config(str(folder), trust_remote_code, field)
+    except ConfigError as e:
+        return e.problems
+    return []
 
 
 # ------------------------------------------------------------------------------ outputs

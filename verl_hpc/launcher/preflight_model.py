@@ -233,15 +233,35 @@ def vocab_problem(tokenizer, cfg, model_path: Optional[str] = None, field: str =
 def init_from_check(cfg, values: bool):
     """The AdapterCheck of the job's lora.init_from (models/peft_adapter.py), None without one.
     values: read the tensors too (NaN / inf, and q/k/v's A); the submitter does, a rank's early
-    check does not (it reads them once, to load them)."""
+    check does not (it reads them once, to load them). An actor on the FSDP engine loads the
+    adapter through PEFT itself, which computes any adapter PEFT wrote: its check is
+    models/peft_folder.py (the tensors against the base are the engine's check)."""
     if not (cfg.lora.enabled and cfg.lora.init_from):
         return None
     from verl_hpc.models.config_mapping import load_arch
     from verl_hpc.models.lora import AdapterSpec
-    from verl_hpc.models.peft_adapter import check_adapter
+    from verl_hpc.models.peft_adapter import AdapterCheck, check_adapter
 
+    if _actor_engine(cfg) == "fsdp":
+        from verl_hpc.models.peft_folder import folder_problems
+
+        lora = cfg.lora
+        sync = lora.syncs_adapter(cfg, "hf" if cfg.rollout.engine == "hf" else "vllm",
+                                  gpu=cfg.slurm.gpus_per_node > 0)
+        return AdapterCheck(*folder_problems(lora.init_from, lora, adapter_sync=sync))
     try:
         arch = load_arch(cfg.model.path)
     except ConfigError:
         arch = None  # the model folder's own check reports it; the adapter's shapes are not checked
     return check_adapter(cfg.lora.init_from, AdapterSpec.from_config(cfg.lora), arch, values=values)
+
+
+def _actor_engine(cfg) -> str:
+    """megatron | fsdp: the engine parallel.engine picks for the actor (the Megatron check when
+    the folder cannot be read: its own check reports that)."""
+    from verl_hpc.config.sections.fsdp import choose_engine
+
+    try:
+        return choose_engine(cfg.parallel.engine, cfg.model.path, cfg.parallel)
+    except (ConfigError, OSError):
+        return "megatron"

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 # torch is imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
 # config.json through this module on login nodes that have no torch.
 from verl_hpc.config.errors import ConfigError, raise_if_any
-from verl_hpc.config.hf_model import ModelShape, read_hf_config
+from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, read_hf_config
 from verl_hpc.config.layout import Layout
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
@@ -32,8 +32,7 @@ from verl_hpc.models.moe import (
     transformer_overrides,
 )
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "MistralForCausalLM": "mistral", **MOE_ARCHITECTURES}
+ARCHITECTURES = MEGATRON_ARCHITECTURES
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 # transformers' own defaults for fields a config.json may leave out

@@ -143,7 +143,7 @@ def select_output_positions(output_layer) -> None:
     is cut to `[T, n, h]` (row i's hidden states at positions[i, :]) before the projection, so its
     result (and Megatron's loss, given `[n, T]` labels) is `[T, n, ...]`. With
     `output_layer.selected_rows` also set (`[n]`), output row i is taken from input row
-    selected_rows[i] (packed prompts, engines/megatron/prefix.py); else rows map one to one.
+    selected_rows[i] (packed prompts, engines/prefix.py); else rows map one to one.
     Unset (None): untouched. The RL engines score response tokens only: the vocabulary projection
     of prompt positions is work whose result is never read. Not for sequence-parallel input
     (`[s/tp, b, h]`: each rank holds other positions)."""
@@ -168,7 +168,7 @@ def per_row_positions(model) -> None:
     `model.rotary_pos_emb.row_positions` holds a `[b, s]` index tensor, the rotary embedding
     Megatron computes for positions 0..s-1 (`[s, 1, 1, d]`) is re-indexed to `[s, b, 1, d]`
     (row b's token i at angle row_positions[b, i]); the unfused RoPE broadcasts it over heads.
-    GPTModel's forward ignores position_ids for RoPE, so packed rows (engines/megatron/prefix.py)
+    GPTModel's forward ignores position_ids for RoPE, so packed rows (engines/prefix.py)
     need this. Unset (None): untouched. Not with fused RoPE kernels, which take `[s, 1, 1, d]`."""
     rope = model.rotary_pos_emb
     rope.row_positions = None

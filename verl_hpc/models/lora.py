@@ -86,7 +86,7 @@ class AdapterSpec:
 # ----------------------------------------------------------------------------- the layers
 
 
-def _init_a(spec: AdapterSpec, full_in: int, seed: int, layer: int, target: str) -> torch.Tensor:
+def init_a(spec: AdapterSpec, full_in: int, seed: int, layer: int, target: str) -> torch.Tensor:
     """A [parts * r, in] of one layer and target, the same whatever the parallel layout (a
     generator seeded by the job seed, the layer and the target), so runs at any TP/PP start alike."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + layer * 8 + TARGETS.index(target))
@@ -220,7 +220,7 @@ def attach_adapters(model, spec: AdapterSpec, *, seed: int, sequence_parallel: b
                     raise ValueError(f"{target}: a column-parallel layer that gathers its output "
                                      "is not a decoder layer's; LoRA expects Megatron's GPT layers")
                 in_full = module.weight.shape[1] * (_tp()[1] if kind == "row" else 1)
-                a_full = _init_a(spec, in_full, seed, layer.layer_number - 1, target)
+                a_full = init_a(spec, in_full, seed, layer.layer_number - 1, target)
                 parts = (_row_parts(chunk.verl_arch, target, layer.layer_number - 1, lay)
                          if spec.parts(target) > 1 else None)
                 _attach_one(module, spec, kind, a_full, sequence_parallel, parts)

@@ -33,10 +33,9 @@ import re
 from typing import Any, Dict, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
+# HF architecture -> family (the table lives in the config layer, for the engine choice)
+from verl_hpc.config.hf_model import MOE_ARCHITECTURES
 
-# HF architecture -> family
-MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                     "Qwen3MoeForCausalLM": "qwen3_moe"}
 # transformers' defaults for fields a config.json may leave out
 MOE_DEFAULTS = {"mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=4096 * 32),
                 "qwen2_moe": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),

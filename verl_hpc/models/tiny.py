@@ -1,6 +1,7 @@
 """Tiny Hugging Face models for tests and the demo: a real HF folder, made from nothing, offline.
 
     python -m verl_hpc.models.tiny OUT --family llama|qwen2|mistral|mixtral|qwen2_moe|qwen3_moe
+                                               |gemma3|phi3|olmo2
                                    [--tied] [--layers 2] [--shards 2]
 
 writes OUT/config.json, model.safetensors (or model-0000k-of-0000n.safetensors + index.json),
@@ -8,9 +9,13 @@ tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.fro
 `AutoTokenizer` and vLLM load it. Shapes default to hidden 128, 4 heads, 2 KV heads (GQA), head_dim
 32 (vLLM's CPU attention needs >= 32), vocab 500: deliberately not a multiple of 128, so Megatron's
 vocabulary padding is exercised at every TP size. The mixture-of-experts families have 4 experts of
-FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Output is a pure function of
-the arguments. A bad argument (a count below 1, a vocabulary smaller than the tokenizer, an OUT
-that cannot be created) is one `error: ...` line and exit code 2.
+FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Gemma 3 (text), Phi-3 and
+OLMo 2 are families the Megatron mapping does not cover (the FSDP engine trains them as transformers
+builds them), from transformers' own config classes: Gemma 3 alternates a sliding-window layer
+(window 16, so the test sequences slide) and a full-attention one, Phi-3 fuses qkv_proj and
+gate_up_proj, OLMo 2 normalises q and k over all heads and after each block. Output is a pure
+function of the arguments. A bad argument (a count below 1, a vocabulary smaller than the
+tokenizer, an OUT that cannot be created) is one `error: ...` line and exit code 2.
 """
 from __future__ import annotations
 
@@ -26,7 +31,10 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 
-FAMILIES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MEGATRON_MAPPED = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+# families only the FSDP engine trains: transformers' own config class and model, no mapping
+HF_ONLY = ("gemma3", "phi3", "olmo2")
+FAMILIES = MEGATRON_MAPPED + HF_ONLY
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 # ChatML-like: role headers between <|im_start|> / <|im_end|>, as most instruct models do.
@@ -93,6 +101,8 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
                   max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   tie_word_embeddings=tied, bos_token_id=ids.get("bos"),
                   eos_token_id=ids.get("eos"), pad_token_id=ids.get("pad"))
+    if family in HF_ONLY:
+        return _hf_only_config(family, common, head_dim=head_dim, rope_scaling=rope_scaling)
     theta = {"llama": 10000.0, "mistral": 100000.0, "qwen2": 1000000.0, "mixtral": 1000000.0,
              "qwen2_moe": 1000000.0, "qwen3_moe": 1000000.0}[family]
     rope = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
@@ -122,16 +132,39 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], rope_parameters=rope)
 
 
-def random_state_dict(model: torch.nn.Module, seed: int) -> Dict[str, torch.Tensor]:
+def _hf_only_config(family: str, common: Dict, *, head_dim: int, rope_scaling: Dict | None):
+    """The config of a family the Megatron mapping does not cover, from transformers' own class."""
+    from transformers import Gemma3TextConfig, Olmo2Config, Phi3Config
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    if family == "gemma3":  # one sliding layer, one global, each with its own RoPE base (as released)
+        layers = common["num_hidden_layers"]
+        kinds = [("full_attention" if (i + 1) % 2 == 0 else "sliding_attention") for i in range(layers)]
+        return Gemma3TextConfig(**common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                sliding_window=16, layer_types=kinds,
+                                rope_parameters={"sliding_attention": rope,
+                                                 "full_attention": {**rope, "rope_theta": 1000000.0}},
+                                architectures=["Gemma3ForCausalLM"])
+    if common["hidden_size"] != common["num_attention_heads"] * head_dim:
+        raise ConfigError(f"{family}: head_dim is hidden_size / num_attention_heads in this family")
+    if family == "phi3":
+        return Phi3Config(**common, original_max_position_embeddings=common["max_position_embeddings"],
+                          rope_parameters=rope, architectures=["Phi3ForCausalLM"])
+    return Olmo2Config(**common, rope_parameters=rope, architectures=["Olmo2ForCausalLM"])
+
+
+def random_state_dict(model: torch.nn.Module, seed: int, *, norm_offset: bool = False) -> Dict[str, torch.Tensor]:
     """Seeded weights: matrices and biases N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
     swapped or misplaced norm in a weight mapping changes the logits visibly; routers N(0, 1), so
-    that the experts a token picks are clear-cut (not near-ties that rounding could flip)."""
+    that the experts a token picks are clear-cut (not near-ties that rounding could flip).
+    `norm_offset`: the model scales by 1 + weight (Gemma), so its norm weights are N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in sorted(model.state_dict().items()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
-        out[name] = (1.0 + 0.1 * noise) if "norm" in name else noise if router else 0.02 * noise
+        norm = (0.0 if norm_offset else 1.0) + 0.1 * noise
+        out[name] = norm if "norm" in name else noise if router else 0.02 * noise
     return out
 
 
@@ -208,7 +241,7 @@ def make_tiny_model(out, family: str = "llama", *, tied: bool = False, layers: i
                        special_ids=ids, **shape)
     torch.manual_seed(seed)  # from_config initialises weights; they are all replaced below
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = checkpoint_format(random_state_dict(model, seed), family)
+    state = checkpoint_format(random_state_dict(model, seed, norm_offset=family == "gemma3"), family)
     if tied:
         state.pop("lm_head.weight", None)  # HF checkpoints of tied models store it once
     config.save_pretrained(out)

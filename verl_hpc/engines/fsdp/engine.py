@@ -19,9 +19,11 @@ shortest prompt on (the model's own head then runs only there, with its own soft
 scaling); log-probs are log_softmax(logits / temperature) at the sampled tokens in fp32, entropy
 the same distribution's. Value heads give per-position values (engines/outputs.py).
 
-Prompt sharing (one model row per prompt with its responses after it) needs an attention mask
-per segment that each model's own attention code would have to honour; this engine runs each
-response as its own row (`share_prompts` = auto and off act alike; on is refused at build).
+Prompt sharing (`share_prompts`, engines/prefix.py): one model row per prompt with its responses
+after it, each response seeing the prompt and its own tokens at the positions of its own sequence,
+through a dense 4D attention mask that transformers hands to SDPA as it is (`sharing.py`). Where
+the mask costs more than the repeated prompts save (the cost model), a micro-batch stays one
+sequence per row.
 """
 from __future__ import annotations
 
@@ -39,13 +41,15 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import (check_batch, get_response_mask, response_positions, response_tokens,
                                     response_width, select_rows)
-from verl_hpc.engines.fsdp import build as build_lib
-from verl_hpc.engines.fsdp import optim as optim_lib
+import verl_hpc.engines.fsdp.build as build_lib
+import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
 from verl_hpc.engines.options import HEADS, EngineOptions
 from verl_hpc.engines.outputs import gather_outputs, value_outputs
 from verl_hpc.engines.partition import plan_microbatches
+from verl_hpc.engines.prefix import prompt_groups
+from verl_hpc.engines.fsdp.sharing import prompt_sharing
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.runtime.device import collective_device
 
@@ -62,16 +66,15 @@ def check_fsdp_options(o: EngineOptions) -> None:
     if o.fp8:
         raise ConfigError("model.fp8 = true: FP8 training is the Megatron engine's (Transformer Engine); "
                           "set model.fp8=false or parallel.engine=megatron")
-    if o.share_prompts == "on":
-        raise ConfigError("actor.share_prompts = on: the FSDP engine runs each response as its own row "
-                          "(no per-segment attention masks in transformers' models); use auto or off")
     build_lib.check_compile(o.fsdp)
 
 
 class MicroBatch:
-    """A micro-batch's sub-batch on the device, with the indices the outputs need."""
+    """A micro-batch's sub-batch on the device (`data`, one row per sample: what the loss reads),
+    the model's inputs, and the indices the outputs need. Packed (`sharing`): the model's rows
+    are the prompts with their responses, `sample_rows` maps each sample to its row."""
 
-    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device):
+    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, sharing=None):
         self.rows, self.dummy = rows, not rows
         if self.dummy:  # one prompt token, no response: runs the collectives, adds exactly 0
             sub = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "prompt_lengths": torch.ones(1, dtype=torch.long),
@@ -79,16 +82,25 @@ class MicroBatch:
         else:
             sub = select_rows(batch, rows)
         ids, width = sub["input_ids"], sub["response_mask"].shape[1]
-        seq = ids.shape[1]
-        # logits only from the shortest prompt's last token on: positions p + t - 1 >= min(p) - 1
-        self.first = max(int(sub["prompt_lengths"].min()) - 1, 0)
-        self.keep = seq - self.first
-        sub["_positions"] = response_positions(sub["prompt_lengths"], width, seq)
-        sub["_kept"] = (sub["_positions"] - self.first).clamp(min=0)
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
+        packed = sharing(sub, width) if sharing is not None and not self.dummy else None
+        self.packed = packed is not None
+        self.attention_mask = self.sample_rows = None
+        if packed is None:
+            inputs = ids
+            positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
+        else:
+            inputs, positions, sub["_positions"] = packed.input_ids, packed.position_ids, packed.positions
+            self.attention_mask = (~packed.dense_mask()).to(device)  # True = attends (SDPA's bool mask)
+            self.sample_rows = packed.sample_rows.to(device)
+        # logits only from the first scored position on (the shortest prompt's last token)
+        self.first = int(sub["_positions"].min())
+        self.keep = inputs.shape[1] - self.first
+        sub["_kept"] = sub["_positions"] - self.first
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
-        self.input_ids = self.data["input_ids"]
-        self.position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(self.input_ids)
+        self.input_ids = inputs.to(device)
+        self.position_ids = positions.to(device)
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
 
 
@@ -127,6 +139,7 @@ class FsdpEngine(TrainingEngine):
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
+        self._sharing = prompt_sharing(o, self.hf_config, model)
         self.steps_applied = 0
         self._view = None  # the sliced sync's holdings view (exported_model)
         self._skipped: Optional[Dict[str, float]] = None
@@ -141,7 +154,9 @@ class FsdpEngine(TrainingEngine):
 
     def offload_tensors(self) -> Dict[str, list]:
         """What the offloader moves (engines/offload.py): the local shards of the parameters and
-        of Adam's moments; gradients are dropped at every update (zero_grad(set_to_none))."""
+        of Adam's moments. Gradients are not moved: each update sets them to None before its
+        backward, and with grad_offload train_step frees them after its step (an idle role would
+        otherwise hold 4 bytes per parameter / shard)."""
         params = [_local(p) for p in self.model.parameters()]
         opt = []
         if self.optimizer is not None:
@@ -168,11 +183,16 @@ class FsdpEngine(TrainingEngine):
     # ------------------------------------------------------------------ running
 
     def _microbatches(self, batch, rows: Optional[List[int]] = None) -> List[MicroBatch]:
+        """This rank's micro-batches of `rows` (default: all), planned as the Megatron engine
+        plans them: with prompt sharing and a token budget, a prompt's responses stay together."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
         lengths = (batch["prompt_lengths"] + batch["response_lengths"])[rows].tolist()
+        groups = None
+        if self._sharing is not None and self.options.max_tokens_per_microbatch > 0:
+            groups = prompt_groups(batch["input_ids"][rows], batch["prompt_lengths"][rows])
         plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
-                                 max_tokens=self.options.max_tokens_per_microbatch)
-        return [MicroBatch(batch, [rows[i] for i in mb], self.device) for mb in plan[self.dp_rank]]
+                                 max_tokens=self.options.max_tokens_per_microbatch, groups=groups)
+        return [MicroBatch(batch, [rows[i] for i in mb], self.device, self._sharing) for mb in plan[self.dp_rank]]
 
     def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""
@@ -180,10 +200,11 @@ class FsdpEngine(TrainingEngine):
             values = self.model(mb.input_ids, position_ids=mb.position_ids)
             return value_outputs(values, mb.data, want)
         out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                         logits_to_keep=mb.keep)
+                         attention_mask=mb.attention_mask, logits_to_keep=mb.keep)
         logits = out.logits if hasattr(out, "logits") else out[0]
-        b = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
-        resp = logits[b, mb.data["_kept"]].float()  # [b, T, V]
+        kept = mb.data["_kept"]
+        b = (mb.sample_rows if mb.packed else torch.arange(kept.shape[0], device=logits.device)).unsqueeze(1)
+        resp = logits[b, kept].float()  # [samples, T, V]
         if self.options.temperature != 1.0:
             resp = resp / self.options.temperature
         unknown = set(want) - set(LM_OUTPUTS)
@@ -207,8 +228,21 @@ class FsdpEngine(TrainingEngine):
                 out = self._run(mb, want)
                 if not mb.dummy:
                     collected.append((mb, {k: v.detach() for k, v in out.items()}))
+            self._reshard()
         return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
                               self.device, reporting=True)
+
+    def _reshard(self) -> None:
+        """Shard the weights a no-grad forward left gathered. With fsdp.reshard_after_forward =
+        false FSDP2 keeps each unit's full weights after its forward for the backward, and only
+        the backward reshards them: after a forward without one the modules would hold those
+        plain full tensors, not the sharded parameters that the optimizer, the state slabs and
+        the offloader hold (and they would stay gathered until the next update)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def global_counts(self, batch) -> GlobalCounts:
         mask = get_response_mask(batch)
@@ -239,6 +273,7 @@ class FsdpEngine(TrainingEngine):
             records.append({"loss": loss.detach().float(), "tokens": mb.tokens,
                             **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
         self._num_microbatches = len(mbs)
+        self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
 
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
@@ -247,9 +282,12 @@ class FsdpEngine(TrainingEngine):
             metrics = self._reduce_metrics(records)
             applied, norm = optim_lib.guarded_step(self.model, self.optimizer, self.options.optim.clip_grad,
                                                    math.isfinite(metrics["loss"]))
+            if self.options.grad_offload:  # dropped while idle, as the Megatron engine's grad buffers
+                self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += int(applied)
         metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
-                       num_microbatches=float(self._num_microbatches), packed_microbatches=0.0,
+                       num_microbatches=float(self._num_microbatches),
+                       packed_microbatches=float(self._packed_microbatches),
                        **(self._skipped or {}))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped", metrics["loss"], norm)

@@ -28,6 +28,7 @@ import torch
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.checkpoint.sharded import ShardedTensor
 from verl_hpc.engines.base import EngineState
+from verl_hpc.engines.state_check import check_same_model, model_shapes
 
 FORMAT = "verl_hpc.fsdp_engine/1"
 MEGATRON_FORMAT = "verl_hpc.megatron_engine/1"
@@ -67,7 +68,7 @@ class Coords:
 
     @classmethod
     def for_model(cls, hf_config: Mapping[str, Any]) -> "Coords":
-        from verl_hpc.models.config_mapping import ARCHITECTURES
+        from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES as ARCHITECTURES
 
         archs = hf_config.get("architectures") or []
         family = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else hf_config.get("model_type")
@@ -80,7 +81,7 @@ class Coords:
 
     def slabs(self, hf: str, shape: Tuple[int, ...], lo: int, hi: int) -> List[Slab]:
         """The logical slabs of rows [lo, hi) of HF tensor `hf` (local rows counted from lo)."""
-        if self.kind == "hf":
+        if self.kind == "hf" or ".lora_" in hf:  # LoRA adapters: PEFT's names (engines/fsdp/lora.py)
             return [Slab(hf, shape, lo, 0, hi - lo)]
         if hf in _TOP:
             return [Slab(_TOP[hf], shape, lo, 0, hi - lo)]
@@ -200,12 +201,12 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
                 f"a Megatron engine's checkpoint cannot resume {engine.architecture} in the FSDP engine: "
                 "only the architectures mapped into Megatron share its coordinates")
     elif fmt == FORMAT:
+        if meta.get("architecture") not in (None, engine.architecture):
+            raise CheckpointLayoutError(f"the checkpoint's model is {meta.get('architecture')}, model.path's "
+                                        f"is {engine.architecture}: resume with the model it was trained on")
         if meta.get("coords") != engine.coords.kind:
             raise CheckpointLayoutError(f"checkpoint in {meta.get('coords')!r} coordinates; this model "
                                         f"({engine.architecture}) is held in {engine.coords.kind!r} ones")
-        if meta.get("architecture") not in (None, engine.architecture):
-            raise CheckpointLayoutError(f"the checkpoint is of a {meta.get('architecture')} model; model.path "
-                                        f"is a {engine.architecture}: resume with the model it was trained on")
     else:
         raise CheckpointLayoutError(f"engine state format {fmt!r}; the FSDP engine reads {FORMAT} and "
                                     f"{MEGATRON_FORMAT}")
@@ -216,10 +217,15 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
 
 
 def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+    """Refuses (one line, nothing changed) a checkpoint of other coordinates, architecture, head,
+    adapters or tensors (state_check.py); then fills the parameters and Adam's moments, the step
+    count and the schedule."""
     main = check_meta(engine, meta)
     engine.check_lora_meta(meta.get("lora"))
+    slabs = _all_slabs(engine, main_from_optim=main)
+    check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.architecture})")
     with torch.no_grad():
-        load_into(_all_slabs(engine, main_from_optim=main))
+        load_into(slabs)
     engine.steps_applied = int(meta.get("steps_applied", 0))
     if engine.optimizer is None:
         return

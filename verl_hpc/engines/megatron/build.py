@@ -23,7 +23,7 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.options import EngineOptions
-from verl_hpc.engines.megatron.prefix import CostModel, PromptSharing
+from verl_hpc.engines.prefix import CostModel, PromptSharing
 from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
 from verl_hpc.models import build_gpt_model, load_arch, load_hf_config, load_hf_weights, parse_hf_config
 

@@ -54,7 +54,7 @@ from verl_hpc.engines.outputs import gather_outputs
 from verl_hpc.engines.partition import plan_microbatches
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.megatron.moe_stats import RouterStats
-from verl_hpc.engines.megatron.prefix import prompt_groups
+from verl_hpc.engines.prefix import prompt_groups
 from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights

@@ -84,17 +84,28 @@ _KEPT = (("rank", "lora.rank", None), ("alpha", "lora.alpha", None), ("targets",
          ("use_rslora", "lora.use_rslora", False))
 
 
-def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str) -> None:
+# how each engine holds its adapters (a checkpoint's lora record names its engine; none: Megatron)
+_HELD = {"megatron": "the Megatron engine's fused adapters (one lora_A per fused layer)",
+         "fsdp": "the FSDP engine's PEFT adapters (PEFT's names, one lora_A per module)"}
+
+
+def check_state_meta(saved: Optional[dict], spec: Optional[AdapterSpec], model_path: str,
+                     engine: str = "megatron") -> None:
     """Refuse a checkpoint whose adapters do not fit this engine: full weights into a LoRA
-    engine or the reverse, another rank or targets, or another base model
-    (CheckpointLayoutError, exit code 23, each naming what to change). Another alpha or
-    use_rslora would load the factors under another scale: a different model, with no error."""
+    engine or the reverse, the other engine's adapters (`engine`: the one resuming), another rank
+    or targets, or another base model (CheckpointLayoutError, exit code 23, each naming what to
+    change). Another alpha or use_rslora would load the factors under another scale: a different
+    model, with no error."""
     if (saved is None) != (spec is None):
         have = "adapters only (lora.rank > 0)" if saved else "full weights (lora.rank = 0)"
         raise CheckpointLayoutError(f"the checkpoint holds {have}; this job has lora.rank = "
                          f"{spec.rank if spec else 0}: resume with the lora settings it was saved with")
     if spec is None:
         return
+    theirs = saved.get("engine", "megatron")
+    if theirs != engine:
+        raise CheckpointLayoutError(f"the checkpoint holds {_HELD.get(theirs, theirs)}; this job's {engine} engine "
+                                    f"holds {_HELD[engine]}: resume it with parallel.engine={theirs}")
     mine = state_meta(spec, model_path)
     for key, field, old in _KEPT:
         theirs = saved.get(key, old)

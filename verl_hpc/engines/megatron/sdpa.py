@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_hpc.engines.megatron.prefix import SegmentedAttention
+from verl_hpc.engines.prefix import SegmentedAttention
 
 
 class SdpaCoreAttention(torch.nn.Module):

