@@ -77,8 +77,11 @@ SIZES = {
     "100m": Size("100m", "Llama 102M, random init", 12,
                  dict(hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2560, max_positions=512), 8000,
                  prompts=8, n=8, new_tokens=24, lr=1e-5, warm_start=False,
-                 # vLLM's KV cache for all 64 sequences at once (24.6 KB a token at this shape)
-                 verl_set=("rollout.kv_cache_memory_bytes=268435456",)),
+                 # vLLM's KV cache for all 64 sequences at once (24.6 KB a token at this shape);
+                 # random weights earn every sample reward 0, so every row's advantage is 0 and the
+                 # update would skip them all (actor.skip_zero_advantage_rows): a step of generation
+                 # alone against TRL's full update. Off, the update runs every row, as TRL's does
+                 verl_set=("rollout.kv_cache_memory_bytes=268435456", "actor.skip_zero_advantage_rows=false")),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 from verl_hpc.gpu_check.checks import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
-NEVER_ON_CPU = {"te_fp8", "multinode_nccl", "memory_plan", "fused_adam_resume"}
+NEVER_ON_CPU = {"te_fp8", "multinode_nccl", "memory_plan", "fused_adam_resume", "fsdp_memory_plan"}
 
 
 @pytest.mark.dist
@@ -31,5 +31,6 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
         assert status.get(name) == "PASS", table
     assert all(status[n] == "NOT" for n in NEVER_ON_CPU), table
     assert "the job was planned and trained: plan update_actor" in table
+    assert "the job was planned and trained on the FSDP engine: plan update_actor" in table
     assert "DistributedOptimizer step, ranks equal" in table
     assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table

@@ -43,6 +43,7 @@ def test_dry_run_lists_every_check_and_exits_0():
     needs = {c.name: c.needs for c in CHECKS}  # the FSDP checks wait for nothing of Megatron's
     assert needs["fsdp_bf16_logprobs"] == ("nccl_bootstrap",)
     assert needs["fsdp_step_export"] == ("fsdp_bf16_logprobs",)
+    assert needs["fsdp_memory_plan"] == ("fsdp_step_export",)
 
 
 @pytest.mark.unit
@@ -107,6 +108,13 @@ def test_memory_plan_check_plans_the_kits_own_job(tmp_path):
     assert not memplan.compare(plan, 1.2 * got.predicted).within  # the plan under-estimates
     assert not memplan.compare(plan, 0.3 * got.predicted).within  # the plan over-estimates 3x
     assert "1.20 x the plan" in memplan.compare(plan, 1.2 * got.predicted).describe()
+    # the same job on the FSDP engine: fp32 shards of the parameter, its gradient and Adam's two
+    # moments (16 bytes each at one rank), and the unsharded layers in flight, which are compared too
+    fsdp = plan_job(memplan.kit_job_config(str(model), gpu=True, engine="fsdp"))
+    row = fsdp.table[memplan.PHASE]
+    assert row["actor"] == pytest.approx(16 * 20.2e6, rel=0.05) and row["gathered"] > 0
+    assert memplan.compare(fsdp, None).predicted == pytest.approx(
+        row["actor"] + row["activations"] + row["logits"] + row["gathered"])
 
 
 # ---------------------------------------------------------------------------- FSDP checks
@@ -146,17 +154,20 @@ def hide_megatron(folder: Path) -> str:
 
 @pytest.mark.unit
 def test_fsdp_checks_run_without_megatron(tmp_path):
-    """With megatron hidden, the FSDP checks pass (any megatron import would fail them) and the
+    """With megatron hidden, the FSDP checks pass (any megatron import would fail them; the memory
+    plan's says it has no GPU memory to measure once it has planned and trained its job) and the
     Megatron checks say NOT TESTABLE (not FAIL): a GPU image without megatron-core still tests the
     FSDP engine, and the run exits 0."""
     env = {**os.environ, "PYTHONPATH": hide_megatron(tmp_path / "hidden")}
     r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--cpu-rehearsal", "--out", str(tmp_path / "o"),
-                        "--only", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export", "megatron_parallel",
-                        "cuda_rng_checkpoint"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+                        "--only", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export", "fsdp_memory_plan",
+                        "megatron_parallel", "cuda_rng_checkpoint"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
     table = (tmp_path / "o" / "gpu_check.txt").read_text()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = {line.split()[0]: line.split()[1] for line in table.splitlines() if len(line.split()) > 1}
     assert [status[n] for n in ("nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export")] == ["PASS"] * 3, table
+    assert status["fsdp_memory_plan"] == "NOT" and "planned and trained on the FSDP engine" in table
     assert status["megatron_parallel"] == "NOT" and "megatron is hidden for this test" in table
     assert status["cuda_rng_checkpoint"] == "SKIPPED", table
 

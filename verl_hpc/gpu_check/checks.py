@@ -384,6 +384,8 @@ CHECKS: List[Check] = [
           "transformers on the GPU (log-probs); no megatron import", fsdp_checks.fsdp_logprobs, ("nccl_bootstrap",)),
     Check("fsdp_step_export", "FSDP2 engine: one update, export_hf_weights -> HF folder -> transformers "
           "log-probs = the engine's", fsdp_checks.fsdp_step_export, ("fsdp_bf16_logprobs",)),
+    Check("fsdp_memory_plan", "the memory plan of the kit's job on the FSDP engine vs max_memory_allocated",
+          fsdp_checks.fsdp_memory_plan, ("fsdp_step_export",)),
     Check("megatron_parallel", "Megatron model parallel on NCCL, its own CUDA RNG tracker",
           megatron_parallel, ("nccl_bootstrap",)),
     Check("cuda_rng_checkpoint", "CUDA + Megatron tracker RNG states through an HDF5 checkpoint",

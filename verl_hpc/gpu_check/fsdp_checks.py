@@ -4,7 +4,8 @@ over the model as transformers builds it) on one GPU, in bf16 mixed precision.
 Nothing here imports megatron: a GPU image without megatron-core (or vLLM) runs these checks, and
 `tests/unit/test_gpu_check.py` runs them with megatron hidden. The engine is built once
 (`fsdp_bf16_logprobs`) and kept on the kit for the step and the export (`fsdp_step_export`),
-which frees it.
+which frees it; `fsdp_memory_plan` then plans and trains the memory-plan check's job on this
+engine (memplan.py).
 """
 from __future__ import annotations
 
@@ -101,3 +102,18 @@ def fsdp_step_export(kit: Kit) -> str:
         kit.fsdp_engine = eng = None  # free it before the next check
     return (f"loss {m['loss']:.4f}, grad norm {m['grad_norm']:.3g}, {moved} of {len(after)} exported tensors "
             f"moved; export -> HF folder -> transformers vs engine: {detail} (bound {_bound(kit)})")
+
+
+def fsdp_memory_plan(kit: Kit) -> str:
+    """The memory plan's prediction for the kit's own job on the FSDP engine (parallel.engine=fsdp:
+    fp32 shards, the gathered layers, transformers' activations, logits) against
+    max_memory_allocated while that job's actor is built and takes two steps (memplan.run)."""
+    from verl_hpc.gpu_check import memplan
+    from verl_hpc.gpu_check.kit import NotTestable
+
+    result = memplan.run(kit.out / "plan_llama_fsdp", rehearsal=kit.rehearsal, engine="fsdp")
+    if result.measured is None:
+        raise NotTestable("CPU rehearsal: no GPU memory to measure (the job was planned and trained on "
+                          f"the FSDP engine: {result.describe()})")
+    assert result.within, result.describe()
+    return result.describe()
