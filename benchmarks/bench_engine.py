@@ -1,15 +1,29 @@
-"""Megatron engine forward+backward throughput against transformers, and its TP2 / PP2 cost on CPU.
+"""The training engines' forward+backward throughput against transformers, and what layouts cost on CPU.
 
-    python benchmarks/bench_engine.py [--quick] [--threads 2]
+    python benchmarks/bench_engine.py [--quick] [--threads 2] [--layouts tp1,tp2,pp2,dp2] [--compile]
 
-1. Peer ratio (one process, TP=1): `MegatronEngine.forward_backward` (the training path: the
-   schedule, response log-probs from vocab-parallel logits, a token-mean NLL loss callback) against
-   transformers' LlamaForCausalLM (SDPA attention) doing forward + the same loss + backward on the
-   same weights and batch. Iterations alternate between the two; medians are compared.
-   Goal: ratio >= 0.9.
-2. Layout cost (CPU, same total cores): engine fwd+bwd tokens/s at TP2 and PP2 on 2 ranks
+1. Peer ratios (one process, one rank): `MegatronEngine.forward_backward` (TP=1; the schedule,
+   response log-probs from vocab-parallel logits, a token-mean NLL loss callback) and
+   `FsdpEngine.forward_backward` (FSDP2 over a one-rank mesh: the HF model as transformers builds
+   it, sharded per decoder layer, its own log-probs of the kept positions) against transformers'
+   LlamaForCausalLM (SDPA attention) doing forward + the same loss + backward on the same weights
+   and batch. Iterations alternate between the sides; medians are compared.
+   Goals: Megatron >= 0.9, FSDP >= 0.95 of transformers.
+   --compile adds a fourth side, the FSDP engine with `fsdp.compile` (torch.compile per decoder
+   layer after sharding): its first iteration's extra seconds (the compilation, from a fresh
+   inductor cache unless --compile-cache names one) apart from its steady-state iterations, which
+   alternate with the others.
+2. Layout cost (CPU, same total cores): Megatron fwd+bwd tokens/s at TP2 and PP2 on 2 ranks
    (1 thread each) relative to TP1 on 1 rank (2 threads); 4 micro-batches of 2 sequences at every
-   layout (PP needs several micro-batches to overlap its stages). Runs alternate TP1/TP2/PP2.
+   layout (PP needs several micro-batches to overlap its stages).
+3. FSDP against Megatron at 2 ranks, data parallel 2 (1 thread each): the train step (forward,
+   backward, the gradient reduction, clipping and AdamW: FSDP reduce-scatters in its backward,
+   Megatron in `finalize_model_grads` after it, so the whole step is the fair unit), each engine
+   as the default config builds it (Megatron's distributed optimizer), 2 micro-batches of 2 a rank.
+   Each rank's model-state bytes (distinct storages behind its parameters, gradients and Adam's
+   moments, measured after a forward+backward that follows two updates) beside the memory plan's
+   `update_actor` actor column for the same job (`python -m verl_hpc.plan`'s rows).
+   Layout runs alternate (the order rotated each repeat); medians.
 
 Model (docs/platform-notes.md, "Reference model and figures"): Llama-style, hidden 512, 8 heads,
 4 KV heads, head_dim 64, 6 layers, ffn 1408, vocab 8000 (25.9M parameters), random weights, fp32;
@@ -31,6 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SEQS, SEQ_LEN, PROMPT = 8, 256, 32
+# name -> (engine, tp, pp, processes, threads per process or 0 = --threads, what is timed)
+LAYOUTS = {"tp1": ("megatron", 1, 1, 1, 0, "fwdbwd"), "tp2": ("megatron", 2, 1, 2, 1, "fwdbwd"),
+           "pp2": ("megatron", 1, 2, 2, 1, "fwdbwd"),
+           "megatron_dp2": ("megatron", 1, 1, 2, 1, "train"), "fsdp_dp2": ("fsdp", 1, 1, 2, 1, "train")}
+LAYOUT_GROUPS = {"tp1": ("tp1",), "tp2": ("tp2",), "pp2": ("pp2",), "dp2": ("megatron_dp2", "fsdp_dp2")}
 
 
 def make_model(folder: Path, quick: bool) -> Path:
@@ -70,13 +89,23 @@ def hf_step(model, batch):
     return loss.item()
 
 
-def build_engine(folder, micro_batch_size):
-    from verl_hpc.config.schema import OptimConfig
-    from verl_hpc.engines.megatron import default_options, MegatronEngine
+def build_engine(folder, micro_batch_size, engine: str = "megatron", compile: bool = False,
+                 distributed_optimizer: bool = False):
+    """An engine from the default config's actor options with a fixed micro-batch size."""
+    import dataclasses
 
-    return MegatronEngine(default_options(model_path=str(folder), optim=OptimConfig(lr=1e-5),
-                                          micro_batch_size=micro_batch_size,
-                                          use_distributed_optimizer=False))
+    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.engines.options import default_options
+
+    o = default_options(str(folder), engine=engine, optim=OptimConfig(lr=1e-5),
+                        micro_batch_size=micro_batch_size, max_tokens_per_microbatch=0)
+    if engine == "fsdp":
+        from verl_hpc.engines.fsdp import FsdpEngine
+
+        return FsdpEngine(dataclasses.replace(o, fsdp=dataclasses.replace(o.fsdp, compile=compile)))
+    from verl_hpc.engines.megatron import MegatronEngine
+
+    return MegatronEngine(dataclasses.replace(o, use_distributed_optimizer=distributed_optimizer))
 
 
 def timed(fn):
@@ -87,34 +116,82 @@ def timed(fn):
     return time.perf_counter() - t, time.process_time() - c
 
 
+def state_bytes(engine) -> dict:
+    """Bytes of the distinct storages behind this rank's parameters, gradients and optimizer
+    states (the FSDP engine's local shards; Megatron's params, main-grad buffers, Adam states)."""
+    import torch
+
+    from verl_hpc.engines.offload import engine_tensors
+
+    t = engine_tensors(engine)
+    if not t["grads"]:  # the FSDP engine lists no grads (they are dropped at each update)
+        t["grads"] = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                      for p in engine.model.parameters() if p.grad is not None]
+    seen, out = set(), {}
+    for part in ("params", "grads", "optimizer"):
+        total = 0
+        for x in t[part]:
+            if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
+                ptr = x.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    total += x.untyped_storage().nbytes()
+        out[part] = total
+    return out
+
+
+def planned_state_bytes(folder, engine: str, ranks: int) -> float:
+    """The memory plan's update_actor actor bytes (weights + grads + Adam) per rank for this
+    layout on this engine (`python -m verl_hpc.plan`'s rows)."""
+    from verl_hpc.config import load_config
+    from verl_hpc.planning import plan_job
+
+    cfg = load_config(None, [f"model.path={folder}", "model.dtype=float32", "slurm.gpus_per_node=0",
+                             "slurm.nodes=1", f"slurm.tasks_per_node={ranks}", f"parallel.engine={engine}",
+                             "ref.enable=false", "critic.enable=false", f"data.max_prompt_length={PROMPT}",
+                             f"data.max_response_length={SEQ_LEN - PROMPT}", "actor.micro_batch_size=2",
+                             "actor.max_tokens_per_microbatch=0"])
+    return float(plan_job(cfg).table["update_actor"]["actor"])
+
+
 def worker(args) -> None:
     """One rank of a layout run (launched with torchrun-style variables); rank 0 prints JSON."""
     import torch
     import torch.distributed as dist
 
-    from verl_hpc.parallel import init_model_parallel
     from verl_hpc.runtime import bootstrap
 
     bootstrap(backend="gloo", num_threads=args.threads)
-    init_model_parallel(args.tp, args.pp)
-    engine = build_engine(args.model, micro_batch_size=2)
+    if args.engine == "megatron":
+        from verl_hpc.parallel import init_model_parallel
+
+        init_model_parallel(args.tp, args.pp)
+    train = args.op == "train"
+    engine = build_engine(args.model, micro_batch_size=2, engine=args.engine,
+                          distributed_optimizer=train)
     batch = make_batch()
+    step = (lambda: engine.train_step(batch, nll_loss)) if train else \
+        (lambda: engine.forward_backward(batch, nll_loss))
     for _ in range(args.warmup):
-        engine.forward_backward(batch, nll_loss)
+        step()
     times = []
     for _ in range(args.iters):
         dist.barrier()
-        times.append(timed(lambda: engine.forward_backward(batch, nll_loss))[0])
+        times.append(timed(step)[0])
     t = torch.tensor(times)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
+    result = {"median_s": statistics.median(t.tolist())}
+    if train:  # the states after updates, with the gradients of one more backward in place
+        engine.forward_backward(batch, nll_loss)
+        result["state_bytes"] = state_bytes(engine)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"median_s": statistics.median(t.tolist())}), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def peer_ratio(folder, args) -> dict:
-    """TP=1 engine vs transformers in this process, alternating iterations."""
+    """The engines at one rank vs transformers in this process, alternating iterations."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -125,47 +202,106 @@ def peer_ratio(folder, args) -> dict:
                       MASTER_PORT=str(29500 + os.getpid() % 1000))
     bootstrap(backend="gloo", num_threads=args.threads)
     init_model_parallel(1, 1)
-    engine = build_engine(folder, micro_batch_size=SEQS)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     hf.train()
     batch = make_batch()
-    loss_engine = float(engine.forward_backward(batch, nll_loss)[0]["loss"])
-    loss_hf = hf_step(hf, batch)
+    sides = {"megatron": build_engine(folder, SEQS), "fsdp": build_engine(folder, SEQS, "fsdp")}
+    if args.compile:
+        sides["fsdp_compiled"] = build_engine(folder, SEQS, "fsdp", compile=True)
+    runs = {name: (lambda e=e: e.forward_backward(batch, nll_loss)) for name, e in sides.items()}
+    runs["transformers"] = lambda: hf_step(hf, batch)
+    first = {name: timed(fn) for name, fn in runs.items()}  # compilation happens here
+    loss = {name: float(e.forward_backward(batch, nll_loss)[0]["loss"]) for name, e in sides.items()}
+    loss["transformers"] = hf_step(hf, batch)
     for _ in range(args.warmup):
-        engine.forward_backward(batch, nll_loss)
-        hf_step(hf, batch)
-    te, th = [], []
-    for _ in range(args.iters):
-        te.append(timed(lambda: engine.forward_backward(batch, nll_loss)))
-        th.append(timed(lambda: hf_step(hf, batch)))
+        for fn in runs.values():
+            fn()
+    times = {name: [] for name in runs}
+    for i in range(args.iters):
+        names = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]  # rotated: no side always first
+        for name in names:
+            times[name].append(timed(runs[name]))
     tokens = SEQS * SEQ_LEN
-    me, mh = statistics.median(w for w, _ in te), statistics.median(w for w, _ in th)
-    ce, ch = statistics.median(c for _, c in te), statistics.median(c for _, c in th)
-    return {"engine_tok_s": tokens / me, "hf_tok_s": tokens / mh, "ratio": mh / me,
-            "engine_tok_cpu_s": tokens / ce, "hf_tok_cpu_s": tokens / ch, "cpu_ratio": ch / ce,
-            "loss_engine": float(loss_engine), "loss_hf": loss_hf,
-            "params_m": sum(p.numel() for p in hf.parameters()) / 1e6}
+    wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
+    out = {"tok_s": {k: tokens / v for k, v in wall.items()},
+           "tok_cpu_s": {k: tokens / v for k, v in cpu.items()},
+           "ratio": {k: wall["transformers"] / v for k, v in wall.items() if k != "transformers"},
+           "cpu_ratio": {k: cpu["transformers"] / v for k, v in cpu.items() if k != "transformers"},
+           "first_s": {k: v[0] for k, v in first.items()}, "median_s": wall, "loss": loss,
+           "params_m": sum(p.numel() for p in hf.parameters()) / 1e6}
+    if args.compile:  # the first call's time beyond a steady-state iteration: the compilation (wall
+        # time only: inductor builds its C++ kernels in worker processes, not in this one's CPU time)
+        out["compile_s"] = first["fsdp_compiled"][0] - wall["fsdp_compiled"]
+    return out
 
 
-def layout_runs(folder, args) -> dict:
-    layouts = {"tp1": (1, 1, 1, args.threads), "tp2": (2, 1, 2, 1), "pp2": (1, 2, 2, 1)}
-    medians = {k: [] for k in layouts}
+def layout_runs(folder, names, args) -> dict:
+    medians = {k: [] for k in names}
+    states = {}
     for rep in range(args.repeats):
-        for name, (tp, pp, nproc, threads) in layouts.items():
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            engine, tp, pp, nproc, threads, op = LAYOUTS[name]
+            threads = threads or args.threads
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                   f"--master_port={29700 + rep * 10 + len(medians[name]) + tp * 3 + pp}",
-                   __file__, "--worker", "--model", str(folder), "--tp", str(tp), "--pp", str(pp),
-                   "--threads", str(threads), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+                   f"--master_port={29700 + 10 * rep + list(LAYOUTS).index(name)}",
+                   __file__, "--worker", "--model", str(folder), "--engine", engine, "--op", op,
+                   "--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--iters", str(args.iters),
+                   "--warmup", str(args.warmup)]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), VERL_HPC_LOGLEVEL="WARNING",
                        PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 raise SystemExit(f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-            medians[name].append(json.loads(line[0][7:])["median_s"])
+            res = json.loads(line[0][7:])
+            medians[name].append(res["median_s"])
+            if "state_bytes" in res:
+                states[name] = res["state_bytes"]
     tokens = SEQS * SEQ_LEN
     tok_s = {k: tokens / statistics.median(v) for k, v in medians.items()}
-    return {"tok_s": tok_s, "relative_to_tp1": {k: v / tok_s["tp1"] for k, v in tok_s.items()}}
+    out = {"tok_s": tok_s, "runs_s": medians, "state_bytes": states}
+    if "tp1" in tok_s:
+        out["relative_to_tp1"] = {k: v / tok_s["tp1"] for k, v in tok_s.items() if k in ("tp1", "tp2", "pp2")}
+    if {"megatron_dp2", "fsdp_dp2"} <= set(tok_s):
+        out["fsdp_over_megatron_dp2"] = tok_s["fsdp_dp2"] / tok_s["megatron_dp2"]
+        out["plan"] = {k: planned_state_bytes(folder, LAYOUTS[k][0], 2) for k in ("megatron_dp2", "fsdp_dp2")}
+    return out
+
+
+def report(peer, lay, args, load) -> None:
+    print(f"model {peer['params_m']:.1f}M params, batch {SEQS} x {SEQ_LEN} tokens, {args.threads} threads, "
+          f"{args.iters} iterations (median), {args.warmup} warm-up; load average {load[0]:.1f} at the "
+          f"start, {os.getloadavg()[0]:.1f} at the end")
+    print("loss: " + "  ".join(f"{k} {v:.6f}" for k, v in peer["loss"].items()))
+    goals = {"megatron": 0.9, "fsdp": 0.95, "fsdp_compiled": 0.95}
+    for name, ratio in peer["ratio"].items():
+        print(f"fwd+bwd 1 rank wall: {name} {peer['tok_s'][name]:.0f} tok/s, transformers "
+              f"{peer['tok_s']['transformers']:.0f} tok/s, ratio {ratio:.3f} (goal >= {goals[name]}); "
+              f"CPU time ratio {peer['cpu_ratio'][name]:.3f}")
+    if "compile_s" in peer:
+        print(f"fsdp.compile: first fwd+bwd {peer['first_s']['fsdp_compiled']:.1f} s, of which compilation "
+              f"{peer['compile_s']:.1f} s (cold inductor cache unless --compile-cache); steady state "
+              f"{peer['median_s']['fsdp_compiled']:.3f} s vs eager {peer['median_s']['fsdp']:.3f} s "
+              f"({peer['median_s']['fsdp'] / peer['median_s']['fsdp_compiled']:.3f}x)")
+    if lay is None:
+        return
+    for name in ("tp1", "tp2", "pp2"):
+        if name in lay.get("relative_to_tp1", {}):
+            print(f"fwd+bwd {name.upper()}: {lay['tok_s'][name]:.0f} tok/s, "
+                  f"{lay['relative_to_tp1'][name]:.3f} x TP1 ({args.repeats} alternated runs)")
+    if "fsdp_over_megatron_dp2" in lay:
+        m, f = lay["tok_s"]["megatron_dp2"], lay["tok_s"]["fsdp_dp2"]
+        print(f"train step DP2 (2 ranks x 1 thread): megatron {m:.0f} tok/s, fsdp {f:.0f} tok/s, "
+              f"fsdp / megatron {lay['fsdp_over_megatron_dp2']:.3f} ({args.repeats} alternated runs)")
+        mib = 2 ** 20
+        for name in ("megatron_dp2", "fsdp_dp2"):
+            st, plan = lay["state_bytes"][name], lay["plan"][name]
+            total = sum(st.values())
+            print(f"  {name} rank 0 model state: params {st['params'] / mib:.1f} + grads {st['grads'] / mib:.1f} "
+                  f"+ optimizer {st['optimizer'] / mib:.1f} = {total / mib:.1f} MiB; plan {plan / mib:.1f} "
+                  f"MiB: measured / plan {total / plan:.3f}")
 
 
 def main() -> None:
@@ -176,7 +312,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=0, help="alternated layout runs")
     ap.add_argument("--model", default="")
+    ap.add_argument("--layouts", default="tp1,tp2,pp2,dp2", help=f"comma list of {', '.join(LAYOUT_GROUPS)}")
+    ap.add_argument("--compile", action="store_true", help="also time the FSDP engine with fsdp.compile")
+    ap.add_argument("--compile-cache", default="",
+                    help="inductor's cache folder for --compile (default: a fresh one, i.e. a cold compilation)")
+    ap.add_argument("--json", default="", help="write the results to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="megatron", help=argparse.SUPPRESS)
+    ap.add_argument("--op", default="fwdbwd", help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--skip-layouts", action="store_true")
@@ -187,21 +330,21 @@ def main() -> None:
     args.repeats = args.repeats or (1 if args.quick else 2)
     if args.worker:
         return worker(args)
+    groups = [g.strip() for g in args.layouts.split(",") if g.strip()]
+    bad = [g for g in groups if g not in LAYOUT_GROUPS]
+    if bad:
+        sys.exit(f"bench_engine: --layouts {','.join(bad)}: not one of {', '.join(LAYOUT_GROUPS)}")
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(Path(args.model) if args.model else Path(tmp) / "model", args.quick)
+        if args.compile:  # inductor's cache in a folder of this run: the compilation timed is a cold one
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache or str(Path(tmp) / "inductor")
         peer = peer_ratio(folder, args)
-        print(f"model {peer['params_m']:.1f}M params, batch {SEQS} x {SEQ_LEN} tokens, "
-              f"{args.threads} threads, {args.iters} iterations (median), {args.warmup} warm-up")
-        print(f"loss: engine {peer['loss_engine']:.6f}  transformers {peer['loss_hf']:.6f}")
-        print(f"fwd+bwd TP1 wall: engine {peer['engine_tok_s']:.0f} tok/s, transformers "
-              f"{peer['hf_tok_s']:.0f} tok/s, ratio {peer['ratio']:.3f} (goal >= 0.9)")
-        print(f"fwd+bwd TP1 CPU time: engine {peer['engine_tok_cpu_s']:.0f} tok/cpu-s, transformers "
-              f"{peer['hf_tok_cpu_s']:.0f} tok/cpu-s, ratio {peer['cpu_ratio']:.3f}")
-        if not args.skip_layouts:
-            lay = layout_runs(folder, args)
-            for name in ("tp1", "tp2", "pp2"):
-                print(f"fwd+bwd {name.upper()}: {lay['tok_s'][name]:.0f} tok/s, "
-                      f"{lay['relative_to_tp1'][name]:.3f} x TP1 ({args.repeats} alternated runs)")
+        lay = None if args.skip_layouts else layout_runs(folder, [n for g in groups for n in LAYOUT_GROUPS[g]], args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peer": peer, "layouts": lay, "load_start": load,
+                                               "load_end": os.getloadavg()}, indent=1))
+    report(peer, lay, args, load)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
-"""Megatron engine bf16 train step vs a plain transformers step on one GPU (~1B Llama, 2,048-token
-sequences): tokens/s, model TFLOP/s, MFU, peak memory, and the forward-only log-prob pass.
+"""The Megatron and FSDP engines' bf16 train step vs a plain transformers step on one GPU (~1B Llama,
+2,048-token sequences): tokens/s, model TFLOP/s, MFU, peak memory, and the forward-only log-prob pass.
 
-    python benchmarks/bench_gpu_step.py [--cpu-rehearsal] [--out DIR] [--time-limit SECONDS]
+    python benchmarks/bench_gpu_step.py [--cpu-rehearsal] [--out DIR] [--time-limit SECONDS] [--sides ...]
 
 Writes DIR/bench_gpu_step.json (default DIR: outputs/bench_gpu_step) and prints a table. Exit 0 when
-both sides ran, 1 on an error; a missed goal is reported, not an error.
+every side that can run here ran, 1 on an error; a missed goal is reported, not an error.
 
-The two sides run on the same device, batch and weights (one HF folder of random weights, written
+The sides run on the same device, batch and weights (one HF folder of random weights, written
 first), with the optimizer hyper-parameters of the default config's `actor.optim`:
 - engine: `MegatronEngine` (verl_hpc.engines.megatron) as the actor builds it, in bf16: Megatron
   DDP (fp32 gradient buffer), Megatron's mixed-precision Adam (fp32 master weights), clipping;
   `train_step` with response log-probs and a token-mean NLL; `forward` for the log-prob pass.
-  Kernels are what auto picks on this machine (engines/megatron/kernels.py).
+  Kernels are what auto picks on this machine (engines/megatron/kernels.py). Needs megatron-core:
+  where it does not import, this column is reported as not run and the others still run.
+- fsdp: `FsdpEngine` (verl_hpc.engines.fsdp) as the actor builds it with parallel.engine=fsdp:
+  the transformers model, fully_shard per decoder layer over a one-rank mesh, bf16 compute over
+  fp32 master weights with fp32 gradient reduction (fsdp.mixed_precision auto), its AdamW over the
+  DTensor shards, clipping; `train_step` and `forward` as the Megatron side.
 - transformers: LlamaForCausalLM with fp32 weights under bf16 autocast, SDPA attention, logits of
   the response positions only (`logits_to_keep`, as TRL's GRPO), log_softmax + gather, the same
   loss, backward, clip_grad_norm_, torch.optim.AdamW(fused=True): what TRL / accelerate run. The
@@ -26,19 +31,21 @@ H = heads x head_dim, S sequence length. TFLOP/s = FLOPs / median seconds. MFU =
 board's dense bf16 peak (verl_hpc/config/gpus.py, looked up by the name torch reports; a board the
 table does not know gets no MFU).
 
-Goals, on an H100: engine train step >= 1.3x transformers' tokens/s, and >= 40% MFU.
+Goals, on an H100: the Megatron engine's train step >= 1.3x transformers' tokens/s, and >= 40%
+MFU. The FSDP column has no goal here: it is the first measurement of that engine on a GPU.
 
-Timing: the sides take turns in rounds, one model on the device at a time (the other deleted and
-its cached blocks released, so each side's peak is its own: max_memory_allocated over its timed
-iterations minus what was allocated before it was built). Warm-up iterations (compilation, the
-allocator, the optimizer's first state) are excluded; every timed iteration is synchronized before
-and after; medians. One extra, untimed iteration per side runs under torch's profiler to name the
-kernels used. The log-prob pass's peak includes the training state each side keeps resident
-(Megatron keeps its gradient buffer; transformers' gradients are freed after each step), so the
-train-step peak is the one to compare. --time-limit bounds the run: fewer timed iterations and one
-round when short, and a hard stop (an error) at the limit + 60 s.
+Timing: the sides take turns in rounds (the order reversed each round), one model on the device at
+a time (the one before deleted and its cached blocks released, so each side's peak is its own:
+max_memory_allocated over its timed iterations minus what was allocated before it was built).
+Warm-up iterations (compilation, the allocator, the optimizer's first state) are excluded; every
+timed iteration is synchronized before and after; medians. One extra, untimed iteration per side
+runs under torch's profiler to name the kernels used. The log-prob pass's peak includes the
+training state each side keeps resident (Megatron keeps its gradient buffer; transformers'
+gradients are freed after each step; the FSDP engine holds its sharded gradients at most until its
+next step), so the train-step peak is the one to compare. --time-limit bounds the run: fewer timed
+iterations and one round when short, and a hard stop (an error) at the limit + 60 s.
 
-Parts: gpu_step_sides.py (the two sides; the profiler's operator names), gpu_step_report.py (the
+Parts: gpu_step_sides.py (the sides; the profiler's operator names), gpu_step_report.py (the
 goals' verdicts, the table).
 
 --cpu-rehearsal: tiny shape, gloo on CPU, fp32 without autocast, 1-2 iterations: the same code end to
@@ -65,7 +72,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_step_report import goals, table  # noqa: E402
-from gpu_step_sides import EngineSide, HFSide, compile_problem, profiled_ops  # noqa: E402
+from gpu_step_sides import EngineSide, FsdpSide, HFSide, compile_problem, profiled_ops, side_problem  # noqa: E402
 
 HARD_STOP_GRACE_S = 60
 
@@ -233,10 +240,13 @@ def _max_or_none(values):
     return max(values) if values else None
 
 
+SIDES = {"engine": EngineSide, "fsdp": FsdpSide, "transformers": HFSide}
+ENGINES = ("engine", "fsdp")  # the sides compared with transformers
+
+
 def run(args) -> dict:
     import torch
 
-    from verl_hpc.parallel import init_model_parallel
     from verl_hpc.runtime.bootstrap import bootstrap, shutdown
     from verl_hpc.runtime.device import describe_accelerator, has_gpu
     from verl_hpc.runtime.launch_env import LaunchEnv
@@ -248,6 +258,14 @@ def run(args) -> dict:
     shape = REHEARSAL_SHAPE if rehearsal else GPU_SHAPE
     if args.seqs:
         shape = dataclasses.replace(shape, seqs=args.seqs)
+    asked = [x.strip() for x in args.sides.split(",") if x.strip()]
+    bad = [x for x in asked if x not in SIDES]
+    if bad or "transformers" not in asked:
+        raise ValueError(f"--sides {args.sides}: a comma list of {', '.join(SIDES)} with transformers in it")
+    not_run = {name: why for name in asked if (why := side_problem(name))}
+    sides = [name for name in SIDES if name in asked and name not in not_run]
+    if not set(sides) & set(ENGINES):
+        raise RuntimeError(f"no engine side can run here: {not_run}")
     plan = {"dtype": "float32" if rehearsal else "bfloat16", "warmup": 1 if rehearsal else 2,
             "iters": args.iters or (2 if rehearsal else 10), "min_iters": 1 if rehearsal else 3,
             "rounds": 1 if rehearsal else 2}
@@ -255,50 +273,55 @@ def run(args) -> dict:
                     node_rank=0, master_addr="127.0.0.1", master_port=_free_port())
     ctx = bootstrap(backend="gloo" if rehearsal else "nccl", timeout_s=600, env=env,
                     num_threads=1 if rehearsal else 0)
-    init_model_parallel(1, 1)
+    if "engine" in sides:
+        from verl_hpc.parallel import init_model_parallel
+
+        init_model_parallel(1, 1)
+        if has_gpu():
+            compile_problem(ctx.device)  # asked once here, so that no build's time includes it
     plan["device"] = ctx.device
-    if has_gpu():
-        compile_problem(ctx.device)  # asked once here, so that no build's time includes it
     device = "cpu" if rehearsal else describe_accelerator()
     peak_tflops, gpu_key = (None, None) if rehearsal else peak_of(device)
     counts = param_counts(shape)
     flops = model_flops(shape, counts["matmul"])
     batch = make_batch(shape)
-    rounds = {"engine": [], "transformers": []}
+    rounds = {name: [] for name in sides}
     with tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
         folder, written = make_model_folder(Path(tmp), shape, getattr(torch, plan["dtype"]), ctx.device)
         if written != counts["total"]:  # the FLOP formula's N must be the model's
             raise RuntimeError(f"parameter count: formula {counts['total']}, HF model {written}")
-        # half of what is left for the timed loops, the rest for builds and warm-ups
-        loop_budget = 0.5 * (args.time_limit - (time.perf_counter() - start)) / (4 * plan["rounds"])
-        order = [("engine", EngineSide), ("transformers", HFSide)]
+        # half of what is left for the timed loops (train and forward per side), the rest for
+        # builds and warm-ups
+        loop_budget = 0.5 * (args.time_limit - (time.perf_counter() - start)) / (2 * len(sides) * plan["rounds"])
         for r in range(plan["rounds"]):
             t_round = time.perf_counter()
-            for name, cls in (order if r % 2 == 0 else order[::-1]):
-                rounds[name].append(run_side(cls, folder, shape, batch, plan, loop_budget))
+            for name in (sides if r % 2 == 0 else sides[::-1]):
+                rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget))
             left = args.time_limit - (time.perf_counter() - start)
             if r + 1 < plan["rounds"] and left < 1.2 * (time.perf_counter() - t_round):
                 break  # another round would not end within --time-limit
-    eng = summarize(rounds["engine"], flops, peak_tflops, shape.tokens)
-    hf = summarize(rounds["transformers"], flops, peak_tflops, shape.tokens)
-    for side in (eng, hf):
+    summary = {name: summarize(rounds[name], flops, peak_tflops, shape.tokens) for name in sides}
+    for name, side in summary.items():
         nums = [side["first_loss"], side["train"]["tok_s"], side["forward"]["tok_s"]]
         if not all(math.isfinite(x) and x > 0 for x in nums):
-            raise RuntimeError(f"non-finite or non-positive result: {nums}")
+            raise RuntimeError(f"{name}: non-finite or non-positive result: {nums}")
+    hf = summary["transformers"]
     result = {
         "ok": True, "mode": "cpu-rehearsal" if rehearsal else "gpu", "device": device,
         "peak_bf16_tflops": peak_tflops, "gpu_type": gpu_key, "versions": _versions(),
         "model": {**dataclasses.asdict(shape), "head_dim": shape.head_dim, "params": counts["total"],
                   "params_matmul": counts["matmul"]},
         "dtype": plan["dtype"], "autocast": None if rehearsal else "bfloat16", "tokens_per_step": shape.tokens,
-        "flops_per_step": flops, "rounds": len(rounds["engine"]), "warmup_iters": plan["warmup"],
-        "engine": eng, "transformers": hf,
-        "ratios": {"train": eng["train"]["tok_s"] / hf["train"]["tok_s"],
-                   "forward": eng["forward"]["tok_s"] / hf["forward"]["tok_s"]},
+        "flops_per_step": flops, "rounds": len(rounds["transformers"]), "warmup_iters": plan["warmup"],
+        "sides": sides, "not_run": not_run, **{name: summary.get(name) for name in SIDES},
+        # each engine's tokens/s over transformers' (same batch, weights and device)
+        "ratios": {name: {part: summary[name][part]["tok_s"] / hf[part]["tok_s"] for part in ("train", "forward")}
+                   for name in ENGINES if name in summary},
+        # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
+        "first_loss_abs_diff": {name: abs(summary[name]["first_loss"] - hf["first_loss"])
+                                for name in ENGINES if name in summary},
         "time_limit_s": args.time_limit,
     }
-    # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
-    result["first_loss_abs_diff"] = abs(eng["first_loss"] - hf["first_loss"])
     result["goals"] = goals(result, rehearsal, gpu_key)
     result["elapsed_s"] = time.perf_counter() - start
     shutdown()
@@ -314,13 +337,17 @@ def _free_port() -> int:
 
 
 def _versions() -> dict:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     import torch
     import transformers
 
+    try:
+        megatron = version("megatron-core")
+    except PackageNotFoundError:
+        megatron = None
     return {"python": sys.version.split()[0], "torch": torch.__version__,
-            "transformers": transformers.__version__, "megatron-core": version("megatron-core")}
+            "transformers": transformers.__version__, "megatron-core": megatron}
 
 
 def _hard_stop(limit_s: float) -> None:
@@ -340,6 +367,9 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per side and round (at most)")
     ap.add_argument("--seqs", type=int, default=0, help="sequences per step (default: the shape's)")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help="comma list of engine (Megatron), fsdp, transformers; a side that cannot be built "
+                         "here (engine without megatron-core) is reported as not run")
     args = ap.parse_args(argv)
     os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
     if args.cpu_rehearsal:  # on CPU also where a GPU is visible: gloo and fp32 are CPU paths

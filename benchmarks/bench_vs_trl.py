@@ -5,6 +5,7 @@
     python benchmarks/bench_vs_trl.py --sizes tiny     # tiny only: 1 and 2 ranks, 16 steps, +40 points
     python benchmarks/bench_vs_trl.py --quick          # tiny, 1 rank, 10 steps, no accuracy target
     python benchmarks/bench_vs_trl.py --sizes 100m --ranks 1,2 --steps 5
+    python benchmarks/bench_vs_trl.py --engines megatron,fsdp    # verl_hpc on both training engines
 
 The task and models are the project's own and the same for both: the synthetic "a+b=" task
 (verl_hpc.data.prepare synthetic) and Llamas made by verl_hpc.models.tiny, built once under --out
@@ -21,11 +22,13 @@ fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_
 (`python -m verl_hpc.submit configs/demo_rl.yaml --local`, `rollout.engine: fastest`, which on CPU
 picks HF generate for both sizes: the tiny model is under 2M parameters, and at 100m with 8 samples
 of short prompts the HF rollout's one prefill per prompt outweighs its slower decode (the job log
-says why); `--verl-set rollout.engine=vllm` to compare); TRL's GRPOTrainer runs in its own process
+says why); `--verl-set rollout.engine=vllm` to compare; `--engines` names the training engines,
+`parallel.engine` megatron and/or fsdp, each a run of its own beside the same TRL run); TRL's
+GRPOTrainer runs in its own process
 with HF `generate` (its default CPU path; TRL's vLLM modes need a GPU). Both get --threads torch
 threads per process (1: see the option's comment; verl_hpc through slurm.cpus_per_task).
 
-Printed per rank count: seconds per step by stage (medians over steps 2..N, step 1 carries
+Printed per rank count and engine: seconds per step by stage (medians over steps 2..N, step 1 carries
 warm-up) for both, the step-time ratio verl_hpc / TRL, and the training time (sum of step times,
 validation excluded on both sides) until greedy validation accuracy on the same 100 held-out
 prompts first reaches the warm start's + --gain points, and that ratio. Stage names: verl_hpc's
@@ -74,8 +77,11 @@ SIZES = {
     "100m": Size("100m", "Llama 102M, random init", 12,
                  dict(hidden=768, heads=12, kv_heads=4, head_dim=64, ffn=2560, max_positions=512), 8000,
                  prompts=8, n=8, new_tokens=24, lr=1e-5, warm_start=False,
-                 # vLLM's KV cache for all 64 sequences at once (24.6 KB a token at this shape)
-                 verl_set=("rollout.kv_cache_memory_bytes=268435456",)),
+                 # vLLM's KV cache for all 64 sequences at once (24.6 KB a token at this shape);
+                 # random weights earn every sample reward 0, so every row's advantage is 0 and the
+                 # update would skip them all (actor.skip_zero_advantage_rows): a step of generation
+                 # alone against TRL's full update. Off, the update runs every row, as TRL's does
+                 verl_set=("rollout.kv_cache_memory_bytes=268435456", "actor.skip_zero_advantage_rows=false")),
 }
 
 
@@ -112,7 +118,8 @@ def assets(out: Path, size: Size, sft_steps: int) -> Path:
 
 # ------------------------------------------------------------------------------------ verl_hpc
 def run_verl(out: Path, size: Size, ws: Path, data: Path, ranks: int, steps: int, val_every: int, *extra: str,
-             tag: str = "", threads: int = 1) -> dict:
+             tag: str = "", threads: int = 1, engine: str = "megatron") -> dict:
+    tag = tag if engine == "megatron" else f"_{engine}{tag}"
     run = out / f"verl_{size.name}_{ranks}rank{tag}"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run (an earlier one's checkpoints would be refused)
     sh([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--local", f"model.path={ws}",
@@ -124,7 +131,7 @@ def run_verl(out: Path, size: Size, ws: Path, data: Path, ranks: int, steps: int
         f"trainer.total_steps={steps}", f"trainer.val_every={val_every}", "tracking.backends=[jsonl]",
         f"slurm.tasks_per_node={ranks}", f"trainer.output_dir={run}", f"slurm.log_dir={run}/logs",
         "trainer.resume=never", "checkpoint.keep_last=1", "rollout.engine=fastest", f"slurm.cpus_per_task={threads}",
-        *size.verl_set, *extra], f"verl_hpc GRPO, {size.name}, {ranks} rank(s){tag}",
+        f"parallel.engine={engine}", *size.verl_set, *extra], f"verl_hpc GRPO, {size.name}, {ranks} rank(s){tag}",
        out / f"verl_{size.name}_{ranks}rank{tag}.log")
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps_rows = [r for r in rows if "timing_s/step" in r]
@@ -253,18 +260,25 @@ def time_to_gain(res: dict, gain: float):
     return None, None, start
 
 
-def report(size: Size, results: dict, ranks, steps: int, val_every: int, gain: float, old_forward: bool) -> None:
+def key(engine: str, ranks: int) -> str:
+    """The results' name of a verl_hpc run (the Megatron engine's keep their earlier names)."""
+    return f"verl_{ranks}" + ("" if engine == "megatron" else f"_{engine}")
+
+
+def report(size: Size, results: dict, runs, steps: int, val_every: int, gain: float, old_forward: bool) -> None:
+    """runs: [(engine, ranks)] of the verl_hpc runs, in the order they ran."""
     t = results["trl"]
     print(f"\nGRPO, {size.title}, {size.prompts} prompts x {size.n} samples, <= {size.new_tokens} new tokens, "
           f"{steps} steps; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"  TRL       s/step {t['stages']['step']:.3f}  by stage: "
           + ", ".join(f"{k} {v:.3f}" for k, v in t["stages"].items() if k != "step"))
-    for r in ranks:
-        v = results[f"verl_{r}"]
-        print(f"  verl_hpc {r} rank(s) s/step {v['stages']['step']:.3f}  by stage: "
+    for e, r in runs:
+        v = results[key(e, r)]
+        print(f"  verl_hpc {e} {r} rank(s) s/step {v['stages']['step']:.3f}  by stage: "
               + ", ".join(f"{k} {x:.3f}" for k, x in v["stages"].items() if k != "step"))
-        print(f"    ratio verl_hpc/TRL s/step, {size.name}, {r} rank(s): {v['stages']['step'] / t['stages']['step']:.2f}")
-    if old_forward and 1 in ranks:
+        print(f"    ratio verl_hpc/TRL s/step, {size.name}, {e}, {r} rank(s): "
+              f"{v['stages']['step'] / t['stages']['step']:.2f}")
+    if old_forward and ("megatron", 1) in runs:
         f, c = results["verl_1_oldfwd"]["stages"], results["verl_1"]["stages"]
         print(f"  verl_hpc 1 rank, separate old-log-prob forward: s/step {f['step']:.3f} (old_logprob "
               f"{f.get('old_logprob', float('nan')):.3f}); on-policy shortcut / separate: {c['step'] / f['step']:.2f}")
@@ -275,28 +289,30 @@ def report(size: Size, results: dict, ranks, steps: int, val_every: int, gain: f
     print("    TRL: " + (f"{ts:.1f} s (step {tstep}; start {100 * t0:.0f}%)" if ts else
                           f"not reached in {steps} steps (start {100 * (t0 or 0):.0f}%, "
                           f"best {100 * max(t['val'].values()):.0f}%)"))
-    for r in ranks:
-        v = results[f"verl_{r}"]
+    for e, r in runs:
+        v = results[key(e, r)]
         vs, vstep, v0 = time_to_gain(v, gain)
         line = (f"{vs:.1f} s (step {vstep}; start {100 * v0:.0f}%)" if vs else
                 f"not reached in {steps} steps (start {100 * (v0 or 0):.0f}%, best {100 * max(v['val'].values()):.0f}%)")
         ratio = f"; ratio verl_hpc/TRL {vs / ts:.2f}" if vs and ts else ""
-        print(f"    verl_hpc {r} rank(s): {line}{ratio}")
+        print(f"    verl_hpc {e} {r} rank(s): {line}{ratio}")
 
 
 def run_size(out: Path, size: Size, a, ranks, steps: int) -> dict:
-    """TRL, then verl_hpc at each rank count, on one size; prints the comparison."""
+    """TRL, then verl_hpc at each rank count on each engine, on one size; prints the comparison."""
     val_every = a.val_every if (size.warm_start and not a.quick) else 0
     ws = assets(out, size, a.sft_steps)
     data = out / "data"
     results = {"trl": run_trl(out, size, ws, data, steps, val_every, a.threads)}
-    for r in ranks:
-        results[f"verl_{r}"] = run_verl(out, size, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads)
+    runs = [(e, r) for r in ranks for e in a.engines]
+    for e, r in runs:
+        results[key(e, r)] = run_verl(out, size, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads,
+                                      engine=e)
     if a.with_old_forward:
         results["verl_1_oldfwd"] = run_verl(out, size, ws, data, 1, steps, 0, *a.verl_set,
                                             "actor.old_log_probs=forward", tag="_oldfwd", threads=a.threads)
-    report(size, results, ranks, steps, val_every, a.gain, a.with_old_forward)
-    return dict(size=asdict(size), **results)
+    report(size, results, runs, steps, val_every, a.gain, a.with_old_forward)
+    return dict(size=asdict(size), load_end=os.getloadavg()[0], **results)
 
 
 def main(argv=None) -> int:
@@ -316,6 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--verl-set", action="append", default=[],
                     help="an extra override for every verl_hpc run, e.g. rollout.engine=hf (repeatable)")
+    ap.add_argument("--engines", default="megatron",
+                    help="comma list of verl_hpc training engines (parallel.engine): megatron, fsdp")
     ap.add_argument("--with-old-forward", action="store_true",
                     help="also run verl_hpc at 1 rank with actor.old_log_probs=forward (the separate pass)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -331,6 +349,9 @@ def main(argv=None) -> int:
         import trl  # noqa: F401
     except ImportError:
         sys.exit("bench_vs_trl needs TRL: pip install -e '.[bench]'")
+    a.engines = [x.strip() for x in a.engines.split(",") if x.strip()]
+    if not a.engines or set(a.engines) - {"megatron", "fsdp"}:
+        sys.exit(f"bench_vs_trl: --engines {','.join(a.engines)}: a comma list of megatron, fsdp")
     sizes = ["tiny"] if a.quick else [x.strip() for x in a.sizes.split(",") if x.strip()]
     bad = [x for x in sizes if x not in SIZES]
     if bad:

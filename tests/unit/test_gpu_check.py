@@ -1,8 +1,10 @@
 """The first-GPU kit (python -m verl_hpc.gpu_check) on a machine without a GPU: the dry run lists
 every check and what it needs, a real run refuses (it must never pass without testing), the wheel
 folder's selection rules and its source-only packages, the memory-plan comparison, the version and
-toolchain preflight, the GPU installer's commands, and `make gpu-all`'s steps and summary. (The CPU
-rehearsal of the checks themselves: tests/dist/test_gpu_check_rehearsal.py.)"""
+toolchain preflight, the GPU installer's commands, and `make gpu-all`'s steps and summary; the FSDP
+engine's checks in this process (they pass on a good engine and fail on a wrong reference), and with
+megatron hidden. (The CPU rehearsal of all the checks: tests/dist/test_gpu_check_rehearsal.py.)"""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +38,12 @@ def test_dry_run_lists_every_check_and_exits_0():
     assert "Transformer Engine" in machine["te_fp8"] and machine["compile_toolchain"] == "any"
     assert NOT_ONE_GPU <= {c.name for c in CHECKS}
     assert {"nccl_bootstrap", "cuda_rng_checkpoint", "engine_bf16_logprobs", "train_step",
-            "save_resume", "fused_adam_resume", "memory_plan"} <= {c.name for c in CHECKS}
+            "save_resume", "fused_adam_resume", "memory_plan", "fsdp_bf16_logprobs",
+            "fsdp_step_export"} <= {c.name for c in CHECKS}
+    needs = {c.name: c.needs for c in CHECKS}  # the FSDP checks wait for nothing of Megatron's
+    assert needs["fsdp_bf16_logprobs"] == ("nccl_bootstrap",)
+    assert needs["fsdp_step_export"] == ("fsdp_bf16_logprobs",)
+    assert needs["fsdp_memory_plan"] == ("fsdp_step_export",)
 
 
 @pytest.mark.unit
@@ -101,6 +108,68 @@ def test_memory_plan_check_plans_the_kits_own_job(tmp_path):
     assert not memplan.compare(plan, 1.2 * got.predicted).within  # the plan under-estimates
     assert not memplan.compare(plan, 0.3 * got.predicted).within  # the plan over-estimates 3x
     assert "1.20 x the plan" in memplan.compare(plan, 1.2 * got.predicted).describe()
+    # the same job on the FSDP engine: fp32 shards of the parameter, its gradient and Adam's two
+    # moments (16 bytes each at one rank), and the unsharded layers in flight, which are compared too
+    fsdp = plan_job(memplan.kit_job_config(str(model), gpu=True, engine="fsdp"))
+    row = fsdp.table[memplan.PHASE]
+    assert row["actor"] == pytest.approx(16 * 20.2e6, rel=0.05) and row["gathered"] > 0
+    assert memplan.compare(fsdp, None).predicted == pytest.approx(
+        row["actor"] + row["activations"] + row["logits"] + row["gathered"])
+
+
+# ---------------------------------------------------------------------------- FSDP checks
+@pytest.mark.unit
+def test_fsdp_checks_pass_on_the_engine_and_fail_on_a_wrong_reference(tmp_path, one_rank_world, monkeypatch):
+    """The FSDP checks' own logic in a CPU rehearsal (fp32, gloo): log-probs against transformers,
+    one update, the export written as an HF folder and read back by transformers. A reference off
+    by 1e-3 (ten times the rehearsal's bound) must fail the check."""
+    import torch
+
+    from verl_hpc.gpu_check import fsdp_checks, workload
+    from verl_hpc.gpu_check.kit import Kit
+
+    kit = Kit(out=tmp_path, rehearsal=True)
+    detail = fsdp_checks.fsdp_logprobs(kit)
+    assert "compute float32, fp32 master weights, mesh (1,)" in detail and kit.fsdp_engine is not None
+    detail = fsdp_checks.fsdp_step_export(kit)
+    assert "exported tensors moved" in detail and kit.fsdp_engine is None  # freed for the next checks
+    assert (tmp_path / "fsdp_export" / "model.safetensors").is_file()
+    # bf16 on a GPU: the engine computes in bf16 over fp32 master weights
+    o = fsdp_checks.fsdp_options(kit.model_path, rehearsal=False)
+    assert (o.dtype, o.fsdp.mixed_precision, o.fsdp.compile, o.engine) == ("bfloat16", "bf16", False, "fsdp")
+    real = workload.hf_log_probs
+    monkeypatch.setattr(workload, "hf_log_probs", lambda *a: real(*a) + 1e-3 * torch.ones(1))
+    with pytest.raises(AssertionError, match="FSDP engine vs transformers: max"):
+        fsdp_checks.fsdp_logprobs(Kit(out=tmp_path, rehearsal=True))
+
+
+def hide_megatron(folder: Path) -> str:
+    """A PYTHONPATH entry whose `megatron` (and `vllm`) package fails to import, as on a GPU image
+    without them."""
+    for name in ("megatron", "vllm"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError('{name} is hidden for this test')\n")
+    return f"{folder}{os.pathsep}{ROOT}"
+
+
+@pytest.mark.unit
+def test_fsdp_checks_run_without_megatron(tmp_path):
+    """With megatron hidden, the FSDP checks pass (any megatron import would fail them; the memory
+    plan's says it has no GPU memory to measure once it has planned and trained its job) and the
+    Megatron checks say NOT TESTABLE (not FAIL): a GPU image without megatron-core still tests the
+    FSDP engine, and the run exits 0."""
+    env = {**os.environ, "PYTHONPATH": hide_megatron(tmp_path / "hidden")}
+    r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--cpu-rehearsal", "--out", str(tmp_path / "o"),
+                        "--only", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export", "fsdp_memory_plan",
+                        "megatron_parallel", "cuda_rng_checkpoint"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
+    table = (tmp_path / "o" / "gpu_check.txt").read_text()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = {line.split()[0]: line.split()[1] for line in table.splitlines() if len(line.split()) > 1}
+    assert [status[n] for n in ("nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export")] == ["PASS"] * 3, table
+    assert status["fsdp_memory_plan"] == "NOT" and "planned and trained on the FSDP engine" in table
+    assert status["megatron_parallel"] == "NOT" and "megatron is hidden for this test" in table
+    assert status["cuda_rng_checkpoint"] == "SKIPPED", table
 
 
 # ---------------------------------------------------------------------------- preflight

@@ -12,7 +12,8 @@ network: the test model is made on the spot (verl_hpc.models.tiny).
 
 Prints a table: PASS / FAIL / NOT TESTABLE (with why) per check, the versions that differ from the
 verified ones (preflight.py), and the peak GPU memory of each component. Exit code 1 when any check
-failed. The checks are listed in `checks.CHECKS` and run by `kit.run_checks`; the memory-plan
-check compares the planner with the kit's own job (memplan.py); the two-GPU check starts two ranks
-(multi_gpu.py).
+failed. The checks are listed in `checks.CHECKS` and run by `kit.run_checks`; the FSDP engine's
+checks (fsdp_checks.py) import nothing of megatron, so a GPU image without megatron-core still runs
+them (the Megatron checks then say NOT TESTABLE); the memory-plan check compares the planner with
+the kit's own job (memplan.py); the two-GPU check starts two ranks (multi_gpu.py).
 """

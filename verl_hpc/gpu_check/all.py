@@ -7,7 +7,8 @@ Steps, each a command with its own time limit and log file (OUT/<step>.log):
   gpu_check   python -m verl_hpc.gpu_check (the first-GPU check, its table in OUT/gpu_check/)
   gpu_tests   pytest -m gpu (the gpu-marked tests)
   demo        python -m verl_hpc.trainer.programs.demo (SFT warm start + GRPO on the tiny model)
-  bench       python benchmarks/bench_gpu_step.py (engine vs transformers train step)
+  bench       python benchmarks/bench_gpu_step.py (the Megatron and FSDP engines' train step vs
+              transformers'; without megatron-core, the FSDP column alone)
 then OUT/summary.txt (and .json): step, status, seconds, limit, log; the versions that differ
 from the verified ones. The limits add up to BUDGET_S; a step never runs past what is left of it.
 Without a GPU it stops with exit 2 unless --cpu-rehearsal: then the same steps run their CPU

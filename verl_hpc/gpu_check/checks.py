@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import List
 
-from verl_hpc.gpu_check import workload
+from verl_hpc.gpu_check import fsdp_checks, workload
 from verl_hpc.gpu_check.kit import Check, Kit, NotTestable
 
 
@@ -71,7 +71,11 @@ def nccl_bootstrap(kit: Kit) -> str:
 
 
 def megatron_parallel(kit: Kit) -> str:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    try:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    except ImportError as e:
+        raise NotTestable(f"megatron-core does not import ({e}); the kit's wheels carry it (python -m "
+                          "verl_hpc.gpu_check.wheels). The Megatron engine's checks need it, the FSDP ones do not") from None
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     from verl_hpc.parallel import init_model_parallel
@@ -115,34 +119,8 @@ def cuda_rng_checkpoint(kit: Kit) -> str:
 
 
 # ----------------------------------------------------------------------------- engine
-def _tiny_model(kit: Kit) -> str:
-    if kit.model_path is None:
-        from verl_hpc.models.tiny import make_tiny_model
-
-        kit.model_path = str(make_tiny_model(kit.out / "tiny_llama", "llama", layers=2))
-    return kit.model_path
-
-
+_tiny_model, _hf_log_probs = workload.tiny_model, workload.hf_log_probs
 _batch, _loss_fn = workload.batch, workload.loss_fn
-
-
-def _hf_log_probs(path: str, batch, dtype, device):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    with torch.no_grad():
-        logits = model(batch["input_ids"].to(device)).logits.float()
-    logp = torch.log_softmax(logits, -1)
-    plen, rlen = batch["prompt_lengths"], batch["response_lengths"]
-    width = int(rlen.max())
-    out = torch.zeros(len(plen), width)
-    for b in range(len(plen)):
-        p, r = int(plen[b]), int(rlen[b])
-        toks = batch["input_ids"][b, p:p + r].to(device)
-        out[b, :r] = logp[b, p - 1:p + r - 1].gather(1, toks[:, None]).squeeze(1).cpu()
-    del model
-    return out
 
 
 def engine_logprob_parity(kit: Kit) -> str:
@@ -402,6 +380,12 @@ CHECKS: List[Check] = [
           compile_toolchain, machine="any"),
     Check("nccl_bootstrap", "runtime bootstrap at world size 1 on NCCL + every collective the "
           "project uses", nccl_bootstrap),
+    Check("fsdp_bf16_logprobs", "FSDP2 engine in bf16 mixed precision (fp32 master weights) vs "
+          "transformers on the GPU (log-probs); no megatron import", fsdp_checks.fsdp_logprobs, ("nccl_bootstrap",)),
+    Check("fsdp_step_export", "FSDP2 engine: one update, export_hf_weights -> HF folder -> transformers "
+          "log-probs = the engine's", fsdp_checks.fsdp_step_export, ("fsdp_bf16_logprobs",)),
+    Check("fsdp_memory_plan", "the memory plan of the kit's job on the FSDP engine vs max_memory_allocated",
+          fsdp_checks.fsdp_memory_plan, ("fsdp_step_export",)),
     Check("megatron_parallel", "Megatron model parallel on NCCL, its own CUDA RNG tracker",
           megatron_parallel, ("nccl_bootstrap",)),
     Check("cuda_rng_checkpoint", "CUDA + Megatron tracker RNG states through an HDF5 checkpoint",

@@ -21,6 +21,7 @@ class Kit:
     ctx: Any = None
     model_path: Optional[str] = None
     engine: Any = None  # the trainable engine of the train/resume checks
+    fsdp_engine: Any = None  # the FSDP engine, from its log-prob check to its step/export check
     peaks: Dict[str, int] = dataclasses.field(default_factory=dict)  # component -> bytes
 
     @property

@@ -11,6 +11,11 @@ fragmentation) and vLLM's budget are left out, since max_memory_allocated counts
 The model is a small Llama (~20M parameters, vocabulary 8192) with full-length rows of 1024
 tokens, so that model state, activations and logits dominate the few fixed allocations (cuBLAS
 workspace, the batch) that no plan row names.
+
+`engine="fsdp"` plans and trains the same job on the FSDP engine (parallel.engine=fsdp; bf16
+compute over fp32 master weights on a GPU): its plan adds the `gathered` column (the unsharded
+layers in flight), which the comparison takes too (0 for Megatron's roles). That path imports
+nothing of megatron.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Dict, List, Optional
 # lets jobs run out of memory), nor over-estimate by more than 2x (it would refuse jobs that fit).
 ABOVE = 0.10
 BELOW = 0.50
-COMPARED = ("actor", "critic", "ref", "activations", "logits")
+COMPARED = ("actor", "critic", "ref", "activations", "logits", "gathered")
 PHASE = "update_actor"
 
 # the kit's job: full-length rows, so the plan's worst case is what runs
@@ -33,20 +38,21 @@ PROMPT, RESPONSE, MICRO_BATCH, ROWS = 256, 768, 2, 4
 REHEARSAL_PROMPT, REHEARSAL_RESPONSE = 16, 48
 
 
-def kit_overrides(model_path: str, *, gpu: bool, prompt: int = PROMPT, response: int = RESPONSE) -> List[str]:
+def kit_overrides(model_path: str, *, gpu: bool, prompt: int = PROMPT, response: int = RESPONSE,
+                  engine: str = "megatron") -> List[str]:
     """The kit's job: one rank (dp 1, so the plain optimizer: the engine does not shard at dp 1),
-    the actor alone, bf16 on a GPU."""
-    return [f"model.path={model_path}", f"model.dtype={'bfloat16' if gpu else 'float32'}",
+    the actor alone, bf16 on a GPU, on `engine` (parallel.engine)."""
+    return [f"model.path={model_path}", f"model.dtype={'bfloat16' if gpu else 'float32'}", f"parallel.engine={engine}",
             f"slurm.gpus_per_node={1 if gpu else 0}", "slurm.nodes=1", "slurm.tasks_per_node=1",
             "parallel.use_distributed_optimizer=false", "ref.enable=false", "critic.enable=false",
             f"data.max_prompt_length={prompt}", f"data.max_response_length={response}",
             f"actor.micro_batch_size={MICRO_BATCH}", "actor.max_tokens_per_microbatch=0"]
 
 
-def kit_job_config(model_path: str, *, gpu: bool, **lengths):
+def kit_job_config(model_path: str, *, gpu: bool, **kwargs):
     from verl_hpc.config import load_config
 
-    return load_config(None, kit_overrides(model_path, gpu=gpu, **lengths))
+    return load_config(None, kit_overrides(model_path, gpu=gpu, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +90,13 @@ def compare(plan, measured: Optional[float]) -> Comparison:
     return Comparison(predicted=sum(parts.values()), measured=measured, parts=parts)
 
 
-def run(folder, *, rehearsal: bool) -> Comparison:
-    """Plan the kit's job and train its actor for two steps (the second has Adam's state, as every
-    step of a run does) on this machine; the comparison (measured None in a CPU rehearsal)."""
+def run(folder, *, rehearsal: bool, engine: str = "megatron") -> Comparison:
+    """Plan the kit's job and train its actor on `engine` for two steps (the second has Adam's
+    state, as every step of a run does) on this machine; the comparison (measured None in a CPU
+    rehearsal)."""
     import gc
     import math
 
-    from verl_hpc.engines.megatron import MegatronEngine
     from verl_hpc.gpu_check import workload
     from verl_hpc.models.gpt import transformer_engine_available
     from verl_hpc.models.tiny import make_tiny_model
@@ -101,13 +107,19 @@ def run(folder, *, rehearsal: bool) -> Comparison:
     path = str(make_tiny_model(folder, "llama", **SHAPE))
     lengths = (dict(prompt=REHEARSAL_PROMPT, response=REHEARSAL_RESPONSE) if rehearsal
                else dict(prompt=PROMPT, response=RESPONSE))
-    cfg = kit_job_config(path, gpu=not rehearsal, **lengths)
+    cfg = kit_job_config(path, gpu=not rehearsal, engine=engine, **lengths)
     # the layer spec this machine builds: a GPU node without Transformer Engine runs the local spec
-    plan = plan_job(cfg, layer_impl="te" if transformer_engine_available() else "local")
+    # (the FSDP engine builds transformers' layers whatever is installed)
+    te = engine == "megatron" and transformer_engine_available()
+    plan = plan_job(cfg, layer_impl="te" if te else "local")
     gc.collect()
     base = memory_allocated() or 0  # what the earlier checks still hold
     reset_peak_memory()
-    eng = MegatronEngine(engine_options(cfg, "actor"))
+    if engine == "fsdp":
+        from verl_hpc.engines.fsdp import FsdpEngine as Engine
+    else:
+        from verl_hpc.engines.megatron import MegatronEngine as Engine
+    eng = Engine(engine_options(cfg, "actor"))
     for k in range(2):
         m = eng.train_step(workload.batch(k, rows=ROWS, full=True, **lengths), workload.loss_fn)
         assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m

@@ -1,5 +1,6 @@
-"""What the kit's checks run: the batch, the loss and the trainable engine's options, shared by the
-one-process checks (checks.py) and the two-rank check (multi_gpu.py)."""
+"""What the kit's checks run: the model, the batch, the loss, the trainable engine's options and the
+transformers reference, shared by the one-process checks (checks.py, fsdp_checks.py) and the
+two-rank check (multi_gpu.py)."""
 from __future__ import annotations
 
 
@@ -28,3 +29,32 @@ def train_options(model_path: str, dtype: str, *, use_distributed_optimizer: boo
     return default_options(model_path=model_path, dtype=dtype, micro_batch_size=2, total_steps=4,
                            use_distributed_optimizer=use_distributed_optimizer,
                            optim=OptimConfig(lr=1e-3, weight_decay=0.01))
+
+
+def tiny_model(kit) -> str:
+    """The kit's model folder (a 2-layer Llama made on the spot, once per run)."""
+    if kit.model_path is None:
+        from verl_hpc.models.tiny import make_tiny_model
+
+        kit.model_path = str(make_tiny_model(kit.out / "tiny_llama", "llama", layers=2))
+    return kit.model_path
+
+
+def hf_log_probs(path: str, batch, dtype, device):
+    """transformers' log-probs of the response tokens, the folder loaded in `dtype` on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        logits = model(batch["input_ids"].to(device)).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    plen, rlen = batch["prompt_lengths"], batch["response_lengths"]
+    width = int(rlen.max())
+    out = torch.zeros(len(plen), width)
+    for b in range(len(plen)):
+        p, r = int(plen[b]), int(rlen[b])
+        toks = batch["input_ids"][b, p:p + r].to(device)
+        out[b, :r] = logp[b, p - 1:p + r - 1].gather(1, toks[:, None]).squeeze(1).cpu()
+    del model
+    return out
