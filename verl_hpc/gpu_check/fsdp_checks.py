@@ -22,7 +22,8 @@ def fsdp_options(path: str, rehearsal: bool):
     from verl_hpc.config.schema import OptimConfig
     from verl_hpc.engines.options import default_options
 
-    o = default_options(path, engine="fsdp", dtype="float32" if rehearsal else "bfloat16",
+    # the default model.dtype (float32) in a rehearsal, bf16 on the GPU
+    o = default_options(path, engine="fsdp", **({} if rehearsal else {"dtype": "bfloat16"}),
                         micro_batch_size=2, max_tokens_per_microbatch=0, total_steps=4,
                         optim=OptimConfig(lr=1e-3, weight_decay=0.01))
     return dataclasses.replace(o, fsdp=dataclasses.replace(

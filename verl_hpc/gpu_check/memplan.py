@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
+from verl_hpc.config.sections.fsdp import MEGATRON
+
 # PASS band of measured / predicted: the plan may not under-estimate by more than its own
 # fragmentation allowance plus the fixed allocations it does not name (a plan that is too low
 # lets jobs run out of memory), nor over-estimate by more than 2x (it would refuse jobs that fit).
@@ -39,7 +41,7 @@ REHEARSAL_PROMPT, REHEARSAL_RESPONSE = 16, 48
 
 
 def kit_overrides(model_path: str, *, gpu: bool, prompt: int = PROMPT, response: int = RESPONSE,
-                  engine: str = "megatron") -> List[str]:
+                  engine: str = MEGATRON) -> List[str]:
     """The kit's job: one rank (dp 1, so the plain optimizer: the engine does not shard at dp 1),
     the actor alone, bf16 on a GPU, on `engine` (parallel.engine)."""
     return [f"model.path={model_path}", f"model.dtype={'bfloat16' if gpu else 'float32'}", f"parallel.engine={engine}",
@@ -90,7 +92,7 @@ def compare(plan, measured: Optional[float]) -> Comparison:
     return Comparison(predicted=sum(parts.values()), measured=measured, parts=parts)
 
 
-def run(folder, *, rehearsal: bool, engine: str = "megatron") -> Comparison:
+def run(folder, *, rehearsal: bool, engine: str = MEGATRON) -> Comparison:
     """Plan the kit's job and train its actor on `engine` for two steps (the second has Adam's
     state, as every step of a run does) on this machine; the comparison (measured None in a CPU
     rehearsal)."""
