@@ -21,7 +21,8 @@
    Megatron in `finalize_model_grads` after it, so the whole step is the fair unit), each engine
    as the default config builds it (Megatron's distributed optimizer), 2 micro-batches of 2 a rank.
    Each rank's model-state bytes (distinct storages behind its parameters, gradients and Adam's
-   moments, measured after a forward+backward that follows two updates) beside the memory plan's
+   moments, measured after the timed updates and one more forward+backward, so that the gradients
+   are held) beside the memory plan's
    `update_actor` actor column for the same job (`python -m verl_hpc.plan`'s rows).
    Layout runs alternate (the order rotated each repeat); medians.
 
