@@ -1,5 +1,6 @@
 """A CPU rehearsal of the first-GPU kit's checks (python -m verl_hpc.gpu_check --cpu-rehearsal):
 their own code runs on CPU with gloo and float32, so a GPU session does not find a bug in the kit."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,33 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     assert "the job was planned and trained on the FSDP engine: plan update_actor" in table
     assert "DistributedOptimizer step, ranks equal" in table
     assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table
+
+
+def hide_megatron(folder: Path) -> str:
+    """A PYTHONPATH entry whose `megatron` (and `vllm`) package fails to import, as on a GPU image
+    without them."""
+    for name in ("megatron", "vllm"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError('{name} is hidden for this test')\n")
+    return f"{folder}{os.pathsep}{ROOT}"
+
+
+def test_fsdp_checks_run_without_megatron(tmp_path):
+    """With megatron hidden, the FSDP checks pass (any megatron import would fail them; the memory
+    plan's says it has no GPU memory to measure once it has planned and trained its job) and the
+    Megatron checks say NOT TESTABLE (not FAIL): a GPU image without megatron-core still tests the
+    FSDP engine, and the run exits 0."""
+    # a real command-line run of the kit (about 35 s: its imports and three engine builds), so in
+    # this tier, not the unit tier
+    env = {**os.environ, "PYTHONPATH": hide_megatron(tmp_path / "hidden")}
+    r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--cpu-rehearsal", "--out", str(tmp_path / "o"),
+                        "--only", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export", "fsdp_memory_plan",
+                        "megatron_parallel", "cuda_rng_checkpoint"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=env)
+    table = (tmp_path / "o" / "gpu_check.txt").read_text()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = {line.split()[0]: line.split()[1] for line in table.splitlines() if len(line.split()) > 1}
+    assert [status[n] for n in ("nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export")] == ["PASS"] * 3, table
+    assert status["fsdp_memory_plan"] == "NOT" and "planned and trained on the FSDP engine" in table
+    assert status["megatron_parallel"] == "NOT" and "megatron is hidden for this test" in table
+    assert status["cuda_rng_checkpoint"] == "SKIPPED", table
