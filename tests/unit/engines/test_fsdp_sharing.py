@@ -59,11 +59,12 @@ def test_packed_rows_give_the_plain_layouts_outputs_and_update(engines):
 def test_auto_packs_only_where_the_dense_mask_pays(tmp_path):
     from types import SimpleNamespace
 
-    from verl_hpc.engines.fsdp.sharing import DenseMaskCost, DensePromptSharing
+    from verl_hpc.engines.fsdp.sharing import DenseMaskCost
+    from verl_hpc.engines.prefix import PromptSharing
 
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=16, num_key_value_heads=2,
                           intermediate_size=128)
-    auto = DensePromptSharing(DenseMaskCost.for_config(cfg))
+    auto = PromptSharing(DenseMaskCost.for_config(cfg))
     many = _grpo_batch(groups=1, n=8, prompt=20)  # 8 responses to a long prompt: the prompt dominates
     assert auto(many, int(many["response_mask"].shape[1])) is not None
     single = _grpo_batch(groups=4, n=1)  # no prompt repeated: nothing to share

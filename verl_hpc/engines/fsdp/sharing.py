@@ -6,7 +6,7 @@ The Megatron engine runs packed rows through segmented attention (two SDPA calls
 engines/megatron/sdpa.py); a transformers model's own attention takes only a mask, so here every
 (query, key) pair of the packed row is computed, masked ones included, where the plain layout's
 causal kernel computes half of them. `DenseMaskCost` weighs that against the prompt tokens saved,
-in the units of prefix.CostModel, and a micro-batch is packed only where it pays (`on`: wherever a
+in the units of prefix.CostModel (prefix.PromptSharing decides with it), and a micro-batch is packed only where it pays (`on`: wherever a
 prompt has two responses in it). A value head never packs (its sequence scores read the last token,
 which packed rows leave out), and neither does a model whose attention is not SDPA's.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from verl_hpc.engines.prefix import MAX_PACKED_LEN, PromptSharing, packed_lengths, prompt_groups
+from verl_hpc.engines.prefix import PromptSharing
 
 MASK_PENALTY = 5.0  # as prefix.CostModel: attention next to the GEMMs runs at lower efficiency
 
@@ -45,29 +45,11 @@ class DenseMaskCost:
         return len(lengths) * (s + self.pair_weight * s * s)
 
 
-class DensePromptSharing(PromptSharing):
-    """prefix.PromptSharing with the dense-mask cost (the packing itself is prefix.pack_rows)."""
-
-    def __call__(self, sub, width: int, pad_to: int = 1):
-        groups = prompt_groups(sub["input_ids"], sub["prompt_lengths"])
-        plens, rlens = sub["prompt_lengths"].tolist(), sub["response_lengths"].tolist()
-        if max(len(g) for g in groups) < 2:
-            return None
-        packed = packed_lengths(groups, plens, rlens)
-        plain = [plens[i] + rlens[i] for g in groups for i in g]
-        if max(packed) > MAX_PACKED_LEN or len(packed) * max(packed) > len(plain) * max(plain):
-            return None
-        if not self.force and self.cost.packed(packed) >= 0.9 * self.cost.plain(plain):
-            return None
-        from verl_hpc.engines.prefix import pack_rows
-
-        return pack_rows(sub, groups, width, pad_to)
-
-
-def prompt_sharing(options, hf_config, model) -> Optional[DensePromptSharing]:
+def prompt_sharing(options, hf_config, model) -> Optional[PromptSharing]:
     """The engine's packing decision for its options (None: never pack)."""
     if options.head != "lm" or options.share_prompts == "off":
         return None
     if getattr(hf_config, "_attn_implementation", "sdpa") != "sdpa":
         return None
-    return DensePromptSharing(DenseMaskCost.for_config(hf_config), force=options.share_prompts == "on")
+    # prefix.py's decision and packing, with this engine's cost of attention
+    return PromptSharing(DenseMaskCost.for_config(hf_config), force=options.share_prompts == "on")
