@@ -65,3 +65,15 @@ def gather_outputs(collected, batch_size: int, width: int, keys: Sequence[str], 
             out[key] = flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
     return {k: v.cpu() for k, v in out.items()}
+
+
+def reduce_metric_sums(vec: torch.Tensor, keys: Sequence[str]) -> Dict[str, float]:
+    """A train step's metrics from this rank's sums `[loss, tokens, token-weighted metric sums...]`:
+    summed over every rank (one all-reduce, one transfer), the metrics divided by the tokens.
+    Both engines end their metric reduction here."""
+    dist.all_reduce(vec)
+    vals = vec.tolist()
+    tokens = max(vals[1], 1.0)
+    out = {"loss": vals[0], "tokens": vals[1]}
+    out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})
+    return out

@@ -46,7 +46,7 @@ import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
 from verl_hpc.engines.options import HEADS, EngineOptions
-from verl_hpc.engines.outputs import gather_outputs, value_outputs
+from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums, value_outputs
 from verl_hpc.engines.partition import plan_microbatches
 from verl_hpc.engines.prefix import prompt_groups
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
@@ -309,12 +309,7 @@ class FsdpEngine(TrainingEngine):
                 if k in r:
                     vec[2 + j] += float(r[k]) * w
         vec = vec.to(collective_device())
-        dist.all_reduce(vec)
-        vals = vec.tolist()
-        tokens = max(vals[1], 1.0)
-        out = {"loss": vals[0], "tokens": vals[1]}
-        out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})
-        return out
+        return reduce_metric_sums(vec, keys)
 
     def scheduler_step(self) -> float:
         if self.scheduler is None:

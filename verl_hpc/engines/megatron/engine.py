@@ -50,7 +50,7 @@ from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.megatron.build import build_chunks, output_position_layers, prompt_sharing, wrap_ddp
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.options import EngineOptions, check_options, torch_dtype
-from verl_hpc.engines.outputs import gather_outputs
+from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
 from verl_hpc.engines.partition import plan_microbatches
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.megatron.moe_stats import RouterStats
@@ -297,12 +297,7 @@ class MegatronEngine(TrainingEngine):
                 w = float(r["tokens"])
                 vec = vec + torch.stack([r["loss"].to(dev, torch.float64), zero + w] + [
                     r[k].to(dev, torch.float64) * w if k in r else zero for k in keys])
-        dist.all_reduce(vec)
-        vals = vec.tolist()  # one transfer
-        tokens = max(vals[1], 1.0)
-        out = {"loss": vals[0], "tokens": vals[1]}
-        out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})
-        return out
+        return reduce_metric_sums(vec, keys)
 
     def scheduler_step(self) -> float:
         if self.scheduler is None:
