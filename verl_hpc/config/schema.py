@@ -30,6 +30,7 @@ from verl_hpc.config.sections.rollout import ReshardingConfig, RolloutConfig
 from verl_hpc.config.sections.safety import SafetyConfig
 from verl_hpc.config.sections.tracking import TrackingConfig
 from verl_hpc.config.sections.trainer import CheckpointConfig, SmokeConfig, TrainerConfig
+from verl_hpc.config.sections.vision import VisionConfig
 
 
 @dataclass
@@ -50,6 +51,8 @@ class JobConfig:
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "HDF5 checkpoints")
     parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = training ranks / (tp * pp)")
+    vision: VisionConfig = section(VisionConfig, "images in the prompts (vision-language models): where rows "
+                                                 "keep them, their limits, whether the vision tower trains")
     fsdp: FsdpConfig = section(FsdpConfig, "the FSDP2 engine (parallel.engine = fsdp | auto): sharding, "
                                            "precision, recompute, offload, compile")
     placement: PlacementConfig = section(PlacementConfig, "colocated (every rank does everything) or split "

@@ -1,0 +1,32 @@
+"""`vision:` images in the prompts, for vision-language models (the FSDP engine trains them).
+
+A row's images are under `image_key` (bytes, a path, or {bytes, path} as parquet image columns
+store them); each is checked before the queue against the limits here, and the prompt names where
+each image goes: `<image>` in a message's text, or a content part {"type": "image"}. Which model is
+a vision-language model is read from its config.json (a `vision_config`), never configured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from verl_hpc.config.fields import Section, opt
+
+# Why 16 megapixels: above the largest image the released Qwen-VL processors keep (12.8 MP before
+# they downscale) and far below what would exhaust a loader's memory (a 100 MP RGB image decodes to
+# 300 MB); the processor downsizes anything it keeps to its own max_pixels anyway.
+DEFAULT_MAX_PIXELS = 16 * 1024 * 1024
+PLACEHOLDER = "<image>"
+
+
+@dataclass
+class VisionConfig(Section):
+    image_key: str = opt("images", "column holding a row's images: a list of image bytes or paths (or "
+                                   "{bytes, path} dicts, as parquet image columns store them)")
+    max_image_pixels: int = opt(DEFAULT_MAX_PIXELS, "an image wider x higher than this is refused at load "
+                                                    "(the row named)", check=">0")
+    max_image_bytes: int = opt(20 * 1024 * 1024, "an encoded image larger than this is refused at load",
+                               check=">0")
+    max_images_per_prompt: int = opt(8, "images in one prompt at most (rollout and KV-cache sizing)",
+                                     check=">0")
+    train_vision_tower: bool = opt(False, "train the vision tower (and its projector) with the language "
+                                          "model; false freezes them: their weights never change and are "
+                                          "not sent to the rollout engine")
