@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 
 @dataclass
@@ -16,20 +16,31 @@ class PromptBatch:
     data_sources: List[str] = field(default_factory=list)
     ground_truths: List[str] = field(default_factory=list)
     extras: List[Dict[str, Any]] = field(default_factory=list)
+    # a vision-language model's prompts: per prompt its images (verl_hpc.data.processor.PromptImages,
+    # None for a prompt without any); empty for a text-only model
+    media: List[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __post_init__(self):
         sizes = {len(v) for v in (self.ids, self.prompt_ids, self.prompt_texts, self.data_sources,
-                                  self.ground_truths, self.extras)}
+                                  self.ground_truths, self.extras) + ((self.media,) if self.media else ())}
         if len(sizes) > 1:
             raise ValueError(f"PromptBatch: fields of unequal lengths {sorted(sizes)}")
 
+    @property
+    def images(self) -> Optional[List[Any]]:
+        """media, or None for text prompts (what a rollout engine's generate takes)."""
+        return self.media or None
+
     def select(self, indices: Sequence[int]) -> "PromptBatch":
         """The prompts at `indices`, in that order."""
-        return PromptBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
+        return PromptBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] if getattr(self, f.name) else []
+                              for f in fields(self)})
 
     @classmethod
     def concat(cls, batches: Sequence["PromptBatch"]) -> "PromptBatch":
-        return cls(**{f.name: [x for b in batches for x in getattr(b, f.name)] for f in fields(cls)})
+        media = any(b.media for b in batches)
+        return cls(**{f.name: [x for b in batches for x in (getattr(b, f.name) or ([None] * len(b)))]
+                      for f in fields(cls) if f.name != "media" or media})

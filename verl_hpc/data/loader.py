@@ -41,17 +41,20 @@ class PromptLoader:
         self.step = 0  # batches served; part of the state so a resumed loader can be checked
 
     @classmethod
-    def from_config(cls, data_cfg, tokenizer, wrap_plain_text: bool = True, tools=None) -> "PromptLoader":
-        """tools: {name: schema} of a multi_turn job (PromptDataset.load)."""
+    def from_config(cls, data_cfg, tokenizer, wrap_plain_text: bool = True, tools=None,
+                    images=None) -> "PromptLoader":
+        """tools: {name: schema} of a multi_turn job; images: ImagePrompts (PromptDataset.load)."""
         if data_cfg.tasks:
             from verl_hpc.config.sections.tasks import task_specs
 
             specs = task_specs(data_cfg)
-            dataset = load_task_dataset(specs, tokenizer, data_cfg, wrap_plain_text, "train", tools=tools)
+            dataset = load_task_dataset(specs, tokenizer, data_cfg, wrap_plain_text, "train", tools=tools,
+                                        images=images)
             return cls(dataset, data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle,
                        task_weights={n: t.weight for n, t in specs.items()})
         dataset = PromptDataset.load(data_cfg.train_files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,
-                                     data_cfg.overlong_prompts, wrap_plain_text, what="data.train_files", tools=tools)
+                                     data_cfg.overlong_prompts, wrap_plain_text, what="data.train_files", tools=tools,
+                                     images=images)
         log.info("train set: %d prompts from %d file(s) (%d dropped as overlong)", len(dataset),
                  len(data_cfg.train_files), dataset.n_dropped)
         return cls(dataset, data_cfg.train_batch_size, data_cfg.seed, data_cfg.shuffle, dict(data_cfg.mixture))
@@ -95,14 +98,17 @@ def val_batches(dataset: PromptDataset, batch_size: int) -> Iterator[PromptBatch
         yield dataset.batch(range(start, min(start + batch_size, len(dataset))))
 
 
-def load_val_dataset(data_cfg, tokenizer, wrap_plain_text: bool = True, tools=None) -> Optional[PromptDataset]:
+def load_val_dataset(data_cfg, tokenizer, wrap_plain_text: bool = True, tools=None,
+                     images=None) -> Optional[PromptDataset]:
     """The val set of data.val_files, or None when there is none; same length filter as training."""
     if data_cfg.tasks:
         from verl_hpc.config.sections.tasks import task_specs
 
-        return load_task_dataset(task_specs(data_cfg), tokenizer, data_cfg, wrap_plain_text, "val", tools=tools)
+        return load_task_dataset(task_specs(data_cfg), tokenizer, data_cfg, wrap_plain_text, "val", tools=tools,
+                                 images=images)
     if not data_cfg.val_files:
         return None
     return PromptDataset.load(data_cfg.val_files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,
-                              data_cfg.overlong_prompts, wrap_plain_text, what="data.val_files", tools=tools)
+                              data_cfg.overlong_prompts, wrap_plain_text, what="data.val_files", tools=tools,
+                              images=images)
 

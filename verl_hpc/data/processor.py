@@ -26,18 +26,60 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from verl_hpc.config.sections.vision import PLACEHOLDER
 from verl_hpc.data.errors import DataError
+from verl_hpc.data.images import ImageLimits, ImageProblem, load_images
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # model_type of the vision-language models tested
 IMAGE_TOKEN = "<|image_pad|>"
 Inputs = Dict[str, torch.Tensor]
+
+
+@dataclass
+class PromptImages:
+    """One prompt's images as each consumer takes them: `images` (PIL, RGB) for vLLM's
+    multi_modal_data, which runs the processor itself; `inputs` (the processor's tensors for this
+    prompt alone) for transformers' generate and the training engine."""
+    images: List[Any]
+    inputs: Inputs = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+@dataclass
+class ImagePrompts:
+    """How a data set's rows bring images: the model's processor (None: a text-only model, whose
+    rows may not hold images), the column, the limits."""
+    processor: Optional["VisionProcessor"]
+    image_key: str = "images"
+    limits: ImageLimits = field(default_factory=ImageLimits)
+
+    @classmethod
+    def from_config(cls, cfg) -> "ImagePrompts":
+        """For the job's policy model (model.path); the processor is loaded only for a VLM."""
+        return cls(VisionProcessor.load(cfg.model.path, cfg.model.trust_remote_code), cfg.vision.image_key,
+                   ImageLimits.from_config(cfg.vision))
+
+    def prompt(self, record) -> Tuple[str, List[int], Optional[PromptImages]]:
+        """(rendered text, token ids, its images or None) of one record; an ImageProblem or DataError
+        names what is wrong (the caller names the row)."""
+        images = load_images(record.images, self.limits, record.base_dir)
+        messages, places = image_messages(record.prompt)
+        if places != len(images):
+            raise ImageProblem(f"the prompt has {places} image placeholder(s) ('{PLACEHOLDER}' or "
+                               f"{{type: image}} parts) but field '{self.image_key}' holds {len(images)} "
+                               "image(s); each image needs one placeholder where it goes")
+        text = self.processor.render(messages)
+        ids, inputs = self.processor.encode(text, images)
+        return text, ids, PromptImages(images, inputs) if images else None
 
 
 def is_vision_language(config: Mapping[str, Any]) -> bool:

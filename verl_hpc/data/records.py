@@ -42,6 +42,9 @@ class PromptRecord:
     data_source: str
     ground_truth: str  # numbers are kept as their text ("72", "0.5")
     extra: Dict[str, Any] = field(default_factory=dict)
+    # the row's images as stored (bytes, paths, {bytes, path}); decoded by verl_hpc.data.images
+    images: Optional[List[Any]] = None
+    base_dir: str = ""  # the data file's folder: relative image paths resolve against it
 
     @property
     def is_chat(self) -> bool:
@@ -156,11 +159,22 @@ def _messages_problem(value) -> Optional[str]:
             return f"item {i} is {_short(m)}; expected a list of {{role, content}} dicts"
         if m["role"] not in VALID_ROLES:
             return f"item {i} has unknown role {_short(m['role'])}; valid: {', '.join(VALID_ROLES)}"
-        if not isinstance(m["content"], str):
+        if isinstance(m["content"], list):  # content parts (image prompts): text and image parts
+            bad = [p for p in m["content"] if not (isinstance(p, dict) and p.get("type") in ("text", "image"))]
+            if bad or not m["content"]:
+                return (f"item {i} has content parts {_short(m['content'])}; expected a non-empty list of "
+                        "{type: text, text: ...} / {type: image} parts")
+        elif not isinstance(m["content"], str):
             return f"item {i} has content {_short(m['content'])}; expected text"
-    if not any(m["content"].strip() for m in value):
+    if not any(_content_text(m["content"]).strip() or isinstance(m["content"], list) for m in value):
         return "is empty (every message's content is blank)"
     return None
+
+
+def _content_text(content) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content)
 
 
 def _short(value) -> str:
@@ -168,9 +182,20 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def row_problems(row: Dict[str, Any], prompt_key: str) -> List[str]:
-    """What is wrong with one row, as 'field ...; expected ...' fragments (empty when valid)."""
+def row_problems(row: Dict[str, Any], prompt_key: str, image_key: Optional[str] = None,
+                 vision: bool = False) -> List[str]:
+    """What is wrong with one row, as 'field ...; expected ...' fragments (empty when valid).
+    image_key: the column of a row's images (vision.image_key); vision: the model takes images
+    (a text-only model given images is refused, naming the field)."""
     p = []
+    images = row.get(image_key) if image_key else None
+    if images is not None and not (isinstance(images, (list, tuple)) and not images):  # [] = no images
+        if not isinstance(images, (list, tuple)):
+            p.append(f"field '{image_key}' (vision.image_key) is {type(images).__name__}; expected a list of "
+                     "images (bytes, paths or {bytes, path} dicts)")
+        elif not vision:
+            p.append(f"field '{image_key}' holds {len(images)} image(s) but the model is text-only (its "
+                     "config.json has no vision_config); use a vision-language model, or drop the field")
     prompt = row.get(prompt_key)
     if prompt is None:
         p.append(f"field '{prompt_key}' (data.prompt_key) is missing; expected text or a list of "
@@ -214,14 +239,22 @@ def sft_row_problem(row: Dict[str, Any], keys: Sequence[str]) -> Optional[str]:
     return None
 
 
-def to_record(row: Dict[str, Any], record_id: str, prompt_key: str) -> PromptRecord:
+def to_record(row: Dict[str, Any], record_id: str, prompt_key: str, image_key: Optional[str] = None,
+              base_dir: str = "") -> PromptRecord:
     """A validated row (row_problems(row) == []) as a PromptRecord."""
     prompt = row[prompt_key]
     if not isinstance(prompt, str):
-        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        prompt = [{"role": m["role"], "content": _parts(m["content"])} for m in prompt]
+    images = row.get(image_key) if image_key else None
     return PromptRecord(id=record_id, prompt=prompt, data_source=row["data_source"],
                         ground_truth=ground_truth_text(row["ground_truth"]),
-                        extra=_with_tools(_drop_none(row.get("extra") or {}), row.get("tools")))
+                        extra=_with_tools(_drop_none(row.get("extra") or {}), row.get("tools")),
+                        images=list(images) if images else None, base_dir=base_dir)
+
+
+def _parts(content):
+    """Message content as given, content parts without the None keys Arrow fills in."""
+    return content if isinstance(content, str) else [_drop_none(p) for p in content]
 
 
 def _with_tools(extra: Dict[str, Any], tools: Optional[List[str]]) -> Dict[str, Any]:
@@ -231,9 +264,10 @@ def _with_tools(extra: Dict[str, Any], tools: Optional[List[str]]) -> Dict[str, 
     return {**extra, "tools": list(tools)} if tools is not None else extra
 
 
-def load_records(paths: Sequence[str], prompt_key: str,
-                 what: str = "data.train_files") -> List[PromptRecord]:
-    """Every row of every file as PromptRecords, or one DataError listing the bad rows."""
+def load_records(paths: Sequence[str], prompt_key: str, what: str = "data.train_files",
+                 image_key: Optional[str] = None, vision: bool = False) -> List[PromptRecord]:
+    """Every row of every file as PromptRecords, or one DataError listing the bad rows.
+    image_key, vision: see row_problems."""
     paths = [str(p) for p in paths]  # also takes an OmegaConf ListConfig
     records: List[PromptRecord] = []
     problems: List[str] = []
@@ -246,14 +280,15 @@ def load_records(paths: Sequence[str], prompt_key: str,
             continue
         lines = None
         for i, row in enumerate(rows):
-            found = row_problems(row, prompt_key)
+            found = row_problems(row, prompt_key, image_key, vision)
             if found:
                 if lines is None and path.lower().endswith(JSONL_SUFFIXES):
                     lines = jsonl_line_numbers(path)
                 total += len(found)
                 problems.extend(f"{locate(path, i, lines)}: {msg}" for msg in found)
             elif not problems:  # once anything failed, only the problems are still wanted
-                records.append(to_record(row, f"{label}:{i}", prompt_key))
+                records.append(to_record(row, f"{label}:{i}", prompt_key, image_key,
+                                         os.path.dirname(os.path.abspath(path))))
     if problems:
         raise DataError.from_problems(problems, total)
     return records

@@ -33,7 +33,7 @@ def task_of(extra: Mapping) -> str:
 
 
 def load_task_dataset(tasks: Mapping, tokenizer, data_cfg, wrap_plain_text: bool = True,
-                      split: str = "train", tools=None) -> Optional[PromptDataset]:
+                      split: str = "train", tools=None, images=None) -> Optional[PromptDataset]:
     """The concatenated, tagged `split` (train | val) set of `tasks` ({name: TaskConfig}); None when
     no task has files for it."""
     parts: List[PromptDataset] = []
@@ -43,7 +43,7 @@ def load_task_dataset(tasks: Mapping, tokenizer, data_cfg, wrap_plain_text: bool
             continue
         ds = PromptDataset.load(files, tokenizer, data_cfg.prompt_key, data_cfg.max_prompt_length,
                                 data_cfg.overlong_prompts, wrap_plain_text, what=f"data.tasks.{name}.{split}_files",
-                                tools=tools)
+                                tools=tools, images=images)
         for r in ds.records:
             r.extra = {**r.extra, TASK_KEY: name}
             if tasks[name].data_source:

@@ -11,6 +11,8 @@ A batch is a dict of tensors about B sequences, each a prompt followed by its re
                                      and aligned with response_mask: old_log_probs, advantages,
                                      ref_log_probs, values, returns, ...
     <per-sequence>     [B]    anything else with B rows (data_source ids, scores, ...)
+    image_inputs       list of B  a vision-language model's per-row image tensors (the processor's
+                                     pixel_values, image_grid_thw; None for a row without images)
 
 T is response_mask's width when given, else max(response_lengths). Outputs of an engine are
 `[B, T]`, zero where the response mask is 0 (per-sequence outputs are `[B]`).
@@ -36,6 +38,9 @@ import torch
 
 Batch = Dict[str, torch.Tensor]
 SEQUENCE_KEYS = ("input_ids", "prompt_lengths", "response_lengths")
+# per-row values that are lists, not tensors: a vision-language model's image tensors per row
+# ({pixel_values, image_grid_thw} or None), of a different size in every row
+ROW_LISTS = ("image_inputs",)
 
 
 def as_engine_batch(batch) -> Mapping[str, torch.Tensor]:
@@ -121,6 +126,9 @@ def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int], *, pad_s
     t_sub = max(int(rlen.max()), 1) if len(idx) else 1
     out: Batch = {}
     for key, value in batch.items():
+        if key in ROW_LISTS and value is not None:
+            out[key] = [value[i] for i in idx.tolist()]
+            continue
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != b:
             continue  # not per-row: left out of micro-batches on purpose
         sub = value[idx.to(value.device)]

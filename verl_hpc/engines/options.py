@@ -78,11 +78,14 @@ class EngineOptions:
     # transformers may run code shipped with the model (model.trust_remote_code)
     fsdp: Any
     trust_remote_code: bool
+    # a vision-language model (FSDP engine): train its vision tower and projector too (vision.train_vision_tower)
+    train_vision_tower: bool = False
 
     @classmethod
     def for_role(cls, role: str, *, model, parallel, actor, ref, critic, prm, reward, lora,
                  temperature: float, lora_seed: int, total_steps: int, fp8: Optional[bool] = None,
-                 loss_norm_len: Optional[float] = None, fsdp=None) -> "EngineOptions":
+                 loss_norm_len: Optional[float] = None, fsdp=None,
+                 train_vision_tower: bool = False) -> "EngineOptions":
         """The options of `role` (actor, critic, ref, reward, prm) from the job's sections: model,
         parallel, the roles' own (actor, ref, critic, prm, reward: its reward_model) and lora; and
         temperature: rollout.temperature (the lm heads' log-probs), lora_seed: trainer.seed (the
@@ -99,6 +102,7 @@ class EngineOptions:
 
             fsdp = FsdpConfig()
         common = dict(engine=parallel.engine, fsdp=fsdp, trust_remote_code=model.trust_remote_code,
+                      train_vision_tower=train_vision_tower,
                       dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
                       sequence_parallel=par.sequence_parallel,
                       fp8=model.fp8 if fp8 is None else fp8, fp8_recipe=model.fp8_recipe,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from typing import Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,10 +60,13 @@ class RolloutEngine(abc.ABC):
         self._closed = False
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *, room: int = 0) -> RolloutResult:
+    def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *, room: int = 0,
+                 media: Optional[Sequence[Any]] = None) -> RolloutResult:
         """Sample `sampling.n` responses for each prompt; see the module doc for multi-rank use.
         `room`: prompts may be that much longer than max_prompt_length (a continuation: the prompt
-        plus a response's first tokens, whose total stays within the engine's window)."""
+        plus a response's first tokens, whose total stays within the engine's window).
+        `media`: per prompt, its images (a verl_hpc.data.processor.PromptImages, or None for a
+        text prompt), for a vision-language model; the prompt's token ids hold its image tokens."""
         start = time.perf_counter()
         self._check_usable()
         if sampling.max_tokens > self.max_response_length:
@@ -73,7 +76,11 @@ class RolloutEngine(abc.ABC):
         fitted, truncated = fit_prompts(check_prompts(prompts, self.vocab_size),
                                         self.max_prompt_length + room, self.prompt_overflow)
         shard = self.layout.shard(len(fitted))
-        local = (self._generate_shard([fitted[i] for i in shard], shard.start, sampling)
+        extra = {}
+        if media is not None and any(m is not None for m in media):
+            check_media(prompts, fitted, media)
+            extra["media"] = [media[i] for i in shard]
+        local = (self._generate_shard([fitted[i] for i in shard], shard.start, sampling, **extra)
                  if len(shard) else ShardOutput.empty())
         rows = gather_shards(self.layout, local)
         return RolloutResult(prompts=fitted, prompt_index=rows.prompt_index,
@@ -173,6 +180,19 @@ class RolloutEngine(abc.ABC):
 
     def _recovery_hint(self) -> str:
         return "restart the job from its last checkpoint"
+
+
+def check_media(prompts, fitted, media) -> None:
+    """One entry per prompt, and no image prompt cut by the overflow policy: left truncation would
+    drop image tokens that the image's features must fill (the data layer's length filter keeps
+    image prompts within data.max_prompt_length)."""
+    if len(media) != len(prompts):
+        raise ValueError(f"generate: {len(media)} media entries for {len(prompts)} prompts")
+    for i, (before, after, m) in enumerate(zip(prompts, fitted, media)):
+        if m is not None and len(after) != len(before):
+            raise ValueError(f"prompt {i} holds images and has {len(before)} tokens, more than the rollout's "
+                             f"prompt limit: an image prompt cannot be truncated (raise data.max_prompt_length "
+                             "or leave data.overlong_prompts = drop)")
 
 
 def check_tags(tags) -> tuple:

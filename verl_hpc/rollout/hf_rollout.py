@@ -33,6 +33,8 @@ from typing import Iterable, List, Tuple
 import torch
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.hf_model import read_hf_config
+from verl_hpc.data.processor import collate_inputs, is_vision_language, token_types
 from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
@@ -89,7 +91,7 @@ class HFRollout(RolloutEngine):
                  prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
                  logprobs_mode: str = "processed", share_prefill: bool = True, ctx=None, **_ignored):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
 
         if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
             raise ConfigError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
@@ -111,14 +113,15 @@ class HFRollout(RolloutEngine):
         # the headers first: a truncated or damaged file is named (WeightFileError) here, not deep
         # inside transformers' loader as a bare SafetensorError
         self._required = checkpoint_weight_names(model_path)
+        self.vision = is_vision_language(read_hf_config(model_path))
         with preserved_rng(self.device):
-            self.model = AutoModelForCausalLM.from_pretrained(
+            self.model = _auto_class(self.vision).from_pretrained(
                 model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)
         self.model.eval()
         if self.device.type == "cpu":
             column_major_linear_weights(self.model)
-        config = self.model.config
-        self.vocab_size = config.get_text_config().vocab_size
+        config = self.model.config.get_text_config()  # a VLM's token ids live in its text config
+        self.vocab_size = config.vocab_size
         eos = self.model.generation_config.eos_token_id
         eos = config.eos_token_id if eos is None else eos
         self.eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
@@ -133,6 +136,9 @@ class HFRollout(RolloutEngine):
         self._targets = {**self.model.state_dict(keep_vars=True),
                          **dict(self.model.named_parameters(remove_duplicate=False)),
                          **checkpoint_views(self.model)}
+        if self.vision:  # released VLM folders keep older tensor names that transformers renames on load
+            self._required = set(self.model.state_dict())
+            self.image_token_id = self.model.config.image_token_id
         unknown = sorted(self._required - set(self._targets))
         if unknown:
             raise WeightFileError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "
@@ -155,11 +161,14 @@ class HFRollout(RolloutEngine):
 
     # ------------------------------------------------------------------ generate
     def _generate_shard(self, prompts: List[List[int]], first_index: int,
-                        sampling: SamplingSpec) -> ShardOutput:
+                        sampling: SamplingSpec, media=None) -> ShardOutput:
+        if media is not None and not self.vision:
+            raise ValueError("hf rollout: prompts with images, but the model is text-only")
         rows = ShardOutput.empty()
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
-            rows.extend(self._generate_batch(batch, first_index + start, sampling))
+            images = media[start:start + self.batch_size] if media is not None else None
+            rows.extend(self._generate_batch(batch, first_index + start, sampling, images))
         return rows
 
     def _processors(self, s: SamplingSpec, prompt_len: int, recorder: _SampledLogprobs):
@@ -182,7 +191,7 @@ class HFRollout(RolloutEngine):
 
     @torch.no_grad()
     def _generate_batch(self, prompts: List[List[int]], first_index: int,
-                        s: SamplingSpec) -> ShardOutput:
+                        s: SamplingSpec, media=None) -> ShardOutput:
         from transformers import GenerationConfig
 
         width = max(len(p) for p in prompts)
@@ -194,8 +203,13 @@ class HFRollout(RolloutEngine):
         recorder = _SampledLogprobs()
         copies = 1 if s.greedy else s.n  # HF refuses n > 1 greedy: generate once, repeat below
         ids, mask = ids.to(self.device), mask.to(self.device)
-        cache, expand = None, copies
-        if self.share_prefill and copies > 1 and width > 1:
+        cache, expand, images = None, copies, {}
+        if self.vision:  # pixel values of the batch's images in row order; M-RoPE's token types
+            images = {k: v.to(self.device) for k, v in
+                      collate_inputs([m.inputs if m is not None else None for m in media or []]).items()}
+            if images:
+                images["mm_token_type_ids"] = token_types(ids, self.image_token_id)
+        if self.share_prefill and copies > 1 and width > 1 and not images:
             cache = self._shared_prefill(ids, mask, copies)
             ids, mask, expand = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0), 1
         gen = GenerationConfig(
@@ -212,7 +226,7 @@ class HFRollout(RolloutEngine):
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, past_key_values=cache,
                 generation_config=gen, logits_processor=self._processors(s, width, recorder),
-                **extra)
+                **extra, **images)
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         logprobs = recorder.finish(sequences).tolist()
         responses = sequences[:, width:].cpu().tolist()
@@ -297,3 +311,9 @@ class HFRollout(RolloutEngine):
             self._closed = True
             self.model = None
             self._targets = {}
+
+
+def _auto_class(vision: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM

@@ -61,7 +61,7 @@ class Roles:
     def generate(self, prompts, spec):
         """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
         if self.episodes is None:
-            result = self.rollout.generate(prompts.prompt_ids, spec)
+            result = self.rollout.generate(prompts.prompt_ids, spec, media=prompts.images)
         else:
             result = self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
                                             offered=[x.get("tools") for x in prompts.extras])
@@ -111,7 +111,7 @@ def engine_options(cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len:
         role, model=cfg.model, parallel=cfg.parallel, actor=cfg.actor, ref=cfg.ref, critic=cfg.critic,
         prm=cfg.prm, reward=cfg.reward, lora=cfg.lora, temperature=cfg.rollout.temperature,
         lora_seed=cfg.trainer.seed, total_steps=total_steps or cfg.trainer.total_steps, fp8=fp8,
-        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp)
+        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp, train_vision_tower=cfg.vision.train_vision_tower)
 
 
 # the field that names each role's model folder (the engine choice and its errors name it)

@@ -110,8 +110,14 @@ def _first_sentence(e: BaseException) -> str:
 
 
 def _auto_class(head: str, config):
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if is_vision_model(config):
+        if head == "value":
+            raise ConfigError(f"{type(config).__name__} is a vision-language model: a value or reward head on "
+                              "one is not supported (critic.model_path / reward.reward_model.path must be a "
+                              "text model); the policy and its reference train as transformers builds them")
+        return AutoModelForImageTextToText
     if head == "value":
         return AutoModel
     if type(config) not in AutoModelForCausalLM._model_mapping and not hasattr(config, "auto_map"):
@@ -209,11 +215,28 @@ def make_mesh(fsdp, device: torch.device):
     return init_device_mesh(device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
+def is_vision_model(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+# where transformers' vision-language models keep the vision tower and the projector into the
+# language model (Qwen-VL: model.visual with its merger; LLaVA-style: vision_tower + multi_modal_projector)
+VISION_PARTS = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+
+
+def vision_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for name, m in model.named_modules() if name.split(".")[-1] in VISION_PARTS]
+
+
 def shard_units(model: torch.nn.Module) -> List[torch.nn.Module]:
     """The modules FSDP shards one by one: instances of the classes transformers marks as not to
-    be split (`_no_split_modules`), outermost first."""
+    be split (`_no_split_modules`), outermost first. A vision-language model's vision blocks are
+    not units: they stay in the root's group, which every rank gathers in every forward, because a
+    micro-batch without images skips the vision tower and per-block all-gathers would then run on
+    some ranks only (a hang)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    units = [m for m in model.modules() if type(m).__name__ in names]
+    inside_vision = {id(m) for v in vision_modules(model) for m in v.modules()}
+    units = [m for m in model.modules() if type(m).__name__ in names and id(m) not in inside_vision]
     if not units:
         raise ConfigError(f"{type(model).__name__}: transformers names no decoder-layer class "
                           "(_no_split_modules) to shard by; the FSDP engine cannot split this model")

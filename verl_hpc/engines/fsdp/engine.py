@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from verl_hpc.algorithms import entropy_from_logits
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.data.processor import collate_inputs, token_types
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import (check_batch, get_response_mask, response_positions, response_tokens,
                                     response_width, select_rows)
@@ -74,13 +75,15 @@ class MicroBatch:
     the model's inputs, and the indices the outputs need. Packed (`sharing`): the model's rows
     are the prompts with their responses, `sample_rows` maps each sample to its row."""
 
-    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, sharing=None):
+    def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, sharing=None,
+                 image_token_id: Optional[int] = None):
         self.rows, self.dummy = rows, not rows
         if self.dummy:  # one prompt token, no response: runs the collectives, adds exactly 0
             sub = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "prompt_lengths": torch.ones(1, dtype=torch.long),
                    "response_lengths": torch.zeros(1, dtype=torch.long), "response_mask": torch.zeros(1, 1)}
         else:
             sub = select_rows(batch, rows)
+        images = collate_inputs(sub.pop("image_inputs", None) or [])
         ids, width = sub["input_ids"], sub["response_mask"].shape[1]
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
         packed = sharing(sub, width) if sharing is not None and not self.dummy else None
@@ -101,6 +104,13 @@ class MicroBatch:
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
         self.input_ids = inputs.to(device)
         self.position_ids = positions.to(device)
+        # a vision-language model's micro-batch with images: the model lays out its M-RoPE positions
+        # itself from the image tokens and the grid (position_ids=None), and fills the image tokens'
+        # embeddings from the vision tower
+        self.images = {k: v.to(device) for k, v in images.items()}
+        if self.images:
+            self.images["mm_token_type_ids"] = token_types(self.input_ids, image_token_id)
+            self.position_ids = None
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
 
 
@@ -116,6 +126,8 @@ class FsdpEngine(TrainingEngine):
         self.dp, self.dp_rank = dist.get_world_size(), dist.get_rank()
         model, full = build_lib.load_model(o, field)
         self.hf_config = model.config
+        self.vision = build_lib.is_vision_model(self.hf_config)
+        self.image_token_id = getattr(self.hf_config, "image_token_id", None)
         self.architecture = build_lib.describe(model)
         self.coords = Coords.for_model(self.hf_config.to_dict())
         self.lora = None
@@ -134,12 +146,16 @@ class FsdpEngine(TrainingEngine):
             if self.lora is None:
                 for p in model.parameters():
                     p.requires_grad_(True)
+                if self.vision and not o.train_vision_tower:  # frozen: no gradient, no optimizer state
+                    for m in build_lib.vision_modules(model):
+                        m.requires_grad_(False)
             self.optimizer = optim_lib.build_optimizer(model, o.optim)
             self.scheduler = optim_lib.LRSchedule(self.optimizer, o.optim, o.total_steps)
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
-        self._sharing = prompt_sharing(o, self.hf_config, model)
+        # a VLM's rows are never packed: the image tokens' M-RoPE positions are the model's own layout
+        self._sharing = None if self.vision else prompt_sharing(o, self.hf_config, model)
         self.steps_applied = 0
         self._view = None  # the sliced sync's holdings view (exported_model)
         self._skipped: Optional[Dict[str, float]] = None
@@ -192,7 +208,8 @@ class FsdpEngine(TrainingEngine):
             groups = prompt_groups(batch["input_ids"][rows], batch["prompt_lengths"][rows])
         plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch, groups=groups)
-        return [MicroBatch(batch, [rows[i] for i in mb], self.device, self._sharing) for mb in plan[self.dp_rank]]
+        return [MicroBatch(batch, [rows[i] for i in mb], self.device, self._sharing, self.image_token_id)
+                for mb in plan[self.dp_rank]]
 
     def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""
@@ -200,7 +217,7 @@ class FsdpEngine(TrainingEngine):
             values = self.model(mb.input_ids, position_ids=mb.position_ids)
             return value_outputs(values, mb.data, want)
         out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                         attention_mask=mb.attention_mask, logits_to_keep=mb.keep)
+                         attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
         logits = out.logits if hasattr(out, "logits") else out[0]
         kept = mb.data["_kept"]
         b = (mb.sample_rows if mb.packed else torch.arange(kept.shape[0], device=logits.device)).unsqueeze(1)

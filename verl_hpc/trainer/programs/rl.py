@@ -77,8 +77,11 @@ class RLTrainer(StepProgram):
         self.steps_done = 0  # the policy version: training steps completed
         self.placement.attach(self.roles, lambda: self.steps_done)
         tools = self.roles.episodes.tool_schemas() if self.roles.episodes is not None and ctx.rank == 0 else None
-        self.loader = self.placement.loader(lambda: PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools))
-        val_set = load_val_dataset(d, tok, d.wrap_plain_text, tools=tools) if ctx.rank == 0 and cfg.trainer.val_every else None
+        images = ImagePrompts.from_config(cfg) if ctx.rank == 0 else None  # the processor of a VLM
+        self.loader = self.placement.loader(lambda: PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools,
+                                                                            images=images))
+        val_set = (load_val_dataset(d, tok, d.wrap_plain_text, tools=tools, images=images)
+                   if ctx.rank == 0 and cfg.trainer.val_every else None)
         self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
         if self.loader is not None:  # refuse unscorable data before spending compute on it

@@ -45,7 +45,8 @@ def assemble(prompts, result, tokenizer, pad_id: int) -> StepBatch:
                      ids=[prompts.ids[i] for i in idx], data_sources=[prompts.data_sources[i] for i in idx],
                      ground_truths=[prompts.ground_truths[i] for i in idx],
                      extras=[prompts.extras[i] for i in idx], response_texts=texts,
-                     group_ids=torch.tensor(idx, dtype=torch.long), rollout_log_probs=logp)
+                     group_ids=torch.tensor(idx, dtype=torch.long), rollout_log_probs=logp,
+                     media=[prompts.media[i] for i in idx] if prompts.media else None)
 
 
 def logprob_diff_metrics(rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor,

@@ -66,6 +66,9 @@ class StepBatch:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    # a vision-language model: per sequence its prompt's images (verl_hpc.data.processor.PromptImages,
+    # None for a text prompt); the engines take their tensors as `image_inputs`
+    media: Optional[List[Any]] = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -80,6 +83,8 @@ class StepBatch:
         out = {"input_ids": self.input_ids, "prompt_lengths": self.prompt_lengths,
                "response_lengths": self.response_lengths, "response_mask": self.response_mask}
         out.update({k: getattr(self, k) for k in (*ENGINE_FIELDS, *extra) if getattr(self, k) is not None})
+        if self.media is not None:
+            out["image_inputs"] = [m.inputs if m is not None else None for m in self.media]
         return out
 
     def fill(self, outputs: Mapping[str, torch.Tensor]) -> None:
