@@ -12,10 +12,11 @@ from typing import List
 
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.fields import choice_problems, range_problems, sections
-from verl_hpc.config.hf_model import ModelShape, read_model_shape
+from verl_hpc.config.hf_model import ModelShape, read_hf_config, read_model_shape
 from verl_hpc.config.layout import rollout_tp_problems
 from verl_hpc.config.schema import JobConfig
 from verl_hpc.config.sections.fsdp import choose_engine, engine_layout_problems
+from verl_hpc.config.sections.vision import vision_problems
 
 
 def check_choices(cfg: JobConfig) -> List[str]:
@@ -31,7 +32,7 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     p = model_rule_problems(cfg, m, field)
     if cfg.parallel.engine == "auto":  # an explicit fsdp was checked with the fsdp section
         p += engine_layout_problems(engine, cfg)
-    return p
+    return p + vision_problems(cfg, read_hf_config(path, field), engine, field)
 
 
 def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:

@@ -84,6 +84,11 @@ def load_hf_config(model_path, field: str = "model.path") -> Dict[str, Any]:
 
 
 def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
+    if isinstance(cfg.get("vision_config"), dict):
+        raise ConfigError(f"{src}: {(cfg.get('architectures') or [cfg.get('model_type')])[0]} is a vision-language "
+                          "model; the Megatron engine trains text models only. The FSDP engine trains it as "
+                          "transformers builds it (vision tower, projector, language model): set "
+                          "parallel.engine=fsdp (or auto)")
     archs = cfg.get("architectures")
     if archs:
         if not isinstance(archs, list) or len(archs) != 1:

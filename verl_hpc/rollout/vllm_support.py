@@ -38,6 +38,18 @@ def vllm_model_module(arch: str) -> Optional[str]:
     return getattr(entry, "module_name", None) or getattr(getattr(entry, "model_cls", None), "__module__", "")
 
 
+def missing_import(module: str) -> Optional[str]:
+    """The package `module` cannot import for lack of (vLLM's vision-language classes import
+    torchvision at module level), or None when it imports."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        return e.name or str(e)
+    return None
+
+
 def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     """None where vLLM serves the folder's architecture with a class of its own (or, in a split job,
     at all), else why not, as a clause naming the architecture."""
@@ -47,6 +59,10 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
         return None  # no need to import vLLM to say so
     arch = architecture(model_path)
     module = vllm_model_module(arch)
+    missing = module and missing_import(module)
+    if missing:
+        return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
+                "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
     if module is not None and not module.startswith(BACKEND_MODULE):
         return None
     if split:  # the rollout ranks hold no transformers model that the backend could break

@@ -30,3 +30,27 @@ class VisionConfig(Section):
     train_vision_tower: bool = opt(False, "train the vision tower (and its projector) with the language "
                                           "model; false freezes them: their weights never change and are "
                                           "not sent to the rollout engine")
+
+
+def vision_problems(job, config: dict, engine: str, field: str) -> list:
+    """What a vision-language model (`config`: its config.json) needs of the rest of the job, one
+    line each; nothing for a text model."""
+    if not isinstance(config.get("vision_config"), dict):
+        return []
+    arch = (config.get("architectures") or [config.get("model_type")])[0]
+    what = f"{field} is a vision-language model ({arch})"
+    if field != "model.path":
+        return [f"{what}: only the policy (model.path) may be one; critics, reward models and PRMs are text "
+                "models (a value head on a vision-language model is not supported)"]
+    p = []
+    if engine != "fsdp":
+        p.append(f"{what}: the Megatron engine trains text models only; set parallel.engine=fsdp (or auto)")
+    if job.placement.mode == "split":
+        p.append(f"{what}: placement.mode = split does not carry images to its rollout ranks yet; use "
+                 "placement.mode=colocated")
+    if job.multi_turn.enable:
+        p.append(f"{what}: multi_turn episodes render text turns only (no image observations); set "
+                 "multi_turn.enable=false")
+    if job.lora.enabled and job.vision.train_vision_tower:
+        p.append(f"{what}: lora.enabled adapts the language model only; set vision.train_vision_tower=false")
+    return p

@@ -164,6 +164,8 @@ def _all_slabs(engine, main_from_optim: bool = False) -> List[ShardedTensor]:
     if engine.optimizer is not None:
         ensure_optimizer_state(engine.optimizer)
         for hf, p in params:
+            if not p.requires_grad:  # frozen (a VLM's vision tower): no moments; its weights are above
+                continue
             st = engine.optimizer.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
                 out.extend(_slabs_of(f"optim/{key}", coords, hf, p.shape, st[key]))

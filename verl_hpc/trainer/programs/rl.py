@@ -40,6 +40,7 @@ from typing import Dict
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
 from verl_hpc.data import PromptLoader, load_val_dataset
+from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.trainer.stages.rollout_weights import weight_sync_from_config
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from verl_hpc.algorithms import agg_loss
 from verl_hpc.data import DataError, encode_prompts, read_rows
+from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.data.records import sft_row_problem
 from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
@@ -79,21 +81,27 @@ def _multi_turn_problem(value) -> str:
     return ""
 
 
-def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int], Optional[List[int]]]]:
-    """(prompt ids, response ids + EOS, loss mask or None) per row of data.sft_files; DataError
-    names file and row. A response that is a list of messages is a multi-turn demonstration
-    (`episode_response`): only the assistant's tokens are trained."""
+def load_sft_rows(cfg, tokenizer, images=None) -> List[Tuple[List[int], List[int], Optional[List[int]], Any]]:
+    """(prompt ids, response ids + EOS, loss mask or None, images or None) per row of
+    data.sft_files; DataError names file and row. A response that is a list of messages is a
+    multi-turn demonstration (`episode_response`): only the assistant's tokens are trained.
+    images: ImagePrompts of a vision-language model (its rows' images go through the processor)."""
     d, out = cfg.data, []
     eos = tokenizer.eos_token_id
     codec = None
+    vision = images if images is not None and images.processor is not None else None
     for path in d.sft_files:
         rows = read_rows(path, what="data.sft_files")
+        names = [f"{Path(path).name}:{i}" for i in range(len(rows))]
         for i, row in enumerate(rows):
-            problem = sft_row_problem(row, (d.prompt_key, d.response_key))
+            problem = sft_row_problem(row, (d.prompt_key, d.response_key)) or _image_field_problem(row, images, vision)
             if problem:
                 raise DataError(f"data.sft_files '{path}' row {i}: {problem}")
-        _, prompts = encode_prompts(tokenizer, [r[d.prompt_key] for r in rows], d.wrap_plain_text,
-                                    [f"{Path(path).name}:{i}" for i in range(len(rows))])
+        if vision is not None:
+            prompts, media = _image_prompts(rows, vision, d.prompt_key, path)
+        else:
+            _, prompts = encode_prompts(tokenizer, [r[d.prompt_key] for r in rows], d.wrap_plain_text, names)
+            media = [None] * len(rows)
         for i, (p, row) in enumerate(zip(prompts, rows)):
             value, mask = row[d.response_key], None
             if isinstance(value, list):
@@ -106,8 +114,36 @@ def load_sft_rows(cfg, tokenizer) -> List[Tuple[List[int], List[int], Optional[L
                 r = tokenizer(str(value), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
             if len(p) + len(r) > d.max_prompt_length + d.max_response_length:
                 continue  # too long for the configured budget: dropped (counted below)
-            out.append((list(p), list(r), mask))
+            out.append((list(p), list(r), mask, media[i]))
     return out
+
+
+def _image_field_problem(row, images, vision) -> str:
+    """A text-only model given images (the row names the field), else ''."""
+    key = images.image_key if images is not None else None
+    if key and row.get(key) is not None and len(row.get(key)) and vision is None:
+        return (f"field '{key}' holds image(s) but the model is text-only (its config.json has no vision_config); "
+                "use a vision-language model, or drop the field")
+    return ""
+
+
+def _image_prompts(rows, vision, prompt_key: str, path: str):
+    """Token ids (image tokens expanded) and PromptImages of image rows; a DataError names the row."""
+    from types import SimpleNamespace
+
+    from verl_hpc.data.images import ImageProblem
+
+    prompts, media = [], []
+    base = os.path.dirname(os.path.abspath(path))
+    for i, row in enumerate(rows):
+        record = SimpleNamespace(prompt=row[prompt_key], images=row.get(vision.image_key), base_dir=base)
+        try:
+            _, ids, m = vision.prompt(record)
+        except (ImageProblem, DataError) as e:
+            raise DataError(f"data.sft_files '{path}' row {i}: {e}") from None
+        prompts.append(ids)
+        media.append(m)
+    return prompts, media
 
 
 def loss_mask(rows) -> torch.Tensor:
@@ -147,7 +183,9 @@ class SFT(StepProgram):
     def step(self, step: int, timer) -> Dict[str, float]:
         take = [self.rows[i] for i in self.sampler.next_indices(self.bs)]
         batch = pack_sequences([r[0] for r in take], [r[1] for r in take], self.pad)
-        batch["response_mask"] = loss_mask([r[1:] for r in take])
+        batch["response_mask"] = loss_mask([r[1:3] for r in take])
+        if any(r[3] is not None for r in take):  # a vision-language model's images, per row
+            batch["image_inputs"] = [r[3].inputs if r[3] is not None else None for r in take]
         with timer("update_actor"):
             m = self.actor.engine.train_step(batch, nll_loss, ("log_probs",))
         lr = self.actor.engine.scheduler_step()
@@ -163,7 +201,7 @@ class SFT(StepProgram):
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
     tokenizer = load_tokenizer(cfg)
-    rows = broadcast_object(load_sft_rows(cfg, tokenizer) if ctx.rank == 0 else None)
+    rows = broadcast_object(load_sft_rows(cfg, tokenizer, ImagePrompts.from_config(cfg)) if ctx.rank == 0 else None)
     if not rows:
         raise DataError("trainer.job=sft: no usable rows in data.sft_files (all empty or longer than "
                         "data.max_prompt_length + data.max_response_length)")
