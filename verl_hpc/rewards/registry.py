@@ -87,4 +87,7 @@ register("math", math_answer.math_score, aliases=("competition_math", "hendrycks
 register("synthetic_arith", basic.synthetic_arith_score, check=basic.check_integer_ground_truth)
 # the tool demo (verl_hpc/data/prepare/tool_arith.py): the episode's answer, scored as synthetic_arith
 register("tool_arith", basic.synthetic_arith_score, check=basic.check_integer_ground_truth)
+# the VLM demo (verl_hpc/data/prepare/visual.py): data sources visual_count, visual_colour, visual_bar
+# route here by prefix, and validation reports each kind's accuracy under its own source
+register("visual", basic.first_word_score, check=basic.check_word_ground_truth)
 register("exact_match", basic.exact_match_score, check=basic.check_nonempty_ground_truth)

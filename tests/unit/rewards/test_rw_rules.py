@@ -92,3 +92,21 @@ def test_exact_and_synthetic():
     assert basic.synthetic_arith_score("8", "7") == 0.0 and basic.synthetic_arith_score("", "7") == 0.0
     assert basic.check_integer_ground_truth("12") is None
     assert "not an integer" in basic.check_integer_ground_truth("1.5")
+
+
+@pytest.mark.parametrize("response,truth,score", [
+    ("3", "3", 1.0), (" 3\n", "3", 1.0), ("3.", "3", 1.0), ("**3**, I think", "3", 1.0), ("3 dots", "3", 1.0),
+    ("Red", "red", 1.0), ("RED!", "red", 1.0), ("'left'", "left", 1.0), ("red\nblue", "red", 1.0),
+    ("blue", "Blue", 1.0),  # the ground truth is normalised the same way
+    ("33", "3", 0.0), ("3dots", "3", 0.0), ("reddish", "red", 0.0), ("The answer is red", "red", 0.0),
+    ("red,green", "red", 0.0), ("left-hand", "left", 0.0), ("4", "3", 0.0),
+    ("", "3", 0.0), ("   ", "red", 0.0), ("...", "red", 0.0), ("!!!", "!!!", 0.0),  # no word is never right
+])
+def test_first_word_score(response, truth, score):
+    assert basic.first_word_score(response, truth) == score
+
+
+def test_word_ground_truth_check():
+    assert basic.check_word_ground_truth("red") is None and basic.check_word_ground_truth(" 3 ") is None
+    for bad in ("", "two words", "?!"):
+        assert "is not one word" in basic.check_word_ground_truth(bad)

@@ -25,6 +25,7 @@ def scorer_with(**kw):
     ("math", "math"), ("lighteval/MATH", "math"), ("HuggingFaceH4/MATH-500", "math"),
     ("DigitalLearningGmbH/MATH-lighteval", "math"), ("competition_math", "math"),
     ("synthetic_arith", "synthetic_arith"), ("exact_match", "exact_match"),
+    ("visual", "visual"), ("visual_count", "visual"), ("visual_colour", "visual"), ("visual_bar", "visual"),
 ])
 def test_routing_by_name_alias_and_prefix(source, name):
     assert resolve(source).name == name

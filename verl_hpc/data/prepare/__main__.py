@@ -1,4 +1,4 @@
-"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic,tool_arith} ...`: see verl_hpc/data/prepare/__init__.py.
+"""`python -m verl_hpc.data.prepare {gsm8k,math,synthetic,tool_arith,visual} ...`: see verl_hpc/data/prepare/__init__.py.
 
 A problem is one `error: ...` line and its class's exit code (docs/errors.md): 10 for input rows
 or files (DataError, the file and line named), 2 for an option value or an output path that
@@ -31,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
                         "kto_train (prompt, completion, label) for trainer.job=dpo")
     _generated(sub, "tool_arith", "the tool demo: 5-digit products, multi-turn SFT demonstrations", 100,
                "fraction of SFT rows answering without the tool")
+    s = _generated(sub, "visual", "the VLM demo: small Pillow pictures (count, colour, bar) with one-word answers", 60,
+                   "fraction of SFT rows with a wrong label")
+    s.add_argument("--kinds", default="count,colour,bar", help="comma-separated subset of count,colour,bar")
+    s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
+    s.add_argument("--min-size", type=int, default=56, help="smallest picture side (pixels)")
+    s.add_argument("--max-size", type=int, default=84, help="largest picture side (pixels)")
+    s.add_argument("--size-step", type=int, default=28,
+                   help="sides are min, min+step, ... <= max (28: Qwen2.5-VL's merged patch; 32 for Qwen3-VL)")
     return p
 
 
@@ -65,6 +73,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             from verl_hpc.data.prepare import synthetic, tool_arith
 
             rows = tool_arith.generate(args.n_train, args.n_val, args.seed, args.sft_noise, args.n_sft)
+            for name, path in synthetic.write(args.out_dir, rows).items():
+                print(f"wrote {len(rows[name])} rows to {path}")
+            return 0
+        if args.task == "visual":
+            from verl_hpc.data.prepare import synthetic, visual
+
+            rows = visual.generate(args.n_train, args.n_val, args.seed, args.sft_noise, args.n_sft, args.noise_kind,
+                                   args.kinds, args.min_size, args.max_size, args.size_step)
             for name, path in synthetic.write(args.out_dir, rows).items():
                 print(f"wrote {len(rows[name])} rows to {path}")
             return 0
