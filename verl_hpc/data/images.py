@@ -50,14 +50,16 @@ def image_bytes(item: Any, base_dir: str = "") -> Tuple[bytes, str]:
 
 def decode_image(data: bytes, limits: ImageLimits, name: str = "the image"):
     """The RGB PIL image of `data`, or an ImageProblem naming what is wrong."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
         raise ImageProblem(f"{name} is {len(data):,} bytes, over vision.max_image_bytes = {limits.max_bytes:,}")
     try:
         with Image.open(io.BytesIO(data)) as probe:  # the header only: size before any pixel is decoded
             width, height = probe.size
-    except Exception as e:  # noqa: BLE001 - Pillow raises UnidentifiedImageError, OSError, SyntaxError...
+    except UnidentifiedImageError:
+        raise ImageProblem(f"{name} does not decode as an image (not a format Pillow reads)") from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError... on a damaged header
         raise ImageProblem(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
     if width * height > limits.max_pixels:
         raise ImageProblem(f"{name} is {width} x {height} = {width * height / 1e6:.1f} megapixels, over "

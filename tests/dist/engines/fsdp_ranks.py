@@ -8,6 +8,9 @@ check's metrics and how many empty micro-batches it ran (rank{r}.json, eng_ranks
     budget         the same batch in micro-batches of a token budget
     uneven         5 rows (so some rank runs an empty micro-batch), one per micro-batch, clipped
     hsdp           4 ranks only: fsdp.shard_size = 2 (2 replicas x 2 shards), the fixed batch
+    vlm.frozen     a tiny Qwen2.5-VL, image rows and a text row, one row per micro-batch (so some
+                   rank's micro-batches hold no image, and at 4 ranks one is empty): the vision tower
+                   frozen (the default)
 """
 from __future__ import annotations
 
@@ -88,6 +91,8 @@ def scenario(args, workdir, out: dict) -> None:
                              max_tokens_per_microbatch=args["max_tokens"])
     checks["uneven"] = timed("uneven", check_update, args, workdir, "uneven", "llama", data["uneven"], clipped,
                              micro_batch_size=1)
+    checks["vlm.frozen"] = timed("vlm.frozen", check_update, args, workdir, "vlm.frozen", "vlm", data["vlm"], optim,
+                                 micro_batch_size=1)
     if dist.get_world_size() == 4:
         from verl_hpc.config.sections.fsdp import FsdpConfig
 

@@ -9,6 +9,9 @@ one step:
                                empty micro-batch (and at 4 ranks, three of them); the gradient clipped
     hsdp                       4 ranks as 2 replicas x 2 shards (fsdp.shard_size = 2)
 
+and a vision-language model (a tiny Qwen2.5-VL, image rows and a text row, one row per micro-batch,
+the vision tower frozen): 2 and 4 ranks equal 1 rank within WEIGHT_TOL after one step (a trained
+tower runs on one rank only: tests/unit/engines/test_fsdp_vlm.py);
 plus the forward's log-probs and entropy against the float64 forward (LOGP_TOL, the Megatron
 engine's bound). The vocabulary (502) does not divide by 4: FSDP's shards of the embedding and the
 output layer are uneven. Adam's eps is 1 and only `uneven` clips, for the reasons of
@@ -19,6 +22,7 @@ import torch
 
 from fsdp_ranks import launch
 from update_reference import hf_forward64, hf_update64, max_diff, policy_batch
+from vlm_reference import image_batch
 
 WORLDS = (1, 2, 4)
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
@@ -42,8 +46,12 @@ def run(tmp_path_factory):
     from verl_hpc.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("fsdp_parity")
+    from verl_hpc.models.tiny_vlm import make_tiny_vlm
+
     folders = {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
-    data = {"batch": policy_batch(21, n=8), "uneven": policy_batch(22, n=5)}
+    folders["vlm"] = make_tiny_vlm(root / "vlm", "qwen2_5_vl")
+    vlm_batch, _ = image_batch(folders["vlm"], seed=3, sizes=((70, 100), None, (56, 56), (84, 60, 60, 84), (56, 84)))
+    data = {"batch": policy_batch(21, n=8), "uneven": policy_batch(22, n=5), "vlm": vlm_batch}
     loss = PolicyObjective.from_config(ActorConfig(**ACTOR))
     refs = {}
     for key in {(m, b, c) for m, b, c in REFERENCE_OF.values()}:
@@ -112,6 +120,22 @@ def test_one_update_equals_the_float64_reference(run, world, check):
     assert per_rank[0]["nonfinite"] == 0.0
     if clipped:
         assert norm > 2 * CLIP, "the clip must act"
+
+
+@pytest.mark.parametrize("world", WORLDS[1:])
+def test_vision_language_update_equals_one_rank(run, world, check="vlm.frozen"):
+    """Image rows: 2 and 4 ranks give the one-rank step's weights; the frozen vision tower stays
+    bitwise the folder's and the language model moves."""
+    from safetensors.torch import load_file
+
+    one, got = _load(run, 1, check), _load(run, world, check)
+    assert max_diff(got, one) <= WEIGHT_TOL
+    start = load_file(str(run["folders"]["vlm"] / "model.safetensors"))
+    moved = {part: any(not torch.equal(got[n], start[n]) for n in got if n.startswith(part))
+             for part in ("model.visual.", "model.language_model.")}
+    assert moved == {"model.visual.": False, "model.language_model.": True}
+    rows = [_check(run, world, check, r)["microbatch_rows"] for r in range(world)]
+    assert sum(map(sum, rows)) == 5
 
 
 def test_the_checks_ran_the_layouts_they_name(run):

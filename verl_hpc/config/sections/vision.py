@@ -51,6 +51,10 @@ def vision_problems(job, config: dict, engine: str, field: str) -> list:
     if job.multi_turn.enable:
         p.append(f"{what}: multi_turn episodes render text turns only (no image observations); set "
                  "multi_turn.enable=false")
+    if job.vision.train_vision_tower and job.train_world_size > 1:
+        p.append(f"{what}: vision.train_vision_tower = true trains on one rank only ({job.train_world_size} "
+                 "training ranks here): a micro-batch without images leaves the tower without a gradient on "
+                 "its rank; keep it false on more ranks")
     if job.lora.enabled and job.vision.train_vision_tower:
         p.append(f"{what}: lora.enabled adapts the language model only; set vision.train_vision_tower=false")
     return p

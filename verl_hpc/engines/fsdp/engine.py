@@ -70,6 +70,13 @@ def check_fsdp_options(o: EngineOptions) -> None:
     build_lib.check_compile(o.fsdp)
 
 
+# Why one rank: FSDP reduces the gradients of the parameters that received one, and a rank whose
+# micro-batch holds no image gives the vision tower none, so the ranks' reductions would differ.
+TOWER_RANKS = ("vision.train_vision_tower = true trains on one rank only (a micro-batch without images "
+               "leaves the tower without a gradient on its rank, and FSDP's reduction needs the same "
+               "tensors on every rank); keep the tower frozen (false) on more ranks")
+
+
 class MicroBatch:
     """A micro-batch's sub-batch on the device (`data`, one row per sample: what the loss reads),
     the model's inputs, and the indices the outputs need. Packed (`sharing`): the model's rows
@@ -146,6 +153,8 @@ class FsdpEngine(TrainingEngine):
             if self.lora is None:
                 for p in model.parameters():
                     p.requires_grad_(True)
+                if self.vision and o.train_vision_tower and self.dp > 1:
+                    raise ConfigError(TOWER_RANKS)
                 if self.vision and not o.train_vision_tower:  # frozen: no gradient, no optimizer state
                     for m in build_lib.vision_modules(model):
                         m.requires_grad_(False)

@@ -17,6 +17,12 @@ configs/demo_prime.yaml against its outcome-only baseline configs/demo_prime_rlo
 demo-prime); prints each run's best validation accuracy and the first step that reached it, and
 draws both validation curves in one plot, OUT/compare_<a>_vs_<b>.png.
 
+--task visual (make demo-vlm; outputs/demo_vlm): a tiny random-initialised Qwen2.5-VL (vision tower,
+projector, language model; verl_hpc/models/tiny_vlm.py) answers questions about small pictures drawn
+with Pillow (count the dots, the colour of the largest shape, the taller bar; prepare/visual.py):
+SFT on noisy labels, then GRPO on the FSDP engine with the images in every rollout and update. It
+also writes OUT/val_answers.png, validation pictures with the answers before and after RL.
+
 --task tool: the tool demo instead (make demo-tool; outputs/demo_tool): 5-digit products that the
 tiny model gets right only by calling `calculator` in a multi-turn episode. Data from
 `python -m verl_hpc.data.prepare tool_arith` (multi-turn SFT demonstrations, most replaced by direct
@@ -46,7 +52,12 @@ TASKS = {
     # about 1 sample in 5 calls the tool (tool_arith.py)
     "tool": dict(data="tool_arith", data_args=("--n-sft", "4000"), sft_config="configs/demo_tool_sft.yaml",
                  rl_config="configs/demo_tool.yaml", sft_noise=0.75, out="outputs/demo_tool"),
+    # a tiny Qwen2.5-VL (verl_hpc/models/tiny_vlm.py) on pictures drawn with Pillow (prepare/visual.py)
+    "visual": dict(data="visual", data_args=(), sft_config="configs/demo_vlm_sft.yaml",
+                   rl_config="configs/demo_vlm.yaml", sft_noise=0.7, out="outputs/demo_vlm",
+                   model=("verl_hpc.models.tiny_vlm", "qwen2_5_vl")),
 }
+GRID_SAMPLES = 12  # validation pictures in the visual demo's before/after grid
 
 
 def sh(cmd, what: str) -> None:
@@ -95,6 +106,33 @@ def compare(out: Path, runs) -> None:
     print(f"comparison plot: {path}")
 
 
+def answer_grid(out: Path, rl_out: Path, steps: int) -> Path:
+    """The visual demo's picture: the first validation images with the greedy answers of the warm
+    start and of the RL run's last checkpoint (exported to a HF folder), green where right."""
+    from verl_hpc.rewards import default_score
+    from verl_hpc.trainer.programs.greedy_eval import greedy_answers
+    from verl_hpc.tracking.image_grid import answer_lines, write_image_grid
+
+    import pyarrow.parquet as pq
+
+    val = out / "data" / "val_grid.parquet"
+    pq.write_table(pq.read_table(out / "data" / "val.parquet").slice(0, GRID_SAMPLES), val)
+    after = out / "rl_hf"
+    sh([sys.executable, "-m", "verl_hpc.checkpoint", "export", str(rl_out / "checkpoints" / f"step_{steps:06d}"),
+        "--hf", str(after), "--overwrite"], "export the RL policy")
+    runs = {label: greedy_answers(str(folder), str(val), 8, "prompt", True)
+            for label, folder in (("before RL", out / "sft" / "hf"), ("after RL", after))}
+    images, captions = [], []
+    for k, (row, _) in enumerate(runs["before RL"]):
+        truth = str(row["ground_truth"])
+        answers = {label: (got[k][1].strip(), default_score(row["data_source"], got[k][1], truth) > 0)
+                   for label, got in runs.items()}
+        images.append(row["images"][0])
+        captions.append(answer_lines(row["prompt"].replace("<image>", ""), truth, answers))
+    return write_image_grid(out / "val_answers.png", images, captions, columns=6,
+                            title="validation pictures: greedy answers before and after RL").path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="arith", choices=tuple(TASKS))
@@ -129,7 +167,8 @@ def main(argv=None) -> int:
         shutil.rmtree(phase, ignore_errors=True)  # a rerun starts over (no resume from the last run's checkpoints)
     common = [*([f"slurm.tasks_per_node={a.ranks}"] if a.ranks else []), f"data.train_files=[{out}/data/train.parquet]",
               f"data.val_files=[{out}/data/val.parquet]"]
-    sh([py, "-m", "verl_hpc.models.tiny", str(out / "model"), "--family", a.family, "--layers", "2",
+    maker, family = task.get("model", ("verl_hpc.models.tiny", a.family))
+    sh([py, "-m", maker, str(out / "model"), "--family", family, "--layers", "2",
         "--seed", str(a.seed)], "tiny model")
     sh([py, "-m", "verl_hpc.data.prepare", task["data"], str(out / "data"), "--n-train", "2000",
         "--n-val", "100", "--seed", str(a.seed), "--sft-noise", str(a.sft_noise), *task["data_args"]],
@@ -154,6 +193,8 @@ def main(argv=None) -> int:
         print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")
     if a.compare:
         compare(out, {Path(c).stem: phase_dir(c) for c in (a.rl_config, a.compare)})
+    if a.task == "visual":
+        print(f"image grid: {answer_grid(out, rl_out, summary['steps'])}")
     measured = summary.get("host_peak_gib_per_rank") or []
     if measured:
         planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *a.overrides])

@@ -17,20 +17,36 @@ from typing import List, Optional, Tuple
 
 def greedy_answers(model_dir: str, val_file: str, max_new_tokens: int, prompt_key: str,
                    wrap_plain_text: bool) -> List[Tuple[dict, str]]:
-    """(row, the model's greedy answer text) for every row of `val_file`."""
+    """(row, the model's greedy answer text) for every row of `val_file`; a vision-language model's
+    rows bring their images (the `images` column) through its processor."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     from verl_hpc.data import encode_prompts, read_rows
+    from verl_hpc.data.processor import ImagePrompts, VisionProcessor, token_types
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vision = VisionProcessor.load(model_dir)
+    auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = read_rows(val_file, what="val file")
-    _, prompts = encode_prompts(tok, [r[prompt_key] for r in rows], wrap_plain_text)
+    if vision is not None:
+        from types import SimpleNamespace
+
+        images = ImagePrompts(vision)
+        made = [images.prompt(SimpleNamespace(prompt=r[prompt_key], images=r.get("images"), base_dir="")) for r in rows]
+        prompts = [ids for _, ids, _ in made]
+        extras = [dict(m.inputs) if m is not None else {} for _, _, m in made]
+    else:
+        _, prompts = encode_prompts(tok, [r[prompt_key] for r in rows], wrap_plain_text)
+        extras = [{} for _ in rows]
     answers = []
     with torch.no_grad():
-        for row, ids in zip(rows, prompts):
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        for row, ids, extra in zip(rows, prompts, extras):
+            x = torch.tensor([ids])
+            if extra:
+                extra["mm_token_type_ids"] = token_types(x, vision.image_token_id)
+            out = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, **extra,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id)
             answers.append((row, tok.decode(out[0, len(ids):], skip_special_tokens=True)))
     return answers
