@@ -63,10 +63,11 @@ class ImagePrompts:
     limits: ImageLimits = field(default_factory=ImageLimits)
 
     @classmethod
-    def from_config(cls, cfg) -> "ImagePrompts":
-        """For the job's policy model (model.path); the processor is loaded only for a VLM."""
-        return cls(VisionProcessor.load(cfg.model.path, cfg.model.trust_remote_code), cfg.vision.image_key,
-                   ImageLimits.from_config(cfg.vision))
+    def from_config(cls, model, vision) -> "ImagePrompts":
+        """For the job's policy model (the model section's path); the processor is loaded only for a
+        VLM. vision: the vision section."""
+        return cls(VisionProcessor.load(model.path, model.trust_remote_code), vision.image_key,
+                   ImageLimits.from_config(vision))
 
     def prompt(self, record) -> Tuple[str, List[int], Optional[PromptImages]]:
         """(rendered text, token ids, its images or None) of one record; an ImageProblem or DataError

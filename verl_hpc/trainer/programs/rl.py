@@ -78,7 +78,7 @@ class RLTrainer(StepProgram):
         self.steps_done = 0  # the policy version: training steps completed
         self.placement.attach(self.roles, lambda: self.steps_done)
         tools = self.roles.episodes.tool_schemas() if self.roles.episodes is not None and ctx.rank == 0 else None
-        images = ImagePrompts.from_config(cfg) if ctx.rank == 0 else None  # the processor of a VLM
+        images = ImagePrompts.from_config(cfg.model, cfg.vision) if ctx.rank == 0 else None  # the processor of a VLM
         self.loader = self.placement.loader(lambda: PromptLoader.from_config(d, tok, d.wrap_plain_text, tools=tools,
                                                                             images=images))
         val_set = (load_val_dataset(d, tok, d.wrap_plain_text, tools=tools, images=images)

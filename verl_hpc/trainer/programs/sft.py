@@ -201,7 +201,7 @@ class SFT(StepProgram):
 def run(cfg, ctx) -> dict:
     check_tracking(cfg)
     tokenizer = load_tokenizer(cfg)
-    rows = broadcast_object(load_sft_rows(cfg, tokenizer, ImagePrompts.from_config(cfg)) if ctx.rank == 0 else None)
+    rows = broadcast_object(load_sft_rows(cfg, tokenizer, ImagePrompts.from_config(cfg.model, cfg.vision)) if ctx.rank == 0 else None)
     if not rows:
         raise DataError("trainer.job=sft: no usable rows in data.sft_files (all empty or longer than "
                         "data.max_prompt_length + data.max_response_length)")
