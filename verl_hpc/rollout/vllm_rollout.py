@@ -186,12 +186,16 @@ class VLLMRollout(RolloutEngine):
             detokenize=bool(s.stop))  # text is needed only to find stop strings
 
     def _generate_shard(self, prompts: List[List[int]], first_index: int,
-                        sampling: SamplingSpec) -> ShardOutput:
+                        sampling: SamplingSpec, media=None) -> ShardOutput:
         from vllm.inputs import TokensPrompt
 
         params = [self._sampling_params(sampling, first_index + k) for k in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for request, m in zip(requests, media or ()):
+            if m is not None:  # vLLM runs the model's processor on the images; the ids hold their tokens
+                request["multi_modal_data"] = {"image": list(m.images)}
         with vllm_compat.engine_call(self.device):
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+            outputs = self.llm.generate(requests,
                                         params, use_tqdm=False,
                                         lora_request=self._lora[0] if self._lora else None)
         rows = ShardOutput.empty()
