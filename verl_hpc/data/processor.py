@@ -49,6 +49,9 @@ class PromptImages:
     prompt alone) for transformers' generate and the training engine."""
     images: List[Any]
     inputs: Inputs = field(default_factory=dict)
+    # the prompt's ids with one placeholder token per image, before expansion: what vLLM takes (it
+    # expands placeholders itself, and would expand already-expanded ones again)
+    placeholder_ids: List[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.images)
@@ -80,7 +83,10 @@ class ImagePrompts:
                                "image(s); each image needs one placeholder where it goes")
         text = self.processor.render(messages)
         ids, inputs = self.processor.encode(text, images)
-        return text, ids, PromptImages(images, inputs) if images else None
+        if not images:
+            return text, ids, None
+        unexpanded = list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, ids, PromptImages(images, inputs, unexpanded)
 
 
 def is_vision_language(config: Mapping[str, Any]) -> bool:

@@ -191,9 +191,10 @@ class VLLMRollout(RolloutEngine):
 
         params = [self._sampling_params(sampling, first_index + k) for k in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for request, m in zip(requests, media or ()):
-            if m is not None:  # vLLM runs the model's processor on the images; the ids hold their tokens
-                request["multi_modal_data"] = {"image": list(m.images)}
+        for k, m in enumerate(media or ()):
+            if m is not None:  # vLLM expands the placeholders itself: it takes the ids before expansion
+                requests[k] = TokensPrompt(prompt_token_ids=list(m.placeholder_ids),
+                                           multi_modal_data={"image": list(m.images)})
         with vllm_compat.engine_call(self.device):
             outputs = self.llm.generate(requests,
                                         params, use_tqdm=False,
@@ -244,6 +245,11 @@ class VLLMRollout(RolloutEngine):
             raise
         if not self.llm.reset_prefix_cache():  # stale KV blocks would give wrong tokens
             self._mark_broken("reset_prefix_cache() refused")
+        # image features of the old weights: reload_weights clears the runner's encoder cache but not
+        # the scheduler's record of it, and a repeated image then fails ("Encoder cache miss")
+        reset = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset is not None:
+            reset()
             raise RuntimeError("vllm rollout: reset_prefix_cache() failed after a weight update")
         self._weights_dropped = False
         return dict(tensors=checked.tensors, bytes=checked.bytes,
