@@ -41,6 +41,11 @@ def read_hf_config(path, field: str = "model.path") -> Dict[str, Any]:
     return data
 
 
+def is_vision_language(data: Dict[str, Any]) -> bool:
+    """config.json (as a dict) of a vision-language model: it describes a vision tower."""
+    return isinstance(data.get("vision_config"), dict)
+
+
 def language_model_config(data: Dict[str, Any]) -> Dict[str, Any]:
     """Multimodal configs nest the language model's numbers under text_config."""
     if "num_attention_heads" not in data and isinstance(data.get("text_config"), dict):

@@ -13,18 +13,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from verl_hpc.config.sections.vision import DEFAULT_MAX_PIXELS
+from verl_hpc.config.sections.vision import VisionConfig
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    max_bytes: int = 20 * 1024 * 1024
-    max_images: int = 8
+    max_pixels: int
+    max_bytes: int
+    max_images: int
 
     @classmethod
-    def from_config(cls, vision) -> "ImageLimits":
-        return cls(vision.max_image_pixels, vision.max_image_bytes, vision.max_images_per_prompt)
+    def from_config(cls, vision=None, **changes) -> "ImageLimits":
+        """The limits of the vision section (None: its defaults), with `changes` replaced."""
+        vision = vision or VisionConfig()
+        limits = dict(max_pixels=vision.max_image_pixels, max_bytes=vision.max_image_bytes,
+                      max_images=vision.max_images_per_prompt)
+        return cls(**{**limits, **changes})
 
 
 class ImageProblem(ValueError):

@@ -19,8 +19,9 @@ processor, which needs torchvision, and torchvision's PyPI wheels for x86_64 are
 not import beside a CPU torch. Where AutoProcessor cannot be built for that reason, the folder's
 image processor (its PIL backend needs no torchvision) and tokenizer are used, and the image
 placeholder is expanded by the rule the Qwen-VL processors apply: grid t*h*w / merge_size^2 image
-tokens per image. On a GPU machine with torchvision the processor itself is used; the two agree
-(tests/unit/data/test_processor.py compares them where both load).
+tokens per image. On a machine with torchvision the processor itself is used. The model checks the
+expansion (it refuses a prompt whose image tokens and image features differ in number:
+tests/unit/data/test_data_images.py runs it on expanded prompts).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_hpc.config.sections.vision import PLACEHOLDER
+from verl_hpc.config.sections.vision import PLACEHOLDER, VisionConfig
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.images import ImageLimits, ImageProblem, load_images
 
@@ -62,8 +63,8 @@ class ImagePrompts:
     """How a data set's rows bring images: the model's processor (None: a text-only model, whose
     rows may not hold images), the column, the limits."""
     processor: Optional["VisionProcessor"]
-    image_key: str = "images"
-    limits: ImageLimits = field(default_factory=ImageLimits)
+    image_key: str = field(default_factory=lambda: VisionConfig().image_key)
+    limits: ImageLimits = field(default_factory=ImageLimits.from_config)
 
     @classmethod
     def from_config(cls, model, vision) -> "ImagePrompts":
@@ -73,10 +74,15 @@ class ImagePrompts:
                    ImageLimits.from_config(vision))
 
     def prompt(self, record) -> Tuple[str, List[int], Optional[PromptImages]]:
-        """(rendered text, token ids, its images or None) of one record; an ImageProblem or DataError
-        names what is wrong (the caller names the row)."""
-        images = load_images(record.images, self.limits, record.base_dir)
-        messages, places = image_messages(record.prompt)
+        """encode() of a PromptRecord."""
+        return self.encode(record.prompt, record.images, record.base_dir)
+
+    def encode(self, prompt, images, base_dir: str = "") -> Tuple[str, List[int], Optional[PromptImages]]:
+        """(rendered text, token ids, its images or None) of one prompt (text or messages) and its
+        row's images as stored; an ImageProblem or DataError names what is wrong (the caller names
+        the row). base_dir: where relative image paths start (the data file's folder)."""
+        images = load_images(images, self.limits, base_dir)
+        messages, places = image_messages(prompt)
         if places != len(images):
             raise ImageProblem(f"the prompt has {places} image placeholder(s) ('{PLACEHOLDER}' or "
                                f"{{type: image}} parts) but field '{self.image_key}' holds {len(images)} "
@@ -87,11 +93,6 @@ class ImagePrompts:
             return text, ids, None
         unexpanded = list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
         return text, ids, PromptImages(images, inputs, unexpanded)
-
-
-def is_vision_language(config: Mapping[str, Any]) -> bool:
-    """A config.json dict of a vision-language model (it describes a vision tower)."""
-    return isinstance(config.get("vision_config"), dict)
 
 
 def check_family(config: Mapping[str, Any], field: str = "model.path") -> None:
@@ -128,15 +129,14 @@ def image_messages(prompt) -> Tuple[List[dict], int]:
 class VisionProcessor:
     """The model's processor for image prompts (see the module doc for the fallback)."""
 
-    def __init__(self, processor, tokenizer, image_processor, model_type: str, native: bool):
+    def __init__(self, processor, tokenizer, image_processor):
         self.processor, self.tokenizer, self.image_processor = processor, tokenizer, image_processor
-        self.model_type, self.native = model_type, native
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
     @classmethod
     def load(cls, path: str, trust_remote_code: bool = False, field: str = "model.path") -> Optional["VisionProcessor"]:
         """The processor of the folder `path`, or None when its model is text-only."""
-        from verl_hpc.config.hf_model import read_hf_config
+        from verl_hpc.config.hf_model import is_vision_language, read_hf_config
 
         config = read_hf_config(path, field)
         if not is_vision_language(config):
@@ -146,14 +146,14 @@ class VisionProcessor:
 
         try:
             proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-            return cls(proc, proc.tokenizer, proc.image_processor, config["model_type"], native=True)
+            return cls(proc, proc.tokenizer, proc.image_processor)
         except ImportError as e:
             if "torchvision" not in str(e).lower():
                 raise
             log.info("%s: the processor class needs torchvision; using its image processor and tokenizer", path)
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         images = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(None, tok, images, config["model_type"], native=False)
+        return cls(None, tok, images)
 
     def render(self, messages: List[dict]) -> str:
         """The chat template applied to `messages` (content parts), ending with the assistant header."""

@@ -187,15 +187,8 @@ def row_problems(row: Dict[str, Any], prompt_key: str, image_key: Optional[str] 
     """What is wrong with one row, as 'field ...; expected ...' fragments (empty when valid).
     image_key: the column of a row's images (vision.image_key); vision: the model takes images
     (a text-only model given images is refused, naming the field)."""
-    p = []
-    images = row.get(image_key) if image_key else None
-    if images is not None and not (isinstance(images, (list, tuple)) and not images):  # [] = no images
-        if not isinstance(images, (list, tuple)):
-            p.append(f"field '{image_key}' (vision.image_key) is {type(images).__name__}; expected a list of "
-                     "images (bytes, paths or {bytes, path} dicts)")
-        elif not vision:
-            p.append(f"field '{image_key}' holds {len(images)} image(s) but the model is text-only (its "
-                     "config.json has no vision_config); use a vision-language model, or drop the field")
+    image_problem = image_field_problem(row, image_key, vision)
+    p = [image_problem] if image_problem else []
     prompt = row.get(prompt_key)
     if prompt is None:
         p.append(f"field '{prompt_key}' (data.prompt_key) is missing; expected text or a list of "
@@ -229,6 +222,21 @@ def row_problems(row: Dict[str, Any], prompt_key: str, image_key: Optional[str] 
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, str) and t for t in tools)):
         p.append(f"field 'tools' is {_short(tools)}; expected a list of tool names (multi_turn), or no field")
     return p
+
+
+def image_field_problem(row: Dict[str, Any], image_key: Optional[str], vision: bool) -> Optional[str]:
+    """What is wrong with a row's images field (not a list; images for a text-only model), or None.
+    The images themselves are checked where they are decoded (verl_hpc.data.images)."""
+    images = row.get(image_key) if image_key else None
+    if images is None or (isinstance(images, (list, tuple)) and not images):  # [] = no images
+        return None
+    if not isinstance(images, (list, tuple)):
+        return (f"field '{image_key}' (vision.image_key) is {type(images).__name__}; expected a list of "
+                "images (bytes, paths or {bytes, path} dicts)")
+    if not vision:
+        return (f"field '{image_key}' holds {len(images)} image(s) but the model is text-only (its "
+                "config.json has no vision_config); use a vision-language model, or drop the field")
+    return None
 
 
 def sft_row_problem(row: Dict[str, Any], keys: Sequence[str]) -> Optional[str]:

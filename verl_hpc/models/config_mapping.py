@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 # torch is imported inside transformer_config only: the memory planner (verl_hpc.planning) reads
 # config.json through this module on login nodes that have no torch.
 from verl_hpc.config.errors import ConfigError, raise_if_any
-from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, read_hf_config
+from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, is_vision_language, read_hf_config
 from verl_hpc.config.layout import Layout
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
@@ -84,7 +84,7 @@ def load_hf_config(model_path, field: str = "model.path") -> Dict[str, Any]:
 
 
 def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
-    if isinstance(cfg.get("vision_config"), dict):
+    if is_vision_language(cfg):
         raise ConfigError(f"{src}: {(cfg.get('architectures') or [cfg.get('model_type')])[0]} is a vision-language "
                           "model; the Megatron engine trains text models only. The FSDP engine trains it as "
                           "transformers builds it (vision tower, projector, language model): set "

@@ -33,8 +33,8 @@ from typing import Iterable, List, Tuple
 import torch
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.hf_model import read_hf_config
-from verl_hpc.data.processor import collate_inputs, is_vision_language, token_types
+from verl_hpc.config.hf_model import is_vision_language, read_hf_config
+from verl_hpc.data.processor import collate_inputs, token_types
 from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine

@@ -32,7 +32,7 @@ def _row(prompt="<image>How many dots?", images=None, **kw):
             "data_source": "visual_count", "ground_truth": "2", **kw}
 
 
-def _load(tmp_path, rows, folder, limits=ImageLimits()):
+def _load(tmp_path, rows, folder, limits=None):
     from verl_hpc.data.dataset import PromptDataset
     from verl_hpc.data.processor import ImagePrompts, VisionProcessor
     from verl_hpc.models.tiny import train_tokenizer
@@ -45,7 +45,7 @@ def _load(tmp_path, rows, folder, limits=ImageLimits()):
     processor = VisionProcessor.load(str(folder)) if folder is not None else None
     tok = processor.tokenizer if processor is not None else train_tokenizer()
     return PromptDataset.load(paths, tok, "prompt", 128, "error", True,
-                              images=ImagePrompts(processor, "images", limits))
+                              images=ImagePrompts(processor, "images", limits or ImageLimits.from_config()))
 
 
 def test_image_rows_load_with_expanded_image_tokens_and_their_images(tmp_path, vlm):
@@ -92,10 +92,10 @@ def test_a_100_megapixel_image_is_refused_from_its_header(tmp_path, vlm):
 
 def test_the_byte_limit_and_the_images_per_prompt_limit(tmp_path, vlm):
     with pytest.raises(DataError, match="over vision.max_image_bytes = 100"):
-        _load(tmp_path, [_row()], vlm, ImageLimits(max_bytes=100))
+        _load(tmp_path, [_row()], vlm, ImageLimits.from_config(max_bytes=100))
     with pytest.raises(DataError, match="holds 2 images, over vision.max_images_per_prompt = 1"):
         _load(tmp_path, [_row(prompt="<image><image>", images=[_picture(), _picture()])], vlm,
-              ImageLimits(max_images=1))
+              ImageLimits.from_config(max_images=1))
 
 
 def test_images_given_to_a_text_only_model_are_refused(tmp_path):

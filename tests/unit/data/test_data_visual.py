@@ -94,7 +94,7 @@ def test_every_answer_matches_the_pixels(sizes):
 def test_rows_load_and_score_through_the_project():
     rows = visual.generate(n_train=6, n_val=6, seed=1)["train"]
     for r in rows:
-        (image,) = load_images(r["images"], ImageLimits())  # the loader's own decode and limits
+        (image,) = load_images(r["images"], ImageLimits.from_config())  # the loader's own decode and limits
         assert image.size == (r["extra"]["width"], r["extra"]["height"])
         scorer = get_scorer(r["data_source"])
         assert scorer.name == "visual" and scorer.check(r["ground_truth"]) is None

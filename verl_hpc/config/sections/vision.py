@@ -9,11 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from verl_hpc.config.fields import Section, opt
+from verl_hpc.config.hf_model import is_vision_language
 
-# Why 16 megapixels: above the largest image the released Qwen-VL processors keep (12.8 MP before
-# they downscale) and far below what would exhaust a loader's memory (a 100 MP RGB image decodes to
-# 300 MB); the processor downsizes anything it keeps to its own max_pixels anyway.
-DEFAULT_MAX_PIXELS = 16 * 1024 * 1024
 PLACEHOLDER = "<image>"
 
 
@@ -21,8 +18,11 @@ PLACEHOLDER = "<image>"
 class VisionConfig(Section):
     image_key: str = opt("images", "column holding a row's images: a list of image bytes or paths (or "
                                    "{bytes, path} dicts, as parquet image columns store them)")
-    max_image_pixels: int = opt(DEFAULT_MAX_PIXELS, "an image wider x higher than this is refused at load "
-                                                    "(the row named)", check=">0")
+    # Why 16 megapixels: above the largest image the released Qwen-VL processors keep (12.8 MP before
+    # they downscale) and far below what would exhaust a loader's memory (a 100 MP RGB image decodes
+    # to 300 MB); the processor downsizes anything it keeps to its own max_pixels anyway.
+    max_image_pixels: int = opt(16 * 1024 * 1024, "an image wider x higher than this is refused at load "
+                                                   "(the row named)", check=">0")
     max_image_bytes: int = opt(20 * 1024 * 1024, "an encoded image larger than this is refused at load",
                                check=">0")
     max_images_per_prompt: int = opt(8, "images in one prompt at most (rollout and KV-cache sizing)",
@@ -35,7 +35,7 @@ class VisionConfig(Section):
 def vision_problems(job, config: dict, engine: str, field: str) -> list:
     """What a vision-language model (`config`: its config.json) needs of the rest of the job, one
     line each; nothing for a text model."""
-    if not isinstance(config.get("vision_config"), dict):
+    if not is_vision_language(config):
         return []
     arch = (config.get("architectures") or [config.get("model_type")])[0]
     what = f"{field} is a vision-language model ({arch})"

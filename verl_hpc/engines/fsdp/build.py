@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.hf_model import is_vision_language
 from verl_hpc.engines.options import VALUE_HEAD_SEED
 from verl_hpc.runtime.device import has_gpu
 
@@ -216,7 +217,8 @@ def make_mesh(fsdp, device: torch.device):
 
 
 def is_vision_model(config) -> bool:
-    return getattr(config, "vision_config", None) is not None
+    """A transformers config object of a vision-language model (config.hf_model's rule)."""
+    return is_vision_language(config.to_dict())
 
 
 # where transformers' vision-language models keep the vision tower and the projector into the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional, Tuple
 
@@ -31,10 +32,9 @@ def greedy_answers(model_dir: str, val_file: str, max_new_tokens: int, prompt_ke
     model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = read_rows(val_file, what="val file")
     if vision is not None:
-        from types import SimpleNamespace
-
         images = ImagePrompts(vision)
-        made = [images.prompt(SimpleNamespace(prompt=r[prompt_key], images=r.get("images"), base_dir="")) for r in rows]
+        base = os.path.dirname(os.path.abspath(val_file))
+        made = [images.encode(r[prompt_key], r.get(images.image_key), base) for r in rows]
         prompts = [ids for _, ids, _ in made]
         extras = [dict(m.inputs) if m is not None else {} for _, _, m in made]
     else:

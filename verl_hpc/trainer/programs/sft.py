@@ -33,7 +33,7 @@ import torch
 from verl_hpc.algorithms import agg_loss
 from verl_hpc.data import DataError, encode_prompts, read_rows
 from verl_hpc.data.processor import ImagePrompts
-from verl_hpc.data.records import sft_row_problem
+from verl_hpc.data.records import image_field_problem, sft_row_problem
 from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
 from verl_hpc.rollout.chat_turns import TurnCodec
@@ -94,7 +94,8 @@ def load_sft_rows(cfg, tokenizer, images=None) -> List[Tuple[List[int], List[int
         rows = read_rows(path, what="data.sft_files")
         names = [f"{Path(path).name}:{i}" for i in range(len(rows))]
         for i, row in enumerate(rows):
-            problem = sft_row_problem(row, (d.prompt_key, d.response_key)) or _image_field_problem(row, images, vision)
+            problem = (sft_row_problem(row, (d.prompt_key, d.response_key))
+                       or image_field_problem(row, images.image_key if images else None, vision is not None))
             if problem:
                 raise DataError(f"data.sft_files '{path}' row {i}: {problem}")
         if vision is not None:
@@ -118,27 +119,15 @@ def load_sft_rows(cfg, tokenizer, images=None) -> List[Tuple[List[int], List[int
     return out
 
 
-def _image_field_problem(row, images, vision) -> str:
-    """A text-only model given images (the row names the field), else ''."""
-    key = images.image_key if images is not None else None
-    if key and row.get(key) is not None and len(row.get(key)) and vision is None:
-        return (f"field '{key}' holds image(s) but the model is text-only (its config.json has no vision_config); "
-                "use a vision-language model, or drop the field")
-    return ""
-
-
 def _image_prompts(rows, vision, prompt_key: str, path: str):
     """Token ids (image tokens expanded) and PromptImages of image rows; a DataError names the row."""
-    from types import SimpleNamespace
-
     from verl_hpc.data.images import ImageProblem
 
     prompts, media = [], []
     base = os.path.dirname(os.path.abspath(path))
     for i, row in enumerate(rows):
-        record = SimpleNamespace(prompt=row[prompt_key], images=row.get(vision.image_key), base_dir=base)
         try:
-            _, ids, m = vision.prompt(record)
+            _, ids, m = vision.encode(row[prompt_key], row.get(vision.image_key), base)
         except (ImageProblem, DataError) as e:
             raise DataError(f"data.sft_files '{path}' row {i}: {e}") from None
         prompts.append(ids)
