@@ -260,15 +260,22 @@ def main(argv=None) -> int:
     ap.add_argument("--shards", type=int, default=1, help="safetensors files (>1 writes an index)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    return write_cli(a.out, {"layers": a.layers, "shards": a.shards},
+                     lambda: make_tiny_model(a.out, a.family, tied=a.tied, layers=a.layers,
+                                             vocab_size=a.vocab_size, seed=a.seed, shards=a.shards))
+
+
+def write_cli(out, counts: Dict[str, int], make) -> int:
+    """The tail of a tiny-model command: `counts` ({option: value}) must be >= 1, then `make()`
+    writes the folder; the path printed, or one `error: ...` line and the error's exit code."""
     try:
-        small = [f"--{k}: got {v}" for k, v in (("layers", a.layers), ("shards", a.shards)) if v < 1]
+        small = [f"--{k}: got {v}" for k, v in counts.items() if v < 1]
         if small:
             raise ConfigError(f"{'; '.join(small)}; valid: a count >= 1")
         try:
-            path = make_tiny_model(a.out, a.family, tied=a.tied, layers=a.layers,
-                                   vocab_size=a.vocab_size, seed=a.seed, shards=a.shards)
+            path = make()
         except OSError as e:  # OUT under a file, no permission, a full disk
-            raise ConfigError(f"OUT '{a.out}': cannot write the model there: {e.strerror or e}") from None
+            raise ConfigError(f"OUT '{out}': cannot write the model there: {e.strerror or e}") from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -24,7 +24,7 @@ from typing import Dict
 import torch
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.models.tiny import random_state_dict, save_safetensors, train_tokenizer
+from verl_hpc.models.tiny import random_state_dict, save_safetensors, train_tokenizer, write_cli
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -113,18 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    try:
-        if a.layers < 1:
-            raise ConfigError(f"--layers: got {a.layers}; valid: a count >= 1")
-        try:
-            path = make_tiny_vlm(a.out, a.family, layers=a.layers, seed=a.seed)
-        except OSError as e:
-            raise ConfigError(f"OUT '{a.out}': cannot write the model there: {e.strerror or e}") from None
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    print(path)
-    return 0
+    return write_cli(a.out, {"layers": a.layers}, lambda: make_tiny_vlm(a.out, a.family, layers=a.layers, seed=a.seed))
 
 
 if __name__ == "__main__":

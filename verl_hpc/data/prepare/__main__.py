@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from verl_hpc.data.prepare.synthetic import NOISE_KINDS
 from verl_hpc.errors import VerlHpcError
 
 
@@ -25,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     s = _generated(sub, "synthetic", "synthetic arithmetic task for CPU runs: train/val/sft parquet", 200,
                    "fraction of SFT rows with a wrong label")
     s.add_argument("--difficulty", type=int, default=2, help="1: operands 0..4, 2: 0..9, k: 0..10^(k-1)-1")
-    s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
+    s.add_argument("--noise-kind", default="systematic", choices=NOISE_KINDS)
     s.add_argument("--preference", action="store_true",
                    help="also write preference_train/preference_val (prompt, chosen, rejected) and "
                         "kto_train (prompt, completion, label) for trainer.job=dpo")
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     s = _generated(sub, "visual", "the VLM demo: small Pillow pictures (count, colour, bar) with one-word answers", 60,
                    "fraction of SFT rows with a wrong label")
     s.add_argument("--kinds", default="count,colour,bar", help="comma-separated subset of count,colour,bar")
-    s.add_argument("--noise-kind", default="systematic", choices=("systematic", "random"))
+    s.add_argument("--noise-kind", default="systematic", choices=NOISE_KINDS)
     s.add_argument("--min-size", type=int, default=56, help="smallest picture side (pixels)")
     s.add_argument("--max-size", type=int, default=84, help="largest picture side (pixels)")
     s.add_argument("--size-step", type=int, default=28,

@@ -60,15 +60,20 @@ def wrong_answer(a: int, b: int, kind: str, rng: random.Random, hi: int) -> int:
     return wrong if wrong < a + b else wrong + 1
 
 
-def generate(n_train: int, n_val: int, seed: int = 0, difficulty: int = 2, sft_noise: float = 0.0,
-             n_sft: int = -1, noise_kind: str = "systematic") -> Dict[str, List[Dict]]:
-    """{'train', 'val', 'sft'}: rows for each file. n_sft < 0 means as many as n_train."""
+def check_sizes(n_train: int, n_val: int, sft_noise: float, noise_kind: str) -> None:
+    """The arguments every demo data set with a noisy SFT file takes (this one and prepare/visual.py)."""
     if n_train <= 0 or n_val <= 0:
         raise ConfigError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
     if not 0.0 <= sft_noise <= 1.0:
         raise ConfigError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
     if noise_kind not in NOISE_KINDS:
         raise ConfigError(f"--noise-kind: invalid value {noise_kind!r}; valid: {', '.join(NOISE_KINDS)}")
+
+
+def generate(n_train: int, n_val: int, seed: int = 0, difficulty: int = 2, sft_noise: float = 0.0,
+             n_sft: int = -1, noise_kind: str = "systematic") -> Dict[str, List[Dict]]:
+    """{'train', 'val', 'sft'}: rows for each file. n_sft < 0 means as many as n_train."""
+    check_sizes(n_train, n_val, sft_noise, noise_kind)
     hi = operand_max(difficulty)
     # one stream per file: adding val rows does not change the train rows
     rngs = {name: random.Random(f"synthetic_arith:{seed}:{name}") for name in ("train", "val", "sft")}

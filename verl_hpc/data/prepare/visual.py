@@ -39,10 +39,10 @@ from typing import Dict, List, Sequence, Tuple
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.vision import PLACEHOLDER
+from verl_hpc.data.prepare.synthetic import check_sizes
 
 DATA_SOURCE = "visual"  # rows carry visual_<kind>; the reward routes the prefix (rewards/registry.py)
 KINDS = ("count", "colour", "bar")
-NOISE_KINDS = ("systematic", "random")
 BACKGROUND = (255, 255, 255)
 # saturated and far apart, so a colour is unambiguous to a model and to a pixel count
 PALETTE: Dict[str, Tuple[int, int, int]] = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 70, 220)}
@@ -174,12 +174,7 @@ def generate(n_train: int, n_val: int, seed: int = 0, sft_noise: float = 0.0, n_
              noise_kind: str = "systematic", kinds: str | Sequence[str] = KINDS, min_size: int = 56,
              max_size: int = 84, size_step: int = 28) -> Dict[str, List[Dict]]:
     """{'train', 'val', 'sft'}: rows for each file. n_sft < 0 means as many as n_train."""
-    if n_train <= 0 or n_val <= 0:
-        raise ConfigError(f"--n-train and --n-val: must be > 0, got {n_train} and {n_val}")
-    if not 0.0 <= sft_noise <= 1.0:
-        raise ConfigError(f"--sft-noise: a fraction in [0, 1], got {sft_noise}")
-    if noise_kind not in NOISE_KINDS:
-        raise ConfigError(f"--noise-kind: invalid value {noise_kind!r}; valid: {', '.join(NOISE_KINDS)}")
+    check_sizes(n_train, n_val, sft_noise, noise_kind)
     kinds, side_choices = parse_kinds(kinds), sides(min_size, max_size, size_step)
     # one stream per file: adding val rows does not change the train rows
     rngs = {name: random.Random(f"{DATA_SOURCE}:{seed}:{name}") for name in ("train", "val", "sft")}
