@@ -79,18 +79,17 @@ class EngineOptions:
     fsdp: Any
     trust_remote_code: bool
     # a vision-language model (FSDP engine): train its vision tower and projector too (vision.train_vision_tower)
-    train_vision_tower: bool = False
+    train_vision_tower: bool
 
     @classmethod
     def for_role(cls, role: str, *, model, parallel, actor, ref, critic, prm, reward, lora,
                  temperature: float, lora_seed: int, total_steps: int, fp8: Optional[bool] = None,
-                 loss_norm_len: Optional[float] = None, fsdp=None,
-                 train_vision_tower: bool = False) -> "EngineOptions":
+                 loss_norm_len: Optional[float] = None, fsdp=None, vision=None) -> "EngineOptions":
         """The options of `role` (actor, critic, ref, reward, prm) from the job's sections: model,
         parallel, the roles' own (actor, ref, critic, prm, reward: its reward_model) and lora; and
         temperature: rollout.temperature (the lm heads' log-probs), lora_seed: trainer.seed (the
         adapters' A factors), total_steps: the trainer's steps (the LR decay). fp8: None = model.fp8.
-        fsdp: the fsdp section (None: its defaults). `engine` is parallel.engine as written; the
+        fsdp, vision: the fsdp and vision sections (None: their defaults). `engine` is parallel.engine as written; the
         builder resolves auto for the role's folder (verl_hpc/trainer/roles.py)."""
         if role not in ROLES:
             raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
@@ -101,8 +100,12 @@ class EngineOptions:
             from verl_hpc.config.sections.fsdp import FsdpConfig
 
             fsdp = FsdpConfig()
+        if vision is None:
+            from verl_hpc.config.sections.vision import VisionConfig
+
+            vision = VisionConfig()
         common = dict(engine=parallel.engine, fsdp=fsdp, trust_remote_code=model.trust_remote_code,
-                      train_vision_tower=train_vision_tower,
+                      train_vision_tower=vision.train_vision_tower,
                       dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
                       sequence_parallel=par.sequence_parallel,
                       fp8=model.fp8 if fp8 is None else fp8, fp8_recipe=model.fp8_recipe,
@@ -168,7 +171,7 @@ def default_options(model_path: str, **changes) -> EngineOptions:
     actor = EngineOptions.for_role(
         "actor", model=job.model, parallel=job.parallel, actor=job.actor, ref=job.ref, critic=job.critic,
         prm=job.prm, reward=job.reward, lora=job.lora, temperature=job.rollout.temperature,
-        lora_seed=job.trainer.seed, total_steps=job.trainer.total_steps, fsdp=job.fsdp)
+        lora_seed=job.trainer.seed, total_steps=job.trainer.total_steps, fsdp=job.fsdp, vision=job.vision)
     return dataclasses.replace(actor, model_path=model_path, **changes)
 
 

@@ -34,6 +34,8 @@ from typing import Dict, List, Mapping, Sequence
 
 import torch
 
+from verl_hpc.engines.partition import plan_microbatches
+
 # Packed rows longer than this stay unpacked whatever the cost model says (the gathered keys and
 # values, and the index tensors, grow with the row).
 MAX_PACKED_LEN = 4096
@@ -231,3 +233,19 @@ class PromptSharing:
                              self.cost, self.force):
             return None
         return pack_rows(sub, groups, width, pad_to)
+
+
+def rank_microbatches(batch: Mapping[str, torch.Tensor], rows: Sequence[int], dp: int, dp_rank: int, *,
+                      micro_batch_size: int, max_tokens: int, share_prompts: bool,
+                      multiple_of: int = 1) -> List[List[int]]:
+    """This data-parallel rank's micro-batches (batch rows) of `rows`, planned over those rows only
+    (partition.plan_microbatches) as both engines plan them: under prompt sharing with a token
+    budget a prompt's responses stay together. No rows still gives every rank a micro-batch (an
+    empty one), so every rank enters the same collectives."""
+    lengths = (batch["prompt_lengths"] + batch["response_lengths"])[list(rows)].tolist()
+    groups = None
+    if share_prompts and max_tokens > 0:
+        groups = prompt_groups(batch["input_ids"][list(rows)], batch["prompt_lengths"][list(rows)])
+    plan = plan_microbatches(lengths, dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                             multiple_of=multiple_of, groups=groups)
+    return [[rows[i] for i in mb] for mb in plan[dp_rank]]  # plan indices -> batch rows

@@ -111,7 +111,7 @@ def engine_options(cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len:
         role, model=cfg.model, parallel=cfg.parallel, actor=cfg.actor, ref=cfg.ref, critic=cfg.critic,
         prm=cfg.prm, reward=cfg.reward, lora=cfg.lora, temperature=cfg.rollout.temperature,
         lora_seed=cfg.trainer.seed, total_steps=total_steps or cfg.trainer.total_steps, fp8=fp8,
-        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp, train_vision_tower=cfg.vision.train_vision_tower)
+        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp, vision=cfg.vision)
 
 
 # the field that names each role's model folder (the engine choice and its errors name it)

@@ -48,8 +48,7 @@ from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
 from verl_hpc.engines.options import HEADS, EngineOptions
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums, value_outputs
-from verl_hpc.engines.partition import plan_microbatches
-from verl_hpc.engines.prefix import prompt_groups
+from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.runtime.device import collective_device
@@ -211,14 +210,10 @@ class FsdpEngine(TrainingEngine):
         """This rank's micro-batches of `rows` (default: all), planned as the Megatron engine
         plans them: with prompt sharing and a token budget, a prompt's responses stay together."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
-        lengths = (batch["prompt_lengths"] + batch["response_lengths"])[rows].tolist()
-        groups = None
-        if self._sharing is not None and self.options.max_tokens_per_microbatch > 0:
-            groups = prompt_groups(batch["input_ids"][rows], batch["prompt_lengths"][rows])
-        plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
-                                 max_tokens=self.options.max_tokens_per_microbatch, groups=groups)
-        return [MicroBatch(batch, [rows[i] for i in mb], self.device, self._sharing, self.image_token_id)
-                for mb in plan[self.dp_rank]]
+        mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
+                                 max_tokens=self.options.max_tokens_per_microbatch,
+                                 share_prompts=self._sharing is not None)
+        return [MicroBatch(batch, mb, self.device, self._sharing, self.image_token_id) for mb in mine]
 
     def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""

@@ -51,10 +51,9 @@ from verl_hpc.engines.megatron.build import build_chunks, output_position_layers
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.options import EngineOptions, check_options, torch_dtype
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
-from verl_hpc.engines.partition import plan_microbatches
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.megatron.moe_stats import RouterStats
-from verl_hpc.engines.prefix import prompt_groups
+from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
@@ -190,18 +189,14 @@ class MegatronEngine(TrainingEngine):
         a micro-batch (an empty one, which adds exactly 0: partition.py), so every rank enters the
         same collectives."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
-        lengths = (batch["prompt_lengths"] + batch["response_lengths"])[rows].tolist()
-        groups = None
-        if self._share_prompts is not None and self.options.max_tokens_per_microbatch > 0:
-            groups = prompt_groups(batch["input_ids"][rows], batch["prompt_lengths"][rows])
-        plan = plan_microbatches(lengths, self.dp, micro_batch_size=self.options.micro_batch_size,
+        mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch,
-                                 multiple_of=self.pp if self.vpp else 1, groups=groups)
-        mine = [[rows[i] for i in mb] for mb in plan[self.dp_rank]]  # plan indices -> batch rows
+                                 share_prompts=self._share_prompts is not None,
+                                 multiple_of=self.pp if self.vpp else 1)
         shape = None
         if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)
-            length_of = dict(zip(rows, lengths))
-            seq = max(max((length_of[i] for i in mb), default=1) for mb in mine)
+            lengths = batch["prompt_lengths"] + batch["response_lengths"]
+            seq = max(max((int(lengths[i]) for i in mb), default=1) for mb in mine)
             shape = (max(max(len(mb) for mb in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
         return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, self._share_prompts)
                 for mb in mine]
