@@ -50,6 +50,7 @@ from typing import Dict, List, Optional
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import layer_tensor_sizes
 from verl_hpc.planning.training import logits_bytes, mlp_width, moe_dispatch_bytes
+from verl_hpc.planning.vision import VisionShape
 
 
 
@@ -185,10 +186,15 @@ class FsdpRole:
     head: str
     adapter_layer: int = 0
     shard: int = 2
+    # a vision-language model (planning/vision.py): its tower, whether it trains, images per row at most
+    vision: Optional[VisionShape] = None
+    vision_trains: bool = False
+    images_per_row: int = 0
 
     def working(self, s: int, b: int, train: bool) -> Dict[str, float]:
         """The activations, logits and gathered columns of a micro-batch (train: an update with
-        its saved activations; else a no_grad forward: one layer's intermediates)."""
+        its saved activations; else a no_grad forward: one layer's intermediates); a VLM's images:
+        `images_per_row` of the largest size in every row, the tower gathered whole (root group)."""
         if train:
             acts = activation_bytes(self.arch, s, b, self.c, checkpointing=self.checkpointing)
             act = acts["saved"] + acts["recompute_working"]
@@ -197,17 +203,30 @@ class FsdpRole:
         logits = logits_bytes(self.arch, s * b, 1, self.c, self.head, self.arch.vocab_size)
         gathered = gathered_bytes(self.params, self.c, reshard_after_forward=self.reshard, train=train,
                                   shard=self.shard, adapter_layer=self.adapter_layer)
-        return {"activations": act, "logits": logits, "gathered": gathered}
+        out = {"activations": act, "logits": logits, "gathered": gathered}
+        if self.vision is not None:
+            v = self.vision
+            # the images' pixel values and the tower's activations count with the activations
+            out["activations"] += b * self.images_per_row * v.image_bytes(self.c, train and self.vision_trains)
+            out["gathered"] += v.params * self.c * (2 if train and self.vision_trains else 1)  # + its grads
+        return out
 
 
 def fsdp_role(cfg, arch: ModelArch, head: str, trainable: bool, lora_rank: int = 0,
-              lora_targets=()) -> FsdpRole:
+              lora_targets=(), vision: Optional[VisionShape] = None) -> FsdpRole:
+    """vision: a VLM's tower (the policy's): fp32 shards of its weights, and of its gradients and
+    Adam's moments where vision.train_vision_tower trains it."""
     p = fsdp_params(arch, head)
     adapter_layer = peft_layer_params(arch, lora_rank, lora_targets) if lora_rank else 0
     shard = shard_size(cfg)
     parts = state_bytes(p, shard, trainable=trainable, adapter=adapter_layer * p.layers)
+    tower_trains = trainable and cfg.vision.train_vision_tower
+    if vision is not None:
+        tower = state_bytes(FsdpParams(0, 0, vision.params, [vision.params]), shard, trainable=tower_trains)
+        parts = {k: parts[k] + tower[k] for k in parts}
     return FsdpRole(arch, p, parts, compute_bytes(cfg), cfg.fsdp.reshard_after_forward,
-                    cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer, shard)
+                    cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer, shard,
+                    vision, tower_trains, cfg.vision.max_images_per_prompt if vision is not None else 0)
 
 
 def host_sizes(p: FsdpParams, shard: int) -> List[float]:
@@ -227,4 +246,12 @@ def offload_notes(cfg, roles: Dict[str, Optional[FsdpRole]]) -> List[str]:
     if fs.cpu_offload:
         out.append("fsdp.cpu_offload: the FSDP roles' sharded weights, grads and Adam states live on the host "
                    "(the optimizer step runs on the CPU); the device holds only what is gathered")
+    vlm = next((r for r in roles.values() if r is not None and r.vision is not None), None)
+    if vlm is not None:
+        v = vlm.vision
+        out.append(f"vision tower: {v.params / 1e6:.1f} M parameters ({'trained' if vlm.vision_trains else 'frozen'}; "
+                   f"gathered whole in every forward), up to {v.tokens_per_image} image tokens per image "
+                   f"({v.patches_per_image} patches), {v.image_bytes(vlm.c, vlm.vision_trains) / 2**20:.1f} MiB of "
+                   f"pixel values and tower activations per image, {vlm.images_per_row} image(s) per row at most "
+                   "(vision.max_images_per_prompt)")
     return out

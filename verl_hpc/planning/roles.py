@@ -20,6 +20,7 @@ from verl_hpc.planning import hardware
 from verl_hpc.planning.host import RoleTensors
 from verl_hpc.planning.model_shape import (fsdp_arch, lora_layer_params, model_arch, role_engine, stage_params,
                                            stage_tensor_sizes)
+from verl_hpc.planning.vision import vision_shape
 from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
@@ -105,7 +106,9 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
         if engine == "fsdp":
             a = arch if same else fsdp_arch(path, allow_known=allow_known, field=field)
             on_lora = lora.enabled and name == "actor"
-            fr = fsdp_plan.fsdp_role(cfg, a, head, trainable, lora.rank if on_lora else 0, lora.target_modules)
+            vision = vision_shape(path, field) if head == "lm" else None
+            fr = fsdp_plan.fsdp_role(cfg, a, head, trainable, lora.rank if on_lora else 0, lora.target_modules,
+                                     vision)
             shard = fsdp_plan.shard_size(cfg)
             parts = dict(fr.parts)
             sizes = fsdp_plan.host_sizes(fr.params, shard)
@@ -115,7 +118,7 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
                 parts = {k: 0.0 for k in parts}
             out.states[name], out.fsdp[name], out.archs[name] = RoleState(name, parts, off), fr, a
             # rank 0 reads the whole model from the folder (fp32, on the host) before sharding it
-            out.host_load = max(out.host_load, 4.0 * fr.params.total)
+            out.host_load = max(out.host_load, 4.0 * (fr.params.total + (vision.params if vision else 0)))
             out.tensors[name] = RoleTensors(name, sizes, 4, trainable and not on_lora, 1, 1, 2, off,
                                             buffers=[4.0 * n for n in sizes])
             continue
