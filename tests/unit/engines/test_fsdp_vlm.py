@@ -68,3 +68,19 @@ def test_vision_tower_frozen_by_default_and_trainable_by_config(one_rank_world, 
     assert lm_moved and not vision_moved
     vision_moved, lm_moved = _update(_engine(vlm, train_vision_tower=True), batch)
     assert lm_moved and vision_moved
+
+
+def test_lora_adapts_the_language_model_only(one_rank_world, vlm):
+    """The vision MLP shares leaf names with the decoder's (gate/up/down_proj): the adapters must go
+    on the language model alone; an update moves them, and the merged weights of the tower stay."""
+    from verl_hpc.config.schema import LoraConfig
+
+    batch, _ = image_batch(vlm, seed=2)
+    engine = _engine(vlm, lora=LoraConfig(rank=4, alpha=8, target_modules=["linear_qkv", "linear_fc1", "linear_fc2"]))
+    before = {n: t.clone() for n, t in engine.export_adapter()}
+    assert before and all(".language_model." in n for n in before), sorted(before)[:4]
+    assert any("gate_proj" in n for n in before)
+    vision_moved, lm_moved = _update(engine, batch)  # the merged weights the sync sends
+    assert lm_moved and not vision_moved
+    after = dict(engine.export_adapter())
+    assert any(not torch.equal(before[n], after[n]) for n in before)

@@ -40,6 +40,7 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.lora import LORA_TARGETS
 from verl_hpc.models.lora import AdapterSpec, init_a
+from verl_hpc.engines.fsdp.build import VISION_PARTS, vision_modules
 
 log = logging.getLogger(__name__)
 ADAPTER = "default"  # PEFT's adapter name
@@ -78,6 +79,11 @@ def _linear_leaves(model: torch.nn.Module) -> Dict[str, str]:
     leaves = {n.rpartition(".")[2] for n, m in unit.named_modules() if isinstance(m, torch.nn.Linear)}
     target_of = {leaf: t for t, options in HF_LEAVES.items() for group in options for leaf in group}
     return {leaf: target_of.get(leaf, "") for leaf in sorted(leaves)}
+
+
+# PEFT's exclude_modules (a regex over module names): a VLM's vision tower and projector, whose MLPs
+# share leaf names (gate_proj, up_proj, down_proj) with the decoder layers'
+VISION_EXCLUDE = r".*\.(" + "|".join(VISION_PARTS) + r")\..*"
 
 
 def target_leaves(model: torch.nn.Module, targets) -> Tuple[str, ...]:
@@ -186,6 +192,8 @@ def attach_adapters(model, full, options):
         config = read_lora_config(folder, lora)
     else:
         config = _fresh_config(lora, target_leaves(model, spec.targets))
+    if vision_modules(model):  # a vision-language model: the adapters go on the language model only
+        config.exclude_modules = VISION_EXCLUDE
     field = f"lora.init_from: '{folder}'" if folder is not None else "lora.target_modules"
     model = _wrap(model, config, field)
     modules = tuple(sorted({n.rpartition(".")[2] for n, _ in adapted(model)}))
