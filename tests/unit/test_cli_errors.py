@@ -50,6 +50,8 @@ WALK = [
      "error: cannot write '{file}/data/train.parquet': Not a directory"),
     ("verl_hpc.models.tiny", ["{tmp}/model", "--layers", "0"], 2, "error: --layers: got 0; valid: a count >= 1"),
     ("verl_hpc.models.tiny", ["{file}/model"], 2, "error: OUT '{file}/model': cannot write the model there"),
+    ("verl_hpc.models.tiny_vlm", ["{tmp}/model", "--layers", "0"], 2, "error: --layers: got 0; valid: a count >= 1"),
+    ("verl_hpc.models.tiny_vlm", ["{file}/model"], 2, "error: OUT '{file}/model': cannot write the model there"),
     ("verl_hpc.gpu_check", ["--only", "no_such_check"], 2, "argument --only: invalid choice: 'no_such_check'"),
     ("verl_hpc.gpu_check", ["--out", "{file}", "--dry-run"], 2, "error: --out '{file}' is a file"),
     ("verl_hpc.gpu_check.all", ["--out", "{file}", "--dry-run"], 2, "error: --out '{file}' is a file"),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 
 @dataclass
@@ -29,11 +29,6 @@ class PromptBatch:
         if len(sizes) > 1:
             raise ValueError(f"PromptBatch: fields of unequal lengths {sorted(sizes)}")
 
-    @property
-    def images(self) -> Optional[List[Any]]:
-        """media, or None for text prompts (what a rollout engine's generate takes)."""
-        return self.media or None
-
     def select(self, indices: Sequence[int]) -> "PromptBatch":
         """The prompts at `indices`, in that order."""
         return PromptBatch(**{f.name: [getattr(self, f.name)[i] for i in indices] if getattr(self, f.name) else []
@@ -41,6 +36,7 @@ class PromptBatch:
 
     @classmethod
     def concat(cls, batches: Sequence["PromptBatch"]) -> "PromptBatch":
-        media = any(b.media for b in batches)
-        return cls(**{f.name: [x for b in batches for x in (getattr(b, f.name) or ([None] * len(b)))]
-                      for f in fields(cls) if f.name != "media" or media})
+        joined = {f.name: [x for b in batches for x in getattr(b, f.name)] for f in fields(cls) if f.name != "media"}
+        if any(b.media for b in batches):  # a batch of text prompts has no entries: None per prompt
+            joined["media"] = [m for b in batches for m in (b.media or [None] * len(b))]
+        return cls(**joined)

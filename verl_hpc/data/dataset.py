@@ -12,7 +12,6 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.data.errors import DataError
 from verl_hpc.data.filtering import filter_overlong
-from verl_hpc.data.images import ImageProblem
 from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.data.records import PromptRecord, load_records
 from verl_hpc.data.templates import encode_prompts
@@ -24,7 +23,7 @@ def _encode_with_images(records: Sequence[PromptRecord], vision: ImagePrompts):
     for r in records:
         try:
             text, tokens, _ = vision.prompt(r)
-        except (ImageProblem, DataError) as e:
+        except DataError as e:  # it names the image or the template's failure; the row is named here
             problems.append(f"sample {r.id}: {e}")
             continue
         texts.append(text)

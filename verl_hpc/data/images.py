@@ -2,8 +2,8 @@
 
 An image in a row is bytes (a parquet binary column), a path (relative paths resolve against the
 data file's folder, as a data set shipped with its images expects), or the {bytes, path} dict that
-Hugging Face datasets' Image feature writes to parquet. Each check names the image's index in the
-row; the caller prefixes the row. Decoding here is the real decode (`Image.load()`), not the
+Hugging Face datasets' Image feature writes to parquet. Each check is a DataError naming the image's
+index in the row; the caller prefixes the row. Decoding here is the real decode (`Image.load()`), not the
 header only: a truncated file passes a header check and fails in the middle of a rollout.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from verl_hpc.config.sections.vision import VisionConfig
+from verl_hpc.data.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,6 @@ class ImageLimits:
         return cls(**{**limits, **changes})
 
 
-class ImageProblem(ValueError):
-    """One image of a row is unusable; the message names the image, the caller names the row."""
-
-
 def image_bytes(item: Any, base_dir: str = "") -> Tuple[bytes, str]:
     """(encoded bytes, what to call the image in a message) of one item of a row's images."""
     if isinstance(item, dict):  # HF datasets' Image feature in parquet: {"bytes": ..., "path": ...}
@@ -46,27 +43,27 @@ def image_bytes(item: Any, base_dir: str = "") -> Tuple[bytes, str]:
     if isinstance(item, str) and item:
         path = item if os.path.isabs(item) else os.path.join(base_dir, item)
         if not os.path.isfile(path):
-            raise ImageProblem(f"'{item}': no such file" + (f" (looked in {base_dir})" if base_dir else ""))
+            raise DataError(f"'{item}': no such file" + (f" (looked in {base_dir})" if base_dir else ""))
         with open(path, "rb") as f:
             return f.read(), f"'{item}'"
-    raise ImageProblem(f"is {type(item).__name__}; expected image bytes, a path, or a {{bytes, path}} dict")
+    raise DataError(f"is {type(item).__name__}; expected image bytes, a path, or a {{bytes, path}} dict")
 
 
 def decode_image(data: bytes, limits: ImageLimits, name: str = "the image"):
-    """The RGB PIL image of `data`, or an ImageProblem naming what is wrong."""
+    """The RGB PIL image of `data`, or an DataError naming what is wrong."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
-        raise ImageProblem(f"{name} is {len(data):,} bytes, over vision.max_image_bytes = {limits.max_bytes:,}")
+        raise DataError(f"{name} is {len(data):,} bytes, over vision.max_image_bytes = {limits.max_bytes:,}")
     try:
         with Image.open(io.BytesIO(data)) as probe:  # the header only: size before any pixel is decoded
             width, height = probe.size
     except UnidentifiedImageError:
-        raise ImageProblem(f"{name} does not decode as an image (not a format Pillow reads)") from None
+        raise DataError(f"{name} does not decode as an image (not a format Pillow reads)") from None
     except Exception as e:  # noqa: BLE001 - Pillow raises OSError, SyntaxError... on a damaged header
-        raise ImageProblem(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
+        raise DataError(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
     if width * height > limits.max_pixels:
-        raise ImageProblem(f"{name} is {width} x {height} = {width * height / 1e6:.1f} megapixels, over "
+        raise DataError(f"{name} is {width} x {height} = {width * height / 1e6:.1f} megapixels, over "
                            f"vision.max_image_pixels = {limits.max_pixels / 1e6:.1f} megapixels")
     try:
         # Pillow's own decompression-bomb guard is off here: the limit above is the configured one
@@ -75,24 +72,24 @@ def decode_image(data: bytes, limits: ImageLimits, name: str = "the image"):
             img.load()
             return img.convert("RGB")
     except Exception as e:  # noqa: BLE001
-        raise ImageProblem(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
+        raise DataError(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
 
 
 def load_images(items: Optional[Sequence[Any]], limits: ImageLimits, base_dir: str = "") -> List[Any]:
-    """Every image of one row, decoded; an ImageProblem names the first bad one by its index."""
+    """Every image of one row, decoded; an DataError names the first bad one by its index."""
     if items is None:
         return []
     if not isinstance(items, (list, tuple)):
-        raise ImageProblem(f"is {type(items).__name__}; expected a list of images")
+        raise DataError(f"is {type(items).__name__}; expected a list of images")
     if len(items) > limits.max_images:
-        raise ImageProblem(f"holds {len(items)} images, over vision.max_images_per_prompt = {limits.max_images}")
+        raise DataError(f"holds {len(items)} images, over vision.max_images_per_prompt = {limits.max_images}")
     out = []
     for i, item in enumerate(items):
         try:
             data, name = image_bytes(item, base_dir)
             out.append(decode_image(data, limits, name))
-        except ImageProblem as e:
-            raise ImageProblem(f"image {i}: {e}") from None
+        except DataError as e:
+            raise DataError(f"image {i}: {e}") from None
     return out
 
 

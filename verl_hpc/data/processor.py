@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -34,7 +35,7 @@ import torch
 
 from verl_hpc.config.sections.vision import PLACEHOLDER, VisionConfig
 from verl_hpc.data.errors import DataError
-from verl_hpc.data.images import ImageLimits, ImageProblem, load_images
+from verl_hpc.data.images import ImageLimits, load_images
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +70,11 @@ class ImagePrompts:
     @classmethod
     def from_config(cls, model, vision) -> "ImagePrompts":
         """For the job's policy model (the model section's path); the processor is loaded only for a
-        VLM. vision: the vision section."""
-        return cls(VisionProcessor.load(model.path, model.trust_remote_code), vision.image_key,
-                   ImageLimits.from_config(vision))
+        VLM. vision: the vision section. A path without a config.json counts as a text model: the
+        roles, built first, have refused a missing folder already (programs run with stand-in roles)."""
+        folder = Path(model.path or "", "config.json").is_file()
+        processor = VisionProcessor.load(model.path, model.trust_remote_code) if folder else None
+        return cls(processor, vision.image_key, ImageLimits.from_config(vision))
 
     def prompt(self, record) -> Tuple[str, List[int], Optional[PromptImages]]:
         """encode() of a PromptRecord."""
@@ -79,12 +82,12 @@ class ImagePrompts:
 
     def encode(self, prompt, images, base_dir: str = "") -> Tuple[str, List[int], Optional[PromptImages]]:
         """(rendered text, token ids, its images or None) of one prompt (text or messages) and its
-        row's images as stored; an ImageProblem or DataError names what is wrong (the caller names
+        row's images as stored; a DataError names what is wrong (the caller names
         the row). base_dir: where relative image paths start (the data file's folder)."""
         images = load_images(images, self.limits, base_dir)
         messages, places = image_messages(prompt)
         if places != len(images):
-            raise ImageProblem(f"the prompt has {places} image placeholder(s) ('{PLACEHOLDER}' or "
+            raise DataError(f"the prompt has {places} image placeholder(s) ('{PLACEHOLDER}' or "
                                f"{{type: image}} parts) but field '{self.image_key}' holds {len(images)} "
                                "image(s); each image needs one placeholder where it goes")
         text = self.processor.render(messages)

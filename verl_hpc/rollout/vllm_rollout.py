@@ -55,7 +55,7 @@ from typing import Iterable, List, Tuple
 import torch
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.hf_model import language_model_config, read_hf_config
+from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout import vllm_compat
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
@@ -84,6 +84,7 @@ def _export_rank_env(layout: ReplicaLayout, ctx) -> None:
 
 class VLLMRollout(RolloutEngine):
     name = "vllm"
+    vision = False  # a vision-language model (set from config.json when built)
 
     # dtype, the lengths, prompt_overflow, gpu_memory_utilization and collective_timeout_s are config
     # fields: required, so that from_options binds the sections; code without a config uses
@@ -97,7 +98,9 @@ class VLLMRollout(RolloutEngine):
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, lora_rank: int = 0, ctx=None, **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
-        config = language_model_config(read_hf_config(model_path))
+        folder_config = read_hf_config(model_path)
+        self.vision = is_vision_language(folder_config)
+        config = language_model_config(folder_config)
         super().__init__(layout=layout, max_prompt_length=max_prompt_length,
                          max_response_length=max_response_length,
                          prompt_overflow=prompt_overflow, vocab_size=config.get("vocab_size"))
@@ -245,12 +248,11 @@ class VLLMRollout(RolloutEngine):
             raise
         if not self.llm.reset_prefix_cache():  # stale KV blocks would give wrong tokens
             self._mark_broken("reset_prefix_cache() refused")
-        # image features of the old weights: reload_weights clears the runner's encoder cache but not
-        # the scheduler's record of it, and a repeated image then fails ("Encoder cache miss")
-        reset = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
-        if reset is not None:
-            reset()
             raise RuntimeError("vllm rollout: reset_prefix_cache() failed after a weight update")
+        if self.vision:  # image features of the old weights: reload_weights clears the runner's
+            # encoder cache but not the scheduler's record of it, and a repeated image then fails
+            # ("Encoder cache miss")
+            self.llm.llm_engine.reset_encoder_cache()
         self._weights_dropped = False
         return dict(tensors=checked.tensors, bytes=checked.bytes,
                     seconds=time.perf_counter() - start)

@@ -61,7 +61,7 @@ class Roles:
     def generate(self, prompts, spec):
         """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
         if self.episodes is None:
-            result = self.rollout.generate(prompts.prompt_ids, spec, media=prompts.images)
+            result = self.rollout.generate(prompts.prompt_ids, spec, media=prompts.media or None)
         else:
             result = self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
                                             offered=[x.get("tools") for x in prompts.extras])

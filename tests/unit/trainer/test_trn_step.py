@@ -38,7 +38,7 @@ class FakeRollout:
     def __init__(self, calls):
         self.calls, self.loaded = calls, {}
 
-    def generate(self, prompt_ids, spec):
+    def generate(self, prompt_ids, spec, media=None):
         self.calls.append("rollout.generate")
         texts = ["".join(map(chr, p)) for p in prompt_ids]
         rows = [(i, j) for i in range(len(texts)) for j in range(spec.n)]

@@ -46,7 +46,7 @@ class SleepyRollout(FakeRollout):
         self.version = int(dict(weights)["model.w"][0, 0])
         self.weights_dropped = False
 
-    def generate(self, prompt_ids, spec):
+    def generate(self, prompt_ids, spec, media=None):
         assert not self.sleeping and not self.weights_dropped, (self.sleeping, self.weights_dropped)
         assert self.version == self.actor_engine.version, "generated with stale weights"
         return super().generate(prompt_ids, spec)

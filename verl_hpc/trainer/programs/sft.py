@@ -121,14 +121,12 @@ def load_sft_rows(cfg, tokenizer, images=None) -> List[Tuple[List[int], List[int
 
 def _image_prompts(rows, vision, prompt_key: str, path: str):
     """Token ids (image tokens expanded) and PromptImages of image rows; a DataError names the row."""
-    from verl_hpc.data.images import ImageProblem
-
     prompts, media = [], []
     base = os.path.dirname(os.path.abspath(path))
     for i, row in enumerate(rows):
         try:
             _, ids, m = vision.encode(row[prompt_key], row.get(vision.image_key), base)
-        except (ImageProblem, DataError) as e:
+        except DataError as e:  # it names the image; the row is named here
             raise DataError(f"data.sft_files '{path}' row {i}: {e}") from None
         prompts.append(ids)
         media.append(m)

@@ -114,7 +114,7 @@ class StepSampler:
         if self.cfg.algorithm.adv_estimator != "remax":
             return None
         spec = dataclasses.replace(self.sampling.for_step(step), n=1, temperature=0.0)
-        result = self.roles.rollout.generate(prompts.prompt_ids, spec, media=prompts.images)
+        result = self.roles.rollout.generate(prompts.prompt_ids, spec, media=prompts.media or None)
         self.roles.verify(result)
         greedy = assemble(prompts, result, self.roles.tokenizer, self.roles.pad_id)
         scores, _ = score_batch(self.scorer, greedy, self.roles.reward_model)
