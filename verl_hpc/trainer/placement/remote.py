@@ -59,7 +59,11 @@ class RemoteRollout:
     def __init__(self, link, steps_done: Callable[[], int]):
         self.link, self.steps_done = link, steps_done
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, media=None):
+        """media: the rollout interface's prompt images, which the link does not carry (a
+        vision-language model in split placement is refused by the config check)."""
+        if media is not None:
+            raise ValueError("split placement: the rollout ranks do not receive prompt images")
         return self.link.generate(prompts, sampling, self.steps_done())
 
     def sleep(self) -> None:
