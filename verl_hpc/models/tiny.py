@@ -157,14 +157,19 @@ def random_state_dict(model: torch.nn.Module, seed: int, *, norm_offset: bool = 
     """Seeded weights: matrices and biases N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
     swapped or misplaced norm in a weight mapping changes the logits visibly; routers N(0, 1), so
     that the experts a token picks are clear-cut (not near-ties that rounding could flip).
-    `norm_offset`: the model scales by 1 + weight (Gemma), so its norm weights are N(0, 0.1)."""
+    `norm_offset`: the model scales by 1 + weight (Gemma), so its norm weights are N(0, 0.1).
+    A norm is a tensor named so, or one of a module whose class is a norm (Qwen2.5-VL's patch merger
+    calls its RMSNorm `ln_q`: drawn as a matrix, it shrank the merged patches 50-fold under the
+    merger's biases, and every picture gave nearly the same image tokens)."""
     gen = torch.Generator().manual_seed(seed)
+    norms = {f"{m}.{n}" if m else n for m, module in model.named_modules() if type(module).__name__.endswith("Norm")
+             for n, _ in module.named_parameters(recurse=False)}
     out = {}
     for name, p in sorted(model.state_dict().items()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
         norm = (0.0 if norm_offset else 1.0) + 0.1 * noise
-        out[name] = norm if "norm" in name else noise if router else 0.02 * noise
+        out[name] = norm if "norm" in name or name in norms else noise if router else 0.02 * noise
     return out
 
 

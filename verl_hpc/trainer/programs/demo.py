@@ -53,7 +53,7 @@ TASKS = {
     "tool": dict(data="tool_arith", data_args=("--n-sft", "4000"), sft_config="configs/demo_tool_sft.yaml",
                  rl_config="configs/demo_tool.yaml", sft_noise=0.75, out="outputs/demo_tool"),
     # a tiny Qwen2.5-VL (verl_hpc/models/tiny_vlm.py) on pictures drawn with Pillow (prepare/visual.py)
-    "visual": dict(data="visual", data_args=(), sft_config="configs/demo_vlm_sft.yaml",
+    "visual": dict(data="visual", data_args=("--kinds", "colour,bar"), sft_config="configs/demo_vlm_sft.yaml",
                    rl_config="configs/demo_vlm.yaml", sft_noise=0.7, out="outputs/demo_vlm",
                    model=("verl_hpc.models.tiny_vlm", "qwen2_5_vl")),
 }
