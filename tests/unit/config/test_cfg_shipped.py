@@ -94,9 +94,10 @@ KEY_VALUES = {
                        "data.train_batch_size": 16},
     "demo_tool_sft.yaml": {**CPU, "trainer.job": "sft", "data.max_prompt_length": 32,
                            "trainer.sft_epochs": 40, "slurm.cpus_per_task": 2},
-    "demo_vlm.yaml": {**CPU, "parallel.engine": "fsdp", "vision.train_vision_tower": True,
+    "demo_vlm.yaml": {**CPU, "parallel.engine": "fsdp", "vision.train_vision_tower": False,
                       "data.max_response_length": 8, "world_size": 1},
-    "demo_vlm_sft.yaml": {**CPU, "trainer.job": "sft", "parallel.engine": "fsdp", "slurm.cpus_per_task": 1},
+    "demo_vlm_sft.yaml": {**CPU, "trainer.job": "sft", "parallel.engine": "fsdp", "slurm.cpus_per_task": 1,
+                          "vision.train_vision_tower": True},
 }
 
 
