@@ -31,15 +31,18 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import LossFn, TrainingEngine
-from verl_hpc.engines.batch import Batch, as_engine_batch, get_response_mask, split_rows
+from verl_hpc.engines.batch import ROW_LISTS, Batch, as_engine_batch, get_response_mask, split_rows
 
 
 def take_rows(batch: Mapping[str, torch.Tensor], rows: List[int]) -> Batch:
-    """Rows of every per-row tensor (widths unchanged)."""
+    """Rows of every per-row tensor (widths unchanged) and of the per-row lists (ROW_LISTS: a
+    vision-language model's images, which the mini-batches of an update must keep)."""
     b = batch["input_ids"].shape[0]
     idx = torch.as_tensor(rows, dtype=torch.long)
-    return {k: v[idx] for k, v in batch.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b}
+    out = {k: v[idx] for k, v in batch.items()
+           if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b}
+    out.update({k: [batch[k][i] for i in rows] for k in ROW_LISTS if batch.get(k) is not None})
+    return out
 
 
 def rows_to_run(batch, loss_fn: LossFn) -> Tuple[List[int], Optional[Dict[str, float]]]:

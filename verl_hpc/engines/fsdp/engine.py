@@ -91,6 +91,11 @@ class MicroBatch:
             sub = select_rows(batch, rows)
         images = collate_inputs(sub.pop("image_inputs", None) or [])
         ids, width = sub["input_ids"], sub["response_mask"].shape[1]
+        if image_token_id is not None and not images and bool((ids == image_token_id).any()):
+            # the model would read the image tokens as text without a word: a batch that lost its
+            # images on the way (a sub-batch that kept only the tensors) trains on the wrong inputs
+            raise ValueError(f"micro-batch rows {rows[:8]} hold image tokens (id {image_token_id}) but the "
+                             "batch carries no image_inputs for them")
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
         packed = sharing(sub, width) if sharing is not None and not self.dummy else None
         self.packed = packed is not None
