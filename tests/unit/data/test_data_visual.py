@@ -64,11 +64,11 @@ def answer_from_pixels(kind, a):
     if kind == "colour":
         areas = sorted(colour_areas(a).items(), key=lambda kv: -kv[1])
         assert areas[0][1] >= 1.5 * areas[1][1], f"largest shape not clearly largest: {areas}"
-        return areas[0][0]
+        return visual.LETTER[areas[0][0]]
     half = a.shape[1] // 2
     left, right = (int(ink(part).any(axis=1).sum()) for part in (a[:, :half], a[:, half:]))  # rows with ink
     assert abs(left - right) >= 0.15 * a.shape[0] - 1, (left, right)
-    return "left" if left > right else "right"
+    return "L" if left > right else "R"
 
 
 @pytest.mark.parametrize("sizes", [(56, 84, 28), (48, 96, 16)])
@@ -114,8 +114,8 @@ def test_sft_noise_is_one_systematic_distractor():
     assert all(r["response"] == r["ground_truth"] and not r["extra"]["noisy"] for r in clean)
     noisy = visual.generate(n_train=30, n_val=3, seed=2, sft_noise=1.0)["sft"]
     expected = {"count": {"1": "2", "2": "3", "3": "4", "4": "1"},
-                "colour": {"red": "green", "green": "blue", "blue": "red"},
-                "bar": {"left": "right", "right": "left"}}
+                "colour": {"R": "G", "G": "B", "B": "R"},
+                "bar": {"L": "R", "R": "L"}}
     for r in noisy:
         assert r["extra"]["noisy"] and r["response"] == expected[r["extra"]["kind"]][r["ground_truth"]]
     mixed = visual.generate(n_train=600, n_val=3, seed=2, sft_noise=0.7)["sft"]

@@ -4,20 +4,26 @@ Kinds (--kinds, any of them; rows cycle through the chosen kinds in order, so ev
 them in equal shares):
 - count: 1..4 dots of one colour on white, "How many dots?" -> "1".."4" (data_source visual_count);
 - colour: 2 or 3 shapes (squares, circles) of different colours, one clearly the largest (at least
-  1.5x the area of any other), "What colour is the largest shape?" -> red / green / blue
-  (visual_colour);
+  1.5x the area of any other), "What colour is the largest shape?" -> R / G / B for red, green,
+  blue (visual_colour);
 - bar: two bars standing on one baseline, heights differing by at least 15% of the picture,
-  "Which bar is taller?" -> left / right (visual_bar).
+  "Which bar is taller?" -> L / R for left, right (visual_bar).
 Shapes never overlap or touch, and everything is drawn without anti-aliasing, so a rule reading
 the pixels (the tests do) finds the same answer as the generator.
 
 Why this task. The demo must show RL improving a tiny random-init vision-language model on 2 CPU
-cores within minutes, so the pictures are small and the answers short: a side is drawn from
+cores within minutes, so the pictures are small and the answers one token: a side is drawn from
 --min-size .. --max-size in steps of --size-step (default 56, 84 and 28 px, the merged patch of
-Qwen2.5-VL: a 56 x 56 picture is 4 image tokens and 84 x 84 is 9, with no resize), an answer is one
-word or digit, so a rollout is a few tokens and the reward is exactly right or wrong
-(verl_hpc/rewards/basic.py first_word_score, the `visual` scorer). For Qwen3-VL (16 px patches)
-use steps of 32 (64, 96).
+Qwen2.5-VL: a 56 x 56 picture is 4 image tokens and 84 x 84 is 9, with no resize), an answer is a digit or
+a capital letter, so a rollout is two tokens (the answer, EOS) and the reward is exactly right or
+wrong (verl_hpc/rewards/basic.py first_word_score, the `visual` scorer). Letters rather than words
+because the tiny models' tokenizer spells "red" and "right" letter by letter: their shared first
+token blurred the two answers, and RL then drove the blue questions to "rigggg" (measured). For
+Qwen3-VL (16 px patches) use steps of 32 (64, 96).
+
+What the tiny Qwen2.5-VL of the demo learns (measured, SFT on 12,000 clean rows, 2 epochs): the
+colour of the largest shape, 100%; the taller bar, 50% (chance: with 4-9 image tokens it does
+not learn to compare the bars); so `make demo-vlm` asks colour questions only.
 
 The warm start is *systematically* wrong, for the reason the arithmetic task's is (see
 verl_hpc/data/prepare/synthetic.py): a fraction P (--sft-noise, above 0.5 for the demo) of SFT rows
@@ -50,10 +56,13 @@ MAX_DOTS = 4
 MIN_SIDE = 48  # below this, 4 dots or 3 shapes no longer fit apart with room to spare
 PROMPTS = {
     "count": f"{PLACEHOLDER}How many dots? Answer with a number.",
-    "colour": f"{PLACEHOLDER}What colour is the largest shape? Answer red, green or blue.",
-    "bar": f"{PLACEHOLDER}Which bar is taller? Answer left or right.",
+    "colour": f"{PLACEHOLDER}What colour is the largest shape? Answer R (red), G (green) or B (blue).",
+    "bar": f"{PLACEHOLDER}Which bar is taller? Answer L (left) or R (right).",
 }
-ANSWERS = {"count": tuple(str(n) for n in range(1, MAX_DOTS + 1)), "colour": tuple(PALETTE), "bar": ("left", "right")}
+SIDES = ("left", "right")
+LETTER = {name: name[0].upper() for name in (*PALETTE, *SIDES)}  # the one-token answer of a colour or side
+ANSWERS = {"count": tuple(str(n) for n in range(1, MAX_DOTS + 1)), "colour": tuple(LETTER[c] for c in PALETTE),
+           "bar": tuple(LETTER[s] for s in SIDES)}
 GAP = 3  # pixels of background kept between any two shapes: they stay separate components
 
 
@@ -103,7 +112,7 @@ def _colour(rng: random.Random, draw, width: int, height: int) -> Tuple[str, Dic
     boxes = _place(rng, [(s, s) for s in sizes], width, height)
     for colour, shape, box in zip(colours, shapes, boxes):
         (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=PALETTE[colour])
-    return colours[0], {"shapes": [{"colour": c, "shape": s, "box": b} for c, s, b in zip(colours, shapes, boxes)]}
+    return LETTER[colours[0]], {"shapes": [{"colour": c, "shape": s, "box": b} for c, s, b in zip(colours, shapes, boxes)]}
 
 
 def _bar(rng: random.Random, draw, width: int, height: int) -> Tuple[str, Dict]:
@@ -121,7 +130,7 @@ def _bar(rng: random.Random, draw, width: int, height: int) -> Tuple[str, Dict]:
     colours = [rng.choice(list(PALETTE)) for _ in heights]
     for colour, box in zip(colours, boxes):
         draw.rectangle(box, fill=PALETTE[colour])
-    return ("left" if heights[0] > heights[1] else "right"), {"heights": heights, "colours": colours, "boxes": boxes}
+    return LETTER[SIDES[0] if heights[0] > heights[1] else SIDES[1]], {"heights": heights, "colours": colours, "boxes": boxes}
 
 
 _DRAW = {"count": _count, "colour": _colour, "bar": _bar}
