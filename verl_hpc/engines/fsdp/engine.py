@@ -203,10 +203,11 @@ class FsdpEngine(TrainingEngine):
                                    optimizer=o.optimizer_offload and o.trainable)
         self.offloader.offload()
         if dist.get_rank() == 0:
-            log.info("FSDP engine (%s head): %s, %.1f M parameters over %s, compute %s%s", o.head,
+            log.info("FSDP engine (%s head): %s, %.1f M parameters over %s, compute %s%s%s", o.head,
                      self.architecture, build_lib.parameter_count(model) / 1e6, self.mesh,
                      str(self.compute_dtype).replace("torch.", ""),
-                     ", activation checkpointing" if o.fsdp.activation_checkpointing else "")
+                     ", activation checkpointing" if o.fsdp.activation_checkpointing else "",
+                     f", sequence parallel {sp} (Ulysses; {self.dp} data-parallel groups)" if self.sp else "")
 
     def offload_tensors(self) -> Dict[str, list]:
         """What the offloader moves (engines/offload.py): the local shards of the parameters and
