@@ -2,7 +2,10 @@
 rank's share of a sequence is the chunks Megatron's rule names, the gathered result equals the
 unsplit batch on every rank, the backward gives each rank its own tokens' gradient once (their sum
 over the group is the whole gradient, as DDP's dp x cp reduction adds it), and the gradient group
-spans the CP ranks (cp_ranks.py)."""
+spans the CP ranks; the engine's CP output path (micro-batch split, per-token log-probs /
+entropy / values on each rank's tokens, gather) equals the whole-sequence path in values and in
+gradients summed over the group; the engine at cp 2 is refused on this CPU node with one line, before
+any weight is built (cp_ranks.py)."""
 import torch
 
 from cp_ranks import __file__ as SCRIPT
@@ -28,4 +31,16 @@ def test_gather_through_the_cp_group(tmp_path):
         assert torch.equal(torch.tensor(r["grad"]), torch.tensor(r["want_grad"]))
         whole_grad[:, idx] += torch.tensor(r["grad"], dtype=torch.float64)
     assert sorted(r["cp_rank"] for r in ranks) == [0, 1]
+    # the engine's output path at cp 2 = the whole-sequence path (values exactly; gradients to float32
+    # rounding: the entropy is float32 on both paths)
+    for r in ranks:
+        o = r["outputs"]
+        assert o["shape_equal"] and o["labels_split"]
+        for kind in ("lm", "labels", "value"):
+            assert o[kind]["value"] < 1e-12, (kind, o[kind])
+            assert o[kind]["grad_scale"] > 0 and o[kind]["grad"] < 1e-6 * o[kind]["grad_scale"], (kind, o[kind])
+    for r in ranks:  # the engine at cp 2 on a CPU node: one line, before any weight is built
+        assert r["refusal"] == {"type": "ConfigError", "built": False, "message": (
+            "parallel.cp = 2 needs Transformer Engine's attention (TEDotProductAttention) on a CUDA GPU, and "
+            "this node has no CUDA GPU; install the 'gpu' extra or set parallel.cp=1")}
     assert torch.equal(whole_grad, weights)  # each token's gradient once, not cp times

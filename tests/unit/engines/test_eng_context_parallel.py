@@ -82,3 +82,20 @@ def test_gather_on_one_rank_is_the_input(one_rank_world):
 
     x = torch.randn(2, 8)
     assert cpl.gather_sequence(x, dist.group.WORLD) is x
+
+
+def test_engine_refuses_cp_without_transformer_engine(monkeypatch):
+    from verl_hpc.config.errors import ConfigError
+    from verl_hpc.engines.megatron import build
+
+    build.check_context_parallel(1)  # nothing to refuse
+    with pytest.raises(ConfigError) as info:
+        build.check_context_parallel(2)  # this CPU node
+    assert str(info.value) == ("parallel.cp = 2 needs Transformer Engine's attention (TEDotProductAttention) on a "
+                               "CUDA GPU, and this node has no CUDA GPU; install the 'gpu' extra or set parallel.cp=1")
+    monkeypatch.setattr(build, "has_gpu", lambda: True)  # a GPU node without TE
+    monkeypatch.setattr(build, "transformer_engine_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^parallel.cp = 4 needs .* and Transformer Engine is not installed; "):
+        build.check_context_parallel(4)
+    monkeypatch.setattr(build, "transformer_engine_available", lambda: True)
+    build.check_context_parallel(4)

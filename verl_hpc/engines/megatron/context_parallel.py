@@ -30,6 +30,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_hpc.engines.megatron import outputs as lm
+from verl_hpc.engines.outputs import value_outputs
+
 
 def chunks_of_rank(cp: int, rank: int) -> Tuple[int, int]:
     """The two chunks (of 2 * cp) that CP rank `rank` holds, in its local order."""
@@ -103,10 +106,32 @@ def gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
     return _GatherSequence.apply(local, group)
 
 
+def outputs(out: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str], *, kind: str,
+            temperature: float = 1.0) -> Dict[str, torch.Tensor]:
+    """The engine's per-micro-batch results (outputs.py's, aligned to the responses) from the
+    model's output on this CP rank's tokens: `kind` is "labels" (per-position losses `[b, S/cp]`,
+    the model called with this rank's next-token labels), "lm" (vocab-parallel logits
+    `[b, S/cp, V/tp]`: log-probs / entropy on this rank's tokens first, so that only `[b, S/cp]`
+    results cross the group) or "value" (`[b, S/cp, 1]`). mb["_cp_labels"]: this rank's next-token
+    labels (schedule.MicroBatch)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_context_parallel_group()
+    if kind == "labels":
+        return lm.lm_outputs_from_token_losses(gather_sequence(out, group), mb, want)
+    if kind == "value":
+        return value_outputs(gather_sequence(out, group), mb, want)
+    if kind != "lm":
+        raise ValueError(f"context-parallel output kind {kind!r}; valid: labels, lm, value")
+    mine = lm.lm_outputs(out, {"_targets": mb["_cp_labels"]}, want, temperature=temperature, selected=True)
+    b = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+    return {k: gather_sequence(v, group)[b, mb["_positions"]] for k, v in mine.items()}
+
+
 def causal_pairs(seq_len: int, cp: int, rank: int) -> int:
     """(query, key) pairs rank `rank`'s queries attend to under a causal mask: its attention work."""
     return int((token_index(seq_len, cp, rank) + 1).sum())
 
 
-__all__ = ["causal_pairs", "check_length", "chunks_of_rank", "gather_sequence", "reassemble", "split_for_rank",
-           "token_index", "unpermute_index"]
+__all__ = ["causal_pairs", "check_length", "chunks_of_rank", "gather_sequence", "outputs", "reassemble",
+           "split_for_rank", "token_index", "unpermute_index"]
