@@ -190,11 +190,15 @@ class FsdpRole:
     vision: Optional[VisionShape] = None
     vision_trains: bool = False
     images_per_row: int = 0
+    sp: int = 1  # fsdp.sp: each rank of a sequence-parallel group holds 1/sp of every sequence
 
     def working(self, s: int, b: int, train: bool) -> Dict[str, float]:
         """The activations, logits and gathered columns of a micro-batch (train: an update with
         its saved activations; else a no_grad forward: one layer's intermediates); a VLM's images:
-        `images_per_row` of the largest size in every row, the tower gathered whole (root group)."""
+        `images_per_row` of the largest size in every row, the tower gathered whole (root group).
+        Under sequence parallelism a rank's tokens are s / sp: its activations and logits too (the
+        attention's regrouped q, k, v hold all tokens of 1/sp of the heads: the same bytes)."""
+        s = -(-s // self.sp)
         if train:
             acts = activation_bytes(self.arch, s, b, self.c, checkpointing=self.checkpointing)
             act = acts["saved"] + acts["recompute_working"]
@@ -226,7 +230,8 @@ def fsdp_role(cfg, arch: ModelArch, head: str, trainable: bool, lora_rank: int =
         parts = {k: parts[k] + tower[k] for k in parts}
     return FsdpRole(arch, p, parts, compute_bytes(cfg), cfg.fsdp.reshard_after_forward,
                     cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer, shard,
-                    vision, tower_trains, cfg.vision.max_images_per_prompt if vision is not None else 0)
+                    vision, tower_trains, cfg.vision.max_images_per_prompt if vision is not None else 0,
+                    cfg.fsdp.sp)
 
 
 def host_sizes(p: FsdpParams, shard: int) -> List[float]:
@@ -243,6 +248,10 @@ def offload_notes(cfg, roles: Dict[str, Optional[FsdpRole]]) -> List[str]:
            f"fp32 master weights, grads and Adam sharded; reshard_after_forward "
            f"{'on' if fs.reshard_after_forward else 'off (every layer stays gathered to its backward)'}"
            f"; activation checkpointing {'on' if fs.activation_checkpointing else 'off'}"]
+    if fs.sp > 1:
+        out.append(f"fsdp.sp = {fs.sp}: each sequence split over {fs.sp} ranks (Ulysses); activations and "
+                   f"logits per rank are those of 1/{fs.sp} of its tokens; {cfg.train_world_size // fs.sp} "
+                   "data-parallel group(s)")
     if fs.cpu_offload:
         out.append("fsdp.cpu_offload: the FSDP roles' sharded weights, grads and Adam states live on the host "
                    "(the optimizer step runs on the CPU); the device holds only what is gathered")

@@ -49,12 +49,20 @@ def test_an_explicit_engine_is_taken_as_written(folders):
     ("parallel.ep=2", "parallel.engine = fsdp with parallel.ep = 2: FSDP has no expert parallelism"),
     ("parallel.tp=2", "parallel.engine = fsdp with parallel.tp = 2: the FSDP engine has no tensor parallelism"),
     ("fsdp.shard_size=3", "fsdp.shard_size = 3 must divide the 2 training ranks"),
+    ("fsdp.sp=4", "fsdp.sp = 4 must divide the 2 training ranks (groups of sp ranks share each sequence)"),
 ])
 def test_impossible_fsdp_layouts_are_refused_naming_the_fields(override, words):
     cfg = load_config(None, ["model.path=/m", "parallel.engine=fsdp", override])
     with pytest.raises(ConfigError) as e:
         validate(cfg, check_model=False)
     assert words in str(e.value)
+
+
+def test_fsdp_sp_with_the_megatron_engine_names_context_parallelism():
+    cfg = load_config(None, ["model.path=/m", "parallel.engine=megatron", "slurm.tasks_per_node=2", "fsdp.sp=2"])
+    with pytest.raises(ConfigError, match=r"fsdp.sp = 2 is the FSDP engine's sequence parallelism; with "
+                                          r"parallel.engine = megatron split long sequences with parallel.cp"):
+        validate(cfg, check_model=False)
 
 
 def test_fp8_with_fsdp_is_refused():

@@ -224,3 +224,15 @@ def test_the_planned_fsdp_adapter_is_what_peft_attaches(tmp_path):
     arch = fsdp_plan_arch(str(folder))
     targets = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     assert fsdp_plan.peft_layer_params(arch, 4, targets) * arch.num_layers == trainable
+
+
+def test_sequence_parallelism_divides_activations_and_logits_by_sp():
+    """fsdp.sp = 4 on 8 ranks: each rank holds a quarter of every sequence's tokens, so a quarter
+    of the activations and logits of the same micro-batch; states and gathered units unchanged."""
+    one, four = plan(*FSDP, *OFFLOAD_OFF), plan(*FSDP, *OFFLOAD_OFF, "fsdp.sp=4")
+    a, b = one.table["update_actor"], four.table["update_actor"]
+    assert b["activations"] == pytest.approx(a["activations"] / 4, rel=0.01)
+    assert b["logits"] == pytest.approx(a["logits"] / 4, rel=0.01)
+    assert b["actor"] == a["actor"] and b["gathered"] == a["gathered"]
+    assert any("fsdp.sp = 4: each sequence split over 4 ranks (Ulysses)" in n and "2 data-parallel" in n
+               for n in four.notes)

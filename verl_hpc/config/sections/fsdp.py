@@ -44,6 +44,11 @@ class FsdpConfig(Section):
                                    "optimizer states live on the host even while training (the step runs "
                                    "on the CPU); for a model that does not fit while it trains. An idle "
                                    "role's offload between phases is <role>.param_offload / optimizer_offload")
+    sp: int = opt(1, "Ulysses sequence parallelism: ranks that share each sequence (consecutive ranks, "
+                     "e.g. the GPUs of one node). Each holds 1/sp of every sequence's tokens and "
+                     "activations; attention regroups by heads with two all-to-alls per layer. Must "
+                     "divide the training ranks and the model's attention heads; the data-parallel "
+                     "size is then ranks / sp", check=">0")
     compile: bool = opt(False, "torch.compile each decoder layer after sharding (needs a C++ compiler on "
                                "CPU, Triton on GPUs)")
 
@@ -53,6 +58,12 @@ class FsdpConfig(Section):
         if self.shard_size and world and world % self.shard_size:
             p.append(f"fsdp.shard_size = {self.shard_size} must divide the {world} training ranks "
                      f"(replicas x shard size); valid: a divisor of {world}, or 0 for all of them")
+        if self.sp > 1 and world and world % self.sp:
+            p.append(f"fsdp.sp = {self.sp} must divide the {world} training ranks (groups of sp ranks share "
+                     f"each sequence); valid: a divisor of {world}")
+        if self.sp > 1 and job.parallel.engine == "megatron":
+            p.append(f"fsdp.sp = {self.sp} is the FSDP engine's sequence parallelism; with parallel.engine = "
+                     "megatron split long sequences with parallel.cp (context parallelism)")
         if job.parallel.engine == "fsdp":
             p += engine_layout_problems("fsdp", job)
         return p

@@ -50,6 +50,8 @@ from verl_hpc.engines.options import HEADS, EngineOptions
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums, value_outputs
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
+import verl_hpc.engines.fsdp.ulysses as ulysses
+from verl_hpc.engines.fsdp.ulysses import SequenceGroup
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.runtime.device import collective_device
 
@@ -76,19 +78,27 @@ TOWER_RANKS = ("vision.train_vision_tower = true trains on one rank only (a micr
                "tensors on every rank); keep the tower frozen (false) on more ranks")
 
 
+def _check_lm_outputs(want: Sequence[str]) -> None:
+    unknown = set(want) - set(LM_OUTPUTS)
+    if unknown:
+        raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
+
+
 class MicroBatch:
     """A micro-batch's sub-batch on the device (`data`, one row per sample: what the loss reads),
     the model's inputs, and the indices the outputs need. Packed (`sharing`): the model's rows
     are the prompts with their responses, `sample_rows` maps each sample to its row."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, sharing=None,
-                 image_token_id: Optional[int] = None):
-        self.rows, self.dummy = rows, not rows
+                 image_token_id: Optional[int] = None, sp: Optional[SequenceGroup] = None):
+        self.rows, self.dummy, self.sp = rows, not rows, sp
+        multiple = sp.size if sp is not None else 1  # under sequence parallelism every rank's slice is equal
         if self.dummy:  # one prompt token, no response: runs the collectives, adds exactly 0
-            sub = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "prompt_lengths": torch.ones(1, dtype=torch.long),
+            sub = {"input_ids": torch.zeros(1, max(2, multiple), dtype=torch.long),
+                   "prompt_lengths": torch.ones(1, dtype=torch.long),
                    "response_lengths": torch.zeros(1, dtype=torch.long), "response_mask": torch.zeros(1, 1)}
         else:
-            sub = select_rows(batch, rows)
+            sub = select_rows(batch, rows, pad_seq_to=multiple)
         images = collate_inputs(sub.pop("image_inputs", None) or [])
         ids, width = sub["input_ids"], sub["response_mask"].shape[1]
         if image_token_id is not None and not images and bool((ids == image_token_id).any()):
@@ -123,6 +133,18 @@ class MicroBatch:
             self.images["mm_token_type_ids"] = token_types(self.input_ids, image_token_id)
             self.position_ids = None
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
+        if sp is not None:
+            self._slice(sp)
+
+    def _slice(self, sp: SequenceGroup) -> None:
+        """Sequence parallelism: this rank's tokens of every row, and where each scored position
+        of the [b, T] response layout lies in them (`_local`: its index in the slice, `_mine`:
+        whether this rank holds it)."""
+        first, end = sp.bounds(self.input_ids.shape[1])
+        pos = self.data["_positions"]
+        self.data["_mine"] = ((pos >= first) & (pos < end)).float()
+        self.data["_local"] = (pos - first).clamp(0, end - first - 1)
+        self.input_ids, self.position_ids = sp.slice(self.input_ids), sp.slice(self.position_ids)
 
 
 class FsdpEngine(TrainingEngine):
@@ -134,10 +156,14 @@ class FsdpEngine(TrainingEngine):
         self.default_outputs = LM_OUTPUTS if o.head == "lm" else ("values",)
         self.device = collective_device()
         self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
-        self.dp, self.dp_rank = dist.get_world_size(), dist.get_rank()
         model, full = build_lib.load_model(o, field)
         self.hf_config = model.config
         self.vision = build_lib.is_vision_model(self.hf_config)
+        # fsdp.sp > 1: groups of sp ranks share each sequence (ulysses.py); a data-parallel rank
+        # is then a group, and every rank of it runs the same micro-batches
+        self.sp = ulysses.setup(o, model, self.vision) if o.fsdp.sp > 1 else None
+        sp = o.fsdp.sp
+        self.dp, self.dp_rank = dist.get_world_size() // sp, dist.get_rank() // sp
         self.image_token_id = getattr(self.hf_config, "image_token_id", None)
         self.architecture = build_lib.describe(model)
         self.coords = Coords.for_model(self.hf_config.to_dict())
@@ -168,7 +194,8 @@ class FsdpEngine(TrainingEngine):
             for p in model.parameters():
                 p.requires_grad_(False)
         # a VLM's rows are never packed: the image tokens' M-RoPE positions are the model's own layout
-        self._sharing = None if self.vision else prompt_sharing(o, self.hf_config, model)
+        # nor under sequence parallelism: the regrouped attention is causal over plain rows
+        self._sharing = None if self.vision or self.sp else prompt_sharing(o, self.hf_config, model)
         self.steps_applied = 0
         self._view = None  # the sliced sync's holdings view (exported_model)
         self._skipped: Optional[Dict[str, float]] = None
@@ -218,13 +245,15 @@ class FsdpEngine(TrainingEngine):
         mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch,
                                  share_prompts=self._sharing is not None)
-        return [MicroBatch(batch, mb, self.device, self._sharing, self.image_token_id) for mb in mine]
+        return [MicroBatch(batch, mb, self.device, self._sharing, self.image_token_id, self.sp) for mb in mine]
 
     def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
         """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""
         if self.options.head == "value":
             values = self.model(mb.input_ids, position_ids=mb.position_ids)
             return value_outputs(values, mb.data, want)
+        if mb.sp is not None:
+            return self._run_sliced(mb, want)
         out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                          attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
         logits = out.logits if hasattr(out, "logits") else out[0]
@@ -233,15 +262,32 @@ class FsdpEngine(TrainingEngine):
         resp = logits[b, kept].float()  # [samples, T, V]
         if self.options.temperature != 1.0:
             resp = resp / self.options.temperature
-        unknown = set(want) - set(LM_OUTPUTS)
-        if unknown:
-            raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
+        _check_lm_outputs(want)
         result = {}
         if "log_probs" in want:
             logp = torch.log_softmax(resp, dim=-1)
             result["log_probs"] = logp.gather(-1, mb.data["_targets"].unsqueeze(-1)).squeeze(-1)
         if "entropy" in want:
             result["entropy"] = entropy_from_logits(resp).float()
+        return result
+
+    def _run_sliced(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
+        """Sequence parallelism: the model on this rank's slice of the tokens; log-probs and entropy
+        from the slice's own logits ([b, S/sp, V], never the whole sequence's), placed in the
+        [b, T] response layout where this rank holds the position, summed over the group."""
+        _check_lm_outputs(want)
+        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+        logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+        if self.options.temperature != 1.0:
+            logits = logits / self.options.temperature
+        rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
+        local, mine = mb.data["_local"], mb.data["_mine"]
+        result = {}
+        if "log_probs" in want:
+            logp = torch.log_softmax(logits, dim=-1)[rows, local, mb.data["_targets"]]
+            result["log_probs"] = self.sp.assemble(logp * mine)
+        if "entropy" in want:
+            result["entropy"] = self.sp.assemble(entropy_from_logits(logits)[rows, local] * mine)
         return result
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
@@ -255,8 +301,9 @@ class FsdpEngine(TrainingEngine):
                 if not mb.dummy:
                     collected.append((mb, {k: v.detach() for k, v in out.items()}))
             self._reshard()
+        # a sequence-parallel group holds its rows' outputs on every rank: one of them reports
         return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
-                              self.device, reporting=True)
+                              self.device, reporting=self.sp is None or self.sp.rank == 0)
 
     def _reshard(self) -> None:
         """Shard the weights a no-grad forward left gathered. With fsdp.reshard_after_forward =
@@ -296,7 +343,9 @@ class FsdpEngine(TrainingEngine):
             else:
                 loss, metrics = loss_fn(out, mb.data, counts)
             loss.backward()
-            records.append({"loss": loss.detach().float(), "tokens": mb.tokens,
+            # the ranks of a sequence-parallel group compute the same loss: each records 1/sp of it
+            share = 1.0 / (self.sp.size if self.sp is not None else 1)
+            records.append({"loss": loss.detach().float() * share, "tokens": mb.tokens * share,
                             **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)

@@ -1,0 +1,63 @@
+"""Ranks of tests/dist/engines/test_fsdp_sp.py: the FSDP engine on 4 gloo ranks with Ulysses
+sequence parallelism at fsdp.sp = 1, 2 and 4 (data-parallel 4, 2 and 1), one launch. For each
+model and sp, global rank 0 saves `<model>.sp<k>.forward.pt` (log-probs and entropy of the whole
+batch) and `<model>.sp<k>.update.pt` (the weights after one train_step); every rank reports the
+step's metrics and the attention implementation the model ran (rank{r}.json, eng_ranks.main).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from eng_ranks import _export, _save, main
+
+SPS = (1, 2, 4)
+
+
+def launch(world_size: int, args: dict, workdir: Path, timeout: float = 300):
+    from rank_launcher import launch_ranks  # tests/: on sys.path under pytest, not in the ranks
+
+    return launch_ranks(__file__, world_size, args, workdir, timeout=timeout,
+                        what=f"FSDP sequence-parallel scenario at {world_size} ranks")
+
+
+def _engine(args, model: str, sp: int, trainable: bool):
+    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.config.sections.fsdp import FsdpConfig
+    from verl_hpc.engines.fsdp import FsdpEngine
+    from verl_hpc.engines.options import default_options
+
+    return FsdpEngine(default_options(args["models"][model], engine="fsdp", trainable=trainable,
+                                      optim=OptimConfig(**args["optim"]) if trainable else None,
+                                      temperature=args["temperature"], total_steps=4, micro_batch_size=1,
+                                      fsdp=FsdpConfig(sp=sp)))
+
+
+def scenario(args, workdir, out: dict) -> None:
+    import time
+
+    import torch
+
+    from verl_hpc.algorithms import PolicyObjective
+    from verl_hpc.config.schema import ActorConfig
+
+    batch = torch.load(Path(workdir) / "batch.pt")
+    loss = PolicyObjective.from_config(ActorConfig(**args["actor"]))
+    checks = out["checks"] = {}
+    for model in args["models"]:
+        for sp in SPS:
+            name = f"{model}.sp{sp}"
+            print(f"check {name}", flush=True)  # the name to the rank's log first (where a hang was)
+            t = time.time()
+            eng = _engine(args, model, sp, trainable=False)
+            _save(workdir, f"{name}.forward", eng.forward(batch))
+            del eng
+            eng = _engine(args, model, sp, trainable=True)
+            metrics = eng.train_step(batch, loss, loss.outputs)
+            _save(workdir, f"{name}.update", _export(eng))
+            checks[name] = {"metrics": metrics, "dp": eng.dp, "attention": eng.model.config._attn_implementation}
+            out["seconds"][name] = time.time() - t
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], scenario)
