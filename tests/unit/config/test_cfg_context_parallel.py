@@ -47,7 +47,7 @@ def test_cp_needs_the_megatron_engine(engine):
         validate(load_config(None, GPU + ["parallel.cp=2", f"parallel.engine={engine}"]), check_model=False)
     lines = [p for p in info.value.problems if "parallel.cp" in p]
     assert lines == [f"parallel.cp = 2 needs parallel.engine = megatron (got {engine}): it is Megatron-Core's "
-                     "context parallelism; the FSDP engine has its own sequence parallelism"]
+                     "context parallelism; on the FSDP engine split long sequences with fsdp.sp (Ulysses)"]
 
 
 def test_cp_counts_in_the_data_parallel_batch_rule():

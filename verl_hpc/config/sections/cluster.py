@@ -67,7 +67,8 @@ class ParallelConfig(Section):
         p = []
         if self.engine != "megatron":
             p.append(f"parallel.cp = {self.cp} needs parallel.engine = megatron (got {self.engine}): it is "
-                     "Megatron-Core's context parallelism; the FSDP engine has its own sequence parallelism")
+                     "Megatron-Core's context parallelism; on the FSDP engine split long sequences with "
+                     "fsdp.sp (Ulysses)")
         if job.slurm.gpus_per_node == 0:
             p.append(f"parallel.cp = {self.cp} needs Transformer Engine's attention (GPUs), but "
                      "slurm.gpus_per_node = 0 (a CPU job): Megatron's local attention refuses context "
