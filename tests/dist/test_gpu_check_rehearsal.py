@@ -10,7 +10,7 @@ import pytest
 from verl_hpc.gpu_check.checks import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
-NEVER_ON_CPU = {"te_fp8", "multinode_nccl", "memory_plan", "fused_adam_resume", "fsdp_memory_plan"}
+NEVER_ON_CPU = {"te_fp8", "cp_gt_1", "multinode_nccl", "memory_plan", "fused_adam_resume", "fsdp_memory_plan"}
 
 
 @pytest.mark.dist

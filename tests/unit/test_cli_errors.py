@@ -67,6 +67,7 @@ WALK = [
 # modules with a `__main__` that a user does not run: started by the project itself
 NOT_COMMANDS = {
     "verl_hpc.gpu_check.multi_gpu": "one rank of the kit's two-rank check, started by gpu_check",
+    "verl_hpc.gpu_check.cp_check": "one rank of the kit's context-parallel check, started by gpu_check",
     "verl_hpc.rollout.tools.sandbox_inner": "the sandbox's inner process, started by the sandbox",
 }
 

@@ -16,7 +16,7 @@ from verl_hpc.gpu_check.__main__ import main
 from verl_hpc.gpu_check.checks import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_ONE_GPU = {"vllm_gpu", "te_fp8", "tp_gt_1", "multinode_nccl"}
+NOT_ONE_GPU = {"vllm_gpu", "te_fp8", "tp_gt_1", "cp_gt_1", "multinode_nccl"}
 
 
 def _run(*args, timeout=600):
@@ -35,6 +35,7 @@ def test_dry_run_lists_every_check_and_exits_0():
     machine = {c.name: c.machine for c in CHECKS}
     assert "2 GPUs" in machine["tp_gt_1"] and "vLLM" in machine["vllm_gpu"]
     assert "Transformer Engine" in machine["te_fp8"] and machine["compile_toolchain"] == "any"
+    assert "2 GPUs" in machine["cp_gt_1"] and "Transformer Engine" in machine["cp_gt_1"]
     assert NOT_ONE_GPU <= {c.name for c in CHECKS}
     assert {"nccl_bootstrap", "cuda_rng_checkpoint", "engine_bf16_logprobs", "train_step",
             "save_resume", "fused_adam_resume", "memory_plan", "fsdp_bf16_logprobs",
@@ -334,3 +335,45 @@ def test_gpu_all_without_a_gpu_says_it_needs_one(tmp_path, capsys):
     assert "it needs a GPU" in capsys.readouterr().err
     summary = (tmp_path / "summary.txt").read_text()
     assert "no CUDA device here" in summary and "0 pass" in summary
+
+
+@pytest.mark.unit
+def test_cp_check_comparison_passes_close_layouts_and_fails_a_misordered_reassembly():
+    """The context-parallel check's verdict (cp_check.compare), rehearsed on made-up results: the
+    engine at cp 2 cannot run here (no Transformer Engine), the comparison can. A cp 2 result whose
+    chunks came back in the wrong order (rank 1's tokens where rank 0's belong), or off by more than
+    the bound, or with another loss, must fail; one within the bound passes."""
+    import torch
+
+    from verl_hpc.engines.megatron.context_parallel import token_index
+    from verl_hpc.gpu_check import cp_check
+    from verl_hpc.gpu_check.checks import cp_gt_1
+    from verl_hpc.gpu_check.kit import Kit, NotTestable
+
+    g = torch.Generator().manual_seed(0)
+    rows, seq, cp = 3, 16, 2
+    lengths = [16, 12, 9]
+    logp = -torch.rand(rows, seq, generator=g) * 5
+    one = {"log_probs": logp.tolist(), "entropy": (-logp).tolist(), "loss": 2.5,
+           "after_log_probs": (logp - 0.5).tolist()}
+    close = {k: (torch.tensor(v) + 1e-3).tolist() if k != "loss" else v * (1 + 1e-3) for k, v in one.items()}
+    assert "log-probs max |diff| 0.001" in cp_check.compare(one, close, lengths, bound=0.01)
+    # the reassembly un-permuted with rank 0 and rank 1 swapped
+    swapped = torch.cat([token_index(seq, cp, 1), token_index(seq, cp, 0)])
+    order = torch.argsort(torch.cat([token_index(seq, cp, 0), token_index(seq, cp, 1)]))
+    bad = dict(close, log_probs=logp[:, swapped][:, order].tolist())
+    with pytest.raises(AssertionError, match=r"cp 2 vs cp 1 log_probs: max \|diff\|"):
+        cp_check.compare(one, bad, lengths, bound=0.01)
+    with pytest.raises(AssertionError, match=r"cp 2 vs cp 1 entropy"):
+        cp_check.compare(one, dict(close, entropy=(torch.tensor(one["entropy"]) + 0.05).tolist()), lengths, bound=0.01)
+    with pytest.raises(AssertionError, match=r"cp 2 vs cp 1 loss"):
+        cp_check.compare(one, dict(close, loss=2.6), lengths, bound=0.01)
+    # padding columns past a row's response are not compared
+    pad = torch.tensor(close["log_probs"])
+    pad[2, 9:] = 100.0
+    cp_check.compare(one, dict(close, log_probs=pad.tolist()), lengths, bound=0.01)
+    with pytest.raises(AssertionError, match="nothing compared"):  # an update that moved nothing
+        cp_check.compare(dict(one, after_log_probs=one["log_probs"]), dict(close, after_log_probs=one["log_probs"]),
+                         lengths, bound=0.01)
+    with pytest.raises(NotTestable, match="needs Transformer Engine"):  # here: no TE, never a pass
+        cp_gt_1(Kit(out=Path("."), rehearsal=False))

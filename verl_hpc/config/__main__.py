@@ -57,7 +57,8 @@ def _main(args: List[str]) -> int:
     if "--print-config" not in flags:
         p = cfg.parallel
         print(f"ok: {path or 'defaults'}: trainer.job={cfg.trainer.job}, world size {cfg.world_size} "
-              f"({cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node}), tp={p.tp} pp={p.pp} dp={cfg.dp}, "
+              f"({cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node}), tp={p.tp} pp={p.pp} "
+              f"{f'cp={p.cp} ' if p.cp > 1 else ''}dp={cfg.dp}, "
               f"rollout.tp={cfg.rollout.tp}")
     return 0
 

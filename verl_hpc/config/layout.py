@@ -1,5 +1,7 @@
-"""The parallel layout rules, written once: how tp x pp (x cp) tiles the world, the data-parallel
-size that follows, and how a model's heads, FFN and layers must split across tp and pp.
+"""The parallel layout rules, written once: how tp x cp x pp tiles the world (tp * cp * pp * dp =
+the training ranks; cp = Megatron's context parallel), the data-parallel size that follows, and
+how a model's heads, FFN and layers must split across tp and pp (cp splits sequences, not weights:
+its ranks hold replicas, like dp's).
 
 Experts (a mixture-of-experts model) follow Megatron-Core's second tiling of the same ranks: within
 each pipeline stage the tp * cp * dp ranks are regrouped as etp * ep * edp (expert tensor parallel,
@@ -55,8 +57,9 @@ class Layout:
 
     @property
     def dp_words(self) -> str:
+        cp = f" * parallel.cp {self.cp}" if self.cp > 1 else ""
         return (f"the data-parallel size {self.dp} (world size {self.world_size} / "
-                f"(parallel.tp {self.tp} * parallel.pp {self.pp}))")
+                f"(parallel.tp {self.tp}{cp} * parallel.pp {self.pp}))")
 
     def problems(self) -> List[str]:
         """Tiling: positive sizes whose product divides the world."""
@@ -70,8 +73,12 @@ class Layout:
             names, values = ["parallel.tp", "parallel.pp"], [self.tp, self.pp]
             if self.cp > 1:
                 names, values = names + ["parallel.cp"], values + [self.cp]
+            valid = ""
+            if self.cp > 1 and self.world_size % (self.tp * self.pp) == 0:
+                rest = self.world_size // (self.tp * self.pp)
+                valid = f"; valid parallel.cp: {', '.join(str(d) for d in range(1, rest + 1) if rest % d == 0)}"
             p.append(f"{' * '.join(names)} = {' * '.join(map(str, values))} = {self.model_size} does not "
-                     f"divide {self.world_words or f'the world size {self.world_size}'}")
+                     f"divide {self.world_words or f'the world size {self.world_size}'}{valid}")
         if self.vpp is not None and self.pp <= 1:
             p.append(f"parallel.vpp = {self.vpp} needs parallel.pp > 1 (got {self.pp}): it interleaves "
                      "pipeline stages")

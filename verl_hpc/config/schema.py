@@ -50,7 +50,7 @@ class JobConfig:
     reward: RewardConfig = section(RewardConfig, "how responses are scored")
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "HDF5 checkpoints")
-    parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = training ranks / (tp * pp)")
+    parallel: ParallelConfig = section(ParallelConfig, "training layout; data parallel = training ranks / (tp * cp * pp)")
     vision: VisionConfig = section(VisionConfig, "images in the prompts (vision-language models): where rows "
                                                  "keep them, their limits, whether the vision tower trains")
     fsdp: FsdpConfig = section(FsdpConfig, "the FSDP2 engine (parallel.engine = fsdp | auto): sharding, "
@@ -93,7 +93,7 @@ class JobConfig:
         if self.placement.split:
             words = (f"the {self.train_world_size} training ranks ({self.world_words} - "
                      f"placement.rollout_ranks {self.placement.rollout_ranks})")
-        return Layout(self.train_world_size, p.tp, p.pp, vpp=p.vpp, world_words=words, ep=p.ep, etp=p.etp)
+        return Layout(self.train_world_size, p.tp, p.pp, p.cp, vpp=p.vpp, world_words=words, ep=p.ep, etp=p.etp)
 
     @property
     def sequences_per_example(self) -> int:
@@ -104,7 +104,7 @@ class JobConfig:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size of the training layout (0 when tp * pp does not divide the world)."""
+        """Data-parallel size of the training layout (0 when tp * cp * pp does not divide the world)."""
         return self.layout.dp
 
     def resolve(self) -> "JobConfig":

@@ -15,5 +15,6 @@ verified ones (preflight.py), and the peak GPU memory of each component. Exit co
 failed. The checks are listed in `checks.CHECKS` and run by `kit.run_checks`; the FSDP engine's
 checks (fsdp_checks.py) import nothing of megatron, so a GPU image without megatron-core still runs
 them (the Megatron checks then say NOT TESTABLE); the memory-plan check compares the planner with
-the kit's own job (memplan.py); the two-GPU check starts two ranks (multi_gpu.py).
+the kit's own job (memplan.py); the two-GPU checks start two ranks (multi_gpu.py; the context-parallel
+one, with Transformer Engine only, cp_check.py).
 """

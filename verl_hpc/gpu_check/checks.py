@@ -370,6 +370,24 @@ def tp_gt_1(kit: Kit) -> str:
             f"a delta of nothing 0 bytes; DP 2 {res['dp2_step']['optimizer']} step, ranks equal")
 
 
+def cp_gt_1(kit: Kit) -> str:
+    """Context parallel 2 vs 1 on two GPUs (cp_check.py): log-probs and entropy, one update's
+    loss and the log-probs after it. Megatron's CP attention is Transformer Engine's only."""
+    from verl_hpc.gpu_check import cp_check
+    from verl_hpc.gpu_check.multi_gpu import run_two_ranks
+    from verl_hpc.models.gpt import transformer_engine_available
+    from verl_hpc.runtime.device import visible_device_count
+
+    if kit.rehearsal or not transformer_engine_available():
+        raise NotTestable("needs Transformer Engine (Megatron's context-parallel attention); the CPU "
+                          "rehearsal of its comparison is a unit test")
+    if visible_device_count() < cp_check.WORLD:
+        raise NotTestable(f"needs >= {cp_check.WORLD} GPUs on this node; {visible_device_count()} visible")
+    res = run_two_ranks(kit.out, _tiny_model(kit), kit.rehearsal, kit.dtype, module="verl_hpc.gpu_check.cp_check",
+                        name="context_parallel")
+    return f"{res['backend']}: " + cp_check.compare(res["cp1"], res["cp2"], res["cp1"]["response_lengths"], bound=0.1)
+
+
 def multinode_nccl(kit: Kit) -> str:
     raise NotTestable("needs several nodes (python -m verl_hpc.submit configs/smoke.yaml on Slurm)")
 
@@ -408,5 +426,7 @@ CHECKS: List[Check] = [
           vllm_gpu, ("train_step",), "1 GPU + vLLM (not in the carried wheels)"),
     Check("tp_gt_1", "TP 2 (log-probs, a step, the sliced weight sync) and DP 2 with the distributed optimizer, 2 ranks",
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
+    Check("cp_gt_1", "context parallel 2 vs 1 (Megatron CP, TE attention): log-probs, entropy, one update, 2 ranks",
+          cp_gt_1, ENGINE, ">= 2 GPUs on this node + Transformer Engine"),
     Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]

@@ -27,10 +27,12 @@ WORLD = 2
 TIMEOUT_S = 420
 
 
-def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeout_s: float = TIMEOUT_S) -> dict:
+def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeout_s: float = TIMEOUT_S,
+                  module: str = "verl_hpc.gpu_check.multi_gpu", name: str = "two_ranks") -> dict:
     """Start the ranks, wait (one deadline for both; a late or failed rank gets both killed, our
-    own children by handle) and return rank 0's result; raise with the logs' tails on failure."""
-    work = Path(out) / "two_ranks"
+    own children by handle) and return rank 0's result; raise with the logs' tails on failure.
+    `module`: the ranks' program (its main takes the work folder; cp_check.py has its own)."""
+    work = Path(out) / name
     work.mkdir(parents=True, exist_ok=True)
     (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal, "dtype": dtype}))
     port, procs = free_port(), []
@@ -41,13 +43,13 @@ def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeo
         if rehearsal:
             env["OMP_NUM_THREADS"] = "1"  # two CPU ranks share the machine's cores
         with open(work / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "verl_hpc.gpu_check.multi_gpu", str(work)],
+            procs.append(subprocess.Popen([sys.executable, "-m", module, str(work)],
                                           cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT))
     failed = wait_all(procs, timeout_s)
     if failed:
         tails = "\n".join(f"--- rank {r} (rc {p.returncode}) ---\n" + (work / f"rank{r}.log").read_text()[-1500:]
                           for r, p in enumerate(procs))
-        raise RuntimeError(f"two-rank check failed (logs in {work}):\n{tails}")
+        raise RuntimeError(f"{name} check failed (logs in {work}):\n{tails}")
     return json.loads((work / "rank0.json").read_text())
 
 

@@ -263,6 +263,8 @@ def gpt_transformer_config(arch: ModelArch, tp: int, pp: int, *, dtype: torch.dt
     if fp8:  # E4M3 forward, E5M2 gradients: TE's usual recipe for training
         config_overrides.setdefault("fp8", "hybrid")
         config_overrides.setdefault("fp8_recipe", fp8_recipe)
+    # context parallelism: Megatron's TE attention and rotary table split by it (engines/megatron/context_parallel.py)
+    config_overrides.setdefault("context_parallel_size", ps.get_context_parallel_world_size())
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vpp:  # Megatron's layer offsets per virtual stage read it from the config
         if vp_stage is None:

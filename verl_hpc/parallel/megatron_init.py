@@ -168,7 +168,7 @@ def init_from_config(parallel_cfg, seed: int = 1, timeout_s: Optional[float] = N
     (trainer.collective_timeout_s) bounds Megatron's groups like the default group (None: 30 min,
     Megatron's default)."""
     minutes = 30 if timeout_s is None else timeout_s / 60.0
-    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp,
+    return init_model_parallel(parallel_cfg.tp, parallel_cfg.pp, vpp=parallel_cfg.vpp, cp=parallel_cfg.cp,
                                ep=parallel_cfg.ep, etp=parallel_cfg.etp,
                                seed=seed, timeout_minutes=minutes)
 

@@ -8,9 +8,9 @@ rank belongs to holds device memory until the process ends (vLLM's sleep does no
 buffers either: they live outside its allocator pool).
 
 The list below mirrors megatron-core 0.16.1's `parallel_state.initialize_model_parallel` with this
-project's call (cp = 1, one distributed-optimizer instance, no all-gather group; a dense model
-has ep = 1 and expert TP = TP); tests/unit/planning/test_plan_comms.py runs Megatron's own function
-with a recording `new_group` and checks the sizes. Gloo twins hold host memory only (not counted).
+project's call (parallel.cp, one distributed-optimizer instance, no all-gather group; a dense
+model has ep = 1 and expert TP = TP); tests/unit/planning/test_plan_phases.py runs Megatron's own
+function with a recording `new_group` and checks the sizes. Gloo twins hold host memory only (not counted).
 
 A communicator is "in use" when the RL step runs collectives on it (then NCCL connects its channel
 buffers: hardware.NCCL_COMM_BYTES); the others stay as created (hardware.NCCL_IDLE_COMM_BYTES).
@@ -42,27 +42,30 @@ class Communicator:
 
 
 def megatron_groups(world: int, tp: int, pp: int, *, distributed_optimizer: bool,
-                    tied_embeddings: bool, ep: int = 1, etp: int = 0, moe: bool = False) -> List[Communicator]:
-    """Megatron's NCCL groups of a first- or last-stage rank (cp = 1). A mixture-of-experts model
+                    tied_embeddings: bool, ep: int = 1, etp: int = 0, moe: bool = False,
+                    cp: int = 1) -> List[Communicator]:
+    """Megatron's NCCL groups of a first- or last-stage rank. Context parallelism (cp > 1) runs
+    the attention's ring exchange over cp and the per-token results' gather there, and DDP's
+    gradients over dp x cp. A mixture-of-experts model
     (`moe`) also uses its expert groups: the dispatcher's all-to-all over ep and its token-count
     gather over tp_ep (expert TP x EP), the experts' TP layers over expert_tp, and their gradients
     and optimizer gathers over expert_dp. etp 0: tp."""
-    dp = world // (tp * pp)
+    dp = world // (tp * cp * pp)
     etp = etp or tp
-    edp = max(1, tp * dp // (ep * etp))
+    edp = max(1, tp * cp * dp // (ep * etp))
     c = Communicator
     return [
-        c("dp_cp", dp, True),  # DDP's gradient reduce-scatter, the distributed optimizer's gathers
+        c("dp_cp", dp * cp, True),  # DDP's gradient reduce-scatter, the distributed optimizer's gathers
         c("dp", dp, False),
-        c("cp", 1, False),
+        c("cp", cp, cp > 1),
         c("mp", tp * pp, not distributed_optimizer),  # grad-norm reduction without the dist. optimizer
         c("tp", tp, True),  # tensor-parallel layers, the weight sync's gather
         c("pp", pp, True),  # the pipeline schedule's sends, the weight sync's broadcast
         c("embedding", 2 if pp > 1 else 1, tied_embeddings),  # first + last stage: tied grads
         c("position_embedding", 1, False),
-        c("tp_dp_cp", tp * dp, False),
+        c("tp_dp_cp", tp * dp * cp, False),
         c("tp_dp", tp * dp, False),
-        c("tp_cp", tp, False),
+        c("tp_cp", tp * cp, False),
         c("ep", ep, moe),
         c("expert_tp", etp, moe),
         c("tp_ep", etp * ep, moe),
@@ -120,7 +123,7 @@ def job_communicators(cfg, tied_embeddings: bool, group: str = "colocated", moe:
         out += fsdp_groups(cfg, engines)
     if group != "rollout" and megatron:
         out += megatron_groups(world, par.tp, par.pp, distributed_optimizer=par.use_distributed_optimizer,
-                               tied_embeddings=tied, ep=par.ep, etp=par.etp or 0, moe=moe)
+                               tied_embeddings=tied, ep=par.ep, etp=par.etp or 0, moe=moe, cp=par.cp)
     if group != "training" and cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":  # auto: vLLM on a GPU
         out += vllm_groups(world, cfg.rollout.tp)
     if group != "colocated":

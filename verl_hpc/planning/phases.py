@@ -45,7 +45,7 @@ from verl_hpc.planning.model_shape import job_arch, lora_layer_params, model_arc
 from verl_hpc.planning.roles import RoleState, fsdp_notes, plan_roles  # noqa: F401 (RoleState: re-exported)
 from verl_hpc.planning.rollout import adapter_slot_rank, rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
-from verl_hpc.planning.training import ActivationSetup, Precision
+from verl_hpc.planning.training import ActivationSetup, Precision, cp_tokens
 
 PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob", "update_prm",
           "values", "update_critic", "update_actor", "checkpoint", "rollback")
@@ -183,6 +183,11 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                      f"trainable parameters per rank ({adapter * 4 / 2**20:.1f} MiB fp32) on a frozen base"
                      + ("; the reference is the actor's base (no memory)" if cfg.ref.enable else ""))
     notes += fsdp_notes(cfg, planned)
+    if par.cp > 1:
+        s = cfg.data.max_prompt_length + cfg.data.max_response_length
+        notes.append(f"context parallel {par.cp}: each rank holds {cp_tokens(s, par.cp)} of a {s}-token row "
+                     f"(2 x {par.cp} load-balanced chunks), so activations and logits are those of 1/{par.cp} "
+                     "of the sequence; the ring attention's in-flight key/value chunks are not counted")
     if group == "rollout":  # the rollout ranks of a split job build no training role
         roles, tensors = {}, {}
 

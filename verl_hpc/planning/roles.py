@@ -21,7 +21,7 @@ from verl_hpc.planning.host import RoleTensors
 from verl_hpc.planning.model_shape import (fsdp_arch, lora_layer_params, model_arch, role_engine, stage_params,
                                            stage_tensor_sizes)
 from verl_hpc.planning.vision import vision_shape
-from verl_hpc.planning.training import (ActivationSetup, Precision, in_flight_factor, logits_bytes,
+from verl_hpc.planning.training import (ActivationSetup, Precision, cp_tokens, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
 
@@ -86,7 +86,9 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
                allow_known: bool, gpu: bool, microbatch_shape) -> PlannedRoles:
     """Every role this job builds (the reference only when no LoRA: then it is the actor's base)."""
     par, lora = cfg.parallel, cfg.lora
-    tp, pp, dp, vpp = par.tp, par.pp, max(1, cfg.dp), par.vpp or 0
+    tp, pp, vpp = par.tp, par.pp, par.vpp or 0
+    # the distributed optimizer shards over Megatron's dp x cp group (CP ranks hold replicas)
+    dp = max(1, cfg.dp) * par.cp
     wanted = {"actor": (cfg.actor, True, cfg.model.path)}
     if cfg.critic.enable:
         wanted["critic"] = (cfg.critic, True, cfg.critic.model_path)
@@ -153,6 +155,7 @@ def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precis
         fr: Optional[fsdp_plan.FsdpRole] = roles.fsdp.get(name)
         if fr is not None:
             return fr.working(s, b, train)
+        s = cp_tokens(s, par.cp)  # context parallel: this rank's share of each row
         layers = roles.actor_layers
         vocab = padded_vocab_size(arch.vocab_size, tp)
         logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0

@@ -183,6 +183,14 @@ def stage_activation_bytes(arch: ModelArch, layers: int, s: int, b: int, act_byt
     return {"saved": units * inp + tail, "recompute_working": n * per_layer}
 
 
+def cp_tokens(s: int, cp: int) -> int:
+    """Tokens of an s-token row on one context-parallel rank: the engine pads the row to a multiple
+    of 2 * cp and each rank holds two of its 2 * cp chunks (engines/megatron/context_parallel.py).
+    Every activation and logit term is linear in a rank's tokens (flash attention's log-sum-exp
+    is per query), so the rank's activations are those of an s / cp row."""
+    return s if cp <= 1 else 2 * -(-s // (2 * cp))
+
+
 def in_flight_factor(pp: int, vpp: int, microbatches: int) -> float:
     """Micro-batches of a stage's layers whose activations the first stage holds at once."""
     if pp <= 1:

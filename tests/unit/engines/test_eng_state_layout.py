@@ -107,3 +107,41 @@ def test_value_outputs_align_values_and_scores():
     assert out["values"][1, 0] == 5.0  # row 1: p = 1 -> position 0
     assert out["scores"].tolist() == [4.0, 6.0]  # last tokens: positions 4 and 1
     assert out["token_scores"].tolist() == [[0.0, 0.0, 4.0], [6.0, 0.0, 0.0]]
+
+
+def test_cp_replicas_are_written_once_and_read_back_at_any_layout():
+    """tp 2 x cp 2 (Megatron's rank order: tp fastest, then cp): the CP ranks of a TP rank hold the
+    same weight shards, the distributed optimizer shards its states over the dp x cp group. The
+    save plan writes each weight once (from CP rank 0), every optimizer range once, and the pieces
+    it names are the logical tensors, so a cp 1 (or any) layout reads them back."""
+    from verl_hpc.checkpoint.plan import Desc, make_plan, rank_file
+
+    tp, cp = 2, 2
+    per_tp, logical = _shards(tp, 8)
+    slabs_of = []  # per global rank
+    for rank in range(tp * cp):
+        tp_rank, cp_rank = rank % tp, rank // tp
+        mine = []
+        for name, p in per_tp[tp_rank].items():
+            pieces, _ = param_pieces(_gpt(), name, p, tp_rank, tp, value_head=False)
+            mine += list(_box_slabs("model", pieces, p, (0,) * p.dim()))
+            flat = p.reshape(-1)  # the distributed optimizer: this rank's half of its dp x cp group
+            s, e = cp_rank * flat.numel() // cp, (cp_rank + 1) * flat.numel() // cp
+            mine += list(_flat_slabs("optim/exp_avg", pieces, flat[s:e], tuple(p.shape), s, e))
+        slabs_of.append(mine)
+    descs = [[Desc(t.name, t.global_shape, "float32", tuple(t.offsets), tuple(t.local.shape), t.local.numel() * 4)
+              for t in mine] for mine in slabs_of]
+    plan = make_plan(descs)
+    written = []
+    for rank, writes in enumerate(plan.writes):
+        for i, _ in writes:
+            written.append((rank, slabs_of[rank][i]))
+    model_writers = {r for r, t in written if t.name.startswith("model/")}
+    assert model_writers == {0, 1}  # CP rank 0 of each TP rank; its CP replica writes no weight
+    assert {r for r, t in written if t.name.startswith("optim/")} == {0, 1, 2, 3}
+    got = _assemble([t for _, t in written])
+    for k, v in logical.items():
+        assert torch.equal(got[f"model/{k}"], v) and torch.equal(got[f"optim/exp_avg/{k}"], v), k
+    total = sum(v.numel() for v in logical.values()) * 2  # model + optimizer, each element once
+    assert sum(t.local.numel() for _, t in written) == total
+    assert all(p["file"] in {rank_file(r) for r in range(tp * cp)} for t in plan.tensors.values() for p in t["pieces"])

@@ -117,8 +117,9 @@ def test_nccl_figure_counts_the_groups_each_rank_belongs_to():
     assert all(r["nccl"] == 0 for r in cpu.table.values())
 
 
-@pytest.mark.parametrize("world,tp,pp", [(8, 2, 1), (64, 8, 2), (16, 2, 4), (4, 1, 1)])
-def test_megatron_group_list_matches_megatron_core(world, tp, pp):
+@pytest.mark.parametrize("world,tp,pp,cp", [(8, 2, 1, 1), (64, 8, 2, 1), (16, 2, 4, 1), (4, 1, 1, 1),
+                                           (16, 2, 1, 2), (32, 2, 2, 4), (8, 1, 1, 8)])
+def test_megatron_group_list_matches_megatron_core(world, tp, pp, cp):
     """planning.comms mirrors megatron-core 0.16.1's initialize_model_parallel: run it with a
     recording new_group and compare the NCCL groups of a first- and a last-stage rank."""
     from unittest import mock
@@ -131,7 +132,7 @@ def test_megatron_group_list_matches_megatron_core(world, tp, pp):
     assert not ps.model_parallel_is_initialized()
     # groups of >= 2 ranks: a 1-rank group costs nothing (and the last stage is in no position-
     # embedding group at all)
-    planned = [c.size for c in megatron_groups(world, tp, pp, distributed_optimizer=True, tied_embeddings=False)
+    planned = [c.size for c in megatron_groups(world, tp, pp, distributed_optimizer=True, tied_embeddings=False, cp=cp)
                if c.size > 1]
     for rank in (0, world - 1):  # first stage, last stage
         made = []
@@ -145,7 +146,8 @@ def test_megatron_group_list_matches_megatron_core(world, tp, pp):
                 mock.patch.object(dist, "get_rank", lambda *a, **k: rank), \
                 mock.patch.object(dist, "new_group", new_group):
             try:
-                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
             finally:
                 ps.destroy_model_parallel()
         mine = [len(r) for r, backend in made if rank in r and backend != "gloo" and len(r) > 1]

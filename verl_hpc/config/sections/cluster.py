@@ -13,6 +13,9 @@ class ParallelConfig(Section):
     tp: int = opt(1, "tensor parallel", check=">0")
     pp: int = opt(1, "pipeline parallel", check=">0")
     vpp: Optional[int] = opt(None, "virtual pipeline stages per rank (interleaved schedule), needs pp > 1")
+    cp: int = opt(1, "context parallel (Megatron engine): each sequence split over cp ranks in 2 * cp "
+                     "load-balanced chunks (padded to a multiple of 2 * cp); needs Transformer Engine "
+                     "attention (GPUs); data parallel = training ranks / (tp * cp * pp)", check=">0")
     ep: int = opt(1, "expert parallel (mixture-of-experts models): experts split over ep ranks of a stage's "
                      "tp * dp ranks", check=">0")
     etp: Optional[int] = opt(None, "expert tensor parallel: each expert's FFN split over etp ranks; null = tp",
@@ -49,9 +52,27 @@ class ParallelConfig(Section):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             p.append("parallel.overlap_param_gather = true needs parallel.use_distributed_optimizer = true "
                      "(only the distributed optimizer all-gathers parameters)")
+        p += self._cp_problems(job)
         if self.sequence_parallel and self.tp <= 1:
             p.append(f"parallel.sequence_parallel needs parallel.tp > 1 (got {self.tp}): it splits activations "
                      "across the tensor-parallel group")
+        return p
+
+    def _cp_problems(self, job) -> List[str]:
+        """Megatron-Core's context parallelism: its engine only, its attention only in Transformer
+        Engine (GPUs). The sequence rule (each sequence a multiple of 2 * cp tokens) needs no
+        check: the engine pads every micro-batch to it (engines/megatron/context_parallel.py)."""
+        if self.cp <= 1:
+            return []
+        p = []
+        if self.engine != "megatron":
+            p.append(f"parallel.cp = {self.cp} needs parallel.engine = megatron (got {self.engine}): it is "
+                     "Megatron-Core's context parallelism; on the FSDP engine split long sequences with "
+                     "fsdp.sp (Ulysses)")
+        if job.slurm.gpus_per_node == 0:
+            p.append(f"parallel.cp = {self.cp} needs Transformer Engine's attention (GPUs), but "
+                     "slurm.gpus_per_node = 0 (a CPU job): Megatron's local attention refuses context "
+                     "parallelism; set parallel.cp=1")
         return p
 
 

@@ -5,6 +5,7 @@
     roles.py      build_role(role, options, ...): a role (verl_hpc/engines/roles.py) on this engine
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast
     outputs.py    log-probs / entropy from vocab-parallel logits; values / scores from a value head
+    context_parallel.py  parallel.cp: Megatron's load-balanced split of each sequence, the gather back
     value_head.py the hidden -> 1 head of critics and reward models
     sdpa.py       causal core attention through torch SDPA for the local (CPU) layer spec
     optim.py      optimizer config, LR schedule, the guarded (non-finite skipping) step

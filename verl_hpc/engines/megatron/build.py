@@ -26,6 +26,8 @@ from verl_hpc.engines.options import EngineOptions
 from verl_hpc.engines.prefix import CostModel, PromptSharing
 from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
 from verl_hpc.models import build_gpt_model, load_arch, load_hf_config, load_hf_weights, parse_hf_config
+from verl_hpc.models.gpt import transformer_engine_available
+from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +112,27 @@ def wrap_ddp(gpt_chunks: List[Any], perf: PerfOptions, use_distributed_optimizer
     return chunks
 
 
+def check_context_parallel(cp: int) -> None:
+    """Megatron-Core runs context-parallel attention in Transformer Engine only (its local
+    DotProductAttention asserts context_parallel_size == 1; the rotary table's CP split moves to
+    CUDA): refuse here, before any weight is built, rather than deep in the first layer."""
+    if cp > 1 and not (has_gpu() and transformer_engine_available()):
+        missing = "Transformer Engine is not installed" if has_gpu() else "this node has no CUDA GPU"
+        raise ConfigError(f"parallel.cp = {cp} needs Transformer Engine's attention (TEDotProductAttention) on "
+                          f"a CUDA GPU, and {missing}; install the 'gpu' extra or set parallel.cp=1")
+
+
 def output_position_layers(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any],
-                           sequence_parallel: bool) -> Dict[int, Any]:
+                           sequence_parallel: bool, cp: int = 1) -> Dict[int, Any]:
     """{id(chunk): output layer} of the chunks whose vocabulary projection runs on response
     positions only (lm head; not with sequence parallelism, whose output-layer input is split
     over positions, nor FP8, whose GEMMs want row counts in multiples of 16). Prompt
     positions' logits are never read (benchmarks/bench_vs_trl.py --sizes tiny, 1 rank: update
-    stage 0.218 -> 0.186 s)."""
+    stage 0.218 -> 0.186 s). Not under context parallelism either: the response positions index
+    the whole sequence, and each CP rank holds two chunks of it."""
     from verl_hpc.models.gpt import select_output_positions
 
-    if o.head != "lm" or sequence_parallel or o.fp8:
+    if o.head != "lm" or sequence_parallel or o.fp8 or cp > 1:
         return {}
     chosen = {}
     for chunk, gpt in zip(chunks, gpt_chunks):
@@ -130,7 +143,7 @@ def output_position_layers(o: EngineOptions, chunks: List[Any], gpt_chunks: List
 
 
 def prompt_sharing(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any], *, sequence_parallel: bool,
-                   vpp: int, rope_fusion: bool) -> Tuple[Optional[PromptSharing], Dict[int, Any]]:
+                   vpp: int, rope_fusion: bool, cp: int = 1) -> Tuple[Optional[PromptSharing], Dict[int, Any]]:
     """(the per-micro-batch packing decision, {id(chunk): rotary embedding}) when micro-batches
     may pack the responses to one prompt into one row (prefix.py), else (None, {}).
     The conditions depend on the options and the layer spec only, so every pipeline stage
@@ -142,7 +155,8 @@ def prompt_sharing(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any], *
     if o.share_prompts == "off":
         return None, {}
     layers = gpt_chunks[0].decoder.layers
-    why_not = ("the head is not a language-model head" if o.head != "lm"
+    why_not = ("context parallelism splits each row over the CP ranks" if cp > 1
+               else "the head is not a language-model head" if o.head != "lm"
                else "sequence parallelism or FP8 is on" if sequence_parallel or o.fp8
                else "virtual pipeline stages need fixed shapes" if vpp
                else "RoPE fusion takes one position per column" if rope_fusion

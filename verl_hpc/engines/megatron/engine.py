@@ -24,6 +24,12 @@ GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.ch
 Sequences are padded to a multiple of the recipe's token alignment then (models.gpt.token_alignment:
 32 for mxfp8, 16 for the others; TE's FP8 GEMMs need it).
 
+Context parallelism (`parallel.cp`, context_parallel.py): the cp ranks of a DP replica take the
+same micro-batches, each padded to a multiple of 2 * cp tokens; the model sees each rank's two
+load-balanced chunks, per-token results are gathered over the CP group, CP rank 0 reports. It
+needs Transformer Engine's attention: without it the engine refuses before building anything
+(build.check_context_parallel). Gradients: Megatron's DDP sums over the dp x cp group.
+
 Data flow per call: every rank gets the whole batch; partition.py plans which rows each DP rank
 takes and how they form micro-batches; schedule.py runs them and reduces the results. Responses to
 one prompt in a micro-batch may share one model row (prefix.py, `share_prompts`). An update plans
@@ -44,10 +50,12 @@ import torch.distributed as dist
 
 from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
+from verl_hpc.engines.megatron import context_parallel as cp_lib
 from verl_hpc.engines.megatron import lora as lora_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
-from verl_hpc.engines.megatron.build import build_chunks, output_position_layers, prompt_sharing, wrap_ddp
+from verl_hpc.engines.megatron.build import (build_chunks, check_context_parallel, output_position_layers,
+                                             prompt_sharing, wrap_ddp)
 from verl_hpc.engines.megatron.kernels import PerfOptions
 from verl_hpc.engines.options import EngineOptions, check_options, torch_dtype
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
@@ -78,6 +86,9 @@ class MegatronEngine(TrainingEngine):
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.vpp = ps.get_virtual_pipeline_model_parallel_world_size()
         self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.cp = ps.get_context_parallel_world_size()
+        check_context_parallel(self.cp)  # before any weight is built
+        self._cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
         self.sequence_parallel = o.sequence_parallel and self.tp > 1
         self.shard_optimizer = self._shard_optimizer(o)
         self.perf: PerfOptions = o.kernels.resolve(
@@ -85,7 +96,10 @@ class MegatronEngine(TrainingEngine):
         if not self.shard_optimizer:  # no parameter shards to all-gather
             self.perf = dataclasses.replace(self.perf, overlap_param_gather=False)
         self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
-        self.pad_seq_to = token_alignment(o.fp8, o.fp8_recipe) * (self.tp if self.sequence_parallel else 1)
+        # context parallelism cuts each sequence into 2 * cp chunks (context_parallel.py), and each
+        # rank's S / cp tokens are split again over TP under sequence parallelism
+        self.pad_seq_to = (token_alignment(o.fp8, o.fp8_recipe) * (self.tp if self.sequence_parallel else 1)
+                           * (2 * self.cp if self.cp > 1 else 1))
         self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
         self.lora = lora_lib.adapter_spec(o.lora)
         if self.lora is not None:  # before DDP: it and the optimizer then see the adapters only
@@ -97,7 +111,9 @@ class MegatronEngine(TrainingEngine):
                             sequence_parallel=self.sequence_parallel, start=start)
         self.device = next(self.gpt_chunks[0].parameters()).device
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.reporting = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+        # one rank per DP replica reports: CP ranks hold the same gathered results (context_parallel.py)
+        self.reporting = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+                          and ps.get_context_parallel_rank() == 0)
         self._key_source = self._find_key_source()
         self.optimizer = self.scheduler = None
         if o.trainable:
@@ -111,10 +127,11 @@ class MegatronEngine(TrainingEngine):
         arch = self.gpt_chunks[0].verl_arch
         # a trainable MoE model reports its routers' load per step (moe_stats.py)
         self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
-        self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel)
+        self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel,
+                                                     cp=self.cp)
         self._share_prompts, self._rotary = prompt_sharing(
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
-            rope_fusion=self.perf.apply_rope_fusion)
+            rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
         self.steps_applied = 0
         from verl_hpc.engines.offload import Offloader
 
@@ -175,6 +192,9 @@ class MegatronEngine(TrainingEngine):
         return self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
 
     def _output_fn(self, want):
+        if self.cp > 1:  # this rank's tokens -> whole-sequence results (context_parallel.py)
+            kind = ("labels" if self._labels_path(want) else "lm" if self.options.head == "lm" else "value")
+            return functools.partial(cp_lib.outputs, kind=kind, temperature=self.options.temperature)
         selected = bool(self._output_layers)
         if self._labels_path(want):
             return functools.partial(outputs_lib.lm_outputs_from_token_losses, selected=selected)
@@ -198,7 +218,7 @@ class MegatronEngine(TrainingEngine):
             lengths = batch["prompt_lengths"] + batch["response_lengths"]
             seq = max(max((int(lengths[i]) for i in mb), default=1) for mb in mine)
             shape = (max(max(len(mb) for mb in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
-        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, self._share_prompts)
+        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, self._share_prompts, self._cp_group)
                 for mb in mine]
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from verl_hpc.engines.base import GlobalCounts
 from verl_hpc.engines.batch import response_positions, response_tokens, select_rows
+from verl_hpc.engines.megatron.context_parallel import split_for_rank
 from verl_hpc.engines.megatron.outputs import next_token_labels
 
 OutputFn = Callable[[torch.Tensor, Dict[str, torch.Tensor], Sequence[str]], Dict[str, torch.Tensor]]
@@ -49,10 +50,14 @@ class MicroBatch:
     packed rows.
 
     `shape=(rows, seq)` pads it to a fixed shape (Megatron's interleaved schedule exchanges
-    activations of one fixed shape): extra rows are dummies cut off again before the loss."""
+    activations of one fixed shape): extra rows are dummies cut off again before the loss.
+
+    `cp_group` (context parallelism, never packed): the model gets this CP rank's tokens only
+    (`model_input_ids`, `model_position_ids`, data["_cp_labels"]: context_parallel.py's split);
+    `input_ids` and `shape` stay the whole sequence, which Megatron's schedules divide by cp."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, pad_seq_to: int,
-                 shape: Optional[Tuple[int, int]] = None, share_prompts=None):
+                 shape: Optional[Tuple[int, int]] = None, share_prompts=None, cp_group=None):
         self.rows = rows
         self.dummy = not rows
         if self.dummy:  # one sequence of one prompt token and no response token
@@ -81,6 +86,15 @@ class MicroBatch:
             self.position_ids = packed.position_ids.to(device, non_blocking=True)
             self.attention_mask = packed.attention.to(device, non_blocking=True)  # sdpa.py reads it
             self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
+        self.cp = cp_group is not None and cp_group.size() > 1
+        self.model_input_ids, self.model_position_ids = self.input_ids, self.position_ids
+        if self.cp:
+            if packed is not None:
+                raise RuntimeError("context parallelism cannot take a packed micro-batch (prefix.py)")
+            mine = split_for_rank({"input_ids": self.input_ids, "position_ids": self.position_ids,
+                                   "labels": sub["_labels"]}, cp_group)
+            self.model_input_ids, self.model_position_ids = mine["input_ids"], mine["position_ids"]
+            sub["_cp_labels"] = mine["labels"]
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
@@ -145,13 +159,14 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
             raise RuntimeError("a packed micro-batch needs per-row rotary positions on every chunk")
         # chunks without the output layer ignore labels; a packed micro-batch has no _labels
         per_position = layer is None and not mb.packed
-        labels = (mb.data["_labels"] if per_position else mb.data["_targets"]) if with_labels else None
+        labels = (mb.data["_cp_labels"] if mb.cp else mb.data["_labels"] if per_position else mb.data["_targets"]
+                  ) if with_labels else None
         if layer is not None:
             layer.selected_positions, layer.selected_rows = mb.data["_positions"], mb.sample_rows
         if rope is not None:
             rope.row_positions = mb.position_ids if mb.packed else None
         try:
-            output = model(mb.input_ids, mb.position_ids, mb.attention_mask, labels=labels)
+            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels)
         finally:
             if layer is not None:
                 layer.selected_positions = layer.selected_rows = None

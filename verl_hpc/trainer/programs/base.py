@@ -69,7 +69,7 @@ def make_checkpointer(cfg, ctx, *, engines: Mapping, states: Mapping, fmt: str, 
         dir=c.dir, save_every=c.save_every, keep_last=c.keep_last, async_save=c.async_save,
         resume=str(tr.resume or "auto"), namespace=tr.namespace, total_steps=total_steps,
         timeout_s=tr.collective_timeout_s, program=tr.job,
-        layout={"tp": p.tp, "pp": p.pp, "dp": Layout(ctx.world_size, p.tp, p.pp).dp})
+        layout={"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": Layout(ctx.world_size, p.tp, p.pp, p.cp).dp})
     return Checkpointer(options, ctx, engines=engines, states=states, fmt=fmt, config_yaml=lambda: to_yaml(cfg),
                         history=MetricHistory(tr.output_dir), before_state=before_state, after_load=after_load)
 
