@@ -17,6 +17,8 @@ CORE = [
     "safetensors",
     "jinja2",
     "matplotlib",
+    # images of vision-language rows and the visual task (data/images.py, data/prepare/visual.py)
+    "pillow",
     # CRC-32 at ~26 GB/s (zlib: ~3.5 GB/s): checksumming checkpoints no longer halves save speed
     # on small nodes; the checkpoint code falls back to zlib without it.
     "isal",
