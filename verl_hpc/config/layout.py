@@ -30,6 +30,9 @@ class Layout:
     world_words: str = ""  # how the world size was formed, for messages
     ep: int = 1  # expert parallel
     etp: Optional[int] = None  # expert tensor parallel; None = tp
+    # fsdp.sp: the FSDP engine's sequence-parallel groups. Its ranks shard the weights with the
+    # others (FSDP) but share their micro-batches, so a group is one data-parallel rank
+    sp: int = 1
 
     @property
     def expert_tp(self) -> int:
@@ -43,12 +46,13 @@ class Layout:
 
     @property
     def model_size(self) -> int:
-        """Ranks per model replica."""
-        return self.tp * self.pp * self.cp
+        """Ranks that share one data-parallel rank's micro-batches (a model replica's, or an FSDP
+        sequence-parallel group's)."""
+        return self.tp * self.pp * self.cp * self.sp
 
     @property
     def tiles(self) -> bool:
-        return min(self.world_size, self.tp, self.pp, self.cp) > 0 and self.world_size % self.model_size == 0
+        return min(self.world_size, self.tp, self.pp, self.cp, self.sp) > 0 and self.world_size % self.model_size == 0
 
     @property
     def dp(self) -> int:
@@ -58,8 +62,9 @@ class Layout:
     @property
     def dp_words(self) -> str:
         cp = f" * parallel.cp {self.cp}" if self.cp > 1 else ""
+        sp = f" * fsdp.sp {self.sp}" if self.sp > 1 else ""
         return (f"the data-parallel size {self.dp} (world size {self.world_size} / "
-                f"(parallel.tp {self.tp}{cp} * parallel.pp {self.pp}))")
+                f"(parallel.tp {self.tp}{cp} * parallel.pp {self.pp}{sp}))")
 
     def problems(self) -> List[str]:
         """Tiling: positive sizes whose product divides the world."""
@@ -73,8 +78,10 @@ class Layout:
             names, values = ["parallel.tp", "parallel.pp"], [self.tp, self.pp]
             if self.cp > 1:
                 names, values = names + ["parallel.cp"], values + [self.cp]
+            if self.sp > 1:
+                names, values = names + ["fsdp.sp"], values + [self.sp]
             valid = ""
-            if self.cp > 1 and self.world_size % (self.tp * self.pp) == 0:
+            if self.cp > 1 and self.sp == 1 and self.world_size % (self.tp * self.pp) == 0:
                 rest = self.world_size // (self.tp * self.pp)
                 valid = f"; valid parallel.cp: {', '.join(str(d) for d in range(1, rest + 1) if rest % d == 0)}"
             p.append(f"{' * '.join(names)} = {' * '.join(map(str, values))} = {self.model_size} does not "

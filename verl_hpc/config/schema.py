@@ -93,7 +93,8 @@ class JobConfig:
         if self.placement.split:
             words = (f"the {self.train_world_size} training ranks ({self.world_words} - "
                      f"placement.rollout_ranks {self.placement.rollout_ranks})")
-        return Layout(self.train_world_size, p.tp, p.pp, p.cp, vpp=p.vpp, world_words=words, ep=p.ep, etp=p.etp)
+        return Layout(self.train_world_size, p.tp, p.pp, p.cp, vpp=p.vpp, world_words=words, ep=p.ep, etp=p.etp,
+                      sp=self.fsdp.sp)
 
     @property
     def sequences_per_example(self) -> int:

@@ -3,6 +3,7 @@ sequence parallelism at fsdp.sp = 1, 2 and 4 (data-parallel 4, 2 and 1), one lau
 model and sp, global rank 0 saves `<model>.sp<k>.forward.pt` (log-probs and entropy of the whole
 batch) and `<model>.sp<k>.update.pt` (the weights after one train_step); every rank reports the
 step's metrics and the attention implementation the model ran (rank{r}.json, eng_ranks.main).
+Last, `llama.sp2.budget`: the sp 2 update with micro-batches of a token budget per rank.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def launch(world_size: int, args: dict, workdir: Path, timeout: float = 300):
                         what=f"FSDP sequence-parallel scenario at {world_size} ranks")
 
 
-def _engine(args, model: str, sp: int, trainable: bool):
+def _engine(args, model: str, sp: int, trainable: bool, **changes):
     from verl_hpc.config.schema import OptimConfig
     from verl_hpc.config.sections.fsdp import FsdpConfig
     from verl_hpc.engines.fsdp import FsdpEngine
@@ -29,8 +30,8 @@ def _engine(args, model: str, sp: int, trainable: bool):
 
     return FsdpEngine(default_options(args["models"][model], engine="fsdp", trainable=trainable,
                                       optim=OptimConfig(**args["optim"]) if trainable else None,
-                                      temperature=args["temperature"], total_steps=4, micro_batch_size=1,
-                                      fsdp=FsdpConfig(sp=sp)))
+                                      temperature=args["temperature"], total_steps=4,
+                                      **{"micro_batch_size": 1, "fsdp": FsdpConfig(sp=sp), **changes}))
 
 
 def scenario(args, workdir, out: dict) -> None:
@@ -57,6 +58,11 @@ def scenario(args, workdir, out: dict) -> None:
             _save(workdir, f"{name}.update", _export(eng))
             checks[name] = {"metrics": metrics, "dp": eng.dp, "attention": eng.model.config._attn_implementation}
             out["seconds"][name] = time.time() - t
+    # a token budget per rank: a group of 2 takes twice it per micro-batch (two ~4k rows, not one)
+    eng = _engine(args, "llama", 2, trainable=True, max_tokens_per_microbatch=args["budget"])
+    metrics = eng.train_step(batch, loss, loss.outputs)
+    _save(workdir, "llama.sp2.budget.update", _export(eng))
+    checks["llama.sp2.budget"] = {"metrics": metrics, "dp": eng.dp}
 
 
 if __name__ == "__main__":

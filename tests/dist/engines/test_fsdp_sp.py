@@ -3,7 +3,8 @@
 Llama with 2 KV heads (at sp 4 each KV head is repeated) and one with a single KV head (fewer than
 sp at 2 and 4). sp 2 and sp 4 give sp 1's log-probs and entropy within LOGP_TOL (the engine's
 parity bound) and its weights after one update within WEIGHT_TOL, with the same loss and gradient
-norm; the wrapped attention is what ran, and the data-parallel size is ranks / sp.
+norm; the wrapped attention is what ran, and the data-parallel size is ranks / sp. A token budget
+per micro-batch is per rank: an sp group packs sp times it.
 """
 import pytest
 import torch
@@ -14,6 +15,7 @@ from update_reference import max_diff
 WORLD = 4
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
 MODELS = {"llama": dict(kv_heads=2), "gqa1": dict(kv_heads=1, seed=1)}
+BUDGET = 4200  # tokens per micro-batch and rank: one ~4k row alone, two per micro-batch of an sp-2 group
 
 
 def long_batch(seed: int, rows: int = 4, vocab: int = 480):
@@ -45,7 +47,8 @@ def run(tmp_path_factory):
     torch.save(long_batch(5), root / "batch.pt")
     args = dict(models={k: str(v) for k, v in folders.items()}, temperature=0.7,
                 optim=dict(lr=0.5, eps=1.0, clip_grad=0.0, weight_decay=0.01),
-                actor=dict(ppo_mini_batch_size=4, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1))
+                actor=dict(ppo_mini_batch_size=4, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1),
+                budget=BUDGET)
     ranks = launch(WORLD, args, root)
     return {"root": root, "ranks": ranks, "folders": folders}
 
@@ -74,3 +77,12 @@ def test_sp_equals_one_rank_per_sequence(run, model, sp):
     assert checks[0]["metrics"]["grad_norm"] == pytest.approx(m1["metrics"]["grad_norm"], rel=1e-4)
     assert checks[0]["dp"] == WORLD // sp and checks[0]["attention"] == "verl_hpc_ulysses"
     assert m1["dp"] == WORLD and m1["attention"] == "sdpa"
+
+
+def test_a_token_budget_is_per_rank_so_a_group_takes_sp_times_it(run):
+    """4 rows over 2 groups of sp 2: with the budget per rank each group packs its two ~4k rows into
+    one micro-batch (8,400 tokens between its 2 ranks) where one rank alone would take one row; the
+    update is sp 1's all the same."""
+    got, one = run["ranks"][0]["checks"]["llama.sp2.budget"], run["ranks"][0]["checks"]["llama.sp2"]
+    assert got["metrics"]["num_microbatches"] == 1 and one["metrics"]["num_microbatches"] == 2
+    assert max_diff(_load(run, "llama.sp2.budget.update"), _load(run, "llama.sp1.update")) <= WEIGHT_TOL

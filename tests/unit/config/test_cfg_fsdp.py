@@ -49,7 +49,7 @@ def test_an_explicit_engine_is_taken_as_written(folders):
     ("parallel.ep=2", "parallel.engine = fsdp with parallel.ep = 2: FSDP has no expert parallelism"),
     ("parallel.tp=2", "parallel.engine = fsdp with parallel.tp = 2: the FSDP engine has no tensor parallelism"),
     ("fsdp.shard_size=3", "fsdp.shard_size = 3 must divide the 2 training ranks"),
-    ("fsdp.sp=4", "fsdp.sp = 4 must divide the 2 training ranks (groups of sp ranks share each sequence)"),
+    ("fsdp.sp=4", "parallel.tp * parallel.pp * fsdp.sp = 1 * 1 * 4 = 4 does not divide"),
 ])
 def test_impossible_fsdp_layouts_are_refused_naming_the_fields(override, words):
     cfg = load_config(None, ["model.path=/m", "parallel.engine=fsdp", override])
@@ -58,11 +58,32 @@ def test_impossible_fsdp_layouts_are_refused_naming_the_fields(override, words):
     assert words in str(e.value)
 
 
-def test_fsdp_sp_with_the_megatron_engine_names_context_parallelism():
-    cfg = load_config(None, ["model.path=/m", "parallel.engine=megatron", "slurm.tasks_per_node=2", "fsdp.sp=2"])
-    with pytest.raises(ConfigError, match=r"fsdp.sp = 2 is the FSDP engine's sequence parallelism; with "
-                                          r"parallel.engine = megatron split long sequences with parallel.cp"):
+@pytest.mark.parametrize("engine", ["megatron", "auto"])
+def test_fsdp_sp_needs_the_fsdp_engine_and_names_context_parallelism(engine):
+    cfg = load_config(None, ["model.path=/m", f"parallel.engine={engine}", "slurm.tasks_per_node=2", "fsdp.sp=2"])
+    with pytest.raises(ConfigError, match=r"fsdp.sp = 2 is the FSDP engine's sequence parallelism: set "
+                                          r"parallel.engine=fsdp .*split long sequences with parallel.cp"):
         validate(cfg, check_model=False)
+
+
+def test_fsdp_sp_groups_are_the_data_parallel_ranks():
+    """4 ranks at sp 2: two data-parallel groups, so 2 responses per step divide and a micro-batch
+    of 2 fits a group's share (at sp 1 each rank would get 1 and a micro-batch of 2 is refused)."""
+    common = ["model.path=/m", "data.train_files=[/d.parquet]", "parallel.engine=fsdp", "slurm.tasks_per_node=4",
+              "data.train_batch_size=2",
+              "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=2"]
+    cfg = load_config(None, [*common, "fsdp.sp=2"])
+    assert cfg.layout.dp == 2 and "fsdp.sp 2" in cfg.layout.dp_words
+    validate(cfg, check_model=False)
+    with pytest.raises(ConfigError, match="actor.micro_batch_size = 2 is more than the 1 sequence"):
+        validate(load_config(None, common), check_model=False)
+    # a token budget is per rank: a group of 2 holds twice it, which must cover one whole sequence
+    long = ["data.max_prompt_length=1024", "data.max_response_length=3072"]
+    validate(load_config(None, [*common, *long, "fsdp.sp=2", "actor.max_tokens_per_microbatch=2048"]),
+             check_model=False)
+    with pytest.raises(ConfigError, match=r"actor.max_tokens_per_microbatch = 2048 is smaller than one full"):
+        validate(load_config(None, [*common, *long, "fsdp.sp=1", "actor.max_tokens_per_microbatch=2048",
+                                    "actor.micro_batch_size=1"]), check_model=False)
 
 
 def test_fp8_with_fsdp_is_refused():

@@ -58,12 +58,12 @@ class FsdpConfig(Section):
         if self.shard_size and world and world % self.shard_size:
             p.append(f"fsdp.shard_size = {self.shard_size} must divide the {world} training ranks "
                      f"(replicas x shard size); valid: a divisor of {world}, or 0 for all of them")
-        if self.sp > 1 and world and world % self.sp:
-            p.append(f"fsdp.sp = {self.sp} must divide the {world} training ranks (groups of sp ranks share "
-                     f"each sequence); valid: a divisor of {world}")
-        if self.sp > 1 and job.parallel.engine == "megatron":
-            p.append(f"fsdp.sp = {self.sp} is the FSDP engine's sequence parallelism; with parallel.engine = "
-                     "megatron split long sequences with parallel.cp (context parallelism)")
+        # that sp tiles the training ranks is the layout's rule (config/layout.py: a group is one
+        # data-parallel rank)
+        if self.sp > 1 and job.parallel.engine != "fsdp":
+            p.append(f"fsdp.sp = {self.sp} is the FSDP engine's sequence parallelism: set parallel.engine=fsdp "
+                     f"(parallel.engine = {job.parallel.engine}); with Megatron, split long sequences with "
+                     "parallel.cp (context parallelism)")
         if job.parallel.engine == "fsdp":
             p += engine_layout_problems("fsdp", job)
         return p

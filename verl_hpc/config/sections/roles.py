@@ -53,8 +53,9 @@ class TrainedRole(Section):
     ppo_mini_batch_size: int = opt(8, "prompts per optimizer step (x rollout.n sequences)", check=">0")
     micro_batch_size: int = opt(4, "sequences per forward/backward when max_tokens_per_microbatch is 0",
                                 check=">0")
-    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch; 0 = off",
-                                         check=">=0")
+    max_tokens_per_microbatch: int = opt(0, "dynamic batching: token budget per micro batch and rank; a "
+                                            "group that shares each sequence (fsdp.sp, parallel.cp ranks) "
+                                            "takes that many times it; 0 = off", check=">=0")
     # host offload while the role is idle; results are unchanged (engines/offload.py)
     param_offload: bool = opt(False, "keep the weights in host memory while the role is idle")
     grad_offload: bool = opt(False, "drop the fp32 gradient buffers while idle (each update zeroes them)")
@@ -77,8 +78,10 @@ class TrainedRole(Section):
             verb = "is more than" if micro > per_rank else "does not divide"
             p.append(f"{self.name}.micro_batch_size = {micro} {verb} the {per_rank} sequence(s) each rank "
                      f"gets per optimizer step ({self.name}.ppo_mini_batch_size * rollout.n / {dp} ranks)")
-        if 0 < budget < d.max_sequence_length:
-            p.append(f"{self.name}.max_tokens_per_microbatch = {budget} is smaller than one full sequence "
+        shared = layout.sp * layout.cp  # the ranks that hold one sequence between them
+        if 0 < budget * shared < d.max_sequence_length:
+            group = f" x {shared} ranks sharing each sequence (fsdp.sp / parallel.cp)" if shared > 1 else ""
+            p.append(f"{self.name}.max_tokens_per_microbatch = {budget}{group} is smaller than one full sequence "
                      f"(data.max_prompt_length + data.max_response_length = {d.max_sequence_length})")
         return p
 

@@ -243,8 +243,9 @@ class FsdpEngine(TrainingEngine):
         """This rank's micro-batches of `rows` (default: all), planned as the Megatron engine
         plans them: with prompt sharing and a token budget, a prompt's responses stay together."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
+        share = self.sp.size if self.sp is not None else 1  # a group's budget: each rank holds 1/sp of it
         mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
-                                 max_tokens=self.options.max_tokens_per_microbatch,
+                                 max_tokens=self.options.max_tokens_per_microbatch * share,
                                  share_prompts=self._sharing is not None)
         return [MicroBatch(batch, mb, self.device, self._sharing, self.image_token_id, self.sp) for mb in mine]
 

@@ -209,8 +209,9 @@ class MegatronEngine(TrainingEngine):
         a micro-batch (an empty one, which adds exactly 0: partition.py), so every rank enters the
         same collectives."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
+        # the budget is per rank: a context-parallel group's micro-batch holds cp times it
         mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
-                                 max_tokens=self.options.max_tokens_per_microbatch,
+                                 max_tokens=self.options.max_tokens_per_microbatch * self.cp,
                                  share_prompts=self._share_prompts is not None,
                                  multiple_of=self.pp if self.vpp else 1)
         shape = None
