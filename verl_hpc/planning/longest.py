@@ -40,6 +40,7 @@ from verl_hpc.planning.suggest import plan_or_refusal
 
 SPLITS = (1, 2, 4, 8)  # ranks per sequence tried besides the config's own
 SEARCH_CAP = 1 << 20  # tokens searched up to where the model names no position limit
+ROLES = ("actor", "critic", "prm")  # the roles with a micro-batch token budget
 
 
 @dataclasses.dataclass
@@ -51,6 +52,7 @@ class Row:
     binds: str  # what stops it: the phase over the limit one token further, or the position limit
     peak: float  # bytes at `shown` (at one token where nothing fits)
     peak_phase: str
+    length_overrides: List[str] = dataclasses.field(default_factory=list)  # what sets `shown`
 
     @property
     def shown(self) -> int:
@@ -68,12 +70,25 @@ class Longest:
     margin: float
 
 
+def length_overrides(cfg, response: int) -> List[str]:
+    """data.max_response_length = response, and each role's token budget raised to one full row
+    where the row outgrows it: the config check refuses a budget below one sequence, and the plan
+    of such a row is the same either way (a longer row is a micro-batch of its own)."""
+    seq = cfg.data.max_prompt_length + response
+    return [f"data.max_response_length={response}"] + [
+        f"{role}.max_tokens_per_microbatch={seq}" for role in ROLES
+        if 0 < getattr(cfg, role).max_tokens_per_microbatch < seq]
+
+
 def _with_length(cfg, response: int):
-    """The config with data.max_response_length = response (rollout.max_tokens follows it where it
+    """The config with `length_overrides` applied (rollout.max_tokens follows the length where it
     was the length's own, its auto value; an explicit shorter one is kept, at most the length)."""
     c = copy.deepcopy(cfg)
+    for item in length_overrides(cfg, response):
+        key, value = item.split("=")
+        section, field = key.split(".")
+        setattr(getattr(c, section), field, int(value))
     follows = cfg.rollout.max_tokens >= cfg.data.max_response_length
-    c.data.max_response_length = response
     c.rollout.max_tokens = response if follows else min(cfg.rollout.max_tokens, response)
     return c
 
@@ -150,6 +165,9 @@ def _search(c, kw, margin: float) -> Tuple[int, str, object]:
                 hi = mid
         _, plan, err = judge(hi)
         best, binds = lo, (_binding(plan) if plan is not None else f"refused: {err}")
+        if not best and floor > 1:  # judged at the budget's micro-batch (module docstring)
+            budget = _budget_floor(c) + c.data.max_prompt_length
+            binds += f" (at a micro-batch of the {budget}-token budget, max_tokens_per_microbatch)"
     shown = best if best < 1024 else best // 1024 * 1024
     return best, binds, judge(max(shown, 1))[1]
 
@@ -163,7 +181,8 @@ def longest(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optio
     for label, overrides, c, own in variants:
         best, binds, plan = _search(c, kw, margin)
         peak, phase = (plan.checked_peak(), _binding(plan)) if plan is not None else (0.0, "")
-        rows.append(Row(label, overrides, own, best, binds, peak, phase))
+        shown = best if best < 1024 else best // 1024 * 1024
+        rows.append(Row(label, overrides, own, best, binds, peak, phase, length_overrides(c, shown) if best else []))
         if plan is not None:
             limit, device = plan.limit, plan.device
     return Longest(rows, refused, cfg.data.max_prompt_length, limit, device, margin)
@@ -186,4 +205,4 @@ def print_longest(result: Longest, command: str) -> None:
         print(f"  not listed: {label}: {rule}")
     for r in result.rows:
         if r.overrides and r.longest:
-            print(f"  e.g. {command} {' '.join(r.overrides)} data.max_response_length={r.shown}")
+            print(f"  e.g. {command} {' '.join(r.overrides + r.length_overrides)}")

@@ -79,7 +79,8 @@ def test_a_layout_that_fits_at_no_length_says_so(capsys):
     """On 24 GB GPUs the 8B's states do not fit at any length: the row says so (the peak at the
     shortest length, which is that of the token budget's micro-batch)."""
     r = longest(load_config(GRPO_8B), gpu_memory_gb=24).rows[0]
-    assert r.longest == 0 and r.peak > 24e9 and r.binds == r.peak_phase
+    assert r.longest == 0 and r.peak > 24e9
+    assert r.binds == f"{r.peak_phase} (at a micro-batch of the 16384-token budget, max_tokens_per_microbatch)"
     assert main([GRPO_8B, "--longest", "--gpu-memory-gb", "24"]) == 0
     assert "does not fit" in capsys.readouterr().out
 
@@ -106,3 +107,14 @@ def test_bad_combinations_are_one_line_errors(capsys, args, words):
     assert main([MOE, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+
+
+@pytest.mark.parametrize("name", ["ppo_70b_64k.yaml", "grpo_30b_a3b_40k.yaml"])
+def test_the_long_response_configs_need_their_context_parallelism(name):
+    """Their own layout (cp 2) fits their response length with the shipped 10% headroom; the same
+    GPUs at cp 1 fit no length with the same micro-batch budget (one full row)."""
+    cfg = load_config(str(CONFIGS / name))
+    rows = {r.label.split(" dp")[0].split()[-1]: r for r in longest(cfg, margin=0.10).rows}
+    assert rows["2"].own and rows["2"].longest >= cfg.data.max_response_length
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert rows["1"].longest == 0 and f"the {seq}-token budget" in rows["1"].binds
