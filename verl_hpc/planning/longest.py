@@ -43,6 +43,11 @@ SEARCH_CAP = 1 << 20  # tokens searched up to where the model names no position 
 ROLES = ("actor", "critic", "prm")  # the roles with a micro-batch token budget
 
 
+def rounded(tokens: int) -> int:
+    """Rounded down to a multiple of 1024 tokens, exact below 1024."""
+    return tokens if tokens < 1024 else tokens // 1024 * 1024
+
+
 @dataclasses.dataclass
 class Row:
     label: str
@@ -56,8 +61,7 @@ class Row:
 
     @property
     def shown(self) -> int:
-        """Rounded down to a multiple of 1024 tokens, exact below 1024."""
-        return self.longest if self.longest < 1024 else self.longest // 1024 * 1024
+        return rounded(self.longest)
 
 
 @dataclasses.dataclass
@@ -164,12 +168,11 @@ def _search(c, kw, margin: float) -> Tuple[int, str, object]:
             else:
                 hi = mid
         _, plan, err = judge(hi)
-        best, binds = lo, (_binding(plan) if plan is not None else f"refused: {err}")
+        best, binds = lo, (_binding(plan) if plan is not None else f"refused: {'; '.join(err.problems)}")
         if not best and floor > 1:  # judged at the budget's micro-batch (module docstring)
             budget = _budget_floor(c) + c.data.max_prompt_length
             binds += f" (at a micro-batch of the {budget}-token budget, max_tokens_per_microbatch)"
-    shown = best if best < 1024 else best // 1024 * 1024
-    return best, binds, judge(max(shown, 1))[1]
+    return best, binds, judge(max(rounded(best), 1))[1]
 
 
 def longest(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optional[float] = None,
@@ -181,8 +184,8 @@ def longest(cfg, *, gpu_memory_gb: Optional[float] = None, node_memory_gb: Optio
     for label, overrides, c, own in variants:
         best, binds, plan = _search(c, kw, margin)
         peak, phase = (plan.checked_peak(), _binding(plan)) if plan is not None else (0.0, "")
-        shown = best if best < 1024 else best // 1024 * 1024
-        rows.append(Row(label, overrides, own, best, binds, peak, phase, length_overrides(c, shown) if best else []))
+        rows.append(Row(label, overrides, own, best, binds, peak, phase,
+                        length_overrides(c, rounded(best)) if best else []))
         if plan is not None:
             limit, device = plan.limit, plan.device
     return Longest(rows, refused, cfg.data.max_prompt_length, limit, device, margin)
