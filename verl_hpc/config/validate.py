@@ -15,7 +15,7 @@ from verl_hpc.config.fields import choice_problems, range_problems, sections
 from verl_hpc.config.hf_model import ModelShape, read_hf_config, read_model_shape
 from verl_hpc.config.layout import rollout_tp_problems
 from verl_hpc.config.schema import JobConfig
-from verl_hpc.config.sections.fsdp import choose_engine, engine_layout_problems
+from verl_hpc.config.sections.fsdp import choose_engine, engine_layout_problems, sp_head_problems
 from verl_hpc.config.sections.vision import vision_problems
 
 
@@ -43,6 +43,7 @@ def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
     if field == "model.path" and cfg.trainer.job == "rl":  # the rollout engine serves the policy
         p += cfg.rollout.kv_cache_problems(cfg, m)
     p += _moe_problems(cfg, m, field)
+    p += sp_head_problems(cfg.fsdp.sp, m.heads, m.kv_heads)
     seq = cfg.data.max_sequence_length
     if m.max_positions and seq > m.max_positions:
         p.append(f"data.max_prompt_length + data.max_response_length = {seq} exceeds the model's "

@@ -43,10 +43,18 @@ def _llama(name, vocab, hidden, ffn, layers, heads, kv, tied=False, max_pos=8192
                      source=f"known architecture {name}")
 
 
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
 # Published config.json values (meta-llama/*, Qwen/* on the Hugging Face hub).
 KNOWN: Dict[str, ModelArch] = {
     "llama-3-70b": _llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8),
+    # Llama 3.1 (and 3.3) 70B: the same shape, 131072 positions through llama3 RoPE scaling
+    "llama-3.1-70b": dataclasses.replace(_llama("llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8, max_pos=131072),
+                                         rope_scaling=_LLAMA31_ROPE),
     "llama-3-8b": _llama("llama-3-8b", 128256, 4096, 14336, 32, 32, 8),
+    "llama-3.1-8b": dataclasses.replace(_llama("llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8, max_pos=131072),
+                                        rope_scaling=_LLAMA31_ROPE),
     "llama-3.2-1b": _llama("llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, tied=True),
     "qwen2.5-7b": dataclasses.replace(_llama("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4),
                                       family="qwen2", architecture="Qwen2ForCausalLM",

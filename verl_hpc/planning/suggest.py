@@ -174,6 +174,16 @@ def _divisors(n: int, cap: int) -> List[int]:
     return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
 
 
+def plan_or_refusal(c, *, gpu_memory_gb=None, node_memory_gb=None):
+    """(plan, None) for a candidate config, or (None, the ConfigError) where a rule refuses it (a
+    layout the model cannot split, a sequence beyond the model's positions): how --suggest and
+    --longest judge a candidate."""
+    try:
+        return plan_job(c, gpu_memory_gb=gpu_memory_gb, node_memory_gb=node_memory_gb), None
+    except ConfigError as err:
+        return None, err
+
+
 def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MARGIN,
             time_limit_s: float = 8.0) -> List[Candidate]:
     gpu = hardware.gpu_type(cfg.slurm.gpu_type) or hardware.GPUS["h100-80gb"]
@@ -205,15 +215,12 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
             t0 = time.monotonic()
             budget = int(base * scale)
             c = _apply(cfg, tp, pp, vpp, rc, off, budget, engine, shard)
-            try:
-                plan = plan_job(c, gpu_memory_gb=gpu_memory_gb, node_memory_gb=node_memory_gb)
-                h = plan.headroom()
-                if h is not None and h >= margin:
-                    out.append(Candidate(tp, pp, vpp, rc, off, budget, plan.checked_peak(), h,
-                                         step_seconds(c, gpu), engine, shard, cfg.parallel.engine,
-                                         job_offloads))
-            except ConfigError:
-                pass
+            plan, _ = plan_or_refusal(c, gpu_memory_gb=gpu_memory_gb, node_memory_gb=node_memory_gb)
+            h = plan.headroom() if plan is not None else None
+            if h is not None and h >= margin:
+                out.append(Candidate(tp, pp, vpp, rc, off, budget, plan.checked_peak(), h,
+                                     step_seconds(c, gpu), engine, shard, cfg.parallel.engine,
+                                     job_offloads))
             spent[engine] += time.monotonic() - t0
     return sorted(out, key=lambda c: c.step_seconds)
 

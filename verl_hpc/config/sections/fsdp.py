@@ -69,6 +69,23 @@ class FsdpConfig(Section):
         return p
 
 
+def sp_head_problems(sp: int, heads: int, kv_heads: int) -> List[str]:
+    """Ulysses' rule on the model's heads (engines/fsdp/ulysses.py; written here, without torch,
+    so that the config check and the memory planner apply it too): the query heads split evenly
+    over the sp ranks; the KV heads split too, or, fewer than sp, are each repeated sp / kv times."""
+    if sp <= 1 or not heads:
+        return []
+    kv = kv_heads or heads
+    if heads % sp:
+        return [f"fsdp.sp = {sp} must divide the model's {heads} attention heads (Ulysses gives each rank "
+                f"heads/sp of them); valid: a divisor of {heads}"]
+    if kv % sp and sp % kv:
+        return [f"fsdp.sp = {sp} and the model's {kv} KV heads: one must divide the other (KV heads are split "
+                f"over the group, or each repeated sp/kv times when fewer); valid: a divisor or multiple of "
+                f"{kv} that divides {heads}"]
+    return []
+
+
 def engine_layout_problems(engine: str, job) -> List[str]:
     """Combinations of the FSDP engine with layout fields that it does not have, one line each."""
     if engine != "fsdp":

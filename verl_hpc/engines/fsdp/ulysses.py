@@ -38,7 +38,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.errors import ConfigError, raise_if_any
+from verl_hpc.config.sections.fsdp import sp_head_problems
 
 ATTENTION = "verl_hpc_ulysses"  # the name the wrapped attention is registered under in transformers
 # what each module of an installed model carries (attributes, not config fields: a config is
@@ -140,13 +141,7 @@ def check_heads(config, sp: int) -> None:
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads is None:
         raise ConfigError(f"fsdp.sp = {sp}: {type(config).__name__} names no num_attention_heads to split")
-    if heads % sp:
-        raise ConfigError(f"fsdp.sp = {sp} must divide the model's {heads} attention heads (Ulysses gives "
-                          f"each rank heads/sp of them); valid: a divisor of {heads}")
-    if kv % sp and sp % kv:
-        raise ConfigError(f"fsdp.sp = {sp} and the model's {kv} KV heads: one must divide the other (KV heads "
-                          f"are split over the group, or each repeated sp/kv times when fewer); valid: a "
-                          f"divisor or multiple of {kv} that divides {heads}")
+    raise_if_any(sp_head_problems(sp, heads, kv))
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and getattr(config, "layer_types", None) is not None \
             and any(t != "full_attention" for t in config.layer_types):
