@@ -1,6 +1,7 @@
 """The training engines' forward+backward throughput against transformers, and what layouts cost on CPU.
 
-    python benchmarks/bench_engine.py [--quick] [--threads 2] [--layouts tp1,tp2,pp2,dp2] [--compile]
+    python benchmarks/bench_engine.py [--quick] [--threads 2] [--layouts tp1,tp2,pp2,dp2,sp2] [--compile]
+    python benchmarks/bench_engine.py --skip-peer --layouts sp2       # only sp=2 vs sp=1
 
 1. Peer ratios (one process, one rank): `MegatronEngine.forward_backward` (TP=1; the schedule,
    response log-probs from vocab-parallel logits, a token-mean NLL loss callback) and
@@ -25,6 +26,14 @@
    are held) beside the memory plan's
    `update_actor` actor column for the same job (`python -m verl_hpc.plan`'s rows).
    Layout runs alternate (the order rotated each repeat); medians.
+4. Ulysses sequence parallelism on the FSDP engine (`--layouts sp2`): the train step's tokens/s at
+   fsdp.sp = 2 (data-parallel 1: both ranks share each sequence, an all-to-all regroups q, k, v
+   and the attention output per layer) against sp = 1 (data-parallel 2: each rank its own rows),
+   on the same 2 gloo ranks x 1 thread, the same model and the same batch of long rows
+   (4 x 2,048 tokens, 32-token prompts). Micro-batches of sp rows: each rank runs 2 of 2,048 tokens
+   at either sp (a whole row at sp 1, halves of two rows at sp 2): the same activation memory and
+   the same FSDP gathers and gradient reductions, so the ratio is the price of the all-to-alls
+   and their copies. Reported as sp2 / sp1.
 
 Model (docs/platform-notes.md, "Reference model and figures"): Llama-style, hidden 512, 8 heads,
 4 KV heads, head_dim 64, 6 layers, ffn 1408, vocab 8000 (25.9M parameters), random weights, fp32;
@@ -46,11 +55,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SEQS, SEQ_LEN, PROMPT = 8, 256, 32
+LONG_SEQS, LONG_LEN = 4, 2048  # the sequence-parallel comparison's rows (section 4)
 # name -> (engine, tp, pp, processes, threads per process or 0 = --threads, what is timed)
 LAYOUTS = {"tp1": ("megatron", 1, 1, 1, 0, "fwdbwd"), "tp2": ("megatron", 2, 1, 2, 1, "fwdbwd"),
            "pp2": ("megatron", 1, 2, 2, 1, "fwdbwd"),
-           "megatron_dp2": ("megatron", 1, 1, 2, 1, "train"), "fsdp_dp2": ("fsdp", 1, 1, 2, 1, "train")}
-LAYOUT_GROUPS = {"tp1": ("tp1",), "tp2": ("tp2",), "pp2": ("pp2",), "dp2": ("megatron_dp2", "fsdp_dp2")}
+           "megatron_dp2": ("megatron", 1, 1, 2, 1, "train"), "fsdp_dp2": ("fsdp", 1, 1, 2, 1, "train"),
+           "fsdp_sp1": ("fsdp", 1, 1, 2, 1, "train"), "fsdp_sp2": ("fsdp", 1, 1, 2, 1, "train")}
+LAYOUT_GROUPS = {"tp1": ("tp1",), "tp2": ("tp2",), "pp2": ("pp2",), "dp2": ("megatron_dp2", "fsdp_dp2"),
+                 "sp2": ("fsdp_sp1", "fsdp_sp2")}
+SP = {"fsdp_sp1": 1, "fsdp_sp2": 2}  # fsdp.sp of the sequence-parallel comparison's layouts (long rows)
 
 
 def make_model(folder: Path, quick: bool) -> Path:
@@ -58,17 +71,18 @@ def make_model(folder: Path, quick: bool) -> Path:
 
     if (folder / "config.json").exists():
         return folder
+    # max_positions covers the long rows (Llama's RoPE frequencies do not depend on it)
     return make_tiny_model(folder, "llama", layers=2 if quick else 6, vocab_size=8000, hidden=512,
-                           heads=8, kv_heads=4, head_dim=64, ffn=1408, max_positions=512, seed=0)
+                           heads=8, kv_heads=4, head_dim=64, ffn=1408, max_positions=LONG_LEN, seed=0)
 
 
-def make_batch():
+def make_batch(long: bool = False):
     import torch
 
     from verl_hpc.engines.batch import pack_sequences
 
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 8000, (SEQS, SEQ_LEN), generator=g)
+    ids = torch.randint(5, 8000, (LONG_SEQS, LONG_LEN) if long else (SEQS, SEQ_LEN), generator=g)
     return pack_sequences([r[:PROMPT].tolist() for r in ids], [r[PROMPT:].tolist() for r in ids])
 
 
@@ -91,7 +105,7 @@ def hf_step(model, batch):
 
 
 def build_engine(folder, micro_batch_size, engine: str = "megatron", compile: bool = False,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, sp: int = 1):
     """An engine from the default config's actor options with a fixed micro-batch size."""
     import dataclasses
 
@@ -103,7 +117,7 @@ def build_engine(folder, micro_batch_size, engine: str = "megatron", compile: bo
     if engine == "fsdp":
         from verl_hpc.engines.fsdp import FsdpEngine
 
-        return FsdpEngine(dataclasses.replace(o, fsdp=dataclasses.replace(o.fsdp, compile=compile)))
+        return FsdpEngine(dataclasses.replace(o, fsdp=dataclasses.replace(o.fsdp, compile=compile, sp=sp)))
     from verl_hpc.engines.megatron import MegatronEngine
 
     return MegatronEngine(dataclasses.replace(o, use_distributed_optimizer=distributed_optimizer))
@@ -168,20 +182,27 @@ def worker(args) -> None:
 
         init_model_parallel(args.tp, args.pp)
     train = args.op == "train"
-    engine = build_engine(args.model, micro_batch_size=2, engine=args.engine,
-                          distributed_optimizer=train)
-    batch = make_batch()
+    long = args.sp > 0  # the sequence-parallel comparison: long rows
+    # sp rows a micro-batch: every rank runs 2 micro-batches of 2,048 tokens at either sp (one whole
+    # row at sp 1, two half rows at sp 2), so the same activations and the same number of FSDP
+    # gathers and reductions; what differs is the regrouping
+    engine = build_engine(args.model, micro_batch_size=max(args.sp, 1) if long else 2, engine=args.engine,
+                          distributed_optimizer=train, sp=max(args.sp, 1))
+    batch = make_batch(long)
     step = (lambda: engine.train_step(batch, nll_loss)) if train else \
         (lambda: engine.forward_backward(batch, nll_loss))
     for _ in range(args.warmup):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(args.iters):
         dist.barrier()
-        times.append(timed(step)[0])
-    t = torch.tensor(times)
+        w, c = timed(step)
+        times.append(w)
+        cpu.append(c)
+    t, c = torch.tensor(times), torch.tensor(cpu)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
-    result = {"median_s": statistics.median(t.tolist())}
+    dist.all_reduce(c, op=dist.ReduceOp.MAX)
+    result = {"median_s": statistics.median(t.tolist()), "cpu_median_s": statistics.median(c.tolist())}
     if train:  # the states after updates, with the gradients of one more backward in place
         engine.forward_backward(batch, nll_loss)
         result["state_bytes"] = state_bytes(engine)
@@ -239,6 +260,7 @@ def peer_ratio(folder, args) -> dict:
 
 def layout_runs(folder, names, args) -> dict:
     medians = {k: [] for k in names}
+    cpu = {k: [] for k in names}
     states = {}
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
@@ -249,7 +271,7 @@ def layout_runs(folder, names, args) -> dict:
                    f"--master_port={29700 + 10 * rep + list(LAYOUTS).index(name)}",
                    __file__, "--worker", "--model", str(folder), "--engine", engine, "--op", op,
                    "--tp", str(tp), "--pp", str(pp), "--threads", str(threads), "--iters", str(args.iters),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup), "--sp", str(SP.get(name, 0))]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), VERL_HPC_LOGLEVEL="WARNING",
                        PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -258,20 +280,29 @@ def layout_runs(folder, names, args) -> dict:
                 raise SystemExit(f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
             res = json.loads(line[0][7:])
             medians[name].append(res["median_s"])
+            cpu[name].append(res["cpu_median_s"])
             if "state_bytes" in res:
                 states[name] = res["state_bytes"]
-    tokens = SEQS * SEQ_LEN
-    tok_s = {k: tokens / statistics.median(v) for k, v in medians.items()}
+    tok_s = {k: (LONG_SEQS * LONG_LEN if k in SP else SEQS * SEQ_LEN) / statistics.median(v)
+             for k, v in medians.items()}
     out = {"tok_s": tok_s, "runs_s": medians, "state_bytes": states}
     if "tp1" in tok_s:
         out["relative_to_tp1"] = {k: v / tok_s["tp1"] for k, v in tok_s.items() if k in ("tp1", "tp2", "pp2")}
     if {"megatron_dp2", "fsdp_dp2"} <= set(tok_s):
         out["fsdp_over_megatron_dp2"] = tok_s["fsdp_dp2"] / tok_s["megatron_dp2"]
         out["plan"] = {k: planned_state_bytes(folder, LAYOUTS[k][0], 2) for k in ("megatron_dp2", "fsdp_dp2")}
+    if set(SP) <= set(tok_s):
+        out["sp2_over_sp1"] = tok_s["fsdp_sp2"] / tok_s["fsdp_sp1"]
+        # CPU seconds of the slowest rank: on a shared machine the steadier measure of the work
+        cpu_s = {k: statistics.median(cpu[k]) for k in SP}
+        out["sp_cpu_s"] = cpu_s
+        out["sp2_over_sp1_cpu"] = cpu_s["fsdp_sp1"] / cpu_s["fsdp_sp2"]
     return out
 
 
 def report(peer, lay, args, load) -> None:
+    if peer is None:
+        return report_layouts(lay, args)
     print(f"model {peer['params_m']:.1f}M params, batch {SEQS} x {SEQ_LEN} tokens, {args.threads} threads, "
           f"{args.iters} iterations (median), {args.warmup} warm-up; load average {load[0]:.1f} at the "
           f"start, {os.getloadavg()[0]:.1f} at the end")
@@ -286,6 +317,10 @@ def report(peer, lay, args, load) -> None:
               f"{peer['compile_s']:.1f} s (cold inductor cache unless --compile-cache); steady state "
               f"{peer['median_s']['fsdp_compiled']:.3f} s vs eager {peer['median_s']['fsdp']:.3f} s "
               f"({peer['median_s']['fsdp'] / peer['median_s']['fsdp_compiled']:.3f}x)")
+    report_layouts(lay, args)
+
+
+def report_layouts(lay, args) -> None:
     if lay is None:
         return
     for name in ("tp1", "tp2", "pp2"):
@@ -303,6 +338,12 @@ def report(peer, lay, args, load) -> None:
             print(f"  {name} rank 0 model state: params {st['params'] / mib:.1f} + grads {st['grads'] / mib:.1f} "
                   f"+ optimizer {st['optimizer'] / mib:.1f} = {total / mib:.1f} MiB; plan {plan / mib:.1f} "
                   f"MiB: measured / plan {total / plan:.3f}")
+    if "sp2_over_sp1" in lay:
+        one, two = lay["tok_s"]["fsdp_sp1"], lay["tok_s"]["fsdp_sp2"]
+        print(f"FSDP train step, {LONG_SEQS} rows x {LONG_LEN} tokens (2 ranks x 1 thread): sp=1 (dp 2) {one:.0f} "
+              f"tok/s, sp=2 (dp 1) {two:.0f} tok/s, sp2 / sp1 {lay['sp2_over_sp1']:.3f} ({args.repeats} "
+              f"alternated runs); CPU time per step sp=1 {lay['sp_cpu_s']['fsdp_sp1']:.2f} s, sp=2 "
+              f"{lay['sp_cpu_s']['fsdp_sp2']:.2f} s: ratio {lay['sp2_over_sp1_cpu']:.3f}")
 
 
 def main() -> None:
@@ -313,7 +354,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=0, help="alternated layout runs")
     ap.add_argument("--model", default="")
-    ap.add_argument("--layouts", default="tp1,tp2,pp2,dp2", help=f"comma list of {', '.join(LAYOUT_GROUPS)}")
+    ap.add_argument("--layouts", default="tp1,tp2,pp2,dp2,sp2", help=f"comma list of {', '.join(LAYOUT_GROUPS)}")
     ap.add_argument("--compile", action="store_true", help="also time the FSDP engine with fsdp.compile")
     ap.add_argument("--compile-cache", default="",
                     help="inductor's cache folder for --compile (default: a fresh one, i.e. a cold compilation)")
@@ -324,6 +365,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--pp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--skip-layouts", action="store_true")
+    ap.add_argument("--skip-peer", action="store_true", help="only the layout runs (sections 2-4)")
+    ap.add_argument("--sp", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
     args.iters = args.iters or (3 if args.quick else 7)
@@ -340,7 +383,7 @@ def main() -> None:
         folder = make_model(Path(args.model) if args.model else Path(tmp) / "model", args.quick)
         if args.compile:  # inductor's cache in a folder of this run: the compilation timed is a cold one
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache or str(Path(tmp) / "inductor")
-        peer = peer_ratio(folder, args)
+        peer = None if args.skip_peer else peer_ratio(folder, args)
         lay = None if args.skip_layouts else layout_runs(folder, [n for g in groups for n in LAYOUT_GROUPS[g]], args)
     if args.json:
         Path(args.json).write_text(json.dumps({"peer": peer, "layouts": lay, "load_start": load,

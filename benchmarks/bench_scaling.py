@@ -19,6 +19,15 @@ parallel 2 over two nodes: its token dispatcher's all_to_all crosses the nodes. 
 to it depends on the routing (its tokens' copies out, the copies routed to its experts back), so
 its formula takes the step's measured routing share of EP rank 0 (actor/moe/ep_rank_share/0) and
 one optimizer step per RL step (old_logprob and update_actor then route with the same weights).
+
+Layout "1x2sp" is the FSDP engine with Ulysses sequence parallelism over both ranks (fsdp.sp=2,
+data-parallel 1): a tiny Llama with one KV head (repeated to 2 before the regrouping) whose random
+answers run up to 1,024 tokens (a few hundred on average: it samples its EOS now and then), one
+row per micro-batch. Its formula is the all-to-alls' payload
+(scaling_formulas.ulysses_alltoall_bytes: 4 per layer, forward and backward), from the rows x
+padded lengths the engine ran (actor/sp_padded_tokens, per optimizer step); the old-log-prob
+forward runs the same one-row micro-batches. Its other collectives (FSDP's gathers and
+reductions, the log-prob all-reduce) are listed without a formula.
 """
 from __future__ import annotations
 
@@ -32,14 +41,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from scaling_formulas import (Layout, Model, optimizer_bytes, pp_p2p_bytes, rollout_shard_elements,  # noqa: E402
-                              sliced_sent_bytes, tp_activation_bytes)
+                              sliced_sent_bytes, tp_activation_bytes, ulysses_alltoall_bytes)
 
 # name: (nodes, tasks per node, tp, pp)
 LAYOUTS = {"1x1": (1, 1, 1, 1), "1x2": (1, 2, 2, 1), "2x1": (2, 1, 1, 1), "1x4": (1, 4, 2, 2), "2x2": (2, 2, 2, 1),
-           "2x2v": (2, 2, 2, 1), "2x1e": (2, 1, 1, 1)}
+           "2x2v": (2, 2, 2, 1), "2x1e": (2, 1, 1, 1), "1x2sp": (1, 2, 1, 1)}
 # expert-parallel layouts: ep, and their model (a tiny mixture of experts)
 EP = {"2x1e": 2}
 MOE_FAMILY = "qwen3_moe"
+# sequence-parallel layouts (FSDP engine, Ulysses): sp, and their job (long answers, one row per
+# micro-batch, 2 optimizer steps of 2 rows)
+SP = {"1x2sp": 2}
+SP_JOB = ["parallel.engine=fsdp", "data.max_response_length=1024", "data.train_batch_size=2", "rollout.n=2",
+          "actor.ppo_mini_batch_size=1", "actor.micro_batch_size=1"]
 # inference TP of a layout's rollout (the HF rollout keeps whole tensors: 1); "v" layouts roll out
 # with vLLM at rollout.tp = 2, so each rank's sliced sync receives half the model
 VLLM = {"2x2v": 2}
@@ -56,6 +70,10 @@ def assets(root: Path) -> Path:
         if not (root / folder / "config.json").exists():
             subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(root / folder), "--layers", "2",
                             "--family", family], cwd=REPO, check=True, capture_output=True)
+    if not (root / "sp_model" / "config.json").exists():  # one KV head: repeated under sp = 2
+        subprocess.run([sys.executable, "-c", "import sys; from verl_hpc.models.tiny import make_tiny_model; "
+                        "make_tiny_model(sys.argv[1], 'llama', layers=2, kv_heads=1, max_positions=2048)",
+                        str(root / "sp_model")], cwd=REPO, check=True, capture_output=True)
     if not (root / "data" / "train.parquet").exists():
         subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(root / "data"),
                         "--n-train", "500", "--n-val", "20"], cwd=REPO, check=True, capture_output=True)
@@ -64,7 +82,7 @@ def assets(root: Path) -> Path:
 
 def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
     nodes, tpn, tp, pp = LAYOUTS[name]
-    model = "moe_model" if name in EP else "model"
+    model = model_folder(name)
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", f"model.path={root}/{model}",
            f"data.train_files=[{root}/data/train.parquet]", f"data.val_files=[{root}/data/val.parquet]",
            *TINY, f"trainer.total_steps={steps}", f"parallel.tp={tp}", f"parallel.pp={pp}",
@@ -72,6 +90,8 @@ def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
            f"slurm.log_dir={out}/logs/%j"]
     if name in VLLM:
         cmd += ["rollout.engine=vllm", f"rollout.tp={VLLM[name]}"]
+    if name in SP:
+        cmd += [*SP_JOB, f"fsdp.sp={SP[name]}"]
     if name in EP:  # one optimizer step per RL step (module docstring)
         cmd += [f"parallel.ep={EP[name]}", "actor.ppo_mini_batch_size=4"]
     t0 = time.time()
@@ -81,6 +101,10 @@ def run_layout(name: str, root: Path, out: Path, steps: int) -> list[dict]:
         raise SystemExit(f"[bench] {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"[bench] {name}: done in {time.time() - t0:.0f}s", flush=True)
     return _rows(out)
+
+
+def model_folder(name: str) -> str:
+    return "moe_model" if name in EP else "sp_model" if name in SP else "model"
 
 
 def _rows(run: Path) -> list[dict]:
@@ -110,11 +134,16 @@ def measured(row: dict, name: str) -> dict[str, float]:
             out[cls] = out.get(cls, 0.0) + v
             continue
         op, group = opgroup.split("@", 1)
+        if name in SP:
+            out_cls = (f"Ulysses all_to_all ({stage})" if (op, group) == ("all_to_all_single", "sp")
+                       else f"FSDP engine {op}@{group} ({stage}; no formula)")
+            out[out_cls] = out.get(out_cls, 0.0) + v
+            continue
         cls = classify(stage, op, group)
         if (cls.startswith("TP") and tp == 1) or (cls.startswith("DP") and dp == 1) or cls.startswith("EDP"):
             cls = SIZE1  # EDP: the expert layouts here hold each expert once (edp = 1)
         out[cls] = out.get(cls, 0.0) + v
-    if "sync/bytes" in row:  # what rank 0's rollout engine received (its own slices included)
+    if "sync/bytes" in row and name not in SP:  # what rank 0's rollout engine received (its own slices included)
         out["resharding received (sync/bytes)"] = row["sync/bytes"]
     return out
 
@@ -142,7 +171,19 @@ def classify(stage: str, op: str, group: str) -> str:
     return "control (scalars, objects; no formula)"
 
 
+def sp_formulas(name: str, m: Model, row: dict) -> dict[str, float]:
+    """The Ulysses all-to-alls of one RL step on rank 0: the update's micro-batches (OPT_STEPS
+    optimizer steps; the metric is their mean) forward and backward, and the old log-probs'
+    forward over the same one-row micro-batches. fp32 activations (CPU, fsdp.mixed_precision auto)."""
+    tokens = row["actor/sp_padded_tokens"] * OPT_STEPS  # rows x padded lengths, all micro-batches
+    mbs = [(1, tokens)]  # the formula sums rows x lengths; one entry carries the sum
+    return {"Ulysses all_to_all (old_logprob)": ulysses_alltoall_bytes(m, SP[name], mbs, 4, backward=False),
+            "Ulysses all_to_all (update_actor)": ulysses_alltoall_bytes(m, SP[name], mbs, 4, backward=True)}
+
+
 def formulas(name: str, m: Model, row: dict) -> dict[str, float]:
+    if name in SP:
+        return sp_formulas(name, m, row)
     nodes, tpn, tp, pp = LAYOUTS[name]
     lay = Layout(tp=tp, pp=pp, dp=nodes * tpn // (tp * pp), ep=EP.get(name, 1))
     # per DP replica (= per rank of a TP/PP group); the engines run the real tokens, no padding
@@ -239,7 +280,7 @@ def main(argv=None) -> int:
         stage_s = {}
         for k in sorted({k for r in later for k in r if k.startswith("timing_s/")}):
             stage_s[k.split("/", 1)[1]] = sum(r.get(k, 0.0) for r in later) / len(later)
-        m = Model.from_hf(root / ("moe_model" if name in EP else "model"))
+        m = Model.from_hf(root / model_folder(name))
         meas, form = measured(rows[-1], name), formulas(name, m, rows[-1])
         results[name] = dict(stage_s=stage_s, bytes={c: (meas.get(c, 0.0), form.get(c)) for c in sorted(set(meas) | set(form))})
     lines = ["| layout | stage times, s (mean of steps 2..) | step s |", "|---|---|---:|"]

@@ -240,6 +240,30 @@ def moe_alltoall_bytes(layers: int, hidden: int, top_k: int, tokens: int, act_by
     return per_forward * (2 if backward else 1)
 
 
+def ulysses_kv_repeats(m: Model, sp: int) -> int:
+    """How many times the FSDP engine's Ulysses attention repeats each KV head before regrouping
+    (engines/fsdp/ulysses.py kv_repeats): 1 when the KV heads split over sp, else sp / kv."""
+    return 1 if m.kv_heads % sp == 0 else sp // m.kv_heads
+
+
+def ulysses_alltoall_bytes(m: Model, sp: int, microbatches, act_bytes: int, backward: bool,
+                           recompute: bool = False) -> int:
+    """The FSDP engine's Ulysses all-to-alls (fsdp.sp) in one pass, per rank of a sequence group.
+    `microbatches`: (rows, padded length) of each micro-batch the rank runs (a length a multiple
+    of sp: the engine right-pads each micro-batch to its longest row, rounded up to sp). Per
+    decoder layer the forward hands 4 all-to-alls this rank's slice of S/sp tokens: q [B, H,
+    S/sp, D], k and v [B, KV x r, S/sp, D] (r = ulysses_kv_repeats), and the attention output
+    [B, H/sp, S, D] (as many elements as q). The backward runs the same 4 exchanges on the
+    gradients; activation checkpointing (`recompute`) runs the forward's again in the backward.
+    Of each payload (sp-1)/sp crosses the wire (the rank's own part stays)."""
+    if sp == 1:
+        return 0
+    tokens = sum(rows * length for rows, length in microbatches)
+    heads = 2 * m.heads + 2 * m.kv_heads * ulysses_kv_repeats(m, sp)  # q, out; k, v
+    forward = m.layers * tokens * heads * m.head_dim * act_bytes // sp
+    return forward * ((2 + int(recompute)) if backward else 1)
+
+
 def pp_p2p_bytes(m: Model, lay: Layout, tokens: int, act_bytes: int, backward: bool, sp: bool = False) -> int:
     """Activations one rank sends or receives across pipeline boundaries in one pass: pp*vpp - 1
     chunk boundaries per micro-batch, each with a sender and a receiver, spread over pp ranks

@@ -36,3 +36,8 @@ def test_grpo_at_sp2_equals_sp1(tiny_assets, model, tmp_path):
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
     assert two["rollout/logprob_diff_mean"] < 1e-5 and one["rollout/logprob_diff_mean"] < 1e-5
+    # the rows x padded lengths the group ran (bench_scaling's all-to-all formula reads it): each of the
+    # 4 one-row micro-batches padded to a multiple of sp = 2
+    tokens = two["rollout/prompt_tokens"] + two["rollout/response_tokens"]
+    assert tokens <= two["actor/sp_padded_tokens"] <= tokens + 4 and two["actor/sp_padded_tokens"] % 2 == 0
+    assert "actor/sp_padded_tokens" not in one

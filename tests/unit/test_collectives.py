@@ -36,6 +36,24 @@ def test_counts_payload_per_collective_and_group(world):
                                     ("broadcast", "tp"): (1, 40)}
 
 
+def test_functional_all_to_all_counted_forward_and_backward(world):
+    """The Ulysses regrouping calls torch's functional all_to_all (not the torch.distributed
+    namespace): its forward payload and its backward's (the output's gradient) are counted."""
+    from torch.distributed import _functional_collectives as funcol
+
+    g = dist.new_group([0])
+    collectives.name_group(g, "sp")
+    x = torch.ones(3, 5, requires_grad=True)
+    out = funcol.wait_tensor(funcol.all_to_all_single_autograd(x * 2, None, None, g))
+    assert collectives.counts() == {("all_to_all_single", "sp"): (1, 60)}
+    out.sum().backward()
+    assert collectives.counts() == {("all_to_all_single", "sp"): (2, 120)}
+    assert torch.equal(x.grad, torch.full((3, 5), 2.0))
+    with torch.no_grad():  # a forward without autograd: no backward to count
+        funcol.wait_tensor(funcol.all_to_all_single_autograd(torch.ones(4, 2), None, None, g))
+    assert collectives.counts() == {("all_to_all_single", "sp"): (3, 152)}
+
+
 def test_failure_names_collective_group_rank_and_timeout(world):
     def broken(*args, **kwargs):
         raise RuntimeError("Timed out waiting 7000ms for recv operation to complete")
@@ -78,3 +96,19 @@ def test_formulas_match_hand_counts_for_the_tiny_llama():
     assert dist_opt_buffer(m, Layout(tp=2, dp=2)) == 512 * 64 * 2 + 2 * (73728 + 256) + 128
     assert resharding_bytes(m, Layout(tp=2), 4) == {("all_gather", "tp"): (512 * 128 * 2 + 2 * 147456) * 4}
     assert dist_opt_buffer(m, Layout(dp=3)) % 384 == 0  # padded to lcm(3, 128)
+
+
+def test_ulysses_alltoall_formula_by_hand():
+    from scaling_formulas import Model, ulysses_alltoall_bytes, ulysses_kv_repeats
+
+    m = Model(hidden=128, layers=2, ffn=256, heads=4, kv_heads=2, head_dim=32, vocab=500)
+    assert ulysses_kv_repeats(m, 2) == 1 and ulysses_kv_repeats(m, 4) == 2
+    # sp = 4, micro-batches of 1 x 8 and 2 x 4 tokens (fp32): per layer q hands 1*4*2*32*4 + 2*4*1*32*4
+    # = 2048 bytes, the output as many, k and v (2 KV heads repeated twice: 4) 2048 each; 2 layers
+    mbs = [(1, 8), (2, 4)]
+    assert ulysses_alltoall_bytes(m, 4, mbs, 4, backward=False) == 2 * 4 * 2048
+    assert ulysses_alltoall_bytes(m, 4, mbs, 4, backward=True) == 2 * 2 * 4 * 2048
+    assert ulysses_alltoall_bytes(m, 4, mbs, 4, backward=True, recompute=True) == 3 * 2 * 4 * 2048
+    # sp = 2: the KV heads split (no repeat): k, v hand 2*(S/2)*32*4 per row
+    assert ulysses_alltoall_bytes(m, 2, [(1, 8)], 2, backward=False) == 2 * (2 * 4 * 4 + 2 * 2 * 4) * 32 * 2
+    assert ulysses_alltoall_bytes(m, 1, mbs, 4, backward=True) == 0

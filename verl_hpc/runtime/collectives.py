@@ -7,6 +7,11 @@ namespace with thin wrappers, so that calls from Megatron-Core, vLLM and this pr
     hung, and on a multi-node job that is the first thing to know (which link, which layout);
   * are counted: calls and payload bytes per (collective, group), read by benchmarks/bench_scaling.py
     and compared with the analytical formulas in docs/scaling.md.
+torch's functional collectives are plain functions that call their c10d ops directly, not
+through the namespace: the one this project calls, `all_to_all_single_autograd` (the Ulysses
+regrouping of engines/fsdp/ulysses.py), is wrapped in its own module and counted as
+`all_to_all_single`, its backward (the same exchange of the output's gradient, run by autograd
+in C++) by a hook on the output's gradient.
 The wrappers look the real function up at call time's closure, cost a dict update per call, and
 wrap the Work handle of `async_op=True` calls so that an error surfacing in `wait()` is named too.
 torch has no hook API for this (its c10d logger only logs), hence the wrapping.
@@ -87,7 +92,10 @@ def name_group(group, name: str) -> None:
 def group_name(group) -> str:
     if group is None or group is dist.group.WORLD:
         return "world"
-    name = _names.get(group)
+    try:
+        name = _names.get(group)
+    except TypeError:  # a functional collective's group given as a list of ranks
+        name = None
     if name:
         return name
     try:
@@ -141,11 +149,7 @@ def _wrap(op: str, fn: Callable) -> Callable:
                                     "reduce_scatter", "barrier"):
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
         key = (op, group_name(group))
-        nbytes = _nbytes(payload(args, kwargs))
-        with _lock:
-            c = _counts[key]
-            c[0] += 1
-            c[1] += nbytes
+        _count(key, _nbytes(payload(args, kwargs)))
         t0 = time.monotonic()
         try:
             out = fn(*args, **kwargs)
@@ -163,6 +167,36 @@ def _wrap(op: str, fn: Callable) -> Callable:
     return wrapper
 
 
+def _count(key: tuple[str, str], nbytes: int) -> None:
+    with _lock:
+        c = _counts[key]
+        c[0] += 1
+        c[1] += nbytes
+
+
+def _wrap_functional_all_to_all(fn: Callable) -> Callable:
+    """all_to_all_single_autograd(input, output_split_sizes, input_split_sizes, group): the input
+    counted when it is called, the output's gradient when autograd hands it to the backward's
+    all_to_all (the payload of that exchange)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        group = _arg(args, kwargs, 3, "group")
+        key = ("all_to_all_single", group_name(group))
+        _count(key, _nbytes(_arg(args, kwargs, 0, "input")))
+        t0 = time.monotonic()
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - re-raised with the name
+            _fail("all_to_all_single", group, t0, err)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: _count(key, _nbytes(grad)))
+        return out
+
+    wrapper.__wrapped_collective__ = fn
+    return wrapper
+
+
 def install(timeout_s: float | None = None) -> None:
     """Wrap the collectives of torch.distributed (once per process)."""
     global _installed, _timeout_s
@@ -173,6 +207,11 @@ def install(timeout_s: float | None = None) -> None:
         fn = getattr(dist, op, None)
         if fn is not None and not hasattr(fn, "__wrapped_collective__"):
             setattr(dist, op, _wrap(op, fn))
+    from torch.distributed import _functional_collectives as funcol
+
+    fn = getattr(funcol, "all_to_all_single_autograd", None)
+    if fn is not None and not hasattr(fn, "__wrapped_collective__"):
+        funcol.all_to_all_single_autograd = _wrap_functional_all_to_all(fn)
     _installed = True
 
 

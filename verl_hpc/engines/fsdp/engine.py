@@ -350,6 +350,9 @@ class FsdpEngine(TrainingEngine):
             records.append({"loss": loss.detach().float() * share, "tokens": mb.tokens * share,
                             **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
         self._num_microbatches = len(mbs)
+        # under sequence parallelism: the rows x padded lengths the group ran (each rank holds
+        # 1/sp of them), what the all-to-alls move (benchmarks/scaling_formulas.py)
+        self._sp_tokens = sum(mb.input_ids.numel() for mb in mbs) * self.sp.size if self.sp else 0
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
 
@@ -365,6 +368,7 @@ class FsdpEngine(TrainingEngine):
         metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches),
+                       **({"sp_padded_tokens": float(self._sp_tokens)} if self.sp else {}),
                        **(self._skipped or {}))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped", metrics["loss"], norm)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.sections.fsdp import sp_head_problems
+from verl_hpc.runtime import collectives
 
 ATTENTION = "verl_hpc_ulysses"  # the name the wrapped attention is registered under in transformers
 # what each module of an installed model carries (attributes, not config fields: a config is
@@ -66,6 +67,7 @@ class SequenceGroup:
             g = dist.new_group(list(range(start, start + sp)))
             if start <= rank < start + sp:
                 mine = g
+        collectives.name_group(mine, "sp")  # its all-to-alls counted as @sp (benchmarks/bench_scaling.py)
         return cls(size=sp, rank=rank % sp, group=mine)
 
     def padded(self, length: int) -> int:
