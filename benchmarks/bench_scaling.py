@@ -175,7 +175,9 @@ def sp_formulas(name: str, m: Model, row: dict) -> dict[str, float]:
     """The Ulysses all-to-alls of one RL step on rank 0: the update's micro-batches (OPT_STEPS
     optimizer steps; the metric is their mean) forward and backward, and the old log-probs'
     forward over the same one-row micro-batches. fp32 activations (CPU, fsdp.mixed_precision auto)."""
-    tokens = row["actor/sp_padded_tokens"] * OPT_STEPS  # rows x padded lengths, all micro-batches
+    nodes, tpn, _, _ = LAYOUTS[name]
+    groups = nodes * tpn // SP[name]  # the metric sums the data-parallel groups; a rank moves its group's
+    tokens = row["actor/sp_padded_tokens"] * OPT_STEPS / groups  # rows x padded lengths, all micro-batches
     mbs = [(1, tokens)]  # the formula sums rows x lengths; one entry carries the sum
     return {"Ulysses all_to_all (old_logprob)": ulysses_alltoall_bytes(m, SP[name], mbs, 4, backward=False),
             "Ulysses all_to_all (update_actor)": ulysses_alltoall_bytes(m, SP[name], mbs, 4, backward=True)}

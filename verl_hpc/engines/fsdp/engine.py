@@ -368,11 +368,18 @@ class FsdpEngine(TrainingEngine):
         metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches),
-                       **({"sp_padded_tokens": float(self._sp_tokens)} if self.sp else {}),
+                       **({"sp_padded_tokens": self._sp_padded_tokens()} if self.sp else {}),
                        **(self._skipped or {}))
         if not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped", metrics["loss"], norm)
         return metrics
+
+    def _sp_padded_tokens(self) -> float:
+        """The step's rows x padded lengths over all sequence-parallel groups (each group's ranks
+        count theirs once: / sp), the same on every rank as every metric."""
+        total = torch.tensor([float(self._sp_tokens)], dtype=torch.float64, device=collective_device())
+        dist.all_reduce(total)
+        return float(total) / self.sp.size
 
     def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
         """Loss = the sum of contributions; the loss's metrics = token-weighted means. Every rank
