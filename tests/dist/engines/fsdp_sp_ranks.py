@@ -3,7 +3,8 @@ sequence parallelism at fsdp.sp = 1, 2 and 4 (data-parallel 4, 2 and 1), one lau
 model and sp, global rank 0 saves `<model>.sp<k>.forward.pt` (log-probs and entropy of the whole
 batch) and `<model>.sp<k>.update.pt` (the weights after one train_step); every rank reports the
 step's metrics and the attention implementation the model ran (rank{r}.json, eng_ranks.main).
-Last, `llama.sp2.budget`: the sp 2 update with micro-batches of a token budget per rank.
+Last, `llama.sp2.budget`: the sp 2 update with micro-batches of a token budget per rank, and
+`llama.sp2.hsdp`: sp 2 over HSDP (fsdp.shard_size = 2: 2 replicas x 2 shards).
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ def scenario(args, workdir, out: dict) -> None:
     metrics = eng.train_step(batch, loss, loss.outputs)
     _save(workdir, "llama.sp2.budget.update", _export(eng))
     checks["llama.sp2.budget"] = {"metrics": metrics, "dp": eng.dp}
+    # with HSDP: 2 replicas x shard groups of 2 (the same ranks as the sp groups), a 2-D mesh
+    from verl_hpc.config.sections.fsdp import FsdpConfig
+
+    eng = _engine(args, "llama", 2, trainable=True, fsdp=FsdpConfig(sp=2, shard_size=2))
+    metrics = eng.train_step(batch, loss, loss.outputs)
+    _save(workdir, "llama.sp2.hsdp.update", _export(eng))
+    checks["llama.sp2.hsdp"] = {"metrics": metrics, "dp": eng.dp, "mesh": list(eng.mesh.shape)}
 
 
 if __name__ == "__main__":

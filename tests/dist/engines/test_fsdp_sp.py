@@ -4,7 +4,7 @@ Llama with 2 KV heads (at sp 4 each KV head is repeated) and one with a single K
 sp at 2 and 4). sp 2 and sp 4 give sp 1's log-probs and entropy within LOGP_TOL (the engine's
 parity bound) and its weights after one update within WEIGHT_TOL, with the same loss and gradient
 norm; the wrapped attention is what ran, and the data-parallel size is ranks / sp. A token budget
-per micro-batch is per rank: an sp group packs sp times it.
+per micro-batch is per rank: an sp group packs sp times it. sp composes with HSDP (a 2-D mesh).
 """
 import pytest
 import torch
@@ -86,3 +86,10 @@ def test_a_token_budget_is_per_rank_so_a_group_takes_sp_times_it(run):
     got, one = run["ranks"][0]["checks"]["llama.sp2.budget"], run["ranks"][0]["checks"]["llama.sp2"]
     assert got["metrics"]["num_microbatches"] == 1 and one["metrics"]["num_microbatches"] == 2
     assert max_diff(_load(run, "llama.sp2.budget.update"), _load(run, "llama.sp1.update")) <= WEIGHT_TOL
+
+
+def test_sp_composes_with_hsdp(run):
+    """sp 2 on a (replicate 2, shard 2) mesh: the sp groups are the shard groups; the update is sp 1's."""
+    got = run["ranks"][0]["checks"]["llama.sp2.hsdp"]
+    assert got["mesh"] == [2, 2] and got["dp"] == 2
+    assert max_diff(_load(run, "llama.sp2.hsdp.update"), _load(run, "llama.sp1.update")) <= WEIGHT_TOL
