@@ -70,10 +70,6 @@ class SequenceGroup:
         collectives.name_group(mine, "sp")  # its all-to-alls counted as @sp (benchmarks/bench_scaling.py)
         return cls(size=sp, rank=rank % sp, group=mine)
 
-    def padded(self, length: int) -> int:
-        """A sequence length rounded up to a multiple of sp: every rank holds the same slice size."""
-        return -(-length // self.size) * self.size
-
     def bounds(self, length: int):
         """(first, end) positions of this rank's slice of a sequence of `length` (a multiple of sp)."""
         step = length // self.size
