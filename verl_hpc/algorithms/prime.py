@@ -20,7 +20,9 @@ baseline within their group, are combined with coefficients and turned into retu
     b_i^o   = mean_{j != i} o_j                     (o: the outcome score, the token rewards' row sum)
     R_{i,t} = c_p (r_{i,t} - b_i^p) + c_o (o_i - b_i^o) [t = last token]
     G_{i,t} = sum_{s >= t} gamma^(s - t) R_{i,s}     returns;  advantages = G whitened over the batch
-A group of one has baselines 0.
+A group of one has baselines 0. prm.process_loo = verl instead takes verl's recipe's per-token form of
+the process baseline, n/(n-1) r_{i,t} - sum_j mean_t r_{j,t} / (n-1) = (r_{i,t} - b_i^p) + (r_{i,t} -
+mean_t r_{i,t}) / (n-1) (docs/prime.md, "Conventions").
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .masked import (as_float_mask, check_token_inputs, last_token_index, masked
 from .registry import register_adv_estimator
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
+PROCESS_LOO = ("others", "verl")
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -172,19 +175,35 @@ def _leave_one_out(x: torch.Tensor, codes: torch.Tensor, n_groups: int) -> torch
     return torch.where(counts > 1, others / (counts - 1).clamp(min=1), torch.zeros_like(x))
 
 
+def _verl_token_scale(r: torch.Tensor, mean_r: torch.Tensor, codes: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """verl's recipe's extra term: (r_t - row mean) / (n - 1), so that r_t - b + this = n/(n-1) r_t -
+    sum_j mean_j / (n-1). 0 for a group of one (verl divides by n - 1 = 0 there)."""
+    counts = group_counts(codes, n_groups, r.dtype)[codes]
+    scale = torch.where(counts > 1, 1.0 / (counts - 1).clamp(min=1), torch.zeros_like(counts))
+    return scale.unsqueeze(-1) * (r - mean_r.unsqueeze(-1))
+
+
 @register_adv_estimator("prime")
 @torch.no_grad()
 def prime(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds,
-          process_rewards: torch.Tensor, gamma: float, process_coef: float, outcome_coef: float) -> Pair:
+          process_rewards: torch.Tensor, gamma: float, process_coef: float, outcome_coef: float,
+          process_loo: str = "others") -> Pair:
     """PRIME's advantages (module docstring): RLOO-baselined process rewards and outcome, combined
     with process_coef / outcome_coef (prm.*), discounted returns, whitened over the batch.
-    token_level_rewards: the outcome score on each response's last token (its row sum is o_i)."""
+    token_level_rewards: the outcome score on each response's last token (its row sum is o_i).
+    process_loo (prm.process_loo): others, r_t minus the other responses' mean token reward | verl,
+    verl's recipe's per-token form, which also scales r_t's deviation from its row mean by n/(n-1)."""
+    if process_loo not in PROCESS_LOO:
+        raise ConfigError(f"prm.process_loo: {process_loo!r}; valid: {', '.join(PROCESS_LOO)}")
     check_token_inputs(response_mask, token_level_rewards=token_level_rewards, process_rewards=process_rewards)
     valid = as_float_mask(response_mask, token_level_rewards) > 0
     codes, n = group_index(group_ids, valid.shape[0], valid.device)
-    r = process_rewards.to(token_level_rewards.dtype)
+    r = torch.where(valid, process_rewards.to(token_level_rewards.dtype), torch.zeros((), dtype=token_level_rewards.dtype))
     mean_r = masked_mean(r, valid, dim=-1)
-    proc = torch.where(valid, r - _leave_one_out(mean_r, codes, n).unsqueeze(-1), torch.zeros_like(r))
+    proc = r - _leave_one_out(mean_r, codes, n).unsqueeze(-1)
+    if process_loo == "verl":
+        proc = proc + _verl_token_scale(r, mean_r, codes, n)
+    proc = torch.where(valid, proc, torch.zeros_like(r))
     o = masked_sum(token_level_rewards, valid, dim=-1)
     out = torch.zeros_like(r)
     rows = torch.arange(valid.shape[0], device=valid.device)

@@ -23,6 +23,7 @@ PRM_LOSSES = ("ce", "pairwise")
 PRM_UPDATES = ("before", "after", "none")
 PRM_GRANULARITIES = ("token", "whole")
 PRM_REWARD_NORMS = ("batch_norm", "none")
+PRM_PROCESS_LOO = ("others", "verl")  # = algorithms.prime.PROCESS_LOO (the config does not import algorithms)
 
 
 @dataclass
@@ -46,6 +47,10 @@ class PrmConfig(TrainedRole):
                                          "batch (process returns in [-1, 1]) | none", choices=PRM_REWARD_NORMS)
     process_coef: float = opt(5.0, "weight of the process rewards in the step's rewards", check=">=0")
     outcome_coef: float = opt(5.0, "weight of the outcome (verifier) rewards beside them", check=">=0")
+    process_loo: str = opt("others", "the prime estimator's process baseline: others: r_t minus the other responses' "
+                                     "mean token reward | verl: verl's recipe's per-token form, which also scales "
+                                     "r_t's deviation from its row mean by n/(n-1) (docs/prime.md, Conventions)",
+                           choices=PRM_PROCESS_LOO)
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-6), "lr defaults to 1e-6")
 
     @staticmethod

@@ -53,7 +53,7 @@ def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor
         inputs["reward_baselines"] = baselines
     if process_rewards is not None:
         inputs.update(process_rewards=process_rewards, process_coef=prm_cfg.process_coef,
-                      outcome_coef=prm_cfg.outcome_coef)
+                      outcome_coef=prm_cfg.outcome_coef, process_loo=prm_cfg.process_loo)
     return compute_advantages(a.adv_estimator, rewards, response_mask, **inputs)
 
 
