@@ -178,3 +178,98 @@ def test_advantage_stage_adds_process_rewards_for_other_estimators():
     # sequence scores: A 3 * 1 + 2 * 0.4 = 3.8, B 2 * 0.3 = 0.6; Dr.GRPO: minus the group mean 2.2
     assert batch.advantages[0, :2].tolist() == pytest.approx([1.6, 1.6])
     assert batch.advantages[1].tolist() == pytest.approx([-1.6, -1.6, -1.6])
+
+
+# ----------------------------------------------------------------------------- conventions (docs/prime.md)
+# One group of 3 (A 2 tokens, B 3, C 1; padding 99): row means A 0.2, B 0.1, C 0.6 (sum 0.9).
+LOO_MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=F64)
+LOO_R = torch.tensor([[0.3, 0.1, 99.0], [-0.3, 0.0, 0.6], [0.6, 99.0, 99.0]], dtype=F64)
+# others (default): r_t - mean of the other rows' means; baselines A 0.35, B 0.4, C 0.15
+LOO_OTHERS = [[-0.05, -0.25], [-0.7, -0.4, 0.2], [0.45]]
+# verl: 3/2 r_t - 0.9/2 = others + (r_t - row mean) / 2
+LOO_VERL = [[0.0, -0.3], [-0.9, -0.45, 0.45], [0.45]]
+
+
+def _rows(t):
+    return [t[0, :2].tolist(), t[1].tolist(), t[2, :1].tolist()]
+
+
+def _to_go(rows):  # undiscounted reward-to-go, by hand
+    return [[sum(r[i:]) for i in range(len(r))] for r in rows]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("loo, want", [("others", LOO_OTHERS), ("verl", LOO_VERL)])
+def test_process_leave_one_out_others_and_verl(loo, want, dtype, tol):
+    outcome = torch.zeros(3, 3, dtype=dtype)
+    adv, ret = compute_advantages("prime", outcome, LOO_MASK.to(dtype), group_ids=[0, 0, 0],
+                                  process_rewards=LOO_R.to(dtype), gamma=1.0, process_coef=1.0, outcome_coef=0.0,
+                                  process_loo=loo)
+    for got, hand in zip(_rows(ret), _to_go(want)):
+        assert got == pytest.approx(hand, abs=tol)
+    assert ret[0, 2] == 0 and ret[2, 1:].abs().sum() == 0 and adv[2, 1:].abs().sum() == 0  # padding
+    flat = sum(_rows(adv), [])
+    assert flat == pytest.approx(_whiten(sum(_to_go(want), [])), rel=1e-9 if dtype == F64 else 1e-5)
+
+
+def test_process_leave_one_out_variants_agree_on_first_token_returns_and_outcomes():
+    """verl's extra term sums to 0 over a row: with gamma 1 the first token's return is the same;
+    and the outcome, one token per row, gets the same baseline under both."""
+    kw = dict(group_ids=[0, 0, 0], process_rewards=LOO_R, gamma=1.0, process_coef=1.0, outcome_coef=0.0)
+    _, a = compute_advantages("prime", torch.zeros(3, 3, dtype=F64), LOO_MASK, process_loo="others", **kw)
+    _, b = compute_advantages("prime", torch.zeros(3, 3, dtype=F64), LOO_MASK, process_loo="verl", **kw)
+    assert torch.allclose(a[:, 0], b[:, 0], atol=1e-15) and not torch.allclose(a[1, 1], b[1, 1])
+    outcome = torch.tensor([[0.0, 1.0, 99.0], [0.0, 0.0, 0.0], [1.0, 99.0, 99.0]], dtype=F64)
+    kw.update(process_coef=0.0, outcome_coef=1.0)
+    _, a = compute_advantages("prime", outcome, LOO_MASK, process_loo="others", **kw)
+    _, b = compute_advantages("prime", outcome, LOO_MASK, process_loo="verl", **kw)
+    # outcomes 1, 0, 1 -> baselines 0.5, 1, 0.5 -> +0.5, -1, +0.5 on the last token, back to every token
+    assert close(a, [[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [0.5, 0.0, 0.0]]) and torch.equal(a, b)
+
+
+def test_process_leave_one_out_verl_in_a_group_of_one_and_bad_name():
+    # verl's formula divides by n - 1 = 0 here; the option keeps r_t with no baseline, like others
+    _, ret = compute_advantages("prime", torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64), group_ids=[0],
+                                process_rewards=torch.tensor([[0.1, 0.3]], dtype=F64), gamma=1.0, process_coef=1.0,
+                                outcome_coef=0.0, process_loo="verl")
+    assert close(ret, [[0.4, 0.3]])
+    with pytest.raises(ValueError, match="prm.process_loo"):
+        compute_advantages("prime", torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64), group_ids=[0],
+                           process_rewards=torch.zeros(1, 2, dtype=F64), gamma=1.0, process_coef=1.0,
+                           outcome_coef=0.0, process_loo="row")
+
+
+def test_advantage_stage_passes_prm_process_loo():
+    algo = SimpleNamespace(adv_estimator="prime", use_kl_in_reward=False, gamma=1.0, lam=1.0, norm_adv_by_std=False)
+    for loo, want in (("others", LOO_OTHERS), ("verl", LOO_VERL)):
+        prm = SimpleNamespace(process_coef=1.0, outcome_coef=0.0, process_loo=loo)
+        batch = SimpleNamespace(token_scores=torch.zeros(3, 3, dtype=F64), process_rewards=LOO_R,
+                                response_mask=LOO_MASK, group_ids=torch.tensor([0, 0, 0]), values=None, baselines=None)
+        AdvantageStage(algo, kl_ctrl=None, prm_cfg=prm)(batch)
+        assert sum(_rows(batch.returns), []) == pytest.approx(sum(_to_go(want), []), abs=1e-12)
+
+
+def test_group_auc_pools_pairs_and_skips_single_label_prompts():
+    # prompt 0: right 1.0 against wrong 0.0, 2.0, 3.0 -> 1 of 3 pairs; prompt 1: right 0.5 over wrong
+    # -0.5 -> 1 of 1; prompt 2: both right, no pair. Pooled: 2 / 4 = 0.5 (a per-prompt mean scoring
+    # prompt 2 as 0.5, verl's, would give (1/3 + 1 + 0.5) / 3 = 0.6111)
+    s = torch.tensor([1.0, 0.0, 2.0, 3.0, 0.5, -0.5, 0.1, 0.2], dtype=F64)
+    y = torch.tensor([1, 0, 0, 0, 1, 0, 1, 1], dtype=F64)
+    assert prm_metrics(s, y, [0, 0, 0, 0, 1, 1, 2, 2])["group_auc"] == 0.5
+
+
+def test_acc_counts_a_zero_score_as_predicting_wrong():
+    # score 0 reads as "wrong" (sigmoid 0.5 is not > 0.5): right for the label-0 row, wrong for the
+    # label-1 row; with the two rows of nonzero score right: 3 of 4 (verl's sign test: 2 of 4)
+    s = torch.tensor([0.0, 0.0, 1.0, -1.0], dtype=F64)
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=F64)
+    assert prm_metrics(s, y, [0, 0, 1, 1])["acc"] == 0.75
+
+
+def test_tied_scores_count_half_whatever_the_order():
+    # a tie between a right and a wrong response is half a win in auc and group_auc, whichever comes
+    # first in the batch (verl's per-prompt accuracy scores it by the order)
+    s = torch.tensor([0.5, 0.5], dtype=F64)
+    for y in ([1.0, 0.0], [0.0, 1.0]):
+        m = prm_metrics(s, torch.tensor(y, dtype=F64), [0, 0])
+        assert m["auc"] == 0.5 and m["group_auc"] == 0.5

@@ -57,7 +57,8 @@ def test_checks_name_the_field(overrides, wanted):
 
 @pytest.mark.parametrize("override, field", [("prm.beta=0", "prm.beta"), ("prm.loss=dpo", "prm.loss"),
                                              ("prm.update=later", "prm.update"), ("prm.granularity=step", "prm.granularity"),
-                                             ("prm.reward_norm=l2", "prm.reward_norm"), ("prm.process_loo=row", "prm.process_loo"),
+                                             ("prm.reward_norm=l2", "prm.reward_norm"),
+                                             ("prm.process_loo=row", "prm.process_loo"),
                                              ("prm.process_coef=-1", "prm.process_coef"),
                                              ("algorithm.accuracy_filter.high=1.5", "algorithm.accuracy_filter.high")])
 def test_field_errors(override, field):
