@@ -198,7 +198,8 @@ def prime(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_
     check_token_inputs(response_mask, token_level_rewards=token_level_rewards, process_rewards=process_rewards)
     valid = as_float_mask(response_mask, token_level_rewards) > 0
     codes, n = group_index(group_ids, valid.shape[0], valid.device)
-    r = torch.where(valid, process_rewards.to(token_level_rewards.dtype), torch.zeros((), dtype=token_level_rewards.dtype))
+    dtype = token_level_rewards.dtype
+    r = torch.where(valid, process_rewards.to(dtype), torch.zeros((), dtype=dtype))
     mean_r = masked_mean(r, valid, dim=-1)
     proc = r - _leave_one_out(mean_r, codes, n).unsqueeze(-1)
     if process_loo == "verl":
