@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.sections.prm import PRM_PROCESS_LOO
 
 from .groups import GroupIds, group_counts, group_index, group_sum
 from .masked import (as_float_mask, check_token_inputs, last_token_index, masked_mean, masked_sum, masked_var,
@@ -39,7 +40,7 @@ from .masked import (as_float_mask, check_token_inputs, last_token_index, masked
 from .registry import register_adv_estimator
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
-PROCESS_LOO = ("others", "verl")
+PROCESS_LOO = PRM_PROCESS_LOO  # the prm section's choices (written once there)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -187,7 +188,7 @@ def _verl_token_scale(r: torch.Tensor, mean_r: torch.Tensor, codes: torch.Tensor
 @torch.no_grad()
 def prime(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds,
           process_rewards: torch.Tensor, gamma: float, process_coef: float, outcome_coef: float,
-          process_loo: str = "others") -> Pair:
+          process_loo: str) -> Pair:
     """PRIME's advantages (module docstring): RLOO-baselined process rewards and outcome, combined
     with process_coef / outcome_coef (prm.*), discounted returns, whitened over the batch.
     token_level_rewards: the outcome score on each response's last token (its row sum is o_i).

@@ -77,7 +77,7 @@ def test_prime_estimator_by_hand(gamma, returns):
     process = torch.tensor([[0.1, 0.3, 99.0], [-0.2, 0.1, 0.4]], dtype=F64)
     outcome = torch.tensor([[0.0, 1.0, 99.0], [0.0, 0.0, 0.0]], dtype=F64)
     adv, ret = compute_advantages("prime", outcome, MASK, group_ids=torch.tensor([7, 7]), process_rewards=process,
-                                  gamma=gamma, process_coef=2.0, outcome_coef=3.0)
+                                  gamma=gamma, process_coef=2.0, outcome_coef=3.0, process_loo="others")
     assert ret[0, :2].tolist() == pytest.approx(returns[0]) and ret[1].tolist() == pytest.approx(returns[1])
     assert ret[0, 2] == 0 and adv[0, 2] == 0  # padding
     flat = adv[0, :2].tolist() + adv[1].tolist()
@@ -88,7 +88,7 @@ def test_prime_estimator_singleton_group_has_no_baseline():
     process = torch.tensor([[0.1, 0.3]], dtype=F64)
     outcome = torch.tensor([[0.0, 1.0]], dtype=F64)
     _, ret = compute_advantages("prime", outcome, torch.ones(1, 2, dtype=F64), group_ids=[0], process_rewards=process,
-                                gamma=1.0, process_coef=1.0, outcome_coef=1.0)
+                                gamma=1.0, process_coef=1.0, outcome_coef=1.0, process_loo="others")
     assert close(ret, [[1.4, 1.3]])
 
 

@@ -23,7 +23,7 @@ PRM_LOSSES = ("ce", "pairwise")
 PRM_UPDATES = ("before", "after", "none")
 PRM_GRANULARITIES = ("token", "whole")
 PRM_REWARD_NORMS = ("batch_norm", "none")
-PRM_PROCESS_LOO = ("others", "verl")  # = algorithms.prime.PROCESS_LOO (the config does not import algorithms)
+PRM_PROCESS_LOO = ("others", "verl")  # the prime estimator's baselines (algorithms/prime.py)
 
 
 @dataclass
