@@ -204,7 +204,7 @@ def run_layout(args, layout, workdir) -> dict:
     import torch
 
     from verl_hpc.engines.fsdp import FsdpEngine
-    from verl_hpc.engines.fsdp.engine import MicroBatch
+    from verl_hpc.engines.fsdp.microbatch import MicroBatch
 
     batch = torch.load(Path(workdir) / "batch.pt")
     act = torch.load(Path(workdir) / "act_batch.pt")

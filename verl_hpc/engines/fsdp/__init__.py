@@ -3,6 +3,8 @@ PyTorch FSDP2 (`fully_shard` over a DeviceMesh), behind the same `TrainingEngine
 same checkpoint coordinates as the Megatron engine.
 
     engine.py     FsdpEngine: forward, train_step, export, state (micro-batches as the Megatron engine)
+    microbatch.py one micro-batch's rows and model inputs (plain, packed, images, a sequence slice)
+    ulysses.py    fsdp.sp: Ulysses sequence parallelism (the regrouped attention, the slice's outputs)
     build.py      the model from the folder (meta on every rank, rank 0's weights broadcast shard by
                   shard), the mesh (FSDP or HSDP), fully_shard per decoder layer, precision, recompute
     optim.py      AdamW, the LR schedule (Megatron's state keys), the guarded, clipped step
