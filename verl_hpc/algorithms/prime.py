@@ -40,7 +40,6 @@ from .masked import (as_float_mask, check_token_inputs, last_token_index, masked
 from .registry import register_adv_estimator
 
 Pair = Tuple[torch.Tensor, torch.Tensor]
-PROCESS_LOO = PRM_PROCESS_LOO  # the prm section's choices (written once there)
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -194,8 +193,8 @@ def prime(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_
     token_level_rewards: the outcome score on each response's last token (its row sum is o_i).
     process_loo (prm.process_loo): others, r_t minus the other responses' mean token reward | verl,
     verl's recipe's per-token form, which also scales r_t's deviation from its row mean by n/(n-1)."""
-    if process_loo not in PROCESS_LOO:
-        raise ConfigError(f"prm.process_loo: {process_loo!r}; valid: {', '.join(PROCESS_LOO)}")
+    if process_loo not in PRM_PROCESS_LOO:
+        raise ConfigError(f"prm.process_loo: {process_loo!r}; valid: {', '.join(PRM_PROCESS_LOO)}")
     check_token_inputs(response_mask, token_level_rewards=token_level_rewards, process_rewards=process_rewards)
     valid = as_float_mask(response_mask, token_level_rewards) > 0
     codes, n = group_index(group_ids, valid.shape[0], valid.device)

@@ -14,7 +14,7 @@ from verl_hpc.engines.fsdp.ulysses import check_heads, kv_repeats
                                                     (4, 2, 4, 2), (4, 4, 2, 1)])
 def test_kv_heads_split_or_repeat(heads, kv, sp, repeats):
     check_heads(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv), sp)
-    assert kv_repeats(heads, kv, sp) == repeats
+    assert kv_repeats(kv, sp) == repeats
     assert (kv * repeats) % sp == 0 and heads % (kv * repeats) == 0  # every rank's query heads find theirs
 
 

@@ -126,7 +126,7 @@ class _HeadView:
         return getattr(self._module, name)
 
 
-def kv_repeats(heads: int, kv_heads: int, sp: int) -> int:
+def kv_repeats(kv_heads: int, sp: int) -> int:
     """How many times each KV head is repeated before the regrouping (1 when kv divides over sp)."""
     if kv_heads % sp == 0:
         return 1
@@ -153,7 +153,7 @@ def ulysses_attention(module, query, key, value, attention_mask=None, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     group = getattr(module, GROUP_ATTR)
-    repeat = kv_repeats(query.shape[1], key.shape[1], group.size)
+    repeat = kv_repeats(key.shape[1], group.size)
     if repeat > 1:
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
