@@ -5,4 +5,8 @@ as Slurm jobs of their own and leave without ending it.
   exactly once, whatever joins, leaves or straggles.
 - pool.py: who is in the pool, their heartbeats, joins and leaves with reasons, and the rule that
   stops the run when too few workers remain for too long.
+- channel.py: the weights to each worker over a two-rank group of its own with the first training
+  rank (no communicator over the pool to rebuild at every join and leave).
+
+Not wired into a job yet: the rollout leader's loop, the worker program and `submit --join` come next.
 """
