@@ -1,7 +1,7 @@
 """Who is in an elastic rollout pool: joins, heartbeats, leaves with their reasons, and the rule
 that ends a run whose pool stays too small.
 
-    pool = Pool(min_workers=1, heartbeat_timeout_s=60, lost_timeout_s=600)
+    pool = Pool(e.min_rollout_workers, e.heartbeat_timeout_s, e.lost_timeout_s)   # e: placement.elastic
     pool.join("w3", now, job="123456_2", node="n17")
     pool.beat("w3", now)
     pool.leave("w3", now, "preempted (SIGTERM)")   # or reap(now) finds the silent ones
