@@ -181,6 +181,12 @@ class WeightPublisher:
             raise self.error
         return m
 
+    def latest(self) -> Optional[tuple]:
+        """(version, buckets, manifest) of the newest snapshot, None before the first: what the
+        elastic workers' weight server sends (trainer/placement/elastic/channel.py). Leader only."""
+        with self._lock:
+            return None if self._snapshot is None else self._snapshot[:3]
+
     def _slice(self, manifest):
         if self.slicer is None:
             return None

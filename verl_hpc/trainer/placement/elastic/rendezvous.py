@@ -25,10 +25,15 @@ from typing import Dict, Optional, Tuple
 from verl_hpc.errors import VerlHpcError
 
 FILE = Path("elastic") / "rendezvous.json"
+CONFIG = Path("elastic") / "config.yaml"  # the run's resolved config, which workers generate with
 RUNNING = "running"
 # the rollout fields a worker may set for its own engine (its GPUs and memory, not the samples)
 LOCAL_ROLLOUT = ("tp", "gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager",
                  "sleep_between_phases", "sleep_level", "enable_chunked_prefill", "max_num_batched_tokens", "engine")
+
+
+def config_path(run_dir) -> Path:
+    return Path(run_dir) / CONFIG
 
 
 class ElasticJoinError(VerlHpcError, RuntimeError):
