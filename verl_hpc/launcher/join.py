@@ -22,7 +22,8 @@ def join(run_dir: str, overrides: List[str], *, workers: int, local: bool) -> in
     from verl_hpc.config import load_config
     from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
 
-    Rendezvous.join(run_dir, load_config(str(config_path(run_dir)), overrides))
+    Rendezvous.join(run_dir)  # is there a running run at all
+    Rendezvous.join(run_dir, load_config(str(config_path(run_dir)), overrides))  # and may this worker join it
     if local or shutil.which("sbatch") is None:
         from verl_hpc.trainer.placement.elastic import worker
 

@@ -1,7 +1,7 @@
 """An elastic rollout worker: a process of its own (a Slurm job, `python -m verl_hpc.submit --join
 RUN_DIR`) that joins a running split run, generates the prompt groups it leases, and leaves.
 
-    python -m verl_hpc.trainer.placement.elastic.worker RUN_DIR [overrides, e.g. rollout.engine=hf]
+    python -m verl_hpc.submit --join RUN_DIR --local [overrides, e.g. rollout.engine=hf]   # main() here
 
 1. Find the run (rendezvous.py): its store, its epoch, its config (`RUN_DIR/elastic/config.yaml`);
    overrides may change only this worker's engine (rollout.tp, gpu_memory_utilization, ...).
@@ -196,13 +196,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s", datefmt="%H:%M:%S")
     if not argv or argv[0].startswith("-"):
-        print("usage: python -m verl_hpc.trainer.placement.elastic.worker RUN_DIR [overrides]", file=sys.stderr)
+        print("usage: python -m verl_hpc.submit --join RUN_DIR [--local] [overrides]", file=sys.stderr)
         return 2
     try:
         return Worker(argv[0], argv[1:]).run()
     except VerlHpcError as e:  # cannot join (30), a bad override (2)
         return report(e, 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
