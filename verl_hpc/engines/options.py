@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
+from verl_hpc.config import float16
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
@@ -200,28 +201,11 @@ def check_options(o: EngineOptions) -> None:
 def check_float16_here(dtype: str, field: str = "model.dtype = float16 on a machine without a GPU",
                        valid: str = "model.dtype=float32 (or bfloat16)") -> None:
     """model.dtype = float16 on a machine without a GPU: the engines run it on torch's CPU
-    float16 kernels (matmul, SDPA, the loss scaler's fused check-and-unscale), which torch has
-    had since 2.x (2.13 here: verified by the fp16 engine tests). Refused, one line, where this
-    torch lacks one of them; on GPUs nothing to check."""
+    float16 kernels (matmul, SDPA, the loss scaler's fused check-and-unscale), which torch 2.13 has
+    (the fp16 engine tests run on them). Refused, one line, where this torch lacks one of them
+    (verl_hpc.config.float16); on GPUs nothing to check."""
     if dtype != "float16" or has_gpu():
         return
-    missing = _cpu_float16_missing()
-    if missing:
-        raise ConfigError(f"{field} needs torch's CPU float16 kernels, and this "
-                          f"torch {torch.__version__} has no {missing}; valid: {valid}, or run on GPUs")
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_float16_missing() -> str:
-    """The first CPU float16 operation the engines need that this torch cannot run ("" if none)."""
-    x = torch.ones(1, 2, 4, 8, dtype=torch.float16)
-    probes = (("matmul", lambda: x @ x.transpose(-1, -2)),
-              ("scaled_dot_product_attention", lambda: torch.nn.functional.scaled_dot_product_attention(x, x, x)),
-              ("_amp_foreach_non_finite_check_and_unscale_", lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                  [x.float().clone()], torch.zeros(1), torch.ones(1))))
-    for name, run in probes:
-        try:
-            run()
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return name
-    return ""
+    problem = float16.cpu_float16_problem(field, valid)
+    if problem:
+        raise ConfigError(problem)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from verl_hpc.config import ConfigError, load_config, validate
+from verl_hpc.config import float16
 from verl_hpc.engines import options as options_lib
 
 CPU = ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2", "slurm.gpus_per_node=0", "model.dtype=float16"]
@@ -21,12 +22,12 @@ def problems(overrides) -> list:
 
 
 def test_this_torch_runs_float16_on_the_cpu():
-    assert options_lib._cpu_float16_missing() == ""
+    assert float16.cpu_float16_missing() == ""
     assert problems(CPU) == []
 
 
 def test_a_cpu_job_without_the_kernels_is_refused_naming_model_dtype(monkeypatch):
-    monkeypatch.setattr(options_lib, "_cpu_float16_missing", lambda: "matmul")
+    monkeypatch.setattr(float16, "cpu_float16_missing", lambda: "matmul")
     (p,) = problems(CPU)
     assert p.startswith("model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0) needs torch's CPU float16")
     assert "has no matmul" in p and "valid: model.dtype=float32" in p and "\n" not in p
@@ -35,7 +36,7 @@ def test_a_cpu_job_without_the_kernels_is_refused_naming_model_dtype(monkeypatch
 
 
 def test_the_engines_refuse_alike_without_a_gpu(monkeypatch):
-    monkeypatch.setattr(options_lib, "_cpu_float16_missing", lambda: "scaled_dot_product_attention")
+    monkeypatch.setattr(float16, "cpu_float16_missing", lambda: "scaled_dot_product_attention")
     monkeypatch.setattr(options_lib, "has_gpu", lambda: False)
     opts = options_lib.default_options("/m", dtype="float16")
     with pytest.raises(ConfigError, match=r"^model.dtype = float16 on a machine without a GPU needs .* has no "

