@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -127,8 +128,6 @@ def skipped_for_overflow(applied: bool, found_inf: bool, loss: float, scale: Opt
     loss or gradient: the loss was finite, the scaler found inf/nan in the gradients, and the
     scale was still above `optim.min_loss_scale`. At the floor an overflow is a real non-finite
     gradient, which the trainer's guard counts (`nonfinite`)."""
-    import math
-
     return (not applied and found_inf and scale is not None and math.isfinite(loss)
             and scale > optim.min_loss_scale)
 

@@ -67,6 +67,7 @@ def _batch(result):
 def mismatch(kit: Kit, dtype: str) -> Dict[str, float]:
     """One dtype's mismatch metrics on freshly sampled tokens, and one update's loss and scale."""
     from verl_hpc.algorithms.mismatch import rollout_correction
+    from verl_hpc.config import JobConfig
     from verl_hpc.engines.megatron import MegatronEngine
     from verl_hpc.resharding import sync
     from verl_hpc.rollout.spec import default_spec
@@ -86,8 +87,9 @@ def mismatch(kit: Kit, dtype: str) -> Dict[str, float]:
     ours = engine.forward(batch, ("log_probs",))["log_probs"].float().cpu()
     mask = batch["response_mask"]
     out = logprob_diff_metrics(rollout_lp, ours, mask)
-    _, corr = rollout_correction(ours, rollout_lp, mask, rollout_is=None, rollout_is_threshold=2.0,
-                                 rollout_rs=None, rollout_rs_threshold=None, rollout_rs_threshold_lower=None)
+    rc = JobConfig().algorithm.rollout_correction  # the default section: metrics only, no weights
+    _, corr = rollout_correction(ours, rollout_lp, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs,
+                                 rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower)
     out.update({k: float(v) for k, v in corr.items()})
     m = engine.train_step(batch, workload.loss_fn)
     assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m

@@ -190,3 +190,26 @@ def test_role_and_guard_report_overflows(one_rank_world, folder):
     resumed = NonFiniteGuard(max_in_a_row=1)
     resumed.load_state_dict(guard.state_dict())
     assert resumed.overflow_total == 8
+
+
+def test_chained_scalers_agree_after_one_of_them_overflowed(one_rank_world):
+    """An MoE model's expert parameters have a chained optimizer, and a scaler, of their own; the
+    loss is scaled by the first one's scale only. When only one of them saw an overflow, both must
+    take the step's outcome: halved, trackers reset, still equal (megatron/optim.py _agree_scalers)."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    from verl_hpc.engines.megatron.optim import _agree_scalers, scaler_state
+    from verl_hpc.parallel import init_model_parallel
+
+    init_model_parallel(1, 1)  # cpu_compat: the scalers' tensors on the CPU
+    scalers = [DynamicGradScaler(initial_scale=SCALE, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=WINDOW, hysteresis=1) for _ in range(2)]
+    for s in scalers:
+        s.update(False)  # one clean step each: growth tracker 1
+    before = scaler_state(scalers[0])
+    scalers[0].update(False)  # what their own prepare_grads did: the dense part was finite (and grew),
+    scalers[1].update(True)  # the experts' overflowed
+    assert scaler_state(scalers[0]) != scaler_state(scalers[1])
+    _agree_scalers(scalers, before, found_inf=True)
+    assert scaler_state(scalers[0]) == scaler_state(scalers[1]) == {
+        "scale": SCALE / 2, "growth_tracker": 0, "hysteresis_tracker": 0}
