@@ -133,9 +133,12 @@ class Actor(_Trainable):
 
     prefix = "actor"
 
-    def log_probs(self, batch) -> Dict[str, torch.Tensor]:
-        out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy"))
-        return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
+    def log_probs(self, batch, sum_pi_squared: bool = False) -> Dict[str, torch.Tensor]:
+        """pi_old's log-probs and entropy of the sampled tokens; with `sum_pi_squared` also
+        sum_v pi_v^2 per token (the optimal token baseline's path energy), from the same forward."""
+        extra = ("sum_pi_squared",) if sum_pi_squared else ()
+        out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy", *extra))
+        return {"old_log_probs": out["log_probs"], "entropy": out["entropy"], **{k: out[k] for k in extra}}
 
 
 class Critic(_Trainable):

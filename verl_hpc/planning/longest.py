@@ -106,7 +106,13 @@ def _budget_floor(cfg) -> int:
     return max(0, budget - cfg.data.max_prompt_length)
 
 
+def _groups(plan) -> list:
+    return list(plan.groups.values()) if isinstance(plan, SplitPlan) else [plan]
+
+
 def _binding(plan) -> str:
+    if plan.blocking:
+        return "vLLM's KV cache (one sequence does not fit)"
     if isinstance(plan, SplitPlan):
         group = plan.groups[plan.binding] if plan.binding in plan.groups else None
         return f"{plan.binding}: {group.peak_phase}" if group is not None else plan.binding
@@ -153,7 +159,13 @@ def _search(c, kw, margin: float) -> Tuple[int, str, object]:
 
     def judge(length: int):
         plan, err = plan_or_refusal(_with_length(c, max(length, floor)), **kw)
-        return plan is not None and plan.fits(margin), plan, err
+        if plan is None:
+            return False, plan, err
+        if length < floor:  # vLLM's KV cache holds the sequence itself: its rule at the length's own
+            own, _ = plan_or_refusal(_with_length(c, max(length, 1)), **kw)
+            for group, at_length in zip(_groups(plan), _groups(own) if own is not None else []):
+                group.blocking = at_length.blocking
+        return not plan.blocking and plan.fits_memory(margin), plan, err
 
     if judge(cap)[0]:
         best = cap

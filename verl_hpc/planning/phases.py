@@ -43,7 +43,7 @@ from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
 from verl_hpc.planning.host import checkpoint_host, reload_host
 from verl_hpc.planning.model_shape import job_arch, lora_layer_params, model_arch, total_params
 from verl_hpc.planning.roles import RoleState, fsdp_notes, plan_roles  # noqa: F401 (RoleState: re-exported)
-from verl_hpc.planning.rollout import adapter_slot_rank, rollout_bytes, sleep_level, sleeping
+from verl_hpc.planning.rollout import adapter_slot_rank, kv_capacity, rollout_bytes, sleep_level, sleeping
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import ActivationSetup, Precision, cp_tokens
 
@@ -68,6 +68,8 @@ class MemoryPlan:
     notes: List[str]
     group: str = "colocated"  # colocated | rollout | training (placement.mode = split)
     ranks: int = 0  # ranks of this group in the job
+    # what stops the job whatever its peak (vLLM's KV cache below one sequence): no fit
+    blocking: List[str] = dataclasses.field(default_factory=list)
 
     def phase_total(self, phase: str) -> float:
         return sum(self.table[phase].values())
@@ -100,6 +102,10 @@ class MemoryPlan:
         return 1.0 - self.checked_peak() / self.limit
 
     def fits(self, margin: float = 0.0) -> bool:
+        return not self.blocking and self.fits_memory(margin)
+
+    def fits_memory(self, margin: float = 0.0) -> bool:
+        """The peak against the limit alone (`blocking` aside)."""
         h = self.headroom()
         return h is None or h >= margin
 
@@ -259,9 +265,10 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                                vl.budget, vllm_sync, vllm_idle, resharding)
         if group == "training":
             table = {phase: r for phase, r in table.items() if phase in TRAINING_PHASES}
-    if gpu and vl.kv_cache <= 0 and group != "training":
-        notes.append(f"vLLM's budget ({cfg.rollout.gpu_memory_utilization} x GPU) leaves no room for a "
-                     f"KV cache after its {vl.weights / hardware.GiB:.1f} GiB of weights")
+    blocking: List[str] = []
+    if gpu and gpu_total > 0 and group != "training" and cfg.trainer.job == "rl" and cfg.rollout.engine != "hf":
+        blocking, kv_notes = kv_capacity(arch, cfg, vl.kv_cache, prec.param_bytes)
+        notes += kv_notes
     if comms:
         notes.append(describe(comms))
 
@@ -290,7 +297,7 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         notes.append("CPU job: node RAM taken as this machine's (slurm.mem_gb is 0)")
     notes += _vllm_notes(cfg, group, gpu, asleep)
     return MemoryPlan(table, host, limit, host_limit, "gpu" if gpu else "cpu", stage, per_node, notes,
-                      group=group, ranks=_group_ranks(cfg, group))
+                      group=group, ranks=_group_ranks(cfg, group), blocking=blocking)
 
 
 def _vllm_notes(cfg, group: str, gpu: bool, asleep: bool) -> List[str]:

@@ -51,6 +51,8 @@ def _what(plan: Plan) -> str:
 
 
 def _state(plan: Plan) -> str:
+    if plan.blocking:
+        return "DOES NOT RUN: " + "; ".join(plan.blocking)
     h = plan.headroom()
     return f"{'fits' if h >= 0 else 'DOES NOT FIT'}, headroom {h:.0%}"
 
@@ -81,6 +83,8 @@ def _split_verdict(plan: SplitPlan) -> str:
 
 
 def refusal(plan: Plan, suggest_cmd: str) -> str:
+    if plan.blocking:
+        return f"memory plan: {plan.blocking[0]}"
     if isinstance(plan, SplitPlan):
         if plan.binding == "shared node":
             return (f"memory plan: {_shared_words(plan)}, over the {gib(plan.host_limit)} GiB node RAM; give "

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import List, Tuple
 
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning import hardware
+from verl_hpc.planning.hardware import GiB
 from verl_hpc.planning.host import vllm_asleep_host
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.planning.model_shape import lora_layer_params, stage_tensor_sizes, total_params
 
 CPU_KV_BLOCK = 128
+GPU_KV_BLOCK = 16  # vLLM's default KV block on GPUs (tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,40 @@ class RolloutBytes:
 def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int) -> int:
     """KV-cache bytes of one token over all layers and KV heads (keys and values), all TP ranks."""
     return 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
+
+
+def kv_sequence_bytes(arch: ModelArch, length: int, tp: int, dtype_bytes: int, block: int = GPU_KV_BLOCK) -> float:
+    """KV-cache bytes one sequence of `length` tokens takes on one rollout rank: ceil(length / block)
+    blocks plus the null block vLLM reserves, each holding keys and values of every layer for this
+    rank's share of the KV heads (at least one: vLLM replicates KV heads over a larger TP). vLLM
+    refuses to start when its cache holds less (the rule rollout.kv_cache_problems applies to an
+    explicit CPU cache size)."""
+    per_token = 2 * arch.num_layers * max(1, arch.num_query_groups // tp) * arch.head_dim * dtype_bytes
+    return float((-(-length // block) + 1) * block * per_token)
+
+
+def kv_capacity(arch: ModelArch, cfg, kv_cache: float, dtype_bytes: int) -> Tuple[List[str], List[str]]:
+    """(problems, notes) of a GPU job's vLLM KV cache against the longest sequence it must hold
+    (data.max_prompt_length + the rollout's window): none fits -> vLLM refuses to start (a problem);
+    else how many fit at once, and in how many waves a replica's share of a step decodes at full
+    length when fewer fit than it is sent."""
+    r = cfg.rollout
+    length = cfg.data.max_prompt_length + r.window(cfg)
+    need = kv_sequence_bytes(arch, length, r.tp, dtype_bytes)
+    words = (f"one sequence of {length} tokens (data.max_prompt_length + "
+             f"{'data.max_response_length' if cfg.multi_turn.enable else 'rollout.max_tokens'}) needs "
+             f"{need / GiB:.2f} GiB of KV cache per rank at rollout.tp = {r.tp}")
+    if kv_cache < need:
+        return [f"vLLM's KV cache would be {max(kv_cache, 0.0) / GiB:.2f} GiB per rank (rollout.gpu_memory_utilization"
+                f" = {r.gpu_memory_utilization} of the GPU, less its weights) and {words}: vLLM refuses to start. "
+                "Raise rollout.tp or rollout.gpu_memory_utilization, or shorten the lengths"], []
+    fit = int(kv_cache // need)
+    replicas = max(1, cfg.rollout_world_size // r.tp)
+    sent = -(-cfg.data.train_batch_size * r.n // replicas)
+    waves = f"; a replica's {sent} sequences of a step decode in {-(-sent // fit)} waves at full length" \
+        if fit < sent else ""
+    return [], [f"vLLM's KV cache: {kv_cache / GiB:.2f} GiB per rank holds {fit} full-length sequence(s) at once "
+                f"({words}){waves}"]
 
 
 def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:

@@ -85,5 +85,12 @@ class SplitPlan:
             return self.shared_node_host()
         return self.groups[self.binding].checked_peak()
 
+    @property
+    def blocking(self) -> List[str]:
+        return [f"{name} group: {line}" for name, g in self.groups.items() for line in g.blocking]
+
     def fits(self, margin: float = 0.0) -> bool:
+        return not self.blocking and self.fits_memory(margin)
+
+    def fits_memory(self, margin: float = 0.0) -> bool:
         return all(h is None or h >= margin for h in self._headrooms().values())

@@ -40,6 +40,7 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                       collective_timeout_s=o.collective_timeout_s,
                       kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
                       sleep_between_phases=r.sleeps(gpu, o.split),
+                      chunked_prefill=r.chunked_prefill(gpu), max_num_batched_tokens=r.max_num_batched_tokens,
                       # level 2 drops the base weights, which the adapter sync never sends again
                       sleep_level=1 if o.lora_rank else r.sleep_level,
                       lora_rank=o.lora_rank)

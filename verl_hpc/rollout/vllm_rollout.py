@@ -96,7 +96,8 @@ class VLLMRollout(RolloutEngine):
                  enforce_eager: bool = True, sleep_between_phases: bool = False,
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
-                 max_num_seqs: int = 256, lora_rank: int = 0, ctx=None, **engine_kwargs):
+                 max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
+                 max_num_batched_tokens: int = 0, ctx=None, **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
         self.vision = is_vision_language(folder_config)
@@ -156,7 +157,12 @@ class VLLMRollout(RolloutEngine):
             # the CPU generator cannot (vLLM 0.32 on CPU: "RuntimeError: CPU Generator does not use
             # offset"); long prompts (multi-turn episodes) hit it once a step's prefills pass 4,096
             # tokens. Unchunked, a prompt that does not fit a step waits for the next one.
-            kwargs["enable_chunked_prefill"] = False
+            if chunked_prefill:
+                raise ConfigError("rollout.enable_chunked_prefill = true on a machine without a GPU: vLLM's CPU "
+                                  "generator cannot rewind a split prefill; set it to auto or false")
+        kwargs["enable_chunked_prefill"] = self.gpu if chunked_prefill is None else chunked_prefill
+        if max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         self.weight_dtype = getattr(torch, kwargs["dtype"], None)  # "auto" or unknown: as sent
         self._lora = None  # (LoRARequest, version) of the adapter every generate uses
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)

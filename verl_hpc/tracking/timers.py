@@ -10,6 +10,12 @@
 GPU work is asynchronous: without a device synchronize at the stage edges the time of one stage's
 kernels is billed to whichever later stage first waits on them. The timer takes that synchronize
 as a callable because only runtime/ may touch torch.cuda (docs/architecture.md); on CPU it is not needed.
+
+With a `memory` probe (runtime/memory_peaks.py) each stage also reports its peak memory,
+`mem_peak_gib/<stage>` (GPU: torch's allocated bytes; CPU: the process's resident set) and
+`mem_rise_gib/<stage>` (that peak minus the memory at the stage's start: what the stage itself added,
+e.g. the update's activations), the largest over the step's entries of that stage. A stage inside
+another (a nested timer) gives its peak to the outer one too.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ STAGES = ("wake", "sync", "wake_kv", "generate", "reward", "old_logprob", "ref",
 class StageTimer:
     def __init__(self, prefix: str = "timing_s", sync: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 comm: Callable[[], dict] | None = None) -> None:
+                 comm: Callable[[], dict] | None = None, memory=None) -> None:
         """`comm`: a snapshot of collective counts ({(op, group): (calls, bytes)}, e.g.
         runtime.collectives.counts); given, pop() also reports the payload bytes each stage moved
         as `comm_bytes/<stage>/<op>@<group>` (and `comm_calls/...`)."""
@@ -38,6 +44,9 @@ class StageTimer:
         self._clock = clock
         self._totals: dict[str, float] = {}
         self._step_start = clock()
+        self._memory = memory
+        self._open: list[list[int]] = []  # per open stage: [memory at its start, its peak so far]
+        self._mem_totals: dict[str, float] = {}
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -50,12 +59,14 @@ class StageTimer:
             self._sync()
         start = self._clock()
         before = self._comm() if self._comm is not None else None
+        self._memory_enter()
         try:
             yield
         finally:
             if self._sync is not None:
                 self._sync()
             self._totals[name] = self._totals.get(name, 0.0) + (self._clock() - start)
+            self._memory_exit(name)
             if before is not None:
                 for (op, group), (calls, nbytes) in self._comm().items():
                     c0, b0 = before.get((op, group), (0, 0))
@@ -65,6 +76,27 @@ class StageTimer:
                             self._comm_totals[key] = self._comm_totals.get(key, 0) + v
 
     __call__ = stage
+
+    def _memory_enter(self) -> None:
+        if self._memory is None:
+            return
+        self._fold(self._memory.peak())  # what the open stages reached before this one resets the window
+        self._memory.reset()
+        self._open.append([self._memory.current(), 0])
+
+    def _memory_exit(self, name: str) -> None:
+        if self._memory is None:
+            return
+        start, peak = self._open.pop()
+        peak = max(peak, self._memory.peak())
+        self._fold(peak)
+        self._memory.reset()  # the enclosing stage goes on in a new window
+        for key, value in ((f"mem_peak_gib/{name}", peak / 2**30), (f"mem_rise_gib/{name}", (peak - start) / 2**30)):
+            self._mem_totals[key] = max(self._mem_totals.get(key, value), value)
+
+    def _fold(self, peak: int) -> None:
+        for frame in self._open:
+            frame[1] = max(frame[1], peak)
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` just spent (validation, between two steps) out of the next `step`."""
@@ -83,7 +115,8 @@ class StageTimer:
         out = {f"{self.prefix}/{name}": secs for name, secs in self._totals.items()}
         out[f"{self.prefix}/step"] = now - self._step_start
         out.update(self._comm_totals)
-        self._comm_totals = {}
+        out.update(self._mem_totals)
+        self._comm_totals, self._mem_totals = {}, {}
         self._totals = {}
         self._step_start = now
         return out

@@ -124,3 +124,44 @@ def test_submit_dry_run_refuses_in_one_line(override, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: " + override.split("=")[0]) and err.count("\n") == 1, err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ vLLM's scheduler at long lengths (issue 52)
+LONG = ["data.max_prompt_length=1024", "data.max_response_length=7168", "data.train_batch_size=8", "rollout.n=8"]
+GPU_JOB = ["slurm.gpus_per_node=4", "slurm.gpu_type=h100"]
+
+
+@pytest.mark.parametrize("overrides,field,valid", [
+    # vLLM 0.32 on CPU: "CPU Generator does not use offset" once a prefill is split
+    (["rollout.enable_chunked_prefill=true"], "rollout.enable_chunked_prefill = true on a CPU job", "auto or false"),
+    # vLLM: "max_num_batched_tokens (4096) is smaller than max_model_len (8192)" without chunked prefill
+    (LONG + ["rollout.max_num_batched_tokens=8191"], "rollout.max_num_batched_tokens = 8191", "8192 tokens"),
+    (LONG + GPU_JOB + ["rollout.enable_chunked_prefill=false", "rollout.max_num_batched_tokens=4096"],
+     "rollout.max_num_batched_tokens = 4096", "chunked prefill off"),
+    # vLLM: "max_num_batched_tokens (32) must be greater than or equal to max_num_seqs (64)"
+    (LONG + GPU_JOB + ["rollout.max_num_batched_tokens=63"], "rollout.max_num_batched_tokens = 63", "64 sequences"),
+])
+def test_a_scheduler_vllm_would_refuse_is_refused_at_load(overrides, field, valid):
+    text = refusal(overrides)
+    assert text.startswith(field) and valid in text, text
+
+
+@pytest.mark.parametrize("overrides", [
+    LONG + ["rollout.max_num_batched_tokens=8192"],  # unchunked: exactly the longest sequence
+    LONG + GPU_JOB + ["rollout.max_num_batched_tokens=2048"],  # chunked (auto on a GPU job): a prefill spreads
+    LONG + GPU_JOB + ["rollout.enable_chunked_prefill=true", "rollout.max_num_batched_tokens=64"],
+    ["rollout.enable_chunked_prefill=false"],
+])
+def test_a_scheduler_vllm_takes_loads(overrides):
+    validate(load_config(None, OK + overrides), check_model=False)
+
+
+def test_the_rollout_engine_gets_the_scheduler_of_its_machine():
+    from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
+
+    cfg = load_config(None, OK + LONG + ["rollout.max_num_batched_tokens=9000"])
+    opts = RolloutOptions(rollout=cfg.rollout, model=cfg.model, max_prompt_length=1024, window=7168,
+                          max_num_seqs=64, collective_timeout_s=60, split=False, lora_rank=0)
+    kwargs = engine_kwargs(opts, "vllm")
+    assert kwargs["chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 9000  # this machine: no GPU
+    assert cfg.rollout.chunked_prefill(gpu=True) and not cfg.rollout.chunked_prefill(gpu=False)

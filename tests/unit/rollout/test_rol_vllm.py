@@ -37,7 +37,7 @@ def built(tiny_model):
     torch.manual_seed(1234), random.seed(1234)
     engine = VLLMRollout(tiny_model,
                          **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW,
-                                               collective_timeout_s=321))
+                                               collective_timeout_s=321, max_num_batched_tokens=5000))
     after = torch.rand(3).tolist(), random.random()
     yield dict(engine=engine, rng_kept=after == expected, setter_kept=torch.set_num_threads is setter,
                dist_before=dist_before)
@@ -60,6 +60,20 @@ def test_vllms_own_process_groups_take_the_jobs_collective_timeout(engine):
     defaults (issue 27, 7): the engine's own config carries it."""
     parallel = engine.llm.llm_engine.vllm_config.parallel_config
     assert (parallel.distributed_timeout_seconds, parallel.cpu_distributed_timeout_seconds) == (321, 321)
+
+
+def test_the_scheduler_is_the_configs_and_chunked_prefill_is_off_on_cpu(engine, tiny_model):
+    """rollout.max_num_batched_tokens reaches vLLM's scheduler; chunked prefill follows the machine
+    (auto: off without a GPU), and asked for on CPU it is refused before vLLM starts."""
+    from verl_hpc.config import ConfigError
+    from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert scheduler.max_num_batched_tokens == 5000 and not scheduler.enable_chunked_prefill
+    with pytest.raises(ConfigError, match="rollout.enable_chunked_prefill = true on a machine without a GPU"):
+        VLLMRollout(tiny_model, chunked_prefill=True,
+                    **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
 
 
 def test_construction_leaves_rng_and_threads_alone(built):

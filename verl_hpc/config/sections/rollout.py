@@ -67,6 +67,14 @@ class RolloutConfig(Section):
     sleep_level: int = opt(2, "1 or 2; 2: weights dropped too (the trainer loads new ones after every "
                               "wake); 1: weights kept in host memory (always 1 under LoRA's adapter "
                               "sync, which never sends the base weights again)")
+    # vLLM 0.32 on CPU: "RuntimeError: CPU Generator does not use offset" once a prefill is split
+    enable_chunked_prefill: str = opt("auto", "vLLM splits a long prompt's prefill over scheduler steps, between "
+                                              "other requests' decoding; auto: on with a GPU, off on CPU (a split "
+                                              "prefill rewinds its request's seeded generator, which vLLM's CPU "
+                                              "generator cannot)", choices=SWITCH)
+    max_num_batched_tokens: int = opt(0, "tokens one vLLM scheduler step processes at most (prefill chunks and "
+                                         "decodes); 0 = vLLM's default for the device (8,192-16,384 on GPUs) "
+                                         "and, without chunked prefill, at least the longest sequence", check=">=0")
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
                                choices=("truncate", "reject"))
     val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
@@ -86,6 +94,7 @@ class RolloutConfig(Section):
         if self.engine == "hf" and self.tp != 1:
             p.append(f"rollout.tp = {self.tp} needs rollout.engine = vllm (or auto): the HF engine runs "
                      "one replica per rank, rollout.tp = 1")
+        p += self.batching_problems(job)
         words = (f"placement.rollout_ranks = {job.rollout_world_size}" if job.placement.split else job.world_words)
         p += inference_tp_problems(job.rollout_world_size, self.tp, words)
         if job.trainer.job == "rl" and self.max_tokens > job.data.max_response_length:
@@ -97,6 +106,31 @@ class RolloutConfig(Section):
         self.max_tokens = self.max_tokens or job.data.max_response_length
         self.gpu_memory_utilization = self.gpu_memory_utilization or (
             SPLIT_GPU_SHARE if job.placement.split else COLOCATED_GPU_SHARE)
+
+    def batching_problems(self, job) -> List[str]:
+        """vLLM's scheduler limits against the job: chunked prefill only where vLLM can split a
+        prefill (a GPU job), and a step's token budget that can schedule the longest prompt (unless
+        chunked) and one token of every sequence in flight (vLLM refuses to start otherwise)."""
+        p, gpu = [], job.slurm.gpus_per_node > 0
+        if self.enable_chunked_prefill == "true" and not gpu:
+            p.append("rollout.enable_chunked_prefill = true on a CPU job (slurm.gpus_per_node = 0): vLLM's CPU "
+                     "generator cannot rewind a split prefill; set it to auto or false")
+        budget = self.max_num_batched_tokens
+        if budget:
+            longest = job.data.max_prompt_length + self.window(job)
+            if not self.chunked_prefill(gpu) and budget < longest:
+                p.append(f"rollout.max_num_batched_tokens = {budget} is below the longest sequence, "
+                         f"data.max_prompt_length + the response = {longest} tokens, with chunked prefill off: "
+                         "vLLM could never schedule it; raise it, or set 0 (vLLM's default)")
+            if budget < self.max_num_seqs(job):
+                p.append(f"rollout.max_num_batched_tokens = {budget} is below the {self.max_num_seqs(job)} sequences "
+                         "one rollout call keeps in flight (data.train_batch_size x rollout.n, at most "
+                         f"{VLLM_MAX_NUM_SEQS}): vLLM needs one token of each per step; raise it or set 0")
+        return p
+
+    def chunked_prefill(self, gpu: bool) -> bool:
+        """enable_chunked_prefill on this machine: auto = on with a GPU, off on CPU (the field's help)."""
+        return _switch(self.enable_chunked_prefill, gpu)
 
     def window(self, job) -> int:
         """Tokens the engine generates after a prompt: one response (rollout.max_tokens), or under

@@ -26,6 +26,9 @@ class TrackingConfig(Section):
     wandb_mode: str = opt("offline", "W&B mode", choices=("offline", "online", "disabled"))
     comm_bytes: bool = opt(False, "per stage: payload bytes and calls of every collective, as metrics "
                                   "comm_bytes/<stage>/<collective>@<group> (benchmarks/bench_scaling.py)")
+    stage_memory: bool = opt(True, "per stage: peak memory and what the stage added to it, as metrics "
+                                   "mem_peak_gib/<stage> and mem_rise_gib/<stage> (GPU: torch's allocated "
+                                   "bytes; CPU: the process's resident set)")
 
     def check(self, job) -> List[str]:
         p = []

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from verl_hpc.algorithms import entropy_from_logits
+from verl_hpc.algorithms import entropy_from_logits, sum_pi_squared_from_logits
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEngine, scaler_metrics,
                                    skipped_for_overflow)
@@ -55,7 +55,7 @@ from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
-LM_OUTPUTS = ("log_probs", "entropy")
+LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")  # the last: the optimal token baseline's, forward only
 
 
 def check_fsdp_options(o: EngineOptions) -> None:
@@ -92,7 +92,7 @@ class FsdpEngine(TrainingEngine):
             raise RuntimeError("FsdpEngine needs the rank runtime: call verl_hpc.runtime.bootstrap() first")
         check_fsdp_options(options)
         self.options = o = options
-        self.default_outputs = LM_OUTPUTS if o.head == "lm" else ("values",)
+        self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
         self.device = collective_device()
         self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
         model, full = build_lib.load_model(o, field)
@@ -212,6 +212,8 @@ class FsdpEngine(TrainingEngine):
             result["log_probs"] = logp.gather(-1, mb.data["_targets"].unsqueeze(-1)).squeeze(-1)
         if "entropy" in want:
             result["entropy"] = entropy_from_logits(resp).float()
+        if "sum_pi_squared" in want:
+            result["sum_pi_squared"] = sum_pi_squared_from_logits(resp).float()
         return result
 
     def _run_sliced(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -231,6 +233,8 @@ class FsdpEngine(TrainingEngine):
             result["log_probs"] = self.sp.assemble(logp * mine)
         if "entropy" in want:
             result["entropy"] = self.sp.assemble(entropy_from_logits(logits)[rows, local] * mine)
+        if "sum_pi_squared" in want:
+            result["sum_pi_squared"] = self.sp.assemble(sum_pi_squared_from_logits(logits)[rows, local] * mine)
         return result
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:

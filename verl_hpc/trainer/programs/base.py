@@ -35,7 +35,8 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional
 from verl_hpc.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from verl_hpc.config import ConfigError, to_container, to_yaml
 from verl_hpc.config.layout import Layout
-from verl_hpc.runtime import collectives
+from verl_hpc.runtime import collectives, memory_peaks
+from verl_hpc.runtime.device import synchronize
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
 from verl_hpc.tracking.history import MetricHistory
@@ -177,7 +178,9 @@ class StepProgram:
             try:
                 self.begin(start, summary, tracker, dog)
                 # comm_bytes: payload of every collective per stage (benchmarks/bench_scaling.py)
-                timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None), dog)
+                timer = WatchedTimer(StageTimer(comm=collectives.counts if cfg.tracking.comm_bytes else None,
+                                                sync=synchronize,
+                                                memory=memory_peaks.probe() if cfg.tracking.stage_memory else None), dog)
                 run = RunState(tracker, timer, dog, summary, self.total_steps, start=start)
                 t0 = time.time()
                 run_steps(lambda step: self.measured_step(step, timer), self.hooks(stop_rule), run)
@@ -215,11 +218,9 @@ def tracked(cfg, ctx, summary: Dict, *, start_step: Optional[int] = None,
 def host_peaks_gib() -> list:
     """Every rank's peak resident host memory in GiB, in rank order (a collective): the process's
     high-water mark, which the memory plan's host figure per rank bounds on a CPU job."""
-    import resource
-
     import torch.distributed as dist
 
-    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    mine = memory_peaks.process_peak_bytes() / 2**30
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [round(mine, 3)]
     peaks = [None] * dist.get_world_size()
