@@ -18,6 +18,15 @@ class OptimConfig(Section):
     warmup_steps: int = opt(0, "linear warm-up steps", check=">=0")
     lr_decay_style: str = opt("constant", "after warm-up", choices=("constant", "linear", "cosine"))
     min_lr: float = opt(0.0, "floor of the decay", check=">=0")
+    # fp16 only (model.dtype = float16; the FSDP engine: a float16 compute dtype): dynamic loss
+    # scaling, the same rule in both engines (Megatron's DynamicGradScaler, torch's ShardedGradScaler):
+    # an overflow skips the step and halves the scale, loss_scale_window clean steps double it
+    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start (torch's GradScaler's 2^16; "
+                                             "Megatron's own 2^32 costs ~16 skipped steps to come down)",
+                                    check=">0")
+    min_loss_scale: float = opt(1.0, "fp16: the scale never halves below this", check=">0")
+    loss_scale_window: int = opt(1000, "fp16: optimizer steps without an overflow before the scale doubles",
+                                 check=">0")
 
     def check(self, job) -> List[str]:
         role = next(name for name in ("actor", "critic", "prm") if getattr(job, name).optim is self)
@@ -40,6 +49,9 @@ class OptimConfig(Section):
             p.append(f"{key}.eps: must be > 0, got {self.eps}")
         if self.min_lr > self.lr:
             p.append(f"{key}.min_lr = {self.min_lr} is above {key}.lr = {self.lr}")
+        if self.min_loss_scale > self.initial_loss_scale:
+            p.append(f"{key}.min_loss_scale = {self.min_loss_scale:g} is above {key}.initial_loss_scale = "
+                     f"{self.initial_loss_scale:g}")
         return p
 
 

@@ -29,6 +29,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
+from verl_hpc.rollout.engine import rollout_weight_dtype
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.runtime.split import ROLLOUT_FAILED, STOP, GroupLostError
 from verl_hpc.trainer.placement.inflight import Groups
@@ -60,7 +61,8 @@ class AsyncLink:
         self.k, self.wait_policy = a.staleness, a.stale_groups == "wait"
         self.timeout_s = a.poll_timeout_s or cfg.trainer.collective_timeout_s
         self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb,
-                                         slicer=rollout_slicer(cfg.resharding.mode, cfg.model.path, cfg.rollout.tp))
+                                         slicer=rollout_slicer(cfg.resharding.mode, cfg.model.path, cfg.rollout.tp),
+                                         dtype=rollout_weight_dtype(cfg.model.dtype))
         self.elastic_server = None  # elastic: the weights to joined workers, on the first training rank
         if cfg.placement.elastic.enable and self.leader:
             from verl_hpc.trainer.placement.elastic.channel import ElasticWeightServer
