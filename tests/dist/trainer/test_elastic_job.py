@@ -95,7 +95,7 @@ def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(ti
     # a worker pointed at the finished run: one line, exit 30
     late = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
-    assert late.returncode == 30 and late.stderr.strip().startswith(f"error: the run in {out} has ended (completed at")
+    assert late.returncode == 30 and late.stderr.strip().startswith(f"error: the run in {out} has ended (stopped at")
 
 
 def _stream(root, out):
@@ -106,3 +106,43 @@ def _stream(root, out):
     cfg = load_config(REPO / SPLIT_DEMO, job_args(root, out))
     loader = PromptLoader.from_config(cfg.data, load_tokenizer(cfg), cfg.data.wrap_plain_text)
     return [i for _ in range(STEPS) for i in loader.next_batch().ids]
+
+
+PREEMPT_AT = 6
+
+
+def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tiny_assets, tmp_path):
+    """Slurm's warning signal on the trainer after step 6 with a worker attached: the run saves and
+    stops, the worker leaves by itself (exit 0, within a timeout), the requeued run resumes from the
+    checkpoint (the book's finished samples in it) under a new epoch and takes a new worker; the two
+    launches train exactly the data stream's prompts."""
+    out = tmp_path / "run"
+    args = [*job_args(tiny_assets, out), "checkpoint.save_every=0"]
+    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2", *args]
+    trained, epochs = [], []
+    for launch, at in enumerate((PREEMPT_AT, 0)):
+        rdv = out / "elastic" / "rendezvous.json"
+        before = rdv.read_text() if rdv.exists() else ""
+        run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S, warning_signal_at_step=at),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        name = f"worker{launch}"
+        worker = None
+        try:
+            wait_for(lambda: (rdv.exists() and rdv.read_text() != before and '"running"' in rdv.read_text())
+                     or run.poll() is not None, "no new rendezvous")
+            epochs.append(json.loads(rdv.read_text())["epoch"])
+            worker = start_worker(out, name, GROUP_DELAY_S)
+            stdout, stderr = run.communicate(timeout=600)
+            assert worker.wait(timeout=60) == 0, (out.parent / f"{name}.log").read_text()[-3000:]
+        finally:
+            for p in (run, worker):
+                if p is not None and p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        proc = subprocess.CompletedProcess(cmd, run.returncode, stdout, stderr)
+        assert run.returncode == 0, logs(proc, out)
+        summary = json.loads((out / "rl_summary.json").read_text())
+        assert summary["resumed_from"] == (PREEMPT_AT if launch else 0) and summary["steps"] == (at or STEPS), summary
+        trained += summary["trained_prompt_ids"]
+        assert "group(s) done" in (out.parent / f"{name}.log").read_text(), f"{name} never generated"
+    assert epochs[0] != epochs[1]
+    assert trained == _stream(tiny_assets, out)

@@ -102,7 +102,7 @@ class RolloutWorker:
             self._generate_chunk()
         log.info("rollout: stopped by the trainer after batch %d (weights version %d)", self.next_index - 1,
                  self.weights.version)
-        self._close_rendezvous("completed")
+        self._close_rendezvous("stopped")  # finished, or preempted (a requeued run opens a new epoch)
         return {"batches": self.next_index - 1, "version": self.weights.version}
 
     def _idle(self, need: int) -> None:
