@@ -146,3 +146,15 @@ def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tin
         assert "group(s) done" in (out.parent / f"{name}.log").read_text(), f"{name} never generated"
     assert epochs[0] != epochs[1]
     assert trained == _stream(tiny_assets, out)
+
+
+def test_a_pool_below_its_minimum_for_too_long_stops_the_run_naming_it(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    args = [*job_args(tiny_assets, out), "placement.elastic.min_rollout_workers=1", "placement.elastic.lost_timeout_s=5"]
+    proc = subprocess.run([sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    line = ("error: the rollout pool has had 0 worker(s), fewer than placement.elastic.min_rollout_workers = 1, "
+            "for 5 s (placement.elastic.lost_timeout_s = 5); workers lost: none had joined")
+    assert proc.returncode != 0 and line in proc.stdout + proc.stderr, logs(proc, out)
+    assert "exited with code 25" in proc.stdout + proc.stderr  # the training rank, quoting it
+    assert json.loads((out / "elastic" / "rendezvous.json").read_text())["status"] == "failed"
