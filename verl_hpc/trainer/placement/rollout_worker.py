@@ -71,7 +71,12 @@ class RolloutWorker:
         if self.elastic and self.leader:
             from verl_hpc.trainer.placement.elastic.coordinator import Coordinator
 
-            self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000))
+            from pathlib import Path
+
+            from verl_hpc.trainer.placement.elastic.rendezvous import FILE
+
+            self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000),
+                                     events=str(Path(cfg.trainer.output_dir) / FILE.parent / "events.jsonl"))
         self.next_open = 1  # elastic: the next batch of the stream to open (next_index: the next to hand over)
 
     # ---------------------------------------------------------------------------- the loop

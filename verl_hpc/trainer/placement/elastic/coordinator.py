@@ -14,6 +14,7 @@ Keys under `elastic/` in the run's store (a worker is a job of its own; worker.p
   want/<w>/<n> = {version, groups} -> lease/<w>/<n> = [payload]  it asks for work; [] = none now,
                                                                   "leave" = it is not in the pool
   done/<w>/<n> = {lease id: {sample: Sample}}                   its finished samples
+  loaded/<w> = seconds                                          its first weight load took this long
   bye/<w> = reason                                              it leaves (a signal, an error)
 A worker the pool reaped (silent too long) that speaks again is told to leave.
 
@@ -25,7 +26,9 @@ per-request seeds in the engines would restore it.)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import pickle
 import time
 from typing import Callable, Dict, List, Optional
@@ -57,7 +60,9 @@ def samples_of(lease_samples, result, version: int) -> Dict[int, Sample]:
 
 
 class Coordinator:
-    def __init__(self, cfg, store, epoch: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg, store, epoch: int, clock: Callable[[], float] = time.monotonic,
+                 events: Optional[str] = None):
+        """events: the JSONL file of joins, leaves and weight loads (None: not written)."""
         e = cfg.placement.elastic
         self.cfg, self.store, self.epoch, self.clock = cfg, store, epoch, clock
         self.groups_per_lease = e.groups_per_lease
@@ -71,6 +76,8 @@ class Coordinator:
         self.beats: Dict[str, int] = {}
         self.gone: set = set()  # workers that left or were reaped: told to leave if they speak
         self.counters = dict(joins=0, leaves=0, reaped=0, leased_groups=0)
+        self.load_s: Dict[str, float] = {}  # each worker's first weight load (seconds), its join's cost
+        self.events = events
 
     # ------------------------------------------------------------------ the stream's batches
     def open(self, batch: InFlight) -> None:
@@ -139,6 +146,7 @@ class Coordinator:
             self.gone.add(worker)
             self.counters["reaped"] += 1
             self.counters["leaves"] += 1
+            self.event("leave", worker, reason=self.pool.events[-1].reason, samples=self.ledger.per_worker.get(worker, 0))
             log.warning("elastic rollout: worker %s reaped (no heartbeat for %.0f s); its samples go back to the queue",
                         worker, self.pool.heartbeat_timeout_s)
         self.pool.check(now)
@@ -152,6 +160,7 @@ class Coordinator:
         self.pool.join(worker, now, job=str(info.get("job", "")), node=str(info.get("node", "")))
         self.wants[worker] = self.dones[worker] = 0
         self.counters["joins"] += 1
+        self.event("join", worker, job=str(info.get("job", "")), node=str(info.get("node", "")))
         log.info("elastic rollout: worker %s joined (job %s on %s); pool %d", worker, info.get("job"),
                  info.get("node"), len(self.pool))
 
@@ -161,10 +170,14 @@ class Coordinator:
         returned = self.ledger.leave(worker)
         self.gone.add(worker)
         self.counters["leaves"] += 1
+        self.event("leave", worker, reason=reason, samples=self.ledger.per_worker.get(worker, 0), returned=returned)
         log.info("elastic rollout: worker %s left (%s); %d samples back to the queue; pool %d", worker, reason,
                  returned, len(self.pool))
 
     def _results(self, worker: str) -> None:
+        if worker not in self.load_s and self._has(f"elastic/loaded/{worker}"):
+            self.load_s[worker] = float(self._get(f"elastic/loaded/{worker}"))
+            self.event("weights", worker, load_s=round(self.load_s[worker], 3))
         while self._has(f"elastic/done/{worker}/{self.dones[worker]}"):
             for lease_id, samples in self._get(f"elastic/done/{worker}/{self.dones[worker]}").items():
                 self.ledger.complete(lease_id, samples)
@@ -190,12 +203,27 @@ class Coordinator:
 
     # ------------------------------------------------------------------ metrics and checkpoints
     def metrics(self) -> Dict[str, float]:
+        """Running totals (not per step) of the pool: joins, leaves, samples by the run's own
+        ranks and by the workers, re-dispatched and returned samples, weight load times. Per
+        worker figures go to the events file (a pool of hundreds would make hundreds of columns)."""
         m = {f"elastic/{k}": float(v) for k, v in self.counters.items()}
         m.update({f"elastic/{k}": float(v) for k, v in self.ledger.stats.items()})
         m["elastic/pool_size"] = float(len(self.pool))
-        for worker, n in self.ledger.per_worker.items():
-            m[f"elastic/samples/{worker}"] = float(n)
+        m["elastic/samples/fixed"] = float(self.ledger.per_worker.get(FIXED, 0))
+        m["elastic/samples/workers"] = float(sum(n for w, n in self.ledger.per_worker.items() if w != FIXED))
+        if self.load_s:
+            m["elastic/join_load_s_mean"] = sum(self.load_s.values()) / len(self.load_s)
         return m
+
+    def event(self, kind: str, worker: str, **fields) -> None:
+        """One line of `<run_dir>/elastic/events.jsonl`: a join, a leave (with its reason and the
+        samples the worker gave), a weight load."""
+        if self.events is None:
+            return
+        row = dict(time=round(time.time(), 3), kind=kind, worker=worker, pool=len(self.pool), **fields)
+        os.makedirs(os.path.dirname(self.events) or ".", exist_ok=True)
+        with open(self.events, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def state_dict(self) -> dict:
         return {"ledger": self.ledger.state_dict(), "batches": dict(self.batches)}

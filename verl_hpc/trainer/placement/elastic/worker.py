@@ -155,6 +155,8 @@ class Worker:
             return
         version, tensors = got
         rollout.load_weights(iter(tensors))
+        if self.version < 0:  # the join's cost: its first weights, fetched and loaded
+            self._put(f"elastic/loaded/{self.name}", time.perf_counter() - t0)
         self.version = version
         log.info("elastic worker %s: weights version %d loaded in %.1f s", self.name, version, time.perf_counter() - t0)
 
