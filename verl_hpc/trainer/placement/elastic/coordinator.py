@@ -9,7 +9,7 @@ workers (docs/elastic.md).
     for batch in coord.ready(): ...           # InFlight batches, every sample filled, in order
 
 Keys under `elastic/` in the run's store (a worker is a job of its own; worker.py is its side):
-  joins (a counter) and join/<i> = {worker, job, node, epoch}   a worker arrives
+  joins (a counter) and join/<i> = {worker, job, node, pid, epoch}  a worker arrives
   beat/<w>  (a counter the worker increments)                   it is alive
   want/<w>/<n> = {version, groups} -> lease/<w>/<n> = [payload]  it asks for work; [] = none now,
                                                                   "leave" = it is not in the pool
@@ -160,7 +160,7 @@ class Coordinator:
         self.pool.join(worker, now, job=str(info.get("job", "")), node=str(info.get("node", "")))
         self.wants[worker] = self.dones[worker] = 0
         self.counters["joins"] += 1
-        self.event("join", worker, job=str(info.get("job", "")), node=str(info.get("node", "")))
+        self.event("join", worker, job=str(info.get("job", "")), node=str(info.get("node", "")), pid=info.get("pid"))
         log.info("elastic rollout: worker %s joined (job %s on %s); pool %d", worker, info.get("job"),
                  info.get("node"), len(self.pool))
 

@@ -108,7 +108,7 @@ class Worker:
         with build_rollout(rollout_options(self.cfg), None) as rollout:
             index = int(self.store.add("elastic/joins", 1)) - 1
             self._put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
-                                                    job=os.environ.get("SLURM_JOB_ID", "")))
+                                                    job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
             beating = threading.Event()
             threading.Thread(target=self._beat, args=(beating,), daemon=True).start()
             log.info("elastic worker %s: joined %s", self.name, self.run_dir)
