@@ -5,7 +5,7 @@ or with --local (or no Slurm here) one worker in this process.
 The run's folder says where the run is and what it generates with (its rendezvous and config,
 trainer/placement/elastic/rendezvous.py): nothing else is needed. Overrides set the worker's own
 allocation and engine: `slurm.partition`, `slurm.time_min`, `slurm.qos`, `slurm.account`,
-`slurm.constraint`, `slurm.cpus_per_task`, `rollout.tp` (GPUs per worker), `rollout.engine`,
+`slurm.constraint`, `slurm.cpus_per_task`, `rollout.engine`,
 `rollout.gpu_memory_utilization`, ...; one that changes what the samples are (the model, the
 sampling, the lengths) is refused, naming it. The check runs here first, so a worker for an ended
 run or with a wrong override never queues.
@@ -37,8 +37,8 @@ def join(run_dir: str, overrides: List[str], *, workers: int, local: bool) -> in
 
 def worker_parameters(cfg) -> dict:
     """One worker's allocation as submitit.SlurmExecutor parameters: one node, one task, the
-    rollout's GPUs (rollout.tp of them where the run has GPUs), the run's Slurm account fields and
-    warning signal, the worker's own time limit."""
+    rollout's GPUs (rollout.tp of them, 1 for a worker, where the run has GPUs), the run's Slurm
+    account fields and warning signal, the worker's own time limit."""
     s = cfg.slurm
     params = dict(job_name=f"{s.job_name}_rollout_worker", nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_task,
                   time=s.time_min, signal_delay_s=s.signal_delay_s, additional_parameters=dict(s.additional))

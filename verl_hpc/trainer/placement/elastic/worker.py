@@ -57,6 +57,12 @@ class Worker:
         rdv = Rendezvous.join(run_dir)
         self.cfg = load_config(str(config_path(run_dir)), overrides)
         rdv = Rendezvous.join(run_dir, self.cfg)  # refused if the overrides touched what must be shared
+        if self.cfg.rollout.tp != 1:
+            from verl_hpc.config import ConfigError
+
+            raise ConfigError(f"rollout.tp = {self.cfg.rollout.tp} for an elastic rollout worker: a worker is one "
+                              "process with one engine (vLLM's tensor parallelism needs a rank per GPU, not built "
+                              "for workers yet); join with rollout.tp=1")
         self.epoch, self.name = rdv.epoch, name or worker_id()
         import torch.distributed as dist
 
