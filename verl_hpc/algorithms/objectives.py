@@ -28,6 +28,7 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.roles import zero_advantage_skip_blockers
 
 from .aggregation import agg_loss
+from .distill import distill_loss
 from .kl import kl_loss
 from .masked import zero_advantage_rows
 from .policy_losses import compute_policy_loss
@@ -68,7 +69,8 @@ class PolicyObjective:
     + `kl_loss_coef` * KL(actor || ref) when `use_kl_loss` - `entropy_coeff` * entropy, each term
     aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask, (with the
     KL loss) ref_log_probs, (with mismatch correction) rollout_is_weights, (icepop)
-    rollout_log_probs and (m2po) m2po_keep from the micro-batch."""
+    rollout_log_probs, (m2po) m2po_keep and (teacher.mode = loss: + distill_coef * the reverse KL
+    to the teacher, algorithms/distill.py) teacher_log_probs from the micro-batch."""
 
     # every field is the actor section's of the same name (config/sections/roles.py declares the
     # defaults): required here, so that a default is never written twice
@@ -98,12 +100,18 @@ class PolicyObjective:
     # on-policy shortcut (set by the trainer, verl_hpc/trainer/stages/correction.py): pi_old's log-probs
     # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
     old_from_update: bool = False
+    # on-policy distillation in loss mode (teacher.mode = loss, set by the trainer): coef * the
+    # reverse KL to the teacher's log-probs (teacher_log_probs in the micro-batch); 0 = no term
+    distill_coef: float = 0.0
 
     @classmethod
-    def from_config(cls, actor_cfg) -> "PolicyObjective":
-        """From the `actor` section (ActorConfig)."""
+    def from_config(cls, actor_cfg, teacher_cfg=None) -> "PolicyObjective":
+        """From the `actor` section (ActorConfig) and, for its distillation term, the `teacher`
+        section (used when enabled in loss mode)."""
+        distill = (teacher_cfg.coef if teacher_cfg is not None and teacher_cfg.enable and teacher_cfg.mode == "loss"
+                   else 0.0)
         return cls(**{f.name: getattr(actor_cfg, f.name) for f in dataclasses.fields(cls)
-                      if f.name != "old_from_update"})
+                      if f.name not in ("old_from_update", "distill_coef")}, distill_coef=distill)
 
     @property
     def outputs(self) -> Tuple[str, ...]:
@@ -119,7 +127,7 @@ class PolicyObjective:
         """[B] bool: the rows whose advantages are all 0, which then add exactly 0 to the loss and
         its gradient (every term is -A x a finite value of the row's own tokens); None when a term
         reads them anyway (KL loss, entropy bonus, a loss coupling rows) or the skip is off."""
-        if zero_advantage_skip_blockers(self):
+        if zero_advantage_skip_blockers(self) or self.distill_coef:  # the teacher's term: every row
             return None
         return zero_advantage_rows(batch["advantages"], batch["response_mask"])
 
@@ -153,7 +161,14 @@ class PolicyObjective:
                                      self.kl_loss_type, **agg)
             loss = loss + kl
             metrics["kl_loss"] = kl_metrics["kl_loss"]
-        _batch_totals(metrics, ("pg_loss", "entropy_loss", "kl_loss"), counts, mask)
+        if self.distill_coef:
+            if "teacher_log_probs" not in mb:
+                raise ConfigError("teacher.mode = loss but the batch has no 'teacher_log_probs'")
+            term, distill_metrics = distill_loss(out["log_probs"], mb["teacher_log_probs"], mask, self.distill_coef,
+                                                 **agg)
+            loss = loss + term
+            metrics.update(distill_metrics)
+        _batch_totals(metrics, ("pg_loss", "entropy_loss", "kl_loss", "teacher_kl_loss"), counts, mask)
         return loss, metrics
 
 

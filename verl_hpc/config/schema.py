@@ -28,6 +28,7 @@ from verl_hpc.config.sections.reward import RewardConfig, RewardModelConfig
 from verl_hpc.config.sections.roles import ActorConfig, CriticConfig, OptimConfig, RefConfig
 from verl_hpc.config.sections.rollout import ReshardingConfig, RolloutConfig
 from verl_hpc.config.sections.safety import SafetyConfig
+from verl_hpc.config.sections.teacher import TeacherConfig
 from verl_hpc.config.sections.tracking import TrackingConfig
 from verl_hpc.config.sections.trainer import CheckpointConfig, SmokeConfig, TrainerConfig
 from verl_hpc.config.sections.vision import VisionConfig
@@ -42,6 +43,8 @@ class JobConfig:
     critic: CriticConfig = section(CriticConfig, "the value model (PPO with GAE)")
     ref: RefConfig = section(RefConfig, "the frozen reference policy (KL terms, the PRM's log-ratio)")
     prm: PrmConfig = section(PrmConfig, "PRIME's implicit process reward model, trained online on the rollouts")
+    teacher: TeacherConfig = section(TeacherConfig, "on-policy distillation: a frozen teacher scores the student's "
+                                                    "sampled tokens (reverse KL as a reward or a loss)")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters on the actor instead of full-parameter training")
     rollout: RolloutConfig = section(RolloutConfig, "the inference engine that generates responses")
     resharding: ReshardingConfig = section(ReshardingConfig, "the weight step from the trainer to the rollout engine")
@@ -119,7 +122,7 @@ __all__ = [
     "AccuracyFilterConfig", "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "FsdpConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "ParallelConfig", "PlacementConfig", "PreferenceConfig", "PrmConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
-    "SafetyConfig", "SlurmConfig", "SmokeConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",
+    "SafetyConfig", "SlurmConfig", "SmokeConfig", "TeacherConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",
 ]
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the Megatron engine's switches; imported where read (no cyc
     from verl_hpc.engines.megatron.kernels import KernelSwitches
 
 HEADS = ("lm", "value")
-ROLES = ("actor", "critic", "ref", "reward", "prm")
+ROLES = ("actor", "critic", "ref", "reward", "prm", "teacher")
 VALUE_HEAD_SEED = 1234  # a value head made fresh (no score weights in the folder) starts from this seed
 
 
@@ -85,12 +85,13 @@ class EngineOptions:
     @classmethod
     def for_role(cls, role: str, *, model, parallel, actor, ref, critic, prm, reward, lora,
                  temperature: float, lora_seed: int, total_steps: int, fp8: Optional[bool] = None,
-                 loss_norm_len: Optional[float] = None, fsdp=None, vision=None) -> "EngineOptions":
-        """The options of `role` (actor, critic, ref, reward, prm) from the job's sections: model,
+                 loss_norm_len: Optional[float] = None, fsdp=None, vision=None, teacher=None) -> "EngineOptions":
+        """The options of `role` (actor, critic, ref, reward, prm, teacher) from the job's sections: model,
         parallel, the roles' own (actor, ref, critic, prm, reward: its reward_model) and lora; and
         temperature: rollout.temperature (the lm heads' log-probs), lora_seed: trainer.seed (the
         adapters' A factors), total_steps: the trainer's steps (the LR decay). fp8: None = model.fp8.
-        fsdp, vision: the fsdp and vision sections (None: their defaults). `engine` is parallel.engine as written; the
+        fsdp, vision: the fsdp and vision sections (None: their defaults); teacher: the teacher section
+        (role teacher only). `engine` is parallel.engine as written; the
         builder resolves auto for the role's folder (verl_hpc/trainer/roles.py)."""
         if role not in ROLES:
             raise ValueError(f"engine role {role!r}; valid: {', '.join(ROLES)}")
@@ -135,6 +136,13 @@ class EngineOptions:
                        share_prompts=actor.share_prompts, **_offload(p),
                        optim=p.optim if trainable else None, micro_batch_size=p.micro_batch_size,
                        max_tokens_per_microbatch=p.max_tokens_per_microbatch, **common)
+        if role == "teacher":  # on-policy distillation: a frozen causal LM of its own folder, batched as the actor
+            if teacher is None or not teacher.model_path:
+                raise ConfigError("teacher.model_path: empty; a teacher role needs the teacher's Hugging Face folder")
+            return cls(model_path=teacher.model_path, head="lm", trainable=False, lora=None,
+                       share_prompts=actor.share_prompts, **_offload(teacher), optim=None,
+                       micro_batch_size=actor.micro_batch_size,
+                       max_tokens_per_microbatch=actor.max_tokens_per_microbatch, **common)
         # a value head never packs prompts (engine.py); "off" says so without asking the cost model
         common["share_prompts"] = "off"
         if role == "critic":

@@ -4,6 +4,7 @@ build_engine(role, cfg, ctx), build_reference(cfg, ctx, actor)):
 
     Actor:       log_probs(batch), update(batch, loss)
     Reference:   log_probs(batch) (LoRA: the actor's engine, adapters off)
+    Teacher:     log_probs(batch) (on-policy distillation: a frozen model of its own folder)
     Critic:      values(batch), update(batch, loss)
     RewardModel: score(batch)
     ProcessRewardModel: log_probs(batch), update(batch, loss)
@@ -174,6 +175,17 @@ class Reference:
         return {"ref_log_probs": out["log_probs"]}
 
 
+class Teacher:
+    """On-policy distillation's teacher: a frozen causal LM of its own folder (teacher.model_path),
+    forward only, giving the log-prob of each token the student sampled (verl_hpc/algorithms/distill.py)."""
+
+    def __init__(self, engine: TrainingEngine):
+        self.engine = engine
+
+    def log_probs(self, batch) -> Dict[str, torch.Tensor]:
+        return {"teacher_log_probs": self.engine.forward(as_engine_batch(batch), ("log_probs",))["log_probs"]}
+
+
 class RewardModel:
     """Frozen value-head model: one score per sequence, from its last token."""
 
@@ -186,7 +198,7 @@ class RewardModel:
 
 
 def wrap_role(role: str, engine: TrainingEngine, role_cfg=None, n: int = 1):
-    """The role object for `role` in {actor, critic, ref, reward, prm} over a built engine.
+    """The role object for `role` in {actor, critic, ref, reward, prm, teacher} over a built engine.
     role_cfg: a trained role's section (actor, critic, prm: its mini-batches and epochs); n: rollout.n."""
     if role == "actor":
         return Actor(engine, role_cfg, n=n)
@@ -194,4 +206,6 @@ def wrap_role(role: str, engine: TrainingEngine, role_cfg=None, n: int = 1):
         return Critic(engine, role_cfg, n=n)
     if role == "prm":
         return ProcessRewardModel(engine, role_cfg, n=n)
+    if role == "teacher":
+        return Teacher(engine)
     return Reference(engine) if role == "ref" else RewardModel(engine)

@@ -20,7 +20,8 @@ from verl_hpc.tracking.values import select
 # names the trainers emit (verl_hpc/trainer: rl.py's step, sft.py); tracking.console_metrics adds more
 KEY_PREFIXES: tuple[str, ...] = (
     "reward/score/mean", "val/", "actor/pg_loss", "actor/kl", "reward/kl", "actor/entropy",
-    "actor/grad_norm", "critic/vf_loss", "prm/auc", "prm/ce_loss", "prm/pairwise_loss", "response_length/mean",
+    "actor/grad_norm", "critic/vf_loss", "prm/auc", "prm/ce_loss", "prm/pairwise_loss", "teacher/kl",
+    "response_length/mean",
     "sft/", "perf/tokens_per_s",
     "timing_s/step", "async/staleness/hist/",
 )

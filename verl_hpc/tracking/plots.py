@@ -55,6 +55,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Process rewards", "reward per token", ("prm/token_reward_mean", "prm/token_reward_std"),
           right=("filter/acc_filtered_share",), right_ylabel="share of groups outside the accuracy band",
           right_ylim=(-0.02, 1.02)),
+    # on-policy distillation: the student's reverse KL to the teacher on its own samples
+    Panel("Distillation", "KL(student || teacher) (nats/token)", ("teacher/kl",)),
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
     Panel("Reward per task", "reward", ("task/*/reward", "val/task/*/reward")),  # data.tasks
     Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with

@@ -1,7 +1,7 @@
 """Who takes part in a run: the tokenizer, the rollout engine and the engine roles, from config.
 
     roles = build_roles(cfg, ctx)
-    roles.actor, roles.ref, roles.critic, roles.reward_model, roles.prm, roles.rollout, roles.tokenizer
+    roles.actor, roles.ref, roles.critic, roles.reward_model, roles.prm, roles.teacher, roles.rollout, roles.tokenizer
 
 Each component below the trainer is built from its own sections (docs/architecture.md): the
 functions here read the job config and hand each builder the sections and values it needs
@@ -11,7 +11,7 @@ give the engine roles).
 Only what the algorithm needs is built: the reference policy iff a KL term or the implicit PRM
 uses it (`ref.enable`, auto), the critic iff the estimator needs values (`critic.enable`, auto:
 gae), the reward model iff `reward.reward_model.enable`, PRIME's implicit PRM iff `prm.enable`
-(auto: the prime estimator). Building is collective: every rank calls this.
+(auto: the prime estimator), the distillation teacher iff `teacher.enable`. Building is collective: every rank calls this.
 
 Order: multi_turn's chat template, tools and environment first (verl_hpc/rollout/agent.py): a job
 whose tools cannot load fails in seconds, before any engine, and with no vLLM engine whose exit
@@ -53,6 +53,7 @@ class Roles:
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None
     prm: Optional[Any] = None  # PRIME's implicit process reward model (trained online)
+    teacher: Optional[Any] = None  # on-policy distillation's frozen teacher (teacher.enable)
     episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
     # every generation's result is handed to this before anyone uses it: the trainer sets the
     # weight step's check (LoRA: the adapter version it used, resharding/adapter_sync.py)
@@ -74,8 +75,8 @@ class Roles:
 
     def trained_engines(self) -> dict:
         """The engines a checkpoint holds, by role name: the actor, (PPO) the critic and (PRIME) the
-        implicit PRM when it trains. The reference, a reward model and a frozen PRM (prm.update =
-        none, no optimizer) are not trained and are rebuilt from their folders."""
+        implicit PRM when it trains. The reference, a reward model, the distillation teacher and a
+        frozen PRM (prm.update = none, no optimizer) are not trained and are rebuilt from their folders."""
         out = {"actor": self.actor.engine}
         if self.critic is not None:
             out["critic"] = self.critic.engine
@@ -84,7 +85,7 @@ class Roles:
         return out
 
     def names(self) -> list:
-        return [n for n in ("actor", "ref", "critic", "reward_model", "prm") if getattr(self, n) is not None]
+        return [n for n in ("actor", "ref", "critic", "reward_model", "prm", "teacher") if getattr(self, n) is not None]
 
 
 def pad_token_id(tokenizer) -> int:
@@ -105,29 +106,30 @@ def load_tokenizer(cfg):
 
 def engine_options(cfg, role: str, *, fp8: Optional[bool] = None, loss_norm_len: Optional[float] = None,
                    total_steps: Optional[int] = None) -> EngineOptions:
-    """The engine options of `role` (actor, critic, ref, reward, prm) of a loaded job config. fp8:
+    """The engine options of `role` (actor, critic, ref, reward, prm, teacher) of a loaded job config. fp8:
     None = model.fp8; total_steps: None = trainer.total_steps (sft/dpo pass the steps the data gives)."""
     return EngineOptions.for_role(
         role, model=cfg.model, parallel=cfg.parallel, actor=cfg.actor, ref=cfg.ref, critic=cfg.critic,
         prm=cfg.prm, reward=cfg.reward, lora=cfg.lora, temperature=cfg.rollout.temperature,
         lora_seed=cfg.trainer.seed, total_steps=total_steps or cfg.trainer.total_steps, fp8=fp8,
-        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp, vision=cfg.vision)
+        loss_norm_len=loss_norm_len, fsdp=cfg.fsdp, vision=cfg.vision, teacher=cfg.teacher)
 
 
 # the field that names each role's model folder (the engine choice and its errors name it)
 MODEL_FIELDS = {"actor": "model.path", "ref": "model.path", "critic": "critic.model_path",
-                "reward": "reward.reward_model.path", "prm": "prm.model_path"}
+                "reward": "reward.reward_model.path", "prm": "prm.model_path", "teacher": "teacher.model_path"}
 
 
 def build_engine(role: str, cfg, ctx=None, **kwargs):
-    """The role object for `role` in {actor, critic, ref, reward, prm} on the engine that
-    parallel.engine picks for the role's model folder (verl_hpc.config.sections.fsdp.choose_engine:
+    """The role object for `role` in {actor, critic, ref, reward, prm, teacher} on the engine that
+    parallel.engine picks for the role's model folder (the teacher: teacher.engine, by default the actor's) (verl_hpc.config.sections.fsdp.choose_engine:
     Megatron's engines/megatron/roles.py build_role, or the FSDP engine); collective: call on every
     rank. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
     options = engine_options(cfg, role, **kwargs)
     field = MODEL_FIELDS[role]
-    options = dataclasses.replace(options, engine=choose_engine(cfg.parallel.engine, options.model_path,
-                                                                cfg.parallel, field))
+    engine = (cfg.teacher.engine_for(cfg) if role == "teacher" else
+              choose_engine(cfg.parallel.engine, options.model_path, cfg.parallel, field))
+    options = dataclasses.replace(options, engine=engine)
     role_cfg = {"actor": cfg.actor, "critic": cfg.critic, "prm": cfg.prm}.get(role)
     if options.engine == "fsdp":
         from verl_hpc.engines.fsdp import FsdpEngine
@@ -167,12 +169,13 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
+        teacher = build_engine("teacher", cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:
             from verl_hpc.rollout.agent import build_episode_runner
 
             episodes = build_episode_runner(episode_options(cfg), ctx, rollout, parts)
         on_error.pop_all()  # all built: the engine (and the episode runner) stay open for the caller
-    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, episodes=episodes)
+    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, teacher=teacher, episodes=episodes)
     if ctx.rank == 0:
         lora = cfg.lora
         log.info("roles: %s; rollout: %s%s", ", ".join(roles.names()), cfg.rollout.engine,

@@ -10,7 +10,7 @@ prompts and broadcasts them); the engines split rows over data-parallel ranks in
 One step: (1) the rollout phase: if the rollout's weights are stale, wake its weights, sync
 the actor's into them (the actor resident until the rollout has loaded the last bucket), then wake
 its KV cache; generate, score, filter; (2) the rollout to sleep; (3) old log-probs, reference
-log-probs, (PRIME) the implicit PRM's rewards and update, values, advantages, critic update, actor
+log-probs, (on-policy distillation) the teacher's log-probs, (PRIME) the implicit PRM's rewards and update, values, advantages, critic update, actor
 update: the rollout's weights are now stale. In PRIME's warm-up steps (prm.warmup_steps) only the
 PRM trains.
 The sync is lazy (trainer/stages/rollout_weights.py): it runs right before the weights are next needed (the
@@ -39,6 +39,7 @@ import logging
 from typing import Dict
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
+from verl_hpc.algorithms.distill import teacher_metrics
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.trainer.stages.rollout_weights import weight_sync_from_config
@@ -94,9 +95,9 @@ class RLTrainer(StepProgram):
                                    source=self.placement.source)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
-        self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl, cfg.prm)
+        self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl, cfg.prm, cfg.teacher)
         self.prm_stage = PrmStage(cfg, self.roles.prm) if self.roles.prm is not None else None
-        self.policy_loss = PolicyObjective.from_config(cfg.actor)
+        self.policy_loss = PolicyObjective.from_config(cfg.actor, cfg.teacher)  # teacher.mode = loss: its term
         self.on_policy_loss = dataclasses.replace(self.policy_loss, old_from_update=True)
         self._logged_path = None
         self.value_loss = ValueObjective.from_config(cfg.critic)
@@ -133,6 +134,11 @@ class RLTrainer(StepProgram):
         if r.ref is not None:
             with timer("ref"):
                 batch.fill(r.ref.log_probs(batch))  # ref_log_probs
+        if r.teacher is not None and not warmup:  # on-policy distillation: the teacher scores the student's tokens
+            with timer("teacher"):
+                batch.fill(r.teacher.log_probs(batch))  # teacher_log_probs
+            tm = teacher_metrics(batch.old_log_probs, batch.teacher_log_probs, batch.mask)
+            m.update({f"teacher/{k}": v for k, v in tm.items()})
         if self.prm_stage is not None:
             m.update(self.prm_stage(batch, timer))  # process_rewards; the PRM's update (prm.update)
         if warmup:

@@ -11,6 +11,10 @@ With the implicit PRM (prm.enable) the step also has dense process rewards: the 
 baselines them apart from the outcome (algorithms/prime.py); any other estimator takes
 prm.outcome_coef x token_scores + prm.process_coef x process_rewards as its token rewards (the
 process reward under GRPO, say: the group then compares outcome plus implicit score).
+
+With on-policy distillation in reward mode (teacher.enable, teacher.mode = reward) the estimator's
+advantages then get teacher.coef x -(log pi_old - log pi_teacher) added per token
+(verl_hpc/algorithms/distill.py): a dense advantage of its own, not a reward the estimator baselines.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from verl_hpc.algorithms import apply_kl_penalty, compute_advantages
+from verl_hpc.algorithms.distill import mix_advantages
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.recipes import SUM_PI_SQUARED_ESTIMATORS
 
@@ -70,10 +75,13 @@ def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor
 
 class AdvantageStage:
     """The step's advantage computation with its settings (the `algorithm` section; the `prm`
-    section's coefficients) and the KL controller (owned by the trainer: it is checkpointed with it)."""
+    section's coefficients; the `teacher` section's mode and coefficient) and the KL controller (owned
+    by the trainer: it is checkpointed with it)."""
 
-    def __init__(self, algorithm_cfg, kl_ctrl, prm_cfg=None):
+    def __init__(self, algorithm_cfg, kl_ctrl, prm_cfg=None, teacher_cfg=None):
         self.cfg, self.kl_ctrl, self.prm = algorithm_cfg, kl_ctrl, prm_cfg
+        t = teacher_cfg
+        self.distill_coef = t.coef if t is not None and t.enable and t.mode == "reward" else 0.0
 
     def __call__(self, batch) -> Dict[str, float]:
         scores, process = batch.token_scores, batch.process_rewards
@@ -83,4 +91,9 @@ class AdvantageStage:
         batch.advantages, batch.returns = advantages(self.cfg, batch.rewards, batch.response_mask,
                                                      batch.group_ids, batch.values, batch.baselines,
                                                      process, self.prm, batch=batch)
+        if self.distill_coef:
+            if batch.teacher_log_probs is None or batch.old_log_probs is None:
+                raise ConfigError("teacher.mode = reward needs the teacher's and pi_old's log-probs in the batch")
+            batch.advantages = mix_advantages(batch.advantages, batch.old_log_probs, batch.teacher_log_probs,
+                                              batch.response_mask, self.distill_coef)
         return metrics

@@ -40,6 +40,7 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
         (f"{len(batch)} sequences > one mini-batch of {mini}", len(batch) > mini),
         ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
+        ("teacher.enable: teacher/kl (and in reward mode the advantages) read pi_old", cfg.teacher.enable),
         ("actor.policy_loss=m2po: its mask is a statistic of the whole batch's pi_old", a.policy_loss == "m2po"),
         (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the advantages read pi_old and its sum_v pi_v^2",
          cfg.algorithm.adv_estimator in SUM_PI_SQUARED_ESTIMATORS),

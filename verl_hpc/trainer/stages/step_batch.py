@@ -13,7 +13,7 @@ import torch
 
 # the per-token tensors an engine role or objective reads, under the engines' key names
 ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights",
-                 "m2po_keep")
+                 "m2po_keep", "teacher_log_probs")
 
 
 @dataclasses.dataclass
@@ -34,7 +34,8 @@ class StepBatch:
         which select rows of every field.
     Filled by the engine roles: old_log_probs and entropy (actor, before the update; with the
         optimal-token-baseline estimators also sum_pi_squared [B, T], sum_v pi_v^2 per token),
-        ref_log_probs (reference policy), values (critic).
+        ref_log_probs (reference policy), values (critic), teacher_log_probs (on-policy distillation's
+        teacher: the log-prob of each sampled token under it).
     Filled by the implicit PRM (trainer/stages/prm_stage.py, PRIME): process_rewards [B, T] (its dense
         token rewards, as the step trains on them: prm.granularity, prm.reward_norm).
     Filled by the mismatch correction (trainer/stages/correction.py): rollout_is_weights [B, T] (per-token
@@ -42,9 +43,10 @@ class StepBatch:
         (policy_loss m2po: the whole batch's second-moment mask).
     Filled by the advantage stage (trainer/stages/advantage.py): rewards (token_scores, with the PRM's
         process rewards added for estimators other than prime, minus the KL penalty when
-        algorithm.use_kl_in_reward), advantages, returns.
+        algorithm.use_kl_in_reward), advantages (teacher.mode = reward: + the distillation advantage), returns.
     Read by the updates: the actor's objective reads old_log_probs, advantages, ref_log_probs;
-        the critic's values, returns (see verl_hpc.algorithms.objectives).
+        teacher_log_probs (teacher.mode = loss); the critic's values, returns (see
+        verl_hpc.algorithms.objectives).
     """
 
     input_ids: torch.Tensor
@@ -66,6 +68,7 @@ class StepBatch:
     entropy: Optional[torch.Tensor] = None
     sum_pi_squared: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     process_rewards: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None
