@@ -1,0 +1,67 @@
+"""On-policy distillation through the user's entry point (one rank in this process, tests/jobs.py):
+a GRPO job with a teacher (a bigger tiny model of the student's tokenizer) runs in either mode and
+logs teacher/kl, the mean reverse KL per token, every step; in loss mode the actor's own term on
+one on-policy mini-batch is that same KL. A teacher with another tokenizer stops the job in one
+`error:` line naming both folders."""
+import math
+import shutil
+
+import pytest
+
+from jobs import logs, metrics, run_here, small
+
+
+@pytest.fixture(scope="module")
+def teachers(tiny_assets, tmp_path_factory):
+    """(a teacher sharing the student's tokenizer, a model with another tokenizer)."""
+    from verl_hpc.models.tiny import make_tiny_model, train_tokenizer
+
+    root = tmp_path_factory.mktemp("teachers")
+    teacher = make_tiny_model(root / "teacher", "llama", layers=3, seed=1)
+    stranger = root / "stranger"
+    shutil.copytree(teacher, stranger)
+    for f in stranger.glob("*token*"):
+        f.unlink()
+    train_tokenizer(vocab_size=480, seed=1).save_pretrained(stranger)
+    return teacher, stranger
+
+
+def _run(tiny_assets, out, teacher, *extra):
+    return run_here("configs/demo_rl.yaml", out, *small(tiny_assets, "algorithm.recipe=grpo", "rollout.n=2",
+                                                        "teacher.enable=true", f"teacher.model_path={teacher}",
+                                                        *extra))
+
+
+def test_reward_mode_job_logs_teacher_kl_every_step(tiny_assets, teachers, tmp_path):
+    proc, summary = _run(tiny_assets, tmp_path / "out", teachers[0], "teacher.coef=0.5")
+    assert proc.returncode == 0, logs(proc, tmp_path / "out")
+    rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
+    assert summary["steps"] == 3 and len(rows) == 3
+    for r in rows:
+        assert math.isfinite(r["teacher/kl"]) and r["teacher/kl"] != 0, r
+        assert r["teacher/log_prob_mean"] < 0 and "timing_s/teacher" in r and "actor/pg_loss" in r
+        assert "actor/teacher_kl_loss" not in r  # reward mode: no loss term
+    assert "roles: actor, teacher" in proc.stderr + proc.stdout
+
+
+def test_loss_mode_term_is_the_logged_kl_on_policy(tiny_assets, teachers, tmp_path):
+    # one mini-batch of the step's 4 x 2 sequences: the update's first forward is pi_old's
+    proc, _ = _run(tiny_assets, tmp_path / "out", teachers[0], "teacher.mode=loss", "teacher.coef=0.5",
+                   "trainer.total_steps=2", "actor.ppo_mini_batch_size=4")
+    assert proc.returncode == 0, logs(proc, tmp_path / "out")
+    rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
+    assert len(rows) == 2
+    for r in rows:
+        kl, term = r["teacher/kl"], r["actor/teacher_kl_loss"]
+        assert math.isfinite(kl) and kl != 0
+        assert abs(term - kl) <= 1e-4 * max(1.0, abs(kl)), (term, kl)
+
+
+def test_a_teacher_with_another_tokenizer_stops_the_job_in_one_line(tiny_assets, teachers, tmp_path):
+    proc, _ = _run(tiny_assets, tmp_path / "out", teachers[1])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "teacher.model_path: the teacher's tokenizer" in errors[0]
+    assert str(teachers[1]) in errors[0] and f"{tiny_assets}/model" in errors[0]
+    assert "Traceback" not in proc.stderr
