@@ -1,19 +1,22 @@
 """On-policy distillation through the user's entry point (one rank in this process, tests/jobs.py):
 a GRPO job with a teacher (a bigger tiny model of the student's tokenizer) runs in either mode and
 logs teacher/kl, the mean reverse KL per token, every step; in loss mode the actor's own term on
-one on-policy mini-batch is that same KL. A teacher with another tokenizer stops the job in one
-`error:` line naming both folders."""
+one on-policy mini-batch is that same KL; a run with a teacher resumes bitwise (the teacher is not
+in the checkpoint, only its folder's fingerprint), and a resume with another teacher is refused. A
+teacher with another tokenizer stops the job in one `error:` line naming both folders."""
 import math
 import shutil
 
 import pytest
 
-from jobs import logs, metrics, run_here, small
+import torch
+
+from jobs import logs, metrics, read_all, run_here, small, stable_metrics
 
 
 @pytest.fixture(scope="module")
 def teachers(tiny_assets, tmp_path_factory):
-    """(a teacher sharing the student's tokenizer, a model with another tokenizer)."""
+    """(a teacher sharing the student's tokenizer, a model with another tokenizer, another teacher)."""
     from verl_hpc.models.tiny import make_tiny_model, train_tokenizer
 
     root = tmp_path_factory.mktemp("teachers")
@@ -23,7 +26,7 @@ def teachers(tiny_assets, tmp_path_factory):
     for f in stranger.glob("*token*"):
         f.unlink()
     train_tokenizer(vocab_size=480, seed=1).save_pretrained(stranger)
-    return teacher, stranger
+    return teacher, stranger, make_tiny_model(root / "other", "llama", layers=3, seed=2)
 
 
 def _run(tiny_assets, out, teacher, *extra):
@@ -65,3 +68,31 @@ def test_a_teacher_with_another_tokenizer_stops_the_job_in_one_line(tiny_assets,
     assert "teacher.model_path: the teacher's tokenizer" in errors[0]
     assert str(teachers[1]) in errors[0] and f"{tiny_assets}/model" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_is_bitwise_with_a_teacher_and_another_teacher_is_refused(tiny_assets, teachers, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    proc, _ = _run(tiny_assets, straight, teachers[0])
+    assert proc.returncode == 0, logs(proc, straight)
+    proc, _ = _run(tiny_assets, split, teachers[0], "trainer.total_steps=1", "checkpoint.save_every=1")
+    assert proc.returncode == 0, logs(proc, split)
+    proc, s = _run(tiny_assets, split, teachers[0])
+    assert proc.returncode == 0 and s["resumed_from"] == 1, logs(proc, split)
+    a, b = read_all(straight / "checkpoints"), read_all(split / "checkpoints")
+    assert sorted(a) == sorted(b) and not any(n.startswith("teacher") for n in a)  # frozen: not saved
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+    first = read_all(split / "checkpoints" / "step_000001")
+    assert any(not torch.equal(first[n], a[n]) for n in a if n.startswith("actor/model/")), "weights never moved"
+    # mem_*: this process's memory, which the earlier in-process jobs moved
+    same = lambda rows: [{k: v for k, v in r.items() if not k.startswith("mem_")} for r in rows]  # noqa: E731
+    assert same(stable_metrics(straight)) == same(stable_metrics(split))
+    from verl_hpc.checkpoint import read_metadata
+
+    record = read_metadata(split / "checkpoints")["trainer_state"]["teacher"]
+    assert record["path"] == str(teachers[0]) and len(record["fingerprint"]) == 64
+    # the same checkpoint resumed with another teacher: refused, naming the field and both folders
+    proc, _ = _run(tiny_assets, split, teachers[2], "trainer.total_steps=4")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"the checkpoint was trained with the teacher at {teachers[0]}" in errors[0]
+    assert f"teacher.model_path = {teachers[2]}" in errors[0]

@@ -19,7 +19,7 @@ the step finds the rollout asleep.
 
 The step's pieces: trainer/stages/rollout_weights.py (lazy sync, staged wake), trainer/stages/sampling.py
 (generate, score, group filters), trainer/stages/step_batch.py (the typed batch the stages fill),
-trainer/stages/prm_stage.py (PRIME's implicit PRM), trainer/stages/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
+trainer/stages/prm_stage.py (PRIME's implicit PRM), trainer/stages/teacher_stage.py (on-policy distillation), trainer/stages/advantage.py (KL in reward, advantages), verl_hpc.algorithms.objectives (the losses the
 actor and critic updates minimise). The loop is every program's (trainer/programs/base.py: StepProgram.fit): after each step the hooks run
 in this order (trainer/hooks/base.py): validation, task weights, rollback (RLTrainer.extra_hooks), then
 log, checkpoint, stop rule, preemption. Where generation runs (placement.mode) is an object chosen
@@ -39,7 +39,6 @@ import logging
 from typing import Dict
 
 from verl_hpc.algorithms import PolicyObjective, ValueObjective, make_kl_controller
-from verl_hpc.algorithms.distill import teacher_metrics
 from verl_hpc.data import PromptLoader, load_val_dataset
 from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.trainer.stages.rollout_weights import weight_sync_from_config
@@ -52,6 +51,7 @@ from verl_hpc.trainer.hooks.guard import NonFiniteGuard
 from verl_hpc.trainer.placement import choose
 from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer
 from verl_hpc.trainer.stages.prm_stage import PrmStage
+from verl_hpc.trainer.stages.teacher_stage import TeacherRecord, TeacherStage
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.hooks.rollback import RollbackGuard, RollbackHook, apply_lr_factor
 from verl_hpc.trainer.hooks.safety import SafetySwitches
@@ -97,6 +97,7 @@ class RLTrainer(StepProgram):
         self.kl_ctrl = make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.advantage = AdvantageStage(cfg.algorithm, self.kl_ctrl, cfg.prm, cfg.teacher)
         self.prm_stage = PrmStage(cfg, self.roles.prm) if self.roles.prm is not None else None
+        self.teacher_stage = TeacherStage(self.roles.teacher) if self.roles.teacher is not None else None
         self.policy_loss = PolicyObjective.from_config(cfg.actor, cfg.teacher)  # teacher.mode = loss: its term
         self.on_policy_loss = dataclasses.replace(self.policy_loss, old_from_update=True)
         self._logged_path = None
@@ -108,7 +109,9 @@ class RLTrainer(StepProgram):
         self.task_weights = TaskWeightScheduler.from_config(d)  # None without data.tasks
         self.rollback = RollbackGuard(cfg, ctx)  # falsy unless trainer.rollback.enable
         states = {"loader": self.placement.checkpoint_state(self.loader), "kl_ctrl": self.kl_ctrl,
-                  "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback}
+                  "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback,
+                  # frozen: named by folder and fingerprint, never saved (trainer/stages/teacher_stage.py)
+                  "teacher": TeacherRecord(cfg.teacher.model_path) if self.roles.teacher is not None else None}
         self.checkpointer = make_checkpointer(
             cfg, ctx, engines=self.roles.trained_engines(), states={k: v for k, v in states.items() if v is not None},
             fmt=FORMAT, total_steps=self.total_steps,
@@ -134,11 +137,8 @@ class RLTrainer(StepProgram):
         if r.ref is not None:
             with timer("ref"):
                 batch.fill(r.ref.log_probs(batch))  # ref_log_probs
-        if r.teacher is not None and not warmup:  # on-policy distillation: the teacher scores the student's tokens
-            with timer("teacher"):
-                batch.fill(r.teacher.log_probs(batch))  # teacher_log_probs
-            tm = teacher_metrics(batch.old_log_probs, batch.teacher_log_probs, batch.mask)
-            m.update({f"teacher/{k}": v for k, v in tm.items()})
+        if self.teacher_stage is not None and not warmup:  # on-policy distillation: the teacher scores the samples
+            m.update(self.teacher_stage(batch, timer))  # teacher_log_probs; teacher/kl
         if self.prm_stage is not None:
             m.update(self.prm_stage(batch, timer))  # process_rewards; the PRM's update (prm.update)
         if warmup:
