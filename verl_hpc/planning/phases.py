@@ -47,9 +47,10 @@ from verl_hpc.planning.rollout import adapter_slot_rank, kv_capacity, rollout_by
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import ActivationSetup, Precision, cp_tokens
 
-PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob", "update_prm",
+PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "teacher_logprob",
+          "prm_logprob", "update_prm",
           "values", "update_critic", "update_actor", "checkpoint", "rollback")
-COMPONENTS = ("actor", "critic", "ref", "prm", "activations", "logits", "gathered", "vllm", "resharding",
+COMPONENTS = ("actor", "critic", "ref", "prm", "teacher", "activations", "logits", "gathered", "vllm", "resharding",
               "nccl", "overhead")
 ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
 # a split job's training ranks: no vLLM to start or to generate with
@@ -334,6 +335,8 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         "rollout": row({}, {}, budget),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle),
         "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm", "ref"), vllm_idle),
+        # on-policy distillation: the teacher's forward, batched as the actor's
+        "teacher_logprob": row({"teacher": "forward"}, forward_working(cfg.actor, "lm", "teacher"), vllm_idle),
         # PRIME: the PRM's forward (its rewards, before and after its update) and its update
         "prm_logprob": row({"prm": "forward"}, forward_working(cfg.prm, "lm", "prm"), vllm_idle),
         "update_prm": row({"prm": "train"}, activations(cfg.prm, "lm", "prm"), vllm_idle),
@@ -351,6 +354,8 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         del table["ref_logprob"]
     elif "ref" not in roles:  # LoRA: the reference is the actor's own base, adapters off
         table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle)
+    if "teacher" not in roles:
+        del table["teacher_logprob"]
     if "critic" not in roles:
         del table["values"], table["update_critic"]
     if "prm" not in roles:

@@ -51,7 +51,8 @@ class RoleState:
 
 # the role -> (its section's attribute, head, model path field) of a job config
 ROLE_FIELDS = {"actor": ("model.path", "lm"), "ref": ("model.path", "lm"),
-               "critic": ("critic.model_path", "value"), "prm": ("prm.model_path", "lm")}
+               "critic": ("critic.model_path", "value"), "prm": ("prm.model_path", "lm"),
+               "teacher": ("teacher.model_path", "lm")}
 
 
 @dataclasses.dataclass
@@ -82,9 +83,15 @@ def _offload_flags(role_cfg) -> Dict[str, bool]:
             "optimizer": getattr(role_cfg, "optimizer_offload", False)}
 
 
+def _teacher_engine(cfg) -> str:
+    """teacher.engine, with `actor` the engine the actor's folder gets (as the trainer builds it)."""
+    return role_engine(cfg, cfg.model.path) if cfg.teacher.engine == "actor" else cfg.teacher.engine
+
+
 def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: ActivationSetup,
                allow_known: bool, gpu: bool, microbatch_shape) -> PlannedRoles:
-    """Every role this job builds (the reference only when no LoRA: then it is the actor's base)."""
+    """Every role this job builds (the reference only when no LoRA: then it is the actor's base;
+    the distillation teacher, frozen, with its own folder's shape)."""
     par, lora = cfg.parallel, cfg.lora
     tp, pp, vpp = par.tp, par.pp, par.vpp or 0
     # the distributed optimizer shards over Megatron's dp x cp group (CP ranks hold replicas)
@@ -96,12 +103,14 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
         wanted["ref"] = (cfg.ref, False, cfg.model.path)
     if cfg.trainer.job == "rl" and cfg.prm.enable:
         wanted["prm"] = (cfg.prm, cfg.prm.update != "none", cfg.prm.model_path)
+    if cfg.trainer.job == "rl" and cfg.teacher.enable and cfg.teacher.model_path:
+        wanted["teacher"] = (cfg.teacher, False, cfg.teacher.model_path)
     out = PlannedRoles({}, {}, {}, {}, {}, lambda *a: {}, 0)
     mega_layers = {}
     for name, (role_cfg, trainable, path) in wanted.items():
         field, head = ROLE_FIELDS[name]
         path = path or cfg.model.path
-        engine = out.engines[name] = role_engine(cfg, path, field)
+        engine = out.engines[name] = _teacher_engine(cfg) if name == "teacher" else role_engine(cfg, path, field)
         out.trained[name] = trainable
         same = path == cfg.model.path
         off = _offload_flags(role_cfg)
@@ -145,7 +154,8 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
 
 def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precision, setup: ActivationSetup,
              microbatch_shape):
-    """A Megatron role's activations are counted on the actor's shape and layers on this stage."""
+    """A Megatron role's activations are counted on the actor's shape and layers on this stage; the
+    distillation teacher's forward on its own shape (it may be much larger than the student)."""
     par = cfg.parallel
     tp, pp, vpp = par.tp, par.pp, par.vpp or 0
     last = stage == pp - 1
@@ -157,10 +167,11 @@ def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precis
             return fr.working(s, b, train)
         s = cp_tokens(s, par.cp)  # context parallel: this rank's share of each row
         layers = roles.actor_layers
-        vocab = padded_vocab_size(arch.vocab_size, tp)
-        logits = logits_bytes(arch, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
+        a = roles.archs.get(name, arch) if name == "teacher" else arch
+        vocab = padded_vocab_size(a.vocab_size, tp)
+        logits = logits_bytes(a, s * b, tp, prec.act_bytes, head, vocab) if last else 0.0
         if not train:  # no_grad: nothing is saved; one layer's intermediates and the logits
-            one = stage_activation_bytes(arch, 1, s, b, prec.act_bytes,
+            one = stage_activation_bytes(a, 1, s, b, prec.act_bytes,
                                          dataclasses.replace(setup, recompute="none"))["saved"]
             return {"activations": one, "logits": logits}
         acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)

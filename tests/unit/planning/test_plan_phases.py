@@ -27,9 +27,10 @@ def actor_parts(plan_cfg):
 
 
 def test_phases_follow_the_agreed_step_order():
-    assert PHASES == ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "prm_logprob",
-                      "update_prm", "values", "update_critic", "update_actor", "checkpoint", "rollback")
-    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), [*ROLLBACK, "prm.enable=true"]))
+    assert PHASES == ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "teacher_logprob",
+                      "prm_logprob", "update_prm", "values", "update_critic", "update_actor", "checkpoint", "rollback")
+    teacher = ["teacher.enable=true", "teacher.mode=loss", "teacher.model_path=/path/to/Meta-Llama-3-70B-Instruct"]
+    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), [*ROLLBACK, "prm.enable=true", *teacher]))
     assert list(plan.table) == list(PHASES)  # printed in run order
 
 

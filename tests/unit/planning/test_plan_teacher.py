@@ -1,0 +1,52 @@
+"""The memory plan with an on-policy distillation teacher: frozen weights of its own folder's shape
+in its own column (a 70B teacher of an 8B student holds the 70B's weights), its forward as a phase,
+nothing in the checkpoint, host memory while idle with teacher.param_offload, and `python -m
+verl_hpc.plan` printing it."""
+from verl_hpc.config import load_config
+from verl_hpc.plan import main as plan_main
+from verl_hpc.planning import plan_job
+from verl_hpc.planning.model_shape import known_arch, stage_params
+from verl_hpc.planning.training import Precision, model_state_bytes
+
+RESIDENT = ["actor.param_offload=false", "actor.grad_offload=false", "actor.optimizer_offload=false"]
+
+
+def _teacher(path, *extra):
+    return load_config("configs/grpo_8b.yaml", [*RESIDENT, "teacher.enable=true", f"teacher.model_path={path}",
+                                                *extra])
+
+
+def _weights(plan, name):
+    """The frozen model's bytes on the plan's stage (TP 2), by hand."""
+    params = stage_params(known_arch(name), 2, 1, plan.stage, "lm")
+    return model_state_bytes(params, Precision.of("bfloat16"), trainable=False, dp=4,
+                             distributed_optimizer=True)["weights"]
+
+
+def test_a_teacher_holds_its_own_models_weights_and_has_its_phase():
+    plain = plan_job(load_config("configs/grpo_8b.yaml", RESIDENT))
+    assert "teacher_logprob" not in plain.table and all(r["teacher"] == 0 for r in plain.table.values())
+    same = plan_job(_teacher("/path/to/Meta-Llama-3-8B-Instruct"))
+    big = plan_job(_teacher("/path/to/Meta-Llama-3-70B-Instruct"))
+    for plan, name in ((same, "llama-3-8b"), (big, "llama-3-70b")):
+        t = plan.table
+        assert t["teacher_logprob"]["teacher"] == _weights(plan, name) > 1e9
+        assert t["update_actor"]["teacher"] == t["teacher_logprob"]["teacher"]  # not offloaded: it stays
+        assert plan.peak - plain.peak >= _weights(plan, name)
+    assert big.table["teacher_logprob"]["teacher"] > 8 * same.table["teacher_logprob"]["teacher"]
+    # frozen: the checkpoint holds nothing of it
+    assert same.host["checkpoint"] == plain.host["checkpoint"]
+
+
+def test_offload_empties_the_teacher_while_idle():
+    plan = plan_job(_teacher("/path/to/Meta-Llama-3-70B-Instruct", "teacher.param_offload=true"))
+    t = plan.table
+    assert t["update_actor"]["teacher"] == 0 and t["rollout"]["teacher"] == 0
+    assert t["teacher_logprob"]["teacher"] == _weights(plan, "llama-3-70b")
+
+
+def test_the_plan_cli_prints_the_teacher(capsys):
+    plan_main(["configs/grpo_8b.yaml", *RESIDENT, "teacher.enable=true",
+               "teacher.model_path=/path/to/Meta-Llama-3-70B-Instruct", "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    assert "teacher_logprob" in out and "teacher" in out.split("\n", 3)[-1]
