@@ -88,7 +88,7 @@ def test_resume_is_bitwise_with_a_teacher_and_another_teacher_is_refused(tiny_as
     assert same(stable_metrics(straight)) == same(stable_metrics(split))
     from verl_hpc.checkpoint import read_metadata
 
-    record = read_metadata(split / "checkpoints")["trainer_state"]["teacher"]
+    record = read_metadata(split / "checkpoints")["trainer_state"]["teacher"]["teacher.model_path"]
     assert record["path"] == str(teachers[0]) and len(record["fingerprint"]) == 64
     # the same checkpoint resumed with another teacher: refused, naming the field and both folders
     proc, _ = _run(tiny_assets, split, teachers[2], "trainer.total_steps=4")

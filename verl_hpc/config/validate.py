@@ -83,11 +83,12 @@ def _models(cfg: JobConfig) -> List[str]:
     if cfg.trainer.job == "rl" and cfg.prm.wanted(cfg) and prm and prm != cfg.model.path:
         p += _model(cfg, prm, "prm.model_path")  # the PRM is built in the training layout too
     teacher = cfg.teacher
-    if teacher.enable and cfg.trainer.job == "rl" and teacher.model_path:
-        folder = teacher.folder_problems(cfg)  # the folder and its tokenizer first: its shape means little else
+    if teacher.enable and cfg.trainer.job == "rl":
+        folder = teacher.folder_problems(cfg)  # the folders and their tokenizers first: shapes mean little else
         p += folder
-        if not folder and teacher.model_path != cfg.model.path:
-            p += _model(cfg, teacher.model_path, "teacher.model_path")  # in the training layout too
+        for field, path in ({} if folder else teacher.folders()).items():
+            if path != cfg.model.path:
+                p += _model(cfg, path, field)  # in the training layout too
     return p
 
 

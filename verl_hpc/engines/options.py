@@ -137,8 +137,9 @@ class EngineOptions:
                        optim=p.optim if trainable else None, micro_batch_size=p.micro_batch_size,
                        max_tokens_per_microbatch=p.max_tokens_per_microbatch, **common)
         if role == "teacher":  # on-policy distillation: a frozen causal LM of its own folder, batched as the actor
-            if teacher is None or not teacher.model_path:
-                raise ConfigError("teacher.model_path: empty; a teacher role needs the teacher's Hugging Face folder")
+            if teacher is None:
+                raise ConfigError("a teacher role needs the teacher section (teacher.model_path)")
+            # teacher.model_path; the builder puts in each folder of teacher.by_data_source
             return cls(model_path=teacher.model_path, head="lm", trainable=False, lora=None,
                        share_prompts=actor.share_prompts, **_offload(teacher), optim=None,
                        micro_batch_size=actor.micro_batch_size,

@@ -120,12 +120,16 @@ MODEL_FIELDS = {"actor": "model.path", "ref": "model.path", "critic": "critic.mo
                 "reward": "reward.reward_model.path", "prm": "prm.model_path", "teacher": "teacher.model_path"}
 
 
-def build_engine(role: str, cfg, ctx=None, **kwargs):
+def build_engine(role: str, cfg, ctx=None, *, model_path: Optional[str] = None, **kwargs):
     """The role object for `role` in {actor, critic, ref, reward, prm, teacher} on the engine that
-    parallel.engine picks for the role's model folder (the teacher: teacher.engine, by default the actor's) (verl_hpc.config.sections.fsdp.choose_engine:
-    Megatron's engines/megatron/roles.py build_role, or the FSDP engine); collective: call on every
-    rank. kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
+    parallel.engine picks for the role's model folder (verl_hpc.config.sections.fsdp.choose_engine;
+    the teacher: teacher.engine, by default the actor's): Megatron's engines/megatron/roles.py
+    build_role, or the FSDP engine; collective: call on every rank. model_path: another folder than
+    the role's field names (a teacher of teacher.by_data_source); kwargs: fp8, loss_norm_len,
+    total_steps (see engine_options)."""
     options = engine_options(cfg, role, **kwargs)
+    if model_path:
+        options = dataclasses.replace(options, model_path=model_path)
     field = MODEL_FIELDS[role]
     engine = (cfg.teacher.engine_for(cfg) if role == "teacher" else
               choose_engine(cfg.parallel.engine, options.model_path, cfg.parallel, field))
@@ -145,6 +149,16 @@ def build_reference(cfg, ctx, actor, build=None) -> Reference:
     if cfg.lora.enabled:
         return Reference(actor.engine)
     return (build or build_engine)("ref", cfg, ctx)
+
+
+def build_teachers(cfg, ctx=None):
+    """On-policy distillation's teachers (verl_hpc/trainer/stages/teacher_stage.py Teachers): one
+    frozen engine per distinct folder of teacher.model_path and teacher.by_data_source, each row
+    routed to its data_source's teacher. Collective: every rank builds them in the same order."""
+    from verl_hpc.trainer.stages.teacher_stage import Teachers
+
+    folders = list(dict.fromkeys(cfg.teacher.folders().values()))
+    return Teachers({f: build_engine("teacher", cfg, ctx, model_path=f) for f in folders}, cfg.teacher)
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
@@ -169,7 +183,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_engine("reward", cfg, ctx) if cfg.reward.reward_model.enable else None
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
-        teacher = build_engine("teacher", cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
+        teacher = build_teachers(cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:
             from verl_hpc.rollout.agent import build_episode_runner
 

@@ -97,3 +97,18 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line_naming_both(fol
 def test_a_missing_teacher_folder_is_named():
     found = problems(*ON, check_model=True)
     assert "teacher.model_path: no such folder '/teacher'" in found
+
+
+def test_several_teachers_by_data_source(folders):
+    student, teacher, stranger = folders
+    cfg = load_config(None, [*BASE, *SHORT, f"model.path={student}", "teacher.enable=true",
+                             f"teacher.by_data_source={{code: {teacher}}}"])
+    validate(cfg, check_model=True)  # no default teacher: every source must then be listed (checked on the data)
+    assert cfg.teacher.folder_of("code") == str(teacher) and cfg.teacher.folder_of("math") == ""
+    assert problems("teacher.enable=true", "teacher.by_data_source={code: ''}")[0].startswith(
+        "teacher.by_data_source.code: empty folder")
+    found = problems(*SHORT, f"model.path={student}", "teacher.enable=true", f"teacher.model_path={teacher}",
+                     f"teacher.by_data_source={{code: {stranger}, math: /nowhere}}", check_model=True)
+    assert len(found) == 2, found
+    assert found[0].startswith(f"teacher.by_data_source.code: the teacher's tokenizer ({stranger})")
+    assert found[1] == "teacher.by_data_source.math: no such folder '/nowhere'"

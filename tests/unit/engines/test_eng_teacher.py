@@ -50,3 +50,60 @@ def test_teacher_log_probs_equal_float64_transformers(one_rank_world, folders, e
     assert float((hf_forward64(student, batch, TEMPERATURE)[0] - want).abs().max()) > 100 * LOGP_TOL
     resident = _teacher(student, teacher, engine).log_probs(batch)["teacher_log_probs"]
     assert torch.equal(resident.double(), got)  # offload changes nothing
+
+
+def _step_batch(batch, sources):
+    from verl_hpc.trainer.stages.step_batch import StepBatch
+
+    n = len(sources)
+    return StepBatch(input_ids=batch["input_ids"], prompt_lengths=batch["prompt_lengths"],
+                     response_lengths=batch["response_lengths"], response_mask=batch["response_mask"],
+                     ids=[str(i) for i in range(n)], data_sources=list(sources), ground_truths=[""] * n,
+                     extras=[{}] * n, response_texts=[""] * n, group_ids=torch.arange(n),
+                     rollout_log_probs=torch.zeros_like(batch["response_mask"]),
+                     old_log_probs=batch["old_log_probs"])
+
+
+def test_several_teachers_score_the_rows_of_their_data_sources(one_rank_world, folders, tmp_path):
+    """teacher.by_data_source: each row's log-probs are its own source's teacher's (float64
+    transformers of that folder), the rest go to teacher.model_path; teacher/kl per source."""
+    from verl_hpc.config import load_config
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.trainer.roles import build_teachers
+    from verl_hpc.trainer.stages.teacher_stage import TeacherStage
+
+    student, teacher = folders
+    coder = make_tiny_model(tmp_path / "coder", "llama", layers=2, seed=2)
+    cfg = load_config(None, ["trainer.job=rl", f"model.path={student}", "teacher.enable=true",
+                             f"teacher.model_path={teacher}", f"teacher.by_data_source={{code: {coder}}}",
+                             f"rollout.temperature={TEMPERATURE}", "actor.micro_batch_size=3"])
+    teachers = build_teachers(cfg)
+    assert list(teachers.roles) == [str(teacher), str(coder)]
+    raw = policy_batch(2)
+    sources = ["math", "code", "code", "math", "gsm8k", "code", "math", "math"]
+    batch = _step_batch(raw, sources)
+    m = TeacherStage(teachers)(batch, lambda name: __import__("contextlib").nullcontext())
+    got = batch.teacher_log_probs.double()
+    want_t, _, mask = hf_forward64(teacher, raw, TEMPERATURE)
+    want_c, _, _ = hf_forward64(coder, raw, TEMPERATURE)
+    for i, s in enumerate(sources):
+        want = want_c[i] if s == "code" else want_t[i]
+        assert float((got[i] - want).abs().max()) <= LOGP_TOL, (i, s)
+    assert bool((got[mask == 0] == 0).all())
+    for s in ("math", "code", "gsm8k"):
+        rows = [i for i, x in enumerate(sources) if x == s]
+        kl = ((raw["old_log_probs"][rows].double() - got[rows]) * mask[rows]).sum() / mask[rows].sum()
+        assert abs(m[f"teacher/kl/{s}"] - float(kl)) < 1e-5
+    teachers.check_sources(["math", "code"])  # model_path takes every source not listed
+
+
+def test_a_data_source_without_a_teacher_is_refused_in_one_line():
+    from verl_hpc.config import ConfigError, load_config
+    from verl_hpc.trainer.stages.teacher_stage import Teachers
+
+    cfg = load_config(None, ["trainer.job=rl", "teacher.enable=true", "teacher.by_data_source={code: /c, math: /m}"])
+    with pytest.raises(ConfigError) as e:
+        Teachers({}, cfg.teacher).check_sources(["math", "gsm8k", "code", "arc"])
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("teacher.by_data_source: no teacher for data_source 'arc', 'gsm8k'")
+    assert "(listed: code, math)" in line

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 from verl_hpc.config.fields import Section, opt
 
@@ -32,7 +32,11 @@ TEACHER_ENGINES = ("actor", "megatron", "fsdp")
 @dataclass
 class TeacherConfig(Section):
     enable: bool = opt(False, "on-policy distillation from a frozen teacher (trainer.job = rl)")
-    model_path: str = opt("", "the teacher's Hugging Face folder (its tokenizer must be the student's)")
+    model_path: str = opt("", "the teacher's Hugging Face folder (its tokenizer must be the student's); with "
+                              "teacher.by_data_source: the teacher of the sources not listed there ('' = none)")
+    by_data_source: Dict[str, str] = opt({}, "several teachers: data_source -> teacher folder, e.g. {gsm8k: "
+                                             "/models/math-teacher, code: /models/code-teacher}; each scores "
+                                             "the rows of its sources")
     engine: str = opt("actor", "the teacher's training engine; actor: the one the actor runs on",
                         choices=TEACHER_ENGINES)
     param_offload: bool = opt(False, "weights in host memory except while computing the teacher's log-probs")
@@ -50,8 +54,11 @@ class TeacherConfig(Section):
             p.append(f"teacher.enable: on-policy distillation scores sampled responses, trainer.job = "
                      f"{job.trainer.job} samples none; valid: trainer.job = rl (or teacher.enable=false)")
             return p
-        if not self.model_path:
-            p.append("teacher.model_path: empty; teacher.enable needs the teacher's Hugging Face folder")
+        if not self.model_path and not self.by_data_source:
+            p.append("teacher.model_path: empty; teacher.enable needs the teacher's Hugging Face folder (or "
+                     "teacher.by_data_source, data_source -> folder)")
+        p += [f"teacher.by_data_source.{k}: empty folder; valid: a teacher's Hugging Face folder"
+              for k, v in self.by_data_source.items() if not v]
         if self.coef == 0:
             p.append("teacher.coef = 0: the teacher would change nothing; set it > 0 or teacher.enable=false")
         if self.mode == "reward" and job.critic.wanted(job):
@@ -72,20 +79,32 @@ class TeacherConfig(Section):
 
         return choose_engine(job.parallel.engine, job.model.path, job.parallel, "model.path")
 
+    def folders(self) -> Dict[str, str]:
+        """Every teacher folder, by the field that names it (model_path first)."""
+        out = {"teacher.model_path": self.model_path} if self.model_path else {}
+        out.update({f"teacher.by_data_source.{k}": v for k, v in self.by_data_source.items() if v})
+        return out
+
+    def folder_of(self, data_source: str) -> str:
+        """The folder of the teacher that scores rows of `data_source` ('' = none)."""
+        return self.by_data_source.get(data_source) or self.model_path
+
     def folder_problems(self, job) -> List[str]:
-        """Checks that read the file system (validate(check_model=True)): the folder exists and
-        its tokenizer is the student's (model.tokenizer_path)."""
-        if not (self.enable and job.trainer.job == "rl" and self.model_path):
+        """Checks that read the file system (validate(check_model=True)): each teacher's folder
+        exists and its tokenizer is the student's (model.tokenizer_path)."""
+        if not (self.enable and job.trainer.job == "rl"):
             return []
-        if not Path(self.model_path).is_dir():
-            return [f"teacher.model_path: no such folder '{self.model_path}'"]
-        student = job.model.tokenizer_path or job.model.path
-        why = tokenizer_difference(student, self.model_path, job.model.trust_remote_code)
-        if why:
-            return [f"teacher.model_path: the teacher's tokenizer ({self.model_path}) is not the student's "
-                    f"(model.tokenizer_path: {student}): {why}; the teacher scores the student's token ids, "
-                    "so both must share one tokenizer"]
-        return []
+        p, student = [], job.model.tokenizer_path or job.model.path
+        for field, folder in self.folders().items():
+            if not Path(folder).is_dir():
+                p.append(f"{field}: no such folder '{folder}'")
+                continue
+            why = tokenizer_difference(student, folder, job.model.trust_remote_code)
+            if why:
+                p.append(f"{field}: the teacher's tokenizer ({folder}) is not the student's (model.tokenizer_path: "
+                         f"{student}): {why}; the teacher scores the student's token ids, so both must share "
+                         "one tokenizer")
+        return p
 
 
 def tokenizer_difference(student: str, teacher: str, trust_remote_code: bool = False) -> str:

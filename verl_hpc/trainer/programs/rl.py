@@ -88,6 +88,8 @@ class RLTrainer(StepProgram):
                                                allow_custom_code=cfg.safety.allow_custom_code)
         if self.loader is not None:  # refuse unscorable data before spending compute on it
             self.scorer.check_samples(*_columns(self.loader.dataset))
+            if self.roles.teacher is not None:  # and rows no teacher scores
+                self.roles.teacher.check_sources(_columns(self.loader.dataset)[1])
             if val_set is not None:
                 self.scorer.check_samples(*_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
@@ -111,7 +113,7 @@ class RLTrainer(StepProgram):
         states = {"loader": self.placement.checkpoint_state(self.loader), "kl_ctrl": self.kl_ctrl,
                   "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback,
                   # frozen: named by folder and fingerprint, never saved (trainer/stages/teacher_stage.py)
-                  "teacher": TeacherRecord(cfg.teacher.model_path) if self.roles.teacher is not None else None}
+                  "teacher": TeacherRecord(cfg.teacher) if self.roles.teacher is not None else None}
         self.checkpointer = make_checkpointer(
             cfg, ctx, engines=self.roles.trained_engines(), states={k: v for k, v in states.items() if v is not None},
             fmt=FORMAT, total_steps=self.total_steps,
