@@ -107,3 +107,40 @@ def test_a_data_source_without_a_teacher_is_refused_in_one_line():
     line = str(e.value)
     assert "\n" not in line and line.startswith("teacher.by_data_source: no teacher for data_source 'arc', 'gsm8k'")
     assert "(listed: code, math)" in line
+
+
+def test_a_loss_mode_update_equals_float64_transformers(one_rank_world, folders):
+    """teacher.mode = loss through the Megatron engine's update (micro-batches of 3 of 8 rows):
+    the weights after one step equal the same objective on the whole batch in float64
+    transformers with torch's AdamW, and actor/teacher_kl_loss is the batch's mean reverse KL."""
+    import dataclasses
+
+    from update_reference import hf_update64, max_diff
+    from verl_hpc.algorithms import PolicyObjective
+    from verl_hpc.config import load_config
+    from verl_hpc.config.schema import ActorConfig, OptimConfig
+    from verl_hpc.engines.megatron import MegatronEngine
+    from verl_hpc.engines.options import default_options
+    from verl_hpc.engines.roles import Actor
+
+    student, teacher = folders
+    batch = policy_batch(3)
+    batch["teacher_log_probs"] = _teacher(student, teacher, "megatron").log_probs(batch)["teacher_log_probs"]
+    cfg = load_config(None, ["teacher.enable=true", "teacher.mode=loss", "teacher.coef=0.5"])
+    acfg = ActorConfig(ppo_mini_batch_size=8)
+    objective = PolicyObjective.from_config(acfg, cfg.teacher)
+    assert objective.distill_coef == 0.5
+    optim = OptimConfig(lr=0.5, eps=1.0, clip_grad=0.0, weight_decay=0.01)  # a step that measures gradients
+    engine = MegatronEngine(default_options(str(student), optim=optim, micro_batch_size=3, temperature=TEMPERATURE,
+                                            total_steps=4))
+    start = engine.forward(batch, ("log_probs",))["log_probs"].double()
+    mask = batch["response_mask"]
+    kl = float(((start - batch["teacher_log_probs"].double()) * mask).sum() / mask.sum())
+    metrics = Actor(engine, acfg).update(batch, objective)
+    assert metrics["actor/teacher_kl_loss"] == pytest.approx(kl, rel=1e-5)
+    got = {n: t.clone() for n, t in engine.export_hf_weights()}
+    want, _ = hf_update64(student, batch, objective, optim, TEMPERATURE)
+    assert max_diff(got, want) <= 1e-5
+    # the term matters: without it the step lands elsewhere
+    plain, _ = hf_update64(student, batch, dataclasses.replace(objective, distill_coef=0.0), optim, TEMPERATURE)
+    assert max_diff(plain, want) > 1e-3
