@@ -96,3 +96,18 @@ def test_resume_is_bitwise_with_a_teacher_and_another_teacher_is_refused(tiny_as
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert f"the checkpoint was trained with the teacher at {teachers[0]}" in errors[0]
     assert f"teacher.model_path = {teachers[2]}" in errors[0]
+
+
+def test_teachers_by_data_source_through_the_job(tiny_assets, teachers, tmp_path):
+    """teacher.by_data_source without teacher.model_path: the task's one source has its teacher
+    (teacher/kl/<source> logged); a map that leaves it out stops the job before the first step."""
+    common = ["trainer.total_steps=1", "teacher.model_path=''"]
+    proc, _ = _run(tiny_assets, tmp_path / "ok", "''", *common,
+                   f"teacher.by_data_source={{synthetic_arith: {teachers[0]}}}")
+    assert proc.returncode == 0, logs(proc, tmp_path / "ok")
+    row = [r for r in metrics(tmp_path / "ok") if r.get("step", 0) >= 1][0]
+    assert row["teacher/kl/synthetic_arith"] == pytest.approx(row["teacher/kl"], rel=1e-9)
+    proc, _ = _run(tiny_assets, tmp_path / "missing", "''", *common, f"teacher.by_data_source={{code: {teachers[0]}}}")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "teacher.by_data_source: no teacher for data_source 'synthetic_arith' (listed: code)" in errors[0]
