@@ -83,6 +83,29 @@ def _offload_flags(role_cfg) -> Dict[str, bool]:
             "optimizer": getattr(role_cfg, "optimizer_offload", False)}
 
 
+def _merge_teachers(out: PlannedRoles) -> None:
+    """Several teachers (teacher.by_data_source) are one `teacher` column: their states add up (each
+    keeps its weights unless teacher.param_offload), and the forward's working bytes are the largest
+    teacher's (they run one after another)."""
+    extra = [n for n in out.states if n.startswith("teacher:")]
+    if not extra:
+        return
+    names = ["teacher", *extra]
+    largest = max(names, key=lambda n: out.states[n].parts.get("weights", 0.0))
+    parts: Dict[str, float] = {}
+    for n in names:
+        for part, size in out.states[n].parts.items():
+            parts[part] = parts.get(part, 0.0) + size
+    out.states["teacher"] = RoleState("teacher", parts, out.states["teacher"].offload)
+    out.archs["teacher"] = out.archs[largest]
+    if largest in out.fsdp:
+        out.fsdp["teacher"] = out.fsdp[largest]
+    out.engines["teacher"] = out.engines[largest]
+    for n in extra:
+        for table in (out.states, out.tensors, out.engines, out.fsdp, out.archs, out.trained):
+            table.pop(n, None)
+
+
 def _teacher_engine(cfg) -> str:
     """teacher.engine, with `actor` the engine the actor's folder gets (as the trainer builds it)."""
     return role_engine(cfg, cfg.model.path) if cfg.teacher.engine == "actor" else cfg.teacher.engine
@@ -103,14 +126,15 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
         wanted["ref"] = (cfg.ref, False, cfg.model.path)
     if cfg.trainer.job == "rl" and cfg.prm.enable:
         wanted["prm"] = (cfg.prm, cfg.prm.update != "none", cfg.prm.model_path)
-    if cfg.trainer.job == "rl" and cfg.teacher.enable and cfg.teacher.model_path:
-        wanted["teacher"] = (cfg.teacher, False, cfg.teacher.model_path)
+    if cfg.trainer.job == "rl" and cfg.teacher.enable:  # one frozen engine per distinct teacher folder
+        for i, folder in enumerate(dict.fromkeys(cfg.teacher.folders().values())):
+            wanted["teacher" if i == 0 else f"teacher:{folder}"] = (cfg.teacher, False, folder)
     out = PlannedRoles({}, {}, {}, {}, {}, lambda *a: {}, 0)
     mega_layers = {}
     for name, (role_cfg, trainable, path) in wanted.items():
-        field, head = ROLE_FIELDS[name]
+        field, head = ROLE_FIELDS[name.split(":")[0]]
         path = path or cfg.model.path
-        engine = out.engines[name] = _teacher_engine(cfg) if name == "teacher" else role_engine(cfg, path, field)
+        engine = out.engines[name] = _teacher_engine(cfg) if name.startswith("teacher") else role_engine(cfg, path, field)
         out.trained[name] = trainable
         same = path == cfg.model.path
         off = _offload_flags(role_cfg)
@@ -147,6 +171,7 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
                                         2 + int(prec.master_copy), off)
         out.states[name], out.archs[name] = RoleState(name, parts, off), a
         mega_layers[name] = params.layers
+    _merge_teachers(out)
     out.actor_layers = mega_layers.get("actor", arch.num_layers)
     out.work = _working(cfg, out, arch, stage, prec, setup, microbatch_shape)
     return out

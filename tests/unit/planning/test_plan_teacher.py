@@ -50,3 +50,15 @@ def test_the_plan_cli_prints_the_teacher(capsys):
                "teacher.model_path=/path/to/Meta-Llama-3-70B-Instruct", "--gpu-memory-gb", "80"])
     out = capsys.readouterr().out
     assert "teacher_logprob" in out and "teacher" in out.split("\n", 3)[-1]
+
+
+def test_several_teachers_add_up_in_one_column():
+    one = plan_job(_teacher("/path/to/Meta-Llama-3-8B-Instruct"))
+    two = plan_job(_teacher("/path/to/Meta-Llama-3-8B-Instruct",
+                            "teacher.by_data_source={code: /path/to/Meta-Llama-3-70B-Instruct}"))
+    assert two.table["teacher_logprob"]["teacher"] == _weights(two, "llama-3-8b") + _weights(two, "llama-3-70b")
+    assert two.table["teacher_logprob"]["teacher"] > one.table["teacher_logprob"]["teacher"]
+    # the forward's working bytes: the larger teacher's (one layer's intermediates grow with its width)
+    assert two.table["teacher_logprob"]["activations"] > one.table["teacher_logprob"]["activations"]
+    only_map = plan_job(_teacher("''", "teacher.by_data_source={code: /path/to/Meta-Llama-3-70B-Instruct}"))
+    assert only_map.table["teacher_logprob"]["teacher"] == _weights(only_map, "llama-3-70b")
