@@ -116,6 +116,10 @@ def step_time_parts(cfg, gpu: hardware.GPUType) -> Dict[str, float]:
     # prm.update = before, again after it
     forwards = (1 + int(bool(cfg.ref.enable)) + int(bool(cfg.critic.enable))
                 + int(prm) + int(prm_trains and cfg.prm.update == "before"))
+    # on-policy distillation: each teacher's forward over its rows, every row once (its own size)
+    teacher_params = (sum(total_params(model_arch(f, field="teacher.model_path"))
+                          for f in dict.fromkeys(cfg.teacher.folders().values()))
+                      if cfg.trainer.job == "rl" and cfg.teacher.enable else 0)
     recompute = cfg.fsdp.activation_checkpointing if fsdp else cfg.parallel.recompute_granularity == "full"
     train_factor = 8 if recompute else 6
     _, _, m = microbatch_shape(cfg.actor, cfg)
@@ -139,7 +143,7 @@ def step_time_parts(cfg, gpu: hardware.GPUType) -> Dict[str, float]:
         tp_link = gpu.nvlink_gbps if shard_size(cfg) <= max(1, cfg.slurm.gpus_per_node) else hardware.INTER_NODE_GBPS
     return {
         "rollout": 2 * p_total * generated / (rollout_flops * hardware.ASSUMED_DECODE_MFU),
-        "forwards": forwards * 2 * p_total * tokens / (train_flops * hardware.ASSUMED_TRAIN_MFU),
+        "forwards": (forwards * p_total + teacher_params) * 2 * tokens / (train_flops * hardware.ASSUMED_TRAIN_MFU),
         "updates": roles * train_factor * p_total * tokens * bubble / (train_flops * hardware.ASSUMED_TRAIN_MFU),
         "tp_comms": tp_bytes / (tp_link * 1e9),
         "dp_comms": dp_bytes / (hardware.INTER_NODE_GBPS * 1e9),

@@ -2,6 +2,8 @@
 in its own column (a 70B teacher of an 8B student holds the 70B's weights), its forward as a phase,
 nothing in the checkpoint, host memory while idle with teacher.param_offload, and `python -m
 verl_hpc.plan` printing it."""
+import pytest
+
 from verl_hpc.config import load_config
 from verl_hpc.plan import main as plan_main
 from verl_hpc.planning import plan_job
@@ -62,3 +64,17 @@ def test_several_teachers_add_up_in_one_column():
     assert two.table["teacher_logprob"]["activations"] > one.table["teacher_logprob"]["activations"]
     only_map = plan_job(_teacher("''", "teacher.by_data_source={code: /path/to/Meta-Llama-3-70B-Instruct}"))
     assert only_map.table["teacher_logprob"]["teacher"] == _weights(only_map, "llama-3-70b")
+
+
+def test_the_step_time_counts_the_teachers_forward_at_its_size():
+    from verl_hpc.planning import hardware
+    from verl_hpc.planning.model_shape import total_params
+    from verl_hpc.planning.suggest import step_time_parts
+
+    base = load_config("configs/grpo_8b.yaml", RESIDENT)
+    gpu = hardware.gpu_type("h100")
+    big = _teacher("/path/to/Meta-Llama-3-70B-Instruct")
+    tokens = base.data.train_batch_size * base.rollout.n * (base.data.max_prompt_length + base.data.max_response_length)
+    flops = gpu.bf16_tflops * 1e12 * base.train_world_size * hardware.ASSUMED_TRAIN_MFU
+    added = step_time_parts(big, gpu)["forwards"] - step_time_parts(base, gpu)["forwards"]
+    assert added == pytest.approx(2 * total_params(known_arch("llama-3-70b")) * tokens / flops)
