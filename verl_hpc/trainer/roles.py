@@ -120,17 +120,18 @@ MODEL_FIELDS = {"actor": "model.path", "ref": "model.path", "critic": "critic.mo
                 "reward": "reward.reward_model.path", "prm": "prm.model_path", "teacher": "teacher.model_path"}
 
 
-def build_engine(role: str, cfg, ctx=None, *, model_path: Optional[str] = None, **kwargs):
+def build_engine(role: str, cfg, ctx=None, *, model_path: Optional[str] = None, field: Optional[str] = None,
+                 **kwargs):
     """The role object for `role` in {actor, critic, ref, reward, prm, teacher} on the engine that
     parallel.engine picks for the role's model folder (verl_hpc.config.sections.fsdp.choose_engine;
     the teacher: teacher.engine, by default the actor's): Megatron's engines/megatron/roles.py
-    build_role, or the FSDP engine; collective: call on every rank. model_path: another folder than
-    the role's field names (a teacher of teacher.by_data_source); kwargs: fp8, loss_norm_len,
-    total_steps (see engine_options)."""
+    build_role, or the FSDP engine; collective: call on every rank. model_path, field: another folder
+    than the role's field names, and the field that names it in errors (a teacher of
+    teacher.by_data_source); kwargs: fp8, loss_norm_len, total_steps (see engine_options)."""
     options = engine_options(cfg, role, **kwargs)
     if model_path:
         options = dataclasses.replace(options, model_path=model_path)
-    field = MODEL_FIELDS[role]
+    field = field or MODEL_FIELDS[role]
     engine = (cfg.teacher.engine_for(cfg) if role == "teacher" else
               choose_engine(cfg.parallel.engine, options.model_path, cfg.parallel, field))
     options = dataclasses.replace(options, engine=engine)
@@ -157,8 +158,11 @@ def build_teachers(cfg, ctx=None):
     routed to its data_source's teacher. Collective: every rank builds them in the same order."""
     from verl_hpc.trainer.stages.teacher_stage import Teachers
 
-    folders = list(dict.fromkeys(cfg.teacher.folders().values()))
-    return Teachers({f: build_engine("teacher", cfg, ctx, model_path=f) for f in folders}, cfg.teacher)
+    fields = {}
+    for field, folder in cfg.teacher.folders().items():
+        fields.setdefault(folder, field)  # a folder named twice is built once, under its first field
+    return Teachers({f: build_engine("teacher", cfg, ctx, model_path=f, field=field) for f, field in fields.items()},
+                    cfg.teacher)
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
