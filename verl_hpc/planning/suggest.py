@@ -58,6 +58,7 @@ class Candidate:
     shard: int = 0  # FSDP: fsdp.shard_size (0 = every training rank)
     job_engine: str = MEGATRON  # the config's parallel.engine (the overrides name another one)
     job_offloads: bool = False  # the config offloads some idle role (the overrides switch it off)
+    teacher: bool = False  # the job has a distillation teacher: its param_offload is switched with the others
 
     def overrides(self) -> str:
         o = [] if self.engine == self.job_engine else [f"parallel.engine={self.engine}"]
@@ -73,8 +74,18 @@ class Candidate:
              f"critic.max_tokens_per_microbatch={self.token_budget}",
              f"prm.max_tokens_per_microbatch={self.token_budget}"]
         if self.offload or self.job_offloads:  # stated where the job's config says otherwise
-            o += [f"{r}.{f}={'true' if self.offload else 'false'}" for r, fs in ROLES_WITH_OFFLOAD for f in fs]
+            o += [f"{r}.{f}={'true' if self.offload else 'false'}" for r, fs in _offload_roles(self.teacher)
+                  for f in fs]
         return " ".join(o)
+
+
+def _offload_roles(teacher: bool):
+    """The roles whose offload switches a candidate sets: the teacher's only where the job has one."""
+    return ROLES_WITH_OFFLOAD + ((("teacher", ("param_offload",)),) if teacher else ())
+
+
+def _has_teacher(cfg) -> bool:
+    return cfg.trainer.job == "rl" and bool(cfg.teacher.enable)
 
 
 def _apply(cfg, tp, pp, vpp, recompute, offload, budget, engine=MEGATRON, shard=0):
@@ -89,7 +100,7 @@ def _apply(cfg, tp, pp, vpp, recompute, offload, budget, engine=MEGATRON, shard=
         c.parallel.recompute_granularity = recompute
     c.parallel.recompute_method, c.parallel.recompute_num_layers = "uniform", 1
     c.actor.max_tokens_per_microbatch = c.critic.max_tokens_per_microbatch = c.prm.max_tokens_per_microbatch = budget
-    for role, fields in ROLES_WITH_OFFLOAD:
+    for role, fields in _offload_roles(_has_teacher(cfg)):
         for f in fields:
             setattr(getattr(c, role), f, offload)
     return c
@@ -211,7 +222,7 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
                         for vpp, rc in itertools.product(vpps, RECOMPUTE_GRANULARITIES)]
     out: List[Candidate] = []
     spent = {"fsdp": 0.0, "megatron": 0.0}
-    job_offloads = any(getattr(getattr(cfg, r), f) for r, fs in ROLES_WITH_OFFLOAD for f in fs)
+    job_offloads = any(getattr(getattr(cfg, r), f) for r, fs in _offload_roles(_has_teacher(cfg)) for f in fs)
     for engine, tp, pp, vpp, rc, shard in layouts:
         for off, scale in itertools.product((False, True), (0.5, 1, 2)):
             if spent[engine] > time_limit_s / 2:
@@ -224,7 +235,7 @@ def suggest(cfg, *, gpu_memory_gb=None, node_memory_gb=None, margin: float = MAR
             if h is not None and h >= margin:
                 out.append(Candidate(tp, pp, vpp, rc, off, budget, plan.checked_peak(), h,
                                      step_seconds(c, gpu), engine, shard, cfg.parallel.engine,
-                                     job_offloads))
+                                     job_offloads, _has_teacher(cfg)))
             spent[engine] += time.monotonic() - t0
     return sorted(out, key=lambda c: c.step_seconds)
 

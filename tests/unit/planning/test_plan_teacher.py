@@ -78,3 +78,15 @@ def test_the_step_time_counts_the_teachers_forward_at_its_size():
     flops = gpu.bf16_tflops * 1e12 * base.train_world_size * hardware.ASSUMED_TRAIN_MFU
     added = step_time_parts(big, gpu)["forwards"] - step_time_parts(base, gpu)["forwards"]
     assert added == pytest.approx(2 * total_params(known_arch("llama-3-70b")) * tokens / flops)
+
+
+def test_offload_suggestions_switch_the_teacher_only_where_there_is_one():
+    from verl_hpc.planning.suggest import Candidate, _apply
+
+    cfg = _teacher("/path/to/Meta-Llama-3-70B-Instruct")
+    assert _apply(cfg, 2, 1, None, "none", True, 4096).teacher.param_offload is True
+    with_teacher = Candidate(2, 1, None, "none", True, 4096, 1.0, 1.0, 1.0, teacher=True).overrides()
+    without = Candidate(2, 1, None, "none", True, 4096, 1.0, 1.0, 1.0).overrides()
+    assert "teacher.param_offload=true" in with_teacher and "teacher" not in without
+    plain = load_config("configs/grpo_8b.yaml", RESIDENT)
+    assert _apply(plain, 2, 1, None, "none", True, 4096).teacher.param_offload is False  # no teacher: untouched
