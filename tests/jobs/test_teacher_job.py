@@ -45,6 +45,9 @@ def test_reward_mode_job_logs_teacher_kl_every_step(tiny_assets, teachers, tmp_p
         assert r["teacher/log_prob_mean"] < 0 and "timing_s/teacher" in r and "actor/pg_loss" in r
         assert "actor/teacher_kl_loss" not in r  # reward mode: no loss term
     assert "roles: actor, teacher" in proc.stderr + proc.stdout
+    from verl_hpc.tracking import write_plots
+
+    assert "Distillation" in write_plots(rows, tmp_path / "curves.png").panels
 
 
 def test_loss_mode_term_is_the_logged_kl_on_policy(tiny_assets, teachers, tmp_path):
