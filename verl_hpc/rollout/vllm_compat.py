@@ -43,6 +43,11 @@ Only without a GPU (`runtime.device.has_gpu()` false):
    weights" in vLLM's log): generation then runs on the OLD output projection (measured: logprob
    diff 2.1 against transformers after an update). `refresh_tied_lm_head` re-runs the head's
    post-load step on the new shared weight after every reload.
+7. Mixture-of-experts layers after a weight reload: the CPU experts repack their weights for the
+   grouped GEMM at load, and on a reload `UnquantizedFusedMoEMethod._setup_kernel` skips that step,
+   so the reload copies checkpoint-order weights into the packed tensors (every MoE answer wrong,
+   the original weights reloaded included). `install_cpu_moe_repack` (rollout/vllm_cpu_moe.py,
+   which explains the path) re-runs the experts' own repack on every reload.
 
 Log noise (every platform): each weight update makes vLLM log "Reloading and processing weights
 took ...", "Successfully reset prefix cache" and "RotaryEmbedding: Failed to load weights" (a layer
@@ -76,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
+from verl_hpc.rollout import vllm_cpu_moe
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -284,6 +290,12 @@ def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *
     return int(min(max(per_token * tokens, floor), cap))
 
 
+# ---------------------------------------------------------------- 7. MoE experts after a reload (CPU)
+def install_cpu_moe_repack() -> None:
+    vllm_cpu_moe.install_cpu_moe_repack()
+    _applied[vllm_cpu_moe.TARGET] = PatchRecord(vllm_cpu_moe.TARGET, vllm_cpu_moe.WHY)
+
+
 # ---------------------------------------------------------------- what VLLMRollout calls
 @contextlib.contextmanager
 def engine_construction(device: torch.device, *, tp: int):
@@ -291,6 +303,8 @@ def engine_construction(device: torch.device, *, tp: int):
     protect_default_group()
     quiet_reload_logs()
     cpu = not has_gpu()
+    if cpu:
+        install_cpu_moe_repack()
     if cpu and tp > 1:
         token = job_token()
         install_shm_names(token)

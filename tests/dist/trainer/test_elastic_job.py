@@ -16,7 +16,7 @@ from faults import env
 from jobs import REPO, data_overrides, logs
 
 SPLIT_DEMO = "configs/demo_rl_split.yaml"  # 1 rollout rank of 2, k = 1
-STEPS, PROMPTS = 30, 4
+STEPS, PROMPTS = 40, 4
 GROUP_DELAY_S = 0.25  # per prompt group, the run's own rollout rank and the workers alike
 
 
@@ -25,7 +25,7 @@ def job_args(root, out):
             f"data.train_batch_size={PROMPTS}", "rollout.n=2", f"actor.ppo_mini_batch_size={PROMPTS}",
             "actor.micro_batch_size=8", "rollout.engine=hf", "slurm.cpus_per_task=1", "checkpoint.save_every=0",
             "tracking.backends=[jsonl]", "tracking.plots=false", "placement.elastic.enable=true",
-            "placement.elastic.heartbeat_timeout_s=4", "placement.elastic.straggler_deadline_s=6",
+            "placement.elastic.heartbeat_timeout_s=2", "placement.elastic.straggler_deadline_s=6",
             "placement.elastic.groups_per_lease=1", f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
 
 
@@ -59,14 +59,19 @@ def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(ti
     try:
         wait_for(lambda: (out / "elastic" / "rendezvous.json").exists() or run.poll() is not None, "no rendezvous")
         workers = {"calm": start_worker(out, "calm", GROUP_DELAY_S), "killed": start_worker(out, "killed", GROUP_DELAY_S),
-                   "slow": start_worker(out, "slow", 30.0)}  # a straggler: its groups pass the 6 s deadline
+                   "slow": start_worker(out, "slow", 12.0)}  # a straggler: its groups pass the 6 s deadline
         for name in ("calm", "killed"):
             wait_for(lambda: generated(out, name) or run.poll() is not None, f"worker {name} never finished a group")
         time.sleep(GROUP_DELAY_S / 2)  # the killed one is in its next group, most likely
         os.killpg(workers["killed"].pid, signal.SIGKILL)
         workers["calm"].send_signal(signal.SIGTERM)
         assert workers["calm"].wait(timeout=60) == 0
+        # the run is still going when the killed worker's silence is noticed (2 s): it is reaped
+        wait_for(lambda: "killed" in _left(out) or run.poll() is not None, "the killed worker was never reaped")
+        assert run.poll() is None, "the run ended before the killed worker was reaped: give it more steps"
         stdout, stderr = run.communicate(timeout=600)
+        # the straggler leaves by itself once its group in hand is done and it sees the run stopped
+        wait_for(lambda: workers["slow"].poll() is not None, "the straggler must leave when the run stops", timeout=90)
     finally:
         for p in [run, *workers.values()]:
             if p.poll() is None:
@@ -92,13 +97,17 @@ def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(ti
     assert leaves["calm"]["reason"].startswith("said goodbye: stopped by SIGTERM") and leaves["calm"]["samples"] > 0
     assert leaves["killed"]["reason"].startswith("no heartbeat for") and leaves["killed"]["samples"] > 0
     assert {e["worker"] for e in events if e["kind"] == "weights"} == {"calm", "killed", "slow"}
-    wait_for(lambda: workers["slow"].poll() is not None, "the straggler must leave when the run stops", timeout=90)
     assert workers["slow"].returncode == 0, (workers["slow"].returncode, (out.parent / "slow.log").read_text()[-3000:])
 
     # a worker pointed at the finished run: one line, exit 30
     late = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert late.returncode == 30 and late.stderr.strip().startswith(f"error: the run in {out} has ended (stopped at")
+
+
+def _left(out):
+    f = out / "elastic" / "events.jsonl"
+    return {e["worker"] for e in map(json.loads, f.read_text().splitlines()) if e["kind"] == "leave"} if f.exists() else set()
 
 
 def _stream(root, out):
@@ -111,30 +120,29 @@ def _stream(root, out):
     return [i for _ in range(STEPS) for i in loader.next_batch().ids]
 
 
-PREEMPT_AT = 6
-
-
 def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tiny_assets, tmp_path):
-    """Slurm's warning signal on the trainer after step 6 with a worker attached: the run saves and
-    stops, the worker leaves by itself (exit 0, within a timeout), the requeued run resumes from the
-    checkpoint (the book's finished samples in it) under a new epoch and takes a new worker; the two
-    launches train exactly the data stream's prompts."""
+    """The run stopped by SIGTERM (as scancel or a preemption stops it: the ranks finish the step,
+    checkpoint and exit) once its worker has generated: the worker leaves by itself (exit 0), the
+    resubmitted run resumes from the checkpoint (the book's finished samples in it) under a new epoch
+    and takes a new worker; the two launches train exactly the data stream's prompts, in order."""
     out = tmp_path / "run"
-    args = [*job_args(tiny_assets, out), "checkpoint.save_every=0"]
-    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2", *args]
-    trained, epochs = [], []
-    for launch, at in enumerate((PREEMPT_AT, 0)):
-        rdv = out / "elastic" / "rendezvous.json"
+    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
+           *job_args(tiny_assets, out)]
+    rdv = out / "elastic" / "rendezvous.json"
+    trained, epochs, stopped_at = [], [], None
+    for launch in range(2):
         before = rdv.read_text() if rdv.exists() else ""
-        run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S, warning_signal_at_step=at),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        name = f"worker{launch}"
-        worker = None
+        run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+        name, worker = f"worker{launch}", None
         try:
             wait_for(lambda: (rdv.exists() and rdv.read_text() != before and '"running"' in rdv.read_text())
                      or run.poll() is not None, "no new rendezvous")
             epochs.append(json.loads(rdv.read_text())["epoch"])
             worker = start_worker(out, name, GROUP_DELAY_S)
+            wait_for(lambda: generated(out, name) or run.poll() is not None, f"{name} never finished a group")
+            if launch == 0:
+                run.send_signal(signal.SIGTERM)  # the submitter passes it on: step, checkpoint, exit
             stdout, stderr = run.communicate(timeout=600)
             assert worker.wait(timeout=60) == 0, (out.parent / f"{name}.log").read_text()[-3000:]
         finally:
@@ -142,9 +150,14 @@ def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tin
                 if p is not None and p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
         proc = subprocess.CompletedProcess(cmd, run.returncode, stdout, stderr)
-        assert run.returncode == 0, logs(proc, out)
         summary = json.loads((out / "rl_summary.json").read_text())
-        assert summary["resumed_from"] == (PREEMPT_AT if launch else 0) and summary["steps"] == (at or STEPS), summary
+        if launch == 0:
+            assert run.returncode == 143 and summary["stopped"] == "preempted", logs(proc, out)
+            stopped_at = summary["steps"]
+            assert 0 < stopped_at < STEPS, summary
+        else:
+            assert run.returncode == 0, logs(proc, out)
+            assert summary["resumed_from"] == stopped_at and summary["steps"] == STEPS, summary
         trained += summary["trained_prompt_ids"]
         assert "group(s) done" in (out.parent / f"{name}.log").read_text(), f"{name} never generated"
     assert epochs[0] != epochs[1]

@@ -95,7 +95,7 @@ KEY_VALUES = {
                       "actor.optim.warmup_steps": 0, "actor.optim.lr_decay_style": "constant"},
     "demo_lora.yaml": {**DEMO, "lora.rank": 16, "lora.alpha": 32.0},
     "demo_fsdp.yaml": {**DEMO, "parallel.engine": "fsdp", "actor.use_kl_loss": False},
-    "demo_moe.yaml": {**CPU, "rollout.engine": "auto", "parallel.ep": 2, "world_size": 2},
+    "demo_moe.yaml": {**CPU, "rollout.engine": "hf", "parallel.ep": 2, "world_size": 2},
     "demo_rl_split.yaml": {**CPU, "placement.mode": "split", "async_training.objective": "decoupled"},
     "demo_prime.yaml": {**DEMO, "algorithm.adv_estimator": "prime", "prm.enable": True},
     "demo_prime_rloo.yaml": {**DEMO, "algorithm.adv_estimator": "rloo", "prm.enable": False},

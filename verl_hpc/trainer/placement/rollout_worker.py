@@ -17,12 +17,19 @@ and weight loads are collectives over the rollout group):
 Seeds: a whole-response batch s samples with `rollout.seed` for step s exactly as the colocated
 trainer does (so k = 0 reproduces colocated training bitwise); chunk c of batch s with its own
 seed per (step, chunk), request i of the chunk with request_seed(seed, i).
+
+Elastic (placement.elastic, docs/elastic.md): steps 5 and 6 become the coordinator's. The leader
+serves the joined workers (elastic/coordinator.py), opens the batches the newest weights may start,
+hands the finished ones to the trainer in order, and leases prompt groups to this rollout group
+like to any worker; the group generates each leased group with the group's own seed. (A group of
+several replicas generates each lease on all of them: one rollout rank is the case built for.)
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Dict, Optional
 
 from verl_hpc.data import PromptLoader
@@ -32,7 +39,8 @@ from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.placement.elastic.coordinator import FIXED
+from verl_hpc.trainer.placement.elastic.coordinator import FIXED, Coordinator, group_spec, samples_of
+from verl_hpc.trainer.placement.elastic.rendezvous import FILE, Rendezvous, config_path
 from verl_hpc.trainer.placement.inflight import BatchRecord, InFlight
 
 log = logging.getLogger(__name__)
@@ -69,12 +77,6 @@ class RolloutWorker:
         self.elastic = cfg.placement.elastic.enable
         self.coord = self.rendezvous = None
         if self.elastic and self.leader:
-            from verl_hpc.trainer.placement.elastic.coordinator import Coordinator
-
-            from pathlib import Path
-
-            from verl_hpc.trainer.placement.elastic.rendezvous import FILE
-
             self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000),
                                      events=str(Path(cfg.trainer.output_dir) / FILE.parent / "events.jsonl"))
         self.next_open = 1  # elastic: the next batch of the stream to open (next_index: the next to hand over)
@@ -233,7 +235,6 @@ class RolloutWorker:
     def _open_rendezvous(self) -> None:
         """Leader: where workers find this run (its store, epoch, config), in the run's folder."""
         from verl_hpc.config import to_yaml
-        from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
 
         run_dir = self.cfg.trainer.output_dir
         config_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +283,6 @@ class RolloutWorker:
 
     def _generate_group(self, p: dict) -> dict:
         """One leased group ({sample: Sample} of the lease's samples), with the group's own seed."""
-        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, samples_of
-
         result = self.rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
         return samples_of(p["samples"], result, self.weights.version)
 

@@ -31,7 +31,7 @@ from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
 
 log = logging.getLogger("verl_hpc.elastic.worker")
-BEAT_S = 2.0  # heartbeat period (placement.elastic.heartbeat_timeout_s is far above it)
+BEATS_PER_TIMEOUT = 5  # heartbeats per placement.elastic.heartbeat_timeout_s: a late one or two is no leave
 
 
 def worker_id() -> str:
@@ -144,7 +144,8 @@ class Worker:
 
     def _beat(self, done: threading.Event) -> None:
         store = None
-        while not done.wait(BEAT_S if store is not None else 0):
+        period = self.cfg.placement.elastic.heartbeat_timeout_s / BEATS_PER_TIMEOUT
+        while not done.wait(period if store is not None else 0):
             try:
                 import torch.distributed as dist
 
