@@ -12,8 +12,8 @@ the pool runs gpus_per_node / rollout.tp engines. The run's steps are timed by t
 plan as in `simulate` (bench_async.py's docstring); the pool's rules are elastic_sim.py's.
 
 A worker's start-up: --start-s (the job's start and the vLLM engine's build: vLLM reports ~14-40 s
-of engine initialisation for an 8B model, vllm-project/vllm#11005, and ~60 s to a first answer,
-#20264; 90 s by default, with the job's own start) + its node's weights (gpus_per_node / rollout.tp
+of engine initialisation for Llama-3-8B, vllm-project/vllm#11005, and ~60 s from start to a first
+answer for a small model, #20264; 90 s by default, with the job's own start) + its node's weights (gpus_per_node / rollout.tp
 engines x the model's bytes) read at --load-gbps (default 5 GB/s, one node's share of a parallel
 filesystem) + one weight sync (the plan's). Default --deadline: 2 x the time one full engine takes
 to decode a longest response at the longest context (a lease that healthy takes no longer).
