@@ -128,12 +128,40 @@ def rollout_chunk_delay_s(rollout_worker, seconds: float):
     return _wrap(rollout_worker.RolloutWorker, "_extend", make)
 
 
+def rollout_group_delay_s(rollout_worker, seconds: float):
+    """Elastic split placement: the run's own rollout ranks pause this long after each prompt group
+    they generate: a rollout slow enough that workers joining mid-run have work."""
+    def make(generate):
+        def _generate_group(self, p):
+            samples = generate(self, p)
+            time.sleep(seconds)
+            return samples
+        return _generate_group
+
+    return _wrap(rollout_worker.RolloutWorker, "_generate_group", make)
+
+
+def elastic_worker_group_delay_s(worker, seconds: float):
+    """An elastic rollout worker pauses this long after each prompt group it generates (a slow
+    worker, or with a long pause a straggler whose groups are re-dispatched)."""
+    def make(generate):
+        def _generate(self, rollout, p):
+            samples = generate(self, rollout, p)
+            time.sleep(seconds)
+            return samples
+        return _generate
+
+    return _wrap(worker.Worker, "_generate", make)
+
+
 # name -> (the module it patches, the patch: (module, value) -> undo)
 FAULTS = {
     "regression_at_steps": ("verl_hpc.trainer.stages.sampling", regression_at_steps),
     "rollout_logprob_shift": ("verl_hpc.trainer.stages.correction", rollout_logprob_shift),
     "warning_signal_at_step": ("verl_hpc.trainer.programs.rl", warning_signal_at_step),
     "rollout_chunk_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_chunk_delay_s),
+    "rollout_group_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_group_delay_s),
+    "elastic_worker_group_delay_s": ("verl_hpc.trainer.placement.elastic.worker", elastic_worker_group_delay_s),
 }
 
 

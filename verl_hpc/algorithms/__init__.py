@@ -19,6 +19,7 @@ from .entropy import (
     entropy_from_logits,
     entropy_from_stats,
     local_exp_stats,
+    sum_pi_squared_from_logits,
     local_logit_max,
     process_group_all_reduce,
 )
@@ -35,6 +36,7 @@ from .masked import masked_mean, masked_sum, masked_var, masked_whiten, sequence
 from .objectives import PolicyObjective, PrmObjective, ValueObjective
 from .policy_losses import compute_policy_loss
 from . import cov_losses, gmpo  # noqa: F401,E402  (register clip_cov, kl_cov, geo_mean)
+from . import dppo, dro, icepop, m2po, sapo  # noqa: F401,E402  (register dppo_tv, dppo_kl, dro, icepop, m2po, sapo)
 from .registry import (
     ADV_ESTIMATOR_REGISTRY,
     KL_ESTIMATOR_REGISTRY,
@@ -85,5 +87,6 @@ __all__ = [
     "register_policy_loss",
     "rollout_correction",
     "sequence_scores",
+    "sum_pi_squared_from_logits",
     "value_loss",
 ]

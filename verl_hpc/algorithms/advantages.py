@@ -17,6 +17,7 @@ from typing import Any, Tuple
 import torch
 
 from . import group_advantages, prime  # noqa: F401  (register grpo, rloo, opo, gpg, reinforce++-baseline, prime)
+from . import gdpo, token_baseline  # noqa: F401  (register gdpo, optimal_token_baseline, tir_optimal_token_baseline)
 from .masked import as_float_mask, check_per_sample, check_token_inputs, masked_whiten, reward_to_go
 from .registry import ADV_ESTIMATOR_REGISTRY, register_adv_estimator
 

@@ -88,6 +88,24 @@ def entropy_from_logits(logits: torch.Tensor, all_reduce: Optional[AllReduce] = 
     return _VocabParallelEntropy.apply(logits, all_reduce)
 
 
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, all_reduce: Optional[AllReduce] = None) -> torch.Tensor:
+    """sum_v p_v^2 per position `[...]` of softmax(logits) (the optimal token baseline's
+    ||grad_logits log p||^2 = 1 - 2 p_y + sum_v p_v^2 needs it), as float32 (float64 for float64
+    logits), no gradient: with s = l - max l, sum_v p_v^2 = sum_v exp(2 s_v) / (sum_v exp(s_v))^2, so
+    vocab-sharded logits need the max and one stacked sum, like the entropy (`all_reduce` as there)."""
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., vocab] with vocab > 0; got shape {tuple(logits.shape)}")
+    m = local_logit_max(logits)
+    if all_reduce is not None:
+        m = all_reduce(m, "max")
+    e = torch.exp(_acc(logits) - m.unsqueeze(-1))
+    sums = torch.stack([e.sum(dim=-1), (e * e).sum(dim=-1)], dim=-1)
+    if all_reduce is not None:
+        sums = all_reduce(sums, "sum")
+    return sums[..., 1] / (sums[..., 0] * sums[..., 0])
+
+
 def process_group_all_reduce(group=None) -> AllReduce:
     """An `all_reduce(t, op)` over a torch.distributed process group (the TP group)."""
     ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}

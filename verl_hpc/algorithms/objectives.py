@@ -67,7 +67,8 @@ class PolicyObjective:
     """PPO-family policy objective: `policy_loss` (actor.policy_loss, clipped per its options)
     + `kl_loss_coef` * KL(actor || ref) when `use_kl_loss` - `entropy_coeff` * entropy, each term
     aggregated with `loss_agg_mode`. Reads old_log_probs, advantages, response_mask, (with the
-    KL loss) ref_log_probs and (with mismatch correction) rollout_is_weights from the micro-batch."""
+    KL loss) ref_log_probs, (with mismatch correction) rollout_is_weights, (icepop)
+    rollout_log_probs and (m2po) m2po_keep from the micro-batch."""
 
     # every field is the actor section's of the same name (config/sections/roles.py declares the
     # defaults): required here, so that a default is never written twice
@@ -86,6 +87,13 @@ class PolicyObjective:
     clip_cov_ub: float
     kl_cov_ratio: float
     ppo_kl_coef: float
+    # sapo's gate temperatures, dro's penalty, icepop's band (m2po's threshold is read where its
+    # whole-batch mask is made: trainer/stages/correction.py)
+    tau_pos: float
+    tau_neg: float
+    dro_beta: float
+    icepop_low: float
+    icepop_high: float
     skip_zero_advantage_rows: bool
     # on-policy shortcut (set by the trainer, verl_hpc/trainer/stages/correction.py): pi_old's log-probs
     # are this forward's own, detached -- the ratio is 1 in value and its gradient is grad log pi
@@ -100,6 +108,12 @@ class PolicyObjective:
     @property
     def outputs(self) -> Tuple[str, ...]:
         return ("log_probs", "entropy") if self.entropy_coeff else ("log_probs",)
+
+    @property
+    def batch_extra(self) -> Tuple[str, ...]:
+        """Step-batch fields beyond the engines' usual ones that the loss reads per micro-batch
+        (StepBatch.engine_batch(extra=...)): icepop the rollout's log-probs."""
+        return ("rollout_log_probs",) if self.policy_loss == "icepop" else ()
 
     def rows_without_gradient(self, batch: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """[B] bool: the rows whose advantages are all 0, which then add exactly 0 to the loss and
@@ -118,6 +132,9 @@ class PolicyObjective:
             clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb,
             clip_cov_ub=self.clip_cov_ub, kl_cov_ratio=self.kl_cov_ratio, ppo_kl_coef=self.ppo_kl_coef,
+            tau_pos=self.tau_pos, tau_neg=self.tau_neg, dro_beta=self.dro_beta, icepop_low=self.icepop_low,
+            icepop_high=self.icepop_high, rollout_log_probs=mb.get("rollout_log_probs"),
+            m2po_keep=mb.get("m2po_keep"),  # m2po: the step's whole-batch mask (algorithms/m2po.py)
             # mismatch correction (algorithms/mismatch.py): per-token weights, absent when off
             rollout_is_weights=mb.get("rollout_is_weights"), **agg)
         metrics = dict(metrics, pg_loss=loss.detach())

@@ -21,14 +21,28 @@ ADV_ESTIMATORS = (
     "gpg",
     "grpo_passk",
     "prime",
+    "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 )
-POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "geo_mean")
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "clip_cov", "kl_cov", "geo_mean", "sapo",
+                 "dppo_tv", "dppo_kl", "dro", "icepop", "m2po")
 # The policy losses whose rows are independent: a row's loss reads only its own tokens and is
 # -A x (something finite), so a row whose advantages are all 0 adds exactly 0 to the loss and its
 # gradient (actor.skip_zero_advantage_rows). clip_cov / kl_cov are not here: their token
-# selection reads statistics of the whole micro-batch, so removing a row changes other rows' loss.
-# A new loss is left out until it is shown to belong (tests/unit/engines/test_eng_zero_adv_skip.py).
-ROW_LOCAL_POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "geo_mean")
+# selection reads statistics of the whole micro-batch, so removing a row changes other rows' loss;
+# nor is dro: its penalty (logp - old_logp)^2 is not multiplied by A. m2po's mask is a statistic of
+# the whole batch too, but computed once per step before the update (algorithms/m2po.py), so its
+# loss is per row. A new loss is left out until it is shown to belong
+# (tests/unit/engines/test_eng_zero_adv_skip.py).
+ROW_LOCAL_POLICY_LOSSES = ("vanilla", "gspo", "cispo", "gpg", "reinforce", "geo_mean", "sapo", "dppo_tv", "dppo_kl",
+                           "icepop", "m2po")
+# Losses that weight each token by pi_old / pi_rollout themselves (IcePop's M(k)): split placement's
+# decoupled objective applies no proximal / behaviour token weights on top of them.
+BEHAVIOUR_WEIGHTED_POLICY_LOSSES = ("icepop",)
+# Estimators that read pi_old's log-probs and the engine's sum_v pi_v^2 of every response token:
+# the actor's old-log-prob forward computes it for them (before the advantages).
+SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 # Short names and verl's names for the same estimators: k1=kl, k2=mse, k3=low_var_kl; "+": the
 # value of k1/k3 with k2's gradient (straight-through).
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")

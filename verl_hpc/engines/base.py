@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -98,7 +99,10 @@ class TrainingEngine(abc.ABC):
                    outputs: Sequence[str] = ()) -> Dict[str, float]:
         """One optimizer step on the whole batch. Returns metrics (identical on every rank):
         loss, grad_norm, lr, the loss_fn's metrics, and `nonfinite` = 1.0 when the loss or the
-        gradient was inf/nan, in which case the parameters and optimizer were left untouched."""
+        gradient was inf/nan, in which case the parameters and optimizer were left untouched.
+        With fp16 loss scaling also `loss_scale` (the scale after this step) and `overflow` = 1.0
+        when the step was skipped because the scaled gradients overflowed (skipped_for_overflow:
+        then `nonfinite` is 0, the scale halved and nothing else changed)."""
 
     @abc.abstractmethod
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -111,5 +115,23 @@ class TrainingEngine(abc.ABC):
     def load_state(self, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None: ...
 
     def scheduler_step(self) -> float:
-        """Advance the learning-rate schedule by one trainer step; returns the new LR."""
+        """Advance the learning-rate schedule by one trainer step; returns the new LR. Only when
+        an optimizer step was applied since the last call: an update whose steps were all skipped
+        (fp16 overflow, non-finite loss) leaves the schedule where it was, as Megatron-LM's
+        train_step advances its scheduler only after a successful update."""
         return 0.0
+
+
+def skipped_for_overflow(applied: bool, found_inf: bool, loss: float, scale: Optional[float], optim) -> bool:
+    """Whether a skipped step was the fp16 loss scaler's ordinary overflow (the scale was too high
+    for this step's gradients; it has halved, the next step retries) rather than a non-finite
+    loss or gradient: the loss was finite, the scaler found inf/nan in the gradients, and the
+    scale was still above `optim.min_loss_scale`. At the floor an overflow is a real non-finite
+    gradient, which the trainer's guard counts (`nonfinite`)."""
+    return (not applied and found_inf and scale is not None and math.isfinite(loss)
+            and scale > optim.min_loss_scale)
+
+
+def scaler_metrics(overflow: bool, scale: Optional[float]) -> Dict[str, float]:
+    """{"loss_scale", "overflow"} of a step with fp16 loss scaling; {} without a scaler."""
+    return {} if scale is None else {"loss_scale": float(scale), "overflow": 1.0 if overflow else 0.0}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
+from verl_hpc.config import float16
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.gpt import transformer_engine_available
 from verl_hpc.runtime.device import has_gpu
@@ -194,3 +195,17 @@ def check_options(o: EngineOptions) -> None:
         from verl_hpc.models.gpt import check_fp8_supported
 
         check_fp8_supported(o.fp8_recipe)
+    check_float16_here(o.dtype)
+
+
+def check_float16_here(dtype: str, field: str = "model.dtype = float16 on a machine without a GPU",
+                       valid: str = "model.dtype=float32 (or bfloat16)") -> None:
+    """model.dtype = float16 on a machine without a GPU: the engines run it on torch's CPU
+    float16 kernels (matmul, SDPA, the loss scaler's fused check-and-unscale), which torch 2.13 has
+    (the fp16 engine tests run on them). Refused, one line, where this torch lacks one of them
+    (verl_hpc.config.float16); on GPUs nothing to check."""
+    if dtype != "float16" or has_gpu():
+        return
+    problem = float16.cpu_float16_problem(field, valid)
+    if problem:
+        raise ConfigError(problem)

@@ -18,7 +18,10 @@ An update runs `ppo_epochs` passes over consecutive mini-batches of `ppo_mini_ba
 (x rollout.n sequences), one optimizer step each, then advances the LR schedule by one trainer
 step. Metrics are means over the optimizer steps, prefixed with the role ("actor/pg_loss",
 "actor/lr" = the LR these steps used);
-`<role>/nonfinite_steps` counts skipped steps (the trainer decides what to do about them).
+`<role>/nonfinite_steps` counts skipped steps (the trainer decides what to do about them); with
+fp16 loss scaling `<role>/overflow_steps` counts the steps skipped for a loss-scale overflow (not
+counted as non-finite) and `<role>/loss_scale` is the scale after the update. The LR schedule
+advances only when at least one of the update's steps was applied (TrainingEngine.scheduler_step).
 `actor/zero_adv_skipped_share` and `actor/zero_adv_skipped_tokens_share`: the share of the
 update's rows (tokens) that the engine left out because their advantages are all 0 (the
 objective's rows_without_gradient; 0 when a KL or entropy term forbids it).
@@ -87,6 +90,10 @@ def _mean_metrics(steps: List[Dict[str, float]], prefix: str) -> Dict[str, float
         out[f"{prefix}/{key}"] = sum(vals) / len(vals)
     out[f"{prefix}/nonfinite_steps"] = float(sum(m.get("nonfinite", 0.0) for m in steps))
     out.pop(f"{prefix}/nonfinite", None)
+    if any("loss_scale" in m for m in steps):  # fp16: the scale after the update, and its skips
+        out[f"{prefix}/loss_scale"] = float(steps[-1]["loss_scale"])
+        out[f"{prefix}/overflow_steps"] = float(sum(m.get("overflow", 0.0) for m in steps))
+        out.pop(f"{prefix}/overflow", None)
     return out
 
 
@@ -126,9 +133,12 @@ class Actor(_Trainable):
 
     prefix = "actor"
 
-    def log_probs(self, batch) -> Dict[str, torch.Tensor]:
-        out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy"))
-        return {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
+    def log_probs(self, batch, sum_pi_squared: bool = False) -> Dict[str, torch.Tensor]:
+        """pi_old's log-probs and entropy of the sampled tokens; with `sum_pi_squared` also
+        sum_v pi_v^2 per token (the optimal token baseline's path energy), from the same forward."""
+        extra = ("sum_pi_squared",) if sum_pi_squared else ()
+        out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy", *extra))
+        return {"old_log_probs": out["log_probs"], "entropy": out["entropy"], **{k: out[k] for k in extra}}
 
 
 class Critic(_Trainable):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import List
 
-from verl_hpc.gpu_check import fsdp_checks, workload
+from verl_hpc.gpu_check import fp16_check, fsdp_checks, workload
 from verl_hpc.gpu_check.kit import Check, Kit, NotTestable
 
 
@@ -428,5 +428,9 @@ CHECKS: List[Check] = [
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
     Check("cp_gt_1", "context parallel 2 vs 1 (Megatron CP, TE attention): log-probs, entropy, one update, 2 ranks",
           cp_gt_1, ENGINE, ">= 2 GPUs on this node + Transformer Engine"),
+    # last of the one-GPU work: two engines and two rollout engines, after every other check
+    Check("fp16_mismatch", "rollout/training mismatch bf16 vs fp16: engine + rollout (vLLM, else HF) in each "
+          "dtype, the weight sync, sampled tokens' log-prob gap and KL; an fp16 update with loss scaling",
+          fp16_check.fp16_mismatch, ("train_step",)),
     Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]

@@ -62,6 +62,7 @@ class MetricsProgress:
     def __init__(self, metrics_file: Path, total_steps: int) -> None:
         self.path, self.total = Path(metrics_file), int(total_steps)
         self._offset, self._seen = 0, []  # (step, time) of the rows read so far
+        self._pool = None  # (pool size, joins) of the newest row of an elastic run
 
     def __call__(self) -> str:
         import json
@@ -85,14 +86,17 @@ class MetricsProgress:
             except (ValueError, KeyError, TypeError):
                 continue
             self._seen = [(s, x) for s, x in self._seen if s < step] + [(step, t)]
+            if "elastic/pool_size" in row:  # placement.elastic: the joined workers, and who has joined so far
+                self._pool = (int(row["elastic/pool_size"]), int(row.get("elastic/joins", 0)))
         if not self._seen:
             return ""
         window = self._seen[-(WINDOW + 1):]
         (s0, t0), (s1, t1) = window[0], window[-1]
         rate = (t1 - t0) / (s1 - s0) if s1 > s0 else float("nan")
         pct = 100.0 * s1 / self.total if self.total > 0 else 0.0
+        pool = f"; rollout pool {self._pool[0]} worker(s) ({self._pool[1]} joined so far)" if self._pool else ""
         return (f"step {s1}/{self.total} ({pct:.0f}%) {format_rate(rate)} "
-                f"ETA {format_duration(rate * max(self.total - s1, 0))}")
+                f"ETA {format_duration(rate * max(self.total - s1, 0))}{pool}")
 
 
 def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0, progress=None,

@@ -54,6 +54,8 @@ TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.distributed.distributed_data_parallel": "5: streams, synchronize",
     "megatron.core.optimizer.optimizer": "6: found_inf / loss-scale tensors on CUDA",
     "megatron.core.optimizer.clip_grads": "6: grad-norm tensors on CUDA",
+    # fp16 training (model.dtype = float16): the dynamic loss scaler's scale and bounds
+    "megatron.core.optimizer.grad_scaler": "fp16: loss-scale tensors on CUDA",
     "megatron.core.optimizer.distrib_optimizer": "7: shard buffers on CUDA",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "rotary inv_freq to CUDA",
     # Found while building verl_hpc.models (the "found later" paragraph of the same section):
@@ -78,12 +80,16 @@ SCOPED_TENSOR_CUDA: Dict[str, str] = {
     "megatron.core.models.common.language_module.language_module:"
     "LanguageModule.setup_embeddings_and_output_layer":
         "tied embeddings with pp > 1: weight.data.cuda() before the embedding all-reduce",
+    "megatron.core.optimizer.grad_scaler:DynamicGradScaler.load_state_dict":
+        "fp16: a resumed loss scale is moved with .cuda() (the engine's checkpoint, state.py)",
 }
 
 # "module:Qualified.name" -> number of 'torch.cuda.*Tensor' constants replaced (checked at apply)
 TYPE_NAME_FUNCTIONS: Dict[str, int] = {
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": 1,
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups": 2,
+    # bf16/fp16 without the distributed optimizer (one data-parallel rank): the fp32 master copies
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": 2,
 }
 # "module:function" -> (its CPU replacement's name in this module, why): module globals replaced where
 # a function's CPU behaviour differs in kind, not in placement

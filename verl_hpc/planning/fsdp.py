@@ -63,14 +63,20 @@ def replicas(cfg) -> int:
     return max(1, cfg.train_world_size // shard_size(cfg))
 
 
-def compute_bytes(cfg) -> int:
-    """Bytes per element of the compute dtype: fsdp.mixed_precision, auto = model.dtype on a GPU
+def compute_name(cfg) -> str:
+    """The compute dtype (fp32 | bf16 | fp16): fsdp.mixed_precision, auto = model.dtype on a GPU
     job (the engine's rule, engines/fsdp/build.py compute_dtype), fp32 on a CPU job."""
     mp = cfg.fsdp.mixed_precision
-    if mp == "auto":
-        half = cfg.slurm.gpus_per_node > 0 and cfg.model.dtype in ("bfloat16", "float16")
-        return 2 if half else 4
-    return 2 if mp == "bf16" else 4
+    if mp != "auto":
+        return mp
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(cfg.model.dtype)
+    return half if half and cfg.slurm.gpus_per_node > 0 else "fp32"
+
+
+def compute_bytes(cfg) -> int:
+    """Bytes per element of the compute dtype (compute_name). fp16 costs what bf16 does: its loss
+    scaler is one scalar and a growth counter."""
+    return 4 if compute_name(cfg) == "fp32" else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +250,8 @@ def offload_notes(cfg, roles: Dict[str, Optional[FsdpRole]]) -> List[str]:
     names = ", ".join(n for n, r in roles.items() if r is not None)
     shard, reps = shard_size(cfg), replicas(cfg)
     layout = f"HSDP: {reps} replicas x shard {shard}" if reps > 1 else f"FSDP over {shard} rank(s)"
-    out = [f"FSDP engine ({names}): {layout}; compute {'bf16' if compute_bytes(cfg) == 2 else 'fp32'}, "
+    scaled = " with dynamic loss scaling" if compute_name(cfg) == "fp16" else ""
+    out = [f"FSDP engine ({names}): {layout}; compute {compute_name(cfg)}{scaled}, "
            f"fp32 master weights, grads and Adam sharded; reshard_after_forward "
            f"{'on' if fs.reshard_after_forward else 'off (every layer stays gathered to its backward)'}"
            f"; activation checkpointing {'on' if fs.activation_checkpointing else 'off'}"]

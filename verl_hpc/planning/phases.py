@@ -189,6 +189,10 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                      f"trainable parameters per rank ({adapter * 4 / 2**20:.1f} MiB fp32) on a frozen base"
                      + ("; the reference is the actor's base (no memory)" if cfg.ref.enable else ""))
     notes += fsdp_notes(cfg, planned)
+    if cfg.model.dtype == "float16":
+        notes.append("model.dtype float16: the bytes of bf16 (2-byte weights and activations; fp32 master weights, "
+                     "grads and Adam states; the loss scaler is one number)"
+                     + ("; vLLM and the weight sync in fp16" if gpu else "; the rollout in fp32 on a CPU"))
     if par.cp > 1:
         s = cfg.data.max_prompt_length + cfg.data.max_response_length
         notes.append(f"context parallel {par.cp}: each rank holds {cp_tokens(s, par.cp)} of a {s}-token row "

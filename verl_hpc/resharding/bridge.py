@@ -45,7 +45,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from verl_hpc.resharding.buckets import bucket_bytes_from
+from verl_hpc.resharding.buckets import bucket_bytes_from, in_dtype
 from verl_hpc.resharding.plan import Need, PlanError, RolloutSlicer
 from verl_hpc.resharding.sync import carriers, export_source, held_resident
 from verl_hpc.runtime.split import POLL_S, STOP
@@ -142,11 +142,13 @@ def slices_in(buf: torch.Tensor, rows, rank: int) -> Iterator[Tuple[str, torch.T
 
 class WeightPublisher:
     def __init__(self, world, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
-                 slicer: Optional[RolloutSlicer] = None):
+                 slicer: Optional[RolloutSlicer] = None, dtype: Optional[torch.dtype] = None):
         """slicer: what each rollout rank keeps (resharding.mode sliced/auto): each gets only its
-        slices; None: every rollout rank gets every full tensor (resharding.mode full)."""
+        slices; None: every rollout rank gets every full tensor (resharding.mode full). dtype: the
+        rollout's weight dtype, what the snapshot holds (buckets.in_dtype; None: as exported)."""
         self.world = world
         self.slicer = slicer
+        self.dtype = dtype
         self.bucket_bytes = bucket_bytes_from(bucket_mb, bucket_bytes)
         self.version = -1
         self._snapshot = None  # (version, buckets, manifest), the leader's
@@ -161,7 +163,7 @@ class WeightPublisher:
         newest the rollout can take. Returns sync/* metrics of the export."""
         t0 = time.perf_counter()
         with held_resident(actor):
-            stream = export_source(actor)()
+            stream = in_dtype(export_source(actor)(), self.dtype)
             if self.world.is_leader:
                 buckets, manifest = pack(stream, self.bucket_bytes)
                 sliced = self._slice(manifest)
@@ -180,6 +182,12 @@ class WeightPublisher:
         if self.error is not None:
             raise self.error
         return m
+
+    def latest(self) -> Optional[tuple]:
+        """(version, buckets, manifest) of the newest snapshot, None before the first: what the
+        elastic workers' weight server sends (trainer/placement/elastic/channel.py). Leader only."""
+        with self._lock:
+            return None if self._snapshot is None else self._snapshot[:3]
 
     def _slice(self, manifest):
         if self.slicer is None:

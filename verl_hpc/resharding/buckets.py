@@ -40,6 +40,17 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def in_dtype(items: Iterable[Item], dtype: Optional[torch.dtype]) -> Iterator[Item]:
+    """The stream with its floating-point tensors in `dtype`, the rollout's (None: as exported).
+    The sync then carries what the rollout keeps: an engine whose export is in another dtype (the
+    FSDP engine's fp32 master weights) is cast once, on the sending side, with the same
+    round-to-nearest the rollout's own copy into its parameters would apply, and the buckets hold
+    half the bytes for a bf16 or fp16 rollout. Tensors already in `dtype` pass as they are (views
+    of live parameters stay views)."""
+    for name, t in items:
+        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t)
+
+
 def bucket_bytes_from(bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None) -> int:
     """Bytes per bucket from `resharding.bucket_mb` (MiB, may be fractional here) or bytes."""
     if (bucket_mb is None) == (bucket_bytes is None):

@@ -15,6 +15,8 @@ collective. Two paths (`mode`, resharding.mode; docs/resharding.md):
   PP, so that every rank ends up with every full HF tensor (verl_hpc.models.weights). Each rank's
   rollout engine takes the full tensors and cuts its own slices, whatever its inference TP (vLLM's
   loaders do this). The stream goes through `BucketStream` (buckets of `bucket_mb`).
+Both paths send the rollout's dtype (`rollout.weight_dtype`: model.dtype on GPUs, bf16 or fp16),
+cast once on the sending side where the engine holds another (buckets.in_dtype).
 Either way the rollout gets ONE `load_weights` call (or `load_weight_slices`, for a sink that
 takes slices) carrying every weight.
 
@@ -53,7 +55,7 @@ import torch.distributed as dist
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
-from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from
+from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from, in_dtype
 from verl_hpc.resharding.plan import PlanError
 from verl_hpc.resharding.sliced import SlicedSync, holdings
 from verl_hpc.runtime.device import collective_device
@@ -267,7 +269,8 @@ class WeightSync:
     def _run_full(self, actor, rollout):
         # resident until load_weights has returned: only then may the actor offload (held_resident)
         with held_resident(actor):
-            stream = BucketStream(export_source(actor)(), self.bucket_bytes)
+            stream = BucketStream(in_dtype(export_source(actor)(), getattr(rollout, "weight_dtype", None)),
+                                  self.bucket_bytes)
             error = _feed(stream, lambda: rollout.load_weights(iter(stream)),
                           f"{type(rollout).__name__}.load_weights")
         return error, stream, {

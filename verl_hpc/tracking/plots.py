@@ -68,6 +68,10 @@ PANELS: tuple[Panel, ...] = (
     Panel("Tool use", "share of episodes calling a tool", ("episode/tool_call_rate", "val/episode/tool_call_rate"),
           ylim=(-0.02, 1.02), right=("episode/tool_error_rate",), right_ylabel="failed share of calls",
           right_ylim=(-0.02, 1.02)),
+    # placement.elastic: the rollout pool's size against the samples re-dispatched (stragglers,
+    # workers lost), so a shrinking pool can be read against the work it cost
+    Panel("Elastic rollout pool", "joined workers", ("elastic/pool_size",),
+          right=("elastic/redispatched", "elastic/returned"), right_ylabel="samples re-dispatched / returned"),
     # mixture-of-experts actors: how unevenly the routers load the experts (1 = even) against the
     # router's load-balancing loss and the share of token-expert assignments dropped by capacity
     Panel("Expert load (MoE)", "max / mean expert load", ("actor/moe/load_imbalance", "actor/moe/layer_*/load_imbalance"),

@@ -36,6 +36,7 @@ def test_zero_advantage_rows_are_rows_with_tokens_all_zero():
     (dict(entropy_coeff=0.01), "actor.entropy_coeff"),
     (dict(policy_loss="clip_cov"), "actor.policy_loss = clip_cov"),
     (dict(policy_loss="kl_cov"), "actor.policy_loss = kl_cov"),
+    (dict(policy_loss="dro"), "actor.policy_loss = dro"),
 ])
 def test_kl_entropy_or_row_coupling_losses_skip_nothing(change, blocked_by):
     from verl_hpc.algorithms import PolicyObjective
@@ -61,8 +62,11 @@ def _loss_inputs(g):
     adv = adv.clone()
     adv[zero] = 0.0
     weights = (0.5 + torch.rand(rows, width, generator=g)) * mask  # mismatch correction: still 0 x w
-    return new, {"old_log_probs": old, "advantages": adv, "response_mask": mask,
-                 "rollout_is_weights": weights}, zero
+    rollout = (old + 0.8 * torch.randn(rows, width, generator=g)) * mask  # icepop's band cuts some tokens
+    from verl_hpc.algorithms.m2po import m2po_keep
+    keep, _ = m2po_keep(old, rollout, mask, ActorConfig().m2_threshold)  # m2po: the whole batch's mask, made before any skip
+    return new, {"old_log_probs": old, "advantages": adv, "response_mask": mask, "rollout_is_weights": weights,
+                 "rollout_log_probs": rollout, "m2po_keep": keep}, zero
 
 
 @pytest.mark.parametrize("mode", ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -76,7 +80,7 @@ def test_every_loss_that_may_skip_gives_the_same_loss_and_gradients_without_thos
     from verl_hpc.config.recipes import ROW_LOCAL_POLICY_LOSSES
     from verl_hpc.engines.base import GlobalCounts
 
-    assert set(POLICY_LOSS_REGISTRY.names()) - set(ROW_LOCAL_POLICY_LOSSES) == {"clip_cov", "kl_cov"}
+    assert set(POLICY_LOSS_REGISTRY.names()) - set(ROW_LOCAL_POLICY_LOSSES) == {"clip_cov", "kl_cov", "dro"}
     g = torch.Generator().manual_seed(3)
     new, mb, zero = _loss_inputs(g)
     counts = GlobalCounts(tokens=float(mb["response_mask"].sum()), seqs=8.0, norm_len=6.0)

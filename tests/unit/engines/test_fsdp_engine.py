@@ -112,6 +112,31 @@ def test_forward_equals_float64_transformers(one_rank_world, models, family, tem
         assert bool((got[mask == 0] == 0).all()), f"{key}: padding must be zero"
 
 
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_sum_pi_squared_equals_float64_transformers(one_rank_world, models, engine):
+    """The optimal token baseline's sum_v pi_v^2 per response token (of logits / temperature), from the
+    forward that gives the log-probs, on both engines."""
+    from update_reference import _model64
+    from verl_hpc.engines.batch import get_response_mask, response_positions
+
+    folder, batch = models("llama"), policy_batch(2)
+    make = _fsdp if engine == "fsdp" else _megatron
+    out = make(folder).forward(batch, ("log_probs", "entropy", "sum_pi_squared"))
+    mask = get_response_mask(batch).double()
+    pos = response_positions(batch["prompt_lengths"], mask.shape[1], batch["input_ids"].shape[1])
+    with torch.no_grad():
+        logits = _model64(folder)(batch["input_ids"]).logits
+    rows = logits[torch.arange(len(pos)).unsqueeze(1), pos] / TEMPERATURE
+    want = (torch.softmax(rows, -1) ** 2).sum(-1) * mask
+    got = out["sum_pi_squared"].double()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0.0)
+    assert bool((got[mask == 0] == 0).all())
+    # the random model is near uniform (sum ~ 1 / vocab), yet tokens differ by far more than the
+    # tolerance: a value of the wrong position or temperature would show
+    spread = want[mask > 0]
+    assert float(spread.max() - spread.min()) > 20 * 1e-4 * float(spread.max())
+
+
 # ----------------------------------------------------------------------------- FSDP = Megatron
 
 
@@ -287,7 +312,9 @@ def test_lr_schedule_is_megatrons(one_rank_world, models, style):
 
     optim = dataclasses.replace(OPTIM, lr=0.1, min_lr=0.01, warmup_steps=2, lr_decay_style=style)
     eng = _fsdp(models("llama"), optim=optim, total_steps=6)
-    lrs = [eng.lr] + [eng.scheduler_step() for _ in range(8)]
+    # the schedule itself (scheduler_step advances it only after an applied optimizer step:
+    # tests/unit/engines/test_eng_fp16.py)
+    lrs = [eng.lr] + [eng.scheduler.step(1) or eng.lr for _ in range(8)]
     want = [schedule_lr(optim, 6, step) for step in range(9)]
     assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
     assert lrs[0] == 0.0 and lrs[2] == 0.1 and lrs[-1] == 0.01 and len(set(lrs)) > 5

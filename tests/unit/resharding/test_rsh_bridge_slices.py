@@ -12,7 +12,7 @@ from test_rsh_plan import SHAPES  # the tiny model's HF tensors
 
 
 @pytest.mark.parametrize("tp,ranks", [(1, 1), (2, 2), (4, 4), (2, 4)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_each_rollout_rank_gets_exactly_its_slices(tp, ranks, dtype):
     g = torch.Generator().manual_seed(tp * 10 + ranks)
     full = {n: torch.randn(s, generator=g).to(dtype) for n, s in SHAPES.items()}

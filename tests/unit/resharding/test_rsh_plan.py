@@ -137,7 +137,7 @@ def test_a_tensor_nobody_holds_is_a_plan_error():
 # ----------------------------------------------------------------------------- the delta codec
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("frac,mode", [(0.0, codec.INDEX), (0.01, codec.INDEX), (0.2, codec.BITMAP),
                                        (1.0, codec.DENSE)])
 def test_codec_round_trips_bitwise_and_never_costs_more_than_dense(dtype, frac, mode):

@@ -73,6 +73,23 @@ def test_metrics_and_delivery():
         assert m[key] >= 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_full_path_sends_the_rollouts_dtype(dtype):
+    """An engine exporting fp32 (the FSDP engine's master weights) into a half-precision rollout:
+    the stream carries the rollout's dtype, each tensor rounded as the rollout's own copy would
+    round it, and the bytes are the half-precision ones."""
+    rollout = RecordingRollout()
+    rollout.weight_dtype = dtype
+    m = sync(FakeEngine(), rollout, bucket_mb=1)
+    gen = torch.Generator().manual_seed(0)
+    for name, shape in SHAPES.items():
+        want = torch.randn(shape, generator=gen)
+        got = rollout.received[name]
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), name
+        assert torch.equal(torch.empty(shape, dtype=dtype).copy_(want), got)  # the rollout's own cast
+    assert m["sync/bytes"] == sum(torch.Size(s).numel() * 2 for s in SHAPES.values())
+
+
 def test_small_buckets_same_tensors():
     a, b = RecordingRollout(), RecordingRollout()
     ma = sync(FakeEngine(), a, bucket_bytes=100)  # smaller than every tensor but the norm

@@ -192,3 +192,23 @@ def test_reward_model_adds_to_rules_and_scores_sources_without_one():
     with pytest.raises(RewardError, match="no reward model was passed"):
         RewardScorer.from_config(RewardConfig(reward_model=RewardModelConfig(enable=True, path="rm")),
                                  allow_custom_code=SAFETY.allow_custom_code)
+
+
+def test_score_components_for_gdpo():
+    """score_with_components: each key's number from the returned dicts ('score': the score itself);
+    a failed call (on_error zero) gives 0s, a dict without the key is an error naming key and sample."""
+    def two_parts(data_source, text, truth, extra):
+        if text == "boom":
+            raise RuntimeError("boom")
+        if text == "plain":
+            return {"score": 0.5}
+        return {"score": float(text == truth), "fmt": 1.0 if text.startswith("#") else 0.0}
+
+    scorer = scorer_with(custom_function=two_parts)
+    scores, comps, metrics = scorer.score_with_components(
+        ["a:0", "a:1", "a:2"], ["x"] * 3, ["#3", "4", "boom"], ["#3", "3", "3"], keys=["fmt", "score"])
+    assert scores.tolist() == [1.0, 0.0, 0.0] and comps.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+    assert metrics["reward/errors"] == 1 and metrics["reward/extra/fmt"] == 0.5
+    assert scorer.score(["a:0"], ["x"], ["#3"], ["#3"])[0].tolist() == [1.0]  # score() unchanged
+    with pytest.raises(RewardError, match=r"returned no number under 'fmt' for sample b:1 \(data_source 'x'\)"):
+        scorer.score_with_components(["b:0", "b:1"], ["x"] * 2, ["#3", "plain"], ["#3", "3"], keys=["fmt"])

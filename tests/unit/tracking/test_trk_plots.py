@@ -115,3 +115,13 @@ def test_async_panel_with_async_metrics_and_none_without(tmp_path):
         "Reward", "Validation accuracy", "KL to reference", "Entropy", "Response length"]
     # kept in memory for the plot when there is no metrics.jsonl
     assert plots.wanted("async/idle_frac/train") and plots.wanted("async/staleness_max")
+
+
+def test_elastic_pool_panel(tmp_path):
+    """placement.elastic: the pool's size against the re-dispatched and returned samples."""
+    rows = [{"step": s, "time": 0.0, "reward/score/mean": 0.1, "elastic/pool_size": float(min(s, 3)),
+             "elastic/redispatched": float(2 * (s > 5)), "elastic/returned": 0.0} for s in range(1, 9)]
+    res = write_plots(rows, tmp_path / "e.png")
+    assert res.panels == ["Reward", "Elastic rollout pool"]
+    assert res.series["Elastic rollout pool"] == ["elastic/pool_size", "elastic/redispatched", "elastic/returned"]
+    read_png(res.path)

@@ -199,3 +199,22 @@ def test_a_rollout_group_failing_ends_the_trainers_wait_for_a_batch_at_once(job,
                               "rank 0 (global 0): RuntimeError: the engine died loading weights): see its log")
     thread.join(PROMPT_S)
     assert isinstance(j.outcome.get("error"), RuntimeError)  # the rollout rank fails with its own error
+
+
+def test_the_published_snapshot_is_in_the_rollouts_dtype(job):
+    """Split placement's publisher sends what the rollout keeps (model.dtype on GPUs: bf16 or fp16;
+    fp32 on this CPU), cast once on the training side, bucket bytes counted in it."""
+    from verl_hpc.rollout.engine import rollout_weight_dtype
+
+    j = job()
+    assert j.link.publisher.dtype == rollout_weight_dtype("float32") == torch.float32  # a CPU here
+    j.link.publisher.dtype = torch.float16  # as on a GPU job with model.dtype = float16
+    m = j.link.publish(Actor(), 0)
+    _, buckets, manifest, _ = j.link.publisher._snapshot
+    assert [(row[0], row[1]) for row in manifest] == [("w", "torch.float16")]
+    from verl_hpc.resharding.bridge import unpack
+
+    ((name, t),) = unpack(buckets[0], manifest)
+    assert t.dtype == torch.float16 and torch.equal(t, torch.arange(6.0).reshape(2, 3).half())
+    assert m["sync/buckets"] == 1.0
+    j.link.publisher.close()

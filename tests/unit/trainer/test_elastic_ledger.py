@@ -154,7 +154,7 @@ def test_pool_joins_heartbeats_leaves_and_the_minimum():
     with pytest.raises(PoolLostError) as e:
         pool.check(141 + 100)
     text = str(e.value)
-    assert "fewer than its minimum of 2" in text and "w2 at 40 s: no heartbeat for 35 s" in text
+    assert "fewer than placement.elastic.min_rollout_workers = 2" in text and "lost_timeout_s = 100" in text and "w2 at 40 s: no heartbeat for 35 s" in text
     assert "w1 at 150 s: preempted (SIGTERM)" in text and "\n" not in text
     assert pool.sizes() == [(0, 1), (5, 2), (40, 1), (150, 0)]
     pool.join("w3", 250)

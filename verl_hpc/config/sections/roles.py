@@ -18,6 +18,15 @@ class OptimConfig(Section):
     warmup_steps: int = opt(0, "linear warm-up steps", check=">=0")
     lr_decay_style: str = opt("constant", "after warm-up", choices=("constant", "linear", "cosine"))
     min_lr: float = opt(0.0, "floor of the decay", check=">=0")
+    # fp16 only (model.dtype = float16; the FSDP engine: a float16 compute dtype): dynamic loss
+    # scaling, the same rule in both engines (Megatron's DynamicGradScaler, torch's ShardedGradScaler):
+    # an overflow skips the step and halves the scale, loss_scale_window clean steps double it
+    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start (torch's GradScaler's 2^16; "
+                                             "Megatron's own 2^32 costs ~16 skipped steps to come down)",
+                                    check=">0")
+    min_loss_scale: float = opt(1.0, "fp16: the scale never halves below this", check=">0")
+    loss_scale_window: int = opt(1000, "fp16: optimizer steps without an overflow before the scale doubles",
+                                 check=">0")
 
     def check(self, job) -> List[str]:
         role = next(name for name in ("actor", "critic", "prm") if getattr(job, name).optim is self)
@@ -40,6 +49,9 @@ class OptimConfig(Section):
             p.append(f"{key}.eps: must be > 0, got {self.eps}")
         if self.min_lr > self.lr:
             p.append(f"{key}.min_lr = {self.min_lr} is above {key}.lr = {self.lr}")
+        if self.min_loss_scale > self.initial_loss_scale:
+            p.append(f"{key}.min_loss_scale = {self.min_loss_scale:g} is above {key}.initial_loss_scale = "
+                     f"{self.initial_loss_scale:g}")
         return p
 
 
@@ -89,7 +101,7 @@ class TrainedRole(Section):
 @dataclass
 class ActorConfig(TrainedRole):
     name = "actor"
-    policy_loss: str = opt("vanilla", "the policy-gradient loss (vanilla = PPO clip)",
+    policy_loss: str = opt("vanilla", "the policy-gradient loss (vanilla = PPO clip; the names: docs/algorithms.md)",
                            choices_from="POLICY_LOSSES")
     clip_ratio_low: float = opt(0.2, "PPO clip below 1", check="[0, 1)")
     clip_ratio_high: float = opt(0.2, "PPO clip above 1; > clip_ratio_low = DAPO clip-higher")
@@ -105,6 +117,18 @@ class ActorConfig(TrainedRole):
     clip_cov_ub: float = opt(5.0, "clip_cov: upper bound of the covariance window")
     kl_cov_ratio: float = opt(0.0002, "kl_cov: share of valid tokens penalised", check="(0, 1]")
     ppo_kl_coef: float = opt(1.0, "kl_cov: coefficient of |logp - old_logp| on those tokens", check=">=0")
+    # policy_loss sapo (arXiv 2511.20347; verl's names, the paper's values)
+    tau_pos: float = opt(1.0, "sapo: temperature of the soft gate for positive advantages", check=">0")
+    tau_neg: float = opt(1.05, "sapo: temperature for negative advantages (> tau_pos decays them faster)",
+                         check=">0")
+    # policy_loss dro (verl PR #7245; its example's value): dppo_tv / dppo_kl read clip_ratio_low/high as
+    # their divergence bounds and clip_ratio_c as their importance-weight cap, as verl does
+    dro_beta: float = opt(0.05, "dro: coefficient of the penalty beta/2 (logp - old_logp)^2", check=">0")
+    # policy_loss icepop (arXiv 2510.18855) and m2po (arXiv 2510.01161): the rollout's log-probs against pi_old's
+    icepop_low: float = opt(0.5, "icepop: tokens whose pi_old / pi_rollout is below this get no gradient", check=">=0")
+    icepop_high: float = opt(5.0, "icepop: ... or above this", check=">0")
+    m2_threshold: float = opt(0.04, "m2po: the tokens of largest (log pi_old - log pi_rollout)^2 are masked until the "
+                                    "mean of the rest is at most this", check=">0")
     # on-policy (one mini-batch, one epoch) pi_old IS the policy being updated: its log-probs can be
     # taken, detached, from the update's own forward (trainer/stages/correction.py says when that is valid)
     old_log_probs: str = opt("auto", "where pi_old's log-probs come from: auto (the update's own forward when "
@@ -125,7 +149,7 @@ class ActorConfig(TrainedRole):
                                          "backward; the loss still counts their tokens and sequences, so the "
                                          "update is unchanged. Only where no term reads them: not with "
                                          "actor.use_kl_loss, a nonzero actor.entropy_coeff or policy_loss "
-                                         "clip_cov / kl_cov (then every row runs)")
+                                         "clip_cov / kl_cov / dro (then every row runs)")
     optim: OptimConfig = section(OptimConfig)
 
     def check(self, job) -> List[str]:
@@ -136,7 +160,26 @@ class ActorConfig(TrainedRole):
             p.append(f"actor.clip_ratio_c: the dual-clip bound must be > 1, got {self.clip_ratio_c}")
         if self.clip_cov_lb >= self.clip_cov_ub:
             p.append(f"actor.clip_cov_lb = {self.clip_cov_lb} must be < actor.clip_cov_ub = {self.clip_cov_ub}")
-        return p + self.batch_problems(job)
+        if self.icepop_low >= self.icepop_high:
+            p.append(f"actor.icepop_low = {self.icepop_low} must be < actor.icepop_high = {self.icepop_high}")
+        return p + self.rollout_ratio_problems(job) + self.batch_problems(job)
+
+    def rollout_ratio_problems(self, job) -> List[str]:
+        """icepop and m2po compare pi_old with the rollout's log-probs: with those as pi_old they
+        would do nothing, and IcePop's weights are themselves the rollout correction."""
+        if job.trainer.job != "rl" or self.policy_loss not in ("icepop", "m2po"):
+            return []
+        rc, asy, p = job.algorithm.rollout_correction, job.async_training, []
+        if rc.bypass_mode or (asy.off_policy and asy.objective == "behaviour"):
+            why = ("algorithm.rollout_correction.bypass_mode" if rc.bypass_mode else
+                   "async_training.objective = behaviour")
+            p.append(f"actor.policy_loss = {self.policy_loss} compares pi_old with the rollout's log-probs, but {why} "
+                     "takes pi_old to be the rollout's (the ratio would be 1): turn it off")
+        if self.policy_loss == "icepop" and (rc.rollout_is or rc.rollout_rs):
+            p.append("actor.policy_loss = icepop already weights each token by pi_old / pi_rollout inside "
+                     "[actor.icepop_low, actor.icepop_high]: set algorithm.rollout_correction.rollout_is and "
+                     "rollout_rs to null")
+        return p
 
 
 def zero_advantage_skip_blockers(actor) -> List[str]:
@@ -149,8 +192,8 @@ def zero_advantage_skip_blockers(actor) -> List[str]:
         ("actor.skip_zero_advantage_rows is false", not actor.skip_zero_advantage_rows),
         ("actor.use_kl_loss: the KL term has a gradient on every row", actor.use_kl_loss),
         ("actor.entropy_coeff is not 0: the entropy bonus has a gradient on every row", actor.entropy_coeff != 0),
-        (f"actor.policy_loss = {actor.policy_loss} reads statistics of the whole micro-batch",
-         actor.policy_loss not in ROW_LOCAL_POLICY_LOSSES),
+        (f"actor.policy_loss = {actor.policy_loss} is not per row: it reads statistics of the whole micro-batch "
+         "or has a term that does not vanish with the advantage", actor.policy_loss not in ROW_LOCAL_POLICY_LOSSES),
     ) if blocks]
 
 

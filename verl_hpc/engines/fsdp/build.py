@@ -10,7 +10,8 @@ alone reads the weights with `from_pretrained`, and after sharding torch's
 and torchtitan do): a node's host memory holds one full copy of the model, not one per rank.
 Buffers that are not in a state dict (RoPE's inverse frequencies) are computed by rank 0's model
 and broadcast. The weights are fp32 (the master copy); `fsdp.mixed_precision` sets the compute
-dtype (`MixedPrecisionPolicy`: bf16 parameters in forward and backward, fp32 gradient reduction).
+dtype (`MixedPrecisionPolicy`: bf16 or fp16 parameters in forward and backward, fp32 gradient
+reduction; fp16 with a dynamic loss scale, optim.py).
 
 A critic or reward model (`head = "value"`) is the folder's backbone (`AutoModel`, i.e. the causal
 LM without its vocabulary projection) and a `score` projection hidden -> 1 without bias: HF's
@@ -57,12 +58,16 @@ class ValueModel(torch.nn.Module):
         return self.score(hidden)
 
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def compute_dtype(fsdp, model_dtype: str) -> torch.dtype:
-    """fsdp.mixed_precision -> the dtype forward and backward run in (the weights stay fp32)."""
+    """fsdp.mixed_precision -> the dtype forward and backward run in (the weights stay fp32).
+    float16 brings the loss scaler with it (optim.py, LossScaler)."""
     mp = fsdp.mixed_precision
     if mp == "auto":
         return getattr(torch, model_dtype) if has_gpu() else torch.float32
-    return torch.bfloat16 if mp == "bf16" else torch.float32
+    return COMPUTE_DTYPES[mp]
 
 
 def check_compile(fsdp) -> None:

@@ -36,16 +36,17 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from verl_hpc.algorithms import entropy_from_logits
+from verl_hpc.algorithms import entropy_from_logits, sum_pi_squared_from_logits
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
+from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEngine, scaler_metrics,
+                                   skipped_for_overflow)
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 import verl_hpc.engines.fsdp.build as build_lib
 import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.microbatch import MicroBatch
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
-from verl_hpc.engines.options import HEADS, EngineOptions
+from verl_hpc.engines.options import HEADS, EngineOptions, check_float16_here
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums, value_outputs
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
@@ -54,7 +55,7 @@ from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
-LM_OUTPUTS = ("log_probs", "entropy")
+LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")  # the last: the optimal token baseline's, forward only
 
 
 def check_fsdp_options(o: EngineOptions) -> None:
@@ -67,6 +68,9 @@ def check_fsdp_options(o: EngineOptions) -> None:
         raise ConfigError("model.fp8 = true: FP8 training is the Megatron engine's (Transformer Engine); "
                           "set model.fp8=false or parallel.engine=megatron")
     build_lib.check_compile(o.fsdp)
+    if o.fsdp.mixed_precision == "fp16":  # auto computes in fp32 on a CPU (build.compute_dtype)
+        check_float16_here("float16", "fsdp.mixed_precision = fp16 on a machine without a GPU",
+                           "fsdp.mixed_precision=auto (fp32 on a CPU)")
 
 
 # Why one rank: FSDP reduces the gradients of the parameters that received one, and a rank whose
@@ -88,7 +92,7 @@ class FsdpEngine(TrainingEngine):
             raise RuntimeError("FsdpEngine needs the rank runtime: call verl_hpc.runtime.bootstrap() first")
         check_fsdp_options(options)
         self.options = o = options
-        self.default_outputs = LM_OUTPUTS if o.head == "lm" else ("values",)
+        self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
         self.device = collective_device()
         self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
         model, full = build_lib.load_model(o, field)
@@ -113,7 +117,7 @@ class FsdpEngine(TrainingEngine):
         build_lib.materialize(model, full, self.device)
         del full
         self.model = model
-        self.optimizer = self.scheduler = None
+        self.optimizer = self.scheduler = self.scaler = None
         if o.trainable:
             if self.lora is None:
                 for p in model.parameters():
@@ -125,6 +129,7 @@ class FsdpEngine(TrainingEngine):
                         m.requires_grad_(False)
             self.optimizer = optim_lib.build_optimizer(model, o.optim)
             self.scheduler = optim_lib.LRSchedule(self.optimizer, o.optim, o.total_steps)
+            self.scaler = optim_lib.loss_scaler(o.optim, self.compute_dtype, self.device)
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -132,6 +137,7 @@ class FsdpEngine(TrainingEngine):
         # nor under sequence parallelism: the regrouped attention is causal over plain rows
         self._sharing = None if self.vision or self.sp else prompt_sharing(o, self.hf_config, model)
         self.steps_applied = 0
+        self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         self._view = None  # the sliced sync's holdings view (exported_model)
         self._skipped: Optional[Dict[str, float]] = None
         self.offloader = Offloader(self, params=o.param_offload,
@@ -206,6 +212,8 @@ class FsdpEngine(TrainingEngine):
             result["log_probs"] = logp.gather(-1, mb.data["_targets"].unsqueeze(-1)).squeeze(-1)
         if "entropy" in want:
             result["entropy"] = entropy_from_logits(resp).float()
+        if "sum_pi_squared" in want:
+            result["sum_pi_squared"] = sum_pi_squared_from_logits(resp).float()
         return result
 
     def _run_sliced(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -225,6 +233,8 @@ class FsdpEngine(TrainingEngine):
             result["log_probs"] = self.sp.assemble(logp * mine)
         if "entropy" in want:
             result["entropy"] = self.sp.assemble(entropy_from_logits(logits)[rows, local] * mine)
+        if "sum_pi_squared" in want:
+            result["sum_pi_squared"] = self.sp.assemble(sum_pi_squared_from_logits(logits)[rows, local] * mine)
         return result
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
@@ -279,7 +289,8 @@ class FsdpEngine(TrainingEngine):
                 loss, metrics = sum(v.sum() for v in out.values()) * 0.0, {}
             else:
                 loss, metrics = loss_fn(out, mb.data, counts)
-            loss.backward()
+            # fp16: the backward runs on the scaled loss; the step unscales (optim.guarded_step)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             # the ranks of a sequence-parallel group compute the same loss: each records 1/sp of it
             share = 1.0 / (self.sp.size if self.sp is not None else 1)
             records.append({"loss": loss.detach().float() * share, "tokens": mb.tokens * share,
@@ -295,19 +306,31 @@ class FsdpEngine(TrainingEngine):
         with self.resident("train"):
             records = self.forward_backward(batch, loss_fn, outputs)
             metrics = self._reduce_metrics(records)
-            applied, norm = optim_lib.guarded_step(self.model, self.optimizer, self.options.optim.clip_grad,
-                                                   math.isfinite(metrics["loss"]))
+            scale = self._loss_scale()  # the scale this backward used (fp16)
+            applied, norm, found_inf = optim_lib.guarded_step(
+                self.model, self.optimizer, self.options.optim.clip_grad, math.isfinite(metrics["loss"]),
+                self.scaler)
             if self.options.grad_offload:  # dropped while idle, as the Megatron engine's grad buffers
                 self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += int(applied)
-        metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer), nonfinite=0.0 if applied else 1.0,
+        self._stepped_since_schedule |= applied
+        overflow = skipped_for_overflow(applied, found_inf, metrics["loss"], scale, self.options.optim)
+        metrics.update(grad_norm=norm, lr=optim_lib.current_lr(self.optimizer),
+                       nonfinite=0.0 if applied or overflow else 1.0,
+                       **scaler_metrics(overflow, self._loss_scale()),
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches),
                        **({"sp_padded_tokens": self._sp_padded_tokens()} if self.sp else {}),
                        **(self._skipped or {}))
-        if not applied:
+        if overflow:
+            log.info("fp16 loss scale %g overflowed: optimizer step skipped, scale now %g", scale,
+                     metrics["loss_scale"])
+        elif not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped", metrics["loss"], norm)
         return metrics
+
+    def _loss_scale(self) -> Optional[float]:
+        return None if self.scaler is None else float(self.scaler.get_scale())
 
     def _sp_padded_tokens(self) -> float:
         """The step's rows x padded lengths over all sequence-parallel groups (each group's ranks
@@ -335,9 +358,13 @@ class FsdpEngine(TrainingEngine):
         return reduce_metric_sums(vec, keys)
 
     def scheduler_step(self) -> float:
+        """One trainer step of the LR schedule, if an optimizer step was applied since the last
+        call (base.py)."""
         if self.scheduler is None:
             return 0.0
-        self.scheduler.step(1)
+        if self._stepped_since_schedule:
+            self.scheduler.step(1)
+        self._stepped_since_schedule = False
         return optim_lib.current_lr(self.optimizer)
 
     @property

@@ -10,14 +10,23 @@
 - `guarded_step`: the gradient norm over every shard (torch's clip_grad_norm_ on DTensors reduces
   over the mesh), and when it or the loss is inf/nan nothing is applied; else clip and step.
   Clipping scales by max_norm / (norm + 1e-6) when above max_norm, as Megatron's clip does.
+- fp16 compute (`LossScaler`, when the compute dtype is float16): torch's ShardedGradScaler, which
+  takes FSDP2's DTensor gradients (its unscale runs torch's fused check-and-unscale on them, then
+  all-reduces the overflow flag over the world, so every shard agrees; plain torch.amp.GradScaler
+  does not all-reduce it). The Megatron engine's rule (megatron/optim.py): an overflow skips the
+  step (weights, Adam's moments and step count unchanged) and halves the scale;
+  `optim.loss_scale_window` clean steps double it; torch's scaler has no floor, so `update`
+  clamps it at `optim.min_loss_scale` as Megatron's does. The master weights and their gradients
+  stay fp32 (MixedPrecisionPolicy's reduce dtype): the scale protects the fp16 backward only.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.megatron.optim import check_optim, schedule_lr
@@ -92,11 +101,51 @@ def grad_norm(model: torch.nn.Module) -> float:
     return float(norm)
 
 
-def guarded_step(model: torch.nn.Module, optimizer, clip: float, loss_is_finite: bool) -> Tuple[bool, float]:
-    """(applied, grad_norm). Collective (the norm) whatever the outcome."""
+class LossScaler(ShardedGradScaler):
+    """ShardedGradScaler (growth 2, backoff 0.5) with Megatron's floor on the scale."""
+
+    def __init__(self, device: str, init_scale: float, growth_interval: int, min_scale: float):
+        super().__init__(device=device, init_scale=init_scale, growth_interval=growth_interval)
+        self.min_scale = min_scale
+
+    def update(self, new_scale=None) -> None:
+        super().update(new_scale)
+        if self._scale is not None:
+            self._scale.clamp_(min=self.min_scale)
+
+
+def loss_scaler(optim, compute_dtype: torch.dtype, device: torch.device) -> Optional[LossScaler]:
+    """The fp16 loss scaler (None for bf16 / fp32 compute)."""
+    if compute_dtype != torch.float16:
+        return None
+    return LossScaler(device.type, optim.initial_loss_scale, optim.loss_scale_window, optim.min_loss_scale)
+
+
+def scaler_state(scaler) -> Dict[str, object]:
+    """The scaler's state under the Megatron engine's keys (the checkpoint meta's `grad_scaler`:
+    either engine resumes the other's; hysteresis is 1 in both)."""
+    sd = scaler.state_dict()
+    return {"scale": float(sd["scale"]), "growth_tracker": int(sd["_growth_tracker"]), "hysteresis_tracker": 1}
+
+
+def load_scaler_state(scaler, state: Dict[str, object]) -> None:
+    sd = scaler.state_dict()  # growth / backoff factors and interval: this job's config
+    sd.update(scale=float(state["scale"]), _growth_tracker=int(state["growth_tracker"]))
+    scaler.load_state_dict(sd)
+
+
+def guarded_step(model: torch.nn.Module, optimizer, clip: float, loss_is_finite: bool,
+                 scaler=None) -> Tuple[bool, float, bool]:
+    """(applied, grad_norm, found_inf): found_inf is the fp16 scaler's overflow (False without a
+    scaler). Collective (the scaler's flag, the norm) whatever the outcome."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # in place; inf/nan stay inf/nan, so the norm shows an overflow
     norm = grad_norm(model)
+    found_inf = scaler is not None and not math.isfinite(norm)
     if not loss_is_finite or not math.isfinite(norm):
-        return False, norm
+        if scaler is not None:
+            scaler.update()  # backs off after an overflow (and ends this step's unscale state)
+        return False, norm, found_inf
     if clip > 0.0:
         coeff = clip / (norm + 1e-6)
         if coeff < 1.0:
@@ -104,5 +153,9 @@ def guarded_step(model: torch.nn.Module, optimizer, clip: float, loss_is_finite:
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(coeff)
-    optimizer.step()
-    return True, norm
+    if scaler is not None:
+        scaler.step(optimizer)  # its own overflow flag is clear (the norm is finite): it steps
+        scaler.update()
+    else:
+        optimizer.step()
+    return True, norm, False

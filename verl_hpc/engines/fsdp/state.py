@@ -28,6 +28,7 @@ import torch
 from verl_hpc.checkpoint.errors import CheckpointLayoutError
 from verl_hpc.checkpoint.sharded import ShardedTensor
 from verl_hpc.engines.base import EngineState
+from verl_hpc.engines.fsdp.optim import load_scaler_state, scaler_state
 from verl_hpc.engines.state_check import check_same_model, model_shapes
 
 FORMAT = "verl_hpc.fsdp_engine/1"
@@ -190,6 +191,8 @@ def engine_state(engine) -> EngineState:
     if engine.optimizer is not None:
         meta["optimizer_step"] = optimizer_step_count(engine.optimizer)
         meta["scheduler"] = engine.scheduler.state_dict()
+        if engine.scaler is not None:  # fp16 compute: the Megatron engine's keys (optim.scaler_state)
+            meta["grad_scaler"] = scaler_state(engine.scaler)
     return EngineState(tensors=_all_slabs(engine), meta=meta)
 
 
@@ -237,3 +240,5 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
             engine.optimizer.state[p]["step"] = torch.tensor(step)
     if "scheduler" in meta:
         engine.scheduler.load_state_dict(dict(meta["scheduler"]))
+    if engine.scaler is not None and "grad_scaler" in meta:  # else a fresh scale (a bf16 run's state)
+        load_scaler_state(engine.scaler, meta["grad_scaler"])

@@ -48,7 +48,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from verl_hpc.engines.base import EngineState, GlobalCounts, LossFn, TrainingEngine
+from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEngine, scaler_metrics,
+                                   skipped_for_overflow)
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import context_parallel as cp_lib
 from verl_hpc.engines.megatron import lora as lora_lib
@@ -133,6 +134,7 @@ class MegatronEngine(TrainingEngine):
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
             rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
         self.steps_applied = 0
+        self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         from verl_hpc.engines.offload import Offloader
 
         self.offloader = Offloader(self, params=o.param_offload, grads=o.grad_offload and o.trainable,
@@ -280,16 +282,23 @@ class MegatronEngine(TrainingEngine):
         # sequence-parallel norm grads; num_tokens=None: no rescaling (schedule.py docstring).
         finalize_model_grads(self.chunks, num_tokens=None)
         metrics = self._reduce_metrics(records)
-        applied, grad_norm = optim_lib.guarded_step(self.optimizer, math.isfinite(metrics["loss"]))
+        scale = optim_lib.loss_scale(self.optimizer)  # the scale this backward used (fp16)
+        applied, grad_norm, found_inf = optim_lib.guarded_step(self.optimizer, math.isfinite(metrics["loss"]))
         self.steps_applied += int(applied)
+        self._stepped_since_schedule |= applied
         self._params_stale |= applied and self.perf.overlap_param_gather
+        overflow = skipped_for_overflow(applied, found_inf, metrics["loss"], scale, self.options.optim)
         metrics.update(grad_norm=grad_norm, lr=optim_lib.current_lr(self.optimizer),
-                       nonfinite=0.0 if applied else 1.0,
+                       nonfinite=0.0 if applied or overflow else 1.0,
+                       **scaler_metrics(overflow, optim_lib.loss_scale(self.optimizer)),
                        num_microbatches=float(self._num_microbatches),
                        packed_microbatches=float(self._packed_microbatches), **(self._skipped or {}))
         if self.router_stats is not None:
             metrics.update(self.router_stats.metrics(self._coll_device()))
-        if not applied:
+        if overflow:
+            log.info("fp16 loss scale %g overflowed: optimizer step skipped, scale now %g", scale,
+                     metrics["loss_scale"])
+        elif not applied:
             log.warning("non-finite loss %.4g or grad norm %.4g: optimizer step skipped",
                         metrics["loss"], grad_norm)
         return metrics
@@ -316,9 +325,13 @@ class MegatronEngine(TrainingEngine):
         return reduce_metric_sums(vec, keys)
 
     def scheduler_step(self) -> float:
+        """One trainer step of the LR schedule, if an optimizer step was applied since the last
+        call (base.py: a skipped update does not advance it, as in Megatron-LM)."""
         if self.scheduler is None:
             return 0.0
-        self.scheduler.step(increment=1)
+        if self._stepped_since_schedule:
+            self.scheduler.step(increment=1)
+        self._stepped_since_schedule = False
         return optim_lib.current_lr(self.optimizer)
 
     @property

@@ -11,11 +11,20 @@
   and, when it or the loss is inf/nan, nothing is applied (Megatron checks for inf/nan only with an
   fp16 grad scaler; in bf16/fp32 it would write nan into the weights). The trainer skips and
   counts such steps.
+- fp16 (model.dtype = float16): Megatron's DynamicGradScaler scales the loss before the backward
+  (`grad_scale_func`), and the step unscales the fp32 main grads and checks them for inf/nan
+  (`prepare_grads`, a MAX all-reduce over the model-parallel group). An overflow skips the step:
+  weights, Adam's moments and step count stay as they were, and the scale halves (hysteresis 1:
+  at every overflow, torch's GradScaler's rule, so that both engines follow one rule; Megatron's
+  own default of 2 waits for a second overflow in a row); `optim.loss_scale_window` clean steps
+  in a row double it. Its settings are the optim section's (initial_loss_scale, min_loss_scale,
+  loss_scale_window). With more than one chained optimizer (an MoE model's expert parameters have
+  their own) each has its own scaler: `guarded_step` keeps them equal (`_agree_scalers`).
 """
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -41,7 +50,9 @@ def optimizer_config(optim, dtype, use_distributed_optimizer: bool):
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-        use_distributed_optimizer=use_distributed_optimizer)
+        use_distributed_optimizer=use_distributed_optimizer,
+        initial_loss_scale=optim.initial_loss_scale, min_loss_scale=optim.min_loss_scale,
+        loss_scale_window=optim.loss_scale_window, hysteresis=1)
 
 
 def build_optimizer(chunks, optim, dtype, use_distributed_optimizer: bool):
@@ -112,14 +123,60 @@ def current_lr(optimizer) -> float:
     return float(groups[0]["lr"]) if groups else 0.0
 
 
-def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float]:
-    """(applied, grad_norm). Collective over the optimizer's groups whatever the outcome."""
+def grad_scalers(optimizer) -> List[Any]:
+    """The fp16 loss scalers of a (chained) Megatron optimizer: one per chained optimizer; [] in
+    bf16 / fp32."""
+    return [s for s in (getattr(o, "grad_scaler", None) for o in getattr(optimizer, "chained_optimizers", []))
+            if s is not None]
+
+
+def loss_scale(optimizer) -> Optional[float]:
+    """The scale the next backward multiplies the loss by; None without a scaler."""
+    scalers = grad_scalers(optimizer)
+    return float(scalers[0].scale) if scalers else None
+
+
+def scaler_state(scaler) -> Dict[str, Any]:
+    """A DynamicGradScaler's state as plain numbers (the checkpoint meta's `grad_scaler`, the same
+    keys the FSDP engine writes: either engine resumes the other's)."""
+    return {"scale": float(scaler.scale), "growth_tracker": int(scaler._growth_tracker),
+            "hysteresis_tracker": int(scaler._hysteresis_tracker)}
+
+
+def load_scaler_state(scaler, state: Mapping[str, Any]) -> None:
+    """Megatron's own load_state_dict, the scale as the one-element fp32 tensor it keeps (a
+    float32 value round-trips exactly through the meta's float)."""
+    scaler.load_state_dict({
+        "scale": torch.tensor([float(state["scale"])], dtype=torch.float32),
+        "growth_tracker": int(state["growth_tracker"]),
+        "hysteresis_tracker": int(state.get("hysteresis_tracker", scaler.hysteresis))})
+
+
+def _agree_scalers(scalers, before: Mapping[str, Any], found_inf: bool) -> None:
+    """Each chained optimizer's prepare_grads updated its own scaler from its own parameters'
+    overflow, but the loss was scaled by the first one's scale only (ChainedOptimizer.scale_loss):
+    they must stay equal. All of them become the state before the step updated by the step's
+    overall outcome (the first one, updated with it, is the reference)."""
+    load_scaler_state(scalers[0], before)
+    scalers[0].update(found_inf)
+    state = scaler_state(scalers[0])
+    for s in scalers[1:]:
+        load_scaler_state(s, state)
+
+
+def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float, bool]:
+    """(applied, grad_norm, found_inf): found_inf is the fp16 scaler's overflow (False without a
+    scaler). Collective over the optimizer's groups whatever the outcome."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    found_inf = optimizer.prepare_grads()  # fp16 grad scaler: unscale + inf check (collective)
+    scalers = grad_scalers(optimizer)
+    before = scaler_state(scalers[0]) if len(scalers) > 1 else None
+    found_inf = bool(optimizer.prepare_grads())  # fp16 grad scaler: unscale + inf check (collective)
+    if before is not None:
+        _agree_scalers(scalers, before, found_inf)
     grad_norm = float(optimizer.get_grad_norm())  # global over TP/PP/DP (collective)
     if found_inf or not loss_is_finite or not math.isfinite(grad_norm):
-        return False, grad_norm
+        return False, grad_norm, found_inf
     for opt in optimizer.chained_optimizers:
         if getattr(opt, "is_stub_optimizer", False):
             continue
@@ -130,4 +187,4 @@ def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float]:
                 use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     with torch.no_grad():
         optimizer.step_with_ready_grads()
-    return True, grad_norm
+    return True, grad_norm, False

@@ -6,7 +6,9 @@ positions are taken (`[b, T, V/tp]`), then
 - log_probs: -`tensor_parallel.vocab_parallel_cross_entropy` (max and sum-exp all-reduced over the
   TP group, the target's logit from the rank that holds it); exp(-inf) = 0 keeps padded entries out;
 - entropy: `verl_hpc.algorithms.entropy_from_logits` with a TP all-reduce, exact and with a
-  communication-free backward.
+  communication-free backward;
+- sum_pi_squared (forward only, the optimal token baseline's): `sum_pi_squared_from_logits` with
+  the same all-reduce (the max, then one stacked sum).
 Neither gathers the vocabulary. Megatron's cross-entropy works in place on float32 input (it turns
 its argument into the softmax), so when entropy is also wanted it gets its own copy.
 
@@ -28,10 +30,10 @@ from typing import Dict, Sequence
 
 import torch
 
-from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce
+from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce, sum_pi_squared_from_logits
 from verl_hpc.engines.outputs import VALUE_OUTPUTS, value_outputs  # noqa: F401 (the engine picks it here)
 
-LM_OUTPUTS = ("log_probs", "entropy")
+LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")
 
 
 def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -52,10 +54,13 @@ def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence
     if temperature != 1.0:  # rollout sampled from logits / temperature: score the same distribution
         resp = resp / temperature
     out: Dict[str, torch.Tensor] = {}
+    tp_reduce = None
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        tp_reduce = process_group_all_reduce(ps.get_tensor_model_parallel_group())
     if "entropy" in want:
-        group = ps.get_tensor_model_parallel_group()
-        tp_reduce = process_group_all_reduce(group) if ps.get_tensor_model_parallel_world_size() > 1 else None
         out["entropy"] = entropy_from_logits(resp, all_reduce=tp_reduce).float()
+    if "sum_pi_squared" in want:
+        out["sum_pi_squared"] = sum_pi_squared_from_logits(resp, all_reduce=tp_reduce).float()
     if "log_probs" in want:
         ce_input = resp.clone() if ("entropy" in want and resp.dtype == torch.float32) else resp
         out["log_probs"] = -vocab_parallel_cross_entropy(ce_input, mb["_targets"])

@@ -39,6 +39,7 @@ from verl_hpc.engines.base import EngineState
 from verl_hpc.engines.state_check import check_same_model, model_shapes
 from verl_hpc.engines.megatron.lora import check_state_meta as check_lora_meta
 from verl_hpc.engines.megatron.lora import state_meta as lora_state_meta
+from verl_hpc.engines.megatron.optim import grad_scalers, load_scaler_state, scaler_state
 from verl_hpc.models.moe import expert_offset, split_local_expert
 
 FORMAT = "verl_hpc.megatron_engine/1"
@@ -268,11 +269,9 @@ def engine_state(engine):
     if engine.optimizer is not None:
         meta["optimizer_step"] = optimizer_step_count(engine.optimizer)
         meta["scheduler"] = engine.scheduler.state_dict()
-        scaler = engine.optimizer.chained_optimizers[0].grad_scaler if hasattr(
-            engine.optimizer.chained_optimizers[0], "grad_scaler") else None
-        if scaler is not None:
-            meta["grad_scaler"] = {k: float(v) if torch.is_tensor(v) else v
-                                   for k, v in scaler.state_dict().items()}
+        scalers = grad_scalers(engine.optimizer)  # fp16; kept equal by guarded_step: the first
+        if scalers:
+            meta["grad_scaler"] = scaler_state(scalers[0])
     return EngineState(tensors=tensors, meta=meta)
 
 
@@ -342,7 +341,8 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     set_optimizer_step_count(engine.optimizer, int(meta.get("optimizer_step", 0)))
     if "scheduler" in meta:
         engine.scheduler.load_state_dict(dict(meta["scheduler"]))
-    scaler = getattr(engine.optimizer.chained_optimizers[0], "grad_scaler", None)
-    if scaler is not None and "grad_scaler" in meta:
-        scaler.load_state_dict({k: torch.tensor(v) if isinstance(v, float) else v
-                                for k, v in meta["grad_scaler"].items()})
+    # fp16: the loss scale and its trackers, exactly (a state without one, e.g. a bf16 run's,
+    # leaves the fresh scaler at optim.initial_loss_scale)
+    if "grad_scaler" in meta:
+        for scaler in grad_scalers(engine.optimizer):
+            load_scaler_state(scaler, meta["grad_scaler"])

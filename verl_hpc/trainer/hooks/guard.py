@@ -1,6 +1,9 @@
 """Non-finite losses and gradient norms: the engines skip such an optimizer step and say so
 (`<role>/nonfinite_steps`); the trainer counts steps with any skip and stops the run after
-`trainer.max_nonfinite_in_a_row` of them in a row, with a message that says what to look at."""
+`trainer.max_nonfinite_in_a_row` of them in a row, with a message that says what to look at.
+fp16's loss-scale overflows (`<role>/overflow_steps`) are skipped steps too, but ordinary ones (the
+scale halves and the next step retries): they do not count towards the limit, and their running
+total is `train/overflow_steps_total`."""
 from __future__ import annotations
 
 from typing import Dict
@@ -19,12 +22,14 @@ class NonFiniteGuard:
         self.max_in_a_row = max(1, int(max_in_a_row))
         self.in_a_row = 0
         self.total = 0
+        self.overflow_total = 0  # fp16 optimizer steps skipped for a loss-scale overflow
 
     def state_dict(self) -> Dict[str, int]:
-        return {"in_a_row": self.in_a_row, "total": self.total}
+        return {"in_a_row": self.in_a_row, "total": self.total, "overflow_total": self.overflow_total}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.in_a_row, self.total = int(state["in_a_row"]), int(state["total"])
+        self.overflow_total = int(state.get("overflow_total", 0))  # absent in a checkpoint from before fp16
 
     def check(self, metrics: Dict[str, float], step: int) -> Dict[str, float]:
         """Update the counters from a step's metrics; raise NonFiniteError at the limit."""
@@ -35,6 +40,10 @@ class NonFiniteGuard:
         else:
             self.in_a_row = 0
         out = {"train/nonfinite_steps_total": float(self.total), "train/nonfinite_in_a_row": float(self.in_a_row)}
+        overflows = [v for k, v in metrics.items() if k.endswith("/overflow_steps")]
+        if overflows or self.overflow_total:
+            self.overflow_total += int(sum(overflows))
+            out["train/overflow_steps_total"] = float(self.overflow_total)
         if self.in_a_row >= self.max_in_a_row:
             where = ", ".join(f"{k}={v:g}" for k, v in sorted(skipped.items()))
             raise NonFiniteError(

@@ -29,6 +29,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
+from verl_hpc.rollout.engine import rollout_weight_dtype
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.runtime.split import ROLLOUT_FAILED, STOP, GroupLostError
 from verl_hpc.trainer.placement.inflight import Groups
@@ -60,7 +61,14 @@ class AsyncLink:
         self.k, self.wait_policy = a.staleness, a.stale_groups == "wait"
         self.timeout_s = a.poll_timeout_s or cfg.trainer.collective_timeout_s
         self.publisher = WeightPublisher(self.world, bucket_mb=cfg.resharding.bucket_mb,
-                                         slicer=rollout_slicer(cfg.resharding.mode, cfg.model.path, cfg.rollout.tp))
+                                         slicer=rollout_slicer(cfg.resharding.mode, cfg.model.path, cfg.rollout.tp),
+                                         dtype=rollout_weight_dtype(cfg.model.dtype))
+        self.elastic_server = None  # elastic: the weights to joined workers, on the first training rank
+        if cfg.placement.elastic.enable and self.leader:
+            from verl_hpc.trainer.placement.elastic.channel import ElasticWeightServer
+
+            self.elastic_server = ElasticWeightServer(lambda: self.world.thread_mailbox().store, self.publisher.latest,
+                                                      self.timeout_s, device=self.world.wire_device()).start()
         self.next_index = 1  # the next batch to take from the rollout group
         self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None
@@ -100,6 +108,8 @@ class AsyncLink:
                 self.mb.put(STOP, True)
         finally:
             self.publisher.close()
+            if self.elastic_server is not None:
+                self.elastic_server.close()
 
     def _wait(self, key: str) -> None:
         """Until the rollout group writes `key`; at once a GroupLostError naming its error if it
@@ -137,8 +147,8 @@ class AsyncLink:
             if not pending:
                 record = self._take(timer)
                 pending.append(record.groups)
-                for key, value in record.stats.items():
-                    stats[key] = stats.get(key, 0.0) + value
+                for key, value in record.stats.items():  # elastic/*: the pool's running totals, the newest
+                    stats[key] = value if key.startswith("elastic/") else stats.get(key, 0.0) + value
             groups = pending.pop(0)
             keep, d = select_fresh(groups, version, self.k)
             dropped += d
@@ -156,6 +166,7 @@ class AsyncLink:
                   # what the first rollout rank received in the weight loads behind this batch
                   "async/weights_bytes/rollout": stats.get("load_bytes", 0.0),
                   "async/wait_s": time.perf_counter() - t0})
+        m.update({k: v for k, v in stats.items() if k.startswith("elastic/")})
         return batch.prompts, batch.result, m
 
     def generate(self, prompts, spec, min_version: int):

@@ -17,12 +17,19 @@ and weight loads are collectives over the rollout group):
 Seeds: a whole-response batch s samples with `rollout.seed` for step s exactly as the colocated
 trainer does (so k = 0 reproduces colocated training bitwise); chunk c of batch s with its own
 seed per (step, chunk), request i of the chunk with request_seed(seed, i).
+
+Elastic (placement.elastic, docs/elastic.md): steps 5 and 6 become the coordinator's. The leader
+serves the joined workers (elastic/coordinator.py), opens the batches the newest weights may start,
+hands the finished ones to the trainer in order, and leases prompt groups to this rollout group
+like to any worker; the group generates each leased group with the group's own seed. (A group of
+several replicas generates each lease on all of them: one rollout rank is the case built for.)
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Dict, Optional
 
 from verl_hpc.data import PromptLoader
@@ -32,6 +39,8 @@ from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
+from verl_hpc.trainer.placement.elastic.coordinator import FIXED, Coordinator, group_spec, samples_of
+from verl_hpc.trainer.placement.elastic.rendezvous import FILE, Rendezvous, config_path
 from verl_hpc.trainer.placement.inflight import BatchRecord, InFlight
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ class Decision:
     pause: Optional[int] = None  # a checkpoint's state request number
     newest: int = -1  # the newest published weights
     request: Optional[tuple] = None  # (n, prompts, spec, min_version): generate for the trainer
+    leases: Optional[list] = None  # elastic: the prompt groups this group generates now (payloads)
 
 
 class RolloutWorker:
@@ -63,6 +73,13 @@ class RolloutWorker:
         self.stopped = False  # the trainer's STOP came while we waited on it (not at a decision)
         self._waiting_since = None
         self.stats = dict(gen_s=0.0, idle_s=0.0, load_s=0.0, tokens=0.0, load_bytes=0.0)
+        # elastic: the leader coordinates workers that join as jobs of their own (elastic/coordinator.py)
+        self.elastic = cfg.placement.elastic.enable
+        self.coord = self.rendezvous = None
+        if self.elastic and self.leader:
+            self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000),
+                                     events=str(Path(cfg.trainer.output_dir) / FILE.parent / "events.jsonl"))
+        self.next_open = 1  # elastic: the next batch of the stream to open (next_index: the next to hand over)
 
     # ---------------------------------------------------------------------------- the loop
     def run(self) -> dict:
@@ -81,6 +98,9 @@ class RolloutWorker:
             if d.request is not None:
                 self._answer(d.request)
                 continue
+            if self.elastic:
+                self._generate_leases(d.leases or [])
+                continue
             need = max(0, self.next_index - 1 - self.k)
             if self.weights.version < need:
                 self._idle(need)
@@ -89,6 +109,7 @@ class RolloutWorker:
             self._generate_chunk()
         log.info("rollout: stopped by the trainer after batch %d (weights version %d)", self.next_index - 1,
                  self.weights.version)
+        self._close_rendezvous("stopped")  # finished, or preempted (a requeued run opens a new epoch)
         return {"batches": self.next_index - 1, "version": self.weights.version}
 
     def _idle(self, need: int) -> None:
@@ -109,7 +130,9 @@ class RolloutWorker:
         if mb.has(f"ctl/pause/{self.pauses}"):
             return Decision(pause=self.pauses)
         req = f"gen/request/{self.requests}"
-        return Decision(newest=self.weights.newest(), request=mb.take(req) if mb.has(req) else None)
+        newest = self.weights.newest()
+        leases = self._coordinate(newest) if self.elastic else None
+        return Decision(newest=newest, request=mb.take(req) if mb.has(req) else None, leases=leases)
 
     def _start(self) -> None:
         """Wait for the trainer's go, with the state to continue from (a resumed run) or none; a
@@ -127,6 +150,14 @@ class RolloutWorker:
                 self.loader.load_state_dict(state["loader"])
             log.info("rollout: resumed at batch %d%s", self.next_index,
                      f" with {len(self.inflight.unfinished())} samples in flight" if self.inflight else "")
+            if self.elastic:
+                self.next_open = state.get("next_open", self.next_index)
+                if self.leader:
+                    self.coord.load_state_dict(state.get("elastic"))
+        if self.elastic:
+            self.next_open = max(self.next_open, self.next_index)
+            if self.leader and not self.stopped:
+                self._open_rendezvous()
 
     def _load(self) -> None:
         """The newest weights; `stopped` if the trainer stopped instead of sending them."""
@@ -200,10 +231,68 @@ class RolloutWorker:
             self.mb.put(f"gen/result/{n}", result)
         self.requests += 1
 
+    # ---------------------------------------------------------------------------- elastic workers
+    def _open_rendezvous(self) -> None:
+        """Leader: where workers find this run (its store, epoch, config), in the run's folder."""
+        from verl_hpc.config import to_yaml
+
+        run_dir = self.cfg.trainer.output_dir
+        config_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+        config_path(run_dir).write_text(to_yaml(self.cfg))
+        self.rendezvous = Rendezvous.create(run_dir, self.cfg, store=self.world.store_addr,
+                                            epoch=self.coord.epoch).write()
+        log.info("elastic rollout: workers join with `python -m verl_hpc.submit --join %s`", run_dir)
+
+    def _close_rendezvous(self, status: str) -> None:
+        if self.rendezvous is not None and self.rendezvous.status == "running":
+            self.rendezvous.finish(status)
+
+    def _coordinate(self, newest: int) -> list:
+        """Leader, elastic: serve the workers, open the batches the weights allow, hand the finished
+        ones to the trainer, and lease groups for this rollout group (payloads)."""
+        c = self.coord
+        c.service()
+        # a batch s opens once some weights may start it (newest >= s - 1 - k), at most k + 2 ahead
+        while self.next_open - 1 - self.k <= max(newest, 0) and len(c.batches) < self.k + 2:
+            prompts = self.loader.next_batch()
+            fitted, truncated = fit_prompts(check_prompts(prompts.prompt_ids, self.rollout.vocab_size),
+                                            self.rollout.max_prompt_length, self.rollout.prompt_overflow)
+            c.open(InFlight.start(self.next_open, prompts, fitted, truncated, self.spec.n))
+            self.next_open += 1
+        for batch in c.ready():
+            stats = dict(self.stats, **c.metrics())
+            self.mb.put(f"batch/{batch.index}", BatchRecord(batch.index, batch.groups(), stats))
+            self.stats = dict.fromkeys(self.stats, 0.0)
+            self.next_index = batch.index + 1
+        return [c.payload(x) for x in c.lease(FIXED, self.weights.version)]
+
+    def _generate_leases(self, payloads: list) -> None:
+        """Elastic: this group's leased prompt groups, one generate call each (the group's own seed)."""
+        if not payloads:
+            t0 = time.perf_counter()
+            time.sleep(POLL_S)
+            self.stats["idle_s"] += time.perf_counter() - t0
+            return
+        for p in payloads:
+            t0 = time.perf_counter()
+            samples = self._generate_group(p)
+            self.stats["gen_s"] += time.perf_counter() - t0
+            self.stats["tokens"] += float(sum(len(x.tokens) for x in samples.values()))
+            if self.leader:
+                self.coord.finish(p["id"], samples)
+
+    def _generate_group(self, p: dict) -> dict:
+        """One leased group ({sample: Sample} of the lease's samples), with the group's own seed."""
+        result = self.rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
+        return samples_of(p["samples"], result, self.weights.version)
+
     # ---------------------------------------------------------------------------- checkpoints
     def state(self) -> Dict:
-        return {"next_index": self.next_index, "inflight": self.inflight,
-                "loader": self.loader.state_dict() if self.leader else None, "version": self.weights.version}
+        s = {"next_index": self.next_index, "inflight": self.inflight,
+             "loader": self.loader.state_dict() if self.leader else None, "version": self.weights.version}
+        if self.elastic:
+            s.update(next_open=self.next_open, elastic=self.coord.state_dict() if self.leader else None)
+        return s
 
     def _hand_over_state(self, n: int) -> None:
         """A checkpoint's pause: our state to the trainer, then wait until it has it (or stops us)."""
@@ -232,10 +321,14 @@ def run(cfg, ctx) -> dict:
     from verl_hpc.rollout import build_rollout
     from verl_hpc.trainer.roles import load_tokenizer, rollout_options
 
+    worker = None
     try:
         tokenizer = load_tokenizer(cfg)
         with build_rollout(rollout_options(cfg), ctx) as rollout:
-            return RolloutWorker(cfg, ctx, rollout, tokenizer).run()
+            worker = RolloutWorker(cfg, ctx, rollout, tokenizer)
+            return worker.run()
     except BaseException as e:  # the trainer may be waiting on us: tell it, then fail as usual
+        if worker is not None:
+            worker._close_rendezvous("failed")  # elastic workers of this run leave
         ctx.split.leave_on_error(e)
         raise

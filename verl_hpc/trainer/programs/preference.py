@@ -117,7 +117,8 @@ class PreferenceStep:
         batch["pref_coef"] = coef.float()
         m = self.policy.engine.train_step(batch, surrogate_loss, ("log_probs",))
         out = {"preference/loss": float(loss), "preference/grad_norm": m["grad_norm"],
-               "preference/nonfinite": m["nonfinite"]}
+               "preference/nonfinite": m["nonfinite"],
+               **{f"preference/{k}": m[k] for k in ("loss_scale", "overflow") if k in m}}  # fp16
         out.update({k: float(v) for k, v in metrics.items()})
         return out
 

@@ -152,7 +152,8 @@ class RLTrainer(StepProgram):
                 m.update(r.actor.update(batch.engine_batch(extra=("rollout_log_probs",)), self.on_policy_loss))
                 correction.on_policy_metrics(m)
             else:
-                m.update(r.actor.update(batch, self.policy_loss))
+                extra = self.policy_loss.batch_extra  # icepop: the rollout's log-probs too
+                m.update(r.actor.update(batch.engine_batch(extra=extra) if extra else batch, self.policy_loss))
         self.steps_done = step  # the policy version: before mark_stale, which publishes it in split placement
         self.rollout_weights.mark_stale()  # colocated: synced before the weights are next needed, not now
         m.update(self.guard.check(m, step), **self._batch_size(batch))

@@ -178,6 +178,7 @@ class SFT(StepProgram):
         lr = self.actor.engine.scheduler_step()
         return {"sft/loss": m["nll"] if "nll" in m else m["loss"], "sft/grad_norm": m["grad_norm"],
                 "sft/lr": lr, "sft/nonfinite": m["nonfinite"], "sft/epoch": step / self.per_epoch,
+                **{f"sft/{k}": m[k] for k in ("loss_scale", "overflow") if k in m},  # fp16
                 "train/tokens": float(batch["response_mask"].sum()), "train/samples": float(len(take))}
 
     def end(self, summary: Dict) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from verl_hpc.algorithms import apply_kl_penalty, compute_advantages
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.recipes import SUM_PI_SQUARED_ESTIMATORS
 
 
 def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
@@ -42,9 +43,11 @@ def kl_in_reward(token_scores: torch.Tensor, batch, kl_ctrl, algorithm_cfg
 
 def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor,
                values: Optional[torch.Tensor] = None, baselines: Optional[torch.Tensor] = None,
-               process_rewards: Optional[torch.Tensor] = None, prm_cfg=None) -> Tuple[torch.Tensor, torch.Tensor]:
+               process_rewards: Optional[torch.Tensor] = None, prm_cfg=None, batch=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) `[B, T]` of algorithm.adv_estimator; values for GAE, baselines for
-    ReMax, process rewards and the prm section's coefficients for PRIME."""
+    ReMax, process rewards and the prm section's coefficients for PRIME; from the step `batch`:
+    the reward components for GDPO, pi_old's log-probs and sum_pi_squared (and the rollout-correction
+    weights) for the optimal token baselines."""
     a = algorithm_cfg
     inputs = dict(group_ids=group_ids, gamma=a.gamma, lam=a.lam, norm_adv_by_std=a.norm_adv_by_std)
     if values is not None:
@@ -54,6 +57,14 @@ def advantages(algorithm_cfg, rewards: torch.Tensor, response_mask: torch.Tensor
     if process_rewards is not None:
         inputs.update(process_rewards=process_rewards, process_coef=prm_cfg.process_coef,
                       outcome_coef=prm_cfg.outcome_coef, process_loo=prm_cfg.process_loo)
+    if a.adv_estimator == "gdpo" and batch is not None:
+        inputs.update(reward_components=batch.reward_components, reward_weights=a.gdpo_reward_weights)
+    if a.adv_estimator in SUM_PI_SQUARED_ESTIMATORS:
+        if batch is None or batch.sum_pi_squared is None:
+            raise ConfigError(f"algorithm.adv_estimator = {a.adv_estimator} needs sum_pi_squared from the actor's "
+                              "old-log-prob forward (it is not run in bypass mode)")
+        inputs.update(old_log_probs=batch.old_log_probs, sum_pi_squared=batch.sum_pi_squared,
+                      rollout_is_weights=batch.rollout_is_weights)
     return compute_advantages(a.adv_estimator, rewards, response_mask, **inputs)
 
 
@@ -71,5 +82,5 @@ class AdvantageStage:
         batch.rewards, metrics = kl_in_reward(scores, batch, self.kl_ctrl, self.cfg)
         batch.advantages, batch.returns = advantages(self.cfg, batch.rewards, batch.response_mask,
                                                      batch.group_ids, batch.values, batch.baselines,
-                                                     process, self.prm)
+                                                     process, self.prm, batch=batch)
         return metrics

@@ -4,7 +4,7 @@ step's wiring is a few calls).
 
     path, why = old_log_prob_path(cfg, batch, has_ref)  -> "bypass" | "forward" | "update"
     old_log_probs(cfg, actor, batch, timer, m)   -> fills batch.old_log_probs (forward or bypass)
-    apply(cfg, batch)                             -> batch.rollout_is_weights + rollout_corr/* metrics
+    apply(cfg, batch)                             -> batch.rollout_is_weights (+ m2po_keep) + rollout_corr/* metrics
 
 The "update" path (the on-policy shortcut) runs no forward here: with one mini-batch and one
 epoch the policy that sampled (after the last weight sync) is the one being updated, so pi_old's
@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 from verl_hpc.algorithms import masked_mean
+from verl_hpc.algorithms.m2po import m2po_keep
 from verl_hpc.algorithms.mismatch import rollout_correction
+from verl_hpc.config.recipes import BEHAVIOUR_WEIGHTED_POLICY_LOSSES, SUM_PI_SQUARED_ESTIMATORS
 from verl_hpc.trainer.stages.batching import logprob_diff_metrics
 
 
@@ -38,6 +40,9 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
         (f"{len(batch)} sequences > one mini-batch of {mini}", len(batch) > mini),
         ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
+        ("actor.policy_loss=m2po: its mask is a statistic of the whole batch's pi_old", a.policy_loss == "m2po"),
+        (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the advantages read pi_old and its sum_v pi_v^2",
+         cfg.algorithm.adv_estimator in SUM_PI_SQUARED_ESTIMATORS),
         # the policy that sampled is up to k updates older: pi_old is the proximal policy, recomputed
         ("async_training: off-policy samples (decoupled objective)", asy.off_policy),
     ) if on]
@@ -64,20 +69,27 @@ def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
     if _bypass(cfg):
         batch.old_log_probs = batch.rollout_log_probs.to(batch.mask.dtype).clone()
         return
-    with timer("old_logprob"):
-        batch.fill(actor.log_probs(batch))  # old_log_probs, entropy
+    with timer("old_logprob"):  # old_log_probs, entropy (and for the optimal token baseline sum_pi_squared)
+        otb = cfg.algorithm.adv_estimator in SUM_PI_SQUARED_ESTIMATORS
+        batch.fill(actor.log_probs(batch, sum_pi_squared=True) if otb else actor.log_probs(batch))
     m["actor/entropy"] = float(masked_mean(batch.entropy, batch.mask))
 
 
 def apply(cfg, batch) -> Dict[str, float]:
-    """Weights for the policy loss (batch.rollout_is_weights, None when correction is off) and
-    the mismatch metrics."""
+    """Weights for the policy loss (batch.rollout_is_weights, None when correction is off), M2PO's
+    mask (batch.m2po_keep, policy_loss m2po) and the mismatch metrics."""
     rc = cfg.algorithm.rollout_correction
     mask, old = batch.mask, batch.old_log_probs
     m = {} if _bypass(cfg) else logprob_diff_metrics(batch.rollout_log_probs, old, mask)
+    if cfg.actor.policy_loss == "m2po":  # once per step, over the whole batch: every split sees one mask
+        keep, m2 = m2po_keep(old, batch.rollout_log_probs, mask, cfg.actor.m2_threshold)
+        batch.m2po_keep = keep
+        m.update({k: float(v) for k, v in m2.items()})
     # the decoupled objective (AReaL): each token weighted by pi_proximal / pi_behaviour, token-level
-    # unless the rollout_correction section says otherwise
-    decoupled = cfg.async_training.off_policy and cfg.async_training.objective == "decoupled"
+    # unless the rollout_correction section says otherwise; not under a loss that weights tokens by that
+    # ratio itself (icepop)
+    decoupled = (cfg.async_training.off_policy and cfg.async_training.objective == "decoupled"
+                 and cfg.actor.policy_loss not in BEHAVIOUR_WEIGHTED_POLICY_LOSSES)
     mode = rc.rollout_is or ("token" if decoupled else None)
     weights, metrics = rollout_correction(old, batch.rollout_log_probs, mask, mode,
                                           rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,

@@ -58,8 +58,8 @@ class StepSampler:
                                 lambda ids: roles.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _score(self, step: int, round_: int, batch) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """The round's sequence scores and its reward/* metrics."""
-        return score_batch(self.scorer, batch, self.roles.reward_model)
+        """The round's sequence scores and its reward/* metrics (and GDPO's reward components)."""
+        return score_batch(self.scorer, batch, self.roles.reward_model, components=self.cfg.algorithm.gdpo_reward_keys)
 
     def sample(self, step: int, timer) -> Tuple[StepBatch, Dict[str, float]]:
         cfg, r, m = self.cfg, self.roles, {}

@@ -5,19 +5,25 @@
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
 from verl_hpc.algorithms import apply_overlong_penalty
 
 
-def score_batch(scorer, batch, rm=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+def score_batch(scorer, batch, rm=None, components: Sequence[str] = ()) -> Tuple[torch.Tensor, Dict[str, float]]:
     """Outcome score per sequence. Rule scores are deterministic and every rank holds the same
-    rows, so every rank scores them (no broadcast); a reward model's forward is a collective."""
+    rows, so every rank scores them (no broadcast); a reward model's forward is a collective.
+    `components` (GDPO's algorithm.gdpo_reward_keys): also batch.reward_components [B, K], each
+    key's number in the reward function's returned dict."""
     rm_batch = batch.engine_batch() if rm is not None else None
-    return scorer.score(batch.ids, batch.data_sources, batch.response_texts, batch.ground_truths,
-                        batch.extras, rm_batch=rm_batch)
+    args = (batch.ids, batch.data_sources, batch.response_texts, batch.ground_truths, batch.extras)
+    if not components:
+        return scorer.score(*args, rm_batch=rm_batch)
+    scores, batch.reward_components, metrics = scorer.score_with_components(*args, rm_batch=rm_batch,
+                                                                            keys=components)
+    return scores, metrics
 
 
 def add_turn_rewards(token_scores: torch.Tensor, result) -> None:

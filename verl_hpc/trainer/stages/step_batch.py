@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 
 # the per-token tensors an engine role or objective reads, under the engines' key names
-ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights")
+ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights",
+                 "m2po_keep")
 
 
 @dataclasses.dataclass
@@ -28,14 +29,17 @@ class StepBatch:
     Filled by scoring (trainer/stages/scoring.py): token_scores [B, T] (outcome score on the last
         response token, DAPO overlong shaping applied); outcome_labels [B] (1.0 where the outcome
         score is >= reward.correct_at, else 0.0); baselines [B] (ReMax: the greedy response's
-        reward) -- before the group filters (DAPO's, PRIME's accuracy band), which select rows of
-        every field.
-    Filled by the engine roles: old_log_probs and entropy (actor, before the update),
+        reward); reward_components [B, K] (GDPO: the reward function's values of
+        algorithm.gdpo_reward_keys) -- before the group filters (DAPO's, PRIME's accuracy band),
+        which select rows of every field.
+    Filled by the engine roles: old_log_probs and entropy (actor, before the update; with the
+        optimal-token-baseline estimators also sum_pi_squared [B, T], sum_v pi_v^2 per token),
         ref_log_probs (reference policy), values (critic).
     Filled by the implicit PRM (trainer/stages/prm_stage.py, PRIME): process_rewards [B, T] (its dense
         token rewards, as the step trains on them: prm.granularity, prm.reward_norm).
     Filled by the mismatch correction (trainer/stages/correction.py): rollout_is_weights [B, T] (per-token
-        weights of the policy loss; None when algorithm.rollout_correction is off).
+        weights of the policy loss; None when algorithm.rollout_correction is off); m2po_keep [B, T]
+        (policy_loss m2po: the whole batch's second-moment mask).
     Filled by the advantage stage (trainer/stages/advantage.py): rewards (token_scores, with the PRM's
         process rewards added for estimators other than prime, minus the KL penalty when
         algorithm.use_kl_in_reward), advantages, returns.
@@ -57,8 +61,10 @@ class StepBatch:
     token_scores: Optional[torch.Tensor] = None
     outcome_labels: Optional[torch.Tensor] = None
     baselines: Optional[torch.Tensor] = None
+    reward_components: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    sum_pi_squared: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
     process_rewards: Optional[torch.Tensor] = None
@@ -66,6 +72,7 @@ class StepBatch:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
+    m2po_keep: Optional[torch.Tensor] = None
     # a vision-language model: per sequence its prompt's images (verl_hpc.data.processor.PromptImages,
     # None for a text prompt); the engines take their tensors as `image_inputs`
     media: Optional[List[Any]] = None

@@ -1,7 +1,7 @@
 """Who is in an elastic rollout pool: joins, heartbeats, leaves with their reasons, and the rule
 that ends a run whose pool stays too small.
 
-    pool = Pool(min_workers=1, heartbeat_timeout_s=60, lost_timeout_s=600)
+    pool = Pool(e.min_rollout_workers, e.heartbeat_timeout_s, e.lost_timeout_s)   # e: placement.elastic
     pool.join("w3", now, job="123456_2", node="n17")
     pool.beat("w3", now)
     pool.leave("w3", now, "preempted (SIGTERM)")   # or reap(now) finds the silent ones
@@ -23,7 +23,7 @@ from verl_hpc.errors import VerlHpcError
 
 
 class PoolLostError(VerlHpcError, RuntimeError):
-    """Fewer rollout workers than the pool's minimum for longer than its timeout."""
+    """Fewer rollout workers than placement.elastic.min_rollout_workers for longer than its timeout."""
 
     exit_code, kind = 29, "elastic rollout"
 
@@ -95,9 +95,10 @@ class Pool:
             return
         lost = [e for e in self.events if e.kind == "leave" and e.time >= self._short_since - self.lost_timeout_s]
         named = "; ".join(f"{e.worker} at {e.time:.0f} s: {e.reason}" for e in lost) or "none had joined"
-        raise PoolLostError(f"the rollout pool has had {len(self)} worker(s), fewer than its minimum of "
-                            f"{self.min_workers}, for {now - self._short_since:.0f} s (the limit is "
-                            f"{self.lost_timeout_s:g} s); workers lost: {named}")
+        raise PoolLostError(f"the rollout pool has had {len(self)} worker(s), fewer than "
+                            f"placement.elastic.min_rollout_workers = {self.min_workers}, for "
+                            f"{now - self._short_since:.0f} s (placement.elastic.lost_timeout_s = "
+                            f"{self.lost_timeout_s:g}); workers lost: {named}")
 
     def waiting(self) -> bool:
         """Below the minimum: training waits (until check gives up)."""

@@ -1,0 +1,43 @@
+"""A rollout worker's weight fetcher for tests/dist/trainer/test_elastic_channel.py, as a process
+of its own (another Slurm job in a real run): connects to the test's store, makes its pair with the
+server, and fetches.
+
+    python elastic_channel_worker.py PORT WORKER MODE OUT
+MODE fetch: fetch the newest snapshot, save it to OUT/WORKER.v<version>.pt; then wait for a newer
+one and save that too. MODE stall: ask, then stop before taking the buckets (the test kills it
+there, mid-transfer)."""
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.trainer.placement.elastic.channel import WeightFetcher
+
+
+def main(port: int, worker: str, mode: str, out: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    fetch = WeightFetcher(store, worker, timeout_s=60)
+    if mode == "stall":
+        class Held:  # its side of the transfer never starts
+            def broadcast(self, *args, **kwargs):
+                time.sleep(600)
+
+        fetch.pair = Held()
+        (out / f"{worker}.stalling").write_text("")
+        while fetch.newest() is None:  # until a snapshot is there: then it holds the transfer
+            time.sleep(0.05)
+        return
+    for _ in range(2):
+        got = None
+        while got is None:
+            got = fetch.newest()
+            time.sleep(0.05)
+        version, tensors = got
+        torch.save({name: t.clone() for name, t in tensors}, out / f"{worker}.v{version}.pt")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]))

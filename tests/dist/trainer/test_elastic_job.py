@@ -1,0 +1,163 @@
+"""Elastic rollout workers for real (docs/elastic.md): a split run of 1 rollout rank + 1 training
+rank on this machine takes rollout workers, each a process of its own started by the user's command,
+that join mid-run; one leaves on SIGTERM (scancel) and one is SIGKILLed while it generates; a third
+is a straggler whose groups are re-dispatched. Training goes on, no token is more than k versions
+old, and the run trains exactly the prompts of its data stream, in order: nothing lost, nothing
+twice. A worker pointed at the finished run exits with one line."""
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from faults import env
+from jobs import REPO, data_overrides, logs
+
+SPLIT_DEMO = "configs/demo_rl_split.yaml"  # 1 rollout rank of 2, k = 1
+STEPS, PROMPTS = 30, 4
+GROUP_DELAY_S = 0.25  # per prompt group, the run's own rollout rank and the workers alike
+
+
+def job_args(root, out):
+    return [f"model.path={root}/model", *data_overrides(root), f"trainer.total_steps={STEPS}", "trainer.val_every=0",
+            f"data.train_batch_size={PROMPTS}", "rollout.n=2", f"actor.ppo_mini_batch_size={PROMPTS}",
+            "actor.micro_batch_size=8", "rollout.engine=hf", "slurm.cpus_per_task=1", "checkpoint.save_every=0",
+            "tracking.backends=[jsonl]", "tracking.plots=false", "placement.elastic.enable=true",
+            "placement.elastic.heartbeat_timeout_s=4", "placement.elastic.straggler_deadline_s=6",
+            "placement.elastic.groups_per_lease=1", f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
+
+
+def start_worker(out, name, delay):
+    log = open(out.parent / f"{name}.log", "w")
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local", "rollout.engine=hf"]
+    e = env(elastic_worker_group_delay_s=delay)
+    e.update(VERL_HPC_LOGLEVEL="INFO", OMP_NUM_THREADS="1", SLURM_JOB_ID=name)  # the worker's name in the pool
+    return subprocess.Popen(cmd, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, what, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def generated(out, name):
+    path = out.parent / f"{name}.log"
+    return path.exists() and "group(s) done" in path.read_text()
+
+
+def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
+           *job_args(tiny_assets, out)]
+    run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    workers = {}
+    try:
+        wait_for(lambda: (out / "elastic" / "rendezvous.json").exists() or run.poll() is not None, "no rendezvous")
+        workers = {"calm": start_worker(out, "calm", GROUP_DELAY_S), "killed": start_worker(out, "killed", GROUP_DELAY_S),
+                   "slow": start_worker(out, "slow", 30.0)}  # a straggler: its groups pass the 6 s deadline
+        for name in ("calm", "killed"):
+            wait_for(lambda: generated(out, name) or run.poll() is not None, f"worker {name} never finished a group")
+        time.sleep(GROUP_DELAY_S / 2)  # the killed one is in its next group, most likely
+        os.killpg(workers["killed"].pid, signal.SIGKILL)
+        workers["calm"].send_signal(signal.SIGTERM)
+        assert workers["calm"].wait(timeout=60) == 0
+        stdout, stderr = run.communicate(timeout=600)
+    finally:
+        for p in [run, *workers.values()]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    proc = subprocess.CompletedProcess(cmd, run.returncode, stdout, stderr)
+    assert run.returncode == 0, logs(proc, out)
+    summary = json.loads((out / "rl_summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+
+    # nothing lost, nothing twice: the data stream's prompts, in order
+    assert collections.Counter(summary["trained_prompt_ids"]) == collections.Counter(_stream(tiny_assets, out))
+    assert summary["trained_prompt_ids"] == _stream(tiny_assets, out)
+    assert max(r["async/staleness_max"] for r in rows) <= 1 and all(r["async/dropped_groups"] == 0 for r in rows)
+
+    last = rows[-1]
+    assert last["elastic/joins"] == 3 and last["elastic/samples/workers"] > 0, last
+    assert last["elastic/reaped"] >= 1  # the killed worker, silent past the heartbeat timeout
+    assert last["elastic/redispatched"] > 0  # the straggler's groups, and the killed worker's after its lease aged
+    assert last["elastic/samples/fixed"] + last["elastic/samples/workers"] == STEPS * PROMPTS * 2
+    events = [json.loads(x) for x in (out / "elastic" / "events.jsonl").read_text().splitlines()]
+    leaves = {e["worker"]: e for e in events if e["kind"] == "leave"}
+    assert leaves["calm"]["reason"].startswith("said goodbye: stopped by SIGTERM") and leaves["calm"]["samples"] > 0
+    assert leaves["killed"]["reason"].startswith("no heartbeat for") and leaves["killed"]["samples"] > 0
+    assert {e["worker"] for e in events if e["kind"] == "weights"} == {"calm", "killed", "slow"}
+    wait_for(lambda: workers["slow"].poll() is not None, "the straggler must leave when the run stops", timeout=90)
+    assert workers["slow"].returncode == 0, (workers["slow"].returncode, (out.parent / "slow.log").read_text()[-3000:])
+
+    # a worker pointed at the finished run: one line, exit 30
+    late = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert late.returncode == 30 and late.stderr.strip().startswith(f"error: the run in {out} has ended (stopped at")
+
+
+def _stream(root, out):
+    from verl_hpc.config import load_config
+    from verl_hpc.data import PromptLoader
+    from verl_hpc.trainer.roles import load_tokenizer
+
+    cfg = load_config(REPO / SPLIT_DEMO, job_args(root, out))
+    loader = PromptLoader.from_config(cfg.data, load_tokenizer(cfg), cfg.data.wrap_plain_text)
+    return [i for _ in range(STEPS) for i in loader.next_batch().ids]
+
+
+PREEMPT_AT = 6
+
+
+def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tiny_assets, tmp_path):
+    """Slurm's warning signal on the trainer after step 6 with a worker attached: the run saves and
+    stops, the worker leaves by itself (exit 0, within a timeout), the requeued run resumes from the
+    checkpoint (the book's finished samples in it) under a new epoch and takes a new worker; the two
+    launches train exactly the data stream's prompts."""
+    out = tmp_path / "run"
+    args = [*job_args(tiny_assets, out), "checkpoint.save_every=0"]
+    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2", *args]
+    trained, epochs = [], []
+    for launch, at in enumerate((PREEMPT_AT, 0)):
+        rdv = out / "elastic" / "rendezvous.json"
+        before = rdv.read_text() if rdv.exists() else ""
+        run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S, warning_signal_at_step=at),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        name = f"worker{launch}"
+        worker = None
+        try:
+            wait_for(lambda: (rdv.exists() and rdv.read_text() != before and '"running"' in rdv.read_text())
+                     or run.poll() is not None, "no new rendezvous")
+            epochs.append(json.loads(rdv.read_text())["epoch"])
+            worker = start_worker(out, name, GROUP_DELAY_S)
+            stdout, stderr = run.communicate(timeout=600)
+            assert worker.wait(timeout=60) == 0, (out.parent / f"{name}.log").read_text()[-3000:]
+        finally:
+            for p in (run, worker):
+                if p is not None and p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        proc = subprocess.CompletedProcess(cmd, run.returncode, stdout, stderr)
+        assert run.returncode == 0, logs(proc, out)
+        summary = json.loads((out / "rl_summary.json").read_text())
+        assert summary["resumed_from"] == (PREEMPT_AT if launch else 0) and summary["steps"] == (at or STEPS), summary
+        trained += summary["trained_prompt_ids"]
+        assert "group(s) done" in (out.parent / f"{name}.log").read_text(), f"{name} never generated"
+    assert epochs[0] != epochs[1]
+    assert trained == _stream(tiny_assets, out)
+
+
+def test_a_pool_below_its_minimum_for_too_long_stops_the_run_naming_it(tiny_assets, tmp_path):
+    out = tmp_path / "run"
+    args = [*job_args(tiny_assets, out), "placement.elastic.min_rollout_workers=1", "placement.elastic.lost_timeout_s=5"]
+    proc = subprocess.run([sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    line = ("error: the rollout pool has had 0 worker(s), fewer than placement.elastic.min_rollout_workers = 1, "
+            "for 5 s (placement.elastic.lost_timeout_s = 5); workers lost: none had joined")
+    assert proc.returncode != 0 and line in proc.stdout + proc.stderr, logs(proc, out)
+    assert "exited with code 25" in proc.stdout + proc.stderr  # the training rank, quoting it
+    assert json.loads((out / "elastic" / "rendezvous.json").read_text())["status"] == "failed"

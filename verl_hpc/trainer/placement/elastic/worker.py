@@ -1,0 +1,213 @@
+"""An elastic rollout worker: a process of its own (a Slurm job, `python -m verl_hpc.submit --join
+RUN_DIR`) that joins a running split run, generates the prompt groups it leases, and leaves.
+
+    python -m verl_hpc.submit --join RUN_DIR --local [overrides, e.g. rollout.engine=hf]   # main() here
+
+1. Find the run (rendezvous.py): its store, its epoch, its config (`RUN_DIR/elastic/config.yaml`);
+   overrides may change only this worker's engine (rollout.tp, gpu_memory_utilization, ...).
+2. Build the rollout engine, join the pool (elastic/join), start beating (elastic/beat/<w>).
+3. Loop: newer weights? fetch them over the worker's pair with the first training rank
+   (channel.py) and load them; ask for leases (elastic/want) with the version held; generate each
+   leased group with its own seed; post the samples (elastic/done).
+4. Leave: on SIGTERM / SIGUSR1 / SIGINT (scancel, the time limit's warning, Ctrl-C) after the group
+   in hand, saying why (elastic/bye); when the run stops (its STOP key, or its rendezvous no longer
+   running) or drops this worker; when the run's store goes away. Exit 0 in all these cases: the
+   run goes on, or has ended, without it. A worker that cannot join exits 30 (ElasticJoinError).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import List, Optional
+
+from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
+from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
+
+log = logging.getLogger("verl_hpc.elastic.worker")
+BEAT_S = 2.0  # heartbeat period (placement.elastic.heartbeat_timeout_s is far above it)
+
+
+def worker_id() -> str:
+    """This worker's name in the pool: its Slurm job (and array task) where it has one."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    if job:
+        return f"{job}_{task}" if task else job
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Leaving(Exception):
+    def __init__(self, reason: str, said: bool = True):
+        super().__init__(reason)
+        self.reason, self.said = reason, said  # said: whether to post a goodbye (not after being dropped)
+
+
+class Worker:
+    def __init__(self, run_dir: str, overrides: List[str], name: Optional[str] = None):
+        from verl_hpc.config import load_config
+
+        self.run_dir = run_dir
+        rdv = Rendezvous.join(run_dir)
+        self.cfg = load_config(str(config_path(run_dir)), overrides)
+        rdv = Rendezvous.join(run_dir, self.cfg)  # refused if the overrides touched what must be shared
+        if self.cfg.rollout.tp != 1:
+            from verl_hpc.config import ConfigError
+
+            raise ConfigError(f"rollout.tp = {self.cfg.rollout.tp} for an elastic rollout worker: a worker is one "
+                              "process with one engine (vLLM's tensor parallelism needs a rank per GPU, not built "
+                              "for workers yet); join with rollout.tp=1")
+        self.epoch, self.name = rdv.epoch, name or worker_id()
+        import torch.distributed as dist
+
+        timeout = self.cfg.async_training.poll_timeout_s or self.cfg.trainer.collective_timeout_s
+        self.timeout_s = timeout
+        self.store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        self.signalled: Optional[str] = None
+        self.wants = self.dones = 0
+        self.version = -1
+
+    # ------------------------------------------------------------------ the store
+    def _put(self, key: str, value) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def _has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def _wait_take(self, key: str):
+        deadline = time.monotonic() + self.timeout_s
+        while not self._has(key):
+            self._check_run()
+            if time.monotonic() > deadline:
+                raise Leaving(f"the run did not answer '{key}' within {self.timeout_s:.0f} s")
+            time.sleep(POLL_S)
+        value = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return value
+
+    def _check_run(self) -> None:
+        if self.signalled:
+            raise Leaving(self.signalled)
+        if self._has(STOP):
+            raise Leaving("the run stopped", said=False)
+        if self._has(f"elastic/refused/{self.name}"):
+            raise Leaving(f"the run refused it: {pickle.loads(self.store.get(f'elastic/refused/{self.name}'))}",
+                          said=False)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        from verl_hpc.rollout import build_rollout
+        from verl_hpc.rollout import SamplingSpec
+        from verl_hpc.trainer.placement.elastic.channel import WeightFetcher
+        from verl_hpc.trainer.roles import rollout_options
+
+        for sig, why in ((signal.SIGTERM, "SIGTERM (scancel or preemption)"),
+                         (signal.SIGUSR1, "SIGUSR1 (its time limit is near)"), (signal.SIGINT, "SIGINT")):
+            signal.signal(sig, lambda *_, why=why: setattr(self, "signalled", f"stopped by {why}"))
+        self.spec = SamplingSpec.from_config(self.cfg.rollout)
+        with build_rollout(rollout_options(self.cfg), None) as rollout:
+            index = int(self.store.add("elastic/joins", 1)) - 1
+            self._put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
+                                                    job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
+            beating = threading.Event()
+            threading.Thread(target=self._beat, args=(beating,), daemon=True).start()
+            log.info("elastic worker %s: joined %s", self.name, self.run_dir)
+            fetcher = None
+            try:
+                fetcher = WeightFetcher(self.store, self.name, self.timeout_s)
+                while True:
+                    self._check_run()
+                    self._weights(rollout, fetcher)
+                    if self.version < 0:
+                        time.sleep(POLL_S)
+                        continue
+                    self._work(rollout)
+            except Leaving as e:
+                if e.said:
+                    self._put(f"elastic/bye/{self.name}", e.reason)
+                log.info("elastic worker %s: leaving: %s", self.name, e.reason)
+                return 0
+            except GroupLostError as e:  # the run stopped answering (its weight server, a lease)
+                log.info("elastic worker %s: leaving: %s", self.name, e)
+                return 0
+            except (RuntimeError, ConnectionError) as e:  # the run's store went away: the run ended
+                log.info("elastic worker %s: the run's store is gone (%s): leaving", self.name, type(e).__name__)
+                return 0
+            finally:
+                beating.set()
+
+    def _beat(self, done: threading.Event) -> None:
+        store = None
+        while not done.wait(BEAT_S if store is not None else 0):
+            try:
+                import torch.distributed as dist
+
+                host, port = self.store.host, self.store.port
+                store = store or dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
+                store.add(f"elastic/beat/{self.name}", 1)
+            except Exception:  # noqa: BLE001 - the main loop notices a lost run
+                return
+
+    def _weights(self, rollout, fetcher) -> None:
+        t0 = time.perf_counter()
+        got = fetcher.newest()
+        if got is None:
+            return
+        version, tensors = got
+        rollout.load_weights(iter(tensors))
+        if self.version < 0:  # the join's cost: its first weights, fetched and loaded
+            self._put(f"elastic/loaded/{self.name}", time.perf_counter() - t0)
+        self.version = version
+        log.info("elastic worker %s: weights version %d loaded in %.1f s", self.name, version, time.perf_counter() - t0)
+
+    def _work(self, rollout) -> None:
+        from verl_hpc.trainer.placement.elastic.coordinator import LEAVE
+
+        n = self.wants
+        self._put(f"elastic/want/{self.name}/{n}", dict(version=self.version, groups=self.cfg.placement.elastic.groups_per_lease))
+        payloads = self._wait_take(f"elastic/lease/{self.name}/{n}")
+        self.wants += 1
+        if payloads == LEAVE:
+            raise Leaving("the run dropped it from the pool (it was silent too long)", said=False)
+        if not payloads:
+            time.sleep(POLL_S * 5)
+            return
+        done = {}
+        for p in payloads:
+            done[p["id"]] = self._generate(rollout, p)
+            if self.signalled:
+                break  # what it finished goes in; the rest goes back with its goodbye
+        self._put(f"elastic/done/{self.name}/{self.dones}", done)
+        self.dones += 1
+        log.info("elastic worker %s: %d group(s) done (weights version %d)", self.name, len(done), self.version)
+
+
+    def _generate(self, rollout, p: dict) -> dict:
+        """One leased group: {sample: Sample} of the lease's samples."""
+        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, samples_of
+
+        result = rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
+        return samples_of(p["samples"], result, self.version)
+
+
+def main(argv=None) -> int:
+    from verl_hpc.errors import VerlHpcError
+    from verl_hpc.runtime.errors import report
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=os.environ.get("VERL_HPC_LOGLEVEL", "INFO"),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s", datefmt="%H:%M:%S")
+    if not argv or argv[0].startswith("-"):
+        print("usage: python -m verl_hpc.submit --join RUN_DIR [--local] [overrides]", file=sys.stderr)
+        return 2
+    try:
+        return Worker(argv[0], argv[1:]).run()
+    except VerlHpcError as e:  # cannot join (30), a bad override (2)
+        return report(e, 0)
+
