@@ -3,20 +3,22 @@ on a simulated cluster, the same random draws for all three.
 
     python benchmarks/bench_async.py simulate-elastic                      # 8 own nodes of a 64-node cluster
     python benchmarks/bench_async.py simulate-elastic --seeds 0 --target-steps 60 --plot pool.png
-    python benchmarks/bench_async.py simulate-elastic --kill-fraction 0 --slow-fraction 0 --regenerate
+    python benchmarks/bench_async.py simulate-elastic --kill-fraction 0 --slow-fraction 0 --continue
 
 The cluster: --cluster-nodes nodes of slurm.gpus_per_node GPUs; the run holds --gpus of them (its
 own: training + fixed rollout, or colocated); every other node is busy with other users' jobs but
-for its backfill windows (backfill.py: the shape and its source), in each of which a worker job of
-the pool runs gpus_per_node / rollout.tp engines. The run's steps are timed by the memory/step-time
-plan as in `simulate` (bench_async.py's docstring); the pool's rules are elastic_sim.py's.
+for its backfill windows (backfill.py: the shape and its source), in each of which the pool's
+workers run, one per GPU at rollout.tp 1 as the runtime's workers do (docs/elastic.md). The run's
+steps are timed by the memory/step-time plan as in `simulate` (bench_async.py's docstring); the
+pool's rules are elastic_sim.py's, with the config's placement.elastic (straggler_deadline_s,
+heartbeat_timeout_s, lost_samples) unless --deadline, --heartbeat or --continue say otherwise.
 
-A worker's start-up: --start-s (the job's start and the vLLM engine's build: vLLM reports ~14-40 s
+A node's start-up: --start-s (the jobs' start and the vLLM engines' build: vLLM reports 14-40 s
 of engine initialisation for Llama-3-8B, vllm-project/vllm#11005, and ~60 s from start to a first
-answer for a small model, #20264; 90 s by default, with the job's own start) + its node's weights (gpus_per_node / rollout.tp
-engines x the model's bytes) read at --load-gbps (default 5 GB/s, one node's share of a parallel
-filesystem) + one weight sync (the plan's). Default --deadline: 2 x the time one full engine takes
-to decode a longest response at the longest context (a lease that healthy takes no longer).
+answer for a small model, #20264; 90 s by default, with the job's own start) + the checkpoint its
+engines load (gpus_per_node x the model's bytes) read at --load-gbps (default 5 GB/s, one node's
+share of a parallel filesystem) + the live weights from the first training rank over its one link
+(the plan's inter-node bandwidth).
 
 Per seed: one draw of response lengths and one of windows, shared by the three placements; the
 splits (rollout GPUs of the run's own) are searched as `simulate` does, the fixed and the elastic
@@ -54,7 +56,7 @@ def _check(args) -> None:
            (args.start_s >= 0, "--start-s", args.start_s, ">= 0 seconds"),
            (args.load_gbps > 0, "--load-gbps", args.load_gbps, "> 0"),
            (args.deadline is None or args.deadline > 0, "--deadline", args.deadline, "> 0 seconds"),
-           (args.heartbeat > 0, "--heartbeat", args.heartbeat, "> 0 seconds")]
+           (args.heartbeat is None or args.heartbeat > 0, "--heartbeat", args.heartbeat, "> 0 seconds")]
     for ok, flag, value, valid in bad:
         if not ok:
             raise ConfigError(f"{flag} {value}: valid: {valid}")
@@ -70,21 +72,38 @@ def _seeds(text: str) -> List[int]:
     return seeds
 
 
-def worker_setup(args, cfg, p, k: int, colocated: bool = False) -> Setup:
-    """What a backfill worker costs and runs, for the placement `p` of the config `cfg`."""
+def longest_lease_s(d, slots: int, prompt_tokens: int, longest: int) -> float:
+    """How long an engine (decode model `d`), full, takes to decode a longest response at the longest
+    context: about what a healthy lease may take."""
+    return longest * (d.alpha + d.beta * slots + d.gamma * slots * (prompt_tokens + longest))
+
+
+def worker_setup(args, cfg, p, k: int, mean_len: float, colocated: bool = False) -> Setup:
+    """What a backfill window's workers cost and run, beside the placement `p` of the config `cfg`:
+    one worker per GPU at rollout.tp 1 (as the runtime's workers), and the rules of the config's
+    placement.elastic unless a flag overrides them."""
+    import copy
+
+    import bench_async as ba
+    from verl_hpc.planning.hardware import INTER_NODE_GBPS
     from verl_hpc.planning.model_shape import model_arch, total_params
 
-    per_node, tp = cfg.slurm.gpus_per_node, cfg.rollout.tp
-    per_param = 2 if cfg.model.dtype != "float32" else 4
-    weight_bytes = (per_node // tp) * total_params(model_arch(cfg.model.path)) * per_param  # each engine: a whole model
-    startup = args.start_s + weight_bytes / (args.load_gbps * 1e9) + p.sync_s
-    d = p.decode
-    longest = cfg.data.max_response_length
-    full_step = d.alpha + d.beta * p.slots + d.gamma * p.slots * (p.prompt_tokens + longest)
-    deadline = args.deadline or 2 * longest * full_step
-    return Setup(p, k, worker_engines=per_node // tp, worker_gpus=per_node, startup_s=startup,
-                 deadline_s=deadline, heartbeat_s=args.heartbeat, keep_prefixes=not args.regenerate,
-                 slowdown=args.slowdown, colocated=colocated)
+    one = copy.deepcopy(cfg)
+    one.rollout.tp = 1
+    w = ba.placement_from_plan(one, mean_len, p.prompt_tokens, args.decode_mfu)
+    per_node, e = cfg.slurm.gpus_per_node, cfg.placement.elastic
+    node_bytes = per_node * total_params(model_arch(cfg.model.path)) * (2 if cfg.model.dtype != "float32" else 4)
+    # the job and its engine, the checkpoint read to build the engine, the live weights from the first
+    # training rank over its one link (a node's workers one after the other)
+    startup = args.start_s + node_bytes / (args.load_gbps * 1e9) + node_bytes / (INTER_NODE_GBPS * 1e9)
+    deadline, heartbeat = args.deadline or e.straggler_deadline_s, args.heartbeat or e.heartbeat_timeout_s
+    if heartbeat >= deadline:  # the runtime's own rule (placement.elastic)
+        raise ConfigError(f"--heartbeat {heartbeat:g}: valid: below the straggler deadline {deadline:g} s (a silent "
+                          "worker is taken out before its work is re-dispatched)")
+    return Setup(p, k, worker_engines=per_node, worker_gpus=per_node, worker_decode=w.decode, worker_slots=w.slots,
+                 startup_s=startup, deadline_s=deadline, heartbeat_s=heartbeat,
+                 keep_prefixes=args.continue_samples or e.lost_samples == "continue", slowdown=args.slowdown,
+                 colocated=colocated)
 
 
 def figures(out, setup: Setup, args, own_rollout_gpus: float) -> Dict:
@@ -115,7 +134,8 @@ def _split(args, base, r: int, draws: Dict, model: BackfillModel, others: range,
     import bench_async as ba
 
     cfg = ba.split_config(base, r, args.k)
-    setup = worker_setup(args, cfg, ba.placement_from_plan(cfg, mean_len, args.prompt_tokens, args.decode_mfu), args.k)
+    p = ba.placement_from_plan(cfg, mean_len, args.prompt_tokens, args.decode_mfu)
+    setup = worker_setup(args, cfg, p, args.k, mean_len)
     fixed, elastic, first = [], [], None
     for seed, lengths in draws.items():
         alone = ElasticSim(setup, lengths, cfg.rollout.n, args.target_steps).run()
@@ -155,7 +175,7 @@ def run_elastic(args) -> int:
     mean_len = float(np.mean([d.mean() for d in draws.values()]))
 
     colo_setup = worker_setup(args, base, ba.placement_from_plan(base, mean_len, args.prompt_tokens, args.decode_mfu),
-                              0, colocated=True)
+                              0, mean_len, colocated=True)
     colo_runs = [ElasticSim(colo_setup, d, base.rollout.n, args.target_steps).run() for d in draws.values()]
     colo = [figures(o, colo_setup, args, args.gpus) for o in colo_runs]
     splits, refused = {}, []
@@ -176,8 +196,13 @@ def run_elastic(args) -> int:
                warmup=args.warmup, seeds=seeds, mean_length=mean_len, max_tokens=base.data.max_response_length,
                backfill=dict(dataclasses.asdict(model), mean_window_s=model.mean_window_s,
                              busy_mean_s=model.busy_mean_s, other_nodes=len(others)),
-               worker=dict(startup_s=setup.startup_s, deadline_s=setup.deadline_s, heartbeat_s=args.heartbeat,
-                           keep_prefixes=not args.regenerate, slowdown=args.slowdown),
+               worker=dict(startup_s=setup.startup_s, deadline_s=setup.deadline_s, heartbeat_s=setup.heartbeat_s,
+                           keep_prefixes=setup.keep_prefixes, slowdown=args.slowdown, engines=setup.worker_engines,
+                           slots=setup.worker_slots,
+                           longest_lease_s=longest_lease_s(setup.worker_decode, setup.worker_slots,
+                                                           args.prompt_tokens, base.data.max_response_length),
+                           own_longest_lease_s=longest_lease_s(setup.placement.decode, setup.placement.slots,
+                                                               args.prompt_tokens, base.data.max_response_length)),
                placements=[dict(name="colocated", rollout_gpus=args.gpus, train_gpus=args.gpus, **_mean(colo)),
                            dict(name="fixed split", rollout_gpus=best_fixed, train_gpus=args.gpus - best_fixed,
                                 **_mean(splits[best_fixed][1])),
@@ -206,8 +231,10 @@ def print_elastic(out: Dict) -> None:
     print(f"backfill: {b['other_nodes']} other nodes, {b['idle_fraction']:.1%} idle, windows lognormal (median "
           f"{b['median_s']:.0f} s, sigma {b['sigma']:.2f}, mean {b['mean_window_s']:.0f} s), killed "
           f"{b['kill_fraction']:.0%}, slow {b['slow_fraction']:.0%} (x{w['slowdown']:g}); worker start-up "
-          f"{w['startup_s']:.0f} s, deadline {w['deadline_s']:.0f} s, "
-          f"{'continued' if w['keep_prefixes'] else 'regenerated'} after a leave")
+          f"{w['startup_s']:.0f} s, {w['engines']} engines of {w['slots']} slots a node; deadline "
+          f"{w['deadline_s']:.0f} s (a full engine decodes a longest response in {w['own_longest_lease_s']:.0f} s, "
+          f"a worker's in {w['longest_lease_s']:.0f} s), heartbeat {w['heartbeat_s']:.0f} s; a leaver's samples "
+          f"{'continued' if w['keep_prefixes'] else 'regenerated'}")
     print(f"{'placement':<27} {'rollout/train':>13} {'samples/h':>10} {'h to target':>11} "
           f"{'rollout GPU-h/1k':>16} {'backfill GPU-h (gen.)':>21} {'re-disp.':>8} {'handed back':>11} "
           f"{'dup.':>6} {'gen/trained':>11} {'stale max':>9}")
@@ -279,9 +306,13 @@ def add_simulate_elastic(sub) -> None:
     p.add_argument("--slowdown", type=float, default=4.0, help="how much slower a slow worker decodes")
     p.add_argument("--start-s", type=float, default=90.0, help="a worker's job start + vLLM engine build (s)")
     p.add_argument("--load-gbps", type=float, default=5.0, help="a worker node's weight read bandwidth (GB/s)")
-    p.add_argument("--deadline", type=float, default=None, help="straggler deadline of a lease (s; default: derived)")
-    p.add_argument("--heartbeat", type=float, default=60.0, help="the pool's heartbeat timeout (s)")
-    p.add_argument("--regenerate", action="store_true", help="a leaving worker's samples restart (default: continued)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="straggler deadline of a lease (s; default: placement.elastic.straggler_deadline_s)")
+    p.add_argument("--heartbeat", type=float, default=None,
+                   help="the pool's heartbeat timeout (s; default: placement.elastic.heartbeat_timeout_s)")
+    p.add_argument("--continue", dest="continue_samples", action="store_true",
+                   help="a leaver's samples continue from their prefixes (default: placement.elastic.lost_samples, "
+                        "regenerate; continue is not built for the runtime's workers yet)")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--plot", default=None, help="write the pool-over-time plot (PNG) to this file")
     p.set_defaults(func=run_elastic)

@@ -14,12 +14,14 @@ Membership is the pool of verl_hpc/trainer/placement/elastic/pool.py (joins, goo
 - Decoding: bench_async.py's engine model, unchanged: one decode step with b live sequences of C
   context tokens lasts alpha + beta * b + gamma * C (fluid: a step may be cut by an event); a
   continued sample counts its prefix in C (its prefill is not counted, as no prefill is).
-- A backfill window (node, start, end): the worker job starts at `start`, generates from
+- A backfill window (node, start, end): the node's worker jobs (`worker_engines` engines, decoding
+  as `worker_decode` says; one pool member here for the node) start at `start`, generate from
   start + startup_s (job start, engine build, weight load; a window shorter than that is wasted)
-  with the weights then current, and is preempted at `end`. On the preemption's warning signal it
-  says goodbye: it reports the prefixes of its samples in flight (`progress`), completes its leases
-  with the samples it has finished, and leaves the pool; the rest go back to the queue (continued
-  from the prefixes, or regenerated, as the book's keep_prefixes says). A `killed` worker vanishes:
+  with the weights then current, and are preempted at `end`. On the preemption's warning signal
+  they say goodbye: they report the prefixes of their samples in flight (`progress`), complete
+  their leases with the samples finished, and leave the pool; the rest go back to the queue
+  (continued from the prefixes, or regenerated, as the book's keep_prefixes says, i.e.
+  placement.elastic.lost_samples). A `killed` worker vanishes:
   the pool reaps it after heartbeat_s, then the book takes back its open samples (regenerated,
   unless an earlier worker's prefix was kept). A `slow` worker decodes `slowdown` times slower; its
   late leases are re-dispatched after deadline_s, and whichever copy finishes first is trained.
@@ -59,8 +61,10 @@ class Prefix:
 class Setup:
     placement: Any  # bench_async.Placement: the run's own engines, the trainer, the sync
     staleness: int
-    worker_engines: int = 4  # engines per backfill worker (gpus_per_node // rollout.tp)
+    worker_engines: int = 8  # engines a backfill window's node runs (the runtime's workers: one GPU each)
     worker_gpus: int = 8
+    worker_decode: Any = None  # their decode model and slots (None: the run's own engines')
+    worker_slots: int = 0
     startup_s: float = 100.0
     deadline_s: float = 600.0
     heartbeat_s: float = 60.0
@@ -320,8 +324,8 @@ class ElasticSim:
         self.pool.join(worker.name, now, node=f"n{worker.window.node}")
         slow = self.s.slowdown if worker.window.slow else 1.0
         for i in range(self.s.worker_engines):
-            e = Engine(f"{worker.name}/e{i}", len(self.engines), self.p.decode, self.p.slots, self.p.prompt_tokens,
-                       now, self.version, slow)
+            e = Engine(f"{worker.name}/e{i}", len(self.engines), self.s.worker_decode or self.p.decode,
+                       self.s.worker_slots or self.p.slots, self.p.prompt_tokens, now, self.version, slow)
             self.engines.append(e)
             worker.engines.append(e)
             self.seeking.add(e)

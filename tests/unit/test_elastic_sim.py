@@ -207,7 +207,8 @@ def test_simulate_elastic_command_prints_the_three_placements_and_writes_json_an
     out, png = tmp_path / "elastic.json", tmp_path / "pool.png"
     rc = bench.main(["simulate-elastic", "--gpus", "16", "--cluster-nodes", "8", "--batch", "64", "--n", "4",
                      "--target-steps", "16", "--warmup", "2", "--seeds", "0", "--idle-fraction", "0.5",
-                     "--k", "2", "--out", str(out), "--plot", str(png)])
+                     "--k", "2", "--set", "placement.elastic.straggler_deadline_s=250", "--out", str(out),
+                     "--plot", str(png)])
     printed = capsys.readouterr().out
     assert rc == 0
     res = json.loads(out.read_text())
@@ -220,6 +221,9 @@ def test_simulate_elastic_command_prints_the_three_placements_and_writes_json_an
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "fixed split + elastic pool" in printed and f"{elastic['samples_per_hour']:,.0f}" in printed
     assert math.isclose(res["backfill"]["median_s"], 511.0)
+    # the pool's rules are the config's placement.elastic: its deadline, and lost samples regenerated
+    assert res["worker"]["deadline_s"] == 250 and res["worker"]["keep_prefixes"] is False
+    assert res["worker"]["engines"] == 8  # a window's node runs one worker per GPU (rollout.tp 1)
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -228,6 +232,8 @@ def test_simulate_elastic_command_prints_the_three_placements_and_writes_json_an
     (["--target-steps", "5", "--warmup", "5"], "error: --warmup 5: valid: 0 .. --target-steps - 1 = 4"),
     (["--seeds", "a"], "error: --seeds 'a': valid: seeds >= 0"),
     (["--k", "99"], "error: --k 99: valid: a staleness bound in [0, 64]"),
+    (["--heartbeat", "100", "--deadline", "100", "--target-steps", "3", "--warmup", "1"],
+     "error: --heartbeat 100: valid: below the straggler deadline 100 s"),
 ])
 def test_bad_flags_are_one_line(flags, says, capsys):
     assert bench.main(["simulate-elastic", *flags]) == 2
