@@ -4,8 +4,8 @@ is not the run's own is idle, and for how long.
     windows = BackfillModel().windows(nodes=range(56), seed=0, until_s=86400)
 
 Each such node alternates between busy (other users' jobs) and idle. An idle stretch is a window:
-a worker job of the elastic pool (a preemptible, one node, array job kept pending) starts on the
-node when the window opens and is preempted when it closes (the node's next job arrives).
+the elastic pool's worker jobs (preemptible array tasks kept pending, one per GPU) start on the node
+when the window opens and are preempted when it closes (the node's next job arrives).
 
 Where the shape comes from: idle-node fragments of a production supercomputer, from the data
 published with BFTrainer (Z. Liu, R. Kettimuthu, M. E. Papka, I. Foster, "BFTrainer: Low-Cost
