@@ -3,8 +3,12 @@
     python benchmarks/bench_async.py simulate                       # 64 H100s, 7B, k = 0, 1, 2, 4
     python benchmarks/bench_async.py simulate --gpus 128 --rollout-gpus 64 --ks 1 --out sim.json
     python benchmarks/bench_async.py simulate --len-sigma 0          # every response the same length
+    python benchmarks/bench_async.py simulate-elastic                # + backfill workers on a 64-node cluster
     python benchmarks/bench_async.py measure                         # real jobs on this machine's cores
     python benchmarks/bench_async.py measure --quick                 # the same, short
+
+`simulate-elastic` adds an elastic pool of rollout workers in backfill windows to the same clock:
+benchmarks/elastic_cli.py says what it reports, elastic_sim.py how, backfill.py the windows' source.
 
 `measure` runs the same job colocated (1 rank x 2 threads; 2 ranks x 1 thread) and split (1 rollout
 + 1 training rank, k = 1) on the same cores: benchmarks/async_measure.py says what it reports.
@@ -53,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from async_measure import add_measure  # noqa: E402
+from elastic_cli import add_simulate_elastic  # noqa: E402
 from verl_hpc.config import ConfigError, load_config, validate  # noqa: E402
 from verl_hpc.errors import VerlHpcError  # noqa: E402
 
@@ -495,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     add_simulate(sub)
+    add_simulate_elastic(sub)  # the same clock with backfill workers joining and leaving
     add_measure(sub)  # the same task, model and settings run colocated-sync and split-async on this machine
     return ap
 
