@@ -171,6 +171,6 @@ def test_a_pool_below_its_minimum_for_too_long_stops_the_run_naming_it(tiny_asse
                            *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     line = ("error: the rollout pool has had 0 worker(s), fewer than placement.elastic.min_rollout_workers = 1, "
             "for 5 s (placement.elastic.lost_timeout_s = 5); workers lost: none had joined")
+    # the rollout leader's line (the training rank quotes it too, unless the launcher ends it first)
     assert proc.returncode != 0 and line in proc.stdout + proc.stderr, logs(proc, out)
-    assert "exited with code 25" in proc.stdout + proc.stderr  # the training rank, quoting it
     assert json.loads((out / "elastic" / "rendezvous.json").read_text())["status"] == "failed"
