@@ -74,7 +74,11 @@ class Coordinator:
         self.wants: Dict[str, int] = {}  # next request number per member
         self.dones: Dict[str, int] = {}
         self.beats: Dict[str, int] = {}
-        self.gone: set = set()  # workers that left or were reaped: told to leave if they speak
+        # workers that left or were reaped -> when: told to leave if they speak, for a while (a
+        # worker that comes back later waits out its own timeout and leaves; the coordinator must
+        # not poll every worker a long run has ever seen on every pass)
+        self.gone: Dict[str, float] = {}
+        self.refuse_for_s = 5 * e.heartbeat_timeout_s
         self.counters = dict(joins=0, leaves=0, reaped=0, leased_groups=0)
         self.load_s: Dict[str, float] = {}  # each worker's first weight load (seconds), its join's cost
         self.events = events
@@ -139,11 +143,12 @@ class Coordinator:
                 self.pool.beat(worker, now)
             self._results(worker)
             self._requests(worker, now)
-        for worker in self.gone:  # a reaped worker that speaks again is told to leave
-            self._refuse(worker)
+        for worker, since in list(self.gone.items()):  # a reaped worker that speaks again is told to leave
+            if now - since <= self.refuse_for_s:
+                self._refuse(worker)
         for worker in self.pool.reap(now):
             self.ledger.leave(worker)
-            self.gone.add(worker)
+            self.gone[worker] = now
             self.counters["reaped"] += 1
             self.counters["leaves"] += 1
             self.event("leave", worker, reason=self.pool.events[-1].reason, samples=self.ledger.per_worker.get(worker, 0))
@@ -168,7 +173,7 @@ class Coordinator:
         self._results(worker)  # what it finished before saying goodbye still counts
         self.pool.leave(worker, now, reason)
         returned = self.ledger.leave(worker)
-        self.gone.add(worker)
+        self.gone[worker] = now
         self.counters["leaves"] += 1
         self.event("leave", worker, reason=reason, samples=self.ledger.per_worker.get(worker, 0), returned=returned)
         log.info("elastic rollout: worker %s left (%s); %d samples back to the queue; pool %d", worker, reason,
