@@ -51,6 +51,7 @@ from verl_hpc.trainer.hooks.guard import NonFiniteGuard
 from verl_hpc.trainer.placement import choose
 from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer
 from verl_hpc.trainer.stages.prm_stage import PrmStage
+from verl_hpc.rewards.rm_record import RewardModelRecord
 from verl_hpc.trainer.stages.teacher_stage import TeacherRecord, TeacherStage
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.hooks.rollback import RollbackGuard, RollbackHook, apply_lr_factor
@@ -113,7 +114,10 @@ class RLTrainer(StepProgram):
         states = {"loader": self.placement.checkpoint_state(self.loader), "kl_ctrl": self.kl_ctrl,
                   "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback,
                   # frozen: named by folder and fingerprint, never saved (trainer/stages/teacher_stage.py)
-                  "teacher": TeacherRecord(cfg.teacher) if self.roles.teacher is not None else None}
+                  "teacher": TeacherRecord(cfg.teacher) if self.roles.teacher is not None else None,
+                  # the scorer or judge: frozen as well (verl_hpc/rewards/rm_record.py)
+                  "reward_model": (RewardModelRecord(cfg.reward.reward_model, self.roles.reward_model)
+                                   if self.roles.reward_model is not None else None)}
         self.checkpointer = make_checkpointer(
             cfg, ctx, engines=self.roles.trained_engines(), states={k: v for k, v in states.items() if v is not None},
             fmt=FORMAT, total_steps=self.total_steps,
