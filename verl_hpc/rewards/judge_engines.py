@@ -141,14 +141,20 @@ class VllmJudgeEngine:
         del self.llm
 
 
+def judge_uses_vllm(engine: str, gpu: bool) -> bool:
+    """reward.reward_model.judge.engine resolved: vllm, or auto on a GPU where vLLM is installed."""
+    from verl_hpc.rollout.factory import vllm_available
+
+    return engine == "vllm" or (engine == "auto" and gpu and vllm_available())
+
+
 def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0):
     """The engine reward.reward_model.judge.engine names; auto: vLLM on a GPU where it is installed,
     HF generate otherwise."""
     from verl_hpc.rollout.factory import vllm_available
 
     rm, judge = reward_cfg.reward_model, reward_cfg.reward_model.judge
-    use_vllm = judge.engine == "vllm" or (judge.engine == "auto" and devices.has_gpu() and vllm_available())
-    if use_vllm:
+    if judge_uses_vllm(judge.engine, devices.has_gpu()):
         if not vllm_available():
             raise RewardError("reward.reward_model.judge.engine = vllm but vllm is not installed; install it or "
                               "set judge.engine = hf")
