@@ -314,9 +314,7 @@ def judge_bytes(cfg, gpu: bool, gpu_total: float, allow_known: bool):
     rm = cfg.reward.reward_model
     if not (rm.enable and rm.kind == "judge" and rm.path):
         return 0.0, 0.0
-    from verl_hpc.rewards.judge_engines import judge_uses_vllm
-
-    if gpu and judge_uses_vllm(rm.judge.engine, gpu):
+    if gpu and rm.judge.uses_vllm(gpu):
         return rm.judge.gpu_memory_utilization * gpu_total, 0.0
     params = float(total_params(model_arch(rm.path, allow_known=allow_known, field="reward.reward_model.path")))
     return (2.0 * params, 0.0) if gpu else (4.0 * params, 4.0 * params)

@@ -39,7 +39,7 @@ OK, PARSE_FAILED, TIMED_OUT = 0, 1, 2
 
 
 class JudgeEngine(Protocol):
-    """What the judge needs of an engine (verl_hpc/rewards/judge_engines.py)."""
+    """What the judge needs of an engine (verl_hpc/rollout/judge_engines.py)."""
 
     def generate(self, prompts: Sequence[str], max_tokens: int) -> List[str]:  # greedy texts
         ...

@@ -73,6 +73,12 @@ class RewardScorer:
                    custom_name=reward_cfg.custom_function, rm_weight=rm.weight, rule_weight=rm.rule_weight,
                    rm_normalize=rm.normalize)
 
+    def rules_only(self) -> "RewardScorer":
+        """This scorer without its reward model (reward.reward_model.validate = false: validation by
+        the rules); the error count is its own."""
+        return RewardScorer(self.on_error, self.custom, None, gsm8k_method=self.gsm8k_method,
+                            timeout_s=self.call.timeout_s, custom_name=self.custom_name)
+
     # ------------------------------------------------------------------------------ routing
     def rule_for(self, data_source: str) -> Optional[registry.RuleScorer]:
         scorer = registry.resolve(data_source)

@@ -174,7 +174,7 @@ def build_reward_model(cfg, ctx, tokenizer):
         return build_engine("reward", cfg, ctx)
     from verl_hpc.config.hf_model import language_model_config, read_hf_config
     from verl_hpc.rewards.judge import Judge
-    from verl_hpc.rewards.judge_engines import build_judge_engine
+    from verl_hpc.rollout.judge_engines import build_judge_engine
 
     positions = language_model_config(read_hf_config(rm.path, "reward.reward_model.path")).get(
         "max_position_embeddings") or 4096

@@ -139,7 +139,7 @@ def test_real_hf_engine_gives_the_verdicts_transformers_gives(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.models.tiny import make_tiny_model
-    from verl_hpc.rewards.judge_engines import HFJudgeEngine
+    from verl_hpc.rollout.judge_engines import HFJudgeEngine
 
     folder = make_tiny_model(tmp_path / "judge", "llama", layers=2, seed=3)
     tok = AutoTokenizer.from_pretrained(folder)

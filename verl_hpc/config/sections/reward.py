@@ -39,6 +39,11 @@ class JudgeConfig(Section):
                       choices=JUDGE_ENGINES)
     gpu_memory_utilization: float = opt(0.25, "engine = vllm on a GPU: the share of the GPU the judge's vLLM "
                                              "engine takes (beside the rollout's)", check="(0, 1]")
+    def uses_vllm(self, gpu: bool) -> bool:
+        """engine resolved: vllm, or auto on a GPU where vLLM is installed (else HF generate)."""
+        import importlib.util
+
+        return self.engine == "vllm" or (self.engine == "auto" and gpu and importlib.util.find_spec("vllm") is not None)
 
 
 @dataclass
@@ -55,6 +60,8 @@ class RewardModelConfig(Section):
                          choices=RM_NORMALIZE)
     side: str = opt("train_side", "placement.mode = split: the ranks the reward model runs on (train_side; rollout_side is not "
                              "supported yet); colocated: every rank", choices=RM_SIDES)
+    validate: bool = opt(True, "validation scores with the reward model too; false: by the rules alone (where the "
+                               "model stands in for a rule, val/acc then measures the policy by that rule)")
     param_offload: bool = opt(False, "scorer: weights in host memory except during its forward (the judge's "
                                      "vLLM engine sleeps between steps)")
     judge: JudgeConfig = section(JudgeConfig, "kind = judge: the prompt, the verdict parser and the engine")
@@ -83,7 +90,7 @@ class RewardModelConfig(Section):
         tokenizer is the policy's; a judge's is a causal LM whose yes/no tokens are one token each."""
         if not (self.enable and self.path):
             return []
-        from verl_hpc.rewards.rm_folder import judge_folder_problems, scorer_folder_problems
+        from verl_hpc.config.rm_folder import judge_folder_problems, scorer_folder_problems
 
         field = "reward.reward_model.path"
         if not Path(self.path).is_dir():

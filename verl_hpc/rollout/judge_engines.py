@@ -1,4 +1,5 @@
-"""The engines a generative judge runs on (verl_hpc/rewards/judge.py JudgeEngine).
+"""The engines a generative judge runs on (verl_hpc/rewards/judge.py JudgeEngine); here, in the
+rollout layer, because they are generation engines.
 
     engine = build_judge_engine(cfg, ctx)     # reward.reward_model.judge.engine: auto | vllm | hf
 
@@ -14,6 +15,7 @@ Both decode greedily: a verdict is a function of its prompt, the same on every r
 from __future__ import annotations
 
 import logging
+import os
 import math
 from typing import List, Sequence
 
@@ -42,7 +44,7 @@ class HFJudgeEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if devices.has_gpu() else torch.device("cpu"))
+            devices.device_for(int(os.environ.get("LOCAL_RANK", 0))) if devices.has_gpu() else torch.device("cpu"))
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
         self.model.eval().requires_grad_(False)
@@ -88,12 +90,10 @@ class VllmJudgeEngine:
 
     def __init__(self, path: str, *, trust_remote_code: bool = False, max_model_len: int = 2048,
                  gpu_memory_utilization: float, seed: int = 0, device=None):
-        import os
-
         from verl_hpc.rollout import vllm_compat
 
         self.gpu = devices.has_gpu()
-        device = device or (torch.device("cuda", torch.cuda.current_device()) if self.gpu else torch.device("cpu"))
+        device = device or (devices.device_for(int(os.environ.get("LOCAL_RANK", 0))) if self.gpu else torch.device("cpu"))
         kwargs = dict(model=str(path), dtype="auto" if self.gpu else "float32", seed=seed, tensor_parallel_size=1,
                       max_model_len=max_model_len, enforce_eager=not self.gpu, trust_remote_code=trust_remote_code)
         if self.gpu:
@@ -141,20 +141,13 @@ class VllmJudgeEngine:
         del self.llm
 
 
-def judge_uses_vllm(engine: str, gpu: bool) -> bool:
-    """reward.reward_model.judge.engine resolved: vllm, or auto on a GPU where vLLM is installed."""
-    from verl_hpc.rollout.factory import vllm_available
-
-    return engine == "vllm" or (engine == "auto" and gpu and vllm_available())
-
-
 def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0):
     """The engine reward.reward_model.judge.engine names; auto: vLLM on a GPU where it is installed,
     HF generate otherwise."""
     from verl_hpc.rollout.factory import vllm_available
 
     rm, judge = reward_cfg.reward_model, reward_cfg.reward_model.judge
-    if judge_uses_vllm(judge.engine, devices.has_gpu()):
+    if judge.uses_vllm(devices.has_gpu()):
         if not vllm_available():
             raise RewardError("reward.reward_model.judge.engine = vllm but vllm is not installed; install it or "
                               "set judge.engine = hf")
