@@ -1,7 +1,7 @@
 """`make demo-judge`'s judge: a tiny causal LM trained here to say whether an answer to "a+b=" is
 right, then the only reward of the policy's GRPO (configs/demo_judge.yaml).
 
-    python -m verl_hpc.trainer.programs.demo_judge OUT    # OUT/judge_data/sft.parquet, OUT/judge/hf, its accuracy
+    python -m verl_hpc.trainer.programs.demo_judge OUT    # OUT/judge_data/sft.parquet, OUT/judge_sft/hf, its accuracy
 
 The judge's rows are what it sees in the RL run: reward.reward_model.judge.template (JUDGE_TEMPLATE,
 also in configs/demo_judge.yaml) filled with the question as the policy's prompt decodes (the chat
@@ -82,8 +82,8 @@ def train_judge(out: Path, *, seed: int = 0, n: int = 12000, layers: int = 4, ov
                     "--seed", str(seed + 1)], check=True)
     subprocess.run([py, "-m", "verl_hpc.submit", "configs/demo_judge_sft.yaml", "--local",
                     f"model.path={out}/judge_model", f"data.sft_files=[{data}/sft.parquet]",
-                    f"trainer.output_dir={out}/judge", f"trainer.hf_output_dir={out}/judge/hf", *overrides], check=True)
-    return judge_accuracy(out / "judge" / "hf", rows[n:])
+                    f"trainer.output_dir={out}/judge_sft", f"trainer.hf_output_dir={out}/judge_sft/hf", *overrides], check=True)
+    return judge_accuracy(out / "judge_sft" / "hf", rows[n:])
 
 
 def main(argv=None) -> int:
