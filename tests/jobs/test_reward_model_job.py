@@ -1,7 +1,8 @@
 """reward.reward_model through the user's entry point (one rank in this process, tests/jobs.py):
 a GRPO job scored by a sequence-classification scorer next to the task's rule, and by a generative
 judge on HF generate; both resume bitwise (the reward model is not in the checkpoint, only its
-folder's fingerprint); a judge that never gives a parseable verdict stops the job in one line."""
+folder's fingerprint); a judge that never gives a parseable verdict stops the job in one line. And
+the judge's vLLM engine once, against transformers."""
 import math
 
 import pytest
@@ -91,3 +92,26 @@ def test_a_judge_that_never_gives_a_verdict_stops_the_job_in_one_line(tiny_asset
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
     assert "the judge failed on 8 of 8 responses" in errors[0] and "max_failure_share" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_real_vllm_engine_gives_the_verdicts_transformers_gives(tmp_path):
+    """The judge's second in-process vLLM engine (CPU here): greedy texts and next-token log-probs
+    as HF's float32 forward gives them. In this tier for the engine's start-up (20-50 s on CPU)."""
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.rollout.judge_engines import HFJudgeEngine, VllmJudgeEngine
+
+    folder = make_tiny_model(tmp_path / "judge", "llama", layers=2, seed=3)
+    hf = HFJudgeEngine(str(folder))
+    prompts = ["one plus one = two", "two = three is the answer", "x"]
+    top = torch.log_softmax(hf.model(**hf._encode(prompts[:1])).logits[0, -1].float(), -1).topk(2).indices.tolist()
+    want_lp, want_text = hf.next_token_logprobs(prompts, top), hf.generate(prompts, 5)
+    eng = VllmJudgeEngine(str(folder), max_model_len=128, gpu_memory_utilization=0.2)
+    try:
+        got_lp, got_text = eng.next_token_logprobs(prompts, top), eng.generate(prompts, 5)
+    finally:
+        eng.close()
+    assert got_text == want_text
+    assert all(math.isfinite(v) for v in got_lp[0])  # the first prompt's top 2: among vLLM's top 20
+    for g_row, w_row in zip(got_lp, want_lp):
+        for g, w in zip(g_row, w_row):
+            assert g == -math.inf or abs(g - w) < 1e-3, (g, w)

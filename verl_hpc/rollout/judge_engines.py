@@ -101,6 +101,7 @@ class VllmJudgeEngine:
         else:
             kwargs["kv_cache_memory_bytes"] = vllm_compat.cpu_kv_cache_bytes(path, max_model_len, 16)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.device = device
         with vllm_compat.engine_construction(device, tp=1):
             from vllm import LLM
 
@@ -138,7 +139,21 @@ class VllmJudgeEngine:
             self._asleep = False
 
     def close(self) -> None:
-        del self.llm
+        """Shut the engine down (its own process groups go; the job's default group stays)."""
+        import gc
+
+        from verl_hpc.rollout import vllm_compat
+
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            with vllm_compat.engine_call(self.device):
+                llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - a failed shutdown at the end must not hide the job's result
+            log.warning("vllm judge: engine shutdown failed (%s: %s)", type(e).__name__, e)
+        del llm
+        gc.collect()
 
 
 def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0):

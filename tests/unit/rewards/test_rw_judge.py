@@ -158,3 +158,4 @@ def test_real_hf_engine_gives_the_verdicts_transformers_gives(tmp_path):
         assert float(scores[i]) == pytest.approx(float(p[0] / p.sum()), abs=1e-5)  # left padding changes nothing
     texts = eng.generate(["one plus one", "two"], 4)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
