@@ -92,6 +92,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
+    for need in ("data/train.parquet", "model/config.json"):
+        if not (Path(a.out) / need).is_file():
+            ap.error(f"OUT '{a.out}': no {need}; the demo's first steps make it (python -m "
+                     "verl_hpc.trainer.programs.demo --task judge)")
     acc = train_judge(Path(a.out), seed=a.seed, overrides=a.overrides)
     print(f"judge accuracy on 500 held-out answers: {100 * acc:.1f}%")
     return 0
