@@ -77,3 +77,19 @@ def test_scorer_uses_the_configured_weights():
     # normalised rm: [-1, 1]; row a: 2 x 1 (right) + 0.5 x -1; row b (no rule): 0.5 x 1
     assert scores.tolist() == pytest.approx([1.5, 0.5])
     assert m["reward/rm/mean"] == 2.0
+
+
+def test_rules_only_scorer_for_validation():
+    """reward.reward_model.validate = false: validation scores by the rule alone."""
+    from verl_hpc.config import load_config
+    from verl_hpc.rewards.scorer import RewardScorer
+
+    class Never:
+        def score(self, batch):
+            raise AssertionError("validation asked the reward model")
+
+    cfg = load_config(None, ["reward.reward_model.enable=true", "reward.reward_model.path=/rm",
+                             "reward.reward_model.rule_weight=0", "reward.reward_model.validate=false"])
+    rules = RewardScorer.from_config(cfg.reward, Never(), allow_custom_code=False).rules_only()
+    scores, m = rules.score(["a", "b"], ["gsm8k", "gsm8k"], ["#### 4", "#### 5"], ["4", "4"])
+    assert scores.tolist() == [1.0, 0.0] and "reward/rm/mean" not in m  # rule_weight applies to the model mix only
