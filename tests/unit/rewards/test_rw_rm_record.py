@@ -8,11 +8,19 @@ from verl_hpc.checkpoint.errors import CheckpointMismatchError
 from verl_hpc.trainer.stages.rm_record import RewardModelRecord
 
 
-def test_record_round_trip_and_refusal(tmp_path):
-    from verl_hpc.models.tiny import make_tiny_model
+def _folder(path, seed):
+    """What the fingerprint reads: config.json and the safetensors files."""
+    import torch
+    from safetensors.torch import save_file
 
-    a = make_tiny_model(tmp_path / "a", "llama", layers=1, seed=1)
-    b = make_tiny_model(tmp_path / "b", "llama", layers=1, seed=2)
+    path.mkdir()
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    save_file({"w": torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))}, str(path / "model.safetensors"))
+    return path
+
+
+def test_record_round_trip_and_refusal(tmp_path):
+    a, b = _folder(tmp_path / "a", 1), _folder(tmp_path / "b", 2)
     judge = SimpleNamespace(failures_total=7)
     saved = RewardModelRecord(SimpleNamespace(path=str(a), kind="judge"), judge).state_dict()
     assert saved["kind"] == "judge" and saved["failures_total"] == 7 and len(saved["fingerprint"]) == 64
