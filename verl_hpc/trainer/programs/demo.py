@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         print(f"image grid: {answer_grid(out, rl_out, summary['steps'])}")
     measured = summary.get("host_peak_gib_per_rank") or []
     if measured:
-        planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *a.overrides])
+        planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *judged, *a.overrides])
         print(f"peak host memory per rank: {max(measured):.2f} GiB measured, {planned:.2f} GiB planned "
               f"(python -m verl_hpc.plan {a.rl_config})")
     print(f"plot:    {summary.get('plot')}")
