@@ -77,7 +77,7 @@ class RolloutWorker:
         self.elastic = cfg.placement.elastic.enable
         self.coord = self.rendezvous = None
         if self.elastic and self.leader:
-            self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000),
+            self.coord = Coordinator(cfg, self.world.mailbox, epoch=int(time.time() * 1000),
                                      events=str(Path(cfg.trainer.output_dir) / FILE.parent / "events.jsonl"))
         self.next_open = 1  # elastic: the next batch of the stream to open (next_index: the next to hand over)
 
