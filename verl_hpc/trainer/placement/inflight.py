@@ -14,7 +14,7 @@ resumed job continues the prefixes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from verl_hpc.rollout.result import RolloutResult
 
@@ -25,6 +25,13 @@ class Sample:
     logprobs: List[float] = dataclasses.field(default_factory=list)
     versions: List[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None  # None while generating; "stop" | "length"
+
+
+def samples_of(result: RolloutResult, version: int) -> Iterator[Tuple[int, int, Sample]]:
+    """(prompt, sample, Sample) of each row of a whole-response generation under weights `version`."""
+    for i, j, toks, lps, why in zip(result.prompt_index, result.sample_index, result.response_ids, result.logprobs,
+                                    result.finish_reason):
+        yield i, j, Sample(list(toks), list(lps), [version] * len(toks), why)
 
 
 @dataclasses.dataclass
@@ -51,9 +58,8 @@ class InFlight:
 
     def fill(self, result: RolloutResult, version: int) -> None:
         """A whole-response generation of every sample (chunk_tokens = 0)."""
-        for i, j, toks, lps, why in zip(result.prompt_index, result.sample_index, result.response_ids,
-                                        result.logprobs, result.finish_reason):
-            self.samples[i][j] = Sample(list(toks), list(lps), [version] * len(toks), why)
+        for i, j, sample in samples_of(result, version):
+            self.samples[i][j] = sample
         self.chunks += 1
 
     def extend(self, rows: List[Tuple[int, int]], result: RolloutResult, version: int, max_tokens: int) -> None:

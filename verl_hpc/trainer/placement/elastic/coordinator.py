@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.trainer.placement.elastic.ledger import Lease, Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool
-from verl_hpc.trainer.placement.inflight import InFlight, Sample
+from verl_hpc.trainer.placement.inflight import InFlight, Sample, samples_of
 
 log = logging.getLogger(__name__)
 LEAVE = "leave"  # the answer to a worker that is not (or no longer) in the pool
@@ -49,13 +49,9 @@ def group_spec(spec, step: int, prompt: int):
     return dataclasses.replace(step_spec, seed=request_seed(step_spec.seed, "group", prompt) % 2**31)
 
 
-def samples_of(lease_samples, result, version: int) -> Dict[int, Sample]:
-    """The lease's samples from a `generate` of its whole group (rows = samples 0..n-1)."""
-    out = {}
-    for j, toks, lps, why in zip(result.sample_index, result.response_ids, result.logprobs, result.finish_reason):
-        if j in lease_samples:
-            out[j] = Sample(list(toks), list(lps), [version] * len(toks), why)
-    return out
+def lease_samples(samples, result, version: int) -> Dict[int, Sample]:
+    """The lease's samples (indices `samples`) from a `generate` of its whole group."""
+    return {j: sample for _, j, sample in samples_of(result, version) if j in samples}
 
 
 class Coordinator:

@@ -177,10 +177,10 @@ class Worker:
 
     def _generate(self, rollout, p: dict) -> dict:
         """One leased group: {sample: Sample} of the lease's samples."""
-        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, samples_of
+        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, lease_samples
 
         result = rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
-        return samples_of(p["samples"], result, self.version)
+        return lease_samples(p["samples"], result, self.version)
 
 
 def main(argv=None) -> int:
