@@ -53,9 +53,11 @@ def group_spec(spec, step: int, prompt: int):
 def samples_of(lease_samples, result, version: int) -> Dict[int, Sample]:
     """The lease's samples from a `generate` of its whole group (rows = samples 0..n-1)."""
     out = {}
-    for j, toks, lps, why in zip(result.sample_index, result.response_ids, result.logprobs, result.finish_reason):
+    routes = result.routes or [None] * len(result)  # routing replay's, when the engine records them
+    for j, toks, lps, why, r in zip(result.sample_index, result.response_ids, result.logprobs, result.finish_reason,
+                                    routes):
         if j in lease_samples:
-            out[j] = Sample(list(toks), list(lps), [version] * len(toks), why)
+            out[j] = Sample(list(toks), list(lps), [version] * len(toks), why, r)
     return out
 
 
