@@ -82,7 +82,8 @@ PANELS: tuple[Panel, ...] = (
     # training router would have chosen itself (rollout: in the old-log-prob forward; old: in the
     # update); the log-prob gap left is the mismatch panel's (drawn where there is no reference KL)
     Panel("Routing replay (MoE)", "router agreement (replayed vs own top-k)",
-          ("moe/route_agreement", "actor/moe/route_agreement", "moe/route_agreement/layer_*")),
+          ("moe/route_agreement", "actor/moe/route_agreement", "moe/route_agreement/layer_*",
+           "actor/moe/route_agreement/layer_*")),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):
