@@ -119,6 +119,11 @@ def test_routing_replay_rollout_needs_an_engine_that_records_routes(moe_folder):
         assert "data.train_files" in text and "moe_routing_replay" not in text
 
 
+def test_routing_replay_rollout_of_episodes_is_refused(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=hf", "multi_turn.enable=true")
+    assert "model.moe_routing_replay = rollout with multi_turn.enable" in text
+
+
 def test_routing_replay_refusals_name_the_field(moe_folder):
     text = _problems(moe_folder, "model.moe_routing_replay=old", "parallel.engine=fsdp",
                      "parallel.recompute_granularity=full")

@@ -68,6 +68,9 @@ class ModelConfig(Section):
             p.append(f"{field} needs a rollout engine that records routes: rollout.engine = "
                      f"{job.rollout.engine} cannot (vLLM's routed-experts capture is GPU-only; docs/moe.md); "
                      "set rollout.engine=hf or model.moe_routing_replay=old")
+        if mode == "rollout" and job.multi_turn.enable:
+            p.append(f"{field} with multi_turn.enable: an episode's turns are generated apart and their "
+                     "routes are not joined yet; use model.moe_routing_replay=old")
         if job.parallel.cp > 1 or job.parallel.sequence_parallel:
             p.append(f"{field} with parallel.cp > 1 or parallel.sequence_parallel: each rank would route "
                      "a slice of the sequence; not built, set parallel.cp=1 and sequence_parallel=false")
