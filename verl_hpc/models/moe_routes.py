@@ -64,3 +64,21 @@ def fit_rows(routes: torch.Tensor, rows: int) -> torch.Tensor:
     pad = torch.full((rows - b, *routes.shape[1:]), missing_value(routes.dtype), dtype=routes.dtype,
                      device=routes.device)
     return torch.cat([routes, pad])
+
+
+def pack_routes(routes: torch.Tensor, prompt_lengths, response_lengths, sample_rows, positions,
+                shape) -> torch.Tensor:
+    """Per-sample routes `[n, S, L, k]` laid out as engines/prefix.py packs the samples: one model
+    row per prompt, the prompt's tokens first (its first sample's routes: the rollout prefilled the
+    prompt once for all its samples), then each sample's fed response tokens (all but the last) at
+    its offset, read from `positions` (response token 1 is scored at the offset). -> `[g, seq, L, k]`."""
+    rows, seq = shape
+    out = torch.full((rows, seq, *routes.shape[2:]), missing_value(routes.dtype), dtype=routes.dtype,
+                     device=routes.device)
+    for i in range(routes.shape[0]):
+        row, p, r = int(sample_rows[i]), int(prompt_lengths[i]), int(response_lengths[i])
+        out[row, :p] = routes[i, :p]
+        if r > 1:
+            offset = int(positions[i, 1])
+            out[row, offset:offset + r - 1] = routes[i, p:p + r - 1]
+    return out

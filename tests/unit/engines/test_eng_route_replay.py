@@ -61,14 +61,16 @@ def _engine(path, mode, **changes):
     from verl_hpc.parallel import init_model_parallel
 
     init_model_parallel(1, 1)
-    o = default_options(model_path=path, optim=OptimConfig(lr=1e-3), micro_batch_size=3, total_steps=1,
-                        temperature=1.0, **changes)
+    o = default_options(model_path=path, **{**dict(optim=OptimConfig(lr=1e-3), micro_batch_size=3, total_steps=1,
+                                                   temperature=1.0), **changes})
     return MegatronEngine(dataclasses.replace(o, moe_options=dict(o.moe_options, routing_replay=mode)))
 
 
-def test_replayed_training_logprobs_equal_the_rollouts(one_rank_world, tied_moe, rollout):
+@pytest.mark.parametrize("share", ["off", "on"], ids=["one_row_per_sample", "prompts_packed"])
+def test_replayed_training_logprobs_equal_the_rollouts(one_rank_world, tied_moe, rollout, share):
+    """share on: a prompt's samples packed into one model row (engines/prefix.py), routes with them."""
     batch, routes, logp, mask = rollout
-    engine = _engine(tied_moe, "rollout")
+    engine = _engine(tied_moe, "rollout", share_prompts=share, micro_batch_size=16)
     gaps = {}
     for name, b in (("off", batch), ("on", dict(batch, routed_experts=routes))):
         out = engine.forward(b, ("log_probs",))["log_probs"]

@@ -93,7 +93,7 @@ class RouteReplay:
 
     def before(self, mb) -> None:
         """Set every router's action (and targets) for micro-batch `mb`'s forward."""
-        routes = None if mb.dummy else mb.data.get(KEY)
+        routes = None if mb.dummy else mb.model_routes
         for layer, router in self.routers.items():
             replay = router.router_replay
             if self.record and not mb.dummy:
@@ -119,14 +119,14 @@ class RouteReplay:
         if mb.dummy or not self.counting:
             return
         rows, seq = mb.model_input_ids.shape
-        n = mb.real_rows
+        n = rows if mb.packed else mb.real_rows  # a packed row holds a prompt's samples
         for layer, router in self.routers.items():
             replay = router.router_replay
             got = replay.get_recorded_indices()
             if got is None:
                 continue
             got = got.detach().reshape(seq, rows, -1).transpose(0, 1)[:n].cpu()  # [n, seq, k]
-            if self.record:
+            if self.record:  # never packed (MegatronEngine.forward): row j is sample mb.rows[j]
                 index = torch.as_tensor(mb.rows, dtype=torch.long)
                 width = min(seq, self._buffer.shape[1])
                 self._buffer[index, :width, layer] = got[:, :width].to(torch.int32) + 1

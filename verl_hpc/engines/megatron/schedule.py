@@ -35,6 +35,7 @@ from verl_hpc.engines.base import GlobalCounts
 from verl_hpc.engines.batch import response_positions, response_tokens, select_rows
 from verl_hpc.engines.megatron.context_parallel import split_for_rank
 from verl_hpc.engines.megatron.outputs import next_token_labels
+from verl_hpc.models.moe_routes import pack_routes
 
 OutputFn = Callable[[torch.Tensor, Dict[str, torch.Tensor], Sequence[str]], Dict[str, torch.Tensor]]
 
@@ -95,6 +96,12 @@ class MicroBatch:
                                    "labels": sub["_labels"]}, cp_group)
             self.model_input_ids, self.model_position_ids = mine["input_ids"], mine["position_ids"]
             sub["_cp_labels"] = mine["labels"]
+        # routing replay: the routes in the model's own layout (packed rows when packed)
+        self.model_routes = None
+        if "routed_experts" in sub and not self.dummy:
+            self.model_routes = sub["routed_experts"] if packed is None else pack_routes(
+                sub["routed_experts"], sub["prompt_lengths"], sub["response_lengths"], packed.sample_rows,
+                packed.positions, tuple(packed.input_ids.shape))
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
