@@ -54,7 +54,7 @@ def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
 def _moe_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
     """What a mixture-of-experts model needs of the rest of the job."""
     if not m.experts:
-        return []
+        return cfg.model.dense_replay_problem(m.source) if field == "model.path" else []
     p = []
     par = cfg.parallel
     if par.tp > 1 and not par.sequence_parallel:

@@ -148,9 +148,11 @@ def check_family_fields(cfg: Dict[str, Any], family: str, src: str) -> None:
 
 
 def transformer_overrides(moe: MoEArch, ep: int, etp: int, *, aux_loss_coef: Optional[float] = None,
-                          z_loss_coef: float = 0.0, capacity_factor: Optional[float] = None) -> Dict[str, Any]:
+                          z_loss_coef: float = 0.0, capacity_factor: Optional[float] = None,
+                          routing_replay: str = "off") -> Dict[str, Any]:
     """Megatron `TransformerConfig` fields of the MoE layers at expert parallel `ep` and expert
-    tensor parallel `etp`. aux_loss_coef None: config.json's router_aux_loss_coef."""
+    tensor parallel `etp`. aux_loss_coef None: config.json's router_aux_loss_coef. routing_replay
+    other than "off": the routers get Megatron's replay hook (engines/megatron/route_replay.py)."""
     aux = moe.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
     kw: Dict[str, Any] = dict(
         num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn,
@@ -160,7 +162,8 @@ def transformer_overrides(moe: MoEArch, ep: int, etp: int, *, aux_loss_coef: Opt
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=z_loss_coef or None,
         # the router in fp32 whatever the model's dtype: HF's routers take their softmax in fp32 too
-        moe_router_dtype="fp32", moe_permute_fusion=False)
+        moe_router_dtype="fp32", moe_permute_fusion=False,
+        moe_enable_routing_replay=routing_replay != "off")
     if capacity_factor is not None:
         kw.update(moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=False,
                   moe_token_drop_policy="probs")

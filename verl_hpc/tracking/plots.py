@@ -78,6 +78,12 @@ PANELS: tuple[Panel, ...] = (
     # router's load-balancing loss and the share of token-expert assignments dropped by capacity
     Panel("Expert load (MoE)", "max / mean expert load", ("actor/moe/load_imbalance", "actor/moe/layer_*/load_imbalance"),
           right=("actor/moe/aux_loss", "actor/moe/dropped_fraction"), right_ylabel="aux loss / dropped share"),
+    # routing replay (model.moe_routing_replay): the share of replayed (token, expert slot) pairs the
+    # training router would have chosen itself (rollout: in the old-log-prob forward; old: in the
+    # update); the log-prob gap left is the mismatch panel's (drawn where there is no reference KL)
+    Panel("Routing replay (MoE)", "router agreement (replayed vs own top-k)",
+          ("moe/route_agreement", "actor/moe/route_agreement", "moe/route_agreement/layer_*",
+           "actor/moe/route_agreement/layer_*")),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):

@@ -98,3 +98,34 @@ def test_a_moe_field_of_the_wrong_type_is_one_line_naming_file_and_field(moe_fol
     with pytest.raises(ConfigError) as e:
         load_arch(moe_folder)
     assert str(e.value) == f"{moe_folder / 'config.json'}: {words}"
+
+
+def test_routing_replay_on_a_dense_model_is_refused_by_name(tmp_path):
+    from verl_hpc.models.tiny import hf_config
+
+    hf_config("llama").save_pretrained(tmp_path)
+    text = _problems(tmp_path, "model.moe_routing_replay=old")
+    assert "model.moe_routing_replay = old needs a mixture-of-experts model, but model.path is dense" in text
+
+
+def test_routing_replay_rollout_needs_an_engine_that_records_routes(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=vllm")
+    line = next(x for x in text.splitlines() if "rollout.engine = vllm" in x)
+    assert "model.moe_routing_replay = rollout" in line and "set rollout.engine=hf" in line
+    # the same job with HF generate, or replaying the old forward's routes, passes that check (the
+    # job's other problems are still reported: the checks ran)
+    for ok in ("rollout.engine=hf", "model.moe_routing_replay=old"):
+        text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=vllm", ok)
+        assert "data.train_files" in text and "moe_routing_replay" not in text
+
+
+def test_routing_replay_rollout_of_episodes_is_refused(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=hf", "multi_turn.enable=true")
+    assert "model.moe_routing_replay = rollout with multi_turn.enable" in text
+
+
+def test_routing_replay_refusals_name_the_field(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=old", "parallel.engine=fsdp",
+                     "parallel.recompute_granularity=full")
+    assert "model.moe_routing_replay = old needs parallel.engine = megatron (got fsdp)" in text
+    assert "parallel.recompute_granularity = full is not built" in text

@@ -134,3 +134,33 @@ def test_factory_builds_vllm_for_moe_on_cpu(moe_model):
         assert isinstance(engine, VLLMRollout)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, default_spec(temperature=1.0, max_tokens=MAX_NEW, n=2, seed=4)],
+                         ids=["greedy", "sampled_shared_prefill"])
+def test_hf_rollout_records_the_routes_a_full_forward_takes(moe_model, sampling):
+    """Routing replay's record side: each row's routes (prompt and response tokens but the last)
+    equal the routers' choices in one transformers forward of the whole sequence."""
+    import torch
+
+    from verl_hpc.rollout import HFRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+    from verl_hpc.rollout.hf_routes import RouteRecorder
+
+    engine = HFRollout(moe_model, **default_engine_args("hf", max_prompt_length=MAX_PROMPT,
+                                                        max_response_length=MAX_NEW), record_routes=True)
+    try:
+        res = engine.generate(PROMPTS, sampling)
+    finally:
+        engine.close()
+    model = load_hf(moe_model)
+    reference = RouteRecorder(model)
+    for i in range(len(res)):
+        seq = res.sequence(i)
+        reference.start()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([seq]))
+        reference.stop()
+        full = reference.joined(1, len(seq))[0]
+        assert res.routes[i].dtype == torch.uint8 and res.routes[i].shape == (len(seq) - 1, 2, 2)
+        assert torch.equal(res.routes[i].sort(-1).values, full[:-1].sort(-1).values), i
