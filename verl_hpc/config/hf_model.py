@@ -20,7 +20,7 @@ FOLDER = "a Hugging Face model folder (config.json + *.safetensors)"
 # itself is verl_hpc.models.config_mapping (dense) and verl_hpc.models.moe (mixture of experts).
 DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                     "Qwen3MoeForCausalLM": "qwen3_moe"}
+                     "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 MEGATRON_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
 
 

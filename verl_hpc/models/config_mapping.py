@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, is_vision_language, read_hf_config
 from verl_hpc.config.layout import Layout
+from verl_hpc.models.deepseek import DEFAULTS as DEEPSEEK_DEFAULTS, MLAArch, mla_overrides, parse_mla
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
     MOE_DEFAULTS,
@@ -39,7 +40,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 _DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048),
              "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
              "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072),
-             **MOE_DEFAULTS}
+             **MOE_DEFAULTS, "deepseek_v3": DEEPSEEK_DEFAULTS}
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
 
@@ -48,11 +49,11 @@ DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by defaul
 class ModelArch:
     """A validated decoder-only architecture, in Megatron's terms."""
 
-    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe
+    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
     architecture: str  # the HF class name, e.g. LlamaForCausalLM
     vocab_size: int  # real vocabulary (config.json); Megatron pads it, see padded_vocab_size
     hidden_size: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the dense MLP's (DeepSeek's first layers), else each routed expert's
     num_layers: int
     num_attention_heads: int
     num_query_groups: int  # num_key_value_heads
@@ -66,6 +67,7 @@ class ModelArch:
     source: str = "config.json"  # where it came from, for messages
     moe: Optional[MoEArch] = None  # the routed experts; None for a dense model
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    mla: Optional[MLAArch] = None  # multi-head latent attention (DeepSeek-V3); None: q/k/v heads
 
     @property
     def heads_per_group(self) -> int:
@@ -189,18 +191,22 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
                           f"supported, use the unquantized model")
     theta, scaling = _rope(cfg, family, src)
     defaults = _DEFAULTS[family]
+    mla = parse_mla(cfg, src) if family == "deepseek_v3" else None
+    if mla is not None and scaling is not None:
+        raise ConfigError(f"{src}: rope_scaling of type {scaling['rope_type']!r} is not built for DeepSeek-V3 "
+                          "(YaRN included); valid: null (unscaled RoPE)")
     moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
     return ModelArch(
         family=family, architecture=arch_name,
         vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,
-        ffn_hidden_size=moe.expert_ffn if moe else _int_field(cfg, "intermediate_size", src),
+        ffn_hidden_size=(_int_field(cfg, "intermediate_size", src) if mla or not moe else moe.expert_ffn),
         num_layers=_int_field(cfg, "num_hidden_layers", src),
         num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
         rms_norm_eps=_positive_number(cfg.get("rms_norm_eps"), "rms_norm_eps", src, defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=flag(cfg, "tie_word_embeddings", src, False),
-        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe",
+        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe", mla=mla,
         max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
                                            defaults["max_position_embeddings"]),
         source=src)
@@ -243,6 +249,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     import torch  # local: the planner imports this module on login nodes without torch
 
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from verl_hpc.runtime.device import has_gpu  # runtime imports torch
 
@@ -268,6 +275,11 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         qk_layernorm=arch.qk_norm)
     if arch.moe is not None:
-        kwargs.update(transformer_overrides(arch.moe, ep, etp, **(moe_options or {})))
+        kwargs.update(transformer_overrides(arch.moe, ep, etp, num_layers=arch.num_layers, **(moe_options or {})))
     kwargs.update(overrides)
+    if arch.mla is not None:
+        kwargs.update(mla_overrides(arch.mla, arch.rope_theta))
+        # Megatron's fused MLA RoPE is YaRN only; the unfused path is exact
+        kwargs.update(apply_rope_fusion=False)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
