@@ -68,7 +68,7 @@ def test_unsupported_moe_variants_are_refused_by_field(moe_folder):
                           (dict(mlp_only_layers=[0]), "mlp_only_layers=[0] is not supported"),
                           (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not implemented"),
                           (dict(num_experts_per_tok=8), "num_experts_per_tok=8 is more than num_experts=6"),
-                          (dict(architectures=["DeepseekV3ForCausalLM"]), "is not mapped into Megatron; mapped:")):
+                          (dict(architectures=["DeepseekV2ForCausalLM"]), "is not mapped into Megatron; mapped:")):
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             parse_hf_config({**base, **change})
     arch = parse_hf_config(base)
