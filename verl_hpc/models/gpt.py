@@ -25,7 +25,7 @@ from verl_hpc.models.config_mapping import (
     padded_vocab_size,
     transformer_config,
 )
-from verl_hpc.models.moe import use_torch_router_gemm
+from verl_hpc.models.moe import count_real_tokens_for_expert_bias, use_torch_router_gemm
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ def decoder_spec(config, arch: ModelArch, use_te: Optional[bool] = None, fp8: bo
     if use_te is None:
         use_te = has_gpu() and transformer_engine_available()
     use_torch_router_gemm()
+    count_real_tokens_for_expert_bias()
     spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                             vp_stage=vp_stage)
     if use_te:

@@ -210,6 +210,30 @@ def use_torch_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def count_real_tokens_for_expert_bias() -> None:
+    """megatron-core 0.16.1's `TopKRouter._apply_expert_bias` adds `routing_map & ~padding_mask` to
+    the token counts behind the expert-bias update, with routing_map [tokens, experts] and the
+    mask flattened to [tokens]: it cannot broadcast, so a padding mask fails every training
+    forward. The engine passes one (padding and dummy rows must not count towards an expert's
+    load, or the bias would chase where the pad token routes); this replacement masks by token,
+    as the upstream code means to. Idempotent; only the sigmoid routers with a bias use it."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "verl_hpc", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias.verl_hpc = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
 def expert_offset(moe: Optional[MoEArch], ep_rank: int, ep: int) -> int:
     """The global index of expert-parallel rank `ep_rank`'s first routed expert (0 for a dense model)."""
     return ep_rank * (moe.num_experts // ep) if moe is not None else 0

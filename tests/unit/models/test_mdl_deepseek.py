@@ -129,3 +129,11 @@ def test_the_expert_bias_moves_by_megatrons_rule_in_the_gradient_finalisation(on
     expected = before + rate * torch.sign(counts.mean() - counts)
     assert torch.equal(router.expert_bias, expected), (router.expert_bias, expected)
     assert float(router.local_tokens_per_expert.sum()) == 0  # reset for the next step
+    # the engine's padding mask (True = padding): masked tokens do not count (the bias put back,
+    # so that transformers' choices hold again)
+    router.expert_bias.copy_(before)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 5:] = True
+    ddp(ids, torch.arange(12).unsqueeze(0), None, padding_mask=pad).sum().backward()
+    real = chosen.reshape(2, 12, -1)[~pad]
+    assert torch.equal(router.local_tokens_per_expert, torch.bincount(real.reshape(-1), minlength=4).float())

@@ -96,6 +96,13 @@ class MicroBatch:
             self.model_input_ids, self.model_position_ids = mine["input_ids"], mine["position_ids"]
             sub["_cp_labels"] = mine["labels"]
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
+        # [rows, seq], True at padding (right padding, dummy rows): a router with a per-expert bias
+        # (DeepSeek-V3) counts only real tokens towards its load (models/deepseek.py)
+        self.padding_mask = None
+        if packed is None and not self.cp:
+            real = sub["prompt_lengths"] + sub["response_lengths"]
+            pad = torch.arange(ids.shape[1]).unsqueeze(0) >= (0 if self.dummy else real.unsqueeze(1))
+            self.padding_mask = pad.to(device, non_blocking=True)
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
 
@@ -166,7 +173,9 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         if rope is not None:
             rope.row_positions = mb.position_ids if mb.packed else None
         try:
-            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels)
+            extra = ({"padding_mask": mb.padding_mask} if mb.padding_mask is not None
+                     and getattr(getattr(model, "config", None), "moe_router_enable_expert_bias", False) else {})
+            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels, **extra)
         finally:
             if layer is not None:
                 layer.selected_positions = layer.selected_rows = None
