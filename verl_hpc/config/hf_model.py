@@ -69,6 +69,14 @@ class ModelShape(NamedTuple):
     shared_ffn: int = 0  # the shared expert's intermediate size (split over tp like a dense MLP)
 
 
+def _shared_ffn(data: Dict[str, Any], expert_ffn: int) -> int:
+    """The shared expert's width: Qwen2-MoE's shared_expert_intermediate_size, or DeepSeek's
+    n_shared_experts experts of moe_intermediate_size (one fused MLP)."""
+    if data.get("n_shared_experts"):
+        return int(data["n_shared_experts"]) * expert_ffn
+    return int(data.get("shared_expert_intermediate_size") or 0)
+
+
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
     data = language_model_config(read_hf_config(path, field))
     file = Path(path) / "config.json"
@@ -79,13 +87,13 @@ def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
         heads = int(data["num_attention_heads"])
         head_dim = int(data.get("head_dim") or int(data.get("hidden_size") or 0) // max(heads, 1))
         ffn = int(data.get("intermediate_size") or 0)
-        experts = int(data.get("num_local_experts") or data.get("num_experts") or 0)
+        experts = int(data.get("num_local_experts") or data.get("num_experts") or data.get("n_routed_experts") or 0)
         # Mixtral's experts are intermediate_size wide; Qwen-MoE's moe_intermediate_size
         expert_ffn = int(data.get("moe_intermediate_size") or ffn) if experts else 0
         return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
                           int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0),
                           0 if experts else ffn, f"({field} config.json)", head_dim, experts=experts,
                           expert_ffn=expert_ffn,
-                          shared_ffn=int(data.get("shared_expert_intermediate_size") or 0) if experts else 0)
+                          shared_ffn=_shared_ffn(data, expert_ffn) if experts else 0)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None

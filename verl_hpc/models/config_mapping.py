@@ -221,7 +221,8 @@ def model_shape(arch: ModelArch) -> ModelShape:
     """The numbers the layout rules need, from a parsed architecture."""
     moe = arch.moe
     return ModelShape(arch.num_attention_heads, arch.num_query_groups, arch.num_layers, arch.vocab_size,
-                      arch.max_position_embeddings, 0 if moe else arch.ffn_hidden_size, f"({arch.source})",
+                      arch.max_position_embeddings, arch.ffn_hidden_size if not moe or moe.first_dense else 0,
+                      f"({arch.source})",
                       arch.head_dim, experts=moe.num_experts if moe else 0,
                       expert_ffn=moe.expert_ffn if moe else 0, shared_ffn=moe.shared_ffn if moe else 0)
 
