@@ -66,7 +66,7 @@ KEY_VALUES = {
                           "model.moe_z_loss_coef": 0.0, "actor.optim.lr": 1e-6},
     "grpo_deepseek_v3.yaml": {**GPU_CLUSTER, **OFFLOAD, "slurm.nodes": 32, "world_size": 256, "parallel.tp": 8,
                               "parallel.pp": 1, "parallel.ep": 256, "parallel.etp": 1, "dp": 32, "rollout.tp": 32,
-                              "model.moe_router_bias_update_rate": 0.001},
+                              "model.moe_router_bias_update_rate": 0.001, "slurm.signal_delay_s": 600},
     "ppo_70b.yaml": {**GPU_CLUSTER, **OFFLOAD, **LLAMA_70B, "slurm.nodes": 8, "world_size": 64,
                      "parallel.pp": 2, "parallel.vpp": 5, "dp": 4, "critic.enable": True, "rollout.n": 1,
                      "critic.param_offload": True, "slurm.time_min": 2880, "slurm.signal_delay_s": 600,
