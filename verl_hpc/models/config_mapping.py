@@ -3,7 +3,8 @@
 Supported: decoder-only Llama, Qwen2 and Mistral checkpoints, i.e. RMSNorm, SwiGLU MLP, RoPE
 (default, linear or llama3 scaling), grouped-query attention, tied or untied embeddings, and
 Qwen2's QKV bias; and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (models/moe.py:
-routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms). Anything else is refused with an error that names the config.json field and
+routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms) and DeepSeek-V3
+(models/deepseek.py: multi-head latent attention, the biased sigmoid router, dense first layers). Anything else is refused with an error that names the config.json field and
 what would be accepted: a model that loads but computes something else is worse than no model.
 
 config.json is read as plain JSON (not through transformers) so that errors can name the exact

@@ -1,5 +1,5 @@
 """HF <-> Megatron tensor rules for Llama-style decoders (Llama, Qwen2, Mistral, and the mixture-of-
-experts Mixtral, Qwen2-MoE, Qwen3-MoE), one per parameter.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3), one per parameter.
 
 Each rule knows, for one Megatron parameter of one layer:
 - `load(reader, arch, layer, lay)`: this TP rank's shard (`lay: Layout`), read as slices of the
@@ -24,6 +24,9 @@ transformers):
   follow the dense rules over the *expert* tensor-parallel group (`group = "etp"`), and only the
   ranks of e's expert-parallel rank hold it (`rule_for` binds the global expert index); the shared
   expert follows the dense rules over the TP group.
+- DeepSeek-V3's latent attention (MLA_RULES): each projection is a column-parallel linear whose
+  rows (per-head blocks for q/q_b and kv_b) are split over TP as they stand in the HF tensor
+  (`Rows`); o_proj splits its columns; the router's per-expert bias (a buffer) is replicated.
 """
 from __future__ import annotations
 
