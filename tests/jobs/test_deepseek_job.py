@@ -3,10 +3,10 @@ grouped top-k, a shared expert, a dense first layer) through the user's entry po
 engine, two steps with HF rollout: after every weight sync the rollout holds exactly the training
 engine's exported weights (the router's e_score_correction_bias included), the update moves the
 weights, and the router's bias moves by Megatron's rule (a multiple of the update rate per step,
-towards the less loaded experts)."""
+towards the less loaded experts), and the trainer's checkpoint keeps the moved bias."""
 import torch
 
-from jobs import MOVING, logs, run_here, small
+from jobs import MOVING, logs, read_all, run_here, small
 
 RATE = 0.01
 
@@ -31,7 +31,7 @@ def test_deepseek_v3_grpo_job_on_megatron(tiny_assets, tmp_path, monkeypatch):
     proc, summary = run_here("configs/demo_rl.yaml", out, *small(
         tiny_assets, f"model.path={model}", "parallel.engine=megatron", "trainer.total_steps=2",
         "data.train_batch_size=2", "rollout.n=2", "tracking.backends=[jsonl]", "tracking.plots=false",
-        "slurm.cpus_per_task=1", f"model.moe_router_bias_update_rate={RATE}", *MOVING))
+        "slurm.cpus_per_task=1", f"model.moe_router_bias_update_rate={RATE}", "checkpoint.save_every=2", *MOVING))
     assert proc.returncode == 0, logs(proc, out)
     assert summary["steps"] == 2 and len(seen) == 2
     assert [(s["differ"], s["missing"]) for s in seen] == [([], []), ([], [])]
@@ -44,3 +44,7 @@ def test_deepseek_v3_grpo_job_on_megatron(tiny_assets, tmp_path, monkeypatch):
     step = (second[bias] - first[bias]) / RATE
     assert torch.allclose(step, step.round(), atol=1e-4) and set(step.round().tolist()) <= {-1.0, 0.0, 1.0}
     assert step.abs().sum() > 0, "the bias update rule did not run"
+    # the trainer's checkpoint keeps the moved bias (a resumed run routes as the saved one did)
+    saved = {n: t for n, t in read_all(out / "checkpoints" / "step_000002").items() if n.endswith("expert_bias")}
+    assert list(saved) == ["model/decoder.layers.1.mlp.router.expert_bias"], sorted(saved)
+    assert not torch.equal(saved["model/decoder.layers.1.mlp.router.expert_bias"].float(), first[bias])

@@ -151,6 +151,9 @@ def _deepseek_config(common: Dict, *, experts: int, top_k: int, expert_ffn: int,
                             norm_topk_prob=True, q_lora_rank=q_lora_rank, kv_lora_rank=32,
                             qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_interleave=True,
                             num_nextn_predict_layers=0, architectures=["DeepseekV3ForCausalLM"],
+                            # as the released config.json says (transformers' class has no such fields;
+                            # vLLM builds the router's bias only when topk_method is noaux_tc)
+                            topk_method="noaux_tc", scoring_func="sigmoid",
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})})
 
 

@@ -13,7 +13,7 @@ regroups the data-parallel ranks of a stage, as Megatron does):
     ep2       1  1  2    all four (DP 4: two expert-parallel groups of 2)
     tp2       2  1  1    all four (expert TP = TP = 2)
     ep2xpp2   1  2  2    all four (each stage's 2 DP ranks are its 2 EP ranks)
-    tp2xep2   2  1  2    qwen2_moe (the 4 ranks of the stage: expert TP 2 x EP 2)
+    tp2xep2   2  1  2    qwen2_moe, deepseek_v3 (the 4 ranks of the stage: expert TP 2 x EP 2)
 """
 from pathlib import Path
 
@@ -31,7 +31,7 @@ DENSE_FIRST = {"deepseek_v3": 1}  # the tiny DeepSeek-V3's layer 0 is dense (fir
 LAYERS = 2  # every tiny model's
 LAYOUTS = {  # name -> (tp, pp, ep, models)
     "ep1": (1, 1, 1, ALL), "ep2": (1, 1, 2, ALL), "tp2": (2, 1, 1, ALL),
-    "ep2xpp2": (1, 2, 2, ALL), "tp2xep2": (2, 1, 2, ["qwen2_moe"]),
+    "ep2xpp2": (1, 2, 2, ALL), "tp2xep2": (2, 1, 2, ["qwen2_moe", "deepseek_v3"]),
 }
 
 
