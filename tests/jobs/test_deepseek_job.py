@@ -46,5 +46,5 @@ def test_deepseek_v3_grpo_job_on_megatron(tiny_assets, tmp_path, monkeypatch):
     assert step.abs().sum() > 0, "the bias update rule did not run"
     # the trainer's checkpoint keeps the moved bias (a resumed run routes as the saved one did)
     saved = {n: t for n, t in read_all(out / "checkpoints" / "step_000002").items() if n.endswith("expert_bias")}
-    assert list(saved) == ["model/decoder.layers.1.mlp.router.expert_bias"], sorted(saved)
-    assert not torch.equal(saved["model/decoder.layers.1.mlp.router.expert_bias"].float(), first[bias])
+    assert list(saved) == ["actor/model/decoder.layers.1.mlp.router.expert_bias"], sorted(saved)
+    assert not torch.equal(saved["actor/model/decoder.layers.1.mlp.router.expert_bias"].float(), first[bias])
