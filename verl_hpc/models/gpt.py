@@ -117,7 +117,7 @@ def decoder_spec(config, arch: ModelArch, use_te: Optional[bool] = None, fp8: bo
         return spec
     from verl_hpc.models.mla_attention import with_mla_core_attention
 
-    return with_mla_core_attention(spec)  # the local DotProductAttention cannot build MLA's
+    return with_mla_core_attention(spec, transformer_engine_available())  # the local DotProductAttention cannot build MLA's
 
 
 def _rope_kwargs(arch: ModelArch) -> dict:

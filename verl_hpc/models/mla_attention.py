@@ -49,26 +49,24 @@ class MLACoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.heads * self.v_channels)
 
 
-def use_local_mla() -> None:
+def use_local_mla(te_importable: bool) -> None:
     """megatron-core 0.16.1's multi_latent_attention sets HAVE_TE = True whenever its TE extension
     module imports, which it does without Transformer Engine (TELinear is then a MagicMock), and
     then asks `isinstance(linear_proj, TELinear)`: a TypeError on every MLA layer. Without TE
-    installed, its HAVE_TE is made False, which is what the module means by it."""
+    installed (`te_importable` False), its HAVE_TE is made False, which is what the module means by it."""
     from megatron.core.transformer import multi_latent_attention as mla
 
-    from verl_hpc.models.gpt import transformer_engine_available
-
-    if mla.HAVE_TE and not transformer_engine_available():
+    if mla.HAVE_TE and not te_importable:
         mla.HAVE_TE = False
 
 
-def with_mla_core_attention(block_spec):
+def with_mla_core_attention(block_spec, te_importable: bool):
     """A local-spec block spec whose MLA layers use MLACoreAttention (copies; the input is untouched)."""
     import dataclasses
 
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    use_local_mla()
+    use_local_mla(te_importable)
     layers = []
     for spec in block_spec.layer_specs:
         attn = spec.submodules.self_attention
