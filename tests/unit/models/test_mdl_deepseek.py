@@ -137,3 +137,23 @@ def test_the_expert_bias_moves_by_megatrons_rule_in_the_gradient_finalisation(on
     ddp(ids, torch.arange(12).unsqueeze(0), None, padding_mask=pad).sum().backward()
     real = chosen.reshape(2, 12, -1)[~pad]
     assert torch.equal(router.local_tokens_per_expert, torch.bincount(real.reshape(-1), minlength=4).float())
+
+
+def test_the_submit_check_names_a_deepseek_feature_not_built(tmp_path):
+    """Before the queue (the launcher's preflight): one line naming config.json and the field."""
+    from verl_hpc.config import load_config
+    from verl_hpc.launcher.preflight import preflight
+    from verl_hpc.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "ds", "deepseek_v3", seed=6)
+    train = tmp_path / "train.jsonl"
+    train.write_text((json.dumps({"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}) + "\n") * 8)
+    overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}/out",
+                 f"slurm.log_dir={tmp_path}/logs/%j", "rollout.n=2", "parallel.engine=megatron"]
+    preflight(load_config(None, overrides))  # as built: accepted
+    cfg_file = model / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "rope_interleave": False}))
+    with pytest.raises(ConfigError) as e:
+        preflight(load_config(None, overrides))
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"model.path: {cfg_file}: rope_interleave=False is not built"), text

@@ -99,7 +99,7 @@ class MicroBatch:
         # [rows, seq], True at padding (right padding, dummy rows): a router with a per-expert bias
         # (DeepSeek-V3) counts only real tokens towards its load (models/deepseek.py)
         self.padding_mask = None
-        if packed is None and not self.cp:
+        if packed is None and not self.cp and "response_lengths" in sub:
             real = sub["prompt_lengths"] + sub["response_lengths"]
             pad = torch.arange(ids.shape[1]).unsqueeze(0) >= (0 if self.dummy else real.unsqueeze(1))
             self.padding_mask = pad.to(device, non_blocking=True)
