@@ -23,7 +23,15 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, is_vision_language, read_hf_config
 from verl_hpc.config.layout import Layout
-from verl_hpc.models.deepseek import DEFAULTS as DEEPSEEK_DEFAULTS, MLAArch, mla_overrides, parse_mla
+from verl_hpc.models.deepseek import (
+    DEFAULTS as DEEPSEEK_DEFAULTS,
+    MLAArch,
+    is_yarn,
+    mla_overrides,
+    parse_mla,
+    parse_yarn,
+    rope_fields,
+)
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
     MOE_DEFAULTS,
@@ -61,7 +69,7 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]  # None, or {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: Optional[Dict[str, Any]]  # None, or {"rope_type": "linear"|"llama3"|"yarn" (DeepSeek-V3), ...}
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
@@ -190,12 +198,17 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     if cfg.get("quantization_config"):
         raise ConfigError(f"{src}: quantization_config is set; quantized checkpoints are not "
                           f"supported, use the unquantized model")
-    theta, scaling = _rope(cfg, family, src)
-    defaults = _DEFAULTS[family]
     mla = parse_mla(cfg, src) if family == "deepseek_v3" else None
-    if mla is not None and scaling is not None:
-        raise ConfigError(f"{src}: rope_scaling of type {scaling['rope_type']!r} is not built for DeepSeek-V3 "
-                          "(YaRN included); valid: null (unscaled RoPE)")
+    if mla is not None and is_yarn(cfg):  # DeepSeek-V3's released rope scaling (Megatron's YaRN)
+        theta = _positive_number(rope_fields(cfg)[1].get("rope_theta", cfg.get("rope_theta")), "rope_theta", src,
+                                 _DEFAULTS[family]["rope_theta"])
+        scaling = parse_yarn(cfg, src)
+    else:
+        theta, scaling = _rope(cfg, family, src)
+    defaults = _DEFAULTS[family]
+    if mla is not None and scaling is not None and scaling["rope_type"] != "yarn":
+        raise ConfigError(f"{src}: rope scaling of type {scaling['rope_type']!r} is not built for DeepSeek-V3; "
+                          "valid: yarn or none")
     moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
     return ModelArch(
@@ -280,7 +293,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
         kwargs.update(transformer_overrides(arch.moe, ep, etp, num_layers=arch.num_layers, **(moe_options or {})))
     kwargs.update(overrides)
     if arch.mla is not None:
-        kwargs.update(mla_overrides(arch.mla, arch.rope_theta))
+        kwargs.update(mla_overrides(arch.mla, arch.rope_theta, arch.rope_scaling))
         # Megatron's fused MLA RoPE is YaRN only; the unfused path is exact
         kwargs.update(apply_rope_fusion=False)
         return MLATransformerConfig(**kwargs)

@@ -25,7 +25,13 @@ training forwards (`local_tokens_per_expert`) and `finalize_model_grads` moves e
 The engine calls `finalize_model_grads` every step (engines/megatron/engine.py), so the rule runs;
 the rate is `model.moe_router_bias_update_rate`.
 
-Refused by name (one line each): `rope_interleave: false`, rope scaling other than none,
+YaRN rope scaling (the released checkpoints': factor 40 over 4096 positions, mscale = mscale_all_dim
+= 1) is Megatron's `YarnRotaryEmbedding` with the same factor, correction range (rounded, as
+transformers' `truncate: true`), cos/sin factor mscale(factor, mscale) / mscale(factor,
+mscale_all_dim) and softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(q head).
+
+Refused by name (one line each): `rope_interleave: false`, rope scaling other than YaRN (and
+YaRN's `truncate: false` or an explicit `attention_factor`),
 `attention_bias: true`, `norm_topk_prob: false` with top_k > 1 (Megatron renormalises),
 grouped routing where top_k / topk_group != 2 (transformers sums each group's top 2),
 `topk_method` other than `noaux_tc`, `scoring_func` other than `sigmoid`, `rms_norm_eps` other
@@ -146,12 +152,55 @@ def check_router(cfg: Dict[str, Any], src: str, experts: int, top_k: int) -> Dic
                 group_topk=topk_group if grouped else None)
 
 
-def mla_overrides(mla: MLAArch, rope_theta: float) -> Dict[str, Any]:
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def rope_fields(cfg: Dict[str, Any]) -> tuple:
+    """(the field name, its object) of a config.json's rope settings (transformers 5 or 4 spelling)."""
+    field = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    return field, cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def is_yarn(cfg: Dict[str, Any]) -> bool:
+    params = rope_fields(cfg)[1]
+    return isinstance(params, dict) and params.get("rope_type", params.get("type")) == "yarn"
+
+
+def parse_yarn(cfg: Dict[str, Any], src: str) -> Dict[str, Any]:
+    """DeepSeek-V3's YaRN rope scaling as Megatron's YarnRotaryEmbedding takes it; what transformers
+    computes but Megatron does not (an explicit attention_factor, truncate false) is refused."""
+    field, params = rope_fields(cfg)
+    for key in ("attention_factor",):
+        if params.get(key) is not None:
+            raise ConfigError(f"{src}: {field}.{key}={params[key]!r} is not built; valid: absent (YaRN's factor "
+                              "from mscale / mscale_all_dim)")
+    if params.get("truncate", True) is not True:
+        raise ConfigError(f"{src}: {field}.truncate={params['truncate']!r} is not built; valid: true (Megatron "
+                          "rounds the correction range to whole dimensions)")
+    out = {"rope_type": "yarn"}
+    defaults = dict(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+    for key in YARN_KEYS:
+        value = params.get(key, defaults.get(key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or (value == 0 and key in ("factor", "original_max_position_embeddings")):
+            raise ConfigError(f"{src}: {field}.{key}={value!r}: expected a number > 0 (YaRN needs factor and "
+                              "original_max_position_embeddings)")
+        out[key] = float(value)
+    return out
+
+
+def mla_overrides(mla: MLAArch, rope_theta: float, rope_scaling: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The MLATransformerConfig fields (besides TransformerConfig's) of a DeepSeek-V3 model."""
+    if rope_scaling is not None:  # YaRN (parse_yarn): Megatron's YarnRotaryEmbedding and its softmax scale
+        y = rope_scaling
+        rope = dict(rope_type="yarn", rotary_scaling_factor=y["factor"],
+                    original_max_position_embeddings=int(y["original_max_position_embeddings"]),
+                    beta_fast=y["beta_fast"], beta_slow=y["beta_slow"], mscale=y["mscale"],
+                    mscale_all_dim=y["mscale_all_dim"])
+    else:  # unscaled RoPE: mscale 1 (the YaRN fields are unused), softmax scale 1/sqrt(q head)
+        rope = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     return dict(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
                 qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
-                v_head_dim=mla.v_head_dim, rope_type="rope", rotary_base=rope_theta, rotary_percent=1.0,
-                # unscaled RoPE: mscale 1 (the YaRN fields are unused), softmax scale 1/sqrt(q head)
-                rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                v_head_dim=mla.v_head_dim, rotary_base=rope_theta, rotary_percent=1.0, **rope,
                 qk_layernorm=True,  # the q and kv latent norms
                 kv_channels=mla.v_head_dim)

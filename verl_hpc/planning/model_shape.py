@@ -78,7 +78,9 @@ KNOWN: Dict[str, ModelArch] = {
     "deepseek-v3": ModelArch(
         family="deepseek_v3", architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168,
         ffn_hidden_size=18432, num_layers=61, num_attention_heads=128, num_query_groups=128, head_dim=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, qkv_bias=False,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=False,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096.0,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         max_position_embeddings=163840, source="known architecture deepseek-v3",
         mla=MLAArch(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
         moe=MoEArch(num_experts=256, top_k=8, expert_ffn=2048, renormalize=True, shared_ffn=2048,

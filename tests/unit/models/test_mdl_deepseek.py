@@ -29,8 +29,13 @@ def _config(**change):
      "num_experts_per_tok=1 with topk_group=1 is not built; valid: num_experts_per_tok = 2 x topk_group"),
     (dict(n_group=3), "n_group=3 does not divide n_routed_experts=4"),
     (dict(first_k_dense_replace=2), "first_k_dense_replace=2: expected an integer >= 0 and below num_hidden_layers=2"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}),
-     "rope_parameters.rope_type='yarn' is not implemented"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+     "rope scaling of type 'linear' is not built for DeepSeek-V3; valid: yarn or none"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                           "original_max_position_embeddings": 64, "truncate": False}),
+     "rope_parameters.truncate=False is not built; valid: true"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+     "rope_parameters.original_max_position_embeddings=None: expected a number > 0"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; only 'silu'"),
 ])
 def test_a_deepseek_feature_not_built_is_refused_by_name(change, words):
@@ -69,6 +74,42 @@ def _hf_reference(folder, ids):
         logits = hf(ids).logits
     hook.remove()
     return logits, chosen[0]
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}  # mscale != mscale_all_dim: cos/sin scaled too
+
+
+def test_yarn_matches_transformers(one_rank_world, tmp_path):
+    """DeepSeek-V3's YaRN (released checkpoints: factor 40, mscale = mscale_all_dim = 1) through
+    Megatron's YarnRotaryEmbedding and softmax scale; the same weights without YaRN are far off, so
+    the match is YaRN's."""
+    from verl_hpc.models import build_gpt_model, load_arch, load_hf_weights
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.parallel import init_model_parallel
+
+    folder = make_tiny_model(tmp_path / "yarn", "deepseek_v3", seed=9, rope_scaling=YARN)
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(3))
+    ref, _ = _hf_reference(folder, ids)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in folder.iterdir():
+        (plain / f.name).symlink_to(f)
+    (plain / "config.json").unlink()
+    cfg = json.loads((folder / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}}))
+    unscaled, _ = _hf_reference(plain, ids)
+    init_model_parallel()
+    arch = load_arch(folder)
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["factor"] == 4.0
+    model = build_gpt_model(arch)
+    load_hf_weights(model, folder)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, torch.arange(40).unsqueeze(0), None)[..., :500]
+    diff, off = float((logits - ref).abs().max()), float((logits - unscaled).abs().max())
+    assert diff < 1e-4 and off > 1e-3, (diff, off)
 
 
 def test_plain_q_proj_matches_transformers_and_exports_bitwise(one_rank_world, tmp_path):
