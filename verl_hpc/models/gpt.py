@@ -113,10 +113,10 @@ def decoder_spec(config, arch: ModelArch, use_te: Optional[bool] = None, fp8: bo
     count_real_tokens_for_expert_bias()
     spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                             vp_stage=vp_stage)
-    if use_te:
-        return spec
-    from verl_hpc.models.mla_attention import with_mla_core_attention
+    from verl_hpc.models.mla_attention import with_mla_core_attention, with_split_latent_down_projections
 
+    if use_te:
+        return with_split_latent_down_projections(spec)
     return with_mla_core_attention(spec, transformer_engine_available())  # the local DotProductAttention cannot build MLA's
 
 

@@ -60,6 +60,28 @@ def use_local_mla(te_importable: bool) -> None:
         mla.HAVE_TE = False
 
 
+def with_split_latent_down_projections(block_spec):
+    """A Transformer Engine block spec whose MLA down projections (q_a, kv_a) are column-parallel
+    (`TEColumnParallelLinear`, split over TP and gathered by MLA), as on the local spec, instead of
+    TE's replicated `TELinear`: one weight layout for both specs (models/weight_rules.py's `Rows`),
+    so load, export and the sliced sync need no second rule. MLA accepts both. Not run here (no GPU)."""
+    import dataclasses
+
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    layers = []
+    for spec in block_spec.layer_specs:
+        attn = spec.submodules.self_attention
+        if attn.module is MLASelfAttention:
+            sub = dataclasses.replace(attn.submodules, linear_q_down_proj=TEColumnParallelLinear,
+                                      linear_kv_down_proj=TEColumnParallelLinear)
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+                spec.submodules, self_attention=dataclasses.replace(attn, submodules=sub)))
+        layers.append(spec)
+    return dataclasses.replace(block_spec, layer_specs=layers)
+
+
 def with_mla_core_attention(block_spec, te_importable: bool):
     """A local-spec block spec whose MLA layers use MLACoreAttention (copies; the input is untouched)."""
     import dataclasses
