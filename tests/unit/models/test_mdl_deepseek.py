@@ -192,7 +192,15 @@ def test_the_submit_check_names_a_deepseek_feature_not_built(tmp_path):
     overrides = [f"model.path={model}", f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}/out",
                  f"slurm.log_dir={tmp_path}/logs/%j", "rollout.n=2", "parallel.engine=megatron"]
     preflight(load_config(None, overrides))  # as built: accepted
+    # a released checkpoint stores its multi-token-prediction layer after the decoder's: accepted
+    from safetensors.torch import load_file, save_file
+
     cfg_file = model / "config.json"
+    state = load_file(str(model / "model.safetensors"))
+    save_file({**state, "model.layers.2.eh_proj.weight": torch.zeros(128, 256)}, str(model / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "num_nextn_predict_layers": 1}))
+    preflight(load_config(None, overrides))
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "rope_interleave": False}))
     with pytest.raises(ConfigError) as e:
         preflight(load_config(None, overrides))
