@@ -245,7 +245,13 @@ def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None,
                    etp: Optional[int] = None) -> None:
     """Errors naming both the parallel field and the model field when the layout cannot split."""
     lay = Layout(tp * pp * ep, tp, pp, vpp=vpp, ep=ep, etp=etp)
-    raise_if_any(lay.model_problems(model_shape(arch)))
+    problems = lay.model_problems(model_shape(arch))
+    if arch.mla is not None:  # latent attention's down projections are split over TP by rows too
+        m = arch.mla
+        problems += [f"parallel.tp = {tp} does not divide {what} = {n} of {arch.source}; valid: a tp that does"
+                     for what, n in (("q_lora_rank", m.q_lora_rank or 0),
+                                     ("kv_lora_rank + qk_rope_head_dim", m.kv_cache_per_token)) if n % tp]
+    raise_if_any(problems)
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,

@@ -63,6 +63,16 @@ def test_the_mapping_reads_every_deepseek_field(caplog):
     assert parse_hf_config(_config(n_group=1, topk_group=1)).moe.num_groups is None
 
 
+def test_a_tp_that_cannot_split_the_latents_is_refused_by_name():
+    from verl_hpc.models.config_mapping import check_parallel, parse_hf_config
+
+    check_parallel(parse_hf_config(_config()), 2, 1)
+    with pytest.raises(ConfigError) as e:
+        check_parallel(parse_hf_config(_config(kv_lora_rank=31), source="m/config.json"), 2, 1)
+    assert str(e.value) == ("parallel.tp = 2 does not divide kv_lora_rank + qk_rope_head_dim = 63 of m/config.json; "
+                            "valid: a tp that does")
+
+
 def _hf_reference(folder, ids):
     """transformers' logits and, per MoE layer, the experts its router chose per token."""
     from transformers import AutoModelForCausalLM
