@@ -226,9 +226,9 @@ def test_preflight_parquet_without_a_column(job):
 def test_preflight_unsupported_architecture(job):
     cfg_file = job[1]["model"] / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    cfg_file.write_text(json.dumps(dict(cfg, architectures=["DeepseekV3ForCausalLM"])))
+    cfg_file.write_text(json.dumps(dict(cfg, architectures=["DeepseekV2ForCausalLM"])))
     assert preflight_problem(job[0]).startswith(
-        f"model.path: {cfg_file}: architectures=['DeepseekV3ForCausalLM'] is not mapped into Megatron; mapped: LlamaForCausalLM")
+        f"model.path: {cfg_file}: architectures=['DeepseekV2ForCausalLM'] is not mapped into Megatron; mapped: LlamaForCausalLM")
 
 
 def _weights(job):

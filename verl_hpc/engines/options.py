@@ -121,7 +121,8 @@ class EngineOptions:
                       temperature=temperature,  # read by lm heads only
                       moe_options=dict(aux_loss_coef=model.moe_aux_loss_coef,
                                        z_loss_coef=model.moe_z_loss_coef,
-                                       capacity_factor=model.moe_capacity_factor))
+                                       capacity_factor=model.moe_capacity_factor,
+                                       bias_update_rate=model.moe_router_bias_update_rate))
         if role == "actor":  # routing replay is the policy's (model.moe_routing_replay)
             common["moe_options"] = dict(common["moe_options"], routing_replay=model.moe_routing_replay)
         if role in ("actor", "ref"):

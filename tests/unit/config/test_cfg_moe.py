@@ -68,7 +68,7 @@ def test_unsupported_moe_variants_are_refused_by_field(moe_folder):
                           (dict(mlp_only_layers=[0]), "mlp_only_layers=[0] is not supported"),
                           (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not implemented"),
                           (dict(num_experts_per_tok=8), "num_experts_per_tok=8 is more than num_experts=6"),
-                          (dict(architectures=["DeepseekV3ForCausalLM"]), "is not mapped into Megatron; mapped:")):
+                          (dict(architectures=["DeepseekV2ForCausalLM"]), "is not mapped into Megatron; mapped:")):
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             parse_hf_config({**base, **change})
     arch = parse_hf_config(base)
@@ -129,3 +129,12 @@ def test_routing_replay_refusals_name_the_field(moe_folder):
                      "parallel.recompute_granularity=full")
     assert "model.moe_routing_replay = old needs parallel.engine = megatron (got fsdp)" in text
     assert "parallel.recompute_granularity = full is not built" in text
+
+
+def test_routing_replay_on_a_sigmoid_routed_model_is_refused_by_name(tmp_path):
+    from verl_hpc.models.tiny import hf_config
+
+    hf_config("deepseek_v3").save_pretrained(tmp_path)
+    text = _problems(tmp_path, "model.moe_routing_replay=old")
+    assert "model.moe_routing_replay = old with a sigmoid-routed model" in text and "DeepSeek-V3" in text
+    assert "sigmoid-routed" not in _problems(tmp_path)  # replay off: no such line

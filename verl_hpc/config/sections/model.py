@@ -32,6 +32,9 @@ class ModelConfig(Section):
                "rollout's own top-k experts per token and layer (R3; rollout.engine=hf records them) | old = "
                "those of the old-log-prob forward, replayed in the update (R2) | off",
         choices=("off", "rollout", "old"))
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "sigmoid routers with a per-expert bias (DeepSeek-V3): the bias's step per optimizer step "
+              "towards even load (DeepSeek-V3's gamma)", check=">=0")
     # Fused kernels; null = auto: on where the kernel exists, off on CPU (docs/gpu.md)
     bias_activation_fusion: Optional[bool] = opt(None, "fused SwiGLU; auto: on with a GPU")
     apply_rope_fusion: Optional[bool] = opt(None, "fused RoPE; auto: on with a GPU and Transformer Engine")

@@ -103,6 +103,13 @@ class MicroBatch:
                 sub["routed_experts"], sub["prompt_lengths"], sub["response_lengths"], packed.sample_rows,
                 packed.positions, tuple(packed.input_ids.shape))
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
+        # [rows, seq], True at padding (right padding, dummy rows): a router with a per-expert bias
+        # (DeepSeek-V3) counts only real tokens towards its load (models/deepseek.py)
+        self.padding_mask = None
+        if packed is None and not self.cp and "response_lengths" in sub:
+            real = sub["prompt_lengths"] + sub["response_lengths"]
+            pad = torch.arange(ids.shape[1]).unsqueeze(0) >= (0 if self.dummy else real.unsqueeze(1))
+            self.padding_mask = pad.to(device, non_blocking=True)
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
 
@@ -176,7 +183,9 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         if replay is not None:
             replay.before(mb)
         try:
-            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels)
+            extra = ({"padding_mask": mb.padding_mask} if mb.padding_mask is not None
+                     and getattr(getattr(model, "config", None), "moe_router_enable_expert_bias", False) else {})
+            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels, **extra)
             if replay is not None:
                 replay.after(mb)
         finally:
