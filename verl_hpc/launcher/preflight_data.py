@@ -196,6 +196,7 @@ class SetCheck:
         self.rows_ok += 1
         if self.rl:
             self._reward(found, where(path, i, line), row)
+            self._teacher(found, where(path, i, line), row)
             if self.tokenizer is not None:
                 sample = f"{label}:{i}"  # the job's sample id
                 self.pending.append((sample, to_record(row, sample, self.cfg.data.prompt_key).prompt))
@@ -213,6 +214,19 @@ class SetCheck:
         unknown = [n for n in row["tools"] if n not in valid]
         return (f"field 'tools' names {', '.join(map(repr, unknown))}, not a tool of this job; valid: "
                 f"{', '.join(valid)}") if unknown else ""
+
+    def _teacher(self, found: _Found, at: str, row: dict) -> None:
+        """Several teachers (teacher.by_data_source, no teacher.model_path): a training row whose
+        source no teacher scores (the colocated job refuses it at start, a split job's training
+        ranks only at the step that draws it)."""
+        t = self.cfg.teacher
+        if not (t.enable and self.s.train) or t.model_path:
+            return
+        source = self.s.data_source or row["data_source"]
+        if not t.folder_of(source):
+            found.add(f"{self.s.field}: {at}: teacher.by_data_source has no teacher for data_source {source!r} "
+                      f"(listed: {', '.join(sorted(t.by_data_source))}) and teacher.model_path is empty; add it or "
+                      "set teacher.model_path as the teacher of the rest", f"teacher {source}")
 
     def _reward(self, found: _Found, at: str, row: dict) -> None:
         """The job's RewardScorer.check_samples for one row, with its words."""
