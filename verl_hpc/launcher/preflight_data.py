@@ -6,7 +6,8 @@ is never whole in memory) and every row goes through what the job runs on it, wi
 verl_hpc.data.records (UTF-8, JSON object, row_problems: prompt text or chat messages, data_source,
 ground_truth, extra), the reward registry's routing of data_source and its ground-truth checks
 (as RewardScorer.check_samples: none with reward.custom_function, unknown sources allowed with a
-reward model), and, with the tokenizer, the chat template and data.overlong_prompts
+reward model), a teacher for each training row's data_source (teacher.by_data_source, as
+Teachers.check_sources), and, with the tokenizer, the chat template and data.overlong_prompts
 (verl_hpc.data.filtering: overlong rows under `error`, every row overlong under either). A file
 over LARGE_BYTES or LARGE_ROWS shows a progress bar on stderr. Each file or set gives at most one
 line per kind of problem: its first row at fault and how many more there are.
