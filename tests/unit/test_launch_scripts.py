@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
-EXPECTED = {"ppo_70b.sbatch": {"nodes": 8}, "grpo_8b.sbatch": {"nodes": 1}, "grpo_70b_lora.sbatch": {"nodes": 1}}
+EXPECTED = {"ppo_70b.sbatch": {"nodes": 8}, "grpo_8b.sbatch": {"nodes": 1}, "grpo_70b_lora.sbatch": {"nodes": 1},
+            "grpo_deepseek_v3.sbatch": {"nodes": 32}}
 SCRIPTS = sorted(LAUNCH.glob("*.sbatch"))
 SHELL_SCRIPTS = [
     ROOT / "slurm/devcluster/start.sh",

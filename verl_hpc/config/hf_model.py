@@ -20,7 +20,7 @@ FOLDER = "a Hugging Face model folder (config.json + *.safetensors)"
 # itself is verl_hpc.models.config_mapping (dense) and verl_hpc.models.moe (mixture of experts).
 DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                     "Qwen3MoeForCausalLM": "qwen3_moe"}
+                     "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 MEGATRON_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
 
 
@@ -67,6 +67,15 @@ class ModelShape(NamedTuple):
     experts: int = 0  # routed experts of a mixture-of-experts model; 0 for a dense one
     expert_ffn: int = 0  # each routed expert's intermediate size (then `ffn` is 0: no dense MLP)
     shared_ffn: int = 0  # the shared expert's intermediate size (split over tp like a dense MLP)
+    router: str = "softmax"  # the MoE router's score function: softmax, or sigmoid (DeepSeek-V3's scoring_func)
+
+
+def _shared_ffn(data: Dict[str, Any], expert_ffn: int) -> int:
+    """The shared expert's width: Qwen2-MoE's shared_expert_intermediate_size, or DeepSeek's
+    n_shared_experts experts of moe_intermediate_size (one fused MLP)."""
+    if data.get("n_shared_experts"):
+        return int(data["n_shared_experts"]) * expert_ffn
+    return int(data.get("shared_expert_intermediate_size") or 0)
 
 
 def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
@@ -79,13 +88,14 @@ def read_model_shape(path: str, field: str = "model.path") -> ModelShape:
         heads = int(data["num_attention_heads"])
         head_dim = int(data.get("head_dim") or int(data.get("hidden_size") or 0) // max(heads, 1))
         ffn = int(data.get("intermediate_size") or 0)
-        experts = int(data.get("num_local_experts") or data.get("num_experts") or 0)
+        experts = int(data.get("num_local_experts") or data.get("num_experts") or data.get("n_routed_experts") or 0)
         # Mixtral's experts are intermediate_size wide; Qwen-MoE's moe_intermediate_size
         expert_ffn = int(data.get("moe_intermediate_size") or ffn) if experts else 0
         return ModelShape(heads, int(data.get("num_key_value_heads") or heads), int(data["num_hidden_layers"]),
                           int(data["vocab_size"]), int(data.get("max_position_embeddings") or 0),
                           0 if experts else ffn, f"({field} config.json)", head_dim, experts=experts,
                           expert_ffn=expert_ffn,
-                          shared_ffn=int(data.get("shared_expert_intermediate_size") or 0) if experts else 0)
+                          shared_ffn=_shared_ffn(data, expert_ffn) if experts else 0,
+                          router=str(data.get("scoring_func") or "softmax"))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{field}: '{file}' has a non-integer head, layer or vocabulary count ({e})") from None

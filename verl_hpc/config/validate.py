@@ -54,13 +54,17 @@ def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
 def _moe_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:
     """What a mixture-of-experts model needs of the rest of the job."""
     if not m.experts:
-        return []
+        return cfg.model.dense_replay_problem(m.source) if field == "model.path" else []
     p = []
     par = cfg.parallel
     if par.tp > 1 and not par.sequence_parallel:
         p.append(f"{field} is a mixture-of-experts model {m.source} and parallel.tp = {par.tp}: Megatron's MoE "
                  "layer trains with tensor parallelism only under parallel.sequence_parallel=true (GPUs, "
                  "Transformer Engine); use parallel.ep (expert parallel) with parallel.tp=1 otherwise")
+    if field == "model.path" and cfg.model.moe_routing_replay != "off" and m.router != "softmax":
+        p.append(f"model.moe_routing_replay = {cfg.model.moe_routing_replay} with a {m.router}-routed model {m.source} "
+                 "(the DeepSeek-V3 family) is not built: the route recorder and replay cover softmax routers "
+                 "(Mixtral, Qwen2-MoE, Qwen3-MoE); set model.moe_routing_replay=off")
     if field == "model.path" and cfg.lora.enabled:
         p.append(f"lora.enabled with a mixture-of-experts model {m.source} is not supported: the adapters "
                  "cover dense layers only; train the full model (parallel.ep splits its experts)")

@@ -13,6 +13,8 @@ A batch is a dict of tensors about B sequences, each a prompt followed by its re
     <per-sequence>     [B]    anything else with B rows (data_source ids, scores, ...)
     image_inputs       list of B  a vision-language model's per-row image tensors (the processor's
                                      pixel_values, image_grid_thw; None for a row without images)
+    routed_experts     [B, S, L, k] routing replay: each token's top-k experts per MoE layer, aligned
+                                     with input_ids (verl_hpc.models.moe_routes)
 
 T is response_mask's width when given, else max(response_lengths). Outputs of an engine are
 `[B, T]`, zero where the response mask is 0 (per-sequence outputs are `[B]`).
@@ -36,11 +38,15 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from verl_hpc.models.moe_routes import fit_width
+
 Batch = Dict[str, torch.Tensor]
 SEQUENCE_KEYS = ("input_ids", "prompt_lengths", "response_lengths")
 # per-row values that are lists, not tensors: a vision-language model's image tensors per row
 # ({pixel_values, image_grid_thw} or None), of a different size in every row
 ROW_LISTS = ("image_inputs",)
+# per row and sequence position (not per response token): cut like input_ids
+SEQUENCE_WIDE = "routed_experts"
 
 
 def as_engine_batch(batch) -> Mapping[str, torch.Tensor]:
@@ -132,6 +138,9 @@ def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int], *, pad_s
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != b:
             continue  # not per-row: left out of micro-batches on purpose
         sub = value[idx.to(value.device)]
+        if key == SEQUENCE_WIDE:  # per position like input_ids, MISSING where padded
+            out[key] = fit_width(sub, s_sub)
+            continue
         if key == "input_ids":
             if s_sub > s:
                 sub = torch.nn.functional.pad(sub, (0, s_sub - s))

@@ -73,7 +73,8 @@ class EngineOptions:
     lora: Any
     lora_seed: int
     # mixture-of-experts models (model.moe_*): aux_loss_coef (None: config.json's), z_loss_coef,
-    # capacity_factor (None: dropless); ignored by dense models
+    # capacity_factor (None: dropless), routing_replay (the actor's: off | rollout | old); ignored by
+    # dense models
     moe_options: Dict[str, Any]
     # the FSDP engine's section (verl_hpc.config.sections.fsdp.FsdpConfig), and whether
     # transformers may run code shipped with the model (model.trust_remote_code)
@@ -120,7 +121,10 @@ class EngineOptions:
                       temperature=temperature,  # read by lm heads only
                       moe_options=dict(aux_loss_coef=model.moe_aux_loss_coef,
                                        z_loss_coef=model.moe_z_loss_coef,
-                                       capacity_factor=model.moe_capacity_factor))
+                                       capacity_factor=model.moe_capacity_factor,
+                                       bias_update_rate=model.moe_router_bias_update_rate))
+        if role == "actor":  # routing replay is the policy's (model.moe_routing_replay)
+            common["moe_options"] = dict(common["moe_options"], routing_replay=model.moe_routing_replay)
         if role in ("actor", "ref"):
             a = actor
             return cls(model_path=model.path, head="lm", trainable=role == "actor",

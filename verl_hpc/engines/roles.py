@@ -139,7 +139,15 @@ class Actor(_Trainable):
         sum_v pi_v^2 per token (the optimal token baseline's path energy), from the same forward."""
         extra = ("sum_pi_squared",) if sum_pi_squared else ()
         out = self.engine.forward(as_engine_batch(batch), ("log_probs", "entropy", *extra))
+        # routing replay "old": the routes this forward took, for the update to replay
+        extra += ("routed_experts",) if "routed_experts" in out else ()
         return {"old_log_probs": out["log_probs"], "entropy": out["entropy"], **{k: out[k] for k in extra}}
+
+    def route_metrics(self) -> Dict[str, float]:
+        """Routing replay's router agreement of the forwards since the last call (moe/route_agreement*;
+        every rank calls it), {} where the engine has none."""
+        get = getattr(self.engine, "route_metrics", None)
+        return get() if get is not None else {}
 
 
 class Critic(_Trainable):

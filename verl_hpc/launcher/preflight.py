@@ -8,7 +8,8 @@ naming the field, the file and the row or tensor, and what is valid:
 - data files (data.train_files/val_files or data.tasks for RL, data.sft_files for SFT): every row,
   streamed, through the job's own row, reward-routing and prompt-length rules (preflight_data.py),
   and data.train_batch_size against the rows the train set keeps;
-- model folders (model.path, critic.model_path, prm.model_path, reward.reward_model.path): config.json names a
+- model folders (model.path, critic.model_path, prm.model_path, reward.reward_model.path, the
+  distillation teachers' teacher.model_path / teacher.by_data_source): config.json names a
   supported architecture, each *.safetensors header is readable and its tensors end exactly at
   the end of the file, an index's weight_map names files that exist, and the tensors' names and
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
@@ -83,6 +84,8 @@ def _model_folders(cfg):
         out.append(("prm.model_path", prm))
     if cfg.reward.reward_model.enable and cfg.reward.reward_model.path:
         out.append(("reward.reward_model.path", cfg.reward.reward_model.path))
+    if cfg.trainer.job == "rl" and cfg.teacher.enable:  # each distillation teacher's files (its tokenizer: validate)
+        out += [(f, p) for f, p in cfg.teacher.folders().items() if p != cfg.model.path]
     return out
 
 

@@ -6,7 +6,8 @@ is never whole in memory) and every row goes through what the job runs on it, wi
 verl_hpc.data.records (UTF-8, JSON object, row_problems: prompt text or chat messages, data_source,
 ground_truth, extra), the reward registry's routing of data_source and its ground-truth checks
 (as RewardScorer.check_samples: none with reward.custom_function, unknown sources allowed with a
-reward model), and, with the tokenizer, the chat template and data.overlong_prompts
+reward model), a teacher for each training row's data_source (teacher.by_data_source, as
+Teachers.check_sources), and, with the tokenizer, the chat template and data.overlong_prompts
 (verl_hpc.data.filtering: overlong rows under `error`, every row overlong under either). A file
 over LARGE_BYTES or LARGE_ROWS shows a progress bar on stderr. Each file or set gives at most one
 line per kind of problem: its first row at fault and how many more there are.
@@ -196,6 +197,7 @@ class SetCheck:
         self.rows_ok += 1
         if self.rl:
             self._reward(found, where(path, i, line), row)
+            self._teacher(found, where(path, i, line), row)
             if self.tokenizer is not None:
                 sample = f"{label}:{i}"  # the job's sample id
                 self.pending.append((sample, to_record(row, sample, self.cfg.data.prompt_key).prompt))
@@ -213,6 +215,19 @@ class SetCheck:
         unknown = [n for n in row["tools"] if n not in valid]
         return (f"field 'tools' names {', '.join(map(repr, unknown))}, not a tool of this job; valid: "
                 f"{', '.join(valid)}") if unknown else ""
+
+    def _teacher(self, found: _Found, at: str, row: dict) -> None:
+        """Several teachers (teacher.by_data_source, no teacher.model_path): a training row whose
+        source no teacher scores (the colocated job refuses it at start, a split job's training
+        ranks only at the step that draws it)."""
+        t = self.cfg.teacher
+        if not (t.enable and self.s.train) or t.model_path:
+            return
+        source = self.s.data_source or row["data_source"]
+        if not t.folder_of(source):
+            found.add(f"{self.s.field}: {at}: teacher.by_data_source has no teacher for data_source {source!r} "
+                      f"(listed: {', '.join(sorted(t.by_data_source))}) and teacher.model_path is empty; add it or "
+                      "set teacher.model_path as the teacher of the rest", f"teacher {source}")
 
     def _reward(self, found: _Found, at: str, row: dict) -> None:
         """The job's RewardScorer.check_samples for one row, with its words."""

@@ -78,10 +78,15 @@ def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], va
     except ConfigError:
         return []  # model_folder_problems already reports the config.json itself
     # the field this file counts its experts in (Mixtral's name, or Qwen's; transformers 5 writes both spellings)
-    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in load_hf_config(folder)), "num_experts")
+    data = load_hf_config(folder)
+    experts_key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in data),
+                       "num_experts")
     expected = expected_hf_tensors(arch, output_layer=not value_head)
     source = f"'{folder / 'config.json'}'"
-    problems = _layer_count(field, source, arch.num_layers, found)
+    # DeepSeek-V3's multi-token-prediction layers follow the decoder's (model.layers.{L}...): stored,
+    # never loaded (models/deepseek.py ignores them, as transformers does)
+    mtp = int(data.get("num_nextn_predict_layers") or 0) if arch.mla is not None else 0
+    problems = _layer_count(field, source, arch.num_layers + mtp, found)
     if problems:
         return problems  # every tensor of the missing or extra layers would repeat it
     wrong = [(n, s) for n, s in expected.items() if n in found and found[n][0] != s]

@@ -3,7 +3,8 @@
 Supported: decoder-only Llama, Qwen2 and Mistral checkpoints, i.e. RMSNorm, SwiGLU MLP, RoPE
 (default, linear or llama3 scaling), grouped-query attention, tied or untied embeddings, and
 Qwen2's QKV bias; and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (models/moe.py:
-routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms). Anything else is refused with an error that names the config.json field and
+routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms) and DeepSeek-V3
+(models/deepseek.py: multi-head latent attention, the biased sigmoid router, dense first layers). Anything else is refused with an error that names the config.json field and
 what would be accepted: a model that loads but computes something else is worse than no model.
 
 config.json is read as plain JSON (not through transformers) so that errors can name the exact
@@ -22,6 +23,15 @@ from typing import Any, Dict, Optional
 from verl_hpc.config.errors import ConfigError, raise_if_any
 from verl_hpc.config.hf_model import MEGATRON_ARCHITECTURES, ModelShape, is_vision_language, read_hf_config
 from verl_hpc.config.layout import Layout
+from verl_hpc.models.deepseek import (
+    DEFAULTS as DEEPSEEK_DEFAULTS,
+    MLAArch,
+    is_yarn,
+    mla_overrides,
+    parse_mla,
+    parse_yarn,
+    rope_fields,
+)
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
     MOE_DEFAULTS,
@@ -39,7 +49,7 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 _DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048),
              "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
              "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072),
-             **MOE_DEFAULTS}
+             **MOE_DEFAULTS, "deepseek_v3": DEEPSEEK_DEFAULTS}
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
 
@@ -48,24 +58,25 @@ DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by defaul
 class ModelArch:
     """A validated decoder-only architecture, in Megatron's terms."""
 
-    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe
+    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
     architecture: str  # the HF class name, e.g. LlamaForCausalLM
     vocab_size: int  # real vocabulary (config.json); Megatron pads it, see padded_vocab_size
     hidden_size: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # the dense MLP's (DeepSeek's first layers), else each routed expert's
     num_layers: int
     num_attention_heads: int
     num_query_groups: int  # num_key_value_heads
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[Dict[str, Any]]  # None, or {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: Optional[Dict[str, Any]]  # None, or {"rope_type": "linear"|"llama3"|"yarn" (DeepSeek-V3), ...}
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
     source: str = "config.json"  # where it came from, for messages
     moe: Optional[MoEArch] = None  # the routed experts; None for a dense model
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    mla: Optional[MLAArch] = None  # multi-head latent attention (DeepSeek-V3); None: q/k/v heads
 
     @property
     def heads_per_group(self) -> int:
@@ -187,20 +198,29 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     if cfg.get("quantization_config"):
         raise ConfigError(f"{src}: quantization_config is set; quantized checkpoints are not "
                           f"supported, use the unquantized model")
-    theta, scaling = _rope(cfg, family, src)
+    mla = parse_mla(cfg, src) if family == "deepseek_v3" else None
+    if mla is not None and is_yarn(cfg):  # DeepSeek-V3's released rope scaling (Megatron's YaRN)
+        theta = _positive_number(rope_fields(cfg)[1].get("rope_theta", cfg.get("rope_theta")), "rope_theta", src,
+                                 _DEFAULTS[family]["rope_theta"])
+        scaling = parse_yarn(cfg, src)
+    else:
+        theta, scaling = _rope(cfg, family, src)
     defaults = _DEFAULTS[family]
+    if mla is not None and scaling is not None and scaling["rope_type"] != "yarn":
+        raise ConfigError(f"{src}: rope scaling of type {scaling['rope_type']!r} is not built for DeepSeek-V3; "
+                          "valid: yarn or none")
     moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
     qkv_bias = family == "qwen2" or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
     return ModelArch(
         family=family, architecture=arch_name,
         vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,
-        ffn_hidden_size=moe.expert_ffn if moe else _int_field(cfg, "intermediate_size", src),
+        ffn_hidden_size=(_int_field(cfg, "intermediate_size", src) if mla or not moe else moe.expert_ffn),
         num_layers=_int_field(cfg, "num_hidden_layers", src),
         num_attention_heads=heads, num_query_groups=groups, head_dim=head_dim,
         rms_norm_eps=_positive_number(cfg.get("rms_norm_eps"), "rms_norm_eps", src, defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=flag(cfg, "tie_word_embeddings", src, False),
-        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe",
+        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe", mla=mla,
         max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
                                            defaults["max_position_embeddings"]),
         source=src)
@@ -215,16 +235,24 @@ def model_shape(arch: ModelArch) -> ModelShape:
     """The numbers the layout rules need, from a parsed architecture."""
     moe = arch.moe
     return ModelShape(arch.num_attention_heads, arch.num_query_groups, arch.num_layers, arch.vocab_size,
-                      arch.max_position_embeddings, 0 if moe else arch.ffn_hidden_size, f"({arch.source})",
+                      arch.max_position_embeddings, arch.ffn_hidden_size if not moe or moe.first_dense else 0,
+                      f"({arch.source})",
                       arch.head_dim, experts=moe.num_experts if moe else 0,
-                      expert_ffn=moe.expert_ffn if moe else 0, shared_ffn=moe.shared_ffn if moe else 0)
+                      expert_ffn=moe.expert_ffn if moe else 0, shared_ffn=moe.shared_ffn if moe else 0,
+                      router=moe.score_function if moe else "softmax")
 
 
 def check_parallel(arch: ModelArch, tp: int, pp: int, vpp: Optional[int] = None, ep: int = 1,
                    etp: Optional[int] = None) -> None:
     """Errors naming both the parallel field and the model field when the layout cannot split."""
     lay = Layout(tp * pp * ep, tp, pp, vpp=vpp, ep=ep, etp=etp)
-    raise_if_any(lay.model_problems(model_shape(arch)))
+    problems = lay.model_problems(model_shape(arch))
+    if arch.mla is not None:  # latent attention's down projections are split over TP by rows too
+        m = arch.mla
+        problems += [f"parallel.tp = {tp} does not divide {what} = {n} of {arch.source}; valid: a tp that does"
+                     for what, n in (("q_lora_rank", m.q_lora_rank or 0),
+                                     ("kv_lora_rank + qk_rope_head_dim", m.kv_cache_per_token)) if n % tp]
+    raise_if_any(problems)
 
 
 def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
@@ -243,6 +271,7 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
     import torch  # local: the planner imports this module on login nodes without torch
 
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from verl_hpc.runtime.device import has_gpu  # runtime imports torch
 
@@ -268,6 +297,11 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         qk_layernorm=arch.qk_norm)
     if arch.moe is not None:
-        kwargs.update(transformer_overrides(arch.moe, ep, etp, **(moe_options or {})))
+        kwargs.update(transformer_overrides(arch.moe, ep, etp, num_layers=arch.num_layers, **(moe_options or {})))
     kwargs.update(overrides)
+    if arch.mla is not None:
+        kwargs.update(mla_overrides(arch.mla, arch.rope_theta, arch.rope_scaling))
+        # Megatron's fused MLA RoPE is YaRN only; the unfused path is exact
+        kwargs.update(apply_rope_fusion=False)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)

@@ -25,7 +25,7 @@ from verl_hpc.models.config_mapping import (
     padded_vocab_size,
     transformer_config,
 )
-from verl_hpc.models.moe import use_torch_router_gemm
+from verl_hpc.models.moe import count_real_tokens_for_expert_bias, use_torch_router_gemm
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,30 @@ def layer_spec(use_te: Optional[bool] = None, fp8: bool = False, arch: Optional[
                                                                 qk_layernorm=qk)
     return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
                                           normalization="RMSNorm")
+
+
+def decoder_spec(config, arch: ModelArch, use_te: Optional[bool] = None, fp8: bool = False,
+                 vp_stage: Optional[int] = None):
+    """The spec GPTModel builds its decoder from: one layer spec for every layer (layer_spec), or,
+    for DeepSeek-V3, Megatron's block spec, which gives each layer its own (multi-latent attention;
+    dense layers before the first MoE layer, from config.moe_layer_freq) and keeps this stage's."""
+    if arch.mla is None:
+        return layer_spec(use_te, fp8, arch)
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if fp8:
+        _check_fp8_runs_here()
+    if use_te is None:
+        use_te = has_gpu() and transformer_engine_available()
+    use_torch_router_gemm()
+    count_real_tokens_for_expert_bias()
+    spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                            vp_stage=vp_stage)
+    from verl_hpc.models.mla_attention import with_mla_core_attention, with_split_latent_down_projections
+
+    if use_te:
+        return with_split_latent_down_projections(spec)
+    return with_mla_core_attention(spec, transformer_engine_available())  # the local DotProductAttention cannot build MLA's
 
 
 def _rope_kwargs(arch: ModelArch) -> dict:
@@ -235,7 +259,7 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
     config = gpt_transformer_config(arch, tp, pp, dtype=dtype, fp8=fp8, fp8_recipe=fp8_recipe,
                                     vp_stage=vp_stage, **config_overrides)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(use_te, fp8, arch),
+        config=config, transformer_layer_spec=decoder_spec(config, arch, use_te, fp8, vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,

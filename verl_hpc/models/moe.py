@@ -57,6 +57,14 @@ class MoEArch:
     shared_ffn: int = 0  # the shared expert's intermediate size; 0 = none
     shared_gate: bool = False  # sigmoid gate on the shared expert's output (Qwen2-MoE)
     router_aux_loss_coef: float = 0.0  # config.json's router_aux_loss_coef (the job may override)
+    # DeepSeek-V3 (models/deepseek.py): sigmoid scores with a per-expert bias for the choice,
+    # grouped (node-limited) top-k, scaled weights, dense first layers
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    scaling: float = 1.0  # routed_scaling_factor
+    num_groups: Optional[int] = None  # n_group, where grouped routing limits the choice
+    group_topk: Optional[int] = None  # topk_group
+    first_dense: int = 0  # first_k_dense_replace: layers before the first MoE layer are dense
 
     @property
     def active_experts_per_token(self) -> int:
@@ -92,13 +100,15 @@ def flag(cfg, key, src, default: bool) -> bool:
 
 
 def _expert_count(cfg, src) -> Tuple[str, int]:
-    """(field, routed experts): Mixtral's num_local_experts or Qwen's num_experts. transformers 5
-    writes num_local_experts for Qwen3-MoE too (its alias of num_experts); a config.json with both
-    that disagree is refused, not read one way here and another way by a loader."""
-    keys = [k for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None] or ["num_experts"]
+    """(field, routed experts): Mixtral's num_local_experts, Qwen's num_experts or DeepSeek's
+    n_routed_experts. transformers 5 writes num_local_experts for Qwen3-MoE too (its alias of
+    num_experts); a config.json with two that disagree is refused, not read one way here and
+    another way by a loader."""
+    keys = [k for k in ("num_local_experts", "num_experts", "n_routed_experts")
+            if cfg.get(k) is not None] or ["num_experts"]
     counts = [_positive(cfg, k, src) for k in keys]
     if len(set(counts)) > 1:
-        raise ConfigError(f"{src}: num_local_experts={counts[0]} and num_experts={counts[1]} disagree; valid: one "
+        raise ConfigError(f"{src}: {keys[0]}={counts[0]} and {keys[1]}={counts[1]} disagree; valid: one "
                           "of them, or both equal (the number of routed experts the weights hold)")
     return keys[0], counts[0]
 
@@ -115,6 +125,14 @@ def parse_moe(cfg: Dict[str, Any], family: str, src: str) -> MoEArch:
         raise ConfigError(f"{src}: router_jitter_noise={jitter!r} is not implemented; valid: 0 or null (no noise "
                           "on the router logits)")
     aux = _number(cfg, "router_aux_loss_coef", src)
+    if family == "deepseek_v3":
+        from verl_hpc.models.deepseek import check_router
+
+        ds = check_router(cfg, src, experts, top_k)
+        return MoEArch(experts, top_k, _positive(cfg, "moe_intermediate_size", src), renormalize=True,
+                       shared_ffn=ds["shared_ffn"], router_aux_loss_coef=aux, score_function="sigmoid",
+                       expert_bias=True, scaling=ds["scaling"], num_groups=ds["num_groups"],
+                       group_topk=ds["group_topk"], first_dense=ds["first_dense"])
     if family == "mixtral":
         return MoEArch(experts, top_k, _positive(cfg, "intermediate_size", src), renormalize=True,
                        router_aux_loss_coef=aux)
@@ -148,9 +166,14 @@ def check_family_fields(cfg: Dict[str, Any], family: str, src: str) -> None:
 
 
 def transformer_overrides(moe: MoEArch, ep: int, etp: int, *, aux_loss_coef: Optional[float] = None,
-                          z_loss_coef: float = 0.0, capacity_factor: Optional[float] = None) -> Dict[str, Any]:
+                          z_loss_coef: float = 0.0, capacity_factor: Optional[float] = None,
+                          routing_replay: str = "off", bias_update_rate: float = 1e-3,
+                          num_layers: int = 0) -> Dict[str, Any]:
     """Megatron `TransformerConfig` fields of the MoE layers at expert parallel `ep` and expert
-    tensor parallel `etp`. aux_loss_coef None: config.json's router_aux_loss_coef."""
+    tensor parallel `etp`. aux_loss_coef None: config.json's router_aux_loss_coef. routing_replay
+    other than "off": the routers get Megatron's replay hook (engines/megatron/route_replay.py).
+    bias_update_rate: the expert bias's step per optimizer step (sigmoid routers only);
+    num_layers: the model's, for the dense-first layer pattern."""
     aux = moe.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef
     kw: Dict[str, Any] = dict(
         num_moe_experts=moe.num_experts, moe_router_topk=moe.top_k, moe_ffn_hidden_size=moe.expert_ffn,
@@ -160,7 +183,17 @@ def transformer_overrides(moe: MoEArch, ep: int, etp: int, *, aux_loss_coef: Opt
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=z_loss_coef or None,
         # the router in fp32 whatever the model's dtype: HF's routers take their softmax in fp32 too
-        moe_router_dtype="fp32", moe_permute_fusion=False)
+        moe_router_dtype="fp32", moe_permute_fusion=False,
+        moe_enable_routing_replay=routing_replay != "off")
+    if moe.score_function == "sigmoid":  # DeepSeek-V3 (models/deepseek.py)
+        kw.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                  moe_router_enable_expert_bias=moe.expert_bias,
+                  moe_router_bias_update_rate=bias_update_rate,
+                  moe_router_topk_scaling_factor=moe.scaling if moe.scaling != 1.0 else None,
+                  moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk,
+                  moe_layer_freq=[0] * moe.first_dense + [1] * (num_layers - moe.first_dense))
+        if not aux:  # the bias balances the load (DeepSeek-V3's auxiliary-loss-free balancing)
+            kw.update(moe_router_load_balancing_type="none")
     if capacity_factor is not None:
         kw.update(moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=False,
                   moe_token_drop_policy="probs")
@@ -178,6 +211,30 @@ def use_torch_router_gemm() -> None:
 
     if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def count_real_tokens_for_expert_bias() -> None:
+    """megatron-core 0.16.1's `TopKRouter._apply_expert_bias` adds `routing_map & ~padding_mask` to
+    the token counts behind the expert-bias update, with routing_map [tokens, experts] and the
+    mask flattened to [tokens]: it cannot broadcast, so a padding mask fails every training
+    forward. The engine passes one (padding and dummy rows must not count towards an expert's
+    load, or the bias would chase where the pad token routes); this replacement masks by token,
+    as the upstream code means to. Idempotent; only the sigmoid routers with a bias use it."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "verl_hpc", False):
+        return
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias.verl_hpc = True
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 def expert_offset(moe: Optional[MoEArch], ep_rank: int, ep: int) -> int:
@@ -198,6 +255,12 @@ def hf_expert_names(family: str) -> Dict[str, str]:
         return {"gate": base + "w1.weight", "up": base + "w3.weight", "down": base + "w2.weight"}
     base = "model.layers.{i}.mlp.experts.{e}."
     return {"gate": base + "gate_proj.weight", "up": base + "up_proj.weight", "down": base + "down_proj.weight"}
+
+
+def hf_shared_expert_prefix(family: str) -> str:
+    """The HF module of the shared expert(s) ({i} = layer): Qwen2-MoE's one, DeepSeek's several
+    (one fused MLP in the checkpoint)."""
+    return "model.layers.{i}.mlp.shared_experts." if family == "deepseek_v3" else "model.layers.{i}.mlp.shared_expert."
 
 
 def hf_router_name(family: str) -> str:

@@ -1,7 +1,7 @@
 """Tiny Hugging Face models for tests and the demo: a real HF folder, made from nothing, offline.
 
     python -m verl_hpc.models.tiny OUT --family llama|qwen2|mistral|mixtral|qwen2_moe|qwen3_moe
-                                               |gemma3|phi3|olmo2
+                                               |deepseek_v3|gemma3|phi3|olmo2
                                    [--tied] [--layers 2] [--shards 2]
 
 writes OUT/config.json, model.safetensors (or model-0000k-of-0000n.safetensors + index.json),
@@ -9,7 +9,10 @@ tokenizer.json and tokenizer_config.json. `transformers.AutoModelForCausalLM.fro
 `AutoTokenizer` and vLLM load it. Shapes default to hidden 128, 4 heads, 2 KV heads (GQA), head_dim
 32 (vLLM's CPU attention needs >= 32), vocab 500: deliberately not a multiple of 128, so Megatron's
 vocabulary padding is exercised at every TP size. The mixture-of-experts families have 4 experts of
-FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). Gemma 3 (text), Phi-3 and
+FFN 64, 2 per token (Qwen2-MoE also a gated shared expert of FFN 96). DeepSeek-V3: multi-head
+latent attention (q_lora_rank 64, or None with q_lora_rank=None; kv_lora_rank 32, nope/rope/v head
+dims 32), layer 0 dense (FFN 256), then MoE layers of 4 experts of FFN 64 in 2 groups (1 group
+chosen, 2 experts per token, weights x 2.5), one shared expert and a random per-expert bias. Gemma 3 (text), Phi-3 and
 OLMo 2 are families the Megatron mapping does not cover (the FSDP engine trains them as transformers
 builds them), from transformers' own config classes: Gemma 3 alternates a sliding-window layer
 (window 16, so the test sequences slide) and a full-attention one, Phi-3 fuses qkv_proj and
@@ -31,11 +34,11 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 
-MEGATRON_MAPPED = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+MEGATRON_MAPPED = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # families only the FSDP engine trains: transformers' own config class and model, no mapping
 HF_ONLY = ("gemma3", "phi3", "olmo2")
 FAMILIES = MEGATRON_MAPPED + HF_ONLY
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 # ChatML-like: role headers between <|im_start|> / <|im_end|>, as most instruct models do.
 CHAT_TEMPLATE = (
@@ -88,7 +91,7 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
               hidden: int = 128, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
               ffn: int = 256, max_positions: int = 256, special_ids: Dict[str, int] | None = None,
               rope_scaling: Dict | None = None, experts: int = 4, top_k: int = 2, expert_ffn: int = 64,
-              shared_ffn: int = 96, norm_topk_prob: bool | None = None):
+              shared_ffn: int = 96, norm_topk_prob: bool | None = None, q_lora_rank: int | None = 64):
     """A transformers config object of the family with tiny shapes. `rope_scaling` (e.g.
     {"rope_type": "llama3", "factor": 8.0, ...}) is merged into rope_parameters."""
     from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
@@ -103,6 +106,9 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
                   eos_token_id=ids.get("eos"), pad_token_id=ids.get("pad"))
     if family in HF_ONLY:
         return _hf_only_config(family, common, head_dim=head_dim, rope_scaling=rope_scaling)
+    if family == "deepseek_v3":
+        return _deepseek_config(common, experts=experts, top_k=top_k, expert_ffn=expert_ffn,
+                                q_lora_rank=q_lora_rank, rope_scaling=rope_scaling)
     theta = {"llama": 10000.0, "mistral": 100000.0, "qwen2": 1000000.0, "mixtral": 1000000.0,
              "qwen2_moe": 1000000.0, "qwen3_moe": 1000000.0}[family]
     rope = {"rope_type": "default", "rope_theta": theta, **(rope_scaling or {})}
@@ -130,6 +136,25 @@ def hf_config(family: str, *, tied: bool = False, layers: int = 2, vocab_size: i
     if hidden != heads * head_dim:
         raise ConfigError("qwen2: head_dim is hidden_size / num_attention_heads in this family")
     return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"], rope_parameters=rope)
+
+
+def _deepseek_config(common: Dict, *, experts: int, top_k: int, expert_ffn: int, q_lora_rank: int | None,
+                     rope_scaling: Dict | None):
+    """A tiny DeepSeek-V3: every feature the Megatron mapping builds is on (models/deepseek.py)."""
+    from transformers import DeepseekV3Config
+
+    groups = 2 if experts % 2 == 0 and experts >= 4 else 1
+    return DeepseekV3Config(**{**common, "num_key_value_heads": common["num_attention_heads"]},
+                            n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
+                            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                            n_group=groups, topk_group=max(1, top_k // 2) if groups > 1 else 1,
+                            norm_topk_prob=True, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+                            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, rope_interleave=True,
+                            num_nextn_predict_layers=0, architectures=["DeepseekV3ForCausalLM"],
+                            # as the released config.json says (transformers' class has no such fields;
+                            # vLLM builds the router's bias only when topk_method is noaux_tc)
+                            topk_method="noaux_tc", scoring_func="sigmoid",
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})})
 
 
 def _hf_only_config(family: str, common: Dict, *, head_dim: int, rope_scaling: Dict | None):
@@ -162,6 +187,7 @@ def random_state_dict(model: torch.nn.Module, seed: int, *, norm_offset: bool = 
     calls its RMSNorm `ln_q`: drawn as a matrix, it shrank the merged patches 50-fold under the
     merger's biases, and every picture gave nearly the same image tokens)."""
     gen = torch.Generator().manual_seed(seed)
+    biased = any(n.endswith("e_score_correction_bias") for n in model.state_dict())  # DeepSeek-V3's router
     norms = {f"{m}.{n}" if m else n for m, module in model.named_modules() if type(module).__name__.endswith("Norm")
              for n, _ in module.named_parameters(recurse=False)}
     out = {}
@@ -170,6 +196,11 @@ def random_state_dict(model: torch.nn.Module, seed: int, *, norm_offset: bool = 
         router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
         norm = (0.0 if norm_offset else 1.0) + 0.1 * noise
         out[name] = norm if "norm" in name or name in norms else noise if router else 0.02 * noise
+        if biased:  # a sigmoid router saturates at N(0, 1) (exact ties at 1.0 in fp32): logits ~N(0, 1)
+            if router:
+                out[name] = noise / p.shape[-1] ** 0.5
+            elif name.endswith("e_score_correction_bias"):  # large enough to change some choices
+                out[name] = 0.1 * noise
     return out
 
 

@@ -1,5 +1,5 @@
 """HF <-> Megatron tensor rules for Llama-style decoders (Llama, Qwen2, Mistral, and the mixture-of-
-experts Mixtral, Qwen2-MoE, Qwen3-MoE), one per parameter.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3), one per parameter.
 
 Each rule knows, for one Megatron parameter of one layer:
 - `load(reader, arch, layer, lay)`: this TP rank's shard (`lay: Layout`), read as slices of the
@@ -24,6 +24,9 @@ transformers):
   follow the dense rules over the *expert* tensor-parallel group (`group = "etp"`), and only the
   ranks of e's expert-parallel rank hold it (`rule_for` binds the global expert index); the shared
   expert follows the dense rules over the TP group.
+- DeepSeek-V3's latent attention (MLA_RULES): each projection is a column-parallel linear whose
+  rows (per-head blocks for q/q_b and kv_b) are split over TP as they stand in the HF tensor
+  (`Rows`); o_proj splits its columns; the router's per-expert bias (a buffer) is replicated.
 """
 from __future__ import annotations
 
@@ -33,7 +36,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from verl_hpc.models.config_mapping import ModelArch
-from verl_hpc.models.moe import expert_offset, hf_expert_names, hf_router_name, split_local_expert
+from verl_hpc.models.moe import (
+    expert_offset,
+    hf_expert_names,
+    hf_router_name,
+    hf_shared_expert_prefix,
+    split_local_expert,
+)
 
 HFTensors = List[Tuple[str, torch.Tensor]]
 LAYER = "model.layers.{i}."
@@ -69,6 +78,9 @@ class Layout:
 
 def _dims(arch: ModelArch, what: str) -> int:
     """Sizes a rule's HF shapes are made of."""
+    mla = arch.mla
+    if mla is not None and what in _MLA_DIMS:
+        return _MLA_DIMS[what](mla, arch.num_attention_heads)
     return {"hidden": arch.hidden_size, "head": arch.head_dim, "ffn": arch.ffn_hidden_size,
             "proj": arch.num_attention_heads * arch.head_dim,
             "experts": arch.moe.num_experts if arch.moe else 0,
@@ -76,8 +88,21 @@ def _dims(arch: ModelArch, what: str) -> int:
             "shared_ffn": arch.moe.shared_ffn if arch.moe else 0, "one": 1}[what]
 
 
+# multi-head latent attention (DeepSeek-V3, models/deepseek.py): sizes from its MLAArch and the head count
+_MLA_DIMS = {
+    "proj": lambda m, n: n * m.v_head_dim,  # o_proj's input
+    "q_proj": lambda m, n: n * m.qk_head_dim,  # q_proj / q_b_proj rows: per head [nope; rope]
+    "q_lora": lambda m, n: m.q_lora_rank,
+    "kv_a": lambda m, n: m.kv_lora_rank + m.qk_rope_head_dim,  # kv_a_proj_with_mqa: [latent; rope key]
+    "kv_lora": lambda m, n: m.kv_lora_rank,
+    "kv_b": lambda m, n: n * (m.qk_nope_head_dim + m.v_head_dim),  # per head [k_nope; v]
+}
+
+
 def _hf_name(template: str, arch: ModelArch, layer: Optional[int], expert: Optional[int]) -> str:
-    """A rule's HF name: "{router}" / "{expert:gate|up|down}" resolve by family first."""
+    """A rule's HF name: "{router}" / "{expert:gate|up|down}" / "{shared}..." resolve by family first."""
+    if template.startswith("{shared}"):
+        template = hf_shared_expert_prefix(arch.family) + template[len("{shared}"):]
     if template == "{router}":
         template = hf_router_name(arch.family)
     elif template.startswith("{expert:"):
@@ -156,6 +181,31 @@ class Split:
 
     def pieces(self, local, arch, layer, lay):
         return [Piece(self._name(arch, layer), self.tp_dim, lay.tp_rank * local.shape[self.tp_dim], local)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Column-parallel linear without a fused layout: the HF weight [out, in] split along its rows
+    (multi-head latent attention's projections; per-head row blocks stay whole on a TP rank)."""
+
+    hf: str
+    out: str  # its rows, by name (see _dims)
+    inp: str  # its columns
+    tp_dim: int = 0
+    group: str = "tp"
+
+    def hf_entries(self, arch, layer):
+        return [(self.hf.format(i=layer), (_dims(arch, self.out), _dims(arch, self.inp)))]
+
+    def load(self, reader, arch, layer, lay):
+        rows = _dims(arch, self.out) // lay.tp
+        return reader.read(self.hf.format(i=layer), _rows(lay.tp_rank * rows, (lay.tp_rank + 1) * rows))
+
+    def to_hf(self, full, arch, layer, lay):
+        return [(self.hf.format(i=layer), full)]
+
+    def pieces(self, local, arch, layer, lay):
+        return [Piece(self.hf.format(i=layer), 0, lay.tp_rank * local.shape[0], local)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,11 +334,28 @@ LAYER_RULES: Dict[str, object] = {
     "self_attention.q_layernorm.weight": Copy(LAYER + "self_attn.q_norm.weight", shape=("head",)),
     "self_attention.k_layernorm.weight": Copy(LAYER + "self_attn.k_norm.weight", shape=("head",)),
     "mlp.router.weight": Copy("{router}", shape=("experts", "hidden")),
-    "mlp.shared_experts.linear_fc1.weight": GateUp(hf=(LAYER + "mlp.shared_expert.gate_proj.weight",
-                                                       LAYER + "mlp.shared_expert.up_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": GateUp(hf=("{shared}gate_proj.weight", "{shared}up_proj.weight"),
                                                    ffn="shared_ffn"),
-    "mlp.shared_experts.linear_fc2.weight": Split(LAYER + "mlp.shared_expert.down_proj.weight", "shared_ffn"),
+    "mlp.shared_experts.linear_fc2.weight": Split("{shared}down_proj.weight", "shared_ffn"),
     "mlp.shared_experts.gate_weight": Copy(LAYER + "mlp.shared_expert_gate.weight", shape=("one", "hidden")),
+}
+# multi-head latent attention (DeepSeek-V3): replaces the q/k/v rules and Qwen3's q/k norms; the
+# Transformer Engine spec fuses the latent norms into the up projections (layer_norm_weight). The
+# router's per-expert bias is a buffer of Megatron's router (trained by its own rule, not Adam).
+MLA_RULES: Dict[str, object] = {
+    "self_attention.linear_q_proj.weight": Rows(LAYER + "self_attn.q_proj.weight", "q_proj", "hidden"),
+    "self_attention.linear_q_down_proj.weight": Rows(LAYER + "self_attn.q_a_proj.weight", "q_lora", "hidden"),
+    "self_attention.q_layernorm.weight": Copy(LAYER + "self_attn.q_a_layernorm.weight", shape=("q_lora",)),
+    "self_attention.linear_q_up_proj.layer_norm_weight": Copy(LAYER + "self_attn.q_a_layernorm.weight",
+                                                              shape=("q_lora",)),
+    "self_attention.linear_q_up_proj.weight": Rows(LAYER + "self_attn.q_b_proj.weight", "q_proj", "q_lora"),
+    "self_attention.linear_kv_down_proj.weight": Rows(LAYER + "self_attn.kv_a_proj_with_mqa.weight", "kv_a",
+                                                      "hidden"),
+    "self_attention.kv_layernorm.weight": Copy(LAYER + "self_attn.kv_a_layernorm.weight", shape=("kv_lora",)),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": Copy(LAYER + "self_attn.kv_a_layernorm.weight",
+                                                               shape=("kv_lora",)),
+    "self_attention.linear_kv_up_proj.weight": Rows(LAYER + "self_attn.kv_b_proj.weight", "kv_b", "kv_lora"),
+    "mlp.router.expert_bias": Copy(LAYER + "mlp.gate.e_score_correction_bias", shape=("experts",)),
 }
 # a routed expert's parameters (after `mlp.experts.local_experts.{j}.`); rule_for binds the expert
 EXPERT_RULES: Dict[str, object] = {
@@ -297,25 +364,46 @@ EXPERT_RULES: Dict[str, object] = {
 }
 
 
+def _all_rules(arch: ModelArch) -> Dict[str, object]:
+    """The layer rules of `arch`'s attention: q/k/v (LAYER_RULES), or latent attention's."""
+    if arch.mla is None:
+        return LAYER_RULES
+    return {**{n: r for n, r in LAYER_RULES.items() if not n.startswith("self_attention.")
+               or n in ("self_attention.linear_proj.weight",)}, **MLA_RULES}
+
+
 def layer_rules(arch: ModelArch) -> Dict[str, object]:
-    """The LAYER_RULES a model of `arch` has parameters for (the TE spec's fused-norm names kept)."""
-    return {n: r for n, r in LAYER_RULES.items()
-            if _layer_rule_applies(n, arch) or n.endswith("layer_norm_weight")}
+    """The layer rules a model of `arch` has parameters for (the TE spec's fused-norm names kept).
+    With dense first layers (DeepSeek-V3) both the dense MLP's and the MoE layer's: a layer's
+    Megatron parameters say which it is."""
+    return {n: r for n, r in _all_rules(arch).items()
+            if _layer_rule_applies(n, arch) or n.endswith("layer_norm_weight")
+            or (arch.moe is not None and arch.moe.first_dense and _layer_rule_applies(n, arch, 0))}
 
 
-def _layer_rule_applies(name: str, arch: ModelArch) -> bool:
-    """Which LAYER_RULES a checkpoint of `arch` holds (the TE spec's fused-norm names aside)."""
+def _layer_rule_applies(name: str, arch: ModelArch, layer: Optional[int] = None) -> bool:
+    """Which layer rules a checkpoint of `arch` holds (the TE spec's fused-norm names aside), at
+    `layer` (None: a MoE layer, where the model has them)."""
+    dense = arch.moe is None or (layer is not None and layer < arch.moe.first_dense)
+    if arch.mla is not None and name in MLA_RULES:
+        if name.startswith("self_attention.linear_q_proj"):
+            return arch.mla.q_lora_rank is None
+        if "q_down" in name or "q_up" in name or "q_layernorm" in name:
+            return arch.mla.q_lora_rank is not None and "layer_norm_weight" not in name
+        if name.startswith("mlp.router"):
+            return not dense and arch.moe.expert_bias
+        return "layer_norm_weight" not in name
     if name.endswith(".bias"):
         return arch.qkv_bias  # the QKV bias: Qwen2 and Qwen2-MoE
     if "layernorm.weight" in name and name.startswith("self_attention.") and "linear_qkv" not in name:
         return arch.qk_norm
     if name.startswith("mlp.linear_fc"):
-        return arch.moe is None
+        return dense
     if name.startswith("mlp.router"):
-        return arch.moe is not None
+        return not dense
     if name.startswith("mlp.shared_experts."):
-        return bool(arch.moe and arch.moe.shared_ffn) and (name != "mlp.shared_experts.gate_weight"
-                                                             or arch.moe.shared_gate)
+        return not dense and bool(arch.moe.shared_ffn) and (name != "mlp.shared_experts.gate_weight"
+                                                            or arch.moe.shared_gate)
     return True
 
 
@@ -337,8 +425,9 @@ def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int], expert_o
     """
     if name.startswith("decoder.layers."):
         local, _, suffix = name[len("decoder.layers."):].partition(".")
-        if suffix in layer_rules(arch):
-            return LAYER_RULES[suffix], layer_numbers[int(local)]
+        rules = layer_rules(arch)
+        if suffix in rules:
+            return rules[suffix], layer_numbers[int(local)]
         expert = split_local_expert(suffix)
         if expert is not None and expert[1] in EXPERT_RULES and arch.moe is not None:
             rule = dataclasses.replace(EXPERT_RULES[expert[1]], expert=expert_offset + expert[0])
@@ -347,7 +436,7 @@ def rule_for(name: str, arch: ModelArch, layer_numbers: Dict[int, int], expert_o
         return model_rules(arch)[name], None
     raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({arch.family}); "
                    f"verl_hpc.models.weight_rules covers the Llama/Qwen2/Mistral layer layout "
-                   f"and the Mixtral/Qwen2-MoE/Qwen3-MoE experts")
+                   f", the Mixtral/Qwen2-MoE/Qwen3-MoE experts and DeepSeek-V3's latent attention")
 
 
 def expected_hf_tensors(arch: ModelArch, output_layer: bool = True) -> Dict[str, Tuple[int, ...]]:
@@ -361,10 +450,11 @@ def expected_hf_tensors(arch: ModelArch, output_layer: bool = True) -> Dict[str,
     for rule in rules.values():
         out.update(rule.hf_entries(arch, None))
     for i in range(arch.num_layers):
-        for name, rule in LAYER_RULES.items():
-            if _layer_rule_applies(name, arch):
+        for name, rule in _all_rules(arch).items():
+            if _layer_rule_applies(name, arch, i):
                 out.update(rule.hf_entries(arch, i))
-        for e in range(arch.moe.num_experts if arch.moe else 0):
+        dense = arch.moe is None or i < arch.moe.first_dense
+        for e in range(0 if dense else arch.moe.num_experts):
             for rule in EXPERT_RULES.values():
                 out.update(dataclasses.replace(rule, expert=e).hf_entries(arch, i))
     return out

@@ -44,6 +44,7 @@ from verl_hpc.models.hf_checkpoint import HFCheckpointReader, WeightFileError
 from verl_hpc.models.weight_rules import Layout, Piece, rule_for
 
 log = logging.getLogger(__name__)
+EXPERT_BIAS = ".mlp.router.expert_bias"  # Megatron's name (after the layer) of a router's bias buffer
 
 
 @dataclasses.dataclass
@@ -92,8 +93,11 @@ def _exported_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
 
 
 def _loaded_params(chunk) -> List[Tuple[str, torch.nn.Parameter]]:
-    """The parameters an HF folder holds: all but adapter parameters."""
-    return [(n, p) for n, p in chunk.named_parameters() if not getattr(p, "hf_adapter", False)]
+    """The parameters an HF folder holds: all but adapter parameters; and the buffers it holds:
+    a sigmoid router's per-expert bias (DeepSeek-V3's e_score_correction_bias), which Megatron
+    keeps as a buffer and moves by its own rule (models/deepseek.py)."""
+    params = [(n, p) for n, p in chunk.named_parameters() if not getattr(p, "hf_adapter", False)]
+    return params + [(n, b) for n, b in chunk.named_buffers() if n.endswith(EXPERT_BIAS)]
 
 
 def _export_value(chunk, name: str, param: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,8 @@ TORCH_PROXY_MODULES: Dict[str, str] = {
     "megatron.core.optimizer.grad_scaler": "fp16: loss-scale tensors on CUDA",
     "megatron.core.optimizer.distrib_optimizer": "7: shard buffers on CUDA",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "rotary inv_freq to CUDA",
+    # DeepSeek-V3's YaRN (models/deepseek.py): its tables built on, and moved to, the current device
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN inv_freq to CUDA",
     # Found while building verl_hpc.models (the "found later" paragraph of the same section):
     "megatron.core.transformer.utils": "get_default_causal_mask (attention_mask=None) on CUDA",
     "megatron.core.tensor_parallel.mappings": "gather/scatter outputs (full-vocab logits) on CUDA",

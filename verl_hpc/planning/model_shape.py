@@ -14,6 +14,13 @@ Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE): attention as above (p
 [2 F, h] and fc2 [h, F] split over the expert TP (etp), and Qwen2-MoE's shared expert (split over
 TP like a dense MLP) with its [1, h] gate.
 
+DeepSeek-V3 (models/deepseek.py): multi-head latent attention's projections (q_a [q_lora, h] and
+q_b [a * (nope + rope), q_lora], or q [a * (nope + rope), h]; kv_a [kv_lora + rope, h]; kv_b
+[a * (nope + v), kv_lora]; o [h, a * v]) split over TP, the two latent norms replicated; the router's
+per-expert bias [E] (an fp32 buffer, no gradient, counted with the weights); the shared experts as
+one shared MLP; the first `first_k_dense_replace` layers dense (a stage holds what its own layers
+are).
+
 A role the FSDP engine trains (`role_engine`: parallel.engine, or auto's rule) may be any decoder
 transformers builds; its shape is read leniently (`fsdp_arch`: the numbers memory depends on, from
 config.json or a multimodal model's text_config), since the Megatron mapping refuses what it does
@@ -31,6 +38,7 @@ from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.config.validate import model_rule_problems
 from verl_hpc.models.config_mapping import (REQUIRED, ModelArch, load_arch, model_shape, padded_vocab_size,
                                            parse_hf_config)
+from verl_hpc.models.deepseek import MLAArch
 from verl_hpc.models.moe import MoEArch
 
 
@@ -65,6 +73,19 @@ KNOWN: Dict[str, ModelArch] = {
                                          rms_norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
                                          moe=MoEArch(num_experts=128, top_k=8, expert_ffn=768, renormalize=True,
                                                      router_aux_loss_coef=0.001)),
+    # DeepSeek-V3 (and V3.1 / R1, the same shapes; Kimi-K2 differs): 671B parameters, 37B active;
+    # 3 dense layers then 58 MoE layers of 256 experts (8 per token from 4 of 8 groups) + 1 shared
+    "deepseek-v3": ModelArch(
+        family="deepseek_v3", architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168,
+        ffn_hidden_size=18432, num_layers=61, num_attention_heads=128, num_query_groups=128, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=False,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096.0,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        max_position_embeddings=163840, source="known architecture deepseek-v3",
+        mla=MLAArch(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEArch(num_experts=256, top_k=8, expert_ffn=2048, renormalize=True, shared_ffn=2048,
+                    score_function="sigmoid", expert_bias=True, scaling=2.5, num_groups=8, group_topk=4,
+                    first_dense=3)),
 }
 
 
@@ -189,32 +210,65 @@ class StageParams:
         return self.layer_params + self.embedding + self.output
 
 
-def layer_params(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None) -> int:
-    return sum(layer_tensor_sizes(arch, tp, ep, etp))
+def is_dense_layer(arch: ModelArch, layer: Optional[int]) -> bool:
+    """Layer `layer` has a dense MLP: a dense model, or one of DeepSeek-V3's first layers (None: an
+    MoE model's MoE layer)."""
+    return arch.moe is None or (layer is not None and layer < arch.moe.first_dense)
 
 
-def expert_layer_params(arch: ModelArch, ep: int = 1, etp: int = 1) -> int:
+def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
+    """The global layer indices of pipeline stage `stage` (equal blocks; with virtual stages the
+    chunks interleave, and the count per rank is the same)."""
+    per = arch.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def layer_params(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None,
+                 layer: Optional[int] = None) -> int:
+    return sum(layer_tensor_sizes(arch, tp, ep, etp, layer))
+
+
+def expert_layer_params(arch: ModelArch, ep: int = 1, etp: int = 1, layer: Optional[int] = None) -> int:
     """The routed experts' elements of one layer on one rank (what the expert data-parallel group,
-    not the data-parallel group, shards in the distributed optimizer); 0 for a dense model."""
+    not the data-parallel group, shards in the distributed optimizer); 0 for a dense layer."""
     moe = arch.moe
-    return 0 if moe is None else (moe.num_experts // ep) * 3 * moe.expert_ffn * arch.hidden_size // etp
+    if is_dense_layer(arch, layer):
+        return 0
+    return (moe.num_experts // ep) * 3 * moe.expert_ffn * arch.hidden_size // etp
 
 
-def layer_tensor_sizes(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None) -> List[int]:
-    """Elements of each parameter tensor of one decoder layer on one rank (the layout above)."""
+def _mla_sizes(mla: MLAArch, a: int, h: int, tp: int) -> List[int]:
+    """Latent attention's tensors on one TP rank (the q/kv projections, the latent norms, o_proj)."""
+    q_out = a * mla.qk_head_dim
+    q = ([q_out * h // tp] if mla.q_lora_rank is None
+         else [mla.q_lora_rank * h // tp, mla.q_lora_rank, q_out * mla.q_lora_rank // tp])
+    return q + [mla.kv_cache_per_token * h // tp, mla.kv_lora_rank,
+                a * (mla.qk_nope_head_dim + mla.v_head_dim) * mla.kv_lora_rank // tp, h * a * mla.v_head_dim // tp]
+
+
+def layer_tensor_sizes(arch: ModelArch, tp: int, ep: int = 1, etp: Optional[int] = None,
+                       layer: Optional[int] = None) -> List[int]:
+    """Elements of each parameter tensor of one decoder layer on one rank (the layout above).
+    `layer`: its global index, where the model's layers differ (DeepSeek-V3's dense first layers);
+    None: an MoE model's MoE layer."""
     d, nq, nkv, h, f = arch.head_dim, arch.num_attention_heads, arch.num_query_groups, \
         arch.hidden_size, arch.ffn_hidden_size
-    qkv_out = (nq + 2 * nkv) * d
-    out = [qkv_out * h // tp, nq * d * h // tp, h, h]  # QKV, proj, the two norms (replicated)
-    if arch.qkv_bias:
-        out.append(qkv_out // tp)
+    if arch.mla is not None:
+        out = _mla_sizes(arch.mla, nq, h, tp) + [h, h]
+    else:
+        qkv_out = (nq + 2 * nkv) * d
+        out = [qkv_out * h // tp, nq * d * h // tp, h, h]  # QKV, proj, the two norms (replicated)
+        if arch.qkv_bias:
+            out.append(qkv_out // tp)
     moe = arch.moe
-    if moe is None:
+    if is_dense_layer(arch, layer):
         return out + [2 * f * h // tp, f * h // tp]
     etp = tp if etp is None else etp
     if arch.qk_norm:
         out += [d, d]
     out.append(moe.num_experts * h)  # the router, replicated
+    if moe.expert_bias:
+        out.append(moe.num_experts)  # its per-expert bias (a buffer)
     out += [2 * moe.expert_ffn * h // etp, moe.expert_ffn * h // etp] * (moe.num_experts // ep)
     if moe.shared_ffn:
         out += [2 * moe.shared_ffn * h // tp, moe.shared_ffn * h // tp] + ([h] if moe.shared_gate else [])
@@ -250,17 +304,19 @@ def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm"
         elif not arch.tie_word_embeddings or pp > 1:
             output = vocab * h // tp
         output += h  # final norm
-    per_layer = layer_tensor_sizes(arch, tp, ep, etp)
-    tensors = layers * len(per_layer) + int(first) + 2 * int(last)
-    experts = layers * expert_layer_params(arch, ep, tp if etp is None else etp)
-    return StageParams(layers, layers * sum(per_layer), embedding, output, tensors, experts)
+    mine = stage_layers(arch, pp, stage)
+    per_layer = [layer_tensor_sizes(arch, tp, ep, etp, i) for i in mine]
+    tensors = sum(len(p) for p in per_layer) + int(first) + 2 * int(last)
+    experts = sum(expert_layer_params(arch, ep, tp if etp is None else etp, i) for i in mine)
+    return StageParams(layers, sum(sum(p) for p in per_layer), embedding, output, tensors, experts)
 
 
 def total_params(arch: ModelArch) -> int:
     """Unsharded parameter count (real vocabulary, as in the HF checkpoint)."""
     h = arch.hidden_size
     emb = arch.vocab_size * h
-    return arch.num_layers * layer_params(arch, 1) + emb * (1 if arch.tie_word_embeddings else 2) + h
+    return (sum(layer_params(arch, 1, layer=i) for i in range(arch.num_layers))
+            + emb * (1 if arch.tie_word_embeddings else 2) + h)
 
 
 def stage_tensor_sizes(arch: ModelArch, tp: int, pp: int, stage: int, head: str = "lm", ep: int = 1,
@@ -268,9 +324,8 @@ def stage_tensor_sizes(arch: ModelArch, tp: int, pp: int, stage: int, head: str 
     """Elements of each parameter tensor a rank of `stage` holds (the same layout as stage_params):
     what a per-tensor allocation (pinned host copies, vLLM's weights) is made of."""
     h = arch.hidden_size
-    layer = layer_tensor_sizes(arch, tp, ep, etp)
     sp = stage_params(arch, tp, pp, stage, head, ep, etp)
-    out = layer * sp.layers
+    out = [n for i in stage_layers(arch, pp, stage) for n in layer_tensor_sizes(arch, tp, ep, etp, i)]
     if sp.embedding:
         out.append(sp.embedding)
     if sp.output:

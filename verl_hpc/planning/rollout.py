@@ -41,7 +41,11 @@ class RolloutBytes:
 
 
 def kv_bytes_per_token(arch: ModelArch, dtype_bytes: int) -> int:
-    """KV-cache bytes of one token over all layers and KV heads (keys and values), all TP ranks."""
+    """KV-cache bytes of one token over all layers and KV heads (keys and values), all TP ranks.
+    Latent attention (DeepSeek-V3) caches the compressed KV instead: kv_lora_rank + qk_rope_head_dim
+    per token and layer, the same on every TP rank (vLLM's MLA cache is not split over heads)."""
+    if arch.mla is not None:
+        return arch.num_layers * arch.mla.kv_cache_per_token * dtype_bytes
     return 2 * arch.num_layers * arch.num_query_groups * arch.head_dim * dtype_bytes
 
 
@@ -51,7 +55,8 @@ def kv_sequence_bytes(arch: ModelArch, length: int, tp: int, dtype_bytes: int, b
     rank's share of the KV heads (at least one: vLLM replicates KV heads over a larger TP). vLLM
     refuses to start when its cache holds less (the rule rollout.kv_cache_problems applies to an
     explicit CPU cache size)."""
-    per_token = 2 * arch.num_layers * max(1, arch.num_query_groups // tp) * arch.head_dim * dtype_bytes
+    per_token = (arch.num_layers * arch.mla.kv_cache_per_token * dtype_bytes if arch.mla is not None  # every rank
+                 else 2 * arch.num_layers * max(1, arch.num_query_groups // tp) * arch.head_dim * dtype_bytes)
     return float((-(-length // block) + 1) * block * per_token)
 
 

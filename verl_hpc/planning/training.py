@@ -95,9 +95,14 @@ class ActivationSetup:
 
 def mlp_width(arch: ModelArch) -> int:
     """The MLP intermediate width a token's activations occupy: ffn for a dense layer; for an MoE
-    layer top_k routed experts of F each, plus the shared expert."""
+    layer top_k routed experts of F each, plus the shared expert. A model with dense first layers
+    (DeepSeek-V3) is counted at the wider of the two, for every layer (an upper bound; DeepSeek-V3's
+    are equal: 8 x 2048 + 2048 = 18432)."""
     moe = arch.moe
-    return arch.ffn_hidden_size if moe is None else moe.top_k * moe.expert_ffn + moe.shared_ffn
+    if moe is None:
+        return arch.ffn_hidden_size
+    routed = moe.top_k * moe.expert_ffn + moe.shared_ffn
+    return max(routed, arch.ffn_hidden_size) if moe.first_dense else routed
 
 
 def moe_dispatch_bytes(arch: ModelArch, s: int, b: int, e: int) -> float:
@@ -108,6 +113,24 @@ def moe_dispatch_bytes(arch: ModelArch, s: int, b: int, e: int) -> float:
     if moe is None:
         return 0.0
     return 2 * s * b * moe.num_experts * 4 + 4 * s * b * moe.top_k * arch.hidden_size * e
+
+
+def mla_latent_bytes(arch: ModelArch, tokens: int, e: int) -> float:
+    """Latent attention's compressed tensors a layer keeps per micro-batch, whole on every TP rank
+    (the down projections' outputs are gathered): the q latent and its norm's output, the kv latent
+    (kv_lora_rank) and its norm's output, the rope key (qk_rope_head_dim): the compressed KV of
+    kv_lora_rank + qk_rope_head_dim per token, and its normalised copy."""
+    m = arch.mla
+    q = 2 * (m.q_lora_rank or 0)
+    return float(tokens * (q + 2 * m.kv_lora_rank + m.qk_rope_head_dim) * e)
+
+
+def mla_head_elements(arch: ModelArch) -> int:
+    """Per token, the per-head tensors latent attention keeps (split over TP): the q up-projection's
+    output and Q after RoPE (nope + rope each), kv_b's output (nope + v), K after RoPE, V (a
+    contiguous copy) and the attention output (v each)."""
+    m, a = arch.mla, arch.num_attention_heads
+    return a * (3 * m.qk_head_dim + m.qk_nope_head_dim + 3 * m.v_head_dim)
 
 
 def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: ActivationSetup) -> float:
@@ -123,6 +146,9 @@ def layer_activation_bytes(arch: ModelArch, s: int, b: int, act_bytes: int, st: 
     # split over TP: Q, K (after RoPE), V, the attention output (proj input); SwiGLU keeps fc1's
     # two halves, silu(gate) and the product (fc2 input): 4 x s*b*ffn; GeLU its input and output
     split = sb * (hq + hkv + hkv + hq) * e + (4 if st.gated_mlp else 2) * sb * f * e
+    if arch.mla is not None:
+        rep += mla_latent_bytes(arch, sb, e)
+        split = sb * mla_head_elements(arch) * e + (4 if st.gated_mlp else 2) * sb * f * e
     if st.attention == "unfused":
         quad = a * s * s * b * e + (a * s * s * b * (1 + e) if st.dropout else 0)
     else:
@@ -150,6 +176,10 @@ def _implemented_layer_bytes(arch: ModelArch, s: int, b: int, e: int, st: Activa
     norm = 2 * sb * h * e + sb * 4  # input + normalised output, rsqrt
     rep = 2 * norm + (2 * sb * h * e if local else 0)  # local: + the linear inputs' copies
     split = sb * (3 * hq + 3 * hkv) * e + (5 if local else 3) * sb * f * e
+    if arch.mla is not None:
+        rep += mla_latent_bytes(arch, sb, e)
+        split = sb * mla_head_elements(arch) * e + (5 if local else 3) * sb * f * e
+        d = arch.mla.qk_rope_head_dim
     quad = 0.0 if st.recompute == "selective" else a * s * b * 4
     rope = 4 * s * d * 4 if local else 0.0  # cos/sin of Q and K, fp32, per layer
     return rep / (t if st.sequence_parallel else 1) + (split + quad) / t + rope

@@ -95,10 +95,13 @@ class RolloutSlicer:
 
     # dense MLPs, Qwen2-MoE's shared expert and every routed expert (vLLM's FusedMoE cuts each
     # expert like a dense MLP: gate/up rows, down columns; Mixtral names them w1/w3 and w2)
-    COLUMN = re.compile(r"\.(self_attn\.[qkv]_proj|(gate|up)_proj|experts\.\d+\.w[13])\.(weight|bias)$")
+    # DeepSeek-V3's latent attention: q_b_proj / kv_b_proj split by heads (rows), like q_proj
+    COLUMN = re.compile(r"\.(self_attn\.([qkv]|q_b|kv_b)_proj|(gate|up)_proj|experts\.\d+\.w[13])\.(weight|bias)$")
     ROW = re.compile(r"\.(self_attn\.o_proj|down_proj|experts\.\d+\.w2)\.weight$")
     # MoE routers and Qwen2-MoE's shared-expert gate: small, replicated on every inference rank
-    REPLICATED = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate)\.weight$")
+    # and DeepSeek-V3's latent down-projections (vLLM's ReplicatedLinear: the latents are small)
+    REPLICATED = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate|"
+                            r"self_attn\.q_a_proj|self_attn\.kv_a_proj_with_mqa)\.weight$")
     VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
     def __init__(self, tp: int, *, head_dim: int, vocab_size: int):

@@ -88,7 +88,8 @@ class RolloutEngine(abc.ABC):
                              sample_index=rows.sample_index, response_ids=rows.response_ids,
                              logprobs=rows.logprobs, finish_reason=rows.finish_reason,
                              num_truncated=truncated, seconds=time.perf_counter() - start,
-                             adapter_version=rows.one_adapter_version())
+                             adapter_version=rows.one_adapter_version(),
+                             routes=rows.routes if rows.routes and len(rows.routes) == len(rows.response_ids) else None)
 
     @abc.abstractmethod
     def _generate_shard(self, prompts: List[List[int]], first_index: int,

@@ -33,6 +33,8 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
                   tokenizer_path=m.tokenizer_path,
                   trust_remote_code=m.trust_remote_code)
+    if engine == "hf":  # routing replay R3: the rollout records each token's experts
+        kwargs["record_routes"] = getattr(m, "moe_routing_replay", "off") == "rollout"
     if engine == "vllm":
         gpu = devices.has_gpu()  # the rank's machine: what the rollout section's auto switches follow
         kwargs.update(max_num_seqs=o.max_num_seqs,

@@ -39,6 +39,7 @@ from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
+from verl_hpc.rollout.hf_routes import RouteRecorder
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
@@ -90,7 +91,8 @@ class HFRollout(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str, max_prompt_length: int, max_response_length: int,
                  prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
-                 logprobs_mode: str = "processed", share_prefill: bool = True, ctx=None, **_ignored):
+                 logprobs_mode: str = "processed", share_prefill: bool = True, record_routes: bool = False,
+                 ctx=None, **_ignored):
         from transformers import GenerationConfig
 
         if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
@@ -145,6 +147,8 @@ class HFRollout(RolloutEngine):
                                   f"model's parameters ({model_path})")
         # e.g. a tied lm_head.weight; an MoE model's fused expert tensors (their views are required)
         self._optional = set(self._targets) - self._required
+        # routing replay (model.moe_routing_replay = rollout): every row's experts per token and layer
+        self.routes = RouteRecorder(self.model) if record_routes else None
 
     @classmethod
     def from_options(cls, options: RolloutOptions, ctx=None, **overrides) -> "HFRollout":
@@ -209,6 +213,8 @@ class HFRollout(RolloutEngine):
                       collate_inputs([m.inputs if m is not None else None for m in media or []]).items()}
             if images:
                 images["mm_token_type_ids"] = token_types(ids, self.image_token_id)
+        if self.routes is not None:
+            self.routes.start()
         if self.share_prefill and copies > 1 and width > 1 and not images:
             cache = self._shared_prefill(ids, mask, copies)
             ids, mask, expand = ids.repeat_interleave(copies, 0), mask.repeat_interleave(copies, 0), 1
@@ -230,10 +236,17 @@ class HFRollout(RolloutEngine):
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         logprobs = recorder.finish(sequences).tolist()
         responses = sequences[:, width:].cpu().tolist()
+        routes = None
+        if self.routes is not None:  # [generated rows, fed positions, L, k]; left-padded columns
+            self.routes.stop()
+            routes = self.routes.joined(sequences.shape[0], sequences.shape[1] - 1)
         rows = ShardOutput.empty()
         for r in range(len(prompts) * s.n):
             tokens, lps = responses[r // (s.n // copies)], logprobs[r // (s.n // copies)]
             end, reason = self._finish(tokens, s)
+            if routes is not None:  # the prompt's and the response's tokens but the last (never fed)
+                plen = len(prompts[r // s.n])
+                rows.routes.append(routes[r // (s.n // copies), width - plen:width + end - 1].clone())
             rows.prompt_index.append(first_index + r // s.n)
             rows.sample_index.append(r % s.n)
             rows.response_ids.append(tokens[:end])

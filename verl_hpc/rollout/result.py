@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 FINISH_REASONS = ("stop", "length")  # stop: EOS or a stop string; length: max_tokens reached
 # why an episode (multi_turn) ended: the model answered without a tool call (or the environment
@@ -49,10 +49,13 @@ class RolloutResult:
     episodes: Optional[List[EpisodeStats]] = None  # multi_turn: per sequence
     # LoRA with adapter sync: the adapter version the engine reports it generated with (None: no adapter)
     adapter_version: Optional[int] = None
+    # routing replay (model.moe_routing_replay = rollout): per sequence, a [P + R - 1, L, k] tensor of
+    # the top-k experts each fed token took per MoE layer (verl_hpc.models.moe_routes)
+    routes: Optional[List[Any]] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
-        optional = [x for x in (self.versions, self.response_mask, self.episodes) if x is not None]
+        optional = [x for x in (self.versions, self.response_mask, self.episodes, self.routes) if x is not None]
         if not (len(self.prompt_index) == len(self.sample_index) == len(self.logprobs)
                 == len(self.finish_reason) == n) or any(len(x) != n for x in optional):
             raise ValueError("RolloutResult: per-sequence lists differ in length")
@@ -112,7 +115,7 @@ class RolloutResult:
         return out
 
 
-OPTIONAL_ROWS = ("versions", "response_mask", "episodes")  # per-sequence fields that may be None
+OPTIONAL_ROWS = ("versions", "response_mask", "episodes", "routes")  # per-sequence fields that may be None
 
 
 @dataclasses.dataclass
@@ -126,6 +129,8 @@ class ShardOutput:
     # per row: the LoRA adapter version the engine generated it with, read from the engine's own
     # output (vLLM's lora_request), -1 without an adapter
     adapter_version: List[int] = dataclasses.field(default_factory=list)
+    # per row, its routes when the engine records them (HFRollout with record_routes), else empty
+    routes: List[Any] = dataclasses.field(default_factory=list)
 
     @classmethod
     def empty(cls) -> "ShardOutput":

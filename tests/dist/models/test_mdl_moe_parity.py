@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE with its
-q/k norms) from HF into Megatron-Core MoE on 4 real gloo ranks: logits equal transformers' at EP1,
+q/k norms, DeepSeek-V3 with latent attention, the biased sigmoid router, grouped top-k, a shared
+expert and a dense first layer) from HF into Megatron-Core MoE on 4 real gloo ranks: logits equal transformers' at EP1,
 EP2, TP2 and EP2xPP2 (and TP2xEP2), the export gives the checkpoint back bit for bit on every rank
 with each EP rank reading only its own experts, and the sliced weight sync gives every inference
 rank exactly its slices of the experts it needs from whichever EP rank holds them.
@@ -8,11 +9,11 @@ One launch of 4 ranks serves every layout (data parallelism fills the rest; expe
 regroups the data-parallel ranks of a stage, as Megatron does):
 
     layout    tp pp ep   models (forward parity, export, sliced sync)
-    ep1       1  1  1    all three (DP 4, experts replicated)
-    ep2       1  1  2    all three (DP 4: two expert-parallel groups of 2)
-    tp2       2  1  1    all three (expert TP = TP = 2)
-    ep2xpp2   1  2  2    all three (each stage's 2 DP ranks are its 2 EP ranks)
-    tp2xep2   2  1  2    qwen2_moe (the 4 ranks of the stage: expert TP 2 x EP 2)
+    ep1       1  1  1    all four (DP 4, experts replicated)
+    ep2       1  1  2    all four (DP 4: two expert-parallel groups of 2)
+    tp2       2  1  1    all four (expert TP = TP = 2)
+    ep2xpp2   1  2  2    all four (each stage's 2 DP ranks are its 2 EP ranks)
+    tp2xep2   2  1  2    qwen2_moe, deepseek_v3 (the 4 ranks of the stage: expert TP 2 x EP 2)
 """
 from pathlib import Path
 
@@ -24,11 +25,13 @@ from mdl_ranks import launch
 TOL = 1e-4  # the dense parity tolerance (test_mdl_parallel_parity.py)
 WORLD = 4
 MODELS = {"mixtral": dict(family="mixtral", seed=11), "qwen2_moe": dict(family="qwen2_moe", seed=12),
-          "qwen3_moe": dict(family="qwen3_moe", seed=13)}
+          "qwen3_moe": dict(family="qwen3_moe", seed=13), "deepseek_v3": dict(family="deepseek_v3", seed=14)}
 ALL = list(MODELS)
+DENSE_FIRST = {"deepseek_v3": 1}  # the tiny DeepSeek-V3's layer 0 is dense (first_k_dense_replace)
+LAYERS = 2  # every tiny model's
 LAYOUTS = {  # name -> (tp, pp, ep, models)
     "ep1": (1, 1, 1, ALL), "ep2": (1, 1, 2, ALL), "tp2": (2, 1, 1, ALL),
-    "ep2xpp2": (1, 2, 2, ALL), "tp2xep2": (2, 1, 2, ["qwen2_moe"]),
+    "ep2xpp2": (1, 2, 2, ALL), "tp2xep2": (2, 1, 2, ["qwen2_moe", "deepseek_v3"]),
 }
 
 
@@ -89,7 +92,7 @@ def test_moe_export_returns_the_checkpoint_on_every_rank(layout, results):
 @pytest.mark.parametrize("layout", ["ep2", "ep2xpp2", "tp2xep2"])
 def test_moe_ep_ranks_read_only_their_experts(layout, results):
     """An expert's matrices are read by the ranks of its EP rank only; the router and the shared
-    expert by every rank (replicated over EP)."""
+    expert by every rank (replicated over EP); a stage of dense layers only reads no expert."""
     tp, pp, ep, names = LAYOUTS[layout]
     per_rank = 4 // ep
     for r in results[layout]:
@@ -98,7 +101,9 @@ def test_moe_ep_ranks_read_only_their_experts(layout, results):
             for hf_name, *_ in r["models"][name]["reads"]:
                 if ".experts." in hf_name:
                     experts.add(int(hf_name.split(".experts.")[1].split(".")[0]))
-            mine = set(range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank))
+            stage = range(r["pp_rank"] * LAYERS // pp, (r["pp_rank"] + 1) * LAYERS // pp)
+            has_moe = any(i >= DENSE_FIRST.get(name, 0) for i in stage)
+            mine = set(range(r["ep_rank"] * per_rank, (r["ep_rank"] + 1) * per_rank)) if has_moe else set()
             assert experts == mine, (layout, name, r["rank"], experts, mine)
 
 

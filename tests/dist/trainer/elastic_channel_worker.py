@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from verl_hpc.runtime.split import Mailbox
 from verl_hpc.trainer.placement.elastic.channel import WeightFetcher
 
 
 def main(port: int, worker: str, mode: str, out: Path) -> None:
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
-    fetch = WeightFetcher(store, worker, timeout_s=60)
+    fetch = WeightFetcher(Mailbox(store, f"worker {worker}", 60), worker, timeout_s=60)
     if mode == "stall":
         class Held:  # its side of the transfer never starts
             def broadcast(self, *args, **kwargs):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from verl_hpc.resharding.bridge import pack
 from verl_hpc.runtime.local_ranks import free_port
+from verl_hpc.runtime.split import Mailbox
 from verl_hpc.trainer.placement.elastic.channel import ElasticWeightServer
 
 WORKER = Path(__file__).with_name("elastic_channel_worker.py")
@@ -59,7 +60,8 @@ def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
         current["snap"] = (version, buckets, manifest)
 
     def connect():
-        return dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+        return Mailbox(store, "training rank 0", 60)
 
     server = ElasticWeightServer(connect, snapshot, timeout_s=60).start()
     procs = []

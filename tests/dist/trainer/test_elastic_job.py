@@ -91,7 +91,10 @@ def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(ti
     assert last["elastic/joins"] == 3 and last["elastic/samples/workers"] > 0, last
     assert last["elastic/reaped"] >= 1  # the killed worker, silent past the heartbeat timeout
     assert last["elastic/redispatched"] > 0  # the straggler's groups, and the killed worker's after its lease aged
-    assert last["elastic/samples/fixed"] + last["elastic/samples/workers"] == STEPS * PROMPTS * 2
+    # every trained sample was accepted once; the rollout side may already have filled the batches it
+    # opened ahead of the last step (k = 1: up to 2) by the time that step's row is written
+    made = last["elastic/samples/fixed"] + last["elastic/samples/workers"]
+    assert made in {(STEPS + ahead) * PROMPTS * 2 for ahead in range(3)}, made
     events = [json.loads(x) for x in (out / "elastic" / "events.jsonl").read_text().splitlines()]
     leaves = {e["worker"]: e for e in events if e["kind"] == "leave"}
     assert leaves["calm"]["reason"].startswith("said goodbye: stopped by SIGTERM") and leaves["calm"]["samples"] > 0

@@ -68,7 +68,7 @@ def test_unsupported_moe_variants_are_refused_by_field(moe_folder):
                           (dict(mlp_only_layers=[0]), "mlp_only_layers=[0] is not supported"),
                           (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not implemented"),
                           (dict(num_experts_per_tok=8), "num_experts_per_tok=8 is more than num_experts=6"),
-                          (dict(architectures=["DeepseekV3ForCausalLM"]), "is not mapped into Megatron; mapped:")):
+                          (dict(architectures=["DeepseekV2ForCausalLM"]), "is not mapped into Megatron; mapped:")):
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             parse_hf_config({**base, **change})
     arch = parse_hf_config(base)
@@ -98,3 +98,43 @@ def test_a_moe_field_of_the_wrong_type_is_one_line_naming_file_and_field(moe_fol
     with pytest.raises(ConfigError) as e:
         load_arch(moe_folder)
     assert str(e.value) == f"{moe_folder / 'config.json'}: {words}"
+
+
+def test_routing_replay_on_a_dense_model_is_refused_by_name(tmp_path):
+    from verl_hpc.models.tiny import hf_config
+
+    hf_config("llama").save_pretrained(tmp_path)
+    text = _problems(tmp_path, "model.moe_routing_replay=old")
+    assert "model.moe_routing_replay = old needs a mixture-of-experts model, but model.path is dense" in text
+
+
+def test_routing_replay_rollout_needs_an_engine_that_records_routes(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=vllm")
+    line = next(x for x in text.splitlines() if "rollout.engine = vllm" in x)
+    assert "model.moe_routing_replay = rollout" in line and "set rollout.engine=hf" in line
+    # the same job with HF generate, or replaying the old forward's routes, passes that check (the
+    # job's other problems are still reported: the checks ran)
+    for ok in ("rollout.engine=hf", "model.moe_routing_replay=old"):
+        text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=vllm", ok)
+        assert "data.train_files" in text and "moe_routing_replay" not in text
+
+
+def test_routing_replay_rollout_of_episodes_is_refused(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=rollout", "rollout.engine=hf", "multi_turn.enable=true")
+    assert "model.moe_routing_replay = rollout with multi_turn.enable" in text
+
+
+def test_routing_replay_refusals_name_the_field(moe_folder):
+    text = _problems(moe_folder, "model.moe_routing_replay=old", "parallel.engine=fsdp",
+                     "parallel.recompute_granularity=full")
+    assert "model.moe_routing_replay = old needs parallel.engine = megatron (got fsdp)" in text
+    assert "parallel.recompute_granularity = full is not built" in text
+
+
+def test_routing_replay_on_a_sigmoid_routed_model_is_refused_by_name(tmp_path):
+    from verl_hpc.models.tiny import hf_config
+
+    hf_config("deepseek_v3").save_pretrained(tmp_path)
+    text = _problems(tmp_path, "model.moe_routing_replay=old")
+    assert "model.moe_routing_replay = old with a sigmoid-routed model" in text and "DeepSeek-V3" in text
+    assert "sigmoid-routed" not in _problems(tmp_path)  # replay off: no such line

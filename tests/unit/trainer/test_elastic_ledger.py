@@ -1,10 +1,13 @@
 """The elastic rollout pool's book (trainer/placement/elastic/ledger.py) and membership (pool.py):
 exactly once whatever joins, leaves or straggles; the staleness rule on leases; prefixes kept or
-dropped; a checkpoint of the book; heartbeats, reasons and the minimum-pool rule."""
+dropped; a checkpoint of the book; the indexed book answers every call as a plain-scan copy of its
+rules; heartbeats, reasons and the minimum-pool rule."""
+import collections
 import random
 
 import pytest
 
+from elastic_naive_ledger import NaiveLedger
 from verl_hpc.trainer.placement.elastic.ledger import Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool, PoolLostError
 from verl_hpc.trainer.placement.inflight import Sample
@@ -139,6 +142,69 @@ def test_nothing_lost_nothing_twice_under_random_churn():
             version = s  # the trainer's step s makes weights version s
             assert all(rows[i][j].tokens == [s, i, j] for i in range(prompts) for j in range(n))
     assert got == list(steps)
+
+
+def _lease_view(leases):
+    return [(x.id, x.worker, x.step, x.prompt, x.samples, x.version, x.deadline,
+             {j: len(p.tokens) for j, p in x.prefixes.items()}) for x in leases]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_indexed_book_answers_every_call_as_a_plain_scan(keep):
+    """Random wants, leases (any version, so the staleness rule bites), progress, completions of
+    some samples, goodbyes and ready() over a clock that lets deadlines pass: the Ledger and the
+    naive copy of its rules give the same answers, counters and prefixes, call for call; and the
+    trace reaches re-dispatch, duplicates and hand-backs, and a resume from the state mid-trace."""
+    rng = random.Random(7)
+    books = [Ledger(1, 3.0, keep_prefixes=keep), NaiveLedger(1, 3.0, keep_prefixes=keep)]
+    now, wanted, workers = 0.0, 0, [f"w{i}" for i in range(5)]
+    answers = collections.Counter()
+    for call in range(1500):
+        now += rng.uniform(0, 0.6)
+        op = rng.random()
+        if call == 750:
+            # a checkpoint and resume: the resumed book has no open leases (the workers left with
+            # the stopped run), which the plain book gets by every worker leaving; those goodbyes'
+            # hand-back count is not the resumed book's. Lease ids go on from the same counter so
+            # that the two books' answers stay comparable.
+            resumed = Ledger(1, 3.0, keep_prefixes=keep)
+            resumed.load_state_dict(books[0].state_dict())
+            resumed._ids = books[0]._ids
+            for worker in workers:
+                books[1].leave(worker)
+            books[1].stats = dict(resumed.stats)
+            books[0] = resumed
+        if op < 0.05 or wanted < 2:
+            wanted += 1
+            prompts = rng.choice([1, 3]) if wanted % 4 else 2
+            for b in books:
+                b.want(wanted, prompts, 3)
+            continue
+        if op < 0.5:
+            args = (rng.choice(workers), rng.randint(0, wanted), now, rng.randint(1, 3))
+            got = [_lease_view(b.lease(*args)) for b in books]
+            answers["leases"] += len(got[0])
+        elif op < 0.8 and books[1].open:
+            lease = books[1].open[rng.choice(sorted(books[1].open))]
+            if rng.random() < 0.3:
+                j = rng.choice(lease.samples)
+                prefix = Sample(list(range(rng.randint(1, 40))), [-1.0], [lease.version])
+                got = [b.progress(lease.id, j, prefix) for b in books]
+            else:
+                done = {j: sample(lease.step, lease.prompt, j) for j in lease.samples if rng.random() < 0.7}
+                got = [b.complete(lease.id, done) for b in books]
+        elif op < 0.88:
+            worker = rng.choice(workers)
+            got = [b.leave(worker) for b in books]
+        else:
+            got = [b.ready() for b in books]
+            answers["batches"] += len(got[0])
+        assert got[0] == got[1], f"call {call}"
+        assert books[0].stats == books[1].stats and books[0].per_worker == books[1].per_worker
+        assert {k: len(v.tokens) for k, v in books[0].prefix.items()} == \
+            {k: len(v.tokens) for k, v in books[1].prefix.items()}
+    assert answers["leases"] > 300 and answers["batches"] > 5
+    assert min(books[0].stats[k] for k in ("redispatched", "duplicates", "returned")) > 0
 
 
 def test_pool_joins_heartbeats_leaves_and_the_minimum():

@@ -27,6 +27,14 @@ class ModelConfig(Section):
     moe_capacity_factor: Optional[float] = opt(
         None, "tokens an expert takes, x its even share; beyond it tokens are dropped. null = dropless "
               "(as transformers and vLLM route)", check=">0")
+    moe_routing_replay: str = opt(
+        "off", "training forwards use recorded expert choices (docs/moe.md, routing replay): rollout = the "
+               "rollout's own top-k experts per token and layer (R3; rollout.engine=hf records them) | old = "
+               "those of the old-log-prob forward, replayed in the update (R2) | off",
+        choices=("off", "rollout", "old"))
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "sigmoid routers with a per-expert bias (DeepSeek-V3): the bias's step per optimizer step "
+              "towards even load (DeepSeek-V3's gamma)", check=">=0")
     # Fused kernels; null = auto: on where the kernel exists, off on CPU (docs/gpu.md)
     bias_activation_fusion: Optional[bool] = opt(None, "fused SwiGLU; auto: on with a GPU")
     apply_rope_fusion: Optional[bool] = opt(None, "fused RoPE; auto: on with a GPU and Transformer Engine")
@@ -44,9 +52,42 @@ class ModelConfig(Section):
                                               "gradient_accumulation_fusion") if getattr(self, k) is True]
         if job.slurm.gpus_per_node == 0 and self.dtype == "float16":
             p += cpu_float16_problems()
+        p += self.routing_replay_problems(job)
         if job.trainer.job in ("rl", "sft", "dpo") and not self.path:
             p.append(f"model.path: empty, but trainer.job = {job.trainer.job} needs a Hugging Face model folder")
         return p
+
+    def routing_replay_problems(self, job) -> List[str]:
+        """What routing replay needs of the rest of the job (the model being MoE is checked with
+        config.json: `dense_replay_problem`)."""
+        mode = self.moe_routing_replay
+        if mode == "off":
+            return []
+        p, field = [], f"model.moe_routing_replay = {mode}"
+        if job.parallel.engine != "megatron":
+            p.append(f"{field} needs parallel.engine = megatron (got {job.parallel.engine}): the replay "
+                     "hooks Megatron-Core's router; set model.moe_routing_replay=off on the FSDP engine")
+        if mode == "rollout" and job.trainer.job == "rl" and job.rollout.engine != "hf":
+            p.append(f"{field} needs a rollout engine that records routes: rollout.engine = "
+                     f"{job.rollout.engine} cannot (vLLM's routed-experts capture is GPU-only; docs/moe.md); "
+                     "set rollout.engine=hf or model.moe_routing_replay=old")
+        if mode == "rollout" and job.multi_turn.enable:
+            p.append(f"{field} with multi_turn.enable: an episode's turns are generated apart and their "
+                     "routes are not joined yet; use model.moe_routing_replay=old")
+        if job.parallel.cp > 1 or job.parallel.sequence_parallel:
+            p.append(f"{field} with parallel.cp > 1 or parallel.sequence_parallel: each rank would route "
+                     "a slice of the sequence; not built, set parallel.cp=1 and sequence_parallel=false")
+        if job.parallel.recompute_granularity == "full":
+            p.append(f"{field} with parallel.recompute_granularity = full is not built (the recomputed "
+                     "layers would route again); use none or selective")
+        return p
+
+    def dense_replay_problem(self, source: str) -> List[str]:
+        """Replay on a model without experts (its config.json read by the caller)."""
+        if self.moe_routing_replay == "off":
+            return []
+        return [f"model.moe_routing_replay = {self.moe_routing_replay} needs a mixture-of-experts model, "
+                f"but model.path is dense {source}; set model.moe_routing_replay=off"]
 
     def resolve(self, job) -> None:
         self.tokenizer_path = self.tokenizer_path or self.path

@@ -12,8 +12,9 @@ the task advantages of algorithm.adv_estimator (no critic); `loss` adds coef x t
 to the actor's loss. Either way `teacher/kl` (the batch's mean kl per token) is logged each step.
 
 The teacher scores the student's token ids, so both must share one tokenizer: a teacher whose
-tokenizer differs is refused at load, naming both folders. It runs on the training ranks, on the
-actor's engine unless teacher.engine says otherwise, in the training layout, frozen (no optimizer,
+tokenizer differs is refused at load, naming both folders. It runs on the training ranks (in split
+placement too: the training group's, beside the actor, scoring the batches the rollout group
+streams), on the actor's engine unless teacher.engine says otherwise, in the training layout, frozen (no optimizer,
 never in a checkpoint: rebuilt from its folder), its weights in host memory while idle with
 teacher.param_offload.
 """
@@ -65,9 +66,6 @@ class TeacherConfig(Section):
             p.append("teacher.mode = reward adds the distillation advantage per token and takes no critic, but "
                      f"algorithm.adv_estimator = {job.algorithm.adv_estimator} (critic.enable) trains one: pick a "
                      "critic-free estimator (grpo, rloo, ...) or teacher.mode = loss")
-        if job.placement.split:
-            p.append("teacher.enable with placement.mode = split is not supported yet; use placement.mode = "
-                     "colocated")
         return p
 
     def engine_for(self, job) -> str:

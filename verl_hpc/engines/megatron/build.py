@@ -158,6 +158,8 @@ def prompt_sharing(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any], *
     why_not = ("context parallelism splits each row over the CP ranks" if cp > 1
                else "the head is not a language-model head" if o.head != "lm"
                else "sequence parallelism or FP8 is on" if sequence_parallel or o.fp8
+               else "multi-head latent attention (DeepSeek-V3) has no packed-prompt attention"
+               if getattr(gpt_chunks[0].config, "multi_latent_attention", False)
                else "virtual pipeline stages need fixed shapes" if vpp
                else "RoPE fusion takes one position per column" if rope_fusion
                else "core attention is not torch SDPA (Transformer Engine spec or "

@@ -63,6 +63,8 @@ from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.megatron.moe_stats import RouterStats
 from verl_hpc.engines.prefix import rank_microbatches
+from verl_hpc.engines.megatron.route_replay import KEY as ROUTES
+from verl_hpc.engines.megatron.route_replay import RouteReplay
 from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
@@ -133,6 +135,9 @@ class MegatronEngine(TrainingEngine):
         self._share_prompts, self._rotary = prompt_sharing(
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
             rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
+        # routing replay (model.moe_routing_replay; route_replay.py)
+        self.replay_mode = (o.moe_options or {}).get("routing_replay", "off") if arch.moe is not None else "off"
+        self.route_replay = RouteReplay(self.gpt_chunks, arch) if self.replay_mode != "off" else None
         self.steps_applied = 0
         self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         from verl_hpc.engines.offload import Offloader
@@ -205,38 +210,53 @@ class MegatronEngine(TrainingEngine):
                                      selected=selected)
         return outputs_lib.value_outputs
 
-    def _my_microbatches(self, batch, rows: Optional[List[int]] = None) -> List[MicroBatch]:
+    def _my_microbatches(self, batch, rows: Optional[List[int]] = None, share: bool = True) -> List[MicroBatch]:
         """This DP rank's micro-batches of `rows` of the batch (default: all), planned over those
         rows only, so the ranks share the work that is left. No rows at all still gives every rank
         a micro-batch (an empty one, which adds exactly 0: partition.py), so every rank enters the
-        same collectives."""
+        same collectives. share=False: one model row per sample (a forward that records routes)."""
         rows = list(range(batch["input_ids"].shape[0])) if rows is None else rows
         # the budget is per rank: a context-parallel group's micro-batch holds cp times it
         mine = rank_microbatches(batch, rows, self.dp, self.dp_rank, micro_batch_size=self.options.micro_batch_size,
                                  max_tokens=self.options.max_tokens_per_microbatch * self.cp,
-                                 share_prompts=self._share_prompts is not None,
+                                 share_prompts=share and self._share_prompts is not None,
                                  multiple_of=self.pp if self.vpp else 1)
         shape = None
         if self.vpp:  # the interleaved schedule cannot take variable shapes (megatron-core 0.16.1)
             lengths = batch["prompt_lengths"] + batch["response_lengths"]
             seq = max(max((int(lengths[i]) for i in mb), default=1) for mb in mine)
             shape = (max(max(len(mb) for mb in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
-        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, self._share_prompts, self._cp_group)
+        sharing = self._share_prompts if share else None
+        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, sharing, self._cp_group)
                 for mb in mine]
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
         want = tuple(outputs or self.default_outputs)
-        mbs = self._my_microbatches(batch)
+        # routing replay: the batch's routes are replayed; under "old" a batch without them has
+        # this forward's routes recorded (one model row per sample) and returned for the update
+        record = self.replay_mode == "old" and ROUTES not in batch
+        mbs = self._my_microbatches(batch, share=not record)
         for c in self.chunks:
             c.eval()
+        if self.route_replay is not None:
+            self.route_replay.begin(batch, record=record)
         with torch.no_grad(), self.resident("forward"):
             self._sync_params()
             collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
                                         forward_only=True, with_labels=self._labels_path(want),
-                                        output_layers=self._output_layers, rotary=self._rotary)
-        return gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
-                              self.device, self.reporting)
+                                        output_layers=self._output_layers, rotary=self._rotary,
+                                        replay=self.route_replay)
+        out = gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
+                             self.device, self.reporting)
+        if self.route_replay is not None and record:
+            out[ROUTES] = self.route_replay.routes(batch, self._coll_device())
+        return out
+
+    def route_metrics(self) -> Dict[str, float]:
+        """Router agreement of the replayed forwards since the last call (collective: every rank
+        calls it); {} without routing replay."""
+        return self.route_replay.metrics(self._coll_device()) if self.route_replay is not None else {}
 
     def global_counts(self, batch) -> GlobalCounts:
         mask = get_response_mask(batch)
@@ -254,6 +274,8 @@ class MegatronEngine(TrainingEngine):
         counts = dataclasses.replace(self.global_counts(batch),
                                      run_tokens=float(get_response_mask(batch)[rows].sum()))
         mbs = self._my_microbatches(batch, rows)
+        if self.route_replay is not None:
+            self.route_replay.begin(batch, record=False)
         self._skipped = skipped
         for c in self.chunks:
             c.train()
@@ -263,7 +285,7 @@ class MegatronEngine(TrainingEngine):
         _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
                                   counts=counts, forward_only=False,
                                   with_labels=self._labels_path(want), output_layers=self._output_layers,
-                                  rotary=self._rotary)
+                                  rotary=self._rotary, replay=self.route_replay)
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
@@ -295,6 +317,7 @@ class MegatronEngine(TrainingEngine):
                        packed_microbatches=float(self._packed_microbatches), **(self._skipped or {}))
         if self.router_stats is not None:
             metrics.update(self.router_stats.metrics(self._coll_device()))
+        metrics.update(self.route_metrics())
         if overflow:
             log.info("fp16 loss scale %g overflowed: optimizer step skipped, scale now %g", scale,
                      metrics["loss_scale"])

@@ -35,6 +35,7 @@ from verl_hpc.engines.base import GlobalCounts
 from verl_hpc.engines.batch import response_positions, response_tokens, select_rows
 from verl_hpc.engines.megatron.context_parallel import split_for_rank
 from verl_hpc.engines.megatron.outputs import next_token_labels
+from verl_hpc.models.moe_routes import pack_routes
 
 OutputFn = Callable[[torch.Tensor, Dict[str, torch.Tensor], Sequence[str]], Dict[str, torch.Tensor]]
 
@@ -95,7 +96,20 @@ class MicroBatch:
                                    "labels": sub["_labels"]}, cp_group)
             self.model_input_ids, self.model_position_ids = mine["input_ids"], mine["position_ids"]
             sub["_cp_labels"] = mine["labels"]
+        # routing replay: the routes in the model's own layout (packed rows when packed)
+        self.model_routes = None
+        if "routed_experts" in sub and not self.dummy:
+            self.model_routes = sub["routed_experts"] if packed is None else pack_routes(
+                sub["routed_experts"], sub["prompt_lengths"], sub["response_lengths"], packed.sample_rows,
+                packed.positions, tuple(packed.input_ids.shape))
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
+        # [rows, seq], True at padding (right padding, dummy rows): a router with a per-expert bias
+        # (DeepSeek-V3) counts only real tokens towards its load (models/deepseek.py)
+        self.padding_mask = None
+        if packed is None and not self.cp and "response_lengths" in sub:
+            real = sub["prompt_lengths"] + sub["response_lengths"]
+            pad = torch.arange(ids.shape[1]).unsqueeze(0) >= (0 if self.dummy else real.unsqueeze(1))
+            self.padding_mask = pad.to(device, non_blocking=True)
         self.tokens = 0.0 if self.dummy else float(sub["response_mask"].sum())
         self.real_rows = len(rows)
 
@@ -135,7 +149,7 @@ def _dummy_loss(output: torch.Tensor) -> torch.Tensor:
 def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, want: Sequence[str],
                  *, loss_fn=None, counts: Optional[GlobalCounts] = None, forward_only: bool,
                  with_labels: bool = False, output_layers: Optional[Dict[int, Any]] = None,
-                 rotary: Optional[Dict[int, Any]] = None,
+                 rotary: Optional[Dict[int, Any]] = None, replay=None,
                  ) -> Tuple[List[Tuple[MicroBatch, Dict[str, torch.Tensor]]], List[dict]]:
     """Run all micro-batches. Forward-only: returns [(mb, detached outputs)] on the last stage.
     Training: returns per-micro-batch records {"loss", "tokens", metrics...} on the last stage.
@@ -143,7 +157,8 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
     cross-entropy, see outputs.py). output_layers: {id(chunk): its output layer} for chunks whose
     output layer runs on the response positions only (models.gpt.select_output_positions); their
     labels are then the response tokens. rotary: {id(chunk): its rotary embedding} for chunks that
-    take per-row positions (models.gpt.per_row_positions), which packed micro-batches need."""
+    take per-row positions (models.gpt.per_row_positions), which packed micro-batches need.
+    replay: a route_replay.RouteReplay whose routes (or recording) each forward uses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     collected: List[Tuple[MicroBatch, Dict[str, torch.Tensor]]] = []
@@ -165,8 +180,14 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
             layer.selected_positions, layer.selected_rows = mb.data["_positions"], mb.sample_rows
         if rope is not None:
             rope.row_positions = mb.position_ids if mb.packed else None
+        if replay is not None:
+            replay.before(mb)
         try:
-            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels)
+            extra = ({"padding_mask": mb.padding_mask} if mb.padding_mask is not None
+                     and getattr(getattr(model, "config", None), "moe_router_enable_expert_bias", False) else {})
+            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels, **extra)
+            if replay is not None:
+                replay.after(mb)
         finally:
             if layer is not None:
                 layer.selected_positions = layer.selected_rows = None
@@ -195,8 +216,12 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         return output, loss_callback
 
     seq, mbs = max(mb.shape[1] for mb in microbatches), max(mb.shape[0] for mb in microbatches)
-    get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iters, model=list(chunks),
-        num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
-        forward_only=forward_only)
+    try:
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iters, model=list(chunks),
+            num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=mbs,
+            forward_only=forward_only)
+    finally:
+        if replay is not None:
+            replay.finish()
     return collected, records

@@ -125,14 +125,22 @@ def _flat_slabs(prefix: str, pieces, flat: torch.Tensor, shape, start: int, stop
         yield from _box_slabs(prefix, pieces, flat[fs - start: fe - start].view(box), off)
 
 
+EXPERT_BIAS = ".mlp.router.expert_bias"
+
+
 def _named_params(engine) -> Iterator[Tuple[Any, str, torch.nn.Parameter, Optional[Any]]]:
-    """The parameters the state holds: all of them, or under LoRA the adapters only (the frozen
-    base is named in the meta by path and fingerprint and comes from the model folder)."""
+    """The parameters the state holds: all of them (and the routers' expert-bias buffers, which
+    move every step), or under LoRA the adapters only (the frozen base is named in the meta by path
+    and fingerprint and comes from the model folder)."""
     lora = getattr(engine, "lora", None) is not None
     for gpt, head in zip(engine.gpt_chunks, engine.heads):
         for local, p in gpt.named_parameters():
             if not lora or p.requires_grad:
                 yield gpt, local, p, head
+        if not lora:  # a sigmoid router's per-expert bias: trained by its own rule, a buffer (models/deepseek.py)
+            for local, b in gpt.named_buffers():
+                if local.endswith(EXPERT_BIAS):
+                    yield gpt, local, b, head
 
 
 def _pieces_by_param(engine) -> Dict[int, Tuple[List[Piece], bool]]:

@@ -14,7 +14,7 @@ resumed job continues the prefixes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from verl_hpc.rollout.result import RolloutResult
 
@@ -25,6 +25,18 @@ class Sample:
     logprobs: List[float] = dataclasses.field(default_factory=list)
     versions: List[int] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None  # None while generating; "stop" | "length"
+    # routing replay: the latest chunk's routes of the whole sequence so far (a continuation feeds
+    # the prompt and the earlier tokens again, so its routes cover them; models/moe_routes.py)
+    routes: Any = None
+
+
+def samples_of(result: RolloutResult, version: int) -> Iterator[Tuple[int, int, Sample]]:
+    """(prompt, sample, Sample) of each row of a whole-response generation under weights `version`,
+    with the row's routes where the engine recorded them (routing replay)."""
+    routes = result.routes or [None] * len(result)
+    for i, j, toks, lps, why, r in zip(result.prompt_index, result.sample_index, result.response_ids, result.logprobs,
+                                       result.finish_reason, routes):
+        yield i, j, Sample(list(toks), list(lps), [version] * len(toks), why, r)
 
 
 @dataclasses.dataclass
@@ -51,16 +63,17 @@ class InFlight:
 
     def fill(self, result: RolloutResult, version: int) -> None:
         """A whole-response generation of every sample (chunk_tokens = 0)."""
-        for i, j, toks, lps, why in zip(result.prompt_index, result.sample_index, result.response_ids,
-                                        result.logprobs, result.finish_reason):
-            self.samples[i][j] = Sample(list(toks), list(lps), [version] * len(toks), why)
+        for i, j, sample in samples_of(result, version):
+            self.samples[i][j] = sample
         self.chunks += 1
 
     def extend(self, rows: List[Tuple[int, int]], result: RolloutResult, version: int, max_tokens: int) -> None:
         """A chunk: row r of `result` continues sample rows[r]; a sample that reaches max_tokens ends
         with "length" (the chunk's own "length" only means the chunk ended)."""
-        for (i, j), toks, lps, why in zip(rows, result.response_ids, result.logprobs, result.finish_reason):
+        routes = result.routes or [None] * len(result)
+        for (i, j), toks, lps, why, r in zip(rows, result.response_ids, result.logprobs, result.finish_reason, routes):
             s = self.samples[i][j]
+            s.routes = r
             s.tokens += toks
             s.logprobs += lps
             s.versions += [version] * len(toks)
@@ -90,7 +103,9 @@ class InFlight:
         return RolloutResult(prompts=self.fitted, prompt_index=[i for i, _, _ in rows],
                              sample_index=[j for _, j, _ in rows], response_ids=[s.tokens for *_, s in rows],
                              logprobs=[s.logprobs for *_, s in rows], finish_reason=[s.finish or "length" for *_, s in rows],
-                             num_truncated=self.num_truncated, versions=[s.versions for *_, s in rows])
+                             num_truncated=self.num_truncated, versions=[s.versions for *_, s in rows],
+                             routes=([s.routes for *_, s in rows] if all(s.routes is not None for *_, s in rows)
+                                     else None))
 
     def groups(self) -> "Groups":
         return Groups(self.prompts, self.result())

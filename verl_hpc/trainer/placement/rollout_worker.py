@@ -39,7 +39,7 @@ from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
-from verl_hpc.trainer.placement.elastic.coordinator import FIXED, Coordinator, group_spec, samples_of
+from verl_hpc.trainer.placement.elastic.coordinator import FIXED, Coordinator, group_spec, lease_samples
 from verl_hpc.trainer.placement.elastic.rendezvous import FILE, Rendezvous, config_path
 from verl_hpc.trainer.placement.inflight import BatchRecord, InFlight
 
@@ -77,7 +77,7 @@ class RolloutWorker:
         self.elastic = cfg.placement.elastic.enable
         self.coord = self.rendezvous = None
         if self.elastic and self.leader:
-            self.coord = Coordinator(cfg, self.world.store, epoch=int(time.time() * 1000),
+            self.coord = Coordinator(cfg, self.world.mailbox, epoch=int(time.time() * 1000),
                                      events=str(Path(cfg.trainer.output_dir) / FILE.parent / "events.jsonl"))
         self.next_open = 1  # elastic: the next batch of the stream to open (next_index: the next to hand over)
 
@@ -175,10 +175,13 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------------------- generation
     def _new_batch(self) -> InFlight:
-        prompts = broadcast_object(self.loader.next_batch() if self.leader else None)
+        return self._start_batch(self.next_index, broadcast_object(self.loader.next_batch() if self.leader else None))
+
+    def _start_batch(self, index: int, prompts) -> InFlight:
+        """Batch `index` of the stream: its prompts checked against the vocabulary and fitted."""
         fitted, truncated = fit_prompts(check_prompts(prompts.prompt_ids, self.rollout.vocab_size),
                                         self.rollout.max_prompt_length, self.rollout.prompt_overflow)
-        return InFlight.start(self.next_index, prompts, fitted, truncated, self.spec.n)
+        return InFlight.start(index, prompts, fitted, truncated, self.spec.n)
 
     def _generate_chunk(self) -> None:
         if self.inflight is None:
@@ -254,10 +257,7 @@ class RolloutWorker:
         c.service()
         # a batch s opens once some weights may start it (newest >= s - 1 - k), at most k + 2 ahead
         while self.next_open - 1 - self.k <= max(newest, 0) and len(c.batches) < self.k + 2:
-            prompts = self.loader.next_batch()
-            fitted, truncated = fit_prompts(check_prompts(prompts.prompt_ids, self.rollout.vocab_size),
-                                            self.rollout.max_prompt_length, self.rollout.prompt_overflow)
-            c.open(InFlight.start(self.next_open, prompts, fitted, truncated, self.spec.n))
+            c.open(self._start_batch(self.next_open, self.loader.next_batch()))  # the leader's alone: no broadcast
             self.next_open += 1
         for batch in c.ready():
             stats = dict(self.stats, **c.metrics())
@@ -284,7 +284,7 @@ class RolloutWorker:
     def _generate_group(self, p: dict) -> dict:
         """One leased group ({sample: Sample} of the lease's samples), with the group's own seed."""
         result = self.rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
-        return samples_of(p["samples"], result, self.weights.version)
+        return lease_samples(p["samples"], result, self.weights.version)
 
     # ---------------------------------------------------------------------------- checkpoints
     def state(self) -> Dict:

@@ -98,6 +98,19 @@ def steps_to_best(history, metric: str = "val/acc/all"):
     return best, min(s for s, v in points if v == best)
 
 
+def mismatch(history):
+    """(mean over steps of rollout/logprob_diff_mean, its largest step value, the mean router
+    agreement or None): a run's rollout/training gap (make demo-moe: with and without replay). The
+    agreement is the old-log-prob forward's (moe/route_agreement) or, with the on-policy shortcut,
+    the update's (actor/moe/route_agreement)."""
+    pick = lambda key: [r[key] for r in history if isinstance(r.get(key), (int, float))]  # noqa: E731
+    means = pick("rollout/logprob_diff_mean")
+    agree = pick("moe/route_agreement") or pick("actor/moe/route_agreement")
+    if not means:
+        return None
+    return sum(means) / len(means), max(means), (sum(agree) / len(agree) if agree else None)
+
+
 def compare(out: Path, runs) -> None:
     """Both runs' validation curves in one plot, and each one's best accuracy and when it got there."""
     from verl_hpc.tracking import read_history
@@ -111,6 +124,11 @@ def compare(out: Path, runs) -> None:
         best = steps_to_best(history)
         if best:
             print(f"  {label}: best {100 * best[0]:5.1f}% first at step {best[1]}")
+        gap = mismatch(history)
+        if gap:
+            print(f"  {label}: rollout vs training log-prob |diff| per token {gap[0]:.2e} (mean over steps; "
+                  f"worst step {gap[1]:.2e})"
+                  + (f"; router agreement {100 * gap[2]:.3f}%" if gap[2] is not None else ""))
     print(f"comparison plot: {path}")
 
 

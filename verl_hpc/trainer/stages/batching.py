@@ -11,6 +11,7 @@ from typing import Dict
 import torch
 
 from verl_hpc.engines.batch import length_mask, pack_sequences
+from verl_hpc.models.moe_routes import pad_routes
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.stages.step_batch import StepBatch
 
@@ -40,13 +41,16 @@ def assemble(prompts, result, tokenizer, pad_id: int) -> StepBatch:
     # what the reward function scores: the response, or an episode's final answer (its last model turn)
     texts = ([e.answer for e in result.episodes] if result.episodes is not None
              else tokenizer.batch_decode(result.response_ids, skip_special_tokens=True))
+    routes = (pad_routes(result.routes, tensors["input_ids"].shape[1])
+              if getattr(result, "routes", None) else None)  # routing replay: [B, S, L, k]
     return StepBatch(input_ids=tensors["input_ids"], prompt_lengths=tensors["prompt_lengths"],
                      response_lengths=tensors["response_lengths"], response_mask=mask,
                      ids=[prompts.ids[i] for i in idx], data_sources=[prompts.data_sources[i] for i in idx],
                      ground_truths=[prompts.ground_truths[i] for i in idx],
                      extras=[prompts.extras[i] for i in idx], response_texts=texts,
                      group_ids=torch.tensor(idx, dtype=torch.long), rollout_log_probs=logp,
-                     media=[prompts.media[i] for i in idx] if prompts.media else None)
+                     media=[prompts.media[i] for i in idx] if prompts.media else None,
+                     routed_experts=routes)
 
 
 def logprob_diff_metrics(rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor,

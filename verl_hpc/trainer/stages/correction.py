@@ -74,6 +74,8 @@ def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
         otb = cfg.algorithm.adv_estimator in SUM_PI_SQUARED_ESTIMATORS
         batch.fill(actor.log_probs(batch, sum_pi_squared=True) if otb else actor.log_probs(batch))
     m["actor/entropy"] = float(masked_mean(batch.entropy, batch.mask))
+    if hasattr(actor, "route_metrics"):  # routing replay: rollout's routes vs the actor's own router
+        m.update(actor.route_metrics())
 
 
 def apply(cfg, batch) -> Dict[str, float]:

@@ -11,9 +11,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from verl_hpc.models.moe_routes import fit_width
+
 # the per-token tensors an engine role or objective reads, under the engines' key names
 ENGINE_FIELDS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns", "rollout_is_weights",
-                 "m2po_keep", "teacher_log_probs")
+                 "m2po_keep", "teacher_log_probs", "routed_experts")
 
 
 @dataclasses.dataclass
@@ -25,7 +27,9 @@ class StepBatch:
         input_ids [B, S], prompt_lengths [B], response_lengths [B], response_mask [B, T],
         ids, data_sources, ground_truths, extras, response_texts (per sequence, from the prompts),
         group_ids [B] (prompt index: the GRPO/RLOO group), rollout_log_probs [B, T] (the rollout
-        engine's log-probs of the sampled tokens).
+        engine's log-probs of the sampled tokens), routed_experts [B, S, L, k] (routing replay
+        rollout: each token's top-k experts per MoE layer, aligned with input_ids;
+        verl_hpc.models.moe_routes).
     Filled by scoring (trainer/stages/scoring.py): token_scores [B, T] (outcome score on the last
         response token, DAPO overlong shaping applied); outcome_labels [B] (1.0 where the outcome
         score is >= reward.correct_at, else 0.0); baselines [B] (ReMax: the greedy response's
@@ -76,6 +80,9 @@ class StepBatch:
     returns: Optional[torch.Tensor] = None
     rollout_is_weights: Optional[torch.Tensor] = None
     m2po_keep: Optional[torch.Tensor] = None
+    # routing replay: [B, S, L, k] top-k experts per token and MoE layer (the rollout's, or under
+    # model.moe_routing_replay = old those the old-log-prob forward took)
+    routed_experts: Optional[torch.Tensor] = None
     # a vision-language model: per sequence its prompt's images (verl_hpc.data.processor.PromptImages,
     # None for a text prompt); the engines take their tensors as `image_inputs`
     media: Optional[List[Any]] = None
@@ -150,6 +157,9 @@ def concat_batches(batches: Sequence[StepBatch], pad_id: int) -> StepBatch:
             raise ValueError(f"concat_batches: {f.name} is filled in some rounds only")
         elif isinstance(values[0], list):
             fields[f.name] = sum(values, [])
+        elif f.name == "routed_experts":  # [B, S, L, k]: widened along the sequence with MISSING
+            width = max(v.shape[1] for v in values)
+            fields[f.name] = torch.cat([fit_width(v, width) for v in values])
         else:
             fields[f.name] = _pad_cat(values, pad_id if f.name == "input_ids" else 0)
     return StepBatch(**fields)

@@ -1,9 +1,9 @@
 """Weights to elastic rollout workers: a two-rank group per worker with the first training rank,
 which serves them the same snapshot it serves the fixed rollout group (resharding/bridge.py).
 
-    server = ElasticWeightServer(store, snapshot, timeout_s)   # first training rank; a thread
-    server.start(); ... server.close()
-    fetch = WeightFetcher(store, worker_id, timeout_s)         # a worker, another Slurm job
+    server = ElasticWeightServer(connect, snapshot, timeout_s)   # first training rank; a thread
+    server.start(); ... server.close()                           # connect(): a Mailbox of its own
+    fetch = WeightFetcher(mailbox, worker_id, timeout_s)         # a worker, another Slurm job
     version, tensors = fetch.newest(after=-1)                  # (name, tensor) of the newest snapshot
 
 Why a pair per worker and not one group over the pool: a torch/NCCL communicator cannot change
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import pickle
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -39,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.resharding.bridge import unpack
-from verl_hpc.runtime.split import POLL_S, GroupLostError
+from verl_hpc.runtime.split import POLL_S, Mailbox
 
 log = logging.getLogger(__name__)
 PAIRS = "elastic/pairs"  # a counter: pair requests so far (the store cannot list its keys)
@@ -57,22 +56,14 @@ def pair_group(store, worker: str, epoch: int, rank: int, timeout_s: float):
     return dist.ProcessGroupGloo(prefix, rank, 2, timeout)
 
 
-def _put(store, key: str, value) -> None:
-    store.set(key, pickle.dumps(value))
-
-
-def _get(store, key: str):
-    return pickle.loads(store.get(key))
-
-
 class ElasticWeightServer:
     """The first training rank's server for elastic workers (module docstring)."""
 
-    def __init__(self, store_factory: Callable[[], object], snapshot: Callable[[], Optional[tuple]],
+    def __init__(self, connect: Callable[[], Mailbox], snapshot: Callable[[], Optional[tuple]],
                  timeout_s: float, device=None):
-        """store_factory(): a store connection of the server thread's own; snapshot(): the newest
-        (version, buckets, manifest) or None, the weight publisher's."""
-        self.store_factory, self.snapshot, self.timeout_s = store_factory, snapshot, timeout_s
+        """connect(): a mailbox on a store connection of the server thread's own; snapshot(): the
+        newest (version, buckets, manifest) or None, the weight publisher's."""
+        self.connect, self.snapshot, self.timeout_s = connect, snapshot, timeout_s
         self.device = device
         self.pairs: Dict[str, object] = {}
         self.asked: Dict[str, int] = {}  # requests answered per worker
@@ -93,42 +84,40 @@ class ElasticWeightServer:
             self._thread.join(timeout=self.timeout_s)
 
     def _serve(self) -> None:
-        store = self.store_factory()
+        mail = self.connect()
         while not self._stop.is_set():
-            self._accept(store)
+            self._accept(mail)
             busy = False
             for worker in list(self.pairs):
                 key = f"elastic/ask/{worker}/{self.asked[worker]}"
-                if store.check([key]):
+                if mail.has(key):
                     busy = True
-                    self._answer(store, worker, key)
+                    self._answer(mail, worker, key)
             if not busy:
                 time.sleep(POLL_S)
 
-    def _accept(self, store) -> None:
+    def _accept(self, mail: Mailbox) -> None:
         """New pair requests: make each worker's group (its rank 0 side)."""
-        count = int(store.add(PAIRS, 0))
+        count = mail.add(PAIRS, 0)
         while self._seen < count:
-            worker, epoch = _get(store, f"elastic/pair/{self._seen}")
+            worker, epoch = mail.peek(f"elastic/pair/{self._seen}")
             self._seen += 1
             try:
-                self.pairs[worker] = pair_group(store, worker, epoch, 0, self.timeout_s)
+                self.pairs[worker] = pair_group(mail.store, worker, epoch, 0, self.timeout_s)
                 self.asked[worker] = 0
             except Exception as e:  # noqa: BLE001 - one worker's failure is that worker's
                 self._drop(worker, f"its pair group did not form ({type(e).__name__}: {e})")
 
-    def _answer(self, store, worker: str, key: str) -> None:
+    def _answer(self, mail: Mailbox, worker: str, key: str) -> None:
         n = self.asked[worker]
-        after = _get(store, key)
-        store.delete_key(key)
+        after = mail.take(key)
         snap = self.snapshot()
         if snap is None or snap[0] <= after:
-            _put(store, f"elastic/head/{worker}/{n}", None)
+            mail.put(f"elastic/head/{worker}/{n}", None)
             self.asked[worker] = n + 1
             return
         version, buckets, manifest = snap[:3]
-        _put(store, f"elastic/head/{worker}/{n}", dict(version=version, sizes=[b.numel() for b in buckets],
-                                                       rows=manifest))
+        mail.put(f"elastic/head/{worker}/{n}", dict(version=version, sizes=[b.numel() for b in buckets], rows=manifest))
         self.asked[worker] = n + 1
         try:
             for b in buckets:
@@ -148,11 +137,11 @@ class ElasticWeightServer:
 class WeightFetcher:
     """A worker's side: its pair with the first training rank, and the newest snapshot over it."""
 
-    def __init__(self, store, worker: str, timeout_s: float, epoch: int = 0, device=None):
-        self.store, self.worker, self.timeout_s, self.device = store, worker, timeout_s, device
-        index = int(store.add(PAIRS, 1)) - 1
-        _put(store, f"elastic/pair/{index}", (worker, epoch))
-        self.pair = pair_group(store, worker, epoch, 1, timeout_s)  # waits for the server's side
+    def __init__(self, mail: Mailbox, worker: str, timeout_s: float, epoch: int = 0, device=None):
+        self.mail, self.worker, self.timeout_s, self.device = mail, worker, timeout_s, device
+        index = mail.add(PAIRS, 1) - 1
+        mail.put(f"elastic/pair/{index}", (worker, epoch))
+        self.pair = pair_group(mail.store, worker, epoch, 1, timeout_s)  # waits for the server's side
         self.asked = 0
         self.version = -1
 
@@ -161,16 +150,10 @@ class WeightFetcher:
         this worker holds), or None when there is none newer."""
         after = self.version if after is None else after
         n = self.asked
-        _put(self.store, f"elastic/ask/{self.worker}/{n}", after)
+        self.mail.put(f"elastic/ask/{self.worker}/{n}", after)
         key = f"elastic/head/{self.worker}/{n}"
-        deadline = time.monotonic() + self.timeout_s
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise GroupLostError(f"rollout worker {self.worker}: the first training rank's weight server did "
-                                     f"not answer within {self.timeout_s:.0f} s; the run died or is stuck")
-            time.sleep(POLL_S)
-        head = _get(self.store, key)
-        self.store.delete_key(key)
+        self.mail.wait(key, "the first training rank's weight server", timeout_s=self.timeout_s)
+        head = self.mail.take(key)
         self.asked = n + 1
         if head is None:
             return None

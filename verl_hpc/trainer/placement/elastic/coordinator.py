@@ -1,7 +1,7 @@
 """The rollout leader's side of an elastic run: the book, the pool, and the store traffic with the
 workers (docs/elastic.md).
 
-    coord = Coordinator(cfg, store, epoch, clock)
+    coord = Coordinator(cfg, mailbox, epoch, clock)       # the rollout leader's mailbox (runtime/split.py)
     coord.open(inflight)                      # a batch the stream wants (its prompts)
     coord.service()                           # joins, heartbeats, goodbyes, lease requests, results
     leases = coord.lease("fixed", version)    # work for the run's own rollout ranks
@@ -29,14 +29,13 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import time
 from typing import Callable, Dict, List, Optional
 
 from verl_hpc.rollout.spec import request_seed
 from verl_hpc.trainer.placement.elastic.ledger import Lease, Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool
-from verl_hpc.trainer.placement.inflight import InFlight, Sample
+from verl_hpc.trainer.placement.inflight import InFlight, Sample, samples_of
 
 log = logging.getLogger(__name__)
 LEAVE = "leave"  # the answer to a worker that is not (or no longer) in the pool
@@ -50,21 +49,18 @@ def group_spec(spec, step: int, prompt: int):
     return dataclasses.replace(step_spec, seed=request_seed(step_spec.seed, "group", prompt) % 2**31)
 
 
-def samples_of(lease_samples, result, version: int) -> Dict[int, Sample]:
-    """The lease's samples from a `generate` of its whole group (rows = samples 0..n-1)."""
-    out = {}
-    for j, toks, lps, why in zip(result.sample_index, result.response_ids, result.logprobs, result.finish_reason):
-        if j in lease_samples:
-            out[j] = Sample(list(toks), list(lps), [version] * len(toks), why)
-    return out
+def lease_samples(samples, result, version: int) -> Dict[int, Sample]:
+    """The lease's samples (indices `samples`) from a `generate` of its whole group."""
+    return {j: sample for _, j, sample in samples_of(result, version) if j in samples}
 
 
 class Coordinator:
-    def __init__(self, cfg, store, epoch: int, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, cfg, mail, epoch: int, clock: Callable[[], float] = time.monotonic,
                  events: Optional[str] = None):
-        """events: the JSONL file of joins, leaves and weight loads (None: not written)."""
+        """mail: a runtime.split.Mailbox on the run's store; events: the JSONL file of joins, leaves
+        and weight loads (None: not written)."""
         e = cfg.placement.elastic
-        self.cfg, self.store, self.epoch, self.clock = cfg, store, epoch, clock
+        self.cfg, self.mail, self.epoch, self.clock = cfg, mail, epoch, clock
         self.groups_per_lease = e.groups_per_lease
         self.ledger = Ledger(cfg.async_training.staleness, e.straggler_deadline_s,
                              keep_prefixes=e.lost_samples == "continue")
@@ -117,27 +113,19 @@ class Coordinator:
         return out
 
     # ------------------------------------------------------------------ the workers
-    def _get(self, key: str):
-        value = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
-        return value
-
-    def _has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
-
     def service(self) -> None:
         """One pass over the workers' keys; then silent workers reaped and the minimum checked."""
         now = self.clock()
-        count = int(self.store.add("elastic/joins", 0))
+        count = self.mail.add("elastic/joins", 0)
         while self.joins_seen < count:
-            info = pickle.loads(self.store.get(f"elastic/join/{self.joins_seen}"))
+            info = self.mail.peek(f"elastic/join/{self.joins_seen}")
             self.joins_seen += 1
             self._join(info, now)
         for worker in list(self.pool.members):
-            if self._has(f"elastic/bye/{worker}"):
-                self._leave(worker, now, f"said goodbye: {self._get(f'elastic/bye/{worker}')}")
+            if self.mail.has(f"elastic/bye/{worker}"):
+                self._leave(worker, now, f"said goodbye: {self.mail.take(f'elastic/bye/{worker}')}")
                 continue
-            beats = int(self.store.add(f"elastic/beat/{worker}", 0))
+            beats = self.mail.add(f"elastic/beat/{worker}", 0)
             if beats != self.beats.get(worker):
                 self.beats[worker] = beats
                 self.pool.beat(worker, now)
@@ -160,7 +148,7 @@ class Coordinator:
         worker = info["worker"]
         if info.get("epoch") != self.epoch or worker in self.pool.members or worker in self.gone:
             why = "another epoch of the run" if info.get("epoch") != self.epoch else "a worker of that name already joined"
-            self.store.set(f"elastic/refused/{worker}", pickle.dumps(why))
+            self.mail.put(f"elastic/refused/{worker}", why)
             return
         self.pool.join(worker, now, job=str(info.get("job", "")), node=str(info.get("node", "")))
         self.wants[worker] = self.dones[worker] = 0
@@ -180,30 +168,30 @@ class Coordinator:
                  returned, len(self.pool))
 
     def _results(self, worker: str) -> None:
-        if worker not in self.load_s and self._has(f"elastic/loaded/{worker}"):
-            self.load_s[worker] = float(self._get(f"elastic/loaded/{worker}"))
+        if worker not in self.load_s and self.mail.has(f"elastic/loaded/{worker}"):
+            self.load_s[worker] = float(self.mail.take(f"elastic/loaded/{worker}"))
             self.event("weights", worker, load_s=round(self.load_s[worker], 3))
-        while self._has(f"elastic/done/{worker}/{self.dones[worker]}"):
-            for lease_id, samples in self._get(f"elastic/done/{worker}/{self.dones[worker]}").items():
+        while self.mail.has(f"elastic/done/{worker}/{self.dones[worker]}"):
+            for lease_id, samples in self.mail.take(f"elastic/done/{worker}/{self.dones[worker]}").items():
                 self.ledger.complete(lease_id, samples)
             self.dones[worker] += 1
 
     def _requests(self, worker: str, now: float) -> None:
         key = f"elastic/want/{worker}/{self.wants[worker]}"
-        if not self._has(key):
+        if not self.mail.has(key):
             return
-        want = self._get(key)
+        want = self.mail.take(key)
         leases = self.ledger.lease(worker, want["version"], now, min(want["groups"], self.groups_per_lease))
         self.counters["leased_groups"] += len(leases)
-        self.store.set(f"elastic/lease/{worker}/{self.wants[worker]}", pickle.dumps([self.payload(x) for x in leases]))
+        self.mail.put(f"elastic/lease/{worker}/{self.wants[worker]}", [self.payload(x) for x in leases])
         self.wants[worker] += 1
 
     def _refuse(self, worker: str) -> None:
         """Answer whatever a worker no longer in the pool asks with LEAVE."""
         n = self.wants.get(worker, 0)
-        if self._has(f"elastic/want/{worker}/{n}"):
-            self._get(f"elastic/want/{worker}/{n}")
-            self.store.set(f"elastic/lease/{worker}/{n}", pickle.dumps(LEAVE))
+        if self.mail.has(f"elastic/want/{worker}/{n}"):
+            self.mail.take(f"elastic/want/{worker}/{n}")
+            self.mail.put(f"elastic/lease/{worker}/{n}", LEAVE)
             self.wants[worker] = n + 1
 
     # ------------------------------------------------------------------ metrics and checkpoints

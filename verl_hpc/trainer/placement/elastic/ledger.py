@@ -21,18 +21,27 @@ prefix, else they are generated again. Samples are seeded by (step, prompt, samp
 so a regenerated sample under the same weights is the sample that was lost.
 
 Pure bookkeeping (no clocks, no I/O): the caller passes `now`, so that tests and the simulated
-cluster drive it with their own time. Written here: work-queue libraries (Celery, Dask, Ray) bring
+cluster drive it with their own time. The state sits behind three indexes, because each call would
+otherwise walk every sample of every open batch and the simulated cluster makes hundreds of
+thousands of calls (3 batches of 256 prompts x 8 samples handed out: 24 s of CPU with a scan of
+every open lease per sample, well under a second indexed): the open leases of each sample, the
+groups that may have a free sample (sorted by step and prompt), and the open leases by deadline.
+tests/elastic_naive_ledger.py holds the same rules as plain scans, and tests drive both with the
+same random calls. Written here: work-queue libraries (Celery, Dask, Ray) bring
 a broker or a scheduler process, which a Slurm run on a shared filesystem does not have.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import heapq
 import itertools
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from verl_hpc.trainer.placement.inflight import Sample
 
 Key = Tuple[int, int, int]  # (step, prompt, sample)
+Group = Tuple[int, int]  # (step, prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,70 +72,115 @@ class Ledger:
         self.k, self.deadline_s, self.keep_prefixes = staleness, deadline_s, keep_prefixes
         self.batches: Dict[int, _Batch] = {}
         self.open: Dict[int, Lease] = {}
-        # (step, prompt) -> the ids of its open leases: who holds a sample is asked for every sample
-        # each time work is handed out, and a scan of every open lease made that quadratic
-        # (3 batches of 256 prompts x 8 samples: 24 s of CPU to hand out, 0.6 s indexed, loaded machine)
-        self.by_group: Dict[Tuple[int, int], set] = {}
         self.prefix: Dict[Key, Sample] = {}
         self._ids = itertools.count(1)
         self.stats = {"redispatched": 0, "duplicates": 0, "returned": 0, "unknown_lease": 0}
         self.per_worker: Dict[str, int] = {}
+        self._reset_indexes()
+
+    def _reset_indexes(self) -> None:
+        self._holders: Dict[Key, List[Lease]] = {}  # sample -> its open leases
+        self._by_worker: Dict[str, Set[int]] = {}
+        self._candidates: List[Group] = []  # sorted; a superset of the groups with a free sample
+        self._in_candidates: Set[Group] = set()
+        self._deadlines: List[Tuple[float, int]] = []  # heap of (deadline, lease id), open or not
+        for step, batch in self.batches.items():
+            for i in range(batch.prompts):
+                self._offer((step, i))
+
+    # ------------------------------------------------------------------ indexes
+    def _offer(self, group: Group) -> None:
+        if group not in self._in_candidates:
+            self._in_candidates.add(group)
+            bisect.insort(self._candidates, group)
+
+    def _drop(self, index: int) -> None:
+        self._in_candidates.discard(self._candidates.pop(index))
+
+    def _expire(self, now: float) -> None:
+        """Leases whose deadline has passed no longer hold their samples: their groups may be free."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._deadlines)
+            lease = self.open.get(lease_id)
+            if lease is not None:
+                self._offer((lease.step, lease.prompt))
+
+    def _close(self, lease_id: int) -> Optional[Lease]:
+        """Remove an open lease from the book and its indexes; None if it is not open. Its undone
+        samples (if any) are free again."""
+        lease = self.open.pop(lease_id, None)
+        if lease is None:
+            return None
+        for j in lease.samples:
+            key = (lease.step, lease.prompt, j)
+            holders = [other for other in self._holders[key] if other is not lease]
+            if holders:
+                self._holders[key] = holders
+            else:
+                del self._holders[key]
+        self._by_worker[lease.worker].discard(lease.id)
+        self._offer((lease.step, lease.prompt))
+        return lease
+
+    def _free(self, group: Group, worker: str, now: float) -> Tuple[List[int], bool, bool]:
+        """(the group's samples free for `worker`, whether any of those was held before, whether any
+        sample is free for anyone). A sample is free when no lease holds it within its deadline; it
+        is not free for a worker that holds it (a straggler is not handed its own samples again)."""
+        step, prompt = group
+        batch = self.batches.get(step)
+        if batch is None:
+            return [], False, False
+        free, again, anyone = [], False, False
+        for j in range(batch.n):
+            if (prompt, j) in batch.done:
+                continue
+            held = self._holders.get((step, prompt, j), ())
+            live = [lease for lease in held if lease.deadline > now]
+            anyone |= not live
+            if not live and not any(lease.worker == worker for lease in held):
+                free.append(j)
+                again |= bool(held)
+        return free, again, anyone
 
     # ------------------------------------------------------------------ what is wanted
     def want(self, step: int, prompts: int, n: int) -> None:
         if step in self.batches:
             raise ValueError(f"batch {step} is already wanted")
         self.batches[step] = _Batch(step, prompts, n)
-
-    def _holders(self, key: Key) -> List[Lease]:
-        return [lease for lease in (self.open[i] for i in self.by_group.get(key[:2], ())) if key[2] in lease.samples]
-
-    def _close(self, lease_id: int) -> Optional[Lease]:
-        """Remove an open lease (and its place in the group index); None if it is not open."""
-        lease = self.open.pop(lease_id, None)
-        if lease is not None:
-            ids = self.by_group[(lease.step, lease.prompt)]
-            ids.discard(lease_id)
-            if not ids:
-                del self.by_group[(lease.step, lease.prompt)]
-        return lease
-
-    def _missing(self, worker: str, now: float) -> Iterator[Tuple[int, int, List[int], bool]]:
-        """(step, prompt, samples free for `worker`, whether any was held before) in step order. A
-        sample is free when no lease holds it within its deadline and `worker` holds none of it
-        (a straggler is not handed its own samples again)."""
-        for step in sorted(self.batches):
-            b = self.batches[step]
-            for i in range(b.prompts):
-                free, again = [], False
-                for j in range(b.n):
-                    if (i, j) in b.done:
-                        continue
-                    held = self._holders((step, i, j))
-                    if not any(lease.deadline > now or lease.worker == worker for lease in held):
-                        free.append(j)
-                        again |= bool(held)
-                if free:
-                    yield step, i, free, again
+        for i in range(prompts):
+            self._offer((step, i))
 
     # ------------------------------------------------------------------ handing out work
     def lease(self, worker: str, version: int, now: float, max_groups: int = 1) -> List[Lease]:
         """Up to `max_groups` prompts' missing samples for `worker`, oldest batch first, only from
         batches its weights may start (version >= step - 1 - k)."""
-        out = []
-        for step, prompt, samples, again in self._missing(worker, now):
-            if len(out) >= max_groups:
-                break
+        self._expire(now)
+        out, i = [], 0
+        while i < len(self._candidates) and len(out) < max_groups:
+            group = self._candidates[i]
+            samples, again, anyone = self._free(group, worker, now)
+            if not samples:
+                if anyone:
+                    i += 1
+                else:  # nothing here for anybody until a lease closes or expires
+                    self._drop(i)
+                continue
+            step, prompt = group
             if version < step - 1 - self.k:
                 break  # later batches need newer weights still
             prefixes = {j: self.prefix[(step, prompt, j)] for j in samples if (step, prompt, j) in self.prefix}
             lease = Lease(next(self._ids), worker, step, prompt, tuple(samples), version, now + self.deadline_s,
                           prefixes)
             self.open[lease.id] = lease
-            self.by_group.setdefault((step, prompt), set()).add(lease.id)
+            for j in samples:
+                self._holders.setdefault((step, prompt, j), []).append(lease)
+            self._by_worker.setdefault(worker, set()).add(lease.id)
+            heapq.heappush(self._deadlines, (lease.deadline, lease.id))
             if again:
                 self.stats["redispatched"] += len(samples)
             out.append(lease)
+            if not self._free(group, "", now)[2]:  # leased whole: set aside until something changes
+                self._drop(i)
         return out
 
     def progress(self, lease_id: int, sample: int, prefix: Sample) -> None:
@@ -134,7 +188,8 @@ class Ledger:
         lease = self.open.get(lease_id)
         if lease is not None and self.keep_prefixes and sample in lease.samples:
             key = (lease.step, lease.prompt, sample)
-            if len(prefix.tokens) > len(self.prefix.get(key, Sample()).tokens):
+            old = self.prefix.get(key)
+            if old is None or len(prefix.tokens) > len(old.tokens):
                 self.prefix[key] = prefix
 
     def complete(self, lease_id: int, samples: Dict[int, Sample]) -> List[int]:
@@ -159,7 +214,7 @@ class Ledger:
         """Close every open lease of `worker`: their undone samples are free again (with their
         prefixes under keep_prefixes). Returns how many samples went back."""
         returned = 0
-        for lease_id in [i for i, lease in self.open.items() if lease.worker == worker]:
+        for lease_id in sorted(self._by_worker.get(worker, ())):
             lease = self._close(lease_id)
             batch = self.batches.get(lease.step)
             for j in lease.samples:
@@ -203,4 +258,5 @@ class Ledger:
             self.batches[int(s)] = batch
         self.prefix = {tuple(k): Sample(**v) for k, v in state["prefix"].items()}
         self.stats, self.per_worker = dict(state["stats"]), dict(state["per_worker"])
-        self.open, self.by_group = {}, {}
+        self.open = {}
+        self._reset_indexes()

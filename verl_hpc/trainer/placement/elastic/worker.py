@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -27,7 +26,7 @@ import threading
 import time
 from typing import List, Optional
 
-from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
+from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError, Mailbox
 from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
 
 log = logging.getLogger("verl_hpc.elastic.worker")
@@ -68,37 +67,21 @@ class Worker:
 
         timeout = self.cfg.async_training.poll_timeout_s or self.cfg.trainer.collective_timeout_s
         self.timeout_s = timeout
-        self.store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        self.mail = Mailbox(store, f"elastic rollout worker {self.name}", timeout)
         self.signalled: Optional[str] = None
         self.wants = self.dones = 0
         self.version = -1
 
-    # ------------------------------------------------------------------ the store
-    def _put(self, key: str, value) -> None:
-        self.store.set(key, pickle.dumps(value))
-
-    def _has(self, key: str) -> bool:
-        return bool(self.store.check([key]))
-
-    def _wait_take(self, key: str):
-        deadline = time.monotonic() + self.timeout_s
-        while not self._has(key):
-            self._check_run()
-            if time.monotonic() > deadline:
-                raise Leaving(f"the run did not answer '{key}' within {self.timeout_s:.0f} s")
-            time.sleep(POLL_S)
-        value = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
-        return value
-
+    # ------------------------------------------------------------------ the run
     def _check_run(self) -> None:
+        """Leaving raised where this worker should go: a signal, the run's stop, the run's refusal."""
         if self.signalled:
             raise Leaving(self.signalled)
-        if self._has(STOP):
+        if self.mail.has(STOP):
             raise Leaving("the run stopped", said=False)
-        if self._has(f"elastic/refused/{self.name}"):
-            raise Leaving(f"the run refused it: {pickle.loads(self.store.get(f'elastic/refused/{self.name}'))}",
-                          said=False)
+        if self.mail.has(f"elastic/refused/{self.name}"):
+            raise Leaving(f"the run refused it: {self.mail.peek(f'elastic/refused/{self.name}')}", said=False)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -112,15 +95,15 @@ class Worker:
             signal.signal(sig, lambda *_, why=why: setattr(self, "signalled", f"stopped by {why}"))
         self.spec = SamplingSpec.from_config(self.cfg.rollout)
         with build_rollout(rollout_options(self.cfg), None) as rollout:
-            index = int(self.store.add("elastic/joins", 1)) - 1
-            self._put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
+            index = self.mail.add("elastic/joins", 1) - 1
+            self.mail.put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
                                                     job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
             beating = threading.Event()
             threading.Thread(target=self._beat, args=(beating,), daemon=True).start()
             log.info("elastic worker %s: joined %s", self.name, self.run_dir)
             fetcher = None
             try:
-                fetcher = WeightFetcher(self.store, self.name, self.timeout_s)
+                fetcher = WeightFetcher(self.mail, self.name, self.timeout_s)
                 while True:
                     self._check_run()
                     self._weights(rollout, fetcher)
@@ -130,7 +113,7 @@ class Worker:
                     self._work(rollout)
             except Leaving as e:
                 if e.said:
-                    self._put(f"elastic/bye/{self.name}", e.reason)
+                    self.mail.put(f"elastic/bye/{self.name}", e.reason)
                 log.info("elastic worker %s: leaving: %s", self.name, e.reason)
                 return 0
             except GroupLostError as e:  # the run stopped answering (its weight server, a lease)
@@ -149,7 +132,7 @@ class Worker:
             try:
                 import torch.distributed as dist
 
-                host, port = self.store.host, self.store.port
+                host, port = self.mail.store.host, self.mail.store.port
                 store = store or dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
                 store.add(f"elastic/beat/{self.name}", 1)
             except Exception:  # noqa: BLE001 - the main loop notices a lost run
@@ -163,7 +146,7 @@ class Worker:
         version, tensors = got
         rollout.load_weights(iter(tensors))
         if self.version < 0:  # the join's cost: its first weights, fetched and loaded
-            self._put(f"elastic/loaded/{self.name}", time.perf_counter() - t0)
+            self.mail.put(f"elastic/loaded/{self.name}", time.perf_counter() - t0)
         self.version = version
         log.info("elastic worker %s: weights version %d loaded in %.1f s", self.name, version, time.perf_counter() - t0)
 
@@ -171,8 +154,11 @@ class Worker:
         from verl_hpc.trainer.placement.elastic.coordinator import LEAVE
 
         n = self.wants
-        self._put(f"elastic/want/{self.name}/{n}", dict(version=self.version, groups=self.cfg.placement.elastic.groups_per_lease))
-        payloads = self._wait_take(f"elastic/lease/{self.name}/{n}")
+        self.mail.put(f"elastic/want/{self.name}/{n}", dict(version=self.version,
+                                                            groups=self.cfg.placement.elastic.groups_per_lease))
+        key = f"elastic/lease/{self.name}/{n}"
+        self.mail.wait(key, "the run's rollout leader", watch=self._check_run)
+        payloads = self.mail.take(key)
         self.wants += 1
         if payloads == LEAVE:
             raise Leaving("the run dropped it from the pool (it was silent too long)", said=False)
@@ -184,17 +170,17 @@ class Worker:
             done[p["id"]] = self._generate(rollout, p)
             if self.signalled:
                 break  # what it finished goes in; the rest goes back with its goodbye
-        self._put(f"elastic/done/{self.name}/{self.dones}", done)
+        self.mail.put(f"elastic/done/{self.name}/{self.dones}", done)
         self.dones += 1
         log.info("elastic worker %s: %d group(s) done (weights version %d)", self.name, len(done), self.version)
 
 
     def _generate(self, rollout, p: dict) -> dict:
         """One leased group: {sample: Sample} of the lease's samples."""
-        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, samples_of
+        from verl_hpc.trainer.placement.elastic.coordinator import group_spec, lease_samples
 
         result = rollout.generate([p["prompt_ids"]], group_spec(self.spec, p["step"], p["prompt"]))
-        return samples_of(p["samples"], result, self.version)
+        return lease_samples(p["samples"], result, self.version)
 
 
 def main(argv=None) -> int:
