@@ -179,7 +179,7 @@ MOVING = ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3", "actor.optim.lr_dec
 # metrics that measure the machine, not the run
 VOLATILE = ("timing_s/", "perf/", "throughput/", "time", "sync/seconds", "sync/gb_per_s",
             "sync/export_seconds", "sync/load_seconds", "rollout/seconds", "rollout/tokens_per_s",
-            "episode/tool_latency", "mem_peak_gib/", "mem_rise_gib/")
+            "episode/tool_latency", "mem_peak_gib/", "mem_rise_gib/", "judge/latency_s")
 
 
 def grpo(root: Path, out: Path, *extra, ranks: int = 1, timeout: int = 400):

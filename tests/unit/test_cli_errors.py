@@ -64,6 +64,7 @@ WALK = [
     ("verl_hpc.trainer.programs.demo", ["--rl-config", "{tmp}/nope.yaml"], 2, "error: --rl-config: no such config file"),
     ("verl_hpc.trainer.programs.demo_distill", ["--student-layers", "0"], 2,
      "error: --teacher-steps and --student-layers: got 60 and 0; valid: >= 1"),
+    ("verl_hpc.trainer.programs.demo_judge", ["{tmp}/nope"], 2, "error: OUT '{tmp}/nope': no data/train.parquet"),
     ("verl_hpc.trainer.programs.greedy_eval", ["{tmp}/nope", "{tmp}/val.parquet"], 2,
      "error: MODEL_DIR: no such folder '{tmp}/nope'"),
     ("verl_hpc.trainer.programs.greedy_eval", ["{json_model}", "{tmp}/val.parquet"], 10,

@@ -81,6 +81,7 @@ def _models(cfg: JobConfig) -> List[str]:
     prm = cfg.prm.model_path
     if cfg.trainer.job == "rl" and cfg.prm.wanted(cfg) and prm and prm != cfg.model.path:
         p += _model(cfg, prm, "prm.model_path")  # the PRM is built in the training layout too
+    p += cfg.reward.reward_model.folder_problems(cfg)  # a scorer's head and tokenizer, a judge's tokens
     teacher = cfg.teacher
     if teacher.enable and cfg.trainer.job == "rl":
         folder = teacher.folder_problems(cfg)  # the folders and their tokenizers first: shapes mean little else

@@ -160,7 +160,7 @@ class EngineOptions:
         if not rm.path:
             raise ConfigError("reward.reward_model.path: empty; a reward-model role needs a model folder")
         return cls(model_path=rm.path, head="value", trainable=False, optim=None, lora=None,
-                   **_offload(None),
+                   **_offload(rm),
                    micro_batch_size=actor.micro_batch_size,
                    max_tokens_per_microbatch=actor.max_tokens_per_microbatch, **common)
 

@@ -106,6 +106,14 @@ def known_arch(path_or_name: str) -> Optional[ModelArch]:
 def model_arch(path: str, *, allow_known: bool = True, field: str = "model.path") -> ModelArch:
     """The architecture at `path` (config.json), else a KNOWN one by name when allowed."""
     if path and Path(path, "config.json").is_file():
+        if field == "reward.reward_model.path":  # a *ForSequenceClassification scorer: its causal LM's shape
+            from verl_hpc.models.config_mapping import load_hf_config, parse_hf_config
+
+            data = load_hf_config(path)
+            archs = data.get("architectures") or []
+            if len(archs) == 1 and archs[0].endswith("ForSequenceClassification"):
+                data = dict(data, architectures=[archs[0][: -len("ForSequenceClassification")] + "ForCausalLM"])
+            return parse_hf_config(data, source=str(Path(path) / "config.json"))
         return load_arch(path)
     arch = known_arch(path) if allow_known else None
     if arch is None:

@@ -47,10 +47,10 @@ from verl_hpc.planning.rollout import adapter_slot_rank, kv_capacity, rollout_by
 from verl_hpc.planning.split import SplitPlan, ranks_on_nodes
 from verl_hpc.planning.training import ActivationSetup, Precision, cp_tokens
 
-PHASES = ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "teacher_logprob",
+PHASES = ("build", "startup", "weight_sync", "rollout", "reward_score", "old_logprob", "ref_logprob", "teacher_logprob",
           "prm_logprob", "update_prm",
           "values", "update_critic", "update_actor", "checkpoint", "rollback")
-COMPONENTS = ("actor", "critic", "ref", "prm", "teacher", "activations", "logits", "gathered", "vllm", "resharding",
+COMPONENTS = ("actor", "critic", "ref", "prm", "teacher", "reward", "activations", "logits", "gathered", "vllm", "resharding",
               "nccl", "overhead")
 ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
 # a split job's training ranks: no vLLM to start or to generate with
@@ -238,11 +238,16 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                               engines=planned.trained_engines())
     nccl = nccl_bytes(comms)
     overhead = float(hardware.CUDA_CONTEXT_BYTES) if gpu else 0.0
+    judge_awake, judge_idle = judge_bytes(cfg, gpu, gpu_total, allow_known) if group != "rollout" else (0.0, 0.0)
+    if judge_awake:
+        notes.append(judge_note(cfg, gpu, judge_awake))
 
     def row(active: Dict[str, str], extra: Dict[str, float], vllm: float) -> Dict[str, float]:
         r = {c: 0.0 for c in COMPONENTS}
         for name, st in roles.items():
             r[name] = st.resident(active.get(name, "idle"))
+        if judge_awake:  # the generative judge: awake while it scores, asleep (or on the host) else
+            r["reward"] += judge_awake if active.get("reward") == "forward" else judge_idle
         r.update(extra)
         r["resharding"] += delta_copies
         r["vllm"] = vllm
@@ -301,6 +306,26 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
                       group=group, ranks=_group_ranks(cfg, group), blocking=blocking)
 
 
+def judge_bytes(cfg, gpu: bool, gpu_total: float, allow_known: bool):
+    """(bytes while it scores, bytes while idle) of the generative judge on a training rank's
+    device (on a CPU: the host's, which is the device). vLLM: judge.gpu_memory_utilization x the
+    GPU, asleep (level 1) between steps: nothing on the device; HF generate: its weights (bf16 on a
+    GPU, moved to the host while idle; fp32 on a CPU, resident)."""
+    rm = cfg.reward.reward_model
+    if not (rm.enable and rm.kind == "judge" and rm.path):
+        return 0.0, 0.0
+    if gpu and rm.judge.uses_vllm(gpu):
+        return rm.judge.gpu_memory_utilization * gpu_total, 0.0
+    params = float(total_params(model_arch(rm.path, allow_known=allow_known, field="reward.reward_model.path")))
+    return (2.0 * params, 0.0) if gpu else (4.0 * params, 4.0 * params)
+
+
+def judge_note(cfg, gpu: bool, awake: float) -> str:
+    engine = "vLLM" if awake and gpu and cfg.reward.reward_model.judge.engine != "hf" else "HF generate"
+    return (f"generative judge ({engine}): {awake / 2**30:.2f} GiB while it scores (the reward_score row), "
+            + ("asleep otherwise" if gpu else "resident throughout"))
+
+
 def _vllm_notes(cfg, group: str, gpu: bool, asleep: bool) -> List[str]:
     if group == "rollout":
         return ["split placement: the rollout ranks hold only vLLM, awake throughout (no sleep mode)"]
@@ -333,6 +358,9 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         "weight_sync": row({"actor": "forward"}, {"resharding": resharding}, vllm_sync),
         # generation: vLLM awake (weights, KV cache, CUDA graphs); the Megatron roles idle
         "rollout": row({}, {}, budget),
+        # the reward model's scores: the scorer's forward (batched as the actor's), or the judge awake
+        "reward_score": row({"reward": "forward"}, forward_working(cfg.actor, "value", "reward")
+                            if "reward" in roles else {}, vllm_idle),
         "old_logprob": row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle),
         "ref_logprob": row({"ref": "forward"}, forward_working(cfg.actor, "lm", "ref"), vllm_idle),
         # on-policy distillation: the teacher's forward, batched as the actor's
@@ -356,6 +384,8 @@ def _training_rows(cfg, roles, row, one_role_at_a_time, forward_working, activat
         table["ref_logprob"] = row({"actor": "forward"}, forward_working(cfg.actor, "lm", "actor"), vllm_idle)
     if "teacher" not in roles:
         del table["teacher_logprob"]
+    if not cfg.reward.reward_model.enable:
+        del table["reward_score"]
     if "critic" not in roles:
         del table["values"], table["update_critic"]
     if "prm" not in roles:

@@ -52,7 +52,7 @@ class RoleState:
 # the role -> (its section's attribute, head, model path field) of a job config
 ROLE_FIELDS = {"actor": ("model.path", "lm"), "ref": ("model.path", "lm"),
                "critic": ("critic.model_path", "value"), "prm": ("prm.model_path", "lm"),
-               "teacher": ("teacher.model_path", "lm")}
+               "teacher": ("teacher.model_path", "lm"), "reward": ("reward.reward_model.path", "value")}
 
 
 @dataclasses.dataclass
@@ -129,6 +129,9 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
     if cfg.trainer.job == "rl" and cfg.teacher.enable:  # one frozen engine per distinct teacher folder
         for i, folder in enumerate(dict.fromkeys(cfg.teacher.folders().values())):
             wanted["teacher" if i == 0 else f"teacher:{folder}"] = (cfg.teacher, False, folder)
+    rm = cfg.reward.reward_model
+    if rm.enable and rm.kind == "scorer" and rm.path:  # frozen, on the training ranks (the judge: judge_bytes)
+        wanted["reward"] = (rm, False, rm.path)
     out = PlannedRoles({}, {}, {}, {}, {}, lambda *a: {}, 0)
     mega_layers = {}
     for name, (role_cfg, trainable, path) in wanted.items():

@@ -31,7 +31,7 @@ from verl_hpc.rewards import registry
 from verl_hpc.rewards.custom import CustomFn, load_custom_function
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rewards.gsm8k import METHODS as GSM8K_METHODS
-from verl_hpc.rewards.reward_model import RewardModel, combine, rm_scores
+from verl_hpc.rewards.reward_model import RewardModel, combine, normalize, rm_scores
 from verl_hpc.rewards.timeout import FunctionExited, RewardTimeout, TimedCaller
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,15 @@ SCORE_MAX = float(torch.finfo(torch.float32).max)  # scores are float32 tensors
 class RewardScorer:
     def __init__(self, on_error: str, custom_function: Optional[CustomFn] = None,
                  reward_model: Optional[RewardModel] = None, *, gsm8k_method: str,
-                 timeout_s: float = 0.0, custom_name: str = ""):
+                 timeout_s: float = 0.0, custom_name: str = "", rm_weight: float = 1.0,
+                 rule_weight: float = 1.0, rm_normalize: str = "none"):
         if on_error not in ON_ERROR:
             raise RewardError(f"reward.on_error: invalid value {on_error!r}; valid: {', '.join(ON_ERROR)}")
         if gsm8k_method not in GSM8K_METHODS:
             raise RewardError(f"gsm8k_method: invalid value {gsm8k_method!r}; valid: {', '.join(GSM8K_METHODS)}")
         self.on_error, self.custom, self.reward_model = on_error, custom_function, reward_model
         self.gsm8k_method = gsm8k_method
+        self.rm_weight, self.rule_weight, self.rm_normalize = rm_weight, rule_weight, rm_normalize
         self.call = TimedCaller(timeout_s)
         self.custom_name = custom_name or getattr(custom_function, "__qualname__", "custom")
         self.errors_total = 0
@@ -65,9 +67,17 @@ class RewardScorer:
         if reward_cfg.reward_model.enable and reward_model is None:
             raise RewardError("reward.reward_model.enable is true, but no reward model was passed to the scorer "
                               "(the engine's reward role builds it from reward.reward_model.path)")
-        return cls(reward_cfg.on_error, fn, reward_model if reward_cfg.reward_model.enable else None,
+        rm = reward_cfg.reward_model
+        return cls(reward_cfg.on_error, fn, reward_model if rm.enable else None,
                    gsm8k_method=reward_cfg.gsm8k_method, timeout_s=reward_cfg.timeout_s,
-                   custom_name=reward_cfg.custom_function)
+                   custom_name=reward_cfg.custom_function, rm_weight=rm.weight, rule_weight=rm.rule_weight,
+                   rm_normalize=rm.normalize)
+
+    def rules_only(self) -> "RewardScorer":
+        """This scorer without its reward model (reward.reward_model.validate = false: validation by
+        the rules); the error count is its own."""
+        return RewardScorer(self.on_error, self.custom, None, gsm8k_method=self.gsm8k_method,
+                            timeout_s=self.call.timeout_s, custom_name=self.custom_name)
 
     # ------------------------------------------------------------------------------ routing
     def rule_for(self, data_source: str) -> Optional[registry.RuleScorer]:
@@ -155,10 +165,15 @@ class RewardScorer:
         scores = rule
         metrics: Dict[str, float] = {}
         if self.reward_model is not None:
-            rm = rm_scores(self.reward_model, rm_batch, n)
-            scores = combine(rule, has_rule, rm)
-            metrics["reward/rm/mean"] = float(rm.mean()) if n else 0.0
+            raw = rm_scores(self.reward_model, rm_batch, n)
+            rm = normalize(raw, self.rm_normalize)
+            scores = combine(rule, has_rule, rm, self.rm_weight, self.rule_weight)
+            metrics["reward/rm/mean"] = float(raw.mean()) if n else 0.0
             metrics["reward/rule/mean"] = float(rule[has_rule].mean()) if has_rule.any() else 0.0
+            metrics.update(getattr(self.reward_model, "last_metrics", {}))  # the judge's verdict counts
+            agree = getattr(self.reward_model, "agreement", None)
+            if agree is not None and has_rule.any():  # where a rule scored too: do the two agree?
+                metrics["judge/agreement"] = agree(raw[has_rule], rule[has_rule])
         self.errors_total += errors
         metrics.update(_summaries(scores, data_sources, returned))
         metrics["reward/errors"] = float(errors)

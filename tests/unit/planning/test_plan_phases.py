@@ -27,10 +27,12 @@ def actor_parts(plan_cfg):
 
 
 def test_phases_follow_the_agreed_step_order():
-    assert PHASES == ("build", "startup", "weight_sync", "rollout", "old_logprob", "ref_logprob", "teacher_logprob",
-                      "prm_logprob", "update_prm", "values", "update_critic", "update_actor", "checkpoint", "rollback")
+    assert PHASES == ("build", "startup", "weight_sync", "rollout", "reward_score", "old_logprob", "ref_logprob",
+                      "teacher_logprob", "prm_logprob", "update_prm", "values", "update_critic", "update_actor",
+                      "checkpoint", "rollback")
     teacher = ["teacher.enable=true", "teacher.mode=loss", "teacher.model_path=/path/to/Meta-Llama-3-70B-Instruct"]
-    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), [*ROLLBACK, "prm.enable=true", *teacher]))
+    rm = ["reward.reward_model.enable=true", "reward.reward_model.path=/path/to/Meta-Llama-3-8B-rm"]
+    plan = plan_job(load_config(str(REPO / "configs/ppo_70b.yaml"), [*ROLLBACK, "prm.enable=true", *teacher, *rm]))
     assert list(plan.table) == list(PHASES)  # printed in run order
 
 

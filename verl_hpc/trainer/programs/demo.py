@@ -24,6 +24,10 @@ beyond the tiny model): SFT on noisy labels, then GRPO on the FSDP engine with t
 rollout and update. It also writes OUT/val_answers.png, validation pictures with the answers
 before and after RL.
 
+--task judge (make demo-judge; outputs/demo_judge): the arithmetic demo, its RL phase rewarded only
+by a generative judge trained here (verl_hpc/trainer/programs/demo_judge.py, configs/demo_judge.yaml);
+it also prints the judge's held-out accuracy and its agreement with the rule during RL.
+
 --task tool: the tool demo instead (make demo-tool; outputs/demo_tool): 5-digit products that the
 tiny model gets right only by calling `calculator` in a multi-turn episode. Data from
 `python -m verl_hpc.data.prepare tool_arith` (multi-turn SFT demonstrations, most replaced by direct
@@ -59,6 +63,8 @@ TASKS = {
                    rl_config="configs/demo_vlm.yaml", sft_noise=0.7, out="outputs/demo_vlm",
                    model=("verl_hpc.models.tiny_vlm", "qwen2_5_vl")),
 }
+# make demo-judge: the arithmetic task, its RL rewarded only by a tiny judge trained here (demo_judge.py)
+TASKS["judge"] = dict(TASKS["arith"], rl_config="configs/demo_judge.yaml", out="outputs/demo_judge", judge=True)
 GRID_SAMPLES = 12  # validation pictures in the visual demo's before/after grid
 
 
@@ -196,8 +202,16 @@ def main(argv=None) -> int:
     sh([py, "-m", "verl_hpc.submit", task["sft_config"], "--local", *common,
         f"model.path={out}/model", f"data.sft_files=[{out}/data/sft.parquet]",
         f"trainer.output_dir={out}/sft", f"trainer.hf_output_dir={out}/sft/hf", *a.overrides], "SFT warm start")
+    judged = []
+    if task.get("judge"):  # the judge: its own data and SFT, then measured on held-out answers
+        from verl_hpc.trainer.programs.demo_judge import train_judge
+
+        judge_acc = train_judge(out, seed=a.seed)
+        print(f"judge accuracy on 500 held-out answers: {100 * judge_acc:.1f}%")
+        judged = [f"reward.reward_model.path={out}/judge_sft/hf"]
     rl = lambda config: [py, "-m", "verl_hpc.submit", config, "--local", *common,  # noqa: E731
-                         f"model.path={out}/sft/hf", f"trainer.output_dir={phase_dir(config)}", *a.overrides]
+                         f"model.path={out}/sft/hf", f"trainer.output_dir={phase_dir(config)}", *judged,
+                         *a.overrides]
     sh(rl(a.rl_config), f"RL ({Path(a.rl_config).stem})")
     if a.compare:
         sh(rl(a.compare), f"RL ({Path(a.compare).stem})")
@@ -208,6 +222,12 @@ def main(argv=None) -> int:
     print(f"validation accuracy (greedy, {out}/data/val.parquet):")
     print(f"  after SFT warm start (before RL): {before:5.1f}%")
     print(f"  after {summary['steps']} RL steps ({Path(a.rl_config).stem}): {after:5.1f}%   ({after - before:+.1f} points)")
+    if task.get("judge"):
+        rows = [json.loads(line) for line in (rl_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        agree = [r["judge/agreement"] for r in rows if "judge/agreement" in r]
+        if agree:
+            print(f"judge/agreement with the rule during RL: {100 * agree[0]:.0f}% (step 1) -> "
+                  f"{100 * agree[-1]:.0f}% (last step); judge accuracy held out {100 * judge_acc:.1f}%")
     if a.task == "tool":
         rate = lambda v: 100 * v.get("val/episode/tool_call_rate", 0.0)  # noqa: E731
         print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")
@@ -217,7 +237,7 @@ def main(argv=None) -> int:
         print(f"image grid: {answer_grid(out, rl_out, summary['steps'])}")
     measured = summary.get("host_peak_gib_per_rank") or []
     if measured:
-        planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *a.overrides])
+        planned = planned_host_gib(a.rl_config, [*common, f"model.path={out}/sft/hf", *judged, *a.overrides])
         print(f"peak host memory per rank: {max(measured):.2f} GiB measured, {planned:.2f} GiB planned "
               f"(python -m verl_hpc.plan {a.rl_config})")
     print(f"plot:    {summary.get('plot')}")

@@ -51,6 +51,7 @@ from verl_hpc.trainer.hooks.guard import NonFiniteGuard
 from verl_hpc.trainer.placement import choose
 from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer
 from verl_hpc.trainer.stages.prm_stage import PrmStage
+from verl_hpc.trainer.stages.rm_record import RewardModelRecord
 from verl_hpc.trainer.stages.teacher_stage import TeacherRecord, TeacherStage
 from verl_hpc.trainer.roles import build_roles
 from verl_hpc.trainer.hooks.rollback import RollbackGuard, RollbackHook, apply_lr_factor
@@ -90,8 +91,9 @@ class RLTrainer(StepProgram):
             self.scorer.check_samples(*_columns(self.loader.dataset))
             if self.roles.teacher is not None:  # and rows no teacher scores
                 self.roles.teacher.check_sources(_columns(self.loader.dataset)[1])
-            if val_set is not None:
-                self.scorer.check_samples(*_columns(val_set))
+            if val_set is not None:  # reward.reward_model.validate = false: the rules must score it alone
+                (self.scorer if cfg.reward.reward_model.validate else self.scorer.rules_only()).check_samples(
+                    *_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)
         self.sampler = StepSampler(cfg, ctx, self.roles, self.loader, self.scorer, SamplingSpec.from_config(cfg.rollout),
                                    source=self.placement.source)
@@ -113,7 +115,10 @@ class RLTrainer(StepProgram):
         states = {"loader": self.placement.checkpoint_state(self.loader), "kl_ctrl": self.kl_ctrl,
                   "guard": self.guard, "task_weights": self.task_weights, "rollback": self.rollback,
                   # frozen: named by folder and fingerprint, never saved (trainer/stages/teacher_stage.py)
-                  "teacher": TeacherRecord(cfg.teacher) if self.roles.teacher is not None else None}
+                  "teacher": TeacherRecord(cfg.teacher) if self.roles.teacher is not None else None,
+                  # the scorer or judge: frozen as well (verl_hpc/trainer/stages/rm_record.py)
+                  "reward_model": (RewardModelRecord(cfg.reward.reward_model, self.roles.reward_model)
+                                   if self.roles.reward_model is not None else None)}
         self.checkpointer = make_checkpointer(
             cfg, ctx, engines=self.roles.trained_engines(), states={k: v for k, v in states.items() if v is not None},
             fmt=FORMAT, total_steps=self.total_steps,
@@ -225,7 +230,9 @@ class RLTrainer(StepProgram):
 
     def _validate(self, tracker, step: int) -> Dict[str, float]:
         self.rollout_weights.ready()  # its sync/* go to the next step's row (rollout_weights.py)
-        val = self.validator.run(self.roles.generate, self.scorer, self.roles.pad_id, self.roles.reward_model)
+        rm = self.roles.reward_model if self.cfg.reward.reward_model.validate else None
+        scorer = self.scorer if rm is not None or self.roles.reward_model is None else self.scorer.rules_only()
+        val = self.validator.run(self.roles.generate, scorer, self.roles.pad_id, rm)
         if tracker is not None:
             tracker.log(val, step)
         if self.ctx.rank == 0:

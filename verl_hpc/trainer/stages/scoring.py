@@ -17,7 +17,9 @@ def score_batch(scorer, batch, rm=None, components: Sequence[str] = ()) -> Tuple
     rows, so every rank scores them (no broadcast); a reward model's forward is a collective.
     `components` (GDPO's algorithm.gdpo_reward_keys): also batch.reward_components [B, K], each
     key's number in the reward function's returned dict."""
-    rm_batch = batch.engine_batch() if rm is not None else None
+    rm_batch = None
+    if rm is not None:  # a judge reads text (its own inputs); a scorer the engines' token batch
+        rm_batch = rm.inputs(batch) if hasattr(rm, "inputs") else batch.engine_batch()
     args = (batch.ids, batch.data_sources, batch.response_texts, batch.ground_truths, batch.extras)
     if not components:
         return scorer.score(*args, rm_batch=rm_batch)

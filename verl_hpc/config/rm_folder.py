@@ -1,0 +1,72 @@
+"""Pre-queue checks of a reward model's folder (reward.reward_model.path), one line each.
+
+A scorer is a single-label *ForSequenceClassification checkpoint (config.json names the class and
+one label): its `score` head gives one number per sequence, read on the last token of the policy's
+own token ids, so its tokenizer must be the policy's. A judge is a causal LM that reads text: any
+tokenizer, but with verdict = yes_no its 'yes' and 'no' must be one token each (their next-token
+log-probs are the verdict).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.hf_model import read_hf_config
+
+FIELD = "reward.reward_model.path"
+
+
+def _architecture(path: str) -> tuple:
+    data = read_hf_config(path, FIELD)
+    arch = (data.get("architectures") or [""])[0] or data.get("model_type", "?")
+    return data, arch
+
+
+def scorer_folder_problems(path: str, policy_tokenizer: str, trust_remote_code: bool = False) -> List[str]:
+    try:
+        data, arch = _architecture(path)
+    except ConfigError as e:
+        return list(e.problems)
+    if not arch.endswith("ForSequenceClassification"):
+        return [f"{FIELD}: '{path}' is a {arch}, not a sequence-classification model; reward.reward_model.kind = "
+                "scorer needs a *ForSequenceClassification checkpoint with one label (or kind = judge for a "
+                "causal LM)"]
+    labels = len(data.get("id2label") or {}) or int(data.get("num_labels", 2))
+    if labels != 1:
+        return [f"{FIELD}: '{path}' ({arch}) has {labels} labels; a scorer gives one number per response: "
+                "valid: num_labels = 1"]
+    from verl_hpc.config.sections.teacher import tokenizer_difference
+
+    why = tokenizer_difference(policy_tokenizer, path, trust_remote_code) if policy_tokenizer else ""
+    if why:
+        return [f"{FIELD}: the scorer's tokenizer ({path}) is not the policy's (model.tokenizer_path: "
+                f"{policy_tokenizer}): {why}; the scorer reads the policy's token ids"]
+    return []
+
+
+def judge_folder_problems(path: str, judge, trust_remote_code: bool = False) -> List[str]:
+    """judge: the reward.reward_model.judge section."""
+    try:
+        _, arch = _architecture(path)
+    except ConfigError as e:
+        return list(e.problems)
+    if not arch.endswith(("ForCausalLM", "ForConditionalGeneration")):
+        return [f"{FIELD}: '{path}' is a {arch}; reward.reward_model.kind = judge needs a causal LM "
+                "(*ForCausalLM) that generates its verdict"]
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any load failure is this folder's problem, on one line
+        return [f"{FIELD}: the judge's tokenizer does not load from '{path}' ({type(e).__name__}: "
+                f"{(str(e).splitlines() or [''])[0]})"]
+    if judge.verdict != "yes_no":
+        return []
+    p = []
+    for name in ("yes_token", "no_token"):
+        text = getattr(judge, name)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            p.append(f"reward.reward_model.judge.{name} = {text!r} is {len(ids)} tokens for the judge's tokenizer "
+                     f"({path}); verdict = yes_no reads one token's log-prob: pick a text that is one token")
+    return p
