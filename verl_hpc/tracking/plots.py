@@ -57,6 +57,12 @@ PANELS: tuple[Panel, ...] = (
           right_ylim=(-0.02, 1.02)),
     # on-policy distillation: the student's reverse KL to the teacher on its own samples
     Panel("Distillation", "KL(student || teacher) (nats/token)", ("teacher/kl",)),
+    # a generative judge (reward.reward_model.kind = judge): the share of responses it gave a verdict
+    # and how often it agrees with the rule where the task has one, against the responses it failed
+    # (a judge that is being gamed shows as agreement falling while the reward climbs)
+    Panel("Judge (reward model)", "share of the step's responses", ("judge/verdict_rate", "judge/agreement"),
+          ylim=(-0.02, 1.02), right=("judge/parse_failures", "judge/timeouts"),
+          right_ylabel="responses without a verdict"),
     Panel("SFT loss", "cross-entropy (nats/token)", ("sft/loss",)),
     Panel("Reward per task", "reward", ("task/*/reward", "val/task/*/reward")),  # data.tasks
     Panel("Task weights", "weight", ("task/*/weight",)),  # data.task_weights: what each step drew with

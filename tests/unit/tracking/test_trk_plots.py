@@ -137,3 +137,15 @@ def test_routing_replay_panel(tmp_path):
     assert res.series["Routing replay (MoE)"] == ["moe/route_agreement", "moe/route_agreement/layer_0",
                                                  "moe/route_agreement/layer_1"]
     read_png(res.path)
+
+
+def test_judge_panel(tmp_path):
+    """reward.reward_model.kind = judge: verdict rate and agreement with the rule, failures on the right."""
+    rows = [{"step": s, "time": 0.0, "reward/score/mean": 0.1, "judge/verdict_rate": 1.0 - 0.1 * (s == 3),
+             "judge/agreement": 0.9, "judge/parse_failures": float(s == 3), "judge/timeouts": 0.0,
+             "judge/latency_s": 0.1} for s in range(1, 9)]
+    res = write_plots(rows, tmp_path / "j.png")
+    assert res.panels == ["Reward", "Judge (reward model)"]
+    assert res.series["Judge (reward model)"] == ["judge/verdict_rate", "judge/agreement", "judge/parse_failures",
+                                                 "judge/timeouts"]
+    read_png(res.path)

@@ -122,6 +122,9 @@ class Ledger:
         self._offer((lease.step, lease.prompt))
         return lease
 
+    def _leases_of(self, worker: str) -> List[int]:
+        return sorted(self._by_worker.get(worker, ()))
+
     def _free(self, group: Group, worker: str, now: float) -> Tuple[List[int], bool, bool]:
         """(the group's samples free for `worker`, whether any of those was held before, whether any
         sample is free for anyone). A sample is free when no lease holds it within its deadline; it
@@ -214,7 +217,7 @@ class Ledger:
         """Close every open lease of `worker`: their undone samples are free again (with their
         prefixes under keep_prefixes). Returns how many samples went back."""
         returned = 0
-        for lease_id in sorted(self._by_worker.get(worker, ())):
+        for lease_id in self._leases_of(worker):
             lease = self._close(lease_id)
             batch = self.batches.get(lease.step)
             for j in lease.samples:
