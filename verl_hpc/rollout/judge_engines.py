@@ -15,8 +15,8 @@ Both decode greedily: a verdict is a function of its prompt, the same on every r
 from __future__ import annotations
 
 import logging
-import os
 import math
+import os
 from typing import List, Sequence
 
 import torch
