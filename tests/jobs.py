@@ -25,6 +25,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARIES = ("rl_summary.json", "sft_summary.json", "dpo_summary.json")
@@ -197,6 +198,21 @@ def small(root: Path, *extra):
             "data.max_response_length=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
             "actor.micro_batch_size=2", "critic.micro_batch_size=2", "actor.optim.lr=1e-4",
             "slurm.cpus_per_task=2", *extra]
+
+
+def straight_and_resumed(run, tmp: Path, *extra) -> Tuple[Path, Path, object]:
+    """The same job run straight to its last step (`straight`), and stopped after step 1 with a
+    checkpoint then resumed to the end (`split`); every launch must succeed and the resume start at
+    step 1. run(out, *overrides) -> (proc, summary), the caller's job with its own overrides.
+    Returns the two output folders and the resumed launch's process."""
+    straight, split = tmp / "straight", tmp / "split"
+    proc, _ = run(straight, *extra)
+    assert proc.returncode == 0, logs(proc, straight)
+    proc, _ = run(split, *extra, "trainer.total_steps=1", "checkpoint.save_every=1")
+    assert proc.returncode == 0, logs(proc, split)
+    proc, s = run(split, *extra)
+    assert proc.returncode == 0 and s["resumed_from"] == 1, logs(proc, split)
+    return straight, split, proc
 
 
 def stable_metrics(out: Path):

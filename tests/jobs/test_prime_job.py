@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jobs import MOVING, grpo, logs, read_all, stable_metrics
+from jobs import MOVING, grpo, logs, read_all, stable_metrics, straight_and_resumed
 
 PRIME = ["algorithm.recipe=prime", "rollout.n=4", "prm.optim.lr=1e-3", "prm.ppo_mini_batch_size=2",
          "prm.micro_batch_size=8", "prm.warmup_steps=1", "algorithm.max_num_gen_batches=2"]
@@ -16,14 +16,8 @@ PRIME = ["algorithm.recipe=prime", "rollout.n=4", "prm.optim.lr=1e-3", "prm.ppo_
 @pytest.fixture(scope="module")
 def resumed(warm_assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prime_job")
-    straight, split = tmp / "straight", tmp / "split"
-    common = [f"model.path={warm_assets}/sft/hf", *MOVING, *PRIME]
-    proc, _ = grpo(warm_assets, straight, "trainer.total_steps=3", *common)
-    assert proc.returncode == 0, logs(proc, straight)
-    proc, _ = grpo(warm_assets, split, "trainer.total_steps=1", "checkpoint.save_every=1", *common)
-    assert proc.returncode == 0, logs(proc, split)
-    proc, s = grpo(warm_assets, split, "trainer.total_steps=3", *common)
-    assert proc.returncode == 0 and s["resumed_from"] == 1, logs(proc, split)
+    common = [f"model.path={warm_assets}/sft/hf", *MOVING, *PRIME, "trainer.total_steps=3"]
+    straight, split, proc = straight_and_resumed(lambda out, *extra: grpo(warm_assets, out, *common, *extra), tmp)
     return straight, split, logs(proc, split)
 
 
