@@ -112,3 +112,71 @@ def test_ulysses_alltoall_formula_by_hand():
     # sp = 2: the KV heads split (no repeat): k, v hand 2*(S/2)*32*4 per row
     assert ulysses_alltoall_bytes(m, 2, [(1, 8)], 2, backward=False) == 2 * (2 * 4 * 4 + 2 * 2 * 4) * 32 * 2
     assert ulysses_alltoall_bytes(m, 1, mbs, 4, backward=True) == 0
+
+
+def test_async_collectives_inside_a_coalescing_block_run_as_torch_runs_them(world):
+    """Megatron's DDP with overlap_grad_reduce issues async collectives inside torch's
+    _coalescing_manager, where torch returns a placeholder Work whose every attribute access raises.
+    The wrapper must hand it back untouched: the block ends, cm.wait() runs the coalesced
+    all-reduce, and no coalescing state is left on the group (a leftover op list would queue every
+    later collective of that group without running it)."""
+    from torch.distributed.distributed_c10d import _coalescing_manager, _world
+
+    tensors = [torch.full((4,), float(i)) for i in range(3)]
+    with _coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+        for t in tensors:
+            dist.all_reduce(t, async_op=True)
+    cm.wait()
+    assert not _world.pg_coalesce_state
+    assert collectives.counts() == {("all_reduce", "world"): (3, 48)}
+    dist.all_reduce(tensors[0])  # the group is usable again: a plain collective runs at once
+    assert collectives.counts() == {("all_reduce", "world"): (4, 64)}
+
+
+def test_the_wrapper_returns_torchs_own_work_object(world):
+    """FSDP2 decides whether to wait by isinstance(work, Work) and C++ takes the Work itself: an
+    async collective returns exactly torch's object."""
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    assert type(work) is dist.distributed_c10d.Work or isinstance(work, dist.distributed_c10d.Work)
+    assert type(work).__module__.startswith("torch")
+    work.wait()
+    assert dist.all_reduce(torch.ones(2)) is None
+
+
+def test_every_collective_of_the_installed_torch_is_counted(world):
+    """Every torch.distributed function that takes a group and async_op (a collective) is wrapped:
+    a torch upgrade that adds a collective path (FSDP2 moved to all_gather_single /
+    reduce_scatter_single in torch 2.13) fails here instead of going uncounted."""
+    import inspect
+
+    collective = [n for n in dir(dist) if not n.startswith("__") and inspect.isfunction(getattr(dist, n, None))
+                  and {"group", "async_op"} <= set(inspect.signature(getattr(dist, n)).parameters)]
+    assert "all_reduce" in collective and len(collective) >= 10
+    unwrapped = [n for n in collective if not hasattr(getattr(dist, n), "__wrapped_collective__")]
+    assert not unwrapped, f"collectives runtime/collectives.py does not wrap on torch {torch.__version__}: {unwrapped}"
+
+
+def test_fsdp2_collectives_are_counted():
+    """A real FSDP2 forward and backward over 2 ranks of torch's in-process fake backend (its
+    collectives do nothing, FSDP2 does not know): its parameter all-gathers and its gradient
+    reduce-scatters, whatever functions the installed torch routes them through, are counted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        collectives.install()
+        mesh = init_device_mesh("cpu", (2,))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        collectives.reset()
+        model(torch.ones(3, 8)).sum().backward()
+        ops = {op: calls for (op, _), (calls, _) in collectives.counts().items()}
+    finally:
+        dist.destroy_process_group()
+    gathers = sum(ops.get(op, 0) for op in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"))
+    scatters = sum(ops.get(op, 0) for op in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"))
+    assert gathers >= 2 and scatters >= 2, ops  # each of the 2 layers' parameters gathered, gradients scattered

@@ -26,7 +26,7 @@ from verl_hpc.models.config_mapping import (
     transformer_config,
 )
 from verl_hpc.models.moe import count_real_tokens_for_expert_bias, use_torch_router_gemm
-from verl_hpc.runtime.device import has_gpu
+from verl_hpc.runtime.device import compute_device, has_gpu
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,10 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
     if post_process:
         _mask_padded_vocab(model, arch, ps.get_tensor_model_parallel_rank(), tp)
     model.verl_arch = arch  # the mapping reads the real vocabulary and family from here
-    # On GPU, use_cpu_initialization=False already placed the parameters on the current device.
+    # use_cpu_initialization=False places Megatron's own parameters on the current GPU, but not what
+    # torch builds itself (the torch-norm fallback without apex): move the whole model, as
+    # Megatron-LM's get_model does
+    model.to(compute_device())
     return model
 
 

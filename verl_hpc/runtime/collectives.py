@@ -12,9 +12,17 @@ through the namespace: the one this project calls, `all_to_all_single_autograd` 
 regrouping of engines/fsdp/ulysses.py), is wrapped in its own module and counted as
 `all_to_all_single`, its backward (the same exchange of the output's gradient, run by autograd
 in C++) by a hook on the output's gradient.
-The wrappers look the real function up at call time's closure, cost a dict update per call, and
-wrap the Work handle of `async_op=True` calls so that an error surfacing in `wait()` is named too.
+The wrappers look the real function up at call time's closure and cost a dict update per call.
 torch has no hook API for this (its c10d logger only logs), hence the wrapping.
+
+A wrapper never changes what a collective does or returns: it hands back torch's own object, the
+Work of an `async_op=True` call included. Inside `_coalescing_manager` torch returns a placeholder
+(`_IllegalWork`) whose every attribute access raises; FSDP2 tests `isinstance(work, Work)` to know
+whether to wait; C++ code takes the Work itself. So an error that surfaces only in an async
+`wait()` is not renamed here (NCCL's watchdog names the collective and its sequence number), and
+the wrapper never looks at what torch returned. Which collectives FSDP2, Megatron and the project
+reach on the installed torch is tested (tests/unit/test_collectives.py): a torch upgrade that adds
+a path the table below does not know fails there, not silently in the counts.
 
 Payload bytes are what the caller hands to the collective on this rank, not what crosses a wire:
 all_reduce/broadcast/send/recv: the tensor; reduce_scatter: the full input; all_gather: the full
@@ -44,6 +52,13 @@ _TENSOR_ARG = {  # collective -> how to find its payload tensor(s)
     "_reduce_scatter_base": lambda a, k: _arg(a, k, 1, "input"),
     "all_gather_into_tensor": lambda a, k: _arg(a, k, 0, "output_tensor"),
     "_all_gather_base": lambda a, k: _arg(a, k, 0, "output_tensor"),
+    "all_gather_single": lambda a, k: _arg(a, k, 0, "output_tensor"),  # FSDP2's (torch >= 2.13)
+    "reduce_scatter_single": lambda a, k: _arg(a, k, 1, "input"),  # FSDP2's (torch >= 2.13)
+    "all_reduce_coalesced": lambda a, k: _arg(a, k, 0, "tensors"),
+    "all_gather_coalesced": lambda a, k: _arg(a, k, 0, "output_tensor_lists"),
+    "all_to_all": lambda a, k: _arg(a, k, 1, "input_tensor_list"),
+    "gather": lambda a, k: _arg(a, k, 0, "tensor"),
+    "scatter": lambda a, k: _arg(a, k, 0, "tensor"),
     "all_gather": lambda a, k: _arg(a, k, 0, "tensor_list"),
     "reduce_scatter": lambda a, k: _arg(a, k, 1, "input_list"),
     "all_to_all_single": lambda a, k: _arg(a, k, 1, "input"),
@@ -52,6 +67,10 @@ _TENSOR_ARG = {  # collective -> how to find its payload tensor(s)
     "broadcast_object_list": lambda a, k: None,
     "batch_isend_irecv": lambda a, k: [op.tensor for op in _arg(a, k, 0, "p2p_op_list") or []],
 }
+# collectives whose group may be given positionally (found among the arguments by type)
+_GROUP_POSITIONAL = ("all_reduce", "reduce_scatter_tensor", "_reduce_scatter_base", "all_gather_into_tensor",
+                     "_all_gather_base", "all_gather", "reduce_scatter", "barrier", "all_gather_single",
+                     "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced", "all_to_all", "gather", "scatter")
 # isend/irecv stay unwrapped: torch.distributed.P2POp accepts only the very function objects
 # isend/irecv as its `op` (a wrapper fails its check), so point-to-point traffic is counted where
 # the batch is handed over (batch_isend_irecv, which Megatron's pipeline schedules use) and in
@@ -120,33 +139,13 @@ def _fail(op: str, group, t0: float, err: BaseException):
         f"{type(err).__name__}: {err}") from err
 
 
-class _NamedWork:
-    """A Work handle whose wait() names the collective when it fails."""
-
-    def __init__(self, work, op, group, t0):
-        self._work, self._op, self._group, self._t0 = work, op, group, t0
-
-    def wait(self, *args, **kwargs):
-        try:
-            return self._work.wait(*args, **kwargs)
-        except CollectiveError:
-            raise
-        except Exception as err:  # noqa: BLE001 - re-raised with the name
-            _fail(self._op, self._group, self._t0, err)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 def _wrap(op: str, fn: Callable) -> Callable:
     payload = _TENSOR_ARG[op]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         group = kwargs.get("group")
-        if group is None and op in ("all_reduce", "reduce_scatter_tensor", "_reduce_scatter_base",
-                                    "all_gather_into_tensor", "_all_gather_base", "all_gather",
-                                    "reduce_scatter", "barrier"):
+        if group is None and op in _GROUP_POSITIONAL:
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
         key = (op, group_name(group))
         _count(key, _nbytes(payload(args, kwargs)))
@@ -157,11 +156,7 @@ def _wrap(op: str, fn: Callable) -> Callable:
             raise
         except Exception as err:  # noqa: BLE001 - re-raised with the name
             _fail(op, group, t0, err)
-        if out is not None and hasattr(out, "wait") and op != "batch_isend_irecv":
-            return _NamedWork(out, op, group, t0)
-        if op == "batch_isend_irecv" and out:
-            return [_NamedWork(w, op, group, t0) for w in out]
-        return out
+        return out  # torch's own object, never touched (a coalescing placeholder raises on any access)
 
     wrapper.__wrapped_collective__ = fn
     return wrapper

@@ -94,6 +94,41 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def compute_device() -> torch.device:
+    """Where this rank's models and their tensors live: its GPU (the current device, which
+    device_for made this rank's), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if has_gpu() else torch.device("cpu")
+
+
+def misplaced_tensors(modules, device: torch.device, limit: int = 3) -> list:
+    """'name (device)' of up to `limit` parameters or buffers of `modules` that are not on `device`.
+    The device contract of every engine after its build: Megatron builds some modules itself with
+    torch defaults (its torch-norm fallback without apex, for one), which stay on the CPU unless the
+    whole model is moved, and the first sign on a GPU is a mixed-device error deep in a forward."""
+    want = torch.device(device)
+    out = []
+    for module in modules:
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+                out.append(f"{name} ({t.device})")
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def place_on_device(modules, what: str):
+    """Move `modules` (a list) to compute_device(), as Megatron-LM's get_model does after building,
+    then check that nothing stayed behind; returns the device. RuntimeError naming the tensors
+    otherwise."""
+    device = compute_device()
+    for m in modules:
+        m.to(device)
+    stray = misplaced_tensors(modules, device)
+    if stray:
+        raise RuntimeError(f"{what}: tensors not on {device} after moving the model there: {', '.join(stray)}")
+    return device
+
+
 def backend_for(requested: str) -> str:
     """'auto' -> nccl with GPUs, gloo without. An explicit nccl without a GPU is an error."""
     if requested == "auto":

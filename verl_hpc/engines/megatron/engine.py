@@ -69,7 +69,7 @@ from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.models import export_hf_weights
 from verl_hpc.models.gpt import token_alignment
-from verl_hpc.runtime.device import collective_device
+from verl_hpc.runtime.device import collective_device, place_on_device
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ class MegatronEngine(TrainingEngine):
                                                              self.gpt_chunks[0].verl_arch)
             lora_lib.attach(self.gpt_chunks, self.lora, seed=o.lora_seed,
                             sequence_parallel=self.sequence_parallel, start=start)
-        self.device = next(self.gpt_chunks[0].parameters()).device
+        # value heads and adapters are attached after the build: the device contract is checked on
+        # the whole model (runtime.device.place_on_device), before DDP allocates its buffers
+        self.device = place_on_device(self.gpt_chunks, f"the Megatron engine ({o.model_path})")
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         # one rank per DP replica reports: CP ranks hold the same gathered results (context_parallel.py)
         self.reporting = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0

@@ -176,7 +176,15 @@ def ensure_optimizer_state(optimizer) -> None:
             if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
                 for g in inner.param_groups:
                     for p in g["params"]:
-                        inner.state[p].setdefault("step", torch.tensor(0.0))
+                        inner.state[p].setdefault("step", adam_step_tensor(g, p))
+
+
+def adam_step_tensor(group: dict, param: torch.Tensor) -> torch.Tensor:
+    """A zero step count where torch's Adam(W) itself would create it: on the parameter's device for
+    the fused and capturable kernels (the CUDA fused kernel refuses a CPU step: pytorch issue
+    124133), on the CPU for the others."""
+    on_param = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=param.device if on_param else "cpu")
 
 
 def _optimizer_entries(engine) -> Iterator[Tuple[torch.nn.Parameter, int, int, Dict[str, torch.Tensor]]]:
