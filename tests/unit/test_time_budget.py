@@ -76,6 +76,10 @@ def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(
         def test_slow():
             time.sleep(1.5)
 
+        @pytest.mark.gpu
+        def test_slow_on_a_gpu():  # no budget: compilation and CUDA start-up on the GPU machine
+            time.sleep(1.5)
+
         def test_quick(shared):
             pass
 
@@ -90,7 +94,7 @@ def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "test_it.py"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert re.search(r"2 failed, 2 passed", r.stdout), r.stdout
+    assert re.search(r"2 failed, 3 passed", r.stdout), r.stdout
     assert "FAILED test_it.py::test_slow - time budget" in r.stdout, r.stdout  # the test is the one named
     assert re.search(r"time budget: test_it.py::test_slow took \d+ s of setup and call, over the unit tier's "
                      r"budget of 1 s", r.stdout), r.stdout

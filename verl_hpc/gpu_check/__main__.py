@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -31,6 +32,13 @@ def dry_run(checks) -> str:
         lines.append(f"  {c.name:<{width}}  {c.machine:<40}  {c.what}{after}")
     lines += [f"WARNING: not the verified versions: {w}" for w in version_warnings()]
     return "\n".join(lines)
+
+
+def write_rows(out: Path, rows) -> None:
+    """OUT/gpu_check.json, rewritten after each check: make gpu-all's summary lists the failures from it."""
+    (out / "gpu_check.json").write_text(json.dumps({"rows": [
+        {"check": c.name, "status": st, "detail": detail, "seconds": round(sec, 1)} for c, st, detail, sec in rows]},
+        indent=1) + "\n")
 
 
 def main(argv=None) -> int:
@@ -68,13 +76,14 @@ def main(argv=None) -> int:
     kit = Kit(out=out, rehearsal=args.cpu_rehearsal)
     env = environment_line()
     print(env)  # before the checks too: a version that differs is the first suspect of a failure
-    rows = run_checks(kit, CHECKS, args.only)
+    rows = run_checks(kit, CHECKS, args.only, on_row=lambda rows: write_rows(out, rows))
     warnings = version_warnings()
     text = "\n".join(filter(None, [
         env, "CPU REHEARSAL: not GPU results" if kit.rehearsal else "", table(rows),
         f"(ran with versions that differ from the verified ones: {'; '.join(warnings)})" if warnings else ""]))
     print(text)
     (out / "gpu_check.txt").write_text(text + "\n")
+
     print(f"(table and tracebacks of failed checks in {out})")
     try:
         from verl_hpc.runtime.bootstrap import shutdown

@@ -1,7 +1,11 @@
 """The checks of `python -m verl_hpc.gpu_check`, in the order they run (one process, one GPU).
 
 Each check is a function of the shared `Kit` that returns a detail string (PASS), raises (FAIL) or
-raises `NotTestable` (with why). A check whose prerequisite did not pass is reported as skipped.
+raises `NotTestable` (with why). A check whose prerequisite did not pass is reported as skipped;
+prerequisites are only what a check cannot run without (the runtime, Megatron's parallel state),
+never another check's verdict: the checks after train_step train their own engine where train_step
+failed, so one failure shows every other. Between checks the runner clears what a failed check can
+leave behind (kit.reset_between_checks).
 `rehearsal=True` (--cpu-rehearsal) runs the same code on CPU with gloo and float32: it tests the
 kit itself on a machine without a GPU; nothing it reports is a GPU result.
 """
@@ -222,13 +226,22 @@ def save_resume(kit: Kit) -> str:
         return _save_resume(kit)
 
 
+def _trained_engine(kit: Kit):
+    """train_step's engine, or (where that check failed or was not run) one trained a step here:
+    the checks after train_step need an engine that has stepped, not train_step's verdict."""
+    if kit.engine is None:
+        kit.engine = _train_engine(kit)
+        kit.engine.train_step(_batch(1), _loss_fn)
+    return kit.engine
+
+
 def _save_resume(kit: Kit) -> str:
     import torch
 
     from verl_hpc.checkpoint import load_into, read_metadata, save_checkpoint
     from verl_hpc.engines.megatron.state import optimizer_step_count
 
-    eng = kit.engine
+    eng = _trained_engine(kit)
     st = kit.measure("state save", lambda: eng.state())
     ckpt = save_checkpoint(kit.out / "engine", eng.steps_applied, st.tensors, metadata={"engine": st.meta})
     for k in (2, 3):
@@ -248,7 +261,7 @@ def _save_resume(kit: Kit) -> str:
 
 
 def fused_adam_resume(kit: Kit) -> str:
-    inner = kit.engine.optimizer.chained_optimizers[0].optimizer
+    inner = _trained_engine(kit).optimizer.chained_optimizers[0].optimizer
     name = f"{type(inner).__module__}.{type(inner).__name__}"
     if "fused" not in name.lower():
         raise NotTestable(f"Megatron picked {name} (no Transformer Engine / apex FusedAdam here)")
@@ -319,7 +332,7 @@ def vllm_gpu(kit: Kit) -> str:
         first = rollout.generate(prompts, greedy)
         rollout.sleep()
         rollout.wake()
-        kit.measure("vllm load_weights", lambda: rollout.load_weights(kit.engine.export_hf_weights()))
+        kit.measure("vllm load_weights", lambda: rollout.load_weights(_trained_engine(kit).export_hf_weights()))
         got = rollout.generate(prompts, greedy)
     finally:
         rollout.close()
@@ -413,17 +426,17 @@ CHECKS: List[Check] = [
     Check("train_step", "a train step at dp 1: DDP + Megatron's bf16 optimizer (dp 1 does not shard)",
           train_step, ENGINE),
     Check("save_resume", "engine state -> HDF5 -> new engine: next steps bitwise equal", save_resume,
-          ("train_step",)),
+          ENGINE),
     Check("fused_adam_resume", "Megatron's fused Adam keeps its step per group; resumed exactly",
-          fused_adam_resume, ("save_resume",), "1 GPU + TE or apex (a fused Adam)"),
+          fused_adam_resume, ENGINE, "1 GPU + TE or apex (a fused Adam)"),
     Check("lora_step", "LoRA: fresh/off = base bitwise, a step moves the adapters only (TE spec on GPU)",
           lora_step, ENGINE),
     Check("memory_plan", "the memory plan's update_actor peak vs max_memory_allocated of the kit's job",
-          memory_plan, ("train_step",)),
+          memory_plan, ENGINE),
     Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ENGINE,
           "1 GPU (sm >= 8.9) + Transformer Engine"),
     Check("vllm_gpu", "vLLM beside the engine: bf16, sleep level 2, wake, load_weights, log-probs",
-          vllm_gpu, ("train_step",), "1 GPU + vLLM (not in the carried wheels)"),
+          vllm_gpu, ENGINE, "1 GPU + vLLM (not in the carried wheels)"),
     Check("tp_gt_1", "TP 2 (log-probs, a step, the sliced weight sync) and DP 2 with the distributed optimizer, 2 ranks",
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
     Check("cp_gt_1", "context parallel 2 vs 1 (Megatron CP, TE attention): log-probs, entropy, one update, 2 ranks",
@@ -431,6 +444,6 @@ CHECKS: List[Check] = [
     # last of the one-GPU work: two engines and two rollout engines, after every other check
     Check("fp16_mismatch", "rollout/training mismatch bf16 vs fp16: engine + rollout (vLLM, else HF) in each "
           "dtype, the weight sync, sampled tokens' log-prob gap and KL; an fp16 update with loss scaling",
-          fp16_check.fp16_mismatch, ("train_step",)),
+          fp16_check.fp16_mismatch, ENGINE),
     Check("multinode_nccl", "NCCL across nodes (InfiniBand)", multinode_nccl, machine=">= 2 nodes"),
 ]

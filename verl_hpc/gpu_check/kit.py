@@ -50,8 +50,9 @@ class Check:
 
 
 def run_checks(kit: Kit, checks: List[Check], only: Optional[List[str]] = None,
-               log=print) -> List[Tuple[Check, str, str, float]]:
-    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED."""
+               log=print, on_row: Optional[Callable[[list], None]] = None) -> List[Tuple[Check, str, str, float]]:
+    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED. `on_row(rows)`
+    after each check (the table so far survives a run stopped at its time limit)."""
     import traceback
 
     status: Dict[str, str] = {}
@@ -72,7 +73,38 @@ def run_checks(kit: Kit, checks: List[Check], only: Optional[List[str]] = None,
             except Exception as e:  # a check failing must not hide the others
                 st, detail = "FAIL", f"{type(e).__name__}: {e}"
                 (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
+        leftover = reset_between_checks(kit)
+        if leftover and st != "FAIL":  # the check passed, but it would poison the next ones
+            st, detail = "FAIL", leftover
         status[check.name] = st
         rows.append((check, st, detail, time.perf_counter() - start))
+        if on_row is not None:
+            on_row(rows)
     return rows
+
+
+def reset_between_checks(kit: Kit) -> str:
+    """Leave the process as the next check expects it, whatever this one did: no group left in
+    torch's coalescing mode (a check that raised inside `_coalescing_manager` leaves its op list
+    behind, and every later collective of that group is then queued and never run, so a later
+    check could pass without its collectives having run), no engine of this check holding GPU
+    memory. Returns why the state was dirty ("" when it was clean)."""
+    import gc
+
+    from verl_hpc.runtime.device import release_cached_memory
+
+    why = ""
+    try:
+        from torch.distributed.distributed_c10d import _world
+
+        pending = {g: ops for g, ops in _world.pg_coalesce_state.items() if ops}
+        if pending:
+            why = (f"left {sum(map(len, pending.values()))} collective(s) queued in a coalescing block "
+                   f"on {len(pending)} group(s); cleared before the next check")
+        _world.pg_coalesce_state.clear()
+    except (ImportError, AttributeError):  # a torch without the coalescing state
+        pass
+    gc.collect()
+    release_cached_memory()
+    return why
 

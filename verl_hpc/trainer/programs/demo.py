@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-rise", type=float, default=30.0, help="accuracy points the RL phase must add")
     ap.add_argument("--compare", default=None, metavar="C",
                     help="a second RL config run from the same warm start; both validation curves in one plot")
+    ap.add_argument("--rl-steps", type=int, default=None,
+                    help="RL steps (trainer.total_steps of the RL phase only; default: the RL config's)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides for both phases, e.g. parallel.tp=2")
     a = ap.parse_args(argv)
     task = TASKS[a.task]
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
         judged = [f"reward.reward_model.path={out}/judge_sft/hf"]
     rl = lambda config: [py, "-m", "verl_hpc.submit", config, "--local", *common,  # noqa: E731
                          f"model.path={out}/sft/hf", f"trainer.output_dir={phase_dir(config)}", *judged,
-                         *a.overrides]
+                         *([f"trainer.total_steps={a.rl_steps}"] if a.rl_steps else []), *a.overrides]
     sh(rl(a.rl_config), f"RL ({Path(a.rl_config).stem})")
     if a.compare:
         sh(rl(a.compare), f"RL ({Path(a.compare).stem})")
