@@ -40,7 +40,8 @@ def requirements() -> List[str]:
     return [f"megatron-core=={VERIFIED_MEGATRON_VERSION}", f"transformers=={version('transformers')}",
             f"tokenizers=={version('tokenizers')}", f"safetensors=={version('safetensors')}",
             f"omegaconf=={version('omegaconf')}", f"h5py=={version('h5py')}", "isal", "tqdm", "rich",
-            "packaging", "pytest", "pytest-timeout"]  # pytest: `make gpu-all` runs the gpu-marked tests
+            "packaging", "pytest", "pytest-timeout",  # pytest: `make gpu-all` runs the gpu-marked tests
+            f"submitit=={version('submitit')}"]  # the demo's launcher; the GPU image lacks it (a 75 kB wheel)
 
 
 def project_requirements() -> List[str]:
