@@ -180,3 +180,27 @@ def test_fsdp2_collectives_are_counted():
     gathers = sum(ops.get(op, 0) for op in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"))
     scatters = sum(ops.get(op, 0) for op in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"))
     assert gathers >= 2 and scatters >= 2, ops  # each of the 2 layers' parameters gathered, gradients scattered
+
+
+@pytest.mark.gpu
+def test_coalesced_async_all_reduce_on_nccl(tmp_path):
+    """The first GPU run's failure, on the real backend: Megatron DDP's overlapped gradient reduce
+    (async all-reduces inside _coalescing_manager) through the installed wrapper on NCCL."""
+    from torch.distributed.distributed_c10d import _coalescing_manager, _world
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        collectives.install()
+        tensors = [torch.full((1024,), float(i), device="cuda") for i in range(3)]
+        with _coalescing_manager(dist.group.WORLD, device=torch.device("cuda"), async_ops=True) as cm:
+            for t in tensors:
+                dist.all_reduce(t, async_op=True)
+        cm.wait()
+        assert not _world.pg_coalesce_state
+        assert [float(t[0]) for t in tensors] == [0.0, 1.0, 2.0]
+        dist.all_reduce(tensors[1])
+        torch.cuda.synchronize()
+        assert float(tensors[1][0]) == 1.0
+    finally:
+        dist.destroy_process_group()
