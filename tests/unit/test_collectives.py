@@ -189,18 +189,22 @@ def test_coalesced_async_all_reduce_on_nccl(tmp_path):
     from torch.distributed.distributed_c10d import _coalescing_manager, _world
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    owner = not dist.is_initialized()  # another gpu test in this process may have left its world up
+    if owner:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         collectives.install()
+        group = dist.new_group([0], backend="nccl")
         tensors = [torch.full((1024,), float(i), device="cuda") for i in range(3)]
-        with _coalescing_manager(dist.group.WORLD, device=torch.device("cuda"), async_ops=True) as cm:
+        with _coalescing_manager(group, device=torch.device("cuda"), async_ops=True) as cm:
             for t in tensors:
-                dist.all_reduce(t, async_op=True)
+                dist.all_reduce(t, group=group, async_op=True)
         cm.wait()
-        assert not _world.pg_coalesce_state
+        assert not _world.pg_coalesce_state.get(group)
         assert [float(t[0]) for t in tensors] == [0.0, 1.0, 2.0]
-        dist.all_reduce(tensors[1])
+        dist.all_reduce(tensors[1], group=group)
         torch.cuda.synchronize()
         assert float(tensors[1][0]) == 1.0
     finally:
-        dist.destroy_process_group()
+        if owner:
+            dist.destroy_process_group()

@@ -307,15 +307,18 @@ def test_installer_refuses_a_cpu_torch_or_none(tmp_path):
 
 # ---------------------------------------------------------------------------- make gpu-all
 @pytest.mark.unit
-def test_gpu_all_plans_every_step_within_five_minutes(tmp_path):
+def test_gpu_all_plans_every_step_within_its_budget(tmp_path):
     steps = gpu_all.plan(tmp_path, py="PY", wheels=tmp_path / "w", rehearsal=False, missing=lambda: [])
     assert [s.name for s in steps] == ["install", "gpu_check", "gpu_tests", "demo", "bench"]
-    assert sum(s.limit_s for s in steps) <= gpu_all.BUDGET_S == 300  # three tries in 15 GPU minutes
+    assert sum(s.limit_s for s in steps) <= gpu_all.BUDGET_S <= 390  # two tries in 15 GPU minutes
     cmd = {s.name: s.command for s in steps}
     assert cmd["install"][-4:] == ["--find-links", str(tmp_path / "w"), "-r", str(tmp_path / "w/requirements.txt")]
     assert "--no-index" in cmd["install"]
     assert cmd["gpu_check"][:3] == ["PY", "-m", "verl_hpc.gpu_check"] and "--cpu-rehearsal" not in cmd["gpu_check"]
     assert cmd["gpu_tests"][:5] == ["PY", "-m", "pytest", "-m", "gpu"]
+    assert gpu_all.BENCH_TEST in cmd["gpu_tests"]  # the bench step runs that shape itself
+    path, _, name = gpu_all.BENCH_TEST.partition("::")
+    assert f"def {name}(" in (Path(gpu_all.ROOT) / path).read_text()  # names a test that exists
     assert cmd["demo"][:3] == ["PY", "-m", "verl_hpc.trainer.programs.demo"]
     assert cmd["demo"][-2:] == ["--rl-steps", str(gpu_all.DEMO_RL_STEPS)]
     assert cmd["bench"][1].endswith("benchmarks/bench_gpu_step.py") and "--time-limit" in cmd["bench"]

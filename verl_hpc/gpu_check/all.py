@@ -1,4 +1,4 @@
-"""`make gpu-all`: everything a first GPU node should run, in one command, within 5 minutes.
+"""`make gpu-all`: everything a first GPU node should run, in one command, within 6.5 minutes.
 
     python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--cpu-rehearsal] [--dry-run]
 
@@ -12,7 +12,8 @@ Steps, each a command with its own time limit and log file (OUT/<step>.log):
 then OUT/summary.txt (and .json): step, status, seconds, limit, log; under each step that failed,
 one line per failure with the first line of its error (each failed check of gpu_check, each failed
 gpu test, else the log's last error line); the versions that differ from the verified ones. The
-limits add up to BUDGET_S (5 minutes: three tries fit one 15-minute GPU allowance); a step never
+limits add up to BUDGET_S (6.5 minutes: two tries and their machine starts fit one 15-minute GPU
+allowance; the demo's two phases, each a job with its own start-up, are half of it); a step never
 runs past what is left of it. The demo runs a short RL phase (DEMO_RL_STEPS).
 Without a GPU it stops with exit 2 unless --cpu-rehearsal: then the same steps run their CPU
 rehearsals (the kit's checks on gloo, the benchmark's tiny shape); the demo and the gpu tests,
@@ -32,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-BUDGET_S = 300  # one GPU, the whole run
+BUDGET_S = 390  # one GPU, the whole run (measured 2026-11-26 on an H100: 356 s, docs/gpu.md)
+# the gpu test of the benchmark's real shape (66 s on an H100) is the bench step's own run: not twice
+BENCH_TEST = "tests/unit/test_bench_gpu_step.py::test_real_shape_on_the_gpu"
 DEMO_RL_STEPS = 60  # the CPU demo is at 97-99% by step 50: enough to see the Megatron engine learn
 STATUSES = ("PASS", "FAIL", "TIMEOUT", "SKIPPED")
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,14 +89,15 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
 
     steps = [
         Step("install", install, 30, "" if install else "no wheel folder given (--wheels DIR / WHEELS=DIR)"),
-        Step("gpu_check", check, 95),
+        Step("gpu_check", check, 90),
         Step("gpu_tests", None if rehearsal else [py, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
+                                                   "--deselect", BENCH_TEST,
                                                    "tests/unit"],
-             35, "CPU rehearsal: the gpu-marked tests skip without a GPU"),
+             60, "CPU rehearsal: the gpu-marked tests skip without a GPU"),
         Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.programs.demo", "--out", str(out / "demo"),
                                               "--rl-steps", str(DEMO_RL_STEPS)],
-             60, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
-        Step("bench", bench, 80),
+             150, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
+        Step("bench", bench, 60),
     ]
     # the benchmark has a limit of its own: leave it a little time to write what it measured
     steps[-1] = dataclasses.replace(steps[-1], command=[*bench, "--time-limit", str(steps[-1].limit_s - 10)])
