@@ -117,7 +117,7 @@ GPU_INSTALL_ARGS ?=
 gpu-install:
 	PYTHON=$(GPU_PY) bash scripts/install_gpu.sh $(GPU_INSTALL_ARGS)
 
-# A first GPU node in one command (<= 10 min on one GPU): the offline install from WHEELS (when
+# A first GPU node in one command (<= 6.5 min on one GPU): the offline install from WHEELS (when
 # given), gpu-check, the gpu-marked tests, the demo and the GPU benchmark, each with a time limit
 # and a log; summary table in GPU_ALL_OUT. Without a CUDA device: the steps' CPU rehearsals.
 WHEELS ?=
