@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rewards.timeout import RewardTimeout, TimedCaller
+from verl_hpc.runtime.device import collective_device
 
 OK, PARSE_FAILED, TIMED_OUT = 0, 1, 2
 
@@ -157,10 +158,11 @@ class Judge:
         for i, (code, value) in zip(rows, verdicts):
             scores[i], status[i] = value, code
         if self.group is not None or dist.is_initialized():
-            packed = torch.stack([scores, status])
-            dist.all_reduce(packed, group=self.group)  # rows are disjoint: x + 0 = x
-            scores, status = packed[0], packed[1]
-            lat = torch.tensor([latency], dtype=torch.float64)
+            # on the backend's device (NCCL refuses host tensors): one all-reduce, rows disjoint (x + 0 = x)
+            packed = torch.stack([scores, status]).to(collective_device())
+            dist.all_reduce(packed, group=self.group)
+            scores, status = packed[0].cpu(), packed[1].cpu()
+            lat = torch.tensor([latency], dtype=torch.float64, device=collective_device())
             dist.all_reduce(lat, op=dist.ReduceOp.MAX, group=self.group)
             latency = float(lat)
         parse_failed = (status == PARSE_FAILED).nonzero().flatten().tolist()

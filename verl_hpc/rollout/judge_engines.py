@@ -156,13 +156,19 @@ class VllmJudgeEngine:
         gc.collect()
 
 
-def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0):
-    """The engine reward.reward_model.judge.engine names; auto: vLLM on a GPU where it is installed,
-    HF generate otherwise."""
+def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0,
+                       beside_vllm_rollout: bool = False):
+    """The engine reward.reward_model.judge.engine names; auto: vLLM on a GPU where it is installed
+    and the process runs no vLLM rollout, HF generate otherwise (JudgeConfig.uses_vllm says why)."""
     from verl_hpc.rollout.factory import vllm_available
 
     rm, judge = reward_cfg.reward_model, reward_cfg.reward_model.judge
-    if judge.uses_vllm(devices.has_gpu()):
+    gpu = devices.has_gpu()
+    if judge.engine == "vllm" and gpu and beside_vllm_rollout:
+        raise RewardError("reward.reward_model.judge.engine = vllm beside this rank's vLLM rollout on a GPU: vLLM's "
+                          "sleep-mode allocator and parallel state are one per process, so the rollout's sleep "
+                          "would drop the judge's memory too; set judge.engine = hf (or auto, which picks it here)")
+    if judge.uses_vllm(gpu, beside_vllm_rollout):
         if not vllm_available():
             raise RewardError("reward.reward_model.judge.engine = vllm but vllm is not installed; install it or "
                               "set judge.engine = hf")

@@ -165,7 +165,7 @@ def build_teachers(cfg, ctx=None):
                     cfg.teacher)
 
 
-def build_reward_model(cfg, ctx, tokenizer):
+def build_reward_model(cfg, ctx, tokenizer, rollout=None):
     """reward.reward_model: a scorer (kind = scorer: the engine's frozen reward role, a forward on
     the training ranks) or a generative judge (kind = judge: verl_hpc/rewards/judge.py on its own
     engine, a second in-process vLLM or HF generate), asleep between the steps' scoring."""
@@ -180,8 +180,10 @@ def build_reward_model(cfg, ctx, tokenizer):
         "max_position_embeddings") or 4096
     # the template around the prompt and the response, and the verdict's tokens
     want = cfg.data.max_prompt_length + cfg.rollout.max_tokens + 512 + rm.judge.max_tokens
+    from verl_hpc.rollout import VLLMRollout
+
     engine = build_judge_engine(cfg.reward, cfg.model.trust_remote_code, max_model_len=min(want, positions),
-                                seed=cfg.trainer.seed)
+                                seed=cfg.trainer.seed, beside_vllm_rollout=isinstance(rollout, VLLMRollout))
     judge = Judge(engine, rm.judge, on_error=cfg.reward.on_error, tokenizer=tokenizer,
                   rule_correct_at=cfg.reward.correct_at)
     judge.sleep()
@@ -208,7 +210,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         actor = build_engine("actor", cfg, ctx)
         ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
-        rm = build_reward_model(cfg, ctx, tokenizer) if cfg.reward.reward_model.enable else None
+        rm = build_reward_model(cfg, ctx, tokenizer, rollout) if cfg.reward.reward_model.enable else None
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
         teacher = build_teachers(cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:

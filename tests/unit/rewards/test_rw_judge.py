@@ -159,3 +159,37 @@ def test_real_hf_engine_gives_the_verdicts_transformers_gives(tmp_path):
     texts = eng.generate(["one plus one", "two"], 4)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
 
+
+
+def test_judge_reduces_its_verdicts_on_the_backends_device(one_rank_world, monkeypatch):
+    """The verdicts' all-reduces take the runtime's collective device (NCCL refuses host tensors;
+    the first GPU run's reading of this code). On gloo that device is the CPU: the test records
+    that the judge asks the runtime and that every payload is where it answered."""
+    import torch.distributed as dist
+
+    from verl_hpc.rewards import judge as judge_mod
+
+    asked, payloads, real = [], [], dist.all_reduce
+    monkeypatch.setattr(judge_mod, "collective_device", lambda: asked.append(1) or torch.device("cpu"))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: payloads.append(t.device) or real(t, *a, **k))
+    judge = Judge(FakeEngine(lambda p: "score: 1"), _judge_cfg("reward.reward_model.judge.verdict=pattern"),
+                  on_error="zero")
+    assert judge.score(_inputs(3)).tolist() == [1.0, 1.0, 1.0]
+    assert len(asked) == 2 and payloads == [torch.device("cpu")] * 2
+
+
+def test_a_vllm_judge_beside_a_vllm_rollout_on_a_gpu(monkeypatch):
+    """vLLM's sleep allocator and parallel state are one per process: on a GPU, auto picks HF
+    generate for a judge that shares its process with a vLLM rollout, and an explicit vllm is
+    refused before any engine is built. On CPU (no sleep mode) the two coexist."""
+    from verl_hpc.rollout import judge_engines
+
+    auto = _judge_cfg()
+    assert not auto.uses_vllm(True, beside_vllm_rollout=True)
+    assert auto.uses_vllm(False, beside_vllm_rollout=True) is False  # CPU: auto is HF anyway
+    explicit = load_config(None, ["reward.reward_model.enable=true", "reward.reward_model.kind=judge",
+                                  "reward.reward_model.path=/judge", "reward.reward_model.judge.engine=vllm"]).reward
+    assert explicit.reward_model.judge.uses_vllm(False, beside_vllm_rollout=True)
+    monkeypatch.setattr(judge_engines.devices, "has_gpu", lambda: True)
+    with pytest.raises(RewardError, match=r"judge.engine = vllm beside this rank's vLLM rollout on a GPU"):
+        judge_engines.build_judge_engine(explicit, beside_vllm_rollout=True)

@@ -39,11 +39,17 @@ class JudgeConfig(Section):
                       choices=JUDGE_ENGINES)
     gpu_memory_utilization: float = opt(0.25, "engine = vllm on a GPU: the share of the GPU the judge's vLLM "
                                              "engine takes (beside the rollout's)", check="(0, 1]")
-    def uses_vllm(self, gpu: bool) -> bool:
-        """engine resolved: vllm, or auto on a GPU where vLLM is installed (else HF generate)."""
+    def uses_vllm(self, gpu: bool, beside_vllm_rollout: bool = False) -> bool:
+        """engine resolved: vllm, or auto on a GPU where vLLM is installed and no vLLM rollout shares
+        the process (else HF generate). vLLM's sleep-mode allocator and its parallel state are one
+        per process: a second engine beside the rollout's would be slept, woken and dropped by the
+        rollout's sleep and wake (a level-2 sleep frees the judge's weights), and a tensor-parallel
+        rollout's groups are not a judge's. On CPU vLLM has no sleep mode, and the two coexist."""
         import importlib.util
 
-        return self.engine == "vllm" or (self.engine == "auto" and gpu and importlib.util.find_spec("vllm") is not None)
+        if self.engine == "auto":
+            return gpu and not beside_vllm_rollout and importlib.util.find_spec("vllm") is not None
+        return self.engine == "vllm"
 
 
 @dataclass
