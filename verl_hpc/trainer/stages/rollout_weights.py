@@ -17,7 +17,10 @@ The staged wake (vLLM sleep mode; a no-op elsewhere): `wake(tags=("weights",))` 
 weights; the sync streams the actor's weights into them, holding the actor resident until the
 rollout has loaded the last bucket (resharding.sync.held_resident), and the actor offloads when it
 ends; only then `wake(tags=("kv_cache",))` maps the KV cache. The sync's peak is the actor's
-parameters + vLLM's weights + one bucket, without the KV cache.
+parameters + vLLM's weights + one bucket, without the KV cache. Memory an offload frees goes back
+to torch's caching allocator, not to the driver, and vLLM's wake maps memory of its own (CUDA's
+virtual memory API, outside torch's cache): before each wake the cached blocks are released
+(`runtime.device.release_cached_memory`, a no-op on CPU), or vLLM would find them taken.
 
 A sleep at level 2 drops the weights: after the checkpoint's sleep that follows a validation, the
 next generation syncs again even though the actor did not change (`rollout.weights_dropped`).
@@ -70,11 +73,13 @@ class RolloutWeights:
         r = self.rollout
         if self.stale or r.weights_dropped:
             with timer("wake"):
+                devices.release_cached_memory()  # what the update's offload freed, back to the driver
                 r.wake(tags=(WEIGHTS,))  # vLLM maps its weights only
             with timer("sync"):  # the actor is resident for the whole sync, offloaded after it
                 self._unreported = self.weight_sync(self.actor, r)
             self.stale = False
         with timer("wake_kv"):
+            devices.release_cached_memory()  # the sync's offload of the actor, back to the driver
             r.wake(tags=(KV_CACHE,))  # after the actor's offload: the KV cache gets its memory
 
     def pop_metrics(self) -> Dict[str, float]:
