@@ -110,7 +110,9 @@ def _rank_main(work: Path) -> None:
     inner = type(eng.optimizer.chained_optimizers[0])
     m = eng.train_step(_batch(1), _loss_fn)
     assert m["nonfinite"] == 0.0 and math.isfinite(m["loss"]), m
-    flat = torch.cat([p.detach().float().reshape(-1) for p in eng._parameters()])
+    # parameters(): with overlap_param_gather (auto-on here) the step leaves the gather to the next
+    # forward; read before it, the other rank's shard would be stale and the ranks would "differ"
+    flat = torch.cat([p.detach().float().reshape(-1) for p in eng.parameters()])
     spread = flat.clone()
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     lowest = flat.clone()

@@ -45,10 +45,6 @@ class ParallelConfig(Section):
             p.append("parallel.sequence_parallel needs the Transformer Engine layer spec (GPUs), but "
                      "slurm.gpus_per_node = 0 (a CPU job): Megatron's torch norm of the local spec does "
                      "not support it; set parallel.sequence_parallel=false")
-        if job.slurm.gpus_per_node == 0:
-            p += [f"parallel.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to "
-                  "null (auto) or false" for k in ("overlap_grad_reduce", "overlap_param_gather")
-                  if getattr(self, k) is True]
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             p.append("parallel.overlap_param_gather = true needs parallel.use_distributed_optimizer = true "
                      "(only the distributed optimizer all-gathers parameters)")

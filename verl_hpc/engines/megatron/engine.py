@@ -194,6 +194,12 @@ class MegatronEngine(TrainingEngine):
         for gpt in self.gpt_chunks:
             yield from gpt.parameters()
 
+    def parameters(self):
+        """This rank's parameters, up to date: with overlap_param_gather a step leaves the other
+        ranks' shards to the next forward's all-gather, so it is forced first (_sync_params)."""
+        self._sync_params()
+        return list(self._parameters())
+
     # ------------------------------------------------------------------ running
 
     def _labels_path(self, want) -> bool:

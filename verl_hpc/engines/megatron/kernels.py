@@ -13,9 +13,11 @@ exists on this rank, so CPU runs keep the exact unfused paths Megatron's CPU cod
   `main_grad`. Megatron's own linear layers (the output layer even with the TE spec) need apex's
   `fused_weight_gradient_mlp_cuda` extension for it, TE's layers do it themselves: needs a GPU and
   that extension (the project's image does not ship apex, so auto leaves it off there).
-- overlap_grad_reduce: DDP reduces gradient buckets while backward still runs (async NCCL).
+- overlap_grad_reduce: DDP reduces gradient buckets while backward still runs (async collectives).
 - overlap_param_gather: the distributed optimizer's parameter all-gather runs during the next
-  forward; needs use_distributed_optimizer. The engine forces the gather before anything reads the
+  forward; needs use_distributed_optimizer.
+  Neither needs a kernel: `true` runs on CPU with gloo too (the CPU suite trains with both on, at
+  dp 1 and 2, and compares with them off); auto turns them on with a GPU only. The engine forces the gather before anything reads the
   parameters outside a forward (weight export, checkpoint): see engine.py `_sync_params`.
 Frozen engines (reference, reward model) have no gradients: the three gradient features stay off.
 An explicit `True` where the kernel is missing is an error naming the field, raised before any
@@ -93,10 +95,13 @@ class KernelSwitches:
             "gradient_accumulation_fusion": (
                 "model", a.gpu and a.grad_accum_ext,
                 "a CUDA GPU and apex's fused_weight_gradient_mlp_cuda extension"),
-            "overlap_grad_reduce": ("parallel", a.gpu, "a CUDA GPU (asynchronous NCCL reduces)"),
-            "overlap_param_gather": ("parallel", a.gpu and use_distributed_optimizer,
-                                     "a CUDA GPU and parallel.use_distributed_optimizer=true"),
+            # no kernel: asynchronous collectives, which gloo runs too (the CPU suite trains with
+            # both on); auto keeps them to GPUs, where the reduce overlaps real compute
+            "overlap_grad_reduce": ("parallel", True, ""),
+            "overlap_param_gather": ("parallel", use_distributed_optimizer,
+                                     "parallel.use_distributed_optimizer=true"),
         }
+        auto_on = {"overlap_grad_reduce": a.gpu, "overlap_param_gather": a.gpu and use_distributed_optimizer}
         grads_only = ("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather")
         out = {}
         for name, (section, present, needs) in rules.items():
@@ -104,6 +109,6 @@ class KernelSwitches:
             if asked and not present:
                 raise ConfigError(f"{section}.{name}=true needs {needs}, which this rank lacks; set "
                                   f"it to null (auto: on where the kernel exists) or false")
-            on = present if asked is None else bool(asked)
+            on = auto_on.get(name, present) if asked is None else bool(asked)
             out[name] = on and (trainable or name not in grads_only)
         return PerfOptions(**out)
