@@ -61,7 +61,8 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     check_weight_files(cfg)
     ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
                             seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
-                            rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0)
+                            rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0,
+                            host_collectives=cfg.fsdp.cpu_offload)
     from verl_hpc.launcher import early_signals
 
     early_signals.hand_over(ctx.preemption.record)  # a signal in this rank's start-up: a stop, as later

@@ -228,3 +228,66 @@ def test_gpu_uuids_place_ranks_by_position_and_bad_lists_stop_the_rank(monkeypat
     with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES=.*every rank of the node would share it"):
         devices.device_for(1)
     assert picked == [0, 1]
+
+
+# ------------------------------------------------------------ fsdp.cpu_offload on NCCL
+def test_host_collectives_give_the_default_group_gloo_beside_nccl():
+    """FSDP2's CPU offload keeps parameters and gradients on the host, and clipping and the export
+    reduce or gather those host DTensors: NCCL alone refuses them. The default group then gets gloo
+    for CPU tensors beside NCCL for CUDA ones (as torchtitan does); nothing changes otherwise."""
+    assert devices.process_group_backend("nccl", host_collectives=True) == "cpu:gloo,cuda:nccl"
+    assert devices.process_group_backend("nccl") == "nccl"
+    assert devices.process_group_backend("gloo", host_collectives=True) == "gloo"
+
+
+def test_collective_device_is_the_gpu_under_a_composite_nccl_backend(monkeypatch):
+    monkeypatch.setattr(devices.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(devices.torch.cuda, "current_device", lambda: 3)
+    assert devices.collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "gloo")
+    assert devices.collective_device() == torch.device("cpu")
+
+
+def test_a_composite_default_group_runs_host_collectives(tmp_path):
+    """The composite form on this machine (gloo for both device types: no NCCL here): the default
+    group takes host tensors and collective_device() stays the host's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("cpu:gloo,cuda:gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0] and devices.collective_device() == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cpu_offload_materializes_the_shards_on_the_host():
+    """to_empty on the GPU would leave FSDP2's offloaded shards on the device: under fsdp.cpu_offload
+    they are materialized on the host (`meta` stands in for the GPU)."""
+    from verl_hpc.engines.fsdp.build import param_home
+
+    gpu = torch.device("meta")
+    assert param_home(types.SimpleNamespace(cpu_offload=True), gpu) == torch.device("cpu")
+    assert param_home(types.SimpleNamespace(cpu_offload=False), gpu) == gpu
+
+
+def test_the_job_asks_for_host_collectives_under_cpu_offload(monkeypatch):
+    """job.py hands fsdp.cpu_offload to the bootstrap (it stops there: the rest is the job)."""
+    from verl_hpc import job, runtime
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_bootstrap(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(runtime, "bootstrap", fake_bootstrap)
+    monkeypatch.setattr(job, "check_weight_files", lambda cfg: None)
+    with pytest.raises(Stop):
+        job.run(load_config(None, ["trainer.job=smoke", "fsdp.cpu_offload=true"]))
+    assert seen["host_collectives"] is True

@@ -86,13 +86,16 @@ def _setup_logging(tag: str) -> None:
 
 
 def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
-              num_threads: int = 0, env: LaunchEnv | None = None, rollout_ranks: int = 0) -> RankContext:
+              num_threads: int = 0, env: LaunchEnv | None = None, rollout_ranks: int = 0,
+              host_collectives: bool = False) -> RankContext:
     """Initialise this rank inside any launcher and return what the job needs to know.
 
     `timeout_s` bounds every collective: a rank that dies or wedges fails the others with an
     error after at most that long instead of leaving the job hanging until its time limit.
     `rollout_ranks` > 0 (placement.mode=split): the first that many ranks form the rollout group,
     the others the training group, each with a default group of its own (runtime/split.py).
+    `host_collectives` (fsdp.cpu_offload): the default group also takes host tensors on NCCL
+    (runtime.device.process_group_backend).
     """
     env = env or detect()
     _setup_logging(f"rank{env.rank}")
@@ -120,7 +123,7 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(
-            backend=backend, init_method="env://",
+            backend=devices.process_group_backend(backend, host_collectives), init_method="env://",
             rank=env.rank, world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             **({"device_id": dev} if backend == "nccl" else {}))

@@ -88,10 +88,19 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def collective_device() -> torch.device:
-    """Where tensors for torch.distributed collectives must live for the active backend."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    """Where tensors for torch.distributed collectives must live for the active backend (NCCL's
+    device also where the default group takes host tensors too: process_group_backend)."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def process_group_backend(backend: str, host_collectives: bool = False) -> str:
+    """The default group's backend string. NCCL takes device tensors only; where host tensors must
+    cross ranks too (fsdp.cpu_offload: FSDP2 keeps the sharded parameters and gradients on the host,
+    and gradient clipping and the export reduce or gather those host DTensors) the group gets gloo
+    for the CPU beside NCCL for CUDA, as torchtitan sets it up for CPU offload."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" and host_collectives else backend
 
 
 def compute_device() -> torch.device:

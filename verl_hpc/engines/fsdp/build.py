@@ -281,9 +281,16 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
             unit.compile()
 
 
+def param_home(fsdp, device: torch.device) -> torch.device:
+    """Where the sharded parameters are materialized: the host under fsdp.cpu_offload (FSDP2's offload
+    policy keeps them there and copies each unit to the device for its compute; materialized on the
+    GPU they would stay there), else the rank's device."""
+    return torch.device("cpu") if fsdp.cpu_offload else device
+
+
 def materialize(model: torch.nn.Module, full: Optional[torch.nn.Module], device: torch.device) -> None:
     """Give the sharded meta model its storage and rank 0's weights (each rank receives its shard)
-    and rank 0's buffers (RoPE tables: not in the state dict)."""
+    and rank 0's buffers (RoPE tables: not in the state dict). `device`: param_home's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)

@@ -114,7 +114,7 @@ class FsdpEngine(TrainingEngine):
         self.mesh = build_lib.make_mesh(o.fsdp, self.device)
         build_lib.shard_model(model, self.mesh, o.fsdp, self.compute_dtype,
                               activation_checkpointing=o.fsdp.activation_checkpointing and o.trainable)
-        build_lib.materialize(model, full, self.device)
+        build_lib.materialize(model, full, build_lib.param_home(o.fsdp, self.device))
         del full
         self.model = model
         self.optimizer = self.scheduler = self.scaler = None
