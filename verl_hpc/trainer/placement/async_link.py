@@ -68,7 +68,7 @@ class AsyncLink:
             from verl_hpc.trainer.placement.elastic.channel import ElasticWeightServer
 
             self.elastic_server = ElasticWeightServer(self.world.thread_mailbox, self.publisher.latest,
-                                                      self.timeout_s, device=self.world.wire_device()).start()
+                                                      self.timeout_s).start()
         self.next_index = 1  # the next batch to take from the rollout group
         self.leftover = None  # stale_groups=wait: fresh groups past the last step's batch size
         self.resume_state = None

@@ -46,25 +46,24 @@ PAIRS = "elastic/pairs"  # a counter: pair requests so far (the store cannot lis
 
 def pair_group(store, worker: str, epoch: int, rank: int, timeout_s: float):
     """The two-rank group of `worker` (rank 1) and the first training rank (rank 0), epoch `epoch`
-    (a worker that reconnects makes a new one). Gloo on CPU; NCCL where this process has a GPU."""
-    from verl_hpc.runtime.device import has_gpu
-
+    (a worker that reconnects makes a new one): gloo over host buffers, with the timeout, on GPU
+    nodes too. A worker is another Slurm job that may die at any moment; on an NCCL group its
+    timeout would reach the first training rank through NCCL's watchdog, which under
+    TORCH_NCCL_ASYNC_ERROR_HANDLING (a process-wide setting) tears that process down, and the
+    training job with it. Over gloo the timeout is an exception in the server thread, which forgets
+    the worker. The price: the weights cross at TCP speed, staged through host memory."""
     prefix = dist.PrefixStore(f"elastic/pair/{worker}/{epoch}/", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if has_gpu():
-        return dist.ProcessGroupNCCL(prefix, rank, 2, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefix, rank, 2, timeout)
+    return dist.ProcessGroupGloo(prefix, rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
 class ElasticWeightServer:
     """The first training rank's server for elastic workers (module docstring)."""
 
     def __init__(self, connect: Callable[[], Mailbox], snapshot: Callable[[], Optional[tuple]],
-                 timeout_s: float, device=None):
+                 timeout_s: float):
         """connect(): a mailbox on a store connection of the server thread's own; snapshot(): the
         newest (version, buckets, manifest) or None, the weight publisher's."""
         self.connect, self.snapshot, self.timeout_s = connect, snapshot, timeout_s
-        self.device = device
         self.pairs: Dict[str, object] = {}
         self.asked: Dict[str, int] = {}  # requests answered per worker
         self.lost: List[Tuple[str, str]] = []  # (worker, why) whose transfer failed
@@ -121,7 +120,7 @@ class ElasticWeightServer:
         self.asked[worker] = n + 1
         try:
             for b in buckets:
-                buf = b.to(self.device) if self.device is not None else b
+                buf = b.cpu()  # the pair is gloo (pair_group): host buffers
                 self.pairs[worker].broadcast([buf], dist.BroadcastOptions()).wait()
             self.sent[worker] = self.sent.get(worker, 0) + 1
         except Exception as e:  # noqa: BLE001 - a dead worker fails its own transfer only
@@ -137,8 +136,8 @@ class ElasticWeightServer:
 class WeightFetcher:
     """A worker's side: its pair with the first training rank, and the newest snapshot over it."""
 
-    def __init__(self, mail: Mailbox, worker: str, timeout_s: float, epoch: int = 0, device=None):
-        self.mail, self.worker, self.timeout_s, self.device = mail, worker, timeout_s, device
+    def __init__(self, mail: Mailbox, worker: str, timeout_s: float, epoch: int = 0):
+        self.mail, self.worker, self.timeout_s = mail, worker, timeout_s
         index = mail.add(PAIRS, 1) - 1
         mail.put(f"elastic/pair/{index}", (worker, epoch))
         self.pair = pair_group(mail.store, worker, epoch, 1, timeout_s)  # waits for the server's side
@@ -162,8 +161,8 @@ class WeightFetcher:
             by_bucket.setdefault(row[3], []).append(row)
         tensors = []
         for i, size in enumerate(head["sizes"]):
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(size, dtype=torch.uint8)  # host memory: the pair is gloo (pair_group)
             self.pair.broadcast([buf], dist.BroadcastOptions()).wait()
-            tensors += unpack(buf.cpu() if self.device is not None else buf, by_bucket.get(i, []))
+            tensors += unpack(buf, by_bucket.get(i, []))
         self.version = int(head["version"])
         return self.version, tensors
