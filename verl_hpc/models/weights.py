@@ -173,15 +173,19 @@ def _weight_items(chunk):
 
 
 def _weight_entries(chunk):
+    """(HF name, shape, dtype): the dtype is the parameter's own. Not every tensor has the model's
+    dtype (a sigmoid router's expert_bias stays fp32 in a bf16 model), and a pipeline stage that
+    receives a tensor must allocate it as the sender sends it."""
     layers, arch, lay = _layer_numbers(chunk), chunk.verl_arch, _layout(chunk)
-    for name, _ in _exported_params(chunk):
+    for name, param in _exported_params(chunk):
         rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
         for peer in _expert_peers(rule, arch, lay):
-            yield from peer.hf_entries(arch, layer)
+            for hf_name, shape in peer.hf_entries(arch, layer):
+                yield hf_name, shape, param.dtype
 
 
-def _stage_entries(model, entries=_weight_entries) -> List[Tuple[str, Tuple[int, ...]]]:
-    """(HF name, shape) of everything this stage exports, in export order."""
+def _stage_entries(model, entries=_weight_entries) -> List[tuple]:
+    """(HF name, shape[, dtype]) of everything this stage exports, in export order."""
     return [e for chunk in _chunks(model) for e in entries(chunk)]
 
 
@@ -219,7 +223,7 @@ def local_hf_pieces(model) -> Iterator[Piece]:
 
 def stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:
     """(HF name, full shape) of every tensor this rank's stage exports, in export order."""
-    return _stage_entries(model)
+    return [(name, shape) for name, shape, *_ in _stage_entries(model)]
 
 
 def model_arch(model):
@@ -256,14 +260,14 @@ def export_stages(model, items, entries, *, all_stages: bool = True,
         return
     group, my_stage = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
     first_param = next(p for chunk in _chunks(model) for _, p in chunk.named_parameters())
-    param_dtype, device = dtype or first_param.dtype, first_param.device
-    # Every stage learns every stage's (name, shape) list: one small exchange per export.
-    plans: List[List[Tuple[str, Tuple[int, ...]]]] = [None] * pp  # type: ignore[list-item]
+    param_dtype, device = first_param.dtype, first_param.device
+    # Every stage learns every stage's (name, shape[, dtype]) list: one small exchange per export.
+    plans: List[List[tuple]] = [None] * pp  # type: ignore[list-item]
     dist.all_gather_object(plans, _stage_entries(model, entries), group=group)
     for stage, plan in enumerate(plans):
         src = dist.get_global_rank(group, stage)
         mine = _stage_tensors(model, dtype, items) if stage == my_stage else None
-        for hf_name, shape in plan:
+        for hf_name, shape, *sent_dtype in plan:
             if mine is not None:
                 got_name, tensor = next(mine)
                 if got_name != hf_name or tuple(tensor.shape) != tuple(shape):
@@ -271,6 +275,8 @@ def export_stages(model, items, entries, *, all_stages: bool = True,
                                        f"produced {got_name} {tuple(tensor.shape)}")
                 tensor = tensor.contiguous()
             else:
-                tensor = torch.empty(shape, dtype=param_dtype, device=device)
+                # as the sender sends it: the cast dtype, else the tensor's own (entries carry it)
+                tensor = torch.empty(shape, dtype=dtype or (sent_dtype[0] if sent_dtype else param_dtype),
+                                     device=device)
             dist.broadcast(tensor, src=src, group=group)
             yield hf_name, tensor
