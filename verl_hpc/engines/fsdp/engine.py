@@ -346,15 +346,16 @@ class FsdpEngine(TrainingEngine):
         box: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(box, keys)
         keys = sorted({k for ks in box for k in ks})
-        vec = torch.zeros(2 + len(keys), dtype=torch.float64)
+        # summed where the records are (the device): no host read per record and metric, one
+        # transfer in reduce_metric_sums
+        dev = collective_device()
+        vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=dev)
         for r in records:
-            w = float(r["tokens"])
-            vec[0] += float(r["loss"])
-            vec[1] += w
-            for j, k in enumerate(keys):
-                if k in r:
-                    vec[2 + j] += float(r[k]) * w
-        vec = vec.to(collective_device())
+            w = torch.as_tensor(r["tokens"], dtype=torch.float64).to(dev)
+            row = [torch.as_tensor(r["loss"], dtype=torch.float64).to(dev), w]
+            row += [torch.as_tensor(r[k], dtype=torch.float64).to(dev) * w if k in r else w.new_zeros(())
+                    for k in keys]
+            vec += torch.stack([x.reshape(()) for x in row])
         return reduce_metric_sums(vec, keys)
 
     def scheduler_step(self) -> float:

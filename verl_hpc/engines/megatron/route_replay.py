@@ -125,17 +125,23 @@ class RouteReplay:
             got = replay.get_recorded_indices()
             if got is None:
                 continue
-            got = got.detach().reshape(seq, rows, -1).transpose(0, 1)[:n].cpu()  # [n, seq, k]
+            # [n, seq, k] where the router ran: the records and counts stay there, read once per
+            # forward (routes(), metrics()), not per layer and micro-batch (each read a GPU sync)
+            got = got.detach().reshape(seq, rows, -1).transpose(0, 1)[:n]
             if self.record:  # never packed (MegatronEngine.forward): row j is sample mb.rows[j]
-                index = torch.as_tensor(mb.rows, dtype=torch.long)
+                if self._buffer.device != got.device:
+                    self._buffer = self._buffer.to(got.device)
+                index = torch.as_tensor(mb.rows, dtype=torch.long, device=got.device)
                 width = min(seq, self._buffer.shape[1])
                 self._buffer[index, :width, layer] = got[:, :width].to(torch.int32) + 1
             elif replay.target_topk_idx is not None:
-                target = replay.target_topk_idx.reshape(seq, rows, -1).transpose(0, 1)[:n].cpu()
+                target = replay.target_topk_idx.reshape(seq, rows, -1).transpose(0, 1)[:n].to(got.device)
                 valid = (target >= 0).all(-1)  # [n, seq]
                 match = (got.unsqueeze(-1) == target.unsqueeze(-2)).any(-1).sum(-1)  # [n, seq]
-                self._agree[layer] += float(match[valid].sum())
-                self._slots[layer] += float(valid.sum()) * self.top_k
+                if self._agree.device != got.device:
+                    self._agree, self._slots = self._agree.to(got.device), self._slots.to(got.device)
+                self._agree[layer] += match[valid].sum()
+                self._slots[layer] += valid.sum() * self.top_k
             replay.clear_indices()
 
     def finish(self) -> None:
