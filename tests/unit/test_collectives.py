@@ -208,3 +208,17 @@ def test_coalesced_async_all_reduce_on_nccl(tmp_path):
     finally:
         if owner:
             dist.destroy_process_group()
+
+
+def test_a_host_tensor_on_an_nccl_group_is_refused_by_name(world, monkeypatch):
+    """NCCL's own error for a host tensor names neither the collective nor the group: the wrapper
+    refuses it first (the backend stubbed as NCCL on this gloo world; a composite backend with
+    gloo for the CPU takes host tensors)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(collectives.CollectiveError, match=r"collective all_reduce on group 'world' .* a host tensor "
+                                                          r"\(\(3,\), torch.float64\) on an NCCL group"):
+        dist.all_reduce(torch.zeros(3, dtype=torch.float64))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0, 1.0]

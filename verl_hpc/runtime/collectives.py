@@ -148,7 +148,9 @@ def _wrap(op: str, fn: Callable) -> Callable:
         if group is None and op in _GROUP_POSITIONAL:
             group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
         key = (op, group_name(group))
-        _count(key, _nbytes(payload(args, kwargs)))
+        tensors = payload(args, kwargs)
+        _count(key, _nbytes(tensors))
+        _check_device(op, group, tensors)
         t0 = time.monotonic()
         try:
             out = fn(*args, **kwargs)
@@ -160,6 +162,32 @@ def _wrap(op: str, fn: Callable) -> Callable:
 
     wrapper.__wrapped_collective__ = fn
     return wrapper
+
+
+def _flat(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _flat(o)]
+    return []
+
+
+def _check_device(op: str, group, tensors) -> None:
+    """NCCL takes CUDA tensors only, and its own error for a host tensor names neither the
+    collective nor the group: refuse here, naming both (a group whose backend also has gloo for
+    the CPU, runtime.device.process_group_backend, takes host tensors)."""
+    host = [t for t in _flat(tensors) if t.device.type == "cpu"]
+    if not host:
+        return
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception:  # a group this rank is not in: torch's own error follows
+        return
+    if backend == "nccl":
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise CollectiveError(f"collective {op} on group {_describe(op, group)} on rank {rank}: a host tensor "
+                              f"({tuple(host[0].shape)}, {host[0].dtype}) on an NCCL group, which takes CUDA "
+                              f"tensors only; create it on runtime.device.collective_device()")
 
 
 def _count(key: tuple[str, str], nbytes: int) -> None:

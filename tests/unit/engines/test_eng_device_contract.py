@@ -44,10 +44,12 @@ def test_place_on_device_moves_modules_and_returns_the_device(monkeypatch):
     assert all(p.device.type == "meta" for m in modules for p in m.parameters())
 
 
-@pytest.mark.parametrize("options", [dict(), dict(lora_rank=4), dict(head="value")], ids=["actor", "lora", "critic"])
+@pytest.mark.parametrize("options", [dict(), dict(lora_rank=4), dict(head="value"), dict(trainable=False)],
+                         ids=["actor", "lora", "critic", "reference"])
 def test_megatron_engine_roles_pass_the_device_contract(one_rank_world, tmp_path, options):
-    """Actor, LoRA actor and critic (value head attached after the build): everything on the
-    engine's device once built; the engine checks it itself (place_on_device)."""
+    """Actor, LoRA actor, critic (value head attached after the build) and a frozen role (reference,
+    teacher, reward model): everything on the engine's device once built; the engine checks it
+    itself (place_on_device)."""
     from verl_hpc.config.sections.lora import LoraConfig
     from verl_hpc.engines.megatron import MegatronEngine, default_options
     from verl_hpc.models.tiny import make_tiny_model
@@ -58,8 +60,9 @@ def test_megatron_engine_roles_pass_the_device_contract(one_rank_world, tmp_path
     kw = dict(model_path=str(model))
     if "lora_rank" in options:
         kw["lora"] = LoraConfig(rank=options["lora_rank"])
-    if "head" in options:
-        kw["head"] = options["head"]
+    for key in ("head", "trainable"):
+        if key in options:
+            kw[key] = options[key]
     engine = MegatronEngine(default_options(**kw))
     assert engine.device == device_mod.compute_device()
     assert device_mod.misplaced_tensors(engine.gpt_chunks, engine.device) == []
@@ -104,3 +107,13 @@ def test_fused_adamw_resumes_with_the_restored_step_on_cpu():
     p.grad = torch.ones(4)
     inner.step()
     assert int(inner.state[p]["step"]) == 8 and torch.all(p < 1)
+
+
+def test_fsdp_engine_passes_the_device_contract(one_rank_world, tmp_path):
+    from verl_hpc.engines.fsdp import FsdpEngine
+    from verl_hpc.engines.options import default_options
+    from verl_hpc.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", "llama", layers=1)
+    engine = FsdpEngine(default_options(str(model), engine="fsdp", micro_batch_size=2, total_steps=2))
+    assert device_mod.misplaced_tensors([engine.model], engine.device) == []
