@@ -330,6 +330,7 @@ def test_gpu_all_plans_every_step_within_its_budget(tmp_path):
     assert "pyarrow" in next(s for s in lacking if s.name == "demo").precondition()
     rehearsal = {s.name: s for s in gpu_all.plan(tmp_path, py="PY", wheels=None, rehearsal=True)}
     assert "--cpu-rehearsal" in rehearsal["gpu_check"].command and "--cpu-rehearsal" in rehearsal["bench"].command
+    assert rehearsal["gpu_check"].limit_s == gpu_all.REHEARSAL_LIMIT_S["gpu_check"]  # CPU: its own limits
     assert rehearsal["demo"].command is None and rehearsal["gpu_tests"].command is None
 
 
