@@ -44,8 +44,9 @@ def test_place_on_device_moves_modules_and_returns_the_device(monkeypatch):
     assert all(p.device.type == "meta" for m in modules for p in m.parameters())
 
 
-@pytest.mark.parametrize("options", [dict(), dict(lora_rank=4), dict(head="value"), dict(trainable=False)],
-                         ids=["actor", "lora", "critic", "reference"])
+@pytest.mark.parametrize("options", [dict(), dict(lora_rank=4), dict(head="value"), dict(trainable=False),
+                                     dict(family="qwen3_moe")],
+                         ids=["actor", "lora", "critic", "reference", "moe"])
 def test_megatron_engine_roles_pass_the_device_contract(one_rank_world, tmp_path, options):
     """Actor, LoRA actor, critic (value head attached after the build) and a frozen role (reference,
     teacher, reward model): everything on the engine's device once built; the engine checks it
@@ -55,7 +56,7 @@ def test_megatron_engine_roles_pass_the_device_contract(one_rank_world, tmp_path
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.parallel import init_model_parallel
 
-    model = make_tiny_model(tmp_path / "model", "llama", layers=1)
+    model = make_tiny_model(tmp_path / "model", options.get("family", "llama"), layers=1)
     init_model_parallel(1, 1)
     kw = dict(model_path=str(model))
     if "lora_rank" in options:
