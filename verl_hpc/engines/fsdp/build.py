@@ -36,6 +36,7 @@ import torch.distributed as dist
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language
 from verl_hpc.engines.options import VALUE_HEAD_SEED
+from verl_hpc.models.dropout import zero_config_dropout, zero_module_dropout
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -147,14 +148,17 @@ def _value_head_init(path: str, hidden: int) -> torch.Tensor:
     return 0.02 * torch.randn(1, hidden, generator=gen)
 
 
-def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str]):
-    """The module: from the folder's weights when `path` is given (rank 0), else on meta."""
+def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str], no_dropout: bool = True):
+    """The module: from the folder's weights when `path` is given (rank 0), else on meta; without
+    dropout modules where `no_dropout` (model.disable_dropout)."""
     kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
     if path is not None:
         model = _from_pretrained(cls, path, config, kwargs)
     else:
         with torch.device("meta"):
             model = cls.from_config(config, **kwargs)
+    if no_dropout:
+        zero_module_dropout(model)  # model code with a rate of its own, not the config's
     if head != "value":
         return model
     hidden = config.hidden_size
@@ -193,12 +197,17 @@ def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
     config = hf_config(options.model_path, options.trust_remote_code, field)
+    if options.disable_dropout:  # before the modules are built: they read the rates from it
+        zeroed = zero_config_dropout(config)
+        if zeroed and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.info("dropout off (model.disable_dropout): %s of %s set to 0", ", ".join(zeroed), options.model_path)
     cls = _auto_class(options.head, config)
-    skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
+    skeleton = _build(cls, config, options.head, options.trust_remote_code, None, options.disable_dropout)
     full = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            full = _build(cls, config, options.head, options.trust_remote_code, options.model_path)
+            full = _build(cls, config, options.head, options.trust_remote_code, options.model_path,
+                          options.disable_dropout)
         except (OSError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
