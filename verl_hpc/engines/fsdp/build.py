@@ -151,7 +151,8 @@ def _value_head_init(path: str, hidden: int) -> torch.Tensor:
 def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str], no_dropout: bool = True):
     """The module: from the folder's weights when `path` is given (rank 0), else on meta; without
     dropout modules where `no_dropout` (model.disable_dropout)."""
-    kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+    kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation=attention_implementation(cls, config),
+                  dtype=torch.float32)
     if path is not None:
         model = _from_pretrained(cls, path, config, kwargs)
     else:
@@ -169,6 +170,19 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str],
     else:
         value.score.to("meta")
     return value
+
+
+def attention_implementation(cls, config) -> str:
+    """torch's SDPA where transformers has it for the architecture, else its own eager attention
+    (BLOOM's ALiBi, GPT-OSS's attention sinks have no SDPA path): asking for SDPA there is an error.
+    A model with its own code (auto_map) is asked for SDPA, as before."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        model_cls = _get_model_class(config, cls._model_mapping)
+    except (KeyError, ValueError, AttributeError):  # remote code: transformers does not know the class
+        return "sdpa"
+    return "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
 
 
 def _from_pretrained(cls, path: str, config, kwargs):
@@ -202,17 +216,21 @@ def load_model(options, field: str = "model.path"):
         if zeroed and (not dist.is_initialized() or dist.get_rank() == 0):
             log.info("dropout off (model.disable_dropout): %s of %s set to 0", ", ".join(zeroed), options.model_path)
     cls = _auto_class(options.head, config)
-    skeleton = _build(cls, config, options.head, options.trust_remote_code, None, options.disable_dropout)
-    full = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and attention_implementation(cls, config) != "sdpa":
+        log.info("%s has no SDPA attention in transformers: its eager attention runs", type(config).__name__)
+    skeleton = full = None
+    # both builds inside the one-line error: the architecture (on meta, every rank), then the weights
+    for path in (None, options.model_path) if rank0 else (None,):
         try:
-            full = _build(cls, config, options.head, options.trust_remote_code, options.model_path,
-                          options.disable_dropout)
+            model = _build(cls, config, options.head, options.trust_remote_code, path, options.disable_dropout)
         except (OSError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"{field}: transformers cannot load the weights of '{options.model_path}' "
+            what = "load the weights of" if path else "build the model of"
+            raise ConfigError(f"{field}: transformers cannot {what} '{options.model_path}' "
                               f"({type(config).__name__}): {str(e).splitlines()[0]}") from None
+        skeleton, full = (model, full) if path is None else (skeleton, model)
     return skeleton, full
 
 
