@@ -2,7 +2,8 @@
 random weights (verl_hpc.models.tiny draws them), for the tests that check "any HF model": the
 families of verl_hpc.models.tiny plus Qwen3, Gemma 2, Cohere 2, Starcoder2, Granite, SmolLM3 and
 the GPT-2 / BLOOM / Falcon / GPT-NeoX generation whose configs use other names (n_head, n_layer,
-ffn_hidden_size) and other layouts (Conv1D, fused query_key_value, ALiBi).
+ffn_hidden_size) and other layouts (Conv1D, fused query_key_value, ALiBi). GPT-NeoX's output layer is
+stored as `embed_out.weight`, as released folders store it (transformers 5 calls it lm_head).
 
 Windows are WINDOW tokens, so that the test prompts (longer than that) slide, as real prompts slide
 past real windows of 512-4,096 tokens.
@@ -94,6 +95,8 @@ def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool
     state = tiny_lib.random_state_dict(model, seed, norm_offset=arch == "gemma2")
     if tied:
         state.pop("lm_head.weight", None)
+    if arch == "gpt_neox" and "lm_head.weight" in state:  # released GPT-NeoX folders (Pythia) store the
+        state["embed_out.weight"] = state.pop("lm_head.weight")  # head so; transformers 5 renames it on load
     config.save_pretrained(out)
     tiny_lib.save_safetensors(state, out)
     tokenizer.save_pretrained(out)
