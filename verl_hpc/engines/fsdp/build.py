@@ -160,6 +160,7 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str],
             model = cls.from_config(config, **kwargs)
     if no_dropout:
         zero_module_dropout(model)  # model code with a rate of its own, not the config's
+    train_pad_row(model)
     if head != "value":
         return model
     hidden = config.hidden_size
@@ -183,6 +184,18 @@ def attention_implementation(cls, config) -> str:
     except (KeyError, ValueError, AttributeError):  # remote code: transformers does not know the class
         return "sdpa"
     return "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+
+
+def train_pad_row(model: torch.nn.Module) -> None:
+    """The pad token's embedding row trains like every other row, as in the Megatron engine.
+    transformers builds the embedding with `padding_idx = pad_token_id`, which zeroes that row's
+    gradient; but many tokenizers' pad token is a real token (SmolLM2's `<|im_end|>`, in every chat
+    prompt), and the engines' padding never reaches a scored position (right-padded, causal; masked
+    when packed), so the row's gradient is the real occurrences' alone. Left as transformers has it,
+    the two engines' updates differed in that row."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+            m.padding_idx = None
 
 
 def _from_pretrained(cls, path: str, config, kwargs):
