@@ -224,7 +224,8 @@ def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
     config = hf_config(options.model_path, options.trust_remote_code, field)
-    if options.disable_dropout:  # before the modules are built: they read the rates from it
+    no_dropout = getattr(options, "disable_dropout", True)  # EngineOptions' field; the default for a bare namespace
+    if no_dropout:  # before the modules are built: they read the rates from it
         zeroed = zero_config_dropout(config)
         if zeroed and (not dist.is_initialized() or dist.get_rank() == 0):
             log.info("dropout off (model.disable_dropout): %s of %s set to 0", ", ".join(zeroed), options.model_path)
@@ -236,7 +237,7 @@ def load_model(options, field: str = "model.path"):
     # both builds inside the one-line error: the architecture (on meta, every rank), then the weights
     for path in (None, options.model_path) if rank0 else (None,):
         try:
-            model = _build(cls, config, options.head, options.trust_remote_code, path, options.disable_dropout)
+            model = _build(cls, config, options.head, options.trust_remote_code, path, no_dropout)
         except (OSError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
