@@ -1,10 +1,11 @@
 """Held-out architectures (tests/arch_matrix.py) through a real GRPO job on the FSDP engine, one rank in
 this process: folders whose configs name their numbers otherwise (GPT-2's n_head / n_layer, BLOOM),
 whose MLP has no intermediate_size (GPT-2, BLOOM, Falcon), whose output layer transformers names
-otherwise (GPT-NeoX's embed_out), with sliding-window layers (Gemma 2, Cohere 2), and a GPT-2 that
-keeps its pretraining dropout of 0.1 in config.json.
+otherwise (GPT-NeoX's embed_out), with sliding-window layers (Gemma 2, Cohere 2), each with the
+pretraining dropout of 0.1 in config.json where its family has the fields.
 
-Each runs 2 steps with the HF rollout. At step 1 the rollout and the update's forward see the same
+GPT-2, BLOOM, GPT-NeoX and Cohere 2 run 2 steps with the HF rollout; Gemma 2 and Falcon (tied) with
+vLLM, which checks the tied head after every weight sync. At step 1 the rollout and the update's forward see the same
 weights: with dropout off in every forward, the rollout's log-probs equal the update's (pi_old is
 taken from the update's own forward here, on-policy) within 1e-5, where 85ec11b's GPT-2 left them
 apart by dropout (and refused GPT-2 and BLOOM before the queue, and crashed on Falcon's config).
