@@ -68,11 +68,15 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
         return tf.GPTNeoXConfig(**SHAPES, intermediate_size=256, max_position_embeddings=256,
                                 rope_parameters={**ROPE, "partial_rotary_factor": 0.25}, hidden_dropout=dropout,
                                 attention_dropout=dropout, **special, architectures=["GPTNeoXForCausalLM"])
+    if arch == "gpt_oss":  # attention sinks: no SDPA path in transformers; a sliding layer and a full one
+        return tf.GptOssConfig(**SHAPES, num_key_value_heads=2, head_dim=32, intermediate_size=64, num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=WINDOW, layer_types=SLIDING,
+                               max_position_embeddings=256, **special, architectures=["GptOssForCausalLM"])
     raise ValueError(f"arch_matrix: no config for {arch!r}")
 
 
 HELD_OUT = ("qwen3", "gemma2", "cohere2", "starcoder2", "starcoder2_window", "granite", "smollm3", "gpt2",
-            "bloom", "falcon", "gpt_neox")
+            "bloom", "falcon", "gpt_neox", "gpt_oss")
 
 
 def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool = False, **tiny) -> Path:

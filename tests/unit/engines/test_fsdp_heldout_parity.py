@@ -41,6 +41,25 @@ def test_forward_and_one_update_equal_float64_transformers(arch, one_rank_world,
     assert max_diff({n: p.detach().full_tensor() for n, p in engine.model.named_parameters()}, want) <= WEIGHT_TOL
 
 
+def test_gpt_oss_runs_its_eager_attention_and_gives_transformers_log_probs(one_rank_world, tmp_path):
+    """GPT-OSS (attention sinks, MoE): transformers has no SDPA path for it, and 85ec11b asked for SDPA
+    (a ValueError outside the one-line wrapper). Its experts' grouped GEMM takes no float64, so the
+    reference is transformers in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from update_reference import response_outputs
+
+    path = make_arch(tmp_path / "gpt_oss", "gpt_oss")
+    engine, _ = _engine(path)
+    assert engine.hf_config._attn_implementation == "eager" and engine._sharing is None
+    batch = policy_batch(5, n=6)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(batch["input_ids"]).logits
+    logp, _, _ = response_outputs(logits.double(), batch)
+    assert float((engine.forward(batch)["log_probs"].double() - logp).abs().max()) <= LOGP_TOL
+
+
 def test_a_model_transformers_cannot_build_is_one_line_even_on_the_meta_device(one_rank_world, tmp_path, monkeypatch):
     """BLOOM asked for SDPA (what 85ec11b always asked for): transformers' ValueError, raised while
     every rank builds the architecture on the meta device, is the engine's one line."""
