@@ -39,11 +39,12 @@ def dro(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Metrics]:
     """l_t = -(A_t logp_t - dro_beta / 2 (logp_t - old_logp_t)^2); no clipping (clip fractions 0).
-    The log-ratio in the penalty is unclamped (it is squared, not exponentiated)."""
+    The log-ratio in the penalty is unclamped (it is squared, not exponentiated), and so is the
+    one of the ppo_kl metric, as verl reports it for DRO."""
     if not dro_beta > 0:
         raise ConfigError(f"actor.dro_beta (DRO's penalty coefficient) must be > 0; got {dro_beta}")
     valid, old, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
     diff = new - old
     loss_mat = -(adv * new - 0.5 * dro_beta * diff * diff)
     loss = weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
-    return loss, _metrics(valid, adv, torch.exp(log_ratio), log_ratio, 0.0, 0.0, clipping=False)
+    return loss, _metrics(valid, adv, torch.exp(log_ratio), diff, 0.0, 0.0, clipping=False)

@@ -145,7 +145,9 @@ def gspo(
     s_i * grad logp_it, clipped like PPO. With advantages constant over a sequence and
     seq-mean-token-mean aggregation (the paper's setting) this is exactly GSPO's gradient.
     The clip ranges are tiny (paper: 3e-4 / 4e-4) because a sequence ratio moves much less than a
-    token ratio. The sequence log-ratio (not each token's) is capped at 10 before exp, as in verl.
+    token ratio. The sequence log-ratio (not each token's) is capped at 10 before exp, as in verl;
+    the ppo_kl metric is the mean of the unclamped token log-ratios, as verl reports it for GSPO
+    (the other losses clamp it at +-20 like their ratio, as verl does for them).
     """
     _check_clip(clip_ratio_low, clip_ratio_high)
     valid, old, new, adv, log_ratio = _prepare(old_log_prob, log_prob, advantages, response_mask)
@@ -157,7 +159,7 @@ def gspo(
     ratio = torch.exp(token_log_ratio)
     loss_mat = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high))
     loss = weighted_agg(loss_mat, valid, rollout_is_weights, loss_agg_mode, global_tokens, global_seqs, norm_len)
-    return loss, _metrics(valid, adv, ratio.detach(), log_ratio, clip_ratio_low, clip_ratio_high)
+    return loss, _metrics(valid, adv, ratio.detach(), new - old, clip_ratio_low, clip_ratio_high)
 
 
 @register_policy_loss("cispo")

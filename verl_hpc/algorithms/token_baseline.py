@@ -16,10 +16,10 @@ pi_j is pi_old's probability of the sampled token (`old_log_probs`) and sum_v pi
 rollout-correction weights rho_t (truncated IS) each term is scaled by rho_t^2 (the weights' MSE-
 optimal form). `optimal_token_baseline` indexes t by position in the response; the tool-integrated
 variant by rank among the response's own (loss-mask 1) tokens, so in multi-turn episodes the model's
-k-th token is compared with the others' k-th model token whatever tool output came between, and it
-zeroes the baseline of a group's unique longest trajectory beyond the second longest (there the
-"group" is that trajectory alone, whose baseline would cancel its return: `handle_zero_tail`, on for
-the TIR variant and off for the plain one, as in verl).
+k-th token is compared with the others' k-th model token whatever tool output came between. Both
+zero the baseline of a group's unique longest trajectory beyond the second longest (there the
+"group" is that trajectory alone, whose baseline would cancel its return): verl's `handle_zero_tail`,
+on by default in both of its estimators (verl 0.9.1; for the plain one since verl PR 5380, Feb 2026).
 """
 from __future__ import annotations
 
@@ -89,11 +89,12 @@ def optimal_token_baseline(
     sum_pi_squared: torch.Tensor,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Pair:
-    """A_t = G_t - b_t with b_t the group's W-weighted mean of G at position t (module docstring);
-    returns = G (the undiscounted reward-to-go), both 0 on padding."""
+    """A_t = G_t - b_t with b_t the group's W-weighted mean of G at position t, 0 for a group's unique
+    longest response past the second longest (module docstring); returns = G (the undiscounted
+    reward-to-go), both 0 on padding."""
     valid, returns, energy, codes, n_groups = _inputs(token_level_rewards, response_mask, group_ids,
                                                       old_log_probs, sum_pi_squared, rollout_is_weights)
-    base = _group_baseline(returns, energy, valid, codes, n_groups, valid.sum(-1), zero_tail=False)
+    base = _group_baseline(returns, energy, valid, codes, n_groups, valid.sum(-1), zero_tail=True)
     zero = torch.zeros_like(returns)
     return torch.where(valid, returns - base, zero), returns
 
@@ -109,7 +110,7 @@ def tir_optimal_token_baseline(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> Pair:
     """As optimal_token_baseline with t the rank of a token among its response's valid tokens (holes
-    of tool output skipped) and the zero-tail rule on. returns = G at positions, 0 on padding and holes."""
+    of tool output skipped), the zero tail counted in ranks. returns = G at positions, 0 on padding and holes."""
     valid, returns, energy, codes, n_groups = _inputs(token_level_rewards, response_mask, group_ids,
                                                       old_log_probs, sum_pi_squared, rollout_is_weights)
     lengths = valid.sum(-1)

@@ -1,8 +1,14 @@
-"""The one reader of a Hugging Face model folder's config.json (plain JSON, no torch, no transformers).
+"""The one reader of a Hugging Face model folder's config.json (plain JSON).
 
 Everything that needs a model's numbers reads them here: config validation on a login node, the
 Megatron config mapping, the rollout engines. Errors name the config field that pointed at the
 folder (`model.path`, `critic.model_path`, ...) and what a valid folder holds.
+
+Families name their numbers differently: GPT-2 and BLOOM say `n_head`, `n_layer`, `n_embd`, and
+transformers' config class maps them to the common names (its `attribute_map`). `language_model_config`
+gives the numbers under the common names through that map (transformers is imported only for a
+config.json that lacks one of them), plus what transformers' modelling code derives without a map:
+Falcon's KV heads, the MLP width under Falcon's and GPT-2's names.
 """
 from __future__ import annotations
 
@@ -47,10 +53,44 @@ def is_vision_language(data: Dict[str, Any]) -> bool:
 
 
 def language_model_config(data: Dict[str, Any]) -> Dict[str, Any]:
-    """Multimodal configs nest the language model's numbers under text_config."""
+    """The language model's numbers under the common names (`canonical_names`); multimodal configs
+    nest them under text_config."""
     if "num_attention_heads" not in data and isinstance(data.get("text_config"), dict):
-        return data["text_config"]
-    return data
+        return canonical_names(data["text_config"])
+    return canonical_names(data)
+
+
+COMMON = ("num_attention_heads", "num_hidden_layers", "hidden_size", "max_position_embeddings")
+
+
+def canonical_names(data: Dict[str, Any]) -> Dict[str, Any]:
+    """config.json's numbers with the common names added where the family uses others (a copy;
+    the family's own keys stay)."""
+    out = dict(data)
+    if any(k not in data for k in COMMON):
+        for common, own in _attribute_map(data.get("model_type")).items():
+            if common not in out and own in data:
+                out[common] = data[own]
+    if "num_key_value_heads" not in out and "num_kv_heads" in data:
+        # as transformers' Falcon attention counts them: one KV head under multi-query attention
+        # unless the new decoder architecture says num_kv_heads
+        mqa = data.get("multi_query", True) and not data.get("new_decoder_architecture", False)
+        out["num_key_value_heads"] = 1 if mqa else data["num_kv_heads"]
+    if "intermediate_size" not in out:  # Falcon's ffn_hidden_size, GPT-2's n_inner (null: 4 x hidden)
+        ffn = data.get("ffn_hidden_size") or data.get("n_inner")
+        if ffn:
+            out["intermediate_size"] = ffn
+    return out
+
+
+def _attribute_map(model_type) -> Dict[str, str]:
+    """transformers' config class's map for `model_type` ({} where transformers does not know it)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", None) or {})
+    except (ImportError, KeyError, TypeError):
+        return {}
 
 
 class ModelShape(NamedTuple):

@@ -70,9 +70,26 @@ def decode_image(data: bytes, limits: ImageLimits, name: str = "the image"):
         Image.MAX_IMAGE_PIXELS = None
         with Image.open(io.BytesIO(data)) as img:
             img.load()
-            return img.convert("RGB")
+            return to_rgb(img)
     except Exception as e:  # noqa: BLE001
         raise DataError(f"{name} does not decode as an image ({type(e).__name__}: {e})") from None
+
+
+def to_rgb(img):
+    """8-bit RGB, the model processors' input. Pillow's own `convert("RGB")` clips the integer
+    modes of 16-bit greyscale (PNG, TIFF: "I;16", "I") at 255, so a 16-bit picture would arrive all
+    white: those are scaled to 8 bits (v / 257: 65535 -> 255, rounded), and a float image ("F") is
+    taken as 0..1 and clipped. Every other mode is Pillow's conversion."""
+    from PIL import Image
+
+    if not (img.mode.startswith("I") or img.mode == "F"):
+        return img.convert("RGB")
+    import numpy as np
+
+    values = np.asarray(img, dtype=np.float64)
+    scaled = values * 255.0 if img.mode == "F" else values / 257.0
+    grey = np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+    return Image.fromarray(grey).convert("RGB")  # uint8 2-D: mode L
 
 
 def load_images(items: Optional[Sequence[Any]], limits: ImageLimits, base_dir: str = "") -> List[Any]:

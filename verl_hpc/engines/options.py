@@ -80,6 +80,8 @@ class EngineOptions:
     # transformers may run code shipped with the model (model.trust_remote_code)
     fsdp: Any
     trust_remote_code: bool
+    # model.disable_dropout: zero the folder's dropout rates (verl_hpc/models/dropout.py)
+    disable_dropout: bool
     # a vision-language model (FSDP engine): train its vision tower and projector too (vision.train_vision_tower)
     train_vision_tower: bool
 
@@ -108,6 +110,7 @@ class EngineOptions:
 
             vision = VisionConfig()
         common = dict(engine=parallel.engine, fsdp=fsdp, trust_remote_code=model.trust_remote_code,
+                      disable_dropout=model.disable_dropout,
                       train_vision_tower=vision.train_vision_tower,
                       dtype=model.dtype, use_distributed_optimizer=par.use_distributed_optimizer,
                       sequence_parallel=par.sequence_parallel,

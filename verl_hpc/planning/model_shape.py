@@ -155,6 +155,8 @@ def fsdp_arch(path: str, *, allow_known: bool = True, field: str = "model.path")
     except ConfigError:  # not mapped, or a feature Megatron's mapping lacks: transformers has it
         pass
     lm = language_model_config(data)
+    if "intermediate_size" not in lm and "hidden_size" in lm:  # GPT-2 (n_inner null), BLOOM: transformers'
+        lm["intermediate_size"] = 4 * int(lm["hidden_size"])  # modelling code makes the MLP 4 x hidden
     missing = [k for k in REQUIRED if k not in lm]
     if missing:
         raise ConfigError(f"{field}: {src} has no {', '.join(missing)}: the memory plan needs the "

@@ -44,7 +44,7 @@ from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
 from verl_hpc.rollout.vllm_compat import preserved_rng
-from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names
+from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, renamed_on_load
 from verl_hpc.runtime import device as devices
 
 
@@ -141,6 +141,11 @@ class HFRollout(RolloutEngine):
         if self.vision:  # released VLM folders keep older tensor names that transformers renames on load
             self._required = set(self.model.state_dict())
             self.image_token_id = self.model.config.image_token_id
+        # a checkpoint name transformers renames on load (GPT-NeoX's embed_out.weight -> lm_head.weight):
+        # the model's name is the one required (the engines send it), the checkpoint's is accepted too
+        renamed = renamed_on_load(self.model, self._required - set(self._targets))
+        self._targets.update({old: self._targets[new] for old, new in renamed.items() if new in self._targets})
+        self._required = {renamed.get(n, n) for n in self._required}
         unknown = sorted(self._required - set(self._targets))
         if unknown:
             raise WeightFileError(f"hf rollout: checkpoint tensors {unknown[:3]} are not named like the "

@@ -335,9 +335,23 @@ def release_parallel_state() -> None:
 def _refresh_lm_head(model) -> bool:
     """Inside the worker: the head's post-load processing, on the weight it shares with the
     embedding. Raises if the two no longer share storage (the refresh would then pack a stale
-    tensor): a vLLM release that changes how tying works must be looked at, not papered over."""
-    inner = getattr(model, "model", model)
-    head, embed = model.lm_head, inner.embed_tokens
+    tensor): a vLLM release that changes how tying works must be looked at, not papered over.
+
+    Found by type, not by Llama's names: the output head is the model's `ParallelLMHead`, the input
+    embedding its other `VocabParallelEmbedding` (Falcon calls them lm_head and
+    transformer.word_embeddings). A model without a head module of its own computes its logits
+    with the embedding module itself (vLLM's Gemma 2 and 3, Cohere 2), or holds the embedding
+    module as its head (vLLM's Falcon): the reload re-processed that module, nothing is left."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeds = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    if not heads or any(h is e for h in heads for e in embeds):
+        return True
+    if len(heads) != 1 or len(embeds) != 1:
+        raise RuntimeError(f"vllm: {type(model).__name__} has {len(heads)} output heads and {len(embeds)} "
+                           "vocabulary embeddings; refresh_tied_lm_head expects one of each")
+    head, embed = heads[0], embeds[0]
     if head.weight.data_ptr() != embed.weight.data_ptr():
         raise RuntimeError("vllm: lm_head and embed_tokens of a tied model no longer share their "
                            "weight after reload_weights; refresh_tied_lm_head needs revisiting")

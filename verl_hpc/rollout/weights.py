@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Iterable, Iterator, Set, Tuple
+from typing import Dict, Iterable, Iterator, Set, Tuple
 
 import torch
 
@@ -39,6 +39,26 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
         with open_safetensors(f) as handle:
             names.update(handle.keys())
     return names
+
+
+def renamed_on_load(model, names: Iterable[str]) -> Dict[str, str]:
+    """{checkpoint name: the model's name} for those of `names` that transformers renames when it
+    loads a folder into `model` (its checkpoint conversion mapping: GPT-NeoX's embed_out.weight is
+    lm_head.weight in transformers 5); names it leaves as they are are not in the result. Only plain
+    renamings: a conversion that fuses tensors (MoE experts) has views of its own (models/moe.py)."""
+    names = sorted(names)
+    if not names:
+        return {}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    out = {}
+    for name in names:
+        new, _ = rename_source_key(name, renamings, [])
+        if new != name:
+            out[name] = new
+    return out
 
 
 def tied_embeddings(model_path: str | Path) -> bool:

@@ -383,8 +383,8 @@ def otb_inputs(seed, holes, dtype=D):
 def otb_loop(rewards, mask, old, spp, rho, tir):
     """verl's OTB, written out: G the reward-to-go, W the cumulative (1 - 2p + sum p^2) rho^2 over
     positions; per group (>= 2 members) b = sum G W / (sum W + 1e-8) at each position (TIR: at each
-    rank among the row's valid tokens, and the unique longest row's baseline 0 past the second
-    longest); A = G - b on valid tokens."""
+    rank among the row's valid tokens), the unique longest row's baseline 0 past the second longest
+    (verl's handle_zero_tail, on in both); A = G - b on valid tokens."""
     valid = [[t for t in range(T) if mask[i, t] > 0] for i in range(B)]
     G = [[sum(float(rewards[i, s]) for s in valid[i] if s >= t) for t in range(T)] for i in range(B)]
     W, acc = [], 0.0
@@ -411,10 +411,9 @@ def otb_loop(rewards, mask, old, spp, rho, tir):
                         return (G[j][col], W[j][col]) if mask[j, col] > 0 else None
                     pts = [at(j) for j in rows if at(j) is not None]
                     base = sum(gg * ww for gg, ww in pts) / (sum(ww for _, ww in pts) + 1e-8)
-                    if tir:
-                        lens = sorted(len(valid[j]) for j in rows)
-                        if len(valid[i]) == lens[-1] > lens[-2] and col >= lens[-2]:
-                            base = 0.0
+                    lens = sorted(len(valid[j]) for j in rows)
+                    if len(valid[i]) == lens[-1] > lens[-2] and col >= lens[-2]:
+                        base = 0.0
                 adv[i][t] = G[i][t] - base
     return adv, G
 
@@ -436,7 +435,36 @@ def test_optimal_token_baselines_equal_verls_formula(name, holes, with_is, dtype
     torch.testing.assert_close(adv[0], ret[0])  # a group of one: no baseline
 
 
-def test_tir_differs_from_otb_where_tool_tokens_shift_the_index_and_at_a_unique_longest_tail():
+def test_otb_zero_tail_by_hand():
+    """One group, lengths 2 and 4, every w = 1 - 2 pi + sum pi^2 = 1 (pi = 0.25, sum pi^2 = 0.5), so
+    W = 1, 2, 3, 4; rewards 1 and 0.5 at the last tokens: G = [1, 1] and [0.5] * 4. b_0 = (1 + 0.5) / 2,
+    b_1 = (2 + 1) / 4 = 0.75; past length 2 the long row is alone: b = 0 (verl's default zero tail),
+    A = 0.5 - 0 there, not 0.5 - 0.5 * 3 / (3 + 1e-8)."""
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5]], dtype=D)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=D)
+    common = dict(group_ids=[0, 0], old_log_probs=torch.full((2, 4), math.log(0.25), dtype=D),
+                  sum_pi_squared=torch.full((2, 4), 0.5, dtype=D))
+    want = torch.tensor([[0.25, 0.25, 0.0, 0.0], [-0.25, -0.25, 0.5, 0.5]], dtype=D)
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        adv, ret = compute_advantages(name, rewards, mask, **common)
+        torch.testing.assert_close(adv, want, rtol=0, atol=1e-7)
+        torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0, 0], [0.5] * 4], dtype=D))
+
+
+@pytest.mark.parametrize("loss, options", [("dro", dict(dro_beta=0.1)),
+                                           ("gspo", dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4))])
+def test_dro_and_gspo_ppo_kl_is_the_unclamped_mean_as_in_verl(loss, options):
+    """log-ratios 30 and 0: ppo_kl = -(30 + 0) / 2 = -15 (a clamp at 20 would give -10)."""
+    from verl_hpc.algorithms import compute_policy_loss
+
+    old = torch.tensor([[-40.0, -1.0]], dtype=D)
+    new = old + torch.tensor([[30.0, 0.0]], dtype=D)
+    _, metrics = compute_policy_loss(loss, old, new, torch.ones(1, 2, dtype=D), torch.ones(1, 2, dtype=D),
+                                     loss_agg_mode="token-mean", **options)
+    assert float(metrics["ppo_kl"]) == -15.0
+
+
+def test_tir_differs_from_otb_where_tool_tokens_shift_the_index():
     def both(holes):
         rewards, mask, old, spp, _ = otb_inputs(9, holes)
         common = dict(group_ids=GROUPS, old_log_probs=old, sum_pi_squared=spp)
@@ -444,9 +472,8 @@ def test_tir_differs_from_otb_where_tool_tokens_shift_the_index_and_at_a_unique_
         tir, _ = compute_advantages("tir_optimal_token_baseline", rewards, mask, **common)
         return {int(i) for i in (plain - tir).abs().gt(1e-12).any(-1).nonzero().flatten()}
 
-    # no holes: ranks are positions; only the zero tail differs, on the groups with a unique longest
-    # row (group 1: row 1, 5 tokens vs 1; group 3: row 10, 6 vs 5; group 2 has two rows of 7)
-    assert both(holes=False) == {1, 10}
+    # no holes: ranks are positions, and both zero the unique longest row's tail: the same
+    assert both(holes=False) == set()
     # holes in rows 1, 3, 5, 7: group 2's rows without a hole are compared at other tokens too
     differ = both(holes=True)
     assert {4, 6} & differ and differ <= {1, 2, 3, 4, 5, 6, 7, 10}

@@ -7,6 +7,10 @@ from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt
 
+DROPOUT_ON_MEGATRON = ("model.disable_dropout = false keeps config.json's dropout, which only the FSDP engine "
+                       "builds (the Megatron mapping runs without dropout); set parallel.engine=fsdp or "
+                       "model.disable_dropout=true")
+
 
 @dataclass
 class ModelConfig(Section):
@@ -16,6 +20,11 @@ class ModelConfig(Section):
                                 "scaling (actor.optim.*loss_scale*; docs/algorithms.md, fp16); float32 for "
                                 "exact CPU tests", choices=("float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "let transformers run code shipped with the model")
+    # RL's ratio assumes the rollout, the old log-probs and the update compute one function
+    # (verl_hpc/models/dropout.py); TRL's disable_dropout, same default
+    disable_dropout: bool = opt(True, "run the model without dropout in every forward (rollout, old log-probs, "
+                                "training): the engines zero config.json's dropout rates; false keeps them "
+                                "(FSDP engine only; the Megatron mapping has no dropout)")
     fp8: bool = opt(False, "Transformer Engine FP8 training; GPU only")
     fp8_recipe: str = opt("delayed", "with fp8: Megatron's scaling recipe (mxfp8: Blackwell only)",
                           choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
@@ -44,6 +53,8 @@ class ModelConfig(Section):
 
     def check(self, job) -> List[str]:
         p = []
+        if not self.disable_dropout and job.parallel.engine == "megatron":
+            p.append(DROPOUT_ON_MEGATRON)
         if job.slurm.gpus_per_node == 0 and self.fp8:
             p.append("model.fp8 needs GPUs (Transformer Engine), but slurm.gpus_per_node = 0 (a CPU job)")
         if job.slurm.gpus_per_node == 0:

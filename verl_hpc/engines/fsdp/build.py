@@ -36,6 +36,7 @@ import torch.distributed as dist
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language
 from verl_hpc.engines.options import VALUE_HEAD_SEED
+from verl_hpc.models.dropout import zero_config_dropout, zero_module_dropout
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -147,14 +148,19 @@ def _value_head_init(path: str, hidden: int) -> torch.Tensor:
     return 0.02 * torch.randn(1, hidden, generator=gen)
 
 
-def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str]):
-    """The module: from the folder's weights when `path` is given (rank 0), else on meta."""
-    kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation="sdpa", dtype=torch.float32)
+def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str], no_dropout: bool = True):
+    """The module: from the folder's weights when `path` is given (rank 0), else on meta; without
+    dropout modules where `no_dropout` (model.disable_dropout)."""
+    kwargs = dict(trust_remote_code=trust_remote_code, attn_implementation=attention_implementation(cls, config),
+                  dtype=torch.float32)
     if path is not None:
         model = _from_pretrained(cls, path, config, kwargs)
     else:
         with torch.device("meta"):
             model = cls.from_config(config, **kwargs)
+    if no_dropout:
+        zero_module_dropout(model)  # model code with a rate of its own, not the config's
+    train_pad_row(model)
     if head != "value":
         return model
     hidden = config.hidden_size
@@ -165,6 +171,31 @@ def _build(cls, config, head: str, trust_remote_code: bool, path: Optional[str])
     else:
         value.score.to("meta")
     return value
+
+
+def attention_implementation(cls, config) -> str:
+    """torch's SDPA where transformers has it for the architecture, else its own eager attention
+    (BLOOM's ALiBi, GPT-OSS's attention sinks have no SDPA path): asking for SDPA there is an error.
+    A model with its own code (auto_map) is asked for SDPA, as before."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        model_cls = _get_model_class(config, cls._model_mapping)
+    except (KeyError, ValueError, AttributeError):  # remote code: transformers does not know the class
+        return "sdpa"
+    return "sdpa" if getattr(model_cls, "_supports_sdpa", True) else "eager"
+
+
+def train_pad_row(model: torch.nn.Module) -> None:
+    """The pad token's embedding row trains like every other row, as in the Megatron engine.
+    transformers builds the embedding with `padding_idx = pad_token_id`, which zeroes that row's
+    gradient; but many tokenizers' pad token is a real token (SmolLM2's `<|im_end|>`, in every chat
+    prompt), and the engines' padding never reaches a scored position (right-padded, causal; masked
+    when packed), so the row's gradient is the real occurrences' alone. Left as transformers has it,
+    the two engines' updates differed in that row."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+            m.padding_idx = None
 
 
 def _from_pretrained(cls, path: str, config, kwargs):
@@ -193,17 +224,27 @@ def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
     config = hf_config(options.model_path, options.trust_remote_code, field)
+    no_dropout = getattr(options, "disable_dropout", True)  # EngineOptions' field; the default for a bare namespace
+    if no_dropout:  # before the modules are built: they read the rates from it
+        zeroed = zero_config_dropout(config)
+        if zeroed and (not dist.is_initialized() or dist.get_rank() == 0):
+            log.info("dropout off (model.disable_dropout): %s of %s set to 0", ", ".join(zeroed), options.model_path)
     cls = _auto_class(options.head, config)
-    skeleton = _build(cls, config, options.head, options.trust_remote_code, None)
-    full = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and attention_implementation(cls, config) != "sdpa":
+        log.info("%s has no SDPA attention in transformers: its eager attention runs", type(config).__name__)
+    skeleton = full = None
+    # both builds inside the one-line error: the architecture (on meta, every rank), then the weights
+    for path in (None, options.model_path) if rank0 else (None,):
         try:
-            full = _build(cls, config, options.head, options.trust_remote_code, options.model_path)
+            model = _build(cls, config, options.head, options.trust_remote_code, path, no_dropout)
         except (OSError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"{field}: transformers cannot load the weights of '{options.model_path}' "
+            what = "load the weights of" if path else "build the model of"
+            raise ConfigError(f"{field}: transformers cannot {what} '{options.model_path}' "
                               f"({type(config).__name__}): {str(e).splitlines()[0]}") from None
+        skeleton, full = (model, full) if path is None else (skeleton, model)
     return skeleton, full
 
 

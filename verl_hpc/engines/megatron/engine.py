@@ -82,6 +82,11 @@ class MegatronEngine(TrainingEngine):
             raise RuntimeError("MegatronEngine needs Megatron model parallelism: call "
                                "verl_hpc.parallel.init_model_parallel first")
         check_options(options)
+        if not options.disable_dropout:  # parallel.engine=auto resolved to Megatron for this role
+            from verl_hpc.config.errors import ConfigError
+            from verl_hpc.config.sections.model import DROPOUT_ON_MEGATRON
+
+            raise ConfigError(DROPOUT_ON_MEGATRON)
         self.options = o = options
         self.dtype = torch_dtype(o.dtype)
         self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
