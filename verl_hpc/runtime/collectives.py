@@ -70,7 +70,8 @@ _TENSOR_ARG = {  # collective -> how to find its payload tensor(s)
 # collectives whose group may be given positionally (found among the arguments by type)
 _GROUP_POSITIONAL = ("all_reduce", "reduce_scatter_tensor", "_reduce_scatter_base", "all_gather_into_tensor",
                      "_all_gather_base", "all_gather", "reduce_scatter", "barrier", "all_gather_single",
-                     "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced", "all_to_all", "gather", "scatter")
+                     "reduce_scatter_single", "all_reduce_coalesced", "all_gather_coalesced", "all_to_all",
+                     "gather", "scatter")
 # isend/irecv stay unwrapped: torch.distributed.P2POp accepts only the very function objects
 # isend/irecv as its `op` (a wrapper fails its check), so point-to-point traffic is counted where
 # the batch is handed over (batch_isend_irecv, which Megatron's pipeline schedules use) and in
