@@ -7,6 +7,8 @@ from typing import List, Optional
 from verl_hpc.config.fields import Section, opt, section
 from verl_hpc.config.recipes import ROW_LOCAL_POLICY_LOSSES
 
+MAX_LOSS_SCALE = 2.0**32  # fp16 dynamic loss scaling: Megatron's default start, the largest accepted
+
 
 @dataclass
 class OptimConfig(Section):
@@ -49,7 +51,13 @@ class OptimConfig(Section):
             p.append(f"{key}.eps: must be > 0, got {self.eps}")
         if self.min_lr > self.lr:
             p.append(f"{key}.min_lr = {self.min_lr} is above {key}.lr = {self.lr}")
-        if self.min_loss_scale > self.initial_loss_scale:
+        if self.initial_loss_scale > MAX_LOSS_SCALE:
+            # an overflow halves the scale and skips the step: 1e300 skips ~1000 steps before one
+            # trains (a shorter run ends with every step skipped, its loss and grad_norm null)
+            p.append(f"{key}.initial_loss_scale = {self.initial_loss_scale:g}: valid (0, 2**32] (Megatron's own "
+                     f"default, 2**32, is the largest start either engine takes; above it fp16 steps overflow "
+                     f"and are skipped while the scale halves down)")
+        elif self.min_loss_scale > self.initial_loss_scale:
             p.append(f"{key}.min_loss_scale = {self.min_loss_scale:g} is above {key}.initial_loss_scale = "
                      f"{self.initial_loss_scale:g}")
         return p
