@@ -53,3 +53,43 @@ def test_a_gdpo_component_beyond_float32_names_the_key_and_the_sample():
     text = one_line(e.value)
     assert "returned 'fmt' = 1e+39; expected a finite number within float32's range (|fmt| <= " in text, text
     assert "for sample p7:1 (data_source 'x'" in text
+
+
+# ------------------------------------------------------------------ items 5 and 13: a scorer without its head
+@pytest.fixture(scope="module")
+def rm_folders(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.models.tiny_reward import make_tiny_classifier
+
+    root = tmp_path_factory.mktemp("rm67")
+    lm = make_tiny_model(root / "lm", "llama", layers=1)
+    rm = make_tiny_classifier(lm, root / "rm")
+    headless = make_tiny_classifier(lm, root / "headless")
+    state = load_file(str(headless / "model.safetensors"))
+    del state["score.weight"]
+    save_file(state, str(headless / "model.safetensors"), metadata={"format": "pt"})
+    return dict(lm=lm, rm=rm, headless=headless)
+
+
+def test_a_scorer_folder_without_score_weight_is_refused_before_the_queue(rm_folders):
+    def reward_problems(folder):
+        cfg = load_config(None, [f"model.path={rm_folders['lm']}", "reward.reward_model.enable=true",
+                                 f"reward.reward_model.path={folder}"])
+        with pytest.raises(ConfigError) as e:  # the config has other problems (no data): only this field's count
+            validate(cfg)
+        return [p for p in e.value.problems if p.startswith("reward.reward_model.path")]
+
+    (line,) = reward_problems(rm_folders["headless"])
+    assert one_line(line).startswith(f"reward.reward_model.path: '{rm_folders['headless']}' stores no score.weight")
+    assert reward_problems(rm_folders["rm"]) == []  # the same folder with its head passes
+
+
+def test_the_reward_role_refuses_a_headless_scorer_where_the_dry_run_was_skipped(rm_folders):
+    from verl_hpc.trainer.roles import build_reward_model
+
+    cfg = load_config(None, [f"model.path={rm_folders['lm']}", "reward.reward_model.enable=true",
+                             f"reward.reward_model.path={rm_folders['headless']}"])
+    with pytest.raises(ConfigError, match="stores no score.weight"):
+        build_reward_model(cfg, ctx=None, tokenizer=None)  # refused before any engine is built

@@ -8,6 +8,7 @@ log-probs are the verdict).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List
 
 from verl_hpc.config.errors import ConfigError
@@ -35,6 +36,9 @@ def scorer_folder_problems(path: str, policy_tokenizer: str, trust_remote_code: 
     if labels != 1:
         return [f"{FIELD}: '{path}' ({arch}) has {labels} labels; a scorer gives one number per response: "
                 "valid: num_labels = 1"]
+    head = scorer_head_problem(path)
+    if head:
+        return [head]
     from verl_hpc.config.sections.teacher import tokenizer_difference
 
     why = tokenizer_difference(policy_tokenizer, path, trust_remote_code) if policy_tokenizer else ""
@@ -70,3 +74,25 @@ def judge_folder_problems(path: str, judge, trust_remote_code: bool = False) -> 
             p.append(f"reward.reward_model.judge.{name} = {text!r} is {len(ids)} tokens for the judge's tokenizer "
                      f"({path}); verdict = yes_no reads one token's log-prob: pick a text that is one token")
     return p
+
+
+SCORE_NAME = "score.weight"  # the classifier's head: the reward is its output on the last token
+
+
+def scorer_head_problem(path: str) -> str:
+    """'' when the folder stores the scorer's head; else one line. A critic may start from a fresh
+    head (it is trained), a frozen scorer may not: a seeded random head would score every response
+    with noise and the policy would train on it without a word. Reads names only (index or
+    safetensors headers)."""
+    from verl_hpc.models.hf_checkpoint import WeightFileError, _weight_map
+
+    try:
+        names = _weight_map(Path(path))
+    except (ConfigError, WeightFileError) as e:
+        return f"{FIELD}: {e}"
+    if SCORE_NAME in names:
+        return ""
+    heads = sorted(n for n in names if not n.startswith(("model.", "transformer.")))[:3]
+    return (f"{FIELD}: '{path}' stores no {SCORE_NAME} (the scorer's head; "
+            f"{'it holds ' + ', '.join(heads) if heads else 'only backbone tensors'}): a frozen scorer would score "
+            "with a random head; valid: a *ForSequenceClassification folder saved with its trained head")

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.options import EngineOptions
 from verl_hpc.config.sections.fsdp import choose_engine
 from verl_hpc.engines.megatron.roles import build_role
@@ -171,6 +172,11 @@ def build_reward_model(cfg, ctx, tokenizer):
     engine, a second in-process vLLM or HF generate), asleep between the steps' scoring."""
     rm = cfg.reward.reward_model
     if rm.kind == "scorer":
+        from verl_hpc.config.rm_folder import scorer_head_problem
+
+        problem = scorer_head_problem(rm.path)  # again here: the engines would seed a random head
+        if problem:
+            raise ConfigError(problem)
         return build_engine("reward", cfg, ctx)
     from verl_hpc.config.hf_model import language_model_config, read_hf_config
     from verl_hpc.rewards.judge import Judge
