@@ -66,7 +66,12 @@ def model_problems(cfg) -> List[str]:
     problems = []
     for field, path in _model_folders(cfg):
         try:
-            engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field) if Path(path).is_dir() else "megatron"
+            if not Path(path).is_dir():
+                engine = "megatron"
+            elif field.startswith("teacher."):  # the teacher has an engine of its own (teacher.engine)
+                engine = cfg.teacher.engine_for(cfg)
+            else:
+                engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field)
         except ConfigError as e:
             problems += e.problems
             continue
