@@ -93,3 +93,32 @@ def test_the_reward_role_refuses_a_headless_scorer_where_the_dry_run_was_skipped
                              f"reward.reward_model.path={rm_folders['headless']}"])
     with pytest.raises(ConfigError, match="stores no score.weight"):
         build_reward_model(cfg, ctx=None, tokenizer=None)  # refused before any engine is built
+
+
+# ------------------------------------------------------------------ item 9: the judge's template and folder
+JUDGE = ["reward.reward_model.enable=true", "reward.reward_model.kind=judge", "reward.reward_model.path=/judge"]
+
+
+@pytest.mark.parametrize("placeholder, code", [("{response:d}", "d"), ("{question:.3f}", "f")])
+def test_a_judge_template_placeholder_with_a_number_format_is_refused(placeholder, code):
+    name = placeholder[1:].split(":")[0]
+    text = problems(GDPO[:3] + JUDGE + [f"reward.reward_model.judge.template='Q {{question}} R {{response}} {placeholder}'"])
+    assert one_line(text).startswith(f"reward.reward_model.judge.template: placeholder {placeholder} does not format "
+                                     f"a text (Unknown format code '{code}' for object of type 'str')"), text
+    assert f"write {{{name}}}" in text
+
+
+def test_a_judge_template_with_text_formats_is_accepted():
+    from verl_hpc.config.sections.reward import template_problems
+
+    assert template_problems("Q {question!s} R {response:>20} {reference}") == []
+
+
+def test_a_vision_language_folder_as_judge_is_refused_before_the_queue(tmp_path_factory):
+    from verl_hpc.config.rm_folder import judge_folder_problems
+    from verl_hpc.models.tiny_vlm import make_tiny_vlm
+
+    vlm = make_tiny_vlm(tmp_path_factory.mktemp("judge_vlm") / "vlm", "qwen2_5_vl")
+    (line,) = judge_folder_problems(str(vlm), load_config(None, JUDGE).reward.reward_model.judge)
+    assert one_line(line).startswith(f"reward.reward_model.path: '{vlm}' is a vision-language model "
+                                     "(Qwen2_5_VLForConditionalGeneration); reward.reward_model.kind = judge reads text")

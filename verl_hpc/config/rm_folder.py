@@ -51,10 +51,16 @@ def scorer_folder_problems(path: str, policy_tokenizer: str, trust_remote_code: 
 def judge_folder_problems(path: str, judge, trust_remote_code: bool = False) -> List[str]:
     """judge: the reward.reward_model.judge section."""
     try:
-        _, arch = _architecture(path)
+        data, arch = _architecture(path)
     except ConfigError as e:
         return list(e.problems)
-    if not arch.endswith(("ForCausalLM", "ForConditionalGeneration")):
+    from verl_hpc.config.hf_model import is_vision_language
+
+    if is_vision_language(data):  # the judge reads text; transformers' AutoModelForCausalLM has no class for it
+        return [f"{FIELD}: '{path}' is a vision-language model ({arch}); reward.reward_model.kind = judge reads "
+                "text and needs a causal LM (*ForCausalLM) that generates its verdict"]
+    if not arch.endswith(("ForCausalLM", "ForConditionalGeneration")) or not (
+            _causal_lm_class(arch) or data.get("auto_map")):
         return [f"{FIELD}: '{path}' is a {arch}; reward.reward_model.kind = judge needs a causal LM "
                 "(*ForCausalLM) that generates its verdict"]
     try:
@@ -96,3 +102,10 @@ def scorer_head_problem(path: str) -> str:
     return (f"{FIELD}: '{path}' stores no {SCORE_NAME} (the scorer's head; "
             f"{'it holds ' + ', '.join(heads) if heads else 'only backbone tensors'}): a frozen scorer would score "
             "with a random head; valid: a *ForSequenceClassification folder saved with its trained head")
+
+
+def _causal_lm_class(arch: str) -> bool:
+    """Whether transformers lists `arch` as a causal LM (what the judge engines build)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return arch in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
