@@ -68,7 +68,12 @@ class Worker:
 
         timeout = self.cfg.async_training.poll_timeout_s or self.cfg.trainer.collective_timeout_s
         self.timeout_s = timeout
-        store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        rdv.check_store()  # one line naming the file and its store, not c10d's traceback
+        try:
+            store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            raise ElasticJoinError(f"{rdv.path}: the run's store at {rdv.store[0]}:{rdv.store[1]} (field 'store') "
+                                   f"does not answer ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
         self.mail = Mailbox(store, f"elastic rollout worker {self.name}", timeout)
         self.signalled: Optional[str] = None
         self.wants = self.dones = 0
