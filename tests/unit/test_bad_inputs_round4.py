@@ -122,3 +122,27 @@ def test_a_vision_language_folder_as_judge_is_refused_before_the_queue(tmp_path_
     (line,) = judge_folder_problems(str(vlm), load_config(None, JUDGE).reward.reward_model.judge)
     assert one_line(line).startswith(f"reward.reward_model.path: '{vlm}' is a vision-language model "
                                      "(Qwen2_5_VLForConditionalGeneration); reward.reward_model.kind = judge reads text")
+
+
+def test_the_judges_engine_is_closed_when_the_job_fails(monkeypatch):
+    """A vLLM judge left open is shut down by vLLM's exit-time finalizer after the job dropped its
+    process group, which printed a traceback after the `error:` line: the RL program closes the judge
+    (with the rollout engine) on every way out, here a trainer that fails to start."""
+    import types
+
+    from verl_hpc.rewards.judge import Judge
+    from verl_hpc.trainer.programs import rl
+
+    closed = []
+    engine = types.SimpleNamespace(close=lambda: closed.append("engine"))
+    judge = Judge(engine, load_config(None, JUDGE).reward.reward_model.judge, on_error="zero")
+    roles = types.SimpleNamespace(rollout=None, episodes=None, reward_model=judge)
+    monkeypatch.setattr(rl, "build_roles", lambda cfg, ctx, with_rollout=True: roles)
+
+    def failing_trainer(*args, **kwargs):
+        raise RewardError("the judge failed on 8 of 8 responses")
+
+    monkeypatch.setattr(rl, "RLTrainer", failing_trainer)
+    with pytest.raises(RewardError):
+        rl._train(None, None, types.SimpleNamespace(builds_rollout=True))
+    assert closed == ["engine"]

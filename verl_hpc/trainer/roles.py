@@ -195,9 +195,9 @@ def build_reward_model(cfg, ctx, tokenizer):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
-    """The caller owns the returned rollout engine and episode runner and closes them (`with
-    roles.rollout:`, `with roles.episodes:`); if a role built after them fails, they are closed
-    here before the error goes on."""
+    """The caller owns the returned rollout engine, episode runner and judge and closes them (`with
+    roles.rollout:`, `with roles.episodes:`, `with roles.reward_model:` for a judge); if a role
+    built after them fails, they are closed here before the error goes on."""
     tokenizer = load_tokenizer(cfg)
     rollout, parts, episodes = None, None, None
     with contextlib.ExitStack() as on_error:
@@ -215,6 +215,8 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_reward_model(cfg, ctx, tokenizer) if cfg.reward.reward_model.enable else None
+        if hasattr(rm, "close"):  # a judge's own engine: closed if a role built after it fails
+            on_error.callback(rm.close)
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
         teacher = build_teachers(cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:
