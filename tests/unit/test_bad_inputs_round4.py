@@ -146,3 +146,15 @@ def test_the_judges_engine_is_closed_when_the_job_fails(monkeypatch):
     with pytest.raises(RewardError):
         rl._train(None, None, types.SimpleNamespace(builds_rollout=True))
     assert closed == ["engine"]
+
+
+def test_the_gdpo_estimator_itself_refuses_a_non_finite_weight():
+    import torch
+
+    from verl_hpc.algorithms.gdpo import gdpo
+
+    rewards, mask = torch.tensor([[1.0], [0.0]]), torch.ones(2, 1)
+    with pytest.raises(ConfigError, match=r"algorithm.gdpo_reward_weights: must be finite numbers, got \[nan\]"):
+        gdpo(rewards, mask, torch.tensor([0, 0]), True, reward_weights=[float("nan")])
+    adv, _ = gdpo(rewards, mask, torch.tensor([0, 0]), True, reward_weights=[1.0])
+    assert torch.isfinite(adv).all()
