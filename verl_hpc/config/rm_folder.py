@@ -8,7 +8,6 @@ log-probs are the verdict).
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import List
 
 from verl_hpc.config.errors import ConfigError
@@ -90,12 +89,14 @@ def scorer_head_problem(path: str) -> str:
     head (it is trained), a frozen scorer may not: a seeded random head would score every response
     with noise and the policy would train on it without a word. Reads names only (index or
     safetensors headers)."""
-    from verl_hpc.models.hf_checkpoint import WeightFileError, _weight_map
+    from verl_hpc.config.hf_model import stored_tensor_names
 
     try:
-        names = _weight_map(Path(path))
-    except (ConfigError, WeightFileError) as e:
-        return f"{FIELD}: {e}"
+        names = stored_tensor_names(path, FIELD)
+    except ConfigError as e:
+        return str(e)
+    if not names:
+        return f"{FIELD}: '{path}' has no *.safetensors files; expected a Hugging Face model folder"
     if SCORE_NAME in names:
         return ""
     heads = sorted(n for n in names if not n.startswith(("model.", "transformer.")))[:3]
