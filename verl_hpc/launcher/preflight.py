@@ -67,7 +67,7 @@ def model_problems(cfg) -> List[str]:
     for field, path in _model_folders(cfg):
         try:
             if not Path(path).is_dir():
-                engine = "megatron"
+                engine = MEGATRON
             elif field.startswith("teacher."):  # the teacher has an engine of its own (teacher.engine)
                 engine = cfg.teacher.engine_for(cfg)
             else:
