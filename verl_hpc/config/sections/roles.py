@@ -23,8 +23,9 @@ class OptimConfig(Section):
     # fp16 only (model.dtype = float16; the FSDP engine: a float16 compute dtype): dynamic loss
     # scaling, the same rule in both engines (Megatron's DynamicGradScaler, torch's ShardedGradScaler):
     # an overflow skips the step and halves the scale, loss_scale_window clean steps double it
-    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start (torch's GradScaler's 2^16; "
-                                             "Megatron's own 2^32 costs ~16 skipped steps to come down)",
+    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start, at most 2^32 (torch's "
+                                             "GradScaler's 2^16; Megatron's own 2^32 costs ~16 skipped steps to "
+                                             "come down)",
                                     check=">0")
     min_loss_scale: float = opt(1.0, "fp16: the scale never halves below this", check=">0")
     loss_scale_window: int = opt(1000, "fp16: optimizer steps without an overflow before the scale doubles",
