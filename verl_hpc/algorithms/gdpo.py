@@ -14,6 +14,7 @@ none configured the sequence score is the one component (GRPO followed by a batc
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +53,9 @@ def gdpo(
     if len(weights) != comps.shape[1]:
         raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} weights for {comps.shape[1]} reward "
                           "components (algorithm.gdpo_reward_keys); give one per key or none")
+    bad = [w for w in weights if not math.isfinite(float(w))]
+    if bad:  # the config check refuses them; a caller that built the weights itself gets the same line
+        raise ConfigError(f"algorithm.gdpo_reward_weights: must be finite numbers, got {list(weights)}")
     total = torch.zeros_like(scores)
     for k, w in enumerate(weights):
         mean, std = group_mean_std(comps[:, k], codes, n_groups)

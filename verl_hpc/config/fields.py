@@ -149,8 +149,10 @@ def range_problems(cfg, prefix: str = "") -> List[str]:
     numeric field. `prefix` as in choice_problems."""
     problems: List[str] = []
     for key, value, meta, _ in walk(cfg, prefix):
-        if isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{key}: must be a finite number, got {value}")
+        bad = [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, float) and not math.isfinite(v)]
+        if bad:  # a list of floats (gdpo_reward_weights, betas) too: one NaN weight makes every loss NaN
+            problems.append(f"{key}: must be {'finite numbers' if isinstance(value, list) else 'a finite number'}, "
+                            f"got {show(value) if isinstance(value, list) else value}")
         elif _outside_int64(value):
             problems.append(f"{key}: must be a 64-bit integer in [-2**63, 2**63 - 1], got {show(value)}")
         elif meta.get("check") and value is not None and not _interval(value, meta["check"]):

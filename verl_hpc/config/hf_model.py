@@ -47,6 +47,27 @@ def read_hf_config(path, field: str = "model.path") -> Dict[str, Any]:
     return data
 
 
+def stored_tensor_names(path, field: str = "model.path") -> set:
+    """The tensor names a folder's weights hold: the index's weight_map, else every *.safetensors
+    file's header (an 8-byte little-endian length, then JSON), read without the tensors."""
+    import struct
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text())["weight_map"])
+        names = set()
+        for f in sorted(folder.glob("*.safetensors")):
+            with open(f, "rb") as handle:
+                (n,) = struct.unpack("<Q", handle.read(8))
+                names.update(k for k in json.loads(handle.read(n)) if k != "__metadata__")
+        return names
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ConfigError(f"{field}: cannot read the tensor names of '{folder}' ({type(e).__name__}: {e}); "
+                          "expected complete safetensors files (and their index)") from None
+
+
 def is_vision_language(data: Dict[str, Any]) -> bool:
     """config.json (as a dict) of a vision-language model: it describes a vision tower."""
     return isinstance(data.get("vision_config"), dict)

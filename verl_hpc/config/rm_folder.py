@@ -35,6 +35,9 @@ def scorer_folder_problems(path: str, policy_tokenizer: str, trust_remote_code: 
     if labels != 1:
         return [f"{FIELD}: '{path}' ({arch}) has {labels} labels; a scorer gives one number per response: "
                 "valid: num_labels = 1"]
+    head = scorer_head_problem(path)
+    if head:
+        return [head]
     from verl_hpc.config.sections.teacher import tokenizer_difference
 
     why = tokenizer_difference(policy_tokenizer, path, trust_remote_code) if policy_tokenizer else ""
@@ -47,10 +50,16 @@ def scorer_folder_problems(path: str, policy_tokenizer: str, trust_remote_code: 
 def judge_folder_problems(path: str, judge, trust_remote_code: bool = False) -> List[str]:
     """judge: the reward.reward_model.judge section."""
     try:
-        _, arch = _architecture(path)
+        data, arch = _architecture(path)
     except ConfigError as e:
         return list(e.problems)
-    if not arch.endswith(("ForCausalLM", "ForConditionalGeneration")):
+    from verl_hpc.config.hf_model import is_vision_language
+
+    if is_vision_language(data):  # the judge reads text; transformers' AutoModelForCausalLM has no class for it
+        return [f"{FIELD}: '{path}' is a vision-language model ({arch}); reward.reward_model.kind = judge reads "
+                "text and needs a causal LM (*ForCausalLM) that generates its verdict"]
+    if not arch.endswith(("ForCausalLM", "ForConditionalGeneration")) or not (
+            _causal_lm_class(arch) or data.get("auto_map")):
         return [f"{FIELD}: '{path}' is a {arch}; reward.reward_model.kind = judge needs a causal LM "
                 "(*ForCausalLM) that generates its verdict"]
     try:
@@ -70,3 +79,34 @@ def judge_folder_problems(path: str, judge, trust_remote_code: bool = False) -> 
             p.append(f"reward.reward_model.judge.{name} = {text!r} is {len(ids)} tokens for the judge's tokenizer "
                      f"({path}); verdict = yes_no reads one token's log-prob: pick a text that is one token")
     return p
+
+
+SCORE_NAME = "score.weight"  # the classifier's head: the reward is its output on the last token
+
+
+def scorer_head_problem(path: str) -> str:
+    """'' when the folder stores the scorer's head; else one line. A critic may start from a fresh
+    head (it is trained), a frozen scorer may not: a seeded random head would score every response
+    with noise and the policy would train on it without a word. Reads names only (index or
+    safetensors headers)."""
+    from verl_hpc.config.hf_model import stored_tensor_names
+
+    try:
+        names = stored_tensor_names(path, FIELD)
+    except ConfigError as e:
+        return str(e)
+    if not names:
+        return f"{FIELD}: '{path}' has no *.safetensors files; expected a Hugging Face model folder"
+    if SCORE_NAME in names:
+        return ""
+    heads = sorted(n for n in names if not n.startswith(("model.", "transformer.")))[:3]
+    return (f"{FIELD}: '{path}' stores no {SCORE_NAME} (the scorer's head; "
+            f"{'it holds ' + ', '.join(heads) if heads else 'only backbone tensors'}): a frozen scorer would score "
+            "with a random head; valid: a *ForSequenceClassification folder saved with its trained head")
+
+
+def _causal_lm_class(arch: str) -> bool:
+    """Whether transformers lists `arch` as a causal LM (what the judge engines build)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return arch in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

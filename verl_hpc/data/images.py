@@ -32,8 +32,10 @@ class ImageLimits:
         return cls(**{**limits, **changes})
 
 
-def image_bytes(item: Any, base_dir: str = "") -> Tuple[bytes, str]:
-    """(encoded bytes, what to call the image in a message) of one item of a row's images."""
+def image_bytes(item: Any, base_dir: str = "", max_bytes: Optional[int] = None) -> Tuple[bytes, str]:
+    """(encoded bytes, what to call the image in a message) of one item of a row's images. A file
+    over `max_bytes` is refused by its size, before it is read (a 2 GiB file listed as an image
+    would otherwise be read whole first)."""
     if isinstance(item, dict):  # HF datasets' Image feature in parquet: {"bytes": ..., "path": ...}
         if item.get("bytes"):
             return bytes(item["bytes"]), "bytes"
@@ -44,6 +46,9 @@ def image_bytes(item: Any, base_dir: str = "") -> Tuple[bytes, str]:
         path = item if os.path.isabs(item) else os.path.join(base_dir, item)
         if not os.path.isfile(path):
             raise DataError(f"'{item}': no such file" + (f" (looked in {base_dir})" if base_dir else ""))
+        size = os.path.getsize(path)
+        if max_bytes is not None and size > max_bytes:
+            raise DataError(f"'{item}' is {size:,} bytes, over vision.max_image_bytes = {max_bytes:,}")
         with open(path, "rb") as f:
             return f.read(), f"'{item}'"
     raise DataError(f"is {type(item).__name__}; expected image bytes, a path, or a {{bytes, path}} dict")
@@ -103,7 +108,7 @@ def load_images(items: Optional[Sequence[Any]], limits: ImageLimits, base_dir: s
     out = []
     for i, item in enumerate(items):
         try:
-            data, name = image_bytes(item, base_dir)
+            data, name = image_bytes(item, base_dir, limits.max_bytes)
             out.append(decode_image(data, limits, name))
         except DataError as e:
             raise DataError(f"image {i}: {e}") from None

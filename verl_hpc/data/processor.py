@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # model_type of the vision-language models tested
 IMAGE_TOKEN = "<|image_pad|>"
+PROCESSOR_FILES = ("preprocessor_config.json",)  # the image processor's settings (patch size, pixel range)
 Inputs = Dict[str, torch.Tensor]
 
 
@@ -91,7 +92,12 @@ class ImagePrompts:
                                f"{{type: image}} parts) but field '{self.image_key}' holds {len(images)} "
                                "image(s); each image needs one placeholder where it goes")
         text = self.processor.render(messages)
-        ids, inputs = self.processor.encode(text, images)
+        try:
+            ids, inputs = self.processor.encode(text, images)
+        except (ValueError, TypeError, RuntimeError) as e:  # e.g. Qwen-VL's "absolute aspect ratio must be smaller than 200"
+            sizes = ", ".join(f"{im.width} x {im.height}" for im in images)
+            raise DataError(f"the model's image processor refuses the image(s) ({sizes}): {type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0]}") from None
         if not images:
             return text, ids, None
         unexpanded = list(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -147,15 +153,24 @@ class VisionProcessor:
         check_family(config, field)
         from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+        from verl_hpc.config.errors import ConfigError
+
         try:
-            proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-            return cls(proc, proc.tokenizer, proc.image_processor)
-        except ImportError as e:
-            if "torchvision" not in str(e).lower():
-                raise
-            log.info("%s: the processor class needs torchvision; using its image processor and tokenizer", path)
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        images = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            try:
+                proc = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+                return cls(proc, proc.tokenizer, proc.image_processor)
+            except ImportError as e:
+                if "torchvision" not in str(e).lower():
+                    raise
+                log.info("%s: the processor class needs torchvision; using its image processor and tokenizer", path)
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            images = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:  # transformers' "Can't load image processor", deep in the job otherwise
+            lacks = [f for f in PROCESSOR_FILES if not (Path(path) / f).is_file()]
+            raise ConfigError(f"{field}: '{path}' is a vision-language model ({config.get('model_type')}) whose image "
+                              f"processor does not load{' (no ' + lacks[0] + ')' if lacks else ''}: {type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}; valid: the folder as released, with its "
+                              "preprocessor_config.json and tokenizer") from None
         return cls(None, tok, images)
 
     def render(self, messages: List[dict]) -> str:

@@ -22,9 +22,12 @@ def join(run_dir: str, overrides: List[str], *, workers: int, local: bool) -> in
     from verl_hpc.config import load_config
     from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
 
-    Rendezvous.join(run_dir)  # is there a running run at all
+    rdv = Rendezvous.join(run_dir)  # is there a running run at all
     Rendezvous.join(run_dir, load_config(str(config_path(run_dir)), overrides))  # and may this worker join it
     if local or shutil.which("sbatch") is None:
+        # here the worker runs in this process: its store must answer here (a login node may not reach
+        # a compute node's port, so Slurm workers check it themselves, with the same one line)
+        rdv.check_store()
         from verl_hpc.trainer.placement.elastic import worker
 
         if workers != 1:

@@ -66,7 +66,12 @@ def model_problems(cfg) -> List[str]:
     problems = []
     for field, path in _model_folders(cfg):
         try:
-            engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field) if Path(path).is_dir() else "megatron"
+            if not Path(path).is_dir():
+                engine = MEGATRON
+            elif field.startswith("teacher."):  # the teacher has an engine of its own (teacher.engine)
+                engine = cfg.teacher.engine_for(cfg)
+            else:
+                engine = choose_engine(cfg.parallel.engine, path, cfg.parallel, field)
         except ConfigError as e:
             problems += e.problems
             continue
@@ -96,7 +101,8 @@ def model_folder_problems(path: str, field: str, engine: str = MEGATRON,
         return []  # validate() already says so
     problems = []
     if engine == "fsdp":
-        problems += transformers_config_problems(folder, field, trust_remote_code)
+        config_problems = transformers_config_problems(folder, field, trust_remote_code)
+        problems += config_problems
     elif field != "reward.reward_model.path":  # a reward model may be any sequence classifier
         from verl_hpc.models.config_mapping import load_hf_config, parse_hf_config
 
@@ -125,7 +131,33 @@ def model_folder_problems(path: str, field: str, engine: str = MEGATRON,
                 problems.append(f"{field}: '{index}' names missing file(s): {', '.join(gone)}")
     if engine != "fsdp" and field != "reward.reward_model.path" and weights and not problems:
         problems += weights_problems(folder, field, tensors_of(headers), value_head=field == "critic.model_path")
+    if engine == "fsdp" and weights and not problems:
+        problems += transformers_weights_problems(folder, field, trust_remote_code, tensors_of(headers))
     return problems
+
+
+VALUE_FIELDS = ("critic.model_path", "reward.reward_model.path")  # a value head on the folder's backbone
+
+
+def transformers_weights_problems(folder: Path, field: str, trust_remote_code: bool, found) -> List[str]:
+    """The FSDP engine's folder rules (engines/fsdp/folder_check.py): a policy-like role's folder
+    is a causal LM, and the stored shapes are those of the model transformers builds."""
+    from verl_hpc.engines.fsdp.build import _auto_class, hf_config
+    from verl_hpc.engines.fsdp.folder_check import causal_lm_problem, shape_problems
+
+    try:
+        config = hf_config(str(folder), trust_remote_code, field)
+        value = field in VALUE_FIELDS
+        problem = "" if value else causal_lm_problem(config, field, str(folder))
+        if problem:
+            return [problem]
+        shapes = {n: (shape, file) for n, (shape, _, file) in found.items()}
+        if value:  # the backbone (AutoModel) names its tensors without the classifier's "model." prefix
+            shapes = {n[len("model."):]: v for n, v in shapes.items() if n.startswith("model.")}
+        return shape_problems(config, _auto_class("value" if value else "lm", config), field, folder, shapes,
+                              trust_remote_code)
+    except ConfigError as e:
+        return e.problems
 
 
 def transformers_config_problems(folder: Path, field: str, trust_remote_code: bool) -> List[str]:

@@ -8,7 +8,8 @@ ground_truth, extra), the reward registry's routing of data_source and its groun
 (as RewardScorer.check_samples: none with reward.custom_function, unknown sources allowed with a
 reward model), a teacher for each training row's data_source (teacher.by_data_source, as
 Teachers.check_sources), and, with the tokenizer, the chat template and data.overlong_prompts
-(verl_hpc.data.filtering: overlong rows under `error`, every row overlong under either). A file
+(verl_hpc.data.filtering: overlong rows under `error`, every row overlong under either), and a row's
+images through the model's own processor (preflight_images.py). A file
 over LARGE_BYTES or LARGE_ROWS shows a progress bar on stderr. Each file or set gives at most one
 line per kind of problem: its first row at fault and how many more there are.
 """
@@ -76,8 +77,14 @@ def data_sets(cfg) -> List[DataSet]:
 def data_problems(cfg, tokenizer=None) -> List[str]:
     """One line per problem in the data sets of the job, then the batch size against the train rows."""
     problems, train_rows, counted = [], 0, True
+    images = None
+    if cfg.trainer.job == "rl" and data_sets(cfg):
+        from verl_hpc.launcher.preflight_images import RowImages
+
+        images = RowImages(cfg)
+        problems += [images.problem] if images.problem else []
     for s in data_sets(cfg):
-        found, kept = SetCheck(cfg, s, tokenizer).run()
+        found, kept = SetCheck(cfg, s, tokenizer, images).run()
         problems += found
         if s.train:
             train_rows, counted = train_rows + kept, counted and not found
@@ -119,7 +126,7 @@ def data_file_problem(path: str, needed) -> str:
 class SetCheck:
     """Every row of one DataSet: row checks, reward routing, prompt lengths."""
 
-    def __init__(self, cfg, data_set: DataSet, tokenizer=None):
+    def __init__(self, cfg, data_set: DataSet, tokenizer=None, images=None):
         self.cfg, self.s = cfg, data_set
         self.rl = cfg.trainer.job == "rl"
         self.tokenizer = tokenizer if self.rl else None  # SFT's length rule drops silently: nothing to refuse
@@ -127,6 +134,7 @@ class SetCheck:
         self.lengths: List[int] = []
         self.pending: List[Tuple[str, object]] = []  # (sample id, prompt) not yet tokenized
         self.set_found = _Found()
+        self.images = images if self.rl else None  # RowImages (preflight_images.py): the rows' images
         self.rows_ok = 0
         self.kept = 0  # rows left after the length filter
 
@@ -173,7 +181,10 @@ class SetCheck:
         with _progress(path, self.tokenizer is not None) as bar:
             if path.lower().endswith(PARQUET_SUFFIXES):
                 i = 0
-                for batch in iter_parquet(path, self.needed + ("extra", "tools"), what):
+                images = (self.images.key,) if self.images is not None else ()
+                # a batch of image rows holds their encoded images: fewer rows per batch then
+                for batch in iter_parquet(path, self.needed + ("extra", "tools") + images, what,
+                                          batch_rows=64 if images else 8192):
                     for row in batch:
                         yield i, None, row
                         i += 1
@@ -185,10 +196,15 @@ class SetCheck:
     def _row(self, found: _Found, path: str, label: str, i: int, line: Optional[int], row: dict) -> None:
         from verl_hpc.data.records import row_problems, sft_row_problem, to_record, where
 
-        problems = row_problems(row, self.cfg.data.prompt_key) if self.rl else \
+        key, vision = (self.images.key, self.images.vision) if self.images is not None else (None, False)
+        problems = row_problems(row, self.cfg.data.prompt_key, key, vision) if self.rl else \
             [p for p in [sft_row_problem(row, self.needed)] if p]
         if problems:
             found.add(f"{self.s.field}: {where(path, i, line)}: {problems[0]}", "row")
+            return
+        image = self.images.problem_of(row, self.cfg.data.prompt_key, path, f"row {i}") if self.images else None
+        if image:
+            found.add(f"{self.s.field}: {where(path, i, line)}: {image}", "image")
             return
         unknown = self._unknown_tools(row)
         if unknown:

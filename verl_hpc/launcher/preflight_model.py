@@ -83,10 +83,11 @@ def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], va
                        "num_experts")
     expected = expected_hf_tensors(arch, output_layer=not value_head)
     source = f"'{folder / 'config.json'}'"
-    # DeepSeek-V3's multi-token-prediction layers follow the decoder's (model.layers.{L}...): stored,
-    # never loaded (models/deepseek.py ignores them, as transformers does)
+    # DeepSeek-V3's multi-token-prediction layers follow the decoder's (model.layers.{L}...): stored
+    # or not (save_pretrained and this project's HF export write none), never loaded (models/deepseek.py
+    # ignores them, as transformers does)
     mtp = int(data.get("num_nextn_predict_layers") or 0) if arch.mla is not None else 0
-    problems = _layer_count(field, source, arch.num_layers + mtp, found)
+    problems = _layer_count(field, source, arch.num_layers, found, mtp)
     if problems:
         return problems  # every tensor of the missing or extra layers would repeat it
     wrong = [(n, s) for n, s in expected.items() if n in found and found[n][0] != s]
@@ -108,14 +109,17 @@ def weights_problems(folder: Path, field: str, found: Dict[str, HeaderEntry], va
     return problems
 
 
-def _layer_count(field: str, source: str, layers: int, found: Dict[str, HeaderEntry]) -> List[str]:
+def _layer_count(field: str, source: str, layers: int, found: Dict[str, HeaderEntry], mtp: int = 0) -> List[str]:
+    """The stored layers are the decoder's, optionally followed by the `mtp` multi-token-prediction ones."""
     held = sorted({int(m.group(1)) for n in found if (m := _LAYER.match(n))})
-    if held == list(range(layers)):
+    if held in (list(range(layers)), list(range(layers + mtp))):
         return []
     have = f"layers {held[0]}..{held[-1]} ({len(held)} layers)" if held else "no layers"
-    first = next((n for n in sorted(found) if _LAYER.match(n) and int(_LAYER.match(n).group(1)) >= layers), None)
+    first = next((n for n in sorted(found) if _LAYER.match(n) and int(_LAYER.match(n).group(1)) >= layers + mtp),
+                 None)
     where = f" (e.g. '{first}' in '{found[first][2]}')" if first else ""
-    return [f"{field}: {source} has num_hidden_layers = {layers}, the weights hold {have}{where}; "
+    said = f"num_hidden_layers = {layers}" + (f" and num_nextn_predict_layers = {mtp} (stored or not)" if mtp else "")
+    return [f"{field}: {source} has {said}, the weights hold {have}{where}; "
             "valid: the config.json these weights were saved with"]
 
 

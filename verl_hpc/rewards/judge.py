@@ -205,3 +205,15 @@ class Judge:
 
     def wake(self) -> None:
         getattr(self.engine, "wake", lambda: None)()
+
+    def close(self) -> None:
+        """Shut its engine down while the job's process group still exists: a vLLM judge left to
+        vLLM's exit-time finalizer tears its groups down after the job dropped its own, and prints a
+        traceback after the job's `error:` line."""
+        getattr(self.engine, "close", lambda: None)()
+
+    def __enter__(self) -> "Judge":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -161,6 +161,11 @@ class RewardScorer:
                     raise RewardError(f"reward function {self._name(data_sources[i])} returned no number under "
                                       f"{keys[j]!r} for sample {ids[i]} (data_source {data_sources[i]!r}); "
                                       f"algorithm.gdpo_reward_keys asks for it in every returned dict")
+                problem = score_problem(info[keys[j]])
+                if problem:  # the components are float32: 1e39 would not fit (and GDPO would divide inf by inf)
+                    raise RewardError(f"reward function {self._name(data_sources[i])} returned {keys[j]!r} = "
+                                      f"{problem.replace('|score|', f'|{keys[j]}|')} for sample {ids[i]} "
+                                      f"(data_source {data_sources[i]!r}; algorithm.gdpo_reward_keys)")
                 components[i, j] = info[keys[j]]
         scores = rule
         metrics: Dict[str, float] = {}

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, Set, Tuple
 
 import torch
 
 from verl_hpc.config.hf_model import read_hf_config
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
@@ -30,7 +33,8 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        return set(json.loads(index.read_text())["weight_map"])
+        names = set(json.loads(index.read_text())["weight_map"])
+        return names - mtp_weight_names(folder, names)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model.path={str(folder)!r} holds no *.safetensors files")
@@ -38,7 +42,23 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
     for f in files:
         with open_safetensors(f) as handle:
             names.update(handle.keys())
-    return names
+    return names - mtp_weight_names(folder, names)
+
+
+def mtp_weight_names(model_path: str | Path, names: Iterable[str]) -> Set[str]:
+    """The stored multi-token-prediction layers of a DeepSeek-V3 folder (num_nextn_predict_layers
+    layers after the decoder's, model.layers.{L}...): no engine builds, loads, trains or syncs them
+    (transformers and vLLM skip them on load), so a weight stream never carries them."""
+    config = read_hf_config(model_path)
+    if not (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
+        return set()
+    layers = int(config.get("num_hidden_layers") or 0)
+    out = set()
+    for name in names:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= layers:
+            out.add(name)
+    return out
 
 
 def renamed_on_load(model, names: Iterable[str]) -> Dict[str, str]:

@@ -31,6 +31,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.options import EngineOptions
 from verl_hpc.config.sections.fsdp import choose_engine
 from verl_hpc.engines.megatron.roles import build_role
@@ -171,6 +172,11 @@ def build_reward_model(cfg, ctx, tokenizer, rollout=None):
     engine, a second in-process vLLM or HF generate), asleep between the steps' scoring."""
     rm = cfg.reward.reward_model
     if rm.kind == "scorer":
+        from verl_hpc.config.rm_folder import scorer_head_problem
+
+        problem = scorer_head_problem(rm.path)  # again here: the engines would seed a random head
+        if problem:
+            raise ConfigError(problem)
         return build_engine("reward", cfg, ctx)
     from verl_hpc.config.hf_model import language_model_config, read_hf_config
     from verl_hpc.rewards.judge import Judge
@@ -191,9 +197,9 @@ def build_reward_model(cfg, ctx, tokenizer, rollout=None):
 
 
 def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
-    """The caller owns the returned rollout engine and episode runner and closes them (`with
-    roles.rollout:`, `with roles.episodes:`); if a role built after them fails, they are closed
-    here before the error goes on."""
+    """The caller owns the returned rollout engine, episode runner and judge and closes them (`with
+    roles.rollout:`, `with roles.episodes:`, `with roles.reward_model:` for a judge); if a role
+    built after them fails, they are closed here before the error goes on."""
     tokenizer = load_tokenizer(cfg)
     rollout, parts, episodes = None, None, None
     with contextlib.ExitStack() as on_error:
@@ -211,6 +217,8 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         ref = build_reference(cfg, ctx, actor, build_engine) if cfg.ref.enable else None
         critic = build_engine("critic", cfg, ctx) if cfg.critic.enable else None
         rm = build_reward_model(cfg, ctx, tokenizer, rollout) if cfg.reward.reward_model.enable else None
+        if hasattr(rm, "close"):  # a judge's own engine: closed if a role built after it fails
+            on_error.callback(rm.close)
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
         teacher = build_teachers(cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:

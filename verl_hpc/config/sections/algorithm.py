@@ -178,6 +178,10 @@ class AlgorithmConfig(Section):
         if (keys or weights) and self.adv_estimator != "gdpo":
             return [f"algorithm.gdpo_reward_keys / gdpo_reward_weights are read by adv_estimator = gdpo only "
                     f"(got {self.adv_estimator}): remove them"]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:  # one component counted twice is a weight of 2 in disguise, and its advantage's meaning changes
+            p.append(f"algorithm.gdpo_reward_keys names {', '.join(map(repr, twice))} more than once; each reward "
+                     "component is normalised once: give each key once (set its weight in gdpo_reward_weights)")
         if weights and len(weights) != len(keys or ["score"]):
             p.append(f"algorithm.gdpo_reward_weights has {len(weights)} weight(s) for {len(keys or ['score'])} "
                      "reward component(s) (algorithm.gdpo_reward_keys; empty = the score): give one per key or none")

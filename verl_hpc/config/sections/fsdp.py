@@ -65,6 +65,10 @@ class FsdpConfig(Section):
             p.append(f"fsdp.sp = {self.sp} is the FSDP engine's sequence parallelism: set parallel.engine=fsdp "
                      f"(parallel.engine = {job.parallel.engine}); with Megatron, split long sequences with "
                      "parallel.cp (context parallelism)")
+        if self.cpu_offload and job.slurm.gpus_per_node == 0:
+            p.append("fsdp.cpu_offload = true needs GPUs (it keeps the sharded states on the host while the GPUs "
+                     "compute), but slurm.gpus_per_node = 0 (a CPU job: everything is on the host already); set "
+                     "fsdp.cpu_offload=false")
         if job.parallel.engine == "fsdp":
             p += engine_layout_problems("fsdp", job)
         return p

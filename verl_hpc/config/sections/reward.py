@@ -113,10 +113,21 @@ def template_problems(template: str) -> List[str]:
 
     field = "reward.reward_model.judge.template"
     try:
-        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        parts = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
         return [f"{field}: not a format string ({e}); write braces as {{{{ and }}}}"]
+    names = {name for name, _, _ in parts}
     p = []
+    for name, spec, conv in parts:  # the values are text: {response:d} raises "Unknown format code 'd'" in the job
+        if not (spec or conv) or name not in ("question", "response", "reference"):
+            continue
+        piece = f"{{{name}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
+        try:
+            piece.format(**{name: "text"})
+        except (ValueError, TypeError) as e:
+            p.append(f"{field}: placeholder {piece} does not format a text ({e}); the judge inserts the prompt, "
+                     f"response and reference as text: write {{{name}}}")
+            break
     if "response" not in names:
         p.append(f"{field}: no {{response}} placeholder; the judge would never see the response it scores")
     unknown = sorted(names - {"question", "response", "reference"})

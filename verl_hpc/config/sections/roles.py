@@ -7,6 +7,8 @@ from typing import List, Optional
 from verl_hpc.config.fields import Section, opt, section
 from verl_hpc.config.recipes import ROW_LOCAL_POLICY_LOSSES
 
+MAX_LOSS_SCALE = 2.0**32  # fp16 dynamic loss scaling: Megatron's default start, the largest accepted
+
 
 @dataclass
 class OptimConfig(Section):
@@ -21,8 +23,9 @@ class OptimConfig(Section):
     # fp16 only (model.dtype = float16; the FSDP engine: a float16 compute dtype): dynamic loss
     # scaling, the same rule in both engines (Megatron's DynamicGradScaler, torch's ShardedGradScaler):
     # an overflow skips the step and halves the scale, loss_scale_window clean steps double it
-    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start (torch's GradScaler's 2^16; "
-                                             "Megatron's own 2^32 costs ~16 skipped steps to come down)",
+    initial_loss_scale: float = opt(65536.0, "fp16: the loss scale at the start, at most 2^32 (torch's "
+                                             "GradScaler's 2^16; Megatron's own 2^32 costs ~16 skipped steps to "
+                                             "come down)",
                                     check=">0")
     min_loss_scale: float = opt(1.0, "fp16: the scale never halves below this", check=">0")
     loss_scale_window: int = opt(1000, "fp16: optimizer steps without an overflow before the scale doubles",
@@ -49,7 +52,13 @@ class OptimConfig(Section):
             p.append(f"{key}.eps: must be > 0, got {self.eps}")
         if self.min_lr > self.lr:
             p.append(f"{key}.min_lr = {self.min_lr} is above {key}.lr = {self.lr}")
-        if self.min_loss_scale > self.initial_loss_scale:
+        if self.initial_loss_scale > MAX_LOSS_SCALE:
+            # an overflow halves the scale and skips the step: 1e300 skips ~1000 steps before one
+            # trains (a shorter run ends with every step skipped, its loss and grad_norm null)
+            p.append(f"{key}.initial_loss_scale = {self.initial_loss_scale:g}: valid (0, 2**32] (Megatron's own "
+                     f"default, 2**32, is the largest start either engine takes; above it fp16 steps overflow "
+                     f"and are skipped while the scale halves down)")
+        elif self.min_loss_scale > self.initial_loss_scale:
             p.append(f"{key}.min_loss_scale = {self.min_loss_scale:g} is above {key}.initial_loss_scale = "
                      f"{self.initial_loss_scale:g}")
         return p

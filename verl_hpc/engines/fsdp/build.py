@@ -223,7 +223,12 @@ def _more(items) -> str:
 def load_model(options, field: str = "model.path"):
     """(model on meta for every rank but 0, rank 0's loaded full model or None). Collective-free;
     `materialize` finishes the job after sharding."""
+    from verl_hpc.engines.fsdp.folder_check import causal_lm_problem
+
     config = hf_config(options.model_path, options.trust_remote_code, field)
+    problem = "" if options.head == "value" else causal_lm_problem(config, field, options.model_path)
+    if problem:  # a masked LM would build through the mapping's decoder class and fail in generate
+        raise ConfigError(problem)
     no_dropout = getattr(options, "disable_dropout", True)  # EngineOptions' field; the default for a bare namespace
     if no_dropout:  # before the modules are built: they read the rates from it
         zeroed = zero_config_dropout(config)
@@ -306,6 +311,9 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
     if mp is not None:
         kwargs["mp_policy"] = mp
     if fsdp.cpu_offload:
+        if mesh.device_type == "cpu":  # torch's policy copies to an accelerator: "Cannot access accelerator device"
+            raise ConfigError("fsdp.cpu_offload = true needs GPUs; this rank has none (a CPU job keeps every "
+                              "state on the host already): set fsdp.cpu_offload=false")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     units = shard_units(model)
     for unit in units:

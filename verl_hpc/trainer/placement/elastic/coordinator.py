@@ -10,6 +10,9 @@ workers (docs/elastic.md).
 
 Keys under `elastic/` in the run's store (a worker is a job of its own; worker.py is its side):
   joins (a counter) and join/<i> = {worker, job, node, pid, epoch}  a worker arrives
+  verdict/<i> = "" (in the pool) or why not                      the answer to join i, by its number: a
+                                                                  second worker of a name already in the
+                                                                  pool is refused without touching the first
   beat/<w>  (a counter the worker increments)                   it is alive
   want/<w>/<n> = {version, groups} -> lease/<w>/<n> = [payload]  it asks for work; [] = none now,
                                                                   "leave" = it is not in the pool
@@ -120,7 +123,7 @@ class Coordinator:
         while self.joins_seen < count:
             info = self.mail.peek(f"elastic/join/{self.joins_seen}")
             self.joins_seen += 1
-            self._join(info, now)
+            self._join(self.joins_seen - 1, info, now)
         for worker in list(self.pool.members):
             if self.mail.has(f"elastic/bye/{worker}"):
                 self._leave(worker, now, f"said goodbye: {self.mail.take(f'elastic/bye/{worker}')}")
@@ -144,11 +147,22 @@ class Coordinator:
                         worker, self.pool.heartbeat_timeout_s)
         self.pool.check(now)
 
-    def _join(self, info: dict, now: float) -> None:
+    def _join(self, index: int, info: dict, now: float) -> None:
+        """Answer join `index` under its number, never under the worker's name: every other key is
+        the name's, and a refusal posted there would reach the worker already in the pool."""
         worker = info["worker"]
-        if info.get("epoch") != self.epoch or worker in self.pool.members or worker in self.gone:
-            why = "another epoch of the run" if info.get("epoch") != self.epoch else "a worker of that name already joined"
-            self.mail.put(f"elastic/refused/{worker}", why)
+        if info.get("epoch") != self.epoch:
+            why = f"it belongs to another epoch of the run ({info.get('epoch')}; the run is in {self.epoch})"
+        elif worker in self.pool.members or worker in self.gone:
+            why = (f"a worker named {worker!r} is {'in the pool' if worker in self.pool.members else 'known to have left'} "
+                   "(a worker is named by its Slurm job and array task: start one worker per job, "
+                   "e.g. submit --join --workers N)")
+        else:
+            why = ""
+        self.mail.put(f"elastic/verdict/{index}", why)
+        if why:
+            log.warning("elastic rollout: join %d (worker %s, job %s on %s) refused: %s", index, worker,
+                        info.get("job"), info.get("node"), why)
             return
         self.pool.join(worker, now, job=str(info.get("job", "")), node=str(info.get("node", "")))
         self.wants[worker] = self.dones[worker] = 0

@@ -93,10 +93,27 @@ class Rendezvous:
                                    "elastic rollout workers), or it has not started yet")
         try:
             data = json.loads(path.read_text())
-            data["store"] = tuple(data["store"])
-            return cls(**data)
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, OSError) as e:
             raise ElasticJoinError(f"{path} is not a rendezvous file this version reads ({type(e).__name__}: {e})") from None
+        problem = _field_problem(data)
+        if problem:  # a damaged or hand-edited file: one line naming the field, not a traceback later
+            raise ElasticJoinError(f"{path}: {problem}; the run writes this file itself: a damaged one means "
+                                   "the run must be restarted (or the file restored)")
+        data["store"] = (data["store"][0], int(data["store"][1]))
+        return cls(**data)
+
+    def check_store(self, timeout_s: float = 10.0) -> None:
+        """ElasticJoinError unless the run's store answers at its address (a run that died without
+        marking its rendezvous leaves 'running' behind and no one listening)."""
+        import socket
+
+        host, port = self.store
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            raise ElasticJoinError(f"{self.path}: the run's store at {host}:{port} (field 'store') does not answer "
+                                   f"({type(e).__name__}: {e.strerror or e}); the run is gone although its status "
+                                   f"says {self.status!r}: there is nothing to join") from None
 
     @classmethod
     def join(cls, run_dir, worker_cfg=None) -> "Rendezvous":
@@ -118,3 +135,41 @@ class Rendezvous:
 def _normal(value):
     """JSON's view of a value (tuples are lists there), so that a read value compares with a live one."""
     return json.loads(json.dumps(value, default=str))
+
+
+STATUSES = (RUNNING, "completed", "stopped", "failed")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _field_problem(data) -> str:
+    """'' for a rendezvous file's fields as the run writes them, else what is wrong with the first."""
+    if not isinstance(data, dict):
+        return f"expected a JSON object, got {type(data).__name__}"
+    missing = [k for k in ("run_dir", "store", "epoch", "status", "shared", "started") if k not in data]
+    if missing:
+        return f"no field {missing[0]!r}"
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(Rendezvous)})
+    if unknown:
+        return f"unknown field {unknown[0]!r}"
+    store = data["store"]
+    if not (isinstance(store, list) and len(store) == 2 and isinstance(store[0], str) and store[0]):
+        return f"field 'store' is {store!r}; expected [host, port], e.g. [\"node17\", 29501]"
+    port = store[1]
+    if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+        return f"field 'store' has port {port!r}; expected an integer in 1..65535"
+    if not (isinstance(data["epoch"], int) and not isinstance(data["epoch"], bool) and data["epoch"] >= 0):
+        return f"field 'epoch' is {data['epoch']!r}; expected an integer >= 0"
+    if data["status"] not in STATUSES:
+        return f"field 'status' is {data['status']!r}; expected one of {', '.join(STATUSES)}"
+    if not isinstance(data["shared"], dict):
+        return f"field 'shared' is {type(data['shared']).__name__}; expected an object of config fields"
+    if not _number(data["started"]):
+        return f"field 'started' is {data['started']!r}; expected a number (seconds since 1970)"
+    if data.get("ended") is not None and not _number(data["ended"]):
+        return f"field 'ended' is {data['ended']!r}; expected a number (seconds since 1970) or null"
+    if not isinstance(data["run_dir"], str):
+        return f"field 'run_dir' is {data['run_dir']!r}; expected the run's folder"
+    return ""

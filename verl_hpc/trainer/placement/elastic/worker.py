@@ -5,7 +5,8 @@ RUN_DIR`) that joins a running split run, generates the prompt groups it leases,
 
 1. Find the run (rendezvous.py): its store, its epoch, its config (`RUN_DIR/elastic/config.yaml`);
    overrides may change only this worker's engine (rollout.tp, gpu_memory_utilization, ...).
-2. Build the rollout engine, join the pool (elastic/join), start beating (elastic/beat/<w>).
+2. Build the rollout engine, join the pool (elastic/join) and wait for the run's verdict on that join
+   (a second worker of a name already in the pool is refused, exit 30), start beating (elastic/beat/<w>).
 3. Loop: newer weights? fetch them over the worker's pair with the first training rank
    (channel.py) and load them; ask for leases (elastic/want) with the version held; generate each
    leased group with its own seed; post the samples (elastic/done).
@@ -27,7 +28,7 @@ import time
 from typing import List, Optional
 
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError, Mailbox
-from verl_hpc.trainer.placement.elastic.rendezvous import Rendezvous, config_path
+from verl_hpc.trainer.placement.elastic.rendezvous import ElasticJoinError, Rendezvous, config_path
 
 log = logging.getLogger("verl_hpc.elastic.worker")
 BEATS_PER_TIMEOUT = 5  # heartbeats per placement.elastic.heartbeat_timeout_s: a late one or two is no leave
@@ -67,7 +68,12 @@ class Worker:
 
         timeout = self.cfg.async_training.poll_timeout_s or self.cfg.trainer.collective_timeout_s
         self.timeout_s = timeout
-        store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        rdv.check_store()  # one line naming the file and its store, not c10d's traceback
+        try:
+            store = dist.TCPStore(rdv.store[0], rdv.store[1], None, False, timeout=datetime.timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
+            raise ElasticJoinError(f"{rdv.path}: the run's store at {rdv.store[0]}:{rdv.store[1]} (field 'store') "
+                                   f"does not answer ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
         self.mail = Mailbox(store, f"elastic rollout worker {self.name}", timeout)
         self.signalled: Optional[str] = None
         self.wants = self.dones = 0
@@ -80,8 +86,20 @@ class Worker:
             raise Leaving(self.signalled)
         if self.mail.has(STOP):
             raise Leaving("the run stopped", said=False)
-        if self.mail.has(f"elastic/refused/{self.name}"):
-            raise Leaving(f"the run refused it: {self.mail.peek(f'elastic/refused/{self.name}')}", said=False)
+
+    def join_pool(self) -> None:
+        """Post this worker's join and wait for the run's verdict on it (by the join's number)
+        before anything is sent under its name: a refused worker must not beat, ask for weights
+        or leave in the name of the worker of that name already in the pool."""
+        index = self.mail.add("elastic/joins", 1) - 1
+        self.mail.put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
+                                                job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
+        key = f"elastic/verdict/{index}"
+        if not self.mail.wait(key, "the run's rollout leader", unless=STOP, watch=self._check_run):
+            raise Leaving("the run stopped", said=False)
+        why = self.mail.take(key)
+        if why:
+            raise ElasticJoinError(f"elastic rollout worker {self.name}: the run in {self.run_dir} refused it: {why}")
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -95,9 +113,11 @@ class Worker:
             signal.signal(sig, lambda *_, why=why: setattr(self, "signalled", f"stopped by {why}"))
         self.spec = SamplingSpec.from_config(self.cfg.rollout)
         with build_rollout(rollout_options(self.cfg), None) as rollout:
-            index = self.mail.add("elastic/joins", 1) - 1
-            self.mail.put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
-                                                    job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
+            try:
+                self.join_pool()
+            except Leaving as e:
+                log.info("elastic worker %s: leaving: %s", self.name, e.reason)
+                return 0
             beating = threading.Event()
             threading.Thread(target=self._beat, args=(beating,), daemon=True).start()
             log.info("elastic worker %s: joined %s", self.name, self.run_dir)
