@@ -49,6 +49,9 @@ def _fake_roles(monkeypatch, fail_at=None):
     monkeypatch.setattr(rollout_pkg, "build_rollout", build_rollout)
     monkeypatch.setattr(roles, "build_engine", build_engine)  # build_roles calls trainer.roles' by name
     monkeypatch.setattr(roles, "load_tokenizer", lambda cfg: None)
+    from verl_hpc.config import rm_folder
+
+    monkeypatch.setattr(rm_folder, "scorer_head_problem", lambda path: "")  # no folder: the engines are fakes
     cfg = load_config(None, ["model.path=/m", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
                              "reward.reward_model.enable=true", "reward.reward_model.path=/rm"])
     return roles, cfg, events
