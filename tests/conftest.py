@@ -36,6 +36,8 @@ def pytest_itemcollected(item):
         raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
                                 f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
     item.add_marker(FOLDER_MARKERS[folder])
+    if "terminal_sigint" in getattr(item, "fixturenames", ()):
+        item.add_marker("signals")  # make test-portable runs them with SIGINT ignored
 
 
 def _has_cuda() -> bool:

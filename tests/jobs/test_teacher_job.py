@@ -120,6 +120,7 @@ def _scaled_head(model, out, factor):
     return out
 
 
+@pytest.mark.numerics
 def test_distillation_moves_the_student_toward_the_teacher(warm_assets, tmp_path):
     """Learning, not only plumbing: the teacher is the SFT warm start, the student the same model with
     its lm head halved (the teacher's ranking of every next token, flatter). On-policy distillation

@@ -17,6 +17,8 @@ import torch
 
 from verl_hpc.models.moe_routes import MISSING, fit_width, pad_routes
 
+pytestmark = pytest.mark.numerics  # make test-portable
+
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
