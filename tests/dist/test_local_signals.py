@@ -33,8 +33,8 @@ def start_job(assets, out, *extra):
     ("SIGTERM", lambda pid: os.kill(pid, signal.SIGTERM), 143, SPLIT),   # kill PID: the submitter only
     ("SIGINT", lambda pid: os.killpg(pid, signal.SIGINT), 130, []),      # Ctrl-C: the whole process group
 ], ids=["SIGTERM-split", "SIGINT-colocated"])
-def test_signal_stops_at_a_step_with_a_complete_checkpoint(tiny_assets, tmp_path, wait_for_text, sig, send, code,
-                                                           placement):
+def test_signal_stops_at_a_step_with_a_complete_checkpoint(terminal_sigint, tiny_assets, tmp_path, wait_for_text, sig,
+                                                           send, code, placement):
     out = tmp_path / "run"
     out.mkdir()
     proc, console = start_job(tiny_assets, out, *placement)

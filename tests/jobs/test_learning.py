@@ -3,6 +3,8 @@ shared SFT warm start (noisy labels): PPO with a critic (GAE) raises the trainin
 dynamic sampling refills its batch with informative groups. "Learns": the mean training reward of
 the last steps beats that of the first steps by a clear margin. GRPO on 2 ranks through the
 command line with vLLM is tests/dist/trainer/test_trn_learning.py."""
+import pytest
+
 from jobs import data_overrides, logs, metrics, run_here
 
 MARGIN = 0.05  # reward is a 0/1 accuracy under sampling; runs measured here rise by 0.1-0.2
@@ -23,6 +25,7 @@ def rl(warm, out, *extra):
     return summary
 
 
+@pytest.mark.numerics
 def test_trn_ppo_with_critic_learns(warm_assets, tmp_path):
     rl(warm_assets, tmp_path / "out", "algorithm.recipe=ppo", "rollout.n=1", "data.train_batch_size=64",
        "actor.ppo_mini_batch_size=32", "critic.ppo_mini_batch_size=32", "critic.micro_batch_size=32",
@@ -33,6 +36,7 @@ def test_trn_ppo_with_critic_learns(warm_assets, tmp_path):
     assert gain > MARGIN, (first, last)
 
 
+@pytest.mark.numerics
 def test_trn_dapo_refills_the_batch_with_informative_groups(warm_assets, tmp_path):
     """DAPO's dynamic sampling on the warm model (its groups are mixed: some all right or all
     wrong, some not): rounds of 8 prompts are generated until 8 groups with differing rewards

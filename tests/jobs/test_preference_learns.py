@@ -46,6 +46,7 @@ def greedy_before(warm_assets):
     return greedy(warm_assets / "sft" / "hf", warm_assets)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"), ("kto", "kto_train")])
 def test_trn_preference_training_learns(warm, greedy_before, tmp_path, loss, train_file):
     out = tmp_path / loss

@@ -120,12 +120,13 @@ def _scaled_head(model, out, factor):
     return out
 
 
+@pytest.mark.numerics
 def test_distillation_moves_the_student_toward_the_teacher(warm_assets, tmp_path):
     """Learning, not only plumbing: the teacher is the SFT warm start, the student the same model with
     its lm head halved (the teacher's ranking of every next token, flatter). On-policy distillation
     alone (GRPO's advantages of the task rewards are there too, but cannot tell the two apart) brings
-    teacher/kl per token, measured on each step's fresh samples before its update, well down; the
-    same run with the teacher's signal scaled to nothing (coef 1e-6) does not fall."""
+    teacher/kl per token, measured on each step's fresh samples before its update, well below the
+    same run's with the teacher's signal scaled to nothing (coef 1e-6)."""
     student = _scaled_head(warm_assets / "sft" / "hf", tmp_path / "student", 0.5)
 
     def kl(name, coef):
@@ -142,9 +143,12 @@ def test_distillation_moves_the_student_toward_the_teacher(warm_assets, tmp_path
     print("teacher/kl per step, taught:", taught, "control:", control)
     assert len(taught) == len(control) == 8
     assert taught[0] == pytest.approx(control[0], rel=1e-6)  # the same first samples, before any update
-    # one step's estimate is noisy (32 samples): the last 3 steps' mean, against the run's start and
-    # against the control's last 3 (measured: 0.42 against 1.05 at the start and 1.19 in the control)
+    # One step's estimate is noisy (32 samples of a few tokens): the last 3 steps' mean, against the
+    # control's last 3, whose first samples are the same. Measured over 8 data/sampling seeds and MKL
+    # code paths (16 runs: 8 seeds with an AVX-512 CPU's warm start, 4 with an AVX2 warm start and
+    # runs, 4 under COMPATIBLE or AVX512 or one thread): 0.16-0.65 (here: 0.42 / 1.19 = 0.35; 0.57 on
+    # an AMD EPYC machine, where the bound of 0.5 this test had failed). Neither run is a fixed line
+    # to measure against alone: the first step's estimate ranged 0.55-1.62 by seed, the taught run
+    # ended at 0.24-0.79 of it, and the control, which GRPO's own updates move too, at 0.66-3.5.
     late = lambda xs: sum(xs[-3:]) / 3  # noqa: E731
-    assert late(taught) < 0.6 * taught[0], taught
-    assert late(taught) < 0.5 * late(control), (taught, control)
-    assert late(control) > 0.8 * control[0], control  # without the teacher's signal it does not fall
+    assert late(taught) < 0.8 * late(control), (taught, control)

@@ -11,8 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import async_measure as m  # noqa: E402
-import bench_async as bench  # noqa: E402
+import bench_async as bench  # noqa: E402  (the entry point)
+from async_rl import measure as m  # noqa: E402
 
 
 def rows(step_s, val=None, samples=128.0, idle=None, t0=1000.0):

@@ -12,15 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_async as bench  # noqa: E402
+import bench_async as bench  # noqa: E402  (the entry point)
+from async_rl import common, model  # noqa: E402
 
 N = 2  # samples per prompt
 
 
 def placement(engines, slots, train_s, *, alpha=1e-3, beta=1e-4, sync_s=0.05):
     """No KV term and no prompt: a decode step of b live sequences lasts alpha + beta * b."""
-    return bench.Placement(engines, slots, bench.DecodeModel(alpha, beta, 0.0),
-                           bench.TrainModel(0.0, train_s), sync_s, prompt_tokens=0)
+    return model.Placement(engines, slots, model.DecodeModel(alpha, beta, 0.0),
+                           model.TrainModel(0.0, train_s), sync_s, prompt_tokens=0)
 
 
 def constant(steps=8, prompts=8, length=100):
@@ -30,14 +31,14 @@ def constant(steps=8, prompts=8, length=100):
 def test_colocated_step_is_generate_plus_train_plus_sync():
     # 2 engines x 8 sequences of 100 tokens: 100 steps of 1e-3 + 8e-4 s
     p = placement(2, 8, train_s=0.3)
-    res = bench.simulate(p, constant(), N, 0, warmup=2, overlapped=False)
+    res = model.simulate(p, constant(), N, 0, warmup=2, overlapped=False)
     assert res.step_s == pytest.approx(100 * 1.8e-3 + 0.3 + 0.05, rel=1e-9)
 
 
 def test_split_on_policy_step_is_the_same_sum_on_fewer_gpus():
     # 1 engine x 16 sequences: 100 steps of 1e-3 + 16e-4 s; nothing overlaps at k = 0
     p = placement(1, 16, train_s=0.5)
-    res = bench.simulate(p, constant(), N, 0, warmup=2)
+    res = model.simulate(p, constant(), N, 0, warmup=2)
     gen = 100 * 2.6e-3
     assert res.step_s == pytest.approx(gen + 0.5 + 0.05, rel=1e-9)
     assert set(res.staleness) == {0}
@@ -50,7 +51,7 @@ def test_one_step_off_step_is_the_slower_group_plus_the_sync(train_s):
     # slots = one batch's share: the next batch waits for free slots, so batches never share steps;
     # the sync stops both groups (the rollout loads the weights)
     p = placement(1, 16, train_s)
-    res = bench.simulate(p, constant(), N, 1, warmup=2)
+    res = model.simulate(p, constant(), N, 1, warmup=2)
     gen = 100 * 2.6e-3
     assert res.step_s == pytest.approx(max(gen, train_s) + 0.05, rel=1e-9)
     assert set(res.staleness) == {1}
@@ -60,20 +61,20 @@ def test_one_step_off_step_is_the_slower_group_plus_the_sync(train_s):
 
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 def test_no_batch_is_older_than_k(k):
-    lengths = bench.lognormal_lengths(14, 16 * N, 60, 1.0, 400, seed=3)
-    res = bench.simulate(placement(2, 32, train_s=0.05), lengths, N, k, warmup=2)
+    lengths = model.lognormal_lengths(14, 16 * N, 60, 1.0, 400, seed=3)
+    res = model.simulate(placement(2, 32, train_s=0.05), lengths, N, k, warmup=2)
     assert max(res.staleness) <= k
     assert max(res.staleness) == k  # the trainer is the faster group: the rollout runs k ahead
 
 
 def test_a_long_tail_makes_asynchrony_worth_more():
     steps, prompts = 12, 32
-    tail = bench.lognormal_lengths(steps, prompts * N, 100, 1.2, 1500, seed=0)
+    tail = model.lognormal_lengths(steps, prompts * N, 100, 1.2, 1500, seed=0)
     flat = np.full_like(tail, int(round(tail.mean())))
 
     def speedup(lengths):  # half the GPUs train twice as long; the same 10 batches on both sides
-        colo = bench.simulate(placement(4, 64, train_s=0.4), lengths, N, 0, 2, steps=10, overlapped=False)
-        split = bench.simulate(placement(2, 64, train_s=0.8), lengths, N, 1, 2, steps=10)
+        colo = model.simulate(placement(4, 64, train_s=0.4), lengths, N, 0, 2, steps=10, overlapped=False)
+        split = model.simulate(placement(2, 64, train_s=0.8), lengths, N, 1, 2, steps=10)
         return colo.step_s / split.step_s
 
     # colocated, every engine decodes its longest responses nearly alone while the trainer waits;
@@ -89,12 +90,12 @@ def test_the_clock_takes_its_times_from_the_plan():
     from verl_hpc.planning.suggest import step_time_parts
 
     args = _args()
-    base = bench.base_config(args)
-    split = bench.split_config(base, 32, 1)
-    gpu = bench._gpu(base)
+    base = common.base_config(args)
+    split = common.split_config(base, 32, 1)
+    gpu = common._gpu(base)
     for cfg in (base, split):
         parts = step_time_parts(cfg, gpu)
-        p = bench.placement_from_plan(cfg, 1000.0, 512)
+        p = common.placement_from_plan(cfg, 1000.0, 512)
         rows = cfg.data.train_batch_size * cfg.rollout.n
         assert p.engines == cfg.rollout_world_size // cfg.rollout.tp
         assert p.sync_s == parts["weight_sync"]

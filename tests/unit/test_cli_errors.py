@@ -203,7 +203,7 @@ def reading(pipe: Path, *command):
     (("verl_hpc.config", "{pipe}"), "[config] stopped by SIGINT before the config was checked\n"),
     (("verl_hpc.checkpoint", "inspect", "{folder}"), "[checkpoint] stopped by SIGINT during inspect\n"),
 ], ids=["config", "checkpoint"])
-def test_ctrl_c_in_a_real_process(tmp_path, command, line):
+def test_ctrl_c_in_a_real_process(terminal_sigint, tmp_path, command, line):
     """A terminal's Ctrl-C while the command reads its input (the config; the checkpoint's index)."""
     folder = tmp_path / "step_000001"
     folder.mkdir()

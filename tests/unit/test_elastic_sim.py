@@ -19,17 +19,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_async as bench  # noqa: E402
-from backfill import BackfillModel, Window, idle_nodes  # noqa: E402
+import bench_async as bench  # noqa: E402  (the entry point)
+from async_rl import model  # noqa: E402
+from async_rl.backfill import BackfillModel, Window, idle_nodes  # noqa: E402
+from async_rl.elastic_sim import ElasticSim, Prefix, Setup  # noqa: E402
 from elastic_naive_ledger import NaiveLedger  # noqa: E402
-from elastic_sim import ElasticSim, Prefix, Setup  # noqa: E402
 from verl_hpc.trainer.placement.elastic.ledger import Ledger  # noqa: E402
 
 N = 2  # samples per prompt
 
 
 def placement(engines=2, slots=8, train_s=0.3, *, alpha=1e-3, beta=1e-4, sync_s=0.05):
-    return bench.Placement(engines, slots, bench.DecodeModel(alpha, beta, 0.0), bench.TrainModel(0.0, train_s), sync_s,
+    return model.Placement(engines, slots, model.DecodeModel(alpha, beta, 0.0), model.TrainModel(0.0, train_s), sync_s,
                            prompt_tokens=0)
 
 
@@ -45,7 +46,7 @@ def churny_setup(k=1, keep=True, **kw):
 
 
 def lengths(steps, prompts, seed=0, median=40, cap=200):
-    return bench.lognormal_lengths(steps, prompts * N, median, 1.0, cap, seed)
+    return model.lognormal_lengths(steps, prompts * N, median, 1.0, cap, seed)
 
 
 # ----------------------------------------------------------------------------- the book
@@ -65,7 +66,7 @@ def test_the_whole_run_is_the_same_on_a_plain_scan_book():
 def test_constant_lengths_give_bench_async_clock(engines, slots, train_s, k):
     # every engine holds exactly its share, so pulling leases = dealing the batch: the same steps
     p, L = placement(engines, slots, train_s), np.full((8, 8 * N), 100, dtype=np.int64)
-    old = bench.simulate(p, L, N, k, warmup=2)
+    old = model.simulate(p, L, N, k, warmup=2)
     U = ElasticSim(Setup(p, k), L, N, 8 - (k + 1)).run().step_end
     assert (U[-1] - U[2]) / (len(U) - 3) == pytest.approx(old.step_s, rel=1e-9)
 

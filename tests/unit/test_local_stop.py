@@ -61,7 +61,7 @@ def wait_for(path, text, timeout=20):
     raise AssertionError(f"{text!r} never in {path}")
 
 
-def test_submitter_passes_the_first_signal_on_and_kills_on_the_second(tmp_path):
+def test_submitter_passes_the_first_signal_on_and_kills_on_the_second(terminal_sigint, tmp_path):
     said = tmp_path / "rank.txt"
     # named as the submitter's ranks are (`python -u -m verl_hpc.job CONFIG`), in its own session
     rank = subprocess.Popen([sys.executable, "-c", FAKE_RANK, "verl_hpc.job", str(said)], start_new_session=True)

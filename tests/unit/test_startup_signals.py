@@ -57,7 +57,7 @@ def send(proc, sig):
     (("verl_hpc.plan",), "[plan] stopped by {} before the plan was complete\n"),
 ], ids=["submit", "plan"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_in_the_start_up_ends_it_with_one_line(tmp_path, program, line, sig):
+def test_a_signal_in_the_start_up_ends_it_with_one_line(terminal_sigint, tmp_path, program, line, sig):
     proc, pipe = start_reading(tmp_path, *program)
     try:
         send(proc, sig)
@@ -77,7 +77,7 @@ def test_a_signal_in_the_start_up_ends_it_with_one_line(tmp_path, program, line,
     assert err == line.format(sig.name), err
 
 
-def test_a_rank_keeps_a_signal_of_its_start_up_and_stops_at_its_first_step(tmp_path):
+def test_a_rank_keeps_a_signal_of_its_start_up_and_stops_at_its_first_step(terminal_sigint, tmp_path):
     out = tmp_path / "out"
     proc, pipe = start_reading(tmp_path, "verl_hpc.job")
     try:

@@ -48,6 +48,7 @@ def _scores(prm, ref_lp, batch, beta=0.5):
     return implicit_scores(implicit_token_rewards(lp, ref_lp, batch["response_mask"], beta), batch["response_mask"])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss", ["ce", "pairwise"])
 def test_prm_starts_at_the_reference_and_learns_the_labels(engines, loss):
     ref, prm, actor = engines

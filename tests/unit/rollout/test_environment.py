@@ -88,6 +88,6 @@ def test_a_reward_that_is_not_a_finite_number_follows_reward_on_error():
             and "reward.on_error=zero" in str(e.value)
 
 
-def test_a_real_ctrl_c_during_a_step_still_stops():
+def test_a_real_ctrl_c_during_a_step_still_stops(terminal_sigint):
     with pytest.raises(KeyboardInterrupt):
         step(responder("Behaves"), "ctrl-c")

@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+from .common import ROOT
+
 GOAL_TIME = 0.7  # split / best colocated time to the gain, at most
 GOAL_THROUGHPUT = 1.4  # split / best colocated samples/s, at least
 PROGRESS_EVERY_S = 5.0

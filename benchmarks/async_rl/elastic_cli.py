@@ -9,7 +9,7 @@ The cluster: --cluster-nodes nodes of slurm.gpus_per_node GPUs; the run holds --
 own: training + fixed rollout, or colocated); every other node is busy with other users' jobs but
 for its backfill windows (backfill.py: the shape and its source), in each of which the pool's
 workers run, one per GPU at rollout.tp 1 as the runtime's workers do (docs/elastic.md). The run's
-steps are timed by the memory/step-time plan as in `simulate` (bench_async.py's docstring); the
+steps are timed by the memory/step-time plan as in `simulate` (model.py's docstring); the
 pool's rules are elastic_sim.py's, with the config's placement.elastic (straggler_deadline_s,
 heartbeat_timeout_s, lost_samples) unless --deadline, --heartbeat or --continue say otherwise.
 
@@ -39,9 +39,12 @@ from typing import Dict, List
 
 import numpy as np
 
-from backfill import IDLE_FRACTION, WINDOW_MEDIAN_S, WINDOW_SIGMA, BackfillModel, idle_nodes
-from elastic_sim import ElasticSim, Setup
 from verl_hpc.config import ConfigError
+
+from .backfill import IDLE_FRACTION, WINDOW_MEDIAN_S, WINDOW_SIGMA, BackfillModel, idle_nodes
+from .common import ROOT, base_config, candidates, check_args, placement_from_plan, split_config
+from .elastic_sim import ElasticSim, Setup
+from .model import lognormal_lengths
 
 
 def _check(args) -> None:
@@ -84,13 +87,12 @@ def worker_setup(args, cfg, p, k: int, mean_len: float, colocated: bool = False)
     placement.elastic unless a flag overrides them."""
     import copy
 
-    import bench_async as ba
     from verl_hpc.planning.hardware import INTER_NODE_GBPS
     from verl_hpc.planning.model_shape import model_arch, total_params
 
     one = copy.deepcopy(cfg)
     one.rollout.tp = 1
-    w = ba.placement_from_plan(one, mean_len, p.prompt_tokens, args.decode_mfu)
+    w = placement_from_plan(one, mean_len, p.prompt_tokens, args.decode_mfu)
     per_node, e = cfg.slurm.gpus_per_node, cfg.placement.elastic
     node_bytes = per_node * total_params(model_arch(cfg.model.path)) * (2 if cfg.model.dtype != "float32" else 4)
     # the job and its engine, the checkpoint read to build the engine, the live weights from the first
@@ -131,10 +133,9 @@ def _mean(rows: List[Dict]) -> Dict:
 
 def _split(args, base, r: int, draws: Dict, model: BackfillModel, others: range, mean_len: float):
     """The split with `r` own rollout GPUs, without and with the pool, on every seed's draws."""
-    import bench_async as ba
 
-    cfg = ba.split_config(base, r, args.k)
-    p = ba.placement_from_plan(cfg, mean_len, args.prompt_tokens, args.decode_mfu)
+    cfg = split_config(base, r, args.k)
+    p = placement_from_plan(cfg, mean_len, args.prompt_tokens, args.decode_mfu)
     setup = worker_setup(args, cfg, p, args.k, mean_len)
     fixed, elastic, first = [], [], None
     for seed, lengths in draws.items():
@@ -151,15 +152,14 @@ def _split(args, base, r: int, draws: Dict, model: BackfillModel, others: range,
 
 
 def run_elastic(args) -> int:
-    import bench_async as ba
     from verl_hpc.config.sections.placement import MAX_STALENESS
 
     _check(args)
-    ba._check_args(argparse.Namespace(**{**vars(args), "steps": args.target_steps}))  # simulate's own flags
+    check_args(argparse.Namespace(**{**vars(args), "steps": args.target_steps}))  # simulate's own flags
     seeds = _seeds(args.seeds)
     if not 0 <= args.k <= MAX_STALENESS:
         raise ConfigError(f"--k {args.k}: valid: a staleness bound in [0, {MAX_STALENESS}]")
-    base = ba.base_config(args)
+    base = base_config(args)
     per_node = base.slurm.gpus_per_node
     if args.cluster_nodes * per_node <= args.gpus:
         raise ConfigError(f"--cluster-nodes {args.cluster_nodes}: holds no node besides the run's --gpus {args.gpus} "
@@ -170,16 +170,16 @@ def run_elastic(args) -> int:
                           args.slow_fraction)
     others = range(args.cluster_nodes - args.gpus // per_node)
     rows = base.data.train_batch_size * base.rollout.n
-    draws = {s: ba.lognormal_lengths(args.target_steps, rows, args.len_median, args.len_sigma,
+    draws = {s: lognormal_lengths(args.target_steps, rows, args.len_median, args.len_sigma,
                                      base.data.max_response_length, s) for s in seeds}
     mean_len = float(np.mean([d.mean() for d in draws.values()]))
 
-    colo_setup = worker_setup(args, base, ba.placement_from_plan(base, mean_len, args.prompt_tokens, args.decode_mfu),
+    colo_setup = worker_setup(args, base, placement_from_plan(base, mean_len, args.prompt_tokens, args.decode_mfu),
                               0, mean_len, colocated=True)
     colo_runs = [ElasticSim(colo_setup, d, base.rollout.n, args.target_steps).run() for d in draws.values()]
     colo = [figures(o, colo_setup, args, args.gpus) for o in colo_runs]
     splits, refused = {}, []
-    for r in ba.candidates(args, base):
+    for r in candidates(args, base):
         try:
             splits[r] = _split(args, base, r, draws, model, others, mean_len)
         except ConfigError as err:
@@ -277,7 +277,6 @@ def plot(path: str, outcome, windows, curves: Dict, rollout_gpus: int, out: Dict
 
 
 def add_simulate_elastic(sub) -> None:
-    from bench_async import ROOT
 
     p = sub.add_parser("simulate-elastic", help="simulated cluster: colocated, fixed split, split + backfill pool")
     p.add_argument("--config", default=str(ROOT / "configs" / "grpo_8b.yaml"), help="the job config (as simulate)")

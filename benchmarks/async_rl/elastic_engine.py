@@ -1,4 +1,4 @@
-"""One vLLM engine of the simulated elastic pool (elastic_sim.py): bench_async.Engine's continuous
+"""One vLLM engine of the simulated elastic pool (elastic_sim.py): model.Engine's continuous
 batching on a fluid decode-step counter, fed by the ledger's leases instead of a fixed share of each
 batch.
 
@@ -18,7 +18,7 @@ import numpy as np
 
 
 class Engine:
-    """One vLLM engine: continuous batching on a fluid decode-step counter, as bench_async.Engine,
+    """One vLLM engine: continuous batching on a fluid decode-step counter, as model.Engine,
     fed by leases instead of a fixed share of each batch."""
 
     def __init__(self, name: str, order: int, decode, slots: int, prompt_tokens: int, t: float,

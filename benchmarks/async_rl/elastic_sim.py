@@ -10,7 +10,7 @@ may start the batch (version >= step - 1 - k); an engine asks for another while 
 `slots` samples live or waiting, and when work appears the least loaded engines are served first.
 Membership is the pool of verl_hpc/trainer/placement/elastic/pool.py (joins, goodbyes, heartbeats).
 
-- Decoding: bench_async.py's engine model, unchanged: one decode step with b live sequences of C
+- Decoding: model.py's engine model, unchanged: one decode step with b live sequences of C
   context tokens lasts alpha + beta * b + gamma * C (fluid: a step may be cut by an event); a
   continued sample counts its prefix in C (its prefill is not counted, as no prefill is).
 - A backfill window (node, start, end): the node's worker jobs (`worker_engines` engines, decoding
@@ -29,7 +29,7 @@ Membership is the pool of verl_hpc/trainer/placement/elastic/pool.py (joins, goo
   own or backfill, stops (they load the new weights). Batch s + 1 + k is wanted once update s is
   done. A worker that becomes ready during a sync joins after it, with the new weights.
 - Colocated (`Setup.colocated`): the same loop with k = 0 on the run's GPUs; rollout and training
-  never overlap there (the next batch needs the update), as in bench_async.simulate.
+  never overlap there (the next batch needs the update), as in model.simulate.
 """
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_engine import Engine
 from verl_hpc.trainer.placement.elastic.ledger import Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool
+
+from .elastic_engine import Engine
 
 DONE, SYNC_START, SYNC_END, WINDOW, READY, END, REAP, DEADLINE = range(8)
 
@@ -59,7 +60,7 @@ class Prefix:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    placement: Any  # bench_async.Placement: the run's own engines, the trainer, the sync
+    placement: Any  # model.Placement: the run's own engines, the trainer, the sync
     staleness: int
     worker_engines: int = 8  # engines a backfill window's node runs (the runtime's workers: one GPU each)
     worker_gpus: int = 8
