@@ -62,4 +62,7 @@ def episode_metrics(result: RolloutResult, prefix: str = "episode") -> Dict[str,
         out[f"{prefix}/tool_latency_p95_s"] = float(np.percentile(latencies, 95))
     for end in EPISODE_ENDS:
         out[f"{prefix}/end_{end}"] = float(sum(e.end == end for e in eps))
+    from verl_hpc.rollout.agents.metrics import agent_metrics  # agent runs: merges, splits, failures
+
+    out.update(agent_metrics(result))
     return out

@@ -26,6 +26,9 @@ class EpisodeStats:
     answer: str = ""  # the last model turn's text: what the reward function scores
     # per-turn reward terms: (response position of the turn's last model token, value)
     turn_rewards: List[Tuple[int, float]] = dataclasses.field(default_factory=list)
+    # agent.enable: the row's AgentStats (its run's reward replaces the reward function's score;
+    # verl_hpc/rollout/agents/runner.py); None for multi_turn episodes
+    agent: Any = None
 
 
 @dataclasses.dataclass

@@ -259,7 +259,8 @@ def _train(cfg, ctx, placement) -> dict:
     # error in the trainer's construction or in fit included, before job.run's runtime.shutdown()
     # drops the process group: vLLM's exit-time finalizer would otherwise print a traceback after
     # the `error:` line. Split: the rollout group is released (told to stop) the same way.
-    with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext():
+    with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext(), \
+            roles.agents or contextlib.nullcontext():
         trainer = RLTrainer(cfg, ctx, roles, placement)
         with placement.session(trainer.roles):
             summary = trainer.fit()
