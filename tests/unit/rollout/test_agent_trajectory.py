@@ -1,7 +1,7 @@
 """A run's recorded calls -> training sequences: merged token for token, split otherwise."""
 import pytest
 
-from verl_hpc.rollout.agents.trajectory import Call, common_prefix, group_prompt, merge_calls
+from verl_hpc.rollout.agents.trajectory import Call, merge_calls
 
 
 def call(prompt, completion, order, finish="stop"):
@@ -42,13 +42,3 @@ def test_a_call_extends_the_most_recent_sequence_it_begins_with():
 def test_logprobs_must_match_the_sampled_tokens():
     with pytest.raises(ValueError, match="1 log-probs for 2 sampled tokens"):
         merge_calls([Call([1], [2, 3], [-1.0], "stop", 1)])
-
-
-def test_the_group_prompt_is_the_common_prefix_before_any_sampled_token():
-    [a], _, _ = merge_calls([call([1, 2, 3, 4], [5], 1)])
-    [b], _, _ = merge_calls([call([1, 2, 9], [6], 1)])
-    assert common_prefix([a.ids(), b.ids()]) == [1, 2]
-    assert group_prompt([a, b]) == [1, 2]
-    [c], _, _ = merge_calls([call([1, 2], [3, 4], 1)])  # its sampled 3 is a's prompt token
-    assert group_prompt([a, c]) == [1, 2]
-    assert common_prefix([]) == []

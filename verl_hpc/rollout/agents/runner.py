@@ -33,7 +33,7 @@ from verl_hpc.rollout.agents.batcher import Batcher
 from verl_hpc.rollout.agents.runs import Outcome, failed, first_failure_text, run_agent
 from verl_hpc.rollout.agents.server import AgentServer
 from verl_hpc.rollout.agents.service import AgentService, Session
-from verl_hpc.rollout.agents.trajectory import Call, Trajectory, group_prompt, merge_calls
+from verl_hpc.rollout.agents.trajectory import Call, Trajectory, merge_calls
 from verl_hpc.rollout.result import EpisodeStats, RolloutResult
 
 log = logging.getLogger(__name__)
@@ -166,44 +166,29 @@ class AgentRunner:
 
     # ------------------------------------------------------------------ the result
     def _result(self, prompts, records: List[_Record], seconds: float) -> RolloutResult:
-        rows: Dict[int, List[Tuple[Trajectory, AgentStats, int]]] = {}
+        """Rows in (prompt, sample) order; each row's prompt is its trajectory's first prompt
+        (RolloutResult.row_prompts), its response everything after, mask 1 on the sampled ids."""
+        out = RolloutResult([list(p) for p in prompts.prompt_ids], [], [], [], [], [], seconds=seconds,
+                            response_mask=[], episodes=[], row_prompts=[])
         for rec in records:
             trajectories, merges, splits = merge_calls(rec.calls)
-            if not trajectories:  # a failed run without calls: nothing to train on (its prompt is set below)
-                trajectories = [Trajectory(prompt=[])]
+            if not trajectories:  # a failed run without calls: the data prompt, nothing to train on
+                trajectories = [Trajectory(prompt=list(prompts.prompt_ids[rec.prompt_index]))]
             reward = 0.0 if rec.outcome.failure else rec.outcome.reward
             for k, t in enumerate(trajectories):
-                stats = AgentStats(reward, k == 0, *((len(rec.calls), merges, splits, rec.reused, rec.outcome.failure)
-                                                     if k == 0 else (0, 0, 0, 0, "")))
-                rows.setdefault(rec.prompt_index, []).append((t, stats, rec.sample_index))
-        out = RolloutResult([], [], [], [], [], [], seconds=seconds, response_mask=[], episodes=[])
-        dropped = 0
-        for i in sorted(rows):
-            group = rows[i]
-            real = [t for t, _, _ in group if t.calls]
-            prefix = group_prompt(real) if real else list(prompts.prompt_ids[i])
-            for t, _, _ in group:
-                if not t.calls:  # an empty row: the group's prompt, no response
-                    t.prompt = list(prefix)
-            if not prefix:  # no token in common: keep the rows that share the first row's first token
-                prefix = group[0][0].ids()[:1]
-            kept = [g for g in group if g[0].ids()[:len(prefix)] == prefix]
-            dropped += len(group) - len(kept)
-            out.prompts.append(prefix)
-            for t, stats, j in kept:
-                cut = len(prefix)
-                head = len(t.prompt) - cut  # the first prompt's tokens past the group's prefix
-                out.prompt_index.append(len(out.prompts) - 1)
-                out.sample_index.append(j)
-                out.response_ids.append(t.ids()[cut:])
-                out.response_mask.append([0] * head + t.mask)
-                out.logprobs.append([0.0] * head + t.logprobs)
+                first = k == 0  # the sample's counts go on its first row only
+                stats = AgentStats(reward, first, calls=len(rec.calls) if first else 0, merges=merges if first else 0,
+                                   splits=splits if first else 0, reused=rec.reused if first else 0,
+                                   failure=rec.outcome.failure if first else "")
+                out.prompt_index.append(rec.prompt_index)
+                out.sample_index.append(rec.sample_index)
+                out.row_prompts.append(t.prompt)
+                out.response_ids.append(t.tokens)
+                out.response_mask.append(t.mask)
+                out.logprobs.append(t.logprobs)
                 out.finish_reason.append(t.finish_reason)
                 out.episodes.append(EpisodeStats(turns=t.calls, end="answered" if t.finish_reason == "stop" else "length",
                                                  agent=stats))
-        if dropped:
-            log.warning("agent: %d trajectories share no first token with their group's first and were left out "
-                        "of training", dropped)
         return out
 
     # ------------------------------------------------------------------ lifetime

@@ -10,10 +10,9 @@ the ids it sampled and their log-probs (`Call`). A sample's calls are laid out a
 - any other call (the agent re-templated, truncated or dropped part of its history, or runs two
   conversations) starts a sequence of its own: a split. Its sequences stay in the sample's group.
 
-Nothing is decoded and encoded again here, so the ids trained on are the ids sampled. The
-sequences of one prompt's group are then cut at their longest common prefix: the rollout result
-holds one prompt per group (verl_hpc/rollout/result.py), and what a sequence has past that prefix
-is its "response", with the mask saying which tokens the model sampled.
+Nothing is decoded and encoded again here, so the ids trained on are the ids sampled. Each
+trajectory is one row of its prompt's group, with its first prompt as the row's prompt
+(RolloutResult.row_prompts) and the rest as its response, the mask saying which ids were sampled.
 """
 from __future__ import annotations
 
@@ -81,28 +80,3 @@ def _extended(trajectories: List[Trajectory], prompt: Sequence[int]) -> Optional
         if len(prompt) >= len(ids) and list(prompt[:len(ids)]) == ids:
             return t
     return None
-
-
-def common_prefix(sequences: Sequence[Sequence[int]]) -> List[int]:
-    """The longest list every one of `sequences` begins with."""
-    if not sequences:
-        return []
-    first = list(sequences[0])
-    end = len(first)
-    for s in sequences[1:]:
-        end = min(end, len(s))
-        for k in range(end):
-            if s[k] != first[k]:
-                end = k
-                break
-    return first[:end]
-
-
-def group_prompt(trajectories: Sequence[Trajectory]) -> List[int]:
-    """The prompt a group's rows share: their longest common prefix, cut so that every row keeps at
-    least its first sampled token after it (the trainer scores tokens after the prompt)."""
-    prefix = common_prefix([t.ids() for t in trajectories])
-    for t in trajectories:
-        first_sampled = len(t.prompt) + (t.mask.index(1) if 1 in t.mask else len(t.tokens))
-        prefix = prefix[:first_sampled]
-    return prefix
