@@ -45,7 +45,8 @@ class Sampled:
 
 
 class EngineClosed(RuntimeError):
-    """The batcher stopped (the step ended or the job shuts down) before serving a request."""
+    """The batcher stopped (the job shuts down, or the engine failed) before serving a request. Not a
+    VerlHpcError: the agent gets HTTP 503; an engine failure reaches the job through the runner."""
 
 
 class Batcher:

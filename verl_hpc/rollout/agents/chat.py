@@ -26,7 +26,9 @@ from verl_hpc.rollout.tools.calls import CLOSE, OPEN, parse_tool_calls
 
 
 class BadRequest(ValueError):
-    """A malformed request: answered with HTTP 400 and an OpenAI-style error body naming `param`."""
+    """A malformed request: answered with HTTP 400 (or `status`) and an OpenAI-style error body naming
+    `param`. Not a VerlHpcError: the server turns it into the agent's HTTP response; it never
+    reaches a user as an exception."""
 
     def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
                  code: Optional[str] = None):
