@@ -55,7 +55,7 @@ def exits(row, config):
 
 def sleeps(row, config):
     _ask(_client(config), config, [{"role": "user", "content": "x"}])
-    time.sleep(30)
+    time.sleep(3600)  # a daemon thread: the run is abandoned at agent.timeout_s
     return 1.0
 
 

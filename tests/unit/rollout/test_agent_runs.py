@@ -119,7 +119,7 @@ def test_each_bad_agent_is_a_counted_sample_failure_and_the_batch_goes_on(engine
     agents = [*BAD, "agent_programs:one_call"]
     prompts = batch_of(len(agents), agents)
     spec = default_spec(n=1, max_tokens=6, temperature=1.0)
-    with runner(engine, tok, "agent.timeout_s=3", "agent.max_calls=4") as r:
+    with runner(engine, tok, "agent.timeout_s=20", "agent.max_calls=4") as r:
         with caplog.at_level("ERROR"):
             result = r.generate(prompts, spec)
         assert r.failures_total == len(BAD)

@@ -1,9 +1,13 @@
 """Concurrent requests -> batched generate calls on this rank's engine, from one thread.
 
 Many agents call the endpoint at once, each waiting for its own completion. Serving them one by one
-would run the engine at batch size 1; instead each request is queued and one engine thread takes
-what arrives within `window_s` of the first request (at most `max_batch`), and samples them in one
-`generate_local` call per distinct set of stop strings. The engine is only ever called from that
+would run the engine at batch size 1; instead each request is queued and one engine thread gathers
+a batch and samples it in one `generate_local` call per distinct set of stop strings. A batch closes
+when `max_batch` requests are in, when every live run has a request in it (`live()`: no further
+request can come before these are answered, for an agent that waits for its replies), or when no
+request arrived for `window_s` (the window slides with each arrival, up to 10 windows in all: agents
+start and finish their own code at different times, a fixed window cut their lockstep rounds into
+several small batches). The engine is only ever called from that
 thread, so the engines need no locking of their own, and while the trainer waits for the agents
 nothing else touches it.
 
@@ -22,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from verl_hpc.rollout.spec import SamplingSpec, request_seed
 
@@ -50,8 +54,9 @@ class EngineClosed(RuntimeError):
 
 
 class Batcher:
-    def __init__(self, engine, *, window_s: float, max_batch: int):
+    def __init__(self, engine, *, window_s: float, max_batch: int, live: Callable[[], int] = lambda: 0):
         self.engine, self.window_s, self.max_batch = engine, float(window_s), int(max_batch)
+        self.live = live
         self._queue: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._spec: Optional[SamplingSpec] = None
         self._calls = 0
@@ -83,11 +88,12 @@ class Batcher:
             first = self._queue.get()
             if first is None:
                 return self._drain()
-            batch, deadline = [first], time.monotonic() + self.window_s
+            batch, start = [first], time.monotonic()
             stop = False
-            while len(batch) < self.max_batch:
+            while len(batch) < min(self.max_batch, self.live() or self.max_batch):
+                wait = min(self.window_s, start + 10 * self.window_s - time.monotonic())
                 try:
-                    nxt = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
+                    nxt = self._queue.get(timeout=max(wait, 0.0))
                 except queue.Empty:
                     break
                 if nxt is None:

@@ -78,10 +78,11 @@ class AgentRunner:
         self.rank = getattr(ctx, "rank", 0)
         self.default = (load_user_object("agent.function", a.function, RewardError) if a.function else None)
         self._loaded: Dict[str, Any] = {}
-        self.batcher = Batcher(engine, window_s=a.batch_window_ms / 1000.0, max_batch=a.max_batch)
+        self.sessions: Dict[str, Session] = {}
+        self.batcher = Batcher(engine, window_s=a.batch_window_ms / 1000.0, max_batch=a.max_batch,
+                               live=lambda: len(self.sessions))
         self.service = AgentService(self.batcher, tokenizer, model_name=a.model_name,
                                     max_tokens=options.max_tokens, window=engine.window)
-        self.sessions: Dict[str, Session] = {}
         self.server = AgentServer(self.service, self.sessions.get, port=a.port)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         self.failures_total = 0
