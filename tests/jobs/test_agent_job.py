@@ -9,9 +9,10 @@ def test_an_openai_client_agent_trains_in_a_job(tiny_assets, tmp_path):
     proc, _ = grpo(tiny_assets, out, "agent.enable=true", "agent.function=agent_programs:one_call",
                    "safety.allow_custom_code=true", "trainer.total_steps=2", "data.max_response_length=48",
                    "rollout.max_tokens=8", "rollout.engine=hf", "actor.entropy_coeff=0.01",
-                   "agent.timeout_s=60")
+                   "agent.timeout_s=60", "trainer.val_every=2")
     assert proc.returncode == 0, logs(proc, out)
-    rows = metrics(out)
+    val_before, *rows = metrics(out)  # step 0: the validation before training
+    assert val_before["step"] == 0 and val_before["val/agent/runs"] == 100
     assert len(rows) == 2
     for m in rows:
         assert m["agent/runs"] == 16 and m["agent/calls"] == 16 and m["agent/failures"] == 0
@@ -21,3 +22,7 @@ def test_an_openai_client_agent_trains_in_a_job(tiny_assets, tmp_path):
         assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
         assert "actor/pg_loss" in m
     assert "agent endpoint on rank 0: http://127.0.0.1:" in proc.stderr
+    # validation ran the agent on the 100 val rows (greedy), each run counted once
+    val = rows[-1]
+    assert val["val/agent/runs"] == 100 and val["val/agent/calls"] == 100
+    assert 0.0 <= val["val/acc/all"] <= 1.0

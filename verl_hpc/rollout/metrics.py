@@ -64,5 +64,5 @@ def episode_metrics(result: RolloutResult, prefix: str = "episode") -> Dict[str,
         out[f"{prefix}/end_{end}"] = float(sum(e.end == end for e in eps))
     from verl_hpc.rollout.agents.metrics import agent_metrics  # agent runs: merges, splits, failures
 
-    out.update(agent_metrics(result))
+    out.update(agent_metrics(result, prefix=prefix.replace("episode", "agent")))  # val/episode -> val/agent
     return out

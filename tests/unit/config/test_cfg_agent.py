@@ -6,7 +6,7 @@ from verl_hpc.config.validate import validate
 from verl_hpc.trainer.roles import rollout_options
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
-        "agent.enable=true", "agent.function=my.agents:solve", "safety.allow_custom_code=true", "trainer.val_every=0"]
+        "agent.enable=true", "agent.function=my.agents:solve", "safety.allow_custom_code=true"]
 
 
 def problems(*overrides):
@@ -20,7 +20,6 @@ def problems(*overrides):
     (["agent.function=nocolon"], "agent.function: 'nocolon' is not 'package.module:function'"),
     (["multi_turn.enable=true"], "agent.enable and multi_turn.enable both drive the episodes"),
     (["rollout.tp=2", "slurm.tasks_per_node=2"], "agent.enable needs rollout.tp = 1"),
-    (["trainer.val_every=5"], "set trainer.val_every = 0"),
     (["placement.mode=split", "placement.rollout_ranks=1"], "agent.enable does not run with placement.mode = split"),
     (["algorithm.adv_estimator=remax", "rollout.n=1"], "does not run algorithm.adv_estimator = remax"),
     (["agent.timeout_s=1e9"], "agent.timeout_s is capped at one week"),

@@ -55,8 +55,6 @@ class AgentConfig(Section):
             p.append(f"agent.function: {self.function!r} is not 'package.module:function'")
         if self.timeout_s > WEEK_S:
             p.append(f"agent.timeout_s is capped at one week ({WEEK_S} s)")
-        if job.trainer.val_every:
-            p.append("agent.enable: validation through agent runs is not built yet: set trainer.val_every = 0")
         if job.algorithm.adv_estimator == "remax":
             p.append("agent.enable does not run algorithm.adv_estimator = remax (its greedy baseline is one "
                      "response); use grpo, rloo or gae")
