@@ -37,6 +37,8 @@ from verl_hpc.rollout.agents.trajectory import Call, Trajectory, merge_calls
 from verl_hpc.rollout.result import EpisodeStats, RolloutResult
 
 log = logging.getLogger(__name__)
+# the HTTP clients agents use log every request at INFO: the job's log would become an access log
+CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
 ROW_FIELD = "agent"  # a row's own agent: extra["agent"] = 'package.module:function'
 
 
@@ -87,6 +89,8 @@ class AgentRunner:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         self.failures_total = 0
         self.first_failure: Optional[str] = None
+        for name in CLIENT_LOGGERS:
+            logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         log.info("agent endpoint on rank %d: http://%s:%d (loopback only; %d runs at once, batching window %g ms)",
                  self.rank, self.server.host, self.server.port, a.concurrency, a.batch_window_ms)
 
