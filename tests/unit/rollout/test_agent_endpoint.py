@@ -21,6 +21,8 @@ TOOL_TEXT = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_cal
 class ScriptedBatcher:
     """Returns the next scripted completion (ids) for every request, and keeps what it was sent."""
 
+    default_stop = ("<END>",)  # the job's rollout.stop
+
     def __init__(self, tokenizer):
         self.tok, self.script, self.sent = tokenizer, [], []
 
@@ -97,6 +99,7 @@ def test_completions_take_text_or_token_ids_and_stop_strings_leave_the_text(endp
     assert "STOP" not in r.choices[0].text and r.choices[0].text.startswith("abc")
     client.completions.create(model="policy", prompt="some text", max_tokens=4)
     assert batcher.sent[1][0] == tok("some text", add_special_tokens=False)["input_ids"]
+    assert batcher.sent[1][2] == ("<END>",)  # no stop named: the job's
     assert len(session.calls) == 2
 
 

@@ -70,6 +70,11 @@ class Batcher:
         """The step's sampling (temperature, top_p, top_k, seed); requests set max_tokens and stop."""
         self._spec, self._calls = spec, 0
 
+    @property
+    def default_stop(self) -> Tuple[str, ...]:
+        """The job's stop strings (rollout.stop): a request that names none stops at these."""
+        return tuple(self._spec.stop) if self._spec is not None else ()
+
     def submit(self, prompt_ids: List[int], max_tokens: int, stop: Tuple[str, ...]) -> Sampled:
         """Blocks until the request's completion is sampled (called from server threads)."""
         if self.failure is not None:

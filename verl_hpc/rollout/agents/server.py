@@ -144,8 +144,10 @@ class AgentServer:
         try:
             length = int(h.headers.get("Content-Length") or 0)
         except ValueError:
+            h.close_connection = True
             raise BadRequest("Content-Length is not a number") from None
         if length > MAX_BODY:
+            h.close_connection = True  # the unread body would be taken for the next request
             raise BadRequest(f"request body of {length} bytes; at most {MAX_BODY}", status=413)
         raw = h.rfile.read(length) if length else b""
         try:

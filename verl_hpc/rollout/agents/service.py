@@ -4,7 +4,8 @@ Each agent run gets a `Session` (its own base URL carries the session's key). A 
 turned into prompt ids, sampled through the batcher and recorded as a `Call` of the session, by
 token id, before the response is sent. Sampling is the job's (rollout.temperature, top_p, top_k:
 the trainer computes its log-probs under them); a request's own temperature/top_p/top_k/seed are
-ignored and counted. A request sets max_tokens (capped at rollout.max_tokens) and stop strings.
+ignored and counted. A request sets max_tokens (capped at rollout.max_tokens) and stop strings (the
+job's rollout.stop where it names none).
 """
 from __future__ import annotations
 
@@ -145,6 +146,7 @@ class AgentService:
         stop = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings", param="stop")
+        stop = stop or getattr(self.batcher, "default_stop", ())  # none named: the job's rollout.stop
         if any(body.get(k) is not None for k in IGNORED):
             with self._lock:
                 self.ignored += 1
