@@ -85,3 +85,10 @@ def bool_reward(row, config):
 def bad_tuple(row, config):
     _ask(_client(config), config, [{"role": "user", "content": "x"}])
     return 1.0, 2.0
+
+
+def floods_and_raises(row, config):
+    """Floods without catching the 429: its run raised, and it counts as flooded."""
+    c = _client(config)
+    while True:
+        _ask(c, config, [{"role": "user", "content": "again"}], max_tokens=1)

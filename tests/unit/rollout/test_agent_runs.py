@@ -110,7 +110,8 @@ def test_the_training_batch_holds_the_recorded_ids_over_512_calls(engine, tok, r
 
 
 BAD = {"agent_programs:raises": "raised", "agent_programs:exits": "raised", "agent_programs:sleeps": "timeout",
-       "agent_programs:floods": "flooded", "agent_programs:no_calls": "no_calls",
+       "agent_programs:floods": "flooded", "agent_programs:floods_and_raises": "flooded",
+       "agent_programs:no_calls": "no_calls",
        "agent_programs:nan_reward": "bad_reward", "agent_programs:bool_reward": "bad_reward",
        "agent_programs:bad_tuple": "bad_reward"}
 

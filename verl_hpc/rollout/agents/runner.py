@@ -85,7 +85,8 @@ class AgentRunner:
                                live=lambda: len(self.sessions))
         self.service = AgentService(self.batcher, tokenizer, model_name=a.model_name,
                                     max_tokens=options.max_tokens, window=engine.window)
-        self.server = AgentServer(self.service, self.sessions.get, port=a.port)
+        # a connection idle longer than a whole run belongs to a run that ended
+        self.server = AgentServer(self.service, self.sessions.get, port=a.port, idle_timeout_s=a.timeout_s + 30)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         self.failures_total = 0
         self.first_failure: Optional[str] = None
@@ -127,7 +128,7 @@ class AgentRunner:
         finally:
             session.close()  # a run past its limit: its later calls are refused
             self.sessions.pop(key, None)
-        if not outcome.failure and session.flooded:
+        if outcome.failure in ("", "raised") and session.flooded:  # raised on its own 429, most likely
             outcome = failed(outcome, "flooded", f"called the model more than agent.max_calls = {session.max_calls} times")
         if not outcome.failure and not session.calls:
             outcome = failed(outcome, "no_calls", "returned without calling the model: nothing to train on")

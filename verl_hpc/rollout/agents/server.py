@@ -48,8 +48,11 @@ class _Server(ThreadingHTTPServer):
 
 class AgentServer:
     def __init__(self, service, sessions: Callable[[str], Optional[object]], *, host: str = "127.0.0.1",
-                 port: int = 0, token: Optional[str] = None):
-        """sessions(key) -> the Session of that key, or None."""
+                 port: int = 0, token: Optional[str] = None, idle_timeout_s: float = 600.0):
+        """sessions(key) -> the Session of that key, or None. idle_timeout_s: a kept-alive connection
+        with no request for this long is closed (agents' clients are often dropped without closing
+        theirs, and each open connection holds a server thread)."""
+        self.idle_timeout_s = float(idle_timeout_s)
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"the agent endpoint listens on the loopback interface only, not {host!r}")
         self.service, self.sessions = service, sessions
@@ -75,6 +78,7 @@ class AgentServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = outer.idle_timeout_s  # socket reads only: a request's generation time is not bounded by it
 
             def log_message(self, fmt, *args):  # the job's log is not an access log
                 pass
