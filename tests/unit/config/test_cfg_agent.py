@@ -25,6 +25,7 @@ def problems(*overrides):
     (["agent.timeout_s=1e9"], "agent.timeout_s is capped at one week"),
     (["agent.concurrency=0"], "agent.concurrency: must be in [1, 1024], got 0"),
     (["agent.port=70000"], "agent.port: must be in [0, 65535], got 70000"),
+    (["agent.port=8000", "slurm.tasks_per_node=2"], "the ranks of a node would all listen on that port"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)

@@ -53,6 +53,9 @@ class AgentConfig(Section):
             p.append(needs_custom_code("agent.function"))
         if self.function and not all(self.function.partition(":")[::2]):
             p.append(f"agent.function: {self.function!r} is not 'package.module:function'")
+        if self.port and job.slurm.tasks_per_node > 1:
+            p.append(f"agent.port = {self.port} with slurm.tasks_per_node = {job.slurm.tasks_per_node}: the ranks of a "
+                     "node would all listen on that port; use agent.port = 0 (each rank a free port)")
         if self.timeout_s > WEEK_S:
             p.append(f"agent.timeout_s is capped at one week ({WEEK_S} s)")
         if job.algorithm.adv_estimator == "remax":
