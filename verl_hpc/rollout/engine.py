@@ -91,6 +91,25 @@ class RolloutEngine(abc.ABC):
                              adapter_version=rows.one_adapter_version(),
                              routes=rows.routes if rows.routes and len(rows.routes) == len(rows.response_ids) else None)
 
+    def generate_local(self, prompts: List[List[int]], sampling: SamplingSpec, *,
+                       first_index: int = 0) -> ShardOutput:
+        """This rank's engine alone, NOT a collective: for a server each rank runs over its own
+        engine (the agent endpoint, verl_hpc/rollout/agents/), which needs rollout.tp = 1. Prompts
+        are taken as they are (no overflow policy): the caller keeps each prompt plus
+        sampling.max_tokens within `window`. Rows in prompt order, n per prompt."""
+        self._check_usable()
+        if self.layout.tp != 1:
+            raise RuntimeError(f"{self.name}: generate_local needs rollout.tp = 1 (got {self.layout.tp})")
+        if sampling.max_tokens > self.max_response_length:
+            raise ValueError(f"sampling.max_tokens={sampling.max_tokens} exceeds what this engine was built "
+                             f"for ({self.max_response_length})")
+        return self._generate_shard(check_prompts(prompts, self.vocab_size), first_index, sampling)
+
+    @property
+    def window(self) -> int:
+        """Tokens of prompt plus response one sequence may hold in this engine."""
+        return self.max_prompt_length + self.max_response_length
+
     @abc.abstractmethod
     def _generate_shard(self, prompts: List[List[int]], first_index: int,
                         sampling: SamplingSpec) -> ShardOutput:

@@ -22,7 +22,7 @@ def rollout_metrics(result: RolloutResult, prefix: str = "rollout") -> Dict[str,
         f"{prefix}/response_tokens": float(tokens),
         # the prompts of the rows (a prompt of n samples counted n times): with the responses, the
         # tokens a forward pass over the batch runs (the engines run no padding)
-        f"{prefix}/prompt_tokens": float(sum(len(result.prompts[i]) for i in result.prompt_index)),
+        f"{prefix}/prompt_tokens": float(sum(len(result.prompt_of(r)) for r in range(len(result)))),
         f"{prefix}/response_length_mean": tokens / len(lengths) if lengths else 0.0,
         f"{prefix}/response_length_max": float(max(lengths, default=0)),
         f"{prefix}/prompts_truncated": float(result.num_truncated),
@@ -62,4 +62,7 @@ def episode_metrics(result: RolloutResult, prefix: str = "episode") -> Dict[str,
         out[f"{prefix}/tool_latency_p95_s"] = float(np.percentile(latencies, 95))
     for end in EPISODE_ENDS:
         out[f"{prefix}/end_{end}"] = float(sum(e.end == end for e in eps))
+    from verl_hpc.rollout.agents.metrics import agent_metrics  # agent runs: merges, splits, failures
+
+    out.update(agent_metrics(result, prefix=prefix.replace("episode", "agent")))  # val/episode -> val/agent
     return out

@@ -26,6 +26,9 @@ class EpisodeStats:
     answer: str = ""  # the last model turn's text: what the reward function scores
     # per-turn reward terms: (response position of the turn's last model token, value)
     turn_rewards: List[Tuple[int, float]] = dataclasses.field(default_factory=list)
+    # agent.enable: the row's AgentStats (its run's reward replaces the reward function's score;
+    # verl_hpc/rollout/agents/runner.py); None for multi_turn episodes
+    agent: Any = None
 
 
 @dataclasses.dataclass
@@ -52,10 +55,14 @@ class RolloutResult:
     # routing replay (model.moe_routing_replay = rollout): per sequence, a [P + R - 1, L, k] tensor of
     # the top-k experts each fed token took per MoE layer (verl_hpc.models.moe_routes)
     routes: Optional[List[Any]] = None
+    # agent runs: per sequence, its own prompt (the first prompt of its calls), in place of
+    # prompts[prompt_index]: a group's sequences may begin with different tokens
+    row_prompts: Optional[List[List[int]]] = None
 
     def __post_init__(self):
         n = len(self.response_ids)
-        optional = [x for x in (self.versions, self.response_mask, self.episodes, self.routes) if x is not None]
+        optional = [x for x in (self.versions, self.response_mask, self.episodes, self.routes, self.row_prompts)
+                    if x is not None]
         if not (len(self.prompt_index) == len(self.sample_index) == len(self.logprobs)
                 == len(self.finish_reason) == n) or any(len(x) != n for x in optional):
             raise ValueError("RolloutResult: per-sequence lists differ in length")
@@ -75,9 +82,13 @@ class RolloutResult:
         counts = collections.Counter(self.finish_reason)
         return {reason: counts.get(reason, 0) for reason in FINISH_REASONS}
 
+    def prompt_of(self, i: int) -> List[int]:
+        """The prompt of row i."""
+        return self.row_prompts[i] if self.row_prompts is not None else self.prompts[self.prompt_index[i]]
+
     def sequence(self, i: int) -> List[int]:
         """Prompt plus response of row i: the token sequence a trainer scores."""
-        return self.prompts[self.prompt_index[i]] + self.response_ids[i]
+        return self.prompt_of(i) + self.response_ids[i]
 
     def rows_of(self, prompts: Sequence[int]) -> List[int]:
         """The rows (sequences) of the groups of `prompts`, in row order."""
@@ -115,7 +126,7 @@ class RolloutResult:
         return out
 
 
-OPTIONAL_ROWS = ("versions", "response_mask", "episodes", "routes")  # per-sequence fields that may be None
+OPTIONAL_ROWS = ("versions", "response_mask", "episodes", "routes", "row_prompts")  # per-sequence fields that may be None
 
 
 @dataclasses.dataclass

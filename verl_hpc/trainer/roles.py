@@ -56,13 +56,16 @@ class Roles:
     prm: Optional[Any] = None  # PRIME's implicit process reward model (trained online)
     teacher: Optional[Any] = None  # on-policy distillation's frozen teacher (teacher.enable)
     episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
+    agents: Optional[Any] = None  # agent.enable: the AgentRunner over `rollout` (verl_hpc/rollout/agents/)
     # every generation's result is handed to this before anyone uses it: the trainer sets the
     # weight step's check (LoRA: the adapter version it used, resharding/adapter_sync.py)
     verify: Callable[[Any], None] = lambda result: None
 
     def generate(self, prompts, spec):
         """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
-        if self.episodes is None:
+        if self.agents is not None:
+            result = self.agents.generate(prompts, spec)
+        elif self.episodes is None:
             result = self.rollout.generate(prompts.prompt_ids, spec, media=prompts.media or None)
         else:
             result = self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
@@ -225,8 +228,10 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
             from verl_hpc.rollout.agent import build_episode_runner
 
             episodes = build_episode_runner(episode_options(cfg), ctx, rollout, parts)
+        agents = build_agents(cfg, ctx, rollout, tokenizer) if with_rollout and cfg.agent.enable else None
         on_error.pop_all()  # all built: the engine (and the episode runner) stay open for the caller
-    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, teacher=teacher, episodes=episodes)
+    roles = Roles(tokenizer, actor, rollout, ref, critic, rm, prm=prm, teacher=teacher, episodes=episodes,
+                  agents=agents)
     if ctx.rank == 0:
         lora = cfg.lora
         log.info("roles: %s; rollout: %s%s", ", ".join(roles.names()), cfg.rollout.engine,
@@ -250,6 +255,15 @@ def rollout_options(cfg) -> RolloutOptions:
                           window=r.window(cfg), max_num_seqs=r.max_num_seqs(cfg),
                           collective_timeout_s=cfg.trainer.collective_timeout_s, split=cfg.placement.split,
                           lora_rank=lora_slot_rank(cfg))
+
+
+def build_agents(cfg, ctx, rollout, tokenizer):
+    """agent.enable: the AgentRunner (its endpoint started) over this rank's rollout engine."""
+    from verl_hpc.rollout.agents import AgentOptions, AgentRunner
+
+    return AgentRunner(rollout, tokenizer, AgentOptions(agent=cfg.agent, on_error=cfg.reward.on_error,
+                                                        allow_custom_code=cfg.safety.allow_custom_code,
+                                                        max_tokens=cfg.rollout.max_tokens), ctx)
 
 
 def episode_options(cfg) -> EpisodeOptions:

@@ -38,7 +38,7 @@ def test_print_config_is_the_resolved_yaml():
     assert printed["trainer"]["total_steps"] == 7
     assert printed["trainer"]["job"] == "smoke"
     assert printed["trainer"]["output_dir"] == "outputs/verl_hpc/smoke"  # resolved, not ${...}
-    assert set(printed) == {"model", "data", "algorithm", "actor", "critic", "ref", "prm", "teacher", "lora", "rollout", "resharding", "reward", "multi_turn", "sandbox",
+    assert set(printed) == {"model", "data", "algorithm", "actor", "critic", "ref", "prm", "teacher", "lora", "rollout", "resharding", "reward", "multi_turn", "agent", "sandbox",
                             "trainer", "checkpoint", "parallel", "vision", "fsdp", "placement", "async_training", "slurm", "tracking",
                             "safety"}
 

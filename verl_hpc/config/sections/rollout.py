@@ -135,8 +135,8 @@ class RolloutConfig(Section):
     def window(self, job) -> int:
         """Tokens the engine generates after a prompt: one response (rollout.max_tokens), or under
         multi_turn the whole episode (data.max_response_length), whose later turns are prompted
-        with the episode so far."""
-        return job.data.max_response_length if job.multi_turn.enable else (self.max_tokens or job.data.max_response_length)
+        with the episode so far; so under agent.enable, whose later calls carry the conversation."""
+        return job.data.max_response_length if job.multi_turn.enable or job.agent.enable else (self.max_tokens or job.data.max_response_length)
 
     def kv_cache_problems(self, job, m) -> List[str]:
         """vLLM refuses to start when its KV cache cannot hold one request of max_model_len

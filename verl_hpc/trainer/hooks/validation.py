@@ -18,7 +18,7 @@ from verl_hpc.rollout.metrics import episode_metrics
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.stages.batching import assemble
 from verl_hpc.trainer.hooks.base import CONTINUE
-from verl_hpc.trainer.stages.scoring import score_batch
+from verl_hpc.trainer.stages.scoring import given_rewards, score_batch
 
 
 class Validator:
@@ -41,7 +41,8 @@ class Validator:
             results.append(result)
             batch = assemble(prompts, result, self.tokenizer, pad_id)
             scores, _ = score_batch(scorer, batch, reward_model)
-            for ds, extra, s in zip(batch.data_sources, batch.extras, scores.tolist()):
+            scores = given_rewards(scores, result, {})  # agent runs: their own rewards
+            for ds, extra, s in _per_sample(result, batch, scores.tolist()):
                 task = task_of(extra)
                 keys = (ds, "all") + ((f"task:{task}",) if task else ())
                 task_keys.update(keys[2:])
@@ -60,6 +61,16 @@ class Validator:
         if results and results[0].episodes is not None:  # multi_turn: tool use on the val set
             out.update(episode_metrics(RolloutResult.concat(results), prefix="val/episode"))
         return out
+
+
+def _per_sample(result, batch, scores):
+    """(data_source, extra, score) of each sample: an agent run whose calls split into several rows
+    counts once (its first row; all of them hold its reward)."""
+    rows = range(len(scores))
+    if result.episodes is not None:
+        rows = [r for r in rows if getattr(result.episodes[r], "agent", None) is None
+                or result.episodes[r].agent.sample_first]
+    return [(batch.data_sources[r], batch.extras[r], scores[r]) for r in rows]
 
 
 class ValidationHook:

@@ -28,6 +28,11 @@ before and after RL.
 by a generative judge trained here (verl_hpc/trainer/programs/demo_judge.py, configs/demo_judge.yaml);
 it also prints the judge's held-out accuracy and its agreement with the rule during RL.
 
+--task agent (make demo-agent; outputs/demo_agent): the arithmetic demo, its RL phase run through an
+agent program that knows only the `openai` client (demo_agent_solver.py: draft, a check of its own,
+a second call with its history truncated), served by the job's endpoint (configs/demo_agent.yaml);
+it also prints the runs' calls, merges, splits and failures.
+
 --task tool: the tool demo instead (make demo-tool; outputs/demo_tool): 5-digit products that the
 tiny model gets right only by calling `calculator` in a multi-turn episode. Data from
 `python -m verl_hpc.data.prepare tool_arith` (multi-turn SFT demonstrations, most replaced by direct
@@ -65,6 +70,8 @@ TASKS = {
 }
 # make demo-judge: the arithmetic task, its RL rewarded only by a tiny judge trained here (demo_judge.py)
 TASKS["judge"] = dict(TASKS["arith"], rl_config="configs/demo_judge.yaml", out="outputs/demo_judge", judge=True)
+# make demo-agent: the arithmetic task, each sample a run of an openai-client agent (demo_agent_solver.py)
+TASKS["agent"] = dict(TASKS["arith"], rl_config="configs/demo_agent.yaml", out="outputs/demo_agent", agent=True)
 GRID_SAMPLES = 12  # validation pictures in the visual demo's before/after grid
 
 
@@ -230,6 +237,13 @@ def main(argv=None) -> int:
         if agree:
             print(f"judge/agreement with the rule during RL: {100 * agree[0]:.0f}% (step 1) -> "
                   f"{100 * agree[-1]:.0f}% (last step); judge accuracy held out {100 * judge_acc:.1f}%")
+    if task.get("agent"):
+        rows = [json.loads(line) for line in (rl_out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        runs = [r for r in rows if "agent/runs" in r]
+        merges, splits = (sum(r[k] for r in runs) for k in ("agent/merges", "agent/splits"))
+        print(f"agent runs: {sum(r['agent/runs'] for r in runs):.0f}, model calls {sum(r['agent/calls'] for r in runs):.0f}, "
+              f"merged {merges:.0f}, split {splits:.0f}, failed {sum(r['agent/failures'] for r in runs):.0f}; "
+              f"training reward {runs[0]['agent/reward_mean']:.2f} (step 1) -> {runs[-1]['agent/reward_mean']:.2f}")
     if a.task == "tool":
         rate = lambda v: 100 * v.get("val/episode/tool_call_rate", 0.0)  # noqa: E731
         print(f"greedy tool-call rate: {rate(summary['val_before']):5.1f}% -> {rate(summary['val_after']):5.1f}%")

@@ -261,7 +261,7 @@ def _train(cfg, ctx, placement) -> dict:
     # the `error:` line. Split: the rollout group is released (told to stop) the same way.
     judge = roles.reward_model if hasattr(roles.reward_model, "close") else None  # a judge's engine: the same
     with roles.rollout or contextlib.nullcontext(), roles.episodes or contextlib.nullcontext(), \
-            judge or contextlib.nullcontext():
+            roles.agents or contextlib.nullcontext(), judge or contextlib.nullcontext():
         trainer = RLTrainer(cfg, ctx, roles, placement)
         with placement.session(trainer.roles):
             summary = trainer.fit()

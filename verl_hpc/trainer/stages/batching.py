@@ -27,7 +27,7 @@ def assemble(prompts, result, tokenizer, pad_id: int) -> StepBatch:
     idx = result.prompt_index
     responses = [list(r) if r else [pad_id] for r in result.response_ids]  # an empty reply: 1 pad
     empty = torch.tensor([not r for r in result.response_ids], dtype=torch.bool)
-    tensors = pack_sequences([result.prompts[i] for i in idx], responses, pad_id)
+    tensors = pack_sequences([result.prompt_of(r) for r in range(len(idx))], responses, pad_id)
     width = max(int(tensors["response_lengths"].max()), 1)
     mask = length_mask(tensors["response_lengths"], width).float()
     mask[empty] = 0.0

@@ -22,7 +22,7 @@ from verl_hpc.algorithms.prime import accuracy_filter, outcome_labels
 from verl_hpc.rollout.metrics import episode_metrics, rollout_metrics
 from verl_hpc.trainer.stages.batching import assemble, broadcast_prompts
 from verl_hpc.trainer.stages.rollout_dump import RolloutDump
-from verl_hpc.trainer.stages.scoring import add_turn_rewards, score_batch, to_token_level
+from verl_hpc.trainer.stages.scoring import add_turn_rewards, given_rewards, score_batch, to_token_level
 from verl_hpc.trainer.stages.step_batch import StepBatch, concat_batches, first_groups
 from verl_hpc.trainer.hooks.task_weights import task_metrics
 
@@ -73,6 +73,7 @@ class StepSampler:
             batch = assemble(prompts, result, r.tokenizer, r.pad_id)
             with timer("reward"):
                 scores, m_reward = self._score(step, round_, batch)
+                scores = given_rewards(scores, result, m_reward)  # agent.enable: the runs' own rewards
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
                 batch.outcome_labels = outcome_labels(scores, cfg.reward.correct_at)
                 add_turn_rewards(batch.token_scores, result)  # multi_turn: per-turn terms

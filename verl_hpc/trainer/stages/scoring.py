@@ -28,6 +28,21 @@ def score_batch(scorer, batch, rm=None, components: Sequence[str] = ()) -> Tuple
     return scores, metrics
 
 
+def given_rewards(scores: torch.Tensor, result, metrics: Dict[str, float]) -> torch.Tensor:
+    """agent.enable: a row's score is the reward its agent run returned (EpisodeStats.agent.reward),
+    not the reward function's; the reward/score metrics are recomputed from the scores used."""
+    given = [(row, e.agent.reward) for row, e in enumerate(result.episodes or ()) if getattr(e, "agent", None)]
+    if not given:
+        return scores
+    scores = scores.clone()
+    for row, value in given:
+        scores[row] = value
+    metrics["reward/score/mean"] = float(scores.mean())
+    for key in [k for k in metrics if k.startswith("reward/score/") and k != "reward/score/mean"]:
+        del metrics[key]  # per data_source means of the function's scores: not what was trained on
+    return scores
+
+
 def add_turn_rewards(token_scores: torch.Tensor, result) -> None:
     """multi_turn: each episode's per-turn reward terms (an environment's step rewards, the tool
     error penalty) added in place on the last model token of their turn."""

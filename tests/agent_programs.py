@@ -1,0 +1,94 @@
+"""Agent programs for the tests: each written against the `openai` client only, as a user's would be.
+
+`conversation` makes 8 calls in four ways an agent treats its history: appending replies and tool
+results (the endpoint rebuilds these from its own ids: merged), truncating it (a split), editing a
+reply before sending it back (re-templated: a split), and a raw completion. The others fail in one
+way each (tests/unit/rollout/test_agent_runs.py)."""
+import time
+
+import openai
+
+CALLS = 8
+
+
+def _client(config):
+    return openai.OpenAI(base_url=config["base_url"], api_key=config["api_key"], max_retries=0,
+                         timeout=config["timeout"])
+
+
+def _ask(client, config, messages, **kw):
+    r = client.chat.completions.create(model=config["model"], messages=messages, max_tokens=kw.pop("max_tokens", 6), **kw)
+    return r.choices[0].message
+
+
+def conversation(row, config):
+    c = _client(config)
+    messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": row["ground_truth"]}]
+    for k in range(3):  # append: reply + a tool result of the agent's own
+        reply = _ask(c, config, messages)
+        messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": f"tool says {k}"}]
+    messages = [messages[0], messages[-1]]  # truncate the history
+    for _ in range(2):
+        reply = _ask(c, config, messages)
+        messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    reply = _ask(c, config, messages)
+    edited = {"role": "assistant", "content": (reply.content or "") + "!"}  # a re-templated reply
+    _ask(c, config, messages + [edited, {"role": "user", "content": "last"}])
+    c.completions.create(model=config["model"], prompt=f"Q: {row['ground_truth']} A:", max_tokens=5)
+    return (1.0 if row["sample_index"] % 2 == 0 else 0.0), {"calls": CALLS}
+
+
+def one_call(row, config):
+    """One call, then a reward: what the training job's agent does."""
+    reply = _ask(_client(config), config, [{"role": "user", "content": row["prompt"]}], max_tokens=8)
+    return 1.0 if (reply.content or "").strip().startswith(str(row["ground_truth"])) else 0.0
+
+
+def raises(row, config):
+    _ask(_client(config), config, [{"role": "user", "content": "x"}])
+    raise KeyError("the agent's own bug")
+
+
+def exits(row, config):
+    raise SystemExit(3)
+
+
+def sleeps(row, config):
+    _ask(_client(config), config, [{"role": "user", "content": "x"}])
+    time.sleep(3600)  # a daemon thread: the run is abandoned at agent.timeout_s
+    return 1.0
+
+
+def floods(row, config):
+    c = _client(config)
+    try:
+        while True:
+            _ask(c, config, [{"role": "user", "content": "again"}], max_tokens=1)
+    except openai.RateLimitError:
+        return 1.0
+
+
+def no_calls(row, config):
+    return 1.0
+
+
+def nan_reward(row, config):
+    _ask(_client(config), config, [{"role": "user", "content": "x"}])
+    return float("nan")
+
+
+def bool_reward(row, config):
+    _ask(_client(config), config, [{"role": "user", "content": "x"}])
+    return True
+
+
+def bad_tuple(row, config):
+    _ask(_client(config), config, [{"role": "user", "content": "x"}])
+    return 1.0, 2.0
+
+
+def floods_and_raises(row, config):
+    """Floods without catching the 429: its run raised, and it counts as flooded."""
+    c = _client(config)
+    while True:
+        _ask(c, config, [{"role": "user", "content": "again"}], max_tokens=1)

@@ -1,0 +1,37 @@
+"""The agent section: its checks name the field and what would be valid."""
+import pytest
+
+from verl_hpc.config import ConfigError, load_config
+from verl_hpc.config.validate import validate
+from verl_hpc.trainer.roles import rollout_options
+
+BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
+        "agent.enable=true", "agent.function=my.agents:solve", "safety.allow_custom_code=true"]
+
+
+def problems(*overrides):
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, [*BASE, *overrides]), check_model=False)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    (["safety.allow_custom_code=false"], "agent.function runs your own code: set safety.allow_custom_code"),
+    (["agent.function=nocolon"], "agent.function: 'nocolon' is not 'package.module:function'"),
+    (["multi_turn.enable=true"], "agent.enable and multi_turn.enable both drive the episodes"),
+    (["rollout.tp=2", "slurm.tasks_per_node=2"], "agent.enable needs rollout.tp = 1"),
+    (["placement.mode=split", "placement.rollout_ranks=1"], "agent.enable does not run with placement.mode = split"),
+    (["algorithm.adv_estimator=remax", "rollout.n=1"], "does not run algorithm.adv_estimator = remax"),
+    (["agent.timeout_s=1e9"], "agent.timeout_s is capped at one week"),
+    (["agent.concurrency=0"], "agent.concurrency: must be in [1, 1024], got 0"),
+    (["agent.port=70000"], "agent.port: must be in [0, 65535], got 70000"),
+    (["agent.port=8000", "slurm.tasks_per_node=2"], "the ranks of a node would all listen on that port"),
+])
+def test_checks_name_the_field(overrides, wanted):
+    found = problems(*overrides)
+    assert any(wanted in p for p in found), found
+
+
+def test_the_engine_window_spans_the_whole_agent_run():
+    cfg = load_config(None, [*BASE, "data.max_response_length=96", "rollout.max_tokens=16"])
+    assert rollout_options(cfg).window == 96  # later calls carry the conversation so far

@@ -1,0 +1,65 @@
+"""`agent:` any agent program as a rollout, behind an OpenAI-compatible endpoint.
+
+With agent.enable a rollout sample is one run of an agent program: a Python callable
+`module:function(row, client_config) -> reward | (reward, info)` that talks to the policy through
+`POST /v1/chat/completions` / `POST /v1/completions` on a server each rank runs on the loopback
+interface over its own rollout engine. Every completion served is recorded by token id; a sample's
+calls become training sequences without re-tokenizing anything (verl_hpc/rollout/agents/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from verl_hpc.config.fields import WEEK_S, Section, opt
+from verl_hpc.config.sections.multi_turn import needs_custom_code
+
+MAX_AGENTS = 1024  # agent threads per rank: past this the rank runs out of threads before the model is busy
+
+
+@dataclass
+class AgentConfig(Section):
+    enable: bool = opt(False, "each sample is a run of an agent program against the policy's "
+                              "OpenAI-compatible endpoint (trainer.job = rl)")
+    function: str = opt("", "'package.module:function' run for rows that name no `agent` of their own; "
+                            "called as function(row, client_config) -> reward or (reward, info); "
+                            "needs safety.allow_custom_code")
+    timeout_s: float = opt(120.0, "wall time of one agent run; past it the sample fails (reward.on_error)",
+                           check=">0")
+    max_calls: int = opt(64, "model calls one agent run may make; further calls get HTTP 429 and the "
+                             "sample fails (reward.on_error)", check=">0")
+    concurrency: int = opt(64, "agent runs in flight at once on a rank (threads)", check=f"[1, {MAX_AGENTS}]")
+    batch_window_ms: float = opt(5.0, "a batch of requests closes after this long without a new one (or 2% of the "
+                                      "last generate call's time if longer; 10 such gaps at most), or at once when "
+                                      "every live run has a request in it",
+                                 check="[0, 1000]")
+    max_batch: int = opt(64, "requests per generate call at most", check=">0")
+    port: int = opt(0, "TCP port on 127.0.0.1; 0 = any free port (each rank its own)", check="[0, 65535]")
+    model_name: str = opt("policy", "the model name /v1/models lists and requests may name")
+
+    def check(self, job) -> List[str]:
+        p: List[str] = []
+        if not self.enable:
+            return p
+        if job.trainer.job != "rl":
+            p.append(f"agent.enable is for trainer.job = rl (got {job.trainer.job})")
+        if job.multi_turn.enable:
+            p.append("agent.enable and multi_turn.enable both drive the episodes: turn one of them off")
+        if job.placement.split:
+            p.append("agent.enable does not run with placement.mode = split yet: use colocated placement")
+        if job.rollout.tp != 1:
+            p.append(f"agent.enable needs rollout.tp = 1 (got {job.rollout.tp}): each rank serves its own "
+                     "agents from its own engine, without the collective a tensor-parallel engine needs")
+        if not job.safety.allow_custom_code:
+            p.append(needs_custom_code("agent.function"))
+        if self.function and not all(self.function.partition(":")[::2]):
+            p.append(f"agent.function: {self.function!r} is not 'package.module:function'")
+        if self.port and job.slurm.tasks_per_node > 1:
+            p.append(f"agent.port = {self.port} with slurm.tasks_per_node = {job.slurm.tasks_per_node}: the ranks of a "
+                     "node would all listen on that port; use agent.port = 0 (each rank a free port)")
+        if self.timeout_s > WEEK_S:
+            p.append(f"agent.timeout_s is capped at one week ({WEEK_S} s)")
+        if job.algorithm.adv_estimator == "remax":
+            p.append("agent.enable does not run algorithm.adv_estimator = remax (its greedy baseline is one "
+                     "response); use grpo, rloo or gae")
+        return p

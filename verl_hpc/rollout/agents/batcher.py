@@ -1,0 +1,160 @@
+"""Concurrent requests -> batched generate calls on this rank's engine, from one thread.
+
+Many agents call the endpoint at once, each waiting for its own completion. Serving them one by one
+would run the engine at batch size 1; instead each request is queued and one engine thread gathers
+a batch and samples it in one `generate_local` call per distinct set of stop strings. A batch closes
+when `max_batch` requests are in, when every live run has a request in it (`live()`: no further
+request can come before these are answered, for an agent that waits for its replies), or when no
+request arrived for a gap (the window slides with each arrival, up to 10 gaps in all: agents start
+and finish their own code at different times, and a fixed window cut their lockstep rounds into
+several small batches). The gap is `window_s`, or 2% of the last generate call's time if that is
+longer: on a slow engine (or a loaded node, where 64 agent threads take a while to all send), a
+wait that doubles a batch costs little next to the call it saves (measured: 64 agents on a loaded
+2-core node arrived over more than 50 ms, and a 5 ms gap cut each round in two). The engine is only ever called from that
+thread, so the engines need no locking of their own, and while the trainer waits for the agents
+nothing else touches it.
+
+A request may ask for fewer tokens than others in its batch: the call samples the most any of them
+asks for and each keeps its first tokens (a prefix of what was sampled is still exactly what the
+policy sampled; the episode runner does the same).
+
+Seeds: each generate call samples with a seed of its own derived from the step's spec and the
+call's number, so a step's samples do not repeat the previous step's noise.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable, List, Optional, Tuple
+
+from verl_hpc.rollout.spec import SamplingSpec, request_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    prompt_ids: List[int]
+    max_tokens: int
+    stop: Tuple[str, ...]
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass
+class Sampled:
+    ids: List[int]
+    logprobs: List[float]
+    finish_reason: str
+
+
+class EngineClosed(RuntimeError):
+    """The batcher stopped (the job shuts down, or the engine failed) before serving a request. Not a
+    VerlHpcError: the agent gets HTTP 503; an engine failure reaches the job through the runner."""
+
+
+class Batcher:
+    def __init__(self, engine, *, window_s: float, max_batch: int, live: Callable[[], int] = lambda: 0):
+        self.engine, self.window_s, self.max_batch = engine, float(window_s), int(max_batch)
+        self.live = live
+        self._queue: "queue.Queue[Optional[Request]]" = queue.Queue()
+        self._spec: Optional[SamplingSpec] = None
+        self._calls = 0
+        self.failure: Optional[BaseException] = None  # an engine error: the job's, not an agent's
+        self.generate_calls = 0
+        self.batched_requests = 0
+        self._last_call_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="agent-engine", daemon=True)
+        self._thread.start()
+
+    def use(self, spec: SamplingSpec) -> None:
+        """The step's sampling (temperature, top_p, top_k, seed); requests set max_tokens and stop."""
+        self._spec, self._calls = spec, 0
+
+    @property
+    def default_stop(self) -> Tuple[str, ...]:
+        """The job's stop strings (rollout.stop): a request that names none stops at these."""
+        return tuple(self._spec.stop) if self._spec is not None else ()
+
+    def submit(self, prompt_ids: List[int], max_tokens: int, stop: Tuple[str, ...]) -> Sampled:
+        """Blocks until the request's completion is sampled (called from server threads)."""
+        if self.failure is not None:
+            raise EngineClosed(f"the rollout engine failed: {self.failure}")
+        req = Request(list(prompt_ids), int(max_tokens), tuple(stop))
+        self._queue.put(req)
+        return req.future.result()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return self._drain()
+            batch, start = [first], time.monotonic()
+            gap = max(self.window_s, 0.02 * self._last_call_s)
+            stop = False
+            while len(batch) < min(self.max_batch, self.live() or self.max_batch):
+                wait = min(gap, start + 10 * gap - time.monotonic())
+                try:
+                    nxt = self._queue.get(timeout=max(wait, 0.0))
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._serve(batch)
+            if stop:
+                return self._drain()
+
+    def _serve(self, batch: List[Request]) -> None:
+        by_stop: dict = {}
+        for req in batch:
+            by_stop.setdefault(req.stop, []).append(req)
+        for stop, reqs in by_stop.items():
+            try:
+                rows = self._generate(reqs, stop)
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting request and to the runner
+                self.failure = self.failure or e
+                log.error("agent endpoint: the rollout engine failed: %s: %s", type(e).__name__, e)
+                for req in reqs:
+                    req.future.set_exception(EngineClosed(f"the rollout engine failed: {e}"))
+                continue
+            for req, row in zip(reqs, rows):
+                req.future.set_result(row)
+
+    def _generate(self, reqs: List[Request], stop: Tuple[str, ...]) -> List[Sampled]:
+        if self._spec is None:
+            raise EngineClosed("no step is running")
+        most = max(r.max_tokens for r in reqs)
+        spec = dataclasses.replace(self._spec, n=1, max_tokens=most, stop=stop,
+                                   seed=request_seed(self._spec.seed, "agent-call", self._calls) % 2**31)
+        self._calls += 1
+        t0 = time.monotonic()
+        out = self.engine.generate_local([r.prompt_ids for r in reqs], spec)
+        self._last_call_s = time.monotonic() - t0
+        self.generate_calls += 1
+        self.batched_requests += len(reqs)
+        rows = []
+        for k, req in enumerate(reqs):
+            ids, lps, finish = out.response_ids[k], out.logprobs[k], out.finish_reason[k]
+            if len(ids) > req.max_tokens:
+                ids, lps, finish = ids[:req.max_tokens], lps[:req.max_tokens], "length"
+            rows.append(Sampled(list(ids), [float(x) for x in lps], finish))
+        return rows
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                req = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if req is not None:
+                req.future.set_exception(EngineClosed("the agent endpoint is shutting down"))
