@@ -136,7 +136,7 @@ def test_the_judges_engine_is_closed_when_the_job_fails(monkeypatch):
     closed = []
     engine = types.SimpleNamespace(close=lambda: closed.append("engine"))
     judge = Judge(engine, load_config(None, JUDGE).reward.reward_model.judge, on_error="zero")
-    roles = types.SimpleNamespace(rollout=None, episodes=None, reward_model=judge)
+    roles = types.SimpleNamespace(rollout=None, episodes=None, agents=None, reward_model=judge)
     monkeypatch.setattr(rl, "build_roles", lambda cfg, ctx, with_rollout=True: roles)
 
     def failing_trainer(*args, **kwargs):

@@ -90,9 +90,13 @@ def test_a_dead_rollout_rank_ends_the_job_naming_it(tmp_path, tiny_assets, wait_
     lines = report(err)
     assert lines and lines[0].startswith("[submit]   rank 0 (rollout) exited with code -9 (SIGKILL) (failed first)"), err
     assert any(line.startswith("[submit]   rank 1 (train) exited with code ") for line in lines), err
-    # the trainer's own line names what it lost, at the wait it was in (not at its clean-up)
-    assert "error: rank 1: training rank 0: lost the rollout group (global rank 0 (rollout rank 0), which " \
-           "serves the job's store) at '" in err, err
+    # the trainer's own line names what it lost, at the wait it was in (not at its clean-up); on a
+    # loaded machine the kill can land in the step's weight exchange instead, whose line names the
+    # rollout group as well
+    assert ("error: rank 1: training rank 0: lost the rollout group (global rank 0 (rollout rank 0), which "
+            "serves the job's store) at '" in err
+            or ("error: rank 1: training rank 0 (global 1): the weight exchange failed" in err
+                and "the rollout group (global rank 0) died or is stuck" in err)), err
     assert "at 'ctl/stop'" not in err, err
     assert elapsed < TIMEOUT_S, f"took {elapsed:.0f}s after the rollout rank died"
     assert not alive, alive

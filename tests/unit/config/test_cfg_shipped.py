@@ -90,6 +90,9 @@ KEY_VALUES = {
     "smoke.yaml": {**CPU, "trainer.job": "smoke", "world_size": 2, "parallel.backend": "gloo",
                    "trainer.smoke.steps": 3, "slurm.cpus_per_task": 1},
     "demo_rl.yaml": {**DEMO, "actor.use_kl_loss": False, "actor.optim.lr_decay_style": "cosine"},
+    "demo_agent.yaml": {**CPU, "world_size": 1, "rollout.engine": "hf", "data.train_batch_size": 16,
+                        "agent.enable": True, "agent.function": "verl_hpc.trainer.programs.demo_agent_solver:solve",
+                        "safety.allow_custom_code": True, "trainer.total_steps": 40},
     "demo_sft.yaml": {**CPU, "trainer.job": "sft", "data.train_batch_size": 64, "actor.micro_batch_size": 64,
                       "trainer.sft_epochs": 40, "slurm.cpus_per_task": 1},
     # DPO keeps temperature 1 (the engines' log-probs are of logits / temperature) and the DPO loss
