@@ -143,3 +143,22 @@ def tiny_unmapped_model(out, family: str = "olmo2", *, layers: int = 2, seed: in
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def grpo_batch(groups=3, n=4, prompt=9, seed=0):
+    """GRPO groups: n responses (2-6 tokens) to each of `groups` prompts of prompt..prompt+3 tokens,
+    with random advantages on the response tokens: what the prompt-sharing (packed) layout packs."""
+    import torch
+
+    from verl_hpc.engines.batch import get_response_mask, pack_sequences
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, resps = [], []
+    for _ in range(groups):
+        p = torch.randint(5, 480, (prompt + int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n):
+            prompts.append(p)
+            resps.append(torch.randint(5, 480, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist())
+    b = pack_sequences(prompts, resps)
+    mask = get_response_mask(b)
+    return dict(b, response_mask=mask, advantages=torch.randn(mask.shape, generator=g) * mask)

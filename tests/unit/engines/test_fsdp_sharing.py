@@ -6,19 +6,8 @@ import dataclasses
 import pytest
 import torch
 
+from engine_states import grpo_batch
 from verl_hpc.engines.batch import get_response_mask, pack_sequences
-
-
-def _grpo_batch(groups=3, n=4, prompt=9, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    prompts, resps = [], []
-    for _ in range(groups):
-        p = torch.randint(5, 480, (prompt + int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n):
-            prompts.append(p)
-            resps.append(torch.randint(5, 480, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist())
-    b = pack_sequences(prompts, resps)
-    return dict(b, response_mask=get_response_mask(b), advantages=torch.randn(len(prompts), b["response_lengths"].max(), generator=g))
 
 
 def _loss(outs, mb, counts):
@@ -41,7 +30,7 @@ def engines(one_rank_world, tmp_path):
 
 def test_packed_rows_give_the_plain_layouts_outputs_and_update(engines):
     packed, plain = engines
-    batch = _grpo_batch()
+    batch = grpo_batch()
     a, b = packed.forward(batch), plain.forward(batch)
     for key in ("log_probs", "entropy"):
         assert (a[key] - b[key]).abs().max() < 2e-5, key
@@ -65,9 +54,9 @@ def test_auto_packs_only_where_the_dense_mask_pays(tmp_path):
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, head_dim=16, num_key_value_heads=2,
                           intermediate_size=128)
     auto = PromptSharing(DenseMaskCost.for_config(cfg))
-    many = _grpo_batch(groups=1, n=8, prompt=20)  # 8 responses to a long prompt: the prompt dominates
+    many = grpo_batch(groups=1, n=8, prompt=20)  # 8 responses to a long prompt: the prompt dominates
     assert auto(many, int(many["response_mask"].shape[1])) is not None
-    single = _grpo_batch(groups=4, n=1)  # no prompt repeated: nothing to share
+    single = grpo_batch(groups=4, n=1)  # no prompt repeated: nothing to share
     assert auto(single, int(single["response_mask"].shape[1])) is None
     # long responses to a short prompt: the dense mask's S^2 costs more than the prompt copies save
     long = pack_sequences([[7, 8]] * 2, [list(range(5, 400)), list(range(5, 390))])

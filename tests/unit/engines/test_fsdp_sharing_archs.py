@@ -16,28 +16,14 @@ import pytest
 import torch
 
 from arch_matrix import make_arch
+from engine_states import grpo_batch
 from update_reference import hf_forward64
-from verl_hpc.engines.batch import get_response_mask, pack_sequences
 
 TOL = 1e-5
 EXACT = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v3", "phi3",
          "olmo2", "starcoder2", "granite", "smollm3")
 PLAIN = {"gemma2": "sliding_attention", "gemma3": "sliding_attention", "cohere2": "sliding_attention",
          "starcoder2_window": "sliding_window = 6", "gpt2": "not among", "falcon": "not among"}
-
-
-def _batch(groups=3, n=4, prompt=18, seed=0):
-    """GRPO groups: n responses to each prompt of 18-21 tokens (past every test window), 2-6 tokens each."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, resps = [], []
-    for _ in range(groups):
-        p = torch.randint(5, 480, (prompt + int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n):
-            prompts.append(p)
-            resps.append(torch.randint(5, 480, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist())
-    b = pack_sequences(prompts, resps)
-    mask = get_response_mask(b)
-    return dict(b, response_mask=mask, advantages=torch.randn(mask.shape, generator=g) * mask)
 
 
 def _loss(outs, mb, counts):
@@ -61,7 +47,7 @@ def _weights(engine):
 def test_packed_rows_equal_the_plain_layout(arch, one_rank_world, tmp_path):
     path = make_arch(tmp_path / arch, arch)
     packed, plain = _engine(path, "on"), _engine(path, "off")
-    batch = _batch()
+    batch = grpo_batch(prompt=18)
     a, b = packed.forward(batch), plain.forward(batch)
     for key in ("log_probs", "entropy"):
         assert float((a[key] - b[key]).abs().max()) <= TOL, key
@@ -89,7 +75,7 @@ def test_windowed_and_unproven_attention_runs_one_sequence_per_row(arch, one_ran
     said = [r.getMessage() for r in caplog.records if "shared prompts off" in r.getMessage()]
     assert len(said) == 1 and PLAIN[arch] in said[0], said
     assert auto._sharing is None and again._sharing is None
-    batch = _batch()
+    batch = grpo_batch(prompt=18)
     logp, _, mask = hf_forward64(path, batch)
     got = auto.forward(batch)["log_probs"].double()
     assert float((got - logp).abs().max()) <= TOL
