@@ -42,6 +42,13 @@ class ModelConfig(Section):
         None, "weight-gradient GEMM accumulates into the fp32 grad; auto: on with a GPU and apex's "
               "fused_weight_gradient_mlp_cuda")
 
+    # The output layer's results (log-probs, entropy) in chunks of tokens, without the whole
+    # [tokens x vocabulary] logits (verl_hpc/engines/logits.py); the memory plan counts one chunk
+    logits_chunk_tokens: Optional[int] = opt(
+        None, "tokens per chunk of the output layer's logits; null = auto (a chunk's fp32 logits over this "
+              "rank's vocabulary slice fit 256 MiB: logits_chunk_size); 0 = off (the whole logits at once)",
+        check=">=0")
+
     def check(self, job) -> List[str]:
         p = []
         if job.slurm.gpus_per_node == 0 and self.fp8:
@@ -109,3 +116,15 @@ def cpu_float16_problems() -> List[str]:
     problem = float16.cpu_float16_problem("model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0)",
                                           "model.dtype=float32 (or bfloat16)")
     return [problem] if problem else []
+
+
+LOGITS_CHUNK_BYTES = 256 << 20  # auto: one chunk's fp32 logits (the backward holds ~3 such: logits, p, grad)
+
+
+def logits_chunk_size(setting: Optional[int], vocab_columns: int) -> int:
+    """Tokens per output-layer chunk for model.logits_chunk_tokens = `setting` over a vocabulary
+    slice of `vocab_columns` (V / tp); 0 = unchunked. The engines and the memory plan both ask here."""
+    if setting is not None:
+        return int(setting)
+    per_token = 4 * max(int(vocab_columns), 1)
+    return max(16, LOGITS_CHUNK_BYTES // per_token // 16 * 16)
