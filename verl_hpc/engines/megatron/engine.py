@@ -132,6 +132,7 @@ class MegatronEngine(TrainingEngine):
         self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
         self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel,
                                                      cp=self.cp)
+        self._chunked = outputs_lib.chunked_output_layer(o, self.gpt_chunks, self.cp)  # hidden states out
         self._share_prompts, self._rotary = prompt_sharing(
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
             rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
@@ -196,13 +197,16 @@ class MegatronEngine(TrainingEngine):
 
     def _labels_path(self, want) -> bool:
         """Log-probs only: let Megatron's own cross-entropy run on the unpermuted logits."""
-        return self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
+        return (self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
+                and not outputs_lib.chunks_logits(self.options, self.cp))
 
     def _output_fn(self, want):
         if self.cp > 1:  # this rank's tokens -> whole-sequence results (context_parallel.py)
             kind = ("labels" if self._labels_path(want) else "lm" if self.options.head == "lm" else "value")
             return functools.partial(cp_lib.outputs, kind=kind, temperature=self.options.temperature)
         selected = bool(self._output_layers)
+        if outputs_lib.chunks_logits(self.options, self.cp):  # the output layer gave hidden states
+            return functools.partial(outputs_lib.lm_outputs_chunked, head=self._chunked, selected=selected)
         if self._labels_path(want):
             return functools.partial(outputs_lib.lm_outputs_from_token_losses, selected=selected)
         if self.options.head == "lm":

@@ -21,12 +21,23 @@ When the engine selects the output layer's positions (verl_hpc.models.gpt.select
 an lm head without sequence parallelism or FP8), the model's output is already at the response
 positions: logits `[b, T, V/tp]`, or with labels = the response tokens, losses `[b, T]`.
 
+Chunked (model.logits_chunk_tokens != 0, the default; `ChunkedOutputLayer`): the output layer
+returns its input, the final hidden states (at the response positions when selected), prepared for
+tensor parallelism as its own forward prepares them (all-gathered from sequence-parallel slices;
+under plain TP its backward all-reduces the hidden states' gradient, which is each rank's partial
+sum over its vocabulary slice). `lm_outputs_chunked` then computes log-probs, entropy and
+sum-pi-squared from them and the layer's weight (the embedding's when tied) in chunks of tokens
+(verl_hpc/engines/logits.py): max and sums all-reduced over TP, the vocabulary's padded rows sliced
+off (the -inf columns the whole-logits path masks add exactly nothing), no `[b, T, V/tp]` logits.
+Not under context parallelism (context_parallel.py gathers the whole logits' per-token results).
+
 Value head: `[b, s, 1]` -> values `[b, T]` from positions p + t - 1, and the reward model's
 sequence score from the last token p + r - 1.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import logging
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -34,6 +45,7 @@ from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce, s
 from verl_hpc.engines.outputs import VALUE_OUTPUTS, value_outputs  # noqa: F401 (the engine picks it here)
 
 LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")
+log = logging.getLogger(__name__)
 
 
 def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -79,3 +91,72 @@ def lm_outputs_from_token_losses(token_nll: torch.Tensor, mb: Dict[str, torch.Te
     if tuple(want) != ("log_probs",):
         raise ValueError(f"the labels path gives log_probs only; asked for {tuple(want)}")
     return {"log_probs": -(token_nll if selected else token_nll.gather(1, mb["_positions"]))}
+
+
+class ChunkedOutputLayer:
+    """This rank's output layer (the last pipeline stage's) turned into a hidden-state pass-through
+    (module docstring), and what the chunked scoring needs of it."""
+
+    def __init__(self, layer, chunk: int, temperature: float):
+        from megatron.core import parallel_state as ps
+
+        self.layer, self.chunk, self.temperature = layer, chunk, temperature
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        width = layer.output_size_per_partition
+        self.vocab_start = ps.get_tensor_model_parallel_rank() * width
+        # the padded vocabulary's rows on this rank are cut off (verl_hpc.models.gpt records the real ones)
+        self.real_columns = getattr(layer, "real_columns", width)
+        self.weight = None  # the weight the model handed its output layer, taken at each forward
+        layer.returns_hidden = True  # the padded-vocabulary mask hook steps aside (models/gpt.py)
+        layer.forward = self._forward  # an instance attribute: the pre-hooks (position selection) still run
+
+    def _forward(self, input_, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   gather_from_sequence_parallel_region)
+
+        layer = self.layer
+        self.weight = layer.weight if weight is None else weight
+        if layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                          group=self.group)
+        elif self.tp > 1:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=self.group)
+        else:
+            hidden = input_
+        return hidden, None
+
+
+def chunked_output_layer(o, gpt_chunks, cp: int) -> Optional[ChunkedOutputLayer]:
+    """The chunked output layer on this rank's last stage, or None: a value head, context
+    parallelism, model.logits_chunk_tokens = 0, or no output layer on this rank. Whether the
+    engine scores chunked at all is `chunks_logits(o, cp)`, the same on every rank."""
+    from megatron.core import parallel_state as ps
+
+    from verl_hpc.config.sections.model import logits_chunk_size
+
+    if not chunks_logits(o, cp):
+        return None
+    layer = next((g.output_layer for g in gpt_chunks if g.post_process), None)
+    if layer is None:  # not the last pipeline stage
+        return None
+    chunk = logits_chunk_size(o.logits_chunk_tokens, layer.output_size_per_partition)
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        log.info("output layer: log-probs and entropy in chunks of %d tokens (model.logits_chunk_tokens = %s)",
+                 chunk, "auto" if o.logits_chunk_tokens is None else o.logits_chunk_tokens)
+    return ChunkedOutputLayer(layer, chunk, o.temperature)
+
+
+def chunks_logits(o, cp: int) -> bool:
+    return o.head == "lm" and cp == 1 and o.logits_chunk_tokens != 0
+
+
+def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
+                       head: ChunkedOutputLayer, selected: bool = False) -> Dict[str, torch.Tensor]:
+    """Hidden states `[b, s, h]` (or `[b, T, h]` when selected) -> `{name: [b, T]}`."""
+    from verl_hpc.engines.logits import token_outputs
+
+    resp = hidden if selected else _rows(hidden, mb["_positions"])
+    return token_outputs(resp, head.weight[: head.real_columns], mb["_targets"], want,
+                         temperature=head.temperature, chunk=head.chunk, group=head.group,
+                         vocab_start=head.vocab_start)
