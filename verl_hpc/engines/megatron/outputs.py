@@ -123,8 +123,23 @@ class ChunkedOutputLayer:
         elif self.tp > 1:
             hidden = copy_to_tensor_model_parallel_region(input_, group=self.group)
         else:
-            hidden = input_
-        return hidden, None
+            return input_, None
+        return _ContiguousGrad.apply(hidden), None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. GPTModel transposes the output
+    layer's result ([s, b] -> [b, s]), so the hidden states' gradient arrives as a transposed view,
+    and Megatron's TP mappings all-reduce `grad.contiguous()`, a copy, returning the view
+    unreduced (megatron-core 0.16.1 mappings._reduce): the ranks' partial sums would be lost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def chunked_output_layer(o, gpt_chunks, cp: int) -> Optional[ChunkedOutputLayer]:
