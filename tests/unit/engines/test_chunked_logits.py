@@ -218,3 +218,48 @@ def test_fsdp_keeps_the_logits_where_the_model_transforms_them():
     assert logits_transform(SimpleNamespace(final_logit_softcapping=30.0)) == "final_logit_softcapping"
     assert logits_transform(SimpleNamespace(text_config=SimpleNamespace(logit_scale=0.0625))) == "logit_scale"
     assert logits_transform(SimpleNamespace(final_logit_softcapping=None, logits_scaling=1.0)) is None
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+_PEAK_SCRIPT = """
+import json, sys, torch
+from verl_hpc.engines.logits import token_outputs
+from verl_hpc.runtime.memory_peaks import HostPeaks
+torch.set_num_threads(1)
+n, h, v, chunk = (int(x) for x in sys.argv[1:5])
+g = torch.Generator().manual_seed(0)
+hidden = torch.randn(n, h, generator=g).requires_grad_()
+weight = (0.1 * torch.randn(v, h, generator=g)).requires_grad_()
+targets = torch.randint(0, v, (n,), generator=g)
+probe = HostPeaks()
+probe.reset()
+start = probe.current()
+out = token_outputs(hidden, weight, targets, ("log_probs", "entropy"), chunk=chunk)
+(out["log_probs"].sum() + out["entropy"].sum()).backward()
+print(json.dumps({"rise": probe.peak() - start}))
+"""
+
+
+@pytest.mark.parametrize("chunk", [256, 512])
+def test_plan_counts_the_chunk_the_function_holds(tmp_path, chunk):
+    """The resident peak of one forward + backward of the chunked function (own process, glibc's
+    mmap threshold fixed so that freed chunks leave the resident set: runtime/memory_peaks.py)
+    beyond the gradients it returns (hidden's and the weight's) is the plan's working chunk and
+    per-token numbers (planning/training.py) within the plan's 15% band for activations."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from verl_hpc.planning.training import CHUNK_TOKEN_BYTES, chunk_working_bytes
+
+    n, h, v = 2048, 64, 50000
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 << 10), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n), str(h), str(v), str(chunk)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    rise = json.loads(run.stdout.strip().splitlines()[-1])["rise"]
+    grads = 4 * (n * h + v * h)
+    planned = chunk_working_bytes(chunk, v, 4) + CHUNK_TOKEN_BYTES * n
+    assert rise - grads == pytest.approx(planned, rel=0.15)
+    assert planned < chunk_working_bytes(n, v, 4) / 3  # the whole tokens' logits at once: n / chunk times it

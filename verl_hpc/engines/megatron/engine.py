@@ -247,10 +247,11 @@ class MegatronEngine(TrainingEngine):
             self.route_replay.begin(batch, record=record)
         with torch.no_grad(), self.resident("forward"):
             self._sync_params()
-            collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
-                                        forward_only=True, with_labels=self._labels_path(want),
-                                        output_layers=self._output_layers, rotary=self._rotary,
-                                        replay=self.route_replay)
+            with outputs_lib.scoring(self._chunked):
+                collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
+                                            forward_only=True, with_labels=self._labels_path(want),
+                                            output_layers=self._output_layers, rotary=self._rotary,
+                                            replay=self.route_replay)
         out = gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
                              self.device, self.reporting)
         if self.route_replay is not None and record:
@@ -286,10 +287,11 @@ class MegatronEngine(TrainingEngine):
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         want = tuple(outputs) or self.default_outputs[:1]
-        _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
-                                  counts=counts, forward_only=False,
-                                  with_labels=self._labels_path(want), output_layers=self._output_layers,
-                                  rotary=self._rotary, replay=self.route_replay)
+        with outputs_lib.scoring(self._chunked):
+            _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
+                                      counts=counts, forward_only=False,
+                                      with_labels=self._labels_path(want), output_layers=self._output_layers,
+                                      rotary=self._rotary, replay=self.route_replay)
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records

@@ -21,8 +21,8 @@ When the engine selects the output layer's positions (verl_hpc.models.gpt.select
 an lm head without sequence parallelism or FP8), the model's output is already at the response
 positions: logits `[b, T, V/tp]`, or with labels = the response tokens, losses `[b, T]`.
 
-Chunked (model.logits_chunk_tokens != 0, the default; `ChunkedOutputLayer`): the output layer
-returns its input, the final hidden states (at the response positions when selected), prepared for
+Chunked (model.logits_chunk_tokens != 0, the default; `ChunkedOutputLayer`): in the engine's own
+forwards (`scoring()`) the output layer returns its input, the final hidden states (at the response positions when selected), prepared for
 tensor parallelism as its own forward prepares them (all-gathered from sequence-parallel slices;
 under plain TP its backward all-reduces the hidden states' gradient, which is each rank's partial
 sum over its vocabulary slice). `lm_outputs_chunked` then computes log-probs, entropy and
@@ -36,6 +36,7 @@ sequence score from the last token p + r - 1.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Dict, Optional, Sequence
 
@@ -108,14 +109,27 @@ class ChunkedOutputLayer:
         # the padded vocabulary's rows on this rank are cut off (verl_hpc.models.gpt records the real ones)
         self.real_columns = getattr(layer, "real_columns", width)
         self.weight = None  # the weight the model handed its output layer, taken at each forward
-        layer.returns_hidden = True  # the padded-vocabulary mask hook steps aside (models/gpt.py)
+        layer.returns_hidden = False  # True while scoring; the padded-vocabulary mask hook then steps aside
+        self._plain = layer.forward
         layer.forward = self._forward  # an instance attribute: the pre-hooks (position selection) still run
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """The engine's own forwards: hidden states out. Outside it the layer gives logits
+        (exports, tests and tools that call the model)."""
+        self.layer.returns_hidden = True
+        try:
+            yield
+        finally:
+            self.layer.returns_hidden = False
 
     def _forward(self, input_, weight=None, runtime_gather_output=None):
         from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                    gather_from_sequence_parallel_region)
 
         layer = self.layer
+        if not layer.returns_hidden:
+            return self._plain(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         self.weight = layer.weight if weight is None else weight
         if layer.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
@@ -175,3 +189,8 @@ def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: 
     return token_outputs(resp, head.weight[: head.real_columns], mb["_targets"], want,
                          temperature=head.temperature, chunk=head.chunk, group=head.group,
                          vocab_start=head.vocab_start)
+
+
+def scoring(head: Optional[ChunkedOutputLayer]):
+    """The engine's context for its schedules: hidden states out of the output layer where chunked."""
+    return head.scoring() if head is not None else contextlib.nullcontext()
