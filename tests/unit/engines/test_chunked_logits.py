@@ -263,3 +263,30 @@ def test_plan_counts_the_chunk_the_function_holds(tmp_path, chunk):
     planned = chunk_working_bytes(chunk, v, 4) + CHUNK_TOKEN_BYTES * n
     assert rise - grads == pytest.approx(planned, rel=0.15)
     assert planned < chunk_working_bytes(n, v, 4) / 3  # the whole tokens' logits at once: n / chunk times it
+
+
+# ----------------------------------------------------------------------------- the optimizer step
+
+
+def test_fsdp_adam_is_fused_and_resumes_its_step_on_the_parameters_device(one_rank_world, models, tmp_path):
+    """torch's fused AdamW in the FSDP engine; a resumed step count is a float32 scalar on each
+    parameter's device (the fused kernel takes a parameter's states from one device), and the
+    resumed engine's next update equals the uninterrupted one's."""
+    import engine_states as es
+
+    folder = models("llama")
+    a, b = policy_batch(11), policy_batch(12)
+    first = es.engine("fsdp", folder)
+    assert all(g["fused"] for g in first.optimizer.param_groups)
+    es.update(first, a)
+    path = tmp_path / "ckpt"
+    es.save(first, path, 1, layout={})
+    es.update(first, b)
+    resumed = es.engine("fsdp", folder)
+    es.load(resumed, path)
+    for group in resumed.optimizer.param_groups:
+        for p in group["params"]:
+            step = resumed.optimizer.state[p]["step"]
+            assert step.dtype == torch.float32 and step.device == p.device and float(step) == 1.0
+    es.update(resumed, b)
+    assert max_diff(es.weights(resumed), es.weights(first)) <= 1e-6

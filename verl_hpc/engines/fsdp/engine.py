@@ -128,7 +128,7 @@ class FsdpEngine(TrainingEngine):
                 if self.vision and not o.train_vision_tower:  # frozen: no gradient, no optimizer state
                     for m in build_lib.vision_modules(model):
                         m.requires_grad_(False)
-            self.optimizer = optim_lib.build_optimizer(model, o.optim)
+            self.optimizer = optim_lib.build_optimizer(model, o.optim, fused=self.compute_dtype != torch.float16)
             self.scheduler = optim_lib.LRSchedule(self.optimizer, o.optim, o.total_steps)
             self.scaler = optim_lib.loss_scaler(o.optim, self.compute_dtype, self.device)
         else:
