@@ -44,6 +44,7 @@ from verl_hpc.engines.batch import check_batch, get_response_mask, response_widt
 import verl_hpc.engines.fsdp.build as build_lib
 import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.head import chunked_head
+from verl_hpc.engines.fsdp.liger import setup_liger
 from verl_hpc.engines.fsdp.microbatch import MicroBatch
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
@@ -97,6 +98,7 @@ class FsdpEngine(TrainingEngine):
         self.device = collective_device()
         self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
         model, full = build_lib.load_model(o, field)
+        self.liger = setup_liger(model, o)  # Liger's fused kernels where they run (liger.py); said once
         self.hf_config = model.config
         self.vision = build_lib.is_vision_model(self.hf_config)
         # fsdp.sp > 1: groups of sp ranks share each sequence (ulysses.py); a data-parallel rank
@@ -137,7 +139,7 @@ class FsdpEngine(TrainingEngine):
         # a VLM's rows are never packed: the image tokens' M-RoPE positions are the model's own layout
         # nor under sequence parallelism: the regrouped attention is causal over plain rows
         self._sharing = None if self.vision or self.sp else prompt_sharing(o, self.hf_config, model)
-        self._head = chunked_head(model, o)  # scored tokens without the whole logits (head.py)
+        self._head = chunked_head(model, o, self.liger)  # scored tokens without the whole logits (head.py)
         self.steps_applied = 0
         self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         self._view = None  # the sliced sync's holdings view (exported_model)

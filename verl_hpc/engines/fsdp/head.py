@@ -46,8 +46,9 @@ def logits_transform(hf_config) -> Optional[str]:
 
 
 class ChunkedHead:
-    def __init__(self, linear: torch.nn.Linear, chunk: int, temperature: float):
+    def __init__(self, linear: torch.nn.Linear, chunk: int, temperature: float, liger: bool = False):
         self.linear, self.chunk, self.temperature = linear, chunk, temperature
+        self.liger = liger  # log-probs alone through Liger's fused linear cross-entropy (liger.py)
         self._request = None
         plain = linear.forward
 
@@ -67,6 +68,11 @@ class ChunkedHead:
             self._request = None
 
     def _outputs(self, hidden, rows, positions, targets, want) -> torch.Tensor:
+        if self.liger and want == ("log_probs",):
+            from verl_hpc.engines.fsdp.liger import liger_log_probs
+
+            logp = liger_log_probs(hidden[rows, positions], self.linear.weight, targets, self.temperature)
+            return logp.unsqueeze(-1)
         out = token_outputs(hidden[rows, positions], self.linear.weight, targets, want,
                             temperature=self.temperature, chunk=self.chunk)
         return torch.stack([out[k] for k in want], dim=-1)
@@ -77,7 +83,7 @@ class ChunkedHead:
         return {k: stacked[..., i] for i, k in enumerate(want)}
 
 
-def chunked_head(model, options) -> Optional[ChunkedHead]:
+def chunked_head(model, options, liger: bool = False) -> Optional[ChunkedHead]:
     """The model's lm_head wrapped for chunked scoring, or None where the logits path stays:
     model.logits_chunk_tokens = 0, a value head, an lm_head with a bias or none, logits transformed
     after it. Said once in the log either way."""
@@ -97,7 +103,7 @@ def chunked_head(model, options) -> Optional[ChunkedHead]:
     chunk = logits_chunk_size(options.logits_chunk_tokens, linear.out_features)
     _say("output layer: log-probs and entropy in chunks of %d tokens (model.logits_chunk_tokens = %s)",
              chunk, "auto" if options.logits_chunk_tokens is None else options.logits_chunk_tokens)
-    return ChunkedHead(linear, chunk, options.temperature)
+    return ChunkedHead(linear, chunk, options.temperature, liger)
 
 
 def _say(msg: str, *args) -> None:
