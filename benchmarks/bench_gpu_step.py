@@ -31,8 +31,13 @@ H = heads x head_dim, S sequence length. TFLOP/s = FLOPs / median seconds. MFU =
 board's dense bf16 peak (verl_hpc/config/gpus.py, looked up by the name torch reports; a board the
 table does not know gets no MFU).
 
+- fsdp_whole / fsdp_foreach / fsdp_noliger (--sides): the fsdp column with one change each, to
+  tell what each part of it is worth: the whole logits and no Liger (the output layer before the
+  chunked one), torch's foreach AdamW instead of the fused one, no Liger (where it is on).
+
 Goals, on an H100: the Megatron engine's train step >= 1.3x transformers' tokens/s, and >= 40%
-MFU. The FSDP column has no goal here: it is the first measurement of that engine on a GPU.
+MFU; the FSDP engine's train step >= 1.0x transformers' tokens/s and >= 35% MFU (the first GPU run,
+before the chunked output layer, fused AdamW and Liger: 0.94x, 30.1%).
 
 Timing: the sides take turns in rounds (the order reversed each round), one model on the device at
 a time (the one before deleted and its cached blocks released, so each side's peak is its own:
@@ -72,7 +77,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_step_report import goals, table  # noqa: E402
-from gpu_step_sides import EngineSide, FsdpSide, HFSide, compile_problem, profiled_ops, side_problem  # noqa: E402
+from gpu_step_sides import (EngineSide, FsdpForeachAdamSide, FsdpNoLigerSide, FsdpSide, FsdpWholeLogitsSide,  # noqa: E402
+                            HFSide, compile_problem, profiled_ops, side_problem)
 
 HARD_STOP_GRACE_S = 60
 
@@ -240,8 +246,10 @@ def _max_or_none(values):
     return max(values) if values else None
 
 
-SIDES = {"engine": EngineSide, "fsdp": FsdpSide, "transformers": HFSide}
-ENGINES = ("engine", "fsdp")  # the sides compared with transformers
+SIDES = {"engine": EngineSide, "fsdp": FsdpSide, "fsdp_whole": FsdpWholeLogitsSide,
+         "fsdp_foreach": FsdpForeachAdamSide, "fsdp_noliger": FsdpNoLigerSide, "transformers": HFSide}
+ENGINES = ("engine", "fsdp", "fsdp_whole", "fsdp_foreach", "fsdp_noliger")  # compared with transformers
+DEFAULT_SIDES = ("engine", "fsdp", "transformers")
 
 
 def run(args) -> dict:
@@ -367,9 +375,11 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds for the whole run")
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per side and round (at most)")
     ap.add_argument("--seqs", type=int, default=0, help="sequences per step (default: the shape's)")
-    ap.add_argument("--sides", default=",".join(SIDES),
-                    help="comma list of engine (Megatron), fsdp, transformers; a side that cannot be built "
-                         "here (engine without megatron-core) is reported as not run")
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                    help="comma list of engine (Megatron), fsdp, transformers, and the fsdp column's variants "
+                         "fsdp_whole (whole logits, no Liger), fsdp_foreach (foreach AdamW), fsdp_noliger; a "
+                         "side that cannot be built here (engine without megatron-core, fsdp_noliger where "
+                         "Liger is off anyway) is reported as not run")
     args = ap.parse_args(argv)
     os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
     if args.cpu_rehearsal:  # on CPU also where a GPU is visible: gloo and fp32 are CPU paths

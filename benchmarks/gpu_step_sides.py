@@ -12,6 +12,8 @@ has the same prompt and response lengths here, so the two means agree).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import functools
 import gc
@@ -68,6 +70,12 @@ def compile_problem(device) -> str:
 
 def side_problem(name: str) -> str:
     """'' where side `name` can be built here, else why not."""
+    if name == "fsdp_noliger":
+        from verl_hpc.engines.fsdp.liger import liger_choice, liger_installed
+        from verl_hpc.runtime.device import has_gpu
+
+        on, why = liger_choice(None, gpu=has_gpu(), installed=liger_installed())
+        return "" if on else f"the fsdp column runs without Liger already ({why})"
     if name != "engine":
         return ""
     try:
@@ -142,12 +150,25 @@ class FsdpSide:
     (fsdp.mixed_precision auto = model.dtype), its AdamW over the DTensor shards, clipping;
     one micro-batch of every sequence, as the other sides."""
 
+    CHANGES: dict = {}  # EngineOptions fields a variant replaces (the subclasses below)
+    FUSED_ADAM = True
+
     def __init__(self, folder, shape, dtype: str, device):
         from verl_hpc.engines.fsdp import FsdpEngine
         from verl_hpc.engines.options import default_options
 
-        self.engine = FsdpEngine(default_options(model_path=str(folder), engine="fsdp", dtype=dtype,
-                                                 micro_batch_size=shape.seqs, max_tokens_per_microbatch=0))
+        opts = default_options(model_path=str(folder), engine="fsdp", dtype=dtype,
+                               micro_batch_size=shape.seqs, max_tokens_per_microbatch=0)
+        changes = dict(self.CHANGES)
+        if "liger" in changes:  # a field of the fsdp section
+            changes["fsdp"] = dataclasses.replace(opts.fsdp, liger=changes.pop("liger"))
+        self.engine = FsdpEngine(dataclasses.replace(opts, **changes))
+        if not self.FUSED_ADAM:  # torch's default AdamW (foreach), the engine's before issue 68
+            import verl_hpc.engines.fsdp.optim as optim_lib
+
+            eng = self.engine
+            eng.optimizer = optim_lib.build_optimizer(eng.model, eng.options.optim, fused=False)
+            eng.scheduler = optim_lib.LRSchedule(eng.optimizer, eng.options.optim, eng.options.total_steps)
 
     def train(self, batch) -> float:
         return float(self.engine.train_step(batch, nll_loss)["loss"])
@@ -162,10 +183,14 @@ class FsdpSide:
         group = eng.optimizer.param_groups[0]
         impl = ("fused" if group.get("fused") else "foreach" if group.get("foreach")
                 else "torch's default: foreach on CUDA, a per-tensor loop on CPU")
+        head = eng._head
         return {
             "attention": f"{model.config._attn_implementation} (transformers' attention interface)",
             "norm": _qual(type(layer.input_layernorm)),
-            "swiglu": f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)",
+            "swiglu": ("Liger's fused SwiGLU" if eng.liger else
+                       f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)"),
+            "output layer": ("the whole logits" if head is None else f"chunks of {head.chunk} tokens"
+                             + (", log-probs alone by Liger's fused linear cross-entropy" if head.liger else "")),
             "precision": f"fp32 master weights, {str(eng.compute_dtype).replace('torch.', '')} compute "
                          "(FSDP2 MixedPrecisionPolicy), fp32 gradient reduction",
             "sharding": f"fully_shard per {type(layer).__name__} + root, mesh {tuple(eng.mesh.shape)}, "
@@ -177,6 +202,23 @@ class FsdpSide:
     def close(self) -> None:
         self.engine = None
         gc.collect()
+
+
+class FsdpWholeLogitsSide(FsdpSide):
+    """The FSDP engine's output layer before the chunked one: the whole logits
+    (model.logits_chunk_tokens = 0), no Liger; fused AdamW as the fsdp column."""
+    CHANGES = {"logits_chunk_tokens": 0, "liger": False}
+
+
+class FsdpForeachAdamSide(FsdpSide):
+    """The fsdp column with torch's default AdamW (foreach) instead of the fused one."""
+    FUSED_ADAM = False
+
+
+class FsdpNoLigerSide(FsdpSide):
+    """The fsdp column without Liger (fsdp.liger = false): the chunked PyTorch output layer and
+    transformers' own norm and MLP. Only where Liger is on in the fsdp column."""
+    CHANGES = {"liger": False}
 
 
 class HFSide:

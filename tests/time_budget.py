@@ -39,6 +39,9 @@ SLOWEST = {
         250, "4 launches of a 2-rank split job (vLLM + Megatron) over 50 steps: the fewest that cover an early "
              "preemption, the step right after a resume and a step that both saves and validates, and the "
              "steps it takes to learn by a margin the check can hold"),
+    "tests/unit/test_bench_gpu_step.py::test_cpu_rehearsal_runs_the_fsdp_variant_columns": (
+        60, "the GPU benchmark script end to end in a subprocess (its CPU rehearsal) with two FSDP engines "
+            "and transformers built and stepped: the variant columns' wiring shows only there"),
 }
 
 _SETUP_S = pytest.StashKey[float]()  # a test's setup seconds, shared fixtures included

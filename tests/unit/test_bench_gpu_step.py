@@ -47,7 +47,7 @@ def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dic
         for part in ("train", "forward"):
             assert res["ratios"][side][part] == pytest.approx(
                 res[side][part]["tok_s"] / res["transformers"][part]["tok_s"])
-    assert set(res["goals"]) == {"ratio", "mfu"}
+    assert set(res["goals"]) == {"ratio", "mfu", "fsdp_ratio", "fsdp_mfu"}
     assert res["model"]["params"] == bench.param_counts(bench.Shape(**{
         k: res["model"][k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq",
                                      "seqs", "prompt")}))["total"]
@@ -67,6 +67,7 @@ def test_cpu_rehearsal_runs_both_sides_end_to_end(tmp_path):
     assert all(g["met"] is None for g in res["goals"].values())
     assert "torch.optim.adamw.AdamW (fused=True)" in res["transformers"]["kernels"]["optimizer"]
     assert "float32 compute" in res["fsdp"]["kernels"]["precision"] and "mesh (1,)" in res["fsdp"]["kernels"]["sharding"]
+    assert res["fsdp"]["kernels"]["output layer"].startswith("chunks of") and "(fused)" in res["fsdp"]["kernels"]["optimizer"]
     assert not list(tmp_path.glob("model-*")), "the temporary model folder was left behind"
 
 
@@ -82,6 +83,21 @@ def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
     assert "not run: megatron: megatron-core does not import" in r.stdout
     assert res["versions"]["megatron-core"]  # installed, only hidden: the version is still read
     assert res["first_loss_abs_diff"]["fsdp"] < 1e-4
+
+
+def test_cpu_rehearsal_runs_the_fsdp_variant_columns(tmp_path):
+    """The columns that tell the fsdp column's parts apart (its own, chunked with fused AdamW, is
+    checked by the first rehearsal): whole logits without Liger, foreach AdamW; the no-Liger
+    column is not run where Liger is off anyway (a CPU)."""
+    r = _run_script(tmp_path, "--cpu-rehearsal", "--sides", "fsdp_whole,fsdp_foreach,fsdp_noliger,transformers")
+    res = _check_result(r, tmp_path, sides=("fsdp_whole", "fsdp_foreach", "transformers"))
+    assert "no CUDA GPU" in res["not_run"]["fsdp_noliger"]
+    assert res["fsdp_whole"]["kernels"]["output layer"] == "the whole logits"
+    assert res["fsdp_foreach"]["kernels"]["output layer"].startswith("chunks of")
+    assert "(fused)" in res["fsdp_whole"]["kernels"]["optimizer"]
+    assert "(fused)" not in res["fsdp_foreach"]["kernels"]["optimizer"]
+    for side in ("fsdp_whole", "fsdp_foreach"):  # one change each: the same first loss
+        assert res["first_loss_abs_diff"][side] < 1e-4
 
 
 def test_a_gpu_run_without_gpu_fails_with_a_clear_message(tmp_path):
@@ -172,9 +188,14 @@ def test_goal_verdicts():
     assert "not one" in g["ratio"]["note"]
     g = gpu_step_report.goals(_result(0.5, None), rehearsal=True, gpu_key=None)
     assert g["ratio"]["met"] is None and "rehearsal" in g["ratio"]["note"]
-    without = {"ratios": {"fsdp": {"train": 1.1}}, "engine": None, "not_run": {"engine": "no megatron"}}
+    without = {"ratios": {"fsdp": {"train": 1.1}}, "engine": None, "fsdp": {"train": {"mfu": 0.36}},
+               "not_run": {"engine": "no megatron"}}
     g = gpu_step_report.goals(without, rehearsal=False, gpu_key="h100-80gb")
     assert g["ratio"]["met"] is None and "did not run: no megatron" in g["ratio"]["note"]
+    assert g["fsdp_ratio"]["met"] is True and g["fsdp_mfu"]["met"] is True  # >= 1.0x, >= 35%
+    slow = dict(without, ratios={"fsdp": {"train": 0.94}}, fsdp={"train": {"mfu": 0.301}})
+    g = gpu_step_report.goals(slow, rehearsal=False, gpu_key="h100-80gb")  # the first GPU run's figures
+    assert g["fsdp_ratio"]["met"] is False and g["fsdp_mfu"]["met"] is False
 
 
 def test_timed_loop_keeps_to_its_budget():

@@ -54,6 +54,9 @@ class EngineOptions:
     fp8_recipe: str
     kernels: KernelSwitches  # None fields = auto
     temperature: float  # log-probs of logits / temperature (rollout.temperature)
+    # lm heads: tokens per output-layer chunk (model.logits_chunk_tokens; None = auto, 0 = the whole
+    # logits; config.sections.model.logits_chunk_size resolves it for the vocabulary slice)
+    logits_chunk_tokens: Optional[int]
     loss_norm_len: Optional[float]  # seq-mean-token-sum-norm constant; None = batch's T
     value_head_seed: int
     sdpa_attention: bool  # local spec only: core attention through torch SDPA (sdpa.py)
@@ -122,6 +125,7 @@ class EngineOptions:
                       recompute_num_layers=par.recompute_num_layers,
                       value_head_seed=VALUE_HEAD_SEED, sdpa_attention=True, lora_seed=lora_seed,
                       temperature=temperature,  # read by lm heads only
+                      logits_chunk_tokens=model.logits_chunk_tokens,
                       moe_options=dict(aux_loss_coef=model.moe_aux_loss_coef,
                                        z_loss_coef=model.moe_z_loss_coef,
                                        capacity_factor=model.moe_capacity_factor,

@@ -144,11 +144,15 @@ def _apply_llama3_scaling(model, arch: ModelArch) -> None:
 
 def _mask_padded_vocab(model, arch: ModelArch, tp_rank: int, tp: int) -> None:
     padded, real = model.vocab_size, arch.vocab_size
+    per_rank = padded // tp
+    # the chunked scoring (engines/megatron/outputs.py) slices the padded rows off instead
+    model.output_layer.real_columns = max(0, min(per_rank, real - tp_rank * per_rank))
     if padded == real:
         return
-    per_rank = padded // tp
 
     def hook(module, args, output):
+        if getattr(module, "returns_hidden", False):  # its output is the hidden states, not logits
+            return output
         logits, bias = output
         width = logits.shape[-1]
         start = 0 if width == padded else tp_rank * per_rank  # gathered or this rank's slice

@@ -39,14 +39,16 @@ docs/memory.md), in bytes per token with e = c:
 - SwiGLU: gate, silu(gate), up and their product (the down_proj input): 4 f e.
 `fsdp.activation_checkpointing` keeps each layer's input (s b h e) and rebuilds one layer's
 activations during its backward. Beyond the layers: RoPE's cos and sin (2 s b d e) and the final
-norm (4 h + h e + 4); the output layer's input, the logits of the kept positions in c and their two
-fp32 copies (the engine's float() and log_softmax) are the logits column (training.logits_bytes).
+norm (4 h + h e + 4); the output layer's input and its scored positions' copy, and one chunk of
+tokens' fp32 logits at a time (model.logits_chunk_tokens; with 0, the logits of the kept positions
+in c and their two fp32 copies) are the logits column (training.logits_bytes).
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List, Optional
 
+from verl_hpc.config.sections.model import logits_chunk_size
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import layer_tensor_sizes
 from verl_hpc.planning.training import logits_bytes, mlp_width, moe_dispatch_bytes
@@ -197,6 +199,7 @@ class FsdpRole:
     vision_trains: bool = False
     images_per_row: int = 0
     sp: int = 1  # fsdp.sp: each rank of a sequence-parallel group holds 1/sp of every sequence
+    logits_chunk: Optional[int] = None  # model.logits_chunk_tokens (None = auto, 0 = the whole logits)
 
     def working(self, s: int, b: int, train: bool) -> Dict[str, float]:
         """The activations, logits and gathered columns of a micro-batch (train: an update with
@@ -210,7 +213,8 @@ class FsdpRole:
             act = acts["saved"] + acts["recompute_working"]
         else:
             act = layer_activation_bytes(self.arch, s, b, self.c)
-        logits = logits_bytes(self.arch, s * b, 1, self.c, self.head, self.arch.vocab_size)
+        chunk = logits_chunk_size(self.logits_chunk, self.arch.vocab_size)
+        logits = logits_bytes(self.arch, s * b, 1, self.c, self.head, self.arch.vocab_size, chunk)
         gathered = gathered_bytes(self.params, self.c, reshard_after_forward=self.reshard, train=train,
                                   shard=self.shard, adapter_layer=self.adapter_layer)
         out = {"activations": act, "logits": logits, "gathered": gathered}
@@ -237,7 +241,7 @@ def fsdp_role(cfg, arch: ModelArch, head: str, trainable: bool, lora_rank: int =
     return FsdpRole(arch, p, parts, compute_bytes(cfg), cfg.fsdp.reshard_after_forward,
                     cfg.fsdp.activation_checkpointing and trainable, head, adapter_layer, shard,
                     vision, tower_trains, cfg.vision.max_images_per_prompt if vision is not None else 0,
-                    cfg.fsdp.sp)
+                    cfg.fsdp.sp, cfg.model.logits_chunk_tokens)
 
 
 def host_sizes(p: FsdpParams, shard: int) -> List[float]:

@@ -20,8 +20,9 @@ def test_a_rank_holds_two_chunks_of_the_padded_row():
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_activations_and_logits_divide_by_cp(cp):
-    one = plan_job(load_config(GRPO, ["slurm.tasks_per_node=8"]), stage=0)
-    split = plan_job(load_config(GRPO, [f"parallel.cp={cp}"]), stage=0)
+    # whole logits on both sides: context parallelism keeps them (the chunked output layer is cp 1's)
+    one = plan_job(load_config(GRPO, ["slurm.tasks_per_node=8", "model.logits_chunk_tokens=0"]), stage=0)
+    split = plan_job(load_config(GRPO, [f"parallel.cp={cp}", "model.logits_chunk_tokens=0"]), stage=0)
     for phase in ("update_actor", "old_logprob"):
         for part in ("activations", "logits"):
             a, b = one.table[phase][part], split.table[phase][part]

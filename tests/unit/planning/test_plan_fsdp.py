@@ -228,8 +228,11 @@ def test_the_planned_fsdp_adapter_is_what_peft_attaches(tmp_path):
 
 def test_sequence_parallelism_divides_activations_and_logits_by_sp():
     """fsdp.sp = 4 on 8 ranks: each rank holds a quarter of every sequence's tokens, so a quarter
-    of the activations and logits of the same micro-batch; states and gathered units unchanged."""
-    one, four = plan(*FSDP, *OFFLOAD_OFF), plan(*FSDP, *OFFLOAD_OFF, "fsdp.sp=4")
+    of the activations and logits of the same micro-batch; states and gathered units unchanged.
+    (The whole logits, model.logits_chunk_tokens = 0: in chunks, a quarter of the tokens may fit
+    one chunk and keep the whole-logits path, which the plan counts as such.)"""
+    whole = "model.logits_chunk_tokens=0"
+    one, four = plan(*FSDP, *OFFLOAD_OFF, whole), plan(*FSDP, *OFFLOAD_OFF, whole, "fsdp.sp=4")
     a, b = one.table["update_actor"], four.table["update_actor"]
     assert b["activations"] == pytest.approx(a["activations"] / 4, rel=0.01)
     assert b["logits"] == pytest.approx(a["logits"] / 4, rel=0.01)

@@ -13,7 +13,10 @@ from verl_hpc.plan import main
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 GRPO_8B, MOE = str(CONFIGS / "grpo_8b.yaml"), str(CONFIGS / "grpo_30b_a3b.yaml")
-LONG_8B = ["model.path=/path/to/Llama-3.1-8B-Instruct"]  # 131072 positions: memory binds, not the model
+# The whole logits (model.logits_chunk_tokens = 0): the premises below need a layout that memory
+# binds, and with the output layer in chunks the 8B's update fits up to its 131072 positions
+WHOLE = ["model.logits_chunk_tokens=0"]
+LONG_8B = ["model.path=/path/to/Llama-3.1-8B-Instruct"] + WHOLE  # 131072 positions: memory binds, not the model
 FSDP = ["parallel.engine=fsdp", "parallel.tp=1", "parallel.sequence_parallel=false",
         "parallel.recompute_granularity=none", "fsdp.activation_checkpointing=true"]
 
@@ -39,16 +42,19 @@ def test_the_peak_never_falls_as_the_response_grows(extra):
 def test_the_bisection_finds_the_boundary():
     """The 30B MoE config's own layout: its longest response fits, 1024 tokens more does not, and
     the exact boundary is one token (checked on configs loaded afresh, not the module's copies)."""
-    row = next(r for r in longest(load_config(MOE)).rows if r.own)
+    row = next(r for r in longest(load_config(MOE, WHOLE)).rows if r.own)
     assert 4096 < row.longest < 40960 - 1024  # memory binds, below the model's positions
     assert row.shown % 1024 == 0 and row.shown <= row.longest < row.shown + 1024
-    assert _plan(MOE, [], row.shown).fits() and not _plan(MOE, [], row.shown + 1024).fits()
-    assert _plan(MOE, [], row.longest).fits() and not _plan(MOE, [], row.longest + 1).fits()
-    assert row.binds == _plan(MOE, [], row.longest + 1).peak_phase == "update_actor"
+    assert _plan(MOE, WHOLE, row.shown).fits() and not _plan(MOE, WHOLE, row.shown + 1024).fits()
+    assert _plan(MOE, WHOLE, row.longest).fits() and not _plan(MOE, WHOLE, row.longest + 1).fits()
+    assert row.binds == _plan(MOE, WHOLE, row.longest + 1).peak_phase == "update_actor"
     # with headroom kept the boundary moves down, and is again exact
-    kept = next(r for r in longest(load_config(MOE), margin=0.10).rows if r.own)
+    kept = next(r for r in longest(load_config(MOE, WHOLE), margin=0.10).rows if r.own)
     assert kept.longest < row.longest
-    assert _plan(MOE, [], kept.longest).fits(0.10) and not _plan(MOE, [], kept.longest + 1).fits(0.10)
+    assert _plan(MOE, WHOLE, kept.longest).fits(0.10) and not _plan(MOE, WHOLE, kept.longest + 1).fits(0.10)
+    # the output layer in chunks (the default) frees the logits' share: a longer boundary
+    chunked = next(r for r in longest(load_config(MOE)).rows if r.own)
+    assert chunked.longest > row.longest
 
 
 @pytest.mark.parametrize("extra, field", [([], "parallel.cp"), (FSDP, "fsdp.sp")], ids=["megatron", "fsdp"])
@@ -109,11 +115,17 @@ def test_bad_combinations_are_one_line_errors(capsys, args, words):
     assert len(err.splitlines()) == 1 and words in err, err
 
 
-@pytest.mark.parametrize("name", ["ppo_70b_64k.yaml", "grpo_30b_a3b_40k.yaml"])
-def test_the_long_response_configs_need_their_context_parallelism(name):
-    """Their own layout (cp 2) fits their response length with the shipped 10% headroom; the same
-    GPUs at cp 1 fit no length with the same micro-batch budget (one full row)."""
-    cfg = load_config(str(CONFIGS / name))
+@pytest.mark.parametrize("name, chunked_cp1", [("ppo_70b_64k.yaml", 0), ("grpo_30b_a3b_40k.yaml", 39936)])
+def test_the_long_response_configs_need_their_context_parallelism(name, chunked_cp1):
+    """Their own layout (cp 2) fits their response length with the shipped 10% headroom; with the
+    whole logits the same GPUs at cp 1 fit no length with the same micro-batch budget (one full
+    row). With the output layer in chunks (the default; context parallelism keeps the whole
+    logits), the 30B MoE's cp 1 fits its whole length too: its logits were what bound it; the 70B's
+    critic update still binds at cp 1."""
+    chunked = {r.label.split(" dp")[0].split()[-1]: r
+               for r in longest(load_config(str(CONFIGS / name)), margin=0.10).rows}
+    assert chunked["1"].longest == chunked_cp1
+    cfg = load_config(str(CONFIGS / name), WHOLE)
     rows = {r.label.split(" dp")[0].split()[-1]: r for r in longest(cfg, margin=0.10).rows}
     assert rows["2"].own and rows["2"].longest >= cfg.data.max_response_length
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length

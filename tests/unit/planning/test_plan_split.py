@@ -84,7 +84,8 @@ def test_each_group_is_checked_against_the_limit_on_its_own():
 
 def test_a_node_holding_both_groups_is_checked_as_a_whole():
     # 4 rollout + 4 training ranks on one CPU node: each group's 4 ranks fit the RAM, all 8 do not
-    cfg = load_config(GRPO, CPU + SPLIT_4_4 + ["slurm.mem_gb=650"])
+    # (the sizes are those of the whole logits, model.logits_chunk_tokens = 0)
+    cfg = load_config(GRPO, CPU + SPLIT_4_4 + ["slurm.mem_gb=650", "model.logits_chunk_tokens=0"])
     plan = plan_job(cfg)
     assert plan.shared_node() == (4, 4)
     assert plan.rollout.fits() and plan.training.fits()

@@ -52,6 +52,9 @@ class FsdpConfig(Section):
                      "size is then ranks / sp", check=">0")
     compile: bool = opt(False, "torch.compile each decoder layer after sharding (needs a C++ compiler on "
                                "CPU, Triton on GPUs)")
+    liger: Optional[bool] = opt(None, "Liger-Kernel's fused RMSNorm, SwiGLU and linear cross-entropy (an "
+                                      "update's log-probs); null = auto: on with a GPU and liger-kernel "
+                                      "installed, off on CPU (engines/fsdp/liger.py)")
 
     def check(self, job) -> List[str]:
         p = []
@@ -69,6 +72,9 @@ class FsdpConfig(Section):
             p.append("fsdp.cpu_offload = true needs GPUs (it keeps the sharded states on the host while the GPUs "
                      "compute), but slurm.gpus_per_node = 0 (a CPU job: everything is on the host already); set "
                      "fsdp.cpu_offload=false")
+        if self.liger is True and job.slurm.gpus_per_node == 0:
+            p.append("fsdp.liger = true needs GPUs (Liger's kernels are Triton), but slurm.gpus_per_node = 0 "
+                     "(a CPU job): set it to null (auto) or false")
         if job.parallel.engine == "fsdp":
             p += engine_layout_problems("fsdp", job)
         return p

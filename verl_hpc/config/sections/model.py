@@ -51,6 +51,15 @@ class ModelConfig(Section):
         None, "weight-gradient GEMM accumulates into the fp32 grad; auto: on with a GPU and apex's "
               "fused_weight_gradient_mlp_cuda")
 
+    # The output layer's results (log-probs, entropy) in chunks of tokens, without the whole
+    # [tokens x vocabulary] logits (verl_hpc/engines/logits.py); the memory plan counts one chunk
+    logits_chunk_tokens: Optional[int] = opt(
+        None, "tokens per chunk of the output layer's logits; a micro-batch that scores more tokens than "
+              "one chunk goes through in chunks, a smaller one takes the whole logits at once; null = auto "
+              "(a chunk's fp32 logits over this rank's vocabulary slice fit 256 MiB: logits_chunk_size); "
+              "0 = off (the whole logits always)",
+        check=">=0")
+
     def check(self, job) -> List[str]:
         p = []
         if not self.disable_dropout and job.parallel.engine == "megatron":
@@ -120,3 +129,22 @@ def cpu_float16_problems() -> List[str]:
     problem = float16.cpu_float16_problem("model.dtype = float16 on a CPU job (slurm.gpus_per_node = 0)",
                                           "model.dtype=float32 (or bfloat16)")
     return [problem] if problem else []
+
+
+LOGITS_CHUNK_BYTES = 256 << 20  # auto: one chunk's fp32 logits (the backward holds ~3 such: logits, p, grad)
+
+
+def logits_chunk_size(setting: Optional[int], vocab_columns: int) -> int:
+    """Tokens per output-layer chunk for model.logits_chunk_tokens = `setting` over a vocabulary
+    slice of `vocab_columns` (V / tp); 0 = unchunked. The engines and the memory plan both ask here."""
+    if setting is not None:
+        return int(setting)
+    per_token = 4 * max(int(vocab_columns), 1)
+    return max(16, LOGITS_CHUNK_BYTES // per_token // 16 * 16)
+
+
+def scores_in_chunks(chunk: int, scored_tokens: int) -> bool:
+    """Whether a micro-batch scoring `scored_tokens` tokens goes through the chunked output layer
+    (chunk: logits_chunk_size's answer). One that fits a chunk keeps the whole-logits path: it
+    saves no memory there, and its arithmetic (and so every small job's figures) stays what it was."""
+    return chunk > 0 and scored_tokens > chunk

@@ -43,6 +43,8 @@ from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEn
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 import verl_hpc.engines.fsdp.build as build_lib
 import verl_hpc.engines.fsdp.optim as optim_lib
+from verl_hpc.engines.fsdp.head import chunked_head
+from verl_hpc.engines.fsdp.liger import setup_liger
 from verl_hpc.engines.fsdp.microbatch import MicroBatch
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
@@ -96,6 +98,7 @@ class FsdpEngine(TrainingEngine):
         self.device = collective_device()
         self.compute_dtype = build_lib.compute_dtype(o.fsdp, o.dtype)
         model, full = build_lib.load_model(o, field)
+        self.liger = setup_liger(model, o)  # Liger's fused kernels where they run (liger.py); said once
         self.hf_config = model.config
         self.vision = build_lib.is_vision_model(self.hf_config)
         # fsdp.sp > 1: groups of sp ranks share each sequence (ulysses.py); a data-parallel rank
@@ -127,7 +130,7 @@ class FsdpEngine(TrainingEngine):
                 if self.vision and not o.train_vision_tower:  # frozen: no gradient, no optimizer state
                     for m in build_lib.vision_modules(model):
                         m.requires_grad_(False)
-            self.optimizer = optim_lib.build_optimizer(model, o.optim)
+            self.optimizer = optim_lib.build_optimizer(model, o.optim, fused=self.compute_dtype != torch.float16)
             self.scheduler = optim_lib.LRSchedule(self.optimizer, o.optim, o.total_steps)
             self.scaler = optim_lib.loss_scaler(o.optim, self.compute_dtype, self.device)
         else:
@@ -136,6 +139,7 @@ class FsdpEngine(TrainingEngine):
         # a VLM's rows are never packed: the image tokens' M-RoPE positions are the model's own layout
         # nor under sequence parallelism: the regrouped attention is causal over plain rows
         self._sharing = None if self.vision or self.sp else prompt_sharing(o, self.hf_config, model)
+        self._head = chunked_head(model, o, self.liger)  # scored tokens without the whole logits (head.py)
         self.steps_applied = 0
         self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         self._view = None  # the sliced sync's holdings view (exported_model)
@@ -197,6 +201,14 @@ class FsdpEngine(TrainingEngine):
             return value_outputs(values, mb.data, want)
         if mb.sp is not None:
             return self._run_sliced(mb, want)
+        _check_lm_outputs(want)
+        if self._head is not None and self._head.takes(mb.data["_targets"].numel()):
+            kept = mb.data["_kept"]
+            rows = mb.sample_rows if mb.packed else torch.arange(kept.shape[0], device=kept.device)
+            with self._head.scoring(rows.unsqueeze(1), kept, mb.data["_targets"], want):
+                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                                 attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
+            return self._head.results(out, want)
         out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                          attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
         logits = out.logits if hasattr(out, "logits") else out[0]
@@ -205,7 +217,6 @@ class FsdpEngine(TrainingEngine):
         resp = logits[b, kept].float()  # [samples, T, V]
         if self.options.temperature != 1.0:
             resp = resp / self.options.temperature
-        _check_lm_outputs(want)
         result = {}
         if "log_probs" in want:
             logp = torch.log_softmax(resp, dim=-1)
@@ -221,12 +232,17 @@ class FsdpEngine(TrainingEngine):
         from the slice's own logits ([b, S/sp, V], never the whole sequence's), placed in the
         [b, T] response layout where this rank holds the position, summed over the group."""
         _check_lm_outputs(want)
+        local, mine = mb.data["_local"], mb.data["_mine"]
+        if self._head is not None and self._head.takes(mb.data["_targets"].numel()):
+            rows = torch.arange(local.shape[0], device=local.device).unsqueeze(1)
+            with self._head.scoring(rows, local, mb.data["_targets"], want):
+                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+            return {k: self.sp.assemble(v * mine) for k, v in self._head.results(out, want).items()}
         out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
         logits = (out.logits if hasattr(out, "logits") else out[0]).float()
         if self.options.temperature != 1.0:
             logits = logits / self.options.temperature
         rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
-        local, mine = mb.data["_local"], mb.data["_mine"]
         result = {}
         if "log_probs" in want:
             logp = torch.log_softmax(logits, dim=-1)[rows, local, mb.data["_targets"]]

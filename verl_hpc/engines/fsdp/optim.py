@@ -1,6 +1,6 @@
 """AdamW, the LR schedule and the guarded step of the FSDP engine, equal to the Megatron engine's.
 
-- torch's AdamW over the sharded (DTensor) parameters; weight decay on matrices only, none on
+- torch's fused AdamW over the sharded (DTensor) parameters; weight decay on matrices only, none on
   1-D parameters (norms, biases), as Megatron's optimizer groups them. The moments are DTensors
   sharded like their parameters.
 - `LRSchedule`: linear warm-up from 0, then constant / linear / cosine decay to `min_lr`, counted
@@ -32,7 +32,9 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.megatron.optim import check_optim, schedule_lr
 
 
-def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, optim, fused: bool = True) -> torch.optim.AdamW:
+    """fused=False: torch's default (foreach), for fp16 compute: torch 2.13's fused step takes the
+    sharded grad scaler's [1]-shaped overflow flag against its []-shaped step counts and fails."""
     check_optim(optim)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -41,8 +43,10 @@ def build_optimizer(model: torch.nn.Module, optim) -> torch.optim.AdamW:
         (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": optim.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    # fused: one kernel per device and dtype over all parameters, on CPU and GPU (torch's default
+    # is foreach, several passes over the states); what transformers' Trainer runs (adamw_torch_fused)
     return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                             weight_decay=optim.weight_decay)
+                             weight_decay=optim.weight_decay, fused=fused or None)
 
 
 class LRSchedule:

@@ -151,9 +151,15 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for p in g["params"]:
             st = optimizer.state[p]
             if not st:
-                st["step"] = torch.tensor(0.0)
+                st["step"] = _step_tensor(0.0, p)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _step_tensor(step: float, p: torch.Tensor) -> torch.Tensor:
+    """Adam's step count as torch's fused AdamW keeps it (optim.py builds it fused): a float32
+    scalar on the parameter's device; its kernel takes a param's state from one device."""
+    return torch.tensor(float(step), dtype=torch.float32, device=p.device)
 
 
 def _all_slabs(engine, main_from_optim: bool = False) -> List[ShardedTensor]:
@@ -237,7 +243,7 @@ def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: 
     step = float(meta.get("optimizer_step", 0))
     for g in engine.optimizer.param_groups:
         for p in g["params"]:
-            engine.optimizer.state[p]["step"] = torch.tensor(step)
+            engine.optimizer.state[p]["step"] = _step_tensor(step, p)
     if "scheduler" in meta:
         engine.scheduler.load_state_dict(dict(meta["scheduler"]))
     if engine.scaler is not None and "grad_scaler" in meta:  # else a fresh scale (a bf16 run's state)

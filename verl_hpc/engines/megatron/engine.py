@@ -139,6 +139,8 @@ class MegatronEngine(TrainingEngine):
         self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
         self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel,
                                                      cp=self.cp)
+        self._logits_chunk = outputs_lib.logits_chunk(o, self.cp, self.gpt_chunks[0].vocab_size // self.tp)
+        self._chunked = outputs_lib.chunked_output_layer(o, self.gpt_chunks, self._logits_chunk)  # hidden states out
         self._share_prompts, self._rotary = prompt_sharing(
             o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
             rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
@@ -207,15 +209,18 @@ class MegatronEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ running
 
-    def _labels_path(self, want) -> bool:
+    def _labels_path(self, want, chunked: bool = False) -> bool:
         """Log-probs only: let Megatron's own cross-entropy run on the unpermuted logits."""
-        return self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
+        return (self.options.head == "lm" and tuple(want) == ("log_probs",) and self.options.temperature == 1.0
+                and not chunked)
 
-    def _output_fn(self, want):
+    def _output_fn(self, want, chunked: bool = False):
         if self.cp > 1:  # this rank's tokens -> whole-sequence results (context_parallel.py)
             kind = ("labels" if self._labels_path(want) else "lm" if self.options.head == "lm" else "value")
             return functools.partial(cp_lib.outputs, kind=kind, temperature=self.options.temperature)
         selected = bool(self._output_layers)
+        if chunked:  # the output layer gave hidden states
+            return functools.partial(outputs_lib.lm_outputs_chunked, head=self._chunked, selected=selected)
         if self._labels_path(want):
             return functools.partial(outputs_lib.lm_outputs_from_token_losses, selected=selected)
         if self.options.head == "lm":
@@ -256,10 +261,12 @@ class MegatronEngine(TrainingEngine):
             self.route_replay.begin(batch, record=record)
         with torch.no_grad(), self.resident("forward"):
             self._sync_params()
-            collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want), want,
-                                        forward_only=True, with_labels=self._labels_path(want),
-                                        output_layers=self._output_layers, rotary=self._rotary,
-                                        replay=self.route_replay)
+            chunked = outputs_lib.chunks_pass(self._logits_chunk, mbs)
+            with outputs_lib.scoring(self._chunked if chunked else None):
+                collected, _ = run_schedule(self.chunks, mbs, self._output_fn(want, chunked), want,
+                                            forward_only=True, with_labels=self._labels_path(want, chunked),
+                                            output_layers=self._output_layers, rotary=self._rotary,
+                                            replay=self.route_replay)
         out = gather_outputs(collected, batch["input_ids"].shape[0], response_width(batch), want,
                              self.device, self.reporting)
         if self.route_replay is not None and record:
@@ -295,10 +302,13 @@ class MegatronEngine(TrainingEngine):
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         want = tuple(outputs) or self.default_outputs[:1]
-        _, records = run_schedule(self.chunks, mbs, self._output_fn(want), want, loss_fn=loss_fn,
-                                  counts=counts, forward_only=False,
-                                  with_labels=self._labels_path(want), output_layers=self._output_layers,
-                                  rotary=self._rotary, replay=self.route_replay)
+        chunked = outputs_lib.chunks_pass(self._logits_chunk, mbs)
+        with outputs_lib.scoring(self._chunked if chunked else None):
+            _, records = run_schedule(self.chunks, mbs, self._output_fn(want, chunked), want, loss_fn=loss_fn,
+                                      counts=counts, forward_only=False,
+                                      with_labels=self._labels_path(want, chunked),
+                                      output_layers=self._output_layers,
+                                      rotary=self._rotary, replay=self.route_replay)
         self._num_microbatches = len(mbs)
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records

@@ -21,12 +21,26 @@ When the engine selects the output layer's positions (verl_hpc.models.gpt.select
 an lm head without sequence parallelism or FP8), the model's output is already at the response
 positions: logits `[b, T, V/tp]`, or with labels = the response tokens, losses `[b, T]`.
 
+Chunked (model.logits_chunk_tokens != 0, the default, in a pass whose micro-batches score more
+tokens than a chunk: `chunks_pass`; `ChunkedOutputLayer`): in the engine's own forwards
+(`scoring()`) the output layer returns its input, the final hidden states (at the response
+positions when selected), prepared for
+tensor parallelism as its own forward prepares them (all-gathered from sequence-parallel slices;
+under plain TP its backward all-reduces the hidden states' gradient, which is each rank's partial
+sum over its vocabulary slice). `lm_outputs_chunked` then computes log-probs, entropy and
+sum-pi-squared from them and the layer's weight (the embedding's when tied) in chunks of tokens
+(verl_hpc/engines/logits.py): max and sums all-reduced over TP, the vocabulary's padded rows sliced
+off (the -inf columns the whole-logits path masks add exactly nothing), no `[b, T, V/tp]` logits.
+Not under context parallelism (context_parallel.py gathers the whole logits' per-token results).
+
 Value head: `[b, s, 1]` -> values `[b, T]` from positions p + t - 1, and the reward model's
 sequence score from the last token p + r - 1.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+import contextlib
+import logging
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -34,6 +48,7 @@ from verl_hpc.algorithms import entropy_from_logits, process_group_all_reduce, s
 from verl_hpc.engines.outputs import VALUE_OUTPUTS, value_outputs  # noqa: F401 (the engine picks it here)
 
 LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")
+log = logging.getLogger(__name__)
 
 
 def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -79,3 +94,120 @@ def lm_outputs_from_token_losses(token_nll: torch.Tensor, mb: Dict[str, torch.Te
     if tuple(want) != ("log_probs",):
         raise ValueError(f"the labels path gives log_probs only; asked for {tuple(want)}")
     return {"log_probs": -(token_nll if selected else token_nll.gather(1, mb["_positions"]))}
+
+
+class ChunkedOutputLayer:
+    """This rank's output layer (the last pipeline stage's) turned into a hidden-state pass-through
+    (module docstring), and what the chunked scoring needs of it."""
+
+    def __init__(self, layer, chunk: int, temperature: float):
+        from megatron.core import parallel_state as ps
+
+        self.layer, self.chunk, self.temperature = layer, chunk, temperature
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        width = layer.output_size_per_partition
+        self.vocab_start = ps.get_tensor_model_parallel_rank() * width
+        # the padded vocabulary's rows on this rank are cut off (verl_hpc.models.gpt records the real ones)
+        self.real_columns = getattr(layer, "real_columns", width)
+        self.weight = None  # the weight the model handed its output layer, taken at each forward
+        layer.returns_hidden = False  # True while scoring; the padded-vocabulary mask hook then steps aside
+        self._plain = layer.forward
+        layer.forward = self._forward  # an instance attribute: the pre-hooks (position selection) still run
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """The engine's own forwards: hidden states out. Outside it the layer gives logits
+        (exports, tests and tools that call the model)."""
+        self.layer.returns_hidden = True
+        try:
+            yield
+        finally:
+            self.layer.returns_hidden = False
+
+    def _forward(self, input_, weight=None, runtime_gather_output=None):
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   gather_from_sequence_parallel_region)
+
+        layer = self.layer
+        if not layer.returns_hidden:
+            return self._plain(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        self.weight = layer.weight if weight is None else weight
+        if layer.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                          group=self.group)
+        elif self.tp > 1:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=self.group)
+        else:
+            return input_, None
+        return _ContiguousGrad.apply(hidden), None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. GPTModel transposes the output
+    layer's result ([s, b] -> [b, s]), so the hidden states' gradient arrives as a transposed view,
+    and Megatron's TP mappings all-reduce `grad.contiguous()`, a copy, returning the view
+    unreduced (megatron-core 0.16.1 mappings._reduce): the ranks' partial sums would be lost."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def logits_chunk(o, cp: int, vocab_columns: int) -> int:
+    """Tokens per output-layer chunk on every rank (the same everywhere: the engine decides per pass
+    whether its micro-batches go through the chunks, `scores_in_chunks`); 0: never chunked (a value
+    head, context parallelism, whose outputs gather the whole logits' results, or
+    model.logits_chunk_tokens = 0). vocab_columns: the padded vocabulary over tp."""
+    from verl_hpc.config.sections.model import logits_chunk_size
+
+    if o.head != "lm" or cp != 1 or o.logits_chunk_tokens == 0:
+        return 0
+    return logits_chunk_size(o.logits_chunk_tokens, vocab_columns)
+
+
+def chunked_output_layer(o, gpt_chunks, chunk: int) -> Optional[ChunkedOutputLayer]:
+    """The chunked output layer on this rank's last stage, or None: chunk = 0 (logits_chunk), or no
+    output layer on this rank."""
+    from megatron.core import parallel_state as ps
+
+    if chunk == 0:
+        return None
+    layer = next((g.output_layer for g in gpt_chunks if g.post_process), None)
+    if layer is None:  # not the last pipeline stage
+        return None
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        log.info("output layer: log-probs and entropy in chunks of %d tokens for micro-batches that score "
+                 "more (model.logits_chunk_tokens = %s)",
+                 chunk, "auto" if o.logits_chunk_tokens is None else o.logits_chunk_tokens)
+    return ChunkedOutputLayer(layer, chunk, o.temperature)
+
+
+def chunks_pass(chunk: int, mbs) -> bool:
+    """Whether a pass over these micro-batches scores in chunks: one of them scores more tokens than a
+    chunk (scores_in_chunks). Decided per pass, not per micro-batch, because the output layer's mode
+    spans the pipeline schedule; every rank of a data-parallel group holds the same micro-batches,
+    so the tensor- and pipeline-parallel ranks agree."""
+    from verl_hpc.config.sections.model import scores_in_chunks
+
+    return any(scores_in_chunks(chunk, mb.data["_targets"].numel()) for mb in mbs)
+
+
+def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
+                       head: ChunkedOutputLayer, selected: bool = False) -> Dict[str, torch.Tensor]:
+    """Hidden states `[b, s, h]` (or `[b, T, h]` when selected) -> `{name: [b, T]}`."""
+    from verl_hpc.engines.logits import token_outputs
+
+    resp = hidden if selected else _rows(hidden, mb["_positions"])
+    return token_outputs(resp, head.weight[: head.real_columns], mb["_targets"], want,
+                         temperature=head.temperature, chunk=head.chunk, group=head.group,
+                         vocab_start=head.vocab_start)
+
+
+def scoring(head: Optional[ChunkedOutputLayer]):
+    """The engine's context for its schedules: hidden states out of the output layer where chunked."""
+    return head.scoring() if head is not None else contextlib.nullcontext()

@@ -1,0 +1,152 @@
+"""The output layer's per-token results without the whole `[tokens, vocabulary]` logits.
+
+    out = token_outputs(hidden, weight, targets, ("log_probs", "entropy"), temperature=0.7, chunk=256)
+
+From the final hidden states `[..., h]` and the output weight `[V_local, h]` (the whole vocabulary,
+or this rank's slice of it under tensor parallelism, `vocab_start` its first token id), each
+token's log-prob of its target, the entropy of its distribution and sum_v p_v^2 (the optimal
+token baseline's), all of softmax(hidden @ weight.T / temperature), in float32.
+
+Why: an RL update scores every response token, and the logits of 8 x 4,096 tokens at a 151,936-token
+vocabulary are 19.9 GB per fp32 copy; the log-softmax and the entropy each add another. Here the
+tokens go through in chunks of `chunk`: each chunk's logits `[chunk, V_local]` live only while its
+results are computed, and the backward (a custom autograd function) recomputes them from the saved
+hidden states instead of keeping them. What is kept per token: the max, log Z and the entropy.
+
+Tensor parallelism (`group`): a chunk's max and its stacked sums (sum exp, sum exp * s, sum exp^2,
+the target's logit, which only the rank holding it has) are all-reduced over the group, two
+collectives per chunk; the vocabulary is never gathered. The backward needs no communication: with
+the global max and log Z each rank's share of the logits' gradient is local (d log p_t / dz_v =
+1[v = t] - p_v; dH/dz_v = p_v (E_p[s] - s_v)). The hidden states' gradient is each rank's partial
+sum over its slice: the caller's TP region mapping (Megatron's copy_to_tensor_model_parallel_region)
+all-reduces it, exactly as the output layer's own backward does.
+
+A padded vocabulary: pass only the real rows of the weight (the padded ones would be -inf logits,
+which add exp(-inf) = 0 everywhere; slicing them off gives the same results and a zero gradient).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")
+
+
+def token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want: Sequence[str], *,
+                  temperature: float = 1.0, chunk: int = 1024, group=None,
+                  vocab_start: int = 0) -> Dict[str, torch.Tensor]:
+    """{name: [...] float32} for `want` (a subset of OUTPUTS) of hidden `[..., h]`, targets `[...]`.
+    log_probs and entropy are differentiable (in hidden and weight); sum_pi_squared is not."""
+    unknown = set(want) - set(OUTPUTS)
+    if unknown:
+        raise ValueError(f"the output layer gives {OUTPUTS}; asked for {sorted(unknown)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree: "
+                         "hidden must be targets' shape plus the hidden size")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"output weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}]")
+    if chunk <= 0:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    lead = targets.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logp, ent, spp = _ChunkedOutputs.apply(flat, weight, targets.reshape(-1), float(temperature), int(chunk),
+                                           group, int(vocab_start), "sum_pi_squared" in want)
+    every = {"log_probs": logp, "entropy": ent, "sum_pi_squared": spp}
+    return {k: every[k].view(lead) for k in want}
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[c, V_local] in float32: the matmul in the weights' dtype (as the output layer runs it), then
+    the upcast and the temperature, as the unchunked path applies them."""
+    z = F.linear(h, weight).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+def _target_columns(targets: torch.Tensor, vocab_start: int, width: int):
+    """(column in this slice, whether this slice holds the target) per token."""
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < width)
+    return local.clamp(0, max(width - 1, 0)), mine
+
+
+class _ChunkedOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, group, vocab_start, with_spp):
+        n, width = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        m_all = torch.empty(n, dtype=torch.float32, device=dev)
+        logz_all, logp_all, ent_all = torch.empty_like(m_all), torch.empty_like(m_all), torch.empty_like(m_all)
+        spp_all = torch.empty_like(m_all)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            z = _chunk_logits(hidden[a:b], weight, temperature)
+            cols, mine = _target_columns(targets[a:b], vocab_start, width)
+            m = z.amax(dim=-1) if width else torch.full((b - a,), float("-inf"), device=dev)
+            m = _all_reduce(m, dist.ReduceOp.MAX, group)
+            s = z.sub_(m.unsqueeze(-1))  # in place: z is not needed again
+            e = torch.exp(s)
+            parts = [e.sum(dim=-1), (e * s).sum(dim=-1),
+                     torch.where(mine, s.gather(1, cols.unsqueeze(1)).squeeze(1), 0.0) if width
+                     else torch.zeros_like(m)]
+            if with_spp:
+                parts.append(e.square_().sum(dim=-1))  # e is not needed again either
+            del s, e, z
+            stats = _all_reduce(torch.stack(parts, dim=-1), dist.ReduceOp.SUM, group)
+            z_sum = stats[:, 0]
+            logz = torch.log(z_sum)
+            m_all[a:b], logz_all[a:b] = m, logz
+            logp_all[a:b] = stats[:, 2] - logz
+            ent_all[a:b] = logz - stats[:, 1] / z_sum
+            if with_spp:
+                spp_all[a:b] = stats[:, 3] / (z_sum * z_sum)
+        if not with_spp:
+            spp_all.zero_()
+        ctx.save_for_backward(hidden, weight, targets, m_all, logz_all, ent_all)
+        ctx.temperature, ctx.chunk, ctx.vocab_start = temperature, chunk, vocab_start
+        ctx.mark_non_differentiable(spp_all)
+        return logp_all, ent_all, spp_all
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_spp):
+        hidden, weight, targets, m_all, logz_all, ent_all = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        n, width = hidden.shape[0], weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_hidden = torch.empty_like(hidden) if need_h else None
+        # the weight's gradient sums over every chunk: in float32 whatever the weights' dtype
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            h = hidden[a:b]
+            s = _chunk_logits(h, weight, t).sub_(m_all[a:b].unsqueeze(-1))
+            p = torch.exp(s.sub_(logz_all[a:b].unsqueeze(-1)))  # s is now log p
+            # d entropy / d z_v = p_v (E_p[log p] - log p_v) = -p_v (H + log p_v)
+            if g_ent is not None:
+                grad = s.add_(ent_all[a:b].unsqueeze(-1)).mul_(p).mul_(-g_ent[a:b].unsqueeze(-1))
+            else:
+                grad = torch.zeros_like(p)
+            if g_logp is not None:  # d log p_t / d z_v = 1[v = t] - p_v
+                gl = g_logp[a:b].unsqueeze(-1)
+                grad.addcmul_(p, gl, value=-1.0)
+                cols, mine = _target_columns(targets[a:b], ctx.vocab_start, width)
+                rows = torch.nonzero(mine).squeeze(1)
+                grad[rows, cols[rows]] += gl.squeeze(-1)[rows]
+            del p, s
+            if t != 1.0:
+                grad.div_(t)
+            grad = grad.to(weight.dtype)
+            if need_h:
+                g_hidden[a:b] = grad @ weight
+            if need_w:
+                g_weight.addmm_(grad.t().float() if grad.dtype != torch.float32 else grad.t(), h.float()
+                                if h.dtype != torch.float32 else h)
+        return (g_hidden, g_weight.to(weight.dtype) if need_w else None, None, None, None, None, None, None)
