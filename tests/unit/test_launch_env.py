@@ -80,12 +80,15 @@ def test_preemption_flag_records_first_signal():
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
 
 
-def test_every_rank_gets_reproducible_mkl_and_the_user_value_wins():
+def test_every_rank_gets_reproducible_mkl_and_the_user_value_wins(monkeypatch):
     from verl_hpc.config import JobConfig
     from verl_hpc.launcher.environment import job_environment
 
     cfg = JobConfig()
+    monkeypatch.delenv("MKL_CBWR", raising=False)
     assert job_environment(cfg)["MKL_CBWR"] == "AUTO,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # where the job is started: reproducing another machine
+    assert job_environment(cfg)["MKL_CBWR"] == "AVX2"
     cfg.slurm.env = {"MKL_CBWR": "COMPATIBLE,STRICT"}
     assert job_environment(cfg)["MKL_CBWR"] == "COMPATIBLE,STRICT"
 

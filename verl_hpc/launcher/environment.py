@@ -1,6 +1,8 @@
 """The environment every rank starts with: project defaults, GPU-cluster defaults, user overrides."""
 from __future__ import annotations
 
+import os
+
 # Bitwise-reproducible CPU math. torch's CPU BLAS is MKL, whose default picks kernels by the
 # memory alignment of each operand, which varies from run to run: the same job on the same machine
 # then differs in the last bit from the first step and drifts apart over hundreds of steps (a
@@ -35,6 +37,10 @@ GPU = {
 
 def job_environment(cfg) -> dict[str, str]:
     env = dict(BASE)
+    # A code path chosen where the job is started (MKL_CBWR=AVX2 to reproduce another machine's
+    # arithmetic: docs/testing.md) reaches the ranks too; slurm.env still wins over it.
+    if os.environ.get("MKL_CBWR"):
+        env["MKL_CBWR"] = os.environ["MKL_CBWR"]
     env["OMP_NUM_THREADS"] = str(max(1, cfg.slurm.cpus_per_task))
     if cfg.slurm.gpus_per_node > 0:
         env.update(GPU)
