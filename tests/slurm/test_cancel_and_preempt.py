@@ -74,6 +74,7 @@ def _node_and_cpus(job_id: str):
     return node, int(cpus.split("/")[3])
 
 
+@pytest.mark.long  # a chain of launches: preempted, requeued by Slurm, resumed (make test-long)
 @pytest.mark.timeout(1500)  # two start-ups of a few minutes each on a loaded CI machine
 def test_slurm_preemption_requeues_and_resumes(tiny_assets, tmp_path):
     # long enough that the preemption lands mid-run on a quiet machine too (a few hundredths of a

@@ -52,6 +52,7 @@ def samples_per_s(rs):
     return (len(rs) - 1) * PROMPTS * N / (rs[-1]["time"] - rs[0]["time"])
 
 
+@pytest.mark.long  # worker jobs join and leave a running run, each a Slurm job (make test-long)
 def test_worker_jobs_join_a_running_run_and_leave_it_without_ending_it(tiny_assets, tmp_path):
     out, logs = tmp_path / "run", tmp_path / "logs"
     args = [f"model.path={tiny_assets}/model", *data_overrides(tiny_assets), f"trainer.total_steps={STEPS}",

@@ -27,7 +27,8 @@ from mn_helpers import all_logs, assert_two_nodes, finish, rank_lines, sbatch_gr
 from rl_job import release_requeue_hold, sacct_states, steps_logged
 
 # a loaded 2-core machine needs minutes per 4-rank job (imports, Megatron init)
-pytestmark = [pytest.mark.multinode, pytest.mark.timeout(2400)]
+# two-node jobs and their chains of launches: make test-long
+pytestmark = [pytest.mark.multinode, pytest.mark.long, pytest.mark.timeout(2400)]
 
 
 @pytest.fixture(scope="module", autouse=True)

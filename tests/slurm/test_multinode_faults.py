@@ -20,7 +20,8 @@ import pytest
 
 from mn_helpers import REPO, assert_two_nodes, wait_for
 
-pytestmark = [pytest.mark.multinode, pytest.mark.timeout(900)]
+# two-node jobs killed and cut off: make test-long
+pytestmark = [pytest.mark.multinode, pytest.mark.long, pytest.mark.timeout(900)]
 TIMEOUT_S = 20  # trainer.collective_timeout_s of the link test
 
 

@@ -25,6 +25,7 @@ def args(root, out):
             f"trainer.hf_output_dir={out}/hf"]
 
 
+@pytest.mark.long  # a chain of launches: requeued by the warning signal, resumed (make test-long)
 @pytest.mark.timeout(1500)
 def test_sft_requeued_by_the_warning_signal_resumes_bitwise(tiny_assets, tmp_path):
     proc, job_id, out, logs = start_job("configs/demo_sft.yaml", tmp_path, args(tiny_assets, tmp_path / "out"),

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from faults import env
 from jobs import REPO, data_overrides, logs
 
@@ -49,6 +51,7 @@ def generated(out, name):
     return path.exists() and "group(s) done" in path.read_text()
 
 
+@pytest.mark.long  # a soak run: workers join, leave, die and straggle over a whole run (make test-long)
 def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(tiny_assets, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
@@ -123,6 +126,7 @@ def _stream(root, out):
     return [i for _ in range(STEPS) for i in loader.next_batch().ids]
 
 
+@pytest.mark.long  # a chain of launches: preempted, resumed, new workers (make test-long)
 def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tiny_assets, tmp_path):
     """The run stopped by SIGTERM (as scancel or a preemption stops it: the ranks finish the step,
     checkpoint and exit) once its worker has generated: the worker leaves by itself (exit 0), the

@@ -101,6 +101,7 @@ PREEMPT_AT = (3, 4, 24)
 SAVE_EVERY, VAL_EVERY = 12, 24
 
 
+@pytest.mark.long  # a soak run: 4 launches over 50 steps (make test-long)
 @pytest.mark.timeout(1500)  # 4 launches of a 2-rank job, plus the warm start if this test builds it
 def test_k2_50_steps_with_3_preemptions_train_every_prompt_once_and_keep_prefixes(warm_assets, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"

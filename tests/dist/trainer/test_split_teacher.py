@@ -34,6 +34,7 @@ def rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.long  # a chain of launches: split and colocated runs, each across a resume (make test-long)
 def test_split_with_a_teacher_is_the_colocated_run_bitwise_across_a_resume(tiny_assets, teacher, tmp_path):
     colo, split = tmp_path / "colocated", tmp_path / "split"
     p, _ = run_here("configs/demo_rl.yaml", colo, *common(tiny_assets, teacher, 3), "checkpoint.save_every=0")
