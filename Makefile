@@ -79,15 +79,16 @@ container:
 # The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
 # own target, not in `make test`, which CI runs within its 90 minutes on 2 cores.
 # --durations=25: the slowest tests, so that a test that grows is seen when it grows.
-# `make test`: the unit tier (in-process tests) on TEST_WORKERS pytest-xdist workers, then the job,
-# dist and Slurm tiers one test at a time (their multi-rank jobs take the cores themselves), all but
+# `make test`: the unit and job tiers (in-process tests and one-rank jobs) on TEST_WORKERS
+# pytest-xdist workers, then the dist and Slurm tiers one test at a time (their multi-rank jobs take
+# the cores themselves), all but
 # the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs both
 # (`make test-all`, the README's command). docs/testing.md, "Targets".
 TEST_MARKERS ?= not container and not long
 TEST_WORKERS ?= 2
 test: venv cluster
-	$(BIN)/python -m pytest tests/unit -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
-	$(BIN)/python -m pytest tests/jobs tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit tests/jobs -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
 
 test-long: venv cluster
 	$(BIN)/python -m pytest -m "long and not container" --durations=25 $(PYTEST_ARGS)
