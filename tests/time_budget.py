@@ -11,7 +11,8 @@ grows, not when the suite is over its 20 minutes.
   usual test; an entry of SLOWEST about twice its test's quiet time), and stretch with the machine's
   load beyond the suite's own (load_factor): a run beside another run is not failed for it, a
   test that doubles is caught.
-- `VERL_HPC_TIME_BUDGET_SCALE` multiplies every budget (0 turns the check off, e.g. under a debugger).
+- `VERL_HPC_TIME_BUDGET_SCALE` multiplies every budget (0 turns the check off, e.g. under a debugger);
+  so does the number of pytest-xdist workers (a test shares the cores with the other workers' tests).
 - gpu-marked tests have no budget: they run only on a GPU machine, where torch.compile and CUDA's
   start-up take what they take; `make gpu-all` limits its gpu-tests step as a whole.
 
@@ -51,7 +52,10 @@ _shared: dict[str, list] = {}  # node id -> [(fixture name, seconds)] of the sha
 
 
 def scale() -> float:
-    return float(os.environ.get("VERL_HPC_TIME_BUDGET_SCALE", "1"))
+    """VERL_HPC_TIME_BUDGET_SCALE, times the pytest-xdist workers running side by side (`make test`
+    runs the unit and job tiers on 2): each test there shares the cores with the others' tests."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return float(os.environ.get("VERL_HPC_TIME_BUDGET_SCALE", "1")) * max(1, workers)
 
 
 def load_factor(loads) -> float:

@@ -30,6 +30,7 @@ def test_a_renamed_test_is_a_stale_entry(monkeypatch):
 
 def test_budget_by_tier_entry_and_scale(monkeypatch):
     monkeypatch.delenv("VERL_HPC_TIME_BUDGET_SCALE", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)  # this test may run on a worker
     assert time_budget.budget("tests/jobs/test_x.py::test_y", "jobs")[0] == TIER_BUDGET_S["jobs"]
     key = next(k for k in SLOWEST if not k.startswith("fixture:"))
     assert time_budget.budget(key + "[a-b]", "dist")[0] == SLOWEST[key][0]  # parameters: the same entry
@@ -42,7 +43,16 @@ def test_budget_by_tier_entry_and_scale(monkeypatch):
     assert time_budget.over("tests/unit/t.py::f", "unit", 10 ** 6) is None
 
 
+def test_xdist_workers_side_by_side_stretch_the_budgets(monkeypatch):
+    monkeypatch.delenv("VERL_HPC_TIME_BUDGET_SCALE", raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert time_budget.budget("tests/jobs/test_x.py::test_y", "jobs")[0] == 2 * TIER_BUDGET_S["jobs"]
+    assert time_budget.over("tests/unit/t.py::f", "unit", 2 * TIER_BUDGET_S["unit"] - 1) is None
+    assert time_budget.over("tests/unit/t.py::f", "unit", 2 * TIER_BUDGET_S["unit"] + 1) is not None
+
+
 def test_the_load_beyond_the_suites_own_stretches_the_budgets(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     monkeypatch.setattr(time_budget.os, "cpu_count", lambda: 2)
     assert time_budget.load_factor([0.5, 3.9]) == 1.0  # the suite's own ranks on 2 cores
     assert time_budget.load_factor([20.0, 20.0]) == 5.0  # another run beside this one

@@ -109,7 +109,7 @@ def test_the_training_batch_holds_the_recorded_ids_over_512_calls(engine, tok, r
         assert torch.allclose(lp[p - 1:][on], logp[r, :len(rows[r]) - p][on], atol=1e-4)
 
 
-BAD = {"agent_programs:raises": "raised", "agent_programs:exits": "raised", "agent_programs:sleeps": "timeout",
+BAD = {"agent_programs:raises": "raised", "agent_programs:exits": "raised",
        "agent_programs:floods": "flooded", "agent_programs:floods_and_raises": "flooded",
        "agent_programs:no_calls": "no_calls",
        "agent_programs:nan_reward": "bad_reward", "agent_programs:bool_reward": "bad_reward",
@@ -136,6 +136,17 @@ def test_each_bad_agent_is_a_counted_sample_failure_and_the_batch_goes_on(engine
     assert "KeyError: \"the agent's own bug\"" in r.first_failure
     batch = assemble(prompts, result, tok, pad_id=0)
     assert len(set(batch.group_ids.tolist())) == len(agents)  # every sample kept its place in a group
+
+
+def test_an_agent_past_its_time_limit_is_a_counted_timeout(engine, tok):
+    """Apart from the others, with a 1 s limit: the time limit is what the test waits for (the
+    other agents keep a generous 20 s, which a loaded machine needs for a model call or two)."""
+    prompts = batch_of(2, ["agent_programs:sleeps", "agent_programs:one_call"])
+    with runner(engine, tok, "agent.timeout_s=1", "agent.max_calls=4") as r:
+        result = r.generate(prompts, default_spec(n=1, max_tokens=6, temperature=1.0))
+        assert r.failures_total == 1
+    failures = {i: e.agent.failure for i, e in zip(result.prompt_index, result.episodes)}
+    assert failures[0] == "timeout" and agent_metrics(result)["agent/failures"] == 1
 
 
 def test_on_error_raise_stops_with_the_sample_named(engine, tok):
