@@ -86,9 +86,11 @@ container:
 # (`make test-all`, the README's command). docs/testing.md, "Targets".
 TEST_MARKERS ?= not container and not long
 TEST_WORKERS ?= 2
-test: venv cluster
-	$(BIN)/python -m pytest tests/unit tests/jobs -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
-	$(BIN)/python -m pytest tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS)
+test: venv cluster  # both parts run whatever the first gives; the target fails if either did
+	@rc=0; \
+	$(BIN)/python -m pytest tests/unit tests/jobs -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || rc=1; \
+	$(BIN)/python -m pytest tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || rc=1; \
+	exit $$rc
 
 test-long: venv cluster
 	$(BIN)/python -m pytest -m "long and not container" --durations=25 $(PYTEST_ARGS)
