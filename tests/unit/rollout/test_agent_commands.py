@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_agent_runs import batch_of, engine, recorded, row_ids, tok  # noqa: F401 - fixtures
 
-from verl_hpc.config import load_config
+from verl_hpc.config import ConfigError, load_config
+from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.agents import AgentOptions, AgentRunner
 from verl_hpc.rollout.agents.metrics import agent_metrics
 from verl_hpc.rollout.spec import default_spec
@@ -153,3 +154,15 @@ def test_the_sandbox_keeps_the_agent_off_the_ranks_own_port(engine, tok, scripts
         result = r.generate(prompts, default_spec(n=1, max_tokens=3))
         assert r.failures_total == 0, r.first_failure
     assert result.episodes[0].agent.calls == 1
+
+
+def test_bad_command_settings_are_one_clear_error(engine, tok, scripts):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"agent.read_only_paths\[1\]: '/nonexistent/env' does not exist"):
+        runner(engine, tok, scripts, "agent.read_only_paths=[/tmp,/nonexistent/env]")
+    cfg = load_config(None, ["agent.enable=true"])
+    prompts = batch_of(1)
+    prompts.extras[0]["agent_command"] = "echo 1"
+    with AgentRunner(engine, tok, AgentOptions(cfg.agent, "zero", False, 6)) as r:
+        with pytest.raises(RewardError, match="sample row0: extra.agent_command runs your own code: set "
+                                              "safety.allow_custom_code=true"):
+            r.generate(prompts, default_spec(n=1, max_tokens=3))

@@ -36,11 +36,15 @@ log = logging.getLogger(__name__)
 STDERR_TAIL = 2000  # characters of the agent's stderr a failure keeps (the first is logged)
 
 
+def check_read_only(paths: Sequence[str]) -> None:
+    """Before the endpoint starts: a folder missing on this node would fail every run's sandbox."""
+    for k, path in enumerate(paths):
+        if not os.path.exists(path):
+            raise ConfigError(f"agent.read_only_paths[{k}]: {path!r} does not exist on this node")
+
+
 class CommandAgents:
     def __init__(self, sandbox_cfg, read_only_paths: Sequence[str], server, model_name: str):
-        for k, path in enumerate(read_only_paths):
-            if not os.path.exists(path):
-                raise ConfigError(f"agent.read_only_paths[{k}]: {path!r} does not exist on this node")
         self.sandbox_cfg, self.read_only = sandbox_cfg, tuple(read_only_paths)
         self.server, self.model_name = server, model_name
         self._sandbox = None

@@ -31,7 +31,7 @@ from verl_hpc.rewards.custom import load_user_object
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.config.sections.multi_turn import SandboxConfig
 from verl_hpc.rollout.agents.batcher import Batcher
-from verl_hpc.rollout.agents.command import CommandAgents
+from verl_hpc.rollout.agents.command import CommandAgents, check_read_only
 from verl_hpc.rollout.agents.runs import Outcome, failed, first_failure_text, run_agent
 from verl_hpc.rollout.agents.server import AgentServer
 from verl_hpc.rollout.agents.service import AgentService, Session
@@ -80,6 +80,7 @@ class _Record:
 class AgentRunner:
     def __init__(self, engine, tokenizer, options: AgentOptions, ctx=None):
         a = options.agent
+        check_read_only(a.read_only_paths)
         self.engine, self.tokenizer, self.options, self.section = engine, tokenizer, options, a
         self.rank = getattr(ctx, "rank", 0)
         self.default = (load_user_object("agent.function", a.function, RewardError) if a.function else None)
