@@ -53,6 +53,7 @@ def main(workdir: Path) -> None:
     code = job.main(args["argv"])
     out = {"code": code, "calls": calls, "ports": ports, "urls": agent_programs.SEEN_URLS, "batches": batches}
     (workdir / f"rank{os.environ['RANK']}.json").write_text(json.dumps(out))
+    sys.exit(code)  # a failed job fails the launch, with every rank's log tail
 
 
 if __name__ == "__main__":

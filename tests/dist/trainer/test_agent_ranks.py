@@ -5,7 +5,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import torch
-from jobs import data_overrides
+from jobs import data_overrides, metrics
 from rank_launcher import launch_ranks
 
 SCRIPT = Path(__file__).with_name("agent_ranks.py")
@@ -18,7 +18,7 @@ def test_each_rank_serves_its_own_agents_and_both_train_on_the_recorded_ids(tiny
             f"trainer.output_dir={out}", "slurm.tasks_per_node=2", "agent.enable=true",
             "agent.function=agent_programs:two_calls", "safety.allow_custom_code=true", "rollout.engine=hf",
             f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.ppo_mini_batch_size=4",
-            "actor.micro_batch_size=8", "data.max_response_length=48", "rollout.max_tokens=6",
+            "actor.micro_batch_size=4", "data.max_response_length=48", "rollout.max_tokens=6",
             "rollout.temperature=1.0", "trainer.total_steps=1", "trainer.val_every=0", "checkpoint.save_every=0",
             "tracking.backends=[jsonl]", "tracking.plots=false", "slurm.cpus_per_task=1", "agent.timeout_s=60"]
     ranks = launch_ranks(SCRIPT, 2, {"argv": argv}, tmp_path / "ranks", timeout=300, what="agent job",
@@ -43,3 +43,8 @@ def test_each_rank_serves_its_own_agents_and_both_train_on_the_recorded_ids(tiny
         assert row["logprobs"][span] == torch.tensor(c["logprobs"], dtype=torch.float32).tolist()
     # a run's second call sent its first reply back unchanged: one merged sequence per run
     assert len(rows) == PROMPTS * N
+    # the step trained on them: the actor (FSDP over both ranks) scores the rows as the engines sampled them
+    (m,) = metrics(out)
+    assert m["agent/runs"] == PROMPTS * N and m["agent/calls"] == PROMPTS * N * CALLS and m["agent/failures"] == 0
+    assert m["agent/merges"] == PROMPTS * N and m["agent/splits"] == 0
+    assert "actor/pg_loss" in m and m["rollout/logprob_diff_mean"] < 1e-3, m["rollout/logprob_diff_mean"]  # one mini-batch: the objective reports the mean
