@@ -8,6 +8,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -166,3 +168,23 @@ def test_bad_command_settings_are_one_clear_error(engine, tok, scripts):  # noqa
         with pytest.raises(RewardError, match="sample row0: extra.agent_command runs your own code: set "
                                               "safety.allow_custom_code=true"):
             r.generate(prompts, default_spec(n=1, max_tokens=3))
+
+
+def test_closing_the_runner_kills_the_commands_still_running(engine, tok, scripts, recorded):  # noqa: F811
+    """A job that stops (its end, preemption) does not wait out agent.timeout_s: the sandbox kills
+    its commands, which a Python agent's thread could not be."""
+    prompts = batch_of(1)
+    prompts.extras[0]["agent_command"] = f"{calls(scripts, 1)}; sleep 600; echo 1"
+    r = runner(engine, tok, scripts, "agent.timeout_s=600")
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=r.generate(prompts, default_spec(n=1, max_tokens=3))))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not recorded and time.monotonic() < deadline:  # the command is past its model call, asleep
+        time.sleep(0.05)
+    assert recorded
+    r.close()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    stats = out["result"].episodes[0].agent
+    assert stats.failure == "exited" and stats.calls == 1

@@ -64,6 +64,12 @@ class CommandAgents:
                 log.info("command-line agents: %s", self._sandbox.describe())
             return self._sandbox
 
+    def close(self) -> None:
+        """The job stops: the commands still running are killed (a Python agent's thread cannot be)."""
+        with self._lock:
+            if self._sandbox is not None:
+                self._sandbox.cancel_all()
+
     def run(self, command: str, row: Dict[str, Any], key: str, timeout_s: float) -> Outcome:
         env = {"OPENAI_API_KEY": self.server.token, "OPENAI_MODEL": self.model_name, "AGENT_ROW_FILE": "row.json",
                "AGENT_TIMEOUT_S": f"{timeout_s:g}"}

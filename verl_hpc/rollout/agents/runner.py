@@ -226,6 +226,7 @@ class AgentRunner:
     def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
+        self.commands.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         self.batcher.close()

@@ -74,7 +74,7 @@ class SandboxResult:
     stdout: str  # decoded utf-8 with errors="replace", cut to the output limit
     stderr: str  # the same; a limit that stopped the program adds a last line saying which
     exit_code: Optional[int]  # None when killed
-    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | process_limit | denied
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | process_limit | denied | cancelled
     seconds: float
     mode: str  # bwrap | namespaces | rlimits
 
@@ -105,7 +105,13 @@ class Sandbox:
         self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
         self.python = _interpreter(python)
         self._cgroups = RunCgroups.bases()
+        self._cancelled = threading.Event()  # before the trial runs, which are watched too
         self.mode = self._resolve(mode)
+
+    def cancel_all(self) -> None:
+        """Kill every run in progress within a watch period (0.2 s) and every later one at its start
+        (status `cancelled`): a job that stops does not leave its runs to their wall time."""
+        self._cancelled.set()
 
     @classmethod
     def from_config(cls, sandbox_cfg) -> "Sandbox":
@@ -305,6 +311,8 @@ class Sandbox:
         server = Listener(channel[0], serve) if channel else None
 
         def cpu_watch() -> str:  # the run's CPU time as a whole (RLIMIT_CPU holds each process)
+            if self._cancelled.is_set():
+                return "cancelled"
             used = cgroup.cpu_seconds() if cgroup else None
             used = tree_cpu_seconds(proc.pid) if used is None else used
             return "cpu_limit" if used >= self.cpu_time_s else ""
