@@ -92,3 +92,17 @@ def floods_and_raises(row, config):
     c = _client(config)
     while True:
         _ask(c, config, [{"role": "user", "content": "again"}], max_tokens=1)
+
+
+SEEN_URLS = []  # the base URLs two_calls was given in this process (tests/dist/trainer/agent_ranks.py)
+
+
+def two_calls(row, config):
+    """Asks, sends the reply back with one more question (the endpoint rebuilds that history from
+    its own ids: merged), and notes the base URL it was given."""
+    SEEN_URLS.append(config["base_url"])
+    c = _client(config)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = _ask(c, config, messages)
+    _ask(c, config, messages + [reply.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}])
+    return float(row["sample_index"] % 2)

@@ -263,7 +263,7 @@ def build_agents(cfg, ctx, rollout, tokenizer):
 
     return AgentRunner(rollout, tokenizer, AgentOptions(agent=cfg.agent, on_error=cfg.reward.on_error,
                                                         allow_custom_code=cfg.safety.allow_custom_code,
-                                                        max_tokens=cfg.rollout.max_tokens), ctx)
+                                                        max_tokens=cfg.rollout.max_tokens, sandbox=cfg.sandbox), ctx)
 
 
 def episode_options(cfg) -> EpisodeOptions:

@@ -26,6 +26,11 @@ def problems(*overrides):
     (["agent.concurrency=0"], "agent.concurrency: must be in [1, 1024], got 0"),
     (["agent.port=70000"], "agent.port: must be in [0, 65535], got 70000"),
     (["agent.port=8000", "slurm.tasks_per_node=2"], "the ranks of a node would all listen on that port"),
+    (["agent.command=python3 agent.py"], "agent.function and agent.command both name the default agent"),
+    (["agent.function=", "agent.command=python3 agent.py", "safety.allow_custom_code=false"],
+     "agent.command runs your own code: set safety.allow_custom_code"),
+    (["agent.function=", "agent.command='  '"], "agent.command is blank"),
+    (["agent.read_only_paths=[/opt/env,agents]"], "agent.read_only_paths[1]: 'agents' is not an absolute path"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)

@@ -1,7 +1,9 @@
 """`agent:` any agent program as a rollout, behind an OpenAI-compatible endpoint.
 
 With agent.enable a rollout sample is one run of an agent program: a Python callable
-`module:function(row, client_config) -> reward | (reward, info)` that talks to the policy through
+`module:function(row, client_config) -> reward | (reward, info)`, or a command line run in the
+sandbox (the `sandbox:` section's limits) with OPENAI_BASE_URL / OPENAI_API_KEY in its
+environment and its reward on the last line of its output, that talks to the policy through
 `POST /v1/chat/completions` / `POST /v1/completions` on a server each rank runs on the loopback
 interface over its own rollout engine. Every completion served is recorded by token id; a sample's
 calls become training sequences without re-tokenizing anything (verl_hpc/rollout/agents/).
@@ -24,6 +26,12 @@ class AgentConfig(Section):
     function: str = opt("", "'package.module:function' run for rows that name no `agent` of their own; "
                             "called as function(row, client_config) -> reward or (reward, info); "
                             "needs safety.allow_custom_code")
+    command: str = opt("", "a command line (/bin/sh -c) run in the sandbox for rows that name no agent of their "
+                           "own, instead of agent.function: OPENAI_BASE_URL and OPENAI_API_KEY in its "
+                           "environment, its reward the last line of its stdout (docs/agents.md); needs "
+                           "safety.allow_custom_code")
+    read_only_paths: List[str] = opt([], "node folders command-line agents also see, read-only, at their own "
+                                         "paths (the agent's code, a Python environment with `openai`)")
     timeout_s: float = opt(120.0, "wall time of one agent run; past it the sample fails (reward.on_error)",
                            check=">0")
     max_calls: int = opt(64, "model calls one agent run may make; further calls get HTTP 429 and the "
@@ -51,9 +59,16 @@ class AgentConfig(Section):
             p.append(f"agent.enable needs rollout.tp = 1 (got {job.rollout.tp}): each rank serves its own "
                      "agents from its own engine, without the collective a tensor-parallel engine needs")
         if not job.safety.allow_custom_code:
-            p.append(needs_custom_code("agent.function"))
+            p.append(needs_custom_code("agent.command" if self.command and not self.function else "agent.function"))
         if self.function and not all(self.function.partition(":")[::2]):
             p.append(f"agent.function: {self.function!r} is not 'package.module:function'")
+        if self.function and self.command.strip():
+            p.append("agent.function and agent.command both name the default agent: set one of them")
+        if self.command and not self.command.strip():
+            p.append("agent.command is blank: give a command line, or leave it empty ('')")
+        for k, path in enumerate(self.read_only_paths):
+            if not (isinstance(path, str) and path.startswith("/")):
+                p.append(f"agent.read_only_paths[{k}]: {path!r} is not an absolute path")
         if self.port and job.slurm.tasks_per_node > 1:
             p.append(f"agent.port = {self.port} with slurm.tasks_per_node = {job.slurm.tasks_per_node}: the ranks of a "
                      "node would all listen on that port; use agent.port = 0 (each rank a free port)")

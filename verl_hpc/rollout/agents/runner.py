@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from verl_hpc.rewards.custom import load_user_object
 from verl_hpc.rewards.errors import RewardError
+from verl_hpc.config.sections.multi_turn import SandboxConfig
 from verl_hpc.rollout.agents.batcher import Batcher
+from verl_hpc.rollout.agents.command import CommandAgents, check_read_only
 from verl_hpc.rollout.agents.runs import Outcome, failed, first_failure_text, run_agent
 from verl_hpc.rollout.agents.server import AgentServer
 from verl_hpc.rollout.agents.service import AgentService, Session
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 # the HTTP clients agents use log every request at INFO: the job's log would become an access log
 CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
 ROW_FIELD = "agent"  # a row's own agent: extra["agent"] = 'package.module:function'
+COMMAND_FIELD = "agent_command"  # or a command line run in the sandbox: extra["agent_command"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,7 @@ class AgentOptions:
     on_error: str  # reward.on_error
     allow_custom_code: bool  # safety.allow_custom_code
     max_tokens: int  # rollout.max_tokens (resolved): one completion at most
+    sandbox: Any = None  # the sandbox section: where command-line agents run
 
 
 @dataclasses.dataclass
@@ -76,6 +80,7 @@ class _Record:
 class AgentRunner:
     def __init__(self, engine, tokenizer, options: AgentOptions, ctx=None):
         a = options.agent
+        check_read_only(a.read_only_paths)
         self.engine, self.tokenizer, self.options, self.section = engine, tokenizer, options, a
         self.rank = getattr(ctx, "rank", 0)
         self.default = (load_user_object("agent.function", a.function, RewardError) if a.function else None)
@@ -87,6 +92,8 @@ class AgentRunner:
                                     max_tokens=options.max_tokens, window=engine.window)
         # a connection idle longer than a whole run belongs to a run that ended
         self.server = AgentServer(self.service, self.sessions.get, port=a.port, idle_timeout_s=a.timeout_s + 30)
+        self.commands = CommandAgents(options.sandbox or SandboxConfig(), a.read_only_paths, self.server,
+                                      a.model_name)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
         self.failures_total = 0
         self.first_failure: Optional[str] = None
@@ -117,29 +124,47 @@ class AgentRunner:
         session = Session(key, self.section.max_calls)
         self.sessions[key] = session
         try:
-            fn = self._function(prompts, i)
+            fn, command = self._agent(prompts, i)
             row = {"id": prompts.ids[i], "prompt": prompts.prompt_texts[i], "data_source": prompts.data_sources[i],
                    "ground_truth": prompts.ground_truths[i], "extra": dict(prompts.extras[i]), "sample_index": j}
-            client = {"base_url": self.server.base_url(key), "api_key": self.server.token,
-                      "model": self.section.model_name, "timeout": self.section.timeout_s}
             t0 = time.perf_counter()
-            outcome = run_agent(fn, row, client, self.section.timeout_s)
+            if command:
+                outcome = self.commands.run(command, row, key, self.section.timeout_s)
+            else:
+                client = {"base_url": self.server.base_url(key), "api_key": self.server.token,
+                          "model": self.section.model_name, "timeout": self.section.timeout_s}
+                outcome = run_agent(fn, row, client, self.section.timeout_s)
             outcome.seconds = time.perf_counter() - t0
         finally:
             session.close()  # a run past its limit: its later calls are refused
             self.sessions.pop(key, None)
-        if outcome.failure in ("", "raised") and session.flooded:  # raised on its own 429, most likely
+        if outcome.failure in ("", "raised", "exited") and session.flooded:  # raised on its own 429, most likely
             outcome = failed(outcome, "flooded", f"called the model more than agent.max_calls = {session.max_calls} times")
         if not outcome.failure and not session.calls:
             outcome = failed(outcome, "no_calls", "returned without calling the model: nothing to train on")
         return _Record(i, j, list(session.calls), outcome, session.reused)
+
+    def _agent(self, prompts, i: int) -> Tuple[Any, str]:
+        """(callable, "") or (None, command line): the row's own agent, else the section's."""
+        command = prompts.extras[i].get(COMMAND_FIELD) or ""
+        if command:
+            if not isinstance(command, str) or not command.strip():
+                raise RewardError(f"sample {prompts.ids[i]}: extra.{COMMAND_FIELD} = {command!r}: expected a "
+                                  "command line (a non-empty string)")
+            if not self.options.allow_custom_code:
+                raise RewardError(f"sample {prompts.ids[i]}: extra.{COMMAND_FIELD} runs your own code: set "
+                                  "safety.allow_custom_code=true to allow it")
+            return None, command
+        if prompts.extras[i].get(ROW_FIELD) or self.default is not None or not self.section.command:
+            return self._function(prompts, i), ""
+        return None, self.section.command
 
     def _function(self, prompts, i: int):
         spec = prompts.extras[i].get(ROW_FIELD) or ""
         if not spec:
             if self.default is None:
                 raise RewardError(f"sample {prompts.ids[i]}: no agent to run: the row has no extra.{ROW_FIELD} "
-                                  "and agent.function is empty")
+                                  f"or extra.{COMMAND_FIELD}, and agent.function and agent.command are empty")
             return self.default
         if spec not in self._loaded:
             if not self.options.allow_custom_code:
@@ -201,6 +226,7 @@ class AgentRunner:
     def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
+        self.commands.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         self.batcher.close()

@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict
 
 from verl_hpc.rewards.scorer import score_problem
 
-FAILURES = ("raised", "timeout", "flooded", "no_calls", "bad_reward")
+# `exited`: a command-line agent's non-zero exit or a sandbox limit (command.py)
+FAILURES = ("raised", "timeout", "flooded", "no_calls", "bad_reward", "exited")
 
 
 @dataclasses.dataclass

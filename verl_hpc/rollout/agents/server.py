@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional
@@ -28,6 +29,7 @@ from verl_hpc.rollout.agents.batcher import EngineClosed
 from verl_hpc.rollout.agents.chat import BadRequest
 
 log = logging.getLogger(__name__)
+ACCEPT_POLL_S = 0.1  # how soon a sandbox's port stops accepting once its run ended
 MAX_BODY = 16 << 20  # bytes of one request: far past any prompt the engine's window takes
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -66,6 +68,36 @@ class AgentServer:
 
     def base_url(self, key: str) -> str:
         return f"http://{self.host}:{self.port}/agents/{key}/v1"
+
+    def serve_socket(self, sock: socket.socket) -> Callable[[], None]:
+        """Serve this endpoint also on `sock`, a listening socket made elsewhere (a command-line
+        agent's sandbox: its own loopback port, verl_hpc/rollout/tools/sandbox_listener.py), with
+        the same handler and token. Returns what stops accepting on it and closes it."""
+        stop = threading.Event()
+
+        def accept_loop():
+            sock.settimeout(ACCEPT_POLL_S)  # a closed socket would not wake a blocked accept()
+            try:
+                while not stop.is_set():
+                    try:
+                        conn, addr = sock.accept()
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        return
+                    conn.settimeout(None)
+                    self._httpd.process_request(conn, addr)  # a thread per connection, as on the TCP port
+            finally:
+                sock.close()
+
+        thread = threading.Thread(target=accept_loop, name="agent-endpoint-sandbox", daemon=True)
+        thread.start()
+
+        def close():
+            stop.set()
+            thread.join(timeout=5)
+
+        return close
 
     def close(self) -> None:
         self._httpd.shutdown()

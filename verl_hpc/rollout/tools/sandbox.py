@@ -34,17 +34,19 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.multi_turn import MAX_TOOL_WORKERS, SANDBOX_MODES, UID_SPAN, SandboxConfig
 from verl_hpc.rollout.tools.sandbox_cgroups import RunCgroups
 from verl_hpc.rollout.tools.sandbox_command import RunSpec, base_python, sandbox_command
+from verl_hpc.rollout.tools.sandbox_listener import CommandJob, Listener
 from verl_hpc.rollout.tools.sandbox_process import kill_tree, read_capped, tree_cpu_seconds
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class SandboxResult:
     stdout: str  # decoded utf-8 with errors="replace", cut to the output limit
     stderr: str  # the same; a limit that stopped the program adds a last line saying which
     exit_code: Optional[int]  # None when killed
-    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | process_limit | denied
+    status: str  # ok | error | timeout | cpu_limit | memory_limit | output_limit | process_limit | denied | cancelled
     seconds: float
     mode: str  # bwrap | namespaces | rlimits
 
@@ -103,7 +105,13 @@ class Sandbox:
         self.scratch_root = _writable_folder(scratch_root or os.environ.get("TMPDIR") or tempfile.gettempdir())
         self.python = _interpreter(python)
         self._cgroups = RunCgroups.bases()
+        self._cancelled = threading.Event()  # before the trial runs, which are watched too
         self.mode = self._resolve(mode)
+
+    def cancel_all(self) -> None:
+        """Kill every run in progress within a watch period (0.2 s) and every later one at its start
+        (status `cancelled`): a job that stops does not leave its runs to their wall time."""
+        self._cancelled.set()
 
     @classmethod
     def from_config(cls, sandbox_cfg) -> "Sandbox":
@@ -207,10 +215,25 @@ class Sandbox:
         """Run `code` as a script; thread-safe (each call has its own process and folder)."""
         return self._run(code, wall_time_s or self.wall_time_s, self.mode)
 
-    def _run(self, code: str, wall_time_s: float, mode: str) -> SandboxResult:
+    def run_command(self, command: str, *, wall_time_s: Optional[float] = None, env: Optional[Dict[str, str]] = None,
+                    files: Optional[Dict[str, str]] = None, read_only: Tuple[str, ...] = (),
+                    serve: Optional[Callable[[socket.socket], Callable[[], None]]] = None,
+                    url_env: str = "", url: str = "") -> SandboxResult:
+        """Run a command line (`/bin/sh -c command`) under the same limits, in the scratch folder,
+        which holds `files` (name -> text) first. `env` is added to the minimal environment;
+        `read_only` names node folders the run also sees, read-only. With `serve`, the run gets a
+        TCP socket listening on 127.0.0.1 of its own network namespace (made inside the sandbox,
+        handed out by fd): `serve(sock)` starts serving it and returns what stops that, called
+        when the run ends; `url` with "{port}" filled in is the code's `url_env` variable. Its
+        own loopback port is then all the code can reach of any network (bwrap, namespaces)."""
+        job = CommandJob(command, dict(env or {}), dict(files or {}), tuple(read_only), serve, url_env, url)
+        return self._run("", wall_time_s or self.wall_time_s, self.mode, job)
+
+    def _run(self, code: str, wall_time_s: float, mode: str, job: Optional[CommandJob] = None) -> SandboxResult:
         run_dir = tempfile.mkdtemp(prefix="verl_hpc_sandbox_", dir=self.scratch_root)
         uid = self._run_uid()
         cgroup = None
+        channel = socket.socketpair() if job and job.serve else None
         try:
             os.chmod(run_dir, 0o711)  # the code's uid reaches its scratch folder and main.py, lists nothing
             scratch = os.path.join(run_dir, "scratch")
@@ -220,11 +243,20 @@ class Sandbox:
             # written as backslash escapes, which mean the same character inside a string literal
             pathlib.Path(main).write_text(code, encoding="utf-8", errors="backslashreplace")
             os.chmod(main, 0o644)
+            for name, text in (job.files.items() if job else ()):
+                path = os.path.join(scratch, os.path.basename(name))
+                pathlib.Path(path).write_text(text, encoding="utf-8", errors="backslashreplace")
+                os.chmod(path, 0o644)
             if uid is not None:
                 os.chown(scratch, uid, uid)
             status_r, status_w = os.pipe()
             spec = RunSpec(mode, self.python, run_dir, self._limits(mode, uid), uid, status_w,
                            tmp_bytes=16 * self.max_file_bytes, shm_bytes=4 * self.max_file_bytes)
+            if job:
+                spec.command, spec.env, spec.read_only = job.command, job.env, job.read_only
+                if channel:
+                    spec.listen = {"fd": channel[1].fileno(), "env": job.url_env, "url": job.url,
+                                   "own_net": mode != "rlimits"}
             argv = sandbox_command(spec)
             if self._cgroups:
                 cgroup = RunCgroups(self._cgroups, max_pids=self.max_processes + _OWN_PROCESSES,
@@ -232,10 +264,13 @@ class Sandbox:
                 # the first process joins every cgroup of the run before it execs the wrapper
                 join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
                 argv = ["/bin/sh", "-c", join, "sandbox", *cgroup.procs, "--", *argv]
-            return self._supervise(argv, mode, wall_time_s, cgroup, (status_r, status_w))
+            return self._supervise(argv, mode, wall_time_s, cgroup, (status_r, status_w), channel,
+                                   job.serve if job else None)
         finally:
             if cgroup:
                 cgroup.remove()
+            for end in channel or ():
+                end.close()
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def _run_uid(self) -> Optional[int]:
@@ -261,16 +296,23 @@ class Sandbox:
         nproc = self.max_processes + (_user_tasks(os.getuid()) if mode == "rlimits" and uid is None else 0)
         return limits + [("RLIMIT_NPROC", nproc, nproc)]
 
-    def _supervise(self, argv: List[str], mode: str, wall_time_s: float, cgroup, pipe) -> SandboxResult:
+    def _supervise(self, argv: List[str], mode: str, wall_time_s: float, cgroup, pipe, channel=None,
+                   serve=None) -> SandboxResult:
         start = time.monotonic()
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                                    start_new_session=True, close_fds=True, pass_fds=(pipe[1],))
+                                    start_new_session=True, close_fds=True,
+                                    pass_fds=(pipe[1],) + ((channel[1].fileno(),) if channel else ()))
         finally:
             os.close(pipe[1])  # the child holds it now; EOF on the read end once the run is over
+            if channel:
+                channel[1].close()
+        server = Listener(channel[0], serve) if channel else None
 
         def cpu_watch() -> str:  # the run's CPU time as a whole (RLIMIT_CPU holds each process)
+            if self._cancelled.is_set():
+                return "cancelled"
             used = cgroup.cpu_seconds() if cgroup else None
             used = tree_cpu_seconds(proc.pid) if used is None else used
             return "cpu_limit" if used >= self.cpu_time_s else ""
@@ -282,6 +324,8 @@ class Sandbox:
             kill_tree(proc, cgroup)  # whatever the program left behind
             proc.wait()
             report = _read_report(pipe[0])
+            if server:
+                server.stop()
         seconds = time.monotonic() - start
         rc, sig = report.get("exit", 1), report.get("signal", 0)
         if not report:  # the sandbox failed before the code ran (its own error is on stderr), or was killed

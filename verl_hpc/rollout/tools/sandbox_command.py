@@ -14,8 +14,8 @@ import json
 import os
 import pathlib
 import sys
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 INNER = pathlib.Path(__file__).with_name("sandbox_inner.py").read_text()
 # where the code sees its files in the bwrap and namespaces modes
@@ -37,6 +37,12 @@ class RunSpec:
     status_fd: int  # the pipe the inner wrapper writes its report to
     tmp_bytes: int  # size of the private /tmp
     shm_bytes: int  # size of /dev/shm (bwrap)
+    # a command line instead of `python -I main.py` (command-line agents): run by /bin/sh -c
+    command: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)  # added to the minimal environment
+    read_only: Tuple[str, ...] = ()  # node folders the code also sees, read-only, at their own paths
+    # {"fd": the channel to the rank, "env": variable, "url": its value with "{port}"}: sandbox_inner.listen
+    listen: Optional[dict] = None
 
     @property
     def scratch(self) -> str:
@@ -53,11 +59,12 @@ def sandbox_command(run: RunSpec) -> List[str]:
     inside = run.mode != "rlimits"
     cwd, script = (SCRATCH, MAIN) if inside else (run.scratch, run.main)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp" if inside else cwd,
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **run.env}
+    argv = [run.python, "-I", script] if run.command is None else ["/bin/sh", "-c", run.command]
     as_root = run.uid is not None
     plan = {"root": None, "harden": list(_BWRAP_WRITABLE) if run.mode == "bwrap" and as_root else [],
             "cwd": cwd, "limits": run.limits, "env": env, "uid": run.uid,
-            "argv": [run.python, "-I", script], "status_fd": run.status_fd}
+            "argv": argv, "status_fd": run.status_fd, "listen": run.listen}
     if run.mode == "namespaces":
         plan["root"] = {"dir": os.path.join(run.run_dir, "root"), "binds": _binds(run),
                         "symlinks": system_symlinks(), "tmp_bytes": run.tmp_bytes}
@@ -75,7 +82,7 @@ def sandbox_command(run: RunSpec) -> List[str]:
 def _binds(run: RunSpec) -> List[Tuple[str, str, str]]:
     """(source, place in the sandbox, kind: ro | rw | dev): the interpreter and the system folders
     it needs, read-only; the scratch folder writable (noexec); a few harmless device nodes."""
-    ro = [(p, p, "ro") for p in read_only_paths(run.python)]
+    ro = [(p, p, "ro") for p in read_only_paths(run.python) + list(run.read_only)]
     dev = [(d, d, "dev") for d in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom") if os.path.exists(d)]
     return ro + dev + [(run.main, MAIN, "ro"), (run.scratch, SCRATCH, "rw")]
 
@@ -94,7 +101,7 @@ def _bwrap_args(run: RunSpec) -> List[str]:
              "--proc", "/proc", "--perms", "1777", "--size", str(run.tmp_bytes), "--tmpfs", "/tmp"]
     for target, link in system_symlinks():
         args += ["--symlink", target, link]
-    binds = [(path, path) for path in read_only_paths(run.python)] + [(run.main, MAIN)]
+    binds = [(path, path) for path in read_only_paths(run.python) + list(run.read_only)] + [(run.main, MAIN)]
     # the folders bubblewrap makes on the way to a bind are 0700 when it runs as root: the code's
     # uid could not reach the interpreter under /root/.pyenv, say; made 0755 first
     for folder in dict.fromkeys(a for _, dst in binds for a in _ancestors(dst)):

@@ -9,6 +9,10 @@ directly in rlimits mode) and, in this order (steps 3-4 in the child of step 2):
      the old root, so nothing else of the node is mounted; scratch and /tmp are nosuid, nodev,
      noexec. bwrap mode on a root rank: the same read-only /proc parts and noexec mounts on what
      bubblewrap built (bubblewrap has no option for either);
+  1b. where the plan has `listen` (command-line agents, verl_hpc/rollout/agents/command.py): makes
+     a TCP socket listening on 127.0.0.1 inside the run's own network namespace (bringing its
+     loopback up where nothing did) and hands it to the rank over the plan's fd; the rank serves
+     the agent endpoint on it. The code reaches that one port and nothing else of any network;
   2. becomes the run's sub-reaper and forks; it turns itself non-dumpable first, so that the
      code, whatever its uid, can neither ptrace it nor open its status pipe through /proc;
   3. the child sets the resource limits (lowering only: a limit the node already set lower stays);
@@ -27,6 +31,8 @@ import json
 import os
 import platform
 import resource
+import socket
+import struct
 import sys
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -43,6 +49,7 @@ PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 PROC_KERNEL = ("sys", "sysrq-trigger", "irq", "bus")
 NOEXEC = MS_NOSUID | MS_NODEV | MS_NOEXEC
 CAP_VERSION_3 = 0x20080522
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 1
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -205,11 +212,39 @@ def end_leftovers():
             return
 
 
+def loopback_up():
+    """`unshare --net` leaves the new namespace's loopback down (bubblewrap brings it up): a
+    socket binds to 127.0.0.1 all the same, but nothing can connect to it."""
+    import fcntl
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
+        if not flags & IFF_UP:
+            fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def listen(spec, env):
+    """Step 1b: a socket listening on a free port of 127.0.0.1 in this run's network namespace
+    (the node's in rlimits mode), sent to the rank over spec["fd"]; its port goes into the code's
+    environment variable spec["env"], in spec["url"] at "{port}"."""
+    if spec["own_net"]:
+        loopback_up()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    env[spec["env"]] = spec["url"].replace("{port}", str(sock.getsockname()[1]))
+    with socket.socket(fileno=spec["fd"]) as channel:
+        socket.send_fds(channel, [b"L"], [sock.fileno()])
+    sock.close()  # the rank holds it now; the code gets none of this process's sockets
+
+
 def main(plan):
     if plan["root"]:
         build_root(plan["root"])
     if plan["harden"]:
         harden_bwrap(plan["harden"])
+    if plan.get("listen"):
+        listen(plan["listen"], plan["env"])
     status_fd = plan["status_fd"]
     check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
     check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "sub-reaper")
