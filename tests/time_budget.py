@@ -39,6 +39,9 @@ SLOWEST = {
         250, "4 launches of a 2-rank split job (vLLM + Megatron) over 50 steps: the fewest that cover an early "
              "preemption, the step right after a resume and a step that both saves and validates, and the "
              "steps it takes to learn by a margin the check can hold"),
+    "fixture:verdicts": (
+        60, "tests/unit/rollout/test_rol_vllm_probe.py: vLLM's own verdict needs vLLM imported (in a subprocess, "
+            "as the probe runs), 8-12 s of CPU alone; one import answers all 8 folders"),
 }
 
 _SETUP_S = pytest.StashKey[float]()  # a test's setup seconds, shared fixtures included

