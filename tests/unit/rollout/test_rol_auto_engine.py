@@ -6,7 +6,7 @@ import pytest
 from verl_hpc.config import ConfigError, validate
 
 from verl_hpc.config import load_config
-from verl_hpc.rollout import factory
+from verl_hpc.rollout import factory, vllm_probe
 from verl_hpc.trainer.roles import rollout_options
 
 
@@ -95,11 +95,13 @@ def test_auto_picks_hf_for_an_architecture_vllm_serves_only_through_transformers
 
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, but for this
     olmo = make_tiny_model(tmp_path / "olmo2", "olmo2")
+    phi3 = make_tiny_model(tmp_path / "phi3", "phi3")
+    vllm_probe.probe_all([olmo, phi3])  # vLLM's answers for both from one vLLM import (vllm_probe.py)
     for engine in factory.CHOOSERS:
         chosen, why = factory.choose_engine(_opts(olmo, engine=engine))
         assert chosen == "hf" and why.startswith(f"vLLM cannot serve Olmo2ForCausalLM ('{olmo}'): vLLM "), why
     assert factory.choose_engine(_opts(olmo, "placement.mode=split", engine="auto"))[0] == "vllm"
-    assert factory.choose_engine(_opts(make_tiny_model(tmp_path / "phi3", "phi3"), engine="auto"))[0] == "vllm"
+    assert factory.choose_engine(_opts(phi3, engine="auto"))[0] == "vllm"
     with pytest.raises(ConfigError) as e:
         factory.build_rollout(_opts(olmo, engine="vllm"))
     assert "\n" not in str(e.value) and "rollout.engine=hf" in str(e.value) and "placement.mode=split" in str(e.value)

