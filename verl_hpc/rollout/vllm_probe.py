@@ -46,7 +46,7 @@ _memo: Dict[str, dict] = {}
 # ------------------------------------------------------------------------------ the asking side
 def stored_tensors(folder: Path) -> Dict[str, Tuple[tuple, str]]:
     """{name: (shape, safetensors dtype)} from the folder's safetensors headers."""
-    from verl_hpc.launcher.preflight_model import read_header, tensors_of
+    from verl_hpc.models.safetensors_header import read_header, tensors_of
 
     headers = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
@@ -178,7 +178,7 @@ def _answer(folder: Path) -> dict:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from verl_hpc.rollout.vllm_support import BACKEND_MODULE, architecture, missing_import, vllm_model_module
+    from verl_hpc.rollout.vllm_registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module
 
     module = vllm_model_module(architecture(str(folder)))
     out = {"version": vllm_version(), "module": module, "missing": module and missing_import(module),
@@ -186,7 +186,7 @@ def _answer(folder: Path) -> dict:
     if module is None or out["missing"] or module.startswith(BACKEND_MODULE):
         return out  # no class of vLLM's own to ask (vllm_support says what that means)
     try:
-        cfg = EngineArgs(model=str(folder), dtype="float32", enforce_eager=True, load_format="dummy",
+        cfg = EngineArgs(model=str(folder), dtype=torch.float32, enforce_eager=True, load_format="dummy",
                          skip_tokenizer_init=True).create_engine_config()
         with set_default_torch_dtype(torch.float32), torch.device("meta"):
             model = initialize_model(cfg)
