@@ -84,10 +84,12 @@ HELD_OUT = ("qwen3", "gemma2", "cohere2", "starcoder2", "starcoder2_window", "gr
             "bloom", "falcon", "gpt_neox", "gpt_oss", "stablelm", "stablelm_qknorm")
 
 
-def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool = False, **tiny) -> Path:
+def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool = False, weights: bool = True,
+              **tiny) -> Path:
     """A tiny folder of `arch`: a family of verl_hpc.models.tiny (with `tiny` passed on) or one of
     HELD_OUT, its sliding windows (Gemma 2, Cohere 2, starcoder2_window) WINDOW tokens wide;
-    `dropout` goes into the config's dropout fields (the families that have them here)."""
+    `dropout` goes into the config's dropout fields (the families that have them here). Without
+    `weights` (a held-out architecture): config.json and the tokenizer only, for the config checks."""
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.models import tiny as tiny_lib
@@ -99,6 +101,10 @@ def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool
     tokenizer = tiny_lib.train_tokenizer()
     ids = {k: tokenizer.convert_tokens_to_ids(f"<|{k}|>") for k in ("bos", "eos", "pad")}
     config = _config(arch, ids, dropout, tied)
+    if not weights:
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = tiny_lib.random_state_dict(model, seed, norm_offset=arch == "gemma2")

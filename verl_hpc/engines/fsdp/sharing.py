@@ -8,7 +8,8 @@ would have to be counted within each sample's own positions, which the mask cann
 same holds for chunked attention. So packing is allowed only for an architecture whose every layer
 is plain causal attention over the mask, and only for the model types the tests prove equal to the
 plain layout (tests/unit/engines/test_fsdp_sharing_archs.py); any other falls back to one sequence
-per row, with the reason in the log once (`actor.share_prompts=on` is then refused, naming it).
+per row, with the reason in the log once (`actor.share_prompts=on` is then refused, naming it, by
+the submitter's checks before the queue too: share_prompts_problems).
 
 The Megatron engine runs packed rows through segmented attention (two SDPA calls per layer,
 engines/megatron/sdpa.py); a transformers model's own attention takes only a mask, so here every
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.prefix import PromptSharing
@@ -57,6 +58,33 @@ def why_not_exact(hf_config) -> str:
         return (f"{kind} is not among the architectures whose attention is proven to honour a packed row's "
                 f"mask ({', '.join(EXACT_MODEL_TYPES)})")
     return ""
+
+
+def why_not_packed(hf_config, attn_implementation: str) -> str:
+    """'' where the engine may pack the model's rows (why_not_exact, and SDPA attention, which takes
+    the packed mask), else why not: the engine's rule at build and the submitter's before the queue."""
+    why = why_not_exact(hf_config)
+    if not why and attn_implementation != "sdpa":
+        why = f"attention runs through {attn_implementation}, which takes no packed mask"
+    return why
+
+
+def on_refused(why: str, what: str = "this model") -> str:
+    """The one line that refuses actor.share_prompts=on for `what`, saying why."""
+    return f"actor.share_prompts=on: cannot pack prompts for {what}: {why}; valid: auto (packs where exact) or off"
+
+
+def share_prompts_problems(folder: str, field: str, trust_remote_code: bool) -> List[str]:
+    """actor.share_prompts=on with a folder the FSDP engine runs for a language-model role: refused
+    before the queue where the engine would refuse it at build (config.json through transformers)."""
+    from verl_hpc.engines.fsdp.build import _auto_class, attention_implementation, hf_config
+
+    try:
+        config = hf_config(folder, trust_remote_code, field)
+        why = why_not_packed(config, attention_implementation(_auto_class("lm", config), config))
+    except ConfigError:
+        return []  # the model checks name an unreadable config.json
+    return [on_refused(why, f"{field} '{folder}'")] if why else []
 
 
 def _ffn_width(text, hidden: int) -> int:
@@ -100,13 +128,10 @@ def prompt_sharing(options, hf_config, model=None) -> Optional[PromptSharing]:
     """The engine's packing decision for its options (None: never pack)."""
     if options.head != "lm" or options.share_prompts == "off":
         return None
-    why = why_not_exact(hf_config)
-    if not why and getattr(hf_config, "_attn_implementation", "sdpa") != "sdpa":
-        why = f"attention runs through {hf_config._attn_implementation}, which takes no packed mask"
+    why = why_not_packed(hf_config, getattr(hf_config, "_attn_implementation", "sdpa"))
     if why:
         if options.share_prompts == "on":
-            raise ConfigError(f"actor.share_prompts=on: cannot pack prompts for this model: {why}; valid: "
-                              "auto (packs where exact) or off")
+            raise ConfigError(on_refused(why))
         if why not in _logged:
             _logged.add(why)
             log.info("shared prompts off: %s (one sequence per row)", why)
