@@ -32,21 +32,7 @@ def _model(cfg: JobConfig, path: str, field: str) -> List[str]:
     p = model_rule_problems(cfg, m, field)
     if cfg.parallel.engine == "auto":  # an explicit fsdp was checked with the fsdp section
         p += engine_layout_problems(engine, cfg)
-    return p + vision_problems(cfg, read_hf_config(path, field), engine, field) + _sharing(cfg, path, field, engine)
-
-
-def _sharing(cfg: JobConfig, path: str, field: str, engine: str) -> List[str]:
-    """actor.share_prompts=on for a language-model role the FSDP engine runs (the actor and reference,
-    the PRM, a teacher) whose model it could not pack exactly: the engine's refusal, before the queue."""
-    if cfg.actor.share_prompts != "on" or field == "critic.model_path":  # a value head never packs
-        return []
-    if field.startswith("teacher."):  # the teacher's own engine (teacher.engine)
-        engine = cfg.teacher.engine_for(cfg)
-    if engine != "fsdp":
-        return []
-    from verl_hpc.engines.fsdp.sharing import share_prompts_problems
-
-    return share_prompts_problems(path, field, cfg.model.trust_remote_code)
+    return p + vision_problems(cfg, read_hf_config(path, field), engine, field)
 
 
 def model_rule_problems(cfg: JobConfig, m: ModelShape, field: str) -> List[str]:

@@ -81,7 +81,22 @@ def model_problems(cfg) -> List[str]:
             continue
         problems += model_folder_problems(path, field, engine=engine,
                                           trust_remote_code=cfg.model.trust_remote_code)
+        problems += share_prompts_problems(cfg, path, field, engine)
     return problems
+
+
+def share_prompts_problems(cfg, path: str, field: str, engine: str) -> List[str]:
+    """actor.share_prompts=on for a language-model role the FSDP engine runs (the actor and reference,
+    the PRM, a teacher) whose model it could not pack exactly: the engine's refusal, before the queue."""
+    if cfg.actor.share_prompts != "on" or field == "critic.model_path":  # a value head never packs
+        return []
+    if field.startswith("teacher."):  # the teacher's own engine (teacher.engine)
+        engine = cfg.teacher.engine_for(cfg)
+    if engine != "fsdp":
+        return []
+    from verl_hpc.engines.fsdp.sharing import share_prompts_problems as refused
+
+    return refused(path, field, cfg.model.trust_remote_code)
 
 
 def rollout_engine_problems(cfg) -> List[str]:

@@ -1,11 +1,13 @@
 """actor.share_prompts=on with a model the FSDP engine cannot pack exactly is refused before the
-queue (validate, which `submit` and `submit --dry-run` run), in the line the engine gives at build:
+queue (the launcher's preflight of the model folders, which `submit` and `submit --dry-run` run), in the line the engine gives at build:
 the field, the folder, the model type and why (sliding-window layers, a window, an architecture not
 proven). On 85ec11b's successor it was refused only when the engine was built, in the job."""
 import pytest
 
 from arch_matrix import make_arch
 from verl_hpc.config import ConfigError, load_config, validate
+from verl_hpc.config.errors import raise_if_any
+from verl_hpc.launcher.preflight import model_problems
 
 # arch -> what the line must name: the model type and the cause
 REFUSED = {"gemma2": "gemma2 has sliding_attention layers", "cohere2": "cohere2 has sliding_attention layers",
@@ -23,17 +25,19 @@ def folders(tmp_path_factory):
 
 
 def _folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("share")  # config.json and tokenizer: what validate reads
-    out = {a: make_arch(root / a, a, weights=False) for a in (*REFUSED, "starcoder2")}
+    root = tmp_path_factory.mktemp("share")  # whole folders: what the preflight reads
+    out = {a: make_arch(root / a, a) for a in (*REFUSED, "starcoder2")}
     train = root / "train.jsonl"
     train.write_text('{"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}\n' * 8)
     return {**out, "llama": make_arch(root / "llama", "llama"), "train": train}
 
 
 def _validate(model, *extra, engine="fsdp"):
-    validate(load_config(None, [f"model.path={model}", f"parallel.engine={engine}", "rollout.n=2",
-                                "data.max_prompt_length=64", "data.max_response_length=64",
-                                f"data.train_files=[{FOLDERS['train']}]", *extra]))
+    cfg = load_config(None, [f"model.path={model}", f"parallel.engine={engine}", "rollout.n=2",
+                             "data.max_prompt_length=64", "data.max_response_length=64",
+                             f"data.train_files=[{FOLDERS['train']}]", *extra])
+    validate(cfg)
+    raise_if_any(model_problems(cfg))
 
 
 @pytest.mark.parametrize("arch", list(REFUSED))
