@@ -162,3 +162,13 @@ def grpo_batch(groups=3, n=4, prompt=9, seed=0):
     b = pack_sequences(prompts, resps)
     mask = get_response_mask(b)
     return dict(b, response_mask=mask, advantages=torch.randn(mask.shape, generator=g) * mask)
+
+
+def grpo_policy_batch(groups=4, n=2, prompt=7, seed=5):
+    """grpo_batch with the rest of the policy loss's inputs: old and reference log-probs near -6."""
+    import torch
+
+    b = grpo_batch(groups, n, prompt, seed)
+    g, mask = torch.Generator().manual_seed(seed + 1), b["response_mask"]
+    return dict(b, old_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask,
+                ref_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask)

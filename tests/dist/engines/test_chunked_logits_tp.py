@@ -9,24 +9,11 @@ import pytest
 import torch
 
 from chunk_ranks import CASES, launch
+from engine_states import grpo_policy_batch
 from update_reference import max_diff, policy_batch
 
 EXACT = 1e-6
 ACTOR = dict(ppo_mini_batch_size=8, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
-
-
-def _grouped(seed=7):
-    from verl_hpc.engines.batch import get_response_mask, pack_sequences
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = [p for p in (torch.randint(5, 480, (6 + i,), generator=g).tolist() for i in range(4)) for _ in range(2)]
-    resps = [torch.randint(5, 480, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(8)]
-    b = pack_sequences(prompts, resps)
-    mask = get_response_mask(b)
-    return dict(b, response_mask=mask, advantages=torch.randn(mask.shape, generator=g) * mask,
-                old_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask,
-                ref_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +25,7 @@ def run(tmp_path_factory):
                "qwen2": make_tiny_model(root / "qwen2", "qwen2", tied=True, layers=2, seed=1)}
     work = root / "ranks"
     work.mkdir()
-    torch.save({"plain": policy_batch(8), "grouped": _grouped()}, work / "batch.pt")
+    torch.save({"plain": policy_batch(8), "grouped": grpo_policy_batch(seed=7)}, work / "batch.pt")
     args = dict(models={k: str(v) for k, v in folders.items()}, actor=ACTOR,
                 optim=dict(lr=0.5, eps=1.0, clip_grad=0.0, weight_decay=0.01))
     return work, launch(args, work)

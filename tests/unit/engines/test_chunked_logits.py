@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine_states import grpo_policy_batch
 from update_reference import max_diff, policy_batch
 from verl_hpc.config.schema import ActorConfig, OptimConfig
 
@@ -161,22 +162,6 @@ def _update(engine, batch):
     return metrics, {n: t.clone() for n, t in engine.export_hf_weights()}
 
 
-def _grouped_batch(seed=5):
-    """4 prompts x 2 responses (packable; run as one micro-batch of 8) with the policy loss's
-    inputs, as policy_batch gives them."""
-    from verl_hpc.engines.batch import get_response_mask, pack_sequences
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = [p for p in (torch.randint(5, 480, (7 + i,), generator=g).tolist() for i in range(4)) for _ in range(2)]
-    resps = [torch.randint(5, 480, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(8)]
-    b = pack_sequences(prompts, resps)
-    mask = get_response_mask(b)
-    return dict(b, response_mask=mask, advantages=torch.randn(mask.shape, generator=g) * mask,
-                old_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask,
-                ref_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask)
-
-
 CASES = [("fsdp", "llama", 1.0, "off"), ("fsdp", "qwen2", 0.7, "off"), ("fsdp", "qwen2", 0.7, "on"),
          ("megatron", "llama", 1.0, "off"), ("megatron", "qwen2", 0.7, "off"), ("megatron", "llama", 0.7, "on")]
 
@@ -185,7 +170,7 @@ CASES = [("fsdp", "llama", 1.0, "off"), ("fsdp", "qwen2", 0.7, "off"), ("fsdp", 
 def test_engine_chunks_equal_the_whole_logits(one_rank_world, models, kind, family, temperature, share,
                                               monkeypatch):
     folder = models(family)
-    batch = _grouped_batch() if share == "on" else policy_batch(6)
+    batch = grpo_policy_batch(seed=5) if share == "on" else policy_batch(6)
     results, calls = {}, _count_chunked_passes(monkeypatch)
     for chunk in (5, 0):
         calls.clear()
