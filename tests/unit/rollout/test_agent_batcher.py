@@ -76,3 +76,92 @@ def test_an_engine_failure_reaches_the_waiting_requests_and_is_kept_for_the_runn
     with pytest.raises(EngineClosed, match="the rollout engine failed"):
         b.submit([3], 1, ())
     b.close()
+
+
+class SlowEngine(FakeEngine):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def generate_local(self, prompts, spec):
+        import time
+
+        time.sleep(self.seconds)
+        return super().generate_local(prompts, spec)
+
+
+def primed(due, *, call_s=0.4):
+    """A batcher whose last generate call took `call_s` (its patience for due runs), 3 live runs."""
+    engine = SlowEngine(call_s)
+    b = Batcher(engine, window_s=0.01, max_batch=64, live=lambda: 3, due=due)
+    b.use(default_spec(max_tokens=2))
+    submit_all(b, [([0], 1, ())] * 3)
+    engine.calls.clear()
+    return b, engine
+
+
+def two_then_one_late(b, late_s=0.25):
+    """Two runs ask at once, the third after a silence of late_s (longer than the 10 ms gap, and
+    than 10 gaps)."""
+    import time
+
+    threads = [threading.Thread(target=b.submit, args=([k], 1, ())) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(late_s)
+    b.submit([2], 1, ())
+    for t in threads:
+        t.join(30)
+
+
+def test_the_batch_waits_past_the_gap_for_a_run_that_is_due():
+    """Lockstep agents come back in a burst after a pause (64 threads share one GIL): a run answered
+    less than a call ago, or not yet called, is waited for, and the round stays one call."""
+    pending = {"late": 1}
+    b, engine = primed(lambda horizon: pending["late"])
+    real_submit = b.submit
+
+    def submit(prompt, limit, stop):
+        if prompt == [2]:
+            pending["late"] = 0
+        return real_submit(prompt, limit, stop)
+
+    b.submit = submit
+    two_then_one_late(b)
+    b.close()
+    assert [len(c[0]) for c in engine.calls] == [3]
+
+
+def test_without_due_runs_a_silence_longer_than_the_gap_closes_the_batch():
+    b, engine = primed(lambda horizon: 0)
+    two_then_one_late(b)
+    b.close()
+    assert [len(c[0]) for c in engine.calls] == [2, 1]
+
+
+def test_a_due_run_that_never_asks_holds_the_batch_one_call_at_most():
+    import time
+
+    b, engine = primed(lambda horizon: 1, call_s=0.4)
+    t0 = time.monotonic()
+    b.submit([7], 1, ())  # the other two never ask, and stay due
+    waited = time.monotonic() - t0 - engine.seconds
+    b.close()
+    assert [len(c[0]) for c in engine.calls] == [1]
+    assert 0.35 <= waited < 10, waited  # the last call's time (0.4 s), not forever
+
+
+def test_a_run_is_due_before_its_first_call_and_for_one_call_after_each_answer():
+    import time
+
+    from verl_hpc.rollout.agents.service import Session
+
+    s = Session("k", max_calls=4)
+    now = time.monotonic()
+    assert s.due(now + 100, 1.0)  # not called yet: due however long it sets itself up
+    s.admit()
+    assert not s.due(time.monotonic(), 1.0)  # a call in flight: it is in the queue or the batch
+    s.answered()
+    assert s.due(time.monotonic(), 1.0) and not s.due(time.monotonic() + 2.0, 1.0)
+    s.close()
+    assert not s.due(time.monotonic(), 1.0)

@@ -38,8 +38,9 @@ class AgentConfig(Section):
                              "sample fails (reward.on_error)", check=">0")
     concurrency: int = opt(64, "agent runs in flight at once on a rank (threads)", check=f"[1, {MAX_AGENTS}]")
     batch_window_ms: float = opt(5.0, "a batch of requests closes after this long without a new one (or 2% of the "
-                                      "last generate call's time if longer; 10 such gaps at most), or at once when "
-                                      "every live run has a request in it",
+                                      "last generate call's time if longer; 10 such gaps at most; runs not yet "
+                                      "called or answered within one call's time are waited for up to one "
+                                      "call's time), or at once when every live run has a request in it",
                                  check="[0, 1000]")
     max_batch: int = opt(64, "requests per generate call at most", check=">0")
     port: int = opt(0, "TCP port on 127.0.0.1; 0 = any free port (each rank its own)", check="[0, 65535]")

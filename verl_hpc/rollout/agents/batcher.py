@@ -10,7 +10,17 @@ and finish their own code at different times, and a fixed window cut their locks
 several small batches). The gap is `window_s`, or 2% of the last generate call's time if that is
 longer: on a slow engine (or a loaded node, where 64 agent threads take a while to all send), a
 wait that doubles a batch costs little next to the call it saves (measured: 64 agents on a loaded
-2-core node arrived over more than 50 ms, and a 5 ms gap cut each round in two). The engine is only ever called from that
+2-core node arrived over more than 50 ms, and a 5 ms gap cut each round in two).
+While some live run is due (`due(horizon)`: no call in flight, and not yet called the model, or
+answered less than one generate call's time ago), the batch waits for it, gaps or not, up to one
+generate call's time from its first request. A run between two calls of a lockstep round is
+silent for a while: 64 agent threads and 64 server threads share one GIL, so each round's requests
+come in a burst after a pause of 50-500 ms, and agents set themselves up before their first call
+(an `openai` client costs ~25 ms of CPU, so 64 of them built together all send after ~1.7 s on 2
+cores). A batch served before them costs them a call of their own, and every later round, since
+their rounds then run behind (measured, 64 agents x 4 calls: 12 + 52, 12 + 53, 64, 63 instead of
+four 64s). A run doing its own work for longer than a call is not waited for, and the wait is at
+most one call, which is what serving them apart would cost. The engine is only ever called from that
 thread, so the engines need no locking of their own, and while the trainer waits for the agents
 nothing else touches it.
 
@@ -57,9 +67,10 @@ class EngineClosed(RuntimeError):
 
 
 class Batcher:
-    def __init__(self, engine, *, window_s: float, max_batch: int, live: Callable[[], int] = lambda: 0):
+    def __init__(self, engine, *, window_s: float, max_batch: int, live: Callable[[], int] = lambda: 0,
+                 due: Callable[[float], int] = lambda horizon: 0):
         self.engine, self.window_s, self.max_batch = engine, float(window_s), int(max_batch)
-        self.live = live
+        self.live, self.due = live, due
         self._queue: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._spec: Optional[SamplingSpec] = None
         self._calls = 0
@@ -99,12 +110,20 @@ class Batcher:
                 return self._drain()
             batch, start = [first], time.monotonic()
             gap = max(self.window_s, 0.02 * self._last_call_s)
+            patience = max(10 * gap, self._last_call_s)  # for due runs: one call's time at most
             stop = False
             while len(batch) < min(self.max_batch, self.live() or self.max_batch):
-                wait = min(gap, start + 10 * gap - time.monotonic())
+                now = time.monotonic()
+                patient = now < start + patience and self.due(self._last_call_s) > 0
+                if patient:  # re-asked every gap (50 ms at least): a due run may stop being due
+                    wait = min(start + patience - now, max(gap, 0.05))
+                else:
+                    wait = min(gap, start + 10 * gap - now)
                 try:
                     nxt = self._queue.get(timeout=max(wait, 0.0))
                 except queue.Empty:
+                    if patient:
+                        continue
                     break
                 if nxt is None:
                     stop = True

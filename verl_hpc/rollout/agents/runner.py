@@ -87,7 +87,8 @@ class AgentRunner:
         self._loaded: Dict[str, Any] = {}
         self.sessions: Dict[str, Session] = {}
         self.batcher = Batcher(engine, window_s=a.batch_window_ms / 1000.0, max_batch=a.max_batch,
-                               live=lambda: len(self.sessions))
+                               live=lambda: len(self.sessions),
+                               due=self._due)
         self.service = AgentService(self.batcher, tokenizer, model_name=a.model_name,
                                     max_tokens=options.max_tokens, window=engine.window)
         # a connection idle longer than a whole run belongs to a run that ended
@@ -101,6 +102,11 @@ class AgentRunner:
             logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         log.info("agent endpoint on rank %d: http://%s:%d (loopback only; %d runs at once, batching window %g ms)",
                  self.rank, self.server.host, self.server.port, a.concurrency, a.batch_window_ms)
+
+    def _due(self, horizon: float) -> int:
+        """Live runs whose next request is likely on its way (Session.due): the batcher waits for them."""
+        now = time.monotonic()
+        return sum(s.due(now, horizon) for s in list(self.sessions.values()))
 
     # ------------------------------------------------------------------ one batch
     def generate(self, prompts, sampling) -> RolloutResult:

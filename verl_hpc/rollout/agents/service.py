@@ -45,6 +45,8 @@ class Session:
         self.reused = 0  # chat calls whose history was the endpoint's own ids
         self.lock = threading.Lock()
         self._order = 0
+        self._in_flight = 0  # calls admitted and not yet answered
+        self._answered = time.monotonic()  # when its last call was answered
 
     def admit(self) -> int:
         with self.lock:
@@ -56,6 +58,7 @@ class Session:
                 raise BadRequest(f"more than agent.max_calls = {self.max_calls} model calls in one run",
                                  status=429, code="too_many_calls")
             self._order += 1
+            self._in_flight += 1
             return self._order
 
     def record(self, call: Call, chat: Optional[ChatCall] = None, reused: bool = False) -> None:
@@ -65,6 +68,16 @@ class Session:
                 if chat is not None:
                     self.chats.append(chat)
                 self.reused += reused
+
+    def due(self, now: float, horizon: float) -> bool:
+        """Running, with no call in flight, and either not yet called the model or answered less than
+        `horizon` seconds ago: its next request is likely on its way (the batcher waits for it)."""
+        return self.open and not self._in_flight and (self._order == 0 or now - self._answered < horizon)
+
+    def answered(self) -> None:
+        with self.lock:
+            self._in_flight -= 1
+            self._answered = time.monotonic()
 
     def close(self) -> None:
         with self.lock:
@@ -90,10 +103,13 @@ class AgentService:
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
         order = session.admit()
-        with session.lock:
-            history = list(session.chats)
-        prompt_ids, reused = self.chat.prompt_ids(messages, tools, history)
-        sampled = self._sample(prompt_ids, max_tokens, stop)
+        try:
+            with session.lock:
+                history = list(session.chats)
+            prompt_ids, reused = self.chat.prompt_ids(messages, tools, history)
+            sampled = self._sample(prompt_ids, max_tokens, stop)
+        finally:
+            session.answered()
         message, has_calls = self.chat.reply(sampled.ids, stop)
         call = Call(prompt_ids, sampled.ids, sampled.logprobs, sampled.finish_reason, order)
         session.record(call, ChatCall(messages, tools, recorded_reply(message), prompt_ids, sampled.ids), reused)
@@ -116,7 +132,10 @@ class AgentService:
         if not prompt_ids:
             raise BadRequest("prompt is empty", param="prompt")
         order = session.admit()
-        sampled = self._sample(prompt_ids, max_tokens, stop)
+        try:
+            sampled = self._sample(prompt_ids, max_tokens, stop)
+        finally:
+            session.answered()
         session.record(Call(prompt_ids, sampled.ids, sampled.logprobs, sampled.finish_reason, order))
         text = cut_at_stop(self.tokenizer.decode(sampled.ids, skip_special_tokens=True), stop)
         return self._envelope("text_completion", {"index": 0, "text": text, "finish_reason": sampled.finish_reason,
