@@ -79,20 +79,18 @@ container:
 # The container tests build a 4 GB image (tens of minutes on a fresh machine): they run in their
 # own target, not in `make test`, which CI runs within its 90 minutes on 2 cores.
 # --durations=25: the slowest tests, so that a test that grows is seen when it grows.
-# `make test`: the unit and job tiers (in-process tests and one-rank jobs) on TEST_WORKERS
-# pytest-xdist workers, then the dist and Slurm tiers one test at a time (their multi-rank jobs take
-# the cores themselves), all but
-# the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs both
-# (`make test-all`, the README's command). docs/testing.md, "Targets".
+# `make test`: every tier in one pytest run on TEST_WORKERS pytest-xdist workers (one thread each),
+# all but the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs
+# both (`make test-all`, the README's command). `--dist loadgroup`: a dist module's tests stay on one
+# worker (its module fixture launches ranks once), the Slurm tier is one group (one submission at a
+# time), and tests/conftest.py collects those first so the longest groups start first and the short
+# tests fill in beside them. docs/testing.md, "Targets". A TEST_MARKERS that selects nothing
+# (pytest's exit 5, "no tests collected") is no failure.
 TEST_MARKERS ?= not container and not long
 TEST_WORKERS ?= 2
-# Both parts run whatever the first gives, and the target fails if either did; a part that
-# TEST_MARKERS leaves empty (pytest's exit 5, "no tests collected") is no failure.
 test: venv cluster
-	@rc=0; \
-	$(BIN)/python -m pytest tests/unit tests/jobs -n $(TEST_WORKERS) -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
-	$(BIN)/python -m pytest tests/dist tests/slurm -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ] || rc=1; \
-	exit $$rc
+	$(BIN)/python -m pytest tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadgroup \
+	  -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-long: venv cluster
 	$(BIN)/python -m pytest -m "long and not container" --durations=25 $(PYTEST_ARGS)

@@ -33,6 +33,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"unit": "unit", "jobs": "job", "dist": "dist", "slurm": "slurm", "container": "container"}
+# Under pytest-xdist's `--dist loadgroup` (make test), a group runs on one worker, in order: a dist
+# module's tests together, so that its module fixture (a launch of 2-4 ranks) is built once; the
+# Slurm tier as one group, one submission at a time on the one dev cluster. Other tests spread one
+# by one.
+XDIST_GROUPS = {"dist": lambda item: item.module.__name__, "slurm": lambda item: "slurm"}
+# Collected first, so that the longest groups start first and the short tests fill in beside them.
+FIRST = ("slurm", "dist", "jobs")
 
 
 def pytest_itemcollected(item):
@@ -42,6 +49,8 @@ def pytest_itemcollected(item):
         raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
                                 f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
     item.add_marker(FOLDER_MARKERS[folder])
+    if folder in XDIST_GROUPS:
+        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[folder](item)))
     if "terminal_sigint" in getattr(item, "fixturenames", ()):
         item.add_marker("signals")  # make test-portable runs them with SIGINT ignored
 
@@ -56,6 +65,8 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    tier = {m: k for k, m in enumerate(FIRST)}
+    items.sort(key=lambda item: tier.get(Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0], len(FIRST)))
     if _has_cuda():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA device on this machine")
