@@ -31,7 +31,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 from arch_matrix import HELD_OUT, make_arch  # noqa: E402
-from jobs import MOVING, data_overrides, logs, make_assets, run_here, run_job, small  # noqa: E402
+from jobs import MOVING, data_overrides, make_assets, metrics, run_here, run_job, small  # noqa: E402
 
 TIED = ("gpt2", "bloom", "gemma2", "cohere2", "falcon")  # as the suite's jobs build them
 STEPS = 3
@@ -55,7 +55,9 @@ def error_line(text: str) -> str:
 
 def job_verdict(proc, summary, out: Path) -> tuple:
     if proc.returncode == 0 and summary and summary.get("steps") == STEPS:
-        return "OK", f"{STEPS} steps"
+        gaps = [r["rollout/logprob_diff_mean"] for r in metrics(out) if "rollout/logprob_diff_mean" in r]
+        gap = f"; rollout vs update log-probs <= {max(gaps):.1e}" if gaps else ""
+        return "OK", f"{STEPS} steps{gap}"
     text = proc.stdout + proc.stderr + "".join(f.read_text(errors="replace") for f in out.glob("logs/**/*.log"))
     return "FAIL", f"exit {proc.returncode}: {error_line(text)}"
 
@@ -139,7 +141,8 @@ def markdown(rows, command: str) -> str:
             if c == "vLLM job" and verdict == "CLEAR" and " cannot serve " in text:  # the verdict's reason again
                 text = text[:text.index(" cannot serve ")] + " cannot serve model.path ...` (the reason in column vLLM)"
                 text = "`" + text
-            cells.append(verdict if verdict == "OK" else f"{verdict}: {text}".replace("|", "\\|"))
+            shown = text if c in ("HF job", "vLLM job", "export") or verdict != "OK" else ""
+            cells.append(f"{verdict}: {shown}".replace("|", "\\|") if shown else verdict)
         body += f"| {r['arch']} | " + " | ".join(cells) + " |\n"
     return f"{head}{body}\n(`{command}`)\n"
 
