@@ -3,7 +3,8 @@ families of verl_hpc.models.tiny) through what a user does with a model folder, 
 (refused before the queue in one line, quoted) or FAIL (the error):
 
     vLLM        the support verdict before the queue (rollout/vllm_support.py, which asks vLLM itself)
-    HF job      3 GRPO steps on the FSDP engine, rollout.engine=hf, one rank
+    HF job      3 GRPO steps on the FSDP engine, rollout.engine=hf, one rank; OK where every step's
+                rollout log-probs equal the update's forward within GAP_TOL (mean over the tokens)
     vLLM job    the same with rollout.engine=vllm through `submit --local`: OK where the verdict says
                 vLLM serves the folder, else it must end in the submitter with the verdict's one line
     2 ranks     3 steps at 2 ranks through `submit --local` (HF rollout)
@@ -36,6 +37,7 @@ from jobs import MOVING, data_overrides, make_assets, metrics, run_here, run_job
 TIED = ("gpt2", "bloom", "gemma2", "cohere2", "falcon")  # as the suite's jobs build them
 STEPS = 3
 EXPORT_TOL = 1e-5
+GAP_TOL = 1e-4  # the mean |rollout - update| log-prob of a step; fp32 rollouts of the same weights: ~1e-7
 IDS = [[5, 60, 61, 70, 9, 200, 201, 33, 34, 35, 36, 400], list(range(100, 112))]
 COLUMNS = ("vLLM", "HF job", "vLLM job", "2 ranks", "export")
 
@@ -56,8 +58,11 @@ def error_line(text: str) -> str:
 def job_verdict(proc, summary, out: Path) -> tuple:
     if proc.returncode == 0 and summary and summary.get("steps") == STEPS:
         gaps = [r["rollout/logprob_diff_mean"] for r in metrics(out) if "rollout/logprob_diff_mean" in r]
-        gap = f"; rollout vs update log-probs <= {max(gaps):.1e}" if gaps else ""
-        return "OK", f"{STEPS} steps{gap}"
+        if not gaps:
+            return "FAIL", "no rollout/logprob_diff_mean in metrics.jsonl"
+        if max(gaps) > GAP_TOL:  # exit 0, but the rollout sampled from another model than the trained one
+            return "FAIL", f"{STEPS} steps, but rollout vs update log-probs {', '.join(f'{g:.1e}' for g in gaps)}"
+        return "OK", f"{STEPS} steps; rollout vs update log-probs <= {max(gaps):.1e}"
     text = proc.stdout + proc.stderr + "".join(f.read_text(errors="replace") for f in out.glob("logs/**/*.log"))
     return "FAIL", f"exit {proc.returncode}: {error_line(text)}"
 
