@@ -412,7 +412,7 @@ class FsdpEngine(TrainingEngine):
         """(HF name, full tensor) on every rank, one parameter at a time (each an all-gather over
         the mesh), in the model's parameter order, under the checkpoint's names (an MoE model's
         fused experts one tensor per expert and matrix, as the folder stores them and the rollouts
-        load them); under LoRA the merged weights."""
+        load them), then the persistent buffers; under LoRA the merged weights."""
         with self.resident("forward"):
             if self.lora is not None:
                 from verl_hpc.engines.fsdp.lora import merged_weights
@@ -421,6 +421,11 @@ class FsdpEngine(TrainingEngine):
                 return
             for name, p in self.model.named_parameters():
                 yield from checkpoint_tensors(self.model, name, _full(p))
+            # a persistent buffer is a checkpoint tensor too (DeepSeek-V3's router bias), whole on every rank
+            for module_name, module in self.model.named_modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf is not None and name not in module._non_persistent_buffers_set:
+                        yield f"{module_name}.{name}" if module_name else name, buf.detach()
 
     def state(self) -> EngineState:
         if not self.offloader.any:
