@@ -7,6 +7,7 @@ tests/unit/checkpoint/test_ckpt_fsdp_export.py, tests/unit/engines/test_eng_resu
     meta = save(eng, root, step, layout)               # the checkpointer's files, under actor/
     load(eng, root / "step_000001")                    # the checkpointer's resume path
     folder = tiny_unmapped_model(out, "olmo2")         # an architecture Megatron does not map
+    gap, moved = export_gap(folder, ckpt, work, ids)   # export --hf in transformers vs the resumed engine
 
 Used from the pytest side (tests/ is on sys.path there) and from rank scripts (which put tests/
 on sys.path themselves).
@@ -172,3 +173,31 @@ def grpo_policy_batch(groups=4, n=2, prompt=7, seed=5):
     g, mask = torch.Generator().manual_seed(seed + 1), b["response_mask"]
     return dict(b, old_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask,
                 ref_log_probs=(-6.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask)
+
+
+def export_gap(model, ckpt, work, ids) -> tuple:
+    """`checkpoint export --hf` of the checkpoint `ckpt` (a job's, trained from the folder `model`)
+    into work/hf, loaded in transformers, against the FSDP engine resumed from `ckpt` at one rank
+    (its checkpoints load at any rank count): (max |export - engine| of the logits of `ids`,
+    max |start - engine|: how far training moved the model, so that a gap of 0 means something)."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.checkpoint.hf_export import export_hf
+
+    work, ids = Path(work), torch.as_tensor(ids)
+    export_hf(ckpt, work / "hf")
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()(ids).logits
+        before = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()(ids).logits
+    with one_rank_world(work / "world"):
+        eng = engine("fsdp", model)
+        load(eng, ckpt)
+        eng.model.eval()
+        with torch.no_grad():
+            want = eng.model(input_ids=ids).logits.detach().clone()
+        del eng
+        gc.collect()
+    return float((got - want).abs().max()), float((before - want).abs().max())

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from verl_hpc.config.errors import ConfigError
 # HF architecture -> family (the table lives in the config layer, for the engine choice)
@@ -268,6 +268,45 @@ def hf_router_name(family: str) -> str:
             else "model.layers.{i}.mlp.gate.weight")
 
 
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+
+
+def _family(model) -> Optional[str]:
+    """The MoE family of a transformers model, also once FSDP wraps it (fully_shard makes a
+    subclass of the model's class: `FSDPMixtralForCausalLM`)."""
+    return next((MOE_ARCHITECTURES[c.__name__] for c in type(model).__mro__ if c.__name__ in MOE_ARCHITECTURES),
+                None)
+
+
+def fused_experts(model) -> bool:
+    """Whether `model` (transformers) keeps an MoE family's experts fused in memory, under other
+    names than its checkpoint's (checkpoint_views, checkpoint_tensors)."""
+    return _family(model) is not None
+
+
+def checkpoint_tensors(model, name: str, tensor) -> Iterator[Tuple[str, Any]]:
+    """The checkpoint's (name, tensor) pairs that hold the model's parameter `name` (`tensor`: its
+    full value): a fused expert tensor as one tensor per expert and matrix, Mixtral's router under
+    `block_sparse_moe`; any other parameter as it is. What a rollout loads and a folder stores."""
+    family = _family(model)
+    m = _FUSED.match(name) if family else None
+    if m is None:
+        yield name, tensor
+        return
+    layer, what = int(m.group(1)), m.group(2)
+    if what == "gate.weight":
+        yield hf_router_name(family).format(i=layer), tensor
+        return
+    names = hf_expert_names(family)
+    ffn = tensor.shape[1] // 2
+    for e in range(tensor.shape[0]):
+        if what == "experts.down_proj":
+            yield names["down"].format(i=layer, e=e), tensor[e]
+        else:
+            yield names["gate"].format(i=layer, e=e), tensor[e, :ffn]
+            yield names["up"].format(i=layer, e=e), tensor[e, ffn:]
+
+
 def checkpoint_views(model) -> Dict[str, Any]:
     """{checkpoint name: writable view} for the experts and routers of a transformers MoE model,
     whose in-memory layout differs from its checkpoint's: transformers 5 fuses a layer's experts
@@ -275,24 +314,7 @@ def checkpoint_views(model) -> Dict[str, Any]:
     [E, H, F]) and converts on load, and names Mixtral's `block_sparse_moe` `mlp`. Copying a
     checkpoint-named tensor into its view updates the model as loading that checkpoint would
     (HFRollout's weight updates). Empty for a dense model."""
-    family = MOE_ARCHITECTURES.get(type(model).__name__)
-    if family is None:
+    if not fused_experts(model):
         return {}
-    names = hf_expert_names(family)
-    out: Dict[str, Any] = {}
-    for name, param in model.named_parameters():
-        m = re.match(r"^model\.layers\.(\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$", name)
-        if m is None:
-            continue
-        layer, what = int(m.group(1)), m.group(2)
-        if what == "gate.weight":
-            out[hf_router_name(family).format(i=layer)] = param
-        elif what == "experts.down_proj":
-            for e in range(param.shape[0]):
-                out[names["down"].format(i=layer, e=e)] = param[e]
-        else:
-            ffn = param.shape[1] // 2
-            for e in range(param.shape[0]):
-                out[names["gate"].format(i=layer, e=e)] = param[e, :ffn]
-                out[names["up"].format(i=layer, e=e)] = param[e, ffn:]
-    return out
+    return {ckpt: view for name, param in model.named_parameters() if _FUSED.match(name)
+            for ckpt, view in checkpoint_tensors(model, name, param)}

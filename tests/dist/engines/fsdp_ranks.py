@@ -4,7 +4,8 @@ compares (`<check>.pt`: forward outputs, the weights after one step); every rank
 check's metrics and how many empty micro-batches it ran (rank{r}.json, eng_ranks.main).
 
     forward        the actor's log-probs and entropy (temperature 0.7)
-    fixed.<model>  one train_step, fixed micro-batches of 2 rows (llama, tied qwen2)
+    fixed.<model>  one train_step, fixed micro-batches of 2 rows (llama, tied qwen2, and the held-out
+                   architectures the test names: one launch covers them too)
     budget         the same batch in micro-batches of a token budget
     uneven         5 rows (so some rank runs an empty micro-batch), one per micro-batch, clipped
     hsdp           4 ranks only: fsdp.shard_size = 2 (2 replicas x 2 shards), the fixed batch
@@ -84,7 +85,7 @@ def scenario(args, workdir, out: dict) -> None:
         _save(workdir, "forward", eng.forward(data["batch"]))
 
     timed("forward", forward)
-    for model in ("llama", "qwen2"):
+    for model in args["fixed"]:
         checks[f"fixed.{model}"] = timed(f"fixed.{model}", check_update, args, workdir, f"fixed.{model}", model,
                                          data["batch"], optim)
     checks["budget"] = timed("budget", check_update, args, workdir, "budget", "llama", data["batch"], optim,

@@ -8,6 +8,8 @@ one step:
     uneven                     5 rows over 2 or 4 ranks, one row per micro-batch: some rank runs an
                                empty micro-batch (and at 4 ranks, three of them); the gradient clipped
     hsdp                       4 ranks as 2 replicas x 2 shards (fsdp.shard_size = 2)
+    fixed.gpt2, fixed.gemma2   held-out architectures (tests/arch_matrix.py), tied: GPT-2's Conv1D
+                               layers sharded, Gemma 2's sliding window (6 tokens) past which rows run
 
 and a vision-language model (a tiny Qwen2.5-VL, image rows and a text row, one row per micro-batch,
 the vision tower frozen): 2 and 4 ranks equal 1 rank within WEIGHT_TOL after one step (a trained
@@ -20,6 +22,7 @@ tests/unit/engines/test_fsdp_engine.py; the one-rank checks of the engine's othe
 import pytest
 import torch
 
+from arch_matrix import make_arch
 from fsdp_ranks import launch
 from update_reference import hf_forward64, hf_update64, max_diff, policy_batch
 from vlm_reference import image_batch
@@ -32,11 +35,13 @@ CLIP = 0.3  # the uneven check's max gradient norm: below its gradient's (assert
 ACTOR = dict(ppo_mini_batch_size=8, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
 MODELS = {"llama": dict(family="llama", layers=2, vocab_size=502),
           "qwen2": dict(family="qwen2", tied=True, layers=2, vocab_size=502, seed=1)}
-CHECKS = ("fixed.llama", "fixed.qwen2", "budget", "uneven")
+HELD_OUT = ("gpt2", "gemma2")  # built by tests/arch_matrix.py, tied as released
+CHECKS = ("fixed.llama", "fixed.qwen2", "budget", "uneven", "fixed.gpt2", "fixed.gemma2")
 # check -> (model, batch, clipped)
 REFERENCE_OF = {"fixed.llama": ("llama", "batch", False), "fixed.qwen2": ("qwen2", "batch", False),
                 "budget": ("llama", "batch", False), "uneven": ("llama", "uneven", True),
-                "hsdp": ("llama", "batch", False)}
+                "hsdp": ("llama", "batch", False), "fixed.gpt2": ("gpt2", "batch", False),
+                "fixed.gemma2": ("gemma2", "batch", False)}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +55,7 @@ def run(tmp_path_factory):
 
     folders = {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
     folders["vlm"] = make_tiny_vlm(root / "vlm", "qwen2_5_vl")
+    folders.update({arch: make_arch(root / arch, arch, tied=True) for arch in HELD_OUT})
     vlm_batch, _ = image_batch(folders["vlm"], seed=3, sizes=((70, 100), None, (56, 56), (84, 60, 60, 84), (56, 84)))
     data = {"batch": policy_batch(21, n=8), "uneven": policy_batch(22, n=5), "vlm": vlm_batch}
     loss = PolicyObjective.from_config(ActorConfig(**ACTOR))
@@ -58,8 +64,8 @@ def run(tmp_path_factory):
         model, batch, clipped = key
         optim = OptimConfig(**dict(OPTIM, clip_grad=CLIP if clipped else 0.0))
         refs[key] = hf_update64(folders[model], data[batch], loss, optim, TEMPERATURE)
-    args = dict(models={k: str(v) for k, v in folders.items()}, optim=OPTIM, clip_grad=CLIP, actor=ACTOR,
-                temperature=TEMPERATURE, max_tokens=24)
+    args = dict(models={k: str(v) for k, v in folders.items()}, fixed=["llama", "qwen2", *HELD_OUT], optim=OPTIM,
+                clip_grad=CLIP, actor=ACTOR, temperature=TEMPERATURE, max_tokens=24)
     ranks = {}
     for world in WORLDS:
         work = root / f"world{world}"

@@ -54,6 +54,7 @@ from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
 import verl_hpc.engines.fsdp.ulysses as ulysses
 from verl_hpc.engines.roles import rows_to_run
+from verl_hpc.models.moe import checkpoint_tensors, fused_experts
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,8 @@ class FsdpEngine(TrainingEngine):
         """For the sliced weight sync (verl_hpc.resharding.sync): a context giving this rank's
         shards as a holdings view (holdings.py); None under LoRA, whose merged weights exist
         only gathered (the sync then takes the full path or the adapter-only one)."""
-        return None if self.lora is not None else self._holdings
+        # a fused-expert MoE model's parameters are not its checkpoint's tensors: the full path splits them
+        return None if self.lora is not None or fused_experts(self.model) else self._holdings
 
     @contextlib.contextmanager
     def _holdings(self):
@@ -408,7 +410,9 @@ class FsdpEngine(TrainingEngine):
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(HF name, full tensor) on every rank, one parameter at a time (each an all-gather over
-        the mesh), in the model's parameter order; under LoRA the merged weights."""
+        the mesh), in the model's parameter order, under the checkpoint's names (an MoE model's
+        fused experts one tensor per expert and matrix, as the folder stores them and the rollouts
+        load them), then the persistent buffers; under LoRA the merged weights."""
         with self.resident("forward"):
             if self.lora is not None:
                 from verl_hpc.engines.fsdp.lora import merged_weights
@@ -416,7 +420,12 @@ class FsdpEngine(TrainingEngine):
                 yield from merged_weights(self)
                 return
             for name, p in self.model.named_parameters():
-                yield name, _full(p)
+                yield from checkpoint_tensors(self.model, name, _full(p))
+            # a persistent buffer is a checkpoint tensor too (DeepSeek-V3's router bias), whole on every rank
+            for module_name, module in self.model.named_modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf is not None and name not in module._non_persistent_buffers_set:
+                        yield f"{module_name}.{name}" if module_name else name, buf.detach()
 
     def state(self) -> EngineState:
         if not self.offloader.any:
