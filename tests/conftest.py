@@ -7,8 +7,9 @@
 - The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
   start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
 - Every test has a time budget (tests/time_budget.py, whose hooks are imported here): over it, it fails.
-- `long` (soak runs, chains of launches, two-node jobs) is left to `make test-long`; the unit tier
-  and the job tier run on 2 pytest-xdist workers in `make test` (one thread each).
+- `long` (soak runs, chains of launches, two-node jobs) is left to `make test-long`; `make test`
+  runs every tier on 2 pytest-xdist workers (one thread each), a dist module or the Slurm tier
+  on one worker (`XDIST_GROUPS`).
 - A test of Ctrl-C asks for `terminal_sigint`: the suite may be started with SIGINT ignored (a
   shell's background job, `nohup make test &`, some CI runners), and no verdict may depend on that.
 """
@@ -26,7 +27,7 @@ from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
 # (and every figure a learning test asserts) is the same in every session.
 for _name, _value in REPRODUCIBLE_CPU.items():
     os.environ.setdefault(_name, _value)
-# `make test` runs the unit and job tiers on 2 pytest-xdist workers: one thread each, so that the two do
+# `make test` runs on 2 pytest-xdist workers: one thread each in the tests' own process, so that the two do
 # not share the 2 cores 4 ways (a test's verdict holds at any thread count: `make test-portable`)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
