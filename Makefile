@@ -81,15 +81,15 @@ container:
 # --durations=25: the slowest tests, so that a test that grows is seen when it grows.
 # `make test`: every tier in one pytest run on TEST_WORKERS pytest-xdist workers (one thread each),
 # all but the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs
-# both (`make test-all`, the README's command). `--dist loadgroup`: a dist module's tests stay on one
-# worker (its module fixture launches ranks once), the Slurm tier is one group (one submission at a
-# time), and tests/conftest.py collects those first so the longest groups start first and the short
-# tests fill in beside them. docs/testing.md, "Targets". A TEST_MARKERS that selects nothing
-# (pytest's exit 5, "no tests collected") is no failure.
+# both (`make test-all`, the README's command). `--dist loadscope`: a module's tests stay on one
+# worker (a dist module's fixture launches its ranks once), and tests/conftest.py collects the Slurm,
+# dist and job tiers first, so the longest modules start first and the unit tests fill in at the end.
+# docs/testing.md, "Targets". A TEST_MARKERS that selects nothing (pytest's exit 5, "no tests
+# collected") is no failure.
 TEST_MARKERS ?= not container and not long
 TEST_WORKERS ?= 2
 test: venv cluster
-	$(BIN)/python -m pytest tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadgroup \
+	$(BIN)/python -m pytest tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadscope \
 	  -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-long: venv cluster

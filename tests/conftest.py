@@ -8,8 +8,7 @@
   start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
 - Every test has a time budget (tests/time_budget.py, whose hooks are imported here): over it, it fails.
 - `long` (soak runs, chains of launches, two-node jobs) is left to `make test-long`; `make test`
-  runs every tier on 2 pytest-xdist workers (one thread each), a dist module or the Slurm tier
-  on one worker (`XDIST_GROUPS`).
+  runs every tier on 2 pytest-xdist workers (one thread each), a module's tests on one worker.
 - A test of Ctrl-C asks for `terminal_sigint`: the suite may be started with SIGINT ignored (a
   shell's background job, `nohup make test &`, some CI runners), and no verdict may depend on that.
 """
@@ -34,12 +33,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS = {"unit": "unit", "jobs": "job", "dist": "dist", "slurm": "slurm", "container": "container"}
-# Under pytest-xdist's `--dist loadgroup` (make test), a group runs on one worker, in order: a dist
-# module's tests together, so that its module fixture (a launch of 2-4 ranks) is built once; the
-# Slurm tier as one group, one submission at a time on the one dev cluster. Other tests spread one
-# by one.
-XDIST_GROUPS = {"dist": lambda item: item.module.__name__, "slurm": lambda item: "slurm"}
-# Collected first, so that the longest groups start first and the short tests fill in beside them.
+# Under pytest-xdist's `--dist loadscope` (make test) a module's tests run on one worker, so that a
+# dist module's fixture (a launch of 2-4 ranks) is built once. (Not `loadgroup`: xdist 3.8 groups by
+# renaming `item._nodeid`, which pytest 9 no longer reads, so its groups silently fall apart.)
+# Collected first, so that the longest modules start first and the unit tests fill in at the end.
 FIRST = ("slurm", "dist", "jobs")
 
 
@@ -50,8 +47,6 @@ def pytest_itemcollected(item):
         raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
                                 f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
     item.add_marker(FOLDER_MARKERS[folder])
-    if folder in XDIST_GROUPS:
-        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS[folder](item)))
     if "terminal_sigint" in getattr(item, "fixturenames", ()):
         item.add_marker("signals")  # make test-portable runs them with SIGINT ignored
 
