@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,7 @@ def main(argv=None) -> None:
     calls_before = runner.batcher.generate_calls
     runner.close()
     engine.close()
+    shutil.rmtree(folder, ignore_errors=True)  # the model folder: made for this run only
     med = {k: statistics.median(v) for k, v in times.items()}
     for k in ("direct", "endpoint"):
         print(f"{k:9s} {requests / med[k]:8.1f} requests/s {tokens / med[k]:9.1f} tokens/s "
