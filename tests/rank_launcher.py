@@ -5,7 +5,8 @@ rank wrote: the one launcher of the tests/dist/*/*_ranks.py scripts.
     port, procs = start_ranks(SCRIPT, 4, args, workdir, argv=["kill_during_save"])  # to kill -9 them
 
 Each rank runs `python SCRIPT *argv WORKDIR` from the repository root with torchrun's variables
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port), one OpenMP
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a rendezvous store this
+process serves, as torchrun's agent does), one OpenMP
 thread (2 cores shared by all ranks), vLLM in-process, outside any Slurm job the test itself may
 run in, and its output in WORKDIR/rank{r}.log. `args` go to WORKDIR/args.json; each rank leaves
 WORKDIR/rank{r}.json. One deadline for all ranks: a rank that fails or is late gets every rank
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
-from verl_hpc.runtime.local_ranks import free_port, torchrun_env, wait_all
+from verl_hpc.runtime.local_ranks import host_store, torchrun_env, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,8 @@ def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "args.json").write_text(json.dumps(args))
-    port, procs = free_port(), []
+    store, procs = host_store(), []
+    port = store.port
     for rank in range(world_size):
         env = torchrun_env(rank, world_size, port, OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
                            PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
@@ -41,6 +43,8 @@ def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[
         with open(workdir / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, str(script), *argv, str(workdir)],
                                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    for proc in procs:
+        proc.rendezvous_store = store  # served for as long as anyone holds the ranks
     return port, procs
 
 

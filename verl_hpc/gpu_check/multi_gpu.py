@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verl_hpc.runtime.local_ranks import free_port, torchrun_env, wait_all
+from verl_hpc.runtime.local_ranks import host_store, torchrun_env, wait_all
 
 WORLD = 2
 TIMEOUT_S = 420
@@ -35,10 +35,10 @@ def run_two_ranks(out: Path, model_path: str, rehearsal: bool, dtype: str, timeo
     work = Path(out) / name
     work.mkdir(parents=True, exist_ok=True)
     (work / "args.json").write_text(json.dumps({"model_path": model_path, "rehearsal": rehearsal, "dtype": dtype}))
-    port, procs = free_port(), []
+    store, procs = host_store(), []  # held until the ranks end
     root = Path(__file__).resolve().parents[2]
     for rank in range(WORLD):
-        env = torchrun_env(rank, WORLD, port,
+        env = torchrun_env(rank, WORLD, store.port,
                            PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         if rehearsal:
             env["OMP_NUM_THREADS"] = "1"  # two CPU ranks share the machine's cores

@@ -3,12 +3,13 @@ need each rank's process by handle and its own log file (the GPU kit's two-rank 
 multi-rank tests). A job itself starts its local ranks with torch's elastic launcher
 (verl_hpc.launcher.local), which is the product path.
 
-    port = free_port()
-    env = torchrun_env(rank, world_size, port)       # RANK, WORLD_SIZE, LOCAL_*, MASTER_*
+    store = host_store()                             # served here, as torchrun's agent does
+    env = torchrun_env(rank, world_size, store.port) # RANK, WORLD_SIZE, LOCAL_*, MASTER_*
     failed = wait_all(procs, timeout_s)              # one deadline; late ranks killed
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
@@ -23,12 +24,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def host_store(timeout_s: float = 900):
+    """The ranks' rendezvous store, served by the calling process as torchrun's agent serves it;
+    keep it referenced until the ranks end. The kernel gives it a port while it listens: with a
+    port from free_port() handed to rank 0 to open, any process of the machine (another test's
+    connection, say) can take it in between, and rank 0 fails with EADDRINUSE."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 def torchrun_env(rank: int, world_size: int, port: int, **extra: str) -> Dict[str, str]:
     """This process's environment plus torchrun's variables for one local rank of `world_size`,
-    without SLURM_JOB_ID (local ranks, also when the caller runs inside a Slurm job)."""
+    without SLURM_JOB_ID (local ranks, also when the caller runs inside a Slurm job). `port` is a
+    store the caller serves (host_store): the ranks join it as torchrun's agent store, as clients."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               **extra)
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", **extra)
     env.pop("SLURM_JOB_ID", None)
     return env
 

@@ -10,10 +10,11 @@ Why two default groups rather than one world with subgroups: Megatron-Core carve
 groups out of the default group and requires tp * pp * dp to equal its size, and vLLM's external
 launcher makes the default group its world; giving each side a default group of its own ranks
 lets both libraries run unchanged. Both groups, and the bridge between them, rendezvous through
-one TCP store that global rank 0 serves at MASTER_ADDR:MASTER_PORT + 1 (+1: under torchrun the
-agent's own store holds MASTER_PORT); the store is also the mailbox (small messages: batches of
-token ids, control flags), polled with `check` so that a wait can also watch for the other group
-failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
+one TCP store that global rank 0 serves on a port the kernel picks, whose number it passes on
+through the job's rendezvous store at MASTER_ADDR:MASTER_PORT (torchrun's agent serves that one,
+else rank 0; a fixed neighbour such as MASTER_PORT + 1 may be held by any process on the node);
+the store is also the mailbox (small messages: batches of token ids, control flags), polled with
+`check` so that a wait can also watch for the other group failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
 
 Faults: the store lives on global rank 0 (a rollout rank). If it dies, every store call of the
 training ranks fails at once, and `Mailbox` turns that into one line naming the rollout group; if
@@ -132,6 +133,23 @@ def _span(lo: int, hi: int) -> str:
     return f"global rank {lo}" if hi - lo == 1 else f"global ranks {lo}-{hi - 1}"
 
 
+SPLIT_PORT_KEY = "verl_hpc/split_store_port"
+
+
+def _split_store(env: LaunchEnv, timeout: datetime.timedelta):
+    """(the split store, the job's rendezvous store). Global rank 0 opens the split store on a port
+    the kernel gives it (no window in which another process can take the port) and publishes the
+    number in the job's store; the other ranks read it there and connect."""
+    url = f"tcp://{env.master_addr}:{env.master_port}"
+    job_store, _, _ = next(dist.rendezvous(url, rank=env.rank, world_size=env.world_size, timeout=timeout))
+    if env.rank == 0:
+        store = dist.TCPStore(env.master_addr, 0, env.world_size, True, timeout=timeout, wait_for_workers=False)
+        job_store.set(SPLIT_PORT_KEY, str(store.port))
+        return store, job_store
+    port = int(job_store.get(SPLIT_PORT_KEY))
+    return dist.TCPStore(env.master_addr, port, env.world_size, False, timeout=timeout), job_store
+
+
 @dataclasses.dataclass
 class SplitWorld:
     role: str
@@ -146,6 +164,7 @@ class SplitWorld:
     store_addr: tuple = ("", 0)
     device: Any = None  # this rank's torch device (NCCL moves device memory only)
     _weights_group: Any = None
+    _job_store: Any = None  # held: on global rank 0 outside torchrun it serves the rendezvous
 
     @property
     def train_ranks(self) -> int:
@@ -172,8 +191,7 @@ class SplitWorld:
         role = rank_role(env.rank, rollout_ranks)
         offset, size = (0, rollout_ranks) if role == "rollout" else (rollout_ranks, env.world_size - rollout_ranks)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(env.master_addr, env.master_port + 1, env.world_size, env.rank == 0,
-                              timeout=timeout)
+        store, job_store = _split_store(env, timeout)
         local = dataclasses.replace(env, rank=env.rank - offset, world_size=size)
         dist.init_process_group(backend=backend, store=dist.PrefixStore(f"{role}/", store),
                                 rank=local.rank, world_size=size, timeout=timeout,
@@ -181,7 +199,8 @@ class SplitWorld:
         me = f"{'rollout' if role == 'rollout' else 'training'} rank {local.rank}"
         world = cls(role=role, global_rank=env.rank, global_world=env.world_size, rollout_ranks=rollout_ranks,
                     local_env=local, store=store, mailbox=Mailbox(store, me, timeout_s), timeout_s=timeout_s,
-                    backend=backend, store_addr=(env.master_addr, env.master_port + 1), device=device)
+                    backend=backend, store_addr=(env.master_addr, store.port), device=device,
+                    _job_store=job_store)
         log.info("split placement: global rank %d is %s (%d rollout + %d training ranks)", env.rank,
                  world.name, rollout_ranks, world.train_ranks)
         return world

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.resharding.bridge import pack
-from verl_hpc.runtime.local_ranks import free_port
 from verl_hpc.runtime.split import Mailbox
 from verl_hpc.trainer.placement.elastic.channel import ElasticWeightServer
 
@@ -47,9 +46,9 @@ def wait_for(path: Path, proc, timeout=90):
 
 
 def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)
+    port = store.port
     current = {}
 
     def snapshot():
