@@ -33,24 +33,38 @@ def pushgateway(folder):
     exe = shutil.which(PUSHGATEWAY) or shutil.which(PUSHGATEWAY, path="/usr/bin:/usr/sbin")
     assert exe, (f"{PUSHGATEWAY} is not installed: `bash slurm/devcluster/start.sh` (make test runs it) "
                  f"or `apt-get install -y {PUSHGATEWAY}`")
-    port, log_path = free_port(), folder / "pushgateway.log"
-    with open(log_path, "w") as log:
-        # Debian's build persists to /var/lib/prometheus by default: this one keeps to memory
-        proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
-                                stdout=log, stderr=log)
+    proc, url = _start_pushgateway(exe, folder / "pushgateway.log")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _start_pushgateway(exe: str, log_path, tries: int = 3):
+    """(process, URL) of a ready gateway. Its port is found free here and bound by the gateway a
+    moment later: when another process took it in between, the gateway exits at once, and the
+    next try takes another port."""
+    for attempt in range(tries):
+        port = free_port()
+        with open(log_path, "w") as log:
+            # Debian's build persists to /var/lib/prometheus by default: this one keeps to memory
+            proc = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
+                                    stdout=log, stderr=log)
         url, deadline = f"http://127.0.0.1:{port}", time.time() + 60
-        try:
-            while True:
-                try:
-                    get(url + "/-/ready")
+        while True:
+            try:
+                get(url + "/-/ready")
+                return proc, url
+            except OSError:
+                if proc.poll() is not None:
+                    said = log_path.read_text()
+                    assert "address already in use" in said and attempt + 1 < tries, said
                     break
-                except OSError:
-                    assert proc.poll() is None and time.time() < deadline, log_path.read_text()
-                    time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+                if time.time() >= deadline:
+                    proc.kill()
+                    raise AssertionError(f"the Pushgateway was not ready in 60 s:\n{log_path.read_text()}")
+                time.sleep(0.2)
 
 
 def groups(url: str) -> list:
