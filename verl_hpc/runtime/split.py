@@ -14,7 +14,8 @@ one TCP store that global rank 0 serves on a port the kernel picks, whose number
 through the job's rendezvous store at MASTER_ADDR:MASTER_PORT (torchrun's agent serves that one,
 else rank 0; a fixed neighbour such as MASTER_PORT + 1 may be held by any process on the node);
 the store is also the mailbox (small messages: batches of token ids, control flags), polled with
-`check` so that a wait can also watch for the other group failing. Weights go over a real collective (gloo on CPU, NCCL on GPU), bucketed.
+`check` so that a wait can also watch for the other group failing. Weights go over a real
+collective (gloo on CPU, NCCL on GPU), bucketed.
 
 Faults: the store lives on global rank 0 (a rollout rank). If it dies, every store call of the
 training ranks fails at once, and `Mailbox` turns that into one line naming the rollout group; if
