@@ -45,8 +45,7 @@ def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
     assert sacct_states(job_id) == ["CANCELLED"] or sacct_states(job_id)[0].startswith("CANCELLED"), \
         sacct_states(job_id)
     assert len(sacct_states(job_id)) == 1, sacct_states(job_id)  # one attempt: never requeued
-    squeue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30)
-    assert squeue.stdout.strip() == "", squeue.stdout
+    _leaves_the_queue_without_coming_back(job_id)
     left = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes of the cancelled job still run: {left}"
     ckpts = out / "checkpoints"
@@ -56,6 +55,21 @@ def test_scancel_ends_cancelled_and_stays_ended(tiny_assets, tmp_path):
 
         with open_checkpoint(find_latest(ckpts)) as reader:
             assert reader.metadata["trainer_state"]["step"] >= 2
+
+
+def _leaves_the_queue_without_coming_back(job_id: str, timeout_s: float = 120) -> None:
+    """The job goes from the queue; until then it may only be completing (CG: slurmd still reaping
+    its processes and running the epilog, which on a loaded node outlasts KillWait). Queued or
+    running again (PD, R, ...) would be a requeue."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%t"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+        if state == "":
+            return
+        assert state == "CG", f"job {job_id} is {state} in squeue after its cancel: requeued or restarted"
+        assert time.monotonic() < deadline, f"job {job_id} still completing (CG) {timeout_s:.0f} s after its cancel"
+        time.sleep(1)
 
 
 def _kill_wait_s() -> int:
