@@ -83,14 +83,16 @@ container:
 # all but the `long` tests: soak runs and chains of launches, which `make test-long` runs; CI runs
 # both (`make test-all`, the README's command). `--dist loadscope`: a module's tests stay on one
 # worker (a dist module's fixture launches its ranks once), and tests/conftest.py collects the Slurm,
-# dist and job tiers first, so the longest modules start first and the unit tests fill in at the end.
+# dist and job tiers first, so the longest modules start first and the unit tests fill in at the end
+# (`--no-loadscope-reorder`: xdist would otherwise hand out the modules with the most tests first,
+# the quick unit modules, and leave the long dist modules for the end).
 # docs/testing.md, "Targets". A TEST_MARKERS that selects nothing (pytest's exit 5, "no tests
 # collected") is no failure.
 TEST_MARKERS ?= not container and not long
 TEST_WORKERS ?= 2
 test: venv cluster
 	$(BIN)/python -m pytest tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadscope \
-	  -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	  --no-loadscope-reorder -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-long: venv cluster
 	$(BIN)/python -m pytest -m "long and not container" --durations=25 $(PYTEST_ARGS)

@@ -36,7 +36,8 @@ FOLDER_MARKERS = {"unit": "unit", "jobs": "job", "dist": "dist", "slurm": "slurm
 # Under pytest-xdist's `--dist loadscope` (make test) a module's tests run on one worker, so that a
 # dist module's fixture (a launch of 2-4 ranks) is built once. (Not `loadgroup`: xdist 3.8 groups by
 # renaming `item._nodeid`, which pytest 9 no longer reads, so its groups silently fall apart.)
-# Collected first, so that the longest modules start first and the unit tests fill in at the end.
+# Collected first, and handed out in this order (make test: --no-loadscope-reorder), so that the
+# longest modules start first and the unit tests fill in at the end.
 FIRST = ("slurm", "dist", "jobs")
 
 
