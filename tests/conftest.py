@@ -4,14 +4,17 @@
   tests/dist -> dist, tests/slurm -> slurm, tests/container -> container): `make check` and
   `make test` select by marker, and a new test file needs no `pytestmark` line for it.
 - GPU tests skip only where no CUDA device exists; nothing else skips.
-- The tiny model and the synthetic task are built once per session (`tiny_assets`), the SFT warm
-  start too (`warm_assets`); every test that needs them shares the same folder (and adds nothing to it but files it builds once).
+- The tiny model and the synthetic task are built once per run (`tiny_assets`), the SFT warm
+  start too (`warm_assets`), by the first pytest-xdist worker that needs them; every test of every
+  worker shares the same folder (and adds nothing to it but files one module builds once).
 - Every test has a time budget (tests/time_budget.py, whose hooks are imported here): over it, it fails.
 - `long` (soak runs, chains of launches, two-node jobs) is left to `make test-long`; `make test`
   runs every tier on 2 pytest-xdist workers (one thread each), a module's tests on one worker.
 - A test of Ctrl-C asks for `terminal_sigint`: the suite may be started with SIGINT ignored (a
   shell's background job, `nohup make test &`, some CI runners), and no verdict may depend on that.
 """
+import contextlib
+import fcntl
 import os
 import signal
 from pathlib import Path
@@ -146,12 +149,31 @@ def failure_after():
     return _failure_after
 
 
+@contextlib.contextmanager
+def _first_builds(path: Path):
+    """Held while `path` is built: the pytest-xdist workers of one run share it, the first to come
+    builds it and the others wait for it (the builders skip what exists), instead of each worker
+    building its own (the SFT warm start is 2 minutes of CPU)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield path
+
+
+def _run_folder(tmp_path_factory) -> Path:
+    """The run's temporary folder, shared by its xdist workers (each has its own popen-gwN in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
-    """The 2-layer tiny model and the synthetic task (tests/jobs.py), built once per session."""
+    """The 2-layer tiny model and the synthetic task (tests/jobs.py), built once per run. Read
+    only: tests write their outputs in their own folders."""
     from jobs import make_assets
 
-    return make_assets(tmp_path_factory.getbasetemp() / "assets")
+    with _first_builds(_run_folder(tmp_path_factory) / "assets") as root:
+        return make_assets(root)
 
 
 @pytest.fixture(scope="session")
@@ -159,5 +181,6 @@ def warm_assets(tiny_assets):
     """`tiny_assets` plus the SFT warm start under `sft/hf` (about 40% greedy accuracy)."""
     from jobs import warm_start
 
-    warm_start(tiny_assets)
+    with _first_builds(tiny_assets / "sft"):
+        warm_start(tiny_assets)
     return tiny_assets
