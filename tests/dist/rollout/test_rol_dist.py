@@ -73,7 +73,9 @@ def test_tp2_and_two_tp1_replicas_match_transformers(tmp_path_factory):
     print(f"CPU shared-memory segments while TP=2 ran: {ours}")
     assert token == f"verlhpc-127.0.0.1-{port}"
     if ranks[0]["shm_op"]:  # vLLM's shared-memory communicator ran: its segments carry our job token
-        assert len(ours) == 2 and ours == ranks[0]["shm"], ranks[0]["shm"]
+        # (the list is the node's: a job of the other test worker maps segments under its own token;
+        # none may carry vLLM's default name, which two jobs on one node would share)
+        assert len(ours) == 2 and all(n.startswith("verlhpc-") for n in ranks[0]["shm"]), ranks[0]["shm"]
     else:  # this vLLM build has no shared-memory op: TP ran over torch.distributed, no segment at all
         print("this vLLM build has no CPU shared-memory op (torch.ops._C.init_shm_manager): TP=2 used torch.distributed")
         assert ranks[0]["shm"] == [], ranks[0]["shm"]

@@ -127,7 +127,9 @@ def test_each_failing_command_is_a_counted_sample_failure(engine, tok, scripts, 
     prompts = batch_of(len(BAD) + 1)
     for i, c in enumerate([*commands, good]):
         prompts.extras[i]["agent_command"] = c
-    with runner(engine, tok, scripts, "agent.timeout_s=4", "agent.max_calls=3") as r:
+    # 10 s: the sleeping command's limit, and room for the good one's 2 calls on a loaded machine
+    # (at 4 s, one full-suite run had it time out too)
+    with runner(engine, tok, scripts, "agent.timeout_s=10", "agent.max_calls=3") as r:
         with caplog.at_level("ERROR"):
             result = r.generate(prompts, default_spec(n=1, max_tokens=3, temperature=1.0))
         assert r.failures_total == len(BAD)
