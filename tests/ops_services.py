@@ -4,7 +4,6 @@ webhook, both on 127.0.0.1 on a free port, both gone when the `with` block ends.
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -13,13 +12,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from verl_hpc.runtime.local_ranks import free_port
+
 PUSHGATEWAY = "prometheus-pushgateway"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> str:
