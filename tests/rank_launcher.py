@@ -4,13 +4,20 @@ rank wrote: the one launcher of the tests/dist/*/*_ranks.py scripts.
     ranks = launch_ranks(SCRIPT, 2, args, workdir, what="resharding scenario")   # [rank0.json, ...]
     port, procs = start_ranks(SCRIPT, 4, args, workdir, argv=["kill_during_save"])  # to kill -9 them
 
-Each rank runs `python SCRIPT *argv WORKDIR` from the repository root with torchrun's variables
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a rendezvous store this
-process serves, as torchrun's agent does), one OpenMP
-thread (2 cores shared by all ranks), vLLM in-process, outside any Slurm job the test itself may
-run in, and its output in WORKDIR/rank{r}.log. `args` go to WORKDIR/args.json; each rank leaves
-WORKDIR/rank{r}.json. One deadline for all ranks: a rank that fails or is late gets every rank
-killed (our own children, by handle) and the tails of every log raised in one AssertionError.
+Each rank runs SCRIPT as `__main__` with argv `SCRIPT *argv WORKDIR`, from the repository root,
+with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT of a
+rendezvous store this process serves, as torchrun's agent does), one OpenMP thread (2 cores shared
+by all ranks), vLLM in-process, outside any Slurm job the test itself may run in, and its output in
+WORKDIR/rank{r}.log. `args` go to WORKDIR/args.json; each rank leaves WORKDIR/rank{r}.json. One
+deadline for all ranks: a rank that fails or is late gets every rank killed (our own children, by
+handle) and the tails of every log raised in one AssertionError.
+
+The ranks are forked from a fork server (multiprocessing's) that has imported torch, transformers
+and Megatron-Core once: a fresh interpreter spends about 5 s of CPU on those imports before a rank
+does anything, and the suite starts some 60 ranks on 2 cores. Each rank still gets the environment
+above as its own, its own process (killed, signalled and reaped by handle) and its own log; nothing
+of one rank outlives it. The product's own ranks (verl_hpc.launcher.local, torch's elastic
+launcher) are fresh interpreters, and the job tests run those.
 
 Not torch's elastic launcher: these tests need the ranks' processes by handle (kill -9 mid-save),
 per-rank log files the assertion can quote, and the port (the rollout test checks names made
@@ -18,37 +25,119 @@ from it); verl_hpc.launcher.local uses elastic_launch where the job is the produ
 """
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
+from unittest import mock
 
 from verl_hpc.runtime.local_ranks import host_store, torchrun_env, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
+# What the rank scripts import before their first step. Not the data modules: pyarrow starts a
+# (jemalloc) thread at import, and a process with threads is not one to fork from.
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "megatron.core",
+           "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.distributed",
+           "megatron.core.optimizer", "verl_hpc.runtime", "verl_hpc.engines.megatron.engine")
+
+
+def _rank_env(rank: int, world_size: int, port: int, log_level: str) -> Dict[str, str]:
+    return torchrun_env(rank, world_size, port, OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
+                        PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
+                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+
+
+def _fork_server():
+    """multiprocessing's fork server of this process, started once with the ranks' environment
+    (what the libraries read while they are imported: OMP_NUM_THREADS, the warning filters)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    # started again if it is gone (a test that kills every process under it takes the server too)
+    with mock.patch.dict(os.environ, _rank_env(0, 1, 0, "WARNING"), clear=True):
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _run_rank(script: str, argv: List[str], env: Dict[str, str], log_path: str) -> None:
+    """A forked rank: what `python SCRIPT *argv` with `env` and its output to `log_path` would do."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(REPO)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # a forked process ends with os._exit: run the exit handlers an interpreter would
+        atexit._run_exitfuncs()
+
+
+class ForkedRank:
+    """A forked rank behind the part of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self._process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def poll(self):
+        return self._process.exitcode
+
+    def wait(self, timeout: float = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[str] = (),
-                log_level: str = "WARNING") -> Tuple[int, List[subprocess.Popen]]:
+                log_level: str = "WARNING", fresh: bool = False) -> Tuple[int, list]:
+    """The ranks, running: forked from the fork server, or with `fresh` each a fresh interpreter
+    (`python SCRIPT ...`), for a scenario that checks what a process leaves behind when it exits
+    (a forked rank ends with os._exit, so no C++ destructor runs: vLLM's shared-memory segments
+    would stay)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "args.json").write_text(json.dumps(args))
     store, procs = host_store(), []
-    port = store.port
+    port, context = store.port, None if fresh else _fork_server()
     for rank in range(world_size):
-        env = torchrun_env(rank, world_size, port, OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
-                           PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
-                           VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
-        with open(workdir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), *argv, str(workdir)],
-                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        env, log_path = _rank_env(rank, world_size, port, log_level), workdir / f"rank{rank}.log"
+        if fresh:
+            with open(log_path, "w") as log:
+                procs.append(subprocess.Popen([sys.executable, str(script), *argv, str(workdir)],
+                                              cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        else:
+            process = context.Process(target=_run_rank, name=f"rank{rank}",
+                                      args=(str(script), [*argv, str(workdir)], env, str(log_path)))
+            process.start()
+            procs.append(ForkedRank(process))
     for proc in procs:
         proc.rendezvous_store = store  # served for as long as anyone holds the ranks
     return port, procs
 
 
-def wait_ranks(procs: List[subprocess.Popen], workdir, *, timeout: float, what: str) -> None:
+def wait_ranks(procs: list, workdir, *, timeout: float, what: str) -> None:
     if wait_all(procs, timeout):
         tails = [f"--- rank {r} (rc {p.returncode}) ---\n" + (Path(workdir) / f"rank{r}.log").read_text()[-5000:]
                  for r, p in enumerate(procs)]
@@ -57,9 +146,9 @@ def wait_ranks(procs: List[subprocess.Popen], workdir, *, timeout: float, what: 
 
 def launch_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[str] = (),
                  timeout: float = 300, what: str = "scenario", log_level: str = "WARNING",
-                 with_port: bool = False):
+                 with_port: bool = False, fresh: bool = False):
     """Run the ranks to the end; their rank{r}.json contents in rank order (and the port used)."""
-    port, procs = start_ranks(script, world_size, args, workdir, argv=argv, log_level=log_level)
+    port, procs = start_ranks(script, world_size, args, workdir, argv=argv, log_level=log_level, fresh=fresh)
     wait_ranks(procs, workdir, timeout=timeout, what=what)
     results = [json.loads((Path(workdir) / f"rank{r}.json").read_text()) for r in range(world_size)]
     return (port, results) if with_port else results

@@ -57,9 +57,21 @@ def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dic
     return res
 
 
-def test_cpu_rehearsal_runs_both_sides_end_to_end(tmp_path):
-    r = _run_script(tmp_path, "--cpu-rehearsal")
-    res = _check_result(r, tmp_path)
+ALL_SIDES = ("engine", "fsdp", "fsdp_whole", "fsdp_foreach", "transformers")  # fsdp_noliger: no GPU
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """One CPU rehearsal of every side, the default three and the fsdp variant columns (one start-up
+    of the script for the two tests that read it); its output folder and the finished process."""
+    out = tmp_path_factory.mktemp("rehearsal")
+    r = _run_script(out, "--cpu-rehearsal", "--sides", "engine,fsdp,fsdp_whole,fsdp_foreach,fsdp_noliger,transformers")
+    return out, r
+
+
+def test_cpu_rehearsal_runs_both_sides_end_to_end(rehearsal):
+    out, r = rehearsal
+    res = _check_result(r, out, sides=ALL_SIDES)
     assert res["mode"] == "cpu-rehearsal" and res["dtype"] == "float32" and res["autocast"] is None
     # same weights and batch, fp32: the three implementations' first losses agree
     assert res["first_loss_abs_diff"]["engine"] < 1e-4 and res["first_loss_abs_diff"]["fsdp"] < 1e-4, res
@@ -68,7 +80,7 @@ def test_cpu_rehearsal_runs_both_sides_end_to_end(tmp_path):
     assert "torch.optim.adamw.AdamW (fused=True)" in res["transformers"]["kernels"]["optimizer"]
     assert "float32 compute" in res["fsdp"]["kernels"]["precision"] and "mesh (1,)" in res["fsdp"]["kernels"]["sharding"]
     assert res["fsdp"]["kernels"]["output layer"].startswith("chunks of") and "(fused)" in res["fsdp"]["kernels"]["optimizer"]
-    assert not list(tmp_path.glob("model-*")), "the temporary model folder was left behind"
+    assert not list(out.glob("model-*")), "the temporary model folder was left behind"
 
 
 def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
@@ -85,12 +97,12 @@ def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
     assert res["first_loss_abs_diff"]["fsdp"] < 1e-4
 
 
-def test_cpu_rehearsal_runs_the_fsdp_variant_columns(tmp_path):
+def test_cpu_rehearsal_runs_the_fsdp_variant_columns(rehearsal):
     """The columns that tell the fsdp column's parts apart (its own, chunked with fused AdamW, is
     checked by the first rehearsal): whole logits without Liger, foreach AdamW; the no-Liger
     column is not run where Liger is off anyway (a CPU)."""
-    r = _run_script(tmp_path, "--cpu-rehearsal", "--sides", "fsdp_whole,fsdp_foreach,fsdp_noliger,transformers")
-    res = _check_result(r, tmp_path, sides=("fsdp_whole", "fsdp_foreach", "transformers"))
+    out, r = rehearsal
+    res = _check_result(r, out, sides=ALL_SIDES)
     assert "no CUDA GPU" in res["not_run"]["fsdp_noliger"]
     assert res["fsdp_whole"]["kernels"]["output layer"] == "the whole logits"
     assert res["fsdp_foreach"]["kernels"]["output layer"].startswith("chunks of")

@@ -174,6 +174,20 @@ def init_from_config(parallel_cfg, seed: int = 1, timeout_s: Optional[float] = N
 
 
 def destroy_model_parallel() -> None:
+    """Megatron's destroy_model_parallel, and the references to its groups it leaves behind, so that
+    the groups really go (each gloo group keeps threads that wake 100 times a second, and its
+    store, for as long as anything holds it): megatron-core 0.16 keeps two of its globals
+    (`_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its gloo twin) and every RotaryEmbedding
+    module its forward's cache has seen (the module holds the context-parallel group). Matters
+    where one process builds layouts one after another (the tests' in-process jobs)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        if name.isupper() and isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()

@@ -35,6 +35,7 @@ import collections
 import functools
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -78,7 +79,8 @@ _GROUP_POSITIONAL = ("all_reduce", "reduce_scatter_tensor", "_reduce_scatter_bas
 # the blocking send/recv.
 _lock = threading.Lock()
 _counts: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
-_names: dict[Any, str] = {}
+# held weakly: a name must not keep a destroyed group (its gloo threads, its store) alive
+_names: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _timeout_s: float | None = None
 _installed = False
 

@@ -20,8 +20,9 @@ def launch(world_size: int, args: dict, workdir: Path, timeout: float = 420):
     """(port, per-rank results): the port names the job's CPU shared-memory segments."""
     from rank_launcher import launch_ranks  # tests/: on sys.path under pytest, not in the ranks
 
+    # fresh interpreters: the test checks that vLLM's shared-memory segments go when the ranks exit
     return launch_ranks(__file__, world_size, args, workdir, timeout=timeout, what="rollout scenario",
-                        log_level="INFO", with_port=True)
+                        log_level="INFO", with_port=True, fresh=True)
 
 
 # ----------------------------------------------------------------------------- rank side
