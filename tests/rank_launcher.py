@@ -34,6 +34,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 from unittest import mock
@@ -82,6 +83,21 @@ def _run_rank(script: str, argv: List[str], env: Dict[str, str], log_path: str) 
         atexit._run_exitfuncs()
 
 
+def _forked(context, rank: int, script: str, argv: List[str], env: Dict[str, str], log_path: Path):
+    """The rank forked by the server; None (and a warning in the test's report) where the server
+    did not answer. Seen twice in whole-suite runs, right after a test killed every process under
+    the worker, not reproduced alone: the rank then starts as a fresh interpreter, which changes
+    its start-up time and nothing it computes."""
+    process = context.Process(target=_run_rank, name=f"rank{rank}", args=(script, argv, env, str(log_path)))
+    try:
+        process.start()
+    except (EOFError, OSError) as err:
+        warnings.warn(f"the fork server did not start rank {rank} of {script} ({err!r}): "
+                      "it starts as a fresh interpreter")
+        return None
+    return ForkedRank(process)
+
+
 class ForkedRank:
     """A forked rank behind the part of subprocess.Popen's interface the tests use."""
 
@@ -123,15 +139,13 @@ def start_ranks(script, world_size: int, args: dict, workdir, *, argv: Sequence[
     port, context = store.port, None if fresh else _fork_server()
     for rank in range(world_size):
         env, log_path = _rank_env(rank, world_size, port, log_level), workdir / f"rank{rank}.log"
-        if fresh:
+        forked = None if fresh else _forked(context, rank, str(script), [*argv, str(workdir)], env, log_path)
+        if forked is not None:
+            procs.append(forked)
+        else:
             with open(log_path, "w") as log:
                 procs.append(subprocess.Popen([sys.executable, str(script), *argv, str(workdir)],
                                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-        else:
-            process = context.Process(target=_run_rank, name=f"rank{rank}",
-                                      args=(str(script), [*argv, str(workdir)], env, str(log_path)))
-            process.start()
-            procs.append(ForkedRank(process))
     for proc in procs:
         proc.rendezvous_store = store  # served for as long as anyone holds the ranks
     return port, procs
