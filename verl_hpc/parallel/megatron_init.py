@@ -180,7 +180,6 @@ def destroy_model_parallel() -> None:
     (`_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its gloo twin) and every RotaryEmbedding
     module its forward's cache has seen (the module holds the context-parallel group). Matters
     where one process builds layouts one after another (the tests' in-process jobs)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
