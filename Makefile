@@ -101,10 +101,12 @@ test-all:  # both targets run whatever the first gives; fails if either did
 	@rc=0; $(MAKE) test || rc=1; $(MAKE) test-long || rc=1; exit $$rc
 
 # bwrap, /usr/bin/python3: the sandbox tests (unit tier) run its bwrap mode and an unprivileged uid's
-# payloads; `make test` gets both from the cluster's packages
+# payloads; `make test` gets both from the cluster's packages. On TEST_WORKERS xdist workers like
+# `make test` (one process left one core idle for the whole run).
 check: venv
 	bash scripts/ensure_bwrap.sh
-	$(BIN)/python -m pytest -m "unit or check" --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "unit or check" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	  --durations=10 $(PYTEST_ARGS)
 
 test-container: venv cluster
 	$(BIN)/python -m pytest -m container $(PYTEST_ARGS)
