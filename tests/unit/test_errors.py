@@ -23,7 +23,8 @@ INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.reward
             "verl_hpc.gpu_check.kit.NotTestable", "verl_hpc.rollout.tools.calls.ToolFailed",
             "verl_hpc.rollout.tools.environment._BadReturn",
             # the agent endpoint's: answered to the agent as HTTP error bodies, never raised to a user
-            "verl_hpc.rollout.agents.chat.BadRequest", "verl_hpc.rollout.agents.batcher.EngineClosed"}
+            "verl_hpc.rollout.agents.chat.BadRequest", "verl_hpc.rollout.agents.batcher.EngineClosed",
+            "verl_hpc.rollout.agents.batcher.EngineRequestError"}
 
 
 def _subclasses(cls):

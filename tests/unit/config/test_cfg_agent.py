@@ -31,10 +31,24 @@ def problems(*overrides):
      "agent.command runs your own code: set safety.allow_custom_code"),
     (["agent.function=", "agent.command='  '"], "agent.command is blank"),
     (["agent.read_only_paths=[/opt/env,agents]"], "agent.read_only_paths[1]: 'agents' is not an absolute path"),
+    # a program that is not there: every run would end in exit 127, after the queue
+    (["agent.function=", "agent.command=/nonexistent/env/bin/python solve.py"],
+     "agent.command: the program '/nonexistent/env/bin/python' does not exist on this node"),
+    (["agent.function=", "agent.command='OPENAI_X=1 no-such-agent-program --go'"],
+     "agent.command: the program 'no-such-agent-program' is not on the sandbox's PATH"),
+    (["agent.function=", "agent.command=./solve.sh"], "agent.command: the program './solve.sh' is a relative path"),
+    (["agent.function=", "agent.command='python3 \"unclosed'"], "agent.command: 'python3 \"unclosed' is not a shell"),
 ])
 def test_checks_name_the_field(overrides, wanted):
     found = problems(*overrides)
     assert any(wanted in p for p in found), found
+
+
+@pytest.mark.parametrize("command", ["python3 -c 'print(1)'", "/bin/sh -c true", "A=1 python3 x.py",
+                                     "cd /tmp && python3 x.py", "$HOME/bin/agent"])
+def test_a_command_whose_program_is_there_or_cannot_be_told_is_accepted(command):
+    cfg = load_config(None, [*BASE, "agent.function=", f"agent.command={command}"])
+    assert not [p for p in cfg.agent.check(cfg) if "agent.command" in p]
 
 
 def test_the_engine_window_spans_the_whole_agent_run():

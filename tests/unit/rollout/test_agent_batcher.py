@@ -1,16 +1,19 @@
 """The batcher: concurrent requests become few generate calls, each request keeps its own limit,
-and an engine failure reaches every waiting request and the runner, not an agent."""
+and a generate call that raises fails only the request the engine raised on: the others of its
+batch are served, and so is every later request."""
 import threading
 
 import pytest
 
-from verl_hpc.rollout.agents.batcher import Batcher, EngineClosed
+from verl_hpc.rollout.agents.batcher import Batcher, EngineRequestError
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import default_spec
 
 
 class FakeEngine:
-    """Samples token k+100 at position k for every prompt; records each call's prompts and spec."""
+    """Samples token k+100 at position k for every prompt; records each call's prompts and spec.
+    Raises on any call whose prompts hold a negative id (ValueError, as an engine refusing an
+    input) or, with fail=True, on every call (RuntimeError: a broken engine)."""
 
     def __init__(self, fail=False):
         self.calls, self.fail = [], fail
@@ -19,6 +22,8 @@ class FakeEngine:
         self.calls.append(([list(p) for p in prompts], spec))
         if self.fail:
             raise RuntimeError("engine broke")
+        if any(t < 0 for p in prompts for t in p):
+            raise ValueError("token id out of range")
         n = len(prompts)
         ids = [[100 + k for k in range(spec.max_tokens)] for _ in prompts]
         return ShardOutput(list(range(n)), [0] * n, ids, [[-1.0] * spec.max_tokens for _ in prompts], ["length"] * n)
@@ -67,14 +72,28 @@ def test_calls_get_seeds_of_their_own():
     assert len(set(seeds)) == 2 and 7 not in seeds
 
 
-def test_an_engine_failure_reaches_the_waiting_requests_and_is_kept_for_the_runner():
+def test_a_request_the_engine_raises_on_fails_alone_and_the_batcher_goes_on():
+    engine = FakeEngine()
+    b = Batcher(engine, window_s=5.0, max_batch=8, live=lambda: 4)
+    b.use(default_spec(max_tokens=2))
+    out = submit_all(b, [([1], 1, ()), ([5, -3], 1, ()), ([2], 2, ()), ([3], 1, ())])
+    assert isinstance(out[1], EngineRequestError) and out[1].refused and "token id out of range" in str(out[1])
+    assert [o.ids for k, o in enumerate(out) if k != 1] == [[100], [100, 101], [100]]
+    # the batch of four failed, then each was sampled alone: only the bad one failed
+    assert [len(c[0]) for c in engine.calls] == [4, 1, 1, 1, 1]
+    assert b.request_errors == 1 and b.step_failed == 1 and b.step_served == 3 and b.failure is None
+    assert b.submit([4], 1, ()).ids == [100]  # and it serves the next request
+    b.use(default_spec(max_tokens=2))  # a new step: its own counts
+    assert b.step_failed == b.step_served == 0 and b.request_errors == 1
+    b.close()
+
+
+def test_a_broken_engine_fails_each_request_and_the_step_sees_it_served_nothing():
     b = Batcher(FakeEngine(fail=True), window_s=0.0, max_batch=4, live=lambda: 2)
     b.use(default_spec(max_tokens=2))
     out = submit_all(b, [([1], 1, ()), ([2], 1, ())])
-    assert all(isinstance(e, EngineClosed) and "engine broke" in str(e) for e in out)
-    assert isinstance(b.failure, RuntimeError)
-    with pytest.raises(EngineClosed, match="the rollout engine failed"):
-        b.submit([3], 1, ())
+    assert all(isinstance(e, EngineRequestError) and not e.refused and "engine broke" in str(e) for e in out)
+    assert b.step_failed == 2 and b.step_served == 0 and b.first_error == "RuntimeError: engine broke"
     b.close()
 
 

@@ -103,10 +103,10 @@ def test_completions_take_text_or_token_ids_and_stop_strings_leave_the_text(endp
     assert len(session.calls) == 2
 
 
-def raw(server, path, body=None, token=None, method=None):
+def raw(server, path, body=None, token=None, method=None, scheme="Bearer"):
     data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
     req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=data, method=method,
-                                 headers={"Authorization": f"Bearer {token or server.token}",
+                                 headers={"Authorization": f"{scheme} {token or server.token}",
                                           "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -133,6 +133,17 @@ OK = {"messages": [{"role": "user", "content": "x"}]}
     ("/v1/chat/completions", OK, None, 404, "base URL your run was given"),
     ("/agents/run1/v1/embeddings", OK, None, 404, "no route POST"),
     ("/agents/run1/v1/completions", {"prompt": [1.5]}, None, 400, "prompt must be"),
+    # ids the engine would fail on: refused before it, for this request only
+    ("/agents/run1/v1/completions", {"prompt": [5, 10**7]}, None, 400, "prompt[1] = 10000000 is not a token id"),
+    ("/agents/run1/v1/completions", {"prompt": [5, -3]}, None, 400, "prompt[1] = -3 is not a token id"),
+    (CHAT, {**OK, "tools": [1, "x"]}, None, 400, "tools[0] must be an object with \"type\": \"function\""),
+    (CHAT, {**OK, "tools": [{"type": "function"}]}, None, 400, "tools[0].function must be an object with a \"name\""),
+    (CHAT, {**OK, "tools": [{"type": "function", "function": {"name": 5}}]}, None, 400, "tools[0].function"),
+    (CHAT, {**OK, "tools": {"type": "function"}}, None, 400, "tools must be a list"),
+    (CHAT, {**OK, "response_format": {"type": "json_object"}}, None, 400, "response_format is not served"),
+    (CHAT, {**OK, "logprobs": True, "top_logprobs": 3}, None, 400, "top_logprobs is not served"),
+    (CHAT, {**OK, "logprobs": "yes"}, None, 400, "logprobs must be true or false"),
+    ("/agents/run1/v1/completions", {"prompt": [5], "logprobs": 2}, None, 400, "logprobs = 2 asks for the top"),
 ])
 def test_malformed_requests_get_openai_error_bodies(endpoint, path, body, token, status, needle):
     server, batcher, session, _ = endpoint
@@ -152,6 +163,67 @@ def test_a_run_past_its_calls_or_its_end_is_refused(endpoint):
     session.close()
     code, reply = raw(server, "/agents/run1/v1/completions", {"prompt": [1]})
     assert code == 409 and reply["error"]["code"] == "run_ended"
+
+
+def test_logprobs_are_served_from_the_recorded_log_probs(endpoint, tok):
+    server, batcher, session, client = endpoint
+    sampled = tok("four", add_special_tokens=False)["input_ids"] + eos(tok)
+    batcher.script = [sampled, sampled]
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+2?"}], logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [-0.25] * len(sampled) == session.calls[0].logprobs
+    assert "".join(c.token for c in content) == tok.decode(sampled)
+    assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}],
+                                          response_format={"type": "text"}).choices[0].logprobs is None
+    r = client.completions.create(model="policy", prompt=[5, 6], max_tokens=8, logprobs=0)
+    assert r.choices[0].logprobs.token_logprobs == [-0.25] * len(r.choices[0].logprobs.tokens)
+
+
+def test_http_variants_a_client_may_send(endpoint):
+    """Chunked bodies, `bearer` in any case, other methods, and a body past the limit: each an
+    OpenAI answer the client can read, on a connection that stays usable."""
+    import http.client
+
+    server, batcher, session, client = endpoint
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode()
+    chunks = iter([body[:7], body[7:]])
+    conn.request("POST", "/agents/run1/v1/completions", body=chunks, encode_chunked=True,
+                 headers={"Authorization": f"bearer {server.token}", "Content-Type": "application/json",
+                          "Transfer-Encoding": "chunked"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert json.loads(resp.read())["object"] == "text_completion"
+    assert batcher.sent[-1][0] == [5, 6]
+    for method in ("PUT", "DELETE", "PATCH", "FOO"):  # the same connection, kept alive after each
+        conn.request(method, "/agents/run1/v1/completions", body=b"{}",
+                     headers={"Authorization": f"Bearer {server.token}"})
+        resp = conn.getresponse()
+        reply = json.loads(resp.read())
+        assert resp.status == 405 and resp.getheader("Content-Type") == "application/json", reply
+        assert f"method {method}" in reply["error"]["message"].replace("'", "")
+        if resp.getheader("Connection") == "close":  # an unknown method: the parser gave up on the request
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.close()
+    assert raw(server, "/agents/run1/v1/completions", {"prompt": [5]}, scheme="BEARER")[0] == 200
+    # 17 MB: the client reads the 413 (not a broken pipe), and does not ask again
+    before = server.requests
+    with pytest.raises(openai.APIStatusError) as e:
+        client.with_options(max_retries=2).completions.create(model="policy", prompt="x" * (17 << 20), max_tokens=2)
+    assert e.value.status_code == 413 and "at most" not in str(e.value) and "16777216" in str(e.value)
+    assert server.requests == before + 1
+    client.completions.create(model="policy", prompt=[5], max_tokens=2)  # the server goes on
+
+
+def test_errors_tell_the_openai_client_not_to_retry(endpoint):
+    """The openai client retries 409, 429 and 5xx by default: asking again changes none of ours."""
+    server, batcher, session, client = endpoint
+    session.close()
+    before = server.requests
+    with pytest.raises(openai.ConflictError, match="run has ended"):
+        client.with_options(max_retries=2).completions.create(model="policy", prompt=[1], max_tokens=2)
+    assert server.requests == before + 1
 
 
 def test_the_server_listens_on_loopback_only(tok):

@@ -10,6 +10,10 @@ calls become training sequences without re-tokenizing anything (verl_hpc/rollout
 """
 from __future__ import annotations
 
+import os
+import re
+import shlex
+import shutil
 from dataclasses import dataclass
 from typing import List
 
@@ -17,6 +21,12 @@ from verl_hpc.config.fields import WEEK_S, Section, opt
 from verl_hpc.config.sections.multi_turn import needs_custom_code
 
 MAX_AGENTS = 1024  # agent threads per rank: past this the rank runs out of threads before the model is busy
+# the PATH a command-line agent runs with (the sandbox's minimal environment, sandbox_command.py)
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+# words that /bin/sh runs itself: the program after them cannot be named without running the shell
+SHELL_WORDS = {"!", "{", "(", ".", ":", "[", "alias", "break", "case", "cd", "command", "continue", "eval",
+               "exec", "exit", "export", "for", "if", "read", "return", "set", "shift", "test", "trap", "ulimit",
+               "umask", "unset", "until", "wait", "while"}
 
 
 @dataclass
@@ -67,6 +77,8 @@ class AgentConfig(Section):
             p.append("agent.function and agent.command both name the default agent: set one of them")
         if self.command and not self.command.strip():
             p.append("agent.command is blank: give a command line, or leave it empty ('')")
+        elif self.command:
+            p += command_problems(self.command, "agent.command")
         for k, path in enumerate(self.read_only_paths):
             if not (isinstance(path, str) and path.startswith("/")):
                 p.append(f"agent.read_only_paths[{k}]: {path!r} is not an absolute path")
@@ -79,3 +91,33 @@ class AgentConfig(Section):
             p.append("agent.enable does not run algorithm.adv_estimator = remax (its greedy baseline is one "
                      "response); use grpo, rloo or gae")
         return p
+
+
+def command_problems(command: str, field: str) -> List[str]:
+    """The program a command line starts must exist on this node, or every run ends as a failed
+    sample (exit 127) after the job was queued. Checked: the first word after `VAR=value`
+    assignments, when it is a program (not a word the shell runs itself, not an expansion): an
+    absolute path must be an executable file; a bare name must be on the sandbox's PATH; a relative
+    path would be looked up in the run's scratch folder, which holds only row.json."""
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError as e:
+        return [f"{field}: {command!r} is not a shell command line: {e}"]
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words.pop(0)
+    if not words or words[0] in SHELL_WORDS or any(c in words[0] for c in "$`*?[]{}()<>|;&~"):
+        return []
+    program = words[0]
+    if program.startswith("/"):
+        if not os.path.isfile(program):
+            return [f"{field}: the program {program!r} does not exist on this node"]
+        if not os.access(program, os.X_OK):
+            return [f"{field}: the program {program!r} is not executable"]
+        return []
+    if "/" in program:
+        return [f"{field}: the program {program!r} is a relative path, but the command runs in its own "
+                "scratch folder (row.json only): name it by its absolute path"]
+    if shutil.which(program, path=SANDBOX_PATH) is None:
+        return [f"{field}: the program {program!r} is not on the sandbox's PATH ({SANDBOX_PATH}): name it by its "
+                "absolute path (and list its folder in agent.read_only_paths)"]
+    return []

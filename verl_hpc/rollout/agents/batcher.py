@@ -30,6 +30,14 @@ policy sampled; the episode runner does the same).
 
 Seeds: each generate call samples with a seed of its own derived from the step's spec and the
 call's number, so a step's samples do not repeat the previous step's noise.
+
+A generate call that raises fails only its own requests, never the batcher: the requests of a
+failed call of several are sampled again one by one, so one request the engine refuses (the
+service checks what it can first: token ids in the vocabulary) cannot take the others of its batch
+down, and each request that fails alone gets `EngineRequestError` (HTTP 400 when the engine refused
+its input with a ValueError, 500 otherwise). The batcher goes on serving. The runner stops the step
+only when the engine served nothing at all in it (`step_served`/`step_failed`): a broken engine,
+not a bad request. A BaseException that is not an Exception (KeyboardInterrupt) stops the batcher.
 """
 from __future__ import annotations
 
@@ -62,8 +70,17 @@ class Sampled:
 
 
 class EngineClosed(RuntimeError):
-    """The batcher stopped (the job shuts down, or the engine failed) before serving a request. Not a
-    VerlHpcError: the agent gets HTTP 503; an engine failure reaches the job through the runner."""
+    """The batcher stopped (the job shuts down, or the engine thread was interrupted) before serving
+    a request. Not a VerlHpcError: the agent gets HTTP 503."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine raised on this request, sampled alone. Not a VerlHpcError: the agent gets HTTP 400
+    (`refused`: the engine refused its input, a ValueError) or 500; the batcher goes on."""
+
+    def __init__(self, message: str, refused: bool):
+        super().__init__(message)
+        self.refused = refused
 
 
 class Batcher:
@@ -74,7 +91,10 @@ class Batcher:
         self._queue: "queue.Queue[Optional[Request]]" = queue.Queue()
         self._spec: Optional[SamplingSpec] = None
         self._calls = 0
-        self.failure: Optional[BaseException] = None  # an engine error: the job's, not an agent's
+        self.failure: Optional[BaseException] = None  # the engine thread was interrupted: nothing is served
+        self.request_errors = 0  # requests the engine raised on (each sampled alone)
+        self.first_error = ""  # the first of them, for the job's log
+        self.step_served = self.step_failed = 0  # requests of this step served / failed by the engine
         self.generate_calls = 0
         self.batched_requests = 0
         self._last_call_s = 0.0
@@ -84,6 +104,7 @@ class Batcher:
     def use(self, spec: SamplingSpec) -> None:
         """The step's sampling (temperature, top_p, top_k, seed); requests set max_tokens and stop."""
         self._spec, self._calls = spec, 0
+        self.step_served = self.step_failed = 0
 
     @property
     def default_stop(self) -> Tuple[str, ...]:
@@ -93,7 +114,7 @@ class Batcher:
     def submit(self, prompt_ids: List[int], max_tokens: int, stop: Tuple[str, ...]) -> Sampled:
         """Blocks until the request's completion is sampled (called from server threads)."""
         if self.failure is not None:
-            raise EngineClosed(f"the rollout engine failed: {self.failure}")
+            raise EngineClosed(f"the rollout engine stopped: {self.failure!r}")
         req = Request(list(prompt_ids), int(max_tokens), tuple(stop))
         self._queue.put(req)
         return req.future.result()
@@ -129,25 +150,57 @@ class Batcher:
                     stop = True
                     break
                 batch.append(nxt)
-            self._serve(batch)
-            if stop:
+            if not self._serve(batch) or stop:
                 return self._drain()
 
-    def _serve(self, batch: List[Request]) -> None:
+    def _serve(self, batch: List[Request]) -> bool:
+        """Serves the batch; False when the engine thread must stop (an interrupt, not an error)."""
         by_stop: dict = {}
         for req in batch:
             by_stop.setdefault(req.stop, []).append(req)
-        for stop, reqs in by_stop.items():
-            try:
-                rows = self._generate(reqs, stop)
-            except BaseException as e:  # noqa: BLE001 - handed to every waiting request and to the runner
-                self.failure = self.failure or e
-                log.error("agent endpoint: the rollout engine failed: %s: %s", type(e).__name__, e)
+        try:
+            for stop, reqs in by_stop.items():
+                self._call(reqs, stop)
+        except BaseException as e:  # noqa: BLE001 - not an Exception (KeyboardInterrupt): nothing more is served
+            self.failure = self.failure or e
+            log.error("agent endpoint: the engine thread stopped: %r", e)
+            for req in batch:
+                if not req.future.done():
+                    req.future.set_exception(EngineClosed(f"the rollout engine stopped: {e!r}"))
+            return False
+        return True
+
+    def _call(self, reqs: List[Request], stop: Tuple[str, ...]) -> None:
+        """One generate call for `reqs`; if it raises, each request again alone (one bad request
+        must not fail the others), and one that fails alone gets the error."""
+        try:
+            rows = self._generate(reqs, stop)
+        except Exception as e:  # noqa: BLE001 - the requests' error, never the batcher's
+            if len(reqs) > 1:
                 for req in reqs:
-                    req.future.set_exception(EngineClosed(f"the rollout engine failed: {e}"))
-                continue
-            for req, row in zip(reqs, rows):
-                req.future.set_result(row)
+                    self._call([req], stop)
+                return
+            self._failed(reqs[0], e)
+            return
+        self.step_served += len(reqs)
+        for req, row in zip(reqs, rows):
+            req.future.set_result(row)
+
+    def _failed(self, req: Request, e: Exception) -> None:
+        if isinstance(e, EngineClosed):  # no step is running: not the engine's doing
+            req.future.set_exception(e)
+            return
+        self.request_errors += 1
+        self.step_failed += 1
+        text = f"{type(e).__name__}: {e}"
+        if not self.first_error:
+            self.first_error = text
+            log.error("agent endpoint: the rollout engine raised on a request (%d prompt tokens); that request "
+                      "gets an error, the others are served; further ones are only counted: %s",
+                      len(req.prompt_ids), text)
+        refused = isinstance(e, ValueError)
+        req.future.set_exception(EngineRequestError(
+            f"the rollout engine {'refused' if refused else 'failed on'} this request: {text}", refused))
 
     def _generate(self, reqs: List[Request], stop: Tuple[str, ...]) -> List[Sampled]:
         if self._spec is None:

@@ -96,6 +96,30 @@ def normalize(messages: Any) -> List[Dict[str, Any]]:
     return out
 
 
+def check_tools(tools: Any) -> Any:
+    """The request's `tools`, as OpenAI defines them: a list of {"type": "function", "function":
+    {"name": str, "description"?: str, "parameters"?: object}}. The chat template renders them, so
+    anything else would fail there or be rendered as nonsense."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ...}}', param="tools")
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise BadRequest(f'{where} must be an object with "type": "function"', param=where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise BadRequest(f'{where}.function must be an object with a "name" (a non-empty string)',
+                             param=f"{where}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise BadRequest(f"{where}.function.parameters must be a JSON schema object",
+                             param=f"{where}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise BadRequest(f"{where}.function.description must be a string", param=f"{where}.function.description")
+    return tools
+
+
 def _same_reply(msg: Dict[str, Any], reply: Dict[str, Any]) -> bool:
     """Is the agent's assistant message the reply this endpoint gave (ids of calls aside)?"""
     strip = lambda m: (m["content"], [(c["function"]["name"], c["function"]["arguments"])  # noqa: E731

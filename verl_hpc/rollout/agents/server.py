@@ -7,7 +7,13 @@ Routes (under each run's base URL, and GET /v1/models also at the root):
   GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
 The session key in the path tells which sample's run made a call; the token (OPENAI_API_KEY) is
 the same for every run of the job and is made fresh at start-up, so other users of the node cannot
-call the policy. Errors answer as OpenAI's API does: {"error": {"message", "type", "param", "code"}}.
+call the policy. Errors answer as OpenAI's API does: {"error": {"message", "type", "param", "code"}},
+whatever went wrong (another method: 405; a request line the HTTP parser refuses: its own status),
+with `x-should-retry: false` (the openai client would otherwise retry a 409, 429 or 5xx, and none of
+them gets better by asking again). A body may come with Content-Length or chunked. A body past
+MAX_BODY is read to its end and dropped before the 413 goes out (up to DRAIN_LIMIT): a server that
+closes with the body unread makes the client's kernel answer with a reset, and the client sees a
+broken pipe instead of the 413.
 
 Why the standard library's ThreadingHTTPServer: no HTTP framework is a dependency of this project
 (setup.py), the traffic is loopback-only from the job's own agents, and a thread per connection is
@@ -25,12 +31,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, Optional
 
-from verl_hpc.rollout.agents.batcher import EngineClosed
+from verl_hpc.rollout.agents.batcher import EngineClosed, EngineRequestError
 from verl_hpc.rollout.agents.chat import BadRequest
 
 log = logging.getLogger(__name__)
 ACCEPT_POLL_S = 0.1  # how soon a sandbox's port stops accepting once its run ended
 MAX_BODY = 16 << 20  # bytes of one request: far past any prompt the engine's window takes
+DRAIN_LIMIT = 256 << 20  # an over-long body up to this is read and dropped, so the client reads the 413
+METHODS = ("GET", "POST")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -121,6 +129,21 @@ class AgentServer:
             def do_POST(self):
                 outer._dispatch(self, "POST")
 
+            def do_PUT(self):  # and the other methods a client may send: 405, its body read first
+                outer._dispatch(self, self.command)
+
+            do_DELETE = do_PATCH = do_OPTIONS = do_PUT
+
+            def send_error(self, code, message=None, explain=None):
+                """What the HTTP parser refuses (a bad request line, an unknown method: 501 -> 405),
+                as an OpenAI error body rather than the standard library's HTML page."""
+                code = 405 if code == 501 else code
+                text = message or self.responses.get(code, ("error",))[0]
+                if code == 405:
+                    text = f"method {getattr(self, 'command', '')} is not served; use {' or '.join(METHODS)}"
+                self.close_connection = True  # the request was not understood: its body neither
+                outer._respond(self, code, error_body(code, text), head=getattr(self, "command", "") == "HEAD")
+
         return Handler
 
     def _dispatch(self, h: BaseHTTPRequestHandler, method: str) -> None:
@@ -131,9 +154,15 @@ class AgentServer:
             status, body = e.status, error_body(e.status, str(e), e.param, e.code)
         except EngineClosed as e:
             status, body = 503, error_body(503, str(e))
+        except EngineRequestError as e:
+            status = 400 if e.refused else 500
+            body = error_body(status, str(e), code="engine_error")
         except Exception as e:  # noqa: BLE001 - the agent gets a 500; the job's log says what it was
             log.exception("agent endpoint: %s %s failed", method, h.path)
             status, body = 500, error_body(500, f"internal error: {type(e).__name__}: {e}")
+        self._respond(h, status, body)
+
+    def _respond(self, h: BaseHTTPRequestHandler, status: int, body: dict, head: bool = False) -> None:
         if status != 200:
             self.errors[status] = self.errors.get(status, 0) + 1
         data = json.dumps(body).encode()
@@ -141,15 +170,25 @@ class AgentServer:
             h.send_response(status)
             h.send_header("Content-Type", "application/json")
             h.send_header("Content-Length", str(len(data)))
+            if status != 200:
+                h.send_header("x-should-retry", "false")
+            if status == 405:
+                h.send_header("Allow", ", ".join(METHODS))
+            if h.close_connection:
+                h.send_header("Connection", "close")
             h.end_headers()
-            h.wfile.write(data)
+            if not head:
+                h.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):  # the agent gave up (its own timeout)
             pass
 
     def _route(self, h: BaseHTTPRequestHandler, method: str) -> dict:
-        body = self._read(h) if method == "POST" else None  # read first: keep-alive needs the body consumed
-        auth = h.headers.get("Authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+        body = self._read(h)  # read first, whatever the method: keep-alive needs the body consumed
+        if method not in METHODS:
+            raise BadRequest(f"method {method} is not served; use {' or '.join(METHODS)}", status=405,
+                             code="method_not_allowed")
+        scheme, _, token = h.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.token.encode()):
             raise BadRequest("invalid or missing API key (the OPENAI_API_KEY given to the agent run)",
                              status=401, code="invalid_api_key")
         path = h.path.split("?", 1)[0].rstrip("/")
@@ -177,16 +216,61 @@ class AgentServer:
 
     @staticmethod
     def _read(h: BaseHTTPRequestHandler):
+        """The request's JSON body (None without one), sent with Content-Length or chunked."""
+        chunked = "chunked" in h.headers.get("Transfer-Encoding", "").lower()
         try:
             length = int(h.headers.get("Content-Length") or 0)
         except ValueError:
             h.close_connection = True
             raise BadRequest("Content-Length is not a number") from None
-        if length > MAX_BODY:
-            h.close_connection = True  # the unread body would be taken for the next request
-            raise BadRequest(f"request body of {length} bytes; at most {MAX_BODY}", status=413)
-        raw = h.rfile.read(length) if length else b""
+        raw = _read_chunked(h) if chunked else _read_length(h, length)
+        if raw is None:
+            raise BadRequest(f"request body of more than {MAX_BODY} bytes", status=413, code="body_too_large")
+        if not raw:
+            return None
         try:
-            return json.loads(raw or b"null")
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not JSON: {e}") from None
+
+
+def _read_length(h: BaseHTTPRequestHandler, length: int) -> Optional[bytes]:
+    """`length` bytes of body; None past MAX_BODY, the body read and dropped (up to DRAIN_LIMIT,
+    past which the connection is closed instead)."""
+    if length <= MAX_BODY:
+        return h.rfile.read(length) if length > 0 else b""
+    if length > DRAIN_LIMIT:
+        h.close_connection = True
+        return None
+    while length > 0:
+        got = h.rfile.read(min(length, 1 << 20))
+        if not got:
+            break
+        length -= len(got)
+    return None
+
+
+def _read_chunked(h: BaseHTTPRequestHandler) -> Optional[bytes]:
+    """A chunked body (RFC 9112 7.1): size lines in hex, each chunk, a 0 chunk, trailers. None past
+    MAX_BODY (read to its end up to DRAIN_LIMIT, dropped)."""
+    parts, total = [], 0
+    while True:
+        line = h.rfile.readline(1024)
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            h.close_connection = True
+            raise BadRequest("a chunk of the chunked body has no size line") from None
+        if size == 0:
+            while h.rfile.readline(1024).strip():  # trailers, up to the empty line
+                pass
+            break
+        total += size
+        if total > DRAIN_LIMIT:
+            h.close_connection = True
+            return None
+        data = h.rfile.read(size)
+        h.rfile.readline(8)  # the chunk's CRLF
+        if total <= MAX_BODY:
+            parts.append(data)
+    return b"".join(parts) if total <= MAX_BODY else None

@@ -5,7 +5,11 @@ turned into prompt ids, sampled through the batcher and recorded as a `Call` of 
 token id, before the response is sent. Sampling is the job's (rollout.temperature, top_p, top_k:
 the trainer computes its log-probs under them); a request's own temperature/top_p/top_k/seed are
 ignored and counted. A request sets max_tokens (capped at rollout.max_tokens) and stop strings (the
-job's rollout.stop where it names none).
+job's rollout.stop where it names none). `logprobs` is served from the recorded log-probs of the
+sampled tokens (chat: `logprobs: true`; completions: `logprobs: 0`), in OpenAI's shape, one entry
+per sampled token; alternatives (`top_logprobs`, completions' `logprobs` > 0) are refused, as are
+`n` > 1, `stream` and a `response_format` other than text: the policy samples free text, and
+answering them as if served would mislead an agent.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_hpc.rollout.agents.batcher import Batcher
-from verl_hpc.rollout.agents.chat import BadRequest, ChatPrompts, cut_at_stop, normalize, recorded_reply
+from verl_hpc.rollout.agents.chat import BadRequest, ChatPrompts, check_tools, cut_at_stop, normalize, recorded_reply
 from verl_hpc.rollout.agents.trajectory import Call
 
 IGNORED = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
@@ -99,9 +103,13 @@ class AgentService:
     # ------------------------------------------------------------------ the two completion routes
     def chat_completion(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
         max_tokens, stop = self._common(body)
-        messages, tools = normalize(body.get("messages")), body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("tools must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
+        messages, tools = normalize(body.get("messages")), check_tools(body.get("tools"))
+        logprobs = body.get("logprobs")
+        if logprobs not in (None, True, False):
+            raise BadRequest("logprobs must be true or false", param="logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            raise BadRequest("top_logprobs is not served: only the sampled tokens' log-probs (logprobs: true)",
+                             param="top_logprobs")
         order = session.admit()
         try:
             with session.lock:
@@ -114,8 +122,9 @@ class AgentService:
         call = Call(prompt_ids, sampled.ids, sampled.logprobs, sampled.finish_reason, order)
         session.record(call, ChatCall(messages, tools, recorded_reply(message), prompt_ids, sampled.ids), reused)
         finish = "tool_calls" if has_calls else sampled.finish_reason
+        lp = {"content": self._token_logprobs(sampled), "refusal": None} if logprobs else None
         return self._envelope("chat.completion", {"index": 0, "message": message, "finish_reason": finish,
-                                                  "logprobs": None}, prompt_ids, sampled.ids)
+                                                  "logprobs": lp}, prompt_ids, sampled.ids)
 
     def completion(self, session: Session, body: Dict[str, Any]) -> Dict[str, Any]:
         max_tokens, stop = self._common(body, default_tokens=16)
@@ -131,6 +140,16 @@ class AgentService:
                              param="prompt")
         if not prompt_ids:
             raise BadRequest("prompt is empty", param="prompt")
+        self._check_ids(prompt_ids)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise BadRequest("logprobs must be a non-negative integer (0: the sampled tokens' log-probs)",
+                             param="logprobs")
+        if logprobs:
+            raise BadRequest(f"logprobs = {logprobs} asks for the top alternatives, which are not served; "
+                             "logprobs: 0 gives the sampled tokens' log-probs", param="logprobs")
+        if body.get("echo"):
+            raise BadRequest("echo is not served: the reply holds the completion only", param="echo")
         order = session.admit()
         try:
             sampled = self._sample(prompt_ids, max_tokens, stop)
@@ -138,8 +157,14 @@ class AgentService:
             session.answered()
         session.record(Call(prompt_ids, sampled.ids, sampled.logprobs, sampled.finish_reason, order))
         text = cut_at_stop(self.tokenizer.decode(sampled.ids, skip_special_tokens=True), stop)
+        lp = None
+        if logprobs is not None:
+            entries = self._token_logprobs(sampled)
+            offsets = [sum(len(e["token"]) for e in entries[:k]) for k in range(len(entries))]
+            lp = {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                  "top_logprobs": None, "text_offset": offsets}
         return self._envelope("text_completion", {"index": 0, "text": text, "finish_reason": sampled.finish_reason,
-                                                  "logprobs": None}, prompt_ids, sampled.ids)
+                                                  "logprobs": lp}, prompt_ids, sampled.ids)
 
     # ------------------------------------------------------------------ shared parts
     def _common(self, body: Dict[str, Any], default_tokens: Optional[int] = None) -> Tuple[int, Tuple[str, ...]]:
@@ -154,6 +179,10 @@ class AgentService:
             raise BadRequest("n must be 1 (call again for more samples: each call is a sample of the run)", param="n")
         if body.get("stream"):
             raise BadRequest("stream is not served: ask for the whole completion", param="stream")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise BadRequest("response_format is not served (no JSON mode or schema: the policy samples free "
+                             "text); leave it out or use {\"type\": \"text\"}", param="response_format")
         raw = body.get("max_completion_tokens", body.get("max_tokens"))
         if raw is None:
             max_tokens = default_tokens or self.max_tokens
@@ -170,6 +199,22 @@ class AgentService:
             with self._lock:
                 self.ignored += 1
         return max_tokens, tuple(stop)
+
+    def _check_ids(self, ids: List[int]) -> None:
+        """Token ids the tokenizer knows: an id past the vocabulary would reach the engine and fail there."""
+        vocab = len(self.tokenizer)
+        bad = next((k for k, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"prompt[{bad}] = {ids[bad]} is not a token id of this model (0 <= id < {vocab})",
+                             param="prompt", code="invalid_token_id")
+
+    def _token_logprobs(self, sampled) -> List[Dict[str, Any]]:
+        """OpenAI's per-token entries for the sampled ids, with the log-probs the engine recorded."""
+        out = []
+        for t, lp in zip(sampled.ids, sampled.logprobs):
+            text = self.tokenizer.decode([t])
+            out.append({"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+        return out
 
     def _sample(self, prompt_ids: List[int], max_tokens: int, stop):
         if len(prompt_ids) + max_tokens > self.window:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from verl_hpc.config.sections.agent import SANDBOX_PATH  # what agent.command's check resolves names on
+
 INNER = pathlib.Path(__file__).with_name("sandbox_inner.py").read_text()
 # where the code sees its files in the bwrap and namespaces modes
 SCRATCH, MAIN = "/scratch", "/sandbox/main.py"
@@ -58,7 +60,7 @@ def sandbox_command(run: RunSpec) -> List[str]:
     `python -I -S -c <sandbox_inner.py> <plan>`, which sets the limits and execs the code."""
     inside = run.mode != "rlimits"
     cwd, script = (SCRATCH, MAIN) if inside else (run.scratch, run.main)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": "/tmp" if inside else cwd,
+    env = {"PATH": SANDBOX_PATH, "HOME": cwd, "TMPDIR": "/tmp" if inside else cwd,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **run.env}
     argv = [run.python, "-I", script] if run.command is None else ["/bin/sh", "-c", run.command]
     as_root = run.uid is not None
