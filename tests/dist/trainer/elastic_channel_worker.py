@@ -5,7 +5,8 @@ server, and fetches.
     python elastic_channel_worker.py PORT WORKER MODE OUT
 MODE fetch: fetch the newest snapshot, save it to OUT/WORKER.v<version>.pt; then wait for a newer
 one and save that too. MODE stall: ask, then stop before taking the buckets (the test kills it
-there, mid-transfer)."""
+there, mid-transfer). MODE pairless: post its pair request, then stop before forming its side of
+the pair (the test kills it there, as a worker killed in its first fetch)."""
 import datetime
 import sys
 import time
@@ -15,11 +16,16 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.runtime.split import Mailbox
-from verl_hpc.trainer.placement.elastic.channel import WeightFetcher
+from verl_hpc.trainer.placement.elastic.channel import PAIRS, WeightFetcher
 
 
 def main(port: int, worker: str, mode: str, out: Path) -> None:
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    if mode == "pairless":  # WeightFetcher's first two steps, not its third (forming its side)
+        mail = Mailbox(store, f"worker {worker}", 60)
+        mail.put(f"elastic/pair/{mail.add(PAIRS, 1) - 1}", (worker, 0))
+        (out / f"{worker}.posted").write_text("")
+        time.sleep(600)
     fetch = WeightFetcher(Mailbox(store, f"worker {worker}", 60), worker, timeout_s=60)
     if mode == "stall":
         class Held:  # its side of the transfer never starts

@@ -45,24 +45,30 @@ def wait_for(path: Path, proc, timeout=90):
         time.sleep(0.05)
 
 
-def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
-    port = store.port
-    current = {}
+class Run:
+    """The run's side: its store, the first training rank's server on it, the snapshots it publishes."""
 
-    def snapshot():
-        return current.get("snap")
+    def __init__(self, form_s=None):
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                                   wait_for_workers=False)
+        self.port, self.current = self.store.port, {}
+        self.server = ElasticWeightServer(self.connect, lambda: self.current.get("snap"), timeout_s=60)
+        if form_s is not None:  # a shorter bound on a pair's forming than the server's own (30 s)
+            self.server.form_s = form_s
+        self.server.start()
 
-    def publish(version):
-        buckets, manifest = pack(weights(version), bucket_bytes=4 << 20)  # several buckets
-        current["snap"] = (version, buckets, manifest)
-
-    def connect():
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60))
+    def connect(self):
+        store = dist.TCPStore("127.0.0.1", self.port, None, False, timeout=datetime.timedelta(seconds=60))
         return Mailbox(store, "training rank 0", 60)
 
-    server = ElasticWeightServer(connect, snapshot, timeout_s=60).start()
+    def publish(self, version):
+        buckets, manifest = pack(weights(version), bucket_bytes=4 << 20)  # several buckets
+        self.current["snap"] = (version, buckets, manifest)
+
+
+def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
+    run = Run()
+    server, port, publish = run.server, run.port, run.publish
     procs = []
     try:
         staller = start(port, "stalls", "stall", tmp_path)
@@ -90,3 +96,39 @@ def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
             if p.poll() is None:
                 p.kill()
         server.close()
+
+
+def test_a_worker_killed_before_its_pair_formed_does_not_hold_another_workers_fetch(tmp_path):
+    """A worker killed in its first fetch, after its pair request and before its side of the pair:
+    the server's side waits for it (up to its forming bound), but only in that worker's own thread,
+    so another worker's next snapshot comes at once (issue 76 item 5: on one serving thread it came
+    after the timeout, past the other worker's own, which then left the pool)."""
+    run = Run(form_s=5)
+    procs = []
+    try:
+        good = start(run.port, "good", "fetch", tmp_path)
+        procs.append(good)
+        run.publish(1)
+        wait_for(tmp_path / "good.v1.pt", good)
+        dead = start(run.port, "dead", "pairless", tmp_path)
+        procs.append(dead)
+        wait_for(tmp_path / "dead.posted", dead)
+        time.sleep(0.5)  # the server has seen the request and waits for the dead side of the pair
+        dead.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        run.publish(2)
+        wait_for(tmp_path / "good.v2.pt", good)
+        # on one serving thread the wait for the dead side (the server's timeout, 60 s) came first
+        assert time.monotonic() - t0 < 15, "the dead worker's pair held the other worker's fetch"
+        assert good.wait(timeout=30) == 0, good.communicate()[0][-3000:]
+        assert run.server.sent == {"good": 2}
+        deadline = time.monotonic() + 30
+        while not run.server.lost and time.monotonic() < deadline:  # its own thread gives up on it
+            time.sleep(0.1)
+        assert [w for w, _ in run.server.lost] == ["dead"], run.server.lost
+        assert "its pair group did not form within 5 s" in run.server.lost[0][1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        run.server.close()
