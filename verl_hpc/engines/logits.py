@@ -23,6 +23,12 @@ all-reduces it, exactly as the output layer's own backward does.
 
 A padded vocabulary: pass only the real rows of the weight (the padded ones would be -inf logits,
 which add exp(-inf) = 0 everywhere; slicing them off gives the same results and a zero gradient).
+
+No host syncs inside the loops: every branch is on Python numbers (sizes, the temperature), never
+on a tensor's value, so on a GPU the chunks are queued back to back.
+
+How many tokens a chunk takes, and whether to chunk at all, is planning/output_layer.py's rule
+(`output_chunk`); on a device the engines give it `device_free_bytes`, measured at the output layer.
 """
 from __future__ import annotations
 
@@ -138,8 +144,9 @@ class _ChunkedOutputs(torch.autograd.Function):
                 gl = g_logp[a:b].unsqueeze(-1)
                 grad.addcmul_(p, gl, value=-1.0)
                 cols, mine = _target_columns(targets[a:b], ctx.vocab_start, width)
-                rows = torch.nonzero(mine).squeeze(1)
-                grad[rows, cols[rows]] += gl.squeeze(-1)[rows]
+                # a scatter of 0 where this slice does not hold the target: no nonzero(), whose
+                # output size would make the host wait for the device inside the loop
+                grad.scatter_add_(1, cols.unsqueeze(1), torch.where(mine, gl.squeeze(-1), 0.0).unsqueeze(1))
             del p, s
             if t != 1.0:
                 grad.div_(t)
@@ -150,3 +157,47 @@ class _ChunkedOutputs(torch.autograd.Function):
                 g_weight.addmm_(grad.t().float() if grad.dtype != torch.float32 else grad.t(), h.float()
                                 if h.dtype != torch.float32 else h)
         return (g_hidden, g_weight.to(weight.dtype) if need_w else None, None, None, None, None, None, None)
+
+
+def device_free_bytes(device: torch.device) -> Optional[float]:
+    """Bytes a tensor allocated now on `device` could take: the driver's free memory plus what
+    torch's caching allocator holds unused. None on a CPU (the output layer's rule keeps its fixed
+    budget there: planning/output_layer.py). Host-side queries only: no device synchronisation."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def agreed_free_bytes(device: torch.device, group=None) -> Optional[float]:
+    """device_free_bytes, the least over `group` (a tensor-parallel group must take one path: the
+    chunked path all-reduces per chunk, the whole one per micro-batch). One small all-reduce and
+    one read per micro-batch, before the chunks, never inside their loop."""
+    free = device_free_bytes(device)
+    if free is None or group is None or dist.get_world_size(group) == 1:
+        return free
+    t = torch.tensor([free], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return float(t.item())
+
+
+def whole_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want: Sequence[str], *,
+                  temperature: float = 1.0) -> Dict[str, torch.Tensor]:
+    """The same results as token_outputs, from the whole logits at once (one rank's whole
+    vocabulary): the logits in the weights' dtype, then fp32 and the temperature, log_softmax at the
+    targets, the entropy and sum_v p_v^2 of the same distribution, as the engines' whole-logits
+    paths compute them; autograd keeps the logits for the backward (nothing is recomputed)."""
+    from verl_hpc.algorithms import entropy_from_logits, sum_pi_squared_from_logits
+
+    unknown = set(want) - set(OUTPUTS)
+    if unknown:
+        raise ValueError(f"the output layer gives {OUTPUTS}; asked for {sorted(unknown)}")
+    z = _chunk_logits(hidden, weight, temperature)
+    out: Dict[str, torch.Tensor] = {}
+    if "log_probs" in want:
+        out["log_probs"] = torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if "entropy" in want:
+        out["entropy"] = entropy_from_logits(z).float()
+    if "sum_pi_squared" in want:
+        out["sum_pi_squared"] = sum_pi_squared_from_logits(z).float()
+    return out

@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from verl_hpc.config.sections.model import logits_chunk_size
+from verl_hpc.planning.output_layer import output_chunk
 from verl_hpc.models.config_mapping import ModelArch
 from verl_hpc.planning.model_shape import layer_tensor_sizes
 from verl_hpc.planning.training import logits_bytes, mlp_width, moe_dispatch_bytes
@@ -213,8 +213,14 @@ class FsdpRole:
             act = acts["saved"] + acts["recompute_working"]
         else:
             act = layer_activation_bytes(self.arch, s, b, self.c)
-        chunk = logits_chunk_size(self.logits_chunk, self.arch.vocab_size)
-        logits = logits_bytes(self.arch, s * b, 1, self.c, self.head, self.arch.vocab_size, chunk)
+        arch, tokens, c, head = self.arch, s * b, self.c, self.head
+        setting = self.logits_chunk
+
+        def logits(free_bytes: Optional[float] = None) -> float:
+            """The logits term once the row knows what the rest leaves free (phases.py; None: a CPU)."""
+            chunk = output_chunk(setting, arch.vocab_size, tokens, c, free_bytes)
+            return logits_bytes(arch, tokens, 1, c, head, arch.vocab_size, chunk)
+
         gathered = gathered_bytes(self.params, self.c, reshard_after_forward=self.reshard, train=train,
                                   shard=self.shard, adapter_layer=self.adapter_layer)
         out = {"activations": act, "logits": logits, "gathered": gathered}

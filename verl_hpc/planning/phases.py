@@ -244,6 +244,10 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
 
     def row(active: Dict[str, str], extra: Dict[str, float], vllm: float) -> Dict[str, float]:
         r = {c: 0.0 for c in COMPONENTS}
+        # the logits term is a function of what the rest of the row leaves free on the device
+        # (planning/output_layer.py: the engines measure the same at the output layer)
+        logits = extra.get("logits")
+        extra = dict(extra, logits=0.0) if callable(logits) else extra
         for name, st in roles.items():
             r[name] = st.resident(active.get(name, "idle"))
         if judge_awake:  # the generative judge: awake while it scores, asleep (or on the host) else
@@ -252,6 +256,10 @@ def _plan_stage(cfg, stage, gpu_memory_gb, node_memory_gb, allow_known, layer_im
         r["resharding"] += delta_copies
         r["vllm"] = vllm
         r["nccl"] = nccl
+        if callable(logits):
+            rest = sum(v for k, v in r.items() if k not in ("overhead", "nccl"))
+            free = gpu_total - overhead - nccl - (1 + hardware.FRAGMENTATION) * rest if gpu and gpu_total > 0 else None
+            r["logits"] = logits(free)
         tensors = sum(v for k, v in r.items() if k not in ("overhead", "nccl"))
         r["overhead"] = overhead + hardware.FRAGMENTATION * tensors if gpu else 0.0
         return r

@@ -21,7 +21,7 @@ from verl_hpc.planning.host import RoleTensors
 from verl_hpc.planning.model_shape import (fsdp_arch, lora_layer_params, model_arch, role_engine, stage_params,
                                            stage_tensor_sizes)
 from verl_hpc.planning.vision import vision_shape
-from verl_hpc.config.sections.model import logits_chunk_size
+from verl_hpc.planning.output_layer import output_chunk
 from verl_hpc.planning.training import (ActivationSetup, Precision, cp_tokens, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
 
@@ -198,8 +198,13 @@ def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precis
         layers = roles.actor_layers
         a = roles.archs.get(name, arch) if name == "teacher" else arch
         vocab = padded_vocab_size(a.vocab_size, tp)
-        chunk = logits_chunk_size(cfg.model.logits_chunk_tokens, vocab // tp) if par.cp == 1 else 0
-        logits = logits_bytes(a, s * b, tp, prec.act_bytes, head, vocab, chunk) if last else 0.0
+        setting = cfg.model.logits_chunk_tokens if par.cp == 1 else 0  # cp: the whole logits' results gathered
+
+        def logits(free_bytes: Optional[float] = None) -> float:
+            """The logits term once the row knows what the rest leaves free (phases.py; None: a CPU)."""
+            chunk = output_chunk(setting, vocab // tp, s * b, prec.act_bytes, free_bytes)
+            return logits_bytes(a, s * b, tp, prec.act_bytes, head, vocab, chunk) if last else 0.0
+
         if not train:  # no_grad: nothing is saved; one layer's intermediates and the logits
             one = stage_activation_bytes(a, 1, s, b, prec.act_bytes,
                                          dataclasses.replace(setup, recompute="none"))["saved"]

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from verl_hpc.config.sections.model import scores_in_chunks
 from verl_hpc.models.config_mapping import ModelArch
+from verl_hpc.planning.output_layer import CHUNK_TOKEN_BYTES, chunk_working_bytes  # noqa: F401 (re-exported)
 from verl_hpc.planning.model_shape import StageParams
 
 
@@ -235,25 +235,14 @@ def logits_bytes(arch: ModelArch, tokens: int, tp: int, act_bytes: int, head: st
                  padded_vocab: int, chunk: int = 0) -> float:
     """The output layer's [tokens, V/t] logits plus the vocab-parallel cross-entropy's fp32
     working copies (softmax / log-softmax over the TP slice); a value head keeps [tokens, 1].
-    chunk > 0 (model.logits_chunk_tokens, resolved: engines/logits.py) and more tokens than a chunk
-    (a micro-batch that fits one keeps the whole logits: scores_in_chunks): the logits of one chunk
-    of tokens at a time (chunk_working_bytes), the output layer's input and the scored positions'
-    copy of it, and a few fp32 numbers per token (max, log Z, entropy, the outputs)."""
+    chunk: planning/output_layer.py output_chunk's answer for this micro-batch (0: the whole
+    logits); > 0: the logits of one chunk of tokens at a time (chunk_working_bytes), the output
+    layer's input and the scored positions' copy of it, and a few fp32 numbers per token (max,
+    log Z, entropy, the outputs)."""
     inp = tokens * arch.hidden_size * act_bytes  # the output layer's input, kept for backward
     if head == "value":
         return float(inp + tokens * 4)
     v = padded_vocab / tp
-    if scores_in_chunks(chunk, tokens):
-        return 2 * inp + CHUNK_TOKEN_BYTES * tokens + chunk_working_bytes(chunk, v, act_bytes)
+    if chunk > 0:
+        return 2 * inp + CHUNK_TOKEN_BYTES * tokens + chunk_working_bytes(min(chunk, tokens), v, act_bytes)
     return inp + tokens * v * act_bytes + 2 * tokens * v * 4
-
-
-CHUNK_TOKEN_BYTES = 32  # per scored token: 3 saved fp32 (max, log Z, entropy) + up to 3 outputs + slack
-
-
-def chunk_working_bytes(chunk: int, vocab_columns: float, act_bytes: int) -> float:
-    """One chunk's working logits: three fp32 [chunk, V/t] at once (forward: the shifted logits,
-    their exp and its product with them; backward: log p, p and the gradient), plus the matmul's
-    own result where it is below fp32 (its upcast is a copy)."""
-    upcast = act_bytes if act_bytes < 4 else 0
-    return float(chunk * vocab_columns * (12 + upcast))

@@ -20,7 +20,8 @@ def test_allocated_bytes_per_phase_match_the_plan(tmp_path, monkeypatch):
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.parallel import init_model_parallel
     from verl_hpc.planning.model_shape import stage_params
-    from verl_hpc.config.sections.model import logits_chunk_size
+    from verl_hpc.engines.logits import device_free_bytes
+    from verl_hpc.planning.output_layer import output_chunk
     from verl_hpc.planning.training import (ActivationSetup, Precision, logits_bytes,
                                             model_state_bytes, stage_activation_bytes)
     from verl_hpc.runtime import bootstrap
@@ -57,7 +58,8 @@ def test_allocated_bytes_per_phase_match_the_plan(tmp_path, monkeypatch):
     setup = ActivationSetup(tp=1, sequence_parallel=False, recompute="none", recompute_method="uniform",
                             recompute_num_layers=1, impl="te")
     acts = stage_activation_bytes(arch, arch.num_layers, s, b, prec.act_bytes, setup, True)["saved"]
-    chunk = logits_chunk_size(None, 512)  # the engine's default (model.logits_chunk_tokens = auto)
+    # the engine's default (model.logits_chunk_tokens = auto): on a GPU the memory free decides
+    chunk = output_chunk(None, 512, s * b, prec.act_bytes, device_free_bytes(torch.device('cuda')))
     planned_peak = planned_states + acts + logits_bytes(arch, s * b, 1, prec.act_bytes, "lm", 512, chunk)
     print(f"states {states:,} vs plan {planned_states:,.0f}; update peak {peak:,} vs plan {planned_peak:,.0f}")
     assert states == pytest.approx(planned_states, rel=0.10)

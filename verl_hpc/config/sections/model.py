@@ -56,8 +56,9 @@ class ModelConfig(Section):
     logits_chunk_tokens: Optional[int] = opt(
         None, "tokens per chunk of the output layer's logits; a micro-batch that scores more tokens than "
               "one chunk goes through in chunks, a smaller one takes the whole logits at once; null = auto "
-              "(a chunk's fp32 logits over this rank's vocabulary slice fit 256 MiB: logits_chunk_size); "
-              "0 = off (the whole logits always)",
+              "(on a GPU: the whole logits where they fit half the memory free at the output layer, else the "
+              "fewest chunks that do; on a CPU: a chunk's fp32 logits over this rank's vocabulary slice fit "
+              "256 MiB; planning/output_layer.py); 0 = off (the whole logits always)",
         check=">=0")
 
     def check(self, job) -> List[str]:
@@ -131,16 +132,17 @@ def cpu_float16_problems() -> List[str]:
     return [problem] if problem else []
 
 
-LOGITS_CHUNK_BYTES = 256 << 20  # auto: one chunk's fp32 logits (the backward holds ~3 such: logits, p, grad)
+LOGITS_CHUNK_BYTES = 256 << 20  # auto on a CPU: one chunk's fp32 logits (= planning/output_layer.py CPU_CHUNK_BYTES)
 
 
 def logits_chunk_size(setting: Optional[int], vocab_columns: int) -> int:
     """Tokens per output-layer chunk for model.logits_chunk_tokens = `setting` over a vocabulary
     slice of `vocab_columns` (V / tp); 0 = unchunked. The engines and the memory plan both ask here."""
+    from verl_hpc.planning.output_layer import cpu_chunk  # the rule's one home (a device's: output_chunk)
+
     if setting is not None:
         return int(setting)
-    per_token = 4 * max(int(vocab_columns), 1)
-    return max(16, LOGITS_CHUNK_BYTES // per_token // 16 * 16)
+    return cpu_chunk(vocab_columns)
 
 
 def scores_in_chunks(chunk: int, scored_tokens: int) -> bool:

@@ -16,6 +16,13 @@ plain linear layer (generation, exports, other callers).
 
 Models that change the logits after the lm_head (soft-capping, a logit scale) keep the whole-logits
 path: the chunks would score a different distribution.
+
+How a micro-batch is scored is planning/output_layer.py's rule (`output_chunk`). On a CPU, and with
+an explicit model.logits_chunk_tokens, `takes` decides before the model's call (a micro-batch within
+one chunk keeps the engine's own whole-logits path). On a GPU with auto, the head always takes the
+call and decides inside it, from the memory free there (the activations of every layer already
+held): the whole logits where they fit (`whole_outputs`: computed once, kept by autograd), else
+the fewest chunks that fit.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from verl_hpc.config.sections.model import logits_chunk_size, scores_in_chunks
-from verl_hpc.engines.logits import token_outputs
+from verl_hpc.engines.logits import device_free_bytes, token_outputs, whole_outputs
+from verl_hpc.planning.output_layer import output_chunk
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +55,13 @@ def logits_transform(hf_config) -> Optional[str]:
 
 
 class ChunkedHead:
-    def __init__(self, linear: torch.nn.Linear, chunk: int, temperature: float, liger: bool = False):
+    def __init__(self, linear: torch.nn.Linear, chunk: int, temperature: float, liger: bool = False,
+                 setting: Optional[int] = -1):
         self.linear, self.chunk, self.temperature = linear, chunk, temperature
         self.liger = liger  # log-probs alone through Liger's fused linear cross-entropy (liger.py)
+        # model.logits_chunk_tokens (None = auto: on a device the free memory decides); -1: `chunk` as given
+        self.setting = chunk if setting == -1 else setting
+        self.last = None  # how the last micro-batch was scored: "liger", "whole" or its chunk size (reports)
         self._request = None
         plain = linear.forward
 
@@ -60,8 +72,16 @@ class ChunkedHead:
         linear.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks unchanged
 
     def takes(self, scored_tokens: int) -> bool:
-        """A micro-batch that fits one chunk keeps the whole-logits path (scores_in_chunks)."""
+        """Whether the head scores this micro-batch. Auto on a device: always (it decides inside, at
+        the output layer, module docstring); else a micro-batch that fits one chunk keeps the
+        engine's whole-logits path (scores_in_chunks)."""
+        if self.device_ruled():
+            return True
         return scores_in_chunks(self.chunk, scored_tokens)
+
+    def device_ruled(self) -> bool:
+        """Auto on a device: the chunk size comes from the memory free at the output layer."""
+        return self.setting is None and device_free_bytes(self.linear.weight.device) is not None
 
     @contextlib.contextmanager
     def scoring(self, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, want: Sequence[str]):
@@ -76,10 +96,20 @@ class ChunkedHead:
         if self.liger and want == ("log_probs",):
             from verl_hpc.engines.fsdp.liger import liger_log_probs
 
+            self.last = "liger"
             logp = liger_log_probs(hidden[rows, positions], self.linear.weight, targets, self.temperature)
             return logp.unsqueeze(-1)
-        out = token_outputs(hidden[rows, positions], self.linear.weight, targets, want,
-                            temperature=self.temperature, chunk=self.chunk)
+        sel = hidden[rows, positions]
+        chunk = self.chunk
+        if self.device_ruled():  # measured here: every layer's activations are already held
+            chunk = output_chunk(None, self.linear.out_features, targets.numel(), sel.element_size(),
+                                 device_free_bytes(sel.device))
+        if chunk == 0:
+            self.last = "whole"
+            out = whole_outputs(sel, self.linear.weight, targets, want, temperature=self.temperature)
+        else:
+            self.last = chunk
+            out = token_outputs(sel, self.linear.weight, targets, want, temperature=self.temperature, chunk=chunk)
         return torch.stack([out[k] for k in want], dim=-1)
 
     @staticmethod
@@ -106,9 +136,15 @@ def chunked_head(model, options, liger: bool = False) -> Optional[ChunkedHead]:
         _say("output layer: the whole logits per micro-batch (%s)", why_not)
         return None
     chunk = logits_chunk_size(options.logits_chunk_tokens, linear.out_features)
-    _say("output layer: log-probs and entropy in chunks of %d tokens for micro-batches that score more "
-         "(model.logits_chunk_tokens = %s)", chunk, "auto" if options.logits_chunk_tokens is None else options.logits_chunk_tokens)
-    return ChunkedHead(linear, chunk, options.temperature, liger)
+    head = ChunkedHead(linear, chunk, options.temperature, liger, setting=options.logits_chunk_tokens)
+    if head.device_ruled():
+        _say("output layer: the whole logits where they fit half the device memory free at the output layer, "
+             "else the fewest chunks that do (model.logits_chunk_tokens = auto, planning/output_layer.py)")
+    else:
+        _say("output layer: log-probs and entropy in chunks of %d tokens for micro-batches that score more "
+             "(model.logits_chunk_tokens = %s)", chunk,
+             "auto" if options.logits_chunk_tokens is None else options.logits_chunk_tokens)
+    return head
 
 
 def _say(msg: str, *args) -> None:

@@ -32,6 +32,12 @@ sum-pi-squared from them and the layer's weight (the embedding's when tied) in c
 (verl_hpc/engines/logits.py): max and sums all-reduced over TP, the vocabulary's padded rows sliced
 off (the -inf columns the whole-logits path masks add exactly nothing), no `[b, T, V/tp]` logits.
 Not under context parallelism (context_parallel.py gathers the whole logits' per-token results).
+On a GPU with model.logits_chunk_tokens auto (`LogitsChunk.auto`), every pass returns hidden
+states and each micro-batch's scoring decides from the memory free at the output layer (the least
+over the TP group: one path for all of it), by planning/output_layer.py's rule: the whole logits
+where they fit (the output layer's matmul on the hidden states, the padded columns -inf as the
+model's own mask makes them, then `lm_outputs`: kept by autograd, nothing recomputed), else the
+fewest chunks that fit.
 
 Value head: `[b, s, 1]` -> values `[b, T]` from positions p + t - 1, and the reward model's
 sequence score from the last token p + r - 1.
@@ -111,6 +117,7 @@ class ChunkedOutputLayer:
         # the padded vocabulary's rows on this rank are cut off (verl_hpc.models.gpt records the real ones)
         self.real_columns = getattr(layer, "real_columns", width)
         self.weight = None  # the weight the model handed its output layer, taken at each forward
+        self.last = None  # how the last micro-batch was scored ("whole" or its chunk size: reports)
         layer.returns_hidden = False  # True while scoring; the padded-vocabulary mask hook then steps aside
         self._plain = layer.forward
         layer.forward = self._forward  # an instance attribute: the pre-hooks (position selection) still run
@@ -158,6 +165,25 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class LogitsChunk(int):
+    """Tokens per chunk (logits_chunk's answer), and whether model.logits_chunk_tokens was auto:
+    then on a GPU the memory free at the output layer decides per micro-batch (module docstring)."""
+
+    auto: bool = False
+
+    @classmethod
+    def of(cls, tokens: int, auto: bool) -> "LogitsChunk":
+        c = cls(tokens)
+        c.auto = auto and tokens > 0
+        return c
+
+
+def _device_ruled(chunk: int, device: torch.device) -> bool:
+    from verl_hpc.engines.logits import device_free_bytes
+
+    return bool(getattr(chunk, "auto", False)) and device_free_bytes(device) is not None
+
+
 def logits_chunk(o, cp: int, vocab_columns: int) -> int:
     """Tokens per output-layer chunk on every rank (the same everywhere: the engine decides per pass
     whether its micro-batches go through the chunks, `scores_in_chunks`); 0: never chunked (a value
@@ -166,8 +192,8 @@ def logits_chunk(o, cp: int, vocab_columns: int) -> int:
     from verl_hpc.config.sections.model import logits_chunk_size
 
     if o.head != "lm" or cp != 1 or o.logits_chunk_tokens == 0:
-        return 0
-    return logits_chunk_size(o.logits_chunk_tokens, vocab_columns)
+        return LogitsChunk.of(0, False)
+    return LogitsChunk.of(logits_chunk_size(o.logits_chunk_tokens, vocab_columns), o.logits_chunk_tokens is None)
 
 
 def chunked_output_layer(o, gpt_chunks, chunk: int) -> Optional[ChunkedOutputLayer]:
@@ -184,7 +210,7 @@ def chunked_output_layer(o, gpt_chunks, chunk: int) -> Optional[ChunkedOutputLay
         log.info("output layer: log-probs and entropy in chunks of %d tokens for micro-batches that score "
                  "more (model.logits_chunk_tokens = %s)",
                  chunk, "auto" if o.logits_chunk_tokens is None else o.logits_chunk_tokens)
-    return ChunkedOutputLayer(layer, chunk, o.temperature)
+    return ChunkedOutputLayer(layer, chunk, o.temperature)  # chunk keeps .auto: the device rule
 
 
 def chunks_pass(chunk: int, mbs) -> bool:
@@ -194,18 +220,42 @@ def chunks_pass(chunk: int, mbs) -> bool:
     so the tensor- and pipeline-parallel ranks agree."""
     from verl_hpc.config.sections.model import scores_in_chunks
 
+    mbs = list(mbs)
+    if mbs and _device_ruled(chunk, mbs[0].data["_targets"].device):
+        return True  # each micro-batch decides at the output layer (lm_outputs_chunked)
     return any(scores_in_chunks(chunk, mb.data["_targets"].numel()) for mb in mbs)
 
 
 def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
                        head: ChunkedOutputLayer, selected: bool = False) -> Dict[str, torch.Tensor]:
     """Hidden states `[b, s, h]` (or `[b, T, h]` when selected) -> `{name: [b, T]}`."""
-    from verl_hpc.engines.logits import token_outputs
+    from verl_hpc.engines.logits import agreed_free_bytes, token_outputs
+    from verl_hpc.planning.output_layer import output_chunk
 
     resp = hidden if selected else _rows(hidden, mb["_positions"])
+    chunk = int(head.chunk)
+    if _device_ruled(head.chunk, resp.device):  # measured here, after every layer's activations
+        chunk = output_chunk(None, head.weight.shape[0], mb["_targets"].numel(), resp.element_size(),
+                             agreed_free_bytes(resp.device, head.group))
+        head.last = chunk or "whole"
+        if chunk == 0:
+            return lm_outputs(whole_logits(resp, head), mb, want, head.temperature, selected=True)
+    else:
+        head.last = chunk
     return token_outputs(resp, head.weight[: head.real_columns], mb["_targets"], want,
-                         temperature=head.temperature, chunk=head.chunk, group=head.group,
+                         temperature=head.temperature, chunk=chunk, group=head.group,
                          vocab_start=head.vocab_start)
+
+
+def whole_logits(resp: torch.Tensor, head: ChunkedOutputLayer) -> torch.Tensor:
+    """The output layer's logits `[b, T, V/tp]` from its input, as its own forward gives them: the
+    matmul in the weights' dtype, this rank's padded vocabulary rows -inf (verl_hpc.models.gpt)."""
+    logits = torch.nn.functional.linear(resp, head.weight)
+    width = logits.shape[-1]
+    if head.real_columns < width:
+        pad = torch.arange(width, device=logits.device) >= head.real_columns
+        logits = logits.masked_fill(pad, float("-inf"))
+    return logits
 
 
 def scoring(head: Optional[ChunkedOutputLayer]):
