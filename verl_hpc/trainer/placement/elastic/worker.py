@@ -6,7 +6,9 @@ RUN_DIR`) that joins a running split run, generates the prompt groups it leases,
 1. Find the run (rendezvous.py): its store, its epoch, its config (`RUN_DIR/elastic/config.yaml`);
    overrides may change only this worker's engine (rollout.tp, gpu_memory_utilization, ...).
 2. Build the rollout engine, join the pool (elastic/join) and wait for the run's verdict on that join
-   (a second worker of a name already in the pool is refused, exit 30), start beating (elastic/beat/<w>).
+   (a second worker of a name already in the pool is refused, exit 30; a Slurm requeue of a worker,
+   its job id and a higher SLURM_RESTART_COUNT, is taken as a new member), start beating
+   (elastic/beat/<member>: everything it says from here is under its name and its join's number).
 3. Loop: newer weights? fetch them over the worker's pair with the first training rank
    (channel.py) and load them; ask for leases (elastic/want) with the version held; generate each
    leased group with its own seed; post the samples (elastic/done).
@@ -32,6 +34,16 @@ from verl_hpc.trainer.placement.elastic.rendezvous import ElasticJoinError, Rend
 
 log = logging.getLogger("verl_hpc.elastic.worker")
 BEATS_PER_TIMEOUT = 5  # heartbeats per placement.elastic.heartbeat_timeout_s: a late one or two is no leave
+
+
+def restart_count() -> int:
+    """How many times Slurm has requeued this job (SLURM_RESTART_COUNT; 0 outside Slurm)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ElasticJoinError(f"SLURM_RESTART_COUNT = {raw!r}: expected a whole number >= 0 (Slurm sets it on a requeue)")
+    return int(raw)
 
 
 def worker_id() -> str:
@@ -64,6 +76,7 @@ class Worker:
                               "process with one engine (vLLM's tensor parallelism needs a rank per GPU, not built "
                               "for workers yet); join with rollout.tp=1")
         self.epoch, self.name = rdv.epoch, name or worker_id()
+        self.restart = restart_count()  # a bad value is one line here, before the engine is built
         import torch.distributed as dist
 
         timeout = self.cfg.async_training.poll_timeout_s or self.cfg.trainer.collective_timeout_s
@@ -76,6 +89,7 @@ class Worker:
                                    f"does not answer ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
         self.mail = Mailbox(store, f"elastic rollout worker {self.name}", timeout)
         self.signalled: Optional[str] = None
+        self.member = self.name  # its member key once the run took its join (join_pool)
         self.wants = self.dones = 0
         self.version = -1
 
@@ -90,16 +104,21 @@ class Worker:
     def join_pool(self) -> None:
         """Post this worker's join and wait for the run's verdict on it (by the join's number)
         before anything is sent under its name: a refused worker must not beat, ask for weights
-        or leave in the name of the worker of that name already in the pool."""
+        or leave in the name of the worker of that name already in the pool. Taken, it speaks under
+        its member key (its name and the join's number), which no earlier run of its job used."""
+        from verl_hpc.trainer.placement.elastic.coordinator import member_key
+
         index = self.mail.add("elastic/joins", 1) - 1
         self.mail.put(f"elastic/join/{index}", dict(worker=self.name, epoch=self.epoch, node=socket.gethostname(),
-                                                job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid()))
+                                                job=os.environ.get("SLURM_JOB_ID", ""), pid=os.getpid(),
+                                                restart=self.restart))
         key = f"elastic/verdict/{index}"
         if not self.mail.wait(key, "the run's rollout leader", unless=STOP, watch=self._check_run):
             raise Leaving("the run stopped", said=False)
         why = self.mail.take(key)
         if why:
             raise ElasticJoinError(f"elastic rollout worker {self.name}: the run in {self.run_dir} refused it: {why}")
+        self.member = member_key(self.name, index)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
@@ -123,7 +142,7 @@ class Worker:
             log.info("elastic worker %s: joined %s", self.name, self.run_dir)
             fetcher = None
             try:
-                fetcher = WeightFetcher(self.mail, self.name, self.timeout_s)
+                fetcher = WeightFetcher(self.mail, self.member, self.timeout_s)
                 while True:
                     self._check_run()
                     self._weights(rollout, fetcher)
@@ -133,7 +152,7 @@ class Worker:
                     self._work(rollout)
             except Leaving as e:
                 if e.said:
-                    self.mail.put(f"elastic/bye/{self.name}", e.reason)
+                    self.mail.put(f"elastic/bye/{self.member}", e.reason)
                 log.info("elastic worker %s: leaving: %s", self.name, e.reason)
                 return 0
             except GroupLostError as e:  # the run stopped answering (its weight server, a lease)
@@ -154,7 +173,7 @@ class Worker:
 
                 host, port = self.mail.store.host, self.mail.store.port
                 store = store or dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=30))
-                store.add(f"elastic/beat/{self.name}", 1)
+                store.add(f"elastic/beat/{self.member}", 1)
             except Exception:  # noqa: BLE001 - the main loop notices a lost run
                 return
 
@@ -166,7 +185,7 @@ class Worker:
         version, tensors = got
         rollout.load_weights(iter(tensors))
         if self.version < 0:  # the join's cost: its first weights, fetched and loaded
-            self.mail.put(f"elastic/loaded/{self.name}", time.perf_counter() - t0)
+            self.mail.put(f"elastic/loaded/{self.member}", time.perf_counter() - t0)
         self.version = version
         log.info("elastic worker %s: weights version %d loaded in %.1f s", self.name, version, time.perf_counter() - t0)
 
@@ -174,9 +193,9 @@ class Worker:
         from verl_hpc.trainer.placement.elastic.coordinator import LEAVE
 
         n = self.wants
-        self.mail.put(f"elastic/want/{self.name}/{n}", dict(version=self.version,
-                                                            groups=self.cfg.placement.elastic.groups_per_lease))
-        key = f"elastic/lease/{self.name}/{n}"
+        self.mail.put(f"elastic/want/{self.member}/{n}", dict(version=self.version,
+                                                              groups=self.cfg.placement.elastic.groups_per_lease))
+        key = f"elastic/lease/{self.member}/{n}"
         self.mail.wait(key, "the run's rollout leader", watch=self._check_run)
         payloads = self.mail.take(key)
         self.wants += 1
@@ -190,7 +209,7 @@ class Worker:
             done[p["id"]] = self._generate(rollout, p)
             if self.signalled:
                 break  # what it finished goes in; the rest goes back with its goodbye
-        self.mail.put(f"elastic/done/{self.name}/{self.dones}", done)
+        self.mail.put(f"elastic/done/{self.member}/{self.dones}", done)
         self.dones += 1
         log.info("elastic worker %s: %d group(s) done (weights version %d)", self.name, len(done), self.version)
 
