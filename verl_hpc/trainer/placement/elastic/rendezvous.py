@@ -52,6 +52,8 @@ def shared_fields(cfg) -> Dict[str, object]:
     for f in dataclasses.fields(cfg.rollout):
         if f.name not in LOCAL_ROLLOUT:
             value = getattr(cfg.rollout, f.name)
+            if dataclasses.is_dataclass(value):  # a nested section (rollout.speculative): its fields, as JSON keeps them
+                value = dataclasses.asdict(value)
             out[f"rollout.{f.name}"] = list(value) if isinstance(value, (list, tuple)) else value
     return out
 
