@@ -72,6 +72,19 @@ def no_calls(row, config):
     return 1.0
 
 
+def raises_first(row, config):
+    """Raises before its first model call: a failed run with nothing to train on."""
+    raise RuntimeError("could not set itself up")
+
+
+ENDED_URLS = []  # the base URLs one_call_and_remember was given (a test calls them after the run)
+
+
+def one_call_and_remember(row, config):
+    ENDED_URLS.append((config["base_url"], config["api_key"]))
+    return one_call(row, config)
+
+
 def nan_reward(row, config):
     _ask(_client(config), config, [{"role": "user", "content": "x"}])
     return float("nan")

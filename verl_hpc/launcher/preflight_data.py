@@ -251,8 +251,8 @@ class SetCheck:
         from verl_hpc.rewards import registry
 
         r = self.cfg.reward
-        if r.custom_function:
-            return  # the user's function decides what it accepts
+        if r.custom_function or self.cfg.agent.enable:
+            return  # the user's function decides what it accepts; agent runs return their own rewards
         source = self.s.data_source or row["data_source"]
         rule = registry.resolve(source)
         if rule is None:

@@ -9,7 +9,10 @@ from verl_hpc.config import load_config
 from verl_hpc.data.batch import PromptBatch
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.agents import AgentOptions, AgentRunner
+from verl_hpc.algorithms.masked import check_response_mask
+from verl_hpc.config import ConfigError
 from verl_hpc.rollout.agents import service as service_mod
+from verl_hpc.rollout.agents.runner import untrained_rows
 from verl_hpc.rollout.agents.metrics import agent_metrics
 from verl_hpc.rollout.spec import default_spec
 from verl_hpc.trainer.stages.batching import assemble
@@ -109,7 +112,7 @@ def test_the_training_batch_holds_the_recorded_ids_over_512_calls(engine, tok, r
         assert torch.allclose(lp[p - 1:][on], logp[r, :len(rows[r]) - p][on], atol=1e-4)
 
 
-BAD = {"agent_programs:raises": "raised", "agent_programs:exits": "raised",
+BAD = {"agent_programs:raises": "raised", "agent_programs:exits": "raised", "agent_programs:raises_first": "raised",
        "agent_programs:floods": "flooded", "agent_programs:floods_and_raises": "flooded",
        "agent_programs:no_calls": "no_calls",
        "agent_programs:nan_reward": "bad_reward", "agent_programs:bool_reward": "bad_reward",
@@ -136,6 +139,17 @@ def test_each_bad_agent_is_a_counted_sample_failure_and_the_batch_goes_on(engine
     assert "KeyError: \"the agent's own bug\"" in r.first_failure
     batch = assemble(prompts, result, tok, pad_id=0)
     assert len(set(batch.group_ids.tolist())) == len(agents)  # every sample kept its place in a group
+    # the runs without a model call (exits, raises_first, no_calls): their rows, the data prompt
+    # alone, are marked; the step trains on the others, each with a sampled token
+    no_call = {i for i, name in enumerate(BAD) if name.split(":")[1] in ("exits", "raises_first", "no_calls")}
+    untrained = untrained_rows(result)
+    assert {result.prompt_index[r] for r in untrained} == no_call
+    assert all(not result.response_ids[r] and batch.response_mask[r].sum() == 0 for r in untrained)
+    keep = torch.ones(len(batch), dtype=torch.bool)
+    keep[untrained] = False
+    check_response_mask(batch.select(keep).response_mask)  # what the advantage step refused before
+    with pytest.raises(ValueError, match="zero-length responses"):
+        check_response_mask(batch.response_mask)
 
 
 def test_an_agent_past_its_time_limit_is_a_counted_timeout(engine, tok):
@@ -153,3 +167,28 @@ def test_on_error_raise_stops_with_the_sample_named(engine, tok):
     with runner(engine, tok, on_error="raise") as r:
         with pytest.raises(RewardError, match=r"sample row0: agent run failed \(no_calls\).*reward.on_error=zero"):
             r.generate(batch_of(1, ["agent_programs:no_calls"]), default_spec(n=1, max_tokens=4))
+
+
+def test_a_batch_where_no_run_made_a_call_stops_with_the_first_failure(engine, tok):
+    with runner(engine, tok) as r:
+        with pytest.raises(RewardError, match=r"none of the 2 agent runs .* made a model call.*sample row0.*no_calls"):
+            r.generate(batch_of(1, ["agent_programs:no_calls"]), default_spec(n=2, max_tokens=4))
+
+
+def test_a_call_after_its_run_ended_gets_409_and_a_taken_port_is_named(engine, tok):
+    import socket
+
+    import openai
+
+    import agent_programs
+
+    agent_programs.ENDED_URLS.clear()
+    with runner(engine, tok, "agent.function=agent_programs:one_call_and_remember") as r:
+        r.generate(batch_of(1), default_spec(n=1, max_tokens=4))
+        [(url, key)] = agent_programs.ENDED_URLS
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        with pytest.raises(openai.ConflictError, match="run has ended"):  # as docs/agents.md says, not 404
+            client.completions.create(model="policy", prompt=[5], max_tokens=2)
+        taken = r.server.port
+        with pytest.raises(ConfigError, match=f"agent.port = {taken} is already in use on this node"):
+            runner(engine, tok, f"agent.port={taken}")

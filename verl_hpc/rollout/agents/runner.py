@@ -10,16 +10,22 @@ so every rank builds the same global result, as `engine.generate` returns it.
 
 Per sample: its run's calls are laid out as trajectories (trajectory.py); the sample's rows are
 its trajectories, each a row of the prompt's group, with mask 1 on the sampled tokens only. A run
-that failed (runs.py FAILURES) follows reward.on_error: `zero` gives its rows reward 0 (a run that
-made no call gets one row holding only the data prompt, trained on nothing, which still counts in
-its group's baseline), counts it and logs the first failure; `raise` stops the job with a
-RewardError naming the sample. The reward is the run's own: it replaces the reward function's score
+that failed (runs.py FAILURES) follows reward.on_error: `zero` gives its rows reward 0, counts it
+and logs the first failure; `raise` stops the job with a RewardError naming the sample. A run that
+made no call (it returned or raised first, or its command was not found) has no sampled token: its
+one row holds the data prompt alone, with `AgentStats.trained` false. It counts in the metrics and
+in validation as any failed run; the training step leaves it out of the batch (`untrained_rows`)
+before anything reads its empty response, so it is not in its group's baseline either: the policy
+did nothing in that run. A step in which no run made a call has nothing to train on and stops with
+the first failure. The reward is the run's own: it replaces the reward function's score
 (verl_hpc/trainer/stages/scoring.py given_rewards).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import errno
 import logging
 import secrets
 import time
@@ -27,6 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.rewards.custom import load_user_object
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.config.sections.multi_turn import SandboxConfig
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
 ROW_FIELD = "agent"  # a row's own agent: extra["agent"] = 'package.module:function'
 COMMAND_FIELD = "agent_command"  # or a command line run in the sandbox: extra["agent_command"]
+ENDED_KEPT = 1 << 16  # ended runs' keys remembered, so a late call gets 409 (run ended), not 404
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +73,7 @@ class AgentStats:
     splits: int = 0  # calls that started a trajectory of their own after the first
     reused: int = 0  # chat calls whose history the endpoint rebuilt from its own ids
     failure: str = ""  # runs.FAILURES kind, "" on success
+    trained: bool = True  # False: a run without a model call, its row the data prompt alone (untrained_rows)
 
 
 @dataclasses.dataclass
@@ -86,13 +95,23 @@ class AgentRunner:
         self.default = (load_user_object("agent.function", a.function, RewardError) if a.function else None)
         self._loaded: Dict[str, Any] = {}
         self.sessions: Dict[str, Session] = {}
+        self._ended: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        self._ended_session = Session("", 0)
+        self._ended_session.close()  # what an ended run's key finds: every call gets 409
         self.batcher = Batcher(engine, window_s=a.batch_window_ms / 1000.0, max_batch=a.max_batch,
                                live=lambda: len(self.sessions),
                                due=self._due)
         self.service = AgentService(self.batcher, tokenizer, model_name=a.model_name,
                                     max_tokens=options.max_tokens, window=engine.window)
         # a connection idle longer than a whole run belongs to a run that ended
-        self.server = AgentServer(self.service, self.sessions.get, port=a.port, idle_timeout_s=a.timeout_s + 30)
+        try:
+            self.server = AgentServer(self.service, self._session, port=a.port, idle_timeout_s=a.timeout_s + 30)
+        except OSError as e:
+            self.batcher.close()
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"agent.port = {a.port} is already in use on this node: pick a free port, or "
+                                  "agent.port = 0 (the default: each rank a free port)") from None
+            raise
         self.commands = CommandAgents(options.sandbox or SandboxConfig(), a.read_only_paths, self.server,
                                       a.model_name)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=a.concurrency, thread_name_prefix="agent")
@@ -102,6 +121,13 @@ class AgentRunner:
             logging.getLogger(name).setLevel(max(logging.getLogger(name).level, logging.WARNING))
         log.info("agent endpoint on rank %d: http://%s:%d (loopback only; %d runs at once, batching window %g ms)",
                  self.rank, self.server.host, self.server.port, a.concurrency, a.batch_window_ms)
+
+    def _session(self, key: str) -> Optional[Session]:
+        """The server's lookup: a live run's Session, a closed one for a run that ended, else None."""
+        found = self.sessions.get(key)
+        if found is None and key in self._ended:
+            return self._ended_session
+        return found
 
     def _due(self, horizon: float) -> int:
         """Live runs whose next request is likely on its way (Session.due): the batcher waits for them."""
@@ -117,13 +143,26 @@ class AgentRunner:
         jobs = [(i, j) for i in shard for j in range(sampling.n)]
         futures = [self.pool.submit(self._run, prompts, i, j) for i, j in jobs]
         local = [f.result() for f in futures]
-        engine_failure = repr(self.batcher.failure) if self.batcher.failure is not None else ""
-        records, failures = self._gather(local, engine_failure)
+        records, failures = self._gather(local, self._engine_failure())
         if failures:
             raise RuntimeError(f"agent endpoint: the rollout engine failed during the agents' runs: {failures[0]}")
         records.sort(key=lambda r: (r.prompt_index, r.sample_index))
         self._count_failures(records, prompts)
+        if records and not any(r.calls for r in records):
+            first = first_failure_text(prompts.ids[records[0].prompt_index], records[0].outcome)
+            raise RewardError(f"none of the {len(records)} agent runs of this batch made a model call: nothing to "
+                              f"train on. First: {first.splitlines()[0]}")
         return self._result(prompts, records, time.perf_counter() - start)
+
+    def _engine_failure(self) -> str:
+        """Why this rank's engine is unusable ("" when it is not): its thread stopped, or it raised on
+        every request of the step (a broken engine; a bad request fails alone, batcher.py)."""
+        b = self.batcher
+        if b.failure is not None:
+            return repr(b.failure)
+        if b.step_failed and not b.step_served:
+            return f"it raised on all {b.step_failed} requests of the step; the first: {b.first_error}"
+        return ""
 
     def _run(self, prompts, i: int, j: int) -> _Record:
         key = secrets.token_urlsafe(12)
@@ -143,6 +182,9 @@ class AgentRunner:
             outcome.seconds = time.perf_counter() - t0
         finally:
             session.close()  # a run past its limit: its later calls are refused
+            self._ended[key] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
             self.sessions.pop(key, None)
         if outcome.failure in ("", "raised", "exited") and session.flooded:  # raised on its own 429, most likely
             outcome = failed(outcome, "flooded", f"called the model more than agent.max_calls = {session.max_calls} times")
@@ -209,14 +251,15 @@ class AgentRunner:
                             response_mask=[], episodes=[], row_prompts=[])
         for rec in records:
             trajectories, merges, splits = merge_calls(rec.calls)
-            if not trajectories:  # a failed run without calls: the data prompt, nothing to train on
+            trained = bool(trajectories)
+            if not trained:  # a failed run without calls: the data prompt, nothing to train on
                 trajectories = [Trajectory(prompt=list(prompts.prompt_ids[rec.prompt_index]))]
             reward = 0.0 if rec.outcome.failure else rec.outcome.reward
             for k, t in enumerate(trajectories):
                 first = k == 0  # the sample's counts go on its first row only
                 stats = AgentStats(reward, first, calls=len(rec.calls) if first else 0, merges=merges if first else 0,
                                    splits=splits if first else 0, reused=rec.reused if first else 0,
-                                   failure=rec.outcome.failure if first else "")
+                                   failure=rec.outcome.failure if first else "", trained=trained)
                 out.prompt_index.append(rec.prompt_index)
                 out.sample_index.append(rec.sample_index)
                 out.row_prompts.append(t.prompt)
@@ -242,3 +285,10 @@ class AgentRunner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def untrained_rows(result) -> List[int]:
+    """Rows of agent runs that made no model call (AgentStats.trained false): the data prompt alone,
+    no sampled token. The training step leaves them out; metrics and validation count them."""
+    return [r for r, e in enumerate(result.episodes or ())
+            if getattr(e, "agent", None) is not None and not e.agent.trained]

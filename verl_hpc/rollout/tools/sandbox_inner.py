@@ -108,11 +108,13 @@ def build_root(root):
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for target, link in root["symlinks"]:
         os.symlink(target, new + link)
+    # the private /tmp before the binds: a read-only folder under /tmp (agent.read_only_paths) is
+    # bound onto it, rather than hidden by it (or failing its mount point)
+    os.makedirs(new + "/tmp")
+    mount("tmpfs", new + "/tmp", "tmpfs", NOEXEC, f"size={root['tmp_bytes']},mode=1777")
     for src, dst, kind in root["binds"]:
         mount_point(new + dst, os.path.isdir(src))
         bind(src, new + dst, kind)
-    os.makedirs(new + "/tmp")
-    mount("tmpfs", new + "/tmp", "tmpfs", NOEXEC, f"size={root['tmp_bytes']},mode=1777")
     os.makedirs(new + "/proc")
     try:  # a container may hide parts of /proc, and then the kernel refuses a fresh one: not needed
         mount("proc", new + "/proc", "proc", NOEXEC)

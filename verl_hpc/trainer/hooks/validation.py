@@ -18,7 +18,7 @@ from verl_hpc.rollout.metrics import episode_metrics
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.stages.batching import assemble
 from verl_hpc.trainer.hooks.base import CONTINUE
-from verl_hpc.trainer.stages.scoring import given_rewards, score_batch
+from verl_hpc.trainer.stages.scoring import agent_rows, given_rewards, score_batch
 
 
 class Validator:
@@ -40,7 +40,7 @@ class Validator:
             result = generate(prompts, self.spec)
             results.append(result)
             batch = assemble(prompts, result, self.tokenizer, pad_id)
-            scores, _ = score_batch(scorer, batch, reward_model)
+            scores = None if agent_rows(result) else score_batch(scorer, batch, reward_model)[0]
             scores = given_rewards(scores, result, {})  # agent runs: their own rewards
             for ds, extra, s in _per_sample(result, batch, scores.tolist()):
                 task = task_of(extra)

@@ -88,10 +88,11 @@ class RLTrainer(StepProgram):
         self.scorer = RewardScorer.from_config(cfg.reward, self.roles.reward_model,
                                                allow_custom_code=cfg.safety.allow_custom_code)
         if self.loader is not None:  # refuse unscorable data before spending compute on it
-            self.scorer.check_samples(*_columns(self.loader.dataset))
+            if not cfg.agent.enable:  # agent runs return their own rewards: no reward function is run
+                self.scorer.check_samples(*_columns(self.loader.dataset))
             if self.roles.teacher is not None:  # and rows no teacher scores
                 self.roles.teacher.check_sources(_columns(self.loader.dataset)[1])
-            if val_set is not None:  # reward.reward_model.validate = false: the rules must score it alone
+            if val_set is not None and not cfg.agent.enable:  # reward.reward_model.validate = false: the rules must score it alone
                 (self.scorer if cfg.reward.reward_model.validate else self.scorer.rules_only()).check_samples(
                     *_columns(val_set))
         self.validator = Validator(cfg, ctx, tok, val_set)

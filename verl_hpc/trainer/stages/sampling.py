@@ -22,7 +22,8 @@ from verl_hpc.algorithms.prime import accuracy_filter, outcome_labels
 from verl_hpc.rollout.metrics import episode_metrics, rollout_metrics
 from verl_hpc.trainer.stages.batching import assemble, broadcast_prompts
 from verl_hpc.trainer.stages.rollout_dump import RolloutDump
-from verl_hpc.trainer.stages.scoring import add_turn_rewards, given_rewards, score_batch, to_token_level
+from verl_hpc.rollout.agents.runner import untrained_rows
+from verl_hpc.trainer.stages.scoring import add_turn_rewards, agent_rows, given_rewards, score_batch, to_token_level
 from verl_hpc.trainer.stages.step_batch import StepBatch, concat_batches, first_groups
 from verl_hpc.trainer.hooks.task_weights import task_metrics
 
@@ -72,12 +73,14 @@ class StepSampler:
                 m.update(m_source)
             batch = assemble(prompts, result, r.tokenizer, r.pad_id)
             with timer("reward"):
-                scores, m_reward = self._score(step, round_, batch)
-                scores = given_rewards(scores, result, m_reward)  # agent.enable: the runs' own rewards
+                # agent.enable: the runs' own rewards, no reward function run
+                scores, m_reward = (None, {}) if agent_rows(result) else self._score(step, round_, batch)
+                scores = given_rewards(scores, result, m_reward)
                 batch.token_scores, m_shape = to_token_level(self.scorer, scores, batch, cfg)
                 batch.outcome_labels = outcome_labels(scores, cfg.reward.correct_at)
                 add_turn_rewards(batch.token_scores, result)  # multi_turn: per-turn terms
                 keep, m_filter = group_filters(batch, cfg.algorithm)
+                keep[untrained_rows(result)] = False  # agent runs without a model call: no token to train on
                 batch.baselines = self._greedy_baselines(prompts, batch, step)  # ReMax only
             self.dump.write(step, round_, prompts, result, batch, scores)  # trainer.rollout_data_dir
             if round_ == 0:  # tokens/s, lengths, truncated prompts, finish reasons; rewards

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,16 +28,24 @@ def score_batch(scorer, batch, rm=None, components: Sequence[str] = ()) -> Tuple
     return scores, metrics
 
 
-def given_rewards(scores: torch.Tensor, result, metrics: Dict[str, float]) -> torch.Tensor:
+def agent_rows(result) -> bool:
+    """agent.enable: the rows are agent runs', scored by their runs' own rewards; no reward function
+    runs on them (a data_source without one is fine)."""
+    return any(getattr(e, "agent", None) is not None for e in (result.episodes or ()))
+
+
+def given_rewards(scores: Optional[torch.Tensor], result, metrics: Dict[str, float]) -> Optional[torch.Tensor]:
     """agent.enable: a row's score is the reward its agent run returned (EpisodeStats.agent.reward),
-    not the reward function's; the reward/score metrics are recomputed from the scores used."""
-    given = [(row, e.agent.reward) for row, e in enumerate(result.episodes or ()) if getattr(e, "agent", None)]
+    not the reward function's (`scores` may be None: none was run). reward/score/mean is the runs'
+    mean, each run counted once however many rows its calls made (agent/reward_mean)."""
+    given = [(row, e.agent) for row, e in enumerate(result.episodes or ()) if getattr(e, "agent", None)]
     if not given:
         return scores
-    scores = scores.clone()
-    for row, value in given:
-        scores[row] = value
-    metrics["reward/score/mean"] = float(scores.mean())
+    scores = torch.zeros(len(result)) if scores is None else scores.clone()
+    for row, stats in given:
+        scores[row] = stats.reward
+    runs = [stats.reward for _, stats in given if stats.sample_first]
+    metrics["reward/score/mean"] = sum(runs) / max(len(runs), 1)
     for key in [k for k in metrics if k.startswith("reward/score/") and k != "reward/score/mean"]:
         del metrics[key]  # per data_source means of the function's scores: not what was trained on
     return scores
