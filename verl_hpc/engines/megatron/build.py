@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.engines.megatron.kernels import PerfOptions
+from verl_hpc.engines.megatron.kernels import PerfOptions, kernel_report, norms_in_compute_dtype
 from verl_hpc.engines.options import EngineOptions
 from verl_hpc.engines.prefix import CostModel, PromptSharing
 from verl_hpc.engines.megatron.value_head import attach_value_head, causal_lm_config, head_detached
@@ -76,6 +76,7 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
     chunks = [build_gpt_model(arch, dtype=dtype, fp8=o.fp8, fp8_recipe=o.fp8_recipe,
                               vp_stage=v, **overrides)
               for v in stages]
+    norms_in_compute_dtype(chunks, dtype)  # torch's norms without apex: fp32 weights otherwise (kernels.py)
     heads = [None] * len(chunks)
     with contextlib.ExitStack() as stack:
         if o.head == "value":
@@ -89,6 +90,8 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
         from verl_hpc.engines.megatron.sdpa import use_sdpa_core_attention
 
         use_sdpa_core_attention(chunks)  # a no-op for Transformer Engine layers
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 and ps.is_pipeline_first_stage():
+        log.info("Megatron kernels: %s", "; ".join(f"{k}: {v}" for k, v in kernel_report(chunks, perf).items()))
     return chunks, heads
 
 

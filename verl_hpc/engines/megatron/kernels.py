@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.gpt import transformer_engine_available
@@ -112,3 +112,69 @@ class KernelSwitches:
             on = auto_on.get(name, present) if asked is None else bool(asked)
             out[name] = on and (trainable or name not in grads_only)
         return PerfOptions(**out)
+
+
+# torch's norm classes Megatron's local spec builds without apex (megatron.core.transformer.torch_norm
+# WrappedTorchNorm returns one of these, made in torch's default dtype: fp32)
+TORCH_NORMS = ("RMSNorm", "LayerNorm")
+
+
+def norms_in_compute_dtype(chunks: List[Any], dtype) -> int:
+    """Cast torch's own norm modules in `chunks` to `dtype`, the dtype Megatron builds its other
+    weights in (TransformerConfig.params_dtype); returns how many were cast.
+
+    Why: Megatron's local spec without apex builds torch.nn.RMSNorm / LayerNorm through
+    WrappedTorchNorm, which takes no dtype, so their weights stay fp32 while every other weight and
+    the activations are bf16, and torch's fused rms_norm refuses mixed dtypes ("Mismatch dtype
+    between input and weight ... Cannot dispatch to fused implementation"): every norm then runs as
+    several unfused kernels with fp32 upcasts. Megatron-LM's own training loop gets bf16 norms by
+    wrapping the model in Float16Module, which casts the whole model to bf16; the engine does not
+    use that wrapper (its outputs stay in the compute dtype), so it casts only these modules, whose
+    weights are the only ones left behind. Megatron's mixed-precision optimizer then keeps their fp32
+    master copies like any other bf16 weight. Apex's and Transformer Engine's norms are made in
+    params_dtype already and are left alone."""
+    count = 0
+    for gpt in chunks:
+        for m in gpt.modules():
+            if type(m).__name__ in TORCH_NORMS and type(m).__module__.startswith("torch.nn"):
+                if any(p.dtype != dtype for p in m.parameters(recurse=False)):
+                    m.to(dtype=dtype)
+                    count += 1
+    return count
+
+
+def kernel_report(chunks: List[Any], perf: PerfOptions) -> Dict[str, str]:
+    """What each part of a layer runs, read from the built modules and the resolved switches: the
+    engine's start-up line and the benchmark's kernels column."""
+    layer = chunks[0].decoder.layers[0]
+    norm = layer.input_layernorm
+    if type(norm).__name__ == "IdentityOp":  # TE spec: the norm is fused into the QKV GEMM
+        norm_desc = f"fused into {type(layer.self_attention.linear_qkv).__name__} (Transformer Engine)"
+    else:
+        w = getattr(norm, "weight", None)
+        wdt = str(w.dtype).replace("torch.", "") if w is not None else "-"
+        params_dtype = str(chunks[0].config.params_dtype).replace("torch.", "")
+        torch_norm = type(norm).__module__.startswith("torch.nn")
+        fused = ("torch's fused rms_norm" if wdt == params_dtype
+                 else f"unfused: weight {wdt}, input {params_dtype}") if torch_norm else "apex"
+        norm_desc = f"{type(norm).__module__}.{type(norm).__qualname__}, weight {wdt} ({fused})"
+    core = layer.self_attention.core_attention
+    fuser = _jit_fuser_name()
+    return {
+        "norm": norm_desc,
+        "attention": type(core).__name__ + (" (torch SDPA)" if type(core).__name__ == "SdpaCoreAttention" else ""),
+        "swiglu": (f"fused (Megatron's bias_swiglu, jit_fuser = {fuser})" if perf.bias_activation_fusion
+                   else "unfused (torch ops)"),
+        "rope": "fused (Transformer Engine)" if perf.apply_rope_fusion else "unfused (torch ops; Megatron's fused RoPE is TE's)",
+        "cross-entropy": "the engine's output layer (engines/logits.py; Megatron's vocab-parallel cross-entropy "
+                         "for whole logits)",
+        "grad-accum fusion": "on" if perf.gradient_accumulation_fusion else "off",
+    }
+
+
+def _jit_fuser_name() -> str:
+    try:
+        from megatron.core import jit
+    except ImportError:  # pragma: no cover - megatron is there whenever chunks are
+        return "?"
+    return getattr(jit.jit_fuser, "__name__", str(jit.jit_fuser))
