@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language
-from verl_hpc.engines.options import VALUE_HEAD_SEED
+from verl_hpc.engines.options import HEADS, VALUE_HEAD_SEED, EngineOptions, check_float16_here
 from verl_hpc.models.dropout import zero_config_dropout, zero_module_dropout
 from verl_hpc.runtime.device import has_gpu
 
@@ -69,6 +69,21 @@ def compute_dtype(fsdp, model_dtype: str) -> torch.dtype:
     if mp == "auto":
         return getattr(torch, model_dtype) if has_gpu() else torch.float32
     return COMPUTE_DTYPES[mp]
+
+
+def check_fsdp_options(o: EngineOptions) -> None:
+    """What the config cannot know: the wiring of the options, and this machine's compiler."""
+    if o.head not in HEADS:
+        raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
+    if o.trainable and o.optim is None:
+        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim / prm.optim)")
+    if o.fp8:
+        raise ConfigError("model.fp8 = true: FP8 training is the Megatron engine's (Transformer Engine); "
+                          "set model.fp8=false or parallel.engine=megatron")
+    check_compile(o.fsdp)
+    if o.fsdp.mixed_precision == "fp16":  # auto computes in fp32 on a CPU (compute_dtype)
+        check_float16_here("float16", "fsdp.mixed_precision = fp16 on a machine without a GPU",
+                           "fsdp.mixed_precision=auto (fp32 on a CPU)")
 
 
 def check_compile(fsdp) -> None:

@@ -14,10 +14,10 @@ gradients are summed over micro-batches and ranks (FSDP's divide factor is 1: bu
 update does not depend on the split. Rows the loss names as adding nothing
 (`rows_without_gradient`) are left out, with the counts of the whole batch.
 
-Outputs: the causal LM is called with `logits_to_keep` = the positions from the micro-batch's
-shortest prompt on (the model's own head then runs only there, with its own soft-capping or
-scaling); log-probs are log_softmax(logits / temperature) at the sampled tokens in fp32, entropy
-the same distribution's. Value heads give per-position values (engines/outputs.py).
+Outputs (scoring.py): the causal LM's log-probs, entropy and sum-pi-squared at the scored tokens,
+from the output layer in chunks (head.py) or from the whole logits of the scored positions; value
+heads give per-position values. Checks of the options: build.check_fsdp_options; the weight stream
+(sync, save_hf): export.py, this rank's shards for the sliced sync: holdings.py.
 
 Prompt sharing (`share_prompts`, engines/prefix.py): one model row per prompt with its responses
 after it, each response seeing the prompt and its own tokens at the positions of its own sequence,
@@ -36,44 +36,30 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-from verl_hpc.algorithms import entropy_from_logits, sum_pi_squared_from_logits
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEngine, scaler_metrics,
                                    skipped_for_overflow)
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 import verl_hpc.engines.fsdp.build as build_lib
+from verl_hpc.engines.fsdp.build import check_fsdp_options
+from verl_hpc.engines.fsdp.export import hf_weights
 import verl_hpc.engines.fsdp.optim as optim_lib
 from verl_hpc.engines.fsdp.head import chunked_head
 from verl_hpc.engines.fsdp.liger import setup_liger
 from verl_hpc.engines.fsdp.microbatch import MicroBatch
+from verl_hpc.engines.fsdp.scoring import score
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
 from verl_hpc.engines.offload import Offloader
-from verl_hpc.engines.options import HEADS, EngineOptions, check_float16_here
-from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums, value_outputs
+from verl_hpc.engines.options import EngineOptions
+from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
 import verl_hpc.engines.fsdp.ulysses as ulysses
 from verl_hpc.engines.roles import rows_to_run
-from verl_hpc.models.moe import checkpoint_tensors, fused_experts
+from verl_hpc.models.moe import fused_experts
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
-LM_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")  # the last: the optimal token baseline's, forward only
-
-
-def check_fsdp_options(o: EngineOptions) -> None:
-    """What the config cannot know: the wiring of the options, and this machine's compiler."""
-    if o.head not in HEADS:
-        raise ValueError(f"engine head: {o.head!r}; valid: {', '.join(HEADS)}")
-    if o.trainable and o.optim is None:
-        raise ValueError("a trainable engine needs its optim section (actor.optim / critic.optim / prm.optim)")
-    if o.fp8:
-        raise ConfigError("model.fp8 = true: FP8 training is the Megatron engine's (Transformer Engine); "
-                          "set model.fp8=false or parallel.engine=megatron")
-    build_lib.check_compile(o.fsdp)
-    if o.fsdp.mixed_precision == "fp16":  # auto computes in fp32 on a CPU (build.compute_dtype)
-        check_float16_here("float16", "fsdp.mixed_precision = fp16 on a machine without a GPU",
-                           "fsdp.mixed_precision=auto (fp32 on a CPU)")
 
 
 # Why one rank: FSDP reduces the gradients of the parameters that received one, and a rank whose
@@ -81,12 +67,6 @@ def check_fsdp_options(o: EngineOptions) -> None:
 TOWER_RANKS = ("vision.train_vision_tower = true trains on one rank only (a micro-batch without images "
                "leaves the tower without a gradient on its rank, and FSDP's reduction needs the same "
                "tensors on every rank); keep the tower frozen (false) on more ranks")
-
-
-def _check_lm_outputs(want: Sequence[str]) -> None:
-    unknown = set(want) - set(LM_OUTPUTS)
-    if unknown:
-        raise ValueError(f"a language-model engine gives {LM_OUTPUTS}; asked for {sorted(unknown)}")
 
 
 class FsdpEngine(TrainingEngine):
@@ -196,63 +176,8 @@ class FsdpEngine(TrainingEngine):
         return [MicroBatch(batch, mb, self.device, self._sharing, self.image_token_id, self.sp) for mb in mine]
 
     def _run(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
-        """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled."""
-        if self.options.head == "value":
-            values = self.model(mb.input_ids, position_ids=mb.position_ids)
-            return value_outputs(values, mb.data, want)
-        if mb.sp is not None:
-            return self._run_sliced(mb, want)
-        _check_lm_outputs(want)
-        if self._head is not None and self._head.takes(mb.data["_targets"].numel()):
-            kept = mb.data["_kept"]
-            rows = mb.sample_rows if mb.packed else torch.arange(kept.shape[0], device=kept.device)
-            with self._head.scoring(rows.unsqueeze(1), kept, mb.data["_targets"], want):
-                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                                 attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
-            return self._head.results(out, want)
-        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                         attention_mask=mb.attention_mask, logits_to_keep=mb.keep, **mb.images)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        kept = mb.data["_kept"]
-        b = (mb.sample_rows if mb.packed else torch.arange(kept.shape[0], device=logits.device)).unsqueeze(1)
-        resp = logits[b, kept].float()  # [samples, T, V]
-        if self.options.temperature != 1.0:
-            resp = resp / self.options.temperature
-        result = {}
-        if "log_probs" in want:
-            logp = torch.log_softmax(resp, dim=-1)
-            result["log_probs"] = logp.gather(-1, mb.data["_targets"].unsqueeze(-1)).squeeze(-1)
-        if "entropy" in want:
-            result["entropy"] = entropy_from_logits(resp).float()
-        if "sum_pi_squared" in want:
-            result["sum_pi_squared"] = sum_pi_squared_from_logits(resp).float()
-        return result
-
-    def _run_sliced(self, mb: MicroBatch, want: Sequence[str]) -> Dict[str, torch.Tensor]:
-        """Sequence parallelism: the model on this rank's slice of the tokens; log-probs and entropy
-        from the slice's own logits ([b, S/sp, V], never the whole sequence's), placed in the
-        [b, T] response layout where this rank holds the position, summed over the group."""
-        _check_lm_outputs(want)
-        local, mine = mb.data["_local"], mb.data["_mine"]
-        if self._head is not None and self._head.takes(mb.data["_targets"].numel()):
-            rows = torch.arange(local.shape[0], device=local.device).unsqueeze(1)
-            with self._head.scoring(rows, local, mb.data["_targets"], want):
-                out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-            return {k: self.sp.assemble(v * mine) for k, v in self._head.results(out, want).items()}
-        out = self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-        logits = (out.logits if hasattr(out, "logits") else out[0]).float()
-        if self.options.temperature != 1.0:
-            logits = logits / self.options.temperature
-        rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
-        result = {}
-        if "log_probs" in want:
-            logp = torch.log_softmax(logits, dim=-1)[rows, local, mb.data["_targets"]]
-            result["log_probs"] = self.sp.assemble(logp * mine)
-        if "entropy" in want:
-            result["entropy"] = self.sp.assemble(entropy_from_logits(logits)[rows, local] * mine)
-        if "sum_pi_squared" in want:
-            result["sum_pi_squared"] = self.sp.assemble(sum_pi_squared_from_logits(logits)[rows, local] * mine)
-        return result
+        """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled (scoring.py)."""
+        return score(self, mb, want)
 
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
@@ -409,23 +334,10 @@ class FsdpEngine(TrainingEngine):
             yield self._view
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) on every rank, one parameter at a time (each an all-gather over
-        the mesh), in the model's parameter order, under the checkpoint's names (an MoE model's
-        fused experts one tensor per expert and matrix, as the folder stores them and the rollouts
-        load them), then the persistent buffers; under LoRA the merged weights."""
+        """(HF name, full tensor) on every rank, one parameter at a time, in the checkpoint's names,
+        then the persistent buffers; under LoRA the merged weights (export.py)."""
         with self.resident("forward"):
-            if self.lora is not None:
-                from verl_hpc.engines.fsdp.lora import merged_weights
-
-                yield from merged_weights(self)
-                return
-            for name, p in self.model.named_parameters():
-                yield from checkpoint_tensors(self.model, name, _full(p))
-            # a persistent buffer is a checkpoint tensor too (DeepSeek-V3's router bias), whole on every rank
-            for module_name, module in self.model.named_modules():
-                for name, buf in module.named_buffers(recurse=False):
-                    if buf is not None and name not in module._non_persistent_buffers_set:
-                        yield f"{module_name}.{name}" if module_name else name, buf.detach()
+            yield from hf_weights(self)
 
     def state(self) -> EngineState:
         if not self.offloader.any:
@@ -474,9 +386,3 @@ class FsdpEngine(TrainingEngine):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's whole tensor (an all-gather for a sharded one), detached."""
-    data = p.detach()
-    return data.full_tensor() if hasattr(data, "full_tensor") else data
