@@ -75,6 +75,7 @@ def _models(cfg: JobConfig) -> List[str]:
     if not cfg.model.path:
         return []
     p = _model(cfg, cfg.model.path, "model.path") + cfg.model.folder_problems()
+    p += cfg.rollout.speculative.folder_problems(cfg)  # an MTP model's layers, a draft model's vocabulary
     critic = cfg.critic.model_path
     if cfg.critic.wanted(cfg) and critic and critic != cfg.model.path:
         p += _model(cfg, critic, "critic.model_path")

@@ -32,7 +32,8 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                   max_response_length=o.window,  # multi_turn: the whole episode
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
                   tokenizer_path=m.tokenizer_path,
-                  trust_remote_code=m.trust_remote_code)
+                  trust_remote_code=m.trust_remote_code,
+                  speculative=getattr(r, "speculative", None))  # rollout/speculative.py
     if engine == "hf":  # routing replay R3: the rollout records each token's experts
         kwargs["record_routes"] = getattr(m, "moe_routing_replay", "off") == "rollout"
     if engine == "vllm":

@@ -43,6 +43,7 @@ from verl_hpc.rollout.hf_routes import RouteRecorder
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.speculative import refuse_on_hf
 from verl_hpc.rollout.vllm_compat import preserved_rng
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, renamed_on_load
 from verl_hpc.runtime import device as devices
@@ -92,9 +93,10 @@ class HFRollout(RolloutEngine):
                  prompt_overflow: str, tp: int = 1, seed: int = 0, batch_size: int = 64,
                  tokenizer_path: str | None = None, trust_remote_code: bool = False,
                  logprobs_mode: str = "processed", share_prefill: bool = True, record_routes: bool = False,
-                 ctx=None, **_ignored):
+                 speculative=None, ctx=None, **_ignored):
         from transformers import GenerationConfig
 
+        refuse_on_hf(speculative)  # rollout.speculative: vLLM only (rollout/speculative.py says why)
         if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
             raise ConfigError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
                               "replica per rank (rollout.tp=1)")

