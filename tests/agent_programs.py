@@ -119,3 +119,28 @@ def two_calls(row, config):
     reply = _ask(c, config, messages)
     _ask(c, config, messages + [reply.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}])
     return float(row["sample_index"] % 2)
+
+
+def mixed(row, config):
+    """A group of four runs of every kind the job must survive (tests/jobs/test_agent_job.py): sample 0
+    returns without a call, 1 raises before its first call, 2 sends token ids outside the vocabulary
+    and negative ones (400s it catches), then two conversations (two sequences), 3 one call."""
+    k = row["sample_index"]
+    if k == 0:
+        return 1.0
+    if k == 1:
+        raise RuntimeError("could not set itself up")
+    c = _client(config)
+    if k == 2:
+        for bad in ([5, 10**7], [5, -3]):
+            try:
+                c.completions.create(model=config["model"], prompt=bad, max_tokens=2)
+            except openai.BadRequestError:
+                pass
+            else:
+                raise AssertionError(f"prompt {bad} was served")
+        _ask(c, config, [{"role": "user", "content": row["prompt"]}])
+        _ask(c, config, [{"role": "user", "content": "something else"}])  # not an extension: a split
+        return 0.75
+    _ask(c, config, [{"role": "user", "content": row["prompt"]}])
+    return 0.25

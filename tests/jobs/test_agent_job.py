@@ -1,6 +1,8 @@
 """An agent program that uses the `openai` client unmodified trains in a one-rank GRPO job (HF
 generate rollout, the tiny model): the runs' rewards are the scores, and the actor's log-probs of
 the training rows equal what the endpoint recorded the engine sampling (the rows are the sampled ids)."""
+import json
+
 from jobs import grpo, logs, metrics
 
 
@@ -26,3 +28,37 @@ def test_an_openai_client_agent_trains_in_a_job(tiny_assets, tmp_path):
     val = rows[-1]
     assert val["val/agent/runs"] == 100 and val["val/agent/calls"] == 100
     assert 0.0 <= val["val/acc/all"] <= 1.0
+
+
+def test_runs_without_a_call_and_bad_requests_do_not_stop_the_job(tiny_assets, tmp_path):
+    """Every step's 16 runs: per prompt a run that returns without a call, one that raises before its
+    first, one that sends ids outside the vocabulary (400s) then splits into two sequences, one plain;
+    and a prompt whose command is not found (exit 127). The no-call runs are counted failures and
+    the job trains on the rest; the data_source has no reward function (the runs give the reward);
+    reward/score/mean is the runs' mean, though one run in four made two rows."""
+    out = tmp_path / "agent"
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{i}+{i}=", "data_source": "my_agent_task", "ground_truth": str(2 * i),
+             "extra": {"agent": "agent_programs:mixed"}} for i in range(3)]
+    rows.append({"prompt": "7+7=", "data_source": "my_agent_task", "ground_truth": "14",
+                 "extra": {"agent_command": "no-such-agent-program --go"}})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc, _ = grpo(tiny_assets, out, "agent.enable=true", "safety.allow_custom_code=true", "trainer.total_steps=2",
+                   f"data.train_files=[{data}]", f"data.val_files=[{data}]", "trainer.val_every=2",
+                   "data.max_response_length=48", "rollout.max_tokens=8", "actor.entropy_coeff=0.01",
+                   "agent.timeout_s=60")
+    assert proc.returncode == 0, logs(proc, out)
+    val_before, *steps = metrics(out)
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/runs"] == 16 and m["agent/failures"] == 10, m
+        assert m["agent/failures_no_calls"] == 3 and m["agent/failures_raised"] == 3
+        assert m["agent/failures_exited"] == 4
+        assert m["agent/calls"] == 9 and m["agent/splits"] == 3 and m["agent/sequences"] == 19
+        assert m["reward/score/mean"] == m["agent/reward_mean"] == 3 * (0.75 + 0.25) / 16
+        assert "actor/pg_loss" in m and m["rollout/logprob_diff_max"] < 1e-3
+    # validation: one run per row, no-call runs counted with reward 0
+    val = steps[-1]
+    assert val["val/agent/runs"] == 4 and val["val/agent/failures"] == 4  # sample 0 of mixed, and exit 127
+    assert val["val/reward/all"] == 0.0
+    assert proc.stderr.count("further failures are only counted") == 1  # the first logged, the rest counted

@@ -169,10 +169,11 @@ def test_on_error_raise_stops_with_the_sample_named(engine, tok):
             r.generate(batch_of(1, ["agent_programs:no_calls"]), default_spec(n=1, max_tokens=4))
 
 
-def test_a_batch_where_no_run_made_a_call_stops_with_the_first_failure(engine, tok):
+def test_a_training_batch_where_no_run_made_a_call_stops_with_the_first_failure(engine, tok):
     with runner(engine, tok) as r:
-        with pytest.raises(RewardError, match=r"none of the 2 agent runs .* made a model call.*sample row0.*no_calls"):
-            r.generate(batch_of(1, ["agent_programs:no_calls"]), default_spec(n=2, max_tokens=4))
+        result = r.generate(batch_of(1, ["agent_programs:no_calls"]), default_spec(n=2, max_tokens=4))
+    with pytest.raises(RewardError, match=r"none of the 2 agent runs .* made a model call.*first failed: no_calls"):
+        untrained_rows(result)
 
 
 def test_a_call_after_its_run_ended_gets_409_and_a_taken_port_is_named(engine, tok):

@@ -16,8 +16,8 @@ made no call (it returned or raised first, or its command was not found) has no 
 one row holds the data prompt alone, with `AgentStats.trained` false. It counts in the metrics and
 in validation as any failed run; the training step leaves it out of the batch (`untrained_rows`)
 before anything reads its empty response, so it is not in its group's baseline either: the policy
-did nothing in that run. A step in which no run made a call has nothing to train on and stops with
-the first failure. The reward is the run's own: it replaces the reward function's score
+did nothing in that run. A training batch in which no run made a call has nothing to train on and
+stops with the first failure (validation goes on: its runs count as failed). The reward is the run's own: it replaces the reward function's score
 (verl_hpc/trainer/stages/scoring.py given_rewards).
 """
 from __future__ import annotations
@@ -148,10 +148,6 @@ class AgentRunner:
             raise RuntimeError(f"agent endpoint: the rollout engine failed during the agents' runs: {failures[0]}")
         records.sort(key=lambda r: (r.prompt_index, r.sample_index))
         self._count_failures(records, prompts)
-        if records and not any(r.calls for r in records):
-            first = first_failure_text(prompts.ids[records[0].prompt_index], records[0].outcome)
-            raise RewardError(f"none of the {len(records)} agent runs of this batch made a model call: nothing to "
-                              f"train on. First: {first.splitlines()[0]}")
         return self._result(prompts, records, time.perf_counter() - start)
 
     def _engine_failure(self) -> str:
@@ -289,6 +285,13 @@ class AgentRunner:
 
 def untrained_rows(result) -> List[int]:
     """Rows of agent runs that made no model call (AgentStats.trained false): the data prompt alone,
-    no sampled token. The training step leaves them out; metrics and validation count them."""
-    return [r for r, e in enumerate(result.episodes or ())
+    no sampled token. The training step leaves them out; metrics and validation count them. A
+    RewardError when every row is one: a training batch with nothing to train on."""
+    rows = [r for r, e in enumerate(result.episodes or ())
             if getattr(e, "agent", None) is not None and not e.agent.trained]
+    if rows and len(rows) == len(result):
+        first = next(e.agent for e in result.episodes if e.agent.sample_first)
+        raise RewardError(f"none of the {sum(e.agent.sample_first for e in result.episodes)} agent runs of this "
+                          f"batch made a model call: nothing to train on (the first failed: {first.failure}; "
+                          "the job's log shows its traceback or output)")
+    return rows
