@@ -33,7 +33,6 @@ the buckets load) and rollout, and no Megatron role.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional, Union
 
 from verl_hpc.config.errors import raise_if_any
@@ -41,6 +40,7 @@ from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import hardware
 from verl_hpc.planning.comms import describe, job_communicators, nccl_bytes
 from verl_hpc.planning.host import checkpoint_host, reload_host
+from verl_hpc.planning.memory_plan import MemoryPlan
 from verl_hpc.planning.model_shape import job_arch, lora_layer_params, model_arch, total_params
 from verl_hpc.planning.roles import RoleState, fsdp_notes, plan_roles  # noqa: F401 (RoleState: re-exported)
 from verl_hpc.planning.rollout import adapter_slot_rank, kv_capacity, rollout_bytes, sleep_level, sleeping
@@ -55,60 +55,6 @@ COMPONENTS = ("actor", "critic", "ref", "prm", "teacher", "reward", "activations
 ROLLOUT_PHASES = ("startup", "weight_sync", "rollout")  # a split job's rollout ranks: vLLM only
 # a split job's training ranks: no vLLM to start or to generate with
 TRAINING_PHASES = tuple(p for p in PHASES if p not in ("startup", "rollout"))
-
-
-@dataclasses.dataclass
-class MemoryPlan:
-    table: Dict[str, Dict[str, float]]  # phase -> component -> bytes (one rank)
-    host: Dict[str, float]  # phase -> bytes per node
-    limit: float  # device bytes per rank (GPU) or node RAM (CPU job)
-    host_limit: float  # node RAM (0 = unknown)
-    device: str  # gpu | cpu
-    stage: int  # the pipeline stage the table describes
-    ranks_per_node: int
-    notes: List[str]
-    group: str = "colocated"  # colocated | rollout | training (placement.mode = split)
-    ranks: int = 0  # ranks of this group in the job
-    # what stops the job whatever its peak (vLLM's KV cache below one sequence): no fit
-    blocking: List[str] = dataclasses.field(default_factory=list)
-
-    def phase_total(self, phase: str) -> float:
-        return sum(self.table[phase].values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.table, key=self.phase_total)
-
-    @property
-    def peak(self) -> float:
-        return self.phase_total(self.peak_phase)
-
-    @property
-    def largest_component(self) -> str:
-        row = self.table[self.peak_phase]
-        return max(row, key=row.get)
-
-    @property
-    def host_peak(self) -> float:
-        return max(self.host.values()) if self.host else 0.0
-
-    def checked_peak(self) -> float:
-        """What is compared against the limit: the device peak on GPUs, the node's host peak on CPUs."""
-        return self.peak if self.device == "gpu" else self.host_peak
-
-    def headroom(self) -> Optional[float]:
-        """Fraction of the limit left at the peak; None when the limit is unknown."""
-        if self.limit <= 0:
-            return None
-        return 1.0 - self.checked_peak() / self.limit
-
-    def fits(self, margin: float = 0.0) -> bool:
-        return not self.blocking and self.fits_memory(margin)
-
-    def fits_memory(self, margin: float = 0.0) -> bool:
-        """The peak against the limit alone (`blocking` aside)."""
-        h = self.headroom()
-        return h is None or h >= margin
 
 
 def microbatch_shape(role_cfg, cfg) -> tuple:

@@ -11,10 +11,9 @@ their phases at the same time, in no fixed order).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-if TYPE_CHECKING:  # the group plans are built by phases.plan_job, which imports this module
-    from verl_hpc.planning.phases import MemoryPlan
+from verl_hpc.planning.memory_plan import MemoryPlan  # each group's plan, built by phases.plan_job
 
 GROUPS = ("rollout", "training")
 
@@ -34,12 +33,12 @@ def ranks_on_nodes(rollout_ranks: int, world: int, per_node: int, hetjob: bool) 
 
 @dataclasses.dataclass
 class SplitPlan:
-    rollout: "MemoryPlan"
-    training: "MemoryPlan"
+    rollout: MemoryPlan
+    training: MemoryPlan
     nodes: List[Tuple[int, int]]  # (rollout ranks, training ranks) per node
 
     @property
-    def groups(self) -> Dict[str, "MemoryPlan"]:
+    def groups(self) -> Dict[str, MemoryPlan]:
         return {"rollout": self.rollout, "training": self.training}
 
     @property
