@@ -30,6 +30,35 @@ def test_the_check_sees_a_use(tmp_path):
     assert list(_cuda_uses(f)) == [3]
 
 
+# Modules small: one concern each. Past this a module is split along its seams (docs/architecture.md).
+MAX_MODULE_LINES = 450
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE_LINES):
+    """'path: N lines' for each module under `root` longer than `limit` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > limit:
+            found.append(f"{path.relative_to(root.parent)}: {n} lines")
+    return found
+
+
+def test_no_product_module_past_450_lines():
+    found = long_modules(PACKAGE)
+    assert not found, (f"modules past {MAX_MODULE_LINES} lines (split each along its seams: one concern a "
+                       "module):\n" + "\n".join(found))
+
+
+def test_the_length_check_sees_a_long_module(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (pkg / "sub" / "edge.py").write_text("x = 1\n" * MAX_MODULE_LINES)  # at the limit: allowed
+    (pkg / "short.py").write_text("x = 1\n")
+    assert long_modules(pkg) == [f"pkg/sub/long.py: {MAX_MODULE_LINES + 1} lines"]
+
+
 # The layers of verl_hpc, bottom first (docs/layers.md says why each sits where it does). A module
 # may import from its own layer and the ones below, never from one above. Every top-level package
 # or module of verl_hpc must be named here: a new one is placed on purpose.
@@ -58,9 +87,10 @@ def _type_checking(test) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def module_imports(root: Path):
+def module_imports(root: Path, type_only: bool = False):
     """{module: [(imported module of the same package, line)]} for every module under `root`,
-    module-level and function-level imports alike; those under `if TYPE_CHECKING:` never run."""
+    module-level and function-level imports alike; those under `if TYPE_CHECKING:` never run, and
+    count only with `type_only`."""
     files = {}
     for path in sorted(root.rglob("*.py")):
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
@@ -80,7 +110,8 @@ def module_imports(root: Path):
             node = stack.pop()
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, ast.If) and _type_checking(child.test):
-                    stack.extend(child.orelse)
+                    # the branch's statements, held in a node whose children they are
+                    stack.append(ast.Module(body=child.orelse + (child.body if type_only else []), type_ignores=[]))
                 elif isinstance(child, ast.Import):
                     found += [(a.name, child.lineno) for a in child.names]
                 elif isinstance(child, ast.ImportFrom):
@@ -112,9 +143,13 @@ def upward_imports(graph, layers):
             for mod, edges in sorted(graph.items()) for target, line in edges if layer(target) > layer(mod)]
 
 
-def import_cycles(graph):
-    """One chain 'a -> b -> a' for each group of modules that import each other (Tarjan's SCC)."""
-    edges = {m: sorted({t for t, _ in e if t != m}) for m, e in graph.items()}
+def _edges(graph):
+    return {m: sorted({t for t, _ in e if t != m}) for m, e in graph.items()}
+
+
+def import_groups(graph):
+    """The groups of modules that import each other, each a set (Tarjan's strongly connected components)."""
+    edges = _edges(graph)
     index, low, stack, on_stack, groups = {}, {}, [], set(), []
 
     def visit(v):
@@ -138,8 +173,15 @@ def import_cycles(graph):
     for v in sorted(edges):
         if v not in index:
             visit(v)
+    return groups
+
+
+def import_cycles(graph, groups=None):
+    """One chain 'a -> b -> a' for each group of modules that import each other (default: all of them)."""
+    edges = _edges(graph)
     chains = []
-    for group in groups:  # the shortest way back to the group's first module, as the chain to read
+    for group in import_groups(graph) if groups is None else groups:
+        # the shortest way back to the group's first module, as the chain to read
         start = min(group)
         came = {start: None}
         todo = deque([start])
@@ -169,6 +211,20 @@ def test_no_import_circles():
     assert not found, "modules that import each other:\n" + "\n".join(found)
 
 
+# An import under `if TYPE_CHECKING:` never runs, but a circle through one still ties the modules
+# together (neither can be read, moved or tested without the other). The one kept: config/'s, where
+# the job config imports every section and the sections' field checks name the job config's type.
+TYPE_ONLY_CIRCLE_ALLOWED = "verl_hpc.config."
+
+
+def test_no_import_circles_through_type_only_imports_but_the_configs():
+    graph = module_imports(PACKAGE, type_only=True)
+    groups = [g for g in import_groups(graph) if not all(m.startswith(TYPE_ONLY_CIRCLE_ALLOWED) for m in g)]
+    found = import_cycles(graph, groups)
+    assert not found, ("modules that import each other, counting the imports under TYPE_CHECKING (move "
+                       "the shared piece down into a module of its own):\n" + "\n".join(found))
+
+
 def test_the_error_base_imports_nothing_from_the_project():
     assert module_imports(PACKAGE)["verl_hpc.errors"] == []
 
@@ -191,6 +247,14 @@ def test_the_import_checks_see_an_upward_import_and_a_circle(tmp_path):
         "pkg.low.a:2 imports pkg.high.b (high layer is above low layer)"]  # not the TYPE_CHECKING one
     assert import_cycles(graph) == ["pkg.high.b -> pkg.high.c -> pkg.high.b (2 modules in the circle)"]
     assert ("pkg.high.b", 2) in graph["pkg.high.c"]  # a function's import counts
+    (pkg / "high" / "e.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from pkg.high.f import F\n")
+    (pkg / "high" / "f.py").write_text("from pkg.high.e import E\n")
+    bc = "pkg.high.b -> pkg.high.c -> pkg.high.b (2 modules in the circle)"
+    assert import_cycles(module_imports(pkg)) == [bc]  # the type-only import does not run
+    graph = module_imports(pkg, type_only=True)
+    assert import_cycles(graph) == [bc, "pkg.high.e -> pkg.high.f -> pkg.high.e (2 modules in the circle)"]
+    assert import_cycles(graph, [g for g in import_groups(graph) if "pkg.high.e" not in g]) == [bc]
 
 
 # what the programs own (trainer/): the checkpoint layer takes them as named objects, never by name
