@@ -154,17 +154,20 @@ GPU_INSTALL_ARGS ?=
 gpu-install:
 	PYTHON=$(GPU_PY) bash scripts/install_gpu.sh $(GPU_INSTALL_ARGS)
 
-# A first GPU node in one command (<= 6.5 min on one GPU): the offline install from WHEELS (when
-# given), gpu-check, the gpu-marked tests, the demo and the GPU benchmark, each with a time limit
-# and a log; summary table in GPU_ALL_OUT. Without a CUDA device: the steps' CPU rehearsals.
+# A first GPU node in one command (<= 9.25 min on one GPU): the offline install from WHEELS (when
+# given), gpu-check, the gpu-marked tests, the demo and the GPU benchmarks (train step, output
+# layer), each with a time limit and a log; summary table and the speed goals in GPU_ALL_OUT.
+# GPU_ALL_ARGS="--steps install,bench,logits": the speed figures alone. Without a CUDA device: the
+# steps' CPU rehearsals.
 WHEELS ?=
 GPU_ALL_OUT ?= outputs/gpu_all
+GPU_ALL_ARGS ?=
 gpu-all:
 	@if $(GPU_PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
-	  $(GPU_PY) -m verl_hpc.gpu_check.all --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)); \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_ALL_ARGS); \
 	else \
 	  echo "gpu-all: no CUDA device here: CPU rehearsal of each step (nothing here is a GPU result)"; \
-	  $(GPU_PY) -m verl_hpc.gpu_check.all --cpu-rehearsal --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)); \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --cpu-rehearsal --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_ALL_ARGS); \
 	fi
 
 clean:

@@ -76,9 +76,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_step_report import goals, table  # noqa: E402
-from gpu_step_sides import (EngineSide, FsdpForeachAdamSide, FsdpNoLigerSide, FsdpSide, FsdpWholeLogitsSide,  # noqa: E402
-                            HFSide, compile_problem, profiled_ops, side_problem)
+from gpu_step_report import goal_lines, goals, table  # noqa: E402
+from gpu_step_sides import (EngineCpuBudgetSide, EngineSide, EngineWholeLogitsSide, FsdpCompileSide,  # noqa: E402
+                            FsdpCpuBudgetSide, FsdpForeachAdamSide, FsdpNoLigerSide, FsdpSide, FsdpWholeLogitsSide,
+                            HFLigerSide, HFSide, compile_problem, profiled_ops, side_problem)
 
 HARD_STOP_GRACE_S = 60
 
@@ -246,10 +247,16 @@ def _max_or_none(values):
     return max(values) if values else None
 
 
-SIDES = {"engine": EngineSide, "fsdp": FsdpSide, "fsdp_whole": FsdpWholeLogitsSide,
-         "fsdp_foreach": FsdpForeachAdamSide, "fsdp_noliger": FsdpNoLigerSide, "transformers": HFSide}
-ENGINES = ("engine", "fsdp", "fsdp_whole", "fsdp_foreach", "fsdp_noliger")  # compared with transformers
+SIDES = {"engine": EngineSide, "engine_whole": EngineWholeLogitsSide, "engine_chunked": EngineCpuBudgetSide,
+         "fsdp": FsdpSide, "fsdp_whole": FsdpWholeLogitsSide, "fsdp_chunked": FsdpCpuBudgetSide,
+         "fsdp_compile": FsdpCompileSide, "fsdp_foreach": FsdpForeachAdamSide, "fsdp_noliger": FsdpNoLigerSide,
+         "transformers": HFSide, "transformers_liger": HFLigerSide}
+BASELINES = ("transformers", "transformers_liger")  # the engines are compared with each that ran
+ENGINES = tuple(s for s in SIDES if s not in BASELINES)
 DEFAULT_SIDES = ("engine", "fsdp", "transformers")
+# what `make gpu-all` asks for: every figure of the speed goals in one run (docs/gpu.md)
+GPU_ALL_SIDES = ("engine", "engine_chunked", "fsdp", "fsdp_noliger", "fsdp_compile", "transformers",
+                 "transformers_liger")
 
 
 def run(args) -> dict:
@@ -266,11 +273,12 @@ def run(args) -> dict:
     shape = REHEARSAL_SHAPE if rehearsal else GPU_SHAPE
     if args.seqs:
         shape = dataclasses.replace(shape, seqs=args.seqs)
-    asked = [x.strip() for x in args.sides.split(",") if x.strip()]
+    asked = [x.strip() for x in (",".join(GPU_ALL_SIDES) if args.sides == "gpu-all" else args.sides).split(",")
+             if x.strip()]
     bad = [x for x in asked if x not in SIDES]
     if bad or "transformers" not in asked:
         raise ValueError(f"--sides {args.sides}: a comma list of {', '.join(SIDES)} with transformers in it")
-    not_run = {name: why for name in asked if (why := side_problem(name))}
+    not_run = {name: why for name in asked if (why := side_problem(name, "cpu" if rehearsal else "cuda"))}
     sides = [name for name in SIDES if name in asked and name not in not_run]
     if not set(sides) & set(ENGINES):
         raise RuntimeError(f"no engine side can run here: {not_run}")
@@ -294,6 +302,7 @@ def run(args) -> dict:
     flops = model_flops(shape, counts["matmul"])
     batch = make_batch(shape)
     rounds = {name: [] for name in sides}
+    failed = {}
     with tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
         folder, written = make_model_folder(Path(tmp), shape, getattr(torch, plan["dtype"]), ctx.device)
         if written != counts["total"]:  # the FLOP formula's N must be the model's
@@ -304,10 +313,19 @@ def run(args) -> dict:
         for r in range(plan["rounds"]):
             t_round = time.perf_counter()
             for name in (sides if r % 2 == 0 else sides[::-1]):
-                rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget))
+                if name in failed:
+                    continue
+                try:
+                    rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget))
+                except Exception as e:  # one side's failure (an OOM, a kernel) must not cost the others' figures
+                    failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+                    _release()
             left = args.time_limit - (time.perf_counter() - start)
             if r + 1 < plan["rounds"] and left < 1.2 * (time.perf_counter() - t_round):
                 break  # another round would not end within --time-limit
+    sides = [name for name in sides if rounds[name]]  # a side that failed in its first round has no figures
+    if "transformers" not in sides:
+        raise RuntimeError(f"the transformers side failed: {failed.get('transformers')}")
     summary = {name: summarize(rounds[name], flops, peak_tflops, shape.tokens) for name in sides}
     for name, side in summary.items():
         nums = [side["first_loss"], side["train"]["tok_s"], side["forward"]["tok_s"]]
@@ -321,19 +339,33 @@ def run(args) -> dict:
                   "params_matmul": counts["matmul"]},
         "dtype": plan["dtype"], "autocast": None if rehearsal else "bfloat16", "tokens_per_step": shape.tokens,
         "flops_per_step": flops, "rounds": len(rounds["transformers"]), "warmup_iters": plan["warmup"],
-        "sides": sides, "not_run": not_run, **{name: summary.get(name) for name in SIDES},
-        # each engine's tokens/s over transformers' (same batch, weights and device)
+        "sides": sides, "not_run": not_run, "failed": failed, **{name: summary.get(name) for name in SIDES},
+        # each engine's tokens/s over transformers' (same batch, weights and device), and over
+        # transformers + Liger's where that ran
         "ratios": {name: {part: summary[name][part]["tok_s"] / hf[part]["tok_s"] for part in ("train", "forward")}
                    for name in ENGINES if name in summary},
+        "ratios_liger": ({name: {part: summary[name][part]["tok_s"] / summary["transformers_liger"][part]["tok_s"]
+                                 for part in ("train", "forward")} for name in ENGINES if name in summary}
+                         if "transformers_liger" in summary else {}),
         # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
         "first_loss_abs_diff": {name: abs(summary[name]["first_loss"] - hf["first_loss"])
-                                for name in ENGINES if name in summary},
+                                for name in SIDES if name in summary and name != "transformers"},
         "time_limit_s": args.time_limit,
     }
     result["goals"] = goals(result, rehearsal, gpu_key)
+    result["goal_lines"] = goal_lines(result)  # what `make gpu-all`'s summary prints
     result["elapsed_s"] = time.perf_counter() - start
     shutdown()
     return result
+
+
+def _release() -> None:
+    import gc
+
+    from verl_hpc.runtime.device import release_cached_memory
+
+    gc.collect()
+    release_cached_memory()
 
 
 def _free_port() -> int:
@@ -376,10 +408,13 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=0, help="timed iterations per side and round (at most)")
     ap.add_argument("--seqs", type=int, default=0, help="sequences per step (default: the shape's)")
     ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
-                    help="comma list of engine (Megatron), fsdp, transformers, and the fsdp column's variants "
-                         "fsdp_whole (whole logits, no Liger), fsdp_foreach (foreach AdamW), fsdp_noliger; a "
-                         "side that cannot be built here (engine without megatron-core, fsdp_noliger where "
-                         "Liger is off anyway) is reported as not run")
+                    help="comma list of engine (Megatron), fsdp, transformers, transformers_liger (the peer "
+                         "TRL's use_liger_kernel runs), and the engines' variants engine_whole / fsdp_whole "
+                         "(whole logits always; fsdp_whole also without Liger), engine_chunked / fsdp_chunked "
+                         "(the CPU's fixed chunk budget), fsdp_compile (per-block torch.compile), fsdp_foreach "
+                         "(foreach AdamW), fsdp_noliger; 'gpu-all' = " + ",".join(GPU_ALL_SIDES) + ". A side "
+                         "that cannot be built here (no megatron-core, no liger-kernel or GPU, no compiler) is "
+                         "reported as not run; one that fails is reported and the others still run (exit 1)")
     args = ap.parse_args(argv)
     os.environ.setdefault("VERL_HPC_LOGLEVEL", "WARNING")
     if args.cpu_rehearsal:  # on CPU also where a GPU is visible: gloo and fp32 are CPU paths
@@ -399,6 +434,10 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(result, indent=2))
     print(table(result))
     print(f"wrote {path}")
+    if result["failed"]:
+        print("bench_gpu_step: FAILED sides: " + "; ".join(f"{k}: {v}" for k, v in result["failed"].items()),
+              file=sys.stderr)
+        return 1
     return 0
 
 

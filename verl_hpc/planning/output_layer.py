@@ -60,11 +60,18 @@ def cpu_chunk(vocab_columns: int) -> int:
 
 
 def device_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes: float) -> int:
-    """Auto on a device: 0 (the whole logits) where they fit DEVICE_SHARE of `free_bytes`, else the
-    size of the fewest equal chunks (multiples of CHUNK_ALIGN) whose working set fits it."""
+    """Auto on a device: 0 (the whole logits) where they fit DEVICE_SHARE of `free_bytes`, else
+    fitting_chunk."""
     budget = DEVICE_SHARE * max(float(free_bytes), 0.0)
     if whole_logits_bytes(tokens, vocab_columns) <= budget:
         return 0
+    return fitting_chunk(tokens, vocab_columns, act_bytes, free_bytes)
+
+
+def fitting_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes: float) -> int:
+    """The size of the fewest equal chunks (multiples of CHUNK_ALIGN) whose working set fits
+    DEVICE_SHARE of `free_bytes` (the smallest chunk where not even one aligned chunk does)."""
+    budget = DEVICE_SHARE * max(float(free_bytes), 0.0)
     per_token = chunk_working_bytes(1, vocab_columns, act_bytes)
     room = budget - CHUNK_TOKEN_BYTES * tokens  # the per-token numbers are kept for every token
     largest = max(int(room // per_token) // CHUNK_ALIGN * CHUNK_ALIGN, 0)

@@ -9,12 +9,24 @@ output layer (head.py), where an update reads log-probs only.
 auto (null): on where there is a GPU and `liger_kernel` imports (Triton kernels: never on a CPU,
 where the chunked PyTorch path of verl_hpc/engines/logits.py runs); true: required, refused with one
 line where either is missing; false: off. The choice is said once at start-up. Entropy and
-sum-pi-squared stay on the chunked PyTorch path (Liger's cross-entropy gives the loss, not the
-distribution's entropy).
+sum-pi-squared stay on the project's own output layer (engines/logits.py): Liger's fused linear
+cross-entropy returns each token's loss (and optionally a z-loss, accuracy, the argmax), never the
+distribution's entropy or sum p^2, and its chunked RL losses (GRPO, DPO, ...) compute their own
+objective end to end (their clipping, KL and averaging), not the per-token terms this project's
+losses are assembled from (docs/logits.md).
+
+Scope: Liger's per-family patch, given a model instance, also rebinds the classes in transformers'
+modeling module (`modeling_llama.LlamaMLP = LigerSwiGLUMLP`, `LlamaRMSNorm = LigerRMSNorm`), so
+every model of that family built later in the process would be Liger's too, whatever its own
+fsdp.liger says (a reference or critic engine, a plain transformers model beside it). apply_liger
+puts those module attributes back once the instance is patched: Liger's kernels reach this model
+only.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -62,12 +74,32 @@ def setup_liger(model, options) -> bool:
 
 
 def apply_liger(model) -> None:
-    """Liger's RMSNorm and SwiGLU in `model` (its own per-family patch for the model's type); the
-    output layer's loss stays ours (head.py calls the fused linear cross-entropy itself)."""
+    """Liger's RMSNorm and SwiGLU in `model` (its own per-family patch for the model's type), on
+    this instance only (modeling_modules_kept); the output layer's loss stays ours (head.py calls the
+    fused linear cross-entropy itself). Not Liger's RoPE: that patch replaces a function of the
+    modeling module, which every model of the family calls, so it cannot be kept to one instance."""
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=False, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    with modeling_modules_kept(model):
+        _apply_liger_kernel_to_instance(model=model, rms_norm=True, swiglu=True, rope=False, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+
+
+@contextlib.contextmanager
+def modeling_modules_kept(model):
+    """The attributes of the transformers modules `model`'s classes come from (its modeling
+    modules), as they were on entry: Liger's per-instance patch also swaps the family's classes and
+    functions there (module docstring)."""
+    names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
+    modules = [sys.modules[n] for n in sorted(names) if n.startswith("transformers.") and n in sys.modules]
+    saved = [(mod, dict(vars(mod))) for mod in modules]
+    try:
+        yield
+    finally:
+        for mod, before in saved:
+            for name, value in list(vars(mod).items()):
+                if name in before and before[name] is not value:
+                    setattr(mod, name, before[name])
 
 
 def liger_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
