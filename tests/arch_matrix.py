@@ -1,6 +1,6 @@
 """Tiny models of held-out architectures, each built from transformers' own config class with
 random weights (verl_hpc.models.tiny draws them), for the tests that check "any HF model": the
-families of verl_hpc.models.tiny plus Qwen3, Gemma 2, Cohere 2, Starcoder2, Granite, SmolLM3 and
+families of verl_hpc.models.tiny plus Qwen3, Gemma 2, Cohere 2, Starcoder2, Granite, SmolLM3, Phi-2 and
 the GPT-2 / BLOOM / Falcon / GPT-NeoX generation whose configs use other names (n_head, n_layer,
 ffn_hidden_size) and other layouts (Conv1D, fused query_key_value, ALiBi). GPT-NeoX's output layer is
 stored as `embed_out.weight`, as released folders store it (transformers 5 calls it lm_head).
@@ -64,6 +64,10 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
                                new_decoder_architecture=False, bias=False, alibi=False, rope_parameters=ROPE,
                                hidden_dropout=dropout, attention_dropout=dropout, **special,
                                architectures=["FalconForCausalLM"])
+    if arch == "phi":  # Phi-1/2: parallel attention and MLP, partial rotary, biased linears, a biased head
+        return tf.PhiConfig(**SHAPES, intermediate_size=256, num_key_value_heads=4, max_position_embeddings=256,
+                            rope_parameters={**ROPE, "partial_rotary_factor": 0.5}, resid_pdrop=dropout,
+                            embd_pdrop=dropout, attention_dropout=dropout, **special, architectures=["PhiForCausalLM"])
     if arch == "gpt_neox":
         return tf.GPTNeoXConfig(**SHAPES, intermediate_size=256, max_position_embeddings=256,
                                 rope_parameters={**ROPE, "partial_rotary_factor": 0.25}, hidden_dropout=dropout,
@@ -82,6 +86,9 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
 
 HELD_OUT = ("qwen3", "gemma2", "cohere2", "starcoder2", "starcoder2_window", "granite", "smollm3", "gpt2",
             "bloom", "falcon", "gpt_neox", "gpt_oss", "stablelm", "stablelm_qknorm")
+# served by vLLM 0.32 only through its Transformers modelling backend (rollout/vllm_transformers.py); Phi
+# is not in HELD_OUT (the 2-rank parity test's list): the suite runs it in the vLLM backend test only
+VLLM_BACKEND = ("gpt_neox", "phi", "smollm3", "starcoder2")
 
 
 def make_arch(out, arch: str, *, seed: int = 0, dropout: float = 0.0, tied: bool = False, weights: bool = True,

