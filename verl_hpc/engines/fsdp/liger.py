@@ -90,7 +90,8 @@ def modeling_modules_kept(model):
     """The attributes of the transformers modules `model`'s classes come from (its modeling
     modules), as they were on entry: Liger's per-instance patch also swaps the family's classes and
     functions there (module docstring)."""
-    names = {type(m).__module__ for m in model.modules()} | {type(model).__module__}
+    parts = model.modules() if isinstance(model, torch.nn.Module) else ()
+    names = {type(m).__module__ for m in parts} | {type(model).__module__}
     modules = [sys.modules[n] for n in sorted(names) if n.startswith("transformers.") and n in sys.modules]
     saved = [(mod, dict(vars(mod))) for mod in modules]
     try:
