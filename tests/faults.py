@@ -208,6 +208,20 @@ def elastic_worker_group_delay_s(worker, seconds: float):
     return _wrap(worker.Worker, "_generate", make)
 
 
+def elastic_worker_stalls_in_fetch(channel, on: bool):
+    """An elastic rollout worker stops in its first weight fetch, after its pair request and before
+    its side of the pair (says so on stderr, then waits): the test SIGKILLs it there."""
+    def make(pair_group):
+        def _pair_group(store, worker, epoch, rank, timeout_s):
+            if on and rank == 1:
+                print(f"test fault: worker {worker} stalls in its weight fetch", file=sys.stderr, flush=True)
+                time.sleep(3600)
+            return pair_group(store, worker, epoch, rank, timeout_s)
+        return _pair_group
+
+    return _wrap(channel, "pair_group", make)
+
+
 # name -> (the module it patches, the patch: (module, value) -> undo)
 FAULTS = {
     "regression_at_steps": ("verl_hpc.trainer.stages.sampling", regression_at_steps),
@@ -218,6 +232,7 @@ FAULTS = {
     "rollout_chunk_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_chunk_delay_s),
     "rollout_group_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_group_delay_s),
     "elastic_worker_group_delay_s": ("verl_hpc.trainer.placement.elastic.worker", elastic_worker_group_delay_s),
+    "elastic_worker_stalls_in_fetch": ("verl_hpc.trainer.placement.elastic.channel", elastic_worker_stalls_in_fetch),
 }
 
 

@@ -3,7 +3,8 @@ rank on this machine takes rollout workers, each a process of its own started by
 that join mid-run; one leaves on SIGTERM (scancel) and one is SIGKILLed while it generates; a third
 is a straggler whose groups are re-dispatched. Training goes on, no token is more than k versions
 old, and the run trains exactly the prompts of its data stream, in order: nothing lost, nothing
-twice. A worker pointed at the finished run exits with one line."""
+twice. A worker pointed at the finished run exits with one line. A worker SIGKILLed in its weight
+fetch holds no other worker, and its Slurm requeue joins again."""
 import collections
 import json
 import os
@@ -32,11 +33,14 @@ def job_args(root, out):
             "placement.elastic.groups_per_lease=1", f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
 
 
-def start_worker(out, name, delay):
-    log = open(out.parent / f"{name}.log", "w")
+def start_worker(out, name, delay, log=None, restart=0, **faults):
+    """Worker `name` (its log: `log` or its name, .log); restart: its SLURM_RESTART_COUNT (a requeue)."""
+    log = open(out.parent / f"{log or name}.log", "w")
     cmd = [sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local", "rollout.engine=hf"]
-    e = env(elastic_worker_group_delay_s=delay)
+    e = env(elastic_worker_group_delay_s=delay, **faults)
     e.update(VERL_HPC_LOGLEVEL="INFO", OMP_NUM_THREADS="1", SLURM_JOB_ID=name)  # the worker's name in the pool
+    if restart:
+        e["SLURM_RESTART_COUNT"] = str(restart)
     return subprocess.Popen(cmd, cwd=REPO, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -47,9 +51,13 @@ def wait_for(predicate, what, timeout=120):
         time.sleep(0.2)
 
 
-def generated(out, name):
+def generated(out, name, more_than=0):
+    return groups_done(out, name) > more_than
+
+
+def groups_done(out, name):
     path = out.parent / f"{name}.log"
-    return path.exists() and "group(s) done" in path.read_text()
+    return path.read_text().count("group(s) done") if path.exists() else 0
 
 
 @pytest.mark.long  # a soak run: workers join, leave, die and straggle over a whole run (make test-long)
@@ -110,6 +118,51 @@ def test_workers_join_leave_die_and_straggle_and_every_prompt_is_trained_once(ti
     late = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--local"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert late.returncode == 30 and late.stderr.strip().startswith(f"error: the run in {out} has ended (stopped at")
+
+
+def test_a_worker_killed_in_its_weight_fetch_stalls_no_other_and_its_requeue_joins_again(tiny_assets, tmp_path):
+    """Issue 76 items 5 and 6, live. Worker `killed` stops inside its first weight fetch (its pair
+    requested, its side not formed) and is SIGKILLed there: worker `calm` keeps generating (on one
+    serving thread the server waited for the dead side for the timeout, and `calm`, asking for
+    newer weights, waited with it). Then Slurm's requeue of `killed` (its job id, restart 1) joins
+    again and generates."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", "slurm.tasks_per_node=2",
+           *job_args(tiny_assets, out), "trainer.total_steps=1000"]  # it runs until the test ends it
+    run_log = tmp_path / "run.log"  # a file, not a pipe: nothing reads the run's output until it ends
+    run = subprocess.Popen(cmd, cwd=REPO, env=env(rollout_group_delay_s=GROUP_DELAY_S), stdout=open(run_log, "w"),
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    workers = []
+    stalled = lambda: "stalls in its weight fetch" in (out.parent / "killed.log").read_text()  # noqa: E731
+    try:
+        wait_for(lambda: (out / "elastic" / "rendezvous.json").exists() or run.poll() is not None, "no rendezvous")
+        workers += [start_worker(out, "calm", GROUP_DELAY_S),  # both start at once: one start-up's wait
+                    start_worker(out, "killed", GROUP_DELAY_S, elastic_worker_stalls_in_fetch=True)]
+        wait_for(lambda: stalled() or run.poll() is not None, "killed never stalled in its weight fetch")
+        wait_for(lambda: generated(out, "calm") or run.poll() is not None,
+                 "calm generated nothing while killed stalled in its weight fetch")
+        time.sleep(1.0)  # calm's next weight requests come while killed's pair is still pending
+        os.killpg(workers[1].pid, signal.SIGKILL)
+        before = groups_done(out, "calm")
+        workers.append(start_worker(out, "killed", GROUP_DELAY_S, log="killed.requeued", restart=1))
+        # the server's timeout is trainer.collective_timeout_s (600 s): a held fetch would hold calm for that
+        wait_for(lambda: generated(out, "calm", before + 3) or run.poll() is not None,
+                 "calm stopped generating once killed died in its fetch", timeout=60)
+        wait_for(lambda: generated(out, "killed.requeued") or run.poll() is not None,
+                 "the requeued worker never generated", timeout=90)
+        assert run.poll() is None, run_log.read_text()[-5000:]
+        assert workers[0].poll() is None, (out.parent / "calm.log").read_text()[-3000:]
+    finally:
+        for p in [run, *workers]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    events = [json.loads(x) for x in (out / "elastic" / "events.jsonl").read_text().splitlines()]
+    joins = [(e["worker"], e["restart"], e["rejoin"]) for e in events if e["kind"] == "join"]
+    assert sorted(joins) == [("calm", 0, False), ("killed", 0, False), ("killed", 1, True)], joins
+    # the dead run of killed left the pool: reaped (silent 2 s), or replaced by its requeue if that came first
+    gone = [e["reason"] for e in events if e["kind"] == "leave" and e["worker"] == "killed"]
+    assert len(gone) == 1 and (gone[0].startswith("no heartbeat") or gone[0] == "replaced by its requeue (restart 1)")
+    assert "calm" not in {e["worker"] for e in events if e["kind"] == "leave"}
 
 
 def _left(out):
