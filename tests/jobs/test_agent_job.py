@@ -62,3 +62,47 @@ def test_runs_without_a_call_and_bad_requests_do_not_stop_the_job(tiny_assets, t
     assert val["val/agent/runs"] == 4 and val["val/agent/failures"] == 4  # sample 0 of mixed, and exit 127
     assert val["val/reward/all"] == 0.0
     assert proc.stderr.count("further failures are only counted") == 1  # the first logged, the rest counted
+
+
+def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_assets, tmp_path, monkeypatch):
+    """agent.enable over vLLM (CPU) in a job: each run asks, then sends the reply back with one more
+    question (its prompt rebuilt from the recorded ids: merged). Every training row is its run's
+    calls, id for id and mask for mask, as over HF generate, and the trainer's log-probs of them
+    match vLLM's within the usual mismatch bound."""
+    from verl_hpc.rollout.agents import service as service_mod
+
+    calls = []
+    real = service_mod.Session.record
+
+    def record(self, call, chat=None, reused=False):
+        calls.append(call)
+        real(self, call, chat, reused)
+
+    monkeypatch.setattr(service_mod.Session, "record", record)
+    out = tmp_path / "agent_vllm"
+    proc, _ = grpo(tiny_assets, out, "agent.enable=true", "agent.function=agent_programs:two_calls",
+                   "safety.allow_custom_code=true", "trainer.total_steps=2", "data.max_response_length=48",
+                   "rollout.max_tokens=6", "rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432",
+                   "actor.entropy_coeff=0.01", "agent.timeout_s=120", f"trainer.rollout_data_dir={out}/rollouts")
+    assert proc.returncode == 0, logs(proc, out)
+    rows = metrics(out)
+    assert len(rows) == 2 and len(calls) == 2 * 16 * 2
+    for m in rows:
+        assert m["agent/runs"] == 16 and m["agent/calls"] == 32 and m["agent/failures"] == 0
+        assert m["agent/merges"] == 16 and m["agent/sequences"] == 16
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+    dumped = [json.loads(line) for step in (1, 2)
+              for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    assert len(dumped) == 32
+    # a run's row: its first call's completion (mask 1), the second prompt's new tokens (the template's
+    # end of turn and the question: mask 0), the second completion (mask 1), all as recorded
+    expected = []
+    for c1 in calls:
+        for c2 in calls:
+            done = c1.prompt_ids + c1.completion_ids
+            if c2 is not c1 and c2.prompt_ids[:len(done)] == done:
+                gap = c2.prompt_ids[len(done):]
+                expected.append((tuple(c1.completion_ids + gap + c2.completion_ids),
+                                 tuple([1] * len(c1.completion_ids) + [0] * len(gap) + [1] * len(c2.completion_ids))))
+    rows_seen = [(tuple(r["response_ids"]), tuple(r["response_mask"])) for r in dumped]
+    assert len(expected) >= 32 and all(row in expected for row in rows_seen) and len(set(rows_seen)) > 1
