@@ -1,7 +1,8 @@
 """The elastic workers' weight pair (trainer/placement/elastic/channel.py) is gloo over host buffers
 on GPU nodes too: a worker is another Slurm job that may die, and on NCCL its timeout would reach
 the first training rank through NCCL's watchdog (which tears the process down under
-TORCH_NCCL_ASYNC_ERROR_HANDLING). The GPU is stubbed: has_gpu() true changes nothing."""
+TORCH_NCCL_ASYNC_ERROR_HANDLING). The GPU is stubbed: has_gpu() true changes nothing. A worker
+the run took out of the pool hears so in its weight request at once."""
 import datetime
 import threading
 
@@ -9,7 +10,10 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.runtime import device as devices
-from verl_hpc.trainer.placement.elastic.channel import pair_group
+import pytest
+
+from verl_hpc.runtime.split import GroupLostError, Mailbox
+from verl_hpc.trainer.placement.elastic.channel import WeightFetcher, left_key, pair_group
 
 
 def test_the_pair_is_gloo_with_the_timeout_on_a_gpu_node_too(monkeypatch, tmp_path):
@@ -40,3 +44,15 @@ def test_the_pair_is_gloo_with_the_timeout_on_a_gpu_node_too(monkeypatch, tmp_pa
     for t in threads:
         t.join(30)
     assert torch.equal(got, sent)  # a host buffer crosses, as the server and the fetcher send it
+
+
+def test_a_worker_out_of_the_pool_hears_so_in_its_fetch_not_after_the_timeout():
+    """Reaped while alive (a long pause), a worker's weight request has no server thread left to
+    answer it: the run's left/<member> key ends its wait at once, naming why."""
+    store = dist.HashStore()
+    fetch = WeightFetcher.__new__(WeightFetcher)  # its pair is not needed: no answer comes
+    fetch.mail, fetch.worker, fetch.timeout_s = Mailbox(store, "elastic rollout worker w", 600.0), "w/3", 600.0
+    fetch.asked, fetch.version = 0, -1
+    Mailbox(store, "rollout rank 0", 10.0).put(left_key("w/3"), "no heartbeat for 61 s (killed, or its node lost)")
+    with pytest.raises(GroupLostError, match=r"the run took it out of the pool \(no heartbeat for 61 s"):
+        fetch.newest()

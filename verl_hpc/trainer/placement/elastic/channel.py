@@ -214,7 +214,12 @@ class WeightFetcher:
         n = self.asked
         self.mail.put(f"elastic/ask/{self.worker}/{n}", after)
         key = f"elastic/head/{self.worker}/{n}"
-        self.mail.wait(key, "the first training rank's weight server", timeout_s=self.timeout_s)
+        # a worker the run took out of the pool (reaped while alive: a long pause) has no server
+        # thread any more: it hears so at once instead of waiting out the timeout
+        if not self.mail.wait(key, "the first training rank's weight server", timeout_s=self.timeout_s,
+                              unless=left_key(self.worker)):
+            raise GroupLostError(f"{self.mail.me}: the run took it out of the pool "
+                                 f"({self.mail.peek(left_key(self.worker))})")
         head = self.mail.take(key)
         self.asked = n + 1
         if head is None:
