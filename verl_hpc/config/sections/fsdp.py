@@ -50,8 +50,10 @@ class FsdpConfig(Section):
                      "activations; attention regroups by heads with two all-to-alls per layer. Must "
                      "divide the training ranks and the model's attention heads; the data-parallel "
                      "size is then ranks / sp", check=">0")
-    compile: bool = opt(False, "torch.compile each decoder layer after sharding (needs a C++ compiler on "
-                               "CPU, Triton on GPUs)")
+    compile: Optional[bool] = opt(False, "torch.compile each decoder layer after sharding (needs a C++ compiler "
+                                         "on CPU, Triton on GPUs); null = auto: on with a GPU and Triton, off on "
+                                         "CPU (engines/fsdp/build.py compile_choice); false until a GPU run has "
+                                         "measured it (docs/speed.md)")
     liger: Optional[bool] = opt(None, "Liger-Kernel's fused RMSNorm, SwiGLU and linear cross-entropy (an "
                                       "update's log-probs); null = auto: on with a GPU and liger-kernel "
                                       "installed, off on CPU (engines/fsdp/liger.py)")

@@ -86,21 +86,41 @@ def check_fsdp_options(o: EngineOptions) -> None:
                            "fsdp.mixed_precision=auto (fp32 on a CPU)")
 
 
-def check_compile(fsdp) -> None:
-    """fsdp.compile needs inductor's compiler: a C++ compiler on CPU, Triton on GPUs."""
-    if not fsdp.compile:
-        return
-    if has_gpu():
-        import importlib.util
-
-        if importlib.util.find_spec("triton") is None:
+def compile_choice(setting, *, gpu: bool, triton: bool, cxx: bool):
+    """(compile each decoder layer, why) for fsdp.compile = `setting`. true: needs inductor's
+    compiler (Triton on GPUs, a C++ compiler on CPU), refused in one line where it is missing;
+    false: off; null (auto): on with a GPU and Triton, off on a CPU (compiling there costs more
+    than it saves on a short job, and the CPU suite's figures are the eager path's). The default
+    stays false until a GPU run has measured it (docs/speed.md)."""
+    if setting is False:
+        return False, "fsdp.compile = false"
+    if setting is True:
+        if gpu and not triton:
             raise ConfigError("fsdp.compile = true needs Triton on GPUs (torch.compile's GPU backend); "
                               "install the triton that matches torch or set fsdp.compile=false")
-        return
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        raise ConfigError("fsdp.compile = true needs a C++ compiler on a CPU machine (torch.compile's "
-                          "inductor builds C++ kernels) and none of g++, c++, clang++ is on PATH; install "
-                          "one (apt-get install g++) or set fsdp.compile=false")
+        if not gpu and not cxx:
+            raise ConfigError("fsdp.compile = true needs a C++ compiler on a CPU machine (torch.compile's "
+                              "inductor builds C++ kernels) and none of g++, c++, clang++ is on PATH; install "
+                              "one (apt-get install g++) or set fsdp.compile=false")
+        return True, "fsdp.compile = true"
+    if not gpu:
+        return False, "fsdp.compile = auto: off on a CPU"
+    if not triton:
+        return False, "fsdp.compile = auto: off, Triton is not installed"
+    return True, "fsdp.compile = auto: a GPU and Triton"
+
+
+def compile_on(fsdp) -> bool:
+    """Whether this rank compiles each decoder layer (compile_choice on this machine)."""
+    import importlib.util
+
+    return compile_choice(fsdp.compile, gpu=has_gpu(), triton=importlib.util.find_spec("triton") is not None,
+                          cxx=any(shutil.which(c) for c in ("g++", "c++", "clang++")))[0]
+
+
+def check_compile(fsdp) -> None:
+    """fsdp.compile = true needs inductor's compiler: a C++ compiler on CPU, Triton on GPUs."""
+    compile_on(fsdp)
 
 
 def hf_config(path: str, trust_remote_code: bool, field: str):
@@ -340,7 +360,7 @@ def shard_model(model: torch.nn.Module, mesh, fsdp, dtype: torch.dtype, *, activ
             # and as a plain SUM collective: gloo has no PREMUL_SUM (FSDP's op for a custom
             # factor), and NCCL's zero-copy path takes SUM only
             m.set_force_sum_reduction_for_comms(True)
-    if fsdp.compile:
+    if compile_on(fsdp):
         for unit in units:
             unit.compile()
 
