@@ -173,8 +173,9 @@ class Coordinator:
         self.pool.check(now)
 
     def _join(self, index: int, info: dict, now: float) -> None:
-        """Answer join `index` under its number, never under the worker's name: every other key is
-        the name's, and a refusal posted there would reach the worker already in the pool."""
+        """Answer join `index` under its number, never under the worker's name: a refusal posted
+        under the name would reach the worker of that name already in the pool. A join taken speaks
+        under its member key from then on (module docstring: rejoining)."""
         worker, restart = info["worker"], info.get("restart") or 0
         why = self._refusal(worker, restart, info)
         self.mail.put(f"elastic/verdict/{index}", why)
