@@ -177,8 +177,6 @@ def test_a_training_batch_where_no_run_made_a_call_stops_with_the_first_failure(
 
 
 def test_a_call_after_its_run_ended_gets_409_and_a_taken_port_is_named(engine, tok):
-    import socket
-
     import openai
 
     import agent_programs

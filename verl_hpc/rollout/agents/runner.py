@@ -17,8 +17,8 @@ one row holds the data prompt alone, with `AgentStats.trained` false. It counts 
 in validation as any failed run; the training step leaves it out of the batch (`untrained_rows`)
 before anything reads its empty response, so it is not in its group's baseline either: the policy
 did nothing in that run. A training batch in which no run made a call has nothing to train on and
-stops with the first failure (validation goes on: its runs count as failed). The reward is the run's own: it replaces the reward function's score
-(verl_hpc/trainer/stages/scoring.py given_rewards).
+stops with the first failure (validation goes on: its runs count as failed). The reward is the
+run's own: no reward function runs (verl_hpc/trainer/stages/scoring.py given_rewards).
 """
 from __future__ import annotations
 
