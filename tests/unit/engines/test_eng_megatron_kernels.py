@@ -86,3 +86,52 @@ def test_the_report_names_the_kernel_each_setting_picks(one_rank_world, folder, 
         assert report[key].startswith(start), (key, report)
     assert report["attention"] == "SdpaCoreAttention (torch SDPA)"
     assert "weight float32 (torch's fused rms_norm)" in report["norm"]
+
+
+def test_fused_cross_entropy_is_chosen_per_setting_and_reaches_megatron():
+    """model.cross_entropy_loss_fusion: auto on with a GPU (Megatron's native kernel, no TE), off on
+    a CPU, true refused there; on, Megatron's config gets the native implementation."""
+    from verl_hpc.engines.megatron.kernels import Availability, KernelSwitches
+
+    gpu, cpu = Availability(gpu=True, te=False, grad_accum_ext=False), Availability(False, False, False)
+    auto = KernelSwitches()
+    assert auto.resolve(trainable=True, use_distributed_optimizer=False, available=gpu).cross_entropy_loss_fusion
+    assert not auto.resolve(trainable=True, use_distributed_optimizer=False, available=cpu).cross_entropy_loss_fusion
+    assert not KernelSwitches(cross_entropy_loss_fusion=False).resolve(
+        trainable=True, use_distributed_optimizer=False, available=gpu).cross_entropy_loss_fusion
+    with pytest.raises(ValueError, match="model.cross_entropy_loss_fusion=true needs a CUDA GPU"):
+        KernelSwitches(cross_entropy_loss_fusion=True).resolve(trainable=True, use_distributed_optimizer=False,
+                                                               available=cpu)
+    over = PerfOptions(cross_entropy_loss_fusion=True).transformer_overrides()
+    assert over["cross_entropy_loss_fusion"] is True and over["cross_entropy_fusion_impl"] == "native"
+    assert "cross_entropy_loss_fusion" not in PerfOptions().transformer_overrides()
+
+
+def test_whole_bf16_logits_take_the_fused_cross_entropy(one_rank_world, monkeypatch):
+    """lm_outputs with fused_ce: bf16 logits' log-probs through Megatron's fused function (spied:
+    it compiles with torch.compile, a GPU's job), the same values as the unfused one; fp32 logits
+    keep the unfused one (the fused backward returns bf16)."""
+    import megatron.core.fusions.fused_cross_entropy as fused
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from verl_hpc.engines.megatron import outputs as mo
+    from verl_hpc.parallel import init_model_parallel
+
+    init_model_parallel(1, 1)
+    calls = []
+
+    def spy(logits, target, group):
+        calls.append(logits.dtype)
+        return vocab_parallel_cross_entropy(logits, target)
+
+    monkeypatch.setattr(fused, "fused_vocab_parallel_cross_entropy", spy)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 16, generator=g)
+    mb = {"_targets": torch.randint(0, 16, (2, 5), generator=g)}
+    want = ("log_probs", "entropy")
+    plain = mo.lm_outputs(logits.bfloat16(), mb, want, selected=True)
+    fused_out = mo.lm_outputs(logits.bfloat16(), mb, want, selected=True, fused_ce=True)
+    assert calls == [torch.bfloat16]
+    torch.testing.assert_close(plain["log_probs"], fused_out["log_probs"])
+    mo.lm_outputs(logits, mb, want, selected=True, fused_ce=True)
+    assert calls == [torch.bfloat16]  # fp32: the unfused function

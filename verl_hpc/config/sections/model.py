@@ -50,6 +50,9 @@ class ModelConfig(Section):
     gradient_accumulation_fusion: Optional[bool] = opt(
         None, "weight-gradient GEMM accumulates into the fp32 grad; auto: on with a GPU and apex's "
               "fused_weight_gradient_mlp_cuda")
+    cross_entropy_loss_fusion: Optional[bool] = opt(
+        None, "Megatron's native fused cross-entropy for the log-probs of whole bf16 logits (no Transformer "
+              "Engine needed); auto: on with a GPU")
 
     # The output layer's results (log-probs, entropy) in chunks of tokens, without the whole
     # [tokens x vocabulary] logits (verl_hpc/engines/logits.py); the memory plan counts one chunk
@@ -70,7 +73,8 @@ class ModelConfig(Section):
         if job.slurm.gpus_per_node == 0:
             p += [f"model.{k} = true needs GPUs, but slurm.gpus_per_node = 0 (a CPU job): set it to null "
                   "(auto) or false" for k in ("bias_activation_fusion", "apply_rope_fusion",
-                                              "gradient_accumulation_fusion") if getattr(self, k) is True]
+                                              "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
+                  if getattr(self, k) is True]
         if job.slurm.gpus_per_node == 0 and self.dtype == "float16":
             p += cpu_float16_problems()
         p += self.routing_replay_problems(job)

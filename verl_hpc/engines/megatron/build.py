@@ -62,6 +62,9 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
     overrides = dict(calculate_per_token_loss=True, sequence_parallel=sequence_parallel,
                      moe_options=o.moe_options,
                      **perf.transformer_overrides(), **recompute_overrides(o))
+    if dtype != torch.bfloat16:  # Megatron's fused cross-entropy hands back a bf16 gradient (kernels.py)
+        overrides.pop("cross_entropy_loss_fusion", None)
+        overrides.pop("cross_entropy_fusion_impl", None)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     if vpp and pp == 2:
         # At pp=2 the previous and next stage are the same rank: the interleaved schedule's

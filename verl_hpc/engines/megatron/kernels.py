@@ -7,6 +7,10 @@
 Every switch is `None` (auto), `True` or `False`. Auto turns a feature on exactly where its kernel
 exists on this rank, so CPU runs keep the exact unfused paths Megatron's CPU code is verified with:
 - bias_activation_fusion: Megatron's fused SwiGLU (a torch.compile/jit kernel): needs a GPU.
+- cross_entropy_loss_fusion: Megatron's native fused vocab-parallel cross-entropy (its jit_fuser,
+  torch.compile; `cross_entropy_fusion_impl = native`, not TE's): needs a GPU. Used for bf16 logits
+  only (its backward returns a bf16 gradient): Megatron's labels path and the engine's whole-logits
+  log-probs (outputs.lm_outputs).
 - apply_rope_fusion: Megatron calls Transformer Engine's fused RoPE (TransformerConfig refuses it
   without TE): needs a GPU and TE.
 - gradient_accumulation_fusion: the weight-gradient GEMM accumulates straight into Megatron's fp32
@@ -61,11 +65,15 @@ class PerfOptions:
     gradient_accumulation_fusion: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    cross_entropy_loss_fusion: bool = False
 
-    def transformer_overrides(self) -> Dict[str, bool]:
-        return dict(bias_activation_fusion=self.bias_activation_fusion,
-                    apply_rope_fusion=self.apply_rope_fusion,
-                    gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+    def transformer_overrides(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = dict(bias_activation_fusion=self.bias_activation_fusion,
+                                   apply_rope_fusion=self.apply_rope_fusion,
+                                   gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        if self.cross_entropy_loss_fusion:  # Megatron's own kernel, not Transformer Engine's
+            out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +85,7 @@ class KernelSwitches:
     gradient_accumulation_fusion: Optional[bool] = None
     overlap_grad_reduce: Optional[bool] = None
     overlap_param_gather: Optional[bool] = None
+    cross_entropy_loss_fusion: Optional[bool] = None
 
     @classmethod
     def from_config(cls, model_cfg, parallel_cfg) -> "KernelSwitches":
@@ -84,13 +93,15 @@ class KernelSwitches:
                    apply_rope_fusion=model_cfg.apply_rope_fusion,
                    gradient_accumulation_fusion=model_cfg.gradient_accumulation_fusion,
                    overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
-                   overlap_param_gather=parallel_cfg.overlap_param_gather)
+                   overlap_param_gather=parallel_cfg.overlap_param_gather,
+                   cross_entropy_loss_fusion=getattr(model_cfg, "cross_entropy_loss_fusion", None))
 
     def resolve(self, *, trainable: bool, use_distributed_optimizer: bool,
                 available: Optional[Availability] = None) -> PerfOptions:
         a = available or Availability.detect()
         rules = {  # field: (config key, kernel present?, what is missing otherwise)
             "bias_activation_fusion": ("model", a.gpu, "a CUDA GPU"),
+            "cross_entropy_loss_fusion": ("model", a.gpu, "a CUDA GPU"),
             "apply_rope_fusion": ("model", a.gpu and a.te, "a CUDA GPU and Transformer Engine"),
             "gradient_accumulation_fusion": (
                 "model", a.gpu and a.grad_accum_ext,
@@ -166,8 +177,10 @@ def kernel_report(chunks: List[Any], perf: PerfOptions) -> Dict[str, str]:
         "swiglu": (f"fused (Megatron's bias_swiglu, jit_fuser = {fuser})" if perf.bias_activation_fusion
                    else "unfused (torch ops)"),
         "rope": "fused (Transformer Engine)" if perf.apply_rope_fusion else "unfused (torch ops; Megatron's fused RoPE is TE's)",
-        "cross-entropy": "the engine's output layer (engines/logits.py; Megatron's vocab-parallel cross-entropy "
-                         "for whole logits)",
+        "cross-entropy": ("Megatron's fused vocab-parallel cross-entropy (native, jit_fuser = " + fuser + ") for "
+                          "whole bf16 logits" if getattr(chunks[0].config, "cross_entropy_loss_fusion", False) else
+                          "Megatron's vocab-parallel cross-entropy (unfused) for whole logits")
+                         + "; chunks: engines/logits.py",
         "grad-accum fusion": "on" if perf.gradient_accumulation_fusion else "off",
     }
 

@@ -64,7 +64,10 @@ def _rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence[str],
-               temperature: float = 1.0, selected: bool = False) -> Dict[str, torch.Tensor]:
+               temperature: float = 1.0, selected: bool = False, fused_ce: bool = False) -> Dict[str, torch.Tensor]:
+    """fused_ce (model.cross_entropy_loss_fusion, resolved): the log-probs of bf16 logits through
+    Megatron's native fused cross-entropy (the same arithmetic, its steps compiled by jit_fuser; its
+    backward returns a bf16 gradient, so other dtypes keep the unfused one)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -83,6 +86,12 @@ def lm_outputs(logits: torch.Tensor, mb: Dict[str, torch.Tensor], want: Sequence
     if "sum_pi_squared" in want:
         out["sum_pi_squared"] = sum_pi_squared_from_logits(resp, all_reduce=tp_reduce).float()
     if "log_probs" in want:
+        if fused_ce and resp.dtype == torch.bfloat16:  # upcasts to a copy first: entropy's input is untouched
+            from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+            out["log_probs"] = -fused_vocab_parallel_cross_entropy(resp, mb["_targets"],
+                                                                   ps.get_tensor_model_parallel_group())
+            return out
         ce_input = resp.clone() if ("entropy" in want and resp.dtype == torch.float32) else resp
         out["log_probs"] = -vocab_parallel_cross_entropy(ce_input, mb["_targets"])
     return out
@@ -118,6 +127,7 @@ class ChunkedOutputLayer:
         self.real_columns = getattr(layer, "real_columns", width)
         self.weight = None  # the weight the model handed its output layer, taken at each forward
         self.last = None  # how the last micro-batch was scored ("whole" or its chunk size: reports)
+        self.fused_ce = bool(getattr(getattr(layer, "config", None), "cross_entropy_loss_fusion", False))
         layer.returns_hidden = False  # True while scoring; the padded-vocabulary mask hook then steps aside
         self._plain = layer.forward
         layer.forward = self._forward  # an instance attribute: the pre-hooks (position selection) still run
@@ -239,7 +249,8 @@ def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: 
                              agreed_free_bytes(resp.device, head.group))
         head.last = chunk or "whole"
         if chunk == 0:
-            return lm_outputs(whole_logits(resp, head), mb, want, head.temperature, selected=True)
+            return lm_outputs(whole_logits(resp, head), mb, want, head.temperature, selected=True,
+                              fused_ce=getattr(head, "fused_ce", False))
     else:
         head.last = chunk
     return token_outputs(resp, head.weight[: head.real_columns], mb["_targets"], want,
