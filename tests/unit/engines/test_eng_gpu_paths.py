@@ -121,15 +121,15 @@ def test_auto_switches_follow_the_kernels_present():
     assert auto.resolve(trainable=True, use_distributed_optimizer=True, available=NONE) == PerfOptions()
     assert Availability.detect() == NONE  # this CPU machine: nothing changes on CPU
     on = auto.resolve(trainable=True, use_distributed_optimizer=True, available=FULL)
-    assert on == PerfOptions(True, True, True, True, True)
+    assert on == PerfOptions(True, True, True, True, True, True)
     gpu = auto.resolve(trainable=True, use_distributed_optimizer=False, available=GPU)
-    assert gpu == PerfOptions(bias_activation_fusion=True, overlap_grad_reduce=True)
+    assert gpu == PerfOptions(bias_activation_fusion=True, overlap_grad_reduce=True, cross_entropy_loss_fusion=True)
     frozen = auto.resolve(trainable=False, use_distributed_optimizer=True, available=FULL)
-    assert frozen == PerfOptions(bias_activation_fusion=True, apply_rope_fusion=True)
+    assert frozen == PerfOptions(bias_activation_fusion=True, apply_rope_fusion=True, cross_entropy_loss_fusion=True)
 
 
 def test_explicit_switches():
-    off = KernelSwitches(False, False, False, False, False)
+    off = KernelSwitches(False, False, False, False, False, False)
     assert off.resolve(trainable=True, use_distributed_optimizer=True, available=FULL) == PerfOptions()
     with pytest.raises(ValueError, match="model.apply_rope_fusion=true needs a CUDA GPU and Transformer Engine"):
         KernelSwitches(apply_rope_fusion=True).resolve(trainable=True, use_distributed_optimizer=True,
