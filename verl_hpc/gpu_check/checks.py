@@ -151,7 +151,7 @@ def engine_logprob_parity(kit: Kit) -> str:
 
 def _train_engine(kit: Kit):
     """The kit runs one rank: data-parallel size 1, where the engine does not shard the optimizer
-    (engine.py `_shard_optimizer`: nothing to shard over), whatever use_distributed_optimizer says.
+    (engines/megatron/wiring.py `shard_optimizer`: nothing to shard over), whatever use_distributed_optimizer says.
     The sharded optimizer runs in the two-GPU check (tp_gt_1, its DP 2 part)."""
     from verl_hpc.engines.megatron import MegatronEngine
 

@@ -109,19 +109,19 @@ def _outputs_vs_whole_sequence(group) -> dict:
 
 def _engine_refusal() -> dict:
     """MegatronEngine at cp 2 on this CPU node: its error, and whether any weight was built first."""
-    from verl_hpc.engines.megatron import engine as engine_mod
+    from verl_hpc.engines.megatron import MegatronEngine, wiring
     from verl_hpc.engines.options import default_options
     from verl_hpc.errors import VerlHpcError
 
     built = []
-    real = engine_mod.build_chunks
-    engine_mod.build_chunks = lambda *a, **k: built.append(1) or real(*a, **k)
+    real = wiring.build_chunks
+    wiring.build_chunks = lambda *a, **k: built.append(1) or real(*a, **k)
     try:
-        engine_mod.MegatronEngine(default_options("/no/model/folder"))
+        MegatronEngine(default_options("/no/model/folder"))
     except VerlHpcError as e:
         return {"type": type(e).__name__, "message": str(e), "built": bool(built)}
     finally:
-        engine_mod.build_chunks = real
+        wiring.build_chunks = real
     return {"type": None, "message": "", "built": bool(built)}
 
 

@@ -312,6 +312,7 @@ def _engine_until_build(monkeypatch, options, tp):
     import megatron.core.parallel_state as ps
 
     from verl_hpc.engines.megatron import engine as engine_mod
+    from verl_hpc.engines.megatron import wiring
 
     class Stop(Exception):
         pass
@@ -324,9 +325,9 @@ def _engine_until_build(monkeypatch, options, tp):
                         ("get_virtual_pipeline_model_parallel_world_size", None),
                         ("get_data_parallel_world_size", 1), ("get_data_parallel_rank", 0)]:
         monkeypatch.setattr(ps, name, lambda *a, v=value, **k: v)
-    monkeypatch.setattr(engine_mod, "check_options", lambda o: None)  # fp8 refuses CPU (tested above)
-    monkeypatch.setattr(engine_mod, "build_chunks", stop)
-    monkeypatch.setattr(engine_mod.MegatronEngine, "_shard_optimizer", lambda self, o: False)  # no world
+    monkeypatch.setattr(wiring, "check_options", lambda o: None)  # fp8 refuses CPU (tested above)
+    monkeypatch.setattr(wiring, "build_chunks", stop)
+    monkeypatch.setattr(wiring, "shard_optimizer", lambda o: False)  # no world
     eng = engine_mod.MegatronEngine.__new__(engine_mod.MegatronEngine)
     with pytest.raises(Stop):
         eng.__init__(options)

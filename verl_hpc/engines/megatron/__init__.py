@@ -1,6 +1,7 @@
 """Megatron-Core training engine (TP/PP/DP, distributed optimizer) and its five roles.
 
     engine.py     MegatronEngine: forward, train_step, export, state
+    wiring.py     what an engine is made of, set up in order: layout, model, LoRA, DDP, optimizer, offload
     build.py      the GPT chunks of this rank's stages (weights, value head) and their DDP wrappers
     roles.py      build_role(role, options, ...): a role (verl_hpc/engines/roles.py) on this engine
     schedule.py   micro-batches through Megatron's schedules; exact loss scaling; result broadcast

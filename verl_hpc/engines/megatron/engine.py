@@ -5,10 +5,11 @@
     out = eng.forward(batch)                                  # {"log_probs", "entropy"}: [B, T]
     metrics = eng.train_step(batch, loss_fn, outputs=("log_probs",))
 
-Build (build.py, from the EngineOptions of options.py): `verl_hpc.models.build_gpt_model` per
-(virtual) pipeline stage, weights from the HF folder (each rank reads its own slices), a value head
-instead of the vocabulary projection for critics and reward models (value_head.py), and the
-choices made once on the built model (response-only output layers, prompt packing). Trainable
+Build (wiring.py sets up the parts in order, build.py builds the model, from the EngineOptions of
+options.py): `verl_hpc.models.build_gpt_model` per (virtual) pipeline stage, weights from the HF
+folder (each rank reads its own slices), a value head instead of the vocabulary projection for
+critics and reward models (value_head.py), and the choices made once on the built model
+(response-only output layers, prompt packing). Trainable
 engines wrap every chunk in Megatron's DDP (fp32 grad buffers; gradient-reduce / parameter-gather
 overlap per kernels.py, on with GPUs) and get Adam through get_megatron_optimizer (optim.py);
 frozen ones (reference, reward) keep no grads and no optimizer and run in eval mode. With the
@@ -52,131 +53,33 @@ from verl_hpc.engines.base import (EngineState, GlobalCounts, LossFn, TrainingEn
                                    skipped_for_overflow)
 from verl_hpc.engines.batch import check_batch, get_response_mask, response_width
 from verl_hpc.engines.megatron import context_parallel as cp_lib
-from verl_hpc.engines.megatron import lora as lora_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
-from verl_hpc.engines.megatron.build import (build_chunks, check_context_parallel, output_position_layers,
-                                             prompt_sharing, wrap_ddp)
-from verl_hpc.engines.megatron.kernels import PerfOptions
-from verl_hpc.engines.options import EngineOptions, check_options, torch_dtype
+from verl_hpc.engines.options import EngineOptions
 from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
 from verl_hpc.engines.roles import rows_to_run
-from verl_hpc.engines.megatron.moe_stats import RouterStats
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.megatron.route_replay import KEY as ROUTES
-from verl_hpc.engines.megatron.route_replay import RouteReplay
 from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
+from verl_hpc.engines.megatron.wiring import wire
 from verl_hpc.models import export_hf_weights
-from verl_hpc.models.gpt import token_alignment
-from verl_hpc.runtime.device import collective_device, place_on_device
+from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
 
 
 class MegatronEngine(TrainingEngine):
     def __init__(self, options: EngineOptions):
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            raise RuntimeError("MegatronEngine needs Megatron model parallelism: call "
-                               "verl_hpc.parallel.init_model_parallel first")
-        check_options(options)
-        if not options.disable_dropout:  # parallel.engine=auto resolved to Megatron for this role
-            from verl_hpc.config.errors import ConfigError
-            from verl_hpc.config.sections.model import DROPOUT_ON_MEGATRON
-
-            raise ConfigError(DROPOUT_ON_MEGATRON)
-        self.options = o = options
-        self.dtype = torch_dtype(o.dtype)
-        self.default_outputs = ("log_probs", "entropy") if o.head == "lm" else ("values",)
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.pp = ps.get_pipeline_model_parallel_world_size()
-        self.vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        self.cp = ps.get_context_parallel_world_size()
-        check_context_parallel(self.cp)  # before any weight is built
-        self._cp_group = ps.get_context_parallel_group() if self.cp > 1 else None
-        self.sequence_parallel = o.sequence_parallel and self.tp > 1
-        self.shard_optimizer = self._shard_optimizer(o)
-        self.perf: PerfOptions = o.kernels.resolve(
-            trainable=o.trainable, use_distributed_optimizer=o.use_distributed_optimizer)
-        if not self.shard_optimizer:  # no parameter shards to all-gather
-            self.perf = dataclasses.replace(self.perf, overlap_param_gather=False)
-        self._params_stale = False  # overlap_param_gather: a step applied, not yet all-gathered
-        # context parallelism cuts each sequence into 2 * cp chunks (context_parallel.py), and each
-        # rank's S / cp tokens are split again over TP under sequence parallelism
-        self.pad_seq_to = (token_alignment(o.fp8, o.fp8_recipe) * (self.tp if self.sequence_parallel else 1)
-                           * (2 * self.cp if self.cp > 1 else 1))
-        self.gpt_chunks, self.heads = build_chunks(o, self.dtype, self.sequence_parallel, self.perf)
-        self.lora = lora_lib.adapter_spec(o.lora)
-        if self.lora is not None:  # before DDP: it and the optimizer then see the adapters only
-            start = None
-            if o.lora.init_from:  # read first: its A decide the fused layers' shapes (per_module_a)
-                self.lora, start = lora_lib.read_peft_folder(self.lora, o.lora.init_from,
-                                                             self.gpt_chunks[0].verl_arch)
-            lora_lib.attach(self.gpt_chunks, self.lora, seed=o.lora_seed,
-                            sequence_parallel=self.sequence_parallel, start=start)
-        # value heads and adapters are attached after the build: the device contract is checked on
-        # the whole model (runtime.device.place_on_device), before DDP allocates its buffers
-        self.device = place_on_device(self.gpt_chunks, f"the Megatron engine ({o.model_path})")
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        # one rank per DP replica reports: CP ranks hold the same gathered results (context_parallel.py)
-        self.reporting = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-                          and ps.get_context_parallel_rank() == 0)
-        self._key_source = self._find_key_source()
-        self.optimizer = self.scheduler = None
-        if o.trainable:
-            self.chunks = wrap_ddp(self.gpt_chunks, self.perf, self.shard_optimizer)
-            self.optimizer = optim_lib.build_optimizer(self.chunks, o.optim, self.dtype, self.shard_optimizer)
-            self.scheduler = optim_lib.build_scheduler(self.optimizer, o.optim, o.total_steps)
-        else:
-            self.chunks = self.gpt_chunks
-            for p in self._parameters():
-                p.requires_grad_(False)
-        arch = self.gpt_chunks[0].verl_arch
-        # a trainable MoE model reports its routers' load per step (moe_stats.py)
-        self.router_stats = RouterStats(self.gpt_chunks, arch) if arch.moe is not None and o.trainable else None
-        self._output_layers = output_position_layers(o, self.chunks, self.gpt_chunks, self.sequence_parallel,
-                                                     cp=self.cp)
-        self._logits_chunk = outputs_lib.logits_chunk(o, self.cp, self.gpt_chunks[0].vocab_size // self.tp)
-        self._chunked = outputs_lib.chunked_output_layer(o, self.gpt_chunks, self._logits_chunk)  # hidden states out
-        self._share_prompts, self._rotary = prompt_sharing(
-            o, self.chunks, self.gpt_chunks, sequence_parallel=self.sequence_parallel, vpp=self.vpp,
-            rope_fusion=self.perf.apply_rope_fusion, cp=self.cp)
-        # routing replay (model.moe_routing_replay; route_replay.py)
-        self.replay_mode = (o.moe_options or {}).get("routing_replay", "off") if arch.moe is not None else "off"
-        self.route_replay = RouteReplay(self.gpt_chunks, arch) if self.replay_mode != "off" else None
-        self.steps_applied = 0
-        self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
-        from verl_hpc.engines.offload import Offloader
-
-        self.offloader = Offloader(self, params=o.param_offload, grads=o.grad_offload and o.trainable,
-                                   optimizer=o.optimizer_offload and o.trainable)
-        self.offloader.offload()  # idle from birth: the role's phases bring back what they need
+        # the checks, the layout, the model chunks (LoRA, DDP), the optimizer and the offloader (wiring.py)
+        wire(self, options)
 
     def resident(self, what: str = "train"):
         """Context: the engine's offloaded states back on the device for `what` (forward | state |
         train, offload.RESIDENT); the outermost block offloads on exit."""
         return self.offloader.resident(what)
 
-    # ------------------------------------------------------------------ build
-
-    def _shard_optimizer(self, o) -> bool:
-        """Megatron's DistributedOptimizer when `use_distributed_optimizer` and there is more than
-        one data-parallel rank to shard over. With one, its shard is everything, and each step
-        would only add a reduce-scatter and an all-gather of every parameter onto the same rank,
-        two copies of the whole model that gloo makes even at world size 1 (the plain optimizer's
-        all-reduce over one rank returns at once). The optimizer state is the same either way,
-        and checkpoints hold layout-independent slabs (state.py)."""
-        from megatron.core import parallel_state as ps
-
-        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        shard = o.use_distributed_optimizer and dp_cp > 1
-        if o.trainable and o.use_distributed_optimizer and not shard and dist.get_rank() == 0:
-            log.info("parallel.use_distributed_optimizer: not used at data-parallel size 1 "
-                     "(nothing to shard; Megatron's plain optimizer saves two copies of the model a step)")
-        return shard
+    # ------------------------------------------------------------------ parameters
 
     def _sync_params(self) -> None:
         """With overlap_param_gather the distributed optimizer's step leaves the all-gather of the
@@ -186,13 +89,6 @@ class MegatronEngine(TrainingEngine):
             for c in self.chunks:
                 c.start_param_sync(force_sync=True)
             self._params_stale = False
-
-    def _find_key_source(self) -> int:
-        """Global rank of the reporting rank of DP replica 0 (it names the metrics)."""
-        me = dist.get_rank() if self.reporting and self.dp_rank == 0 else -1
-        t = torch.tensor([me], dtype=torch.long, device=self._coll_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
 
     def _coll_device(self):
         return collective_device()
