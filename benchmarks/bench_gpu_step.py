@@ -31,13 +31,18 @@ H = heads x head_dim, S sequence length. TFLOP/s = FLOPs / median seconds. MFU =
 board's dense bf16 peak (verl_hpc/config/gpus.py, looked up by the name torch reports; a board the
 table does not know gets no MFU).
 
-- fsdp_whole / fsdp_foreach / fsdp_noliger (--sides): the fsdp column with one change each, to
-  tell what each part of it is worth: the whole logits and no Liger (the output layer before the
-  chunked one), torch's foreach AdamW instead of the fused one, no Liger (where it is on).
+- transformers_liger: the transformers side with Liger-Kernel as TRL's `use_liger_kernel` applies
+  it (RMSNorm, SwiGLU, RoPE; log-probs from its fused linear cross-entropy): the peer to beat.
+- variants (--sides), one change each: engine_whole / fsdp_whole (the whole logits always;
+  fsdp_whole also without Liger), engine_chunked / fsdp_chunked (chunks of the CPU's fixed budget,
+  the output layer before the device rule), fsdp_compile (per-block torch.compile), fsdp_foreach
+  (torch's foreach AdamW), fsdp_noliger. `--sides gpu-all`: what `make gpu-all` runs.
 
-Goals, on an H100: the Megatron engine's train step >= 1.3x transformers' tokens/s, and >= 40%
-MFU; the FSDP engine's train step >= 1.0x transformers' tokens/s and >= 35% MFU (the first GPU run,
-before the chunked output layer, fused AdamW and Liger: 0.94x, 30.1%).
+Goals (issue 75; gpu_step_report.py), on an H100 or H200, against transformers and against
+transformers + Liger each: the Megatron engine's train step >= 1.2x tokens/s, the FSDP engine's
+>= 1.15x; MFU >= 38% for both; the log-prob pass >= 1.1x. The verdicts are lines of the result
+(`goal_lines`), which `make gpu-all`'s summary prints. A side that fails is reported and the
+others still run (exit 1).
 
 Timing: the sides take turns in rounds (the order reversed each round), one model on the device at
 a time (the one before deleted and its cached blocks released, so each side's peak is its own:
