@@ -80,8 +80,13 @@ class ChunkedHead:
         return scores_in_chunks(self.chunk, scored_tokens)
 
     def device_ruled(self) -> bool:
-        """Auto on a device: the chunk size comes from the memory free at the output layer."""
-        return self.setting is None and device_free_bytes(self.linear.weight.device) is not None
+        """Auto on a device: the chunk size comes from the memory free at the output layer. The
+        compute device: the weight's, or the current GPU where fsdp.cpu_offload keeps the shards on
+        the host."""
+        dev = self.linear.weight.device
+        if dev.type == "cpu" and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return self.setting is None and device_free_bytes(dev) is not None
 
     @contextlib.contextmanager
     def scoring(self, rows: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, want: Sequence[str]):
