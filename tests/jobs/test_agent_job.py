@@ -85,6 +85,7 @@ def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_asset
                    "rollout.max_tokens=6", "rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432",
                    "actor.entropy_coeff=0.01", "agent.timeout_s=120", f"trainer.rollout_data_dir={out}/rollouts")
     assert proc.returncode == 0, logs(proc, out)
+    assert "roles: actor; rollout: vllm" in proc.stderr  # the endpoint served vLLM's samples
     rows = metrics(out)
     assert len(rows) == 2 and len(calls) == 2 * 16 * 2
     for m in rows:
