@@ -54,3 +54,17 @@ def test_a_command_whose_program_is_there_or_cannot_be_told_is_accepted(command)
 def test_the_engine_window_spans_the_whole_agent_run():
     cfg = load_config(None, [*BASE, "data.max_response_length=96", "rollout.max_tokens=16"])
     assert rollout_options(cfg).window == 96  # later calls carry the conversation so far
+
+
+def test_a_data_source_without_a_reward_function_is_accepted_when_the_agents_give_the_reward(tmp_path):
+    import json
+
+    from verl_hpc.launcher.preflight_data import data_problems
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"task {i}", "data_source": "my_agent_task", "ground_truth": "x"})
+                            + "\n" for i in range(4)))
+    base = [*BASE, f"data.train_files=[{rows}]", "data.val_files=[]", "data.train_batch_size=4"]
+    assert data_problems(load_config(None, base)) == []
+    without = [p for p in data_problems(load_config(None, [*base, "agent.enable=false"])) if "my_agent_task" in p]
+    assert without and "no reward function for data_source 'my_agent_task'" in without[0]
