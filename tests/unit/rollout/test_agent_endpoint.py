@@ -214,6 +214,13 @@ def test_http_variants_a_client_may_send(endpoint):
     assert e.value.status_code == 413 and "at most" not in str(e.value) and "16777216" in str(e.value)
     assert server.requests == before + 1
     client.completions.create(model="policy", prompt=[5], max_tokens=2)  # the server goes on
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.putrequest("POST", "/agents/run1/v1/completions")
+    conn.putheader("Content-Length", "-5")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]["message"]
+    conn.close()
 
 
 def test_errors_tell_the_openai_client_not_to_retry(endpoint):

@@ -220,9 +220,11 @@ class AgentServer:
         chunked = "chunked" in h.headers.get("Transfer-Encoding", "").lower()
         try:
             length = int(h.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError(length)
         except ValueError:
-            h.close_connection = True
-            raise BadRequest("Content-Length is not a number") from None
+            h.close_connection = True  # where its body ends is unknown
+            raise BadRequest("Content-Length is not a non-negative number") from None
         raw = _read_chunked(h) if chunked else _read_length(h, length)
         if raw is None:
             raise BadRequest(f"request body of more than {MAX_BODY} bytes", status=413, code="body_too_large")
