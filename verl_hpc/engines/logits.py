@@ -160,13 +160,12 @@ class _ChunkedOutputs(torch.autograd.Function):
 
 
 def device_free_bytes(device: torch.device) -> Optional[float]:
-    """Bytes a tensor allocated now on `device` could take: the driver's free memory plus what
-    torch's caching allocator holds unused. None on a CPU (the output layer's rule keeps its fixed
-    budget there: planning/output_layer.py). Host-side queries only: no device synchronisation."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    """Bytes a tensor allocated now on `device` could take (runtime.device.free_memory_bytes: the
+    driver's free memory plus what torch's allocator holds unused, no device synchronisation). None
+    on a CPU: the output layer's rule keeps its fixed budget there (planning/output_layer.py)."""
+    from verl_hpc.runtime.device import free_memory_bytes
+
+    return free_memory_bytes(device)
 
 
 def agreed_free_bytes(device: torch.device, group=None) -> Optional[float]:

@@ -9,6 +9,7 @@ asked by both engines (engines/fsdp/head.py, engines/megatron/outputs.py) and by
 - auto without a device figure (`free_bytes` None: a CPU, where memory is the host's and shared
   with everything else) keeps the fixed budget: one chunk's fp32 logits within 256 MiB
   (config/sections/model.py logits_chunk_size), the whole logits when the micro-batch fits one chunk.
+  Pure Python still: the config layer imports no torch.
 - auto on a device (`free_bytes`: what is free there when the output layer runs: in an engine, the
   device's free memory plus what torch's allocator holds unused, measured at the output layer; in
   the plan, the device's memory less every other component of that phase): DEVICE_SHARE of it is
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-CPU_CHUNK_BYTES = 256 << 20  # one chunk's fp32 logits on a CPU (what model.logits_chunk_tokens auto meant so far)
 DEVICE_SHARE = 0.5  # of the memory free at the output layer: the rest is the backward's and the allocator's slack
 CHUNK_ALIGN = 256  # tokens: device chunks are multiples of this (full GEMM tiles), the last one included
 MIN_CHUNK = 16
@@ -53,10 +53,11 @@ def whole_logits_bytes(tokens: int, vocab_columns: float) -> float:
 
 
 def cpu_chunk(vocab_columns: int) -> int:
-    """Auto on a CPU: as many tokens as keep one chunk's fp32 logits within CPU_CHUNK_BYTES,
-    a multiple of 16, at least 16."""
-    per_token = 4 * max(int(vocab_columns), 1)
-    return max(MIN_CHUNK, CPU_CHUNK_BYTES // per_token // 16 * 16)
+    """Auto on a CPU: as many tokens as keep one chunk's fp32 logits within 256 MiB, a multiple of
+    16, at least 16 (config/sections/model.py logits_chunk_size, the config check's rule too)."""
+    from verl_hpc.config.sections.model import logits_chunk_size
+
+    return logits_chunk_size(None, vocab_columns)
 
 
 def device_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes: float) -> int:

@@ -192,6 +192,16 @@ def memory_allocated() -> int | None:
     return int(torch.cuda.memory_allocated())
 
 
+def free_memory_bytes(device: torch.device) -> Optional[float]:
+    """Bytes a tensor allocated now on `device` could take: the driver's free memory plus what
+    torch's caching allocator holds unused; None for a CPU device. Host-side queries only (no
+    device synchronization): the output layer asks per micro-batch (engines/logits.py)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return float(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def describe_accelerator() -> str:
     """e.g. 'NVIDIA H100 80GB HBM3 (sm 9.0), CUDA 13.0' or 'no GPU'."""
     if not has_gpu():

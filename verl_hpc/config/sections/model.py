@@ -136,17 +136,16 @@ def cpu_float16_problems() -> List[str]:
     return [problem] if problem else []
 
 
-LOGITS_CHUNK_BYTES = 256 << 20  # auto on a CPU: one chunk's fp32 logits (= planning/output_layer.py CPU_CHUNK_BYTES)
+LOGITS_CHUNK_BYTES = 256 << 20  # auto on a CPU: one chunk's fp32 logits (a device's rule: planning/output_layer.py)
 
 
 def logits_chunk_size(setting: Optional[int], vocab_columns: int) -> int:
     """Tokens per output-layer chunk for model.logits_chunk_tokens = `setting` over a vocabulary
     slice of `vocab_columns` (V / tp); 0 = unchunked. The engines and the memory plan both ask here."""
-    from verl_hpc.planning.output_layer import cpu_chunk  # the rule's one home (a device's: output_chunk)
-
     if setting is not None:
         return int(setting)
-    return cpu_chunk(vocab_columns)
+    per_token = 4 * max(int(vocab_columns), 1)
+    return max(16, LOGITS_CHUNK_BYTES // per_token // 16 * 16)
 
 
 def scores_in_chunks(chunk: int, scored_tokens: int) -> bool:

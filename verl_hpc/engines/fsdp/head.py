@@ -83,9 +83,11 @@ class ChunkedHead:
         """Auto on a device: the chunk size comes from the memory free at the output layer. The
         compute device: the weight's, or the current GPU where fsdp.cpu_offload keeps the shards on
         the host."""
+        from verl_hpc.runtime.device import compute_device
+
         dev = self.linear.weight.device
-        if dev.type == "cpu" and torch.cuda.is_available():
-            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type == "cpu":
+            dev = compute_device()
         return self.setting is None and device_free_bytes(dev) is not None
 
     @contextlib.contextmanager
