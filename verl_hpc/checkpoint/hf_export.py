@@ -47,6 +47,7 @@ from verl_hpc.checkpoint.export_target import (WEIGHT_FILES, check_target, make_
                                                same_folder, shard_limit)
 from verl_hpc.checkpoint.load import CheckpointReader
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.models.checkpoint_names import folder_names
 from verl_hpc.models.config_mapping import load_arch
 from verl_hpc.models.weight_rules import EXPERT_RULES, Layout, layer_rules, model_rules
 
@@ -193,8 +194,9 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
             sizes.append({k: t.numel() * t.element_size() for k, t in shard.items()})
             shard.clear()  # memory: one shard at a time, not the model
 
-        if hf_coords:
-            source = named_tensors(reader, prefix=f"{role}/model/")
+        if hf_coords:  # under the source folder's names where transformers renamed them on load
+            renamed = folder_names(src)  # (GPT-NeoX's head: lm_head.weight in the model, embed_out.weight stored)
+            source = ((renamed.get(n, n), t) for n, t in named_tensors(reader, prefix=f"{role}/model/"))
         elif lora:
             source = merged_tensors(reader, arch, src, lora, role)
         else:

