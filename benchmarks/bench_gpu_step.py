@@ -257,6 +257,8 @@ SIDES = {"engine": EngineSide, "engine_whole": EngineWholeLogitsSide, "engine_ch
          "fsdp_compile": FsdpCompileSide, "fsdp_foreach": FsdpForeachAdamSide, "fsdp_noliger": FsdpNoLigerSide,
          "transformers": HFSide, "transformers_liger": HFLigerSide}
 BASELINES = ("transformers", "transformers_liger")  # the engines are compared with each that ran
+RUN_ORDER = ("transformers", "transformers_liger", "engine", "fsdp", "engine_whole", "engine_chunked",
+             "fsdp_whole", "fsdp_chunked", "fsdp_noliger", "fsdp_foreach", "fsdp_compile")
 ENGINES = tuple(s for s in SIDES if s not in BASELINES)
 DEFAULT_SIDES = ("engine", "fsdp", "transformers")
 # what `make gpu-all` asks for: every figure of the speed goals in one run (docs/gpu.md)
@@ -284,7 +286,9 @@ def run(args) -> dict:
     if bad or "transformers" not in asked:
         raise ValueError(f"--sides {args.sides}: a comma list of {', '.join(SIDES)} with transformers in it")
     not_run = {name: why for name in asked if (why := side_problem(name, "cpu" if rehearsal else "cuda"))}
-    sides = [name for name in SIDES if name in asked and name not in not_run]
+    # the peers first, then the engines as they default, then the variants (the compiled one last:
+    # its compilation is the longest), so that a short --time-limit drops variants, not the peers
+    sides = sorted((name for name in SIDES if name in asked and name not in not_run), key=RUN_ORDER.index)
     if not set(sides) & set(ENGINES):
         raise RuntimeError(f"no engine side can run here: {not_run}")
     plan = {"dtype": "float32" if rehearsal else "bfloat16", "warmup": 1 if rehearsal else 2,
@@ -315,13 +319,19 @@ def run(args) -> dict:
         # half of what is left for the timed loops (train and forward per side), the rest for
         # builds and warm-ups
         loop_budget = 0.5 * (args.time_limit - (time.perf_counter() - start)) / (2 * len(sides) * plan["rounds"])
+        slowest = 0.0  # the longest side so far: a side that would not end within --time-limit is not started
         for r in range(plan["rounds"]):
             t_round = time.perf_counter()
             for name in (sides if r % 2 == 0 else sides[::-1]):
-                if name in failed:
+                if name in failed or (r == 0 and name in not_run):
                     continue
+                if r == 0 and slowest and time.perf_counter() - start + 1.2 * slowest > args.time_limit:
+                    not_run[name] = f"out of time (--time-limit {args.time_limit:.0f} s)"
+                    continue
+                t_side = time.perf_counter()
                 try:
                     rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget))
+                    slowest = max(slowest, time.perf_counter() - t_side)
                 except Exception as e:  # one side's failure (an OOM, a kernel) must not cost the others' figures
                     failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
                     _release()

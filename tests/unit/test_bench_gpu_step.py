@@ -33,7 +33,7 @@ def _run_script(out: Path, *args, timeout=300, script="bench_gpu_step.py", **env
 def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dict:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / "bench_gpu_step.json").read_text())
-    assert res["ok"] is True and res["sides"] == list(sides)
+    assert res["ok"] is True and res["sides"] == sorted(sides, key=bench.RUN_ORDER.index)
     for side in sides:
         s = res[side]
         for part in ("train", "forward"):
@@ -138,6 +138,18 @@ def test_cpu_rehearsal_runs_the_fsdp_variant_columns(rehearsal):
     for side in ALL_SIDES:
         if side != "transformers":
             assert res["first_loss_abs_diff"][side] < 1e-4, side
+
+
+def test_a_short_time_limit_drops_sides_not_the_peer(tmp_path):
+    """The peers run first; a side that would not end within --time-limit (1.2 x the slowest side
+    so far) is reported as not run, and the figures of the others are still written."""
+    assert sorted(bench.RUN_ORDER) == sorted(bench.SIDES) and bench.RUN_ORDER[:2] == bench.BASELINES
+    r = _run_script(tmp_path, "--cpu-rehearsal", "--time-limit", "1", "--sides", "engine,fsdp,transformers")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "bench_gpu_step.json").read_text())
+    assert res["sides"] == ["transformers"] and res["ratios"] == {}
+    assert res["not_run"] == {"engine": "out of time (--time-limit 1 s)", "fsdp": "out of time (--time-limit 1 s)"}
+    assert "goal: fsdp train >= 1.15x transformers: - NOT EVALUATED" in r.stdout
 
 
 def test_a_gpu_run_without_gpu_fails_with_a_clear_message(tmp_path):
