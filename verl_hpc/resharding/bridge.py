@@ -110,12 +110,12 @@ def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[Roll
         return None
     from verl_hpc.rollout import vllm_transformers
 
-    if rollout_tp > 1 and vllm_transformers.uses_backend(model_path):
+    if rollout_tp > 1 and vllm_transformers.choose_impl(model_path) is not None:  # the engine's own choice
         if mode == "sliced":
             raise PlanError(f"resharding.mode=sliced: {vllm_transformers.SLICED_WHY}; use resharding.mode=auto or full")
         log.warning("weight publisher: every rollout rank takes the full tensors (%s)", vllm_transformers.SLICED_WHY)
         return None
-    from verl_hpc.resharding.vocab import folder_geometry, folder_vocab_names
+    from verl_hpc.models.vocab_tensors import folder_geometry, folder_vocab_names
 
     head_dim, vocab_size = folder_geometry(model_path)  # any family, not only the Megatron-mapped ones
     return RolloutSlicer(rollout_tp, head_dim=head_dim, vocab_size=vocab_size, vocab=folder_vocab_names(model_path))

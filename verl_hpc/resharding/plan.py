@@ -20,8 +20,8 @@ weight loaders cut it: column-parallel weights (q/k/v and their biases, gate/up)
 k/v whole heads replicated when there are fewer KV heads than inference ranks, row-parallel
 weights (o_proj, down_proj) a column range, the embedding and lm_head a range of the vocabulary
 padded to 64 rows and split evenly (the padding again never sent), norms whole. The vocabulary tensors
-are the model's own (found through its get_input_embeddings / get_output_embeddings, resharding/
-vocab.py), not Llama's names: GPT-NeoX's gpt_neox.embed_in, Falcon's transformer.word_embeddings.
+are the model's own (found through its get_input_embeddings / get_output_embeddings, models/
+vocab_tensors.py), not Llama's names: GPT-NeoX's gpt_neox.embed_in, Falcon's transformer.word_embeddings.
 
 A need is covered by cutting it at every holder boundary and taking each segment from the best
 holder: the receiver itself (no wire), else a holder in the receiver's own training replica (a
@@ -39,9 +39,9 @@ import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from verl_hpc.errors import VerlHpcError
+from verl_hpc.models.vocab_tensors import LLAMA as LLAMA_VOCAB  # (models/vocab_tensors.py finds a model's own)
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before its TP split
-LLAMA_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # resharding/vocab.py finds a model's own
 
 
 class PlanError(VerlHpcError, ValueError):
@@ -108,7 +108,7 @@ class RolloutSlicer:
 
     def __init__(self, tp: int, *, head_dim: int, vocab_size: int, vocab: Sequence[str] = LLAMA_VOCAB):
         """vocab: the names of the model's vocabulary tensors (input embedding, output layer), from
-        its own accessors (resharding/vocab.py); Llama's by default."""
+        its own accessors (models/vocab_tensors.py); Llama's by default."""
         self.tp, self.head_dim, self.vocab_size = tp, head_dim, vocab_size
         self.vocab = frozenset(vocab)
 

@@ -206,6 +206,8 @@ class WeightSync:
             why = f"{type(getattr(actor, 'engine', actor)).__name__} has no local shards to slice"
         elif not (hasattr(rollout, "load_weight_slices") or callable(getattr(rollout, "weight_slices", None))):
             why = f"{type(rollout).__name__} does not say which slices it keeps (weight_slices)"
+        elif getattr(rollout, "sliced_problem", None):  # an engine that cuts otherwise (vLLM's Transformers backend)
+            why = rollout.sliced_problem
         if why is None:
             return source
         if self.mode == "sliced":

@@ -181,7 +181,8 @@ class VLLMRollout(RolloutEngine):
         # families vLLM has no class of its own for: its Transformers modelling backend, whose
         # rewrite of transformers' class is undone after construction (rollout/vllm_transformers.py)
         impl = vllm_transformers.choose_impl(str(model_path))
-        self._backend = impl is not None
+        # why the sliced weight sync cannot cut this engine's tensors (resharding/sync.py), or None
+        self.sliced_problem = vllm_transformers.SLICED_WHY if impl is not None and tp > 1 else None
         if impl is not None:
             kwargs["model_impl"] = impl
         self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
@@ -250,9 +251,8 @@ class VLLMRollout(RolloutEngine):
         reads nowhere else. Why not write vLLM's parameters directly: on CPU its linear layers
         repack their weights after loading and ignore in-place edits, and its reload re-runs that
         post-processing (tied lm_head included) for every backend; feeding the loader keeps that.
-        vLLM's Transformers modelling backend at TP > 1 cuts by the model's own plan instead: a
-        PlanError, so resharding.mode=auto takes the full path and says why."""
-        vllm_transformers.check_sliced(self._backend, self.layout.tp)
+        vLLM's Transformers modelling backend at TP > 1 cuts by the model's own plan instead
+        (`sliced_problem`: the sync then takes the full path and says why)."""
         return self.layout.tp_rank, self.layout.tp
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:

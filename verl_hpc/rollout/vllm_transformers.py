@@ -132,11 +132,3 @@ SLICED_WHY = ("vLLM's Transformers modelling backend cuts each tensor by the mod
               "(transformers' base_model_tp_plan: no replicated KV heads, fused projections cut whole), which the "
               "sliced plan does not model at rollout.tp > 1")
 
-
-def check_sliced(backend: bool, tp: int) -> None:
-    """Raise PlanError where the sliced sync cannot cut the tensors as the engine keeps them: vLLM's
-    Transformers backend at TP > 1 (resharding.mode=auto then takes the full path, saying why)."""
-    if backend and tp > 1:
-        from verl_hpc.resharding.plan import PlanError
-
-        raise PlanError(SLICED_WHY)

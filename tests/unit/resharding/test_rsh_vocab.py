@@ -1,4 +1,4 @@
-"""The sliced sync finds a model's vocabulary tensors through its own accessors (resharding/vocab.py),
+"""The sliced sync finds a model's vocabulary tensors through its own accessors (models/vocab_tensors.py),
 not by Llama's names: on cec2796 a GPT-NeoX or Falcon embedding at inference TP > 1 had "no
 rule" in the plan, so resharding.mode=auto fell back to the full path for every family whose embedding is
 not model.embed_tokens. Here the non-Llama families' embeddings and heads are cut as vLLM cuts any
@@ -12,7 +12,7 @@ import torch
 from arch_matrix import make_arch
 from verl_hpc.resharding.bridge import rollout_slicer
 from verl_hpc.resharding.plan import PlanError, RolloutSlicer
-from verl_hpc.resharding.vocab import folder_geometry, folder_vocab_names, vocab_names
+from verl_hpc.models.vocab_tensors import folder_geometry, folder_vocab_names, vocab_names
 
 NEOX = ("gpt_neox.embed_in.weight", "lm_head.weight")
 FALCON = ("transformer.word_embeddings.weight", "lm_head.weight")  # tied: one tensor, both names

@@ -5,13 +5,12 @@ engine (the GRPO jobs through it: tests/jobs/test_vllm_backend_archs.py):
 - `restore` puts a decorated class back as it was and moves the instances vLLM built onto a subclass that
   keeps the decoration, so a model of the class builds and runs outside vLLM afterwards;
 - the names the engines send for a tensor the folder stores under another (GPT-NeoX's head), the choice of
-  the backend, and the sliced sync's refusal at inference TP > 1."""
+  the backend, and the sliced sync's full path for it at inference TP > 1."""
 import pytest
 import torch
 from torch import nn
 
 from arch_matrix import make_arch
-from verl_hpc.resharding.plan import PlanError
 from verl_hpc.rollout import vllm_transformers
 
 pytest.importorskip("vllm", reason="the backend is vLLM's")
@@ -81,8 +80,25 @@ def test_gpt_neox_head_is_sent_under_the_models_name_and_handed_to_vllm_under_th
     assert vllm_transformers.choose_impl(str(phi)) == "transformers"
 
 
-def test_the_sliced_sync_is_refused_at_inference_tp_above_one_with_the_reason():
-    vllm_transformers.check_sliced(True, 1)
-    vllm_transformers.check_sliced(False, 4)
-    with pytest.raises(PlanError, match="Transformers modelling backend cuts each tensor by the model's own"):
-        vllm_transformers.check_sliced(True, 2)
+def test_the_sliced_sync_takes_the_full_path_for_the_backend_at_inference_tp_above_one(caplog):
+    """An engine that says it cannot be cut (VLLMRollout.sliced_problem: vLLM's Transformers backend at
+    rollout.tp > 1): resharding.mode=auto takes the full path, naming why once; mode=sliced is refused."""
+    import logging
+
+    from verl_hpc.resharding.sync import SyncError, WeightSync
+
+    class Rollout:  # the two things the choice reads of a rollout engine
+        sliced_problem = vllm_transformers.SLICED_WHY
+
+        def weight_slices(self):
+            return 0, 2
+
+    class Actor:  # an engine with local shards (a sliced source)
+        def exported_model(self):
+            raise AssertionError("the choice never opens the shards")
+
+    with caplog.at_level(logging.INFO, logger="verl_hpc.resharding.sync"):
+        assert WeightSync(bucket_mb=1, mode="auto")._choose(Actor(), Rollout()) is None
+    assert "the full-tensor path (vLLM's Transformers modelling backend cuts each tensor" in caplog.text
+    with pytest.raises(SyncError, match="resharding.mode=sliced: vLLM's Transformers modelling backend"):
+        WeightSync(bucket_mb=1, mode="sliced")._choose(Actor(), Rollout())

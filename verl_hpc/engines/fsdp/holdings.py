@@ -49,6 +49,6 @@ class FsdpHoldings:
 
     def vocab_names(self) -> Tuple[str, ...]:
         """The model's vocabulary tensors by its own accessors (GPT-NeoX's gpt_neox.embed_in, ...)."""
-        from verl_hpc.resharding.vocab import vocab_names
+        from verl_hpc.models.vocab_tensors import vocab_names
 
         return vocab_names(self.engine.model)

@@ -1,6 +1,6 @@
 """Which tensors of a model are its vocabulary (the input embedding and the output layer), found through
 the model's own accessors, not by Llama's names: the rollout engines cut those by rows of the vocabulary
-padded to 64 (resharding.plan.RolloutSlicer), whatever the family calls them (GPT-NeoX's
+padded to 64 (the sliced weight sync's plan, resharding.plan.RolloutSlicer), whatever the family calls them (GPT-NeoX's
 gpt_neox.embed_in / lm_head, Falcon's transformer.word_embeddings, GPT-2's transformer.wte).
 
     vocab_names(model)          # a transformers model (the FSDP engine's): its parameters' names
@@ -12,11 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Tuple
 
-import torch
-
-from verl_hpc.resharding.plan import LLAMA_VOCAB as LLAMA  # the Megatron-mapped families' names
-
 log = logging.getLogger(__name__)
+LLAMA = ("model.embed_tokens.weight", "lm_head.weight")  # the Megatron-mapped families' names
 
 
 def vocab_names(model) -> Tuple[str, ...]:
@@ -37,6 +34,7 @@ def vocab_names(model) -> Tuple[str, ...]:
 def folder_vocab_names(model_path) -> Tuple[str, ...]:
     """vocab_names of the folder's causal LM, built on the meta device from its config.json (no weights
     read, nothing allocated); Llama's names where transformers cannot build it (said in the log)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
