@@ -16,6 +16,9 @@ the timed calls minus what was allocated before):
   output layer before the device rule;
 - auto: what the engines now do (output_chunk with the memory free now): at 8 x 4,096 the whole
   logits need ~30 bytes a logit (149 GB), more than a 141 GB board, so the rule chunks;
+- chunked_fused / auto_fused: the same chunks with their elementwise work compiled by
+  torch.compile (engines/logits_fused.py; not yet the engines' default: this measures it; eager in
+  the CPU rehearsal);
 - liger: Liger's fused linear cross-entropy for log-probs alone (where liger-kernel imports), a
   reference for the fastest log-prob-only path.
 Exactness at 2 x 4,096: the chunked path's log-probs and entropy against the whole logits'.
@@ -39,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 GOAL_CHUNKED_OVER_WHOLE = 1.1
+LONG_ROWS = 8  # the long case's rows (GPU and rehearsal alike)
 GPU = {"vocab": 151936, "hidden": 1024, "rows": (2, 8), "seq": 4096, "dtype": "bfloat16", "iters": 5}
 REHEARSAL = {"vocab": 2048, "hidden": 32, "rows": (2, 8), "seq": 128, "dtype": "float32", "iters": 1,
              "free": 16 << 20}
@@ -78,16 +82,21 @@ def measure(name, fn, hidden, weight, targets, iters, device) -> dict:
             "peak_bytes": None if peak is None else peak - before}
 
 
-def run(args) -> dict:
+def run(args, progress=lambda result: None) -> dict:
+    """The measurements; `progress(result)` after each path (the JSON so far: a run stopped from
+    outside keeps what it measured, the compiled paths come last in each case)."""
     import torch
 
     from verl_hpc.engines.logits import device_free_bytes, token_outputs, whole_outputs
     from verl_hpc.planning.output_layer import cpu_chunk, fitting_chunk, output_chunk
     from verl_hpc.runtime.device import describe_accelerator, has_gpu
 
+    from verl_hpc.engines import logits_fused
+
     rehearsal = args.cpu_rehearsal
     if not rehearsal and not has_gpu():
         raise RuntimeError("no CUDA device here: run with --cpu-rehearsal to test the script on CPU")
+    logits_fused.COMPILE = not rehearsal  # the rehearsal runs the fused functions eagerly (cheap)
     cfg = REHEARSAL if rehearsal else GPU
     device = torch.device("cpu" if rehearsal else "cuda")
     dtype = getattr(torch, cfg["dtype"])
@@ -101,6 +110,13 @@ def run(args) -> dict:
 
     start = time.perf_counter()
     cases = []
+    result = {"ok": True, "mode": "cpu-rehearsal" if rehearsal else "gpu",
+              "device": "cpu" if rehearsal else describe_accelerator(), "vocab": v, "hidden": h,
+              "dtype": cfg["dtype"], "cases": cases}
+
+    def report():
+        result.update(goals=goals(cases, rehearsal), elapsed_s=time.perf_counter() - start)
+        progress(result)
     for rows in cfg["rows"]:
         n = rows * cfg["seq"]
         hidden = torch.randn(n, h, generator=g, device=device).to(dtype).requires_grad_()
@@ -114,15 +130,23 @@ def run(args) -> dict:
             "cpu_budget": lambda hd, w, t, c=cpu_chunk(v): token_outputs(hd, w, t, ("log_probs", "entropy"), chunk=c),
             "auto": (lambda hd, w, t, c=auto: token_outputs(hd, w, t, ("log_probs", "entropy"), chunk=c) if c
                      else whole_outputs(hd, w, t, ("log_probs", "entropy"))),
+            "chunked_fused": lambda hd, w, t, c=chunk: token_outputs(hd, w, t, ("log_probs", "entropy"), chunk=c,
+                                                                     fused=True),
         }
-        if rows == max(cfg["rows"]):
-            del paths["whole"], paths["cpu_budget"], paths["chunked"]  # the long case: the engines' own path
+        if rows == max(cfg["rows"]):  # the long case: the engines' own path, and it fused
+            paths = {"auto": paths["auto"]}
+            if auto:
+                paths["auto_fused"] = (lambda hd, w, t, c=auto: token_outputs(hd, w, t, ("log_probs", "entropy"),
+                                                                              chunk=c, fused=True))
         case = {"rows": rows, "tokens": n, "free_bytes": f, "chunk": chunk, "auto_chunk": auto, "results": []}
         for name, fn in paths.items():
             if time.perf_counter() - start > args.time_limit:
                 case["results"].append({"path": name, "skipped": "out of time"})
                 continue
             case["results"].append(measure(name, fn, hidden, weight, targets, cfg["iters"], device))
+            if case not in cases:
+                cases.append(case)
+            report()
         if rows == min(cfg["rows"]):
             with torch.no_grad():
                 w_out = whole_outputs(hidden, weight, targets, ("log_probs", "entropy"))
@@ -131,12 +155,11 @@ def run(args) -> dict:
         liger = _liger_case(hidden, weight, targets, cfg["iters"], device, rehearsal)
         if liger:
             case["results"].append(liger)
-        cases.append(case)
+        if case not in cases:
+            cases.append(case)
+        report()
         del hidden, targets
-    return {"ok": True, "mode": "cpu-rehearsal" if rehearsal else "gpu",
-            "device": "cpu" if rehearsal else describe_accelerator(), "vocab": v, "hidden": h,
-            "dtype": cfg["dtype"], "cases": cases, "goals": goals(cases, rehearsal),
-            "elapsed_s": time.perf_counter() - start}
+    return result
 
 
 def _liger_case(hidden, weight, targets, iters, device, rehearsal):
@@ -158,7 +181,7 @@ def _result(case, path):
 
 
 def goals(cases, rehearsal: bool) -> dict:
-    short, long = cases[0], cases[-1]
+    short, long = cases[0], cases[-1] if len(cases) > 1 else {"results": []}
     w, c = _result(short, "whole"), _result(short, "chunked")
     ratio = c["median_s"] / w["median_s"] if "median_s" in w and "median_s" in c else None
     auto = _result(long, "auto")
@@ -168,7 +191,8 @@ def goals(cases, rehearsal: bool) -> dict:
                                "met": None if rehearsal or ratio is None else ratio <= GOAL_CHUNKED_OVER_WHOLE,
                                "note": note or ("" if ratio is not None else f"whole: {w}, chunked: {c}")},
         "long_no_oom": {"goal": "runs", "value": "oom" if "oom" in auto else ("ran" if "median_s" in auto else None),
-                        "met": None if rehearsal else ("median_s" in auto), "note": note or auto.get("oom", "")},
+                        "met": None if rehearsal or not auto or "skipped" in auto else ("median_s" in auto),
+                        "note": note or auto.get("oom", "") or ("" if auto else "not measured (the run stopped)")},
     }
 
 
@@ -176,7 +200,8 @@ def goal_lines(r: dict) -> list:
     g = r["goals"]
     c, o = g["chunked_over_whole"], g["long_no_oom"]
     met = (lambda m: {True: "PASS", False: "FAIL", None: "NOT EVALUATED"}[m])
-    short, long = r["cases"][0], r["cases"][-1]
+    short = r["cases"][0]
+    long = r["cases"][1] if len(r["cases"]) > 1 else {"rows": LONG_ROWS, "tokens": LONG_ROWS * short["tokens"] // short["rows"]}
     return [f"goal: output layer at V = {r['vocab']:,}, {short['rows']} x {short['tokens'] // short['rows']:,}: "
             f"chunked update <= {c['goal']}x the whole logits': "
             + ("-" if c["value"] is None else f"{c['value']:.2f}x") + f" {met(c['met'])}"
@@ -216,8 +241,11 @@ def main(argv=None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "bench_gpu_logits.json"
+    def progress(result):
+        path.write_text(json.dumps(dict(result, goal_lines=goal_lines(result)), indent=2))
+
     try:
-        result = run(args)
+        result = run(args, progress)
     except Exception as e:
         path.write_text(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}",
                                     "traceback": traceback.format_exc()}, indent=2))

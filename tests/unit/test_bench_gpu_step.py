@@ -311,8 +311,8 @@ def test_logits_probe_rehearsal(tmp_path):
     res = json.loads((tmp_path / "bench_gpu_logits.json").read_text())
     short, long = res["cases"]
     assert [c["tokens"] for c in res["cases"]] == [2 * 128, 8 * 128]
-    assert [x["path"] for x in short["results"]] == ["whole", "chunked", "cpu_budget", "auto"]
-    assert [x["path"] for x in long["results"]] == ["auto"] and long["auto_chunk"] > 0
+    assert [x["path"] for x in short["results"]] == ["whole", "chunked", "cpu_budget", "auto", "chunked_fused"]
+    assert [x["path"] for x in long["results"]] == ["auto", "auto_fused"] and long["auto_chunk"] > 0
     assert all(x["median_s"] > 0 for c in res["cases"] for x in c["results"])
     assert max(short["max_abs_diff"].values()) < 1e-5
     assert len(res["goal_lines"]) == 2 and all("NOT EVALUATED (CPU rehearsal" in g for g in res["goal_lines"])
@@ -336,3 +336,25 @@ def test_compile_failure_is_reported_not_raised(monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     why = gpu_step_sides.compile_problem("cpu")
     assert why.startswith("RuntimeError: Failed to find C compiler")
+
+
+def test_logits_probe_goal_verdicts():
+    """bench_gpu_logits' goals from made-up results: within / past 1.1x, an out-of-memory at the
+    long case (FAIL), a run stopped before the long case (not evaluated, never a pass)."""
+    import bench_gpu_logits as probe
+
+    def case(rows, *results):
+        return {"rows": rows, "tokens": rows * 4096, "results": list(results)}
+
+    short = case(2, {"path": "whole", "median_s": 1.0}, {"path": "chunked", "median_s": 1.08})
+    long = case(8, {"path": "auto", "median_s": 3.0})
+    g = probe.goals([short, long], rehearsal=False)
+    assert g["chunked_over_whole"]["met"] is True and g["long_no_oom"]["met"] is True
+    slow = case(2, {"path": "whole", "median_s": 1.0}, {"path": "chunked", "median_s": 1.45})  # the H200's
+    oom = case(8, {"path": "auto", "oom": "CUDA out of memory"})
+    g = probe.goals([slow, oom], rehearsal=False)
+    assert g["chunked_over_whole"]["met"] is False and g["long_no_oom"]["met"] is False
+    r = {"vocab": 151936, "cases": [short]}
+    r["goals"] = probe.goals(r["cases"], rehearsal=False)
+    lines = probe.goal_lines(r)
+    assert lines[0].endswith("1.08x PASS") and "8 x 4,096: no out-of-memory: - NOT EVALUATED" in lines[1]

@@ -43,9 +43,11 @@ OUTPUTS = ("log_probs", "entropy", "sum_pi_squared")
 
 def token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want: Sequence[str], *,
                   temperature: float = 1.0, chunk: int = 1024, group=None,
-                  vocab_start: int = 0) -> Dict[str, torch.Tensor]:
+                  vocab_start: int = 0, fused: bool = False) -> Dict[str, torch.Tensor]:
     """{name: [...] float32} for `want` (a subset of OUTPUTS) of hidden `[..., h]`, targets `[...]`.
-    log_probs and entropy are differentiable (in hidden and weight); sum_pi_squared is not."""
+    log_probs and entropy are differentiable (in hidden and weight); sum_pi_squared is not.
+    fused: each chunk's elementwise work through torch.compile'd functions (logits_fused.py; the
+    same arithmetic in fewer memory passes), not yet the engines' default: a GPU measures it first."""
     unknown = set(want) - set(OUTPUTS)
     if unknown:
         raise ValueError(f"the output layer gives {OUTPUTS}; asked for {sorted(unknown)}")
@@ -59,7 +61,7 @@ def token_outputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     lead = targets.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     logp, ent, spp = _ChunkedOutputs.apply(flat, weight, targets.reshape(-1), float(temperature), int(chunk),
-                                           group, int(vocab_start), "sum_pi_squared" in want)
+                                           group, int(vocab_start), "sum_pi_squared" in want, bool(fused))
     every = {"log_probs": logp, "entropy": ent, "sum_pi_squared": spp}
     return {k: every[k].view(lead) for k in want}
 
@@ -86,27 +88,37 @@ def _target_columns(targets: torch.Tensor, vocab_start: int, width: int):
 
 class _ChunkedOutputs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, group, vocab_start, with_spp):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, group, vocab_start, with_spp, fused):
         n, width = hidden.shape[0], weight.shape[0]
+        fused = fused and width > 0
         dev = hidden.device
         m_all = torch.empty(n, dtype=torch.float32, device=dev)
         logz_all, logp_all, ent_all = torch.empty_like(m_all), torch.empty_like(m_all), torch.empty_like(m_all)
         spp_all = torch.empty_like(m_all)
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
-            z = _chunk_logits(hidden[a:b], weight, temperature)
             cols, mine = _target_columns(targets[a:b], vocab_start, width)
-            m = z.amax(dim=-1) if width else torch.full((b - a,), float("-inf"), device=dev)
-            m = _all_reduce(m, dist.ReduceOp.MAX, group)
-            s = z.sub_(m.unsqueeze(-1))  # in place: z is not needed again
-            e = torch.exp(s)
-            parts = [e.sum(dim=-1), (e * s).sum(dim=-1),
-                     torch.where(mine, s.gather(1, cols.unsqueeze(1)).squeeze(1), 0.0) if width
-                     else torch.zeros_like(m)]
-            if with_spp:
-                parts.append(e.square_().sum(dim=-1))  # e is not needed again either
-            del s, e, z
-            stats = _all_reduce(torch.stack(parts, dim=-1), dist.ReduceOp.SUM, group)
+            if fused:
+                from verl_hpc.engines import logits_fused
+
+                z = F.linear(hidden[a:b], weight)
+                m = _all_reduce(logits_fused.chunk_max(z, temperature), dist.ReduceOp.MAX, group)
+                local = logits_fused.chunk_stats(z, m, cols, mine, temperature, with_spp)
+                del z
+            else:
+                z = _chunk_logits(hidden[a:b], weight, temperature)
+                m = z.amax(dim=-1) if width else torch.full((b - a,), float("-inf"), device=dev)
+                m = _all_reduce(m, dist.ReduceOp.MAX, group)
+                s = z.sub_(m.unsqueeze(-1))  # in place: z is not needed again
+                e = torch.exp(s)
+                parts = [e.sum(dim=-1), (e * s).sum(dim=-1),
+                         torch.where(mine, s.gather(1, cols.unsqueeze(1)).squeeze(1), 0.0) if width
+                         else torch.zeros_like(m)]
+                if with_spp:
+                    parts.append(e.square_().sum(dim=-1))  # e is not needed again either
+                del s, e, z
+                local = torch.stack(parts, dim=-1)
+            stats = _all_reduce(local, dist.ReduceOp.SUM, group)
             z_sum = stats[:, 0]
             logz = torch.log(z_sum)
             m_all[a:b], logz_all[a:b] = m, logz
@@ -117,7 +129,7 @@ class _ChunkedOutputs(torch.autograd.Function):
         if not with_spp:
             spp_all.zero_()
         ctx.save_for_backward(hidden, weight, targets, m_all, logz_all, ent_all)
-        ctx.temperature, ctx.chunk, ctx.vocab_start = temperature, chunk, vocab_start
+        ctx.temperature, ctx.chunk, ctx.vocab_start, ctx.fused = temperature, chunk, vocab_start, fused
         ctx.mark_non_differentiable(spp_all)
         return logp_all, ent_all, spp_all
 
@@ -133,6 +145,11 @@ class _ChunkedOutputs(torch.autograd.Function):
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
             h = hidden[a:b]
+            if ctx.fused:
+                grad = _fused_grad(ctx, h, weight, targets[a:b], m_all[a:b], logz_all[a:b], ent_all[a:b],
+                                   None if g_ent is None else g_ent[a:b], None if g_logp is None else g_logp[a:b])
+                _accumulate(grad, h, weight, g_hidden, g_weight, a, b)
+                continue
             s = _chunk_logits(h, weight, t).sub_(m_all[a:b].unsqueeze(-1))
             p = torch.exp(s.sub_(logz_all[a:b].unsqueeze(-1)))  # s is now log p
             # d entropy / d z_v = p_v (E_p[log p] - log p_v) = -p_v (H + log p_v)
@@ -150,13 +167,26 @@ class _ChunkedOutputs(torch.autograd.Function):
             del p, s
             if t != 1.0:
                 grad.div_(t)
-            grad = grad.to(weight.dtype)
-            if need_h:
-                g_hidden[a:b] = grad @ weight
-            if need_w:
-                g_weight.addmm_(grad.t().float() if grad.dtype != torch.float32 else grad.t(), h.float()
-                                if h.dtype != torch.float32 else h)
-        return (g_hidden, g_weight.to(weight.dtype) if need_w else None, None, None, None, None, None, None)
+            _accumulate(grad.to(weight.dtype), h, weight, g_hidden, g_weight, a, b)
+        return (g_hidden, g_weight.to(weight.dtype) if need_w else None, None, None, None, None, None, None, None)
+
+
+def _accumulate(grad, h, weight, g_hidden, g_weight, a: int, b: int) -> None:
+    """A chunk's logits gradient (the weights' dtype) into the hidden states' and the weight's."""
+    if g_hidden is not None:
+        g_hidden[a:b] = grad @ weight
+    if g_weight is not None:
+        g_weight.addmm_(grad.t().float() if grad.dtype != torch.float32 else grad.t(), h.float()
+                        if h.dtype != torch.float32 else h)
+
+
+def _fused_grad(ctx, h, weight, targets, m, logz, ent, g_ent, g_logp) -> torch.Tensor:
+    from verl_hpc.engines import logits_fused
+
+    cols, mine = _target_columns(targets, ctx.vocab_start, weight.shape[0])
+    return logits_fused.chunk_grad(F.linear(h, weight), m, logz, ent, m if g_ent is None else g_ent,
+                                   m if g_logp is None else g_logp, cols, mine, ctx.temperature,
+                                   g_ent is not None, g_logp is not None, weight.dtype)
 
 
 def device_free_bytes(device: torch.device) -> Optional[float]:

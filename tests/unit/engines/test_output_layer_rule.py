@@ -263,3 +263,43 @@ def test_the_plan_asks_the_same_rule_with_what_its_row_leaves_free():
     free = 24 * hardware.GB - hardware.CUDA_CONTEXT_BYTES - row["nccl"] - (1 + hardware.FRAGMENTATION) * rest
     chunk = ol.output_chunk(None, vocab, tokens, 2, free)
     assert chunk > 0 and got == pytest.approx(logits_bytes(arch, tokens, 1, 2, "lm", vocab, chunk))
+
+
+# ----------------------------------------------------------------------------- the fused chunk body
+
+
+@pytest.mark.parametrize("temperature, dtype", [(1.0, torch.float32), (0.7, torch.float32), (0.7, torch.bfloat16)])
+def test_the_fused_chunk_body_is_the_eager_arithmetic(monkeypatch, temperature, dtype):
+    """token_outputs(fused=True) (logits_fused.py, run eagerly here: torch.compile's kernels are the
+    GPU's to measure) against the eager chunk body: the three outputs and both gradients, with the
+    entropy's and the log-probs' gradient terms, a temperature and bf16 weights; no host read."""
+    from verl_hpc.engines import logits_fused
+    from verl_hpc.engines.logits import token_outputs
+
+    monkeypatch.setattr(logits_fused, "COMPILE", False)
+    g = torch.Generator().manual_seed(4)
+    h0 = torch.randn(45, 8, generator=g).to(dtype)
+    w0 = (0.3 * torch.randn(40, 8, generator=g)).to(dtype)
+    targets = torch.randint(0, 40, (45,), generator=g)
+    want = ("log_probs", "entropy", "sum_pi_squared")
+
+    def run(fused):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with _HostReads() as mode:
+            out = token_outputs(h, w, targets, want, temperature=temperature, chunk=16, fused=fused)
+            (out["log_probs"].sum() + 0.3 * out["entropy"].sum()).backward()
+        assert mode.seen == []
+        return out, h.grad, w.grad
+
+    (eager, gh_e, gw_e), (fused, gh_f, gw_f) = run(False), run(True)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for k in want:
+        torch.testing.assert_close(fused[k], eager[k], rtol=1e-5, atol=1e-6)  # fp32 sums of the same logits
+    torch.testing.assert_close(gh_f, gh_e, **tol)
+    torch.testing.assert_close(gw_f, gw_e, **tol)
+    # log-probs alone (no entropy gradient term) and entropy alone
+    h = h0.clone().requires_grad_()
+    token_outputs(h, w0, targets, ("log_probs",), chunk=16, fused=True)["log_probs"].sum().backward()
+    h2 = h0.clone().requires_grad_()
+    token_outputs(h2, w0, targets, ("log_probs",), chunk=16)["log_probs"].sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, **tol)
