@@ -266,7 +266,7 @@ GPU_ALL_SIDES = ("engine", "engine_chunked", "fsdp", "fsdp_noliger", "fsdp_compi
                  "transformers_liger")
 
 
-def run(args) -> dict:
+def run(args, progress=lambda result: None) -> dict:
     import torch
 
     from verl_hpc.runtime.bootstrap import bootstrap, shutdown
@@ -312,6 +312,46 @@ def run(args) -> dict:
     batch = make_batch(shape)
     rounds = {name: [] for name in sides}
     failed = {}
+    def assemble(partial: bool) -> dict:
+        """The result from the rounds so far (partial: written after each side, so that a run
+        stopped from outside keeps what it measured; the sides not reached say so)."""
+        done = [name for name in sides if rounds[name]]  # a side that failed in its first round has no figures
+        if "transformers" not in done:
+            raise RuntimeError(f"the transformers side failed: {failed.get('transformers')}")
+        summary = {name: summarize(rounds[name], flops, peak_tflops, shape.tokens) for name in done}
+        for name, side in summary.items():
+            nums = [side["first_loss"], side["train"]["tok_s"], side["forward"]["tok_s"]]
+            if not all(math.isfinite(x) and x > 0 for x in nums):
+                raise RuntimeError(f"{name}: non-finite or non-positive result: {nums}")
+        hf = summary["transformers"]
+        waiting = {name: "not reached (the run was stopped)" for name in sides
+                   if partial and name not in done and name not in failed}
+        result = {
+            "ok": True, "partial": partial, "mode": "cpu-rehearsal" if rehearsal else "gpu", "device": device,
+            "peak_bf16_tflops": peak_tflops, "gpu_type": gpu_key, "versions": _versions(),
+            "model": {**dataclasses.asdict(shape), "head_dim": shape.head_dim, "params": counts["total"],
+                      "params_matmul": counts["matmul"]},
+            "dtype": plan["dtype"], "autocast": None if rehearsal else "bfloat16", "tokens_per_step": shape.tokens,
+            "flops_per_step": flops, "rounds": len(rounds["transformers"]), "warmup_iters": plan["warmup"],
+            "sides": done, "not_run": {**not_run, **waiting}, "failed": dict(failed),
+            **{name: summary.get(name) for name in SIDES},
+            # each engine's tokens/s over transformers' (same batch, weights and device), and over
+            # transformers + Liger's where that ran
+            "ratios": {name: {part: summary[name][part]["tok_s"] / hf[part]["tok_s"] for part in ("train", "forward")}
+                       for name in ENGINES if name in summary},
+            "ratios_liger": ({name: {part: summary[name][part]["tok_s"] / summary["transformers_liger"][part]["tok_s"]
+                                     for part in ("train", "forward")} for name in ENGINES if name in summary}
+                             if "transformers_liger" in summary else {}),
+            # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
+            "first_loss_abs_diff": {name: abs(summary[name]["first_loss"] - hf["first_loss"])
+                                    for name in SIDES if name in summary and name != "transformers"},
+            "time_limit_s": args.time_limit,
+        }
+        result["goals"] = goals(result, rehearsal, gpu_key)
+        result["goal_lines"] = goal_lines(result)  # what `make gpu-all`'s summary prints
+        result["elapsed_s"] = time.perf_counter() - start
+        return result
+
     with tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
         folder, written = make_model_folder(Path(tmp), shape, getattr(torch, plan["dtype"]), ctx.device)
         if written != counts["total"]:  # the FLOP formula's N must be the model's
@@ -335,41 +375,15 @@ def run(args) -> dict:
                 except Exception as e:  # one side's failure (an OOM, a kernel) must not cost the others' figures
                     failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
                     _release()
+                if rounds["transformers"]:
+                    try:
+                        progress(assemble(partial=True))
+                    except RuntimeError:  # a bad figure: the final assembly says so, with every side's
+                        pass
             left = args.time_limit - (time.perf_counter() - start)
             if r + 1 < plan["rounds"] and left < 1.2 * (time.perf_counter() - t_round):
                 break  # another round would not end within --time-limit
-    sides = [name for name in sides if rounds[name]]  # a side that failed in its first round has no figures
-    if "transformers" not in sides:
-        raise RuntimeError(f"the transformers side failed: {failed.get('transformers')}")
-    summary = {name: summarize(rounds[name], flops, peak_tflops, shape.tokens) for name in sides}
-    for name, side in summary.items():
-        nums = [side["first_loss"], side["train"]["tok_s"], side["forward"]["tok_s"]]
-        if not all(math.isfinite(x) and x > 0 for x in nums):
-            raise RuntimeError(f"{name}: non-finite or non-positive result: {nums}")
-    hf = summary["transformers"]
-    result = {
-        "ok": True, "mode": "cpu-rehearsal" if rehearsal else "gpu", "device": device,
-        "peak_bf16_tflops": peak_tflops, "gpu_type": gpu_key, "versions": _versions(),
-        "model": {**dataclasses.asdict(shape), "head_dim": shape.head_dim, "params": counts["total"],
-                  "params_matmul": counts["matmul"]},
-        "dtype": plan["dtype"], "autocast": None if rehearsal else "bfloat16", "tokens_per_step": shape.tokens,
-        "flops_per_step": flops, "rounds": len(rounds["transformers"]), "warmup_iters": plan["warmup"],
-        "sides": sides, "not_run": not_run, "failed": failed, **{name: summary.get(name) for name in SIDES},
-        # each engine's tokens/s over transformers' (same batch, weights and device), and over
-        # transformers + Liger's where that ran
-        "ratios": {name: {part: summary[name][part]["tok_s"] / hf[part]["tok_s"] for part in ("train", "forward")}
-                   for name in ENGINES if name in summary},
-        "ratios_liger": ({name: {part: summary[name][part]["tok_s"] / summary["transformers_liger"][part]["tok_s"]
-                                 for part in ("train", "forward")} for name in ENGINES if name in summary}
-                         if "transformers_liger" in summary else {}),
-        # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
-        "first_loss_abs_diff": {name: abs(summary[name]["first_loss"] - hf["first_loss"])
-                                for name in SIDES if name in summary and name != "transformers"},
-        "time_limit_s": args.time_limit,
-    }
-    result["goals"] = goals(result, rehearsal, gpu_key)
-    result["goal_lines"] = goal_lines(result)  # what `make gpu-all`'s summary prints
-    result["elapsed_s"] = time.perf_counter() - start
+    result = assemble(partial=False)
     shutdown()
     return result
 
@@ -438,7 +452,7 @@ def main(argv=None) -> int:
     path = Path(args.out) / "bench_gpu_step.json"
     _hard_stop(args.time_limit)
     try:
-        result = run(args)
+        result = run(args, lambda partial: path.write_text(json.dumps(partial, indent=2)))
     except Exception as e:  # the JSON says what failed; the exit code says that it failed
         path.write_text(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}",
                                     "traceback": traceback.format_exc()}, indent=2))
