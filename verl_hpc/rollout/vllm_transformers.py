@@ -129,6 +129,5 @@ def restore(cls: type, bases: tuple, before: Dict[str, object], owner) -> None:
 
 
 SLICED_WHY = ("vLLM's Transformers modelling backend cuts each tensor by the model's own tensor-parallel plan "
-              "(transformers' base_model_tp_plan: no replicated KV heads, fused projections cut whole), which the "
-              "sliced plan does not model at rollout.tp > 1")
+              "(transformers' base_model_tp_plan), which the sliced plan does not model at rollout.tp > 1")
 
