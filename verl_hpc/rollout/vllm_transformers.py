@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from verl_hpc.models.checkpoint_names import checkpoint_aliases  # noqa: F401 - the rollout's use of it
 
