@@ -11,8 +11,9 @@ when few sequences are in flight (decoding is bound by reading the weights) and 
 `auto` (written here once; the engine calls it): on CPU, n-gram speculation where
 benchmarks/bench_speculative.py measured it to pay, i.e. models of at least AUTO_MIN_PARAMS
 parameters, and only while at most AUTO_MAX_CONCURRENCY sequences are in flight (a vLLM schedule
-with K = 0 above that, so a batch speculates in its tail); off for smaller models, where the extra
-verify positions cost more than the saved steps. Off on GPUs: not measured there by this project.
+with K = 0 above that, so a large batch speculates in its tail); off for smaller models, where the
+proposer's and the verify positions' cost is larger than the saved steps. Off on GPUs: not measured
+there by this project.
 """
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ from verl_hpc.config.sections.speculative import (arctic_inference_installed, dr
 log = logging.getLogger(__name__)
 
 # The auto rule's two numbers, from benchmarks/bench_speculative.py on the 2-core CPU machine
-# (docs/benchmarks.md, "Speculative decoding"): see AUTO_WHY.
-AUTO_MIN_PARAMS = 50_000_000
-AUTO_MAX_CONCURRENCY = 8
+# (docs/benchmarks.md, "Speculative decoding"): at 90M parameters n-gram speculation (K = 4) ran the
+# tool task 2.0-2.9x faster at 1-16 sequences in flight and the arithmetic task (no proposal ever
+# accepted) within noise of plain; at the tiny 0.4M model it lost 25-52% on arithmetic at every
+# concurrency and paid on the tool task at 1 sequence only. Nothing above 16 sequences was measured,
+# so the schedule turns speculation off there; the size threshold is the smallest size it paid at.
+AUTO_MIN_PARAMS = 90_000_000
+AUTO_MAX_CONCURRENCY = 16
 AUTO_TOKENS = 4
-AUTO_WHY = ("n-gram measured faster only at >= 50M parameters (the 102M Llama: "
-            "tool task 1.3-1.6x at 1-8 sequences in flight) and slower at the tiny demo model")
+AUTO_WHY = ("n-gram was measured to pay on CPU at 90M parameters and <= 16 sequences in flight "
+            "(tool task 2.0-2.9x), and to lose at the 0.4M demo model (0.48-0.75x on arithmetic)")
 VLLM_MAX_SEQS = 1 << 20  # the schedule's last range: any number of sequences above the switch
 _logged = set()
 
