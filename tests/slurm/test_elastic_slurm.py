@@ -3,7 +3,8 @@ training rank) submitted with `python -m verl_hpc.submit`, then two rollout work
 array of their own with `python -m verl_hpc.submit --join RUN_DIR --workers 2`. They join mid-run and
 the run's samples/s rises; one array task is `scancel`led (SIGTERM: it says goodbye) and the other's
 process is killed with SIGKILL while it generates (it stops beating and is reaped); training goes on, no token is
-more than k versions old, and the run trains exactly its data stream's prompts, in order."""
+more than k versions old, and the run trains exactly its data stream's prompts, in order. A worker job
+that Slurm requeues joins the run again."""
 import json
 import os
 import re
@@ -107,6 +108,59 @@ def test_worker_jobs_join_a_running_run_and_leave_it_without_ending_it(tiny_asse
     print(f"samples/s: {rate_before:.2f} before the workers joined, {rate_after:.2f} with them "
           f"({rate_after / rate_before:.2f}x)")
     assert rate_after > 1.3 * rate_before, (rate_before, rate_after)
+
+
+def test_a_worker_job_requeued_by_slurm_joins_again(tiny_assets, tmp_path):
+    """`scontrol requeue` of a worker's array task (as Slurm does when its node fails): the task comes
+    back under its job id with SLURM_RESTART_COUNT 1, and the run takes it as a new member, which loads
+    the weights and generates (issue 76 item 6: it was refused as "known to have left")."""
+    out = tmp_path / "run"
+    args = [f"model.path={tiny_assets}/model", *data_overrides(tiny_assets), "trainer.total_steps=1000",
+            "trainer.val_every=0", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
+            f"actor.ppo_mini_batch_size={PROMPTS}", "actor.micro_batch_size=8", "rollout.engine=hf",
+            "checkpoint.save_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
+            "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "placement.elastic.enable=true",
+            "placement.elastic.heartbeat_timeout_s=5", "placement.elastic.straggler_deadline_s=20",
+            "placement.elastic.groups_per_lease=1", f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
+    faults = env(rollout_group_delay_s=GROUP_DELAY_S, elastic_worker_group_delay_s=GROUP_DELAY_S)
+    run = subprocess.Popen([sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", *args], cwd=REPO,
+                           env=faults, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
+                           start_new_session=True)  # the run here, its worker a Slurm job
+    array = None
+    try:
+        wait_for(lambda: (out / "elastic" / "rendezvous.json").exists() or run.poll() is not None, "no rendezvous")
+        joined = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--workers", "1",
+                                 "rollout.engine=hf", "slurm.time_min=10"], cwd=REPO, env=faults,
+                                capture_output=True, text=True, timeout=120)
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+        array = re.search(r"job (\d+) \(array of 1\)", joined.stdout).group(1)
+        loads = lambda: [e for e in events(out) if e["kind"] == "weights"]  # noqa: E731
+        wait_for(lambda: loads() or run.poll() is not None, "the worker never loaded its weights")
+        task = loads()[0]["worker"]  # its Slurm job (and array task, where Slurm made one)
+        job = next(e["job"] for e in events(out) if e["kind"] == "join")
+        assert task.split("_")[0] == array and job, (task, job)
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
+        # Slurm holds a requeued job for about 2 minutes (BeginTime) before it may start again; what the
+        # test is about starts after that: waive the wait once the job is back in the queue
+        wait_for(lambda: _state(job) == "PENDING", "the requeued job never went back to the queue", timeout=60)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+        wait_for(lambda: len(loads()) == 2 or run.poll() is not None, "the requeued worker never loaded its weights")
+        assert run.poll() is None, (tmp_path / "run.log").read_text()[-5000:]
+    finally:
+        if array is not None:
+            subprocess.run(["scancel", array], timeout=30)
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    joins = [(e["worker"], e["restart"], e["rejoin"]) for e in events(out) if e["kind"] == "join"]
+    assert joins == [(task, 0, False), (task, 1, True)], joins
+    first_run = [e["reason"] for e in events(out) if e["kind"] == "leave"][0]  # (the test's scancel ends the second)
+    # requeue stops the task with SIGTERM (a goodbye); were the requeue faster than that, it replaces it
+    assert first_run.startswith("said goodbye") or first_run.startswith("replaced by its requeue"), first_run
+
+
+def _state(job):
+    r = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    return r.stdout.strip()
 
 
 def _stream(args):
