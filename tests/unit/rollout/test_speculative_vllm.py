@@ -197,3 +197,41 @@ def test_another_engine_can_be_built_after_an_ngram_engine_ran(engines, tiny_mod
 
     assert "llvmlite.binding.ffi" in sys.modules
     _engine(tiny_model).close()
+
+
+def test_a_frozen_draft_model_stays_lossless_and_goes_stale(engines, tiny_model, hf, tmp_path):
+    """draft_model: the drafter is frozen (the weight sync reloads the policy only). A drafter equal
+    to the policy has every greedy proposal accepted; after the policy moves, the output is the new
+    policy's (transformers with the new weights) and acceptance falls: speed, never correctness."""
+    import shutil
+
+    from rol_helpers import hf_greedy, load_hf, perturbed_state
+
+    from verl_hpc.rollout import VLLMRollout
+    from verl_hpc.rollout.engine_config import default_engine_args
+
+    draft = shutil.copytree(tiny_model, tmp_path / "draft")
+    engine = VLLMRollout(tiny_model, disable_log_stats=False,
+                         speculative=SpeculativeConfig(method="draft_model", draft_model_path=str(draft)),
+                         **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
+    prompts, greedy = PROMPTS[2:], default_spec(temperature=0, max_tokens=16)
+
+    def run():
+        counters = lambda: {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics()}  # noqa: E731
+        before = counters()
+        result = engine.generate(prompts, greedy)
+        after = counters()
+        proposed = after["vllm:spec_decode_num_draft_tokens"] - before["vllm:spec_decode_num_draft_tokens"]
+        kept = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+        return result, kept / proposed
+
+    try:
+        result, fresh = run()
+        assert result.response_ids == [t for t, _ in hf_greedy(hf, prompts, 16)] and fresh == 1.0
+        moved = perturbed_state(tiny_model, scale=0.05)
+        engine.load_weights(moved.items())
+        result, stale = run()
+        assert result.response_ids == [t for t, _ in hf_greedy(load_hf(tiny_model, moved), prompts, 16)]
+        assert stale < 0.5, stale
+    finally:
+        engine.close()
