@@ -31,6 +31,7 @@ def test_off_by_default_and_a_plain_ngram_job_passes():
 
 @pytest.mark.parametrize("overrides, wanted", [
     ([f"{S}method=ngram", "rollout.engine=hf"], "rollout.speculative.method = ngram needs rollout.engine = vllm"),
+    ([f"{S}method=ngram", "rollout.engine=fastest"], "with rollout.engine = fastest on a CPU job"),
     ([f"{S}method=mtp"], "rollout.speculative.method = mtp on a CPU job"),
     ([f"{S}method=suffix"], "rollout.speculative.method = suffix needs the arctic-inference package"),
     ([f"{S}method=draft_model"], "rollout.speculative.method = draft_model needs rollout.speculative.draft_model_path"),

@@ -104,6 +104,9 @@ class SpeculativeConfig(Section):
             p.append(f"{f}.method = {self.method} needs rollout.engine = vllm (or auto): the HF rollout does not "
                      "speculate (transformers' assisted and prompt-lookup generation take one sequence at a "
                      "time); set method = off")
+        if job.rollout.engine == "fastest" and self.method != "auto" and job.slurm.gpus_per_node == 0:
+            p.append(f"{f}.method = {self.method} with rollout.engine = fastest on a CPU job: fastest takes the HF "
+                     "rollout for small models, which does not speculate; set rollout.engine = vllm")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             p.append(f"{f}.prompt_lookup_min = {self.prompt_lookup_min} exceeds prompt_lookup_max = "
                      f"{self.prompt_lookup_max}")
