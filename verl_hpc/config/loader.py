@@ -70,7 +70,16 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_yaml_int(node) if _DECIMAL.match(text) else text
 
 
+    def construct_yaml_bool(self, node):
+        """Only true/false are booleans: YAML 1.1 also reads yes/no/on/off as booleans, so
+        `method: off` would reach a choice field as false. As on the command line (parse_value),
+        those words stay text; a bool field then names what it takes."""
+        text = self.construct_scalar(node)
+        return super().construct_yaml_bool(node) if text.lower() in ("true", "false") else text
+
+
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_constructor("tag:yaml.org,2002:bool", _ConfigLoader.construct_yaml_bool)
 
 
 def read_yaml(path: Path, extended_by: Optional[Path] = None) -> Tuple[dict, Dict[tuple, int]]:

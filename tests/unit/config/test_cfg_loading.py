@@ -102,6 +102,15 @@ def test_cli_values(override, key, expected):
     assert value == expected and type(value) is type(expected)
 
 
+def test_yaml_words_yes_no_on_off_stay_text_in_a_file(write):
+    """YAML 1.1 reads a bare off as false: a choice field then saw false, not its word 'off'."""
+    cfg = load_config(write("w.yaml", "rollout: {speculative: {method: off}}\nmodel: {moe_routing_replay: off}\n"))
+    assert cfg.rollout.speculative.method == "off" and cfg.model.moe_routing_replay == "off"
+    assert load_config(write("t.yaml", "algorithm: {norm_adv_by_std: false}\n")).algorithm.norm_adv_by_std is False
+    with pytest.raises(ConfigError, match=r"algorithm\.norm_adv_by_std.*bool"):
+        load_config(write("y.yaml", "algorithm: {norm_adv_by_std: yes}\n"))
+
+
 def test_parse_override_nests_the_key():
     assert parse_override("a.b.c= x=1 ") == {"a": {"b": {"c": "x=1"}}}
 
