@@ -34,7 +34,7 @@ def _engine(level, calls):
     eng = VLLMRollout.__new__(VLLMRollout)  # the engine itself needs a GPU for sleep mode
     eng._closed, eng._broken, eng._sleeping, eng._weights_dropped = False, None, set(), False
     eng._sleep_enabled, eng.sleep_level, eng.device, eng._tied = True, level, torch.device("cpu"), False
-    eng._weight_names, eng._optional_names = {"w"}, set()
+    eng._weight_names, eng._optional_names, eng._aliases = {"w"}, set(), {}
     eng.llm = FakeLLM(calls)
     return eng
 

@@ -37,6 +37,20 @@ def _engine(path, speculative=None):
                        **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_group_left():
+    """The first engine of a plain process makes vLLM's default group; every later engine of the
+    process takes it for the job's and keeps it on close (vllm_compat.protect_default_group), so it
+    outlives the module's engines: destroyed here, or the next module of this worker that starts a
+    one-rank world finds it ('initialize the default process group twice')."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if not before and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     plain, spec = _engine(tiny_model), _engine(tiny_model, NGRAM)
