@@ -23,7 +23,11 @@ Only without a GPU (`runtime.device.has_gpu()` false):
 3. The CPU worker replaces `torch.set_num_threads` with a function that ignores its argument, for
    the life of the process (meant for vLLM's own worker processes, which bind threads to cores;
    in-process nothing is bound). `torch_threads_kept` puts the real function and the thread count
-   back after construction.
+   back after construction. A call into the engine from another thread than the one that built it
+   (the agent endpoint's engine thread) first sets that thread's OpenMP thread count to torch's
+   (`this_thread_threads`): OpenMP keeps the count per thread, a new thread starts at the machine's
+   default, and vLLM's CPU attention plans its work with one count and runs it with the other
+   ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
 4. CPU shared-memory segments of TP/PP groups are named from the rendezvous identifier and the
    group's ranks only (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under a torchrun-style launch): a killed
    job leaves files that break the next run on the node (errno 17) and two concurrent jobs
@@ -190,6 +194,13 @@ def torch_threads_kept():
                 "torch.set_num_threads", "restored after vLLM's CPU worker disabled it")
         if torch.get_num_threads() != threads:
             setter(threads)
+
+
+def this_thread_threads(device: torch.device) -> None:
+    """On CPU: this thread's OpenMP thread count set to torch's own (the process's intra-op count),
+    as the thread that built the engine has it (module docstring, 3). A no-op where they agree."""
+    if device.type == "cpu":
+        torch.set_num_threads(torch.get_num_threads())  # at::set_num_threads sets the caller's OpenMP count
 
 
 # ---------------------------------------------------------------- 4. CPU shared memory names
@@ -393,7 +404,8 @@ def quiet_reload_logs() -> None:
 
 
 def engine_call(device: torch.device):
-    """Around generate / weight loads."""
+    """Around generate / weight loads: this thread's OpenMP count (CPU), the RNG states kept."""
+    this_thread_threads(device)
     return preserved_rng(device)
 
 

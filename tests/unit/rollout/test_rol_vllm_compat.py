@@ -290,3 +290,33 @@ def test_a_failed_construction_releases_vllms_groups(monkeypatch):
         with compat.engine_construction(torch.device("cpu"), tp=1):
             raise ValueError("weights do not fit")
     assert calls == ["cleanup"]
+
+
+def test_an_engine_call_from_another_thread_takes_torchs_thread_count():
+    """OpenMP keeps its thread count per thread: a thread started after torch.set_num_threads(1)
+    begins at the machine's default, and vLLM's CPU attention then planned with one count and ran
+    with the other (the agent endpoint's engine thread, under make test's one-thread workers)."""
+    import ctypes
+    import threading
+
+    # torch's own OpenMP runtime (other wheels bring copies of their own: sentencepiece's, ...)
+    libs = {p for p in open("/proc/self/maps").read().split() if "libgomp" in p and "/torch/lib/" in p}
+    assert len(libs) == 1, f"torch's OpenMP runtime (libgomp) not found among the mapped files: {libs}"
+    omp = ctypes.CDLL(libs.pop())
+    before = torch.get_num_threads()
+    seen = {}
+
+    def engine_thread():
+        seen["fresh"] = omp.omp_get_max_threads()
+        compat.this_thread_threads(torch.device("cpu"))
+        seen["after"] = omp.omp_get_max_threads()
+
+    torch.set_num_threads(1)
+    try:
+        t = threading.Thread(target=engine_thread)
+        t.start(), t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["after"] == 1, seen
+    if (os.cpu_count() or 1) > 1 and "OMP_NUM_THREADS" not in os.environ:
+        assert seen["fresh"] > 1, seen  # the hazard itself: a fresh thread starts at the default
