@@ -68,7 +68,8 @@ def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_asset
     """agent.enable over vLLM (CPU) in a job: each run asks, then sends the reply back with one more
     question (its prompt rebuilt from the recorded ids: merged). Every training row is its run's
     calls, id for id and mask for mask, as over HF generate, and the trainer's log-probs of them
-    match vLLM's within the usual mismatch bound."""
+    match vLLM's within the usual mismatch bound. With n-gram speculation on (rollout.speculative):
+    the records stay token-exact, and each step logs its acceptance."""
     from verl_hpc.rollout.agents import service as service_mod
 
     calls = []
@@ -83,7 +84,8 @@ def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_asset
     proc, _ = grpo(tiny_assets, out, "agent.enable=true", "agent.function=agent_programs:two_calls",
                    "safety.allow_custom_code=true", "trainer.total_steps=2", "data.max_response_length=48",
                    "rollout.max_tokens=6", "rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432",
-                   "actor.entropy_coeff=0.01", "agent.timeout_s=120", f"trainer.rollout_data_dir={out}/rollouts")
+                   "actor.entropy_coeff=0.01", "agent.timeout_s=120", f"trainer.rollout_data_dir={out}/rollouts",
+                   "rollout.speculative.method=ngram")
     assert proc.returncode == 0, logs(proc, out)
     assert "roles: actor; rollout: vllm" in proc.stderr  # the endpoint served vLLM's samples
     rows = metrics(out)
@@ -92,6 +94,7 @@ def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_asset
         assert m["agent/runs"] == 16 and m["agent/calls"] == 32 and m["agent/failures"] == 0
         assert m["agent/merges"] == 16 and m["agent/sequences"] == 16
         assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert m["rollout/spec_draft_tokens"] > 0 and 0.0 <= m["rollout/spec_acceptance"] <= 1.0, m
     dumped = [json.loads(line) for step in (1, 2)
               for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
     assert len(dumped) == 32

