@@ -119,15 +119,20 @@ def test_a_worker_job_requeued_by_slurm_joins_again(tiny_assets, tmp_path):
             "trainer.val_every=0", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
             f"actor.ppo_mini_batch_size={PROMPTS}", "actor.micro_batch_size=8", "rollout.engine=hf",
             "checkpoint.save_every=0", "tracking.backends=[jsonl]", "tracking.plots=false",
-            "slurm.tasks_per_node=2", "slurm.cpus_per_task=1", "placement.elastic.enable=true",
+            "slurm.time_min=15", "placement.elastic.enable=true",
             "placement.elastic.heartbeat_timeout_s=5", "placement.elastic.straggler_deadline_s=20",
             "placement.elastic.groups_per_lease=1", f"trainer.output_dir={out}", f"slurm.log_dir={out}/logs/%j"]
     faults = env(rollout_group_delay_s=GROUP_DELAY_S, elastic_worker_group_delay_s=GROUP_DELAY_S)
-    run = subprocess.Popen([sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, "--local", *args], cwd=REPO,
+    # the run is a Slurm job too: the dev cluster's nodes are network namespaces of their own, where
+    # a run started here with --local (its store on this machine's loopback) cannot be reached
+    run = subprocess.Popen([sys.executable, "-m", "verl_hpc.submit", SPLIT_DEMO, *args], cwd=REPO,
                            env=faults, stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT,
-                           start_new_session=True)  # the run here, its worker a Slurm job
-    array = None
+                           start_new_session=True)
+    array = run_job = None
     try:
+        wait_for(lambda: re.search(r"\[submit\] job (\d+) submitted", (tmp_path / "run.log").read_text())
+                 or run.poll() is not None, "the run was never submitted", timeout=120)
+        run_job = re.search(r"\[submit\] job (\d+) submitted", (tmp_path / "run.log").read_text()).group(1)
         wait_for(lambda: (out / "elastic" / "rendezvous.json").exists() or run.poll() is not None, "no rendezvous")
         joined = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(out), "--workers", "1",
                                  "rollout.engine=hf", "slurm.time_min=10"], cwd=REPO, env=faults,
@@ -147,8 +152,9 @@ def test_a_worker_job_requeued_by_slurm_joins_again(tiny_assets, tmp_path):
         wait_for(lambda: len(loads()) == 2 or run.poll() is not None, "the requeued worker never loaded its weights")
         assert run.poll() is None, (tmp_path / "run.log").read_text()[-5000:]
     finally:
-        if array is not None:
-            subprocess.run(["scancel", array], timeout=30)
+        for job_id in (array, run_job):
+            if job_id is not None:
+                subprocess.run(["scancel", job_id], timeout=30)
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     joins = [(e["worker"], e["restart"], e["rejoin"]) for e in events(out) if e["kind"] == "join"]
