@@ -149,6 +149,23 @@ def failure_after():
     return _failure_after
 
 
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every call the agent endpoint records, seen where it is recorded (independently of the runner
+    that turns them into training rows): a list that fills as the runs call."""
+    from verl_hpc.rollout.agents import service
+
+    calls = []
+    real = service.Session.record
+
+    def record(self, call, chat=None, reused=False):
+        calls.append(call)
+        real(self, call, chat, reused)
+
+    monkeypatch.setattr(service.Session, "record", record)
+    return calls
+
+
 @contextlib.contextmanager
 def _first_builds(path: Path):
     """Held while `path` is built: the pytest-xdist workers of one run share it, the first to come

@@ -64,22 +64,12 @@ def test_runs_without_a_call_and_bad_requests_do_not_stop_the_job(tiny_assets, t
     assert proc.stderr.count("further failures are only counted") == 1  # the first logged, the rest counted
 
 
-def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_assets, tmp_path, monkeypatch):
+def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_assets, tmp_path, recorded):
     """agent.enable over vLLM (CPU) in a job: each run asks, then sends the reply back with one more
     question (its prompt rebuilt from the recorded ids: merged). Every training row is its run's
     calls, id for id and mask for mask, as over HF generate, and the trainer's log-probs of them
     match vLLM's within the usual mismatch bound. With n-gram speculation on (rollout.speculative):
     the records stay token-exact, and each step logs its acceptance."""
-    from verl_hpc.rollout.agents import service as service_mod
-
-    calls = []
-    real = service_mod.Session.record
-
-    def record(self, call, chat=None, reused=False):
-        calls.append(call)
-        real(self, call, chat, reused)
-
-    monkeypatch.setattr(service_mod.Session, "record", record)
     out = tmp_path / "agent_vllm"
     proc, _ = grpo(tiny_assets, out, "agent.enable=true", "agent.function=agent_programs:two_calls",
                    "safety.allow_custom_code=true", "trainer.total_steps=2", "data.max_response_length=48",
@@ -89,6 +79,7 @@ def test_the_endpoint_over_the_vllm_engine_trains_on_the_recorded_ids(tiny_asset
     assert proc.returncode == 0, logs(proc, out)
     assert "roles: actor; rollout: vllm" in proc.stderr  # the endpoint served vLLM's samples
     rows = metrics(out)
+    calls = recorded
     assert len(rows) == 2 and len(calls) == 2 * 16 * 2
     for m in rows:
         assert m["agent/runs"] == 16 and m["agent/calls"] == 32 and m["agent/failures"] == 0

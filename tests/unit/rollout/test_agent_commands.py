@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_agent_runs import batch_of, engine, recorded, row_ids, tok  # noqa: F401 - fixtures
+from test_agent_runs import batch_of, engine, row_ids, tok  # noqa: F401 - fixtures
 
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.rewards.errors import RewardError

@@ -11,7 +11,6 @@ from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.agents import AgentOptions, AgentRunner
 from verl_hpc.algorithms.masked import check_response_mask
 from verl_hpc.config import ConfigError
-from verl_hpc.rollout.agents import service as service_mod
 from verl_hpc.rollout.agents.runner import untrained_rows
 from verl_hpc.rollout.agents.metrics import agent_metrics
 from verl_hpc.rollout.spec import default_spec
@@ -47,20 +46,6 @@ def batch_of(prompts: int, agents=None, tok=None):
                        prompt_texts=[f"{i}+{i}=" for i in range(prompts)], data_sources=["synthetic"] * prompts,
                        ground_truths=[str(2 * i) for i in range(prompts)],
                        extras=[{"agent": a} if a else {} for a in agents])
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-    """Every call the endpoint records, seen where it is recorded (independently of the runner)."""
-    calls = []
-    real = service_mod.Session.record
-
-    def record(self, call, chat=None, reused=False):
-        calls.append(call)
-        real(self, call, chat, reused)
-
-    monkeypatch.setattr(service_mod.Session, "record", record)
-    return calls
 
 
 def row_ids(batch, r):
