@@ -89,7 +89,7 @@ container:
 # docs/testing.md, "Targets". A TEST_MARKERS that selects nothing (pytest's exit 5, "no tests
 # collected") is no failure.
 TEST_MARKERS ?= not container and not long
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: venv cluster
 	$(BIN)/python -m pytest tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadscope \
 	  --no-loadscope-reorder -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]

@@ -26,6 +26,8 @@ def rl(warm, out, *extra):
 
 
 @pytest.mark.numerics
+@pytest.mark.long  # a soak run: 60 PPO steps until the critic's run learns (make test-long; 126-262 s);
+# PPO with a critic steps in `make test` too: test_recipes.py's three-step ppo jobs
 def test_trn_ppo_with_critic_learns(warm_assets, tmp_path):
     rl(warm_assets, tmp_path / "out", "algorithm.recipe=ppo", "rollout.n=1", "data.train_batch_size=64",
        "actor.ppo_mini_batch_size=32", "critic.ppo_mini_batch_size=32", "critic.micro_batch_size=32",
