@@ -18,7 +18,8 @@ collective. Two paths (`mode`, resharding.mode; docs/resharding.md):
 Both paths send the rollout's dtype (`rollout.weight_dtype`: model.dtype on GPUs, bf16 or fp16),
 cast once on the sending side where the engine holds another (buckets.in_dtype).
 Either way the rollout gets ONE `load_weights` call (or `load_weight_slices`, for a sink that
-takes slices) carrying every weight.
+takes slices) carrying every weight; a rollout with an MTP drafter then gets one
+`load_draft_weights` call with its frozen MTP tensors (resharding/mtp.py).
 
 Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
 (held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
@@ -56,6 +57,7 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from, in_dtype
+from verl_hpc.resharding.mtp import MtpWeights, draft_source
 from verl_hpc.resharding.plan import PlanError
 from verl_hpc.resharding.sliced import SlicedSync, holdings
 from verl_hpc.runtime.device import collective_device
@@ -190,6 +192,7 @@ class WeightSync:
         self.last: Dict[str, float] = {}
         self.count = 0
         self._fallback: Optional[str] = None  # why auto chose the full path
+        self.mtp: Optional[MtpWeights] = None  # an MTP drafter's frozen slices, read once (resharding/mtp.py)
 
     @classmethod
     def from_config(cls, section) -> "WeightSync":
@@ -233,6 +236,8 @@ class WeightSync:
                 return self(actor, rollout)
         else:
             error, stream, metrics = self._run_full(actor, rollout)
+        if error is None and not stream.source_failed:  # an MTP drafter's own weights, after the policy's
+            error = self._load_draft(rollout, metrics)
         seconds = time.perf_counter() - start
         if error is not None and stream.source_failed:
             self.sliced.reset()
@@ -267,6 +272,20 @@ class WeightSync:
                 nbytes / 1e6, metrics["sync/buckets"], stream.tensors, slowest,
                 self.last["sync/gb_per_s"], stream.export_seconds, self.last["sync/load_seconds"])
         return dict(self.last)
+
+    def _load_draft(self, rollout, metrics: Dict[str, float]) -> Optional[BaseException]:
+        """vLLM's MTP drafter (rollout.speculative.method = mtp): its frozen tensors, this rank's slices
+        (resharding/mtp.py); the embedding and head it shares with the target came with the policy's.
+        Local to this rank: a failure is agreed with the others like the policy's load."""
+        try:
+            self.mtp = draft_source(rollout, self.mtp)
+            if self.mtp is None:
+                return None
+            info = rollout.load_draft_weights(carriers(self.mtp.slices(), self.mtp.shapes))
+        except Exception as exc:  # noqa: BLE001 (raised by the caller after the agreement round)
+            return exc
+        metrics["sync/draft_tensors"], metrics["sync/draft_bytes"] = float(info["tensors"]), float(self.mtp.nbytes)
+        return None
 
     def _run_full(self, actor, rollout):
         # resident until load_weights has returned: only then may the actor offload (held_resident)

@@ -176,6 +176,8 @@ class VLLMRollout(RolloutEngine):
         # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
         # trainer's rollout/spec_* metrics); None: this engine does not speculate
         self._spec_counts = SpecCounts() if spec is not None else None
+        # an MTP drafter's own (frozen) weights come by load_draft_weights (rollout/vllm_drafter.py)
+        self.mtp_folder = str(model_path) if spec is not None and spec["method"] == "mtp" else None
         if spec is not None:
             kwargs["speculative_config"] = spec
             kwargs["per_request_spec_decode_metrics"] = "summary"
@@ -296,6 +298,12 @@ class VLLMRollout(RolloutEngine):
         self._weights_dropped = False
         return dict(tensors=checked.tensors, bytes=checked.bytes,
                     seconds=time.perf_counter() - start)
+
+    def load_draft_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+        """The MTP drafter's own tensors (rollout/vllm_drafter.py: not the ones it shares with the policy)."""
+        from verl_hpc.rollout import vllm_drafter
+
+        return vllm_drafter.load(self, weights)
 
     def load_adapter(self, tensors: Iterable[Tuple[str, torch.Tensor]], peft_config: dict,
                      version: int) -> dict:

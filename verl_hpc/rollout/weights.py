@@ -27,14 +27,20 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
-    """Tensor names stored in a HF folder's safetensors files (read from headers, no data)."""
+    """Tensor names stored in a HF folder's safetensors files (read from headers, no data), less the
+    multi-token-prediction layers' (mtp_weight_names)."""
+    names = stored_weight_names(model_path)
+    return names - mtp_weight_names(model_path, names)
+
+
+def stored_weight_names(model_path: str | Path) -> Set[str]:
+    """Every tensor name a HF folder's safetensors files store (the index, else the headers)."""
     from verl_hpc.models.hf_checkpoint import open_safetensors
 
     folder = Path(model_path)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        names = set(json.loads(index.read_text())["weight_map"])
-        return names - mtp_weight_names(folder, names)
+        return set(json.loads(index.read_text())["weight_map"])
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model.path={str(folder)!r} holds no *.safetensors files")
@@ -42,13 +48,15 @@ def checkpoint_weight_names(model_path: str | Path) -> Set[str]:
     for f in files:
         with open_safetensors(f) as handle:
             names.update(handle.keys())
-    return names - mtp_weight_names(folder, names)
+    return names
 
 
 def mtp_weight_names(model_path: str | Path, names: Iterable[str]) -> Set[str]:
     """The stored multi-token-prediction layers of a DeepSeek-V3 folder (num_nextn_predict_layers
-    layers after the decoder's, model.layers.{L}...): no engine builds, loads, trains or syncs them
-    (transformers and vLLM skip them on load), so a weight stream never carries them."""
+    layers after the decoder's, model.layers.{L}...): no training engine builds or trains them and
+    the target models skip them on load, so the policy's weight stream never carries them. vLLM's MTP
+    drafter (rollout.speculative.method = mtp) takes its own part of them, frozen, in a load of its
+    own (rollout/vllm_drafter.py, resharding/mtp.py)."""
     config = read_hf_config(model_path)
     if not (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
         return set()
