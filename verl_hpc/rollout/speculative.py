@@ -64,10 +64,11 @@ def model_params(model_path: str) -> Optional[int]:
 
 
 def vllm_speculative_config(s, *, model_path: str, gpu: bool, params: Optional[int] = None,
-                            rank: int = 0) -> Optional[dict]:
+                            rank: int = 0, drafter: Optional[str] = None) -> Optional[dict]:
     """vLLM's `speculative_config` for the section `s` (None: no speculation). Raises ConfigError,
     naming the field, for a method this machine or model cannot take (the config's checks say the
-    same before the queue; this covers engines built without them)."""
+    same before the queue; this covers engines built without them). `drafter`: the folder the engine
+    wrote for draft_layers (rollout/draft_sync.py), the draft model then."""
     method = s.method if s is not None else "off"
     schedule = list(s.schedule) if s is not None else []
     tokens = s.num_speculative_tokens if s is not None else AUTO_TOKENS
@@ -94,6 +95,11 @@ def vllm_speculative_config(s, *, model_path: str, gpu: bool, params: Optional[i
     elif method == "suffix" and not arctic_inference_installed():
         raise ConfigError(f"{field}.method = suffix needs the arctic-inference package (vLLM's suffix decoding), "
                           "which is not installed here; use ngram")
+    elif method == "draft_model" and getattr(s, "draft_layers", 0):
+        if drafter is None:
+            raise ConfigError(f"{field}.draft_layers = {s.draft_layers}: the engine writes the drafter's folder "
+                              "(rollout/draft_sync.py) and passes it here")
+        out["model"] = str(drafter)
     elif method == "draft_model":
         if not s.draft_model_path:
             raise ConfigError(f"{field}.method = draft_model needs {field}.draft_model_path")

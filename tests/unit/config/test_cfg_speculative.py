@@ -44,6 +44,14 @@ def test_off_by_default_and_a_plain_ngram_job_passes():
     ([f"{S}method=ngram", f"{S}schedule=[eight]"], "rollout.speculative.schedule[0] = 'eight': must be 'LO-HI:K'"),
     ([f"{S}method=auto", f"{S}schedule=[1-8:4]"], "rollout.speculative.schedule is set with method = auto"),
     ([f"{S}method=nrgam"], "did you mean 'ngram'"),
+    ([f"{S}method=ngram", f"{S}draft_layers=1"], "rollout.speculative.draft_layers = 1 needs rollout.speculative."
+                                                 "method = draft_model (got ngram)"),
+    ([f"{S}method=draft_model", f"{S}draft_layers=1", f"{S}draft_model_path=/x"],
+     "rollout.speculative.draft_layers = 1 and rollout.speculative.draft_model_path are both set"),
+    ([f"{S}method=draft_model", f"{S}draft_layers=1", "rollout.tp=2"],
+     "rollout.speculative.draft_layers = 1 with rollout.tp = 2"),
+    ([f"{S}method=draft_model", f"{S}draft_layers=1", "lora.rank=8", "lora.sync=adapter"],
+     "rollout.speculative.draft_layers = 1 with the LoRA adapter sync"),
 ])
 def test_each_refusal_names_its_field(overrides, wanted):
     if "suffix" in " ".join(overrides) and speculative.arctic_inference_installed():
@@ -75,6 +83,35 @@ def test_folder_checks_mtp_layers_and_the_draft_models_vocabulary(tmp_path):
     assert "has vocab_size 800, the policy (model.path) 500" in cfg.rollout.speculative.folder_problems(cfg)[0]
     cfg.rollout.speculative.draft_model_path = str(tmp_path / "missing")
     assert "no readable config.json" in cfg.rollout.speculative.folder_problems(cfg)[0]
+
+
+def test_a_drafter_of_the_policys_first_layers_passes_alone_and_is_checked_against_the_folder(tmp_path):
+    """draft_layers: no draft_model_path needed; N within the policy's layers; the plain decoder
+    layout (the tensors the sync picks out by name), anything else refused by name."""
+    from verl_hpc.config.sections.speculative import drafter_names, drafter_problems
+
+    assert problems(f"{S}method=draft_model", f"{S}draft_layers=1") == []
+    plain = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+             *(f"model.layers.{i}.mlp.up_proj.weight" for i in range(4))}
+    config = dict(model_type="llama", num_hidden_layers=4)
+    assert drafter_problems(config, plain, 3) == []
+    assert drafter_names(plain, 2) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+                                       "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"}
+    assert "must be in [1, 3] (the policy has 4 decoder layers)" in drafter_problems(config, plain, 4)[0]
+    gpt2 = {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight"}
+    assert "not the plain decoder layout" in drafter_problems(config, gpt2, 1)[0]
+    vision = dict(model_type="qwen2_5_vl", text_config=dict(num_hidden_layers=4))
+    assert "no top-level num_hidden_layers" in drafter_problems(vision, plain, 1)[0]
+    four = _folder(tmp_path / "four", model_type="llama", vocab_size=500, num_hidden_layers=4)
+    cfg = load_config(None, [*BASE, f"model.path={four}", f"{S}method=draft_model", f"{S}draft_layers=4"])
+    assert "must be in [1, 3]" in cfg.rollout.speculative.folder_problems(cfg)[0]
+    cfg.rollout.speculative.draft_layers = 2  # a folder without safetensors: no model.layers.<i>. tensors
+    assert "not the plain decoder layout" in cfg.rollout.speculative.folder_problems(cfg)[0]
+    with pytest.raises(ConfigError, match="the engine writes the drafter's folder"):
+        vllm_speculative_config(SpeculativeConfig(method="draft_model", draft_layers=1), model_path="/m", gpu=False)
+    got = vllm_speculative_config(SpeculativeConfig(method="draft_model", draft_layers=1), model_path="/m",
+                                  gpu=False, drafter="/scratch/drafter")
+    assert got == dict(method="draft_model", num_speculative_tokens=4, model="/scratch/drafter")
 
 
 def test_vllm_speculative_config_from_the_section(tmp_path):

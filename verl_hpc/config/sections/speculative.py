@@ -9,7 +9,8 @@ repeats what the context holds (tool output copied into an answer), and costs at
 
 Methods: off | auto (the measured rule, rollout/speculative.py) | ngram (prompt lookup: no weights)
 | suffix (suffix trees of the context and of earlier responses; needs `arctic-inference`) |
-draft_model (a smaller model of the same vocabulary, frozen) | mtp (the policy's own
+draft_model (a smaller model of the same vocabulary: frozen, or with `draft_layers` the policy's
+own first layers, kept in step by the weight sync) | mtp (the policy's own
 multi-token-prediction layers, DeepSeek-V3 family, GPU only). The concurrency schedule maps the
 number of sequences in flight to the number of proposed tokens (vLLM's
 `num_speculative_tokens_per_batch_size`); 0 switches speculation off in that range, so a batch
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from verl_hpc.config.fields import Section, opt
+from verl_hpc.config.hf_model import stored_tensor_names
 
 METHODS = ("off", "auto", "ngram", "suffix", "draft_model", "mtp")
 MAX_SPEC_TOKENS = 16  # a longer guess is almost never accepted whole and lengthens every verify pass
@@ -83,9 +85,10 @@ def arctic_inference_installed() -> bool:
 class SpeculativeConfig(Section):
     method: str = opt("off", "off | auto (n-gram where it was measured to pay: at or below a number of sequences in "
                              "flight and above a model size, off elsewhere; docs/speculative.md) | ngram (prompt "
-                             "lookup, no weights) | suffix (needs arctic-inference) | draft_model (a frozen smaller "
-                             "model, same vocabulary) | mtp (the model's multi-token-prediction layers, DeepSeek-V3 "
-                             "family, GPU)", choices=METHODS)
+                             "lookup, no weights) | suffix (needs arctic-inference) | draft_model (a smaller model "
+                             "of the same vocabulary: draft_model_path, frozen; or draft_layers, the policy's "
+                             "first layers, kept in step) | mtp (the model's multi-token-prediction layers, "
+                             "DeepSeek-V3 family, GPU)", choices=METHODS)
     num_speculative_tokens: int = opt(4, "tokens proposed per step (the most, under a schedule)",
                                       check=f"[1, {MAX_SPEC_TOKENS}]")
     prompt_lookup_min: int = opt(1, "ngram: shortest suffix of the context looked up earlier in it", check=">0")
@@ -95,11 +98,16 @@ class SpeculativeConfig(Section):
                                   "[] = num_speculative_tokens at any concurrency")
     draft_model_path: str = opt("", "draft_model: a Hugging Face folder with the policy's vocabulary; its weights "
                                     "stay as loaded (frozen: the weight sync sends the policy's only)")
+    draft_layers: int = opt(0, "draft_model: the drafter is the policy's first N decoder layers with its embedding, "
+                               "final norm and head (self-speculation), written from model.path when the engine "
+                               "is built and kept in step by the weight sync; in [1, layers - 1]; 0 = "
+                               "draft_model_path, frozen", check=">=0")
 
     def check(self, job) -> List[str]:
+        f = "rollout.speculative"
+        p = self.draft_layers_problems(job) if self.draft_layers else []
         if self.method == "off":
-            return []
-        f, p = "rollout.speculative", []
+            return p
         if job.rollout.engine == "hf" and self.method != "auto":  # auto is off on the HF rollout
             p.append(f"{f}.method = {self.method} needs rollout.engine = vllm (or auto): the HF rollout does not "
                      "speculate (transformers' assisted and prompt-lookup generation take one sequence at a "
@@ -119,7 +127,7 @@ class SpeculativeConfig(Section):
         if self.method == "suffix" and not arctic_inference_installed():
             p.append(f"{f}.method = suffix needs the arctic-inference package (vLLM's suffix decoding), which is "
                      "not installed here; use ngram, or install it (a source build against torch)")
-        if self.method == "draft_model" and not self.draft_model_path:
+        if self.method == "draft_model" and not self.draft_model_path and not self.draft_layers:
             p.append(f"{f}.method = draft_model needs {f}.draft_model_path (a Hugging Face folder)")
         if self.draft_model_path and self.method != "draft_model":
             p.append(f"{f}.draft_model_path is set but method = {self.method}: it is read by method = draft_model only")
@@ -138,9 +146,69 @@ class SpeculativeConfig(Section):
                 return [f"{f}.method = mtp but model.path ('{job.model.path}', model_type {kind}) has no "
                         "multi-token-prediction layers (config.json num_nextn_predict_layers = 0 or absent); "
                         f"families with them: {', '.join(MTP_MODEL_TYPES)}; use ngram"]
+        if self.method == "draft_model" and self.draft_layers and job.model.path:
+            config = read_config(job.model.path)
+            if config is None:
+                return []  # model.path's own check says so
+            return drafter_problems(config, stored_tensor_names(job.model.path), self.draft_layers)
         if self.method == "draft_model" and self.draft_model_path:
             return draft_model_problems(self.draft_model_path, job.model.path, f"{f}.draft_model_path")
         return []
+
+    def draft_layers_problems(self, job) -> List[str]:
+        """draft_layers > 0: what the drafter kept in step needs (rollout/draft_sync.py), and the layouts
+        it is not built for, refused rather than synced wrong."""
+        f, n = "rollout.speculative", self.draft_layers
+        p = []
+        if self.method != "draft_model":
+            p.append(f"{f}.draft_layers = {n} needs {f}.method = draft_model (got {self.method}); or set "
+                     "draft_layers = 0")
+        if self.draft_model_path:
+            p.append(f"{f}.draft_layers = {n} and {f}.draft_model_path are both set: the drafter is either the "
+                     "policy's first layers (kept in step) or a folder of its own (frozen); set one")
+        if job.rollout.tp > 1:
+            p.append(f"{f}.draft_layers = {n} with rollout.tp = {job.rollout.tp}: the drafter's sync is built for "
+                     "one rank per engine only (its TP-sliced load is not); set rollout.tp = 1 or draft_layers = 0")
+        if job.lora.syncs_adapter(job, job.rollout.engine, gpu=job.slurm.gpus_per_node > 0):
+            p.append(f"{f}.draft_layers = {n} with the LoRA adapter sync: the engine receives the adapter only, "
+                     "never the base layers the drafter is cut from, so the drafter would not follow the policy; "
+                     "set lora.sync = merged or draft_layers = 0")
+        return p
+
+
+DRAFTER_TOP = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def drafter_names(names, n: int) -> set:
+    """The policy's tensors a drafter of its first `n` layers holds: the embedding, layers < n, the
+    final norm and the head (absent from a tied checkpoint)."""
+    out = set()
+    for name in names:
+        m = _LAYER.match(name)
+        if (m and int(m.group(1)) < n) or name in DRAFTER_TOP:
+            out.add(name)
+    return out
+
+
+def drafter_problems(config: dict, names, n: int, field: str = "rollout.speculative.draft_layers") -> List[str]:
+    """A drafter of the first `n` layers can be cut from a policy whose config.json is `config` and
+    whose checkpoint holds `names`: n in [1, layers - 1], and the plain decoder layout (every tensor
+    is model.layers.<i>.* or one of DRAFTER_TOP), which is how the drafter's tensors are picked out
+    of the weight stream. Anything else (a vision-language model, an MTP checkpoint, GPT-2's or
+    GPT-NeoX's names) is refused by name."""
+    layers = int(config.get("num_hidden_layers") or 0)
+    if config.get("text_config") or not layers:
+        return [f"{field} = {n}: model.path's config.json has no top-level num_hidden_layers (a vision-language "
+                "or unusual layout); the drafter is built for plain decoder-only models"]
+    if not 1 <= n <= layers - 1:
+        return [f"{field} = {n}: must be in [1, {layers - 1}] (the policy has {layers} decoder layers)"]
+    other = sorted(x for x in names if not _LAYER.match(x) and x not in DRAFTER_TOP)
+    if other or not any(_LAYER.match(x) for x in names) or "model.embed_tokens.weight" not in names:
+        shown = ", ".join(other[:3]) or "no model.layers.<i>. tensors"
+        return [f"{field} = {n}: model.path's tensors are not the plain decoder layout (model.embed_tokens, "
+                f"model.layers.<i>., model.norm, lm_head); found {shown}; use draft_model_path or ngram"]
+    return []
 
 
 def draft_model_problems(draft: str, policy: str, field: str) -> List[str]:
