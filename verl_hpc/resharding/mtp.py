@@ -21,6 +21,11 @@ load (reload_weights) reaches the target model only. So the sync after every wak
 Without a level-2 sleep the values sent equal those vLLM loaded at build: the load is a refresh, at
 the cost of this rank's MTP slices (about 1/60 of DeepSeek-V3's 671B parameters, over rollout.tp).
 
+A separate draft model (method draft_model with draft_model_path) is frozen the same way and for the
+same reason (`MtpWeights.from_draft_model`): every tensor its folder stores is its own (vLLM's
+DraftModelProposer shares neither embedding nor head with the target, and builds it at the target's
+TP), cut by the decoder layers' rules with its vocabulary by the padded rows, re-sent after every sync.
+
 Slicing: RolloutSlicer (resharding/plan.py), the rules the sliced sync uses for the decoder layers,
 unchanged: vLLM builds the MTP block as a DeepseekV2DecoderLayer, so its latent attention (q_a_proj and
 kv_a_proj_with_mqa replicated, q_b_proj and kv_b_proj by rows, o_proj by columns), router (replicated),
@@ -44,7 +49,7 @@ from verl_hpc.config.hf_model import read_hf_config
 from verl_hpc.config.sections.speculative import mtp_layers
 from verl_hpc.resharding.plan import Need, PlanError, RolloutSlicer
 from verl_hpc.rollout.vllm_drafter import shared_with_policy, split_mtp_name
-from verl_hpc.rollout.weights import mtp_weight_names, stored_weight_names
+from verl_hpc.rollout.weights import checkpoint_weight_names, mtp_weight_names, stored_weight_names
 
 log = logging.getLogger(__name__)
 # model types whose MTP layers are laid out and served as above (vLLM's DeepSeekMTP); another family
@@ -111,8 +116,9 @@ class MtpWeights:
     """One rollout rank's frozen MTP slices, read from the folder on first use and kept."""
 
     def __init__(self, layout: MtpLayout, keeps: Tuple[int, int], dtype: Optional[torch.dtype],
-                 slicer: RolloutSlicer):
+                 slicer: RolloutSlicer, what: str = "MTP layer"):
         self.layout, self.keeps, self.dtype, self.slicer = layout, tuple(keeps), dtype, slicer
+        self.what = what  # names the drafter in errors and in the log
         self.shapes = dict(layout.frozen)
         self.bytes_read = 0
         self._kept: Optional[List[Tuple[str, torch.Tensor, Need]]] = None
@@ -129,6 +135,22 @@ class MtpWeights:
         head_dim, vocab_size = folder_geometry(model_path)
         # the vocabulary tensors are the shared ones, never among the frozen: no vocabulary rule applies
         return cls(layout, keeps, dtype, RolloutSlicer(keeps[1], head_dim=head_dim, vocab_size=vocab_size, vocab=()))
+
+    @classmethod
+    def from_draft_model(cls, folder: str | Path, keeps: Tuple[int, int],
+                         dtype: Optional[torch.dtype]) -> "MtpWeights":
+        """A separate draft model's every stored tensor, frozen (rollout.speculative.draft_model_path)."""
+        from verl_hpc.models.hf_checkpoint import HFCheckpointReader
+        from verl_hpc.models.vocab_tensors import LLAMA, folder_geometry, folder_vocab_names
+
+        with HFCheckpointReader(folder) as reader:
+            frozen = {n: reader.shape(n) for n in sorted(checkpoint_weight_names(folder))}
+        layers = int(read_hf_config(folder).get("num_hidden_layers") or 0)
+        head_dim, vocab_size = folder_geometry(folder)
+        vocab = folder_vocab_names(folder) if keeps[1] > 1 else LLAMA  # (tp 1 keeps every tensor whole)
+        return cls(MtpLayout(str(folder), layers, tuple(range(layers)), frozen, {}), keeps, dtype,
+                   RolloutSlicer(keeps[1], head_dim=head_dim, vocab_size=vocab_size, vocab=vocab),
+                   what="draft model (rollout.speculative.draft_model_path)")
 
     def slices(self) -> Iterator[Tuple[str, torch.Tensor, Need]]:
         """(name, this rank's part, its Need) of every frozen tensor, in name order."""
@@ -151,22 +173,35 @@ class MtpWeights:
                 try:
                     dim, start, stop = mtp_need(self.slicer, name, shape, tp_rank)
                 except PlanError as exc:
-                    raise PlanError(f"MTP layer tensor {exc}") from None
+                    raise PlanError(f"{self.what} tensor {exc}") from None
                 index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
                 part = reader.read(name, index)
                 if self.dtype is not None and part.is_floating_point():
                     part = part.to(self.dtype)
                 out.append((name, part.contiguous(), Need(tp_rank, name, dim, start, stop)))
             self.bytes_read = reader.bytes_read
-        log.info("MTP drafter: %d frozen tensors of layers %s, this rank's slices %.1f MB (rollout.tp = %d); "
-                 "%d shared with the policy", len(out), list(self.layout.layers),
+        log.info("%s drafter: %d frozen tensors of layers %s, this rank's slices %.1f MB (rollout.tp = %d); "
+                 "%d shared with the policy", self.what, len(out), list(self.layout.layers),
                  sum(p.numel() * p.element_size() for _, p, _ in out) / 1e6, tp, len(self.layout.shared))
         return out
 
 
+def _slices_of(rollout) -> Tuple[Tuple[int, int], Optional[torch.dtype]]:
+    """(this rank's (tp_rank, tp), the dtype its engine holds) of `rollout`."""
+    keeps = tuple(rollout.weight_slices()) if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
+    return keeps, getattr(rollout, "weight_dtype", None)
+
+
 def draft_source(rollout, cache: Optional[MtpWeights]) -> Optional[MtpWeights]:
-    """The frozen MTP slices for `rollout` (one that drafts with MTP: its `mtp_folder` is set), the
-    cached ones while its folder and slices stay the same; None for any other rollout."""
+    """The frozen drafter's slices for `rollout` (one that drafts with MTP: its `mtp_folder` is set; or
+    with a draft model folder: its `draft_folder`), the cached ones while its folder and slices stay the
+    same; None for any other rollout."""
+    draft = getattr(rollout, "draft_folder", None)
+    if isinstance(draft, str) and draft:
+        keeps, dtype = _slices_of(rollout)
+        if cache is not None and (cache.layout.folder, cache.keeps, cache.dtype) == (draft, keeps, dtype):
+            return cache
+        return MtpWeights.from_draft_model(draft, keeps, dtype)
     folder = getattr(rollout, "mtp_folder", None)
     if not isinstance(folder, str) or not folder:
         return None
@@ -178,8 +213,7 @@ def draft_source(rollout, cache: Optional[MtpWeights]) -> Optional[MtpWeights]:
                         "checked for %s only); they stay as vLLM loaded them, and a level-2 sleep loses them",
                         folder, kind, ", ".join(SYNCED_TYPES))
         return None
-    keeps = tuple(rollout.weight_slices()) if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
-    dtype = getattr(rollout, "weight_dtype", None)
+    keeps, dtype = _slices_of(rollout)
     if cache is not None and (cache.layout.folder, cache.keeps, cache.dtype) == (str(folder), keeps, dtype):
         return cache
     return MtpWeights.from_folder(folder, keeps, dtype)

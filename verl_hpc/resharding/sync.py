@@ -18,8 +18,8 @@ collective. Two paths (`mode`, resharding.mode; docs/resharding.md):
 Both paths send the rollout's dtype (`rollout.weight_dtype`: model.dtype on GPUs, bf16 or fp16),
 cast once on the sending side where the engine holds another (buckets.in_dtype).
 Either way the rollout gets ONE `load_weights` call (or `load_weight_slices`, for a sink that
-takes slices) carrying every weight; a rollout with an MTP drafter then gets one
-`load_draft_weights` call with its frozen MTP tensors (resharding/mtp.py).
+takes slices) carrying every weight; a rollout with a frozen drafter (an MTP drafter, a draft model
+folder) then gets one `load_draft_weights` call with its frozen tensors (resharding/mtp.py).
 
 Steps: export -> buckets -> load_weights, inside the actor's `resident("forward")` block
 (held_resident), then the agreement: with param_offload the engine offloads only after the rollout has loaded
@@ -192,7 +192,7 @@ class WeightSync:
         self.last: Dict[str, float] = {}
         self.count = 0
         self._fallback: Optional[str] = None  # why auto chose the full path
-        self.mtp: Optional[MtpWeights] = None  # an MTP drafter's frozen slices, read once (resharding/mtp.py)
+        self.mtp: Optional[MtpWeights] = None  # a frozen drafter's slices, read once (resharding/mtp.py)
 
     @classmethod
     def from_config(cls, section) -> "WeightSync":
@@ -236,7 +236,7 @@ class WeightSync:
                 return self(actor, rollout)
         else:
             error, stream, metrics = self._run_full(actor, rollout)
-        if error is None and not stream.source_failed:  # an MTP drafter's own weights, after the policy's
+        if error is None and not stream.source_failed:  # a frozen drafter's own weights, after the policy's
             error = self._load_draft(rollout, metrics)
         seconds = time.perf_counter() - start
         if error is not None and stream.source_failed:
@@ -274,8 +274,8 @@ class WeightSync:
         return dict(self.last)
 
     def _load_draft(self, rollout, metrics: Dict[str, float]) -> Optional[BaseException]:
-        """vLLM's MTP drafter (rollout.speculative.method = mtp): its frozen tensors, this rank's slices
-        (resharding/mtp.py); the embedding and head it shares with the target came with the policy's.
+        """vLLM's frozen drafter (an MTP drafter, or a draft_model_path folder): its frozen tensors, this
+        rank's slices (resharding/mtp.py); an MTP drafter's embedding and head came with the policy's.
         Local to this rank: a failure is agreed with the others like the policy's load."""
         try:
             self.mtp = draft_source(rollout, self.mtp)

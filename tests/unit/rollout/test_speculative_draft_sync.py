@@ -10,7 +10,9 @@ norm and head:
   vLLM's draft model, are the target's first-layer ones (the frozen drafter's are not: the check
   fails if the drafter is not synced), its acceptance stays near its own before, the frozen one's
   falls, greedy tokens and log-probs are the plain engine's, and sampled log-probs the moved
-  policy's own.
+  policy's own;
+- the frozen drafter is re-sent by every sync (a level-2 sleep drops it on a GPU): its weights,
+  scribbled over before the sync as a dropped pool's may be, read back as its folder's after it.
 """
 import pytest
 import torch
@@ -18,7 +20,9 @@ from rol_helpers import TOL, load_hf, max_diff, prompts_of_lengths, teacher_forc
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.speculative import SpeculativeConfig, drafter_names
-from verl_hpc.rollout import draft_sync
+from verl_hpc.resharding.mtp import MtpWeights
+from verl_hpc.resharding.sync import WeightSync
+from verl_hpc.rollout import draft_sync, vllm_drafter
 from verl_hpc.rollout.spec import default_spec
 from verl_hpc.rollout.weights import checkpoint_weight_names
 
@@ -127,6 +131,27 @@ def _same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _Policy:
+    """A training engine's export: the moved policy's tensors, for a weight sync."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def export_hf_weights(self):
+        yield from self.state.items()
+
+
+def _drop_frozen_drafter(engine):
+    """What a level-2 sleep does to the frozen drafter on a GPU (its memory freed, its values gone),
+    done here by the one loader: noise into every one of its tensors."""
+    gen = torch.Generator().manual_seed(5)
+    names, tied, _ = vllm_drafter.frozen_drafter(engine)
+    noise = [(n, torch.randn(s, generator=gen)) for n, s in MtpWeights.from_draft_model(engine.draft_folder, (0, 1),
+                                                                                          None).shapes.items()]
+    assert {n for n, _ in noise} == names
+    assert not any(engine.llm.collective_rpc(vllm_drafter.load_into_drafter, args=(noise, tied, False)))
+
+
 def test_the_drafter_folder_is_the_policys_first_layers(engines):
     kept = engines[1]
     assert kept.llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config.num_hidden_layers == N
@@ -144,14 +169,19 @@ def test_the_synced_drafter_follows_the_policy_and_the_frozen_one_goes_stale(eng
     draft_before, _ = _drafter_vs_target(kept)
     frozen_draft_before, _ = _drafter_vs_target(frozen)
 
+    assert _same(frozen_draft_before, _drafter_vs_target(frozen)[1])  # the folder's: the policy's first layers
+
     moved = moved_state(policy)
-    for engine in engines:
-        engine.load_weights(moved.items())
+    _drop_frozen_drafter(frozen)
+    assert not _same(_drafter_vs_target(frozen)[0], frozen_draft_before)
+    metrics = [WeightSync(mode="full", bucket_mb=1)(_Policy(moved), engine) for engine in engines]
+    assert [m.get("sync/draft_tensors") for m in metrics] == [None, None, len(drafter_names(moved, N))]
     draft, target = _drafter_vs_target(kept)
     assert not _same(target, draft_before), "the policy did not move"
     assert _same(draft, target), "the drafter is not the policy's first layers after the sync"
     frozen_draft, frozen_target = _drafter_vs_target(frozen)
-    assert _same(frozen_draft, frozen_draft_before) and not _same(frozen_draft, frozen_target)
+    assert _same(frozen_draft, frozen_draft_before), "the sync did not re-send the frozen drafter's folder"
+    assert not _same(frozen_draft, frozen_target)
 
     reference = plain.generate(PROMPTS, GREEDY)
     (kept_out, kept_after), (frozen_out, frozen_after) = _run(kept), _run(frozen)
@@ -203,3 +233,27 @@ def test_the_engine_refuses_layouts_it_does_not_sync(tiny_model, kw, wanted):
         draft_sync.DraftSync(tiny_model, 1, **kw)
     with pytest.raises(ConfigError, match=r"must be in \[1, 1\] \(the policy has 2 decoder layers\)"):
         draft_sync.DraftSync(tiny_model, 2)
+
+
+def test_a_frozen_draft_models_tp_slices_rebuild_its_folder(policy, tmp_path):
+    """rollout.tp = 2: each rank keeps its part of the draft folder's tensors by the decoder layers'
+    rules (q/k/v and gate/up rows, o/down columns, the vocabulary by padded rows, norms whole), and
+    the ranks' parts rebuild the folder; at tp = 1 every tensor is whole."""
+    from safetensors.torch import load_file
+
+    folder = draft_sync.write_drafter(policy, N, drafter_names(checkpoint_weight_names(policy), N), tmp_path)
+    full = load_file(str(folder / "model.safetensors"))
+    whole = {n: p for n, p, _ in MtpWeights.from_draft_model(folder, (0, 1), None).slices()}
+    assert set(whole) == set(full) and all(torch.equal(whole[n], full[n]) for n in full)
+    ranks = [{n: (p, need) for n, p, need in MtpWeights.from_draft_model(folder, (r, 2), None).slices()}
+             for r in range(2)]
+    cut = set()
+    for name, tensor in full.items():
+        (a, na), (b, nb) = ranks[0][name], ranks[1][name]
+        if (na.start, na.stop) == (nb.start, nb.stop):
+            assert torch.equal(a, tensor) and torch.equal(b, tensor), name
+        else:
+            cut.add(name.split(".")[-2])
+            assert torch.equal(torch.cat([a, b], dim=na.dim), tensor), name
+    assert cut == {"embed_tokens", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"}

@@ -249,13 +249,15 @@ def test_another_engine_can_be_built_after_an_ngram_engine_ran(engines, tiny_mod
 
 
 def test_a_frozen_draft_model_stays_lossless_and_goes_stale(engines, tiny_model, hf, tmp_path):
-    """draft_model: the drafter is frozen (the weight sync reloads the policy only). A drafter equal
-    to the policy has every greedy proposal accepted; after the policy moves, the output is the new
-    policy's (transformers with the new weights) and acceptance falls: speed, never correctness."""
+    """draft_model: the drafter is frozen (the weight sync re-sends its folder's tensors, not the
+    policy's). A drafter equal to the policy has every greedy proposal accepted; after the policy moves,
+    the output is the new policy's (transformers with the new weights) and acceptance falls: speed, never
+    correctness."""
     import shutil
 
     from rol_helpers import hf_greedy, load_hf, perturbed_state
 
+    from verl_hpc.resharding.sync import WeightSync
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
 
@@ -278,7 +280,13 @@ def test_a_frozen_draft_model_stays_lossless_and_goes_stale(engines, tiny_model,
         result, fresh = run()
         assert result.response_ids == [t for t, _ in hf_greedy(hf, prompts, 16)] and fresh == 1.0
         moved = perturbed_state(tiny_model, scale=0.05)
-        engine.load_weights(moved.items())
+
+        class Policy:  # a training engine's export
+            def export_hf_weights(self):
+                yield from moved.items()
+
+        metrics = WeightSync(mode="full", bucket_mb=1)(Policy(), engine)
+        assert metrics["sync/draft_tensors"] == len(moved)  # the drafter is a copy of the policy's folder
         result, stale = run()
         assert result.response_ids == [t for t, _ in hf_greedy(load_hf(tiny_model, moved), prompts, 16)]
         assert stale < 0.5, stale
