@@ -4,6 +4,7 @@ These fail, never skip, when the cluster is down: a silent skip would hide the m
 project. Every wait is bounded so a broken cluster fails the test instead of hanging CI.
 """
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from time_budget import load_factor
 
 REPO = Path(__file__).resolve().parents[2]
 FOUR_RANKS = ["slurm.tasks_per_node=4", "slurm.gpus_per_node=4", "slurm.time_min=5"]
@@ -60,11 +62,15 @@ def test_same_job_through_plain_sbatch(tmp_path):
 
 
 def test_dead_rank_fails_job_fast_and_names_log(tmp_path, smoke_job, failure_after):
+    load_at_start = os.getloadavg()[0]
     proc = smoke_job(tmp_path, *FOUR_RANKS, "trainer.smoke.steps=500", "trainer.smoke.fail_rank=1",
                      "trainer.smoke.fail_at_step=2", local=False)
     out, err, elapsed = failure_after(proc, tmp_path / "logs", "*/*_1_log.err", "dies on purpose")
     assert proc.returncode != 0, out
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to fail after rank 1 died"
+    # 60 s on a quiet machine (the smoke config's collective timeout: the latest a rank may notice),
+    # stretched like the time budgets by the load beyond the suite's own (76 s seen at load 10)
+    limit = 60 * load_factor([load_at_start, os.getloadavg()[0]])
+    assert elapsed < limit, f"the job took {elapsed:.0f}s to fail after rank 1 died (limit {limit:.0f} s)"
     assert "ended FAILED" in err, err
     m = re.search(r"rank 1: (.*); log: (\S+)", err)
     assert m, err
