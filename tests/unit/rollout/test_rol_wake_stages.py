@@ -35,6 +35,7 @@ def _engine(level, calls):
     eng._closed, eng._broken, eng._sleeping, eng._weights_dropped = False, None, set(), False
     eng._sleep_enabled, eng.sleep_level, eng.device, eng._tied = True, level, torch.device("cpu"), False
     eng._weight_names, eng._optional_names, eng._aliases = {"w"}, set(), {}
+    eng._drafter = None  # no speculation (rollout/draft_sync.py)
     eng.llm = FakeLLM(calls)
     return eng
 
