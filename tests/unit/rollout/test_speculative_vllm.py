@@ -248,6 +248,40 @@ def test_another_engine_can_be_built_after_an_ngram_engine_ran(engines, tiny_mod
     _engine(tiny_model).close()
 
 
+NGRAM_THREADS = """
+import sys, torch
+torch.set_num_threads(1)
+from verl_hpc.config.sections.speculative import SpeculativeConfig
+from verl_hpc.rollout import VLLMRollout
+from verl_hpc.rollout.engine_config import default_engine_args
+from verl_hpc.rollout.spec import default_spec
+args = default_engine_args("vllm", max_prompt_length=16, max_response_length=16)
+e = VLLMRollout(sys.argv[1], max_num_seqs=4, speculative=SpeculativeConfig(method="ngram"), **args)
+for _ in range(2):
+    e.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 4, default_spec(temperature=1.0, max_tokens=12, n=1))
+print("THREADS", torch.get_num_threads(), flush=True)
+e.close()
+"""
+
+
+def test_an_ngram_engine_keeps_the_ranks_thread_count(tiny_model, tmp_path):
+    """vLLM's n-gram proposer restores numba's default thread count after each lookup, which with
+    numba's OpenMP layer is also the thread's OpenMP count: without vllm_cpu_spec's NUMBA_NUM_THREADS
+    the model ran on every core after the first step (2 on a 2-core machine, built at 1). A fresh
+    interpreter: numba must not be imported before the engine."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "threads.py"
+    script.write_text(NGRAM_THREADS)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_NUM_THREADS"}
+    done = subprocess.run([sys.executable, str(script), tiny_model], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "THREADS 1" in done.stdout, done.stdout[-500:] + done.stderr[-2000:]
+
+
 def test_a_frozen_draft_model_stays_lossless_and_goes_stale(engines, tiny_model, hf, tmp_path):
     """draft_model: the drafter is frozen (the weight sync re-sends its folder's tensors, not the
     policy's). A drafter equal to the policy has every greedy proposal accepted; after the policy moves,
