@@ -1,9 +1,9 @@
-"""Rollout tokens/s with and without n-gram speculation (rollout.speculative), against the number of
-sequences in flight, on an arithmetic task and a tool task whose answers copy the tool's output;
-ratios measured in the same run, engines alternating.
+"""Rollout tokens/s with and without speculation (rollout.speculative: n-gram, and `auto`, what a job
+gets), against the number of sequences in flight, on an arithmetic task, a tool task whose answers
+copy the tool's output, and a task with long responses; ratios measured in the same run.
 
-    python benchmarks/bench_speculative.py                       # tiny and 102m, both tasks, 1,4,16
-    python benchmarks/bench_speculative.py --shapes tiny --concurrency 1,4,16,64,128
+    python benchmarks/bench_speculative.py --work /tmp/bw        # tiny and 102m, 3 tasks, 1-128 in flight
+    python benchmarks/bench_speculative.py --shapes tiny --concurrency 1,4,16
     python benchmarks/bench_speculative.py --shapes 102m --tasks tool --concurrency 1,8 --repeats 2
 
 The models. Speculation pays only where proposals are accepted, so the model must write text its
@@ -12,7 +12,9 @@ context holds; a random-weight model does not (at temperature 1 it samples nearl
 for a few hundred steps (cached in --work) on chats of both tasks: arithmetic questions answered
 "The answer is N." (N not learnable at this size: the answer's digits are near-random), and a tool
 task whose tool turn returns one of a few fixed facts that the answer restates ("The tool says:
-..."): the answer is text of the context, n-gram's good case. `102m`: the same function embedded in
+..."): the answer is text of the context, n-gram's good case; and a long task (a report of about
+490 tokens on three looked-up facts, connecting words of its own and each fact restated twice, cut
+at --long-tokens). `102m`: the same function embedded in
 the 102M Llama's layer stack (12 layers, hidden 768, ffn 2560, 24 heads of 32, 8 KV heads: the
 benchmarks' 102M model with heads of 32 so that the tiny model's rotary frequencies carry over;
 vocabulary 500, so 90M parameters): extra heads, FFN units, hidden dimensions and layers whose
@@ -22,9 +24,11 @@ model samples (checked: logits within 1e-4). What speculation does to a real mod
 trained on such a task is between the two tasks here.
 
 Measured per (model, task, concurrency c): c prompts, one sample each, temperature 1, up to
---new-tokens tokens (the answer ends at <|im_end|>), vLLM with and without n-gram speculation
-(K = 4, lookup 1-3), each engine in a process of its own, after a warm-up; tokens/s is generated tokens / wall time, the median of
---repeats; acceptance is vLLM's accepted / proposed tokens. Printed: both rates, their ratio and
+--new-tokens tokens (--long-tokens on the long task; the answer ends at <|im_end|>), vLLM without
+speculation, with n-gram speculation (K = 4, lookup 1-3, at any concurrency) and with `auto` (off
+below 90M parameters; n-gram K = 4 at <= 16 sequences in flight and none above), each engine in a
+process of its own, the engines' order rotated between models, after a warm-up; tokens/s is generated tokens / wall time, the median of
+--repeats; acceptance is vLLM's accepted / proposed tokens. Printed: each side's rate, its ratio to plain and
 the acceptance. On a shared machine the figures are noisy: compare ratios of one run only.
 """
 from __future__ import annotations
@@ -58,6 +62,14 @@ def chat(kind: str, rng: random.Random):
     if kind == "arith":
         return (f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n",
                 f"The answer is {a + b}.<|im_end|>")
+    if kind == "long":  # a report on three looked-up facts: new words, restated facts, then a summary
+        f1, f2, f3 = rng.sample(FACTS, 3)
+        notes = f"1: {f1}\n2: {f2}\n3: {f3}"
+        return (f"<|im_start|>user\nReport on facts {a}, {b} and {a + b}.<|im_end|>\n<|im_start|>assistant\n"
+                f"<tool_call>lookup {a} {b} {a + b}</tool_call><|im_end|>\n<|im_start|>tool\n{notes}<|im_end|>\n"
+                "<|im_start|>assistant\n",
+                f"Here is my report on the three facts. The first one is that {f1}. Next, the tool found that "
+                f"{f2}. Last of all, {f3}. So in short: {f1}; {f2}; and {f3}. That is all I found.<|im_end|>")
     fact = rng.choice(FACTS)
     return (f"<|im_start|>user\nLook up fact {a}.<|im_end|>\n<|im_start|>assistant\n<tool_call>lookup {a}"
             f"</tool_call><|im_end|>\n<|im_start|>tool\n{fact}<|im_end|>\n<|im_start|>assistant\n",
@@ -65,7 +77,7 @@ def chat(kind: str, rng: random.Random):
 
 
 def train_tiny(folder: Path, steps: int) -> Path:
-    """The tiny Llama, fine-tuned on both tasks' answers (loss on the answer tokens)."""
+    """The tiny Llama, fine-tuned on the three tasks' answers (loss on the answer tokens)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +92,7 @@ def train_tiny(folder: Path, steps: int) -> Path:
     rng = random.Random(0)
     start = time.perf_counter()
     for step in range(steps):
-        rows = [chat("arith" if i % 2 else "tool", rng) for i in range(16)]
+        rows = [chat(("arith", "tool", "long")[i % 3], rng) for i in range(18)]
         ids = [tok(q + r, add_special_tokens=False)["input_ids"] for q, r in rows]
         lens = [len(tok(q, add_special_tokens=False)["input_ids"]) for q, _ in rows]
         width = max(map(len, ids))
@@ -196,16 +208,19 @@ def measure(path: Path, engine: str, tasks, levels, a) -> dict:
     from verl_hpc.rollout.spec import default_spec
 
     tok = AutoTokenizer.from_pretrained(path)
-    args = default_engine_args("vllm", max_prompt_length=128, max_response_length=a.new_tokens)
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
-    e = VLLMRollout(str(path), max_num_seqs=max(levels), disable_log_stats=False,
-                    speculative=ngram if engine == "ngram" else None, **args)
+    args = default_engine_args("vllm", max_prompt_length=128, max_response_length=max(a.new_tokens, a.long_tokens))
+    args["max_prompt_length"] = 256  # the long task's prompt holds three facts
+    spec_cfg = {"plain": None, "auto": SpeculativeConfig(method="auto"),
+                "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
+                                           prompt_lookup_max=3)}[engine]
+    e = VLLMRollout(str(path), max_num_seqs=max(levels), disable_log_stats=False, speculative=spec_cfg, **args)
     out = {}
     for task in tasks:
         rng = random.Random(5)
         for c in levels:
             prompts = [tok(chat(task, rng)[0], add_special_tokens=False)["input_ids"] for _ in range(c)]
-            spec = default_spec(temperature=1.0, max_tokens=a.new_tokens, n=1, seed=c)
+            spec = default_spec(temperature=1.0, max_tokens=a.long_tokens if task == "long" else a.new_tokens,
+                                n=1, seed=c)
             e.generate(prompts[:2], default_spec(temperature=1.0, max_tokens=4, n=1))  # warm-up
             before, rates = accepted(e), []
             for _ in range(a.repeats):
@@ -222,7 +237,8 @@ def run_child(path: Path, engine: str, a) -> dict:
     """measure() in a process of its own: two vLLM engines in one process disturb each other (the
     second's CPU worker rebinds the process's threads; the first ran 4-10x slower beside it)."""
     cmd = [sys.executable, __file__, "--child", f"{path}:{engine}", "--tasks", a.tasks, "--concurrency",
-           a.concurrency, "--new-tokens", str(a.new_tokens), "--repeats", str(a.repeats), "--threads", str(a.threads)]
+           a.concurrency, "--new-tokens", str(a.new_tokens), "--long-tokens", str(a.long_tokens), "--repeats",
+           str(a.repeats), "--threads", str(a.threads)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -233,9 +249,14 @@ def run_child(path: Path, engine: str, a) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="tiny,102m", help="comma list of tiny, 102m")
-    ap.add_argument("--tasks", default="arith,tool", help="comma list of arith, tool")
-    ap.add_argument("--concurrency", default="1,4,16", help="sequences in flight (comma list)")
+    ap.add_argument("--tasks", default="arith,tool,long", help="comma list of arith, tool, long")
+    ap.add_argument("--engines", default="ngram,auto", help="speculating sides, each against plain: ngram (K = 4 "
+                    "at any concurrency), auto (rollout.speculative.method = auto: what a job gets)")
+    ap.add_argument("--concurrency", default="1,4,16,64,128", help="sequences in flight (comma list; 128: the "
+                    "tool demo's 16 prompts x 8)")
     ap.add_argument("--new-tokens", type=int, default=64, help="at most (a tool answer is about 60 tokens)")
+    ap.add_argument("--long-tokens", type=int, default=256, help="at most, the long task (its report is about "
+                    "490 tokens; the tiny model has 512 positions)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--train-steps", type=int, default=300, help="fine-tuning steps of the tiny model")
     ap.add_argument("--work", default="", help="folder for the models (kept between runs; default: a temporary one)")
@@ -256,24 +277,30 @@ def main(argv=None) -> None:
         path, engine = a.child.rsplit(":", 1)
         print("RESULT " + json.dumps(measure(Path(path), engine, tasks, levels, a)), flush=True)
         return
-    tiny = train_tiny(work / "tiny", a.train_steps)
+    tiny = train_tiny(work / "tiny3", a.train_steps)  # tiny3: fine-tuned on the three tasks
+    engines = ["plain", *a.engines.split(",")]
     rows = []
-    for shape in a.shapes.split(","):
-        path = tiny if shape == "tiny" else widen(tiny, work / "102m")
-        # alternating which engine runs first from one model to the next
-        order = ("plain", "ngram") if shape == a.shapes.split(",")[0] else ("ngram", "plain")
+    for i, shape in enumerate(a.shapes.split(",")):
+        path = tiny if shape == "tiny" else widen(tiny, work / "102m3")
+        # the engines' order rotated from one model to the next: none always runs first
+        order = engines[i % len(engines):] + engines[:i % len(engines)]
         got = {engine: run_child(path, engine, a) for engine in order}
         for task in tasks:
             for c in levels:
                 key = f"{task} {c}"
-                plain, fast = (statistics.median(got[e][key]["rates"]) for e in ("plain", "ngram"))
-                rows.append((shape, task, c, plain, fast, fast / plain, got["ngram"][key]["acceptance"]))
-                print(f"  {shape:>5} {task:>5} c={c:<4} plain {plain:8.1f} tok/s  ngram {fast:8.1f} tok/s  "
-                      f"ratio {fast / plain:5.2f}  acceptance {rows[-1][-1]:.2f}", flush=True)
-    print("\n| model | task | sequences in flight | plain tok/s | n-gram tok/s | ratio | acceptance |")
-    print("|---|---|---|---|---|---|---|")
-    for name, task, c, plain, fast, ratio, acc in rows:
-        print(f"| {name} | {task} | {c} | {plain:.0f} | {fast:.0f} | {ratio:.2f} | {acc:.2f} |")
+                rate = {e: statistics.median(got[e][key]["rates"]) for e in engines}
+                rows.append((shape, task, c, rate, {e: got[e][key]["acceptance"] for e in engines[1:]}))
+                print(f"  {shape:>5} {task:>5} c={c:<4} " + "  ".join(
+                    f"{e} {rate[e]:7.1f} tok/s" + (f" ({rate[e] / rate['plain']:.2f}x, acceptance "
+                                                   f"{rows[-1][-1][e]:.2f})" if e != "plain" else "")
+                    for e in engines), flush=True)
+    others = engines[1:]
+    print("\n| model | task | sequences in flight | plain tok/s | " +
+          " | ".join(f"{e} tok/s | {e} ratio | {e} acceptance" for e in others) + " |")
+    print("|---|---|---|---|" + "---|---|---|" * len(others))
+    for name, task, c, rate, acc in rows:
+        print(f"| {name} | {task} | {c} | {rate['plain']:.0f} | " + " | ".join(
+            f"{rate[e]:.0f} | {rate[e] / rate['plain']:.2f} | {acc[e]:.2f}" for e in others) + " |")
     print("load average at end: %.1f %.1f %.1f" % os.getloadavg())
 
 
