@@ -4,6 +4,8 @@ auto rule; the HF rollout refuses by name."""
 import json
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.sections.speculative import SpeculativeConfig, parse_schedule
@@ -63,9 +65,11 @@ def test_each_refusal_names_its_field(overrides, wanted):
     assert any(wanted in p for p in found), found
 
 
-def _folder(path, **config):
+def _folder(path, weights=True, **config):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
+    if weights:  # a placeholder tensor: the checks read the folder's config and its files' kinds
+        save_file({"w": torch.zeros(1)}, str(path / "model.safetensors"))
     return str(path)
 
 
@@ -81,6 +85,13 @@ def test_folder_checks_mtp_layers_and_the_draft_models_vocabulary(tmp_path):
     other = _folder(tmp_path / "draft", model_type="llama", vocab_size=800)
     cfg = load_config(None, [*BASE, f"model.path={policy}", f"{S}method=draft_model", f"{S}draft_model_path={other}"])
     assert "has vocab_size 800, the policy (model.path) 500" in cfg.rollout.speculative.folder_problems(cfg)[0]
+    # the drafter is re-sent from its safetensors after every sync: a folder of .bin files only is refused
+    old = _folder(tmp_path / "draft_bin", weights=False, model_type="llama", vocab_size=500)
+    torch.save({"w": torch.zeros(1)}, f"{old}/pytorch_model.bin")
+    cfg.rollout.speculative.draft_model_path = old
+    assert "holds no *.safetensors file" in cfg.rollout.speculative.folder_problems(cfg)[0]
+    save_file({"w": torch.zeros(1)}, f"{old}/model.safetensors")
+    assert cfg.rollout.speculative.folder_problems(cfg) == []
     cfg.rollout.speculative.draft_model_path = str(tmp_path / "missing")
     assert "no readable config.json" in cfg.rollout.speculative.folder_problems(cfg)[0]
 
@@ -132,20 +143,32 @@ def test_vllm_speculative_config_from_the_section(tmp_path):
 
 
 def test_auto_follows_the_measured_rule_and_says_why(tmp_path, caplog):
+    """n-gram in multi-turn episodes on CPU at the measured sizes, with a schedule that stops it above
+    the measured concurrency; off for single-turn jobs, smaller or unknown models and on GPUs; the
+    choice logged once; a job's multi_turn switch reaches the engine (trainer/roles.py's options)."""
     big, small = speculative.AUTO_MIN_PARAMS, speculative.AUTO_MIN_PARAMS - 1
-    assert auto_choice(small, gpu=False)[0] == "off" and auto_choice(None, gpu=False)[0] == "off"
-    assert auto_choice(big, gpu=True)[0] == "off"
-    method, why = auto_choice(big, gpu=False)
+    for gpu, episodes, params in ((False, False, big), (True, True, big), (False, True, small), (False, True, None)):
+        assert auto_choice(gpu, episodes, params)[0] == "off", (gpu, episodes, params)
+    method, why = auto_choice(False, True, big)
     assert method == "ngram" and f"<= {speculative.AUTO_MAX_CONCURRENCY} sequences" in why
     path = _folder(tmp_path / "m", model_type="llama", vocab_size=500)
+    auto = SpeculativeConfig(method="auto")
     with caplog.at_level("INFO", logger="verl_hpc.rollout.speculative"):
-        got = vllm_speculative_config(SpeculativeConfig(method="auto"), model_path=path, gpu=False, params=big)
-        vllm_speculative_config(SpeculativeConfig(method="auto"), model_path=path, gpu=False, params=big)
+        got = vllm_speculative_config(auto, model_path=path, gpu=False, episodes=True, params=big)
+        vllm_speculative_config(auto, model_path=path, gpu=False, episodes=True, params=big)
     c = speculative.AUTO_MAX_CONCURRENCY
     assert got["num_speculative_tokens_per_batch_size"] == [[1, c, speculative.AUTO_TOKENS],
                                                             [c + 1, speculative.VLLM_MAX_SEQS, 0]]
+    assert got["method"] == "ngram" and got["num_speculative_tokens"] == speculative.AUTO_TOKENS
     assert sum("method = auto: ngram" in r.getMessage() for r in caplog.records) == 1  # once
-    assert vllm_speculative_config(SpeculativeConfig(method="auto"), model_path=path, gpu=False, params=small) is None
+    assert vllm_speculative_config(auto, model_path=path, gpu=False, episodes=True, params=small) is None
+    assert vllm_speculative_config(auto, model_path=path, gpu=False, episodes=False, params=big) is None
+    from verl_hpc.rollout.engine_config import engine_kwargs
+    from verl_hpc.trainer.roles import rollout_options
+
+    for episodes in (False, True):
+        cfg = load_config(None, [*BASE, f"multi_turn.enable={str(episodes).lower()}"])
+        assert engine_kwargs(rollout_options(cfg), "vllm")["episodes"] is episodes
 
 
 def test_the_hf_rollout_refuses_by_name_and_takes_auto_as_off():

@@ -2,11 +2,11 @@
 num_nextn_predict_layers with the MTP layers stored after the decoder's or not stored at all (what
 save_pretrained and `checkpoint export --hf` write) is a valid model.path; the MTP layers are never
 loaded, so the HF rollout's name check and every weight stream leave them out."""
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from model_folders import copy_saying
 from safetensors.torch import load_file, save_file
 
 from verl_hpc.config import load_config
@@ -20,14 +20,8 @@ def _with_mtp(src: Path, out: Path, *, stored_layers: int) -> Path:
     """A copy of the 2-layer tiny DeepSeek-V3 saying num_nextn_predict_layers = 1, with
     `stored_layers` extra layers stored after the decoder's (copies of the last one plus the MTP
     projection and norms, as the released checkpoints store layer 61)."""
-    out.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(config))
-    state, layers, hidden = load_file(str(src / "model.safetensors")), config["num_hidden_layers"], config["hidden_size"]
+    config, state = copy_saying(src, out, num_nextn_predict_layers=1)
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     last = f"model.layers.{layers - 1}."
     for k in range(stored_layers):
         extra = f"model.layers.{layers + k}."

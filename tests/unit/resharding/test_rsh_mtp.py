@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_folders import copy_saying
 from safetensors.torch import load_file, save_file
 
 from verl_hpc.resharding.mtp import MtpWeights, mtp_layout
@@ -29,14 +30,7 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 7) -> Path:
     values; the extras with the shapes vLLM's DeepSeekMultiTokenPredictorLayer builds (enorm, hnorm,
     shared_head.norm [hidden]; eh_proj [hidden, 2 * hidden]; shared_head.head and embed_tokens
     [vocab, hidden], the released checkpoint's copies of the head and the embedding)."""
-    out.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    config = json.loads((src / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(config))
-    state = load_file(str(src / "model.safetensors"))
+    config, state = copy_saying(src, out, num_nextn_predict_layers=1)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     gen = torch.Generator().manual_seed(seed)
     mtp = {MTP + n[len("model.layers.1."):]: torch.randn(t.shape, generator=gen) * 0.02

@@ -83,8 +83,8 @@ def arctic_inference_installed() -> bool:
 
 @dataclass
 class SpeculativeConfig(Section):
-    method: str = opt("off", "off | auto (n-gram where it was measured to pay: at or below a number of sequences in "
-                             "flight and above a model size, off elsewhere; docs/speculative.md) | ngram (prompt "
+    method: str = opt("off", "off | auto (n-gram where it was measured to pay: multi-turn episodes on CPU, at or below "
+                             "a number of sequences in flight; off elsewhere; docs/speculative.md) | ngram (prompt "
                              "lookup, no weights) | suffix (needs arctic-inference) | draft_model (a smaller model "
                              "of the same vocabulary: draft_model_path, frozen; or draft_layers, the policy's "
                              "first layers, kept in step) | mtp (the model's multi-token-prediction layers, "
@@ -217,6 +217,10 @@ def draft_model_problems(draft: str, policy: str, field: str) -> List[str]:
     config = read_config(draft)
     if config is None:
         return [f"{field} = '{draft}': no readable config.json there (a Hugging Face model folder)"]
+    if not any(Path(draft).glob("*.safetensors")):
+        # every weight sync re-sends the drafter's tensors from this folder, read as safetensors
+        return [f"{field} = '{draft}' holds no *.safetensors file: the drafter is re-sent from its safetensors "
+                "after every weight sync; valid: a folder saved with save_pretrained(safe_serialization=True)"]
     target = read_config(policy) if policy else None
     if target is None:
         return []
