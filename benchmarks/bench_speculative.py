@@ -25,9 +25,11 @@ trained on such a task is between the two tasks here.
 
 Measured per (model, task, concurrency c): c prompts, one sample each, temperature 1, up to
 --new-tokens tokens (--long-tokens on the long task; the answer ends at <|im_end|>), vLLM without
-speculation, with n-gram speculation (K = 4, lookup 1-3, at any concurrency) and with `auto` (off
-below 90M parameters; n-gram K = 4 at <= 16 sequences in flight and none above), each engine in a
-process of its own, the engines' order rotated between models, after a warm-up; tokens/s is generated tokens / wall time, the median of
+speculation, with n-gram speculation (K = 4, lookup 1-3, at any concurrency; `ngram@2-4` another
+lookup) and with `auto` as a job gets it (the tool task's engine built as a multi-turn job's: n-gram
+K = 4 at <= 4 sequences in flight and none above; the single-turn tasks' as a single-turn job's: off,
+plain's configuration, so those rows are the run's own noise), each engine in a process of its own,
+the engines' order rotated between models, after a warm-up; tokens/s is generated tokens / wall time, the median of
 --repeats; acceptance is vLLM's accepted / proposed tokens. Printed: each side's rate, its ratio to plain and
 the acceptance. On a shared machine the figures are noisy: compare ratios of one run only.
 """
@@ -210,10 +212,15 @@ def measure(path: Path, engine: str, tasks, levels, a) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     args = default_engine_args("vllm", max_prompt_length=128, max_response_length=max(a.new_tokens, a.long_tokens))
     args["max_prompt_length"] = 256  # the long task's prompt holds three facts
-    spec_cfg = {"plain": None, "auto": SpeculativeConfig(method="auto"),
-                "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1,
-                                           prompt_lookup_max=3)}[engine]
-    e = VLLMRollout(str(path), max_num_seqs=max(levels), disable_log_stats=False, speculative=spec_cfg, **args)
+    if engine.startswith("ngram"):  # ngram: the section's lookup (1 to 3 tokens); ngram@MIN-MAX another
+        low, high = map(int, engine.split("@")[1].split("-")) if "@" in engine else (1, 3)
+        spec_cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=low,
+                                     prompt_lookup_max=high)
+    else:  # auto@episodes: what a multi-turn job's engine gets (the tool task's), auto a single-turn one's
+        spec_cfg = {"plain": None, "auto": SpeculativeConfig(method="auto"),
+                    "auto@episodes": SpeculativeConfig(method="auto")}[engine]
+    e = VLLMRollout(str(path), max_num_seqs=max(levels), disable_log_stats=False, speculative=spec_cfg,
+                    episodes=engine == "auto@episodes", **args)
     out = {}
     for task in tasks:
         rng = random.Random(5)
@@ -244,6 +251,17 @@ def run_child(path: Path, engine: str, a) -> dict:
     if done.returncode or not lines:
         raise SystemExit(f"{engine} on {path} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def auto_sides(path: Path, a, tasks) -> dict:
+    """The auto column: the tool task's rows from an engine built as a multi-turn job builds it (the
+    task is the tool demo's episodes), the single-turn tasks' from one built as their jobs build it."""
+    got = {}
+    single, episodes = [t for t in tasks if t != "tool"], [t for t in tasks if t == "tool"]
+    for engine, mine in (("auto", single), ("auto@episodes", episodes)):
+        if mine:
+            got.update(run_child(path, engine, argparse.Namespace(**{**vars(a), "tasks": ",".join(mine)})))
+    return got
 
 
 def main(argv=None) -> None:
@@ -284,7 +302,8 @@ def main(argv=None) -> None:
         path = tiny if shape == "tiny" else widen(tiny, work / "102m3")
         # the engines' order rotated from one model to the next: none always runs first
         order = engines[i % len(engines):] + engines[:i % len(engines)]
-        got = {engine: run_child(path, engine, a) for engine in order}
+        got = {engine: auto_sides(path, a, tasks) if engine == "auto" else run_child(path, engine, a)
+               for engine in order}
         for task in tasks:
             for c in levels:
                 key = f"{task} {c}"

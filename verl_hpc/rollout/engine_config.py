@@ -23,6 +23,7 @@ class RolloutOptions:
     collective_timeout_s: int  # trainer.collective_timeout_s
     split: bool  # placement.split
     lora_rank: int  # the rank of vLLM's LoRA slot: lora.rank when the job syncs the adapter only, else 0
+    episodes: bool = False  # multi_turn.enable: responses that copy tool output (rollout.speculative auto)
 
 
 def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
@@ -46,7 +47,7 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                       chunked_prefill=r.chunked_prefill(gpu), max_num_batched_tokens=r.max_num_batched_tokens,
                       # level 2 drops the base weights, which the adapter sync never sends again
                       sleep_level=1 if o.lora_rank else r.sleep_level,
-                      lora_rank=o.lora_rank)
+                      lora_rank=o.lora_rank, episodes=o.episodes)
     return kwargs
 
 

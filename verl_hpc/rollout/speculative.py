@@ -9,11 +9,12 @@ when few sequences are in flight (decoding is bound by reading the weights) and 
 (it multiplies the compute); it is worth it only when proposals are accepted.
 
 `auto` (written here once; the engine calls it): on CPU, n-gram speculation where
-benchmarks/bench_speculative.py measured it to pay, i.e. models of at least AUTO_MIN_PARAMS
-parameters, and only while at most AUTO_MAX_CONCURRENCY sequences are in flight (a vLLM schedule
-with K = 0 above that, so a large batch speculates in its tail); off for smaller models, where the
-proposer's and the verify positions' cost is larger than the saved steps. Off on GPUs: not measured
-there by this project.
+benchmarks/bench_speculative.py measured it to pay: in multi-turn episodes (multi_turn.enable), whose
+responses copy the tool output in their context, and only while at most AUTO_MAX_CONCURRENCY sequences
+are in flight (a vLLM schedule with K = 0 above that, so a large batch speculates in its tail). Off
+for single-turn jobs: whether a response copies its prompt is not known before it is written, and
+where it does not (the arithmetic task) every proposal is rejected and the verify positions are paid
+for nothing. Off on GPUs: not measured there by this project.
 """
 from __future__ import annotations
 
@@ -26,31 +27,35 @@ from verl_hpc.config.sections.speculative import (arctic_inference_installed, dr
 
 log = logging.getLogger(__name__)
 
-# The auto rule's two numbers, from benchmarks/bench_speculative.py on the 2-core CPU machine
-# (docs/benchmarks.md, "Speculative decoding"): at 90M parameters n-gram speculation (K = 4) ran the
-# tool task 2.0-2.9x faster at 1-16 sequences in flight and the arithmetic task (no proposal ever
-# accepted) within noise of plain; at the tiny 0.4M model it lost 25-52% on arithmetic at every
-# concurrency and paid on the tool task at 1 sequence only. Nothing above 16 sequences was measured,
-# so the schedule turns speculation off there; the size threshold is the smallest size it paid at.
+# The auto rule, from benchmarks/bench_speculative.py on the 2-core CPU machine (docs/benchmarks.md,
+# "Speculative decoding"; one thread, after the n-gram thread fix of rollout/vllm_cpu_spec.py). n-gram
+# with K = 4 against plain, at the 0.4M and 90M models: the tool task 1.7-2.4x at 1-4 sequences in
+# flight, 0.87-0.96x at 16 and 128; the arithmetic task, nothing to copy, 0.55-0.85x at 1-128 (its
+# answers' digits match the prompt's by chance, so proposals are made and rejected); long single-turn
+# reports 1.2-2.1x at 1-4 and 0.59-0.61x at 128. The model's size did not move the crossover.
 AUTO_MIN_PARAMS = 90_000_000
-AUTO_MAX_CONCURRENCY = 16
+AUTO_MAX_CONCURRENCY = 4
 AUTO_TOKENS = 4
-AUTO_WHY = ("n-gram was measured to pay on CPU at 90M parameters and <= 16 sequences in flight "
-            "(tool task 2.0-2.9x), and to lose at the 0.4M demo model (0.48-0.75x on arithmetic)")
+AUTO_WHY = ("n-gram was measured on CPU at 0.4M and 90M parameters: 1.7-2.4x on the tool task at 1-4 sequences "
+            "in flight, 0.87-0.96x at 16 and more, 0.55-0.85x on a task whose responses copy nothing")
 VLLM_MAX_SEQS = 1 << 20  # the schedule's last range: any number of sequences above the switch
 _logged = set()
 
 
-def auto_choice(params: Optional[int], gpu: bool) -> Tuple[str, str]:
-    """(method, why) of method = auto for a policy of `params` parameters (None: unknown)."""
+def auto_choice(gpu: bool, episodes: bool, params: Optional[int]) -> Tuple[str, str]:
+    """(method, why) of method = auto on a rank with (`gpu`) or without a GPU, for a job that rolls
+    out multi-turn episodes (`episodes`) or single-turn responses, of a policy of `params` parameters
+    (None: unknown)."""
     if gpu:
         return "off", "not measured on a GPU by this project"
+    if not episodes:
+        return "off", f"single-turn responses (multi_turn.enable = false): {AUTO_WHY}"
     if params is None:
         return "off", "the model's size is unknown"
     if params < AUTO_MIN_PARAMS:
         return "off", f"{params / 1e6:.1f}M parameters < {AUTO_MIN_PARAMS / 1e6:g}M: {AUTO_WHY}"
-    return "ngram", (f"{params / 1e6:.1f}M parameters on CPU, K = {AUTO_TOKENS} at <= {AUTO_MAX_CONCURRENCY} "
-                     f"sequences in flight, none above: {AUTO_WHY}")
+    return "ngram", (f"multi-turn episodes, {params / 1e6:.1f}M parameters on CPU, K = {AUTO_TOKENS} at <= "
+                     f"{AUTO_MAX_CONCURRENCY} sequences in flight, none above: {AUTO_WHY}")
 
 
 def model_params(model_path: str) -> Optional[int]:
@@ -63,17 +68,19 @@ def model_params(model_path: str) -> Optional[int]:
         return None
 
 
-def vllm_speculative_config(s, *, model_path: str, gpu: bool, params: Optional[int] = None,
-                            rank: int = 0, drafter: Optional[str] = None) -> Optional[dict]:
+def vllm_speculative_config(s, *, model_path: str, gpu: bool, episodes: bool = False,
+                            params: Optional[int] = None, rank: int = 0,
+                            drafter: Optional[str] = None) -> Optional[dict]:
     """vLLM's `speculative_config` for the section `s` (None: no speculation). Raises ConfigError,
     naming the field, for a method this machine or model cannot take (the config's checks say the
     same before the queue; this covers engines built without them). `drafter`: the folder the engine
-    wrote for draft_layers (rollout/draft_sync.py), the draft model then."""
+    wrote for draft_layers (rollout/draft_sync.py), the draft model then. `episodes`: the job rolls out
+    multi-turn episodes (auto's rule)."""
     method = s.method if s is not None else "off"
     schedule = list(s.schedule) if s is not None else []
     tokens = s.num_speculative_tokens if s is not None else AUTO_TOKENS
     if method == "auto":
-        method, why = auto_choice(params if params is not None else model_params(model_path), gpu)
+        method, why = auto_choice(gpu, episodes, params if params is not None else model_params(model_path))
         if rank == 0 and model_path not in _logged:  # once per engine, not per generate call
             _logged.add(model_path)
             log.info("rollout.speculative.method = auto: %s (%s)", method, why)

@@ -101,7 +101,8 @@ class VLLMRollout(RolloutEngine):
                  sleep_level: int = 1, tokenizer_path: str | None = None,
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
-                 max_num_batched_tokens: int = 0, speculative=None, ctx=None, **engine_kwargs):
+                 max_num_batched_tokens: int = 0, speculative=None, episodes: bool = False, ctx=None,
+                 **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
         self.vision = is_vision_language(folder_config)
@@ -181,8 +182,8 @@ class VLLMRollout(RolloutEngine):
                                                         impl=impl)
         # rollout.speculative: vLLM's speculative_config (None: off); refused here by name where the
         # machine or model cannot take the method (rollout/speculative.py)
-        spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, rank=layout.rank,
-                                       drafter=self._drafter and self._drafter.folder)
+        spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, episodes=episodes,
+                                       rank=layout.rank, drafter=self._drafter and self._drafter.folder)
         # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
         # trainer's rollout/spec_* metrics); None: this engine does not speculate
         self._spec_counts = SpecCounts() if spec is not None else None

@@ -258,7 +258,7 @@ def rollout_options(cfg) -> RolloutOptions:
     return RolloutOptions(rollout=r, model=cfg.model, max_prompt_length=cfg.data.max_prompt_length,
                           window=r.window(cfg), max_num_seqs=r.max_num_seqs(cfg),
                           collective_timeout_s=cfg.trainer.collective_timeout_s, split=cfg.placement.split,
-                          lora_rank=lora_slot_rank(cfg))
+                          lora_rank=lora_slot_rank(cfg), episodes=cfg.multi_turn.enable)
 
 
 def build_agents(cfg, ctx, rollout, tokenizer):
