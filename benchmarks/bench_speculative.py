@@ -27,8 +27,9 @@ Measured per (model, task, concurrency c): c prompts, one sample each, temperatu
 --new-tokens tokens (--long-tokens on the long task; the answer ends at <|im_end|>), vLLM without
 speculation, with n-gram speculation (K = 4, lookup 1-3, at any concurrency; `ngram@2-4` another
 lookup) and with `auto` as a job gets it (the tool task's engine built as a multi-turn job's: n-gram
-K = 4 at <= 4 sequences in flight and none above; the single-turn tasks' as a single-turn job's: off,
-plain's configuration, so those rows are the run's own noise), each engine in a process of its own,
+K = 4 at <= 4 sequences in flight and none above, at >= 90M parameters; the single-turn tasks' as a
+single-turn job's, and every task's at the tiny model: off, plain's configuration, so those rows are
+the run's own noise), each engine in a process of its own,
 the engines' order rotated between models, after a warm-up; tokens/s is generated tokens / wall time, the median of
 --repeats; acceptance is vLLM's accepted / proposed tokens. Printed: each side's rate, its ratio to plain and
 the acceptance. On a shared machine the figures are noisy: compare ratios of one run only.

@@ -10,11 +10,13 @@ when few sequences are in flight (decoding is bound by reading the weights) and 
 
 `auto` (written here once; the engine calls it): on CPU, n-gram speculation where
 benchmarks/bench_speculative.py measured it to pay: in multi-turn episodes (multi_turn.enable), whose
-responses copy the tool output in their context, and only while at most AUTO_MAX_CONCURRENCY sequences
-are in flight (a vLLM schedule with K = 0 above that, so a large batch speculates in its tail). Off
-for single-turn jobs: whether a response copies its prompt is not known before it is written, and
-where it does not (the arithmetic task) every proposal is rejected and the verify positions are paid
-for nothing. Off on GPUs: not measured there by this project.
+responses copy the tool output in their context, with a policy of at least AUTO_MIN_PARAMS
+parameters, and only while at most AUTO_MAX_CONCURRENCY sequences are in flight (a vLLM schedule with
+K = 0 above that, so a large batch speculates in its tail). Off for single-turn jobs: whether a
+response copies its prompt is not known before it is written, and where it does not (the arithmetic
+task) every proposal is rejected and the verify positions are paid for nothing. Off for smaller
+models, where the speculating engine's per-step bookkeeping costs more than the forward. Off on GPUs:
+not measured there by this project.
 """
 from __future__ import annotations
 
@@ -28,16 +30,19 @@ from verl_hpc.config.sections.speculative import (arctic_inference_installed, dr
 log = logging.getLogger(__name__)
 
 # The auto rule, from benchmarks/bench_speculative.py on the 2-core CPU machine (docs/benchmarks.md,
-# "Speculative decoding"; one thread, after the n-gram thread fix of rollout/vllm_cpu_spec.py). n-gram
-# with K = 4 against plain, at the 0.4M and 90M models: the tool task 1.7-2.4x at 1-4 sequences in
-# flight, 0.87-0.96x at 16 and 128; the arithmetic task, nothing to copy, 0.55-0.85x at 1-128 (its
-# answers' digits match the prompt's by chance, so proposals are made and rejected); long single-turn
-# reports 1.2-2.1x at 1-4 and 0.59-0.61x at 128. The model's size did not move the crossover.
+# "Speculative decoding"; one thread per engine, after the n-gram thread fix of vllm_cpu_spec.py).
+# n-gram with K = 4 against plain: the tool task 1.7-2.9x at 1-4 sequences in flight at 0.4M and 90M,
+# 0.87-1.25x at 16 and 128; arithmetic, nothing to copy, 0.55-0.85x at 1-128 at both sizes (its
+# answers' digits match the prompt's by chance: proposals made and rejected). With this rule's
+# schedule, at 90M: 2.41x / 2.39x at 1 / 4, 0.99x / 1.19x at 16 / 128; the same schedule at 0.4M
+# lost 30% at 16 and 128, where it proposes nothing. Between the two sizes nothing was measured: the
+# threshold is the smallest size it paid at.
 AUTO_MIN_PARAMS = 90_000_000
 AUTO_MAX_CONCURRENCY = 4
 AUTO_TOKENS = 4
-AUTO_WHY = ("n-gram was measured on CPU at 0.4M and 90M parameters: 1.7-2.4x on the tool task at 1-4 sequences "
-            "in flight, 0.87-0.96x at 16 and more, 0.55-0.85x on a task whose responses copy nothing")
+AUTO_WHY = ("measured on CPU: n-gram 1.7-2.9x on the tool task at 1-4 sequences in flight, 0.87-1.25x at 16 and "
+            "more, 0.55-0.85x on a task whose responses copy nothing; at 0.4M parameters an engine built to "
+            "speculate lost 30% where it proposed nothing")
 VLLM_MAX_SEQS = 1 << 20  # the schedule's last range: any number of sequences above the switch
 _logged = set()
 

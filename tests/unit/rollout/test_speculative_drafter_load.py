@@ -56,7 +56,8 @@ def test_the_head_refresh_runs_for_a_tied_drafter_on_cpu_only(calls, monkeypatch
 def test_unfilled_parameters_are_returned_less_the_ones_an_mtp_drafter_shares(calls, monkeypatch):
     monkeypatch.setattr(vllm_compat, "has_gpu", lambda: False)
     only_proj = [("proj.weight", torch.zeros(2, 2))]
-    assert vllm_drafter.load_into_drafter(worker(Drafter()), only_proj, tied=False, mtp=False) == ["embed_tokens.weight"]
+    unfilled = vllm_drafter.load_into_drafter(worker(Drafter()), only_proj, tied=False, mtp=False)
+    assert unfilled == ["embed_tokens.weight"]
     # the embedding is the target's module in vLLM's MTP drafter: not expected loaded
     assert vllm_drafter.load_into_drafter(worker(Drafter()), only_proj, tied=False, mtp=True) == []
 

@@ -83,11 +83,12 @@ def arctic_inference_installed() -> bool:
 
 @dataclass
 class SpeculativeConfig(Section):
-    method: str = opt("off", "off | auto (n-gram where it was measured to pay: multi-turn episodes on CPU, at or below "
-                             "a number of sequences in flight; off elsewhere; docs/speculative.md) | ngram (prompt "
-                             "lookup, no weights) | suffix (needs arctic-inference) | draft_model (a smaller model "
-                             "of the same vocabulary: draft_model_path, frozen; or draft_layers, the policy's "
-                             "first layers, kept in step) | mtp (the model's multi-token-prediction layers, "
+    method: str = opt("off", "off | auto (n-gram where it was measured to pay: multi-turn episodes on CPU, above "
+                             "a model size, at or below a number of sequences in flight; off elsewhere; "
+                             "docs/speculative.md) | ngram (prompt lookup, no weights) | suffix (needs "
+                             "arctic-inference) | draft_model (a smaller model of the same vocabulary: "
+                             "draft_model_path, frozen; or draft_layers, the policy's first layers, kept in "
+                             "step) | mtp (the model's multi-token-prediction layers, "
                              "DeepSeek-V3 family, GPU)", choices=METHODS)
     num_speculative_tokens: int = opt(4, "tokens proposed per step (the most, under a schedule)",
                                       check=f"[1, {MAX_SPEC_TOKENS}]")
