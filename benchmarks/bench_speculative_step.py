@@ -4,7 +4,8 @@ step's seconds from the job's own timers (timing_s/generate, timing_s/step in me
 
     make demo-tool                                      # once: the warm start outputs/demo_tool/sft/hf
     python benchmarks/bench_speculative_step.py         # tiny model, off vs ngram, 4 steps
-    python benchmarks/bench_speculative_step.py --widen --steps 3 --set data.train_batch_size=4 rollout.n=4
+    python benchmarks/bench_speculative_step.py --widen --methods off,auto --steps 8 \
+        --set data.train_batch_size=4 rollout.n=4 actor.ppo_mini_batch_size=4 actor.micro_batch_size=16
 
 The job: configs/demo_tool.yaml (GRPO over multi-turn episodes: a model turn, the calculator's turn,
 a model turn that copies the tool's output; 16 prompts x 8 samples, up to 100 tokens a turn) from the
