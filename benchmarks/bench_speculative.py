@@ -218,8 +218,7 @@ def measure(path: Path, engine: str, tasks, levels, a) -> dict:
         spec_cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=low,
                                      prompt_lookup_max=high)
     else:  # auto@episodes: what a multi-turn job's engine gets (the tool task's), auto a single-turn one's
-        spec_cfg = {"plain": None, "auto": SpeculativeConfig(method="auto"),
-                    "auto@episodes": SpeculativeConfig(method="auto")}[engine]
+        spec_cfg = None if engine == "plain" else SpeculativeConfig(method="auto")
     e = VLLMRollout(str(path), max_num_seqs=max(levels), disable_log_stats=False, speculative=spec_cfg,
                     episodes=engine == "auto@episodes", **args)
     out = {}
