@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 # (jemalloc) thread at import, and a process with threads is not one to fork from.
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.distributed",
-           "megatron.core.optimizer", "verl_hpc.runtime", "verl_hpc.engines.megatron.engine")
+           "megatron.core.optimizer", "verl_hpc.runtime", "verl_hpc.engines.megatron.engine",
+           "heap_frozen")  # last: freezes what the others imported (tests/heap_frozen.py)
 
 
 def _rank_env(rank: int, world_size: int, port: int, log_level: str) -> Dict[str, str]:

@@ -27,6 +27,10 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("sp_job") / "model", "llama", layers=2, max_positions=4096)
 
 
+# a chain of two 2-rank launches with 2,048-token rollouts (about 110 s of a worker): make test-long.
+# make test keeps the sequence-parallel numerics at 4 ranks (tests/dist/engines/test_fsdp_sp.py) and
+# fsdp.sp's checks before the queue (tests/unit/planning, tests/unit/config)
+@pytest.mark.long
 def test_grpo_at_sp2_equals_sp1(tiny_assets, model, tmp_path):
     runs = {}
     for sp in (1, 2):

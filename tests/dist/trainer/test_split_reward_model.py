@@ -15,7 +15,9 @@ def _rows(out):
     return [r for r in rows if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
 
 
-@pytest.mark.parametrize("kind", ["scorer", "judge"])
+# the scorer's launch is in make test-long (a second 2-rank launch, 40 s): make test keeps the judge's,
+# which runs the same training-side scoring path; a scorer model's job is tests/jobs/test_reward_model_job.py
+@pytest.mark.parametrize("kind", [pytest.param("scorer", marks=pytest.mark.long), "judge"])
 def test_split_job_scores_with_the_reward_model_on_the_training_side(tiny_assets, tmp_path, kind):
     from verl_hpc.models.tiny_reward import make_tiny_classifier
 
