@@ -61,11 +61,11 @@ def pytest_itemcollected(item):
 
 @pytest.fixture(autouse=True)
 def _heap_frozen():
-    """Collect, then freeze, what the worker holds before each test. vLLM calls for a full garbage
-    collection five times when it builds an engine (and the rollout's shutdown and the job's end once
-    each): in a worker that has imported torch, transformers, Megatron-Core and vLLM, each walks about
-    a million objects, 0.5 s of CPU, and a job module of seven in-process vLLM jobs spent 28 s of its
-    48 in them. Frozen objects are left out of the cyclic collector's walks (they are still freed
+    """Collect, then freeze, what the worker holds before each test. vLLM asks for a full garbage
+    collection three times while it builds an engine and twice when it shuts one down, the rollout's
+    shutdown and the job's end once each: in a worker that has imported torch, transformers,
+    Megatron-Core and vLLM, each walks about a million objects, 0.5 s of CPU, and a job module of
+    seven in-process vLLM jobs spent 28 s of its 48 in them. Frozen objects are left out of the cyclic collector's walks (they are still freed
     when their last reference goes); what the test itself makes is collected as before. vLLM
     unfreezes the whole heap when it shuts an engine down: the next test freezes it again. The
     collection first, so that no garbage of an earlier test is frozen."""
