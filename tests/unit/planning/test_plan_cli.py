@@ -26,20 +26,21 @@ def run_plan(*args):
 
 
 def shipped_gpu_configs():
-    """Every configs/*.yaml job that asks for GPUs (the CPU demos do not; the bases, base*.yaml, are
-    not jobs: base_gpu_cluster.yaml asks for GPUs but names no model)."""
-    out = [p for p in sorted((REPO / "configs").glob("*.yaml"))
-           if not p.name.startswith("base") and load_config(str(p), []).slurm.gpus_per_node > 0]
-    assert {"grpo_8b.yaml", "ppo_70b.yaml"} <= {p.name for p in out}
+    """Every configs/*.yaml job that asks for GPUs, loaded, by file name (the CPU demos do not; the
+    bases, base*.yaml, are not jobs: base_gpu_cluster.yaml asks for GPUs but names no model)."""
+    loaded = {p.name: load_config(str(p), []) for p in sorted((REPO / "configs").glob("*.yaml"))
+              if not p.name.startswith("base")}
+    out = {name: cfg for name, cfg in loaded.items() if cfg.slurm.gpus_per_node > 0}
+    assert {"grpo_8b.yaml", "ppo_70b.yaml"} <= out.keys()
     return out
 
 
 def test_every_shipped_gpu_config_fits_with_headroom():
     """One test for all of them, not one per file: a parametrization would load the 29 configs while
     collecting, in each pytest-xdist worker (about 6 s of CPU each)."""
-    for config in shipped_gpu_configs():
-        plan = plan_job(load_config(str(config), []))
-        where = f"{config.name}: peak {plan.peak / 2 ** 30:.1f} GiB, limit {plan.limit / 2 ** 30:.1f} GiB, {plan.peak_phase}"
+    for name, cfg in shipped_gpu_configs().items():
+        plan = plan_job(cfg)
+        where = f"{name}: peak {plan.peak / 2 ** 30:.1f} GiB, limit {plan.limit / 2 ** 30:.1f} GiB, {plan.peak_phase}"
         assert plan.device == "gpu" and plan.limit > 70e9, where
         assert plan.fits(margin=MARGIN), where
         # the start-up rule of vLLM: what the roles keep + its budget must fit the GPU
