@@ -331,7 +331,7 @@ fi
 if [ "$NODES" = 1 ]; then
   # a multi-node cluster ran before: its namespaces, forwarders and hosts lines go
   if [ -d "$NET_RUN" ] || ip netns list 2>/dev/null | grep -q "^${NS_HEAD}\b"; then
-    stop_all_slurmd; stop_daemon slurmctld /run/slurmctld.pid; net_down; rmdir "$NET_RUN" 2>/dev/null
+    stop_all_slurmd; stop_daemon slurmctld /run/slurmctld.pid; net_down; rm -rf "$NET_RUN"  # its forwarders' logs too
     log "multi-node network removed"
   fi
   alive slurmctld /run/slurmctld.pid || spawn slurmctld

@@ -59,7 +59,7 @@ elif [ "$PURGE" = 1 ] && [ -d /var/lib/mysql/slurm_acct_db ]; then
 fi
 stop_pid munged /run/munge/munged.pid
 if [ -d "$NET_RUN" ] || ip netns list 2>/dev/null | grep -q "^${NS_HEAD}\b"; then
-  net_down && rmdir "$NET_RUN" 2>/dev/null; echo "[devcluster] removed the multi-node namespaces, links, forwarders and hosts lines"
+  net_down && rm -rf "$NET_RUN"; echo "[devcluster] removed the multi-node namespaces, links, forwarders and hosts lines"
 fi
 if [ "$PURGE" = 1 ]; then
   rm -rf /var/spool/slurmctld/* /var/spool/slurmd/*
