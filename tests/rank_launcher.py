@@ -26,6 +26,7 @@ from it); verl_hpc.launcher.local uses elastic_launch where the job is the produ
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -42,6 +43,7 @@ from unittest import mock
 from verl_hpc.runtime.local_ranks import host_store, torchrun_env, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
 # What the rank scripts import before their first step. Not the data modules: pyarrow starts a
 # (jemalloc) thread at import, and a process with threads is not one to fork from.
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "megatron.core",
@@ -61,8 +63,12 @@ def _fork_server():
     (what the libraries read while they are imported: OMP_NUM_THREADS, the warning filters)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
-    # started again if it is gone (a test that kills every process under it takes the server too)
-    with mock.patch.dict(os.environ, _rank_env(0, 1, 0, "WARNING"), clear=True):
+    # started again if it is gone (a test that kills every process under it takes the server too).
+    # tests/ on its path for heap_frozen: Python 3.11's server ignores the sys.path it is handed,
+    # and skips a preload module it cannot import without a word
+    env = _rank_env(0, 1, 0, "WARNING")
+    env["PYTHONPATH"] += os.pathsep + str(TESTS)
+    with mock.patch.dict(os.environ, env, clear=True):
         multiprocessing.forkserver.ensure_running()
     return context
 
@@ -73,11 +79,15 @@ def _run_rank(script: str, argv: List[str], env: Dict[str, str], log_path: str) 
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    if gc.get_freeze_count() == 0:  # the preload's last module did not run: ranks slower, not wrong, so said here
+        raise RuntimeError("the fork server's heap is not frozen: tests/heap_frozen.py, the last of "
+                           "rank_launcher.PRELOAD, was not imported by the server")
     os.chdir(REPO)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [script, *argv]
     sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]
+    sys.path.remove(str(TESTS))  # the server's, for its preload; a fresh rank's path has no tests/
     try:
         runpy.run_path(script, run_name="__main__")
     finally:  # a forked process ends with os._exit: run the exit handlers an interpreter would
