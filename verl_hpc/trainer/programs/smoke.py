@@ -69,10 +69,10 @@ def run(cfg, ctx) -> dict:
                 torch_rank=dist.get_rank(), torch_world=dist.get_world_size(),
                 mpi_rank=ctx.mpi_comm.Get_rank() if ctx.mpi_comm is not None else None,
                 mpi_size=ctx.mpi_comm.Get_size() if ctx.mpi_comm is not None else None,
-                # the signal this rank saw by the loop's end, and the one every rank stopped on: a
-                # signal sent to every rank can reach one after the others agreed to stop on theirs
+                # the signal this rank saw by the loop's end, and the one every rank stopped on (None
+                # if none): a signal sent to every rank can reach one after the others agreed on theirs
                 preempted=ctx.preemption.is_set(), signal=ctx.preemption.signal_name,
-                stopped_on=ctx.preemption.agreed_signal if steps_done < s.steps else None,
+                stopped_on=ctx.preemption.agreed_signal,
                 steps=steps_done)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
