@@ -59,18 +59,22 @@ def _rank_env(rank: int, world_size: int, port: int, log_level: str) -> Dict[str
 
 
 def _fork_server():
-    """multiprocessing's fork server of this process, started once with the ranks' environment
-    (what the libraries read while they are imported: OMP_NUM_THREADS, the warning filters)."""
+    """multiprocessing's fork server of this process, with the PRELOAD modules. It starts at the
+    first rank's `Process.start()`, and starts again there if it is gone (a test that kills every
+    process under the worker takes the server too): each start runs under `_server_env`."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
-    # started again if it is gone (a test that kills every process under it takes the server too).
-    # tests/ on its path for heap_frozen: Python 3.11's server ignores the sys.path it is handed,
-    # and skips a preload module it cannot import without a word
+    return context
+
+
+def _server_env():
+    """The environment the fork server starts with: the ranks' (what the libraries read while they
+    are imported: OMP_NUM_THREADS, the warning filters), and tests/ on its path for heap_frozen
+    (Python 3.11's server ignores the sys.path it is handed, and skips a preload module it cannot
+    import without a word)."""
     env = _rank_env(0, 1, 0, "WARNING")
     env["PYTHONPATH"] += os.pathsep + str(TESTS)
-    with mock.patch.dict(os.environ, env, clear=True):
-        multiprocessing.forkserver.ensure_running()
-    return context
+    return mock.patch.dict(os.environ, env, clear=True)
 
 
 def _run_rank(script: str, argv: List[str], env: Dict[str, str], log_path: str) -> None:
@@ -101,7 +105,8 @@ def _forked(context, rank: int, script: str, argv: List[str], env: Dict[str, str
     rank then starts as a fresh interpreter, which changes its start-up time and nothing it computes."""
     process = context.Process(target=_run_rank, name=f"rank{rank}", args=(script, argv, env, str(log_path)))
     try:
-        process.start()
+        with _server_env():  # where the server (re)starts: in start(), if it is not running
+            process.start()
     except (EOFError, OSError) as err:
         warnings.warn(f"the fork server did not start rank {rank} of {script} ({err!r}): "
                       "it starts as a fresh interpreter")
