@@ -5,7 +5,8 @@ multi-rank tests). A job itself starts its local ranks with torch's elastic laun
 
     store = host_store()                             # served here, as torchrun's agent does
     env = torchrun_env(rank, world_size, store.port) # RANK, WORLD_SIZE, LOCAL_*, MASTER_*
-    failed = wait_all(procs, timeout_s)              # one deadline; late ranks killed
+    failed = wait_all(procs, timeout_s)              # one deadline; late ranks killed, and the
+                                                     # others soon after a rank fails
 """
 from __future__ import annotations
 
@@ -46,15 +47,24 @@ def torchrun_env(rank: int, world_size: int, port: int, **extra: str) -> Dict[st
     return env
 
 
+# after the first rank fails, the others' own time to end (their errors are the next lines of
+# their logs, often the telling ones) before they are killed: a rank left waiting on the failed one
+# in a collective or a rendezvous would otherwise hold the caller to the whole deadline
+FAILED_GRACE_S = 5.0
+
+
 def wait_all(procs: List[subprocess.Popen], timeout_s: float) -> bool:
-    """Wait for every rank under one deadline; kill (and reap) those still running after it.
-    True when any rank failed or was late."""
-    deadline, failed = time.time() + timeout_s, False
-    for proc in procs:
-        try:
-            failed |= proc.wait(timeout=max(1.0, deadline - time.time())) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
+    """Wait for every rank under one deadline, which the first failed rank shortens to
+    FAILED_GRACE_S; kill (and reap) those still running after it. True when any rank failed or was late."""
+    deadline = time.time() + timeout_s
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if None not in codes or time.time() >= deadline:
+            break
+        if any(code not in (None, 0) for code in codes):
+            deadline = min(deadline, time.time() + FAILED_GRACE_S)
+        time.sleep(0.1)
+    failed = any(code != 0 for code in codes)  # a rank still running (None) is late
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
