@@ -4,9 +4,10 @@ server, and fetches.
 
     python elastic_channel_worker.py PORT WORKER MODE OUT
 MODE fetch: fetch the newest snapshot, save it to OUT/WORKER.v<version>.pt; then wait for a newer
-one and save that too. MODE stall: ask, then stop before taking the buckets (the test kills it
-there, mid-transfer). MODE pairless: post its pair request, then stop before forming its side of
-the pair (the test kills it there, as a worker killed in its first fetch)."""
+one and save that too. MODE stall: ask, then stop before taking the buckets, saying so in
+OUT/WORKER.held (the test kills it there, mid-transfer). MODE pairless: post its pair request, then
+stop before forming its side of the pair (the test kills it there, as a worker killed in its first
+fetch)."""
 import datetime
 import sys
 import time
@@ -30,6 +31,7 @@ def main(port: int, worker: str, mode: str, out: Path) -> None:
     if mode == "stall":
         class Held:  # its side of the transfer never starts
             def broadcast(self, *args, **kwargs):
+                (out / f"{worker}.held").write_text("")  # it has the head: the server's side is in the transfer
                 time.sleep(600)
 
         fetch.pair = Held()

@@ -76,8 +76,8 @@ def test_pairs_fetch_exactly_and_a_killed_worker_fails_only_itself(tmp_path):
         wait_for(tmp_path / "stalls.stalling", staller)
         good = start(port, "good", "fetch", tmp_path)
         procs.append(good)
-        publish(1)  # the staller asked first: the server is now in its transfer, held
-        time.sleep(1.0)
+        publish(1)  # the staller asked first: the server goes into its transfer, held
+        wait_for(tmp_path / "stalls.held", staller)  # (a fixed sleep let a loaded machine kill it earlier)
         t0 = time.monotonic()
         staller.send_signal(signal.SIGKILL)
         wait_for(tmp_path / "good.v1.pt", good)
