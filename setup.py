@@ -29,7 +29,7 @@ CORE = [
     "openai>=1.0",
 ]
 # The GPU stack is pinned to what verl_hpc's compatibility code was read against: the vLLM release
-# of the CPU build (rollout/vllm_compat.py) and megatron-core 0.16.1 (parallel/cpu_compat.py, the
+# of the CPU build (rollout/vllm/compat.py) and megatron-core 0.16.1 (parallel/cpu_compat.py, the
 # engine). Transformer Engine is not in the `gpu` extra: its torch extension is source-only and must
 # be compiled against the installed torch (--no-build-isolation), and its core library is one
 # package per CUDA major version (core_cu12 / core_cu13), which no requirement marker can choose.

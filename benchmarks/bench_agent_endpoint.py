@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.rollout.agents import AgentOptions, AgentRunner
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     folder = Path(tempfile.mkdtemp(prefix="bench_agent_"))
     if a.quick:
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     window = dict(max_prompt_length=a.prompt_len + 8, max_response_length=a.new_tokens)
     t0 = time.perf_counter()
     if a.engine == "vllm":
-        from verl_hpc.rollout.vllm_rollout import VLLMRollout
+        from verl_hpc.rollout.vllm.engine import VLLMRollout
 
         engine = VLLMRollout(str(model), **default_engine_args("vllm", **window))
     else:

@@ -88,7 +88,7 @@ def measure(model: Path, rank: int, repeats: int) -> dict:
     from verl_hpc.engines.megatron import MegatronEngine, default_options
     from verl_hpc.resharding import AdapterSync, WeightSync
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     rollout = VLLMRollout(str(model), **default_engine_args("vllm", max_prompt_length=64, max_response_length=32),
                           lora_rank=rank)
@@ -127,8 +127,8 @@ def measure_steps(model: Path, rank: int, steps: int, prompts: int, tokens: int,
     from verl_hpc.models.lora import adapter_parameters
     from verl_hpc.resharding import AdapterSync, WeightSync
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.sampling import default_spec
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     eng = MegatronEngine(default_options(model_path=str(model), lora=LoraConfig(rank=rank, alpha=2.0 * rank)))
     g = torch.Generator().manual_seed(0)

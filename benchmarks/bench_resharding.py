@@ -125,7 +125,7 @@ def _rank_main(workdir: Path) -> None:
     from verl_hpc.parallel import init_model_parallel
     from verl_hpc.resharding import NullSink, WeightSync, sync
     from verl_hpc.resharding.memory import HeapPeak
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.runtime import bootstrap
 

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
 
     from verl_hpc.rollout import HFRollout, VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     if a.threads > 0:
         torch.set_num_threads(a.threads)  # before vLLM: its CPU worker would otherwise keep it

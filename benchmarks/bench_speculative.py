@@ -208,7 +208,7 @@ def measure(path: Path, engine: str, tasks, levels, a) -> dict:
     from verl_hpc.config.sections.speculative import SpeculativeConfig
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     tok = AutoTokenizer.from_pretrained(path)
     args = default_engine_args("vllm", max_prompt_length=128, max_response_length=max(a.new_tokens, a.long_tokens))

@@ -86,7 +86,7 @@ def _config(arch: str, ids: dict, dropout: float, tied: bool):
 
 HELD_OUT = ("qwen3", "gemma2", "cohere2", "starcoder2", "starcoder2_window", "granite", "smollm3", "gpt2",
             "bloom", "falcon", "gpt_neox", "gpt_oss", "stablelm", "stablelm_qknorm")
-# served by vLLM 0.32 only through its Transformers modelling backend (rollout/vllm_transformers.py); Phi
+# served by vLLM 0.32 only through its Transformers modelling backend (rollout/vllm/transformers_backend.py); Phi
 # is not in HELD_OUT (the 2-rank parity test's list): the suite runs it in the vLLM backend test only
 VLLM_BACKEND = ("gpt_neox", "phi", "smollm3", "starcoder2")
 

@@ -2,7 +2,7 @@
 families of verl_hpc.models.tiny) through what a user does with a model folder, each cell OK, CLEAR
 (refused before the queue in one line, quoted) or FAIL (the error):
 
-    vLLM        the support verdict before the queue (rollout/vllm_support.py, which asks vLLM itself)
+    vLLM        the support verdict before the queue (rollout/vllm/support.py, which asks vLLM itself)
     HF job      3 GRPO steps on the FSDP engine, rollout.engine=hf, one rank; OK where every step's
                 rollout log-probs equal the update's forward within GAP_TOL (mean over the tokens)
     vLLM job    the same with rollout.engine=vllm through `submit --local`: OK where the verdict says
@@ -69,7 +69,7 @@ def job_verdict(proc, summary, out: Path) -> tuple:
 
 # ------------------------------------------------------------------------------ the cells
 def cell_vllm_verdict(model: Path):
-    from verl_hpc.rollout.vllm_support import why_not_vllm
+    from verl_hpc.rollout.vllm.support import why_not_vllm
 
     why = why_not_vllm(str(model), split=False)
     return ("OK", "vLLM serves it") if why is None else ("CLEAR", why)

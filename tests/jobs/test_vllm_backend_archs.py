@@ -5,7 +5,7 @@ own is not the trained model or cannot load the folder, which the rollout runs i
 q/k norms: no place for them; cec2796 refused all seven), each a real colocated job of 2
 steps on the FSDP engine in this process: the rollout engine is built first (with
 model_impl="transformers"), then the actor and the reference model from transformers' own class,
-which the backend rewrote for the whole process until rollout/vllm_transformers.py put it back
+which the backend rewrote for the whole process until rollout/vllm/transformers_backend.py put it back
 (cec2796 refused these jobs before the queue for that reason).
 
 Every step's rollout log-probs against the update's forward of the same weights (the trainer's
@@ -27,14 +27,14 @@ STEPS = 2
 TOL = 1e-5  # the mean over a step's tokens of |rollout - update forward|
 
 
-INSTEAD = ("cohere2", "gpt_oss", "stablelm_qknorm")  # rollout/vllm_support.py: native_problem
+INSTEAD = ("cohere2", "gpt_oss", "stablelm_qknorm")  # rollout/vllm/support.py: native_problem
 
 
 @pytest.mark.parametrize("arch", VLLM_BACKEND + INSTEAD)
 def test_grpo_with_vllm_rollout_through_the_transformers_backend(arch, tiny_assets, tmp_path, caplog):
     model = make_arch(tmp_path / arch, arch)
     out = tmp_path / "out"
-    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm_transformers"):
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm.transformers_backend"):
         proc, summary = run_here("configs/demo_rl.yaml", out, *small(
             tiny_assets, f"model.path={model}", "parallel.engine=fsdp", "rollout.engine=vllm",
             f"trainer.total_steps={STEPS}", "data.train_batch_size=2", "rollout.n=2", "tracking.backends=[jsonl]",

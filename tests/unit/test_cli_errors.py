@@ -75,7 +75,7 @@ NOT_COMMANDS = {
     "verl_hpc.gpu_check.multi_gpu": "one rank of the kit's two-rank check, started by gpu_check",
     "verl_hpc.gpu_check.cp_check": "one rank of the kit's context-parallel check, started by gpu_check",
     "verl_hpc.rollout.tools.sandbox_inner": "the sandbox's inner process, started by the sandbox",
-    "verl_hpc.rollout.vllm_probe": "the vLLM support check's subprocess (vLLM imported apart), started by the check",
+    "verl_hpc.rollout.vllm.probe": "the vLLM support check's subprocess (vLLM imported apart), started by the check",
 }
 
 

@@ -79,7 +79,7 @@ def test_a_role_that_fails_to_build_closes_the_rollout_first(monkeypatch):
 # ------------------------------------------------------------------- LOCAL_RANK (4)
 @pytest.mark.parametrize("visible, local, index", [(8, 3, 3), (1, 3, 0), (4, 5, 1), (0, 3, 3)])
 def test_one_local_rank_rule_for_the_device_and_vllm(monkeypatch, visible, local, index):
-    from verl_hpc.rollout import vllm_rollout
+    from verl_hpc.rollout.vllm import engine as vllm_rollout
     from verl_hpc.rollout.replicas import ReplicaLayout
 
     monkeypatch.setattr(devices, "visible_device_count", lambda: visible)
@@ -117,7 +117,7 @@ def test_sleep_level_comes_from_the_config():
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_vllm_sleep_passes_the_level_and_level_2_needs_a_load(level):
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     calls = []
     eng = VLLMRollout.__new__(VLLMRollout)  # the engine itself needs a GPU for sleep mode
@@ -157,7 +157,7 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
     from packaging.specifiers import SpecifierSet
 
     from verl_hpc.parallel.cpu_compat import VERIFIED_MEGATRON_VERSION
-    from verl_hpc.rollout.vllm_compat import VERIFIED_VLLM_VERSION
+    from verl_hpc.rollout.vllm.compat import VERIFIED_VLLM_VERSION
 
     extras = _extras()
     cpu, gpu = extras["cpu"], extras["gpu"]

@@ -417,7 +417,7 @@ def whole_config_takers(root: Path, sections) -> dict:
 
 
 def _below_trainer(name: str) -> bool:
-    """'verl_hpc.rollout.agent:f' -> True; the top layer's modules, packages and __main__ CLIs -> False."""
+    """'verl_hpc.rollout.episodes.build:f' -> True; the top layer's modules, packages and __main__ CLIs -> False."""
     rel = name.split(":")[0].partition(".")[2].replace(".", "/")  # a package's __init__ reads as its folder
     return not ((rel + ".py").startswith(TOP_LAYER) or (rel + "/").startswith(TOP_LAYER)
                 or rel.endswith("__main__"))
@@ -457,3 +457,41 @@ def test_the_config_check_sees_a_reader_a_handler_and_a_holder(tmp_path):
                              "pkg.low.m:typed", "pkg.low.m:via_alias", "pkg.low.m:via_class", "pkg.low.n:g"]
     assert found["pkg.low.m:hands"] == "hands config whole to pkg.low.m:reads"
     assert found["pkg.low.m:reads"] == "reads cfg.rollout"
+
+
+# rollout/ is laid out by engine, as engines/ is: at its top only the contract, the factory and what
+# every engine shares; each engine (vllm/, hf/) and each capability (speculative/, episodes/, tools/,
+# agents/) in a folder of its own (docs/architecture.md, "Rollout").
+ROLLOUT_TOP = frozenset({
+    "__init__",
+    "engine",          # the contract (RolloutEngine) and the multi-rank generate every engine shares
+    "factory",         # build_rollout, build_judge_engine
+    "engine_config",   # RolloutOptions: what an engine is built from
+    "sampling",        # SamplingSpec: what to sample
+    "result",          # RolloutResult: what generate returns
+    "prompts",         # prompt checks and the overflow policy
+    "replicas",        # which prompts a rank's replica generates
+    "metrics",         # rollout metrics for the tracker
+    "weights",         # the checks on a weight-update stream
+})
+
+
+def loose_modules(folder: Path, allowed) -> list:
+    return sorted(p.stem for p in folder.glob("*.py") if p.stem not in allowed)
+
+
+def test_rollout_top_holds_only_the_contract_the_factory_and_shared_parts():
+    loose = loose_modules(PACKAGE / "rollout", ROLLOUT_TOP)
+    assert not loose, (f"modules at the top of verl_hpc/rollout/ that belong in a sub-folder (vllm/, hf/, "
+                       f"speculative/, episodes/, ... or a new one): {loose}. Only what every engine shares "
+                       "stays at the top (ROLLOUT_TOP says why each does)")
+    gone = sorted(ROLLOUT_TOP - {p.stem for p in (PACKAGE / "rollout").glob("*.py")})
+    assert not gone, f"ROLLOUT_TOP names modules that no longer exist: {gone}"
+
+
+def test_the_rollout_layout_check_sees_a_loose_module(tmp_path):
+    (tmp_path / "engine.py").write_text("")
+    (tmp_path / "vllm_thing.py").write_text("")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "inner.py").write_text("")
+    assert loose_modules(tmp_path, ROLLOUT_TOP) == ["vllm_thing"]

@@ -319,7 +319,7 @@ def vllm_gpu(kit: Kit) -> str:
     from verl_hpc.config import load_config
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     prompts = [list(range(10, 10 + n)) for n in (3, 11, 24)]
     new = 16

@@ -42,7 +42,7 @@ def _rollout(kit: Kit, path: str, dtype: str):
 
         return "vllm", VLLMRollout(path, **default_engine_args(
             "vllm", dtype=dtype, max_prompt_length=32, max_response_length=NEW_TOKENS, gpu_memory_utilization=0.2))
-    from verl_hpc.rollout.hf_rollout import HFRollout
+    from verl_hpc.rollout.hf.engine import HFRollout
 
     return "hf", HFRollout(path, **default_engine_args("hf", dtype=dtype, max_prompt_length=32,
                                                        max_response_length=NEW_TOKENS))
@@ -70,7 +70,7 @@ def mismatch(kit: Kit, dtype: str) -> Dict[str, float]:
     from verl_hpc.config import JobConfig
     from verl_hpc.engines.megatron import MegatronEngine
     from verl_hpc.resharding import sync
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
     from verl_hpc.trainer.stages.batching import logprob_diff_metrics
 
     path = workload.tiny_model(kit)

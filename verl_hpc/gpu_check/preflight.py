@@ -29,7 +29,7 @@ VERIFIED_TRANSFORMER_ENGINE = "2.11.0"
 
 def verified() -> List[Tuple[str, str]]:
     from verl_hpc.parallel.cpu_compat import VERIFIED_MEGATRON_VERSION
-    from verl_hpc.rollout.vllm_compat import VERIFIED_VLLM_VERSION
+    from verl_hpc.rollout.vllm.compat import VERIFIED_VLLM_VERSION
 
     return [("python", VERIFIED_PYTHON), ("torch", VERIFIED_TORCH),
             ("megatron-core", VERIFIED_MEGATRON_VERSION), ("transformers", VERIFIED_TRANSFORMERS),

@@ -15,7 +15,7 @@ naming the field, the file and the row or tensor, and what is valid:
   shapes are those config.json implies; the tokenizer loads and its ids fit the vocabulary
   (preflight_model.py); a PRIME PRM folder's tokenizer is the actor's (it scores the actor's token
   ids) and its vocabulary covers them;
-- with rollout.engine=vllm, that vLLM loads the policy's folder (rollout/vllm_support.py: for an
+- with rollout.engine=vllm, that vLLM loads the policy's folder (rollout/vllm/support.py: for an
   architecture outside the Megatron mapping vLLM itself is asked whether its model has a place for
   every stored tensor), one line naming the first tensors it has none for and the ways out;
 - the LoRA adapter folder lora.init_from: its config against the lora section (r, alpha,
@@ -107,7 +107,7 @@ def rollout_engine_problems(cfg) -> List[str]:
 
     if cfg.trainer.job != "rl" or cfg.rollout.engine != "vllm" or not cfg.model.path or not vllm_available():
         return []
-    from verl_hpc.rollout.vllm_support import check_vllm_serves
+    from verl_hpc.rollout.vllm.support import check_vllm_serves
 
     try:
         check_vllm_serves(cfg.model.path, split=cfg.placement.split)

@@ -225,7 +225,7 @@ class SetCheck:
         load, verl_hpc/data/dataset.py); the names come from the config, no user code imported."""
         if not (self.rl and self.cfg.multi_turn.enable and row.get("tools")) or self.cfg.multi_turn.environment:
             return ""
-        from verl_hpc.rollout.agent import offered_tools
+        from verl_hpc.rollout.episodes.build import offered_tools
 
         valid = offered_tools(self.cfg.multi_turn)
         unknown = [n for n in row["tools"] if n not in valid]

@@ -10,7 +10,7 @@ Waking is two-staged (`wake_up(tags=...)`): the weights first, for the weight sy
 cache with the graphs and runtime pool, for generation; `weights_only` is the first stage's bytes.
 On a CPU the KV cache is a fixed size (`rollout.kv_cache_memory_bytes`, auto: full-length
 sequences for one rollout call's batch, RolloutConfig.max_num_seqs, see
-verl_hpc.rollout.vllm_compat.cpu_kv_cache_bytes) and there is no sleep mode.
+verl_hpc.rollout.vllm.compat.cpu_kv_cache_bytes) and there is no sleep mode.
 """
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[Roll
     model.path; rollout_tp: rollout.tp."""
     if mode == "full":
         return None
-    from verl_hpc.rollout import vllm_transformers
+    from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 
     if rollout_tp > 1 and vllm_transformers.choose_impl(model_path) is not None:  # the engine's own choice
         if mode == "sliced":

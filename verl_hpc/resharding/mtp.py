@@ -8,7 +8,7 @@ model.path, and sent to vLLM's drafter after the policy's weights on every sync.
 
 What is synced, what is frozen (docs/speculative.md, "The proposer kept in step with the policy"):
 - the MTP layers' embedding and output head: vLLM's drafter uses the target's own modules in their
-  place (rollout/vllm_drafter.py, SHARED), so they are the policy's, moved by the ordinary sync; the
+  place (rollout/speculative/drafter.py, SHARED), so they are the policy's, moved by the ordinary sync; the
   checkpoint's stored copies are accounted for here as shared (`MtpLayout.shared`) and never sent.
 - everything else of the MTP layers (enorm, hnorm, eh_proj, shared_head.norm and the block's latent
   attention, router, shared and routed experts): frozen at the checkpoint's values. The training
@@ -48,7 +48,7 @@ import torch
 from verl_hpc.config.hf_model import read_hf_config
 from verl_hpc.config.sections.speculative import mtp_layers
 from verl_hpc.resharding.plan import Need, PlanError, RolloutSlicer
-from verl_hpc.rollout.vllm_drafter import shared_with_policy, split_mtp_name
+from verl_hpc.rollout.speculative.drafter import shared_with_policy, split_mtp_name
 from verl_hpc.rollout.weights import checkpoint_weight_names, mtp_weight_names, stored_weight_names
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ The prompt is reward.reward_model.judge.template with {question}, {response} and
   text, a number, is the score;
 - yes_no: no generation; the judge's next-token log-probs of `yes_token` and `no_token` after the
   prompt give P(yes) / (P(yes) + P(no)), a score in [0, 1].
-The engine (judge_engines.py: a second in-process vLLM engine, or HF generate) is called in chunks
+The engine (a second in-process vLLM engine, rollout/vllm/judge.py, or HF generate, rollout/hf/judge.py)
+is called in chunks
 of batch_size prompts, each call with timeout_s (on a worker thread, rewards/timeout.py). A verdict
 that does not parse, or whose call timed out, follows reward.on_error: zero scores it 0 and counts
 it (judge/parse_failures, judge/timeouts, and the run's judge/failures_total); raise stops the job
@@ -40,7 +41,7 @@ OK, PARSE_FAILED, TIMED_OUT = 0, 1, 2
 
 
 class JudgeEngine(Protocol):
-    """What the judge needs of an engine (verl_hpc/rollout/judge_engines.py)."""
+    """What the judge needs of an engine (verl_hpc/rollout/hf/judge.py, vllm/judge.py)."""
 
     def generate(self, prompts: Sequence[str], max_tokens: int) -> List[str]:  # greedy texts
         ...

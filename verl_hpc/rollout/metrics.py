@@ -33,7 +33,7 @@ def rollout_metrics(result: RolloutResult, prefix: str = "rollout") -> Dict[str,
         out[f"{prefix}/tokens_per_s"] = tokens / result.seconds
     for reason, count in result.finish_counts().items():
         out[f"{prefix}/finish_{reason}"] = float(count)
-    if result.speculation is not None:  # rollout.speculative: acceptance (rollout/spec_stats.py)
+    if result.speculation is not None:  # rollout.speculative: acceptance (rollout/speculative/stats.py)
         out.update(result.speculation.metrics(prefix))
     return out
 

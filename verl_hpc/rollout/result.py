@@ -17,7 +17,7 @@ EPISODE_ENDS = ("answered", "max_turns", "length", "timeout")
 
 @dataclasses.dataclass
 class EpisodeStats:
-    """One episode's record beside its tokens (verl_hpc/rollout/episodes.py)."""
+    """One episode's record beside its tokens (verl_hpc/rollout/episodes/runner.py)."""
     turns: int = 0  # model turns
     tool_calls: int = 0
     tool_errors: int = 0  # malformed calls, unknown tools, tools that raised or timed out
@@ -58,7 +58,7 @@ class RolloutResult:
     # agent runs: per sequence, its own prompt (the first prompt of its calls), in place of
     # prompts[prompt_index]: a group's sequences may begin with different tokens
     row_prompts: Optional[List[List[int]]] = None
-    # rollout.speculative: the call's acceptance counts over every replica (a rollout/spec_stats.py
+    # rollout.speculative: the call's acceptance counts over every replica (a rollout/speculative/stats.py
     # SpecCounts, set by its `measured`); None where the engine does not speculate
     speculation: Optional[Any] = None
 

@@ -56,7 +56,7 @@ def mtp_weight_names(model_path: str | Path, names: Iterable[str]) -> Set[str]:
     layers after the decoder's, model.layers.{L}...): no training engine builds or trains them and
     the target models skip them on load, so the policy's weight stream never carries them. vLLM's MTP
     drafter (rollout.speculative.method = mtp) takes its own part of them, frozen, in a load of its
-    own (rollout/vllm_drafter.py, resharding/mtp.py)."""
+    own (rollout/speculative/drafter.py, resharding/mtp.py)."""
     config = read_hf_config(model_path)
     if not (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
         return set()

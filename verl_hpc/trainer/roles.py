@@ -13,7 +13,7 @@ uses it (`ref.enable`, auto), the critic iff the estimator needs values (`critic
 gae), the reward model iff `reward.reward_model.enable`, PRIME's implicit PRM iff `prm.enable`
 (auto: the prime estimator), the distillation teacher iff `teacher.enable`. Building is collective: every rank calls this.
 
-Order: multi_turn's chat template, tools and environment first (verl_hpc/rollout/agent.py): a job
+Order: multi_turn's chat template, tools and environment first (verl_hpc/rollout/episodes/build.py): a job
 whose tools cannot load fails in seconds, before any engine, and with no vLLM engine whose exit
 path could print after the `error:` line. Then the rollout engine, then put to sleep, then the
 Megatron engines. On GPU vLLM refuses
@@ -36,11 +36,11 @@ from verl_hpc.engines.options import EngineOptions
 from verl_hpc.config.sections.fsdp import choose_engine
 from verl_hpc.engines.megatron.roles import build_role
 from verl_hpc.engines.roles import Reference, wrap_role
-from verl_hpc.rollout import spec_stats
+from verl_hpc.rollout.speculative import stats as spec_stats
 from verl_hpc.runtime import device as devices
 
 if TYPE_CHECKING:
-    from verl_hpc.rollout.agent import EpisodeOptions
+    from verl_hpc.rollout.episodes.build import EpisodeOptions
     from verl_hpc.rollout.engine_config import RolloutOptions
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Roles:
     reward_model: Optional[Any] = None
     prm: Optional[Any] = None  # PRIME's implicit process reward model (trained online)
     teacher: Optional[Any] = None  # on-policy distillation's frozen teacher (teacher.enable)
-    episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes.py)
+    episodes: Optional[Any] = None  # multi_turn: the EpisodeRunner over `rollout` (verl_hpc/rollout/episodes/runner.py)
     agents: Optional[Any] = None  # agent.enable: the AgentRunner over `rollout` (verl_hpc/rollout/agents/)
     # every generation's result is handed to this before anyone uses it: the trainer sets the
     # weight step's check (LoRA: the adapter version it used, resharding/adapter_sync.py)
@@ -187,7 +187,7 @@ def build_reward_model(cfg, ctx, tokenizer, rollout=None):
         return build_engine("reward", cfg, ctx)
     from verl_hpc.config.hf_model import language_model_config, read_hf_config
     from verl_hpc.rewards.judge import Judge
-    from verl_hpc.rollout.judge_engines import build_judge_engine
+    from verl_hpc.rollout.factory import build_judge_engine
 
     positions = language_model_config(read_hf_config(rm.path, "reward.reward_model.path")).get(
         "max_position_embeddings") or 4096
@@ -211,7 +211,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
     rollout, parts, episodes = None, None, None
     with contextlib.ExitStack() as on_error:
         if with_rollout and cfg.multi_turn.enable:  # first: what fails here fails before any engine loads
-            from verl_hpc.rollout.agent import episode_parts
+            from verl_hpc.rollout.episodes.build import episode_parts
 
             parts = episode_parts(episode_options(cfg), ctx, tokenizer)
             on_error.callback(parts[1].close)  # its tool workers and sandbox
@@ -229,7 +229,7 @@ def build_roles(cfg, ctx, *, with_rollout: bool = True) -> Roles:
         prm = build_engine("prm", cfg, ctx) if cfg.trainer.job == "rl" and cfg.prm.enable else None
         teacher = build_teachers(cfg, ctx) if cfg.trainer.job == "rl" and cfg.teacher.enable else None
         if parts is not None:
-            from verl_hpc.rollout.agent import build_episode_runner
+            from verl_hpc.rollout.episodes.build import build_episode_runner
 
             episodes = build_episode_runner(episode_options(cfg), ctx, rollout, parts)
         agents = build_agents(cfg, ctx, rollout, tokenizer) if with_rollout and cfg.agent.enable else None
@@ -271,8 +271,8 @@ def build_agents(cfg, ctx, rollout, tokenizer):
 
 
 def episode_options(cfg) -> EpisodeOptions:
-    """What multi_turn's episodes are built from (verl_hpc/rollout/agent.py)."""
-    from verl_hpc.rollout.agent import EpisodeOptions
+    """What multi_turn's episodes are built from (verl_hpc/rollout/episodes/build.py)."""
+    from verl_hpc.rollout.episodes.build import EpisodeOptions
 
     return EpisodeOptions(multi_turn=cfg.multi_turn, sandbox=cfg.sandbox,
                           allow_custom_code=cfg.safety.allow_custom_code, on_error=cfg.reward.on_error,

@@ -104,7 +104,7 @@ def check_sync(actor, rollout, args, *, layout: str, rollout_tp: int, bucket_mb:
 
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.resharding import sync
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     rollout.wake(tags=("weights",))  # the trainer's order: weights, sync, KV cache (no-ops on CPU)
     metrics = sync(actor, rollout, bucket_mb=bucket_mb)
@@ -142,7 +142,7 @@ def sync_modes(actor, rollout, args) -> dict:
     (twice: dense, then a delta of nothing): the greedy tokens and log-probs after each must be
     identical, bit for bit, since the engine must hold the same weights."""
     from verl_hpc.resharding import WeightSync
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     greedy = default_spec(temperature=0, max_tokens=args["max_new"])
     out = {}
@@ -180,7 +180,7 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
     from verl_hpc.resharding import sync
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     rollout = VLLMRollout(args["tied_other"], tp=dist.get_world_size(), ctx=ctx, max_num_seqs=16,
                           **default_engine_args("vllm", max_prompt_length=args["max_prompt"],

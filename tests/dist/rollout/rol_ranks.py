@@ -47,9 +47,9 @@ def _collective_ok():
 
 def _scenario(workdir: Path) -> None:
     from hf_reference import perturbed_state
-    from verl_hpc.rollout.spec import default_spec
-    from verl_hpc.rollout.vllm_compat import job_token, mapped_shm_paths
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.sampling import default_spec
+    from verl_hpc.rollout.vllm.compat import job_token, mapped_shm_paths
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.runtime import bootstrap, shutdown
 

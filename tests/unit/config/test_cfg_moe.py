@@ -47,7 +47,7 @@ def test_moe_with_tp_needs_sequence_parallel_and_lora_is_refused(moe_folder):
 
 
 def test_vllm_rollout_of_moe_on_cpu_is_accepted(moe_folder):
-    """vLLM's CPU reload of experts is fixed (rollout/vllm_cpu_moe.py): no refusal; the job's other
+    """vLLM's CPU reload of experts is fixed (rollout/vllm/cpu_moe.py): no refusal; the job's other
     problem is still reported, so the check ran."""
     text = _problems(moe_folder, "rollout.engine=vllm", "slurm.gpus_per_node=0", "lora.rank=8")
     assert "lora.enabled with a mixture-of-experts model" in text and "rollout.engine" not in text

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.sections.speculative import SpeculativeConfig, parse_schedule
 from verl_hpc.config.validate import validate
-from verl_hpc.rollout import speculative
-from verl_hpc.rollout.speculative import auto_choice, refuse_on_hf, vllm_speculative_config
+from verl_hpc.rollout.speculative import config as speculative
+from verl_hpc.rollout.speculative.config import auto_choice, refuse_on_hf, vllm_speculative_config
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2"]
 S = "rollout.speculative."
@@ -153,7 +153,7 @@ def test_auto_follows_the_measured_rule_and_says_why(tmp_path, caplog):
     assert method == "ngram" and f"<= {speculative.AUTO_MAX_CONCURRENCY} sequences" in why
     path = _folder(tmp_path / "m", model_type="llama", vocab_size=500)
     auto = SpeculativeConfig(method="auto")
-    with caplog.at_level("INFO", logger="verl_hpc.rollout.speculative"):
+    with caplog.at_level("INFO", logger="verl_hpc.rollout.speculative.config"):
         got = vllm_speculative_config(auto, model_path=path, gpu=False, episodes=True, params=big)
         vllm_speculative_config(auto, model_path=path, gpu=False, episodes=True, params=big)
     c = speculative.AUTO_MAX_CONCURRENCY

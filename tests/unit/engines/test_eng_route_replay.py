@@ -59,7 +59,7 @@ def rollout(moe_model):
     from verl_hpc.engines.batch import pack_sequences
     from verl_hpc.rollout import HFRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     engine = HFRollout(moe_model, **default_engine_args("hf", max_prompt_length=64, max_response_length=16),
                        record_routes=True)

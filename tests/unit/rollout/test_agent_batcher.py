@@ -7,7 +7,7 @@ import pytest
 
 from verl_hpc.rollout.agents.batcher import Batcher, EngineRequestError
 from verl_hpc.rollout.result import ShardOutput
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 
 class FakeEngine:

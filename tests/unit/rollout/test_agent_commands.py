@@ -19,7 +19,7 @@ from verl_hpc.config import ConfigError, load_config
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rollout.agents import AgentOptions, AgentRunner
 from verl_hpc.rollout.agents.metrics import agent_metrics
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 from verl_hpc.rollout.tools.sandbox_command import base_python
 from verl_hpc.trainer.stages.batching import assemble
 from verl_hpc.trainer.stages.scoring import given_rewards

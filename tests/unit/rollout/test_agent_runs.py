@@ -13,7 +13,7 @@ from verl_hpc.algorithms.masked import check_response_mask
 from verl_hpc.config import ConfigError
 from verl_hpc.rollout.agents.runner import untrained_rows
 from verl_hpc.rollout.agents.metrics import agent_metrics
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 from verl_hpc.trainer.stages.batching import assemble
 from verl_hpc.trainer.stages.scoring import given_rewards
 

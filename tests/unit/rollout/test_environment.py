@@ -9,8 +9,8 @@ import pytest
 from verl_hpc.config import load_config
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.rewards.errors import RewardError
-from verl_hpc.rollout.agent import build_responder
-from verl_hpc.rollout.episodes import Turn
+from verl_hpc.rollout.episodes.build import build_responder
+from verl_hpc.rollout.episodes.runner import Turn
 from verl_hpc.trainer.roles import episode_options
 
 SPEC = "user_tools_example:{}"  # tests/unit/rollout/user_tools_example.py

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from verl_hpc.rollout.chat_turns import TurnCodec
-from verl_hpc.rollout.episodes import EpisodeRunner, Reply
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.runner import EpisodeRunner, Reply
 from verl_hpc.rollout.result import RolloutResult
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 CALL = re.compile(r'<tool_call>\{"name": "mul", "arguments": \{"a": (\d+), "b": (\d+)\}\}</tool_call>$')
 

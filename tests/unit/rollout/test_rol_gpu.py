@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 from rol_helpers import MAX_NEW, MAX_PROMPT, hf_greedy, load_hf, perturbed_state, prompts_of_lengths
 
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 # a GPU machine without vLLM (the kit's carried wheels leave it out) skips them with the reason
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

@@ -11,7 +11,7 @@
 import pytest
 from rol_helpers import MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, perturbed_state, prompts_of_lengths
 
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 PROMPTS = prompts_of_lengths(3, 17, 40)
@@ -145,7 +145,7 @@ def test_hf_rollout_records_the_routes_a_full_forward_takes(moe_model, sampling)
 
     from verl_hpc.rollout import HFRollout
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.hf_routes import RouteRecorder
+    from verl_hpc.rollout.hf.routes import RouteRecorder
 
     engine = HFRollout(moe_model, **default_engine_args("hf", max_prompt_length=MAX_PROMPT,
                                                         max_response_length=MAX_NEW), record_routes=True)

@@ -12,7 +12,7 @@ from rol_helpers import (MAX_NEW, MAX_PROMPT, TOL, assert_matches, eos_first, hf
                          teacher_forced_logprobs)
 
 from verl_hpc.rollout import PromptTooLongError
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 from verl_hpc.rollout import engine as engine_mod
 
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from verl_hpc.rollout import vllm_compat as compat
+from verl_hpc.rollout.vllm import compat
 
 
 def test_pinned_vllm_version():
     import vllm
 
     assert vllm.__version__ == compat.VERIFIED_VLLM_VERSION, (
-        f"vLLM {vllm.__version__} is not the release verl_hpc.rollout.vllm_compat was checked "
+        f"vLLM {vllm.__version__} is not the release verl_hpc.rollout.vllm.compat was checked "
         f"against ({compat.VERIFIED_VLLM_VERSION}): re-check every target in its docstring and the "
         "pins of this file, then update VERIFIED_VLLM_VERSION")
 
@@ -98,7 +98,7 @@ def test_cpu_moe_repack_runs_on_updates_of_cpu_experts_only(monkeypatch):
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    from verl_hpc.rollout import vllm_cpu_moe
+    from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
 
     class Experts(CPUUnquantizedExperts):
         def __init__(self):  # noqa: D107 - no vLLM config needed to count calls

@@ -1,4 +1,4 @@
-"""Architectures vLLM loads and runs, but not as the trained model (rollout/vllm_support.py, DIFFERS).
+"""Architectures vLLM loads and runs, but not as the trained model (rollout/vllm/support.py, DIFFERS).
 The architecture matrix (tests/arch_matrix_run.py) found them on 552e1b0, where both ran to exit 0
 with rollout.engine=vllm: the largest mean gap per step between the rollout's log-probs and the
 update's forward was 4.1e-2 on GPT-OSS (1.2e-7 at step 1, before the first sync: vLLM kept the
@@ -16,8 +16,9 @@ import pytest
 
 from arch_matrix import make_arch
 from verl_hpc.config import load_config
-from verl_hpc.rollout import factory, vllm_probe
-from verl_hpc.rollout.vllm_support import DIFFERS, check_vllm_serves
+from verl_hpc.rollout import factory
+from verl_hpc.rollout.vllm import probe as vllm_probe
+from verl_hpc.rollout.vllm.support import DIFFERS, check_vllm_serves
 from verl_hpc.trainer.roles import rollout_options
 
 CASES = {"gpt_oss": ("GptOssForCausalLM", "experts and attention sinks"),
@@ -26,7 +27,7 @@ CASES = {"gpt_oss": ("GptOssForCausalLM", "experts and attention sinks"),
 
 @pytest.mark.parametrize("arch", CASES)
 def test_vllm_serves_it_through_the_transformers_backend_naming_the_cause(arch, tmp_path, monkeypatch, caplog):
-    from verl_hpc.rollout import vllm_transformers
+    from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 
     name, cause = CASES[arch]
     model = make_arch(tmp_path / arch, arch, weights=False)  # config.json decides: no weights needed
@@ -36,9 +37,9 @@ def test_vllm_serves_it_through_the_transformers_backend_naming_the_cause(arch, 
         check_vllm_serves(str(model), split=split)  # no refusal
     engine, _ = factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}", "rollout.engine=auto"])))
     assert engine == "vllm"
-    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm_transformers"):
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm.transformers_backend"):
         assert [vllm_transformers.choose_impl(str(model)) for _ in range(2)] == ["transformers"] * 2
-    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm_transformers"]
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm.transformers_backend"]
     assert len(said) == 1 and said[0].startswith(f"vLLM rollout: {name} is not served by vLLM's own class (")
     assert cause in said[0] and "runs another model than the trained one" in said[0], said
 

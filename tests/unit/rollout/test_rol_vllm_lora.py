@@ -15,7 +15,7 @@ PROMPTS = prompts_of_lengths(5, 9, 3)
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     with VLLMRollout(tiny_model, **default_engine_args("vllm", max_prompt_length=32, max_response_length=8),
                      lora_rank=RANK) as eng:
@@ -37,7 +37,7 @@ def _config():
 
 
 def _spec():
-    from verl_hpc.rollout.spec import default_spec
+    from verl_hpc.rollout.sampling import default_spec
 
     return default_spec(n=2, temperature=1.0, max_tokens=8, seed=3)
 
@@ -110,7 +110,7 @@ def test_engines_without_lora_slots_say_so(tiny_model):
     with pytest.raises(ValueError, match="rank 512 at most"):
         vllm_slot_rank(1000)
     from verl_hpc.rollout.engine_config import default_engine_args
-    from verl_hpc.rollout.hf_rollout import HFRollout
+    from verl_hpc.rollout.hf.engine import HFRollout
 
     hf_engine = HFRollout(tiny_model, **default_engine_args("hf", max_prompt_length=32, max_response_length=8))
     with pytest.raises(NotImplementedError, match="takes the merged weights"):

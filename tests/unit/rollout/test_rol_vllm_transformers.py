@@ -1,4 +1,4 @@
-"""vLLM's Transformers modelling backend in a training process (rollout/vllm_transformers.py), without an
+"""vLLM's Transformers modelling backend in a training process (rollout/vllm/transformers_backend.py), without an
 engine (the GRPO jobs through it: tests/jobs/test_vllm_backend_archs.py):
 - the target the rollout wraps is still where it was, and vLLM's compile decorator still edits the class it
   is given in place (when vLLM stops doing that, `classes_kept` has nothing left to undo: this names it);
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from arch_matrix import make_arch
-from verl_hpc.rollout import vllm_transformers
+from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 
 pytest.importorskip("vllm", reason="the backend is vLLM's")
 

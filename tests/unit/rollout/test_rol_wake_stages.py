@@ -29,13 +29,13 @@ class FakeLLM:
 
 
 def _engine(level, calls):
-    from verl_hpc.rollout.vllm_rollout import VLLMRollout
+    from verl_hpc.rollout.vllm.engine import VLLMRollout
 
     eng = VLLMRollout.__new__(VLLMRollout)  # the engine itself needs a GPU for sleep mode
     eng._closed, eng._broken, eng._sleeping, eng._weights_dropped = False, None, set(), False
     eng._sleep_enabled, eng.sleep_level, eng.device, eng._tied = True, level, torch.device("cpu"), False
     eng._weight_names, eng._optional_names, eng._aliases = {"w"}, set(), {}
-    eng._drafter = None  # no speculation (rollout/draft_sync.py)
+    eng._drafter = None  # no speculation (rollout/speculative/draft_sync.py)
     eng.llm = FakeLLM(calls)
     return eng
 

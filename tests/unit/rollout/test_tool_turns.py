@@ -6,7 +6,7 @@ import json
 import pytest
 
 from verl_hpc.config import load_config
-from verl_hpc.rollout.episodes import Turn
+from verl_hpc.rollout.episodes.runner import Turn
 from verl_hpc.rollout.tools.pool import ToolPool
 from verl_hpc.rollout.tools.registry import ToolRegistry
 from verl_hpc.rollout.tools.turns import ToolTurns

@@ -3,7 +3,7 @@ rollout lays out an episode, with the loss on the assistant's tokens (and the fi
 import pytest
 
 from verl_hpc.data.prepare.tool_arith import demonstration
-from verl_hpc.rollout.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
 from verl_hpc.trainer.programs.sft import _multi_turn_problem, episode_response, loss_mask
 
 

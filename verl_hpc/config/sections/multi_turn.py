@@ -6,7 +6,7 @@ templates use) is run and its output appended as a tool turn, and the model goes
 answers without a call, or max_turns, the token budget (data.max_response_length for the whole
 episode after the prompt) or episode_timeout_s ends it. The model's tokens are kept exactly as
 generated; tool output and the chat template's turn delimiters are tokenized once and appended
-with loss mask 0 (verl_hpc/rollout/episodes.py).
+with loss mask 0 (verl_hpc/rollout/episodes/runner.py).
 
 The sandbox runs the `python` tool's code in a process of its own with CPU time, memory, process
 and output limits and a private scratch folder; `mode` picks how much of the node it can see

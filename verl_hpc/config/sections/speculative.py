@@ -7,7 +7,7 @@ the tests check it). What it buys is fewer forward passes when guesses are accep
 the longer passes (and the proposer) when they are not: it pays at low concurrency and on text that
 repeats what the context holds (tool output copied into an answer), and costs at high concurrency.
 
-Methods: off | auto (the measured rule, rollout/speculative.py) | ngram (prompt lookup: no weights)
+Methods: off | auto (the measured rule, rollout/speculative/config.py) | ngram (prompt lookup: no weights)
 | suffix (suffix trees of the context and of earlier responses; needs `arctic-inference`) |
 draft_model (a smaller model of the same vocabulary: frozen, or with `draft_layers` the policy's
 own first layers, kept in step by the weight sync) | mtp (the policy's own
@@ -157,7 +157,7 @@ class SpeculativeConfig(Section):
         return []
 
     def draft_layers_problems(self, job) -> List[str]:
-        """draft_layers > 0: what the drafter kept in step needs (rollout/draft_sync.py), and the layouts
+        """draft_layers > 0: what the drafter kept in step needs (rollout/speculative/draft_sync.py), and the layouts
         it is not built for, refused rather than synced wrong."""
         f, n = "rollout.speculative", self.draft_layers
         p = []

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
-from verl_hpc.rollout.spec import SamplingSpec, request_seed
+from verl_hpc.rollout.sampling import SamplingSpec, request_seed
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import json
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from verl_hpc.rollout.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
 from verl_hpc.rollout.tools.calls import CLOSE, OPEN, parse_tool_calls
 
 

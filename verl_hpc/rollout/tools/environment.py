@@ -35,7 +35,7 @@ from verl_hpc.config.fields import WEEK_S
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rewards.scorer import score_problem
 from verl_hpc.rewards.timeout import FunctionExited, TimedCaller
-from verl_hpc.rollout.episodes import Reply, Turn
+from verl_hpc.rollout.episodes.runner import Reply, Turn
 
 log = logging.getLogger(__name__)
 FIELD = "multi_turn.environment"

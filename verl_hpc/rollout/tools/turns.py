@@ -1,4 +1,4 @@
-"""The tool responder of an episode runner (verl_hpc/rollout/episodes.py): what answers a model turn
+"""The tool responder of an episode runner (verl_hpc/rollout/episodes/runner.py): what answers a model turn
 when the job offers tools (an environment's is environment.py).
 
 ToolTurns: the turn's tool calls (`<tool_call>{...}</tool_call>`) run in the pool, all turns' calls
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from verl_hpc.rollout.episodes import Reply, Turn
+from verl_hpc.rollout.episodes.runner import Reply, Turn
 from verl_hpc.rollout.tools.calls import parse_tool_calls
 
 

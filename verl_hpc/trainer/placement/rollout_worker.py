@@ -36,7 +36,7 @@ from verl_hpc.data import PromptLoader
 from verl_hpc.resharding.bridge import WeightReceiver
 from verl_hpc.rollout import SamplingSpec
 from verl_hpc.rollout.prompts import check_prompts, fit_prompts
-from verl_hpc.rollout.spec import request_seed
+from verl_hpc.rollout.sampling import request_seed
 from verl_hpc.runtime.split import POLL_S, STOP, GroupLostError
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.placement.elastic.coordinator import FIXED, Coordinator, group_spec, lease_samples

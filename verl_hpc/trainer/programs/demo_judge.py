@@ -58,7 +58,7 @@ def judge_accuracy(judge_folder: Path, rows: List[dict]) -> float:
     import re
 
     from verl_hpc.rewards.judge import parse_score
-    from verl_hpc.rollout.judge_engines import HFJudgeEngine
+    from verl_hpc.rollout.hf.judge import HFJudgeEngine
 
     eng, pattern = HFJudgeEngine(str(judge_folder)), re.compile(JUDGE_PATTERN)
     hits = 0

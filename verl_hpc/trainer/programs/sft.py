@@ -36,7 +36,7 @@ from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.data.records import image_field_problem, sft_row_problem
 from verl_hpc.data.sampler import ShuffleStream
 from verl_hpc.engines.batch import pack_sequences
-from verl_hpc.rollout.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.trainer.programs.base import (StepProgram, check_tracking, finish, make_checkpointer, save_hf,
                                              steps_from_epochs)

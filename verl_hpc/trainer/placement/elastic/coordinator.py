@@ -47,7 +47,7 @@ import os
 import time
 from typing import Callable, Dict, List, Optional
 
-from verl_hpc.rollout.spec import request_seed
+from verl_hpc.rollout.sampling import request_seed
 from verl_hpc.trainer.placement.elastic.channel import left_key
 from verl_hpc.trainer.placement.elastic.ledger import Lease, Ledger
 from verl_hpc.trainer.placement.elastic.pool import Pool

@@ -82,7 +82,7 @@ def apply() -> None:
     dispatcher.vars = namespace  # the module's global shadows the builtin in its kernel scan
     _applied = True
     log.info("vllm-cpu: the rejection sampler's expand kernel replaced (its CPU version leaves the output "
-             "unwritten) and the kernel scan made to pass over llvmlite (verl_hpc/rollout/vllm_cpu_spec.py)")
+             "unwritten) and the kernel scan made to pass over llvmlite (verl_hpc/rollout/vllm/cpu_spec.py)")
 
 
 def numba_threads() -> None:

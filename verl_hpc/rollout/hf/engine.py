@@ -39,12 +39,12 @@ from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
 from verl_hpc.rollout.engine import RolloutEngine
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
-from verl_hpc.rollout.hf_routes import RouteRecorder
+from verl_hpc.rollout.hf.routes import RouteRecorder
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
-from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
-from verl_hpc.rollout.speculative import refuse_on_hf
-from verl_hpc.rollout.vllm_compat import preserved_rng
+from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.speculative.config import refuse_on_hf
+from verl_hpc.rollout.vllm.compat import preserved_rng
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, renamed_on_load
 from verl_hpc.runtime import device as devices
 
@@ -96,7 +96,7 @@ class HFRollout(RolloutEngine):
                  speculative=None, ctx=None, **_ignored):
         from transformers import GenerationConfig
 
-        refuse_on_hf(speculative)  # rollout.speculative: vLLM only (rollout/speculative.py says why)
+        refuse_on_hf(speculative)  # rollout.speculative: vLLM only (rollout/speculative/config.py says why)
         if tp != 1:  # the config refuses engine=hf with tp > 1; auto or fastest may still pick hf here
             raise ConfigError(f"rollout.tp={tp} needs rollout.engine=vllm: the HF fallback runs one "
                               "replica per rank (rollout.tp=1)")

@@ -16,7 +16,7 @@ draft model (`start_draft_weight_update`): `initialize_layerwise_reload` on the 
 model, its `load_weights` with checkpoint names, `finalize_layerwise_reload` with the draft model's
 config; those engines need a transfer backend of their own, which this in-process sync does not
 use, so the same steps are run through `collective_rpc` by the loader every drafter shares
-(rollout/vllm_drafter.py, `load_into_drafter`).
+(rollout/speculative/drafter.py, `load_into_drafter`).
 
 What it costs: the drafter's tensors are held twice during a sync (the copy, then the drafter), and
 the folder on local disk holds the same. Refused rather than synced wrong (config section and here):
@@ -38,7 +38,7 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import read_hf_config
 from verl_hpc.config.sections.speculative import drafter_names, drafter_problems
-from verl_hpc.rollout import vllm_drafter
+from verl_hpc.rollout.speculative import drafter as vllm_drafter
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 
 log = logging.getLogger(__name__)

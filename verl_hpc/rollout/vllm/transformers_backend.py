@@ -7,7 +7,7 @@ builds transformers' own model (`AutoModel.from_config`) and swaps its linear, e
 attention modules for vLLM's. `model_impl` says which to use; `choose_impl` names the backend where
 the registry has nothing else, and where vLLM's own class is not the trained model or cannot load the
 folder (Cohere 2's wider window, GPT-OSS's stale experts, StableLM's q/k norms: rollout/
-vllm_support.py), said once in the log.
+support.py), said once in the log.
 
 The hazard: before it builds the model the backend decorates the decoder class for vLLM's compiler
 (`Base._decorate_cls_for_torch_compile` -> `vllm.compilation.decorators.support_torch_compile`),
@@ -39,7 +39,7 @@ _said: set = set()
 def uses_backend(model_path: str) -> bool:
     """Whether vLLM serves the folder's architecture only through its Transformers modelling backend
     (its registry lists the backend, or nothing, for it)."""
-    from verl_hpc.rollout.vllm_registry import BACKEND_MODULE, architecture, vllm_model_module
+    from verl_hpc.rollout.vllm.registry import BACKEND_MODULE, architecture, vllm_model_module
 
     module = vllm_model_module(architecture(model_path))
     return module is None or module.startswith(BACKEND_MODULE)
@@ -50,13 +50,13 @@ def choose_impl(model_path: str) -> Optional[str]:
     for the architecture, or where its own runs another model than the trained one or cannot load the
     folder (vllm_support.native_problem: Cohere 2, GPT-OSS, StableLM with q/k norms in vLLM 0.32);
     said once per architecture. Else None (vLLM's default: its own class)."""
-    from verl_hpc.rollout.vllm_registry import architecture
+    from verl_hpc.rollout.vllm.registry import architecture
 
     arch = architecture(model_path)
     if uses_backend(model_path):
         why = "has no model class of vLLM's own"
     else:
-        from verl_hpc.rollout.vllm_support import native_problem
+        from verl_hpc.rollout.vllm.support import native_problem
 
         problem = native_problem(model_path)
         if problem is None:

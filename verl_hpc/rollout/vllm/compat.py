@@ -50,7 +50,7 @@ Only without a GPU (`runtime.device.has_gpu()` false):
 7. Mixture-of-experts layers after a weight reload: the CPU experts repack their weights for the
    grouped GEMM at load, and on a reload `UnquantizedFusedMoEMethod._setup_kernel` skips that step,
    so the reload copies checkpoint-order weights into the packed tensors (every MoE answer wrong,
-   the original weights reloaded included). `install_cpu_moe_repack` (rollout/vllm_cpu_moe.py,
+   the original weights reloaded included). `install_cpu_moe_repack` (rollout/vllm/cpu_moe.py,
    which explains the path) re-runs the experts' own repack on every reload.
 
 Log noise (every platform): each weight update makes vLLM log "Reloading and processing weights
@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
-from verl_hpc.rollout import vllm_cpu_moe
+from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)

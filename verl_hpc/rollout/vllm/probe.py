@@ -13,7 +13,7 @@ vLLM's model; its parameters that `load_weights` did not fill are what vLLM's lo
 
 Building vLLM's model needs vLLM's tensor-parallel groups (a one-process gloo world) and vLLM's
 current config, process-wide state that must not touch a trainer's process group or the submitting
-process: so the probe runs in a subprocess (`python -m verl_hpc.rollout.vllm_probe FOLDER...`, one
+process: so the probe runs in a subprocess (`python -m verl_hpc.rollout.vllm.probe FOLDER...`, one
 JSON line per folder). Importing vLLM is most of its time (measured on a loaded 2-core machine:
 12-18 s of import, 0.5 s of build and load), so each verdict is kept, per vLLM version,
 architecture, config.json and stored tensors (names, shapes, dtypes), in this process and under
@@ -136,7 +136,7 @@ def _run(folders: List[Path]) -> List[dict]:
     # the probe's one-process world must not take the trainer's rendezvous address
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "verl_hpc.rollout.vllm_probe", *map(str, folders)]
+    cmd = [sys.executable, "-m", "verl_hpc.rollout.vllm.probe", *map(str, folders)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -178,7 +178,7 @@ def _answer(folder: Path) -> dict:
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from verl_hpc.rollout.vllm_registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module
+    from verl_hpc.rollout.vllm.registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module
 
     module = vllm_model_module(architecture(str(folder)))
     out = {"version": vllm_version(), "module": module, "missing": module and missing_import(module),
