@@ -1,5 +1,6 @@
 """Faults the tests inject into a job: a reward collapse, a rollout engine that disagrees with the
-trainer by a known shift, Slurm's warning signal after a chosen step, a slow rollout. The product
+trainer by a known shift, Slurm's warning signal after a chosen step, a slow rollout, a rollout
+engine that serves other weights than it was sent. The product
 has no setting for any of them: each fault wraps one product function, from here.
 
     with faults.injected(regression_at_steps=[4]):                # a job in this process (run_here)
@@ -222,6 +223,30 @@ def elastic_worker_stalls_in_fetch(channel, on: bool):
     return _wrap(channel, "pair_group", make)
 
 
+def rollout_serves_other_values(vllm_engine, spec: str):
+    """The vLLM rollout loads tensor NAME with other values than the weight sync handed it (its
+    first row negated, after the sync recorded what it sent): a load that serves something else.
+    spec: "NAME", from the first load on, or "NAME@K", from the K-th load on."""
+    name, _, first = spec.partition("@")
+    loads = weakref.WeakKeyDictionary()  # engine -> its loads so far
+
+    def make(load_weights):
+        def _load_weights(self, weights):
+            loads[self] = loads.get(self, 0) + 1
+            on = loads[self] >= int(first or 1)
+
+            def changed():
+                for n, t in weights:
+                    if on and n == name:
+                        t = t.clone()
+                        t[0] = -t[0]
+                    yield n, t
+            return load_weights(self, changed())
+        return _load_weights
+
+    return _wrap(vllm_engine.VLLMRollout, "load_weights", make)
+
+
 # name -> (the module it patches, the patch: (module, value) -> undo)
 FAULTS = {
     "regression_at_steps": ("verl_hpc.trainer.stages.sampling", regression_at_steps),
@@ -233,6 +258,7 @@ FAULTS = {
     "rollout_group_delay_s": ("verl_hpc.trainer.placement.rollout_worker", rollout_group_delay_s),
     "elastic_worker_group_delay_s": ("verl_hpc.trainer.placement.elastic.worker", elastic_worker_group_delay_s),
     "elastic_worker_stalls_in_fetch": ("verl_hpc.trainer.placement.elastic.channel", elastic_worker_stalls_in_fetch),
+    "rollout_serves_other_values": ("verl_hpc.rollout.vllm.engine", rollout_serves_other_values),
 }
 
 

@@ -175,3 +175,20 @@ def test_a_multi_turn_start_up_error_is_the_last_line_of_a_real_rank(tmp_path, t
     check_one_line(proc, code, *words)
     assert proc.stderr.rstrip().splitlines()[-1].startswith("error: "), proc.stderr[-5000:]
     assert "vLLM engine up" not in proc.stderr, proc.stderr[-5000:]
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_a_rollout_serving_other_weights_stops_the_job_naming_the_tensor(tmp_path, tiny_assets, every):
+    """The served-weights check (resharding.check_served, on by default): the vLLM engine loads one
+    tensor with other values than the sync sent it. At the first sync (every = 0: only there) or, when
+    the fault starts at the second sync, at the second (every = 2: the first and every second sync are
+    read back), the job stops with the weight sync's exit code and one line naming that tensor."""
+    import faults
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    steps = "1" if every == 0 else "3"
+    with faults.injected(rollout_serves_other_values=name if every == 0 else f"{name}@2"):
+        proc = run_rank(tmp_path, tiny_assets, "rollout.engine=vllm", "rollout.kv_cache_memory_bytes=33554432",
+                        f"resharding.check_served_every={every}", f"trainer.total_steps={steps}")
+    line = check_one_line(proc, 15, name, "serves other values", "model.layers.1.mlp.down_proj")
+    assert "weight sync failed on rank 0" in line, line

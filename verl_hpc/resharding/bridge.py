@@ -102,25 +102,6 @@ def slice_manifest(manifest, slicer: RolloutSlicer, ranks: int):
     return sizes, rows
 
 
-def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[RolloutSlicer]:
-    """What each rollout rank of a split job keeps, for the publisher (mode: resharding.mode, sliced
-    or auto); None: every rollout rank takes every full tensor (resharding.mode full). model_path:
-    model.path; rollout_tp: rollout.tp."""
-    if mode == "full":
-        return None
-    from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
-
-    if rollout_tp > 1 and vllm_transformers.choose_impl(model_path) is not None:  # the engine's own choice
-        if mode == "sliced":
-            raise PlanError(f"resharding.mode=sliced: {vllm_transformers.SLICED_WHY}; use resharding.mode=auto or full")
-        log.warning("weight publisher: every rollout rank takes the full tensors (%s)", vllm_transformers.SLICED_WHY)
-        return None
-    from verl_hpc.models.vocab_tensors import folder_geometry, folder_vocab_names
-
-    head_dim, vocab_size = folder_geometry(model_path)  # any family, not only the Megatron-mapped ones
-    return RolloutSlicer(rollout_tp, head_dim=head_dim, vocab_size=vocab_size, vocab=folder_vocab_names(model_path))
-
-
 def slice_buffer(bucket: torch.Tensor, b: int, manifest, sliced) -> torch.Tensor:
     """Snapshot bucket `b` cut for the rollout ranks: every rank's part, in rank order, each tensor's
     slice at its offset (slice_manifest)."""

@@ -35,11 +35,14 @@ bucket size; the same on every rank, so every bucket is one collective exchange.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.models.vocab_tensors import LLAMA as LLAMA_VOCAB  # (models/vocab_tensors.py finds a model's own)
+
+log = logging.getLogger(__name__)
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before its TP split
 
@@ -248,3 +251,23 @@ def _cover(need: Need, holders: List[Holding], shape: Sequence[int]) -> List[Tra
         else:
             out.append(Transfer(need.hf, src, need.rank, dim, lo, hi))
     return out
+
+
+def rollout_slicer(mode: str, model_path: str, rollout_tp: int) -> Optional[RolloutSlicer]:
+    """What each rollout rank keeps of a model folder's tensors, for split placement's publisher and the
+    served-weights check (mode: resharding.mode, sliced or auto); None: every rollout rank takes
+    every full tensor (resharding.mode full, or an engine that cuts by the model's own plan).
+    model_path: model.path; rollout_tp: rollout.tp."""
+    if mode == "full":
+        return None
+    from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
+
+    if rollout_tp > 1 and vllm_transformers.choose_impl(model_path) is not None:  # the engine's own choice
+        if mode == "sliced":
+            raise PlanError(f"resharding.mode=sliced: {vllm_transformers.SLICED_WHY}; use resharding.mode=auto or full")
+        log.warning("weight sync: every rollout rank takes the full tensors (%s)", vllm_transformers.SLICED_WHY)
+        return None
+    from verl_hpc.models.vocab_tensors import folder_geometry, folder_vocab_names
+
+    head_dim, vocab_size = folder_geometry(model_path)  # any family, not only the Megatron-mapped ones
+    return RolloutSlicer(rollout_tp, head_dim=head_dim, vocab_size=vocab_size, vocab=folder_vocab_names(model_path))

@@ -58,7 +58,9 @@ from verl_hpc.config.sections.rollout import SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from, in_dtype
 from verl_hpc.resharding.mtp import MtpWeights, draft_source
+from verl_hpc.resharding import served_check
 from verl_hpc.resharding.plan import PlanError
+from verl_hpc.resharding.served_check import ServedCheck
 from verl_hpc.resharding.sliced import SlicedSync, holdings
 from verl_hpc.runtime.device import collective_device
 
@@ -180,7 +182,7 @@ class WeightSync:
     """
 
     def __init__(self, *, bucket_mb: Optional[float] = None, bucket_bytes: Optional[int] = None,
-                 mode: str = "auto", delta: bool = False):
+                 mode: str = "auto", delta: bool = False, check_served_every: Optional[int] = None):
         if mode not in MODES:
             raise ConfigError(f"resharding.mode must be one of {', '.join(MODES)}; got {mode!r}")
         if delta and mode == "full":
@@ -193,11 +195,14 @@ class WeightSync:
         self.count = 0
         self._fallback: Optional[str] = None  # why auto chose the full path
         self.mtp: Optional[MtpWeights] = None  # a frozen drafter's slices, read once (resharding/mtp.py)
+        # what the rollout serves, read back at the first sync and every N-th (resharding/served_check.py)
+        self.served = ServedCheck(check_served_every) if check_served_every is not None else None
 
     @classmethod
     def from_config(cls, section) -> "WeightSync":
         """From the job's `resharding:` section."""
-        return cls(bucket_mb=section.bucket_mb, mode=section.mode, delta=section.delta)
+        return cls(bucket_mb=section.bucket_mb, mode=section.mode, delta=section.delta,
+                   check_served_every=section.check_served_every if section.check_served else None)
 
     def _choose(self, actor, rollout):
         """(the sliced source, or None for the full path)."""
@@ -223,9 +228,11 @@ class WeightSync:
     def __call__(self, actor, rollout) -> Dict[str, float]:
         source = self._choose(actor, rollout)
         start = time.perf_counter()
+        check = self.served if (self.served is not None and self.served.due(self.count)
+                                and served_check.checkable(rollout)) else None
         if source is not None:
             try:
-                error, stream, metrics = self._run_sliced(source, rollout)
+                error, stream, metrics = self._run_sliced(source, rollout, check)
             except PlanError as exc:
                 if self.mode == "sliced":
                     raise PlanError(f"resharding.mode=sliced: {exc}; resharding.mode=auto falls back "
@@ -235,10 +242,12 @@ class WeightSync:
                 self.mode = "full"
                 return self(actor, rollout)
         else:
-            error, stream, metrics = self._run_full(actor, rollout)
+            error, stream, metrics = self._run_full(actor, rollout, check)
         if error is None and not stream.source_failed:  # a frozen drafter's own weights, after the policy's
-            error = self._load_draft(rollout, metrics)
+            error = self._load_draft(rollout, metrics, check)
         seconds = time.perf_counter() - start
+        if error is None and check is not None and check.expected:
+            error = self._verify(check, rollout, metrics)
         if error is not None and stream.source_failed:
             self.sliced.reset()
             raise error  # the collective itself broke: no agreement round is possible
@@ -273,26 +282,52 @@ class WeightSync:
                 self.last["sync/gb_per_s"], stream.export_seconds, self.last["sync/load_seconds"])
         return dict(self.last)
 
-    def _load_draft(self, rollout, metrics: Dict[str, float]) -> Optional[BaseException]:
+    def _load_draft(self, rollout, metrics: Dict[str, float],
+                    check: Optional[ServedCheck] = None) -> Optional[BaseException]:
         """vLLM's frozen drafter (an MTP drafter, or a draft_model_path folder): its frozen tensors, this
         rank's slices (resharding/mtp.py); an MTP drafter's embedding and head came with the policy's.
-        Local to this rank: a failure is agreed with the others like the policy's load."""
+        Local to this rank: a failure is agreed with the others like the policy's load. With `check`
+        the drafter's served tensors are read back against them."""
         try:
             self.mtp = draft_source(rollout, self.mtp)
             if self.mtp is None:
                 return None
-            info = rollout.load_draft_weights(carriers(self.mtp.slices(), self.mtp.shapes))
+            draft_check = ServedCheck(0) if check is not None else None
+            slices = draft_check.expect(self.mtp.slices()) if draft_check is not None else self.mtp.slices()
+            info = rollout.load_draft_weights(carriers(slices, self.mtp.shapes))
+            if draft_check is not None:
+                found = draft_check.verify(rollout, drafter=True)
+                metrics["sync/served_draft_checked"] = found["sync/served_checked"]
         except Exception as exc:  # noqa: BLE001 (raised by the caller after the agreement round)
             return exc
         metrics["sync/draft_tensors"], metrics["sync/draft_bytes"] = float(info["tensors"]), float(self.mtp.nbytes)
         return None
 
-    def _run_full(self, actor, rollout):
+    @staticmethod
+    def _verify(check: ServedCheck, rollout, metrics: Dict[str, float]) -> Optional[BaseException]:
+        """The served-weights check (this rank's engine, and a drafter kept in step with the policy);
+        its error is agreed with the other ranks like a failed load."""
+        try:
+            metrics.update(check.verify(rollout))
+            drafted = getattr(rollout, "drafter_weight_names", None)
+            if drafted:
+                metrics["sync/served_seconds"] += check.verify(rollout, drafter=True, names=drafted)[
+                    "sync/served_seconds"]
+        except Exception as exc:  # noqa: BLE001 (raised by the caller after the agreement round)
+            return exc
+        return None
+
+    def _run_full(self, actor, rollout, check: Optional[ServedCheck] = None):
+        cut = None
+        if check is not None:
+            cut, comparable = served_check.full_cut(rollout)
+            check = check if comparable else None
         # resident until load_weights has returned: only then may the actor offload (held_resident)
         with held_resident(actor):
             stream = BucketStream(in_dtype(export_source(actor)(), getattr(rollout, "weight_dtype", None)),
                                   self.bucket_bytes)
-            error = _feed(stream, lambda: rollout.load_weights(iter(stream)),
+            items = check.expect_full(iter(stream), cut) if check is not None else iter(stream)
+            error = _feed(stream, lambda: rollout.load_weights(items),
                           f"{type(rollout).__name__}.load_weights")
         return error, stream, {
             "sync/sliced": 0.0,
@@ -302,17 +337,18 @@ class WeightSync:
             "sync/largest_tensor_bytes": float(stream.largest_tensor_bytes),
         }
 
-    def _run_sliced(self, source, rollout):
+    def _run_sliced(self, source, rollout, check: Optional[ServedCheck] = None):
         keeps = rollout.weight_slices() if callable(getattr(rollout, "weight_slices", None)) else (0, 1)
         with source() as model:
             dtype = getattr(rollout, "weight_dtype", None) or holdings(model).dtype()
             self.sliced.prepare(model, keeps, dtype)  # PlanError escapes before any exchange
             stream = SourceStream(self.sliced.stream(model, keeps, dtype))
+            items = check.expect(iter(stream)) if check is not None else iter(stream)
             if hasattr(rollout, "load_weight_slices"):
-                error = _feed(stream, lambda: rollout.load_weight_slices(iter(stream)),
+                error = _feed(stream, lambda: rollout.load_weight_slices(items),
                               f"{type(rollout).__name__}.load_weight_slices")
             else:
-                error = _feed(stream, lambda: rollout.load_weights(carriers(stream, self.sliced.plan.shapes)),
+                error = _feed(stream, lambda: rollout.load_weights(carriers(items, self.sliced.plan.shapes)),
                               f"{type(rollout).__name__}.load_weights")
         c = self.sliced.counts
         return error, stream, {

@@ -146,9 +146,10 @@ def sync_modes(actor, rollout, args) -> dict:
 
     greedy = default_spec(temperature=0, max_tokens=args["max_new"])
     out = {}
-    delta = WeightSync(bucket_mb=SMALL_MB, mode="sliced", delta=True)
-    for label, syncer in (("full", WeightSync(bucket_mb=SMALL_MB, mode="full")),
-                          ("sliced", WeightSync(bucket_mb=SMALL_MB, mode="sliced")),
+    # every sync read back: what vLLM serves must equal what each path sent (resharding/served_check.py)
+    delta = WeightSync(bucket_mb=SMALL_MB, mode="sliced", delta=True, check_served_every=1)
+    for label, syncer in (("full", WeightSync(bucket_mb=SMALL_MB, mode="full", check_served_every=1)),
+                          ("sliced", WeightSync(bucket_mb=SMALL_MB, mode="sliced", check_served_every=1)),
                           ("delta_dense", delta), ("delta_nothing", delta)):
         metrics = syncer(actor, rollout)
         res = rollout.generate(args["prompts"], greedy)
@@ -177,7 +178,7 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
     synced weights, output projection included (vllm_compat hazard 6)."""
     import torch.distributed as dist
 
-    from verl_hpc.resharding import sync
+    from verl_hpc.resharding import WeightSync
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
     from verl_hpc.rollout.sampling import default_spec
@@ -186,9 +187,9 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
                           **default_engine_args("vllm", max_prompt_length=args["max_prompt"],
                                                 max_response_length=args["max_new"]))
     try:
-        sync(model, rollout, bucket_mb=bucket_mb)
+        served = WeightSync(bucket_mb=bucket_mb, check_served_every=0)(model, rollout)["sync/served_checked"]
         res = rollout.generate(args["prompts"], default_spec(temperature=0, max_tokens=args["max_new"]))
-        return dict(response_ids=res.response_ids, logprobs=res.logprobs)
+        return dict(response_ids=res.response_ids, logprobs=res.logprobs, served_checked=served)
     finally:
         rollout.close()
 

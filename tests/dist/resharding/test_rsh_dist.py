@@ -131,6 +131,10 @@ def test_tied_model_in_vllm_equals_transformers(run):
                    for a, b in zip(lps, ref_lps))
         print(f"tied pp2 -> vLLM tp2: max |logprob diff| {diff:.2e}")
         assert diff <= TOL, diff
+        # read back at inference TP2 (qwen2: q/k/v biases too): every tensor, and the tied head's copy
+        from safetensors.torch import load_file
+
+        assert got["served_checked"] == len(load_file(f"{run['tied_model']}/model.safetensors")) + 1
     assert [toks for toks, _ in other] != [toks for toks, _ in ref]  # the two models differ
 
 
@@ -176,6 +180,9 @@ def test_full_sliced_and_delta_syncs_leave_vllm_with_the_same_weights(run):
             assert sliced["sync/sliced"] == 1.0 and ref["metrics"]["sync/sliced"] == 0.0
             if pair.endswith("inf_tp2"):
                 assert sliced["sync/bytes"] < 0.6 * full_bytes, (pair, sliced["sync/bytes"], full_bytes)
+            for label, got in modes.items():  # each sync read back: vLLM serves what that path sent it
+                assert got["metrics"]["sync/served_checked"] == ref["metrics"]["sync/tensors"], (pair, label)
+                assert got["metrics"]["sync/served_unplaced"] == 0, (pair, label)
             assert modes["delta_dense"]["metrics"]["sync/bytes"] == sliced["sync/bytes"]
             assert modes["delta_nothing"]["metrics"]["sync/bytes"] == 0.0
             assert modes["delta_nothing"]["metrics"]["sync/changed_fraction"] == 0.0

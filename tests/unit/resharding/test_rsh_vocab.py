@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arch_matrix import make_arch
-from verl_hpc.resharding.bridge import rollout_slicer
+from verl_hpc.resharding.plan import rollout_slicer
 from verl_hpc.resharding.plan import PlanError, RolloutSlicer
 from verl_hpc.models.vocab_tensors import folder_geometry, folder_vocab_names, vocab_names
 

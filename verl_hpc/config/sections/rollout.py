@@ -195,6 +195,11 @@ class ReshardingConfig(Section):
                     choices=SYNC_MODES)
     delta: bool = opt(False, "send only the weights whose value in the rollout dtype changed since the "
                       "last sync (sliced path; checked by a checksum per slice)")
+    check_served: bool = opt(True, "after the first weight sync of a run (and every check_served_every-th), "
+                             "read back what the rollout engine serves and compare it tensor by tensor with "
+                             "what was sent; a difference stops the job naming the tensor (docs/resharding.md)")
+    check_served_every: int = opt(100, "check_served: also every N-th sync after the first; 0 = the first "
+                                  "sync only", check=">=0")
 
     def check(self, job) -> List[str]:
         p = []

@@ -121,6 +121,7 @@ class VLLMRollout(RolloutEngine):
         self._sleep_requested = sleep_between_phases
         self._sleeping: set = set()  # tags released by sleep() and not yet woken
         self._weights_dropped = False  # sleep level 2 until the next load_weights
+        self.model_path = str(model_path)
         self._weight_names = checkpoint_weight_names(model_path)
         self._tied = tied_embeddings(model_path)
         self._optional_names = {"lm_head.weight"} if self._tied else set()
@@ -314,6 +315,20 @@ class VLLMRollout(RolloutEngine):
         self._weights_dropped = False
         return dict(tensors=checked.tensors, bytes=checked.bytes,
                     seconds=time.perf_counter() - start)
+
+    def served_weights(self, names, digest, *, drafter: bool = False):
+        """What this rank's engine (or its drafter) serves for each checkpoint name, read back after
+        the post-load processing: ([Served], names it cannot place) (rollout/vllm/served.py)."""
+        from verl_hpc.rollout.vllm import served
+
+        self._check_open()
+        return served.read_engine(self, names, digest, drafter=drafter)
+
+    @property
+    def drafter_weight_names(self):
+        """The policy's tensors every load_weights also loads into a drafter cut from it
+        (rollout.speculative.draft_layers), or None."""
+        return self._drafter.names if self._drafter is not None else None
 
     def load_draft_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
         """The frozen drafter's own tensors (rollout/speculative/drafter.py: not those an MTP drafter shares)."""

@@ -28,7 +28,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from verl_hpc.resharding.bridge import WeightPublisher, rollout_slicer
+from verl_hpc.resharding.bridge import WeightPublisher
+from verl_hpc.resharding.plan import rollout_slicer
 from verl_hpc.rollout.engine import rollout_weight_dtype
 from verl_hpc.runtime.objects import broadcast_object
 from verl_hpc.runtime.split import ROLLOUT_FAILED, STOP, GroupLostError
