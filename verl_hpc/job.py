@@ -58,6 +58,7 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     if isinstance(cfg, dict):
         cfg = from_container(cfg)
     program = resolve_program(cfg.trainer.job)
+    check_outputs(cfg)
     check_weight_files(cfg)
     ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
                             seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
@@ -73,6 +74,17 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
         return program(cfg, ctx)
     finally:
         runtime.shutdown(ctx)
+
+
+def check_outputs(cfg) -> None:
+    """trainer.output_dir and checkpoint.dir writable (or creatable), as submit checks them before
+    the queue, with its words: a rank started without that check (launch/*.sbatch, a hand-written
+    script, --skip-file-checks) stops here, before any model is built, instead of with an OSError
+    when the metrics file opens."""
+    from verl_hpc.config.errors import raise_if_any
+    from verl_hpc.launcher.preflight import output_problems
+
+    raise_if_any(output_problems(cfg))
 
 
 def check_weight_files(cfg) -> None:

@@ -210,20 +210,46 @@ def transformers_config_problems(folder: Path, field: str, trust_remote_code: bo
 
 # ------------------------------------------------------------------------------ outputs
 def _outputs(cfg) -> List[str]:
-    t = cfg.trainer
-    dirs = [("trainer.output_dir", t.output_dir),
-            ("checkpoint.dir", cfg.checkpoint.dir or os.path.join(t.output_dir, "checkpoints"))]
     log_dir = cfg.slurm.log_dir.split("%", 1)[0]  # %j and friends are filled in by Slurm
-    if log_dir:
-        dirs.append(("slurm.log_dir", log_dir))
-    return [p for field, d in dirs if (p := writable_dir_problem(d, field))]
+    return _dir_problems(_output_dirs(cfg) + ([("slurm.log_dir", log_dir)] if log_dir else []))
+
+
+def output_problems(cfg) -> List[str]:
+    """trainer.output_dir and checkpoint.dir: writable folders, or creatable. Also what every rank
+    checks first (job.py), before it builds a model: a job started without these checks (a
+    hand-written sbatch script, --skip-file-checks) fails there in one line, not with an OSError
+    from the metrics file after minutes of start-up."""
+    return _dir_problems(_output_dirs(cfg))
+
+
+def _output_dirs(cfg) -> List[tuple]:
+    t = cfg.trainer
+    return [("trainer.output_dir", t.output_dir),
+            ("checkpoint.dir", cfg.checkpoint.dir or os.path.join(t.output_dir, "checkpoints"))]
+
+
+def _dir_problems(dirs) -> List[str]:
+    """One line per folder at fault: checkpoint.dir and slurm.log_dir inside a trainer.output_dir
+    that cannot be written have that folder's problem, which is said once, under the first field."""
+    problems, said = [], set()
+    for field, d in dirs:
+        probe = _nearest_existing(Path(d).absolute())
+        if probe not in said and (p := writable_dir_problem(d, field)):
+            problems.append(p)
+            said.add(probe)
+    return problems
+
+
+def _nearest_existing(p: Path) -> Path:
+    """p, or its nearest existing ancestor: the folder that decides whether p can be created."""
+    while not p.exists():
+        p = p.parent
+    return p
 
 
 def writable_dir_problem(path: str, field: str) -> str:
     p = Path(path).absolute()
-    probe = p
-    while not probe.exists():  # the nearest existing ancestor decides whether we can create it
-        probe = probe.parent
+    probe = _nearest_existing(p)
     if not probe.is_dir():
         return (f"{field}: '{probe}' is a file, not a folder" + (f" (needed to create '{p}')" if probe != p else "")
                 + "; valid: a writable folder or a path that can be created")
