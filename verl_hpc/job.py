@@ -71,7 +71,12 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
 
     log_banner(cfg, ctx)  # safety.* switches that are on, in every job's log
     try:
-        return program(cfg, ctx)
+        summary = program(cfg, ctx)
+        from verl_hpc.launcher.local_stop import note_stop
+
+        # stopped on a signal the local submitter did not get itself: it reads this note
+        note_stop(ctx.rank, ctx.preemption.agreed_signal, summary)
+        return summary
     finally:
         runtime.shutdown(ctx)
 

@@ -4,6 +4,7 @@ The wedged-rank job spends its time waiting (its collective timeout, then torch'
 kills the wedged rank), not computing: it starts before this module's first test and its test,
 the module's last, collects it, so that the other tests run in that wait."""
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -44,8 +45,13 @@ def test_dead_rank_fails_fast_and_is_named(tmp_path, smoke_job, failure_after):
     assert log.exists() and "dies on purpose" in log.read_text()
 
 
-@pytest.mark.parametrize("sig", ["USR2", "TERM"])
-def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
+@pytest.mark.parametrize("sig, to", [("USR2", "ranks"), ("TERM", "ranks"), ("USR2", "submitter")])
+def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig, to):
+    """Sent to every rank (what Slurm's --signal=USR2@N or a preemption's SIGTERM does), or to the
+    submitter (`kill -USR2 PID`), the signal stops every rank at one step boundary, and the
+    submitter says so and exits 128 + its number. Issue 83, item 4: SIGUSR2 to the submitter killed
+    it at once (140, silent; the ranks then stopped without a checkpoint), and after a signal to
+    the ranks it printed "local job finished OK" and exited 0 for a run stopped at step 3 of 300."""
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local",
            f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j",
            "trainer.smoke.steps=300", "trainer.smoke.step_seconds=0.1"]
@@ -56,12 +62,14 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
             seen += line
             if "smoke step 3/" in line:
                 break
-        # what Slurm's --signal=USR2@N (or a preemption's SIGTERM) does: signal every task
-        subprocess.run(["pkill", f"-{sig}", "-f", f"verl_hpc.job {tmp_path}"], check=True)
+        if to == "ranks":
+            subprocess.run(["pkill", f"-{sig}", "-f", f"verl_hpc.job {tmp_path}"], check=True)
+        else:
+            proc.send_signal(getattr(signal, f"SIG{sig}"))
         out, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 0, seen + out
+    assert proc.returncode == 128 + getattr(signal, f"SIG{sig}"), seen + out  # 140, 143
     result = json.loads((tmp_path / "out" / "smoke_result.json").read_text())
     assert result["steps"] < 300
     # every rank stopped at the same step on the signal; on a loaded machine the signal can reach
@@ -69,6 +77,17 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig):
     assert all(x["stopped_on"] == f"SIG{sig}" and x["steps"] == result["steps"] for x in result["ranks"]), result
     logs = sorted((tmp_path / "logs").glob("**/stderr.log"))
     assert len(logs) == 2 and all(f"received SIG{sig}" in f.read_text() for f in logs), logs
+    # the submitter's last line: where the job stopped, why, and how to start it again (the smoke
+    # job writes no checkpoint)
+    last = out.strip().splitlines()[-1]
+    rerun = f"start again with: python -m verl_hpc.submit configs/smoke.yaml --local"
+    if to == "ranks":
+        assert last.startswith(f"[submit] the job stopped early at step {result['steps']} of 300: SIG{sig}"), last
+        assert "reached its ranks, not this submitter" in last and rerun in last, last
+    else:
+        assert last.startswith(f"[submit] stopped by SIG{sig} at step {result['steps']} before any checkpoint; "
+                               + rerun), last
+    assert "finished OK" not in out, out[-3000:]
 
 
 # > the start-up skew of the two smoke ranks (rendezvous shares this timeout): the same light program

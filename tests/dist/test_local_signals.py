@@ -1,7 +1,8 @@
 """Signals to a local job (`python -m verl_hpc.submit ... --local`), as a user at a terminal sends
-them: SIGTERM (`kill PID`) to the submitter, Ctrl-C (SIGINT to the terminal's process group). Both
-must end like a Slurm cancel: the step in flight finishes, its checkpoint is complete and `latest`
-names it, one line says how to resume, and the exit code is the shell's 128 + signal number. The
+them: SIGTERM (`kill PID`) and SIGUSR2 (`kill -USR2 PID`, the warning signal) to the submitter,
+Ctrl-C (SIGINT to the terminal's process group). Each must end like a Slurm cancel: the step in
+flight finishes, its checkpoint is complete and `latest` names it, one line says how to resume, and
+the exit code is the shell's 128 + signal number. The
 SIGTERM case runs split placement (1 rollout + 1 training rank, k = 2), whose ranks must all leave
 at the stop, none waiting out trainer.collective_timeout_s (300 s here) on the other group; the
 races of that stop, made deterministic, are tests/unit/trainer/test_async_stop.py."""
@@ -32,7 +33,9 @@ def start_job(assets, out, *extra):
 @pytest.mark.parametrize("sig, send, code, placement", [
     ("SIGTERM", lambda pid: os.kill(pid, signal.SIGTERM), 143, SPLIT),   # kill PID: the submitter only
     ("SIGINT", lambda pid: os.killpg(pid, signal.SIGINT), 130, []),      # Ctrl-C: the whole process group
-], ids=["SIGTERM-split", "SIGINT-colocated"])
+    # Slurm's warning signal, sent by hand: it ended the submitter at once (issue 83, item 4)
+    ("SIGUSR2", lambda pid: os.kill(pid, signal.SIGUSR2), 140, []),
+], ids=["SIGTERM-split", "SIGINT-colocated", "SIGUSR2-colocated"])
 def test_signal_stops_at_a_step_with_a_complete_checkpoint(terminal_sigint, tiny_assets, tmp_path, wait_for_text, sig,
                                                            send, code, placement):
     out = tmp_path / "run"

@@ -77,3 +77,62 @@ def test_submitter_passes_the_first_signal_on_and_kills_on_the_second(terminal_s
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     finally:
         rank.kill()
+
+
+FAKE_RANK_USR2 = """
+import signal, sys, time
+for s, name in ((signal.SIGTERM, "TERM"), (signal.SIGUSR2, "USR2")):
+    signal.signal(s, lambda sig, f, name=name: open(sys.argv[2], "a").write(name + "\\n"))
+open(sys.argv[2], "a").write("up\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_the_warning_signal_is_passed_on_once_and_a_second_one_abandons_nothing(tmp_path):
+    """SIGUSR2 (issue 83, item 4): torch's launcher leaves it alone, so it ended the submitter at
+    once (140, silent) and the ranks, their launcher gone, stopped without a checkpoint. It is
+    passed on as SIGTERM is; sent again it asks for the same checkpoint, so it abandons nothing
+    (a SIGTERM after it does)."""
+    said = tmp_path / "rank.txt"
+    rank = subprocess.Popen([sys.executable, "-c", FAKE_RANK_USR2, "verl_hpc.job", str(said)], start_new_session=True)
+    mine = signal.signal(signal.SIGUSR2, lambda *a: None)  # a stray SIGUSR2 must not end pytest itself
+    try:
+        wait_for(said, "up")
+        with LocalStop() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            wait_for(said, "USR2")
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.5)  # the forwarding thread wakes every 0.2 s
+            assert rank.poll() is None and not stop.abandoned
+            assert said.read_text().count("USR2") == 1  # each rank is told once
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert rank.wait(timeout=20) == -signal.SIGKILL
+        assert stop.signum == signal.SIGUSR2 and stop.abandoned and stop.exit_code == 140
+        assert signal.getsignal(signal.SIGUSR2) is not stop._handle  # put back
+    finally:
+        signal.signal(signal.SIGUSR2, mine)
+        rank.kill()
+
+
+def test_a_rank_notes_an_agreed_stop_only_for_the_local_submitter(tmp_path, monkeypatch):
+    """The note a rank stopped by a signal leaves for the local submitter (launcher/local_stop.py):
+    only with the submitter's folder named, only on an agreed signal; the lowest rank's is read."""
+    from verl_hpc.launcher.local_stop import STOP_NOTES, early_stop_line, note_stop, open_notes, stop_note
+
+    monkeypatch.setenv(STOP_NOTES, "")  # put back as it was at the end (open_notes sets it)
+    monkeypatch.delenv(STOP_NOTES)
+    note_stop(0, "SIGUSR2", {"steps": 3})  # not started by the local submitter: nothing, nowhere
+    folder = open_notes(tmp_path / "logs")
+    assert os.environ[STOP_NOTES] == str(folder)
+    note_stop(0, None, {"steps": 12, "total_steps": 12})  # finished: no note
+    assert stop_note(folder) is None
+    note_stop(10, "SIGUSR2", {"steps": 3, "total_steps": 12})
+    note_stop(2, "SIGUSR2", {"steps": 3, "total_steps": 12})
+    note = stop_note(folder)
+    assert (note.rank, note.signal, note.step, note.total_steps, note.exit_code) == (2, "SIGUSR2", 3, 12, 140)
+    line = early_stop_line(note, tmp_path / "ck", "python -m verl_hpc.submit x.yaml --local")
+    assert line == ("[submit] the job stopped early at step 3 of 12: SIGUSR2 (Slurm warning signal) reached its "
+                    "ranks, not this submitter; a local job is not requeued; no checkpoint; start again with: "
+                    "python -m verl_hpc.submit x.yaml --local"), line
+    assert stop_note(open_notes(tmp_path / "logs")) is None  # the folder used again starts empty

@@ -1,5 +1,5 @@
-"""SIGTERM and Ctrl-C in a program's start-up, before it has started anything: the submitter and
-the planner end with one line on stderr and 143 / 130, no traceback; a rank keeps the signal for
+"""SIGTERM, Ctrl-C and SIGUSR2 in a program's start-up, before it has started anything: the submitter and
+the planner end with one line on stderr and 143 / 130 / 140, no traceback; a rank keeps the signal for
 its preemption flag and stops at its first step boundary (launcher/early_signals.py).
 
 Each is a real process reading its config from a named pipe: opening the pipe's other end returns
@@ -56,7 +56,8 @@ def send(proc, sig):
     (("verl_hpc.submit", "--local"), "[submit] stopped by {} before any rank started; nothing was submitted\n"),
     (("verl_hpc.plan",), "[plan] stopped by {} before the plan was complete\n"),
 ], ids=["submit", "plan"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGUSR2, Slurm's warning signal, ended both silently with 140 (issue 83, item 4)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2], ids=["SIGTERM", "SIGINT", "SIGUSR2"])
 def test_a_signal_in_the_start_up_ends_it_with_one_line(terminal_sigint, tmp_path, program, line, sig):
     proc, pipe = start_reading(tmp_path, *program)
     try:
@@ -73,7 +74,7 @@ def test_a_signal_in_the_start_up_ends_it_with_one_line(terminal_sigint, tmp_pat
         if pipe is not None:
             os.close(pipe)
         proc.kill()
-    assert proc.returncode == 128 + sig, (proc.returncode, err)  # 143, 130: a stop, as the shell reports one
+    assert proc.returncode == 128 + sig, (proc.returncode, err)  # 143, 130, 140: a stop, as the shell reports one
     assert err == line.format(sig.name), err
 
 

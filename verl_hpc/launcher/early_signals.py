@@ -1,4 +1,4 @@
-"""A program's SIGTERM and Ctrl-C before its own handling exists: one line, the stop's exit code.
+"""A program's SIGTERM, Ctrl-C and SIGUSR2 before its own handling exists: one line, the stop's exit code.
 
 `python -m verl_hpc.submit` spends its first seconds importing torch and friends and checking the
 config's files, before it starts or submits anything (10-25 s on a loaded login node); a SIGTERM
@@ -11,8 +11,9 @@ entry calls one of these first, before its other imports (stdlib only here, for 
     early_signals.keep()                 # a rank (verl_hpc.job): kept for its PreemptionFlag
 
 install: a signal prints `[submit] stopped by SIGTERM before any rank started; nothing was
-submitted` on stderr and exits with 128 + its number, 143 for SIGTERM and 130 for Ctrl-C: the codes
-of a stopped local job (docs/signals.md). It exits with os._exit: an exception raised from the
+submitted` on stderr and exits with 128 + its number, 143 for SIGTERM, 130 for Ctrl-C and 140 for
+SIGUSR2 (Slurm's warning signal, which would otherwise end the program silently): the codes of a
+stopped local job (docs/signals.md). It exits with os._exit: an exception raised from the
 handler lands wherever the main thread is (inside an import, under some library's `except
 BaseException`), where it can be swallowed or printed as a traceback, and nothing has been started
 yet that would need cleaning up. Where the program starts things it hands the signals on (the
@@ -32,7 +33,7 @@ import signal
 import sys
 from typing import Callable, Iterator, List, Optional
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 # what a rank keeps: runtime/signals.py's DEFAULT_SIGNALS (the warning signal, SIGTERM, SIGINT),
 # not imported from there because importing verl_hpc.runtime imports torch (a test keeps them equal)
 RANK_SIGNALS = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher import early_signals
-from verl_hpc.launcher.local_stop import LocalStop, stop_line
+from verl_hpc.launcher.local_stop import STOP_NOTES, LocalStop, early_stop_line, open_notes, stop_line, stop_note
 from verl_hpc.launcher.plan import Plan, exit_words, rank_label
 from verl_hpc.launcher.slurm import error_line
 from verl_hpc.runtime.orphans import LAUNCHER_PID
@@ -51,8 +51,10 @@ def rerun_command(argv: list[str], resume: str) -> str:
 
 def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str = "") -> int:
     """Start the ranks and wait for them; 0, 1 (a rank failed) or 128 + the number of a signal that
-    stopped the job (launcher/local_stop.py; checkpoint_dir and rerun go into its last line)."""
+    stopped the job, sent to this process or to the ranks themselves (launcher/local_stop.py;
+    checkpoint_dir and rerun go into its last line)."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
+    notes = open_notes(plan.log_dir)  # where a rank stopped by a signal says so
     os.environ.update(plan.env)  # inherited by the rank processes
     os.environ[LAUNCHER_PID] = str(os.getpid())  # ranks stop if this process is killed (runtime/orphans.py)
     launch = LaunchConfig(
@@ -65,7 +67,8 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
         # "checkpoint at the next step boundary" (runtime/signals.py); a rank that never reaches
         # one is killed 30 s later (torch's fixed grace period on this path).
         start_method="spawn",
-        # SIGTERM and SIGINT are LocalStop's (the ranks get time to checkpoint), not torch's
+        # SIGTERM, SIGINT (and SIGUSR2, which torch leaves alone) are LocalStop's: the ranks get
+        # time to checkpoint
         signals_to_handle="SIGHUP,SIGQUIT")
     print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
     failures = None
@@ -74,13 +77,19 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
             elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
         except ChildFailedError as err:
             failures = err.failures
+        finally:
+            os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
     early_signals.where_now("after the local ranks ended (their result above)")  # LocalStop gave them back
+    note = stop_note(notes)  # where the ranks stopped on a signal, if they did
     if stop.signum and (failures is None or stop.abandoned or all(_by_signal(f) for f in failures.values())):
-        print(stop_line(stop, checkpoint_dir, rerun), flush=True)
+        print(stop_line(stop, checkpoint_dir, rerun, note), flush=True)
         return stop.exit_code
     if failures is not None:
         report_failures(failures, plan.log_dir, rollout_ranks=plan.rollout_ranks)
         return 1
+    if note is not None:  # a signal sent to the ranks, not to us: they stopped early (and saved)
+        print(early_stop_line(note, checkpoint_dir, rerun), flush=True)
+        return note.exit_code
     print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
     return 0
 

@@ -170,6 +170,7 @@ class StepProgram:
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.resume()
         summary = dict(steps=start, stopped="completed", **(summary or {}), resumed_from=start)
+        summary.setdefault("total_steps", self.total_steps)  # "stopped at step 3 of 12" (launcher/local_stop.py)
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
         with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0, total_steps=self.total_steps) as tracker:
             # a rank stuck in its own code (not in a collective) fails the job naming itself and the stage

@@ -77,7 +77,7 @@ def run(cfg, ctx) -> dict:
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     summary = dict(ok=all(r["torch_rank"] == r["rank"] for r in everyone), world_size=world,
-                   steps=steps_done, ranks=everyone, seconds=round(time.time() - t0, 3))
+                   steps=steps_done, total_steps=s.steps, ranks=everyone, seconds=round(time.time() - t0, 3))
     if rank == 0:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
