@@ -2,8 +2,8 @@
 prompt at a time, token by token, no cache, no padding; and a stand-in for an actor update.
 
     state = perturbed_state(model_dir)                    # every tensor moved a little
-    ref = hf_greedy(load_hf(model_dir, state), prompts, max_new=16, eos=2)
-    ref = hf_greedy_from(model_dir, prompts, 16)          # the same, ending at the model's EOS
+    ref = hf_greedy(load_hf(model_dir, state), prompts, max_new=16)  # ends at the model's EOS
+    ref = hf_greedy_from(model_dir, prompts, 16)          # the same, from the folder, on one thread
 
 Used from the pytest side (tests/ is on sys.path there) and from rank scripts (which put tests/
 on sys.path themselves).
@@ -46,9 +46,13 @@ def load_hf(path, state=None):
 
 
 @torch.no_grad()
-def hf_greedy(model, prompts, max_new, eos=None, min_tokens=0):
-    """The plainest greedy decode. EOS (if given) is masked for the first min_tokens tokens and ends
-    a response (kept in it). Returns (tokens, logprobs) per prompt."""
+def hf_greedy(model, prompts, max_new, eos="model", min_tokens=0):
+    """The plainest greedy decode. EOS is masked for the first min_tokens tokens and ends a response
+    (kept in it); by default it is the model's own (config.eos_token_id), where the rollout engines
+    stop too, so a reference agrees with them whether or not a greedy path meets EOS (None: no EOS,
+    every response runs to max_new). Returns (tokens, logprobs) per prompt."""
+    if eos == "model":
+        eos = model.config.eos_token_id
     out = []
     for prompt in prompts:
         ids, lps = list(prompt), []
@@ -73,6 +77,6 @@ def hf_greedy_from(path, prompts, max_new, state=None):
     torch.set_num_threads(1)
     try:
         model = load_hf(path, state)
-        return hf_greedy(model, prompts, max_new, eos=model.config.eos_token_id)
+        return hf_greedy(model, prompts, max_new)
     finally:
         torch.set_num_threads(threads)

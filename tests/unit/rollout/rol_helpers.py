@@ -9,8 +9,8 @@ MAX_NEW = 16
 TOL = 1e-4
 
 
-def hf_greedy(model, prompts, max_new=MAX_NEW, eos=None, min_tokens=0):
-    """hf_reference.hf_greedy with these tests' response length."""
+def hf_greedy(model, prompts, max_new=MAX_NEW, eos="model", min_tokens=0):
+    """hf_reference.hf_greedy with these tests' response length (ending at the model's EOS)."""
     return hf_reference.hf_greedy(model, prompts, max_new, eos=eos, min_tokens=min_tokens)
 
 
