@@ -26,7 +26,7 @@ order does not depend on the number of ranks and a job can resume at another wor
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Mapping, Sequence, Union
+from typing import Dict, Iterable, List, Mapping, Sequence, Union
 
 from verl_hpc.data.errors import DataError
 
@@ -179,13 +179,23 @@ def _check_same(state: Mapping, key: str, expected, field: str) -> None:
 
 
 def _check_mixture(groups: Mapping[str, Sequence[int]], weights: Mapping[str, float]) -> None:
-    present = sorted(groups)
-    unknown = sorted(set(weights) - set(groups))
+    problems = mixture_problems(groups, weights)
+    if problems:
+        raise DataError(problems[0])
+
+
+def mixture_problems(sources: Iterable[str], weights: Mapping[str, float]) -> List[str]:
+    """data.mixture against the data_source values of the train set's rows (those the job keeps):
+    asked by the sampler at the job's start and by the submitter, which reads every row, before the
+    queue (launcher/preflight_data.py)."""
+    present = sorted(set(sources))
+    unknown = sorted(set(weights) - set(present))
     if unknown:
-        raise DataError(f"data.mixture: {unknown} not among the train set's data_source values; valid: {present}")
-    missing = sorted(set(groups) - set(weights))
+        return [f"data.mixture: {unknown} not among the train set's data_source values; valid: {present}"]
+    missing = sorted(set(present) - set(weights))
     if missing:
-        raise DataError(f"data.mixture: no weight for data_source {missing}; give every source of the train set "
-                        f"a weight (0 leaves it out): {present}")
+        return [f"data.mixture: no weight for data_source {missing}; give every source of the train set "
+                f"a weight (0 leaves it out): {present}"]
     if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-        raise DataError(f"data.mixture: weights must be >= 0 with a positive sum, got {dict(weights)}")
+        return [f"data.mixture: weights must be >= 0 with a positive sum, got {dict(weights)}"]
+    return []

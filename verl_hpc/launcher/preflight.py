@@ -22,6 +22,8 @@ naming the field, the file and the row or tensor, and what is valid:
   use_rslora, targets; DoRA, rank/alpha patterns and other options the engine does not compute are
   refused), its tensors' names, shapes and dtypes against the base, and their values (NaN / inf)
   (preflight_model.py, models/peft_adapter.py);
+- agent.enable: agent.read_only_paths exist here, agent.function's module is found and compiles
+  (found without running it: rewards/custom.py module_problem, which every rank asks too);
 - output folders (trainer.output_dir, checkpoint.dir, slurm.log_dir up to its first %): a
   directory (not a file) this user can write, or creatable under one;
 - `latest` in checkpoint.dir (and in trainer.resume when it is a folder) names a checkpoint inside
@@ -57,7 +59,26 @@ def preflight(cfg, check_model: bool = True) -> None:
             tokenizer, found = load_tokenizer(cfg)
             problems += found + (vocab_problem(tokenizer, cfg) + prm_problems(cfg, tokenizer)
                                  if tokenizer is not None else [])
-    raise_if_any(data_problems(cfg, tokenizer) + problems + _outputs(cfg) + _resume(cfg))
+    raise_if_any(data_problems(cfg, tokenizer) + problems + agent_problems(cfg) + _outputs(cfg) + _resume(cfg))
+
+
+# ------------------------------------------------------------------------------ agents
+def agent_problems(cfg) -> List[str]:
+    """agent.enable: what each rank refuses when it starts the agents, asked here with the same
+    checks (no user code runs on the login node): agent.read_only_paths exist on this node, and
+    agent.function's module is found (slurm.env's PYTHONPATH searched first) and compiles."""
+    a = cfg.agent
+    if not a.enable:
+        return []
+    from verl_hpc.config.sections.agent import read_only_problems
+
+    problems = read_only_problems(a.read_only_paths)
+    if a.function and cfg.safety.allow_custom_code:
+        from verl_hpc.rewards.custom import module_problem
+
+        extra = [p for p in str(cfg.slurm.env.get("PYTHONPATH", "")).split(os.pathsep) if p]
+        problems += [p for p in [module_problem("agent.function", a.function, extra)] if p]
+    return problems
 
 
 # ------------------------------------------------------------------------------ models

@@ -84,10 +84,15 @@ def data_problems(cfg, tokenizer=None) -> List[str]:
         images = RowImages(cfg)
         problems += [images.problem] if images.problem else []
     for s in data_sets(cfg):
-        found, kept = SetCheck(cfg, s, tokenizer, images).run()
+        check = SetCheck(cfg, s, tokenizer, images)
+        found, kept = check.run()
         problems += found
         if s.train:
             train_rows, counted = train_rows + kept, counted and not found
+        if s.train and not found and cfg.data.mixture:  # the sampler's own check, on the rows it would get
+            from verl_hpc.data.sampler import mixture_problems
+
+            problems += mixture_problems(check.kept_sources(), cfg.data.mixture)
     if counted and cfg.trainer.job == "rl" and train_rows < cfg.data.train_batch_size:
         after = " after data.overlong_prompts' filter" if tokenizer is not None else ""
         problems.append(f"data.train_batch_size: {cfg.data.train_batch_size} prompts per step, but the train set "
@@ -137,6 +142,10 @@ class SetCheck:
         self.images = images if self.rl else None  # RowImages (preflight_images.py): the rows' images
         self.rows_ok = 0
         self.kept = 0  # rows left after the length filter
+        # data.mixture: each good row's data_source, in the order of self.ids once tokenized, and
+        # the rows the length filter keeps (indices; None: no filter ran)
+        self.sources: List[str] = []
+        self.kept_rows: Optional[List[int]] = None
 
     @property
     def needed(self) -> Tuple[str, ...]:
@@ -211,6 +220,8 @@ class SetCheck:
             found.add(f"{self.s.field}: {where(path, i, line)}: {unknown}", "tools")
             return
         self.rows_ok += 1
+        if self.rl and self.s.train and self.cfg.data.mixture:
+            self.sources.append(row["data_source"])
         if self.rl:
             self._reward(found, where(path, i, line), row)
             self._teacher(found, where(path, i, line), row)
@@ -263,6 +274,10 @@ class SetCheck:
         if problem:
             found.add(f"{self.s.field}: {at} (data_source {source!r}): field {problem}", "ground_truth")
 
+    def kept_sources(self) -> List[str]:
+        """The data_source of every row the job keeps (data.mixture's sampler groups them by it)."""
+        return self.sources if self.kept_rows is None else [self.sources[i] for i in self.kept_rows]
+
     # -------------------------------------------------------------------------- lengths
     def _tokenize(self) -> None:
         from verl_hpc.data.templates import encode_prompts
@@ -291,7 +306,7 @@ class SetCheck:
             self.kept = 0
             more = f" (and {len(e.problems) - 1} more prompts over it)" if len(e.problems) > 1 else ""
             return [e.problems[0] + more]
-        self.kept = len(kept)
+        self.kept, self.kept_rows = len(kept), kept
         if dropped:  # not an error: said once here, so that the job's own warning is no surprise
             print(f"[submit] {self.s.field}: the job will drop {dropped} of {len(self.lengths)} prompts longer "
                   f"than data.max_prompt_length = {d.max_prompt_length} tokens (longest: {max(self.lengths)})",

@@ -103,6 +103,9 @@ def command_problems(command: str, field: str) -> List[str]:
         words = shlex.split(command, comments=True)
     except ValueError as e:
         return [f"{field}: {command!r} is not a shell command line: {e}"]
+    if not words:  # '# my agent': /bin/sh runs nothing, and every run ends without a reward
+        return [f"{field}: {command!r} is only a comment: it runs nothing; valid: a command line whose last line "
+                "of output is the reward"]
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
         words.pop(0)
     if not words or words[0] in SHELL_WORDS or any(c in words[0] for c in "$`*?[]{}()<>|;&~"):
@@ -121,3 +124,12 @@ def command_problems(command: str, field: str) -> List[str]:
         return [f"{field}: the program {program!r} is not on the sandbox's PATH ({SANDBOX_PATH}): name it by its "
                 "absolute path (and list its folder in agent.read_only_paths)"]
     return []
+
+
+def read_only_problems(paths) -> List[str]:
+    """agent.read_only_paths missing on this node: every command-line agent's sandbox would fail to
+    mount it. Asked by the submitter before the queue (launcher/preflight.py: a file check, which
+    --skip-file-checks skips) and by each rank before it starts the agents' endpoint."""
+    return [f"agent.read_only_paths[{k}]: {path!r} does not exist on this node; valid: a folder (or file) "
+            "present on every node of the job" for k, path in enumerate(paths)
+            if isinstance(path, str) and not os.path.exists(path)]

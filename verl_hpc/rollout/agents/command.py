@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Any, Dict, Sequence
 
-from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.errors import raise_if_any
+from verl_hpc.config.sections.agent import read_only_problems
 from verl_hpc.config.sections.multi_turn import MAX_TOOL_WORKERS
 from verl_hpc.rollout.agents.runs import Outcome, verdict
 
@@ -37,10 +37,9 @@ STDERR_TAIL = 2000  # characters of the agent's stderr a failure keeps (the firs
 
 
 def check_read_only(paths: Sequence[str]) -> None:
-    """Before the endpoint starts: a folder missing on this node would fail every run's sandbox."""
-    for k, path in enumerate(paths):
-        if not os.path.exists(path):
-            raise ConfigError(f"agent.read_only_paths[{k}]: {path!r} does not exist on this node")
+    """Before the endpoint starts: a folder missing on this node would fail every run's sandbox
+    (the submitter asks the same before the queue: config/sections/agent.py)."""
+    raise_if_any(read_only_problems(paths))
 
 
 class CommandAgents:
