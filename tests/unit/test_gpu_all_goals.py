@@ -46,7 +46,7 @@ def test_steps_runs_a_subset_and_skips_the_rest(tmp_path):
     assert all(s.why == "not asked for (--steps)" for s in steps if s.command is None)
     assert sum(s.limit_s for s in steps if s.command is not None) <= 255  # the speed figures alone: 4.25 min
     for bad in ("bench,nope", "", " , "):
-        with pytest.raises(ValueError, match="a comma list of install, gpu_check"):
+        with pytest.raises(ValueError, match="a comma list of install, vllm_install, gpu_check"):
             gpu_all.parse_steps(bad)
     assert gpu_all.parse_steps(None) is None
 

