@@ -2,7 +2,7 @@
 # The vLLM kit's CPU check (make gpu-vllm-kit-check; docs/gpu.md): the kit installed as the offline
 # GPU node installs it, on this machine, and what an engine imports.
 #
-#   bash scripts/check_vllm_kit.sh [PYTHON]        # PYTHON: python3.12 (the node's) where there is one
+#   bash scripts/check_vllm_kit.sh [PYTHON]   # default: the first of python3.12 (the node's), 3.11, 3 that runs
 #
 # 1. "the image": a venv of PYTHON with what the GPU node brings (PyPI's torch 2.11.0, the CUDA
 #    build, which runs on a CPU; numba) and the kit folder's wheels installed offline (wheels.py);
@@ -14,7 +14,10 @@
 #    failing for want of a GPU, not for a missing module.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${1:-$(command -v python3.12 || command -v python3.11 || command -v python3)}
+PY=${1:-}
+if [ -z "$PY" ]; then  # the first that runs (a pyenv shim may exist for a version it does not select)
+  for p in python3.12 python3.11 python3; do if "$p" -c pass 2>/dev/null; then PY=$p; break; fi; done
+fi
 PROJECT_PY=${PROJECT_PY:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
 VER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 OUT=build/vllm_kit_check

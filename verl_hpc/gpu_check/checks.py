@@ -314,8 +314,8 @@ def vllm_gpu(kit: Kit) -> str:
     import torch
 
     if importlib.util.find_spec("vllm") is None:
-        raise NotTestable("vLLM is not installed (the carried wheels leave it out: hundreds of MB); "
-                          "where it is, this check runs (scripts/install_gpu.sh installs it)")
+        raise NotTestable("vLLM is not installed (an offline node gets it from the vLLM kit: make gpu-vllm-kit, "
+                          "docs/gpu.md; with a network, scripts/install_gpu.sh)")
     from verl_hpc.config import load_config
     from verl_hpc.rollout import VLLMRollout
     from verl_hpc.rollout.engine_config import default_engine_args
@@ -436,7 +436,7 @@ CHECKS: List[Check] = [
     Check("te_fp8", "Transformer Engine spec with FP8", te_fp8, ENGINE,
           "1 GPU (sm >= 8.9) + Transformer Engine"),
     Check("vllm_gpu", "vLLM beside the engine: bf16, sleep level 2, wake, load_weights, log-probs",
-          vllm_gpu, ENGINE, "1 GPU + vLLM (not in the carried wheels)"),
+          vllm_gpu, ENGINE, "1 GPU + vLLM (the vLLM kit: make gpu-vllm-kit)"),
     Check("tp_gt_1", "TP 2 (log-probs, a step, the sliced weight sync) and DP 2 with the distributed optimizer, 2 ranks",
           tp_gt_1, ENGINE, ">= 2 GPUs on this node"),
     Check("cp_gt_1", "context parallel 2 vs 1 (Megatron CP, TE attention): log-probs, entropy, one update, 2 ranks",

@@ -178,7 +178,7 @@ def install(folder: Path, python: str = sys.executable, work: Optional[Path] = N
     if work.exists():
         shutil.rmtree(work)
     assemble(folder, work)
-    cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-conflicts",
+    cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-conflicts", "--no-compile", "-q",
            "--find-links", str(work), "-r", str(work / "requirements.txt")]
     cmd += ["--target", str(target)] if target is not None else []
     print("$ " + " ".join(cmd), flush=True)
