@@ -66,7 +66,8 @@ def test_gpu_all_with_a_vllm_kit_installs_it_then_runs_the_vllm_checks_and_the_d
                                              vllm_kit=tmp_path / "kit")}
     assert steps["vllm_install"].command == ["PY", "-m", "verl_hpc.gpu_check.vllm_pieces", "install", str(tmp_path / "kit")]
     assert steps["vllm"].command[:5] == ["PY", "-m", "verl_hpc.gpu_check", "--set", "vllm"]
-    assert steps["vllm_demo"].command[-1] == "rollout.engine=vllm" and steps["demo"].command[-1] != "rollout.engine=vllm"
+    assert steps["vllm_demo"].command[-2:] == ["rollout.engine=vllm", "rollout.enforce_eager=true"]
+    assert "rollout.engine=vllm" not in steps["demo"].command
     session = gpu_all.parse_steps("install,vllm_install,vllm,vllm_demo")  # docs/gpu.md's vLLM session
     chosen = gpu_all.plan(tmp_path, py="PY", wheels=tmp_path / "w", rehearsal=False, missing=lambda: [], only=session,
                           vllm_kit=tmp_path / "kit")
