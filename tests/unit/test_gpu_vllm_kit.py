@@ -199,3 +199,16 @@ def test_a_node_whose_glibc_is_older_than_the_wheels_is_told_so():
         vllm_pieces.glibc_problem("2.31", "2.28")
     vllm_pieces.glibc_problem("2.31", "2.35")
     vllm_pieces.glibc_problem("2.31", "2.31")
+
+
+def test_the_probe_tells_a_missing_module_from_a_missing_gpu_driver(tmp_path, monkeypatch):
+    from verl_hpc.gpu_check import vllm_kit_probe
+
+    (tmp_path / "needs_driver_mod.py").write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    (tmp_path / "needs_other_mod.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "broken_mod.py").write_text("raise RuntimeError('symbol lookup error: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems, notes = vllm_kit_probe.probe_imports(("needs_driver_mod", "needs_other_mod", "broken_mod", "json"))
+    assert problems == ["needs_other_mod: missing module no_such_dependency_xyz",
+                        "broken_mod: RuntimeError: symbol lookup error: _ZN3c10"]
+    assert notes == ["needs_driver_mod: ImportError: libcuda.so.1: cannot open shared object file"]
