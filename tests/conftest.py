@@ -15,6 +15,8 @@
   imported libraries.
 - A test of Ctrl-C asks for `terminal_sigint`: the suite may be started with SIGINT ignored (a
   shell's background job, `nohup make test &`, some CI runners), and no verdict may depend on that.
+- Each test that touches vLLM gets the marker `vllm` (`make test-vllm-range` runs them on the other
+  verified vLLM release), and one that touches vLLM without it fails (tests/vllm_selection.py).
 """
 import contextlib
 import fcntl
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import vllm_selection
 from time_budget import pytest_fixture_setup, pytest_runtest_makereport, pytest_runtest_protocol  # noqa: F401
 from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
 
@@ -55,8 +58,13 @@ def pytest_itemcollected(item):
         raise pytest.UsageError(f"{item.nodeid}: tests live in one of the tier folders "
                                 f"{', '.join(f'tests/{f}' for f in FOLDER_MARKERS)}")
     item.add_marker(FOLDER_MARKERS[folder])
+    vllm_selection.mark(item)  # `vllm`: make test-vllm-range runs it (tests/vllm_selection.py)
     if "terminal_sigint" in getattr(item, "fixturenames", ()):
         item.add_marker("signals")  # make test-portable runs them with SIGINT ignored
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(vllm_selection.Watch(), "vllm_selection")  # the `vllm` marker's check
 
 
 @pytest.fixture(autouse=True)

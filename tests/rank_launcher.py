@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 from unittest import mock
 
+import vllm_seen
 from verl_hpc.runtime.local_ranks import host_store, torchrun_env, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,13 +50,16 @@ TESTS = REPO / "tests"
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils", "megatron.core",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel", "megatron.core.distributed",
            "megatron.core.optimizer", "verl_hpc.runtime", "verl_hpc.engines.megatron.engine",
+           "vllm_seen",  # notes a rank's vLLM for the `vllm` marker's check (tests/vllm_selection.py)
            "heap_frozen")  # last: freezes what the others imported (tests/heap_frozen.py)
 
 
 def _rank_env(rank: int, world_size: int, port: int, log_level: str) -> Dict[str, str]:
+    # the running test's vLLM notes (tests/vllm_seen.py, preloaded: a forked rank notes its vLLM)
+    seen = {vllm_seen.ENV: os.environ[vllm_seen.ENV]} if vllm_seen.ENV in os.environ else {}
     return torchrun_env(rank, world_size, port, OMP_NUM_THREADS="1", VERL_HPC_LOGLEVEL=log_level,
                         PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
-                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+                        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING", **seen)
 
 
 def _fork_server():

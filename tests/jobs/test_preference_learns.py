@@ -17,6 +17,8 @@ import pytest
 from jobs import data_overrides, logs, run_here
 from verl_hpc.config import JobConfig
 
+pytestmark = pytest.mark.no_vllm("preference training: no rollout")
+
 STEPS = 24
 GREEDY_GAIN = 0.05
 REJECTED_FALL = 0.30  # the share of answers that are the rejected one (the sum plus one) falls by this much

@@ -4,9 +4,12 @@ moments, the HF folder, every per-step loss). One rank in this process; the real
 Slurm, requeue included, is tests/slurm/test_sft_preemption.py."""
 import signal
 
+import pytest
 import torch
 
 from jobs import data_overrides, logs, read_all, run_here, stable_metrics
+
+pytestmark = pytest.mark.no_vllm("SFT: no rollout")
 
 
 def sft(root, out, *extra):

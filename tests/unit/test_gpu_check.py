@@ -202,6 +202,23 @@ def test_versions_that_differ_are_named(monkeypatch):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("vllm, torch, warned", [
+    ("0.25.0", "2.11.0+cu130", []),  # the offline GPU node's pair
+    ("0.32.0", "2.13.0+cu130", []),
+    ("0.32.0", "2.11.0+cu130", ["torch 2.11.0+cu130 differs from the verified 2.13.0"]),
+    ("0.33.0", "2.14.0+cu130", ["torch 2.14.0+cu130 differs from the verified 2.13.0",
+                                "vllm 0.33.0 differs from the verified 0.32.0"]),
+    (None, "2.11.0+cu128", []),  # no vLLM yet: torch 2.11 is the 0.25 pair's
+    (None, "2.12.0+cu128", ["torch 2.12.0+cu128 differs from the verified 2.13.0"])])
+def test_torch_and_vllm_are_held_to_one_verified_pair(monkeypatch, vllm, torch, warned):
+    installed = {"vllm": vllm, "torch": torch}
+    real = preflight._installed
+    monkeypatch.setattr(preflight, "_installed", lambda name: installed[name] if name in installed else real(name))
+    rows = [r for r in preflight.versions() if r[0] in ("torch", "vllm")]
+    assert preflight.version_warnings(rows) == warned
+
+
+@pytest.mark.unit
 def test_toolchain_problems_name_the_missing_compiler_and_headers(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     assert preflight.toolchain_problems() == []  # this machine has gcc and Python.h
@@ -281,13 +298,18 @@ def _install(*args):
 
 @pytest.mark.unit
 def test_installer_picks_the_te_core_from_torchs_cuda_and_keeps_torch(tmp_path):
-    r = _install("--python", _fake_python(tmp_path, 'echo "2.11.0+cu126 12.6 3.12"'))
+    r = _install("--python", _fake_python(tmp_path, 'echo "2.12.0+cu126 12.6 3.12"'))
     assert r.returncode == 0, r.stderr
     cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
     assert any("--no-build-isolation" in c and "transformer-engine[pytorch,core_cu12]==2.11.0" in c for c in cmds)
-    assert not any("vllm" in c for c in cmds)  # vllm 0.32.0 would replace torch 2.11
-    assert "vLLM skipped" in r.stdout and "not the verified 2.13.0" in r.stdout
+    assert not any("vllm" in c for c in cmds)  # no verified vLLM keeps torch 2.12
+    assert "vLLM skipped: no verified vLLM pins torch 2.12.0 (2.11.0=0.25.0, 2.13.0=0.32.0" in r.stdout
+    assert "WARNING: torch 2.12.0+cu126 is not one the verified vLLM releases pin" in r.stdout
     assert not any("[gpu]" in c or "torch==" in c for c in cmds)  # the machine's torch stays
+    r = _install("--python", _fake_python(tmp_path, 'echo "2.11.0+cu130 13.0 3.12"'))  # the offline node's
+    cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    assert r.returncode == 0 and any(c.endswith("pip install vllm==0.25.0") for c in cmds), r.stdout
+    assert "WARNING: torch" not in r.stdout and not any("torch==" in c for c in cmds)
     r = _install("--python", _fake_python(tmp_path, 'echo "2.13.0+cu130 13.0 3.11"'))
     cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
     assert r.returncode == 0 and any("pip install vllm==0.32.0" in c for c in cmds)

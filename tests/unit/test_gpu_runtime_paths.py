@@ -187,6 +187,24 @@ def test_gpu_stack_is_pinned_to_the_verified_versions():
     assert "--no-build-isolation" in installer
 
 
+def test_the_verified_vllm_range_is_the_same_everywhere():
+    """rollout/vllm/versions.py's verified releases and the torch each pins, against what installs
+    them: scripts/install_gpu.sh's torch -> vLLM table, the second CPU venv (scripts/
+    install_vllm_range.sh: the older release) and the GPU kit (its vLLM: the offline node's torch)."""
+    from verl_hpc.gpu_check import vllm_kit
+    from verl_hpc.rollout.vllm import versions
+
+    installer = (ROOT / "scripts/install_gpu.sh").read_text()
+    table = re.search(r'^VLLM_FOR_TORCH="([^"]*)"', installer, re.M).group(1)
+    assert dict(p.split("=") for p in table.split()) == {r.torch: r.version for r in versions.RELEASES}
+    older = versions.RELEASES[0]
+    second = dict(re.findall(r"^(\w+_VERSION)=([\w.]+)", (ROOT / "scripts/install_vllm_range.sh").read_text(), re.M))
+    assert (second["VLLM_VERSION"], second["TORCH_VERSION"]) == (older.version, older.torch)
+    assert second["MEGATRON_CORE_VERSION"] == _pin(_extras()["cpu"], "megatron-core")[0]
+    assert second["PEFT_VERSION"] == _pin(_extras()["cpu"], "peft")[0]
+    assert vllm_kit.VLLM_VERSION in versions.VERIFIED and versions.for_torch("2.11.0").version == vllm_kit.VLLM_VERSION
+
+
 # ------------------------------------------------ CUDA_VISIBLE_DEVICES with UUIDs (issue 27, 7)
 GPU_A = "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6"
 GPU_B = "GPU-1b2c3d4e-aaaa-bbbb-cccc-0123456789ab"

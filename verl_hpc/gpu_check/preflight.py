@@ -20,20 +20,27 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 # The versions the project's tests run with (setup.py's pins, the CPU venv's Python and
-# transformers); tests/unit/test_gpu_check.py keeps them equal to setup.py and the venv.
+# transformers; torch and vLLM: one of the verified range's pairs, `verified`);
+# tests/unit/test_gpu_check.py keeps them equal to setup.py and the venv.
 VERIFIED_PYTHON = "3.11"
-VERIFIED_TORCH = "2.13.0"
+VERIFIED_TORCH = "2.13.0"  # the newest pair's (setup.py's extras)
 VERIFIED_TRANSFORMERS = "5.19.0"
 VERIFIED_TRANSFORMER_ENGINE = "2.11.0"
 
 
 def verified() -> List[Tuple[str, str]]:
+    """The verified versions, torch and vLLM as one of the verified pairs (rollout/vllm/versions.py:
+    vLLM 0.25.0 with torch 2.11.0, 0.32.0 with 2.13.0): the pair of the installed vLLM's nearest
+    verified release, else of the installed torch, else the newest."""
     from verl_hpc.parallel.cpu_compat import VERIFIED_MEGATRON_VERSION
-    from verl_hpc.rollout.vllm.compat import VERIFIED_VLLM_VERSION
+    from verl_hpc.rollout.vllm import versions as vllm_versions
 
-    return [("python", VERIFIED_PYTHON), ("torch", VERIFIED_TORCH),
+    vllm, torch = _installed("vllm"), _installed("torch")
+    release = (vllm_versions.nearest(vllm) if vllm else torch and vllm_versions.for_torch(torch)) \
+        or vllm_versions.NEWEST
+    return [("python", VERIFIED_PYTHON), ("torch", release.torch),
             ("megatron-core", VERIFIED_MEGATRON_VERSION), ("transformers", VERIFIED_TRANSFORMERS),
-            ("vllm", VERIFIED_VLLM_VERSION), ("transformer-engine", VERIFIED_TRANSFORMER_ENGINE)]
+            ("vllm", release.version), ("transformer-engine", VERIFIED_TRANSFORMER_ENGINE)]
 
 
 def _installed(name: str) -> Optional[str]:

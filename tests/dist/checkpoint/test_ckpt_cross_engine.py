@@ -27,6 +27,8 @@ import torch
 from engine_states import engine, load, make_batch, one_rank_world, save, update
 from jobs import read_all
 
+pytestmark = pytest.mark.no_vllm("checkpoints between the training engines: no rollout")
+
 HERE = Path(__file__).resolve().parent
 WEIGHT_TOL = 1e-5  # the engines' update parity (tests/dist/engines/test_eng_parity.py)
 BATCH_SEEDS = [101, 102, 103]

@@ -10,11 +10,14 @@
 import signal
 import time
 
+import pytest
 import torch
 
 from ckpt_ranks import full_tensor, launch, start
 from verl_hpc.checkpoint import (CheckpointReader, ShardedTensor, find_latest, open_checkpoint, read_rank_state,
                                  restore_rng_state, save_checkpoint)
+
+pytestmark = pytest.mark.no_vllm("checkpoint save/load across ranks: no rollout")
 
 
 def bits(t):

@@ -12,6 +12,8 @@ from chunk_ranks import CASES, launch
 from engine_states import grpo_policy_batch
 from update_reference import max_diff, policy_batch
 
+pytestmark = pytest.mark.no_vllm("the training engines' chunked logits: no rollout")
+
 EXACT = 1e-6
 ACTOR = dict(ppo_mini_batch_size=8, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
 

@@ -6,11 +6,14 @@ spans the CP ranks; the engine's CP output path (micro-batch split, per-token lo
 entropy / values on each rank's tokens, gather) equals the whole-sequence path in values and in
 gradients summed over the group; the engine at cp 2 is refused on this CPU node with one line, before
 any weight is built (cp_ranks.py)."""
+import pytest
 import torch
 
 from cp_ranks import __file__ as SCRIPT
 from rank_launcher import launch_ranks
 from verl_hpc.engines.megatron.context_parallel import token_index
+
+pytestmark = pytest.mark.no_vllm("the training engine's context-parallel gather: no rollout")
 
 CP, B, S = 2, 3, 16
 

@@ -19,6 +19,8 @@ from fsdp_mem_ranks import launch
 from verl_hpc.planning.fsdp import fsdp_params, gathered_bytes, layer_activation_bytes, state_bytes, tail_bytes
 from verl_hpc.planning.model_shape import fsdp_arch
 
+pytestmark = pytest.mark.no_vllm("the FSDP engine's memory: no rollout")
+
 WORLD = 2
 LAYOUTS = [
     dict(name="fsdp2", fsdp={}, offload=True),

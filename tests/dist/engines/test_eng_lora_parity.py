@@ -12,6 +12,8 @@ from lora_ranks import CASES, MODELS, STOCK, launch
 from lora_reference import HF_TARGETS, peft_model, random_adapter, save_peft
 from test_eng_parity import ACTOR, MODELS as MODEL_SHAPES, OPTIM, _actor_loss, _batch, _hf_response_logprobs
 
+pytestmark = pytest.mark.no_vllm("LoRA parity of the training engines: no rollout")
+
 WORLD = 4
 LORA = dict(rank=4, alpha=8.0)
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5

@@ -19,6 +19,8 @@ from verl_hpc.planning.phases import RoleState
 from verl_hpc.planning.training import (ActivationSetup, Precision, model_state_bytes,
                                         stage_activation_bytes)
 
+pytestmark = pytest.mark.no_vllm("the Megatron engine's memory: no rollout")
+
 
 WORLD = 4
 LAYOUTS = [

@@ -2,9 +2,12 @@
 gloo: at data parallel 2 with the distributed optimizer, two steps give every rank the same weights
 as the same steps without them, bitwise, and the engine's parameters() forces the gather a step
 leaves to the next forward (read without it, the other rank's shard is stale)."""
+import pytest
 import torch
 
 from rank_launcher import launch_ranks
+
+pytestmark = pytest.mark.no_vllm("the training engine's communication overlap: no rollout")
 
 SCRIPT = __import__("pathlib").Path(__file__).with_name("overlap_ranks.py")
 

@@ -22,6 +22,8 @@ import torch
 
 from eng_ranks import ACTOR_LAYOUTS, PRM_BETA, PRM_LAYOUTS, launch
 
+pytestmark = pytest.mark.no_vllm("parity of the training engine across layouts: no rollout")
+
 
 WORLD = 4
 LOGP_TOL = 2e-5  # fp32 Megatron vs float64 transformers

@@ -27,6 +27,8 @@ from fsdp_ranks import launch
 from update_reference import hf_forward64, hf_update64, max_diff, policy_batch
 from vlm_reference import image_batch
 
+pytestmark = pytest.mark.no_vllm("parity of the FSDP engine: no rollout")
+
 WORLDS = (1, 2, 4)
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
 TEMPERATURE = 0.7

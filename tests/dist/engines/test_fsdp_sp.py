@@ -12,6 +12,8 @@ import torch
 from fsdp_sp_ranks import SPS, launch
 from update_reference import max_diff
 
+pytestmark = pytest.mark.no_vllm("the FSDP engine's sequence parallel: no rollout")
+
 WORLD = 4
 LOGP_TOL, WEIGHT_TOL = 2e-5, 1e-5
 MODELS = {"llama": dict(kv_heads=2), "gqa1": dict(kv_heads=1, seed=1)}

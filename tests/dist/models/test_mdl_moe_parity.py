@@ -22,6 +22,8 @@ import torch
 
 from mdl_ranks import launch
 
+pytestmark = pytest.mark.no_vllm("MoE model parity across layouts: no rollout")
+
 TOL = 1e-4  # the dense parity tolerance (test_mdl_parallel_parity.py)
 WORLD = 4
 MODELS = {"mixtral": dict(family="mixtral", seed=11), "qwen2_moe": dict(family="qwen2_moe", seed=12),

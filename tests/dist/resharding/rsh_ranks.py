@@ -189,9 +189,19 @@ def _tied_into_vllm(model, args, bucket_mb, ctx):
     try:
         served = WeightSync(bucket_mb=bucket_mb, check_served_every=0)(model, rollout)["sync/served_checked"]
         res = rollout.generate(args["prompts"], default_spec(temperature=0, max_tokens=args["max_new"]))
-        return dict(response_ids=res.response_ids, logprobs=res.logprobs, served_checked=served)
+        return dict(response_ids=res.response_ids, logprobs=res.logprobs, served_checked=served,
+                    head_of_its_own=all(rollout.llm.apply_model(_head_of_its_own)))
     finally:
         rollout.close()
+
+
+def _head_of_its_own(model) -> bool:
+    """Whether vLLM's model ties an output head module of its own to the embedding (vLLM 0.32's
+    Qwen2) rather than using the embedding module as its head (0.25's): the served-weights check
+    reads the head's packed copy back only in the first case."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return any(isinstance(m, ParallelLMHead) for m in model.modules())
 
 
 def sync_memory(actor, rollout, args, bucket_sizes) -> dict:

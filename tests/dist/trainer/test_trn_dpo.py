@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 
 from jobs import REPO, logs, read_all, run_here, run_job
 
+pytestmark = pytest.mark.no_vllm("DPO: preference pairs, no rollout")
+
 BUDGET = 36  # actor.max_tokens_per_microbatch: the smallest the config allows (max prompt + response)
 
 

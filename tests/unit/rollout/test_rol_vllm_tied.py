@@ -1,5 +1,7 @@
-"""A tied-embedding model (Qwen2, lm_head = embed_tokens) in vLLM after a weight update: the
-output projection must follow the new embedding (vllm_compat hazard 6)."""
+"""A tied-embedding model in vLLM after a weight update: the output projection must follow the new
+embedding (vllm_compat hazard 6). A tied Llama: vLLM's Llama ties a head of its own
+(`ParallelLMHead.tie_weights`) in both verified releases, where vLLM 0.25's Qwen2 uses the embedding
+module itself as its head (nothing to refresh there) and 0.32's ties a head as Llama does."""
 import pytest
 from rol_helpers import (MAX_NEW, MAX_PROMPT, assert_matches, hf_greedy, load_hf, max_diff,
                          perturbed_state, prompts_of_lengths)
@@ -15,7 +17,7 @@ PROMPTS = prompts_of_lengths(3, 17, 40)
 def tied_model(tmp_path_factory):
     from verl_hpc.models.tiny import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("rol") / "qwen2-tied", "qwen2", tied=True))
+    return str(make_tiny_model(tmp_path_factory.mktemp("rol") / "llama-tied", "llama", tied=True))
 
 
 @pytest.fixture(scope="module")

