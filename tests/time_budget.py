@@ -42,6 +42,9 @@ SLOWEST = {
              "steps it takes to learn by a margin the check can hold; its rollout is slowed on purpose (0.3 s "
              "a token chunk) so that generation is the slower side, as on GPUs. 271 s on CI's 2-core machine "
              "(over the 250 s it had)"),
+    "tests/unit/config/test_cfg_quantization.py::test_the_probe_runs_vllm_and_keeps_its_verdicts": (
+        50, "the quantization probe as the preflight runs it: a subprocess that imports vLLM and builds a tiny "
+            "quantized engine (what runs here is known only by running it); 27 s on a loaded 2-core machine"),
     "tests/unit/test_bench_gpu_step.py::test_cpu_rehearsal_runs_the_fsdp_variant_columns": (
         60, "the GPU benchmark script end to end in a subprocess (its CPU rehearsal) with two FSDP engines "
             "and transformers built and stepped: the variant columns' wiring shows only there"),

@@ -51,13 +51,17 @@ def _on_policy_metrics(old: torch.Tensor, out: Mapping[str, torch.Tensor], mb: M
                        mask: torch.Tensor) -> Dict[str, torch.Tensor]:
     """What the separate old-log-prob forward used to report, from this forward: this micro-batch's
     token means, which the engine averages over micro-batches by tokens (= the batch's token mean).
-    rollout_logprob_diff_mean: |rollout engine - actor| log-prob gap (needs rollout_log_probs in
-    the batch); entropy only where the loss computes it anyway (entropy_coeff > 0)."""
+    rollout_logprob_diff_mean: |rollout engine - actor| log-prob gap, rollout_kl_k1 / _k3: the
+    mismatch KL (needs rollout_log_probs in the batch); entropy only where the loss computes it anyway (entropy_coeff > 0)."""
     valid = mask > 0
     n = valid.sum().clamp(min=1)
     m = {}
     if "rollout_log_probs" in mb:
         m["rollout_logprob_diff_mean"] = ((mb["rollout_log_probs"] - old).abs() * valid).sum() / n
+        # KL(pi_rollout || pi_old) on the rollout's samples, as the separate pass reports it (mismatch.py)
+        log_rho = torch.where(valid, old - mb["rollout_log_probs"], torch.zeros_like(old)).clamp(-20.0, 20.0)
+        m["rollout_kl_k1"] = (-log_rho * valid).sum() / n
+        m["rollout_kl_k3"] = ((torch.exp(log_rho) - log_rho - 1) * valid).sum() / n
     if "entropy" in out:
         m["entropy"] = (out["entropy"].detach() * valid).sum() / n
     return m

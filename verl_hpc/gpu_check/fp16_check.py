@@ -87,8 +87,9 @@ def mismatch(kit: Kit, dtype: str) -> Dict[str, float]:
     ours = engine.forward(batch, ("log_probs",))["log_probs"].float().cpu()
     mask = batch["response_mask"]
     out = logprob_diff_metrics(rollout_lp, ours, mask)
-    rc = JobConfig().algorithm.rollout_correction  # the default section: metrics only, no weights
-    _, corr = rollout_correction(ours, rollout_lp, mask, rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs,
+    job = JobConfig()
+    rc = job.algorithm.rollout_correction  # the default section: metrics only, no weights
+    _, corr = rollout_correction(ours, rollout_lp, mask, rc.level(job), rc.rollout_is_threshold, rc.rollout_rs,
                                  rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower)
     out.update({k: float(v) for k, v in corr.items()})
     m = engine.train_step(batch, workload.loss_fn)

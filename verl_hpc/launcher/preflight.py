@@ -18,6 +18,8 @@ naming the field, the file and the row or tensor, and what is valid:
 - with rollout.engine=vllm, that vLLM loads the policy's folder (rollout/vllm/support.py: for an
   architecture outside the Megatron mapping vLLM itself is asked whether its model has a place for
   every stored tensor), one line naming the first tensors it has none for and the ways out;
+- rollout.quantization / kv_cache_dtype: offered by the installed vLLM, quantizing something of the
+  model, and running on this machine where it is the job's kind (rollout/vllm/quantization.py);
 - the LoRA adapter folder lora.init_from: its config against the lora section (r, alpha,
   use_rslora, targets; DoRA, rank/alpha patterns and other options the engine does not compute are
   refused), its tensors' names, shapes and dtypes against the base, and their values (NaN / inf)
@@ -53,6 +55,7 @@ def preflight(cfg, check_model: bool = True) -> None:
     if check_model:
         problems += model_problems(cfg)
         problems += [] if problems else rollout_engine_problems(cfg)  # vLLM reads only well-formed folders
+        problems += [] if problems else quantization_problems(cfg)
         adapter = init_from_check(cfg, values=True)
         problems += (adapter.damaged + adapter.problems) if adapter is not None else []
         if cfg.trainer.job in ("rl", "sft") and cfg.model.path:
@@ -135,6 +138,25 @@ def rollout_engine_problems(cfg) -> List[str]:
     except ConfigError as e:
         return e.problems
     return []
+
+
+def quantization_problems(cfg) -> List[str]:
+    """rollout.quantization / kv_cache_dtype: a method the installed vLLM offers, one that quantizes
+    something of this model, and, where this machine is the kind the job runs on (a CPU job on a
+    CPU node, a GPU job on a GPU node), one that runs here: asked of vLLM by running it
+    (rollout/vllm/quantization.py; cached). A GPU job submitted from a CPU login node is checked
+    for the rest here and for its device by the rank, which refuses by name the same way."""
+    from verl_hpc.rollout.factory import vllm_available
+
+    r = cfg.rollout
+    if cfg.trainer.job != "rl" or r.engine == "hf" or not vllm_available() or (
+            not r.quantized and r.kv_cache_dtype == "auto"):
+        return []
+    from verl_hpc.rollout.vllm.quantization import problems
+    from verl_hpc.runtime.device import has_gpu
+
+    return problems(r.quantization, r.kv_cache_dtype, cfg.model.path,
+                    here=(cfg.slurm.gpus_per_node > 0) == has_gpu())
 
 
 def _model_folders(cfg):

@@ -32,6 +32,7 @@ import torch
 
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.delta import as_bytes, weighted_sum
+from verl_hpc.resharding.served_quant_check import SCALE, QuantExpectation
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +61,28 @@ class ServedCheck:
         self.every = every
         self.expected: Dict[str, Tuple[Tuple[int, ...], str, int]] = {}
         self._said_unplaced = False
+        # under rollout.quantization (resharding/served_quant_check.py): the method, where each
+        # quantizable name sits (asked of the engine once), a fused layer's parts until all arrived
+        self.quant = QuantExpectation()
+
+    def prepare(self, rollout) -> None:
+        """Before a checked sync: what the engine quantizes, asked of it once."""
+        self.quant.prepare(rollout)
 
     def due(self, sync_index: int) -> bool:
         """sync_index: syncs done before this one."""
         return sync_index == 0 or (self.every > 0 and sync_index % self.every == 0)
 
     def _record(self, name: str, part: torch.Tensor) -> None:
+        if self.quant.holds(name):  # a quantizable layer's part: the reference quantizer's output instead
+            self.expected.update(self.quant.add(name, part, digest))
+            return
         self.expected[name] = (tuple(part.shape), str(part.dtype).replace("torch.", ""), digest(part))
 
     def expect(self, items: Iterable[Tuple[str, torch.Tensor, object]]) -> Iterator[Tuple[str, torch.Tensor, object]]:
         """Sliced items (name, this rank's slice, need) passed on unchanged, each slice's digest kept."""
         self.expected = {}
+        self.quant.reset()
         for name, part, need in items:
             self._record(name, part)
             yield name, part, need
@@ -79,6 +91,7 @@ class ServedCheck:
         """Full tensors passed on unchanged; `cut(name, shape) -> (dim, start, stop)` is this rank's part
         (the engine's loader keeps it), None for all of it."""
         self.expected = {}
+        self.quant.reset()
         for name, tensor in items:
             part = tensor
             if cut is not None:
@@ -92,12 +105,19 @@ class ServedCheck:
         holds part of the policy) and compare; raises ServedWeightsError on the first difference,
         naming the tensor and where vLLM holds it."""
         start = time.perf_counter()
-        names = sorted(self.expected if names is None else set(names) & set(self.expected))
+        wanted = {n.split(SCALE)[0] for n in self.expected}  # a part's scales come with its values
+        names = sorted(wanted if names is None else set(names) & wanted)
         served, unplaced = rollout.served_weights(names, digest, drafter=drafter)
+        unplaced = list(unplaced) + self.quant.unchecked
         what = "drafter" if drafter else "rollout engine"
         for entry in served:
+            if entry.name not in self.expected:
+                continue  # a layer left uncompared (served_quant_check.py: a scale reduced over TP ranks)
             shape, dtype, value = self.expected[entry.name]
             where = f" (held as {entry.source})" if entry.source != entry.name else ""
+            problem = self.quant.precision_problem(entry, what, dtype)
+            if problem:
+                raise ServedWeightsError(problem + OFF)
             if (tuple(entry.shape), entry.dtype) != (shape, dtype):
                 raise ServedWeightsError(
                     f"the {what} serves {entry.name} as {entry.dtype} {list(entry.shape)}{where} but the weight "

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.config.sections.rollout import SYNC_MODES
+from verl_hpc.config.sections.rollout import SERVED_EVERY, SYNC_MODES
 from verl_hpc.errors import VerlHpcError
 from verl_hpc.resharding.buckets import BucketStream, SourceStream, bucket_bytes_from, in_dtype
 from verl_hpc.resharding.mtp import MtpWeights, draft_source
@@ -201,8 +201,9 @@ class WeightSync:
     @classmethod
     def from_config(cls, section) -> "WeightSync":
         """From the job's `resharding:` section."""
+        every = SERVED_EVERY if section.check_served_every is None else section.check_served_every  # unresolved: auto's
         return cls(bucket_mb=section.bucket_mb, mode=section.mode, delta=section.delta,
-                   check_served_every=section.check_served_every if section.check_served else None)
+                   check_served_every=every if section.check_served else None)
 
     def _choose(self, actor, rollout):
         """(the sliced source, or None for the full path)."""
@@ -230,6 +231,8 @@ class WeightSync:
         start = time.perf_counter()
         check = self.served if (self.served is not None and self.served.due(self.count)
                                 and served_check.checkable(rollout)) else None
+        if check is not None:
+            check.prepare(rollout)  # under rollout.quantization: where the engine quantizes (asked once)
         if source is not None:
             try:
                 error, stream, metrics = self._run_sliced(source, rollout, check)

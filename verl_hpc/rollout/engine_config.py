@@ -47,7 +47,8 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                       chunked_prefill=r.chunked_prefill(gpu), max_num_batched_tokens=r.max_num_batched_tokens,
                       # level 2 drops the base weights, which the adapter sync never sends again
                       sleep_level=1 if o.lora_rank else r.sleep_level,
-                      lora_rank=o.lora_rank, episodes=o.episodes)
+                      lora_rank=o.lora_rank, episodes=o.episodes,
+                      quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype)  # rollout/vllm/quantization.py
     return kwargs
 
 

@@ -136,6 +136,10 @@ def build_rollout(options: RolloutOptions, ctx=None, **overrides) -> RolloutEngi
         from verl_hpc.rollout.vllm.engine import VLLMRollout
 
         return VLLMRollout.from_options(options, ctx, **overrides)
+    if options.rollout.quantization != "none":  # auto fell back: HF generate runs the trainer's precision
+        raise ConfigError(f"rollout.quantization = {options.rollout.quantization} needs the vLLM rollout, and "
+                          f"rollout.engine = {options.rollout.engine} chose HF generate here ({why}); set "
+                          "rollout.engine = vllm where vLLM serves the model, or rollout.quantization = none")
     from verl_hpc.rollout.hf.engine import HFRollout
 
     return HFRollout.from_options(options, ctx, **overrides)

@@ -110,7 +110,7 @@ def test_off_gives_no_weights_and_bad_settings_are_named():
     w, m = correction(old, rollout, mask)
     assert w is None and "rollout_corr/kl_k1" in m
     # level names are the section's choices: the config refuses an unknown one when it is loaded
-    with pytest.raises(ConfigError, match="rollout_correction.rollout_is: invalid value 'seq'; valid: token, sequence"):
+    with pytest.raises(ConfigError, match="rollout_correction.rollout_is: invalid value 'seq'; valid: auto, token, sequence"):
         load_config(None, ["algorithm.rollout_correction.rollout_is=seq"])
     with pytest.raises(ValueError, match="rollout_rs_threshold_lower < rollout_rs_threshold"):
         correction(old, rollout, mask, rollout_rs="token", rollout_rs_threshold=2.0,

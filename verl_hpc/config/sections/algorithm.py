@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from verl_hpc.config.fields import Section, opt, section
-from verl_hpc.config.recipes import SUM_PI_SQUARED_ESTIMATORS
+from verl_hpc.config.recipes import BEHAVIOUR_WEIGHTED_POLICY_LOSSES, SUM_PI_SQUARED_ESTIMATORS
 
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "reinforce_plus_plus_baseline", "gpg", "prime", "gdpo",
                     "optimal_token_baseline", "tir_optimal_token_baseline")
@@ -69,8 +69,10 @@ class AccuracyFilterConfig(Section):
 class RolloutCorrectionConfig(Section):
     """Rollout/training mismatch correction (verl's names; docs/algorithms.md)."""
 
-    rollout_is: Optional[str] = opt(None, "truncated importance sampling weights; null = off",
-                                    choices=("token", "sequence"))
+    rollout_is: Optional[str] = opt("auto", "truncated importance sampling weights; null = off; auto: token under "
+                                            "rollout.quantization (unless bypass_mode, async_training.objective = "
+                                            "behaviour or a policy loss that weights by the ratio itself), else off",
+                                    choices=("auto", "token", "sequence"))
     rollout_is_threshold: float = opt(2.0, "C of min(pi_old / pi_rollout, C)", check=">0")
     rollout_rs: Optional[str] = opt(None, "rejection of tokens/sequences whose ratio leaves the bounds; null = off",
                                     choices=("token", "sequence", "geometric"))
@@ -78,6 +80,21 @@ class RolloutCorrectionConfig(Section):
                                                 auto="rollout_is_threshold (at use)")
     rollout_rs_threshold_lower: Optional[float] = opt(None, "lower bound of the kept ratios", auto="1 / upper (at use)")
     bypass_mode: bool = opt(False, "rollout log-probs are the old policy: no old-log-prob forward")
+
+    def level(self, job) -> Optional[str]:
+        """rollout_is in effect: auto is TIS (token, C = rollout_is_threshold) with a quantized rollout,
+        whose log-probs are further from the trainer's than a full-precision one's, except where the
+        ratio is corrected already (the bypass and behaviour objectives take the rollout's log-probs as
+        pi_old; icepop weights by the ratio itself)."""
+        if self.rollout_is != "auto":
+            return self.rollout_is
+        asy = job.async_training
+        elsewhere = (self.bypass_mode or (asy.off_policy and asy.objective == "behaviour")
+                     or job.actor.policy_loss in BEHAVIOUR_WEIGHTED_POLICY_LOSSES)
+        return "token" if job.rollout.quantized and not elsewhere else None
+
+    def resolve(self, job) -> None:
+        self.rollout_is = self.level(job)
 
     def check(self, job) -> List[str]:
         if job.trainer.job != "rl":
@@ -88,7 +105,7 @@ class RolloutCorrectionConfig(Section):
         if self.rollout_rs is not None and not (lo is not None and 0 <= lo < hi):
             p.append(f"{key}: rejection bounds need 0 <= rollout_rs_threshold_lower < rollout_rs_threshold, "
                      f"got {lo} and {hi}")
-        if self.bypass_mode and (self.rollout_is or self.rollout_rs):
+        if self.bypass_mode and (self.level(job) or self.rollout_rs):
             p.append(f"{key}.bypass_mode uses the rollout log-probs as the old policy, so the IS ratio "
                      f"pi_old / pi_rollout is 1: set rollout_is and rollout_rs to null with bypass_mode")
         return p

@@ -184,7 +184,7 @@ class ActorConfig(TrainedRole):
                    "async_training.objective = behaviour")
             p.append(f"actor.policy_loss = {self.policy_loss} compares pi_old with the rollout's log-probs, but {why} "
                      "takes pi_old to be the rollout's (the ratio would be 1): turn it off")
-        if self.policy_loss == "icepop" and (rc.rollout_is or rc.rollout_rs):
+        if self.policy_loss == "icepop" and (rc.level(job) or rc.rollout_rs):
             p.append("actor.policy_loss = icepop already weights each token by pi_old / pi_rollout inside "
                      "[actor.icepop_low, actor.icepop_high]: set algorithm.rollout_correction.rollout_is and "
                      "rollout_rs to null")

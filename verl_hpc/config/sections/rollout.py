@@ -3,7 +3,7 @@ weights reach it after every update."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from verl_hpc.config.fields import MAX_BATCH, SEED_MAX, Section, opt, section
 from verl_hpc.config.sections.speculative import SpeculativeConfig
@@ -16,7 +16,8 @@ VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
 KV_CACHE_MIN = 1 << 20
 KV_BLOCK = {"cpu": 128, "gpu": 16}  # vLLM's KV block (tokens): the CPU backend's; the GPU's smallest
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SWITCH = ("auto", "true", "false")  # a switch whose auto value follows the machine
+SWITCH = ("auto", "true", "false")
+QUANT_NONE = "none"  # rollout.quantization off  # a switch whose auto value follows the machine
 # vLLM's share of the GPU: half when the actor trains on the same GPU between generations (sleep
 # mode frees it then); a rollout-only rank leaves vLLM's usual headroom for activations and graphs
 COLOCATED_GPU_SHARE, SPLIT_GPU_SHARE = 0.5, 0.9
@@ -79,6 +80,15 @@ class RolloutConfig(Section):
     prompt_overflow: str = opt("truncate", "prompts longer than the engine's window",
                                choices=("truncate", "reject"))
     val_temperature: float = opt(0.0, "validation decoding (0 = greedy)", check=">=0")
+    # open values: what the installed vLLM offers and what runs on the machine are asked of vLLM
+    # before the queue (launcher/preflight.py, rollout/vllm/quantization.py), not listed here
+    quantization: str = opt(QUANT_NONE, "vLLM quantizes the policy at every weight load (the trainer sends it "
+                                        "unquantized): none | an online method of the installed vLLM (vllm 0.32: "
+                                        "fp8_per_tensor, fp8_per_block, fp8_per_channel, mxfp8, ...); refused "
+                                        "before the queue where it does not run; the served weights are checked "
+                                        "after every sync (docs/quantization.md)")
+    kv_cache_dtype: str = opt("auto", "vLLM's KV-cache dtype: auto (the rollout's own) or one the installed vLLM "
+                                      "takes (fp8, fp8_e4m3, fp8_e5m2, ...; on CPU fp8 needs AVX-512 or AMX)")
     speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding (vLLM): lossless, off by "
                                                                   "default (docs/speculative.md)")
 
@@ -100,6 +110,7 @@ class RolloutConfig(Section):
         p += self.batching_problems(job)
         words = (f"placement.rollout_ranks = {job.rollout_world_size}" if job.placement.split else job.world_words)
         p += inference_tp_problems(job.rollout_world_size, self.tp, words)
+        p += self.quantization_problems(job)
         if job.trainer.job == "rl" and self.max_tokens > job.data.max_response_length:
             p.append(f"rollout.max_tokens = {self.max_tokens} exceeds data.max_response_length = "
                      f"{job.data.max_response_length}")
@@ -109,6 +120,39 @@ class RolloutConfig(Section):
         self.max_tokens = self.max_tokens or job.data.max_response_length
         self.gpu_memory_utilization = self.gpu_memory_utilization or (
             SPLIT_GPU_SHARE if job.placement.split else COLOCATED_GPU_SHARE)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization != QUANT_NONE
+
+    def quantization_problems(self, job) -> List[str]:
+        """What rollout.quantization / kv_cache_dtype need of the rest of the job (the method itself and
+        the machine are asked of vLLM in the preflight): the vLLM rollout, bf16/fp16 activations, a sync
+        that sends the base weights, a drafter the check covers."""
+        p, what = [], [f"rollout.{k} = {v}" for k, v in (("quantization", self.quantization),
+                                                         ("kv_cache_dtype", self.kv_cache_dtype))
+                       if v != {"quantization": QUANT_NONE, "kv_cache_dtype": "auto"}[k]]
+        if not what or job.trainer.job != "rl":
+            return p
+        gpu = job.slurm.gpus_per_node > 0
+        if self.engine == "hf" or (self.engine == "fastest" and not gpu):
+            hf = "is HF generate" if self.engine == "hf" else "picks HF generate for small models on CPU"
+            p.append(f"{what[0]} needs the vLLM rollout: rollout.engine = {self.engine} {hf}, which runs the "
+                     "trainer's precision; set rollout.engine = vllm (or auto)")
+        if not self.quantized:
+            return p
+        if gpu and job.model.dtype not in ("bfloat16", "float16"):
+            p.append(f"rollout.quantization = {self.quantization} with model.dtype = {job.model.dtype} on a GPU job: "
+                     "vLLM's online quantization takes bfloat16 or float16 activations; set model.dtype = bfloat16")
+        if job.lora.syncs_adapter(job, "vllm", gpu=gpu):
+            p.append(f"rollout.quantization = {self.quantization} with the LoRA adapter sync: the engine would get the "
+                     "adapter only, on base weights quantized once; set lora.sync = merged (vLLM quantizes the "
+                     "merged weights at every sync)")
+        if self.speculative.method in ("draft_model", "mtp"):
+            p.append(f"rollout.quantization = {self.quantization} with rollout.speculative.method = "
+                     f"{self.speculative.method}: a drafter's served weights are not checked under quantization; "
+                     "use method = ngram (or off)")
+        return p
 
     def batching_problems(self, job) -> List[str]:
         """vLLM's scheduler limits against the job: chunked prefill only where vLLM can split a
@@ -150,7 +194,9 @@ class RolloutConfig(Section):
             return []
         gpu = job.slurm.gpus_per_node > 0
         block = KV_BLOCK["gpu" if gpu else "cpu"]
-        dtype = DTYPE_BYTES[job.model.dtype] if gpu else 4  # vLLM-cpu runs in float32
+        # vLLM-cpu runs in float32, bfloat16 when quantized; an fp8 KV cache holds a byte an element
+        dtype = DTYPE_BYTES[job.model.dtype] if gpu else (2 if self.quantized else 4)
+        dtype = 1 if self.kv_cache_dtype.startswith("fp8") else dtype
         length = job.data.max_prompt_length + self.window(job)
         per_token = 2 * m.layers * max(1, m.kv_heads // self.tp) * m.head_dim * dtype
         need = (-(-length // block) + 1) * block * per_token
@@ -182,6 +228,7 @@ class RolloutConfig(Section):
 
 
 SYNC_MODES = ("auto", "sliced", "full")
+SERVED_EVERY, SERVED_EVERY_QUANTIZED = 100, 1  # resharding.check_served_every's auto value
 
 
 @dataclass
@@ -198,8 +245,13 @@ class ReshardingConfig(Section):
     check_served: bool = opt(True, "after the first weight sync of a run (and every check_served_every-th), "
                              "read back what the rollout engine serves and compare it tensor by tensor with "
                              "what was sent; a difference stops the job naming the tensor (docs/resharding.md)")
-    check_served_every: int = opt(100, "check_served: also every N-th sync after the first; 0 = the first "
-                                  "sync only", check=">=0")
+    check_served_every: Optional[int] = opt(None, "check_served: also every N-th sync after the first; 0 = the "
+                                            "first sync only", check=">=0",
+                                            auto="1 (every sync) under rollout.quantization, else 100")
+
+    def resolve(self, job) -> None:
+        if self.check_served_every is None:  # a quantized engine is checked after every sync (docs/quantization.md)
+            self.check_served_every = SERVED_EVERY_QUANTIZED if job.rollout.quantized else SERVED_EVERY
 
     def check(self, job) -> List[str]:
         p = []

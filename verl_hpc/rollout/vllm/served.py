@@ -26,6 +26,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from verl_hpc.rollout.vllm import served_quant
+
 PROBE_ROWS = 1024  # identity rows per probe call: bounds the probe's output to 1024 x the layer's outputs
 
 
@@ -133,6 +135,14 @@ def read(model, names: Iterable[str], digest: Callable[[torch.Tensor], int], *,
         if module is None or not isinstance(getattr(module, param, None), torch.Tensor):
             unplaced.append(name)
             continue
+        if param == "weight" and served_quant.method_of(module) is not None:  # its quantized values and scales
+            rows = _rows_of_shard(module, shard) if shard is not None else (0, module.output_size_per_partition)
+            found, why = served_quant.read_quantized(module, name, f"{target} rows {rows[0]}-{rows[1]}", rows,
+                                                     digest, Served)
+            served += found or []
+            if found is None:
+                unplaced.append(f"{name} ({why})")
+            continue
         tensor, where = effective(module, param), target
         if shard is not None:
             start, stop = _rows_of_shard(module, shard)
@@ -153,22 +163,26 @@ def read(model, names: Iterable[str], digest: Callable[[torch.Tensor], int], *,
     return served, unplaced
 
 
-def read_worker(worker, drafter: bool, names, digest, tied_head_of):
-    """Run in vLLM's worker (LLM.collective_rpc): `read` on its model, or on its draft model."""
+def read_worker(worker, drafter: bool, names, digest, tied_head_of, layout: bool = False):
+    """Run in vLLM's worker (LLM.collective_rpc): `read` on its model, or on its draft model; with
+    `layout`, where each name sits in a quantizable linear layer (served_quant.layout)."""
     model = worker.get_draft_model() if drafter else worker.get_model()
     if model is None:
         raise RuntimeError("vllm: the served-weights check asked for a draft model this engine does not have")
+    if layout:
+        return served_quant.layout(model, names, vllm_name, _rows_of_shard)
     return read(model, names, digest, tied_head_of=tied_head_of)
 
 
-def read_engine(engine, names, digest, *, drafter: bool = False) -> Tuple[List[Served], List[str]]:
+def read_engine(engine, names, digest, *, drafter: bool = False, layout: bool = False):
     """`read` on a VLLMRollout's model (or drafter) in its worker, for the weight stream's names:
     the engine's aliases (a tensor the folder stores under another name than the model's) applied
-    and undone, and a tied model's head read against its embedding's name."""
+    and undone, and a tied model's head read against its embedding's name. `layout`: {name: where it
+    sits in a quantizable linear layer} instead (served_quant.layout)."""
     from verl_hpc.models.vocab_tensors import folder_vocab_names
     from verl_hpc.rollout.vllm import compat
 
-    names = list(names)
+    names = list(engine._weight_names if names is None else names)  # None: the whole checkpoint
     model_names = [engine._aliases.get(n, n) for n in names]
     stream_name = dict(zip(model_names, names))
     tied = None
@@ -176,6 +190,9 @@ def read_engine(engine, names, digest, *, drafter: bool = False) -> Tuple[List[S
         stored = [n for n in folder_vocab_names(engine.model_path) if n in engine._weight_names]
         tied = stored[0] if stored else "model.embed_tokens.weight"
     with compat.engine_call(engine.device):
-        found, unplaced = engine.llm.collective_rpc(read_worker, args=(drafter, model_names, digest, tied))[0]
+        answer = engine.llm.collective_rpc(read_worker, args=(drafter, model_names, digest, tied, layout))[0]
+    if layout:
+        return {stream_name.get(n, n): slot for n, slot in answer.items()}
+    found, unplaced = answer
     return ([Served(stream_name.get(e.name, e.name), *e[1:]) for e in found],
             [stream_name.get(n, n) for n in unplaced])

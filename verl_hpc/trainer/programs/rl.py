@@ -48,6 +48,7 @@ from verl_hpc.trainer.stages import correction
 from verl_hpc.trainer.stages.advantage import AdvantageStage
 from verl_hpc.trainer.stages.batching import response_stats
 from verl_hpc.trainer.hooks.guard import NonFiniteGuard
+from verl_hpc.trainer.hooks.mismatch_trend import MismatchTrendHook
 from verl_hpc.trainer.placement import choose
 from verl_hpc.trainer.programs.base import StepProgram, check_tracking, finish, make_checkpointer
 from verl_hpc.trainer.stages.prm_stage import PrmStage
@@ -125,6 +126,9 @@ class RLTrainer(StepProgram):
             fmt=FORMAT, total_steps=self.total_steps,
             before_state=self.rollout_weights.park, after_load=self.rollout_weights.mark_stale)
         self.safety = SafetySwitches(cfg, ctx)
+        risk = correction.uncorrected_risk(cfg)  # a quantized rollout with the correction off: said once
+        if risk and ctx.rank == 0:
+            log.warning(risk)
 
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
@@ -217,6 +221,7 @@ class RLTrainer(StepProgram):
             TaskWeightHook(self.task_weights, self.loader) if self.task_weights is not None else None,
             RollbackHook(self.rollback, self.checkpointer, self.cfg, self.ctx, self.roles, loader=self.loader,
                          task_weights=self.task_weights) if self.rollback else None,
+            MismatchTrendHook(),  # rollout_corr/kl_trend, before the log hook writes the step's metrics
         ) if h is not None]
 
     def checked_step(self, step: int, timer) -> Dict[str, float]:

@@ -15,7 +15,7 @@ separate forward (see old_log_prob_path).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from verl_hpc.algorithms import masked_mean
 from verl_hpc.algorithms.m2po import m2po_keep
@@ -38,7 +38,7 @@ def old_log_prob_path(cfg, batch, has_ref: bool) -> Tuple[str, str]:
         ("actor.old_log_probs=forward", a.old_log_probs == "forward"),
         (f"actor.ppo_epochs={a.ppo_epochs}", a.ppo_epochs > 1),
         (f"{len(batch)} sequences > one mini-batch of {mini}", len(batch) > mini),
-        ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.rollout_is or rc.rollout_rs)),
+        ("algorithm.rollout_correction.rollout_is/rollout_rs", bool(rc.level(cfg) or rc.rollout_rs)),
         ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward and has_ref),
         ("teacher.enable: teacher/kl (and in reward mode the advantages) read pi_old", cfg.teacher.enable),
         ("actor.policy_loss=m2po: its mask is a statistic of the whole batch's pi_old", a.policy_loss == "m2po"),
@@ -60,8 +60,24 @@ def _bypass(cfg) -> bool:
 
 def on_policy_metrics(m: Dict[str, float]) -> None:
     """Rename what the shortcut's objective reported under actor/ to the separate pass's names."""
-    if "actor/rollout_logprob_diff_mean" in m:
-        m["rollout/logprob_diff_mean"] = m.pop("actor/rollout_logprob_diff_mean")
+    for ours, theirs in (("actor/rollout_logprob_diff_mean", "rollout/logprob_diff_mean"),
+                         ("actor/rollout_kl_k1", "rollout_corr/kl_k1"), ("actor/rollout_kl_k3", "rollout_corr/kl_k3")):
+        if ours in m:
+            m[theirs] = m.pop(ours)
+
+
+def uncorrected_risk(cfg) -> Optional[str]:
+    """What a job with a quantized rollout and the mismatch correction turned off risks (said once,
+    at start), or None."""
+    rc, r = cfg.algorithm.rollout_correction, cfg.rollout
+    if not r.quantized or rc.level(cfg) or rc.rollout_rs or _bypass(cfg) \
+            or cfg.actor.policy_loss in BEHAVIOUR_WEIGHTED_POLICY_LOSSES:
+        return None
+    return (f"rollout.quantization = {r.quantization} with algorithm.rollout_correction off (rollout_is and "
+            "rollout_rs null): the update takes samples of the quantized policy as the trainer's own, so the "
+            "rollout/training mismatch is neither corrected nor bounded; it is measured (rollout_corr/kl_k3, and "
+            "rollout_corr/kl_trend against the first steps) and has been seen to grow 3x within 32 steps under "
+            "per-tensor FP8; set rollout_is = auto (TIS) or rollout_rs = token (MIS) to correct it")
 
 
 def old_log_probs(cfg, actor, batch, timer, m: Dict[str, float]) -> None:
@@ -93,7 +109,7 @@ def apply(cfg, batch) -> Dict[str, float]:
     # ratio itself (icepop)
     decoupled = (cfg.async_training.off_policy and cfg.async_training.objective == "decoupled"
                  and cfg.actor.policy_loss not in BEHAVIOUR_WEIGHTED_POLICY_LOSSES)
-    mode = rc.rollout_is or ("token" if decoupled else None)
+    mode = rc.level(cfg) or ("token" if decoupled else None)
     weights, metrics = rollout_correction(old, batch.rollout_log_probs, mask, mode,
                                           rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
                                           rc.rollout_rs_threshold_lower)
