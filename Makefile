@@ -118,7 +118,7 @@ $(VLLM_RANGE_VENV)/.installed: setup.py scripts/install_vllm_range.sh
 	bash scripts/install_vllm_range.sh $(VLLM_RANGE_VENV)
 	touch $@
 
-test-vllm-range: $(VLLM_RANGE_VENV)/.installed
+test-vllm-range: $(VLLM_RANGE_VENV)/.installed cluster  # the cluster's packages: h5ls, the Pushgateway
 	env -u PYTHONDONTWRITEBYTECODE $(VLLM_RANGE_VENV)/bin/python -m pytest tests/unit tests/jobs tests/dist \
 	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m "vllm and not long and not container" \
 	  --durations=25 $(PYTEST_ARGS)

@@ -136,3 +136,54 @@ def test_digest_sees_one_flipped_bit():
     u = t.clone()
     u.view(torch.int32)[5, 7] ^= 1
     assert digest(t) == digest(t.clone()) and digest(t) != digest(u)
+
+
+def test_a_tensor_vllms_class_reorders_at_load_is_left_unchecked():
+    """GPT-NeoX's fused query_key_value is stored per head as [q, k, v] and held by vLLM's own class
+    (vLLM 0.25 has one; 0.32 serves the family through its Transformers backend) as [all q; all k;
+    all v]: the served copy holds the sent values in another order, so it is not compared (a false
+    'serves other values' stopped every GPT-NeoX job on 0.25). A Falcon reorders only with grouped
+    KV heads; any other class's tensors are read as they are."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from verl_hpc.rollout.vllm import served
+
+    class GPTNeoXForCausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(4, 12)
+
+    class FalconForCausalLM(nn.Module):
+        def __init__(self, grouped):
+            super().__init__()
+            self.config = SimpleNamespace(new_decoder_architecture=grouped)
+
+    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+    assert served.reordered(GPTNeoXForCausalLM(), name)
+    assert not served.reordered(GPTNeoXForCausalLM(), "gpt_neox.layers.0.attention.dense.weight")
+    assert served.reordered(FalconForCausalLM(True), "transformer.h.0.self_attention.query_key_value.weight")
+    assert not served.reordered(FalconForCausalLM(False), "transformer.h.0.self_attention.query_key_value.weight")
+    assert not served.reordered(nn.Module(), name)  # the Transformers backend's model: transformers' layout
+    found, unplaced = served.read(GPTNeoXForCausalLM(), [name, "qkv.weight"], digest)
+    assert unplaced == [name] and [s.name for s in found] == ["qkv.weight"]
+
+
+def test_the_reordering_classes_reorder_in_vllms_source():
+    """Each class of REORDERED that the installed vLLM has still reorders query_key_value as it loads."""
+    import importlib
+    import inspect
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from verl_hpc.rollout.vllm import served
+
+    own = {arch: ModelRegistry.models[arch].module_name for arch in served.REORDERED if arch in ModelRegistry.models}
+    own = {arch: module for arch, module in own.items() if ".transformers" not in module}
+    assert "FalconForCausalLM" in own and "BloomForCausalLM" in own  # vLLM's own classes in 0.25 and 0.32
+    for arch, module in own.items():
+        cls = getattr(importlib.import_module(module), arch)
+        loader = inspect.getsource(cls.load_weights)
+        source = loader if "query_key_value" in loader else inspect.getsource(importlib.import_module(module))
+        assert "query_key_value" in source and "loaded_weight.view(" in source, arch

@@ -211,6 +211,45 @@ def test_vllms_groups_build_whatever_sys_stdout_is():
     assert (stdout_fd.TARGET in {r.target for r in compat.applied()}) == RELEASE.stdout_fileno
 
 
+def test_the_lora_loader_views_the_mapper_as_the_adapter_from_memory_does():
+    """rollout/vllm/lora.py builds an adapter as vLLM's own worker manager loads one from a folder,
+    with the model's mapper in the view that manager takes (0.25: unstacked, 0.32: renames only)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.worker_manager import WorkerLoRAManager
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    load = inspect.getsource(WorkerLoRAManager._load_adapter)
+    assert f"hf_to_vllm_mapper.{RELEASE.lora_mapper}()" in load, load
+    assert callable(getattr(WeightsMapper, RELEASE.lora_mapper))
+    assert {"lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper",
+            "skip_prefixes"} <= set(inspect.signature(LoRAModel.from_lora_tensors).parameters)
+
+
+def test_the_draft_model_is_where_the_worker_keeps_it(monkeypatch):
+    """rollout/vllm/worker.py: 0.32's worker hands its draft model out (`get_draft_model`); 0.25's has
+    no such method, and its model runner's proposer (`drafter`) holds the draft model as `model`."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from verl_hpc.rollout.vllm import worker as vllm_worker
+
+    assert callable(getattr(CPUWorker, "get_draft_model", None)) == RELEASE.worker_draft_getter
+    assert "self.drafter = DraftModelProposer(" in inspect.getsource(gpu_model_runner.GPUModelRunner)
+    assert "self.model = self._get_model()" in inspect.getsource(SpecDecodeBaseProposer.load_model)
+    model = object()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=SimpleNamespace(model=model)),
+                             get_draft_model=lambda: model)
+    for getter in (True, False):
+        release = dataclasses.replace(RELEASE, worker_draft_getter=getter)
+        monkeypatch.setattr(versions, "release", lambda version=None, r=release: r)
+        assert vllm_worker.draft_model(worker) is model
+    assert vllm_worker.draft_model(SimpleNamespace(model_runner=SimpleNamespace())) is None  # n-gram: no model
+
+
 def test_weight_update_api_is_there():
     from vllm import LLM
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

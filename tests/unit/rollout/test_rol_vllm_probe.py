@@ -34,7 +34,7 @@ def verdicts(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vllm_probe, "cache_dir", lambda: root / "cache")  # not XDG_CACHE_HOME: vLLM keeps its own there
         mp.setattr(vllm_probe, "_memo", {})
-        folders = {a: make_arch(root / a, a) for a in ("stablelm_qknorm", "stablelm") + MAPPED}
+        folders = {a: make_arch(root / a, a) for a in ("stablelm_qknorm", "stablelm", "phi", "cohere2") + MAPPED}
         yield folders, dict(zip(folders, vllm_probe.probe_all(list(folders.values())))), root / "cache"
 
 
@@ -83,6 +83,26 @@ def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class
            "rollout.n=2", "parallel.engine=fsdp", "rollout.engine=vllm"]
     for model in (qk, plain, folders["llama"]):
         preflight(load_config(None, [f"model.path={model}", *job]))
+
+
+def test_a_class_that_does_not_build_or_load_the_folder_is_named(verdicts):
+    """vLLM 0.25's own Phi and Cohere classes refuse the tiny folders (its Phi sizes the MLP at
+    4 x hidden whatever intermediate_size says; its Cohere class asserts tied embeddings): the probe
+    names the error (not the meta device's: that decides nothing), so the rollout takes the backend
+    instead of failing inside the job. vLLM 0.32 serves Phi through the backend (no verdict) and
+    builds the Cohere 2 folder."""
+    folders, v, _ = verdicts
+    if versions.release().version == "0.25.0":
+        assert v["phi"]["cls"] == "PhiForCausalLM" and "exceeds dimension size" in v["phi"]["unbuilt"], v["phi"]
+        assert v["cohere2"]["unbuilt"] == "AssertionError: ", v["cohere2"]
+        assert vllm_probe.load_problem(v["phi"], folders["phi"]).startswith(
+            "vLLM 0.25.0's PhiForCausalLM does not build or load the folder (RuntimeError: start (0) + length")
+        assert vllm_probe.load_problem(v["cohere2"], folders["cohere2"]) == (
+            "vLLM 0.25.0's class in vllm.model_executor.models.commandr does not build or load the folder "
+            "(AssertionError: )")
+    else:
+        assert v["phi"]["module"].startswith("vllm.model_executor.models.transformers") and not v["phi"]["cls"]
+        assert (v["cohere2"]["unbuilt"], v["cohere2"]["undecided"], v["cohere2"]["unplaced"]) == ("", "", [])
 
 
 def test_the_backend_takes_a_class_by_the_releases_rule(monkeypatch):

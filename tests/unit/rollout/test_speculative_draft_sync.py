@@ -108,7 +108,9 @@ def effective_weights(worker, draft: bool):
     a linear layer is read by what it does: applied to the identity it returns W^T."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    model = worker.get_draft_model() if draft else worker.get_model()
+    from verl_hpc.rollout.vllm.worker import draft_model
+
+    model = draft_model(worker) if draft else worker.get_model()
     out = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)

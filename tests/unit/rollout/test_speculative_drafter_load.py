@@ -40,7 +40,9 @@ def calls(monkeypatch):
 
 def worker(model):
     spec = SimpleNamespace(draft_model_config="draft-config")
-    return SimpleNamespace(get_draft_model=lambda: model, vllm_config=SimpleNamespace(speculative_config=spec))
+    # the draft model where each verified vLLM keeps it (rollout/vllm/worker.py: 0.32's getter, 0.25's runner)
+    return SimpleNamespace(get_draft_model=lambda: model, model_runner=SimpleNamespace(drafter=SimpleNamespace(model=model)),
+                           vllm_config=SimpleNamespace(speculative_config=spec))
 
 
 @pytest.mark.parametrize("gpu, tied, refreshed", [(False, True, True), (True, True, False),

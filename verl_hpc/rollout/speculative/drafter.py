@@ -85,7 +85,9 @@ def load_into_drafter(worker, weights: Iterable[Tuple[str, torch.Tensor]], tied:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    model = worker.get_draft_model()  # (vLLM's worker wrapper forwards it to the worker)
+    from verl_hpc.rollout.vllm.worker import draft_model
+
+    model = draft_model(worker)  # as the installed vLLM release keeps it
     spec = worker.vllm_config.speculative_config
     if model is None or spec is None or spec.draft_model_config is None:
         raise RuntimeError("vllm: a draft-weight load on an engine without a draft model "

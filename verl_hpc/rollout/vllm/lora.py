@@ -3,12 +3,15 @@
 (tests/unit/rollout/test_rol_vllm_lora.py: the adapter's log-probs equal PEFT's)."""
 from __future__ import annotations
 
+from verl_hpc.rollout.vllm import versions
+
 
 def install_lora_adapter(worker, tensors, peft_config: dict, lora_id: int, old_id) -> list:
     """Run in vLLM's worker (LLM.collective_rpc): register the adapter built from `tensors` under
     `lora_id`, after removing `old_id`. vLLM (0.25, 0.32) loads adapters only from a folder, inside its
     worker's LoRA manager (WorkerLoRAManager._load_adapter); this builds the same LoRAModel with its
-    own `from_lora_tensors`, validated by its PEFTHelper, and hands it to the same adapter manager.
+    own `from_lora_tensors`, validated by its PEFTHelper, with the model's mapper as that manager
+    views it (versions.Release.lora_mapper), and hands it to the same adapter manager.
     A request naming `lora_id` then finds it registered and never reads its path. Returns the
     registered ids, for the caller's check."""
     from vllm.lora.lora_model import LoRAModel
@@ -23,7 +26,7 @@ def install_lora_adapter(worker, tensors, peft_config: dict, lora_id: int, old_i
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        weights_mapper=getattr(mapper, versions.release().lora_mapper)() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
     if old_id is not None:
         manager.remove_adapter(old_id)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
-PROBE_VERSION = 2  # part of the cache key: a new probe never reads an old probe's verdicts
+PROBE_VERSION = 3  # part of the cache key: a new probe never reads an old probe's verdicts
 TIMEOUT_S = 600
 MAX_NAMED = 3  # tensors named in a verdict (the first few, in name order)
 _NO_PLACE = re.compile(r"no module or parameter named '([^']+)'")
@@ -158,7 +158,9 @@ def load_problem(v: dict, folder) -> Optional[str]:
             log.warning("vLLM support probe of '%s' could not decide (%s); vLLM's own load will check the "
                         "weights", folder, v["undecided"])
         return None
-    what = f"{v['version']}'s {v['cls']}"
+    what = f"{v['version']}'s {v['cls'] or 'class in ' + str(v.get('module'))}"
+    if v.get("unbuilt"):
+        return f"{what} does not build or load the folder ({v['unbuilt']})"
     if v["unplaced"]:
         return (f"{what} has no place for its tensor(s) {', '.join(repr(n) for n in v['unplaced'])}"
                 f"{' and more' if v['more'] else ''} (a config.json switch vLLM's class does not build)")
@@ -182,7 +184,7 @@ def _answer(folder: Path) -> dict:
 
     module = vllm_model_module(architecture(str(folder)))
     out = {"version": vllm_version(), "module": module, "missing": module and missing_import(module),
-           "cls": "", "unplaced": [], "unfilled": [], "more": False, "undecided": ""}
+           "cls": "", "unplaced": [], "unfilled": [], "more": False, "undecided": "", "unbuilt": ""}
     if module is None or out["missing"] or module.startswith(BACKEND_MODULE):
         return out  # no class of vLLM's own to ask (vllm_support says what that means)
     try:
@@ -208,8 +210,13 @@ def _answer(folder: Path) -> dict:
                     return out
                 out["unplaced"].append(hit[0])
                 names = [n for n in names if n not in hit]
-    except Exception as e:  # noqa: BLE001 - not vLLM's verdict on the names: say so, decide nothing
-        out["undecided"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    except Exception as e:  # noqa: BLE001 - not vLLM's verdict on the names
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        # the meta device's limits decide nothing; anything else is vLLM's class refusing the folder's
+        # config or shapes, as it would in the job (vLLM 0.25's Cohere class asserts tied embeddings,
+        # its Phi sizes the MLP at 4 x hidden whatever intermediate_size says)
+        meta = isinstance(e, NotImplementedError) or "meta" in str(e).lower()
+        out["undecided" if meta else "unbuilt"] = why
         return out
     if out["unplaced"] or not loaded:  # a class that does not report what it loaded: no second check
         return out

