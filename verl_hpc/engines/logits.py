@@ -32,6 +32,7 @@ How many tokens a chunk takes, and whether to chunk at all, is planning/output_l
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -171,13 +172,43 @@ class _ChunkedOutputs(torch.autograd.Function):
         return (g_hidden, g_weight.to(weight.dtype) if need_w else None, None, None, None, None, None, None, None)
 
 
+# The weight gradient's GEMM: "low" = its operands in the weights' dtype, accumulated into the fp32
+# sum (torch.addmm's out_dtype, a bf16 tensor-core GEMM on a GPU); "fp32" = both operands upcast
+# first (an fp32 GEMM: with TF32 off, as torch leaves it, a CUDA-core SGEMM at about a tenth of the
+# bf16 rate). The results agree to summation order: a bf16 operand is exact in fp32. "fp32" is kept
+# for benchmarks/bench_gpu_logits.py, which times both forms.
+WEIGHT_GRAD_GEMM = "low"
+
+
 def _accumulate(grad, h, weight, g_hidden, g_weight, a: int, b: int) -> None:
     """A chunk's logits gradient (the weights' dtype) into the hidden states' and the weight's."""
     if g_hidden is not None:
         g_hidden[a:b] = grad @ weight
-    if g_weight is not None:
-        g_weight.addmm_(grad.t().float() if grad.dtype != torch.float32 else grad.t(), h.float()
-                        if h.dtype != torch.float32 else h)
+    if g_weight is None:
+        return
+    low = grad.dtype in (torch.float16, torch.bfloat16) and h.dtype == grad.dtype
+    if low and WEIGHT_GRAD_GEMM == "low" and low_precision_addmm(g_weight.device):
+        torch.addmm(g_weight, grad.t(), h, out_dtype=torch.float32, out=g_weight)
+    else:  # fp32 operands, or a device without the fp32-output kernel (the CPU): upcast first
+        g_weight.addmm_(grad.t().float(), h.float())
+
+
+@functools.cache
+def low_precision_addmm(device: torch.device) -> bool:
+    """Whether torch has a kernel for addmm with bf16/fp16 operands and an fp32 result accumulated in
+    place on this kind of device (`aten::addmm.dtype_out`: CUDA in torch >= 2.8, not the CPU), and
+    it takes an fp32 accumulator: tried once on tiny tensors (torch 2.8's first form wanted the
+    accumulator in the operands' dtype)."""
+    key = {"cuda": "CUDA", "meta": "Meta", "cpu": "CPU"}.get(device.type)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", key):
+        return False
+    acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    ops = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(acc, ops, ops, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
 
 
 def _fused_grad(ctx, h, weight, targets, m, logz, ent, g_ent, g_logp) -> torch.Tensor:
