@@ -1,5 +1,6 @@
 """rollout.quantization and rollout.kv_cache_dtype (docs/quantization.md): what the config refuses
-by its values (the HF rollout, float32 activations on a GPU, the adapter-only sync, a drafter), what
+by its values (the HF rollout, float32 activations on a GPU, the adapter-only sync, split placement,
+a drafter), what
 the preflight asks of vLLM (a method the installed vLLM lacks, one that quantizes only MoE experts
 on a dense model, one that does not run on this machine, each named with what would work), and the
 defaults a quantized rollout switches: the served-weights check after every sync, TIS on, and the
@@ -36,6 +37,8 @@ def accepted(*overrides):
     ([Q, "slurm.gpus_per_node=1", "model.dtype=float32"],
      "model.dtype = float32 on a GPU job: vLLM's online quantization takes bfloat16 or float16"),
     ([Q, "lora.rank=8", "lora.sync=adapter"], "with the LoRA adapter sync: the engine would get the adapter only"),
+    ([Q, "placement.mode=split", "placement.rollout_ranks=1", "slurm.tasks_per_node=2"],
+     "with placement.mode = split: the split placement's weight bridge does not run the served-weights check"),
     ([Q, "rollout.speculative.method=draft_model", "rollout.speculative.draft_layers=1"],
      "a drafter's served weights are not checked under quantization"),
 ])

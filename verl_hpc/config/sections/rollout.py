@@ -148,6 +148,10 @@ class RolloutConfig(Section):
             p.append(f"rollout.quantization = {self.quantization} with the LoRA adapter sync: the engine would get the "
                      "adapter only, on base weights quantized once; set lora.sync = merged (vLLM quantizes the "
                      "merged weights at every sync)")
+        if job.placement.split:
+            p.append(f"rollout.quantization = {self.quantization} with placement.mode = split: the split placement's "
+                     "weight bridge does not run the served-weights check, which a quantized rollout needs after "
+                     "every sync; use placement.mode = colocated")
         if self.speculative.method in ("draft_model", "mtp"):
             p.append(f"rollout.quantization = {self.quantization} with rollout.speculative.method = "
                      f"{self.speculative.method}: a drafter's served weights are not checked under quantization; "
