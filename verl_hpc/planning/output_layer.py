@@ -13,7 +13,8 @@ asked by both engines (engines/fsdp/head.py, engines/megatron/outputs.py) and by
 - auto on a device (`free_bytes`: what is free there when the output layer runs: in an engine, the
   device's free memory plus what torch's allocator holds unused, measured at the output layer; in
   the plan, the device's memory less every other component of that phase): DEVICE_SHARE of it is
-  the output layer's. Where the whole logits' working set fits that, the whole logits (no chunks:
+  the output layer's. Where the whole logits' working set (bytes_per_logit: less where the update
+  reads log-probs alone than with entropy) fits that, the whole logits (no chunks:
   their matmul and softmax run at full size and are not recomputed in the backward). Else the
   fewest chunks whose working set fits, all of one size (a multiple of CHUNK_ALIGN tokens).
 
@@ -24,18 +25,22 @@ matmul and two passes over its logits), slower than the whole logits that would 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 DEVICE_SHARE = 0.5  # of the memory free at the output layer: the rest is the backward's and the allocator's slack
 CHUNK_ALIGN = 256  # tokens: device chunks are multiples of this (full GEMM tiles), the last one included
 MIN_CHUNK = 16
-# Peak bytes per logit (token x vocabulary column) of the whole-logits path in an update that reads
-# log-probs and entropy: the logits in the compute dtype, their fp32 copy, the log-softmax, the
-# entropy's saved softmax, and the backward's gradients of each. Measured on CPU as the resident rise
-# of one forward + backward (n = 1,024, V = 50,000, glibc's mmap threshold fixed): 29.0 bytes in
-# fp32, 29.1 with bf16 logits; 8 x 4,096 tokens at V = 151,936 are then 144 GB, which is why the
-# whole logits ran out of a 141 GB board there.
-WHOLE_BYTES_PER_LOGIT = 30
+# Peak bytes per logit (token x vocabulary column) of the whole-logits path in an update, by what it
+# reads. Measured on CPU as the peak of the live tensor storages over one forward + backward of
+# engines/logits.py whole_outputs (n = 1,024, V = 50,000; fp32 and bf16 logits alike,
+# tests/unit/engines/test_output_layer_rule.py measures it again): log-probs alone 12.0 (the logits,
+# their fp32 copy, the log-softmax, its gradient); log-probs and entropy 29.0 (the entropy's softmax
+# and its products, and their gradients, on top). One byte of slack each. 8 x 4,096 tokens at
+# V = 151,936 with entropy are then 149 GB, which is why the whole logits ran out of a 141 GB board
+# there; without entropy 65 GB.
+WHOLE_BYTES_PER_LOGIT = 30  # log-probs and entropy (or sum-pi-squared): the planner's, where the loss is not known
+LOG_PROBS_BYTES_PER_LOGIT = 13  # log-probs alone: an update whose loss has no entropy term
+ENTROPY_LIKE = ("entropy", "sum_pi_squared")
 CHUNK_TOKEN_BYTES = 32  # per scored token on the chunked path: 3 saved fp32 (max, log Z, entropy) + 3 outputs + slack
 
 
@@ -47,9 +52,16 @@ def chunk_working_bytes(chunk: int, vocab_columns: float, act_bytes: int) -> flo
     return float(chunk * vocab_columns * (12 + upcast))
 
 
-def whole_logits_bytes(tokens: int, vocab_columns: float) -> float:
-    """The whole logits' working set for `tokens` scored tokens (WHOLE_BYTES_PER_LOGIT)."""
-    return float(tokens * vocab_columns * WHOLE_BYTES_PER_LOGIT)
+def bytes_per_logit(want: Optional[Sequence[str]] = None) -> int:
+    """The whole logits' peak bytes per logit for the outputs `want` (None: not known, the larger)."""
+    if want is not None and not any(k in want for k in ENTROPY_LIKE):
+        return LOG_PROBS_BYTES_PER_LOGIT
+    return WHOLE_BYTES_PER_LOGIT
+
+
+def whole_logits_bytes(tokens: int, vocab_columns: float, want: Optional[Sequence[str]] = None) -> float:
+    """The whole logits' working set for `tokens` scored tokens giving `want` (bytes_per_logit)."""
+    return float(tokens * vocab_columns * bytes_per_logit(want))
 
 
 def cpu_chunk(vocab_columns: int) -> int:
@@ -60,11 +72,12 @@ def cpu_chunk(vocab_columns: int) -> int:
     return logits_chunk_size(None, vocab_columns)
 
 
-def device_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes: float) -> int:
+def device_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes: float,
+                 want: Optional[Sequence[str]] = None) -> int:
     """Auto on a device: 0 (the whole logits) where they fit DEVICE_SHARE of `free_bytes`, else
     fitting_chunk."""
     budget = DEVICE_SHARE * max(float(free_bytes), 0.0)
-    if whole_logits_bytes(tokens, vocab_columns) <= budget:
+    if whole_logits_bytes(tokens, vocab_columns, want) <= budget:
         return 0
     return fitting_chunk(tokens, vocab_columns, act_bytes, free_bytes)
 
@@ -83,14 +96,15 @@ def fitting_chunk(tokens: int, vocab_columns: float, act_bytes: int, free_bytes:
 
 
 def output_chunk(setting: Optional[int], vocab_columns: int, tokens: int, act_bytes: int,
-                 free_bytes: Optional[float] = None) -> int:
+                 free_bytes: Optional[float] = None, want: Optional[Sequence[str]] = None) -> int:
     """Tokens per chunk for a micro-batch scoring `tokens` tokens over a vocabulary slice of
-    `vocab_columns` (V / tp); 0 = the whole logits (module docstring)."""
+    `vocab_columns` (V / tp) for the outputs `want` (None: not known: as with entropy); 0 = the
+    whole logits (module docstring)."""
     if setting is not None and setting < 0:
         raise ValueError(f"model.logits_chunk_tokens = {setting}; valid: null (auto), 0 (off) or a positive count")
     if setting == 0 or tokens <= 0:
         return 0
     if setting is None and free_bytes is not None:
-        return device_chunk(tokens, vocab_columns, act_bytes, free_bytes)
+        return device_chunk(tokens, vocab_columns, act_bytes, free_bytes, want)
     chunk = int(setting) if setting is not None else cpu_chunk(vocab_columns)
     return chunk if tokens > chunk else 0

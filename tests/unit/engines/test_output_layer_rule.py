@@ -67,6 +67,101 @@ def test_hardly_any_memory_gives_the_smallest_chunk_not_an_error():
     assert ol.output_chunk(None, V, 8 * 4096, 2, free_bytes=-5 * GB) == ol.MIN_CHUNK
 
 
+class LiveBytes:
+    """The peak of live tensor storages while it is open (a dispatch mode: every op's outputs are
+    counted until their storage is freed), the same on any CPU model."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        outer._add(t.untyped_storage())
+                return out
+
+        self.mode, self.live, self.now, self.peak = Mode(), {}, 0, 0
+
+    def _add(self, storage):
+        import weakref
+
+        key, n = storage.data_ptr(), storage.nbytes()
+        if n == 0 or key in self.live:
+            return
+        self.live[key] = n
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._drop, key)
+
+    def _drop(self, key):
+        self.now -= self.live.pop(key, 0)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("want", [("log_probs",), ("log_probs", "entropy")])
+def test_the_rule_charges_what_the_whole_logits_update_holds(dtype, want):
+    """The peak bytes per logit of one forward + backward of the whole logits (engines/logits.py
+    whole_outputs, as the engines' whole path computes them), measured per loss kind, is what the
+    rule charges, to within its 1 byte of slack: an update without an entropy term must not be
+    charged the entropy's softmax and products (29 B), or it chunks 2.3x too early."""
+    from verl_hpc.engines.logits import whole_outputs
+
+    n, v, h = 512, 8192, 32
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (0.1 * torch.randn(v, h, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    with LiveBytes() as live:
+        out = whole_outputs(hidden, weight, targets, want)
+        loss = out["log_probs"].sum() + (0.01 * out["entropy"].sum() if "entropy" in want else 0.0)
+        loss.backward()
+        del out, loss
+    grads = v * h * weight.element_size() + n * h * hidden.element_size()  # not per logit
+    measured = (live.peak - grads) / (n * v)
+    charged = ol.bytes_per_logit(want)
+    assert measured <= charged <= measured + 1.5, (want, dtype, measured, charged)
+
+
+def test_an_update_without_entropy_keeps_the_whole_logits_longer():
+    """8 x 2,048 tokens at V = 151,936 with 60 GB free at the output layer (30 GB its share): the
+    log-probs alone (13 B a logit: 32 GB) just miss, with 70 GB they fit; with entropy (30 B: 75 GB)
+    neither does. Unknown outputs (the planner) are charged as with entropy."""
+    tokens = 8 * 2048
+    assert ol.output_chunk(None, V, tokens, 2, free_bytes=70 * GB, want=("log_probs",)) == 0
+    assert ol.output_chunk(None, V, tokens, 2, free_bytes=60 * GB, want=("log_probs",)) > 0
+    assert ol.output_chunk(None, V, tokens, 2, free_bytes=70 * GB, want=("log_probs", "entropy")) > 0
+    assert ol.output_chunk(None, V, tokens, 2, free_bytes=70 * GB) > 0
+    assert ol.bytes_per_logit(("log_probs", "sum_pi_squared")) == ol.WHOLE_BYTES_PER_LOGIT
+
+
+def test_fsdp_head_asks_the_rule_for_the_outputs_it_scores(device_free):
+    """A log-probs-only update with room for 13 B a logit and not for 30: the whole logits; the same
+    micro-batch with entropy: chunks."""
+    from verl_hpc.engines.fsdp.head import ChunkedHead
+
+    v, h, n, t = 50, 8, 3, 40
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(n, t, h, generator=g)
+    targets = torch.randint(0, v, (n, t), generator=g)
+    device_free["bytes"] = 2 * 20 * n * t * v  # 20 B a logit for the output layer
+    head = ChunkedHead(_linear(v, h), chunk=ol.cpu_chunk(v), temperature=1.0, setting=None)
+    _score(head, hidden, targets, ("log_probs",))
+    assert head.last == "whole"
+    _score(head, hidden, targets, ("log_probs", "entropy"))
+    assert head.last != "whole" and head.last > 0
+
+
 # ----------------------------------------------------------------------------- the FSDP head
 
 

@@ -110,7 +110,7 @@ class ChunkedHead:
         chunk = self.chunk
         if self.device_ruled():  # measured here: every layer's activations are already held
             chunk = output_chunk(None, self.linear.out_features, targets.numel(), sel.element_size(),
-                                 device_free_bytes(sel.device))
+                                 device_free_bytes(sel.device), want=want)
         if chunk == 0:
             self.last = "whole"
             out = whole_outputs(sel, self.linear.weight, targets, want, temperature=self.temperature)

@@ -246,7 +246,7 @@ def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: 
     chunk = int(head.chunk)
     if _device_ruled(head.chunk, resp.device):  # measured here, after every layer's activations
         chunk = output_chunk(None, head.weight.shape[0], mb["_targets"].numel(), resp.element_size(),
-                             agreed_free_bytes(resp.device, head.group))
+                             agreed_free_bytes(resp.device, head.group), want=want)
         head.last = chunk or "whole"
         if chunk == 0:
             return lm_outputs(whole_logits(resp, head), mb, want, head.temperature, selected=True,
