@@ -105,3 +105,20 @@ def test_the_rank_entry_sets_mkl_before_torch_loads(given, expected):
     code = "import os, sys, verl_hpc.job; print(os.environ['MKL_CBWR'], 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [expected, "False"]
+
+
+@pytest.mark.parametrize("engine, tp, expected", [("fsdp", 1, None), ("auto", 1, None), ("auto", 2, "1"),
+                                                  ("megatron", 1, "1")])
+def test_one_hardware_queue_only_for_megatron_gpu_jobs(engine, tp, expected):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 serialises FSDP2's reduce-scatter with the compute it overlaps:
+    set for the jobs whose roles train on Megatron (auto with model parallelism), not for FSDP
+    ones; slurm.env still sets it for any job."""
+    from verl_hpc.config import JobConfig
+    from verl_hpc.launcher.environment import job_environment
+
+    cfg = JobConfig()
+    cfg.slurm.gpus_per_node = 8
+    cfg.parallel.engine, cfg.parallel.tp = engine, tp
+    assert job_environment(cfg).get("CUDA_DEVICE_MAX_CONNECTIONS") == expected
+    cfg.slurm.env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert job_environment(cfg)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"

@@ -30,9 +30,22 @@ GPU = {
     # release (1 would call ncclCommAbort first, which can itself hang on a wedged fabric). The
     # old spelling NCCL_ASYNC_ERROR_HANDLING is not set: deprecated, and vLLM's GPU worker unsets it.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-    "CUDA_DEVICE_MAX_CONNECTIONS": "1",  # Megatron's TP/SP communication overlap needs ordering
     "NVTE_FWD_LAYERNORM_SM_MARGIN": "0",
 }
+# Only for GPU jobs whose roles train on the Megatron engine: its tensor/sequence-parallel layers
+# rely on one hardware queue per device to keep a weight-gradient GEMM ahead of the communication
+# it overlaps. The FSDP engine does not: FSDP2 runs its all-gathers and reduce-scatters on streams
+# of their own, and one queue would put them behind the compute they are meant to overlap.
+MEGATRON_GPU = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def trains_on_megatron(parallel) -> bool:
+    """Whether any role of the job can train on the Megatron engine (config/sections/fsdp.py
+    choose_engine's rule without the model folders: auto picks Megatron exactly where the layout
+    asks for tensor, pipeline or expert parallelism)."""
+    if parallel.engine == "auto":
+        return parallel.tp > 1 or parallel.pp > 1 or parallel.ep > 1
+    return parallel.engine == "megatron"
 
 
 def job_environment(cfg) -> dict[str, str]:
@@ -44,5 +57,7 @@ def job_environment(cfg) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(max(1, cfg.slurm.cpus_per_task))
     if cfg.slurm.gpus_per_node > 0:
         env.update(GPU)
+        if trains_on_megatron(cfg.parallel):
+            env.update(MEGATRON_GPU)
     env.update({str(k): str(v) for k, v in cfg.slurm.env.items()})
     return env
