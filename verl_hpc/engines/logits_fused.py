@@ -22,11 +22,11 @@ import functools
 import torch
 
 COMPILE = True
+BACKEND = "inductor"  # torch.compile's backend (a test counts the graphs with a counting one)
 
 
 def _compiled(fn):
-    """fn compiled once per process (static shapes: a loop's chunks share one size, the last may add
-    a second), or fn itself where COMPILE is off."""
+    """fn compiled once per process, or fn itself where COMPILE is off."""
     if not COMPILE:
         return fn
     return _compile(fn)
@@ -34,7 +34,11 @@ def _compiled(fn):
 
 @functools.cache
 def _compile(fn):
-    return torch.compile(fn, dynamic=False)
+    # dynamic=None (torch's automatic dynamic shapes): the first token count compiles a graph of
+    # that size, the second a graph with the token dimension symbolic, which every later count
+    # reuses. dynamic=False made three new graphs (max, sums, gradient) for every token count a
+    # micro-batch brought, and after torch's recompile limit (8 per function) ran the chunk eagerly.
+    return torch.compile(fn, dynamic=None, backend=BACKEND)
 
 
 def _shifted(z: torch.Tensor, m: torch.Tensor, temperature: float) -> torch.Tensor:
