@@ -229,11 +229,31 @@ def device_free_bytes(device: torch.device) -> Optional[float]:
     return free_memory_bytes(device)
 
 
-def agreed_free_bytes(device: torch.device, group=None) -> Optional[float]:
-    """device_free_bytes, the least over `group` (a tensor-parallel group must take one path: the
-    chunked path all-reduces per chunk, the whole one per micro-batch). One small all-reduce and
-    one read per micro-batch, before the chunks, never inside their loop."""
+def pending_adam_bytes(optimizers) -> int:
+    """Bytes Adam's moments will take on the device once they exist: torch creates an optimizer's
+    state at its first step, so the memory free at the output layer of the first update (and of
+    any pass before it) is larger by that much than at every later one, and the whole-or-chunks
+    choice could differ between step 1 and step 2. Two moments per parameter, in the parameter's
+    dtype (the local shard of a DTensor); 0 for an optimizer whose state exists."""
+    total = 0
+    for opt in optimizers:
+        if opt is None or len(opt.state) > 0:
+            continue
+        for group in opt.param_groups:
+            for p in group["params"]:
+                t = p.to_local() if hasattr(p, "to_local") else p
+                total += 2 * t.numel() * t.element_size()
+    return total
+
+
+def agreed_free_bytes(device: torch.device, group=None, pending: int = 0) -> Optional[float]:
+    """device_free_bytes less `pending` (pending_adam_bytes), the least over `group` (a
+    tensor-parallel group must take one path: the chunked path all-reduces per chunk, the whole one
+    per micro-batch). One small all-reduce and one read per micro-batch, before the chunks, never
+    inside their loop."""
     free = device_free_bytes(device)
+    if free is not None:
+        free -= pending
     if free is None or group is None or dist.get_world_size(group) == 1:
         return free
     t = torch.tensor([free], dtype=torch.float64, device=device)

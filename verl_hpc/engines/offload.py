@@ -137,9 +137,11 @@ class Offloader:
             self.offloaded[kind] = True
 
     def onload(self, kinds=KINDS) -> None:
+        moved = False
         for kind in kinds:
             if not self.offloaded[kind]:
                 continue
+            moved = True
             for slot in self.slots[kind]:
                 slot.storage.resize_(slot.nbytes)
                 dst = _u8(slot.storage, slot.device)
@@ -149,7 +151,7 @@ class Offloader:
                     dst.copy_(slot.host, non_blocking=self.pin)
                     slot.host = None
             self.offloaded[kind] = False
-        if self.pin:
+        if self.pin and moved:  # nothing copied (nothing offloaded, as every step of a resident role): no wait
             from verl_hpc.runtime.device import synchronize
 
             synchronize()

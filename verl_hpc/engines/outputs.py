@@ -67,12 +67,18 @@ def gather_outputs(collected, batch_size: int, width: int, keys: Sequence[str], 
     return {k: v.cpu() for k, v in out.items()}
 
 
-def reduce_metric_sums(vec: torch.Tensor, keys: Sequence[str]) -> Dict[str, float]:
-    """A train step's metrics from this rank's sums `[loss, tokens, token-weighted metric sums...]`:
-    summed over every rank (one all-reduce, one transfer), the metrics divided by the tokens.
-    Both engines end their metric reduction here."""
-    dist.all_reduce(vec)
-    vals = vec.tolist()
+def sum_over_ranks(vec: torch.Tensor) -> torch.Tensor:
+    """This rank's metric sums summed over every rank, left on the device: the engines read them
+    to the host together with the gradient norm, in the one read before their optimizer step
+    (each engine's guarded_step)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(vec)
+    return vec
+
+
+def metrics_from_sums(vals: Sequence[float], keys: Sequence[str]) -> Dict[str, float]:
+    """The metrics from the summed `[loss, tokens, sums...]` read to the host: the loss is the sum
+    of contributions, each metric its token-weighted mean."""
     tokens = max(vals[1], 1.0)
     out = {"loss": vals[0], "tokens": vals[1]}
     out.update({k: vals[2 + j] / tokens for j, k in enumerate(keys)})

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -49,9 +48,10 @@ from verl_hpc.engines.fsdp.liger import setup_liger
 from verl_hpc.engines.fsdp.microbatch import MicroBatch
 from verl_hpc.engines.fsdp.scoring import score
 from verl_hpc.engines.fsdp.state import Coords, engine_state, load_engine_state
+from verl_hpc.engines.logits import pending_adam_bytes
 from verl_hpc.engines.offload import Offloader
 from verl_hpc.engines.options import EngineOptions
-from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
+from verl_hpc.engines.outputs import gather_outputs, metrics_from_sums, sum_over_ranks
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.fsdp.sharing import prompt_sharing
 import verl_hpc.engines.fsdp.ulysses as ulysses
@@ -121,6 +121,8 @@ class FsdpEngine(TrainingEngine):
         # nor under sequence parallelism: the regrouped attention is causal over plain rows
         self._sharing = None if self.vision or self.sp else prompt_sharing(o, self.hf_config, model)
         self._head = chunked_head(model, o, self.liger)  # scored tokens without the whole logits (head.py)
+        if self._head is not None:
+            self._head.pending = self._pending_state_bytes
         self.steps_applied = 0
         self._stepped_since_schedule = False  # scheduler_step advances only after an applied step
         self._view = None  # the sliced sync's holdings view (exported_model)
@@ -146,6 +148,13 @@ class FsdpEngine(TrainingEngine):
             for st in self.optimizer.state.values():
                 opt += [_local(v) for v in st.values() if isinstance(v, torch.Tensor)]
         return {"params": params, "grads": [], "optimizer": opt}
+
+    def _pending_state_bytes(self) -> int:
+        """Adam's state not yet created that later steps hold on the device at the output layer
+        (logits.pending_adam_bytes): none while it is offloaded outside an update."""
+        if self.optimizer is None or (self.options.optimizer_offload and not torch.is_grad_enabled()):
+            return 0
+        return pending_adam_bytes([self.optimizer])
 
     def resident(self, what: str = "train"):
         """Context: offloaded states back on the device (forward | state | train)."""
@@ -247,11 +256,12 @@ class FsdpEngine(TrainingEngine):
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         with self.resident("train"):
             records = self.forward_backward(batch, loss_fn, outputs)
-            metrics = self._reduce_metrics(records)
+            sums, keys = metric_sums(records)
             scale = self._loss_scale()  # the scale this backward used (fp16)
-            applied, norm, found_inf = optim_lib.guarded_step(
-                self.model, self.optimizer, self.options.optim.clip_grad, math.isfinite(metrics["loss"]),
-                self.scaler)
+            # the metric sums are read with the gradient norm: one host read before the step
+            applied, norm, found_inf, vals = optim_lib.guarded_step(
+                self.model, self.optimizer, self.options.optim.clip_grad, sums, self.scaler)
+            metrics = metrics_from_sums(vals, keys)
             if self.options.grad_offload:  # dropped while idle, as the Megatron engine's grad buffers
                 self.optimizer.zero_grad(set_to_none=True)
         self.steps_applied += int(applied)
@@ -282,23 +292,9 @@ class FsdpEngine(TrainingEngine):
         return float(total) / self.sp.size
 
     def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
-        """Loss = the sum of contributions; the loss's metrics = token-weighted means. Every rank
-        names the keys it has (a rank whose micro-batches are all empty has none)."""
-        keys = sorted({k for r in records for k in r} - {"loss", "tokens"})
-        box: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(box, keys)
-        keys = sorted({k for ks in box for k in ks})
-        # summed where the records are (the device): no host read per record and metric, one
-        # transfer in reduce_metric_sums
-        dev = collective_device()
-        vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=dev)
-        for r in records:
-            w = torch.as_tensor(r["tokens"], dtype=torch.float64).to(dev)
-            row = [torch.as_tensor(r["loss"], dtype=torch.float64).to(dev), w]
-            row += [torch.as_tensor(r[k], dtype=torch.float64).to(dev) * w if k in r else w.new_zeros(())
-                    for k in keys]
-            vec += torch.stack([x.reshape(()) for x in row])
-        return reduce_metric_sums(vec, keys)
+        """Loss = the sum of contributions; the loss's metrics = token-weighted means."""
+        sums, keys = metric_sums(records)
+        return metrics_from_sums(sums.tolist(), keys)
 
     def scheduler_step(self) -> float:
         """One trainer step of the LR schedule, if an optimizer step was applied since the last
@@ -382,6 +378,30 @@ class FsdpEngine(TrainingEngine):
         from verl_hpc.engines.fsdp.lora import check_state_meta
 
         check_state_meta(self, meta)
+
+
+def metric_sums(records: List[dict]) -> Tuple[torch.Tensor, List[str]]:
+    """`[loss, tokens, token-weighted sums...]` summed over the ranks, on the device (not read),
+    and the metrics' names. Every rank names the keys it has (a rank whose micro-batches are all
+    empty has none); alone, its own keys are the keys (no pickled exchange, whose sizes a GPU
+    would read to the host)."""
+    keys = sorted({k for r in records for k in r} - {"loss", "tokens"})
+    if dist.get_world_size() > 1:
+        box: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(box, keys)
+        keys = sorted({k for ks in box for k in ks})
+    # summed where the records are (the device): the tokens are host numbers, added as
+    # scalars; no copy to the device per record and metric
+    dev = collective_device()
+    vec = torch.zeros(2 + len(keys), dtype=torch.float64, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    on_dev = (lambda v: zero + v if isinstance(v, (int, float))
+              else torch.as_tensor(v).to(dev, torch.float64, non_blocking=True))
+    for r in records:
+        w = on_dev(r["tokens"])
+        row = [on_dev(r["loss"]), w] + [on_dev(r[k]) * w if k in r else zero for k in keys]
+        vec += torch.stack([x.reshape(()) for x in row])
+    return sum_over_ranks(vec), keys
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

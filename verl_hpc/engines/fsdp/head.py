@@ -62,6 +62,10 @@ class ChunkedHead:
         # model.logits_chunk_tokens (None = auto: on a device the free memory decides); -1: `chunk` as given
         self.setting = chunk if setting == -1 else setting
         self.last = None  # how the last micro-batch was scored: "liger", "whole" or its chunk size (reports)
+        # bytes the device will hold at this point of later steps that it does not yet (Adam's
+        # state before the first step: logits.pending_adam_bytes); the engine sets it
+        self.pending = lambda: 0
+        self.free_read = None  # (free bytes read, pending bytes) at the last device-ruled decision (reports)
         self._request = None
         plain = linear.forward
 
@@ -109,8 +113,10 @@ class ChunkedHead:
         sel = hidden[rows, positions]
         chunk = self.chunk
         if self.device_ruled():  # measured here: every layer's activations are already held
+            free, pending = device_free_bytes(sel.device), self.pending()
+            self.free_read = (free, pending)
             chunk = output_chunk(None, self.linear.out_features, targets.numel(), sel.element_size(),
-                                 device_free_bytes(sel.device), want=want)
+                                 free - pending, want=want)
         if chunk == 0:
             self.last = "whole"
             out = whole_outputs(sel, self.linear.weight, targets, want, temperature=self.temperature)

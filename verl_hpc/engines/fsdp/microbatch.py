@@ -54,19 +54,22 @@ class MicroBatch:
             sub["_positions"] = response_positions(sub["prompt_lengths"], width, ids.shape[1])
         else:
             inputs, positions, sub["_positions"] = packed.input_ids, packed.position_ids, packed.positions
-            self.attention_mask = (~packed.dense_mask()).to(device)  # True = attends (SDPA's bool mask)
-            self.sample_rows = packed.sample_rows.to(device)
+            # True = attends (SDPA's bool mask)
+            self.attention_mask = (~packed.dense_mask()).to(device, non_blocking=True)
+            self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
         # logits only from the first scored position on (the shortest prompt's last token)
         self.first = int(sub["_positions"].min())
         self.keep = inputs.shape[1] - self.first
         sub["_kept"] = sub["_positions"] - self.first
+        # every copy to the device without a wait (a blocking one synchronises the device's stream:
+        # the host would wait for the step so far before queuing this micro-batch)
         self.data = {k: v.to(device, non_blocking=True) for k, v in sub.items()}
-        self.input_ids = inputs.to(device)
-        self.position_ids = positions.to(device)
+        self.input_ids = inputs.to(device, non_blocking=True)
+        self.position_ids = positions.to(device, non_blocking=True)
         # a vision-language model's micro-batch with images: the model lays out its M-RoPE positions
         # itself from the image tokens and the grid (position_ids=None), and fills the image tokens'
         # embeddings from the vision tower
-        self.images = {k: v.to(device) for k, v in images.items()}
+        self.images = {k: v.to(device, non_blocking=True) for k, v in images.items()}
         if self.images:
             self.images["mm_token_type_ids"] = token_types(self.input_ids, image_token_id)
             self.position_ids = None

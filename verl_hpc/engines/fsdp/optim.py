@@ -7,9 +7,11 @@
   in trainer steps (`verl_hpc.engines.megatron.optim.schedule_lr` is the same formula, checked
   against Megatron's OptimizerParamScheduler). Its state dict has the keys of Megatron's
   scheduler, so a checkpoint's schedule resumes in either engine.
-- `guarded_step`: the gradient norm over every shard (torch's clip_grad_norm_ on DTensors reduces
-  over the mesh), and when it or the loss is inf/nan nothing is applied; else clip and step.
-  Clipping scales by max_norm / (norm + 1e-6) when above max_norm, as Megatron's clip does.
+- `guarded_step`: the gradient norm over every shard (the local shards' sums of squares in one
+  foreach call, all-reduced over the mesh's shard dimension), read to the host together with the
+  step's metric sums (one read before the optimizer's kernels), and when it or the loss is inf/nan
+  nothing is applied; else clip (one foreach multiply) and step. Clipping scales by
+  max_norm / (norm + 1e-6) when above max_norm, as Megatron's clip does.
 - fp16 compute (`LossScaler`, when the compute dtype is float16): torch's ShardedGradScaler, which
   takes FSDP2's DTensor gradients (its unscale runs torch's fused check-and-unscale on them, then
   all-reduces the overflow flag over the world, so every shard agrees; plain torch.amp.GradScaler
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from verl_hpc.config.errors import ConfigError
@@ -94,15 +97,51 @@ def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"]) if optimizer.param_groups else 0.0
 
 
+# The norm and the clip over the gradients' local shards in one foreach call each (a multi-tensor
+# kernel on a GPU), not one DTensor op per parameter: each of those goes through DTensor's dispatch
+# on the host (sharding propagation) and launches its own kernel. False: the per-parameter forms
+# (torch's get_total_norm with foreach=False, one mul_ per gradient), kept for the benchmark's
+# fsdp_loopclip column (benchmarks/gpu_step_sides.py), which times them against the foreach ones.
+FOREACH = True
+
+
+def grad_sq_sum(grads) -> torch.Tensor:
+    """The sum of squares of `grads` over every shard, as a 0-d fp32 tensor on the gradients' device
+    (no host read): each rank's local shards' sum of squares, all-reduced over the mesh dimensions
+    they are sharded on (not over the replicas of HSDP, which hold the same values). Gradients of
+    other layouts (a plain tensor beside DTensors, several meshes, a partial placement) go through
+    torch's get_total_norm."""
+    first = grads[0]
+    mesh, placements = getattr(first, "device_mesh", None), getattr(first, "placements", None)
+    same = all(getattr(g, "device_mesh", None) is mesh and getattr(g, "placements", None) == placements
+               for g in grads)
+    if not FOREACH or not same or (placements is not None and any(p.is_partial() for p in placements)):
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return norm.float() ** 2
+    local = [g.to_local() if mesh is not None else g for g in grads]
+    sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)).float()) ** 2
+    for dim, p in enumerate(placements or ()):
+        if p.is_shard() and mesh.size(dim) > 1:
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+    return sq
+
+
 def grad_norm(model: torch.nn.Module) -> float:
     """The global L2 norm of the gradients over every shard (a collective over the mesh)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    return math.sqrt(float(grad_sq_sum(grads))) if grads else 0.0
+
+
+def clip_grads(model: torch.nn.Module, coeff: float) -> None:
+    """Every gradient times `coeff`, in place: the local shards in one foreach call."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    with torch.no_grad():
+        if FOREACH:
+            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], coeff)
+        else:
+            for g in grads:
+                g.mul_(coeff)
 
 
 class LossScaler(ShardedGradScaler):
@@ -138,28 +177,34 @@ def load_scaler_state(scaler, state: Dict[str, object]) -> None:
     scaler.load_state_dict(sd)
 
 
-def guarded_step(model: torch.nn.Module, optimizer, clip: float, loss_is_finite: bool,
-                 scaler=None) -> Tuple[bool, float, bool]:
-    """(applied, grad_norm, found_inf): found_inf is the fp16 scaler's overflow (False without a
-    scaler). Collective (the scaler's flag, the norm) whatever the outcome."""
+def guarded_step(model: torch.nn.Module, optimizer, clip: float, sums: torch.Tensor,
+                 scaler=None) -> Tuple[bool, float, bool, List[float]]:
+    """(applied, grad_norm, found_inf, sums read): found_inf is the fp16 scaler's overflow (False
+    without a scaler). `sums`: the step's metric sums, summed over the ranks and still on the device
+    (engines/outputs.py sum_over_ranks, the loss first): read to the host together with the gradient
+    norm, the step's one host read before the optimizer's kernels (a read is a wait for the device's
+    queue to drain, then the device idles while the host launches the next kernels). A non-finite
+    loss or norm applies nothing. Collective (the scaler's flag, the norm) whatever the outcome."""
     if scaler is not None:
         scaler.unscale_(optimizer)  # in place; inf/nan stay inf/nan, so the norm shows an overflow
-    norm = grad_norm(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = grad_sq_sum(grads) if grads else torch.zeros((), device=sums.device)
+    sq = sq.reshape(1).to(sums.device, torch.float64, non_blocking=True)
+    vals = torch.cat([sums.reshape(-1).double(), sq]).tolist()
+    sums_read, sq_read = vals[:-1], vals[-1]
+    norm = math.sqrt(sq_read) if sq_read >= 0 else float("nan")  # inf and nan stay what they are
     found_inf = scaler is not None and not math.isfinite(norm)
-    if not loss_is_finite or not math.isfinite(norm):
+    if not math.isfinite(sums_read[0]) or not math.isfinite(norm):
         if scaler is not None:
             scaler.update()  # backs off after an overflow (and ends this step's unscale state)
-        return False, norm, found_inf
+        return False, norm, found_inf, sums_read
     if clip > 0.0:
         coeff = clip / (norm + 1e-6)
         if coeff < 1.0:
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coeff)
+            clip_grads(model, coeff)
     if scaler is not None:
         scaler.step(optimizer)  # its own overflow flag is clear (the norm is finite): it steps
         scaler.update()
     else:
         optimizer.step()
-    return True, norm, False
+    return True, norm, False, sums_read

@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -56,7 +55,7 @@ from verl_hpc.engines.megatron import context_parallel as cp_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
 from verl_hpc.engines.options import EngineOptions
-from verl_hpc.engines.outputs import gather_outputs, reduce_metric_sums
+from verl_hpc.engines.outputs import gather_outputs, metrics_from_sums, sum_over_ranks
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.engines.prefix import rank_microbatches
 from verl_hpc.engines.megatron.route_replay import KEY as ROUTES
@@ -222,9 +221,11 @@ class MegatronEngine(TrainingEngine):
         # DP gradient SUM (reduce-scatter with the distributed optimizer), tied-embedding and
         # sequence-parallel norm grads; num_tokens=None: no rescaling (schedule.py docstring).
         finalize_model_grads(self.chunks, num_tokens=None)
-        metrics = self._reduce_metrics(records)
+        sums, keys = self._metric_sums(records)
         scale = optim_lib.loss_scale(self.optimizer)  # the scale this backward used (fp16)
-        applied, grad_norm, found_inf = optim_lib.guarded_step(self.optimizer, math.isfinite(metrics["loss"]))
+        # the metric sums are read with the gradient norm: one host read before the step
+        applied, grad_norm, found_inf, vals = optim_lib.guarded_step(self.optimizer, sums)
+        metrics = metrics_from_sums(vals, keys)
         self.steps_applied += int(applied)
         self._stepped_since_schedule |= applied
         self._params_stale |= applied and self.perf.overlap_param_gather
@@ -247,6 +248,12 @@ class MegatronEngine(TrainingEngine):
 
     def _reduce_metrics(self, records: List[dict]) -> Dict[str, float]:
         """Loss = sum of contributions; loss_fn metrics = token-weighted means over the batch."""
+        sums, keys = self._metric_sums(records)
+        return metrics_from_sums(sums.tolist(), keys)
+
+    def _metric_sums(self, records: List[dict]) -> Tuple[torch.Tensor, List[str]]:
+        """`[loss, tokens, token-weighted sums...]` summed over the ranks, on the device (not read),
+        and the metrics' names."""
         keys = sorted({k for r in records for k in r} - {"loss", "tokens"}) if self.reporting else []
         # replica 0 names the metrics: the planners (partition.py) give DP rank 0 rows first, so it
         # has some whenever any rank has, also when the loss left rows out (_rows_to_run)
@@ -262,9 +269,9 @@ class MegatronEngine(TrainingEngine):
             zero = torch.zeros((), dtype=torch.float64, device=dev)
             for r in records:
                 w = float(r["tokens"])
-                vec = vec + torch.stack([r["loss"].to(dev, torch.float64), zero + w] + [
-                    r[k].to(dev, torch.float64) * w if k in r else zero for k in keys])
-        return reduce_metric_sums(vec, keys)
+                vec = vec + torch.stack([r["loss"].to(dev, torch.float64, non_blocking=True), zero + w] + [
+                    r[k].to(dev, torch.float64, non_blocking=True) * w if k in r else zero for k in keys])
+        return sum_over_ranks(vec), keys
 
     def scheduler_step(self) -> float:
         """One trainer step of the LR schedule, if an optimizer step was applied since the last

@@ -7,10 +7,12 @@
 - `OptimizerParamScheduler` for linear warmup (from 0) then constant / linear / cosine decay to
   `min_lr`. The schedule counts *trainer steps* (the role calls `scheduler_step()` once per
   update, as verl does), so `optim.warmup_steps` and `total_steps` are in trainer steps.
-- `guarded_step` is ChainedOptimizer.step with one change: the gradient norm is computed first
+- `guarded_step` is ChainedOptimizer.step with two changes: the gradient norm is computed first
   and, when it or the loss is inf/nan, nothing is applied (Megatron checks for inf/nan only with an
-  fp16 grad scaler; in bf16/fp32 it would write nan into the weights). The trainer skips and
-  counts such steps.
+  fp16 grad scaler; in bf16/fp32 it would write nan into the weights); and the norm and the clip
+  are the engine's own foreach forms of Megatron's (`grad_sq_sum`, `clip_grads`: the same
+  gradients, groups and coefficient), whose norm is read to the host together with the step's
+  metric sums, once. The trainer skips and counts such steps.
 - fp16 (model.dtype = float16): Megatron's DynamicGradScaler scales the loss before the backward
   (`grad_scale_func`), and the step unscales the fp32 main grads and checks them for inf/nan
   (`prepare_grads`, a MAX all-reduce over the model-parallel group). An overflow skips the step:
@@ -164,27 +166,66 @@ def _agree_scalers(scalers, before: Mapping[str, Any], found_inf: bool) -> None:
         load_scaler_state(s, state)
 
 
-def guarded_step(optimizer, loss_is_finite: bool) -> Tuple[bool, float, bool]:
-    """(applied, grad_norm, found_inf): found_inf is the fp16 scaler's overflow (False without a
-    scaler). Collective over the optimizer's groups whatever the outcome."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+def grad_sq_sum(optimizer) -> torch.Tensor:
+    """The squared global gradient norm as a 0-d fp32 tensor on the device (no host read): what
+    ChainedOptimizer.get_grad_norm sums (each chained optimizer's `get_main_grads_for_grad_norm`:
+    no shared or TP-duplicate parameter counted twice, all-reduced over its
+    `get_grad_stats_parallel_group`), each optimizer's gradients in one foreach norm. Why not
+    Megatron's: it reads the norm to the host itself, and without Transformer Engine or apex its
+    fallback l2 norm reads each gradient's norm to the host (one wait for the device per tensor)."""
+    total = None
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        grads = opt.get_main_grads_for_grad_norm()
+        if grads:
+            sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).float()) ** 2
+        else:
+            sq = torch.zeros((), dtype=torch.float32, device=_device_of(opt))
+        torch.distributed.all_reduce(sq, group=opt.get_grad_stats_parallel_group())
+        total = sq if total is None else total + sq
+    return total
 
+
+def _device_of(opt) -> torch.device:
+    from verl_hpc.runtime.device import compute_device
+
+    params = opt.get_parameters()
+    return params[0].device if params else compute_device()
+
+
+def clip_grads(optimizer, grad_norm: float) -> None:
+    """Each chained optimizer's main gradients times its clip_grad / (norm + 1e-6) where that is
+    below 1, in place, one foreach call each (Megatron's clip_grad_by_total_norm_fp32 without TE or
+    apex writes `g * coeff` into a new tensor per gradient, then copies it back)."""
+    for opt in optimizer.chained_optimizers:
+        if getattr(opt, "is_stub_optimizer", False) or not opt.config.clip_grad > 0.0:
+            continue
+        coeff = opt.config.clip_grad / (grad_norm + 1.0e-6)
+        decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        grads = [g for g in ((getattr(p, "decoupled_grad", None) if decoupled else p.grad)
+                             for p in opt.get_parameters()) if g is not None]
+        if grads and coeff < 1.0:
+            torch._foreach_mul_(grads, coeff)
+
+
+def guarded_step(optimizer, sums: torch.Tensor) -> Tuple[bool, float, bool, List[float]]:
+    """(applied, grad_norm, found_inf, sums read): found_inf is the fp16 scaler's overflow (False
+    without a scaler). `sums`: the step's metric sums, summed over the ranks and still on the device
+    (engines/outputs.py sum_over_ranks, the loss first): read to the host together with the gradient
+    norm, the step's one host read before the optimizer's kernels. A non-finite loss or norm applies
+    nothing. Collective over the optimizer's groups whatever the outcome."""
     scalers = grad_scalers(optimizer)
     before = scaler_state(scalers[0]) if len(scalers) > 1 else None
     found_inf = bool(optimizer.prepare_grads())  # fp16 grad scaler: unscale + inf check (collective)
     if before is not None:
         _agree_scalers(scalers, before, found_inf)
-    grad_norm = float(optimizer.get_grad_norm())  # global over TP/PP/DP (collective)
-    if found_inf or not loss_is_finite or not math.isfinite(grad_norm):
-        return False, grad_norm, found_inf
-    for opt in optimizer.chained_optimizers:
-        if getattr(opt, "is_stub_optimizer", False):
-            continue
-        params = opt.get_parameters()
-        if params and opt.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(
-                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    sq = grad_sq_sum(optimizer)  # global over TP/PP/DP (collective)
+    sq = sq.reshape(1).to(sums.device, torch.float64, non_blocking=True)
+    vals = torch.cat([sums.reshape(-1).double(), sq]).tolist()
+    sums_read, sq_read = vals[:-1], vals[-1]
+    grad_norm = math.sqrt(sq_read) if sq_read >= 0 else float("nan")
+    if found_inf or not math.isfinite(sums_read[0]) or not math.isfinite(grad_norm):
+        return False, grad_norm, found_inf, sums_read
+    clip_grads(optimizer, grad_norm)
     with torch.no_grad():
         optimizer.step_with_ready_grads()
-    return True, grad_norm, False
+    return True, grad_norm, False, sums_read

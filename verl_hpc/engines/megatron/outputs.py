@@ -127,6 +127,8 @@ class ChunkedOutputLayer:
         self.real_columns = getattr(layer, "real_columns", width)
         self.weight = None  # the weight the model handed its output layer, taken at each forward
         self.last = None  # how the last micro-batch was scored ("whole" or its chunk size: reports)
+        self.pending = lambda: 0  # Adam's state not yet created (wiring.pending_state_bytes; the engine sets it)
+        self.free_read = None  # (free bytes agreed, pending bytes) at the last device-ruled decision (reports)
         self.fused_ce = bool(getattr(getattr(layer, "config", None), "cross_entropy_loss_fusion", False))
         layer.returns_hidden = False  # True while scoring; the padded-vocabulary mask hook then steps aside
         self._plain = layer.forward
@@ -245,8 +247,11 @@ def lm_outputs_chunked(hidden: torch.Tensor, mb: Dict[str, torch.Tensor], want: 
     resp = hidden if selected else _rows(hidden, mb["_positions"])
     chunk = int(head.chunk)
     if _device_ruled(head.chunk, resp.device):  # measured here, after every layer's activations
-        chunk = output_chunk(None, head.weight.shape[0], mb["_targets"].numel(), resp.element_size(),
-                             agreed_free_bytes(resp.device, head.group), want=want)
+        pending = head.pending()
+        free = agreed_free_bytes(resp.device, head.group, pending)
+        head.free_read = (free + pending, pending)
+        chunk = output_chunk(None, head.weight.shape[0], mb["_targets"].numel(), resp.element_size(), free,
+                             want=want)
         head.last = chunk or "whole"
         if chunk == 0:
             return lm_outputs(whole_logits(resp, head), mb, want, head.temperature, selected=True,

@@ -210,7 +210,9 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
                     loss = loss + _dummy_loss(out)
             records.append({"loss": loss.detach().float(), "tokens": mb.tokens,
                             **{k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}})
-            num_tokens = torch.tensor(int(mb.tokens), dtype=torch.int, device=loss.device)
+            # a fill on the device: torch.tensor(n, device=...) would copy a host number there,
+            # blocking, between this micro-batch's forward and its backward
+            num_tokens = torch.full((), int(mb.tokens), dtype=torch.int, device=loss.device)
             return loss, num_tokens, {}
 
         return output, loss_callback

@@ -106,6 +106,8 @@ def wire(engine, options: EngineOptions) -> None:
     e._output_layers = output_position_layers(o, e.chunks, e.gpt_chunks, e.sequence_parallel, cp=e.cp)
     e._logits_chunk = outputs_lib.logits_chunk(o, e.cp, e.gpt_chunks[0].vocab_size // e.tp)
     e._chunked = outputs_lib.chunked_output_layer(o, e.gpt_chunks, e._logits_chunk)  # hidden states out
+    if e._chunked is not None and o.trainable:
+        e._chunked.pending = lambda: pending_state_bytes(e.optimizer, o.optimizer_offload)
     e._share_prompts, e._rotary = prompt_sharing(
         o, e.chunks, e.gpt_chunks, sequence_parallel=e.sequence_parallel, vpp=e.vpp,
         rope_fusion=e.perf.apply_rope_fusion, cp=e.cp)
@@ -119,6 +121,18 @@ def wire(engine, options: EngineOptions) -> None:
     e.offloader = Offloader(e, params=o.param_offload, grads=o.grad_offload and o.trainable,
                             optimizer=o.optimizer_offload and o.trainable)
     e.offloader.offload()  # idle from birth: the role's phases bring back what they need
+
+
+def pending_state_bytes(optimizer, offloaded_when_idle: bool) -> int:
+    """The inner torch optimizers' Adam state not yet created (engines/logits.py
+    pending_adam_bytes) that later steps hold on the device at the output layer: none while it
+    is offloaded outside an update."""
+    from verl_hpc.engines.logits import pending_adam_bytes
+
+    if offloaded_when_idle and not torch.is_grad_enabled():
+        return 0
+    return pending_adam_bytes([getattr(w, "optimizer", None)
+                               for w in getattr(optimizer, "chained_optimizers", [optimizer])])
 
 
 def shard_optimizer(o: EngineOptions) -> bool:
