@@ -7,12 +7,17 @@ def easy_is_solved(data_source, solution_str, ground_truth, extra):
     return 1.0 if int(extra.get("difficulty", 0)) == 1 else 0.0
 
 
-def score_and_parity(data_source, solution_str, ground_truth, extra):
-    """GDPO's job test (tests/jobs/test_recipes.py, reward.custom_function=task_rewards:score_and_parity):
-    two components, the task's own score and a stand-in that varies with the text (the parity of its
-    characters' codes), so the random model's groups differ in at least one of them."""
+def score_and_checksum(data_source, solution_str, ground_truth, extra):
+    """The jobs that must learn from something while the tiny random model answers nothing right
+    (tests/jobs/test_recipes.py, tests/dist/trainer/test_split_async.py;
+    reward.custom_function=task_rewards:score_and_checksum): two components, the task's own score and
+    one of 1,000 values drawn from the text (its CRC-32), so two different responses score alike
+    with probability 1/1,000 and a group has advantages unless all its responses are the same text
+    (a one-bit component scores a group of two alike half the time)."""
+    import zlib
+
     from verl_hpc.rewards import default_score
 
     accuracy = default_score(data_source, solution_str, ground_truth, extra)
-    parity = float(sum(map(ord, solution_str)) % 2)
-    return {"score": accuracy + parity, "accuracy": accuracy, "parity": parity}
+    checksum = (zlib.crc32(solution_str.encode("utf-8", "surrogatepass")) % 1000) / 1000
+    return {"score": accuracy + checksum, "accuracy": accuracy, "checksum": checksum}

@@ -75,9 +75,9 @@ def test_trn_third_wave_runs_three_steps(field, name, tiny_assets, tmp_path):
     task: a reward with a component that varies gives the groups advantages); GDPO on its two
     components."""
     extra = ["algorithm.recipe=grpo", "rollout.n=2", f"{field}={name}", "safety.allow_custom_code=true",
-             "reward.custom_function=task_rewards:score_and_parity"]
+             "reward.custom_function=task_rewards:score_and_checksum"]
     if name == "gdpo":
-        extra += ["algorithm.gdpo_reward_keys=[accuracy,parity]", "algorithm.gdpo_reward_weights=[1.0,0.5]"]
+        extra += ["algorithm.gdpo_reward_keys=[accuracy,checksum]", "algorithm.gdpo_reward_weights=[1.0,0.5]"]
     proc, summary = run_here("configs/demo_rl.yaml", tmp_path / "out", *small(tiny_assets, *extra))
     assert proc.returncode == 0, logs(proc, tmp_path / "out")
     rows = [r for r in metrics(tmp_path / "out") if r.get("step", 0) >= 1]
