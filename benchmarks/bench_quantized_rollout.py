@@ -131,7 +131,8 @@ def measure_one(method: str, model: Path, actor, a) -> dict:
         ours = actor.forward(batch, ("log_probs",))["log_probs"].float().cpu()
         mask = batch["response_mask"]
         diff = logprob_diff_metrics(rollout_lp, ours, mask)
-        _, kl = rollout_correction(ours, rollout_lp, mask, None, 2.0, None, None, None)
+        # in float64: float32's exp(x) - x - 1 rounds a float32 rollout's ~1e-9 KL to 0 or below
+        _, kl = rollout_correction(ours.double(), rollout_lp.double(), mask, None, 2.0, None, None, None)
         out.update(sync_s=statistics.median(seconds), sync_bytes=plain.last["sync/bytes"],
                    check_s=checked["sync/served_seconds"], checked=checked["sync/served_checked"],
                    unplaced=checked["sync/served_unplaced"], tokens_per_s=tokens / gen_s,

@@ -15,7 +15,8 @@ returns (values, scales) as the method stores them for its forward pass:
     fp8_per_block     float8_e4m3fn, W x 1/s_b  float32 [ceil(rows/128), ceil(cols/128)]: yes
                                               s_b = max(amax of the 128 x 128 block, 1e-4) / 448
     mxfp8             float8_e4m3fn, W / 2^e   uint8 [rows, cols/32]: the biased exponent  yes
-                                              e + 127, e = ceil(log2(amax of 32 / 448)), in [0, 254]
+                                              e + 127 in [0, 254], e = ceil(log2(amax of 32 / 448))
+                                              (vLLM 0.32; 0.25: floor(log2(amax of 32)))
 
 float8_e4m3fn's largest finite value is 448; a value is saturated to +-448 where the method clamps
 (per tensor and per channel) and rounded to nearest even. All four are deterministic element-wise
@@ -37,6 +38,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 BLOCK = 128  # fp8_per_block: 128 x 128 blocks
 MX_BLOCK = 32  # mxfp8: 32 consecutive elements of a row share an exponent
+MX_EXPONENTS = ("saturating", "amax")  # mxfp8's shared-exponent rules (`mxfp8`)
 
 
 def _fp8_max(device) -> torch.Tensor:
@@ -72,11 +74,17 @@ def fp8_per_block(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return q.view_as(padded)[:rows, :cols].contiguous(), scale
 
 
-def mxfp8(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def mxfp8(w: torch.Tensor, exponent: str = "saturating") -> Tuple[torch.Tensor, torch.Tensor]:
+    """`exponent`: saturating (the block's amax lands at the top of e4m3's range: ceil(log2(amax /
+    448)), vLLM 0.32) or amax (the OCP MX paper's floor(log2(amax)), which puts the amax near 1 and
+    the small elements in the subnormals: vLLM 0.25)."""
     rows, cols = w.shape
     blocks = w.to(torch.float32).view(rows, cols // MX_BLOCK, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
-    biased = (torch.ceil(torch.log2(amax / FP8_MAX)) + 127.0).clamp(0, 254)
+    if exponent not in MX_EXPONENTS:
+        raise ValueError(f"mxfp8 exponent {exponent!r}: one of {', '.join(MX_EXPONENTS)}")
+    e = torch.ceil(torch.log2(amax / FP8_MAX)) if exponent == "saturating" else torch.floor(torch.log2(amax))
+    biased = (e + 127.0).clamp(0, 254)
     q = (blocks / torch.exp2(biased - 127.0).unsqueeze(-1)).view(rows, cols).to(FP8)
     return q, biased.to(torch.uint8)
 
@@ -85,8 +93,9 @@ QUANTIZERS: Dict[str, Callable] = {"fp8_per_tensor": fp8_per_tensor, "fp8_per_ch
                                    "fp8_per_block": fp8_per_block, "mxfp8": mxfp8}
 
 
-def quantize(method: str, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) of `method` for the layer weight `w` (output rows x input columns)."""
+def quantize(method: str, w: torch.Tensor, mx_exponent: str = "saturating") -> Tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of `method` for the layer weight `w` (output rows x input columns);
+    `mx_exponent`: mxfp8's exponent rule (the vLLM release's)."""
     if method not in QUANTIZERS:
         raise KeyError(f"no reference quantizer for {method!r}; known: {', '.join(QUANTIZERS)}")
-    return QUANTIZERS[method](w)
+    return mxfp8(w, mx_exponent) if method == "mxfp8" else QUANTIZERS[method](w)

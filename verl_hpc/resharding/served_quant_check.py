@@ -34,6 +34,14 @@ NONE = "none"
 __all__ = ["SCALE", "QuantExpectation"]
 
 
+def mx_exponent() -> str:
+    """The installed vLLM's MXFP8 exponent rule (quant_reference.mxfp8): the OCP paper's before 0.32,
+    the saturating one since (the nearest verified release's, rollout/vllm/versions.py)."""
+    from verl_hpc.rollout.vllm import versions
+
+    return "amax" if versions.parse(versions.release().version) < (0, 32, 0) else "saturating"
+
+
 class QuantExpectation:
     def __init__(self):
         self.method = NONE
@@ -77,7 +85,7 @@ class QuantExpectation:
         if sum(p.shape[0] for _, p in held.values()) < rows:
             return {}
         parts = sorted(held.items(), key=lambda kv: kv[1][0])
-        values, scales = quantize(self.method, torch.cat([p for _, (_, p) in parts]))
+        values, scales = quantize(self.method, torch.cat([p for _, (_, p) in parts]), mx_exponent())
         del self._held[layer]
         out = {}
         for part_name, (first, p) in parts:

