@@ -16,6 +16,11 @@ the timed calls minus what was allocated before):
   output layer before the device rule;
 - auto: what the engines now do (output_chunk with the memory free now): at 8 x 4,096 the whole
   logits need ~30 bytes a logit (149 GB), more than a 141 GB board, so the rule chunks;
+- chunked_fp32gemm / auto_fp32gemm: the same chunks with the weight gradient's GEMM in fp32 (both
+  operands upcast: engines/logits.py WEIGHT_GRAD_GEMM = "fp32", the form before issue 85) against
+  the bf16 operands with an fp32 result the engines now run;
+- auto_logprobs (8 x 4,096): an update that reads log-probs alone, as the rule charges it (13 bytes
+  a logit: the whole logits where they fit half the free memory), which must not run out of memory;
 - chunked_fused / auto_fused: the same chunks with their elementwise work compiled by
   torch.compile (engines/logits_fused.py; not yet the engines' default: this measures it; eager in
   the CPU rehearsal);
@@ -42,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 GOAL_CHUNKED_OVER_WHOLE = 1.1
+FP32_GEMM = "_fp32gemm"  # a path's suffix: the weight gradient's GEMM with fp32 operands (the form before issue 85)
 LONG_ROWS = 8  # the long case's rows (GPU and rehearsal alike)
 GPU = {"vocab": 151936, "hidden": 1024, "rows": (2, 8), "seq": 4096, "dtype": "bfloat16", "iters": 5}
 REHEARSAL = {"vocab": 2048, "hidden": 32, "rows": (2, 8), "seq": 128, "dtype": "float32", "iters": 1,
@@ -56,7 +62,20 @@ def _update(fn, hidden, weight, targets):
 
 
 def measure(name, fn, hidden, weight, targets, iters, device) -> dict:
-    """Median seconds and peak bytes of `iters` updates after one warm-up; {"oom": ...} on OOM."""
+    """Median seconds and peak bytes of `iters` updates after one warm-up; {"oom": ...} on OOM. A
+    name ending in FP32_GEMM runs with the weight gradient's fp32 GEMM form (logits.WEIGHT_GRAD_GEMM),
+    forward and backward."""
+    from verl_hpc.engines import logits
+
+    form = logits.WEIGHT_GRAD_GEMM
+    logits.WEIGHT_GRAD_GEMM = "fp32" if name.endswith(FP32_GEMM) else "low"
+    try:
+        return _measure(name, fn, hidden, weight, targets, iters, device)
+    finally:
+        logits.WEIGHT_GRAD_GEMM = form
+
+
+def _measure(name, fn, hidden, weight, targets, iters, device) -> dict:
     import torch
 
     from verl_hpc.runtime.device import peak_memory_allocated, release_cached_memory, reset_peak_memory, synchronize
@@ -133,12 +152,23 @@ def run(args, progress=lambda result: None) -> dict:
             "chunked_fused": lambda hd, w, t, c=chunk: token_outputs(hd, w, t, ("log_probs", "entropy"), chunk=c,
                                                                      fused=True),
         }
-        if rows == max(cfg["rows"]):  # the long case: the engines' own path, and it fused
+        # the same chunks with the fp32 GEMM form (measure() sets it by the name), before the compiled path
+        fused = paths.pop("chunked_fused")
+        paths["chunked" + FP32_GEMM], paths["chunked_fused"] = paths["chunked"], fused
+        lp_auto = output_chunk(None, v, n, act, f, want=("log_probs",))
+        if rows == max(cfg["rows"]):  # the long case: the engines' own path (both GEMM forms), then fused
             paths = {"auto": paths["auto"]}
+            if auto:
+                paths["auto" + FP32_GEMM] = paths["auto"]
+            # an update without entropy, as the rule charges it (13 bytes a logit: the whole logits
+            # where they fit half the free memory), which must not run out of memory either
+            paths["auto_logprobs"] = (lambda hd, w, t, c=lp_auto: _log_probs_only(
+                token_outputs(hd, w, t, ("log_probs",), chunk=c) if c else whole_outputs(hd, w, t, ("log_probs",))))
             if auto:
                 paths["auto_fused"] = (lambda hd, w, t, c=auto: token_outputs(hd, w, t, ("log_probs", "entropy"),
                                                                               chunk=c, fused=True))
-        case = {"rows": rows, "tokens": n, "free_bytes": f, "chunk": chunk, "auto_chunk": auto, "results": []}
+        case = {"rows": rows, "tokens": n, "free_bytes": f, "chunk": chunk, "auto_chunk": auto,
+                "auto_logprobs_chunk": lp_auto, "results": []}
         for name, fn in paths.items():
             if time.perf_counter() - start > args.time_limit:
                 case["results"].append({"path": name, "skipped": "out of time"})
@@ -160,6 +190,12 @@ def run(args, progress=lambda result: None) -> dict:
         report()
         del hidden, targets
     return result
+
+
+def _log_probs_only(out):
+    """An update without an entropy term: the loss reads log-probs alone (the entropy's 0.01 weight
+    multiplies nothing that needs a gradient)."""
+    return {"log_probs": out["log_probs"], "entropy": out["log_probs"].new_zeros(())}
 
 
 def _liger_case(hidden, weight, targets, iters, device, rehearsal):
@@ -216,7 +252,9 @@ def table(r: dict) -> str:
     for case in r["cases"]:
         lines.append(f"{case['rows']} x {case['tokens'] // case['rows']} tokens: free {gb(case['free_bytes'])} GB, "
                      f"the rule's chunk {case['chunk']} tokens, auto: "
-                     + ("the whole logits" if case["auto_chunk"] == 0 else f"chunks of {case['auto_chunk']}"))
+                     + ("the whole logits" if case["auto_chunk"] == 0 else f"chunks of {case['auto_chunk']}")
+                     + "; log-probs alone: " + ("the whole logits" if not case.get("auto_logprobs_chunk")
+                                                 else f"chunks of {case['auto_logprobs_chunk']}"))
         for res in case["results"]:
             if "median_s" in res:
                 lines.append(f"  {res['path']:<24} {res['median_s']:.4f} s  peak {gb(res['peak_bytes'])} GB")

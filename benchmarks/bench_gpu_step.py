@@ -35,8 +35,17 @@ table does not know gets no MFU).
   it (RMSNorm, SwiGLU, RoPE; log-probs from its fused linear cross-entropy): the peer to beat.
 - variants (--sides), one change each: engine_whole / fsdp_whole (the whole logits always;
   fsdp_whole also without Liger), engine_chunked / fsdp_chunked (chunks of the CPU's fixed budget,
-  the output layer before the device rule), fsdp_compile (per-block torch.compile), fsdp_foreach
-  (torch's foreach AdamW), fsdp_noliger. `--sides gpu-all`: what `make gpu-all` runs.
+  the output layer before the device rule), fsdp_compile (per-block torch.compile, its recompiles
+  logged), fsdp_foreach (torch's foreach AdamW), fsdp_noliger, fsdp_keep (reshard_after_forward
+  false), fsdp_loopclip (the per-parameter gradient norm and clip). `--sides gpu-all`: what
+  `make gpu-all` runs.
+
+Diagnostics (gpu_step_diag.py), per side in the first round, in its `diagnostics`: one warm step's
+kernel profile (time by kernel, busy and idle time, the largest gaps, the optimizer phase's idle
+time), its host syncs (the recorder's counts by kind and line; on a GPU set_sync_debug_mode's), and
+how the output layer scored and what free memory it read at steps 1, 2 and 3; once per run,
+`attention_costs` (causal and dense-masked SDPA per pair, over one token's linear work: prompt
+sharing's pair weights on this device).
 
 Goals (issue 75; gpu_step_report.py), on an H100 or H200, against transformers and against
 transformers + Liger each: the Megatron engine's train step >= 1.2x tokens/s, the FSDP engine's
@@ -58,13 +67,14 @@ iterations and one round when short, and a hard stop (an error) at the limit + 6
 Parts: gpu_step_sides.py (the sides; the profiler's operator names), gpu_step_report.py (the
 goals' verdicts, the table).
 
---cpu-rehearsal: tiny shape, gloo on CPU, fp32 without autocast, 1-2 iterations: the same code end to
-end, so that the first GPU run does not find a bug in this script. Its figures are no performance
-claim.
+--cpu-rehearsal: tiny shape, gloo on CPU, fp32 without autocast, 1-2 iterations, the output layer's
+device rule on a pretended 64 MiB free: the same code end to end, so that the first GPU run does
+not find a bug in this script. Its figures are no performance claim.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -81,101 +91,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_step_model import (GPU_SHAPE, REHEARSAL_FREE_BYTES, REHEARSAL_SHAPE, Shape, make_batch,  # noqa: E402,F401
+                            make_model_folder, model_flops, param_counts, peak_of)
+from gpu_step_diag import (attention_costs, kernel_profile, output_layer_read, pretend_device_memory,  # noqa: E402
+                           sync_counts)
 from gpu_step_report import goal_lines, goals, table  # noqa: E402
 from gpu_step_sides import (EngineCpuBudgetSide, EngineSide, EngineWholeLogitsSide, FsdpCompileSide,  # noqa: E402
-                            FsdpCpuBudgetSide, FsdpForeachAdamSide, FsdpNoLigerSide, FsdpSide, FsdpWholeLogitsSide,
-                            HFLigerSide, HFSide, compile_problem, profiled_ops, side_problem)
+                            FsdpCpuBudgetSide, FsdpForeachAdamSide, FsdpKeepGatheredSide, FsdpLoopClipSide,
+                            FsdpNoLigerSide, FsdpSide, FsdpWholeLogitsSide, compile_problem, profiled_ops,
+                            side_problem)
+from gpu_step_peers import HFLigerSide, HFSide  # noqa: E402
 
 HARD_STOP_GRACE_S = 60
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    seq: int  # tokens per sequence
-    seqs: int  # sequences per step (one micro-batch)
-    prompt: int  # prompt tokens of each sequence; the rest is the response the loss reads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def tokens(self) -> int:
-        return self.seq * self.seqs
-
-
-GPU_SHAPE = Shape(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=2048,
-                  seqs=8, prompt=64)
-REHEARSAL_SHAPE = Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64, seqs=2,
-                        prompt=8)
-
-
-def param_counts(s: Shape) -> dict:
-    """Parameters of the untied Llama of shape s: all, and those that multiply (not the input
-    embedding table, a lookup)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.ffn + 2 * s.hidden
-    embed = s.vocab * s.hidden
-    total = s.layers * layer + 2 * embed + s.hidden  # + lm_head, + final norm
-    return {"total": total, "matmul": total - embed}
-
-
-def model_flops(s: Shape, matmul_params: int) -> dict:
-    """Model FLOPs of one step (module docstring)."""
-    attn = s.layers * s.heads * s.head_dim * s.seq * s.tokens
-    return {"train": 6 * matmul_params * s.tokens + 12 * attn,
-            "forward": 2 * matmul_params * s.tokens + 4 * attn}
-
-
-def peak_of(device: str):
-    """(dense bf16 TFLOP/s, table key) of the board torch names, or (None, None)."""
-    from verl_hpc.config.gpus import GPUS, gpu_type_for_device
-
-    g = gpu_type_for_device(device)
-    if g is None:
-        return None, None
-    return g.bf16_tflops, next(k for k, v in GPUS.items() if v is g)
-
-
-def make_model_folder(out: Path, s: Shape, dtype, device):
-    """An HF Llama folder of shape s with seeded random weights in `dtype`, drawn on `device`
-    (a ~1B model's weights take seconds on a GPU, minutes on the host). Matrices N(0, 0.02), norm
-    weights 1 + N(0, 0.1) as in verl_hpc.models.tiny; no tokenizer (neither side needs one).
-    Returns (folder, parameter count)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from verl_hpc.models.tiny import hf_config, save_safetensors
-
-    config = hf_config("llama", layers=s.layers, vocab_size=s.vocab, hidden=s.hidden, heads=s.heads,
-                       kv_heads=s.kv_heads, head_dim=s.head_dim, ffn=s.ffn, max_positions=s.seq)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    gen = torch.Generator(device=device).manual_seed(0)
-    state = {}
-    for name in sorted(shapes):
-        noise = torch.randn(shapes[name], generator=gen, device=device)
-        state[name] = ((1.0 + 0.1 * noise) if "norm" in name else 0.02 * noise).to(dtype).cpu()
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
-    save_safetensors(state, out)
-    return out, sum(t.numel() for t in state.values())
-
-
-def make_batch(s: Shape):
-    import torch
-
-    from verl_hpc.engines.batch import pack_sequences
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, s.vocab, (s.seqs, s.seq), generator=g)
-    return pack_sequences([r[:s.prompt].tolist() for r in ids], [r[s.prompt:].tolist() for r in ids])
 
 
 def timed_loop(fn, max_iters: int, budget_s: float, min_iters: int = 1) -> list:
@@ -195,39 +122,53 @@ def timed_loop(fn, max_iters: int, budget_s: float, min_iters: int = 1) -> list:
     return times
 
 
-def run_side(cls, folder, shape, batch, plan, loop_budget_s) -> dict:
-    """Build one side, warm up, profile one step, time train and forward, free it."""
-    from verl_hpc.runtime.device import peak_memory_allocated, release_cached_memory, reset_peak_memory
+def run_side(cls, folder, shape, batch, plan, loop_budget_s, diagnose: bool = False) -> dict:
+    """Build one side, warm up, profile one step, time train and forward, free it (closed whatever
+    happens: a side that raises must not leave its patches, Liger's, on the sides after it).
+    diagnose: also gpu_step_diag's kernel profile, host syncs and output-layer reads (one round)."""
+    from verl_hpc.runtime.device import has_gpu, peak_memory_allocated, release_cached_memory, reset_peak_memory
 
     release_cached_memory()
     reset_peak_memory()
     before = peak_memory_allocated()  # right after a reset: what is allocated now
     t = time.perf_counter()
     side = cls(folder, shape, plan["dtype"], plan["device"])
-    build_s = time.perf_counter() - t
-    first_loss = side.train(batch)  # a warm-up iteration; its loss is before any update
-    for _ in range(plan["warmup"] - 1):
-        side.train(batch)
-    ops = profiled_ops(lambda: side.train(batch))
-    reset_peak_memory()
-    train = timed_loop(lambda: side.train(batch), plan["iters"], loop_budget_s, plan["min_iters"])
-    peak_train = peak_memory_allocated()
-    side.forward(batch)
-    ops_fwd = profiled_ops(lambda: side.forward(batch))
-    reset_peak_memory()
-    forward = timed_loop(lambda: side.forward(batch), plan["iters"], loop_budget_s, plan["min_iters"])
-    peak_forward = peak_memory_allocated()
-    kernels = side.kernels()
-    kernels["profiled_ops"] = {k: sorted(set(v) | set(ops_fwd.get(k, ()))) for k, v in ops.items()}
-    side.close()
-    side = None  # the last reference: its tensors go now
+    try:
+        build_s = time.perf_counter() - t
+        first_loss = side.train(batch)  # a warm-up iteration; its loss is before any update
+        reads = [output_layer_read(side)]  # what the output layer read at steps 1, 2, 3
+        for _ in range(plan["warmup"] - 1):
+            side.train(batch)
+            reads.append(output_layer_read(side))
+        ops = profiled_ops(lambda: side.train(batch))
+        reads.append(output_layer_read(side))
+        diag = {}
+        if diagnose:
+            diag["kernel_profile"] = kernel_profile(lambda: side.train(batch), has_gpu())
+            reads.append(output_layer_read(side))
+            diag["host_syncs"] = sync_counts(lambda: side.train(batch))
+            diag["output_layer_steps_1_to_3"] = reads[:3]
+        reset_peak_memory()
+        train = timed_loop(lambda: side.train(batch), plan["iters"], loop_budget_s, plan["min_iters"])
+        peak_train = peak_memory_allocated()
+        side.forward(batch)
+        ops_fwd = profiled_ops(lambda: side.forward(batch))
+        reset_peak_memory()
+        forward = timed_loop(lambda: side.forward(batch), plan["iters"], loop_budget_s, plan["min_iters"])
+        peak_forward = peak_memory_allocated()
+        kernels = side.kernels()
+        kernels["profiled_ops"] = {k: sorted(set(v) | set(ops_fwd.get(k, ()))) for k, v in ops.items()}
+    finally:
+        side.close()
+        side = None  # the last reference: its tensors go now
     release_cached_memory()
     reset_peak_memory()
     after = peak_memory_allocated()
     less = (lambda b: None if b is None else b - before)
     return {"build_s": build_s, "first_loss": first_loss, "train_s": train, "forward_s": forward,
             "peak_train_bytes": less(peak_train), "peak_forward_bytes": less(peak_forward),
-            "allocated_before_bytes": before, "left_allocated_bytes": less(after), "kernels": kernels}
+            "allocated_before_bytes": before, "left_allocated_bytes": less(after), "kernels": kernels,
+            "diagnostics": diag}
 
 
 def summarize(rounds: list, flops: dict, peak_tflops, tokens: int) -> dict:
@@ -244,6 +185,7 @@ def summarize(rounds: list, flops: dict, peak_tflops, tokens: int) -> dict:
     out["build_s"] = [r["build_s"] for r in rounds]
     out["left_allocated_bytes"] = _max_or_none(r["left_allocated_bytes"] for r in rounds)
     out["kernels"] = rounds[0]["kernels"]
+    out["diagnostics"] = rounds[0]["diagnostics"]
     return out
 
 
@@ -255,15 +197,19 @@ def _max_or_none(values):
 SIDES = {"engine": EngineSide, "engine_whole": EngineWholeLogitsSide, "engine_chunked": EngineCpuBudgetSide,
          "fsdp": FsdpSide, "fsdp_whole": FsdpWholeLogitsSide, "fsdp_chunked": FsdpCpuBudgetSide,
          "fsdp_compile": FsdpCompileSide, "fsdp_foreach": FsdpForeachAdamSide, "fsdp_noliger": FsdpNoLigerSide,
+         "fsdp_keep": FsdpKeepGatheredSide, "fsdp_loopclip": FsdpLoopClipSide,
          "transformers": HFSide, "transformers_liger": HFLigerSide}
 BASELINES = ("transformers", "transformers_liger")  # the engines are compared with each that ran
-RUN_ORDER = ("transformers", "transformers_liger", "engine", "fsdp", "engine_whole", "engine_chunked",
-             "fsdp_whole", "fsdp_chunked", "fsdp_noliger", "fsdp_foreach", "fsdp_compile")
+# the variants that decide a default first: a short --time-limit drops the ones at the end
+RUN_ORDER = ("transformers", "transformers_liger", "engine", "fsdp", "fsdp_keep", "fsdp_loopclip", "fsdp_noliger",
+             "engine_chunked", "engine_whole", "fsdp_whole", "fsdp_chunked", "fsdp_foreach", "fsdp_compile")
 ENGINES = tuple(s for s in SIDES if s not in BASELINES)
 DEFAULT_SIDES = ("engine", "fsdp", "transformers")
-# what `make gpu-all` asks for: every figure of the speed goals in one run (docs/gpu.md)
-GPU_ALL_SIDES = ("engine", "engine_chunked", "fsdp", "fsdp_noliger", "fsdp_compile", "transformers",
-                 "transformers_liger")
+# what `make gpu-all` asks for: every figure of the speed goals in one run (docs/gpu.md), and the
+# variants that settle issue 85's suspects (fsdp_keep: resharding at one rank; fsdp_loopclip: the
+# foreach norm and clip; fsdp_compile: per-block compile and its recompiles)
+GPU_ALL_SIDES = ("engine", "engine_chunked", "fsdp", "fsdp_noliger", "fsdp_keep", "fsdp_loopclip", "fsdp_compile",
+                 "transformers", "transformers_liger")
 
 
 def run(args, progress=lambda result: None) -> dict:
@@ -310,6 +256,10 @@ def run(args, progress=lambda result: None) -> dict:
     counts = param_counts(shape)
     flops = model_flops(shape, counts["matmul"])
     batch = make_batch(shape)
+    try:  # the pair weights of prompt sharing's cost model, measured here (gpu_step_diag.py)
+        attention = attention_costs(shape, ctx.device, getattr(torch, plan["dtype"]))
+    except Exception as e:  # a diagnostic: its failure costs no figure
+        attention = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     rounds = {name: [] for name in sides}
     failed = {}
     def assemble(partial: bool) -> dict:
@@ -345,14 +295,15 @@ def run(args, progress=lambda result: None) -> dict:
             # same weights and batch: the losses before the first update agree (to bf16 rounding on a GPU)
             "first_loss_abs_diff": {name: abs(summary[name]["first_loss"] - hf["first_loss"])
                                     for name in SIDES if name in summary and name != "transformers"},
-            "time_limit_s": args.time_limit,
+            "time_limit_s": args.time_limit, "attention_costs": attention,
         }
         result["goals"] = goals(result, rehearsal, gpu_key)
         result["goal_lines"] = goal_lines(result)  # what `make gpu-all`'s summary prints
         result["elapsed_s"] = time.perf_counter() - start
         return result
 
-    with tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
+    pretend = pretend_device_memory(REHEARSAL_FREE_BYTES) if rehearsal else contextlib.nullcontext()
+    with pretend, tempfile.TemporaryDirectory(dir=args.out, prefix="model-") as tmp:
         folder, written = make_model_folder(Path(tmp), shape, getattr(torch, plan["dtype"]), ctx.device)
         if written != counts["total"]:  # the FLOP formula's N must be the model's
             raise RuntimeError(f"parameter count: formula {counts['total']}, HF model {written}")
@@ -370,7 +321,8 @@ def run(args, progress=lambda result: None) -> dict:
                     continue
                 t_side = time.perf_counter()
                 try:
-                    rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget))
+                    rounds[name].append(run_side(SIDES[name], folder, shape, batch, plan, loop_budget,
+                                                 diagnose=r == 0))
                     slowest = max(slowest, time.perf_counter() - t_side)
                 except Exception as e:  # one side's failure (an OOM, a kernel) must not cost the others' figures
                     failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
@@ -441,7 +393,8 @@ def main(argv=None) -> int:
                          "TRL's use_liger_kernel runs), and the engines' variants engine_whole / fsdp_whole "
                          "(whole logits always; fsdp_whole also without Liger), engine_chunked / fsdp_chunked "
                          "(the CPU's fixed chunk budget), fsdp_compile (per-block torch.compile), fsdp_foreach "
-                         "(foreach AdamW), fsdp_noliger; 'gpu-all' = " + ",".join(GPU_ALL_SIDES) + ". A side "
+                         "(foreach AdamW), fsdp_noliger, fsdp_keep (reshard_after_forward false), fsdp_loopclip "
+                         "(the per-parameter norm and clip); 'gpu-all' = " + ",".join(GPU_ALL_SIDES) + ". A side "
                          "that cannot be built here (no megatron-core, no liger-kernel or GPU, no compiler) is "
                          "reported as not run; one that fails is reported and the others still run (exit 1)")
     args = ap.parse_args(argv)

@@ -17,8 +17,8 @@ GOAL_FORWARD = 1.1  # the log-prob pass over each baseline's
 BOARDS = ("h100-80gb", "h100-pcie", "h200")  # where the goals are set
 TITLES = {"engine": "megatron", "engine_whole": "megatron-whole", "engine_chunked": "megatron-chunk256",
           "fsdp": "fsdp", "fsdp_whole": "fsdp-whole", "fsdp_chunked": "fsdp-chunk256", "fsdp_compile": "fsdp-compile",
-          "fsdp_foreach": "fsdp-foreach", "fsdp_noliger": "fsdp-noliger", "transformers": "transformers",
-          "transformers_liger": "tf+liger"}
+          "fsdp_foreach": "fsdp-foreach", "fsdp_noliger": "fsdp-noliger", "fsdp_keep": "fsdp-keep",
+          "fsdp_loopclip": "fsdp-loopclip", "transformers": "transformers", "transformers_liger": "tf+liger"}
 ENGINE_TITLES = {"engine": "megatron", "fsdp": "fsdp"}
 BASELINE_TITLES = {"transformers": "transformers", "transformers_liger": "transformers + Liger"}
 
@@ -120,6 +120,34 @@ def table(r: dict) -> str:
         lines.append(f"kernels, {TITLES[s]}: " + "; ".join(f"{a}: {b}" for a, b in k.items()))
         lines.append(f"  profiled ops, {TITLES[s]}: " + "; ".join(
             f"{a}: {', '.join(b) or 'none'}" for a, b in ops.items()))
+    lines += [f"  diagnostics, {TITLES[s]}: {diagnostics_line(r[s].get('diagnostics') or {})}" for s in sides]
+    a = r.get("attention_costs") or {}
+    if "pair_weight_causal" in a:
+        lines.append(f"attention per (query, key) pair over one token's linear work: causal "
+                     f"{a['pair_weight_causal']:.4f}, dense mask {a['pair_weight_dense_mask']:.4f} (cost model: "
+                     f"{a['pair_weight_cost_model']:.4f} for both)")
+    elif a:
+        lines.append(f"attention costs: not measured ({a.get('error')})")
     lines += goal_lines(r)
     lines.append(f"elapsed {r['elapsed_s']:.0f} s (limit {r['time_limit_s']:.0f} s)")
     return "\n".join(lines)
+
+
+def diagnostics_line(d: dict) -> str:
+    """One line of a side's diagnostics (bench_gpu_step.py run_side; gpu_step_diag.py)."""
+    if not d:
+        return "not taken"
+    k, h = d.get("kernel_profile") or {}, d.get("host_syncs") or {}
+    opt = k.get("optimizer_phase") or {}
+    parts = [f"{k.get('unit', '?')}: busy {k.get('busy_ms', 0):.1f} of {k.get('span_ms', 0):.1f} ms"]
+    if opt:
+        parts.append(f"optimizer phase {opt['ms']:.1f} ms, idle {opt['idle_ms']:.1f}")
+    rec = h.get("recorded") or {}
+    parts.append("host syncs " + (", ".join(f"{n} {c}" for n, c in rec.items() if c) or "none"))
+    if h.get("cuda_sync_debug_total") is not None:
+        parts.append(f"CUDA sync debug {h['cuda_sync_debug_total']}")
+    reads = d.get("output_layer_steps_1_to_3") or []
+    gb = (lambda b: "-" if b is None else f"{b / 1e9:.3g}")
+    parts.append("output layer steps 1-3: " + "; ".join(
+        f"{x['path']} (free {gb(x['free_bytes'])} GB, Adam to come {gb(x['pending_bytes'])} GB)" for x in reads))
+    return "; ".join(parts)

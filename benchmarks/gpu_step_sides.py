@@ -5,8 +5,8 @@ names torch's profiler saw in one call (which attention backend, norm, optimizer
 `side_problem`, why a side cannot run here (the Megatron engine without megatron-core).
 
 Sides: `EngineSide` (the Megatron engine), `FsdpSide` (the FSDP2 engine; no megatron import),
-`HFSide` (plain transformers), `HFLigerSide` (transformers with Liger-Kernel, as TRL's
-`use_liger_kernel` runs it: the peer to beat), and variants of the engines that change one thing
+the peers `HFSide` and `HFLigerSide` (gpu_step_peers.py: plain transformers, and transformers with
+Liger-Kernel as TRL's `use_liger_kernel` runs it), and variants of the engines that change one thing
 each (the whole logits, the CPU's fixed chunk budget, per-block torch.compile, foreach AdamW, no
 Liger). `side_problem` says why a side cannot run here: the Megatron sides without megatron-core,
 the Liger sides without a GPU and liger-kernel (in a CPU rehearsal a stand-in package that says it
@@ -18,8 +18,6 @@ has the same prompt and response lengths here, so the two means agree).
 from __future__ import annotations
 
 import dataclasses
-
-import contextlib
 import functools
 import gc
 
@@ -32,6 +30,7 @@ OP_KINDS = {
                   "fused_attn"),
     "norm": ("rms_norm", "layer_norm"),
     "optimizer": ("adam",),
+    "grad_norm_clip": ("foreach_norm", "linalg_vector_norm", "foreach_mul"),  # foreach, or one per parameter
     "compiled": ("compiled", "triton"),
 }
 
@@ -129,7 +128,8 @@ def output_layer(head) -> str:
            "liger": "Liger's fused linear cross-entropy"}.get(
         last, f"chunks of {last} tokens")
     auto = getattr(head, "setting", -1) is None or getattr(head.chunk, "auto", False)
-    rule = ("auto, the device's free memory" if auto and _on_device(head) else
+    ruled = _on_device(head) or getattr(head, "free_read", None) is not None  # a rehearsal pretends a device
+    rule = ("auto, the device's free memory" if auto and ruled else
             f"chunks of {int(head.chunk)} tokens above that")
     return f"{how} (last micro-batch; rule: {rule})"
 
@@ -230,7 +230,8 @@ class FsdpSide:
         changes = dict(self.CHANGES)
         if changes.get("logits_chunk_tokens") == "cpu":
             changes["logits_chunk_tokens"] = cpu_budget_chunk(shape)
-        fsdp = {k: changes.pop(k) for k in ("liger", "compile") if k in changes}  # fields of the fsdp section
+        # fields of the fsdp section
+        fsdp = {k: changes.pop(k) for k in ("liger", "compile", "reshard_after_forward") if k in changes}
         if fsdp:
             changes["fsdp"] = dataclasses.replace(opts.fsdp, **fsdp)
         self.engine = FsdpEngine(dataclasses.replace(opts, **changes))
@@ -290,8 +291,58 @@ class FsdpCpuBudgetSide(FsdpSide):
 class FsdpCompileSide(FsdpSide):
     """The fsdp column with per-block torch.compile (fsdp.compile = true): each decoder layer
     compiled after sharding. Its build includes the compilation's first part; the warm-up
-    iterations the rest (not timed)."""
+    iterations the rest (not timed). Its recompilations are logged (torch's `recompiles` log, with
+    the reason) and counted in `kernels()`."""
     CHANGES = {"compile": True}
+
+    def __init__(self, *args):
+        from torch._dynamo.utils import counters
+
+        self._before = _compile_counts(counters)
+        torch._logging.set_logs(recompiles=True)
+        super().__init__(*args)
+
+    def kernels(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        now = _compile_counts(counters)
+        out = super().kernels()
+        out["compile"] = (f"{now[0] - self._before[0]} graphs from {now[1] - self._before[1]} frames compiled "
+                          "over the side's life (recompiles with their reasons: the log)")
+        return out
+
+    def close(self) -> None:
+        torch._logging.set_logs()  # torch's defaults again
+        super().close()
+
+
+def _compile_counts(counters) -> tuple:
+    return counters["stats"]["unique_graphs"], counters["frames"]["total"]
+
+
+class FsdpKeepGatheredSide(FsdpSide):
+    """The fsdp column with fsdp.reshard_after_forward = false: each layer's gathered weights kept
+    from its forward to its backward (at one rank the gather is a copy and a cast, done twice a
+    step with resharding on)."""
+    CHANGES = {"reshard_after_forward": False}
+
+
+class FsdpLoopClipSide(FsdpSide):
+    """The fsdp column with the per-parameter gradient norm and clip (engines/fsdp/optim.py
+    FOREACH = False: a DTensor op and a kernel per parameter), against the foreach forms the fsdp
+    column runs. The switch is put back at close()."""
+
+    def __init__(self, *args):
+        import verl_hpc.engines.fsdp.optim as optim_lib
+
+        super().__init__(*args)
+        self._foreach, optim_lib.FOREACH = optim_lib.FOREACH, False
+
+    def close(self) -> None:
+        import verl_hpc.engines.fsdp.optim as optim_lib
+
+        optim_lib.FOREACH = self._foreach
+        super().close()
 
 
 class FsdpForeachAdamSide(FsdpSide):
@@ -303,105 +354,3 @@ class FsdpNoLigerSide(FsdpSide):
     """The fsdp column without Liger (fsdp.liger = false): the chunked PyTorch output layer and
     transformers' own norm and MLP. Only where Liger is on in the fsdp column."""
     CHANGES = {"liger": False}
-
-
-class HFSide:
-    """LlamaForCausalLM as TRL / accelerate train it: fp32 weights, bf16 autocast on a GPU (none in
-    the fp32 rehearsal), SDPA attention, fused AdamW with the actor's optimizer settings."""
-
-    LIGER = False
-
-    def __init__(self, folder, shape, dtype: str, device):
-        from transformers import AutoModelForCausalLM
-
-        from verl_hpc.engines.options import default_options
-
-        optim = default_options(str(folder)).optim  # the engine's actor.optim, so both step alike
-        self.device = device
-        self.autocast_dtype = None if dtype == "float32" else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
-        self._liger_scope = None
-        if self.LIGER:  # as TRL applies it (RoPE too); put back at close(): later sides keep transformers' own
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            from verl_hpc.engines.fsdp.liger import modeling_modules_kept
-
-            self._liger_scope = modeling_modules_kept(self.model)
-            self._liger_scope.__enter__()
-            _apply_liger_kernel_to_instance(model=self.model, rms_norm=True, swiglu=True, rope=True,
-                                            cross_entropy=False, fused_linear_cross_entropy=False)
-        self.model.train()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # as transformers' Trainer: no weight decay on biases and norm weights (1-D tensors)
-        groups = [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-                  {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                     fused=True)
-        self.clip = optim.clip_grad
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def _log_probs(self, batch):
-        prompt = int(batch["prompt_lengths"][0])
-        if not bool((batch["prompt_lengths"] == prompt).all()):
-            raise ValueError("the transformers side takes prompts of one length")
-        ids = batch["input_ids"].to(self.device, non_blocking=True)
-        keep = ids.shape[1] - prompt + 1  # the positions that predict a response token
-        if self.LIGER:  # the hidden states of those positions into Liger's fused linear cross-entropy
-            from verl_hpc.engines.fsdp.liger import liger_log_probs
-
-            with self._autocast():
-                hidden = self.model.model(ids, use_cache=False).last_hidden_state[:, prompt - 1:-1]
-                return liger_log_probs(hidden, self.model.lm_head.weight, ids[:, prompt:], 1.0)
-        with self._autocast():
-            # no KV cache: nothing is generated (a cache would only keep K and V alive longer)
-            logits = self.model(ids, logits_to_keep=keep, use_cache=False).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        return logp.gather(-1, ids[:, prompt:, None]).squeeze(-1)
-
-    def train(self, batch) -> float:
-        loss = -self._log_probs(batch).mean()
-        loss.backward()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    def forward(self, batch):
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                return self._log_probs(batch)
-        finally:
-            self.model.train()
-
-    def kernels(self) -> dict:
-        layer = self.model.model.layers[0]
-        norm = layer.input_layernorm
-        return {
-            "attention": f"{self.model.config._attn_implementation} (transformers' attention interface)",
-            "norm": f"{_qual(type(norm))} ({norm._get_name()})",
-            "swiglu": swiglu_kind(layer.mlp),
-            "output layer": ("Liger's fused linear cross-entropy on the response positions' hidden states"
-                             if self.LIGER else "the response positions' logits (logits_to_keep), log_softmax"),
-            "precision": "fp32 weights" + (f", {self.autocast_dtype} autocast" if self.autocast_dtype else ""),
-            "optimizer": f"{_qual(type(self.opt))} (fused={self.opt.param_groups[0].get('fused')})",
-        }
-
-    def close(self) -> None:
-        if self._liger_scope is not None:
-            self._liger_scope.__exit__(None, None, None)
-        self.model = self.opt = self.params = None
-        gc.collect()
-
-
-class HFLigerSide(HFSide):
-    """The peer to beat: transformers with Liger-Kernel as TRL's `use_liger_kernel` runs it (Liger's
-    RMSNorm, SwiGLU and RoPE patched into the model, the log-probs from its fused linear
-    cross-entropy on the hidden states), the rest as the transformers side."""
-    LIGER = True

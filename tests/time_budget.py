@@ -53,10 +53,10 @@ SLOWEST = {
              "and an FSDP engine, three full and three sliced syncs read back, and HF generate (about 5.5 "
              "minutes on 2 loaded cores)"),
     "fixture:rehearsal": (
-        90, "tests/unit/test_bench_gpu_step.py: the GPU benchmark script end to end in a subprocess (its CPU "
-            "rehearsal) with every column built and stepped once (three Megatron and five FSDP engines, one "
-            "compiled, two transformers models): the columns' wiring shows only there; one run for the tests "
-            "that read it"),
+        120, "tests/unit/test_bench_gpu_step.py: the GPU benchmark script end to end in a subprocess (its CPU "
+             "rehearsal) with every column built and stepped once (three Megatron and seven FSDP engines, one "
+             "compiled, two transformers models) and each column's diagnostics (two more steps): the columns' "
+             "wiring shows only there; one run for the tests that read it"),
     "tests/unit/rollout/test_speculative_vllm.py::test_an_ngram_engine_keeps_the_ranks_thread_count": (
         60, "a fresh interpreter (numba must not be imported before the engine, and every worker has imported "
             "it by then) that imports vLLM and builds one n-gram engine: 25 s on a quiet 2-core machine"),

@@ -58,6 +58,8 @@ def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dic
                     res[side][part]["tok_s"] / res["transformers_liger"][part]["tok_s"])
     assert set(res["goals"]) == {row[0] for row in gpu_step_report.goal_rows()}
     assert res["goal_lines"] == gpu_step_report.goal_lines(res) and len(res["goal_lines"]) == 10
+    _check_diagnostics(res, sides)
+    assert "diagnostics, " in r.stdout and "attention per (query, key) pair" in r.stdout
     assert res["failed"] == {}
     assert res["model"]["params"] == bench.param_counts(bench.Shape(**{
         k: res["model"][k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq",
@@ -66,6 +68,51 @@ def _check_result(r, out: Path, sides=("engine", "fsdp", "transformers")) -> dic
                  *(f"kernels, {gpu_step_report.TITLES[s]}" for s in sides)):
         assert line in r.stdout
     return res
+
+
+def _check_diagnostics(res, sides):
+    """Every side's diagnostics columns (gpu_step_diag.py; issue 85): the kernel profile with its
+    optimizer phase, the host syncs by kind, what the output layer read at steps 1-3 (the engines:
+    the device rule on the pretended free memory, Adam's moments still to come at step 1 only);
+    and the attention pair weights once."""
+    from verl_hpc.runtime.host_syncs import KINDS
+
+    for side in sides:
+        d = res[side]["diagnostics"]
+        k = d["kernel_profile"]
+        assert k["kernels"] > 0 and k["busy_ms"] > 0 and k["top"] and k["optimizer_phase"]["ms"] >= 0, (side, k)
+        assert set(d["host_syncs"]["recorded"]) == set(KINDS) and d["host_syncs"]["cuda_sync_debug"] is None
+        reads = d["output_layer_steps_1_to_3"]
+        assert len(reads) == 3
+        if side in bench.BASELINES:
+            assert all(x["path"] is None for x in reads)
+        elif side not in ("engine_whole", "fsdp_whole", "engine_chunked", "fsdp_chunked"):
+            assert [x["path"] for x in reads] == ["whole"] * 3, (side, reads)
+            assert [x["free_bytes"] for x in reads] == [float(bench.REHEARSAL_FREE_BYTES)] * 3
+            assert reads[0]["pending_bytes"] > 0 and reads[1]["pending_bytes"] == reads[2]["pending_bytes"] == 0
+    a = res["attention_costs"]
+    assert a["pair_weight_causal"] > 0 and a["pair_weight_dense_mask"] > 0 and a["pair_weight_cost_model"] > 0
+
+
+def test_a_side_that_raises_is_closed_and_leaves_no_patch(tmp_path):
+    """A side whose step fails (an out-of-memory, a kernel) is closed before the error goes on, so
+    its patches (Liger's, on transformers' modeling modules) do not stay on for the sides after it."""
+    closed = []
+
+    class Failing:
+        def __init__(self, *args):
+            pass
+
+        def train(self, batch):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def close(self):
+            closed.append(True)
+
+    plan = {"dtype": "float32", "device": "cpu", "warmup": 1, "iters": 1, "min_iters": 1}
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        bench.run_side(Failing, tmp_path, bench.REHEARSAL_SHAPE, {}, plan, 1.0)
+    assert closed == [True]
 
 
 # every side but fsdp_noliger (Liger is off on a CPU: that column is the fsdp column there)
@@ -92,8 +139,9 @@ def test_cpu_rehearsal_runs_both_sides_end_to_end(rehearsal):
     assert all(g["met"] is None for g in res["goals"].values())
     assert "torch.optim.adamw.AdamW (fused=True)" in res["transformers"]["kernels"]["optimizer"]
     assert "float32 compute" in res["fsdp"]["kernels"]["precision"] and "mesh (1,)" in res["fsdp"]["kernels"]["sharding"]
-    # the tiny shape fits one chunk of the CPU's budget: the model's own whole logits
-    assert res["fsdp"]["kernels"]["output layer"].startswith("the whole logits (the model's own")
+    # the device rule on the rehearsal's pretended 64 MiB: the tiny shape's whole logits fit
+    assert res["fsdp"]["kernels"]["output layer"] == (
+        "the whole logits (last micro-batch; rule: auto, the device's free memory)")
     assert "(fused)" in res["fsdp"]["kernels"]["optimizer"]
     assert not list(out.glob("model-*")), "the temporary model folder was left behind"
 
@@ -131,6 +179,13 @@ def test_cpu_rehearsal_runs_the_fsdp_variant_columns(rehearsal):
     assert "compile=True" in k["fsdp_compile"]["sharding"] and k["fsdp_compile"]["profiled_ops"]["compiled"]
     assert "compile=False" in k["fsdp"]["sharding"] and not k["fsdp"]["profiled_ops"]["compiled"]
     assert "(fused)" in k["fsdp_whole"]["optimizer"] and "(fused)" not in k["fsdp_foreach"]["optimizer"]
+    assert "reshard_after_forward=False" in k["fsdp_keep"]["sharding"]
+    assert "reshard_after_forward=True" in k["fsdp"]["sharding"]
+    assert "graphs from" in k["fsdp_compile"]["compile"]
+    # the per-parameter norm and clip in fsdp_loopclip's optimizer phase, the foreach ones in fsdp's
+    clip = {s: k[s]["profiled_ops"]["grad_norm_clip"] for s in ("fsdp", "fsdp_loopclip")}
+    assert "aten::_foreach_norm" in clip["fsdp"] and "aten::_foreach_mul_" in clip["fsdp"], clip
+    assert "aten::_foreach_norm" not in clip["fsdp_loopclip"] and "aten::linalg_vector_norm" in clip["fsdp_loopclip"]
     assert k["transformers_liger"]["swiglu"] == "Liger's fused SwiGLU (LigerSwiGLUMLP)"
     assert "LigerRMSNorm" in k["transformers_liger"]["norm"]
     assert k["transformers_liger"]["output layer"].startswith("Liger's fused linear cross-entropy")
@@ -312,8 +367,11 @@ def test_logits_probe_rehearsal(tmp_path):
     res = json.loads((tmp_path / "bench_gpu_logits.json").read_text())
     short, long = res["cases"]
     assert [c["tokens"] for c in res["cases"]] == [2 * 128, 8 * 128]
-    assert [x["path"] for x in short["results"]] == ["whole", "chunked", "cpu_budget", "auto", "chunked_fused"]
-    assert [x["path"] for x in long["results"]] == ["auto", "auto_fused"] and long["auto_chunk"] > 0
+    assert [x["path"] for x in short["results"]] == ["whole", "chunked", "cpu_budget", "auto", "chunked_fp32gemm",
+                                                     "chunked_fused"]
+    # both GEMM forms of the weight gradient at both lengths; the log-probs-only update at the long one
+    assert [x["path"] for x in long["results"]] == ["auto", "auto_fp32gemm", "auto_logprobs", "auto_fused"]
+    assert long["auto_chunk"] > 0 and long["auto_logprobs_chunk"] >= 0
     assert all(x["median_s"] > 0 for c in res["cases"] for x in c["results"])
     assert max(short["max_abs_diff"].values()) < 1e-5
     assert len(res["goal_lines"]) == 2 and all("NOT EVALUATED (CPU rehearsal" in g for g in res["goal_lines"])

@@ -13,10 +13,12 @@ Steps, each a command with its own time limit and log file (OUT/<step>.log):
   vllm_demo   the same demo with rollout.engine=vllm (its RL phase rolls out with in-process vLLM, eager)
   bench       python benchmarks/bench_gpu_step.py --sides gpu-all (the Megatron and FSDP engines'
               train step and log-prob pass vs transformers and transformers + Liger, with the
-              columns that separate the output layer's chunk budget and per-block compile; without
-              megatron-core, the FSDP columns alone)
+              columns that separate the output layer's chunk budget, resharding after the forward,
+              the foreach gradient clip and per-block compile, and each column's kernel profile,
+              host syncs and output-layer reads; without megatron-core, the FSDP columns alone)
   logits      python benchmarks/bench_gpu_logits.py (the output layer alone at V = 151,936: chunked
-              vs whole logits at 2 x 4,096 tokens, 8 x 4,096 without running out of memory)
+              vs whole logits at 2 x 4,096 tokens, 8 x 4,096 without running out of memory, the
+              weight gradient's two GEMM forms at both)
 then OUT/summary.txt (and .json): step, status, seconds, limit, log; under each step that failed,
 one line per failure with the first line of its error (each failed check of gpu_check, each failed
 gpu test, else the log's last error line); the versions that differ from the verified ones; the
@@ -121,7 +123,8 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
         Step("demo", None if rehearsal else [py, "-m", "verl_hpc.trainer.programs.demo", "--out", str(out / "demo"),
                                               "--rl-steps", str(DEMO_RL_STEPS)],
              150, "CPU rehearsal: the demo takes minutes on CPU (make demo)", demo_ready),
-        # 7 sides in one round (~10 s each on an H100) and the compiled side's compilation
+        # 9 sides in one round (~10 s each on an H100, their diagnostics ~3 s) and the compiled side's
+        # compilation; the variants last (bench_gpu_step.RUN_ORDER): a side past the limit is named
         Step("bench", bench, 180),
         Step("logits", logits, 45),
     ]
