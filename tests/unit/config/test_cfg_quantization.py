@@ -188,3 +188,16 @@ def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
     monkeypatch.setattr(quantization, "_memo", {})
     monkeypatch.setattr(quantization, "_run", lambda pairs: pytest.fail(f"asked again: {pairs}"))
     assert quantization.verdicts(asked) == found
+
+
+def test_auto_falling_back_to_hf_generate_is_refused_on_the_rank(monkeypatch, dense):
+    """rollout.engine = auto may pick HF generate on the node (no vLLM there, a model vLLM cannot
+    serve): a quantized rollout is refused then, naming why auto chose it."""
+    from verl_hpc.rollout import factory
+    from verl_hpc.trainer.roles import rollout_options
+
+    cfg = load_config(None, [*BASE, f"model.path={dense}", "rollout.engine=auto", Q])
+    monkeypatch.setattr(factory, "choose_engine", lambda o: ("hf", "vllm is not installed"))
+    with pytest.raises(ConfigError, match=r"rollout.quantization = fp8_per_channel needs the vLLM rollout, and "
+                                          r"rollout.engine = auto chose HF generate here \(vllm is not installed\)"):
+        factory.build_rollout(rollout_options(cfg))
