@@ -65,10 +65,12 @@ def kernel_profile(fn, on_gpu: bool) -> dict:
     with optimizer_ranges(), profile(activities=acts) as prof:
         fn()
     events = list(prof.events())
-    marks = [e for e in events if e.name == OPTIMIZER_RANGE]
+    cpu = torch.autograd.DeviceType.CPU
+    marks = [e for e in events if e.name == OPTIMIZER_RANGE and e.device_type == cpu]
     opt_start = min((e.time_range.start for e in marks), default=None)
-    if on_gpu:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if on_gpu:  # kernels, copies and fills on the device; not the ranges' device-side annotations
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False)]
     else:  # the rehearsal: the outermost aten operators (at any depth of annotated ranges) stand in
         kernels = [e for e in events if e.name.startswith("aten::") and not _inside_aten(e)]
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)

@@ -77,19 +77,23 @@ def _check_diagnostics(res, sides):
     and the attention pair weights once."""
     from verl_hpc.runtime.host_syncs import KINDS
 
+    rehearsal = res["mode"] == "cpu-rehearsal"
     for side in sides:
         d = res[side]["diagnostics"]
         k = d["kernel_profile"]
         assert k["kernels"] > 0 and k["busy_ms"] > 0 and k["top"] and k["optimizer_phase"]["ms"] >= 0, (side, k)
-        assert set(d["host_syncs"]["recorded"]) == set(KINDS) and d["host_syncs"]["cuda_sync_debug"] is None
+        assert set(d["host_syncs"]["recorded"]) == set(KINDS)
+        assert (d["host_syncs"]["cuda_sync_debug"] is None) is rehearsal  # torch's own count: a GPU's
         reads = d["output_layer_steps_1_to_3"]
         assert len(reads) == 3
         if side in bench.BASELINES:
             assert all(x["path"] is None for x in reads)
-        elif side not in ("engine_whole", "fsdp_whole", "engine_chunked", "fsdp_chunked"):
+        elif side not in ("engine_whole", "fsdp_whole", "engine_chunked", "fsdp_chunked") and rehearsal:
             assert [x["path"] for x in reads] == ["whole"] * 3, (side, reads)
             assert [x["free_bytes"] for x in reads] == [float(bench.REHEARSAL_FREE_BYTES)] * 3
             assert reads[0]["pending_bytes"] > 0 and reads[1]["pending_bytes"] == reads[2]["pending_bytes"] == 0
+        elif side == "engine":  # a GPU: the device rule read the device's memory (FSDP's log-probs: Liger)
+            assert all(x["free_bytes"] > 0 for x in reads) and reads[2]["pending_bytes"] == 0, (side, reads)
     a = res["attention_costs"]
     assert a["pair_weight_causal"] > 0 and a["pair_weight_dense_mask"] > 0 and a["pair_weight_cost_model"] > 0
 
