@@ -60,6 +60,11 @@ WALK = [
     ("verl_hpc.gpu_check.all", ["--out", "{file}", "--dry-run"], 2, "error: --out '{file}' is a file"),
     ("verl_hpc.gpu_check.wheels", ["{tmp}/wheels", "--glibc", "2"], 2, "error: --glibc: got '2'; valid: X.Y"),
     ("verl_hpc.gpu_check.wheels", ["{file}"], 2, "error: OUT '{file}' is a file"),
+    ("verl_hpc.gpu_check.vllm_kit", ["{file}"], 2, "error: OUT '{file}' is a file"),
+    ("verl_hpc.gpu_check.vllm_kit", ["{tmp}/kit", "--piece-mib", "0"], 2,
+     "error: --piece-mib 0; valid: more than 0, at most 60"),
+    ("verl_hpc.gpu_check.vllm_pieces", ["verify", "{tmp}/none"], 1,
+     "vllm kit: {tmp}/none/MANIFEST.json: no manifest"),
     ("verl_hpc.trainer.programs.demo", ["--ranks", "0"], 2, "error: --ranks: got 0"),
     ("verl_hpc.trainer.programs.demo", ["--rl-config", "{tmp}/nope.yaml"], 2, "error: --rl-config: no such config file"),
     ("verl_hpc.trainer.programs.demo_distill", ["--student-layers", "0"], 2,
@@ -76,6 +81,9 @@ NOT_COMMANDS = {
     "verl_hpc.gpu_check.cp_check": "one rank of the kit's context-parallel check, started by gpu_check",
     "verl_hpc.rollout.tools.sandbox_inner": "the sandbox's inner process, started by the sandbox",
     "verl_hpc.rollout.vllm.probe": "the vLLM support check's subprocess (vLLM imported apart), started by the check",
+    "verl_hpc.rollout.vllm.quant_probe": "rollout.quantization's probe subprocess (tiny engines per method), "
+                                         "started by the check",
+    "verl_hpc.gpu_check.vllm_kit_probe": "the vLLM kit's import probe, started by its install step",
 }
 
 

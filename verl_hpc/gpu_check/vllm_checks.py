@@ -104,7 +104,11 @@ def beside(kit: Kit, kind: str) -> str:
     from verl_hpc.resharding import WeightSync
 
     need_vllm()
-    r = rollout(kit, workload.tiny_model(kit), sleep_between_phases=True, sleep_level=2)
+    from verl_hpc.config.sections.rollout import RolloutConfig
+
+    # the trainer's sleep level (rollout.sleep_level's default: the sync reloads after every wake)
+    r = rollout(kit, workload.tiny_model(kit), sleep_between_phases=True,
+                sleep_level=RolloutConfig().sleep_level)
     try:
         r.sleep()
         engine = kit.measure(f"{kind} build", lambda: (_megatron if kind == "megatron" else _fsdp)(kit))
