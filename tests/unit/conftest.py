@@ -16,3 +16,16 @@ def one_rank_world(tmp_path):
         destroy_model_parallel()
         dist.destroy_process_group()
         cpu_compat.revert()
+
+
+@pytest.fixture(scope="module")
+def no_default_group_left():
+    """For a module whose vLLM engines run in this process without a job's group: a default process
+    group the first engine made (vLLM makes one where there is none) goes with the module, so that a
+    later module's one-rank world can start on this pytest worker."""
+    import torch.distributed as dist
+
+    before = dist.is_initialized()
+    yield
+    if not before and dist.is_initialized():
+        dist.destroy_process_group()

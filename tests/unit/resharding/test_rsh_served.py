@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from verl_hpc.resharding.served_check import ServedCheck, ServedWeightsError, digest
 from verl_hpc.rollout.engine_config import default_engine_args
 
+pytestmark = pytest.mark.usefixtures("no_default_group_left")  # tests/unit/conftest.py
+
 
 def _engine(path, **kw):
     from verl_hpc.rollout import VLLMRollout

@@ -68,15 +68,7 @@ def _engine(path, speculative=None):
                        **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_group_left():
-    """The default process group the first engine made goes with the module (test_speculative_vllm)."""
-    import torch.distributed as dist
-
-    before = dist.is_initialized()
-    yield
-    if not before and dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_default_group_left")  # tests/unit/conftest.py
 
 
 @pytest.fixture(scope="module")
