@@ -20,7 +20,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 # the environment responder turns a step's return that is not a triple into a ConfigError; an
 # elastic rollout worker's Leaving ends its loop with a goodbye and exit 0.
 INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
-            "verl_hpc.gpu_check.kit.NotTestable", "verl_hpc.rollout.tools.calls.ToolFailed",
+            "verl_hpc.gpu_check.kit.NotTestable",
+            # the vLLM kit's piece check runs before verl_hpc's dependencies are installed, so it
+            # imports nothing of verl_hpc; its main prints the one line and exits 2
+            "verl_hpc.gpu_check.vllm_pieces.KitError", "verl_hpc.rollout.tools.calls.ToolFailed",
             "verl_hpc.rollout.tools.environment._BadReturn",
             # the agent endpoint's: answered to the agent as HTTP error bodies, never raised to a user
             "verl_hpc.rollout.agents.chat.BadRequest", "verl_hpc.rollout.agents.batcher.EngineClosed",

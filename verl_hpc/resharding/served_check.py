@@ -41,9 +41,10 @@ OFF = " (resharding.check_served = false runs without this check)"
 
 
 class ServedWeightsError(VerlHpcError, RuntimeError):
-    """The rollout engine serves other weights than the sync sent it."""
+    """The rollout engine serves other weights than the sync sent it. Raised on the rank that read
+    them back; in a job the sync's agreement round turns it into every rank's SyncError (exit 15)."""
 
-    exit_code, kind = 15, "weight sync"
+    exit_code, kind = 31, "served weights"
 
 
 def digest(t: torch.Tensor) -> int:

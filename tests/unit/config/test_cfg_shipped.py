@@ -90,6 +90,9 @@ KEY_VALUES = {
     "smoke.yaml": {**CPU, "trainer.job": "smoke", "world_size": 2, "parallel.backend": "gloo",
                    "trainer.smoke.steps": 3, "slurm.cpus_per_task": 1},
     "demo_rl.yaml": {**DEMO, "actor.use_kl_loss": False, "actor.optim.lr_decay_style": "cosine"},
+    # the demo's RL phase with vLLM quantizing the policy at each sync; TIS resolved on by auto
+    "demo_rl_fp8.yaml": {**DEMO, "rollout.engine": "vllm", "rollout.quantization": "fp8_per_channel",
+                         "algorithm.rollout_correction.rollout_is": "token"},
     "demo_agent.yaml": {**CPU, "world_size": 1, "rollout.engine": "hf", "data.train_batch_size": 16,
                         "agent.enable": True, "agent.function": "verl_hpc.trainer.programs.demo_agent_solver:solve",
                         "safety.allow_custom_code": True, "trainer.total_steps": 40},

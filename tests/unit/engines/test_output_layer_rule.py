@@ -260,7 +260,7 @@ def test_megatron_scoring_on_a_device_decides_per_micro_batch(one_rank_world, de
 
     def head(chunk):
         return SimpleNamespace(chunk=chunk, weight=weight, real_columns=v_real, group=None, temperature=1.3,
-                               vocab_start=0, last=None)
+                               vocab_start=0, last=None, pending=lambda: 0, free_read=None)
 
     device_free["bytes"] = 1e12
     assert mo.chunks_pass(auto, mbs) is True and mo.chunks_pass(fixed, mbs) is False

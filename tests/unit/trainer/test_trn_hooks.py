@@ -60,7 +60,8 @@ def test_rl_hook_order(one_rank_world, tmp_path, tiny_model):
     trainer = _trainer(tmp_path, tiny_model, set(), "trainer.rollback.enable=true", "trainer.val_every=2",
                        f"data.val_files=[{tmp_path}/train.jsonl]")
     names = [type(h).__name__ for h in trainer.hooks(stop_rule=None)]
-    assert names == ["ValidationHook", "RollbackHook", "LogHook", "CheckpointHook", "StopHook", "PreemptionHook"]
+    assert names == ["ValidationHook", "RollbackHook", "MismatchTrendHook", "LogHook", "CheckpointHook", "StopHook",
+                     "PreemptionHook"]
 
 
 def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path, tiny_model):
