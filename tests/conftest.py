@@ -23,6 +23,7 @@ import fcntl
 import gc
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,24 @@ def _heap_frozen():
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _default_dtype_kept():
+    """A test that leaves torch's default dtype changed fails here, by name, and the next test on the
+    worker starts from float32 again: the leak otherwise shows up as an unrelated test's dtype error
+    (vLLM's model loader sets the default dtype while it builds a model)."""
+    torch = sys.modules.get("torch")  # not imported for it: the Slurm tier's tests never need torch
+    before = torch.get_default_dtype() if torch else None  # None: float32, torch's own at import
+    yield
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    before = before or torch.float32
+    after = torch.get_default_dtype()
+    if after != before:
+        torch.set_default_dtype(before)
+        pytest.fail(f"this test left torch's default dtype at {after} (was {before})")
 
 
 def _has_cuda() -> bool:

@@ -411,6 +411,23 @@ def test_a_failed_construction_releases_vllms_groups(monkeypatch):
     assert calls == ["cleanup"]
 
 
+@pytest.mark.parametrize("around", ["construction", "call"])
+def test_a_build_or_reload_that_raises_leaves_the_default_dtype_as_it_was(monkeypatch, around):
+    """vLLM's model loader sets the default dtype to the model's while it builds or reloads; 0.25's
+    setter restores it only on success, so an engine that failed to build left a job (an HF rollout
+    fallback, the trainer's next tensors) in bfloat16. Each entry point puts it back."""
+    from vllm.v1.engine import core
+
+    monkeypatch.setattr(core, "cleanup_dist_env_and_memory", lambda *a, **k: None)
+    guard = (compat.engine_construction(torch.device("cpu"), tp=1) if around == "construction"
+             else compat.engine_call(torch.device("cpu")))
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        with guard:
+            torch.set_default_dtype(torch.bfloat16)  # what 0.25's setter leaves when the build raises
+            raise RuntimeError("start (0) + length (512) exceeds dimension size (256).")
+    assert torch.get_default_dtype() == torch.float32
+
+
 def test_an_engine_call_from_another_thread_takes_torchs_thread_count():
     """OpenMP keeps its thread count per thread: a thread started after torch.set_num_threads(1)
     begins at the machine's default, and vLLM's CPU attention then planned with one count and ran

@@ -78,9 +78,11 @@ def test_gpt_neox_head_is_sent_under_the_models_name_and_handed_to_vllm_under_th
         "lm_head.weight": "embed_out.weight"}
     assert vllm_transformers.checkpoint_aliases(phi, checkpoint_weight_names(phi)) == {}
     # GPT-NeoX and Phi-1/2 have a class of vLLM's own in 0.25 and none in 0.32 (its backend serves
-    # them); Starcoder2 has none in either
-    own = {"0.25.0": None, "0.32.0": "transformers"}[versions.release().version]
-    assert vllm_transformers.choose_impl(str(neox)) == own and vllm_transformers.choose_impl(str(phi)) == own
+    # them); 0.25's Phi class does not load this folder (vLLM's probe: a weight slice past the end of
+    # a 256-wide tensor), so the backend serves it there too; Starcoder2 has none in either
+    release = versions.release().version
+    assert vllm_transformers.choose_impl(str(neox)) == {"0.25.0": None, "0.32.0": "transformers"}[release]
+    assert vllm_transformers.choose_impl(str(phi)) == "transformers"
     assert vllm_transformers.choose_impl(str(make_arch(tmp_path / "sc2", "starcoder2"))) == "transformers"
 
 

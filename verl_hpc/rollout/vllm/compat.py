@@ -16,6 +16,9 @@ Every platform:
    restores them around construction, generate and weight loads (the trainer owns its streams).
 8. (0.25) its process groups are built under a `suppress_stdout` that needs `sys.stdout.fileno()`:
    `install_stdout_fd` (rollout/vllm/stdout_fd.py) gives it 0.32's version.
+9. (0.25) a model build or reload that raises leaves torch's default dtype at the model's (its
+   `set_default_torch_dtype` restores only on success): `default_dtype_kept` puts it back around
+   construction and every engine call, on every release (a no-op where vLLM restored it).
 
 Only without a GPU (`runtime.device.has_gpu()` false):
 3. The CPU worker makes `torch.set_num_threads` a no-op for the process: `torch_threads_kept`
@@ -148,6 +151,17 @@ def preserved_rng(device: torch.device):
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
+
+
+# ---------------------------------------------------------------- 9. the default dtype
+@contextlib.contextmanager
+def default_dtype_kept():
+    dtype = torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        if torch.get_default_dtype() != dtype:
+            torch.set_default_dtype(dtype)
 
 
 # ---------------------------------------------------------------- 3. torch threads (CPU)
@@ -298,7 +312,7 @@ def engine_construction(device: torch.device, *, tp: int):
         token = job_token()
         install_shm_names(token)
         remove_stale_shm(token)
-    with preserved_rng(device), (torch_threads_kept() if cpu else contextlib.nullcontext()):
+    with preserved_rng(device), default_dtype_kept(), (torch_threads_kept() if cpu else contextlib.nullcontext()):
         try:
             yield
         except BaseException:
@@ -382,7 +396,10 @@ def quiet_reload_logs() -> None:
             logger.addFilter(_ReloadNoise())
 
 
+@contextlib.contextmanager
 def engine_call(device: torch.device):
-    """Around generate / weight loads: this thread's OpenMP count (CPU), the RNG states kept."""
+    """Around generate / weight loads: this thread's OpenMP count (CPU), the RNG states and the
+    default dtype kept."""
     this_thread_threads(device)
-    return preserved_rng(device)
+    with preserved_rng(device), default_dtype_kept():
+        yield
