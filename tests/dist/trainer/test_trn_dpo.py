@@ -121,8 +121,9 @@ def test_trn_dpo_sigterm_then_resume_is_bitwise_the_straight_run(assets, tmp_pat
         finally:
             proc.kill()
     seen = console.read_text(errors="replace") + "".join(f.read_text(errors="replace") for f in sorted(split.glob("logs/**/0/std*.log")))
-    assert proc.returncode == 0, seen[-4000:]
+    assert proc.returncode == 143, seen[-4000:]  # stopped by a signal to its rank: 128 + SIGTERM's 15
     s1 = json.loads((split / "dpo_summary.json").read_text())
+    assert f"stopped early at step {s1['steps']} of {steps}" in seen, seen[-4000:]
     assert s1["stopped"] == "preempted" and 1 <= s1["steps"] < steps, s1
     assert f"preemption flag set after step {s1['steps']}; saving and stopping" in seen, seen[-4000:]
     assert "not requeued" in seen  # not a Slurm job: stopped, told how to resume
