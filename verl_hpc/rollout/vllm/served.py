@@ -145,12 +145,7 @@ def read(model, names: Iterable[str], digest: Callable[[torch.Tensor], int], *,
 
     served, unplaced = [], []
     for name in names:
-        target, shard = vllm_name(model, name)
-        module_name, _, param = (target or "").rpartition(".")
-        try:
-            module = model.get_submodule(module_name) if target else None
-        except AttributeError:
-            module = None
+        target, module, param, shard = served_quant.placed(model, name, vllm_name)
         if module is None or not isinstance(getattr(module, param, None), torch.Tensor) or reordered(model, name):
             unplaced.append(name)
             continue

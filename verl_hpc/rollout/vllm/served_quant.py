@@ -58,17 +58,25 @@ def method_of(module) -> Optional[str]:
     return entry[0] if entry else None
 
 
+def placed(model, name: str, vllm_name: Callable):
+    """(vLLM's name for checkpoint tensor `name`, its module, the parameter's name, the shard) where
+    vLLM's model holds it; the module None where the name has no module there."""
+    target, shard = vllm_name(model, name)
+    module_name, _, param = (target or "").rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if target else None
+    except AttributeError:
+        module = None
+    return target, module, param, shard
+
+
 def layout(model, names, vllm_name, rows_of_shard) -> Dict[str, tuple]:
     """{checkpoint name: (layer, start, stop, rows, cols, dtype, (input split, output split))} for each
     name that is the weight of a quantizable linear layer (this rank's part of it)."""
     out = {}
     for name in names:
-        target, shard = vllm_name(model, name)
-        module_name, _, param = (target or "").rpartition(".")
-        try:
-            module = model.get_submodule(module_name) if target else None
-        except AttributeError:
-            continue
+        target, module, param, shard = placed(model, name, vllm_name)
+        module_name = target.rpartition(".")[0] if target else ""
         if param != "weight" or module is None or not quantizable(module):
             continue
         rows, cols = module.output_size_per_partition, module.input_size_per_partition
