@@ -31,7 +31,9 @@ K = 4 at <= 4 sequences in flight and none above, at >= 90M parameters; the sing
 single-turn job's, and every task's at the tiny model: off, plain's configuration, so those rows are
 the run's own noise), each engine in a process of its own,
 the engines' order rotated between models, after a warm-up; tokens/s is generated tokens / wall time, the median of
---repeats; acceptance is vLLM's accepted / proposed tokens. Printed: each side's rate, its ratio to plain and
+--repeats; acceptance is vLLM's accepted / proposed tokens. Printed: each side's rate and its ratio to plain, each with
+its spread over the repeats in brackets (a ratio's: the side's slowest over plain's fastest to its fastest
+over plain's slowest), and
 the acceptance. On a shared machine the figures are noisy: compare ratios of one run only.
 """
 from __future__ import annotations
@@ -308,18 +310,24 @@ def main(argv=None) -> None:
             for c in levels:
                 key = f"{task} {c}"
                 rate = {e: statistics.median(got[e][key]["rates"]) for e in engines}
-                rows.append((shape, task, c, rate, {e: got[e][key]["acceptance"] for e in engines[1:]}))
+                # the spread over the repeats: each side's slowest and fastest; a ratio's, the
+                # side's slowest over plain's fastest to its fastest over plain's slowest
+                span = {e: (min(got[e][key]["rates"]), max(got[e][key]["rates"])) for e in engines}
+                spread = {e: (span[e][0] / span["plain"][1], span[e][1] / span["plain"][0]) for e in engines}
+                rows.append((shape, task, c, rate, {e: got[e][key]["acceptance"] for e in engines[1:]}, spread))
                 print(f"  {shape:>5} {task:>5} c={c:<4} " + "  ".join(
-                    f"{e} {rate[e]:7.1f} tok/s" + (f" ({rate[e] / rate['plain']:.2f}x, acceptance "
-                                                   f"{rows[-1][-1][e]:.2f})" if e != "plain" else "")
+                    f"{e} {rate[e]:7.1f} tok/s [{span[e][0]:.1f}-{span[e][1]:.1f}]"
+                    + (f" ({rate[e] / rate['plain']:.2f}x [{spread[e][0]:.2f}-{spread[e][1]:.2f}], acceptance "
+                       f"{rows[-1][4][e]:.2f})" if e != "plain" else "")
                     for e in engines), flush=True)
     others = engines[1:]
     print("\n| model | task | sequences in flight | plain tok/s | " +
           " | ".join(f"{e} tok/s | {e} ratio | {e} acceptance" for e in others) + " |")
     print("|---|---|---|---|" + "---|---|---|" * len(others))
-    for name, task, c, rate, acc in rows:
+    for name, task, c, rate, acc, spread in rows:
         print(f"| {name} | {task} | {c} | {rate['plain']:.0f} | " + " | ".join(
-            f"{rate[e]:.0f} | {rate[e] / rate['plain']:.2f} | {acc[e]:.2f}" for e in others) + " |")
+            f"{rate[e]:.0f} | {rate[e] / rate['plain']:.2f} [{spread[e][0]:.2f}-{spread[e][1]:.2f}] | {acc[e]:.2f}"
+            for e in others) + " |")
     print("load average at end: %.1f %.1f %.1f" % os.getloadavg())
 
 
