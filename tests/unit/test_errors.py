@@ -22,7 +22,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.rewards.timeout.RewardTimeout", "verl_hpc.rewards.timeout.FunctionExited",
             "verl_hpc.gpu_check.kit.NotTestable",
             # the vLLM kit's piece check runs before verl_hpc's dependencies are installed, so it
-            # imports nothing of verl_hpc; its main prints the one line and exits 2
+            # imports nothing of verl_hpc; its main prints the one line and exits 1
             "verl_hpc.gpu_check.vllm_pieces.KitError", "verl_hpc.rollout.tools.calls.ToolFailed",
             "verl_hpc.rollout.tools.environment._BadReturn",
             # the agent endpoint's: answered to the agent as HTTP error bodies, never raised to a user
