@@ -46,6 +46,26 @@ def _engine(kind, folder, **changes):
     return MegatronEngine(o)
 
 
+def foreach_refusals(eng, kind) -> list:
+    """After each backward of `eng` (an FSDP engine), why its gradients would take the per-parameter
+    norm (engines/fsdp/optim.py per_parameter_reason; None: the foreach one): a failure names the
+    cause (the flag, two layouts, a partial placement) rather than only the ops it ran instead."""
+    seen = []
+    if kind != "fsdp":
+        return seen
+    import verl_hpc.engines.fsdp.optim as optim_lib
+
+    backward = eng.forward_backward
+
+    def then_look(*args, **kwargs):
+        records = backward(*args, **kwargs)
+        seen.append(optim_lib.per_parameter_reason([p.grad for p in eng.model.parameters() if p.grad is not None]))
+        return records
+
+    eng.forward_backward = then_look
+    return seen
+
+
 def nll(out, mb, counts):
     lp = out["log_probs"] * mb["response_mask"]
     return -lp.sum() / counts.tokens, {"mean_logp": lp.sum() / counts.tokens}
@@ -70,6 +90,7 @@ def test_the_step_reads_the_host_once_before_the_optimizer(one_rank_world, llama
     eng = _engine(kind, llama)
     batch = policy_batch(6)
     eng.train_step(batch, nll)  # the optimizer's state exists from here on
+    refusals = foreach_refusals(eng, kind)
     backward = eng.forward_backward
     with HostSyncs() as syncs:
         def then_count(*args, **kwargs):
@@ -81,6 +102,7 @@ def test_the_step_reads_the_host_once_before_the_optimizer(one_rank_world, llama
         metrics = eng.train_step(batch, nll)
         after = list(syncs.events)
     reads = after
+    assert not any(refusals), refusals
     assert [kind for kind, _ in reads] == ["tolist"], reads
     assert "optim.py" in reads[0][1]
     assert metrics["num_microbatches"] > 1 and metrics["grad_norm"] > 0 and "mean_logp" in metrics
@@ -93,8 +115,10 @@ def test_norm_and_clip_are_one_foreach_call_each_and_equal_the_references(one_ra
     per-parameter clip gives (the same step taken by a second engine with the old forms)."""
     batch = policy_batch(6)
     eng = _engine(kind, llama)
+    refusals = foreach_refusals(eng, kind)
     with OpCounter() as ops:
         metrics = eng.train_step(batch, nll)
+    assert not any(refusals), refusals
     assert ops.ops.get("_foreach_norm") == 1 and ops.ops.get("_foreach_mul_") == 1, ops.ops
     assert ops.ops.get("linalg_vector_norm", 0) + ops.ops.get("norm", 0) <= 1, ops.ops  # the norm of the norms
     ref = _engine(kind, llama)
@@ -140,9 +164,33 @@ def test_fsdp_loop_forms_stay_for_the_benchmark(one_rank_world, llama, monkeypat
 
     monkeypatch.setattr(optim_lib, "FOREACH", False)
     eng = _engine("fsdp", llama)
+    refusals = foreach_refusals(eng, "fsdp")
     with OpCounter() as ops:
         eng.train_step(policy_batch(6), nll)
     assert "_foreach_norm" not in ops.ops and ops.ops.get("linalg_vector_norm", 0) > 5
+    assert refusals and set(refusals) == {"optim.FOREACH is off"}, refusals
+
+
+def test_which_gradients_take_the_foreach_norm(one_rank_world):
+    """One layout over equal meshes (two mesh objects, the same ranks) takes the foreach norm; a
+    plain tensor beside a DTensor, or a partial placement, the per-parameter one; both give the norm."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from verl_hpc.engines.fsdp.optim import grad_sq_sum, per_parameter_reason
+
+    a, b = DeviceMesh("cpu", [0], mesh_dim_names=("shard",)), DeviceMesh("cpu", [0], mesh_dim_names=("shard",))
+    assert a is not b and a == b
+    x, y = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+    grads = [DTensor.from_local(x, a, [Shard(0)]), DTensor.from_local(y, b, [Shard(0)])]
+    assert per_parameter_reason(grads) is None
+    want = float((x ** 2).sum() + (y ** 2).sum())
+    assert float(grad_sq_sum(grads)) == pytest.approx(want)
+    assert "two layouts" in per_parameter_reason([grads[0], y])
+    assert float(grad_sq_sum([grads[0], y])) == pytest.approx(want)
+    partial = [DTensor.from_local(x, a, [Partial()])]
+    assert "partial" in per_parameter_reason(partial)
+    assert float(grad_sq_sum(partial)) == pytest.approx(float((x ** 2).sum()))
 
 
 def test_megatron_token_count_is_filled_on_the_device(one_rank_world, llama):

@@ -105,20 +105,34 @@ def current_lr(optimizer) -> float:
 FOREACH = True
 
 
+def per_parameter_reason(grads) -> Optional[str]:
+    """Why `grads` take the per-parameter norm rather than the foreach one (None: they take the
+    foreach one): FOREACH off, gradients of several layouts (a plain tensor beside DTensors, meshes
+    or placements that differ), or a partial placement (a sum still owed)."""
+    if not FOREACH:
+        return "optim.FOREACH is off"
+    first = grads[0]
+    mesh, placements = getattr(first, "device_mesh", None), getattr(first, "placements", None)
+    for g in grads[1:]:
+        # equal, not the same object: a mesh equal to the first has the same ranks and groups
+        if getattr(g, "device_mesh", None) != mesh or getattr(g, "placements", None) != placements:
+            return (f"gradients of two layouts: {getattr(g, 'device_mesh', None)} {getattr(g, 'placements', None)} "
+                    f"beside {mesh} {placements}")
+    if placements is not None and any(p.is_partial() for p in placements):
+        return f"a partial placement {placements}"
+    return None
+
+
 def grad_sq_sum(grads) -> torch.Tensor:
     """The sum of squares of `grads` over every shard, as a 0-d fp32 tensor on the gradients' device
     (no host read): each rank's local shards' sum of squares, all-reduced over the mesh dimensions
     they are sharded on (not over the replicas of HSDP, which hold the same values). Gradients of
-    other layouts (a plain tensor beside DTensors, several meshes, a partial placement) go through
-    torch's get_total_norm."""
-    first = grads[0]
-    mesh, placements = getattr(first, "device_mesh", None), getattr(first, "placements", None)
-    same = all(getattr(g, "device_mesh", None) is mesh and getattr(g, "placements", None) == placements
-               for g in grads)
-    if not FOREACH or not same or (placements is not None and any(p.is_partial() for p in placements)):
+    other layouts (per_parameter_reason) go through torch's get_total_norm."""
+    if per_parameter_reason(grads) is not None:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return norm.float() ** 2
+    mesh, placements = getattr(grads[0], "device_mesh", None), getattr(grads[0], "placements", None)
     local = [g.to_local() if mesh is not None else g for g in grads]
     sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)).float()) ** 2
     for dim, p in enumerate(placements or ()):
