@@ -128,10 +128,11 @@ test-vllm-range: $(VLLM_RANGE_VENV)/.installed cluster  # the cluster's packages
 
 # bwrap, /usr/bin/python3: the sandbox tests (unit tier) run its bwrap mode and an unprivileged uid's
 # payloads; `make test` gets both from the cluster's packages. On TEST_WORKERS xdist workers like
-# `make test` (one process left one core idle for the whole run).
+# `make test` (one process left one core idle for the whole run). The unit tests marked `heavy` (an
+# engine built, processes started) are left to make test, and so are the `long` ones.
 check: venv
 	bash scripts/ensure_bwrap.sh
-	$(PYTEST) -m "unit or check" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	$(PYTEST) -m "(unit and not heavy and not long) or check" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 	  --durations=10 $(PYTEST_ARGS)
 
 test-container: venv cluster

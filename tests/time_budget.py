@@ -32,6 +32,10 @@ TESTS = Path(__file__).resolve().parent
 # seconds of setup + call, by the test's tier (its folder under tests/); 0: none (the container
 # tests build a 4 GB image, tens of minutes fresh and a minute cached: its time follows the network)
 TIER_BUDGET_S = {"unit": 20, "jobs": 90, "dist": 150, "slurm": 200, "container": 0}
+# a unit test not marked `heavy` is in `make check`, the quick tier: its budget is this, not the
+# tier's (a unit test that needs more builds an engine or starts a process: mark it heavy, and
+# make test runs it, make check does not)
+QUICK_UNIT_BUDGET_S = 5
 
 # The slowest tests and shared fixtures: node id without parameters (or `fixture:<name>`) ->
 # (budget in seconds, why it cannot be cheaper). A parametrized test's entry holds for each case.
@@ -90,25 +94,29 @@ def tier(nodeid: str) -> str:
     return nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
 
 
-def budget(key: str, tier_name: str) -> tuple[float, str]:
-    """(seconds on a quiet machine, where the budget comes from) for a node id or `fixture:<name>`."""
+def budget(key: str, tier_name: str, quick: bool = False) -> tuple[float, str]:
+    """(seconds on a quiet machine, where the budget comes from) for a node id or `fixture:<name>`;
+    quick: a unit test of make check's (not marked heavy)."""
     entry = SLOWEST.get(re.sub(r"\[.*\]$", "", key))
     if entry is not None:
         return entry[0] * scale(), "its own (tests/time_budget.py, SLOWEST)"
+    if quick and tier_name == "unit":
+        return QUICK_UNIT_BUDGET_S * scale(), "make check's (a unit test not marked heavy)"
     return TIER_BUDGET_S.get(tier_name, TIER_BUDGET_S["unit"]) * scale(), f"the {tier_name or 'unit'} tier's"
 
 
-def over(key: str, tier_name: str, seconds: float, load: float = 1.0) -> str | None:
+def over(key: str, tier_name: str, seconds: float, load: float = 1.0, quick: bool = False) -> str | None:
     """The failure's line if `seconds` is over the budget of `key` stretched by `load` (load_factor),
     else None."""
-    limit, source = budget(key, tier_name)
+    limit, source = budget(key, tier_name, quick)
     if limit <= 0 or seconds <= limit * load:
         return None
     stretched = f" x {load:.1f} for the machine's load" if load > 1 else ""
     what = "setup" if key.startswith("fixture:") else "setup and call"
     return (f"time budget: {key} took {seconds:.0f} s of {what}, over {source} budget of "
-            f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or name it "
-            f"in tests/time_budget.py's SLOWEST with why it cannot be")
+            f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or "
+            + ("mark it `heavy` (make test runs it, make check does not)" if quick and tier_name == "unit"
+               else "name it in tests/time_budget.py's SLOWEST with why it cannot be"))
 
 
 def stale_entries() -> list[str]:
@@ -167,7 +175,7 @@ def pytest_runtest_makereport(item, call):
     shared = _shared.get(item.nodeid, [])
     lines = [over(f"fixture:{name}", t, s, load) for name, s in shared]
     own = item.stash.get(_SETUP_S, 0.0) + call.duration - sum(s for _, s in shared)
-    lines.append(over(item.nodeid, t, own, load))
+    lines.append(over(item.nodeid, t, own, load, quick=item.get_closest_marker("heavy") is None))
     lines = [x for x in lines if x]
     if lines:
         report.outcome = "failed"

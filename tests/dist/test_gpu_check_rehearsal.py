@@ -72,6 +72,8 @@ def hide_megatron(folder: Path) -> str:
     return f"{folder}{os.pathsep}{ROOT}"
 
 
+@pytest.mark.long  # the kit's command line again, with megatron hidden (make test-long, as the kit's other
+# rehearsals); make test covers the FSDP checks' logic in this process (tests/unit/test_gpu_check.py)
 def test_fsdp_checks_run_without_megatron(tmp_path):
     """With megatron hidden, the FSDP checks pass (any megatron import would fail them; the memory
     plan's says it has no GPU memory to measure once it has planned and trained its job) and the

@@ -78,7 +78,9 @@ def damage_tensor_bytes(path):
     path.write_bytes(raw[:8] + text.ljust(n, b" ") + raw[8 + n:])
 
 
-@pytest.mark.parametrize("stage", ["building the roles", "building the trainer"])
+# the roles' case in make test-long (a second job with vLLM built, the same last-line path): make test
+# keeps the trainer's
+@pytest.mark.parametrize("stage", [pytest.param("building the roles", marks=pytest.mark.long), "building the trainer"])
 def test_error_after_vllm_is_built_is_the_last_line(tmp_path, tiny_assets, stage):
     """An error raised after the vLLM engine came up (a critic's damaged weights while the roles are
     built; a reward module that cannot be imported while the trainer is built) ends the rank with

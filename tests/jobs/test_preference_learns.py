@@ -49,7 +49,11 @@ def greedy_before(warm_assets):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("loss,train_file", [("dpo", "preference_train"), ("kto", "kto_train")])
+# DPO's learning run is in make test-long (a second DPO job path: make test runs demo_dpo.yaml's job at
+# four layouts in tests/dist/trainer/test_trn_dpo.py, and its loss by hand in tests/unit/algorithms);
+# KTO's, the only KTO job, stays
+@pytest.mark.parametrize("loss,train_file", [pytest.param("dpo", "preference_train", marks=pytest.mark.long),
+                                             ("kto", "kto_train")])
 def test_trn_preference_training_learns(warm, greedy_before, tmp_path, loss, train_file):
     out = tmp_path / loss
     proc, s = run_here("configs/demo_dpo.yaml", out, f"model.path={warm}/sft/hf", *data_overrides(warm),

@@ -110,6 +110,9 @@ def test_worker_jobs_join_a_running_run_and_leave_it_without_ending_it(tiny_asse
     assert rate_after > 1.3 * rate_before, (rate_before, rate_after)
 
 
+@pytest.mark.long  # a second elastic run through Slurm (make test-long); make test covers a requeued
+# worker joining again with local ranks (tests/dist/trainer/test_elastic_job.py) and Slurm's requeue
+# rule in tests/unit/test_requeue_rule.py
 def test_a_worker_job_requeued_by_slurm_joins_again(tiny_assets, tmp_path):
     """`scontrol requeue` of a worker's array task (as Slurm does when its node fails): the task comes
     back under its job id with SLURM_RESTART_COUNT 1, and the run takes it as a new member, which loads

@@ -78,6 +78,9 @@ def test_dead_rank_fails_job_fast_and_names_log(tmp_path, smoke_job, failure_aft
     assert Path(m.group(2)).exists() and "dies on purpose" in Path(m.group(2)).read_text()
 
 
+@pytest.mark.long  # a third 4-rank Slurm job (make test-long); make test covers the warning flag on
+# every rank with local ranks (tests/dist/test_local_launch.py, USR2 and TERM) and Slurm's --signal
+# option in the submitter's script (tests/unit/test_submit.py)
 def test_warning_signal_sets_flag_on_all_ranks(tmp_path):
     r = submit(tmp_path, *FOUR_RANKS, "trainer.smoke.steps=600", "trainer.smoke.step_seconds=0.1",
                "--no-wait")

@@ -166,6 +166,7 @@ def preflight_problem(overrides) -> str:
     return one_line(e.value)
 
 
+@pytest.mark.heavy
 def test_preflight_passes_a_good_job(job):
     preflight(load_config(None, job[0]))
 
@@ -318,6 +319,7 @@ def test_latest_escaping_its_folder_is_refused_at_load_too(tmp_path):
         resolve(tmp_path)
 
 
+@pytest.mark.heavy
 def test_submit_dry_run_refuses_a_missing_data_file_in_one_line(job, tmp_path):
     missing = tmp_path / "gone.parquet"
     r = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "configs/demo_rl.yaml", "--dry-run",

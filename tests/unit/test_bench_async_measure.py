@@ -122,6 +122,7 @@ def test_bad_flags_are_one_line_errors(flags, says, capsys, tmp_path):
     assert "[measure]" not in captured.out  # nothing ran
 
 
+@pytest.mark.heavy
 def test_a_failed_job_ends_the_run_with_its_error_line_and_code(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('starting'); print('error: rollout.n: bad', file=sys.stderr); "
                                  "sys.exit(7)"]

@@ -123,6 +123,9 @@ def test_a_side_that_raises_is_closed_and_leaves_no_patch(tmp_path):
 ALL_SIDES = tuple(s for s in bench.SIDES if s != "fsdp_noliger")
 
 
+# The GPU benchmark's CPU rehearsals (the script end to end, every column built and stepped) are in
+# make test-long, as the GPU kit's are: make test keeps the script's parts that need no engine
+# (its side closing, time limit, FLOP and goal arithmetic, Liger report) below
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     """One CPU rehearsal of every side (one start-up of the script for the tests that read it), the
@@ -133,6 +136,7 @@ def rehearsal(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.long  # the script end to end (above)
 def test_cpu_rehearsal_runs_both_sides_end_to_end(rehearsal):
     out, r = rehearsal
     res = _check_result(r, out, sides=ALL_SIDES)
@@ -150,6 +154,7 @@ def test_cpu_rehearsal_runs_both_sides_end_to_end(rehearsal):
     assert not list(out.glob("model-*")), "the temporary model folder was left behind"
 
 
+@pytest.mark.long  # the script end to end (above)
 def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
     """A GPU image without megatron-core: the Megatron column is reported as not run (why), the
     FSDP engine and transformers run, the goals (the Megatron engine's) are not evaluated."""
@@ -164,6 +169,7 @@ def test_cpu_rehearsal_without_megatron_runs_the_fsdp_column(tmp_path):
     assert res["first_loss_abs_diff"]["fsdp"] < 1e-4
 
 
+@pytest.mark.long  # the script end to end (above)
 def test_cpu_rehearsal_runs_the_fsdp_variant_columns(rehearsal):
     """The columns that tell the engines' parts apart (the fsdp and megatron columns are checked by
     the first rehearsal): whole logits, the CPU's chunk budget (its chunks run: a quarter of the
@@ -200,6 +206,7 @@ def test_cpu_rehearsal_runs_the_fsdp_variant_columns(rehearsal):
             assert res["first_loss_abs_diff"][side] < 1e-4, side
 
 
+@pytest.mark.heavy
 def test_a_short_time_limit_drops_sides_not_the_peer(tmp_path):
     """The peers run first; a side that would not end within --time-limit (1.2 x the slowest side
     so far) is reported as not run, and the figures of the others are still written."""
@@ -212,6 +219,7 @@ def test_a_short_time_limit_drops_sides_not_the_peer(tmp_path):
     assert "goal: fsdp train >= 1.15x transformers: - NOT EVALUATED" in r.stdout
 
 
+@pytest.mark.heavy
 def test_a_gpu_run_without_gpu_fails_with_a_clear_message(tmp_path):
     r = _run_script(tmp_path, "--time-limit", "60", CUDA_VISIBLE_DEVICES="")  # no GPU, wherever it runs
     assert r.returncode == 1
@@ -363,6 +371,7 @@ def test_a_model_liger_patched_reports_its_mlp_without_act_fn(tmp_path, monkeypa
     assert gpu_step_sides.swiglu_kind(later) == "unfused (transformers.activations.SiLUActivation then a product)"
 
 
+@pytest.mark.heavy
 def test_logits_probe_rehearsal(tmp_path):
     """bench_gpu_logits.py on CPU: both lengths, every path, the chunked path equal to the whole
     logits, the goal lines (not evaluated on CPU)."""

@@ -212,6 +212,7 @@ def reading(pipe: Path, *command):
     (("verl_hpc.config", "{pipe}"), "[config] stopped by SIGINT before the config was checked\n"),
     (("verl_hpc.checkpoint", "inspect", "{folder}"), "[checkpoint] stopped by SIGINT during inspect\n"),
 ], ids=["config", "checkpoint"])
+@pytest.mark.heavy
 def test_ctrl_c_in_a_real_process(terminal_sigint, tmp_path, command, line):
     """A terminal's Ctrl-C while the command reads its input (the config; the checkpoint's index)."""
     folder = tmp_path / "step_000001"
@@ -231,6 +232,7 @@ def test_ctrl_c_in_a_real_process(terminal_sigint, tmp_path, command, line):
     assert (proc.returncode, err) == (130, line)
 
 
+@pytest.mark.heavy
 def test_a_real_process_exits_with_the_code_and_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "synthetic", str(tmp_path / "d"),
                           "--n-train", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)

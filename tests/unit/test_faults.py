@@ -21,6 +21,7 @@ print("patched")
 """
 
 
+@pytest.mark.heavy
 def test_a_subprocess_patches_each_module_on_import_and_runs_the_next_sitecustomize(tmp_path):
     other = tmp_path / "other"
     other.mkdir()

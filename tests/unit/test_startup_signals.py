@@ -58,6 +58,7 @@ def send(proc, sig):
 ], ids=["submit", "plan"])
 # SIGUSR2, Slurm's warning signal, ended both silently with 140 (issue 83, item 4)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2], ids=["SIGTERM", "SIGINT", "SIGUSR2"])
+@pytest.mark.heavy
 def test_a_signal_in_the_start_up_ends_it_with_one_line(terminal_sigint, tmp_path, program, line, sig):
     proc, pipe = start_reading(tmp_path, *program)
     try:
@@ -78,6 +79,7 @@ def test_a_signal_in_the_start_up_ends_it_with_one_line(terminal_sigint, tmp_pat
     assert err == line.format(sig.name), err
 
 
+@pytest.mark.heavy
 def test_a_rank_keeps_a_signal_of_its_start_up_and_stops_at_its_first_step(terminal_sigint, tmp_path):
     out = tmp_path / "out"
     proc, pipe = start_reading(tmp_path, "verl_hpc.job")

@@ -66,6 +66,7 @@ def test_submitit_private_script_hook_still_exists():
     ("charliecloud", f"ch-run --bind={REPO} --bind=/scratch --cd={REPO} verl_hpc:cpu -- python -u -m verl_hpc.job"),
     ("none", f"{sys.executable} -u -m verl_hpc.job"),
 ])
+@pytest.mark.heavy
 def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     image = {"apptainer": "/img/verl.sif", "charliecloud": "verl_hpc:cpu"}.get(runtime, "nvcr.io/me/verl:1")
     script = tmp_path / "job.sbatch"
@@ -89,6 +90,7 @@ def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     (["slurm.nodes=2", "--local"], ["slurm.nodes=2", "local run has one node"]),
     (["slurm.tasks_per_node=8", "slurm.gpus_per_node=4"], ["slurm.tasks_per_node", "GPU"]),
 ])
+@pytest.mark.heavy
 def test_impossible_jobs_are_refused_before_submission(args, words):
     r = run_submit("configs/smoke.yaml", "--dry-run", *args)
     assert r.returncode == 2, r.stdout + r.stderr

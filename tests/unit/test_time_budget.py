@@ -6,6 +6,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import time_budget
 from time_budget import SLOWEST, TIER_BUDGET_S
 
@@ -61,6 +63,7 @@ def test_the_load_beyond_the_suites_own_stretches_the_budgets(monkeypatch):
                                                               3 * TIER_BUDGET_S["unit"], load=2.0)
 
 
+@pytest.mark.heavy
 def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(tmp_path):
     # budgets scaled to 1 s (the unit tier's 20 s x 0.05): the shared fixture (0.6 s) and the test
     # that builds it (0.5 s) are each within theirs, together over; the slow test (1.5 s) and the slow

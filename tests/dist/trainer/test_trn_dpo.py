@@ -101,6 +101,8 @@ def stable_rows(out):
             for r in rows]
 
 
+@pytest.mark.long  # three launches (make test-long); make test covers a SIGTERM stop and a bitwise
+# resume in tests/jobs/test_resume.py and tests/dist/test_local_signals.py, and the DPO step here
 def test_trn_dpo_sigterm_then_resume_is_bitwise_the_straight_run(assets, tmp_path, wait_for_text):
     steps = 10
     straight, split = tmp_path / "straight", tmp_path / "split"

@@ -8,6 +8,7 @@ float-rounding differences of near-zero gradients at larger rates)."""
 import os
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from jobs import REPO, data_overrides, logs, metrics, run_here, run_job
@@ -34,6 +35,9 @@ def exported(out: Path, dest: Path):
     return load_file(str(dest / "model.safetensors"))
 
 
+@pytest.mark.long  # two launches, TP1 and TP2 (make test-long); make test covers episodes through the
+# real engines in tests/jobs/test_agent_job.py and tests/unit/rollout/test_episodes.py, and a TP2 step
+# equal to TP1 in tests/dist/trainer/test_trn_dpo.py and the engines' parity tests
 def test_trn_grpo_episodes_tp2_equal_tp1(tiny_assets, tmp_path):
     one, two = tmp_path / "tp1", tmp_path / "tp2"
     proc, _ = run_here("configs/demo_rl.yaml", one, *args(tiny_assets))

@@ -140,6 +140,7 @@ def test_inspect_refuses_a_damaged_rank_file_without_reading_the_data(ckpt, caps
         assert err.startswith(f"error: rank 1: file {path} {words}") and err.count("\n") == 1, err
 
 
+@pytest.mark.heavy
 def test_the_module_runs_as_a_command(ckpt):
     r = run(sys.executable, "-m", "verl_hpc.checkpoint", "inspect", str(ckpt))
     assert r.returncode == 0 and "decoder.final_layernorm.weight" in r.stdout, r.stderr

@@ -181,6 +181,7 @@ def test_to_yaml_reloads_to_an_equal_config(write):
 
 @settings(max_examples=15, deadline=None, derandomize=True)  # CI must not flake; 300 passed once
 @given(st.text(min_size=0, max_size=20), st.integers(min_value=1, max_value=10**9))
+@pytest.mark.heavy
 def test_property_strings_and_ints_survive_yaml_and_container(name, steps):
     cfg = from_container({"trainer": {"experiment_name": name, "total_steps": steps}})
     assert cfg.trainer.experiment_name == name and cfg.trainer.total_steps == steps

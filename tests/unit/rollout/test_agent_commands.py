@@ -73,6 +73,7 @@ def runner(engine, tok, scripts, *overrides):  # noqa: F811
     return AgentRunner(engine, tok, AgentOptions(cfg.agent, "zero", True, 6, sandbox=cfg.sandbox))
 
 
+@pytest.mark.heavy
 def test_an_openai_client_command_trains_on_the_recorded_ids(engine, tok, recorded, scripts):  # noqa: F811
     prompts = batch_of(3)
     spec = default_spec(n=2, max_tokens=6, temperature=1.0, top_p=1.0, top_k=-1)
@@ -121,6 +122,7 @@ BAD = {
 }
 
 
+@pytest.mark.heavy
 def test_each_failing_command_is_a_counted_sample_failure(engine, tok, scripts, caplog):  # noqa: F811
     commands = [c.replace("CALLS1", calls(scripts, 1)).replace("CALLS5", calls(scripts, 5)) for c in BAD]
     good = f"{calls(scripts, 2)}; echo '{{\"reward\": 0.5, \"info\": {{\"why\": \"fine\"}}}}'"

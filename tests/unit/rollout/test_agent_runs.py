@@ -53,6 +53,7 @@ def row_ids(batch, r):
     return batch.input_ids[r, :n].tolist()
 
 
+@pytest.mark.heavy
 def test_the_training_batch_holds_the_recorded_ids_over_512_calls(engine, tok, recorded, tiny_model):
     prompts = batch_of(16)
     with runner(engine, tok) as r:

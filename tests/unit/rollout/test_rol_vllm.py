@@ -194,6 +194,7 @@ def test_eos_ends_with_stop_and_min_tokens_holds_it_back(engine, hf, tiny_model,
         engine.load_weights(iter(original.items()))
 
 
+@pytest.mark.heavy
 def test_bad_update_breaks_the_engine_and_close_is_safe(built, engine, original):
     """Last: leaves the engine unusable on purpose."""
     import torch.distributed as dist

@@ -103,6 +103,7 @@ def test_a_new_version_replaces_the_old_and_the_sync_is_checked(engine, tiny_mod
         engine.load_adapter = real
 
 
+@pytest.mark.heavy
 def test_engines_without_lora_slots_say_so(tiny_model):
     from verl_hpc.config.sections.lora import vllm_slot_rank
 

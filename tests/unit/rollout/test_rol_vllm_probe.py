@@ -38,6 +38,7 @@ def verdicts(tmp_path_factory):
         yield folders, dict(zip(folders, vllm_probe.probe_all(list(folders.values())))), root / "cache"
 
 
+@pytest.mark.heavy
 def test_vllm_names_the_stablelm_qk_norm_tensors_it_has_no_place_for(verdicts):
     folders, v, _ = verdicts
     qk = v["stablelm_qknorm"]

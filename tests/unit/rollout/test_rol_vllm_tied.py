@@ -31,6 +31,7 @@ def engine(tied_model):
     engine.close()
 
 
+@pytest.mark.heavy
 def test_tied_head_follows_every_weight_update(engine, tied_model):
     assert_matches(engine.generate(PROMPTS, GREEDY), hf_greedy(load_hf(tied_model), PROMPTS))
     for seed in (11, 12):  # twice: the refresh must not only work the first time
@@ -42,6 +43,7 @@ def test_tied_head_follows_every_weight_update(engine, tied_model):
         print(f"seed {seed}: max |logprob diff| = {diff:.2e}")
 
 
+@pytest.mark.heavy
 def test_without_the_refresh_the_head_is_stale(engine, tied_model, monkeypatch):
     """Shows the hazard is real in this vLLM (so the refresh is not dead code): skip it, and the
     engine answers from the old output projection."""

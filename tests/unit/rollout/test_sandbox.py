@@ -49,6 +49,7 @@ def next_run_works(box):
     assert (result.stdout, result.status, result.exit_code, result.ok) == ("42\n", "ok", 0, True), result
 
 
+@pytest.mark.heavy
 def test_a_file_past_max_file_bytes(box):
     result = run(box, "open('big', 'wb').write(bytes(2 * 2**20))")  # max_file_bytes: 1 MiB (default)
     assert result.status == "error" and "File too large" in result.stderr, result

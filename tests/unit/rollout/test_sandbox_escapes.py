@@ -41,6 +41,7 @@ def _root_box(mode, scratch_root):
     return Sandbox(mode=mode, scratch_root=scratch_root, python=python, **LIMITS)
 
 
+@pytest.mark.heavy
 def test_root_rank(scratch_root):
     assert os.geteuid() == 0, "the suite's ranks run as root (CI, the dev cluster): this column needs it"
     assert {"pids", "memory", "cpu"} <= set(RunCgroups.bases()), (
@@ -51,6 +52,7 @@ def test_root_rank(scratch_root):
     assert os.listdir(scratch_root) == []  # every run's folder removed
 
 
+@pytest.mark.heavy
 def test_user_rank(scratch_root):
     """The same payloads from a process of an unprivileged uid, on a copy of the sandbox's source
     (the uid may not read the checkout or the venv: CI may clone under /root)."""
@@ -94,12 +96,14 @@ def test_code_is_never_run_as_root(scratch_root):
         assert "unprivileged uid" in box.describe()
 
 
+@pytest.mark.heavy
 def test_each_run_has_its_own_uid(scratch_root):
     box = _root_box("bwrap", scratch_root)
     uids = {box.run_python("import os\nprint(os.getuid())").stdout for _ in range(3)}
     assert len(uids) == 3 and all(box.uid_base <= int(u) < box.uid_base + (1 << 24) for u in uids)
 
 
+@pytest.mark.heavy
 def test_cpu_time_is_counted_over_the_tree_without_a_cgroup(scratch_root, monkeypatch):
     """Where no cgroup counts the run (a user's rank), the watcher sums the process tree."""
     box = _root_box("namespaces", scratch_root)

@@ -155,6 +155,7 @@ def test_the_drafter_folder_is_the_policys_first_layers(engines):
     assert _same(draft, target)
 
 
+@pytest.mark.heavy
 def test_the_synced_drafter_follows_the_policy_and_the_frozen_one_goes_stale(engines, policy, capsys):
     plain, kept, frozen = engines
     reference = plain.generate(PROMPTS, GREEDY)
@@ -230,6 +231,7 @@ def test_the_engine_refuses_layouts_it_does_not_sync(tiny_model, kw, wanted):
         draft_sync.DraftSync(tiny_model, 2)
 
 
+@pytest.mark.heavy
 def test_a_frozen_draft_models_tp_slices_rebuild_its_folder(policy, tmp_path):
     """rollout.tp = 2: each rank keeps its part of the draft folder's tensors by the decoder layers'
     rules (q/k/v and gate/up rows, o/down columns, the vocabulary by padded rows, norms whole), and

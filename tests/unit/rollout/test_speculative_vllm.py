@@ -95,6 +95,7 @@ def test_the_section_reaches_vllm(engines):
 
 
 @pytest.mark.numerics  # greedy tokens of two engines and transformers, log-probs within 1e-4: make test-portable
+@pytest.mark.heavy
 def test_greedy_tokens_and_logprobs_are_identical(engines, hf):
     plain, spec = engines
     greedy = default_spec(temperature=0, max_tokens=32)
@@ -201,6 +202,7 @@ def distinct_prompt():
 
 
 @pytest.mark.numerics  # a z-bound on seeded samples: make test-portable
+@pytest.mark.heavy
 def test_sampled_distribution_holds_and_a_broken_acceptance_step_fails(engines, hf, distinct_prompt, monkeypatch):
     from vllm.v1.sample import rejection_sampler
     from test_speculative_sampler import accept_all
@@ -274,6 +276,7 @@ def test_tool_episodes_keep_their_token_exact_records(engines, hf, tiny_model):
         assert max(abs(x - y) for x, y in model) <= TOL
 
 
+@pytest.mark.heavy
 def test_another_engine_can_be_built_after_an_ngram_engine_ran(engines, tiny_model):
     """The n-gram proposer loaded numba/llvmlite, which broke vLLM's kernel scan at the next engine
     construction until vllm_cpu_spec.apply() (another module's engines come after this one's)."""
@@ -299,6 +302,7 @@ e.close()
 """
 
 
+@pytest.mark.heavy
 def test_an_ngram_engine_keeps_the_ranks_thread_count(tiny_model, tmp_path):
     """vLLM's n-gram proposer restores numba's default thread count after each lookup, which with
     numba's OpenMP layer is also the thread's OpenMP count: without vllm_cpu_spec's NUMBA_NUM_THREADS
@@ -318,6 +322,7 @@ def test_an_ngram_engine_keeps_the_ranks_thread_count(tiny_model, tmp_path):
 
 
 @pytest.mark.numerics  # acceptance 1.0 of a drafter equal to the policy (its argmax, rounding apart): make test-portable
+@pytest.mark.heavy
 def test_a_frozen_draft_model_stays_lossless_and_goes_stale(engines, tiny_model, hf, tmp_path):
     """draft_model: the drafter is frozen (the weight sync re-sends its folder's tensors, not the
     policy's). A drafter equal to the policy has every greedy proposal accepted; after the policy moves,

@@ -49,6 +49,7 @@ def test_each_kind_of_turn_gets_its_reply(turns):
     assert "limit of 2" in many.observations[2]
 
 
+@pytest.mark.heavy
 def test_python_calls_run_in_the_real_sandbox_and_the_next_episode_runs():
     cfg = load_config(None, ["multi_turn.tools=[python]", "sandbox.wall_time_s=2", "sandbox.cpu_time_s=1"])
     registry = ToolRegistry.from_config(cfg.multi_turn, cfg.sandbox, allow_custom_code=cfg.safety.allow_custom_code)

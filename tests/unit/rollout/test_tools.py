@@ -315,6 +315,7 @@ def test_pool_from_config_uses_the_cores_the_rank_leaves_free():
     assert out.text == "838102050"
 
 
+@pytest.mark.heavy
 def test_an_abandoned_call_does_not_keep_the_rank_from_exiting():
     script = textwrap.dedent("""
         import time

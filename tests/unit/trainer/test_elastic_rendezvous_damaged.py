@@ -58,6 +58,7 @@ def test_a_running_run_whose_store_is_gone_is_refused_naming_the_store(tmp_path)
         Rendezvous.join(tmp_path).check_store(timeout_s=2)
 
 
+@pytest.mark.heavy
 def test_submit_join_prints_one_line_and_exits_30(tmp_path):
     _written(tmp_path, store=["node17", "http"])
     proc = subprocess.run([sys.executable, "-m", "verl_hpc.submit", "--join", str(tmp_path), "--local"],

@@ -64,6 +64,7 @@ def test_rl_hook_order(one_rank_world, tmp_path, tiny_model):
                      "PreemptionHook"]
 
 
+@pytest.mark.heavy
 def test_rollback_hook_rewinds_through_the_real_trainer(one_rank_world, tmp_path, tiny_model):
     trainer = _trainer(tmp_path, tiny_model, set(), "trainer.total_steps=5", "checkpoint.save_every=1",
                        "checkpoint.keep_last=0", "trainer.rollback.enable=true", "trainer.rollback.rollback_steps=2",

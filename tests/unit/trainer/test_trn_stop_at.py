@@ -41,6 +41,7 @@ def test_trn_stop_when_the_wall_time_budget_is_spent(tmp_path):
     assert "trainer.stop_at.wall_time_s" in summary["stop_reason"]
 
 
+@pytest.mark.heavy
 def test_trn_validation_has_its_own_timing_out_of_the_step(tmp_path, monkeypatch):
     import time
 
