@@ -102,10 +102,19 @@ for procs in glob.glob("/sys/fs/cgroup/cgroup.procs") + glob.glob("/sys/fs/cgrou
         print("held", procs, e.strerror)
 '''
 
+# The 7 children hold their memfds at the same time whatever the machine's load: each says so on a
+# pipe once its 60 MiB are written and holds them until the parent lets go, and the parent claims
+# the escape only when all 7 have said it (a fixed sleep let a loaded machine's children finish one
+# after the other, never over the limit together). A child the limit kills closes its end: the
+# parent reads the pipe's end, not 7 bytes, and claims nothing.
 MEMFDS_MANY = r'''
-import os, time
+import os
+said_r, said_w = os.pipe()
+go_r, go_w = os.pipe()
 for _ in range(7):
     if os.fork() == 0:
+        os.close(said_r)
+        os.close(go_w)
         fds = []
         try:
             for _ in range(60):
@@ -114,10 +123,20 @@ for _ in range(7):
                 fds.append(fd)
         except OSError:
             pass
-        time.sleep(1)
+        os.write(said_w, b"1")
+        os.read(go_r, 1)  # the parent's end closing: all 7 held theirs at once
         os._exit(0)
-time.sleep(0.6)
-print("ESCAPED: 7 processes hold their memfds")  # ~420 MiB against 256 + the sandbox's own
+os.close(said_w)
+os.close(go_r)
+said = b""
+while len(said) < 7:
+    more = os.read(said_r, 7)
+    if not more:
+        break
+    said += more
+if len(said) == 7:
+    print("ESCAPED: 7 processes hold their memfds")  # ~420 MiB against 256 + the sandbox's own
+os.close(go_w)
 for _ in range(7):
     os.wait()
 '''
