@@ -228,6 +228,8 @@ def test_a_preempted_run_with_workers_attached_resumes_and_takes_new_workers(tin
     assert trained == _stream(tiny_assets, out)
 
 
+@pytest.mark.long  # a second elastic launch (make test-long); make test covers the minimum-pool rule in
+# tests/unit/trainer/test_elastic_ledger.py and an elastic job's workers in the test above
 def test_a_pool_below_its_minimum_for_too_long_stops_the_run_naming_it(tiny_assets, tmp_path):
     out = tmp_path / "run"
     args = [*job_args(tiny_assets, out), "placement.elastic.min_rollout_workers=1", "placement.elastic.lost_timeout_s=5"]
