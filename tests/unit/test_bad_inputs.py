@@ -588,6 +588,41 @@ def test_watchdog_does_not_count_time_inside_a_collective(monkeypatch):
     assert dog.stalled is None
 
 
+def test_watchdog_reads_the_stack_with_the_collector_off(monkeypatch):
+    """No collection can start inside sys._current_frames (Python 3.11 holds the thread-list lock
+    there: a finalizer that lets go of the GIL deadlocks the process); the collector is on again
+    afterwards, and stays off where it was off."""
+    import gc
+    import threading
+
+    from verl_hpc.runtime import watchdog
+
+    seen = []
+    real = sys._current_frames
+
+    def spy():
+        seen.append(gc.isenabled())
+        return real()
+
+    monkeypatch.setattr(sys, "_current_frames", spy)
+    assert gc.isenabled()
+    assert watchdog.frame_of(threading.main_thread().ident) is not None
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        watchdog.frame_of(threading.main_thread().ident)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+    dog = watchdog.StageWatchdog(30, rank=0, poll_s=0.02, exit_on_stall=False).start()
+    dog.stage("rollout")
+    end = time.time() + 10
+    while len(seen) < 5 and time.time() < end:
+        time.sleep(0.02)
+    dog.stop()
+    assert len(seen) >= 5 and not any(seen), seen  # the thread's own reads, each with it off
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     from verl_hpc.models.tiny import make_tiny_model

@@ -17,11 +17,15 @@ prints `error: rank N: stalled ...` naming the stage and the code line it is stu
 the process with exit code 16 (os._exit: the main thread cannot be interrupted from here); the
 launcher (srun --kill-on-bad-exit, or the local launcher) then ends the other ranks.
 
+The stack is read with the garbage collector off (`frame_of`): on Python 3.11 a collection
+inside `sys._current_frames` could stop the whole process for good.
+
 Limit: code that holds the GIL without releasing it (a C extension looping forever) stops this
 thread too; the other ranks' collective timeout still ends such a job.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -34,6 +38,23 @@ from verl_hpc.errors import VerlHpcError
 log = logging.getLogger(__name__)
 EXIT_CODE = 16
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
+
+
+def frame_of(thread_id: int):
+    """The innermost frame of thread `thread_id` (None if it has ended), read with the garbage
+    collector off. Python 3.11's sys._current_frames holds the interpreter's thread-list lock while
+    it builds its dict; a collection starting there runs finalizers, and one that lets go of the GIL
+    (an HTTP client's socket close: the openai client's) leaves the lock held without the GIL. A
+    thread that ends then takes the GIL and waits for the lock, this thread waits for the GIL, and
+    every thread of the process waits for ever (cpython issue 106883; an agent job in the suite
+    stopped so, its watchdog with it). Off for the read alone: a few microseconds."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread_id)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class StageStalledError(VerlHpcError, RuntimeError):
@@ -67,7 +88,7 @@ class StageWatchdog:
 
     def _where(self):
         """(in a collective?, innermost frame of our own or user code as 'file:line in fn')."""
-        frame = sys._current_frames().get(self._main)
+        frame = frame_of(self._main)
         where, in_collective = "?", False
         while frame is not None:
             path = frame.f_code.co_filename
