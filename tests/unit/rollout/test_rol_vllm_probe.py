@@ -49,6 +49,7 @@ def test_vllm_names_the_stablelm_qk_norm_tensors_it_has_no_place_for(verdicts):
         assert (v[arch]["unplaced"], v[arch]["unfilled"], v[arch]["more"]) == ([], [], False), (arch, v[arch])
 
 
+@pytest.mark.heavy  # the module's verdicts fixture: a vLLM probe in a subprocess
 def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class_serves_the_others(
         verdicts, tmp_path, monkeypatch, caplog):
     from verl_hpc.launcher.preflight import preflight
@@ -86,6 +87,7 @@ def test_the_qk_norm_folder_runs_in_the_transformers_backend_and_vllms_own_class
         preflight(load_config(None, [f"model.path={model}", *job]))
 
 
+@pytest.mark.heavy  # the module's verdicts fixture: a vLLM probe in a subprocess
 def test_a_class_that_does_not_build_or_load_the_folder_is_named(verdicts):
     """vLLM 0.25's own Phi and Cohere classes refuse the tiny folders (its Phi sizes the MLP at
     4 x hidden whatever intermediate_size says; its Cohere class asserts tied embeddings): the probe
