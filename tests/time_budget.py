@@ -32,7 +32,7 @@ TESTS = Path(__file__).resolve().parent
 # seconds of setup + call, by the test's tier (its folder under tests/); 0: none (the container
 # tests build a 4 GB image, tens of minutes fresh and a minute cached: its time follows the network)
 TIER_BUDGET_S = {"unit": 20, "jobs": 90, "dist": 150, "slurm": 200, "container": 0}
-# a unit test not marked `heavy` is in `make check`, the quick tier: its budget is this, not the
+# a unit test marked neither `heavy` nor `long` is in `make check`, the quick tier: its budget is this, not the
 # tier's (a unit test that needs more builds an engine or starts a process: mark it heavy, and
 # make test runs it, make check does not)
 QUICK_UNIT_BUDGET_S = 5
@@ -175,7 +175,8 @@ def pytest_runtest_makereport(item, call):
     shared = _shared.get(item.nodeid, [])
     lines = [over(f"fixture:{name}", t, s, load) for name, s in shared]
     own = item.stash.get(_SETUP_S, 0.0) + call.duration - sum(s for _, s in shared)
-    lines.append(over(item.nodeid, t, own, load, quick=item.get_closest_marker("heavy") is None))
+    in_check = all(item.get_closest_marker(m) is None for m in ("heavy", "long"))  # what make check runs
+    lines.append(over(item.nodeid, t, own, load, quick=in_check))
     lines = [x for x in lines if x]
     if lines:
         report.outcome = "failed"

@@ -114,3 +114,15 @@ def test_a_run_fails_the_test_over_its_budget_and_charges_shared_fixtures_apart(
     # a shared fixture over its own budget fails the test that built it, naming the fixture
     assert re.search(r"time budget: fixture:slow_shared took \d+ s of setup, over the unit tier's budget of 1 s",
                      r.stdout), r.stdout
+
+
+def test_a_quick_unit_test_has_make_checks_budget(monkeypatch):
+    """A unit test make check runs (neither heavy nor long) has 5 s; a heavy one the tier's 20 s."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    monkeypatch.setenv("VERL_HPC_TIME_BUDGET_SCALE", "1")
+    node = "tests/unit/test_x.py::test_y"
+    line = time_budget.over(node, "unit", 6.0, quick=True)
+    assert line and "make check's" in line and "mark it `heavy`" in line
+    assert time_budget.over(node, "unit", 6.0, quick=False) is None
+    assert time_budget.over(node, "unit", 4.0, quick=True) is None
+    assert time_budget.over("tests/jobs/test_x.py::test_y", "jobs", 6.0, quick=True) is None  # unit tier only
