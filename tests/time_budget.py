@@ -94,29 +94,32 @@ def tier(nodeid: str) -> str:
     return nodeid.split("/")[1] if nodeid.startswith("tests/") else ""
 
 
-def budget(key: str, tier_name: str, quick: bool = False) -> tuple[float, str]:
-    """(seconds on a quiet machine, where the budget comes from) for a node id or `fixture:<name>`;
-    quick: a unit test of make check's (not marked heavy)."""
+_CHEAPER_OR_SLOWEST = "name it in tests/time_budget.py's SLOWEST with why it cannot be"
+
+
+def budget(key: str, tier_name: str, quick: bool = False) -> tuple[float, str, str]:
+    """(seconds on a quiet machine, where the budget comes from, what to do beside making it
+    cheaper) for a node id or `fixture:<name>`; quick: a test make check runs (neither heavy nor long)."""
     entry = SLOWEST.get(re.sub(r"\[.*\]$", "", key))
     if entry is not None:
-        return entry[0] * scale(), "its own (tests/time_budget.py, SLOWEST)"
+        return entry[0] * scale(), "its own (tests/time_budget.py, SLOWEST)", _CHEAPER_OR_SLOWEST
     if quick and tier_name == "unit":
-        return QUICK_UNIT_BUDGET_S * scale(), "make check's (a unit test not marked heavy)"
-    return TIER_BUDGET_S.get(tier_name, TIER_BUDGET_S["unit"]) * scale(), f"the {tier_name or 'unit'} tier's"
+        return (QUICK_UNIT_BUDGET_S * scale(), "make check's (a unit test not marked heavy)",
+                "mark it `heavy` (make test runs it, make check does not)")
+    return (TIER_BUDGET_S.get(tier_name, TIER_BUDGET_S["unit"]) * scale(), f"the {tier_name or 'unit'} tier's",
+            _CHEAPER_OR_SLOWEST)
 
 
 def over(key: str, tier_name: str, seconds: float, load: float = 1.0, quick: bool = False) -> str | None:
     """The failure's line if `seconds` is over the budget of `key` stretched by `load` (load_factor),
     else None."""
-    limit, source = budget(key, tier_name, quick)
+    limit, source, advice = budget(key, tier_name, quick)
     if limit <= 0 or seconds <= limit * load:
         return None
     stretched = f" x {load:.1f} for the machine's load" if load > 1 else ""
     what = "setup" if key.startswith("fixture:") else "setup and call"
     return (f"time budget: {key} took {seconds:.0f} s of {what}, over {source} budget of "
-            f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or "
-            + ("mark it `heavy` (make test runs it, make check does not)" if quick and tier_name == "unit"
-               else "name it in tests/time_budget.py's SLOWEST with why it cannot be"))
+            f"{limit:.0f} s{stretched} (docs/testing.md, \"Time budget\"): make it cheaper, or {advice}")
 
 
 def stale_entries() -> list[str]:

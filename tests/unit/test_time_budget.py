@@ -126,3 +126,6 @@ def test_a_quick_unit_test_has_make_checks_budget(monkeypatch):
     assert time_budget.over(node, "unit", 6.0, quick=False) is None
     assert time_budget.over(node, "unit", 4.0, quick=True) is None
     assert time_budget.over("tests/jobs/test_x.py::test_y", "jobs", 6.0, quick=True) is None  # unit tier only
+    slow = next(k for k in SLOWEST if k.startswith("tests/unit/"))  # its own budget, its own advice
+    line = time_budget.over(slow, "unit", 10 ** 6, quick=True)
+    assert "SLOWEST" in line and "heavy" not in line
