@@ -597,30 +597,35 @@ def test_watchdog_reads_the_stack_with_the_collector_off(monkeypatch):
 
     from verl_hpc.runtime import watchdog
 
-    seen = []
+    seen = []  # (the reading thread, collector on?): a watchdog left by an earlier test may read too
     real = sys._current_frames
 
     def spy():
-        seen.append(gc.isenabled())
+        seen.append((threading.get_ident(), gc.isenabled()))
         return real()
 
+    def mine(ident):
+        return [on for who, on in seen if who == ident]
+
+    me = threading.get_ident()
     monkeypatch.setattr(sys, "_current_frames", spy)
     assert gc.isenabled()
-    assert watchdog.frame_of(threading.main_thread().ident) is not None
-    assert seen == [False] and gc.isenabled()
+    assert watchdog.frame_of(me) is not None
+    assert mine(me) == [False] and gc.isenabled()
     gc.disable()
     try:
-        watchdog.frame_of(threading.main_thread().ident)
-        assert seen == [False, False] and not gc.isenabled()
+        watchdog.frame_of(me)
+        assert mine(me) == [False, False] and not gc.isenabled()
     finally:
         gc.enable()
     dog = watchdog.StageWatchdog(30, rank=0, poll_s=0.02, exit_on_stall=False).start()
     dog.stage("rollout")
     end = time.time() + 10
-    while len(seen) < 5 and time.time() < end:
+    while len(mine(dog._thread.ident)) < 5 and time.time() < end:
         time.sleep(0.02)
     dog.stop()
-    assert len(seen) >= 5 and not any(seen), seen  # the thread's own reads, each with it off
+    reads = mine(dog._thread.ident)
+    assert len(reads) >= 5 and not any(reads), seen  # the thread's own reads, each with it off
 
 
 @pytest.fixture(scope="module")
