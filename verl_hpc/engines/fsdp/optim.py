@@ -105,19 +105,22 @@ def current_lr(optimizer) -> float:
 FOREACH = True
 
 
+def _layout(grad):
+    """(mesh, placements) of a DTensor gradient; (None, None) for a plain tensor."""
+    return getattr(grad, "device_mesh", None), getattr(grad, "placements", None)
+
+
 def per_parameter_reason(grads) -> Optional[str]:
     """Why `grads` take the per-parameter norm rather than the foreach one (None: they take the
     foreach one): FOREACH off, gradients of several layouts (a plain tensor beside DTensors, meshes
     or placements that differ), or a partial placement (a sum still owed)."""
     if not FOREACH:
         return "optim.FOREACH is off"
-    first = grads[0]
-    mesh, placements = getattr(first, "device_mesh", None), getattr(first, "placements", None)
+    mesh, placements = _layout(grads[0])
     for g in grads[1:]:
         # equal, not the same object: a mesh equal to the first has the same ranks and groups
-        if getattr(g, "device_mesh", None) != mesh or getattr(g, "placements", None) != placements:
-            return (f"gradients of two layouts: {getattr(g, 'device_mesh', None)} {getattr(g, 'placements', None)} "
-                    f"beside {mesh} {placements}")
+        if _layout(g) != (mesh, placements):
+            return f"gradients of two layouts: {_layout(g)} beside {(mesh, placements)}"
     if placements is not None and any(p.is_partial() for p in placements):
         return f"a partial placement {placements}"
     return None
@@ -132,7 +135,7 @@ def grad_sq_sum(grads) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return norm.float() ** 2
-    mesh, placements = getattr(grads[0], "device_mesh", None), getattr(grads[0], "placements", None)
+    mesh, placements = _layout(grads[0])
     local = [g.to_local() if mesh is not None else g for g in grads]
     sq = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(local)).float()) ** 2
     for dim, p in enumerate(placements or ()):
