@@ -192,8 +192,10 @@ def grpo(root: Path, out: Path, *extra, ranks: int = 1, timeout: int = 400):
 
 
 def small(root: Path, *extra):
-    """3 RL steps of 4 prompts with tiny micro-batches (every recipe's test, the mismatch tests)."""
-    return [f"model.path={root}/model", *data_overrides(root), "rollout.engine=hf",
+    """3 RL steps of 4 prompts with tiny micro-batches (every recipe's test, the mismatch tests).
+    No PNG curves: drawing them is about a third of such a job's CPU, and the tests that look at
+    the curves ask for them (tests/unit/tracking, test_trn_moe.py, test_tasks_guard.py)."""
+    return [f"model.path={root}/model", *data_overrides(root), "rollout.engine=hf", "tracking.plots=false",
             "trainer.total_steps=3", "trainer.val_every=0", "data.train_batch_size=4",
             "data.max_response_length=4", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
             "actor.micro_batch_size=2", "critic.micro_batch_size=2", "actor.optim.lr=1e-4",
