@@ -104,7 +104,7 @@ def budget(key: str, tier_name: str, quick: bool = False) -> tuple[float, str, s
     if entry is not None:
         return entry[0] * scale(), "its own (tests/time_budget.py, SLOWEST)", _CHEAPER_OR_SLOWEST
     if quick and tier_name == "unit":
-        return (QUICK_UNIT_BUDGET_S * scale(), "make check's (a unit test not marked heavy)",
+        return (QUICK_UNIT_BUDGET_S * scale(), "make check's (a unit test marked neither heavy nor long)",
                 "mark it `heavy` (make test runs it, make check does not)")
     return (TIER_BUDGET_S.get(tier_name, TIER_BUDGET_S["unit"]) * scale(), f"the {tier_name or 'unit'} tier's",
             _CHEAPER_OR_SLOWEST)

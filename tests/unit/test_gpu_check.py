@@ -376,16 +376,16 @@ def test_gpu_all_runs_steps_with_limits_and_writes_the_summary(tmp_path):
              gpu_all.Step("bad", [py, "-c", "import sys; sys.exit(3)"], 30),
              gpu_all.Step("slow", [py, "-c", "import time; time.sleep(60)"], 1.5),
              gpu_all.Step("gated", [py, "-c", "pass"], 30, precondition=lambda: "needs pyarrow")]
-    said = []
+    quiet = lambda *a, **k: None  # noqa: E731 - run_all's progress lines
     # a budget no step reaches, on any machine: each step ends by its own outcome or limit
-    out = gpu_all.run_all(steps, tmp_path, budget_s=600, log=lambda *a, **k: said.append(a))
+    out = gpu_all.run_all(steps, tmp_path, budget_s=600, log=quiet)
     status = {o.step.name: o.status for o in out}
     assert status == {"install": "SKIPPED", "ok": "PASS", "bad": "FAIL", "slow": "TIMEOUT", "gated": "SKIPPED"}
     assert next(o for o in out if o.step.name == "slow").seconds < 10  # killed at its limit
     # the run's budget: the step under way is killed at it, whatever its own limit, and the next is skipped
     spent = gpu_all.run_all([gpu_all.Step("long", [py, "-c", "import time; time.sleep(60)"], 600),
                              gpu_all.Step("late", [py, "-c", "pass"], 600)],
-                            tmp_path, budget_s=1.5, log=lambda *a, **k: None)
+                            tmp_path, budget_s=1.5, log=quiet)
     assert [o.status for o in spent] == ["TIMEOUT", "SKIPPED"] and spent[0].seconds < 10, spent
     assert spent[1].detail == "out of time"
     assert "hello" in (tmp_path / "ok.log").read_text()
