@@ -135,10 +135,11 @@ ROW = {"prompt": "2+2?", "data_source": "gsm8k", "ground_truth": "4"}
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "verl_hpc.models.tiny", str(folder), "--layers", "2"], cwd=REPO,
-                   check=True, capture_output=True, timeout=300)
-    return folder
+    from verl_hpc.models.tiny import make_tiny_model
+
+    # in this process: the command line's start-up (7 CPU-s) checks nothing here; tests/jobs.py's
+    # assets and tests/unit/test_cli_errors.py run the command
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2)
 
 
 @pytest.fixture

@@ -14,9 +14,13 @@ from verl_hpc.launcher.plan import make_plan
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_submit(*args):
-    return subprocess.run([sys.executable, "-m", "verl_hpc.submit", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+def run_submit(monkeypatch, capsys, *args):
+    """`python -m verl_hpc.submit ARGS` in this process (its main, as the program calls it; the program's
+    own start-up is the dist and Slurm tiers' every launch): (exit code, stdout, stderr)."""
+    monkeypatch.chdir(REPO)
+    code = submit.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_dry_run_prints_plan_and_submitit_script(tmp_path, monkeypatch, capsys):
@@ -66,14 +70,13 @@ def test_submitit_private_script_hook_still_exists():
     ("charliecloud", f"ch-run --bind={REPO} --bind=/scratch --cd={REPO} verl_hpc:cpu -- python -u -m verl_hpc.job"),
     ("none", f"{sys.executable} -u -m verl_hpc.job"),
 ])
-@pytest.mark.heavy
-def test_sbatch_script_container_flags(tmp_path, runtime, needle):
+def test_sbatch_script_container_flags(tmp_path, monkeypatch, capsys, runtime, needle):
     image = {"apptainer": "/img/verl.sif", "charliecloud": "verl_hpc:cpu"}.get(runtime, "nvcr.io/me/verl:1")
     script = tmp_path / "job.sbatch"
-    r = run_submit("configs/smoke.yaml", "--sbatch-script", str(script),
-                   f"slurm.container.runtime={runtime}", f"slurm.container.image={image}",
-                   "slurm.container.mounts=[/scratch]")
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_submit(monkeypatch, capsys, "configs/smoke.yaml", "--sbatch-script", str(script),
+                              f"slurm.container.runtime={runtime}", f"slurm.container.image={image}",
+                              "slurm.container.mounts=[/scratch]")
+    assert code == 0, err
     text = script.read_text()
     assert needle in text, text
     if runtime == "charliecloud":  # mount points made in the image before srun; PMIx without shm
@@ -90,11 +93,10 @@ def test_sbatch_script_container_flags(tmp_path, runtime, needle):
     (["slurm.nodes=2", "--local"], ["slurm.nodes=2", "local run has one node"]),
     (["slurm.tasks_per_node=8", "slurm.gpus_per_node=4"], ["slurm.tasks_per_node", "GPU"]),
 ])
-@pytest.mark.heavy
-def test_impossible_jobs_are_refused_before_submission(args, words):
-    r = run_submit("configs/smoke.yaml", "--dry-run", *args)
-    assert r.returncode == 2, r.stdout + r.stderr
-    err = r.stderr.strip()
+def test_impossible_jobs_are_refused_before_submission(monkeypatch, capsys, args, words):
+    code, out, err = run_submit(monkeypatch, capsys, "configs/smoke.yaml", "--dry-run", *args)
+    assert code == 2, out + err
+    err = err.strip()
     assert err.startswith("error: ") and "Traceback" not in err
     for w in words:
         assert w in err, err

@@ -1,7 +1,7 @@
 """trainer.job=dpo through the real engine.
 
-- One DPO step at TP2, at PP2, and with dynamic batching over two data-parallel ranks gives the TP1
-  weights (within 1e-5), and the step's first loss is log 2 (policy = reference). With dynamic
+- One DPO step at TP2, at PP2 (both in make test-long), and with dynamic batching over two
+  data-parallel ranks gives the TP1 weights (within 1e-5), and the step's first loss is log 2 (policy = reference). With dynamic
   batching the pairs' chosen and rejected rows land in different micro-batches and on different
   ranks (checked on the engine's own plan), so the loss is right because of the two-pass step, not
   because pairs happen to stay together.
@@ -78,21 +78,35 @@ def first_batch_plan(assets, dp):
     return plan_microbatches(lengths, dp, max_tokens=BUDGET)
 
 
-def test_trn_dpo_step_tp2_pp2_dynamic_batching_equal_tp1(assets, tmp_path):
-    base, summary = dpo(assets, tmp_path / "tp1", 1)
+@pytest.fixture(scope="module")
+def tp1_step(tiny_assets, tmp_path_factory):
+    """The reference: one DPO step at TP1, in this process. Its first loss is log 2 (policy =
+    reference) and it moved the weights."""
+    base, summary = dpo(tiny_assets, tmp_path_factory.mktemp("dpo_tp1"), 1)
     assert summary["first_loss"] == pytest.approx(math.log(2), abs=1e-6)
-    start = load_file(str(next((assets / "model").glob("*.safetensors"))))
+    start = load_file(str(next((tiny_assets / "model").glob("*.safetensors"))))
     assert any(not torch.equal(base[k], start[k]) for k in base)  # the step changed the weights
-    # dynamic batching splits every pair (rows i and i + 4) across micro-batches or ranks
-    plan = first_batch_plan(assets, dp=2)
-    together = [rows for rank in plan for rows in rank if any(i + 4 in rows for i in rows)]
-    assert not together, plan
-    for name, extra in (("tp2", ["parallel.tp=2"]), ("pp2", ["parallel.pp=2"]),
-                        ("dp2_dynamic", [f"actor.max_tokens_per_microbatch={BUDGET}"])):
-        other, _ = dpo(assets, tmp_path / name, 2, *extra)
-        assert other.keys() == base.keys()
-        worst = max(float((other[k] - base[k]).abs().max()) for k in base)
-        assert worst <= 1e-5, (name, worst)
+    return base
+
+
+# TP2's and PP2's launches are in make test-long (two more 2-rank launches, 45 CPU-s): make test keeps
+# dynamic batching's, the layout only DPO's two-pass step makes right. make test still runs the trainer
+# at TP2 x PP2 (tests/dist/checkpoint/test_ckpt_trainer_layouts.py, a GRPO job) and the engine's
+# forward and backward at TP2 and at PP2 against one rank (tests/dist/engines/test_eng_parity.py).
+@pytest.mark.parametrize("layout,extra", [
+    pytest.param("tp2", ["parallel.tp=2"], marks=pytest.mark.long),
+    pytest.param("pp2", ["parallel.pp=2"], marks=pytest.mark.long),
+    ("dp2_dynamic", [f"actor.max_tokens_per_microbatch={BUDGET}"]),
+], ids=["tp2", "pp2", "dp2_dynamic"])
+def test_trn_dpo_step_at_a_layout_equals_tp1(assets, tmp_path, tp1_step, layout, extra):
+    if layout == "dp2_dynamic":  # dynamic batching splits every pair (rows i and i + 4) across micro-batches or ranks
+        plan = first_batch_plan(assets, dp=2)
+        together = [rows for rank in plan for rows in rank if any(i + 4 in rows for i in rows)]
+        assert not together, plan
+    other, _ = dpo(assets, tmp_path / layout, 2, *extra)
+    assert other.keys() == tp1_step.keys()
+    worst = max(float((other[k] - tp1_step[k]).abs().max()) for k in tp1_step)
+    assert worst <= 1e-5, (layout, worst)
 
 
 def stable_rows(out):

@@ -35,6 +35,11 @@ def files_under(root: Path) -> set:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.long  # three launches side by side, 60 CPU-s (make test-long). make test keeps each piece:
+# two namespaces at once sharing no file on the Slurm tier (tests/slurm/test_slurm_namespaces.py), the
+# folders, the job name and the refused resume (tests/unit/ops/test_ops_namespace.py), the debug and
+# profiling switches (test_ops_safety.py), the Pushgateway and the webhook (test_ops_pushgateway.py,
+# test_ops_alerts.py), the rollback guard's give-up in a job (tests/jobs/test_tasks_guard.py)
 def test_two_namespaces_side_by_side_share_no_file(assets, tmp_path):
     common = small(assets, "rollout.n=2", "trainer.total_steps=2", "checkpoint.save_every=1")
     with pushgateway(tmp_path) as gw, webhook_receiver() as (hook, alerts):

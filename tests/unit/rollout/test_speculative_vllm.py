@@ -302,7 +302,9 @@ e.close()
 """
 
 
-@pytest.mark.heavy
+@pytest.mark.long  # a fresh interpreter that imports vLLM and builds an engine, 25 CPU-s (make test-long):
+# a guard of speed, not of results (without it the model runs on every core); make test keeps the n-gram
+# engine's tokens and log-probs (above) and the next engine built after it
 def test_an_ngram_engine_keeps_the_ranks_thread_count(tiny_model, tmp_path):
     """vLLM's n-gram proposer restores numba's default thread count after each lookup, which with
     numba's OpenMP layer is also the thread's OpenMP count: without vllm_cpu_spec's NUMBA_NUM_THREADS
