@@ -28,6 +28,7 @@ for _name, _value in REPRODUCIBLE_CPU.items():
     os.environ.setdefault(_name, _value)
 
 from verl_hpc.config import ConfigError, JobConfig, from_container, load_config, validate  # noqa: E402
+from verl_hpc.launcher.startup_imports import preload, without_gc  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +52,22 @@ def resolve_program(name: str):
 
 def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
     """Run the configured program on this rank; returns its summary (rank 0's is the job's)."""
-    # local: submit imports this module on the login node to hand `run` to submitit, where the
-    # rank runtime (torch.distributed) is not needed
-    from verl_hpc import runtime
-
     if isinstance(cfg, dict):
         cfg = from_container(cfg)
-    program = resolve_program(cfg.trainer.job)
-    check_outputs(cfg)
-    check_weight_files(cfg)
-    ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
-                            seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
-                            rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0,
-                            host_collectives=cfg.fsdp.cpu_offload)
+    # the start-up's imports with the garbage collector off, then the heap frozen (launcher/startup_imports.py)
+    with without_gc():
+        # local: submit imports this module on the login node to hand `run` to submitit, where the
+        # rank runtime (torch.distributed) is not needed
+        from verl_hpc import runtime
+
+        program = resolve_program(cfg.trainer.job)
+        check_outputs(cfg)
+        check_weight_files(cfg)
+        ctx = runtime.bootstrap(backend=cfg.parallel.backend, timeout_s=cfg.trainer.collective_timeout_s,
+                                seed=cfg.trainer.seed, num_threads=cfg.slurm.cpus_per_task,
+                                rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0,
+                                host_collectives=cfg.fsdp.cpu_offload)
+        preload(cfg, ctx.role)  # the libraries this rank's role builds its engines with
     from verl_hpc.launcher import early_signals
 
     early_signals.hand_over(ctx.preemption.record)  # a signal in this rank's start-up: a stop, as later

@@ -24,7 +24,7 @@ if __name__ == "__main__":  # before the imports below, which take seconds on a 
 from verl_hpc.config import ConfigError, load_config, to_container, to_yaml, validate  # noqa: E402
 from verl_hpc.errors import VerlHpcError  # noqa: E402
 from verl_hpc.launcher.plan import RESOLVED_CONFIG, make_plan, write_resolved_config  # noqa: E402
-from verl_hpc.launcher.preflight import preflight  # noqa: E402
+from verl_hpc.launcher.startup_imports import without_gc  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -83,11 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.join:
         return _join(args)
     try:
-        cfg = load_config(args.config, args.overrides)
-        validate(cfg, check_model=not args.skip_model_check)
-        if not args.skip_file_checks:  # the files it names: data, model weights, output folders
-            preflight(cfg, check_model=not args.skip_model_check)
-        plan = make_plan(cfg, local=args.local)
+        # the checks import torch (the data files) and transformers (the tokenizer): with the garbage
+        # collector off, then the heap frozen, as a rank's start-up (launcher/startup_imports.py)
+        with without_gc():
+            from verl_hpc.launcher.preflight import preflight
+
+            cfg = load_config(args.config, args.overrides)
+            validate(cfg, check_model=not args.skip_model_check)
+            if not args.skip_file_checks:  # the files it names: data, model weights, output folders
+                preflight(cfg, check_model=not args.skip_model_check)
+            plan = make_plan(cfg, local=args.local)
     except VerlHpcError as err:  # a ConfigError (2) for the config and the files it names
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
