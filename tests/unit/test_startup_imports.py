@@ -90,3 +90,18 @@ def test_the_submitter_leaves_the_collector_on(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(startup_imports.__file__.rsplit("/verl_hpc/", 1)[0])
     assert submit.main(["configs/smoke.yaml", "--dry-run", "--local", f"trainer.output_dir={tmp_path}/out"]) == 0
     assert gc.isenabled()
+
+
+def test_the_benchmark_times_both_variants(monkeypatch, capsys):
+    """benchmarks/bench_startup.py's two interpreters, on a cheap import: each variant runs, the
+    off one inside without_gc, and the ratio is printed."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_startup
+
+    # the child fails (and main with it) unless the collector is off exactly in the variant run inside without_gc
+    monkeypatch.setattr(bench_startup, "IMPORTS", "import json, gc; assert gc.isenabled() != ('without_gc' in dir())")
+    assert bench_startup.main(["--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "round 1/1: collector on" in out and "x the CPU" in out, out
