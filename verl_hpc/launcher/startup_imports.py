@@ -6,9 +6,9 @@ again and again, and every full collection later (vLLM asks for five while it bu
 shuts it down) walks all of it once more. So a rank imports the libraries its role will use with the
 collector off (`without_gc`), collects once, and freezes what is left (`gc.freeze()`, made for
 objects that live as long as the process: the collector no longer walks them; they are still freed
-when their last reference goes). Measured on a 2-core machine: importing torch, transformers,
-Megatron-Core and vLLM took 7.0 s of CPU with the collector off against 8.7 s with it on
-(docs/speed.md, "A rank's start-up").
+when their last reference goes). Measured on a 2-core machine, a colocated rank's imports took
+0.92x the CPU of the same imports with the collector on, about 0.9 CPU-s less a rank
+(benchmarks/bench_startup.py; docs/speed.md, "A rank's start-up").
 
 The collector is off only for these imports: a library this rank does not preload (a reward
 function's, `rollout.engine=auto`'s choice) imports as before, with the collector on. A preload that
