@@ -1,10 +1,10 @@
 """trainer.job=dpo through the real engine.
 
 - One DPO step at TP2, at PP2 (both in make test-long), and with dynamic batching over two
-  data-parallel ranks gives the TP1 weights (within 1e-5), and the step's first loss is log 2 (policy = reference). With dynamic
-  batching the pairs' chosen and rejected rows land in different micro-batches and on different
-  ranks (checked on the engine's own plan), so the loss is right because of the two-pass step, not
-  because pairs happen to stay together.
+  data-parallel ranks gives the TP1 weights (within 1e-5), and the step's first loss is log 2
+  (policy = reference). With dynamic batching the pairs' chosen and rejected rows land in
+  different micro-batches and on different ranks (checked on the engine's own plan), so the loss is
+  right because of the two-pass step, not because pairs happen to stay together.
 - Checkpoints and resume: a run stopped by SIGTERM mid-run (saved at the step boundary) and run
   again resumes from `latest` and ends bitwise equal (weights, Adam moments, metrics) to the run
   that was never stopped.
