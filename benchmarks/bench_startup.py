@@ -15,8 +15,10 @@ import statistics
 import subprocess
 import sys
 
-IMPORTS = ("import torch, torch.distributed; from verl_hpc.launcher.startup_imports import MEGATRON, TOKENIZER, VLLM; "
-           "import importlib; [importlib.import_module(m) for m in TOKENIZER + MEGATRON + VLLM]")
+# a colocated rank's preloads (the default config), each imported outright: one that fails fails the run
+IMPORTS = ("import importlib, torch, torch.distributed; from verl_hpc.config import load_config; "
+           "from verl_hpc.launcher.startup_imports import modules_for; "
+           "[importlib.import_module(m) for m in modules_for(load_config(None, []), 'both')]")
 OFF = "from verl_hpc.launcher.startup_imports import without_gc\nwith without_gc():\n    exec({imports!r})"
 
 
@@ -35,8 +37,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         on.append(cpu_of(IMPORTS))
         off.append(cpu_of(OFF.format(imports=IMPORTS)))
-        print(f"round {r + 1}/{args.rounds}: collector on {on[-1]:.2f} CPU-s, off during the imports {off[-1]:.2f} CPU-s",
-              flush=True)
+        print(f"round {r + 1}/{args.rounds}: collector on {on[-1]:.2f} CPU-s, "
+              f"off during the imports {off[-1]:.2f} CPU-s", flush=True)
     a, b = statistics.median(on), statistics.median(off)
     print(f"median: on {a:.2f} CPU-s, off {b:.2f} CPU-s: {b / a:.2f}x the CPU ({a - b:.2f} CPU-s less a rank)")
     return 0

@@ -3,12 +3,16 @@ run, the garbage collected and the survivors frozen at the end, the collector ba
 role preloads only what it builds its engines with; a rank and the submitter leave the collector on."""
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 
 from verl_hpc.config import load_config
 from verl_hpc.launcher import startup_imports
-from verl_hpc.launcher.startup_imports import FSDP, HF_MODELS, MEGATRON, TOKENIZER, VLLM, modules_for, preload, without_gc
+from verl_hpc.launcher.startup_imports import (FSDP, HF_MODELS, MEGATRON, TOKENIZER, VLLM, modules_for, preload,
+                                               without_gc)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Node:
@@ -52,14 +56,14 @@ def test_the_collector_comes_back_when_the_start_up_fails():
     (["placement.mode=split"], "rollout", TOKENIZER + VLLM, MEGATRON),
     (["placement.mode=split"], "train", TOKENIZER + MEGATRON, VLLM),
     (["parallel.engine=fsdp", "rollout.engine=hf"], "both", TOKENIZER + FSDP, MEGATRON + VLLM),
+    (["placement.mode=split", "rollout.engine=hf"], "rollout", TOKENIZER + HF_MODELS, MEGATRON + VLLM),
     (["parallel.engine=auto", "rollout.engine=auto"], "both", TOKENIZER, MEGATRON + VLLM),  # chosen later: not guessed
     (["trainer.job=dpo"], "both", TOKENIZER + MEGATRON, VLLM),  # no rollout
     (["trainer.job=smoke"], "both", [], TOKENIZER),  # no model: torch only
-], ids=["colocated", "split-rollout", "split-train", "fsdp-hf", "auto", "dpo", "smoke"])
+], ids=["colocated", "split-rollout", "split-train", "fsdp-hf", "split-rollout-hf", "auto", "dpo", "smoke"])
 def test_each_role_preloads_what_it_builds_and_nothing_else(overrides, role, want, never):
     mods = modules_for(load_config(None, overrides), role)
     assert set(want) <= set(mods) and not set(never) & set(mods), mods
-    assert set(HF_MODELS) <= set(modules_for(load_config(None, ["rollout.engine=hf"]), "rollout"))
 
 
 def test_a_preload_that_does_not_import_is_left_to_the_code_that_needs_it(monkeypatch):
@@ -87,7 +91,7 @@ def test_a_rank_preloads_with_the_collector_off_and_runs_its_program_with_it_on(
 def test_the_submitter_leaves_the_collector_on(tmp_path, monkeypatch, capsys):
     from verl_hpc import submit
 
-    monkeypatch.chdir(startup_imports.__file__.rsplit("/verl_hpc/", 1)[0])
+    monkeypatch.chdir(REPO)
     assert submit.main(["configs/smoke.yaml", "--dry-run", "--local", f"trainer.output_dir={tmp_path}/out"]) == 0
     assert gc.isenabled()
 
@@ -95,9 +99,7 @@ def test_the_submitter_leaves_the_collector_on(tmp_path, monkeypatch, capsys):
 def test_the_benchmark_times_both_variants(monkeypatch, capsys):
     """benchmarks/bench_startup.py's two interpreters, on a cheap import: each variant runs, the
     off one inside without_gc, and the ratio is printed."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import bench_startup
 
     # the child fails (and main with it) unless the collector is off exactly in the variant run inside without_gc

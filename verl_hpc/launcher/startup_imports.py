@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -49,16 +50,12 @@ def without_gc() -> Iterator[None]:
             gc.enable()
 
 
-_registered = []
-
-
+@functools.cache  # registered once, however many start-ups a process runs (the tests run many)
 def _unfreeze_at_exit() -> None:
     # Frozen objects are left out of the collection Python runs as it exits, so extension modules
     # that count their objects at exit (triton's nanobind bindings, imported with torch) print
     # "leaked ..." lines on stderr under the job's own last line: the heap goes back first.
-    if not _registered:
-        atexit.register(gc.unfreeze)
-        _registered.append(True)
+    atexit.register(gc.unfreeze)
 
 
 def modules_for(cfg, role: str) -> List[str]:
