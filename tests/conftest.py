@@ -83,6 +83,13 @@ def _heap_frozen():
     yield
 
 
+def pytest_unconfigure(config):
+    """The heap unfrozen at the end of the run (in each pytest-xdist worker too): Python does not free
+    frozen objects at exit, and triton's nanobind bindings then print hundreds of "leaked ..." lines
+    under the run's summary."""
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
 def _default_dtype_kept():
     """A test that leaves torch's default dtype changed fails here, by name, and the next test on the

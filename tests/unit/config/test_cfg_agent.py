@@ -1,18 +1,18 @@
 """The agent section: its checks name the field and what would be valid."""
+import functools
+
 import pytest
 
-from verl_hpc.config import ConfigError, load_config
-from verl_hpc.config.validate import validate
+from verl_hpc.config import load_config
 from verl_hpc.trainer.roles import rollout_options
+
+from config_checks import refused
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
         "agent.enable=true", "agent.function=my.agents:solve", "safety.allow_custom_code=true"]
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
+problems = functools.partial(refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

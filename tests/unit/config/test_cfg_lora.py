@@ -1,16 +1,17 @@
 """The lora section: its checks name the field and what is valid, and the sync mode auto picks."""
+import functools
+
 import pytest
 
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 
+from config_checks import refused
+
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2", "lora.rank=8"]
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
+problems = functools.partial(refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

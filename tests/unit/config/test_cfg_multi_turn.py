@@ -1,4 +1,6 @@
 """The multi_turn and sandbox sections: their checks, and the rollout window they imply."""
+import functools
+
 import pytest
 
 from verl_hpc.config import ConfigError, load_config
@@ -6,14 +8,13 @@ from verl_hpc.config.validate import validate
 from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.trainer.roles import rollout_options
 
+from config_checks import refused
+
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
         "multi_turn.enable=true"]
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
+problems = functools.partial(refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

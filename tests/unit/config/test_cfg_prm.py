@@ -1,18 +1,19 @@
 """The prm section and PRIME's recipe: what auto turns on, and checks that name the field and what
 is valid (the accuracy filter's band, the coefficients, the warm-up, pairwise needing groups)."""
+import functools
+
 import pytest
 
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 from verl_hpc.trainer.roles import engine_options
 
+from config_checks import refused
+
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=prime"]
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
+problems = functools.partial(refused, base=BASE)
 
 
 def test_prime_recipe_turns_on_the_prm_the_reference_and_the_accuracy_filter():

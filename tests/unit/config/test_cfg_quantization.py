@@ -5,28 +5,21 @@ the preflight asks of vLLM (a method the installed vLLM lacks, one that quantize
 on a dense model, one that does not run on this machine, each named with what would work), and the
 defaults a quantized rollout switches: the served-weights check after every sync, TIS on, and the
 one warning a job with the correction off gets."""
-import logging
+import functools
 
 import pytest
 
 from verl_hpc.config import ConfigError, load_config
-from verl_hpc.config.validate import validate
+
+from config_checks import accepted, refused
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false", "rollout.engine=vllm"]
 Q = "rollout.quantization=fp8_per_channel"
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
-
-
-def accepted(*overrides):
-    cfg = load_config(None, [*BASE, *overrides])
-    validate(cfg, check_model=False)
-    return cfg
+problems = functools.partial(refused, base=BASE)
+accepted = functools.partial(accepted, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

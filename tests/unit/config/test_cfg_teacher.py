@@ -1,6 +1,7 @@
 """The teacher section (on-policy distillation): off by default; its rules name the field and what
 is valid; the teacher role's engine options; and a teacher whose tokenizer is not the student's is
 refused at load in one line naming both folders."""
+import functools
 import shutil
 
 import pytest
@@ -9,16 +10,15 @@ from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 from verl_hpc.trainer.roles import engine_options
 
+from config_checks import refused
+
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false"]
 ON = ["teacher.enable=true", "teacher.model_path=/teacher"]
 SHORT = ["data.max_prompt_length=64", "data.max_response_length=64"]  # within the tiny models' 256 positions
 
 
-def problems(*overrides, check_model=False):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=check_model)
-    return e.value.problems
+problems = functools.partial(refused, base=BASE)
 
 
 def test_off_by_default_and_on_with_a_folder():

@@ -2,26 +2,19 @@
 algorithm.gdpo_reward_keys/weights): the combinations that cannot work are refused at load, each
 naming the fields and what would be valid; the trainer's stages read them (which old-log-prob path a
 loss or estimator needs, IcePop without the decoupled weights on top)."""
+import functools
+
 import pytest
 
-from verl_hpc.config import ConfigError, load_config
-from verl_hpc.config.validate import validate
+from config_checks import accepted, refused
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false"]
 SPLIT = ["placement.mode=split", "placement.rollout_ranks=1", "slurm.tasks_per_node=2", "async_training.staleness=2"]
 
 
-def problems(*overrides):
-    with pytest.raises(ConfigError) as e:
-        validate(load_config(None, [*BASE, *overrides]), check_model=False)
-    return e.value.problems
-
-
-def accepted(*overrides):
-    cfg = load_config(None, [*BASE, *overrides])
-    validate(cfg, check_model=False)
-    return cfg
+problems = functools.partial(refused, base=BASE)
+accepted = functools.partial(accepted, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [
