@@ -1,7 +1,7 @@
 """What the config tests ask of `validate`: the problems it names for a job's overrides, or the
 config it accepts. A module binds its own base overrides once:
 
-    problems = functools.partial(refused, base=BASE)
+    problems = functools.partial(config_checks.refused, base=BASE)
 """
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate

@@ -6,13 +6,13 @@ import pytest
 from verl_hpc.config import load_config
 from verl_hpc.trainer.roles import rollout_options
 
-from config_checks import refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
         "agent.enable=true", "agent.function=my.agents:solve", "safety.allow_custom_code=true"]
 
 
-problems = functools.partial(refused, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

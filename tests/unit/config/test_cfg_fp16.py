@@ -10,13 +10,13 @@ from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config import float16
 from verl_hpc.engines import options as options_lib
 
-from config_checks import found
+import config_checks
 
 CPU = ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2", "slurm.gpus_per_node=0", "model.dtype=float16"]
 
 
 def problems(overrides) -> list:
-    return found(*overrides)  # [] when validate accepts them
+    return config_checks.found(*overrides)  # [] when validate accepts them
 
 
 def test_this_torch_runs_float16_on_the_cpu():

@@ -6,12 +6,12 @@ import pytest
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 
-from config_checks import refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2", "lora.rank=8"]
 
 
-problems = functools.partial(refused, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

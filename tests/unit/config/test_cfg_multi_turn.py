@@ -8,13 +8,13 @@ from verl_hpc.config.validate import validate
 from verl_hpc.rollout.engine_config import engine_kwargs
 from verl_hpc.trainer.roles import rollout_options
 
-from config_checks import refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2",
         "multi_turn.enable=true"]
 
 
-problems = functools.partial(refused, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

@@ -8,12 +8,12 @@ from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 from verl_hpc.trainer.roles import engine_options
 
-from config_checks import refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=prime"]
 
 
-problems = functools.partial(refused, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
 
 
 def test_prime_recipe_turns_on_the_prm_the_reference_and_the_accuracy_filter():

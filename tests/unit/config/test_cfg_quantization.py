@@ -11,15 +11,15 @@ import pytest
 
 from verl_hpc.config import ConfigError, load_config
 
-from config_checks import accepted, refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false", "rollout.engine=vllm"]
 Q = "rollout.quantization=fp8_per_channel"
 
 
-problems = functools.partial(refused, base=BASE)
-accepted = functools.partial(accepted, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
+accepted = functools.partial(config_checks.accepted, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [

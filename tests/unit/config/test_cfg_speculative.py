@@ -13,13 +13,13 @@ from verl_hpc.config.sections.speculative import SpeculativeConfig, parse_schedu
 from verl_hpc.rollout.speculative import config as speculative
 from verl_hpc.rollout.speculative.config import auto_choice, refuse_on_hf, vllm_speculative_config
 
-from config_checks import found
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "rollout.n=2"]
 S = "rollout.speculative."
 
 
-problems = functools.partial(found, base=BASE)  # [] when validate accepts them
+problems = functools.partial(config_checks.found, base=BASE)  # [] when validate accepts them
 
 
 def test_off_by_default_and_a_plain_ngram_job_passes():

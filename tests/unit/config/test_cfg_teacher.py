@@ -10,7 +10,7 @@ from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.validate import validate
 from verl_hpc.trainer.roles import engine_options
 
-from config_checks import refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false"]
@@ -18,7 +18,7 @@ ON = ["teacher.enable=true", "teacher.model_path=/teacher"]
 SHORT = ["data.max_prompt_length=64", "data.max_response_length=64"]  # within the tiny models' 256 positions
 
 
-problems = functools.partial(refused, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
 
 
 def test_off_by_default_and_on_with_a_folder():

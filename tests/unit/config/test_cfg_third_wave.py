@@ -6,15 +6,15 @@ import functools
 
 import pytest
 
-from config_checks import accepted, refused
+import config_checks
 
 BASE = ["trainer.job=rl", "model.path=/nonexistent", "data.train_files=[x.parquet]", "algorithm.recipe=grpo",
         "actor.use_kl_loss=false"]
 SPLIT = ["placement.mode=split", "placement.rollout_ranks=1", "slurm.tasks_per_node=2", "async_training.staleness=2"]
 
 
-problems = functools.partial(refused, base=BASE)
-accepted = functools.partial(accepted, base=BASE)
+problems = functools.partial(config_checks.refused, base=BASE)
+accepted = functools.partial(config_checks.accepted, base=BASE)
 
 
 @pytest.mark.parametrize("overrides, wanted", [
