@@ -104,8 +104,8 @@ def _run_rank(script: str, argv: List[str], env: Dict[str, str], log_path: str) 
 
 def _forked(context, rank: int, script: str, argv: List[str], env: Dict[str, str], log_path: Path):
     """The rank forked by the server; None (and a warning in the test's report) where the server
-    did not answer (seen in whole-suite runs for one module, after a test had killed every process
-    under the worker and the server was started again; never when those modules ran alone): the
+    did not answer (seen when a test killed every process under its worker, the server among them,
+    and the next module's start-up restarted it mid-way; a test kills only what it started now): the
     rank then starts as a fresh interpreter, which changes its start-up time and nothing it computes."""
     process = context.Process(target=_run_rank, name=f"rank{rank}", args=(script, argv, env, str(log_path)))
     try:

@@ -6,6 +6,7 @@ the exit code is the shell's 128 + signal number. The
 SIGTERM case runs split placement (1 rollout + 1 training rank, k = 2), whose ranks must all leave
 at the stop, none waiting out trainer.collective_timeout_s (300 s here) on the other group; the
 races of that stop, made deterministic, are tests/unit/trainer/test_async_stop.py."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,21 +73,25 @@ def test_signal_stops_at_a_step_with_a_complete_checkpoint(terminal_sigint, tiny
 def test_ranks_end_with_a_launcher_killed_outright(tmp_path, smoke_job, wait_for_text):
     """SIGKILL of the submitter (the OOM killer, `kill -9`): torch's agent starts every rank in a
     session of its own, so only the ranks' own watch (runtime/orphans.py) can end them."""
-    import time
-
     import psutil
 
     proc = smoke_job(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=100000")
-    try:
+    below = []  # the submitter's processes, the ranks among them: never the worker's other children
+    try:  # (the fork server the dist scenarios fork their ranks from, multiprocessing's resource tracker)
         wait_for_text(tmp_path / "logs", "**/0/stderr.log", "smoke step 2/", proc, timeout=240)
-        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "verl_hpc.job" in " ".join(c.cmdline())]
+        below = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [c for c in below if "verl_hpc.job" in " ".join(c.cmdline())]
         assert len(ranks) == 2, ranks
         proc.kill()
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(ranks, timeout=30)
     finally:
-        for p in psutil.Process().children(recursive=True):
-            p.kill()
+        with contextlib.suppress(psutil.Error):
+            below = below or psutil.Process(proc.pid).children(recursive=True)
+        for p in below:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        proc.kill()
     assert not alive, f"ranks still running 30 s after their launcher was killed: {alive}"
     logs = "".join(f.read_text() for f in (tmp_path / "logs").rglob("stderr.log"))
     assert "the local launcher (pid" in logs and "is gone (killed?): this rank stops too" in logs, logs[-2000:]
