@@ -20,7 +20,6 @@
 """
 import contextlib
 import fcntl
-import gc
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ import pytest
 import vllm_selection
 from time_budget import pytest_fixture_setup, pytest_runtest_makereport, pytest_runtest_protocol  # noqa: F401
 from verl_hpc.launcher.environment import REPRODUCIBLE_CPU
+from verl_hpc.launcher.startup_imports import freeze_heap
 
 # Jobs run in this process (tests/jobs.py, run_here) compute with this process's MKL: the same
 # reproducible mode a rank gets, set before anything imports torch, so that the shared SFT warm start
@@ -78,16 +78,8 @@ def _heap_frozen():
     when their last reference goes); what the test itself makes is collected as before. vLLM
     unfreezes the whole heap when it shuts an engine down: the next test freezes it again. The
     collection first, so that no garbage of an earlier test is frozen."""
-    gc.collect()
-    gc.freeze()
+    freeze_heap()  # and unfrozen at the worker's exit, as a rank's is
     yield
-
-
-def pytest_unconfigure(config):
-    """The heap unfrozen at the end of the run (in each pytest-xdist worker too): Python does not free
-    frozen objects at exit, and triton's nanobind bindings then print hundreds of "leaked ..." lines
-    under the run's summary."""
-    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)

@@ -43,14 +43,20 @@ def without_gc() -> Iterator[None]:
     try:
         yield
     finally:
-        gc.collect()
-        gc.freeze()
-        _unfreeze_at_exit()
+        freeze_heap()
         if was_on:
             gc.enable()
 
 
-@functools.cache  # registered once, however many start-ups a process runs (the tests run many)
+def freeze_heap() -> None:
+    """One collection, then what survives frozen until the process exits (the test suite also
+    calls it before each test)."""
+    gc.collect()
+    gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache  # registered once, however many freezes a process runs (the tests run many)
 def _unfreeze_at_exit() -> None:
     # Frozen objects are left out of the collection Python runs as it exits, so extension modules
     # that count their objects at exit (triton's nanobind bindings, imported with torch) print
