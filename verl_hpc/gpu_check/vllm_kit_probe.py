@@ -1,6 +1,7 @@
 """Does the installed vLLM kit import what an engine needs? Run by the install step (vllm_pieces.py)
 on the GPU node and by `make gpu-vllm-kit-check` on a CPU machine, in the interpreter that has the
-kit; of the project's it imports only runtime.device (whether there is a GPU).
+kit; of the project's it imports only runtime.device (whether there is a GPU) and, to build an
+engine, the environment every engine of the project's is built with (rollout/vllm/environment.py).
 
     python -m verl_hpc.gpu_check.vllm_kit_probe [--model DIR]
 
@@ -56,7 +57,9 @@ def probe_imports(modules=ENGINE_MODULES) -> Tuple[List[str], List[str]]:
 
 def build(model: str) -> Tuple[List[str], str]:
     """([problem] or [], what happened) of LLM(model) in this process."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from verl_hpc.rollout.vllm import environment as vllm_environment
+
+    vllm_environment.apply()  # as every engine of the project's: in-process, no FlashInfer sampler without it
     from vllm import LLM
 
     from verl_hpc.runtime.device import has_gpu

@@ -57,6 +57,7 @@ from verl_hpc.engines.fsdp.sharing import prompt_sharing
 import verl_hpc.engines.fsdp.ulysses as ulysses
 from verl_hpc.engines.roles import rows_to_run
 from verl_hpc.models.moe import fused_experts
+from verl_hpc.runtime.attention import trains_with_torch_attention
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class FsdpEngine(TrainingEngine):
         """The model on one micro-batch -> outputs `[b, T]` (or `[b]`), with grad if enabled (scoring.py)."""
         return score(self, mb, want)
 
+    @trains_with_torch_attention  # runtime/attention.py: torch's SDPA choice, whatever vLLM set
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
         want = tuple(outputs or self.default_outputs)
@@ -253,6 +255,7 @@ class FsdpEngine(TrainingEngine):
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
 
+    @trains_with_torch_attention  # runtime/attention.py: torch's SDPA choice, whatever vLLM set
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         with self.resident("train"):
             records = self.forward_backward(batch, loss_fn, outputs)

@@ -63,6 +63,7 @@ from verl_hpc.engines.megatron.schedule import MicroBatch, run_schedule
 from verl_hpc.engines.megatron.state import engine_state, load_engine_state
 from verl_hpc.engines.megatron.wiring import wire
 from verl_hpc.models import export_hf_weights
+from verl_hpc.runtime.attention import trains_with_torch_attention
 from verl_hpc.runtime.device import collective_device
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class MegatronEngine(TrainingEngine):
         return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, sharing, self._cp_group)
                 for mb in mine]
 
+    @trains_with_torch_attention  # runtime/attention.py: torch's SDPA choice, whatever vLLM set
     def forward(self, batch, outputs=None) -> Dict[str, torch.Tensor]:
         check_batch(batch, need_response=False)
         want = tuple(outputs or self.default_outputs)
@@ -208,6 +210,7 @@ class MegatronEngine(TrainingEngine):
         self._packed_microbatches = sum(mb.packed for mb in mbs)
         return records
 
+    @trains_with_torch_attention  # runtime/attention.py: torch's SDPA choice, whatever vLLM set
     def train_step(self, batch, loss_fn: LossFn, outputs: Sequence[str] = ()) -> Dict[str, float]:
         with self.resident("train"):
             return self._train_step(batch, loss_fn, outputs)

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
 from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
+from verl_hpc.rollout.vllm import environment as vllm_environment
 from verl_hpc.rollout.vllm import stdout_fd as vllm_stdout_fd
 from verl_hpc.rollout.vllm import versions
 from verl_hpc.rollout.vllm.lora import install_lora_adapter  # noqa: F401 - VLLMRollout calls it from here
@@ -299,7 +300,9 @@ def install_stdout_fd() -> None:
 # ---------------------------------------------------------------- what VLLMRollout calls
 @contextlib.contextmanager
 def engine_construction(device: torch.device, *, tp: int):
-    """Around `vllm.LLM(...)`: every handler that applies on this machine."""
+    """Around `vllm.LLM(...)`: every handler that applies on this machine, after the environment
+    vLLM reads at the build (rollout/vllm/environment.py)."""
+    vllm_environment.apply()
     release = versions.release()  # an unverified vLLM: one warning naming the nearest verified one
     protect_default_group()
     quiet_reload_logs()

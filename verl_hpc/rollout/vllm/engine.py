@@ -210,7 +210,6 @@ class VLLMRollout(RolloutEngine):
         self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
         kwargs.update(engine_kwargs)
 
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         start = time.perf_counter()
         with vllm_compat.engine_construction(self.device, tp=tp), vllm_transformers.classes_kept(), \
                 vllm_quant.construction(quantization, kv_cache_dtype, str(model_path)):

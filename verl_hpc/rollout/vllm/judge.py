@@ -33,7 +33,6 @@ class VllmJudgeEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             kwargs["kv_cache_memory_bytes"] = vllm_compat.cpu_kv_cache_bytes(path, max_model_len, 16)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.device = device
         with vllm_compat.engine_construction(device, tp=1):
             from vllm import LLM

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -85,5 +84,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from verl_hpc.rollout.vllm import environment as vllm_environment
+
+    vllm_environment.apply()  # in-process, and vLLM's default sampler without FlashInfer on a GPU
     sys.exit(main())
