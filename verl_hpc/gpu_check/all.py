@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from verl_hpc.gpu_check.vllm_set import VLLM_STEP_S
+
 BUDGET_S = 555  # one GPU, the whole run (2026-11-26 on an H100: 356 s before the speed steps grew, docs/gpu.md)
 # the gpu test of the benchmark's real shape (66 s on an H100) is the bench step's own run: not twice
 BENCH_TEST = "tests/unit/test_bench_gpu_step.py::test_real_shape_on_the_gpu"
@@ -55,8 +57,13 @@ STEP_NAMES = ("install", "vllm_install", "gpu_check", "vllm", "gpu_tests", "demo
 # The vLLM steps run when a vLLM kit is given (or when --steps names them); their limits are not in
 # BUDGET_S's sum: a vLLM session runs them with --steps (docs/gpu.md: install,vllm_install,vllm,vllm_demo)
 VLLM_STEPS = ("vllm_install", "vllm", "vllm_demo")
-VLLM_LIMIT_S = {"vllm_install": 90, "vllm": 240, "vllm_demo": 180}
+# the vllm step: its checks' budgets (vllm_set.py: twice a stated estimate each, none measured yet)
+VLLM_LIMIT_S = {"vllm_install": 90, "vllm": VLLM_STEP_S, "vllm_demo": 180}
 CHECK_TABLES = {"gpu_check": "gpu_check/gpu_check.json", "vllm": "vllm_check/gpu_check.json"}
+# a check step killed at its limit (a hang in C that its check's own budget could not stop) goes on
+# with the checks it did not reach, in a new process (table.py), at most this many times
+CONTINUATIONS = 2
+MIN_CONTINUATION_S = 30  # below this there is no time to start a process and run a check
 # the JSON each benchmark step writes, whose `goal_lines` the summary prints
 GOAL_SOURCES = {"bench": "bench/bench_gpu_step.json", "logits": "logits/bench_gpu_logits.json"}
 DEMO_RL_STEPS = 60  # the CPU demo is at 97-99% by step 50: enough to see the Megatron engine learn
@@ -131,9 +138,9 @@ def plan(out: Path, *, py: str, wheels: Optional[Path], rehearsal: bool,
     steps = vllm_steps(steps, out, py=py, rehearsal=rehearsal, vllm_kit=vllm_kit, only=only, demo_ready=demo_ready)
     if rehearsal:
         steps = [dataclasses.replace(s, limit_s=REHEARSAL_LIMIT_S.get(s.name, s.limit_s)) for s in steps]
-    # each benchmark has a limit of its own: leave it a little time to write what it measured
-    steps = [dataclasses.replace(s, command=[*s.command, "--time-limit", str(s.limit_s - (20 if s.name == "bench" else 15))])
-             if s.name in GOAL_SOURCES else s for s in steps]
+    # each benchmark and check set has a limit of its own: leave it a little time to write what it measured
+    steps = [dataclasses.replace(s, command=with_time_limit(s.command, s.limit_s - (20 if s.name == "bench" else 15)))
+             if s.command and (s.name in GOAL_SOURCES or s.name in CHECK_TABLES) else s for s in steps]
     assert [s.name for s in steps] == list(STEP_NAMES)
     assert rehearsal or sum(s.limit_s for s in steps if s.name not in VLLM_STEPS) <= BUDGET_S
     if only is not None:
@@ -164,6 +171,14 @@ def vllm_steps(steps: List[Step], out: Path, *, py: str, rehearsal: bool, vllm_k
     }
     by_name = {s.name: s for s in steps}
     return [by_name.get(name) or extra[name] for name in STEP_NAMES]
+
+
+def with_time_limit(command: List[str], seconds: float) -> List[str]:
+    """`command` with `--time-limit seconds` (replacing one it has)."""
+    if "--time-limit" in command:
+        i = command.index("--time-limit")
+        command = command[:i] + command[i + 2:]
+    return [*command, "--time-limit", str(int(seconds))]
 
 
 def parse_steps(text: Optional[str]) -> Optional[List[str]]:
@@ -197,7 +212,7 @@ def goal_lines(out: Path) -> List[str]:
     return lines
 
 
-def run_step(step: Step, log: Path, limit_s: float) -> Outcome:
+def run_step(step: Step, log: Path, limit_s: float, append: bool = False) -> Outcome:
     """Run one step's command with its log; on the limit, end its process group (our own child's)."""
     if step.command is None:
         log.write_text(f"skipped: {step.why}\n")
@@ -210,7 +225,7 @@ def run_step(step: Step, log: Path, limit_s: float) -> Outcome:
         log.write_text("skipped: the run's time budget is spent\n")
         return Outcome(step, "SKIPPED", 0.0, log, "out of time")
     start = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "a" if append else "w") as f:
         f.write(f"$ {' '.join(step.command)}\n")
         f.flush()
         proc = subprocess.Popen(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
@@ -242,10 +257,40 @@ def run_all(steps: Sequence[Step], out: Path, budget_s: float = BUDGET_S, log=pr
         limit = min(step.limit_s, deadline - time.monotonic())
         log(f"[gpu-all] {step.name} (limit {max(limit, 0):.0f} s) ...", flush=True)
         outcomes.append(run_step(step, out / f"{step.name}.log", limit))
+        if outcomes[-1].status == "TIMEOUT" and step.name in CHECK_TABLES:
+            outcomes[-1] = continue_checks(outcomes[-1], out, deadline, log)
         if outcomes[-1].status in ("FAIL", "TIMEOUT"):
             outcomes[-1].failures = failure_lines(step.name, out)
         log(f"[gpu-all] {step.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s", flush=True)
     return outcomes
+
+
+def checks_not_reached(table: Path) -> List[str]:
+    """The checks a killed check run was asked for and did not report (the one it was running
+    included): what a continuation would run."""
+    try:
+        data = json.loads(table.read_text())
+        done = {r["check"] for r in data["rows"]}
+        return [n for n in data["planned"] if n not in done]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def continue_checks(outcome: Outcome, out: Path, deadline: float, log=print) -> Outcome:
+    """A check step killed at its limit goes on in a new process with the checks it did not reach
+    (`python -m verl_hpc.gpu_check ... --continue`, table.py), while the run's budget lasts: a hang
+    costs one check. The outcome: the last process's, with every process's seconds."""
+    step, seconds = outcome.step, outcome.seconds
+    for _ in range(CONTINUATIONS):
+        left = min(step.limit_s, deadline - time.monotonic())
+        if outcome.status != "TIMEOUT" or left < MIN_CONTINUATION_S or not checks_not_reached(out / CHECK_TABLES[step.name]):
+            break
+        log(f"[gpu-all] {step.name}: killed at its limit; the checks it did not reach go on in a new process "
+            f"(limit {left:.0f} s) ...", flush=True)
+        again = dataclasses.replace(step, command=with_time_limit(step.command, left - 15) + ["--continue"])
+        outcome = run_step(again, outcome.log, left, append=True)
+        seconds += outcome.seconds
+    return dataclasses.replace(outcome, step=step, seconds=seconds)
 
 
 def first_error_line(text: str) -> str:
@@ -266,7 +311,7 @@ def failure_lines(step: str, out: Path) -> List[str]:
     (pytest's -rf lines), else the first line of the step log's last error."""
     rows = out / CHECK_TABLES.get(step, "-")
     if step in CHECK_TABLES and rows.is_file():
-        failed = [r for r in json.loads(rows.read_text())["rows"] if r["status"] == "FAIL"]
+        failed = [r for r in json.loads(rows.read_text())["rows"] if r["status"] in ("FAIL", "TIMEOUT")]
         if failed:
             return [f"{r['check']}: {r['detail'].splitlines()[0][:300] if r['detail'] else ''}" for r in failed]
     log = out / f"{step}.log"

@@ -4,7 +4,9 @@ themselves are in checks.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -47,40 +49,90 @@ class Check:
     run: Callable[[Kit], str]
     needs: Tuple[str, ...] = ()  # checks that must pass first
     machine: str = "1 GPU"  # what the machine must have (the dry run lists it)
+    # seconds the check may take before it is stopped (TIMEOUT) and the next one runs; None: no
+    # budget of its own, only the run's (--time-limit)
+    budget_s: Optional[float] = None
+
+
+class CheckTimeout(BaseException):
+    """A check ran past its budget. A BaseException, so that no `except Exception` inside the check
+    (or in vLLM under it) takes it for an error of its own and carries on."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: Optional[float]):
+    """Raise CheckTimeout in this (main) thread after `seconds` of wall time; None: no limit. Python
+    code is interrupted at once; a call that blocks in C (a kernel, a collective) when it returns:
+    a hang there is ended by the run's own limit (make gpu-all restarts the checks left: all.py)."""
+    if seconds is None:
+        yield
+        return
+
+    def expired(signum, frame):  # noqa: ARG001 (signal handler signature)
+        raise CheckTimeout(f"ran past its budget of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def run_checks(kit: Kit, checks: List[Check], only: Optional[List[str]] = None,
-               log=print, on_row: Optional[Callable[[list], None]] = None) -> List[Tuple[Check, str, str, float]]:
-    """[(check, status, detail, seconds)]; status PASS | FAIL | NOT TESTABLE | SKIPPED. `on_row(rows)`
-    after each check (the table so far survives a run stopped at its time limit)."""
+               log=print, on_row: Optional[Callable[[list], None]] = None,
+               on_start: Optional[Callable[[Check, Optional[float]], None]] = None,
+               deadline: Optional[float] = None) -> List[Tuple[Check, str, str, float]]:
+    """[(check, status, detail, seconds)]; status PASS | FAIL | TIMEOUT | NOT TESTABLE | SKIPPED.
+    `on_start(check, limit)` before each check runs, `on_row(rows)` after it (the table so far
+    survives a run stopped at its time limit). Each check runs within its budget and what is left
+    before `deadline` (time.monotonic()); past the deadline the rest are SKIPPED."""
     import traceback
 
     status: Dict[str, str] = {}
     rows = []
     for check in checks:
-        if only and check.name not in only:
+        if only is not None and check.name not in only:
             continue
         missing = [n for n in check.needs if status.get(n) != "PASS"]
         start = time.perf_counter()
+        limit = check_limit(check, deadline)
         if missing:
             st, detail = "SKIPPED", f"needs {', '.join(missing)} to pass"
+        elif limit is not None and limit <= 0:
+            st, detail = "SKIPPED", "out of time: the run's time limit was spent"
         else:
-            log(f"[gpu_check] {check.name}: {check.what} ...")
+            log(f"[gpu_check] {check.name}: {check.what} ..." + (f" (limit {limit:.0f} s)" if limit else ""))
+            if on_start is not None:
+                on_start(check, limit)
             try:
-                st, detail = "PASS", check.run(kit)
+                with time_limit(limit):
+                    st, detail = "PASS", check.run(kit)
+            except CheckTimeout as e:
+                st, detail = "TIMEOUT", f"stopped: {e}"
+                (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
             except NotTestable as e:
                 st, detail = "NOT TESTABLE", str(e)
             except Exception as e:  # a check failing must not hide the others
                 st, detail = "FAIL", f"{type(e).__name__}: {e}"
                 (kit.out / f"{check.name}.traceback.txt").write_text(traceback.format_exc())
         leftover = reset_between_checks(kit)
-        if leftover and st != "FAIL":  # the check passed, but it would poison the next ones
+        if leftover and st not in ("FAIL", "TIMEOUT"):  # the check passed, but it would poison the next ones
             st, detail = "FAIL", leftover
         status[check.name] = st
         rows.append((check, st, detail, time.perf_counter() - start))
         if on_row is not None:
             on_row(rows)
     return rows
+
+
+def check_limit(check: Check, deadline: Optional[float]) -> Optional[float]:
+    """The seconds this check may run now: its budget, within what is left before the deadline."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if check.budget_s is None:
+        return left
+    return check.budget_s if left is None else min(check.budget_s, left)
 
 
 def reset_between_checks(kit: Kit) -> str:

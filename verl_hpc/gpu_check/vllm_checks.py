@@ -29,11 +29,19 @@ BF16_BOUND = 0.25  # max |vLLM - engine| log-prob of one token in bf16 (the vllm
 FP32_BOUND = 1e-3  # the same in a CPU rehearsal: both sides in float32
 UTILIZATION = 0.2  # rollout.gpu_memory_utilization of each engine here: vLLM needs it free to start
 NEW_TOKENS = 24
+GRAPH_SEQS = 32  # max_num_seqs of the engines with CUDA graphs: about 11 capture sizes, not 51
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 7, 11, 16, 24, 5, 9, 13)]
 SLEEP_FREED = 0.8  # a sleep frees at least this share of what vLLM held awake (weights + KV cache)
 WAKE_SLACK = 0.05  # a wake maps back what the sleep freed, within this share (+ WAKE_SLACK_BYTES)
 WAKE_SLACK_BYTES = 64 * 2**20
-STEP_SLACK_BYTES = 512 * 2**20  # a train step with vLLM asleep may see this much less of the GPU
+# A train step with vLLM asleep may see this much less of the GPU than without vLLM. What vLLM keeps
+# outside its two sleeping pools (weights, KV cache) counts against it: its persistent input and
+# sampler buffers (O(max_num_batched_tokens) and max_num_seqs x vocab: about 1 MiB here, vocab 500),
+# the torch caching allocator's blocks of its own activations (cached, not freed: the step can reuse
+# them, and vLLM's sleep does not empty the cache), its workspace, and with CUDA graphs their private
+# pool (the kit's engines here are eager). The check records what stays (`asleep - baseline`) so that
+# a failure tells vLLM's share from the step's.
+STEP_SLACK_BYTES = 512 * 2**20
 
 
 def need_vllm() -> None:
@@ -80,6 +88,16 @@ def mismatch(result, engine) -> Dict[str, float]:
     return out
 
 
+def attention_ops(fn) -> List[str]:
+    """The attention operators torch's profiler saw while fn ran: their names say the kernel
+    (aten::_scaled_dot_product_cudnn_attention / _flash_ / _efficient_, vLLM's own ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sorted({e.key for e in prof.key_averages() if any(k in e.key.lower() for k in ("attention", "attn"))})
+
+
 def bound(kit: Kit) -> float:
     return FP32_BOUND if kit.rehearsal else BF16_BOUND
 
@@ -101,7 +119,10 @@ def beside(kit: Kit, kind: str) -> str:
     """vLLM first, asleep while the training engine is built (trainer/roles.py's order: vLLM's start
     needs the memory free), then a job's rollout phase: wake the weights, sync, wake the KV cache,
     generate; the mismatch metric; a train step with vLLM asleep; the phase again."""
+    import torch
+
     from verl_hpc.resharding import WeightSync
+    from verl_hpc.runtime import attention
 
     need_vllm()
     from verl_hpc.config.sections.rollout import RolloutConfig
@@ -125,17 +146,26 @@ def beside(kit: Kit, kind: str) -> str:
             result = r.generate(PROMPTS, greedy())
             rows.append(dict(mismatch(result, engine), sync_seconds=sync["sync/seconds"],
                              sliced=sync.get("sync/sliced", 0.0)))
+        # which attention each side ran beside the other (vLLM's CUDA import turns cuDNN's SDPA off
+        # for the process; the engines run torch's choice: runtime/attention.py), as a job runs
+        kernels = {"vllm": attention_ops(lambda: r.generate(PROMPTS[:2], greedy(2))),
+                   kind: attention_ops(lambda: engine.forward(workload.batch(2), ("log_probs",))),
+                   "sdpa_flags_outside_the_engine": attention.sdpa_flags()}
+        with attention.training_attention():
+            kernels["sdpa_flags_in_the_engine"] = attention.sdpa_flags()
     finally:
         r.close()
     worst = max(row["rollout/logprob_diff_max"] for row in rows)
-    record(kit, f"vllm_beside_{kind}", {"phases": rows, "bound": bound(kit), "dtype": kit.dtype})
+    record(kit, f"vllm_beside_{kind}", {"phases": rows, "bound": bound(kit), "dtype": kit.dtype, "kernels": kernels,
+                                        "deterministic": torch.are_deterministic_algorithms_enabled()})
     assert worst < bound(kit), f"vLLM vs the {kind} engine: max |log-prob diff| {worst:.3g} >= {bound(kit)}"
     first, second = rows
     return (f"{kind} engine and vLLM in one process, {kit.dtype}; rollout/logprob_diff_max "
             f"{first['rollout/logprob_diff_max']:.3g}, mean {first['rollout/logprob_diff_mean']:.3g} over "
             f"{int(first['tokens'])} tokens; after a train step with vLLM asleep: max "
             f"{second['rollout/logprob_diff_max']:.3g}, mean {second['rollout/logprob_diff_mean']:.3g} "
-            f"(bound {bound(kit)}; sync {'sliced' if first['sliced'] else 'full'})")
+            f"(bound {bound(kit)}; sync {'sliced' if first['sliced'] else 'full'}); attention ops: {kind} "
+            f"{', '.join(kernels[kind]) or '-'}, vLLM {', '.join(kernels['vllm']) or '-'}")
 
 
 def beside_megatron(kit: Kit) -> str:
@@ -225,14 +255,16 @@ def sleep_levels(kit: Kit) -> str:
     record(kit, "vllm_sleep_levels", figures)
     extra = figures["step_peak_asleep"] - alone
     if extra > STEP_SLACK_BYTES:
+        kept_mib = (figures["level2"]["asleep"] - figures["level2"]["baseline"]) / 2**20
         problems.append(f"a train step with vLLM asleep peaks {extra / 2**20:.0f} MiB above the same step "
-                        f"without vLLM (> {STEP_SLACK_BYTES / 2**20:.0f} MiB)")
+                        f"without vLLM (> {STEP_SLACK_BYTES / 2**20:.0f} MiB; vLLM kept {kept_mib:.0f} MiB asleep)")
     assert not problems, "; ".join(problems)
     gib = lambda b: f"{b / 2**30:.2f}"
     l1, l2 = figures["level1"], figures["level2"]
+    kept = f"; vLLM kept {gib(l2['asleep'] - l2['baseline'])} GiB outside its pools asleep at level 2"
     return (f"level 1: held {gib(l1['awake'] - l1['baseline'])} GiB, sleep freed {gib(l1['awake'] - l1['asleep'])}, "
             f"wake mapped {gib(l1['woken'] - l1['asleep'])}, greedy identical; level 2: held "
             f"{gib(l2['awake'] - l2['baseline'])}, freed {gib(l2['awake'] - l2['asleep'])}, mapped "
             f"{gib(l2['woken'] - l2['asleep'])}, reloaded weights read back equal ({int(figures['served_checked'])} "
             f"tensors); train step peak {gib(figures['step_peak_asleep'])} GiB with vLLM asleep vs "
-            f"{gib(alone)} without")
+            f"{gib(alone)} without{kept}")

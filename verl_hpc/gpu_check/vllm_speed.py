@@ -22,7 +22,7 @@ from typing import Dict, List
 
 from verl_hpc.gpu_check import workload
 from verl_hpc.gpu_check.kit import Kit
-from verl_hpc.gpu_check.vllm_checks import PROMPTS, greedy, need_vllm, record, rollout
+from verl_hpc.gpu_check.vllm_checks import GRAPH_SEQS, PROMPTS, greedy, need_vllm, record, rollout
 
 SYNC_ROUNDS = 3
 SPEED_PROMPTS = 32
@@ -139,7 +139,8 @@ def vs_hf(kit: Kit) -> str:
     spec = default_spec(temperature=1.0, max_tokens=tokens, min_tokens=tokens, seed=3)
     path = workload.tiny_model(kit)
     rates = {}
-    r = rollout(kit, path, max_response_length=tokens, enforce_eager=kit.rehearsal)  # graphs on a GPU
+    # graphs on a GPU, capture sizes as vllm_graphs_reload's
+    r = rollout(kit, path, max_response_length=tokens, enforce_eager=kit.rehearsal, max_num_seqs=GRAPH_SEQS)
     try:
         rates["vllm"], a = _timed(r.generate, prompts, spec)
     finally:

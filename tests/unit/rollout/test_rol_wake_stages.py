@@ -84,3 +84,33 @@ def test_rol_wake_tags_are_checked_and_a_noop_without_sleep_mode():
     eng._sleep_enabled, eng._sleep_requested, eng.name = False, False, "vllm"
     eng.sleep(), eng.wake(tags=("weights",)), eng.wake()
     assert calls == [] and not eng.asleep and not eng.weights_dropped
+
+
+class FakeCore:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+@pytest.mark.parametrize("woken", [(), ("weights",)])
+def test_rol_closing_an_asleep_engine_maps_what_sleeps_before_the_shutdown(woken):
+    """vLLM's cumem allocator frees a sleeping allocation by unmapping its memory again on CUDA
+    (ROCm's path alone skips it): the engine is woken first, so that its shutdown frees mapped
+    memory; an awake engine closes as before."""
+    calls = []
+    eng = _engine(2, calls)
+    eng._closed, eng.llm.llm_engine = False, type("E", (), {"engine_core": FakeCore(calls)})()
+    eng.sleep()
+    for tag in woken:
+        eng.wake(tags=(tag,))
+    del calls[:]
+    eng.close()
+    asleep = sorted(set(SLEEP_TAGS) - set(woken))
+    assert calls == [("wake_up", asleep), ("shutdown",)] and not eng.asleep
+    awake_calls = []
+    awake = _engine(2, awake_calls)
+    awake.llm.llm_engine = type("E", (), {"engine_core": FakeCore(awake_calls)})()
+    awake.close()
+    assert awake_calls == [("shutdown",)]

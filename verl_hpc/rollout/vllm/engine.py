@@ -429,6 +429,10 @@ class VLLMRollout(RolloutEngine):
             return
         try:
             with vllm_compat.engine_call(self.device):
+                if self._sleeping:  # vLLM's cumem frees a slept allocation by unmapping it again on
+                    # CUDA (only ROCm's path skips that): a double free at shutdown unless woken first
+                    llm.wake_up(tags=sorted(self._sleeping))
+                    self._sleeping = set()
                 llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # noqa: BLE001 - a failed shutdown at the end must not hide the job's result
             log.warning("vllm rollout: engine shutdown failed (%s: %s); the process exits anyway",
