@@ -84,3 +84,15 @@ def test_a_failed_vllm_check_is_listed_under_the_vllm_step(tmp_path):
         {"check": "vllm_sleep_levels", "status": "FAIL", "detail": "AssertionError: level 2: the sleep freed 1.00 GiB"},
         {"check": "vllm_ngram", "status": "PASS", "detail": "greedy identical"}]}))
     assert gpu_all.failure_lines("vllm", tmp_path) == ["vllm_sleep_levels: AssertionError: level 2: the sleep freed 1.00 GiB"]
+
+
+def test_graph_tokens_equal_to_eager_pass_a_near_tie_is_counted_and_a_real_difference_fails():
+    from verl_hpc.gpu_check.vllm_graphs import TIE_NATS, first_difference, token_verdict
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) == -1 and first_difference([1, 5], [1, 2]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one stopped earlier
+    gaps = [[1.0, 1.0, 1.0], [1.0, TIE_NATS / 2, 1.0], [1.0, 1.0, 1.0]]
+    v = token_verdict([[1, 2, 3], [1, 9, 9], [1, 2, 7]], [[1, 2, 3], [1, 2, 3], [1, 2, 3]], gaps)
+    assert v["identical"] == 1 and v["ties"] == 1
+    assert v["problems"] == ["row 2: greedy tokens differ from the eager engine's at position 2 (the eager "
+                             "engine's two best differ by 1 nats >= 0.05)"]

@@ -159,6 +159,8 @@ def beside(kit: Kit, kind: str) -> str:
     record(kit, f"vllm_beside_{kind}", {"phases": rows, "bound": bound(kit), "dtype": kit.dtype, "kernels": kernels,
                                         "deterministic": torch.are_deterministic_algorithms_enabled()})
     assert worst < bound(kit), f"vLLM vs the {kind} engine: max |log-prob diff| {worst:.3g} >= {bound(kit)}"
+    if attention.sdpa_flags_before_vllm()["cudnn"]:  # the trainer's choice, whatever vLLM's import set
+        assert kernels["sdpa_flags_in_the_engine"]["cudnn"], kernels
     first, second = rows
     return (f"{kind} engine and vLLM in one process, {kit.dtype}; rollout/logprob_diff_max "
             f"{first['rollout/logprob_diff_max']:.3g}, mean {first['rollout/logprob_diff_mean']:.3g} over "
@@ -245,6 +247,8 @@ def sleep_levels(kit: Kit) -> str:
                 served = WeightSync(bucket_mb=64, mode="full", check_served_every=1)(engine, r)
                 figures["served_checked"] = served.get("sync/served_checked", 0.0)
             after = r.generate(PROMPTS, greedy())
+            if level == 2:
+                r.sleep()  # closed asleep, as a job ends: close() wakes it first (cumem's free path)
         finally:
             r.close()
         if level == 1 and (after.response_ids != before.response_ids or after.logprobs != before.logprobs):

@@ -14,11 +14,14 @@ and synced once with the same weights, generates the same prompts. Verdict:
 - its greedy tokens equal the eager engine's, but where the eager engine's two best tokens are
   within TIE_NATS at the first difference of a row (a bf16 near-tie that the compiled kernels may
   break the other way: counted and reported, not a failure).
+The eager engine reports raw log-probs and also draws with top-k/top-p: vLLM's default sampler,
+which asks for FlashInfer on CUDA unless the engine environment says not to (it is not in the kit).
 In a CPU rehearsal vLLM compiles with Inductor (no graphs on a CPU) and has no sleep mode: the code
 runs, the figures are not a GPU's.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Sequence
 
 from verl_hpc.gpu_check import workload
@@ -75,6 +78,8 @@ def _eager_rows_with_gaps(r, prompts, max_tokens: int):
 def graphs_reload(kit: Kit) -> str:
     from verl_hpc.engines.megatron import MegatronEngine
     from verl_hpc.resharding import WeightSync
+    from verl_hpc.rollout.sampling import default_spec
+    from verl_hpc.rollout.vllm import environment
 
     need_vllm()
     path = workload.tiny_model(kit)
@@ -97,15 +102,20 @@ def graphs_reload(kit: Kit) -> str:
         drift = mismatch(got, engine)
     finally:
         graphs.close()
-    eager = rollout(kit, path, enforce_eager=True, max_num_seqs=GRAPH_SEQS)
+    # raw log-probs and a top-k/top-p draw: vLLM's default sampler, which imports FlashInfer on CUDA
+    # unless the project's engine environment turns it off (rollout/vllm/environment.py)
+    eager = rollout(kit, path, enforce_eager=True, max_num_seqs=GRAPH_SEQS, logprobs_mode="raw")
     try:
         syncer(engine, eager)
         want, gaps = _eager_rows_with_gaps(eager, PROMPTS, NEW_TOKENS)
+        drawn = eager.generate(PROMPTS[:2], default_spec(temperature=1.0, top_k=20, top_p=0.9, max_tokens=4, seed=1))
     finally:
         eager.close()
+    assert drawn.num_response_tokens > 0
     verdict = token_verdict([list(r) for r in got.response_ids], want, gaps)
     record(kit, "vllm_graphs_reload", {"mismatch": drift, "tokens": verdict,
-                                      "syncs": SYNCS + 1, "sleep_level": 2, "max_num_seqs": GRAPH_SEQS})
+                                      "syncs": SYNCS + 1, "sleep_level": 2, "max_num_seqs": GRAPH_SEQS,
+                                      "engine_environment": {k: os.environ.get(k) for k in environment.engine_environment({})}})
     problems = list(verdict["problems"])
     if drift["rollout/logprob_diff_max"] >= bound(kit):
         problems.insert(0, f"after the reloads the graph engine's log-probs differ from the training engine's by "

@@ -37,7 +37,7 @@ def sdpa_flags() -> Dict[str, bool]:
             "math": b.math_sdp_enabled(), "cudnn": b.cudnn_sdp_enabled()}
 
 
-def _flags_before_vllm() -> Dict[str, bool]:
+def sdpa_flags_before_vllm() -> Dict[str, bool]:
     """The flags when this module was first imported; cuDNN's taken as torch's default (on) where
     vLLM's CUDA platform was already imported then (its import is what turned it off)."""
     flags = dict(_AT_IMPORT)
@@ -55,7 +55,7 @@ def vllm_turned_cudnn_off() -> bool:
     where it was on, every other as it was before."""
     if VLLM_CUDA_PLATFORM not in sys.modules:
         return False
-    now, before = sdpa_flags(), _flags_before_vllm()
+    now, before = sdpa_flags(), sdpa_flags_before_vllm()
     return (before["cudnn"] and not now["cudnn"]
             and all(now[k] == before[k] for k in BACKENDS if k != "cudnn"))
 
