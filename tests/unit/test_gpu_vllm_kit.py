@@ -31,6 +31,9 @@ def fake_vllm_wheel(folder: Path, version: str = vllm_kit.VLLM_VERSION) -> Path:
         "vllm/__init__.py": f"__version__ = '{version}'\nclass LLM:\n    pass\n".encode(),
         "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2" * 1000,
         "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"fa3" * 1000,
+        "vllm/vllm_flash_attn/flash_attn_interface.py": b"# FA4_AVAILABLE = os.path.exists('cute/interface.py')\n",
+        "vllm/vllm_flash_attn/cute/interface.py": b"import cutlass\n",
+        "vllm/vllm_flash_attn/cute/utils.py": b"import cutlass.cute\n",
         "vllm/_moe_C_stable_libtorch.abi3.so": b"moe" * 100,
         "vllm/_C_stable_libtorch.abi3.so": b"c" * 100,
         "vllm/third_party/deep_gemm/include/a.hpp": b"x",
@@ -58,11 +61,15 @@ def test_the_slim_wheel_drops_what_sm90_does_not_load_and_its_record_follows(tmp
     out.mkdir()
     gone = vllm_kit.restore(src, out / src.name, vllm_kit.dropped)
     assert set(gone) == {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
-                         "vllm/third_party/deep_gemm/include/a.hpp", "vllm/vllm-rs"}
+                         "vllm/third_party/deep_gemm/include/a.hpp", "vllm/vllm-rs",
+                         "vllm/vllm_flash_attn/cute/interface.py", "vllm/vllm_flash_attn/cute/utils.py"}
     with zipfile.ZipFile(out / src.name) as z:
         names = set(z.namelist())
         assert "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" in names and "vllm/_C_stable_libtorch.abi3.so" in names
         assert "vllm/third_party/pynvml.py" in names and not names & set(gone)
+        # FA4 without CuTe DSL: vLLM 0.25 counts FA4 available by cute/interface.py's presence alone
+        assert "vllm/vllm_flash_attn/flash_attn_interface.py" in names
+        assert not any(n.startswith("vllm/vllm_flash_attn/cute/") for n in names)
         assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}  # xz compresses, not deflate
         record = z.read(f"vllm-{vllm_kit.VLLM_VERSION}.dist-info/RECORD").decode()
         assert not any(g in record for g in gone)
@@ -89,6 +96,12 @@ def test_a_vllm_without_one_of_the_import_needs_is_refused_by_name(tmp_path):
             z.writestr(n, d)
     with pytest.raises(SystemExit, match="does not require cbor2"):
         vllm_kit.import_requirements(wheel)
+
+
+def test_fa4_is_dropped_with_why_vllm_then_picks_triton_for_head_sizes_over_256():
+    why = vllm_kit.dropped("vllm/vllm_flash_attn/cute/flash_fwd_sm90.py")
+    assert "cutlass" in why and "Triton attention" in why
+    assert not vllm_kit.dropped("vllm/vllm_flash_attn/flash_attn_interface.py")  # FA3's and the availability test
 
 
 def test_the_kit_carries_what_neither_torch_nor_the_kit_folder_brings():
@@ -164,6 +177,7 @@ def test_pieces_stashed_one_transfer_at_a_time_assemble_and_install_offline(tmp_
     printed = vllm_pieces.install(home, target=target)
     assert printed.startswith(f"vllm {vllm_kit.VLLM_VERSION} from {target}")
     assert not (target / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.abi3.so").exists()
+    assert not (target / "vllm" / "vllm_flash_attn" / "cute").exists()  # FA4 reads as unavailable
     assert (target / "vllm" / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").is_file()
 
 

@@ -43,9 +43,11 @@ import tarfile
 import zipfile
 from email.parser import Parser
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from verl_hpc.gpu_check import vllm_pieces, wheels
+from verl_hpc.gpu_check import outdir, vllm_pieces, wheels
+from verl_hpc.gpu_check.image import read_list
+from verl_hpc.gpu_check.vllm_pieces import KitError
 
 VLLM_VERSION = "0.25.0"  # requires torch==2.11.0 and links libcudart.so.13: the GPU node's image
 GLIBC = "2.31"  # llguidance 1.7's wheels (vLLM requires 1.7.x) are manylinux_2_31; vllm_pieces checks the node's
@@ -71,6 +73,13 @@ SLIM_DROP: Tuple[Tuple[str, str], ...] = (
      "FlashAttention 2: on sm_90 vLLM picks FlashAttention 3 (v1/attention/backends/fa_utils.py "
      "get_flash_attn_version: Hopper prefers FA3); FA2 serves only ALiBi models, VLLM_BATCH_INVARIANT "
      "and other GPUs; its import is guarded (flash_attn_interface.FA2_AVAILABLE)"),
+    ("vllm/vllm_flash_attn/cute/*",
+     "FlashAttention 4, CuTe DSL kernels that need cutlass-dsl and quack, which the kit does not carry: "
+     "flash_attn_interface.py counts FA4 available when cute/interface.py exists (it imports nothing), and "
+     "then FlashAttention's backend claims head sizes 257-512 on sm_90 (supports_head_size) and fails at "
+     "the first forward. Without the folder FA4_AVAILABLE is False, nothing imports it at start-up, and a "
+     "head size over 256 passes FlashAttention and FlashInfer (not carried) in platforms/cuda.py's order "
+     "and gets Triton attention (triton_attn.py: head_size >= 32)"),
     ("vllm/_moe_C_stable_libtorch.abi3.so",
      "mixture-of-experts kernels (routing top-k, block alignment, Marlin MoE): a dense model calls "
      "none; platforms/cuda.py imports it under contextlib.suppress(ImportError)"),
@@ -162,13 +171,18 @@ def import_requirements(wheel: Path) -> List[str]:
     return out + list(INDIRECT_NEEDS)
 
 
-def carried_pins(joint: Dict[str, str], base: Dict[str, str]) -> Dict[str, str]:
-    """What the vLLM kit carries of the joint resolution: not torch's, not what the kit folder
-    brings at the same version; typing-extensions always."""
+def carried_pins(joint: Dict[str, str], base: Dict[str, str], served: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """What the vLLM kit carries of the joint resolution, all but what the kit folder (`base`)
+    brings at the same version and: without the image's list, torch's install (typing-extensions
+    always carried); with it (`served`: what the image serves of the joint resolution), the image's."""
     out = {}
     for name, ver in joint.items():
         n = wheels._canonical(name)
-        if n in ALWAYS_CARRIED or (wheels.carried(n) and base.get(n) != ver):
+        if served is None:
+            keep = n in ALWAYS_CARRIED or (wheels.carried(n) and base.get(n) != ver)
+        else:
+            keep = n not in served and base.get(n) != ver
+        if keep:
             out[n] = ver
     return out
 
@@ -186,20 +200,49 @@ def pack(files: List[Path], archive: Path) -> None:
             tar.add(f, arcname=f.name)
 
 
-def build(out: Path, python_version: str, glibc: str, piece_mib: float, cache: Path) -> Dict:
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():
-        if old.is_file():
-            old.unlink()
-    cache.mkdir(parents=True, exist_ok=True)
+def owned(out: Path) -> List[str]:
+    """What this command's last run wrote in `out`: MANIFEST.json and the pieces it lists ([] without one)."""
+    if not (out / vllm_pieces.MANIFEST).exists():
+        return []
+    try:
+        manifest = vllm_pieces.read_manifest(out)
+    except KitError as e:
+        raise KitError(f"{e}: so {out} is not a kit this command built; name a new folder")
+    return [vllm_pieces.MANIFEST] + [p["name"] for p in manifest["pieces"]]
+
+
+def build(out: Path, python_version: str, glibc: str, piece_mib: float, cache: Path,
+          image: Optional[Dict[str, str]] = None) -> Dict:
+    """The kit, made in OUT's partial folder and published over the last build's files (outdir.py):
+    a folder holding anything else is refused before any download."""
+    old = owned(out)
+    outdir.refuse_foreign(out, old, "a kit this command built (MANIFEST.json and the pieces it lists)")
+    work = outdir.partial(out)
+    try:
+        manifest = _build(work, python_version, glibc, piece_mib, cache, image)
+    except BaseException:
+        outdir.discard(out)  # OUT as it was: the last build's files, nothing half-written
+        raise
+    outdir.publish(out, old, [vllm_pieces.MANIFEST] + [p["name"] for p in manifest["pieces"]], vllm_pieces.MANIFEST)
+    return manifest
+
+
+def _build(work: Path, python_version: str, glibc: str, piece_mib: float, cache: Path,
+           image: Optional[Dict[str, str]]) -> Dict:
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KitError(f"--cache {cache}: cannot write there ({e.strerror}); valid: a folder this user may write")
     target = wheels.target_args(python_version, glibc)
     dl = cache / f"py{python_version}"
     wheels._pip("download", "--no-deps", "--quiet", "--dest", str(dl), *target, f"vllm=={VLLM_VERSION}")
-    full = next(dl.glob(f"vllm-{VLLM_VERSION}-*.whl"))
-    base = {wheels._canonical(n): v for n, v in
-            wheels.resolve(wheels.requirements(), python_version, glibc, dl).items()}
-    joint = wheels.resolve(wheels.requirements() + import_requirements(full), python_version, glibc, dl)
-    pins = carried_pins(joint, base)
+    full = _find_wheel(dl, "vllm", VLLM_VERSION)
+    base, base_served = wheels.resolve_against(wheels.requirements(), python_version, glibc, dl, image)
+    joint, served = wheels.resolve_against(wheels.requirements() + import_requirements(full), python_version,
+                                           glibc, dl, image)
+    if image:  # the kit folder, built with the same list, carries what the image does not serve
+        base = wheels.carried_pins(base, base_served)
+    pins = carried_pins(joint, base, served if image else None)
     wheels._pip("download", "--no-deps", "--quiet", "--dest", str(dl), *target,
                 *[f"{n}=={v}" for n, v in sorted(pins.items())])
     stage = cache / f"stage{python_version}"
@@ -215,15 +258,17 @@ def build(out: Path, python_version: str, glibc: str, piece_mib: float, cache: P
     archive = cache / vllm_pieces.ARCHIVE
     print(f"packing {len(files)} files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB stored, "
           "with xz (preset 9) ...", flush=True)
-    pack(files, archive)
-    pieces = vllm_pieces.split(archive, out, int(piece_mib * 2**20))
-    manifest = vllm_pieces.write_manifest(
-        out, archive, pieces, vllm=VLLM_VERSION, python=python_version, glibc=glibc,
-        requirements=reqs.read_text().split(),
-        wheels={f.name: f.stat().st_size for f in files if f.suffix == ".whl"},
-        dropped=drop_summary(full))
-    archive.unlink()
-    return manifest
+    try:
+        pack(files, archive)
+        pieces = vllm_pieces.split(archive, work, int(piece_mib * 2**20))
+        # `image`: the image's packages the kit relies on (install checks the node has them)
+        return vllm_pieces.write_manifest(
+            work, archive, pieces, vllm=VLLM_VERSION, python=python_version, glibc=glibc,
+            requirements=reqs.read_text().split(),
+            wheels={f.name: f.stat().st_size for f in files if f.suffix == ".whl"},
+            dropped=drop_summary(full), **({"image": served} if image else {}))
+    finally:
+        archive.unlink(missing_ok=True)
 
 
 def _find_wheel(folder: Path, name: str, ver: str) -> Path:
@@ -249,6 +294,9 @@ def main(argv=None) -> int:
                                                      "which vLLM needs, has no wheel for an older one)")
     ap.add_argument("--piece-mib", type=float, default=48.0,
                     help="largest piece, MiB (default 48: with a ~7 MB tree a transfer stays far under 64)")
+    ap.add_argument("--image", type=Path, help="the GPU node's package list (python -m verl_hpc.gpu_check.image list "
+                                              "there; the kit folder built with the same): carry only what "
+                                              "neither it nor the kit folder brings")
     ap.add_argument("--cache", type=Path, default=Path("build/vllm_kit_cache"),
                     help="downloads and the staging folder (default build/vllm_kit_cache)")
     args = ap.parse_args(argv)
@@ -259,7 +307,12 @@ def main(argv=None) -> int:
         ap.error(f"--piece-mib {args.piece_mib:g}; valid: more than 0, at most {vllm_pieces.PIECE_LIMIT // 2**20}")
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"OUT '{args.out}' is a file; valid: a folder (new, or one this command wrote)")
-    manifest = build(args.out, args.python_version, args.glibc, args.piece_mib, args.cache)
+    try:
+        image = read_list(args.image) if args.image else None
+        manifest = build(args.out, args.python_version, args.glibc, args.piece_mib, args.cache, image)
+    except KitError as e:
+        print(f"vllm_kit: {e}", file=sys.stderr)
+        return 1
     root = Path(__file__).resolve().parents[2]
     tree = tree_bytes(root)
     print(f"vllm {VLLM_VERSION} slim for sm_90, Python {args.python_version}: "

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,12 +81,53 @@ def read_manifest(folder: Path) -> Dict:
         raise KitError(f"{path}: no manifest (carry the kit folder's {MANIFEST} with each piece)")
     try:
         manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise KitError(f"{path}: not JSON ({e}); rebuild the kit (make gpu-vllm-kit)")
-    if manifest.get("format") != FORMAT or not manifest.get("pieces"):
-        raise KitError(f"{path}: format {manifest.get('format')!r} with {len(manifest.get('pieces') or [])} "
-                       f"pieces; valid: format {FORMAT} with at least one piece (make gpu-vllm-kit)")
+    except (ValueError, OSError) as e:
+        raise KitError(f"{path}: not JSON ({getattr(e, 'strerror', None) or e}); rebuild the kit (make gpu-vllm-kit)")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise KitError(f"{path}: {problem} (make gpu-vllm-kit writes it)")
     return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# a piece's name is a plain file name: a manifest naming '../x' must not reach outside the folder
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _entry_problem(where: str, entry) -> str:
+    """Why a piece or archive entry of the manifest is malformed, or ''."""
+    if not isinstance(entry, dict):
+        return f"{where} is {type(entry).__name__}; valid: an object with name, bytes, sha256"
+    for field, ok, valid in (("name", lambda v: isinstance(v, str) and _NAME.fullmatch(v), "a file name"),
+                             ("bytes", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                              "a positive integer"),
+                             ("sha256", lambda v: isinstance(v, str) and _SHA256.fullmatch(v), "64 hex digits")):
+        if field not in entry:
+            return f"{where} has no {field}; valid: {valid}"
+        if not ok(entry[field]):
+            return f"{where}.{field} is {entry[field]!r}; valid: {valid}"
+    return ""
+
+
+def manifest_problem(manifest) -> str:
+    """Why a parsed manifest is not one this module can use (field and what is valid), or ''."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}; valid: an object (format {FORMAT}, archive, pieces)"
+    if manifest.get("format") != FORMAT:
+        return f"format is {manifest.get('format')!r}; valid: {FORMAT}"
+    pieces = manifest.get("pieces")
+    if not isinstance(pieces, list) or not pieces:
+        return f"pieces is {pieces!r:.60}; valid: a list of at least one piece"
+    problems = [_entry_problem(f"pieces[{i}]", p) for i, p in enumerate(pieces)]
+    problems.append(_entry_problem("archive", manifest.get("archive")) if "archive" in manifest
+                    else "no archive; valid: an object with name, bytes, sha256")
+    glibc = manifest.get("glibc")
+    if glibc is not None and not (isinstance(glibc, str) and re.fullmatch(r"\d+\.\d+", glibc)):
+        problems.append(f"glibc is {glibc!r}; valid: X.Y, e.g. 2.31")
+    image = manifest.get("image", {})
+    if not (isinstance(image, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in image.items())):
+        problems.append(f"image is {image!r:.60}; valid: an object of package: version")
+    return next((p for p in problems if p), "")
 
 
 def piece_problem(folder: Path, piece: Dict) -> str:
@@ -116,41 +159,93 @@ def verify(folder: Path, present_only: bool = False) -> Dict:
     return manifest
 
 
+def _writable(folder: Path, role: str) -> None:
+    """KitError naming `folder` when it cannot be made or written (a read-only file system, a file
+    where a folder is expected), before anything is written there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".{MANIFEST}.probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise KitError(f"{role} {folder}: cannot write there ({e.strerror}); valid: a folder this user may write")
+
+
+def _copy_whole(src: Path, dest: Path) -> None:
+    """Copy under a temporary name, then rename: `dest` is never half a file."""
+    tmp = dest.with_name(f".{dest.name}.partial")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def stash(src: Path, home: Path = HOME) -> List[str]:
     """Check the pieces carried in `src` and move them into `home` with the manifest. A home that
-    holds another build's pieces is emptied first (their manifest differs)."""
+    holds another build's pieces loses those (its manifest names them), nothing else of it."""
     manifest = verify(src, present_only=True)
-    home.mkdir(parents=True, exist_ok=True)
+    _writable(home, "--home")
     if (home / MANIFEST).is_file() and (home / MANIFEST).read_text() != (src / MANIFEST).read_text():
-        for p in home.iterdir():
-            if p.is_file():
-                p.unlink()
-    shutil.copyfile(src / MANIFEST, home / MANIFEST)
+        try:
+            old = [p["name"] for p in read_manifest(home)["pieces"]]
+        except KitError:  # a manifest no build of this module wrote: its pieces are not known
+            old = []
+        for name in old:
+            (home / name).unlink(missing_ok=True)
+    _copy_whole(src / MANIFEST, home / MANIFEST)
     moved = []
     for piece in manifest["pieces"]:
         if (src / piece["name"]).is_file():
-            shutil.move(str(src / piece["name"]), str(home / piece["name"]))
+            _copy_whole(src / piece["name"], home / piece["name"])
+            try:
+                (src / piece["name"]).unlink()  # moved: the tree's copy is not carried again
+            except OSError:  # a read-only source: the piece is stashed all the same
+                pass
             moved.append(piece["name"])
     return moved
 
 
 def assemble(folder: Path, dest: Path) -> Path:
-    """Every piece checked, joined, the archive's sha256 checked, unpacked into `dest`."""
+    """Every piece checked, joined, the archive's sha256 checked, unpacked into `dest` (a new
+    folder: on any failure it is removed whole, so nothing half-unpacked stays)."""
     manifest = verify(folder)
-    dest.mkdir(parents=True, exist_ok=True)
+    if dest.exists():
+        raise KitError(f"{dest}: exists; valid: a new folder to unpack the kit into")
+    _writable(dest, "unpacking into")
+    try:
+        _unpack(folder, manifest, dest)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest
+
+
+def _unpack(folder: Path, manifest: Dict, dest: Path) -> None:
     archive = dest / manifest["archive"]["name"]
-    with open(archive, "wb") as out:
-        for piece in manifest["pieces"]:
-            with open(folder / piece["name"], "rb") as f:
-                shutil.copyfileobj(f, out, 4 * MIB)
+    try:
+        with open(archive, "wb") as out:
+            for piece in manifest["pieces"]:
+                with open(folder / piece["name"], "rb") as f:
+                    shutil.copyfileobj(f, out, 4 * MIB)
+    except OSError as e:
+        raise KitError(f"joining the pieces into {archive}: {e.strerror}; valid: a folder with room for "
+                       f"{manifest['archive']['bytes'] / MIB:.0f} MiB more")
     if sha256(archive) != manifest["archive"]["sha256"]:
         raise KitError(f"{archive}: the joined pieces' sha256 differs from the manifest's (pieces of two builds?)")
-    with tarfile.open(archive, "r:xz") as tar:
-        tar.extractall(dest, filter="data")
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(dest, filter="data")  # refuses members outside dest, links out, devices
+    except (tarfile.ReadError, tarfile.CompressionError, lzma.LZMAError, EOFError) as e:
+        raise KitError(f"{archive.name}: not an xz-compressed tar ({e}); rebuild the kit (make gpu-vllm-kit)")
+    except tarfile.FilterError as e:
+        raise KitError(f"{archive.name}: member {e.tarinfo.name!r} would land outside {dest} or is not a plain "
+                       f"file ({type(e).__name__}); valid: an archive vllm_kit.py packed")
+    except OSError as e:
+        raise KitError(f"unpacking {archive.name} into {dest}: {e.strerror} ({e.filename})")
     archive.unlink()
     if not (dest / "requirements.txt").is_file():
         raise KitError(f"{dest}: the archive has no requirements.txt; rebuild the kit (make gpu-vllm-kit)")
-    return dest
 
 
 def glibc_problem(needed: Optional[str], found: Optional[str] = None) -> None:
@@ -166,31 +261,56 @@ def glibc_problem(needed: Optional[str], found: Optional[str] = None) -> None:
 
 
 IMPORT_PROBE = "import vllm; from vllm import LLM; print('vllm', vllm.__version__, 'from', vllm.__file__)"
+# {canonical name: version} of what an interpreter imports (the first of a name on sys.path)
+VERSIONS_PROBE = ("import importlib.metadata as m, json, re\nseen = {}\nfor d in m.distributions():\n"
+                  "    seen.setdefault(re.sub('[-_.]+', '-', d.metadata['Name'] or '').lower(), d.version)\n"
+                  "print(json.dumps(seen))")
+
+
+def image_problem(relied: Dict[str, str], python: str, env: Dict[str, str]) -> None:
+    """KitError when the node's Python lacks a package the kit was built to take from the image
+    (vllm_kit --image), at the version it was resolved with."""
+    if not relied:
+        return
+    r = subprocess.run([python, "-c", VERSIONS_PROBE], capture_output=True, text=True, env=env)
+    have = json.loads(r.stdout) if r.returncode == 0 else {}
+    bad = [f"{n} {v} (here: {have.get(n, 'none')})" for n, v in sorted(relied.items()) if have.get(n) != v]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise KitError(f"the kit was built over an image with {', '.join(bad[:3])}{more}; build it with --image "
+                       "from this node's list (python -m verl_hpc.gpu_check.image list)")
 
 
 def install(folder: Path, python: str = sys.executable, work: Optional[Path] = None,
             target: Optional[Path] = None) -> str:
     """Assemble and install with `python`'s pip, offline, exactly the pinned wheels (into its
     environment, or into `target`, a folder for PYTHONPATH); then import vLLM in a fresh
-    interpreter. Returns what that import printed."""
-    glibc_problem(read_manifest(folder).get("glibc"))
-    work = work or folder / "unpacked"
-    if work.exists():
-        shutil.rmtree(work)
-    assemble(folder, work)
-    cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-conflicts", "--no-compile", "-q",
-           "--find-links", str(work), "-r", str(work / "requirements.txt")]
-    cmd += ["--target", str(target)] if target is not None else []
-    print("$ " + " ".join(cmd), flush=True)
-    r = subprocess.run(cmd)
-    if r.returncode != 0:
-        raise KitError(f"pip install --no-index from {work} failed (exit {r.returncode}; its output is above)")
+    interpreter. Returns what that import printed. The unpacked wheels are removed either way."""
+    manifest = read_manifest(folder)
+    glibc_problem(manifest.get("glibc"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target or ""), os.environ.get("PYTHONPATH")])))
-    r = subprocess.run([python, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise KitError(f"installed, but `from vllm import LLM` fails: {last}")
-    shutil.rmtree(work)
+    image_problem(manifest.get("image", {}), python, env)
+    if target is not None:
+        _writable(target, "--target")
+    work = work or folder / "unpacked"
+    shutil.rmtree(work, ignore_errors=True)  # this function's own, left by a run that was killed
+    assemble(folder, work)
+    try:
+        cmd = [python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-warn-conflicts", "--no-compile",
+               "-q", "--find-links", str(work), "-r", str(work / "requirements.txt")]
+        cmd += ["--target", str(target)] if target is not None else []
+        print("$ " + " ".join(cmd), flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            lines = [ln for ln in r.stderr.splitlines() if ln.strip()] or ["(no output)"]
+            last = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1])
+            raise KitError(f"pip install --no-index from {work} failed (exit {r.returncode}): {last.strip()}")
+        r = subprocess.run([python, "-c", IMPORT_PROBE], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise KitError(f"installed, but `from vllm import LLM` fails: {last}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return r.stdout.strip()
 
 
@@ -232,6 +352,9 @@ def main(argv=None) -> int:
             return probe(target=args.target)
     except KitError as e:
         print(f"vllm kit: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # any other file that cannot be read or written: named, in one line
+        print(f"vllm kit: {e.filename or args.cmd}: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
 

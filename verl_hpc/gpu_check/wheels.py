@@ -1,6 +1,7 @@
 """Prepare the wheel folder `python -m verl_hpc.gpu_check` needs on a GPU machine without network.
 
     python -m verl_hpc.gpu_check.wheels OUT [--python-version 3.12 | --target-python PATH] [--glibc 2.28]
+                                            [--image LIST]
 
 The GPU machine brings CUDA torch (and what torch itself depends on); this folder carries the rest:
 megatron-core and the packages the checks import (transformers and its tokenizer/hub stack,
@@ -14,7 +15,12 @@ distribution (omegaconf 2.3 needs antlr4-python3-runtime, which has no wheel) is
 here with `pip wheel` when it is pure Python; the GPU machine then installs wheels only and builds
 nothing. The folder must stay under 64 MiB (what travels with the work tree to the GPU machine);
 the script fails otherwise.
-On the GPU machine:  pip install --no-index --find-links OUT -r OUT/requirements.txt
+With `--image LIST` (the node's packages, image.py) the folder carries only what the image does not
+serve (image.served, then pip resolves again holding the image's versions), instead of all but
+torch's install. OUT is new, empty, or this command's last build (FILES names what it wrote):
+a folder holding anything else is refused before any download, and nothing of it is deleted.
+On the GPU machine (gpu-all does it in the kits' prefix over the image, image.py):
+    pip install --no-index --find-links OUT -r OUT/requirements.txt
 """
 from __future__ import annotations
 
@@ -26,10 +32,15 @@ import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from verl_hpc.gpu_check import outdir
+from verl_hpc.gpu_check.image import constraint, read_list, served
+from verl_hpc.gpu_check.vllm_pieces import KitError
 
 LIMIT_BYTES = 64 * 2**20
 MAX_SOURCE_BUILDS = 5  # sdist-only packages built into wheels before giving up
+MAX_IMAGE_ROUNDS = 10  # resolutions against the image's versions before taking the set as it is
 
 
 # Exact versions this project's tests run with (the CPU venv): the GPU check compares against the
@@ -65,8 +76,8 @@ def project_requirements() -> List[str]:
 
 def merged(reqs: List[str], extra: List[str]) -> List[str]:
     """reqs plus the extra requirements whose package reqs does not name already."""
-    named = {_canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in reqs}
-    return reqs + [r for r in extra if _canonical(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) not in named]
+    named = {_name_of(r) for r in reqs}
+    return reqs + [r for r in extra if _name_of(r) not in named]
 
 
 # Present wherever CUDA torch is installed (torch's own dependencies), so not carried. numpy is
@@ -80,14 +91,44 @@ def _canonical(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
+def _name_of(requirement: str) -> str:
+    """The canonical package name of a requirement ('Foo_Bar[x]>=1' -> 'foo-bar')."""
+    return _canonical(re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0])
+
+
 def carried(name: str) -> bool:
     n = _canonical(name)
     return n not in WITH_TORCH and not n.startswith("nvidia-")
 
 
 def _pip(*args: str, capture: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], check=not capture,
-                          capture_output=capture, text=True)
+    """pip with this interpreter; unless `capture` (the caller reads the outcome), a failure is one
+    line (SystemExit): what pip was asked, whether the index was reachable, pip's last error."""
+    r = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+    if r.returncode != 0 and not capture:
+        raise SystemExit(pip_failed(args, r.stderr))
+    return r
+
+
+# pip's words when it cannot reach an index (its retries are WARNINGs, which --quiet still shows)
+_UNREACHABLE = re.compile(r"NewConnectionError|Max retries exceeded|Temporary failure in name resolution|"
+                          r"Name or service not known|Network is unreachable|Connection refused|ConnectTimeout|"
+                          r"ReadTimeout|ProxyError|SSLError|Could not fetch URL")
+
+
+# the pip options this module passes that take a value (the rest of a command's words are packages)
+_VALUED = {"--dest", "--python-version", "--platform", "--find-links", "--report", "--target", "-c", "--wheel-dir"}
+
+
+def pip_failed(args, stderr: str) -> str:
+    """One line for a failed pip command: its subcommand and packages, whether the package index was
+    unreachable, and pip's last error line."""
+    pkgs = [a for prev, a in zip(args, args[1:]) if not a.startswith("-") and prev not in _VALUED]
+    named = ", ".join(pkgs[:3]) + (f" and {len(pkgs) - 3} more" if len(pkgs) > 3 else "")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    last = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "(no output)")
+    why = "the package index was unreachable" if _UNREACHABLE.search(stderr) else "pip failed"
+    return f"pip {args[0]} {named or '(no package)'}: {why}: {last[:300]}"
 
 
 PROBE = ("import platform, sys; print('%d.%d' % sys.version_info[:2]); "
@@ -141,34 +182,117 @@ def build_pure_wheel(req: str, dest: Path) -> Path:
 
 
 def resolve(reqs: List[str], python_version: str, glibc: str, local: Path) -> Dict[str, str]:
-    """{name: version} of everything pip would install for `reqs` on the target. A requirement
-    with only a source distribution is built into `local` (pure Python only) and pip asked again."""
+    """{name: version} of everything pip would install for `reqs` on the target."""
+    return {i["metadata"]["name"]: i["metadata"]["version"] for i in resolve_items(reqs, python_version, glibc, local)[0]}
+
+
+def conflict_names(stderr: str, constrained: Sequence[str]) -> List[str]:
+    """The constrained packages named in pip's "The conflict is caused by:" lines."""
+    block = stderr.split("The conflict is caused by:", 1)[-1].split("To fix this", 1)[0] if "The conflict is" in stderr else ""
+    named = set()
+    for line in block.splitlines():
+        m = re.match(r"\s*(?:The user requested \(constraint\) )?([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+        if m:
+            named.add(_canonical(m.group(1)))
+    return sorted(named & {_name_of(c) for c in constrained})
+
+
+def resolve_items(reqs: List[str], python_version: str, glibc: str, local: Path,
+                  constraints: Sequence[str] = ()) -> Tuple[List[Dict], List[str]]:
+    """(pip's report entries of everything it would install for `reqs` on the target, []); or,
+    where the `constraints` (the image's versions) cannot all be had, ([], the constrained names
+    pip's explanation names: a version the index lacks, or one another package cannot take). A
+    requirement with only a source distribution is built into `local` (pure Python only) and pip
+    asked again."""
     target = target_args(python_version, glibc)
     for _ in range(MAX_SOURCE_BUILDS + 1):
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "report.json"
-            r = _pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                     "--find-links", str(local), "--target", str(Path(tmp) / "t"), *target, *reqs,
-                     capture=True)
+            (Path(tmp) / "image.txt").write_text("".join(f"{c}\n" for c in constraints))
+            # not --quiet: pip's explanation of a conflict names the packages in it
+            r = _pip("install", "--dry-run", "--ignore-installed", "--report", str(report),
+                     "--find-links", str(local), "--target", str(Path(tmp) / "t"), *target,
+                     *(["-c", str(Path(tmp) / "image.txt")] if constraints else []), *reqs, capture=True)
             if r.returncode == 0:
-                data = json.loads(report.read_text())
-                return {i["metadata"]["name"]: i["metadata"]["version"] for i in data["install"]}
+                return json.loads(report.read_text())["install"], []
         req = missing_wheel(r.stderr)
+        if _UNREACHABLE.search(r.stderr):
+            raise SystemExit(pip_failed(["resolve", *reqs], r.stderr))
+        if conflict_names(r.stderr, constraints):
+            return [], conflict_names(r.stderr, constraints)
         if req is None:
-            raise SystemExit(f"pip could not resolve {reqs} for Python {python_version}:\n{r.stderr[-3000:]}")
+            raise SystemExit(pip_failed(["resolve", *reqs], r.stderr))
         print(f"{req}: no wheel for the target; building a pure-Python wheel of it here")
         build_pure_wheel(req, local)
     raise SystemExit(f"more than {MAX_SOURCE_BUILDS} source-only packages; giving up")
 
 
-def prepare(out: Path, python_version: str, glibc: str, reqs: Optional[List[str]] = None) -> Dict[str, int]:
-    out.mkdir(parents=True, exist_ok=True)
-    pins = {n: v for n, v in resolve(reqs or requirements(), python_version, glibc, out).items() if carried(n)}
-    target = target_args(python_version, glibc)
-    _pip("download", "--no-deps", "--quiet", "--find-links", str(out), "--dest", str(out), *target,
-         *[f"{n}=={v}" for n, v in sorted(pins.items())])
-    (out / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
-    (out / "TARGET").write_text(f"python {python_version}, glibc >= {glibc}, x86_64\n")
+def resolve_against(reqs: List[str], python_version: str, glibc: str, local: Path,
+                    image: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """({name: version} pip resolves for `reqs`, {name: the image's version} of those the image
+    serves), names canonical. Without the image's list the image serves nothing here (the callers
+    fall back to WITH_TORCH). With it, pip resolves again with each served version as a constraint,
+    so that the image's versions' own requirements are checked too, until no more are served; a
+    served version that pip's conflict explanation names (the index lacks it, or another package
+    cannot take it) is left out of the constraints: the kit carries its own."""
+    items = resolve_items(reqs, python_version, glibc, local)[0]
+    fixed: Dict[str, str] = {}  # the image's versions to hold
+    held: Dict[str, str] = {}  # those `items` was resolved with
+    lacking: set = set()
+    for _ in range(MAX_IMAGE_ROUNDS if image else 0):
+        more = {n: v for n, v in served(items, image, reqs, python_version).items() if n not in lacking}
+        if set(more) <= set(fixed) and fixed == held:
+            break
+        fixed.update(more)
+        got, conflicts = resolve_items(reqs, python_version, glibc, local,
+                                       [f"{n}=={constraint(v)}" for n, v in sorted(fixed.items())])
+        if conflicts:  # those the kit carries itself; the rest is resolved again
+            lacking.update(conflicts)
+            for n in conflicts:
+                fixed.pop(n, None)
+        else:
+            items, held = got, dict(fixed)
+    versions = {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+    # only what pip resolved with the image's version as a constraint counts as served
+    serves = served(items, image, reqs, python_version) if image else {}
+    return versions, {n: v for n, v in serves.items() if n in held}
+
+
+FILES = "FILES"  # the names of what the folder's last build wrote (outdir.py: nothing else is touched)
+
+
+def owned(out: Path) -> List[str]:
+    """What this command's last run wrote in `out` (FILES and the names it lists), [] without FILES."""
+    listed = out / FILES
+    return [FILES] + listed.read_text().split() if listed.is_file() else []
+
+
+def carried_pins(resolved: Dict[str, str], serves: Optional[Dict[str, str]]) -> Dict[str, str]:
+    """What the folder carries: without the image's list, all but torch's install (WITH_TORCH);
+    with it (`serves`: what the image serves), all the image does not serve."""
+    return {n: v for n, v in resolved.items() if (n not in serves if serves is not None else carried(n))}
+
+
+def prepare(out: Path, python_version: str, glibc: str, reqs: Optional[List[str]] = None,
+            image: Optional[Dict[str, str]] = None) -> Dict[str, int]:
+    """Build the folder in OUT's partial folder, then publish it over the last build's files."""
+    old = owned(out)
+    outdir.refuse_foreign(out, old, f"a wheel folder this command built ({FILES} and the files it names)")
+    work = outdir.partial(out)
+    try:
+        resolved, serves = resolve_against(reqs or requirements(), python_version, glibc, work, image)
+        pins = carried_pins(resolved, serves if image else None)
+        _pip("download", "--no-deps", "--quiet", "--find-links", str(work), "--find-links", str(out),
+             "--dest", str(work), *target_args(python_version, glibc), *[f"{n}=={v}" for n, v in sorted(pins.items())])
+        (work / "requirements.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+        (work / "TARGET").write_text(f"python {python_version}, glibc >= {glibc}, x86_64\n" + (
+            f"over the image's packages: {', '.join(f'{n}=={v}' for n, v in sorted(serves.items()))}\n" if image else ""))
+        names = sorted(p.name for p in work.iterdir())
+        (work / FILES).write_text("".join(f"{n}\n" for n in names))
+    except BaseException:
+        outdir.discard(out)  # OUT as it was: the last build's files, nothing half-written
+        raise
+    outdir.publish(out, old, names + [FILES], FILES)
     return {w.name: w.stat().st_size for w in sorted(out.glob("*.whl"))}
 
 
@@ -183,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--with-project", action="store_true",
                     help="also the project's own dependencies (setup.py CORE: pyarrow, submitit, ...), "
                          "which the demo needs; larger than 64 MiB, so the limit is not enforced")
+    ap.add_argument("--image", type=Path, help="the GPU node's package list (python -m verl_hpc.gpu_check.image "
+                                              "list there): carry only what it does not serve")
     ap.add_argument("--requirement", action="append", help=argparse.SUPPRESS)  # tests: other pins
     args = ap.parse_args(argv)
     for option, value in (("--python-version", args.python_version), ("--glibc", args.glibc)):
@@ -200,7 +326,12 @@ def main(argv=None) -> int:
     python_version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     glibc = glibc or "2.28"
     print(f"target: Python {python_version}, glibc >= {glibc}")
-    sizes = prepare(args.out, python_version, glibc, reqs)
+    try:
+        image = read_list(args.image) if args.image else None
+        sizes = prepare(args.out, python_version, glibc, reqs, image)
+    except KitError as e:
+        print(f"wheels: {e}", file=sys.stderr)
+        return 1
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     for name, size in sizes.items():
         print(f"{size / 2**20:8.2f} MiB  {name}")

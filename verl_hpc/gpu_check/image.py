@@ -1,0 +1,198 @@
+"""The GPU node's image: the packages its Python already has, what of a resolution they serve, and
+the kit's own prefix over that Python, so that installing the kits leaves the image as it was.
+
+    python -m verl_hpc.gpu_check.image list > image_packages.txt   # on the node: name==version lines
+    python -m verl_hpc.gpu_check.image prefix DIR [--record FILE]   # the prefix over this Python
+
+The prefix is a venv of the image's interpreter whose site-packages holds what the kits install,
+with a .pth file that adds the image's own site-packages after it (site.addsitedir, so the image's
+.pth files still run). Its Python imports the kits' packages first and the image's for the rest;
+its pip sees the image's packages as installed (so `pip install --no-index` resolves against them)
+and installs into the prefix only, never uninstalling a package outside it. A plain
+`--system-site-packages` venv would miss an image whose Python is itself a venv (it sees only the
+base interpreter's site-packages), hence the .pth file.
+
+The builders (wheels.py, vllm_kit.py) take the image's list (`--image FILE`, as `list` prints it,
+or `pip list --format=freeze`) and carry only what the image does not serve: `served` keeps an image
+package where its version meets every requirement on it in the resolution, and the builders then
+resolve again with those versions as constraints, so that pip itself checks the whole set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Set
+
+from verl_hpc.gpu_check.vllm_pieces import KitError  # one line for a user, exit 1
+
+PREFIX = Path("/tmp/verl_hpc_env")  # outside the tree: kept for the next transfer's gpu-all, as the pieces are
+LIST = "image_packages.txt"  # where gpu-all records the image's packages before it installs anything
+PTH = "verl_hpc_image.pth"
+# the platform the kits are built for (wheels.target_args): a requirement's marker is read for it
+TARGET_ENV = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+              "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+LIST_CODE = ("import importlib.metadata as m\nseen = {}\nfor d in m.distributions():\n"
+             "    n = (d.metadata['Name'] or '').lower().replace('_', '-').replace('.', '-')\n"
+             "    if n and n not in seen:\n        seen[n] = d.version\n"  # the first on sys.path is the one imported
+             "print(''.join(f'{n}=={v}\\n' for n, v in sorted(seen.items())), end='')")
+SITES_CODE = ("import json, os, site; dirs = site.getsitepackages() + ([site.getusersitepackages()] "
+              "if site.ENABLE_USER_SITE else []); print(json.dumps([d for d in dirs if os.path.isdir(d)]))")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_list(path: Path) -> Dict[str, str]:
+    """{canonical name: version} of an image list (`name==version` lines; '#' comments)."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KitError(f"--image {path}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    out = {}
+    for i, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", text)
+        if m is None:
+            raise KitError(f"--image {path}, line {i}: {text[:80]!r}; valid: name==version lines, as "
+                             "`python -m verl_hpc.gpu_check.image list` or `pip list --format=freeze` print them")
+        out[canonical(m.group(1))] = m.group(2)
+    if not out:
+        raise KitError(f"--image {path}: no packages listed; valid: name==version lines of the node's Python")
+    return out
+
+
+def _requirements(items: List[Dict], top: Iterable[str], python_version: str) -> Dict[str, List]:
+    """{name: [Requirement]} of every requirement in force in a resolution: the top-level ones and
+    each item's Requires-Dist whose marker holds for the target, for the extras asked of it."""
+    from packaging.requirements import Requirement
+
+    env = dict(TARGET_ENV, python_version=python_version, python_full_version=f"{python_version}.0")
+    deps = {canonical(i["metadata"]["name"]): [Requirement(r) for r in i["metadata"].get("requires_dist") or []]
+            for i in items}
+    wanted: Dict[str, Set[str]] = {n: {""} for n in deps}
+    todo = [(None, Requirement(r)) for r in top] + [(n, r) for n, reqs in deps.items() for r in reqs]
+
+    def holds(owner, req) -> bool:  # top-level requirements (owner None) ask for no extra
+        extras = wanted.get(owner, {""}) if owner is not None else {""}
+        return req.marker is None or any(req.marker.evaluate(dict(env, extra=e)) for e in extras)
+
+    changed = True
+    while changed:  # an extra asked of a package brings its extra's requirements into force
+        changed = False
+        for owner, req in todo:
+            name = canonical(req.name)
+            if holds(owner, req) and not set(req.extras) <= wanted.setdefault(name, {""}):
+                wanted[name] |= set(req.extras)
+                changed = True
+    out: Dict[str, List] = {}
+    for owner, req in todo:
+        if holds(owner, req):
+            out.setdefault(canonical(req.name), []).append(req)
+    return out
+
+
+def served(items: List[Dict], image: Dict[str, str], top: Iterable[str], python_version: str) -> Dict[str, str]:
+    """Of a resolution (pip's report `install` entries), {name: the image's version} of each package
+    the image has at a version that every requirement in force on it accepts."""
+    from packaging.version import InvalidVersion, Version
+
+    reqs = _requirements(items, top, python_version)
+    out = {}
+    for item in items:
+        n = canonical(item["metadata"]["name"])
+        if n not in image:
+            continue
+        try:
+            have = Version(image[n])
+        except InvalidVersion:  # not a version pip could compare: the kit carries its own
+            continue
+        if all(r.specifier.contains(have, prereleases=True) for r in reqs.get(n, [])):
+            out[n] = image[n]
+    return out
+
+
+def constraint(version: str) -> str:
+    """The index's version of an image's build: a local label (torch's +cu130) is the image's own."""
+    return version.split("+", 1)[0]
+
+
+def make_prefix(prefix: Path, base: str = sys.executable, record: Path = None) -> str:
+    """The prefix's Python (made once over `base`; a later call reuses it). `record`: where the
+    image's package list is written first, before anything is installed."""
+    prefix = prefix.absolute()
+    py = prefix / "bin" / "python"
+    if record is not None:
+        listed = _run([base, "-c", LIST_CODE], f"listing {base}'s packages")
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(listed)
+        except OSError as e:
+            raise KitError(f"{record}: cannot write the image's package list ({e.strerror})")
+    if (prefix / "pyvenv.cfg").is_file() and py.exists():
+        return str(py)
+    if prefix.exists():
+        raise KitError(f"{prefix}: exists but is not a prefix this command made (no pyvenv.cfg); "
+                         "valid: a new folder (--prefix) or one it made")
+    work = prefix.with_name(prefix.name + ".partial")  # made whole, then renamed: never half a prefix
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        work.parent.mkdir(parents=True, exist_ok=True)
+        _run([base, "-m", "venv", "--without-pip", str(work)], f"making the prefix {prefix}")
+        sites = json.loads(_run([base, "-c", SITES_CODE], f"reading {base}'s site-packages"))
+        purelib = _run([str(work / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                       "reading the prefix's site-packages").strip()
+        (Path(purelib) / PTH).write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in sites))
+        os.replace(work, prefix)
+    except OSError as e:
+        raise KitError(f"{prefix}: cannot make the prefix there ({e.strerror}); valid: a folder this user may write")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return str(py)
+
+
+def inside(prefix: Path) -> bool:
+    """Whether this interpreter is the prefix's."""
+    return Path(sys.prefix).resolve() == prefix.absolute().resolve()
+
+
+def _run(cmd: List[str], what: str) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KitError(f"{what}: {cmd[0]} did not run ({e})")
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise KitError(f"{what}: `{' '.join(cmd[:3])}` failed: {last}")
+    return r.stdout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m verl_hpc.gpu_check.image", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="this Python's packages, name==version (the builders' --image)")
+    p = sub.add_parser("prefix", help="make (or reuse) the kits' prefix over this Python; prints its Python")
+    p.add_argument("prefix", type=Path)
+    p.add_argument("--record", type=Path, help="write this Python's package list there first")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            print(_run([sys.executable, "-c", LIST_CODE], "listing the packages"), end="")
+        else:
+            print(make_prefix(args.prefix, record=args.record))
+    except KitError as e:
+        print(f"image: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
