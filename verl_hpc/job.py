@@ -78,10 +78,13 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
         summary = program(cfg, ctx)
         from verl_hpc.launcher.local_stop import note_stop
 
-        # stopped on a signal the local submitter did not get itself: it reads this note
+        # stopped on a signal, or resumed with nothing left to do: the local submitter reads this note
         note_stop(ctx.rank, ctx.preemption.agreed_signal, summary)
         return summary
     finally:
+        # past the last step a signal has nothing left to stop, and the flag's handler would be
+        # reset to the default as the interpreter exits: a late SIGUSR2 killed a finished rank
+        early_signals.ignore()
         runtime.shutdown(ctx)
 
 

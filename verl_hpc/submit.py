@@ -191,4 +191,6 @@ def _progress(cfg):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # not sys.exit: once the job's result is known a signal must find the handler that says so
+    # until the process is gone, not Python's default, which its exit puts back (early_signals.end)
+    early_signals.end(main())

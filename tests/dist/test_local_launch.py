@@ -3,11 +3,13 @@
 The wedged-rank job spends its time waiting (its collective timeout, then torch's grace before it
 kills the wedged rank), not computing: it starts before this module's first test and its test,
 the module's last, collects it, so that the other tests run in that wait."""
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,54 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig, to):
         assert last.startswith(f"[submit] stopped by SIG{sig} at step {result['steps']} before any checkpoint; "
                                + rerun), last
     assert "finished OK" not in out, out[-3000:]
+
+
+def test_signals_after_the_last_step_leave_a_finished_job_finished(tmp_path):
+    """Issue 93: SIGUSR2 to a rank that had saved its last step and printed its result killed it
+    (exit -12: Python puts the handler back to the default as it exits), and the submitter said
+    "local job FAILED" and exited 1; SIGTERM to the submitter after "local job finished OK" ended
+    it with 143 and no line. Each gets signals from that moment until it is gone (one of them
+    lands wherever its exit is slow); the job stays finished: exit 0, and a signal the submitter
+    took says that the job had already finished."""
+    import psutil
+
+    cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local", "slurm.tasks_per_node=2",
+           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", "trainer.smoke.steps=6"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = []
+
+    def keep_signalling(pids, sig):  # every 10 ms until each is gone
+        while True:
+            alive = [p for p in pids if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive:
+                return
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+            time.sleep(0.01)
+
+    try:
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if "SMOKE_RESULT" in line:  # rank 0 has written the result: every rank is past its last step
+                ranks = [c for c in psutil.Process(proc.pid).children() if "verl_hpc.job" in c.cmdline()]
+                rank_signals = threading.Thread(target=keep_signalling, args=(ranks, signal.SIGUSR2))
+                rank_signals.start()
+            if "finished OK" in line or "FAILED" in line:
+                keep_signalling([psutil.Process(proc.pid)], signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert len(ranks) == 2, seen
+    rank_signals.join(timeout=60)
+    assert proc.returncode == 0, seen + out + err  # not -15 / 143, nor 1 for a rank killed by SIGUSR2
+    last = (seen + out).strip().splitlines()[-1]
+    assert last.startswith("[submit] local job finished OK; logs in "), seen + out + err
+    # the submitter took one of the SIGTERMs before it was gone, or was gone before the first came
+    late = [line for line in err.splitlines() if line.startswith("[submit]")]
+    assert late in ([], ["[submit] SIGTERM came after the job had already finished OK: nothing left to stop"]), err
 
 
 # > the start-up skew of the two smoke ranks (rendezvous shares this timeout): the same light program

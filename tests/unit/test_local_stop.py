@@ -136,3 +136,48 @@ def test_a_rank_notes_an_agreed_stop_only_for_the_local_submitter(tmp_path, monk
                     "ranks, not this submitter; a local job is not requeued; no checkpoint; start again with: "
                     "python -m verl_hpc.submit x.yaml --local"), line
     assert stop_note(open_notes(tmp_path / "logs")) is None  # the folder used again starts empty
+
+
+def test_the_last_line_follows_what_the_ranks_did_not_when_the_signal_came(tmp_path, monkeypatch, capsys):
+    """Issue 93: the submitter decided by its own signal alone, so a SIGTERM passed on to ranks that
+    had already reached their last step ended a finished job with `stopped by SIGTERM` and 143.
+    Now the ranks' notes decide: a stop on a signal leaves one, a run to the end none, and a run
+    resumed at its last step one that says there was nothing left to do."""
+    import types
+
+    from verl_hpc.launcher.local import conclude
+    from verl_hpc.launcher.local_stop import STOP_NOTES, note_stop, open_notes, stop_note
+
+    monkeypatch.setenv(STOP_NOTES, "")  # put back as it was at the end (open_notes sets it)
+    plan = types.SimpleNamespace(log_dir=tmp_path / "logs", rollout_ranks=0)
+    rerun = "python -m verl_hpc.submit x.yaml --local"
+    told = types.SimpleNamespace(signum=signal.SIGTERM, abandoned=False, exit_code=143)
+    untold = types.SimpleNamespace(signum=None, abandoned=False, exit_code=0)
+
+    def last_line(stop, note):
+        code, words = conclude(plan, stop, None, note, tmp_path / "ck", rerun)
+        return code, words, capsys.readouterr().out.strip().splitlines()[-1]
+
+    folder = open_notes(plan.log_dir)
+    note_stop(0, None, {"steps": 6, "total_steps": 6, "resumed_from": 0})  # ran to its end: no note
+    assert stop_note(folder) is None
+    assert last_line(told, None) == (0, "the job had already finished OK", (
+        f"[submit] local job finished OK (SIGTERM came too late to stop it: the ranks had reached their last "
+        f"step); logs in {plan.log_dir}"))
+    assert last_line(untold, None)[::2] == (0, f"[submit] local job finished OK; logs in {plan.log_dir}")
+
+    note_stop(0, None, {"steps": 6, "total_steps": 6, "resumed_from": 6})  # run again once finished
+    note = stop_note(folder)
+    assert (note.signal, note.resumed_from, note.exit_code) == (None, 6, 0)
+    assert last_line(told, note) == (0, "the job had already finished OK", (
+        "[submit] local job finished OK: nothing left to do, it resumed from step 6, the run's last "
+        f"(step 6 of 6); logs in {plan.log_dir}"))
+
+    folder = open_notes(plan.log_dir)
+    note_stop(0, "SIGTERM", {"steps": 3, "total_steps": 6, "resumed_from": 0})  # stopped early
+    note = stop_note(folder)
+    code, words, line = last_line(told, note)
+    assert (code, words) == (143, "the job had already stopped (the line above)")
+    assert line == f"[submit] stopped by SIGTERM at step 3 before any checkpoint; start again with: {rerun}", line
+    code, _, line = last_line(untold, note)  # the signal went to the ranks themselves
+    assert code == 143 and line.startswith("[submit] the job stopped early at step 3 of 6: SIGTERM reached"), line

@@ -104,3 +104,60 @@ def test_a_rank_keeps_the_signals_its_flag_takes():
     from verl_hpc.launcher import early_signals
 
     assert set(early_signals.RANK_SIGNALS) == set(DEFAULT_SIGNALS)
+
+
+# After the result: the submitter's late signal (early_signals.outcome / end) and a rank past its
+# last step (early_signals.ignore), each as a small program of its own (stdlib and early_signals
+# only: a tenth of a second). Issue 93: SIGTERM to the submitter after "local job finished OK" ended
+# it with 143 and no line, and SIGUSR2 to a rank that had written its result killed it (-12).
+LATE = """
+import atexit, os, signal, sys, time
+from verl_hpc.launcher import early_signals
+
+class AtTeardown:  # freed as the interpreter tears its modules down, after its own exit handlers
+    def __del__(self):
+        os.kill(os.getpid(), signal.{sig})
+        time.sleep(0.5)
+
+keep = AtTeardown()
+{setup}
+print("result printed", flush=True)
+{wait}
+"""
+SUBMITTER = """early_signals.install("submit", "before any rank started; nothing was submitted")
+early_signals.outcome(0, "the job had already finished OK")"""
+
+
+def run_late(sig, setup, wait, *, signal_it=False):
+    proc = subprocess.Popen([sys.executable, "-c", LATE.format(sig=sig.name, setup=setup, wait=wait)], cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "result printed\n", proc.communicate()
+        if signal_it:  # while it waits for its stdin (the submitter printing its result, a rank its end)
+            proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)  # stdin closed: it goes on to its end
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
+def test_a_signal_after_the_result_says_so_and_exits_with_the_result():
+    code, err = run_late(signal.SIGTERM, SUBMITTER, "sys.stdin.read()", signal_it=True)
+    assert (code, err) == (0, "[submit] SIGTERM came after the job had already finished OK: nothing left to stop\n")
+
+
+def test_a_signal_in_the_exit_handlers_says_so_and_one_in_the_teardown_cannot_come():
+    """Python puts handled signals back to the default before it tears the modules down (half a
+    second for torch's): end() runs the exit handlers with the handler still there, then leaves
+    without the teardown, where a SIGTERM killed the finished submitter (-15) without a word."""
+    code, err = run_late(signal.SIGTERM, SUBMITTER + "\natexit.register(os.kill, os.getpid(), signal.SIGTERM)",
+                         "early_signals.end(0)")
+    assert (code, err) == (0, "[submit] SIGTERM came after the job had already finished OK: nothing left to stop\n")
+    code, err = run_late(signal.SIGTERM, SUBMITTER, "early_signals.end(0)")  # AtTeardown's signal
+    assert (code, err) == (0, "")
+
+
+def test_a_rank_past_its_last_step_ignores_the_signals_to_its_end():
+    code, err = run_late(signal.SIGUSR2, "early_signals.keep()\nearly_signals.ignore()", "sys.stdin.read()",
+                         signal_it=True)
+    assert (code, err) == (0, "")  # a handled SIGUSR2 would have come back as the default in AtTeardown: -12

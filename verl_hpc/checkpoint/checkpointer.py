@@ -224,8 +224,9 @@ class Checkpointer:
         self._check_no_collisions(step)
         self.last_saved = step
         if self.ctx.rank == 0:
-            log.info("resume: loaded %s (step %d) in %.2fs; continuing at step %d", path, step,
-                     time.perf_counter() - t0, step + 1)
+            then = (f"the run's last step ({self.total_steps}): nothing left to do" if 0 < self.total_steps <= step
+                    else f"continuing at step {step + 1}")
+            log.info("resume: loaded %s (step %d) in %.2fs; %s", path, step, time.perf_counter() - t0, then)
         return step
 
     def load(self, path) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -18,7 +19,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher import early_signals
-from verl_hpc.launcher.local_stop import STOP_NOTES, LocalStop, early_stop_line, open_notes, stop_line, stop_note
+from verl_hpc.launcher.local_stop import (STOP_NOTES, LocalStop, early_stop_line, nothing_left_line, open_notes,
+                                          stop_line, stop_note)
 from verl_hpc.launcher.plan import Plan, exit_words, rank_label
 from verl_hpc.launcher.slurm import error_line
 from verl_hpc.runtime.orphans import LAUNCHER_PID
@@ -72,26 +74,44 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
         signals_to_handle="SIGHUP,SIGQUIT")
     print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
     failures = None
-    with LocalStop() as stop:
-        try:
-            elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
-        except ChildFailedError as err:
-            failures = err.failures
-        finally:
-            os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
-    early_signals.where_now("after the local ranks ended (their result above)")  # LocalStop gave them back
-    note = stop_note(notes)  # where the ranks stopped on a signal, if they did
-    if stop.signum and (failures is None or stop.abandoned or all(_by_signal(f) for f in failures.values())):
-        print(stop_line(stop, checkpoint_dir, rerun, note), flush=True)
-        return stop.exit_code
+    # Once LocalStop gives the signals back a signal waits for the result to be printed, and then
+    # changes nothing: it says the job had already ended and exits with the result's code.
+    with early_signals.held():
+        with LocalStop() as stop:
+            try:
+                elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
+            except ChildFailedError as err:
+                failures = err.failures
+            finally:
+                os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
+        code, words = conclude(plan, stop, failures, stop_note(notes), checkpoint_dir, rerun)
+        early_signals.outcome(code, words)
+    return code
+
+
+def conclude(plan: Plan, stop: LocalStop, failures, note, checkpoint_dir, rerun: str) -> tuple[int, str]:
+    """Print how the job ended (the submitter's last line, or the failed ranks); returns the exit
+    code and the words a later signal's line ends with. note: the ranks' (launcher/local_stop.py)."""
     if failures is not None:
+        if stop.signum and (stop.abandoned or all(_by_signal(f) for f in failures.values())):
+            print(stop_line(stop, checkpoint_dir, rerun, note), flush=True)
+            return stop.exit_code, "the job had already stopped (the line above)"
         report_failures(failures, plan.log_dir, rollout_ranks=plan.rollout_ranks)
-        return 1
-    if note is not None:  # a signal sent to the ranks, not to us: they stopped early (and saved)
-        print(early_stop_line(note, checkpoint_dir, rerun), flush=True)
-        return note.exit_code
-    print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
-    return 0
+        return 1, "the job had already failed (the ranks above)"
+    if note is not None and note.signal is not None:  # the ranks stopped early on a signal (and saved)
+        # sent to us (and passed on), or to the ranks themselves
+        print(stop_line(stop, checkpoint_dir, rerun, note) if stop.signum else
+              early_stop_line(note, checkpoint_dir, rerun), flush=True)
+        return (stop.exit_code if stop.signum else note.exit_code), "the job had already stopped (the line above)"
+    # every rank ran to its end: a signal passed on to them after their last step stopped nothing
+    if note is not None:  # resumed at its last step
+        print(nothing_left_line(note, checkpoint_dir, plan.log_dir), flush=True)
+    elif stop.signum:
+        print(f"[submit] local job finished OK ({signal.Signals(stop.signum).name} came too late to stop it: "
+              f"the ranks had reached their last step); logs in {plan.log_dir}", flush=True)
+    else:
+        print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
+    return 0, "the job had already finished OK"
 
 
 def _by_signal(failure) -> bool:

@@ -30,7 +30,10 @@ way without the submitter hearing of it: each rank that stopped on an agreed sig
 (`note_stop`, called by job.py) in the folder the submitter names in STOP_NOTES, and the submitter,
 seeing every rank exit 0, reads it (`stop_note`) and ends as it would for its own signal: where
 the ranks stopped, why, how to resume, 128 + the signal's number. Without the note it would say
-"finished OK" and exit 0 for a run stopped at step 3 of 12.
+"finished OK" and exit 0 for a run stopped at step 3 of 12. A run resumed at its last step (run
+again once finished) leaves a note too, without a signal: the submitter then says there was
+nothing left to do. A signal that reached the ranks after their last step stops nothing: they
+leave no note, and the submitter says the job finished (0), as it did.
 
 The forwarding runs on a thread, not in the handler: ranks still starting when the signal comes
 are signalled once they exist, and the handler itself only records (it may interrupt a print).
@@ -156,15 +159,17 @@ def stop_line(stop: LocalStop, checkpoint_dir: str | os.PathLike | None, rerun: 
 
 
 class StopNote(NamedTuple):
-    """What a rank that stopped on a signal tells the submitter (its note, written by note_stop)."""
-    signal: str
+    """What a rank tells the submitter (its note, written by note_stop): the signal it stopped on,
+    or None where it was resumed at the run's last step (`resumed_from`) and had nothing to do."""
+    signal: Optional[str]
     step: Optional[int]
     total_steps: Optional[int]
     rank: int
+    resumed_from: Optional[int] = None
 
     @property
     def exit_code(self) -> int:
-        return 128 + int(signal.Signals[self.signal])
+        return 128 + int(signal.Signals[self.signal]) if self.signal else 0
 
 
 def open_notes(log_dir: Path) -> Path:
@@ -177,13 +182,15 @@ def open_notes(log_dir: Path) -> Path:
 
 
 def note_stop(rank: int, agreed_signal: Optional[str], summary) -> None:
-    """A rank, once its program returned: if it stopped on a signal every rank agreed on and its
-    launcher is the local submitter (STOP_NOTES), say so there. Elsewhere (Slurm, torchrun) nothing."""
+    """A rank, once its program returned: if it stopped on a signal every rank agreed on, or was
+    resumed at the run's last step (nothing left to do), and its launcher is the local submitter
+    (STOP_NOTES), say so there. Elsewhere (Slurm, torchrun) nothing."""
     folder = os.environ.get(STOP_NOTES)
-    if not folder or not agreed_signal:
-        return
     summary = summary if isinstance(summary, dict) else {}
-    note = {"signal": agreed_signal, "step": summary.get("steps"), "total_steps": summary.get("total_steps")}
+    if not folder or not (agreed_signal or nothing_left(summary)):
+        return
+    note = {"signal": agreed_signal, "step": summary.get("steps"), "total_steps": summary.get("total_steps"),
+            "resumed_from": summary.get("resumed_from")}
     tmp = Path(folder) / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(note))
     os.replace(tmp, Path(folder) / f"rank{rank}.json")  # whole or absent
@@ -195,7 +202,22 @@ def stop_note(folder: Path) -> Optional[StopNote]:
     if not notes:
         return None
     note = json.loads(notes[0].read_text())
-    return StopNote(note["signal"], note.get("step"), note.get("total_steps"), int(notes[0].stem[4:]))
+    return StopNote(note["signal"], note.get("step"), note.get("total_steps"), int(notes[0].stem[4:]),
+                    note.get("resumed_from"))
+
+
+def nothing_left(summary: dict) -> bool:
+    """A run resumed at its last step (a training program's summary: resumed_from, total_steps)."""
+    start, total = summary.get("resumed_from"), summary.get("total_steps")
+    return isinstance(start, int) and isinstance(total, int) and 0 < total <= start
+
+
+def nothing_left_line(note: StopNote, checkpoint_dir, log_dir) -> str:
+    """The submitter's last line for a run that had already reached its last step."""
+    latest = _latest(checkpoint_dir)
+    at = f"checkpoint {latest}" if isinstance(latest, Path) else f"step {note.resumed_from}"
+    return (f"[submit] local job finished OK: nothing left to do, it resumed from {at}, the run's last "
+            f"(step {note.resumed_from} of {note.total_steps}); logs in {log_dir}")
 
 
 def early_stop_line(note: StopNote, checkpoint_dir: str | os.PathLike | None, rerun: str) -> str:

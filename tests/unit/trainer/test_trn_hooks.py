@@ -9,7 +9,7 @@ import torch
 
 from faults import injected
 from test_trn_nonfinite import _rows, _trainer
-from verl_hpc.trainer.hooks.base import CONTINUE, Rewind, RunState, Stop, run_steps
+from verl_hpc.trainer.hooks.base import CONTINUE, PreemptionHook, Rewind, RunState, Stop, run_steps
 
 pytestmark = pytest.mark.unit
 
@@ -54,6 +54,20 @@ def test_stop_ends_the_loop_with_its_outcome_and_reason():
     assert summary == {"stopped": "stop_at", "stop_reason": "why"}
     summary, _ = _run([Recorder("a", [], verdicts={1: Stop("preempted")})])
     assert summary == {"stopped": "preempted"}  # no stop_reason without a reason
+
+
+def test_a_signal_in_the_last_step_leaves_the_run_finished():
+    """Issue 93: a signal that came while the last step ran stopped the run as `preempted` at step
+    N of N: a Slurm job requeued itself only to find nothing to do, and the local submitter said
+    "stopped early at step 6 of 6" and exited 140. The last step is saved by the checkpoint hook
+    before this one; the flag (here set from step 2 on) is not even asked there."""
+    asked = []
+    checkpointer = types.SimpleNamespace(stop_if_preempted=lambda step: asked.append(step) or step >= 2)
+    summary, _ = _run([PreemptionHook(checkpointer)], total=2)
+    assert summary == {"stopped": "completed"} and asked == [1]
+    asked.clear()
+    summary, _ = _run([PreemptionHook(checkpointer)], total=3)  # before the last step it still stops
+    assert summary == {"stopped": "preempted"} and asked == [1, 2]
 
 
 def test_rl_hook_order(one_rank_world, tmp_path, tiny_model):

@@ -124,4 +124,6 @@ class PreemptionHook:
         self.checkpointer = checkpointer
 
     def __call__(self, step, metrics, run):
+        if run.last(step):  # the run's last step, saved by CheckpointHook: a signal has nothing left to stop
+            return CONTINUE  # (every rank skips the same collective), and a Slurm job is not requeued for it
         return Stop("preempted") if self.checkpointer.stop_if_preempted(step) else CONTINUE

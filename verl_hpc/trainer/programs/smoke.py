@@ -57,7 +57,9 @@ def run(cfg, ctx) -> dict:
             rate = steps_done / max(time.time() - t0, 1e-9)
             log.info("smoke step %d/%d ok (all_reduce=%d) %.1f steps/s, ETA %.0fs", steps_done,
                      s.steps, expected, rate, (s.steps - steps_done) / rate)
-        if ctx.preemption.agreed():
+        # after the last step there is nothing left to stop: the run ends as finished, whatever came
+        # (every rank skips the same collective)
+        if steps_done < s.steps and ctx.preemption.agreed():
             log.warning("smoke: preemption flag set at step %d; stopping early", steps_done)
             break
 
