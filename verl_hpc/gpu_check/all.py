@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
+from verl_hpc.gpu_check import image
 from verl_hpc.gpu_check.vllm_set import VLLM_STEP_S
 
 BUDGET_S = 555  # one GPU, the whole run (2026-11-26 on an H100: 356 s before the speed steps grew, docs/gpu.md)
@@ -386,6 +387,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-kit", type=Path, help="the vLLM kit's pieces (vllm_pieces.py stash puts them in "
                                                   "/tmp/verl_hpc_vllm_kit): verified, assembled, installed; "
                                                   "then the vLLM checks and the demo on vLLM")
+    ap.add_argument("--prefix", type=Path, help="install the kits into this venv over the running Python's packages "
+                                                f"(image.py; default {image.PREFIX} with --wheels or --vllm-kit): the "
+                                                "image is left as it was, and every step runs with the prefix's Python")
+    ap.add_argument("--no-prefix", action="store_true", help="install into the running Python itself (moves the "
+                                                             "image's packages)")
     ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
     ap.add_argument("--steps", help=f"comma list of the steps to run, of {', '.join(STEP_NAMES)} (default: all); "
@@ -398,7 +404,12 @@ def main(argv=None) -> int:
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out '{args.out}' is a file; valid: a folder for the summary and the logs")
     out = args.out.resolve()
-    steps = plan(out, py=sys.executable, wheels=args.wheels.resolve() if args.wheels else None,
+    py, prefix = sys.executable, image.chosen(args.prefix, bool(args.wheels or args.vllm_kit), args.no_prefix)
+    if prefix is not None and not image.inside(prefix):  # this command again, with the prefix's Python
+        if not args.dry_run:
+            return image.relaunch(prefix, out, "verl_hpc.gpu_check.all", sys.argv[1:] if argv is None else list(argv))
+        py = str(prefix / "bin" / "python")
+    steps = plan(out, py=py, wheels=args.wheels.resolve() if args.wheels else None,
                  rehearsal=args.cpu_rehearsal, only=only,
                  vllm_kit=args.vllm_kit.resolve() if args.vllm_kit else None)
     if args.dry_run:

@@ -3,6 +3,7 @@ the kit's own prefix over that Python, so that installing the kits leaves the im
 
     python -m verl_hpc.gpu_check.image list > image_packages.txt   # on the node: name==version lines
     python -m verl_hpc.gpu_check.image prefix DIR [--record FILE]   # the prefix over this Python
+    make gpu-all WHEELS=... VLLM_KIT=...   # makes PREFIX, records the list, runs every step in it
 
 The prefix is a venv of the image's interpreter whose site-packages holds what the kits install,
 with a .pth file that adds the image's own site-packages after it (site.addsitedir, so the image's
@@ -27,7 +28,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Set
+from typing import Dict, Iterable, List, Optional, Set
 
 from verl_hpc.gpu_check.vllm_pieces import KitError  # one line for a user, exit 1
 
@@ -162,6 +163,29 @@ def make_prefix(prefix: Path, base: str = sys.executable, record: Path = None) -
 def inside(prefix: Path) -> bool:
     """Whether this interpreter is the prefix's."""
     return Path(sys.prefix).resolve() == prefix.absolute().resolve()
+
+
+def chosen(named: Optional[Path], installing: bool, off: bool) -> Optional[Path]:
+    """The prefix a command runs in: the one named (--prefix; a later session's run names the one
+    its kits went into), else PREFIX when it installs a kit, else none (the running Python)."""
+    if off or (named is None and not installing):
+        return None
+    return Path(named or PREFIX).absolute()
+
+
+def relaunch(prefix: Path, out: Path, module: str, argv: List[str]) -> int:
+    """Make (or reuse) the prefix, the image's package list recorded in OUT first, and run
+    `python -m module *argv` with the prefix's Python, here: every step it starts, and its own
+    summary, then see the prefix's packages over the image's. Its exit code (1: no prefix)."""
+    try:
+        py = make_prefix(prefix, record=out / LIST)
+    except KitError as e:
+        print(f"{module.rsplit('.', 1)[-1]}: {e}", file=sys.stderr)
+        return 1
+    print(f"[{module}] installing into {prefix} over {sys.executable}'s packages (listed in {out / LIST})", flush=True)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([py, "-m", module, *argv], env=env).returncode
 
 
 def _run(cmd: List[str], what: str) -> str:
