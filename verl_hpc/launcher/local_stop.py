@@ -2,9 +2,9 @@
 
     with LocalStop() as stop:            # around torch's elastic launcher
         elastic_launch(...)(...)
-    if stop.signum: print(stop_line(stop, checkpoint_dir, rerun)); return stop.exit_code
-    note = stop_note(log_dir)            # a signal sent to the ranks themselves: they stopped early
-    if note: print(early_stop_line(note, checkpoint_dir, rerun)); return note.exit_code
+    note = stop_note(notes)              # the ranks' word: stopped on a signal (theirs or ours), or nothing left
+    if note and note.signal: print(stop_line(stop, ckpt, rerun, note) if stop.signum else
+                                   early_stop_line(note, ckpt, rerun))   # launcher/local.py's conclude
 
 torch's elastic agent turns SIGTERM/SIGINT into an exception in the launcher, signals the ranks,
 kills them 30 s later and leaves the exception's traceback: a rank still saving its checkpoint
