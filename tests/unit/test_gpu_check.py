@@ -403,7 +403,8 @@ def test_gpu_all_runs_steps_with_limits_and_writes_the_summary(tmp_path):
 
 @pytest.mark.unit
 def test_gpu_all_without_a_gpu_says_it_needs_one(tmp_path, capsys):
-    assert gpu_all.main(["--out", str(tmp_path)]) == 2
+    # --no-prefix: this process, not a kits' prefix an earlier `make gpu-all` may have left in /tmp
+    assert gpu_all.main(["--out", str(tmp_path), "--no-prefix"]) == 2
     assert "it needs a GPU" in capsys.readouterr().err
     summary = (tmp_path / "summary.txt").read_text()
     assert "no CUDA device here" in summary and "0 pass" in summary

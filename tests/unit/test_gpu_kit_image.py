@@ -133,9 +133,18 @@ def test_gpu_all_installs_into_the_prefix_and_runs_every_step_with_its_python(tm
     ran = [ln for ln in lines.values() if "skipped:" not in ln]
     assert len(ran) >= 5 and all(f" {py} " in ln for ln in ran), ran
     assert not prefix.exists()  # a dry run makes nothing
-    assert image.chosen(None, installing=True, off=False) == image.PREFIX  # the default where a kit is installed
-    assert image.chosen(None, installing=False, off=False) is None  # nothing installed: the running Python
-    assert image.chosen(prefix, installing=True, off=True) is None  # --no-prefix
+
+
+
+def test_the_prefix_is_the_one_named_or_the_default_once_a_kit_goes_in(tmp_path, monkeypatch):
+    monkeypatch.setattr(image, "PREFIX", tmp_path / "default")
+    assert image.chosen(tmp_path / "named", installing=False, off=False) == tmp_path / "named"
+    assert image.chosen(None, installing=True, off=False) == tmp_path / "default"  # where a kit is installed
+    assert image.chosen(None, installing=False, off=False) is None  # nothing installed, none made: this Python
+    (tmp_path / "default").mkdir()
+    (tmp_path / "default" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert image.chosen(None, installing=False, off=False) == tmp_path / "default"  # a later transfer's run
+    assert image.chosen(tmp_path / "named", installing=True, off=True) is None  # --no-prefix
 
 
 def tiny_wheel(folder: Path, name: str, version: str, source: str) -> Path:

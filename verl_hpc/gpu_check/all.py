@@ -388,10 +388,10 @@ def main(argv=None) -> int:
                                                   "/tmp/verl_hpc_vllm_kit): verified, assembled, installed; "
                                                   "then the vLLM checks and the demo on vLLM")
     ap.add_argument("--prefix", type=Path, help="install the kits into this venv over the running Python's packages "
-                                                f"(image.py; default {image.PREFIX} with --wheels or --vllm-kit): the "
-                                                "image is left as it was, and every step runs with the prefix's Python")
-    ap.add_argument("--no-prefix", action="store_true", help="install into the running Python itself (moves the "
-                                                             "image's packages)")
+                                                f"(image.py; default {image.PREFIX}, with --wheels or --vllm-kit or once "
+                                                "made): the image is left as it was; every step runs with its Python")
+    ap.add_argument("--no-prefix", action="store_true", help="run and install with the running Python itself (an "
+                                                             "install then moves the image's packages)")
     ap.add_argument("--cpu-rehearsal", action="store_true", help="no GPU: run the steps' CPU rehearsals")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their limits; run nothing")
     ap.add_argument("--steps", help=f"comma list of the steps to run, of {', '.join(STEP_NAMES)} (default: all); "

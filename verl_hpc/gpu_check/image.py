@@ -166,9 +166,12 @@ def inside(prefix: Path) -> bool:
 
 
 def chosen(named: Optional[Path], installing: bool, off: bool) -> Optional[Path]:
-    """The prefix a command runs in: the one named (--prefix; a later session's run names the one
-    its kits went into), else PREFIX when it installs a kit, else none (the running Python)."""
-    if off or (named is None and not installing):
+    """The prefix a command runs in: the one named (--prefix), else PREFIX when it installs a kit or
+    when an earlier run made it (a later transfer's run sees what the kits installed, as it did when
+    they went into the image), else none: the running Python."""
+    if off:
+        return None
+    if named is None and not (installing or (PREFIX / "pyvenv.cfg").is_file()):
         return None
     return Path(named or PREFIX).absolute()
 
