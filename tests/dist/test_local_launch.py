@@ -92,19 +92,23 @@ def test_warning_signal_sets_flag_on_every_rank(tmp_path, sig, to):
     assert "finished OK" not in out, out[-3000:]
 
 
-def test_signals_after_the_last_step_leave_a_finished_job_finished(tmp_path):
+def test_signals_at_the_end_leave_the_job_as_it_ended(tmp_path):
     """Issue 93: SIGUSR2 to a rank that had saved its last step and printed its result killed it
     (exit -12: Python puts the handler back to the default as it exits), and the submitter said
-    "local job FAILED" and exited 1; SIGTERM to the submitter after "local job finished OK" ended
-    it with 143 and no line. Each gets signals from that moment until it is gone (one of them
-    lands wherever its exit is slow); the job stays finished: exit 0, and a signal the submitter
-    took says that the job had already finished."""
+    "local job FAILED" and exited 1; one in the last step made it "stopped early at step 6 of 6"
+    (140); SIGTERM to the submitter after "local job finished OK" ended it with 143 and no line.
+    The ranks get SIGUSR2 every 10 ms from their fifth step's line until they are gone, the
+    submitter SIGTERM from its result line until it is gone, so some land wherever an exit is
+    slow. Whenever they land, the exit code and the last line say what happened: finished (all 6
+    steps: 0), or stopped early at the step the result names (140)."""
     import psutil
 
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", "--local", "slurm.tasks_per_node=2",
-           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", "trainer.smoke.steps=6"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ranks = []
+           f"trainer.output_dir={tmp_path}/out", f"slurm.log_dir={tmp_path}/logs/%j", "trainer.smoke.steps=6",
+           "trainer.smoke.step_seconds=0.3"]
+    # one stream, in order: rank 0's log (its steps), the submitter's lines, then a late signal's
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks, rank_signals = [], None
 
     def keep_signalling(pids, sig):  # every 10 ms until each is gone
         while True:
@@ -120,24 +124,30 @@ def test_signals_after_the_last_step_leave_a_finished_job_finished(tmp_path):
         seen = ""
         for line in proc.stdout:
             seen += line
-            if "SMOKE_RESULT" in line:  # rank 0 has written the result: every rank is past its last step
+            if "smoke step 1/6" in line:  # the ranks are up (and stay up for five more steps)
                 ranks = [c for c in psutil.Process(proc.pid).children() if "verl_hpc.job" in c.cmdline()]
+            if "smoke step 5/6" in line and rank_signals is None:  # past that step's agreement, as a rule
                 rank_signals = threading.Thread(target=keep_signalling, args=(ranks, signal.SIGUSR2))
                 rank_signals.start()
-            if "finished OK" in line or "FAILED" in line:
-                keep_signalling([psutil.Process(proc.pid)], signal.SIGTERM)
+            if line.startswith("[submit] ") and not line.startswith(("[submit] starting", "[submit] SIGUSR2")):
+                keep_signalling([psutil.Process(proc.pid)], signal.SIGTERM)  # its result is printed
                 break
-        out, err = proc.communicate(timeout=60)
+        after, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert len(ranks) == 2, seen
+    assert len(ranks) == 2 and rank_signals is not None, seen
     rank_signals.join(timeout=60)
-    assert proc.returncode == 0, seen + out + err  # not -15 / 143, nor 1 for a rank killed by SIGUSR2
-    last = (seen + out).strip().splitlines()[-1]
-    assert last.startswith("[submit] local job finished OK; logs in "), seen + out + err
+    steps = json.loads((tmp_path / "out" / "smoke_result.json").read_text())["steps"]
+    result = seen.strip().splitlines()[-1]
+    if steps == 6:  # finished: not 1 for a rank killed by SIGUSR2, 140 for a stop "at step 6 of 6", 143
+        assert proc.returncode == 0 and result.startswith("[submit] local job finished OK"), seen + after
+        words = "the job had already finished OK"
+    else:  # the first SIGUSR2 came before the fifth step's agreement: a stop there, as it should be
+        assert proc.returncode == 140 and result.startswith(f"[submit] the job stopped early at step {steps} of 6: "
+                                                            "SIGUSR2"), seen + after
+        words = "the job had already stopped (the line above)"
     # the submitter took one of the SIGTERMs before it was gone, or was gone before the first came
-    late = [line for line in err.splitlines() if line.startswith("[submit]")]
-    assert late in ([], ["[submit] SIGTERM came after the job had already finished OK: nothing left to stop"]), err
+    assert after in ("", f"[submit] SIGTERM came after {words}: nothing left to stop\n"), seen + after
 
 
 # > the start-up skew of the two smoke ranks (rendezvous shares this timeout): the same light program
