@@ -2,7 +2,7 @@
 import needs beside the node's image and the kit's wheel folder, in pieces that each travel with
 the work tree in one 64 MiB transfer.
 
-    python -m verl_hpc.gpu_check.vllm_kit OUT [--python-version 3.12] [--piece-mib 48]
+    python -m verl_hpc.gpu_check.vllm_kit OUT [--python-version 3.12] [--piece-mib 48] [--image LIST]
     make gpu-vllm-kit                      # OUT = gpu_vllm_kit (ignored by git)
 
 The node (docs/gpu.md): Python 3.12, CUDA torch 2.11.0+cu130 with triton and numba, no network;
@@ -25,6 +25,10 @@ image's torch does. What this module does, each step by pip or the standard libr
    pieces of --piece-mib (<= 60 MiB) with MANIFEST.json (vllm_pieces.py: sha256 of each piece and
    of the archive), and checks that each transfer (the work tree as git would copy it, the
    manifest and one piece) stays under 64 MiB.
+With `--image LIST` (the node's packages, image.py; the kit folder built with the same list) step 2
+carries only what neither the image nor the kit folder serves, and the manifest records the image
+packages the kit relies on. OUT is new, empty, or this command's last kit (outdir.py): anything
+else there is refused before any download and never deleted.
 On the node: vllm_pieces.py (stash / verify / install), or `make gpu-all ... VLLM_KIT=DIR`.
 """
 from __future__ import annotations

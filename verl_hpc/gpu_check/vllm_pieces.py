@@ -13,8 +13,12 @@ the piece against the manifest at once (a damaged transfer is re-sent within the
 moves it to HOME (/tmp/verl_hpc_vllm_kit: outside the tree, kept between the calls of a session).
 The last transfer's `install` (or `make gpu-all ... --vllm-kit HOME`) checks every piece, names a
 missing or damaged one in one line, joins them, checks the archive's sha256, unpacks it and runs
-`pip install --no-index --no-deps --find-links DIR -r DIR/requirements.txt` with the node's Python:
-the requirements are exactly the resolved pins, so pip neither resolves nor reaches a network.
+`pip install --no-index --no-deps --find-links DIR -r DIR/requirements.txt` with the node's Python
+(gpu-all's: the kits' prefix over the image, image.py): the requirements are exactly the resolved
+pins, so pip neither resolves nor reaches a network. Every fault (a malformed manifest field, an
+archive that is not xz or has a member outside the folder, a folder that cannot be written) is one
+KitError line; files land under temporary names and an unpacked folder is removed on failure, so
+nothing half-written stays.
 """
 from __future__ import annotations
 
