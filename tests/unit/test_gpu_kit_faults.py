@@ -118,8 +118,12 @@ def test_the_wheel_folder_refuses_a_users_file_and_replaces_its_own_build(tmp_pa
     first = sorted(os.listdir(out))
     assert first == ["FILES", "TARGET", "requirements.txt", "rich-14.0.0-py3-none-any.whl", "tqdm-4.67.1-py3-none-any.whl"]
     monkeypatch.setattr(wheels, "resolve_against", lambda reqs, *a: ({"tqdm": "4.67.2"}, {}))
+    (tmp_path / "outside.txt").write_text("mine\n")
+    with open(out / "FILES", "a") as f:  # a list naming a path outside OUT is not followed there
+        f.write("../outside.txt\n")
     wheels.prepare(out, "3.12", "2.28", ["tqdm"])
     assert sorted(os.listdir(out)) == ["FILES", "TARGET", "requirements.txt", "tqdm-4.67.2-py3-none-any.whl"]
+    assert (tmp_path / "outside.txt").read_text() == "mine\n"
 
 
 # -------------------------------------------------------------------------------- the manifest

@@ -246,7 +246,7 @@ def _unpack(folder: Path, manifest: Dict, dest: Path) -> None:
         raise KitError(f"{archive.name}: member {e.tarinfo.name!r} would land outside {dest} or is not a plain "
                        f"file ({type(e).__name__}); valid: an archive vllm_kit.py packed")
     except OSError as e:
-        raise KitError(f"unpacking {archive.name} into {dest}: {e.strerror} ({e.filename})")
+        raise KitError(f"unpacking {archive.name} into {dest}: {e.strerror or e} ({e.filename or dest})")
     archive.unlink()
     if not (dest / "requirements.txt").is_file():
         raise KitError(f"{dest}: the archive has no requirements.txt; rebuild the kit (make gpu-vllm-kit)")

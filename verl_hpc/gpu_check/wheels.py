@@ -264,7 +264,10 @@ FILES = "FILES"  # the names of what the folder's last build wrote (outdir.py: n
 def owned(out: Path) -> List[str]:
     """What this command's last run wrote in `out` (FILES and the names it lists), [] without FILES."""
     listed = out / FILES
-    return [FILES] + listed.read_text().split() if listed.is_file() else []
+    if not listed.is_file():
+        return []
+    # plain names only: a FILES naming '../x' must not make publish delete outside OUT
+    return [FILES] + [n for n in listed.read_text().split() if "/" not in n and n not in (".", "..")]
 
 
 def carried_pins(resolved: Dict[str, str], serves: Optional[Dict[str, str]]) -> Dict[str, str]:
