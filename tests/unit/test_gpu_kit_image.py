@@ -190,3 +190,12 @@ def test_the_prefix_installs_over_the_image_and_leaves_the_images_site_packages_
     assert image.relaunch(tmp_path / "env", out, "verl_hpc.gpu_check.image", ["list"]) == 0
     seen = capfd.readouterr().out
     assert "verl-hpc-tiny-probe==1.0" in seen and "iniconfig==0.0.1" in seen and "pytest==" in seen
+
+
+def test_a_prefix_that_cannot_be_made_stops_gpu_all_in_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("a plain file\n")
+    assert gpu_all.main(["--out", str(tmp_path / "o"), "--wheels", str(tmp_path / "w"),
+                         "--prefix", str(tmp_path / "file" / "env")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpu-all: {tmp_path / 'file' / 'env'}: cannot make the prefix there (") and err.count("\n") == 1
+    assert "pytest==" in (tmp_path / "o" / image.LIST).read_text()  # the image's list, recorded first

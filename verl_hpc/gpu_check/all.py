@@ -407,7 +407,8 @@ def main(argv=None) -> int:
     py, prefix = sys.executable, image.chosen(args.prefix, bool(args.wheels or args.vllm_kit), args.no_prefix)
     if prefix is not None and not image.inside(prefix):  # this command again, with the prefix's Python
         if not args.dry_run:
-            return image.relaunch(prefix, out, "verl_hpc.gpu_check.all", sys.argv[1:] if argv is None else list(argv))
+            return image.relaunch(prefix, out, "verl_hpc.gpu_check.all",
+                                  sys.argv[1:] if argv is None else list(argv), "gpu-all")
         py = str(prefix / "bin" / "python")
     steps = plan(out, py=py, wheels=args.wheels.resolve() if args.wheels else None,
                  rehearsal=args.cpu_rehearsal, only=only,

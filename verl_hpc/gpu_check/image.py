@@ -176,16 +176,18 @@ def chosen(named: Optional[Path], installing: bool, off: bool) -> Optional[Path]
     return Path(named or PREFIX).absolute()
 
 
-def relaunch(prefix: Path, out: Path, module: str, argv: List[str]) -> int:
+def relaunch(prefix: Path, out: Path, module: str, argv: List[str], tag: str = "image") -> int:
     """Make (or reuse) the prefix, the image's package list recorded in OUT first, and run
     `python -m module *argv` with the prefix's Python, here: every step it starts, and its own
-    summary, then see the prefix's packages over the image's. Its exit code (1: no prefix)."""
+    summary, then see the prefix's packages over the image's. Its exit code (1: no prefix, with
+    one line starting `tag:`)."""
     try:
         py = make_prefix(prefix, record=out / LIST)
     except KitError as e:
-        print(f"{module.rsplit('.', 1)[-1]}: {e}", file=sys.stderr)
+        print(f"{tag}: {e}", file=sys.stderr)
         return 1
-    print(f"[{module}] installing into {prefix} over {sys.executable}'s packages (listed in {out / LIST})", flush=True)
+    print(f"[{tag}] running with {py}: the kits' prefix over {sys.executable}'s packages (listed in {out / LIST})",
+          flush=True)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     return subprocess.run([py, "-m", module, *argv], env=env).returncode
