@@ -3,7 +3,6 @@ each fault is one line naming the file or field and what is valid, exit 1, and n
 half-written; a builder never deletes a file it did not write. No network: pip is faked, or pointed
 at an index that refuses connections."""
 import errno
-import hashlib
 import io
 import json
 import os
@@ -16,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from verl_hpc.gpu_check import outdir, vllm_kit, vllm_pieces, wheels
-from verl_hpc.gpu_check.vllm_pieces import KitError
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,8 +38,8 @@ PTH = "verl_hpc_image.pth"
 # the platform the kits are built for (wheels.target_args): a requirement's marker is read for it
 TARGET_ENV = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
-LIST_CODE = ("import importlib.metadata as m\nseen = {}\nfor d in m.distributions():\n"
-             "    n = (d.metadata['Name'] or '').lower().replace('_', '-').replace('.', '-')\n"
+LIST_CODE = ("import importlib.metadata as m, re\nseen = {}\nfor d in m.distributions():\n"
+             "    n = re.sub('[-_.]+', '-', d.metadata['Name'] or '').lower()\n"
              "    if n and n not in seen:\n        seen[n] = d.version\n"  # the first on sys.path is the one imported
              "print(''.join(f'{n}=={v}\\n' for n, v in sorted(seen.items())), end='')")
 SITES_CODE = ("import json, os, site; dirs = site.getsitepackages() + ([site.getusersitepackages()] "
@@ -64,7 +64,7 @@ def read_list(path: Path) -> Dict[str, str]:
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", text)
         if m is None:
             raise KitError(f"--image {path}, line {i}: {text[:80]!r}; valid: name==version lines, as "
-                             "`python -m verl_hpc.gpu_check.image list` or `pip list --format=freeze` print them")
+                           "`python -m verl_hpc.gpu_check.image list` or `pip list --format=freeze` print them")
         out[canonical(m.group(1))] = m.group(2)
     if not out:
         raise KitError(f"--image {path}: no packages listed; valid: name==version lines of the node's Python")
@@ -142,7 +142,7 @@ def make_prefix(prefix: Path, base: str = sys.executable, record: Path = None) -
         return str(py)
     if prefix.exists():
         raise KitError(f"{prefix}: exists but is not a prefix this command made (no pyvenv.cfg); "
-                         "valid: a new folder (--prefix) or one it made")
+                       "valid: a new folder (--prefix) or one it made")
     work = prefix.with_name(prefix.name + ".partial")  # made whole, then renamed: never half a prefix
     shutil.rmtree(work, ignore_errors=True)
     try:
