@@ -167,6 +167,8 @@ def check_value(value, tp, path: tuple, where: Callable[[tuple], str], mode: str
         if not isinstance(value, (list, tuple)):
             raise _type_error(path, tp, value, where)
         item = typing.get_args(tp)[0]
+        if item is str and all(type(v) is str for v in value):  # what the check gives each: itself
+            return list(value)  # (a loop in C: 600,000 stop strings in ms, not seconds)
         return [check_value(v, item, path + (i,), where, mode) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
