@@ -23,7 +23,7 @@ def stop_strings(path: Path, n: int) -> Path:
 
 @pytest.mark.heavy  # 600,000 items: about 4 CPU-s to write, parse and load (over make check's 5 s budget)
 def test_600000_stop_strings_load_in_time_linear_in_the_file(tmp_path):
-    """The merge and the checks now cost about what the parse does (1.4x it, measured; they were 30x),
+    """The merge and the checks now cost about what the parse does (1.4x it, measured; they were 20x),
     in CPU time, which a loaded machine stretches for both alike."""
     path = stop_strings(tmp_path / "long.yaml", 600_000)
     t0 = time.process_time()
