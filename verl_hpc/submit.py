@@ -8,6 +8,8 @@ SIGTERM or Ctrl-C at any moment ends it with one line and 143 or 130 (docs/signa
 first line until the ranks start (imports, file checks) `[submit] stopped by SIGTERM before any
 rank started; nothing was submitted` (launcher/early_signals.py); while local ranks run, the ranks
 checkpoint and stop first (launcher/local_stop.py); a Slurm submission in flight completes first.
+After a local job's result a signal changes nothing: `[submit] SIGTERM came after the job had
+already finished OK: nothing left to stop`, and the result's exit code.
 """
 from __future__ import annotations
 
