@@ -27,6 +27,7 @@ from verl_hpc.checkpoint.plan import Desc, check_name, make_plan, rank_file
 from verl_hpc.checkpoint.progress import INTERVAL_S, Progress
 from verl_hpc.checkpoint.rankfile import FORMAT, VERSION, PieceToWrite, write_rank_file
 from verl_hpc.checkpoint.sharded import ShardedTensor
+from verl_hpc.runtime import faults
 
 log = logging.getLogger("verl_hpc.checkpoint")
 
@@ -120,6 +121,7 @@ def save_checkpoint(root, step: int, tensors: list, *, metadata: Optional[dict] 
                                        t.global_shape, t.offsets))
         attrs = dict(format=FORMAT, version=VERSION, rank=comm.rank, world_size=comm.size, step=step)
         size = write_rank_file(Path(tmp) / rank_file(comm.rank), pieces, rank_state, attrs, progress)
+        faults.maybe("save")  # the resilience tests' hook: a rank lost between its file and the commit
         status = (size, total, None)
     except Exception as e:  # noqa: BLE001
         status = (None, None, _error(e))

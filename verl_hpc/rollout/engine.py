@@ -23,9 +23,11 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from verl_hpc.rollout.prompts import check_prompts, fit_prompts
-from verl_hpc.rollout.replicas import ReplicaLayout, gather_shards
+from verl_hpc.rollout.recovery import EngineStalled, RolloutEngineError, fault_of
+from verl_hpc.rollout.replicas import ReplicaLayout, gather_replicas, merged
 from verl_hpc.rollout.result import RolloutResult, ShardOutput
 from verl_hpc.rollout.sampling import SamplingSpec
+from verl_hpc.runtime import faults
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,10 @@ class RolloutEngine(abc.ABC):
         self.vocab_size = vocab_size
         self._broken: str | None = None  # why the weights are undefined (a failed load_weights)
         self._closed = False
+        # rollout/recovery.EngineRecovery: how a failed generate comes back (the trainer's; None: it
+        # ends the job, every rank together)
+        self.recovery = None
+        self._last_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *, room: int = 0,
@@ -81,15 +87,59 @@ class RolloutEngine(abc.ABC):
         if media is not None and any(m is not None for m in media):
             check_media(prompts, fitted, media)
             extra["media"] = [media[i] for i in shard]
-        local = (self._generate_shard([fitted[i] for i in shard], shard.start, sampling, **extra)
-                 if len(shard) else ShardOutput.empty())
-        rows = gather_shards(self.layout, local)
+        rows = self._generated(lambda: (self._generate_shard([fitted[i] for i in shard], shard.start, sampling, **extra)
+                                        if len(shard) else ShardOutput.empty()), len(fitted))
         return RolloutResult(prompts=fitted, prompt_index=rows.prompt_index,
                              sample_index=rows.sample_index, response_ids=rows.response_ids,
                              logprobs=rows.logprobs, finish_reason=rows.finish_reason,
                              num_truncated=truncated, seconds=time.perf_counter() - start,
                              adapter_version=rows.one_adapter_version(),
                              routes=rows.routes if rows.routes and len(rows.routes) == len(rows.response_ids) else None)
+
+    def _generated(self, run_shard, num_prompts: int) -> ShardOutput:
+        """Every replica's rows, this one's from run_shard(); a replica whose engine failed on any
+        of its ranks runs its shard again after the recovery rebuilt every engine (rollout/recovery.py),
+        as long as its bounds allow. Without a recovery, or for the project's own error, the failed
+        rank raises its error and every other rank a RolloutEngineError naming it (before, they
+        waited for it in the gather until the collective timeout)."""
+        local, fault = self._attempt(run_shard, "generate")
+        parts, faults = gather_replicas(self.layout, local, fault)
+        while faults:
+            mine = any(f.replica == self.layout.replica for f in faults)
+            unrecoverable = self.recovery is None or any(f.kind == "fatal" for f in faults)
+            if unrecoverable and fault is not None:
+                raise self._last_error  # this rank's own error, as it was raised
+            if unrecoverable:  # the others stop with it rather than wait in the next collective
+                raise RolloutEngineError(f"{faults[0].line()}; every rank stops with it")
+            rerun = sum(len(self.layout.shard(num_prompts, r)) for r in {f.replica for f in faults})
+            self.recovery.recover(self, faults, rerun_prompts=rerun)
+            local, fault = self._attempt(run_shard, "generate") if mine else (None, None)
+            more, faults = gather_replicas(self.layout, local, fault)
+            parts.update(more)
+        return merged(parts)
+
+    def _attempt(self, run, stage: str):
+        """(run()'s result, None) or (None, this rank's EngineFault), the exception kept for its
+        traceback. The engine's fault injection (VERL_HPC_FAULT) fires here."""
+        try:
+            if faults.maybe(stage) == "stall":
+                self._stall_next()
+            return run(), None
+        except Exception as e:  # noqa: BLE001 - whatever the engine raised is agreed on below
+            self._last_error = e
+            log.warning("%s: rank %d: %s in %s", self.name, self.layout.rank, type(e).__name__, stage)
+            return None, fault_of(e, rank=self.layout.rank, replica=self.layout.replica, stage=stage)
+
+    def _stall_next(self) -> None:
+        """Test hook (VERL_HPC_FAULT kind stall): the next generate steps without producing tokens."""
+        raise EngineStalled(f"{self.name}: injected stall (this engine has no step counter to stall)")
+
+    def rebuild(self, *, smaller: bool) -> str:
+        """Tear this rank's engine down and build it again from its model folder (a collective where
+        the engine's construction is); its weights are then the folder's until the next
+        load_weights. `smaller`: after an out-of-memory, with less memory (returns what changed).
+        An engine that cannot be rebuilt raises, and its fault ends the job."""
+        raise RolloutEngineError(f"{self.name} rollout: cannot be rebuilt after a failure")
 
     def generate_local(self, prompts: List[List[int]], sampling: SamplingSpec, *,
                        first_index: int = 0) -> ShardOutput:
@@ -157,6 +207,11 @@ class RolloutEngine(abc.ABC):
 
     def _sleep_unsupported_reason(self) -> str:
         return "this engine keeps its memory"
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether sleep() really releases memory here (and a wake can then fail)."""
+        return False
 
     @property
     def asleep(self) -> bool:

@@ -48,7 +48,8 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                       # level 2 drops the base weights, which the adapter sync never sends again
                       sleep_level=1 if o.lora_rank else r.sleep_level,
                       lora_rank=o.lora_rank, episodes=o.episodes,
-                      quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype)  # rollout/vllm/quantization.py
+                      quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype,  # rollout/vllm/quantization.py
+                      stall_timeout_s=r.stall_timeout_s)  # rollout/vllm/progress.py
     return kwargs
 
 

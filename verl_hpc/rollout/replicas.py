@@ -11,7 +11,7 @@ replica order, which is prompt order.
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -67,12 +67,29 @@ class ReplicaLayout:
 def gather_shards(layout: ReplicaLayout, local: ShardOutput) -> ShardOutput:
     """Every rank gets all replicas' rows in prompt order. A collective over the default group
     when world_size > 1: every rank must call it, the same number of times."""
-    if layout.world_size == 1:
-        return local
+    parts, _ = gather_replicas(layout, local, None)
+    return merged(parts)
 
+
+def gather_replicas(layout: ReplicaLayout, local: Optional[ShardOutput], fault) -> Tuple[Dict[int, ShardOutput], list]:
+    """({replica: its rows}, every rank's fault): one all_gather over the default group, in which a
+    rank sends its replica's rows (the leader, when its engine did not fail) and its fault (an
+    rollout.recovery.EngineFault, or None). Every rank gets the same answer, so all decide alike
+    what to do about a failed replica (rollout/recovery.py). A replica with a fault on any of its
+    ranks gives no rows. A collective when world_size > 1."""
+    if layout.world_size == 1:
+        return ({layout.replica: local} if fault is None and local is not None else {}), [f for f in (fault,) if f]
     gathered: List[object] = [None] * layout.world_size
-    dist.all_gather_object(gathered, (layout.replica, local if layout.is_leader else None))
-    merged = ShardOutput.empty()
-    for replica, rows in sorted((g for g in gathered if g[1] is not None), key=lambda g: g[0]):
-        merged.extend(rows)
-    return merged
+    dist.all_gather_object(gathered, (layout.replica, local if layout.is_leader and fault is None else None, fault))
+    faults = [f for _, _, f in gathered if f is not None]
+    failed = {f.replica for f in faults}
+    parts = {replica: rows for replica, rows, _ in gathered if rows is not None and replica not in failed}
+    return parts, faults
+
+
+def merged(parts: Dict[int, ShardOutput]) -> ShardOutput:
+    """The replicas' rows in replica order, which is prompt order."""
+    out = ShardOutput.empty()
+    for replica in sorted(parts):
+        out.extend(parts[replica])
+    return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.runtime import collectives
+from verl_hpc.runtime import collectives, faults
 from verl_hpc.runtime import device as devices
 from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
 from verl_hpc.runtime.orphans import watch_launcher
@@ -129,6 +129,10 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
             **({"device_id": dev} if backend == "nccl" else {}))
     # every collective from here on is named in its errors and counted (runtime/collectives.py)
     collectives.install(timeout_s)
+    try:
+        faults.install(env.rank)  # the resilience tests' hook (VERL_HPC_FAULT); nothing when unset
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     log.info("rank %d/%d up via %s on host %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
              env.rank, env.world_size, env.launcher, socket.gethostname(), env.local_rank,
              env.node_rank, dev, backend,

@@ -133,4 +133,7 @@ class SlurmConfig(Section):
         if self.time_min > 0 and self.signal_delay_s >= self.time_min * 60:
             p.append(f"slurm.signal_delay_s = {self.signal_delay_s} is not shorter than slurm.time_min = "
                      f"{self.time_min} minutes")
+        from verl_hpc.runtime.faults import config_problems
+
+        p += config_problems(self.env)  # the resilience tests' hook, never a job's setting
         return p + sbatch_text_problems(self)  # no newline may reach the sbatch script

@@ -91,6 +91,15 @@ class RolloutConfig(Section):
                                       "takes (fp8, fp8_e4m3, fp8_e5m2, ...; on CPU fp8 needs AVX-512 or AMX)")
     speculative: SpeculativeConfig = section(SpeculativeConfig, "speculative decoding (vLLM): lossless, off by "
                                                                   "default (docs/speculative.md)")
+    # a failed engine is rebuilt, not fatal (rollout/recovery.py, docs/resilience.md)
+    max_engine_restarts: int = opt(3, "rollout engine rebuilds after a failure (an exception, an out-of-memory, "
+                                      "a stall) in a job; past it the job saves its last step and stops; "
+                                      "0: a failure ends the job", check=">=0")
+    max_engine_restarts_per_step: int = opt(1, "rollout engine rebuilds within one step", check=">=0")
+    stall_timeout_s: float = opt(600.0, "a vLLM generate stepping this long without producing a token is a "
+                                        "stall: the engine is rebuilt and the prompts run again, once a step; "
+                                        "0: off (the stage watchdog, trainer.stage_timeout_s, still ends a "
+                                        "rank stuck for good)", check=">=0")
 
     def check(self, job) -> List[str]:
         p = []

@@ -46,7 +46,7 @@ from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request
 from verl_hpc.rollout.speculative.config import refuse_on_hf
 from verl_hpc.rollout.vllm.compat import preserved_rng
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, renamed_on_load
-from verl_hpc.runtime import device as devices
+from verl_hpc.runtime import device as devices, faults
 
 
 class _SampledLogprobs:
@@ -295,6 +295,7 @@ class HFRollout(RolloutEngine):
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
         """Copy each tensor into the parameter of that HF name (strict: unknown names, repeated
         names, wrong shapes and missing checkpoint tensors are errors)."""
+        faults.maybe("load")  # the resilience tests' hook (runtime/faults.py)
         if self._closed:
             raise RuntimeError("hf rollout: load_weights() after close()")
         checked = CheckedWeights(weights, self._required, self._optional, pass_optional=True)
@@ -322,6 +323,16 @@ class HFRollout(RolloutEngine):
 
     def _recovery_hint(self) -> str:
         return "call load_weights again with every weight"
+
+    def rebuild(self, *, smaller: bool) -> str:
+        """After a failed generate (rollout/recovery.py): the model object stays (generate does not
+        change its weights; the trainer's sync that follows rewrites them all), its cached device
+        memory goes back, and after an out-of-memory the generation batches are halved."""
+        devices.release_cached_memory()
+        if not (smaller and self.batch_size > 1):
+            return ""
+        before, self.batch_size = self.batch_size, self.batch_size // 2
+        return f"HF generate batch_size {before} -> {self.batch_size}"
 
     def _sleep_unsupported_reason(self) -> str:
         return "the HF fallback keeps its weights where they are"

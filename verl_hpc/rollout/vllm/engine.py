@@ -66,10 +66,11 @@ from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
 from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
 from verl_hpc.rollout.vllm import versions as vllm_versions
+from verl_hpc.rollout.vllm.progress import StallWatch
 from verl_hpc.rollout.vllm.spec_counts import SpecCounter
 from verl_hpc.rollout.speculative.config import vllm_speculative_config
 from verl_hpc.rollout.weights import CheckedWeights, checkpoint_weight_names, tied_embeddings
-from verl_hpc.runtime import device as devices
+from verl_hpc.runtime import device as devices, faults
 
 log = logging.getLogger(__name__)
 VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
@@ -103,7 +104,7 @@ class VLLMRollout(RolloutEngine):
                  trust_remote_code: bool = False, logprobs_mode: str = "processed",
                  max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int = 0, speculative=None, episodes: bool = False, ctx=None,
-                 quantization: str = "none", kv_cache_dtype: str = "auto",
+                 quantization: str = "none", kv_cache_dtype: str = "auto", stall_timeout_s: float = 0.0,
                  **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
@@ -209,18 +210,42 @@ class VLLMRollout(RolloutEngine):
             kwargs["model_impl"] = impl
         self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
         kwargs.update(engine_kwargs)
+        self._kwargs, self._kv_cache_dtype = kwargs, kv_cache_dtype  # what rebuild() builds again
+        self._stall = StallWatch(stall_timeout_s)  # rollout.stall_timeout_s on vLLM's step loop
+        self._build()
 
+    def _build(self) -> None:
         start = time.perf_counter()
-        with vllm_compat.engine_construction(self.device, tp=tp), vllm_transformers.classes_kept(), \
-                vllm_quant.construction(quantization, kv_cache_dtype, str(model_path)):
+        with vllm_compat.engine_construction(self.device, tp=self.layout.tp), vllm_transformers.classes_kept(), \
+                vllm_quant.construction(self.quantization, self._kv_cache_dtype, self.model_path):
             from vllm import LLM
 
-            self.llm = LLM(**kwargs)
+            self.llm = LLM(**self._kwargs)
         if self._spec is not None:
             self._spec.attach(self.llm)
+        self._stall.attach(self.llm)
         log.info("vLLM engine up in %.1f s: replica %d of %d, tp %d, max_model_len %d, %s",
-                 time.perf_counter() - start, layout.replica, layout.num_replicas, tp,
-                 max_model_len, kwargs["dtype"])
+                 time.perf_counter() - start, self.layout.replica, self.layout.num_replicas, self.layout.tp,
+                 self._kwargs["max_model_len"], self._kwargs["dtype"])
+
+    def rebuild(self, *, smaller: bool) -> str:
+        """The engine shut down and built again with the same arguments (rollout/recovery.py): every
+        rank together (vLLM's groups span the job's world). After an out-of-memory, with half the
+        sequences per step. Its weights are then the folder's, and the LoRA slot empty, until the
+        trainer's sync: generate refuses until load_weights."""
+        changed = ""
+        if smaller and self._kwargs["max_num_seqs"] > 1:
+            before = self._kwargs["max_num_seqs"]
+            self._kwargs["max_num_seqs"] = before // 2
+            changed = f"rollout max_num_seqs {before} -> {before // 2}"
+        llm, self.llm = self.llm, None
+        self._shutdown(llm)
+        self._sleeping, self._weights_dropped, self._broken, self._lora = set(), True, None, None
+        self._build()
+        return changed
+
+    def _stall_next(self) -> None:
+        self._stall.inject = True
 
     @classmethod
     def from_options(cls, options: RolloutOptions, ctx=None, **overrides) -> "VLLMRollout":
@@ -246,6 +271,7 @@ class VLLMRollout(RolloutEngine):
             if m is not None:  # vLLM expands the placeholders itself: it takes the ids before expansion
                 requests[k] = TokensPrompt(prompt_token_ids=list(m.placeholder_ids),
                                            multi_modal_data={"image": list(m.images)})
+        self._stall.start()
         with vllm_compat.engine_call(self.device):
             outputs = self.llm.generate(requests,
                                         params, use_tqdm=False,
@@ -287,6 +313,7 @@ class VLLMRollout(RolloutEngine):
         return self.layout.tp_rank, self.layout.tp
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> dict:
+        faults.maybe("load")  # the resilience tests' hook (runtime/faults.py)
         self._check_open()
         if WEIGHTS in self._sleeping:
             raise RuntimeError("vllm rollout: load_weights() while its weights sleep; call "
@@ -395,6 +422,10 @@ class VLLMRollout(RolloutEngine):
         return "rollout.sleep_between_phases is off"
 
     @property
+    def sleeps(self) -> bool:
+        return self._sleep_enabled
+
+    @property
     def asleep(self) -> bool:
         return bool(self._sleeping)
 
@@ -425,6 +456,9 @@ class VLLMRollout(RolloutEngine):
         if getattr(self, "_drafter", None):
             self._drafter.close()
         llm, self.llm = self.llm, None
+        self._shutdown(llm)
+
+    def _shutdown(self, llm) -> None:
         if llm is None:  # the engine never came up
             return
         try:

@@ -25,9 +25,12 @@ class Colocated:
         return make_loader() if self.ctx.rank == 0 else None  # rank 0 samples and broadcasts
 
     def weights(self, actor, roles, make_sync):
+        from verl_hpc.rollout.recovery import EngineRecovery
         from verl_hpc.trainer.stages.rollout_weights import RolloutWeights
 
-        weights = RolloutWeights(actor, roles.rollout, make_sync())
+        r = self.cfg.rollout  # a failed engine is rebuilt and resynced (rollout/recovery.py)
+        weights = RolloutWeights(actor, roles.rollout, make_sync(),
+                                 EngineRecovery(r.max_engine_restarts, r.max_engine_restarts_per_step))
         roles.verify = weights.check_generated  # LoRA adapter sync: the generation used the update
         return weights
 

@@ -44,6 +44,8 @@ from verl_hpc.data.processor import ImagePrompts
 from verl_hpc.trainer.stages.rollout_weights import weight_sync_from_config
 from verl_hpc.rewards import RewardScorer
 from verl_hpc.rollout import SamplingSpec
+from verl_hpc.rollout.recovery import RestartsExhausted
+from verl_hpc.runtime import faults
 from verl_hpc.trainer.stages import correction
 from verl_hpc.trainer.stages.advantage import AdvantageStage
 from verl_hpc.trainer.stages.batching import response_stats
@@ -133,10 +135,13 @@ class RLTrainer(StepProgram):
     # ------------------------------------------------------------------------------ the step
     def step(self, step: int, timer) -> Dict[str, float]:
         r = self.roles
+        faults.at_step(step)  # the resilience tests' hook (VERL_HPC_FAULT); nothing when unset
+        faults.maybe("step")
+        self.rollout_weights.new_step(step)  # the engine recovery's per-step bounds (rollout/recovery.py)
         self.rollout_weights.ready(timer)  # if stale: wake weights, sync, then wake the KV cache
         m = self.rollout_weights.pop_metrics()  # sync/* of the sync that gave it these weights
         batch, sampled = self.sampler.sample(step, timer)  # prompts -> responses -> scores (-> group filters)
-        m.update(sampled, **response_stats(batch))
+        m.update(sampled, **response_stats(batch), **self.rollout_weights.pop_recovery())
         if len(batch) == 0:  # every group filtered out: nothing to learn from this step
             self.steps_done = step
             return dict(m, **{"filter/empty_step": 1.0})
@@ -166,6 +171,7 @@ class RLTrainer(StepProgram):
             with timer("update_critic"):
                 m.update(r.critic.update(batch, self.value_loss))
         with timer("update_actor"):
+            faults.maybe("update")
             if path == "update":
                 m.update(r.actor.update(batch.engine_batch(extra=("rollout_log_probs",)), self.on_policy_loss))
                 correction.on_policy_metrics(m)
@@ -225,9 +231,19 @@ class RLTrainer(StepProgram):
         ) if h is not None]
 
     def checked_step(self, step: int, timer) -> Dict[str, float]:
-        """The step, checked across ranks (safety.debug) and profiled where asked."""
+        """The step, checked across ranks (safety.debug) and profiled where asked. A rollout engine
+        that failed past rollout.max_engine_restarts: the steps done are saved, then the job stops."""
         with self.safety.step(step):  # safety.profiling traces listed steps; nothing when off
-            metrics = self.step(step, timer)
+            try:
+                metrics = self.step(step, timer)
+            except RestartsExhausted:
+                if self.steps_done >= 1:  # every rank raised it together: the save is collective
+                    try:
+                        self.checkpointer.maybe_save(self.steps_done, force=True)
+                    except Exception as e:  # noqa: BLE001 - the engine's error is the one to report
+                        log.error("saving step %d after the rollout engine failed: %s: %s", self.steps_done,
+                                  type(e).__name__, e)
+                raise
         self.safety.check_ranks_agree(step, metrics)
         return metrics
 
