@@ -47,7 +47,7 @@ def test_every_engine_fault_is_recovered_and_the_run_ends_as_without_it(tiny_ass
 def test_past_its_restarts_the_job_saves_its_last_step_and_stops_in_one_line(tiny_assets, tmp_path, monkeypatch):
     monkeypatch.setenv("VERL_HPC_FAULT", "generate:0:2:raise,generate:0:3:raise")
     proc, _ = grpo(tiny_assets, tmp_path, "trainer.total_steps=4", *VLLM, "rollout.max_engine_restarts=1")
-    assert proc.returncode == 32, logs(proc, tmp_path)
+    assert proc.returncode == 33, logs(proc, tmp_path)
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
     assert errors == ["error: rank 0: rollout engine failed in generate (InjectedFault: injected fault "
                       "generate:0:3:raise); restarts spent: 1 of rollout.max_engine_restarts = 1 in this job"], errors

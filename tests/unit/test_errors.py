@@ -27,7 +27,12 @@ INTERNAL = {"verl_hpc.trainer.placement.elastic.worker.Leaving","verl_hpc.reward
             "verl_hpc.rollout.tools.environment._BadReturn",
             # the agent endpoint's: answered to the agent as HTTP error bodies, never raised to a user
             "verl_hpc.rollout.agents.chat.BadRequest", "verl_hpc.rollout.agents.batcher.EngineClosed",
-            "verl_hpc.rollout.agents.batcher.EngineRequestError"}
+            "verl_hpc.rollout.agents.batcher.EngineRequestError",
+            # engine faults the recovery rebuilds from (rollout/recovery.py); past its bounds the job
+            # reports RolloutEngineError or StageStalledError
+            "verl_hpc.rollout.recovery.EngineStalled", "verl_hpc.runtime.faults.InjectedFault",
+            # a GPU check past its budget: a TIMEOUT row of the kit's table (gpu_check/kit.py)
+            "verl_hpc.gpu_check.kit.CheckTimeout"}
 
 
 def _subclasses(cls):

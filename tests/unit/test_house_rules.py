@@ -473,6 +473,7 @@ ROLLOUT_TOP = frozenset({
     "replicas",        # which prompts a rank's replica generates
     "metrics",         # rollout metrics for the tracker
     "weights",         # the checks on a weight-update stream
+    "recovery",        # how a failed engine comes back: the fault agreement and bounds every engine's generate uses
 })
 
 

@@ -30,6 +30,7 @@ from verl_hpc.gpu_check.vllm_checks import GRAPH_SEQS, NEW_TOKENS, PROMPTS, boun
 
 TIE_NATS = 0.05  # two best tokens this close in bf16 may swap between compiled and eager kernels
 SYNCS = 2
+DROPPED = 2  # the sleep level that drops the weights and maps their memory again: what is checked
 
 
 def first_difference(got: Sequence[int], want: Sequence[int]) -> int:
@@ -85,7 +86,7 @@ def graphs_reload(kit: Kit) -> str:
     path = workload.tiny_model(kit)
     engine = MegatronEngine(workload.train_options(path, kit.dtype, use_distributed_optimizer=True))
     syncer = WeightSync(bucket_mb=64, mode="full", check_served_every=1)
-    graphs = rollout(kit, path, enforce_eager=False, max_num_seqs=GRAPH_SEQS, sleep_between_phases=True, sleep_level=2)
+    graphs = rollout(kit, path, enforce_eager=False, max_num_seqs=GRAPH_SEQS, sleep_between_phases=True, sleep_level=DROPPED)
     try:
         for i in range(SYNCS):  # the trainer's phase: a step, the weights woken, synced, the KV cache woken
             m = engine.train_step(workload.batch(30 + i), workload.loss_fn)
@@ -114,7 +115,7 @@ def graphs_reload(kit: Kit) -> str:
     assert drawn.num_response_tokens > 0
     verdict = token_verdict([list(r) for r in got.response_ids], want, gaps)
     record(kit, "vllm_graphs_reload", {"mismatch": drift, "tokens": verdict,
-                                      "syncs": SYNCS + 1, "sleep_level": 2, "max_num_seqs": GRAPH_SEQS,
+                                      "syncs": SYNCS + 1, "sleep_level": DROPPED, "max_num_seqs": GRAPH_SEQS,
                                       "engine_environment": {k: os.environ.get(k) for k in environment.engine_environment({})}})
     problems = list(verdict["problems"])
     if drift["rollout/logprob_diff_max"] >= bound(kit):

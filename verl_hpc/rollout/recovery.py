@@ -54,6 +54,8 @@ class RolloutEngineError(VerlHpcError, RuntimeError):
 class RestartsExhausted(RolloutEngineError):
     """rollout.max_engine_restarts (per job or per step) spent."""
 
+    exit_code, kind = 33, "engine restarts spent"
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineFault:

@@ -1,7 +1,7 @@
 """The fault-injection hook for resilience tests: `VERL_HPC_FAULT=stage:rank:step:kind[,...]`.
 
 Off unless the variable is set (a job's config cannot set it: `slurm.env` naming it is refused at
-load); a rank that finds it set says so in its log. Each fault fires once, where the trainer or
+load, config/sections/cluster.py); a rank that finds it set says so in its log. Each fault fires once, where the trainer or
 the rollout engine asks `maybe(stage)` with the step it is at:
 
     stage   generate | load | wake | update | step | save   (where the code asks; `step`: at the
@@ -144,9 +144,3 @@ def maybe(stage: str) -> Optional[str]:
         while True:  # outside any collective: the stage watchdog's (and the heartbeat's) case
             time.sleep(1)
     return fault.kind
-
-
-def config_problems(env: dict) -> List[str]:
-    """A config's environment may not carry the test hook (slurm.env): a production job never injects."""
-    return [f"slurm.env.{ENV}: the fault-injection test hook cannot be set in a config; valid: remove it "
-            f"(tests set it in the environment of the submitter)"] if ENV in env else []

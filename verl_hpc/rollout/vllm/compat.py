@@ -60,7 +60,6 @@ from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
 from verl_hpc.rollout.vllm import environment as vllm_environment
 from verl_hpc.rollout.vllm import stdout_fd as vllm_stdout_fd
 from verl_hpc.rollout.vllm import versions
-from verl_hpc.rollout.vllm.lora import install_lora_adapter  # noqa: F401 - VLLMRollout calls it from here
 from verl_hpc.runtime.device import has_gpu
 
 log = logging.getLogger(__name__)

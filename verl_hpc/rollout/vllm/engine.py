@@ -63,9 +63,11 @@ from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
-from verl_hpc.rollout.result import FINISH_REASONS, ShardOutput
+from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
 from verl_hpc.rollout.vllm import versions as vllm_versions
+from verl_hpc.rollout.vllm import lora as vllm_lora
+from verl_hpc.rollout.vllm.outputs import shard_rows
 from verl_hpc.rollout.vllm.progress import StallWatch
 from verl_hpc.rollout.vllm.spec_counts import SpecCounter
 from verl_hpc.rollout.speculative.config import vllm_speculative_config
@@ -276,24 +278,7 @@ class VLLMRollout(RolloutEngine):
             outputs = self.llm.generate(requests,
                                         params, use_tqdm=False,
                                         lora_request=self._lora[0] if self._lora else None)
-        rows = ShardOutput.empty()
-        for k, out in enumerate(outputs):
-            # the adapter vLLM itself says it used (its request's id is version + 1: ids must be > 0)
-            used = out.lora_request.lora_int_id - 1 if out.lora_request is not None else -1
-            for seq in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(seq.token_ids)
-                if seq.finish_reason not in FINISH_REASONS:
-                    raise RuntimeError(f"vllm rollout: prompt {first_index + k} ended with "
-                                       f"finish_reason={seq.finish_reason!r}")
-                rows.prompt_index.append(first_index + k)
-                rows.sample_index.append(seq.index)
-                rows.response_ids.append(ids)
-                rows.logprobs.append(_sampled_logprobs(seq.logprobs, ids))
-                rows.finish_reason.append(seq.finish_reason)
-                rows.adapter_version.append(used)
-                if self._spec is not None:
-                    self._spec.add(seq)
-        return rows
+        return shard_rows(outputs, first_index, self._spec)
 
     def speculation_counts(self):
         """Speculative decoding's counts over every sequence this engine returned (cumulative), or
@@ -373,30 +358,16 @@ class VLLMRollout(RolloutEngine):
         from them in the worker and registered under id version + 1, the previous version removed
         first so that nothing can serve it. Needs the engine built with lora_rank > 0."""
         self._check_open()
-        if not self._lora_enabled:
+        if not self.llm.llm_engine.vllm_config.lora_config:
             raise RuntimeError("vllm rollout: load_adapter() on an engine built without LoRA slots "
                                "(lora_rank=0); the job syncs merged weights (lora.sync)")
-        from vllm.lora.request import LoRARequest
-
-        start = time.perf_counter()
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        old = self._lora[0].lora_int_id if self._lora else None
         with vllm_compat.engine_call(self.device):
-            self.llm.collective_rpc(vllm_compat.install_lora_adapter,
-                                    args=(tensors, dict(peft_config), version + 1, old))
-        # the path is never read: the adapter is registered before any request names it
-        request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1,
-                              lora_path=f"in-memory://policy/v{version}")
-        self._lora = (request, version)
+            self._lora, figures = vllm_lora.load_adapter(self.llm, tensors, peft_config, version,
+                                                         old=self._lora[0].lora_int_id if self._lora else None)
         if not self.llm.reset_prefix_cache():  # cached blocks were computed with the old adapter
             self._mark_broken("reset_prefix_cache() refused")
             raise RuntimeError("vllm rollout: reset_prefix_cache() failed after an adapter update")
-        return dict(tensors=len(tensors), bytes=nbytes, seconds=time.perf_counter() - start)
-
-    @property
-    def _lora_enabled(self) -> bool:
-        return bool(self.llm.llm_engine.vllm_config.lora_config)
+        return figures
 
     # ------------------------------------------------------------------ memory phases
     def sleep(self) -> None:
@@ -473,13 +444,3 @@ class VLLMRollout(RolloutEngine):
                         type(e).__name__, e)
         del llm
         gc.collect()
-
-
-def _sampled_logprobs(logprobs, token_ids: List[int]) -> List[float]:
-    """Per-token logprobs of the sampled tokens from vLLM's (flat) logprobs."""
-    if logprobs is None:
-        raise RuntimeError("vllm rollout: no logprobs returned (SamplingParams.logprobs unset?)")
-    flat_ids = getattr(logprobs, "token_ids", None)
-    if flat_ids is not None and list(flat_ids) == token_ids:  # one entry per position: the sampled
-        return [float(x) for x in logprobs.logprobs]
-    return [float(logprobs[pos][tok].logprob) for pos, tok in enumerate(token_ids)]

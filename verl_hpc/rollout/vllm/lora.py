@@ -3,7 +3,24 @@
 (tests/unit/rollout/test_rol_vllm_lora.py: the adapter's log-probs equal PEFT's)."""
 from __future__ import annotations
 
+import time
+
 from verl_hpc.rollout.vllm import versions
+
+
+def load_adapter(llm, tensors, peft_config: dict, version: int, old):
+    """((LoRARequest, version), figures): the adapter built from `tensors` in every worker and
+    registered under id version + 1, `old` removed first so that nothing can serve it."""
+    from vllm.lora.request import LoRARequest
+
+    start = time.perf_counter()
+    tensors = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    llm.collective_rpc(install_lora_adapter, args=(tensors, dict(peft_config), version + 1, old))
+    # the path is never read: the adapter is registered before any request names it
+    request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1,
+                          lora_path=f"in-memory://policy/v{version}")
+    return (request, version), dict(tensors=len(tensors), bytes=nbytes, seconds=time.perf_counter() - start)
 
 
 def install_lora_adapter(worker, tensors, peft_config: dict, lora_id: int, old_id) -> list:
