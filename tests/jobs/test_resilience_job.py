@@ -1,5 +1,5 @@
 """A failed rollout engine costs a step's seconds, not the job (issue 94, item 1, 2 and 4): a tiny GRPO
-job with in-process vLLM and a fault injected at a chosen step (`VERL_HPC_FAULT`, runtime/faults.py)
+job over two-turn episodes with in-process vLLM and a fault injected at a chosen step (`VERL_HPC_FAULT`, runtime/faults.py)
 finishes every step in the same process, counts its restarts, and ends with the same weights as the
 job without the fault, bitwise: the engine rebuilt, the current weights synced into it, the failed
 prompts generated again with their own seeds. Past rollout.max_engine_restarts the job saves its
@@ -10,6 +10,10 @@ import torch
 from jobs import MOVING, grpo, logs, metrics, read_all
 
 VLLM = ["rollout.engine=vllm", "checkpoint.save_every=0"]
+# multi-turn episodes (two model turns, tests/agent_env.py): the episodes' records live outside the
+# engine, so a rebuilt engine's retried turn must leave them as a run without the fault has them
+EPISODES = ["multi_turn.enable=true", "multi_turn.environment=agent_env:OneMoreTurn", "safety.allow_custom_code=true",
+            "data.max_response_length=64", "rollout.max_tokens=8"]
 # every engine fault once: an exception in generate (step 2), in the weight load (step 3: the lazy
 # sync runs at the step's start), an out-of-memory (step 4: rebuilt with half the sequences), a stall
 # (step 5: the engine steps without producing a token; the watch's timeout is cut to 2 s here)
@@ -19,14 +23,14 @@ ALL_FAULTS = "generate:0:2:raise,load:0:3:raise,generate:0:4:oom,generate:0:5:st
 @pytest.fixture(scope="module")
 def straight(tiny_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    proc, _ = grpo(tiny_assets, out, "trainer.total_steps=5", *VLLM, *MOVING)
+    proc, _ = grpo(tiny_assets, out, "trainer.total_steps=5", *VLLM, *MOVING, *EPISODES)
     assert proc.returncode == 0, logs(proc, out)
     return out
 
 
 def test_every_engine_fault_is_recovered_and_the_run_ends_as_without_it(tiny_assets, straight, tmp_path, monkeypatch):
     monkeypatch.setenv("VERL_HPC_FAULT", ALL_FAULTS)
-    proc, summary = grpo(tiny_assets, tmp_path, "trainer.total_steps=5", *VLLM, *MOVING,
+    proc, summary = grpo(tiny_assets, tmp_path, "trainer.total_steps=5", *VLLM, *MOVING, *EPISODES,
                          "rollout.max_engine_restarts=4", "rollout.stall_timeout_s=2")
     assert proc.returncode == 0 and summary["steps"] == 5, logs(proc, tmp_path)
     text = proc.stdout + proc.stderr
