@@ -42,12 +42,12 @@ def test_the_image_serves_what_it_has_at_a_version_every_requirement_accepts():
     assert image.constraint("2.11.0+cu130") == "2.11.0"
 
 
-def fake_resolver(calls, conflicting=()):
+def fake_resolver(calls, conflicting=None):
     """pip `install --dry-run --report` as the builders call it: vLLM's needs at the index's newest
-    versions, or at the constraint file's; a constraint on a name in `conflicting` is refused the
-    way pip explains a conflict."""
+    versions, or at the constraint file's; a constraint of `conflicting` ({name: version}) is
+    refused the way pip explains a conflict."""
     newest = {"vllm": "0.25.0", "numpy": "2.4.6", "pillow": "11.3.0", "aiohttp": "3.12.15", "openai": "2.1.0",
-              "pydantic": "2.12.5", "typing-extensions": "4.16.0", "torch": "2.11.0"}
+              "pydantic": "2.12.5", "typing-extensions": "4.16.0", "torch": "2.11.0", "nvidia-nccl": "2.29.0"}
 
     def pip(*args, capture=False):
         pinned = {}
@@ -56,7 +56,7 @@ def fake_resolver(calls, conflicting=()):
                 name, ver = line.split("==")
                 pinned[name] = ver
         calls.append(pinned)
-        bad = sorted(set(pinned) & set(conflicting))
+        bad = sorted(n for n, v in (conflicting or {}).items() if pinned.get(n) == v)
         if bad:
             return subprocess.CompletedProcess(args, 1, "", "ERROR: Cannot install vllm\n\nThe conflict is caused by:\n"
                                                f"    The user requested (constraint) {bad[0]}=={pinned[bad[0]]}\n"
@@ -64,7 +64,7 @@ def fake_resolver(calls, conflicting=()):
         versions = {**newest, **pinned}
         report = {"install": [item("vllm", "0.25.0", "numpy>=2", "pillow", "aiohttp>=3.10", "openai>=2",
                                    "pydantic>=2.12", "torch==2.11.0")]
-                  + [item(n, v, *(["typing-extensions>=4.14"] if n == "pydantic" else [])) for n, v in versions.items()
+                  + [item(n, v, *{"pydantic": ["typing-extensions>=4.14"], "torch": ["nvidia-nccl"]}.get(n, [])) for n, v in versions.items()
                      if n != "vllm"]}
         Path(args[args.index("--report") + 1]).write_text(json.dumps(report))
         return subprocess.CompletedProcess(args, 0, "", "")
@@ -77,14 +77,18 @@ def test_a_resolution_against_the_images_list_carries_none_of_what_it_serves(tmp
     versions, served = wheels.resolve_against(["vllm==0.25.0"], "3.12", "2.31", tmp_path, IMAGE)
     assert served == {"numpy": "2.5.2", "pillow": "12.0.0", "aiohttp": "3.13.0", "torch": "2.11.0+cu130",
                       "typing-extensions": "4.15.0"}
-    # pip resolved again holding the image's versions (torch's local label is the image's own)
+    # pip resolved again holding the image's versions (torch's local label is the image's own) and
+    # the rest at what it had just resolved: one candidate each, nothing to backtrack through; what
+    # a held package requires (torch's CUDA libraries) follows the image's version: left to pip
     assert calls[1] == {"aiohttp": "3.13.0", "numpy": "2.5.2", "pillow": "12.0.0", "torch": "2.11.0",
-                        "typing-extensions": "4.15.0"}
+                        "typing-extensions": "4.15.0", "vllm": "0.25.0", "openai": "2.1.0", "pydantic": "2.12.5"}
+    assert len(calls) == 2  # the second resolution served no more: done
     carried = wheels.carried_pins(versions, served)
-    assert carried == {"vllm": "0.25.0", "openai": "2.1.0", "pydantic": "2.12.5"}
+    assert carried == {"vllm": "0.25.0", "openai": "2.1.0", "pydantic": "2.12.5", "nvidia-nccl": "2.29.0"}
     assert not set(carried) & {n for n, v in IMAGE.items() if n in served}
     # the vLLM kit: neither the image's nor the kit folder's (same version) are carried
-    assert vllm_kit.carried_pins(versions, {"openai": "2.1.0"}, served) == {"vllm": "0.25.0", "pydantic": "2.12.5"}
+    assert vllm_kit.carried_pins(versions, {"openai": "2.1.0", "nvidia-nccl": "2.29.0"}, served) == {
+        "vllm": "0.25.0", "pydantic": "2.12.5"}
     # without the list: all but torch's install, typing-extensions always (the old rule)
     versions, served = wheels.resolve_against(["vllm==0.25.0"], "3.12", "2.31", tmp_path, None)
     assert served == {} and vllm_kit.carried_pins(versions, {}) == {"vllm": "0.25.0", "numpy": "2.4.6", "pillow": "11.3.0",
@@ -92,12 +96,36 @@ def test_a_resolution_against_the_images_list_carries_none_of_what_it_serves(tmp
                                                    "typing-extensions": "4.16.0"}
 
 
-def test_an_image_version_pip_cannot_hold_is_carried_instead(tmp_path, monkeypatch):
+def test_an_image_version_pip_cannot_hold_is_carried_and_another_pin_in_the_way_is_freed(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(wheels, "_pip", fake_resolver(calls, conflicting=("aiohttp",)))
+    monkeypatch.setattr(wheels, "_pip", fake_resolver(calls, conflicting={"aiohttp": "3.13.0"}))
     versions, served = wheels.resolve_against(["vllm==0.25.0"], "3.12", "2.31", tmp_path, IMAGE)
-    assert "aiohttp" not in served and versions["aiohttp"] == "3.12.15" and "aiohttp" not in calls[-1]
+    assert "aiohttp" not in served and versions["aiohttp"] == "3.12.15" and calls[-1]["aiohttp"] == "3.12.15"
     assert served["numpy"] == "2.5.2" and "aiohttp" in wheels.carried_pins(versions, served)
+    calls.clear()
+    monkeypatch.setattr(wheels, "_pip", fake_resolver(calls, conflicting={"openai": "2.1.0"}))  # not an image package
+    versions, served = wheels.resolve_against(["vllm==0.25.0"], "3.12", "2.31", tmp_path, IMAGE)
+    assert "openai" in calls[1] and "openai" not in calls[2]  # left to pip the second time
+    assert served["aiohttp"] == "3.13.0" and versions["openai"] == "2.1.0"
+
+
+def test_an_image_version_for_a_newer_python_than_the_builders_is_carried_with_pip_23(tmp_path, monkeypatch):
+    """pip 23's dry run checks Requires-Python against the interpreter running it (3.11 here), not
+    the target's 3.12: the image's numpy, if it needs 3.12, is refused as a conflict, not fatal."""
+    calls = []
+    resolver = fake_resolver(calls)
+
+    def pip(*args, capture=False):
+        if "-c" in args and "numpy==2.5.2" in Path(args[args.index("-c") + 1]).read_text():
+            calls.append("numpy refused")
+            return subprocess.CompletedProcess(args, 1, "", "ERROR: Package 'numpy' requires a different Python: "
+                                                            "3.11.7 not in '>=3.12'\n")
+        return resolver(*args, capture=capture)
+
+    monkeypatch.setattr(wheels, "_pip", pip)
+    versions, served = wheels.resolve_against(["vllm==0.25.0"], "3.12", "2.31", tmp_path, IMAGE)
+    assert "numpy refused" in calls and "numpy" not in served and versions["numpy"] == "2.4.6"
+    assert served["pillow"] == "12.0.0"
 
 
 def test_the_wheel_folder_built_over_the_image_pins_none_of_its_packages(tmp_path, monkeypatch):
@@ -117,7 +145,7 @@ def test_the_wheel_folder_built_over_the_image_pins_none_of_its_packages(tmp_pat
     assert wheels.main([str(tmp_path / "w"), "--python-version", "3.12", "--image", str(listed),
                         "--requirement", "vllm==0.25.0"]) == 0
     pins = (tmp_path / "w" / "requirements.txt").read_text().split()
-    assert pins == ["openai==2.1.0", "pydantic==2.12.5", "vllm==0.25.0"]
+    assert pins == ["nvidia-nccl==2.29.0", "openai==2.1.0", "pydantic==2.12.5", "vllm==0.25.0"]  # the list lacks nccl
     assert "over the image's packages: aiohttp==3.13.0" in (tmp_path / "w" / "TARGET").read_text()
 
 

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from verl_hpc.gpu_check.vllm_pieces import KitError  # one line for a user, exit 1
 
@@ -71,9 +71,11 @@ def read_list(path: Path) -> Dict[str, str]:
     return out
 
 
-def _requirements(items: List[Dict], top: Iterable[str], python_version: str) -> Dict[str, List]:
-    """{name: [Requirement]} of every requirement in force in a resolution: the top-level ones and
-    each item's Requires-Dist whose marker holds for the target, for the extras asked of it."""
+def in_force(items: List[Dict], top: Iterable[str], python_version: str) -> List[Tuple[Optional[str], "Requirement"]]:
+    """(owner, requirement) of every requirement in force in a resolution (pip's report `install`
+    entries): the top-level ones (owner None) and each item's Requires-Dist whose marker holds for
+    the target, for the extras asked of it (an extra's requirements count only when some
+    requirement in force asks for that extra)."""
     from packaging.requirements import Requirement
 
     env = dict(TARGET_ENV, python_version=python_version, python_full_version=f"{python_version}.0")
@@ -94,11 +96,7 @@ def _requirements(items: List[Dict], top: Iterable[str], python_version: str) ->
             if holds(owner, req) and not set(req.extras) <= wanted.setdefault(name, {""}):
                 wanted[name] |= set(req.extras)
                 changed = True
-    out: Dict[str, List] = {}
-    for owner, req in todo:
-        if holds(owner, req):
-            out.setdefault(canonical(req.name), []).append(req)
-    return out
+    return [(owner, req) for owner, req in todo if holds(owner, req)]
 
 
 def served(items: List[Dict], image: Dict[str, str], top: Iterable[str], python_version: str) -> Dict[str, str]:
@@ -106,7 +104,9 @@ def served(items: List[Dict], image: Dict[str, str], top: Iterable[str], python_
     the image has at a version that every requirement in force on it accepts."""
     from packaging.version import InvalidVersion, Version
 
-    reqs = _requirements(items, top, python_version)
+    reqs: Dict[str, List] = {}
+    for _, req in in_force(items, top, python_version):
+        reqs.setdefault(canonical(req.name), []).append(req)
     out = {}
     for item in items:
         n = canonical(item["metadata"]["name"])
@@ -119,6 +119,22 @@ def served(items: List[Dict], image: Dict[str, str], top: Iterable[str], python_
         if all(r.specifier.contains(have, prereleases=True) for r in reqs.get(n, [])):
             out[n] = image[n]
     return out
+
+
+def required_by(items: List[Dict], roots: Iterable[str], top: Iterable[str], python_version: str) -> Set[str]:
+    """The names `roots` require in force in a resolution, directly or through each other."""
+    deps: Dict[str, Set[str]] = {}
+    for owner, req in in_force(items, top, python_version):
+        if owner is not None:
+            deps.setdefault(owner, set()).add(canonical(req.name))
+    seen: Set[str] = set()
+    todo = list(roots)
+    while todo:
+        for d in deps.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
 
 
 def constraint(version: str) -> str:

@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from verl_hpc.gpu_check import outdir
-from verl_hpc.gpu_check.image import constraint, read_list, served
+from verl_hpc.gpu_check.image import constraint, read_list, required_by, served
 from verl_hpc.gpu_check.vllm_pieces import KitError
 
 LIMIT_BYTES = 64 * 2**20
 MAX_SOURCE_BUILDS = 5  # sdist-only packages built into wheels before giving up
-MAX_IMAGE_ROUNDS = 10  # resolutions against the image's versions before taking the set as it is
+MAX_IMAGE_ROUNDS = 10  # resolutions against the image's versions before taking the last that held
 
 
 # Exact versions this project's tests run with (the CPU venv): the GPU check compares against the
@@ -155,6 +155,7 @@ def target_args(python_version: str, glibc: str) -> List[str]:
             *[a for t in tags for a in ("--platform", t)]]
 
 
+_OTHER_PYTHON = re.compile(r"Package '([^']+)' requires a different Python")
 # pip's words when a requirement has no wheel for the target (with --only-binary=:all:)
 _NO_WHEEL = re.compile(r"Could not find a version that satisfies the requirement (\S+)")
 
@@ -220,6 +221,14 @@ def resolve_items(reqs: List[str], python_version: str, glibc: str, local: Path,
             raise SystemExit(pip_failed(["resolve", *reqs], r.stderr))
         if conflict_names(r.stderr, constraints):
             return [], conflict_names(r.stderr, constraints)
+        held = {_name_of(c) for c in constraints}
+        if req is not None and _name_of(req) in held:
+            return [], [_name_of(req)]  # a requirement no held version meets: pip says "no version" then
+        # pip < 24 checks a dry run's Requires-Python against the interpreter running it, not the
+        # target's: a held version for a newer Python than this one is then refused as a conflict
+        python = _OTHER_PYTHON.search(r.stderr)
+        if python and _canonical(python.group(1)) in held:
+            return [], [_canonical(python.group(1))]
         if req is None:
             raise SystemExit(pip_failed(["resolve", *reqs], r.stderr))
         print(f"{req}: no wheel for the target; building a pure-Python wheel of it here")
@@ -231,31 +240,32 @@ def resolve_against(reqs: List[str], python_version: str, glibc: str, local: Pat
                     image: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, str], Dict[str, str]]:
     """({name: version} pip resolves for `reqs`, {name: the image's version} of those the image
     serves), names canonical. Without the image's list the image serves nothing here (the callers
-    fall back to WITH_TORCH). With it, pip resolves again with each served version as a constraint,
-    so that the image's versions' own requirements are checked too, until no more are served; a
-    served version that pip's conflict explanation names (the index lacks it, or another package
-    cannot take it) is left out of the constraints: the kit carries its own."""
+    fall back to WITH_TORCH). With it, pip resolves again holding each served package at the
+    image's version, so that those versions' own requirements are checked too, and every other
+    package at the version it just resolved (one candidate each: pip answers at once instead of
+    backtracking through the index); a package pip's conflict explanation names is then carried
+    (an image's) or left to pip (another), and pip asked again, until no more are served."""
     items = resolve_items(reqs, python_version, glibc, local)[0]
-    fixed: Dict[str, str] = {}  # the image's versions to hold
-    held: Dict[str, str] = {}  # those `items` was resolved with
-    lacking: set = set()
+    held: Dict[str, str] = {}  # the image's versions `items` was resolved with
+    refused: set = set()  # image packages pip could not hold: carried
+    free: set = set()  # packages pip may move to make room for the image's
     for _ in range(MAX_IMAGE_ROUNDS if image else 0):
-        more = {n: v for n, v in served(items, image, reqs, python_version).items() if n not in lacking}
-        if set(more) <= set(fixed) and fixed == held:
+        serve = {n: v for n, v in served(items, image, reqs, python_version).items() if n not in refused}
+        if serve == held:
             break
-        fixed.update(more)
-        got, conflicts = resolve_items(reqs, python_version, glibc, local,
-                                       [f"{n}=={constraint(v)}" for n, v in sorted(fixed.items())])
-        if conflicts:  # those the kit carries itself; the rest is resolved again
-            lacking.update(conflicts)
-            for n in conflicts:
-                fixed.pop(n, None)
+        # what a held package requires follows the image's version of it (torch 2.11 pins its CUDA
+        # libraries), not the version resolved first: left to pip from the start
+        free |= required_by(items, serve, reqs, python_version) - set(serve)
+        pins = {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+        pins = {**{n: v for n, v in pins.items() if n not in free}, **{n: constraint(v) for n, v in serve.items()}}
+        got, conflicts = resolve_items(reqs, python_version, glibc, local, [f"{n}=={v}" for n, v in sorted(pins.items())])
+        if conflicts:
+            refused.update(n for n in conflicts if n in serve)
+            free.update(n for n in conflicts if n not in serve)
         else:
-            items, held = got, dict(fixed)
+            items, held = got, serve
     versions = {_canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
-    # only what pip resolved with the image's version as a constraint counts as served
-    serves = served(items, image, reqs, python_version) if image else {}
-    return versions, {n: v for n, v in serves.items() if n in held}
+    return versions, held
 
 
 FILES = "FILES"  # the names of what the folder's last build wrote (outdir.py: nothing else is touched)
