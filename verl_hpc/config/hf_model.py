@@ -27,7 +27,10 @@ FOLDER = "a Hugging Face model folder (config.json + *.safetensors)"
 DENSE_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                      "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
-MEGATRON_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES}
+# vision-language models whose language model Megatron holds (the HF vision tower beside it on the
+# first pipeline stage: verl_hpc/models/vlm.py); any other vision-language model is the FSDP engine's
+VLM_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+MEGATRON_ARCHITECTURES = {**DENSE_ARCHITECTURES, **MOE_ARCHITECTURES, **VLM_ARCHITECTURES}
 
 
 def read_hf_config(path, field: str = "model.path") -> Dict[str, Any]:

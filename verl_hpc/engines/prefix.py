@@ -30,7 +30,7 @@ group beside short ones). Rotary angles per row come from `verl_hpc.models.gpt.p
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -41,14 +41,31 @@ from verl_hpc.engines.partition import plan_microbatches
 MAX_PACKED_LEN = 4096
 
 
-def prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> List[List[int]]:
+def prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
+                  images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None) -> List[List[int]]:
     """Row indices grouped by identical prompt tokens, groups in order of first appearance, rows
-    in their order within a group."""
+    in their order within a group. `images` (a vision-language model's per-row image tensors): by
+    tokens and images, since two pictures of one size under one question tokenize alike."""
     groups: Dict[tuple, List[int]] = {}
     lengths = prompt_lengths.tolist()
+    seen: List[Mapping[str, torch.Tensor]] = []  # the distinct image sets so far
     for i, p in enumerate(lengths):
-        groups.setdefault(tuple(input_ids[i, :p].tolist()), []).append(i)
+        key = tuple(input_ids[i, :p].tolist())
+        if images is not None and images[i]:
+            key += (_image_set(seen, images[i]),)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def _image_set(seen: List[Mapping[str, torch.Tensor]], mine: Mapping[str, torch.Tensor]) -> int:
+    """The index of `mine` among the distinct image sets `seen` (added when new); the same object is
+    the same set, else equal tensors are."""
+    for j, other in enumerate(seen):
+        if other is mine or (other.keys() == mine.keys() and all(
+                other[k].shape == mine[k].shape and torch.equal(other[k], mine[k]) for k in mine)):
+            return j
+    seen.append(mine)
+    return len(seen) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +245,7 @@ class PromptSharing:
         self.cost, self.force = cost, force
 
     def __call__(self, sub: Mapping[str, torch.Tensor], width: int, pad_to: int = 1):
-        groups = prompt_groups(sub["input_ids"], sub["prompt_lengths"])
+        groups = prompt_groups(sub["input_ids"], sub["prompt_lengths"], sub.get("image_inputs"))
         if not choose_layout(groups, sub["prompt_lengths"].tolist(), sub["response_lengths"].tolist(),
                              self.cost, self.force):
             return None
@@ -245,7 +262,9 @@ def rank_microbatches(batch: Mapping[str, torch.Tensor], rows: Sequence[int], dp
     lengths = (batch["prompt_lengths"] + batch["response_lengths"])[list(rows)].tolist()
     groups = None
     if share_prompts and max_tokens > 0:
-        groups = prompt_groups(batch["input_ids"][list(rows)], batch["prompt_lengths"][list(rows)])
+        images = batch.get("image_inputs")
+        groups = prompt_groups(batch["input_ids"][list(rows)], batch["prompt_lengths"][list(rows)],
+                               None if images is None else [images[i] for i in rows])
     plan = plan_microbatches(lengths, dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
                              multiple_of=multiple_of, groups=groups)
     return [[rows[i] for i in mb] for mb in plan[dp_rank]]  # plan indices -> batch rows

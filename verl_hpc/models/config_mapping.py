@@ -4,7 +4,9 @@ Supported: decoder-only Llama, Qwen2 and Mistral checkpoints, i.e. RMSNorm, SwiG
 (default, linear or llama3 scaling), grouped-query attention, tied or untied embeddings, and
 Qwen2's QKV bias; and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (models/moe.py:
 routed experts, Qwen2-MoE's gated shared expert, Qwen3's q/k norms) and DeepSeek-V3
-(models/deepseek.py: multi-head latent attention, the biased sigmoid router, dense first layers). Anything else is refused with an error that names the config.json field and
+(models/deepseek.py: multi-head latent attention, the biased sigmoid router, dense first layers);
+and Qwen2.5-VL's language model with M-RoPE (models/vlm_arch.py; its vision tower is transformers'
+own module, models/vlm.py). Anything else is refused with an error that names the config.json field and
 what would be accepted: a model that loads but computes something else is worse than no model.
 
 config.json is read as plain JSON (not through transformers) so that errors can name the exact
@@ -32,6 +34,7 @@ from verl_hpc.models.deepseek import (
     parse_yarn,
     rope_fields,
 )
+from verl_hpc.models.vlm_arch import VisionArch, is_mapped_vlm, parse_vision, refusal
 from verl_hpc.models.moe import (
     MOE_ARCHITECTURES,
     MOE_DEFAULTS,
@@ -50,6 +53,7 @@ _DEFAULTS = {"llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_e
              "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768),
              "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=131072),
              **MOE_DEFAULTS, "deepseek_v3": DEEPSEEK_DEFAULTS}
+_DEFAULTS["qwen2_5_vl"] = _DEFAULTS["qwen2"]  # Qwen2.5-VL's language model is Qwen2's (models/vlm_arch.py)
 ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by default
 
@@ -58,7 +62,7 @@ DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's make_vocab_size_divisible_by defaul
 class ModelArch:
     """A validated decoder-only architecture, in Megatron's terms."""
 
-    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
+    family: str  # llama | qwen2 | mistral | mixtral | qwen2_moe | qwen3_moe | deepseek_v3 | qwen2_5_vl
     architecture: str  # the HF class name, e.g. LlamaForCausalLM
     vocab_size: int  # real vocabulary (config.json); Megatron pads it, see padded_vocab_size
     hidden_size: int
@@ -77,6 +81,7 @@ class ModelArch:
     moe: Optional[MoEArch] = None  # the routed experts; None for a dense model
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
     mla: Optional[MLAArch] = None  # multi-head latent attention (DeepSeek-V3); None: q/k/v heads
+    vision: Optional[VisionArch] = None  # a vision-language model's tower and M-RoPE (models/vlm_arch.py)
 
     @property
     def heads_per_group(self) -> int:
@@ -95,11 +100,8 @@ def load_hf_config(model_path, field: str = "model.path") -> Dict[str, Any]:
 
 
 def _family(cfg: Dict[str, Any], src: str) -> tuple[str, str]:
-    if is_vision_language(cfg):
-        raise ConfigError(f"{src}: {(cfg.get('architectures') or [cfg.get('model_type')])[0]} is a vision-language "
-                          "model; the Megatron engine trains text models only. The FSDP engine trains it as "
-                          "transformers builds it (vision tower, projector, language model): set "
-                          "parallel.engine=fsdp (or auto)")
+    if is_vision_language(cfg) and not is_mapped_vlm(cfg):
+        raise ConfigError(refusal(cfg, src))
     archs = cfg.get("architectures")
     if archs:
         if not isinstance(archs, list) or len(archs) != 1:
@@ -168,6 +170,9 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     """Validate a config.json dict and return the architecture in Megatron's terms."""
     src = source
     family, arch_name = _family(cfg, src)
+    vision = None
+    if is_vision_language(cfg):  # the language model's fields, the tower and M-RoPE apart
+        cfg, vision = parse_vision(cfg, src)
     missing = [k for k in REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(f"{src}: missing required field(s) {', '.join(missing)} "
@@ -193,7 +198,7 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
     if family == "mistral" and cfg.get("sliding_window") is not None:
         raise ConfigError(f"{src}: sliding_window={cfg['sliding_window']} is not implemented; only "
                           f"null (full attention)")
-    if family == "qwen2" and cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen2_5_vl") and cfg.get("use_sliding_window"):
         raise ConfigError(f"{src}: use_sliding_window=true is not implemented; only false")
     if cfg.get("quantization_config"):
         raise ConfigError(f"{src}: quantization_config is set; quantized checkpoints are not "
@@ -210,7 +215,7 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
         raise ConfigError(f"{src}: rope scaling of type {scaling['rope_type']!r} is not built for DeepSeek-V3; "
                           "valid: yarn or none")
     moe = parse_moe(cfg, family, src) if family in MOE_ARCHITECTURES.values() else None
-    qkv_bias = family == "qwen2" or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
+    qkv_bias = family in ("qwen2", "qwen2_5_vl") or (family == "qwen2_moe" and flag(cfg, "qkv_bias", src, True))
     return ModelArch(
         family=family, architecture=arch_name,
         vocab_size=_int_field(cfg, "vocab_size", src), hidden_size=hidden,
@@ -220,7 +225,7 @@ def parse_hf_config(cfg: Dict[str, Any], source: str = "config.json") -> ModelAr
         rms_norm_eps=_positive_number(cfg.get("rms_norm_eps"), "rms_norm_eps", src, defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=flag(cfg, "tie_word_embeddings", src, False),
-        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe", mla=mla,
+        qkv_bias=qkv_bias, moe=moe, qk_norm=family == "qwen3_moe", mla=mla, vision=vision,
         max_position_embeddings=_int_field(cfg, "max_position_embeddings", src,
                                            defaults["max_position_embeddings"]),
         source=src)
@@ -298,6 +303,8 @@ def transformer_config(arch: ModelArch, tp: int = 1, pp: int = 1, *,
         qk_layernorm=arch.qk_norm)
     if arch.moe is not None:
         kwargs.update(transformer_overrides(arch.moe, ep, etp, num_layers=arch.num_layers, **(moe_options or {})))
+    if arch.vision is not None:  # M-RoPE: Megatron's MultimodalRotaryEmbedding turns each section by its axis
+        kwargs.update(mrope_section=list(arch.vision.mrope_section))
     kwargs.update(overrides)
     if arch.mla is not None:
         kwargs.update(mla_overrides(arch.mla, arch.rope_theta, arch.rope_scaling))

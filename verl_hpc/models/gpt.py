@@ -121,7 +121,10 @@ def decoder_spec(config, arch: ModelArch, use_te: Optional[bool] = None, fp8: bo
 
 
 def _rope_kwargs(arch: ModelArch) -> dict:
-    kw = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta)
+    # M-RoPE (a vision-language model, models/vlm.py): Megatron's MultimodalRotaryEmbedding, which takes
+    # [3, b, s] positions and config.mrope_section
+    kind = "mrope" if arch.vision is not None else "rope"
+    kw = dict(position_embedding_type=kind, rotary_percent=1.0, rotary_base=arch.rope_theta)
     if arch.rope_scaling and arch.rope_scaling["rope_type"] == "linear":
         # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
         kw["seq_len_interpolation_factor"] = arch.rope_scaling["factor"]
@@ -262,13 +265,18 @@ def build_gpt_model(arch: ModelArch, *, dtype: torch.dtype = torch.float32,
         log.warning("model dtype %s on CPU: Megatron's CPU paths are verified in float32 only", dtype)
     config = gpt_transformer_config(arch, tp, pp, dtype=dtype, fp8=fp8, fp8_recipe=fp8_recipe,
                                     vp_stage=vp_stage, **config_overrides)
-    model = GPTModel(
+    model_class, extra = GPTModel, {}
+    if arch.vision is not None:  # the vision tower on the first stage (models/vlm.py)
+        from verl_hpc.models.vlm import VisionGPTModel
+
+        model_class, extra = VisionGPTModel, dict(vision=arch.vision)
+    model = model_class(
         config=config, transformer_layer_spec=decoder_spec(config, arch, use_te, fp8, vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, tp, vocab_divisible_by),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_word_embeddings, vp_stage=vp_stage,
-        **_rope_kwargs(arch))
+        **_rope_kwargs(arch), **extra)
     _mark_tensor_parallel(model)
     if arch.rope_scaling and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch)

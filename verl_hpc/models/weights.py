@@ -110,9 +110,30 @@ def _export_value(chunk, name: str, param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+def _rule(chunk, name: str, param, layers, lay):
+    """(rule, global layer or None) of a parameter: the text families' (weight_rules.rule_for), or a
+    vision-language model's tower tensor, whole and under its own name (models/vlm.py)."""
+    arch = chunk.verl_arch
+    if arch.vision is not None and name.startswith("visual."):
+        from verl_hpc.models.vlm import TowerTensor
+
+        return TowerTensor.of(name, param), None
+    return rule_for(name, arch, layers, lay.expert_offset(arch))
+
+
+def _named(arch, name: str) -> str:
+    """The name an HF tensor is exported under: a vision-language model's decoder under
+    transformers 5's names (models/vlm_arch.hf_name), any other model's as the rules give it."""
+    if arch.vision is None:
+        return name
+    from verl_hpc.models.vlm_arch import hf_name
+
+    return hf_name(name)
+
+
 def _load_param(reader, chunk, name, param, layers, lay) -> None:
     arch = chunk.verl_arch
-    rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
+    rule, layer = _rule(chunk, name, param, layers, lay)
     lay = lay.for_group(rule.group)
     shard = rule.load(reader, arch, layer, lay)
     if tuple(shard.shape) != tuple(param.shape):
@@ -136,8 +157,13 @@ def load_hf_weights(model, checkpoint: Union[str, Path, HFCheckpointReader]) -> 
     start_bytes, count, elements = reader.bytes_read, 0, 0
     for chunk in _chunks(model):
         lay, layers = _layout(chunk), _layer_numbers(chunk)
+        source = reader
+        if chunk.verl_arch.vision is not None:  # either layout of a Qwen2.5-VL folder (models/vlm_arch.py)
+            from verl_hpc.models.vlm_arch import FolderReader
+
+            source = FolderReader(reader)
         for name, param in _loaded_params(chunk):
-            _load_param(reader, chunk, name, param, layers, lay)
+            _load_param(source, chunk, name, param, layers, lay)
             count, elements = count + 1, elements + param.numel()
     report = LoadReport(count, elements, reader.bytes_read - start_bytes)
     log.info("loaded %d parameters (%.1f M elements, %.1f MB read) from %s", count, elements / 1e6,
@@ -166,9 +192,9 @@ def _expert_peers(rule, arch, lay: Layout) -> List[Any]:
 # An export source: for a chunk, its items (name, tensor, rule, global layer) in a stable order,
 # and the (HF name, shape) entries they produce without any tensor (for the pipeline plan).
 def _weight_items(chunk):
-    layers, arch, lay = _layer_numbers(chunk), chunk.verl_arch, _layout(chunk)
+    layers, lay = _layer_numbers(chunk), _layout(chunk)
     for name, param in _exported_params(chunk):
-        rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
+        rule, layer = _rule(chunk, name, param, layers, lay)
         yield _export_value(chunk, name, param), rule, layer, rule.to_hf
 
 
@@ -178,7 +204,7 @@ def _weight_entries(chunk):
     receives a tensor must allocate it as the sender sends it."""
     layers, arch, lay = _layer_numbers(chunk), chunk.verl_arch, _layout(chunk)
     for name, param in _exported_params(chunk):
-        rule, layer = rule_for(name, arch, layers, lay.expert_offset(arch))
+        rule, layer = _rule(chunk, name, param, layers, lay)
         for peer in _expert_peers(rule, arch, lay):
             for hf_name, shape in peer.hf_entries(arch, layer):
                 yield hf_name, shape, param.dtype
@@ -186,7 +212,7 @@ def _weight_entries(chunk):
 
 def _stage_entries(model, entries=_weight_entries) -> List[tuple]:
     """(HF name, shape[, dtype]) of everything this stage exports, in export order."""
-    return [e for chunk in _chunks(model) for e in entries(chunk)]
+    return [(_named(chunk.verl_arch, e[0]), *e[1:]) for chunk in _chunks(model) for e in entries(chunk)]
 
 
 def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -208,7 +234,7 @@ def _stage_tensors(model, dtype, items=_weight_items) -> Iterator[Tuple[str, tor
             for peer, one in zip(peers, fulls):
                 for hf_name, t in (peer.to_hf(one, arch, layer, rlay) if len(peers) > 1
                                    else to_hf(one, arch, layer, rlay)):
-                    yield hf_name, (t if dtype is None else t.to(dtype))
+                    yield _named(arch, hf_name), (t if dtype is None else t.to(dtype))
 
 
 def local_hf_pieces(model) -> Iterator[Piece]:
@@ -218,7 +244,8 @@ def local_hf_pieces(model) -> Iterator[Piece]:
     for chunk in _chunks(model):
         arch, lay = chunk.verl_arch, _layout(chunk)
         for tensor, rule, layer, _ in _weight_items(chunk):
-            yield from rule.pieces(tensor.detach(), arch, layer, lay.for_group(rule.group))
+            for piece in rule.pieces(tensor.detach(), arch, layer, lay.for_group(rule.group)):
+                yield dataclasses.replace(piece, hf=_named(arch, piece.hf))
 
 
 def stage_entries(model) -> List[Tuple[str, Tuple[int, ...]]]:

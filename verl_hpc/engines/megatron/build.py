@@ -72,6 +72,10 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
         # (seen with gloo: silently swapped, wrong loss and gradients). Unbatched p2p orders
         # sends and receives by rank parity and is correct.
         overrides.update(batch_p2p_comm=False)
+    if arch.vision is not None:
+        # M-RoPE turns each row by its own positions ([s, b, 1, d]); the fused RoPE kernels take one
+        # table for every row ([s, 1, 1, d])
+        overrides.update(apply_rope_fusion=False)
     if pp > 1 and not vpp:  # micro-batches differ in shape: stages exchange shapes first
         # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
         overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
@@ -184,6 +188,8 @@ def prompt_sharing(o: EngineOptions, chunks: List[Any], gpt_chunks: List[Any], *
              ">= 10% less work (actor/packed_microbatches counts them)")
     rotary = {}
     for chunk, gpt in zip(chunks, gpt_chunks):
+        if gpt.position_embedding_type == "mrope":  # M-RoPE takes [3, b, s] positions, one per row already
+            continue
         per_row_positions(gpt)
         rotary[id(chunk)] = gpt.rotary_pos_emb
     return PromptSharing(CostModel.for_config(gpt_chunks[0].config),

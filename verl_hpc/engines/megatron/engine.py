@@ -141,7 +141,7 @@ class MegatronEngine(TrainingEngine):
             seq = max(max((int(lengths[i]) for i in mb), default=1) for mb in mine)
             shape = (max(max(len(mb) for mb in mine), 1), -(-seq // self.pad_seq_to) * self.pad_seq_to)
         sharing = self._share_prompts if share else None
-        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, sharing, self._cp_group)
+        return [MicroBatch(batch, mb, self.device, self.pad_seq_to, shape, sharing, self._cp_group, self.vision)
                 for mb in mine]
 
     @trains_with_torch_attention  # runtime/attention.py: torch's SDPA choice, whatever vLLM set

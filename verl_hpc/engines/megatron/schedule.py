@@ -55,10 +55,13 @@ class MicroBatch:
 
     `cp_group` (context parallelism, never packed): the model gets this CP rank's tokens only
     (`model_input_ids`, `model_position_ids`, data["_cp_labels"]: context_parallel.py's split);
-    `input_ids` and `shape` stay the whole sequence, which Megatron's schedules divide by cp."""
+    `input_ids` and `shape` stay the whole sequence, which Megatron's schedules divide by cp.
+
+    `vision` (a vision-language model's VisionArch): `position_ids` are M-RoPE's [3, rows, S] and
+    `images` the model rows' pixel values and grids (vision.py), which the first stage embeds."""
 
     def __init__(self, batch: Mapping[str, torch.Tensor], rows: List[int], device, pad_seq_to: int,
-                 shape: Optional[Tuple[int, int]] = None, share_prompts=None, cp_group=None):
+                 shape: Optional[Tuple[int, int]] = None, share_prompts=None, cp_group=None, vision=None):
         self.rows = rows
         self.dummy = not rows
         if self.dummy:  # one sequence of one prompt token and no response token
@@ -74,6 +77,7 @@ class MicroBatch:
         width = sub["response_mask"].shape[1]
         sub["_targets"] = response_tokens(ids, sub["prompt_lengths"], width)
         packed = share_prompts(sub, width, pad_seq_to) if share_prompts and not self.dummy else None
+        row_images = sub.pop("image_inputs", None)  # a list per sample: not a tensor for the device
         self.packed = packed is not None
         self.attention_mask = self.sample_rows = None
         if packed is None:
@@ -87,6 +91,11 @@ class MicroBatch:
             self.position_ids = packed.position_ids.to(device, non_blocking=True)
             self.attention_mask = packed.attention.to(device, non_blocking=True)  # sdpa.py reads it
             self.sample_rows = packed.sample_rows.to(device, non_blocking=True)
+        self.images: Dict[str, torch.Tensor] = {}
+        if vision is not None:
+            from verl_hpc.engines.megatron.vision import model_inputs
+
+            self.position_ids, self.images = model_inputs(vision, dict(sub, image_inputs=row_images), packed, device)
         self.cp = cp_group is not None and cp_group.size() > 1
         self.model_input_ids, self.model_position_ids = self.input_ids, self.position_ids
         if self.cp:
@@ -170,7 +179,7 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         mb: MicroBatch = next(data_iterator)
         layer = (output_layers or {}).get(id(model))
         rope = (rotary or {}).get(id(model))
-        if mb.packed and rope is None:
+        if mb.packed and rope is None and mb.position_ids.dim() == 2:  # M-RoPE's [3, b, s] are per row
             raise RuntimeError("a packed micro-batch needs per-row rotary positions on every chunk")
         # chunks without the output layer ignore labels; a packed micro-batch has no _labels
         per_position = layer is None and not mb.packed
@@ -185,7 +194,8 @@ def run_schedule(chunks, microbatches: List[MicroBatch], output_fn: OutputFn, wa
         try:
             extra = ({"padding_mask": mb.padding_mask} if mb.padding_mask is not None
                      and getattr(getattr(model, "config", None), "moe_router_enable_expert_bias", False) else {})
-            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels, **extra)
+            output = model(mb.model_input_ids, mb.model_position_ids, mb.attention_mask, labels=labels, **extra,
+                           **mb.images)
             if replay is not None:
                 replay.after(mb)
         finally:

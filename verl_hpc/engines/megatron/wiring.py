@@ -30,7 +30,8 @@ import torch.distributed as dist
 from verl_hpc.engines.megatron import lora as lora_lib
 from verl_hpc.engines.megatron import optim as optim_lib
 from verl_hpc.engines.megatron import outputs as outputs_lib
-from verl_hpc.engines.megatron.build import (build_chunks, check_context_parallel, output_position_layers,
+from verl_hpc.engines.megatron import vision as vision_lib
+from verl_hpc.engines.megatron.build import (build_chunks, check_context_parallel, engine_arch, output_position_layers,
                                              prompt_sharing, wrap_ddp)
 from verl_hpc.engines.megatron.moe_stats import RouterStats
 from verl_hpc.engines.megatron.route_replay import RouteReplay
@@ -76,7 +77,9 @@ def wire(engine, options: EngineOptions) -> None:
     # rank's S / cp tokens are split again over TP under sequence parallelism
     e.pad_seq_to = (token_alignment(o.fp8, o.fp8_recipe) * (e.tp if e.sequence_parallel else 1)
                     * (2 * e.cp if e.cp > 1 else 1))
+    vision_lib.check_layout(engine_arch(o), cp=e.cp, vpp=e.vpp, head=o.head)  # before any weight is built
     e.gpt_chunks, e.heads = build_chunks(o, e.dtype, e.sequence_parallel, e.perf)
+    e.vision = e.gpt_chunks[0].verl_arch.vision  # a vision-language model's tower and M-RoPE (models/vlm.py)
     e.lora = lora_lib.adapter_spec(o.lora)
     if e.lora is not None:  # before DDP: it and the optimizer then see the adapters only
         start = None
@@ -92,6 +95,8 @@ def wire(engine, options: EngineOptions) -> None:
                    and ps.get_context_parallel_rank() == 0)
     e._key_source = key_source(e.reporting and e.dp_rank == 0)
     e.optimizer = e.scheduler = None
+    if e.vision is not None and o.trainable and e.lora is None:
+        tower_trainable(e.gpt_chunks, o.train_vision_tower)  # before DDP: it sees what trains
     if o.trainable:
         e.chunks = wrap_ddp(e.gpt_chunks, e.perf, e.shard_optimizer)
         e.optimizer = optim_lib.build_optimizer(e.chunks, o.optim, e.dtype, e.shard_optimizer)
@@ -108,9 +113,9 @@ def wire(engine, options: EngineOptions) -> None:
     e._chunked = outputs_lib.chunked_output_layer(o, e.gpt_chunks, e._logits_chunk)  # hidden states out
     if e._chunked is not None and o.trainable:
         e._chunked.pending = lambda: pending_state_bytes(e.optimizer, o.optimizer_offload)
-    e._share_prompts, e._rotary = prompt_sharing(
+    e._share_prompts, e._rotary = prompt_sharing(  # the rotary fusion the model was built with (build.py)
         o, e.chunks, e.gpt_chunks, sequence_parallel=e.sequence_parallel, vpp=e.vpp,
-        rope_fusion=e.perf.apply_rope_fusion, cp=e.cp)
+        rope_fusion=e.gpt_chunks[0].config.apply_rope_fusion, cp=e.cp)
     # routing replay (model.moe_routing_replay; route_replay.py)
     e.replay_mode = (o.moe_options or {}).get("routing_replay", "off") if arch.moe is not None else "off"
     e.route_replay = RouteReplay(e.gpt_chunks, arch) if e.replay_mode != "off" else None
@@ -121,6 +126,20 @@ def wire(engine, options: EngineOptions) -> None:
     e.offloader = Offloader(e, params=o.param_offload, grads=o.grad_offload and o.trainable,
                             optimizer=o.optimizer_offload and o.trainable)
     e.offloader.offload()  # idle from birth: the role's phases bring back what they need
+
+
+def tower_trainable(gpt_chunks, train: bool) -> None:
+    """A vision-language model's tower (first stage) frozen, as vision.train_vision_tower's default
+    says (no gradient, no optimizer state, bitwise unchanged), or trained with its gradients averaged
+    over the tensor-parallel ranks that hold its replicas (models/vlm.py)."""
+    from verl_hpc.models.vlm import mark_tower_gradients
+
+    for gpt in gpt_chunks:
+        if getattr(gpt, "visual", None) is None:
+            continue
+        gpt.visual.requires_grad_(train)
+        if train:
+            mark_tower_gradients(gpt)
 
 
 def pending_state_bytes(optimizer, offloaded_when_idle: bool) -> int:
