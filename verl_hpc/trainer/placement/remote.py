@@ -48,6 +48,12 @@ class PublishedWeights:
     def park(self) -> None:
         """No rollout engine on a training rank."""
 
+    def new_step(self, step: int) -> None:
+        """No engine here to rebuild: the rollout group's faults end its rank (docs/resilience.md)."""
+
+    def pop_recovery(self) -> Dict[str, float]:
+        return {}
+
 
 class RemoteRollout:
     """generate() by the rollout group, with the trainer's current weights; the rest a no-op."""
