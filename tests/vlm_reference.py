@@ -5,9 +5,12 @@ unit and multi-rank tests): rows of image prompts built with the model's own pro
 import torch
 
 
-def image_batch(folder, seed=0, sizes=((70, 100), (56, 56), None, (84, 60, 60, 84)), response=6):
-    """Rows of the engines' batch format from image prompts: `sizes` per row (h, w) of one image,
-    (h, w, h2, w2) of two, None for a text-only prompt; random responses."""
+def image_batch(folder, seed=0, sizes=((70, 100), (56, 56), None, (84, 60, 60, 84)), response=6, repeats=None,
+                question=None):
+    """Rows of the engines' batch format from image prompts: `sizes` per prompt (h, w) of one image,
+    (h, w, h2, w2) of two, None for a text-only prompt; random responses. `repeats`: responses per
+    prompt (GRPO's groups: the rows of a prompt share its token ids and its image tensors);
+    `question`: one text for every prompt (then two pictures of one size tokenize alike)."""
     from PIL import Image
 
     from verl_hpc.data.processor import VisionProcessor, image_messages
@@ -20,11 +23,12 @@ def image_batch(folder, seed=0, sizes=((70, 100), (56, 56), None, (84, 60, 60, 8
         dims = [] if size is None else [size[k:k + 2] for k in range(0, len(size), 2)]
         images = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
                   for h, w in dims]
-        messages, _ = image_messages("".join("<image>" for _ in images) + f"What is shown {i}?")
+        messages, _ = image_messages("".join("<image>" for _ in images) + (question or f"What is shown {i}?"))
         ids, inp = vp.encode(vp.render(messages), images)
-        prompts.append(ids)
-        inputs.append(inp or None)
-    responses = [torch.randint(5, 480, (response - i % 3,), generator=g).tolist() for i in range(len(sizes))]
+        for _ in range(repeats[i] if repeats else 1):
+            prompts.append(ids)
+            inputs.append(inp or None)
+    responses = [torch.randint(5, 480, (response - i % 3,), generator=g).tolist() for i in range(len(prompts))]
     batch = pack_sequences(prompts, responses)
     mask = get_response_mask(batch)
     batch.update(response_mask=mask, image_inputs=inputs,

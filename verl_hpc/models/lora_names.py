@@ -33,13 +33,22 @@ def hf_target_modules(targets: Sequence[str]) -> List[str]:
     return [m.rpartition(".")[2] for t in targets for m in HF_MODULES[t]]
 
 
+# a vision-language model's tower in PEFT's exclude_modules (a regex over module names): its MLP layers
+# have the decoder's leaf names (gate_proj, up_proj, down_proj), and the adapters are the decoder's only
+VISION_EXCLUDE = r".*\.visual\..*"
+
+
 def peft_config(rank: int, alpha: float, targets: Sequence[str], *, use_rslora: bool, dropout: float = 0.0,
-                base_model: str = "") -> dict:
-    """The adapter_config.json that PEFT (and vLLM) read for an adapter of Megatron `targets`."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "lora_dropout": dropout, "target_modules": hf_target_modules(targets),
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(use_rslora), "use_dora": False,
-            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+                base_model: str = "", vision: bool = False) -> dict:
+    """The adapter_config.json that PEFT (and vLLM) read for an adapter of Megatron `targets`
+    (`vision`: of a vision-language model's language model)."""
+    out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+           "lora_dropout": dropout, "target_modules": hf_target_modules(targets),
+           "bias": "none", "fan_in_fan_out": False, "use_rslora": bool(use_rslora), "use_dora": False,
+           "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+    if vision:
+        out["exclude_modules"] = VISION_EXCLUDE
+    return out
 
 
 def factor_peft_name(hf_weight_name: str, factor: str) -> str:

@@ -104,15 +104,29 @@ def test_images_given_to_a_text_only_model_are_refused(tmp_path):
 
 
 def test_a_vision_language_model_asked_of_the_megatron_engine(vlm):
+    """Qwen2.5-VL maps into Megatron (models/vlm.py); what the engine does not build for it, and any
+    other vision-language model, is one line naming the field and the way out."""
     from verl_hpc.config.errors import ConfigError
     from verl_hpc.config.hf_model import read_hf_config
     from verl_hpc.config.schema import JobConfig
     from verl_hpc.config.sections.vision import vision_problems
     from verl_hpc.models.config_mapping import _family
 
-    [problem] = vision_problems(JobConfig(), read_hf_config(str(vlm)), "megatron", "model.path")
-    assert "vision-language model (Qwen2_5_VLForConditionalGeneration)" in problem
-    assert "set parallel.engine=fsdp" in problem
-    with pytest.raises(ConfigError, match="is a vision-language model; the Megatron engine trains text models only"):
-        _family(read_hf_config(str(vlm)), "model.path")
-    assert vision_problems(JobConfig(), read_hf_config(str(vlm)), "fsdp", "model.path") == []
+    cfg = read_hf_config(str(vlm))
+    assert vision_problems(JobConfig(), cfg, "megatron", "model.path") == []
+    assert _family(cfg, "model.path") == ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration")
+    job = JobConfig()
+    job.parallel.cp, job.parallel.vpp = 2, 2
+    job.lora.rank, job.lora.init_from = 8, "/some/adapter"
+    cp, vpp, init_from = vision_problems(job, cfg, "megatron", "model.path")
+    assert "parallel.cp = 2: context parallelism is not built for it" in cp and "set parallel.cp=1" in cp
+    assert "parallel.vpp = 2: virtual pipeline stages are not built" in vpp
+    assert "lora.init_from = '/some/adapter'" in init_from
+    other = dict(cfg, architectures=["Qwen3VLForConditionalGeneration"])
+    [problem] = vision_problems(JobConfig(), other, "megatron", "model.path")
+    assert "vision-language model (Qwen3VLForConditionalGeneration)" in problem
+    assert "maps Qwen2_5_VLForConditionalGeneration only; set parallel.engine=fsdp" in problem
+    with pytest.raises(ConfigError, match="Qwen3VLForConditionalGeneration is a vision-language model the Megatron "
+                                          "engine does not map .*set parallel.engine=fsdp"):
+        _family(other, "model.path")
+    assert vision_problems(JobConfig(), cfg, "fsdp", "model.path") == []

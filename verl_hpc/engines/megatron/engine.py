@@ -337,7 +337,7 @@ class MegatronEngine(TrainingEngine):
             raise RuntimeError("this engine has no LoRA adapters (lora.rank = 0)")
         spec = self.lora
         return peft_config(spec.rank, spec.alpha, spec.targets, use_rslora=spec.use_rslora, dropout=spec.dropout,
-                           base_model=self.options.model_path)
+                           base_model=self.options.model_path, vision=self.vision is not None)
 
     def export_adapter(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """The adapter factors as PEFT-named full tensors, on every rank (a collective, like
