@@ -1,7 +1,11 @@
 """`make gpu-all`: everything a first GPU node should run, in one command, within 9.25 minutes.
 
     python -m verl_hpc.gpu_check.all [--out DIR] [--wheels DIR] [--vllm-kit DIR] [--cpu-rehearsal] [--dry-run] [--steps a,b]
+                                     [--prefix DIR | --no-prefix]
 
+With a kit to install (or once the prefix exists) it runs again with the Python of the kits' prefix
+over the image (image.py, /tmp/verl_hpc_env): the steps install there and run there, and the
+image's own packages are left as they were (their list first written to OUT/image_packages.txt).
 Steps, each a command with its own time limit and log file (OUT/<step>.log):
   install     the kit's offline install from the wheel folder (--wheels; skipped without it)
   vllm_install  the vLLM kit's pieces checked, assembled and installed offline (--vllm-kit DIR:
