@@ -18,6 +18,7 @@ other architecture its names are the HF ones (engine meta `coords: hf`), written
     actor/model/decoder.layers.{i}.mlp.experts.{e}.linear_fc1.weight/gate, ... (an MoE model's
     expert e; the router, the shared expert and its gate likewise, by the rules of models/moe.py)
     ... (norms, o_proj, down_proj, final norm, lm_head unless tied)
+    a Qwen2.5-VL's decoder likewise under model.language_model.*, its tower's visual.* as model.visual.*
 
 config.json and the tokenizer come from the model folder the run trained (`model.path`,
 `model.tokenizer_path` in the checkpoint's resolved config), or from `--model` when that folder
@@ -49,6 +50,7 @@ from verl_hpc.checkpoint.load import CheckpointReader
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.models.checkpoint_names import folder_names
 from verl_hpc.models.config_mapping import load_arch
+from verl_hpc.models.vlm_arch import hf_name
 from verl_hpc.models.weight_rules import EXPERT_RULES, Layout, layer_rules, model_rules
 
 log = logging.getLogger(__name__)
@@ -79,11 +81,15 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
         raise CheckpointError(f"{reader.path}: no tensors under {prefix!r} (top-level names: {roots})")
     lay = Layout(tp_rank=0, tp=1, padded_vocab=arch.vocab_size)
     top = model_rules(arch)
+    rename = (lambda n: n) if arch.vision is None else hf_name  # Qwen2.5-VL: transformers 5's names
     for full_name in names:
         name = full_name[len(prefix):]
         tensor = reader.load_tensor(full_name)
         if name == "value_head.weight":
             raise CheckpointError(f"{reader.path}: {prefix!r} is a value model (critic); export the actor")
+        if arch.vision is not None and name.startswith("visual."):  # the tower, under its own names
+            yield "model." + name, tensor
+            continue
         m = _LAYER.match(name)
         rule, layer, part = _layer_rule(m.group(2), arch) if m else (top.get(name), None, None)
         if m:
@@ -94,9 +100,9 @@ def hf_tensors(reader: CheckpointReader, arch, prefix: str = "actor/model/") -> 
                                   "the Mixtral/Qwen2-MoE/Qwen3-MoE experts")
         if part is not None:  # linear_fc1 saved as its gate and up rows (layout independent)
             gate, up = (n for n, _ in rule.hf_entries(arch, layer))
-            yield (gate if part == "gate" else up), tensor
+            yield rename(gate if part == "gate" else up), tensor
             continue
-        yield from rule.to_hf(tensor, arch, layer, lay)
+        yield from ((rename(n), t) for n, t in rule.to_hf(tensor, arch, layer, lay))
 
 
 def engine_meta(reader: CheckpointReader, role: str = "actor") -> dict:
@@ -178,6 +184,9 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
         # is; the FSDP engine's adapters need no Megatron mapping either: PEFT's names on any architecture
         hf_coords = engine_meta(reader, role).get("coords") == "hf" and not lora
         arch = None if hf_coords or (lora and lora.get("peft_config")) else load_arch(src)
+        if lora and arch is not None and arch.vision is not None:
+            raise CheckpointError(f"--hf: {reader.path} holds a LoRA adapter of the vision-language model {src}; "
+                                  "its merge into the base is not built: export it with --peft and merge with PEFT")
         make_folder(out, "--hf")
         shard: Dict[str, torch.Tensor] = {}
         sizes: List[Dict[str, int]] = []  # per written shard: tensor name -> bytes (the index)

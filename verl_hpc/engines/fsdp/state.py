@@ -8,7 +8,9 @@ Adam moments, sharded alike). Each such row range becomes slabs of the *logical*
   place in the fused `linear_qkv` (per query group: its q heads, its k head, its v head), gate and
   up to `linear_fc1.weight/gate` and `/up`, norms, projections, embedding and output layer by
   name, a value head's `score.weight` to `value_head.weight`. A row range of q_proj crosses query
-  groups, so it becomes one slab per group it touches; nothing is copied or gathered.
+  groups, so it becomes one slab per group it touches; nothing is copied or gathered. Qwen2.5-VL's
+  decoder (`model.language_model.*`) maps as Qwen2's, its vision tower (`model.visual.*`, transformers'
+  module on both engines) is `visual.*` (its state of the HF names, written before, still loads).
 - for any other architecture, the HF names themselves (`coords = "hf"` in the meta): such a
   checkpoint resumes in the FSDP engine at any world size, and the Megatron engine refuses it,
   saying why.
@@ -33,7 +35,10 @@ from verl_hpc.engines.state_check import check_same_model, model_shapes
 
 FORMAT = "verl_hpc.fsdp_engine/1"
 MEGATRON_FORMAT = "verl_hpc.megatron_engine/1"
-MEGATRON_FAMILIES = ("llama", "qwen2", "mistral")  # dense families both engines hold alike
+# dense families both engines hold alike; Qwen2.5-VL's language model is Qwen2's, its tower is
+# transformers' module on both engines (models/vlm.py), named `visual.*` in the checkpoint
+MEGATRON_FAMILIES = ("llama", "qwen2", "mistral", "qwen2_5_vl")
+VLM_FAMILIES = ("qwen2_5_vl",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _BY_NAME = {"input_layernorm.weight": "input_layernorm.weight",
             "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
@@ -66,6 +71,7 @@ class Coords:
     heads: int = 0
     groups: int = 0
     head_dim: int = 0
+    vision: bool = False  # Qwen2.5-VL: its decoder under model.language_model, its tower under model.visual
 
     @classmethod
     def for_model(cls, hf_config: Mapping[str, Any]) -> "Coords":
@@ -75,15 +81,22 @@ class Coords:
         family = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else hf_config.get("model_type")
         if family not in MEGATRON_FAMILIES and hf_config.get("model_type") not in MEGATRON_FAMILIES:
             return cls("hf")
-        heads = int(hf_config["num_attention_heads"])
-        groups = int(hf_config.get("num_key_value_heads") or heads)
-        head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-        return cls("megatron", heads, groups, head_dim)
+        vision = family in VLM_FAMILIES or hf_config.get("model_type") in VLM_FAMILIES
+        text = (hf_config.get("text_config") or hf_config) if vision else hf_config
+        heads = int(text["num_attention_heads"])
+        groups = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+        return cls("megatron", heads, groups, head_dim, vision)
 
     def slabs(self, hf: str, shape: Tuple[int, ...], lo: int, hi: int) -> List[Slab]:
         """The logical slabs of rows [lo, hi) of HF tensor `hf` (local rows counted from lo)."""
         if self.kind == "hf" or ".lora_" in hf:  # LoRA adapters: PEFT's names (engines/fsdp/lora.py)
             return [Slab(hf, shape, lo, 0, hi - lo)]
+        if self.vision:  # the Megatron engine's names: the tower's as they are, the decoder's as a text model's
+            if hf.startswith("model.visual."):
+                return [Slab(hf[len("model."):], shape, lo, 0, hi - lo)]
+            if hf.startswith("model.language_model."):
+                hf = "model." + hf[len("model.language_model."):]
         if hf in _TOP:
             return [Slab(_TOP[hf], shape, lo, 0, hi - lo)]
         m = _LAYER.match(hf)
@@ -162,8 +175,8 @@ def _step_tensor(step: float, p: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(step), dtype=torch.float32, device=p.device)
 
 
-def _all_slabs(engine, main_from_optim: bool = False) -> List[ShardedTensor]:
-    coords, out = engine.coords, []
+def _all_slabs(engine, main_from_optim: bool = False, coords: Optional[Coords] = None) -> List[ShardedTensor]:
+    coords, out = coords or engine.coords, []
     params = list(_trained(engine))
     for hf, p in params:
         prefix = "optim/main" if main_from_optim else "model"
@@ -215,7 +228,7 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
         if meta.get("architecture") not in (None, engine.architecture):
             raise CheckpointLayoutError(f"the checkpoint's model is {meta.get('architecture')}, model.path's "
                                         f"is {engine.architecture}: resume with the model it was trained on")
-        if meta.get("coords") != engine.coords.kind:
+        if meta.get("coords") != engine.coords.kind and not _hf_vlm_state(engine, meta):
             raise CheckpointLayoutError(f"checkpoint in {meta.get('coords')!r} coordinates; this model "
                                         f"({engine.architecture}) is held in {engine.coords.kind!r} ones")
     else:
@@ -227,13 +240,19 @@ def check_meta(engine, meta: Mapping[str, Any]) -> bool:
     return fmt == MEGATRON_FORMAT and meta.get("dtype", "float32") != "float32"
 
 
+def _hf_vlm_state(engine, meta: Mapping[str, Any]) -> bool:
+    """A Qwen2.5-VL state this engine wrote in HF names, before that family took Megatron's (it loads
+    as it was written)."""
+    return engine.coords.vision and meta.get("format") == FORMAT and meta.get("coords") == "hf"
+
+
 def load_engine_state(engine, load_into: Callable[[Sequence[Any]], None], meta: Mapping[str, Any]) -> None:
     """Refuses (one line, nothing changed) a checkpoint of other coordinates, architecture, head,
     adapters or tensors (state_check.py); then fills the parameters and Adam's moments, the step
     count and the schedule."""
     main = check_meta(engine, meta)
     engine.check_lora_meta(meta.get("lora"))
-    slabs = _all_slabs(engine, main_from_optim=main)
+    slabs = _all_slabs(engine, main_from_optim=main, coords=Coords("hf") if _hf_vlm_state(engine, meta) else None)
     check_same_model(load_into, model_shapes(slabs), f"model.path ({engine.architecture})")
     with torch.no_grad():
         load_into(slabs)
