@@ -109,3 +109,26 @@ def test_image_tokens_without_images_are_refused(one_rank_world, vlm):
     batch.pop("image_inputs")
     with pytest.raises(ValueError, match=r"hold image tokens \(id \d+\) but the batch carries no image_inputs"):
         _engine(vlm).forward(batch, outputs=("log_probs",))
+
+
+@pytest.mark.heavy  # two engines, an update, a checkpoint written and read: over make check's 5 s
+def test_a_state_written_in_hf_names_still_loads(one_rank_world, vlm, tmp_path):
+    """Qwen2.5-VL's states are in Megatron's coordinates now (the Megatron engine holds it too); one
+    this engine wrote before, in HF names (`coords: hf`), still resumes: weights and Adam's moments."""
+    from engine_states import load, save
+    from verl_hpc.engines.fsdp.state import Coords
+
+    batch, _ = image_batch(vlm, seed=7)
+    old = _engine(vlm, train_vision_tower=True)
+    _update(old, batch)
+    assert old.coords.kind == "megatron" and old.coords.vision
+    old.coords = Coords("hf")
+    meta = save(old, tmp_path / "ckpt", 1, {"fsdp": 1})
+    assert meta["coords"] == "hf"
+    new = _engine(vlm, train_vision_tower=True)
+    load(new, tmp_path / "ckpt" / "step_000001")
+    want = {t.name: t.local for t in old.state().tensors}
+    new.coords = Coords("hf")
+    got = {t.name: t.local for t in new.state().tensors}
+    assert sorted(got) == sorted(want) and any(n.startswith("optim/exp_avg/model.visual.") for n in got)
+    assert all(torch.equal(got[n], want[n]) for n in want)
