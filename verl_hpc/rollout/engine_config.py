@@ -24,6 +24,8 @@ class RolloutOptions:
     split: bool  # placement.split
     lora_rank: int  # the rank of vLLM's LoRA slot: lora.rank when the job syncs the adapter only, else 0
     episodes: bool = False  # multi_turn.enable: responses that copy tool output (rollout.speculative auto)
+    decode_tokens: int = 0  # rollout.decode_tokens: what the job samples (rollout.enforce_eager auto on CPU); 0: unknown
+    compile_cache: str = ""  # trainer.output_dir's cache/compile: vLLM's compilation kept across restarts ("": vLLM's own)
 
 
 def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
@@ -42,7 +44,9 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
         kwargs.update(max_num_seqs=o.max_num_seqs,
                       gpu_memory_utilization=r.gpu_memory_utilization,
                       collective_timeout_s=o.collective_timeout_s,
-                      kv_cache_memory_bytes=r.kv_cache_memory_bytes, enforce_eager=r.eager(gpu),
+                      kv_cache_memory_bytes=r.kv_cache_memory_bytes,
+                      enforce_eager=r.eager(gpu, o.decode_tokens, model_layers(m.path)),
+                      compile_cache_dir=o.compile_cache,
                       sleep_between_phases=r.sleeps(gpu, o.split),
                       chunked_prefill=r.chunked_prefill(gpu), max_num_batched_tokens=r.max_num_batched_tokens,
                       # level 2 drops the base weights, which the adapter sync never sends again
@@ -51,6 +55,17 @@ def engine_kwargs(o: RolloutOptions, engine: str) -> dict:
                       quantization=r.quantization, kv_cache_dtype=r.kv_cache_dtype,  # rollout/vllm/quantization.py
                       stall_timeout_s=r.stall_timeout_s)  # rollout/vllm/progress.py
     return kwargs
+
+
+def model_layers(path: str) -> int:
+    """The language model's decoder layers from the folder's config.json; 0 where it cannot be read
+    (rollout.enforce_eager auto then stays eager on CPU)."""
+    from verl_hpc.config.hf_model import language_model_config, read_hf_config
+
+    try:
+        return int(language_model_config(read_hf_config(path)).get("num_hidden_layers") or 0)
+    except Exception:  # noqa: BLE001 - a folder the engine's own build will name
+        return 0
 
 
 def default_engine_args(engine: str, **changes) -> dict:

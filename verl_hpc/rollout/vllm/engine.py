@@ -58,7 +58,7 @@ from verl_hpc.config.errors import ConfigError
 from verl_hpc.config.hf_model import is_vision_language, language_model_config, read_hf_config
 from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout.speculative import draft_sync
-from verl_hpc.rollout.vllm import compat as vllm_compat, quantization as vllm_quant
+from verl_hpc.rollout.vllm import compat as vllm_compat, compile_cache as vllm_compile_cache, quantization as vllm_quant
 from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
 from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
@@ -107,7 +107,7 @@ class VLLMRollout(RolloutEngine):
                  max_num_seqs: int = 256, lora_rank: int = 0, chunked_prefill: bool | None = None,
                  max_num_batched_tokens: int = 0, speculative=None, episodes: bool = False, ctx=None,
                  quantization: str = "none", kv_cache_dtype: str = "auto", stall_timeout_s: float = 0.0,
-                 **engine_kwargs):
+                 compile_cache_dir: str = "", **engine_kwargs):
         layout = ReplicaLayout.detect(tp, ctx)
         folder_config = read_hf_config(model_path)
         self.vision = is_vision_language(folder_config)
@@ -211,6 +211,8 @@ class VLLMRollout(RolloutEngine):
         if impl is not None:
             kwargs["model_impl"] = impl
         self._aliases = vllm_transformers.checkpoint_aliases(model_path, self._weight_names)
+        if not enforce_eager:  # the compilation kept in the job's folder (rollout/vllm/compile_cache.py)
+            kwargs.update(vllm_compile_cache.prepare(compile_cache_dir, gpu=self.gpu))
         kwargs.update(vllm_vision.engine_args(folder_config), **engine_kwargs)  # Qwen3-VL's M-RoPE (vision.py)
         self._kwargs, self._kv_cache_dtype = kwargs, kv_cache_dtype  # what rebuild() builds again
         self._stall = StallWatch(stall_timeout_s)  # rollout.stall_timeout_s on vLLM's step loop
@@ -226,9 +228,10 @@ class VLLMRollout(RolloutEngine):
         if self._spec is not None:
             self._spec.attach(self.llm)
         self._stall.attach(self.llm)
-        log.info("vLLM engine up in %.1f s: replica %d of %d, tp %d, max_model_len %d, %s",
+        log.info("vLLM engine up in %.1f s: replica %d of %d, tp %d, max_model_len %d, %s, %s",
                  time.perf_counter() - start, self.layout.replica, self.layout.num_replicas, self.layout.tp,
-                 self._kwargs["max_model_len"], self._kwargs["dtype"])
+                 self._kwargs["max_model_len"], self._kwargs["dtype"],
+                 "eager" if self._kwargs["enforce_eager"] else "compiled")
 
     def rebuild(self, *, smaller: bool) -> str:
         """The engine shut down and built again with the same arguments (rollout/recovery.py): every
