@@ -1,6 +1,8 @@
 """Vision-language jobs end to end in this process (docs/vlm.md): a tiny Qwen2.5-VL
 (verl_hpc/models/tiny_vlm.py) on the Pillow-drawn visual task (verl_hpc/data/prepare/visual.py),
-trained on the FSDP engine with the images in every rollout and update.
+trained on the FSDP engine and on the Megatron engine (its language model as Megatron's GPTModel
+with M-RoPE, transformers' vision tower beside it: models/vlm.py) with the images in every rollout
+and update.
 
 - GRPO resumes exactly with images in the batch: 3 steps straight vs 2, stop, resume, 1 more give
   bitwise the same checkpoint (weights, Adam moments; the frozen vision tower's weights, which have
@@ -40,31 +42,38 @@ def _files(root):
             f"data.val_files=[{root}/data/val.parquet]"]
 
 
-def test_grpo_with_images_resumes_exactly(assets, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_grpo_with_images_resumes_exactly(assets, tmp_path, engine):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    proc, _ = run_here("configs/demo_vlm.yaml", straight, *_files(assets), *GRPO, *MOVING, "trainer.total_steps=3")
+    job = [*_files(assets), *GRPO, *MOVING, f"parallel.engine={engine}"]
+    proc, _ = run_here("configs/demo_vlm.yaml", straight, *job, "trainer.total_steps=3")
     assert proc.returncode == 0, logs(proc, straight)
-    proc, _ = run_here("configs/demo_vlm.yaml", split, *_files(assets), *GRPO, *MOVING, "trainer.total_steps=2",
-                       "checkpoint.save_every=1")
+    proc, _ = run_here("configs/demo_vlm.yaml", split, *job, "trainer.total_steps=2", "checkpoint.save_every=1")
     assert proc.returncode == 0, logs(proc, split)
-    proc, s = run_here("configs/demo_vlm.yaml", split, *_files(assets), *GRPO, *MOVING, "trainer.total_steps=3")
+    proc, s = run_here("configs/demo_vlm.yaml", split, *job, "trainer.total_steps=3")
     assert proc.returncode == 0 and s["resumed_from"] == 2, logs(proc, split)
+    from verl_hpc.checkpoint import open_checkpoint
+
+    with open_checkpoint(straight / "checkpoints" / "step_000003") as r:  # the engine asked for trained it
+        assert r.metadata["trainer_state"]["engines"]["actor"]["format"] == f"verl_hpc.{engine}_engine/1"
     a, b = read_all(straight / "checkpoints"), read_all(split / "checkpoints")
     assert sorted(a) == sorted(b)
-    vision = [n for n in a if "model.visual." in n]
+    vision = [n for n in a if "/visual." in n]  # Megatron's coordinates on both engines: actor/model/visual.*
     assert vision and not any("exp_avg" in n for n in vision), "the frozen tower: weights, no moments"
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
     start = read_all(split / "checkpoints" / "step_000002")
     moved = [n for n in a if n.startswith("actor/model/") and not torch.equal(start[n], a[n])]
-    assert moved and not any("model.visual." in n for n in moved)
+    assert moved and not any("/visual." in n for n in moved)
     ma, mb = stable_metrics(straight), stable_metrics(split)
     assert [m["step"] for m in mb] == [1, 2, 3] and ma == mb
     gaps = [m["rollout/logprob_diff_mean"] for m in ma]
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
 
 
-def test_the_rollout_holds_the_trained_weights(assets, tmp_path):
-    """After each step's sync the HF rollout's parameters are the engine's export, bitwise."""
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_the_rollout_holds_the_trained_weights(assets, tmp_path, engine):
+    """After each step's sync the HF rollout's parameters are the engine's export, bitwise (the
+    Megatron engine's under transformers 5's names, which the rollout's model has)."""
     from verl_hpc.trainer.programs import rl
 
     seen = []
@@ -75,12 +84,14 @@ def test_the_rollout_holds_the_trained_weights(assets, tmp_path):
         self.rollout_weights.ready(timer)
         want = dict(self.roles.actor.engine.export_hf_weights())
         got = self.roles.rollout.model.state_dict()
+        assert sorted(want) == sorted(got)
         seen.append([name for name in want if not torch.equal(got[name], want[name])])
         return out
 
     rl.RLTrainer.step = step
     try:
-        proc, _ = run_here("configs/demo_vlm.yaml", tmp_path, *_files(assets), *GRPO, *MOVING, "trainer.total_steps=2")
+        proc, _ = run_here("configs/demo_vlm.yaml", tmp_path, *_files(assets), *GRPO, *MOVING, "trainer.total_steps=2",
+                           f"parallel.engine={engine}")
     finally:
         rl.RLTrainer.step = original
     assert proc.returncode == 0, logs(proc, tmp_path)

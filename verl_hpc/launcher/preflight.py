@@ -208,14 +208,26 @@ def model_folder_problems(path: str, field: str, engine: str = MEGATRON,
             gone = sorted(n for n in names if not (folder / n).is_file())
             if gone:
                 problems.append(f"{field}: '{index}' names missing file(s): {', '.join(gone)}")
-    if engine != "fsdp" and field != "reward.reward_model.path" and weights and not problems:
+    # a vision-language model's folder is checked as transformers builds it on either engine: its tower is
+    # transformers' module on the Megatron engine too (models/vlm.py), which the text rules do not cover
+    whole = engine == "fsdp" or _vision_language(folder)
+    if not whole and field != "reward.reward_model.path" and weights and not problems:
         problems += weights_problems(folder, field, tensors_of(headers), value_head=field == "critic.model_path")
-    if engine == "fsdp" and weights and not problems:
+    if whole and weights and not problems:
         problems += transformers_weights_problems(folder, field, trust_remote_code, tensors_of(headers))
     return problems
 
 
 VALUE_FIELDS = ("critic.model_path", "reward.reward_model.path")  # a value head on the folder's backbone
+
+
+def _vision_language(folder: Path) -> bool:
+    from verl_hpc.config.hf_model import is_vision_language, read_hf_config
+
+    try:
+        return is_vision_language(read_hf_config(folder))
+    except ConfigError:
+        return False  # the config check above reports it
 
 
 def transformers_weights_problems(folder: Path, field: str, trust_remote_code: bool, found) -> List[str]:
