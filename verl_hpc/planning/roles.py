@@ -12,7 +12,7 @@ shard group, the gathered units, transformers' layer activations).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from verl_hpc.models.config_mapping import ModelArch, padded_vocab_size
 from verl_hpc.planning import fsdp as fsdp_plan
@@ -20,7 +20,7 @@ from verl_hpc.planning import hardware
 from verl_hpc.planning.host import RoleTensors
 from verl_hpc.planning.model_shape import (fsdp_arch, lora_layer_params, model_arch, role_engine, stage_params,
                                            stage_tensor_sizes)
-from verl_hpc.planning.vision import vision_shape
+from verl_hpc.planning.vision import VisionShape, megatron_tower_bytes, vision_shape
 from verl_hpc.planning.output_layer import output_chunk
 from verl_hpc.planning.training import (ActivationSetup, Precision, cp_tokens, in_flight_factor, logits_bytes,
                                         model_state_bytes, stage_activation_bytes)
@@ -72,6 +72,8 @@ class PlannedRoles:
         return self.work(name, role_cfg, head, train)
 
     trained: Dict[str, bool] = dataclasses.field(default_factory=dict)
+    # a Megatron role's vision tower on this (first) stage: (its shape, whether it trains)
+    vision: Dict[str, Tuple[VisionShape, bool]] = dataclasses.field(default_factory=dict)
 
     def trained_engines(self) -> Dict[str, tuple]:
         """role -> (engine, whether it trains): what decides the process groups the job makes."""
@@ -173,6 +175,15 @@ def plan_roles(cfg, arch: ModelArch, stage: int, prec: Precision, setup: Activat
         out.tensors[name] = RoleTensors(name, stage_tensor_sizes(a, tp, pp, stage, head, par.ep, par.etp),
                                         prec.param_bytes, not frozen_tensors, vpp or 1, shard,
                                         2 + int(prec.master_copy), off)
+        vision = vision_shape(path, field) if a.vision is not None and stage == 0 and head == "lm" else None
+        if vision is not None:  # Qwen2.5-VL: transformers' tower on the first stage (planning/vision.py)
+            trains = trainable and cfg.vision.train_vision_tower and not adapter
+            tower = megatron_tower_bytes(vision, prec.param_bytes, prec.master_copy, trains=trains, dp=dp,
+                                         distributed_optimizer=par.use_distributed_optimizer)
+            parts = {k: parts[k] + tower[k] for k in parts}
+            if trains or not trainable:  # a frozen tower beside a trained model has no optimizer state
+                out.tensors[name].sizes.append(vision.params)
+            out.vision[name] = (vision, trains)
         out.states[name], out.archs[name] = RoleState(name, parts, off), a
         mega_layers[name] = params.layers
     _merge_teachers(out)
@@ -208,15 +219,31 @@ def _working(cfg, roles: PlannedRoles, arch: ModelArch, stage: int, prec: Precis
         if not train:  # no_grad: nothing is saved; one layer's intermediates and the logits
             one = stage_activation_bytes(a, 1, s, b, prec.act_bytes,
                                          dataclasses.replace(setup, recompute="none"))["saved"]
-            return {"activations": one, "logits": logits}
+            return {"activations": one + images(name, b, False), "logits": logits}
         acts = stage_activation_bytes(arch, layers, s, b, prec.act_bytes, setup, last)
         factor = in_flight_factor(pp, vpp, m) if stage == 0 else 1.0
-        return {"activations": acts["saved"] * factor + acts["recompute_working"], "logits": logits}
+        return {"activations": (acts["saved"] + images(name, b, train)) * factor + acts["recompute_working"],
+                "logits": logits}
+
+    def images(name: str, b: int, train: bool) -> float:
+        """A Megatron role's images per micro-batch on the first stage: the largest images' pixel values
+        and its tower's activations (every block's where the tower trains, else one block's)."""
+        if name not in roles.vision:
+            return 0.0
+        v, trains = roles.vision[name]
+        return cfg.vision.max_images_per_prompt * b * v.image_bytes(prec.act_bytes, train and trains)
 
     return work
 
 
 def fsdp_notes(cfg, roles: PlannedRoles) -> List[str]:
+    notes = []
+    if roles.vision:
+        v, trains = next(iter(roles.vision.values()))
+        notes.append(f"vision tower (Megatron engine, first pipeline stage, whole on every TP rank): {v.params / 1e6:.1f} M "
+                     f"parameters ({'trained: fp32 gradients, Adam sharded over DP' if trains else 'frozen'}); up to "
+                     f"{v.tokens_per_image} image tokens per image ({v.patches_per_image} patches), "
+                     f"{cfg.vision.max_images_per_prompt} image(s) per row at most (vision.max_images_per_prompt)")
     if not roles.fsdp:
-        return []
-    return fsdp_plan.offload_notes(cfg, roles.fsdp)
+        return notes
+    return notes + fsdp_plan.offload_notes(cfg, roles.fsdp)

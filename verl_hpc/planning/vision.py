@@ -1,4 +1,4 @@
-"""A vision-language model's vision side in the memory plan (the FSDP engine trains it, docs/vlm.md).
+"""A vision-language model's vision side in the memory plan (either engine trains it, docs/vlm.md).
 
     v = vision_shape(model_path)     # None for a text model
     v.params, v.tokens_per_image, v.image_bytes(c)
@@ -12,16 +12,19 @@ image is preprocessor_config.json's max_pixels (or size.longest_edge): its patch
 costs in pixel values (fp32, the processor's output) and in the tower's activations, and its
 patches / merge^2 are its image tokens in the language model.
 
-Where the engine holds them: the vision blocks are in the root's FSDP group (engines/fsdp/build.py
-shard_units), so every rank gathers the whole tower in every forward; frozen (the default) the tower
-has fp32 weight shards and no gradients or optimizer states.
+Where the engines hold them: on the FSDP engine the vision blocks are in the root's FSDP group
+(engines/fsdp/build.py shard_units), so every rank gathers the whole tower in every forward; frozen
+(the default) the tower has fp32 weight shards and no gradients or optimizer states. On the Megatron
+engine (Qwen2.5-VL, models/vlm.py) every rank of the first pipeline stage holds the whole tower in the
+model dtype, replicated over TP (`megatron_tower_bytes`); trained, its fp32 gradients whole and its
+Adam states (and fp32 masters) sharded over DP by the distributed optimizer, as any replicated weight.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from verl_hpc.config.hf_model import is_vision_language, read_hf_config
 
@@ -50,6 +53,16 @@ class VisionShape:
         pixels = 4.0 * self.patches_per_image * self.values_per_patch
         blocks = self.depth if train else 1
         return pixels + float(self.patches_per_image * self.hidden * SAVED_PER_BLOCK * c * blocks)
+
+
+def megatron_tower_bytes(v: VisionShape, param_bytes: int, master_copy: bool, *, trains: bool, dp: int,
+                         distributed_optimizer: bool) -> Dict[str, float]:
+    """weights / grads / optimizer bytes of the tower on a first-stage rank of the Megatron engine."""
+    out = {"weights": float(v.params * param_bytes), "grads": 0.0, "optimizer": 0.0}
+    if trains:
+        out["grads"] = float(v.params * 4)
+        out["optimizer"] = float(v.params * (8 + (4 if master_copy else 0)) / (dp if distributed_optimizer else 1))
+    return out
 
 
 def vision_shape(path: str, field: str = "model.path") -> Optional[VisionShape]:
