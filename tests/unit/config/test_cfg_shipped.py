@@ -125,6 +125,11 @@ KEY_VALUES = {
                       "data.max_response_length": 8, "world_size": 1},
     "demo_vlm_sft.yaml": {**CPU, "trainer.job": "sft", "parallel.engine": "fsdp", "slurm.cpus_per_task": 1,
                           "vision.train_vision_tower": True},
+    # make demo-vlm-vllm's two RL phases: demo_vlm.yaml's job with each rollout engine named
+    "demo_vlm_vllm.yaml": {**CPU, "parallel.engine": "fsdp", "rollout.engine": "vllm", "rollout.n": 16,
+                           "vision.train_vision_tower": False},
+    "demo_vlm_hf.yaml": {**CPU, "parallel.engine": "fsdp", "rollout.engine": "hf", "rollout.n": 16,
+                         "vision.train_vision_tower": False},
 }
 
 
