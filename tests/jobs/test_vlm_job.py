@@ -98,13 +98,15 @@ def test_the_rollout_holds_the_trained_weights(assets, tmp_path, engine):
     assert seen == [[], []]
 
 
-def test_sft_with_images_exports_a_folder_that_answers_image_prompts(assets, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_sft_with_images_exports_a_folder_that_answers_image_prompts(assets, tmp_path, engine):
     from verl_hpc.trainer.programs.greedy_eval import greedy_answers
 
     hf = tmp_path / "hf"
     proc, s = run_here("configs/demo_vlm_sft.yaml", tmp_path, *_files(assets), f"data.sft_files=[{assets}/data/sft.parquet]",
                        "trainer.total_steps=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=8",
-                       "tracking.backends=[jsonl]", "tracking.plots=false", f"trainer.hf_output_dir={hf}")
+                       "tracking.backends=[jsonl]", "tracking.plots=false", f"trainer.hf_output_dir={hf}",
+                       f"parallel.engine={engine}")
     assert proc.returncode == 0 and s["steps"] == 2, logs(proc, tmp_path)
     assert (hf / "preprocessor_config.json").is_file()
     answers = greedy_answers(str(hf), str(assets / "data" / "val.parquet"), 4, "prompt", True)
