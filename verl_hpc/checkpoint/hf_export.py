@@ -184,9 +184,8 @@ def export_hf(ckpt, out, *, model: Optional[str] = None, role: str = "actor", sh
         # is; the FSDP engine's adapters need no Megatron mapping either: PEFT's names on any architecture
         hf_coords = engine_meta(reader, role).get("coords") == "hf" and not lora
         arch = None if hf_coords or (lora and lora.get("peft_config")) else load_arch(src)
-        if lora and arch is not None and arch.vision is not None:
-            raise CheckpointError(f"--hf: {reader.path} holds a LoRA adapter of the vision-language model {src}; "
-                                  "its merge into the base is not built: export it with --peft and merge with PEFT")
+        if lora and arch is not None and arch.vision is not None:  # one line: not built (docs/vlm.md)
+            raise CheckpointError(f"--hf: a LoRA adapter of the VLM {src} is not merged here; use --peft and PEFT")
         make_folder(out, "--hf")
         shard: Dict[str, torch.Tensor] = {}
         sizes: List[Dict[str, int]] = []  # per written shard: tensor name -> bytes (the index)

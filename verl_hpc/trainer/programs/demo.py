@@ -23,8 +23,8 @@ rollout against the FP8 one, configs/demo_rl_fp8.yaml).
 projector, language model; verl_hpc/models/tiny_vlm.py) names the colour of the largest shape in
 small pictures drawn with Pillow (prepare/visual.py; the task's other kinds, dots and bars, are
 beyond the tiny model): SFT on noisy labels, then GRPO on the FSDP engine with the images in every
-rollout and update. It also writes OUT/val_answers.png, validation pictures with the answers
-before and after RL.
+rollout and update (the override parallel.engine=megatron runs both phases on the Megatron engine).
+It also writes OUT/val_answers.png, validation pictures with the answers before and after RL.
 
 --task judge (make demo-judge; outputs/demo_judge): the arithmetic demo, its RL phase rewarded only
 by a generative judge trained here (verl_hpc/trainer/programs/demo_judge.py, configs/demo_judge.yaml);
