@@ -25,6 +25,10 @@ GPU or no TE the engine refuses before building anything (verl_hpc.models.gpt.ch
 Sequences are padded to a multiple of the recipe's token alignment then (models.gpt.token_alignment:
 32 for mxfp8, 16 for the others; TE's FP8 GEMMs need it).
 
+A vision-language model (Qwen2.5-VL): the GPT model takes M-RoPE positions and its first stage holds
+transformers' vision tower, which embeds the micro-batch's images before the first layer
+(models/vlm.py); each micro-batch carries its rows' images and positions (vision.py).
+
 Context parallelism (`parallel.cp`, context_parallel.py): the cp ranks of a DP replica take the
 same micro-batches, each padded to a multiple of 2 * cp tokens; the model sees each rank's two
 load-balanced chunks, per-token results are gathered over the CP group, CP rank 0 reports. It

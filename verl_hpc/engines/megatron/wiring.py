@@ -5,15 +5,15 @@
 in this order, each step needing the ones before it:
 
 1. the checks (Megatron's layout initialised, the options, dropout off, context parallelism's
-   attention) before any weight is built;
+   attention, the layouts a vision-language model does not run in: vision.py) before any weight is built;
 2. the layout this rank sits in (tp, pp, vpp, dp, cp), the kernel switches (kernels.py) and the
    padding every micro-batch gets (FP8's token alignment, sequence and context parallelism);
 3. the GPT chunks with their weights and value heads (build.py), then LoRA's adapters (lora.py)
    before DDP, so that DDP and the optimizer see the adapters only;
 4. the device contract on the whole model (runtime.device.place_on_device), then which rank
    reports and which names the metrics (a collective);
-5. trainable: every chunk in Megatron's DDP, Adam and its LR schedule (optim.py); frozen: no
-   gradients at all;
+5. trainable: a vision-language model's tower frozen or trained (vision.train_vision_tower), then
+   every chunk in Megatron's DDP, Adam and its LR schedule (optim.py); frozen: no gradients at all;
 6. the choices made once on the built model: router statistics (moe_stats.py), response-only and
    chunked output layers (outputs.py), prompt sharing, routing replay (route_replay.py);
 7. the offloader (engines/offload.py), which leaves the engine idle from birth: the role's phases
