@@ -82,6 +82,12 @@ SIZES = {
                  # update would skip them all (actor.skip_zero_advantage_rows): a step of generation
                  # alone against TRL's full update. Off, the update runs every row, as TRL's does
                  verl_set=("rollout.kv_cache_memory_bytes=268435456", "actor.skip_zero_advantage_rows=false")),
+    # SmolLM2-135M-Instruct's shape (30 narrow layers, a tied 49,152-token vocabulary), random init: the
+    # issue-96 setting, where TRL runs with vLLM in its process (--trl-vllm); verl_hpc on vLLM as well
+    "135m": Size("135m", "SmolLM2-135M's shape, random init", 30,
+                 dict(hidden=576, heads=9, kv_heads=3, head_dim=64, ffn=1536, max_positions=512, tied=True), 49152,
+                 prompts=8, n=8, new_tokens=24, lr=1e-5, warm_start=False,
+                 verl_set=("rollout.engine=vllm", "actor.skip_zero_advantage_rows=false", "rollout.kv_cache_memory_bytes=0")),
 }
 
 
@@ -156,6 +162,9 @@ def trl_worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.trl_vllm:  # vLLM in this process, as TRL's colocate mode runs it (before vLLM is imported)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; TRL's GPU memory share means nothing on CPU
     size = SIZES[args.size]
     data, ws, steps = Path(args.data), Path(args.ws), args.steps
     tok = AutoTokenizer.from_pretrained(ws)
@@ -191,8 +200,23 @@ def trl_worker(args) -> None:
         learning_rate=size.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, logging_steps=10 ** 6, save_strategy="no", report_to="none",
-        seed=args.seed, use_vllm=False, log_completions=False, disable_tqdm=True)
+        seed=args.seed, log_completions=False, disable_tqdm=True,
+        # vLLM as a new user turns it on: colocated in the trainer's process, vLLM's defaults otherwise
+        # (its compilation on); TRL's own default is HF generate
+        **(dict(use_vllm=True, vllm_mode="colocate") if args.trl_vllm else dict(use_vllm=False)))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok)
+    if args.trl_vllm:
+        gen = trainer.vllm_generation
+
+        def sync_weights():
+            """TRL's colocated sync calls the model's load_weights per tensor, which fails on vLLM's CPU
+            layers ('Parameter' object has no attribute 'weight_loader'); vLLM's reload_weights, as
+            verl_hpc's rollout does, then the prefix-cache reset TRL does."""
+            named = ((n, p.data) for n, p in trainer.model.named_parameters())
+            gen.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=named, is_checkpoint_format=True))
+            gen.llm.reset_prefix_cache()
+
+        gen.sync_weights = sync_weights
 
     times = {}
 
@@ -206,6 +230,9 @@ def trl_worker(args) -> None:
         return wrapper
 
     trainer._generate = timed("generate", trainer._generate)
+    if args.trl_vllm:  # inside generate: vLLM's own call and the weight sync
+        trainer.vllm_generation.generate = timed("vllm_generate", trainer.vllm_generation.generate)
+        trainer.vllm_generation.sync_weights = timed("vllm_sync", trainer.vllm_generation.sync_weights)
     trainer._generate_and_score_completions = timed("gen_score", trainer._generate_and_score_completions)
     trainer.compute_loss = timed("forward", trainer.compute_loss)
     trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
@@ -233,11 +260,13 @@ def trl_worker(args) -> None:
     Path(args.result).write_text(json.dumps(record))
 
 
-def run_trl(out: Path, size: Size, ws: Path, data: Path, steps: int, val_every: int, threads: int) -> dict:
+def run_trl(out: Path, size: Size, ws: Path, data: Path, steps: int, val_every: int, threads: int,
+            python: str = "", vllm: bool = False) -> dict:
     result = out / f"trl_{size.name}.json"
-    sh([sys.executable, __file__, "--trl-worker", "--size", size.name, "--out", out, "--ws", ws, "--data", data,
-        "--steps", steps, "--val-every", val_every, "--threads", threads, "--result", result],
-       f"TRL GRPOTrainer, {size.name}, 1 process", out / f"trl_{size.name}.log")
+    sh([python or sys.executable, __file__, "--trl-worker", "--size", size.name, "--out", out, "--ws", ws,
+        "--data", data, "--steps", steps, "--val-every", val_every, "--threads", threads, "--result", result,
+        *(["--trl-vllm"] if vllm else [])],
+       f"TRL GRPOTrainer{' with vLLM' if vllm else ''}, {size.name}, 1 process", out / f"trl_{size.name}.log")
     rec = json.loads(result.read_text())
     stages = {k: _median([s[k] for s in rec["stages"][1:] if k in s]) for k in rec["stages"][0]}
     return dict(stages=stages, step_times={int(k): v for k, v in rec["step_times"].items()},
@@ -303,15 +332,22 @@ def run_size(out: Path, size: Size, a, ranks, steps: int) -> dict:
     val_every = a.val_every if (size.warm_start and not a.quick) else 0
     ws = assets(out, size, a.sft_steps)
     data = out / "data"
-    results = {"trl": run_trl(out, size, ws, data, steps, val_every, a.threads)}
+    results = {"trl": run_trl(out, size, ws, data, steps, val_every, a.threads, a.trl_python, a.trl_vllm)}
     runs = [(e, r) for r in ranks for e in a.engines]
     for e, r in runs:
         results[key(e, r)] = run_verl(out, size, ws, data, r, steps, val_every, *a.verl_set, threads=a.threads,
                                       engine=e)
+    if a.also_eager:  # the same job with vLLM eager (or compiled, against an eager --verl-set)
+        results["verl_1_eager"] = run_verl(out, size, ws, data, 1, steps, val_every, *a.verl_set,
+                                           "rollout.enforce_eager=true", tag="_eager", threads=a.threads)
     if a.with_old_forward:
         results["verl_1_oldfwd"] = run_verl(out, size, ws, data, 1, steps, 0, *a.verl_set,
                                             "actor.old_log_probs=forward", tag="_oldfwd", threads=a.threads)
     report(size, results, runs, steps, val_every, a.gain, a.with_old_forward)
+    if a.also_eager:
+        e, t = results["verl_1_eager"]["stages"], results["trl"]["stages"]
+        print(f"  verl_hpc 1 rank, rollout.enforce_eager=true: s/step {e['step']:.3f} (generate "
+              f"{e.get('generate', float('nan')):.3f}); ratio verl_hpc/TRL {e['step'] / t['step']:.2f}")
     return dict(size=asdict(size), load_end=os.getloadavg()[0], **results)
 
 
@@ -336,6 +372,13 @@ def main(argv=None) -> int:
                     help="comma list of verl_hpc training engines (parallel.engine): megatron, fsdp")
     ap.add_argument("--with-old-forward", action="store_true",
                     help="also run verl_hpc at 1 rank with actor.old_log_probs=forward (the separate pass)")
+    ap.add_argument("--trl-vllm", action="store_true",
+                    help="TRL generates with vLLM in its process (vllm_mode colocate; TRL's sync by vLLM's "
+                         "reload_weights on CPU) instead of HF generate")
+    ap.add_argument("--trl-python", default="",
+                    help="the Python of a venv with TRL (and for --trl-vllm, vllm-cpu): TRL's side runs there")
+    ap.add_argument("--also-eager", action="store_true",
+                    help="also run verl_hpc at 1 rank with rollout.enforce_eager=true (vLLM uncompiled)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size", help=argparse.SUPPRESS)
     ap.add_argument("--ws", help=argparse.SUPPRESS)
@@ -345,10 +388,11 @@ def main(argv=None) -> int:
     if a.trl_worker:
         trl_worker(a)
         return 0
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        sys.exit("bench_vs_trl needs TRL: pip install -e '.[bench]'")
+    if not a.trl_python:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("bench_vs_trl needs TRL: pip install -e '.[bench]', or --trl-python of a venv that has it")
     a.engines = [x.strip() for x in a.engines.split(",") if x.strip()]
     if not a.engines or set(a.engines) - {"megatron", "fsdp"}:
         sys.exit(f"bench_vs_trl: --engines {','.join(a.engines)}: a comma list of megatron, fsdp")
