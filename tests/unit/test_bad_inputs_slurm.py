@@ -94,10 +94,16 @@ def sbatch_options(text: str) -> set:
     return found
 
 
+def srun_line(text: str) -> tuple:
+    """(what runs srun: the restart supervisor up to its `--`, srun's own argv) of the script's one srun line."""
+    (line,) = [line for line in text.splitlines() if line.startswith("srun ") or " -- srun " in line]
+    argv = shlex.split(line)
+    return argv[:argv.index("srun")], argv[argv.index("srun"):]
+
+
 def srun_argv(text: str) -> list:
     """srun's argv up to the interpreter's `-u -m MODULE ...`, without the log options."""
-    (line,) = [line for line in text.splitlines() if line.startswith("srun ")]
-    argv, out = shlex.split(line), []
+    argv, out = srun_line(text)[1], []
     while argv[:2] != ["-u", "-m"]:
         arg = argv.pop(0)
         if arg in LOG_OPTIONS:
@@ -118,11 +124,12 @@ def test_standalone_script_is_the_submitit_job(tmp_path, on_login_node, capsys, 
     assert "--job-name=my run; $(id) 'q' \"dq\" #3" in sbatch_options(standalone)
     assert "--reservation=my res" in sbatch_options(standalone)
     assert srun_argv(standalone) == srun_argv(by_submitit)
+    # the same restart supervisor, with the same settings, runs both scripts' srun (docs/resilience.md)
+    assert srun_line(standalone)[0] == srun_line(by_submitit)[0] and "--max-restarts" in srun_line(standalone)[0]
     logs = [shlex.split(line[len("#SBATCH"):])[0] for line in standalone.splitlines()
             if line.startswith(("#SBATCH --output", "#SBATCH --error"))]
     assert logs == [f"--output={folder}/logs/%j_batch.out", f"--error={folder}/logs/%j_batch.err"]
-    (srun,) = [line for line in standalone.splitlines() if line.startswith("srun ")]
-    assert f"--output={folder}/logs/%j_%t.out" in shlex.split(srun)
+    assert f"--output={folder}/logs/%j_%t.out" in srun_line(standalone)[1]
 
 
 # ------------------------------------------------------------------ values sbatch cannot take as meant

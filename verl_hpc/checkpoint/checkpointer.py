@@ -53,6 +53,7 @@ from verl_hpc.checkpoint.publish import STEP_DIR, list_checkpoints
 from verl_hpc.checkpoint.rng import capture_rng_state, restore_rng_state
 from verl_hpc.checkpoint.save import save_checkpoint
 from verl_hpc.checkpoint.sharded import ShardedTensor
+from verl_hpc.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +200,22 @@ class Checkpointer:
     # ------------------------------------------------------------------------------ resuming
     def find(self) -> Optional[Path]:
         """The checkpoint `trainer.resume` asks for: auto -> `latest` under checkpoint.dir (None:
-        a fresh start), never -> None, anything else -> that path (which must exist)."""
+        a fresh start), never -> None, anything else -> that path (which must exist). A relaunch
+        after a rank died (an in-allocation restart: VERL_HPC_ATTEMPT > 0) takes `latest` where it
+        is past that start: any step there above it was saved by this job, the first launch having
+        refused checkpoint.dir's later steps of another run (_check_no_collisions)."""
         how = str(self.options.resume or "auto")
-        if how == "never":
-            return None
         if how == "auto":
             return find_latest(self.root)
-        return resolve(how)
+        start = None if how == "never" else resolve(how)
+        if faults.attempt() > 0:
+            latest = find_latest(self.root)
+            if latest is not None and _step_of(latest) > (_step_of(start) if start is not None else 0):
+                if self.ctx.rank == 0:
+                    log.info("resume: relaunch %d of this job: from %s, its latest checkpoint (trainer.resume=%s "
+                             "named the first launch's start)", faults.attempt(), latest, how)
+                return latest
+        return start
 
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` names into the engines and the states; returns its
@@ -276,3 +286,9 @@ class Checkpointer:
                 f"which this run (steps {start + 1}..{self.total_steps}, trainer.resume="
                 f"{self.options.resume}) would save again: set another checkpoint.dir, remove "
                 "them, or resume from the latest (trainer.resume=auto)")
+
+
+def _step_of(path: Path) -> int:
+    """The step of a checkpoint folder `step_<N>` (0 for a folder named otherwise)."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else 0

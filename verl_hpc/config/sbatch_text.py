@@ -32,11 +32,12 @@ _OWNED = {
     "open-mode": "slurm.log_dir", "job-name": "slurm.job_name", "partition": "slurm.partition",
     "account": "slurm.account", "qos": "slurm.qos", "constraint": "slurm.constraint",
     "mem": "slurm.mem_gb", "exclusive": "slurm.exclusive", "requeue": "slurm.requeue",
-    "no-requeue": "slurm.requeue", "array": "",  # "": no field; a run is one job, not an array
+    "no-requeue": "slurm.requeue", "no-kill": "slurm.max_restarts",
+    "array": "",  # "": no field; a run is one job, not an array
 }
 _SHORT = {"N": "nodes", "n": "ntasks", "G": "gpus", "c": "cpus-per-task", "t": "time", "o": "output",
           "e": "error", "J": "job-name", "p": "partition", "A": "account", "q": "qos",
-          "C": "constraint", "a": "array"}
+          "C": "constraint", "a": "array", "k": "no-kill"}
 
 
 def _control(value: str) -> str:

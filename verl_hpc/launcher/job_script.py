@@ -17,8 +17,10 @@ only the template writes it (submitit has one block per job: launcher/slurm.py r
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from verl_hpc.launcher import charliecloud
 
@@ -33,15 +35,20 @@ HETJOB = "#SBATCH hetjob"  # sbatch's separator between the components of a hete
 # first block, and sbatch carries it over to the job as a whole.
 COMPONENT_OPTIONS = ("partition", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem",
                      "constraint", "exclusive")
+# the in-allocation restart's supervisor, run by its path on the batch host (docs/resilience.md)
+RESTART_LOOP = str(Path(__file__).resolve().with_name("restart_loop.py"))
 
 
 def sbatch_parameters(plan, cfg) -> dict:
     """The allocation as submitit.SlurmExecutor parameters (its names: `time` in minutes,
     `signal_delay_s`, `additional_parameters` for what it has no name for)."""
     s = cfg.slurm
-    params = dict(job_name=s.job_name, nodes=plan.nodes, ntasks_per_node=plan.tasks_per_node,
+    # restarts on: a node failure leaves the job running (--no-kill) for the supervisor to relaunch on
+    # the nodes left, or requeue; the spare nodes come with the allocation
+    restarts = {"no_kill": True} if s.max_restarts else {}
+    params = dict(job_name=s.job_name, nodes=plan.nodes + s.spare_nodes, ntasks_per_node=plan.tasks_per_node,
                   cpus_per_task=s.cpus_per_task, time=s.time_min, signal_delay_s=s.signal_delay_s,
-                  additional_parameters={**({"requeue": True} if s.requeue else {}), **dict(s.additional)})
+                  additional_parameters={**({"requeue": True} if s.requeue else {}), **restarts, **dict(s.additional)})
     if plan.gpus_per_node:
         params["gpus_per_node"] = plan.gpus_per_node
     params.update({key: getattr(s, key) for key in ("partition", "account", "qos", "constraint")
@@ -93,6 +100,22 @@ def srun_args(cfg) -> list[str]:
         return launch
     mounts = ["--container-mounts=" + ",".join(c.mounts)] if c.mounts else []
     return [*launch, f"--container-image={c.image}", *c.extra_args, *mounts]
+
+
+def supervisor_argv(plan, cfg, workdir: str) -> list[str]:
+    """What runs srun for the batch script: the restart supervisor (launcher/restart_loop.py) with
+    the job's settings and `--` before srun's line; [] with slurm.max_restarts = 0 (srun alone, a
+    dead rank ends the job). It runs on the batch host, outside any container: the submitter's
+    Python where the ranks run in it, else the host's python3."""
+    s = cfg.slurm
+    if not s.max_restarts:
+        return []
+    python = sys.executable if s.container.runtime == "none" else "python3"
+    return [python, RESTART_LOOP, "--max-restarts", str(s.max_restarts), "--spare-nodes", str(s.spare_nodes),
+            "--nodes", str(plan.nodes), "--tasks-per-node", str(plan.tasks_per_node),
+            "--backoff-s", f"{s.restart_backoff_s:g}", "--heartbeat-timeout-s", str(cfg.trainer.heartbeat_timeout_s),
+            "--run-dir", str(plan.log_dir), "--checkpoint-dir", os.path.join(workdir, cfg.checkpoint.dir),
+            *(["--requeue"] if s.requeue else []), "--"]
 
 
 def python_argv(plan, cfg, workdir: str) -> list[str]:

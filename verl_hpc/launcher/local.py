@@ -19,15 +19,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from verl_hpc.launcher import early_signals
+from verl_hpc.launcher.local_restarts import LocalRestarts
 from verl_hpc.launcher.local_stop import (STOP_NOTES, LocalStop, early_stop_line, nothing_left_line, open_notes,
                                           stop_line, stop_note)
 from verl_hpc.launcher.plan import Plan, exit_words, rank_label
+from verl_hpc.launcher.restarts import SPENT_EXIT
 from verl_hpc.launcher.slurm import error_line
 from verl_hpc.runtime.orphans import LAUNCHER_PID
 
 
 def rank_log(log_dir: Path, rank: int) -> Path | None:
-    """The log file the launcher wrote for a rank (log_dir/<run id>/attempt_0/<rank>/stderr.log)."""
+    """The log file the launcher wrote for a rank in the newest launch (log_dir/<run id>-<launch>/attempt_0/<rank>/stderr.log)."""
     found = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"))
     return found[-1] if found else None
 
@@ -52,15 +54,47 @@ def rerun_command(argv: list[str], resume: str) -> str:
 
 
 def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str = "") -> int:
-    """Start the ranks and wait for them; 0, 1 (a rank failed) or 128 + the number of a signal that
-    stopped the job, sent to this process or to the ranks themselves (launcher/local_stop.py;
-    checkpoint_dir and rerun go into its last line)."""
+    """Start the ranks and wait for them; 0, 1 (a rank failed), 34 (a rank died more often than
+    slurm.max_restarts allows) or 128 + the number of a signal that stopped the job, sent to this
+    process or to the ranks themselves (launcher/local_stop.py; checkpoint_dir and rerun go into its
+    last line). A rank that dies is restarted with the others from `latest` (launcher/local_restarts.py)."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    notes = open_notes(plan.log_dir)  # where a rank stopped by a signal says so
     os.environ.update(plan.env)  # inherited by the rank processes
     os.environ[LAUNCHER_PID] = str(os.getpid())  # ranks stop if this process is killed (runtime/orphans.py)
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=plan.tasks_per_node, run_id=uuid.uuid4().hex[:8],
+    run_id = uuid.uuid4().hex[:8]
+    restarts = LocalRestarts(plan, checkpoint_dir)
+    print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
+    failures, verdict = None, None
+    # Once LocalStop gives the signals back a signal waits for the result to be printed, and then
+    # changes nothing: it says the job had already ended and exits with the result's code.
+    with early_signals.held():
+        with LocalStop() as stop:
+            while True:
+                notes = open_notes(plan.log_dir)  # where a rank stopped by a signal says so
+                restarts.launch_env()
+                failures = None
+                try:
+                    with restarts.watching():
+                        elastic_launch(_launch_config(plan, f"{run_id}-{restarts.attempt:02d}"), sys.executable)(
+                            "-u", "-m", "verl_hpc.job", str(config_path))
+                except ChildFailedError as err:
+                    failures = err.failures
+                finally:
+                    os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
+                verdict = restarts.after(failures, stop)
+                if verdict is None or verdict.action != "restart":
+                    break
+        code, words = conclude(plan, stop, failures, stop_note(notes), checkpoint_dir, rerun, verdict, restarts.lines)
+        early_signals.outcome(code, words)
+    return code
+
+
+def _launch_config(plan: Plan, run_id: str) -> LaunchConfig:
+    """One launch of the ranks. run_id names its log folder (log_dir/<run_id>/attempt_0/<rank>/):
+    the launch's number last, so that the newest sorts last (rank_log)."""
+    return LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.tasks_per_node, run_id=run_id,
+        # torch's own restarts stay off: each launch is ours (launcher/local_restarts.py says why)
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
         # every rank's stdout+stderr go to its file; rank 0's is also shown here
         logs_specs=DefaultLogsSpecs(log_dir=str(plan.log_dir), redirects=Std.ALL, tee=Std.ALL,
@@ -72,31 +106,21 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
         # SIGTERM, SIGINT (and SIGUSR2, which torch leaves alone) are LocalStop's: the ranks get
         # time to checkpoint
         signals_to_handle="SIGHUP,SIGQUIT")
-    print(f"[submit] starting {plan.world_size} local rank(s); logs in {plan.log_dir}", flush=True)
-    failures = None
-    # Once LocalStop gives the signals back a signal waits for the result to be printed, and then
-    # changes nothing: it says the job had already ended and exits with the result's code.
-    with early_signals.held():
-        with LocalStop() as stop:
-            try:
-                elastic_launch(launch, sys.executable)("-u", "-m", "verl_hpc.job", str(config_path))
-            except ChildFailedError as err:
-                failures = err.failures
-            finally:
-                os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
-        code, words = conclude(plan, stop, failures, stop_note(notes), checkpoint_dir, rerun)
-        early_signals.outcome(code, words)
-    return code
 
 
-def conclude(plan: Plan, stop: LocalStop, failures, note, checkpoint_dir, rerun: str) -> tuple[int, str]:
+def conclude(plan: Plan, stop: LocalStop, failures, note, checkpoint_dir, rerun: str, verdict=None,
+             restarted=()) -> tuple[int, str]:
     """Print how the job ended (the submitter's last line, or the failed ranks); returns the exit
-    code and the words a later signal's line ends with. note: the ranks' (launcher/local_stop.py)."""
+    code and the words a later signal's line ends with. note: the ranks' (launcher/local_stop.py);
+    verdict: the restart rules' on the last launch (None: no rule applied); restarted: the lines of
+    the restarts made."""
     if failures is not None:
         if stop.signum and (stop.abandoned or all(_by_signal(f) for f in failures.values())):
             print(stop_line(stop, checkpoint_dir, rerun, note), flush=True)
             return stop.exit_code, "the job had already stopped (the line above)"
         report_failures(failures, plan.log_dir, rollout_ranks=plan.rollout_ranks)
+        if verdict is not None and verdict.exit_code == SPENT_EXIT:
+            return SPENT_EXIT, "the job had already failed (the ranks above; its restarts spent)"
         return 1, "the job had already failed (the ranks above)"
     if note is not None and note.signal is not None:  # the ranks stopped early on a signal (and saved)
         # sent to us (and passed on), or to the ranks themselves
@@ -110,7 +134,8 @@ def conclude(plan: Plan, stop: LocalStop, failures, note, checkpoint_dir, rerun:
         print(f"[submit] local job finished OK ({signal.Signals(stop.signum).name} came too late to stop it: "
               f"the ranks had reached their last step); logs in {plan.log_dir}", flush=True)
     else:
-        print(f"[submit] local job finished OK; logs in {plan.log_dir}", flush=True)
+        again = f" after {len(restarted)} restart(s) of its ranks (the [restart] lines above)" if restarted else ""
+        print(f"[submit] local job finished OK{again}; logs in {plan.log_dir}", flush=True)
     return 0, "the job had already finished OK"
 
 

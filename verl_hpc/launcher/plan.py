@@ -33,6 +33,12 @@ class Plan:
     # training nodes (placement.rollout_partition; "" = one allocation)
     rollout_nodes: int = 0
     rollout_partition: str = ""
+    # in-allocation restarts (docs/resilience.md): how many, the back-off, the spare nodes, the
+    # heartbeat timeout (0: not watched)
+    max_restarts: int = 0
+    restart_backoff_s: float = 0.0
+    spare_nodes: int = 0
+    heartbeat_timeout_s: float = 0.0
 
     @property
     def hetjob(self) -> bool:
@@ -54,6 +60,7 @@ class Plan:
             *([self.split_line()] if self.rollout_ranks else []),
             f"  training layout: tp={self.tp} pp={self.pp} dp={self.dp}; rollout tp={self.rollout_tp}"
             f" ({replicas} inference replica(s))",
+            *([self.restarts_line()] if self.max_restarts else []),
             f"  logs: {self.log_dir}",
             "  env: " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
         ])
@@ -65,6 +72,15 @@ class Plan:
         return (f"  ranks: ({self.rollout_nodes} rollout node(s) of partition {self.rollout_partition!r} + "
                 f"{self.nodes} training node(s)) x {self.tasks_per_node} = {self.world_size}; {gpus}; "
                 "a heterogeneous job, one srun step")
+
+    def restarts_line(self) -> str:
+        """`restarts: up to 2 from the latest checkpoint inside the allocation (back-off 10 s); ...`."""
+        spare = f"; {_count(self.spare_nodes, 'spare node')}" if self.spare_nodes else ""
+        beat = (f"; a rank silent for {self.heartbeat_timeout_s:g} s is killed" if self.heartbeat_timeout_s
+                else "; heartbeats not watched")
+        where = "the allocation" if self.backend == "slurm" else "this submitter"
+        return (f"  restarts: up to {self.max_restarts} after a rank dies, from the latest checkpoint, inside "
+                f"{where} (back-off {self.restart_backoff_s:g} s){spare}{beat}")
 
     def split_line(self) -> str:
         """`split: 1 rollout rank (vLLM, tp 1) + 1 training rank (tp 1 pp 1 dp 1)`."""
@@ -120,7 +136,10 @@ def make_plan(cfg, *, local: bool = False) -> Plan:
                 tp=cfg.parallel.tp, pp=cfg.parallel.pp, dp=cfg.dp, rollout_tp=cfg.rollout.tp,
                 job=cfg.trainer.job, log_dir=Path(log_dir).absolute(), env=job_environment(cfg),
                 rollout_ranks=cfg.rollout_world_size if pl.split else 0, rollout_engine=cfg.rollout.engine,
-                rollout_nodes=pl.added_nodes, rollout_partition=pl.rollout_partition if pl.hetjob else "")
+                rollout_nodes=pl.added_nodes, rollout_partition=pl.rollout_partition if pl.hetjob else "",
+                max_restarts=cfg.slurm.max_restarts, restart_backoff_s=cfg.slurm.restart_backoff_s,
+                spare_nodes=cfg.slurm.spare_nodes if backend == "slurm" else 0,
+                heartbeat_timeout_s=cfg.trainer.heartbeat_timeout_s or 0)
 
 
 def raise_layout(message: str):

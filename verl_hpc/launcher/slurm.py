@@ -35,12 +35,36 @@ def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
             "and submit that with sbatch, or set placement.rollout_partition='' to take the rollout nodes from "
             "slurm.nodes")
     workdir = os.getcwd()
-    ex = submitit.SlurmExecutor(folder=str(plan.log_dir),
-                                python=shlex.join(job_script.python_argv(plan, cfg, workdir)),
-                                max_num_timeout=3)
+    ex = Executor(folder=str(plan.log_dir), python=shlex.join(job_script.python_argv(plan, cfg, workdir)),
+                  max_num_timeout=3)
+    ex.supervisor, ex.ranks = job_script.supervisor_argv(plan, cfg, workdir), plan.world_size
     ex.update_parameters(**job_script.sbatch_parameters(plan, cfg), srun_args=job_script.srun_args(cfg),
-                         setup=job_script.setup_lines(plan, cfg, workdir))
+                         setup=job_script.setup_lines(plan, cfg, workdir), use_srun=not ex.supervisor)
     return ex
+
+
+class Executor(submitit.SlurmExecutor):
+    """submitit's executor with the restart supervisor (launcher/restart_loop.py) in front of its
+    srun line: submitit writes `srun ... python -u -m submitit.core._submit FOLDER` itself, so with
+    the supervisor on its own srun is turned off (`use_srun=False`) and the same srun line, with
+    submitit's log options, comes after the supervisor's `--` here. The job's tasks are its ranks:
+    the spare nodes' share of the allocation runs none."""
+
+    supervisor: list = []
+    ranks = 0
+
+    @property
+    def _submitit_command_str(self) -> str:
+        command = super()._submitit_command_str
+        if not self.supervisor:
+            return command
+        paths = submitit.core.utils.JobPaths(folder=self.folder)
+        srun = ["srun", "--unbuffered", "--output", str(paths.stdout), "--error", str(paths.stderr),
+                *self.parameters.get("srun_args", [])]
+        return shlex.join(self.supervisor + srun) + " " + command
+
+    def _num_tasks(self) -> int:
+        return self.ranks or super()._num_tasks()
 
 
 def sbatch_text(ex: submitit.SlurmExecutor) -> str:

@@ -15,6 +15,7 @@ import subprocess
 from typing import Mapping
 
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.runtime.faults import ATTEMPT_ENV
 from verl_hpc.runtime.local_ranks import free_port
 
 
@@ -45,10 +46,12 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
         raise ConfigError(f"launcher variable {key}={value!r} is not an integer") from None
 
 
-def port_for_job(job_id: str) -> int:
-    """A rendezvous port every rank of a job derives alike; different jobs on a node differ."""
+def port_for_job(job_id: str, launch: int = 0) -> int:
+    """A rendezvous port every rank of a job derives alike; different jobs on a node differ. Each
+    in-allocation restart's srun (`launch`, VERL_HPC_ATTEMPT: launcher/restart_loop.py) takes
+    another: the last launch's rank 0 may still hold its port while its step ends."""
     digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits[-6:]) % 20000
+    return 20000 + (int(digits[-6:]) + 7919 * launch) % 20000
 
 
 def expand_first_host(nodelist: str) -> str:
@@ -119,7 +122,8 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
                                            _int(env, "SLURM_NODEID", 0)),
             node_rank=_int(env, "SLURM_NODEID", 0),
             master_addr=env.get("MASTER_ADDR") or expand_first_host(nodelist),
-            master_port=_int(env, "MASTER_PORT", port_for_job(job_id)), job_id=job_id,
+            master_port=_int(env, "MASTER_PORT", port_for_job(job_id, _int(env, ATTEMPT_ENV, 0))),
+            job_id=job_id,
             mpi_capable="PMIX_RANK" in env or "PMI_RANK" in env)
     return LaunchEnv(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1,
                      node_rank=0, master_addr="127.0.0.1", master_port=free_port())

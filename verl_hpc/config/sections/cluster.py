@@ -106,7 +106,18 @@ class SlurmConfig(Section):
     # sbatch takes --signal=...@N for N in [0, 65535] only
     signal_delay_s: int = opt(120, "Slurm's warning signal (checkpoint + requeue) this long before the limit",
                               check="[0, 65535]")
-    requeue: bool = opt(True, "let the job requeue itself on the warning signal")
+    requeue: bool = opt(True, "let the job requeue itself on the warning signal, and when a lost node leaves too few "
+                              "nodes for the layout")
+    # docs/resilience.md, "A rank that dies": the batch script's supervisor (launcher/restart_loop.py)
+    # and the local submitter relaunch the ranks from `latest` inside the same allocation
+    max_restarts: int = opt(2, "in-allocation restarts after a rank dies (a signal, a stall, a lost heartbeat or "
+                               "node), each from the latest checkpoint; 0 = none (a dead rank ends the job)",
+                            check="[0, 100]")
+    restart_backoff_s: float = opt(10.0, "seconds before the first restart, doubled for each further one (at most 300)",
+                                   check="[0, 3600]")
+    spare_nodes: int = opt(0, "nodes allocated beyond slurm.nodes: a node whose ranks died in two launches, or that "
+                              "Slurm lost, is left out and a spare takes its place (needs slurm.max_restarts > 0)",
+                           check="[0, 1024]")
     container: ContainerConfig = section(ContainerConfig)
     env: Dict[str, str] = opt({}, "environment added to / overriding the job's, e.g. {NCCL_SOCKET_IFNAME: ib0}")
     setup: List[str] = opt([], "shell lines run before srun, as written (your own shell code), e.g. [\"module load cuda/12.4\"]")
@@ -115,6 +126,17 @@ class SlurmConfig(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
+
+    def _restart_problems(self, job) -> List[str]:
+        p = []
+        if self.spare_nodes and not self.max_restarts:
+            p.append(f"slurm.spare_nodes = {self.spare_nodes} with slurm.max_restarts = 0: a spare node only "
+                     "serves a restart; set slurm.max_restarts > 0 or slurm.spare_nodes = 0")
+        if self.spare_nodes and job.placement.hetjob:
+            p.append(f"slurm.spare_nodes = {self.spare_nodes} with placement.rollout_partition = "
+                     f"{job.placement.rollout_partition!r}: a heterogeneous job's components have no spare "
+                     "nodes; set slurm.spare_nodes = 0")
+        return p
 
     @property
     def world_words(self) -> str:

@@ -98,6 +98,11 @@ class TrainerConfig(Section):
                                      check=f"(0, {WEEK_S}]")
     stage_timeout_s: int = opt(1800, "a rank this long in one stage outside any collective fails the job, "
                                "naming the rank, the stage and its code line; 0 = no watchdog", check=f"[0, {WEEK_S}]")
+    heartbeat_timeout_s: Optional[int] = opt(
+        None, "a rank whose heartbeat thread is silent this long (it holds the GIL, is stopped, or its node is "
+              "gone) is killed and counts as dead (slurm.max_restarts); below trainer.collective_timeout_s, or "
+              "the other ranks' timeout ends the job first; 0 = not watched",
+        check=f"[0, {WEEK_S}]", auto="trainer.collective_timeout_s / 2")
     smoke: SmokeConfig = section(SmokeConfig, "the distributed smoke job (trainer.job: smoke)")
     stop_at: StopAtConfig = section(StopAtConfig, "end the RL run early: a validation metric reaches a value, or "
                                                   "a wall-time budget is spent (checkpoint, exit 0)")
@@ -106,6 +111,11 @@ class TrainerConfig(Section):
 
     def check(self, job) -> List[str]:
         p = []
+        if self.heartbeat_timeout_s and self.heartbeat_timeout_s >= self.collective_timeout_s:
+            p.append(f"trainer.heartbeat_timeout_s = {self.heartbeat_timeout_s} is not below "
+                     f"trainer.collective_timeout_s = {self.collective_timeout_s}: the other ranks' collective "
+                     "timeout would end the job (not restarted) before a silent rank is found; valid: a value "
+                     "below it, or 0 (not watched)")
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             p.append(f"trainer.resume: no such checkpoint '{self.resume}'; valid: auto, never, or an existing path")
         if self.namespace and not NAMESPACE_RE.match(self.namespace):
@@ -114,6 +124,8 @@ class TrainerConfig(Section):
         return p
 
     def resolve(self, job) -> None:
+        if self.heartbeat_timeout_s is None:
+            self.heartbeat_timeout_s = min(self.collective_timeout_s // 2, WEEK_S)  # an out-of-range timeout is its own line
         ns = self.namespace
         if ns and ns not in Path(self.output_dir).parts:
             # paths interpolated from the output folder (slurm.log_dir) move with it; other explicit

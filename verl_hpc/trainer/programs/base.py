@@ -35,7 +35,8 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional
 from verl_hpc.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from verl_hpc.config import ConfigError, to_container, to_yaml
 from verl_hpc.config.layout import Layout
-from verl_hpc.runtime import collectives, memory_peaks
+from verl_hpc.launcher import heartbeat
+from verl_hpc.runtime import collectives, faults, memory_peaks
 from verl_hpc.runtime.device import synchronize
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
@@ -158,7 +159,10 @@ class StepProgram:
 
     def measured_step(self, step: int, timer) -> Dict[str, float]:
         """The step with its stage timings and throughput."""
+        heartbeat.at_step(step)  # the step a restart's line names, where a supervisor watches
         metrics = self.checked_step(step, timer)
+        # in-allocation restarts of this job before this launch (launcher/restarts.py)
+        metrics["job/restarts"] = float(faults.attempt())
         metrics.update(timer.pop())
         metrics.update(throughput(metrics["timing_s/step"], tokens=metrics.get("train/tokens"),
                                   samples=metrics.get("train/samples"), world_size=self.ctx.world_size))
@@ -169,7 +173,8 @@ class StepProgram:
         cfg, ctx, tr = self.cfg, self.ctx, self.cfg.trainer
         os.environ.setdefault("WANDB_MODE", cfg.tracking.wandb_mode)
         start = self.resume()
-        summary = dict(steps=start, stopped="completed", **(summary or {}), resumed_from=start)
+        summary = dict(steps=start, stopped="completed", **(summary or {}), resumed_from=start,
+                       restarts=faults.attempt())  # in-allocation restarts before this launch
         summary.setdefault("total_steps", self.total_steps)  # "stopped at step 3 of 12" (launcher/local_stop.py)
         # resumed: keep the history up to `start`; fresh: none of an earlier run's
         with tracked(cfg, ctx, summary, start_step=start + 1 if start else 0, total_steps=self.total_steps) as tracker:
