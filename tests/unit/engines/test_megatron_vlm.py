@@ -204,3 +204,46 @@ def test_export_loads_in_transformers_and_answers_image_prompts(vlm, tmp_path):
         answer = hf.generate(input_ids=ids, **inp, mm_token_type_ids=token_types(ids, vp.image_token_id),
                              max_new_tokens=4, do_sample=False)
     assert answer.shape[1] > ids.shape[1]
+
+
+def test_layouts_the_engine_does_not_build_are_refused_before_any_weight(vlm):
+    from verl_hpc.config.errors import ConfigError
+    from verl_hpc.engines.megatron.vision import check_layout
+    from verl_hpc.models import load_arch
+
+    arch = load_arch(vlm)
+    check_layout(arch, cp=1, vpp=None, head="lm")
+    for kw, says in ((dict(cp=2, vpp=None, head="lm"), "parallel.cp = 2: context parallelism is not built"),
+                     (dict(cp=1, vpp=2, head="lm"), "parallel.vpp = 2: virtual pipeline stages are not built"),
+                     (dict(cp=1, vpp=None, head="value"), "a value or reward head on it is not supported")):
+        with pytest.raises(ConfigError, match=says):
+            check_layout(arch, **kw)
+
+
+@pytest.mark.heavy
+def test_the_released_checkpoints_layout_loads_alike(vlm, tmp_path):
+    """Qwen2.5-VL as released (transformers 4's layout): the language model's fields at the top of
+    config.json with rope_scaling {type: mrope}, tensors named model.layers.* and visual.*. The engine
+    reads it to the same model as transformers 5's layout, and exports transformers 5's names."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "released"
+    shutil.copytree(vlm, old)
+    cfg = json.loads((vlm / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    cfg.update({k: v for k, v in text.items() if k not in ("model_type", "dtype")})
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    (old / "config.json").write_text(json.dumps(cfg))
+    renamed = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t
+               for n, t in load_file(str(vlm / "model.safetensors")).items()}
+    assert any(n.startswith("visual.") for n in renamed) and any(n.startswith("model.layers.") for n in renamed)
+    save_file(renamed, str(old / "model.safetensors"))
+    batch, _ = image_batch(vlm, seed=8)
+    new_engine, old_engine = _engine(vlm, trainable=False), _engine(old, trainable=False)
+    a, b = (e.forward(batch, outputs=("log_probs",))["log_probs"] for e in (new_engine, old_engine))
+    assert torch.equal(a, b)
+    assert sorted(n for n, _ in old_engine.export_hf_weights()) == sorted(n for n, _ in new_engine.export_hf_weights())
