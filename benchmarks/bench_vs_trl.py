@@ -368,7 +368,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="tiny,100m", help=f"comma list of {', '.join(SIZES)}")
     ap.add_argument("--quick", action="store_true", help="tiny, 1 rank, 10 steps, no accuracy target")
     ap.add_argument("--ranks", default=None,
-                    help="comma list of verl_hpc rank counts (default: 1,2 for tiny, 1 for 100m)")
+                    help="comma list of verl_hpc rank counts (default: 1,2 for tiny, 1 for the others)")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: 16 tiny, 5 100m)")
     ap.add_argument("--val-every", type=int, default=1)
     ap.add_argument("--gain", type=float, default=40.0, help="validation accuracy points for time-to-gain")
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     print(f"[bench] {os.cpu_count()} CPUs, load average {load:.1f} at start", flush=True)
     summary = {}
     for name in sizes:
-        ranks = [int(r) for r in (a.ranks or ("1" if a.quick or name == "100m" else "1,2")).split(",")]
+        ranks = [int(r) for r in (a.ranks or ("1,2" if name == "tiny" and not a.quick else "1")).split(",")]
         steps = a.steps or (10 if a.quick else 16 if name == "tiny" else 5)
         summary[name] = run_size(out, SIZES[name], a, ranks, steps)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
