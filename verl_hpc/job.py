@@ -68,6 +68,12 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
                                 rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0,
                                 host_collectives=cfg.fsdp.cpu_offload)
         preload(cfg, ctx.role)  # the libraries this rank's role builds its engines with
+    from verl_hpc.launcher import heartbeat
+
+    # beats where a restart supervisor watches (launcher/heartbeat.py), with the config's timeout;
+    # nothing otherwise
+    heartbeat.start(ctx.split.global_rank if ctx.split is not None else ctx.rank, cfg.trainer.heartbeat_timeout_s,
+                    cfg.checkpoint.dir)
     from verl_hpc.launcher import early_signals
 
     early_signals.hand_over(ctx.preemption.record)  # a signal in this rank's start-up: a stop, as later

@@ -33,7 +33,8 @@ def two_nodes():
 def smoke(tmp_path, *extra):
     cmd = [sys.executable, "-m", "verl_hpc.submit", "configs/smoke.yaml", f"trainer.output_dir={tmp_path}/out",
            f"slurm.log_dir={tmp_path}/logs/%j", "slurm.nodes=2", "slurm.tasks_per_node=2", "slurm.time_min=5",
-           "trainer.smoke.steps=5000", "trainer.smoke.step_seconds=0.05", "trainer.smoke.mpi=false", *extra]
+           "trainer.smoke.steps=5000", "trainer.smoke.step_seconds=0.05", "trainer.smoke.mpi=false",
+           "slurm.max_restarts=0", *extra]  # the faults must end the job here (restarts: test_restarts_slurm.py)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -228,3 +228,28 @@ def test_devcluster_scripts_are_executable_and_knobs_documented():
         assert f"VERL_HPC_DEVCLUSTER_{knob}" in readme, knob
     for name in ["start.sh", "stop.sh"]:
         assert os.access(ROOT / "slurm/devcluster" / name, os.X_OK), name
+
+
+# --------------------------------------------------------------------------- in-allocation restarts
+@pytest.mark.parametrize("path", SCRIPTS + [LAUNCH / "dev" / "grpo_2x2_cpu.sbatch"], ids=lambda p: p.name)
+def test_srun_runs_under_the_restart_supervisor_with_the_config_defaults(path, tmp_path):
+    """Each script runs srun through launcher/restart_loop.py (docs/resilience.md) with --no-kill in
+    its header; its knobs' defaults are the config's, and a batch host without the supervisor's
+    python3 fails in one line before any srun."""
+    from verl_hpc.config.sections.cluster import SlurmConfig
+
+    text, opts = path.read_text(), sbatch_options(path)
+    assert "--no-kill" in opts, path.name
+    d = SlurmConfig()
+    for knob, value in [("MAX_RESTARTS", d.max_restarts), ("RESTART_BACKOFF_S", f"{d.restart_backoff_s:g}"),
+                        ("SPARE_NODES", d.spare_nodes)]:
+        assert f': "${{{knob}:={value}}}"' in text, f"{path.name}: {knob} default is not slurm's {value}"
+    assert 'CMD=("${SUPERVISOR[@]}" srun --mpi=pmix' in text
+    result, args, env = run_script(path, tmp_path, {"MAX_RESTARTS": "1", "SPARE_NODES": "0"}, ["x=1"])
+    assert result.returncode == 0, result.stderr
+    assert args[:2] == ["--mpi=pmix", "--kill-on-bad-exit=1"] and env["VERL_HPC_ATTEMPT"] == "0"
+    assert env["VERL_HPC_HEARTBEAT_DIR"].endswith("/heartbeats/launch0"), env["VERL_HPC_HEARTBEAT_DIR"]
+    (tmp_path / "bare").mkdir()
+    result, args, _ = run_script(path, tmp_path / "bare", {"SUPERVISOR_PYTHON": "no-such-python3"}, [])
+    assert result.returncode == 2 and args is None
+    assert result.stderr.strip().splitlines()[-1].startswith("SUPERVISOR_PYTHON=no-such-python3 not found on ")

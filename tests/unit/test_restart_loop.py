@@ -20,6 +20,7 @@ LOOP = Path(__file__).resolve().parents[2] / "verl_hpc" / "launcher" / "restart_
 # srun's report of a task that died and the one it then terminated (Slurm 22.05's words)
 STUB_SRUN = r"""#!/bin/bash
 echo "$VERL_HPC_ATTEMPT $*" >> "$STUB_DIR/launches"
+echo "{\"checkpoint_dir\": \"$STUB_DIR/ckpt\"}" > "$VERL_HPC_HEARTBEAT_DIR/job.json"   # rank 0's word
 died() {
   echo "srun: error: node2: task 1: $1" >&2
   echo "srun: launch/slurm: _step_signal: Terminating StepId=7.$VERL_HPC_ATTEMPT" >&2
@@ -32,7 +33,7 @@ case "$STUB_MODE" in
   error) echo "srun: error: node1: task 0: Exited with exit code 2" >&2; exit 2 ;;
   silent)
     if [ "$VERL_HPC_ATTEMPT" = 0 ]; then
-      echo "5 12 $$ node2" > "$VERL_HPC_HEARTBEAT_DIR/rank1"   # one beat at step 12, then nothing
+      echo "5 12 $$ node2 1" > "$VERL_HPC_HEARTBEAT_DIR/rank1"   # one beat at step 12 (timeout 1 s), then none
       trap 'n=$((n+1)); [ "$n" = 2 ] && { echo ABORTED >> "$STUB_DIR/launches"; exit 130; }' INT
       n=0; while :; do sleep 0.1; done
     fi
@@ -42,7 +43,7 @@ esac
 """
 
 
-def supervise(tmp_path, mode, *, max_restarts=2, heartbeat_s=0.0, wait=True):
+def supervise(tmp_path, mode, *, max_restarts=2, wait=True):
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
     (bindir / "srun").write_text(STUB_SRUN)
@@ -52,8 +53,8 @@ def supervise(tmp_path, mode, *, max_restarts=2, heartbeat_s=0.0, wait=True):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VERL_HPC_"))}
     env.update(PATH=f"{bindir}:{env['PATH']}", STUB_DIR=str(tmp_path), STUB_MODE=mode)
     cmd = [sys.executable, str(LOOP), "--max-restarts", str(max_restarts), "--spare-nodes", "0",
-           "--backoff-s", "0", "--heartbeat-timeout-s", str(heartbeat_s), "--run-dir", str(tmp_path / "run"),
-           "--checkpoint-dir", str(tmp_path / "ckpt"), "--", "srun", "--mpi=pmix", "python", "-m", "verl_hpc.job"]
+           "--backoff-s", "0", "--run-dir", str(tmp_path / "run"),
+           "--", "srun", "--mpi=pmix", "python", "-m", "verl_hpc.job"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     if not wait:
@@ -65,7 +66,7 @@ def supervise(tmp_path, mode, *, max_restarts=2, heartbeat_s=0.0, wait=True):
 def test_a_dead_rank_is_relaunched_once_with_the_next_attempt(tmp_path):
     rc, out, err, launches = supervise(tmp_path, "die_once")
     assert rc == 0, out + err
-    assert launches == ["0 --mpi=pmix python -m verl_hpc.job", "1 --overlap --mpi=pmix python -m verl_hpc.job"]
+    assert launches == ["0 --mpi=pmix python -m verl_hpc.job", "1 --overlap --open-mode=append --mpi=pmix python -m verl_hpc.job"]
     assert out.splitlines() == [
         "[restart] rank 1 on node node2 died (SIGSEGV); restarted from step 11 (1 of 2)",
         "[restart] the job finished after 1 restart(s) in this allocation"]
@@ -89,7 +90,7 @@ def test_an_error_the_rank_reported_is_not_relaunched(tmp_path):
 
 def test_a_rank_whose_heartbeat_stops_ends_the_step_and_counts_as_dead(tmp_path):
     t0 = time.monotonic()
-    rc, out, err, launches = supervise(tmp_path, "silent", heartbeat_s=1.0)
+    rc, out, err, launches = supervise(tmp_path, "silent")
     assert rc == 0, out + err
     assert launches[1] == "ABORTED" and launches[2].startswith("1 --overlap"), launches  # srun's abort: 2 SIGINTs
     assert out.splitlines()[:2] == [
@@ -114,5 +115,5 @@ def test_srun_gets_the_layout_only_where_the_allocation_has_spares():
     cmd = ["srun", "--mpi=pmix", "python"]
     assert srun_argv(cmd, spare_nodes=0, nodes=2, tasks_per_node=4, exclude=[], relaunch=False) == cmd
     assert srun_argv(cmd, spare_nodes=1, nodes=2, tasks_per_node=4, exclude=["n1", "n3"], relaunch=True) == [
-        "srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--exclude=n1,n3", "--overlap", "--mpi=pmix",
+        "srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--exclude=n1,n3", "--overlap", "--open-mode=append", "--mpi=pmix",
         "python"]

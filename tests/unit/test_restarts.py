@@ -123,13 +123,13 @@ def test_a_lost_node_goes_at_once_or_the_job_is_requeued():
 
 def test_heartbeats_say_which_rank_went_silent_by_content_not_clock(tmp_path, monkeypatch):
     now = [100.0]
-    watch = heartbeat.Watch(str(tmp_path), timeout_s=10, clock=lambda: now[0])
-    assert watch.silent() == []  # nobody beats yet: nobody is watched
+    watch = heartbeat.Watch(str(tmp_path), clock=lambda: now[0])
+    assert watch.silent() == [] and watch.poll_s() == 1.0  # nobody beats yet: nobody is watched
     monkeypatch.setattr(heartbeat, "_state", dict(step=0, beats=0, path=heartbeat.path_of(str(tmp_path), 0),
-                                                  host="h0"))
+                                                  host="h0", timeout=10.0))
     heartbeat.beat()
-    (tmp_path / "rank1").write_text("1 0 4242 h1\n")
-    assert watch.silent() == []
+    (tmp_path / "rank1").write_text("1 0 4242 h1 10\n")  # each beat carries its rank's timeout
+    assert watch.silent() == [] and watch.poll_s() == 2.0
     heartbeat.at_step(7)  # a step's start beats at once, with the step
     now[0] = 109.0
     assert watch.silent() == []
@@ -138,6 +138,7 @@ def test_heartbeats_say_which_rank_went_silent_by_content_not_clock(tmp_path, mo
     assert quiet[0] == 1 and quiet[1].pid == 4242 and quiet[2] == 15.0
     assert watch.silent() == []  # reported once
     assert watch.step_of(0) == 7 and watch.last_step() == 7 and watch.step_of(1) is None
+    assert heartbeat.read(str(tmp_path / "rank0")).timeout_s == 10.0
     assert heartbeat.interval_for(300) == 30 and heartbeat.interval_for(5) == 1.0 and heartbeat.interval_for(0.1) == 0.2
 
 

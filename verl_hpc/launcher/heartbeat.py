@@ -1,8 +1,9 @@
 """Heartbeats: every rank says it is alive in a file; its supervisor kills a rank whose file stops changing.
 
-    heartbeat.start(rank)        # a rank, at bootstrap: beats where VERL_HPC_HEARTBEAT_DIR says (else nothing)
+    heartbeat.start(rank, timeout_s, checkpoint_dir)   # a rank (verl_hpc/job.py): beats where
+                                                       # VERL_HPC_HEARTBEAT_DIR says, else nothing
     heartbeat.at_step(step)      # the trainer, at each step's start: the step goes into the beat
-    watch = Watch(folder, timeout_s=300)
+    watch = Watch(folder)
     watch.silent()               # the supervisor (launcher/restart_loop.py, launcher/local_restarts.py)
 
 The beats come from a daemon thread, not from the training loop: a rank waiting in a long
@@ -15,11 +16,16 @@ other ranks would wait in their next collective for trainer.collective_timeout_s
 with a timeout that names nobody; the supervisor instead kills the silent rank, names it, and
 counts it as dead (an in-allocation restart: launcher/restarts.py).
 
-File `<folder>/rank<N>`: `<beats> <step> <pid> <host>`, rewritten in place. The supervisor
-compares contents, not times: its clock and a rank's node's clock need not agree, and a shared
-file system's modification times are its server's. Standard library only (Python >= 3.8): the
-Slurm supervisor imports this on the batch host with whatever python3 is there.
+File `<folder>/rank<N>`: `<beats> <step> <pid> <host> <timeout_s>`, rewritten in place. The
+timeout is the rank's own trainer.heartbeat_timeout_s: the config says it once, and the
+supervisor, which never reads the config (the batch host may not have the ranks' packages), learns
+it from the beats, as it learns checkpoint.dir from rank 0's `<folder>/job.json` (the step a
+restart resumes from, for its line). The supervisor compares contents, not times: its clock and a
+rank's node's clock need not agree, and a shared file system's modification times are its
+server's. Standard library only (Python >= 3.8): the Slurm supervisor imports this on the batch
+host with whatever python3 is there.
 """
+import json
 import os
 import socket
 import threading
@@ -27,8 +33,8 @@ import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 ENV = "VERL_HPC_HEARTBEAT_DIR"  # where the ranks beat (set by the supervisor for each launch)
-INTERVAL_ENV = "VERL_HPC_HEARTBEAT_S"  # seconds between beats
-_state = {"step": 0, "beats": 0, "path": "", "host": ""}  # this rank's beat (start, at_step)
+JOB = "job.json"  # rank 0's word on the job to its supervisor: {checkpoint_dir}
+_state = {"step": 0, "beats": 0, "path": "", "host": "", "timeout": 0.0}  # this rank's beat (start, at_step)
 _lock = threading.Lock()  # the beat thread and at_step write the same file
 
 
@@ -37,6 +43,7 @@ class Beat(NamedTuple):
     step: int
     pid: int
     host: str
+    timeout_s: float = 0.0  # the rank's trainer.heartbeat_timeout_s
 
 
 def interval_for(timeout_s: float) -> float:
@@ -49,14 +56,24 @@ def path_of(folder: str, rank: int) -> str:
     return os.path.join(folder, "rank%d" % rank)
 
 
-def start(rank: int, environ=None) -> Optional[threading.Thread]:
-    """Beat for `rank` where the supervisor asked (VERL_HPC_HEARTBEAT_DIR); None where nobody watches."""
+def start(rank: int, timeout_s: float, checkpoint_dir: str = "", environ=None) -> Optional[threading.Thread]:
+    """Beat for `rank` where a supervisor watches (VERL_HPC_HEARTBEAT_DIR), timeout_s apart / 5;
+    None where nobody watches or timeout_s is 0. Rank 0 also tells it checkpoint.dir."""
     environ = os.environ if environ is None else environ
     folder = environ.get(ENV, "")
     if not folder:
         return None
-    interval = float(environ.get(INTERVAL_ENV, "") or 5.0)
-    _state.update(path=path_of(folder, rank), host=socket.gethostname())
+    if rank == 0:
+        tmp = os.path.join(folder, ".%s.%d" % (JOB, os.getpid()))
+        with open(tmp, "w") as f:
+            json.dump({"checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else ""}, f)
+        os.replace(tmp, os.path.join(folder, JOB))
+    if not timeout_s or timeout_s <= 0:
+        return None
+    interval = interval_for(timeout_s)
+    # the node as Slurm names it (srun's lines, --exclude), where Slurm started the rank
+    host = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    _state.update(path=path_of(folder, rank), host=host, timeout=float(timeout_s))
     beat()  # before the thread: a rank is watched from its first beat on
 
     def run() -> None:
@@ -70,6 +87,15 @@ def start(rank: int, environ=None) -> Optional[threading.Thread]:
     thread = threading.Thread(target=run, name="verl_hpc-heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def job_facts(folder: str) -> dict:
+    """What rank 0 told its supervisor ({} before it did)."""
+    try:
+        with open(os.path.join(folder, JOB)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def at_step(step: int) -> None:
@@ -87,7 +113,8 @@ def beat() -> None:
     sees the old line or the new one)."""
     with _lock:
         _state["beats"] += 1
-        line = ("%d %d %d %s\n" % (_state["beats"], _state["step"], os.getpid(), _state["host"])).encode()
+        line = ("%d %d %d %s %g\n" % (_state["beats"], _state["step"], os.getpid(), _state["host"],
+                                        _state["timeout"])).encode()
         fd = os.open(_state["path"], os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.ftruncate(fd, len(line))
@@ -100,20 +127,26 @@ def read(path: str) -> Optional[Beat]:
     try:
         with open(path) as f:
             parts = f.read().split()
-        return Beat(int(parts[0]), int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else "")
+        return Beat(int(parts[0]), int(parts[1]), int(parts[2]), parts[3] if len(parts) > 3 else "",
+                    float(parts[4]) if len(parts) > 4 else 0.0)
     except (OSError, ValueError, IndexError):  # not there yet, or caught between truncate and write
         return None
 
 
 class Watch:
-    """The supervisor's side: the ranks whose beat has not changed for timeout_s of its own clock.
-    A rank is watched from its first beat (a rank still importing is not); each silent rank is
-    reported once."""
+    """The supervisor's side: the ranks whose beat has not changed for their timeout (the one each
+    beat carries; `timeout_s` where a beat carries none) by the supervisor's own clock. A rank is
+    watched from its first beat (a rank still importing is not); each silent rank is reported once."""
 
-    def __init__(self, folder: str, timeout_s: float, clock=time.monotonic):
+    def __init__(self, folder: str, timeout_s: float = 0.0, clock=time.monotonic):
         self.folder, self.timeout_s, self.clock = folder, float(timeout_s), clock
         self._seen: Dict[int, Tuple[Beat, float]] = {}  # rank -> (its last beat, when it changed)
         self._reported: set = set()
+
+    def poll_s(self) -> float:
+        """How often to look: a fifth of the shortest timeout the beats carry, 0.5-5 s (1 s before any beat)."""
+        limits = [b.timeout_s for b, _ in self._seen.values() if b.timeout_s > 0] or [self.timeout_s or 5.0]
+        return max(0.5, min(5.0, min(limits) / 5.0))
 
     def beats(self) -> Dict[int, Beat]:
         """Every rank's latest beat (reading the folder)."""
@@ -137,8 +170,8 @@ class Watch:
             if last is None or last[0] != b:
                 self._seen[rank] = (b, now)
                 continue
-            quiet = now - last[1]
-            if self.timeout_s > 0 and quiet > self.timeout_s and rank not in self._reported:
+            quiet, limit = now - last[1], b.timeout_s or self.timeout_s
+            if limit > 0 and quiet > limit and rank not in self._reported:
                 self._reported.add(rank)
                 out.append((rank, b, quiet))
         return sorted(out)

@@ -17,7 +17,6 @@ only the template writes it (submitit has one block per job: launcher/slurm.py r
 """
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -102,19 +101,19 @@ def srun_args(cfg) -> list[str]:
     return [*launch, f"--container-image={c.image}", *c.extra_args, *mounts]
 
 
-def supervisor_argv(plan, cfg, workdir: str) -> list[str]:
+def supervisor_argv(plan, cfg) -> list[str]:
     """What runs srun for the batch script: the restart supervisor (launcher/restart_loop.py) with
     the job's settings and `--` before srun's line; [] with slurm.max_restarts = 0 (srun alone, a
     dead rank ends the job). It runs on the batch host, outside any container: the submitter's
-    Python where the ranks run in it, else the host's python3."""
+    Python where the ranks run in it, else the host's python3. The heartbeat timeout and the
+    checkpoint folder it learns from the ranks (launcher/heartbeat.py)."""
     s = cfg.slurm
     if not s.max_restarts:
         return []
     python = sys.executable if s.container.runtime == "none" else "python3"
     return [python, RESTART_LOOP, "--max-restarts", str(s.max_restarts), "--spare-nodes", str(s.spare_nodes),
             "--nodes", str(plan.nodes), "--tasks-per-node", str(plan.tasks_per_node),
-            "--backoff-s", f"{s.restart_backoff_s:g}", "--heartbeat-timeout-s", str(cfg.trainer.heartbeat_timeout_s),
-            "--run-dir", str(plan.log_dir), "--checkpoint-dir", os.path.join(workdir, cfg.checkpoint.dir),
+            "--backoff-s", f"{s.restart_backoff_s:g}", "--run-dir", str(plan.log_dir),
             *(["--requeue"] if s.requeue else []), "--"]
 
 

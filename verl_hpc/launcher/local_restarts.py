@@ -33,14 +33,13 @@ from verl_hpc.launcher.restarts import ATTEMPT_ENV, Death, Ledger, Verdict, from
 
 
 class LocalRestarts:
-    def __init__(self, plan, checkpoint_dir=None, poll_s: float = 0.5):
+    def __init__(self, plan, checkpoint_dir=None):
         self.plan, self.checkpoint_dir = plan, checkpoint_dir
         self.ledger = Ledger(plan.max_restarts, backoff_s=plan.restart_backoff_s)
         self.attempt = 0
         self.lines: List[str] = []  # the restart lines printed so far (the submitter's last line counts them)
         self.silent: List[Death] = []
         self.watch: Optional[heartbeat.Watch] = None
-        self.poll_s = poll_s
 
     @property
     def on(self) -> bool:
@@ -50,12 +49,11 @@ class LocalRestarts:
         """This launch's variables, put into os.environ for the ranks (the launcher passes it on)."""
         env = {ATTEMPT_ENV: str(self.attempt)}
         self.silent, self.watch = [], None
-        if self.on and self.plan.heartbeat_timeout_s > 0:
+        if self.on:  # the ranks beat with their trainer.heartbeat_timeout_s, which each beat carries
             folder = Path(self.plan.log_dir) / "heartbeats" / f"launch{self.attempt}"
             folder.mkdir(parents=True, exist_ok=True)
-            env.update({heartbeat.ENV: str(folder),
-                        heartbeat.INTERVAL_ENV: str(heartbeat.interval_for(self.plan.heartbeat_timeout_s))})
-            self.watch = heartbeat.Watch(str(folder), self.plan.heartbeat_timeout_s)
+            env[heartbeat.ENV] = str(folder)
+            self.watch = heartbeat.Watch(str(folder))
         os.environ.update(env)
         return env
 
@@ -69,7 +67,7 @@ class LocalRestarts:
         done = threading.Event()
 
         def run() -> None:
-            while not done.wait(self.poll_s):
+            while not done.wait(self.watch.poll_s()):
                 for rank, beat, seconds in self.watch.silent():
                     self.silent.append(Death(rank, "", f"no heartbeat for {seconds:.0f} s", True, beat.step or None))
                     print(f"[restart] rank {rank}: no heartbeat for {seconds:.0f} s (holding the GIL, stopped, "

@@ -1,21 +1,23 @@
 """The batch script's supervisor: srun again inside the same allocation when a rank dies.
 
     python3 <checkout>/verl_hpc/launcher/restart_loop.py --max-restarts M --spare-nodes S --nodes N \\
-        --tasks-per-node T --backoff-s B --heartbeat-timeout-s H --run-dir LOGS/%j \\
-        --checkpoint-dir CKPT --requeue -- srun --mpi=pmix --kill-on-bad-exit=1 ... python -m verl_hpc.job ...
+        --tasks-per-node T --backoff-s B --run-dir LOGS/%j --requeue \\
+        -- srun --mpi=pmix --kill-on-bad-exit=1 ... python -m verl_hpc.job ...
 
 The batch script (the submitter's, `--sbatch-script`'s, launch/*.sbatch) runs this in place of the
 bare srun, on the batch host, with whatever python3 is there (standard library only, >= 3.8; run
 by its path, not `-m`, so the ranks' packages need not be installed there). Each launch:
-- srun gets VERL_HPC_ATTEMPT (0, 1, ...), the heartbeat folder and its interval; with spare
+- srun gets VERL_HPC_ATTEMPT (0, 1, ...) and a heartbeat folder of its own; with spare
   nodes, the layout's nodes and tasks (`--nodes --ntasks --ntasks-per-node`: the allocation has
   more) and `--exclude` of the nodes left out (the batch host while it is a spare); a relaunch
   also `--overlap`: a step whose node died stays registered until Slurm declares the node down
   (SlurmdTimeout, 300 s by default), holding the live nodes' CPUs, and a new step would wait;
 - its stderr passes through to the batch log and is read for srun's own report of each task that
   ended (`srun: error: node2: task 3: Segmentation fault`, a node failure, a launch that failed);
-- a rank whose heartbeat stops for `--heartbeat-timeout-s` ends the step (srun sent SIGINT twice,
-  its abort; SIGKILL 10 s later if a dead node keeps it waiting) and counts as dead.
+  a node whose ranks went silent is asked to run a one-task step (a node that does not is lost);
+- a rank whose heartbeat stops for its trainer.heartbeat_timeout_s (each beat carries it:
+  launcher/heartbeat.py) ends the step (srun sent SIGINT twice, its abort; SIGKILL 10 s later if a
+  dead node keeps it waiting) and counts as dead.
 Then launcher/restarts.py decides: relaunch from `latest` after a back-off (one line), stop
 (exit 34 once the restarts are spent, srun's own code for an error a relaunch would replay), or
 requeue the job when a lost node leaves too few (`scontrol requeue`, as Slurm would on a node failure).
@@ -53,9 +55,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=0, help="nodes of the layout (0: the allocation's less the spares)")
     p.add_argument("--tasks-per-node", type=int, default=0, help="0: SLURM_NTASKS_PER_NODE")
     p.add_argument("--backoff-s", type=float, required=True)
-    p.add_argument("--heartbeat-timeout-s", type=float, required=True, help="0: no heartbeats")
     p.add_argument("--run-dir", required=True, help="heartbeats and restarts.jsonl; %%j: the job id")
-    p.add_argument("--checkpoint-dir", default="", help="where `latest` is (the restart's line names its step)")
     p.add_argument("--requeue", action="store_true", help="requeue when a lost node leaves too few (slurm.requeue)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ...")
     args = p.parse_args(argv)
@@ -116,6 +116,17 @@ def latest_step(checkpoint_dir: str) -> Optional[int]:
         return None
 
 
+def answers(node: str) -> bool:
+    """Whether `node` runs a one-task step now. A node whose ranks all went silent may be gone while
+    Slurm still lists it (it notices after SlurmdTimeout, 300 s by default); a launch there would
+    fail and spend a restart."""
+    try:
+        return subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=" + node, "true"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def srun_argv(command: List[str], *, spare_nodes: int, nodes: int, tasks_per_node: int, exclude: List[str],
               relaunch: bool) -> List[str]:
     """The srun line with what this launch adds after `srun`: the layout where the allocation has
@@ -125,22 +136,22 @@ def srun_argv(command: List[str], *, spare_nodes: int, nodes: int, tasks_per_nod
         added += ["--nodes=%d" % nodes, "--ntasks=%d" % (nodes * tasks_per_node), "--ntasks-per-node=%d" % tasks_per_node]
     if exclude:
         added.append("--exclude=" + ",".join(exclude))
-    if relaunch:
-        added.append("--overlap")
+    if relaunch:  # and the first launch's logs kept: srun truncates its --output files by default
+        added += ["--overlap", "--open-mode=append"]
     return [command[0], *added, *command[1:]]
 
 
 class Launch:
     """One srun: its stderr passed through and kept, its ranks' heartbeats watched."""
 
-    def __init__(self, argv: List[str], env: dict, watch: Optional[heartbeat.Watch], poll_s: float):
+    def __init__(self, argv: List[str], env: dict, watch: heartbeat.Watch):
         self.silent: List[Death] = []
         self.text: List[str] = []
         self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, universal_newlines=True,
                                      errors="replace", bufsize=1)
         self._reader = threading.Thread(target=self._copy, daemon=True)
         self._reader.start()
-        self.watch, self.poll_s = watch, poll_s
+        self.watch = watch
 
     def _copy(self) -> None:
         for line in self.proc.stderr:
@@ -151,11 +162,11 @@ class Launch:
     def wait(self) -> int:
         while True:
             try:
-                rc = self.proc.wait(timeout=self.poll_s)
+                rc = self.proc.wait(timeout=self.watch.poll_s())
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if self.watch is not None and not self.silent:
+            if not self.silent:
                 quiet = self.watch.silent()
                 if quiet:
                     self._end(quiet)
@@ -169,7 +180,7 @@ class Launch:
                                      beat.step or None))
         ranks = ", ".join(str(d.rank) for d in self.silent)
         print("%s rank(s) %s: no heartbeat for %.0f s (holding the GIL, stopped, or on a node that is gone): "
-              "ending the job step" % (TAG, ranks, self.watch.timeout_s), flush=True)
+              "ending the job step" % (TAG, ranks, max(q[2] for q in quiet)), flush=True)
         for _ in range(2):  # two SIGINTs within a second: srun's abort (SIGKILL to every task)
             self.proc.send_signal(signal.SIGINT)
             time.sleep(0.2)
@@ -183,26 +194,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     stops = Stops()
     job = os.environ.get("SLURM_JOB_ID", "")
-    run_dir = args.run_dir.replace("%j", job or "local")
+    run_dir = os.path.abspath(args.run_dir.replace("%j", job or "local"))  # the ranks' cwd may differ (containers)
     tasks_per_node = args.tasks_per_node or int(os.environ.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0)
     nodes = allocation_nodes(job)
     needed = args.nodes or max(1, len(nodes) - args.spare_nodes)
     ledger = Ledger(args.max_restarts, args.spare_nodes, args.backoff_s, args.requeue,
                     batch_host=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     exclude = ledger.first_exclude(nodes, needed) if args.spare_nodes else []
-    interval = heartbeat.interval_for(args.heartbeat_timeout_s) if args.heartbeat_timeout_s > 0 else 0
     attempt = 0
     while True:
         beats = os.path.join(run_dir, "heartbeats", "launch%d" % attempt)
-        env = dict(os.environ, **{ATTEMPT_ENV: str(attempt)})
-        watch = None
-        if interval:
-            os.makedirs(beats, exist_ok=True)
-            env.update({heartbeat.ENV: beats, heartbeat.INTERVAL_ENV: str(interval)})
-            watch = heartbeat.Watch(beats, args.heartbeat_timeout_s)
+        os.makedirs(beats, exist_ok=True)
+        env = dict(os.environ, **{ATTEMPT_ENV: str(attempt), heartbeat.ENV: beats})
+        watch = heartbeat.Watch(beats)
         argv = srun_argv(args.command, spare_nodes=args.spare_nodes, nodes=needed, tasks_per_node=tasks_per_node,
                          exclude=exclude, relaunch=attempt > 0)
-        launch = Launch(argv, env, watch, poll_s=min(5.0, max(0.2, interval or 5.0)))
+        launch = Launch(argv, env, watch)
         rc = launch.wait()
         if stops.signum is not None:  # the job is being stopped (srun got the signal too): no relaunch
             return rc
@@ -213,12 +220,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         died_at = time.time()
         silent = {d.rank for d in launch.silent}
-        deaths = launch.silent + [d._replace(step=watch.step_of(d.rank) if watch else None)
-                                  for d in deaths if d.rank not in silent]
+        deaths = launch.silent + [d._replace(step=watch.step_of(d.rank)) for d in deaths if d.rank not in silent]
         steps = [d.step for d in deaths if d.step]
-        step = max(steps) if steps else (watch.last_step() if watch else None)
+        step = max(steps) if steps else watch.last_step()
         nodes = allocation_nodes(job)
         lost += [n for n in lost_nodes(sorted(set(nodes) | {d.node for d in deaths if d.node})) if n not in lost]
+        if job:  # a node whose ranks all went silent: asked directly whether it is there
+            lost += [n for n in sorted({d.node for d in launch.silent}) if n in nodes and n not in lost
+                     and not answers(n)]
         verdict = ledger.decide(deaths, lost, nodes, needed, step, rc or 1)
         if verdict.action == "restart":
             end = time.time() + verdict.wait_s
@@ -226,7 +235,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 time.sleep(min(0.5, max(0.0, end - time.time())))
             if stops.signum is not None:
                 return rc
-        line = verdict.line(latest_step(args.checkpoint_dir), known=bool(args.checkpoint_dir))
+        checkpoints = heartbeat.job_facts(beats).get("checkpoint_dir", "")  # rank 0's word (none before it spoke)
+        line = verdict.line(latest_step(checkpoints), known=bool(checkpoints))
         print(line, flush=True)
         _record(run_dir, dict(time=time.time(), launch=attempt, action=verdict.action, line=line,
                               seconds_down=round(time.time() - died_at, 1),

@@ -197,19 +197,20 @@ class Ledger:
             return Verdict("stop", attempt=self.restarts, exit_code=exit_code or 1,
                            why_not="an error the rank reported, which a relaunch from the checkpoint would "
                                    "meet again", **base)
+        self.lost.update(lost)
+        if nodes and len([n for n in nodes if n not in self.lost]) < needed:
+            # what a node failure did before restarts existed: Slurm's requeue, whatever the budget
+            why = ("node(s) %s lost and %d node(s) left, the layout takes %d (slurm.spare_nodes = %d)"
+                   % (", ".join(sorted(self.lost)), len(set(nodes) - self.lost), needed, self.spare_nodes))
+            return Verdict("requeue" if self.requeue else "stop", attempt=self.restarts, why_not=why,
+                           exit_code=exit_code or 1, **base)
         if self.restarts >= self.max_restarts:
             return Verdict("stop", attempt=self.restarts, exit_code=SPENT_EXIT,
                            why_not="the %d restart(s) of slurm.max_restarts = %d are spent"
                                    % (self.restarts, self.max_restarts), **base)
         for node in sorted({d.node for d in dead if d.node}):
             self.died_on[node] += 1
-        self.lost.update(lost)
         exclude, words = self._exclude(nodes, needed)
-        if exclude is None:
-            why = ("node(s) %s lost and %d node(s) left, the layout takes %d (slurm.spare_nodes = %d)"
-                   % (", ".join(sorted(self.lost)), len(set(nodes) - self.lost), needed, self.spare_nodes))
-            return Verdict("requeue" if self.requeue else "stop", attempt=self.restarts, why_not=why,
-                           exit_code=exit_code or 1, **base)
         self.restarts += 1
         self.excluded = exclude
         wait = min(self.backoff_s * 2 ** (self.restarts - 1), 300.0) if self.backoff_s > 0 else 0.0

@@ -43,7 +43,7 @@ def render(plan: Plan, cfg, config_path: Path, log_dir: Path, *, config_source: 
         directives=_with_logs(job_script.allocation_directives(plan, cfg),
                               [job_script.directive(k, v) for k, v in logs.items()]),
         setup=job_script.setup_lines(plan, cfg, workdir),
-        srun=shlex.join([*job_script.supervisor_argv(plan, cfg, workdir), *srun]),
+        srun=shlex.join([*job_script.supervisor_argv(plan, cfg), *srun]),
         config_source=shlex.quote(config_source), script_name=shlex.quote(script_name))
 
 

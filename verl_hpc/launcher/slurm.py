@@ -37,7 +37,7 @@ def make_executor(plan: Plan, cfg) -> submitit.SlurmExecutor:
     workdir = os.getcwd()
     ex = Executor(folder=str(plan.log_dir), python=shlex.join(job_script.python_argv(plan, cfg, workdir)),
                   max_num_timeout=3)
-    ex.supervisor, ex.ranks = job_script.supervisor_argv(plan, cfg, workdir), plan.world_size
+    ex.supervisor, ex.ranks = job_script.supervisor_argv(plan, cfg), plan.world_size
     ex.update_parameters(**job_script.sbatch_parameters(plan, cfg), srun_args=job_script.srun_args(cfg),
                          setup=job_script.setup_lines(plan, cfg, workdir), use_srun=not ex.supervisor)
     return ex
@@ -132,7 +132,9 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
     offset, t0, last_status = 0, time.time(), 0.0
     print(f"[submit] job {job.job_id} submitted; logs: {job.paths.folder}", flush=True)
     while True:
-        done = job.done()
+        # a failed launch's rank 0 leaves submitit's result file while the restart supervisor
+        # relaunches the ranks in the same allocation: done is what Slurm says (launcher/restart_loop.py)
+        done = job.done() and _ended(job)
         offset = _stream(out_path, offset)
         now = time.time()
         if done:
@@ -145,15 +147,33 @@ def wait(job: submitit.Job, *, poll_s: float = 2.0, status_every_s: float = 15.0
         time.sleep(poll_s)
     _stream(out_path, offset)
     state = final_state(job)
+    again = restarts_words(Path(job.paths.folder))
     if state.startswith(FINISHED_OK):
-        print(f"[submit] job {job.job_id} {state} in {now - t0:.0f}s; logs: {job.paths.folder}")
+        print(f"[submit] job {job.job_id} {state} in {now - t0:.0f}s{again}; logs: {job.paths.folder}")
         return 0
-    print(f"[submit] job {job.job_id} ended {state}", file=sys.stderr)
+    print(f"[submit] job {job.job_id} ended {state}{again}", file=sys.stderr)
     for rank, reason, node, log in failed_ranks(job):
         where = f" (node {node})" if node else ""
         print(f"[submit]   {rank_label(rank, rollout_ranks)}: {reason}{where}; log: {log}", file=sys.stderr)
     print(f"[submit] all logs: {job.paths.folder}", file=sys.stderr)
     return 1
+
+
+def _ended(job: submitit.Job) -> bool:
+    """Whether Slurm says the job is over (asked only once submitit thinks so)."""
+    return job.get_info(mode="force").get("State", "UNKNOWN").split()[0] not in ACTIVE_STATES - {"UNKNOWN"}
+
+
+def restarts_words(folder: Path) -> str:
+    """` after 1 in-allocation restart (the [restart] lines above)` from the supervisor's record."""
+    import json
+
+    try:
+        rows = [json.loads(line) for line in (folder / "restarts.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return ""
+    n = sum(1 for r in rows if r.get("action") == "restart")
+    return f" after {n} in-allocation restart(s) (the [restart] lines above)" if n else ""
 
 
 def final_state(job: submitit.Job, timeout_s: float = 60.0) -> str:

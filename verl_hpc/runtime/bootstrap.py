@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.errors import ConfigError
-from verl_hpc.launcher import heartbeat
 from verl_hpc.runtime import collectives, faults
 from verl_hpc.runtime import device as devices
 from verl_hpc.runtime.launch_env import LaunchEnv, detect, port_for_job
@@ -134,8 +133,6 @@ def bootstrap(*, backend: str = "auto", timeout_s: float = 600, seed: int = 1,
         faults.install(env.rank)  # the resilience tests' hook (VERL_HPC_FAULT); nothing when unset
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    # beats where a restart supervisor watches (launcher/heartbeat.py); nothing otherwise
-    heartbeat.start(split.global_rank if split is not None else env.rank)
     log.info("rank %d/%d up via %s on host %s (local %d, node %d) on %s, backend %s, master %s:%d%s",
              env.rank, env.world_size, env.launcher, socket.gethostname(), env.local_rank,
              env.node_rank, dev, backend,

@@ -51,7 +51,8 @@ def test_hanging_reward_fails_two_rank_job_naming_function_and_sample(tmp_path, 
 def test_wedged_rank_is_named_by_its_stage_watchdog(tmp_path, smoke_job, failure_after):
     proc = smoke_job(tmp_path, "slurm.tasks_per_node=2", "trainer.smoke.steps=200", "trainer.smoke.fail_rank=1",
                      "trainer.smoke.fail_at_step=2", "trainer.smoke.fail_mode=hang",
-                     "trainer.collective_timeout_s=600", "trainer.stage_timeout_s=10")
+                     "trainer.collective_timeout_s=600", "trainer.stage_timeout_s=10",
+                     "slurm.max_restarts=0")  # a stall is a death the restarts would relaunch: here it must end the job
     out, err, elapsed = failure_after(proc, tmp_path / "logs", "**/1/stderr.log", "hangs on purpose")
     assert proc.returncode != 0
     # 10 s limit + 1 s polling; the launcher then stops rank 0 (waiting in a collective); slack for load

@@ -26,7 +26,8 @@ def start_split_job(root: Path, out: Path) -> subprocess.Popen:
            "async_training.staleness=1", "rollout.engine=vllm", "trainer.total_steps=5000", "trainer.val_every=0",
            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=16",
            "checkpoint.save_every=0", "tracking.plots=false", f"trainer.collective_timeout_s={TIMEOUT_S}",
-           f"async_training.poll_timeout_s={TIMEOUT_S}"]
+           f"async_training.poll_timeout_s={TIMEOUT_S}",
+           "slurm.max_restarts=0"]  # the dead rank must end the job here (its restart: tests/jobs/test_restart_job.py)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
