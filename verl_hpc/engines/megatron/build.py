@@ -7,7 +7,7 @@ response positions only, and whether micro-batches may pack the responses to one
     ddp_chunks = wrap_ddp(chunks, perf, options.use_distributed_optimizer)
     output_layers = output_position_layers(options, ddp_chunks, chunks, sequence_parallel)
     sharing, rotary = prompt_sharing(options, ddp_chunks, chunks, sequence_parallel=sequence_parallel,
-                                     vpp=vpp, rope_fusion=perf.apply_rope_fusion)
+                                     vpp=vpp, rope_fusion=chunks[0].config.apply_rope_fusion)
 
 Megatron's model-parallel state must be initialised (verl_hpc.parallel.init_model_parallel).
 """
@@ -58,6 +58,10 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
     from megatron.core import parallel_state as ps
 
     arch = engine_arch(o)
+    if arch.vision is not None:
+        # M-RoPE turns each row by its own positions ([s, b, 1, d]); the fused RoPE kernels take one
+        # table for every row ([s, 1, 1, d]). Here, so that the kernel report says so too.
+        perf = dataclasses.replace(perf, apply_rope_fusion=False)
     pp = ps.get_pipeline_model_parallel_world_size()
     overrides = dict(calculate_per_token_loss=True, sequence_parallel=sequence_parallel,
                      moe_options=o.moe_options,
@@ -72,10 +76,6 @@ def build_chunks(o: EngineOptions, dtype: torch.dtype, sequence_parallel: bool,
         # (seen with gloo: silently swapped, wrong loss and gradients). Unbatched p2p orders
         # sends and receives by rank parity and is correct.
         overrides.update(batch_p2p_comm=False)
-    if arch.vision is not None:
-        # M-RoPE turns each row by its own positions ([s, b, 1, d]); the fused RoPE kernels take one
-        # table for every row ([s, 1, 1, d])
-        overrides.update(apply_rope_fusion=False)
     if pp > 1 and not vpp:  # micro-batches differ in shape: stages exchange shapes first
         # (the dense model has no experts; Megatron refuses its default MoE dispatcher here)
         overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
