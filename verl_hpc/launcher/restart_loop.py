@@ -14,7 +14,7 @@ by its path, not `-m`, so the ranks' packages need not be installed there). Each
   (SlurmdTimeout, 300 s by default), holding the live nodes' CPUs, and a new step would wait;
 - its stderr passes through to the batch log and is read for srun's own report of each task that
   ended (`srun: error: node2: task 3: Segmentation fault`, a node failure, a launch that failed);
-  a node whose ranks went silent is asked to run a one-task step (a node that does not is lost);
+  a node where ranks died or went silent is asked to run a one-task step (one that does not is lost);
 - a rank whose heartbeat stops for its trainer.heartbeat_timeout_s (each beat carries it:
   launcher/heartbeat.py) ends the step (srun sent SIGINT twice, its abort; SIGKILL 10 s later if a
   dead node keeps it waiting) and counts as dead.
@@ -117,14 +117,25 @@ def latest_step(checkpoint_dir: str) -> Optional[int]:
 
 
 def answers(node: str) -> bool:
-    """Whether `node` runs a one-task step now. A node whose ranks all went silent may be gone while
-    Slurm still lists it (it notices after SlurmdTimeout, 300 s by default); a launch there would
-    fail and spend a restart."""
+    """Whether `node` runs a one-task step now. A node whose ranks died or went silent may be gone
+    while Slurm still lists it (it notices after SlurmdTimeout, 300 s by default): a relaunch there
+    would fail and spend a restart."""
     try:
         return subprocess.run(["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=" + node, "true"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+def gone(nodes: List[str]) -> List[str]:
+    """The nodes among `nodes` that do not answer (asked at once, each on a thread)."""
+    answered = {}
+    threads = [threading.Thread(target=lambda n=n: answered.__setitem__(n, answers(n))) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [n for n in nodes if not answered.get(n)]
 
 
 def srun_argv(command: List[str], *, spare_nodes: int, nodes: int, tasks_per_node: int, exclude: List[str],
@@ -225,9 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         step = max(steps) if steps else watch.last_step()
         nodes = allocation_nodes(job)
         lost += [n for n in lost_nodes(sorted(set(nodes) | {d.node for d in deaths if d.node})) if n not in lost]
-        if job:  # a node whose ranks all went silent: asked directly whether it is there
-            lost += [n for n in sorted({d.node for d in launch.silent}) if n in nodes and n not in lost
-                     and not answers(n)]
+        if job:  # the nodes where ranks died: asked directly whether they are there
+            lost += gone(sorted({d.node for d in deaths if d.restartable and d.node in nodes and d.node not in lost}))
         verdict = ledger.decide(deaths, lost, nodes, needed, step, rc or 1)
         if verdict.action == "restart":
             end = time.time() + verdict.wait_s

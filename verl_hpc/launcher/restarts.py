@@ -217,13 +217,11 @@ class Ledger:
         return Verdict("restart", attempt=self.restarts, exclude=tuple(exclude), left_out=words, wait_s=wait, **base)
 
     def _exclude(self, nodes: Sequence[str], needed: int):
-        """(the nodes to leave out, the words for those left out now), or (None, "") when the nodes
-        left cannot hold the layout. Locally (no nodes) nothing is left out."""
+        """(the nodes to leave out, the words for those left out now); `decide` has made sure the
+        nodes left hold the layout. Locally (no nodes) nothing is left out."""
         if not nodes:
             return [], ""
         usable = [n for n in nodes if n not in self.lost]
-        if len(usable) < needed:
-            return None, ""
         spare = len(usable) - needed
         twice = [n for n in usable if self.died_on.get(n, 0) >= 2]
         out = sorted(twice, key=lambda n: n not in self.excluded)[:spare]  # a node left out stays out
