@@ -68,7 +68,7 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
                                 rollout_ranks=cfg.placement.rollout_ranks if cfg.placement.split else 0,
                                 host_collectives=cfg.fsdp.cpu_offload)
         preload(cfg, ctx.role)  # the libraries this rank's role builds its engines with
-    from verl_hpc.launcher import heartbeat
+    from verl_hpc.runtime import heartbeat
 
     # beats where a restart supervisor watches (launcher/heartbeat.py), with the config's timeout;
     # nothing otherwise

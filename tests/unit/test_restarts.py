@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from verl_hpc.launcher import heartbeat, restarts
+from verl_hpc.runtime import heartbeat as beats
 from verl_hpc.launcher.restarts import SPENT_EXIT, Death, Ledger, from_exit, from_srun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,12 +126,13 @@ def test_heartbeats_say_which_rank_went_silent_by_content_not_clock(tmp_path, mo
     now = [100.0]
     watch = heartbeat.Watch(str(tmp_path), clock=lambda: now[0])
     assert watch.silent() == [] and watch.poll_s() == 1.0  # nobody beats yet: nobody is watched
-    monkeypatch.setattr(heartbeat, "_state", dict(step=0, beats=0, path=heartbeat.path_of(str(tmp_path), 0),
-                                                  host="h0", timeout=10.0))
-    heartbeat.beat()
+    # the rank's writer (runtime/heartbeat.py) and the supervisor's reader agree on the file
+    monkeypatch.setattr(beats, "_state", dict(step=0, beats=0, path=beats.path_of(str(tmp_path), 0),
+                                              host="h0", timeout=10.0))
+    beats.beat()
     (tmp_path / "rank1").write_text("1 0 4242 h1 10\n")  # each beat carries its rank's timeout
     assert watch.silent() == [] and watch.poll_s() == 2.0
-    heartbeat.at_step(7)  # a step's start beats at once, with the step
+    beats.at_step(7)  # a step's start beats at once, with the step
     now[0] = 109.0
     assert watch.silent() == []
     now[0] = 115.0  # rank 0 beat at 109 (its step), rank 1 not since 100
@@ -139,7 +141,8 @@ def test_heartbeats_say_which_rank_went_silent_by_content_not_clock(tmp_path, mo
     assert watch.silent() == []  # reported once
     assert watch.step_of(0) == 7 and watch.last_step() == 7 and watch.step_of(1) is None
     assert heartbeat.read(str(tmp_path / "rank0")).timeout_s == 10.0
-    assert heartbeat.interval_for(300) == 30 and heartbeat.interval_for(5) == 1.0 and heartbeat.interval_for(0.1) == 0.2
+    assert beats.interval_for(300) == 30 and beats.interval_for(5) == 1.0 and beats.interval_for(0.1) == 0.2
+    assert (beats.ENV, beats.JOB, beats.path_of("f", 3)) == (heartbeat.ENV, heartbeat.JOB, heartbeat.path_of("f", 3))
 
 
 def test_the_batch_host_modules_are_standard_library_python_3_8():

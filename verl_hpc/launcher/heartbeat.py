@@ -1,41 +1,26 @@
-"""Heartbeats: every rank says it is alive in a file; its supervisor kills a rank whose file stops changing.
+"""The supervisor's side of the heartbeats: which rank has gone silent.
 
-    heartbeat.start(rank, timeout_s, checkpoint_dir)   # a rank (verl_hpc/job.py): beats where
-                                                       # VERL_HPC_HEARTBEAT_DIR says, else nothing
-    heartbeat.at_step(step)      # the trainer, at each step's start: the step goes into the beat
-    watch = Watch(folder)
-    watch.silent()               # the supervisor (launcher/restart_loop.py, launcher/local_restarts.py)
+    watch = Watch(folder)        # a launch's heartbeat folder (VERL_HPC_HEARTBEAT_DIR of its ranks)
+    watch.silent()               # (rank, its last beat, seconds silent) past its timeout, each once
+    job_facts(folder)            # what rank 0 said: {checkpoint_dir}
 
-The beats come from a daemon thread, not from the training loop: a rank waiting in a long
-collective, or generating for minutes, still beats. What stops them is a process that no longer
-runs Python at all: one holding the GIL in a C call that never returns, one stopped (SIGSTOP, a
-frozen cgroup) or stuck in the kernel (a dead file system mount), one on a node that is gone. Such
-a rank escapes its stage watchdog, a thread of the same process (runtime/watchdog.py); a rank
-stuck in Python code outside collectives keeps beating, and that watchdog ends it (exit 16). The
-other ranks would wait in their next collective for trainer.collective_timeout_s and then fail
-with a timeout that names nobody; the supervisor instead kills the silent rank, names it, and
-counts it as dead (an in-allocation restart: launcher/restarts.py).
-
-File `<folder>/rank<N>`: `<beats> <step> <pid> <host> <timeout_s>`, rewritten in place. The
-timeout is the rank's own trainer.heartbeat_timeout_s: the config says it once, and the
-supervisor, which never reads the config (the batch host may not have the ranks' packages), learns
-it from the beats, as it learns checkpoint.dir from rank 0's `<folder>/job.json` (the step a
-restart resumes from, for its line). The supervisor compares contents, not times: its clock and a
-rank's node's clock need not agree, and a shared file system's modification times are its
+The ranks write (runtime/heartbeat.py: a thread of each rank, `<beats> <step> <pid> <node>
+<timeout_s>` in `<folder>/rank<N>`; the reason for a thread, and what stops it, are there). A
+silent rank is one that runs no Python at all: the supervisor (launcher/restart_loop.py,
+launcher/local_restarts.py) kills it, names it, and counts it as dead (launcher/restarts.py),
+where the other ranks would wait in their next collective for trainer.collective_timeout_s and
+fail with a timeout that names nobody. The supervisor compares contents, not times: its clock and
+a rank's node's clock need not agree, and a shared file system's modification times are its
 server's. Standard library only (Python >= 3.8): the Slurm supervisor imports this on the batch
-host with whatever python3 is there.
+host with whatever python3 is there (not runtime/, whose package imports torch).
 """
 import json
 import os
-import socket
-import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-ENV = "VERL_HPC_HEARTBEAT_DIR"  # where the ranks beat (set by the supervisor for each launch)
-JOB = "job.json"  # rank 0's word on the job to its supervisor: {checkpoint_dir}
-_state = {"step": 0, "beats": 0, "path": "", "host": "", "timeout": 0.0}  # this rank's beat (start, at_step)
-_lock = threading.Lock()  # the beat thread and at_step write the same file
+ENV = "VERL_HPC_HEARTBEAT_DIR"  # runtime/heartbeat.py's ENV and JOB (a unit test keeps them equal)
+JOB = "job.json"
 
 
 class Beat(NamedTuple):
@@ -46,47 +31,8 @@ class Beat(NamedTuple):
     timeout_s: float = 0.0  # the rank's trainer.heartbeat_timeout_s
 
 
-def interval_for(timeout_s: float) -> float:
-    """Seconds between beats for a supervisor's timeout: five beats per timeout, at least 0.2 s
-    apart, at most 30 (a thousand ranks beating every 30 s is 33 small writes a second)."""
-    return min(30.0, max(0.2, float(timeout_s) / 5.0))
-
-
 def path_of(folder: str, rank: int) -> str:
     return os.path.join(folder, "rank%d" % rank)
-
-
-def start(rank: int, timeout_s: float, checkpoint_dir: str = "", environ=None) -> Optional[threading.Thread]:
-    """Beat for `rank` where a supervisor watches (VERL_HPC_HEARTBEAT_DIR), timeout_s apart / 5;
-    None where nobody watches or timeout_s is 0. Rank 0 also tells it checkpoint.dir."""
-    environ = os.environ if environ is None else environ
-    folder = environ.get(ENV, "")
-    if not folder:
-        return None
-    if rank == 0:
-        tmp = os.path.join(folder, ".%s.%d" % (JOB, os.getpid()))
-        with open(tmp, "w") as f:
-            json.dump({"checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else ""}, f)
-        os.replace(tmp, os.path.join(folder, JOB))
-    if not timeout_s or timeout_s <= 0:
-        return None
-    interval = interval_for(timeout_s)
-    # the node as Slurm names it (srun's lines, --exclude), where Slurm started the rank
-    host = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    _state.update(path=path_of(folder, rank), host=host, timeout=float(timeout_s))
-    beat()  # before the thread: a rank is watched from its first beat on
-
-    def run() -> None:
-        while True:
-            time.sleep(interval)
-            try:
-                beat()
-            except OSError:  # a full or flaky file system: the supervisor sees silence, which is the truth
-                pass
-
-    thread = threading.Thread(target=run, name="verl_hpc-heartbeat", daemon=True)
-    thread.start()
-    return thread
 
 
 def job_facts(folder: str) -> dict:
@@ -96,31 +42,6 @@ def job_facts(folder: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def at_step(step: int) -> None:
-    """The step the rank starts now: beaten at once, so that a rank dying in it is named with it."""
-    _state["step"] = int(step)
-    if _state["path"]:
-        try:
-            beat()
-        except OSError:
-            pass
-
-
-def beat() -> None:
-    """One beat: the line rewritten in place (one write of a few dozen bytes, no rename: a reader
-    sees the old line or the new one)."""
-    with _lock:
-        _state["beats"] += 1
-        line = ("%d %d %d %s %g\n" % (_state["beats"], _state["step"], os.getpid(), _state["host"],
-                                        _state["timeout"])).encode()
-        fd = os.open(_state["path"], os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            os.ftruncate(fd, len(line))
-            os.pwrite(fd, line, 0)
-        finally:
-            os.close(fd)
 
 
 def read(path: str) -> Optional[Beat]:

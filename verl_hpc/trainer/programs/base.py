@@ -35,8 +35,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional
 from verl_hpc.checkpoint.checkpointer import Checkpointer, CheckpointOptions
 from verl_hpc.config import ConfigError, to_container, to_yaml
 from verl_hpc.config.layout import Layout
-from verl_hpc.launcher import heartbeat
-from verl_hpc.runtime import collectives, faults, memory_peaks
+from verl_hpc.runtime import collectives, faults, heartbeat, memory_peaks
 from verl_hpc.runtime.device import synchronize
 from verl_hpc.runtime.watchdog import StageWatchdog, WatchedTimer
 from verl_hpc.tracking import StageTimer, Tracker, missing_packages, throughput
