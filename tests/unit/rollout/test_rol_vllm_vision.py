@@ -14,7 +14,8 @@ families vLLM serves and the FSDP engine trains: a tiny Qwen2.5-VL and a tiny Qw
   tower changed, is encoded with the new weights (transformers' answer on them), not served from
   the cache of the old ones, and is no "Encoder cache miss";
 - a tensor served other than it was sent (a vision tower's) is named by the check;
-- n-gram speculation with images: the same greedy tokens and log-probs as without.
+- speculation with images, n-gram (Qwen2.5-VL) and a text draft model (Qwen3-VL): the same greedy
+  tokens and log-probs as without.
 
 Runs in the vLLM-range venv only (the marker `torchvision`: vLLM's Qwen-VL classes import it, and
 the main venv has no torchvision that imports beside its CPU torch; make test-vllm-range).
@@ -219,16 +220,23 @@ def test_a_vision_tensor_served_other_than_sent_is_named(vlm_served):
     vlm_served["rollout"].load_weights(iter(state.items()))
 
 
-def test_ngram_speculation_with_images_is_lossless(vlm_served):
-    """vLLM 0.25 drafts a Qwen-VL by prompt lookup over the token ids (image placeholders among them):
-    the greedy tokens and log-probs are those of the plain engine."""
+def test_speculation_with_images_is_lossless(vlm_served, tmp_path):
+    """vLLM 0.25 drafts a Qwen-VL policy on CPU: by prompt lookup over the token ids (n-gram, the image
+    placeholders among them; Qwen2.5-VL) and with a text draft model of the same vocabulary (a 1-layer
+    Llama; Qwen3-VL): the greedy tokens and log-probs are those of the plain engine."""
     from verl_hpc.config.sections.speculative import SpeculativeConfig
+    from verl_hpc.models.tiny import make_tiny_model
     from verl_hpc.rollout import VLLMRollout
 
+    if vlm_served["family"] == "qwen2_5_vl":
+        method = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    else:
+        drafter = make_tiny_model(tmp_path / "drafter", "llama", layers=1, vocab_size=500)
+        method = SpeculativeConfig(method="draft_model", draft_model_path=str(drafter), num_speculative_tokens=2)
     state = dict(vlm_served["actor"].export_hf_weights())
     vlm_served["rollout"].load_weights(iter(state.items()))
     plain = vlm_served["rollout"].generate(vlm_served["ids"], GREEDY, media=vlm_served["media"])
-    spec = VLLMRollout(str(vlm_served["folder"]), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2),
+    spec = VLLMRollout(str(vlm_served["folder"]), speculative=method,
                        **default_engine_args("vllm", max_prompt_length=96, max_response_length=8))
     try:
         spec.load_weights(iter(state.items()))
