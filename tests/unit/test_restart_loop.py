@@ -97,7 +97,7 @@ def test_a_rank_whose_heartbeat_stops_ends_the_step_and_counts_as_dead(tmp_path)
         "[restart] rank(s) 1: no heartbeat for 1 s (holding the GIL, stopped, or on a node that is gone): ending "
         "the job step",
         "[restart] rank 1 on node node2 stopped (no heartbeat for 1 s) at step 12; restarted from step 11 (1 of 2)"]
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60  # the 1 s timeout, not a hang (loose: a loaded machine starts processes slowly)
 
 
 def test_a_job_being_stopped_is_not_relaunched(tmp_path):

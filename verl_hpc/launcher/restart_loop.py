@@ -159,7 +159,7 @@ class Launch:
         self.silent: List[Death] = []
         self.text: List[str] = []
         self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, universal_newlines=True,
-                                     errors="replace", bufsize=1)
+                                     errors="replace", bufsize=1)  # OSError (no srun): main's one line
         self._reader = threading.Thread(target=self._copy, daemon=True)
         self._reader.start()
         self.watch = watch
@@ -206,9 +206,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     stops = Stops()
     job = os.environ.get("SLURM_JOB_ID", "")
     run_dir = os.path.abspath(args.run_dir.replace("%j", job or "local"))  # the ranks' cwd may differ (containers)
-    tasks_per_node = args.tasks_per_node or int(os.environ.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0] or 0)
+    # the layout: what the script says, else the allocation's shape less the spares
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "0")
+    tasks_per_node = args.tasks_per_node or int(per_node.split("(")[0].split(",")[0] or 0)
     nodes = allocation_nodes(job)
-    needed = args.nodes or max(1, len(nodes) - args.spare_nodes)
+    total = len(nodes) or int(os.environ.get("SLURM_JOB_NUM_NODES", "0") or 0)
+    needed = args.nodes or max(1, total - args.spare_nodes)
     ledger = Ledger(args.max_restarts, args.spare_nodes, args.backoff_s, args.requeue,
                     batch_host=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     exclude = ledger.first_exclude(nodes, needed) if args.spare_nodes else []
@@ -220,7 +223,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         watch = heartbeat.Watch(beats)
         argv = srun_argv(args.command, spare_nodes=args.spare_nodes, nodes=needed, tasks_per_node=tasks_per_node,
                          exclude=exclude, relaunch=attempt > 0)
-        launch = Launch(argv, env, watch)
+        try:
+            launch = Launch(argv, env, watch)
+        except OSError as e:
+            print("%s cannot start %s: %s" % (TAG, argv[0], e), file=sys.stderr, flush=True)
+            return 127
         rc = launch.wait()
         if stops.signum is not None:  # the job is being stopped (srun got the signal too): no relaunch
             return rc
