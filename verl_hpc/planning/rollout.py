@@ -87,7 +87,7 @@ def kv_capacity(arch: ModelArch, cfg, kv_cache: float, dtype_bytes: int) -> Tupl
 def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
     """The same rule as vllm_compat.cpu_kv_cache_bytes, from the parsed architecture."""
     per_token = kv_bytes_per_token(arch, dtype_bytes)
-    tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
+    tokens = (max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) + 1) * CPU_KV_BLOCK  # + vLLM's null block
     return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
 
 

@@ -94,10 +94,11 @@ def test_cpu_kv_cache_is_sized_for_the_rollout_batch():
     cfg = load_config(str(REPO / "configs/grpo_tiny_cpu.yaml"), ["trainer.val_every=0"])
     assert cfg.rollout.max_num_seqs(cfg) == cfg.data.train_batch_size * cfg.rollout.n == 32
     arch = KNOWN["llama-3.2-1b"]
-    # 2 (K, V) x layers x kv heads x head_dim x 4 bytes per token, 32 sequences of 128 tokens
+    # 2 (K, V) x layers x kv heads x head_dim x 4 bytes per token, 32 sequences of 128 tokens and
+    # vLLM's null block
     per_token = 2 * 16 * 8 * 64 * 4
-    assert cpu_kv_bytes(arch, 96, 32) == per_token * 32 * 128
-    assert cpu_kv_bytes(arch, 96, 256) == min(per_token * 256 * 128, 4 << 30)
+    assert cpu_kv_bytes(arch, 96, 32) == per_token * (32 + 1) * 128
+    assert cpu_kv_bytes(arch, 96, 256) == min(per_token * 257 * 128, 4 << 30)
 
 
 def _config_json(folder, **fields):

@@ -76,6 +76,15 @@ def test_the_scheduler_is_the_configs_and_chunked_prefill_is_off_on_cpu(engine, 
                     **default_engine_args("vllm", max_prompt_length=MAX_PROMPT, max_response_length=MAX_NEW))
 
 
+def test_the_cpu_kv_cache_holds_every_sequence_of_a_step_at_full_length(engine):
+    """The KV cache sized on CPU (compat.cpu_kv_cache_bytes) gives max_num_seqs sequences their
+    whole blocks at once, besides the null block vLLM keeps: without it the last sequence of a full
+    step waited for the others to finish (issue 96)."""
+    vllm_config = engine.llm.llm_engine.vllm_config
+    blocks = -(-vllm_config.model_config.max_model_len // vllm_config.cache_config.block_size)
+    assert vllm_config.cache_config.num_gpu_blocks >= engine._kwargs["max_num_seqs"] * blocks + 1
+
+
 def test_construction_leaves_rng_and_threads_alone(built):
     assert built["rng_kept"], "engine construction changed the global RNG"
     assert built["setter_kept"], "torch.set_num_threads was left replaced"

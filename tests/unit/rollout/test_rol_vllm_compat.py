@@ -352,8 +352,9 @@ def test_cpu_kv_cache_bytes(tmp_path):
     (tmp_path / "config.json").write_text(
         '{"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 512, '
         '"num_hidden_layers": 6}')
-    # 2 (K,V) * 6 layers * 4 heads * 64 dims * 4 bytes = 12 KiB per token; 160 -> 256 tokens
-    assert compat.cpu_kv_cache_bytes(str(tmp_path), 160, 256) == 12 * 1024 * 256 * 256
+    # 2 (K,V) * 6 layers * 4 heads * 64 dims * 4 bytes = 12 KiB per token; 160 -> 256 tokens, and
+    # vLLM's null block
+    assert compat.cpu_kv_cache_bytes(str(tmp_path), 160, 256) == 12 * 1024 * (256 * 256 + 128)
     assert compat.cpu_kv_cache_bytes(str(tmp_path), 16, 1) == 32 << 20  # floor
 
 

@@ -277,12 +277,15 @@ def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *
                        dtype_bytes: int = 4, block_size: int = 128,
                        floor: int = 32 << 20, cap: int = 4 << 30) -> int:
     """K and V for max_num_seqs sequences of max_model_len tokens (rounded up to vLLM's CPU block
-    of 128 tokens), within [32 MiB, 4 GiB]."""
+    of 128 tokens) and the one block vLLM keeps for itself (its null block), within [32 MiB, 4 GiB].
+    Without that block the last sequence of a full step waited for a free block: 64 sequences of
+    one block each decoded as 63, then 1 alone (SmolLM2-135M's shape, 8 x 8 x 24: 0.86x the time
+    with it, benchmarks/bench_rollout_overhead.py's vLLM-alone peer)."""
     cfg = language_model_config(read_hf_config(model_path))
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
-    tokens = max_num_seqs * math.ceil(max_model_len / block_size) * block_size
+    tokens = (max_num_seqs * math.ceil(max_model_len / block_size) + 1) * block_size
     return int(min(max(per_token * tokens, floor), cap))
 
 
