@@ -9,6 +9,7 @@ its stage watchdog, exit 16; stopped outright: its heartbeat), a rank killed ins
 checkpoint intact, and no further launch. The seconds each fault costs are printed (docs/resilience.md).
 The Slurm tier: tests/slurm/test_restarts_slurm.py."""
 import os
+import re
 import signal
 import threading
 import time
@@ -54,6 +55,34 @@ def straight(tiny_assets, tmp_path_factory):
     return out, seconds
 
 
+STAMP = re.compile(r"^\[rank\d+\] (\d\d):(\d\d):(\d\d) ")
+
+
+def stamps(log: Path, text: str = "") -> list:
+    """Seconds of the day of a rank log's lines (holding `text`)."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = STAMP.match(line)
+        if m and text in line:
+            out.append(int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3)))
+    return out
+
+
+def timeline(straight: Path, out: Path, rank: int, step: int) -> str:
+    """Where a relaunch's seconds went, from the ranks' logs (1 s resolution): from the dead rank's
+    last line in the first launch to the relaunched rank 0 up, resumed, and saving `step` again,
+    against that step's own seconds in the run without the fault."""
+    first, last = [sorted(out.glob(f"logs/*/*-{n:02d}_*/attempt_0"))[0] for n in (0, 1)]
+    t0 = stamps(first / str(rank) / "stderr.log")[-1]
+    r0 = last / "0" / "stderr.log"
+    up, resumed = stamps(r0, " up via ")[0], stamps(r0, "resume: loaded")[0]
+    again = stamps(r0, f"checkpoint: step {step} ->")[0]
+    s0 = sorted(straight.glob("logs/*/*-00_*/attempt_0"))[0] / "0" / "stderr.log"
+    own = stamps(s0, f"checkpoint: step {step} ->")[0] - stamps(s0, f"checkpoint: step {step - 1} ->")[0]
+    return (f"fault -> relaunched ranks up {up - t0} s, checkpoint loaded {resumed - t0} s, step {step} saved "
+            f"again {again - t0} s (the step alone: {own} s): about {again - t0 - own} s lost")
+
+
 def restarted(straight, proc, summary, seconds, out, how: str, restarts: int = 1):
     """The faulted job finished every step after `restarts` relaunches and ends as the straight one."""
     assert proc.returncode == 0 and summary["steps"] == STEPS and summary["restarts"] == restarts, logs(proc, out)
@@ -68,8 +97,9 @@ def restarted(straight, proc, summary, seconds, out, how: str, restarts: int = 1
     assert [m["step"] for m in mb] == list(range(1, STEPS + 1))
     assert [{k: v for k, v in m.items() if k != "job/restarts"} for m in ma] == \
         [{k: v for k, v in m.items() if k != "job/restarts"} for m in mb]
-    print(f"\n[restart job] {how}: {seconds:.1f} s against {straight[1]:.1f} s without the fault: "
-          f"{seconds - straight[1]:.1f} s lost")
+    m = re.search(r"rank (\d+) \w+ .* at step (\d+)", lines[0])
+    print(f"\n[restart job] {how}: {seconds:.1f} s against {straight[1]:.1f} s without the fault; "
+          f"{timeline(straight[0], out, int(m.group(1)), int(m.group(2)))}")
     return [m["job/restarts"] for m in metrics(out)]
 
 

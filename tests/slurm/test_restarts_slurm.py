@@ -94,6 +94,26 @@ def straight(tiny_assets, tmp_path_factory):
     return out
 
 
+STAMP = re.compile(r"^\[rank\d+\] (\d\d):(\d\d):(\d\d) .*?(injecting| up via |resume: loaded|checkpoint: step (\d+) ->)")
+
+
+def timeline(out: Path) -> str:
+    """From rank 0's log (both launches, appended): the fault's line (the injection, or the first
+    launch's last step saved), the relaunched ranks up, resumed, and back at the step they died in."""
+    events = []
+    for line in sorted(out.glob("logs/*/*_0_log.err"))[0].read_text(errors="replace").splitlines():
+        m = STAMP.match(line)
+        if m:
+            events.append((int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3)), m.group(4), m.group(5)))
+    ups = [t for t, what, _ in events if what == " up via "]
+    before = [e for e in events if e[0] <= ups[1]]
+    t0 = max(t for t, what, _ in before if what == "injecting" or what.startswith("checkpoint"))
+    resumed = next(t for t, what, _ in events if what == "resume: loaded" and t >= ups[1])
+    saved = [(t, int(n)) for t, what, n in events if n and t >= resumed]
+    return (f"relaunched ranks up {ups[1] - t0} s after the fault, checkpoint loaded {resumed - t0} s, "
+            f"its next step saved {saved[0][0] - t0} s")
+
+
 def ends_as_straight(straight: Path, out: Path, text: str):
     summary = json.loads((out / "rl_summary.json").read_text())
     assert summary["steps"] == STEPS and summary["restarts"] == 1, text[-6000:]
@@ -118,7 +138,7 @@ def test_a_rank_sigkilled_mid_step_is_relaunched_and_ends_bitwise(tiny_assets, s
     job_id = re.search(r"\[submit\] job (\d+) COMPLETED .* after 1 in-allocation restart", stdout).group(1)
     no_requeue(job_id)
     ends_as_straight(straight, out, text)
-    print(f"\n[restarts slurm] rank SIGKILLed at step 3: the job took {time.monotonic() - t0:.0f} s")
+    print(f"\n[restarts slurm] rank SIGKILLed at step 3: the job took {time.monotonic() - t0:.0f} s; {timeline(out)}")
 
 
 def slurmd_pid(node: str) -> int:
@@ -161,3 +181,4 @@ def test_a_node_whose_slurmd_is_stopped_is_left_out_and_the_spare_takes_its_rank
     job_id = re.search(r"\[submit\] job (\d+) COMPLETED .* after 1 in-allocation restart", stdout).group(1)
     no_requeue(job_id)
     ends_as_straight(straight, out, text)
+    print(f"\n[restarts slurm] node2's slurmd stopped at step {m.group(1)}: {timeline(out)}")
