@@ -164,3 +164,55 @@ def test_names_shared_with_the_ranks_agree():
 
     assert restarts.ATTEMPT_ENV == faults.ATTEMPT_ENV and restarts.STALL_EXIT == watchdog.EXIT_CODE
     assert signal.SIGUSR2 in restarts.STOPS and signal.SIGKILL not in restarts.STOPS
+
+
+def test_a_relaunch_resumes_from_what_this_job_saved_whatever_trainer_resume_says(tmp_path, monkeypatch):
+    """trainer.resume=never or a path names the first launch's start; a relaunch (VERL_HPC_ATTEMPT
+    > 0) takes `latest` where it is past that start, else the same start."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl_hpc.checkpoint import ShardedTensor, save_checkpoint
+    from verl_hpc.checkpoint.checkpointer import Checkpointer, CheckpointOptions
+
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    older = save_checkpoint(other, 5, [ShardedTensor("w", torch.ones(4))])
+
+    def found(resume, attempt):
+        monkeypatch.setenv(restarts.ATTEMPT_ENV, str(attempt))
+        return Checkpointer(CheckpointOptions(dir=str(ours), resume=resume), SimpleNamespace(rank=0), engines={},
+                            fmt="test").find()
+
+    assert found("never", 1) is None  # nothing saved yet: a fresh start again
+    assert found(str(older), 1) == older
+    mine = save_checkpoint(ours, 3, [ShardedTensor("w", torch.ones(4))])
+    assert found("never", 0) is None and found("never", 1) == mine
+    assert found(str(older), 1) == older  # this job's step 3 is not past the start it was given (5)
+    newer = save_checkpoint(ours, 7, [ShardedTensor("w", torch.ones(4))])
+    assert found(str(older), 0) == older and found(str(older), 1) == newer
+    assert found("auto", 0) == newer
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["slurm.spare_nodes=1", "slurm.max_restarts=0"],
+     "slurm.spare_nodes = 1 with slurm.max_restarts = 0: a spare node only serves a restart"),
+    (["slurm.spare_nodes=1", "placement.mode=split", "placement.rollout_partition=gpu", "placement.rollout_nodes=1"],
+     "slurm.spare_nodes = 1 with placement.rollout_partition = 'gpu': a heterogeneous job's components have no spare"),
+    (["trainer.heartbeat_timeout_s=600", "trainer.collective_timeout_s=600"],
+     "trainer.heartbeat_timeout_s = 600 is not below trainer.collective_timeout_s = 600"),
+    (["slurm.max_restarts=-1"], "slurm.max_restarts"),
+])
+def test_restart_settings_that_cannot_work_are_refused_at_load(overrides, words):
+    from verl_hpc.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, ["model.path=/m", "data.train_files=[t.parquet]", "rollout.n=2", *overrides]), check_model=False)
+    assert words in str(e.value), str(e.value)
+
+
+def test_the_heartbeat_timeout_defaults_to_half_the_collective_timeout():
+    from verl_hpc.config import load_config
+
+    assert load_config(None, ["trainer.collective_timeout_s=90"]).trainer.heartbeat_timeout_s == 45
+    assert load_config(None, ["trainer.heartbeat_timeout_s=0"]).trainer.heartbeat_timeout_s == 0

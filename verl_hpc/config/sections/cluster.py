@@ -159,4 +159,5 @@ class SlurmConfig(Section):
         if FAULT_ENV in self.env:  # the resilience tests' hook (runtime/faults.py), never a job's setting
             p.append(f"slurm.env.{FAULT_ENV}: the fault-injection test hook cannot be set in a config; valid: "
                      "remove it (tests set it in the environment of the submitter)")
+        p += self._restart_problems(job)
         return p + sbatch_text_problems(self)  # no newline may reach the sbatch script
