@@ -327,6 +327,8 @@ def _engine_until_build(monkeypatch, options, tp):
         monkeypatch.setattr(ps, name, lambda *a, v=value, **k: v)
     monkeypatch.setattr(wiring, "check_options", lambda o: None)  # fp8 refuses CPU (tested above)
     monkeypatch.setattr(wiring, "build_chunks", stop)
+    monkeypatch.setattr(wiring, "engine_arch", lambda o: None)  # the VLM layout check reads the (absent) folder
+    monkeypatch.setattr(wiring.vision_lib, "check_layout", lambda *a, **k: None)
     monkeypatch.setattr(wiring, "shard_optimizer", lambda o: False)  # no world
     eng = engine_mod.MegatronEngine.__new__(engine_mod.MegatronEngine)
     with pytest.raises(Stop):
