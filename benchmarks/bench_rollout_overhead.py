@@ -22,12 +22,16 @@ Megatron actor, the vLLM rollout) and then, per repeat (the order of the two sid
                  changed: vLLM's defaults (log-probs off, detokenized), detokenized, log-probs as
                  per-token dicts, no log-probs, and n requests of one sample (seeds s + j, vLLM's
                  own for the j-th sample of a request seeded s)
+  vLLM alone     the same requests on a second engine, built as a user builds vllm.LLM for them:
+                 float32 (vLLM's auto dtype is bfloat16 on a CPU with AVX-512 BF16), a 1 GiB KV
+                 cache, vLLM's defaults otherwise; what the job's own engine arguments cost (its
+                 auto-sized KV cache without vLLM's null block made the last of 64 sequences wait)
 
 Every generate starts with vLLM's prefix cache reset, as the rollout phase's does after its weight
 load. Printed: per part its median seconds (wall, and CPU of the process, which a busy machine
-disturbs less) with the range over the repeats; the rollout phase / bare ratio per repeat; whether
-the rollout's tokens equal the bare call's (the same seeds must give the same tokens); and the
-engine's start-up. The comparison is within one process and one engine, so the ratios hold on a
+disturbs less) with the range over the repeats; the rollout phase / bare and / vLLM alone ratios
+per repeat; whether the rollout's tokens equal the bare call's and vLLM alone's (the same seeds must
+give the same tokens); the engine's start-up; with both modes, eager against compiled. The comparison is within one process and one engine, so the ratios hold on a
 shared machine; compare eager with compiled by their CPU seconds.
 """
 from __future__ import annotations
@@ -56,6 +60,7 @@ BARE = {  # variant: SamplingParams keywords on top of the rollout's own (bare_s
     "logprob_dicts": dict(flat_logprobs=False),
     "no_logprobs": dict(logprobs=None, flat_logprobs=False),
     "n_requests": {},  # n requests of one sample each
+    "vllm_alone": {},  # the same requests on an engine built with vLLM's defaults (worker)
 }
 
 
@@ -86,6 +91,8 @@ def worker(a) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import logging
 
+    import torch
+
     from verl_hpc import runtime
     from verl_hpc.config import load_config, validate
     from verl_hpc.rollout.sampling import request_seed
@@ -115,8 +122,20 @@ def worker(a) -> None:
 
         trainer = RLTrainer(cfg, ctx, roles, choose(cfg, ctx))
         llm = roles.rollout.llm
+        # vLLM alone: an engine of its own as a user builds it for these requests (float32 as the
+        # rollout on CPU, whose auto dtype is bfloat16 here; a KV cache of 1 GiB, where vLLM's
+        # default takes a share of the machine's memory), vLLM's defaults otherwise
+        from vllm import LLM
+
+        from verl_hpc.rollout.vllm import compat as vllm_compat
+
+        with vllm_compat.engine_construction(torch.device("cpu"), tp=1):  # the process's threads and RNG kept
+            alone = LLM(model=a.model, dtype="float32", max_model_len=llm.llm_engine.vllm_config.model_config.max_model_len,
+                        max_num_seqs=SIZE.prompts * SIZE.n, enforce_eager=a.mode == "eager", seed=0,
+                        kv_cache_memory_bytes=1 << 30)
 
         def bare(prompts, spec, variant):
+            engine = alone if variant == "vllm_alone" else llm
             keys = dict(temperature=spec.temperature, top_p=spec.top_p, top_k=max(spec.top_k, 0),
                         max_tokens=spec.max_tokens, logprobs=0, flat_logprobs=True, detokenize=False)
             keys.update(BARE[variant])
@@ -127,9 +146,9 @@ def worker(a) -> None:
             else:
                 requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
                 params = [SamplingParams(n=spec.n, seed=request_seed(spec.seed, i), **keys) for i in range(len(prompts))]
-            llm.reset_prefix_cache()
+            engine.reset_prefix_cache()
             with Clock(times, variant):
-                outs = llm.generate(requests, params, use_tqdm=False)
+                outs = engine.generate(requests, params, use_tqdm=False)
             return [list(c.token_ids) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
 
         def phase(step, prompts, spec, record):
@@ -160,7 +179,7 @@ def worker(a) -> None:
                     phase(step, prompts, spec, record)
                 else:
                     record[side] = bare(prompts.prompt_ids, spec, side)
-            same.append({k: record[k] == record["rollout"] for k in ("bare_same", "n_requests", "vllm_defaults")})
+            same.append({k: record[k] == record["rollout"] for k in ("bare_same", "n_requests", "vllm_defaults", "vllm_alone")})
             if rep == 0:
                 times.clear()
                 same.clear()
@@ -183,7 +202,8 @@ ROWS = [("prompts", "prompts: loader batch, tokenized, broadcast"), ("ready", "w
         ("assemble", "rows into the step's batch"),
         ("bare_same", "bare LLM.generate, the same requests"), ("vllm_defaults", "bare, vLLM's defaults (no log-probs, text)"),
         ("detokenized", "bare, detokenized"), ("logprob_dicts", "bare, log-probs as per-token dicts"),
-        ("no_logprobs", "bare, no log-probs"), ("n_requests", "bare, n requests of one sample")]
+        ("no_logprobs", "bare, no log-probs"), ("n_requests", "bare, n requests of one sample"),
+        ("vllm_alone", "vLLM alone: its own engine, vLLM's defaults (float32, KV 1 GiB), the same requests")]
 
 
 def report(results: dict) -> None:
@@ -203,13 +223,16 @@ def report(results: dict) -> None:
         ratios = [g[0] / b[0] for g, b in zip(t["rollout_phase"], t["bare_same"])]
         cpu = [g[1] / b[1] for g, b in zip(t["rollout_phase"], t["bare_same"])]
         n_req = [n[1] / b[1] for n, b in zip(t["n_requests"], t["bare_same"])]
+        alone = [g[1] / v[1] for g, v in zip(t["rollout_phase"], t["vllm_alone"])] if "vllm_alone" in t else [float("nan")]
         same = results[m]["same"]
         print(f"{m}: rollout phase / bare generate = {statistics.median(ratios):.3f}x wall "
               f"({min(ratios):.3f}-{max(ratios):.3f}), {statistics.median(cpu):.3f}x CPU ({min(cpu):.3f}-{max(cpu):.3f}); "
+              f"rollout phase / vLLM alone {statistics.median(alone):.3f}x CPU ({min(alone):.3f}-{max(alone):.3f}); "
               f"n requests / one request of n: {statistics.median(n_req):.3f}x CPU; engine up in "
               f"{results[m]['engine_up_s'][0]:.1f} s; same tokens as bare: {all(s['bare_same'] for s in same)}, "
               f"as n requests: {all(s['n_requests'] for s in same)}, as vLLM's defaults: "
-              f"{all(s['vllm_defaults'] for s in same)}; load at the end {results[m]['load_end']:.1f}")
+              f"{all(s['vllm_defaults'] for s in same)}, as vLLM alone: {all(s.get('vllm_alone') for s in same)}; "
+              f"load at the end {results[m]['load_end']:.1f}")
 
 
 def compare_modes(a: dict, b: dict) -> str:

@@ -40,10 +40,10 @@ def test_auto_compiles_on_cpu_only_where_the_decoding_pays_for_it():
         assert {r.eager(gpu, 10 ** 12 * big, 30) for gpu in (True, False) for big in (0, 1)} == {want}
 
 
-@pytest.mark.parametrize("steps,compiled", [(10, False), (400, True)])
+@pytest.mark.parametrize("steps,compiled", [(10, False), (300, False), (1000, True)])
 def test_the_engine_gets_the_rule_with_the_jobs_decoding_and_the_models_depth(tmp_path, monkeypatch, steps, compiled):
-    """SmolLM2-135M's depth, 8 prompts x 8 samples x 24 tokens: 10 steps stay eager, 400 compile;
-    the compilation goes to the job's folder."""
+    """SmolLM2-135M's depth, 8 prompts x 8 samples x 24 tokens: a job of 300 steps stays eager, one of
+    1,000 compiles; the compilation goes to the job's folder."""
     monkeypatch.setattr(devices, "has_gpu", lambda: False)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30}))
     assert model_layers(str(tmp_path)) == 30 and model_layers(str(tmp_path / "missing")) == 0

@@ -12,14 +12,13 @@ from verl_hpc.config.layout import inference_tp_problems
 
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default scheduler limit
 # vLLM's compilation on CPU (enforce_eager false: torch.compile with inductor, one graph for every
-# batch size) against eager decoding, benchmarks/bench_rollout_overhead.py on the 2-core development
-# machine at one thread (docs/speed.md, "Compiled or eager"): a cold compilation cost ~8 CPU-s plus
-# ~1 a layer (Llama 102M, 12 layers: 19; SmolLM2-135M's shape, 30 layers: 34), and decoding then
-# saved 9.5 (30 layers of 576) to 16 us (12 of 768) per sampled token and layer, 64 sequences a step
-# (more with fewer); 1e-5 below, the lower end rounded. A restarted job finds the compilation
-# cached (rollout/vllm/compile_cache.py) and pays about a third of it.
+# batch size) against eager decoding, on the 2-core development machine at one thread (docs/speed.md,
+# "Compiled or eager"): a cold compilation cost ~8 CPU-s plus ~1 a layer (Llama 102M, 12 layers: 19;
+# SmolLM2-135M's shape, 30 layers: 34), and decoding then saved 1.9 (30 layers of 576) to 3.3 us
+# (12 of 768) per sampled token and layer at 64 sequences a step (2-3%; 7% at 8 sequences). A
+# restarted job finds the compilation cached (rollout/vllm/compile_cache.py) and pays a third of it.
 CPU_COMPILE_S = (8.0, 1.0)  # (fixed, per layer) CPU-seconds of a cold compilation
-CPU_COMPILE_SAVES_S = 1e-5  # CPU-seconds saved per sampled token and layer
+CPU_COMPILE_SAVES_S = 2e-6  # CPU-seconds saved per sampled token and layer
 
 
 def cpu_compile_pays(decode_tokens: int, layers: int) -> bool:
