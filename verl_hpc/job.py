@@ -88,6 +88,7 @@ def run(cfg: JobConfig | dict[str, Any]) -> dict[str, Any]:
         note_stop(ctx.rank, ctx.preemption.agreed_signal, summary)
         return summary
     finally:
+        heartbeat.stop()  # an ended rank's silence is not a stall (its supervisor reads this)
         # past the last step a signal has nothing left to stop, and the flag's handler would be
         # reset to the default as the interpreter exits: a late SIGUSR2 killed a finished rank
         early_signals.ignore()

@@ -216,3 +216,22 @@ def test_the_heartbeat_timeout_defaults_to_half_the_collective_timeout():
 
     assert load_config(None, ["trainer.collective_timeout_s=90"]).trainer.heartbeat_timeout_s == 45
     assert load_config(None, ["trainer.heartbeat_timeout_s=0"]).trainer.heartbeat_timeout_s == 0
+
+
+def test_locally_the_first_rank_to_die_decides_not_the_straggler_the_launcher_killed(tmp_path, capsys):
+    """torch's launcher lists every rank that ended non-zero, the rank it SIGKILLed after its 30 s
+    grace too (exit -9): a collective timeout on rank 0 with rank 1 wedged in Python is an error
+    (not restarted); rank 1 killed first, rank 0 failing on the closed connection, is a death."""
+    from types import SimpleNamespace
+
+    from verl_hpc.launcher.local_restarts import LocalRestarts
+
+    failures = {0: SimpleNamespace(exitcode=19), 1: SimpleNamespace(exitcode=-9)}
+    plan = SimpleNamespace(max_restarts=2, restart_backoff_s=0, log_dir=tmp_path)
+    running = SimpleNamespace(signum=None)
+    assert LocalRestarts(plan).after(failures, running, order=[0, 1]).action == "stop"
+    v = LocalRestarts(plan).after(failures, running, order=[1, 0])
+    assert v.action == "restart" and v.what == "rank 1 died (SIGKILL)"
+    assert LocalRestarts(plan).after(failures, SimpleNamespace(signum=15), order=[1, 0]) is None  # a stop
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "[restart] rank 1 died (SIGKILL); restarted from the start (no checkpoint yet) (1 of 2)"

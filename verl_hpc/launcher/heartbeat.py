@@ -87,6 +87,8 @@ class Watch:
         """(rank, its last beat, seconds silent) of the ranks silent past the timeout, not reported before."""
         now, out = self.clock(), []
         for rank, b in self.beats().items():
+            if b.step < 0:  # its program ended: silence is expected
+                continue
             last = self._seen.get(rank)
             if last is None or last[0] != b:
                 self._seen[rank] = (b, now)

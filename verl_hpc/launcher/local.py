@@ -81,7 +81,7 @@ def run_local(plan: Plan, config_path: Path, *, checkpoint_dir=None, rerun: str 
                     failures = err.failures
                 finally:
                     os.environ.pop(STOP_NOTES, None)  # the ranks have it; nothing else this process starts
-                verdict = restarts.after(failures, stop)
+                verdict = restarts.after(failures, stop, by_time_of_death(failures, plan.log_dir) if failures else ())
                 if verdict is None or verdict.action != "restart":
                     break
         code, words = conclude(plan, stop, failures, stop_note(notes), checkpoint_dir, rerun, verdict, restarts.lines)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from verl_hpc.launcher import heartbeat
-from verl_hpc.launcher.local_stop import _latest, _step
+from verl_hpc.launcher.local_stop import _latest, _step, rank_pids
 from verl_hpc.launcher.restarts import ATTEMPT_ENV, Death, Ledger, Verdict, from_exit
 
 
@@ -69,6 +69,8 @@ class LocalRestarts:
         def run() -> None:
             while not done.wait(self.watch.poll_s()):
                 for rank, beat, seconds in self.watch.silent():
+                    if beat.pid not in rank_pids():  # it ended (the launcher reports how): not stuck
+                        continue
                     self.silent.append(Death(rank, "", f"no heartbeat for {seconds:.0f} s", True, beat.step or None))
                     print(f"[restart] rank {rank}: no heartbeat for {seconds:.0f} s (holding the GIL, stopped, "
                           "or stuck in the kernel): killed", flush=True)
@@ -83,16 +85,20 @@ class LocalRestarts:
             done.set()
             thread.join()
 
-    def after(self, failures: Optional[dict], stop) -> Optional[Verdict]:
+    def after(self, failures: Optional[dict], stop, order=()) -> Optional[Verdict]:
         """The verdict on a launch that failed (None where it did not, restarts are off, or the job
-        was stopped by a signal: a stop is never a fault). A restart's line is printed after its
-        back-off, which a signal cuts short (then None: the stop's own line follows)."""
+        was stopped by a signal: a stop is never a fault). order: the failed ranks, the first to
+        die first (launcher/local.py's by_time_of_death): the first is the cause, the others its
+        collateral (a peer's error on the closed connection; a straggler the launcher itself killed
+        after its 30 s grace, exit -9). A rank this watch killed is a cause wherever it falls. A
+        restart's line is printed after its back-off, which a signal cuts short (then None: the
+        stop's own line follows)."""
         if failures is None or not self.on or stop.signum:
             return None
-        silent = {d.rank: d for d in self.silent}
-        deaths = [silent.get(rank) or from_exit(rank, f.exitcode)._replace(step=self._step_of(rank))
-                  for rank, f in sorted(failures.items())]
-        deaths += [d for r, d in silent.items() if r not in failures]
+        deaths = list(self.silent)
+        if not deaths:
+            first = (list(order) or sorted(failures))[0]
+            deaths = [from_exit(first, failures[first].exitcode)._replace(step=self._step_of(first))]
         steps = [d.step for d in deaths if d.step]
         verdict = self.ledger.decide(deaths, step=max(steps) if steps else None)
         if verdict.action == "restart":

@@ -12,7 +12,8 @@ stage watchdog, a thread of the same process (runtime/watchdog.py); a rank stuck
 outside collectives keeps beating, and that watchdog ends it (exit 16). The supervisor's side,
 which reads these files and kills a silent rank: launcher/heartbeat.py.
 
-File `<folder>/rank<N>`: `<beats> <step> <pid> <node> <timeout_s>`, rewritten in place. The
+File `<folder>/rank<N>`: `<beats> <step> <pid> <node> <timeout_s>`, rewritten in place; step -1 once
+the rank's program has ended (`stop`): a rank that ended is silent, not stuck. The
 timeout is the rank's own trainer.heartbeat_timeout_s: the config says it once, and the
 supervisor, which never reads the config (the batch host may not have the ranks' packages), learns
 it from the beats, as it learns checkpoint.dir from rank 0's `<folder>/job.json` (the step a
@@ -61,12 +62,14 @@ def start(rank: int, timeout_s: float, checkpoint_dir: str = "", environ=None) -
     interval = interval_for(timeout_s)
     # the node as Slurm names it (srun's lines, --exclude), where Slurm started the rank
     host = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    _state.update(path=path_of(folder, rank), host=host, timeout=float(timeout_s))
+    _state.update(path=path_of(folder, rank), host=host, timeout=float(timeout_s), step=0, stopped=False)
     beat()  # before the thread: a rank is watched from its first beat on
 
     def run() -> None:
         while True:
             time.sleep(interval)
+            if _state.get("stopped"):
+                return
             try:
                 beat()
             except OSError:  # a full or flaky file system: the supervisor sees silence, which is the truth
@@ -75,6 +78,17 @@ def start(rank: int, timeout_s: float, checkpoint_dir: str = "", environ=None) -
     thread = threading.Thread(target=run, name="verl_hpc-heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def stop() -> None:
+    """The rank's program has ended (returned or raised): one last beat saying so; the thread stops."""
+    _state["stopped"] = True
+    if _state["path"]:
+        _state["step"] = -1
+        try:
+            beat()
+        except OSError:
+            pass
 
 
 def at_step(step: int) -> None:
