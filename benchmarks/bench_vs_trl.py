@@ -36,7 +36,7 @@ of short prompts the HF rollout's one prefill per prompt outweighs its slower de
 says why); `--verl-set rollout.engine=vllm` to compare; `--engines` names the training engines,
 `parallel.engine` megatron and/or fsdp, each a run of its own beside the same TRL run); TRL's
 GRPOTrainer runs in its own process
-with HF `generate` (its default CPU path; TRL's vLLM modes need a GPU). Both get --threads torch
+with HF `generate` (its default), or with --trl-vllm with vLLM in its process (135m). Both get --threads torch
 threads per process (1: see the option's comment; verl_hpc through slurm.cpus_per_task).
 
 Printed per rank count and engine: seconds per step by stage (medians over steps 2..N, step 1 carries
