@@ -117,3 +117,46 @@ def test_srun_gets_the_layout_only_where_the_allocation_has_spares():
     assert srun_argv(cmd, spare_nodes=1, nodes=2, tasks_per_node=4, exclude=["n1", "n3"], relaunch=True) == [
         "srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--exclude=n1,n3", "--overlap", "--open-mode=append", "--mpi=pmix",
         "python"]
+
+
+STUB_SCONTROL = r"""#!/bin/bash
+echo "$*" >> "$STUB_DIR/scontrol"
+case "$1 $2" in
+  "show job") echo "JobId=7 JobState=RUNNING NodeList=node[1-2] NumNodes=2" ;;
+  "show hostnames") printf 'node1\nnode2\n' ;;
+  "show node") echo "NodeName=node1 State=MIXED CPUs=8"; echo "NodeName=node2 State=DOWN+NOT_RESPONDING CPUs=8" ;;
+  "requeue 7") exit 0 ;;
+esac
+"""
+LOST_NODE_SRUN = r"""#!/bin/bash
+echo "$VERL_HPC_ATTEMPT $*" >> "$STUB_DIR/launches"
+case "$*" in *--nodelist=node2*) exit 1 ;; esac   # the probe: node2 does not answer
+echo "{\"checkpoint_dir\": \"$STUB_DIR/ckpt\"}" > "$VERL_HPC_HEARTBEAT_DIR/job.json"
+echo "srun: error: Node failure on node2" >&2
+echo "srun: error: node2: tasks 2-3: Killed" >&2
+exit 1
+"""
+
+
+def test_a_lost_node_without_a_spare_requeues_the_job_as_slurm_would(tmp_path):
+    """2 nodes, no spare, node2 lost (srun's node failure, Slurm's DOWN): the layout no longer
+    fits, so one line and `scontrol requeue`, whatever the restarts left; no relaunch."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in (("srun", LOST_NODE_SRUN), ("scontrol", STUB_SCONTROL)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("step_000011\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "VERL_HPC_"))}
+    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_DIR=str(tmp_path), SLURM_JOB_ID="7", SLURMD_NODENAME="node1",
+               SLURM_NTASKS_PER_NODE="2")
+    done = subprocess.run([sys.executable, str(LOOP), "--max-restarts", "2", "--spare-nodes", "0", "--backoff-s", "0",
+                           "--run-dir", str(tmp_path / "run"), "--requeue", "--", "srun", "python"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "[restart] ranks 2, 3 on node node2 died (SIGKILL); not restarted: node(s) node2 lost and 1 node(s) left, "
+        "the layout takes 2 (slurm.spare_nodes = 0); requeued: it resumes from step 11 on a new allocation"]
+    assert "requeue 7" in (tmp_path / "scontrol").read_text().splitlines()
+    assert len((tmp_path / "launches").read_text().splitlines()) == 1  # no relaunch (and no probe: node2 was DOWN)
