@@ -65,6 +65,9 @@ class RolloutEngine(abc.ABC):
         # ends the job, every rank together)
         self.recovery = None
         self._last_error: Optional[BaseException] = None
+        # a vision-language model's image and video placeholder ids (placeholder_ids): a response
+        # that samples one ends before it (cut_at_placeholders)
+        self.placeholder_ids: Tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: List[List[int]], sampling: SamplingSpec, *, room: int = 0,
@@ -89,6 +92,7 @@ class RolloutEngine(abc.ABC):
             extra["media"] = [media[i] for i in shard]
         rows = self._generated(lambda: (self._generate_shard([fitted[i] for i in shard], shard.start, sampling, **extra)
                                         if len(shard) else ShardOutput.empty()), len(fitted))
+        cut_at_placeholders(rows, self.placeholder_ids)
         return RolloutResult(prompts=fitted, prompt_index=rows.prompt_index,
                              sample_index=rows.sample_index, response_ids=rows.response_ids,
                              logprobs=rows.logprobs, finish_reason=rows.finish_reason,
@@ -256,6 +260,30 @@ class RolloutEngine(abc.ABC):
 
     def _recovery_hint(self) -> str:
         return "restart the job from its last checkpoint"
+
+
+def placeholder_ids(config: dict) -> Tuple[int, ...]:
+    """A vision-language model's image and video placeholder token ids (its config.json's)."""
+    return tuple(int(config[k]) for k in ("image_token_id", "video_token_id") if isinstance(config.get(k), int))
+
+
+def cut_at_placeholders(rows: ShardOutput, placeholders: Sequence[int]) -> int:
+    """Each response up to its first image or video placeholder token, that token left out, the
+    row's finish reason `length` (cut short); returns how many were cut. A VLM may sample one
+    (it is in the vocabulary), and its training forward would then take the token for an image
+    without features ("Image features and image tokens do not match"). The tokens kept and their
+    log-probs are those sampled: only the sample's end moves."""
+    if not placeholders:
+        return 0
+    stop, cut = set(placeholders), 0
+    for r, ids in enumerate(rows.response_ids):
+        at = next((i for i, t in enumerate(ids) if t in stop), None)
+        if at is not None:
+            rows.response_ids[r], rows.logprobs[r], rows.finish_reason[r] = ids[:at], rows.logprobs[r][:at], "length"
+            cut += 1
+    if cut:
+        log.warning("rollout: %d response(s) sampled an image or video placeholder token; each ends before it", cut)
+    return cut
 
 
 def check_media(prompts, fitted, media) -> None:

@@ -186,3 +186,20 @@ def test_a_config_cannot_set_the_hook():
     problems = load_config(Path(__file__).resolve().parents[3] / "configs/smoke.yaml", [f"slurm.env.{FAULT_ENV}=step:0:1:sigkill"]).slurm.check(None)
     assert problems == ["slurm.env.VERL_HPC_FAULT: the fault-injection test hook cannot be set in a config; "
                         "valid: remove it (tests set it in the environment of the submitter)"]
+
+
+# ----------------------------------------------------------------------------- a VLM's placeholders
+def test_a_response_that_samples_an_image_placeholder_ends_before_it():
+    """A VLM's image/video placeholder is in its vocabulary and may be sampled; the training forward
+    would take it for an image without features. The response ends before it, the tokens kept and
+    their log-probs as sampled."""
+    from verl_hpc.rollout.engine import cut_at_placeholders, placeholder_ids
+
+    assert placeholder_ids({"image_token_id": 482, "video_token_id": 483, "vision_start_token_id": 480}) == (482, 483)
+    assert placeholder_ids({"vocab_size": 500}) == ()
+    rows = ShardOutput([0, 0, 1], [0, 1, 0], [[5, 6, 482, 7], [5, 6, 7], [483]], [[-1.0, -2.0, -3.0, -4.0],
+                       [-1.0, -2.0, -3.0], [-0.5]], ["stop", "stop", "length"])
+    assert cut_at_placeholders(rows, (482, 483)) == 2
+    assert rows.response_ids == [[5, 6], [5, 6, 7], []] and rows.logprobs == [[-1.0, -2.0], [-1.0, -2.0, -3.0], []]
+    assert rows.finish_reason == ["length", "stop", "length"]
+    assert cut_at_placeholders(rows, ()) == 0

@@ -37,7 +37,7 @@ from verl_hpc.config.hf_model import is_vision_language, read_hf_config
 from verl_hpc.data.processor import collate_inputs, token_types
 from verl_hpc.models.hf_checkpoint import WeightFileError
 from verl_hpc.models.moe import checkpoint_views
-from verl_hpc.rollout.engine import RolloutEngine
+from verl_hpc.rollout.engine import RolloutEngine, placeholder_ids
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.hf.routes import RouteRecorder
 from verl_hpc.rollout.replicas import ReplicaLayout
@@ -117,7 +117,9 @@ class HFRollout(RolloutEngine):
         # the headers first: a truncated or damaged file is named (WeightFileError) here, not deep
         # inside transformers' loader as a bare SafetensorError
         self._required = checkpoint_weight_names(model_path)
-        self.vision = is_vision_language(read_hf_config(model_path))
+        folder_config = read_hf_config(model_path)
+        self.vision = is_vision_language(folder_config)
+        self.placeholder_ids = placeholder_ids(folder_config) if self.vision else ()
         with preserved_rng(self.device):
             self.model = _auto_class(self.vision).from_pretrained(
                 model_path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device)

@@ -60,7 +60,7 @@ from verl_hpc.config.sections.lora import vllm_slot_rank
 from verl_hpc.rollout.speculative import draft_sync
 from verl_hpc.rollout.vllm import compat as vllm_compat, compile_cache as vllm_compile_cache, quantization as vllm_quant
 from verl_hpc.rollout.vllm import transformers_backend as vllm_transformers
-from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags
+from verl_hpc.rollout.engine import SLEEP_TAGS, WEIGHTS, RolloutEngine, check_tags, placeholder_ids
 from verl_hpc.rollout.engine_config import RolloutOptions, engine_kwargs
 from verl_hpc.rollout.replicas import ReplicaLayout
 from verl_hpc.rollout.result import ShardOutput
@@ -115,6 +115,7 @@ class VLLMRollout(RolloutEngine):
         super().__init__(layout=layout, max_prompt_length=max_prompt_length,
                          max_response_length=max_response_length,
                          prompt_overflow=prompt_overflow, vocab_size=config.get("vocab_size"))
+        self.placeholder_ids = placeholder_ids(folder_config) if self.vision else ()
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)
         self.gpu = devices.has_gpu()
         self.device = ctx.device if ctx is not None else (
