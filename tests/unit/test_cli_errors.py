@@ -87,6 +87,8 @@ NOT_COMMANDS = {
     "verl_hpc.rollout.vllm.quant_probe": "rollout.quantization's probe subprocess (tiny engines per method), "
                                          "started by the check",
     "verl_hpc.gpu_check.vllm_kit_probe": "the vLLM kit's import probe, started by its install step",
+    "verl_hpc.launcher.restart_loop": "the in-allocation restart's supervisor, run by the job's batch script around "
+                                      "srun (its options are the script writers'; tests/unit/test_restart_loop.py)",
 }
 
 

@@ -58,7 +58,8 @@ def test_trn_a_nan_step_is_skipped_counted_and_the_run_goes_on(one_rank_world, t
     assert rows[3]["train/nonfinite_in_a_row"] == 0
     assert summary["nonfinite_total"] == 1
     # the summary's keys, in order (rl_summary.json, RL_RESULT; rollbacks / stop_reason only when they happen)
-    assert list(summary) == ["steps", "stopped", "val_before", "val_after", "resumed_from", "total_steps", "reward_mean", "history",
+    assert list(summary) == ["steps", "stopped", "val_before", "val_after", "resumed_from", "restarts", "total_steps",
+                             "reward_mean", "history",
                              "seconds", "plot", "metrics_file", "nonfinite_total"]
 
 

@@ -40,8 +40,8 @@ def test_sft_program(one_rank_world, tmp_path, tiny_model, capsys):
 
     summary, shown, written = _run(sft.run, tmp_path, tiny_model, capsys, "trainer.job=sft")
     # every program's loop (trainer/programs/base.py): the same keys as RL's and DPO's around its own
-    assert list(written) == ["steps", "stopped", "rows", "total_steps", "hf_dir", "resumed_from", "history", "seconds",
-                             "plot", "metrics_file", "first_loss", "last_loss", "host_peak_gib_per_rank"]
+    assert list(written) == ["steps", "stopped", "rows", "total_steps", "hf_dir", "resumed_from", "restarts", "history",
+                             "seconds", "plot", "metrics_file", "first_loss", "last_loss", "host_peak_gib_per_rank"]
     assert written["steps"] == 2 and written["rows"] == 4 and written["stopped"] == "completed"
     assert [list(h) for h in written["history"]] == [["sft/loss"]] * 2
     assert shown == {k: v for k, v in written.items() if k != "history"}
