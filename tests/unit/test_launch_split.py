@@ -73,10 +73,13 @@ def test_sbatch_script_of_a_heterogeneous_job(tmp_path, on_login_node, capsys):
     assert sorted(training) == sorted(["--partition=train", "--nodes=2", "--ntasks-per-node=8",
                                        "--gpus-per-node=8", "--cpus-per-task=12", "--mem=500GB",
                                        "--constraint=h100", "--exclusive"]), training
-    # one srun step over both components, every rank the same command on the resolved config
-    (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
-    argv = shlex.split(srun)
-    assert argv[1:4] == ["--het-group=0,1", "--mpi=pmix", "--kill-on-bad-exit=1"], argv
+    # one srun step over both components, every rank the same command on the resolved config, run
+    # by the restart supervisor (slurm.max_restarts defaults on; a heterogeneous job has no spares)
+    (line,) = [line for line in text.splitlines() if "verl_hpc/launcher/restart_loop.py" in line]
+    supervisor = shlex.split(line)
+    assert supervisor[supervisor.index("--spare-nodes") + 1] == "0", supervisor
+    argv = supervisor[supervisor.index("--") + 1:]
+    assert argv[0] == "srun" and argv[1:4] == ["--het-group=0,1", "--mpi=pmix", "--kill-on-bad-exit=1"], argv
     assert argv[-4:] == ["-u", "-m", "verl_hpc.job", str(tmp_path / "config.yaml")], argv
     cfg = load_config(str(tmp_path / "config.yaml"), [])  # the ranks read the split from the config
     assert (cfg.world_size, cfg.rollout_world_size, cfg.placement.rollout_partition) == (24, 8, "inference")
