@@ -54,7 +54,8 @@ def submit_grpo(root: Path, out: Path, nodes: int, tasks_per_node: int, *extra, 
 def sbatch_grpo(root: Path, out: Path, nodes: int, tasks_per_node: int, *extra, wait=True):
     """`sbatch launch/dev/grpo_2x2_cpu.sbatch` with this venv's python on PATH."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               RUN_DIR=f"{out}/run-%j")  # the restart supervisor's folder: not the checkout's logs/
     cmd = ["sbatch", *(["--wait"] if wait else ["--parsable"]), f"--nodes={nodes}",
            f"--ntasks-per-node={tasks_per_node}", f"--output={out}/sbatch-%j.out",
            "launch/dev/grpo_2x2_cpu.sbatch", *job_args(root, out, *extra)]

@@ -115,6 +115,7 @@ def run_script(path: Path, tmp_path: Path, extra_env: dict[str, str], args: list
         "SLURM_JOB_NODELIST": "node001",
         "SLURM_NTASKS": "8",
         "SLURM_CPUS_PER_TASK": "12",
+        "RUN_DIR": str(tmp_path / "run-%j"),  # the supervisor's folder: not the checkout's logs/
         **extra_env,
     }
     result = subprocess.run(["bash", str(path), *args], env=env, cwd=tmp_path,
@@ -248,7 +249,7 @@ def test_srun_runs_under_the_restart_supervisor_with_the_config_defaults(path, t
     result, args, env = run_script(path, tmp_path, {"MAX_RESTARTS": "1", "SPARE_NODES": "0"}, ["x=1"])
     assert result.returncode == 0, result.stderr
     assert args[:2] == ["--mpi=pmix", "--kill-on-bad-exit=1"] and env["VERL_HPC_ATTEMPT"] == "0"
-    assert env["VERL_HPC_HEARTBEAT_DIR"].endswith("/heartbeats/launch0"), env["VERL_HPC_HEARTBEAT_DIR"]
+    assert env["VERL_HPC_HEARTBEAT_DIR"] == str(tmp_path / "run-4242/heartbeats/launch0"), env["VERL_HPC_HEARTBEAT_DIR"]
     (tmp_path / "bare").mkdir()
     result, args, _ = run_script(path, tmp_path / "bare", {"SUPERVISOR_PYTHON": "no-such-python3"}, [])
     assert result.returncode == 2 and args is None
