@@ -272,7 +272,13 @@ def cut_at_placeholders(rows: ShardOutput, placeholders: Sequence[int]) -> int:
     row's finish reason `length` (cut short); returns how many were cut. A VLM may sample one
     (it is in the vocabulary), and its training forward would then take the token for an image
     without features ("Image features and image tokens do not match"). The tokens kept and their
-    log-probs are those sampled: only the sample's end moves."""
+    log-probs are those sampled: only the sample's end moves.
+
+    A response whose first token is a placeholder would keep no token, and a response without one
+    carries neither a reward nor a loss (the trainer refuses it): it takes a copy of the first
+    other response of its prompt that kept tokens, as if the engine had drawn again until the first
+    token was text (every token and log-prob still one the policy sampled). A prompt none of whose
+    responses kept a token stops the step with a line naming it."""
     if not placeholders:
         return 0
     stop, cut = set(placeholders), 0
@@ -281,8 +287,23 @@ def cut_at_placeholders(rows: ShardOutput, placeholders: Sequence[int]) -> int:
         if at is not None:
             rows.response_ids[r], rows.logprobs[r], rows.finish_reason[r] = ids[:at], rows.logprobs[r][:at], "length"
             cut += 1
+    empty = [r for r, ids in enumerate(rows.response_ids) if not ids]
+    for r in empty:
+        donor = next((d for d, p in enumerate(rows.prompt_index)
+                      if p == rows.prompt_index[r] and rows.response_ids[d]), None)
+        if donor is None:
+            raise ValueError(f"rollout: every response of prompt {rows.prompt_index[r]} began with an image or "
+                             f"video placeholder token {sorted(stop)}, which a response cannot hold, so none has a "
+                             "token to train on; a policy that samples them first needs more SFT on text answers "
+                             "(or more samples per prompt: rollout.n)")
+        for field in ("response_ids", "logprobs", "finish_reason", "adapter_version", "routes"):
+            values = getattr(rows, field)
+            if len(values) == len(rows.response_ids):
+                values[r] = list(values[donor]) if isinstance(values[donor], list) else values[donor]
     if cut:
-        log.warning("rollout: %d response(s) sampled an image or video placeholder token; each ends before it", cut)
+        log.warning("rollout: %d response(s) sampled an image or video placeholder token; each ends before it%s",
+                    cut, f" ({len(empty)} at their first token: each takes a copy of another response of its "
+                         "prompt)" if empty else "")
     return cut
 
 

@@ -197,9 +197,19 @@ def test_a_response_that_samples_an_image_placeholder_ends_before_it():
 
     assert placeholder_ids({"image_token_id": 482, "video_token_id": 483, "vision_start_token_id": 480}) == (482, 483)
     assert placeholder_ids({"vocab_size": 500}) == ()
-    rows = ShardOutput([0, 0, 1], [0, 1, 0], [[5, 6, 482, 7], [5, 6, 7], [483]], [[-1.0, -2.0, -3.0, -4.0],
-                       [-1.0, -2.0, -3.0], [-0.5]], ["stop", "stop", "length"])
+    rows = ShardOutput([0, 0, 1, 1], [0, 1, 0, 1], [[5, 6, 482, 7], [5, 6, 7], [483], [8]],
+                       [[-1.0, -2.0, -3.0, -4.0], [-1.0, -2.0, -3.0], [-0.5], [-0.25]], ["stop", "stop", "length", "stop"])
     assert cut_at_placeholders(rows, (482, 483)) == 2
-    assert rows.response_ids == [[5, 6], [5, 6, 7], []] and rows.logprobs == [[-1.0, -2.0], [-1.0, -2.0, -3.0], []]
-    assert rows.finish_reason == ["length", "stop", "length"]
+    # prompt 1's first response began with a placeholder: it keeps no token, so it takes a copy of the
+    # prompt's other response (a response without a token carries no reward and no loss)
+    assert rows.response_ids == [[5, 6], [5, 6, 7], [8], [8]]
+    assert rows.logprobs == [[-1.0, -2.0], [-1.0, -2.0, -3.0], [-0.25], [-0.25]]
+    assert rows.finish_reason == ["length", "stop", "stop", "stop"] and rows.sample_index == [0, 1, 0, 1]
+    rows.response_ids[2].append(9)  # a copy, not the same list
+    assert rows.response_ids[3] == [8]
     assert cut_at_placeholders(rows, ()) == 0
+    # every response of a prompt began with one: the step stops with a line naming the prompt
+    rows = ShardOutput([0, 3, 3], [0, 0, 1], [[5], [482, 7], [483]], [[-1.0], [-1.0, -2.0], [-0.5]],
+                       ["stop", "stop", "stop"])
+    with pytest.raises(ValueError, match=r"every response of prompt 3 began with an image or video placeholder"):
+        cut_at_placeholders(rows, (482, 483))
