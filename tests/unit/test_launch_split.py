@@ -78,6 +78,7 @@ def test_sbatch_script_of_a_heterogeneous_job(tmp_path, on_login_node, capsys):
     (line,) = [line for line in text.splitlines() if "verl_hpc/launcher/restart_loop.py" in line]
     supervisor = shlex.split(line)
     assert supervisor[supervisor.index("--spare-nodes") + 1] == "0", supervisor
+    assert supervisor[supervisor.index("--nodes") + 1] == "3", supervisor  # both components' nodes
     argv = supervisor[supervisor.index("--") + 1:]
     assert argv[0] == "srun" and argv[1:4] == ["--het-group=0,1", "--mpi=pmix", "--kill-on-bad-exit=1"], argv
     assert argv[-4:] == ["-u", "-m", "verl_hpc.job", str(tmp_path / "config.yaml")], argv

@@ -111,8 +111,11 @@ def supervisor_argv(plan, cfg) -> list[str]:
     if not s.max_restarts:
         return []
     python = sys.executable if s.container.runtime == "none" else "python3"
+    # the nodes a launch needs: a heterogeneous job's rollout nodes too (a lost one leaves too few:
+    # the job is requeued, not relaunched on the training nodes alone)
+    nodes = plan.nodes + (plan.rollout_nodes if plan.hetjob else 0)
     return [python, RESTART_LOOP, "--max-restarts", str(s.max_restarts), "--spare-nodes", str(s.spare_nodes),
-            "--nodes", str(plan.nodes), "--tasks-per-node", str(plan.tasks_per_node),
+            "--nodes", str(nodes), "--tasks-per-node", str(plan.tasks_per_node),
             "--backoff-s", f"{s.restart_backoff_s:g}", "--run-dir", str(plan.log_dir),
             *(["--requeue"] if s.requeue else []), "--"]
 
