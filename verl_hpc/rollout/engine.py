@@ -281,13 +281,14 @@ def cut_at_placeholders(rows: ShardOutput, placeholders: Sequence[int]) -> int:
     responses kept a token stops the step with a line naming it."""
     if not placeholders:
         return 0
-    stop, cut = set(placeholders), 0
+    stop, cut, empty = set(placeholders), 0, []
     for r, ids in enumerate(rows.response_ids):
         at = next((i for i, t in enumerate(ids) if t in stop), None)
         if at is not None:
             rows.response_ids[r], rows.logprobs[r], rows.finish_reason[r] = ids[:at], rows.logprobs[r][:at], "length"
             cut += 1
-    empty = [r for r, ids in enumerate(rows.response_ids) if not ids]
+            if at == 0:
+                empty.append(r)
     for r in empty:
         donor = next((d for d, p in enumerate(rows.prompt_index)
                       if p == rows.prompt_index[r] and rows.response_ids[d]), None)
