@@ -77,6 +77,25 @@ def test_judge_job_logs_its_verdicts_and_resumes_bitwise(tiny_assets, reward_mod
     assert record["kind"] == "judge" and record["failures_total"] == 0
 
 
+def test_a_judge_whose_engine_fails_is_rebuilt_and_the_run_ends_as_without_it(tiny_assets, reward_models, tmp_path,
+                                                                               monkeypatch):
+    """VERL_HPC_FAULT=judge:0:2:raise: the judge's engine raises in step 2's call, is built again
+    from its folder, and the chunk asked again: the run ends with the fault-free run's weights."""
+    args = (*_judge(reward_models["judge"]), *_yes_no(tiny_assets), "trainer.total_steps=2")
+    proc, _ = _run(tiny_assets, tmp_path / "straight", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("VERL_HPC_FAULT", "judge:0:2:raise")
+    monkeypatch.delenv("VERL_HPC_ATTEMPT", raising=False)
+    faulted, _ = _run(tiny_assets, tmp_path / "faulted", *args)
+    assert faulted.returncode == 0, faulted.stderr[-3000:]
+    rows = [r for r in metrics(tmp_path / "faulted") if "judge/engine_restarts" in r]
+    assert [(r["step"], r["judge/engine_restarts"]) for r in rows] == [(1, 0.0), (2, 1.0)], rows
+    a, b = read_all(tmp_path / "straight" / "checkpoints"), read_all(tmp_path / "faulted" / "checkpoints")
+    assert sorted(a) == sorted(b) and [n for n in a if not torch.equal(a[n], b[n])] == []  # bitwise
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "judge/engine_restarts"} for r in rows]  # noqa: E731
+    assert drop(stable_metrics(tmp_path / "straight")) == drop(stable_metrics(tmp_path / "faulted"))
+
+
 def test_a_judge_that_never_gives_a_verdict_stops_the_job_in_one_line(tiny_assets, reward_models, tmp_path):
     proc, _ = _run(tiny_assets, tmp_path / "out", *_judge(reward_models["judge"], "reward.reward_model.judge.verdict=pattern",
                                                           "reward.reward_model.judge.max_tokens=3",

@@ -19,23 +19,35 @@ with a RewardError naming the first such sample. Past judge.max_failure_share of
 the job stops under either setting: a judge that never answers in the expected form would
 otherwise train the policy on zeros.
 
+A failed engine (an exception from its call, not a timeout and not the project's own error) is
+rebuilt where the judge was given a way to build it (`rebuild`: the roles pass the factory), and
+the chunk asked again, at most `max_restarts` times in a job (rollout.max_engine_restarts): the
+judge is a frozen model decoding greedily, so the rebuilt engine, loaded from its folder, gives
+the verdicts the failed one would have (judge/engine_restarts counts them). Each rank's judge is
+an engine of its own (tensor parallel 1), so a rank rebuilds alone, without an agreement.
+
 Sharding: with a process group of several ranks (the training ranks; every rank holds the same
 batch), rank r judges rows r, r + world, ... and one SUM all-reduce gives every rank every score
 and every failure flag, so every rank takes the same decision about on_error.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
-from typing import Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from verl_hpc.errors import VerlHpcError
 from verl_hpc.rewards.errors import RewardError
 from verl_hpc.rewards.timeout import RewardTimeout, TimedCaller
+from verl_hpc.runtime import faults
 from verl_hpc.runtime.device import collective_device
+
+log = logging.getLogger(__name__)
 
 OK, PARSE_FAILED, TIMED_OUT = 0, 1, 2
 
@@ -87,12 +99,15 @@ def yes_share(logp_yes: float, logp_no: float) -> Optional[float]:
 
 class Judge:
     def __init__(self, engine: JudgeEngine, judge_cfg, *, on_error: str, tokenizer=None,
-                 correct_at: float = 0.5, rule_correct_at: float = 1.0, group=None):
+                 correct_at: float = 0.5, rule_correct_at: float = 1.0, group=None,
+                 rebuild: Optional[Callable[[], JudgeEngine]] = None, max_restarts: int = 0):
         """engine: a JudgeEngine; judge_cfg: the reward.reward_model.judge section; tokenizer: the
         policy's (decodes the prompts for {question}); correct_at: the score at or above which a
         verdict says 'right' (yes_no: 0.5), compared with the rule's at rule_correct_at
         (reward.correct_at) in judge/agreement; group: the
-        process group the rows are sharded over (None: the default group where one is initialised)."""
+        process group the rows are sharded over (None: the default group where one is initialised);
+        rebuild: builds the engine again after it failed (None: a failure stops the job), at most
+        max_restarts times in the job."""
         self.engine, self.cfg, self.on_error, self.tokenizer = engine, judge_cfg, on_error, tokenizer
         self.correct_at, self.rule_correct_at, self.group = correct_at, rule_correct_at, group
         self.pattern = re.compile(judge_cfg.pattern) if judge_cfg.verdict == "pattern" else None
@@ -100,6 +115,7 @@ class Judge:
         self.failures_total = 0
         self.last_metrics: Dict[str, float] = {}
         self._yes_no: Optional[Tuple[int, int]] = None
+        self.rebuild, self.max_restarts, self.restarts = rebuild, int(max_restarts), 0
 
     # ------------------------------------------------------------------------------ inputs
     def inputs(self, batch) -> JudgeInputs:
@@ -127,20 +143,46 @@ class Judge:
         if self.cfg.verdict == "yes_no" and self._yes_no is None:
             self._yes_no = (self.engine.token_id(self.cfg.yes_token), self.engine.token_id(self.cfg.no_token))
         for chunk in chunks:
-            if self.cfg.verdict == "yes_no":
-                fn, args = self.engine.next_token_logprobs, (chunk, self._yes_no)
-            else:
-                fn, args = self.engine.generate, (chunk, self.cfg.max_tokens)
-            (ok, result), = self.call.call_each([(fn, args)])
+            ok, result = self._ask(chunk)
+            if not ok and self._rebuilt(result):
+                ok, result = self._ask(chunk)  # the same chunk on the rebuilt engine
             if not ok:
                 if isinstance(result, RewardTimeout):
                     out += [(TIMED_OUT, 0.0)] * len(chunk)
                     continue
-                raise RewardError(f"the judge's engine failed: {type(result).__name__}: {result}") from result
+                spent = f" (after {self.restarts} rebuild(s) of its engine)" if self.restarts else ""
+                raise RewardError(f"the judge's engine failed{spent}: {type(result).__name__}: {result}") from result
             for item in result:
                 value = yes_share(*item) if self.cfg.verdict == "yes_no" else parse_score(item, self.pattern)
                 out.append((OK, value) if value is not None else (PARSE_FAILED, 0.0))
         return out
+
+    def _ask(self, chunk: List[str]):
+        """(True, the engine's answers) or (False, the exception or RewardTimeout) for one chunk.
+        The fault-injection hook (VERL_HPC_FAULT's stage `judge`) fires inside the timed call."""
+        if self.cfg.verdict == "yes_no":
+            fn, args = self.engine.next_token_logprobs, (chunk, self._yes_no)
+        else:
+            fn, args = self.engine.generate, (chunk, self.cfg.max_tokens)
+
+        def call(*a):
+            faults.maybe("judge")
+            return fn(*a)
+
+        (ok, result), = self.call.call_each([(call, args)])
+        return ok, result
+
+    def _rebuilt(self, error) -> bool:
+        """Whether the engine was built again after `error` (an engine's failure, within the bound)."""
+        if self.rebuild is None or isinstance(error, (RewardTimeout, VerlHpcError)) \
+                or self.restarts >= self.max_restarts:
+            return False
+        self.restarts += 1
+        log.warning("the judge's engine failed (%s: %s); building it again (%d of %d in this job)",
+                    type(error).__name__, error, self.restarts, self.max_restarts)
+        self.close()
+        self.engine = self.rebuild()
+        return True
 
     def score(self, inputs: JudgeInputs) -> torch.Tensor:
         n = len(inputs.ids)
@@ -172,7 +214,8 @@ class Judge:
         self.failures_total += failed
         self.last_metrics = {"judge/verdict_rate": (n - failed) / n if n else 1.0,
                              "judge/parse_failures": float(len(parse_failed)), "judge/timeouts": float(len(timed_out)),
-                             "judge/failures_total": float(self.failures_total), "judge/latency_s": latency}
+                             "judge/failures_total": float(self.failures_total), "judge/latency_s": latency,
+                             "judge/engine_restarts": float(self.restarts)}
         if failed:
             self._on_failures(inputs, parse_failed, timed_out, n)
         return scores.float()

@@ -4,8 +4,9 @@ Off unless the variable is set (a job's config cannot set it: `slurm.env` naming
 load, config/sections/cluster.py); a rank that finds it set says so in its log. Each fault fires once, where the trainer or
 the rollout engine asks `maybe(stage)` with the step it is at:
 
-    stage   generate | load | wake | update | step | save   (where the code asks; `step`: at the
-            start of the RL step, before the rollout; `save`: in the middle of a checkpoint save)
+    stage   generate | load | wake | update | step | save | judge   (where the code asks; `step`: at
+            the start of the RL step, before the rollout; `save`: in the middle of a checkpoint save;
+            `judge`: in a call of the generative judge's engine)
     rank    a global rank, or * for every rank
     step    the trainer's step number (1-based, as the logs count)
     kind    raise     a RuntimeError from the stage (an engine exception)
@@ -31,7 +32,7 @@ from typing import List, Optional, Set
 
 ENV = "VERL_HPC_FAULT"
 ATTEMPT_ENV = "VERL_HPC_ATTEMPT"  # the in-allocation restart's count (launcher/restarts.py, the sbatch loop)
-STAGES = ("generate", "load", "wake", "update", "step", "save")
+STAGES = ("generate", "load", "wake", "update", "step", "save", "judge")
 KINDS = ("raise", "oom", "stall", "sigkill", "sigsegv", "hang")
 ENGINE_KINDS = ("raise", "oom", "stall")  # what an engine stage can recover from in the process
 log = logging.getLogger(__name__)

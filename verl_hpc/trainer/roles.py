@@ -195,10 +195,13 @@ def build_reward_model(cfg, ctx, tokenizer, rollout=None):
     want = cfg.data.max_prompt_length + cfg.rollout.max_tokens + 512 + rm.judge.max_tokens
     from verl_hpc.rollout import VLLMRollout
 
-    engine = build_judge_engine(cfg.reward, cfg.model.trust_remote_code, max_model_len=min(want, positions),
-                                seed=cfg.trainer.seed, beside_vllm_rollout=isinstance(rollout, VLLMRollout))
-    judge = Judge(engine, rm.judge, on_error=cfg.reward.on_error, tokenizer=tokenizer,
-                  rule_correct_at=cfg.reward.correct_at)
+    def build():  # again after a failure of the engine (Judge._rebuilt)
+        return build_judge_engine(cfg.reward, cfg.model.trust_remote_code, max_model_len=min(want, positions),
+                                  seed=cfg.trainer.seed, beside_vllm_rollout=isinstance(rollout, VLLMRollout))
+
+    judge = Judge(build(), rm.judge, on_error=cfg.reward.on_error, tokenizer=tokenizer,
+                  rule_correct_at=cfg.reward.correct_at, rebuild=build,
+                  max_restarts=cfg.rollout.max_engine_restarts)
     judge.sleep()
     return judge
 

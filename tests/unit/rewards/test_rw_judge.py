@@ -115,6 +115,87 @@ def test_timeouts_are_counted_and_follow_on_error():
         Judge(slow, cfg, on_error="raise").score(_inputs(1))
 
 
+def test_a_failed_engine_is_rebuilt_and_the_chunk_asked_again_within_the_bound():
+    """An exception from the engine's call: the engine closed, built again by `rebuild`, the same
+    chunk asked again; at most max_restarts times in the job, then the step's RewardError says how
+    many. A timed-out call and the project's own error are not failures of the engine."""
+    from verl_hpc.rewards.errors import RewardError as ProjectError
+
+    cfg = _judge_cfg("reward.reward_model.judge.verdict=pattern", "reward.reward_model.judge.batch_size=2")
+
+    class Broken(FakeEngine):
+        closed = 0
+
+        def generate(self, prompts, max_tokens):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def close(self):
+            Broken.closed += 1
+
+    built = []
+
+    def rebuild():
+        built.append(FakeEngine(lambda p: "score: 1" if "it is" in p else "score: 0"))
+        return built[-1]
+
+    judge = Judge(Broken(None), cfg, on_error="zero", rebuild=rebuild, max_restarts=2)
+    assert judge.score(_inputs(5)).tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]  # the verdicts a healthy engine gives
+    assert len(built) == 1 and Broken.closed == 1 and judge.engine is built[0] and built[0].calls == 3
+    assert judge.last_metrics["judge/engine_restarts"] == 1.0 and judge.last_metrics["judge/verdict_rate"] == 1.0
+    # one rebuild per failed call (the rollout's per-step rule); the bound is the job's: two rebuilds,
+    # then the error with the count
+    judge = Judge(Broken(None), cfg, on_error="zero", rebuild=lambda: Broken(None), max_restarts=2)
+    for count in (1, 2, 2):
+        with pytest.raises(RewardError, match=rf"the judge's engine failed \(after {count} rebuild\(s\) of its "
+                                              r"engine\): RuntimeError: CUDA error"):
+            judge.score(_inputs(5))
+        assert judge.restarts == count
+    # no rebuild without a way to build it, for the project's own error, or for a timeout
+    with pytest.raises(RewardError, match=r"the judge's engine failed: RuntimeError"):
+        Judge(Broken(None), cfg, on_error="zero").score(_inputs(1))
+
+    class Refusing(FakeEngine):
+        def generate(self, prompts, max_tokens):
+            raise ProjectError("a prompt longer than the judge's window")
+
+    judge = Judge(Refusing(None), cfg, on_error="zero", rebuild=rebuild, max_restarts=2)
+    with pytest.raises(RewardError, match="longer than the judge's window"):
+        judge.score(_inputs(1))
+    assert judge.restarts == 0
+    slow = Judge(FakeEngine(lambda p: "score: 1", delay=0.3),
+                 _judge_cfg("reward.reward_model.judge.verdict=pattern", "reward.reward_model.judge.timeout_s=0.05",
+                            "reward.reward_model.judge.max_failure_share=1"),
+                 on_error="zero", rebuild=rebuild, max_restarts=2)
+    slow.score(_inputs(1))
+    assert slow.restarts == 0 and slow.last_metrics["judge/timeouts"] == 1
+
+
+def test_an_injected_judge_fault_is_rebuilt_on_the_real_hf_engine(tmp_path, monkeypatch):
+    """VERL_HPC_FAULT's stage `judge` fires inside the engine's call; the HF engine built again from
+    the folder gives the verdicts the first one gave."""
+    from verl_hpc.models.tiny import make_tiny_model
+    from verl_hpc.rollout.hf.judge import HFJudgeEngine
+    from verl_hpc.runtime import faults
+
+    folder = make_tiny_model(tmp_path / "judge", "llama", layers=2, seed=3)
+    cfg = _judge_cfg("reward.reward_model.judge.verdict=pattern", "reward.reward_model.judge.max_tokens=4",
+                     r"reward.reward_model.judge.pattern='(\d)'", "reward.reward_model.judge.timeout_s=120")
+    inputs = _inputs(3)
+    healthy = Judge(HFJudgeEngine(str(folder)), cfg, on_error="zero")
+    want, want_metrics = healthy.score(inputs), dict(healthy.last_metrics)
+    monkeypatch.delenv(faults.ATTEMPT_ENV, raising=False)
+    try:
+        faults.install(0, {faults.ENV: "judge:0:2:raise"})
+        faults.at_step(2)
+        judge = Judge(HFJudgeEngine(str(folder)), cfg, on_error="zero",
+                      rebuild=lambda: HFJudgeEngine(str(folder)), max_restarts=1)
+        got = judge.score(inputs)
+    finally:
+        faults.install(0, {})
+    assert torch.equal(got, want) and judge.restarts == 1
+    assert judge.last_metrics["judge/verdict_rate"] == want_metrics["judge/verdict_rate"]
+
+
 def test_agreement_with_the_rule():
     judge = Judge(FakeEngine(lambda p: ""), _judge_cfg(), on_error="zero", rule_correct_at=1.0)
     assert judge.agreement(torch.tensor([0.9, 0.2, 0.7, 0.1]), torch.tensor([1.0, 0.0, 0.0, 0.0])) == 0.75
