@@ -84,11 +84,20 @@ def kv_capacity(arch: ModelArch, cfg, kv_cache: float, dtype_bytes: int) -> Tupl
                 f"({words}){waves}"]
 
 
+def cpu_kv_cache_size(per_token_bytes: int, max_model_len: int, max_num_seqs: int) -> int:
+    """The CPU KV cache the engine is built with (rollout/vllm/compat.cpu_kv_cache_bytes) and the
+    plan counts: K and V for max_num_seqs sequences of max_model_len tokens (rounded up to vLLM's
+    CPU block of 128 tokens) and the one block vLLM keeps for itself (its null block), within
+    [32 MiB, 4 GiB]. Without that block the last sequence of a full step waited for a free block:
+    64 sequences of one block each decoded as 63, then 1 alone (SmolLM2-135M's shape, 8 x 8 x 24:
+    0.86x the time with it, benchmarks/bench_rollout_overhead.py's vLLM-alone peer)."""
+    tokens = (max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) + 1) * CPU_KV_BLOCK
+    return int(min(max(per_token_bytes * tokens, 32 << 20), 4 << 30))
+
+
 def cpu_kv_bytes(arch: ModelArch, max_model_len: int, max_num_seqs: int, dtype_bytes: int = 4) -> int:
-    """The same rule as vllm_compat.cpu_kv_cache_bytes, from the parsed architecture."""
-    per_token = kv_bytes_per_token(arch, dtype_bytes)
-    tokens = (max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) + 1) * CPU_KV_BLOCK  # + vLLM's null block
-    return int(min(max(per_token * tokens, 32 << 20), 4 << 30))
+    """cpu_kv_cache_size from the parsed architecture."""
+    return cpu_kv_cache_size(kv_bytes_per_token(arch, dtype_bytes), max_model_len, max_num_seqs)
 
 
 def sleeping(cfg) -> bool:

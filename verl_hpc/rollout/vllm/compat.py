@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import os
 import random
 import re
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config.hf_model import language_model_config, read_hf_config
+from verl_hpc.planning.rollout import cpu_kv_cache_size
 from verl_hpc.rollout.vllm import cpu_moe as vllm_cpu_moe
 from verl_hpc.rollout.vllm import environment as vllm_environment
 from verl_hpc.rollout.vllm import stdout_fd as vllm_stdout_fd
@@ -273,20 +273,14 @@ def remove_stale_shm(own_token: str, *, shm_dir: Path = SHM_DIR,
 
 
 # ---------------------------------------------------------------- 5. CPU KV cache size
-def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *,
-                       dtype_bytes: int = 4, block_size: int = 128,
-                       floor: int = 32 << 20, cap: int = 4 << 30) -> int:
-    """K and V for max_num_seqs sequences of max_model_len tokens (rounded up to vLLM's CPU block
-    of 128 tokens) and the one block vLLM keeps for itself (its null block), within [32 MiB, 4 GiB].
-    Without that block the last sequence of a full step waited for a free block: 64 sequences of
-    one block each decoded as 63, then 1 alone (SmolLM2-135M's shape, 8 x 8 x 24: 0.86x the time
-    with it, benchmarks/bench_rollout_overhead.py's vLLM-alone peer)."""
+def cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, *, dtype_bytes: int = 4) -> int:
+    """The CPU KV cache for the model folder's layers and heads (planning/rollout.cpu_kv_cache_size:
+    the rule, which the memory plan counts too)."""
     cfg = language_model_config(read_hf_config(model_path))
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * dtype_bytes
-    tokens = (max_num_seqs * math.ceil(max_model_len / block_size) + 1) * block_size
-    return int(min(max(per_token * tokens, floor), cap))
+    return cpu_kv_cache_size(per_token, max_model_len, max_num_seqs)
 
 
 # ---------------------------------------------------------------- 7. MoE experts after a reload (CPU)
