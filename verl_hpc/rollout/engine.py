@@ -16,6 +16,7 @@ Logprobs are those of the sampled tokens; which distribution they come from is t
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import time
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
@@ -297,9 +298,9 @@ def cut_at_placeholders(rows: ShardOutput, placeholders: Sequence[int]) -> int:
                              f"video placeholder token {sorted(stop)}, which a response cannot hold, so none has a "
                              "token to train on; a policy that samples them first needs more SFT on text answers "
                              "(or more samples per prompt: rollout.n)")
-        for field in ("response_ids", "logprobs", "finish_reason", "adapter_version", "routes"):
-            values = getattr(rows, field)
-            if len(values) == len(rows.response_ids):
+        for field in dataclasses.fields(rows):  # every per-row field but the row's own place
+            values = getattr(rows, field.name)
+            if field.name not in ("prompt_index", "sample_index") and len(values) == len(rows.response_ids):
                 values[r] = list(values[donor]) if isinstance(values[donor], list) else values[donor]
     if cut:
         log.warning("rollout: %d response(s) sampled an image or video placeholder token; each ends before it%s",

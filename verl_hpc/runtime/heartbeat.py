@@ -83,21 +83,21 @@ def start(rank: int, timeout_s: float, checkpoint_dir: str = "", environ=None) -
 def stop() -> None:
     """The rank's program has ended (returned or raised): one last beat saying so; the thread stops."""
     _state["stopped"] = True
-    if _state["path"]:
-        _state["step"] = -1
-        try:
-            beat()
-        except OSError:
-            pass
+    _beat_now(-1)
 
 
 def at_step(step: int) -> None:
     """The step the rank starts now: beaten at once, so that a rank dying in it is named with it."""
-    _state["step"] = int(step)
+    _beat_now(int(step))
+
+
+def _beat_now(step: int) -> None:
+    """The step into the beat, and a beat at once where the rank beats at all."""
+    _state["step"] = step
     if _state["path"]:
         try:
             beat()
-        except OSError:
+        except OSError:  # as in the thread: silence is what the supervisor then sees
             pass
 
 
